@@ -1,0 +1,298 @@
+"""``bdn.manifest.json``: the table of a snapshot's files and chunks (format ``bdn.snapshot/1``).
+
+Source: DESIGN.md ("Bucket layout"). JSON object::
+
+    {"format": "bdn.snapshot/1", "identity": "step000002", "kind": "full" | "delta",
+     "policy_version": 2, "created_at": "2026-11-29T10:00:00Z", "chunk_size": 16777216,
+     "base_identity": "step000001",            # delta only
+     "compression_format": "arc_v2",           # delta only
+     "checksum_format": "alder32",             # delta only
+     "files": [{"path": "model.safetensors", "size": 1234, "chunks": ["<xxh3-128 hex>", ...],
+                "result": {"size": 5678, "chunks": [...]}}]}   # result: delta diff files only
+
+``size``/``chunks`` describe the stored object in the bucket; ``result`` the reconstructed file
+(absent for full files and for plain copies inside a delta, where stored = result). The manifest
+is written last by the publisher: its presence means the snapshot is complete. It comes from a
+bucket, so ``Manifest.from_json`` treats it as untrusted and validates everything.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, num_chunks
+from bdn.proto.errors import ManifestError, ProtocolError
+from bdn.proto.identity import validate_identity, validate_relpath
+
+MANIFEST_NAME = "bdn.manifest.json"
+STARTUP_NAME = "STARTUP_SNAPSHOT"
+FORMAT = "bdn.snapshot/1"
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_FILES = 100_000
+MAX_TOTAL_CHUNKS = 10_000_000
+MAX_OBJECT_BYTES = 1 << 50
+
+
+@dataclass(frozen=True)
+class FileResult:
+    """The reconstructed file of a delta diff: its size in bytes and chunk digests."""
+
+    size: int
+    chunks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a snapshot: the stored object (``size``, ``chunks``) and, for a diff, ``result``."""
+
+    path: str
+    size: int
+    chunks: tuple[str, ...]
+    result: FileResult | None = None
+
+    @property
+    def result_size(self) -> int:
+        return self.result.size if self.result else self.size
+
+    @property
+    def result_chunks(self) -> tuple[str, ...]:
+        return self.result.chunks if self.result else self.chunks
+
+    @property
+    def is_diff(self) -> bool:
+        return self.result is not None
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """Chunk ``index`` of file ``file_index`` (``path``): bytes ``[offset, offset+length)``."""
+
+    file_index: int
+    path: str
+    index: int
+    offset: int
+    length: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated ``bdn.snapshot/1`` manifest."""
+
+    identity: str
+    kind: str
+    policy_version: int
+    chunk_size: int
+    files: tuple[FileEntry, ...]
+    created_at: str = ""
+    base_identity: str | None = None
+    compression_format: str | None = None
+    checksum_format: str | None = None
+    _by_path: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._by_path.update({f.path: i for i, f in enumerate(self.files)})
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def is_delta(self) -> bool:
+        return self.kind == "delta"
+
+    def file(self, path: str) -> FileEntry:
+        """The entry for ``path``; KeyError if the snapshot has no such file."""
+        return self.files[self._by_path[path]]
+
+    def stored_chunks(self) -> Iterator[ChunkRef]:
+        """Every chunk of every stored object, in manifest order (the order of have-bitfields)."""
+        for fi, f in enumerate(self.files):
+            for ci, d in enumerate(f.chunks):
+                off = ci * self.chunk_size
+                yield ChunkRef(fi, f.path, ci, off, min(self.chunk_size, f.size - off), d)
+
+    def result_chunks(self) -> Iterator[ChunkRef]:
+        """Every chunk of every reconstructed file (equal to ``stored_chunks`` for a full snapshot)."""
+        for fi, f in enumerate(self.files):
+            size = f.result_size
+            for ci, d in enumerate(f.result_chunks):
+                off = ci * self.chunk_size
+                yield ChunkRef(fi, f.path, ci, off, min(self.chunk_size, size - off), d)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    @property
+    def result_bytes(self) -> int:
+        return sum(f.result_size for f in self.files)
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "format": FORMAT,
+            "identity": self.identity,
+            "kind": self.kind,
+            "policy_version": self.policy_version,
+            "created_at": self.created_at,
+            "chunk_size": self.chunk_size,
+        }
+        if self.is_delta:
+            d["base_identity"] = self.base_identity
+            d["compression_format"] = self.compression_format
+            d["checksum_format"] = self.checksum_format
+        files = []
+        for f in self.files:
+            fd: dict[str, Any] = {"path": f.path, "size": f.size, "chunks": list(f.chunks)}
+            if f.result is not None:
+                fd["result"] = {"size": f.result.size, "chunks": list(f.result.chunks)}
+            files.append(fd)
+        d["files"] = files
+        return d
+
+    def to_json(self) -> bytes:
+        """Canonical UTF-8 JSON (sorted keys, 1-space indent, trailing newline)."""
+        return (json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str, *, expect_identity: str | None = None) -> Manifest:
+        """Parse and validate a manifest read from a bucket.
+
+        Raises:
+            ManifestError: one line naming the first rule broken (bad JSON, wrong format,
+                bad identity, a path with ``..``, chunk count not matching the size, ...).
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+        try:
+            obj = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        try:
+            m = cls.from_dict(obj)
+        except ManifestError:
+            raise
+        except ProtocolError as e:
+            raise ManifestError(f"manifest: {e}") from None
+        if expect_identity is not None and m.identity != expect_identity:
+            raise ManifestError(
+                f"manifest names identity {m.identity!r} but lives under {expect_identity!r}"
+            )
+        return m
+
+    @classmethod
+    def from_dict(cls, obj: Any) -> Manifest:
+        """Validate a decoded JSON object (see ``from_json``)."""
+        if not isinstance(obj, dict):
+            raise ManifestError("manifest must be a JSON object")
+        if obj.get("format") != FORMAT:
+            raise ManifestError(f"manifest format must be {FORMAT!r}, got {obj.get('format')!r}")
+        identity = validate_identity(obj.get("identity"))
+        kind = obj.get("kind")
+        if kind not in ("full", "delta"):
+            raise ManifestError(f"manifest kind must be 'full' or 'delta', got {kind!r}")
+        pv = _int(obj, "policy_version", 0, 2**63 - 1)
+        chunk_size = _int(obj, "chunk_size", MIN_CHUNK_SIZE, MAX_CHUNK_SIZE)
+        created_at = obj.get("created_at", "")
+        if not isinstance(created_at, str) or len(created_at) > 64:
+            raise ManifestError("manifest created_at must be a string of at most 64 chars")
+        base = comp = cksum = None
+        if kind == "delta":
+            base = validate_identity(obj.get("base_identity"))
+            if base == identity:
+                raise ManifestError(f"delta {identity!r} names itself as its base")
+            comp = obj.get("compression_format")
+            cksum = obj.get("checksum_format")
+            from bdn.proto.arc import check_formats  # arc owns the list of supported codecs
+
+            check_formats(comp, cksum)
+        else:
+            for k in ("base_identity", "compression_format", "checksum_format"):
+                if obj.get(k) is not None:
+                    raise ManifestError(f"full snapshot manifest must not have {k}")
+        raw_files = obj.get("files")
+        if not isinstance(raw_files, list) or not raw_files:
+            raise ManifestError("manifest files must be a non-empty list")
+        if len(raw_files) > MAX_FILES:
+            raise ManifestError(f"manifest lists {len(raw_files)} files, over {MAX_FILES}")
+        files: list[FileEntry] = []
+        seen: set[str] = set()
+        total = 0
+        for i, rf in enumerate(raw_files):
+            if not isinstance(rf, dict):
+                raise ManifestError(f"manifest files[{i}] must be an object")
+            path = validate_relpath(rf.get("path"))
+            if path in seen:
+                raise ManifestError(f"manifest lists {path!r} twice")
+            if path == MANIFEST_NAME:
+                raise ManifestError(f"manifest must not list itself ({MANIFEST_NAME})")
+            seen.add(path)
+            size = _int(rf, "size", 0, MAX_OBJECT_BYTES, where=path)
+            chunks = _chunks(rf.get("chunks"), size, chunk_size, path)
+            result = None
+            if rf.get("result") is not None:
+                if kind != "delta":
+                    raise ManifestError(f"{path}: only a delta's files may have a result")
+                rr = rf["result"]
+                if not isinstance(rr, dict):
+                    raise ManifestError(f"{path}: result must be an object")
+                rsize = _int(rr, "size", 0, MAX_OBJECT_BYTES, where=f"{path} result")
+                result = FileResult(rsize, _chunks(rr.get("chunks"), rsize, chunk_size, f"{path} result"))
+                total += len(result.chunks)
+            elif kind == "delta" and path.endswith(".safetensors"):
+                raise ManifestError(f"{path}: a delta's safetensors file must have a result")
+            total += len(chunks)
+            if total > MAX_TOTAL_CHUNKS:
+                raise ManifestError(f"manifest lists more than {MAX_TOTAL_CHUNKS} chunks")
+            files.append(FileEntry(path, size, chunks, result))
+        return cls(
+            identity=identity,
+            kind=kind,
+            policy_version=pv,
+            chunk_size=chunk_size,
+            files=tuple(files),
+            created_at=created_at,
+            base_identity=base,
+            compression_format=comp,
+            checksum_format=cksum,
+        )
+
+
+def _int(obj: dict[str, Any], key: str, lo: int, hi: float, where: str = "manifest") -> int:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ManifestError(f"{where}: {key} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def _chunks(raw: Any, size: int, chunk_size: int, where: str) -> tuple[str, ...]:
+    if not isinstance(raw, list):
+        raise ManifestError(f"{where}: chunks must be a list")
+    want = num_chunks(size, chunk_size)
+    if len(raw) != want:
+        raise ManifestError(
+            f"{where}: {len(raw)} chunks listed, {want} expected for {size} bytes "
+            f"at chunk_size {chunk_size}"
+        )
+    for d in raw:
+        if not isinstance(d, str) or not DIGEST_RE.match(d):
+            raise ManifestError(f"{where}: chunk digest {str(d)[:40]!r} is not 32 lowercase hex")
+    return tuple(raw)
+
+
+def parse_startup(data: bytes) -> str:
+    """The identity named by a ``STARTUP_SNAPSHOT`` object (text, identity plus newline).
+
+    Raises:
+        ProtocolError / IdentityError: not UTF-8, empty, or not a valid identity.
+    """
+    if len(data) > 1024:
+        raise ProtocolError(f"{STARTUP_NAME} is {len(data)} bytes; expected one identity")
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ProtocolError(f"{STARTUP_NAME} is not UTF-8 text") from None
+    return validate_identity(text)
+
+
