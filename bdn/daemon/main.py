@@ -1,0 +1,167 @@
+"""``bdnd``: the per-node daemon. Startup, main loop, shutdown and signals, uvicorn-style.
+
+Exit status: 0 after SIGTERM/SIGINT, 2 on a configuration error (one line on stderr, before
+anything listens), 1 when a port cannot be bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from aiohttp import web
+
+from bdn.daemon.config import Config, ConfigError, split_hostport
+from bdn.proto.errors import BdnError
+
+log = logging.getLogger("bdn.bdnd")
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(cfg: Config) -> None:
+    h = logging.StreamHandler(sys.stderr)
+    if cfg.log_json:
+        h.setFormatter(_JsonFormatter())
+    else:
+        h.setFormatter(logging.Formatter(f"%(asctime)s {cfg.node_id} %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [h]
+    root.setLevel(cfg.log_level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def sd_notify(message: str) -> None:
+    """Send ``message`` to systemd's notify socket (``$NOTIFY_SOCKET``), if there is one."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    if path.startswith("@"):
+        path = "\0" + path[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.connect(path)
+        s.sendall(message.encode())
+
+
+async def serve(cfg: Config) -> int:
+    from bdn.daemon.local_api import make_local_app
+    from bdn.daemon.node import Node
+    from bdn.daemon.peer_server import make_peer_app
+
+    node = Node(cfg)
+    await node.start()
+    runners: list[web.AppRunner] = []
+    try:
+        peer_runner = web.AppRunner(make_peer_app(node), access_log=None)
+        await peer_runner.setup()
+        runners.append(peer_runner)
+        host, port = split_hostport(cfg.peer_listen)
+        await web.TCPSite(peer_runner, host or None, port, reuse_address=True).start()
+        local_runner = web.AppRunner(make_local_app(node), access_log=None)
+        await local_runner.setup()
+        runners.append(local_runner)
+        if cfg.local_listen:
+            lhost, lport = split_hostport(cfg.local_listen)
+            await web.TCPSite(local_runner, lhost, lport, reuse_address=True).start()
+        if cfg.local_socket:
+            if os.path.exists(cfg.local_socket):
+                os.unlink(cfg.local_socket)
+            await web.UnixSite(local_runner, cfg.local_socket).start()
+    except OSError as e:
+        log.error("cannot listen: %s", e)
+        for r in runners:
+            await r.cleanup()
+        await node.stop()
+        return 1
+    log.info(
+        "bdnd %s listening: peers on %s (advertised %s), local API on %s%s; swarm %s; bucket %s",
+        cfg.node_id, cfg.peer_listen, cfg.advertise_url, cfg.local_listen or "-",
+        f" and {cfg.local_socket}" if cfg.local_socket else "", node.keys.swarm_id, cfg.bucket,
+    )
+    await node.after_listen()
+    sd_notify("READY=1\nSTATUS=serving")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("bdnd %s stopping", cfg.node_id)
+    sd_notify("STOPPING=1")
+    for r in reversed(runners):
+        await r.cleanup()
+    await node.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bdnd", description="bdn per-node checkpoint distribution daemon")
+    ap.add_argument("--config", help="TOML config file (see deploy/bdnd.toml.example)")
+    ap.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///path")
+    ap.add_argument("--node-id")
+    ap.add_argument("--peer-listen", help="host:port of the peer server")
+    ap.add_argument("--advertise-url", help="URL peers use to reach this daemon")
+    ap.add_argument("--local-listen", help="loopback host:port of the local API")
+    ap.add_argument("--local-socket", help="unix socket path for the local API")
+    ap.add_argument("--peers", help="comma-separated static peer URLs")
+    ap.add_argument("--shm-dir")
+    ap.add_argument("--partition-secret-file")
+    ap.add_argument("--log-json", action="store_true", default=None)
+    args = ap.parse_args(argv)
+    overrides = {
+        "bucket": args.bucket,
+        "node_id": args.node_id,
+        "peer_listen": args.peer_listen,
+        "advertise_url": args.advertise_url,
+        "local_listen": args.local_listen,
+        "local_socket": args.local_socket,
+        "peers": [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else None,
+        "shm_dir": args.shm_dir,
+        "partition_secret_file": args.partition_secret_file,
+        "log_json": args.log_json,
+    }
+    try:
+        cfg = Config.load(args.config, overrides=overrides)
+        from bdn.proto.keys import derive_keys
+
+        derive_keys(cfg.partition_secret)
+    except (ConfigError, BdnError) as e:
+        print(f"bdnd: error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg)
+    try:
+        import uvloop
+
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:  # uvloop is a dependency, but the daemon still runs without it
+        runner = asyncio.Runner()
+    t0 = time.monotonic()
+    with runner:
+        try:
+            return runner.run(serve(cfg))
+        except BdnError as e:
+            log.error("%s", e)
+            return 1
+        finally:
+            log.info("bdnd ran %.1f s", time.monotonic() - t0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Swarm membership: who the live peers are, for HRW ownership and for asking chunks.
+
+Sources of members: the static peer list from the config, plus what peers tell each other in
+``POST members`` exchanges (each side sends the members it knows and gets the other's back). A
+member that fails ``FAIL_LIMIT`` health checks in a row leaves HRW until it answers again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Member:
+    """A peer daemon, keyed by its advertised URL; ``node_id`` is learned from its answers."""
+
+    url: str
+    node_id: str = ""
+    alive: bool = False
+    failures: int = 0
+    last_seen: float = 0.0
+    penalty_until: float = 0.0
+    inflight: int = 0
+    static: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def usable(self) -> bool:
+        return self.alive and bool(self.node_id) and time.monotonic() >= self.penalty_until
+
+
+class Membership:
+    """The member table of one daemon (itself excluded)."""
+
+    FAIL_LIMIT = 2
+
+    def __init__(self, self_id: str, self_url: str, static: list[str]) -> None:
+        self.self_id = self_id
+        self.self_url = self_url.rstrip("/")
+        self.members: dict[str, Member] = {}
+        for u in static:
+            u = u.rstrip("/")
+            if u != self.self_url:
+                self.members[u] = Member(url=u, static=True)
+
+    def learn(self, url: str, node_id: str = "") -> Member | None:
+        """Add a member heard of from a peer (ignored if it is this daemon)."""
+        url = url.rstrip("/")
+        if url == self.self_url or node_id == self.self_id or not url.startswith(("http://", "https://")):
+            return None
+        m = self.members.get(url)
+        if m is None:
+            m = self.members[url] = Member(url=url)
+        if node_id and not m.node_id:
+            m.node_id = node_id
+        return m
+
+    def mark_ok(self, url: str, node_id: str) -> None:
+        m = self.learn(url, node_id)
+        if m is not None:
+            m.node_id = node_id
+            m.alive, m.failures, m.last_seen = True, 0, time.monotonic()
+
+    def mark_failed(self, url: str) -> None:
+        m = self.members.get(url.rstrip("/"))
+        if m is not None:
+            m.failures += 1
+            if m.failures >= self.FAIL_LIMIT:
+                m.alive = False
+
+    def penalise(self, url: str, seconds: float) -> None:
+        m = self.members.get(url.rstrip("/"))
+        if m is not None:
+            m.penalty_until = time.monotonic() + seconds
+
+    def live(self) -> list[Member]:
+        return [m for m in self.members.values() if m.usable]
+
+    def by_node(self) -> dict[str, Member]:
+        return {m.node_id: m for m in self.members.values() if m.usable}
+
+    def hrw_nodes(self) -> list[str]:
+        """Node ids that take part in HRW: this daemon and every live member."""
+        return [self.self_id] + [m.node_id for m in self.live()]
+
+    def describe(self) -> list[dict]:
+        return [
+            {"node_id": m.node_id, "url": m.url, "alive": m.alive,
+             "penalised": time.monotonic() < m.penalty_until}
+            for m in sorted(self.members.values(), key=lambda m: m.url)
+        ]

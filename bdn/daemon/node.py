@@ -1,0 +1,717 @@
+"""The node: one daemon's snapshots, chunk index, swarm membership and transfers.
+
+How a chunk is obtained (DESIGN.md, "Moving chunks"), in order: this node's own store (the same
+digest may already sit in another snapshot); peers whose have-bitfields show it; the chunk's HRW
+owner, asked with ``?wait=`` so the request waits while the owner fetches it (single-flight); the
+next owners by HRW score; and last the bucket. Only the owner's bucket reads are expected: every
+other bucket read is counted as a fallback. Every chunk is hashed (xxh3-128) and compared with the
+manifest in a worker thread before it is written to the snapshot's file or served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+import os
+import random
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from bdn.bucket import BucketError, ObjectNotFound, open_bucket
+from bdn.daemon.bitfield import Bitfield
+from bdn.daemon.config import Config
+from bdn.daemon.membership import Member, Membership
+from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError
+from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, Loc, SnapshotJob
+from bdn.daemon.store import Store
+from bdn.proto import hrw
+from bdn.proto.chunks import digest as xxh3_digest
+from bdn.proto.errors import BdnError, ProtocolError
+from bdn.proto.identity import validate_identity
+from bdn.proto.keys import NonceCache, derive_keys
+from bdn.proto.manifest import MANIFEST_NAME, STARTUP_NAME, ChunkRef, Manifest, parse_startup
+
+log = logging.getLogger("bdn.node")
+
+
+class NotAvailable(BdnError):
+    """No source could supply a chunk (message says which and why)."""
+
+
+class BufferPool:
+    """Reusable chunk buffers, so receiving a chunk allocates nothing on the hot path."""
+
+    def __init__(self, keep: int) -> None:
+        self._free: dict[int, list[bytearray]] = {}
+        self._keep = keep
+
+    def get(self, size: int) -> bytearray:
+        lst = self._free.get(size)
+        return lst.pop() if lst else bytearray(size)
+
+    def put(self, buf: bytearray) -> None:
+        lst = self._free.setdefault(len(buf), [])
+        if len(lst) < self._keep:
+            lst.append(buf)
+
+
+def _verify_and_write(buf: memoryview, want: str, path: Path, offset: int) -> bool:
+    """Hash ``buf``; write it at ``offset`` of ``path`` only if the digest matches."""
+    if xxh3_digest(buf) != want:
+        return False
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        pos = 0
+        while pos < len(buf):
+            pos += os.pwrite(fd, buf[pos:], offset + pos)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _copy_range(src: Path, src_off: int, dst: Path, dst_off: int, length: int, want: str) -> bool:
+    """Copy a chunk already on this node into another file, re-verifying it on the way."""
+    with open(src, "rb") as f:
+        data = os.pread(f.fileno(), length, src_off)
+    if len(data) != length:
+        return False
+    return _verify_and_write(memoryview(data), want, dst, dst_off)
+
+
+class Node:
+    """Everything one ``bdnd`` holds. Create, ``await start()``, ``await stop()``."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.keys = derive_keys(cfg.partition_secret)
+        self.node_id = cfg.node_id
+        self.store = Store(cfg.shm_dir, self.keys.swarm_id)
+        self.bucket = open_bucket(
+            cfg.bucket,
+            credentials_file=cfg.credentials_file or None,
+            endpoint_url=cfg.endpoint_url or None,
+            max_concurrency=cfg.bucket_concurrency,
+        )
+        self.membership = Membership(cfg.node_id, cfg.advertise_url, cfg.peers)
+        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s)
+        self.nonces = NonceCache()
+        self.jobs: dict[str, SnapshotJob] = {}
+        self.by_address: dict[str, Loc] = {}
+        self.by_digest: dict[str, Loc] = {}
+        self.pending: dict[str, tuple[SnapshotJob, str, ChunkRef]] = {}
+        self._addr_waiters: dict[str, asyncio.Event] = {}
+        self.peer_haves: dict[str, dict[str, tuple[Bitfield, Bitfield]]] = {}
+        self.pool = BufferPool(keep=cfg.max_inflight + cfg.bucket_concurrency)
+        self.io = ThreadPoolExecutor(max_workers=cfg.bucket_concurrency + 8, thread_name_prefix="bdn-io")
+        self.bucket_sem = asyncio.Semaphore(cfg.bucket_concurrency)
+        self.peer_sem = asyncio.Semaphore(cfg.max_inflight)
+        self.upload_sem = asyncio.Semaphore(cfg.max_inflight * 2)
+        self.counters: dict[str, int] = {
+            "bucket_bytes_owner": 0,
+            "bucket_bytes_fallback": 0,
+            "bucket_chunks_owner": 0,
+            "bucket_chunks_fallback": 0,
+            "bucket_manifest_bytes": 0,
+            "peer_bytes_in": 0,
+            "peer_bytes_out": 0,
+            "peer_chunks_in": 0,
+            "peer_chunks_out": 0,
+            "local_bytes_copied": 0,
+            "chunk_verify_failures": 0,
+        }
+        self.verify_failures_by_peer: dict[str, int] = {}
+        self.started = time.time()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._closing = False
+
+    # ---- life ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.peers.start()
+        self._load_ready_from_store()
+        self._tasks.append(asyncio.create_task(self._membership_loop(), name="membership"))
+
+    async def after_listen(self) -> None:
+        """Called once both servers listen: the first membership round, then STARTUP_SNAPSHOT."""
+        await self._membership_round()
+        if self.cfg.load_startup:
+            self._tasks.append(asyncio.create_task(self._load_startup(), name="startup"))
+
+    async def stop(self) -> None:
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        for j in self.jobs.values():
+            if j.task and not j.task.done():
+                j.task.cancel()
+        await asyncio.gather(*self._tasks, *(j.task for j in self.jobs.values() if j.task), return_exceptions=True)
+        await self.peers.close()
+        self.io.shutdown(wait=False, cancel_futures=True)
+        self.bucket.close()
+
+    def _load_ready_from_store(self) -> None:
+        """Register the snapshots already READY in shm (a restarted daemon keeps serving them)."""
+        for d in self.store.root.joinpath(".staging").iterdir():
+            shutil.rmtree(d, ignore_errors=True)  # half-built: never handed out, rebuilt on demand
+        for info in self.store.list_ready():
+            job = SnapshotJob(info.identity, self.store)
+            files = []
+            for path, size, chunks in info.files:
+                from bdn.proto.manifest import FileEntry
+
+                files.append(FileEntry(path, size, chunks))
+            m = Manifest(
+                identity=info.identity, kind="full", policy_version=info.policy_version,
+                chunk_size=info.chunk_size, files=tuple(files),
+            )
+            job.attach_manifest(m)
+            job.kind, job.base_identity = info.kind, info.base_identity
+            job.stored.set_all()  # type: ignore[union-attr]
+            job.result.set_all()  # type: ignore[union-attr]
+            job.bytes_done = job.bytes_total
+            job.requested_by = "store"
+            job.set_state("ready")
+            self.jobs[info.identity] = job
+            for ref in job.result_refs:
+                self._register(job, RESULT, ref)
+            log.info("snapshot %s: ready from shm (%d bytes)", info.identity, info.result_bytes)
+
+    # ---- membership ----------------------------------------------------------------------
+    async def _membership_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(2.0 + random.random())
+            try:
+                await self._membership_round()
+            except Exception:  # keep the loop alive whatever one round met
+                log.exception("membership round failed")
+
+    def _members_payload(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "url": self.cfg.advertise_url,
+            "members": [{"node_id": m.node_id, "url": m.url} for m in self.membership.live()],
+        }
+
+    async def _membership_round(self) -> None:
+        payload = self._members_payload()
+
+        async def one(m: Member) -> None:
+            try:
+                ans = await self.peers.exchange_members(m.url, payload)
+            except PeerError as e:
+                if m.alive:
+                    log.warning("peer %s: health check failed: %s", m.url, e)
+                self.membership.mark_failed(m.url)
+                return
+            self.membership.mark_ok(m.url, ans["node_id"])
+            for other in ans.get("members") or []:
+                if isinstance(other, dict) and isinstance(other.get("url"), str):
+                    self.membership.learn(other["url"], str(other.get("node_id") or ""))
+
+        await asyncio.gather(*(one(m) for m in list(self.membership.members.values())))
+
+    def handle_members(self, body: Any) -> dict[str, Any]:
+        """A peer's POST members: learn it and what it knows; answer with our view."""
+        if isinstance(body, dict) and isinstance(body.get("url"), str) and isinstance(body.get("node_id"), str):
+            self.membership.mark_ok(body["url"][:512], body["node_id"][:64])
+            for other in (body.get("members") or [])[:10_000]:
+                if isinstance(other, dict) and isinstance(other.get("url"), str):
+                    self.membership.learn(other["url"][:512], str(other.get("node_id") or "")[:64])
+        else:
+            raise ProtocolError("members body must have node_id and url")
+        return self._members_payload()
+
+    # ---- snapshots -----------------------------------------------------------------------
+    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob:
+        """Start (or return) the job that brings ``identity`` to ``ready`` on this node.
+
+        A failed job is retried from scratch. Raises IdentityError for a bad identity.
+        """
+        validate_identity(identity)
+        job = self.jobs.get(identity)
+        if job is not None and job.state != "failed":
+            return job
+        if job is not None:
+            self._forget(job)
+        job = SnapshotJob(identity, self.store)
+        job.requested_by = requested_by
+        self.jobs[identity] = job
+        job.task = asyncio.create_task(self._run(job), name=f"snapshot-{identity}")
+        return job
+
+    async def wait_state(self, identity: str, state: str, timeout: float) -> SnapshotJob | None:
+        job = self.jobs.get(identity)
+        if job is None:
+            return None
+        deadline = time.monotonic() + timeout
+        while job.state != state and job.state not in TERMINAL:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await job.wait_change(job.version, left)
+            job = self.jobs.get(identity, job)
+        return job
+
+    def _forget(self, job: SnapshotJob) -> None:
+        for addr, loc in list(self.by_address.items()):
+            if loc.job is job:
+                del self.by_address[addr]
+        for dg, loc in list(self.by_digest.items()):
+            if loc.job is job:
+                del self.by_digest[dg]
+        for addr, (j, _, _) in list(self.pending.items()):
+            if j is job:
+                del self.pending[addr]
+
+    async def _run(self, job: SnapshotJob) -> None:
+        try:
+            m = await self._read_manifest(job)
+            job.attach_manifest(m)
+            await asyncio.get_running_loop().run_in_executor(self.io, self.store.prepare_staging, m)
+            for ref in job.stored_refs:
+                self.pending.setdefault(self.keys.address(ref.digest), (job, STORED, ref))
+            job.set_state("downloading")
+            await job.notify()
+            log.info("snapshot %s: %s, %d files, %d stored bytes", job.identity, m.kind, len(m.files), m.stored_bytes)
+            if m.is_delta:
+                await self._run_delta(job, m)
+            else:
+                await self._fetch_layer(job, STORED)
+                job.result.set_all()  # type: ignore[union-attr]  # full: stored == result
+                job.set_state("verifying")
+                await job.notify()
+            final = await asyncio.get_running_loop().run_in_executor(self.io, self.store.publish, m)
+            job.set_state("ready")
+            log.info("snapshot %s: ready at %s (stages %s)", job.identity, final,
+                     {k: round(v, 3) for k, v in job.stages.items()})
+        except asyncio.CancelledError:
+            raise
+        except (BdnError, OSError) as e:
+            reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
+            job.set_state("failed", reason.splitlines()[0] if reason else type(e).__name__)
+            log.error("snapshot %s: failed: %s", job.identity, job.reason)
+            self._forget(job)
+            self.store.discard(job.identity)
+        except Exception as e:  # a bug must fail the snapshot, not kill the daemon
+            log.exception("snapshot %s: internal error", job.identity)
+            job.set_state("failed", f"internal error: {type(e).__name__}: {e}")
+            self._forget(job)
+            self.store.discard(job.identity)
+        finally:
+            for ref in job.stored_refs:
+                addr = self.keys.address(ref.digest)
+                if self.pending.get(addr, (None,))[0] is job:
+                    del self.pending[addr]
+            await job.notify()
+
+    async def _read_manifest(self, job: SnapshotJob) -> Manifest:
+        key = f"{job.identity}/{MANIFEST_NAME}"
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + self.cfg.manifest_wait_s
+        while True:
+            try:
+                async with self.bucket_sem:
+                    data = await loop.run_in_executor(self.io, self.bucket.read, key)
+                break
+            except ObjectNotFound:
+                if not self.cfg.require_manifest:
+                    raise BdnError(
+                        f"snapshot {job.identity!r} has no {MANIFEST_NAME}; listing-based loading "
+                        "(require_manifest = false) is not implemented yet"
+                    ) from None
+                if time.monotonic() >= deadline:
+                    raise BdnError(
+                        f"snapshot {job.identity!r} is not published: {MANIFEST_NAME} did not "
+                        f"appear within {self.cfg.manifest_wait_s:g} s"
+                    ) from None
+                if job.reason != "waiting for manifest":
+                    job.reason = "waiting for manifest"
+                    job.touch()
+                    await job.notify()
+                await asyncio.sleep(self.cfg.manifest_poll_s)
+        self.counters["bucket_manifest_bytes"] += len(data)
+        return Manifest.from_json(data, expect_identity=job.identity)
+
+    async def _run_delta(self, job: SnapshotJob, m: Manifest) -> None:
+        assert m.base_identity is not None
+        base_id = m.base_identity
+        base = self.jobs.get(base_id)
+        if base is None or base.state != "ready":
+            # No base here: take the reconstructed chunks from peers that already rebuilt it
+            # (content-addressed like any chunk), else walk the chain from the nearest anchor.
+            if await self._refresh_haves(job, need_result=True):
+                try:
+                    await self._fetch_layer(job, RESULT)
+                    job.stored.set_all()  # type: ignore[union-attr]
+                    job.set_state("verifying")
+                    return
+                except NotAvailable as e:
+                    log.info("snapshot %s: peers' reconstructed chunks not enough (%s); walking the chain", job.identity, e)
+                    job.result = Bitfield(len(job.result_refs))
+            base = self.prefetch(base_id, requested_by=f"base of {job.identity}")
+        download = asyncio.create_task(self._fetch_layer(job, STORED))
+        try:
+            base = await self._await_job(base)
+        except BaseException:
+            download.cancel()
+            raise
+        await download
+        if base.state != "ready":
+            raise BdnError(f"base snapshot {base_id!r} failed: {base.reason}")
+        job.set_state("applying")
+        await job.notify()
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.io, self._apply_delta, job, m, self.store.ready_dir(base_id))
+        job.set_state("verifying")
+        await job.notify()
+        await loop.run_in_executor(self.io, self._verify_results, job, m)
+        for ref in job.result_refs:
+            self._register(job, RESULT, ref)
+
+    async def _await_job(self, job: SnapshotJob) -> SnapshotJob:
+        while job.state not in TERMINAL:
+            await job.wait_change(job.version, 5.0)
+        return job
+
+    def _apply_delta(self, job: SnapshotJob, m: Manifest, base_dir: Path) -> None:
+        """target = base XOR diff per tensor into the staging files, Adler-32 checked per tensor."""
+        from bdn.proto import arc
+        from bdn.proto.safetensors_fmt import read_header
+
+        st = self.store.staging_dir(m.identity)
+        for fi, f in enumerate(m.files):
+            if not f.is_diff:
+                continue
+            base_path = base_dir / f.path
+            diff_path = self.store.stored_dir(m.identity) / f.path
+            if not base_path.is_file():
+                raise BdnError(f"base snapshot {m.base_identity!r} has no file {f.path!r} to apply the delta to")
+            base_h = read_header(base_path)
+            with open(base_path, "rb") as bf, open(diff_path, "rb") as df, open(st / f.path, "r+b") as of:
+                dsize = os.fstat(df.fileno()).st_size
+                with mmap.mmap(df.fileno(), 0, access=mmap.ACCESS_READ) as dm:
+                    diff_h = arc.read_diff_header(dm, dsize)
+                    want = arc.target_size(base_h, diff_h[0] if isinstance(diff_h, tuple) else diff_h)
+                    if want != f.result.size:  # type: ignore[union-attr]
+                        raise ProtocolError(
+                            f"{f.path}: delta rebuilds {want} bytes but the manifest says {f.result.size}"  # type: ignore[union-attr]
+                        )
+                    if f.result.size == 0:  # type: ignore[union-attr]
+                        continue
+                    with mmap.mmap(bf.fileno(), 0, access=mmap.ACCESS_READ) as bm, mmap.mmap(
+                        of.fileno(), 0
+                    ) as om:
+                        arc.apply_diff(
+                            bm, base_h, dm, diff_h, om, m.compression_format,
+                            workers=self.cfg.apply_workers,
+                        )
+                        om.flush()
+
+    def _verify_results(self, job: SnapshotJob, m: Manifest) -> None:
+        """Every reconstructed chunk's xxh3-128 against the manifest's ``result`` digests."""
+        st = self.store.staging_dir(m.identity)
+        for fi, f in enumerate(m.files):
+            if not f.is_diff or f.result_size == 0:
+                continue
+            with open(st / f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                for ci, want in enumerate(f.result_chunks):
+                    off = ci * m.chunk_size
+                    got = xxh3_digest(memoryview(mm)[off : off + m.chunk_size])
+                    if got != want:
+                        raise ProtocolError(
+                            f"{f.path}: reconstructed chunk {ci} has digest {got}, manifest says {want}"
+                        )
+        job.result.set_all()  # type: ignore[union-attr]
+
+    # ---- chunk index ---------------------------------------------------------------------
+    def _register(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
+        loc = Loc(job, layer, ref.file_index, ref.offset, ref.length, ref.digest)
+        addr = self.keys.address(ref.digest)
+        self.by_address.setdefault(addr, loc)
+        self.by_digest.setdefault(ref.digest, loc)
+        ev = self._addr_waiters.pop(addr, None)
+        if ev is not None:
+            ev.set()
+
+    def lookup(self, address: str) -> Loc | None:
+        return self.by_address.get(address)
+
+    async def wait_for_address(self, address: str, wait: float, hint: str | None) -> Loc | None:
+        """Hold a peer's chunk request up to ``wait`` s while this node obtains the chunk.
+
+        If ``hint`` names a snapshot this node does not know yet, it joins it (the fleet wants it).
+        If this node is the chunk's owner, it starts the fetch at once (single-flight with its own).
+        """
+        loc = self.by_address.get(address)
+        if loc is not None or wait <= 0:
+            return loc
+        if hint and hint not in self.jobs and not self._closing:
+            self.prefetch(hint, requested_by="peer")
+        pend = self.pending.get(address)
+        if pend is not None:
+            job, layer, ref = pend
+            if hrw.owner(self.membership.hrw_nodes(), ref.digest) == self.node_id:
+                asyncio.ensure_future(self._ensure_chunk(job, layer, ref)).add_done_callback(
+                    lambda f: f.cancelled() or f.exception()
+                )
+        ev = self._addr_waiters.get(address)
+        if ev is None:
+            ev = self._addr_waiters[address] = asyncio.Event()
+        try:
+            await asyncio.wait_for(ev.wait(), wait)
+        except asyncio.TimeoutError:
+            pass
+        return self.by_address.get(address)
+
+    # ---- fetching ------------------------------------------------------------------------
+    async def _fetch_layer(self, job: SnapshotJob, layer: str) -> None:
+        """Obtain every chunk of ``layer``; owned chunks are started first (others wait on them)."""
+        refs = job.stored_refs if layer == STORED else job.result_refs
+        bits = job.stored if layer == STORED else job.result
+        if job.fetch_layer != layer:
+            job.fetch_layer = layer
+            job.bytes_total = job.stored_bytes if layer == STORED else job.result_bytes
+            job.bytes_done = sum(r.length for i, r in enumerate(refs) if bits[i])  # type: ignore[index]
+        nodes = self.membership.hrw_nodes()
+        todo = [r for i, r in enumerate(refs) if not bits[i]]  # type: ignore[index]
+        todo.sort(key=lambda r: hrw.owner(nodes, r.digest) != self.node_id)
+        poller = asyncio.create_task(self._have_poller(job))
+        try:
+            tasks = [asyncio.create_task(self._ensure_chunk(job, layer, r)) for r in todo]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+        finally:
+            poller.cancel()
+
+    async def _have_poller(self, job: SnapshotJob) -> None:
+        """Keep peers' have-bitfields for ``job`` fresh while it downloads."""
+        while True:
+            await asyncio.sleep(0.5)
+            try:
+                await self._refresh_haves(job)
+            except Exception:
+                log.debug("have refresh failed", exc_info=True)
+
+    async def _refresh_haves(self, job: SnapshotJob, need_result: bool = False) -> bool:
+        """Ask every live peer what it holds of ``job``; True if any holds result chunks."""
+        haves = self.peer_haves.setdefault(job.identity, {})
+        ns, nr = len(job.stored_refs), len(job.result_refs)
+
+        async def one(m: Member) -> None:
+            try:
+                h = await self.peers.get_have(m.url, job.identity)
+            except PeerError:
+                return
+            if not h:
+                return
+            try:
+                if h.get("ns") != ns or h.get("nr") != nr:
+                    return
+                haves[m.url] = (Bitfield(ns, h.get("stored")), Bitfield(nr, h.get("result")))
+            except (ValueError, TypeError):
+                return
+
+        await asyncio.gather(*(one(m) for m in self.membership.live()))
+        return any(r.count > 0 for _, r in haves.values()) if need_result else False
+
+    def _holders(self, job: SnapshotJob, layer: str, index: int) -> list[Member]:
+        haves = self.peer_haves.get(job.identity, {})
+        out = []
+        for m in self.membership.live():
+            h = haves.get(m.url)
+            if h and (h[0] if layer == STORED else h[1]).n > index and (h[0] if layer == STORED else h[1])[index]:
+                out.append(m)
+        out.sort(key=lambda m: (m.inflight, random.random()))
+        return out
+
+    async def _ensure_chunk(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
+        """Single-flight: one acquisition per chunk, however many ask for it."""
+        key = (layer, self._ref_index(job, layer, ref))
+        fut = job.inflight.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._acquire(job, layer, ref))
+            job.inflight[key] = fut
+            fut.add_done_callback(lambda _f: job.inflight.pop(key, None))
+        await asyncio.shield(fut)
+
+    @staticmethod
+    def _ref_index(job: SnapshotJob, layer: str, ref: ChunkRef) -> int:
+        refs = job.stored_refs if layer == STORED else job.result_refs
+        # refs are in manifest order, so (file, chunk) -> position is a prefix sum; cache it.
+        cache = job.__dict__.setdefault("_pos_" + layer, {})
+        if not cache:
+            for i, r in enumerate(refs):
+                cache[(r.file_index, r.index)] = i
+        return cache[(ref.file_index, ref.index)]
+
+    async def _acquire(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
+        idx = self._ref_index(job, layer, ref)
+        bits = job.stored if layer == STORED else job.result
+        if bits[idx]:  # type: ignore[index]
+            return
+        target = job.file_path(layer, ref.file_index)
+        loop = asyncio.get_running_loop()
+        # 0. the same bytes already on this node (e.g. an unchanged config.json)
+        loc = self.by_digest.get(ref.digest)
+        if loc is not None and loc.length == ref.length:
+            ok = await loop.run_in_executor(
+                self.io, _copy_range, loc.path(), loc.offset, target, ref.offset, ref.length, ref.digest
+            )
+            if ok:
+                job.bytes_local += ref.length
+                self.counters["local_bytes_copied"] += ref.length
+                await self._got(job, layer, ref, idx, None)
+                return
+        buf = self.pool.get(ref.length)
+        mv = memoryview(buf)
+        address = self.keys.address(ref.digest)
+        errors: list[str] = []
+        try:
+            for attempt in range(3):
+                tried: set[str] = set()
+                # 1. peers known to hold it, least loaded first
+                for m in self._holders(job, layer, idx):
+                    tried.add(m.url)
+                    if await self._from_peer(job, m, address, ref, mv, target, 0.0, errors):
+                        await self._got(job, layer, ref, idx, m.url)
+                        return
+                if layer == RESULT:
+                    continue
+                # 2. the owner (waiting while it fetches), 3. the next owners, 4. the bucket
+                ranked = hrw.rank(self.membership.hrw_nodes(), ref.digest)
+                by_node = self.membership.by_node()
+                for pos, node in enumerate(ranked):
+                    if node == self.node_id:
+                        await self._from_bucket(job, ref, mv, target, owner=(pos == 0))
+                        await self._got(job, layer, ref, idx, "bucket")
+                        return
+                    m = by_node.get(node)
+                    if m is None or m.url in tried:
+                        continue
+                    tried.add(m.url)
+                    wait = self.cfg.chunk_wait_s if pos == 0 else 2.0
+                    if await self._from_peer(job, m, address, ref, mv, target, wait, errors):
+                        await self._got(job, layer, ref, idx, m.url)
+                        return
+                await asyncio.sleep(0.2 * (attempt + 1))
+            if layer == RESULT:
+                raise NotAvailable(f"no peer holds reconstructed chunk {ref.index} of {ref.path}")
+            # every peer failed: this node reads the bucket itself, as a counted fallback
+            await self._from_bucket(job, ref, mv, target, owner=False)
+            await self._got(job, layer, ref, idx, "bucket")
+        finally:
+            mv.release()
+            self.pool.put(buf)
+
+    async def _from_peer(
+        self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef, mv: memoryview,
+        target: Path, wait: float, errors: list[str],
+    ) -> bool:
+        m.inflight += 1
+        try:
+            async with self.peer_sem:
+                ok = await self.peers.get_chunk_into(m.url, address, mv, wait=wait, snapshot=job.identity)
+        except PeerBusy:
+            return False
+        except PeerError as e:
+            errors.append(str(e))
+            self.membership.mark_failed(m.url)
+            return False
+        finally:
+            m.inflight -= 1
+        if not ok:
+            return False
+        good = await asyncio.get_running_loop().run_in_executor(
+            self.io, _verify_and_write, mv, ref.digest, target, ref.offset
+        )
+        if not good:
+            self.counters["chunk_verify_failures"] += 1
+            self.verify_failures_by_peer[m.node_id] = self.verify_failures_by_peer.get(m.node_id, 0) + 1
+            self.membership.penalise(m.url, self.cfg.penalty_s)
+            log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
+                        job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s)
+            return False
+        job.bytes_from_peers += ref.length
+        self.counters["peer_bytes_in"] += ref.length
+        self.counters["peer_chunks_in"] += 1
+        return True
+
+    async def _from_bucket(self, job: SnapshotJob, ref: ChunkRef, mv: memoryview, target: Path, owner: bool) -> None:
+        key = f"{job.identity}/{ref.path}"
+        loop = asyncio.get_running_loop()
+        for attempt in range(3):
+            async with self.bucket_sem:
+                try:
+                    await loop.run_in_executor(self.io, self.bucket.read_range_into, key, ref.offset, mv)
+                except ObjectNotFound:
+                    raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
+                except BucketError as e:
+                    raise BdnError(f"bucket read of {key} failed: {e}") from None
+            ok = await loop.run_in_executor(self.io, _verify_and_write, mv, ref.digest, target, ref.offset)
+            if ok:
+                role = "owner" if owner else "fallback"
+                self.counters[f"bucket_bytes_{role}"] += ref.length
+                self.counters[f"bucket_chunks_{role}"] += 1
+                job.bytes_from_bucket += ref.length
+                if not owner:
+                    log.info("snapshot %s: chunk %d of %s read from the bucket as a fallback", job.identity, ref.index, ref.path)
+                return
+            self.counters["chunk_verify_failures"] += 1
+            log.warning("snapshot %s: bucket bytes of %s chunk %d do not match the manifest", job.identity, key, ref.index)
+        raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest")
+
+    async def _got(self, job: SnapshotJob, layer: str, ref: ChunkRef, idx: int, source: str | None) -> None:
+        bits = job.stored if layer == STORED else job.result
+        if bits.set(idx):  # type: ignore[union-attr]
+            if layer == job.fetch_layer:
+                job.bytes_done += ref.length
+            if job.manifest is not None and not job.manifest.files[ref.file_index].is_diff:
+                # stored == result for this file: the chunk counts in both layers
+                other = job.result if layer == STORED else job.stored
+                if other is not None and job.result_refs and other.n:
+                    other.set(self._ref_index(job, RESULT if layer == STORED else STORED, ref))
+            self._register(job, layer, ref)
+            job.touch()
+            await job.notify()
+
+    # ---- startup snapshot ----------------------------------------------------------------
+    async def _load_startup(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            data = await loop.run_in_executor(self.io, self.bucket.read, STARTUP_NAME)
+        except ObjectNotFound:
+            log.info("no %s in %s: nothing to load at start", STARTUP_NAME, self.cfg.bucket)
+            return
+        except BucketError as e:
+            log.error("cannot read %s: %s", STARTUP_NAME, e)
+            return
+        try:
+            ident = parse_startup(data)
+        except ProtocolError as e:
+            log.error("%s: %s", STARTUP_NAME, e)
+            return
+        log.info("%s names %s: loading it", STARTUP_NAME, ident)
+        self.prefetch(ident, requested_by="startup")
+
+    # ---- views ---------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "swarm_id": self.keys.swarm_id,
+            "peer_url": self.cfg.advertise_url,
+            "version": __import__("bdn").__version__,
+            "uptime_s": round(time.time() - self.started, 3),
+            "peers": self.membership.describe(),
+            "bucket": {"url": self.cfg.bucket, **self.bucket.stats.snapshot()},
+            "counters": dict(self.counters),
+            "verify_failures_by_peer": dict(self.verify_failures_by_peer),
+            "snapshots": [j.describe() for j in self.jobs.values()],
+        }

@@ -1,0 +1,172 @@
+"""Signed requests to other daemons of the swarm (the peer protocol of DESIGN.md)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import msgpack
+from yarl import URL
+
+from bdn.proto.keys import SwarmKeys, sign_request
+
+
+class PeerError(Exception):
+    """A peer could not be reached or broke the protocol (message says how)."""
+
+
+class PeerBusy(PeerError):
+    """The peer answered 503 (upload slots full); ``retry_after`` in seconds."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"peer busy, retry after {retry_after:g} s")
+        self.retry_after = retry_after
+
+
+MAX_HAVE_BYTES = 64 << 20
+MAX_MEMBERS_BYTES = 4 << 20
+
+
+class PeerClient:
+    """One aiohttp session for every peer; each request signed with the partition's auth key."""
+
+    def __init__(self, keys: SwarmKeys, node_id: str, timeout_s: float = 60.0) -> None:
+        self.keys = keys
+        self.node_id = node_id
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        conn = aiohttp.TCPConnector(limit=256, limit_per_host=32, ttl_dns_cache=10)
+        self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _prefix(self) -> str:
+        return f"/bdn/v1/{self.keys.swarm_id}"
+
+    async def _request(
+        self, method: str, base_url: str, path_qs: str, *, timeout: float, data: bytes | None = None
+    ) -> aiohttp.ClientResponse:
+        assert self._session is not None
+        headers = {"Authorization": sign_request(self.keys, method, path_qs, self.node_id)}
+        if data is not None:
+            headers["Content-Type"] = "application/msgpack"
+        try:
+            return await self._session.request(
+                method,
+                URL(base_url + path_qs, encoded=True),
+                headers=headers,
+                data=data,
+                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=5),
+            )
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
+
+    async def get_chunk_into(
+        self,
+        base_url: str,
+        address: str,
+        out: memoryview,
+        *,
+        wait: float = 0.0,
+        snapshot: str | None = None,
+    ) -> bool:
+        """Fetch the chunk at swarm ``address`` into ``out`` (exactly ``len(out)`` bytes).
+
+        Returns False when the peer does not hold it (404). The caller verifies the digest.
+
+        Raises:
+            PeerBusy: 503 with Retry-After.
+            PeerError: network failure, unexpected status, or a body of the wrong length.
+        """
+        q = f"?wait={wait:g}" if wait > 0 else ""
+        if snapshot:
+            q += ("&" if q else "?") + f"snapshot={snapshot}"
+        path = f"{self._prefix()}/chunks/{address}{q}"
+        resp = await self._request("GET", base_url, path, timeout=wait + self.timeout_s)
+        try:
+            if resp.status == 404:
+                return False
+            if resp.status == 503:
+                try:
+                    ra = float(resp.headers.get("Retry-After", "1"))
+                except ValueError:
+                    ra = 1.0
+                raise PeerBusy(min(max(ra, 0.05), 30.0))
+            if resp.status != 200:
+                raise PeerError(f"{base_url}: chunk request answered {resp.status}")
+            if resp.content_length is not None and resp.content_length != len(out):
+                raise PeerError(
+                    f"{base_url}: chunk is {resp.content_length} bytes, expected {len(out)}"
+                )
+            pos = 0
+            n = len(out)
+            # Copy each received piece once into the caller's buffer: no bytes concatenation.
+            async for piece in resp.content.iter_any():
+                end = pos + len(piece)
+                if end > n:
+                    raise PeerError(f"{base_url}: chunk longer than {n} bytes")
+                out[pos:end] = piece
+                pos = end
+            if pos != n:
+                raise PeerError(f"{base_url}: chunk ended after {pos} of {n} bytes")
+            return True
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
+        finally:
+            resp.release()
+
+    async def get_have(
+        self, base_url: str, identity: str, *, since: int = -1, wait: float = 0.0
+    ) -> dict[str, Any] | None:
+        """A peer's have-bitfields for ``identity`` (None if it does not know the snapshot)."""
+        q = f"?since={since}&wait={wait:g}"
+        path = f"{self._prefix()}/snapshots/{identity}/have{q}"
+        resp = await self._request("GET", base_url, path, timeout=wait + self.timeout_s)
+        try:
+            if resp.status == 404:
+                return None
+            if resp.status != 200:
+                raise PeerError(f"{base_url}: have request answered {resp.status}")
+            body = await resp.content.read(MAX_HAVE_BYTES + 1)
+            if len(body) > MAX_HAVE_BYTES:
+                raise PeerError(f"{base_url}: have answer over {MAX_HAVE_BYTES} bytes")
+            obj = msgpack.unpackb(body, raw=False)
+            if not isinstance(obj, dict):
+                raise PeerError(f"{base_url}: have answer is not a map")
+            return obj
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgpack.UnpackException) as e:
+            raise PeerError(f"{base_url}: bad have answer: {e}") from None
+        finally:
+            resp.release()
+
+    async def exchange_members(self, base_url: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST our member view; returns the peer's ``{node_id, url, members: [...]}``."""
+        path = f"{self._prefix()}/members"
+        resp = await self._request(
+            "POST", base_url, path, timeout=5.0, data=msgpack.packb(payload, use_bin_type=True)
+        )
+        try:
+            if resp.status != 200:
+                raise PeerError(f"{base_url}: members answered {resp.status}")
+            body = await resp.content.read(MAX_MEMBERS_BYTES + 1)
+            obj = msgpack.unpackb(body, raw=False)
+            if not isinstance(obj, dict) or not isinstance(obj.get("node_id"), str):
+                raise PeerError(f"{base_url}: members answer malformed")
+            return obj
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgpack.UnpackException) as e:
+            raise PeerError(f"{base_url}: bad members answer: {e}") from None
+        finally:
+            resp.release()
+
+    async def post_json(self, base_url: str, path: str, payload: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
+        """A signed POST of a msgpack body to a peer endpoint under the swarm prefix."""
+        resp = await self._request("POST", base_url, f"{self._prefix()}/{path}", timeout=timeout, data=payload)
+        try:
+            return resp.status, await resp.content.read(MAX_MEMBERS_BYTES)
+        finally:
+            resp.release()

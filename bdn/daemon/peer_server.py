@@ -1,0 +1,160 @@
+"""The swarm's HTTP endpoints, under ``/bdn/v1/{swarm_id}`` (DESIGN.md, "Moving chunks").
+
+- ``GET chunks/{address}[?wait=S&snapshot=ID]``: 200 the chunk's bytes (only verified chunks are
+  ever indexed), 404 not here, 503 + ``Retry-After`` when upload slots are full.
+- ``GET snapshots/{identity}/have[?since=V&wait=S]``: msgpack ``{v, state, ns, stored, nr,
+  result}`` with bitfields over the manifest's stored and reconstructed chunk lists; long-polls
+  until the version differs from ``since``.
+- ``POST members``: msgpack ``{node_id, url, members}`` in, the same shape out.
+
+Every request must carry a valid ``BDN-HMAC`` signature; anything else (including an unknown swarm
+id) gets 401 with an empty body, so a stranger learns nothing about what the partition holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+from typing import TYPE_CHECKING
+
+import msgpack
+from aiohttp import web
+
+from bdn.proto.errors import AuthError, BdnError
+from bdn.proto.identity import validate_identity
+from bdn.proto.keys import verify_request
+
+if TYPE_CHECKING:
+    from bdn.daemon.node import Node
+
+ADDRESS_RE = re.compile(r"\A[0-9a-f]{32}\Z")
+MAX_WAIT_S = 60.0
+NODE_KEY = web.AppKey("node", object)
+
+
+def _text(status: int, msg: str) -> web.Response:
+    return web.Response(status=status, text=msg + "\n")
+
+
+@web.middleware
+async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
+    if request.match_info.get("swarm_id") != node.keys.swarm_id:
+        return web.Response(status=401)
+    try:
+        peer = verify_request(
+            node.keys, request.headers.get("Authorization"), request.method, request.raw_path, node.nonces
+        )
+    except AuthError:
+        return web.Response(status=401)
+    request["peer"] = peer
+    return await handler(request)
+
+
+def _float_arg(request: web.Request, name: str, default: float, hi: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{name} must be a number\n") from None
+    if not 0 <= v <= hi:
+        raise web.HTTPBadRequest(text=f"{name} must be in [0, {hi:g}]\n")
+    return v
+
+
+async def get_chunk(request: web.Request) -> web.StreamResponse:
+    node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
+    address = request.match_info["address"]
+    if not ADDRESS_RE.match(address):
+        return _text(400, "chunk address must be 32 lowercase hex characters")
+    wait = _float_arg(request, "wait", 0.0, MAX_WAIT_S)
+    hint = request.query.get("snapshot")
+    if hint is not None:
+        try:
+            validate_identity(hint)
+        except BdnError as e:
+            return _text(400, str(e))
+    loc = node.lookup(address)
+    if loc is None and wait > 0:
+        loc = await node.wait_for_address(address, wait, hint)
+    if loc is None:
+        return _text(404, "chunk not here")
+    if node.upload_sem.locked():
+        return web.Response(status=503, headers={"Retry-After": "1"}, text="upload slots full\n")
+    async with node.upload_sem:
+        try:
+            fd = os.open(loc.path(), os.O_RDONLY)
+        except FileNotFoundError:
+            loc = node.lookup(address)  # moved from staging to its ready directory meanwhile
+            if loc is None:
+                return _text(404, "chunk not here")
+            fd = os.open(loc.path(), os.O_RDONLY)
+        try:
+            resp = web.StreamResponse(status=200)
+            resp.content_type = "application/octet-stream"
+            resp.content_length = loc.length
+            await resp.prepare(request)
+            loop = asyncio.get_running_loop()
+            transport = request.transport
+            sent = False
+            if transport is not None:
+                try:
+                    with os.fdopen(os.dup(fd), "rb") as f:
+                        await loop.sendfile(transport, f, loc.offset, loc.length, fallback=False)
+                    sent = True
+                except (NotImplementedError, RuntimeError, AttributeError):
+                    sent = False  # uvloop has no sendfile: fall back to pread + write below
+            if not sent:
+                data = await loop.run_in_executor(node.io, os.pread, fd, loc.length, loc.offset)
+                if len(data) != loc.length:
+                    raise ConnectionResetError("chunk file shorter than its index entry")
+                await resp.write(data)
+            await resp.write_eof()
+        finally:
+            os.close(fd)
+    node.counters["peer_bytes_out"] += loc.length
+    node.counters["peer_chunks_out"] += 1
+    return resp
+
+
+async def get_have(request: web.Request) -> web.Response:
+    node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
+    identity = request.match_info["identity"]
+    try:
+        validate_identity(identity)
+    except BdnError as e:
+        return _text(400, str(e))
+    since = request.query.get("since", "-1")
+    if not re.fullmatch(r"-?\d{1,18}", since):
+        return _text(400, "since must be an integer")
+    wait = _float_arg(request, "wait", 0.0, MAX_WAIT_S)
+    job = node.jobs.get(identity)
+    if job is None or job.manifest is None:
+        return _text(404, "snapshot not known here")
+    await job.wait_change(int(since), wait)
+    return web.Response(body=msgpack.packb(job.have_map(), use_bin_type=True), content_type="application/msgpack")
+
+
+async def post_members(request: web.Request) -> web.Response:
+    node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
+    body = await request.content.read(1 << 20)
+    try:
+        obj = msgpack.unpackb(body, raw=False)
+        ans = node.handle_members(obj)
+    except (ValueError, msgpack.UnpackException, BdnError) as e:
+        return _text(400, f"members body is malformed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
+
+
+def make_peer_app(node: Node) -> web.Application:
+    """The peer server's application (bind it to ``peer_listen``)."""
+    app = web.Application(middlewares=[_auth], client_max_size=1 << 20)
+    app[NODE_KEY] = node
+    p = "/bdn/v1/{swarm_id}"
+    app.router.add_get(p + "/chunks/{address}", get_chunk)
+    app.router.add_get(p + "/snapshots/{identity}/have", get_have)
+    app.router.add_post(p + "/members", post_members)
+    return app

@@ -1,0 +1,156 @@
+"""One snapshot's life on a node: state, stage times, have-bitfields and byte counters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bdn.daemon.bitfield import Bitfield
+from bdn.proto.manifest import ChunkRef, Manifest
+
+if TYPE_CHECKING:
+    from bdn.daemon.store import Store
+
+STATES = ("queued", "downloading", "applying", "verifying", "ready", "failed")
+TERMINAL = ("ready", "failed")
+STORED, RESULT = "stored", "result"
+
+
+@dataclass(frozen=True)
+class Loc:
+    """Where a verified chunk lives on this node: ``layer`` file ``file_index`` of ``job``."""
+
+    job: SnapshotJob
+    layer: str
+    file_index: int
+    offset: int
+    length: int
+    digest: str
+
+    def path(self) -> Path:
+        return self.job.file_path(self.layer, self.file_index)
+
+
+class SnapshotJob:
+    """The node's record of one snapshot, from ``queued`` to ``ready`` or ``failed``."""
+
+    def __init__(self, identity: str, store: Store) -> None:
+        self.identity = identity
+        self.store = store
+        self.manifest: Manifest | None = None
+        self.state = "queued"
+        self.reason = ""
+        self.kind: str | None = None
+        self.policy_version: int | None = None
+        self.base_identity: str | None = None
+        self.stored: Bitfield | None = None
+        self.result: Bitfield | None = None
+        self.stored_refs: list[ChunkRef] = []
+        self.result_refs: list[ChunkRef] = []
+        self.version = 0  # bumps on every change: have long-polls and waiters watch it
+        self.cond = asyncio.Condition()
+        self.created = time.time()
+        self.updated = self.created
+        self._stage_started = time.monotonic()
+        self.stages: dict[str, float] = {}
+        self.bytes_total = 0
+        self.bytes_done = 0
+        self.bytes_from_bucket = 0
+        self.bytes_from_peers = 0
+        self.bytes_local = 0
+        self.result_bytes = 0
+        self.stored_bytes = 0
+        self.task: asyncio.Task[None] | None = None
+        self.inflight: dict[tuple[str, int], asyncio.Future[None]] = {}
+        self.requested_by = "local"
+        self.fetch_layer = STORED  # the layer whose bytes bytes_done counts
+
+    # ---- layout --------------------------------------------------------------------------
+    def result_dir(self) -> Path:
+        if self.state == "ready":
+            return self.store.ready_dir(self.identity)
+        return self.store.staging_dir(self.identity)
+
+    def file_path(self, layer: str, file_index: int) -> Path:
+        assert self.manifest is not None
+        f = self.manifest.files[file_index]
+        if layer == STORED and f.is_diff:
+            return self.store.stored_dir(self.identity) / f.path
+        return self.result_dir() / f.path
+
+    # ---- state ---------------------------------------------------------------------------
+    def attach_manifest(self, m: Manifest) -> None:
+        self.manifest = m
+        self.kind, self.policy_version, self.base_identity = m.kind, m.policy_version, m.base_identity
+        self.stored_refs = list(m.stored_chunks())
+        self.result_refs = list(m.result_chunks())
+        self.stored = Bitfield(len(self.stored_refs))
+        self.result = Bitfield(len(self.result_refs))
+        self.stored_bytes = m.stored_bytes
+        self.result_bytes = m.result_bytes
+        self.bytes_total = m.stored_bytes
+
+    def set_state(self, state: str, reason: str = "") -> None:
+        now = time.monotonic()
+        if state != self.state:
+            self.stages[self.state] = self.stages.get(self.state, 0.0) + now - self._stage_started
+            self._stage_started = now
+        self.state, self.reason = state, reason
+        self.touch()
+
+    def touch(self) -> None:
+        self.version += 1
+        self.updated = time.time()
+
+    async def notify(self) -> None:
+        async with self.cond:
+            self.cond.notify_all()
+
+    async def wait_change(self, since: int, timeout: float) -> None:
+        """Return once ``version`` differs from ``since`` or ``timeout`` seconds passed."""
+        if self.version != since or timeout <= 0:
+            return
+        async with self.cond:
+            try:
+                await asyncio.wait_for(self.cond.wait_for(lambda: self.version != since), timeout)
+            except asyncio.TimeoutError:
+                pass
+
+    def describe(self) -> dict[str, Any]:
+        stages = dict(self.stages)
+        if self.state not in TERMINAL:
+            stages[self.state] = stages.get(self.state, 0.0) + time.monotonic() - self._stage_started
+        return {
+            "identity": self.identity,
+            "kind": self.kind,
+            "policy_version": self.policy_version,
+            "base_identity": self.base_identity,
+            "state": self.state,
+            "reason": self.reason,
+            "path": str(self.store.ready_dir(self.identity)) if self.state == "ready" else None,
+            "bytes_total": self.bytes_total,
+            "bytes_done": self.bytes_done,
+            "stored_bytes": self.stored_bytes,
+            "result_bytes": self.result_bytes,
+            "bytes_from_bucket": self.bytes_from_bucket,
+            "bytes_from_peers": self.bytes_from_peers,
+            "bytes_local": self.bytes_local,
+            "stages": {k: round(v, 6) for k, v in stages.items()},
+            "requested_by": self.requested_by,
+            "created_at": self.created,
+            "updated_at": self.updated,
+        }
+
+    def have_map(self) -> dict[str, Any]:
+        """The msgpack-able have answer: bitfields over the manifest's stored and result chunks."""
+        return {
+            "v": self.version,
+            "state": self.state,
+            "ns": self.stored.n if self.stored else 0,
+            "stored": self.stored.to_bytes() if self.stored else b"",
+            "nr": self.result.n if self.result else 0,
+            "result": self.result.to_bytes() if self.result else b"",
+        }
