@@ -501,7 +501,7 @@ class Node:
                 log.debug("have refresh failed", exc_info=True)
 
     async def _refresh_haves(self, job: SnapshotJob, need_result: bool = False) -> bool:
-        """Ask every live peer what it holds of ``job``; True if any holds result chunks."""
+        """Ask every live peer what it holds of ``job``; True if one holds every result chunk."""
         haves = self.peer_haves.setdefault(job.identity, {})
         ns, nr = len(job.stored_refs), len(job.result_refs)
 
@@ -520,7 +520,8 @@ class Node:
                 return
 
         await asyncio.gather(*(one(m) for m in self.membership.live()))
-        return any(r.count > 0 for _, r in haves.values()) if need_result else False
+        # Result mode only pays off when some peer has rebuilt the whole target already.
+        return any(r.complete for _, r in haves.values()) if need_result else False
 
     def _holders(self, job: SnapshotJob, layer: str, index: int) -> list[Member]:
         haves = self.peer_haves.get(job.identity, {})

@@ -1,0 +1,186 @@
+"""Real bdnd processes on loopback for tests: start, wait healthy, talk to, kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+SECRET = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """One bdnd process with its own ports, shm dir and log file."""
+
+    def __init__(self, workdir: Path, node_id: str, bucket: str, secret: str = SECRET,
+                 extra_env: dict[str, str] | None = None, peer_port: int | None = None) -> None:
+        self.node_id = node_id
+        self.peer_port = peer_port or free_port()
+        self.local_port = free_port()
+        self.dir = workdir / node_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.shm_dir = self.dir / "shm"
+        self.log_path = self.dir / "bdnd.log"
+        secret_file = self.dir / "secret"
+        secret_file.write_text(secret + "\n")
+        self.env = {
+            **os.environ,
+            "BDN_BUCKET": bucket,
+            "BDN_NODE_ID": node_id,
+            "BDN_PEER_LISTEN": f"127.0.0.1:{self.peer_port}",
+            "BDN_ADVERTISE_URL": self.peer_url,
+            "BDN_LOCAL_LISTEN": f"127.0.0.1:{self.local_port}",
+            "BDN_SHM_DIR": str(self.shm_dir),
+            "BDN_PARTITION_SECRET_FILE": str(secret_file),
+            "BDN_MANIFEST_POLL_S": "0.2",
+            "BDN_LOG_LEVEL": "debug",
+            **(extra_env or {}),
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.local_port}"
+
+    def start(self, peers: list[str]) -> None:
+        env = dict(self.env, BDN_PEERS=",".join(p for p in peers if p != self.peer_url))
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env,
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+
+    def wait_healthy(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"bdnd {self.node_id} exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                self.get("/v1/health")
+                return
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.05)
+        raise TimeoutError(f"bdnd {self.node_id} not healthy after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-6000:]
+        except OSError:
+            return ""
+
+    def request(self, method: str, path: str, timeout: float = 60.0) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                body = r.read()
+                return r.status, (json.loads(body) if r.headers.get_content_type() == "application/json" else body)
+        except urllib.error.HTTPError as e:
+            body = e.read()
+            try:
+                return e.code, json.loads(body)
+            except ValueError:
+                return e.code, body
+
+    def get(self, path: str, timeout: float = 60.0) -> Any:
+        status, body = self.request("GET", path, timeout)
+        if status >= 400:
+            raise urllib.error.HTTPError(self.url + path, status, str(body), None, None)  # type: ignore[arg-type]
+        return body
+
+    def prefetch(self, identity: str) -> tuple[int, Any]:
+        return self.request("POST", f"/v1/snapshots/{identity}/prefetch")
+
+    def wait_ready(self, identity: str, timeout: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.node_id}: {identity} not ready in {timeout} s:\n{self.log()}")
+            status, body = self.request("GET", f"/v1/snapshots/{identity}/wait?state=ready&timeout={min(left, 10):.1f}")
+            if status == 200:
+                return body
+            if status == 409:
+                raise AssertionError(f"{self.node_id}: {identity} failed: {body.get('error')}")
+            if status not in (202, 404):
+                raise AssertionError(f"{self.node_id}: wait answered {status}: {body}")
+            if status == 404:
+                time.sleep(0.1)
+
+    def status(self) -> dict[str, Any]:
+        return self.get("/v1/status")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+
+class Swarm:
+    """N daemons sharing one partition secret, each listing the others as static peers."""
+
+    def __init__(self, workdir: Path, n: int, bucket: str, secret: str = SECRET,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.daemons = [Daemon(workdir, f"node{i}", bucket, secret, extra_env) for i in range(n)]
+
+    @property
+    def peer_urls(self) -> list[str]:
+        return [d.peer_url for d in self.daemons]
+
+    def start(self) -> Swarm:
+        for d in self.daemons:
+            d.start(self.peer_urls)
+        for d in self.daemons:
+            d.wait_healthy()
+        self.wait_members()
+        return self
+
+    def wait_members(self, timeout: float = 20.0) -> None:
+        """Until every running daemon sees every other running daemon as alive."""
+        deadline = time.monotonic() + timeout
+        running = [d for d in self.daemons if d.proc is not None and d.proc.poll() is None]
+        while time.monotonic() < deadline:
+            ok = True
+            for d in running:
+                alive = {p["node_id"] for p in d.status()["peers"] if p["alive"]}
+                if not {o.node_id for o in running if o is not d} <= alive:
+                    ok = False
+                    break
+            if ok:
+                return
+            time.sleep(0.2)
+        raise TimeoutError("swarm members did not converge:\n" + "\n".join(d.log() for d in running))
+
+    def stop(self) -> None:
+        for d in self.daemons:
+            d.stop()
+
+    def __enter__(self) -> Swarm:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
