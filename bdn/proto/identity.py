@@ -2,7 +2,8 @@
 
 An identity is one path segment ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``; ``STARTUP_SNAPSHOT``,
 ``latest``, ``.`` and ``..`` are reserved. A file path is relative, ``/``-separated, with no
-``..`` segment, no empty segment, no leading ``/``, no backslash and no NUL.
+``..`` or ``.`` segment, no empty segment, no leading ``/``, no backslash, no NUL, valid UTF-8
+and at most 1024 bytes.
 """
 
 from __future__ import annotations
@@ -45,7 +46,12 @@ def validate_relpath(path: object) -> str:
     shown = path[:200]
     if not path:
         raise PathError("file path is empty")
-    if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
+    try:
+        # JSON may carry lone surrogates ("\ud800"): no file system or bucket key can hold them.
+        encoded = path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PathError(f"file path {shown!r} is not valid UTF-8 (lone surrogate)") from None
+    if len(encoded) > MAX_PATH_BYTES:
         raise PathError(f"file path {shown!r} is longer than {MAX_PATH_BYTES} bytes")
     if "\x00" in path:
         raise PathError(f"file path {shown!r} contains NUL")

@@ -33,8 +33,10 @@ MIN_SECRET_CHARS = 16
 MAX_SKEW_S = 30
 SCHEME = "BDN-HMAC"
 NODE_ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._:-]{0,63}\Z")
+# [0-9], not \d: \d also matches non-ASCII digits ("\u0661"), which int() accepts, so one
+# signed request would have many spellings.
 _HEADER_RE = re.compile(
-    r"\ABDN-HMAC node=([A-Za-z0-9][A-Za-z0-9._:-]{0,63}), ts=(\d{1,12}), "
+    r"\ABDN-HMAC node=([A-Za-z0-9][A-Za-z0-9._:-]{0,63}), ts=([0-9]{1,12}), "
     r"nonce=([0-9a-f]{32}), sig=([0-9a-f]{64})\Z"
 )
 
@@ -95,14 +97,23 @@ def derive_keys(secret: str | bytes) -> SwarmKeys:
 
 
 def _signature(keys: SwarmKeys, method: str, path_qs: str, ts: int, nonce: str, node: str) -> str:
-    msg = f"BDN-HMAC-1\n{method.upper()}\n{path_qs}\n{ts}\n{nonce}\n{node}".encode()
-    return hmac.new(keys.auth_key, msg, hashlib.sha256).hexdigest()
+    # surrogatepass: servers decode raw request bytes with surrogateescape ("\udcff"); such a
+    # path must fail the signature check (401), not raise UnicodeEncodeError (500).
+    msg = f"BDN-HMAC-1\n{method.upper()}\n{path_qs}\n{ts}\n{nonce}\n{node}"
+    raw = msg.encode("utf-8", "surrogatepass")
+    return hmac.new(keys.auth_key, raw, hashlib.sha256).hexdigest()
 
 
 def sign_request(
     keys: SwarmKeys, method: str, path_qs: str, node_id: str, *, now: float | None = None
 ) -> str:
-    """The ``Authorization`` header value for a peer request to ``path_qs`` (path plus query)."""
+    """The ``Authorization`` header value for a peer request to ``path_qs`` (path plus query).
+
+    Raises:
+        BdnError: ``node_id`` does not match ``NODE_ID_RE`` (no verifier could accept the header).
+    """
+    if not NODE_ID_RE.match(node_id):
+        raise BdnError(f"node id {node_id[:80]!r} does not match {NODE_ID_RE.pattern}")
     ts = int(time.time() if now is None else now)
     nonce = secrets.token_hex(16)
     sig = _signature(keys, method, path_qs, ts, nonce, node_id)

@@ -169,6 +169,9 @@ class Manifest:
             obj = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        except RecursionError:
+            # json's C decoder recurses per nesting level: "[[[[..." of a few KB exhausts it.
+            raise ManifestError("manifest is not valid JSON: nested too deeply") from None
         try:
             m = cls.from_dict(obj)
         except ManifestError:
@@ -199,14 +202,23 @@ class Manifest:
             raise ManifestError("manifest created_at must be a string of at most 64 chars")
         base = comp = cksum = None
         if kind == "delta":
-            base = validate_identity(obj.get("base_identity"))
+            try:
+                base = validate_identity(obj.get("base_identity"))
+            except ProtocolError as e:
+                raise ManifestError(f"delta manifest base_identity: {e}") from None
             if base == identity:
                 raise ManifestError(f"delta {identity!r} names itself as its base")
             comp = obj.get("compression_format")
             cksum = obj.get("checksum_format")
+            # check_formats also serves hot-load requests, where an absent checksum_format is
+            # fine; bdn's own manifest always names both.
+            for k, v in (("compression_format", comp), ("checksum_format", cksum)):
+                if not isinstance(v, str):
+                    raise ManifestError(f"delta manifest {k} must be a string, got {v!r}"[:200])
             from bdn.proto.arc import check_formats  # arc owns the list of supported codecs
 
             check_formats(comp, cksum)
+            comp = comp.lower()  # check_formats matches case-insensitively; store one spelling
         else:
             for k in ("base_identity", "compression_format", "checksum_format"):
                 if obj.get(k) is not None:
@@ -218,6 +230,7 @@ class Manifest:
             raise ManifestError(f"manifest lists {len(raw_files)} files, over {MAX_FILES}")
         files: list[FileEntry] = []
         seen: set[str] = set()
+        tree: dict[str, Any] = {}
         total = 0
         for i, rf in enumerate(raw_files):
             if not isinstance(rf, dict):
@@ -227,6 +240,10 @@ class Manifest:
                 raise ManifestError(f"manifest lists {path!r} twice")
             if path == MANIFEST_NAME:
                 raise ManifestError(f"manifest must not list itself ({MANIFEST_NAME})")
+            if not _add_to_tree(tree, path):
+                raise ManifestError(
+                    f"manifest path {path!r} clashes with another file (a file and a directory)"
+                )
             seen.add(path)
             size = _int(rf, "size", 0, MAX_OBJECT_BYTES, where=path)
             chunks = _chunks(rf.get("chunks"), size, chunk_size, path)
@@ -257,6 +274,27 @@ class Manifest:
             compression_format=comp,
             checksum_format=cksum,
         )
+
+
+_FILE = object()  # leaf marker in the path tree
+
+
+def _add_to_tree(tree: dict[str, Any], path: str) -> bool:
+    """Add ``path`` to a tree of path segments; False if it clashes (``a`` beside ``a/b``).
+
+    A tree rather than a set of prefixes keeps this linear in the path length: a 1 KiB path of
+    500 segments has 500 prefixes of up to 1 KiB each.
+    """
+    parts = path.split("/")
+    node = tree
+    for seg in parts[:-1]:
+        node = node.setdefault(seg, {})
+        if node is _FILE:
+            return False
+    if parts[-1] in node:
+        return False
+    node[parts[-1]] = _FILE
+    return True
 
 
 def _int(obj: dict[str, Any], key: str, lo: int, hi: float, where: str = "manifest") -> int:
