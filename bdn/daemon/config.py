@@ -41,6 +41,7 @@ class Config:
     endpoint_url: str = ""  # S3 API endpoint override (else AWS_ENDPOINT_URL / default)
     require_manifest: bool = True  # wait for bdn.manifest.json before loading a snapshot
     load_startup: bool = True  # load STARTUP_SNAPSHOT on start
+    startup_settle_s: float = 5.0  # at start, wait up to this long for static peers to answer
     max_inflight: int = 16  # chunk transfers in flight per snapshot
     bucket_concurrency: int = 16  # concurrent bucket requests
     chunk_wait_s: float = 30.0  # how long an owner may hold a chunk request while it fetches

@@ -135,8 +135,20 @@ class Node:
         self._tasks.append(asyncio.create_task(self._membership_loop(), name="membership"))
 
     async def after_listen(self) -> None:
-        """Called once both servers listen: the first membership round, then STARTUP_SNAPSHOT."""
-        await self._membership_round()
+        """Called once both servers listen: membership settles, then STARTUP_SNAPSHOT loads.
+
+        Daemons of a fleet start within seconds of each other; loading before they know each
+        other would make each one the HRW owner of everything and multiply bucket egress. So the
+        first rounds run every 0.25 s until every static peer answered or ``startup_settle_s``
+        passed (peers that are really down just cost that much delay).
+        """
+        deadline = time.monotonic() + self.cfg.startup_settle_s
+        while True:
+            await self._membership_round()
+            static = [m for m in self.membership.members.values() if m.static]
+            if all(m.alive for m in static) or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.25)
         if self.cfg.load_startup:
             self._tasks.append(asyncio.create_task(self._load_startup(), name="startup"))
 

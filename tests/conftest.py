@@ -1,0 +1,35 @@
+"""Shared fixtures: a real moto S3 server for the session, fresh buckets, published checkpoints."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+os.environ.pop("AWS_PROFILE", None)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A real S3 API server process (moto) on a loopback port, for the whole session."""
+    from support.s3server import start_moto_server, stop_moto_server
+
+    proc, url = start_moto_server()
+    yield url
+    stop_moto_server(proc)
+
+
+@pytest.fixture
+def s3_bucket(moto_endpoint):
+    """A fresh bucket on the moto server: returns ``(s3_url_with_prefix, endpoint_url)``."""
+    from support.s3server import create_bucket
+
+    name = create_bucket(moto_endpoint)
+    return f"s3://{name}/run1", moto_endpoint
