@@ -251,6 +251,8 @@ class Manifest:
             if rf.get("result") is not None:
                 if kind != "delta":
                     raise ManifestError(f"{path}: only a delta's files may have a result")
+                if not path.endswith(".safetensors"):
+                    raise ManifestError(f"{path}: only a delta's safetensors files are diffs with a result")
                 rr = rf["result"]
                 if not isinstance(rr, dict):
                     raise ManifestError(f"{path}: result must be an object")
