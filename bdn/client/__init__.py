@@ -1,0 +1,33 @@
+"""bdn.client: what a serving process uses to get checkpoints from the node's bdnd.
+
+- ``DaemonClient(url)``: the daemon's local API (health, status, prefetch, wait for a state, pull
+  files and tensors over HTTP, ``open()`` the ready directory). Blocking, stdlib HTTP only.
+- ``open_snapshot(path)`` / ``Snapshot``: a READY snapshot directory, tensors as zero-copy
+  read-only numpy views into the daemon's shared memory, ``verify()`` against READY's digests.
+
+Example::
+
+    from bdn.client import DaemonClient
+    with DaemonClient() as bdn, bdn.open("step000002", timeout=600) as snap:
+        weights = snap.tensors()         # {name: np.ndarray}, no copies
+        engine.load(weights, policy_version=snap.policy_version)
+"""
+
+from bdn.client.daemon import DEFAULT_URL, STATES, DaemonClient
+from bdn.client.errors import DaemonError, DaemonUnreachable, SnapshotFailed
+from bdn.client.ready import ReadyFile, ReadyMarker, read_ready
+from bdn.client.snapshot import Snapshot, open_snapshot
+
+__all__ = [
+    "DEFAULT_URL",
+    "STATES",
+    "DaemonClient",
+    "DaemonError",
+    "DaemonUnreachable",
+    "ReadyFile",
+    "ReadyMarker",
+    "Snapshot",
+    "SnapshotFailed",
+    "open_snapshot",
+    "read_ready",
+]

@@ -1,0 +1,308 @@
+"""bdnctl: operator CLI of a node's bdnd, over its local API (README.md, "Local API").
+
+Usage::
+
+    bdnctl [--url URL] [--json] prefetch <identity> [--wait] [--timeout S]
+    bdnctl [--url URL] [--json] status
+    bdnctl [--url URL] [--json] snapshots
+    bdnctl [--url URL] [--json] verify <identity | snapshot-dir>
+
+``--url`` defaults to ``$BDN_URL`` or ``http://127.0.0.1:7081`` (``unix:///path.sock`` also works).
+``--json`` prints one JSON document on stdout for every command, errors included
+(``{"error": "...", "exit_code": N}``); the human output goes away, the stderr error line stays.
+
+``prefetch --wait`` shows a progress bar of fetched/total stored bytes on stderr and ends with
+``<identity> ready in <s> s: <path>`` (the bar is drawn only when stderr is a terminal). The
+snapshot table's PATH column shows the directory of a ready snapshot and the reason of a failed
+one. ``verify`` re-hashes a ready snapshot's files against its
+READY marker's digests, on this host (it reads the directory the daemon reports, or the one given).
+
+Exit codes:
+    0  success
+    1  the operation failed (snapshot failed, wait timed out, verification failed, the daemon
+       answered with an error)
+    2  usage error (bad arguments, bad URL, malformed identity)
+    3  the daemon is unreachable (``bdnctl: error: cannot reach bdnd at <url>: <reason>``)
+Every failure prints one line ``bdnctl: error: <reason>`` on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from tqdm import tqdm
+
+from bdn.client import DaemonClient, DaemonError, DaemonUnreachable, SnapshotFailed, open_snapshot
+from bdn.client.errors import one_line
+from bdn.client.ready import read_ready, verify_files
+from bdn.proto.errors import BdnError, IdentityError, PathError
+
+PROG = "bdnctl"
+DEFAULT_URL = "http://127.0.0.1:7081"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+POLL_SECONDS = 0.2
+
+
+class _Fail(Exception):
+    """A failure to report as one line with an exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse would print the whole usage block; the rule is one line.
+        raise _Fail(f"{message} (see {PROG} --help)", EXIT_USAGE)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Operate the node's bdn daemon (bdnd) through its local API.")
+    p.add_argument("--url", default=os.environ.get("BDN_URL") or DEFAULT_URL,
+                   help="bdnd local API: http://host:port or unix:///path.sock (default $BDN_URL or %(default)s)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    pf = sub.add_parser("prefetch", help="start fetching a snapshot onto this node")
+    pf.add_argument("identity")
+    pf.add_argument("--wait", action="store_true", help="wait until ready, with a progress bar")
+    pf.add_argument("--timeout", type=float, default=None, metavar="S",
+                    help="with --wait: give up after S seconds (exit 1)")
+    sub.add_parser("status", help="node, swarm, peers, counters and snapshots")
+    sub.add_parser("snapshots", help="table of the snapshots this daemon knows")
+    vf = sub.add_parser("verify", help="re-hash a ready snapshot's files against its READY marker")
+    vf.add_argument("target", metavar="IDENTITY|DIR", help="an identity (asks bdnd where it is), or a snapshot directory path (holds a '/')")
+    return p
+
+
+# -- output helpers ----------------------------------------------------------------------------
+
+def _cell(value: Any) -> str:
+    return "-" if value is None or value == "" else one_line(str(value), 200)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _human_bytes(n: Any) -> str:
+    if not isinstance(n, int | float) or isinstance(n, bool):
+        return _cell(n)
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _progress(snap: dict[str, Any]) -> str:
+    done, total = snap.get("bytes_done"), snap.get("bytes_total")
+    if isinstance(done, int) and isinstance(total, int) and total > 0:
+        return f"{min(100.0, 100.0 * done / total):.0f}%"
+    return "100%" if snap.get("state") == "ready" else "-"
+
+
+def _snapshot_table(snaps: list[dict[str, Any]]) -> str:
+    rows = [
+        [s.get("identity"), s.get("kind"), s.get("policy_version"), s.get("state"), _progress(s),
+         s.get("path") if s.get("state") == "ready" else (s.get("reason") if s.get("state") == "failed" else None)]
+        for s in snaps
+    ]
+    return _table(["IDENTITY", "KIND", "POLICY_VERSION", "STATE", "PROGRESS", "PATH"], rows)
+
+
+def _emit_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+# -- commands ----------------------------------------------------------------------------------
+
+def _cmd_prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
+    identity: str = args.identity
+    if args.timeout is not None and not args.timeout >= 0:
+        raise _Fail("--timeout must be >= 0 seconds", EXIT_USAGE)
+    start = time.monotonic()
+    snap = client.prefetch(identity)
+    if not args.wait:
+        if snap.get("state") == "failed":
+            raise _Fail(f"{identity} failed: {_cell(snap.get('reason'))}")
+        if args.json:
+            _emit_json(snap)
+        else:
+            print(f"{identity}: {_cell(snap.get('state'))} (prefetch started)")
+        return EXIT_OK
+
+    # disable=None: no bar when stderr is not a terminal, so logs do not fill with redraws.
+    bar = tqdm(total=None, desc=identity, unit="B", unit_scale=True, unit_divisor=1024,
+               file=sys.stderr, disable=True if args.json else None, leave=False,
+               dynamic_ncols=True, mininterval=0.2)
+    shown_state: list[Any] = [None]
+
+    def update(s: dict[str, Any]) -> None:
+        total, done = s.get("bytes_total"), s.get("bytes_done")
+        if isinstance(total, int) and total > 0 and bar.total != total:
+            bar.total = total  # known once the daemon has read the manifest
+            bar.refresh()
+        if isinstance(done, int) and done >= 0 and done != bar.n:
+            bar.update(done - bar.n)
+        if s.get("state") != shown_state[0]:
+            shown_state[0] = s.get("state")
+            bar.set_postfix_str(_cell(s.get("state")))
+
+    try:
+        update(snap)
+        if snap.get("state") == "failed":
+            raise SnapshotFailed(str(snap.get("reason") or "failed"), snap)
+        if snap.get("state") != "ready":
+            snap = client.wait(identity, "ready", args.timeout, poll=POLL_SECONDS, on_update=update)
+        update(snap)
+    except SnapshotFailed as exc:
+        raise _Fail(f"{identity} failed: {exc.reason}") from None
+    except TimeoutError as exc:
+        raise _Fail(str(exc)) from None
+    finally:
+        bar.close()
+    elapsed = time.monotonic() - start
+    if args.json:
+        _emit_json(snap)
+    else:
+        print(f"{identity} ready in {elapsed:.1f} s: {_cell(snap.get('path'))}")
+    return EXIT_OK
+
+
+def _cmd_status(client: DaemonClient, args: argparse.Namespace) -> int:
+    st = client.status()
+    if args.json:
+        _emit_json(st)
+        return EXIT_OK
+    lines = [f"{k:<9} {_cell(st.get(k))}" for k in ("node_id", "swarm_id", "peer_url", "version")]
+    bucket = st.get("bucket")
+    if isinstance(bucket, dict):
+        extra = ", ".join(
+            f"{k} {_human_bytes(v) if k.endswith('bytes') else _cell(v)}" for k, v in bucket.items() if k != "url"
+        )
+        lines.append(f"{'bucket':<9} {_cell(bucket.get('url'))}" + (f" ({extra})" if extra else ""))
+    peers = st.get("peers") if isinstance(st.get("peers"), list) else []
+    lines.append(f"\npeers ({len(peers)}):")
+    if peers:
+        rows = [[p.get("node_id"), p.get("url"), "yes" if p.get("alive") else "no"]
+                for p in peers if isinstance(p, dict)]
+        lines.append(_indent(_table(["NODE", "URL", "ALIVE"], rows)))
+    counters = st.get("counters")
+    if isinstance(counters, dict) and counters:
+        lines.append("\ncounters:")
+        width = max(len(str(k)) for k in counters)
+        for k, v in counters.items():
+            shown = _human_bytes(v) if "bytes" in str(k) else _cell(v)
+            lines.append(f"  {_cell(k):<{width}}  {shown}")
+    snaps = [s for s in st.get("snapshots") or [] if isinstance(s, dict)]
+    lines.append(f"\nsnapshots ({len(snaps)}):")
+    if snaps:
+        lines.append(_indent(_snapshot_table(snaps)))
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
+
+
+def _cmd_snapshots(client: DaemonClient, args: argparse.Namespace) -> int:
+    snaps = client.snapshots()
+    if args.json:
+        _emit_json({"snapshots": snaps})
+    elif snaps:
+        print(_snapshot_table(snaps))
+    else:
+        print("no snapshots")
+    return EXIT_OK
+
+
+def _cmd_verify(client: DaemonClient, args: argparse.Namespace) -> int:
+    target: str = args.target
+    expect: str | None = None
+    if "/" in target or target.startswith("."):
+        path = target  # identities never hold '/' nor start with '.', so this is a directory
+    else:
+        snap = client.snapshot(target)
+        if snap.get("state") != "ready":
+            raise _Fail(f"{target} is {_cell(snap.get('state'))}, not ready")
+        path = snap.get("path")
+        if not isinstance(path, str) or not path:
+            raise _Fail(f"daemon reports {target} ready without a path")
+        expect = target
+    start = time.monotonic()
+    # Hashes first, from READY alone: a corrupted header must show up as the bad chunk it is,
+    # not as a parse error. Then open, which checks headers and the index against each other.
+    marker = read_ready(path)
+    if expect is not None and marker.identity != expect:
+        raise _Fail(f"{path} holds snapshot {marker.identity}, not {expect}")
+    verify_files(path, marker)
+    with open_snapshot(path) as s:
+        result = {"identity": s.identity, "path": str(s.path), "ok": True, "files": len(s.files()),
+                  "bytes": s.ready.total_bytes, "seconds": round(time.monotonic() - start, 3)}
+    if args.json:
+        _emit_json(result)
+    else:
+        print(f"{result['identity']} ok: {result['files']} files, {_human_bytes(result['bytes'])} "
+              f"match READY ({result['path']})")
+    return EXIT_OK
+
+
+COMMANDS = {"prefetch": _cmd_prefetch, "status": _cmd_status, "snapshots": _cmd_snapshots,
+            "verify": _cmd_verify}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run bdnctl with ``argv`` (default ``sys.argv[1:]``); returns the exit code (see above)."""
+    json_mode = "--json" in (sys.argv[1:] if argv is None else argv)
+    try:
+        try:
+            args = _parser().parse_args(argv)
+        except SystemExit as exc:  # --help
+            return int(exc.code or 0)
+        json_mode = args.json
+        try:
+            client = DaemonClient(args.url)
+        except ValueError as exc:
+            raise _Fail(str(exc), EXIT_USAGE) from None
+        with client:
+            return COMMANDS[args.command](client, args)
+    except _Fail as exc:
+        return _report(str(exc), exc.code, json_mode)
+    except DaemonUnreachable as exc:
+        return _report(str(exc), EXIT_UNREACHABLE, json_mode)
+    except (IdentityError, PathError) as exc:
+        return _report(str(exc), EXIT_USAGE, json_mode)
+    except DaemonError as exc:
+        return _report(f"bdnd answered {exc.status}: {exc.message}", EXIT_FAILED, json_mode)
+    except BdnError as exc:
+        return _report(str(exc), EXIT_FAILED, json_mode)
+    except KeyboardInterrupt:
+        return _report("interrupted", 130, json_mode)
+    except BrokenPipeError:
+        # stdout closed early (`bdnctl snapshots | head`): not an error worth a traceback.
+        sys.stderr.close()
+        return EXIT_FAILED
+
+
+def _report(message: str, code: int, json_mode: bool) -> int:
+    line = one_line(message, 1000)
+    if json_mode:
+        _emit_json({"error": line, "exit_code": code})
+    print(f"{PROG}: error: {line}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
