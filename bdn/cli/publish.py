@@ -1,0 +1,175 @@
+"""``bdn-publish``: publish snapshots from the trainer side (DESIGN.md, "Surfaces").
+
+::
+
+    bdn-publish full    --dir D --bucket URL --identity ID --policy-version N [--chunk-size BYTES]
+    bdn-publish delta   --dir D --bucket URL --identity ID --policy-version N --base ID
+                        [--base-dir D] [--compression-format arc_v2]
+    bdn-publish startup --bucket URL --identity ID
+
+Common options: ``--credentials-file`` (JSON credentials for the bucket), ``--endpoint-url``
+(an S3-compatible endpoint), ``--workers``, ``--overwrite``. The command only maps flags onto
+:mod:`bdn.publish`. Exit status: 0 on success, 1 with one line ``bdn-publish: error: <message>``
+on stderr when bdn refuses or fails, 2 for a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from typing import TYPE_CHECKING
+
+from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from bdn.proto.errors import BdnError
+
+if TYPE_CHECKING:
+    from bdn.proto.manifest import Manifest
+
+PROG = "bdn-publish"
+
+
+def _chunk_size(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not MIN_CHUNK_SIZE <= v <= MAX_CHUNK_SIZE:
+        raise argparse.ArgumentTypeError(f"must be in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}] bytes")
+    return v
+
+
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError("must be >= 0")
+    return v
+
+
+def _positive(text: str) -> int:
+    v = _non_negative(text)
+    if v == 0:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``bdn-publish`` (subcommands ``full``, ``delta``, ``startup``)."""
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Publish checkpoints to a bucket for bdn daemons to distribute."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{full,delta,startup}")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--bucket", required=True, help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
+        p.add_argument("--identity", required=True, help="snapshot identity, e.g. step000002")
+        p.add_argument("--credentials-file", help="JSON file with the bucket credentials")
+        p.add_argument("--endpoint-url", help="S3-compatible endpoint URL")
+
+    def snapshot(p: argparse.ArgumentParser) -> None:
+        common(p)
+        p.add_argument("--dir", required=True, help="Hugging Face checkpoint directory to publish")
+        p.add_argument("--policy-version", required=True, type=_non_negative, help="integer policy version")
+        p.add_argument(
+            "--chunk-size",
+            type=_chunk_size,
+            default=DEFAULT_CHUNK_SIZE,
+            help=f"chunk size in bytes (default {DEFAULT_CHUNK_SIZE})",
+        )
+        p.add_argument("--workers", type=_positive, default=8, help="files uploaded at a time (default 8)")
+        p.add_argument(
+            "--overwrite", action="store_true", help="replace a snapshot that is already published"
+        )
+
+    full = sub.add_parser("full", help="publish a full snapshot (an anchor)")
+    snapshot(full)
+    delta = sub.add_parser("delta", help="publish a delta against a published base snapshot")
+    snapshot(delta)
+    delta.add_argument("--base", required=True, help="identity of the published base snapshot")
+    delta.add_argument(
+        "--base-dir",
+        help="local copy of the base checkpoint (default: download it from the bucket)",
+    )
+    delta.add_argument(
+        "--compression-format", default="arc_v2", help="arc_v2 (zstd, default) or arc_v1 (zlib)"
+    )
+    startup = sub.add_parser("startup", help="point STARTUP_SNAPSHOT at a published snapshot")
+    common(startup)
+    return parser
+
+
+def _summary(m: Manifest, seconds: float) -> str:
+    return (
+        f"published {m.identity} ({m.kind}"
+        + (f" of {m.base_identity}" if m.base_identity else "")
+        + f", policy version {m.policy_version}): {len(m.files)} files, "
+        f"{m.stored_bytes} bytes stored, {m.result_bytes} bytes result, {seconds:.2f} s"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``bdn-publish``; returns the exit status (argparse exits 2 on a usage error)."""
+    args = build_parser().parse_args(argv)
+    # Imported after parsing: boto3 and numpy take most of a second, usage errors need neither.
+    from tqdm import tqdm
+
+    from bdn.bucket import open_bucket
+    from bdn.publish import publish_delta, publish_full, publish_startup
+    from bdn.publish.tree import scan_dir
+
+    try:
+        bucket = open_bucket(
+            args.bucket, credentials_file=args.credentials_file, endpoint_url=args.endpoint_url
+        )
+        with bucket:
+            if args.command == "startup":
+                publish_startup(bucket, args.identity)
+                print(f"STARTUP_SNAPSHOT names {args.identity}")
+                return 0
+            start = time.monotonic()
+            # disable=None: a bar on a terminal, silence when stderr is a pipe or a log file.
+            total = sum(f.size for f in scan_dir(args.dir)) if args.command == "full" else None
+            with tqdm(total=total, unit="B", unit_scale=True, desc="uploaded", disable=None) as bar:
+                if args.command == "full":
+                    m = publish_full(
+                        bucket,
+                        args.identity,
+                        args.policy_version,
+                        dir=args.dir,
+                        chunk_size=args.chunk_size,
+                        workers=args.workers,
+                        overwrite=args.overwrite,
+                        progress=bar.update,
+                    )
+                else:
+                    m = publish_delta(
+                        bucket,
+                        args.identity,
+                        args.policy_version,
+                        args.base,
+                        dir=args.dir,
+                        base_dir=args.base_dir,
+                        compression_format=args.compression_format,
+                        chunk_size=args.chunk_size,
+                        workers=args.workers,
+                        overwrite=args.overwrite,
+                        progress=bar.update,
+                    )
+            print(_summary(m, time.monotonic() - start))
+            return 0
+    except BdnError as e:
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: error: interrupted; the snapshot was not published", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
