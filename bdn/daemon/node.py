@@ -496,9 +496,13 @@ class Node:
             try:
                 await asyncio.gather(*tasks)
             except BaseException:
-                for t in tasks:
+                # The acquisitions run shielded (single-flight), so cancelling their waiters alone
+                # would leave them running: writing into files this job abandons (result mode
+                # falling back to the chain) and dying with unretrieved exceptions.
+                acquiring = [f for (lay, _), f in list(job.inflight.items()) if lay == layer]
+                for t in (*tasks, *acquiring):
                     t.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+                await asyncio.gather(*tasks, *acquiring, return_exceptions=True)
                 raise
         finally:
             poller.cancel()
@@ -620,9 +624,15 @@ class Node:
             # every peer failed: this node reads the bucket itself, as a counted fallback
             await self._from_bucket(job, ref, mv, target, owner=False)
             await self._got(job, layer, ref, idx, "bucket")
+        except asyncio.CancelledError:
+            # A worker thread may still be hashing or writing ``buf``: leave it to the GC rather
+            # than hand it to the next chunk through the pool.
+            buf = None  # type: ignore[assignment]
+            raise
         finally:
-            mv.release()
-            self.pool.put(buf)
+            if buf is not None:
+                mv.release()
+                self.pool.put(buf)
 
     async def _from_peer(
         self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef, mv: memoryview,
