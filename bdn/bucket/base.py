@@ -1,0 +1,222 @@
+"""The bucket interface: one small sync API over the origin object store, and its errors.
+
+Kraken's ``lib/backend`` is the model: every backend (``file://``, ``s3://``, ``gs://``) implements
+the same few calls and maps its own failures onto the few errors below, so the daemon never sees a
+botocore or ``OSError`` type. Keys are always relative to the bucket root URL and ``/``-separated;
+they are validated with :func:`validate_key` before any backend touches them.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+import threading
+from dataclasses import dataclass
+
+from bdn.proto.errors import BdnError, PathError
+
+#: S3 limits a key to 1024 bytes of UTF-8; we hold ``file://`` to the same rule so keys that work
+#: in one backend work in all of them.
+MAX_KEY_BYTES = 1024
+
+#: Default cap of :meth:`Bucket.read` (bytes): manifests and ``STARTUP_SNAPSHOT`` are far smaller.
+DEFAULT_MAX_READ = 64 << 20
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object.
+
+    ``key``: relative to the bucket root, ``/``-separated (``"step000001/model.safetensors"``).
+    ``size``: bytes. ``etag``: opaque change marker; equal etags mean equal content for S3/GCS.
+    For ``file://`` it is ``"<size hex>-<mtime_ns hex>"`` (see :mod:`bdn.bucket.file`).
+    """
+
+    key: str
+    size: int
+    etag: str
+
+
+class BucketError(BdnError):
+    """A bucket operation failed; the message is one line naming the URL and what went wrong."""
+
+
+class ObjectNotFound(BucketError):
+    """The object does not exist. Message: ``object not found: <url>/<key>``."""
+
+
+class AccessDenied(BucketError):
+    """The bucket refused the credentials (HTTP 403, bad key id, bad signature)."""
+
+
+class BucketUnavailable(BucketError):
+    """The bucket could not be reached or kept failing after every retry; names the last error."""
+
+
+@dataclass
+class BucketStats:
+    """Counters of bucket traffic, safe to bump from many threads.
+
+    ``get_requests``/``get_bytes``: GET calls (whole and ranged reads) and body bytes received.
+    ``head_requests``: ``stat`` calls. ``put_requests``/``put_bytes``: objects written (one per
+    ``write``/``write_file``, however many multipart parts it took) and their bytes.
+    ``list_requests``: listing pages. ``retries``: attempts repeated after a retryable failure
+    (botocore's retries plus resumed GET bodies), so ``requests + retries`` is what the bucket saw.
+    Counts are per logical request, not per HTTP attempt.
+    """
+
+    get_requests: int = 0
+    get_bytes: int = 0
+    head_requests: int = 0
+    put_requests: int = 0
+    put_bytes: int = 0
+    list_requests: int = 0
+    retries: int = 0
+    _lock: threading.Lock = dataclasses.field(
+        default_factory=threading.Lock, repr=False, compare=False
+    )
+
+    def add(self, **deltas: int) -> None:
+        """Add each ``name=delta`` to its counter atomically."""
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self, name, getattr(self, name) + delta)
+
+    def snapshot(self) -> dict[str, int]:
+        """A consistent copy of every counter: ``{name: value}``."""
+        with self._lock:
+            return {
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if not f.name.startswith("_")
+            }
+
+
+def _show(text: str, limit: int = 120) -> str:
+    """A one-line, bounded rendering of untrusted text for error messages."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
+def validate_key(key: object) -> str:
+    """Check an object key and return it.
+
+    A key is a non-empty ``str`` of ``/``-separated segments: no leading or trailing ``/``, no
+    empty, ``.`` or ``..`` segment, no backslash, no NUL or other control character, at most
+    :data:`MAX_KEY_BYTES` of UTF-8. Raises :class:`bdn.proto.errors.PathError` otherwise.
+    """
+    if not isinstance(key, str):
+        raise PathError(f"bucket key must be a str, got {type(key).__name__}")
+    _check_segments(key, what="bucket key", allow_trailing_slash=False)
+    return key
+
+
+def validate_prefix(prefix: object) -> str:
+    """Check a listing prefix and return it: ``""``, or a key that may end with ``/``.
+
+    The last segment may be partial (``"step00"`` matches ``"step000001/..."``); the same rules as
+    :func:`validate_key` apply otherwise. Raises :class:`bdn.proto.errors.PathError`.
+    """
+    if not isinstance(prefix, str):
+        raise PathError(f"bucket prefix must be a str, got {type(prefix).__name__}")
+    if prefix == "":
+        return prefix
+    _check_segments(prefix, what="bucket prefix", allow_trailing_slash=True)
+    return prefix
+
+
+def _check_segments(text: str, *, what: str, allow_trailing_slash: bool) -> None:
+    if text == "":
+        raise PathError(f"{what} is empty")
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
+        raise PathError(f"{what} is longer than {MAX_KEY_BYTES} bytes: {_show(text)}")
+    if "\\" in text:
+        raise PathError(f"{what} contains a backslash: {_show(text)}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+        raise PathError(f"{what} contains NUL or a control character: {_show(text)}")
+    if text.startswith("/"):
+        raise PathError(f"{what} starts with '/': {_show(text)}")
+    body = text[:-1] if allow_trailing_slash and text.endswith("/") else text
+    for segment in body.split("/"):
+        if segment in ("", ".", ".."):
+            raise PathError(
+                f"{what} has an empty, '.' or '..' segment: {_show(text)}"
+            )
+
+
+class Bucket(abc.ABC):
+    """The origin object store behind one small synchronous, thread-safe interface.
+
+    ``url`` is the root URL as given (``"s3://b/prefix"``, ``"file:///tmp/x"``); every key is
+    relative to it. The daemon calls these methods from a thread pool, so implementations keep no
+    per-call state on ``self`` and bound their own concurrency. Every method raises only
+    :class:`BucketError` subclasses (and :class:`~bdn.proto.errors.PathError` for a bad key).
+    """
+
+    url: str
+    stats: BucketStats
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo:
+        """Size and etag of one object. Raises :class:`ObjectNotFound`."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (recursive), sorted by key.
+
+        ``prefix`` is a plain string prefix as in S3 (``"step000001/"`` lists that directory).
+        Directory markers (keys ending in ``/``) and keys that break the key rules are skipped.
+        """
+
+    @abc.abstractmethod
+    def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
+        """The whole object (manifests, ``STARTUP_SNAPSHOT``).
+
+        Raises :class:`BucketError` if it is larger than ``max_size`` bytes (read nothing then).
+        """
+
+    @abc.abstractmethod
+    def read_range_into(self, key: str, offset: int, out: memoryview) -> None:
+        """Fill all of ``out`` (a writable contiguous buffer) with the bytes at ``offset``.
+
+        Bytes land directly in ``out`` where the backend allows it. Raises :class:`BucketError`
+        if the object ends before ``offset + len(out)`` (``out`` is then partly written).
+        """
+
+    @abc.abstractmethod
+    def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Store ``data`` as the object; readers see the old object or the new one, never half."""
+
+    @abc.abstractmethod
+    def write_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        """Store the local file at ``path`` as the object (multipart and parallel where large)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections and threads. Idempotent."""
+
+    def __enter__(self) -> Bucket:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def _where(self, key: str) -> str:
+        """``<url>/<key>`` for messages."""
+        return f"{self.url.rstrip('/')}/{key}"
+
+
+def as_byte_view(out: memoryview | bytearray) -> memoryview:
+    """``out`` as a writable, contiguous, 1-byte-item memoryview, or :class:`BucketError`."""
+    view = memoryview(out)
+    if view.readonly:
+        raise BucketError("read_range_into needs a writable buffer")
+    if not view.c_contiguous:
+        raise BucketError("read_range_into needs a contiguous buffer")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view

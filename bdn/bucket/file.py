@@ -1,0 +1,238 @@
+"""``file:///abs/path``: a plain directory as the bucket (the embedded default).
+
+Keys map to files under the root. Every path is resolved (symlinks too) and must stay inside the
+resolved root, so neither a crafted key nor a symlink planted in the directory reads or writes
+outside it. Writes go to a temporary file in the target directory, are fsynced, and are renamed
+into place with ``os.replace`` (atomic on POSIX), so a reader sees the old object or the new one.
+
+ETag: ``"<size hex>-<st_mtime_ns hex>"``. It changes whenever a write replaces the file (new
+inode, new mtime) and costs no read of the content; two different writes within one mtime tick
+with the same size would share an etag, which is acceptable for a marker the format calls opaque.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat as stat_mod
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+from bdn.bucket.base import (
+    DEFAULT_MAX_READ,
+    AccessDenied,
+    Bucket,
+    BucketError,
+    BucketStats,
+    ObjectInfo,
+    ObjectNotFound,
+    as_byte_view,
+    validate_key,
+    validate_prefix,
+)
+from bdn.proto.errors import PathError
+
+#: Temporary files of in-flight writes start with this; ``list`` never shows them.
+TEMP_PREFIX = ".bdn-tmp-"
+
+
+def file_etag(st: os.stat_result) -> str:
+    """The etag of a ``file://`` object from its ``stat``: ``"<size hex>-<mtime_ns hex>"``."""
+    return f"{st.st_size:x}-{st.st_mtime_ns:x}"
+
+
+class FileBucket(Bucket):
+    """A directory as a bucket. ``root`` is an absolute local path; it need not exist yet."""
+
+    def __init__(self, url: str, root: str | os.PathLike[str]) -> None:
+        self.url = url
+        self.stats = BucketStats()
+        root_path = Path(root)
+        if not root_path.is_absolute():
+            raise BucketError(f"file bucket root must be absolute: {url}")
+        self._root = root_path
+        # Resolved lazily per call: the root may be created (or become a symlink) after open.
+        self._closed = False
+
+    # -- paths ---------------------------------------------------------------------------------
+
+    def _real_root(self) -> Path:
+        return Path(os.path.realpath(self._root))
+
+    def _path(self, key: str) -> Path:
+        """The resolved local path of a validated key, refused if it escapes the root."""
+        validate_key(key)
+        root = self._real_root()
+        real = Path(os.path.realpath(root / key))
+        if real != root and root not in real.parents:
+            raise PathError(f"bucket key escapes {self.url}: {key!r}")
+        return real
+
+    def _oserror(self, op: str, key: str, exc: OSError) -> BucketError:
+        where = self._where(key)
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.EISDIR):
+            return ObjectNotFound(f"object not found: {where}")
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return AccessDenied(f"{op} {where}: permission denied")
+        return BucketError(f"{op} {where}: {exc.strerror or exc}")
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def stat(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        self.stats.add(head_requests=1)
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise self._oserror("stat", key, exc) from None
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise ObjectNotFound(f"object not found: {self._where(key)}")
+        return ObjectInfo(key=key, size=st.st_size, etag=file_etag(st))
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        validate_prefix(prefix)
+        root = self._real_root()
+        # Walk only the deepest directory the prefix names in full; the rest is a string filter.
+        head = prefix.rpartition("/")[0]
+        start = Path(os.path.realpath(root / head)) if head else root
+        if start != root and root not in start.parents:
+            raise PathError(f"bucket prefix escapes {self.url}: {prefix!r}")
+        self.stats.add(list_requests=1)
+        found: list[ObjectInfo] = []
+        if not start.is_dir():
+            return found
+        # os.walk does not follow directory symlinks, so the walk itself cannot leave the root;
+        # file symlinks are resolved and checked below.
+        for dirpath, dirnames, filenames in os.walk(start, onerror=None):
+            dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX)]
+            for name in filenames:
+                if name.startswith(TEMP_PREFIX):
+                    continue
+                full = Path(dirpath) / name
+                key = full.relative_to(root).as_posix()
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    validate_key(key)
+                    real = Path(os.path.realpath(full))
+                    if root not in real.parents:
+                        continue
+                    st = os.stat(real)
+                except (PathError, OSError):
+                    continue  # vanished mid-walk, or a name no other backend could hold
+                if stat_mod.S_ISREG(st.st_mode):
+                    found.append(ObjectInfo(key=key, size=st.st_size, etag=file_etag(st)))
+        found.sort(key=lambda info: info.key)
+        return found
+
+    def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
+        path = self._path(key)
+        self.stats.add(get_requests=1)
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > max_size:
+                    raise BucketError(
+                        f"object {self._where(key)} is {size} bytes, over the {max_size}-byte limit"
+                    )
+                # Read one byte past the limit: the file may have grown since fstat.
+                data = f.read(max_size + 1)
+        except OSError as exc:
+            raise self._oserror("read", key, exc) from None
+        if len(data) > max_size:
+            raise BucketError(
+                f"object {self._where(key)} is over the {max_size}-byte limit"
+            )
+        self.stats.add(get_bytes=len(data))
+        return data
+
+    def read_range_into(self, key: str, offset: int, out: memoryview) -> None:
+        view = as_byte_view(out)
+        if offset < 0:
+            raise BucketError(f"negative offset {offset} for {self._where(key)}")
+        path = self._path(key)
+        self.stats.add(get_requests=1)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as exc:
+            raise self._oserror("read", key, exc) from None
+        try:
+            done = 0
+            while done < len(view):
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise BucketError(
+                        f"short read of {self._where(key)}: wanted {len(view)} bytes at offset"
+                        f" {offset}, the object ends after {done}"
+                    )
+                done += n
+        except OSError as exc:
+            raise self._oserror("read", key, exc) from None
+        finally:
+            os.close(fd)
+            self.stats.add(get_bytes=done)
+
+    # -- writes --------------------------------------------------------------------------------
+
+    def _prepare_parent(self, key: str) -> Path:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise self._oserror("write", key, exc) from None
+        # mkdir may have walked through a symlink created meanwhile: check again.
+        return self._path(key)
+
+    def _commit(self, key: str, fill: Callable[[BinaryIO], int]) -> None:
+        path = self._prepare_parent(key)
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                size = fill(f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(exc, OSError):
+                raise self._oserror("write", key, exc) from None
+            raise
+        # Make the rename itself durable, as an object store's PUT is.
+        try:
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError:
+            pass
+        self.stats.add(put_requests=1, put_bytes=size)
+
+    def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        def fill(f: BinaryIO) -> int:
+            return f.write(data)
+
+        self._commit(key, fill)
+
+    def write_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        try:
+            src = open(path, "rb")
+        except OSError as exc:
+            raise BucketError(f"cannot read {os.fspath(path)!r}: {exc.strerror or exc}") from None
+
+        def fill(f: BinaryIO) -> int:
+            shutil.copyfileobj(src, f, 1 << 20)
+            return src.tell()
+
+        with src:
+            self._commit(key, fill)
+
+    def close(self) -> None:
+        self._closed = True
