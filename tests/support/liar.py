@@ -1,0 +1,233 @@
+"""A lying swarm peer, as a real aiohttp server process, for the bad-input tests.
+
+It knows the partition secret, so its requests and answers are properly signed and verified. It
+behaves as a healthy member (``POST members`` answers correctly) and claims to hold everything:
+``GET snapshots/{id}/have`` returns all-bits-set bitfields of the sizes the snapshot's manifest
+(read from the bucket) gives. Every ``GET chunks/{address}`` of a chunk it can size from a manifest
+is answered 200 with random bytes of exactly the right length, so only the receiver's digest check
+can catch it.
+
+Run: ``python tests/support/liar.py --port P --bucket URL --secret-file F [--node-id liar]``.
+It prints ``liar listening on <url>`` once it accepts connections. ``Liar`` below starts and stops
+that process from a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+from aiohttp import web
+
+from bdn.bucket import ObjectNotFound, open_bucket
+from bdn.proto.errors import AuthError, BdnError
+from bdn.proto.identity import validate_identity
+from bdn.proto.keys import NonceCache, SwarmKeys, derive_keys, verify_request
+from bdn.proto.manifest import MANIFEST_NAME, Manifest
+
+LIAR_STATE = web.AppKey("liar", object)
+
+
+class LiarState:
+    """What the liar knows: its keys, the bucket, and chunk lengths by swarm address."""
+
+    def __init__(self, keys: SwarmKeys, node_id: str, url: str, bucket_url: str) -> None:
+        self.keys = keys
+        self.node_id = node_id
+        self.url = url
+        self.bucket = open_bucket(bucket_url)
+        self.nonces = NonceCache()
+        self.manifests: dict[str, Manifest] = {}
+        self.lengths: dict[str, int] = {}  # swarm address -> chunk length in bytes
+        self.members: dict[str, str] = {}  # url -> node id, from POST members
+        self.chunks_lied = 0
+
+    def manifest(self, identity: str) -> Manifest | None:
+        m = self.manifests.get(identity)
+        if m is not None:
+            return m
+        try:
+            m = Manifest.from_json(self.bucket.read(f"{identity}/{MANIFEST_NAME}"), expect_identity=identity)
+        except (ObjectNotFound, BdnError):
+            return None
+        self.manifests[identity] = m
+        for ref in (*m.stored_chunks(), *m.result_chunks()):
+            self.lengths[self.keys.address(ref.digest)] = ref.length
+        return m
+
+
+@web.middleware
+async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
+    if request.match_info.get("swarm_id") != st.keys.swarm_id:
+        return web.Response(status=401)
+    try:
+        verify_request(st.keys, request.headers.get("Authorization"), request.method, request.raw_path, st.nonces)
+    except AuthError:
+        return web.Response(status=401)
+    return await handler(request)
+
+
+async def post_members(request: web.Request) -> web.Response:
+    st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
+    body = msgpack.unpackb(await request.content.read(1 << 20), raw=False)
+    if isinstance(body, dict) and isinstance(body.get("url"), str):
+        st.members[body["url"]] = str(body.get("node_id") or "")
+    ans = {
+        "node_id": st.node_id,
+        "url": st.url,
+        "members": [{"node_id": n, "url": u} for u, n in st.members.items()],
+    }
+    return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
+
+
+def _all_set(n: int) -> bytes:
+    """A bitfield of ``n`` bits, all set (MSB first; spare bits of the last byte clear)."""
+    data = bytearray(b"\xff" * ((n + 7) // 8))
+    if n % 8:
+        data[-1] = (0xFF00 >> (n % 8)) & 0xFF
+    return bytes(data)
+
+
+async def get_have(request: web.Request) -> web.Response:
+    st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
+    identity = request.match_info["identity"]
+    try:
+        validate_identity(identity)
+    except BdnError:
+        return web.Response(status=400)
+    m = st.manifest(identity)
+    if m is None:
+        return web.Response(status=404)
+    ns = sum(len(f.chunks) for f in m.files)
+    nr = sum(len(f.result_chunks) for f in m.files)
+    if request.query.get("since") == "1":  # nothing will ever change: honour the long-poll
+        await asyncio.sleep(min(float(request.query.get("wait", "0") or 0), 5.0))
+    ans = {"v": 1, "state": "ready", "ns": ns, "stored": _all_set(ns), "nr": nr, "result": _all_set(nr)}
+    return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
+
+
+async def get_chunk(request: web.Request) -> web.Response:
+    st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
+    address = request.match_info["address"]
+    if address not in st.lengths:
+        hint = request.query.get("snapshot")
+        if hint:
+            try:
+                st.manifest(validate_identity(hint))
+            except BdnError:
+                pass
+    n = st.lengths.get(address)
+    if n is None:
+        return web.Response(status=404)
+    st.chunks_lied += 1
+    return web.Response(body=os.urandom(n), content_type="application/octet-stream")
+
+
+async def get_stats(request: web.Request) -> web.Response:
+    st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
+    return web.json_response({"chunks_lied": st.chunks_lied, "members": st.members})
+
+
+def make_app(state: LiarState) -> web.Application:
+    app = web.Application(middlewares=[_auth])
+    app[LIAR_STATE] = state
+    p = "/bdn/v1/{swarm_id}"
+    app.router.add_get(p + "/chunks/{address}", get_chunk)
+    app.router.add_get(p + "/snapshots/{identity}/have", get_have)
+    app.router.add_post(p + "/members", post_members)
+    app.router.add_get(p + "/liar/stats", get_stats)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--bucket", required=True)
+    ap.add_argument("--secret-file", required=True)
+    ap.add_argument("--node-id", default="liar")
+    args = ap.parse_args(argv)
+    url = f"http://127.0.0.1:{args.port}"
+    keys = derive_keys(Path(args.secret_file).read_text())
+    state = LiarState(keys, args.node_id, url, args.bucket)
+
+    async def run() -> None:
+        runner = web.AppRunner(make_app(state), access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", args.port).start()
+        print(f"liar listening on {url}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+
+
+class Liar:
+    """The liar as a subprocess: ``start()``, ``url``, ``stop()``."""
+
+    def __init__(self, workdir: Path, bucket: str, secret: str, node_id: str = "liar") -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.node_id = node_id
+        self.bucket = bucket
+        self.dir = workdir / node_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.secret_file = self.dir / "secret"
+        self.secret_file.write_text(secret + "\n")
+        self.log_path = self.dir / "liar.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> Liar:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port),
+                 "--bucket", self.bucket, "--secret-file", str(self.secret_file), "--node-id", self.node_id],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"liar exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"liar not listening after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+if __name__ == "__main__":
+    main()

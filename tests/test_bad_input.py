@@ -1,0 +1,451 @@
+"""Bad input against real bdnd processes: strangers, hostile identities and manifests, corrupt
+deltas, a lying peer, unknown formats, and half-published snapshots.
+
+Every test starts real daemons (``tests/support/swarm.py``) on loopback with a ``file://`` bucket
+under ``tmp_path``; the lying peer is a real aiohttp process (``tests/support/liar.py``). Small
+checkpoints with 64 KiB chunks keep each test to a few seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bdn.proto import hrw
+from bdn.proto.chunks import file_digests
+from bdn.proto.keys import derive_keys, sign_request
+from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
+from bdn.proto.safetensors_fmt import read_header, save_raw
+from bdn.publish import publish_delta, publish_full
+from tests.support.checkpoints import make_state, optimizer_step, write_hf_dir
+from tests.support.liar import Liar
+from tests.support.swarm import SECRET, Daemon
+
+CHUNK = 64 << 10
+NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
+OTHER_SECRET = "fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+class Bucket:
+    """A ``file://`` bucket under tmp_path, plus the checkpoint directories published into it."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = root / "bucket"
+        self.dir.mkdir(parents=True)
+        self.url = f"file://{self.dir}"
+        self.src = root / "src"
+
+    def full(self, identity: str, state: dict[str, Any], version: int) -> tuple[Manifest, Path]:
+        ck = write_hf_dir(self.src / identity, state, version)
+        return publish_full(self.url, identity, version, dir=ck, chunk_size=CHUNK), ck
+
+    def delta(self, identity: str, state: dict[str, Any], version: int, base: str, **kw: Any) -> tuple[Manifest, Path]:
+        ck = write_hf_dir(self.src / identity, state, version)
+        m = publish_delta(self.url, identity, version, base, dir=ck, base_dir=self.src / base,
+                          chunk_size=CHUNK, **kw)
+        return m, ck
+
+    def manifest_path(self, identity: str) -> Path:
+        return self.dir / identity / MANIFEST_NAME
+
+
+@pytest.fixture
+def bucket(tmp_path: Path) -> Bucket:
+    return Bucket(tmp_path)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path, bucket: Bucket) -> Iterator[Daemon]:
+    d = Daemon(tmp_path / "work", "node0", bucket.url, extra_env=NO_STARTUP)
+    d.start([])
+    try:
+        d.wait_healthy()
+        yield d
+    finally:
+        d.stop()
+
+
+@pytest.fixture(scope="module")
+def idle_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon over an empty bucket, shared by tests that must leave it without any snapshot."""
+    root = tmp_path_factory.mktemp("idle")
+    d = Daemon(root / "work", "node0", Bucket(root).url, extra_env=NO_STARTUP)
+    d.start([])
+    try:
+        d.wait_healthy()
+        yield d
+    finally:
+        d.stop()
+
+
+def raw_request(base_url: str, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """One HTTP request with the path sent exactly as given (no client-side normalisation)."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request(method, path, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def settle(d: Daemon, identity: str, timeout: float = 30.0) -> dict[str, Any]:
+    """Wait until ``identity`` is ready or failed on ``d``; return its snapshot description."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, body = d.request("GET", f"/v1/snapshots/{identity}/wait?state=ready&timeout=5")
+        if status == 200:
+            return body
+        if status == 409:
+            return body["snapshot"]
+        assert status == 202, (status, body)
+    raise TimeoutError(f"{identity} neither ready nor failed on {d.node_id}:\n{d.log()}")
+
+
+def tree_digests(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root``, by relative path."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_same_files(ready_dir: Path, ck: Path) -> None:
+    """Every checkpoint file is in ``ready_dir`` byte for byte (plus READY, nothing else)."""
+    got = tree_digests(ready_dir)
+    want = tree_digests(ck)
+    assert set(got) == set(want) | {"READY"}
+    for name, digest in want.items():
+        assert got[name] == digest, name
+
+
+def ready_dir(d: Daemon, identity: str) -> Path:
+    return d.shm_dir / derive_keys(SECRET).swarm_id / identity
+
+
+# ---- 1. strangers get 401 and nothing else -------------------------------------------------------
+
+
+def test_wrong_secret_swarm_id_unsigned_replayed_and_skewed_requests_get_401_and_no_bytes(
+    bucket: Bucket, daemon: Daemon
+) -> None:
+    m, ck = bucket.full("step000001", make_state(0, scale=2), 1)
+    assert daemon.prefetch("step000001")[0] == 202
+    daemon.wait_ready("step000001", 30)
+
+    keys = derive_keys(SECRET)
+    other = derive_keys(OTHER_SECRET)
+    shard = m.file("model-00001-of-00002.safetensors")
+    assert len(shard.chunks) >= 3
+    want = (ck / shard.path).read_bytes()[CHUNK : 2 * CHUNK]
+    address = keys.address(shard.chunks[1])
+    path = f"/bdn/v1/{keys.swarm_id}/chunks/{address}"
+
+    def get(p: str, auth: str | None) -> tuple[int, bytes]:
+        return raw_request(daemon.peer_url, "GET", p, {"Authorization": auth} if auth is not None else {})
+
+    # The right secret is served the exact bytes: the 401s below are about auth, not the chunk.
+    good = sign_request(keys, "GET", path, "tester")
+    status, body = get(path, good)
+    assert status == 200 and body == want
+
+    other_path = f"/bdn/v1/{other.swarm_id}/chunks/{address}"
+    other_address_path = f"/bdn/v1/{keys.swarm_id}/chunks/{keys.address(shard.chunks[2])}"
+    refused = {
+        "signed with another partition's keys": (path, sign_request(other, "GET", path, "tester")),
+        "right keys, another swarm id in the path": (other_path, sign_request(keys, "GET", other_path, "tester")),
+        "another partition, its own swarm id": (other_path, sign_request(other, "GET", other_path, "tester")),
+        "unsigned": (path, None),
+        "empty Authorization": (path, ""),
+        "a replayed Authorization header": (path, good),
+        "signature for another chunk": (other_address_path, sign_request(keys, "GET", path, "tester")),
+        "clock skew of 120 s": (path, sign_request(keys, "GET", path, "tester", now=time.time() - 120)),
+        "wrong scheme": (path, good.replace("BDN-HMAC", "Bearer", 1)),
+    }
+    for what, (p, auth) in refused.items():
+        status, body = get(p, auth)
+        assert (status, body) == (401, b""), what
+    # Other endpoints hold the same line: a stranger cannot learn what the partition has.
+    for method, p in (("GET", f"/bdn/v1/{keys.swarm_id}/snapshots/step000001/have"),
+                      ("POST", f"/bdn/v1/{keys.swarm_id}/members")):
+        status, body = raw_request(daemon.peer_url, method, p,
+                                   {"Authorization": sign_request(other, method, p, "tester")})
+        assert (status, body) == (401, b""), p
+
+    # Still serving the swarm afterwards, and nothing was counted as sent to the strangers.
+    status, body = get(path, sign_request(keys, "GET", path, "tester"))
+    assert status == 200 and body == want
+    assert daemon.status()["counters"]["peer_chunks_out"] == 2
+
+
+# ---- 2. hostile identities on the local API ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, rule",
+    [
+        ("a%2Fb", "one path segment"),
+        ("%2F", "one path segment"),
+        ("..%2Fetc", "one path segment"),
+        ("a%5Cb", "one path segment"),
+        ("..", "reserved"),
+        ("%2E%2E", "reserved"),
+        (".", "reserved"),
+        ("latest", "reserved"),
+        ("STARTUP_SNAPSHOT", "reserved"),
+        ("-leading-dash", "does not match"),
+        ("a%00b", "does not match"),
+        ("x" * 129, "does not match"),
+    ],
+)
+def test_bad_identity_on_prefetch_is_400_naming_the_rule(idle_daemon: Daemon, raw: str, rule: str) -> None:
+    daemon = idle_daemon
+    status, body = raw_request(daemon.url, "POST", f"/v1/snapshots/{raw}/prefetch")
+    assert status == 400, (raw, status, body)
+    err = json.loads(body)["error"]
+    assert "identity" in err and rule in err, err
+    # The same rule guards the other per-snapshot endpoints; nothing reached the node.
+    status, _ = raw_request(daemon.url, "GET", f"/v1/snapshots/{raw}")
+    assert status == 400
+    assert daemon.get("/v1/snapshots") == {"snapshots": []}
+    assert daemon.get("/v1/health")["status"] == "ok"
+
+
+def test_unencoded_slash_in_identity_does_not_route(idle_daemon: Daemon) -> None:
+    daemon = idle_daemon
+    # A literal '/' splits the path: aiohttp finds no route, so it never becomes an identity (a
+    # lone '..' segment does match the route and is refused as reserved: see the test above).
+    for path in ("/v1/snapshots/a/b/prefetch", "/v1/snapshots/../../prefetch"):
+        status, _ = raw_request(daemon.url, "POST", path)
+        assert status == 404, path
+    status, body = raw_request(daemon.url, "POST", "/v1/snapshots/%2E%2E%2F%2E%2E/prefetch")
+    assert status == 400 and "one path segment" in json.loads(body)["error"]
+    assert daemon.get("/v1/snapshots") == {"snapshots": []}
+
+
+# ---- 3. manifests that do not parse or that escape the snapshot ----------------------------------
+
+
+def test_bad_manifests_fail_the_snapshot_and_the_daemon_keeps_serving(bucket: Bucket, daemon: Daemon) -> None:
+    m, ck = bucket.full("good", make_state(0), 1)
+    good = json.loads(bucket.manifest_path("good").read_bytes())
+
+    def put(identity: str, data: bytes) -> None:
+        (bucket.dir / identity).mkdir()
+        (bucket.dir / identity / MANIFEST_NAME).write_bytes(data)
+
+    put("garbage", b"\x89PNG\r\n\x1a\n" + bytes(range(256)) + b"{not json")
+    dotdot = dict(good, identity="dotdot", files=[dict(good["files"][0], path="../good/config.json"),
+                                                  *good["files"][1:]])
+    put("dotdot", json.dumps(dotdot).encode())
+    absolute = dict(good, identity="absolute", files=[dict(good["files"][0], path="/etc/passwd")])
+    put("absolute", json.dumps(absolute).encode())
+    put("elsewhere", json.dumps(good).encode())  # valid, but names another identity
+
+    expect = {
+        "garbage": "not valid JSON",
+        "dotdot": "'..'",
+        "absolute": "absolute",
+        "elsewhere": "'good'",
+    }
+    for ident in expect:
+        assert daemon.prefetch(ident)[0] == 202
+    for ident, words in expect.items():
+        snap = settle(daemon, ident)
+        assert snap["state"] == "failed", snap
+        assert "manifest" in snap["reason"] and words in snap["reason"], snap["reason"]
+        status, body = daemon.request("GET", f"/v1/snapshots/{ident}")
+        assert status == 200 and body["state"] == "failed" and body["reason"] == snap["reason"]
+        assert not ready_dir(daemon, ident).exists()
+    # Nothing was written outside the snapshot directories.
+    assert not (daemon.shm_dir / derive_keys(SECRET).swarm_id / "good").exists()
+    assert not (daemon.shm_dir / "good").exists()
+
+    assert daemon.get("/v1/health")["status"] == "ok"
+    assert daemon.prefetch("good")[0] == 202
+    snap = daemon.wait_ready("good", 30)
+    assert_same_files(Path(snap["path"]), ck)
+
+
+# ---- 4. a diff whose Adler-32 does not match ------------------------------------------------------
+
+
+def test_delta_with_wrong_adler32_fails_naming_the_tensor_and_leaves_the_base_intact(
+    bucket: Bucket, daemon: Daemon
+) -> None:
+    s1 = make_state(0, scale=2)
+    _, ck1 = bucket.full("step000001", s1, 1)
+    m2, _ = bucket.delta("step000002", optimizer_step(s1, 0.02, 1), 2, "step000001")
+
+    # Corrupt one tensor's Adler-32 in the diff file's __metadata__, keep its frames, and re-chunk
+    # the manifest so every stored chunk verifies: only the Adler check can catch it.
+    victim_file, victim = "model-00001-of-00002.safetensors", "layers.0.mlp.up.weight"
+    diff_path = bucket.dir / "step000002" / victim_file
+    h = read_header(diff_path)
+    raw = diff_path.read_bytes()
+    frames = {n: ("U8", (t.end - t.start,), raw[t.start : t.end]) for n, t in h.tensors.items()}
+    meta = dict(h.metadata)
+    meta[victim] = str((int(meta[victim]) + 1) % (1 << 32))
+    save_raw(diff_path, frames, meta)
+    files = tuple(
+        FileEntry(f.path, diff_path.stat().st_size, tuple(file_digests(diff_path, m2.chunk_size)), f.result)
+        if f.path == victim_file else f
+        for f in m2.files
+    )
+    m2 = Manifest(identity=m2.identity, kind=m2.kind, policy_version=m2.policy_version,
+                  chunk_size=m2.chunk_size, files=files, created_at=m2.created_at,
+                  base_identity=m2.base_identity, compression_format=m2.compression_format,
+                  checksum_format=m2.checksum_format)
+    bucket.manifest_path("step000002").write_bytes(m2.to_json())
+
+    assert daemon.prefetch("step000001")[0] == 202
+    base = Path(daemon.wait_ready("step000001", 30)["path"])
+    assert_same_files(base, ck1)
+    before = tree_digests(base)
+
+    assert daemon.prefetch("step000002")[0] == 202
+    snap = settle(daemon, "step000002")
+    assert snap["state"] == "failed", snap
+    assert "adler32" in snap["reason"] and repr(victim) in snap["reason"], snap["reason"]
+    assert not ready_dir(daemon, "step000002").exists()
+    assert list(daemon.shm_dir.rglob("step000002/READY")) == []
+    assert daemon.get("/v1/snapshots/step000001")["state"] == "ready"
+    assert tree_digests(base) == before
+    assert daemon.request("GET", "/v1/snapshots/step000002/files")[0] == 409
+
+
+# ---- 5. a peer that sends wrong bytes -------------------------------------------------------------
+
+
+def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Path, bucket: Bucket) -> None:
+    s1 = make_state(0, scale=2)
+    s2 = optimizer_step(s1, 0.02, 1)
+    m1, ck1 = bucket.full("step000001", s1, 1)
+    bucket.delta("step000002", s2, 2, "step000001")
+    _, ck3 = bucket.delta("step000003", optimizer_step(s2, 0.02, 2), 3, "step000002")
+    nodes = ["node0", "node1", "liar"]
+    # HRW is deterministic: the liar owns some of the anchor's chunks, so each daemon asks it first.
+    assert any(hrw.owner(nodes, d) == "liar" for f in m1.files for d in f.chunks)
+
+    liar = Liar(tmp_path / "work", bucket.url, SECRET).start()
+    # A short penalty, so the liar keeps being asked again during the whole download.
+    env = dict(NO_STARTUP, BDN_PENALTY_S="0.5")
+    honest = [Daemon(tmp_path / "work", n, bucket.url, extra_env=env) for n in nodes[:2]]
+    peers = [d.peer_url for d in honest] + [liar.url]
+
+    def lies() -> dict[str, int]:
+        return {d.node_id: d.status()["verify_failures_by_peer"].get("liar", 0) for d in honest}
+
+    try:
+        for d in honest:
+            d.start(peers)
+        for d in honest:
+            d.wait_healthy()
+        deadline = time.monotonic() + 20
+        for d in honest:
+            while {p["node_id"] for p in d.status()["peers"] if p["alive"]} != set(nodes) - {d.node_id}:
+                assert time.monotonic() < deadline, d.status()["peers"]
+                time.sleep(0.1)
+
+        # The anchor: the liar is the HRW owner of some chunks and claims all of them.
+        for d in honest:
+            assert d.prefetch("step000001")[0] == 202
+        for d in honest:
+            assert_same_files(Path(d.wait_ready("step000001", 60)["path"]), ck1)
+        after_anchor = lies()
+        assert sum(after_anchor.values()) > 0, after_anchor
+
+        # A delta whose base (step000002) neither daemon has: the liar claims every reconstructed
+        # chunk, the daemons catch it and walk the chain instead. First let its penalty lapse.
+        deadline = time.monotonic() + 20
+        for d in honest:
+            while any(p["node_id"] == "liar" and (p["penalised"] or not p["alive"]) for p in d.status()["peers"]):
+                assert time.monotonic() < deadline, d.status()["peers"]
+                time.sleep(0.1)
+        for d in honest:
+            assert d.prefetch("step000003")[0] == 202
+        for d in honest:
+            assert_same_files(Path(d.wait_ready("step000003", 60)["path"]), ck3)
+        after_delta = lies()
+        assert sum(after_delta.values()) > sum(after_anchor.values()), (after_anchor, after_delta)
+
+        for d in honest:
+            st = d.status()
+            assert st["counters"]["chunk_verify_failures"] >= st["verify_failures_by_peer"].get("liar", 0)
+            assert set(st["verify_failures_by_peer"]) <= {"liar"}, st["verify_failures_by_peer"]
+        assert any(v > 0 for v in after_delta.values())
+        keys = derive_keys(SECRET)
+        p = f"/bdn/v1/{keys.swarm_id}/liar/stats"
+        status, body = raw_request(liar.url, "GET", p, {"Authorization": sign_request(keys, "GET", p, "tester")})
+        assert status == 200 and json.loads(body)["chunks_lied"] >= sum(after_delta.values())
+    finally:
+        for d in honest:
+            d.stop()
+        liar.stop()
+    for d in honest:  # abandoned chunk fetches were stopped, not left to die unobserved
+        assert "never retrieved" not in d.log_path.read_text(), d.log()
+
+
+# ---- 6. an unknown delta format -----------------------------------------------------------------
+
+
+def test_unknown_compression_format_fails_listing_the_supported_ones(bucket: Bucket, daemon: Daemon) -> None:
+    s1 = make_state(0)
+    bucket.full("step000001", s1, 1)
+    bucket.delta("step000002", optimizer_step(s1, 0.02, 1), 2, "step000001")
+    obj = json.loads(bucket.manifest_path("step000002").read_bytes())
+    obj["compression_format"] = "arc_v3"
+    bucket.manifest_path("step000002").write_text(json.dumps(obj))
+
+    assert daemon.prefetch("step000002")[0] == 202
+    snap = settle(daemon, "step000002")
+    assert snap["state"] == "failed", snap
+    for word in ("arc_v3", "arc_v1", "arc_v2"):
+        assert word in snap["reason"], snap["reason"]
+    # Refused before any work: the base was never asked for.
+    assert daemon.request("GET", "/v1/snapshots/step000001")[0] == 404
+    assert not ready_dir(daemon, "step000002").exists()
+
+
+# ---- 7. a snapshot whose manifest is not written yet ---------------------------------------------
+
+
+def test_snapshot_without_manifest_waits_and_loads_once_it_appears(
+    tmp_path: Path, bucket: Bucket, daemon: Daemon
+) -> None:
+    _, ck = bucket.full("step000001", make_state(3), 1)
+    held = tmp_path / "held-manifest.json"
+    os.replace(bucket.manifest_path("step000001"), held)  # the upload is "still running"
+
+    assert daemon.prefetch("step000001")[0] == 202
+    deadline = time.monotonic() + 10
+    while (snap := daemon.get("/v1/snapshots/step000001"))["reason"] != "waiting for manifest":
+        assert snap["state"] == "queued", snap
+        assert time.monotonic() < deadline, snap
+        time.sleep(0.05)
+    # Several manifest polls (BDN_MANIFEST_POLL_S=0.2) pass; it must keep waiting, loading nothing.
+    watch_until = time.monotonic() + 1.0
+    while time.monotonic() < watch_until:
+        snap = daemon.get("/v1/snapshots/step000001")
+        assert (snap["state"], snap["reason"]) == ("queued", "waiting for manifest"), snap
+        assert snap["bytes_done"] == 0
+        assert not ready_dir(daemon, "step000001").exists()
+        time.sleep(0.1)
+    assert daemon.request("GET", "/v1/snapshots/step000001/files")[0] == 409
+    assert daemon.status()["bucket"]["get_bytes"] == 0  # not one byte of the half upload read
+
+    os.replace(held, bucket.manifest_path("step000001"))
+    snap = daemon.wait_ready("step000001", 30)
+    assert_same_files(Path(snap["path"]), ck)
