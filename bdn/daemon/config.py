@@ -50,6 +50,7 @@ class Config:
     peer_timeout_s: float = 60.0  # one peer request (after any wait)
     penalty_s: float = 30.0  # how long a peer that sent bad bytes is skipped
     apply_workers: int = 0  # threads decoding deltas (0 = one per core)
+    keep_ready: int = 2  # GC keeps this many newest ready snapshots (plus leased/current/target)
     api_token: str = field(default="", repr=False)  # bearer token for the fleet hot-load API
     api_token_file: str = ""
     log_level: str = "info"

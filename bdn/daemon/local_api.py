@@ -184,6 +184,118 @@ async def get_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": ctype})
 
 
+# ---- fleet hot-load (also mounted on the peer port behind a bearer token) -----------------
+async def hot_load_post(request: web.Request) -> web.Response:
+    from bdn.daemon.hotload import HotLoadError
+
+    node = _node(request)
+    body = await request.content.read(64 << 10)
+    try:
+        ans = await node.hotload.accept(body)
+    except HotLoadError as e:
+        return _error(e.status, str(e))
+    return _json(ans)
+
+
+async def hot_load_get(request: web.Request) -> web.Response:
+    return _json(await _node(request).hotload.fleet())
+
+
+# ---- engines, leases, gc ------------------------------------------------------------------
+async def _body_json(request: web.Request) -> dict[str, Any]:
+    raw = await request.content.read(64 << 10)
+    if not raw:
+        return {}
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"body is not JSON: {e}"}), content_type="application/json") from None
+    if not isinstance(obj, dict):
+        raise web.HTTPBadRequest(text=json.dumps({"error": "body must be a JSON object"}), content_type="application/json")
+    return obj
+
+
+def _engine(request: web.Request) -> Any:
+    e = _node(request).hotload.engines.get(request.match_info["engine_id"])
+    if e is None:
+        raise web.HTTPNotFound(text=json.dumps({"error": "unknown engine id (register with POST /v1/engines)"}),
+                               content_type="application/json")
+    return e
+
+
+async def register_engine(request: web.Request) -> web.Response:
+    body = await _body_json(request)
+    name = body.get("name", "engine")
+    if not isinstance(name, str):
+        return _error(400, "name must be a string")
+    e = _node(request).hotload.register_engine(name)
+    return _json({"engine_id": e.engine_id}, 201)
+
+
+async def unregister_engine(request: web.Request) -> web.Response:
+    if not _node(request).hotload.unregister_engine(request.match_info["engine_id"]):
+        return _error(404, "unknown engine id")
+    return _json({"ok": True})
+
+
+async def engine_next(request: web.Request) -> web.Response:
+    e = _engine(request)
+    after = request.query.get("after") or None
+    try:
+        timeout = float(request.query.get("timeout", "30"))
+    except ValueError:
+        return _error(400, "timeout must be a number of seconds")
+    if not 0 <= timeout <= MAX_WAIT_S:
+        return _error(400, f"timeout must be in [0, {MAX_WAIT_S:g}] seconds")
+    ans = await _node(request).hotload.next_for(e, after, timeout)
+    if ans is None:
+        return web.Response(status=204)
+    return _json(ans)
+
+
+async def engine_ack(request: web.Request) -> web.Response:
+    e = _engine(request)
+    body = await _body_json(request)
+    ident, pause, err = body.get("identity"), body.get("pause_ms"), body.get("error")
+    try:
+        validate_identity(ident)
+    except BdnError as ex:
+        return _error(400, f"identity: {ex}")
+    if pause is not None and (isinstance(pause, bool) or not isinstance(pause, (int, float)) or pause < 0):
+        return _error(400, "pause_ms must be a non-negative number")
+    if err is not None and not isinstance(err, str):
+        return _error(400, "error must be a string")
+    if e.offered != ident and e.acked != ident:
+        return _error(409, f"engine was not offered {ident!r} (offered {e.offered!r})")
+    await _node(request).hotload.ack(e, ident, float(pause) if pause is not None else None, err)
+    return _json({"ok": True})
+
+
+async def take_lease(request: web.Request) -> web.Response:
+    from bdn.daemon.hotload import HotLoadError
+
+    ident = _identity(request)
+    body = await _body_json(request)
+    holder = body.get("holder", "")
+    if not isinstance(holder, str):
+        return _error(400, "holder must be a string")
+    try:
+        lid = _node(request).hotload.lease(ident, holder)
+    except HotLoadError as e:
+        return _error(e.status, str(e))
+    return _json({"lease_id": lid, "identity": ident}, 201)
+
+
+async def drop_lease(request: web.Request) -> web.Response:
+    if not _node(request).hotload.release(request.match_info["lease_id"]):
+        return _error(404, "unknown lease id")
+    return _json({"ok": True})
+
+
+async def run_gc(request: web.Request) -> web.Response:
+    return _json(_node(request).gc())
+
+
 def make_local_app(node: Node) -> web.Application:
     app = web.Application()
     app[NODE_KEY] = node
@@ -198,6 +310,15 @@ def make_local_app(node: Node) -> web.Application:
     r.add_get("/v1/snapshots/{identity}/files/{path:.+}", get_file)
     r.add_get("/v1/snapshots/{identity}/tensors/{name}", get_tensor)
     r.add_get("/metrics", get_metrics)
+    r.add_post("/hot_load/v1/models/hot_load", hot_load_post)
+    r.add_get("/hot_load/v1/models/hot_load", hot_load_get)
+    r.add_post("/v1/engines", register_engine)
+    r.add_delete("/v1/engines/{engine_id}", unregister_engine)
+    r.add_get("/v1/engines/{engine_id}/next", engine_next)
+    r.add_post("/v1/engines/{engine_id}/ack", engine_ack)
+    r.add_post("/v1/snapshots/{identity}/leases", take_lease)
+    r.add_delete("/v1/leases/{lease_id}", drop_lease)
+    r.add_post("/v1/gc", run_gc)
     return app
 
 

@@ -125,6 +125,9 @@ class Node:
         }
         self.verify_failures_by_peer: dict[str, int] = {}
         self.started = time.time()
+        from bdn.daemon.hotload import HotLoad
+
+        self.hotload = HotLoad(self)
         self._tasks: list[asyncio.Task[Any]] = []
         self._closing = False
 
@@ -201,11 +204,21 @@ class Node:
                 log.exception("membership round failed")
 
     def _members_payload(self) -> dict[str, Any]:
+        t = self.hotload.target
         return {
             "node_id": self.node_id,
             "url": self.cfg.advertise_url,
             "members": [{"node_id": m.node_id, "url": m.url} for m in self.membership.live()],
+            "target": t.wire() if t is not None and t.seq > 0 else None,
         }
+
+    async def _adopt_from(self, obj: Any, who: str) -> None:
+        """A peer's hot-load target, seen in a membership exchange: adopt it if it is later."""
+        from bdn.daemon.hotload import Target
+
+        t = Target.from_wire(obj.get("target")) if isinstance(obj, dict) else None
+        if t is not None and (self.hotload.target is None or t.order > self.hotload.target.order):
+            await self.hotload.adopt(t, source=f"peer {who}")
 
     async def _membership_round(self) -> None:
         payload = self._members_payload()
@@ -219,15 +232,17 @@ class Node:
                 self.membership.mark_failed(m.url)
                 return
             self.membership.mark_ok(m.url, ans["node_id"])
+            await self._adopt_from(ans, m.url)
             for other in ans.get("members") or []:
                 if isinstance(other, dict) and isinstance(other.get("url"), str):
                     self.membership.learn(other["url"], str(other.get("node_id") or ""))
 
         await asyncio.gather(*(one(m) for m in list(self.membership.members.values())))
 
-    def handle_members(self, body: Any) -> dict[str, Any]:
+    async def handle_members(self, body: Any) -> dict[str, Any]:
         """A peer's POST members: learn it and what it knows; answer with our view."""
         if isinstance(body, dict) and isinstance(body.get("url"), str) and isinstance(body.get("node_id"), str):
+            await self._adopt_from(body, body["url"][:512])
             self.membership.mark_ok(body["url"][:512], body["node_id"][:64])
             for other in (body.get("members") or [])[:10_000]:
                 if isinstance(other, dict) and isinstance(other.get("url"), str):
@@ -250,6 +265,7 @@ class Node:
             self._forget(job)
         job = SnapshotJob(identity, self.store)
         job.requested_by = requested_by
+        job.on_change = self._job_changed
         self.jobs[identity] = job
         job.task = asyncio.create_task(self._run(job), name=f"snapshot-{identity}")
         return job
@@ -266,6 +282,11 @@ class Node:
             await job.wait_change(job.version, left)
             job = self.jobs.get(identity, job)
         return job
+
+    async def _job_changed(self, job: SnapshotJob) -> None:
+        if job.state == "ready":
+            self.hotload.on_snapshot_ready(job.identity)
+        await self.hotload.poke()
 
     def _forget(self, job: SnapshotJob) -> None:
         for addr, loc in list(self.by_address.items()):
@@ -299,6 +320,7 @@ class Node:
             job.set_state("ready")
             log.info("snapshot %s: ready at %s (stages %s)", job.identity, final,
                      {k: round(v, 3) for k, v in job.stages.items()})
+            self.gc()
         except asyncio.CancelledError:
             raise
         except (BdnError, OSError) as e:
@@ -723,6 +745,40 @@ class Node:
             return
         log.info("%s names %s: loading it", STARTUP_NAME, ident)
         self.prefetch(ident, requested_by="startup")
+        from bdn.daemon.hotload import Target
+
+        if self.hotload.target is None:  # a fleet target learned from peers takes precedence
+            await self.hotload.adopt(Target(ident, 0, "startup", "startup"), source=STARTUP_NAME)
+
+    # ---- garbage collection --------------------------------------------------------------
+    def gc(self) -> dict[str, list[str]]:
+        """Remove ready snapshots nobody needs; keep the newest ``keep_ready`` ready ones, every
+        leased one, the current and target snapshots, and the base of any snapshot in progress."""
+        keep: set[str] = set(self.hotload.leased())
+        if self.hotload.current:
+            keep.add(self.hotload.current)
+        if self.hotload.target:
+            keep.add(self.hotload.target.identity)
+        for j in self.jobs.values():
+            if j.state not in TERMINAL:
+                keep.add(j.identity)
+                if j.base_identity:
+                    keep.add(j.base_identity)
+        ready = sorted(
+            (j for j in self.jobs.values() if j.state == "ready"),
+            key=lambda j: (j.policy_version or 0, j.created),
+            reverse=True,
+        )
+        keep.update(j.identity for j in ready[: self.cfg.keep_ready])
+        removed = []
+        for j in ready:
+            if j.identity not in keep:
+                self._forget(j)
+                del self.jobs[j.identity]
+                self.store.remove(j.identity)
+                removed.append(j.identity)
+                log.info("gc: removed snapshot %s (%d bytes)", j.identity, j.result_bytes)
+        return {"removed": removed, "kept": sorted(j.identity for j in ready if j.identity in keep)}
 
     # ---- views ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

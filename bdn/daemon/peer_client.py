@@ -170,3 +170,19 @@ class PeerClient:
             return resp.status, await resp.content.read(MAX_MEMBERS_BYTES)
         finally:
             resp.release()
+
+    async def get_json(self, base_url: str, path: str, timeout: float = 5.0) -> tuple[int, Any]:
+        """A signed GET of a JSON peer endpoint under the swarm prefix: ``(status, body)``."""
+        import json
+
+        resp = await self._request("GET", base_url, f"{self._prefix()}/{path}", timeout=timeout)
+        try:
+            body = await resp.content.read(MAX_MEMBERS_BYTES)
+            try:
+                return resp.status, json.loads(body)
+            except ValueError:
+                return resp.status, None
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
+        finally:
+            resp.release()

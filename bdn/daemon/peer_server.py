@@ -37,9 +37,14 @@ def _text(status: int, msg: str) -> web.Response:
     return web.Response(status=status, text=msg + "\n")
 
 
+HOT_LOAD_PATH = "/hot_load/v1/models/hot_load"
+
+
 @web.middleware
 async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
     node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
+    if request.path == HOT_LOAD_PATH and request.method in ("GET", "POST"):
+        return await handler(request)  # bearer-token checked by the handler
     if request.match_info.get("swarm_id") != node.keys.swarm_id:
         return web.Response(status=401)
     try:
@@ -143,18 +148,62 @@ async def post_members(request: web.Request) -> web.Response:
     body = await request.content.read(1 << 20)
     try:
         obj = msgpack.unpackb(body, raw=False)
-        ans = node.handle_members(obj)
+        ans = await node.handle_members(obj)
     except (ValueError, msgpack.UnpackException, BdnError) as e:
         return _text(400, f"members body is malformed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
 
 
+async def post_hot_load_peer(request: web.Request) -> web.Response:
+    """A hot-load fanned out by the daemon that accepted it (msgpack target)."""
+    from bdn.daemon.hotload import Target
+
+    node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
+    body = await request.content.read(64 << 10)
+    try:
+        t = Target.from_wire(msgpack.unpackb(body, raw=False))
+    except (ValueError, msgpack.UnpackException):
+        t = None
+    if t is None:
+        return _text(400, "hot-load target is malformed")
+    await node.hotload.adopt(t, source=f"peer {request['peer']}")
+    return web.Response(body=msgpack.packb({"ok": True}), content_type="application/msgpack")
+
+
+async def get_replica(request: web.Request) -> web.Response:
+    node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
+    return web.json_response(node.hotload.replica())
+
+
+async def hot_load_public(request: web.Request) -> web.Response:
+    """The fleet hot-load API on the network port: ``Authorization: Bearer <api_token>``."""
+    from bdn.daemon.hotload import check_bearer
+    from bdn.daemon.local_api import hot_load_get, hot_load_post
+
+    node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
+    if not check_bearer(request.headers.get("Authorization"), node.cfg.api_token):
+        return web.json_response({"error": "missing or wrong bearer token"}, status=401)
+    return await (hot_load_post(request) if request.method == "POST" else hot_load_get(request))
+
+
 def make_peer_app(node: Node) -> web.Application:
-    """The peer server's application (bind it to ``peer_listen``)."""
+    """The peer server's application (bind it to ``peer_listen``).
+
+    Two kinds of callers reach this port: peers (every ``/bdn/v1/{swarm_id}/...`` request signed
+    with the partition's auth key) and the trainer (the fleet hot-load API, bearer token). Any
+    other path answers 401 like a bad signature.
+    """
+    from bdn.daemon.local_api import NODE_KEY as LOCAL_NODE_KEY
+
     app = web.Application(middlewares=[_auth], client_max_size=1 << 20)
     app[NODE_KEY] = node
+    app[LOCAL_NODE_KEY] = node
     p = "/bdn/v1/{swarm_id}"
     app.router.add_get(p + "/chunks/{address}", get_chunk)
     app.router.add_get(p + "/snapshots/{identity}/have", get_have)
     app.router.add_post(p + "/members", post_members)
+    app.router.add_post(p + "/hot_load", post_hot_load_peer)
+    app.router.add_get(p + "/replica", get_replica)
+    app.router.add_route("POST", HOT_LOAD_PATH, hot_load_public)
+    app.router.add_route("GET", HOT_LOAD_PATH, hot_load_public)
     return app

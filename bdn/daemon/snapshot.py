@@ -67,6 +67,7 @@ class SnapshotJob:
         self.inflight: dict[tuple[str, int], asyncio.Future[None]] = {}
         self.requested_by = "local"
         self.fetch_layer = STORED  # the layer whose bytes bytes_done counts
+        self.on_change: Any = None  # async callable, called after every notify (hot-load view)
 
     # ---- layout --------------------------------------------------------------------------
     def result_dir(self) -> Path:
@@ -108,6 +109,8 @@ class SnapshotJob:
     async def notify(self) -> None:
         async with self.cond:
             self.cond.notify_all()
+        if self.on_change is not None:
+            await self.on_change(self)
 
     async def wait_change(self, since: int, timeout: float) -> None:
         """Return once ``version`` differs from ``since`` or ``timeout`` seconds passed."""

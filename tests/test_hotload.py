@@ -1,0 +1,125 @@
+"""The fleet hot-load API against three real daemons (no engines: each daemon is its replica)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from bdn.publish import publish_delta, publish_full, publish_startup
+from support.checkpoints import make_state, optimizer_step, write_hf_dir
+from support.swarm import Swarm
+
+TOKEN = "trainer-token-0123456789"
+CHUNK = 64 << 10
+
+
+def http(method: str, url: str, body: object | None = None, token: str | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None and not isinstance(body, bytes) else body
+    req = urllib.request.Request(url, data=data, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, {"raw": raw.decode(errors="replace")}
+
+
+def wait_fleet(url: str, identity: str, timeout: float = 60.0, token: str | None = None) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = http("GET", url + "/hot_load/v1/models/hot_load", token=token)
+        assert status == 200, body
+        reps = body["replicas"]
+        if all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done" for r in reps):
+            return reps
+        errs = [r for r in reps if r["loading_state"]["stage"] == "error"]
+        assert not errs, errs
+        if time.monotonic() > deadline:
+            raise AssertionError(f"fleet not done with {identity}: {reps}")
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path):
+    bucket = f"file://{tmp_path}/bucket"
+    s1 = make_state(0, scale=2)
+    s2 = optimizer_step(s1, 0.02, 1)
+    s3 = optimizer_step(s2, 0.02, 2)
+    d1, d2, d3 = (write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in ((1, s1), (2, s2), (3, s3)))
+    publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
+    publish_delta(bucket, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK)
+    publish_startup(bucket, "step000001")
+    with Swarm(tmp_path / "nodes", 3, bucket, extra_env={"BDN_API_TOKEN": TOKEN}) as swarm:
+        yield swarm, bucket, (d1, d2, d3)
+
+
+def test_one_post_moves_the_fleet(fleet) -> None:
+    swarm, bucket, (d1, d2, d3) = fleet
+    a = swarm.daemons[0]
+    reps = wait_fleet(a.url, "step000001")
+    assert len(reps) == 3 and {r["policy_version"] for r in reps} == {1}
+
+    # One POST to one daemon, over the network port with the bearer token.
+    status, ans = http("POST", a.peer_url + "/hot_load/v1/models/hot_load", {
+        "identity": "step000002",
+        "incremental_snapshot_metadata": {"previous_snapshot_identity": "step000001",
+                                          "compression_format": "arc_v2", "checksum_format": "alder32"},
+    }, token=TOKEN)
+    assert status == 200, ans
+    assert ans["accepted"] is True and ans["identity"] == "step000002" and ans["policy_version"] == 2
+    reps = wait_fleet(swarm.daemons[2].url, "step000002")
+    assert {r["policy_version"] for r in reps} == {2}
+    for d in swarm.daemons:
+        snap = d.get("/v1/snapshots/step000002")
+        for f in d2.iterdir():
+            assert (Path(snap["path"]) / f.name).read_bytes() == f.read_bytes()
+
+    # A full snapshot published later; two hot-loads race: the later one wins everywhere.
+    publish_full(bucket, "step000003", 3, dir=d3, chunk_size=CHUNK)
+    s1, _ = http("POST", swarm.daemons[1].url + "/hot_load/v1/models/hot_load", {"identity": "step000001"})
+    s2, _ = http("POST", swarm.daemons[2].url + "/hot_load/v1/models/hot_load", {"identity": "step000003"})
+    assert s1 == s2 == 200
+    reps = wait_fleet(a.url, "step000003")
+    assert {r["policy_version"] for r in reps} == {3}
+    assert any({"identity": "step000001", "by": "step000003"} in r["superseded"] for r in reps)
+
+
+def test_hot_load_errors(fleet) -> None:
+    swarm, bucket, _ = fleet
+    a = swarm.daemons[0]
+    wait_fleet(a.url, "step000001")
+    url = a.url + "/hot_load/v1/models/hot_load"
+    # 401 on the network port without the token, or with a wrong one
+    assert http("POST", a.peer_url + "/hot_load/v1/models/hot_load", {"identity": "step000002"})[0] == 401
+    assert http("GET", a.peer_url + "/hot_load/v1/models/hot_load", token="wrong")[0] == 401
+    # 400 malformed
+    st, body = http("POST", url, b"{not json")
+    assert st == 400 and "not JSON" in body["error"]
+    st, body = http("POST", url, {"identity": "../etc"})
+    assert st == 400 and "identity" in body["error"]
+    st, body = http("POST", url, {"identity": "step000002", "incremental_snapshot_metadata": "arc_v2"})
+    assert st == 400
+    # 415 unsupported format, naming the supported ones
+    st, body = http("POST", url, {"identity": "step000002", "incremental_snapshot_metadata": {"compression_format": "arc_v3"}})
+    assert st == 415 and "arc_v1" in body["error"] and "arc_v2" in body["error"]
+    # 404 not in the bucket
+    st, body = http("POST", url, {"identity": "step000099"})
+    assert st == 404 and "step000099" in body["error"]
+    # 409 a previous_snapshot_identity that is not the base, or not the one being served
+    st, body = http("POST", url, {"identity": "step000002",
+                                  "incremental_snapshot_metadata": {"previous_snapshot_identity": "step000007"}})
+    assert st == 409 and "step000001" in body["error"]
+    # nothing above moved the fleet
+    reps = wait_fleet(a.url, "step000001")
+    assert all(r["loading_state"]["identity"] == "step000001" for r in reps)
