@@ -143,8 +143,15 @@ class Node:
         Daemons of a fleet start within seconds of each other; loading before they know each
         other would make each one the HRW owner of everything and multiply bucket egress. So the
         first rounds run every 0.25 s until every static peer answered or ``startup_settle_s``
-        passed (peers that are really down just cost that much delay).
+        passed (peers that are really down just cost that much delay). STARTUP_SNAPSHOT is read
+        first, so that it is this replica's target (and safe from GC) even if a peer makes this
+        daemon join it before the settling ends.
         """
+        startup = await self._read_startup() if self.cfg.load_startup else None
+        if startup is not None and self.hotload.target is None:
+            from bdn.daemon.hotload import Target
+
+            self.hotload.target = Target(startup, 0, "startup", "startup")
         deadline = time.monotonic() + self.cfg.startup_settle_s
         while True:
             await self._membership_round()
@@ -152,8 +159,11 @@ class Node:
             if all(m.alive for m in static) or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.25)
-        if self.cfg.load_startup:
-            self._tasks.append(asyncio.create_task(self._load_startup(), name="startup"))
+        if startup is not None:
+            log.info("%s names %s: loading it", STARTUP_NAME, startup)
+            job = self.prefetch(startup, requested_by="startup")
+            if job.state == "ready":
+                self.hotload.on_snapshot_ready(startup)
 
     async def stop(self) -> None:
         self._closing = True
@@ -728,27 +738,22 @@ class Node:
             await job.notify()
 
     # ---- startup snapshot ----------------------------------------------------------------
-    async def _load_startup(self) -> None:
+    async def _read_startup(self) -> str | None:
+        """The identity STARTUP_SNAPSHOT names, or None (absent or unreadable: logged)."""
         loop = asyncio.get_running_loop()
         try:
             data = await loop.run_in_executor(self.io, self.bucket.read, STARTUP_NAME)
         except ObjectNotFound:
             log.info("no %s in %s: nothing to load at start", STARTUP_NAME, self.cfg.bucket)
-            return
+            return None
         except BucketError as e:
             log.error("cannot read %s: %s", STARTUP_NAME, e)
-            return
+            return None
         try:
-            ident = parse_startup(data)
+            return parse_startup(data)
         except ProtocolError as e:
             log.error("%s: %s", STARTUP_NAME, e)
-            return
-        log.info("%s names %s: loading it", STARTUP_NAME, ident)
-        self.prefetch(ident, requested_by="startup")
-        from bdn.daemon.hotload import Target
-
-        if self.hotload.target is None:  # a fleet target learned from peers takes precedence
-            await self.hotload.adopt(Target(ident, 0, "startup", "startup"), source=STARTUP_NAME)
+            return None
 
     # ---- garbage collection --------------------------------------------------------------
     def gc(self) -> dict[str, list[str]]:
