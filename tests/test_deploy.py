@@ -180,6 +180,28 @@ def test_daemonset_wiring() -> None:
     assert toml["shm_dir"] == mounts["shm"] == "/dev/shm/bdn"
 
 
+def test_daemonset_start_command_seeds_peers(tmp_path: Path) -> None:
+    """The container's start command: resolve the peers' Service name, drop itself, exec bdnd.
+
+    ``bdnd`` here is a stand-in on PATH that prints what it was given: the thing under test is
+    the start command, not the daemon.
+    """
+    ds = next(d for _, d in K8S_DOCS if d["kind"] == "DaemonSet")
+    cmd = ds["spec"]["template"]["spec"]["containers"][0]["command"]
+    stub = tmp_path / "bdnd"
+    stub.write_text('#!/bin/sh\necho "peers=$BDN_PEERS"\necho "umask=$(umask)"\necho "args=$*"\n')
+    stub.chmod(0o755)
+    env = _clean_env(PATH=f"{tmp_path}:{os.environ['PATH']}", BDN_PEERS_SERVICE="localhost", POD_IP="127.0.0.1")
+    out = subprocess.run([sys.executable, *cmd[1:]], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    got = dict(line.split("=", 1) for line in out.stdout.splitlines())
+    peers = [p for p in got["peers"].split(",") if p]
+    assert "http://127.0.0.1:7080" not in peers  # itself
+    assert all(p in ("http://[::1]:7080",) for p in peers), peers
+    assert got["umask"] == "0027"
+    assert got["args"] == "--config /etc/bdn/config/bdnd.toml"
+
+
 def test_configmap_toml_loads(tmp_path: Path) -> None:
     cm = next(d for _, d in K8S_DOCS if d["kind"] == "ConfigMap")
     p = tmp_path / "bdnd.toml"
