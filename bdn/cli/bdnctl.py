@@ -6,6 +6,10 @@ Usage::
     bdnctl [--url URL] [--json] status
     bdnctl [--url URL] [--json] snapshots
     bdnctl [--url URL] [--json] verify <identity | snapshot-dir>
+    bdnctl [--url URL] [--json] hot-load <identity> [--previous ID] [--compression-format arc_v2]
+                                         [--wait] [--timeout S]
+    bdnctl [--url URL] [--json] peers
+    bdnctl [--url URL] [--json] gc
 
 ``--url`` defaults to ``$BDN_URL`` or ``http://127.0.0.1:7081`` (``unix:///path.sock`` also works).
 ``--json`` prints one JSON document on stdout for every command, errors included
@@ -16,6 +20,14 @@ Usage::
 snapshot table's PATH column shows the directory of a ready snapshot and the reason of a failed
 one. ``verify`` re-hashes a ready snapshot's files against its
 READY marker's digests, on this host (it reads the directory the daemon reports, or the one given).
+
+``hot-load`` asks the fleet (through this daemon, which fans the request out) to serve
+``<identity>``; ``--previous`` names the snapshot a delta applies to. With ``--wait`` it shows a
+per-replica table (REPLICA, STAGE, IDENTITY, PROGRESS, POLICY_VERSION, SERVING, REASON) from
+``GET /hot_load/v1/models/hot_load``, redrawn in place on a terminal and one line per change
+otherwise, until every replica is ``done`` serving ``<identity>`` (exit 0) or one reports
+``error`` for it (exit 1 with its reason). ``peers`` lists the swarm members this daemon sees;
+``gc`` collects old snapshots now (leased, current and target snapshots are kept).
 
 Exit codes:
     0  success
@@ -39,6 +51,7 @@ from typing import Any, NoReturn
 from tqdm import tqdm
 
 from bdn.client import DaemonClient, DaemonError, DaemonUnreachable, SnapshotFailed, open_snapshot
+from bdn.client.engine import collect_garbage, hot_load, hot_load_status
 from bdn.client.errors import one_line
 from bdn.client.ready import read_ready, verify_files
 from bdn.proto.errors import BdnError, IdentityError, PathError
@@ -79,6 +92,17 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("snapshots", help="table of the snapshots this daemon knows")
     vf = sub.add_parser("verify", help="re-hash a ready snapshot's files against its READY marker")
     vf.add_argument("target", metavar="IDENTITY|DIR", help="an identity (asks bdnd where it is), or a snapshot directory path (holds a '/')")
+    hl = sub.add_parser("hot-load", help="make every replica of the fleet serve a snapshot")
+    hl.add_argument("identity")
+    hl.add_argument("--previous", metavar="ID", default=None,
+                    help="the snapshot a delta applies to (previous_snapshot_identity)")
+    hl.add_argument("--compression-format", default="arc_v2", metavar="FMT",
+                    help="the delta's compression format, with --previous (default %(default)s)")
+    hl.add_argument("--wait", action="store_true", help="follow every replica until it serves the snapshot")
+    hl.add_argument("--timeout", type=float, default=None, metavar="S",
+                    help="with --wait: give up after S seconds (exit 1)")
+    sub.add_parser("peers", help="the swarm members this daemon sees")
+    sub.add_parser("gc", help="collect old snapshots now")
     return p
 
 
@@ -259,8 +283,131 @@ def _cmd_verify(client: DaemonClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _replica_row(r: dict[str, Any]) -> list[Any]:
+    ls = r.get("loading_state") if isinstance(r.get("loading_state"), dict) else {}
+    prog = ls.get("progress")
+    shown = f"{100.0 * prog:.0f}%" if isinstance(prog, int | float) and not isinstance(prog, bool) else None
+    return [r.get("replica_id"), ls.get("stage"), ls.get("identity"), shown, r.get("policy_version"),
+            r.get("current_snapshot_identity"), ls.get("reason")]
+
+
+REPLICA_HEADERS = ["REPLICA", "STAGE", "IDENTITY", "PROGRESS", "POLICY_VERSION", "SERVING", "REASON"]
+
+
+def _replica_state(r: dict[str, Any]) -> tuple[Any, Any, Any]:
+    ls = r.get("loading_state") if isinstance(r.get("loading_state"), dict) else {}
+    return ls.get("stage"), ls.get("identity"), ls.get("reason")
+
+
+def _hot_load_outcome(identity: str, replicas: list[dict[str, Any]], reached: int) -> tuple[bool, str | None]:
+    """(every replica serves ``identity``, the first error reported for it or None)."""
+    for r in replicas:
+        stage, ident, reason = _replica_state(r)
+        if stage == "error" and ident == identity:
+            return False, f"replica {_cell(r.get('replica_id'))}: {_cell(reason) if reason else 'error'}"
+    done = bool(replicas) and len(replicas) >= reached and all(
+        _replica_state(r)[0] == "done" and r.get("current_snapshot_identity") == identity for r in replicas
+    )
+    return done, None
+
+
+class _LiveTable:
+    """The per-replica table: redrawn in place on a terminal, one line per change otherwise."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.tty = enabled and sys.stdout.isatty()
+        self.drawn = 0
+        self.last: dict[str, list[str]] = {}
+
+    def update(self, replicas: list[dict[str, Any]]) -> None:
+        if not self.enabled:
+            return
+        rows = [_replica_row(r) for r in replicas]
+        if self.tty:
+            text = _table(REPLICA_HEADERS, rows)
+            # Move up over the previous drawing and clear it (ANSI CPL + ED).
+            prefix = f"\x1b[{self.drawn}F\x1b[J" if self.drawn else ""
+            sys.stdout.write(prefix + text + "\n")
+            sys.stdout.flush()
+            self.drawn = text.count("\n") + 1
+            return
+        for row in rows:
+            cells = [_cell(v) for v in row]
+            key = cells[0]
+            if self.last.get(key) != cells:
+                self.last[key] = cells
+                print("  ".join(f"{h.lower()}={c}" for h, c in zip(REPLICA_HEADERS, cells)), flush=True)
+
+
+def _cmd_hot_load(client: DaemonClient, args: argparse.Namespace) -> int:
+    identity: str = args.identity
+    if args.timeout is not None and not args.timeout >= 0:
+        raise _Fail("--timeout must be >= 0 seconds", EXIT_USAGE)
+    start = time.monotonic()
+    ans = hot_load(client, identity, args.previous, compression_format=args.compression_format)
+    if not args.wait:
+        if args.json:
+            _emit_json(ans)
+        else:
+            print(f"{identity}: hot-load accepted (request {_cell(ans.get('request_id'))}, "
+                  f"{_cell(ans.get('replicas'))} replicas reached)")
+        return EXIT_OK
+    reached = ans.get("replicas") if isinstance(ans.get("replicas"), int) else 0
+    live = _LiveTable(not args.json)
+    deadline = None if args.timeout is None else start + args.timeout
+    while True:
+        replicas = hot_load_status(client)
+        live.update(replicas)
+        done, error = _hot_load_outcome(identity, replicas, reached)
+        if error is not None:
+            raise _Fail(f"hot-load of {identity} failed: {error}")
+        if done:
+            break
+        if deadline is not None and time.monotonic() >= deadline:
+            pending = [r for r in replicas if not (_replica_state(r)[0] == "done"
+                                                   and r.get("current_snapshot_identity") == identity)]
+            where = ", ".join(f"{_cell(r.get('replica_id'))} {_cell(_replica_state(r)[0])}" for r in pending[:5])
+            raise _Fail(f"hot-load of {identity} not done after {args.timeout:g} s"
+                        + (f" ({where})" if where else f" ({len(replicas)} of {reached} replicas answered)"))
+        time.sleep(POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic())))
+    if args.json:
+        _emit_json({"identity": identity, "request_id": ans.get("request_id"), "replicas": replicas,
+                    "seconds": round(time.monotonic() - start, 3)})
+    else:
+        versions = sorted({str(r.get("policy_version")) for r in replicas})
+        print(f"{identity} served by {len(replicas)} replica(s) in {time.monotonic() - start:.1f} s "
+              f"(policy version {', '.join(versions)})")
+    return EXIT_OK
+
+
+def _cmd_peers(client: DaemonClient, args: argparse.Namespace) -> int:
+    st = client.status()
+    peers = [p for p in st.get("peers") or [] if isinstance(p, dict)]
+    if args.json:
+        _emit_json({"node_id": st.get("node_id"), "swarm_id": st.get("swarm_id"), "peers": peers})
+    elif peers:
+        print(_table(["NODE", "URL", "ALIVE"], [[p.get("node_id"), p.get("url"), "yes" if p.get("alive") else "no"]
+                                               for p in peers]))
+    else:
+        print("no peers")
+    return EXIT_OK
+
+
+def _cmd_gc(client: DaemonClient, args: argparse.Namespace) -> int:
+    ans = collect_garbage(client)
+    if args.json:
+        _emit_json(ans)
+        return EXIT_OK
+    removed = [str(x) for x in ans.get("removed") or []] if isinstance(ans.get("removed"), list) else []
+    kept = [str(x) for x in ans.get("kept") or []] if isinstance(ans.get("kept"), list) else []
+    print(f"removed {len(removed)}: {_cell(', '.join(removed))}")
+    print(f"kept {len(kept)}: {_cell(', '.join(kept))}")
+    return EXIT_OK
+
+
 COMMANDS = {"prefetch": _cmd_prefetch, "status": _cmd_status, "snapshots": _cmd_snapshots,
-            "verify": _cmd_verify}
+            "verify": _cmd_verify, "hot-load": _cmd_hot_load, "peers": _cmd_peers, "gc": _cmd_gc}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -2,6 +2,9 @@
 
 - ``DaemonClient(url)``: the daemon's local API (health, status, prefetch, wait for a state, pull
   files and tensors over HTTP, ``open()`` the ready directory). Blocking, stdlib HTTP only.
+- ``EngineLink`` / ``run_hot_swap_loop``: the engine hand-off of a hot-load (register, long-poll
+  for the next READY snapshot, prepare while serving, swap, acknowledge with the pause); the fleet
+  calls ``hot_load``/``hot_load_status``, leases and ``collect_garbage``.
 - ``open_snapshot(path)`` / ``Snapshot``: a READY snapshot directory, tensors as zero-copy
   read-only numpy views into the daemon's shared memory, ``verify()`` against READY's digests.
 
@@ -14,6 +17,16 @@ Example::
 """
 
 from bdn.client.daemon import DEFAULT_URL, STATES, DaemonClient
+from bdn.client.engine import (
+    EngineLink,
+    call_json,
+    collect_garbage,
+    hot_load,
+    hot_load_status,
+    release_lease,
+    run_hot_swap_loop,
+    take_lease,
+)
 from bdn.client.errors import DaemonError, DaemonUnreachable, SnapshotFailed
 from bdn.client.ready import ReadyFile, ReadyMarker, read_ready
 from bdn.client.snapshot import Snapshot, open_snapshot
@@ -24,10 +37,18 @@ __all__ = [
     "DaemonClient",
     "DaemonError",
     "DaemonUnreachable",
+    "EngineLink",
     "ReadyFile",
     "ReadyMarker",
     "Snapshot",
     "SnapshotFailed",
+    "call_json",
+    "collect_garbage",
+    "hot_load",
+    "hot_load_status",
     "open_snapshot",
     "read_ready",
+    "release_lease",
+    "run_hot_swap_loop",
+    "take_lease",
 ]
