@@ -239,6 +239,10 @@ class Node:
             except PeerError as e:
                 if m.alive:
                     log.warning("peer %s: health check failed: %s", m.url, e)
+                elif "answered 401" in str(e) and not m.extra.get("warned_401"):
+                    m.extra["warned_401"] = True
+                    log.warning("peer %s refuses our signed requests (401): a different partition "
+                                "secret, or a clock skew over 30 s", m.url)
                 self.membership.mark_failed(m.url)
                 return
             self.membership.mark_ok(m.url, ans["node_id"])
