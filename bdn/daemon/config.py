@@ -51,6 +51,15 @@ class Config:
     penalty_s: float = 30.0  # how long a peer that sent bad bytes is skipped
     apply_workers: int = 0  # threads decoding deltas (0 = one per core)
     keep_ready: int = 2  # GC keeps this many newest ready snapshots (plus leased/current/target)
+    shm_budget_bytes: int = 0  # most bytes of snapshots (rebuilt + stored diffs) in shm; 0 = no budget
+    peer_upload_mbit: float = 0.0  # limit on chunk bytes served to peers, Mbit/s; 0 = none
+    peer_download_mbit: float = 0.0  # limit on chunk bytes fetched from peers, Mbit/s; 0 = none
+    bucket_mbit: float = 0.0  # limit on chunk bytes read from the bucket, Mbit/s; 0 = none
+    max_per_peer: int = 4  # chunk requests in flight to any one peer
+    endgame_chunks: int = 4  # when this few chunks are left, ask a second source for each
+    peers_dns: str = ""  # host:port whose DNS A/AAAA records are all the daemons (k8s headless Service)
+    peers_dns_interval_s: float = 10.0  # how often peers_dns is re-resolved
+    progress_interval_s: float = 0.5  # how often download progress is persisted for resume
     api_token: str = field(default="", repr=False)  # bearer token for the fleet hot-load API
     api_token_file: str = ""
     log_level: str = "info"

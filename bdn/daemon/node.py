@@ -16,6 +16,7 @@ import mmap
 import os
 import random
 import shutil
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +27,7 @@ from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.config import Config
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError
+from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, Loc, SnapshotJob
 from bdn.daemon.store import Store
 from bdn.proto import hrw
@@ -110,6 +112,11 @@ class Node:
         self.bucket_sem = asyncio.Semaphore(cfg.bucket_concurrency)
         self.peer_sem = asyncio.Semaphore(cfg.max_inflight)
         self.upload_sem = asyncio.Semaphore(cfg.max_inflight * 2)
+        self.upload_limit = RateLimit.from_mbit(cfg.peer_upload_mbit)
+        self.download_limit = RateLimit.from_mbit(cfg.peer_download_mbit)
+        self.bucket_limit = RateLimit.from_mbit(cfg.bucket_mbit)
+        self._peer_sems: dict[str, asyncio.Semaphore] = {}
+        self.resumable: set[str] = set()
         self.counters: dict[str, int] = {
             "bucket_bytes_owner": 0,
             "bucket_bytes_fallback": 0,
@@ -164,6 +171,11 @@ class Node:
             job = self.prefetch(startup, requested_by="startup")
             if job.state == "ready":
                 self.hotload.on_snapshot_ready(startup)
+        for ident in sorted(self.resumable):
+            log.info("snapshot %s: resuming the download a restart interrupted", ident)
+            self.prefetch(ident, requested_by="resume")
+        if self.cfg.peers_dns:
+            self._tasks.append(asyncio.create_task(self._dns_loop(), name="peers-dns"))
 
     async def stop(self) -> None:
         self._closing = True
@@ -179,8 +191,10 @@ class Node:
 
     def _load_ready_from_store(self) -> None:
         """Register the snapshots already READY in shm (a restarted daemon keeps serving them)."""
-        for d in self.store.root.joinpath(".staging").iterdir():
-            shutil.rmtree(d, ignore_errors=True)  # half-built: never handed out, rebuilt on demand
+        # Downloads a restart cut short resume from their saved progress; other half-built
+        # leftovers were never handed out and are removed.
+        self.resumable = set(self.store.resumable())
+        self.store.clean_staging(self.resumable)
         for info in self.store.list_ready():
             job = SnapshotJob(info.identity, self.store)
             files = []
@@ -317,7 +331,15 @@ class Node:
         try:
             m = await self._read_manifest(job)
             job.attach_manifest(m)
-            await asyncio.get_running_loop().run_in_executor(self.io, self.store.prepare_staging, m)
+            loop = asyncio.get_running_loop()
+            saved = self.store.load_progress(m.identity, job.manifest_digest)
+            if saved is not None:
+                await self._resume(job, saved)
+            else:
+                self._check_budget(m)
+                await loop.run_in_executor(self.io, self.store.prepare_staging, m)
+            flusher = asyncio.create_task(self._progress_flusher(job))
+            job.flusher = flusher
             for ref in job.stored_refs:
                 self.pending.setdefault(self.keys.address(ref.digest), (job, STORED, ref))
             job.set_state("downloading")
@@ -336,6 +358,7 @@ class Node:
                      {k: round(v, 3) for k, v in job.stages.items()})
             self.gc()
         except asyncio.CancelledError:
+            self._save_progress(job)  # a clean stop resumes like a crash, from what is verified
             raise
         except (BdnError, OSError) as e:
             reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
@@ -349,11 +372,104 @@ class Node:
             self._forget(job)
             self.store.discard(job.identity)
         finally:
+            if getattr(job, "flusher", None) is not None:
+                job.flusher.cancel()
             for ref in job.stored_refs:
                 addr = self.keys.address(ref.digest)
                 if self.pending.get(addr, (None,))[0] is job:
                     del self.pending[addr]
             await job.notify()
+
+    def _check_budget(self, m: Manifest) -> None:
+        """Fail early, with the numbers, when the snapshot would not fit the shm budget."""
+        budget = self.cfg.shm_budget_bytes
+        if budget <= 0:
+            return
+        need = self.store.space_needed(m)
+
+        def used() -> int:
+            return sum(
+                self.store.space_needed(j.manifest)
+                for j in self.jobs.values()
+                if j.manifest is not None and j.identity != m.identity and j.state != "failed"
+            )
+
+        if used() + need > budget:
+            self.gc()
+        u = used()
+        if u + need > budget:
+            holders = ", ".join(sorted(j.identity for j in self.jobs.values() if j.manifest is not None and j.identity != m.identity and j.state != "failed"))
+            raise BdnError(
+                f"shm budget exceeded: snapshot {m.identity!r} needs {need} bytes; budget "
+                f"{budget}, {u} in use by {holders or 'nothing'} (leased, current or in progress)"
+            )
+
+    async def _resume(self, job: SnapshotJob, saved: tuple[bytes, bytes]) -> None:
+        """Take back the chunks a previous run wrote, re-verifying each against the manifest."""
+        stored, result = Bitfield(len(job.stored_refs), saved[0]), Bitfield(len(job.result_refs), saved[1])
+
+        def verify(layer: str, refs: list[ChunkRef], bits: Bitfield) -> list[int]:
+            good = []
+            for i, ref in enumerate(refs):
+                if not bits[i]:
+                    continue
+                try:
+                    with open(job.file_path(layer, ref.file_index), "rb") as f:
+                        data = os.pread(f.fileno(), ref.length, ref.offset)
+                except OSError:
+                    continue
+                if len(data) == ref.length and xxh3_digest(data) == ref.digest:
+                    good.append(i)
+            return good
+
+        loop = asyncio.get_running_loop()
+        ok_s = await loop.run_in_executor(self.io, verify, STORED, job.stored_refs, stored)
+        ok_r = await loop.run_in_executor(self.io, verify, RESULT, job.result_refs, result)
+        for i in ok_s:
+            job.stored.set(i)  # type: ignore[union-attr]
+            self._register(job, STORED, job.stored_refs[i])
+        for i in ok_r:
+            job.result.set(i)  # type: ignore[union-attr]
+            self._register(job, RESULT, job.result_refs[i])
+        job.bytes_done = sum(job.stored_refs[i].length for i in ok_s)
+        job.bytes_resumed = job.bytes_done
+        log.info("snapshot %s: resumed with %d of %d stored chunks verified on disk",
+                 job.identity, len(ok_s), len(job.stored_refs))
+
+    def _save_progress(self, job: SnapshotJob) -> None:
+        if job.manifest is None or job.stored is None or job.result is None or job.state in ("ready", "failed"):
+            return
+        try:
+            self.store.save_progress(job.identity, job.manifest_digest, job.stored.to_bytes(), job.result.to_bytes())
+        except OSError as e:
+            log.warning("snapshot %s: cannot save progress: %s", job.identity, e)
+
+    async def _progress_flusher(self, job: SnapshotJob) -> None:
+        last = -1
+        while True:
+            await asyncio.sleep(self.cfg.progress_interval_s)
+            if job.version != last:
+                last = job.version
+                self._save_progress(job)
+
+    async def _dns_loop(self) -> None:
+        """Learn every daemon behind ``peers_dns`` (e.g. a Kubernetes headless Service)."""
+        from bdn.daemon.config import split_hostport
+
+        host, port = split_hostport(self.cfg.peers_dns)
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            try:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                for fam, _, _, _, addr in infos:
+                    ip = addr[0]
+                    url = f"http://[{ip}]:{port}" if fam == socket.AF_INET6 else f"http://{ip}:{port}"
+                    m = self.membership.learn(url)
+                    if m is not None:
+                        m.static = True  # re-resolved: it stays a member until DNS drops it
+            except OSError as e:
+                log.warning("peers_dns %s: %s", self.cfg.peers_dns, e)
+            await asyncio.sleep(self.cfg.peers_dns_interval_s)
 
     async def _read_manifest(self, job: SnapshotJob) -> Manifest:
         key = f"{job.identity}/{MANIFEST_NAME}"
@@ -381,6 +497,7 @@ class Node:
                     await job.notify()
                 await asyncio.sleep(self.cfg.manifest_poll_s)
         self.counters["bucket_manifest_bytes"] += len(data)
+        job.manifest_digest = xxh3_digest(data)
         return Manifest.from_json(data, expect_identity=job.identity)
 
     async def _run_delta(self, job: SnapshotJob, m: Manifest) -> None:
@@ -630,8 +747,18 @@ class Node:
         try:
             for attempt in range(3):
                 tried: set[str] = set()
+                holders = self._holders(job, layer, idx)
+                # Endgame: with only a few chunks left, ask two holders at once so one slow peer
+                # cannot hold the whole snapshot back; the first verified copy wins.
+                if len(holders) >= 2 and bits.n - bits.count <= self.cfg.endgame_chunks:  # type: ignore[union-attr]
+                    tried.update(m.url for m in holders[:2])
+                    winner = await self._race_peers(job, holders[:2], address, ref, target, errors)
+                    if winner is not None:
+                        await self._got(job, layer, ref, idx, winner)
+                        return
+                    holders = holders[2:]
                 # 1. peers known to hold it, least loaded first
-                for m in self._holders(job, layer, idx):
+                for m in holders:
                     tried.add(m.url)
                     if await self._from_peer(job, m, address, ref, mv, target, 0.0, errors):
                         await self._got(job, layer, ref, idx, m.url)
@@ -670,13 +797,48 @@ class Node:
                 mv.release()
                 self.pool.put(buf)
 
+    async def _race_peers(
+        self, job: SnapshotJob, members: list[Member], address: str, ref: ChunkRef, target: Path,
+        errors: list[str],
+    ) -> str | None:
+        """Request the chunk from each member at once; the url of the first verified copy."""
+        bufs = [self.pool.get(ref.length) for _ in members]
+        views = [memoryview(b) for b in bufs]
+        tasks = {
+            asyncio.ensure_future(self._from_peer(job, m, address, ref, v, target, 0.0, errors)): m
+            for m, v in zip(members, views)
+        }
+        winner: str | None = None
+        pending = set(tasks)
+        try:
+            while pending and winner is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if not t.cancelled() and t.exception() is None and t.result():
+                        winner = tasks[t].url
+        finally:
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            # a cancelled loser's worker thread may still touch its buffer: do not pool those
+            for t, v, b in zip(tasks, views, bufs):
+                if not t.cancelled():
+                    v.release()
+                    self.pool.put(b)
+        return winner
+
     async def _from_peer(
         self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef, mv: memoryview,
         target: Path, wait: float, errors: list[str],
     ) -> bool:
+        sem = self._peer_sems.get(m.url)
+        if sem is None:
+            sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
         m.inflight += 1
         try:
-            async with self.peer_sem:
+            async with sem, self.peer_sem:
+                await self.download_limit.take(ref.length)
                 ok = await self.peers.get_chunk_into(m.url, address, mv, wait=wait, snapshot=job.identity)
         except PeerBusy:
             return False
@@ -707,6 +869,7 @@ class Node:
         key = f"{job.identity}/{ref.path}"
         loop = asyncio.get_running_loop()
         for attempt in range(3):
+            await self.bucket_limit.take(ref.length)
             async with self.bucket_sem:
                 try:
                     await loop.run_in_executor(self.io, self.bucket.read_range_into, key, ref.offset, mv)

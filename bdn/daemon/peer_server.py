@@ -90,6 +90,7 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
     if node.upload_sem.locked():
         return web.Response(status=503, headers={"Retry-After": "1"}, text="upload slots full\n")
     async with node.upload_sem:
+        await node.upload_limit.take(loc.length)
         try:
             fd = os.open(loc.path(), os.O_RDONLY)
         except FileNotFoundError:

@@ -68,6 +68,9 @@ class SnapshotJob:
         self.requested_by = "local"
         self.fetch_layer = STORED  # the layer whose bytes bytes_done counts
         self.on_change: Any = None  # async callable, called after every notify (hot-load view)
+        self.manifest_digest = ""  # xxh3-128 of the manifest's bytes (ties saved progress to it)
+        self.flusher: asyncio.Task[None] | None = None
+        self.bytes_resumed = 0
 
     # ---- layout --------------------------------------------------------------------------
     def result_dir(self) -> Path:
@@ -141,6 +144,7 @@ class SnapshotJob:
             "bytes_from_bucket": self.bytes_from_bucket,
             "bytes_from_peers": self.bytes_from_peers,
             "bytes_local": self.bytes_local,
+            "bytes_resumed": self.bytes_resumed,
             "stages": {k: round(v, 6) for k, v in stages.items()},
             "requested_by": self.requested_by,
             "created_at": self.created,

@@ -18,6 +18,7 @@ with the xxh3-128 digests of each reconstructed file's chunks.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, num_chunks
 from bdn.proto.errors import ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
@@ -143,28 +145,105 @@ class Store:
                 out.append(info)
         return out
 
+    @staticmethod
+    def space_needed(m: Manifest) -> int:
+        """Bytes of shm a snapshot takes: its rebuilt files plus a delta's stored diff files."""
+        return m.result_bytes + sum(f.size for f in m.files if f.is_diff)
+
+    def free_bytes(self) -> int:
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
     def prepare_staging(self, m: Manifest) -> None:
-        """Create empty staging files of the reconstructed sizes (sparse until written).
+        """Create the staging files at their final sizes, with their space reserved up front.
+
+        The space is allocated (``posix_fallocate``) rather than left sparse: a full tmpfs must
+        fail here, with the numbers, not later as ENOSPC mid-download or SIGBUS inside an mmap.
 
         Raises:
-            OSError: e.g. ENOSPC when shm cannot hold the snapshot.
+            ProtocolError: the file system cannot hold the snapshot (message gives the numbers).
         """
+        self.discard(m.identity)
+        need = self.space_needed(m)
+        free = self.free_bytes()
+        if need > free:
+            raise ProtocolError(
+                f"shm full: snapshot {m.identity!r} needs {need} bytes, {free} are free on {self.root}"
+            )
         st = self.staging_dir(m.identity)
-        if st.exists():
-            shutil.rmtree(st)
         stored = self.stored_dir(m.identity)
-        if stored.exists():
-            shutil.rmtree(stored)
-        for f in m.files:
-            p = st / f.path
-            p.parent.mkdir(parents=True, exist_ok=True)
-            with open(p, "wb") as fh:
-                fh.truncate(f.result_size)
-            if f.is_diff:
-                q = stored / f.path
-                q.parent.mkdir(parents=True, exist_ok=True)
-                with open(q, "wb") as fh:
-                    fh.truncate(f.size)
+        try:
+            for f in m.files:
+                self._allocate(st / f.path, f.result_size)
+                if f.is_diff:
+                    self._allocate(stored / f.path, f.size)
+        except OSError as e:
+            self.discard(m.identity)
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ProtocolError(
+                    f"shm full: snapshot {m.identity!r} needs {need} bytes, "
+                    f"{self.free_bytes()} are free on {self.root}"
+                ) from None
+            raise
+
+    @staticmethod
+    def _allocate(p: Path, size: int) -> None:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with open(p, "wb") as fh:
+            fh.truncate(size)
+            if size:
+                try:
+                    os.posix_fallocate(fh.fileno(), 0, size)
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+
+    # ---- persisted progress (resume after a restart) ---------------------------------------
+    def progress_path(self, identity: str) -> Path:
+        return self.root / STAGING / f"{identity}.progress"
+
+    def save_progress(self, identity: str, manifest_digest: str, stored: bytes, result: bytes) -> None:
+        """Atomically record which chunks of a snapshot in progress are written and verified."""
+        p = self.progress_path(identity)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_bytes(msgpack.packb({"m": manifest_digest, "s": stored, "r": result}, use_bin_type=True))
+        os.replace(tmp, p)
+
+    def load_progress(self, identity: str, manifest_digest: str) -> tuple[bytes, bytes] | None:
+        """The saved bitfields if they belong to this exact manifest and the files are there."""
+        try:
+            obj = msgpack.unpackb(self.progress_path(identity).read_bytes(), raw=False)
+        except (OSError, ValueError, msgpack.UnpackException):
+            return None
+        if not isinstance(obj, dict) or obj.get("m") != manifest_digest:
+            return None
+        s, r = obj.get("s"), obj.get("r")
+        if not isinstance(s, bytes) or not isinstance(r, bytes) or not self.staging_dir(identity).is_dir():
+            return None
+        return s, r
+
+    def resumable(self) -> list[str]:
+        """Identities with a staging directory and saved progress (a download a restart cut)."""
+        out = []
+        for p in (self.root / STAGING).glob("*.progress"):
+            ident = p.name[: -len(".progress")]
+            if self.staging_dir(ident).is_dir():
+                out.append(ident)
+        return sorted(out)
+
+    def clean_staging(self, keep: set[str]) -> None:
+        """Remove staging leftovers except the resumable downloads named in ``keep``."""
+        for d in (self.root / STAGING).iterdir():
+            name = d.name[: -len(".progress")] if d.name.endswith(".progress") else d.name
+            if name in keep:
+                continue
+            if d.is_dir():
+                shutil.rmtree(d, ignore_errors=True)
+            else:
+                d.unlink(missing_ok=True)
+        for d in (self.root / STORED).iterdir():
+            if d.name not in keep and not self.is_ready(d.name):
+                shutil.rmtree(d, ignore_errors=True)
 
     def publish(self, m: Manifest) -> Path:
         """Write READY into the staging directory, then rename it into place (atomic)."""
@@ -175,6 +254,7 @@ class Store:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, st / READY_NAME)
+        self.progress_path(m.identity).unlink(missing_ok=True)
         final = self.ready_dir(m.identity)
         if final.exists():
             shutil.rmtree(final)
@@ -185,6 +265,7 @@ class Store:
         """Remove a snapshot's staging and stored data (never its ready directory)."""
         shutil.rmtree(self.staging_dir(identity), ignore_errors=True)
         shutil.rmtree(self.stored_dir(identity), ignore_errors=True)
+        self.progress_path(identity).unlink(missing_ok=True)
 
     def remove(self, identity: str) -> None:
         """Remove everything of a snapshot (GC)."""

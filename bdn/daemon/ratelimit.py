@@ -1,0 +1,40 @@
+"""Byte-rate limits for a daemon's peer upload, peer download and bucket reads.
+
+A token bucket in virtual time: each ``take(n)`` books ``n / rate`` seconds on the link and sleeps
+until its booking starts, allowing a burst of ``burst_s`` seconds' worth of bytes. Written here
+rather than taken from a library because it must be asyncio-native, shared by many coroutines,
+and cost nothing when the limit is off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+class RateLimit:
+    """``rate_bytes_s`` bytes per second on average (0 = unlimited)."""
+
+    def __init__(self, rate_bytes_s: float, burst_s: float = 0.25) -> None:
+        self.rate = float(rate_bytes_s)
+        self.burst_s = burst_s
+        self._next = 0.0
+
+    @classmethod
+    def from_mbit(cls, mbit: float) -> RateLimit:
+        return cls(mbit * 1e6 / 8)
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0
+
+    async def take(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` may cross the link."""
+        if self.rate <= 0 or nbytes <= 0:
+            return
+        now = time.monotonic()
+        start = max(self._next, now - self.burst_s)
+        self._next = start + nbytes / self.rate
+        delay = start - now
+        if delay > 0:
+            await asyncio.sleep(delay)
