@@ -12,6 +12,10 @@
 5. For every node: its files are byte-identical to the trainer's; the bucket's egress against
    the snapshots' sizes; how long each stage took.
 
+Part 2 (examples/fleet.py): three daemons plus three reference engines serving a tiny GPT move
+from policy 1 to 2 to 3 with one hot-load POST each; it prints each replica's swap pause and each
+engine's answer with the policy version it reports.
+
 Everything lives under ``./demo-run`` (bucket, trainer dirs, daemon logs) and
 ``/dev/shm/bdn-demo`` (the rebuilt snapshots); both are removed at the start of the next run.
 """
@@ -106,6 +110,7 @@ def main() -> int:
     ap.add_argument("--frac", type=float, default=0.02, help="fraction of bf16 values one step changes")
     ap.add_argument("--chunk-size", type=int, default=4 << 20, help="bytes per chunk (design default 16 MiB)")
     ap.add_argument("--keep", action="store_true", help="leave the daemons' shm snapshots in place")
+    ap.add_argument("--no-fleet", action="store_true", help="skip part 2 (engines and hot-loads)")
     args = ap.parse_args()
 
     shutil.rmtree(ROOT, ignore_errors=True)
@@ -216,9 +221,8 @@ def main() -> int:
               f"{all_stored / 1e6:.3f} MB = {fleet_bucket / all_stored:.3f}x "
               f"(without bdn each of {args.nodes} nodes reads them: {args.nodes}x)")
         print("time per stage: " + "; ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
-        print("\nRESULT: " + ("every node holds step000003 byte-identical to the trainer's files" if ok
-                              else "MISMATCH (see above)"))
-        return 0 if ok else 1
+        print("\nRESULT (part 1): " + ("every node holds step000003 byte-identical to the trainer's files" if ok
+                                       else "MISMATCH (see above)"))
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -227,9 +231,20 @@ def main() -> int:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 p.kill()
+        print(f"(daemon logs in {ROOT})")
+    if args.no_fleet:
+        return 0 if ok else 1
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import fleet
+
+    try:
+        ok_fleet = fleet.run(ROOT, SHM, args.nodes)
+    finally:
         if not args.keep:
             shutil.rmtree(SHM, ignore_errors=True)
-        print(f"(daemon logs in {ROOT})")
+    print("\nRESULT (part 2): " + ("the fleet moved from policy 1 to 2 to 3, one POST each; every engine "
+                                   "serves the trainer's weights" if ok_fleet else "FAILED (see above)"))
+    return 0 if ok and ok_fleet else 1
 
 
 if __name__ == "__main__":

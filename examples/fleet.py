@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Part two of the demo: a serving fleet moves from policy 1 to 2 to 3, one hot-load POST each.
+
+The trainer initialises a tiny GPT-style model (examples/engine/tinygpt.py, numpy, bf16) and
+publishes it as anchor ``step000001`` with STARTUP_SNAPSHOT. Three bdnd daemons and three
+reference engines (examples/engine/server.py, OpenAI-compatible chat) start; every engine serves
+policy 1. Then, twice: the trainer takes a simulated optimizer step, publishes the delta, and
+sends ONE ``POST /hot_load/v1/models/hot_load`` to ONE daemon over the network (bearer token);
+the daemons fan it out, rebuild the snapshot, the engines prepare it while serving, pause, swap and
+acknowledge. The demo prints the fleet's per-replica state, every replica's swap pause, and a
+chat completion from each engine with the ``policy_version`` it reports (``nvext.engine_data``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "engine"))
+import tinygpt  # noqa: E402
+
+BIN = Path(sys.executable).parent
+IDS = ["step000001", "step000002", "step000003"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: object | None = None, token: str | None = None, timeout: float = 30) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None, method=method)
+    req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"{}")
+
+
+def wait_until(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    sys.exit(f"fleet demo: timed out waiting for {what}")
+
+
+def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
+    import shutil
+
+    for d in (root / "bucket-fleet", root / "fleet-trainer"):
+        shutil.rmtree(d, ignore_errors=True)
+    for d in shm.glob("fleet-*"):
+        shutil.rmtree(d, ignore_errors=True)
+    bucket = f"file://{root / 'bucket-fleet'}"
+    token = os.urandom(16).hex()
+    secret_file = root / "fleet.secret"
+    secret_file.write_text(os.urandom(32).hex() + "\n")
+    trainer = [root / "fleet-trainer" / i for i in IDS]
+
+    print("\n== fleet: the trainer initialises a tiny GPT (bf16) and publishes it as step000001", flush=True)
+    cfg = tinygpt.TinyGPTConfig()
+    weights = [tinygpt.init_weights(cfg, seed=7)]
+    tinygpt.save_checkpoint(trainer[0], cfg, weights[0])
+    from bdn.publish import publish_delta, publish_full, publish_startup
+
+    m = publish_full(bucket, IDS[0], 1, dir=trainer[0], chunk_size=64 << 10)
+    publish_startup(bucket, IDS[0])
+    print(f"  {IDS[0]}: {m.stored_bytes} bytes, digest {tinygpt.weights_digest(weights[0])}")
+
+    nodes = [{"id": f"node{i}", "peer": free_port(), "local": free_port(), "engine": free_port()} for i in range(nodes_n)]
+    procs: list[subprocess.Popen] = []
+    try:
+        for nd in nodes:
+            env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID=nd["id"], BDN_API_TOKEN=token,
+                       BDN_PEER_LISTEN=f"127.0.0.1:{nd['peer']}", BDN_ADVERTISE_URL=f"http://127.0.0.1:{nd['peer']}",
+                       BDN_LOCAL_LISTEN=f"127.0.0.1:{nd['local']}", BDN_SHM_DIR=str(shm / f"fleet-{nd['id']}"),
+                       BDN_PARTITION_SECRET_FILE=str(secret_file),
+                       BDN_PEERS=",".join(f"http://127.0.0.1:{o['peer']}" for o in nodes if o is not nd))
+            log = open(root / f"fleet-{nd['id']}.log", "wb")
+            procs.append(subprocess.Popen([BIN / "bdnd"], env=env, stdout=log, stderr=subprocess.STDOUT))
+            elog = open(root / f"fleet-engine-{nd['id']}.log", "wb")
+            procs.append(subprocess.Popen(
+                [sys.executable, HERE / "engine" / "server.py", "--bdn-url", f"http://127.0.0.1:{nd['local']}",
+                 "--listen", f"127.0.0.1:{nd['engine']}", "--replica-id", nd["id"]],
+                stdout=elog, stderr=subprocess.STDOUT))
+        print(f"  {nodes_n} bdnd + {nodes_n} engines started; waiting until every replica serves {IDS[0]}")
+        hot = f"http://127.0.0.1:{nodes[0]['peer']}/hot_load/v1/models/hot_load"
+
+        def fleet_done(ident: str):
+            try:
+                reps = http("GET", hot, token=token)["replicas"]
+            except OSError:
+                return None
+            ok = len(reps) == nodes_n and all(
+                r["current_snapshot_identity"] == ident and r["loading_state"]["stage"] == "done"
+                and r.get("engines", 0) >= 1 for r in reps)
+            return reps if ok else None
+
+        t0 = time.monotonic()
+
+        def engines_up() -> bool:
+            for nd in nodes:
+                try:
+                    http("GET", f"http://127.0.0.1:{nd['engine']}/health", timeout=2)
+                except OSError:
+                    return False
+            return True
+
+        wait_until(engines_up, 120, "the engines to load their first snapshot")
+        reps = wait_until(lambda: fleet_done(IDS[0]), 120, f"{IDS[0]} on every replica")
+        print(f"  fleet serves {IDS[0]} after {time.monotonic() - t0:.1f} s")
+        ok = check_engines(nodes, 1, tinygpt.weights_digest(weights[0]))
+
+        for i in (1, 2):
+            ident = IDS[i]
+            print(f"\n== fleet: optimizer step {i + 1}, publish delta {ident}, ONE hot-load POST to node0", flush=True)
+            weights.append(tinygpt.optimizer_step(weights[-1], 0.02, seed=100 + i))
+            tinygpt.save_checkpoint(trainer[i], cfg, weights[-1])
+            md = publish_delta(bucket, ident, i + 1, IDS[i - 1], dir=trainer[i], base_dir=trainer[i - 1], chunk_size=64 << 10)
+            print(f"  {ident}: delta {md.stored_bytes} bytes (rebuilds {md.result_bytes})")
+            t0 = time.monotonic()
+            ans = http("POST", hot, {"identity": ident, "incremental_snapshot_metadata": {
+                "previous_snapshot_identity": IDS[i - 1], "compression_format": "arc_v2", "checksum_format": "alder32"}},
+                token=token)
+            print(f"  POST {hot} -> 200 {json.dumps(ans)}")
+            reps = wait_until(lambda: fleet_done(ident), 120, f"{ident} on every replica")
+            print(f"  every replica done in {time.monotonic() - t0:.2f} s:")
+            for r in reps:
+                print(f"    {r['replica_id']}: serves {r['current_snapshot_identity']} (policy_version "
+                      f"{r['policy_version']}), stage {r['loading_state']['stage']}, "
+                      f"swap pause {r.get('last_swap_pause_ms') or 0:.3f} ms")
+            ok &= check_engines(nodes, i + 1, tinygpt.weights_digest(weights[-1]))
+        return ok
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def check_engines(nodes: list[dict], policy: int, digest: str) -> bool:
+    ok = True
+    for nd in nodes:
+        base = f"http://127.0.0.1:{nd['engine']}"
+        ans = http("POST", base + "/v1/chat/completions", {
+            "model": "tinygpt", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
+            "temperature": 0, "nvext": {"extra_fields": ["engine_data"]}})
+        ed = ans["nvext"]["engine_data"]
+        lp = ans["choices"][0]["logprobs"]["content"]
+        same = http("GET", base + "/debug/weights_digest")["digest"] == digest
+        ok &= ed["policy_version"] == policy and same
+        print(f"    {nd['id']} engine: policy_version {ed['policy_version']}, replica {ed['replica_id']}, "
+              f"token_ids {ans['choices'][0]['token_ids'][:6]}..., logprob[0] {lp[0]['logprob']:.3f}, "
+              f"weights {'== trainer' if same else 'DIFFER from trainer'}")
+    return ok
+
+
+if __name__ == "__main__":
+    root = Path.cwd() / "demo-run"
+    root.mkdir(exist_ok=True)
+    shm = Path("/dev/shm/bdn-demo") if Path("/dev/shm").is_dir() else root / "shm"
+    sys.exit(0 if run(root, shm) else 1)
