@@ -123,3 +123,40 @@ def test_hot_load_errors(fleet) -> None:
     # nothing above moved the fleet
     reps = wait_fleet(a.url, "step000001")
     assert all(r["loading_state"]["identity"] == "step000001" for r in reps)
+
+
+def test_late_replica_catches_up_from_peers(tmp_path: Path) -> None:
+    """A daemon that starts after two hot-loads adopts the fleet's target from its peers and takes
+    the rebuilt chunks from them: nothing of the delta chain comes from the bucket."""
+    bucket = f"file://{tmp_path}/bucket"
+    s1 = make_state(0, scale=2)
+    s2 = optimizer_step(s1, 0.02, 1)
+    s3 = optimizer_step(s2, 0.02, 2)
+    d1, d2, d3 = (write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in ((1, s1), (2, s2), (3, s3)))
+    publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
+    publish_delta(bucket, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK)
+    publish_delta(bucket, "step000003", 3, "step000002", dir=d3, base_dir=d2, chunk_size=CHUNK)
+    publish_startup(bucket, "step000001")
+    swarm = Swarm(tmp_path / "nodes", 3, bucket, extra_env={"BDN_STARTUP_SETTLE_S": "1"})
+    early, late = swarm.daemons[:2], swarm.daemons[2]
+    try:
+        for d in early:
+            d.start(swarm.peer_urls)
+        for d in early:
+            d.wait_healthy()
+        wait_fleet(early[0].url, "step000001")
+        for ident in ("step000002", "step000003"):
+            assert http("POST", early[0].url + "/hot_load/v1/models/hot_load", {"identity": ident})[0] == 200
+            wait_fleet(early[1].url, ident)
+        late.start(swarm.peer_urls)
+        late.wait_healthy()
+        snap = late.wait_ready("step000003")
+        assert snap["bytes_from_bucket"] == 0 and snap["bytes_from_peers"] > 0
+        reps = wait_fleet(late.url, "step000003")
+        assert len(reps) == 3 and {r["policy_version"] for r in reps} == {3}
+        jobs = {s["identity"]: s for s in late.status()["snapshots"]}
+        assert jobs.get("step000002", {}).get("bytes_from_bucket", 0) == 0
+        for f in d3.iterdir():
+            assert (Path(snap["path"]) / f.name).read_bytes() == f.read_bytes()
+    finally:
+        swarm.stop()
