@@ -1,0 +1,1 @@
+"""bench/swarm: an emulated cluster (netns + veth + tc) comparing bdn, boto3 and libtorrent."""

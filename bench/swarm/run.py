@@ -1,0 +1,848 @@
+"""bench/swarm: N emulated nodes fetch one snapshot through bdn, boto3 and libtorrent.
+
+Needs root (network namespaces, veth, tc). One command reproduces everything:
+
+    sudo .venv/bin/python -m bench.swarm.run --nodes 2,4,8 --nic-mbit 200 --bucket-mbit 200 \
+        --snapshot-gb 1 --systems bdn,boto3,libtorrent --fault kill50 --bucket-fast-x 4 --ceiling
+
+The emulated cluster: a bridge ``br-bdnbench`` in the root namespace (10.77.0.1/24), one network
+namespace for the bucket (a moto S3 server at 10.77.0.2:9000) and one per node (10.77.0.11, ...),
+each joined to the bridge by a veth pair. ``tc tbf`` shapes every node's NIC both ways (its own
+veth end for what it sends, the bridge end for what it receives) and the bucket's egress.
+
+Measured per run: wall time from the trigger until the last node holds the verified snapshot,
+bucket egress (HTTP body bytes, and the bucket veth's wire bytes as a cross-check), wire bytes
+each node sent and received (its bridge-side veth counters), CPU seconds of every process and the
+machine's CPU use. Rows go to bench/results/swarm.json; ``bench.swarm.report`` draws the plot and
+the table. ``--cleanup`` removes namespaces, bridge, processes and files left by a killed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+PY = str(REPO / ".venv" / "bin" / "python")
+BIN = REPO / ".venv" / "bin"
+WORK = Path("/tmp/bdnbench")
+SHM = Path("/dev/shm/bdnbench")
+CACHE = Path("/var/tmp/bdnbench")
+BRIDGE = "br-bdnbench"
+NET = "10.77.0"  # only this /24, inside namespaces this script creates
+ROOT_IP = f"{NET}.1"
+BUCKET_IP = f"{NET}.2"
+BUCKET_NS = "bdnb-bucket"
+LO_NS = "bdnb-lo"
+S3_PORT = 9000
+BUCKET = "bench"
+PREFIX = "run"
+IDENTITY = "step000001"
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sh(cmd: str | list[str], check: bool = True, quiet: bool = False) -> str:
+    """Run a command (string: through sh) and return stdout; raise with stderr on failure."""
+    r = subprocess.run(cmd, shell=isinstance(cmd, str), capture_output=True, text=True, timeout=120)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{cmd!r} failed ({r.returncode}): {r.stderr.strip()}")
+    if not quiet and r.returncode != 0:
+        log(f"(ignored) {cmd!r}: {r.stderr.strip()}")
+    return r.stdout
+
+
+def node_ns(i: int) -> str:
+    return f"bdnb-n{i}"
+
+
+def node_ip(i: int) -> str:
+    return f"{NET}.{10 + i}"
+
+
+def root_veth(name: str) -> str:
+    return f"bdnb-v{name}"  # the bridge-side end (<= 15 chars)
+
+
+# ---------------------------------------------------------------------------------------------
+# processes and counters
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[str]
+    logfile: Path | None = None
+    lines: list[str] = field(default_factory=list)
+    cpu0: float = 0.0
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+
+PROCS: list[Proc] = []
+
+
+def spawn(name: str, ns: str | None, argv: list[str], env: dict[str, str] | None = None,
+          logfile: Path | None = None, capture: bool = False) -> Proc:
+    """Start ``argv`` inside namespace ``ns`` (ip netns exec execs it: same pid)."""
+    full = (["ip", "netns", "exec", ns] if ns else []) + argv
+    e = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO))
+    out: Any = subprocess.PIPE if capture else (open(logfile, "w") if logfile else subprocess.DEVNULL)
+    p = subprocess.Popen(full, env=e, cwd=REPO, stdout=out, stderr=subprocess.STDOUT if not capture else
+                         (open(logfile, "w") if logfile else subprocess.DEVNULL), text=True,
+                         start_new_session=True)
+    pr = Proc(name, p, logfile)
+    if capture:
+        def pump() -> None:
+            assert p.stdout is not None
+            for line in p.stdout:
+                pr.lines.append(line.rstrip("\n"))
+        threading.Thread(target=pump, daemon=True).start()
+    PROCS.append(pr)
+    return pr
+
+
+def stop(pr: Proc, grace: float = 5.0) -> None:
+    if pr.popen.poll() is None:
+        try:
+            pr.popen.send_signal(signal.SIGTERM)
+            pr.popen.wait(grace)
+        except subprocess.TimeoutExpired:
+            pr.popen.kill()
+            pr.popen.wait(5)
+        except ProcessLookupError:
+            pass
+    if pr in PROCS:
+        PROCS.remove(pr)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process (all its threads), in seconds; -1 if gone."""
+    try:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(f[11]) + int(f[12])) / CLK
+    except (OSError, IndexError):
+        return -1.0
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies summed over all cores, from /proc/stat."""
+    v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    idle = v[3] + v[4]
+    return sum(v) - idle, sum(v)
+
+
+def iface_bytes(dev: str) -> tuple[int, int]:
+    """(rx_bytes, tx_bytes) of a root-namespace interface."""
+    d = Path(f"/sys/class/net/{dev}/statistics")
+    return int((d / "rx_bytes").read_text()), int((d / "tx_bytes").read_text())
+
+
+class Meter:
+    """Counters before/after a run: node wire bytes, bucket wire bytes, CPU of processes."""
+
+    def __init__(self, nodes: list[int], procs: list[Proc]) -> None:
+        self.nodes, self.procs = nodes, procs
+        self.b0 = {i: iface_bytes(root_veth(str(i))) for i in nodes}
+        self.k0 = iface_bytes(root_veth("b"))
+        self.c0 = {p.name: cpu_seconds(p.pid) for p in procs}
+        self.m0 = machine_cpu()
+        self.last_cpu = dict(self.c0)
+        self.t0 = time.time()
+
+    def sample_cpu(self) -> None:
+        for p in self.procs:
+            c = cpu_seconds(p.pid)
+            if c >= 0:
+                self.last_cpu[p.name] = c
+
+    def finish(self) -> dict[str, Any]:
+        self.sample_cpu()
+        m1 = machine_cpu()
+        wall = time.time() - self.t0
+        per_node = {}
+        for i in self.nodes:
+            rx, tx = iface_bytes(root_veth(str(i)))
+            # The bridge-side end: what it transmits the node received, and vice versa.
+            per_node[f"n{i}"] = {"sent_wire": rx - self.b0[i][0], "received_wire": tx - self.b0[i][1]}
+        krx, _ = iface_bytes(root_veth("b"))
+        cpu = {k: round(self.last_cpu[k] - self.c0[k], 2) for k in self.c0 if self.c0[k] >= 0}
+        busy = (m1[0] - self.m0[0]) / max(1, m1[1] - self.m0[1])
+        return {"per_node": per_node, "bucket_wire_bytes": krx - self.k0[0], "cpu_seconds": cpu,
+                "machine_cpu_busy": round(busy, 3), "cores": os.cpu_count(), "meter_wall_s": round(wall, 2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# the emulated cluster
+
+
+def tbf(ns: str | None, dev: str, mbit: float) -> None:
+    rate_bps = mbit * 1e6 / 8
+    burst = max(64 * 1024, int(rate_bps * 0.002))  # >= one GSO segment, ~2 ms of line rate
+    pre = f"ip netns exec {ns} " if ns else ""
+    sh(f"{pre}tc qdisc replace dev {dev} root tbf rate {mbit}mbit burst {burst} latency 50ms")
+
+
+def unshape(ns: str | None, dev: str) -> None:
+    pre = f"ip netns exec {ns} " if ns else ""
+    sh(f"{pre}tc qdisc del dev {dev} root", check=False, quiet=True)
+
+
+class Cluster:
+    def __init__(self, n_max: int, mtu: int) -> None:
+        self.n_max, self.mtu = n_max, mtu
+
+    def _host(self, ns: str, ip: str, tag: str) -> None:
+        rv = root_veth(tag)
+        sh(f"ip netns add {ns}")
+        sh(f"ip link add {rv} mtu {self.mtu} type veth peer name eth0 mtu {self.mtu} netns {ns}")
+        sh(f"ip link set {rv} master {BRIDGE} up")
+        sh(f"ip netns exec {ns} ip addr add {ip}/24 dev eth0")
+        sh(f"ip netns exec {ns} ip link set eth0 up")
+        sh(f"ip netns exec {ns} ip link set lo up")
+
+    def setup(self) -> None:
+        sh(f"ip link add {BRIDGE} mtu {self.mtu} type bridge")
+        sh(f"ip addr add {ROOT_IP}/24 dev {BRIDGE}")
+        sh(f"ip link set {BRIDGE} up")
+        self._host(BUCKET_NS, BUCKET_IP, "b")
+        for i in range(1, self.n_max + 1):
+            self._host(node_ns(i), node_ip(i), str(i))
+
+    def shape(self, nic_mbit: float, bucket_mbit: float | None) -> None:
+        for i in range(1, self.n_max + 1):
+            tbf(node_ns(i), "eth0", nic_mbit)  # what the node sends
+            tbf(None, root_veth(str(i)), nic_mbit)  # what the node receives
+        if bucket_mbit:
+            tbf(BUCKET_NS, "eth0", bucket_mbit)
+        else:
+            unshape(BUCKET_NS, "eth0")
+
+    def link(self, i: int, up: bool) -> None:
+        sh(f"ip link set {root_veth(str(i))} {'up' if up else 'down'}")
+
+
+def cleanup() -> None:
+    """Remove everything a run of this script may have left: processes, namespaces, bridge, files."""
+    for pr in list(PROCS):
+        stop(pr, 2)
+    out = sh("ip netns list", check=False, quiet=True)
+    for line in out.splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if ns.startswith("bdnb-"):
+            for pid in sh(["ip", "netns", "pids", ns], check=False, quiet=True).split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)  # processes inside our own namespaces
+                except (ProcessLookupError, ValueError):
+                    pass
+            time.sleep(0.2)
+            sh(["ip", "netns", "del", ns], check=False, quiet=True)
+    for dev in os.listdir("/sys/class/net"):
+        if dev.startswith("bdnb-v"):
+            sh(["ip", "link", "del", dev], check=False, quiet=True)
+    if Path(f"/sys/class/net/{BRIDGE}").exists():
+        sh(["ip", "link", "del", BRIDGE], check=False, quiet=True)
+    shutil.rmtree(SHM, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# talking to bdnd over its unix socket (filesystem paths cross network namespaces)
+
+
+class UnixHTTP(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.timeout)
+        s.connect(self.path)
+        self.sock = s
+
+
+def api(sock: Path, method: str, path: str, body: Any = None, timeout: float = 10) -> tuple[int, Any]:
+    c = UnixHTTP(str(sock), timeout)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        c.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        r = c.getresponse()
+        raw = r.read()
+        try:
+            return r.status, json.loads(raw) if raw else None
+        except ValueError:
+            return r.status, raw.decode(errors="replace")
+    finally:
+        c.close()
+
+
+def wait_until(pred: Any, timeout: float, what: str, every: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if pred():
+                return
+        except (OSError, http.client.HTTPException):
+            pass
+        time.sleep(every)
+    raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the runs
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    snap: Path
+    names: list[str]
+    size: int
+    digests_file: Path
+    digests: dict[str, list[str]]
+    cluster: Cluster | None = None
+    moto: Proc | None = None
+    nic_mbit: float = 200
+    bucket_mbit: float = 200
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def floor(self) -> float:
+        return self.size * 8 / (self.nic_mbit * 1e6)
+
+    def row(self, system: str, n: int, seconds: float | None, egress: int | None, fault: str | None,
+            **extra: Any) -> dict[str, Any]:
+        r = {"system": system, "nodes": n, "snapshot_bytes": self.size, "nic_mbit": self.nic_mbit,
+             "seconds": None if seconds is None else round(seconds, 2),
+             "floor_seconds": round(self.floor(), 2), "bucket_egress_bytes": egress, "fault": fault,
+             "bucket_mbit": self.bucket_mbit, **extra}
+        self.rows.append(r)
+        self.save()
+        log(f"ROW {system} N={n} fault={fault}: {r['seconds']} s (floor {r['floor_seconds']} s), "
+            f"bucket egress {None if egress is None else round(egress / self.size, 3)} x S, "
+            f"cpu busy {extra.get('machine_cpu_busy')}")
+        return r
+
+    def save(self) -> None:
+        out = Path(self.args.out)
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.rows, indent=1) + "\n")
+        tmp.replace(out)
+
+    def check_files(self, d: Path) -> bool:
+        from bench.swarm.snapshot import chunk_digests
+
+        return all((d / n).exists() and chunk_digests(d / n) == self.digests[n] for n in self.names)
+
+    # ---- bdn --------------------------------------------------------------------------------
+    def start_bdnd(self, i: int, peers: list[int], tag: str) -> tuple[Proc, Path]:
+        sockp = WORK / f"n{i}.sock"
+        env = dict(AWS_ENV, BDN_BUCKET=f"s3://{BUCKET}/{PREFIX}",
+                   BDN_ENDPOINT_URL=f"http://{BUCKET_IP}:{S3_PORT}", BDN_NODE_ID=f"n{i}",
+                   BDN_PEER_LISTEN="0.0.0.0:7080", BDN_ADVERTISE_URL=f"http://{node_ip(i)}:7080",
+                   BDN_LOCAL_LISTEN="127.0.0.1:7081", BDN_LOCAL_SOCKET=str(sockp),
+                   BDN_SHM_DIR=str(SHM / f"n{i}"), BDN_PARTITION_SECRET_FILE=str(WORK / "secret"),
+                   BDN_PEERS=",".join(f"http://{node_ip(j)}:7080" for j in peers if j != i),
+                   BDN_LOAD_STARTUP="false")
+        env.update(self.args.bdn_env)
+        pr = spawn(f"bdnd-n{i}", node_ns(i), [str(BIN / "bdnd")], env, WORK / "logs" / f"{tag}-n{i}.log")
+        return pr, sockp
+
+    def run_bdn(self, n: int, fault: str | None = None, system: str = "bdn") -> dict[str, Any]:
+        tag = f"bdn-N{n}-{fault or 'nofault'}-b{int(self.bucket_mbit)}"
+        nodes = list(range(1, n + 1))
+        shutil.rmtree(SHM, ignore_errors=True)
+        daemons = {i: self.start_bdnd(i, nodes, tag) for i in nodes}
+        try:
+            def all_up() -> bool:
+                for i, (_, s) in daemons.items():
+                    st, body = api(s, "GET", "/v1/status")
+                    if st != 200 or sum(1 for p in body["peers"] if p["alive"]) < n - 1:
+                        return False
+                return True
+            wait_until(all_up, 60, "every bdnd up and seeing all its peers")
+            meter = Meter(nodes, [d[0] for d in daemons.values()] + [self.moto])  # type: ignore[list-item]
+            prof = self.start_profile(daemons[1][0], tag) if self.args.profile else None
+            t0 = time.time()
+            for i, (_, s) in daemons.items():
+                st, body = api(s, "POST", f"/v1/snapshots/{IDENTITY}/prefetch")
+                if st not in (200, 202):
+                    raise RuntimeError(f"prefetch on n{i}: {st} {body}")
+            done: dict[int, float] = {}
+            failed: dict[int, str] = {}
+            victim = n if fault else None
+            last_status: dict[int, Any] = {}
+            killed_at: list[float] = []
+            deadline = time.monotonic() + self.timeout(n)
+
+            def waiter(i: int, s: Path) -> None:
+                while time.monotonic() < deadline and i not in done and i not in failed:
+                    try:
+                        st, body = api(s, "GET", f"/v1/snapshots/{IDENTITY}/wait?state=ready&timeout=20", timeout=30)
+                    except (OSError, http.client.HTTPException) as e:
+                        if i == victim and killed_at:
+                            return
+                        failed[i] = f"local API: {e}"
+                        return
+                    if st == 200 and body.get("state") == "ready":
+                        done[i] = time.time()
+                    elif st == 409:
+                        failed[i] = str(body)
+            ths = [threading.Thread(target=waiter, args=(i, s), daemon=True) for i, (_, s) in daemons.items()]
+            for t in ths:
+                t.start()
+            while time.monotonic() < deadline and any(t.is_alive() for t in ths):
+                time.sleep(0.2)
+                meter.sample_cpu()
+                if victim is not None and not killed_at:
+                    try:
+                        st, body = api(daemons[victim][1], "GET", "/v1/status")
+                        last_status[victim] = body
+                        j = next(x for x in body["snapshots"] if x["identity"] == IDENTITY)
+                        if j["bytes_total"] and j["bytes_done"] >= 0.5 * j["bytes_total"]:
+                            daemons[victim][0].popen.kill()
+                            self.cluster.link(victim, False)  # type: ignore[union-attr]  # the machine is gone
+                            killed_at.append(time.time() - t0)
+                            log(f"fault: killed n{victim} at {j['bytes_done'] / j['bytes_total']:.0%}, "
+                                f"t={killed_at[0]:.1f} s, and took its link down")
+                    except (OSError, http.client.HTTPException, StopIteration, KeyError):
+                        pass
+            survivors = [i for i in nodes if i != victim]
+            m = meter.finish()
+            if prof:
+                self.stop_profile(prof, tag)
+            statuses: dict[int, Any] = {}
+            for i in nodes:
+                if i == victim:
+                    statuses[i] = last_status.get(i)
+                    continue
+                try:
+                    statuses[i] = api(daemons[i][1], "GET", "/v1/status")[1]
+                except OSError:
+                    statuses[i] = None
+            ok = all(i in done for i in survivors)
+            seconds = (max(done[i] for i in survivors) - t0) if ok else None
+            egress = 0
+            counters = {}
+            for i, stt in statuses.items():
+                if stt:
+                    c = stt["counters"]
+                    counters[f"n{i}"] = {k: c.get(k) for k in ("bucket_bytes_owner", "bucket_bytes_fallback",
+                                                               "bucket_manifest_bytes", "peer_bytes_in",
+                                                               "peer_bytes_out", "chunk_verify_failures")}
+                    egress += c["bucket_bytes_owner"] + c["bucket_bytes_fallback"] + c.get("bucket_manifest_bytes", 0)
+                    m["per_node"][f"n{i}"].update(counters[f"n{i}"])
+            verified = None
+            if ok and not self.args.no_verify:
+                verified = all(self.check_files(SHM / f"n{i}" / statuses[i]["swarm_id"] / IDENTITY) for i in survivors)
+            for i in done:
+                m["per_node"][f"n{i}"]["done_s"] = round(done[i] - t0, 2)
+            return self.row(system, n, seconds, egress, fault, verified=verified, failed=failed or None,
+                            killed_at_s=killed_at[0] if killed_at else None,
+                            survivors=len(survivors) if fault else None, **m)
+        finally:
+            for p, _ in daemons.values():
+                stop(p)
+            if fault:
+                self.cluster.link(n, True)  # type: ignore[union-attr]
+            shutil.rmtree(SHM, ignore_errors=True)
+
+    def timeout(self, n: int) -> float:
+        return 60 + 4 * max(self.floor(), n * self.size * 8 / (self.bucket_mbit * 1e6))
+
+    # ---- py-spy -----------------------------------------------------------------------------
+    def start_profile(self, pr: Proc, tag: str) -> Proc:
+        out = REPO / "bench" / "swarm" / "profiles" / f"{tag}.collapsed"
+        out.parent.mkdir(exist_ok=True)
+        return spawn("py-spy", None, [str(BIN / "py-spy"), "record", "-p", str(pr.pid), "-r", "50", "-f", "raw",
+                                      "-o", str(out), "--nonblocking", "-t"], logfile=WORK / "logs" / f"pyspy-{tag}.log")
+
+    def stop_profile(self, pr: Proc, tag: str) -> None:
+        pr.popen.send_signal(signal.SIGINT)
+        try:
+            pr.popen.wait(30)
+        except subprocess.TimeoutExpired:
+            pr.popen.kill()
+        if pr in PROCS:
+            PROCS.remove(pr)
+
+    # ---- boto3 ------------------------------------------------------------------------------
+    def run_boto3(self, n: int) -> dict[str, Any]:
+        tag = f"boto3-N{n}-b{int(self.bucket_mbit)}"
+        nodes = list(range(1, n + 1))
+        shutil.rmtree(SHM, ignore_errors=True)
+        procs = {}
+        for i in nodes:
+            procs[i] = spawn(f"s3get-n{i}", node_ns(i), [
+                PY, "-m", "bench.swarm.s3get", "--endpoint", f"http://{BUCKET_IP}:{S3_PORT}",
+                "--bucket", BUCKET, "--prefix", f"{PREFIX}/{IDENTITY}", "--out", str(SHM / f"n{i}"),
+                "--digests", str(self.digests_file)], capture=True, logfile=WORK / "logs" / f"{tag}-n{i}.err")
+        meter = Meter(nodes, list(procs.values()) + [self.moto])  # type: ignore[list-item]
+        deadline = time.monotonic() + self.timeout(n)
+        while time.monotonic() < deadline and any(p.popen.poll() is None for p in procs.values()):
+            time.sleep(0.2)
+            meter.sample_cpu()
+        m = meter.finish()
+        res = {}
+        for i, p in procs.items():
+            stop(p)
+            js = [json.loads(x) for x in p.lines if x.startswith("{")]
+            if js and p.popen.returncode == 0:
+                res[i] = js[-1]
+        ok = len(res) == n
+        t0 = min(r["start"] for r in res.values()) if res else 0
+        seconds = max(r["done"] for r in res.values()) - t0 if ok else None
+        for i, r in res.items():
+            m["per_node"][f"n{i}"].update(done_s=round(r["done"] - t0, 2), fetch_s=round(r["fetched"] - r["start"], 2))
+        egress = sum(r["bytes"] for r in res.values())
+        shutil.rmtree(SHM, ignore_errors=True)
+        return self.row("boto3", n, seconds, egress, None, verified=ok or None,
+                        failed=None if ok else {i: "no result" for i in nodes if i not in res}, **m)
+
+    # ---- libtorrent -------------------------------------------------------------------------
+    def torrent(self) -> Path:
+        from bench.swarm.lt_node import make_torrent
+
+        t = self.snap.parent / f"{self.snap.name}.torrent"
+        if not t.exists():
+            make_torrent(self.snap, self.names, t, self.args.piece_kib * 1024)
+        return t
+
+    def run_libtorrent(self, n: int, fault: str | None = None) -> dict[str, Any]:
+        tag = f"lt-N{n}-{fault or 'nofault'}-b{int(self.bucket_mbit)}"
+        nodes = list(range(1, n + 1))
+        shutil.rmtree(SHM, ignore_errors=True)
+        tor = self.torrent()
+        procs = {}
+        for i in nodes:
+            argv = [PY, "-m", "bench.swarm.lt_node", "--torrent", str(tor), "--save", str(SHM / f"n{i}"),
+                    "--ip", node_ip(i), "--peers", ",".join(f"{node_ip(j)}:6881" for j in nodes if j != i),
+                    "--timeout", str(self.timeout(n))]
+            if i == 1:
+                argv += ["--seed-from-bucket", "--endpoint", f"http://{BUCKET_IP}:{S3_PORT}", "--bucket", BUCKET,
+                         "--prefix", f"{PREFIX}/{IDENTITY}"]
+            procs[i] = spawn(f"lt-n{i}", node_ns(i), argv, capture=True, logfile=WORK / "logs" / f"{tag}-n{i}.err")
+        meter = Meter(nodes, list(procs.values()) + [self.moto])  # type: ignore[list-item]
+        victim = n if fault else None
+        killed_at: list[float] = []
+
+        def events(i: int, kind: str) -> list[dict[str, Any]]:
+            out = []
+            for x in list(procs[i].lines):
+                if x.startswith("{"):
+                    e = json.loads(x)
+                    if e.get("event") == kind:
+                        out.append(e)
+            return out
+
+        deadline = time.monotonic() + self.timeout(n)
+        t_start = time.time()
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            meter.sample_cpu()
+            if victim and not killed_at:
+                prog = events(victim, "progress")
+                if prog and prog[-1]["p"] >= 0.5:
+                    procs[victim].popen.kill()
+                    self.cluster.link(victim, False)  # type: ignore[union-attr]
+                    killed_at.append(time.time())
+                    log(f"fault: killed lt n{victim} at {prog[-1]['p']:.0%} and took its link down")
+            if all(events(i, "done") for i in nodes if i != victim):
+                break
+            if any(procs[i].popen.poll() is not None for i in nodes if i != victim):
+                break
+        m = meter.finish()
+        for p in procs.values():
+            stop(p, 10)
+        if victim:
+            self.cluster.link(victim, True)  # type: ignore[union-attr]
+        starts = [e["t"] for i in nodes for e in events(i, "start")]
+        t0 = min(starts) if starts else t_start
+        survivors = [i for i in nodes if i != victim]
+        ok = all(events(i, "done") for i in survivors)
+        seconds = max(events(i, "done")[0]["t"] for i in survivors) - t0 if ok else None
+        fetched = events(1, "fetched")
+        egress = fetched[0]["bytes"] if fetched else None
+        for i in nodes:
+            d = events(i, "done")
+            st = events(i, "stats")
+            if d:
+                m["per_node"][f"n{i}"]["done_s"] = round(d[0]["t"] - t0, 2)
+            if st:
+                m["per_node"][f"n{i}"].update(payload_up=st[-1]["upload"], payload_down=st[-1]["download"])
+        if fetched:
+            m["seed_fetch_s"] = round(fetched[0]["t"] - t0, 2)
+        verified = None
+        if ok and not self.args.no_verify:
+            verified = all(self.check_files(SHM / f"n{i}" / self.snap.name) for i in survivors)
+        shutil.rmtree(SHM, ignore_errors=True)
+        return self.row("libtorrent", n, seconds, egress, fault, verified=verified,
+                        killed_at_s=round(killed_at[0] - t0, 2) if killed_at else None,
+                        survivors=len(survivors) if fault else None, **m)
+
+
+# ---------------------------------------------------------------------------------------------
+# set-up steps
+
+
+def start_moto(ns: str, host: str, tag: str) -> Proc:
+    pr = spawn(f"moto-{tag}", ns, [PY, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(S3_PORT)],
+               logfile=WORK / "logs" / f"moto-{tag}.log")
+    wait_until(lambda: urllib.request.urlopen(f"http://{host}:{S3_PORT}/", timeout=2).status == 200
+               if ns == BUCKET_NS else True, 30, "moto")
+    return pr
+
+
+def ns_python(ns: str | None, code: str, timeout: float = 600) -> str:
+    argv = (["ip", "netns", "exec", ns] if ns else []) + [PY, "-c", code]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                       env=dict(os.environ, **AWS_ENV, PYTHONPATH=str(REPO)))
+    if r.returncode != 0:
+        raise RuntimeError(f"python in {ns}: {r.stderr.strip()[-2000:]}")
+    return r.stdout
+
+
+def create_bucket(ns: str | None, endpoint: str) -> None:
+    code = (f"import boto3,time\nc=boto3.client('s3',endpoint_url={endpoint!r},region_name='us-east-1')\n"
+            "for _ in range(100):\n  try:\n    c.create_bucket(Bucket=" + repr(BUCKET) + "); break\n"
+            "  except Exception as e:\n    time.sleep(0.2)\n")
+    ns_python(ns, code)
+
+
+def publish(ns: str | None, endpoint: str, snap: Path) -> None:
+    argv = (["ip", "netns", "exec", ns] if ns else []) + [
+        str(BIN / "bdn-publish"), "full", "--dir", str(snap), "--bucket", f"s3://{BUCKET}/{PREFIX}",
+        "--identity", IDENTITY, "--policy-version", "1", "--endpoint-url", endpoint, "--overwrite"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=dict(os.environ, **AWS_ENV))
+    if r.returncode != 0:
+        raise RuntimeError(f"bdn-publish: {r.stderr.strip()}")
+
+
+def moto_get_rate(ns: str | None, endpoint: str, key: str, size: int, streams: int) -> float:
+    """MB/s of ``streams`` parallel ranged GETs of one object (unshaped): moto's own ceiling."""
+    code = f"""
+import boto3, time
+from concurrent.futures import ThreadPoolExecutor
+from botocore.config import Config
+c = boto3.client('s3', endpoint_url={endpoint!r}, region_name='us-east-1', config=Config(max_pool_connections=32))
+size, n, ch = {size}, {streams}, 16 * 2**20
+def get(off):
+    b = c.get_object(Bucket={BUCKET!r}, Key={key!r}, Range=f'bytes={{off}}-{{min(size, off + ch) - 1}}')['Body']
+    t = 0
+    while True:
+        x = b.read(1 << 20)
+        if not x: return t
+        t += len(x)
+t0 = time.time()
+with ThreadPoolExecutor(n) as ex:
+    tot = sum(ex.map(get, range(0, size, ch)))
+print(tot / (time.time() - t0) / 1e6)
+"""
+    return float(ns_python(ns, code).strip())
+
+
+def ceiling(b: Bench) -> None:
+    """One bdnd pulls the snapshot from another over unshaped loopback; iperf3 on the same loopback."""
+    sh(f"ip netns add {LO_NS}")
+    sh(f"ip netns exec {LO_NS} ip link set lo up")
+    ep = f"http://127.0.0.1:{S3_PORT}"
+    moto = spawn("moto-lo", LO_NS, [PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(S3_PORT)],
+                 logfile=WORK / "logs" / "moto-lo.log")
+    create_bucket(LO_NS, ep)
+    publish(LO_NS, ep, b.snap)
+    shutil.rmtree(SHM, ignore_errors=True)
+    ds = {}
+    for i, port in ((1, 7180), (2, 7280)):
+        sockp = WORK / f"lo{i}.sock"
+        env = dict(AWS_ENV, BDN_BUCKET=f"s3://{BUCKET}/{PREFIX}", BDN_ENDPOINT_URL=ep, BDN_NODE_ID=f"lo{i}",
+                   BDN_PEER_LISTEN=f"127.0.0.1:{port}", BDN_ADVERTISE_URL=f"http://127.0.0.1:{port}",
+                   BDN_LOCAL_LISTEN=f"127.0.0.1:{port + 1}", BDN_LOCAL_SOCKET=str(sockp),
+                   BDN_SHM_DIR=str(SHM / f"lo{i}"), BDN_PARTITION_SECRET_FILE=str(WORK / "secret"),
+                   BDN_PEERS="" if i == 1 else "http://127.0.0.1:7180", BDN_LOAD_STARTUP="false")
+        env.update(b.args.bdn_env)
+        if i == 2:
+            # B starts after A is ready, so everything B needs is already on a peer.
+            st, _ = api(ds[1][1], "POST", f"/v1/snapshots/{IDENTITY}/prefetch")
+            wait_until(lambda: api(ds[1][1], "GET", f"/v1/snapshots/{IDENTITY}")[1]["state"] == "ready", 600,
+                       "A ready from the bucket", every=0.5)
+        pr = spawn(f"bdnd-lo{i}", LO_NS, [str(BIN / "bdnd")], env, WORK / "logs" / f"ceiling-lo{i}.log")
+        ds[i] = (pr, sockp)
+        wait_until(lambda: api(sockp, "GET", "/v1/health")[0] == 200, 60, f"bdnd lo{i}")
+    wait_until(lambda: all(p["alive"] for p in api(ds[2][1], "GET", "/v1/status")[1]["peers"]) and
+               api(ds[2][1], "GET", "/v1/status")[1]["peers"], 60, "lo2 sees lo1")
+    time.sleep(3)  # let lo1 learn lo2 in a membership round too
+    c0 = {i: cpu_seconds(p.pid) for i, (p, _) in ds.items()}
+    m0 = machine_cpu()
+    prof = b.start_profile(ds[2][0], "ceiling-receiver") if b.args.profile else None
+    prof1 = b.start_profile(ds[1][0], "ceiling-sender") if b.args.profile else None
+    t0 = time.time()
+    api(ds[2][1], "POST", f"/v1/snapshots/{IDENTITY}/prefetch")
+    st, body = 202, None
+    deadline = time.monotonic() + 600
+    while st == 202 and time.monotonic() < deadline:
+        st, body = api(ds[2][1], "GET", f"/v1/snapshots/{IDENTITY}/wait?state=ready&timeout=30", timeout=40)
+    secs = time.time() - t0
+    c1 = {i: cpu_seconds(p.pid) for i, (p, _) in ds.items()}
+    m1 = machine_cpu()
+    for pf, tg in ((prof, "ceiling-receiver"), (prof1, "ceiling-sender")):
+        if pf:
+            b.stop_profile(pf, tg)
+    s2 = api(ds[2][1], "GET", "/v1/status")[1]
+    cpu = {f"lo{i}": round(c1[i] - c0[i], 2) for i in ds}
+    tot_cpu = sum(cpu.values())
+    ok = st == 200
+    verified = b.check_files(SHM / "lo2" / s2["swarm_id"] / IDENTITY) if ok else False
+    c = s2["counters"]
+    b.rows.append({
+        "system": "bdn-loopback", "nodes": 2, "snapshot_bytes": b.size, "nic_mbit": None,
+        "seconds": round(secs, 2) if ok else None, "floor_seconds": None,
+        "bucket_egress_bytes": c["bucket_bytes_owner"] + c["bucket_bytes_fallback"] + c.get("bucket_manifest_bytes", 0),
+        "fault": None, "MB_per_s": round(b.size / secs / 1e6, 1), "MB_per_cpu_s": round(b.size / tot_cpu / 1e6, 1),
+        "cpu_seconds": cpu, "machine_cpu_busy": round((m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 3),
+        "peer_bytes_in": c["peer_bytes_in"], "verified": verified, "cores": os.cpu_count()})
+    log(f"ceiling: bdn lo1 -> lo2 {b.size / secs / 1e6:.0f} MB/s, {b.size / tot_cpu / 1e6:.0f} MB per CPU-s {cpu}")
+    for p, _ in ds.values():
+        stop(p)
+    stop(moto)
+    shutil.rmtree(SHM, ignore_errors=True)
+    # iperf3 over the same loopback, in the same run
+    srv = spawn("iperf3-s", LO_NS, ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", "5201"],
+                logfile=WORK / "logs" / "iperf3-s.log")
+    time.sleep(1)
+    r = subprocess.run(["ip", "netns", "exec", LO_NS, "iperf3", "-c", "127.0.0.1", "-p", "5201", "-t", "10", "-J"],
+                       capture_output=True, text=True, timeout=60)
+    stop(srv)
+    j = json.loads(r.stdout)
+    bps = j["end"]["sum_received"]["bits_per_second"]
+    cpu_u = j["end"]["cpu_utilization_percent"]
+    # iperf3 reports each side's CPU as % of one core over the test: bytes per CPU-second follow.
+    cpu_s = (cpu_u["host_total"] + cpu_u["remote_total"]) / 100 * j["end"]["sum_received"]["seconds"]
+    nbytes = j["end"]["sum_received"]["bytes"]
+    b.rows.append({
+        "system": "iperf3-loopback", "nodes": 2, "snapshot_bytes": nbytes, "nic_mbit": None,
+        "seconds": round(j["end"]["sum_received"]["seconds"], 2), "floor_seconds": None,
+        "bucket_egress_bytes": None, "fault": None, "MB_per_s": round(bps / 8 / 1e6, 1),
+        "MB_per_cpu_s": round(nbytes / cpu_s / 1e6, 1) if cpu_s else None, "cpu_utilization_percent": cpu_u})
+    log(f"ceiling: iperf3 {bps / 8 / 1e6:.0f} MB/s, cpu {cpu_u}")
+    b.save()
+    sh(["ip", "netns", "del", LO_NS], check=False)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", default="2,4,8", help="comma list of cluster sizes")
+    ap.add_argument("--nic-mbit", type=float, default=200, help="each node's NIC rate, both ways")
+    ap.add_argument("--bucket-mbit", type=float, default=200, help="the bucket's egress rate")
+    ap.add_argument("--bucket-fast-x", type=float, default=0,
+                    help="one more run of every system at the largest N with the bucket this many times faster")
+    ap.add_argument("--snapshot-gb", type=float, default=1.0, help="snapshot size in GiB (bf16 safetensors)")
+    ap.add_argument("--systems", default="bdn,boto3,libtorrent")
+    ap.add_argument("--fault", default="", help="kill50: kill one node (process and link) at 50%% of its download")
+    ap.add_argument("--fault-systems", default="bdn,libtorrent")
+    ap.add_argument("--ceiling", action="store_true", help="also: bdnd -> bdnd over loopback vs iperf3")
+    ap.add_argument("--ceiling-only", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="N=2,4 at 200 Mbit/s, 256 MiB snapshot")
+    ap.add_argument("--mtu", type=int, default=9000)
+    ap.add_argument("--piece-kib", type=int, default=4096, help="BitTorrent piece size")
+    ap.add_argument("--profile", action="store_true", help="py-spy record node 1's bdnd in each bdn run")
+    ap.add_argument("--no-verify", action="store_true", help="skip the harness's own digest check of each node's files")
+    ap.add_argument("--bdn-env", default="", help="extra BDN_*=v,... for every bdnd")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "swarm.json"))
+    ap.add_argument("--cleanup", action="store_true", help="only remove what a previous run left")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        print("bench/swarm/run.py needs root (network namespaces and tc)", file=sys.stderr)
+        return 2
+    a.bdn_env = dict(kv.split("=", 1) for kv in a.bdn_env.split(",") if kv)
+    if a.cleanup:
+        cleanup()
+        return 0
+    if a.quick:
+        a.nodes, a.nic_mbit, a.bucket_mbit, a.snapshot_gb = "2,4", 200, 200, 0.25
+    ns_list = [int(x) for x in a.nodes.split(",") if x]
+    systems = [s for s in a.systems.split(",") if s]
+
+    from bench.swarm.snapshot import digest_table, make_snapshot, snapshot_bytes, snapshot_files
+
+    cleanup()
+    (WORK / "logs").mkdir(parents=True, exist_ok=True)
+    (WORK / "secret").write_text(os.urandom(32).hex() + "\n")
+    snap = make_snapshot(CACHE, int(a.snapshot_gb * 2**30))
+    dfile = snap.parent / f"{snap.name}.digests.json"
+    if not dfile.exists():
+        dfile.write_text(json.dumps(digest_table(snap)))
+    digests = json.loads(dfile.read_text())
+    b = Bench(a, snap, [p.name for p in snapshot_files(snap)], snapshot_bytes(snap), dfile, digests,
+              nic_mbit=a.nic_mbit, bucket_mbit=a.bucket_mbit)
+    log(f"snapshot {snap}: {b.size} bytes, floor {b.floor():.1f} s at {a.nic_mbit:g} Mbit/s")
+    try:
+        if not a.ceiling_only:
+            b.cluster = Cluster(max(ns_list), a.mtu)
+            b.cluster.setup()
+            ep = f"http://{BUCKET_IP}:{S3_PORT}"
+            b.moto = start_moto(BUCKET_NS, BUCKET_IP, "bucket")
+            create_bucket(None, ep)
+            t = time.time()
+            publish(None, ep, snap)
+            log(f"published in {time.time() - t:.1f} s")
+            big = max(b.names, key=lambda n: (snap / n).stat().st_size)
+            r1 = moto_get_rate(node_ns(1), ep, f"{PREFIX}/{IDENTITY}/{big}", (snap / big).stat().st_size, 1)
+            r8 = moto_get_rate(node_ns(1), ep, f"{PREFIX}/{IDENTITY}/{big}", (snap / big).stat().st_size, 8)
+            log(f"moto GET unshaped: {r1:.0f} MB/s with 1 stream, {r8:.0f} MB/s with 8 "
+                f"(NIC {a.nic_mbit / 8:.0f} MB/s, bucket {a.bucket_mbit / 8:.0f} MB/s)")
+            b.rows.append({"system": "moto-unshaped-get", "nodes": 1, "snapshot_bytes": (snap / big).stat().st_size,
+                           "nic_mbit": None, "seconds": None, "floor_seconds": None, "bucket_egress_bytes": None,
+                           "fault": None, "MB_per_s_1_stream": round(r1, 1), "MB_per_s_8_streams": round(r8, 1)})
+            b.cluster.shape(a.nic_mbit, a.bucket_mbit)
+            for n in ns_list:
+                for s in systems:
+                    log(f"--- {s} N={n}")
+                    getattr(b, f"run_{s}")(n)
+            top = max(ns_list)
+            if a.fault:
+                for s in systems:
+                    if s in a.fault_systems.split(","):
+                        log(f"--- {s} N={top} fault {a.fault}")
+                        getattr(b, f"run_{s}")(top, fault=a.fault)
+            if a.bucket_fast_x:
+                b.bucket_mbit = a.bucket_mbit * a.bucket_fast_x
+                b.cluster.shape(a.nic_mbit, b.bucket_mbit)
+                for s in systems:
+                    log(f"--- {s} N={top} bucket {b.bucket_mbit:g} Mbit/s")
+                    getattr(b, f"run_{s}")(top)
+                b.bucket_mbit = a.bucket_mbit
+            if b.moto:
+                stop(b.moto)
+        if a.ceiling or a.ceiling_only:
+            cleanup()
+            ceiling(b)
+    finally:
+        b.save()
+        cleanup()
+    log(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
