@@ -42,8 +42,10 @@ class _NodeCollector:
         yield p
         yield CounterMetricFamily("bdn_local_bytes_copied", "Chunk bytes copied from this node's own store", value=c["local_bytes_copied"])
         v = CounterMetricFamily("bdn_chunk_verify_failures", "Chunks whose bytes did not match the manifest", labels=["source"])
+        v.add_metric(["bucket"], n.verify_failures_by_peer.get("bucket", 0))
         for peer, k in n.verify_failures_by_peer.items():
-            v.add_metric([peer], k)
+            if peer != "bucket":
+                v.add_metric([peer], k)
         yield v
         s = GaugeMetricFamily("bdn_snapshots", "Snapshots on this node by state", labels=["state"])
         for st in STATES:
@@ -51,6 +53,25 @@ class _NodeCollector:
         yield s
         live = GaugeMetricFamily("bdn_peers_live", "Peers that answer health checks", value=len(n.membership.live()))
         yield live
+        infl = GaugeMetricFamily("bdn_inflight_requests", "Chunk requests in flight", labels=["kind"])
+        for kind, v in n.inflight.items():
+            infl.add_metric([kind], v)
+        yield infl
+        st = GaugeMetricFamily("bdn_snapshot_stage_seconds", "Seconds each snapshot spent in each stage",
+                               labels=["identity", "stage"])
+        pv = GaugeMetricFamily("bdn_snapshot_policy_version", "Policy version of each snapshot", labels=["identity"])
+        for j in list(n.jobs.values())[-32:]:  # bounded label set: the node keeps few snapshots
+            for stage, secs in j.describe()["stages"].items():
+                st.add_metric([j.identity, stage], secs)
+            if j.policy_version is not None:
+                pv.add_metric([j.identity], j.policy_version)
+        yield st
+        yield pv
+        cur = n.hotload.current_policy_version
+        yield GaugeMetricFamily("bdn_current_policy_version", "Policy version this replica serves (-1: none)",
+                                value=cur if cur is not None else -1)
+        yield CounterMetricFamily("bdn_bucket_retries", "Bucket requests retried (throttling, 5xx)",
+                                  value=stats.get("retries", 0))
         shm = GaugeMetricFamily("bdn_shm_bytes", "Bytes of reconstructed snapshots held in shm")
         shm.add_metric([], sum(j.result_bytes for j in n.jobs.values() if j.state == "ready"))
         yield shm

@@ -131,6 +131,7 @@ class Node:
             "chunk_verify_failures": 0,
         }
         self.verify_failures_by_peer: dict[str, int] = {}
+        self.inflight = {"peer": 0, "bucket": 0, "upload": 0}  # requests in flight, for metrics
         self.started = time.time()
         from bdn.daemon.hotload import HotLoad
 
@@ -839,7 +840,11 @@ class Node:
         try:
             async with sem, self.peer_sem:
                 await self.download_limit.take(ref.length)
-                ok = await self.peers.get_chunk_into(m.url, address, mv, wait=wait, snapshot=job.identity)
+                self.inflight["peer"] += 1
+                try:
+                    ok = await self.peers.get_chunk_into(m.url, address, mv, wait=wait, snapshot=job.identity)
+                finally:
+                    self.inflight["peer"] -= 1
         except PeerBusy:
             return False
         except PeerError as e:
@@ -871,12 +876,15 @@ class Node:
         for attempt in range(3):
             await self.bucket_limit.take(ref.length)
             async with self.bucket_sem:
+                self.inflight["bucket"] += 1
                 try:
                     await loop.run_in_executor(self.io, self.bucket.read_range_into, key, ref.offset, mv)
                 except ObjectNotFound:
                     raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
                 except BucketError as e:
                     raise BdnError(f"bucket read of {key} failed: {e}") from None
+                finally:
+                    self.inflight["bucket"] -= 1
             ok = await loop.run_in_executor(self.io, _verify_and_write, mv, ref.digest, target, ref.offset)
             if ok:
                 role = "owner" if owner else "fallback"
@@ -887,6 +895,7 @@ class Node:
                     log.info("snapshot %s: chunk %d of %s read from the bucket as a fallback", job.identity, ref.index, ref.path)
                 return
             self.counters["chunk_verify_failures"] += 1
+            self.verify_failures_by_peer["bucket"] = self.verify_failures_by_peer.get("bucket", 0) + 1
             log.warning("snapshot %s: bucket bytes of %s chunk %d do not match the manifest", job.identity, key, ref.index)
         raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest")
 

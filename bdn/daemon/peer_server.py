@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 from aiohttp import web
@@ -90,37 +90,46 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
     if node.upload_sem.locked():
         return web.Response(status=503, headers={"Retry-After": "1"}, text="upload slots full\n")
     async with node.upload_sem:
-        await node.upload_limit.take(loc.length)
+        node.inflight["upload"] += 1
         try:
-            fd = os.open(loc.path(), os.O_RDONLY)
-        except FileNotFoundError:
-            loc = node.lookup(address)  # moved from staging to its ready directory meanwhile
-            if loc is None:
-                return _text(404, "chunk not here")
-            fd = os.open(loc.path(), os.O_RDONLY)
-        try:
-            resp = web.StreamResponse(status=200)
-            resp.content_type = "application/octet-stream"
-            resp.content_length = loc.length
-            await resp.prepare(request)
-            loop = asyncio.get_running_loop()
-            transport = request.transport
-            sent = False
-            if transport is not None:
-                try:
-                    with os.fdopen(os.dup(fd), "rb") as f:
-                        await loop.sendfile(transport, f, loc.offset, loc.length, fallback=False)
-                    sent = True
-                except (NotImplementedError, RuntimeError, AttributeError):
-                    sent = False  # uvloop has no sendfile: fall back to pread + write below
-            if not sent:
-                data = await loop.run_in_executor(node.io, os.pread, fd, loc.length, loc.offset)
-                if len(data) != loc.length:
-                    raise ConnectionResetError("chunk file shorter than its index entry")
-                await resp.write(data)
-            await resp.write_eof()
+            return await _send_chunk(request, node, address, loc)
         finally:
-            os.close(fd)
+            node.inflight["upload"] -= 1
+
+
+async def _send_chunk(request: web.Request, node: Node, address: str, loc: Any) -> web.StreamResponse:
+    """Send a verified chunk: sendfile where the loop has it, else one pread into one write."""
+    await node.upload_limit.take(loc.length)
+    try:
+        fd = os.open(loc.path(), os.O_RDONLY)
+    except FileNotFoundError:
+        loc = node.lookup(address)  # moved from staging to its ready directory meanwhile
+        if loc is None:
+            return _text(404, "chunk not here")
+        fd = os.open(loc.path(), os.O_RDONLY)
+    try:
+        resp = web.StreamResponse(status=200)
+        resp.content_type = "application/octet-stream"
+        resp.content_length = loc.length
+        await resp.prepare(request)
+        loop = asyncio.get_running_loop()
+        transport = request.transport
+        sent = False
+        if transport is not None:
+            try:
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    await loop.sendfile(transport, f, loc.offset, loc.length, fallback=False)
+                sent = True
+            except (NotImplementedError, RuntimeError, AttributeError):
+                sent = False  # uvloop has no sendfile: fall back to pread + write below
+        if not sent:
+            data = await loop.run_in_executor(node.io, os.pread, fd, loc.length, loc.offset)
+            if len(data) != loc.length:
+                raise ConnectionResetError("chunk file shorter than its index entry")
+            await resp.write(data)
+        await resp.write_eof()
+    finally:
+        os.close(fd)
     node.counters["peer_bytes_out"] += loc.length
     node.counters["peer_chunks_out"] += 1
     return resp
