@@ -36,6 +36,19 @@ def test_check_formats() -> None:
     assert arc.DEFAULT_COMPRESSION == "arc_v2"
 
 
+def test_fused_adler32_over_pieces_matches_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # apply_diff checks each tensor's Adler-32 as a running value over decode pieces
+    monkeypatch.setattr(arc, "_DCHUNK", 777)
+    rng = np.random.default_rng(11)
+    base = {"a": rng.integers(0, 256, 10_001, dtype=np.uint8), "b": rng.integers(0, 256, 3, dtype=np.uint8)}
+    target = {k: v ^ (rng.random(v.size) < 0.1).astype(np.uint8) for k, v in base.items()}
+    for fmt in FORMATS:
+        sf.save(tmp_path / "base", base)
+        sf.save(tmp_path / "target", target)
+        arc.write_diff_file(tmp_path / "base", tmp_path / "target", tmp_path / "d", fmt)
+        assert _apply(tmp_path / "base", tmp_path / "d", fmt, workers=1) == (tmp_path / "target").read_bytes()
+
+
 def test_adler32_matches_zlib() -> None:
     a = np.arange(1000, dtype=np.float32).reshape(10, 100)
     assert arc.adler32(a) == zlib.adler32(a.tobytes())
@@ -87,6 +100,7 @@ def test_round_trip_bf16(seed: int, n: int, fmt: str) -> None:
 def test_round_trip_across_chunks(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # small chunks exercise the multi-chunk paths of both codecs without big buffers
     monkeypatch.setattr(arc, "_CHUNK", 1000)
+    monkeypatch.setattr(arc, "_DCHUNK", 999)
     monkeypatch.setattr(arc, "_ZLIB_IN", 37)
     rng = np.random.default_rng(3)
     base = rng.integers(0, 256, 25_013, dtype=np.uint8)

@@ -51,6 +51,13 @@ from typing import Any
 import numpy as np
 import zstandard
 
+try:
+    # zlib-ng's SIMD Adler-32 runs at ~11 GB/s here against ~2.8 GB/s for CPython's zlib; the
+    # checksum of every rebuilt tensor was a third of apply time. Same function, same values.
+    from zlib_ng.zlib_ng import adler32 as _adler32
+except ImportError:  # pragma: no cover - optional speed-up
+    _adler32 = zlib.adler32
+
 from bdn.proto.errors import ChecksumError, ProtocolError, TensorMismatch, UnsupportedFormat
 from bdn.proto.safetensors_fmt import (
     Header,
@@ -73,6 +80,9 @@ ZLIB_LEVEL = zlib.Z_DEFAULT_COMPRESSION
 # XOR and decode work through a per-thread scratch buffer of this size: large enough to amortise
 # per-call overhead, small enough to stay in cache and to bound memory per worker thread.
 _CHUNK = 4 << 20
+# Decode output step: the XOR and the Adler-32 of each piece run while it is still in cache
+# (256 KiB measured ~10% faster than 4 MiB for a 100 MB bf16 tensor).
+_DCHUNK = 256 << 10
 _ZLIB_IN = 1 << 20  # compressed input fed per decompressor step (both codecs)
 _DECIMAL_U32 = re.compile(r"0|[1-9][0-9]{0,9}")
 
@@ -112,7 +122,7 @@ def _bytes_of(buf: Any) -> np.ndarray:
 
 def adler32(buf: Any) -> int:
     """Adler-32 (RFC 1950, ``zlib.adler32``) of the raw bytes of ``buf``, as an unsigned int."""
-    return zlib.adler32(_bytes_of(buf))
+    return _adler32(_bytes_of(buf))
 
 
 def _scratch(n: int) -> np.ndarray:
@@ -180,7 +190,8 @@ def decode_xor_into(frame: Any, base: Any, out: Any, compression_format: str) ->
     raise err
 
 
-def _decode(frame: Any, base: Any, out: Any, fmt: str) -> None:
+def _decode(frame: Any, base: Any, out: Any, fmt: str) -> int:
+    """Decode into ``out``; return the Adler-32 of the bytes written (computed piece by piece)."""
     b, o = _bytes_of(base), _bytes_of(out)
     if len(b) != len(o):
         raise ValueError(f"out has {len(o)} bytes, base has {len(b)}")
@@ -188,35 +199,39 @@ def _decode(frame: Any, base: Any, out: Any, fmt: str) -> None:
         raise ValueError("out is read-only")
     n = len(b)
     if fmt == "arc_v2":
-        _decode_zstd(frame, b, o, n)
-    else:
-        _decode_zlib(frame, b, o, n)
+        return _decode_zstd(frame, b, o, n)
+    return _decode_zlib(frame, b, o, n)
 
 
-def _decode_zstd(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> None:
-    scratch = _scratch(min(n, _CHUNK))
+def _decode_zstd(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
+    scratch = _scratch(min(n, _DCHUNK))
+    view = memoryview(scratch)
+    adler = 1
     try:
         # read_across_frames: the reference decoder (ZSTD_decompress) concatenates frames too.
         # read_size: the default (~128 KiB of input per step) measured ~4x slower than 1 MiB here.
         with _dctx().stream_reader(frame, read_size=_ZLIB_IN, read_across_frames=True, closefd=False) as reader:
             done = 0
             while done < n:
-                want = min(_CHUNK, n - done)
+                want = min(_DCHUNK, n - done)
                 got = 0
                 while got < want:
-                    k = reader.readinto(memoryview(scratch[got:want]))
+                    k = reader.readinto(view[got:want])
                     if k == 0:
                         raise ProtocolError(f"arc_v2 frame ends after {done + got} bytes, expected {n}")
                     got += k
-                np.bitwise_xor(b[done : done + want], scratch[:want], out=o[done : done + want])
+                piece = o[done : done + want]
+                np.bitwise_xor(b[done : done + want], scratch[:want], out=piece)
+                adler = _adler32(piece, adler)
                 done += want
             if reader.read(1):
                 raise ProtocolError(f"arc_v2 frame decompresses to more than the {n} bytes of the base tensor")
     except zstandard.ZstdError as e:
         raise ProtocolError(f"arc_v2 frame is not valid zstd: {str(e)[:200]}") from None
+    return adler
 
 
-def _decode_zlib(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> None:
+def _decode_zlib(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
     src = memoryview(frame).cast("B") if not isinstance(frame, (bytes, bytearray)) else memoryview(frame)
     total, pos = len(src), 0
     tail = b""
@@ -232,6 +247,7 @@ def _decode_zlib(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> None:
         return data
 
     dobj = zlib.decompressobj()
+    adler = 1
     try:
         done = 0
         while done < n:
@@ -242,7 +258,9 @@ def _decode_zlib(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> None:
             tail = dobj.unconsumed_tail
             k = len(chunk)
             if k:
-                np.bitwise_xor(b[done : done + k], np.frombuffer(chunk, dtype=np.uint8), out=o[done : done + k])
+                piece = o[done : done + k]
+                np.bitwise_xor(b[done : done + k], np.frombuffer(chunk, dtype=np.uint8), out=piece)
+                adler = _adler32(piece, adler)
                 done += k
         # All expected bytes are out; the stream may still hold its end marker and Adler trailer.
         while not dobj.eof:
@@ -257,6 +275,7 @@ def _decode_zlib(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> None:
             raise ProtocolError(f"arc_v1 stream is followed by {trailing} unexpected bytes")
     except zlib.error as e:
         raise ProtocolError(f"arc_v1 stream is not valid zlib: {str(e)[:200]}") from None
+    return adler
 
 
 @dataclass(frozen=True)
@@ -385,10 +404,9 @@ def _apply(
         s = streams[info.name]
         region = out[info.start : info.end]
         try:
-            decode_xor_into(diff[s.frame_start : s.frame_end], base[info.start : info.end], region, fmt)
+            got = _decode(diff[s.frame_start : s.frame_end], base[info.start : info.end], region, fmt)
         except ProtocolError as e:
             return type(e)(f"tensor {_q(info.name)}: {e}")
-        got = zlib.adler32(region)
         if got != s.target_adler32:
             return ChecksumError(f"adler32 mismatch for tensor {_q(info.name)}: expected {s.target_adler32}, got {got}")
         return None
@@ -417,7 +435,7 @@ def _encode_all(
 ) -> tuple[dict[str, bytes], dict[str, str]]:
     def one(item: tuple[str, np.ndarray, np.ndarray]) -> tuple[str, bytes, str]:
         name, b, t = item
-        return name, encode_xor(b, t, fmt), str(zlib.adler32(t))
+        return name, encode_xor(b, t, fmt), str(_adler32(t))
 
     if workers > 1 and len(pairs) > 1:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bdn-arc") as pool:

@@ -1,0 +1,102 @@
+"""Delta application speed, the way bdnd applies a delta (``bdn/daemon/node.py`` ``_apply_delta``).
+
+The target file is created in /dev/shm and ``posix_fallocate``-d like the daemon's staging file;
+base, diff and target are mmapped and ``arc.apply_diff`` runs with 1 and with all workers. GB/s are
+reconstructed (target) bytes per second of wall time, best of ``--repeat``.
+
+    .venv/bin/python -m bench.delta.apply_speed [--quick] [--label before]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bdn.proto import arc
+from bdn.proto.safetensors_fmt import read_header
+from bench.delta import inputs
+
+SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+POPULATE = 0  # set by --populate: mmap flags the daemon could use (see BENCHMARKS.md)
+
+
+def apply_once(base: Path, diff: Path, out: Path, fmt: str, workers: int) -> float:
+    size = base.stat().st_size
+    with open(out, "wb") as fh:
+        fh.truncate(size)
+        os.posix_fallocate(fh.fileno(), 0, size)
+    bh = read_header(base)
+    with open(base, "rb") as bf, open(diff, "rb") as df, open(out, "r+b") as of:
+        with mmap.mmap(df.fileno(), 0, access=mmap.ACCESS_READ) as dm:
+            dh = arc.read_diff_header(dm, os.fstat(df.fileno()).st_size)
+            t0 = time.perf_counter()
+            with mmap.mmap(bf.fileno(), 0, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ) as bm, mmap.mmap(
+                of.fileno(), 0, flags=mmap.MAP_SHARED | POPULATE
+            ) as om:
+                arc.apply_diff(bm, bh, dm, dh, om, fmt, workers=workers)
+                om.flush()
+                return time.perf_counter() - t0
+
+
+def measure(pair: inputs.Pair, work: Path, fmt: str, repeat: int) -> list[dict]:
+    diff = work / f"{pair.base.parent.name}.{fmt}.diff"
+    arc.write_diff_file(pair.base, pair.target, diff, fmt, workers=os.cpu_count() or 1)
+    out = SHM / f"bdn-bench-apply-{os.getpid()}"
+    rows = []
+    try:
+        for workers in sorted({1, os.cpu_count() or 1}):
+            best = min(apply_once(pair.base, diff, out, fmt, workers) for _ in range(repeat))
+            assert out.read_bytes() == pair.target.read_bytes() if pair.raw_bytes < 200 << 20 else True
+            rows.append({"input": pair.input, "codec": fmt, "workers": workers, "raw_bytes": pair.raw_bytes,
+                         "seconds": best, "decode_gbps": pair.raw_bytes / best / 1e9})
+            print(f"  {pair.input:10s} {fmt} workers={workers}: {best * 1e3:8.1f} ms  {rows[-1]['decode_gbps']:.2f} GB/s", flush=True)
+    finally:
+        out.unlink(missing_ok=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="MiniLM only")
+    ap.add_argument("--size-gb", type=float, default=2.0)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--label", default="now")
+    ap.add_argument("--out", default="bench/results/apply_speed.json")
+    ap.add_argument("--populate", action="store_true", help="map base and target with MAP_POPULATE")
+    args = ap.parse_args()
+    global POPULATE
+    POPULATE = mmap.MAP_POPULATE if args.populate else 0
+    work = Path(tempfile.mkdtemp(prefix="bdn-bench-apply-"))
+    print(f"apply_diff speed on {os.cpu_count()} cores, label {args.label!r}")
+    rows = []
+    try:
+        base = inputs.minilm_bf16()
+        tgt = inputs.demo_step(base, 0.02, np.random.default_rng(2026))
+        rows += measure(inputs.write_pair(work, "minilm", base, tgt, inputs.changed_fraction(base, tgt)), work, "arc_v2", args.repeat)
+        if not args.quick:
+            base = inputs.synthetic_base(args.size_gb)
+            tgt = inputs.synthetic_step(base, 0.02, 1)
+            pair = inputs.write_pair(work, "synthetic", base, tgt, 0.02)
+            del base, tgt
+            rows += measure(pair, work, "arc_v2", args.repeat)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    path = Path(args.out)
+    old = json.loads(path.read_text()) if path.exists() else []
+    old = [r for r in old if r.get("label") != args.label]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(old + [dict(r, label=args.label, threads=r["workers"]) for r in rows], indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
