@@ -132,6 +132,7 @@ class Node:
         }
         self.verify_failures_by_peer: dict[str, int] = {}
         self.inflight = {"peer": 0, "bucket": 0, "upload": 0}  # requests in flight, for metrics
+        self._busy_answers = 0  # 503s received from peers (upload slots full)
         self.started = time.time()
         from bdn.daemon.hotload import HotLoad
 
@@ -318,12 +319,26 @@ class Node:
         await self.hotload.poke()
 
     def _forget(self, job: SnapshotJob) -> None:
+        """Drop ``job``'s chunks from the index. Bytes that other snapshots on this node hold
+        too (an unchanged tokenizer, a shared chunk) stay served from one of those."""
+        lost: set[str] = set()
         for addr, loc in list(self.by_address.items()):
             if loc.job is job:
                 del self.by_address[addr]
+                lost.add(loc.digest)
         for dg, loc in list(self.by_digest.items()):
             if loc.job is job:
                 del self.by_digest[dg]
+                lost.add(dg)
+        if lost:
+            for other in self.jobs.values():
+                if other is job or other.state == "failed":
+                    continue
+                for layer, ref in other.registered:
+                    if ref.digest in lost and ref.digest not in self.by_digest:
+                        loc = Loc(other, layer, ref.file_index, ref.offset, ref.length, ref.digest)
+                        self.by_digest[ref.digest] = loc
+                        self.by_address.setdefault(self.keys.address(ref.digest), loc)
         for addr, (j, _, _) in list(self.pending.items()):
             if j is job:
                 del self.pending[addr]
@@ -594,6 +609,7 @@ class Node:
 
     # ---- chunk index ---------------------------------------------------------------------
     def _register(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
+        job.registered.append((layer, ref))
         loc = Loc(job, layer, ref.file_index, ref.offset, ref.length, ref.digest)
         addr = self.keys.address(ref.digest)
         self.by_address.setdefault(addr, loc)
@@ -746,7 +762,13 @@ class Node:
         address = self.keys.address(ref.digest)
         errors: list[str] = []
         try:
-            for attempt in range(3):
+            # Three rounds over the sources before the bucket fallback; a round in which a peer
+            # only said "busy" (503) does not count, within ``busy_deadline``: peers that are
+            # serving are better than a second read of the bucket.
+            attempt, busy_deadline = 0, time.monotonic() + 120.0
+            while attempt < 3:
+                errors_before = len(errors)
+                busy_before = self._busy_answers
                 tried: set[str] = set()
                 holders = self._holders(job, layer, idx)
                 # Endgame: with only a few chunks left, ask two holders at once so one slow peer
@@ -764,10 +786,9 @@ class Node:
                     if await self._from_peer(job, m, address, ref, mv, target, 0.0, errors):
                         await self._got(job, layer, ref, idx, m.url)
                         return
-                if layer == RESULT:
-                    continue
-                # 2. the owner (waiting while it fetches), 3. the next owners, 4. the bucket
-                ranked = hrw.rank(self.membership.hrw_nodes(), ref.digest)
+                # 2. the owner (waiting while it fetches), 3. the next owners, 4. the bucket;
+                # rebuilt (result) chunks exist only on peers, never in the bucket.
+                ranked = hrw.rank(self.membership.hrw_nodes(), ref.digest) if layer == STORED else []
                 by_node = self.membership.by_node()
                 for pos, node in enumerate(ranked):
                     if node == self.node_id:
@@ -782,7 +803,11 @@ class Node:
                     if await self._from_peer(job, m, address, ref, mv, target, wait, errors):
                         await self._got(job, layer, ref, idx, m.url)
                         return
-                await asyncio.sleep(0.2 * (attempt + 1))
+                if self._busy_answers > busy_before and len(errors) == errors_before and time.monotonic() < busy_deadline:
+                    await asyncio.sleep(0.1 + random.random() * 0.4)  # jittered: slots free up
+                    continue
+                attempt += 1
+                await asyncio.sleep(0.2 * attempt)
             if layer == RESULT:
                 raise NotAvailable(f"no peer holds reconstructed chunk {ref.index} of {ref.path}")
             # every peer failed: this node reads the bucket itself, as a counted fallback
@@ -846,6 +871,7 @@ class Node:
                 finally:
                     self.inflight["peer"] -= 1
         except PeerBusy:
+            self._busy_answers += 1
             return False
         except PeerError as e:
             errors.append(str(e))

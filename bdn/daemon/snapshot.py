@@ -71,6 +71,7 @@ class SnapshotJob:
         self.manifest_digest = ""  # xxh3-128 of the manifest's bytes (ties saved progress to it)
         self.flusher: asyncio.Task[None] | None = None
         self.bytes_resumed = 0
+        self.registered: list[tuple[str, ChunkRef]] = []  # (layer, chunk) this job put in the index
 
     # ---- layout --------------------------------------------------------------------------
     def result_dir(self) -> Path:
