@@ -1,0 +1,195 @@
+"""Hand-off: time from READY to the engine holding arrays, against memcpy in the same run.
+
+    .venv/bin/python -m bench.handoff [--quick] [--size-gb 1]
+
+Publishes a bf16 synthetic checkpoint (``--size-gb``, 0.2 with ``--quick``) as a full snapshot to a
+``file://`` bucket, starts one real ``bdnd`` on loopback, prefetches it to READY, then measures
+(best of ``--repeat``), per method, the seconds until every tensor is an array in the engine:
+
+* ``zero-copy open``: ``DaemonClient.open`` + ``Snapshot.tensor`` for every tensor (read-only views
+  of the /dev/shm files: no byte is copied);
+* ``zero-copy open + touch``: the same, then every page read once (a reduction over each view),
+  the cost an engine pays when it first uses the weights;
+* ``zero-copy open + copy``: the views copied into fresh engine-owned arrays;
+* ``http pull (tensors)``: ``DaemonClient.read_tensor`` of every tensor from the local API;
+* ``http pull (files, 4 ranges)``: ``DaemonClient.read_file`` of each file in 4 parallel ranges;
+* ``safetensors load_file``: ``safetensors.numpy.load_file`` of each ``*.safetensors`` file of the
+  snapshot directory (it copies into new arrays);
+* ``memcpy``: ``np.copyto`` of one buffer of the same size into another (both pre-faulted).
+
+Writes bench/results/handoff.json (rows: method, bytes, seconds, gbps, memcpy_gbps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from bdn.client import DaemonClient
+from bdn.publish import publish_full
+from bench.delta import inputs
+
+RESULTS = Path("bench/results")
+IDENT = "step000001"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def best(fn, repeat: int) -> float:
+    out = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return min(out)
+
+
+def memcpy_gbps(nbytes: int, repeat: int) -> float:
+    a = np.ones(nbytes, dtype=np.uint8)
+    b = np.zeros(nbytes, dtype=np.uint8)
+    return nbytes / best(lambda: np.copyto(b, a), repeat) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="hand-off benchmark")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--size-gb", type=float, default=1.0)
+    ap.add_argument("--shards", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    size = 0.2 if args.quick else args.size_gb
+    work = Path(tempfile.mkdtemp(prefix="bdn-bench-handoff-"))
+    shm = Path("/dev/shm") / f"bdn-bench-handoff-{os.getpid()}"
+    proc = None
+    cores = os.cpu_count() or 1
+    print(f"hand-off benchmark on {cores} cores, {size:g} GB bf16 in {args.shards} shards", flush=True)
+    try:
+        state = inputs.synthetic_base(size)
+        names = sorted(state)
+        per = -(-len(names) // args.shards)
+        # bdn publishes a state dict as one file; for shards, write an HF directory and publish it
+        ck = work / "ckpt"
+        ck.mkdir()
+        from bdn.proto.safetensors_fmt import save
+
+        index = {}
+        for s in range(args.shards):
+            fn = f"model-{s + 1:05d}-of-{args.shards:05d}.safetensors"
+            part = {k: state[k] for k in names[s * per : (s + 1) * per]}
+            save(ck / fn, part, {"format": "pt"})
+            index.update({k: fn for k in part})
+        (ck / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+        (ck / "config.json").write_text("{}")
+        nbytes = sum(v.nbytes for v in state.values())
+        del state
+        bucket = f"file://{work / 'bucket'}"
+        publish_full(bucket, IDENT, 1, dir=ck)
+        shutil.rmtree(ck)
+        secret = work / "secret"
+        secret.write_text(os.urandom(32).hex() + "\n")
+        secret.chmod(0o600)
+        local, peer = free_port(), free_port()
+        env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID="bench", BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
+                   BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
+                   BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(secret), BDN_LOAD_STARTUP="false",
+                   BDN_STARTUP_SETTLE_S="0")
+        log = open(work / "bdnd.log", "wb")
+        proc = subprocess.Popen([Path(sys.executable).parent / "bdnd"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{local}"
+        with DaemonClient(url) as c:
+            for _ in range(400):
+                try:
+                    c.health()
+                    break
+                except Exception:
+                    if proc.poll() is not None:
+                        sys.exit(f"bdnd exited; see {work / 'bdnd.log'}")
+                    time.sleep(0.05)
+            c.prefetch(IDENT)
+            c.wait(IDENT, "ready", 600)
+            rows: list[dict] = []
+            mc = memcpy_gbps(nbytes, args.repeat)
+            print(f"memcpy {mc:.2f} GB/s ({nbytes / 1e9:.2f} GB)", flush=True)
+
+            def open_views():
+                with c.open(IDENT) as snap:
+                    views = [snap.tensor(n) for n in snap.tensor_names()]
+                    del views
+
+            def open_touch():
+                with c.open(IDENT) as snap:
+                    for n in snap.tensor_names():
+                        snap.tensor(n).view(np.uint16).max()
+
+            def open_copy():
+                with c.open(IDENT) as snap:
+                    arrays = [np.array(snap.tensor(n)) for n in snap.tensor_names()]
+                    del arrays
+
+            def http_tensors():
+                with c.open(IDENT) as snap:
+                    tn = snap.tensor_names()
+                arrays = [c.read_tensor(IDENT, n) for n in tn]
+                del arrays
+
+            def http_files():
+                files = [f for f in c.list_files(IDENT) if f["path"].endswith(".safetensors")]
+
+                def rng(a):
+                    f, off, ln = a
+                    with DaemonClient(url) as cc:
+                        return len(cc.read_file(IDENT, f, off, ln))
+
+                jobs = []
+                for f in files:
+                    step = -(-f["size"] // 4)
+                    jobs += [(f["path"], o, min(step, f["size"] - o)) for o in range(0, f["size"], step)]
+                with ThreadPoolExecutor(4) as pool:
+                    assert sum(pool.map(rng, jobs)) == sum(f["size"] for f in files)
+
+            def st_load():
+                with c.open(IDENT) as snap:
+                    d = Path(snap.path)
+                arrays = [load_file(str(p)) for p in sorted(d.glob("*.safetensors"))]
+                del arrays
+
+            for method, fn in (("zero-copy open", open_views), ("zero-copy open + touch", open_touch),
+                               ("zero-copy open + copy", open_copy), ("http pull (tensors)", http_tensors),
+                               ("http pull (files, 4 ranges)", http_files), ("safetensors load_file", st_load)):
+                s = best(fn, args.repeat)
+                rows.append({"method": method, "bytes": nbytes, "seconds": round(s, 5),
+                             "gbps": round(nbytes / s / 1e9, 3), "memcpy_gbps": round(mc, 3)})
+                print(f"  {method:30s} {s * 1e3:9.1f} ms  {nbytes / s / 1e9:7.2f} GB/s  "
+                      f"({nbytes / s / 1e9 / mc:5.2f}x memcpy, {s / (nbytes / 1e9) * 1e3:7.1f} ms/GB)", flush=True)
+            rows.append({"method": "memcpy", "bytes": nbytes, "seconds": round(nbytes / mc / 1e9, 5),
+                         "gbps": round(mc, 3), "memcpy_gbps": round(mc, 3)})
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / ("handoff.quick.json" if args.quick else "handoff.json")
+    out.write_text(json.dumps({"machine": {"cores": cores, "when": time.strftime("%Y-%m-%d")}, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
