@@ -4,7 +4,7 @@ The target file is created in /dev/shm and ``posix_fallocate``-d like the daemon
 base, diff and target are mmapped and ``arc.apply_diff`` runs with 1 and with all workers. GB/s are
 reconstructed (target) bytes per second of wall time, best of ``--repeat``.
 
-    .venv/bin/python -m bench.delta.apply_speed [--quick] [--label before]
+    .venv/bin/python -m bench.delta.apply_speed [--quick] [--baseline-rev 6196018] [--populate]
 """
 
 from __future__ import annotations
@@ -30,7 +30,26 @@ SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdi
 POPULATE = 0  # set by --populate: mmap flags the daemon could use (see BENCHMARKS.md)
 
 
-def apply_once(base: Path, diff: Path, out: Path, fmt: str, workers: int) -> float:
+def load_arc_at(rev: str):
+    """bdn/proto/arc.py as of git revision ``rev``, as a separate module (same-run baseline)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    src = subprocess.run(["git", "show", f"{rev}:bdn/proto/arc.py"], check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / "arc_baseline.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("arc_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["arc_baseline"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+IMPLS = {"now": arc}
+
+
+def apply_once(base: Path, diff: Path, out: Path, fmt: str, workers: int, impl: str = "now") -> float:
     size = base.stat().st_size
     with open(out, "wb") as fh:
         fh.truncate(size)
@@ -43,7 +62,7 @@ def apply_once(base: Path, diff: Path, out: Path, fmt: str, workers: int) -> flo
             with mmap.mmap(bf.fileno(), 0, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ) as bm, mmap.mmap(
                 of.fileno(), 0, flags=mmap.MAP_SHARED | POPULATE
             ) as om:
-                arc.apply_diff(bm, bh, dm, dh, om, fmt, workers=workers)
+                IMPLS[impl].apply_diff(bm, bh, dm, dh, om, fmt, workers=workers)
                 om.flush()
                 return time.perf_counter() - t0
 
@@ -55,11 +74,18 @@ def measure(pair: inputs.Pair, work: Path, fmt: str, repeat: int) -> list[dict]:
     rows = []
     try:
         for workers in sorted({1, os.cpu_count() or 1}):
-            best = min(apply_once(pair.base, diff, out, fmt, workers) for _ in range(repeat))
-            assert out.read_bytes() == pair.target.read_bytes() if pair.raw_bytes < 200 << 20 else True
-            rows.append({"input": pair.input, "codec": fmt, "workers": workers, "raw_bytes": pair.raw_bytes,
-                         "seconds": best, "decode_gbps": pair.raw_bytes / best / 1e9})
-            print(f"  {pair.input:10s} {fmt} workers={workers}: {best * 1e3:8.1f} ms  {rows[-1]['decode_gbps']:.2f} GB/s", flush=True)
+            times: dict[str, list[float]] = {k: [] for k in IMPLS}
+            for _ in range(repeat):  # interleaved, so load from other processes hits both alike
+                for impl in IMPLS:
+                    times[impl].append(apply_once(pair.base, diff, out, fmt, workers, impl))
+                    if pair.raw_bytes < 200 << 20:
+                        assert out.read_bytes() == pair.target.read_bytes()
+            for impl, ts in times.items():
+                best = min(ts)
+                rows.append({"input": pair.input, "codec": fmt, "workers": workers, "raw_bytes": pair.raw_bytes,
+                             "seconds": best, "decode_gbps": pair.raw_bytes / best / 1e9, "impl": impl})
+                print(f"  {pair.input:10s} {fmt} {impl:9s} workers={workers}: {best * 1e3:8.1f} ms  "
+                      f"{rows[-1]['decode_gbps']:.2f} GB/s", flush=True)
     finally:
         out.unlink(missing_ok=True)
     return rows
@@ -73,7 +99,10 @@ def main() -> None:
     ap.add_argument("--label", default="now")
     ap.add_argument("--out", default="bench/results/apply_speed.json")
     ap.add_argument("--populate", action="store_true", help="map base and target with MAP_POPULATE")
+    ap.add_argument("--baseline-rev", help="also time bdn/proto/arc.py of this git revision, interleaved")
     args = ap.parse_args()
+    if args.baseline_rev:
+        IMPLS["baseline"] = load_arc_at(args.baseline_rev)
     global POPULATE
     POPULATE = mmap.MAP_POPULATE if args.populate else 0
     work = Path(tempfile.mkdtemp(prefix="bdn-bench-apply-"))
@@ -95,7 +124,8 @@ def main() -> None:
     old = json.loads(path.read_text()) if path.exists() else []
     old = [r for r in old if r.get("label") != args.label]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(old + [dict(r, label=args.label, threads=r["workers"]) for r in rows], indent=1) + "\n")
+    path.write_text(json.dumps(old + [dict(r, label=args.label, threads=r["workers"], cores=os.cpu_count())
+                                     for r in rows], indent=1) + "\n")
 
 
 if __name__ == "__main__":
