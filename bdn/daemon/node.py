@@ -792,7 +792,11 @@ class Node:
                 by_node = self.membership.by_node()
                 for pos, node in enumerate(ranked):
                     if node == self.node_id:
-                        await self._from_bucket(job, ref, mv, target, owner=(pos == 0))
+                        # The owner is the highest-ranked *live* node: when the ones ranked above
+                        # this node died during this round (an owner killed mid-transfer), this
+                        # read is the new owner's, not a fallback.
+                        owner = pos == 0 or hrw.owner(self.membership.hrw_nodes(), ref.digest) == self.node_id
+                        await self._from_bucket(job, ref, mv, target, owner=owner)
                         await self._got(job, layer, ref, idx, "bucket")
                         return
                     m = by_node.get(node)
