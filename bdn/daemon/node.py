@@ -35,7 +35,7 @@ from bdn.proto.chunks import digest as xxh3_digest
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.identity import validate_identity
 from bdn.proto.keys import NonceCache, derive_keys
-from bdn.proto.manifest import MANIFEST_NAME, STARTUP_NAME, ChunkRef, Manifest, parse_startup
+from bdn.proto.manifest import MANIFEST_NAME, STARTUP_NAME, ChunkRef, FileEntry, Manifest, parse_startup
 
 log = logging.getLogger("bdn.node")
 
@@ -199,11 +199,7 @@ class Node:
         self.store.clean_staging(self.resumable)
         for info in self.store.list_ready():
             job = SnapshotJob(info.identity, self.store)
-            files = []
-            for path, size, chunks in info.files:
-                from bdn.proto.manifest import FileEntry
-
-                files.append(FileEntry(path, size, chunks))
+            files = [FileEntry(path, size, chunks) for path, size, chunks in info.files]
             m = Manifest(
                 identity=info.identity, kind="full", policy_version=info.policy_version,
                 chunk_size=info.chunk_size, files=tuple(files),
@@ -575,7 +571,7 @@ class Node:
                 dsize = os.fstat(df.fileno()).st_size
                 with mmap.mmap(df.fileno(), 0, access=mmap.ACCESS_READ) as dm:
                     diff_h = arc.read_diff_header(dm, dsize)
-                    want = arc.target_size(base_h, diff_h[0] if isinstance(diff_h, tuple) else diff_h)
+                    want = arc.target_size(base_h, diff_h)
                     if want != f.result.size:  # type: ignore[union-attr]
                         raise ProtocolError(
                             f"{f.path}: delta rebuilds {want} bytes but the manifest says {f.result.size}"  # type: ignore[union-attr]
