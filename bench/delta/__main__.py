@@ -91,7 +91,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--codecs", default=",".join(codecs.CODECS), help="comma-separated codec names")
+    ap.add_argument("--plot-only", metavar="JSON", help="redraw the plot of a results file and exit")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.plot_only).read_text())["rows"], Path(args.plot_only).with_suffix(".png"))
+        return
     cores = os.cpu_count() or 1
     threads = sorted({1, cores})
     print(f"delta benchmark on {cores} cores ({os.uname().machine}), threads {threads}", flush=True)
@@ -163,9 +167,9 @@ def plot(rows: list[dict], path: Path) -> None:
             ratio.append(sel[0]["raw_bytes"] / sel[0]["bytes"] if sel else 0)
             dec.append(sel[0]["decode_gbps"] or 0 if sel else 0)
         x = np.arange(len(ins)) + j * wdt
-        a1.bar(x, ratio, wdt, label=name)
+        a1.bar(x, ratio, wdt, label=name, color=f"C{j}")
         if not name.startswith("entropy"):
-            a2.bar(x, dec, wdt, label=name)
+            a2.bar(x, dec, wdt, label=name, color=f"C{j}")
     for a, t in ((a1, "compression ratio (raw / stored), higher is better"),
                  (a2, f"decode GB/s of rebuilt bytes, {cores} threads")):
         a.set_xticks(np.arange(len(ins)) + 0.4 - wdt / 2)
