@@ -257,9 +257,19 @@ class Store:
         self.progress_path(m.identity).unlink(missing_ok=True)
         final = self.ready_dir(m.identity)
         if final.exists():
-            shutil.rmtree(final)
+            self._retire(final)
         os.replace(st, final)
         return final
+
+    def _retire(self, d: Path) -> None:
+        """Delete a snapshot directory without a window where it is visible but incomplete:
+        rename it to a hidden name first (atomic), then remove that."""
+        gone = self.root / STAGING / f".removing-{d.name}-{os.getpid()}-{id(d)}"
+        try:
+            os.replace(d, gone)
+        except FileNotFoundError:
+            return
+        shutil.rmtree(gone, ignore_errors=True)
 
     def discard(self, identity: str) -> None:
         """Remove a snapshot's staging and stored data (never its ready directory)."""
@@ -270,4 +280,4 @@ class Store:
     def remove(self, identity: str) -> None:
         """Remove everything of a snapshot (GC)."""
         self.discard(identity)
-        shutil.rmtree(self.ready_dir(identity), ignore_errors=True)
+        self._retire(self.ready_dir(identity))

@@ -18,9 +18,23 @@ SECRET = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range, so that no outgoing connection
+    (to a peer, the proxy, moto) can take it between this check and the daemon's bind."""
+    import random
+
+    try:
+        lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        lo = 32768
+    for _ in range(200):
+        port = random.randint(10000, max(10001, lo - 1))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found")
 
 
 class Daemon:
@@ -152,11 +166,15 @@ class Swarm:
         return [d.peer_url for d in self.daemons]
 
     def start(self) -> Swarm:
-        for d in self.daemons:
-            d.start(self.peer_urls)
-        for d in self.daemons:
-            d.wait_healthy()
-        self.wait_members()
+        try:
+            for d in self.daemons:
+                d.start(self.peer_urls)
+            for d in self.daemons:
+                d.wait_healthy()
+            self.wait_members()
+        except BaseException:
+            self.stop()  # never leave daemons behind when the swarm did not come up
+            raise
         return self
 
     def wait_members(self, timeout: float = 20.0) -> None:
