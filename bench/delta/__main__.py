@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import shutil
 import sys
@@ -25,6 +26,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +102,7 @@ def main() -> None:
     threads = sorted({1, cores})
     print(f"delta benchmark on {cores} cores ({os.uname().machine}), threads {threads}", flush=True)
     rows: list[dict] = []
+    out = RESULTS / ("delta.quick.json" if args.quick else "delta.json")
     work = Path(tempfile.mkdtemp(prefix="bdn-bench-delta-"))
     try:
         for pair in pairs(args, work):
@@ -113,7 +116,10 @@ def main() -> None:
             for name in args.codecs.split(","):
                 for th in threads:
                     try:
-                        r = codecs.CODECS[name](pair, work, th)
+                        # each run in a forked child: torch, zipnn and glibc keep freed memory, and
+                        # a 2 GB input run in one process grew past the machine's 24 GiB
+                        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as one:
+                            r = one.submit(codecs.CODECS[name], pair, work, th).result()
                     except ImportError as e:
                         print(f"  {name:28s} not installed: {e}")
                         rows.append({**common, "codec": name, "bytes": None, "encode_gbps": None, "decode_gbps": None,
@@ -135,14 +141,18 @@ def main() -> None:
             for p in work.glob("*.diff"):
                 p.unlink()
             pair.target.unlink()
+            write(rows, out, cores)  # after every input: a run cut short keeps what it measured
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("delta.quick.json" if args.quick else "delta.json")
-    out.write_text(json.dumps({"machine": {"cores": cores, "arch": os.uname().machine, "when": time.strftime("%Y-%m-%d")},
-                               "rows": rows}, indent=1) + "\n")
+    write(rows, out, cores)
     print(f"\nwrote {out}")
     plot(rows, out.with_suffix(".png"))
+
+
+def write(rows: list[dict], out: Path, cores: int) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": {"cores": cores, "arch": os.uname().machine, "when": time.strftime("%Y-%m-%d")},
+                               "rows": rows}, indent=1) + "\n")
 
 
 def plot(rows: list[dict], path: Path) -> None:
