@@ -24,4 +24,4 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
 clean:
-	rm -rf $(VENV) demo-run /dev/shm/bdn-demo
+	rm -rf $(VENV) demo-run /dev/shm/bdn-demo-*

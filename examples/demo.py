@@ -17,12 +17,13 @@ from policy 1 to 2 to 3 with one hot-load POST each; it prints each replica's sw
 engine's answer with the policy version it reports.
 
 Everything lives under ``./demo-run`` (bucket, trainer dirs, daemon logs) and
-``/dev/shm/bdn-demo`` (the rebuilt snapshots); both are removed at the start of the next run.
+``/dev/shm/bdn-demo-<hash of the checkout path>`` (the rebuilt snapshots); both are removed at the start of the next run.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -42,7 +43,9 @@ from safetensors.numpy import load_file
 from bdn.proto.safetensors_fmt import save
 
 ROOT = Path.cwd() / "demo-run"
-SHM = Path("/dev/shm/bdn-demo") if Path("/dev/shm").is_dir() else ROOT / "shm"
+# One shm directory per checkout, so two clones running the demo do not remove each other's.
+SHM = (Path("/dev/shm") / f"bdn-demo-{hashlib.sha1(str(ROOT).encode()).hexdigest()[:8]}"
+       if Path("/dev/shm").is_dir() else ROOT / "shm")
 BIN = Path(sys.executable).parent
 IDS = ["step000001", "step000002", "step000003"]
 SECRET = os.environ.get("BDN_DEMO_SECRET") or os.urandom(32).hex()  # like `openssl rand -hex 32`

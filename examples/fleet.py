@@ -173,5 +173,8 @@ def check_engines(nodes: list[dict], policy: int, digest: str) -> bool:
 if __name__ == "__main__":
     root = Path.cwd() / "demo-run"
     root.mkdir(exist_ok=True)
-    shm = Path("/dev/shm/bdn-demo") if Path("/dev/shm").is_dir() else root / "shm"
+    import hashlib
+
+    shm = (Path("/dev/shm") / f"bdn-demo-{hashlib.sha1(str(root).encode()).hexdigest()[:8]}"
+           if Path("/dev/shm").is_dir() else root / "shm")
     sys.exit(0 if run(root, shm) else 1)

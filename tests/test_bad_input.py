@@ -431,7 +431,7 @@ def test_snapshot_without_manifest_waits_and_loads_once_it_appears(
 
     assert daemon.prefetch("step000001")[0] == 202
     deadline = time.monotonic() + 10
-    while (snap := daemon.get("/v1/snapshots/step000001"))["reason"] != "waiting for manifest":
+    while not (snap := daemon.get("/v1/snapshots/step000001"))["reason"].startswith("waiting for manifest"):
         assert snap["state"] == "queued", snap
         assert time.monotonic() < deadline, snap
         time.sleep(0.05)
@@ -439,7 +439,7 @@ def test_snapshot_without_manifest_waits_and_loads_once_it_appears(
     watch_until = time.monotonic() + 1.0
     while time.monotonic() < watch_until:
         snap = daemon.get("/v1/snapshots/step000001")
-        assert (snap["state"], snap["reason"]) == ("queued", "waiting for manifest"), snap
+        assert snap["state"] == "queued" and snap["reason"].startswith("waiting for manifest"), snap
         assert snap["bytes_done"] == 0
         assert not ready_dir(daemon, "step000001").exists()
         time.sleep(0.1)

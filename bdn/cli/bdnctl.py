@@ -81,18 +81,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=os.environ.get("BDN_URL") or DEFAULT_URL,
                    help="bdnd local API: http://host:port or unix:///path.sock (default $BDN_URL or %(default)s)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+    # --url and --json work after the subcommand too (`bdnctl status --json`); SUPPRESS keeps a
+    # subcommand that does not repeat them from resetting what was given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    pf = sub.add_parser("prefetch", help="start fetching a snapshot onto this node")
+    pf = sub.add_parser("prefetch", parents=[common], help="start fetching a snapshot onto this node")
     pf.add_argument("identity")
     pf.add_argument("--wait", action="store_true", help="wait until ready, with a progress bar")
     pf.add_argument("--timeout", type=float, default=None, metavar="S",
                     help="with --wait: give up after S seconds (exit 1)")
-    sub.add_parser("status", help="node, swarm, peers, counters and snapshots")
-    sub.add_parser("snapshots", help="table of the snapshots this daemon knows")
-    vf = sub.add_parser("verify", help="re-hash a ready snapshot's files against its READY marker")
+    sub.add_parser("status", parents=[common], help="node, swarm, peers, counters and snapshots")
+    sub.add_parser("snapshots", parents=[common], help="table of the snapshots this daemon knows")
+    vf = sub.add_parser("verify", parents=[common], help="re-hash a ready snapshot's files against its READY marker")
     vf.add_argument("target", metavar="IDENTITY|DIR", help="an identity (asks bdnd where it is), or a snapshot directory path (holds a '/')")
-    hl = sub.add_parser("hot-load", help="make every replica of the fleet serve a snapshot")
+    hl = sub.add_parser("hot-load", parents=[common], help="make every replica of the fleet serve a snapshot")
     hl.add_argument("identity")
     hl.add_argument("--previous", metavar="ID", default=None,
                     help="the snapshot a delta applies to (previous_snapshot_identity)")
@@ -101,8 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     hl.add_argument("--wait", action="store_true", help="follow every replica until it serves the snapshot")
     hl.add_argument("--timeout", type=float, default=None, metavar="S",
                     help="with --wait: give up after S seconds (exit 1)")
-    sub.add_parser("peers", help="the swarm members this daemon sees")
-    sub.add_parser("gc", help="collect old snapshots now")
+    sub.add_parser("peers", parents=[common], help="the swarm members this daemon sees")
+    sub.add_parser("gc", parents=[common], help="collect old snapshots now")
     return p
 
 

@@ -51,6 +51,7 @@ class Config:
     penalty_s: float = 30.0  # how long a peer that sent bad bytes is skipped
     apply_workers: int = 0  # threads decoding deltas (0 = one per core)
     keep_ready: int = 2  # GC keeps this many newest ready snapshots (plus leased/current/target)
+    gc_grace_s: float = 60.0  # a snapshot that just became ready is kept at least this long
     shm_budget_bytes: int = 0  # most bytes of snapshots (rebuilt + stored diffs) in shm; 0 = no budget
     peer_upload_mbit: float = 0.0  # limit on chunk bytes served to peers, Mbit/s; 0 = none
     peer_download_mbit: float = 0.0  # limit on chunk bytes fetched from peers, Mbit/s; 0 = none
@@ -118,8 +119,8 @@ class Config:
             or (t == list[str] and isinstance(value, list) and all(isinstance(x, str) for x in value))
         )
         if not ok:
-            tname = "list of strings" if t == list[str] else t.__name__
-            raise ConfigError(f"{where}config key {key!r} must be a {tname}, got {value!r}")
+            tname = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(t, "a list of strings")
+            raise ConfigError(f"{where}config key {key!r} must be {tname}, got {value!r}")
         setattr(self, key, float(value) if t is float else value)
 
     def _finish(self) -> None:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from bdn.daemon.node import Node
 
 log = logging.getLogger("bdn.hotload")
+MAX_FUTURE_NS = 60 * 10**9  # twice the signature's clock-skew limit
 
 
 class HotLoadError(BdnError):
@@ -86,6 +87,10 @@ class Target:
         seq, origin, rid = obj.get("seq"), obj.get("origin"), obj.get("request_id")
         if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(origin, str) or not isinstance(rid, str):
             return None
+        # seq is the accepting daemon's clock (ns). One from the future would outrank every real
+        # hot-load for good, so anything past our clock plus the allowed skew is refused.
+        if not 0 < seq <= time.time_ns() + MAX_FUTURE_NS:
+            return None
         return cls(ident, seq, origin[:64], rid[:64])
 
 
@@ -130,6 +135,8 @@ class HotLoad:
             obj = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise HotLoadError(400, f"request body is not JSON: {e}") from None
+        except RecursionError:
+            raise HotLoadError(400, "request body is nested too deeply") from None
         if not isinstance(obj, dict):
             raise HotLoadError(400, "request body must be a JSON object")
         unknown = set(obj) - {"identity", "incremental_snapshot_metadata"}
@@ -223,7 +230,8 @@ class HotLoad:
                     )
                 base = m.base_identity
                 assert base is not None
-                if base not in self.node.jobs:
+                bj = self.node.jobs.get(base)
+                if bj is None or bj.state == "failed":
                     try:
                         await self._bucket(self.node.bucket.stat, f"{base}/{MANIFEST_NAME}")
                     except ObjectNotFound:

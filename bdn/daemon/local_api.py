@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from bdn.daemon import metrics
+from bdn.daemon.bodies import BodyTooLarge, read_body
 from bdn.proto.errors import BdnError
 from bdn.proto.identity import validate_identity, validate_relpath
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 
 NODE_KEY = web.AppKey("node", object)
 MAX_WAIT_S = 300.0
+MAX_BODY = 64 << 10
 
 
 def _json(obj: Any, status: int = 200) -> web.Response:
@@ -189,7 +191,10 @@ async def hot_load_post(request: web.Request) -> web.Response:
     from bdn.daemon.hotload import HotLoadError
 
     node = _node(request)
-    body = await request.content.read(64 << 10)
+    try:
+        body = await read_body(request.content, MAX_BODY, request.content_length)
+    except BodyTooLarge as e:
+        return _error(413, f"request {e}")
     try:
         ans = await node.hotload.accept(body)
     except HotLoadError as e:
@@ -203,11 +208,17 @@ async def hot_load_get(request: web.Request) -> web.Response:
 
 # ---- engines, leases, gc ------------------------------------------------------------------
 async def _body_json(request: web.Request) -> dict[str, Any]:
-    raw = await request.content.read(64 << 10)
+    try:
+        raw = await read_body(request.content, MAX_BODY, request.content_length)
+    except BodyTooLarge as e:
+        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=request.content_length or MAX_BODY + 1,
+                                            text=json.dumps({"error": f"request {e}"}), content_type="application/json") from None
     if not raw:
         return {}
     try:
         obj = json.loads(raw)
+    except RecursionError:
+        raise web.HTTPBadRequest(text=json.dumps({"error": "body is nested too deeply"}), content_type="application/json") from None
     except ValueError as e:
         raise web.HTTPBadRequest(text=json.dumps({"error": f"body is not JSON: {e}"}), content_type="application/json") from None
     if not isinstance(obj, dict):

@@ -49,6 +49,18 @@ def setup_logging(cfg: Config) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
 
 
+def _raise_fd_limit() -> None:
+    """Use the hard RLIMIT_NOFILE: a daemon serving a large fleet holds many sockets."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def sd_notify(message: str) -> None:
     """Send ``message`` to systemd's notify socket (``$NOTIFY_SOCKET``), if there is one."""
     path = os.environ.get("NOTIFY_SOCKET")
@@ -70,12 +82,14 @@ async def serve(cfg: Config) -> int:
     await node.start()
     runners: list[web.AppRunner] = []
     try:
-        peer_runner = web.AppRunner(make_peer_app(node), access_log=None)
+        # keepalive_timeout also bounds a connection that never completes a request (aiohttp
+        # arms it at connect), so idle or slowloris connections cannot pile up for minutes.
+        peer_runner = web.AppRunner(make_peer_app(node), access_log=None, keepalive_timeout=15)
         await peer_runner.setup()
         runners.append(peer_runner)
         host, port = split_hostport(cfg.peer_listen)
         await web.TCPSite(peer_runner, host or None, port, reuse_address=True).start()
-        local_runner = web.AppRunner(make_local_app(node), access_log=None)
+        local_runner = web.AppRunner(make_local_app(node), access_log=None, keepalive_timeout=75)
         await local_runner.setup()
         runners.append(local_runner)
         if cfg.local_listen:
@@ -146,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bdnd: error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg)
+    _raise_fd_limit()
     try:
         import uvloop
 

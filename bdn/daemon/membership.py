@@ -34,6 +34,8 @@ class Membership:
     """The member table of one daemon (itself excluded)."""
 
     FAIL_LIMIT = 2
+    FORGET_AFTER = 30  # failed health checks in a row before a learned (non-static) member is dropped
+    MAX_MEMBERS = 4096
 
     def __init__(self, self_id: str, self_url: str, static: list[str]) -> None:
         self.self_id = self_id
@@ -51,6 +53,8 @@ class Membership:
             return None
         m = self.members.get(url)
         if m is None:
+            if len(self.members) >= self.MAX_MEMBERS:
+                return None  # a flood of made-up members cannot grow the table without bound
             m = self.members[url] = Member(url=url)
         if node_id and not m.node_id:
             m.node_id = node_id
@@ -68,6 +72,8 @@ class Membership:
             m.failures += 1
             if m.failures >= self.FAIL_LIMIT:
                 m.alive = False
+            if m.failures >= self.FORGET_AFTER and not m.static:
+                del self.members[m.url]
 
     def penalise(self, url: str, seconds: float) -> None:
         m = self.members.get(url.rstrip("/"))

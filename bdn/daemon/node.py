@@ -11,6 +11,7 @@ manifest in a worker thread before it is written to the snapshot's file or serve
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import mmap
 import os
@@ -117,6 +118,7 @@ class Node:
         self.bucket_limit = RateLimit.from_mbit(cfg.bucket_mbit)
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
         self.resumable: set[str] = set()
+        self.collected: set[str] = set()  # identities GC removed: old, not re-joined for peers
         self.counters: dict[str, int] = {
             "bucket_bytes_owner": 0,
             "bucket_bytes_fallback": 0,
@@ -168,7 +170,13 @@ class Node:
             if all(m.alive for m in static) or time.monotonic() >= deadline:
                 break
             await asyncio.sleep(0.25)
-        if startup is not None:
+        target = self.hotload.target
+        if startup is not None and target is not None and target.identity != startup and target.seq > 0:
+            # The fleet moved on while this daemon was away: go straight to its target (rebuilt
+            # chunks come from peers); loading the outdated startup snapshot first is only waste.
+            log.info("%s names %s, but the fleet serves %s: loading that instead",
+                     STARTUP_NAME, startup, target.identity)
+        elif startup is not None:
             log.info("%s names %s: loading it", STARTUP_NAME, startup)
             job = self.prefetch(startup, requested_by="startup")
             if job.state == "ready":
@@ -198,6 +206,12 @@ class Node:
         self.resumable = set(self.store.resumable())
         self.store.clean_staging(self.resumable)
         for info in self.store.list_ready():
+            bad = self.store.check_sizes(info)
+            if bad:
+                # Never hand out a file that is not what READY describes; it is fetched again.
+                log.error("snapshot %s in shm is damaged (%s): removed, it will be fetched again", info.identity, bad)
+                self.store.remove(info.identity)
+                continue
             job = SnapshotJob(info.identity, self.store)
             files = [FileEntry(path, size, chunks) for path, size, chunks in info.files]
             m = Manifest(
@@ -269,8 +283,16 @@ class Node:
         """A peer's POST members: learn it and what it knows; answer with our view."""
         if isinstance(body, dict) and isinstance(body.get("url"), str) and isinstance(body.get("node_id"), str):
             await self._adopt_from(body, body["url"][:512])
-            self.membership.mark_ok(body["url"][:512], body["node_id"][:64])
-            for other in (body.get("members") or [])[:10_000]:
+            # The caller proved it holds the secret. A URL we already know (configured, or heard
+            # of) is marked alive at once, so a fleet starting together agrees on owners quickly;
+            # an unknown one is only learned, and counts once our own health check reaches it.
+            url, nid = body["url"][:512].rstrip("/"), body["node_id"][:64]
+            if url in self.membership.members:
+                self.membership.mark_ok(url, nid)
+            else:
+                self.membership.learn(url, nid)
+            others = body.get("members")
+            for other in (others if isinstance(others, list) else [])[:256]:
                 if isinstance(other, dict) and isinstance(other.get("url"), str):
                     self.membership.learn(other["url"][:512], str(other.get("node_id") or "")[:64])
         else:
@@ -287,6 +309,7 @@ class Node:
         job = self.jobs.get(identity)
         if job is not None and job.state != "failed":
             return job
+        self.collected.discard(identity)
         if job is not None:
             self._forget(job)
         job = SnapshotJob(identity, self.store)
@@ -374,6 +397,8 @@ class Node:
             raise
         except (BdnError, OSError) as e:
             reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                reason = f"shm full while writing {job.identity!r}: {self.store.free_bytes()} bytes free on {self.store.root} ({e.strerror})"
             job.set_state("failed", reason.splitlines()[0] if reason else type(e).__name__)
             log.error("snapshot %s: failed: %s", job.identity, job.reason)
             self._forget(job)
@@ -418,7 +443,13 @@ class Node:
 
     async def _resume(self, job: SnapshotJob, saved: tuple[bytes, bytes]) -> None:
         """Take back the chunks a previous run wrote, re-verifying each against the manifest."""
-        stored, result = Bitfield(len(job.stored_refs), saved[0]), Bitfield(len(job.result_refs), saved[1])
+        try:
+            stored, result = Bitfield(len(job.stored_refs), saved[0]), Bitfield(len(job.result_refs), saved[1])
+        except ValueError as e:  # a progress file that does not fit the manifest: start over
+            log.warning("snapshot %s: saved progress ignored: %s", job.identity, e)
+            self._check_budget(job.manifest)  # type: ignore[arg-type]
+            await asyncio.get_running_loop().run_in_executor(self.io, self.store.prepare_staging, job.manifest)
+            return
 
         def verify(layer: str, refs: list[ChunkRef], bits: Bitfield) -> list[int]:
             good = []
@@ -503,8 +534,8 @@ class Node:
                         f"snapshot {job.identity!r} is not published: {MANIFEST_NAME} did not "
                         f"appear within {self.cfg.manifest_wait_s:g} s"
                     ) from None
-                if job.reason != "waiting for manifest":
-                    job.reason = "waiting for manifest"
+                if not job.reason.startswith("waiting for manifest"):
+                    job.reason = f"waiting for manifest: {key} is not in the bucket yet"
                     job.touch()
                     await job.notify()
                 await asyncio.sleep(self.cfg.manifest_poll_s)
@@ -614,19 +645,29 @@ class Node:
         if ev is not None:
             ev.set()
 
+    def unindex(self, address: str) -> None:
+        """Stop serving ``address`` (its bytes on disk turned out not to be what was indexed)."""
+        loc = self.by_address.pop(address, None)
+        if loc is not None and self.by_digest.get(loc.digest) is loc:
+            del self.by_digest[loc.digest]
+
     def lookup(self, address: str) -> Loc | None:
         return self.by_address.get(address)
 
     async def wait_for_address(self, address: str, wait: float, hint: str | None) -> Loc | None:
         """Hold a peer's chunk request up to ``wait`` s while this node obtains the chunk.
 
-        If ``hint`` names a snapshot this node does not know yet, it joins it (the fleet wants it).
+        If ``hint`` names a snapshot this node does not know yet, it joins it (the fleet wants it),
+        unless this node already collected that snapshot as old: then it answers at once, and
+        the asker goes on to its next source instead of waiting for bytes that will not come.
         If this node is the chunk's owner, it starts the fetch at once (single-flight with its own).
         """
         loc = self.by_address.get(address)
         if loc is not None or wait <= 0:
             return loc
         if hint and hint not in self.jobs and not self._closing:
+            if hint in self.collected:
+                return None
             self.prefetch(hint, requested_by="peer")
         pend = self.pending.get(address)
         if pend is not None:
@@ -653,6 +694,12 @@ class Node:
             job.fetch_layer = layer
             job.bytes_total = job.stored_bytes if layer == STORED else job.result_bytes
             job.bytes_done = sum(r.length for i, r in enumerate(refs) if bits[i])  # type: ignore[index]
+        # Learn who already holds what before anything starts, so that a late joiner takes from
+        # peers what they have rather than reading its own HRW share from the bucket.
+        try:
+            await asyncio.wait_for(self._refresh_haves(job), 5.0)
+        except asyncio.TimeoutError:
+            pass
         nodes = self.membership.hrw_nodes()
         todo = [r for i, r in enumerate(refs) if not bits[i]]  # type: ignore[index]
         todo.sort(key=lambda r: hrw.owner(nodes, r.digest) != self.node_id)
@@ -977,12 +1024,17 @@ class Node:
             reverse=True,
         )
         keep.update(j.identity for j in ready[: self.cfg.keep_ready])
+        # A snapshot that just became ready was wanted by someone (an operator's prefetch, a peer
+        # still pulling it): it stays at least gc_grace_s, however old its policy version.
+        now = time.time()
+        keep.update(j.identity for j in ready if now - j.updated < self.cfg.gc_grace_s)
         removed = []
         for j in ready:
             if j.identity not in keep:
                 self._forget(j)
                 del self.jobs[j.identity]
                 self.store.remove(j.identity)
+                self.collected.add(j.identity)
                 removed.append(j.identity)
                 log.info("gc: removed snapshot %s (%d bytes)", j.identity, j.result_bytes)
         return {"removed": removed, "kept": sorted(j.identity for j in ready if j.identity in keep)}

@@ -9,6 +9,7 @@ import aiohttp
 import msgpack
 from yarl import URL
 
+from bdn.daemon.bodies import BodyTooLarge, read_body
 from bdn.proto.keys import SwarmKeys, sign_request
 
 
@@ -132,14 +133,12 @@ class PeerClient:
                 return None
             if resp.status != 200:
                 raise PeerError(f"{base_url}: have request answered {resp.status}")
-            body = await resp.content.read(MAX_HAVE_BYTES + 1)
-            if len(body) > MAX_HAVE_BYTES:
-                raise PeerError(f"{base_url}: have answer over {MAX_HAVE_BYTES} bytes")
+            body = await read_body(resp.content, MAX_HAVE_BYTES, resp.content_length)
             obj = msgpack.unpackb(body, raw=False)
             if not isinstance(obj, dict):
                 raise PeerError(f"{base_url}: have answer is not a map")
             return obj
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgpack.UnpackException) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgpack.UnpackException, BodyTooLarge) as e:
             raise PeerError(f"{base_url}: bad have answer: {e}") from None
         finally:
             resp.release()
@@ -153,12 +152,12 @@ class PeerClient:
         try:
             if resp.status != 200:
                 raise PeerError(f"{base_url}: members answered {resp.status}")
-            body = await resp.content.read(MAX_MEMBERS_BYTES + 1)
+            body = await read_body(resp.content, MAX_MEMBERS_BYTES, resp.content_length)
             obj = msgpack.unpackb(body, raw=False)
             if not isinstance(obj, dict) or not isinstance(obj.get("node_id"), str):
                 raise PeerError(f"{base_url}: members answer malformed")
             return obj
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgpack.UnpackException) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgpack.UnpackException, BodyTooLarge) as e:
             raise PeerError(f"{base_url}: bad members answer: {e}") from None
         finally:
             resp.release()
@@ -167,7 +166,9 @@ class PeerClient:
         """A signed POST of a msgpack body to a peer endpoint under the swarm prefix."""
         resp = await self._request("POST", base_url, f"{self._prefix()}/{path}", timeout=timeout, data=payload)
         try:
-            return resp.status, await resp.content.read(MAX_MEMBERS_BYTES)
+            return resp.status, await read_body(resp.content, MAX_MEMBERS_BYTES, resp.content_length)
+        except (aiohttp.ClientError, asyncio.TimeoutError, BodyTooLarge) as e:
+            raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
         finally:
             resp.release()
 
@@ -177,12 +178,12 @@ class PeerClient:
 
         resp = await self._request("GET", base_url, f"{self._prefix()}/{path}", timeout=timeout)
         try:
-            body = await resp.content.read(MAX_MEMBERS_BYTES)
+            body = await read_body(resp.content, MAX_MEMBERS_BYTES, resp.content_length)
             try:
                 return resp.status, json.loads(body)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return resp.status, None
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (aiohttp.ClientError, asyncio.TimeoutError, BodyTooLarge) as e:
             raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
         finally:
             resp.release()

@@ -14,6 +14,7 @@ id) gets 401 with an empty body, so a stranger learns nothing about what the par
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 from aiohttp import web
 
+from bdn.daemon.bodies import BodyTooLarge, read_body
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
 from bdn.proto.keys import verify_request
@@ -28,7 +30,9 @@ from bdn.proto.keys import verify_request
 if TYPE_CHECKING:
     from bdn.daemon.node import Node
 
+log = logging.getLogger("bdn.peer_server")
 ADDRESS_RE = re.compile(r"\A[0-9a-f]{32}\Z")
+MAX_MEMBERS_BODY = 1 << 20
 MAX_WAIT_S = 60.0
 NODE_KEY = web.AppKey("node", object)
 
@@ -93,21 +97,43 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
         node.inflight["upload"] += 1
         try:
             return await _send_chunk(request, node, address, loc)
+        except ConnectionResetError as e:
+            # the asker went away (died, or gave up waiting): nothing to answer, nothing to log loudly
+            log.debug("chunk %s: upload cut short: %s", address, e)
+            raise web.HTTPServiceUnavailable() from None
         finally:
             node.inflight["upload"] -= 1
+
+
+def _open_chunk_file(loc: Any) -> int | None:
+    """Open the file holding ``loc``. A snapshot's staging directory is renamed to its ready
+    directory when it completes; the rename and the job's state change are not one step, so the
+    other name is tried too. None if neither exists (the snapshot was collected)."""
+    job = loc.job
+    f = job.manifest.files[loc.file_index] if job.manifest is not None else None
+    candidates = [loc.path()]
+    if f is not None and not (loc.layer == "stored" and f.is_diff):
+        candidates += [job.store.ready_dir(job.identity) / f.path, job.store.staging_dir(job.identity) / f.path]
+    for p in candidates:
+        try:
+            return os.open(p, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+    return None
 
 
 async def _send_chunk(request: web.Request, node: Node, address: str, loc: Any) -> web.StreamResponse:
     """Send a verified chunk: sendfile where the loop has it, else one pread into one write."""
     await node.upload_limit.take(loc.length)
+    fd = _open_chunk_file(loc)
+    if fd is None:
+        return _text(404, "chunk not here")
     try:
-        fd = os.open(loc.path(), os.O_RDONLY)
-    except FileNotFoundError:
-        loc = node.lookup(address)  # moved from staging to its ready directory meanwhile
-        if loc is None:
+        if os.fstat(fd).st_size < loc.offset + loc.length:
+            # the file changed under us (truncated by hand?): stop indexing the chunk
+            log.error("chunk %s: %s is shorter than its index entry; no longer serving it", address, loc.path())
+            node.unindex(address)
             return _text(404, "chunk not here")
-        fd = os.open(loc.path(), os.O_RDONLY)
-    try:
         resp = web.StreamResponse(status=200)
         resp.content_type = "application/octet-stream"
         resp.content_length = loc.length
@@ -124,10 +150,12 @@ async def _send_chunk(request: web.Request, node: Node, address: str, loc: Any) 
                 sent = False  # uvloop has no sendfile: fall back to pread + write below
         if not sent:
             data = await loop.run_in_executor(node.io, os.pread, fd, loc.length, loc.offset)
-            if len(data) != loc.length:
-                raise ConnectionResetError("chunk file shorter than its index entry")
             await resp.write(data)
         await resp.write_eof()
+    except ConnectionResetError as e:
+        # the asker went away (died, or gave up waiting): nothing to answer, nothing to log loudly
+        log.debug("chunk %s: upload cut short: %s", address, e)
+        return resp
     finally:
         os.close(fd)
     node.counters["peer_bytes_out"] += loc.length
@@ -155,11 +183,14 @@ async def get_have(request: web.Request) -> web.Response:
 
 async def post_members(request: web.Request) -> web.Response:
     node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
-    body = await request.content.read(1 << 20)
+    try:
+        body = await read_body(request.content, MAX_MEMBERS_BODY, request.content_length)
+    except BodyTooLarge as e:
+        return _text(413, f"members {e}")
     try:
         obj = msgpack.unpackb(body, raw=False)
         ans = await node.handle_members(obj)
-    except (ValueError, msgpack.UnpackException, BdnError) as e:
+    except (ValueError, msgpack.UnpackException, BdnError, RecursionError) as e:
         return _text(400, f"members body is malformed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
 
@@ -169,10 +200,12 @@ async def post_hot_load_peer(request: web.Request) -> web.Response:
     from bdn.daemon.hotload import Target
 
     node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
-    body = await request.content.read(64 << 10)
     try:
+        body = await read_body(request.content, 64 << 10, request.content_length)
         t = Target.from_wire(msgpack.unpackb(body, raw=False))
-    except (ValueError, msgpack.UnpackException):
+    except BodyTooLarge as e:
+        return _text(413, f"hot-load {e}")
+    except (ValueError, msgpack.UnpackException, RecursionError):
         t = None
     if t is None:
         return _text(400, "hot-load target is malformed")

@@ -154,6 +154,18 @@ class Store:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 
+    def check_sizes(self, info: ReadyInfo) -> str:
+        """"" if every file READY lists exists with its size, else what is wrong (one line)."""
+        d = self.ready_dir(info.identity)
+        for path, size, _ in info.files:
+            try:
+                got = (d / path).stat().st_size
+            except OSError:
+                return f"{path} is missing"
+            if got != size:
+                return f"{path} is {got} bytes, READY says {size}"
+        return ""
+
     def prepare_staging(self, m: Manifest) -> None:
         """Create the staging files at their final sizes, with their space reserved up front.
 

@@ -276,7 +276,7 @@ def _refuse_published(b: Bucket, identity: str, overwrite: bool) -> None:
         return
     raise PublishError(
         f"snapshot {identity!r} is already published ({identity}/{MANIFEST_NAME} exists); "
-        "choose a new identity or overwrite"
+        "choose a new identity, or overwrite it (--overwrite, overwrite=True)"
     )
 
 
