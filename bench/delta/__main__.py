@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--codecs", default=",".join(codecs.CODECS), help="comma-separated codec names")
+    ap.add_argument("--out", help="results file (default bench/results/delta.json, delta.quick.json)")
     ap.add_argument("--plot-only", metavar="JSON", help="redraw the plot of a results file and exit")
     args = ap.parse_args()
     if args.plot_only:
@@ -102,7 +103,7 @@ def main() -> None:
     threads = sorted({1, cores})
     print(f"delta benchmark on {cores} cores ({os.uname().machine}), threads {threads}", flush=True)
     rows: list[dict] = []
-    out = RESULTS / ("delta.quick.json" if args.quick else "delta.json")
+    out = Path(args.out) if args.out else RESULTS / ("delta.quick.json" if args.quick else "delta.json")
     work = Path(tempfile.mkdtemp(prefix="bdn-bench-delta-"))
     try:
         for pair in pairs(args, work):
