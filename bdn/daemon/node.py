@@ -213,7 +213,7 @@ class Node:
                 self.store.remove(info.identity)
                 continue
             job = SnapshotJob(info.identity, self.store)
-            files = [FileEntry(path, size, chunks) for path, size, chunks in info.files]
+            files = [FileEntry(f.path, f.size, f.chunks) for f in info.files]
             m = Manifest(
                 identity=info.identity, kind="full", policy_version=info.policy_version,
                 chunk_size=info.chunk_size, files=tuple(files),
@@ -228,7 +228,7 @@ class Node:
             self.jobs[info.identity] = job
             for ref in job.result_refs:
                 self._register(job, RESULT, ref)
-            log.info("snapshot %s: ready from shm (%d bytes)", info.identity, info.result_bytes)
+            log.info("snapshot %s: ready from shm (%d bytes)", info.identity, info.total_bytes)
 
     # ---- membership ----------------------------------------------------------------------
     async def _membership_loop(self) -> None:

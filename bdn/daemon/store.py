@@ -19,92 +19,18 @@ with the xxh3-128 digests of each reconstructed file's chunks.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import msgpack
-from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, num_chunks
-from bdn.proto.errors import ProtocolError
-from bdn.proto.identity import validate_identity, validate_relpath
-from bdn.proto.manifest import Manifest
 
-READY_NAME = "READY"
-READY_FORMAT = "bdn.ready/1"
+from bdn.proto.errors import ProtocolError
+from bdn.proto.manifest import Manifest
+from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
+
 STAGING = ".staging"
 STORED = ".stored"
-
-
-@dataclass(frozen=True)
-class ReadyInfo:
-    """A parsed READY marker."""
-
-    identity: str
-    kind: str
-    policy_version: int
-    base_identity: str | None
-    chunk_size: int
-    files: tuple[tuple[str, int, tuple[str, ...]], ...]  # (path, size, chunk digests)
-
-    @property
-    def result_bytes(self) -> int:
-        return sum(f[1] for f in self.files)
-
-
-def ready_from_manifest(m: Manifest) -> dict[str, Any]:
-    """The READY marker's JSON object for a snapshot rebuilt from manifest ``m``."""
-    return {
-        "format": READY_FORMAT,
-        "identity": m.identity,
-        "kind": m.kind,
-        "policy_version": m.policy_version,
-        "base_identity": m.base_identity,
-        "chunk_size": m.chunk_size,
-        "files": [
-            {"path": f.path, "size": f.result_size, "chunks": list(f.result_chunks)} for f in m.files
-        ],
-    }
-
-
-def parse_ready(data: bytes) -> ReadyInfo:
-    """Parse a READY marker.
-
-    Raises:
-        ProtocolError: not JSON, wrong format, or a field breaks its rule.
-    """
-    try:
-        obj = json.loads(data)
-    except ValueError as e:
-        raise ProtocolError(f"READY is not JSON: {e}") from None
-    if not isinstance(obj, dict) or obj.get("format") != READY_FORMAT:
-        raise ProtocolError(f"READY format must be {READY_FORMAT!r}")
-    ident = validate_identity(obj.get("identity"))
-    cs = obj.get("chunk_size")
-    pv = obj.get("policy_version")
-    if not isinstance(cs, int) or not MIN_CHUNK_SIZE <= cs <= MAX_CHUNK_SIZE:
-        raise ProtocolError("READY chunk_size out of range")
-    if not isinstance(pv, int) or isinstance(pv, bool):
-        raise ProtocolError("READY policy_version must be an integer")
-    base = obj.get("base_identity")
-    if base is not None:
-        validate_identity(base)
-    files = []
-    for f in obj.get("files") or []:
-        if not isinstance(f, dict):
-            raise ProtocolError("READY files must be objects")
-        p = validate_relpath(f.get("path"))
-        size, chunks = f.get("size"), f.get("chunks")
-        if not isinstance(size, int) or size < 0 or not isinstance(chunks, list):
-            raise ProtocolError(f"READY entry for {p} is malformed")
-        if len(chunks) != num_chunks(size, cs) or not all(
-            isinstance(c, str) and DIGEST_RE.match(c) for c in chunks
-        ):
-            raise ProtocolError(f"READY chunk list for {p} is malformed")
-        files.append((p, size, tuple(chunks)))
-    return ReadyInfo(ident, str(obj.get("kind")), pv, base, cs, tuple(files))
 
 
 class Store:
@@ -128,10 +54,10 @@ class Store:
     def is_ready(self, identity: str) -> bool:
         return (self.ready_dir(identity) / READY_NAME).is_file()
 
-    def read_ready(self, identity: str) -> ReadyInfo:
+    def read_ready(self, identity: str) -> ReadyMarker:
         return parse_ready((self.ready_dir(identity) / READY_NAME).read_bytes())
 
-    def list_ready(self) -> list[ReadyInfo]:
+    def list_ready(self) -> list[ReadyMarker]:
         """Every snapshot with a valid READY marker (a broken one is skipped, not fatal)."""
         out = []
         for d in sorted(self.root.iterdir()):
@@ -154,16 +80,16 @@ class Store:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 
-    def check_sizes(self, info: ReadyInfo) -> str:
+    def check_sizes(self, info: ReadyMarker) -> str:
         """"" if every file READY lists exists with its size, else what is wrong (one line)."""
         d = self.ready_dir(info.identity)
-        for path, size, _ in info.files:
+        for f in info.files:
             try:
-                got = (d / path).stat().st_size
+                got = (d / f.path).stat().st_size
             except OSError:
-                return f"{path} is missing"
-            if got != size:
-                return f"{path} is {got} bytes, READY says {size}"
+                return f"{f.path} is missing"
+            if got != f.size:
+                return f"{f.path} is {got} bytes, READY says {f.size}"
         return ""
 
     def prepare_staging(self, m: Manifest) -> None:
@@ -262,7 +188,7 @@ class Store:
         st = self.staging_dir(m.identity)
         tmp = st / (READY_NAME + ".tmp")
         with open(tmp, "wb") as fh:
-            fh.write(json.dumps(ready_from_manifest(m), indent=1).encode())
+            fh.write(ready_json(m))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, st / READY_NAME)
