@@ -187,7 +187,10 @@ class Meter:
         krx, _ = iface_bytes(root_veth("b"))
         cpu = {k: round(self.last_cpu[k] - self.c0[k], 2) for k in self.c0 if self.c0[k] >= 0}
         busy = (m1[0] - self.m0[0]) / max(1, m1[1] - self.m0[1])
-        return {"per_node": per_node, "bucket_wire_bytes": krx - self.k0[0], "cpu_seconds": cpu,
+        # The machine is shared (other jobs may run): what our processes used vs the whole box.
+        busy_s = (m1[0] - self.m0[0]) / CLK
+        return {"own_cpu_s": round(sum(cpu.values()), 2), "machine_busy_cpu_s": round(busy_s, 2),
+                "loadavg_1m": float(Path("/proc/loadavg").read_text().split()[0]),"per_node": per_node, "bucket_wire_bytes": krx - self.k0[0], "cpu_seconds": cpu,
                 "machine_cpu_busy": round(busy, 3), "cores": os.cpu_count(), "meter_wall_s": round(wall, 2)}
 
 
@@ -367,7 +370,7 @@ class Bench:
         return pr, sockp
 
     def run_bdn(self, n: int, fault: str | None = None, system: str = "bdn") -> dict[str, Any]:
-        tag = f"bdn-N{n}-{fault or 'nofault'}-b{int(self.bucket_mbit)}"
+        tag = f"{system}-N{n}-{fault or 'nofault'}-b{int(self.bucket_mbit)}".replace("[", "-").replace("]", "")
         nodes = list(range(1, n + 1))
         shutil.rmtree(SHM, ignore_errors=True)
         daemons = {i: self.start_bdnd(i, nodes, tag) for i in nodes}
@@ -768,6 +771,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="py-spy record node 1's bdnd in each bdn run")
     ap.add_argument("--no-verify", action="store_true", help="skip the harness's own digest check of each node's files")
     ap.add_argument("--bdn-env", default="", help="extra BDN_*=v,... for every bdnd")
+    ap.add_argument("--bdn-variants", default="",
+                    help="extra bdn runs at the largest N: name:BDN_K=v,...;name2:... (tuning experiments)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "swarm.json"))
     ap.add_argument("--cleanup", action="store_true", help="only remove what a previous run left")
     a = ap.parse_args()
@@ -825,6 +830,14 @@ def main() -> int:
                     if s in a.fault_systems.split(","):
                         log(f"--- {s} N={top} fault {a.fault}")
                         getattr(b, f"run_{s}")(top, fault=a.fault)
+            for spec in [v for v in a.bdn_variants.split(";") if v]:
+                # A tuning experiment: the same bdn at the largest N with other settings.
+                vname, _, kvs = spec.partition(":")
+                saved = a.bdn_env
+                a.bdn_env = dict(saved, **dict(kv.split("=", 1) for kv in kvs.split(",") if kv))
+                log(f"--- bdn[{vname}] N={top} {a.bdn_env}")
+                b.run_bdn(top, system=f"bdn[{vname}]")
+                a.bdn_env = saved
             if a.bucket_fast_x:
                 b.bucket_mbit = a.bucket_mbit * a.bucket_fast_x
                 b.cluster.shape(a.nic_mbit, b.bucket_mbit)

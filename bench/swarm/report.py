@@ -1,0 +1,134 @@
+"""Turn bench/results/swarm.json into the plot (bench/results/swarm.png) and a Markdown table.
+
+    .venv/bin/python -m bench.swarm.report [--json bench/results/swarm.json] [--profiles]
+
+``--profiles`` also prints the hottest frames (self time) of each py-spy profile that
+``run.py --profile`` left in bench/swarm/profiles/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def main_rows(rows: list[dict[str, Any]], bucket_mbit: float | None) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("nic_mbit") and r.get("fault") is None
+            and (bucket_mbit is None or r.get("bucket_mbit") == bucket_mbit)]
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = min((r["bucket_mbit"] for r in rows if r.get("bucket_mbit")), default=None)
+    rs = main_rows(rows, base)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"bdn": "o-", "boto3": "s--", "libtorrent": "^-."}
+    for system in sorted({r["system"] for r in rs}, key=lambda s: (s not in styles, s)):
+        pts = sorted((r["nodes"], r["seconds"]) for r in rs if r["system"] == system and r["seconds"])
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], styles.get(system, "x:"), label=system)
+    ns = sorted({r["nodes"] for r in rs})
+    if rs:
+        fl = rs[0]["floor_seconds"]
+        ax.plot(ns, [fl] * len(ns), "k:", label="floor S / NIC")
+        ax.set_title(f"{rs[0]['snapshot_bytes'] / 2**30:.2f} GiB snapshot, NIC {rs[0]['nic_mbit']:g} Mbit/s, "
+                     f"bucket {base:g} Mbit/s")
+    ax.set_xlabel("nodes N")
+    ax.set_ylabel("seconds until the last node holds the verified snapshot")
+    ax.set_xticks(ns)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def fmt(x: Any, nd: int = 2) -> str:
+    return "–" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    swarm = [r for r in rows if r.get("nic_mbit")]
+    by = {(r["system"], r["nodes"], r.get("bucket_mbit"), r.get("fault")): r for r in swarm}
+    out = ["| system | N | bucket Mbit/s | fault | seconds | floor s | ×floor | bucket egress / S "
+           "| bucket wire / S | per node recv MB (min–max) | per node sent MB (min–max) | own CPU-s / machine busy CPU-s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in swarm:
+        S = r["snapshot_bytes"]
+        pn = r.get("per_node") or {}
+        recv = [v["received_wire"] / 1e6 for v in pn.values()]
+        sent = [v["sent_wire"] / 1e6 for v in pn.values()]
+        out.append("| " + " | ".join([
+            r["system"], str(r["nodes"]), fmt(r.get("bucket_mbit"), 0), r.get("fault") or "",
+            fmt(r["seconds"], 1), fmt(r["floor_seconds"], 1),
+            fmt(r["seconds"] / r["floor_seconds"] if r["seconds"] else None),
+            fmt(r["bucket_egress_bytes"] / S if r.get("bucket_egress_bytes") is not None else None, 3),
+            fmt(r["bucket_wire_bytes"] / S if r.get("bucket_wire_bytes") is not None else None, 3),
+            f"{min(recv):.0f}–{max(recv):.0f}" if recv else "–",
+            f"{min(sent):.0f}–{max(sent):.0f}" if sent else "–",
+            f"{fmt(r.get('own_cpu_s'), 1)} / {fmt(r.get('machine_busy_cpu_s'), 1)}"]) + " |")
+    out.append("")
+    out.append("| ratio | N | value |")
+    out.append("|---|---|---|")
+    for (system, n, bm, fault), r in sorted(by.items(), key=lambda kv: (kv[0][1], str(kv[0]))):
+        if system != "bdn" or fault or not r["seconds"]:
+            continue
+        line = [f"| bdn/floor | {n} (bucket {bm:g}) | {r['seconds'] / r['floor_seconds']:.2f} |"]
+        for other in ("boto3", "libtorrent"):
+            o = by.get((other, n, bm, None))
+            if o and o["seconds"]:
+                line.append(f"| bdn/{other} | {n} (bucket {bm:g}) | {r['seconds'] / o['seconds']:.2f} |")
+        out.extend(line)
+    return "\n".join(out)
+
+
+def profiles(d: Path, top: int = 12) -> str:
+    out = []
+    for f in sorted(d.glob("*.collapsed")):
+        self_t: collections.Counter[str] = collections.Counter()
+        incl: collections.Counter[str] = collections.Counter()
+        total = 0
+        for line in f.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            if not stack or not n.isdigit():
+                continue
+            c = int(n)
+            total += c
+            frames = stack.split(";")
+            self_t[frames[-1]] += c
+            for fr in set(frames):
+                incl[fr] += c
+        out.append(f"### {f.stem}: {total} samples")
+        for fr, c in self_t.most_common(top):
+            out.append(f"  self {100 * c / max(1, total):5.1f}%  {fr}")
+        out.append("")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=str(REPO / "bench" / "results" / "swarm.json"))
+    ap.add_argument("--png", default=str(REPO / "bench" / "results" / "swarm.png"))
+    ap.add_argument("--profiles", action="store_true")
+    a = ap.parse_args()
+    rows = json.loads(Path(a.json).read_text())
+    plot(rows, Path(a.png))
+    print(table(rows))
+    for r in rows:
+        if r["system"] in ("bdn-loopback", "iperf3-loopback", "moto-unshaped-get"):
+            print(json.dumps({k: v for k, v in r.items() if k not in ("per_node",)}))
+    if a.profiles:
+        print(profiles(REPO / "bench" / "swarm" / "profiles"))
+
+
+if __name__ == "__main__":
+    main()
