@@ -1,4 +1,7 @@
-"""The ``arc_v1`` / ``arc_v2`` delta formats of the hosted hot-load APIs: XOR per tensor, compressed.
+"""Delta formats: ``arc_v1`` / ``arc_v2`` of the hosted hot-load APIs, and bdn's ``bdn_planes_v1``.
+
+All three store, per tensor, a compressed form of ``base_bytes XOR target_bytes`` in a diff file
+laid out the same way (below); only the per-tensor stream differs.
 
 Source: the ``fireworks-delta-compression`` package (PyPI 0.1.0, MIT; ``backends/arc2.py`` and
 ``compression.py``), which is what the hot-load services run. What bdn learned from reading it:
@@ -35,12 +38,64 @@ Hence bdn's rules:
   checks the Adler-32 of each reconstructed tensor against the diff's metadata (``ChecksumError``).
   A malformed diff file or stream is a ``ProtocolError``; streams are decoded with their output
   bounded to the base tensor's size, so a small hostile frame cannot expand without limit.
+
+``bdn_planes_v1`` (bdn's own; hot-load services of other vendors do not read it)
+--------------------------------------------------------------------------------
+The diff file is exactly as above (same tensor names, 1-D ``U8`` tensors, ``__metadata__`` the
+decimal Adler-32 of each target tensor, ``checksum_format`` "alder32"); each tensor's bytes are one
+*planes stream* instead of one zstd frame. Why: an optimizer step changes a few percent of the
+elements, by small amounts. Coding the positions as small gaps and each byte of the changed XOR
+words as its own plane (byte 0 of every word, then byte 1, ...) gives zstd's entropy stage narrow
+distributions; arc_v2 mixes them in one byte stream. Measured 1.57-1.82x smaller than arc_v2 on
+synthetic bf16 steps, MiniLM and real AdamW steps (BENCHMARKS.md, "Delta formats"). Blocks are
+coded independently, so one large tensor decodes on all cores.
+
+The tensor's ``n`` bytes are read as ``m = n / w`` little-endian unsigned words of ``w`` bytes
+(``w``: the dtype's size, or 1 for a dtype of another size; ``x``: the word-wise XOR), cut into blocks
+of ``B`` words (the last one shorter). All integers are little-endian.
+
+=========  ====  =====================================================================
+offset     size  field
+=========  ====  =====================================================================
+0          4     magic ``b"BDNP"``
+4          1     version, 1
+5          1     ``w``: 1, 2, 4 or 8
+6          2     reserved, 0
+8          8     ``n``: the tensor's byte length (must equal the base tensor's; ``n % w == 0``)
+16         4     ``B``: words per block; ``4096 <= B`` and ``B * w <= 16 MiB``
+20         4     ``nblocks`` = ceil(m / B) (0 for an empty tensor)
+24         13*N  one record per block: ``mode`` u8, ``k`` u32, ``e`` u32, ``len`` u32
+24+13*N    ...   the blocks' payloads, concatenated in block order: ``len`` bytes each
+=========  ====  =====================================================================
+
+The stream ends exactly after the last payload. Per block of ``b`` words, by ``mode``:
+
+* 0, *same*: ``x`` is zero over the block. ``k = e = len = 0``, no payload.
+* 1, *sparse*: ``k`` words differ (``1 <= k <= b``), at increasing indices ``i_1 < ... < i_k``
+  within the block. The payload is one zstd frame (content size in its header, no bytes after
+  it) of exactly ``k + 4e + k*w`` bytes: ``k`` gap bytes ``g_j = i_j - i_(j-1)`` (with
+  ``i_0 = -1``, so every gap is >= 1), where a gap >= 255 is written as 255 and its value goes,
+  in order, to ``e`` u32 *escaped gaps* (each >= 255) that follow; then ``w`` byte planes of ``k``
+  bytes each, plane ``j`` holding byte ``j`` of every changed XOR word ``x[i_1], ..., x[i_k]``.
+* 2, *dense*: ``k = e = 0``; the payload is one zstd frame of exactly ``b*w`` bytes: the ``w``
+  byte planes of the whole block's ``x``.
+
+The encoder (zstd level 3, ``B = 2**20``) writes *dense* only when more than 1/8 of the block's
+words change and it is smaller than *sparse*. The decoder checks, before using it, every field
+against the base tensor's size: magic, version, width, ``n``, ``B``, ``nblocks``, each record
+(mode, ``k <= b``, ``e <= k``, lengths that add up to the stream), each frame's declared content
+size (decompression writes into a buffer of exactly that size: zip-bomb safe), gaps >= 1, escape
+counts, escaped gaps >= 255, the last index < ``b``, and no bytes after a frame. Any failure is a
+ProtocolError naming the tensor and block. ``target = base XOR x``; each block's Adler-32 is
+computed while it is in cache and combined (``adler32_combine``) into the tensor's, which must
+equal the diff's metadata (ChecksumError).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import struct
 import threading
 import zlib
 from collections.abc import Mapping
@@ -60,6 +115,7 @@ except ImportError:  # pragma: no cover - optional speed-up
 
 from bdn.proto.errors import ChecksumError, ProtocolError, TensorMismatch, UnsupportedFormat
 from bdn.proto.safetensors_fmt import (
+    DTYPE_SIZES,
     Header,
     SafetensorsError,
     TensorInfo,
@@ -69,7 +125,7 @@ from bdn.proto.safetensors_fmt import (
     save_raw,
 )
 
-COMPRESSION_FORMATS: tuple[str, ...] = ("arc_v1", "arc_v2")
+COMPRESSION_FORMATS: tuple[str, ...] = ("arc_v1", "arc_v2", "bdn_planes_v1")
 DEFAULT_COMPRESSION = "arc_v2"
 CHECKSUM_FORMATS: tuple[str, ...] = ("alder32",)
 
@@ -140,19 +196,31 @@ def _dctx() -> zstandard.ZstdDecompressor:
     return dctx
 
 
-def encode_xor(base: Any, target: Any, compression_format: str = DEFAULT_COMPRESSION, level: int | None = None) -> bytes:
+def encode_xor(
+    base: Any,
+    target: Any,
+    compression_format: str = DEFAULT_COMPRESSION,
+    level: int | None = None,
+    *,
+    width: int | None = None,
+) -> bytes:
     """One compressed stream of ``base XOR target`` (equal-length byte buffers or arrays).
 
     ``arc_v2``: one zstd frame with its content size (level ``ZSTD_LEVEL`` unless given);
-    ``arc_v1``: one zlib stream (level ``ZLIB_LEVEL`` unless given). The XOR is computed in
-    ``_CHUNK``-sized pieces, so memory beyond the output stays bounded. Raises TensorMismatch when
-    the lengths differ, UnsupportedFormat for other formats.
+    ``arc_v1``: one zlib stream (level ``ZLIB_LEVEL`` unless given); ``bdn_planes_v1``: one planes
+    stream (module docstring) with elements of ``width`` bytes (default: ``base``'s itemsize when it
+    is an ndarray, else 1). The XOR is computed in pieces, so memory beyond the output stays
+    bounded. Raises TensorMismatch when the lengths differ, UnsupportedFormat for other formats.
     """
     fmt = _normalize_format(compression_format)
     b, t = _bytes_of(base), _bytes_of(target)
     if len(b) != len(t):
         raise TensorMismatch(f"base has {len(b)} bytes, target has {len(t)}")
     n = len(b)
+    if fmt == "bdn_planes_v1":
+        if width is None and isinstance(base, np.ndarray):
+            width = base.dtype.itemsize
+        return _encode_planes(b, t, width, ZSTD_LEVEL if level is None else level)
     if fmt == "arc_v2":
         cobj: Any = zstandard.ZstdCompressor(level=ZSTD_LEVEL if level is None else level).compressobj(size=n)
     else:
@@ -200,6 +268,8 @@ def _decode(frame: Any, base: Any, out: Any, fmt: str) -> int:
     n = len(b)
     if fmt == "arc_v2":
         return _decode_zstd(frame, b, o, n)
+    if fmt == "bdn_planes_v1":
+        return _decode_planes(frame, b, o, n)
     return _decode_zlib(frame, b, o, n)
 
 
@@ -275,6 +345,300 @@ def _decode_zlib(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
             raise ProtocolError(f"arc_v1 stream is followed by {trailing} unexpected bytes")
     except zlib.error as e:
         raise ProtocolError(f"arc_v1 stream is not valid zlib: {str(e)[:200]}") from None
+    return adler
+
+
+# --- bdn_planes_v1 ------------------------------------------------------------------------------
+# Own code, not a library: this is bdn's own format (see the module docstring for the layout).
+
+_P_MAGIC = b"BDNP"
+_P_VERSION = 1
+_P_HEAD = struct.Struct("<4sBBHQII")  # magic, version, width, reserved, n_bytes, block, nblocks
+#: One record per block: mode, k (changed words), e (escaped gaps), payload length. Packed, 13 bytes.
+_P_REC = np.dtype([("mode", "u1"), ("k", "<u4"), ("e", "<u4"), ("len", "<u4")])
+_P_WIDTHS: dict[int, type] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: Elements per block the encoder writes (tests shrink it). The decoder accepts any block size in
+#: [_P_MIN_BLOCK, _P_MAX_BLOCK_BYTES / width]: the lower bound keeps a hostile stream from turning
+#: each few bytes of input into a Python-level task, the upper bound caps per-block memory.
+PLANES_BLOCK = 1 << 20
+_P_MIN_BLOCK = 1 << 12
+_P_MAX_BLOCK_BYTES = 1 << 24
+_P_SPARSE, _P_DENSE, _P_SAME = 1, 2, 0
+_ADLER_MOD = 65521
+
+
+def adler32_combine(adler1: int, adler2: int, len2: int) -> int:
+    """Adler-32 of ``A + B`` from ``adler1 = adler32(A)``, ``adler2 = adler32(B)`` and ``len2 = len(B)``.
+
+    zlib's ``adler32_combine`` (not exposed by Python's zlib nor zlib-ng's binding): with
+    ``a = 1 + sum(bytes)`` and ``b = sum of the running a's`` (mod 65521), appending B adds
+    ``a2 - 1`` to a, and to b adds ``b2`` plus ``len2 * (a1 - 1)`` (each of B's running a's is
+    offset by A's byte sum). ``len2 >= 0``; results are unsigned 32-bit.
+    """
+    a1, b1 = adler1 & 0xFFFF, adler1 >> 16
+    a2, b2 = adler2 & 0xFFFF, adler2 >> 16
+    a = (a1 + a2 - 1) % _ADLER_MOD
+    b = (b1 + b2 + len2 % _ADLER_MOD * (a1 - 1)) % _ADLER_MOD
+    return (b << 16) | a
+
+
+def _pscratch(n: int) -> np.ndarray:
+    buf = getattr(_tls, "pscratch", None)
+    if buf is None or len(buf) < n:
+        buf = np.empty(max(n, 1), dtype=np.uint8)
+        _tls.pscratch = buf
+    return buf[:n]
+
+
+def _cctx(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_tls, "cctx", None)
+    if cache is None:
+        cache = _tls.cctx = {}
+    c = cache.get(level)
+    if c is None:  # not thread-safe either; one per thread and level
+        c = cache[level] = zstandard.ZstdCompressor(level=level)  # writes the content size
+    return c
+
+
+def _planes_of(words: np.ndarray, w: int) -> bytes:
+    """Byte planes of little-endian words: plane j = byte j of every word, planes concatenated."""
+    return np.ascontiguousarray(words.view(np.uint8).reshape(-1, w).T).tobytes()
+
+
+def _encode_block(b: np.ndarray, t: np.ndarray, w: int, level: int) -> tuple[int, int, int, bytes]:
+    """(mode, k, e, payload) of one block; ``b``/``t`` are little-endian word arrays."""
+    x = np.bitwise_xor(b, t)
+    nz = np.flatnonzero(x)
+    k = len(nz)
+    if k == 0:
+        return _P_SAME, 0, 0, b""
+    gaps = np.diff(nz, prepend=-1)
+    over = gaps[gaps >= 255].astype("<u4")
+    g8 = np.minimum(gaps, 255).astype(np.uint8)
+    cctx = _cctx(level)
+    sparse = cctx.compress(b"".join((g8.tobytes(), over.tobytes(), _planes_of(x[nz], w))))
+    if k > len(x) // 8:  # dense can only win when many words change
+        dense = cctx.compress(_planes_of(x, w))
+        if len(dense) < len(sparse):
+            return _P_DENSE, 0, 0, dense
+    return _P_SPARSE, k, len(over), sparse
+
+
+def _planes_width(nbytes: int, width: int | None) -> int:
+    # Dtypes wider than 8 bytes or odd widths (none in safetensors today) fall back to bytes.
+    return width if width in _P_WIDTHS and nbytes % width == 0 else 1
+
+
+def _planes_blocks(b: np.ndarray, t: np.ndarray, w: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    dt = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
+    bw, tw = b.view(dt), t.view(dt)
+    return [(bw[s : s + PLANES_BLOCK], tw[s : s + PLANES_BLOCK]) for s in range(0, len(bw), PLANES_BLOCK)]
+
+
+def _planes_assemble(n: int, w: int, blocks: list[tuple[int, int, int, bytes]]) -> bytes:
+    if len(blocks) >= 1 << 32:
+        raise TensorMismatch(f"tensor of {n} bytes needs {len(blocks)} blocks, more than bdn_planes_v1 can index")
+    recs = np.zeros(len(blocks), dtype=_P_REC)
+    for i, (mode, k, e, p) in enumerate(blocks):
+        recs[i] = (mode, k, e, len(p))
+    head = _P_HEAD.pack(_P_MAGIC, _P_VERSION, w, 0, n, PLANES_BLOCK, len(blocks))
+    return b"".join([head, recs.tobytes(), *(p for *_, p in blocks)])
+
+
+def _encode_planes(b: np.ndarray, t: np.ndarray, width: int | None, level: int) -> bytes:
+    """One bdn_planes_v1 stream of ``b XOR t`` (equal-length uint8 arrays), blocks coded serially."""
+    w = _planes_width(len(b), width)
+    blocks = [_encode_block(bb, tb, w, level) for bb, tb in _planes_blocks(b, t, w)]
+    return _planes_assemble(len(b), w, blocks)
+
+
+@dataclass(frozen=True)
+class _PlanesBlock:
+    """One block of a parsed stream: payload ``[start, end)`` of the stream, bytes ``[lo, hi)`` of the tensor."""
+
+    index: int
+    mode: int
+    k: int
+    e: int
+    start: int
+    end: int
+    lo: int
+    hi: int
+
+
+def _parse_planes(stream: np.ndarray, n: int) -> tuple[int, list[_PlanesBlock]]:
+    """Validate a stream's header and block table against a base tensor of ``n`` bytes.
+
+    Returns (width, blocks). Every field is checked before it is used to index anything, so a
+    hostile stream raises ProtocolError here or decodes into exactly ``n`` bytes.
+    """
+    total = len(stream)
+    if total < _P_HEAD.size:
+        raise ProtocolError(f"bdn_planes_v1 stream is {total} bytes, shorter than its {_P_HEAD.size}-byte header")
+    magic, version, w, reserved, n_bytes, block, nblocks = _P_HEAD.unpack_from(stream, 0)
+    if magic != _P_MAGIC:
+        raise ProtocolError(f"not a bdn_planes_v1 stream (magic {bytes(magic)!r})")
+    if version != _P_VERSION or reserved != 0:
+        raise ProtocolError(f"bdn_planes_v1 stream has version {version}, reserved {reserved}; bdn reads version 1, 0")
+    if w not in _P_WIDTHS:
+        raise ProtocolError(f"bdn_planes_v1 element width {w} is not 1, 2, 4 or 8")
+    if n_bytes != n:
+        raise ProtocolError(f"bdn_planes_v1 stream is for a {n_bytes}-byte tensor, the base tensor has {n} bytes")
+    if n % w:
+        raise ProtocolError(f"base tensor of {n} bytes is not a whole number of {w}-byte elements")
+    if not _P_MIN_BLOCK <= block or block * w > _P_MAX_BLOCK_BYTES:
+        raise ProtocolError(
+            f"bdn_planes_v1 block of {block} elements of {w} bytes is outside [{_P_MIN_BLOCK}, {_P_MAX_BLOCK_BYTES // w}]"
+        )
+    m = n // w
+    want_blocks = -(-m // block)
+    if nblocks != want_blocks:
+        raise ProtocolError(f"bdn_planes_v1 stream has {nblocks} blocks, a {n}-byte tensor needs {want_blocks}")
+    table_end = _P_HEAD.size + nblocks * _P_REC.itemsize
+    if table_end > total:
+        raise ProtocolError(f"bdn_planes_v1 block table ({nblocks} blocks) lies past the end of the {total}-byte stream")
+    recs = np.frombuffer(stream, dtype=_P_REC, count=nblocks, offset=_P_HEAD.size)
+    mode, k, e, ln = (recs[f].astype(np.int64) for f in ("mode", "k", "e", "len"))
+    elems = np.full(nblocks, block, dtype=np.int64)
+    if nblocks:
+        elems[-1] = m - (nblocks - 1) * block
+    bad = np.flatnonzero(
+        (mode > _P_DENSE)
+        | ((mode == _P_SAME) & ((k != 0) | (e != 0) | (ln != 0)))
+        | ((mode == _P_SPARSE) & ((k < 1) | (k > elems) | (e > k) | (ln < 1)))
+        | ((mode == _P_DENSE) & ((k != 0) | (e != 0) | (ln < 1)))
+    )
+    if len(bad):
+        i = int(bad[0])
+        raise ProtocolError(
+            f"bdn_planes_v1 block {i} record is invalid (mode {int(mode[i])}, k {int(k[i])}, escapes {int(e[i])}, "
+            f"payload {int(ln[i])} bytes, block of {int(elems[i])} elements)"
+        )
+    payload = int(ln.sum())
+    if table_end + payload != total:
+        raise ProtocolError(
+            f"bdn_planes_v1 payloads add up to {payload} bytes, the stream has {total - table_end} after its block table"
+        )
+    ends = table_end + np.cumsum(ln)
+    starts = ends - ln
+    blocks = [
+        _PlanesBlock(i, int(mode[i]), int(k[i]), int(e[i]), int(starts[i]), int(ends[i]),
+                     i * block * w, i * block * w + int(elems[i]) * w)
+        for i in range(nblocks)
+    ]
+    return w, blocks
+
+
+def _zstd_frame_len(data: Any) -> int:
+    """Compressed length of the zstd frame at the start of ``data`` (RFC 8878 section 3.1.1).
+
+    python-zstandard exposes the frame header's size but not the frame's; walking the 3-byte block
+    headers is cheap (one per <= 128 KiB of output) and lets the decoder refuse trailing bytes.
+    Call only after the frame decoded successfully.
+    """
+    data = memoryview(data).cast("B")  # Python ints when indexed (numpy uint8 scalars would overflow)
+    try:
+        pos = zstandard.frame_header_size(data)
+    except zstandard.ZstdError as e:
+        raise ProtocolError(f"zstd frame header is invalid: {str(e)[:200]}") from None
+    checksum = (data[4] >> 2) & 1
+    while True:
+        if pos + 3 > len(data):
+            raise ProtocolError("zstd frame is truncated")
+        bh = data[pos] | data[pos + 1] << 8 | data[pos + 2] << 16
+        last, btype, bsize = bh & 1, (bh >> 1) & 3, bh >> 3
+        pos += 3 + (1 if btype == 1 else bsize)
+        if last:
+            return pos + 4 * checksum
+
+
+def _zstd_exact(payload: np.ndarray, size: int) -> np.ndarray:
+    """Decompress a payload that must be exactly one zstd frame of exactly ``size`` bytes.
+
+    The frame's declared content size is checked first and python-zstandard's one-shot decode
+    writes into a buffer of exactly that size, so output never exceeds ``size`` (zip-bomb safe).
+    """
+    try:
+        declared = zstandard.frame_content_size(payload)
+    except zstandard.ZstdError as e:
+        raise ProtocolError(f"payload is not a zstd frame: {str(e)[:200]}") from None
+    if declared != size:
+        raise ProtocolError(f"payload's zstd frame declares {declared} bytes, expected {size}")
+    try:
+        raw = _dctx().decompress(payload)
+    except zstandard.ZstdError as e:
+        raise ProtocolError(f"payload is not valid zstd: {str(e)[:200]}") from None
+    if len(raw) != size:  # pragma: no cover - the library enforces the declared size
+        raise ProtocolError(f"payload decompresses to {len(raw)} bytes, expected {size}")
+    if _zstd_frame_len(payload) != len(payload):
+        raise ProtocolError("payload has bytes after its zstd frame")
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _words_from_planes(planes: np.ndarray, w: int, out: np.ndarray) -> np.ndarray:
+    """Interleave ``w`` byte planes (``planes`` is w*k bytes) into k little-endian words in ``out``.
+
+    Shifting whole planes into the word array measured 4-8x faster than a transposed copy.
+    """
+    p = planes.reshape(w, -1)
+    np.copyto(out, p[w - 1])
+    for j in range(w - 2, -1, -1):
+        out <<= 8
+        out |= p[j]
+    return out
+
+
+def _decode_planes_block(stream: np.ndarray, blk: _PlanesBlock, b: np.ndarray, o: np.ndarray, w: int) -> int:
+    """Decode one block into ``o`` (``b``/``o``: the block's base and output bytes); return its Adler-32."""
+    in_place = o.ctypes.data == b.ctypes.data
+    dt = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
+    elems = (blk.hi - blk.lo) // w
+    payload = stream[blk.start : blk.end]
+    if blk.mode == _P_SAME:
+        if not in_place:
+            np.copyto(o, b)
+    elif blk.mode == _P_DENSE:
+        raw = _zstd_exact(payload, elems * w)
+        x = _words_from_planes(raw, w, _pscratch(elems * w).view(dt))
+        np.bitwise_xor(b.view(dt), x, out=o.view(dt))
+    else:
+        k, e = blk.k, blk.e
+        raw = _zstd_exact(payload, k + 4 * e + k * w)
+        g8 = raw[:k]
+        if not g8.all():
+            raise ProtocolError("a gap of 0 between changed elements")
+        esc = np.flatnonzero(g8 == 255)
+        if len(esc) != e:
+            raise ProtocolError(f"{len(esc)} escaped gaps, the block record says {e}")
+        gaps = g8.astype(np.int64)
+        if e:
+            over = raw[k : k + 4 * e].view("<u4")
+            if int(over.min()) < 255:
+                raise ProtocolError("an escaped gap below 255")
+            gaps[esc] = over
+        idx = np.cumsum(gaps)
+        idx -= 1
+        if int(idx[-1]) >= elems:  # gaps are >= 1, so idx is increasing: the last is the largest
+            raise ProtocolError(f"changed element {int(idx[-1])} lies past the block's {elems} elements")
+        vals = _words_from_planes(raw[k + 4 * e :], w, np.empty(k, dtype=dt))
+        if not in_place:
+            np.copyto(o, b)
+        ov = o.view(dt)
+        ov[idx] ^= vals
+    return _adler32(o)
+
+
+def _decode_planes(stream: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
+    """Decode one whole stream serially into ``o``; return the Adler-32 of the ``n`` bytes written."""
+    s = _bytes_of(stream)
+    w, blocks = _parse_planes(s, n)
+    adler = 1
+    for blk in blocks:
+        try:
+            got = _decode_planes_block(s, blk, b[blk.lo : blk.hi], o[blk.lo : blk.hi], w)
+        except ProtocolError as e:
+            raise ProtocolError(f"bdn_planes_v1 block {blk.index}: {e}") from None
+        adler = adler32_combine(adler, got, blk.hi - blk.lo)
     return adler
 
 
@@ -397,6 +761,9 @@ def _apply(
             raise ProtocolError(f"diff stream for tensor {_q(s.name)} lies past the end of the diff buffer")
     if out.ctypes.data != base.ctypes.data:  # in-place apply: the header is already there
         out[: base_header.data_start] = base[: base_header.data_start]
+    infos = sorted(base_header.tensors.values(), key=lambda t: t.nbytes, reverse=True)
+    if fmt == "bdn_planes_v1":
+        return _apply_planes(base, diff, streams, out, infos, workers)
 
     def one(info: TensorInfo) -> Exception | None:
         # Returns its error instead of raising it: a Future holding a raised exception forms a
@@ -411,16 +778,20 @@ def _apply(
             return ChecksumError(f"adler32 mismatch for tensor {_q(info.name)}: expected {s.target_adler32}, got {got}")
         return None
 
-    infos = sorted(base_header.tensors.values(), key=lambda t: t.nbytes, reverse=True)
-    if workers <= 1 or len(infos) <= 1:
-        for info in infos:
-            err = one(info)
+    return _run(one, infos, workers)
+
+
+def _run(fn: Any, items: list[Any], workers: int) -> Exception | None:
+    """``fn(item)`` for every item (serially, or on ``workers`` threads); the first error returned."""
+    if workers <= 1 or len(items) <= 1:
+        for item in items:
+            err = fn(item)
             if err is not None:
                 return err
         return None
     err = None
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bdn-arc") as pool:
-        futures: list[Future[Exception | None]] = [pool.submit(one, info) for info in infos]
+        futures: list[Future[Exception | None]] = [pool.submit(fn, item) for item in items]
         for fut in futures:
             err = fut.result()
             if err is not None:
@@ -430,11 +801,60 @@ def _apply(
     return err
 
 
+def _apply_planes(
+    base: np.ndarray, diff: np.ndarray, streams: Mapping[str, DiffTensor], out: np.ndarray, infos: list[TensorInfo],
+    workers: int,
+) -> Exception | None:
+    """bdn_planes_v1 apply: every block of every tensor is one task, so one large tensor uses all cores.
+
+    Each task writes its block of ``out`` and returns its Adler-32; a tensor's Adler-32 is the
+    ``adler32_combine`` of its blocks' in order (computed while each block is still in cache,
+    instead of a second pass over the tensor).
+    """
+    parsed: list[tuple[TensorInfo, np.ndarray, int, list[_PlanesBlock]]] = []
+    for info in infos:  # every table is validated before any block is decoded
+        s = streams[info.name]
+        stream = diff[s.frame_start : s.frame_end]
+        try:
+            w, blocks = _parse_planes(stream, info.nbytes)
+        except ProtocolError as e:
+            return ProtocolError(f"tensor {_q(info.name)}: {e}")
+        parsed.append((info, stream, w, blocks))
+    adlers: list[list[int]] = [[1] * len(blocks) for *_, blocks in parsed]
+
+    def one(task: tuple[int, _PlanesBlock]) -> Exception | None:
+        # Returns its error instead of raising it (see _apply).
+        ti, blk = task
+        info, stream, w, _ = parsed[ti]
+        lo, hi = info.start + blk.lo, info.start + blk.hi
+        try:
+            adlers[ti][blk.index] = _decode_planes_block(stream, blk, base[lo:hi], out[lo:hi], w)
+        except ProtocolError as e:
+            return ProtocolError(f"tensor {_q(info.name)}: bdn_planes_v1 block {blk.index}: {e}")
+        return None
+
+    err = _run(one, [(ti, blk) for ti, (*_, blocks) in enumerate(parsed) for blk in blocks], workers)
+    if err is not None:
+        return err
+    for (info, _, _, blocks), block_adlers in zip(parsed, adlers):
+        got = 1
+        for blk, a in zip(blocks, block_adlers):
+            got = adler32_combine(got, a, blk.hi - blk.lo)
+        want = streams[info.name].target_adler32
+        if got != want:
+            return ChecksumError(f"adler32 mismatch for tensor {_q(info.name)}: expected {want}, got {got}")
+    return None
+
+
 def _encode_all(
-    pairs: list[tuple[str, np.ndarray, np.ndarray]], fmt: str, workers: int
+    pairs: list[tuple[str, np.ndarray, np.ndarray, int]], fmt: str, workers: int
 ) -> tuple[dict[str, bytes], dict[str, str]]:
-    def one(item: tuple[str, np.ndarray, np.ndarray]) -> tuple[str, bytes, str]:
-        name, b, t = item
+    """Encode ``(name, base bytes, target bytes, element width)`` pairs; (streams, Adler-32 decimals)."""
+    if fmt == "bdn_planes_v1":
+        return _encode_all_planes(pairs, workers)
+
+    def one(item: tuple[str, np.ndarray, np.ndarray, int]) -> tuple[str, bytes, str]:
+        name, b, t, _ = item
         return name, encode_xor(b, t, fmt), str(_adler32(t))
 
     if workers > 1 and len(pairs) > 1:
@@ -443,6 +863,35 @@ def _encode_all(
     else:
         results = [one(p) for p in pairs]
     return {n: f for n, f, _ in results}, {n: c for n, _, c in results}
+
+
+def _encode_all_planes(
+    pairs: list[tuple[str, np.ndarray, np.ndarray, int]], workers: int
+) -> tuple[dict[str, bytes], dict[str, str]]:
+    # Blocks of all tensors go to one pool, as in decoding: a single large tensor uses every core.
+    widths = [_planes_width(len(b), w) for _, b, _, w in pairs]
+    tasks = [(pi, blk) for pi, (_, b, t, _) in enumerate(pairs) for blk in _planes_blocks(b, t, widths[pi])]
+
+    def enc(task: tuple[int, tuple[np.ndarray, np.ndarray]]) -> tuple[int, int, int, bytes]:
+        pi, (bb, tb) = task
+        return _encode_block(bb, tb, widths[pi], ZSTD_LEVEL)
+
+    def adler(pair: tuple[str, np.ndarray, np.ndarray, int]) -> str:
+        return str(_adler32(pair[2]))
+
+    if workers > 1 and len(tasks) + len(pairs) > 2:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bdn-arc") as pool:
+            sums = pool.map(adler, pairs)
+            coded = list(pool.map(enc, tasks))
+            checksums = list(sums)
+    else:
+        coded = [enc(t) for t in tasks]
+        checksums = [adler(p) for p in pairs]
+    per: list[list[tuple[int, int, int, bytes]]] = [[] for _ in pairs]
+    for (pi, _), c in zip(tasks, coded):
+        per[pi].append(c)
+    streams = {name: _planes_assemble(len(b), widths[pi], per[pi]) for pi, (name, b, _, _) in enumerate(pairs)}
+    return streams, {name: c for (name, *_), c in zip(pairs, checksums)}
 
 
 def _write_diff(out_path: str | os.PathLike[str], frames: dict[str, bytes], checksums: dict[str, str]) -> None:
@@ -500,7 +949,11 @@ def write_diff_file(
             "base and target headers differ in their bytes (JSON formatting or order); the arc formats rebuild "
             "the target with the base's header"
         )
-    pairs = [(name, base[i.start : i.end], target[i.start : i.end]) for name, i in bh.tensors.items()]
+    # Element width for bdn_planes_v1: bytes per element (the arc formats ignore it).
+    pairs = [
+        (name, base[i.start : i.end], target[i.start : i.end], DTYPE_SIZES.get(i.dtype, 1))
+        for name, i in bh.tensors.items()
+    ]
     frames, checksums = _encode_all(pairs, fmt, workers)
     _write_diff(out_path, frames, checksums)
 
@@ -522,7 +975,7 @@ def write_diff_file_from_arrays(
     fmt = _normalize_format(compression_format)
     if set(base) != set(target):
         raise TensorMismatch(_first_difference(set(base), set(target)))
-    pairs: list[tuple[str, np.ndarray, np.ndarray]] = []
+    pairs: list[tuple[str, np.ndarray, np.ndarray, int]] = []
     for name in sorted(base):
         b, t = np.asarray(base[name]), np.asarray(target[name])
         bd, td = safetensors_dtype(b), safetensors_dtype(t)
@@ -535,7 +988,7 @@ def write_diff_file_from_arrays(
             b = b.astype(b.dtype.newbyteorder("<"))
         if t.dtype.byteorder == ">":
             t = t.astype(t.dtype.newbyteorder("<"))
-        pairs.append((name, _bytes_of(b), _bytes_of(t)))
+        pairs.append((name, _bytes_of(b), _bytes_of(t), b.dtype.itemsize))
     frames, checksums = _encode_all(pairs, fmt, workers)
     _write_diff(out_path, frames, checksums)
 
