@@ -408,3 +408,42 @@ def test_fuzz_apply_diff_names_the_tensor(tmp_path: Path, case: tuple[bytes, int
     diff = (tmp_path / "diff").read_bytes()
     with pytest.raises(ProtocolError, match=r"tensor '[ab]'"):
         _apply(tmp_path / "base", diff, workers)
+
+
+# --- end to end: publisher -> three real bdnd processes ---------------------------------------
+
+@pytest.mark.usefixtures("small_blocks")  # in the publisher: the daemons then decode many blocks per tensor
+def test_published_planes_delta_rebuilds_bit_exactly_on_three_daemons(tmp_path: Path) -> None:
+    from bdn.bucket import open_bucket
+    from bdn.proto.manifest import Manifest
+    from bdn.publish import publish_delta, publish_full, publish_startup
+    from support.checkpoints import make_state, optimizer_step, write_hf_dir
+    from support.swarm import Swarm
+
+    bucket = f"file://{tmp_path}/bucket"
+    states = [make_state(0, scale=4)]
+    states += [optimizer_step(states[0], 0.02, 1)]
+    states += [optimizer_step(states[1], 0.3, 2)]  # dense blocks too
+    dirs = [write_hf_dir(tmp_path / f"trainer/ck{i}", s, i) for i, s in enumerate(states)]
+    b = open_bucket(bucket)
+    try:
+        publish_full(b, "step000001", 1, dir=dirs[0], chunk_size=64 << 10)
+        m2 = publish_delta(b, "step000002", 2, "step000001", dir=dirs[1], base_dir=dirs[0],
+                           compression_format=FMT, chunk_size=64 << 10)
+        m3 = publish_delta(b, "step000003", 3, "step000002", dir=dirs[2], base_dir=dirs[1],
+                           compression_format=FMT, chunk_size=64 << 10)
+        publish_startup(b, "step000001")
+    finally:
+        b.close()
+    assert isinstance(m2, Manifest) and m2.compression_format == m3.compression_format == FMT
+    with Swarm(tmp_path / "nodes", 3, bucket) as swarm:
+        for d in swarm.daemons:
+            d.wait_ready("step000001")
+        for d in swarm.daemons:
+            assert d.prefetch("step000003")[0] == 202
+        for d in swarm.daemons:
+            assert d.wait_ready("step000003")["policy_version"] == 3
+        for d in swarm.daemons:
+            got = Path(d.get("/v1/snapshots/step000003")["path"])
+            for f in dirs[2].iterdir():
+                assert (got / f.name).read_bytes() == f.read_bytes(), (d.node_id, f.name)
