@@ -43,8 +43,11 @@ class Config:
     load_startup: bool = True  # load STARTUP_SNAPSHOT on start
     startup_settle_s: float = 5.0  # at start, wait up to this long for static peers to answer
     max_inflight: int = 16  # chunk transfers in flight per snapshot
-    bucket_concurrency: int = 16  # concurrent bucket requests
+    bucket_concurrency: int = 4  # concurrent bucket requests (few: an owner's chunks then finish
+    # one after another and flow to peers at once, instead of all finishing together at the end)
     chunk_wait_s: float = 30.0  # how long an owner may hold a chunk request while it fetches
+    owner_patience_s: float = 600.0  # keep asking a live owner that answers "still fetching" this long
+    uploads_per_chunk: int = 2  # peers served one chunk at once; others are sent to holders (fan-out tree)
     manifest_wait_s: float = 600.0  # how long a prefetch waits for the manifest to appear
     manifest_poll_s: float = 1.0  # how often it looks
     peer_timeout_s: float = 60.0  # one peer request (after any wait)

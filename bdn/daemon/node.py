@@ -134,7 +134,8 @@ class Node:
         }
         self.verify_failures_by_peer: dict[str, int] = {}
         self.inflight = {"peer": 0, "bucket": 0, "upload": 0}  # requests in flight, for metrics
-        self._busy_answers = 0  # 503s received from peers (upload slots full)
+        self._busy_answers = 0  # 503s received from peers (upload slots full, still fetching)
+        self.uploads_by_address: dict[str, int] = {}  # chunk uploads in progress, per chunk
         self.started = time.time()
         from bdn.daemon.hotload import HotLoad
 
@@ -645,6 +646,11 @@ class Node:
         if ev is not None:
             ev.set()
 
+    def fetching(self, address: str) -> bool:
+        """True while ``address`` is a chunk of a snapshot in progress here, not yet held."""
+        pend = self.pending.get(address)
+        return pend is not None and pend[0].state not in TERMINAL and address not in self.by_address
+
     def unindex(self, address: str) -> None:
         """Stop serving ``address`` (its bytes on disk turned out not to be what was indexed)."""
         loc = self.by_address.pop(address, None)
@@ -800,86 +806,73 @@ class Node:
                 self.counters["local_bytes_copied"] += ref.length
                 await self._got(job, layer, ref, idx, None)
                 return
-        buf = self.pool.get(ref.length)
-        mv = memoryview(buf)
         address = self.keys.address(ref.digest)
         errors: list[str] = []
-        try:
-            # Three rounds over the sources before the bucket fallback; a round in which a peer
-            # only said "busy" (503) does not count, within ``busy_deadline``: peers that are
-            # serving are better than a second read of the bucket.
-            attempt, busy_deadline = 0, time.monotonic() + 120.0
-            while attempt < 3:
-                errors_before = len(errors)
-                busy_before = self._busy_answers
-                tried: set[str] = set()
-                holders = self._holders(job, layer, idx)
-                # Endgame: with only a few chunks left, ask two holders at once so one slow peer
-                # cannot hold the whole snapshot back; the first verified copy wins.
-                if len(holders) >= 2 and bits.n - bits.count <= self.cfg.endgame_chunks:  # type: ignore[union-attr]
-                    tried.update(m.url for m in holders[:2])
-                    winner = await self._race_peers(job, holders[:2], address, ref, target, errors)
-                    if winner is not None:
-                        await self._got(job, layer, ref, idx, winner)
-                        return
-                    holders = holders[2:]
-                # 1. peers known to hold it, least loaded first
-                for m in holders:
-                    tried.add(m.url)
-                    if await self._from_peer(job, m, address, ref, mv, target, 0.0, errors):
-                        await self._got(job, layer, ref, idx, m.url)
-                        return
-                # 2. the owner (waiting while it fetches), 3. the next owners, 4. the bucket;
-                # rebuilt (result) chunks exist only on peers, never in the bucket.
-                ranked = hrw.rank(self.membership.hrw_nodes(), ref.digest) if layer == STORED else []
-                by_node = self.membership.by_node()
-                for pos, node in enumerate(ranked):
-                    if node == self.node_id:
-                        # The owner is the highest-ranked *live* node: when the ones ranked above
-                        # this node died during this round (an owner killed mid-transfer), this
-                        # read is the new owner's, not a fallback.
-                        owner = pos == 0 or hrw.owner(self.membership.hrw_nodes(), ref.digest) == self.node_id
-                        await self._from_bucket(job, ref, mv, target, owner=owner)
-                        await self._got(job, layer, ref, idx, "bucket")
-                        return
-                    m = by_node.get(node)
-                    if m is None or m.url in tried:
-                        continue
-                    tried.add(m.url)
-                    wait = self.cfg.chunk_wait_s if pos == 0 else 2.0
-                    if await self._from_peer(job, m, address, ref, mv, target, wait, errors):
-                        await self._got(job, layer, ref, idx, m.url)
-                        return
-                if self._busy_answers > busy_before and len(errors) == errors_before and time.monotonic() < busy_deadline:
-                    await asyncio.sleep(0.1 + random.random() * 0.4)  # jittered: slots free up
+        # Three rounds over the sources before the bucket fallback; a round in which a peer
+        # only said "busy" (503: upload slots full, or the owner still fetching it) does not
+        # count, within ``owner_patience_s``: peers that are serving or fetching are better
+        # than a second read of the bucket.
+        attempt, busy_deadline = 0, time.monotonic() + self.cfg.owner_patience_s
+        while attempt < 3:
+            errors_before = len(errors)
+            busy_before = self._busy_answers
+            tried: set[str] = set()
+            holders = self._holders(job, layer, idx)
+            # Endgame: with only a few chunks left, ask two holders at once so one slow peer
+            # cannot hold the whole snapshot back; the first verified copy wins.
+            if len(holders) >= 2 and bits.n - bits.count <= self.cfg.endgame_chunks:  # type: ignore[union-attr]
+                tried.update(m.url for m in holders[:2])
+                winner = await self._race_peers(job, holders[:2], address, ref, target, errors)
+                if winner is not None:
+                    await self._got(job, layer, ref, idx, winner)
+                    return
+                holders = holders[2:]
+            # 1. peers known to hold it, least loaded first
+            for m in holders:
+                tried.add(m.url)
+                if await self._from_peer(job, m, address, ref, target, 0.0, errors):
+                    await self._got(job, layer, ref, idx, m.url)
+                    return
+            # 2. the owner (waiting while it fetches), 3. the next owners, 4. the bucket;
+            # rebuilt (result) chunks exist only on peers, never in the bucket.
+            ranked = hrw.rank(self.membership.hrw_nodes(), ref.digest) if layer == STORED else []
+            by_node = self.membership.by_node()
+            for pos, node in enumerate(ranked):
+                if node == self.node_id:
+                    # The owner is the highest-ranked *live* node: when the ones ranked above
+                    # this node died during this round (an owner killed mid-transfer), this
+                    # read is the new owner's, not a fallback.
+                    owner = pos == 0 or hrw.owner(self.membership.hrw_nodes(), ref.digest) == self.node_id
+                    await self._from_bucket(job, ref, target, owner=owner)
+                    await self._got(job, layer, ref, idx, "bucket")
+                    return
+                m = by_node.get(node)
+                if m is None or m.url in tried:
                     continue
-                attempt += 1
-                await asyncio.sleep(0.2 * attempt)
-            if layer == RESULT:
-                raise NotAvailable(f"no peer holds reconstructed chunk {ref.index} of {ref.path}")
-            # every peer failed: this node reads the bucket itself, as a counted fallback
-            await self._from_bucket(job, ref, mv, target, owner=False)
-            await self._got(job, layer, ref, idx, "bucket")
-        except asyncio.CancelledError:
-            # A worker thread may still be hashing or writing ``buf``: leave it to the GC rather
-            # than hand it to the next chunk through the pool.
-            buf = None  # type: ignore[assignment]
-            raise
-        finally:
-            if buf is not None:
-                mv.release()
-                self.pool.put(buf)
+                tried.add(m.url)
+                wait = self.cfg.chunk_wait_s if pos == 0 else 2.0
+                if await self._from_peer(job, m, address, ref, target, wait, errors):
+                    await self._got(job, layer, ref, idx, m.url)
+                    return
+            if self._busy_answers > busy_before and len(errors) == errors_before and time.monotonic() < busy_deadline:
+                await asyncio.sleep(0.1 + random.random() * 0.4)  # jittered: slots free up
+                continue
+            attempt += 1
+            await asyncio.sleep(0.2 * attempt)
+        if layer == RESULT:
+            raise NotAvailable(f"no peer holds reconstructed chunk {ref.index} of {ref.path}")
+        # every peer failed: this node reads the bucket itself, as a counted fallback
+        await self._from_bucket(job, ref, target, owner=False)
+        await self._got(job, layer, ref, idx, "bucket")
 
     async def _race_peers(
         self, job: SnapshotJob, members: list[Member], address: str, ref: ChunkRef, target: Path,
         errors: list[str],
     ) -> str | None:
         """Request the chunk from each member at once; the url of the first verified copy."""
-        bufs = [self.pool.get(ref.length) for _ in members]
-        views = [memoryview(b) for b in bufs]
         tasks = {
-            asyncio.ensure_future(self._from_peer(job, m, address, ref, v, target, 0.0, errors)): m
-            for m, v in zip(members, views)
+            asyncio.ensure_future(self._from_peer(job, m, address, ref, target, 0.0, errors)): m
+            for m in members
         }
         winner: str | None = None
         pending = set(tasks)
@@ -894,15 +887,22 @@ class Node:
                 t.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
-            # a cancelled loser's worker thread may still touch its buffer: do not pool those
-            for t, v, b in zip(tasks, views, bufs):
-                if not t.cancelled():
-                    v.release()
-                    self.pool.put(b)
         return winner
 
+    async def _verify_write(self, buf: bytearray, ref: ChunkRef, target: Path) -> bool:
+        """Hash and write ``buf`` on a worker thread; the buffer goes back to the pool after,
+        unless this coroutine is cancelled while the thread may still use it."""
+        try:
+            ok = await asyncio.get_running_loop().run_in_executor(
+                self.io, _verify_and_write, memoryview(buf), ref.digest, target, ref.offset
+            )
+        except asyncio.CancelledError:
+            raise  # the thread may still read ``buf``: leave it to the garbage collector
+        self.pool.put(buf)
+        return ok
+
     async def _from_peer(
-        self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef, mv: memoryview,
+        self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef,
         target: Path, wait: float, errors: list[str],
     ) -> bool:
         sem = self._peer_sems.get(m.url)
@@ -914,7 +914,11 @@ class Node:
                 await self.download_limit.take(ref.length)
                 self.inflight["peer"] += 1
                 try:
-                    ok = await self.peers.get_chunk_into(m.url, address, mv, wait=wait, snapshot=job.identity)
+                    # The buffer is taken only once the peer answers 200: a request parked at an
+                    # owner (``wait``) holds no memory.
+                    buf = await self.peers.get_chunk(
+                        m.url, address, ref.length, self.pool.get, wait=wait, snapshot=job.identity
+                    )
                 finally:
                     self.inflight["peer"] -= 1
         except PeerBusy:
@@ -926,11 +930,9 @@ class Node:
             return False
         finally:
             m.inflight -= 1
-        if not ok:
+        if buf is None:
             return False
-        good = await asyncio.get_running_loop().run_in_executor(
-            self.io, _verify_and_write, mv, ref.digest, target, ref.offset
-        )
+        good = await self._verify_write(buf, ref, target)
         if not good:
             self.counters["chunk_verify_failures"] += 1
             self.verify_failures_by_peer[m.node_id] = self.verify_failures_by_peer.get(m.node_id, 0) + 1
@@ -943,22 +945,23 @@ class Node:
         self.counters["peer_chunks_in"] += 1
         return True
 
-    async def _from_bucket(self, job: SnapshotJob, ref: ChunkRef, mv: memoryview, target: Path, owner: bool) -> None:
+    async def _from_bucket(self, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool) -> None:
         key = f"{job.identity}/{ref.path}"
         loop = asyncio.get_running_loop()
         for attempt in range(3):
             await self.bucket_limit.take(ref.length)
             async with self.bucket_sem:
                 self.inflight["bucket"] += 1
+                buf = self.pool.get(ref.length)
                 try:
-                    await loop.run_in_executor(self.io, self.bucket.read_range_into, key, ref.offset, mv)
+                    await loop.run_in_executor(self.io, self.bucket.read_range_into, key, ref.offset, memoryview(buf))
                 except ObjectNotFound:
                     raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
                 except BucketError as e:
                     raise BdnError(f"bucket read of {key} failed: {e}") from None
                 finally:
                     self.inflight["bucket"] -= 1
-            ok = await loop.run_in_executor(self.io, _verify_and_write, mv, ref.digest, target, ref.offset)
+            ok = await self._verify_write(buf, ref, target)
             if ok:
                 role = "owner" if owner else "fallback"
                 self.counters[f"bucket_bytes_{role}"] += ref.length

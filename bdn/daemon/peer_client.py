@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -36,28 +37,38 @@ class PeerClient:
         self.keys = keys
         self.node_id = node_id
         self.timeout_s = timeout_s
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # control: members, have, hot-load
+        self._data: aiohttp.ClientSession | None = None  # chunks
 
     async def start(self) -> None:
-        conn = aiohttp.TCPConnector(limit=256, limit_per_host=32, ttl_dns_cache=10)
-        self._session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
+        # Two connection pools: chunk requests parked at an owner can fill every connection to
+        # it, and a health check queued behind them would time out and drop a live peer.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=64, limit_per_host=4, ttl_dns_cache=10), auto_decompress=False
+        )
+        self._data = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=512, limit_per_host=64, ttl_dns_cache=10), auto_decompress=False
+        )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        for sess in (self._session, self._data):
+            if sess is not None:
+                await sess.close()
 
     def _prefix(self) -> str:
         return f"/bdn/v1/{self.keys.swarm_id}"
 
     async def _request(
-        self, method: str, base_url: str, path_qs: str, *, timeout: float, data: bytes | None = None
+        self, method: str, base_url: str, path_qs: str, *, timeout: float, data: bytes | None = None,
+        session: aiohttp.ClientSession | None = None,
     ) -> aiohttp.ClientResponse:
-        assert self._session is not None
+        session = session or self._session
+        assert session is not None
         headers = {"Authorization": sign_request(self.keys, method, path_qs, self.node_id)}
         if data is not None:
             headers["Content-Type"] = "application/msgpack"
         try:
-            return await self._session.request(
+            return await session.request(
                 method,
                 URL(base_url + path_qs, encoded=True),
                 headers=headers,
@@ -67,31 +78,34 @@ class PeerClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
 
-    async def get_chunk_into(
+    async def get_chunk(
         self,
         base_url: str,
         address: str,
-        out: memoryview,
+        length: int,
+        alloc: Callable[[int], bytearray],
         *,
         wait: float = 0.0,
         snapshot: str | None = None,
-    ) -> bool:
-        """Fetch the chunk at swarm ``address`` into ``out`` (exactly ``len(out)`` bytes).
+    ) -> bytearray | None:
+        """Fetch the chunk at swarm ``address`` (``length`` bytes) into a buffer from ``alloc``.
 
-        Returns False when the peer does not hold it (404). The caller verifies the digest.
+        The buffer is taken only when the peer answers 200, so a request the owner holds while it
+        fetches costs no memory. Returns None when the peer does not hold the chunk (404). The
+        caller verifies the digest.
 
         Raises:
-            PeerBusy: 503 with Retry-After.
+            PeerBusy: 503 with Retry-After (upload slots full, or the owner still fetching it).
             PeerError: network failure, unexpected status, or a body of the wrong length.
         """
         q = f"?wait={wait:g}" if wait > 0 else ""
         if snapshot:
             q += ("&" if q else "?") + f"snapshot={snapshot}"
         path = f"{self._prefix()}/chunks/{address}{q}"
-        resp = await self._request("GET", base_url, path, timeout=wait + self.timeout_s)
+        resp = await self._request("GET", base_url, path, timeout=wait + self.timeout_s, session=self._data)
         try:
             if resp.status == 404:
-                return False
+                return None
             if resp.status == 503:
                 try:
                     ra = float(resp.headers.get("Retry-After", "1"))
@@ -100,22 +114,21 @@ class PeerClient:
                 raise PeerBusy(min(max(ra, 0.05), 30.0))
             if resp.status != 200:
                 raise PeerError(f"{base_url}: chunk request answered {resp.status}")
-            if resp.content_length is not None and resp.content_length != len(out):
-                raise PeerError(
-                    f"{base_url}: chunk is {resp.content_length} bytes, expected {len(out)}"
-                )
+            if resp.content_length is not None and resp.content_length != length:
+                raise PeerError(f"{base_url}: chunk is {resp.content_length} bytes, expected {length}")
+            buf = alloc(length)
+            out = memoryview(buf)
             pos = 0
-            n = len(out)
-            # Copy each received piece once into the caller's buffer: no bytes concatenation.
+            # Copy each received piece once into the buffer: no bytes concatenation.
             async for piece in resp.content.iter_any():
                 end = pos + len(piece)
-                if end > n:
-                    raise PeerError(f"{base_url}: chunk longer than {n} bytes")
+                if end > length:
+                    raise PeerError(f"{base_url}: chunk longer than {length} bytes")
                 out[pos:end] = piece
                 pos = end
-            if pos != n:
-                raise PeerError(f"{base_url}: chunk ended after {pos} of {n} bytes")
-            return True
+            if pos != length:
+                raise PeerError(f"{base_url}: chunk ended after {pos} of {length} bytes")
+            return buf
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
         finally:

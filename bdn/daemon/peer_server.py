@@ -90,19 +90,30 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
     if loc is None and wait > 0:
         loc = await node.wait_for_address(address, wait, hint)
     if loc is None:
+        if wait > 0 and node.fetching(address):
+            # still being fetched here: "busy, ask again", so the asker keeps waiting for this
+            # live owner instead of counting a failure and reading the bucket itself
+            return web.Response(status=503, headers={"Retry-After": "1"}, text="still fetching\n")
         return _text(404, "chunk not here")
     if node.upload_sem.locked():
         return web.Response(status=503, headers={"Retry-After": "1"}, text="upload slots full\n")
+    if node.uploads_by_address.get(address, 0) >= node.cfg.uploads_per_chunk:
+        # This chunk is already going out to enough peers: the next asker takes it from one of
+        # them (they serve it as soon as it is verified), so chunks spread as a tree rather than
+        # every copy leaving the owner's uplink.
+        return web.Response(status=503, headers={"Retry-After": "0.2"}, text="chunk already uploading\n")
     async with node.upload_sem:
         node.inflight["upload"] += 1
+        node.uploads_by_address[address] = node.uploads_by_address.get(address, 0) + 1
         try:
             return await _send_chunk(request, node, address, loc)
-        except ConnectionResetError as e:
-            # the asker went away (died, or gave up waiting): nothing to answer, nothing to log loudly
-            log.debug("chunk %s: upload cut short: %s", address, e)
-            raise web.HTTPServiceUnavailable() from None
         finally:
             node.inflight["upload"] -= 1
+            left = node.uploads_by_address[address] - 1
+            if left:
+                node.uploads_by_address[address] = left
+            else:
+                del node.uploads_by_address[address]
 
 
 def _open_chunk_file(loc: Any) -> int | None:
