@@ -355,3 +355,26 @@ def test_config_error_exits_2_with_one_line(tmp_path: Path, case: str) -> None:
     for n in needles:
         assert n.format(**subs) in lines[0], lines[0]
     assert out.stdout == ""
+
+
+def test_json_logs_name_the_snapshot(tmp_path: Path) -> None:
+    """With log_json, every line a snapshot's work logs carries its identity as a field."""
+    import json as _json
+
+    from bdn.publish import publish_full
+    from support.checkpoints import make_state, write_hf_dir
+    from support.swarm import Daemon
+
+    bucket = f"file://{tmp_path}/bucket"
+    publish_full(bucket, "step000001", 1, dir=write_hf_dir(tmp_path / "ck", make_state(0), 1), chunk_size=64 << 10)
+    d = Daemon(tmp_path / "nodes", "node0", bucket, extra_env={"BDN_LOG_JSON": "true", "BDN_LOAD_STARTUP": "false"})
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        d.wait_ready("step000001")
+    finally:
+        d.stop()
+    lines = [_json.loads(x) for x in d.log_path.read_text().splitlines() if x.startswith("{")]
+    about = [x for x in lines if "step000001" in x["msg"]]
+    assert about and all(x.get("snapshot") == "step000001" for x in about), about

@@ -32,6 +32,10 @@ class _JsonFormatter(logging.Formatter):
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        for key in ("snapshot", "peer"):
+            value = getattr(record, key, None)
+            if value is not None:
+                out[key] = value
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)
@@ -43,6 +47,9 @@ def setup_logging(cfg: Config) -> None:
         h.setFormatter(_JsonFormatter())
     else:
         h.setFormatter(logging.Formatter(f"%(asctime)s {cfg.node_id} %(levelname)s %(name)s: %(message)s"))
+    from bdn.daemon.logctx import ContextFilter
+
+    h.addFilter(ContextFilter())
     root = logging.getLogger()
     root.handlers[:] = [h]
     root.setLevel(cfg.log_level.upper())

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bdn.bucket import BucketError, ObjectNotFound, open_bucket
+from bdn.daemon import logctx
 from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.config import Config
 from bdn.daemon.membership import Member, Membership
@@ -265,7 +266,7 @@ class Node:
                 ans = await self.peers.exchange_members(m.url, payload)
             except PeerError as e:
                 if m.alive:
-                    log.warning("peer %s: health check failed: %s", m.url, e)
+                    log.warning("peer %s: health check failed: %s", m.url, e, extra={"peer": m.node_id or m.url})
                 elif "answered 401" in str(e) and not m.extra.get("warned_401"):
                     m.extra["warned_401"] = True
                     log.warning("peer %s refuses our signed requests (401): a different partition "
@@ -364,6 +365,7 @@ class Node:
                 del self.pending[addr]
 
     async def _run(self, job: SnapshotJob) -> None:
+        logctx.SNAPSHOT.set(job.identity)  # every line this task (and its children) logs names it
         try:
             m = await self._read_manifest(job)
             job.attach_manifest(m)
@@ -938,7 +940,8 @@ class Node:
             self.verify_failures_by_peer[m.node_id] = self.verify_failures_by_peer.get(m.node_id, 0) + 1
             self.membership.penalise(m.url, self.cfg.penalty_s)
             log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
-                        job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s)
+                        job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s,
+                        extra={"peer": m.node_id})
             return False
         job.bytes_from_peers += ref.length
         self.counters["peer_bytes_in"] += ref.length

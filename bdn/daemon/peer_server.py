@@ -58,6 +58,9 @@ async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
     except AuthError:
         return web.Response(status=401)
     request["peer"] = peer
+    from bdn.daemon.logctx import PEER
+
+    PEER.set(peer)  # aiohttp runs each request in its own task: this names the peer in its logs
     return await handler(request)
 
 

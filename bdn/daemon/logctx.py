@@ -1,0 +1,26 @@
+"""Which snapshot and which peer a log line is about, without threading them through every call.
+
+Context variables follow asyncio tasks: the task that builds a snapshot sets ``SNAPSHOT`` once,
+and every line logged by it (and by the tasks it starts) carries the identity; a peer request
+sets ``PEER`` the same way. ``ContextFilter`` copies both onto each log record, where the JSON
+formatter emits them as fields.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextvars import ContextVar
+
+SNAPSHOT: ContextVar[str | None] = ContextVar("bdn_snapshot", default=None)
+PEER: ContextVar[str | None] = ContextVar("bdn_peer", default=None)
+
+
+class ContextFilter(logging.Filter):
+    """Adds ``record.snapshot`` and ``record.peer`` (None when unknown)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not hasattr(record, "snapshot"):
+            record.snapshot = SNAPSHOT.get()
+        if not hasattr(record, "peer"):
+            record.peer = PEER.get()
+        return True
