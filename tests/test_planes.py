@@ -30,6 +30,7 @@ SMALL = 4096  # the decoder's smallest accepted block: many blocks from small ar
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arc, "PLANES_BLOCK", SMALL)
+    monkeypatch.setattr(arc, "_P_BATCH", 1)  # every block its own pool task
 
 
 def _modes(stream: bytes, n: int) -> list[int]:
@@ -166,7 +167,9 @@ def _apply(base_path: Path, diff: bytes, workers: int) -> bytes:
 
 @pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("workers", [1, 2, 8])
-def test_whole_file_apply_is_bit_exact(tmp_path: Path, workers: int) -> None:
+@pytest.mark.parametrize("batch", [1, 3 * SMALL])
+def test_whole_file_apply_is_bit_exact(tmp_path: Path, workers: int, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(arc, "_P_BATCH", batch)  # pool tasks of one block, or of several
     base_path, target_path = _files(tmp_path)
     arc.write_diff_file(base_path, target_path, tmp_path / "d", FMT, workers=workers)
     diff = (tmp_path / "d").read_bytes()
