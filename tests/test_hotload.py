@@ -160,3 +160,30 @@ def test_late_replica_catches_up_from_peers(tmp_path: Path) -> None:
             assert (Path(snap["path"]) / f.name).read_bytes() == f.read_bytes()
     finally:
         swarm.stop()
+
+
+def test_hot_load_before_the_manifest_is_written(fleet) -> None:
+    """Files uploaded, manifest not yet: the POST is accepted, nothing loads until it appears."""
+    import os
+
+    swarm, bucket, (d1, d2, d3) = fleet
+    a = swarm.daemons[0]
+    wait_fleet(a.url, "step000001")
+    root = Path(bucket.removeprefix("file://"))
+    publish_delta(bucket, "step000003", 3, "step000002", dir=d3, base_dir=d2, chunk_size=CHUNK)
+    manifest = root / "step000003" / "bdn.manifest.json"
+    held = manifest.with_name("held-back.json")
+    os.replace(manifest, held)  # as if the publisher had not written it yet
+    st, ans = http("POST", a.url + "/hot_load/v1/models/hot_load", {"identity": "step000003"})
+    assert st == 200 and ans["accepted"] and ans["manifest_written"] is False, ans
+    time.sleep(1.0)
+    reps = http("GET", a.url + "/hot_load/v1/models/hot_load")[1]["replicas"]
+    for r in reps:
+        assert r["loading_state"]["identity"] == "step000003"
+        assert r["loading_state"]["stage"] == "queued", r
+        assert r["current_snapshot_identity"] == "step000001"  # still serving the old one
+    for d in swarm.daemons:
+        assert not list(d.shm_dir.glob("*/step000003"))  # nothing half-loaded is visible
+    os.replace(held, manifest)
+    reps = wait_fleet(a.url, "step000003")
+    assert {r["policy_version"] for r in reps} == {3}
