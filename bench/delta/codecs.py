@@ -13,7 +13,10 @@ reconstructed (target) bytes per second of wall time.
   copy the base tensor, scatter the values.
 * ``zipnn(xor)``: PyPI ``zipnn`` (byte grouping + Huffman/zstd, bf16 mode) on each tensor's XOR
   delta; decode XORs the decompressed delta into the base.
-* ``bdn planes``: this benchmark's own candidate (``bench/delta/planes.py``).
+* ``bdn planes``: this benchmark's own candidate (``bench/delta/planes.py``), the prototype of
+  ``bdn_planes_v1``.
+* ``bdn_planes_v1 (bdn)``: the shipped format, through the same ``write_diff_file`` /
+  ``apply_diff`` path as ``arc_v2 (bdn)``.
 """
 
 from __future__ import annotations
@@ -73,10 +76,10 @@ def _check(out: np.ndarray, pair: Pair, h: Header) -> None:
 
 # --- arc_v2, bdn ------------------------------------------------------------------------------
 
-def arc_bdn(pair: Pair, work: Path, threads: int) -> Result:
-    diff = work / "arc_bdn.diff"
+def arc_bdn(pair: Pair, work: Path, threads: int, fmt: str = "arc_v2") -> Result:
+    diff = work / f"{fmt}_bdn.diff"
     t0 = time.perf_counter()
-    arc.write_diff_file(pair.base, pair.target, diff, "arc_v2", workers=threads)
+    arc.write_diff_file(pair.base, pair.target, diff, fmt, workers=threads)
     enc = time.perf_counter() - t0
     bh = read_header(pair.base)
     out, _ = _out_file(pair.raw_bytes)
@@ -86,7 +89,7 @@ def arc_bdn(pair: Pair, work: Path, threads: int) -> Result:
                 dh = arc.read_diff_header(dm, len(dm))
                 with mmap.mmap(bf.fileno(), 0, access=mmap.ACCESS_READ) as bm, mmap.mmap(of.fileno(), 0) as om:
                     t0 = time.perf_counter()
-                    arc.apply_diff(bm, bh, dm, dh, om, "arc_v2", workers=threads)
+                    arc.apply_diff(bm, bh, dm, dh, om, fmt, workers=threads)
                     dec = time.perf_counter() - t0
         _check(np.memmap(out, dtype=np.uint8, mode="r"), pair, bh)
     finally:
@@ -220,10 +223,15 @@ def bdn_planes(pair: Pair, work: Path, threads: int) -> Result:
     return Result(size, enc, dec)
 
 
+def planes_bdn(pair: Pair, work: Path, threads: int) -> Result:
+    return arc_bdn(pair, work, threads, "bdn_planes_v1")  # a named function: codecs run in a child process
+
+
 CODECS: dict[str, Callable[[Pair, Path, int], Result]] = {
     "arc_v2 (bdn)": arc_bdn,
     "arc_v2 (fireworks)": arc_fireworks,
     "sparse+zstd (TRL layout)": sparse_zstd,
     "zipnn(xor)": zipnn_xor,
     "bdn planes": bdn_planes,
+    "bdn_planes_v1 (bdn)": planes_bdn,
 }
