@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="local copy of the base checkpoint (default: download it from the bucket)",
     )
     delta.add_argument(
-        "--compression-format", default="arc_v2", help="arc_v2 (zstd, default) or arc_v1 (zlib)"
+        "--compression-format", default="arc_v2", help="arc_v2 (zstd, default), arc_v1 (zlib) or bdn_planes_v1 (bdn's own, smaller; bdnd only)"
     )
     startup = sub.add_parser("startup", help="point STARTUP_SNAPSHOT at a published snapshot")
     common(startup)
