@@ -31,6 +31,7 @@ SMALL = 4096  # the decoder's smallest accepted block: many blocks from small ar
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arc, "PLANES_BLOCK", SMALL)
     monkeypatch.setattr(arc, "_P_BATCH", 1)  # every block its own pool task
+    monkeypatch.setattr(arc, "_P_PIECE", 1000)  # several copy/scatter/checksum pieces per block
 
 
 def _modes(stream: bytes, n: int) -> list[int]:

@@ -365,6 +365,7 @@ _P_MIN_BLOCK = 1 << 12
 _P_MAX_BLOCK_BYTES = 1 << 24
 _P_SPARSE, _P_DENSE, _P_SAME = 1, 2, 0
 _P_BATCH = 1 << 20
+_P_PIECE = 1 << 20
 _ADLER_MOD = 65521
 
 
@@ -595,14 +596,12 @@ def _decode_planes_block(stream: np.ndarray, blk: _PlanesBlock, b: np.ndarray, o
     dt = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
     elems = (blk.hi - blk.lo) // w
     payload = stream[blk.start : blk.end]
-    if blk.mode == _P_SAME:
-        if not in_place:
-            np.copyto(o, b)
-    elif blk.mode == _P_DENSE:
+    if blk.mode == _P_DENSE:
         raw = _zstd_exact(payload, elems * w)
         x = _words_from_planes(raw, w, _pscratch(elems * w).view(dt))
         np.bitwise_xor(b.view(dt), x, out=o.view(dt))
-    else:
+        return _adler32(o)
+    if blk.mode == _P_SPARSE:
         k, e = blk.k, blk.e
         raw = _zstd_exact(payload, k + 4 * e + k * w)
         g8 = raw[:k]
@@ -622,11 +621,26 @@ def _decode_planes_block(stream: np.ndarray, blk: _PlanesBlock, b: np.ndarray, o
         if int(idx[-1]) >= elems:  # gaps are >= 1, so idx is increasing: the last is the largest
             raise ProtocolError(f"changed element {int(idx[-1])} lies past the block's {elems} elements")
         vals = _words_from_planes(raw[k + 4 * e :], w, np.empty(k, dtype=dt))
-        if not in_place:
-            np.copyto(o, b)
-        ov = o.view(dt)
-        ov[idx] ^= vals
-    return _adler32(o)
+        # Copy, scatter and checksum piece by piece, while each piece is in cache.
+        step = _P_PIECE // w
+        cuts = np.searchsorted(idx, np.arange(step, elems, step)).tolist()
+        adler = 1
+        for p, (i, j) in enumerate(zip([0, *cuts], [*cuts, k])):
+            lo, hi = p * step * w, min((p + 1) * step, elems) * w
+            if not in_place:
+                np.copyto(o[lo:hi], b[lo:hi])
+            if j > i:
+                ov = o[lo:hi].view(dt)
+                ov[idx[i:j] - p * step] ^= vals[i:j]
+            adler = _adler32(o[lo:hi], adler)
+        return adler
+    if in_place:
+        return _adler32(o)
+    adler = 1
+    for lo in range(0, len(o), _P_PIECE):  # copy and checksum in cache-sized pieces
+        np.copyto(o[lo : lo + _P_PIECE], b[lo : lo + _P_PIECE])
+        adler = _adler32(o[lo : lo + _P_PIECE], adler)
+    return adler
 
 
 def _decode_planes(stream: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
