@@ -2,8 +2,10 @@
 
     .venv/bin/python -m bench.delta.planes_speed [--size-gb 0.5] [--frac 0.02] [--repeat 5]
 
-Inputs: the MiniLM demo delta (bf16, 2 % of values move) and a ``--size-gb`` synthetic bf16
-checkpoint with ``--frac`` of its values moved by 1-3 ulps (``bench/delta/inputs.py``). For each,
+Inputs: the MiniLM demo delta (bf16, 2 % of values move), a ``--size-gb`` synthetic bf16
+checkpoint with ``--frac`` of its values moved by 1-3 ulps (``bench/delta/inputs.py``; 7B-model
+matrix shapes), and one bf16 tensor of ``--tensor-mb`` MB moved the same way (a large embedding or
+LM head: arc_v2 decodes one tensor on one core, bdn_planes_v1 on all). For each,
 both formats are written by ``arc.write_diff_file`` and applied the way bdnd applies a delta
 (``bench.delta.apply_speed.apply_once``: mmaps, a fallocated /dev/shm target). Runs are
 interleaved (arc_v2, planes, arc_v2, ... with the order flipped every repeat) so that load from
@@ -72,6 +74,7 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=0.5)
     ap.add_argument("--frac", type=float, default=0.02)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--tensor-mb", type=int, default=256, help="size of the one-tensor input (0: skip it)")
     ap.add_argument("--out", default="bench/results/planes_speed.json")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
@@ -90,6 +93,14 @@ def main() -> None:
         pair = inputs.write_pair(work, f"synthetic {args.size_gb:g}GB", base, tgt, inputs.changed_fraction(base, tgt))
         del base, tgt
         rows += measure(pair, work, args.repeat, threads)
+        if args.tensor_mb:
+            rng = np.random.default_rng(11)
+            one = {"lm_head.weight": (rng.standard_normal((args.tensor_mb << 9, 1024), dtype=np.float32) * 0.02)
+                   .astype(inputs.BF16)}
+            tgt = inputs.synthetic_step(one, args.frac, 2)
+            pair = inputs.write_pair(work, f"one tensor {args.tensor_mb}MB", one, tgt, inputs.changed_fraction(one, tgt))
+            del one, tgt
+            rows += measure(pair, work, args.repeat, threads)
     finally:
         import shutil
 
