@@ -101,7 +101,7 @@ import zlib
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zstandard
@@ -354,8 +354,7 @@ def _decode_zlib(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
 _P_MAGIC = b"BDNP"
 _P_VERSION = 1
 _P_HEAD = struct.Struct("<4sBBHQII")  # magic, version, width, reserved, n_bytes, block, nblocks
-#: One record per block: mode, k (changed words), e (escaped gaps), payload length. Packed, 13 bytes.
-_P_REC = np.dtype([("mode", "u1"), ("k", "<u4"), ("e", "<u4"), ("len", "<u4")])
+_P_REC = struct.Struct("<BIII")  # per block: mode, k (changed words), e (escaped gaps), payload length
 _P_WIDTHS: dict[int, type] = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 #: Elements per block the encoder writes (tests shrink it). The decoder accepts any block size in
 #: [_P_MIN_BLOCK, _P_MAX_BLOCK_BYTES / width]: the lower bound keeps a hostile stream from turning
@@ -440,11 +439,9 @@ def _planes_blocks(b: np.ndarray, t: np.ndarray, w: int) -> list[tuple[np.ndarra
 def _planes_assemble(n: int, w: int, blocks: list[tuple[int, int, int, bytes]]) -> bytes:
     if len(blocks) >= 1 << 32:
         raise TensorMismatch(f"tensor of {n} bytes needs {len(blocks)} blocks, more than bdn_planes_v1 can index")
-    recs = np.zeros(len(blocks), dtype=_P_REC)
-    for i, (mode, k, e, p) in enumerate(blocks):
-        recs[i] = (mode, k, e, len(p))
     head = _P_HEAD.pack(_P_MAGIC, _P_VERSION, w, 0, n, PLANES_BLOCK, len(blocks))
-    return b"".join([head, recs.tobytes(), *(p for *_, p in blocks)])
+    recs = [_P_REC.pack(mode, k, e, len(p)) for mode, k, e, p in blocks]
+    return b"".join([head, *recs, *(p for *_, p in blocks)])
 
 
 def _encode_planes(b: np.ndarray, t: np.ndarray, width: int | None, level: int) -> bytes:
@@ -454,8 +451,7 @@ def _encode_planes(b: np.ndarray, t: np.ndarray, width: int | None, level: int) 
     return _planes_assemble(len(b), w, blocks)
 
 
-@dataclass(frozen=True)
-class _PlanesBlock:
+class _PlanesBlock(NamedTuple):
     """One block of a parsed stream: payload ``[start, end)`` of the stream, bytes ``[lo, hi)`` of the tensor."""
 
     index: int
@@ -496,38 +492,31 @@ def _parse_planes(stream: np.ndarray, n: int) -> tuple[int, list[_PlanesBlock]]:
     want_blocks = -(-m // block)
     if nblocks != want_blocks:
         raise ProtocolError(f"bdn_planes_v1 stream has {nblocks} blocks, a {n}-byte tensor needs {want_blocks}")
-    table_end = _P_HEAD.size + nblocks * _P_REC.itemsize
+    table_end = _P_HEAD.size + nblocks * _P_REC.size
     if table_end > total:
         raise ProtocolError(f"bdn_planes_v1 block table ({nblocks} blocks) lies past the end of the {total}-byte stream")
-    recs = np.frombuffer(stream, dtype=_P_REC, count=nblocks, offset=_P_HEAD.size)
-    mode, k, e, ln = (recs[f].astype(np.int64) for f in ("mode", "k", "e", "len"))
-    elems = np.full(nblocks, block, dtype=np.int64)
-    if nblocks:
-        elems[-1] = m - (nblocks - 1) * block
-    bad = np.flatnonzero(
-        (mode > _P_DENSE)
-        | ((mode == _P_SAME) & ((k != 0) | (e != 0) | (ln != 0)))
-        | ((mode == _P_SPARSE) & ((k < 1) | (k > elems) | (e > k) | (ln < 1)))
-        | ((mode == _P_DENSE) & ((k != 0) | (e != 0) | (ln < 1)))
-    )
-    if len(bad):
-        i = int(bad[0])
+    # A plain loop: most tensors have one block, where numpy's per-call overhead would dominate
+    # (and this runs before the pool starts, so it is serial time).
+    blocks: list[_PlanesBlock] = []
+    pos, lo = table_end, 0
+    for i, (mode, k, e, ln) in enumerate(_P_REC.iter_unpack(memoryview(stream)[_P_HEAD.size : table_end])):
+        elems = block if i < nblocks - 1 else m - (nblocks - 1) * block
+        if not (
+            (mode == _P_SAME and k == e == ln == 0)
+            or (mode == _P_SPARSE and 1 <= k <= elems and e <= k and ln >= 1)
+            or (mode == _P_DENSE and k == e == 0 and ln >= 1)
+        ):
+            raise ProtocolError(
+                f"bdn_planes_v1 block {i} record is invalid (mode {mode}, k {k}, escapes {e}, "
+                f"payload {ln} bytes, block of {elems} elements)"
+            )
+        blocks.append(_PlanesBlock(i, mode, k, e, pos, pos + ln, lo, lo + elems * w))
+        pos += ln
+        lo += elems * w
+    if pos != total:
         raise ProtocolError(
-            f"bdn_planes_v1 block {i} record is invalid (mode {int(mode[i])}, k {int(k[i])}, escapes {int(e[i])}, "
-            f"payload {int(ln[i])} bytes, block of {int(elems[i])} elements)"
+            f"bdn_planes_v1 payloads add up to {pos - table_end} bytes, the stream has {total - table_end} after its block table"
         )
-    payload = int(ln.sum())
-    if table_end + payload != total:
-        raise ProtocolError(
-            f"bdn_planes_v1 payloads add up to {payload} bytes, the stream has {total - table_end} after its block table"
-        )
-    ends = table_end + np.cumsum(ln)
-    starts = ends - ln
-    blocks = [
-        _PlanesBlock(i, int(mode[i]), int(k[i]), int(e[i]), int(starts[i]), int(ends[i]),
-                     i * block * w, i * block * w + int(elems[i]) * w)
-        for i in range(nblocks)
-    ]
     return w, blocks
 
 
