@@ -32,6 +32,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     rs = main_rows(rows, base)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     styles = {"bdn": "o-", "boto3": "s--", "libtorrent": "^-."}
+    # the same daemon before a change (system "bdn@<rev>"): same marker, thinner dotted line
+    styles.update({s: "o:" for s in {r["system"] for r in rs} if s.startswith("bdn@")})
     for system in sorted({r["system"] for r in rs}, key=lambda s: (s not in styles, s)):
         pts = sorted((r["nodes"], r["seconds"]) for r in rs if r["system"] == system and r["seconds"])
         if pts:
@@ -58,6 +60,10 @@ def fmt(x: Any, nd: int = 2) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     swarm = [r for r in rows if r.get("nic_mbit")]
+    # one block per (bucket rate, fault), by N; before/after rows of a system next to each other
+    order = {"bdn": 0, "boto3": 2, "libtorrent": 3}
+    swarm.sort(key=lambda r: (r.get("bucket_mbit") or 0, r.get("fault") or "", r["nodes"],
+                              order.get(r["system"], 1 if r["system"].startswith("bdn") else 4), r["system"]))
     by = {(r["system"], r["nodes"], r.get("bucket_mbit"), r.get("fault")): r for r in swarm}
     out = ["| system | N | bucket Mbit/s | fault | seconds | floor s | ×floor | bucket egress / S "
            "| bucket wire / S | per node recv MB (min–max) | per node sent MB (min–max) | own CPU-s / machine busy CPU-s |",
@@ -79,14 +85,19 @@ def table(rows: list[dict[str, Any]]) -> str:
     out.append("")
     out.append("| ratio | N | value |")
     out.append("|---|---|---|")
-    for (system, n, bm, fault), r in sorted(by.items(), key=lambda kv: (kv[0][1], str(kv[0]))):
-        if system != "bdn" or fault or not r["seconds"]:
+    for (system, n, bm, fault), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2] or 0, kv[0][3] or "", kv[0][0])):
+        if not (system == "bdn" or system.startswith("bdn@")) or not r["seconds"]:
             continue
-        line = [f"| bdn/floor | {n} (bucket {bm:g}) | {r['seconds'] / r['floor_seconds']:.2f} |"]
-        for other in ("boto3", "libtorrent"):
-            o = by.get((other, n, bm, None))
+        where = f"{n} (bucket {bm:g}{', ' + fault if fault else ''})"
+        line = [f"| {system}/floor | {where} | {r['seconds'] / r['floor_seconds']:.2f} |"]
+        others = ["boto3", "libtorrent"] if not fault else ["libtorrent"]
+        # before/after: the current daemon against each earlier one measured at the same point
+        if system == "bdn":
+            others += sorted(k[0] for k in by if k[0].startswith("bdn@") and k[1:] == (n, bm, fault))
+        for other in others:
+            o = by.get((other, n, bm, fault))
             if o and o["seconds"]:
-                line.append(f"| bdn/{other} | {n} (bucket {bm:g}) | {r['seconds'] / o['seconds']:.2f} |")
+                line.append(f"| {system}/{other} | {where} | {r['seconds'] / o['seconds']:.2f} |")
         out.extend(line)
     return "\n".join(out)
 
@@ -124,7 +135,7 @@ def main() -> None:
     plot(rows, Path(a.png))
     print(table(rows))
     for r in rows:
-        if r["system"] in ("bdn-loopback", "iperf3-loopback", "moto-unshaped-get"):
+        if r["system"].split("@")[0] in ("bdn-loopback", "iperf3-loopback", "moto-unshaped-get"):
             print(json.dumps({k: v for k, v in r.items() if k not in ("per_node",)}))
     if a.profiles:
         print(profiles(REPO / "bench" / "swarm" / "profiles"))

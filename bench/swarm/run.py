@@ -69,6 +69,21 @@ def sh(cmd: str | list[str], check: bool = True, quiet: bool = False) -> str:
     return r.stdout
 
 
+def row_key(r: dict[str, Any]) -> tuple[Any, ...]:
+    """The point a row measures: two rows with the same key are the same measurement."""
+    return (r["system"], r["nodes"], r.get("bucket_mbit"), r.get("fault"))
+
+
+def daemon_rev() -> str:
+    """The bdn tree a bdnd starts from: HEAD's short sha, "+dirty" if bdn/ has uncommitted edits
+    (the package is installed editable, so the working tree is what runs)."""
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "bdn"], capture_output=True,
+                           text=True).stdout.strip()
+    return head + ("+dirty" if dirty else "")
+
+
 def node_ns(i: int) -> str:
     return f"bdnb-n{i}"
 
@@ -105,7 +120,9 @@ def spawn(name: str, ns: str | None, argv: list[str], env: dict[str, str] | None
           logfile: Path | None = None, capture: bool = False) -> Proc:
     """Start ``argv`` inside namespace ``ns`` (ip netns exec execs it: same pid)."""
     full = (["ip", "netns", "exec", ns] if ns else []) + argv
-    e = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO))
+    e = dict(os.environ, **(env or {}))
+    # BENCH_PYTHONPATH (from --bdn-src): a patched copy of bdn/ ahead of the repo's, for experiments
+    e["PYTHONPATH"] = os.pathsep.join(x for x in (e.pop("BENCH_PYTHONPATH", ""), str(REPO)) if x)
     out: Any = subprocess.PIPE if capture else (open(logfile, "w") if logfile else subprocess.DEVNULL)
     p = subprocess.Popen(full, env=e, cwd=REPO, stdout=out, stderr=subprocess.STDOUT if not capture else
                          (open(logfile, "w") if logfile else subprocess.DEVNULL), text=True,
@@ -327,6 +344,7 @@ class Bench:
     nic_mbit: float = 200
     bucket_mbit: float = 200
     rows: list[dict[str, Any]] = field(default_factory=list)
+    prior: list[dict[str, Any]] = field(default_factory=list)  # rows kept from --out (--merge)
 
     def floor(self) -> float:
         return self.size * 8 / (self.nic_mbit * 1e6)
@@ -346,8 +364,12 @@ class Bench:
 
     def save(self) -> None:
         out = Path(self.args.out)
+        # --merge: rows of earlier runs stay unless this run measured the same point again, so a
+        # bdn-only re-run keeps the boto3/libtorrent rows (they do not depend on the daemon).
+        mine = {row_key(r) for r in self.rows}
+        rows = [r for r in self.prior if row_key(r) not in mine] + self.rows
         tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.rows, indent=1) + "\n")
+        tmp.write_text(json.dumps(rows, indent=1) + "\n")
         tmp.replace(out)
 
     def check_files(self, d: Path) -> bool:
@@ -366,13 +388,18 @@ class Bench:
                    BDN_PEERS=",".join(f"http://{node_ip(j)}:7080" for j in peers if j != i),
                    BDN_LOAD_STARTUP="false")
         env.update(self.args.bdn_env)
+        if self.args.bdn_src:
+            env["BENCH_PYTHONPATH"] = self.args.bdn_src
         pr = spawn(f"bdnd-n{i}", node_ns(i), [str(BIN / "bdnd")], env, WORK / "logs" / f"{tag}-n{i}.log")
         return pr, sockp
 
     def run_bdn(self, n: int, fault: str | None = None, system: str = "bdn") -> dict[str, Any]:
         tag = f"{system}-N{n}-{fault or 'nofault'}-b{int(self.bucket_mbit)}".replace("[", "-").replace("]", "")
+        if self.args.bdn_src:
+            tag += "-src"  # keep the logs of the repo's daemon at the same point
         nodes = list(range(1, n + 1))
         shutil.rmtree(SHM, ignore_errors=True)
+        rev = daemon_rev() + (f" patched copy at {self.args.bdn_src}" if self.args.bdn_src else "")
         daemons = {i: self.start_bdnd(i, nodes, tag) for i in nodes}
         try:
             def all_up() -> bool:
@@ -384,6 +411,7 @@ class Bench:
             wait_until(all_up, 60, "every bdnd up and seeing all its peers")
             meter = Meter(nodes, [d[0] for d in daemons.values()] + [self.moto])  # type: ignore[list-item]
             prof = self.start_profile(daemons[1][0], tag) if self.args.profile else None
+            busy = self.start_503_capture(tag)
             t0 = time.time()
             for i, (_, s) in daemons.items():
                 st, body = api(s, "POST", f"/v1/snapshots/{IDENTITY}/prefetch")
@@ -432,6 +460,7 @@ class Bench:
             m = meter.finish()
             if prof:
                 self.stop_profile(prof, tag)
+            m["peer_503"] = self.stop_503_capture(busy, tag)
             statuses: dict[int, Any] = {}
             for i in nodes:
                 if i == victim:
@@ -450,7 +479,9 @@ class Bench:
                     c = stt["counters"]
                     counters[f"n{i}"] = {k: c.get(k) for k in ("bucket_bytes_owner", "bucket_bytes_fallback",
                                                                "bucket_manifest_bytes", "peer_bytes_in",
-                                                               "peer_bytes_out", "chunk_verify_failures")}
+                                                               "peer_bytes_out", "chunk_verify_failures",
+                                                               "bucket_chunks_owner", "bucket_chunks_fallback",
+                                                               "peer_chunks_in", "peer_chunks_out")}
                     egress += c["bucket_bytes_owner"] + c["bucket_bytes_fallback"] + c.get("bucket_manifest_bytes", 0)
                     m["per_node"][f"n{i}"].update(counters[f"n{i}"])
             verified = None
@@ -458,7 +489,9 @@ class Bench:
                 verified = all(self.check_files(SHM / f"n{i}" / statuses[i]["swarm_id"] / IDENTITY) for i in survivors)
             for i in done:
                 m["per_node"][f"n{i}"]["done_s"] = round(done[i] - t0, 2)
-            return self.row(system, n, seconds, egress, fault, verified=verified, failed=failed or None,
+            m["log_lines"] = self.count_log_lines(tag, nodes)
+            return self.row(system, n, seconds, egress, fault, daemon_commit=rev, verified=verified,
+                            failed=failed or None,
                             killed_at_s=killed_at[0] if killed_at else None,
                             survivors=len(survivors) if fault else None, **m)
         finally:
@@ -467,6 +500,22 @@ class Bench:
             if fault:
                 self.cluster.link(n, True)  # type: ignore[union-attr]
             shutil.rmtree(SHM, ignore_errors=True)
+
+    @staticmethod
+    def count_log_lines(tag: str, nodes: list[int]) -> dict[str, int]:
+        """Per-run totals of the bdnd log lines that explain a slow run (fallbacks, failed health
+        checks, warnings, errors), summed over every node's log."""
+        out = {"fallback": 0, "health_check_failed": 0, "warning": 0, "error": 0}
+        for i in nodes:
+            try:
+                text = (WORK / "logs" / f"{tag}-n{i}.log").read_text(errors="replace")
+            except OSError:
+                continue
+            out["fallback"] += text.count("from the bucket as a fallback")
+            out["health_check_failed"] += text.count("health check failed")
+            out["warning"] += text.count(" WARNING ")
+            out["error"] += text.count(" ERROR ")
+        return out
 
     def timeout(self, n: int) -> float:
         return 60 + 4 * max(self.floor(), n * self.size * 8 / (self.bucket_mbit * 1e6))
@@ -477,6 +526,46 @@ class Bench:
         out.parent.mkdir(exist_ok=True)
         return spawn("py-spy", None, [str(BIN / "py-spy"), "record", "-p", str(pr.pid), "-r", "50", "-f", "raw",
                                       "-o", str(out), "--nonblocking", "-t"], logfile=WORK / "logs" / f"pyspy-{tag}.log")
+
+    def start_503_capture(self, tag: str) -> Proc | None:
+        """tcpdump every 503 a bdnd peer port answers (bdn has no counter for them).
+
+        The BPF filter keeps only TCP segments from port 7080 whose payload starts with
+        "HTTP/1.1 503", so the 8+ GB of chunk traffic is never copied to user space. Each segment
+        is seen once, entering the bridge from the answering node's veth (``inbound``).
+        """
+        if not shutil.which("tcpdump"):
+            return None
+        off = "((tcp[12:1] & 0xf0) >> 2)"
+        flt = (f"inbound and tcp src port 7080 and tcp[{off}:4] = 0x48545450 "
+               f"and tcp[{off} + 4:4] = 0x2f312e31 and tcp[{off} + 8:4] = 0x20353033")
+        return spawn("tcpdump", None, ["tcpdump", "-i", "any", "-nn", "-l", "-A", "-s", "400", flt],
+                     logfile=WORK / "logs" / f"503-{tag}.txt")
+
+    def stop_503_capture(self, pr: Proc | None, tag: str) -> dict[str, Any] | None:
+        """Counts of 503 answers by reason (the body text) and by answering node."""
+        if pr is None:
+            return None
+        time.sleep(0.5)
+        pr.popen.send_signal(signal.SIGINT)
+        try:
+            pr.popen.wait(10)
+        except subprocess.TimeoutExpired:
+            pr.popen.kill()
+        if pr in PROCS:
+            PROCS.remove(pr)
+        text = (WORK / "logs" / f"503-{tag}.txt").read_text(errors="replace")
+        out: dict[str, Any] = {"total": text.count("HTTP/1.1 503")}
+        for why in ("still fetching", "chunk already uploading", "upload slots full"):
+            out[why] = text.count(why)
+        by_node: dict[str, int] = {}
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) > 1 and parts[1].startswith("bdnb-v"):
+                k = "n" + parts[1][len("bdnb-v"):]
+                by_node[k] = by_node.get(k, 0) + 1
+        out["by_answering_node"] = by_node
+        return out
 
     def stop_profile(self, pr: Proc, tag: str) -> None:
         pr.popen.send_signal(signal.SIGINT)
@@ -672,6 +761,7 @@ def ceiling(b: Bench) -> None:
     create_bucket(LO_NS, ep)
     publish(LO_NS, ep, b.snap)
     shutil.rmtree(SHM, ignore_errors=True)
+    rev = daemon_rev()
     ds = {}
     for i, port in ((1, 7180), (2, 7280)):
         sockp = WORK / f"lo{i}.sock"
@@ -720,7 +810,8 @@ def ceiling(b: Bench) -> None:
         "bucket_egress_bytes": c["bucket_bytes_owner"] + c["bucket_bytes_fallback"] + c.get("bucket_manifest_bytes", 0),
         "fault": None, "MB_per_s": round(b.size / secs / 1e6, 1), "MB_per_cpu_s": round(b.size / tot_cpu / 1e6, 1),
         "cpu_seconds": cpu, "machine_cpu_busy": round((m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 3),
-        "peer_bytes_in": c["peer_bytes_in"], "verified": verified, "cores": os.cpu_count()})
+        "peer_bytes_in": c["peer_bytes_in"], "verified": verified, "cores": os.cpu_count(),
+        "daemon_commit": rev})
     log(f"ceiling: bdn lo1 -> lo2 {b.size / secs / 1e6:.0f} MB/s, {b.size / tot_cpu / 1e6:.0f} MB per CPU-s {cpu}")
     for p, _ in ds.values():
         stop(p)
@@ -774,6 +865,11 @@ def main() -> int:
     ap.add_argument("--bdn-variants", default="",
                     help="extra bdn runs at the largest N: name:BDN_K=v,...;name2:... (tuning experiments)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "swarm.json"))
+    ap.add_argument("--bdn-src", default="",
+                    help="directory holding a (patched) copy of the bdn package, imported ahead of the repo's "
+                         "by every bdnd: for experiments on the daemon without editing it; rows then record it")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows already in --out, except points this run measures again")
     ap.add_argument("--cleanup", action="store_true", help="only remove what a previous run left")
     a = ap.parse_args()
     if os.geteuid() != 0:
@@ -800,6 +896,8 @@ def main() -> int:
     digests = json.loads(dfile.read_text())
     b = Bench(a, snap, [p.name for p in snapshot_files(snap)], snapshot_bytes(snap), dfile, digests,
               nic_mbit=a.nic_mbit, bucket_mbit=a.bucket_mbit)
+    if a.merge and Path(a.out).exists():
+        b.prior = json.loads(Path(a.out).read_text())
     log(f"snapshot {snap}: {b.size} bytes, floor {b.floor():.1f} s at {a.nic_mbit:g} Mbit/s")
     try:
         if not a.ceiling_only:
