@@ -47,6 +47,7 @@ class Config:
     # one after another and flow to peers at once, instead of all finishing together at the end)
     chunk_wait_s: float = 30.0  # how long an owner may hold a chunk request while it fetches
     owner_patience_s: float = 600.0  # keep asking a live owner that answers "still fetching" this long
+    max_uploads: int = 8  # chunk uploads served at once; beyond, 503 sends askers to other holders
     uploads_per_chunk: int = 2  # peers served one chunk at once; others are sent to holders (fan-out tree)
     manifest_wait_s: float = 600.0  # how long a prefetch waits for the manifest to appear
     manifest_poll_s: float = 1.0  # how often it looks

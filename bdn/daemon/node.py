@@ -113,7 +113,7 @@ class Node:
         self.io = ThreadPoolExecutor(max_workers=cfg.bucket_concurrency + 8, thread_name_prefix="bdn-io")
         self.bucket_sem = asyncio.Semaphore(cfg.bucket_concurrency)
         self.peer_sem = asyncio.Semaphore(cfg.max_inflight)
-        self.upload_sem = asyncio.Semaphore(cfg.max_inflight * 2)
+        self.upload_sem = asyncio.Semaphore(cfg.max_uploads)
         self.upload_limit = RateLimit.from_mbit(cfg.peer_upload_mbit)
         self.download_limit = RateLimit.from_mbit(cfg.peer_download_mbit)
         self.bucket_limit = RateLimit.from_mbit(cfg.bucket_mbit)
@@ -844,10 +844,15 @@ class Node:
                     # The owner is the highest-ranked *live* node: when the ones ranked above
                     # this node died during this round (an owner killed mid-transfer), this
                     # read is the new owner's, not a fallback.
-                    owner = pos == 0 or hrw.owner(self.membership.hrw_nodes(), ref.digest) == self.node_id
-                    await self._from_bucket(job, ref, target, owner=owner)
-                    await self._got(job, layer, ref, idx, "bucket")
-                    return
+                    if pos == 0 or hrw.owner(self.membership.hrw_nodes(), ref.digest) == self.node_id:
+                        await self._from_bucket(job, ref, target, owner=True)
+                        await self._got(job, layer, ref, idx, "bucket")
+                        return
+                    # Not the owner: the nodes above only said "busy" or "not yet". Reading the
+                    # bucket here would compete with the owners for its bandwidth and slow every
+                    # node; go round again (busy rounds do not count) and fall back only after
+                    # real failures.
+                    break
                 m = by_node.get(node)
                 if m is None or m.url in tried:
                     continue
