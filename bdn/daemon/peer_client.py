@@ -60,7 +60,7 @@ class PeerClient:
 
     async def _request(
         self, method: str, base_url: str, path_qs: str, *, timeout: float, data: bytes | None = None,
-        session: aiohttp.ClientSession | None = None,
+        session: aiohttp.ClientSession | None = None, read_idle: float | None = None,
     ) -> aiohttp.ClientResponse:
         session = session or self._session
         assert session is not None
@@ -73,7 +73,7 @@ class PeerClient:
                 URL(base_url + path_qs, encoded=True),
                 headers=headers,
                 data=data,
-                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=5),
+                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=5, sock_read=read_idle),
             )
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
@@ -102,7 +102,11 @@ class PeerClient:
         if snapshot:
             q += ("&" if q else "?") + f"snapshot={snapshot}"
         path = f"{self._prefix()}/chunks/{address}{q}"
-        resp = await self._request("GET", base_url, path, timeout=wait + self.timeout_s, session=self._data)
+        # sock_read: a peer that dies (or hangs) mid-request is noticed after ``wait`` plus 10 s of
+        # silence, not after the whole request budget (a parked request is silent during ``wait``).
+        resp = await self._request(
+            "GET", base_url, path, timeout=wait + self.timeout_s, session=self._data, read_idle=wait + 10.0
+        )
         try:
             if resp.status == 404:
                 return None

@@ -166,7 +166,7 @@ async def _send_chunk(request: web.Request, node: Node, address: str, loc: Any) 
             data = await loop.run_in_executor(node.io, os.pread, fd, loc.length, loc.offset)
             await resp.write(data)
         await resp.write_eof()
-    except ConnectionResetError as e:
+    except ConnectionError as e:
         # the asker went away (died, or gave up waiting): nothing to answer, nothing to log loudly
         log.debug("chunk %s: upload cut short: %s", address, e)
         return resp
