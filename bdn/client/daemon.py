@@ -11,6 +11,7 @@ or ``unix:///path/to.sock`` for the daemon's unix socket.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
@@ -18,7 +19,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -178,8 +179,24 @@ class DaemonClient:
                 raise DaemonUnreachable(self.url, reason) from None
         raise AssertionError("unreachable")
 
-    def _read_body(self, resp: http.client.HTTPResponse, limit: int, timeout: float) -> bytes:
+    @contextlib.contextmanager
+    def _reading(self, timeout: float) -> Iterator[None]:
+        """Map errors while a response body is read: the connection is dropped on any of them,
+        a stall or socket error becomes DaemonUnreachable (one line), others pass through."""
         try:
+            yield
+        except TimeoutError:
+            self._drop_conn()
+            raise DaemonUnreachable(self.url, f"answer stalled for {timeout:g} s") from None
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop_conn()
+            raise DaemonUnreachable(self.url, getattr(exc, "strerror", None) or str(exc) or type(exc).__name__) from None
+        except BaseException:
+            self._drop_conn()
+            raise
+
+    def _read_body(self, resp: http.client.HTTPResponse, limit: int, timeout: float) -> bytes:
+        with self._reading(timeout):
             length = resp.getheader("Content-Length")
             if length is not None and _is_uint(length) and int(length) > limit:
                 raise ProtocolError(f"daemon answer of {length} bytes exceeds {limit} bytes")
@@ -191,15 +208,6 @@ class DaemonClient:
             if resp.will_close:
                 self._drop_conn()
             return body
-        except TimeoutError:
-            self._drop_conn()
-            raise DaemonUnreachable(self.url, f"answer stalled for {timeout:g} s") from None
-        except (OSError, http.client.HTTPException) as exc:
-            self._drop_conn()
-            raise DaemonUnreachable(self.url, getattr(exc, "strerror", None) or str(exc) or type(exc).__name__) from None
-        except BaseException:
-            self._drop_conn()
-            raise
 
     def _request(
         self,
@@ -426,7 +434,7 @@ class DaemonClient:
         return out.view(dtype).reshape(shape)
 
     def _read_into(self, resp: http.client.HTTPResponse, buf: memoryview, name: str) -> None:
-        try:
+        with self._reading(self.timeout):
             got = 0
             while got < len(buf):
                 n = resp.readinto(buf[got:])
@@ -435,15 +443,6 @@ class DaemonClient:
                 got += n
             if resp.will_close:
                 self._drop_conn()
-        except TimeoutError:
-            self._drop_conn()
-            raise DaemonUnreachable(self.url, f"answer stalled for {self.timeout:g} s") from None
-        except (OSError, http.client.HTTPException) as exc:
-            self._drop_conn()
-            raise DaemonUnreachable(self.url, getattr(exc, "strerror", None) or str(exc) or type(exc).__name__) from None
-        except BaseException:
-            self._drop_conn()
-            raise
 
     def open(self, identity: str, wait: bool = True, timeout: float | None = None) -> Snapshot:
         """Open snapshot ``identity`` from the directory the daemon reports (same host only).
