@@ -28,8 +28,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +39,9 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from bdn.proto.safetensors_fmt import save
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fleet  # noqa: E402  (examples/fleet.py: part two, and the process helpers both parts use)
 
 ROOT = Path.cwd() / "demo-run"
 # One shm directory per checkout, so two clones running the demo do not remove each other's.
@@ -59,10 +60,7 @@ def model_dir() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "model"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+free_port = fleet.free_port
 
 
 def step(msg: str) -> None:
@@ -227,19 +225,10 @@ def main() -> int:
         print("\nRESULT (part 1): " + ("every node holds step000003 byte-identical to the trainer's files" if ok
                                        else "MISMATCH (see above)"))
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        fleet.stop_all(procs)
         print(f"(daemon logs in {ROOT})")
     if args.no_fleet:
         return 0 if ok else 1
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import fleet
-
     try:
         ok_fleet = fleet.run(ROOT, SHM, args.nodes)
     finally:

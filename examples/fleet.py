@@ -144,13 +144,18 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
             ok &= check_engines(nodes, i + 1, tinygpt.weights_digest(weights[-1]))
         return ok
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(procs)
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process, wait up to 10 s each, SIGKILL what is left."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def check_engines(nodes: list[dict], policy: int, digest: str) -> bool:
