@@ -51,6 +51,7 @@ class HotLoadError(BdnError):
 
 @dataclass
 class Engine:
+    """An engine registered with this daemon: what it was offered and acknowledged, its leases."""
     engine_id: str
     name: str
     offered: str | None = None  # identity handed out by /next, not yet acknowledged
@@ -64,6 +65,7 @@ class Engine:
 
 @dataclass(frozen=True)
 class Target:
+    """A fleet hot-load target: ``identity`` ordered by ``(seq, origin)`` (seq = accepting clock, ns)."""
     identity: str
     seq: int
     origin: str
@@ -376,6 +378,7 @@ class HotLoad:
 
     # ---- engines and leases --------------------------------------------------------------
     def lease(self, identity: str, holder: str) -> str:
+        """Keep ready snapshot ``identity`` out of GC for ``holder``; the lease id. HotLoadError 409 if not ready."""
         job = self.node.jobs.get(identity)
         if job is None or job.state != "ready":
             raise HotLoadError(409, f"snapshot {identity!r} is not ready on this node")
@@ -384,18 +387,22 @@ class HotLoad:
         return lid
 
     def release(self, lease_id: str | None) -> bool:
+        """Drop a lease; False if there was none."""
         return lease_id is not None and self.leases.pop(lease_id, None) is not None
 
     def leased(self) -> set[str]:
+        """Identities that hold at least one lease."""
         return {ident for ident, _ in self.leases.values()}
 
     def register_engine(self, name: str) -> Engine:
+        """A new engine entry (the replica now waits for its acknowledgements)."""
         e = Engine(secrets.token_hex(8), name[:128] or "engine")
         self.engines[e.engine_id] = e
         log.info("engine %s (%s) registered", e.engine_id, e.name)
         return e
 
     def unregister_engine(self, engine_id: str) -> bool:
+        """Forget an engine and release its leases; False if unknown."""
         e = self.engines.pop(engine_id, None)
         if e is None:
             return False
@@ -439,6 +446,7 @@ class HotLoad:
             await self.wait_change(self.version, min(left, 5.0))
 
     async def ack(self, engine: Engine, identity: str, pause_ms: float | None, error: str | None) -> None:
+        """An engine swapped to ``identity`` (``pause_ms`` measured by it) or failed with ``error``."""
         if error:
             engine.error = error.splitlines()[0][:500]
             log.error("engine %s failed to load %s: %s", engine.engine_id, identity, engine.error)

@@ -59,19 +59,23 @@ def _ready_dir(request: web.Request) -> tuple[str, Path]:
 
 
 async def health(request: web.Request) -> web.Response:
+    """GET /v1/health -> 200 {"status": "ok", "node_id", "swarm_id"}."""
     node = _node(request)
     return _json({"status": "ok", "node_id": node.node_id, "swarm_id": node.keys.swarm_id})
 
 
 async def status(request: web.Request) -> web.Response:
+    """GET /v1/status -> 200: node, peers, bucket and byte counters, snapshot records."""
     return _json(_node(request).status())
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
+    """GET /v1/snapshots -> 200 {"snapshots": [record, ...]}."""
     return _json({"snapshots": [j.describe() for j in _node(request).jobs.values()]})
 
 
 async def get_snapshot(request: web.Request) -> web.Response:
+    """GET /v1/snapshots/{id} -> 200 record; 400 bad identity; 404 unknown here."""
     node = _node(request)
     ident = _identity(request)
     job = node.jobs.get(ident)
@@ -81,6 +85,7 @@ async def get_snapshot(request: web.Request) -> web.Response:
 
 
 async def prefetch(request: web.Request) -> web.Response:
+    """POST /v1/snapshots/{id}/prefetch -> 202 record (the download starts or is already on)."""
     node = _node(request)
     ident = _identity(request)
     job = node.prefetch(ident)
@@ -88,6 +93,7 @@ async def prefetch(request: web.Request) -> web.Response:
 
 
 async def wait(request: web.Request) -> web.Response:
+    """GET /v1/snapshots/{id}/wait?state=&timeout= (s, <= 300) -> 200 reached, 202 timed out, 409 failed."""
     node = _node(request)
     ident = _identity(request)
     state = request.query.get("state", "ready")
@@ -108,6 +114,7 @@ async def wait(request: web.Request) -> web.Response:
 
 
 async def list_files(request: web.Request) -> web.Response:
+    """GET /v1/snapshots/{id}/files -> 200 {"files": [{"path", "size"}]}; 409 not ready."""
     ident, d = _ready_dir(request)
     job = _node(request).jobs[ident]
     assert job.manifest is not None
@@ -115,6 +122,7 @@ async def list_files(request: web.Request) -> web.Response:
 
 
 async def get_file(request: web.Request) -> web.StreamResponse:
+    """GET /v1/snapshots/{id}/files/{path} -> the file (Range supported); 404 no such file; 409 not ready."""
     ident, d = _ready_dir(request)
     try:
         rel = validate_relpath(request.match_info["path"])
@@ -147,6 +155,7 @@ def _tensor_index(node: Node, ident: str, d: Path) -> dict[str, tuple[str, Any]]
 
 
 async def get_tensor(request: web.Request) -> web.StreamResponse:
+    """GET /v1/snapshots/{id}/tensors/{name} -> raw bytes; X-BDN-Dtype/Shape/File headers; 404 unknown tensor."""
     node = _node(request)
     ident, d = _ready_dir(request)
     name = request.match_info["name"]
@@ -182,12 +191,14 @@ async def get_tensor(request: web.Request) -> web.StreamResponse:
 
 
 async def get_metrics(request: web.Request) -> web.Response:
+    """GET /metrics -> Prometheus text exposition (see docs/OPERATIONS.md)."""
     body, ctype = metrics.render(_node(request))
     return web.Response(body=body, headers={"Content-Type": ctype})
 
 
 # ---- fleet hot-load (also mounted on the peer port behind a bearer token) -----------------
 async def hot_load_post(request: web.Request) -> web.Response:
+    """POST /hot_load/v1/models/hot_load -> 200 accepted; 400/404/409/413/415/502 with one line."""
     from bdn.daemon.hotload import HotLoadError
 
     node = _node(request)
@@ -203,6 +214,7 @@ async def hot_load_post(request: web.Request) -> web.Response:
 
 
 async def hot_load_get(request: web.Request) -> web.Response:
+    """GET /hot_load/v1/models/hot_load -> 200 {"replicas": [...]} for the whole fleet."""
     return _json(await _node(request).hotload.fleet())
 
 
@@ -235,6 +247,7 @@ def _engine(request: web.Request) -> Any:
 
 
 async def register_engine(request: web.Request) -> web.Response:
+    """POST /v1/engines {"name"} -> 201 {"engine_id"}."""
     body = await _body_json(request)
     name = body.get("name", "engine")
     if not isinstance(name, str):
@@ -244,12 +257,14 @@ async def register_engine(request: web.Request) -> web.Response:
 
 
 async def unregister_engine(request: web.Request) -> web.Response:
+    """DELETE /v1/engines/{id} -> 200; its leases are released; 404 unknown engine."""
     if not _node(request).hotload.unregister_engine(request.match_info["engine_id"]):
         return _error(404, "unknown engine id")
     return _json({"ok": True})
 
 
 async def engine_next(request: web.Request) -> web.Response:
+    """GET /v1/engines/{id}/next?after=&timeout= (s) -> 200 offer with a lease; 204 on timeout."""
     e = _engine(request)
     after = request.query.get("after") or None
     try:
@@ -265,6 +280,7 @@ async def engine_next(request: web.Request) -> web.Response:
 
 
 async def engine_ack(request: web.Request) -> web.Response:
+    """POST /v1/engines/{id}/ack {"identity", "pause_ms" (ms), "error"?} -> 200; 409 never offered."""
     e = _engine(request)
     body = await _body_json(request)
     ident, pause, err = body.get("identity"), body.get("pause_ms"), body.get("error")
@@ -283,6 +299,7 @@ async def engine_ack(request: web.Request) -> web.Response:
 
 
 async def take_lease(request: web.Request) -> web.Response:
+    """POST /v1/snapshots/{id}/leases {"holder"} -> 201 {"lease_id"}; 409 not ready."""
     from bdn.daemon.hotload import HotLoadError
 
     ident = _identity(request)
@@ -298,16 +315,19 @@ async def take_lease(request: web.Request) -> web.Response:
 
 
 async def drop_lease(request: web.Request) -> web.Response:
+    """DELETE /v1/leases/{lease_id} -> 200; 404 unknown lease."""
     if not _node(request).hotload.release(request.match_info["lease_id"]):
         return _error(404, "unknown lease id")
     return _json({"ok": True})
 
 
 async def run_gc(request: web.Request) -> web.Response:
+    """POST /v1/gc -> 200 {"removed": [...], "kept": [...]}."""
     return _json(_node(request).gc())
 
 
 def make_local_app(node: Node) -> web.Application:
+    """The local API application (bind it to loopback or a unix socket only: it has no auth)."""
     app = web.Application()
     app[NODE_KEY] = node
     r = app.router

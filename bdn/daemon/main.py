@@ -42,6 +42,7 @@ class _JsonFormatter(logging.Formatter):
 
 
 def setup_logging(cfg: Config) -> None:
+    """Text or JSON (one object per line, with snapshot/peer fields) logs on stderr."""
     h = logging.StreamHandler(sys.stderr)
     if cfg.log_json:
         h.setFormatter(_JsonFormatter())
@@ -81,6 +82,7 @@ def sd_notify(message: str) -> None:
 
 
 async def serve(cfg: Config) -> int:
+    """Run one daemon until SIGTERM/SIGINT: start the node, both servers, notify systemd; 0 or 1."""
     from bdn.daemon.local_api import make_local_app
     from bdn.daemon.node import Node
     from bdn.daemon.peer_server import make_peer_app
@@ -133,6 +135,7 @@ async def serve(cfg: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``bdnd`` console script: flags -> Config -> serve(). Exit 0, 1 (cannot listen) or 2 (config)."""
     ap = argparse.ArgumentParser(prog="bdnd", description="bdn per-node checkpoint distribution daemon")
     ap.add_argument("--config", help="TOML config file (see deploy/bdnd.toml.example)")
     ap.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///path")

@@ -146,6 +146,7 @@ class Node:
 
     # ---- life ----------------------------------------------------------------------------
     async def start(self) -> None:
+        """Open the peer client, register ready snapshots from shm, start membership rounds."""
         await self.peers.start()
         self._load_ready_from_store()
         self._tasks.append(asyncio.create_task(self._membership_loop(), name="membership"))
@@ -190,6 +191,7 @@ class Node:
             self._tasks.append(asyncio.create_task(self._dns_loop(), name="peers-dns"))
 
     async def stop(self) -> None:
+        """Cancel every task and job (progress is saved), close the peer client and the bucket."""
         self._closing = True
         for t in self._tasks:
             t.cancel()
@@ -322,6 +324,7 @@ class Node:
         return job
 
     async def wait_state(self, identity: str, state: str, timeout: float) -> SnapshotJob | None:
+        """The job once it reaches ``state`` or a terminal state, or after ``timeout`` s; None if unknown."""
         job = self.jobs.get(identity)
         if job is None:
             return None
@@ -660,6 +663,7 @@ class Node:
             del self.by_digest[loc.digest]
 
     def lookup(self, address: str) -> Loc | None:
+        """The verified location of the chunk at swarm ``address`` on this node, or None."""
         return self.by_address.get(address)
 
     async def wait_for_address(self, address: str, wait: float, hint: str | None) -> Loc | None:
@@ -1052,6 +1056,7 @@ class Node:
 
     # ---- views ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
+        """The ``GET /v1/status`` document: node, peers, bucket stats, counters, snapshot records."""
         return {
             "node_id": self.node_id,
             "swarm_id": self.keys.swarm_id,

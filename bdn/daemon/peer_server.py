@@ -78,6 +78,7 @@ def _float_arg(request: web.Request, name: str, default: float, hi: float) -> fl
 
 
 async def get_chunk(request: web.Request) -> web.StreamResponse:
+    """GET chunks/{address}[?wait=S&snapshot=ID] -> 200 bytes, 404 not here, 503 + Retry-After busy."""
     node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
     address = request.match_info["address"]
     if not ADDRESS_RE.match(address):
@@ -178,6 +179,7 @@ async def _send_chunk(request: web.Request, node: Node, address: str, loc: Any) 
 
 
 async def get_have(request: web.Request) -> web.Response:
+    """GET snapshots/{identity}/have[?since=V&wait=S] -> 200 msgpack bitfields; 404 unknown here."""
     node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
     identity = request.match_info["identity"]
     try:
@@ -196,6 +198,7 @@ async def get_have(request: web.Request) -> web.Response:
 
 
 async def post_members(request: web.Request) -> web.Response:
+    """POST members (msgpack {node_id, url, members, target}) -> 200 our view; 400/413 malformed."""
     node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
     try:
         body = await read_body(request.content, MAX_MEMBERS_BODY, request.content_length)
@@ -228,6 +231,7 @@ async def post_hot_load_peer(request: web.Request) -> web.Response:
 
 
 async def get_replica(request: web.Request) -> web.Response:
+    """GET replica -> 200 this replica as the hot-load GET lists it (JSON)."""
     node: Node = request.app[NODE_KEY]  # type: ignore[assignment]
     return web.json_response(node.hotload.replica())
 
