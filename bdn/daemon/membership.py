@@ -24,6 +24,7 @@ class Member:
     inflight: int = 0
     static: bool = False
     extra: dict = field(default_factory=dict)
+    requests: set = field(default_factory=set)  # asyncio tasks of chunk requests in flight to it
 
     @property
     def usable(self) -> bool:
@@ -71,7 +72,12 @@ class Membership:
         if m is not None:
             m.failures += 1
             if m.failures >= self.FAIL_LIMIT:
-                m.alive = False
+                if m.alive:
+                    m.alive = False
+                    # Requests still waiting on a member that just left HRW would otherwise sit out
+                    # their timeouts (a request parked at a dead owner: wait + 10 s of silence).
+                    for t in list(m.requests):
+                        t.cancel()
             if m.failures >= self.FORGET_AFTER and not m.static:
                 del self.members[m.url]
 

@@ -927,9 +927,21 @@ class Node:
                 try:
                     # The buffer is taken only once the peer answers 200: a request parked at an
                     # owner (``wait``) holds no memory.
-                    buf = await self.peers.get_chunk(
+                    req = asyncio.ensure_future(self.peers.get_chunk(
                         m.url, address, ref.length, self.pool.get, wait=wait, snapshot=job.identity
-                    )
+                    ))
+                    m.requests.add(req)
+                    try:
+                        buf = await req
+                    except asyncio.CancelledError:
+                        me = asyncio.current_task()
+                        if me is not None and me.cancelling():
+                            raise  # this acquisition itself is being cancelled
+                        raise PeerError(f"{m.url}: left the swarm while the request waited") from None
+                    finally:
+                        m.requests.discard(req)
+                        if not req.done():
+                            req.cancel()
                 finally:
                     self.inflight["peer"] -= 1
         except PeerBusy:
