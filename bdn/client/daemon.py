@@ -1,6 +1,6 @@
 """``DaemonClient``: a synchronous client of bdnd's local API.
 
-The API is described in /work/notes/local_api.md (and DESIGN.md, "Surfaces"). Serving processes
+The API is described in README.md ("Local API") (and DESIGN.md, "Surfaces"). Serving processes
 are often threaded rather than asyncio, so this client is blocking and uses only the stdlib
 ``http.client`` (no new dependency): one keep-alive connection per thread, reopened once when the
 daemon has closed an idle one.

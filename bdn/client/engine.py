@@ -1,6 +1,6 @@
 """The engine hand-off: how a serving process learns of, loads and acknowledges new snapshots.
 
-Source: /work/notes/local_api.md ("Hot-load and engine hand-off") and DESIGN.md ("Surfaces").
+Source: README.md ("Local API", "Fleet hot-load API") and DESIGN.md ("Surfaces").
 A serving engine registers with its node's bdnd (``EngineLink``), long-polls for the fleet's target
 snapshot once it is READY on this node, prepares the new weights while it keeps serving, pauses,
 swaps, resumes, and acknowledges with the pause it measured; the daemon then reports the replica

@@ -1,6 +1,6 @@
 """Open a READY snapshot directory and read its tensors zero-copy.
 
-A snapshot directory (``<shm_dir>/<swarm_id>/<identity>/``, see /work/notes/local_api.md) is a
+A snapshot directory (``<shm_dir>/<swarm_id>/<identity>/``, see README.md, "How a chunk moves") is a
 complete Hugging Face checkpoint directory plus a ``READY`` marker (bdn/client/ready.py). Tensors
 are found through the safetensors header of every ``*.safetensors`` file the marker lists
 (https://github.com/huggingface/safetensors, "Format"), cross-checked against

@@ -1,7 +1,7 @@
 """A minimal stand-in for bdnd's local API, for tests of bdn.client and bdnctl only.
 
 bdnd is a separate component still being written; this serves the same shapes as
-/work/notes/local_api.md from real READY directories on disk, over a real aiohttp server on
+README.md's local API from real READY directories on disk, over a real aiohttp server on
 127.0.0.1 (and optionally a unix socket) running in a background thread. Snapshot progress is
 simulated: each poll of a pending snapshot advances it one step. The lead replaces it with the real
 daemon once bdnd lands.
