@@ -1,9 +1,11 @@
-"""bdn.client and bdnctl against real READY directories and real HTTP servers.
+"""bdn.client and bdnctl against real READY directories and a real bdnd.
 
-Most tests talk to tests/support/fake_local_api.py (a real aiohttp server on 127.0.0.1 and a unix
-socket serving real files), written while bdnd did not exist yet and kept because it can stage
-states on demand (a failing snapshot, one that never finishes). ``test_against_real_bdnd`` runs
-the client and bdnctl against a real bdnd process fed from a file:// bucket.
+The Snapshot tests open READY directories written here. Every DaemonClient and bdnctl test talks to
+one real bdnd process (module fixture ``bdnd``) on 127.0.0.1 and a unix socket, fed from a file://
+bucket that this module publishes into with bdn.publish. The unhappy paths are real too: a delta
+manifest naming compression_format "arc_v3" fails the snapshot (409), and a never-published
+identity waits for its manifest, so the client's own timeout fires. The bucket is rate-limited
+(BDN_BUCKET_MBIT) so that a larger snapshot takes long enough for progress to be observed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import sys
 import termios
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ml_dtypes
@@ -35,8 +38,11 @@ from bdn.client import (
     open_snapshot,
 )
 from bdn.cli.bdnctl import main as bdnctl_main
+from bdn.proto.chunks import file_digests
 from bdn.proto.errors import ChecksumError, IdentityError, ProtocolError
-from support.fake_local_api import FakeLocalApi, write_ready
+from bdn.publish import publish_delta, publish_full
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import Daemon
 
 BDNCTL = Path(sys.executable).parent / "bdnctl"
 CHUNK = 4096
@@ -44,8 +50,21 @@ SHARD1 = "model-00001-of-00002.safetensors"
 SHARD2 = "model-00002-of-00002.safetensors"
 
 
-def make_snapshot(root: Path, identity: str, policy_version: int, seed: int) -> tuple[Path, dict[str, np.ndarray]]:
-    """A real two-shard HF checkpoint directory (written by the reference safetensors writer) + READY."""
+def write_ready(directory: Path, identity: str, policy_version: int, *, chunk_size: int = CHUNK) -> None:
+    """Write ``directory/READY`` (format bdn.ready/1, README.md) describing every file in ``directory``."""
+    files = [
+        {"path": p.relative_to(directory).as_posix(), "size": p.stat().st_size,
+         "chunks": file_digests(p, chunk_size)}
+        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "READY"
+    ]
+    (directory / "READY").write_text(json.dumps({
+        "format": "bdn.ready/1", "identity": identity, "kind": "full", "policy_version": policy_version,
+        "base_identity": None, "chunk_size": chunk_size, "files": files,
+    }))
+
+
+def write_checkpoint(d: Path, seed: int) -> dict[str, np.ndarray]:
+    """A real two-shard HF checkpoint directory (written by the reference safetensors writer)."""
     rng = np.random.default_rng(seed)
     shard1 = {
         "model.embed_tokens.weight": rng.standard_normal((64, 96), dtype=np.float32).astype(ml_dtypes.bfloat16),
@@ -56,15 +75,21 @@ def make_snapshot(root: Path, identity: str, policy_version: int, seed: int) -> 
         "lm_head.weight": rng.standard_normal((33, 17), dtype=np.float32),
         "model.scale": np.array(1.5, dtype=np.float32),
     }
-    d = root / identity
     d.mkdir(parents=True)
     save_file(shard1, str(d / SHARD1), metadata={"format": "pt"})
     save_file(shard2, str(d / SHARD2), metadata={"format": "pt"})
     weight_map = {name: SHARD1 for name in shard1} | {name: SHARD2 for name in shard2}
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 96}))
+    return shard1 | shard2
+
+
+def make_snapshot(root: Path, identity: str, policy_version: int, seed: int) -> tuple[Path, dict[str, np.ndarray]]:
+    """A real two-shard HF checkpoint directory + READY."""
+    d = root / identity
+    arrays = write_checkpoint(d, seed)
     write_ready(d, identity, policy_version, chunk_size=CHUNK)
-    return d, shard1 | shard2
+    return d, arrays
 
 
 @pytest.fixture
@@ -72,17 +97,76 @@ def snap(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
     return make_snapshot(tmp_path / "shm", "step000002", 2, seed=1)
 
 
-@pytest.fixture
-def api(tmp_path: Path, snap: tuple[Path, dict[str, np.ndarray]]) -> Iterator[FakeLocalApi]:
-    server = FakeLocalApi(unix_path=str(tmp_path / "bdnd.sock"))
-    server.add_ready(snap[0])
-    pending, _ = make_snapshot(tmp_path / "shm", "step000003", 3, seed=2)
-    server.add_pending(pending, steps=4)
-    server.add_failing("step000004", "chunk 3 of model.safetensors: bucket answered 403 Forbidden")
-    server.add_stuck("step000005")
-    server.start()
-    yield server
-    server.stop()
+# Bucket reads are limited to this many Mbit/s so that SLOW_SCALE's snapshot stays in
+# "downloading" across several polls; the small snapshots still arrive in a few ms.
+BUCKET_MBIT = 64
+SLOW_SCALE = 8  # support.checkpoints.make_state scale: about 9.5 MB of tensors
+FAILING = "step000004"  # a delta whose manifest names compression_format "arc_v3"
+UNPUBLISHED = "step000005"  # never written to the bucket: prefetch waits for its manifest
+
+
+@dataclass
+class Bdnd:
+    """One real bdnd and the bucket it reads; ``ready`` is step000002, loaded before the tests."""
+
+    daemon: Daemon
+    bucket: str
+    root: Path
+    socket: Path
+    arrays: dict[str, np.ndarray]
+    ready: Path = Path()
+    swarm_id: str = ""
+    published: set[str] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return self.daemon.url
+
+    def snapshot_dir(self, identity: str) -> Path:
+        return self.daemon.shm_dir / self.swarm_id / identity
+
+    def publish(self, identity: str, policy_version: int, *, slow: bool = False) -> None:
+        """Publish a fresh snapshot (each test its own identity: the daemon is shared)."""
+        assert identity not in self.published, identity
+        self.published.add(identity)
+        src = write_hf_dir(self.root / "trainer" / identity,
+                           make_state(policy_version, scale=SLOW_SCALE if slow else 1), policy_version)
+        publish_full(self.bucket, identity, policy_version, dir=src, chunk_size=64 << 10)
+
+
+@pytest.fixture(scope="module")
+def bdnd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bdnd]:
+    root = tmp_path_factory.mktemp("bdnd")
+    bucket = f"file://{root}/bucket"
+    arrays = write_checkpoint(root / "trainer" / "step000002", seed=1)
+    publish_full(bucket, "step000002", 2, dir=root / "trainer" / "step000002", chunk_size=64 << 10)
+    # A real delta whose manifest then claims a compression format bdn does not have.
+    base = write_hf_dir(root / "trainer" / "step000003-base", make_state(3), 3)
+    publish_full(bucket, "step000001", 1, dir=base, chunk_size=64 << 10)
+    nxt = write_hf_dir(root / "trainer" / FAILING, make_state(4), 4)
+    publish_delta(bucket, FAILING, 4, "step000001", dir=nxt, base_dir=base, chunk_size=64 << 10)
+    manifest = root / "bucket" / FAILING / "bdn.manifest.json"
+    m = json.loads(manifest.read_text())
+    assert m["compression_format"] == "arc_v2"
+    m["compression_format"] = "arc_v3"
+    manifest.write_text(json.dumps(m))
+    sock = root / "bdnd.sock"
+    daemon = Daemon(root / "nodes", "client-node", bucket, extra_env={
+        "BDN_LOAD_STARTUP": "false", "BDN_LOCAL_SOCKET": str(sock),
+        "BDN_MANIFEST_WAIT_S": "3600", "BDN_BUCKET_MBIT": str(BUCKET_MBIT),
+    })
+    b = Bdnd(daemon, bucket, root, sock, arrays, published={"step000001", "step000002", FAILING})
+    try:
+        daemon.start([])
+        daemon.wait_healthy()
+        status, body = daemon.prefetch("step000002")
+        assert status == 202, body
+        b.ready = Path(daemon.wait_ready("step000002", timeout=60)["path"])
+        b.swarm_id = daemon.get("/v1/health")["swarm_id"]
+        assert b.ready == b.snapshot_dir("step000002")
+        yield b
+    finally:
+        daemon.stop()
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -206,22 +290,23 @@ def test_close_releases_mappings(snap: tuple[Path, dict[str, np.ndarray]]) -> No
 
 # -- DaemonClient ---------------------------------------------------------------------------------
 
-def test_health_status_snapshots_over_tcp_and_unix_socket(api: FakeLocalApi, tmp_path: Path) -> None:
-    for url in (api.url, f"unix://{tmp_path / 'bdnd.sock'}"):
+def test_health_status_snapshots_over_tcp_and_unix_socket(bdnd: Bdnd) -> None:
+    for url in (bdnd.url, f"unix://{bdnd.socket}"):
         with DaemonClient(url) as c:
             assert c.health()["status"] == "ok"
-            assert c.status()["node_id"] == "fake-node"
-            assert [s["identity"] for s in c.snapshots()] == ["step000002"]
+            assert c.status()["node_id"] == "client-node"
+            assert "step000002" in [s["identity"] for s in c.snapshots()]
             one = c.snapshot("step000002")
             assert one["state"] == "ready" and one["policy_version"] == 2
+            assert one["path"] == str(bdnd.ready)
             # keep-alive: the same connection serves several requests
             assert c.snapshot("step000002")["identity"] == "step000002"
 
 
-def test_read_file_with_range(api: FakeLocalApi, snap: tuple[Path, dict[str, np.ndarray]]) -> None:
-    d, _ = snap
+def test_read_file_with_range(bdnd: Bdnd) -> None:
+    d = bdnd.ready
     data = (d / SHARD1).read_bytes()
-    with DaemonClient(api.url) as c:
+    with DaemonClient(bdnd.url) as c:
         assert c.read_file("step000002", SHARD1) == data
         assert c.read_file("step000002", SHARD1, offset=100, length=5000) == data[100:5100]
         assert c.read_file("step000002", SHARD1, offset=len(data) - 7) == data[-7:]
@@ -229,13 +314,12 @@ def test_read_file_with_range(api: FakeLocalApi, snap: tuple[Path, dict[str, np.
         assert {f["path"] for f in c.list_files("step000002")} == set(open_snapshot(d).files())
         with pytest.raises(DaemonError) as exc:
             c.read_file("step000002", "nope.bin")
-        assert exc.value.status == 404 and str(exc.value) == "no file 'nope.bin' in snapshot step000002"
+        assert exc.value.status == 404 and str(exc.value) == "snapshot 'step000002' has no file 'nope.bin'"
 
 
-def test_read_tensor(api: FakeLocalApi, snap: tuple[Path, dict[str, np.ndarray]]) -> None:
-    _, arrays = snap
-    with DaemonClient(api.url) as c:
-        for name, src in arrays.items():
+def test_read_tensor(bdnd: Bdnd) -> None:
+    with DaemonClient(bdnd.url) as c:
+        for name, src in bdnd.arrays.items():
             got = c.read_tensor("step000002", name)
             assert got.dtype == src.dtype and got.shape == src.shape
             assert got.tobytes() == src.tobytes()
@@ -244,23 +328,24 @@ def test_read_tensor(api: FakeLocalApi, snap: tuple[Path, dict[str, np.ndarray]]
         assert exc.value.status == 404 and "no.such.tensor" in str(exc.value)
 
 
-def test_daemon_errors_carry_status_and_message(api: FakeLocalApi) -> None:
-    with DaemonClient(api.url) as c:
+def test_daemon_errors_carry_status_and_message(bdnd: Bdnd) -> None:
+    with DaemonClient(bdnd.url) as c:
         with pytest.raises(DaemonError) as exc:
             c.snapshot("step999999")
         assert exc.value.status == 404
-        assert str(exc.value) == "snapshot step999999 is not known to this daemon"
-        c.prefetch("step000003")  # known now, but not ready
+        assert str(exc.value).startswith("snapshot 'step999999' is not known to this daemon")
+        c.prefetch(UNPUBLISHED)  # known now, but not ready (its manifest never comes)
         with pytest.raises(DaemonError) as exc:
-            c.read_file("step000003", SHARD1)
+            c.read_file(UNPUBLISHED, SHARD1)
         assert exc.value.status == 409 and "not ready" in str(exc.value)
         with pytest.raises(IdentityError):
             c.snapshot("../etc")  # refused before anything is sent
 
 
-def test_prefetch_wait_and_open(api: FakeLocalApi) -> None:
+def test_prefetch_wait_and_open(bdnd: Bdnd) -> None:
+    bdnd.publish("step000003", 3, slow=True)
     seen: list[int] = []
-    with DaemonClient(api.url) as c:
+    with DaemonClient(bdnd.url) as c:
         first = c.prefetch("step000003")
         assert first["state"] in ("queued", "downloading")
         ready = c.wait("step000003", timeout=30, poll=0.05, on_update=lambda s: seen.append(s["bytes_done"]))
@@ -271,16 +356,17 @@ def test_prefetch_wait_and_open(api: FakeLocalApi) -> None:
             s.verify()
 
 
-def test_wait_failed_and_timeout(api: FakeLocalApi) -> None:
-    with DaemonClient(api.url) as c:
-        c.prefetch("step000004")
+def test_wait_failed_and_timeout(bdnd: Bdnd) -> None:
+    with DaemonClient(bdnd.url) as c:
+        c.prefetch(FAILING)
         with pytest.raises(SnapshotFailed) as exc:
-            c.wait("step000004", timeout=30, poll=0.05)
-        assert exc.value.reason == "chunk 3 of model.safetensors: bucket answered 403 Forbidden"
+            c.wait(FAILING, timeout=30, poll=0.05)
+        assert "arc_v3" in exc.value.reason and "\n" not in exc.value.reason
         assert exc.value.snapshot is not None and exc.value.snapshot["state"] == "failed"
-        c.prefetch("step000005")
-        with pytest.raises(TimeoutError, match="step000005 not ready"):
-            c.wait("step000005", timeout=0.3, poll=0.05)
+        assert exc.value.snapshot["reason"] == exc.value.reason
+        c.prefetch(UNPUBLISHED)
+        with pytest.raises(TimeoutError, match=f"{UNPUBLISHED} not ready"):
+            c.wait(UNPUBLISHED, timeout=0.3, poll=0.05)
 
 
 def test_unreachable_daemon() -> None:
@@ -302,38 +388,41 @@ def run_bdnctl(*args: str, url: str | None = None) -> subprocess.CompletedProces
     return subprocess.run([str(BDNCTL), *args], capture_output=True, text=True, env=env, timeout=60)
 
 
-def test_bdnctl_snapshots_and_status(api: FakeLocalApi) -> None:
-    r = run_bdnctl("snapshots", url=api.url)
+def test_bdnctl_snapshots_and_status(bdnd: Bdnd) -> None:
+    r = run_bdnctl("snapshots", url=bdnd.url)
     assert r.returncode == 0, r.stderr
-    header, row = r.stdout.splitlines()[:2]
+    header, *rows = r.stdout.splitlines()
     assert header.split() == ["IDENTITY", "KIND", "POLICY_VERSION", "STATE", "PROGRESS", "PATH"]
-    assert row.split()[:5] == ["step000002", "full", "2", "ready", "100%"]
-    r = run_bdnctl("--url", api.url, "--json", "snapshots")
-    assert r.returncode == 0 and json.loads(r.stdout)["snapshots"][0]["identity"] == "step000002"
-    r = run_bdnctl("status", url=api.url)
-    assert r.returncode == 0 and "fake-node" in r.stdout and "peer-1" in r.stdout
-    assert json.loads(run_bdnctl("--json", "status", url=api.url).stdout)["swarm_id"] == "0123456789abcdef"
+    row = next(line for line in rows if line.startswith("step000002 "))
+    assert row.split() == ["step000002", "full", "2", "ready", "100%", str(bdnd.ready)]
+    r = run_bdnctl("--url", bdnd.url, "--json", "snapshots")
+    assert r.returncode == 0
+    assert "step000002" in [s["identity"] for s in json.loads(r.stdout)["snapshots"]]
+    r = run_bdnctl("status", url=bdnd.url)
+    assert r.returncode == 0 and "client-node" in r.stdout and bdnd.bucket in r.stdout
+    assert json.loads(run_bdnctl("--json", "status", url=bdnd.url).stdout)["swarm_id"] == bdnd.swarm_id
 
 
-def test_bdnctl_prefetch_wait_exit_codes(api: FakeLocalApi, tmp_path: Path) -> None:
-    r = run_bdnctl("prefetch", "step000003", "--wait", "--timeout", "60", url=api.url)
+def test_bdnctl_prefetch_wait_exit_codes(bdnd: Bdnd) -> None:
+    bdnd.publish("step000013", 13)
+    r = run_bdnctl("prefetch", "step000013", "--wait", "--timeout", "60", url=bdnd.url)
     assert r.returncode == 0, r.stderr
-    assert re.fullmatch(rf"step000003 ready in [0-9.]+ s: {re.escape(str(tmp_path / 'shm' / 'step000003'))}",
+    assert re.fullmatch(rf"step000013 ready in [0-9.]+ s: {re.escape(str(bdnd.snapshot_dir('step000013')))}",
                         r.stdout.strip())
-    r = run_bdnctl("prefetch", "step000004", "--wait", url=api.url)
+    r = run_bdnctl("prefetch", FAILING, "--wait", url=bdnd.url)
     assert r.returncode == 1
-    assert r.stderr.strip().splitlines()[-1] == (
-        "bdnctl: error: step000004 failed: chunk 3 of model.safetensors: bucket answered 403 Forbidden"
-    )
-    r = run_bdnctl("prefetch", "step000005", "--wait", "--timeout", "0.3", url=api.url)
-    assert r.returncode == 1 and "step000005 not ready" in r.stderr
-    r = run_bdnctl("prefetch", "step000006", url=api.url)
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"bdnctl: error: {FAILING} failed: ") and "arc_v3" in last
+    r = run_bdnctl("prefetch", UNPUBLISHED, "--wait", "--timeout", "0.3", url=bdnd.url)
+    assert r.returncode == 1 and f"{UNPUBLISHED} not ready" in r.stderr
+    r = run_bdnctl("prefetch", "step000006", url=bdnd.url)
     assert r.returncode == 0 and "step000006" in r.stdout
-    r = run_bdnctl("--json", "prefetch", "step000005", "--wait", "--timeout", "0.2", url=api.url)
+    r = run_bdnctl("--json", "prefetch", UNPUBLISHED, "--wait", "--timeout", "0.2", url=bdnd.url)
     assert r.returncode == 1 and json.loads(r.stdout)["exit_code"] == 1
 
 
-def test_bdnctl_prefetch_shows_progress_bar_on_a_terminal(api: FakeLocalApi) -> None:
+def test_bdnctl_prefetch_shows_progress_bar_on_a_terminal(bdnd: Bdnd) -> None:
+    bdnd.publish("step000023", 23, slow=True)  # about a second through the rate-limited bucket
     master, slave = pty.openpty()
     # A fresh pty is 0 columns wide, and tqdm draws nothing into 0 columns.
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
@@ -352,32 +441,34 @@ def test_bdnctl_prefetch_shows_progress_bar_on_a_terminal(api: FakeLocalApi) -> 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     env = {k: v for k, v in os.environ.items() if k != "BDN_URL"}
-    proc = subprocess.run([str(BDNCTL), "--url", api.url, "prefetch", "step000003", "--wait"],
+    proc = subprocess.run([str(BDNCTL), "--url", bdnd.url, "prefetch", "step000023", "--wait"],
                           stdout=subprocess.PIPE, stderr=slave, env=env, text=True, timeout=60)
     os.close(slave)
     reader.join(10)
     os.close(master)
     bar = b"".join(chunks).decode("utf-8", "replace")
     assert proc.returncode == 0
-    assert "step000003:" in bar and "%|" in bar and "downloading" in bar
-    assert proc.stdout.startswith("step000003 ready in ")
+    assert "step000023:" in bar and "%|" in bar and "downloading" in bar
+    assert proc.stdout.startswith("step000023 ready in ")
 
 
-def test_bdnctl_verify(api: FakeLocalApi, snap: tuple[Path, dict[str, np.ndarray]]) -> None:
-    d, _ = snap
-    r = run_bdnctl("verify", "step000002", url=api.url)
+def test_bdnctl_verify(bdnd: Bdnd) -> None:
+    bdnd.publish("step000033", 33)  # its own snapshot: this test damages it
+    assert bdnd.daemon.prefetch("step000033")[0] == 202
+    d = Path(bdnd.daemon.wait_ready("step000033", timeout=60)["path"])
+    r = run_bdnctl("verify", "step000033", url=bdnd.url)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("step000002 ok: 4 files")
+    assert r.stdout.startswith("step000033 ok: 5 files")
     assert run_bdnctl("verify", str(d)).returncode == 0  # a directory needs no daemon
     flip_byte(d / SHARD2, 9)
-    r = run_bdnctl("verify", "step000002", url=api.url)
+    r = run_bdnctl("verify", "step000033", url=bdnd.url)
     assert r.returncode == 1
     assert r.stderr.startswith("bdnctl: error: ") and SHARD2 in r.stderr and "chunk 0 " in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_bdnctl_usage_and_unreachable_exit_codes(api: FakeLocalApi, capsys: pytest.CaptureFixture[str]) -> None:
-    r = run_bdnctl(url=api.url)
+def test_bdnctl_usage_and_unreachable_exit_codes(bdnd: Bdnd, capsys: pytest.CaptureFixture[str]) -> None:
+    r = run_bdnctl(url=bdnd.url)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     url = f"http://127.0.0.1:{free_port()}"
     r = run_bdnctl("status", url=url)
@@ -386,10 +477,10 @@ def test_bdnctl_usage_and_unreachable_exit_codes(api: FakeLocalApi, capsys: pyte
     r = run_bdnctl("--json", "snapshots", url=url)
     assert r.returncode == 3 and json.loads(r.stdout)["exit_code"] == 3
     # The rest in-process (same main(), no interpreter start-up each time).
-    assert bdnctl_main(["--url", api.url, "frobnicate"]) == 2
-    assert bdnctl_main(["--url", api.url, "prefetch", "a/b"]) == 2
+    assert bdnctl_main(["--url", bdnd.url, "frobnicate"]) == 2
+    assert bdnctl_main(["--url", bdnd.url, "prefetch", "a/b"]) == 2
     assert bdnctl_main(["--url", "ftp://x", "status"]) == 2
-    assert bdnctl_main(["--url", api.url, "prefetch", "step000003", "--timeout", "-1", "--wait"]) == 2
+    assert bdnctl_main(["--url", bdnd.url, "prefetch", "step000003", "--timeout", "-1", "--wait"]) == 2
     assert bdnctl_main(["--url", "unix:///nonexistent/bdnd.sock", "status"]) == 3
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 5 and all(line.startswith("bdnctl: error: ") for line in err)
@@ -398,10 +489,10 @@ def test_bdnctl_usage_and_unreachable_exit_codes(api: FakeLocalApi, capsys: pyte
     assert exc.value.code == 0
 
 
-def test_bdnctl_main_in_process(api: FakeLocalApi, capsys: pytest.CaptureFixture[str]) -> None:
-    assert bdnctl_main(["--url", api.url, "snapshots"]) == 0
+def test_bdnctl_main_in_process(bdnd: Bdnd, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bdnctl_main(["--url", bdnd.url, "snapshots"]) == 0
     assert "step000002" in capsys.readouterr().out
-    assert bdnctl_main(["--url", api.url, "verify", "step999999"]) == 1
+    assert bdnctl_main(["--url", bdnd.url, "verify", "step999999"]) == 1
     assert "404" in capsys.readouterr().err
 
 
