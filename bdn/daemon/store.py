@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import msgpack
@@ -38,6 +39,7 @@ class Store:
 
     def __init__(self, shm_dir: str | os.PathLike[str], swarm_id: str) -> None:
         self.root = Path(shm_dir) / swarm_id
+        self._reserve_lock = threading.Lock()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / STAGING).mkdir(exist_ok=True)
         (self.root / STORED).mkdir(exist_ok=True)
@@ -93,6 +95,11 @@ class Store:
         return ""
 
     def prepare_staging(self, m: Manifest) -> None:
+        """Reserve a snapshot's staging files, one snapshot at a time (see ``_prepare_staging``)."""
+        with self._reserve_lock:
+            self._prepare_staging(m)
+
+    def _prepare_staging(self, m: Manifest) -> None:
         """Create the staging files at their final sizes, with their space reserved up front.
 
         The space is allocated (``posix_fallocate``) rather than left sparse: a full tmpfs must
@@ -101,6 +108,8 @@ class Store:
         Raises:
             ProtocolError: the file system cannot hold the snapshot (message gives the numbers).
         """
+        # (called under _reserve_lock: two snapshots reserving at once would both pass the
+        # free-space check, both run out half-way, and both fail)
         self.discard(m.identity)
         need = self.space_needed(m)
         free = self.free_bytes()
