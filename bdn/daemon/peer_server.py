@@ -120,6 +120,19 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
                 del node.uploads_by_address[address]
 
 
+def _has_sendfile(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` implements ``sendfile`` (asyncio's selector loop does; uvloop inherits the
+    abstract method and would raise on every call). Decided once per loop class, off the hot path."""
+    cls = type(loop)
+    cached = _SENDFILE.get(cls)
+    if cached is None:
+        cached = _SENDFILE[cls] = cls.sendfile is not asyncio.AbstractEventLoop.sendfile
+    return cached
+
+
+_SENDFILE: dict[type, bool] = {}
+
+
 def _open_chunk_file(loc: Any) -> int | None:
     """Open the file holding ``loc``. A snapshot's staging directory is renamed to its ready
     directory when it completes; the rename and the job's state change are not one step, so the
@@ -156,13 +169,13 @@ async def _send_chunk(request: web.Request, node: Node, address: str, loc: Any) 
         loop = asyncio.get_running_loop()
         transport = request.transport
         sent = False
-        if transport is not None:
+        if transport is not None and _has_sendfile(loop):
             try:
                 with os.fdopen(os.dup(fd), "rb") as f:
                     await loop.sendfile(transport, f, loc.offset, loc.length, fallback=False)
                 sent = True
-            except (NotImplementedError, RuntimeError, AttributeError):
-                sent = False  # uvloop has no sendfile: fall back to pread + write below
+            except RuntimeError:
+                sent = False  # a transport sendfile cannot use (e.g. TLS): pread + write below
         if not sent:
             data = await loop.run_in_executor(node.io, os.pread, fd, loc.length, loc.offset)
             await resp.write(data)
