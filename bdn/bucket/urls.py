@@ -46,6 +46,31 @@ def open_bucket(
 
     Raises :class:`BucketError` for an unusable URL or credentials file.
     """
+    scheme, where, prefix = check_bucket_url(url)
+    if scheme == "file":
+        return FileBucket(url, where)
+    credentials = load_credentials_file(credentials_file) if credentials_file else None
+    return S3Bucket(
+        url,
+        bucket=where,
+        prefix=prefix,
+        gcs=scheme == "gs",
+        credentials=credentials,
+        endpoint_url=endpoint_url,
+        max_concurrency=max_concurrency,
+        max_attempts=max_attempts,
+        multipart_threshold=multipart_threshold,
+        multipart_chunksize=multipart_chunksize,
+        retry_backoff_scale=retry_backoff_scale,
+    )
+
+
+def check_bucket_url(url: str) -> tuple[str, str, str]:
+    """Validate a bucket URL without opening anything: ``(scheme, root or bucket, prefix)``.
+
+    ``file:///abs/path`` -> ``("file", "/abs/path", "")``; ``s3://b/p`` -> ``("s3", "b", "p")``.
+    Raises :class:`BucketError` naming what is wrong (bdnd's config check calls this at load).
+    """
     if not isinstance(url, str) or not url:
         raise BucketError("bucket URL is empty")
     if any(ord(c) < 0x20 for c in url):
@@ -62,7 +87,7 @@ def open_bucket(
             raise BucketError(f"file bucket URL must be file:///absolute/path, got {url!r}")
         if "\x00" in root:
             raise BucketError(f"file bucket URL contains NUL: {url!r}")
-        return FileBucket(url, root)
+        return scheme, root, ""
     if scheme in ("s3", "gs"):
         bucket = parts.netloc
         if not _BUCKET_NAME.fullmatch(bucket):
@@ -73,18 +98,5 @@ def open_bucket(
                 validate_key(prefix)
             except PathError as exc:
                 raise BucketError(f"bad prefix in bucket URL {url!r}: {exc}") from None
-        credentials = load_credentials_file(credentials_file) if credentials_file else None
-        return S3Bucket(
-            url,
-            bucket=bucket,
-            prefix=prefix,
-            gcs=scheme == "gs",
-            credentials=credentials,
-            endpoint_url=endpoint_url,
-            max_concurrency=max_concurrency,
-            max_attempts=max_attempts,
-            multipart_threshold=multipart_threshold,
-            multipart_chunksize=multipart_chunksize,
-            retry_backoff_scale=retry_backoff_scale,
-        )
+        return scheme, bucket, prefix
     raise BucketError(f"unsupported bucket URL {url!r}: use file:///path, s3://bucket/prefix or gs://bucket/prefix")

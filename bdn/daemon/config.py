@@ -16,59 +16,79 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from bdn.bucket.base import BucketError
+from bdn.bucket.urls import check_bucket_url
 from bdn.proto.errors import BdnError
+from bdn.proto.keys import NODE_ID_RE
 
 
 class ConfigError(BdnError):
     """The configuration is invalid (message names the key or file)."""
 
 
+#: ``BDN_*`` variables that other parts of bdn read; bdnd ignores them instead of refusing them.
+FOREIGN_ENV = frozenset({
+    "BDN_URL",  # bdnctl / bdn.client: the local API to talk to
+    "BDN_GCS_ENDPOINT_URL",  # bdn.bucket: GCS XML API endpoint override
+    "BDN_PEERS_SERVICE",  # deploy/k8s: the headless Service the entrypoint resolves
+    "BDN_DEMO_SECRET",  # examples/demo.py
+})
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Lower bounds of numeric keys (inclusive); every other number must be >= 0.
+_MINIMUM: dict[str, float] = {
+    "max_inflight": 1, "bucket_concurrency": 1, "max_uploads": 1, "uploads_per_chunk": 1,
+    "max_per_peer": 1, "peer_timeout_s": 0.001, "manifest_poll_s": 0.001, "progress_interval_s": 0.001,
+    "peers_dns_interval_s": 0.001,
+}
+
+
 @dataclass
 class Config:
     """Every bdnd option, with its default. Units are in the names (``_s`` seconds, ``_bytes``)."""
 
-    bucket: str = ""  # origin: s3://b/prefix, gs://b/prefix or file:///path (required)
-    partition_secret: str = field(default="", repr=False)  # prefer partition_secret_file
-    partition_secret_file: str = ""  # file holding the partition secret
-    node_id: str = ""  # default: the hostname
-    peer_listen: str = "0.0.0.0:7080"  # host:port of the peer (swarm) server
-    advertise_url: str = ""  # URL peers use to reach this daemon; default http://<host>:<port>
-    local_listen: str = "127.0.0.1:7081"  # loopback host:port of the local API ("" = off)
-    local_socket: str = ""  # optional unix socket path for the local API
-    peers: list[str] = field(default_factory=list)  # static peer URLs (http://host:port)
-    shm_dir: str = "/dev/shm/bdn"  # snapshots are rebuilt under <shm_dir>/<swarm_id>/
-    credentials_file: str = ""  # reader credentials JSON (aws_access_key_id, ...)
-    endpoint_url: str = ""  # S3 API endpoint override (else AWS_ENDPOINT_URL / default)
-    require_manifest: bool = True  # wait for bdn.manifest.json before loading a snapshot
-    load_startup: bool = True  # load STARTUP_SNAPSHOT on start
-    startup_settle_s: float = 5.0  # at start, wait up to this long for static peers to answer
-    max_inflight: int = 16  # chunk transfers in flight per snapshot
-    bucket_concurrency: int = 4  # concurrent bucket requests (few: an owner's chunks then finish
-    # one after another and flow to peers at once, instead of all finishing together at the end)
-    chunk_wait_s: float = 30.0  # how long an owner may hold a chunk request while it fetches
-    owner_patience_s: float = 600.0  # keep asking a live owner that answers "still fetching" this long
-    max_uploads: int = 8  # chunk uploads served at once; beyond, 503 sends askers to other holders
-    uploads_per_chunk: int = 2  # peers served one chunk at once; others are sent to holders (fan-out tree)
-    manifest_wait_s: float = 600.0  # how long a prefetch waits for the manifest to appear
-    manifest_poll_s: float = 1.0  # how often it looks
-    peer_timeout_s: float = 60.0  # one peer request (after any wait)
-    penalty_s: float = 30.0  # how long a peer that sent bad bytes is skipped
-    apply_workers: int = 0  # threads decoding deltas (0 = one per core)
-    keep_ready: int = 2  # GC keeps this many newest ready snapshots (plus leased/current/target)
-    gc_grace_s: float = 60.0  # a snapshot that just became ready is kept at least this long
-    shm_budget_bytes: int = 0  # most bytes of snapshots (rebuilt + stored diffs) in shm; 0 = no budget
-    peer_upload_mbit: float = 0.0  # limit on chunk bytes served to peers, Mbit/s; 0 = none
-    peer_download_mbit: float = 0.0  # limit on chunk bytes fetched from peers, Mbit/s; 0 = none
-    bucket_mbit: float = 0.0  # limit on chunk bytes read from the bucket, Mbit/s; 0 = none
-    max_per_peer: int = 4  # chunk requests in flight to any one peer
-    endgame_chunks: int = 4  # when this few chunks are left, ask a second source for each
-    peers_dns: str = ""  # host:port whose DNS A/AAAA records are all the daemons (k8s headless Service)
-    peers_dns_interval_s: float = 10.0  # how often peers_dns is re-resolved
-    progress_interval_s: float = 0.5  # how often download progress is persisted for resume
-    api_token: str = field(default="", repr=False)  # bearer token for the fleet hot-load API
-    api_token_file: str = ""
-    log_level: str = "info"
-    log_json: bool = False
+    bucket: str = field(default="", metadata={"help": 'origin: s3://b/prefix, gs://b/prefix or file:///path (required)'})
+    partition_secret: str = field(default="", repr=False, metadata={"help": 'the partition secret itself (prefer partition_secret_file; not a flag: it would show in ps)'})
+    partition_secret_file: str = field(default="", metadata={"help": 'file holding the partition secret'})
+    node_id: str = field(default="", metadata={"help": 'this daemon\'s name in the swarm (default: the hostname)'})
+    peer_listen: str = field(default="0.0.0.0:7080", metadata={"help": 'host:port of the peer (swarm) server'})
+    advertise_url: str = field(default="", metadata={"help": 'URL peers use to reach this daemon; default http://<host>:<port>'})
+    local_listen: str = field(default="127.0.0.1:7081", metadata={"help": 'loopback host:port of the local API ("" = only local_socket)'})
+    local_socket: str = field(default="", metadata={"help": 'optional unix socket path for the local API'})
+    peers: list[str] = field(default_factory=list, metadata={"help": 'static peer URLs (http://host:port)'})
+    shm_dir: str = field(default="/dev/shm/bdn", metadata={"help": 'snapshots are rebuilt under <shm_dir>/<swarm_id>/'})
+    credentials_file: str = field(default="", metadata={"help": 'reader credentials JSON (aws_access_key_id, ...)'})
+    endpoint_url: str = field(default="", metadata={"help": 'S3 API endpoint override (else AWS_ENDPOINT_URL / default)'})
+    require_manifest: bool = field(default=True, metadata={"help": 'wait for bdn.manifest.json before loading a snapshot'})
+    load_startup: bool = field(default=True, metadata={"help": 'load STARTUP_SNAPSHOT on start'})
+    startup_settle_s: float = field(default=5.0, metadata={"help": 'at start, wait up to this long for static peers to answer'})
+    max_inflight: int = field(default=16, metadata={"help": 'chunk transfers in flight per snapshot'})
+    bucket_concurrency: int = field(default=4, metadata={"help": "concurrent bucket requests (few: an owner's chunks then finish one after another and flow to peers at once, instead of all finishing together at the end)"})
+    chunk_wait_s: float = field(default=30.0, metadata={"help": 'how long an owner may hold a chunk request while it fetches'})
+    owner_patience_s: float = field(default=600.0, metadata={"help": 'keep asking a live owner that answers "still fetching" this long'})
+    max_uploads: int = field(default=8, metadata={"help": 'chunk uploads served at once; beyond, 503 sends askers to other holders'})
+    uploads_per_chunk: int = field(default=2, metadata={"help": 'peers served one chunk at once; others are sent to holders (fan-out tree)'})
+    manifest_wait_s: float = field(default=600.0, metadata={"help": 'how long a prefetch waits for the manifest to appear'})
+    manifest_poll_s: float = field(default=1.0, metadata={"help": 'how often a waiting prefetch looks for the manifest'})
+    peer_timeout_s: float = field(default=60.0, metadata={"help": 'one peer request (after any wait)'})
+    penalty_s: float = field(default=30.0, metadata={"help": 'how long a peer that sent bad bytes is skipped'})
+    apply_workers: int = field(default=0, metadata={"help": 'threads decoding deltas (0 = one per core)'})
+    keep_ready: int = field(default=2, metadata={"help": 'GC keeps this many newest ready snapshots (plus leased/current/target)'})
+    gc_grace_s: float = field(default=60.0, metadata={"help": 'a snapshot that just became ready is kept at least this long'})
+    shm_budget_bytes: int = field(default=0, metadata={"help": 'most bytes of snapshots (rebuilt + stored diffs) in shm; 0 = no budget'})
+    peer_upload_mbit: float = field(default=0.0, metadata={"help": 'limit on chunk bytes served to peers, Mbit/s; 0 = none'})
+    peer_download_mbit: float = field(default=0.0, metadata={"help": 'limit on chunk bytes fetched from peers, Mbit/s; 0 = none'})
+    bucket_mbit: float = field(default=0.0, metadata={"help": 'limit on chunk bytes read from the bucket, Mbit/s; 0 = none'})
+    max_per_peer: int = field(default=4, metadata={"help": 'chunk requests in flight to any one peer'})
+    endgame_chunks: int = field(default=4, metadata={"help": 'when this few chunks are left, ask a second source for each'})
+    peers_dns: str = field(default="", metadata={"help": 'host:port whose DNS A/AAAA records are all the daemons (k8s headless Service)'})
+    peers_dns_interval_s: float = field(default=10.0, metadata={"help": 'how often peers_dns is re-resolved'})
+    progress_interval_s: float = field(default=0.5, metadata={"help": 'how often download progress is persisted for resume'})
+    api_token: str = field(default="", repr=False, metadata={"help": 'bearer token for the fleet hot-load API (prefer api_token_file; not a flag)'})
+    api_token_file: str = field(default="", metadata={"help": 'file holding the bearer token of the fleet hot-load API'})
+    log_level: str = field(default="info", metadata={"help": 'debug, info, warning, error or critical'})
+    log_json: bool = field(default=False, metadata={"help": 'one JSON object per log line'})
+    local_allow_remote: bool = field(default=False, metadata={"help": 'allow local_listen on a non-loopback address (the local API has no auth)'})
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -93,17 +113,28 @@ class Config:
                 raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-            if set(data) == {"bdnd"} and isinstance(data["bdnd"], dict):
+            if "bdnd" in data and isinstance(data["bdnd"], dict):
+                others = sorted(k for k in data if k != "bdnd")
+                if others:
+                    raise ConfigError(
+                        f"{path}: keys outside the [bdnd] table: {', '.join(others)} (put every key "
+                        "in [bdnd], or use flat keys without a table)"
+                    )
                 data = data["bdnd"]
+            for k, v in data.items():
+                if isinstance(v, dict):
+                    raise ConfigError(f"{path}: unknown table [{k}] (bdnd reads flat keys or one [bdnd] table)")
             for k, v in data.items():
                 cfg._set(k, v, hints, f"{path}: ")
         env = os.environ if env is None else env
         for k, v in env.items():
             if not k.startswith("BDN_") or k in ("BDN_URL",):
                 continue
+            if k in FOREIGN_ENV:
+                continue  # read by bdnctl, the bucket layer or the deploy scripts, not by bdnd
             name = k[4:].lower()
             if name not in hints:
-                continue  # other BDN_* variables belong to the CLIs
+                raise ConfigError(f"environment {k}: unknown variable (bdnd reads BDN_<KEY> for its config keys; see bdnd --help)")
             cfg._set(name, _from_env(v, hints[name], k), hints, f"environment {k}: ")
         for k, v in (overrides or {}).items():
             if v is not None:
@@ -130,6 +161,17 @@ class Config:
     def _finish(self) -> None:
         if not self.bucket:
             raise ConfigError("config key 'bucket' is required (s3://, gs:// or file:// URL)")
+        _check_bucket_url(self.bucket)
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ConfigError(f"config key 'log_level' must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                lo = _MINIMUM.get(f.name, 0)
+                if v < lo or v != v:
+                    raise ConfigError(f"config key {f.name!r} must be >= {lo:g}, got {v!r}")
+        if not self.local_listen and not self.local_socket:
+            raise ConfigError("the local API needs local_listen (loopback host:port) or local_socket (a path)")
         if self.partition_secret_file:
             self.partition_secret = _read_secret(self.partition_secret_file, "partition_secret_file")
         if not self.partition_secret:
@@ -141,17 +183,19 @@ class Config:
             self.api_token = _read_secret(self.api_token_file, "api_token_file")
         if not self.node_id:
             self.node_id = socket.gethostname()
-        from bdn.proto.keys import NODE_ID_RE
-
         if not NODE_ID_RE.match(self.node_id):
             raise ConfigError(f"config key 'node_id' must match {NODE_ID_RE.pattern}, got {self.node_id!r}")
         for key in ("peer_listen", "local_listen"):
             v = getattr(self, key)
             if v and _split_hostport(v, key) is None:
                 raise ConfigError(f"config key {key!r} must be host:port, got {v!r}")
-        for key in ("max_inflight", "bucket_concurrency"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key {key!r} must be >= 1")
+        if self.local_listen and not self.local_allow_remote:
+            lhost = _split_hostport(self.local_listen, "local_listen")[0]  # type: ignore[index]
+            if lhost not in LOOPBACK_HOSTS and not lhost.startswith("127."):
+                raise ConfigError(
+                    f"config key 'local_listen' is {self.local_listen!r}, not a loopback address: the local "
+                    "API has no authentication; set local_allow_remote = true to allow it anyway"
+                )
         if not self.advertise_url:
             host, port = _split_hostport(self.peer_listen, "peer_listen")  # type: ignore[misc]
             if host in ("0.0.0.0", "::", ""):
@@ -160,6 +204,16 @@ class Config:
         self.peers = [p.rstrip("/") for p in self.peers if p.strip()]
         if self.apply_workers <= 0:
             self.apply_workers = os.cpu_count() or 2
+
+    @classmethod
+    def keys(cls) -> list[tuple[str, Any, Any, str]]:
+        """Every config key as ``(name, type, default, help)``, in declaration order (for --help)."""
+        hints = get_type_hints(cls)
+        out = []
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            out.append((f.name, hints[f.name], default, f.metadata.get("help", "")))
+        return out
 
     def public_dict(self) -> dict[str, Any]:
         """The configuration without secrets, for logs and the status endpoint."""
@@ -191,14 +245,34 @@ def _from_env(v: str, t: Any, name: str) -> Any:
         if v.lower() in ("0", "false", "no", "off", ""):
             return False
         raise ConfigError(f"environment {name}: expected true/false, got {v!r}")
-    if t is int or t is float:
+    if t is float:
         try:
-            return t(v)
+            return float(v)
         except ValueError:
             raise ConfigError(f"environment {name}: expected a number, got {v!r}") from None
+    if t is int:
+        try:
+            return int(v)
+        except ValueError:
+            pass
+        try:
+            f = float(v)  # 1e9, 4.0: integral values written as floats are fine
+        except ValueError:
+            f = float("nan")
+        if f == f and f not in (float("inf"), float("-inf")) and f == int(f):
+            return int(f)
+        raise ConfigError(f"environment {name}: expected an integer, got {v!r}")
     if t == list[str]:
         return [x.strip() for x in v.split(",") if x.strip()]
     return v
+
+
+def _check_bucket_url(url: str) -> None:
+    """Refuse a malformed bucket URL at load time, with the reason the bucket layer gives."""
+    try:
+        check_bucket_url(url)
+    except BucketError as e:
+        raise ConfigError(f"config key 'bucket': {e}") from None
 
 
 def _read_secret(path: str, key: str) -> str:

@@ -18,6 +18,7 @@ import time
 
 from aiohttp import web
 
+from bdn import __version__
 from bdn.daemon.config import Config, ConfigError, split_hostport
 from bdn.proto.errors import BdnError
 
@@ -31,6 +32,7 @@ class _JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
+            "node_id": _NODE_ID,
         }
         for key in ("snapshot", "peer"):
             value = getattr(record, key, None)
@@ -41,8 +43,15 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(out)
 
 
+_NODE_ID = ""
+# Libraries whose INFO lines are not the daemon's news (botocore logs every credential lookup).
+QUIET_LOGGERS = ("aiohttp.access", "botocore", "boto3", "s3transfer", "urllib3")
+
+
 def setup_logging(cfg: Config) -> None:
-    """Text or JSON (one object per line, with snapshot/peer fields) logs on stderr."""
+    """Text or JSON (one object per line, with node_id and snapshot/peer fields) logs on stderr."""
+    global _NODE_ID
+    _NODE_ID = cfg.node_id
     h = logging.StreamHandler(sys.stderr)
     if cfg.log_json:
         h.setFormatter(_JsonFormatter())
@@ -54,7 +63,8 @@ def setup_logging(cfg: Config) -> None:
     root = logging.getLogger()
     root.handlers[:] = [h]
     root.setLevel(cfg.log_level.upper())
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _raise_fd_limit() -> None:
@@ -134,33 +144,46 @@ async def serve(cfg: Config) -> int:
     return 0
 
 
+SECRET_KEYS = ("partition_secret", "api_token")  # files or environment only: argv shows in ps
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``bdnd``'s flags: ``--config`` plus one flag per config key (``--shm-dir`` for ``shm_dir``)."""
+    ap = argparse.ArgumentParser(
+        prog="bdnd",
+        description="bdn per-node checkpoint distribution daemon. Every option is a config key: "
+        "set it in the TOML file (--config), as BDN_<KEY> in the environment, or as a flag; "
+        "later sources win (defaults < file < environment < flags).",
+        epilog="Secrets are read from files (partition_secret_file, api_token_file) or the "
+        "environment (BDN_PARTITION_SECRET, BDN_API_TOKEN), never from flags. Exit status: 0 after "
+        "SIGTERM/SIGINT, 1 when a port cannot be bound, 2 on a configuration error. SIGHUP is ignored.",
+    )
+    ap.add_argument("--version", action="version", version=f"bdn {__version__}")
+    ap.add_argument("--config", metavar="FILE", help="TOML config file (see deploy/bdnd.toml.example)")
+    for name, typ, default, help_text in Config.keys():
+        if name in SECRET_KEYS:
+            continue
+        flag = "--" + name.replace("_", "-")
+        env = f"BDN_{name.upper()}"
+        shown = ",".join(default) if isinstance(default, list) else default
+        text = f"{help_text} [{env}; default {shown!r}]"
+        if typ is bool:
+            ap.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        elif typ in (int, float):
+            ap.add_argument(flag, dest=name, type=typ, default=None, metavar="N", help=text)
+        elif typ == list[str]:
+            ap.add_argument(flag, dest=name, default=None, metavar="URL,...", help=text + " (comma list)")
+        else:
+            ap.add_argument(flag, dest=name, default=None, metavar="VALUE", help=text)
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     """The ``bdnd`` console script: flags -> Config -> serve(). Exit 0, 1 (cannot listen) or 2 (config)."""
-    ap = argparse.ArgumentParser(prog="bdnd", description="bdn per-node checkpoint distribution daemon")
-    ap.add_argument("--config", help="TOML config file (see deploy/bdnd.toml.example)")
-    ap.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///path")
-    ap.add_argument("--node-id")
-    ap.add_argument("--peer-listen", help="host:port of the peer server")
-    ap.add_argument("--advertise-url", help="URL peers use to reach this daemon")
-    ap.add_argument("--local-listen", help="loopback host:port of the local API")
-    ap.add_argument("--local-socket", help="unix socket path for the local API")
-    ap.add_argument("--peers", help="comma-separated static peer URLs")
-    ap.add_argument("--shm-dir")
-    ap.add_argument("--partition-secret-file")
-    ap.add_argument("--log-json", action="store_true", default=None)
-    args = ap.parse_args(argv)
-    overrides = {
-        "bucket": args.bucket,
-        "node_id": args.node_id,
-        "peer_listen": args.peer_listen,
-        "advertise_url": args.advertise_url,
-        "local_listen": args.local_listen,
-        "local_socket": args.local_socket,
-        "peers": [p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else None,
-        "shm_dir": args.shm_dir,
-        "partition_secret_file": args.partition_secret_file,
-        "log_json": args.log_json,
-    }
+    args = build_parser().parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
+    if isinstance(overrides.get("peers"), str):
+        overrides["peers"] = [p.strip() for p in overrides["peers"].split(",") if p.strip()]
     try:
         cfg = Config.load(args.config, overrides=overrides)
         from bdn.proto.keys import derive_keys
