@@ -2,6 +2,9 @@
 
     .venv/bin/python -m bench.swarm.report [--json bench/results/swarm.json] [--profiles]
 
+Rows measured more than once (``run.py --runs N``) print ``median (min–max)`` for seconds and
+bucket egress (bench/runs.py); the table's caption says how many runs it stands for.
+
 ``--profiles`` also prints the hottest frames (self time) of each py-spy profile that
 ``run.py --profile`` left in bench/swarm/profiles/.
 """
@@ -11,8 +14,11 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+from bench import runs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +29,11 @@ def main_rows(rows: list[dict[str, Any]], bucket_mbit: float | None) -> list[dic
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib not installed: {out} not drawn (pip install matplotlib)", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -75,13 +85,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         sent = [v["sent_wire"] / 1e6 for v in pn.values()]
         out.append("| " + " | ".join([
             r["system"], str(r["nodes"]), fmt(r.get("bucket_mbit"), 0), r.get("fault") or "",
-            fmt(r["seconds"], 1), fmt(r["floor_seconds"], 1),
+            runs.spread(r, "seconds", 1), fmt(r["floor_seconds"], 1),
             fmt(r["seconds"] / r["floor_seconds"] if r["seconds"] else None),
-            fmt(r["bucket_egress_bytes"] / S if r.get("bucket_egress_bytes") is not None else None, 3),
+            runs.spread(r, "bucket_egress_bytes", 3, 1 / S),
             fmt(r["bucket_wire_bytes"] / S if r.get("bucket_wire_bytes") is not None else None, 3),
             f"{min(recv):.0f}–{max(recv):.0f}" if recv else "–",
             f"{min(sent):.0f}–{max(sent):.0f}" if sent else "–",
             f"{fmt(r.get('own_cpu_s'), 1)} / {fmt(r.get('machine_busy_cpu_s'), 1)}"]) + " |")
+    out.append("")
+    out.append(f"seconds and bucket egress: {runs.runs_label(swarm, 'seconds')}; ratios and the other "
+               "columns are of the median run.")
     out.append("")
     out.append("| ratio | N | value |")
     out.append("|---|---|---|")
@@ -137,6 +150,9 @@ def main() -> None:
     for r in rows:
         if r["system"].split("@")[0] in ("bdn-loopback", "iperf3-loopback", "moto-unshaped-get"):
             print(json.dumps({k: v for k, v in r.items() if k not in ("per_node",)}))
+            if r.get("MB_per_s") is not None:
+                print(f"  {r['system']}: {runs.spread(r, 'MB_per_s', 0)} MB/s, "
+                      f"{runs.spread(r, 'MB_per_cpu_s', 0)} MB per CPU-s ({runs.runs_label([r], 'MB_per_s')})")
     if a.profiles:
         print(profiles(REPO / "bench" / "swarm" / "profiles"))
 
