@@ -1,6 +1,9 @@
 """Turn bench/results/swarm.json into the plot (bench/results/swarm.png) and a Markdown table.
 
-    .venv/bin/python -m bench.swarm.report [--json bench/results/swarm.json] [--profiles]
+    .venv/bin/python -m bench.swarm.report [--json bench/results/swarm.json] [--all] [--profiles]
+
+Prints BENCHMARKS.md's table (bdn, libtorrent and boto3 per point), then with ``--all`` every
+row with every column (per-node bytes, CPU), then the loopback ceiling rows.
 
 Rows measured more than once (``run.py --runs N``) print ``median (min–max)`` for seconds and
 bucket egress (bench/runs.py); the table's caption says how many runs it stands for.
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import runs
+from bench.swarm.run import row_key
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -115,6 +119,34 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def user_table(rows: list[dict[str, Any]]) -> str:
+    """BENCHMARKS.md's swarm table: one line per point, bdn against boto3 and libtorrent.
+
+    Only the current systems (``bdn``, ``boto3``, ``libtorrent``); rows of earlier daemons
+    (``bdn@<rev>``) and tuning variants (``bdn[...]``) are history (bench/NOTES.md).
+    """
+    by = {row_key(r): r for r in rows if r["system"] in ("bdn", "boto3", "libtorrent") and r.get("nic_mbit")}
+    points = sorted({k[1:] for k in by}, key=lambda p: (p[1] or 0, p[2] or "", p[0]))
+    out = ["| N | bucket Mbit/s | fault | bdn s | ×floor | bucket egress / S | libtorrent s | boto3 s | floor s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    shown = []
+    for n, bm, fault in points:
+        b, lt, bo = (by.get((s, n, bm, fault)) for s in ("bdn", "libtorrent", "boto3"))
+        if b is None:
+            continue
+        shown.append(b)
+        S, fl = b["snapshot_bytes"], b["floor_seconds"]
+        out.append("| " + " | ".join([
+            str(n), fmt(bm, 0), fault or "", runs.spread(b, "seconds", 1),
+            fmt(b["seconds"] / fl if b.get("seconds") else None),
+            runs.spread(b, "bucket_egress_bytes", 3, 1 / S),
+            runs.spread(lt, "seconds", 1) if lt else "–", runs.spread(bo, "seconds", 1) if bo else "–",
+            fmt(fl, 1)]) + " |")
+    out.append("")
+    out.append(f"bdn: {runs.runs_label(shown, 'seconds')}.")
+    return "\n".join(out)
+
+
 def profiles(d: Path, top: int = 12) -> str:
     out = []
     for f in sorted(d.glob("*.collapsed")):
@@ -143,10 +175,14 @@ def main() -> None:
     ap.add_argument("--json", default=str(REPO / "bench" / "results" / "swarm.json"))
     ap.add_argument("--png", default=str(REPO / "bench" / "results" / "swarm.png"))
     ap.add_argument("--profiles", action="store_true")
+    ap.add_argument("--all", action="store_true", help="the full table of every row (every column, every system)")
     a = ap.parse_args()
     rows = json.loads(Path(a.json).read_text())
     plot(rows, Path(a.png))
-    print(table(rows))
+    print(user_table(rows))
+    if a.all:
+        print()
+        print(table(rows))
     for r in rows:
         if r["system"].split("@")[0] in ("bdn-loopback", "iperf3-loopback", "moto-unshaped-get"):
             print(json.dumps({k: v for k, v in r.items() if k not in ("per_node",)}))
