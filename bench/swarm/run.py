@@ -3,7 +3,11 @@
 Needs root (network namespaces, veth, tc). One command reproduces everything:
 
     sudo .venv/bin/python -m bench.swarm.run --nodes 2,4,8 --nic-mbit 200 --bucket-mbit 200 \
-        --snapshot-gb 1 --systems bdn,boto3,libtorrent --fault kill50 --bucket-fast-x 4 --ceiling
+        --snapshot-gb 1 --systems bdn,boto3,libtorrent --fault kill50 --bucket-fast-x 4 --ceiling --runs 3
+
+``--runs N`` (default 3) measures every point N times; its row keeps the fields of the median run
+and ``runs``/``median``/``min``/``max`` of seconds and bucket egress (of MB/s and MB per CPU-second
+for the ceiling), see bench/runs.py.
 
 The emulated cluster: a bridge ``br-bdnbench`` in the root namespace (10.77.0.1/24), one network
 namespace for the bucket (a moto S3 server at 10.77.0.2:9000) and one per node (10.77.0.11, ...),
