@@ -1,10 +1,13 @@
 """Delta formats side by side: size, encode and decode GB/s, and the entropy floor of each delta.
 
-    .venv/bin/python -m bench.delta [--quick] [--size-gb 2]
+    .venv/bin/python -m bench.delta [--quick] [--size-gb 2] [--runs 3]
 
 ``--quick``: MiniLM (demo step, 2%) and a 0.2 GB synthetic at 2% only (< 2 minutes). Full: MiniLM,
 a ``--size-gb`` synthetic bf16 checkpoint at 0.5%, 2% and 10% changed values, and (with torch)
-two real AdamW fine-tuning steps. Writes bench/results/delta.json and bench/results/delta.png.
+two real AdamW fine-tuning steps. Every codec and thread count is run ``--runs`` times (each run in
+a fresh child process); rows keep ``encode_gbps``/``decode_gbps`` as the medians and ``runs``,
+``median``, ``min``, ``max`` of both (``bench/runs.py``); stored sizes are exact and the same in
+every run. Writes bench/results/delta.json (``--quick``: delta.quick.json) and the plot beside it.
 
 Entropy floor of a delta, per tensor with n elements of which k changed (summed over tensors):
     H = log2 C(n, k)  +  k * H_emp(new values at the changed positions)
@@ -32,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from bdn.proto.safetensors_fmt import read_header
+from bench import runs
 from bench.delta import codecs, inputs
 
 RESULTS = Path("bench/results")
@@ -87,12 +91,20 @@ def pairs(args: argparse.Namespace, work: Path):
                                 inputs.changed_fraction(states[s - 1], states[s]))
 
 
+def run_codec(name: str, pair: inputs.Pair, work: Path, threads: int) -> codecs.Result:
+    """One run of one codec, in a forked child: torch, zipnn and glibc keep freed memory, and a
+    2 GB input run in one process grew past the machine's 24 GiB."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as one:
+        return one.submit(codecs.CODECS[name], pair, work, threads).result()
+
+
 def main() -> None:
     warnings.filterwarnings("ignore")
     ap = argparse.ArgumentParser(description="delta formats benchmark")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--codecs", default=",".join(codecs.CODECS), help="comma-separated codec names")
+    runs.add_runs_arg(ap)
     ap.add_argument("--out", help="results file (default bench/results/delta.json, delta.quick.json)")
     ap.add_argument("--plot-only", metavar="JSON", help="redraw the plot of a results file and exit")
     args = ap.parse_args()
@@ -117,10 +129,7 @@ def main() -> None:
             for name in args.codecs.split(","):
                 for th in threads:
                     try:
-                        # each run in a forked child: torch, zipnn and glibc keep freed memory, and
-                        # a 2 GB input run in one process grew past the machine's 24 GiB
-                        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as one:
-                            r = one.submit(codecs.CODECS[name], pair, work, th).result()
+                        got = [run_codec(name, pair, work, th) for _ in range(args.runs)]
                     except ImportError as e:
                         print(f"  {name:28s} not installed: {e}")
                         rows.append({**common, "codec": name, "bytes": None, "encode_gbps": None, "decode_gbps": None,
@@ -131,29 +140,37 @@ def main() -> None:
                         rows.append({**common, "codec": name, "bytes": None, "encode_gbps": None, "decode_gbps": None,
                                      "threads": th, "error": str(e)[:200]})
                         break
+                    size = got[0].bytes
+                    if any(r.bytes != size for r in got):  # every codec here is deterministic
+                        raise AssertionError(f"{name}: stored size differs between runs: {[r.bytes for r in got]}")
                     if name == "arc_v2 (bdn)":
-                        base_size = base_size or r.bytes
-                    rows.append({**common, "codec": name, "bytes": r.bytes, "threads": th,
-                                 "encode_gbps": round(pair.raw_bytes / r.encode_s / 1e9, 3),
-                                 "decode_gbps": round(pair.raw_bytes / r.decode_s / 1e9, 3)})
-                    rel = f"  {base_size / r.bytes:5.2f}x arc_v2" if base_size else ""
-                    print(f"  {name:28s} t={th} {r.bytes / 1e6:9.3f} MB  ratio {pair.raw_bytes / r.bytes:6.1f}{rel}"
-                          f"  enc {rows[-1]['encode_gbps']:5.2f}  dec {rows[-1]['decode_gbps']:5.2f} GB/s", flush=True)
+                        base_size = base_size or size
+                    stats = runs.summarize({
+                        "encode_gbps": [round(pair.raw_bytes / r.encode_s / 1e9, 3) for r in got],
+                        "decode_gbps": [round(pair.raw_bytes / r.decode_s / 1e9, 3) for r in got],
+                    })
+                    rows.append({**common, "codec": name, "bytes": size, "threads": th,
+                                 "encode_gbps": stats["median"]["encode_gbps"],
+                                 "decode_gbps": stats["median"]["decode_gbps"], **stats})
+                    rel = f"  {base_size / size:5.2f}x arc_v2" if base_size else ""
+                    print(f"  {name:28s} t={th} {size / 1e6:9.3f} MB  ratio {pair.raw_bytes / size:6.1f}{rel}"
+                          f"  enc {runs.spread(rows[-1], 'encode_gbps')}  dec {runs.spread(rows[-1], 'decode_gbps')} GB/s"
+                          f"  ({args.runs} run{'s' if args.runs > 1 else ''})", flush=True)
             for p in work.glob("*.diff"):
                 p.unlink()
             pair.target.unlink()
-            write(rows, out, cores)  # after every input: a run cut short keeps what it measured
+            write(rows, out, cores, args.runs)  # after every input: a run cut short keeps what it measured
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    write(rows, out, cores)
+    write(rows, out, cores, args.runs)
     print(f"\nwrote {out}")
     plot(rows, out.with_suffix(".png"))
 
 
-def write(rows: list[dict], out: Path, cores: int) -> None:
+def write(rows: list[dict], out: Path, cores: int, n_runs: int) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": {"cores": cores, "arch": os.uname().machine, "when": time.strftime("%Y-%m-%d")},
-                               "rows": rows}, indent=1) + "\n")
+                               "runs": n_runs, "rows": rows}, indent=1) + "\n")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -2,9 +2,11 @@
 
 The target file is created in /dev/shm and ``posix_fallocate``-d like the daemon's staging file;
 base, diff and target are mmapped and ``arc.apply_diff`` runs with 1 and with all workers. GB/s are
-reconstructed (target) bytes per second of wall time, best of ``--repeat``.
+reconstructed (target) bytes per second of wall time: ``decode_gbps`` is the median of ``--runs``,
+with ``runs``/``median``/``min``/``max`` beside it (bench/runs.py; rows written before 2026-12-01
+hold the best of 3 and no ``runs``).
 
-    .venv/bin/python -m bench.delta.apply_speed [--quick] [--baseline-rev 6196018] [--populate]
+    .venv/bin/python -m bench.delta.apply_speed [--quick] [--runs 3] [--baseline-rev 6196018] [--populate]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from bdn.proto import arc
 from bdn.proto.safetensors_fmt import read_header
+from bench import runs
 from bench.delta import inputs
 
 SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -67,7 +70,7 @@ def apply_once(base: Path, diff: Path, out: Path, fmt: str, workers: int, impl: 
                 return time.perf_counter() - t0
 
 
-def measure(pair: inputs.Pair, work: Path, fmt: str, repeat: int) -> list[dict]:
+def measure(pair: inputs.Pair, work: Path, fmt: str, n_runs: int) -> list[dict]:
     diff = work / f"{pair.base.parent.name}.{fmt}.diff"
     arc.write_diff_file(pair.base, pair.target, diff, fmt, workers=os.cpu_count() or 1)
     out = SHM / f"bdn-bench-apply-{os.getpid()}"
@@ -75,17 +78,19 @@ def measure(pair: inputs.Pair, work: Path, fmt: str, repeat: int) -> list[dict]:
     try:
         for workers in sorted({1, os.cpu_count() or 1}):
             times: dict[str, list[float]] = {k: [] for k in IMPLS}
-            for _ in range(repeat):  # interleaved, so load from other processes hits both alike
+            for _ in range(n_runs):  # interleaved, so load from other processes hits both alike
                 for impl in IMPLS:
                     times[impl].append(apply_once(pair.base, diff, out, fmt, workers, impl))
                     if pair.raw_bytes < 200 << 20:
                         assert out.read_bytes() == pair.target.read_bytes()
             for impl, ts in times.items():
-                best = min(ts)
+                st = runs.summarize({"seconds": ts, "decode_gbps": [pair.raw_bytes / t / 1e9 for t in ts]})
                 rows.append({"input": pair.input, "codec": fmt, "workers": workers, "raw_bytes": pair.raw_bytes,
-                             "seconds": best, "decode_gbps": pair.raw_bytes / best / 1e9, "impl": impl})
-                print(f"  {pair.input:10s} {fmt} {impl:9s} workers={workers}: {best * 1e3:8.1f} ms  "
-                      f"{rows[-1]['decode_gbps']:.2f} GB/s", flush=True)
+                             "seconds": st["median"]["seconds"], "decode_gbps": st["median"]["decode_gbps"],
+                             "impl": impl, **st})
+                print(f"  {pair.input:10s} {fmt} {impl:9s} workers={workers}: "
+                      f"{runs.spread(rows[-1], 'seconds', 1, 1e3)} ms  {runs.spread(rows[-1], 'decode_gbps')} GB/s",
+                      flush=True)
     finally:
         out.unlink(missing_ok=True)
     return rows
@@ -95,7 +100,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="MiniLM only")
     ap.add_argument("--size-gb", type=float, default=2.0)
-    ap.add_argument("--repeat", type=int, default=3)
+    runs.add_runs_arg(ap)
+    ap.add_argument("--repeat", type=int, dest="runs", help=argparse.SUPPRESS)  # the old name of --runs
     ap.add_argument("--label", default="now")
     ap.add_argument("--out", default="bench/results/apply_speed.json")
     ap.add_argument("--populate", action="store_true", help="map base and target with MAP_POPULATE")
@@ -111,13 +117,13 @@ def main() -> None:
     try:
         base = inputs.minilm_bf16()
         tgt = inputs.demo_step(base, 0.02, np.random.default_rng(2026))
-        rows += measure(inputs.write_pair(work, "minilm", base, tgt, inputs.changed_fraction(base, tgt)), work, "arc_v2", args.repeat)
+        rows += measure(inputs.write_pair(work, "minilm", base, tgt, inputs.changed_fraction(base, tgt)), work, "arc_v2", args.runs)
         if not args.quick:
             base = inputs.synthetic_base(args.size_gb)
             tgt = inputs.synthetic_step(base, 0.02, 1)
             pair = inputs.write_pair(work, "synthetic", base, tgt, 0.02)
             del base, tgt
-            rows += measure(pair, work, "arc_v2", args.repeat)
+            rows += measure(pair, work, "arc_v2", args.runs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     path = Path(args.out)

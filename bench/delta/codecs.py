@@ -13,10 +13,10 @@ reconstructed (target) bytes per second of wall time.
   copy the base tensor, scatter the values.
 * ``zipnn(xor)``: PyPI ``zipnn`` (byte grouping + Huffman/zstd, bf16 mode) on each tensor's XOR
   delta; decode XORs the decompressed delta into the base.
-* ``bdn planes``: this benchmark's own candidate (``bench/delta/planes.py``), the prototype of
-  ``bdn_planes_v1``.
-* ``bdn_planes_v1 (bdn)``: the shipped format, through the same ``write_diff_file`` /
-  ``apply_diff`` path as ``arc_v2 (bdn)``.
+* ``bdn_planes_v1 (bdn)``: bdn's own format (specified in ``bdn/proto/arc.py``), through the same
+  ``write_diff_file`` / ``apply_diff`` path as ``arc_v2 (bdn)``. (Results written before
+  2026-12-01 also have rows ``bdn planes``: the benchmark's prototype of this format, since removed;
+  the shipped codec replaced it.)
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ import zstandard
 
 from bdn.proto import arc
 from bdn.proto.safetensors_fmt import Header, read_header
-from bench.delta import planes
 from bench.delta.inputs import Pair
 
 SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
@@ -199,29 +198,7 @@ def zipnn_xor(pair: Pair, work: Path, threads: int) -> Result:
     return Result(size, enc, dec)
 
 
-# --- bdn planes (own candidate) ---------------------------------------------------------------
-
-def bdn_planes(pair: Pair, work: Path, threads: int) -> Result:
-    bh, base = _tensors(pair.base)
-    _, tgt = _tensors(pair.target)
-    infos = list(bh.tensors.values())
-    t0 = time.perf_counter()
-    blobs = [planes.encode(base[i.start : i.end], tgt[i.start : i.end], _elem(i).itemsize, threads) for i in infos]
-    enc = time.perf_counter() - t0
-    size = sum(len(b) for b in blobs)
-    p, out = _out_file(pair.raw_bytes)
-    try:
-        out[: bh.data_start] = base[: bh.data_start]
-        # all blocks of all tensors on one pool: a large tensor uses every core
-        jobs = [(blob, base[i.start : i.end], out[i.start : i.end]) for i, blob in zip(infos, blobs)]
-        t0 = time.perf_counter()
-        planes.decode_many(jobs, threads)
-        dec = time.perf_counter() - t0
-        _check(out, pair, bh)
-    finally:
-        p.unlink(missing_ok=True)
-    return Result(size, enc, dec)
-
+# --- bdn_planes_v1, bdn ------------------------------------------------------------------------
 
 def planes_bdn(pair: Pair, work: Path, threads: int) -> Result:
     return arc_bdn(pair, work, threads, "bdn_planes_v1")  # a named function: codecs run in a child process
@@ -232,6 +209,5 @@ CODECS: dict[str, Callable[[Pair, Path, int], Result]] = {
     "arc_v2 (fireworks)": arc_fireworks,
     "sparse+zstd (TRL layout)": sparse_zstd,
     "zipnn(xor)": zipnn_xor,
-    "bdn planes": bdn_planes,
     "bdn_planes_v1 (bdn)": planes_bdn,
 }

@@ -1,6 +1,6 @@
 """bdn_planes_v1 against arc_v2 as shipped in ``bdn/proto/arc.py``: stored size and apply speed.
 
-    .venv/bin/python -m bench.delta.planes_speed [--size-gb 0.5] [--frac 0.02] [--repeat 5]
+    .venv/bin/python -m bench.delta.planes_speed [--size-gb 0.5] [--frac 0.02] [--runs 5]
 
 Inputs: the MiniLM demo delta (bf16, 2 % of values move), a ``--size-gb`` synthetic bf16
 checkpoint with ``--frac`` of its values moved by 1-3 ulps (``bench/delta/inputs.py``; 7B-model
@@ -10,7 +10,8 @@ both formats are written by ``arc.write_diff_file`` and applied the way bdnd app
 (``bench.delta.apply_speed.apply_once``: mmaps, a fallocated /dev/shm target). Runs are
 interleaved (arc_v2, planes, arc_v2, ... with the order flipped every repeat) so that load from
 other processes hits both alike; GB/s are reconstructed bytes per second of wall time, best and
-median of ``--repeat``. Every decode is checked bit-exact once. Results: bench/results/planes_speed.json.
+median of ``--runs``, with ``runs``/``median``/``min``/``max`` of ``decode_gbps`` (bench/runs.py).
+Every decode is checked bit-exact once. Results: bench/results/planes_speed.json.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bdn.proto import arc
+from bench import runs
 from bench.delta import inputs
 from bench.delta.apply_speed import SHM, apply_once
 
@@ -33,6 +35,7 @@ FORMATS = ("arc_v2", "bdn_planes_v1")
 
 
 def measure(pair: inputs.Pair, work: Path, repeat: int, threads: list[int]) -> list[dict]:
+    """Both formats of ``pair``, applied ``repeat`` times per thread count, interleaved."""
     diffs, sizes, enc = {}, {}, {}
     for fmt in FORMATS:
         diffs[fmt] = work / f"{pair.base.parent.name}.{fmt}.diff"
@@ -59,7 +62,8 @@ def measure(pair: inputs.Pair, work: Path, repeat: int, threads: list[int]) -> l
                        "threads": workers, "raw_bytes": pair.raw_bytes, "bytes": sizes[fmt],
                        "size_vs_arc_v2": sizes["arc_v2"] / sizes[fmt], "encode_gbps": pair.raw_bytes / enc[fmt] / 1e9,
                        "decode_gbps_best": pair.raw_bytes / best / 1e9,
-                       "decode_gbps_median": pair.raw_bytes / med / 1e9, "repeat": repeat}
+                       "decode_gbps_median": pair.raw_bytes / med / 1e9, "repeat": repeat,
+                       **runs.summarize({"decode_gbps": [pair.raw_bytes / t / 1e9 for t in times[fmt]]})}
                 rows.append(row)
                 print(f"  {pair.input:16s} {fmt:13s} threads={workers}: {sizes[fmt] / 1e6:9.3f} MB "
                       f"({row['size_vs_arc_v2']:.2f}x)  decode best {row['decode_gbps_best']:.2f} GB/s, "
@@ -73,7 +77,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size-gb", type=float, default=0.5)
     ap.add_argument("--frac", type=float, default=0.02)
-    ap.add_argument("--repeat", type=int, default=5)
+    runs.add_runs_arg(ap, default=5)
+    ap.add_argument("--repeat", type=int, dest="runs", help=argparse.SUPPRESS)  # the old name of --runs
     ap.add_argument("--tensor-mb", type=int, default=256, help="size of the one-tensor input (0: skip it)")
     ap.add_argument("--out", default="bench/results/planes_speed.json")
     args = ap.parse_args()
@@ -87,12 +92,12 @@ def main() -> None:
         base = inputs.minilm_bf16()
         tgt = inputs.demo_step(base, 0.02, np.random.default_rng(2026))
         pair = inputs.write_pair(work, "minilm", base, tgt, inputs.changed_fraction(base, tgt))
-        rows += measure(pair, work, args.repeat, threads)
+        rows += measure(pair, work, args.runs, threads)
         base = inputs.synthetic_base(args.size_gb)
         tgt = inputs.synthetic_step(base, args.frac, 1)
         pair = inputs.write_pair(work, f"synthetic {args.size_gb:g}GB", base, tgt, inputs.changed_fraction(base, tgt))
         del base, tgt
-        rows += measure(pair, work, args.repeat, threads)
+        rows += measure(pair, work, args.runs, threads)
         if args.tensor_mb:
             rng = np.random.default_rng(11)
             one = {"lm_head.weight": (rng.standard_normal((args.tensor_mb << 9, 1024), dtype=np.float32) * 0.02)
@@ -100,7 +105,7 @@ def main() -> None:
             tgt = inputs.synthetic_step(one, args.frac, 2)
             pair = inputs.write_pair(work, f"one tensor {args.tensor_mb}MB", one, tgt, inputs.changed_fraction(one, tgt))
             del one, tgt
-            rows += measure(pair, work, args.repeat, threads)
+            rows += measure(pair, work, args.runs, threads)
     finally:
         import shutil
 

@@ -1,10 +1,10 @@
 """Hand-off: time from READY to the engine holding arrays, against memcpy in the same run.
 
-    .venv/bin/python -m bench.handoff [--quick] [--size-gb 1]
+    .venv/bin/python -m bench.handoff [--quick] [--size-gb 1] [--runs 3]
 
 Publishes a bf16 synthetic checkpoint (``--size-gb``, 0.2 with ``--quick``) as a full snapshot to a
-``file://`` bucket, starts one real ``bdnd`` on loopback, prefetches it to READY, then measures
-(best of ``--repeat``), per method, the seconds until every tensor is an array in the engine:
+``file://`` bucket, starts one real ``bdnd`` on loopback, prefetches it to READY, then measures ``--runs``
+times per method the seconds until every tensor is an array in the engine:
 
 * ``zero-copy open``: ``DaemonClient.open`` + ``Snapshot.tensor`` for every tensor (read-only views
   of the /dev/shm files: no byte is copied);
@@ -17,7 +17,9 @@ Publishes a bf16 synthetic checkpoint (``--size-gb``, 0.2 with ``--quick``) as a
   snapshot directory (it copies into new arrays);
 * ``memcpy``: ``np.copyto`` of one buffer of the same size into another (both pre-faulted).
 
-Writes bench/results/handoff.json (rows: method, bytes, seconds, gbps, memcpy_gbps).
+Writes bench/results/handoff.json (``--quick``: handoff.quick.json); rows: ``method, bytes,
+seconds, gbps, memcpy_gbps`` (``seconds`` the median of the runs, ``gbps`` and ``memcpy_gbps``
+from medians) plus ``runs``, ``median``, ``min``, ``max`` of ``seconds`` (``bench/runs.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from safetensors.numpy import load_file
 
 from bdn.client import DaemonClient
 from bdn.publish import publish_full
+from bench import runs
 from bench.delta import inputs
 
 RESULTS = Path("bench/results")
@@ -51,19 +54,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def best(fn, repeat: int) -> float:
+def timed(fn, n_runs: int) -> dict:
+    """``fn`` run ``n_runs`` times: ``runs``/``median``/``min``/``max`` of its wall seconds."""
     out = []
-    for _ in range(repeat):
+    for _ in range(n_runs):
         t0 = time.perf_counter()
         fn()
-        out.append(time.perf_counter() - t0)
-    return min(out)
+        out.append(round(time.perf_counter() - t0, 6))
+    return runs.summarize({"seconds": out})
 
 
-def memcpy_gbps(nbytes: int, repeat: int) -> float:
+def memcpy_stats(nbytes: int, n_runs: int) -> dict:
+    """The memcpy baseline: ``np.copyto`` between two pre-faulted buffers of ``nbytes``."""
     a = np.ones(nbytes, dtype=np.uint8)
     b = np.zeros(nbytes, dtype=np.uint8)
-    return nbytes / best(lambda: np.copyto(b, a), repeat) / 1e9
+    np.copyto(b, a)  # fault both in before timing
+    return timed(lambda: np.copyto(b, a), n_runs)
 
 
 def main() -> None:
@@ -71,7 +77,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--size-gb", type=float, default=1.0)
     ap.add_argument("--shards", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=3)
+    runs.add_runs_arg(ap)
+    ap.add_argument("--repeat", type=int, dest="runs", help=argparse.SUPPRESS)  # the old name of --runs
     args = ap.parse_args()
     size = 0.2 if args.quick else args.size_gb
     work = Path(tempfile.mkdtemp(prefix="bdn-bench-handoff-"))
@@ -124,8 +131,9 @@ def main() -> None:
             c.prefetch(IDENT)
             c.wait(IDENT, "ready", 600)
             rows: list[dict] = []
-            mc = memcpy_gbps(nbytes, args.repeat)
-            print(f"memcpy {mc:.2f} GB/s ({nbytes / 1e9:.2f} GB)", flush=True)
+            mstats = memcpy_stats(nbytes, args.runs)
+            mc = nbytes / mstats["median"]["seconds"] / 1e9
+            print(f"memcpy {mc:.2f} GB/s ({nbytes / 1e9:.2f} GB, median of {args.runs})", flush=True)
 
             def open_views():
                 with c.open(IDENT) as snap:
@@ -172,13 +180,14 @@ def main() -> None:
             for method, fn in (("zero-copy open", open_views), ("zero-copy open + touch", open_touch),
                                ("zero-copy open + copy", open_copy), ("http pull (tensors)", http_tensors),
                                ("http pull (files, 4 ranges)", http_files), ("safetensors load_file", st_load)):
-                s = best(fn, args.repeat)
+                st = timed(fn, args.runs)
+                s = st["median"]["seconds"]
                 rows.append({"method": method, "bytes": nbytes, "seconds": round(s, 5),
-                             "gbps": round(nbytes / s / 1e9, 3), "memcpy_gbps": round(mc, 3)})
-                print(f"  {method:30s} {s * 1e3:9.1f} ms  {nbytes / s / 1e9:7.2f} GB/s  "
+                             "gbps": round(nbytes / s / 1e9, 3), "memcpy_gbps": round(mc, 3), **st})
+                print(f"  {method:30s} {runs.spread(rows[-1], 'seconds', 1, 1e3)} ms  {nbytes / s / 1e9:7.2f} GB/s  "
                       f"({nbytes / s / 1e9 / mc:5.2f}x memcpy, {s / (nbytes / 1e9) * 1e3:7.1f} ms/GB)", flush=True)
-            rows.append({"method": "memcpy", "bytes": nbytes, "seconds": round(nbytes / mc / 1e9, 5),
-                         "gbps": round(mc, 3), "memcpy_gbps": round(mc, 3)})
+            rows.append({"method": "memcpy", "bytes": nbytes, "seconds": round(mstats["median"]["seconds"], 5),
+                         "gbps": round(mc, 3), "memcpy_gbps": round(mc, 3), **mstats})
     finally:
         if proc is not None:
             proc.terminate()
@@ -187,7 +196,8 @@ def main() -> None:
         shutil.rmtree(shm, ignore_errors=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / ("handoff.quick.json" if args.quick else "handoff.json")
-    out.write_text(json.dumps({"machine": {"cores": cores, "when": time.strftime("%Y-%m-%d")}, "rows": rows}, indent=1) + "\n")
+    out.write_text(json.dumps({"machine": {"cores": cores, "when": time.strftime("%Y-%m-%d")}, "runs": args.runs,
+                               "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
 
 

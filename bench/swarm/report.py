@@ -1,6 +1,12 @@
 """Turn bench/results/swarm.json into the plot (bench/results/swarm.png) and a Markdown table.
 
-    .venv/bin/python -m bench.swarm.report [--json bench/results/swarm.json] [--profiles]
+    .venv/bin/python -m bench.swarm.report [--json bench/results/swarm.json] [--all] [--profiles]
+
+Prints BENCHMARKS.md's table (bdn, libtorrent and boto3 per point), then with ``--all`` every
+row with every column (per-node bytes, CPU), then the loopback ceiling rows.
+
+Rows measured more than once (``run.py --runs N``) print ``median (min–max)`` for seconds and
+bucket egress (bench/runs.py); the table's caption says how many runs it stands for.
 
 ``--profiles`` also prints the hottest frames (self time) of each py-spy profile that
 ``run.py --profile`` left in bench/swarm/profiles/.
@@ -11,8 +17,12 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+from bench import runs
+from bench.swarm.run import row_key
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +33,11 @@ def main_rows(rows: list[dict[str, Any]], bucket_mbit: float | None) -> list[dic
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib not installed: {out} not drawn (pip install matplotlib)", file=sys.stderr)
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -75,13 +89,16 @@ def table(rows: list[dict[str, Any]]) -> str:
         sent = [v["sent_wire"] / 1e6 for v in pn.values()]
         out.append("| " + " | ".join([
             r["system"], str(r["nodes"]), fmt(r.get("bucket_mbit"), 0), r.get("fault") or "",
-            fmt(r["seconds"], 1), fmt(r["floor_seconds"], 1),
+            runs.spread(r, "seconds", 1), fmt(r["floor_seconds"], 1),
             fmt(r["seconds"] / r["floor_seconds"] if r["seconds"] else None),
-            fmt(r["bucket_egress_bytes"] / S if r.get("bucket_egress_bytes") is not None else None, 3),
+            runs.spread(r, "bucket_egress_bytes", 3, 1 / S),
             fmt(r["bucket_wire_bytes"] / S if r.get("bucket_wire_bytes") is not None else None, 3),
             f"{min(recv):.0f}–{max(recv):.0f}" if recv else "–",
             f"{min(sent):.0f}–{max(sent):.0f}" if sent else "–",
             f"{fmt(r.get('own_cpu_s'), 1)} / {fmt(r.get('machine_busy_cpu_s'), 1)}"]) + " |")
+    out.append("")
+    out.append(f"seconds and bucket egress: {runs.runs_label(swarm, 'seconds')}; ratios and the other "
+               "columns are of the median run.")
     out.append("")
     out.append("| ratio | N | value |")
     out.append("|---|---|---|")
@@ -99,6 +116,34 @@ def table(rows: list[dict[str, Any]]) -> str:
             if o and o["seconds"]:
                 line.append(f"| {system}/{other} | {where} | {r['seconds'] / o['seconds']:.2f} |")
         out.extend(line)
+    return "\n".join(out)
+
+
+def user_table(rows: list[dict[str, Any]]) -> str:
+    """BENCHMARKS.md's swarm table: one line per point, bdn against boto3 and libtorrent.
+
+    Only the current systems (``bdn``, ``boto3``, ``libtorrent``); rows of earlier daemons
+    (``bdn@<rev>``) and tuning variants (``bdn[...]``) are history (bench/NOTES.md).
+    """
+    by = {row_key(r): r for r in rows if r["system"] in ("bdn", "boto3", "libtorrent") and r.get("nic_mbit")}
+    points = sorted({k[1:] for k in by}, key=lambda p: (p[1] or 0, p[2] or "", p[0]))
+    out = ["| N | bucket Mbit/s | fault | bdn s | ×floor | bucket egress / S | libtorrent s | boto3 s | floor s |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    shown = []
+    for n, bm, fault in points:
+        b, lt, bo = (by.get((s, n, bm, fault)) for s in ("bdn", "libtorrent", "boto3"))
+        if b is None:
+            continue
+        shown.append(b)
+        S, fl = b["snapshot_bytes"], b["floor_seconds"]
+        out.append("| " + " | ".join([
+            str(n), fmt(bm, 0), fault or "", runs.spread(b, "seconds", 1),
+            fmt(b["seconds"] / fl if b.get("seconds") else None),
+            runs.spread(b, "bucket_egress_bytes", 3, 1 / S),
+            runs.spread(lt, "seconds", 1) if lt else "–", runs.spread(bo, "seconds", 1) if bo else "–",
+            fmt(fl, 1)]) + " |")
+    out.append("")
+    out.append(f"bdn: {runs.runs_label(shown, 'seconds')}.")
     return "\n".join(out)
 
 
@@ -130,13 +175,20 @@ def main() -> None:
     ap.add_argument("--json", default=str(REPO / "bench" / "results" / "swarm.json"))
     ap.add_argument("--png", default=str(REPO / "bench" / "results" / "swarm.png"))
     ap.add_argument("--profiles", action="store_true")
+    ap.add_argument("--all", action="store_true", help="the full table of every row (every column, every system)")
     a = ap.parse_args()
     rows = json.loads(Path(a.json).read_text())
     plot(rows, Path(a.png))
-    print(table(rows))
+    print(user_table(rows))
+    if a.all:
+        print()
+        print(table(rows))
     for r in rows:
         if r["system"].split("@")[0] in ("bdn-loopback", "iperf3-loopback", "moto-unshaped-get"):
             print(json.dumps({k: v for k, v in r.items() if k not in ("per_node",)}))
+            if r.get("MB_per_s") is not None:
+                print(f"  {r['system']}: {runs.spread(r, 'MB_per_s', 0)} MB/s, "
+                      f"{runs.spread(r, 'MB_per_cpu_s', 0)} MB per CPU-s ({runs.runs_label([r], 'MB_per_s')})")
     if a.profiles:
         print(profiles(REPO / "bench" / "swarm" / "profiles"))
 

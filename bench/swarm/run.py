@@ -3,7 +3,11 @@
 Needs root (network namespaces, veth, tc). One command reproduces everything:
 
     sudo .venv/bin/python -m bench.swarm.run --nodes 2,4,8 --nic-mbit 200 --bucket-mbit 200 \
-        --snapshot-gb 1 --systems bdn,boto3,libtorrent --fault kill50 --bucket-fast-x 4 --ceiling
+        --snapshot-gb 1 --systems bdn,boto3,libtorrent --fault kill50 --bucket-fast-x 4 --ceiling --runs 3
+
+``--runs N`` (default 3) measures every point N times; its row keeps the fields of the median run
+and ``runs``/``median``/``min``/``max`` of seconds and bucket egress (of MB/s and MB per CPU-second
+for the ceiling), see bench/runs.py.
 
 The emulated cluster: a bridge ``br-bdnbench`` in the root namespace (10.77.0.1/24), one network
 namespace for the bucket (a moto S3 server at 10.77.0.2:9000) and one per node (10.77.0.11, ...),
@@ -53,6 +57,8 @@ PREFIX = "run"
 IDENTITY = "step000001"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 CLK = os.sysconf("SC_CLK_TCK")
+#: What a point's repeated runs keep raw values and a median of (bench/runs.py).
+RUN_METRICS = ("seconds", "bucket_egress_bytes")
 
 
 def log(msg: str) -> None:
@@ -371,6 +377,35 @@ class Bench:
         tmp = out.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(rows, indent=1) + "\n")
         tmp.replace(out)
+
+    def point(self, fn: Any, *args: Any, metrics: tuple[str, ...] = (), by: str = "seconds",
+              **kw: Any) -> list[dict[str, Any]]:
+        """Measure one point ``--runs`` times and keep one row per system it measures.
+
+        ``fn`` appends one row per run (a system run) or several (the ceiling: bdn and iperf3).
+        Rows of the same point (``row_key``) collapse into one: its fields come from the run with
+        the median ``by`` value (so its per-node bytes, CPU and counters belong to one real run);
+        ``RUN_METRICS`` plus ``metrics`` become the medians, with ``runs``/``median``/``min``/``max``
+        beside them (bench/runs.py). After every run the collapsed rows so far replace the
+        earlier ones and are saved, so a run cut short keeps what it measured.
+        """
+        from bench.runs import collapse
+
+        keep = RUN_METRICS + tuple(m for m in metrics if m not in RUN_METRICS)
+        start = len(self.rows)
+        raw: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+        for k in range(self.args.runs):
+            if self.args.runs > 1:
+                log(f"    run {k + 1} of {self.args.runs}")
+            mark = len(self.rows)
+            try:
+                fn(*args, **kw)
+            finally:
+                for r in self.rows[mark:]:
+                    raw.setdefault(row_key(r), []).append(r)
+                self.rows[start:] = [collapse(rs, keep, by=by) for rs in raw.values()]
+                self.save()
+        return self.rows[start:]
 
     def check_files(self, d: Path) -> bool:
         from bench.swarm.snapshot import chunk_digests
@@ -838,6 +873,7 @@ def ceiling(b: Bench) -> None:
     log(f"ceiling: iperf3 {bps / 8 / 1e6:.0f} MB/s, cpu {cpu_u}")
     b.save()
     sh(["ip", "netns", "del", LO_NS], check=False)
+    time.sleep(0.5)  # the namespace's loopback must be gone before the next run adds it again
 
 
 # ---------------------------------------------------------------------------------------------
@@ -871,6 +907,9 @@ def main() -> int:
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows already in --out, except points this run measures again")
     ap.add_argument("--cleanup", action="store_true", help="only remove what a previous run left")
+    from bench.runs import add_runs_arg
+
+    add_runs_arg(ap)
     a = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/swarm/run.py needs root (network namespaces and tc)", file=sys.stderr)
@@ -921,33 +960,33 @@ def main() -> int:
             for n in ns_list:
                 for s in systems:
                     log(f"--- {s} N={n}")
-                    getattr(b, f"run_{s}")(n)
+                    b.point(getattr(b, f"run_{s}"), n)
             top = max(ns_list)
             if a.fault:
                 for s in systems:
                     if s in a.fault_systems.split(","):
                         log(f"--- {s} N={top} fault {a.fault}")
-                        getattr(b, f"run_{s}")(top, fault=a.fault)
+                        b.point(getattr(b, f"run_{s}"), top, fault=a.fault)
             for spec in [v for v in a.bdn_variants.split(";") if v]:
                 # A tuning experiment: the same bdn at the largest N with other settings.
                 vname, _, kvs = spec.partition(":")
                 saved = a.bdn_env
                 a.bdn_env = dict(saved, **dict(kv.split("=", 1) for kv in kvs.split(",") if kv))
                 log(f"--- bdn[{vname}] N={top} {a.bdn_env}")
-                b.run_bdn(top, system=f"bdn[{vname}]")
+                b.point(b.run_bdn, top, system=f"bdn[{vname}]")
                 a.bdn_env = saved
             if a.bucket_fast_x:
                 b.bucket_mbit = a.bucket_mbit * a.bucket_fast_x
                 b.cluster.shape(a.nic_mbit, b.bucket_mbit)
                 for s in systems:
                     log(f"--- {s} N={top} bucket {b.bucket_mbit:g} Mbit/s")
-                    getattr(b, f"run_{s}")(top)
+                    b.point(getattr(b, f"run_{s}"), top)
                 b.bucket_mbit = a.bucket_mbit
             if b.moto:
                 stop(b.moto)
         if a.ceiling or a.ceiling_only:
             cleanup()
-            ceiling(b)
+            b.point(ceiling, b, metrics=("MB_per_s", "MB_per_cpu_s"), by="MB_per_s")
     finally:
         b.save()
         cleanup()
