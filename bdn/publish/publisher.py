@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from bdn.bucket import Bucket, ObjectNotFound, open_bucket, validate_key
-from bdn.proto import arc, safetensors_fmt
-from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, file_digests
+from bdn import fileops
+from bdn.proto import arc
+from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from bdn.proto.errors import PathError, TensorMismatch
 from bdn.proto.identity import validate_identity, validate_relpath
 from bdn.proto.manifest import MANIFEST_NAME, STARTUP_NAME, FileEntry, FileResult, Manifest
@@ -325,7 +326,7 @@ def _source_dir(
 def _write_state_dict(path: Path, state_dict: Mapping[str, np.ndarray]) -> None:
     if not state_dict:
         raise PublishError("state dict is empty")
-    safetensors_fmt.save(path, state_dict, dict(STATE_DICT_METADATA))
+    fileops.save(path, state_dict, dict(STATE_DICT_METADATA))
 
 
 def _base_files(
@@ -386,7 +387,7 @@ def _make_diffs(
         out = out_root / f.path
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            arc.write_diff_file(
+            fileops.write_diff_file(
                 base_root / f.path, f.local, out, compression_format, workers=per_file
             )
         except TensorMismatch as e:
@@ -399,7 +400,7 @@ def _make_diffs(
 
 def _digests(local: Path, chunk_size: int, path: str) -> list[str]:
     try:
-        return file_digests(local, chunk_size)
+        return fileops.chunk_digests(local, chunk_size)
     except OSError as e:
         raise PublishError(f"cannot read {path!r}: {e.strerror or e}") from None
 
