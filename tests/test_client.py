@@ -38,7 +38,7 @@ from bdn.client import (
     open_snapshot,
 )
 from bdn.cli.bdnctl import main as bdnctl_main
-from bdn.proto.chunks import file_digests
+from bdn.fileops import chunk_digests as file_digests
 from bdn.proto.errors import ChecksumError, IdentityError, ProtocolError
 from bdn.publish import publish_delta, publish_full
 from support.checkpoints import make_state, write_hf_dir
@@ -274,6 +274,16 @@ def test_resized_file_and_inconsistent_index_are_refused(snap: tuple[Path, dict[
     write_ready(d, "step000002", 2, chunk_size=CHUNK)
     with pytest.raises(ProtocolError, match="'lm_head.weight' .* missing from weight_map"):
         open_snapshot(d)
+
+
+def test_tensor_in_two_shards_is_refused_naming_both(snap: tuple[Path, dict[str, np.ndarray]]) -> None:
+    d, arrays = snap
+    (d / "model.safetensors.index.json").unlink()
+    save_file({"lm_head.weight": arrays["lm_head.weight"]}, str(d / "extra.safetensors"))
+    write_ready(d, "step000002", 2)
+    with pytest.raises(ProtocolError) as exc:
+        open_snapshot(d)
+    assert str(exc.value) == f"{d}: tensor 'lm_head.weight' is in both extra.safetensors and {SHARD2}"
 
 
 def test_close_releases_mappings(snap: tuple[Path, dict[str, np.ndarray]]) -> None:

@@ -242,3 +242,19 @@ def test_parse_error_leaves_caller_mmap_closable(tmp_path: Path) -> None:
     with pytest.raises(SafetensorsError):
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             sf.parse_header(mm, len(mm))  # the mmap's close must not hit BufferError
+
+
+def test_tensor_index_one_rule_for_duplicate_names() -> None:
+    def header(**tensors: int) -> sf.Header:
+        raw = {n: ("U8", (k,), bytes(k)) for n, k in tensors.items()}
+        prefix, parts = sf.encode_raw(raw)
+        data = prefix + b"".join(bytes(p) for p in parts)
+        return sf.parse_header(data, len(data))
+
+    a, b = header(x=3, y=2), header(z=1)
+    index = sf.tensor_index({"a.safetensors": a, "b.safetensors": b})
+    assert list(index) == ["x", "y", "z"]
+    assert index["z"] == ("b.safetensors", b.tensors["z"])
+    assert sf.tensor_index([("a", a), ("b", b)]) == {k: (p.split(".")[0], i) for k, (p, i) in index.items()}
+    with pytest.raises(SafetensorsError, match=r"^tensor 'y' is in both a.safetensors and c.safetensors$"):
+        sf.tensor_index({"a.safetensors": a, "b.safetensors": b, "c.safetensors": header(y=5)})

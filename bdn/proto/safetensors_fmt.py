@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -243,6 +243,23 @@ def parse_header(buf: bytes | bytearray | memoryview | Any, file_size: int) -> H
             f"safetensors tensors end at byte {data_start + expected}, but the file is {file_size} bytes"
         )
     return Header(data_start=data_start, metadata=metadata, tensors=tensors)
+
+
+def tensor_index(files: Mapping[str, Header] | Iterable[tuple[str, Header]]) -> dict[str, tuple[str, TensorInfo]]:
+    """Where each tensor of a sharded checkpoint lives: ``{tensor name: (file path, TensorInfo)}``.
+
+    ``files`` maps each ``*.safetensors`` file's path (as the snapshot names it) to its parsed
+    header, in the snapshot's file order; the result keeps that order, then each header's. The one
+    rule for a name found in two shards: refuse, as the safetensors/Hugging Face loaders do (a
+    checkpoint must name each tensor once). Raises SafetensorsError("tensor 'x' is in both a and b").
+    """
+    index: dict[str, tuple[str, TensorInfo]] = {}
+    for path, header in files.items() if isinstance(files, Mapping) else files:
+        for name, info in header.tensors.items():
+            if name in index:
+                raise SafetensorsError(f"tensor {_q(name)} is in both {index[name][0]} and {path}")
+            index[name] = (path, info)
+    return index
 
 
 def _numpy_dtypes() -> dict[str, np.dtype]:
