@@ -338,6 +338,44 @@ def test_read_tensor(bdnd: Bdnd) -> None:
         assert exc.value.status == 404 and "no.such.tensor" in str(exc.value)
 
 
+def test_read_tensor_of_zero_elements_leaves_the_client_usable(bdnd: Bdnd) -> None:
+    """Issue 12 item 6: a 0-byte body must not leave the kept-alive connection half-read."""
+    src = bdnd.root / "trainer" / "step000043"
+    src.mkdir(parents=True)
+    save_file({"empty": np.zeros((0, 4), np.float32), "w": np.arange(6, dtype=np.float32)},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    bdnd.published.add("step000043")
+    publish_full(bdnd.bucket, "step000043", 43, dir=src, chunk_size=64 << 10)
+    assert bdnd.daemon.prefetch("step000043")[0] == 202
+    bdnd.daemon.wait_ready("step000043", timeout=60)
+    for url in (bdnd.url, f"unix://{bdnd.socket}"):
+        with DaemonClient(url) as c:
+            for _ in range(3):
+                empty = c.read_tensor("step000043", "empty")
+                assert empty.shape == (0, 4) and empty.dtype == np.float32
+                assert c.health()["status"] == "ok"
+                assert c.read_tensor("step000043", "w").tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_open_prefetches_an_unknown_identity_and_waits(bdnd: Bdnd) -> None:
+    """Issue 12 item 17: open(identity, timeout=...) fetches what the daemon does not know yet."""
+    bdnd.publish("step000053", 53)
+    with DaemonClient(bdnd.url) as c:
+        with pytest.raises(DaemonError) as exc:
+            c.snapshot("step000053")
+        assert exc.value.status == 404  # not known: nobody asked for it yet
+        with c.open("step000053", timeout=60) as s:
+            assert s.identity == "step000053" and s.policy_version == 53
+        with pytest.raises(DaemonError) as exc:  # without wait, an unknown identity stays unknown
+            c.open("step000063", wait=False)
+        assert exc.value.status == 404
+        with pytest.raises(TimeoutError, match="step000063 not ready"):
+            c.open("step000063", timeout=0.3)  # never published: its manifest never comes
+        assert c.snapshot("step000063")["state"] == "queued"
+        with pytest.raises(SnapshotFailed, match="arc_v3"):
+            c.open(FAILING, timeout=30)
+
+
 def test_daemon_errors_carry_status_and_message(bdnd: Bdnd) -> None:
     with DaemonClient(bdnd.url) as c:
         with pytest.raises(DaemonError) as exc:
