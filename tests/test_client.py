@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+from tqdm import tqdm
 
 from bdn.client import (
     DaemonClient,
@@ -498,6 +499,20 @@ def test_bdnctl_prefetch_shows_progress_bar_on_a_terminal(bdnd: Bdnd) -> None:
     assert proc.returncode == 0
     assert "step000023:" in bar and "%|" in bar and "downloading" in bar
     assert proc.stdout.startswith("step000023 ready in ")
+    # Issue 12 item 15: the bar's "MB" is 10^6 bytes (it divided by 1024 under an "MB" label).
+    total = bdnd.daemon.get("/v1/snapshots/step000023")["bytes_total"]
+    assert f"/{tqdm.format_sizeof(total, divisor=1000)} " in bar, (total, bar[-300:])
+
+
+def test_bdnctl_version_and_si_units(bdnd: Bdnd) -> None:
+    import bdn
+
+    r = run_bdnctl("--version")
+    assert r.returncode == 0 and r.stdout == f"bdn {bdn.__version__}\n"
+    r = run_bdnctl("verify", "step000002", url=bdnd.url)
+    assert r.returncode == 0, r.stderr
+    total = open_snapshot(bdnd.ready).ready.total_bytes
+    assert f"{total / 1e3:.1f} kB match READY" in r.stdout or f"{total / 1e6:.1f} MB match READY" in r.stdout
 
 
 def test_bdnctl_verify(bdnd: Bdnd) -> None:

@@ -570,6 +570,35 @@ def test_cli_full_delta_startup(spec: BucketSpec, ckpt, tmp_path: Path) -> None:
         _check_delta(b, m, base_dir, target, tmp_path / "check")
 
 
+def test_cli_version_json_and_units(tmp_path: Path, ckpt) -> None:
+    """Issue 12 item 15: --version, --json (one object on stdout), SI units in the human line."""
+    import bdn
+
+    src, _ = ckpt
+    flags = ["--bucket", f"file://{tmp_path / 'bucket'}"]
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout == f"bdn {bdn.__version__}\n"
+    r = _cli("full", "--dir", str(src), *flags, "--identity", "s1", "--policy-version", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # exactly one JSON document
+    stored = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    assert out == {"identity": "s1", "kind": "full", "base_identity": None, "policy_version": 1,
+                   "stored_bytes": stored, "result_bytes": stored, "files": 7, "seconds": out["seconds"]}
+    assert isinstance(out["seconds"], float) and out["seconds"] >= 0
+    r = _cli("delta", "--dir", str(src), *flags, "--identity", "s2", "--policy-version", "2", "--base", "s1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["kind"], out["base_identity"], out["result_bytes"]) == ("delta", "s1", stored)
+    r = _cli("startup", *flags, "--identity", "s2", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout) == {"startup_snapshot": "s2"}
+    r = _cli("full", "--dir", str(src), *flags, "--identity", "s1", "--policy-version", "1", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["exit_code"] == 1
+    assert r.stderr.startswith("bdn-publish: error: snapshot 's1' is already published")
+    r = _cli("full", "--dir", str(src), *flags, "--identity", "s3", "--policy-version", "3")
+    assert r.returncode == 0, r.stderr
+    assert f"{stored / 1e3:.1f} kB stored" in r.stdout  # SI: kB = 10^3 bytes (~0.8 MB of tensors)
+
+
 def test_cli_errors(spec: BucketSpec, ckpt) -> None:
     src, _ = ckpt
     flags = spec.cli_flags()
