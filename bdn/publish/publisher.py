@@ -109,16 +109,7 @@ def publish_full(
             entries = _store_all(
                 b, identity, [_Upload(f.path, f.local) for f in files], chunk_size, workers, progress
             )
-        manifest = Manifest(
-            identity=identity,
-            kind="full",
-            policy_version=policy_version,
-            chunk_size=chunk_size,
-            files=tuple(entries),
-            created_at=_now(),
-        )
-        _commit(b, manifest, overwrite)
-        return manifest
+        return _commit(b, identity, policy_version, chunk_size, entries, overwrite)
 
 
 def publish_delta(
@@ -199,19 +190,7 @@ def publish_delta(
             uploads += [_Upload(f.path, f.local) for f in files if f.path not in diffed]
             uploads.sort(key=lambda u: u.path)
             entries = _store_all(b, identity, uploads, chunk_size, workers, progress)
-        manifest = Manifest(
-            identity=identity,
-            kind="delta",
-            policy_version=policy_version,
-            chunk_size=chunk_size,
-            files=tuple(entries),
-            created_at=_now(),
-            base_identity=base,
-            compression_format=compression_format,
-            checksum_format=CHECKSUM_FORMAT,
-        )
-        _commit(b, manifest, overwrite)
-        return manifest
+        return _commit(b, identity, policy_version, chunk_size, entries, overwrite, delta_of=(base, compression_format))
 
 
 def publish_startup(bucket: str | Bucket, identity: str) -> None:
@@ -281,8 +260,27 @@ def _refuse_published(b: Bucket, identity: str, overwrite: bool) -> None:
     )
 
 
-def _commit(b: Bucket, manifest: Manifest, overwrite: bool) -> None:
-    """Write the manifest: the last object, whose presence publishes the snapshot."""
+def _commit(
+    b: Bucket, identity: str, policy_version: int, chunk_size: int, entries: list[FileEntry], overwrite: bool,
+    *, delta_of: tuple[str, str] | None = None,
+) -> Manifest:
+    """Build the snapshot's manifest and write it: the last object, whose presence publishes it.
+
+    ``delta_of`` is ``(base identity, compression format)`` for a delta, None for a full
+    snapshot. Returns the manifest written.
+    """
+    base, fmt = delta_of if delta_of is not None else (None, None)
+    manifest = Manifest(
+        identity=identity,
+        kind="full" if delta_of is None else "delta",
+        policy_version=policy_version,
+        chunk_size=chunk_size,
+        files=tuple(entries),
+        created_at=_now(),
+        base_identity=base,
+        compression_format=fmt,
+        checksum_format=None if delta_of is None else CHECKSUM_FORMAT,
+    )
     # Checked again because another publisher may have committed the same identity meanwhile;
     # the bucket interface has no conditional put, so a narrow race remains.
     _refuse_published(b, manifest.identity, overwrite)
@@ -290,6 +288,7 @@ def _commit(b: Bucket, manifest: Manifest, overwrite: bool) -> None:
     # Re-parse what we are about to publish: daemons will hold it to the same rules.
     Manifest.from_json(data, expect_identity=manifest.identity)
     b.write(f"{manifest.identity}/{MANIFEST_NAME}", data)
+    return manifest
 
 
 @contextlib.contextmanager
