@@ -9,7 +9,8 @@ Every failure to reach or hear the daemon is one :class:`DaemonUnreachable` line
 a status the caller did not expect is a :class:`DaemonError` carrying the daemon's ``{"error":
 ...}`` line; an answer that breaks the API (too large, not JSON) is a ProtocolError. A request
 that may be repeated (GET, HEAD, DELETE, or ``idempotent=True``) is sent again once, through
-:mod:`bdn.retry`, when the daemon closed a kept-alive connection under it.
+:mod:`bdn.retry`, when the connection was dropped before an answer came (a kept-alive
+connection the daemon closed, a reset).
 """
 
 from __future__ import annotations
@@ -158,7 +159,8 @@ class Transport:
                 with attempt:
                     try:
                         resp = stack.enter_context(self._http().stream(method, self._base + path, **kwargs))
-                    except httpx.RemoteProtocolError as exc:
+                    except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+                        # Dropped before an answer came (a closed keep-alive connection, a reset).
                         raise _Stale(_reason(exc)) from None
             with stack:
                 yield resp
