@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from bdn import fileops
 from bdn.proto import arc
 from bdn.proto import safetensors_fmt as sf
 from bdn.proto.errors import ChecksumError, ProtocolError, TensorMismatch, UnsupportedFormat
@@ -47,9 +48,9 @@ def test_fused_adler32_over_pieces_matches_whole(tmp_path: Path, monkeypatch: py
     base = {"a": rng.integers(0, 256, 10_001, dtype=np.uint8), "b": rng.integers(0, 256, 3, dtype=np.uint8)}
     target = {k: v ^ (rng.random(v.size) < 0.1).astype(np.uint8) for k, v in base.items()}
     for fmt in ARC_FORMATS:
-        sf.save(tmp_path / "base", base)
-        sf.save(tmp_path / "target", target)
-        arc.write_diff_file(tmp_path / "base", tmp_path / "target", tmp_path / "d", fmt)
+        fileops.save(tmp_path / "base", base)
+        fileops.save(tmp_path / "target", target)
+        fileops.write_diff_file(tmp_path / "base", tmp_path / "target", tmp_path / "d", fmt)
         assert _apply(tmp_path / "base", tmp_path / "d", fmt, workers=1) == (tmp_path / "target").read_bytes()
 
 
@@ -186,8 +187,8 @@ def _state(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
 def _files(tmp_path: Path, seed: int = 0, meta: dict[str, str] | None = None) -> tuple[Path, Path]:
     base, target = _state(seed)
     meta = {"format": "pt"} if meta is None else meta
-    sf.save(tmp_path / "base.safetensors", base, meta)
-    sf.save(tmp_path / "target.safetensors", target, meta)
+    fileops.save(tmp_path / "base.safetensors", base, meta)
+    fileops.save(tmp_path / "target.safetensors", target, meta)
     return tmp_path / "base.safetensors", tmp_path / "target.safetensors"
 
 
@@ -196,7 +197,7 @@ def _apply(base_path: Path, diff_path: Path, fmt: str, workers: int = 1) -> byte
     bh = sf.parse_header(base, len(base))
     dh = arc.read_diff_header(diff, len(diff))
     out = bytearray(arc.target_size(bh, dh))
-    arc.apply_diff(base, bh, diff, dh, out, fmt, workers=workers)
+    arc.apply_diff(base, bh, diff, dh, out, fmt, map=fileops.thread_map(workers))
     return bytes(out)
 
 
@@ -205,7 +206,7 @@ def _apply(base_path: Path, diff_path: Path, fmt: str, workers: int = 1) -> byte
 def test_whole_file_reconstruction_is_bit_exact(tmp_path: Path, fmt: str, workers: int) -> None:
     base_path, target_path = _files(tmp_path)
     diff_path = tmp_path / "diff.safetensors"
-    arc.write_diff_file(base_path, target_path, diff_path, fmt, workers=workers)
+    fileops.write_diff_file(base_path, target_path, diff_path, fmt, workers=workers)
     assert _apply(base_path, diff_path, fmt, workers) == target_path.read_bytes()
 
     header, streams = arc.read_diff_header(diff_path.read_bytes(), diff_path.stat().st_size)
@@ -223,8 +224,8 @@ def test_whole_file_reconstruction_is_bit_exact(tmp_path: Path, fmt: str, worker
 def test_diff_from_arrays_equals_diff_from_files(tmp_path: Path, fmt: str) -> None:
     base_path, target_path = _files(tmp_path)
     base, target = _state()
-    arc.write_diff_file(base_path, target_path, tmp_path / "a.diff", fmt)
-    arc.write_diff_file_from_arrays(base, target, tmp_path / "b.diff", fmt, workers=2)
+    fileops.write_diff_file(base_path, target_path, tmp_path / "a.diff", fmt)
+    fileops.write_diff_file_from_arrays(base, target, tmp_path / "b.diff", fmt, workers=2)
     assert (tmp_path / "a.diff").read_bytes() == (tmp_path / "b.diff").read_bytes()
 
 
@@ -232,13 +233,13 @@ def test_diff_from_arrays_equals_diff_from_files(tmp_path: Path, fmt: str) -> No
 def test_in_place_apply_on_mmap(tmp_path: Path, fmt: str) -> None:
     base_path, target_path = _files(tmp_path)
     diff_path = tmp_path / "diff"
-    arc.write_diff_file(base_path, target_path, diff_path, fmt)
+    fileops.write_diff_file(base_path, target_path, diff_path, fmt)
     work = tmp_path / "work"
     shutil.copy(base_path, work)
     diff = diff_path.read_bytes()
     with open(work, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
         bh = sf.parse_header(mm, len(mm))
-        arc.apply_diff(mm, bh, diff, arc.read_diff_header(diff, len(diff))[0], mm, fmt, workers=3)
+        arc.apply_diff(mm, bh, diff, arc.read_diff_header(diff, len(diff))[0], mm, fmt, map=fileops.thread_map(3))
     assert work.read_bytes() == target_path.read_bytes()
 
 
@@ -251,13 +252,13 @@ def _rewrite_diff(src: Path, dst: Path, edit_frames=None, edit_meta=None) -> Non
         edit_frames(frames)
     if edit_meta:
         edit_meta(meta)
-    sf.save_raw(dst, {n: ("U8", (len(f),), f) for n, f in frames.items()}, meta)
+    fileops.save_raw(dst, {n: ("U8", (len(f),), f) for n, f in frames.items()}, meta)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_wrong_adler32_is_a_checksum_error(tmp_path: Path, fmt: str) -> None:
     base_path, target_path = _files(tmp_path)
-    arc.write_diff_file(base_path, target_path, tmp_path / "d", fmt)
+    fileops.write_diff_file(base_path, target_path, tmp_path / "d", fmt)
     _rewrite_diff(tmp_path / "d", tmp_path / "bad", edit_meta=lambda m: m.update({"layers.0.b": "12345"}))
     with pytest.raises(ChecksumError, match=r"adler32 mismatch for tensor 'layers.0.b': expected 12345, got \d+"):
         _apply(base_path, tmp_path / "bad", fmt)
@@ -266,7 +267,7 @@ def test_wrong_adler32_is_a_checksum_error(tmp_path: Path, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_corrupted_frame_is_refused(tmp_path: Path, fmt: str) -> None:
     base_path, target_path = _files(tmp_path)
-    arc.write_diff_file(base_path, target_path, tmp_path / "d", fmt)
+    fileops.write_diff_file(base_path, target_path, tmp_path / "d", fmt)
 
     def flip(frames: dict[str, bytes]) -> None:
         f = bytearray(frames["layers.0.w"])
@@ -281,7 +282,7 @@ def test_corrupted_frame_is_refused(tmp_path: Path, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_oversized_frame_is_refused(tmp_path: Path, fmt: str) -> None:
     base_path, target_path = _files(tmp_path)
-    arc.write_diff_file(base_path, target_path, tmp_path / "d", fmt)
+    fileops.write_diff_file(base_path, target_path, tmp_path / "d", fmt)
     big = arc.encode_xor(np.zeros(3 * 8 + 1, np.uint8), np.ones(3 * 8 + 1, np.uint8), fmt)
     _rewrite_diff(tmp_path / "d", tmp_path / "bad", edit_frames=lambda f: f.update({"steps": big}))
     needle = "stream is for a 25-byte tensor, the base tensor has 24 bytes" if fmt == "bdn_planes_v1" else "more than the 24 bytes"
@@ -292,19 +293,19 @@ def test_oversized_frame_is_refused(tmp_path: Path, fmt: str) -> None:
 @pytest.mark.parametrize("workers", [1, 2])
 def test_error_leaves_caller_mmaps_closable(tmp_path: Path, workers: int) -> None:
     base_path, target_path = _files(tmp_path)
-    arc.write_diff_file(base_path, target_path, tmp_path / "d")
+    fileops.write_diff_file(base_path, target_path, tmp_path / "d")
     _rewrite_diff(tmp_path / "d", tmp_path / "bad", edit_meta=lambda m: m.update({"embed": "1"}))
     work = tmp_path / "work"
     shutil.copy(base_path, work)
     diff = (tmp_path / "bad").read_bytes()
     with pytest.raises(ChecksumError):
         with open(work, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:  # close must not hit BufferError
-            arc.apply_diff(mm, sf.parse_header(mm, len(mm)), diff, arc.read_diff_header(diff, len(diff)), mm, "arc_v2", workers=workers)
+            arc.apply_diff(mm, sf.parse_header(mm, len(mm)), diff, arc.read_diff_header(diff, len(diff)), mm, "arc_v2", map=fileops.thread_map(workers))
 
 
 def test_malformed_diff_headers(tmp_path: Path) -> None:
     base_path, target_path = _files(tmp_path)
-    arc.write_diff_file(base_path, target_path, tmp_path / "d")
+    fileops.write_diff_file(base_path, target_path, tmp_path / "d")
     cases = [
         (lambda m: m.pop("steps"), "no adler32 in __metadata__ for tensor 'steps'"),
         (lambda m: m.update({"steps": "0x12"}), "tensor 'steps' is not an adler32 decimal"),
@@ -316,7 +317,7 @@ def test_malformed_diff_headers(tmp_path: Path) -> None:
         data = (tmp_path / "bad").read_bytes()
         with pytest.raises(ProtocolError, match=needle):
             arc.read_diff_header(data, len(data))
-    sf.save(tmp_path / "notdiff", {"w": np.zeros(3, np.float32)}, {"w": "1"})
+    fileops.save(tmp_path / "notdiff", {"w": np.zeros(3, np.float32)}, {"w": "1"})
     data = (tmp_path / "notdiff").read_bytes()
     with pytest.raises(ProtocolError, match="diff tensor 'w' is F32 \\[3\\], expected a 1-D U8 stream"):
         arc.read_diff_header(data, len(data))
@@ -324,7 +325,7 @@ def test_malformed_diff_headers(tmp_path: Path) -> None:
 
 def test_diff_and_base_names_must_match(tmp_path: Path) -> None:
     base_path, target_path = _files(tmp_path)
-    arc.write_diff_file(base_path, target_path, tmp_path / "d")
+    fileops.write_diff_file(base_path, target_path, tmp_path / "d")
     _rewrite_diff(tmp_path / "d", tmp_path / "bad", edit_frames=lambda f: f.pop("flags"),
                   edit_meta=lambda m: m.pop("flags"))
     with pytest.raises(ProtocolError, match="no stream for tensor 'flags'"):
@@ -341,23 +342,23 @@ def test_mismatches_name_the_tensor(tmp_path: Path) -> None:
         ({**{k: v for k, v in target.items() if k != "flags"}, "flagz": target["flags"]}, "tensor 'flags' is in the base but not in the target"),
         ({**target, "extra": np.zeros(1, np.float32)}, "tensor 'extra' is in the target but not in the base"),
     ]
-    sf.save(tmp_path / "base", base, {"format": "pt"})
+    fileops.save(tmp_path / "base", base, {"format": "pt"})
     for bad, needle in cases:
         with pytest.raises(TensorMismatch, match=needle):
-            arc.write_diff_file_from_arrays(base, bad, tmp_path / "d")
-        sf.save(tmp_path / "target", bad, {"format": "pt"})
+            fileops.write_diff_file_from_arrays(base, bad, tmp_path / "d")
+        fileops.save(tmp_path / "target", bad, {"format": "pt"})
         with pytest.raises(TensorMismatch, match=needle):
-            arc.write_diff_file(tmp_path / "base", tmp_path / "target", tmp_path / "d")
+            fileops.write_diff_file(tmp_path / "base", tmp_path / "target", tmp_path / "d")
 
 
 def test_target_header_must_equal_base_header(tmp_path: Path) -> None:
     base, target = _state()
-    sf.save(tmp_path / "base", base, {"format": "pt", "step": "1"})
-    sf.save(tmp_path / "target", target, {"format": "pt", "step": "2"})
+    fileops.save(tmp_path / "base", base, {"format": "pt", "step": "1"})
+    fileops.save(tmp_path / "target", target, {"format": "pt", "step": "2"})
     with pytest.raises(TensorMismatch, match="__metadata__ differs between base and target \\(key 'step'\\)"):
-        arc.write_diff_file(tmp_path / "base", tmp_path / "target", tmp_path / "d")
+        fileops.write_diff_file(tmp_path / "base", tmp_path / "target", tmp_path / "d")
     # same tensors and metadata, different layout: a reference file with other JSON spacing
-    sf.save(tmp_path / "target", target, {"format": "pt", "step": "1"})
+    fileops.save(tmp_path / "target", target, {"format": "pt", "step": "1"})
     data = bytearray((tmp_path / "target").read_bytes())
     n = int.from_bytes(data[:8], "little")
     text = data[8 : 8 + n].decode().rstrip(" ").replace('"format":', '"format": ')
@@ -365,7 +366,7 @@ def test_target_header_must_equal_base_header(tmp_path: Path) -> None:
     data[8 : 8 + n] = (text + " " * (n - len(text))).encode()
     (tmp_path / "target").write_bytes(data)
     with pytest.raises(TensorMismatch, match="headers differ in their bytes"):
-        arc.write_diff_file(tmp_path / "base", tmp_path / "target", tmp_path / "d")
+        fileops.write_diff_file(tmp_path / "base", tmp_path / "target", tmp_path / "d")
 
 
 # --- interop with the reference implementation --------------------------------------------------
@@ -397,7 +398,7 @@ def test_our_diff_applies_in_theirs(tmp_path: Path, fmt: str) -> None:
     fdc = _fireworks()
     base_path, target_path = _files(tmp_path)
     diff_path = tmp_path / "ours.safetensors"
-    arc.write_diff_file(base_path, target_path, diff_path, fmt)
+    fileops.write_diff_file(base_path, target_path, diff_path, fmt)
     work = tmp_path / "work.safetensors"
     shutil.copy(base_path, work)
     fdc.delta_decompress_inplace(base_path=str(work), diff_path=str(diff_path), compression_format=fmt)

@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
+from tqdm import tqdm
 
 from bdn.client import (
     DaemonClient,
@@ -38,7 +39,7 @@ from bdn.client import (
     open_snapshot,
 )
 from bdn.cli.bdnctl import main as bdnctl_main
-from bdn.proto.chunks import file_digests
+from bdn.fileops import chunk_digests as file_digests
 from bdn.proto.errors import ChecksumError, IdentityError, ProtocolError
 from bdn.publish import publish_delta, publish_full
 from support.checkpoints import make_state, write_hf_dir
@@ -276,6 +277,16 @@ def test_resized_file_and_inconsistent_index_are_refused(snap: tuple[Path, dict[
         open_snapshot(d)
 
 
+def test_tensor_in_two_shards_is_refused_naming_both(snap: tuple[Path, dict[str, np.ndarray]]) -> None:
+    d, arrays = snap
+    (d / "model.safetensors.index.json").unlink()
+    save_file({"lm_head.weight": arrays["lm_head.weight"]}, str(d / "extra.safetensors"))
+    write_ready(d, "step000002", 2)
+    with pytest.raises(ProtocolError) as exc:
+        open_snapshot(d)
+    assert str(exc.value) == f"{d}: tensor 'lm_head.weight' is in both extra.safetensors and {SHARD2}"
+
+
 def test_close_releases_mappings(snap: tuple[Path, dict[str, np.ndarray]]) -> None:
     d, arrays = snap
     s = open_snapshot(d)
@@ -326,6 +337,44 @@ def test_read_tensor(bdnd: Bdnd) -> None:
         with pytest.raises(DaemonError) as exc:
             c.read_tensor("step000002", "no.such.tensor")
         assert exc.value.status == 404 and "no.such.tensor" in str(exc.value)
+
+
+def test_read_tensor_of_zero_elements_leaves_the_client_usable(bdnd: Bdnd) -> None:
+    """Issue 12 item 6: a 0-byte body must not leave the kept-alive connection half-read."""
+    src = bdnd.root / "trainer" / "step000043"
+    src.mkdir(parents=True)
+    save_file({"empty": np.zeros((0, 4), np.float32), "w": np.arange(6, dtype=np.float32)},
+              str(src / "model.safetensors"), metadata={"format": "pt"})
+    bdnd.published.add("step000043")
+    publish_full(bdnd.bucket, "step000043", 43, dir=src, chunk_size=64 << 10)
+    assert bdnd.daemon.prefetch("step000043")[0] == 202
+    bdnd.daemon.wait_ready("step000043", timeout=60)
+    for url in (bdnd.url, f"unix://{bdnd.socket}"):
+        with DaemonClient(url) as c:
+            for _ in range(3):
+                empty = c.read_tensor("step000043", "empty")
+                assert empty.shape == (0, 4) and empty.dtype == np.float32
+                assert c.health()["status"] == "ok"
+                assert c.read_tensor("step000043", "w").tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_open_prefetches_an_unknown_identity_and_waits(bdnd: Bdnd) -> None:
+    """Issue 12 item 17: open(identity, timeout=...) fetches what the daemon does not know yet."""
+    bdnd.publish("step000053", 53)
+    with DaemonClient(bdnd.url) as c:
+        with pytest.raises(DaemonError) as exc:
+            c.snapshot("step000053")
+        assert exc.value.status == 404  # not known: nobody asked for it yet
+        with c.open("step000053", timeout=60) as s:
+            assert s.identity == "step000053" and s.policy_version == 53
+        with pytest.raises(DaemonError) as exc:  # without wait, an unknown identity stays unknown
+            c.open("step000063", wait=False)
+        assert exc.value.status == 404
+        with pytest.raises(TimeoutError, match="step000063 not ready"):
+            c.open("step000063", timeout=0.3)  # never published: its manifest never comes
+        assert c.snapshot("step000063")["state"] == "queued"
+        with pytest.raises(SnapshotFailed, match="arc_v3"):
+            c.open(FAILING, timeout=30)
 
 
 def test_daemon_errors_carry_status_and_message(bdnd: Bdnd) -> None:
@@ -450,6 +499,20 @@ def test_bdnctl_prefetch_shows_progress_bar_on_a_terminal(bdnd: Bdnd) -> None:
     assert proc.returncode == 0
     assert "step000023:" in bar and "%|" in bar and "downloading" in bar
     assert proc.stdout.startswith("step000023 ready in ")
+    # Issue 12 item 15: the bar's "MB" is 10^6 bytes (it divided by 1024 under an "MB" label).
+    total = bdnd.daemon.get("/v1/snapshots/step000023")["bytes_total"]
+    assert f"/{tqdm.format_sizeof(total, divisor=1000)} " in bar, (total, bar[-300:])
+
+
+def test_bdnctl_version_and_si_units(bdnd: Bdnd) -> None:
+    import bdn
+
+    r = run_bdnctl("--version")
+    assert r.returncode == 0 and r.stdout == f"bdn {bdn.__version__}\n"
+    r = run_bdnctl("verify", "step000002", url=bdnd.url)
+    assert r.returncode == 0, r.stderr
+    total = open_snapshot(bdnd.ready).ready.total_bytes
+    assert f"{total / 1e3:.1f} kB match READY" in r.stdout or f"{total / 1e6:.1f} MB match READY" in r.stdout
 
 
 def test_bdnctl_verify(bdnd: Bdnd) -> None:

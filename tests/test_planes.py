@@ -19,6 +19,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bdn import fileops
 from bdn.proto import arc
 from bdn.proto import safetensors_fmt as sf
 from bdn.proto.errors import ChecksumError, ProtocolError
@@ -152,8 +153,8 @@ def _state(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]
 
 def _files(tmp_path: Path) -> tuple[Path, Path]:
     base, target = _state()
-    sf.save(tmp_path / "base.safetensors", base, {"format": "pt"})
-    sf.save(tmp_path / "target.safetensors", target, {"format": "pt"})
+    fileops.save(tmp_path / "base.safetensors", base, {"format": "pt"})
+    fileops.save(tmp_path / "target.safetensors", target, {"format": "pt"})
     return tmp_path / "base.safetensors", tmp_path / "target.safetensors"
 
 
@@ -162,7 +163,7 @@ def _apply(base_path: Path, diff: bytes, workers: int) -> bytes:
     bh = sf.parse_header(base, len(base))
     dh = arc.read_diff_header(diff, len(diff))
     out = bytearray(arc.target_size(bh, dh))
-    arc.apply_diff(base, bh, diff, dh, out, FMT, workers=workers)
+    arc.apply_diff(base, bh, diff, dh, out, FMT, map=fileops.thread_map(workers))
     return bytes(out)
 
 
@@ -172,7 +173,7 @@ def _apply(base_path: Path, diff: bytes, workers: int) -> bytes:
 def test_whole_file_apply_is_bit_exact(tmp_path: Path, workers: int, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arc, "_P_BATCH", batch)  # pool tasks of one block, or of several
     base_path, target_path = _files(tmp_path)
-    arc.write_diff_file(base_path, target_path, tmp_path / "d", FMT, workers=workers)
+    fileops.write_diff_file(base_path, target_path, tmp_path / "d", FMT, workers=workers)
     diff = (tmp_path / "d").read_bytes()
     assert _apply(base_path, diff, workers) == target_path.read_bytes()
     header, streams = arc.read_diff_header(diff, len(diff))
@@ -187,7 +188,7 @@ def test_whole_file_apply_is_bit_exact(tmp_path: Path, workers: int, batch: int,
     work = tmp_path / "work"
     shutil.copy(base_path, work)
     with open(work, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
-        arc.apply_diff(mm, sf.parse_header(mm, len(mm)), diff, arc.read_diff_header(diff, len(diff)), mm, FMT, workers=4)
+        arc.apply_diff(mm, sf.parse_header(mm, len(mm)), diff, arc.read_diff_header(diff, len(diff)), mm, FMT, map=fileops.thread_map(4))
     assert work.read_bytes() == target_path.read_bytes()
 
 
@@ -195,9 +196,9 @@ def test_whole_file_apply_is_bit_exact(tmp_path: Path, workers: int, batch: int,
 def test_diff_is_the_same_from_files_arrays_and_any_worker_count(tmp_path: Path) -> None:
     base_path, target_path = _files(tmp_path)
     base, target = _state()
-    arc.write_diff_file(base_path, target_path, tmp_path / "a", FMT, workers=1)
-    arc.write_diff_file(base_path, target_path, tmp_path / "b", FMT, workers=5)
-    arc.write_diff_file_from_arrays(base, target, tmp_path / "c", FMT, workers=3)
+    fileops.write_diff_file(base_path, target_path, tmp_path / "a", FMT, workers=1)
+    fileops.write_diff_file(base_path, target_path, tmp_path / "b", FMT, workers=5)
+    fileops.write_diff_file_from_arrays(base, target, tmp_path / "c", FMT, workers=3)
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() == (tmp_path / "c").read_bytes()
 
 
@@ -205,11 +206,11 @@ def test_diff_is_the_same_from_files_arrays_and_any_worker_count(tmp_path: Path)
 @pytest.mark.parametrize("workers", [1, 3])
 def test_wrong_adler32_names_the_tensor(tmp_path: Path, workers: int) -> None:
     base_path, target_path = _files(tmp_path)
-    arc.write_diff_file(base_path, target_path, tmp_path / "d", FMT)
+    fileops.write_diff_file(base_path, target_path, tmp_path / "d", FMT)
     data = (tmp_path / "d").read_bytes()
     h = sf.parse_header(data, len(data))
     frames = {n: bytes(data[i.start : i.end]) for n, i in h.tensors.items()}
-    sf.save_raw(tmp_path / "bad", {n: ("U8", (len(f),), f) for n, f in frames.items()}, {**h.metadata, "big": "99"})
+    fileops.save_raw(tmp_path / "bad", {n: ("U8", (len(f),), f) for n, f in frames.items()}, {**h.metadata, "big": "99"})
     with pytest.raises(ChecksumError, match=r"^adler32 mismatch for tensor 'big': expected 99, got \d+$"):
         _apply(base_path, (tmp_path / "bad").read_bytes(), workers)
 
@@ -406,8 +407,8 @@ def test_fuzz_forged_payloads_raise_only_protocol_errors(case: tuple[bytes, int]
 def test_fuzz_apply_diff_names_the_tensor(tmp_path: Path, case: tuple[bytes, int], workers: int) -> None:
     stream, n = case
     base = {"a": np.arange(n, dtype=np.uint64).astype(np.uint8), "b": np.ones(3, np.uint8)}
-    sf.save(tmp_path / "base", base)
-    sf.save_raw(tmp_path / "diff", {"a": ("U8", (len(stream),), stream), "b": ("U8", (37,), _stream(3, [(0, 0, 0, b"")]))},
+    fileops.save(tmp_path / "base", base)
+    fileops.save_raw(tmp_path / "diff", {"a": ("U8", (len(stream),), stream), "b": ("U8", (37,), _stream(3, [(0, 0, 0, b"")]))},
                 {"a": "1", "b": "1"})
     diff = (tmp_path / "diff").read_bytes()
     with pytest.raises(ProtocolError, match=r"tensor '[ab]'"):

@@ -17,7 +17,6 @@ from bdn.proto.chunks import (
     buffer_digests,
     chunk_range,
     digest,
-    file_digests,
     num_chunks,
 )
 
@@ -125,20 +124,6 @@ def test_buffer_digests_releases_its_view() -> None:
     buf = bytearray(os.urandom(10_000))
     buffer_digests(buf, 4096)
     buf.extend(b"more")  # would raise BufferError if a memoryview were still held
-
-
-@pytest.mark.parametrize("size", [0, 1, 4096, 5 * 4096, 5 * 4096 + 123, 1 << 20])
-def test_file_digests_equal_buffer_digests(tmp_path: Path, size: int) -> None:
-    data = os.urandom(size)
-    p = tmp_path / "model.safetensors"
-    p.write_bytes(data)
-    assert file_digests(p, 4096) == buffer_digests(data, 4096)
-    assert file_digests(str(p), 64 << 10) == buffer_digests(data, 64 << 10)
-
-
-def test_file_digests_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
-        file_digests(tmp_path / "nope", 4096)
 
 
 @given(st.binary(max_size=5000), st.integers(1, 600))

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ import zstandard
 from safetensors import safe_open
 
 from bdn.bucket import AccessDenied, Bucket, open_bucket
-from bdn.proto.chunks import file_digests
+from bdn.fileops import apply_delta_file
+from bdn.fileops import chunk_digests as file_digests
 from bdn.proto.errors import (
     ChecksumError,
     IdentityError,
@@ -35,11 +37,10 @@ from bdn.publish import (
     publish_full,
     publish_startup,
 )
-from bdn.publish.fetch import apply_diff_file
 from tests.support.s3server import S3Proxy, create_bucket, start_moto_server, stop_moto_server
 
 REPO = Path(__file__).resolve().parents[1]
-VENV_BIN = REPO / ".venv" / "bin"
+VENV_BIN = Path(sys.executable).parent  # the venv running the tests (a worktree has no .venv of its own)
 CLI = VENV_BIN / "bdn-publish"
 CHUNK = 64 << 10
 BF16 = ml_dtypes.bfloat16
@@ -417,7 +418,7 @@ def _check_delta(b: Bucket, m: Manifest, base_dir: Path, target_dir: Path, scrat
         assert f.result is not None
         out = scratch / "rebuilt" / f.path
         out.parent.mkdir(parents=True, exist_ok=True)
-        apply_diff_file(base_dir / f.path, stored, out, m.compression_format or "")
+        apply_delta_file(base_dir / f.path, stored, out, m.compression_format or "", f.result.size)
         assert out.read_bytes() == target[f.path].read_bytes()
         assert _rebuild_independently(base_dir / f.path, stored, m.compression_format or "") == out.read_bytes()
         assert f.result.size == out.stat().st_size
@@ -470,7 +471,7 @@ def test_delta_from_state_dicts(bucket: Bucket, tmp_path: Path) -> None:
     assert m.file("model.safetensors").is_diff and not m.file("config.json").is_diff
     base = _download(bucket, "s1/model.safetensors", tmp_path / "b" / "model.safetensors")
     diff = _download(bucket, "s2/model.safetensors", tmp_path / "d" / "model.safetensors")
-    apply_diff_file(base, diff, tmp_path / "out.safetensors", "arc_v2")
+    apply_delta_file(base, diff, tmp_path / "out.safetensors", "arc_v2", m.file("model.safetensors").result_size)
     assert list(m.file("model.safetensors").result_chunks) == file_digests(tmp_path / "out.safetensors", CHUNK)
 
 
@@ -567,6 +568,35 @@ def test_cli_full_delta_startup(spec: BucketSpec, ckpt, tmp_path: Path) -> None:
         assert b.read(STARTUP_NAME) == b"step000001\n"
         m = _read_manifest(b, "step000002")
         _check_delta(b, m, base_dir, target, tmp_path / "check")
+
+
+def test_cli_version_json_and_units(tmp_path: Path, ckpt) -> None:
+    """Issue 12 item 15: --version, --json (one object on stdout), SI units in the human line."""
+    import bdn
+
+    src, _ = ckpt
+    flags = ["--bucket", f"file://{tmp_path / 'bucket'}"]
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout == f"bdn {bdn.__version__}\n"
+    r = _cli("full", "--dir", str(src), *flags, "--identity", "s1", "--policy-version", "1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # exactly one JSON document
+    stored = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
+    assert out == {"identity": "s1", "kind": "full", "base_identity": None, "policy_version": 1,
+                   "stored_bytes": stored, "result_bytes": stored, "files": 7, "seconds": out["seconds"]}
+    assert isinstance(out["seconds"], float) and out["seconds"] >= 0
+    r = _cli("delta", "--dir", str(src), *flags, "--identity", "s2", "--policy-version", "2", "--base", "s1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["kind"], out["base_identity"], out["result_bytes"]) == ("delta", "s1", stored)
+    r = _cli("startup", *flags, "--identity", "s2", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout) == {"startup_snapshot": "s2"}
+    r = _cli("full", "--dir", str(src), *flags, "--identity", "s1", "--policy-version", "1", "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["exit_code"] == 1
+    assert r.stderr.startswith("bdn-publish: error: snapshot 's1' is already published")
+    r = _cli("full", "--dir", str(src), *flags, "--identity", "s3", "--policy-version", "3")
+    assert r.returncode == 0, r.stderr
+    assert f"{stored / 1e3:.1f} kB stored" in r.stdout  # SI: kB = 10^3 bytes (~0.8 MB of tensors)
 
 
 def test_cli_errors(spec: BucketSpec, ckpt) -> None:

@@ -15,6 +15,7 @@ import safetensors.numpy as stnp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bdn import fileops
 from bdn.proto import safetensors_fmt as sf
 from bdn.proto.errors import ProtocolError
 from bdn.proto.safetensors_fmt import SafetensorsError
@@ -50,7 +51,7 @@ def test_save_is_byte_identical_to_reference(tmp_path: Path) -> None:
     tensors = _sample()
     for meta in (None, {}, {"format": "pt"}):
         ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
-        sf.save(ours, tensors, meta)
+        fileops.save(ours, tensors, meta)
         stnp.save_file(tensors, theirs, metadata=meta)
         assert ours.read_bytes() == theirs.read_bytes()
 
@@ -58,8 +59,8 @@ def test_save_is_byte_identical_to_reference(tmp_path: Path) -> None:
 def test_round_trip_through_reference_reader(tmp_path: Path) -> None:
     tensors = _sample()
     path = tmp_path / "m.safetensors"
-    sf.save(path, tensors, {"format": "pt", "step": "12", "a": "x"})
-    header = sf.read_header(path)
+    fileops.save(path, tensors, {"format": "pt", "step": "12", "a": "x"})
+    header = fileops.read_header(path)
     assert header.metadata == {"format": "pt", "step": "12", "a": "x"}
     data = path.read_bytes()
     with safetensors.safe_open(path, framework="numpy") as f:
@@ -81,7 +82,7 @@ def test_parses_reference_written_file(tmp_path: Path) -> None:
     tensors = _sample()
     path = tmp_path / "ref.safetensors"
     stnp.save_file(tensors, path, metadata={"format": "np"})
-    header = sf.read_header(path)
+    header = fileops.read_header(path)
     assert header.metadata == {"format": "np"}
     data = path.read_bytes()
     for name, info in header.tensors.items():
@@ -90,15 +91,15 @@ def test_parses_reference_written_file(tmp_path: Path) -> None:
 
 def test_metadata_order_is_deterministic(tmp_path: Path) -> None:
     meta = {k: str(i) for i, k in enumerate("zyxwvutsrq")}
-    sf.save(tmp_path / "a", {"x": np.zeros(3, np.float32)}, meta)
-    sf.save(tmp_path / "b", {"x": np.zeros(3, np.float32)}, dict(reversed(list(meta.items()))))
+    fileops.save(tmp_path / "a", {"x": np.zeros(3, np.float32)}, meta)
+    fileops.save(tmp_path / "b", {"x": np.zeros(3, np.float32)}, dict(reversed(list(meta.items()))))
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
 
 
 def test_tensor_view_is_zero_copy_over_mmap(tmp_path: Path) -> None:
     path = tmp_path / "m.safetensors"
-    sf.save(path, {"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
-    header = sf.read_header(path)
+    fileops.save(path, {"w": np.arange(12, dtype=np.float32).reshape(3, 4)})
+    header = fileops.read_header(path)
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
         view = sf.tensor_view(mm, header.tensors["w"])
         view[1, 1] = 42.0
@@ -128,7 +129,7 @@ def test_packed_dtype_parses() -> None:
 
 def test_save_refuses_unstorable_dtype(tmp_path: Path) -> None:
     with pytest.raises(SafetensorsError, match="no safetensors equivalent"):
-        sf.save(tmp_path / "x", {"s": np.array(["a"], dtype=object)})
+        fileops.save(tmp_path / "x", {"s": np.array(["a"], dtype=object)})
 
 
 def test_error_is_a_protocol_error() -> None:
@@ -180,7 +181,7 @@ def test_accepts_null_metadata_and_empty_file() -> None:
 def test_read_header_of_tiny_file(tmp_path: Path) -> None:
     (tmp_path / "t").write_bytes(b"abc")
     with pytest.raises(SafetensorsError):
-        sf.read_header(tmp_path / "t")
+        fileops.read_header(tmp_path / "t")
 
 
 # --- fuzzing: mangled headers raise SafetensorsError and nothing else --------------------------
@@ -241,3 +242,19 @@ def test_parse_error_leaves_caller_mmap_closable(tmp_path: Path) -> None:
     with pytest.raises(SafetensorsError):
         with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             sf.parse_header(mm, len(mm))  # the mmap's close must not hit BufferError
+
+
+def test_tensor_index_one_rule_for_duplicate_names() -> None:
+    def header(**tensors: int) -> sf.Header:
+        raw = {n: ("U8", (k,), bytes(k)) for n, k in tensors.items()}
+        prefix, parts = sf.encode_raw(raw)
+        data = prefix + b"".join(bytes(p) for p in parts)
+        return sf.parse_header(data, len(data))
+
+    a, b = header(x=3, y=2), header(z=1)
+    index = sf.tensor_index({"a.safetensors": a, "b.safetensors": b})
+    assert list(index) == ["x", "y", "z"]
+    assert index["z"] == ("b.safetensors", b.tensors["z"])
+    assert sf.tensor_index([("a", a), ("b", b)]) == {k: (p.split(".")[0], i) for k, (p, i) in index.items()}
+    with pytest.raises(SafetensorsError, match=r"^tensor 'y' is in both a.safetensors and c.safetensors$"):
+        sf.tensor_index({"a.safetensors": a, "b.safetensors": b, "c.safetensors": header(y=5)})

@@ -14,6 +14,8 @@ Usage::
 ``--url`` defaults to ``$BDN_URL`` or ``http://127.0.0.1:7081`` (``unix:///path.sock`` also works).
 ``--json`` prints one JSON document on stdout for every command, errors included
 (``{"error": "...", "exit_code": N}``); the human output goes away, the stderr error line stays.
+Byte counts are plain integers in JSON and SI units (``MB`` = 10^6 bytes, the progress bar too)
+in human output (:mod:`bdn.cli.output`). ``--version`` prints ``bdn <version>``.
 
 ``prefetch --wait`` shows a progress bar of fetched/total stored bytes on stderr and ends with
 ``<identity> ready in <s> s: <path>`` (the bar is drawn only when stderr is a terminal). The
@@ -41,7 +43,7 @@ Every failure prints one line ``bdnctl: error: <reason>`` on stderr.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import os
 import sys
 import time
@@ -50,10 +52,12 @@ from typing import Any, NoReturn
 
 from tqdm import tqdm
 
+from bdn import retry
 from bdn.client import DaemonClient, DaemonError, DaemonUnreachable, SnapshotFailed, open_snapshot
 from bdn.client.engine import collect_garbage, hot_load, hot_load_status
 from bdn.client.errors import one_line
 from bdn.client.ready import read_ready, verify_files
+from bdn.cli.output import BYTES_BAR, VERSION, emit_json, human_bytes
 from bdn.proto.errors import BdnError, IdentityError, PathError
 
 PROG = "bdnctl"
@@ -70,6 +74,10 @@ class _Fail(Exception):
         self.code = code
 
 
+class _NotYet(Exception):
+    """Not every replica serves the snapshot yet (hot-load --wait polls again)."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # argparse would print the whole usage block; the rule is one line.
@@ -81,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default=os.environ.get("BDN_URL") or DEFAULT_URL,
                    help="bdnd local API: http://host:port or unix:///path.sock (default $BDN_URL or %(default)s)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+    p.add_argument("--version", action="version", version=VERSION)
     # --url and --json work after the subcommand too (`bdnctl status --json`); SUPPRESS keeps a
     # subcommand that does not repeat them from resetting what was given before it.
     common = argparse.ArgumentParser(add_help=False)
@@ -124,14 +133,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def _human_bytes(n: Any) -> str:
-    if not isinstance(n, int | float) or isinstance(n, bool):
-        return _cell(n)
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
+    return human_bytes(n) if isinstance(n, int | float) and not isinstance(n, bool) else _cell(n)
 
 
 def _progress(snap: dict[str, Any]) -> str:
@@ -150,10 +152,6 @@ def _snapshot_table(snaps: list[dict[str, Any]]) -> str:
     return _table(["IDENTITY", "KIND", "POLICY_VERSION", "STATE", "PROGRESS", "PATH"], rows)
 
 
-def _emit_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True))
-
-
 # -- commands ----------------------------------------------------------------------------------
 
 def _cmd_prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
@@ -166,14 +164,13 @@ def _cmd_prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
         if snap.get("state") == "failed":
             raise _Fail(f"{identity} failed: {_cell(snap.get('reason'))}")
         if args.json:
-            _emit_json(snap)
+            emit_json(snap)
         else:
             print(f"{identity}: {_cell(snap.get('state'))} (prefetch started)")
         return EXIT_OK
 
     # disable=None: no bar when stderr is not a terminal, so logs do not fill with redraws.
-    bar = tqdm(total=None, desc=identity, unit="B", unit_scale=True, unit_divisor=1024,
-               file=sys.stderr, disable=True if args.json else None, leave=False,
+    bar = tqdm(total=None, desc=identity, **BYTES_BAR, file=sys.stderr, disable=True if args.json else None, leave=False,
                dynamic_ncols=True, mininterval=0.2)
     shown_state: list[Any] = [None]
 
@@ -203,7 +200,7 @@ def _cmd_prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
         bar.close()
     elapsed = time.monotonic() - start
     if args.json:
-        _emit_json(snap)
+        emit_json(snap)
     else:
         print(f"{identity} ready in {elapsed:.1f} s: {_cell(snap.get('path'))}")
     return EXIT_OK
@@ -212,7 +209,7 @@ def _cmd_prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
 def _cmd_status(client: DaemonClient, args: argparse.Namespace) -> int:
     st = client.status()
     if args.json:
-        _emit_json(st)
+        emit_json(st)
         return EXIT_OK
     lines = [f"{k:<9} {_cell(st.get(k))}" for k in ("node_id", "swarm_id", "peer_url", "version")]
     bucket = st.get("bucket")
@@ -249,7 +246,7 @@ def _indent(text: str) -> str:
 def _cmd_snapshots(client: DaemonClient, args: argparse.Namespace) -> int:
     snaps = client.snapshots()
     if args.json:
-        _emit_json({"snapshots": snaps})
+        emit_json({"snapshots": snaps})
     elif snaps:
         print(_snapshot_table(snaps))
     else:
@@ -281,7 +278,7 @@ def _cmd_verify(client: DaemonClient, args: argparse.Namespace) -> int:
         result = {"identity": s.identity, "path": str(s.path), "ok": True, "files": len(s.files()),
                   "bytes": s.ready.total_bytes, "seconds": round(time.monotonic() - start, 3)}
     if args.json:
-        _emit_json(result)
+        emit_json(result)
     else:
         print(f"{result['identity']} ok: {result['files']} files, {_human_bytes(result['bytes'])} "
               f"match READY ({result['path']})")
@@ -353,31 +350,35 @@ def _cmd_hot_load(client: DaemonClient, args: argparse.Namespace) -> int:
     ans = hot_load(client, identity, args.previous, compression_format=args.compression_format)
     if not args.wait:
         if args.json:
-            _emit_json(ans)
+            emit_json(ans)
         else:
             print(f"{identity}: hot-load accepted (request {_cell(ans.get('request_id'))}, "
                   f"{_cell(ans.get('replicas'))} replicas reached)")
         return EXIT_OK
     reached = ans.get("replicas") if isinstance(ans.get("replicas"), int) else 0
     live = _LiveTable(not args.json)
-    deadline = None if args.timeout is None else start + args.timeout
-    while True:
-        replicas = hot_load_status(client)
-        live.update(replicas)
-        done, error = _hot_load_outcome(identity, replicas, reached)
-        if error is not None:
-            raise _Fail(f"hot-load of {identity} failed: {error}")
-        if done:
-            break
-        if deadline is not None and time.monotonic() >= deadline:
-            pending = [r for r in replicas if not (_replica_state(r)[0] == "done"
-                                                   and r.get("current_snapshot_identity") == identity)]
-            where = ", ".join(f"{_cell(r.get('replica_id'))} {_cell(_replica_state(r)[0])}" for r in pending[:5])
-            raise _Fail(f"hot-load of {identity} not done after {args.timeout:g} s"
-                        + (f" ({where})" if where else f" ({len(replicas)} of {reached} replicas answered)"))
-        time.sleep(POLL_SECONDS if deadline is None else max(0.0, min(POLL_SECONDS, deadline - time.monotonic())))
+    replicas: list[dict[str, Any]] = []
+    try:
+        # Poll until every replica is done: "not yet" is retried (bdn.retry) every POLL_SECONDS at
+        # most, until --timeout.
+        for attempt in retry.attempts(deadline_s=math.inf if args.timeout is None else args.timeout,
+                                      first_s=POLL_SECONDS, max_s=POLL_SECONDS, on=(_NotYet,)):
+            with attempt:
+                replicas = hot_load_status(client)
+                live.update(replicas)
+                done, error = _hot_load_outcome(identity, replicas, reached)
+                if error is not None:
+                    raise _Fail(f"hot-load of {identity} failed: {error}")
+                if not done:
+                    raise _NotYet
+    except _NotYet:
+        pending = [r for r in replicas if not (_replica_state(r)[0] == "done"
+                                               and r.get("current_snapshot_identity") == identity)]
+        where = ", ".join(f"{_cell(r.get('replica_id'))} {_cell(_replica_state(r)[0])}" for r in pending[:5])
+        raise _Fail(f"hot-load of {identity} not done after {args.timeout:g} s"
+                    + (f" ({where})" if where else f" ({len(replicas)} of {reached} replicas answered)")) from None
     if args.json:
-        _emit_json({"identity": identity, "request_id": ans.get("request_id"), "replicas": replicas,
+        emit_json({"identity": identity, "request_id": ans.get("request_id"), "replicas": replicas,
                     "seconds": round(time.monotonic() - start, 3)})
     else:
         versions = sorted({str(r.get("policy_version")) for r in replicas})
@@ -390,7 +391,7 @@ def _cmd_peers(client: DaemonClient, args: argparse.Namespace) -> int:
     st = client.status()
     peers = [p for p in st.get("peers") or [] if isinstance(p, dict)]
     if args.json:
-        _emit_json({"node_id": st.get("node_id"), "swarm_id": st.get("swarm_id"), "peers": peers})
+        emit_json({"node_id": st.get("node_id"), "swarm_id": st.get("swarm_id"), "peers": peers})
     elif peers:
         print(_table(["NODE", "URL", "ALIVE"], [[p.get("node_id"), p.get("url"), "yes" if p.get("alive") else "no"]
                                                for p in peers]))
@@ -402,7 +403,7 @@ def _cmd_peers(client: DaemonClient, args: argparse.Namespace) -> int:
 def _cmd_gc(client: DaemonClient, args: argparse.Namespace) -> int:
     ans = collect_garbage(client)
     if args.json:
-        _emit_json(ans)
+        emit_json(ans)
         return EXIT_OK
     removed = [str(x) for x in ans.get("removed") or []] if isinstance(ans.get("removed"), list) else []
     kept = [str(x) for x in ans.get("kept") or []] if isinstance(ans.get("kept"), list) else []
@@ -451,7 +452,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _report(message: str, code: int, json_mode: bool) -> int:
     line = one_line(message, 1000)
     if json_mode:
-        _emit_json({"error": line, "exit_code": code})
+        emit_json({"error": line, "exit_code": code})
     print(f"{PROG}: error: {line}", file=sys.stderr)
     return code
 

@@ -8,9 +8,16 @@
     bdn-publish startup --bucket URL --identity ID
 
 Common options: ``--credentials-file`` (JSON credentials for the bucket), ``--endpoint-url``
-(an S3-compatible endpoint), ``--workers``, ``--overwrite``. The command only maps flags onto
-:mod:`bdn.publish`. Exit status: 0 on success, 1 with one line ``bdn-publish: error: <message>``
-on stderr when bdn refuses or fails, 2 for a usage error.
+(an S3-compatible endpoint), ``--workers``, ``--overwrite``, ``--json``. The command only maps
+flags onto :mod:`bdn.publish`. Exit status: 0 on success, 1 with one line ``bdn-publish: error:
+<message>`` on stderr when bdn refuses or fails, 2 for a usage error. ``--version`` prints
+``bdn <version>``.
+
+Output: one summary line; sizes in SI units (``MB`` = 10^6 bytes, the upload bar too). With
+``--json``, one JSON object on stdout instead, byte counts as integers: for ``full``/``delta``
+``{"identity", "kind", "base_identity", "policy_version", "stored_bytes", "result_bytes",
+"files", "seconds"}``, for ``startup`` ``{"startup_snapshot"}``, and on failure ``{"error",
+"exit_code"}`` (the stderr line stays).
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections.abc import Sequence
 
 from typing import TYPE_CHECKING
 
+from bdn.cli.output import BYTES_BAR, VERSION, emit_json, human_bytes
 from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from bdn.proto.errors import BdnError
 
@@ -63,9 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=PROG, description="Publish checkpoints to a bucket for bdn daemons to distribute."
     )
+    parser.add_argument("--version", action="version", version=VERSION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{full,delta,startup}")
 
     def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
         p.add_argument("--bucket", required=True, help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
         p.add_argument("--identity", required=True, help="snapshot identity, e.g. step000002")
         p.add_argument("--credentials-file", help="JSON file with the bucket credentials")
@@ -108,8 +118,14 @@ def _summary(m: Manifest, seconds: float) -> str:
         f"published {m.identity} ({m.kind}"
         + (f" of {m.base_identity}" if m.base_identity else "")
         + f", policy version {m.policy_version}): {len(m.files)} files, "
-        f"{m.stored_bytes} bytes stored, {m.result_bytes} bytes result, {seconds:.2f} s"
+        f"{human_bytes(m.stored_bytes)} stored, rebuilds {human_bytes(m.result_bytes)}, {seconds:.2f} s"
     )
+
+
+def _summary_json(m: Manifest, seconds: float) -> dict[str, object]:
+    return {"identity": m.identity, "kind": m.kind, "base_identity": m.base_identity,
+            "policy_version": m.policy_version, "stored_bytes": m.stored_bytes,
+            "result_bytes": m.result_bytes, "files": len(m.files), "seconds": round(seconds, 3)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,12 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         with bucket:
             if args.command == "startup":
                 publish_startup(bucket, args.identity)
-                print(f"STARTUP_SNAPSHOT names {args.identity}")
+                if args.json:
+                    emit_json({"startup_snapshot": args.identity})
+                else:
+                    print(f"STARTUP_SNAPSHOT names {args.identity}")
                 return 0
             start = time.monotonic()
             # disable=None: a bar on a terminal, silence when stderr is a pipe or a log file.
             total = sum(f.size for f in scan_dir(args.dir)) if args.command == "full" else None
-            with tqdm(total=total, unit="B", unit_scale=True, desc="uploaded", disable=None) as bar:
+            with tqdm(total=total, desc="uploaded", **BYTES_BAR, disable=True if args.json else None) as bar:
                 if args.command == "full":
                     m = publish_full(
                         bucket,
@@ -160,15 +179,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         overwrite=args.overwrite,
                         progress=bar.update,
                     )
-            print(_summary(m, time.monotonic() - start))
+            seconds = time.monotonic() - start
+            if args.json:
+                emit_json(_summary_json(m, seconds))
+            else:
+                print(_summary(m, seconds))
             return 0
     except BdnError as e:
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"{PROG}: error: {msg}", file=sys.stderr)
-        return 1
+        return _fail(" ".join(str(e).split()) or type(e).__name__, 1, args.json)
     except KeyboardInterrupt:
-        print(f"{PROG}: error: interrupted; the snapshot was not published", file=sys.stderr)
-        return 130
+        return _fail("interrupted; the snapshot was not published", 130, args.json)
+
+
+def _fail(message: str, code: int, json_mode: bool) -> int:
+    if json_mode:
+        emit_json({"error": message, "exit_code": code})
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

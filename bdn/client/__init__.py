@@ -1,7 +1,8 @@
 """bdn.client: what a serving process uses to get checkpoints from the node's bdnd.
 
 - ``DaemonClient(url)``: the daemon's local API (health, status, prefetch, wait for a state, pull
-  files and tensors over HTTP, ``open()`` the ready directory). Blocking, stdlib HTTP only.
+  files and tensors over HTTP, ``open()`` the ready directory, prefetching it first if needed).
+  Blocking; HTTP on httpx (``bdn.client.transport``).
 - ``EngineLink`` / ``run_hot_swap_loop``: the engine hand-off of a hot-load (register, long-poll
   for the next READY snapshot, prepare while serving, swap, acknowledge with the pause); the fleet
   calls ``hot_load``/``hot_load_status``, leases and ``collect_garbage``.

@@ -20,27 +20,27 @@ The module also has the fleet hot-load calls a trainer or operator makes (``hot_
 ``hot_load_status``) and the lease and GC calls (``take_lease``, ``release_lease``,
 ``collect_garbage``).
 
-Transport: each call here opens its own short-lived connection to the daemon (register, ack,
-one long-poll per ``next_snapshot``; a handful per swap), because these requests carry JSON bodies
-and ``DaemonClient``'s keep-alive transport sends none. It uses the daemon URL (http or unix
-socket) and timeout of the ``DaemonClient`` it is given, and raises the same errors.
+Transport: the ``DaemonClient``'s (:mod:`bdn.client.transport`, httpx over TCP or the unix
+socket, pooled keep-alive connections), with its timeout and errors; a plain URL (e.g. a daemon's
+peer port for the network hot-load API) gets a transport for the one call. Retries and backoff are
+:mod:`bdn.retry`'s.
 """
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
-from urllib.parse import quote, urlencode, urlsplit
+from urllib.parse import quote, urlencode
 
-from bdn.client.daemon import DEFAULT_URL, MAX_JSON_BYTES, DaemonClient, _error_message, _UnixHTTPConnection
+from bdn import retry
+from bdn.client.daemon import DEFAULT_URL, DaemonClient
 from bdn.client.errors import DaemonError, DaemonUnreachable, one_line
 from bdn.client.snapshot import Snapshot, open_snapshot
+from bdn.client.transport import Transport
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.identity import validate_identity
 
@@ -84,48 +84,18 @@ def call_json(
         DaemonError: a status outside ``ok`` (message: the daemon's ``{"error": ...}`` line).
         ProtocolError: an answer over 64 MiB or not JSON.
     """
-    url = daemon.url if isinstance(daemon, DaemonClient) else daemon
-    t = timeout if timeout is not None else (daemon.timeout if isinstance(daemon, DaemonClient) else 30.0)
-    parts = urlsplit(url)
-    conn: http.client.HTTPConnection
-    if parts.scheme == "unix":
-        conn = _UnixHTTPConnection(parts.path, t)
-        prefix = ""
-    elif parts.scheme == "http" and parts.hostname:
-        try:
-            conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=t)
-        except ValueError:
-            raise ValueError(f"daemon URL {url!r} has a bad port") from None
-        prefix = parts.path.rstrip("/")
+    if isinstance(daemon, DaemonClient):
+        r = daemon.http.request(method, path, body=body, ok=ok, headers=headers, timeout=timeout)
     else:
-        raise ValueError(f"daemon URL {url!r} must look like http://host:port or unix:///path.sock")
-    hdrs = {"Accept": "application/json", **(headers or {})}
-    data = None
-    if body is not None:
-        data = json.dumps(body).encode()
-        hdrs["Content-Type"] = "application/json"
-    try:
+        transport = Transport(daemon)
         try:
-            conn.request(method, prefix + path, body=data, headers=hdrs)
-            resp = conn.getresponse()
-            raw = resp.read(MAX_JSON_BYTES + 1)
-        except TimeoutError:
-            raise DaemonUnreachable(url, f"no answer within {t:g} s") from None
-        except (OSError, http.client.HTTPException) as exc:
-            reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-            raise DaemonUnreachable(url, reason) from None
-    finally:
-        conn.close()
-    if len(raw) > MAX_JSON_BYTES:
-        raise ProtocolError(f"{method} {path}: answer exceeds {MAX_JSON_BYTES} bytes")
-    if resp.status not in ok:
-        raise DaemonError(resp.status, _error_message(resp.status, raw)[0])
-    if not raw.strip():
-        return resp.status, None
+            r = transport.request(method, path, body=body, ok=ok, headers=headers, timeout=timeout)
+        finally:
+            transport.close()
     try:
-        return resp.status, json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"{method} {path}: daemon answered HTTP {resp.status} with invalid JSON ({exc})") from None
+        return r.status, r.json()
+    except ProtocolError as exc:
+        raise ProtocolError(f"{method} {path}: {exc}") from None
 
 
 def _object(obj: Any, what: str) -> dict[str, Any]:
@@ -358,36 +328,15 @@ def run_hot_swap_loop(
         on_swapped: called with the new snapshot and the pause (ms) after each successful ack.
 
     Daemon trouble never ends the loop: while the daemon is unreachable it retries with backoff
-    (0.5 s doubling to 10 s); if the daemon forgot the engine (404) it registers again.
+    (``bdn.retry``: 0.5 s doubling to 10 s, jittered); if the daemon forgot the engine (404) it
+    registers again.
     Exceptions from ``on_swapped`` propagate.
     """
     after = current
     serving: Snapshot | None = None
-    backoff = RETRY_MIN
     try:
         while not stop.is_set():
-            try:
-                offer = link.next_snapshot(after, poll_timeout)
-            except DaemonError as exc:
-                if exc.status == 404:
-                    log.warning("daemon forgot engine %s; registering again", link.engine_id)
-                    try:
-                        link.register()
-                        backoff = RETRY_MIN
-                        continue
-                    except BdnError as exc2:
-                        log.warning("re-registration failed: %s", exc2)
-                else:
-                    log.warning("waiting for the next snapshot failed: %s", exc)
-                stop.wait(backoff)
-                backoff = min(backoff * 2, RETRY_MAX)
-                continue
-            except (DaemonUnreachable, ProtocolError) as exc:
-                log.warning("waiting for the next snapshot failed: %s", exc)
-                stop.wait(backoff)
-                backoff = min(backoff * 2, RETRY_MAX)
-                continue
-            backoff = RETRY_MIN
+            offer = _next_offer(link, after, poll_timeout, stop)
             if offer is None or stop.is_set():
                 continue
             identity: str = offer["identity"]
@@ -422,22 +371,48 @@ def run_hot_swap_loop(
             serving.close()
 
 
+def _next_offer(link: EngineLink, after: str | None, poll_timeout: float, stop: threading.Event) -> dict[str, Any] | None:
+    """``link.next_snapshot``, retried with backoff (``bdn.retry``) until it answers or ``stop`` is set.
+
+    A daemon that forgot the engine (404: it restarted) gets a new registration at once.
+    Backoff waits on ``stop``, so setting it ends the wait; None then.
+    """
+    for attempt in retry.attempts(deadline_s=math.inf, first_s=RETRY_MIN, max_s=RETRY_MAX, on=(BdnError,),
+                                  sleep=stop.wait):
+        with attempt:
+            if stop.is_set():
+                return None
+            try:
+                try:
+                    return link.next_snapshot(after, poll_timeout)
+                except DaemonError as exc:
+                    if exc.status != 404:
+                        raise
+                    log.warning("daemon forgot engine %s; registering again", link.engine_id)
+                    link.register()
+                    return link.next_snapshot(after, poll_timeout)
+            except BdnError as exc:
+                log.warning("waiting for the next snapshot failed: %s", exc)
+                raise
+    return None  # pragma: no cover - the loop above returns or raises
+
+
 def _ack_quietly(link: EngineLink, identity: str, pause_ms: float, error: str | None) -> None:
     """Ack, logging (not raising) daemon trouble: the engine's state is what it is either way.
 
-    A daemon that is briefly unreachable gets two more tries, so that the replica does not stay
-    ``loading`` for a swap that happened.
+    A daemon that is briefly unreachable gets two more tries (``bdn.retry``), so that the replica
+    does not stay ``loading`` for a swap that happened.
     """
-    for attempt in range(3):
-        try:
-            link.ack(identity, pause_ms, error)
-            return
-        except DaemonUnreachable as exc:
-            log.warning("ack of %s failed (attempt %d): %s", identity, attempt + 1, exc)
-            time.sleep(RETRY_MIN * (attempt + 1))
-        except BdnError as exc:
-            log.warning("ack of %s failed: %s", identity, exc)
-            return
+    try:
+        for attempt in retry.attempts(3, first_s=RETRY_MIN, max_s=RETRY_MAX, on=(DaemonUnreachable,)):
+            with attempt:
+                try:
+                    link.ack(identity, pause_ms, error)
+                except DaemonUnreachable as exc:
+                    log.warning("ack of %s failed (attempt %d): %s", identity, attempt.retry_state.attempt_number, exc)
+                    raise
+    except BdnError as exc:
+        log.warning("ack of %s failed: %s", identity, exc)
 
 
 __all__ = [

@@ -6,11 +6,10 @@ writes it); this module adds the file-system side: read it from a directory, re-
 
 from __future__ import annotations
 
-import mmap
 import os
 from pathlib import Path
 
-from bdn.proto.chunks import digest
+from bdn.fileops import first_mismatch
 from bdn.proto.errors import ChecksumError, ProtocolError
 from bdn.proto.ready import MAX_READY_BYTES, READY_FORMAT, READY_NAME, ReadyFile, ReadyMarker, parse_ready
 
@@ -46,7 +45,7 @@ def verify_files(directory: str | os.PathLike[str], marker: ReadyMarker) -> None
     """Re-hash every file ``marker`` lists under ``directory`` against its xxh3-128 chunk digests.
 
     Needs nothing but READY, so a file whose bytes are too broken to parse (a safetensors header)
-    is still reported as the checksum failure it is. Reads each file once through mmap.
+    is still reported as the checksum failure it is. Reads each file once (``bdn.fileops``).
 
     Raises:
         ChecksumError: naming the file and the first bad chunk (index and byte range), or a file
@@ -58,17 +57,12 @@ def verify_files(directory: str | os.PathLike[str], marker: ReadyMarker) -> None
     for f in marker.files:
         full = d.joinpath(*f.path.split("/"))
         try:
-            fh = open(full, "rb")
-        except OSError as exc:
-            raise ProtocolError(f"{d}: cannot open {f.path}: {exc.strerror or exc}") from None
-        with fh:
-            size = os.fstat(fh.fileno()).st_size
+            size = os.stat(full).st_size
             if size != f.size:
                 raise ChecksumError(f"{d}: {f.path} has {size} bytes, READY says {f.size}")
-            if size == 0:
-                continue
-            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                bad = _first_bad_chunk(m, chunk_size, f.chunks)
+            bad = first_mismatch(full, chunk_size, f.chunks)
+        except OSError as exc:
+            raise ProtocolError(f"{d}: cannot open {f.path}: {exc.strerror or exc}") from None
         if bad is not None:
             index, got = bad
             offset = index * chunk_size
@@ -78,14 +72,3 @@ def verify_files(directory: str | os.PathLike[str], marker: ReadyMarker) -> None
                 f"READY says {f.chunks[index]}"
             )
 
-
-def _first_bad_chunk(buf: mmap.mmap, chunk_size: int, want: tuple[str, ...]) -> tuple[int, str] | None:
-    view = memoryview(buf)
-    try:
-        for i, expected in enumerate(want):
-            got = digest(view[i * chunk_size : (i + 1) * chunk_size])
-            if got != expected:
-                return i, got
-        return None
-    finally:
-        view.release()

@@ -27,7 +27,8 @@ import numpy as np
 
 from bdn.client.ready import ReadyFile, ReadyMarker, read_ready, verify_files
 from bdn.proto.errors import BdnError, ProtocolError
-from bdn.proto.safetensors_fmt import TensorInfo, read_header, tensor_view
+from bdn.fileops import read_header
+from bdn.proto.safetensors_fmt import Header, TensorInfo, tensor_index, tensor_view
 
 SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -88,21 +89,20 @@ class Snapshot:
                 raise ProtocolError(f"{self.path}: {f.path} has {st.st_size} bytes, READY says {f.size}")
 
     def _build_index(self) -> None:
+        headers: dict[str, Header] = {}
         for rel in self._files:
             if not rel.endswith(SAFETENSORS_SUFFIX):
                 continue
             try:
-                header = read_header(self._full(rel))
+                headers[rel] = read_header(self._full(rel))
             except BdnError as exc:
                 raise ProtocolError(f"{self.path}: {rel}: {exc}") from None
             except OSError as exc:
                 raise ProtocolError(f"{self.path}: cannot read {rel}: {exc.strerror or exc}") from None
-            for name, info in header.tensors.items():
-                if name in self._index:
-                    raise ProtocolError(
-                        f"{self.path}: tensor {name!r} is in both {self._index[name][0]} and {rel}"
-                    )
-                self._index[name] = (rel, info)
+        try:
+            self._index = tensor_index(headers)
+        except BdnError as exc:
+            raise ProtocolError(f"{self.path}: {exc}") from None
         for rel in self._files:
             if rel.endswith(INDEX_SUFFIX):
                 self._check_index(rel)

@@ -31,7 +31,7 @@ Source: the ``fireworks-delta-compression`` package (PyPI 0.1.0, MIT; ``backends
 
 Hence bdn's rules:
 
-* ``write_diff_file`` refuses (``TensorMismatch``, naming the tensor or the field) a target whose
+* ``encode_diff`` (``bdn.fileops.write_diff_file``) refuses (``TensorMismatch``, naming the tensor or the field) a target whose
   header bytes differ from the base's in any way: other tensor names, dtype, shape, layout,
   ``__metadata__`` or JSON formatting. Such a pair must be published as a full snapshot.
 * ``apply_diff`` writes the base's header bytes, then ``base XOR stream`` for every tensor, and
@@ -93,15 +93,13 @@ equal the diff's metadata (ChecksumError).
 
 from __future__ import annotations
 
-import os
 import re
 import struct
-import threading
 import zlib
-from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import zstandard
@@ -117,13 +115,12 @@ from bdn.proto.errors import ChecksumError, ProtocolError, TensorMismatch, Unsup
 from bdn.proto.safetensors_fmt import (
     DTYPE_SIZES,
     Header,
-    SafetensorsError,
     TensorInfo,
     _q,
     parse_header,
     safetensors_dtype,
-    save_raw,
 )
+from bdn.proto._moved import fileops_attr, moved_to_fileops
 
 COMPRESSION_FORMATS: tuple[str, ...] = ("arc_v1", "arc_v2", "bdn_planes_v1")
 DEFAULT_COMPRESSION = "arc_v2"
@@ -142,7 +139,67 @@ _DCHUNK = 256 << 10
 _ZLIB_IN = 1 << 20  # compressed input fed per decompressor step (both codecs)
 _DECIMAL_U32 = re.compile(r"0|[1-9][0-9]{0,9}")
 
-_tls = threading.local()
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+#: How a caller runs independent tasks: ``run(fn, items) -> [fn(item) for item in items]`` in
+#: order, serially or on threads (``bdn.fileops.thread_map``). This module starts no threads.
+Map = Callable[[Callable[[_T], _R], Sequence[_T]], list[_R]]
+
+
+def serial_map(fn: Callable[[_T], _R], items: Sequence[_T]) -> list[_R]:
+    """The default :data:`Map`: every task in order on the caller's thread."""
+    return [fn(item) for item in items]
+
+
+class _Ctx:
+    """Reusable per-task state: zstd contexts are not thread-safe and scratch buffers are big.
+
+    Tasks take one from ``_FREE`` and give it back (``_lease``); ``list.pop`` and ``list.append``
+    are atomic, so two tasks running at once never share one, whatever runs them.
+    """
+
+    __slots__ = ("_scratch", "_pscratch", "_dctx", "_cctx")
+
+    def __init__(self) -> None:
+        self._scratch = self._pscratch = np.empty(0, dtype=np.uint8)
+        self._dctx: zstandard.ZstdDecompressor | None = None
+        self._cctx: dict[int, zstandard.ZstdCompressor] = {}
+
+    def scratch(self, n: int) -> np.ndarray:
+        if len(self._scratch) < n:
+            self._scratch = np.empty(max(n, 1), dtype=np.uint8)
+        return self._scratch[:n]
+
+    def pscratch(self, n: int) -> np.ndarray:
+        if len(self._pscratch) < n:
+            self._pscratch = np.empty(max(n, 1), dtype=np.uint8)
+        return self._pscratch[:n]
+
+    def dctx(self) -> zstandard.ZstdDecompressor:
+        if self._dctx is None:
+            self._dctx = zstandard.ZstdDecompressor()
+        return self._dctx
+
+    def cctx(self, level: int) -> zstandard.ZstdCompressor:
+        c = self._cctx.get(level)
+        if c is None:
+            c = self._cctx[level] = zstandard.ZstdCompressor(level=level)  # writes the content size
+        return c
+
+
+_FREE: list[_Ctx] = []
+
+
+@contextmanager
+def _lease() -> Iterator[_Ctx]:
+    try:
+        cx = _FREE.pop()
+    except IndexError:
+        cx = _Ctx()
+    try:
+        yield cx
+    finally:
+        _FREE.append(cx)
 
 
 def _normalize_format(compression_format: Any) -> str:
@@ -181,21 +238,6 @@ def adler32(buf: Any) -> int:
     return _adler32(_bytes_of(buf))
 
 
-def _scratch(n: int) -> np.ndarray:
-    buf = getattr(_tls, "scratch", None)
-    if buf is None or len(buf) < n:
-        buf = np.empty(max(n, 1), dtype=np.uint8)
-        _tls.scratch = buf
-    return buf[:n]
-
-
-def _dctx() -> zstandard.ZstdDecompressor:
-    dctx = getattr(_tls, "dctx", None)
-    if dctx is None:  # contexts are not thread-safe; one per thread, reused across tensors
-        dctx = _tls.dctx = zstandard.ZstdDecompressor()
-    return dctx
-
-
 def encode_xor(
     base: Any,
     target: Any,
@@ -220,18 +262,20 @@ def encode_xor(
     if fmt == "bdn_planes_v1":
         if width is None and isinstance(base, np.ndarray):
             width = base.dtype.itemsize
-        return _encode_planes(b, t, width, ZSTD_LEVEL if level is None else level)
+        with _lease() as cx:
+            return _encode_planes(cx, b, t, width, ZSTD_LEVEL if level is None else level)
     if fmt == "arc_v2":
         cobj: Any = zstandard.ZstdCompressor(level=ZSTD_LEVEL if level is None else level).compressobj(size=n)
     else:
         cobj = zlib.compressobj(ZLIB_LEVEL if level is None else level)
     out: list[bytes] = []
-    scratch = _scratch(min(n, _CHUNK))
-    for i in range(0, n, _CHUNK):
-        j = min(i + _CHUNK, n)
-        x = scratch[: j - i]
-        np.bitwise_xor(b[i:j], t[i:j], out=x)
-        out.append(cobj.compress(x))
+    with _lease() as cx:
+        scratch = cx.scratch(min(n, _CHUNK))
+        for i in range(0, n, _CHUNK):
+            j = min(i + _CHUNK, n)
+            x = scratch[: j - i]
+            np.bitwise_xor(b[i:j], t[i:j], out=x)
+            out.append(cobj.compress(x))
     out.append(cobj.flush())
     return b"".join(out)
 
@@ -249,7 +293,8 @@ def decode_xor_into(frame: Any, base: Any, out: Any, compression_format: str) ->
     """
     fmt = _normalize_format(compression_format)
     try:
-        _decode(frame, base, out, fmt)
+        with _lease() as cx:
+            _decode(cx, frame, base, out, fmt)
     except (ProtocolError, ValueError) as e:
         err = type(e)(str(e))
     else:
@@ -258,7 +303,7 @@ def decode_xor_into(frame: Any, base: Any, out: Any, compression_format: str) ->
     raise err
 
 
-def _decode(frame: Any, base: Any, out: Any, fmt: str) -> int:
+def _decode(cx: _Ctx, frame: Any, base: Any, out: Any, fmt: str) -> int:
     """Decode into ``out``; return the Adler-32 of the bytes written (computed piece by piece)."""
     b, o = _bytes_of(base), _bytes_of(out)
     if len(b) != len(o):
@@ -267,20 +312,20 @@ def _decode(frame: Any, base: Any, out: Any, fmt: str) -> int:
         raise ValueError("out is read-only")
     n = len(b)
     if fmt == "arc_v2":
-        return _decode_zstd(frame, b, o, n)
+        return _decode_zstd(cx, frame, b, o, n)
     if fmt == "bdn_planes_v1":
-        return _decode_planes(frame, b, o, n)
+        return _decode_planes(cx, frame, b, o, n)
     return _decode_zlib(frame, b, o, n)
 
 
-def _decode_zstd(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
-    scratch = _scratch(min(n, _DCHUNK))
+def _decode_zstd(cx: _Ctx, frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
+    scratch = cx.scratch(min(n, _DCHUNK))
     view = memoryview(scratch)
     adler = 1
     try:
         # read_across_frames: the reference decoder (ZSTD_decompress) concatenates frames too.
         # read_size: the default (~128 KiB of input per step) measured ~4x slower than 1 MiB here.
-        with _dctx().stream_reader(frame, read_size=_ZLIB_IN, read_across_frames=True, closefd=False) as reader:
+        with cx.dctx().stream_reader(frame, read_size=_ZLIB_IN, read_across_frames=True, closefd=False) as reader:
             done = 0
             while done < n:
                 want = min(_DCHUNK, n - done)
@@ -383,30 +428,12 @@ def adler32_combine(adler1: int, adler2: int, len2: int) -> int:
     return (b << 16) | a
 
 
-def _pscratch(n: int) -> np.ndarray:
-    buf = getattr(_tls, "pscratch", None)
-    if buf is None or len(buf) < n:
-        buf = np.empty(max(n, 1), dtype=np.uint8)
-        _tls.pscratch = buf
-    return buf[:n]
-
-
-def _cctx(level: int) -> zstandard.ZstdCompressor:
-    cache = getattr(_tls, "cctx", None)
-    if cache is None:
-        cache = _tls.cctx = {}
-    c = cache.get(level)
-    if c is None:  # not thread-safe either; one per thread and level
-        c = cache[level] = zstandard.ZstdCompressor(level=level)  # writes the content size
-    return c
-
-
 def _planes_of(words: np.ndarray, w: int) -> bytes:
     """Byte planes of little-endian words: plane j = byte j of every word, planes concatenated."""
     return np.ascontiguousarray(words.view(np.uint8).reshape(-1, w).T).tobytes()
 
 
-def _encode_block(b: np.ndarray, t: np.ndarray, w: int, level: int) -> tuple[int, int, int, bytes]:
+def _encode_block(cx: _Ctx, b: np.ndarray, t: np.ndarray, w: int, level: int) -> tuple[int, int, int, bytes]:
     """(mode, k, e, payload) of one block; ``b``/``t`` are little-endian word arrays."""
     x = np.bitwise_xor(b, t)
     nz = np.flatnonzero(x)
@@ -416,7 +443,7 @@ def _encode_block(b: np.ndarray, t: np.ndarray, w: int, level: int) -> tuple[int
     gaps = np.diff(nz, prepend=-1)
     over = gaps[gaps >= 255].astype("<u4")
     g8 = np.minimum(gaps, 255).astype(np.uint8)
-    cctx = _cctx(level)
+    cctx = cx.cctx(level)
     sparse = cctx.compress(b"".join((g8.tobytes(), over.tobytes(), _planes_of(x[nz], w))))
     if k > len(x) // 8:  # dense can only win when many words change
         dense = cctx.compress(_planes_of(x, w))
@@ -444,10 +471,10 @@ def _planes_assemble(n: int, w: int, blocks: list[tuple[int, int, int, bytes]]) 
     return b"".join([head, *recs, *(p for *_, p in blocks)])
 
 
-def _encode_planes(b: np.ndarray, t: np.ndarray, width: int | None, level: int) -> bytes:
+def _encode_planes(cx: _Ctx, b: np.ndarray, t: np.ndarray, width: int | None, level: int) -> bytes:
     """One bdn_planes_v1 stream of ``b XOR t`` (equal-length uint8 arrays), blocks coded serially."""
     w = _planes_width(len(b), width)
-    blocks = [_encode_block(bb, tb, w, level) for bb, tb in _planes_blocks(b, t, w)]
+    blocks = [_encode_block(cx, bb, tb, w, level) for bb, tb in _planes_blocks(b, t, w)]
     return _planes_assemble(len(b), w, blocks)
 
 
@@ -543,7 +570,7 @@ def _zstd_frame_len(data: Any) -> int:
             return pos + 4 * checksum
 
 
-def _zstd_exact(payload: np.ndarray, size: int) -> np.ndarray:
+def _zstd_exact(cx: _Ctx, payload: np.ndarray, size: int) -> np.ndarray:
     """Decompress a payload that must be exactly one zstd frame of exactly ``size`` bytes.
 
     The frame's declared content size is checked first and python-zstandard's one-shot decode
@@ -556,7 +583,7 @@ def _zstd_exact(payload: np.ndarray, size: int) -> np.ndarray:
     if declared != size:
         raise ProtocolError(f"payload's zstd frame declares {declared} bytes, expected {size}")
     try:
-        raw = _dctx().decompress(payload)
+        raw = cx.dctx().decompress(payload)
     except zstandard.ZstdError as e:
         raise ProtocolError(f"payload is not valid zstd: {str(e)[:200]}") from None
     if len(raw) != size:  # pragma: no cover - the library enforces the declared size
@@ -579,20 +606,22 @@ def _words_from_planes(planes: np.ndarray, w: int, out: np.ndarray) -> np.ndarra
     return out
 
 
-def _decode_planes_block(stream: np.ndarray, blk: _PlanesBlock, b: np.ndarray, o: np.ndarray, w: int) -> int:
+def _decode_planes_block(
+    cx: _Ctx, stream: np.ndarray, blk: _PlanesBlock, b: np.ndarray, o: np.ndarray, w: int
+) -> int:
     """Decode one block into ``o`` (``b``/``o``: the block's base and output bytes); return its Adler-32."""
     in_place = o.ctypes.data == b.ctypes.data
     dt = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
     elems = (blk.hi - blk.lo) // w
     payload = stream[blk.start : blk.end]
     if blk.mode == _P_DENSE:
-        raw = _zstd_exact(payload, elems * w)
-        x = _words_from_planes(raw, w, _pscratch(elems * w).view(dt))
+        raw = _zstd_exact(cx, payload, elems * w)
+        x = _words_from_planes(raw, w, cx.pscratch(elems * w).view(dt))
         np.bitwise_xor(b.view(dt), x, out=o.view(dt))
         return _adler32(o)
     if blk.mode == _P_SPARSE:
         k, e = blk.k, blk.e
-        raw = _zstd_exact(payload, k + 4 * e + k * w)
+        raw = _zstd_exact(cx, payload, k + 4 * e + k * w)
         g8 = raw[:k]
         if not g8.all():
             raise ProtocolError("a gap of 0 between changed elements")
@@ -632,14 +661,14 @@ def _decode_planes_block(stream: np.ndarray, blk: _PlanesBlock, b: np.ndarray, o
     return adler
 
 
-def _decode_planes(stream: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
+def _decode_planes(cx: _Ctx, stream: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
     """Decode one whole stream serially into ``o``; return the Adler-32 of the ``n`` bytes written."""
     s = _bytes_of(stream)
     w, blocks = _parse_planes(s, n)
     adler = 1
     for blk in blocks:
         try:
-            got = _decode_planes_block(s, blk, b[blk.lo : blk.hi], o[blk.lo : blk.hi], w)
+            got = _decode_planes_block(cx, s, blk, b[blk.lo : blk.hi], o[blk.lo : blk.hi], w)
         except ProtocolError as e:
             raise ProtocolError(f"bdn_planes_v1 block {blk.index}: {e}") from None
         adler = adler32_combine(adler, got, blk.hi - blk.lo)
@@ -721,7 +750,8 @@ def apply_diff(
     out_buf: Any,
     compression_format: str,
     *,
-    workers: int = 1,
+    map: Map[Any, Any] = serial_map,
+    workers: int | None = None,
 ) -> None:
     """Rebuild the target file into ``out_buf`` (writable, ``target_size`` bytes).
 
@@ -730,17 +760,23 @@ def apply_diff(
 
     Writes the base's header bytes, then every tensor as ``base XOR stream``, and checks each
     rebuilt tensor's Adler-32 against the diff's metadata. ``diff_header`` is what
-    ``read_diff_header`` returns (or just its Header). With ``workers > 1`` tensors are decoded on a
-    thread pool (zstandard, zlib and numpy release the GIL), largest first. Raises
+    ``read_diff_header`` returns (or just its Header). Tensors (for ``bdn_planes_v1``: blocks) are
+    independent tasks, largest first, run through ``map`` (serially by default; zstandard, zlib
+    and numpy release the GIL, so ``bdn.fileops.thread_map(n)`` decodes on ``n`` cores). Raises
     ChecksumError("adler32 mismatch for tensor 'x': expected E, got G"), ProtocolError for a
     malformed diff (naming the tensor), UnsupportedFormat, ValueError for a wrong-sized ``out_buf``.
     On error ``out_buf`` holds partial data.
+
+    ``workers`` is deprecated (the thread pool moved to ``bdn.fileops``): ``workers > 1`` takes
+    ``bdn.fileops.thread_map(workers)`` for callers not yet switched to ``map``.
     """
+    if workers is not None and workers > 1 and map is serial_map:
+        map = fileops_attr("thread_map")(workers)
     fmt = _normalize_format(compression_format)
     streams = _streams(diff_header)
     _check_names(base_header, streams)
     try:
-        err = _apply(base_buf, base_header, diff_buf, streams, out_buf, fmt, workers)
+        err = _apply(base_buf, base_header, diff_buf, streams, out_buf, fmt, map)
     except (ProtocolError, ValueError) as e:
         err = type(e)(str(e))
     # Errors are raised afresh here, never from the frames that hold numpy views of the caller's
@@ -750,7 +786,8 @@ def apply_diff(
 
 
 def _apply(
-    base_buf: Any, base_header: Header, diff_buf: Any, streams: Mapping[str, DiffTensor], out_buf: Any, fmt: str, workers: int
+    base_buf: Any, base_header: Header, diff_buf: Any, streams: Mapping[str, DiffTensor], out_buf: Any, fmt: str,
+    map: Map[Any, Any],
 ) -> Exception | None:
     size = base_header.file_size
     base, diff, out = _bytes_of(base_buf), _bytes_of(diff_buf), _bytes_of(out_buf)
@@ -767,7 +804,7 @@ def _apply(
         out[: base_header.data_start] = base[: base_header.data_start]
     infos = sorted(base_header.tensors.values(), key=lambda t: t.nbytes, reverse=True)
     if fmt == "bdn_planes_v1":
-        return _apply_planes(base, diff, streams, out, infos, workers)
+        return _apply_planes(base, diff, streams, out, infos, map)
 
     def one(info: TensorInfo) -> Exception | None:
         # Returns its error instead of raising it: a Future holding a raised exception forms a
@@ -775,39 +812,38 @@ def _apply(
         s = streams[info.name]
         region = out[info.start : info.end]
         try:
-            got = _decode(diff[s.frame_start : s.frame_end], base[info.start : info.end], region, fmt)
+            with _lease() as cx:
+                got = _decode(cx, diff[s.frame_start : s.frame_end], base[info.start : info.end], region, fmt)
         except ProtocolError as e:
             return type(e)(f"tensor {_q(info.name)}: {e}")
         if got != s.target_adler32:
             return ChecksumError(f"adler32 mismatch for tensor {_q(info.name)}: expected {s.target_adler32}, got {got}")
         return None
 
-    return _run(one, infos, workers)
+    return _first_error(one, infos, map)
 
 
-def _run(fn: Any, items: list[Any], workers: int) -> Exception | None:
-    """``fn(item)`` for every item (serially, or on ``workers`` threads); the first error returned."""
-    if workers <= 1 or len(items) <= 1:
-        for item in items:
-            err = fn(item)
-            if err is not None:
-                return err
-        return None
-    err = None
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bdn-arc") as pool:
-        futures: list[Future[Exception | None]] = [pool.submit(fn, item) for item in items]
-        for fut in futures:
-            err = fut.result()
-            if err is not None:
-                for other in futures:
-                    other.cancel()
-                break
-    return err
+def _first_error(fn: Callable[[_T], Exception | None], items: Sequence[_T], map: Map[Any, Any]) -> Exception | None:
+    """``fn(item)`` for every item through ``map``; the first error returned (tasks after it skip)."""
+    failed: list[Exception] = []
+
+    def task(item: _T) -> None:
+        if failed:  # one bad tensor fails the file: do not decode the rest
+            return
+        err = fn(item)
+        if err is not None:
+            failed.append(err)
+
+    if len(items) <= 1:
+        serial_map(task, items)
+    else:
+        map(task, items)
+    return failed[0] if failed else None
 
 
 def _apply_planes(
     base: np.ndarray, diff: np.ndarray, streams: Mapping[str, DiffTensor], out: np.ndarray, infos: list[TensorInfo],
-    workers: int,
+    map: Map[Any, Any],
 ) -> Exception | None:
     """bdn_planes_v1 apply: every block of every tensor is one task, so one large tensor uses all cores.
 
@@ -828,13 +864,14 @@ def _apply_planes(
 
     def one(batch: list[tuple[int, _PlanesBlock]]) -> Exception | None:
         # Returns its error instead of raising it (see _apply).
-        for ti, blk in batch:
-            info, stream, w, _ = parsed[ti]
-            lo, hi = info.start + blk.lo, info.start + blk.hi
-            try:
-                adlers[ti][blk.index] = _decode_planes_block(stream, blk, base[lo:hi], out[lo:hi], w)
-            except ProtocolError as e:
-                return ProtocolError(f"tensor {_q(info.name)}: bdn_planes_v1 block {blk.index}: {e}")
+        with _lease() as cx:
+            for ti, blk in batch:
+                info, stream, w, _ = parsed[ti]
+                lo, hi = info.start + blk.lo, info.start + blk.hi
+                try:
+                    adlers[ti][blk.index] = _decode_planes_block(cx, stream, blk, base[lo:hi], out[lo:hi], w)
+                except ProtocolError as e:
+                    return ProtocolError(f"tensor {_q(info.name)}: bdn_planes_v1 block {blk.index}: {e}")
         return None
 
     # Small blocks (small tensors) are grouped into tasks of >= _P_BATCH bytes: per-task overhead
@@ -849,7 +886,7 @@ def _apply_planes(
                 size = 0
             batches[-1].append((ti, blk))
             size += blk.hi - blk.lo
-    err = _run(one, batches, workers)
+    err = _first_error(one, batches, map)
     if err is not None:
         return err
     for (info, _, _, blocks), block_adlers in zip(parsed, adlers):
@@ -863,55 +900,52 @@ def _apply_planes(
 
 
 def _encode_all(
-    pairs: list[tuple[str, np.ndarray, np.ndarray, int]], fmt: str, workers: int
+    pairs: list[tuple[str, np.ndarray, np.ndarray, int]], fmt: str, map: Map[Any, Any]
 ) -> tuple[dict[str, bytes], dict[str, str]]:
     """Encode ``(name, base bytes, target bytes, element width)`` pairs; (streams, Adler-32 decimals)."""
     if fmt == "bdn_planes_v1":
-        return _encode_all_planes(pairs, workers)
+        return _encode_all_planes(pairs, map)
 
     def one(item: tuple[str, np.ndarray, np.ndarray, int]) -> tuple[str, bytes, str]:
         name, b, t, _ = item
         return name, encode_xor(b, t, fmt), str(_adler32(t))
 
-    if workers > 1 and len(pairs) > 1:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bdn-arc") as pool:
-            results = list(pool.map(one, pairs))
-    else:
-        results = [one(p) for p in pairs]
+    results = map(one, pairs) if len(pairs) > 1 else serial_map(one, pairs)
     return {n: f for n, f, _ in results}, {n: c for n, _, c in results}
 
 
 def _encode_all_planes(
-    pairs: list[tuple[str, np.ndarray, np.ndarray, int]], workers: int
+    pairs: list[tuple[str, np.ndarray, np.ndarray, int]], map: Map[Any, Any]
 ) -> tuple[dict[str, bytes], dict[str, str]]:
-    # Blocks of all tensors go to one pool, as in decoding: a single large tensor uses every core.
+    # Blocks of all tensors and the tensors' Adler-32s are tasks of one map, as in decoding: a
+    # single large tensor uses every core.
     widths = [_planes_width(len(b), w) for _, b, _, w in pairs]
-    tasks = [(pi, blk) for pi, (_, b, t, _) in enumerate(pairs) for blk in _planes_blocks(b, t, widths[pi])]
+    tasks: list[tuple[int, Any]] = [(pi, None) for pi in range(len(pairs))]
+    tasks += [(pi, blk) for pi, (_, b, t, _) in enumerate(pairs) for blk in _planes_blocks(b, t, widths[pi])]
 
-    def enc(task: tuple[int, tuple[np.ndarray, np.ndarray]]) -> tuple[int, int, int, bytes]:
-        pi, (bb, tb) = task
-        return _encode_block(bb, tb, widths[pi], ZSTD_LEVEL)
+    def one(task: tuple[int, Any]) -> Any:
+        pi, blk = task
+        if blk is None:
+            return str(_adler32(pairs[pi][2]))
+        with _lease() as cx:
+            return _encode_block(cx, blk[0], blk[1], widths[pi], ZSTD_LEVEL)
 
-    def adler(pair: tuple[str, np.ndarray, np.ndarray, int]) -> str:
-        return str(_adler32(pair[2]))
-
-    if workers > 1 and len(tasks) + len(pairs) > 2:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bdn-arc") as pool:
-            sums = pool.map(adler, pairs)
-            coded = list(pool.map(enc, tasks))
-            checksums = list(sums)
-    else:
-        coded = [enc(t) for t in tasks]
-        checksums = [adler(p) for p in pairs]
+    done = map(one, tasks) if len(tasks) > 2 else serial_map(one, tasks)
+    checksums, coded = done[: len(pairs)], done[len(pairs) :]
     per: list[list[tuple[int, int, int, bytes]]] = [[] for _ in pairs]
-    for (pi, _), c in zip(tasks, coded):
+    for (pi, _), c in zip(tasks[len(pairs) :], coded):
         per[pi].append(c)
     streams = {name: _planes_assemble(len(b), widths[pi], per[pi]) for pi, (name, b, _, _) in enumerate(pairs)}
     return streams, {name: c for (name, *_), c in zip(pairs, checksums)}
 
 
-def _write_diff(out_path: str | os.PathLike[str], frames: dict[str, bytes], checksums: dict[str, str]) -> None:
-    save_raw(out_path, {name: ("U8", (len(f),), f) for name, f in frames.items()}, checksums)
+#: A diff file's content, as ``bdn.fileops.save_raw`` writes it: ``({name: ("U8", (len,),
+#: stream)}, {name: decimal Adler-32 of the target tensor})``.
+DiffContent = tuple[dict[str, tuple[str, tuple[int, ...], bytes]], dict[str, str]]
+
+
+def _content(frames: dict[str, bytes], checksums: dict[str, str]) -> DiffContent:
+    return {name: ("U8", (len(f),), f) for name, f in frames.items()}, checksums
 
 
 def _first_difference(base: list[str] | set[str], target: list[str] | set[str]) -> str:
@@ -922,23 +956,24 @@ def _first_difference(base: list[str] | set[str], target: list[str] | set[str]) 
     return f"tensor {_q(extra[0])} is in the target but not in the base"
 
 
-def write_diff_file(
-    base_path: str | os.PathLike[str],
-    target_path: str | os.PathLike[str],
-    out_path: str | os.PathLike[str],
+def encode_diff(
+    base_buf: Any,
+    target_buf: Any,
     compression_format: str = DEFAULT_COMPRESSION,
     *,
-    workers: int = 1,
-) -> None:
-    """Write the diff file that turns the safetensors file ``base_path`` into ``target_path``.
+    map: Map[Any, Any] = serial_map,
+) -> DiffContent:
+    """The diff file that turns the safetensors file bytes ``base_buf`` into ``target_buf``.
 
-    The target's header bytes must equal the base's (see the module docstring): otherwise
-    TensorMismatch names the first tensor, or the field, that differs. Output: a safetensors file
-    with the same tensor names, each a 1-D U8 stream of base XOR target, ``__metadata__`` {name:
-    decimal Adler-32 of the target tensor}. Raises SafetensorsError for malformed inputs.
+    Both are whole files in memory (bytes, mmap, uint8 array). The target's header bytes must
+    equal the base's (see the module docstring): otherwise TensorMismatch names the first tensor,
+    or the field, that differs. Returns :data:`DiffContent`: the same tensor names, each a 1-D U8
+    stream of base XOR target, and ``__metadata__`` {name: decimal Adler-32 of the target
+    tensor}. Tensors (blocks) are encoded through ``map``. Raises SafetensorsError for malformed
+    inputs, UnsupportedFormat.
     """
     fmt = _normalize_format(compression_format)
-    base, target = _map(base_path), _map(target_path)
+    base, target = _bytes_of(base_buf), _bytes_of(target_buf)
     bh, th = parse_header(base, len(base)), parse_header(target, len(target))
     if set(bh.tensors) != set(th.tensors):
         raise TensorMismatch(_first_difference(list(bh.tensors), list(th.tensors)))
@@ -970,21 +1005,19 @@ def write_diff_file(
         (name, base[i.start : i.end], target[i.start : i.end], DTYPE_SIZES.get(i.dtype, 1))
         for name, i in bh.tensors.items()
     ]
-    frames, checksums = _encode_all(pairs, fmt, workers)
-    _write_diff(out_path, frames, checksums)
+    return _content(*_encode_all(pairs, fmt, map))
 
 
-def write_diff_file_from_arrays(
+def encode_diff_arrays(
     base: Mapping[str, np.ndarray],
     target: Mapping[str, np.ndarray],
-    out_path: str | os.PathLike[str],
     compression_format: str = DEFAULT_COMPRESSION,
     *,
-    workers: int = 1,
-) -> None:
-    """``write_diff_file`` for in-memory state dicts ``{name: array}`` (ml_dtypes arrays included).
+    map: Map[Any, Any] = serial_map,
+) -> DiffContent:
+    """``encode_diff`` for in-memory state dicts ``{name: array}`` (ml_dtypes arrays included).
 
-    The base and target files are assumed to be written by ``safetensors_fmt.save`` with the same
+    The base and target files are assumed to be written by ``bdn.fileops.save`` with the same
     metadata, so equal names, dtypes and shapes give equal headers. Raises TensorMismatch naming the
     first tensor that differs in name, dtype or shape.
     """
@@ -1005,13 +1038,8 @@ def write_diff_file_from_arrays(
         if t.dtype.byteorder == ">":
             t = t.astype(t.dtype.newbyteorder("<"))
         pairs.append((name, _bytes_of(b), _bytes_of(t), b.dtype.itemsize))
-    frames, checksums = _encode_all(pairs, fmt, workers)
-    _write_diff(out_path, frames, checksums)
+    return _content(*_encode_all(pairs, fmt, map))
 
 
-def _map(path: str | os.PathLike[str]) -> np.ndarray:
-    """Read-only uint8 memory map of a whole file (released when the last view is dropped)."""
-    size = os.path.getsize(path)
-    if size < 8:
-        raise SafetensorsError(f"{os.fspath(path)!s} is {size} bytes, too short for a safetensors file")
-    return np.memmap(path, dtype=np.uint8, mode="r")
+# File-level entry points that lived here until bdn/proto became I/O-free (bdn.fileops now).
+__getattr__ = moved_to_fileops(__name__, "write_diff_file", "write_diff_file_from_arrays")

@@ -8,11 +8,12 @@ prints).
 
 from __future__ import annotations
 
-import mmap
-import os
 import re
+from typing import Any
 
 import xxhash
+
+from bdn.proto._moved import moved_to_fileops
 
 DEFAULT_CHUNK_SIZE = 16 << 20
 MIN_CHUNK_SIZE = 4 << 10
@@ -38,8 +39,8 @@ def chunk_range(size: int, chunk_size: int, index: int) -> tuple[int, int]:
     return offset, min(chunk_size, size - offset)
 
 
-def buffer_digests(buf: bytes | bytearray | memoryview | mmap.mmap, chunk_size: int) -> list[str]:
-    """Digests of every chunk of ``buf`` (zero-copy slices)."""
+def buffer_digests(buf: Any, chunk_size: int) -> list[str]:
+    """Digests of every chunk of ``buf`` (any buffer: bytes, mmap, uint8 array; zero-copy slices)."""
     view = memoryview(buf)
     try:
         return [digest(view[o : o + chunk_size]) for o in range(0, len(view), chunk_size)]
@@ -47,11 +48,5 @@ def buffer_digests(buf: bytes | bytearray | memoryview | mmap.mmap, chunk_size: 
         view.release()
 
 
-def file_digests(path: str | os.PathLike[str], chunk_size: int) -> list[str]:
-    """Digests of every chunk of the file at ``path`` (read through mmap, no copies)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return []
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            return buffer_digests(m, chunk_size)
+# ``file_digests(path, chunk_size)`` is ``bdn.fileops.chunk_digests`` now (bdn/proto does no I/O).
+__getattr__ = moved_to_fileops(__name__, "file_digests:chunk_digests")

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from bdn.proto._moved import moved_to_fileops
 from bdn.proto.errors import ProtocolError
 
 try:  # ml_dtypes is a declared dependency, but numpy views must not break without it.
@@ -245,19 +245,21 @@ def parse_header(buf: bytes | bytearray | memoryview | Any, file_size: int) -> H
     return Header(data_start=data_start, metadata=metadata, tensors=tensors)
 
 
-def read_header(path: str | os.PathLike[str]) -> Header:
-    """Read and validate the header of the safetensors file at ``path`` (reads 8 + N bytes only).
+def tensor_index(files: Mapping[str, Header] | Iterable[tuple[str, Header]]) -> dict[str, tuple[str, TensorInfo]]:
+    """Where each tensor of a sharded checkpoint lives: ``{tensor name: (file path, TensorInfo)}``.
 
-    Raises SafetensorsError for a malformed file, OSError when it cannot be read.
+    ``files`` maps each ``*.safetensors`` file's path (as the snapshot names it) to its parsed
+    header, in the snapshot's file order; the result keeps that order, then each header's. The one
+    rule for a name found in two shards: refuse, as the safetensors/Hugging Face loaders do (a
+    checkpoint must name each tensor once). Raises SafetensorsError("tensor 'x' is in both a and b").
     """
-    with open(path, "rb") as f:
-        file_size = os.fstat(f.fileno()).st_size
-        first8 = f.read(8)
-        n = header_length(first8)
-        if 8 + n > file_size:
-            raise SafetensorsError(f"safetensors header length {n} runs past the end of the {file_size}-byte file")
-        rest = f.read(n)
-    return parse_header(first8 + rest, file_size)
+    index: dict[str, tuple[str, TensorInfo]] = {}
+    for path, header in files.items() if isinstance(files, Mapping) else files:
+        for name, info in header.tensors.items():
+            if name in index:
+                raise SafetensorsError(f"tensor {_q(name)} is in both {index[name][0]} and {path}")
+            index[name] = (path, info)
+    return index
 
 
 def _numpy_dtypes() -> dict[str, np.dtype]:
@@ -363,15 +365,16 @@ def serialize_header(
     return struct.pack("<Q", len(header)) + header, order
 
 
-def save_raw(
-    path: str | os.PathLike[str],
+def encode_raw(
     tensors: Mapping[str, tuple[str, tuple[int, ...], Any]],
     metadata: Mapping[str, str] | None = None,
-) -> None:
-    """Write a safetensors file from raw little-endian bytes: ``{name: (dtype, shape, buffer)}``.
+) -> tuple[bytes, list[memoryview]]:
+    """A safetensors file from raw little-endian bytes ``{name: (dtype, shape, buffer)}``.
 
-    Each buffer is any C-contiguous buffer object whose length matches dtype and shape.
-    Raises SafetensorsError for an unknown dtype or a size mismatch.
+    Returns ``(prefix, parts)``: the file is ``prefix`` (8-byte length and padded header) followed
+    by ``parts`` in order (zero-copy views of the given buffers). Each buffer is any C-contiguous
+    buffer object whose length matches dtype and shape. Raises SafetensorsError for an invalid
+    name, an unknown dtype or a size mismatch. ``bdn.fileops.save_raw`` writes it to a file.
     """
     sizes: dict[str, tuple[str, tuple[int, ...], int]] = {}
     views: dict[str, memoryview] = {}
@@ -387,25 +390,21 @@ def save_raw(
         sizes[name] = (dtype, tuple(int(d) for d in shape), mv.nbytes)
         views[name] = mv
     prefix, order = serialize_header(sizes, metadata)
-    with open(path, "wb") as f:
-        f.write(prefix)
-        for name in order:
-            f.write(views[name])
+    return prefix, [views[name] for name in order]
 
 
-def save(
-    path: str | os.PathLike[str],
-    tensors: Mapping[str, np.ndarray],
-    metadata: dict[str, str] | None = None,
-) -> None:
-    """Write numpy arrays (ml_dtypes bfloat16/float8 included) as a safetensors file at ``path``.
+def raw_tensors(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[str, tuple[int, ...], Any]]:
+    """numpy arrays (ml_dtypes bfloat16/float8 included) as ``encode_raw``'s ``{name: (dtype, shape, buffer)}``.
 
-    Byte-identical to ``safetensors.numpy.save_file`` whenever that is deterministic (at most one
-    metadata key). bdn writes its own file instead of calling it because the reference serialises
-    ``__metadata__`` from a hash map: with two or more keys, two saves of the same checkpoint can
-    order them differently, which would change content digests and make a base and a target that
-    should share a header differ (the arc formats rebuild the target with the base's header).
-    Raises SafetensorsError for dtypes safetensors cannot store.
+    Big-endian arrays are converted to little-endian and non-contiguous ones copied; others are
+    not copied. Raises SafetensorsError for dtypes safetensors cannot store.
+
+    ``bdn.fileops.save`` writes these: byte-identical to ``safetensors.numpy.save_file`` whenever
+    that is deterministic (at most one metadata key). bdn writes its own file instead of calling it
+    because the reference serialises ``__metadata__`` from a hash map: with two or more keys, two
+    saves of the same checkpoint can order them differently, which would change content digests
+    and make a base and a target that should share a header differ (the arc formats rebuild the
+    target with the base's header).
     """
     raw: dict[str, tuple[str, tuple[int, ...], Any]] = {}
     for name, array in tensors.items():
@@ -415,4 +414,8 @@ def save(
             arr = arr.astype(arr.dtype.newbyteorder("<"))
         arr = np.ascontiguousarray(arr)
         raw[name] = (dtype, tuple(arr.shape), arr)
-    save_raw(path, raw, metadata)
+    return raw
+
+
+# File-level functions that lived here until bdn/proto became I/O-free (bdn.fileops now).
+__getattr__ = moved_to_fileops(__name__, "read_header", "save", "save_raw")

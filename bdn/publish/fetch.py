@@ -15,14 +15,10 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from bdn.bucket import Bucket, ObjectNotFound
-from bdn.proto import arc
-from bdn.proto.chunks import digest, file_digests
+from bdn.fileops import apply_delta_file, first_mismatch, write_verified
 from bdn.proto.errors import ChecksumError, ManifestError
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
-from bdn.proto.safetensors_fmt import parse_header
 from bdn.publish.errors import BaseNotPublished
 
 #: Longest base chain followed before giving up (a loop in the bucket would otherwise recurse).
@@ -59,12 +55,11 @@ def check_local_file(local: Path, entry: FileEntry, chunk_size: int, what: str) 
     if size != entry.result_size:
         raise ChecksumError(f"{what}: {size} bytes, the snapshot has {entry.result_size}")
     try:
-        got = file_digests(local, chunk_size)
+        bad = first_mismatch(local, chunk_size, entry.result_chunks)
     except OSError as e:
         raise ChecksumError(f"{what}: cannot read {str(local)!r}: {e.strerror or e}") from None
-    for i, (g, want) in enumerate(zip(got, entry.result_chunks, strict=True)):
-        if g != want:
-            raise ChecksumError(f"{what}: chunk {i} differs from the snapshot")
+    if bad is not None:
+        raise ChecksumError(f"{what}: chunk {bad[0]} differs from the snapshot")
 
 
 def download_file(
@@ -83,45 +78,21 @@ def download_file(
     fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         os.ftruncate(fd, entry.size)
-
-        def one(i: int) -> None:
-            off = i * chunk_size
-            # One buffer per chunk and pwrite: simple and safe under cancellation; this path
-            # only runs when the trainer lost its base, so one extra copy is acceptable.
-            buf = bytearray(min(chunk_size, entry.size - off))
-            bucket.read_range_into(key, off, memoryview(buf))
-            if digest(buf) != entry.chunks[i]:
-                raise ChecksumError(f"{key}: chunk {i} does not match the manifest digest")
-            os.pwrite(fd, buf, off)
-
-        with ThreadPoolExecutor(max(1, workers)) as ex:
-            for f in [ex.submit(one, i) for i in range(len(entry.chunks))]:
-                f.result()
     finally:
         os.close(fd)
 
+    def one(i: int) -> None:
+        off = i * chunk_size
+        # One buffer per chunk: simple and safe under cancellation; this path only runs when the
+        # trainer lost its base, so one extra copy is acceptable.
+        buf = bytearray(min(chunk_size, entry.size - off))
+        bucket.read_range_into(key, off, memoryview(buf))
+        if not write_verified(buf, entry.chunks[i], dest, off):
+            raise ChecksumError(f"{key}: chunk {i} does not match the manifest digest")
 
-def apply_diff_file(
-    base_path: Path, diff_path: Path, out_path: Path, compression_format: str, workers: int = 1
-) -> None:
-    """Rebuild a target safetensors file at ``out_path`` from its base file and an arc diff file.
-
-    Raises:
-        ChecksumError: a rebuilt tensor's Adler-32 differs from the diff's metadata.
-        ProtocolError: the diff file is malformed or does not fit the base (names the tensor).
-    """
-    base = np.memmap(base_path, dtype=np.uint8, mode="r") if os.path.getsize(base_path) else np.zeros(0, np.uint8)
-    diff = np.memmap(diff_path, dtype=np.uint8, mode="r") if os.path.getsize(diff_path) else np.zeros(0, np.uint8)
-    base_header = parse_header(base, len(base))
-    diff_header = arc.read_diff_header(diff, len(diff))
-    size = arc.target_size(base_header, diff_header)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out = np.memmap(out_path, dtype=np.uint8, mode="w+", shape=(size,))
-    try:
-        arc.apply_diff(base, base_header, diff, diff_header, out, compression_format, workers=workers)
-        out.flush()
-    finally:
-        del out
+    with ThreadPoolExecutor(max(1, workers)) as ex:
+        for f in [ex.submit(one, i) for i in range(len(entry.chunks))]:
+            f.result()
 
 
 def materialize(
@@ -175,7 +146,11 @@ def materialize(
             out = dest / p
             out.parent.mkdir(parents=True, exist_ok=True)
             assert manifest.compression_format is not None
-            apply_diff_file(base_dir / p, diff_dir / p, out, manifest.compression_format, workers)
+            assert e.result is not None
+            apply_delta_file(
+                base_dir / p, diff_dir / p, out, manifest.compression_format, e.result.size,
+                workers=workers, name=f"{manifest.identity}/{p}",
+            )
             check_local_file(
                 out, e, manifest.chunk_size, f"{manifest.identity}/{p} rebuilt from its diff"
             )

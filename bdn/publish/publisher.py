@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from bdn.bucket import Bucket, ObjectNotFound, open_bucket, validate_key
-from bdn.proto import arc, safetensors_fmt
-from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, file_digests
+from bdn import fileops
+from bdn.proto import arc
+from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from bdn.proto.errors import PathError, TensorMismatch
 from bdn.proto.identity import validate_identity, validate_relpath
 from bdn.proto.manifest import MANIFEST_NAME, STARTUP_NAME, FileEntry, FileResult, Manifest
@@ -108,16 +109,7 @@ def publish_full(
             entries = _store_all(
                 b, identity, [_Upload(f.path, f.local) for f in files], chunk_size, workers, progress
             )
-        manifest = Manifest(
-            identity=identity,
-            kind="full",
-            policy_version=policy_version,
-            chunk_size=chunk_size,
-            files=tuple(entries),
-            created_at=_now(),
-        )
-        _commit(b, manifest, overwrite)
-        return manifest
+        return _commit(b, identity, policy_version, chunk_size, entries, overwrite)
 
 
 def publish_delta(
@@ -198,19 +190,7 @@ def publish_delta(
             uploads += [_Upload(f.path, f.local) for f in files if f.path not in diffed]
             uploads.sort(key=lambda u: u.path)
             entries = _store_all(b, identity, uploads, chunk_size, workers, progress)
-        manifest = Manifest(
-            identity=identity,
-            kind="delta",
-            policy_version=policy_version,
-            chunk_size=chunk_size,
-            files=tuple(entries),
-            created_at=_now(),
-            base_identity=base,
-            compression_format=compression_format,
-            checksum_format=CHECKSUM_FORMAT,
-        )
-        _commit(b, manifest, overwrite)
-        return manifest
+        return _commit(b, identity, policy_version, chunk_size, entries, overwrite, delta_of=(base, compression_format))
 
 
 def publish_startup(bucket: str | Bucket, identity: str) -> None:
@@ -280,8 +260,27 @@ def _refuse_published(b: Bucket, identity: str, overwrite: bool) -> None:
     )
 
 
-def _commit(b: Bucket, manifest: Manifest, overwrite: bool) -> None:
-    """Write the manifest: the last object, whose presence publishes the snapshot."""
+def _commit(
+    b: Bucket, identity: str, policy_version: int, chunk_size: int, entries: list[FileEntry], overwrite: bool,
+    *, delta_of: tuple[str, str] | None = None,
+) -> Manifest:
+    """Build the snapshot's manifest and write it: the last object, whose presence publishes it.
+
+    ``delta_of`` is ``(base identity, compression format)`` for a delta, None for a full
+    snapshot. Returns the manifest written.
+    """
+    base, fmt = delta_of if delta_of is not None else (None, None)
+    manifest = Manifest(
+        identity=identity,
+        kind="full" if delta_of is None else "delta",
+        policy_version=policy_version,
+        chunk_size=chunk_size,
+        files=tuple(entries),
+        created_at=_now(),
+        base_identity=base,
+        compression_format=fmt,
+        checksum_format=None if delta_of is None else CHECKSUM_FORMAT,
+    )
     # Checked again because another publisher may have committed the same identity meanwhile;
     # the bucket interface has no conditional put, so a narrow race remains.
     _refuse_published(b, manifest.identity, overwrite)
@@ -289,6 +288,7 @@ def _commit(b: Bucket, manifest: Manifest, overwrite: bool) -> None:
     # Re-parse what we are about to publish: daemons will hold it to the same rules.
     Manifest.from_json(data, expect_identity=manifest.identity)
     b.write(f"{manifest.identity}/{MANIFEST_NAME}", data)
+    return manifest
 
 
 @contextlib.contextmanager
@@ -325,7 +325,7 @@ def _source_dir(
 def _write_state_dict(path: Path, state_dict: Mapping[str, np.ndarray]) -> None:
     if not state_dict:
         raise PublishError("state dict is empty")
-    safetensors_fmt.save(path, state_dict, dict(STATE_DICT_METADATA))
+    fileops.save(path, state_dict, dict(STATE_DICT_METADATA))
 
 
 def _base_files(
@@ -386,7 +386,7 @@ def _make_diffs(
         out = out_root / f.path
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            arc.write_diff_file(
+            fileops.write_diff_file(
                 base_root / f.path, f.local, out, compression_format, workers=per_file
             )
         except TensorMismatch as e:
@@ -399,7 +399,7 @@ def _make_diffs(
 
 def _digests(local: Path, chunk_size: int, path: str) -> list[str]:
     try:
-        return file_digests(local, chunk_size)
+        return fileops.chunk_digests(local, chunk_size)
     except OSError as e:
         raise PublishError(f"cannot read {path!r}: {e.strerror or e}") from None
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from bdn.proto.safetensors_fmt import save
+from bdn.fileops import save
 
 BF16 = ml_dtypes.bfloat16
 
