@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 from bdn.daemon.bitfield import Bitfield
 from bdn.proto.manifest import ChunkRef, Manifest
+from bdn.proto.states import SNAPSHOT_STATES, TERMINAL
 
 if TYPE_CHECKING:
     from bdn.daemon.store import Store
 
-STATES = ("queued", "downloading", "applying", "verifying", "ready", "failed")
-TERMINAL = ("ready", "failed")
+STATES = SNAPSHOT_STATES
+__all__ = ["STATES", "TERMINAL", "STORED", "RESULT", "Loc", "SnapshotJob"]
 STORED, RESULT = "stored", "result"
 
 
@@ -72,6 +73,8 @@ class SnapshotJob:
         self.flusher: asyncio.Task[None] | None = None
         self.bytes_resumed = 0
         self.registered: list[tuple[str, ChunkRef]] = []  # (layer, chunk) this job put in the index
+        self._positions: dict[str, dict[tuple[int, int], int]] = {}
+        self.tensor_index: dict[str, tuple[str, Any]] | None = None  # built on the first tensor pull
 
     # ---- layout --------------------------------------------------------------------------
     def result_dir(self) -> Path:
@@ -86,7 +89,47 @@ class SnapshotJob:
             return self.store.stored_dir(self.identity) / f.path
         return self.result_dir() / f.path
 
-    # ---- state ---------------------------------------------------------------------------
+    def refs(self, layer: str) -> list[ChunkRef]:
+        return self.stored_refs if layer == STORED else self.result_refs
+
+    def bits(self, layer: str) -> Bitfield | None:
+        return self.stored if layer == STORED else self.result
+
+    def ref_index(self, layer: str, ref: ChunkRef) -> int:
+        """Position of ``ref`` in ``layer``'s chunk list (refs are in manifest order; cached)."""
+        cache = self._positions.get(layer)
+        if cache is None:
+            cache = self._positions[layer] = {(r.file_index, r.index): i for i, r in enumerate(self.refs(layer))}
+        return cache[(ref.file_index, ref.index)]
+
+    # ---- state (written only through these methods) --------------------------------------
+    def chunk_verified(self, layer: str, ref: ChunkRef) -> bool:
+        """Event: ``ref`` of ``layer`` is written and verified. True if it was new.
+
+        A file that is not a diff is the same bytes in both layers, so its chunk counts in both.
+        """
+        bits = self.bits(layer)
+        assert bits is not None
+        if not bits.set(self.ref_index(layer, ref)):
+            return False
+        if layer == self.fetch_layer:
+            self.bytes_done += ref.length
+        if self.manifest is not None and not self.manifest.files[ref.file_index].is_diff:
+            other_layer = RESULT if layer == STORED else STORED
+            other = self.bits(other_layer)
+            if other is not None and self.result_refs and other.n:
+                other.set(self.ref_index(other_layer, ref))
+        self.touch()
+        return True
+
+    def start_layer(self, layer: str) -> None:
+        """Event: the fetch of ``layer`` begins; ``bytes_total``/``bytes_done`` count that layer."""
+        if self.fetch_layer != layer:
+            bits = self.bits(layer)
+            self.fetch_layer = layer
+            self.bytes_total = self.stored_bytes if layer == STORED else self.result_bytes
+            self.bytes_done = sum(r.length for i, r in enumerate(self.refs(layer)) if bits[i])  # type: ignore[index]
+
     def attach_manifest(self, m: Manifest) -> None:
         self.manifest = m
         self.kind, self.policy_version, self.base_identity = m.kind, m.policy_version, m.base_identity
