@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from bdn.proto.errors import BdnError
+from bdn.proto.keys import NODE_ID_RE
 
 
 class ConfigError(BdnError):
@@ -141,8 +142,6 @@ class Config:
             self.api_token = _read_secret(self.api_token_file, "api_token_file")
         if not self.node_id:
             self.node_id = socket.gethostname()
-        from bdn.proto.keys import NODE_ID_RE
-
         if not NODE_ID_RE.match(self.node_id):
             raise ConfigError(f"config key 'node_id' must match {NODE_ID_RE.pattern}, got {self.node_id!r}")
         for key in ("peer_listen", "local_listen"):

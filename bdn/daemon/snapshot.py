@@ -6,18 +6,16 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bdn.daemon.bitfield import Bitfield
+from bdn.daemon.layers import RESULT, STORED
+from bdn.daemon.store import Store
 from bdn.proto.manifest import ChunkRef, Manifest
 from bdn.proto.states import SNAPSHOT_STATES, TERMINAL
 
-if TYPE_CHECKING:
-    from bdn.daemon.store import Store
-
 STATES = SNAPSHOT_STATES
 __all__ = ["STATES", "TERMINAL", "STORED", "RESULT", "Loc", "SnapshotJob"]
-STORED, RESULT = "stored", "result"
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from bdn.daemon.clock import Clock
+from bdn.daemon.layers import STORED
 from bdn.proto import hrw
 
-STORED, RESULT = "stored", "result"
 OWNER_WAIT_NEXT_S = 2.0
 
 
