@@ -19,14 +19,14 @@ from bdn.daemon.config import Config
 from bdn.daemon.errors import Conflict, NotFound
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.runner import Runner
-from bdn.daemon.snapshot import RESULT, TERMINAL, SnapshotJob
+from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
 from bdn.daemon.store import Store
 from bdn.proto.errors import BdnError
 from bdn.proto.identity import validate_identity
 from bdn.proto.manifest import FileEntry, Manifest
 from bdn.proto.safetensors_fmt import read_header
 
-log = logging.getLogger("bdn.node")
+log = logging.getLogger("bdn.catalog")
 
 
 class Catalog:
@@ -53,6 +53,10 @@ class Catalog:
 
     def all(self) -> list[SnapshotJob]:
         return list(self.jobs.values())
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every snapshot's record (``SnapshotJob.describe``), in the order they were started."""
+        return [j.describe() for j in self.jobs.values()]
 
     def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob:
         """Start (or return) the job that brings ``identity`` to ``ready`` on this node.
@@ -125,8 +129,8 @@ class Catalog:
             )
             job.attach_manifest(m)
             job.kind, job.base_identity = info.kind, info.base_identity
-            job.stored.set_all()  # type: ignore[union-attr]
-            job.result.set_all()  # type: ignore[union-attr]
+            job.layer_complete(STORED)
+            job.layer_complete(RESULT)
             job.bytes_done = job.bytes_total
             job.requested_by = "store"
             job.set_state("ready")

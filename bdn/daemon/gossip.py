@@ -21,7 +21,7 @@ from bdn.daemon.replica.target import Target
 from bdn.daemon.replica.view import ReplicaView
 from bdn.proto.errors import ProtocolError
 
-log = logging.getLogger("bdn.node")
+log = logging.getLogger("bdn.gossip")
 SETTLE_POLL_S = 0.25
 MAX_URL = 512
 MAX_NODE_ID = 64

@@ -33,7 +33,7 @@ from bdn.proto.chunks import digest as xxh3_digest
 from bdn.proto.errors import BdnError
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 
-log = logging.getLogger("bdn.node")
+log = logging.getLogger("bdn.runner")
 T = TypeVar("T")
 
 
@@ -90,7 +90,7 @@ class Runner:
                 await self._run_delta(job, m)
             else:
                 await self.fetcher.fetch_layer(job, STORED)
-                job.result.set_all()  # type: ignore[union-attr]  # full: stored == result
+                job.layer_complete(RESULT)  # full: stored == result
                 job.set_state("verifying")
                 await job.notify()
             final = await self._on(self.pools.disk, self.store.publish, m)
@@ -134,14 +134,12 @@ class Runner:
                               lambda fi: job.file_path(STORED, fi))
         ok_r = await self._on(self.pools.disk, diskio.verify_held, job.result_refs, result.__getitem__,
                               lambda fi: job.file_path(RESULT, fi))
+        job.resumed(STORED, ok_s)
+        job.resumed(RESULT, ok_r)
         for i in ok_s:
-            job.stored.set(i)  # type: ignore[union-attr]
             self.index.register(job, STORED, job.stored_refs[i])
         for i in ok_r:
-            job.result.set(i)  # type: ignore[union-attr]
             self.index.register(job, RESULT, job.result_refs[i])
-        job.bytes_done = sum(job.stored_refs[i].length for i in ok_s)
-        job.bytes_resumed = job.bytes_done
         log.info("snapshot %s: resumed with %d of %d stored chunks verified on disk",
                  job.identity, len(ok_s), len(job.stored_refs))
 
@@ -199,12 +197,12 @@ class Runner:
             if await self.haves.refresh(job, need_result=True):
                 try:
                     await self.fetcher.fetch_layer(job, RESULT)
-                    job.stored.set_all()  # type: ignore[union-attr]
+                    job.layer_complete(STORED)
                     job.set_state("verifying")
                     return
                 except NotAvailable as e:
                     log.info("snapshot %s: peers' reconstructed chunks not enough (%s); walking the chain", job.identity, e)
-                    job.result = Bitfield(len(job.result_refs))
+                    job.layer_reset(RESULT)
             base = self.jobs.prefetch(base_id, requested_by=f"base of {job.identity}")
         download = asyncio.create_task(self.fetcher.fetch_layer(job, STORED))
         try:
@@ -222,7 +220,7 @@ class Runner:
         job.set_state("verifying")
         await job.notify()
         await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity))
-        job.result.set_all()  # type: ignore[union-attr]
+        job.layer_complete(RESULT)
         for ref in job.result_refs:
             self.index.register(job, RESULT, ref)
 

@@ -23,7 +23,7 @@ from bdn.daemon.stats import Stats
 from bdn.daemon.uploads import Admission, Uploads
 from bdn.proto import hrw
 
-log = logging.getLogger("bdn.peer_server")
+log = logging.getLogger("bdn.serving")
 
 
 class ChunkServing:

@@ -1,4 +1,9 @@
-"""One snapshot's life on a node: state, stage times, have-bitfields and byte counters."""
+"""One snapshot's life on a node: state, stage times, have-bitfields and byte counters.
+
+The record is written only through its event methods (``set_state``, ``chunk_verified``,
+``layer_complete``, ``layer_reset``, ``resumed``, ``start_layer``, ``attach_manifest``), called
+by the snapshot's runner and the fetcher; everything else reads it.
+"""
 
 from __future__ import annotations
 
@@ -119,6 +124,30 @@ class SnapshotJob:
                 other.set(self.ref_index(other_layer, ref))
         self.touch()
         return True
+
+    def layer_complete(self, layer: str) -> None:
+        """Event: every chunk of ``layer`` is known good (a full snapshot's result is its stored
+        layer; a delta's rebuilt files were verified; result mode makes the stored layer moot)."""
+        self.bits(layer).set_all()  # type: ignore[union-attr]
+        self.touch()
+
+    def layer_reset(self, layer: str) -> None:
+        """Event: what ``layer`` held is abandoned (result mode fell back to the delta chain)."""
+        if layer == STORED:
+            self.stored = Bitfield(len(self.stored_refs))
+        else:
+            self.result = Bitfield(len(self.result_refs))
+        self.touch()
+
+    def resumed(self, layer: str, positions: list[int]) -> None:
+        """Event: chunks at ``positions`` of ``layer`` were re-verified on disk after a restart."""
+        bits = self.bits(layer)
+        assert bits is not None
+        for i in positions:
+            bits.set(i)
+        if layer == STORED:
+            self.bytes_done = self.bytes_resumed = sum(self.stored_refs[i].length for i in positions)
+        self.touch()
 
     def start_layer(self, layer: str) -> None:
         """Event: the fetch of ``layer`` begins; ``bytes_total``/``bytes_done`` count that layer."""

@@ -41,5 +41,5 @@ class StatusView:
             "peers": self.membership.describe(),
             "bucket": {"url": self.cfg.bucket, **self.bucket.bucket_stats()},
             **self.stats.snapshot(),
-            "snapshots": [j.describe() for j in self.catalog.all()],
+            "snapshots": self.catalog.records(),
         }

@@ -54,7 +54,7 @@ async def status(request: web.Request) -> web.Response:
 
 async def list_snapshots(request: web.Request) -> web.Response:
     """GET /v1/snapshots -> 200 {"snapshots": [record, ...]}."""
-    return json_response({"snapshots": [j.describe() for j in services(request).catalog.all()]})
+    return json_response({"snapshots": services(request).catalog.records()})
 
 
 async def get_snapshot(request: web.Request) -> web.Response:

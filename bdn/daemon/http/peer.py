@@ -34,7 +34,7 @@ from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
 from bdn.proto.keys import verify_request
 
-log = logging.getLogger("bdn.peer_server")
+log = logging.getLogger("bdn.http.peer")
 ADDRESS_RE = re.compile(r"\A[0-9a-f]{32}\Z")
 MAX_MEMBERS_BODY = 1 << 20
 MAX_TARGET_BODY = 64 << 10
