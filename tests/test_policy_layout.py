@@ -135,3 +135,27 @@ def test_proto_does_no_io() -> None:
             if mod.split(".")[0] in IO_MODULES:
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {mod}")
     assert not bad, "bdn/proto must be formats and rules only: " + "; ".join(bad)
+
+
+PURE_POLICIES = ("bdn.daemon.fetch.plan", "bdn.daemon.uploads", "bdn.daemon.retention", "bdn.daemon.replica.target")
+IO_OR_ASYNC = IO_MODULES | {"asyncio", "aiohttp", "socket", "subprocess", "httpx", "select", "selectors"}
+
+
+def test_pure_policies_import_no_io_nor_asyncio() -> None:
+    """The policies run unchanged in a fleet simulator: none of them (nor what they import of
+    bdn, transitively) touches asyncio, sockets, files or threads."""
+    graph = _graph()
+    bad = []
+    for start in PURE_POLICIES:
+        seen, todo = set(), [start]
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            todo += graph[name]
+            path = MODULES[name]
+            for mod, node in _imports(name, ast.parse(path.read_text(), str(path))):
+                if mod.split(".")[0] in IO_OR_ASYNC:
+                    bad.append(f"{start} -> {path.relative_to(ROOT)}:{node.lineno} imports {mod}")
+    assert not bad, "; ".join(bad)

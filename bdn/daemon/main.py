@@ -80,13 +80,8 @@ def sd_notify(message: str) -> None:
         s.sendall(message.encode())
 
 
-async def serve(cfg: Config) -> int:
-    """Run one daemon until SIGTERM/SIGINT (``bdn.daemon.app.App``); 0 or 1 (cannot listen)."""
-    return await App(cfg, notify=sd_notify).serve()
-
-
 def main(argv: list[str] | None = None) -> int:
-    """The ``bdnd`` console script: flags -> Config -> serve(). Exit 0, 1 (cannot listen) or 2 (config)."""
+    """The ``bdnd`` console script: flags -> Config -> ``App.serve()``. Exit 0, 1 (cannot listen) or 2 (config)."""
     ap = argparse.ArgumentParser(prog="bdnd", description="bdn per-node checkpoint distribution daemon")
     ap.add_argument("--config", help="TOML config file (see deploy/bdnd.toml.example)")
     ap.add_argument("--bucket", help="s3://bucket/prefix, gs://bucket/prefix or file:///path")
@@ -129,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with runner:
         try:
-            return runner.run(serve(cfg))
+            return runner.run(App(cfg, notify=sd_notify).serve())
         except BdnError as e:
             log.error("%s", e)
             return 1
