@@ -19,6 +19,8 @@ APPLY_THREADS = 2
 
 @dataclass
 class Executors:
+    """The three worker pools: ``bucket``, ``disk``, ``apply`` (see the module docstring)."""
+
     bucket: ThreadPoolExecutor
     disk: ThreadPoolExecutor
     apply: ThreadPoolExecutor

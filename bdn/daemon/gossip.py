@@ -29,6 +29,8 @@ MAX_LISTED = 256
 
 
 class Gossip:
+    """Membership rounds, the members endpoint's answer, startup settling and DNS discovery."""
+
     def __init__(
         self, cfg: Config, membership: Membership, peers: PeerClient, replica: ReplicaView, clock: Clock,
     ) -> None:

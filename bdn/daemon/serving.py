@@ -27,6 +27,8 @@ log = logging.getLogger("bdn.serving")
 
 
 class ChunkServing:
+    """Answers peers' chunk requests: find or wait, admit (upload policy), open, account."""
+
     def __init__(
         self, node_id: str, catalog: Catalog, index: ChunkIndex, fetcher: Fetcher, membership: Membership,
         uploads: Uploads, stats: Stats, limit: RateLimit, disk_pool: Executor,

@@ -14,6 +14,8 @@ from bdn.daemon.stats import Stats
 
 
 class StatusView:
+    """Builds the status and health documents from the services it is handed (read only)."""
+
     def __init__(
         self, cfg: Config, swarm_id: str, membership: Membership, bucket: BucketIO, stats: Stats,
         catalog: Catalog, clock: Clock,

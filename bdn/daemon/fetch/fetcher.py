@@ -32,6 +32,8 @@ def _views(members: list[Member]) -> tuple[list[plan.PeerView], dict[str, Member
 
 
 class Fetcher:
+    """Executes the fetch plan for the chunks of a layer; the only caller of the chunk-verified event."""
+
     def __init__(
         self, cfg: Config, membership: Membership, index: ChunkIndex, haves: Haves, sources: Sources,
         stats: Stats, clock: Clock, rng: random.Random | None = None,

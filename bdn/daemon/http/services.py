@@ -20,6 +20,8 @@ from bdn.proto.keys import SwarmKeys
 
 @dataclass(frozen=True)
 class Services:
+    """The services the HTTP adapters call (and nothing else of the daemon)."""
+
     cfg: Config
     keys: SwarmKeys
     nonces: NonceCache

@@ -84,6 +84,8 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any] | None]:
 
 
 class HotLoad:
+    """Accepts a trainer's hot-load (checked against the bucket), fans it out, answers the fleet GET."""
+
     def __init__(
         self, node_id: str, view: ReplicaView, snapshots: Snapshots, bucket: BucketIO, peers: PeerClient,
         membership: Membership, stats: Stats, clock: Clock,

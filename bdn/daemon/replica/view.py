@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from bdn.daemon.clock import Clock
@@ -40,6 +40,8 @@ class Engine:
 
 
 class ReplicaView:
+    """This replica's target, served snapshot, engines and leases; snapshots through ``Snapshots``."""
+
     def __init__(self, node_id: str, snapshots: Snapshots, clock: Clock) -> None:
         self.node_id = node_id
         self.snapshots = snapshots
