@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bdn.daemon.nonces import NonceCache
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.keys import (
     MAX_SKEW_S,
     MIN_SECRET_CHARS,
-    NonceCache,
     SwarmKeys,
     derive_keys,
     hkdf_expand,

@@ -1,4 +1,5 @@
-"""``bdnd``: the per-node daemon. Startup, main loop, shutdown and signals, uvicorn-style.
+"""``bdnd``: the per-node daemon's command line: flags -> Config -> run (``bdn.daemon.app``
+holds the lifecycle: signals, startup, main loop, shutdown).
 
 Exit status: 0 after SIGTERM/SIGINT, 2 on a configuration error (one line on stderr, before
 anything listens), 1 when a port cannot be bound.
@@ -11,16 +12,16 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 import time
 
-from aiohttp import web
-
 from bdn import __version__
-from bdn.daemon.config import Config, ConfigError, split_hostport
+from bdn.daemon.app import App
+from bdn.daemon.config import Config, ConfigError
+from bdn.daemon.logctx import ContextFilter
 from bdn.proto.errors import BdnError
+from bdn.proto.keys import derive_keys
 
 log = logging.getLogger("bdn.bdnd")
 
@@ -57,8 +58,6 @@ def setup_logging(cfg: Config) -> None:
         h.setFormatter(_JsonFormatter())
     else:
         h.setFormatter(logging.Formatter(f"%(asctime)s {cfg.node_id} %(levelname)s %(name)s: %(message)s"))
-    from bdn.daemon.logctx import ContextFilter
-
     h.addFilter(ContextFilter())
     root = logging.getLogger()
     root.handlers[:] = [h]
@@ -89,59 +88,6 @@ def sd_notify(message: str) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         s.connect(path)
         s.sendall(message.encode())
-
-
-async def serve(cfg: Config) -> int:
-    """Run one daemon until SIGTERM/SIGINT: start the node, both servers, notify systemd; 0 or 1."""
-    from bdn.daemon.local_api import make_local_app
-    from bdn.daemon.node import Node
-    from bdn.daemon.peer_server import make_peer_app
-
-    node = Node(cfg)
-    await node.start()
-    runners: list[web.AppRunner] = []
-    try:
-        # keepalive_timeout also bounds a connection that never completes a request (aiohttp
-        # arms it at connect), so idle or slowloris connections cannot pile up for minutes.
-        peer_runner = web.AppRunner(make_peer_app(node), access_log=None, keepalive_timeout=15)
-        await peer_runner.setup()
-        runners.append(peer_runner)
-        host, port = split_hostport(cfg.peer_listen)
-        await web.TCPSite(peer_runner, host or None, port, reuse_address=True).start()
-        local_runner = web.AppRunner(make_local_app(node), access_log=None, keepalive_timeout=75)
-        await local_runner.setup()
-        runners.append(local_runner)
-        if cfg.local_listen:
-            lhost, lport = split_hostport(cfg.local_listen)
-            await web.TCPSite(local_runner, lhost, lport, reuse_address=True).start()
-        if cfg.local_socket:
-            if os.path.exists(cfg.local_socket):
-                os.unlink(cfg.local_socket)
-            await web.UnixSite(local_runner, cfg.local_socket).start()
-    except OSError as e:
-        log.error("cannot listen: %s", e)
-        for r in runners:
-            await r.cleanup()
-        await node.stop()
-        return 1
-    log.info(
-        "bdnd %s listening: peers on %s (advertised %s), local API on %s%s; swarm %s; bucket %s",
-        cfg.node_id, cfg.peer_listen, cfg.advertise_url, cfg.local_listen or "-",
-        f" and {cfg.local_socket}" if cfg.local_socket else "", node.keys.swarm_id, cfg.bucket,
-    )
-    await node.after_listen()
-    sd_notify("READY=1\nSTATUS=serving")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("bdnd %s stopping", cfg.node_id)
-    sd_notify("STOPPING=1")
-    for r in reversed(runners):
-        await r.cleanup()
-    await node.stop()
-    return 0
 
 
 SECRET_KEYS = ("partition_secret", "api_token")  # files or environment only: argv shows in ps
@@ -179,15 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``bdnd`` console script: flags -> Config -> serve(). Exit 0, 1 (cannot listen) or 2 (config)."""
+    """The ``bdnd`` console script: flags -> Config -> ``App.serve()``. Exit 0, 1 (cannot listen) or 2 (config)."""
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     if isinstance(overrides.get("peers"), str):
         overrides["peers"] = [p.strip() for p in overrides["peers"].split(",") if p.strip()]
     try:
         cfg = Config.load(args.config, overrides=overrides)
-        from bdn.proto.keys import derive_keys
-
         derive_keys(cfg.partition_secret)
     except (ConfigError, BdnError) as e:
         print(f"bdnd: error: {e}", file=sys.stderr)
@@ -203,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with runner:
         try:
-            return runner.run(serve(cfg))
+            return runner.run(App(cfg, notify=sd_notify).serve())
         except BdnError as e:
             log.error("%s", e)
             return 1

@@ -7,8 +7,9 @@ member that fails ``FAIL_LIMIT`` health checks in a row leaves HRW until it answ
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+
+from bdn.daemon.clock import SYSTEM, Clock
 
 
 @dataclass
@@ -26,19 +27,25 @@ class Member:
     extra: dict = field(default_factory=dict)
     requests: set = field(default_factory=set)  # asyncio tasks of chunk requests in flight to it
 
-    @property
-    def usable(self) -> bool:
-        return self.alive and bool(self.node_id) and time.monotonic() >= self.penalty_until
+    def usable(self, now: float) -> bool:
+        """Alive, with a known node id, and not penalised at ``now`` (monotonic s)."""
+        return self.alive and bool(self.node_id) and now >= self.penalty_until
 
 
 class Membership:
-    """The member table of one daemon (itself excluded)."""
+    """The member table of one daemon (itself excluded); time from ``clock`` (monotonic s).
+
+    The only writers of a member's liveness are the events ``learn`` (heard of it), ``mark_ok``
+    (it answered), ``mark_failed`` (it did not; after ``FAIL_LIMIT`` in a row it leaves HRW and
+    its parked requests are cancelled) and ``penalise`` (it sent bad bytes).
+    """
 
     FAIL_LIMIT = 2
     FORGET_AFTER = 30  # failed health checks in a row before a learned (non-static) member is dropped
     MAX_MEMBERS = 4096
 
-    def __init__(self, self_id: str, self_url: str, static: list[str]) -> None:
+    def __init__(self, self_id: str, self_url: str, static: list[str], clock: Clock = SYSTEM) -> None:
+        self.clock = clock
         self.self_id = self_id
         self.self_url = self_url.rstrip("/")
         self.members: dict[str, Member] = {}
@@ -65,7 +72,7 @@ class Membership:
         m = self.learn(url, node_id)
         if m is not None:
             m.node_id = node_id
-            m.alive, m.failures, m.last_seen = True, 0, time.monotonic()
+            m.alive, m.failures, m.last_seen = True, 0, self.clock.monotonic()
 
     def mark_failed(self, url: str) -> None:
         m = self.members.get(url.rstrip("/"))
@@ -84,21 +91,23 @@ class Membership:
     def penalise(self, url: str, seconds: float) -> None:
         m = self.members.get(url.rstrip("/"))
         if m is not None:
-            m.penalty_until = time.monotonic() + seconds
+            m.penalty_until = self.clock.monotonic() + seconds
 
     def live(self) -> list[Member]:
-        return [m for m in self.members.values() if m.usable]
+        now = self.clock.monotonic()
+        return [m for m in self.members.values() if m.usable(now)]
 
     def by_node(self) -> dict[str, Member]:
-        return {m.node_id: m for m in self.members.values() if m.usable}
+        return {m.node_id: m for m in self.live()}
 
     def hrw_nodes(self) -> list[str]:
         """Node ids that take part in HRW: this daemon and every live member."""
         return [self.self_id] + [m.node_id for m in self.live()]
 
     def describe(self) -> list[dict]:
+        now = self.clock.monotonic()
         return [
             {"node_id": m.node_id, "url": m.url, "alive": m.alive,
-             "penalised": time.monotonic() < m.penalty_until}
+             "penalised": now < m.penalty_until}
             for m in sorted(self.members.values(), key=lambda m: m.url)
         ]

@@ -1,30 +1,33 @@
 """Prometheus metrics of one node, rendered from its live counters on each scrape.
 
 A custom collector (prometheus-client's documented pattern for values that already live
-elsewhere) reads the node's counters, so the hot path only bumps plain integers.
+elsewhere) reads the daemon's counters (``bdn.daemon.stats``) and its services' views, so the
+hot path only bumps plain integers.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-if TYPE_CHECKING:
-    from bdn.daemon.node import Node
+from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.catalog import Catalog
+from bdn.daemon.membership import Membership
+from bdn.daemon.replica.view import ReplicaView
+from bdn.daemon.stats import Stats
+from bdn.proto.states import SNAPSHOT_STATES as STATES
 
-STATES = ("queued", "downloading", "applying", "verifying", "ready", "failed")
 
-
-class _NodeCollector:
-    def __init__(self, node: Node) -> None:
-        self.node = node
+class _Collector:
+    def __init__(self, stats: Stats, catalog: Catalog, membership: Membership, bucket: BucketIO,
+                 replica: ReplicaView) -> None:
+        self.stats, self.catalog, self.membership, self.bucket, self.replica = stats, catalog, membership, bucket, replica
 
     def collect(self):  # type: ignore[no-untyped-def]
-        n = self.node
-        c = n.counters
+        c = self.stats.counters
+        failures = self.stats.verify_failures_by_peer
+        jobs = self.catalog.all()
         b = CounterMetricFamily("bdn_bucket_bytes", "Chunk bytes read from the bucket", labels=["role"])
         b.add_metric(["owner"], c["bucket_bytes_owner"])
         b.add_metric(["fallback"], c["bucket_bytes_fallback"])
@@ -34,7 +37,7 @@ class _NodeCollector:
         bc.add_metric(["fallback"], c["bucket_chunks_fallback"])
         yield bc
         yield CounterMetricFamily("bdn_bucket_manifest_bytes", "Manifest bytes read from the bucket", value=c["bucket_manifest_bytes"])
-        stats = n.bucket.stats.snapshot()
+        stats = self.bucket.bucket_stats()
         yield CounterMetricFamily("bdn_bucket_get_requests", "GET requests sent to the bucket", value=stats.get("get_requests", 0))
         p = CounterMetricFamily("bdn_peer_bytes", "Chunk bytes exchanged with peers", labels=["direction"])
         p.add_metric(["in"], c["peer_bytes_in"])
@@ -42,46 +45,49 @@ class _NodeCollector:
         yield p
         yield CounterMetricFamily("bdn_local_bytes_copied", "Chunk bytes copied from this node's own store", value=c["local_bytes_copied"])
         v = CounterMetricFamily("bdn_chunk_verify_failures", "Chunks whose bytes did not match the manifest", labels=["source"])
-        v.add_metric(["bucket"], n.verify_failures_by_peer.get("bucket", 0))
-        for peer, k in n.verify_failures_by_peer.items():
+        v.add_metric(["bucket"], failures.get("bucket", 0))
+        for peer, k in failures.items():
             if peer != "bucket":
                 v.add_metric([peer], k)
         yield v
         s = GaugeMetricFamily("bdn_snapshots", "Snapshots on this node by state", labels=["state"])
         for st in STATES:
-            s.add_metric([st], sum(1 for j in n.jobs.values() if j.state == st))
+            s.add_metric([st], sum(1 for j in jobs if j.state == st))
         yield s
-        live = GaugeMetricFamily("bdn_peers_live", "Peers that answer health checks", value=len(n.membership.live()))
+        live = GaugeMetricFamily("bdn_peers_live", "Peers that answer health checks", value=len(self.membership.live()))
         yield live
         infl = GaugeMetricFamily("bdn_inflight_requests", "Chunk requests in flight", labels=["kind"])
-        for kind, v in n.inflight.items():
+        for kind, v in self.stats.inflight.items():
             infl.add_metric([kind], v)
         yield infl
         st = GaugeMetricFamily("bdn_snapshot_stage_seconds", "Seconds each snapshot spent in each stage",
                                labels=["identity", "stage"])
         pv = GaugeMetricFamily("bdn_snapshot_policy_version", "Policy version of each snapshot", labels=["identity"])
-        for j in list(n.jobs.values())[-32:]:  # bounded label set: the node keeps few snapshots
+        for j in jobs[-32:]:  # bounded label set: the node keeps few snapshots
             for stage, secs in j.describe()["stages"].items():
                 st.add_metric([j.identity, stage], secs)
             if j.policy_version is not None:
                 pv.add_metric([j.identity], j.policy_version)
         yield st
         yield pv
-        cur = n.hotload.current_policy_version
+        cur = self.replica.current_policy_version
         yield GaugeMetricFamily("bdn_current_policy_version", "Policy version this replica serves (-1: none)",
                                 value=cur if cur is not None else -1)
         yield CounterMetricFamily("bdn_bucket_retries", "Bucket requests retried (throttling, 5xx)",
                                   value=stats.get("retries", 0))
         shm = GaugeMetricFamily("bdn_shm_bytes", "Bytes of reconstructed snapshots held in shm")
-        shm.add_metric([], sum(j.result_bytes for j in n.jobs.values() if j.state == "ready"))
+        shm.add_metric([], sum(j.result_bytes for j in jobs if j.state == "ready"))
         yield shm
 
 
-def render(node: Node) -> tuple[bytes, str]:
-    """``(body, content_type)`` of the Prometheus text exposition for ``node``."""
-    reg = node.__dict__.get("_metrics_registry")
-    if reg is None:
-        reg = CollectorRegistry()
-        reg.register(_NodeCollector(node))  # type: ignore[arg-type]
-        node.__dict__["_metrics_registry"] = reg
-    return generate_latest(reg), CONTENT_TYPE_LATEST
+class Metrics:
+    """One registry with the daemon's collector; ``render()`` -> ``(body, content_type)``."""
+
+    def __init__(self, stats: Stats, catalog: Catalog, membership: Membership, bucket: BucketIO,
+                 replica: ReplicaView) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector(stats, catalog, membership, bucket, replica))  # type: ignore[arg-type]
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

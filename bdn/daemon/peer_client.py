@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -191,8 +192,6 @@ class PeerClient:
 
     async def get_json(self, base_url: str, path: str, timeout: float = 5.0) -> tuple[int, Any]:
         """A signed GET of a JSON peer endpoint under the swarm prefix: ``(status, body)``."""
-        import json
-
         resp = await self._request("GET", base_url, f"{self._prefix()}/{path}", timeout=timeout)
         try:
             body = await read_body(resp.content, MAX_MEMBERS_BYTES, resp.content_length)

@@ -9,13 +9,15 @@ and cost nothing when the limit is off.
 from __future__ import annotations
 
 import asyncio
-import time
+
+from bdn.daemon.clock import SYSTEM, Clock
 
 
 class RateLimit:
     """``rate_bytes_s`` bytes per second on average (0 = unlimited)."""
 
-    def __init__(self, rate_bytes_s: float, burst_s: float = 0.25) -> None:
+    def __init__(self, rate_bytes_s: float, burst_s: float = 0.25, clock: Clock = SYSTEM) -> None:
+        self.clock = clock
         self.rate = float(rate_bytes_s)
         self.burst_s = burst_s
         self._next = 0.0
@@ -32,7 +34,7 @@ class RateLimit:
         """Wait until ``nbytes`` may cross the link."""
         if self.rate <= 0 or nbytes <= 0:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         start = max(self._next, now - self.burst_s)
         self._next = start + nbytes / self.rate
         delay = start - now

@@ -1,4 +1,9 @@
-"""One snapshot's life on a node: state, stage times, have-bitfields and byte counters."""
+"""One snapshot's life on a node: state, stage times, have-bitfields and byte counters.
+
+The record is written only through its event methods (``set_state``, ``chunk_verified``,
+``layer_complete``, ``layer_reset``, ``resumed``, ``start_layer``, ``attach_manifest``), called
+by the snapshot's runner and the fetcher; everything else reads it.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +11,16 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bdn.daemon.bitfield import Bitfield
+from bdn.daemon.layers import RESULT, STORED
+from bdn.daemon.store import Store
 from bdn.proto.manifest import ChunkRef, Manifest
+from bdn.proto.states import SNAPSHOT_STATES, TERMINAL
 
-if TYPE_CHECKING:
-    from bdn.daemon.store import Store
-
-STATES = ("queued", "downloading", "applying", "verifying", "ready", "failed")
-TERMINAL = ("ready", "failed")
-STORED, RESULT = "stored", "result"
+STATES = SNAPSHOT_STATES
+__all__ = ["STATES", "TERMINAL", "STORED", "RESULT", "Loc", "SnapshotJob"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class SnapshotJob:
         self.flusher: asyncio.Task[None] | None = None
         self.bytes_resumed = 0
         self.registered: list[tuple[str, ChunkRef]] = []  # (layer, chunk) this job put in the index
+        self._positions: dict[str, dict[tuple[int, int], int]] = {}
+        self.tensor_index: dict[str, tuple[str, Any]] | None = None  # built on the first tensor pull
 
     # ---- layout --------------------------------------------------------------------------
     def result_dir(self) -> Path:
@@ -86,7 +92,71 @@ class SnapshotJob:
             return self.store.stored_dir(self.identity) / f.path
         return self.result_dir() / f.path
 
-    # ---- state ---------------------------------------------------------------------------
+    def refs(self, layer: str) -> list[ChunkRef]:
+        return self.stored_refs if layer == STORED else self.result_refs
+
+    def bits(self, layer: str) -> Bitfield | None:
+        return self.stored if layer == STORED else self.result
+
+    def ref_index(self, layer: str, ref: ChunkRef) -> int:
+        """Position of ``ref`` in ``layer``'s chunk list (refs are in manifest order; cached)."""
+        cache = self._positions.get(layer)
+        if cache is None:
+            cache = self._positions[layer] = {(r.file_index, r.index): i for i, r in enumerate(self.refs(layer))}
+        return cache[(ref.file_index, ref.index)]
+
+    # ---- state (written only through these methods) --------------------------------------
+    def chunk_verified(self, layer: str, ref: ChunkRef) -> bool:
+        """Event: ``ref`` of ``layer`` is written and verified. True if it was new.
+
+        A file that is not a diff is the same bytes in both layers, so its chunk counts in both.
+        """
+        bits = self.bits(layer)
+        assert bits is not None
+        if not bits.set(self.ref_index(layer, ref)):
+            return False
+        if layer == self.fetch_layer:
+            self.bytes_done += ref.length
+        if self.manifest is not None and not self.manifest.files[ref.file_index].is_diff:
+            other_layer = RESULT if layer == STORED else STORED
+            other = self.bits(other_layer)
+            if other is not None and self.result_refs and other.n:
+                other.set(self.ref_index(other_layer, ref))
+        self.touch()
+        return True
+
+    def layer_complete(self, layer: str) -> None:
+        """Event: every chunk of ``layer`` is known good (a full snapshot's result is its stored
+        layer; a delta's rebuilt files were verified; result mode makes the stored layer moot)."""
+        self.bits(layer).set_all()  # type: ignore[union-attr]
+        self.touch()
+
+    def layer_reset(self, layer: str) -> None:
+        """Event: what ``layer`` held is abandoned (result mode fell back to the delta chain)."""
+        if layer == STORED:
+            self.stored = Bitfield(len(self.stored_refs))
+        else:
+            self.result = Bitfield(len(self.result_refs))
+        self.touch()
+
+    def resumed(self, layer: str, positions: list[int]) -> None:
+        """Event: chunks at ``positions`` of ``layer`` were re-verified on disk after a restart."""
+        bits = self.bits(layer)
+        assert bits is not None
+        for i in positions:
+            bits.set(i)
+        if layer == STORED:
+            self.bytes_done = self.bytes_resumed = sum(self.stored_refs[i].length for i in positions)
+        self.touch()
+
+    def start_layer(self, layer: str) -> None:
+        """Event: the fetch of ``layer`` begins; ``bytes_total``/``bytes_done`` count that layer."""
+        if self.fetch_layer != layer:
+            bits = self.bits(layer)
+            self.fetch_layer = layer
+            self.bytes_total = self.stored_bytes if layer == STORED else self.result_bytes
+            self.bytes_done = sum(r.length for i, r in enumerate(self.refs(layer)) if bits[i])  # type: ignore[index]
+
     def attach_manifest(self, m: Manifest) -> None:
         self.manifest = m
         self.kind, self.policy_version, self.base_identity = m.kind, m.policy_version, m.base_identity

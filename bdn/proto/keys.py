@@ -22,9 +22,9 @@ import hashlib
 import hmac
 import re
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from bdn.proto.errors import AuthError, BdnError
 
@@ -120,30 +120,12 @@ def sign_request(
     return f"{SCHEME} node={node_id}, ts={ts}, nonce={nonce}, sig={sig}"
 
 
-class NonceCache:
-    """Nonces seen within the skew window (2 x 30 s), so a captured request cannot be replayed.
-
-    Bounded: at most ``max_entries``; when full, new requests are refused (401) rather than
-    forgetting nonces that could then be replayed.
-    """
-
-    def __init__(self, max_entries: int = 1_000_000) -> None:
-        self._seen: dict[str, float] = {}
-        self._lock = threading.Lock()
-        self._max = max_entries
-        self._next_prune = 0.0
+class NonceSeen(Protocol):
+    """What ``verify_request`` needs of a replay cache (the daemon's is ``bdn.daemon.nonces.NonceCache``)."""
 
     def add(self, nonce: str, now: float) -> bool:
-        """Record ``nonce``; False if it was already seen (a replay) or the cache is full."""
-        with self._lock:
-            if now >= self._next_prune or len(self._seen) >= self._max:
-                cutoff = now - 2 * MAX_SKEW_S
-                self._seen = {n: t for n, t in self._seen.items() if t > cutoff}
-                self._next_prune = now + 5
-            if nonce in self._seen or len(self._seen) >= self._max:
-                return False
-            self._seen[nonce] = now
-            return True
+        """Record ``nonce`` seen at ``now`` (unix s); False if seen before (a replay) or full."""
+        ...
 
 
 def verify_request(
@@ -151,7 +133,7 @@ def verify_request(
     header: str | None,
     method: str,
     path_qs: str,
-    nonces: NonceCache,
+    nonces: NonceSeen,
     *,
     now: float | None = None,
 ) -> str:

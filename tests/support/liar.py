@@ -29,7 +29,8 @@ from aiohttp import web
 from bdn.bucket import ObjectNotFound, open_bucket
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
-from bdn.proto.keys import NonceCache, SwarmKeys, derive_keys, verify_request
+from bdn.daemon.nonces import NonceCache
+from bdn.proto.keys import SwarmKeys, derive_keys, verify_request
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 
 LIAR_STATE = web.AppKey("liar", object)

@@ -1,0 +1,244 @@
+"""The daemon's composition root and lifecycle, as uvicorn's ``Server`` runs one:
+
+1. **signal handlers first**: SIGTERM and SIGINT ask the daemon to stop, at any moment,
+   including while it settles membership at startup; every snapshot in progress saves its
+   verified chunks, so the next start resumes. A second SIGTERM/SIGINT while stopping exits at
+   once (status 1) without waiting for the rest. **SIGHUP is ignored** (one log line): bdnd has
+   no configuration reload; restart it to apply a new configuration.
+2. ``startup()``: open the peer client, register the ready snapshots in shm, start membership
+   rounds, listen on the peer port and the local API, then settle (membership rounds every
+   0.25 s until the static peers answered or ``startup_settle_s`` passed) and load
+   ``STARTUP_SNAPSHOT`` and the downloads a restart interrupted; tell systemd ``READY=1``.
+3. ``main_loop()``: wait for the stop request.
+4. ``shutdown()``: tell systemd ``STOPPING=1``, stop listening, cancel every task and job (each
+   saves its progress), close the peer client, the worker pools and the bucket.
+
+``serve()`` returns the exit status: 0 after a stop request, 1 when a port cannot be bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from bdn.bucket import BucketError, ObjectNotFound, open_bucket
+from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.catalog import Catalog
+from bdn.daemon.clock import SYSTEM, Clock
+from bdn.daemon.config import Config, split_hostport
+from bdn.daemon.executors import Executors
+from bdn.daemon.fetch.fetcher import Fetcher
+from bdn.daemon.fetch.haves import Haves
+from bdn.daemon.fetch.sources import Sources
+from bdn.daemon.gossip import Gossip
+from bdn.daemon.http.local import make_local_app
+from bdn.daemon.http.peer import make_peer_app
+from bdn.daemon.http.services import Services
+from bdn.daemon.index import ChunkIndex
+from bdn.daemon.membership import Membership
+from bdn.daemon.metrics import Metrics
+from bdn.daemon.nonces import NonceCache
+from bdn.daemon.peer_client import PeerClient
+from bdn.daemon.ratelimit import RateLimit
+from bdn.daemon.replica.hotload import HotLoad
+from bdn.daemon.replica.view import ReplicaView
+from bdn.daemon.runner import Runner
+from bdn.daemon.serving import ChunkServing
+from bdn.daemon.stats import Stats
+from bdn.daemon.status import StatusView
+from bdn.daemon.store import Store
+from bdn.daemon.uploads import Uploads
+from bdn.proto.errors import ProtocolError
+from bdn.proto.keys import derive_keys
+from bdn.proto.manifest import STARTUP_NAME, parse_startup
+
+log = logging.getLogger("bdn.bdnd")
+
+
+class App:
+    """One ``bdnd``: build with a Config, then ``await serve()``. ``notify`` is sd_notify."""
+
+    def __init__(self, cfg: Config, notify: Any = None, clock: Clock = SYSTEM) -> None:
+        self.cfg = cfg
+        self.notify = notify or (lambda msg: None)
+        self.clock = clock
+        self.keys = derive_keys(cfg.partition_secret)
+        self.stats = Stats()
+        self.pools = Executors.create(cfg.bucket_concurrency)
+        self.store = Store(cfg.shm_dir, self.keys.swarm_id)
+        bucket = open_bucket(
+            cfg.bucket, credentials_file=cfg.credentials_file or None,
+            endpoint_url=cfg.endpoint_url or None, max_concurrency=cfg.bucket_concurrency,
+        )
+        self.bucket = BucketIO(bucket, cfg.bucket, cfg.bucket_concurrency, RateLimit.from_mbit(cfg.bucket_mbit),
+                               self.pools.bucket, self.stats)
+        self.membership = Membership(cfg.node_id, cfg.advertise_url, cfg.peers, clock)
+        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s)
+        self.index = ChunkIndex(self.keys.address)
+        self.haves = Haves(self.peers, self.membership)
+        sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
+        self.fetcher = Fetcher(cfg, self.membership, self.index, self.haves, sources, self.stats, clock)
+        runner = Runner(cfg, self.store, self.bucket, self.index, self.fetcher, self.haves, self.stats,
+                        self.pools, clock)
+        self.catalog = Catalog(cfg, self.store, self.index, runner, clock)
+        self.replica = ReplicaView(cfg.node_id, self.catalog, clock)
+        self.catalog.pinned = self.replica.pinned
+        self.catalog.on_change = self.replica.on_job_changed
+        self.hotload = HotLoad(cfg.node_id, self.replica, self.catalog, self.bucket, self.peers, self.membership,
+                               self.stats, clock)
+        self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock)
+        serving = ChunkServing(cfg.node_id, self.catalog, self.index, self.fetcher, self.membership,
+                               Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
+                               RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
+        self.services = Services(
+            cfg=cfg, keys=self.keys, nonces=NonceCache(), catalog=self.catalog, replica=self.replica,
+            hotload=self.hotload, gossip=self.gossip, serving=serving,
+            status=StatusView(cfg, self.keys.swarm_id, self.membership, self.bucket, self.stats, self.catalog, clock),
+            metrics=Metrics(self.stats, self.catalog, self.membership, self.bucket, self.replica),
+        )
+        self.should_exit = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._runners: list[web.AppRunner] = []
+
+    # ---- signals -------------------------------------------------------------------------
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.handle_exit, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._ignore_hup)
+
+    def handle_exit(self, sig: int) -> None:
+        if self.should_exit.is_set():
+            log.warning("bdnd %s: %s again while stopping: exiting now", self.cfg.node_id, signal.Signals(sig).name)
+            os._exit(1)
+        self.should_exit.set()
+
+    def _ignore_hup(self) -> None:
+        log.info("SIGHUP ignored: bdnd has no configuration reload; restart it to apply a new configuration")
+
+    # ---- life ----------------------------------------------------------------------------
+    async def serve(self) -> int:
+        """Run until SIGTERM/SIGINT; 0, or 1 when a port cannot be bound."""
+        self.install_signal_handlers()
+        try:
+            starting = asyncio.create_task(self.startup(), name="startup")
+            stop = asyncio.create_task(self.should_exit.wait())
+            await asyncio.wait({starting, stop}, return_when=asyncio.FIRST_COMPLETED)
+            stop.cancel()
+            if not starting.done():
+                starting.cancel()  # a stop request while settling: shut down from where it is
+                await asyncio.gather(starting, return_exceptions=True)
+            elif starting.exception() is not None:
+                e = starting.exception()
+                if isinstance(e, OSError):
+                    log.error("cannot listen: %s", e)
+                    return 1
+                raise e  # type: ignore[misc]
+            await self.main_loop()
+            return 0
+        finally:
+            await self.shutdown()
+
+    async def startup(self) -> None:
+        """Open, listen, settle, load (see the module docstring). Raises OSError (cannot listen)."""
+        await self.peers.start()
+        self.catalog.load_ready_from_store()
+        self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
+        await self._listen()
+        cfg = self.cfg
+        log.info(
+            "bdnd %s listening: peers on %s (advertised %s), local API on %s%s; swarm %s; bucket %s",
+            cfg.node_id, cfg.peer_listen, cfg.advertise_url, cfg.local_listen or "-",
+            f" and {cfg.local_socket}" if cfg.local_socket else "", self.keys.swarm_id, cfg.bucket,
+        )
+        await self._load_startup()
+        self.notify("READY=1\nSTATUS=serving")
+
+    async def _listen(self) -> None:
+        cfg = self.cfg
+        # keepalive_timeout also bounds a connection that never completes a request (aiohttp
+        # arms it at connect), so idle or slowloris connections cannot pile up for minutes.
+        peer_runner = web.AppRunner(make_peer_app(self.services), access_log=None, keepalive_timeout=15)
+        await peer_runner.setup()
+        self._runners.append(peer_runner)
+        host, port = split_hostport(cfg.peer_listen)
+        await web.TCPSite(peer_runner, host or None, port, reuse_address=True).start()
+        local_runner = web.AppRunner(make_local_app(self.services), access_log=None, keepalive_timeout=75)
+        await local_runner.setup()
+        self._runners.append(local_runner)
+        if cfg.local_listen:
+            lhost, lport = split_hostport(cfg.local_listen)
+            await web.TCPSite(local_runner, lhost, lport, reuse_address=True).start()
+        if cfg.local_socket:
+            if os.path.exists(cfg.local_socket):
+                os.unlink(cfg.local_socket)
+            await web.UnixSite(local_runner, cfg.local_socket).start()
+
+    async def _load_startup(self) -> None:
+        """Membership settles, then STARTUP_SNAPSHOT loads.
+
+        Daemons of a fleet start within seconds of each other; loading before they know each
+        other would make each one the HRW owner of everything and multiply bucket egress.
+        STARTUP_SNAPSHOT is read first, so that it is this replica's target (and safe from GC)
+        even if a peer makes this daemon join it before the settling ends.
+        """
+        startup = await self._read_startup() if self.cfg.load_startup else None
+        if startup is not None:
+            self.replica.set_startup_target(startup)
+        await self.gossip.settle()
+        target = self.replica.target
+        if startup is not None and target is not None and target.identity != startup and target.seq > 0:
+            # The fleet moved on while this daemon was away: go straight to its target (rebuilt
+            # chunks come from peers); loading the outdated startup snapshot first is only waste.
+            log.info("%s names %s, but the fleet serves %s: loading that instead",
+                     STARTUP_NAME, startup, target.identity)
+        elif startup is not None:
+            log.info("%s names %s: loading it", STARTUP_NAME, startup)
+            job = self.catalog.prefetch(startup, requested_by="startup")
+            if job.state == "ready":
+                self.replica.on_snapshot_ready(startup)
+        for ident in sorted(self.catalog.resumable):
+            log.info("snapshot %s: resuming the download a restart interrupted", ident)
+            self.catalog.prefetch(ident, requested_by="resume")
+        if self.cfg.peers_dns:
+            self._tasks.append(asyncio.create_task(self.gossip.dns_loop(), name="peers-dns"))
+
+    async def _read_startup(self) -> str | None:
+        """The identity STARTUP_SNAPSHOT names, or None (absent or unreadable: logged)."""
+        try:
+            data = await self.bucket.read_unbounded(STARTUP_NAME)
+        except ObjectNotFound:
+            log.info("no %s in %s: nothing to load at start", STARTUP_NAME, self.cfg.bucket)
+            return None
+        except BucketError as e:
+            log.error("cannot read %s: %s", STARTUP_NAME, e)
+            return None
+        try:
+            return parse_startup(data)
+        except ProtocolError as e:
+            log.error("%s: %s", STARTUP_NAME, e)
+            return None
+
+    async def main_loop(self) -> None:
+        await self.should_exit.wait()
+
+    async def shutdown(self) -> None:
+        """Stop listening, cancel tasks and jobs (progress saved), close clients and pools."""
+        if self.should_exit.is_set():
+            log.info("bdnd %s stopping", self.cfg.node_id)
+            self.notify("STOPPING=1")
+        for r in reversed(self._runners):
+            await r.cleanup()
+        self.gossip.closing = True
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.catalog.stop()
+        await self.peers.close()
+        self.pools.shutdown()
+        self.bucket.close()

@@ -1,0 +1,243 @@
+"""The snapshots on this node: start (prefetch), wait, cancel, garbage-collect, the shm budget,
+and the read views the HTTP adapters serve (records, have-bitfields, files, tensors).
+
+The catalog is the only writer of the set of jobs; each job's own state is written by its
+runner (``bdn.daemon.runner``) and by the fetcher's chunk events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from bdn.daemon import retention
+from bdn.daemon.clock import Clock
+from bdn.daemon.config import Config
+from bdn.daemon.errors import Conflict, NotFound
+from bdn.daemon.index import ChunkIndex
+from bdn.daemon.runner import Runner
+from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
+from bdn.daemon.store import Store
+from bdn.proto.errors import BdnError
+from bdn.proto.identity import validate_identity
+from bdn.proto.manifest import FileEntry, Manifest
+from bdn.proto.safetensors_fmt import read_header
+
+log = logging.getLogger("bdn.catalog")
+
+
+class Catalog:
+    """``pinned()`` names the identities GC must keep (leases, current, target); ``on_change(job)``
+    is awaited after each job change (the replica view listens)."""
+
+    def __init__(self, cfg: Config, store: Store, index: ChunkIndex, runner: Runner, clock: Clock) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.index = index
+        self.runner = runner
+        self.clock = clock
+        runner.jobs = self
+        self.jobs: dict[str, SnapshotJob] = {}
+        self.resumable: set[str] = set()
+        self.collected: set[str] = set()  # identities GC removed: old, not re-joined for peers
+        self.pinned: Callable[[], set[str]] = set
+        self.on_change: Callable[[SnapshotJob], Awaitable[None]] | None = None
+        self.closing = False
+
+    # ---- the set of jobs ---------------------------------------------------------------------
+    def get(self, identity: str) -> SnapshotJob | None:
+        return self.jobs.get(identity)
+
+    def all(self) -> list[SnapshotJob]:
+        return list(self.jobs.values())
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every snapshot's record (``SnapshotJob.describe``), in the order they were started."""
+        return [j.describe() for j in self.jobs.values()]
+
+    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob:
+        """Start (or return) the job that brings ``identity`` to ``ready`` on this node.
+
+        A failed job is retried from scratch. Raises IdentityError for a bad identity.
+        """
+        validate_identity(identity)
+        job = self.jobs.get(identity)
+        if job is not None and job.state != "failed":
+            return job
+        self.collected.discard(identity)
+        if job is not None:
+            self.forget(job)
+        job = SnapshotJob(identity, self.store)
+        job.requested_by = requested_by
+        job.on_change = self._job_changed
+        self.jobs[identity] = job
+        job.task = asyncio.create_task(self.runner.run(job), name=f"snapshot-{identity}")
+        return job
+
+    async def _job_changed(self, job: SnapshotJob) -> None:
+        if self.on_change is not None:
+            await self.on_change(job)
+
+    async def wait_state(self, identity: str, state: str, timeout: float) -> SnapshotJob | None:
+        """The job once it reaches ``state`` or a terminal state, or after ``timeout`` s; None if unknown."""
+        job = self.jobs.get(identity)
+        if job is None:
+            return None
+        deadline = self.clock.monotonic() + timeout
+        while job.state != state and job.state not in TERMINAL:
+            left = deadline - self.clock.monotonic()
+            if left <= 0:
+                break
+            await job.wait_change(job.version, left)
+            job = self.jobs.get(identity, job)
+        return job
+
+    def forget(self, job: SnapshotJob) -> None:
+        """Drop ``job``'s chunks from the index (other holders of the same bytes keep serving them)."""
+        self.index.forget(job, self.jobs.values())
+
+    async def stop(self) -> None:
+        """Cancel every job (each saves its progress) and wait for them."""
+        self.closing = True
+        tasks = [j.task for j in self.jobs.values() if j.task]
+        for t in tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def load_ready_from_store(self) -> None:
+        """Register the snapshots already READY in shm (a restarted daemon keeps serving them)."""
+        # Downloads a restart cut short resume from their saved progress; other half-built
+        # leftovers were never handed out and are removed.
+        self.resumable = set(self.store.resumable())
+        self.store.clean_staging(self.resumable)
+        for info in self.store.list_ready():
+            bad = self.store.check_sizes(info)
+            if bad:
+                # Never hand out a file that is not what READY describes; it is fetched again.
+                log.error("snapshot %s in shm is damaged (%s): removed, it will be fetched again", info.identity, bad)
+                self.store.remove(info.identity)
+                continue
+            job = SnapshotJob(info.identity, self.store)
+            files = [FileEntry(f.path, f.size, f.chunks) for f in info.files]
+            m = Manifest(
+                identity=info.identity, kind="full", policy_version=info.policy_version,
+                chunk_size=info.chunk_size, files=tuple(files),
+            )
+            job.attach_manifest(m)
+            job.kind, job.base_identity = info.kind, info.base_identity
+            job.layer_complete(STORED)
+            job.layer_complete(RESULT)
+            job.bytes_done = job.bytes_total
+            job.requested_by = "store"
+            job.set_state("ready")
+            self.jobs[info.identity] = job
+            for ref in job.result_refs:
+                self.index.register(job, RESULT, ref)
+            log.info("snapshot %s: ready from shm (%d bytes)", info.identity, info.total_bytes)
+
+    # ---- shm: budget and garbage collection --------------------------------------------------
+    def check_budget(self, m: Manifest) -> None:
+        """Fail early, with the numbers, when the snapshot would not fit the shm budget."""
+        budget = self.cfg.shm_budget_bytes
+        if budget <= 0:
+            return
+        need = self.store.space_needed(m)
+
+        def holders() -> list[SnapshotJob]:
+            return [j for j in self.jobs.values()
+                    if j.manifest is not None and j.identity != m.identity and j.state != "failed"]
+
+        def used() -> int:
+            return sum(self.store.space_needed(j.manifest) for j in holders())  # type: ignore[arg-type]
+
+        if used() + need > budget:
+            self.gc()
+        u = used()
+        if u + need > budget:
+            names = ", ".join(sorted(j.identity for j in holders()))
+            raise BdnError(
+                f"shm budget exceeded: snapshot {m.identity!r} needs {need} bytes; budget "
+                f"{budget}, {u} in use by {names or 'nothing'} (leased, current or in progress)"
+            )
+
+    def gc(self) -> dict[str, list[str]]:
+        """Remove ready snapshots nobody needs (policy: ``bdn.daemon.retention``);
+        ``{"removed": [...], "kept": [...]}``."""
+        held = [retention.Held(j.identity, j.state, j.policy_version, j.created, j.updated, j.base_identity)
+                for j in self.jobs.values()]
+        remove, kept = retention.plan_gc(held, self.pinned(), self.cfg.keep_ready, self.cfg.gc_grace_s,
+                                         self.clock.time())
+        for ident in remove:
+            j = self.jobs.pop(ident)
+            self.forget(j)
+            self.store.remove(ident)
+            self.collected.add(ident)
+            log.info("gc: removed snapshot %s (%d bytes)", ident, j.result_bytes)
+        return {"removed": remove, "kept": kept}
+
+    # ---- read views ----------------------------------------------------------------------
+    def record(self, identity: str) -> dict[str, Any]:
+        """The snapshot record. Raises NotFound."""
+        job = self.jobs.get(identity)
+        if job is None:
+            raise NotFound(f"snapshot {identity!r} is not known to this daemon (POST .../prefetch to load it)")
+        return job.describe()
+
+    def ready(self, identity: str) -> tuple[SnapshotJob, Path]:
+        """The ready job and its directory. Raises NotFound (unknown) or Conflict (not ready)."""
+        job = self.jobs.get(identity)
+        if job is None:
+            raise NotFound(f"snapshot {identity!r} is not known to this daemon")
+        if job.state != "ready":
+            raise Conflict(f"snapshot {identity!r} is {job.state}, not ready")
+        return job, self.store.ready_dir(identity)
+
+    def ready_dir(self, identity: str) -> Path:
+        return self.store.ready_dir(identity)
+
+    async def have(self, identity: str, since: int, wait: float) -> dict[str, Any] | None:
+        """The have answer once the job's version differs from ``since`` (or after ``wait`` s);
+        None when the snapshot (or its manifest) is not known here."""
+        job = self.jobs.get(identity)
+        if job is None or job.manifest is None:
+            return None
+        await job.wait_change(since, wait)
+        return job.have_map()
+
+    def files(self, identity: str) -> list[dict[str, Any]]:
+        """``[{path, size}]`` of a ready snapshot. Raises NotFound/Conflict."""
+        job, _ = self.ready(identity)
+        assert job.manifest is not None
+        return [{"path": f.path, "size": f.result_size} for f in job.manifest.files]
+
+    def file(self, identity: str, rel: str) -> Path:
+        """The path of file ``rel`` of a ready snapshot. Raises NotFound/Conflict."""
+        job, d = self.ready(identity)
+        assert job.manifest is not None
+        try:
+            job.manifest.file(rel)
+        except KeyError:
+            raise NotFound(f"snapshot {identity!r} has no file {rel!r}") from None
+        return d / rel
+
+    def tensor(self, identity: str, name: str) -> tuple[Path, str, Any]:
+        """``(file path, file name, TensorInfo)`` of tensor ``name``. Raises NotFound/Conflict,
+        BdnError (a header that cannot be read). The first file holding a name wins."""
+        job, d = self.ready(identity)
+        if job.tensor_index is None:
+            index: dict[str, tuple[str, Any]] = {}
+            assert job.manifest is not None
+            for f in job.manifest.files:
+                if f.path.endswith(".safetensors"):
+                    h = read_header(d / f.path)
+                    for tname, info in h.tensors.items():
+                        index.setdefault(tname, (f.path, info))
+            job.tensor_index = index
+        hit = job.tensor_index.get(name)
+        if hit is None:
+            raise NotFound(f"snapshot {identity!r} has no tensor {name!r}")
+        return d / hit[0], hit[0], hit[1]

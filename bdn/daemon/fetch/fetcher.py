@@ -1,0 +1,152 @@
+"""Runs the fetch plan (``bdn.daemon.fetch.plan``) for every chunk of a snapshot's layer.
+
+For one chunk: this node's own store, then round after round of the plan's steps (holders, the
+endgame race, owners with ``?wait=``, this node's own bucket read when it is the owner), then
+the bucket as a counted fallback. One acquisition per chunk however many ask (single-flight);
+owned chunks are started first, since the other nodes wait on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from bdn.daemon.clock import Clock
+from bdn.daemon.config import Config
+from bdn.daemon.errors import NotAvailable
+from bdn.daemon.fetch import plan
+from bdn.daemon.fetch.haves import Haves
+from bdn.daemon.fetch.sources import Sources
+from bdn.daemon.index import ChunkIndex
+from bdn.daemon.membership import Member, Membership
+from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
+from bdn.daemon.stats import Stats
+from bdn.proto import hrw
+from bdn.proto.manifest import ChunkRef
+
+HAVES_FIRST_S = 5.0
+
+
+def _views(members: list[Member]) -> tuple[list[plan.PeerView], dict[str, Member]]:
+    return [plan.PeerView(m.url, m.node_id, m.inflight) for m in members], {m.url: m for m in members}
+
+
+class Fetcher:
+    """Executes the fetch plan for the chunks of a layer; the only caller of the chunk-verified event."""
+
+    def __init__(
+        self, cfg: Config, membership: Membership, index: ChunkIndex, haves: Haves, sources: Sources,
+        stats: Stats, clock: Clock, rng: random.Random | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.node_id = cfg.node_id
+        self.membership = membership
+        self.index = index
+        self.haves = haves
+        self.sources = sources
+        self.stats = stats
+        self.clock = clock
+        self.rng = rng or random.Random()
+
+    async def fetch_layer(self, job: SnapshotJob, layer: str) -> None:
+        """Obtain every chunk of ``layer``. Raises NotAvailable (a rebuilt chunk no peer has),
+        BdnError/ProtocolError (the bucket failed)."""
+        refs, bits = job.refs(layer), job.bits(layer)
+        job.start_layer(layer)
+        # Learn who already holds what before anything starts, so that a late joiner takes from
+        # peers what they have rather than reading its own HRW share from the bucket.
+        try:
+            await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
+        except asyncio.TimeoutError:
+            pass
+        nodes = self.membership.hrw_nodes()
+        todo = [r for i, r in enumerate(refs) if not bits[i]]  # type: ignore[index]
+        todo.sort(key=lambda r: hrw.owner(nodes, r.digest) != self.node_id)
+        poller = asyncio.create_task(self.haves.poll(job))
+        try:
+            tasks = [asyncio.create_task(self.ensure_chunk(job, layer, r)) for r in todo]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                # The acquisitions run shielded (single-flight), so cancelling their waiters alone
+                # would leave them running: writing into files this job abandons (result mode
+                # falling back to the chain) and dying with unretrieved exceptions.
+                acquiring = [f for (lay, _), f in list(job.inflight.items()) if lay == layer]
+                for t in (*tasks, *acquiring):
+                    t.cancel()
+                await asyncio.gather(*tasks, *acquiring, return_exceptions=True)
+                raise
+        finally:
+            poller.cancel()
+
+    async def ensure_chunk(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
+        """Single-flight: one acquisition per chunk, however many ask for it."""
+        key = (layer, job.ref_index(layer, ref))
+        fut = job.inflight.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._acquire(job, layer, ref))
+            job.inflight[key] = fut
+            fut.add_done_callback(lambda _f: job.inflight.pop(key, None))
+        await asyncio.shield(fut)
+
+    async def _got(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
+        """Event: a chunk is verified on disk. The job's bitfields and the index change here only."""
+        if job.chunk_verified(layer, ref):
+            self.index.register(job, layer, ref)
+            await job.notify()
+
+    async def _acquire(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
+        idx = job.ref_index(layer, ref)
+        bits = job.bits(layer)
+        assert bits is not None
+        if bits[idx]:
+            return
+        target = job.file_path(layer, ref.file_index)
+        src = self.sources
+        loc = self.index.by_content(ref.digest)
+        if loc is not None and loc.length == ref.length and await src.from_local(job, loc, ref, target):
+            await self._got(job, layer, ref)
+            return
+        address = self.index.address(ref.digest)
+        errors: list[str] = []
+        rounds = plan.Rounds(self.clock, self.cfg.owner_patience_s, self.rng)
+        while True:
+            errors_before, busy_before = len(errors), self.stats.busy_answers
+            views, members = _views(self.membership.live())
+            ranked = plan.holders(views, self.haves.holding(job, layer, idx), self.rng)
+            race, asks = plan.plan_holders(ranked, bits.n - bits.count, self.cfg.endgame_chunks)
+            tried = {p.url for p in race} | {a.peer.url for a in asks}
+            if race and await src.race(job, [members[p.url] for p in race], address, ref, target, errors):
+                await self._got(job, layer, ref)
+                return
+            for a in asks:
+                if await src.from_peer(job, members[a.peer.url], address, ref, target, 0.0, errors):
+                    await self._got(job, layer, ref)
+                    return
+            views, members = _views(self.membership.live())
+            for step in plan.plan_owners(self.node_id, views, ref.digest, layer, tried, self.cfg.chunk_wait_s):
+                if isinstance(step, plan.ReadBucket):
+                    live_nodes = [m.node_id for m in self.membership.live()]
+                    if plan.reads_as_owner(step, self.node_id, live_nodes, ref.digest):
+                        await src.from_bucket(job, ref, target, owner=True)
+                        await self._got(job, layer, ref)
+                        return
+                    # Not the owner: the nodes above only said "busy" or "not yet". Reading the
+                    # bucket here would compete with the owners for its bandwidth; go round again.
+                    break
+                if await src.from_peer(job, members[step.peer.url], address, ref, target, step.wait, errors):
+                    await self._got(job, layer, ref)
+                    return
+            busy = self.stats.busy_answers > busy_before
+            delay, again = rounds.after_round(busy=busy, failed=len(errors) > errors_before)
+            await asyncio.sleep(delay)
+            if not again:
+                break
+        if layer == RESULT:
+            raise NotAvailable(f"no peer holds reconstructed chunk {ref.index} of {ref.path}")
+        # every peer failed: this node reads the bucket itself, as a counted fallback
+        await src.from_bucket(job, ref, target, owner=False)
+        await self._got(job, layer, ref)
+
+
+__all__ = ["Fetcher", "STORED", "RESULT"]

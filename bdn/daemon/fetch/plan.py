@@ -1,0 +1,134 @@
+"""Which sources to ask for one chunk, in which order: a pure policy (DESIGN.md, "Moving chunks").
+
+No I/O, no asyncio: the fetcher (``bdn.daemon.fetch.fetcher``) executes what this decides, and a
+fleet simulator can run the same code. Time comes from an injected clock, chance from an injected
+``random.Random``.
+
+One *round* over the sources, for a chunk of ``layer``:
+
+1. *holders*: live peers whose have-bitfield shows the chunk, least loaded (fewest requests in
+   flight from this node) first, ties broken at random. In the *endgame* (at most
+   ``endgame_chunks`` chunks of the layer left, and two holders or more) the first two are asked
+   at once and the first verified copy wins.
+2. *owners*: the nodes by HRW rank for the chunk's digest (stored chunks only: rebuilt chunks are
+   never in the bucket). The first is asked with ``?wait=chunk_wait_s`` (it fetches while the
+   request is parked), the next ones with a 2 s wait; peers already asked this round are skipped.
+   Reaching this node in the ranking ends the list with a :class:`ReadBucket` step: it reads the
+   bucket if it is the owner (ranked first, or the owner of the live set at that moment, when the
+   nodes above died during the round), else the round ends without a bucket read.
+
+:class:`Rounds` decides what follows a round that found nothing: rounds in which peers only said
+"busy" do not count (within ``owner_patience_s``); after ``tries`` counted rounds, the bucket is
+read as a counted *fallback*.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from bdn.daemon.clock import Clock
+from bdn.daemon.layers import STORED
+from bdn.proto import hrw
+
+OWNER_WAIT_NEXT_S = 2.0
+
+
+@dataclass(frozen=True)
+class PeerView:
+    """A live peer as the plan sees it: its ``url``, ``node_id`` and requests in flight to it."""
+
+    url: str
+    node_id: str
+    inflight: int = 0
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Ask ``peer``, holding the request up to ``wait`` s at the peer while it fetches (0 = no wait)."""
+
+    peer: PeerView
+    wait: float
+
+
+@dataclass(frozen=True)
+class ReadBucket:
+    """This node reached itself at HRW position ``pos``: read the bucket if it is the owner."""
+
+    pos: int
+
+
+def endgame(left: int, holders: int, endgame_chunks: int) -> bool:
+    """True when ``left`` chunks remain (<= ``endgame_chunks``) and at least two holders exist."""
+    return holders >= 2 and left <= endgame_chunks
+
+
+def holders(live: Iterable[PeerView], has: Iterable[str], rng: random.Random) -> list[PeerView]:
+    """The live peers whose urls are in ``has`` (their have-bitfield shows the chunk), least loaded first."""
+    hs = set(has)
+    out = [p for p in live if p.url in hs]
+    out.sort(key=lambda p: (p.inflight, rng.random()))
+    return out
+
+
+def plan_holders(
+    ranked_holders: Sequence[PeerView], left: int, endgame_chunks: int,
+) -> tuple[list[PeerView], list[Ask]]:
+    """``(race, asks)``: the holders to ask at once (endgame, else none) and then one by one."""
+    if endgame(left, len(ranked_holders), endgame_chunks):
+        return list(ranked_holders[:2]), [Ask(p, 0.0) for p in ranked_holders[2:]]
+    return [], [Ask(p, 0.0) for p in ranked_holders]
+
+
+def plan_owners(
+    self_id: str, live: Iterable[PeerView], digest: str, layer: str, tried: set[str], chunk_wait_s: float,
+) -> list[Ask | ReadBucket]:
+    """The owner steps of a round: peers by HRW rank (skipping ``tried`` urls) up to this node."""
+    if layer != STORED:
+        return []
+    live = list(live)
+    by_node = {p.node_id: p for p in live}
+    nodes = [self_id, *(p.node_id for p in live)]
+    steps: list[Ask | ReadBucket] = []
+    seen = set(tried)
+    for pos, node in enumerate(hrw.rank(nodes, digest)):
+        if node == self_id:
+            steps.append(ReadBucket(pos))
+            break
+        p = by_node.get(node)
+        if p is None or p.url in seen:
+            continue
+        seen.add(p.url)
+        steps.append(Ask(p, chunk_wait_s if pos == 0 else OWNER_WAIT_NEXT_S))
+    return steps
+
+
+def reads_as_owner(step: ReadBucket, self_id: str, live_nodes: Iterable[str], digest: str) -> bool:
+    """Whether this node reads the bucket at ``step``: ranked first, or the owner among the nodes
+    live now (those ranked above died during the round: this is the new owner's read)."""
+    return step.pos == 0 or hrw.owner([self_id, *live_nodes], digest) == self_id
+
+
+class Rounds:
+    """What follows a round that did not get the chunk.
+
+    ``after_round(busy, failed)`` -> ``(delay_s, again)``: wait ``delay_s``, then go round again
+    (``again``) or read the bucket as a fallback. A round in which peers only answered busy
+    (``busy`` and not ``failed``) does not count while ``patience_s`` has not passed since the
+    first round; busy rounds wait 0.1-0.5 s (jittered: slots free up), counted rounds 0.2 s x
+    their number.
+    """
+
+    def __init__(self, clock: Clock, patience_s: float, rng: random.Random, tries: int = 3) -> None:
+        self.clock = clock
+        self.rng = rng
+        self.tries = tries
+        self.attempt = 0
+        self.busy_deadline = clock.monotonic() + patience_s
+
+    def after_round(self, busy: bool, failed: bool) -> tuple[float, bool]:
+        if busy and not failed and self.clock.monotonic() < self.busy_deadline:
+            return 0.1 + self.rng.random() * 0.4, True
+        self.attempt += 1
+        return 0.2 * self.attempt, self.attempt < self.tries

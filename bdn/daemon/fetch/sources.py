@@ -1,0 +1,195 @@
+"""Getting one chunk's bytes from one source into its target file, verified: this node's own
+store, a peer, or the bucket. Every received chunk is hashed (xxh3-128) against the manifest on
+the disk threads before it is written; a peer that sends bad bytes is penalised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any, TypeVar
+
+from bdn.bucket import BucketError, ObjectNotFound
+from bdn.daemon import diskio, retry_policy
+from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.config import Config
+from bdn.daemon.membership import Member, Membership
+from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError
+from bdn.daemon.ratelimit import RateLimit
+from bdn.daemon.snapshot import Loc, SnapshotJob
+from bdn.daemon.stats import Stats
+from bdn.proto.errors import BdnError, ProtocolError
+from bdn.proto.manifest import ChunkRef
+
+log = logging.getLogger("bdn.fetch")
+T = TypeVar("T")
+
+
+class BufferPool:
+    """Reusable chunk buffers, so receiving a chunk allocates nothing on the hot path."""
+
+    def __init__(self, keep: int) -> None:
+        self._free: dict[int, list[bytearray]] = {}
+        self._keep = keep
+
+    def get(self, size: int) -> bytearray:
+        lst = self._free.get(size)
+        return lst.pop() if lst else bytearray(size)
+
+    def put(self, buf: bytearray) -> None:
+        lst = self._free.setdefault(len(buf), [])
+        if len(lst) < self._keep:
+            lst.append(buf)
+
+
+class Sources:
+    """The three ways to a chunk. Each returns True (written and verified) or False (try the next)."""
+
+    def __init__(
+        self, cfg: Config, peers: PeerClient, membership: Membership, bucket: BucketIO, stats: Stats,
+        disk_pool: Executor,
+    ) -> None:
+        self.cfg = cfg
+        self.peers = peers
+        self.membership = membership
+        self.bucket = bucket
+        self.stats = stats
+        self.disk_pool = disk_pool
+        self.pool = BufferPool(keep=cfg.max_inflight + cfg.bucket_concurrency)
+        self.peer_sem = asyncio.Semaphore(cfg.max_inflight)
+        self.download_limit = RateLimit.from_mbit(cfg.peer_download_mbit)
+        self._peer_sems: dict[str, asyncio.Semaphore] = {}
+
+    async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
+
+    async def verify_write(self, buf: bytearray, ref: ChunkRef, target: Path) -> bool:
+        """Hash and write ``buf`` on a disk thread; the buffer goes back to the pool after,
+        unless this coroutine is cancelled while the thread may still use it."""
+        try:
+            ok = await self._disk(diskio.verify_and_write, memoryview(buf), ref.digest, target, ref.offset)
+        except asyncio.CancelledError:
+            raise  # the thread may still read ``buf``: leave it to the garbage collector
+        self.pool.put(buf)
+        return ok
+
+    async def from_local(self, job: SnapshotJob, loc: Loc, ref: ChunkRef, target: Path) -> bool:
+        """The same bytes already on this node (e.g. an unchanged config.json), copied and re-verified."""
+        ok = await self._disk(diskio.copy_range, loc.path(), loc.offset, target, ref.offset, ref.length, ref.digest)
+        if ok:
+            job.bytes_local += ref.length
+            self.stats.add("local_bytes_copied", ref.length)
+        return ok
+
+    async def from_peer(
+        self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef,
+        target: Path, wait: float, errors: list[str],
+    ) -> bool:
+        """Ask peer ``m`` (parked up to ``wait`` s). A busy answer counts in ``stats.busy_answers``;
+        a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it."""
+        sem = self._peer_sems.get(m.url)
+        if sem is None:
+            sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
+        m.inflight += 1
+        try:
+            async with sem, self.peer_sem:
+                await self.download_limit.take(ref.length)
+                self.stats.inflight["peer"] += 1
+                try:
+                    # The buffer is taken only once the peer answers 200: a request parked at an
+                    # owner (``wait``) holds no memory.
+                    req = asyncio.ensure_future(self.peers.get_chunk(
+                        m.url, address, ref.length, self.pool.get, wait=wait, snapshot=job.identity
+                    ))
+                    m.requests.add(req)
+                    try:
+                        buf = await req
+                    except asyncio.CancelledError:
+                        me = asyncio.current_task()
+                        if me is not None and me.cancelling():
+                            raise  # this acquisition itself is being cancelled
+                        raise PeerError(f"{m.url}: left the swarm while the request waited") from None
+                    finally:
+                        m.requests.discard(req)
+                        if not req.done():
+                            req.cancel()
+                finally:
+                    self.stats.inflight["peer"] -= 1
+        except PeerBusy:
+            self.stats.busy_answers += 1
+            return False
+        except PeerError as e:
+            errors.append(str(e))
+            self.membership.mark_failed(m.url)
+            return False
+        finally:
+            m.inflight -= 1
+        if buf is None:
+            return False
+        good = await self.verify_write(buf, ref, target)
+        if not good:
+            self.stats.verify_failed(m.node_id)
+            self.membership.penalise(m.url, self.cfg.penalty_s)
+            log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
+                        job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s,
+                        extra={"peer": m.node_id})
+            return False
+        job.bytes_from_peers += ref.length
+        self.stats.add("peer_bytes_in", ref.length)
+        self.stats.add("peer_chunks_in")
+        return True
+
+    async def race(
+        self, job: SnapshotJob, members: list[Member], address: str, ref: ChunkRef, target: Path,
+        errors: list[str],
+    ) -> str | None:
+        """Request the chunk from each member at once; the url of the first verified copy."""
+        tasks = {
+            asyncio.ensure_future(self.from_peer(job, m, address, ref, target, 0.0, errors)): m
+            for m in members
+        }
+        winner: str | None = None
+        pending = set(tasks)
+        try:
+            while pending and winner is None:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    if not t.cancelled() and t.exception() is None and t.result():
+                        winner = tasks[t].url
+        finally:
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        return winner
+
+    async def from_bucket(self, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool) -> None:
+        """Read the chunk from the bucket (as its ``owner``, or as a counted fallback); 3 tries
+        when the bytes do not match. Raises BdnError (missing object, bucket error) or
+        ProtocolError (never matched)."""
+        key = f"{job.identity}/{ref.path}"
+        try:
+            async for attempt in retry_policy.bucket_bytes():
+                with attempt:
+                    try:
+                        buf = await self.bucket.read_chunk(key, ref.offset, ref.length, self.pool.get)
+                    except ObjectNotFound:
+                        raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
+                    except BucketError as e:
+                        raise BdnError(f"bucket read of {key} failed: {e}") from None
+                    if not await self.verify_write(buf, ref, target):
+                        self.stats.verify_failed("bucket")
+                        log.warning("snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
+                                    job.identity, key, ref.index)
+                        raise retry_policy.BadBytes()
+        except retry_policy.BadBytes:
+            raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
+        role = "owner" if owner else "fallback"
+        self.stats.add(f"bucket_bytes_{role}", ref.length)
+        self.stats.add(f"bucket_chunks_{role}")
+        job.bytes_from_bucket += ref.length
+        if not owner:
+            log.info("snapshot %s: chunk %d of %s read from the bucket as a fallback", job.identity, ref.index, ref.path)

@@ -1,0 +1,215 @@
+"""The swarm's HTTP endpoints, under ``/bdn/v1/{swarm_id}`` (DESIGN.md, "Moving chunks").
+
+- ``GET chunks/{address}[?wait=S&snapshot=ID]``: 200 the chunk's bytes (only verified chunks are
+  ever indexed), 404 not here, 503 + ``Retry-After`` when busy (``bdn.daemon.uploads``).
+- ``GET snapshots/{identity}/have[?since=V&wait=S]``: msgpack ``{v, state, ns, stored, nr,
+  result}`` with bitfields over the manifest's stored and reconstructed chunk lists; long-polls
+  until the version differs from ``since``.
+- ``POST members``: msgpack ``{node_id, url, members, target}`` in, the same shape out.
+- ``POST hot_load`` (msgpack target, fanned out by the accepting daemon), ``GET replica``.
+
+Every request must carry a valid ``BDN-HMAC`` signature; anything else (including an unknown swarm
+id) gets 401 with an empty body, so a stranger learns nothing about what the partition holds.
+The fleet hot-load API is mounted here too, behind a bearer token (``http/hotload.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+
+import msgpack
+from aiohttp import web
+
+from bdn.daemon import logctx
+from bdn.daemon.bodies import BodyTooLarge, read_body
+from bdn.daemon.http import hotload
+from bdn.daemon.http.common import text
+from bdn.daemon.http.services import SERVICES, Services, services
+from bdn.daemon.snapshot import Loc
+from bdn.daemon.uploads import Admission
+from bdn.proto.errors import AuthError, BdnError
+from bdn.proto.identity import validate_identity
+from bdn.proto.keys import verify_request
+
+log = logging.getLogger("bdn.http.peer")
+ADDRESS_RE = re.compile(r"\A[0-9a-f]{32}\Z")
+MAX_MEMBERS_BODY = 1 << 20
+MAX_TARGET_BODY = 64 << 10
+MAX_WAIT_S = 60.0
+
+
+@web.middleware
+async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
+    svc = services(request)
+    if request.path == hotload.PATH and request.method in ("GET", "POST"):
+        return await handler(request)  # bearer-token checked by the handler
+    if request.match_info.get("swarm_id") != svc.keys.swarm_id:
+        return web.Response(status=401)
+    try:
+        peer = verify_request(svc.keys, request.headers.get("Authorization"), request.method, request.raw_path,
+                              svc.nonces)
+    except AuthError:
+        return web.Response(status=401)
+    request["peer"] = peer
+    logctx.PEER.set(peer)  # aiohttp runs each request in its own task: this names the peer in its logs
+    return await handler(request)
+
+
+def _float_arg(request: web.Request, name: str, default: float, hi: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise web.HTTPBadRequest(text=f"{name} must be a number\n") from None
+    if not 0 <= v <= hi:
+        raise web.HTTPBadRequest(text=f"{name} must be in [0, {hi:g}]\n")
+    return v
+
+
+async def get_chunk(request: web.Request) -> web.StreamResponse:
+    """GET chunks/{address}[?wait=S&snapshot=ID] -> 200 bytes, 404 not here, 503 + Retry-After busy."""
+    serving = services(request).serving
+    address = request.match_info["address"]
+    if not ADDRESS_RE.match(address):
+        return text(400, "chunk address must be 32 lowercase hex characters")
+    wait = _float_arg(request, "wait", 0.0, MAX_WAIT_S)
+    hint = request.query.get("snapshot")
+    if hint is not None:
+        try:
+            validate_identity(hint)
+        except BdnError as e:
+            return text(400, str(e))
+    decision, loc = await serving.request(address, wait, hint)
+    if decision is Admission.NOT_HERE:
+        return text(404, "chunk not here")
+    if decision is not Admission.SEND:
+        return web.Response(status=503, headers={"Retry-After": decision.retry_after or "1"}, text=decision.value + "\n")
+    assert loc is not None
+    try:
+        return await _send_chunk(request, services(request), address, loc)
+    finally:
+        serving.done(address)
+
+
+def _has_sendfile(loop: asyncio.AbstractEventLoop) -> bool:
+    """Whether ``loop`` implements ``sendfile`` (asyncio's selector loop does; uvloop inherits the
+    abstract method and would raise on every call). Decided once per loop class, off the hot path."""
+    cls = type(loop)
+    cached = _SENDFILE.get(cls)
+    if cached is None:
+        cached = _SENDFILE[cls] = cls.sendfile is not asyncio.AbstractEventLoop.sendfile
+    return cached
+
+
+_SENDFILE: dict[type, bool] = {}
+
+
+async def _send_chunk(request: web.Request, svc: Services, address: str, loc: Loc) -> web.StreamResponse:
+    """Send a verified chunk: sendfile where the loop has it, else one pread into one write."""
+    serving = svc.serving
+    fd = await serving.open(address, loc)
+    if fd is None:
+        return text(404, "chunk not here")
+    try:
+        resp = web.StreamResponse(status=200)
+        resp.content_type = "application/octet-stream"
+        resp.content_length = loc.length
+        await resp.prepare(request)
+        loop = asyncio.get_running_loop()
+        transport = request.transport
+        sent = False
+        if transport is not None and _has_sendfile(loop):
+            try:
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    await loop.sendfile(transport, f, loc.offset, loc.length, fallback=False)
+                sent = True
+            except RuntimeError:
+                sent = False  # a transport sendfile cannot use (e.g. TLS): pread + write below
+        if not sent:
+            await resp.write(await serving.pread(fd, loc.length, loc.offset))
+        await resp.write_eof()
+    except ConnectionError as e:
+        # the asker went away (died, or gave up waiting): nothing to answer, nothing to log loudly
+        log.debug("chunk %s: upload cut short: %s", address, e)
+        return resp
+    finally:
+        os.close(fd)
+    serving.sent(loc)
+    return resp
+
+
+async def get_have(request: web.Request) -> web.Response:
+    """GET snapshots/{identity}/have[?since=V&wait=S] -> 200 msgpack bitfields; 404 unknown here."""
+    identity = request.match_info["identity"]
+    try:
+        validate_identity(identity)
+    except BdnError as e:
+        return text(400, str(e))
+    since = request.query.get("since", "-1")
+    if not re.fullmatch(r"-?\d{1,18}", since):
+        return text(400, "since must be an integer")
+    wait = _float_arg(request, "wait", 0.0, MAX_WAIT_S)
+    have = await services(request).catalog.have(identity, int(since), wait)
+    if have is None:
+        return text(404, "snapshot not known here")
+    return web.Response(body=msgpack.packb(have, use_bin_type=True), content_type="application/msgpack")
+
+
+async def post_members(request: web.Request) -> web.Response:
+    """POST members (msgpack {node_id, url, members, target}) -> 200 our view; 400/413 malformed."""
+    try:
+        body = await read_body(request.content, MAX_MEMBERS_BODY, request.content_length)
+    except BodyTooLarge as e:
+        return text(413, f"members {e}")
+    try:
+        obj = msgpack.unpackb(body, raw=False)
+        ans = await services(request).gossip.handle(obj)
+    except (ValueError, msgpack.UnpackException, BdnError, RecursionError) as e:
+        return text(400, f"members body is malformed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
+
+
+async def post_hot_load_peer(request: web.Request) -> web.Response:
+    """POST hot_load (msgpack target) -> 200 {"ok": true}; 400 malformed; 413 too large."""
+    try:
+        body = await read_body(request.content, MAX_TARGET_BODY, request.content_length)
+        obj = msgpack.unpackb(body, raw=False)
+    except BodyTooLarge as e:
+        return text(413, f"hot-load {e}")
+    except (ValueError, msgpack.UnpackException, RecursionError):
+        obj = None
+    try:
+        await services(request).hotload.from_peer(obj, request["peer"])
+    except BdnError as e:
+        return text(400, str(e))
+    return web.Response(body=msgpack.packb({"ok": True}), content_type="application/msgpack")
+
+
+async def get_replica(request: web.Request) -> web.Response:
+    """GET replica -> 200 this replica as the hot-load GET lists it (JSON)."""
+    return web.json_response(services(request).replica.replica())
+
+
+def make_peer_app(svc: Services) -> web.Application:
+    """The peer server's application (bind it to ``peer_listen``).
+
+    Two kinds of callers reach this port: peers (every ``/bdn/v1/{swarm_id}/...`` request signed
+    with the partition's auth key) and the trainer (the fleet hot-load API, bearer token). Any
+    other path answers 401 like a bad signature.
+    """
+    app = web.Application(middlewares=[_auth], client_max_size=1 << 20)
+    app[SERVICES] = svc
+    p = "/bdn/v1/{swarm_id}"
+    app.router.add_get(p + "/chunks/{address}", get_chunk)
+    app.router.add_get(p + "/snapshots/{identity}/have", get_have)
+    app.router.add_post(p + "/members", post_members)
+    app.router.add_post(p + "/hot_load", post_hot_load_peer)
+    app.router.add_get(p + "/replica", get_replica)
+    app.router.add_route("POST", hotload.PATH, hotload.public)
+    app.router.add_route("GET", hotload.PATH, hotload.public)
+    return app

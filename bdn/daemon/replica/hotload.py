@@ -1,0 +1,215 @@
+"""The fleet hot-load (DESIGN.md, "Surfaces"; the hosted hot-load APIs' request and answers).
+
+The daemon that accepts ``POST /hot_load/v1/models/hot_load`` checks the request against the
+bucket, makes it its target and posts it to every live peer (signed ``POST
+/bdn/v1/{swarm}/hot_load``); every membership exchange also carries the sender's target, so a
+daemon that missed the fan-out, started late or restarted adopts the fleet's target within one
+round and fetches its rebuilt chunks from peers instead of replaying the delta chain from the
+bucket. ``fleet()`` is the GET: this replica plus every member's answer.
+
+Errors are domain errors (``bdn.daemon.errors``): Invalid (malformed request), Unsupported
+(compression/checksum format), NotFound (nothing under the identity), Conflict (base or served
+snapshot does not match), Upstream (the bucket failed or holds an invalid manifest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from typing import Any
+
+import msgpack
+
+from bdn.bucket import BucketError, ObjectNotFound
+from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.clock import Clock
+from bdn.daemon.errors import Conflict, Invalid, NotFound, Unsupported, Upstream
+from bdn.daemon.membership import Membership
+from bdn.daemon.peer_client import PeerClient
+from bdn.daemon.replica.ports import Snapshots
+from bdn.daemon.replica.target import Target
+from bdn.daemon.replica.view import ReplicaView
+from bdn.daemon.stats import Stats
+from bdn.proto.arc import CHECKSUM_FORMATS, COMPRESSION_FORMATS
+from bdn.proto.errors import IdentityError, ManifestError
+from bdn.proto.identity import validate_identity
+from bdn.proto.manifest import MANIFEST_NAME, Manifest
+
+log = logging.getLogger("bdn.hotload")
+META_FIELDS = ("previous_snapshot_identity", "compression_format", "checksum_format")
+
+
+def parse_request(body: bytes) -> tuple[str, dict[str, Any] | None]:
+    """Validate a hot-load body; ``(identity, metadata or None)``. Raises Invalid or Unsupported."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise Invalid(f"request body is not JSON: {e}") from None
+    except RecursionError:
+        raise Invalid("request body is nested too deeply") from None
+    if not isinstance(obj, dict):
+        raise Invalid("request body must be a JSON object")
+    unknown = set(obj) - {"identity", "incremental_snapshot_metadata"}
+    if unknown:
+        raise Invalid(f"unknown request field(s): {', '.join(sorted(unknown))}")
+    try:
+        ident = validate_identity(obj.get("identity"))
+    except IdentityError as e:
+        raise Invalid(f"identity: {e}") from None
+    meta = obj.get("incremental_snapshot_metadata")
+    if meta is None:
+        return ident, None
+    if not isinstance(meta, dict):
+        raise Invalid("incremental_snapshot_metadata must be an object")
+    unknown = set(meta) - set(META_FIELDS)
+    if unknown:
+        raise Invalid(f"unknown incremental_snapshot_metadata field(s): {', '.join(sorted(unknown))}")
+    for k in META_FIELDS:
+        if k in meta and not isinstance(meta[k], str):
+            raise Invalid(f"incremental_snapshot_metadata.{k} must be a string")
+    if "previous_snapshot_identity" in meta:
+        try:
+            validate_identity(meta["previous_snapshot_identity"])
+        except IdentityError as e:
+            raise Invalid(f"previous_snapshot_identity: {e}") from None
+    cf = meta.get("compression_format")
+    if cf is not None and cf.lower() not in COMPRESSION_FORMATS:
+        raise Unsupported(f"unsupported compression_format {cf!r}: bdn supports {', '.join(COMPRESSION_FORMATS)}")
+    ck = meta.get("checksum_format")
+    if ck is not None and ck.lower() not in CHECKSUM_FORMATS:
+        raise Unsupported(f"unsupported checksum_format {ck!r}: bdn supports {', '.join(CHECKSUM_FORMATS)}")
+    return ident, meta
+
+
+class HotLoad:
+    """Accepts a trainer's hot-load (checked against the bucket), fans it out, answers the fleet GET."""
+
+    def __init__(
+        self, node_id: str, view: ReplicaView, snapshots: Snapshots, bucket: BucketIO, peers: PeerClient,
+        membership: Membership, stats: Stats, clock: Clock,
+    ) -> None:
+        self.node_id = node_id
+        self.view = view
+        self.snapshots = snapshots
+        self.bucket = bucket
+        self.peers = peers
+        self.membership = membership
+        self.stats = stats
+        self.clock = clock
+
+    async def _manifest(self, identity: str) -> Manifest | None:
+        """The manifest from the bucket; None if the snapshot's files are there without it."""
+        try:
+            data = await self.bucket.read(f"{identity}/{MANIFEST_NAME}")
+        except ObjectNotFound:
+            try:
+                objs = await self.bucket.list(f"{identity}/")
+            except BucketError as e:
+                raise Upstream(f"cannot list {identity}/ in the bucket: {e}") from None
+            if not objs:
+                raise NotFound(f"snapshot {identity!r} is not in the bucket {self.bucket.url}")
+            return None
+        except BucketError as e:
+            raise Upstream(f"cannot read the manifest of {identity!r}: {e}") from None
+        self.stats.add("bucket_manifest_bytes", len(data))
+        try:
+            return Manifest.from_json(data, expect_identity=identity)
+        except ManifestError as e:
+            raise Upstream(f"the bucket holds an invalid manifest for {identity!r}: {e}") from None
+
+    async def _check_delta(self, ident: str, m: Manifest, meta: dict[str, Any] | None) -> None:
+        prev = meta.get("previous_snapshot_identity") if meta else None
+        if prev is not None and prev != m.base_identity:
+            raise Conflict(
+                f"previous_snapshot_identity {prev!r} is not the base of {ident!r} "
+                f"(its base is {m.base_identity!r})"
+            )
+        cf = meta.get("compression_format") if meta else None
+        if cf is not None and cf.lower() != m.compression_format:
+            raise Conflict(f"compression_format {cf!r} does not match the snapshot's {m.compression_format!r}")
+        base = m.base_identity
+        assert base is not None
+        bj = self.snapshots.get(base)
+        if bj is None or bj.state == "failed":
+            try:
+                await self.bucket.stat(f"{base}/{MANIFEST_NAME}")
+            except ObjectNotFound:
+                raise Conflict(f"unknown base {base!r}: it is not published in the bucket") from None
+            except BucketError as e:
+                raise Upstream(f"cannot check base {base!r}: {e}") from None
+
+    async def accept(self, body: bytes) -> dict[str, Any]:
+        """A trainer's POST: validate, apply here, fan out; the 200 answer's body."""
+        ident, meta = parse_request(body)
+        m = await self._manifest(ident)
+        prev = meta.get("previous_snapshot_identity") if meta else None
+        if m is not None:
+            if meta is not None and not m.is_delta:
+                raise Invalid(f"snapshot {ident!r} is a full snapshot; drop incremental_snapshot_metadata")
+            if m.is_delta:
+                await self._check_delta(ident, m, meta)
+        current = self.view.current
+        if prev is not None and current is not None and prev != current:
+            raise Conflict(
+                f"previous_snapshot_identity {prev!r} is not the snapshot being served ({current!r} is)"
+            )
+        target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8))
+        await self.view.adopt(target, source="request")
+        reached = await self.fan_out(target)
+        return {
+            "accepted": True,
+            "identity": ident,
+            "policy_version": m.policy_version if m is not None else None,
+            "request_id": target.request_id,
+            "replicas": reached + 1,
+            "manifest_written": m is not None,
+        }
+
+    async def fan_out(self, target: Target) -> int:
+        """Post ``target`` to every live peer; how many took it."""
+        payload = msgpack.packb(target.wire(), use_bin_type=True)
+
+        async def one(url: str) -> bool:
+            try:
+                status, _ = await self.peers.post_json(url, "hot_load", payload, timeout=10.0)
+            except Exception as e:  # a peer that misses it catches up through membership rounds
+                log.warning("hot-load %s: peer %s unreachable: %s", target.identity, url, e)
+                return False
+            return status == 200
+
+        results = await asyncio.gather(*(one(m.url) for m in self.membership.live()))
+        return sum(results)
+
+    async def from_peer(self, obj: Any, peer: str) -> bool:
+        """A target fanned out by the daemon that accepted it (untrusted map). Raises Invalid."""
+        t = Target.from_wire(obj, self.clock.time_ns())
+        if t is None:
+            raise Invalid("hot-load target is malformed")
+        await self.view.adopt(t, source=f"peer {peer}")
+        return True
+
+    async def fleet(self) -> dict[str, Any]:
+        """Every replica of the fleet: this one plus each member's answer."""
+
+        async def one(m: Any) -> dict[str, Any]:
+            try:
+                status, body = await self.peers.get_json(m.url, "replica", timeout=3.0)
+                if status == 200 and isinstance(body, dict):
+                    return body
+                reason = f"answered {status}"
+            except Exception as e:  # an unreachable replica is reported, not hidden
+                reason = f"unreachable: {type(e).__name__}"
+            return {
+                "replica_id": m.node_id or m.url,
+                "current_snapshot_identity": None,
+                "policy_version": None,
+                "readiness": False,
+                "loading_state": {"stage": "error", "identity": None, "progress": 0.0, "reason": reason},
+            }
+
+        others = await asyncio.gather(*(one(m) for m in self.membership.members.values() if m.node_id))
+        reps = [self.view.replica(), *others]
+        reps.sort(key=lambda r: str(r.get("replica_id")))
+        return {"replicas": reps}

@@ -1,0 +1,72 @@
+"""The fleet's hot-load target and its order: a pure value type.
+
+The fleet has one **target** snapshot: the identity of the latest accepted hot-load. Ordering is
+by ``(seq, origin)``, ``seq`` being the accepting daemon's clock in nanoseconds: a hot-load that
+arrives with an older order than the target is superseded, so when two race, the later wins
+everywhere. A target from the wire whose ``seq`` lies more than ``MAX_FUTURE_NS`` past the
+receiver's clock is refused: it would outrank every real hot-load for good.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bdn.proto.errors import IdentityError
+from bdn.proto.identity import validate_identity
+
+MAX_FUTURE_NS = 60 * 10**9  # twice the signature's clock-skew limit
+
+
+@dataclass(frozen=True)
+class Target:
+    """A fleet hot-load target: ``identity`` ordered by ``(seq, origin)`` (seq = accepting clock, ns)."""
+    identity: str
+    seq: int
+    origin: str
+    request_id: str
+
+    @property
+    def order(self) -> tuple[int, str]:
+        return (self.seq, self.origin)
+
+    def wire(self) -> dict[str, Any]:
+        return {"identity": self.identity, "seq": self.seq, "origin": self.origin, "request_id": self.request_id}
+
+    @classmethod
+    def from_wire(cls, obj: Any, now_ns: int) -> Target | None:
+        """The target in an untrusted wire map, or None if malformed or from the future
+        (``now_ns``: the receiver's clock, unix ns)."""
+        if not isinstance(obj, dict):
+            return None
+        try:
+            ident = validate_identity(obj.get("identity"))
+        except IdentityError:
+            return None
+        seq, origin, rid = obj.get("seq"), obj.get("origin"), obj.get("request_id")
+        if not isinstance(seq, int) or isinstance(seq, bool) or not isinstance(origin, str) or not isinstance(rid, str):
+            return None
+        if not 0 < seq <= now_ns + MAX_FUTURE_NS:
+            return None
+        return cls(ident, seq, origin[:64], rid[:64])
+
+
+def later(candidate: Target, current: Target | None) -> bool:
+    """Whether ``candidate`` replaces ``current`` as the target (strictly later order wins)."""
+    return current is None or candidate.order > current.order
+
+
+def supersedes(candidate: Target, current: Target | None) -> tuple[str, str] | None:
+    """The ``(old, new)`` identities a "superseded" record names when ``candidate`` meets
+    ``current``, or None (same request, same identity, or nothing to supersede).
+
+    A later candidate supersedes the current identity; an earlier one with another identity
+    and request is itself superseded by the current target.
+    """
+    if current is None:
+        return None
+    if later(candidate, current):
+        return (current.identity, candidate.identity) if current.identity != candidate.identity else None
+    if current.request_id != candidate.request_id and candidate.identity != current.identity:
+        return (candidate.identity, current.identity)
+    return None

@@ -1,0 +1,231 @@
+"""One snapshot's state machine on this node (DESIGN.md, "On the node"):
+
+``queued`` (manifest read from the bucket, resume or staging) -> ``downloading`` (the stored layer,
+or for a delta without its base here the rebuilt layer from peers) -> ``applying`` (delta: base
+XOR diff) -> ``verifying`` -> ``ready`` (READY written, directory renamed into place), or
+``failed`` with a one-line reason. Progress is saved every ``progress_interval_s`` and on
+cancellation, so a restarted daemon resumes from what is verified on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from bdn.bucket import ObjectNotFound
+from bdn.daemon import diskio, logctx
+from bdn.daemon.bitfield import Bitfield
+from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.clock import Clock
+from bdn.daemon.config import Config
+from bdn.daemon.errors import NotAvailable
+from bdn.daemon.executors import Executors
+from bdn.daemon.fetch.fetcher import Fetcher
+from bdn.daemon.fetch.haves import Haves
+from bdn.daemon.index import ChunkIndex
+from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
+from bdn.daemon.stats import Stats
+from bdn.daemon.store import Store
+from bdn.proto.chunks import digest as xxh3_digest
+from bdn.proto.errors import BdnError
+from bdn.proto.manifest import MANIFEST_NAME, Manifest
+
+log = logging.getLogger("bdn.runner")
+T = TypeVar("T")
+
+
+class Jobs(Protocol):
+    """What a runner needs of the catalog: other snapshots (a delta's base), the budget, GC."""
+
+    def get(self, identity: str) -> SnapshotJob | None: ...
+    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob: ...
+    def check_budget(self, m: Manifest) -> None: ...
+    def forget(self, job: SnapshotJob) -> None: ...
+    def gc(self) -> dict[str, list[str]]: ...
+
+
+class Runner:
+    """Brings one snapshot job at a time (``run(job)``) from ``queued`` to a terminal state."""
+
+    def __init__(
+        self, cfg: Config, store: Store, bucket: BucketIO, index: ChunkIndex, fetcher: Fetcher, haves: Haves,
+        stats: Stats, pools: Executors, clock: Clock,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.bucket = bucket
+        self.index = index
+        self.fetcher = fetcher
+        self.haves = haves
+        self.stats = stats
+        self.pools = pools
+        self.clock = clock
+        self.jobs: Jobs | None = None  # the catalog, set by it
+
+    async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def run(self, job: SnapshotJob) -> None:
+        jobs = self.jobs
+        assert jobs is not None
+        logctx.SNAPSHOT.set(job.identity)  # every line this task (and its children) logs names it
+        try:
+            m = await self._read_manifest(job)
+            job.attach_manifest(m)
+            saved = self.store.load_progress(m.identity, job.manifest_digest)
+            if saved is not None:
+                await self._resume(job, saved)
+            else:
+                jobs.check_budget(m)
+                await self._on(self.pools.disk, self.store.prepare_staging, m)
+            job.flusher = asyncio.create_task(self._progress_flusher(job))
+            self.index.add_pending(job, STORED, job.stored_refs)
+            job.set_state("downloading")
+            await job.notify()
+            log.info("snapshot %s: %s, %d files, %d stored bytes", job.identity, m.kind, len(m.files), m.stored_bytes)
+            if m.is_delta:
+                await self._run_delta(job, m)
+            else:
+                await self.fetcher.fetch_layer(job, STORED)
+                job.layer_complete(RESULT)  # full: stored == result
+                job.set_state("verifying")
+                await job.notify()
+            final = await self._on(self.pools.disk, self.store.publish, m)
+            job.set_state("ready")
+            log.info("snapshot %s: ready at %s (stages %s)", job.identity, final,
+                     {k: round(v, 3) for k, v in job.stages.items()})
+            jobs.gc()
+        except asyncio.CancelledError:
+            self.save_progress(job)  # a clean stop resumes like a crash, from what is verified
+            raise
+        except (BdnError, OSError) as e:
+            reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                reason = f"shm full while writing {job.identity!r}: {self.store.free_bytes()} bytes free on {self.store.root} ({e.strerror})"
+            job.set_state("failed", reason.splitlines()[0] if reason else type(e).__name__)
+            log.error("snapshot %s: failed: %s", job.identity, job.reason)
+            jobs.forget(job)
+            self.store.discard(job.identity)
+        except Exception as e:  # a bug must fail the snapshot, not kill the daemon
+            log.exception("snapshot %s: internal error", job.identity)
+            job.set_state("failed", f"internal error: {type(e).__name__}: {e}")
+            jobs.forget(job)
+            self.store.discard(job.identity)
+        finally:
+            if job.flusher is not None:
+                job.flusher.cancel()
+            self.index.drop_pending(job, job.stored_refs)
+            await job.notify()
+
+    async def _resume(self, job: SnapshotJob, saved: tuple[bytes, bytes]) -> None:
+        """Take back the chunks a previous run wrote, re-verifying each against the manifest."""
+        assert self.jobs is not None and job.manifest is not None
+        try:
+            stored, result = Bitfield(len(job.stored_refs), saved[0]), Bitfield(len(job.result_refs), saved[1])
+        except ValueError as e:  # a progress file that does not fit the manifest: start over
+            log.warning("snapshot %s: saved progress ignored: %s", job.identity, e)
+            self.jobs.check_budget(job.manifest)
+            await self._on(self.pools.disk, self.store.prepare_staging, job.manifest)
+            return
+        ok_s = await self._on(self.pools.disk, diskio.verify_held, job.stored_refs, stored.__getitem__,
+                              lambda fi: job.file_path(STORED, fi))
+        ok_r = await self._on(self.pools.disk, diskio.verify_held, job.result_refs, result.__getitem__,
+                              lambda fi: job.file_path(RESULT, fi))
+        job.resumed(STORED, ok_s)
+        job.resumed(RESULT, ok_r)
+        for i in ok_s:
+            self.index.register(job, STORED, job.stored_refs[i])
+        for i in ok_r:
+            self.index.register(job, RESULT, job.result_refs[i])
+        log.info("snapshot %s: resumed with %d of %d stored chunks verified on disk",
+                 job.identity, len(ok_s), len(job.stored_refs))
+
+    def save_progress(self, job: SnapshotJob) -> None:
+        if job.manifest is None or job.stored is None or job.result is None or job.state in ("ready", "failed"):
+            return
+        try:
+            self.store.save_progress(job.identity, job.manifest_digest, job.stored.to_bytes(), job.result.to_bytes())
+        except OSError as e:
+            log.warning("snapshot %s: cannot save progress: %s", job.identity, e)
+
+    async def _progress_flusher(self, job: SnapshotJob) -> None:
+        last = -1
+        while True:
+            await asyncio.sleep(self.cfg.progress_interval_s)
+            if job.version != last:
+                last = job.version
+                self.save_progress(job)
+
+    async def _read_manifest(self, job: SnapshotJob) -> Manifest:
+        """The manifest from the bucket, polled every ``manifest_poll_s`` up to ``manifest_wait_s``."""
+        key = f"{job.identity}/{MANIFEST_NAME}"
+        deadline = self.clock.monotonic() + self.cfg.manifest_wait_s
+        while True:
+            try:
+                data = await self.bucket.read(key)
+                break
+            except ObjectNotFound:
+                if not self.cfg.require_manifest:
+                    raise BdnError(
+                        f"snapshot {job.identity!r} has no {MANIFEST_NAME}; listing-based loading "
+                        "(require_manifest = false) is not implemented yet"
+                    ) from None
+                if self.clock.monotonic() >= deadline:
+                    raise BdnError(
+                        f"snapshot {job.identity!r} is not published: {MANIFEST_NAME} did not "
+                        f"appear within {self.cfg.manifest_wait_s:g} s"
+                    ) from None
+                if not job.reason.startswith("waiting for manifest"):
+                    job.reason = f"waiting for manifest: {key} is not in the bucket yet"
+                    job.touch()
+                    await job.notify()
+                await asyncio.sleep(self.cfg.manifest_poll_s)
+        self.stats.add("bucket_manifest_bytes", len(data))
+        job.manifest_digest = xxh3_digest(data)
+        return Manifest.from_json(data, expect_identity=job.identity)
+
+    async def _run_delta(self, job: SnapshotJob, m: Manifest) -> None:
+        assert m.base_identity is not None and self.jobs is not None
+        base_id = m.base_identity
+        base = self.jobs.get(base_id)
+        if base is None or base.state != "ready":
+            # No base here: take the reconstructed chunks from peers that already rebuilt it
+            # (content-addressed like any chunk), else walk the chain from the nearest anchor.
+            if await self.haves.refresh(job, need_result=True):
+                try:
+                    await self.fetcher.fetch_layer(job, RESULT)
+                    job.layer_complete(STORED)
+                    job.set_state("verifying")
+                    return
+                except NotAvailable as e:
+                    log.info("snapshot %s: peers' reconstructed chunks not enough (%s); walking the chain", job.identity, e)
+                    job.layer_reset(RESULT)
+            base = self.jobs.prefetch(base_id, requested_by=f"base of {job.identity}")
+        download = asyncio.create_task(self.fetcher.fetch_layer(job, STORED))
+        try:
+            base = await self._await_job(base)
+        except BaseException:
+            download.cancel()
+            raise
+        await download
+        if base.state != "ready":
+            raise BdnError(f"base snapshot {base_id!r} failed: {base.reason}")
+        job.set_state("applying")
+        await job.notify()
+        await self._on(self.pools.apply, diskio.apply_delta, m, self.store.ready_dir(base_id),
+                       self.store.stored_dir(m.identity), self.store.staging_dir(m.identity), self.cfg.apply_workers)
+        job.set_state("verifying")
+        await job.notify()
+        await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity))
+        job.layer_complete(RESULT)
+        for ref in job.result_refs:
+            self.index.register(job, RESULT, ref)
+
+    @staticmethod
+    async def _await_job(job: SnapshotJob) -> SnapshotJob:
+        while job.state not in TERMINAL:
+            await job.wait_change(job.version, 5.0)
+        return job

@@ -1,0 +1,105 @@
+"""The chunk requests peers make of this node (``GET chunks/{address}``), minus the HTTP.
+
+``request`` finds the chunk (waiting up to ``wait`` s while this node obtains it: it joins the
+snapshot the asker names unless GC already collected it as old, and starts the fetch at once
+if it is the chunk's owner, single-flight with its own download), then asks the upload policy
+(``bdn.daemon.uploads``) whether to send it now. ``open`` gives the file to send from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+
+from bdn.daemon import diskio
+from bdn.daemon.catalog import Catalog
+from bdn.daemon.fetch.fetcher import Fetcher
+from bdn.daemon.index import ChunkIndex
+from bdn.daemon.membership import Membership
+from bdn.daemon.ratelimit import RateLimit
+from bdn.daemon.snapshot import STORED, Loc
+from bdn.daemon.stats import Stats
+from bdn.daemon.uploads import Admission, Uploads
+from bdn.proto import hrw
+
+log = logging.getLogger("bdn.serving")
+
+
+class ChunkServing:
+    """Answers peers' chunk requests: find or wait, admit (upload policy), open, account."""
+
+    def __init__(
+        self, node_id: str, catalog: Catalog, index: ChunkIndex, fetcher: Fetcher, membership: Membership,
+        uploads: Uploads, stats: Stats, limit: RateLimit, disk_pool: Executor,
+    ) -> None:
+        self.node_id = node_id
+        self.catalog = catalog
+        self.index = index
+        self.fetcher = fetcher
+        self.membership = membership
+        self.uploads = uploads
+        self.stats = stats
+        self.limit = limit
+        self.disk_pool = disk_pool
+
+    async def _wait_for(self, address: str, wait: float, hint: str | None) -> Loc | None:
+        loc = self.index.lookup(address)
+        if loc is not None or wait <= 0:
+            return loc
+        if hint and self.catalog.get(hint) is None and not self.catalog.closing:
+            if hint in self.catalog.collected:
+                return None  # old here: the asker goes on to its next source at once
+            self.catalog.prefetch(hint, requested_by="peer")
+        pend = self.index.pending_for(address)
+        if pend is not None:
+            job, layer, ref = pend
+            if hrw.owner(self.membership.hrw_nodes(), ref.digest) == self.node_id:
+                asyncio.ensure_future(self.fetcher.ensure_chunk(job, layer, ref)).add_done_callback(
+                    lambda f: f.cancelled() or f.exception()
+                )
+        return await self.index.wait(address, wait)
+
+    async def request(self, address: str, wait: float, hint: str | None) -> tuple[Admission, Loc | None]:
+        """The answer for a peer's request of ``address`` (``wait`` s, snapshot ``hint``). On
+        ``SEND`` an upload slot is booked: call :meth:`done` once the upload ends."""
+        loc = await self._wait_for(address, wait, hint)
+        decision = self.uploads.admit(address, loc is not None, self.index.fetching(address), wait > 0)
+        if decision is Admission.SEND:
+            self.stats.inflight["upload"] += 1
+        return decision, loc
+
+    def done(self, address: str) -> None:
+        self.stats.inflight["upload"] -= 1
+        self.uploads.done(address)
+
+    async def open(self, address: str, loc: Loc) -> int | None:
+        """A read-only fd of the file holding ``loc`` (after the upload rate limit let its bytes
+        go), or None: the snapshot was collected, or the file is shorter than the index says
+        (then the chunk is no longer served)."""
+        await self.limit.take(loc.length)
+        job = loc.job
+        f = job.manifest.files[loc.file_index] if job.manifest is not None else None
+        candidates = [loc.path()]
+        if f is not None and not (loc.layer == STORED and f.is_diff):
+            # staging is renamed to ready when the snapshot completes; the rename and the job's
+            # state change are not one step, so the other name is tried too
+            candidates += [job.store.ready_dir(job.identity) / f.path, job.store.staging_dir(job.identity) / f.path]
+        fd = diskio.open_first(candidates)
+        if fd is None:
+            return None
+        if diskio.file_size(fd) < loc.offset + loc.length:
+            log.error("chunk %s: %s is shorter than its index entry; no longer serving it", address, loc.path())
+            self.index.unindex(address)
+            diskio.close(fd)
+            return None
+        return fd
+
+    async def pread(self, fd: int, length: int, offset: int) -> bytes:
+        """``length`` bytes at ``offset`` of ``fd``, read on a disk thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.disk_pool, diskio.pread, fd, length, offset)
+
+    def sent(self, loc: Loc) -> None:
+        """Event: the chunk at ``loc`` went out whole."""
+        self.stats.add("peer_bytes_out", loc.length)
+        self.stats.add("peer_chunks_out")

@@ -1,0 +1,45 @@
+"""One counters object per daemon: the fetcher, the uploads and the hot-load bump it, and both
+``GET /v1/status`` and the Prometheus collector read it (plain integers: the hot path only adds).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+COUNTERS = (
+    "bucket_bytes_owner",
+    "bucket_bytes_fallback",
+    "bucket_chunks_owner",
+    "bucket_chunks_fallback",
+    "bucket_manifest_bytes",
+    "peer_bytes_in",
+    "peer_bytes_out",
+    "peer_chunks_in",
+    "peer_chunks_out",
+    "local_bytes_copied",
+    "chunk_verify_failures",
+)
+
+
+class Stats:
+    """``counters`` (bytes and chunks by source, as named in ``COUNTERS``), ``verify_failures_by_peer``
+    (node id or ``"bucket"`` -> count), ``inflight`` requests by kind (``peer``, ``bucket``,
+    ``upload``) and ``busy_answers`` (503s received from peers)."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, int] = {k: 0 for k in COUNTERS}
+        self.verify_failures_by_peer: dict[str, int] = {}
+        self.inflight: dict[str, int] = {"peer": 0, "bucket": 0, "upload": 0}
+        self.busy_answers = 0
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def verify_failed(self, source: str) -> None:
+        """A chunk from ``source`` (a peer's node id, or ``"bucket"``) did not match its digest."""
+        self.counters["chunk_verify_failures"] += 1
+        self.verify_failures_by_peer[source] = self.verify_failures_by_peer.get(source, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """The ``counters`` and ``verify_failures_by_peer`` members of the status document (copies)."""
+        return {"counters": dict(self.counters), "verify_failures_by_peer": dict(self.verify_failures_by_peer)}

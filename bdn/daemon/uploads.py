@@ -1,0 +1,64 @@
+"""Upload admission: whether this node sends a chunk to the peer asking now. A pure policy.
+
+Answers (the peer HTTP adapter maps them: ``SEND`` -> 200 and the bytes, ``NOT_HERE`` -> 404,
+the others -> 503 with ``Retry-After``):
+
+- ``STILL_FETCHING``: not held yet but this node is fetching it (the asker waited): "busy, ask
+  again", so it keeps waiting for this live owner instead of counting a failure and reading the
+  bucket itself (``Retry-After: 1``);
+- ``SLOTS_FULL``: ``max_uploads`` uploads already run (``Retry-After: 1``);
+- ``FANNED_OUT``: this chunk already goes to ``per_chunk`` peers: the next asker takes it from
+  one of them as soon as they verified it, so chunks spread as a tree rather than every copy
+  leaving the owner's uplink (``Retry-After: 0.2``).
+
+``admit`` books a slot for ``SEND``; every ``SEND`` must be followed by one ``done(address)``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Admission(enum.Enum):
+    SEND = "send"
+    NOT_HERE = "not here"
+    STILL_FETCHING = "still fetching"
+    SLOTS_FULL = "upload slots full"
+    FANNED_OUT = "chunk already uploading"
+
+    @property
+    def retry_after(self) -> str | None:
+        """The ``Retry-After`` value (s) a busy answer carries; None for SEND/NOT_HERE."""
+        return {"STILL_FETCHING": "1", "SLOTS_FULL": "1", "FANNED_OUT": "0.2"}.get(self.name)
+
+
+class Uploads:
+    """At most ``max_uploads`` uploads at once, at most ``per_chunk`` of one chunk."""
+
+    def __init__(self, max_uploads: int, per_chunk: int) -> None:
+        self.max_uploads = max_uploads
+        self.per_chunk = per_chunk
+        self.running = 0
+        self.by_address: dict[str, int] = {}
+
+    def admit(self, address: str, held: bool, fetching: bool, waited: bool) -> Admission:
+        """The answer for a request of ``address``: ``held`` (verified here), ``fetching`` (in
+        progress here), ``waited`` (the asker asked to wait and the wait ended)."""
+        if not held:
+            return Admission.STILL_FETCHING if waited and fetching else Admission.NOT_HERE
+        if self.running >= self.max_uploads:
+            return Admission.SLOTS_FULL
+        if self.by_address.get(address, 0) >= self.per_chunk:
+            return Admission.FANNED_OUT
+        self.running += 1
+        self.by_address[address] = self.by_address.get(address, 0) + 1
+        return Admission.SEND
+
+    def done(self, address: str) -> None:
+        """The upload of ``address`` that ``admit`` allowed ended (sent, cut short or failed)."""
+        self.running -= 1
+        left = self.by_address[address] - 1
+        if left:
+            self.by_address[address] = left
+        else:
+            del self.by_address[address]

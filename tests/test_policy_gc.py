@@ -1,0 +1,42 @@
+"""Garbage collection policy (bdn.daemon.retention): what stays in shm."""
+
+from __future__ import annotations
+
+from bdn.daemon.retention import Held, plan_gc
+
+NOW = 10_000.0
+OLD = NOW - 3600
+
+
+def ready(ident: str, pv: int, created: float = OLD, updated: float = OLD) -> Held:
+    return Held(ident, "ready", pv, created, updated)
+
+
+def test_keeps_the_newest_ready_by_policy_version() -> None:
+    held = [ready("s1", 1), ready("s2", 2), ready("s3", 3), ready("s4", 4)]
+    assert plan_gc(held, set(), keep_ready=2, grace_s=60, now=NOW) == (["s2", "s1"], ["s3", "s4"])
+
+
+def test_created_breaks_ties_and_missing_policy_version_is_oldest() -> None:
+    held = [ready("a", 1, created=OLD), ready("b", 1, created=OLD + 1), Held("c", "ready", None, OLD + 5, OLD)]
+    remove, kept = plan_gc(held, set(), keep_ready=1, grace_s=0, now=NOW)
+    assert kept == ["b"] and remove == ["a", "c"]
+
+
+def test_pinned_in_progress_and_bases_are_kept() -> None:
+    held = [ready("s1", 1), ready("s2", 2), ready("s3", 3), ready("s4", 4), ready("s5", 5),
+            Held("s6", "downloading", 6, OLD, OLD, base_identity="s1")]
+    remove, kept = plan_gc(held, pinned={"s2"}, keep_ready=1, grace_s=60, now=NOW)
+    assert remove == ["s4", "s3"]
+    assert kept == ["s1", "s2", "s5"]
+
+
+def test_recently_ready_stays_for_the_grace_period() -> None:
+    held = [ready("s1", 1, updated=NOW - 30), ready("s2", 2), ready("s3", 3)]
+    assert plan_gc(held, set(), keep_ready=1, grace_s=60, now=NOW) == (["s2"], ["s1", "s3"])
+    assert plan_gc(held, set(), keep_ready=1, grace_s=60, now=NOW + 31) == (["s2", "s1"], ["s3"])
+
+
+def test_failed_snapshots_are_not_ready_and_not_removed_here() -> None:
+    held = [Held("f", "failed", 9, OLD, OLD), ready("s1", 1)]
+    assert plan_gc(held, set(), keep_ready=0, grace_s=0, now=NOW) == (["s1"], [])

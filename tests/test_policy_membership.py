@@ -1,0 +1,84 @@
+"""Membership transitions (bdn.daemon.membership) with a fake clock: learn, alive, failed,
+forgotten, penalised."""
+
+from __future__ import annotations
+
+from bdn.daemon.clock import FakeClock
+from bdn.daemon.membership import Membership
+
+SELF_URL = "http://n0:7080"
+
+
+class _Request:
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _table(static: list[str] | None = None) -> tuple[Membership, FakeClock]:
+    clock = FakeClock()
+    return Membership("n0", SELF_URL, static or [], clock), clock
+
+
+def test_static_members_start_not_alive_and_self_is_excluded() -> None:
+    m, _ = _table(["http://n1:7080/", SELF_URL])
+    assert list(m.members) == ["http://n1:7080"]
+    assert m.live() == [] and m.hrw_nodes() == ["n0"]
+
+
+def test_learn_ignores_self_and_non_http_urls() -> None:
+    m, _ = _table()
+    assert m.learn(SELF_URL) is None
+    assert m.learn("http://x:1", "n0") is None
+    assert m.learn("ftp://x:1") is None
+    assert m.learn("http://n2:7080", "n2") is not None
+    assert m.live() == []  # learned, not yet answered
+
+
+def test_mark_ok_makes_a_member_live_and_part_of_hrw() -> None:
+    m, _ = _table(["http://n1:7080"])
+    m.mark_ok("http://n1:7080", "n1")
+    assert [x.node_id for x in m.live()] == ["n1"]
+    assert m.hrw_nodes() == ["n0", "n1"] and set(m.by_node()) == {"n1"}
+
+
+def test_two_failures_leave_hrw_and_cancel_parked_requests() -> None:
+    m, _ = _table(["http://n1:7080"])
+    m.mark_ok("http://n1:7080", "n1")
+    req = _Request()
+    m.members["http://n1:7080"].requests.add(req)
+    m.mark_failed("http://n1:7080")
+    assert len(m.live()) == 1 and not req.cancelled
+    m.mark_failed("http://n1:7080")
+    assert m.live() == [] and req.cancelled
+    m.mark_ok("http://n1:7080", "n1")
+    assert len(m.live()) == 1
+
+
+def test_learned_members_are_forgotten_after_many_failures_static_ones_never() -> None:
+    m, _ = _table(["http://s:7080"])
+    m.learn("http://l:7080", "l")
+    for _ in range(Membership.FORGET_AFTER):
+        m.mark_failed("http://l:7080")
+        m.mark_failed("http://s:7080")
+    assert "http://l:7080" not in m.members and "http://s:7080" in m.members
+
+
+def test_penalty_expires_on_the_clock() -> None:
+    m, clock = _table(["http://n1:7080"])
+    m.mark_ok("http://n1:7080", "n1")
+    m.penalise("http://n1:7080", 30.0)
+    assert m.live() == [] and m.describe()[0]["penalised"]
+    clock.advance(29.9)
+    assert m.live() == []
+    clock.advance(0.2)
+    assert len(m.live()) == 1 and not m.describe()[0]["penalised"]
+
+
+def test_member_table_is_bounded() -> None:
+    m, _ = _table()
+    for i in range(Membership.MAX_MEMBERS + 10):
+        m.learn(f"http://h{i}:1")
+    assert len(m.members) == Membership.MAX_MEMBERS

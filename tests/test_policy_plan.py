@@ -1,0 +1,119 @@
+"""The fetch plan (bdn.daemon.fetch.plan): which sources one chunk is asked of, in which order.
+
+Pure functions over a view of the swarm, with a fake clock and a seeded random: no sockets,
+no sleeps.
+"""
+
+from __future__ import annotations
+
+import random
+
+from bdn.daemon.clock import FakeClock
+from bdn.daemon.fetch import plan
+from bdn.daemon.fetch.plan import Ask, PeerView, ReadBucket, Rounds
+from bdn.proto import hrw
+
+SELF = "n0"
+PEERS = [PeerView(f"http://n{i}:7080", f"n{i}", inflight=0) for i in range(1, 6)]
+NODES = [SELF, *(p.node_id for p in PEERS)]
+
+
+def _digest_where(rank_of_self: int) -> str:
+    """A digest for which this node sits at HRW position ``rank_of_self`` among NODES."""
+    for i in range(100_000):
+        d = f"{i:032x}"
+        if hrw.rank(NODES, d).index(SELF) == rank_of_self:
+            return d
+    raise AssertionError("no such digest")
+
+
+def test_holders_are_least_loaded_first_and_only_those_holding() -> None:
+    live = [PeerView("http://a", "a", 3), PeerView("http://b", "b", 0), PeerView("http://c", "c", 1)]
+    got = plan.holders(live, {"http://a", "http://b", "http://zz"}, random.Random(1))
+    assert [p.url for p in got] == ["http://b", "http://a"]
+
+
+def test_holders_ties_are_broken_at_random() -> None:
+    live = [PeerView(f"http://p{i}", f"p{i}", 0) for i in range(8)]
+    orders = {tuple(p.url for p in plan.holders(live, {p.url for p in live}, random.Random(seed))) for seed in range(20)}
+    assert len(orders) > 1
+
+
+def test_endgame_races_the_first_two_holders() -> None:
+    hs = PEERS[:3]
+    race, asks = plan.plan_holders(hs, left=2, endgame_chunks=4)
+    assert race == hs[:2] and asks == [Ask(hs[2], 0.0)]
+
+
+def test_no_endgame_with_many_chunks_left_or_one_holder() -> None:
+    race, asks = plan.plan_holders(PEERS[:3], left=50, endgame_chunks=4)
+    assert race == [] and [a.peer for a in asks] == PEERS[:3] and all(a.wait == 0 for a in asks)
+    race, asks = plan.plan_holders(PEERS[:1], left=1, endgame_chunks=4)
+    assert race == [] and len(asks) == 1
+    assert plan.endgame(left=4, holders=2, endgame_chunks=4)
+    assert not plan.endgame(left=5, holders=2, endgame_chunks=4)
+
+
+def test_owner_first_with_long_wait_then_next_owners_until_self() -> None:
+    d = _digest_where(rank_of_self=3)
+    ranked = hrw.rank(NODES, d)
+    steps = plan.plan_owners(SELF, PEERS, d, "stored", tried=set(), chunk_wait_s=30.0)
+    assert [s.peer.node_id for s in steps[:-1]] == ranked[:3]  # type: ignore[union-attr]
+    assert [s.wait for s in steps[:-1]] == [30.0, 2.0, 2.0]  # type: ignore[union-attr]
+    assert steps[-1] == ReadBucket(3)
+
+
+def test_this_node_as_owner_reads_the_bucket_first() -> None:
+    d = _digest_where(rank_of_self=0)
+    assert plan.plan_owners(SELF, PEERS, d, "stored", set(), 30.0) == [ReadBucket(0)]
+    assert plan.reads_as_owner(ReadBucket(0), SELF, [p.node_id for p in PEERS], d)
+
+
+def test_peers_already_asked_this_round_are_skipped() -> None:
+    d = _digest_where(rank_of_self=2)
+    first = hrw.rank(NODES, d)[0]
+    url = next(p.url for p in PEERS if p.node_id == first)
+    steps = plan.plan_owners(SELF, PEERS, d, "stored", tried={url}, chunk_wait_s=30.0)
+    assert all(isinstance(s, ReadBucket) or s.peer.url != url for s in steps)
+    assert steps[-1] == ReadBucket(2)
+
+
+def test_rebuilt_chunks_have_no_owner_steps() -> None:
+    assert plan.plan_owners(SELF, PEERS, _digest_where(0), "result", set(), 30.0) == []
+
+
+def test_a_node_below_the_owner_reads_only_when_those_above_died() -> None:
+    d = _digest_where(rank_of_self=1)
+    above = hrw.rank(NODES, d)[0]
+    live_nodes = [p.node_id for p in PEERS]
+    assert not plan.reads_as_owner(ReadBucket(1), SELF, live_nodes, d)
+    assert plan.reads_as_owner(ReadBucket(1), SELF, [n for n in live_nodes if n != above], d)
+
+
+def test_dead_or_penalised_peers_are_not_in_the_view_so_not_asked() -> None:
+    d = _digest_where(rank_of_self=2)
+    owner = hrw.rank(NODES, d)[0]
+    live = [p for p in PEERS if p.node_id != owner]
+    steps = plan.plan_owners(SELF, live, d, "stored", set(), 30.0)
+    assert owner not in [s.peer.node_id for s in steps if isinstance(s, Ask)]
+    assert isinstance(steps[-1], ReadBucket)
+
+
+def test_rounds_busy_rounds_do_not_count_within_patience() -> None:
+    clock = FakeClock()
+    r = Rounds(clock, patience_s=10.0, rng=random.Random(0))
+    for _ in range(50):
+        delay, again = r.after_round(busy=True, failed=False)
+        assert again and 0.1 <= delay <= 0.5
+    assert r.attempt == 0
+    clock.advance(10.0)
+    assert r.after_round(busy=True, failed=False) == (0.2, True)
+    assert r.attempt == 1
+
+
+def test_rounds_three_counted_rounds_then_fallback() -> None:
+    r = Rounds(FakeClock(), patience_s=600.0, rng=random.Random(0))
+    assert r.after_round(busy=False, failed=True) == (0.2, True)
+    assert r.after_round(busy=True, failed=True) == (0.4, True)  # busy and failed: counts
+    delay, again = r.after_round(busy=False, failed=False)
+    assert not again and abs(delay - 0.6) < 1e-9

@@ -1,0 +1,47 @@
+"""Upload admission (bdn.daemon.uploads): slots, per-chunk fan-out, "still fetching"."""
+
+from __future__ import annotations
+
+from bdn.daemon.uploads import Admission, Uploads
+
+A, B = "a" * 32, "b" * 32
+
+
+def test_held_chunk_is_sent_and_books_a_slot() -> None:
+    u = Uploads(max_uploads=2, per_chunk=2)
+    assert u.admit(A, held=True, fetching=False, waited=False) is Admission.SEND
+    assert u.running == 1 and u.by_address == {A: 1}
+    u.done(A)
+    assert u.running == 0 and u.by_address == {}
+
+
+def test_not_held_is_not_here_unless_the_asker_waited_while_fetching() -> None:
+    u = Uploads(2, 2)
+    assert u.admit(A, held=False, fetching=False, waited=True) is Admission.NOT_HERE
+    assert u.admit(A, held=False, fetching=True, waited=False) is Admission.NOT_HERE
+    assert u.admit(A, held=False, fetching=True, waited=True) is Admission.STILL_FETCHING
+    assert u.running == 0
+
+
+def test_slots_full() -> None:
+    u = Uploads(max_uploads=2, per_chunk=5)
+    assert u.admit(A, True, False, False) is Admission.SEND
+    assert u.admit(B, True, False, False) is Admission.SEND
+    assert u.admit(A, True, False, False) is Admission.SLOTS_FULL
+    u.done(B)
+    assert u.admit(B, True, False, False) is Admission.SEND
+
+
+def test_per_chunk_fan_out_limit() -> None:
+    u = Uploads(max_uploads=8, per_chunk=2)
+    assert [u.admit(A, True, False, False) for _ in range(3)] == [Admission.SEND, Admission.SEND, Admission.FANNED_OUT]
+    assert u.admit(B, True, False, False) is Admission.SEND
+    u.done(A)
+    assert u.admit(A, True, False, False) is Admission.SEND
+
+
+def test_busy_answers_carry_retry_after() -> None:
+    assert Admission.STILL_FETCHING.retry_after == "1"
+    assert Admission.SLOTS_FULL.retry_after == "1"
+    assert Admission.FANNED_OUT.retry_after == "0.2"
+    assert Admission.SEND.retry_after is None and Admission.NOT_HERE.retry_after is None
