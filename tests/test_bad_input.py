@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from bdn.proto import hrw
-from bdn.proto.chunks import file_digests
+from bdn.fileops import chunk_digests as file_digests
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
-from bdn.proto.safetensors_fmt import read_header, save_raw
+from bdn.fileops import read_header, save_raw
 from bdn.publish import publish_delta, publish_full
 from tests.support.checkpoints import make_state, optimizer_step, write_hf_dir
 from tests.support.liar import Liar

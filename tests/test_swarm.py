@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from bdn.bucket import open_bucket
 from bdn.client import DaemonClient

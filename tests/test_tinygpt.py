@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from bdn.client import open_snapshot
-from bdn.proto.chunks import file_digests
-from bdn.proto.safetensors_fmt import read_header
+from bdn.fileops import chunk_digests as file_digests
+from bdn.fileops import read_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "engine"))
 import tinygpt  # noqa: E402

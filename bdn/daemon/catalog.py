@@ -24,7 +24,7 @@ from bdn.daemon.store import Store
 from bdn.proto.errors import BdnError
 from bdn.proto.identity import validate_identity
 from bdn.proto.manifest import FileEntry, Manifest
-from bdn.proto.safetensors_fmt import read_header
+from bdn.fileops import read_header
 
 log = logging.getLogger("bdn.catalog")
 

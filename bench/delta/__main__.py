@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bdn.proto.safetensors_fmt import read_header
+from bdn.fileops import read_header
 from bench import runs
 from bench.delta import codecs, inputs
 

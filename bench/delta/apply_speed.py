@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from bdn.proto import arc
-from bdn.proto.safetensors_fmt import read_header
+from bdn import fileops
+from bdn.fileops import read_header
 from bench import runs
 from bench.delta import inputs
 
@@ -65,14 +66,17 @@ def apply_once(base: Path, diff: Path, out: Path, fmt: str, workers: int, impl: 
             with mmap.mmap(bf.fileno(), 0, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ) as bm, mmap.mmap(
                 of.fileno(), 0, flags=mmap.MAP_SHARED | POPULATE
             ) as om:
-                IMPLS[impl].apply_diff(bm, bh, dm, dh, om, fmt, workers=workers)
+                if impl == "now":
+                    arc.apply_diff(bm, bh, dm, dh, om, fmt, map=fileops.thread_map(workers))
+                else:  # a baseline revision's arc.py, from before the thread pool moved to fileops
+                    IMPLS[impl].apply_diff(bm, bh, dm, dh, om, fmt, workers=workers)
                 om.flush()
                 return time.perf_counter() - t0
 
 
 def measure(pair: inputs.Pair, work: Path, fmt: str, n_runs: int) -> list[dict]:
     diff = work / f"{pair.base.parent.name}.{fmt}.diff"
-    arc.write_diff_file(pair.base, pair.target, diff, fmt, workers=os.cpu_count() or 1)
+    fileops.write_diff_file(pair.base, pair.target, diff, fmt, workers=os.cpu_count() or 1)
     out = SHM / f"bdn-bench-apply-{os.getpid()}"
     rows = []
     try:

@@ -4,7 +4,7 @@ Every codec turns (base file, target file) into stored bytes and rebuilds the ta
 bytes from base + stored bytes; each decode is checked bit-exact against the target. GB/s are
 reconstructed (target) bytes per second of wall time.
 
-* ``arc_v2 (bdn)``: ``bdn.proto.arc.write_diff_file`` / ``apply_diff`` into a fallocated /dev/shm
+* ``arc_v2 (bdn)``: ``bdn.fileops.write_diff_file`` / ``bdn.proto.arc.apply_diff`` into a fallocated /dev/shm
   file through mmaps, exactly as bdnd applies a delta.
 * ``arc_v2 (fireworks)``: PyPI ``fireworks-delta-compression`` ``delta_compress_files_to_file`` /
   ``delta_decompress_inplace`` on a /dev/shm copy of the base (the copy is not timed).
@@ -34,7 +34,9 @@ import numpy as np
 import zstandard
 
 from bdn.proto import arc
-from bdn.proto.safetensors_fmt import Header, read_header
+from bdn import fileops
+from bdn.fileops import read_header
+from bdn.proto.safetensors_fmt import Header
 from bench.delta.inputs import Pair
 
 SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
@@ -78,7 +80,7 @@ def _check(out: np.ndarray, pair: Pair, h: Header) -> None:
 def arc_bdn(pair: Pair, work: Path, threads: int, fmt: str = "arc_v2") -> Result:
     diff = work / f"{fmt}_bdn.diff"
     t0 = time.perf_counter()
-    arc.write_diff_file(pair.base, pair.target, diff, fmt, workers=threads)
+    fileops.write_diff_file(pair.base, pair.target, diff, fmt, workers=threads)
     enc = time.perf_counter() - t0
     bh = read_header(pair.base)
     out, _ = _out_file(pair.raw_bytes)
@@ -88,7 +90,7 @@ def arc_bdn(pair: Pair, work: Path, threads: int, fmt: str = "arc_v2") -> Result
                 dh = arc.read_diff_header(dm, len(dm))
                 with mmap.mmap(bf.fileno(), 0, access=mmap.ACCESS_READ) as bm, mmap.mmap(of.fileno(), 0) as om:
                     t0 = time.perf_counter()
-                    arc.apply_diff(bm, bh, dm, dh, om, fmt, workers=threads)
+                    arc.apply_diff(bm, bh, dm, dh, om, fmt, map=fileops.thread_map(threads))
                     dec = time.perf_counter() - t0
         _check(np.memmap(out, dtype=np.uint8, mode="r"), pair, bh)
     finally:

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file
 
-from bdn.proto.safetensors_fmt import save
+from bdn.fileops import save
 
 BF16 = ml_dtypes.bfloat16
 

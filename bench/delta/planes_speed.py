@@ -6,7 +6,7 @@ Inputs: the MiniLM demo delta (bf16, 2 % of values move), a ``--size-gb`` synthe
 checkpoint with ``--frac`` of its values moved by 1-3 ulps (``bench/delta/inputs.py``; 7B-model
 matrix shapes), and one bf16 tensor of ``--tensor-mb`` MB moved the same way (a large embedding or
 LM head: arc_v2 decodes one tensor on one core, bdn_planes_v1 on all). For each,
-both formats are written by ``arc.write_diff_file`` and applied the way bdnd applies a delta
+both formats are written by ``fileops.write_diff_file`` and applied the way bdnd applies a delta
 (``bench.delta.apply_speed.apply_once``: mmaps, a fallocated /dev/shm target). Runs are
 interleaved (arc_v2, planes, arc_v2, ... with the order flipped every repeat) so that load from
 other processes hits both alike; GB/s are reconstructed bytes per second of wall time, best and
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bdn.proto import arc
+from bdn import fileops
 from bench import runs
 from bench.delta import inputs
 from bench.delta.apply_speed import SHM, apply_once
@@ -40,7 +40,7 @@ def measure(pair: inputs.Pair, work: Path, repeat: int, threads: list[int]) -> l
     for fmt in FORMATS:
         diffs[fmt] = work / f"{pair.base.parent.name}.{fmt}.diff"
         t0 = time.perf_counter()
-        arc.write_diff_file(pair.base, pair.target, diffs[fmt], fmt, workers=max(threads))
+        fileops.write_diff_file(pair.base, pair.target, diffs[fmt], fmt, workers=max(threads))
         enc[fmt] = time.perf_counter() - t0
         sizes[fmt] = diffs[fmt].stat().st_size
     out = SHM / f"bdn-bench-planes-{os.getpid()}"

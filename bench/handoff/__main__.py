@@ -40,6 +40,7 @@ import numpy as np
 from safetensors.numpy import load_file
 
 from bdn.client import DaemonClient
+from bdn.fileops import save
 from bdn.publish import publish_full
 from bench import runs
 from bench.delta import inputs
@@ -93,8 +94,6 @@ def main() -> None:
         # bdn publishes a state dict as one file; for shards, write an HF directory and publish it
         ck = work / "ckpt"
         ck.mkdir()
-        from bdn.proto.safetensors_fmt import save
-
         index = {}
         for s in range(args.shards):
             fn = f"model-{s + 1:05d}-of-{args.shards:05d}.safetensors"
