@@ -125,7 +125,6 @@ def test_daemon_modules_are_small() -> None:
     assert not big, f"modules of bdn/daemon over {MAX_DAEMON_LINES} lines: {big}"
 
 
-@pytest.mark.xfail(reason="bdn/fileops.py is being written on another branch", strict=False)
 def test_proto_does_no_io() -> None:
     bad = []
     for name, path in MODULES.items():
