@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from bdn.bucket import Bucket
+from bdn.bucket import Bucket, ObjectChecksum
 from bdn.proto.foreign import (
     HEADER_PROBE_BYTES,
     INDEX_SUFFIX,
@@ -22,7 +22,7 @@ from bdn.proto.foreign import (
     listed_objects,
 )
 from bdn.proto.identity import validate_identity
-from bdn.proto.manifest import MAX_FILES, MAX_TOTAL_CHUNKS, Manifest
+from bdn.proto.manifest import MAX_FILES, MAX_TOTAL_CHUNKS, ChunkRef, Manifest
 from bdn.proto.safetensors_fmt import Header
 
 #: Headers read at once (each is one or two ranged GETs).
@@ -98,3 +98,23 @@ def read_foreign_table(
         max_files=max_files,
         max_chunks=max_chunks,
     )
+
+
+def read_chunk(bucket: Bucket, table: ForeignTable, ref: ChunkRef, out: memoryview) -> None:
+    """Fill ``out`` (``ref.length`` bytes) with stored chunk ``ref`` of ``table`` from the bucket,
+    at the object's version token: the only way an owner should read a foreign chunk.
+
+    Raises ``ObjectChanged`` (naming the key) when the object was replaced since the listing,
+    ``BucketError`` otherwise. The bytes are not verified here: chunk ids are not digests.
+    """
+    obj = table.objects[ref.file_index]
+    if memoryview(out).nbytes != ref.length:
+        raise ValueError(f"chunk {ref.index} of {obj.key} is {ref.length} bytes, the buffer {memoryview(out).nbytes}")
+    bucket.read_range_into(obj.key, ref.offset, out, if_match=obj.etag)
+
+
+def object_checksum(bucket: Bucket, table: ForeignTable, path: str) -> ObjectChecksum:
+    """What the bucket vouches for about file ``path`` of ``table`` (one HEAD, two for an S3
+    multipart object); raises ``ObjectChanged`` when its version is gone."""
+    obj = table.object(path)
+    return bucket.checksum(obj.key, obj.etag)
