@@ -7,6 +7,6 @@ checksum; :mod:`bdn.foreign.repair` re-reads from the bucket only what failed;
 :mod:`bdn.foreign.ready` is the check every foreign snapshot passes before READY.
 """
 
-from bdn.foreign.reader import object_checksum, read_chunk, read_foreign_table
+from bdn.foreign.reader import object_checksum, read_checksums, read_chunk, read_foreign_table
 
-__all__ = ["object_checksum", "read_chunk", "read_foreign_table"]
+__all__ = ["object_checksum", "read_checksums", "read_chunk", "read_foreign_table"]

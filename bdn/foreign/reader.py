@@ -118,3 +118,16 @@ def object_checksum(bucket: Bucket, table: ForeignTable, path: str) -> ObjectChe
     multipart object); raises ``ObjectChanged`` when its version is gone."""
     obj = table.object(path)
     return bucket.checksum(obj.key, obj.etag)
+
+
+def read_checksums(bucket: Bucket, table: ForeignTable) -> dict[str, ObjectChecksum]:
+    """:func:`object_checksum` of every object of ``table``, by path (HEADs on a few threads).
+
+    Call it once the table is derived: an object without a checksum
+    (``not checksum.verifiable``: ``file://``, SSE-KMS) is then known before any chunk moves, so
+    the daemon can read it from the bucket only (docs/TRUST.md, "When the bucket vouches for
+    nothing"). Raises ``ObjectChanged`` / ``BucketError``.
+    """
+    paths = [o.path for o in table.objects]
+    with ThreadPoolExecutor(max_workers=max(1, min(HEADER_READERS, len(paths)))) as pool:
+        return dict(zip(paths, pool.map(lambda p: object_checksum(bucket, table, p), paths)))

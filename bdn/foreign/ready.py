@@ -10,8 +10,10 @@ line naming the file, unless:
   and the caller's policy accepts those (``allow_unverifiable``: the bucket keeps no checksum,
   ``file://``);
 * every file of the table is in the directory, a regular file of the table's result size;
-* every ``*.safetensors`` file's header passes the format's rules and the safetensors library's
-  100,000,000-byte header limit, and covers the file exactly.
+* every ``*.safetensors`` file's header passes bdn's parser (the format's rules, the safetensors
+  library's 100,000,000-byte header limit, the file covered exactly) and then the safetensors
+  library's own ``safe_open`` (what the engine will run: a dtype it does not know, or any rule a
+  newer library adds, fails here rather than in the engine).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import os
 import stat
 from collections.abc import Mapping
 from pathlib import Path
+
+from safetensors import safe_open
 
 from bdn.foreign.checksum import OK, UNVERIFIABLE, Verdict
 from bdn.proto.foreign import MAX_HEADER_BYTES, ForeignSnapshotError, ForeignTable, header_span
@@ -44,6 +48,11 @@ def check_header(path: str | os.PathLike[str]) -> None:
         parse_header(head, size)
     except SafetensorsError as e:
         raise ForeignSnapshotError(f"{os.fspath(path)}: {e}") from None
+    try:
+        with safe_open(os.fspath(path), framework="numpy"):
+            pass  # opening parses and checks the header only; no tensor is read
+    except Exception as e:  # the library raises its own SafetensorError, or OSError
+        raise ForeignSnapshotError(f"{os.fspath(path)}: the safetensors library refuses it: {' '.join(str(e).split())[:200]}") from None
 
 
 def check_ready(
