@@ -132,3 +132,26 @@ def test_check_ready_needs_a_verdict_for_every_object(tmp_path: Path) -> None:
     (staged / "a.txt").unlink()
     with pytest.raises(ForeignSnapshotError, match="a.txt is missing from the staged snapshot"):
         check_ready(table, staged, verdicts, allow_unverifiable=True)
+
+
+def test_verify_or_repair_and_bad_chunks(tmp_path: Path) -> None:
+    from bdn.foreign.repair import bad_chunks, verify_or_repair
+
+    root = tmp_path / "bucket"
+    (root / "s1").mkdir(parents=True)
+    data = os.urandom(5 * PART + 7)
+    (root / "s1" / "blob").write_bytes(data)
+    bucket = open_bucket(f"file://{root}")
+    table = read_foreign_table(bucket, "s1", chunk_size=4096, policy_version=1)
+    cs = multipart_checksum(data, PART)
+    cs = ObjectChecksum(key="s1/blob", etag=table.object("blob").etag, size=cs.size, parts=cs.parts,
+                        part_size=cs.part_size, composite_md5=cs.composite_md5)
+    verdict, repair = verify_or_repair(bucket, cs, bytearray(data), chunk_size=4096)
+    assert verdict.ok and repair is None
+    copy = bytearray(data)
+    copy[PART + 1] ^= 1
+    copy[4 * PART + 4096 * 3] ^= 1
+    verdict, repair = verify_or_repair(bucket, cs, copy, chunk_size=4096)
+    assert verdict.status == "bad" and repair is not None and bytes(copy) == data
+    assert bad_chunks(repair.bad_ranges, 4096) == [PART // 4096, 4 * PART // 4096 + 3]
+    assert bad_chunks([(4095, 2)], 4096) == [0, 1]

@@ -512,9 +512,12 @@ class S3Bucket(Bucket):
                         )
                     shorts += 1
                     if breaks + shorts >= self._max_attempts:
+                        goes_on = "although the object goes on" if object_size is not None else (
+                            "without saying that the object ends there"
+                        )
                         raise BucketUnavailable(
                             f"read {where}: the bucket answered {shorts} times with fewer bytes than"
-                            f" asked although the object goes on (last: {answered} bytes,"
+                            f" asked {goes_on} (last: {answered} bytes,"
                             f" Content-Range {_one_line(content_range, 80)!r}, for"
                             f" {answered + total - done} asked)"
                         )

@@ -77,3 +77,35 @@ def repair_from_bucket(
             " (an ETag that is not an MD5, such as SSE-KMS's, or a faulty bucket)"
         )
     return Repair(tuple(indices), tuple(bad), read, after)
+
+
+def verify_or_repair(
+    bucket: Bucket,
+    checksum: ObjectChecksum,
+    buf: Any,
+    *,
+    chunk_size: int,
+    certified_parts: Sequence[str] | None = None,
+    workers: int = 1,
+) -> tuple[Verdict, Repair | None]:
+    """:func:`verify_object`, then :func:`repair_from_bucket` when the copy is bad.
+
+    Returns ``(verdict of the copy as assembled, repair or None)``; after it, ``buf`` holds the
+    bucket's bytes, unless the verdict is ``unverifiable`` (nothing was checked or changed).
+    Raises as :func:`repair_from_bucket`.
+    """
+    verdict = verify_object(buf, checksum, certified_parts=certified_parts, workers=workers)
+    if verdict.status != "bad":
+        return verdict, None
+    return verdict, repair_from_bucket(
+        bucket, checksum, buf, verdict, chunk_size=chunk_size, certified_parts=certified_parts
+    )
+
+
+def bad_chunks(bad_ranges: Sequence[tuple[int, int]], chunk_size: int) -> list[int]:
+    """The stored chunk indices that the byte ranges of :attr:`Repair.bad_ranges` touch, sorted:
+    the chunks to blame on the peers that sent them."""
+    out: set[int] = set()
+    for offset, length in bad_ranges:
+        out.update(range(offset // chunk_size, (offset + max(length, 1) - 1) // chunk_size + 1))
+    return sorted(out)

@@ -127,7 +127,7 @@ class ProxiedRequest:
     calls). ``query``: the raw query string. ``range``: the ``Range`` header or ``None``.
     ``status``: what the client got. ``response_bytes``: body bytes sent to the client.
     ``injected``: the proxy answered with a fault instead of forwarding. ``truncated``: the
-    proxy cut the body short. ``access_key``: the key id from the SigV4 ``Authorization``.
+    proxy cut the body short (``truncate_next``) or shortened a 206 (``shorten_next``). ``access_key``: the key id from the SigV4 ``Authorization``.
     ``headers``: the request headers, names lower-cased.
     """
 
