@@ -491,6 +491,37 @@ def test_checksum_of_each_backend(ctx: Ctx, tmp_path: Path) -> None:
         b.checksum("small", infos["small"].etag)
 
 
+def test_checksum_of_a_multipart_object_with_parts_of_several_sizes(
+    proxy: S3Proxy, bucket_name: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An uploader that cut parts of 6, 5 and 1 MiB: the first and last parts' sizes show the
+    parts differ, so every part's size is asked for, and the object verifies."""
+    import boto3
+
+    from bdn.foreign.checksum import verify_object
+
+    b = _open_remote("s3", bucket_name, proxy, monkeypatch)
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    data = big_random(12 * MiB)
+    cuts = [(0, 6 * MiB), (6 * MiB, 11 * MiB), (11 * MiB, 12 * MiB)]
+    key = "run-1/odd"
+    upload = client.create_multipart_upload(Bucket=bucket_name, Key=key)["UploadId"]
+    done = []
+    for n, (lo, hi) in enumerate(cuts, 1):
+        part = client.upload_part(Bucket=bucket_name, Key=key, UploadId=upload, PartNumber=n, Body=data[lo:hi])
+        done.append({"PartNumber": n, "ETag": part["ETag"]})
+    client.complete_multipart_upload(Bucket=bucket_name, Key=key, UploadId=upload, MultipartUpload={"Parts": done})
+    client.close()
+    info = b.stat("odd")
+    cs = b.checksum("odd", info.etag)
+    assert (cs.parts, cs.part_size, cs.part_sizes) == (3, 6 * MiB, (6 * MiB, 5 * MiB, 1 * MiB))
+    assert verify_object(data, cs).ok
+    flipped = bytearray(data)
+    flipped[7 * MiB] ^= 1
+    assert not verify_object(flipped, cs).ok
+    b.close()
+
+
 def test_parse_etags_and_goog_hash() -> None:
     import base64
 

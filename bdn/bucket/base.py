@@ -71,8 +71,8 @@ class ObjectChecksum:
     (S3 single-part without SSE-KMS/SSE-C, GCS ``x-goog-hash: md5=``), else ``None``.
     ``parts``/``part_size``: an S3 multipart object's part count (the ETag's ``-N``) and the
     size in bytes of its first part (``HeadObject`` with ``PartNumber=1``); every part but the
-    last has that size when the uploader used one part size (s3transfer, the AWS CLI, boto3 do),
-    and verification says so when that assumption fails. ``composite_md5``: the ETag's hex digest
+    last has that size when the uploader used one part size (s3transfer, the AWS CLI, boto3 do).
+    ``part_sizes``: every part's size, when the first and last parts show that they differ. ``composite_md5``: the ETag's hex digest
     of the parts' binary MD5s. ``crc32c``: GCS's CRC-32C of the object (``x-goog-hash``), or
     ``None``. An object with none of ``md5``, ``composite_md5``, ``crc32c`` (``file://``, SSE-KMS)
     has no bucket checksum (docs/TRUST.md says what is trusted then).
@@ -85,6 +85,7 @@ class ObjectChecksum:
     parts: int | None = None
     part_size: int | None = None
     composite_md5: str | None = None
+    part_sizes: tuple[int, ...] | None = None
     crc32c: int | None = None
 
     @property

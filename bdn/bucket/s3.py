@@ -365,20 +365,13 @@ class S3Bucket(Bucket):
         with self._slot():
             self._fill(key, offset, view, if_match=_quoted(if_match) if if_match else None)
 
-    def checksum(self, key: str, etag: str) -> ObjectChecksum:
-        """S3: the MD5 in a single-part ETag, or the composite MD5, part count and first part's
-        size (``HeadObject`` with ``PartNumber=1``) of a multipart one; GCS: ``x-goog-hash``.
-
-        SSE-KMS/SSE-C objects (``x-amz-server-side-encryption: aws:kms`` or a customer key) have
-        an ETag that is not an MD5: they come back with no checksum.
-        """
-        validate_key(key)
-        md5, parts = parse_s3_etag(etag)
+    def _head(self, key: str, etag: str, part: int | None) -> tuple[dict[str, Any], dict[str, str]]:
+        """HEAD of ``key`` (with ``If-Match: etag``, or of part ``part``): (answer, raw headers)."""
         params: dict[str, Any] = {"Key": self._full_key(key)}
-        if parts is not None and not self._gcs:
+        if part is not None:
             # No If-Match here: S3 compares it with the whole object's ETag, but some S3 APIs
-            # (moto) with the part's; the version is held by the ETag compared below instead.
-            params["PartNumber"] = 1
+            # (moto) with the part's; the caller holds the version with a plain HEAD instead.
+            params["PartNumber"] = part
         else:
             params["IfMatch"] = _quoted(etag)
         self.stats.add(head_requests=1)
@@ -396,14 +389,29 @@ class S3Bucket(Bucket):
                 raise self._map_error("stat", key, exc) from None
             except bex.BotoCoreError as exc:
                 raise self._map_error("stat", key, exc) from None
-        headers = (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+        return resp, (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+
+    def checksum(self, key: str, etag: str) -> ObjectChecksum:
+        """S3: the MD5 in a single-part ETag, or the composite MD5, part count and part layout of
+        a multipart one; GCS: ``x-goog-hash``.
+
+        The layout of a multipart object: ``HeadObject`` with ``PartNumber=1`` and ``PartNumber=N``
+        give the first and last parts' sizes; when they fit parts of one size but the last, that
+        is the layout (every AWS uploader cuts parts so), else every part is asked for its size
+        (``part_sizes``). SSE-KMS/SSE-C objects (``x-amz-server-side-encryption: aws:kms`` or a
+        customer key) have an ETag that is not an MD5: they come back with no checksum.
+        """
+        validate_key(key)
+        md5, parts = parse_s3_etag(etag)
+        multipart = parts is not None and not self._gcs
+        resp, headers = self._head(key, etag, 1 if multipart else None)
         if headers.get("x-amz-server-side-encryption") == "aws:kms" or headers.get(
             "x-amz-server-side-encryption-customer-algorithm"
         ):
             md5 = None
-            parts = None
+            multipart = False
         size = _size(resp, self._where(key))
-        if parts is not None and not self._gcs:
+        if multipart and parts is not None:
             count = headers.get("x-amz-mp-parts-count")
             if count is not None and str(count) != str(parts):
                 raise ObjectChanged(
@@ -417,8 +425,26 @@ class S3Bucket(Bucket):
                     f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
                     key,
                 )
+            sizes: tuple[int, ...] | None = None
+            if parts > 1:
+                last = _size(self._head(key, etag, parts)[0], self._where(key))
+                if not (last <= size and size * (parts - 1) + last == info.size):
+                    middle = [_size(self._head(key, etag, k)[0], self._where(key)) for k in range(2, parts)]
+                    sizes = (size, *middle, last)
+                    if sum(sizes) != info.size:
+                        raise ObjectChanged(
+                            f"object changed while it was read: {self._where(key)} (its parts add up to"
+                            f" {sum(sizes)} bytes, not {info.size})",
+                            key,
+                        )
+            if self.stat(key).etag != etag:  # the part HEADs carry no If-Match
+                raise ObjectChanged(
+                    f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
+                    key,
+                )
             return ObjectChecksum(
-                key=key, etag=etag, size=info.size, parts=parts, part_size=size, composite_md5=md5
+                key=key, etag=etag, size=info.size, parts=parts, part_size=size, composite_md5=md5,
+                part_sizes=sizes,
             )
         goog_md5, crc = _goog_hash(headers.get("x-goog-hash"))
         if self._gcs:

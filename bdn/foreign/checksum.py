@@ -71,13 +71,23 @@ class Verdict:
         return self.status == OK
 
 
-def part_ranges(size: int, part_size: int, parts: int) -> tuple[Part, ...]:
-    """The parts of a ``size``-byte multipart object of ``parts`` parts whose first is ``part_size``
-    bytes, assuming every part but the last has that size (what uploaders do).
+def part_ranges(
+    size: int, part_size: int, parts: int, part_sizes: Sequence[int] | None = None
+) -> tuple[Part, ...]:
+    """The parts of a ``size``-byte multipart object of ``parts`` parts.
 
-    Raises ChecksumError when that layout cannot give ``parts`` parts (the uploader used parts of
-    several sizes: the object cannot be checked part-wise).
+    With ``part_sizes`` (every part's size, as the bucket reported them) those; else every part
+    but the last has the first's ``part_size`` (what uploaders do). Raises ChecksumError when the
+    layout cannot describe ``parts`` parts covering ``size`` bytes.
     """
+    if part_sizes is not None:
+        if len(part_sizes) != parts or sum(part_sizes) != size or any(n <= 0 for n in part_sizes):
+            raise ChecksumError(f"bad multipart layout: part sizes {list(part_sizes)[:8]} for {parts} parts of {size} bytes")
+        out, offset = [], 0
+        for i, n in enumerate(part_sizes):
+            out.append(Part(i, offset, n))
+            offset += n
+        return tuple(out)
     if part_size <= 0 or parts <= 0 or size < 0:
         raise ChecksumError(f"bad multipart layout: {parts} parts of {part_size} bytes for {size} bytes")
     want = max(1, -(-size // part_size))
@@ -165,7 +175,7 @@ def verify_object(
             reason=f"{checksum.key}: MD5 {got} of the assembled object is not the bucket's {checksum.md5}",
         )
     if checksum.composite_md5 is not None and checksum.parts is not None and checksum.part_size:
-        parts = part_ranges(size, checksum.part_size, checksum.parts)
+        parts = part_ranges(size, checksum.part_size, checksum.parts, checksum.part_sizes)
         md5s = tuple(d.hex() for d in part_md5s(buf, parts, workers=workers))
         if certify_part_md5s(md5s, checksum):
             return Verdict(checksum.key, OK, "multipart-md5", parts, md5s, reason="every part matches the ETag")
