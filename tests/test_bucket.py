@@ -522,6 +522,39 @@ def test_checksum_of_a_multipart_object_with_parts_of_several_sizes(
     b.close()
 
 
+def test_multipart_layout_that_only_looks_uniform(
+    proxy: S3Proxy, bucket_name: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts of 6, 5, 7 and 6 MiB: the first and last fit four 6 MiB parts, so the layout is
+    inferred wrongly; the repair asks every part before it blames the bucket, and the copy
+    verifies without a byte changed."""
+    import boto3
+
+    from bdn.foreign.repair import verify_or_repair
+
+    b = _open_remote("s3", bucket_name, proxy, monkeypatch)
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    data = big_random(24 * MiB)
+    sizes = [6 * MiB, 5 * MiB, 7 * MiB, 6 * MiB]
+    key = "run-1/odd"
+    upload = client.create_multipart_upload(Bucket=bucket_name, Key=key)["UploadId"]
+    done, lo = [], 0
+    for n, size in enumerate(sizes, 1):
+        part = client.upload_part(Bucket=bucket_name, Key=key, UploadId=upload, PartNumber=n, Body=data[lo : lo + size])
+        done.append({"PartNumber": n, "ETag": part["ETag"]})
+        lo += size
+    client.complete_multipart_upload(Bucket=bucket_name, Key=key, UploadId=upload, MultipartUpload={"Parts": done})
+    client.close()
+    etag = b.stat("odd").etag
+    cs = b.checksum("odd", etag)
+    assert (cs.part_size, cs.part_sizes) == (6 * MiB, None)  # inferred as four equal parts
+    assert b.checksum("odd", etag, exact_parts=True).part_sizes == tuple(sizes)
+    verdict, repair = verify_or_repair(b, cs, bytearray(data), chunk_size=MiB)
+    assert verdict.status == "bad" and repair is not None
+    assert repair.bad_ranges == () and repair.verdict.ok
+    b.close()
+
+
 def test_parse_etags_and_goog_hash() -> None:
     import base64
 

@@ -237,8 +237,11 @@ class Bucket(abc.ABC):
         Without it, a read resumed after a broken body is still held to the first answer's ETag.
         """
 
-    def checksum(self, key: str, etag: str) -> ObjectChecksum:
+    def checksum(self, key: str, etag: str, *, exact_parts: bool = False) -> ObjectChecksum:
         """What the bucket vouches for about version ``etag`` of ``key`` (see :class:`ObjectChecksum`).
+
+        ``exact_parts``: for a multipart object, ask every part for its size (``part_sizes``)
+        instead of inferring the layout from the first and last parts.
 
         The base implementation (``file://``) vouches for nothing. Raises :class:`ObjectNotFound`,
         :class:`ObjectChanged` when the object's token is no longer ``etag``.

@@ -391,14 +391,14 @@ class S3Bucket(Bucket):
                 raise self._map_error("stat", key, exc) from None
         return resp, (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
 
-    def checksum(self, key: str, etag: str) -> ObjectChecksum:
+    def checksum(self, key: str, etag: str, *, exact_parts: bool = False) -> ObjectChecksum:
         """S3: the MD5 in a single-part ETag, or the composite MD5, part count and part layout of
         a multipart one; GCS: ``x-goog-hash``.
 
         The layout of a multipart object: ``HeadObject`` with ``PartNumber=1`` and ``PartNumber=N``
         give the first and last parts' sizes; when they fit parts of one size but the last, that
-        is the layout (every AWS uploader cuts parts so), else every part is asked for its size
-        (``part_sizes``). SSE-KMS/SSE-C objects (``x-amz-server-side-encryption: aws:kms`` or a
+        is the layout (every AWS uploader cuts parts so), else (or with ``exact_parts``) every
+        part is asked for its size (``part_sizes``). SSE-KMS/SSE-C objects (``x-amz-server-side-encryption: aws:kms`` or a
         customer key) have an ETag that is not an MD5: they come back with no checksum.
         """
         validate_key(key)
@@ -428,7 +428,7 @@ class S3Bucket(Bucket):
             sizes: tuple[int, ...] | None = None
             if parts > 1:
                 last = _size(self._head(key, etag, parts)[0], self._where(key))
-                if not (last <= size and size * (parts - 1) + last == info.size):
+                if exact_parts or not (last <= size and size * (parts - 1) + last == info.size):
                     middle = [_size(self._head(key, etag, k)[0], self._where(key)) for k in range(2, parts)]
                     sizes = (size, *middle, last)
                     if sum(sizes) != info.size:
