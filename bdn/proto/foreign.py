@@ -212,13 +212,21 @@ def chunk_id(key: str, etag: str, size: int, chunk_size: int, index: int) -> str
     )
 
 
-def result_chunk_id(key: str, etag: str, base_identity: str, base_ids: Sequence[str], size: int,
+def ids_digest(ids: Sequence[str]) -> str:
+    """One digest of a file's chunk ids (what a rebuilt file's ids fold in of its base file)."""
+    h = xxhash.xxh3_128()
+    for i in ids:
+        h.update(i.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def result_chunk_id(key: str, etag: str, base_identity: str, base_digest: str, size: int,
                     chunk_size: int, index: int) -> str:
     """The id of chunk ``index`` of the file rebuilt from diff ``key``@``etag`` on the base file
-    whose result chunk ids are ``base_ids`` (so a different base gives different ids)."""
-    base = xxhash.xxh3_128_hexdigest("\0".join(base_ids).encode())
+    whose result chunk ids have :func:`ids_digest` ``base_digest`` (another base, other ids)."""
     return xxhash.xxh3_128_hexdigest(
-        f"{FOREIGN_FORMAT}\0result\0{key}\0{etag}\0{base_identity}\0{base}\0{size}\0{chunk_size}\0{index}".encode(
+        f"{FOREIGN_FORMAT}\0result\0{key}\0{etag}\0{base_identity}\0{base_digest}\0{size}\0{chunk_size}\0{index}".encode(
             "utf-8", "surrogatepass"
         )
     )
@@ -381,7 +389,7 @@ def derive_table(
             if base_headers is not None and o.path in base_headers:
                 _check_names(o, kinds[o.path][0], base_headers[o.path])
             rsize = base_file.result_size
-            rids = base_file.result_chunks
+            rids = ids_digest(base_file.result_chunks)
             entry["result"] = {
                 "size": rsize,
                 "chunks": _ids(
