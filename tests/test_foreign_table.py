@@ -245,3 +245,20 @@ def test_policy_version_from_identity() -> None:
     assert policy_version_from_identity("step000002") == 2
     assert policy_version_from_identity("run7-42") == 42
     assert policy_version_from_identity("anchor") is None
+
+
+def test_index_naming_an_unusable_path_is_final(tmp_path: Path) -> None:
+    files = full_files(tmp_path, weights(1))
+    index = json.dumps({"weight_map": {"a.weight": "../other/model.safetensors"}}).encode()
+    files["model.safetensors.index.json"] = index
+    objects, heads = snapshot(tmp_path, "s1", files)
+    with pytest.raises(ForeignSnapshotError, match="names an unusable shard") as err:
+        derive_table("s1", objects, heads, chunk_size=CHUNK, policy_version=1,
+                     indexes={"model.safetensors.index.json": index})
+    assert not isinstance(err.value, IncompleteSnapshot)
+
+
+def test_short_object_error_names_it(tmp_path: Path) -> None:
+    objects = listed_objects("s1", [Listed("s1/m.safetensors", 3, "e")])
+    with pytest.raises(ForeignSnapshotError, match="s1/m.safetensors: safetensors object of 3 bytes"):
+        derive_table("s1", objects, {"m.safetensors": b"\x05\0\0"}, chunk_size=CHUNK, policy_version=1)

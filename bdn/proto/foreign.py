@@ -48,7 +48,7 @@ from bdn.proto.manifest import (
     MAX_TOTAL_CHUNKS,
     Manifest,
 )
-from bdn.proto.safetensors_fmt import Header, SafetensorsError, parse_header
+from bdn.proto.safetensors_fmt import Header, SafetensorsError, _q, parse_header
 
 FOREIGN_FORMAT = "bdn.foreign/1"
 #: The safetensors library refuses headers of 100,000,000 bytes and more (``MAX_HEADER_SIZE``);
@@ -252,6 +252,10 @@ def check_index(identity: str, index_path: str, data: bytes, paths: set[str]) ->
     folder = index_path.rpartition("/")[0]
     for shard in sorted({v for v in weight_map.values() if isinstance(v, str)}):
         path = f"{folder}/{shard}" if folder else shard
+        try:
+            validate_relpath(path)
+        except ProtocolError as e:
+            raise ForeignSnapshotError(f"{identity}/{index_path} names an unusable shard: {e}") from None
         if path not in paths:
             raise IncompleteSnapshot(
                 f"{identity}/{index_path} names the shard {shard!r}, which is not (yet) in the bucket"
@@ -267,7 +271,7 @@ def _classify(obj: ForeignObject, head: bytes | None) -> tuple[Header, bool, str
     try:
         header_span(head, obj.size)
         header = parse_header(head, obj.size)
-    except SafetensorsError as e:
+    except (SafetensorsError, ForeignSnapshotError) as e:
         raise ForeignSnapshotError(f"{obj.key}: {e}") from None
     if not header.tensors:
         return header, False, None
@@ -278,11 +282,11 @@ def _classify(obj: ForeignObject, head: bytes | None) -> tuple[Header, bool, str
     first = min(streams.values(), key=lambda s: s.frame_start)
     probe = head[first.frame_start : first.frame_start + SNIFF_BYTES]
     if first.frame_end - first.frame_start < SNIFF_BYTES or len(probe) < SNIFF_BYTES:
-        raise ForeignSnapshotError(f"{obj.key}: the diff stream of tensor {first.name!r} is too short to be one")
+        raise ForeignSnapshotError(f"{obj.key}: the diff stream of tensor {_q(first.name)} is too short to be one")
     codec = sniff_compression(probe)
     if codec is None:
         raise UnsupportedFormat(
-            f"{obj.key}: the diff stream of tensor {first.name!r} starts with {bytes(probe).hex()}, which is"
+            f"{obj.key}: the diff stream of tensor {_q(first.name)} starts with {bytes(probe).hex()}, which is"
             f" none of {', '.join(COMPRESSION_FORMATS)} (zstd frame, zlib stream, BDNP)"
         )
     return header, True, codec
@@ -359,7 +363,7 @@ def derive_table(
         codec = codecs[0]
         if compression_format is not None and compression_format.lower() != codec:
             raise UnsupportedFormat(
-                f"{identity}: the request names compression_format {compression_format!r}, but the diff files are {codec}"
+                f"{identity}: the request names compression_format {_q(compression_format)}, but the diff files are {codec}"
             )
         if base_identity is None:
             raise ForeignSnapshotError(
@@ -421,10 +425,10 @@ def derive_table(
 def _check_names(obj: ForeignObject, diff_header: Header, base_header: Header) -> None:
     for name in base_header.tensors:
         if name not in diff_header.tensors:
-            raise ForeignSnapshotError(f"{obj.key} has no stream for tensor {name!r} of the base")
+            raise ForeignSnapshotError(f"{obj.key} has no stream for tensor {_q(name)} of the base")
     for name in diff_header.tensors:
         if name not in base_header.tensors:
-            raise ForeignSnapshotError(f"{obj.key} has a stream for tensor {name!r}, which the base lacks")
+            raise ForeignSnapshotError(f"{obj.key} has a stream for tensor {_q(name)}, which the base lacks")
 
 
 def _canonical(manifest: Manifest, objects: Sequence[ForeignObject]) -> bytes:
