@@ -484,6 +484,22 @@ def test_checksum_of_each_backend(ctx: Ctx, tmp_path: Path) -> None:
         composite = hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest()
         assert multi.composite_md5 == composite
         assert single.verifiable and multi.verifiable
+        # The additional checksums current SDKs send (boto3: CRC32), the fallback without MD5.
+        import dataclasses
+
+        from bdn.foreign.checksum import verify_object
+
+        assert single.sdk_checksum is not None and not single.sdk_checksum.composite
+        assert multi.sdk_checksum is not None and multi.sdk_checksum.composite
+        no_md5 = dataclasses.replace(single, md5=None)
+        no_composite = dataclasses.replace(multi, composite_md5=None)
+        assert verify_object(small, no_md5).method == single.sdk_checksum.algorithm
+        assert verify_object(small, no_md5).ok
+        v = verify_object(big, no_composite, workers=2)
+        assert v.ok and v.method == multi.sdk_checksum.algorithm + "-composite"
+        flipped = bytearray(big)
+        flipped[PART + 7] ^= 1
+        assert verify_object(flipped, no_composite).status == "bad"
     else:
         assert not single.verifiable and not multi.verifiable
     b.write("small", pattern(1000, seed=3))
@@ -552,6 +568,24 @@ def test_multipart_layout_that_only_looks_uniform(
     verdict, repair = verify_or_repair(b, cs, bytearray(data), chunk_size=MiB)
     assert verdict.status == "bad" and repair is not None
     assert repair.bad_ranges == () and repair.verdict.ok
+    b.close()
+
+
+def test_sse_kms_object_has_no_md5_but_its_sdk_checksum(
+    proxy: S3Proxy, bucket_name: str, moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import boto3
+
+    from bdn.foreign.checksum import verify_object
+
+    b = _open_remote("s3", bucket_name, proxy, monkeypatch)
+    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+    data = pattern(5000)
+    client.put_object(Bucket=bucket_name, Key="run-1/kms", Body=data, ServerSideEncryption="aws:kms")
+    client.close()
+    cs = b.checksum("kms", b.stat("kms").etag)
+    assert cs.md5 is None and cs.sdk_checksum is not None
+    assert verify_object(data, cs).ok
     b.close()
 
 

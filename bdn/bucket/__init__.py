@@ -14,6 +14,7 @@ from bdn.bucket.base import (
     ObjectChecksum,
     ObjectInfo,
     ObjectNotFound,
+    SdkChecksum,
     validate_key,
     validate_prefix,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "ObjectInfo",
     "ObjectNotFound",
     "ReaderCredentials",
+    "SdkChecksum",
     "load_credentials_file",
     "open_bucket",
     "validate_key",

@@ -63,6 +63,18 @@ class ObjectChanged(BucketError):
 
 
 @dataclass(frozen=True)
+class SdkChecksum:
+    """An S3 additional checksum (``x-amz-checksum-<algorithm>``): ``algorithm`` one of
+    ``crc32``, ``crc32c``, ``sha1``, ``sha256``; ``digest`` its raw bytes (CRCs big-endian);
+    ``composite``: the checksum of the parts' concatenated binary checksums (multipart
+    ``COMPOSITE``), else of the whole object."""
+
+    algorithm: str
+    digest: bytes
+    composite: bool = False
+
+
+@dataclass(frozen=True)
 class ObjectChecksum:
     """What the bucket itself says about an object's content (for verifying assembled copies).
 
@@ -72,10 +84,12 @@ class ObjectChecksum:
     ``parts``/``part_size``: an S3 multipart object's part count (the ETag's ``-N``) and the
     size in bytes of its first part (``HeadObject`` with ``PartNumber=1``); every part but the
     last has that size when the uploader used one part size (s3transfer, the AWS CLI, boto3 do).
-    ``part_sizes``: every part's size, when the first and last parts show that they differ. ``composite_md5``: the ETag's hex digest
-    of the parts' binary MD5s. ``crc32c``: GCS's CRC-32C of the object (``x-goog-hash``), or
-    ``None``. An object with none of ``md5``, ``composite_md5``, ``crc32c`` (``file://``, SSE-KMS)
-    has no bucket checksum (docs/TRUST.md says what is trusted then).
+    ``part_sizes``: every part's size, when the first and last parts show that they differ.
+    ``composite_md5``: the ETag's hex digest of the parts' binary MD5s. ``crc32c``: GCS's
+    CRC-32C of the object (``x-goog-hash``), or ``None``. ``sdk_checksum``: S3's additional
+    checksum, when the uploader sent one (current AWS SDKs do). An object with none of these
+    (``file://``; SSE-KMS uploaded without an additional checksum) has no bucket checksum
+    (docs/TRUST.md says what is trusted then).
     """
 
     key: str
@@ -87,10 +101,13 @@ class ObjectChecksum:
     composite_md5: str | None = None
     part_sizes: tuple[int, ...] | None = None
     crc32c: int | None = None
+    sdk_checksum: SdkChecksum | None = None
 
     @property
     def verifiable(self) -> bool:
-        return self.md5 is not None or self.composite_md5 is not None or self.crc32c is not None
+        return any(
+            v is not None for v in (self.md5, self.composite_md5, self.crc32c, self.sdk_checksum)
+        )
 
 
 class AccessDenied(BucketError):

@@ -51,6 +51,7 @@ from bdn.bucket.base import (
     ObjectChanged,
     ObjectChecksum,
     ObjectInfo,
+    SdkChecksum,
     ObjectNotFound,
     as_byte_view,
     validate_key,
@@ -365,9 +366,14 @@ class S3Bucket(Bucket):
         with self._slot():
             self._fill(key, offset, view, if_match=_quoted(if_match) if if_match else None)
 
-    def _head(self, key: str, etag: str, part: int | None) -> tuple[dict[str, Any], dict[str, str]]:
-        """HEAD of ``key`` (with ``If-Match: etag``, or of part ``part``): (answer, raw headers)."""
+    def _head(
+        self, key: str, etag: str, part: int | None, *, checksums: bool = False
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """HEAD of ``key`` (with ``If-Match: etag``, or of part ``part``): (answer, raw headers).
+        ``checksums``: ask for the additional checksums (``ChecksumMode=ENABLED``; S3 only)."""
         params: dict[str, Any] = {"Key": self._full_key(key)}
+        if checksums:
+            params["ChecksumMode"] = "ENABLED"
         if part is not None:
             # No If-Match here: S3 compares it with the whole object's ETag, but some S3 APIs
             # (moto) with the part's; the caller holds the version with a plain HEAD instead.
@@ -386,6 +392,11 @@ class S3Bucket(Bucket):
                         f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
                         key,
                     ) from None
+                if part is not None and (status == 416 or code in ("InvalidPartNumber", "InvalidRange")):
+                    raise ObjectChanged(
+                        f"object changed while it was read: {self._where(key)} (it has no part {part} now)",
+                        key,
+                    ) from None
                 raise self._map_error("stat", key, exc) from None
             except bex.BotoCoreError as exc:
                 raise self._map_error("stat", key, exc) from None
@@ -393,64 +404,70 @@ class S3Bucket(Bucket):
 
     def checksum(self, key: str, etag: str, *, exact_parts: bool = False) -> ObjectChecksum:
         """S3: the MD5 in a single-part ETag, or the composite MD5, part count and part layout of
-        a multipart one; GCS: ``x-goog-hash``.
+        a multipart one, and the object's additional checksum if it was uploaded with one; GCS:
+        ``x-goog-hash``.
 
         The layout of a multipart object: ``HeadObject`` with ``PartNumber=1`` and ``PartNumber=N``
         give the first and last parts' sizes; when they fit parts of one size but the last, that
         is the layout (every AWS uploader cuts parts so), else (or with ``exact_parts``) every
-        part is asked for its size (``part_sizes``). SSE-KMS/SSE-C objects (``x-amz-server-side-encryption: aws:kms`` or a
-        customer key) have an ETag that is not an MD5: they come back with no checksum.
+        part is asked for its size (``part_sizes``). SSE-KMS/SSE-C objects
+        (``x-amz-server-side-encryption: aws:kms`` or a customer key) have an ETag that is not an
+        MD5; their additional checksum (``x-amz-checksum-*`` with ``ChecksumMode=ENABLED``, which
+        current AWS SDKs send on every upload) is then all the bucket vouches for.
         """
         validate_key(key)
         md5, parts = parse_s3_etag(etag)
         multipart = parts is not None and not self._gcs
-        resp, headers = self._head(key, etag, 1 if multipart else None)
+        resp, headers = self._head(key, etag, 1 if multipart else None, checksums=not self._gcs)
         if headers.get("x-amz-server-side-encryption") == "aws:kms" or headers.get(
             "x-amz-server-side-encryption-customer-algorithm"
         ):
             md5 = None
-            multipart = False
-        size = _size(resp, self._where(key))
-        if multipart and parts is not None:
-            count = headers.get("x-amz-mp-parts-count")
-            if count is not None and str(count) != str(parts):
-                raise ObjectChanged(
-                    f"object changed while it was read: {self._where(key)} (ETag names {parts}"
-                    f" parts, the bucket now reports {_one_line(count, 20)})",
-                    key,
-                )
-            info = self.stat(key)
-            if info.etag != etag:
-                raise ObjectChanged(
-                    f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
-                    key,
-                )
-            sizes: tuple[int, ...] | None = None
-            if parts > 1:
-                last = _size(self._head(key, etag, parts)[0], self._where(key))
-                if exact_parts or not (last <= size and size * (parts - 1) + last == info.size):
-                    middle = [_size(self._head(key, etag, k)[0], self._where(key)) for k in range(2, parts)]
-                    sizes = (size, *middle, last)
-                    if sum(sizes) != info.size:
-                        raise ObjectChanged(
-                            f"object changed while it was read: {self._where(key)} (its parts add up to"
-                            f" {sum(sizes)} bytes, not {info.size})",
-                            key,
-                        )
-            if self.stat(key).etag != etag:  # the part HEADs carry no If-Match
-                raise ObjectChanged(
-                    f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
-                    key,
-                )
-            return ObjectChecksum(
-                key=key, etag=etag, size=info.size, parts=parts, part_size=size, composite_md5=md5,
-                part_sizes=sizes,
-            )
-        goog_md5, crc = _goog_hash(headers.get("x-goog-hash"))
+        first_size = _size(resp, self._where(key))
         if self._gcs:
             # GCS's ETag is an MD5 only for non-composite objects; x-goog-hash says which.
-            md5 = goog_md5
-        return ObjectChecksum(key=key, etag=etag, size=size, md5=md5, crc32c=crc)
+            goog_md5, crc = _goog_hash(headers.get("x-goog-hash"))
+            return ObjectChecksum(key=key, etag=etag, size=first_size, md5=goog_md5, crc32c=crc)
+        sdk = _sdk_checksum(headers, multipart)
+        if not multipart or parts is None:
+            return ObjectChecksum(key=key, etag=etag, size=first_size, md5=md5, sdk_checksum=sdk)
+        count = headers.get("x-amz-mp-parts-count")
+        if count is not None and str(count) != str(parts):
+            raise ObjectChanged(
+                f"object changed while it was read: {self._where(key)} (ETag names {parts}"
+                f" parts, the bucket now reports {_one_line(count, 20)})",
+                key,
+            )
+        if sdk is None:
+            # Some S3 APIs leave the checksum out of a part's HEAD; the object's HEAD has it.
+            sdk = _sdk_checksum(self._head(key, etag, None, checksums=True)[1], True)
+        info = self.stat(key)
+        if info.etag != etag:
+            raise ObjectChanged(
+                f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
+                key,
+            )
+        sizes: tuple[int, ...] | None = None
+        if parts > 1:
+            last = _size(self._head(key, etag, parts)[0], self._where(key))
+            if exact_parts or not (last <= first_size and first_size * (parts - 1) + last == info.size):
+                middle = [_size(self._head(key, etag, k)[0], self._where(key)) for k in range(2, parts)]
+                sizes = (first_size, *middle, last)
+                if sum(sizes) != info.size:
+                    raise ObjectChanged(
+                        f"object changed while it was read: {self._where(key)} (its parts add up to"
+                        f" {sum(sizes)} bytes, not {info.size})",
+                        key,
+                    )
+        if self.stat(key).etag != etag:  # the part HEADs carry no If-Match
+            raise ObjectChanged(
+                f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
+                key,
+            )
+        return ObjectChecksum(
+            key=key, etag=etag, size=info.size, parts=parts, part_size=first_size, composite_md5=md5,
+            part_sizes=sizes, sdk_checksum=sdk,
+        )
 
     def _fill(
         self,
@@ -634,6 +651,30 @@ def _range_total(content_range: object) -> int | None:
     if m is None or m.group(3) == "*":
         return None
     return int(m.group(3))
+
+
+#: S3's additional checksum algorithms that bdn can check (CRC64NVME has no well-kept binding).
+SDK_ALGORITHMS = ("crc32", "crc32c", "sha1", "sha256")
+
+
+def _sdk_checksum(headers: dict[str, str], multipart: bool) -> SdkChecksum | None:
+    """The ``x-amz-checksum-<algorithm>`` of a HEAD answer: ``<base64>`` (a full-object checksum)
+    or ``<base64>-N`` / ``x-amz-checksum-type: COMPOSITE`` (the checksum of the parts' binary
+    checksums, concatenated); a multipart object's checksum without a type is composite (S3's
+    default for every algorithm but CRC64NVME)."""
+    kind = str(headers.get("x-amz-checksum-type") or "").upper()
+    for algorithm in SDK_ALGORITHMS:
+        value = headers.get(f"x-amz-checksum-{algorithm}")
+        if not isinstance(value, str):
+            continue
+        b64, dash, count = value.strip().partition("-")
+        try:
+            digest = base64.b64decode(b64, validate=True)
+        except (ValueError, binascii.Error):
+            return None
+        composite = bool(dash) or kind == "COMPOSITE" or (multipart and kind != "FULL_OBJECT")
+        return SdkChecksum(algorithm, digest, composite)
+    return None
 
 
 def _goog_hash(value: object) -> tuple[str | None, int | None]:

@@ -10,6 +10,9 @@ one):
   where ``md5(part)`` is the 16-byte binary digest. ``HeadObject`` with ``PartNumber=1`` gives the
   first part's size; uploaders (s3transfer, the AWS CLI, boto3) cut every part but the last to
   that size, which :func:`part_ranges` assumes and a mismatch reports.
+* S3 additional checksums (``x-amz-checksum-crc32`` / ``-crc32c`` / ``-sha1`` / ``-sha256``, sent
+  by current AWS SDKs on every upload): of the whole object, or (multipart ``COMPOSITE``) of the
+  parts' concatenated binary checksums. Used when there is no MD5 (SSE-KMS, SSE-C).
 * GCS: ``x-goog-hash``: ``md5`` for non-composite objects, ``crc32c`` (Castagnoli, RFC 3720 B.4)
   for all.
 
@@ -22,6 +25,7 @@ bucket and without trusting the sender.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -191,6 +195,8 @@ def verify_object(
             checksum.key, BAD, "multipart-md5", parts, md5s, None,
             reason=f"{checksum.key}: the MD5 of its {checksum.parts} part MD5s is not the ETag's {checksum.composite_md5}",
         )
+    if checksum.sdk_checksum is not None:
+        return _verify_sdk(buf, checksum, size, whole, workers)
     if checksum.crc32c is not None:
         got_crc = crc32c(buf)
         if got_crc == checksum.crc32c:
@@ -202,4 +208,51 @@ def verify_object(
     return Verdict(
         checksum.key, UNVERIFIABLE, "none", whole,
         reason=f"{checksum.key}: the bucket keeps no checksum of this object",
+    )
+
+
+def sdk_digest(algorithm: str, buf: Any) -> bytes:
+    """The raw digest S3 keeps for ``algorithm`` (``crc32``, ``crc32c``: 4 bytes big-endian;
+    ``sha1``, ``sha256``) of ``buf``. Raises ValueError for another algorithm."""
+    if algorithm == "crc32":
+        return zlib.crc32(memoryview(buf).cast("B") if memoryview(buf).format != "B" else buf).to_bytes(4, "big")
+    if algorithm == "crc32c":
+        return crc32c(buf).to_bytes(4, "big")
+    if algorithm in ("sha1", "sha256"):
+        return hashlib.new(algorithm, buf).digest()
+    raise ValueError(f"unsupported checksum algorithm {algorithm!r}")
+
+
+def _verify_sdk(buf: Any, checksum: ObjectChecksum, size: int, whole: tuple[Part, ...], workers: int) -> Verdict:
+    sdk = checksum.sdk_checksum
+    assert sdk is not None
+    method = f"{sdk.algorithm}{'-composite' if sdk.composite else ''}"
+    if not sdk.composite:
+        got = sdk_digest(sdk.algorithm, buf)
+        if got == sdk.digest:
+            return Verdict(checksum.key, OK, method, whole, reason=f"{sdk.algorithm} matches the bucket's")
+        return Verdict(
+            checksum.key, BAD, method, whole, bad_parts=(0,),
+            reason=f"{checksum.key}: {sdk.algorithm} {got.hex()} of the assembled object is not the bucket's {sdk.digest.hex()}",
+        )
+    if checksum.parts is None or not checksum.part_size:
+        return Verdict(checksum.key, UNVERIFIABLE, method, whole,
+                       reason=f"{checksum.key}: a composite {sdk.algorithm} without a part layout")
+    parts = part_ranges(size, checksum.part_size, checksum.parts, checksum.part_sizes)
+    with memoryview(buf) as mv, mv.cast("B") if mv.format != "B" else mv as view:
+        slices = [view[p.offset : p.offset + p.length] for p in parts]
+        try:
+            if workers > 1 and len(slices) > 1:
+                with ThreadPoolExecutor(max_workers=min(workers, len(slices))) as pool:
+                    digests = list(pool.map(lambda v: sdk_digest(sdk.algorithm, v), slices))
+            else:
+                digests = [sdk_digest(sdk.algorithm, v) for v in slices]
+        finally:
+            for v in slices:
+                v.release()
+    if sdk_digest(sdk.algorithm, b"".join(digests)) == sdk.digest:
+        return Verdict(checksum.key, OK, method, parts, reason=f"every part matches the composite {sdk.algorithm}")
+    return Verdict(
+        checksum.key, BAD, method, parts, bad_parts=None,
+        reason=f"{checksum.key}: the {sdk.algorithm} of its {len(parts)} part checksums is not the bucket's",
     )
