@@ -159,6 +159,8 @@ def verify_object(
 ) -> Verdict:
     """Check the object's bytes in ``buf`` (exactly ``checksum.size`` bytes) against the bucket.
 
+    The first checksum the bucket gave is used: the ETag's MD5, the multipart ETag's part MD5s,
+    S3's additional checksum (whole or composite), GCS's CRC-32C; none: ``unverifiable``.
     ``certified_parts``: another daemon's list of part MD5s (hex) for this object version; it is
     used only if :func:`certify_part_md5s` accepts it, and then names every bad part. Without it,
     a wrong multipart object comes back with ``bad_parts=None`` (re-read to locate:
