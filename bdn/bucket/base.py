@@ -29,8 +29,12 @@ class ObjectInfo:
     """One stored object.
 
     ``key``: relative to the bucket root, ``/``-separated (``"step000001/model.safetensors"``).
-    ``size``: bytes. ``etag``: opaque change marker; equal etags mean equal content for S3/GCS.
-    For ``file://`` it is ``"<size hex>-<mtime_ns hex>"`` (see :mod:`bdn.bucket.file`).
+    ``size``: bytes. ``etag``: the object's **version token**, opaque; a new write gives a new
+    token, and :meth:`Bucket.read_range_into` can be made conditional on it (``if_match``).
+    S3: the ETag without quotes (the MD5 of the object for a single-part upload, the MD5 of the
+    parts' MD5s plus ``-N`` for a multipart one; neither for SSE-KMS/SSE-C objects). GCS (its S3
+    API): its ETag, which changes with every generation. ``file://``:
+    ``"<size hex>-<mtime_ns hex>-<inode hex>"`` (see :mod:`bdn.bucket.file`).
     """
 
     key: str
@@ -44,6 +48,66 @@ class BucketError(BdnError):
 
 class ObjectNotFound(BucketError):
     """The object does not exist. Message: ``object not found: <url>/<key>``."""
+
+
+class ObjectChanged(BucketError):
+    """A conditional read found the object replaced since its version token was taken.
+
+    ``key``: the object's key. Message: ``object changed while it was read: <url>/<key> (...)``.
+    Retrying the same read cannot help: the caller must take a new listing (and a new table).
+    """
+
+    def __init__(self, message: str, key: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+@dataclass(frozen=True)
+class SdkChecksum:
+    """An S3 additional checksum (``x-amz-checksum-<algorithm>``): ``algorithm`` one of
+    ``crc32``, ``crc32c``, ``sha1``, ``sha256``; ``digest`` its raw bytes (CRCs big-endian);
+    ``composite``: the checksum of the parts' concatenated binary checksums (multipart
+    ``COMPOSITE``), else of the whole object."""
+
+    algorithm: str
+    digest: bytes
+    composite: bool = False
+
+
+@dataclass(frozen=True)
+class ObjectChecksum:
+    """What the bucket itself says about an object's content (for verifying assembled copies).
+
+    ``key``/``etag``/``size``: the object and the version token these values belong to.
+    ``md5``: 32 lowercase hex, the MD5 of the whole object, when the bucket vouches for one
+    (S3 single-part without SSE-KMS/SSE-C, GCS ``x-goog-hash: md5=``), else ``None``.
+    ``parts``/``part_size``: an S3 multipart object's part count (the ETag's ``-N``) and the
+    size in bytes of its first part (``HeadObject`` with ``PartNumber=1``); every part but the
+    last has that size when the uploader used one part size (s3transfer, the AWS CLI, boto3 do).
+    ``part_sizes``: every part's size, when the first and last parts show that they differ.
+    ``composite_md5``: the ETag's hex digest of the parts' binary MD5s. ``crc32c``: GCS's
+    CRC-32C of the object (``x-goog-hash``), or ``None``. ``sdk_checksum``: S3's additional
+    checksum, when the uploader sent one (current AWS SDKs do). An object with none of these
+    (``file://``; SSE-KMS uploaded without an additional checksum) has no bucket checksum
+    (docs/TRUST.md says what is trusted then).
+    """
+
+    key: str
+    etag: str
+    size: int
+    md5: str | None = None
+    parts: int | None = None
+    part_size: int | None = None
+    composite_md5: str | None = None
+    part_sizes: tuple[int, ...] | None = None
+    crc32c: int | None = None
+    sdk_checksum: SdkChecksum | None = None
+
+    @property
+    def verifiable(self) -> bool:
+        return any(
+            v is not None for v in (self.md5, self.composite_md5, self.crc32c, self.sdk_checksum)
+        )
 
 
 class AccessDenied(BucketError):
@@ -177,12 +241,35 @@ class Bucket(abc.ABC):
         """
 
     @abc.abstractmethod
-    def read_range_into(self, key: str, offset: int, out: memoryview) -> None:
+    def read_range_into(
+        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None
+    ) -> None:
         """Fill all of ``out`` (a writable contiguous buffer) with the bytes at ``offset``.
 
         Bytes land directly in ``out`` where the backend allows it. Raises :class:`BucketError`
         if the object ends before ``offset + len(out)`` (``out`` is then partly written).
+        ``if_match``: a version token (:attr:`ObjectInfo.etag`); the read then returns bytes of
+        that version only and raises :class:`ObjectChanged` if the object was replaced (S3/GCS:
+        ``If-Match`` on every request; ``file://``: the token is re-checked before and after).
+        Without it, a read resumed after a broken body is still held to the first answer's ETag.
         """
+
+    def checksum(self, key: str, etag: str, *, exact_parts: bool = False) -> ObjectChecksum:
+        """What the bucket vouches for about version ``etag`` of ``key`` (see :class:`ObjectChecksum`).
+
+        ``exact_parts``: for a multipart object, ask every part for its size (``part_sizes``)
+        instead of inferring the layout from the first and last parts.
+
+        The base implementation (``file://``) vouches for nothing. Raises :class:`ObjectNotFound`,
+        :class:`ObjectChanged` when the object's token is no longer ``etag``.
+        """
+        info = self.stat(key)
+        if info.etag != etag:
+            raise ObjectChanged(
+                f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
+                key,
+            )
+        return ObjectChecksum(key=key, etag=etag, size=info.size)
 
     @abc.abstractmethod
     def write(self, key: str, data: bytes | bytearray | memoryview) -> None:

@@ -5,9 +5,13 @@ resolved root, so neither a crafted key nor a symlink planted in the directory r
 outside it. Writes go to a temporary file in the target directory, are fsynced, and are renamed
 into place with ``os.replace`` (atomic on POSIX), so a reader sees the old object or the new one.
 
-ETag: ``"<size hex>-<st_mtime_ns hex>"``. It changes whenever a write replaces the file (new
-inode, new mtime) and costs no read of the content; two different writes within one mtime tick
-with the same size would share an etag, which is acceptable for a marker the format calls opaque.
+ETag (the version token): ``"<size hex>-<st_mtime_ns hex>-<st_ino hex>"``. It changes whenever
+a write replaces the file (``os.replace``: a new inode) or rewrites it in place (a new mtime), and
+costs no read of the content. A conditional read (``if_match``) compares the token of the opened
+file before and after reading: a file replaced by rename before the open, or written in place
+during the read, raises :class:`ObjectChanged`; one replaced by rename after the open is read
+whole from the version that was asked for (the open descriptor keeps the old inode). A directory
+has no checksum of its content (see docs/TRUST.md).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from bdn.bucket.base import (
     Bucket,
     BucketError,
     BucketStats,
+    ObjectChanged,
     ObjectInfo,
     ObjectNotFound,
     as_byte_view,
@@ -40,8 +45,8 @@ TEMP_PREFIX = ".bdn-tmp-"
 
 
 def file_etag(st: os.stat_result) -> str:
-    """The etag of a ``file://`` object from its ``stat``: ``"<size hex>-<mtime_ns hex>"``."""
-    return f"{st.st_size:x}-{st.st_mtime_ns:x}"
+    """The etag of a ``file://`` object from its ``stat``: ``"<size hex>-<mtime_ns hex>-<inode hex>"``."""
+    return f"{st.st_size:x}-{st.st_mtime_ns:x}-{st.st_ino:x}"
 
 
 class FileBucket(Bucket):
@@ -149,7 +154,9 @@ class FileBucket(Bucket):
         self.stats.add(get_bytes=len(data))
         return data
 
-    def read_range_into(self, key: str, offset: int, out: memoryview) -> None:
+    def read_range_into(
+        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None
+    ) -> None:
         view = as_byte_view(out)
         if offset < 0:
             raise BucketError(f"negative offset {offset} for {self._where(key)}")
@@ -159,8 +166,10 @@ class FileBucket(Bucket):
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             raise self._oserror("read", key, exc) from None
+        done = 0
         try:
-            done = 0
+            if if_match is not None:
+                self._check_token(fd, key, if_match)
             while done < len(view):
                 n = os.preadv(fd, [view[done:]], offset + done)
                 if n == 0:
@@ -169,11 +178,22 @@ class FileBucket(Bucket):
                         f" {offset}, the object ends after {done}"
                     )
                 done += n
+            if if_match is not None:
+                self._check_token(fd, key, if_match)
         except OSError as exc:
             raise self._oserror("read", key, exc) from None
         finally:
             os.close(fd)
             self.stats.add(get_bytes=done)
+
+    def _check_token(self, fd: int, key: str, if_match: str) -> None:
+        token = file_etag(os.fstat(fd))
+        if token != if_match:
+            raise ObjectChanged(
+                f"object changed while it was read: {self._where(key)}"
+                f" (version {if_match!r} asked, {token!r} found)",
+                key,
+            )
 
     # -- writes --------------------------------------------------------------------------------
 

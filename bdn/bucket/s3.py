@@ -24,9 +24,12 @@ GCS S3-API quirks handled here (``gs://``):
 
 from __future__ import annotations
 
+import base64
+import binascii
 import http.client
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -45,7 +48,10 @@ from bdn.bucket.base import (
     BucketError,
     BucketStats,
     BucketUnavailable,
+    ObjectChanged,
+    ObjectChecksum,
     ObjectInfo,
+    SdkChecksum,
     ObjectNotFound,
     as_byte_view,
     validate_key,
@@ -347,7 +353,9 @@ class S3Bucket(Bucket):
             self._fill(key, 0, memoryview(buf), first=resp)
         return bytes(buf)
 
-    def read_range_into(self, key: str, offset: int, out: memoryview) -> None:
+    def read_range_into(
+        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None
+    ) -> None:
         view = as_byte_view(out)
         validate_key(key)
         if offset < 0:
@@ -356,18 +364,137 @@ class S3Bucket(Bucket):
             return
         self.stats.add(get_requests=1)
         with self._slot():
-            self._fill(key, offset, view)
+            self._fill(key, offset, view, if_match=_quoted(if_match) if if_match else None)
 
-    def _fill(self, key: str, offset: int, view: memoryview, *, first: dict[str, Any] | None = None) -> None:
+    def _head(
+        self, key: str, etag: str, part: int | None, *, checksums: bool = False
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """HEAD of ``key`` (with ``If-Match: etag``, or of part ``part``): (answer, raw headers).
+        ``checksums``: ask for the additional checksums (``ChecksumMode=ENABLED``; S3 only)."""
+        params: dict[str, Any] = {"Key": self._full_key(key)}
+        if checksums:
+            params["ChecksumMode"] = "ENABLED"
+        if part is not None:
+            # No If-Match here: S3 compares it with the whole object's ETag, but some S3 APIs
+            # (moto) with the part's; the caller holds the version with a plain HEAD instead.
+            params["PartNumber"] = part
+        else:
+            params["IfMatch"] = _quoted(etag)
+        self.stats.add(head_requests=1)
+        with self._slot():
+            try:
+                resp = self._client.head_object(Bucket=self._bucket, **params)
+            except bex.ClientError as exc:
+                status = (exc.response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+                code = str((exc.response.get("Error") or {}).get("Code") or "")
+                if status == 412 or code == "PreconditionFailed":
+                    raise ObjectChanged(
+                        f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
+                        key,
+                    ) from None
+                if part is not None and (status == 416 or code in ("InvalidPartNumber", "InvalidRange")):
+                    raise ObjectChanged(
+                        f"object changed while it was read: {self._where(key)} (it has no part {part} now)",
+                        key,
+                    ) from None
+                raise self._map_error("stat", key, exc) from None
+            except bex.BotoCoreError as exc:
+                raise self._map_error("stat", key, exc) from None
+        return resp, (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+
+    def checksum(self, key: str, etag: str, *, exact_parts: bool = False) -> ObjectChecksum:
+        """S3: the MD5 in a single-part ETag, or the composite MD5, part count and part layout of
+        a multipart one, and the object's additional checksum if it was uploaded with one; GCS:
+        ``x-goog-hash``.
+
+        The layout of a multipart object: ``HeadObject`` with ``PartNumber=1`` and ``PartNumber=N``
+        give the first and last parts' sizes; when they fit parts of one size but the last, that
+        is the layout (every AWS uploader cuts parts so), else (or with ``exact_parts``) every
+        part is asked for its size (``part_sizes``). SSE-KMS/SSE-C objects
+        (``x-amz-server-side-encryption: aws:kms`` or a customer key) have an ETag that is not an
+        MD5; their additional checksum (``x-amz-checksum-*`` with ``ChecksumMode=ENABLED``, which
+        current AWS SDKs send on every upload) is then all the bucket vouches for.
+        """
+        validate_key(key)
+        md5, parts = parse_s3_etag(etag)
+        multipart = parts is not None and not self._gcs
+        resp, headers = self._head(key, etag, 1 if multipart else None, checksums=not self._gcs)
+        if headers.get("x-amz-server-side-encryption") == "aws:kms" or headers.get(
+            "x-amz-server-side-encryption-customer-algorithm"
+        ):
+            md5 = None
+        first_size = _size(resp, self._where(key))
+        if self._gcs:
+            # GCS's ETag is an MD5 only for non-composite objects; x-goog-hash says which.
+            goog_md5, crc = _goog_hash(headers.get("x-goog-hash"))
+            return ObjectChecksum(key=key, etag=etag, size=first_size, md5=goog_md5, crc32c=crc)
+        sdk = _sdk_checksum(headers, multipart)
+        if not multipart or parts is None:
+            return ObjectChecksum(key=key, etag=etag, size=first_size, md5=md5, sdk_checksum=sdk)
+        count = headers.get("x-amz-mp-parts-count")
+        if count is not None and str(count) != str(parts):
+            raise ObjectChanged(
+                f"object changed while it was read: {self._where(key)} (ETag names {parts}"
+                f" parts, the bucket now reports {_one_line(count, 20)})",
+                key,
+            )
+        if sdk is None:
+            # Some S3 APIs leave the checksum out of a part's HEAD; the object's HEAD has it.
+            sdk = _sdk_checksum(self._head(key, etag, None, checksums=True)[1], True)
+        info = self.stat(key)
+        if info.etag != etag:
+            raise ObjectChanged(
+                f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
+                key,
+            )
+        sizes: tuple[int, ...] | None = None
+        if parts > 1:
+            last = _size(self._head(key, etag, parts)[0], self._where(key))
+            if exact_parts or not (last <= first_size and first_size * (parts - 1) + last == info.size):
+                middle = [_size(self._head(key, etag, k)[0], self._where(key)) for k in range(2, parts)]
+                sizes = (first_size, *middle, last)
+                if sum(sizes) != info.size:
+                    raise ObjectChanged(
+                        f"object changed while it was read: {self._where(key)} (its parts add up to"
+                        f" {sum(sizes)} bytes, not {info.size})",
+                        key,
+                    )
+        if self.stat(key).etag != etag:  # the part HEADs carry no If-Match
+            raise ObjectChanged(
+                f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
+                key,
+            )
+        return ObjectChecksum(
+            key=key, etag=etag, size=info.size, parts=parts, part_size=first_size, composite_md5=md5,
+            part_sizes=sizes, sdk_checksum=sdk,
+        )
+
+    def _fill(
+        self,
+        key: str,
+        offset: int,
+        view: memoryview,
+        *,
+        first: dict[str, Any] | None = None,
+        if_match: str | None = None,
+    ) -> None:
         """Fill ``view`` with the object's bytes from ``offset``, resuming broken bodies.
 
-        ``first`` is an already-open GET answer whose body starts at ``offset``.
+        ``first`` is an already-open GET answer whose body starts at ``offset``. ``if_match``: a
+        quoted ETag every request must match; without it the first answer's ETag is used.
+
+        Two kinds of broken answer are retried from the byte where they stopped, up to
+        ``max_attempts`` in all: a body that breaks off (the connection dies), and a 206 that is
+        well-formed but shorter than the range asked although its ``Content-Range`` says the
+        object goes on (a proxy or gateway cutting answers short). Only a ``Content-Range`` whose
+        end is the object's end means the object really ends there.
         """
         where = self._where(key)
         total = len(view)
         done = 0
         breaks = 0
-        etag: str | None = None
+        shorts = 0
+        etag: str | None = if_match
         resp = first
         try:
             while done < total:
@@ -389,13 +516,17 @@ class S3Bucket(Bucket):
                                 f" the object ends before offset {offset + done}"
                             ) from None
                         if etag and (code == "PreconditionFailed" or status == 412):
-                            raise BucketError(f"read {where}: the object changed while it was read") from None
+                            raise ObjectChanged(
+                                f"object changed while it was read: {where} (ETag {etag} no longer matches)",
+                                key,
+                            ) from None
                         raise self._map_error("read", key, exc) from None
                     except bex.BotoCoreError as exc:
                         raise self._map_error("read", key, exc) from None
                 etag = etag or resp.get("ETag")
                 body = resp["Body"]
                 answered = resp.get("ContentLength")
+                content_range = resp.get("ContentRange")
                 if not isinstance(answered, int) or answered > total - done:
                     body.close()
                     raise BucketError(
@@ -408,7 +539,7 @@ class S3Bucket(Bucket):
                 self.stats.add(get_bytes=got)
                 if broken is not None:
                     breaks += 1
-                    if breaks >= self._max_attempts:
+                    if breaks + shorts >= self._max_attempts:
                         raise BucketUnavailable(
                             f"read {where}: the body broke off {breaks} times; last: {_one_line(broken)}"
                         )
@@ -416,10 +547,25 @@ class S3Bucket(Bucket):
                     log.debug("resuming %s at byte %d after: %s", where, offset + done, broken)
                     continue
                 if done < total:
-                    raise BucketError(
-                        f"short read of {where}: wanted {total} bytes at offset {offset}, the object"
-                        f" ends after {done}"
-                    )
+                    object_size = _range_total(content_range)
+                    if object_size is not None and object_size <= offset + done:
+                        raise BucketError(
+                            f"short read of {where}: wanted {total} bytes at offset {offset}, the"
+                            f" object ends after {done} (it is {object_size} bytes)"
+                        )
+                    shorts += 1
+                    if breaks + shorts >= self._max_attempts:
+                        goes_on = "although the object goes on" if object_size is not None else (
+                            "without saying that the object ends there"
+                        )
+                        raise BucketUnavailable(
+                            f"read {where}: the bucket answered {shorts} times with fewer bytes than"
+                            f" asked {goes_on} (last: {answered} bytes,"
+                            f" Content-Range {_one_line(content_range, 80)!r}, for"
+                            f" {answered + total - done} asked)"
+                        )
+                    self.stats.add(retries=1)
+                    log.debug("re-asking %s from byte %d after a short answer (%s)", where, offset + done, content_range)
         finally:
             if resp is not None:
                 resp["Body"].close()
@@ -473,6 +619,81 @@ def _size(resp: dict[str, Any], where: str) -> int:
 
 def _etag(resp: dict[str, Any]) -> str:
     return str(resp.get("ETag") or "").strip('"')
+
+
+def _quoted(etag: str) -> str:
+    """An ETag as an HTTP entity-tag (``"..."``), as ``If-Match`` takes it."""
+    return etag if etag.startswith('"') else f'"{etag}"'
+
+
+_MD5_HEX = re.compile(r"[0-9a-f]{32}")
+_MULTIPART_ETAG = re.compile(r"([0-9a-f]{32})-([1-9][0-9]{0,4})")
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def parse_s3_etag(etag: str) -> tuple[str | None, int | None]:
+    """``(md5 hex, None)`` for a single-part ETag, ``(composite md5 hex, N)`` for ``<hex>-N``
+    (1 <= N <= 10000, S3's part limit), ``(None, None)`` for anything else. Quotes are ignored."""
+    text = etag.strip('"').lower()
+    if _MD5_HEX.fullmatch(text):
+        return text, None
+    m = _MULTIPART_ETAG.fullmatch(text)
+    if m and int(m.group(2)) <= 10000:
+        return m.group(1), int(m.group(2))
+    return None, None
+
+
+def _range_total(content_range: object) -> int | None:
+    """The object size in a ``Content-Range: bytes a-b/T`` answer, or None if absent or ``*``."""
+    if not isinstance(content_range, str):
+        return None
+    m = _CONTENT_RANGE.fullmatch(content_range.strip())
+    if m is None or m.group(3) == "*":
+        return None
+    return int(m.group(3))
+
+
+#: S3's additional checksum algorithms that bdn can check (CRC64NVME has no well-kept binding).
+SDK_ALGORITHMS = ("crc32", "crc32c", "sha1", "sha256")
+
+
+def _sdk_checksum(headers: dict[str, str], multipart: bool) -> SdkChecksum | None:
+    """The ``x-amz-checksum-<algorithm>`` of a HEAD answer: ``<base64>`` (a full-object checksum)
+    or ``<base64>-N`` / ``x-amz-checksum-type: COMPOSITE`` (the checksum of the parts' binary
+    checksums, concatenated); a multipart object's checksum without a type is composite (S3's
+    default for every algorithm but CRC64NVME)."""
+    kind = str(headers.get("x-amz-checksum-type") or "").upper()
+    for algorithm in SDK_ALGORITHMS:
+        value = headers.get(f"x-amz-checksum-{algorithm}")
+        if not isinstance(value, str):
+            continue
+        b64, dash, count = value.strip().partition("-")
+        try:
+            digest = base64.b64decode(b64, validate=True)
+        except (ValueError, binascii.Error):
+            return None
+        composite = bool(dash) or kind == "COMPOSITE" or (multipart and kind != "FULL_OBJECT")
+        return SdkChecksum(algorithm, digest, composite)
+    return None
+
+
+def _goog_hash(value: object) -> tuple[str | None, int | None]:
+    """``(md5 hex, crc32c)`` from GCS's ``x-goog-hash: crc32c=<b64>,md5=<b64>`` (either may lack)."""
+    md5: str | None = None
+    crc: int | None = None
+    if not isinstance(value, str):
+        return md5, crc
+    for item in value.split(","):
+        name, _, b64 = item.strip().partition("=")
+        try:
+            raw = base64.b64decode(b64, validate=True)
+        except (ValueError, binascii.Error):
+            continue
+        if name == "md5" and len(raw) == 16:
+            md5 = raw.hex()
+        elif name == "crc32c" and len(raw) == 4:
+            crc = int.from_bytes(raw, "big")
+    return md5, crc
 
 
 def _stream_into(body: Any, view: memoryview) -> tuple[int, BaseException | None]:

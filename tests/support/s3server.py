@@ -5,7 +5,8 @@
 - :class:`S3Proxy`: an aiohttp reverse proxy (its own thread and event loop) in front of any S3
   endpoint. It records every request (method, bucket, key, query, Range, status, bytes served,
   access key id) and can fail the next N requests with an S3 XML error (503 ``SlowDown``, 500,
-  429, ...) or cut the next N response bodies short. Bodies stream both ways (large GETs,
+  429, ...), cut the next N response bodies short (a broken connection), or answer the next N
+  ranged GETs with a well-formed 206 that is shorter than the range asked. Bodies stream both ways (large GETs,
   multipart uploads) without being buffered, and Range requests pass through untouched.
 - :func:`create_bucket`: make a bucket on an endpoint with boto3.
 
@@ -126,7 +127,7 @@ class ProxiedRequest:
     calls). ``query``: the raw query string. ``range``: the ``Range`` header or ``None``.
     ``status``: what the client got. ``response_bytes``: body bytes sent to the client.
     ``injected``: the proxy answered with a fault instead of forwarding. ``truncated``: the
-    proxy cut the body short. ``access_key``: the key id from the SigV4 ``Authorization``.
+    proxy cut the body short (``truncate_next``) or shortened a 206 (``shorten_next``). ``access_key``: the key id from the SigV4 ``Authorization``.
     ``headers``: the request headers, names lower-cased.
     """
 
@@ -152,6 +153,7 @@ class _Fault:
     code: str = "SlowDown"
     message: str = "Please reduce your request rate."
     truncate_after: int | None = None  # set: forward, but cut the body after this many bytes
+    shorten_to: int | None = None  # set: forward a 206 as a consistent, shorter 206 of this many bytes
 
     def matches(self, method: str) -> bool:
         return self.remaining > 0 and (self.methods is None or method in self.methods)
@@ -287,6 +289,13 @@ class S3Proxy:
                 )
             )
 
+    def shorten_next(self, n: int, to_bytes: int) -> None:
+        """Answer the next ``n`` ranged GETs that get a 206 with only their first ``to_bytes``
+        bytes, with ``Content-Length`` and ``Content-Range`` rewritten to match (the object's
+        total size kept), and the connection left clean: a short answer, not a broken one."""
+        with self._lock:
+            self._faults.append(_Fault(remaining=n, methods=frozenset(("GET",)), shorten_to=to_bytes))
+
     def truncate_next(self, n: int, after_bytes: int, methods: tuple[str, ...] = ("GET",)) -> None:
         """Forward the next ``n`` matching requests but cut each body after ``after_bytes``."""
         with self._lock:
@@ -366,6 +375,8 @@ class S3Proxy:
     ) -> web.StreamResponse:
         path = record.path
         fault = self._take_fault(request.method)
+        if fault is not None and fault.shorten_to is not None:
+            return await self._forward(request, record, None, finished, shorten_to=fault.shorten_to)
         if fault is not None and fault.truncate_after is None:
             if request.body_exists:
                 async for _ in request.content.iter_chunked(1 << 16):
@@ -390,6 +401,7 @@ class S3Proxy:
         record: ProxiedRequest,
         cut_after: int | None,
         finished: Callable[[], None],
+        shorten_to: int | None = None,
     ) -> web.StreamResponse:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
@@ -408,6 +420,27 @@ class S3Proxy:
                 if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
                     response.headers.add(name, value)
             length = upstream.headers.get("Content-Length")
+            if shorten_to is not None and upstream.status == 206 and length is not None:
+                first, _, total = upstream.headers.get("Content-Range", "").removeprefix("bytes ").partition("/")
+                begin = int(first.partition("-")[0])
+                keep = min(shorten_to, int(length))
+                response.headers["Content-Range"] = f"bytes {begin}-{begin + keep - 1}/{total}"
+                response.content_length = keep
+                record.status = 206
+                await response.prepare(request)
+                sent = 0
+                async for chunk in upstream.content.iter_chunked(1 << 16):
+                    part = chunk[: keep - sent]
+                    if part:
+                        sent += len(part)
+                        record.response_bytes += len(part)
+                        await response.write(part)
+                    if sent >= keep:
+                        break
+                record.truncated = True
+                finished()
+                await response.write_eof()
+                return response
             if length is not None:
                 response.content_length = int(length)
             record.status = upstream.status
