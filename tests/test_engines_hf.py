@@ -126,7 +126,7 @@ def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node) -> None:
     states = trainer["states"]
     with HFService(node.url, "127.0.0.1", free_port(), replica_id="node0", poll_timeout=2.0) as svc:
         wait_for(lambda: replica_done(node.url, IDS[0]), 120, f"{IDS[0]} served")
-        assert svc.engine.last_swap["mode"] == "full"
+        assert svc.engine.last_swap["mode"] == "load"
         answers = {}
         for i, ident in enumerate(IDS):
             if i:
@@ -267,6 +267,22 @@ def test_inflight_policies_on_a_generating_request(trainer, node) -> None:
             else:
                 assert rep["aborted"] == 1 and g.finish_reason == "abort" and g.policy_versions == [old_v]
                 assert len(g.token_ids) < 400
+    finally:
+        for s in snaps:
+            s.close()
+
+
+def test_full_reload_copies_every_tensor_in_place(trainer, node) -> None:
+    """partial=False: the comparison point for the pause; the result is the same bits."""
+    node.prefetch(IDS[1])
+    base = Path(node.wait_ready(IDS[1])["path"]).parent
+    snaps = [open_snapshot(base / i) for i in IDS[:2]]
+    engine = HFEngine(partial=False)
+    try:
+        engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))
+        rep = engine.swap(engine.prepare(snaps[1], {}, HotLoadOptions()))
+        assert rep["mode"] == "full" and rep["tensors_copied"] == rep["tensors_total"] == len(trainer["states"][1])
+        assert engine.weights_digest() == digests(trainer["states"][1])
     finally:
         for s in snaps:
             s.close()

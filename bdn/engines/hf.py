@@ -10,9 +10,9 @@ download) and generates token by token under a ``PolicyGate``. It is an adapter 
   or by comparing the two snapshots, bdn.engines.changed) and copies only those out of the
   snapshot's shared memory into staging tensors (a *partial swap*); otherwise it loads the whole
   new model (a *full reload*).
-- ``swap(prepared)`` replaces the weights as the in-flight policy says (bdn.engines.gate): for a
-  partial swap ``param.copy_(staged)`` for each changed tensor (what an engine that holds one copy
-  of the weights in device memory must do), for a full reload the model object. The prompt cache
+- ``swap(prepared)`` replaces the weights as the in-flight policy says (bdn.engines.gate):
+  ``param.copy_(staged)`` for each staged tensor (what an engine that holds one copy of the
+  weights in device memory must do), or the model object on a first load. The prompt cache
   is dropped (``RESET_ALL``) or kept (``PRESERVE``). The report says what was done.
 
 The prompt cache: the KV cache of every prompt (``transformers.DynamicCache``), reused for a later
@@ -72,7 +72,8 @@ _DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float
 
 @dataclass
 class Prepared:
-    """A new policy ready to swap in. ``mode`` is ``"partial"`` (``tensors``) or ``"full"`` (``model``)."""
+    """A new policy ready to swap in: ``mode`` ``"partial"`` / ``"full"`` (``tensors`` copied in place)
+    or ``"load"`` (a new ``model``)."""
 
     snapshot: Snapshot
     options: HotLoadOptions
@@ -155,8 +156,8 @@ class HFEngine:
 
     Args:
         device: torch device (``"cpu"``; ``"cuda"`` where present).
-        partial: swap only changed tensors when possible (False: every swap is a full reload,
-            for comparing the pause).
+        partial: swap only changed tensors when possible (False: every swap copies every tensor,
+            a full reload, for comparing the pause).
         clock: monotonic seconds, for the reported timings.
     """
 
@@ -235,34 +236,38 @@ class HFEngine:
         return out, total
 
     def prepare(self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> Prepared:
-        """Stage ``snap`` while the current policy serves (see the module doc)."""
+        """Stage ``snap`` while the current policy serves (see the module doc).
+
+        With a model loaded and the same ``config.json``: the changed tensors are staged
+        (``mode "partial"``), or every tensor when partial swaps are off (``mode "full"``, copied in
+        place like the partial one, so the two pauses compare copy sizes). Otherwise a new model
+        object is built (``mode "load"``: the first load, or an architecture change).
+        """
         t0 = self.clock()
         serving = self.snapshot
         prep: Prepared | None = None
-        if serving is not None and self.partial:
-            same_cfg = _read(serving.path / CONFIG_NAME) == _read(snap.path / CONFIG_NAME)
-            if not same_cfg:
+        reason = ""
+        if serving is not None:
+            if _read(serving.path / CONFIG_NAME) != _read(snap.path / CONFIG_NAME):
                 reason = "config.json changed"
             else:
-                ch = changed_mod.changed_tensors(offer, serving, snap)
-                assert ch is not None
-                if ch.removed:
+                ch = changed_mod.changed_tensors(offer, serving, snap) if self.partial else None
+                if ch is not None and ch.removed:
                     reason = f"{len(ch.removed)} tensor(s) removed"
                 else:
-                    staged = self._staged(snap, ch.names)
+                    names = ch.names if ch is not None else snap.tensor_names()
+                    staged = self._staged(snap, names)
                     if isinstance(staged, str):
                         reason = staged
                     else:
-                        prep = Prepared(snap, options, "partial", tensors=staged[0], changed_source=ch.source,
-                                        bytes_copied=staged[1])
-                        reason = ""
+                        prep = Prepared(snap, options, "partial" if ch is not None else "full", tensors=staged[0],
+                                        changed_source=ch.source if ch is not None else "", bytes_copied=staged[1])
             if prep is None:
-                log.info("%s: full reload (%s)", snap.identity, reason)
+                log.info("%s: loading a new model object (%s)", snap.identity, reason)
         if prep is None:
             model, tok = self._load_full(snap)
             nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-            prep = Prepared(snap, options, "full", model=(model, tok), bytes_copied=nbytes,
-                            reason="" if serving is None else ("partial swaps off" if not self.partial else reason))
+            prep = Prepared(snap, options, "load", model=(model, tok), bytes_copied=nbytes, reason=reason)
         prep.prepare_ms = (self.clock() - t0) * 1000.0
         return prep
 
@@ -280,7 +285,7 @@ class HFEngine:
         def apply() -> None:
             nonlocal dropped
             with torch.no_grad():
-                if prep.mode == "partial":
+                if prep.mode in ("partial", "full"):
                     for name, t in prep.tensors.items():
                         self.params[name].copy_(t)
                 else:
@@ -297,7 +302,7 @@ class HFEngine:
             "identity": prep.snapshot.identity,
             "policy_version": prep.snapshot.policy_version,
             "mode": prep.mode,
-            "tensors_copied": len(prep.tensors) if prep.mode == "partial" else len(self.params),
+            "tensors_copied": len(prep.tensors) if prep.mode != "load" else len(self.params),
             "tensors_total": len(self.params),
             "bytes_copied": prep.bytes_copied,
             "changed_source": prep.changed_source or None,
@@ -312,7 +317,7 @@ class HFEngine:
             **prep.options.wire(),
         }
         self.last_swap = report
-        self.last_swap_tensors = list(prep.tensors) if prep.mode == "partial" else list(self.params)
+        self.last_swap_tensors = list(prep.tensors) if prep.mode != "load" else list(self.params)
         return report
 
     # -- generation ------------------------------------------------------------------------

@@ -48,8 +48,10 @@ def make_tiny_llama(out: str | Path, *, hidden: int = 128, layers: int = 2, head
                     seed: int = 0, max_positions: int = 512):
     """Write the checkpoint to ``out``; returns ``(model, state_dict)`` (bf16 torch tensors)."""
     import torch
+    import transformers
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    transformers.utils.logging.disable_progress_bar()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(out)
