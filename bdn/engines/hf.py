@@ -26,6 +26,7 @@ propagate to the driver, which acks them as the replica's error.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import threading
@@ -296,7 +297,11 @@ class HFEngine:
                 dropped = self.prompt_cache.clear()
             self.snapshot = prep.snapshot
 
-        outcome = self.gate.swap(apply, prep.options, prep.snapshot.policy_version)
+        gate_opts = prep.options
+        if prep.mode == "load" and gate_opts.inflight_policy == "keep" and self.model is not None:
+            # A new model object may not accept KV caches the old one computed: end them instead.
+            gate_opts = dataclasses.replace(gate_opts, inflight_policy="abort")
+        outcome = self.gate.swap(apply, gate_opts, prep.snapshot.policy_version)
         self.swaps += 1
         report = {
             "identity": prep.snapshot.identity,
@@ -315,6 +320,7 @@ class HFEngine:
             "aborted": outcome.aborted,
             "kept": outcome.kept,
             **prep.options.wire(),
+            "inflight_policy_applied": gate_opts.inflight_policy,
         }
         self.last_swap = report
         self.last_swap_tensors = list(prep.tensors) if prep.mode != "load" else list(self.params)
