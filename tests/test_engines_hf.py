@@ -128,6 +128,16 @@ def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node) -> None:
         wait_for(lambda: replica_done(node.url, IDS[0]), 120, f"{IDS[0]} served")
         assert svc.engine.last_swap["mode"] == "load"
         answers = {}
+        # Requests keep arriving during both hot-loads; each answer is checked against its policy below.
+        during: list[dict] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                during.append(chat(svc.url))
+
+        loader = threading.Thread(target=load)
+        loader.start()
         for i, ident in enumerate(IDS):
             if i:
                 ans = hot_load(node.url, ident, previous=IDS[i - 1])
@@ -156,9 +166,19 @@ def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node) -> None:
             assert len(ch["token_ids"]) == len(ch["logprobs"]["content"]) > 0
             assert all(len(c["top_logprobs"]) == 3 and c["logprob"] <= 0 for c in ch["logprobs"]["content"])
             answers[ident] = ans
+        stop.set()
+        loader.join(60)
         # The same greedy request, answered by three policies, from one engine.
         lp = [a["choices"][0]["logprobs"]["content"][0]["logprob"] for a in answers.values()]
         assert len(set(lp)) == 3, lp
+        # Every answer given while the engine swapped says which policy made it, and it did.
+        assert len(during) > 3
+        for a in during:
+            ed = a["nvext"]["engine_data"]
+            assert len(ed["policy_versions"]) == 1 and ed["policy_version"] == ed["policy_versions"][0]
+            got = a["choices"][0]["logprobs"]["content"][0]["logprob"]
+            nearest = min(range(3), key=lambda v: abs(lp[v] - got))
+            assert nearest + 1 == ed["policy_version"] and ed["snapshot_identity"] == IDS[nearest], (ed, got, lp)
 
 
 def test_a_failed_swap_is_acked_and_the_old_policy_keeps_serving(trainer, node) -> None:
