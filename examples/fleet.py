@@ -68,6 +68,8 @@ class NumpyTrainer:
     """The fallback model: the numpy tiny GPT, served by examples/engine/server.py."""
 
     label = "a tiny GPT (numpy, bf16)"
+    # Its greedy answer is the same token for all three policies; a seeded sample shows the change.
+    sampling = {"temperature": 1.0, "seed": 7, "max_tokens": 12}
 
     def __init__(self) -> None:
         self.cfg = tinygpt.TinyGPTConfig()
@@ -91,6 +93,7 @@ class HFTrainer:
     """A Hugging Face LlamaForCausalLM made locally, served by ``python -m bdn.engines hf``."""
 
     label = "a small LlamaForCausalLM (transformers, bf16)"
+    sampling = {"temperature": 0, "max_tokens": 8}
 
     def __init__(self) -> None:
         import tiny_llama
@@ -238,13 +241,13 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 
 
 def check_engines(tr, nodes: list[dict], policy: int, digest: str) -> bool:
-    """The same greedy request to every engine: its policy version, answer and weights."""
+    """The same request to every engine (greedy, or seeded): its policy version, answer and weights."""
     ok = True
     for nd in nodes:
         base = f"http://127.0.0.1:{nd['engine']}"
         ans = http("POST", base + "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
-            "temperature": 0, "top_logprobs": 1, "nvext": {"extra_fields": ["engine_data"]}})
+            "messages": [{"role": "user", "content": "hello"}], **tr.sampling,
+            "top_logprobs": 1, "nvext": {"extra_fields": ["engine_data"]}})
         ed = ans["nvext"]["engine_data"]
         ch = ans["choices"][0]
         lp = ch["logprobs"]["content"]
