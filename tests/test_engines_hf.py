@@ -306,3 +306,40 @@ def test_full_reload_copies_every_tensor_in_place(trainer, node) -> None:
     finally:
         for s in snaps:
             s.close()
+
+
+def test_the_command_serves_and_stops_on_sigterm(trainer, node) -> None:
+    """``python -m bdn.engines hf`` as a process: registers, serves policy 1, exits 0 on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", node.url, "--listen",
+                             f"127.0.0.1:{port}", "--replica-id", "node0", "--log-level", "warning"],
+                            env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        def healthy():
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            status, body = http("GET", f"http://127.0.0.1:{port}/health", timeout=5) if _listening(port) else (0, None)
+            return body if status == 200 else None
+
+        body = wait_for(healthy, 120, "the engine to serve")
+        assert body["identity"] == IDS[0] and body["policy_version"] == 1
+        wait_for(lambda: replica_done(node.url, IDS[0]), 60, "the replica done")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        reps = hot_load_status(node.url)
+        assert reps[0]["engines"] == 0  # it unregistered on the way out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
