@@ -12,7 +12,6 @@ directory, with the pause modes, cache flushes and version updates in the right 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import threading

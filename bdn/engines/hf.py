@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -437,11 +436,3 @@ def _read(p: Path) -> bytes | None:
     except OSError:
         return None
 
-
-def snapshot_config(snap: Snapshot) -> dict[str, Any]:
-    """``config.json`` of a snapshot as a dict ({} if absent or not JSON)."""
-    try:
-        obj = json.loads(_read(snap.path / CONFIG_NAME) or b"{}")
-    except ValueError:
-        return {}
-    return obj if isinstance(obj, dict) else {}
