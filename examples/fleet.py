@@ -1,14 +1,20 @@
 #!/usr/bin/env python3
 """Part two of the demo: a serving fleet moves from policy 1 to 2 to 3, one hot-load POST each.
 
-The trainer initialises a tiny GPT-style model (examples/engine/tinygpt.py, numpy, bf16) and
-publishes it as anchor ``step000001`` with STARTUP_SNAPSHOT. Three bdnd daemons and three
-reference engines (examples/engine/server.py, OpenAI-compatible chat) start; every engine serves
-policy 1. Then, twice: the trainer takes a simulated optimizer step, publishes the delta, and
-sends ONE ``POST /hot_load/v1/models/hot_load`` to ONE daemon over the network (bearer token);
-the daemons fan it out, rebuild the snapshot, the engines prepare it while serving, pause, swap and
-acknowledge. The demo prints the fleet's per-replica state, every replica's swap pause, and a
-chat completion from each engine with the ``policy_version`` it reports (``nvext.engine_data``).
+The engine: with torch and transformers installed, a Hugging Face ``LlamaForCausalLM``
+(examples/engine/tiny_llama.py makes a small one locally; served by ``python -m bdn.engines hf``,
+which swaps only the tensors a delta changed); without them, the numpy tiny GPT
+(examples/engine/tinygpt.py, served by examples/engine/server.py). ``BDN_DEMO_ENGINE=numpy``
+forces the fallback.
+
+The trainer publishes the model as anchor ``step000001`` with STARTUP_SNAPSHOT. Three bdnd
+daemons and three engines (OpenAI-compatible chat) start; every engine serves policy 1. Then,
+twice: the trainer takes a simulated optimizer step, publishes the delta, and sends ONE
+``POST /hot_load/v1/models/hot_load`` to ONE daemon over the network (bearer token); the daemons
+fan it out, rebuild the snapshot, the engines prepare it while serving, pause, swap and
+acknowledge. The demo prints the fleet's per-replica state, every replica's swap pause, and the
+same greedy chat completion from each engine with the ``policy_version`` it reports
+(``nvext.engine_data``): the tokens and log-probabilities change with the policy.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "engine"))
 import tinygpt  # noqa: E402
+
+from bdn.engines.hf import torch_available  # noqa: E402
 
 BIN = Path(sys.executable).parent
 IDS = ["step000001", "step000002", "step000003"]
@@ -56,6 +64,85 @@ def wait_until(pred, timeout: float, what: str):
     sys.exit(f"fleet demo: timed out waiting for {what}")
 
 
+class NumpyTrainer:
+    """The fallback model: the numpy tiny GPT, served by examples/engine/server.py."""
+
+    label = "a tiny GPT (numpy, bf16)"
+    # Its greedy answer is the same token for all three policies; a seeded sample shows the change.
+    sampling = {"temperature": 1.0, "seed": 7, "max_tokens": 12}
+
+    def __init__(self) -> None:
+        self.cfg = tinygpt.TinyGPTConfig()
+        self.weights: list = []
+
+    def save(self, i: int, out: Path) -> str:
+        w = tinygpt.init_weights(self.cfg, seed=7) if i == 0 else tinygpt.optimizer_step(self.weights[-1], 0.02, seed=100 + i)
+        self.weights.append(w)
+        tinygpt.save_checkpoint(out, self.cfg, w)
+        return tinygpt.weights_digest(w)
+
+    def engine_cmd(self, nd: dict) -> list:
+        return [sys.executable, HERE / "engine" / "server.py", "--bdn-url", f"http://127.0.0.1:{nd['local']}",
+                "--listen", f"127.0.0.1:{nd['engine']}", "--replica-id", nd["id"]]
+
+    def served_digest(self, base: str) -> str:
+        return http("GET", base + "/debug/weights_digest")["digest"]
+
+
+class HFTrainer:
+    """A Hugging Face LlamaForCausalLM made locally, served by ``python -m bdn.engines hf``."""
+
+    label = "a small LlamaForCausalLM (transformers, bf16)"
+    sampling = {"temperature": 0, "max_tokens": 8}
+
+    def __init__(self) -> None:
+        import tiny_llama
+
+        self.tl = tiny_llama
+        self.states: list = []
+        self.first: Path | None = None
+
+    def save(self, i: int, out: Path) -> str:
+        if i == 0:
+            _model, st = self.tl.make_tiny_llama(out, hidden=128, layers=2, seed=7)
+            self.first = out
+        else:  # a sparse RL step: 2 % of the values of a few tensors
+            st = self.tl.optimizer_step(self.states[-1], 0.02, seed=100 + i, tensors=4)
+            self.tl.save_state(out, self.first, st)
+        self.states.append(st)
+        return self.digest(st)
+
+    @staticmethod
+    def digest(st: dict) -> str:
+        import torch
+        import xxhash
+
+        parts = {k: xxhash.xxh3_128_hexdigest(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+                 for k, v in st.items()}
+        return xxhash.xxh3_128_hexdigest(json.dumps(parts, sort_keys=True).encode())
+
+    def engine_cmd(self, nd: dict) -> list:
+        return [sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", f"http://127.0.0.1:{nd['local']}",
+                "--listen", f"127.0.0.1:{nd['engine']}", "--replica-id", nd["id"], "--served-model-name", "tiny-llama",
+                "--log-level", "warning"]
+
+    def served_digest(self, base: str) -> str:
+        import xxhash
+
+        parts = http("GET", base + "/debug/weights")["tensors"]
+        return xxhash.xxh3_128_hexdigest(json.dumps(parts, sort_keys=True).encode())
+
+
+def pick_trainer():
+    why = torch_available()
+    if os.environ.get("BDN_DEMO_ENGINE", "").lower() == "numpy":
+        why = "BDN_DEMO_ENGINE=numpy"
+    if why:
+        print(f"  (engine: the numpy tiny GPT; the transformers engine needs torch and transformers: {why})")
+        return NumpyTrainer()
+    return HFTrainer()
+
+
 def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
     import shutil
 
@@ -69,15 +156,14 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
     secret_file.write_text(os.urandom(32).hex() + "\n")
     trainer = [root / "fleet-trainer" / i for i in IDS]
 
-    print("\n== fleet: the trainer initialises a tiny GPT (bf16) and publishes it as step000001", flush=True)
-    cfg = tinygpt.TinyGPTConfig()
-    weights = [tinygpt.init_weights(cfg, seed=7)]
-    tinygpt.save_checkpoint(trainer[0], cfg, weights[0])
+    tr = pick_trainer()
+    print(f"\n== fleet: the trainer initialises {tr.label} and publishes it as step000001", flush=True)
+    digests = [tr.save(0, trainer[0])]
     from bdn.publish import publish_delta, publish_full, publish_startup
 
     m = publish_full(bucket, IDS[0], 1, dir=trainer[0], chunk_size=64 << 10)
     publish_startup(bucket, IDS[0])
-    print(f"  {IDS[0]}: {m.stored_bytes} bytes, digest {tinygpt.weights_digest(weights[0])}")
+    print(f"  {IDS[0]}: {m.stored_bytes} bytes, weights digest {digests[0]}")
 
     nodes = [{"id": f"node{i}", "peer": free_port(), "local": free_port(), "engine": free_port()} for i in range(nodes_n)]
     procs: list[subprocess.Popen] = []
@@ -91,10 +177,7 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
             log = open(root / f"fleet-{nd['id']}.log", "wb")
             procs.append(subprocess.Popen([BIN / "bdnd"], env=env, stdout=log, stderr=subprocess.STDOUT))
             elog = open(root / f"fleet-engine-{nd['id']}.log", "wb")
-            procs.append(subprocess.Popen(
-                [sys.executable, HERE / "engine" / "server.py", "--bdn-url", f"http://127.0.0.1:{nd['local']}",
-                 "--listen", f"127.0.0.1:{nd['engine']}", "--replica-id", nd["id"]],
-                stdout=elog, stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen(tr.engine_cmd(nd), stdout=elog, stderr=subprocess.STDOUT))
         print(f"  {nodes_n} bdnd + {nodes_n} engines started; waiting until every replica serves {IDS[0]}")
         hot = f"http://127.0.0.1:{nodes[0]['peer']}/hot_load/v1/models/hot_load"
 
@@ -118,16 +201,15 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
                     return False
             return True
 
-        wait_until(engines_up, 120, "the engines to load their first snapshot")
+        wait_until(engines_up, 180, "the engines to load their first snapshot")
         reps = wait_until(lambda: fleet_done(IDS[0]), 120, f"{IDS[0]} on every replica")
         print(f"  fleet serves {IDS[0]} after {time.monotonic() - t0:.1f} s")
-        ok = check_engines(nodes, 1, tinygpt.weights_digest(weights[0]))
+        ok = check_engines(tr, nodes, 1, digests[0])
 
         for i in (1, 2):
             ident = IDS[i]
             print(f"\n== fleet: optimizer step {i + 1}, publish delta {ident}, ONE hot-load POST to node0", flush=True)
-            weights.append(tinygpt.optimizer_step(weights[-1], 0.02, seed=100 + i))
-            tinygpt.save_checkpoint(trainer[i], cfg, weights[-1])
+            digests.append(tr.save(i, trainer[i]))
             md = publish_delta(bucket, ident, i + 1, IDS[i - 1], dir=trainer[i], base_dir=trainer[i - 1], chunk_size=64 << 10)
             print(f"  {ident}: delta {md.stored_bytes} bytes (rebuilds {md.result_bytes})")
             t0 = time.monotonic()
@@ -141,7 +223,7 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
                 print(f"    {r['replica_id']}: serves {r['current_snapshot_identity']} (policy_version "
                       f"{r['policy_version']}), stage {r['loading_state']['stage']}, "
                       f"swap pause {r.get('last_swap_pause_ms') or 0:.3f} ms")
-            ok &= check_engines(nodes, i + 1, tinygpt.weights_digest(weights[-1]))
+            ok &= check_engines(tr, nodes, i + 1, digests[-1])
         return ok
     finally:
         stop_all(procs)
@@ -158,20 +240,30 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def check_engines(nodes: list[dict], policy: int, digest: str) -> bool:
+def check_engines(tr, nodes: list[dict], policy: int, digest: str) -> bool:
+    """The same request to every engine (greedy, or seeded): its policy version, answer and weights."""
     ok = True
     for nd in nodes:
         base = f"http://127.0.0.1:{nd['engine']}"
         ans = http("POST", base + "/v1/chat/completions", {
-            "model": "tinygpt", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
-            "temperature": 0, "nvext": {"extra_fields": ["engine_data"]}})
+            "messages": [{"role": "user", "content": "hello"}], **tr.sampling,
+            "top_logprobs": 1, "nvext": {"extra_fields": ["engine_data"]}})
         ed = ans["nvext"]["engine_data"]
-        lp = ans["choices"][0]["logprobs"]["content"]
-        same = http("GET", base + "/debug/weights_digest")["digest"] == digest
+        ch = ans["choices"][0]
+        lp = ch["logprobs"]["content"]
+        same = tr.served_digest(base) == digest
         ok &= ed["policy_version"] == policy and same
-        print(f"    {nd['id']} engine: policy_version {ed['policy_version']}, replica {ed['replica_id']}, "
-              f"token_ids {ans['choices'][0]['token_ids'][:6]}..., logprob[0] {lp[0]['logprob']:.3f}, "
-              f"weights {'== trainer' if same else 'DIFFER from trainer'}")
+        swap = ""
+        try:
+            last = http("GET", base + "/debug/state").get("last_swap") or {}
+            if last:
+                swap = (f", last swap {last['mode']}: {last['tensors_copied']}/{last['tensors_total']} tensors "
+                        f"copied, pause {last['pause_ms']:.2f} ms")
+        except OSError:
+            pass  # the numpy engine has no /debug/state
+        print(f"    {nd['id']} engine: policy_version {ed['policy_version']}, token_ids {ch['token_ids']}, "
+              f"logprob[0] {lp[0]['logprob']:.4f}, "
+              f"weights {'== trainer' if same else 'DIFFER from trainer'}{swap}")
     return ok
 
 

@@ -1,0 +1,92 @@
+"""``python -m bdn.engines hf|sglang|vllm``: run an engine adapter under the node's bdnd.
+
+    python -m bdn.engines hf --bdn-url http://127.0.0.1:7081 --listen 127.0.0.1:8000 --replica-id node0
+    python -m bdn.engines sglang --bdn-url http://127.0.0.1:7081 --engine-url http://127.0.0.1:30000
+    python -m bdn.engines vllm --bdn-url http://127.0.0.1:7081 --engine-url http://127.0.0.1:8000
+
+``hf`` serves the model itself (OpenAI-compatible chat, bdn.engines.openai_api); ``sglang`` and
+``vllm`` drive a server started separately on bdn's snapshot directory. Each registers with bdnd
+(retried for ``--connect-timeout`` seconds) and hot-swaps until SIGTERM/SIGINT (exit 0). Exit 2
+with one line on a usage error, 1 when the engine cannot start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from bdn.proto.errors import BdnError
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host or "127.0.0.1", int(port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bdn.engines", description="run an engine adapter under bdnd")
+    sub = ap.add_subparsers(dest="engine", required=True)
+    for name in ("hf", "sglang", "vllm"):
+        p = sub.add_parser(name)
+        p.add_argument("--bdn-url", default="http://127.0.0.1:7081", help="the node's bdnd local API")
+        p.add_argument("--name", default=name, help="the engine's name in bdnd's logs")
+        p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for bdnd")
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        if name == "hf":
+            p.add_argument("--listen", type=_hostport, default=("127.0.0.1", 8000), help="HOST:PORT of the chat server")
+            p.add_argument("--replica-id", default="replica", help="reported in every answer's engine_data")
+            p.add_argument("--served-model-name", default="model")
+            p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+            p.add_argument("--full-reload", action="store_true", help="reload every tensor on every swap")
+        else:
+            p.add_argument("--engine-url", required=True, help="the engine server's base URL")
+            p.add_argument("--api-key", default=None, help="the engine's API key (bearer token)")
+        if name == "vllm":
+            p.add_argument("--require-weight-change", action="store_true",
+                           help="fail a swap whose reload changed no weight checksum")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if a.engine == "hf":
+            from bdn.engines.service import HFService
+
+            svc = HFService(a.bdn_url, a.listen[0], a.listen[1], replica_id=a.replica_id,
+                            served_name=a.served_model_name, partial=not a.full_reload, device=a.device, name=a.name)
+            svc.start(a.connect_timeout)
+            print(f"serving on {svc.url}; hot-loads from {a.bdn_url}", flush=True)
+            stop.wait()
+            svc.stop()
+            return 0
+        from bdn.engines.service import register, run_driver
+
+        if a.engine == "sglang":
+            from bdn.engines.sglang import SGLangAdapter
+
+            adapter = SGLangAdapter(a.engine_url, a.api_key)
+        else:
+            from bdn.engines.vllm import VLLMAdapter
+
+            adapter = VLLMAdapter(a.engine_url, a.api_key, require_change=a.require_weight_change)
+        link = register(a.bdn_url, a.name, a.connect_timeout)
+        t = run_driver(link, adapter, stop, poll_timeout=5.0)
+        print(f"driving {a.engine} at {a.engine_url}; hot-loads from {a.bdn_url}", flush=True)
+        stop.wait()
+        t.join(60)
+        link.close()
+        adapter.close()
+        return 0
+    except BdnError as exc:
+        print(f"python -m bdn.engines: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

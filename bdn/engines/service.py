@@ -1,0 +1,137 @@
+"""Run an engine adapter under bdn: the engine link, the hot-swap driver and (for HF) the chat server.
+
+``HFService`` is one serving process's worth of threads, used by ``python -m bdn.engines hf`` and
+by the tests (in-process, with a real HTTP server on loopback and a real bdnd)::
+
+    svc = HFService("http://127.0.0.1:7081", "127.0.0.1", 8000, replica_id="node0").start()
+    ...                       # serves /v1/chat/completions; hot-loads come from bdnd
+    svc.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+from aiohttp import web
+
+from bdn import retry
+from bdn.client import EngineLink
+from bdn.client.errors import DaemonError, DaemonUnreachable
+from bdn.engines.driver import Adapter, drive
+
+log = logging.getLogger("bdn.engines.service")
+
+__all__ = ["HFService", "HttpThread", "register", "run_driver"]
+
+
+def register(bdn_url: str, name: str, connect_timeout_s: float = 60.0) -> EngineLink:
+    """``EngineLink`` to bdnd, retried for ``connect_timeout_s`` (engines and bdnd often start together)."""
+    for attempt in retry.attempts(deadline_s=connect_timeout_s, first_s=0.2, max_s=2.0,
+                                  on=(DaemonUnreachable, DaemonError)):
+        with attempt:
+            return EngineLink(bdn_url, name=name)
+    raise AssertionError("unreachable")
+
+
+def run_driver(link: EngineLink, adapter: Adapter, stop: threading.Event, **kw: Any) -> threading.Thread:
+    """``drive`` on a daemon thread; the thread is returned started."""
+    t = threading.Thread(target=drive, args=(link, adapter), kwargs={"stop": stop, **kw}, name="bdn-hot-swap",
+                         daemon=True)
+    t.start()
+    return t
+
+
+class HttpThread:
+    """An aiohttp application served on its own event loop thread (loopback or any host)."""
+
+    def __init__(self, app: web.Application, host: str, port: int) -> None:
+        self.app, self.host, self.port = app, host, port
+        self._loop = asyncio.new_event_loop()
+        self._runner: web.AppRunner | None = None
+        self._started = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-http", daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._runner = web.AppRunner(self.app, access_log=None)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, self.host, self.port)
+            self._loop.run_until_complete(site.start())
+        except BaseException as exc:
+            self._error = exc
+            self._started.set()
+            return
+        self._started.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(self._runner.cleanup())
+        self._loop.close()
+
+    def start(self) -> HttpThread:
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+
+
+class HFService:
+    """HFEngine + OpenAI chat server + hot-swap driver, registered with one bdnd.
+
+    Args:
+        bdn_url: the daemon's local API.
+        host, port: where the chat server listens.
+        replica_id: reported in every answer's ``engine_data``.
+        partial: swap changed tensors only (False: full reload on every swap).
+        poll_timeout: seconds per long-poll (bounds how fast ``stop`` returns).
+    """
+
+    def __init__(self, bdn_url: str, host: str, port: int, replica_id: str = "replica", served_name: str = "model",
+                 partial: bool = True, device: str = "cpu", name: str = "hf", poll_timeout: float = 5.0) -> None:
+        from bdn.engines.hf import HFEngine
+        from bdn.engines.openai_api import make_app
+
+        self.bdn_url = bdn_url
+        self.engine = HFEngine(device=device, partial=partial)
+        self.http = HttpThread(make_app(self.engine, served_name, replica_id), host, port)
+        self.name = name
+        self.poll_timeout = poll_timeout
+        self.stop_event = threading.Event()
+        self.link: EngineLink | None = None
+        self._driver: threading.Thread | None = None
+        self.reports: list[dict[str, Any]] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http.host}:{self.http.port}"
+
+    def start(self, connect_timeout_s: float = 60.0) -> HFService:
+        self.http.start()
+        self.link = register(self.bdn_url, self.name, connect_timeout_s)
+        self._driver = run_driver(self.link, self.engine, self.stop_event, poll_timeout=self.poll_timeout,
+                                  on_swapped=lambda _s, r: self.reports.append(r))
+        return self
+
+    def stop(self, unregister: bool = True) -> None:
+        """Stop the driver and the server; ``unregister=False`` leaves the daemon's entry (a crash)."""
+        self.stop_event.set()
+        if self._driver is not None:
+            self._driver.join(self.poll_timeout + 60)
+        if self.link is not None and unregister:
+            self.link.close()
+        self.http.stop()
+
+    def __enter__(self) -> HFService:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

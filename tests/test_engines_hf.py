@@ -1,0 +1,345 @@
+"""The Hugging Face transformers engine (bdn.engines.hf) hot-swapped by a real bdnd.
+
+A tiny LlamaForCausalLM (about 0.8 MB in bf16, made with save_pretrained, no hub download) is
+published as an anchor and two deltas; one real bdnd process serves it; the engine (HFEngine, its
+OpenAI-compatible server on loopback and the hot-swap driver, in this process) goes 1 -> 2 -> 3
+with one hot-load each. After every swap its parameters equal the trainer's bit for bit, every
+answer reports the right policy version, and only the tensors the optimizer step changed were
+copied. A snapshot the engine cannot load is acked as the replica's error while policy 1 keeps
+serving. The prompt-cache and in-flight policies are checked on snapshots that bdnd rebuilt.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bdn.engines.hf import torch_available
+
+_why = torch_available()
+if _why:
+    pytest.skip(f"the transformers engine needs torch and transformers ({_why})", allow_module_level=True)
+
+import torch  # noqa: E402
+import xxhash  # noqa: E402
+
+from bdn.client import hot_load, hot_load_status, open_snapshot  # noqa: E402
+from bdn.engines.hf import HFEngine  # noqa: E402
+from bdn.engines.options import HotLoadOptions  # noqa: E402
+from bdn.engines.service import HFService  # noqa: E402
+from bdn.publish import publish_delta, publish_full, publish_startup  # noqa: E402
+from support.swarm import Swarm, free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "engine"))
+import tiny_llama  # noqa: E402
+
+CHUNK = 64 << 10
+IDS = ["step000001", "step000002", "step000003"]
+PROMPT = [{"role": "user", "content": "Tell me about checkpoints."}]
+
+
+def http(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, json.loads(raw)
+        except ValueError:
+            return e.code, raw.decode(errors="replace")
+
+
+def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {k: xxhash.xxh3_128_hexdigest(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            for k, v in state.items()}
+
+
+def wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def replica_done(url: str, identity: str):
+    reps = hot_load_status(url)
+    errs = [r for r in reps if r["loading_state"]["stage"] == "error"]
+    assert not errs, errs
+    return reps if all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done"
+                       for r in reps) else None
+
+
+def chat(url: str, **kw: Any) -> dict[str, Any]:
+    status, ans = http("POST", url + "/v1/chat/completions",
+                       {"messages": PROMPT, "max_tokens": 8, "temperature": 0, "top_logprobs": 3, **kw})
+    assert status == 200, ans
+    return ans
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory: pytest.TempPathFactory):
+    """The trainer's three checkpoints, published to a file:// bucket: anchor, delta, delta."""
+    root = tmp_path_factory.mktemp("hf")
+    bucket = f"file://{root}/bucket"
+    d1 = root / "ck1"
+    _model, s1 = tiny_llama.make_tiny_llama(d1, hidden=64, layers=2, seed=3)
+    s2 = tiny_llama.optimizer_step(s1, 0.02, seed=11)
+    s3 = tiny_llama.optimizer_step(s2, 0.02, seed=12)
+    d2 = tiny_llama.save_state(root / "ck2", d1, s2)
+    d3 = tiny_llama.save_state(root / "ck3", d1, s3)
+    publish_full(bucket, IDS[0], 1, dir=d1, chunk_size=CHUNK)
+    publish_delta(bucket, IDS[1], 2, IDS[0], dir=d2, base_dir=d1, chunk_size=CHUNK)
+    publish_delta(bucket, IDS[2], 3, IDS[1], dir=d3, base_dir=d2, chunk_size=CHUNK)
+    publish_startup(bucket, IDS[0])
+    # A full snapshot transformers cannot load (unknown model_type), for the failed swap.
+    bad = tiny_llama.save_state(root / "bad", d1, s2)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "no_such_model_type"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    publish_full(bucket, "broken000002", 2, dir=bad, chunk_size=CHUNK)
+    return {"root": root, "bucket": bucket, "states": [s1, s2, s3], "dirs": [d1, d2, d3]}
+
+
+@pytest.fixture
+def node(trainer, tmp_path: Path):
+    with Swarm(tmp_path / "nodes", 1, trainer["bucket"]) as swarm:
+        yield swarm.daemons[0]
+
+
+def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node) -> None:
+    states = trainer["states"]
+    with HFService(node.url, "127.0.0.1", free_port(), replica_id="node0", poll_timeout=2.0) as svc:
+        wait_for(lambda: replica_done(node.url, IDS[0]), 120, f"{IDS[0]} served")
+        assert svc.engine.last_swap["mode"] == "load"
+        answers = {}
+        # Requests keep arriving during both hot-loads; each answer is checked against its policy below.
+        during: list[dict] = []
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                during.append(chat(svc.url))
+
+        loader = threading.Thread(target=load)
+        loader.start()
+        for i, ident in enumerate(IDS):
+            if i:
+                ans = hot_load(node.url, ident, previous=IDS[i - 1])
+                assert ans["accepted"] is True
+                reps = wait_for(lambda: replica_done(node.url, ident), 120, f"{ident} served")
+                report = svc.engine.last_swap
+                # Only the tensors the optimizer step changed were copied, found by comparing
+                # the two snapshots (the daemon's offer carries no list yet).
+                changed = sorted(k for k in states[i] if not torch.equal(states[i][k].view(torch.int16),
+                                                                             states[i - 1][k].view(torch.int16)))
+                assert report["mode"] == "partial", report
+                assert sorted(svc.engine.last_swap_tensors) == changed and len(changed) == 3
+                assert report["tensors_copied"] == 3 and report["tensors_total"] == len(states[i])
+                assert report["bytes_copied"] == sum(states[i][k].numel() * 2 for k in changed)
+                assert report["changed_source"] == "compared"
+                assert report["prompt_cache"] == "reset" and report["inflight_policy"] == "wait"
+                assert reps[0]["last_swap_pause_ms"] == pytest.approx(report["pause_ms"], abs=1e-3)
+            status, w = http("GET", svc.url + "/debug/weights")
+            assert status == 200 and w["identity"] == ident and w["policy_version"] == i + 1
+            assert w["tensors"] == digests(states[i]), f"{ident}: parameters differ from the trainer's"
+            ans = chat(svc.url)
+            ed = ans["nvext"]["engine_data"]
+            assert ed["policy_version"] == i + 1 and ed["policy_versions"] == [i + 1]
+            assert ed["snapshot_identity"] == ident and ed["replica_id"] == "node0"
+            ch = ans["choices"][0]
+            assert len(ch["token_ids"]) == len(ch["logprobs"]["content"]) > 0
+            assert all(len(c["top_logprobs"]) == 3 and c["logprob"] <= 0 for c in ch["logprobs"]["content"])
+            answers[ident] = ans
+        stop.set()
+        loader.join(60)
+        # The same greedy request, answered by three policies, from one engine.
+        lp = [a["choices"][0]["logprobs"]["content"][0]["logprob"] for a in answers.values()]
+        assert len(set(lp)) == 3, lp
+        # Every answer given while the engine swapped says which policy made it, and it did.
+        assert len(during) > 3
+        for a in during:
+            ed = a["nvext"]["engine_data"]
+            assert len(ed["policy_versions"]) == 1 and ed["policy_version"] == ed["policy_versions"][0]
+            got = a["choices"][0]["logprobs"]["content"][0]["logprob"]
+            nearest = min(range(3), key=lambda v: abs(lp[v] - got))
+            assert nearest + 1 == ed["policy_version"] and ed["snapshot_identity"] == IDS[nearest], (ed, got, lp)
+
+
+def test_a_failed_swap_is_acked_and_the_old_policy_keeps_serving(trainer, node) -> None:
+    with HFService(node.url, "127.0.0.1", free_port(), replica_id="node0", poll_timeout=2.0) as svc:
+        wait_for(lambda: replica_done(node.url, IDS[0]), 120, f"{IDS[0]} served")
+        before = chat(svc.url)
+        hot_load(node.url, "broken000002")
+
+        def errored():
+            reps = hot_load_status(node.url)
+            return reps if reps[0]["loading_state"]["stage"] == "error" else None
+
+        reps = wait_for(errored, 120, "the replica to report the failed swap")
+        reason = reps[0]["loading_state"]["reason"]
+        assert "no_such_model_type" in reason and "EngineError" in reason, reason
+        assert reps[0]["current_snapshot_identity"] == IDS[0]
+        after = chat(svc.url)
+        assert after["nvext"]["engine_data"]["policy_version"] == 1
+        assert after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
+        status, w = http("GET", svc.url + "/debug/weights")
+        assert w["tensors"] == digests(trainer["states"][0])
+
+
+def test_prompt_cache_policy_and_changed_tensors_from_the_offer(trainer, node) -> None:
+    """PRESERVE keeps prefixes computed by the old policy (visible in answers); RESET_ALL drops them.
+
+    Snapshots are the ones bdnd rebuilt; the offers are what the daemon will send once it
+    forwards the hot-load options (docs/ENGINES.md, "What the daemon is asked to send").
+    """
+    for ident in IDS:
+        node.prefetch(ident)
+        node.wait_ready(ident)
+    base = Path(node.wait_ready(IDS[0])["path"]).parent
+    snaps = [open_snapshot(base / i) for i in IDS]
+    engine = HFEngine()
+    try:
+        engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))
+        prompt = engine.encode_chat(PROMPT)
+
+        def gen():
+            with engine.gate.admit() as t:
+                return engine.generate(t, prompt, 4, temperature=0)
+
+        first = gen()
+        assert first.cached_tokens == 0 and first.policy_versions == [1]
+        assert gen().cached_tokens == len(prompt) - 1  # the prompt cache works within a policy
+
+        opts = HotLoadOptions.from_offer({"prompt_cache_policy": "PRESERVE"})
+        prep = engine.prepare(snaps[1], {}, opts)
+        rep = engine.swap(prep)
+        assert rep["prompt_cache"] == "preserved" and rep["prompt_cache_entries_dropped"] == 0
+        g = gen()
+        assert g.policy_versions == [2] and g.cached_tokens == len(prompt) - 1 and g.cache_policy_version == 1
+
+        # The daemon's list of changed tensors, relative to the snapshot served, is used as is.
+        names = ["model.layers.0.mlp.up_proj.weight"]
+        offer = {"changed_tensors": names, "changed_tensors_base": IDS[1], "prompt_cache_policy": "RESET_ALL"}
+        prep = engine.prepare(snaps[2], offer, HotLoadOptions.from_offer(offer))
+        assert prep.mode == "partial" and prep.changed_source == "offer" and list(prep.tensors) == names
+        rep = engine.swap(prep)
+        assert rep["prompt_cache"] == "reset" and rep["prompt_cache_entries_dropped"] >= 1
+        g = gen()
+        assert g.policy_versions == [3] and g.cached_tokens == 0 and g.cache_policy_version is None
+        # A list relative to another snapshot is not trusted: the engine compares instead.
+        stale = {"changed_tensors": names, "changed_tensors_base": IDS[0]}
+        assert engine.prepare(snaps[1], stale, HotLoadOptions()).changed_source == "compared"
+        with pytest.raises(Exception, match="not in"):
+            engine.prepare(snaps[1], {"changed_tensors": ["nope"], "changed_tensors_base": IDS[2]}, HotLoadOptions())
+    finally:
+        for s in snaps:
+            s.close()
+
+
+def test_inflight_policies_on_a_generating_request(trainer, node) -> None:
+    """keep: a long request continues across the swap and reports both policies; abort: it ends."""
+    node.prefetch(IDS[1])
+    base = Path(node.wait_ready(IDS[1])["path"]).parent
+    snaps = [open_snapshot(base / i) for i in IDS[:2]]
+    engine = HFEngine()
+    try:
+        engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))
+        prompt = engine.encode_chat(PROMPT)
+        for policy in ("keep", "abort"):
+            target = snaps[1] if engine.identity == IDS[0] else snaps[0]
+            started, result = threading.Event(), {}
+
+            def long_request():
+                with engine.gate.admit() as t:
+                    started.set()
+                    result["g"] = engine.generate(t, prompt, 400, temperature=1.0, seed=1, stop_ids=set())
+
+            th = threading.Thread(target=long_request)
+            th.start()
+            started.wait(30)
+            wait_for(lambda: engine.gate.in_flight == 1, 30, "the request to run")
+            old_v = engine.policy_version
+            rep = engine.swap(engine.prepare(target, {}, HotLoadOptions(inflight_policy=policy)))
+            th.join(120)
+            g = result["g"]
+            if policy == "keep":
+                assert rep["kept"] == 1 and rep["aborted"] == 0
+                if g.finish_reason == "length" and len(g.policy_versions) == 2:
+                    assert g.policy_versions == [old_v, target.policy_version]
+                else:  # the request finished before the swap got in: still exactly one policy
+                    assert g.policy_versions == [old_v]
+            else:
+                assert rep["aborted"] == 1 and g.finish_reason == "abort" and g.policy_versions == [old_v]
+                assert len(g.token_ids) < 400
+    finally:
+        for s in snaps:
+            s.close()
+
+
+def test_full_reload_copies_every_tensor_in_place(trainer, node) -> None:
+    """partial=False: the comparison point for the pause; the result is the same bits."""
+    node.prefetch(IDS[1])
+    base = Path(node.wait_ready(IDS[1])["path"]).parent
+    snaps = [open_snapshot(base / i) for i in IDS[:2]]
+    engine = HFEngine(partial=False)
+    try:
+        engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))
+        rep = engine.swap(engine.prepare(snaps[1], {}, HotLoadOptions()))
+        assert rep["mode"] == "full" and rep["tensors_copied"] == rep["tensors_total"] == len(trainer["states"][1])
+        assert engine.weights_digest() == digests(trainer["states"][1])
+    finally:
+        for s in snaps:
+            s.close()
+
+
+def test_the_command_serves_and_stops_on_sigterm(trainer, node) -> None:
+    """``python -m bdn.engines hf`` as a process: registers, serves policy 1, exits 0 on SIGTERM."""
+    import os
+    import signal
+    import subprocess
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", node.url, "--listen",
+                             f"127.0.0.1:{port}", "--replica-id", "node0", "--log-level", "warning"],
+                            env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        def healthy():
+            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            status, body = http("GET", f"http://127.0.0.1:{port}/health", timeout=5) if _listening(port) else (0, None)
+            return body if status == 200 else None
+
+        body = wait_for(healthy, 120, "the engine to serve")
+        assert body["identity"] == IDS[0] and body["policy_version"] == 1
+        wait_for(lambda: replica_done(node.url, IDS[0]), 60, "the replica done")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        reps = hot_load_status(node.url)
+        assert reps[0]["engines"] == 0  # it unregistered on the way out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
