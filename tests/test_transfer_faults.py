@@ -74,14 +74,16 @@ class Liar:
         self.ls.close()
 
 
+@pytest.mark.parametrize("into", ["mapping", "fd"])
 @pytest.mark.parametrize("send", [0, 1, CHUNK // 2, CHUNK - 1])
-def test_body_cut_short_is_a_failure(shm, src, send):
+def test_body_cut_short_is_a_failure(shm, src, send, into):
     liar = Liar(send)
     client = TransferClient(KEYS, "cli")
     target = Target(shm / "out", CHUNK)
     peer = Peer("liar", *liar.addr)
     try:
-        r = client.fetch_into(peer, src.address(0), target.map, 0, CHUNK, src.digests[0])
+        dest = target.map if into == "mapping" else target._f.fileno()
+        r = client.fetch_into(peer, src.address(0), dest, 0, CHUNK, src.digests[0])
         assert r.outcome is Outcome.FAILED and "closed after" in r.error, r
         assert client.streams_open(peer) == 0  # the broken stream is not reused
     finally:

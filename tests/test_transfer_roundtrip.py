@@ -236,3 +236,23 @@ def test_bounded_memory_no_allocation_per_chunk(shm):
         finally:
             client.close()
             target.close()
+
+
+def test_many_chunks_bit_exact_into_a_file_descriptor(shm, src):
+    with TransferServer(KEYS, "srv", src.resolve) as srv:
+        client = TransferClient(KEYS, "cli", streams_per_peer=2)
+        fd = os.open(shm / "out", os.O_RDWR | os.O_CREAT, 0o600)
+        peer = Peer("srv", *srv.address)
+        try:
+            os.posix_fallocate(fd, 0, src.size)
+            tracemalloc.start()
+            for i in reversed(range(len(src.digests))):
+                off, n = i * CHUNK, min(CHUNK, src.size - i * CHUNK)
+                assert client.fetch_into(peer, src.address(i), fd, off, n, src.digests[i]).ok
+            _, peak = tracemalloc.get_traced_memory()
+            tracemalloc.stop()
+            assert peak < 2 << 20  # one 1 MiB receive buffer per stream, not one per chunk
+            assert (shm / "out").read_bytes() == src.path.read_bytes()
+        finally:
+            client.close()
+            os.close(fd)

@@ -22,6 +22,8 @@ the chunk is reported ``FAILED``: never a short success.
 from __future__ import annotations
 
 import enum
+import mmap
+import os
 import secrets
 import socket
 import threading
@@ -87,6 +89,7 @@ class _Stream:
     recv_timeout: float
     buf: memoryview = field(default_factory=frame_buffer)
     hasher: xxhash.xxh3_128 = field(default_factory=xxhash.xxh3_128)
+    ring: memoryview | None = None  # receive buffer for file-descriptor targets
 
 
 @dataclass(eq=False)
@@ -144,7 +147,7 @@ class TransferClient:
         self,
         peer: Peer,
         address: str,
-        dest: memoryview | bytearray | object,
+        dest: memoryview | bytearray | mmap.mmap | int,
         offset: int,
         length: int,
         digest: str,
@@ -154,8 +157,14 @@ class TransferClient:
         chunk_offset: int = 0,
     ) -> FetchResult:
         """Fetch ``length`` bytes at ``chunk_offset`` of the chunk at swarm ``address`` from
-        ``peer`` into ``dest[offset:offset+length]`` (a writable buffer: the target file's mmap)
-        and check them against ``digest`` (32 hex chars, xxh3-128 of exactly those bytes).
+        ``peer`` into ``dest`` at ``offset`` and check them against ``digest`` (32 hex chars,
+        xxh3-128 of exactly those bytes).
+
+        ``dest`` is either a writable buffer (the target file's mmap: ``recv_into`` lands the
+        bytes in it directly, one kernel copy) or an open file descriptor (the target file: the
+        bytes are received into this stream's 1 MiB buffer, hashed there while cache-hot and
+        ``pwrite``n at ``offset``; on tmpfs a full-page write skips the zeroing of a freshly
+        reserved page that a first store through a mapping costs, see bench/transfer).
 
         ``wait_s`` (0..60) lets the peer hold the request while it fetches the chunk. Blocks the
         calling thread. On anything but ``OK`` the range of ``dest`` holds unspecified bytes;
@@ -165,26 +174,35 @@ class TransferClient:
             ValueError: bad arguments (range outside ``dest``, a malformed address or digest):
                 a bug in the caller, not a peer failure.
         """
-        with memoryview(dest) as whole:  # type: ignore[arg-type]
-            if whole.readonly or not (0 <= offset and 0 < length and offset + length <= whole.nbytes):
+        try:
+            ask = wire.encode_ask(wire.Ask(address, chunk_offset, length, int(wait_s * 1000), snapshot))
+        except ProtocolError as e:
+            raise ValueError(str(e)) from None
+        if len(digest) != 32:
+            raise ValueError("digest must be 32 hex characters")
+        if isinstance(dest, int):
+            if offset < 0:
+                raise ValueError(f"negative file offset {offset}")
+            return self._fetch(peer, ask, dest, offset, length, wait_s, digest)
+        with memoryview(dest) as whole:
+            if whole.readonly or not (0 <= offset and offset + length <= whole.nbytes):
                 raise ValueError(f"range {offset}+{length} is not inside a writable buffer of {whole.nbytes} bytes")
-            try:
-                ask = wire.encode_ask(wire.Ask(address, chunk_offset, length, int(wait_s * 1000), snapshot))
-            except ProtocolError as e:
-                raise ValueError(str(e)) from None
-            if len(digest) != 32:
-                raise ValueError("digest must be 32 hex characters")
-            stream = self._acquire(peer)
-            if isinstance(stream, FetchResult):
-                return stream
-            keep = False
-            try:
-                with whole.cast("B")[offset : offset + length] as target:
-                    result = self._exchange(stream, ask, target, wait_s, digest)
-                keep = result.outcome is not Outcome.FAILED
-                return result
-            finally:
-                self._release(peer, stream, keep)
+            with whole.cast("B")[offset : offset + length] as target:
+                return self._fetch(peer, ask, target, 0, length, wait_s, digest)
+
+    def _fetch(
+        self, peer: Peer, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str
+    ) -> FetchResult:
+        stream = self._acquire(peer)
+        if isinstance(stream, FetchResult):
+            return stream
+        keep = False
+        try:
+            result = self._exchange(stream, ask, sink, offset, length, wait_s, digest)
+            keep = result.outcome is not Outcome.FAILED
+            return result
+        finally:
+            self._release(peer, stream, keep)
 
     def close_peer(self, peer: Peer) -> None:
         """Close every idle stream to ``peer`` and mark the busy ones to close (a peer that left
@@ -294,7 +312,9 @@ class TransferClient:
 
     # ---- one request ------------------------------------------------------------------------
 
-    def _exchange(self, s: _Stream, ask: bytes, target: memoryview, wait_s: float, digest: str) -> FetchResult:
+    def _exchange(
+        self, s: _Stream, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str
+    ) -> FetchResult:
         peer = s.session.peer_node_id
         try:
             want_timeout = self._io_timeout + wait_s
@@ -314,9 +334,12 @@ class TransferClient:
             if ftype == wire.FrameType.BUSY:
                 return FetchResult(Outcome.BUSY, retry_after_s=wire.decode_busy(payload))
             n = wire.decode_data(payload)
-            if n != len(target):
-                raise ProtocolError(f"announced {n} bytes for a {len(target)}-byte request")
-            self._receive(s, target)
+            if n != length:
+                raise ProtocolError(f"announced {n} bytes for a {length}-byte request")
+            if isinstance(sink, int):
+                self._receive_to_file(s, sink, offset, length)
+            else:
+                self._receive(s, sink)
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:
             return FetchResult(Outcome.FAILED, error=f"peer {peer}: {_one_line(e)}")
         if s.hasher.hexdigest() != digest:
@@ -338,6 +361,30 @@ class TransferClient:
             if got == 0:
                 raise ConnectionClosed(f"connection closed after {pos} of {n} body bytes")
             update(target[pos : pos + got])
+            pos += got
+
+    def _receive_to_file(self, s: _Stream, fd: int, offset: int, n: int) -> None:
+        """Receive ``n`` body bytes through the stream's buffer into file ``fd`` at ``offset``."""
+        if s.ring is None:
+            s.ring = memoryview(bytearray(READ_BYTES))  # once per stream, reused for every chunk
+        ring, h = s.ring, s.hasher
+        h.reset()
+        recv_into, update = s.sock.recv_into, h.update
+        pos = 0
+        while pos < n:
+            want = min(n - pos, READ_BYTES)
+            try:
+                got = recv_into(ring, want)
+            except BlockingIOError:
+                raise TimeoutError(f"body stalled after {pos} of {n} bytes") from None
+            if got == 0:
+                raise ConnectionClosed(f"connection closed after {pos} of {n} body bytes")
+            with ring[:got] as piece:
+                update(piece)
+                done = 0
+                while done < got:  # pwrite may be short (signals, a full tmpfs raises ENOSPC)
+                    with piece[done:] as rest:
+                        done += os.pwrite(fd, rest, offset + pos + done)
             pos += got
 
 
