@@ -21,6 +21,12 @@ of one core over the test) times its seconds. Each row gives the median of the r
 min-max. The machine's load average before and after is recorded: on a shared machine the
 numbers are noisy, so compare bdn with the iperf3 of the same run.
 
+A third row, ``copy-floor``, runs in the same run too: one ``memcpy`` of the source's mapping
+into a fresh reserved and populated target mapping plus one xxh3 pass, in one process with no
+network. iperf3 receives into a 128 KiB buffer that stays in cache and never writes the bytes
+anywhere; bdn must land every byte in the target file and hash it, and this row measures what
+that alone costs on this machine.
+
 Writes bench/results/transfer.json (``--out``).
 """
 
@@ -167,6 +173,45 @@ def bdn_point(src: Path, chunk: int, workers: int, rcvbuf: int, into: str) -> di
             "server": round(server_cpu, 3)}, "map_populate_s": round(r["map_s"], 4), "verified": same, "failures": r["failures"][:3]}
 
 
+def copy_floor(src: Path, dst: Path) -> None:
+    """One memcpy of the source's mapping into a fresh reserved, populated target mapping, and
+    one xxh3 pass over it: what landing and verifying the bytes costs with no network at all."""
+    import numpy as np
+    import xxhash
+
+    from bdn.transfer.target import map_target, reserve
+
+    size = src.stat().st_size
+    with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as sm:
+        a = np.frombuffer(sm, dtype=np.uint8)
+        a.sum(dtype=np.uint64)  # fault the source in before the clock, as the server's pages are
+        fd = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        reserve(fd, size)
+        c0, t0 = self_cpu_s(), time.perf_counter()
+        dm = map_target(fd, size)
+        b = np.frombuffer(dm, dtype=np.uint8)
+        np.copyto(b, a)
+        t_copy = time.perf_counter() - t0
+        xxhash.xxh3_128_hexdigest(dm)
+        secs, cpu = time.perf_counter() - t0, self_cpu_s() - c0
+        del a, b
+        dm.close()
+        os.close(fd)
+    print(json.dumps({"seconds": secs, "copy_s": t_copy, "cpu_s": cpu, "bytes": size}), flush=True)
+
+
+def copy_point(src: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    dst = WORK / "dst"
+    r = subprocess.run([sys.executable, "-m", "bench.transfer", "_copy", str(src), str(dst)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    os.unlink(dst)
+    j = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"seconds": round(j["seconds"], 4), "MB_per_s": round(j["bytes"] / j["seconds"] / 1e6, 1),
+            "MB_per_cpu_s": round(j["bytes"] / j["cpu_s"] / 1e6, 1), "cpu_s": round(j["cpu_s"], 3),
+            "copy_only_s": round(j["copy_s"], 4)}
+
+
 # ---- iperf3 ------------------------------------------------------------------------------------
 
 
@@ -241,12 +286,15 @@ def main() -> int:
             f.write(bytes(64 << 20))
     warm.unlink()
     load0 = os.getloadavg()
-    points: dict[str, list[dict]] = {"iperf3": [], **{f"bdn-transfer-{i}-w{w}": [] for w, i in kinds}}
+    points: dict[str, list[dict]] = {"iperf3": [], "copy-floor": [], **{f"bdn-transfer-{i}-w{w}": [] for w, i in kinds}}
     try:
         for run in range(a.runs):
             r = iperf_point(size)
             points["iperf3"].append(r)
             log(f"run {run + 1}: iperf3 {r['MB_per_s']} MB/s, {r['MB_per_cpu_s']} MB/CPU-s")
+            r = copy_point(src)
+            points["copy-floor"].append(r)
+            log(f"run {run + 1}: copy floor {r['MB_per_s']} MB/s, {r['MB_per_cpu_s']} MB/CPU-s")
             for w, into in kinds:
                 r = bdn_point(src, chunk, w, a.rcvbuf, into)
                 points[f"bdn-transfer-{into}-w{w}"].append(r)
@@ -256,12 +304,13 @@ def main() -> int:
         shutil.rmtree(WORK, ignore_errors=True)
     load1 = os.getloadavg()
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    rows = [summarise("iperf3", points["iperf3"], {"streams": 1})]
+    rows = [summarise("iperf3", points["iperf3"], {"streams": 1}),
+            summarise("copy-floor", points["copy-floor"], {"what": "memcpy shm mapping -> fresh populated shm mapping + one xxh3 pass, one thread, no network"})]
     for w, into in kinds:
         rows.append(summarise(f"bdn-transfer-{into}-w{w}", points[f"bdn-transfer-{into}-w{w}"],
                               {"workers": w, "streams": w, "into": into, "chunk_bytes": chunk, "rcvbuf": a.rcvbuf}))
     base = rows[0]
-    for row in rows[1:]:
+    for row in rows[2:]:
         for key in ("MB_per_s", "MB_per_cpu_s"):
             if row.get(key) and base.get(key):
                 row[f"{key}_vs_iperf3"] = round(row[key] / base[key], 3)
@@ -285,6 +334,8 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_serve":
         serve(Path(sys.argv[2]), int(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "_copy":
+        copy_floor(Path(sys.argv[2]), Path(sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_fetch":
         fetch(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
               int(sys.argv[7]), sys.argv[8])
