@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 RESULTS = Path("bench/results")
-WORK = Path("/dev/shm/bdn-bench-transfer")
+WORK = Path(os.environ.get("BDN_BENCH_TRANSFER_DIR", "/dev/shm/bdn-bench-transfer"))
 SECRET = "bench-transfer-secret-0123456789abcdef"
 HZ = os.sysconf("SC_CLK_TCK")
 
@@ -251,6 +251,7 @@ def summarise(name: str, runs: list[dict], extra: dict) -> dict:
 
 
 def main() -> int:
+    global WORK
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-gib", type=float, default=1.0)
     ap.add_argument("--chunk-mib", type=int, default=16)
@@ -260,8 +261,12 @@ def main() -> int:
                     help="comma list: mapping (recv_into the target's mmap) and/or fd (stream buffer + pwrite)")
     ap.add_argument("--rcvbuf", type=int, default=4 << 20, help="client SO_RCVBUF in bytes (0: autotuning)")
     ap.add_argument("--out", default=str(RESULTS / "transfer.json"))
+    ap.add_argument("--dir", default=str(WORK),
+                    help="work directory on a tmpfs (both files live there); e.g. one mounted huge=within_size")
     ap.add_argument("--note", default="", help="recorded with the results (e.g. that the machine was shared)")
     a = ap.parse_args()
+    WORK = Path(a.dir)
+    os.environ["BDN_BENCH_TRANSFER_DIR"] = str(WORK)  # the child processes' WORK too
     if not shutil.which("iperf3"):
         print("iperf3 is not installed (apt-get install -y iperf3)", file=sys.stderr)
         return 2
@@ -314,8 +319,10 @@ def main() -> int:
         for key in ("MB_per_s", "MB_per_cpu_s"):
             if row.get(key) and base.get(key):
                 row[f"{key}_vs_iperf3"] = round(row[key] / base[key], 3)
+    fs = next((ln.split() for ln in open("/proc/mounts") if ln.split()[1] == str(WORK.parent)), [])
     out = {
-        "bench": "transfer", "commit": rev, "bytes": size,
+        "bench": "transfer", "commit": rev, "bytes": size, "dir": str(WORK),
+        "dir_mount": " ".join(fs[2:4]) if fs else "",
         "machine": {"cores": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "loadavg_before": [round(x, 2) for x in load0], "loadavg_after": [round(x, 2) for x in load1],
                     "note": a.note},
