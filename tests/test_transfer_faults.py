@@ -179,6 +179,10 @@ def _session_socket(addr):
     return sock, session
 
 
+def _flip_last(frame: bytes) -> bytes:
+    return frame[:-1] + bytes([frame[-1] ^ 1])
+
+
 def _untagged(payload: bytes) -> bytes:
     return wire.HEADER.pack(1 + len(payload), wire.FrameType.ASK) + payload
 
@@ -210,7 +214,7 @@ def test_garbage_and_huge_frames_close_that_connection_only(shm, src):
             after_handshake = {
                 "4 GiB frame": lambda s, sess: s.sendall(wire.HEADER.pack(0xFFFFFFFF, wire.FrameType.ASK)),
                 "garbage": lambda s, sess: s.sendall(os.urandom(4096)),
-                "bad tag": lambda s, sess: s.sendall(sess.seal(wire.FrameType.ASK, wire.encode_ask(wire.Ask(src.address(1), 0, CHUNK)))[:-1] + b"\0"),
+                "bad tag": lambda s, sess: s.sendall(_flip_last(sess.seal(wire.FrameType.ASK, wire.encode_ask(wire.Ask(src.address(1), 0, CHUNK))))),
                 "untagged ask": lambda s, sess: s.sendall(_untagged(wire.encode_ask(wire.Ask(src.address(1), 0, CHUNK)))),
                 "server frame from a client": lambda s, sess: s.sendall(sess.seal(wire.FrameType.DATA, wire.encode_data(5))),
                 "malformed ask": lambda s, sess: s.sendall(sess.seal(wire.FrameType.ASK, b"\1\2\3")),

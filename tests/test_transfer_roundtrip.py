@@ -8,6 +8,7 @@ import asyncio
 import os
 import shutil
 import threading
+import time
 import tracemalloc
 
 import pytest
@@ -50,6 +51,11 @@ def test_many_chunks_bit_exact_over_one_persistent_stream(shm, src):
             assert all(r.ok for r in results), results
             assert target.map[:] == src.path.read_bytes()
             assert srv.stats.connections == 1 and client.streams_open(peer) == 1
+            # the server counts a chunk once sendfile returns, which may be after the client has it
+            deadline = time.monotonic() + 60
+            while srv.stats.chunks_out < len(src.digests):
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             assert srv.stats.chunks_out == len(src.digests) and srv.stats.bytes_out == src.size
         finally:
             client.close()
@@ -256,3 +262,23 @@ def test_many_chunks_bit_exact_into_a_file_descriptor(shm, src):
         finally:
             client.close()
             os.close(fd)
+
+
+def test_idle_stream_closed_by_the_server_is_replaced_not_failed(shm, src):
+    with TransferServer(KEYS, "srv", src.resolve, idle_timeout_s=0.2) as srv:
+        client = TransferClient(KEYS, "cli", streams_per_peer=1)
+        target = Target(shm / "out", src.size)
+        peer = Peer("srv", *srv.address)
+        try:
+            assert client.fetch_into(peer, src.address(0), target.map, 0, CHUNK, src.digests[0]).ok
+            deadline = time.monotonic() + 60
+            while srv.open_connections():  # the server dropped the idle stream
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            assert client.fetch_into(peer, src.address(1), target.map, CHUNK, CHUNK, src.digests[1]).ok
+            assert srv.stats.connections == 2
+            client.close_peer(peer)
+            assert client.streams_open(peer) == 0
+        finally:
+            client.close()
+            target.close()

@@ -205,12 +205,21 @@ class TransferClient:
             self._release(peer, stream, keep)
 
     def close_peer(self, peer: Peer) -> None:
-        """Close every idle stream to ``peer`` and mark the busy ones to close (a peer that left
-        the swarm); in-flight fetches on them end as FAILED."""
+        """Close every stream to ``peer`` (a peer that left the swarm): idle ones at once, busy
+        ones by shutting their sockets, so the fetches in flight on them end as FAILED."""
         with self._cond:
             ps = self._peers.get(peer)
-            streams = list(ps.streams) if ps else []
-        for s in streams:
+            if ps is None:
+                return
+            idle, ps.idle = ps.idle, []
+            ps.open -= len(idle)
+            for s in idle:
+                ps.streams.discard(s)
+            busy = list(ps.streams)
+            self._cond.notify_all()
+        for s in idle:
+            s.sock.close()
+        for s in busy:
             try:
                 s.sock.shutdown(socket.SHUT_RDWR)
             except OSError:
@@ -241,8 +250,15 @@ class TransferClient:
                 if self._closed:
                     return FetchResult(Outcome.FAILED, error="transfer client closed")
                 ps = self._peers.setdefault(peer, _PeerStreams())
-                if ps.idle:
-                    return ps.idle.pop()
+                while ps.idle:
+                    stream = ps.idle.pop()
+                    if _alive(stream.sock):
+                        return stream
+                    # the peer closed it while idle (its idle timeout, a restart): not a failure
+                    # of this fetch; drop it and use another or open a new one
+                    ps.open -= 1
+                    ps.streams.discard(stream)
+                    stream.sock.close()
                 if ps.open < self._per_peer:
                     ps.open += 1
                     break
@@ -386,6 +402,18 @@ class TransferClient:
                     with piece[done:] as rest:
                         done += os.pwrite(fd, rest, offset + pos + done)
             pos += got
+
+
+def _alive(sock: socket.socket) -> bool:
+    """Whether an idle stream is still open: nothing to read (EAGAIN) means open; EOF, a reset
+    or unexpected bytes mean it cannot carry a request."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        return False  # EOF, or bytes no request asked for
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
 
 
 def _one_line(e: BaseException) -> str:
