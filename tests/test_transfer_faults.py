@@ -271,3 +271,21 @@ def test_silent_connections_are_dropped_and_the_cap_holds(shm, src):
         finally:
             for s in silent:
                 s.close()
+
+
+def test_a_failing_callback_ends_that_connection_only(shm, src):
+    def resolve(address: str):
+        if address == src.address(0):
+            raise RuntimeError("index bug")
+        return src.resolve(address)
+
+    with TransferServer(KEYS, "srv", resolve) as srv:
+        client = TransferClient(KEYS, "cli")
+        target = Target(shm / "out", src.size)
+        peer = Peer("srv", *srv.address)
+        try:
+            assert client.fetch_into(peer, src.address(0), target.map, 0, CHUNK, src.digests[0]).outcome is Outcome.FAILED
+            assert client.fetch_into(peer, src.address(1), target.map, CHUNK, CHUNK, src.digests[1]).ok
+        finally:
+            client.close()
+            target.close()

@@ -318,6 +318,8 @@ class TransferServer:
             log.debug("transfer connection from %s closed: %s", conn.peer or "?", e)
         except (OSError, TimeoutError) as e:
             log.debug("transfer connection from %s ended: %s", conn.peer or "?", e)
+        except Exception:  # a bug in resolve/admit: this connection ends, the server serves on
+            log.exception("transfer connection from %s: resolve or admit failed", conn.peer or "?")
         finally:
             with self._lock:
                 self._conns.discard(conn)
