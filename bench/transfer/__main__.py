@@ -27,6 +27,13 @@ network. iperf3 receives into a 128 KiB buffer that stays in cache and never wri
 anywhere; bdn must land every byte in the target file and hash it, and this row measures what
 that alone costs on this machine.
 
+``--reuse-target`` receives every point into one target file that stays allocated (overwritten
+in place; the first and last 4 KiB of each chunk are zeroed before each point so the compare
+still proves the point wrote them). This machine is a Firecracker VM with free page reporting
+(``page_reporting.page_reporting_order=11`` on the kernel command line): a freed target's pages
+go back to the host, and the next fresh target pays host faults on top of the kernel's zeroing,
+which is noise no real node has. The default (a fresh target per point) keeps that cost in.
+
 Writes bench/results/transfer.json (``--out``).
 """
 
@@ -109,7 +116,8 @@ def fetch(src: Path, dst: Path, chunk: int, port: int, workers: int, rcvbuf: int
     digests, ranges = table(src, chunk)  # the manifest's digests (read before the clock starts)
     size = src.stat().st_size
     populate = os.environ.get("BDN_BENCH_POPULATE", "1") == "1"
-    fd = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    reuse = os.environ.get("BDN_BENCH_REUSE_TARGET") == "1"
+    fd = os.open(dst, os.O_RDWR | os.O_CREAT | (0 if reuse else os.O_TRUNC), 0o600)
     reserve(fd, size)
     client = TransferClient(keys, "bench-client", streams_per_peer=workers, rcvbuf=rcvbuf or None)
     peer = Peer("bench-server", "127.0.0.1", port)
@@ -146,13 +154,31 @@ def fetch(src: Path, dst: Path, chunk: int, port: int, workers: int, rcvbuf: int
     print(json.dumps({"seconds": secs, "cpu_s": cpu, "bytes": size, "map_s": setup_s, "failures": failures}), flush=True)
 
 
+def reuse_target() -> bool:
+    return os.environ.get("BDN_BENCH_REUSE_TARGET") == "1"
+
+
+def scribble(dst: Path, chunk: int) -> None:
+    """Zero the first and last 4 KiB of every chunk of a reused target, so the final compare
+    still proves every chunk was written by this point."""
+    if not dst.exists():
+        return
+    size = dst.stat().st_size
+    with open(dst, "r+b") as f:
+        for off in range(0, size, chunk):
+            for o in (off, min(off + chunk, size) - 4096):
+                os.pwrite(f.fileno(), bytes(4096), max(o, 0))
+
+
 def bdn_point(src: Path, chunk: int, workers: int, rcvbuf: int, into: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     srv = subprocess.Popen([sys.executable, "-m", "bench.transfer", "_serve", str(src), str(chunk)],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         port = json.loads(srv.stdout.readline())["port"]  # type: ignore[union-attr]
-        dst = WORK / "dst"
+        dst = WORK / ("dst-reused" if reuse_target() else "dst")
+        if reuse_target():
+            scribble(dst, chunk)
         s0 = proc_cpu_s(srv.pid)
         cli = subprocess.run(
             [sys.executable, "-m", "bench.transfer", "_fetch", str(src), str(dst), str(chunk), str(port),
@@ -165,7 +191,8 @@ def bdn_point(src: Path, chunk: int, workers: int, rcvbuf: int, into: str) -> di
         srv.stdin.close()  # type: ignore[union-attr]
         srv.wait(30)
     same = not r["failures"] and subprocess.run(["cmp", "-s", str(src), str(dst)]).returncode == 0
-    os.unlink(dst)
+    if not reuse_target():
+        os.unlink(dst)
     server_cpu = s1 - s0
     cpu = r["cpu_s"] + server_cpu
     return {"seconds": round(r["seconds"], 4), "MB_per_s": round(r["bytes"] / r["seconds"] / 1e6, 1),
@@ -185,7 +212,7 @@ def copy_floor(src: Path, dst: Path) -> None:
     with open(src, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as sm:
         a = np.frombuffer(sm, dtype=np.uint8)
         a.sum(dtype=np.uint64)  # fault the source in before the clock, as the server's pages are
-        fd = os.open(dst, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(dst, os.O_RDWR | os.O_CREAT | (0 if reuse_target() else os.O_TRUNC), 0o600)
         reserve(fd, size)
         c0, t0 = self_cpu_s(), time.perf_counter()
         dm = map_target(fd, size)
@@ -202,10 +229,11 @@ def copy_floor(src: Path, dst: Path) -> None:
 
 def copy_point(src: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    dst = WORK / "dst"
+    dst = WORK / ("dst-copy-reused" if reuse_target() else "dst")
     r = subprocess.run([sys.executable, "-m", "bench.transfer", "_copy", str(src), str(dst)],
                        capture_output=True, text=True, env=env, timeout=600)
-    os.unlink(dst)
+    if not reuse_target():
+        os.unlink(dst)
     j = json.loads(r.stdout.strip().splitlines()[-1])
     return {"seconds": round(j["seconds"], 4), "MB_per_s": round(j["bytes"] / j["seconds"] / 1e6, 1),
             "MB_per_cpu_s": round(j["bytes"] / j["cpu_s"] / 1e6, 1), "cpu_s": round(j["cpu_s"], 3),
@@ -263,10 +291,15 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS / "transfer.json"))
     ap.add_argument("--dir", default=str(WORK),
                     help="work directory on a tmpfs (both files live there); e.g. one mounted huge=within_size")
+    ap.add_argument("--reuse-target", action="store_true",
+                    help="receive every point into one target file that stays allocated (overwritten in "
+                         "place): the transport's cost without fresh-page allocation and zeroing")
     ap.add_argument("--note", default="", help="recorded with the results (e.g. that the machine was shared)")
     a = ap.parse_args()
     WORK = Path(a.dir)
     os.environ["BDN_BENCH_TRANSFER_DIR"] = str(WORK)  # the child processes' WORK too
+    if a.reuse_target:
+        os.environ["BDN_BENCH_REUSE_TARGET"] = "1"
     if not shutil.which("iperf3"):
         print("iperf3 is not installed (apt-get install -y iperf3)", file=sys.stderr)
         return 2
@@ -321,7 +354,7 @@ def main() -> int:
                 row[f"{key}_vs_iperf3"] = round(row[key] / base[key], 3)
     fs = next((ln.split() for ln in open("/proc/mounts") if ln.split()[1] == str(WORK.parent)), [])
     out = {
-        "bench": "transfer", "commit": rev, "bytes": size, "dir": str(WORK),
+        "bench": "transfer", "commit": rev, "bytes": size, "dir": str(WORK), "reuse_target": a.reuse_target,
         "dir_mount": " ".join(fs[2:4]) if fs else "",
         "machine": {"cores": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     "loadavg_before": [round(x, 2) for x in load0], "loadavg_after": [round(x, 2) for x in load1],
