@@ -10,7 +10,15 @@ import shutil
 import time
 
 import pytest
-from support.transfer import KEYS, Target, connect, make_chunk_file, read_to_end, recv_frame, shm_tmpdir
+from support.transfer import (
+    KEYS,
+    Target,
+    connect,
+    make_chunk_file,
+    read_to_end,
+    recv_frame,
+    shm_tmpdir,
+)
 
 from bdn.proto import wire
 from bdn.proto.keys import MAX_SKEW_S, SwarmKeys, derive_keys

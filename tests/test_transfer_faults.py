@@ -14,7 +14,16 @@ import threading
 import time
 
 import pytest
-from support.transfer import KEYS, ServerProcess, Target, connect, make_chunk_file, read_to_end, recv_frame, shm_tmpdir
+from support.transfer import (
+    KEYS,
+    ServerProcess,
+    Target,
+    connect,
+    make_chunk_file,
+    read_to_end,
+    recv_frame,
+    shm_tmpdir,
+)
 
 from bdn.proto import wire
 from bdn.transfer import Outcome, Peer, TransferClient, TransferServer

@@ -15,7 +15,17 @@ import pytest
 from support.transfer import KEYS, Target, make_chunk_file, shm_tmpdir
 
 from bdn.proto import wire
-from bdn.transfer import GRANTED, NOT_HERE, Busy, FetchPool, Granted, Outcome, Peer, TransferClient, TransferServer
+from bdn.transfer import (
+    GRANTED,
+    NOT_HERE,
+    Busy,
+    FetchPool,
+    Granted,
+    Outcome,
+    Peer,
+    TransferClient,
+    TransferServer,
+)
 
 CHUNK = 1 << 20
 

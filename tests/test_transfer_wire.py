@@ -69,7 +69,7 @@ def test_every_handshake_failure_is_the_same_refusal():
 
 
 def test_accept_from_a_server_without_the_secret_is_refused():
-    hello, cs = _hello()
+    _, cs = _hello()
     bad_server = SwarmKeys(KEYS.swarm_id, OTHER.auth_key, OTHER.address_key)
     # a server without the key cannot compute the accept MAC; any other 32 bytes fail too
     with pytest.raises(AuthError):
@@ -95,7 +95,7 @@ def test_session_tags_reject_replay_reorder_and_cross_connection_frames():
     t, body2 = _payload(f2)
     assert bytes(ss.open(t, body2)) == b"two"
     # a frame of another connection (fresh nonces) fails even at the same sequence number
-    other_hello, other_cs = wire.client_hello(KEYS, "cli", "srv", b"u" * 32, CN, NOW)
+    other_hello, _ = wire.client_hello(KEYS, "cli", "srv", b"u" * 32, CN, NOW)
     _, other_ss = wire.check_client_hello(KEYS, "srv", b"u" * 32, _payload(other_hello)[1], NOW)
     with pytest.raises(AuthError):
         other_ss.open(*_payload(f1))

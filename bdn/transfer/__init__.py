@@ -23,9 +23,22 @@ transfer port next to its URL; the fetcher maps FetchResult onto what ``_from_pe
 indexes a chunk only after OK.
 """
 
-from bdn.transfer.client import FetchResult, HandshakeRefused, Outcome, Peer, TransferClient
+from bdn.transfer.client import (
+    FetchResult,
+    HandshakeRefused,
+    Outcome,
+    Peer,
+    TransferClient,
+)
 from bdn.transfer.pool import FetchPool
-from bdn.transfer.server import GRANTED, NOT_HERE, Busy, Granted, TransferServer, admit_all
+from bdn.transfer.server import (
+    GRANTED,
+    NOT_HERE,
+    Busy,
+    Granted,
+    TransferServer,
+    admit_all,
+)
 
 __all__ = [
     "GRANTED", "NOT_HERE", "Busy", "FetchPool", "FetchResult", "Granted", "HandshakeRefused", "Outcome",

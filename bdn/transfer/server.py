@@ -31,7 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Self, Union
 
 from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
@@ -68,7 +68,7 @@ class _NotHere:
 
 NOT_HERE = _NotHere()
 GRANTED = Granted()
-Verdict = Union[Granted, Busy, _NotHere]
+Verdict = Granted | Busy | _NotHere
 Resolve = Callable[[str], "Location | None"]
 Admit = Callable[[str, wire.Ask], Verdict]
 
@@ -253,7 +253,7 @@ class TransferServer:
         shm pages are freed; in-flight answers finish first)."""
         self._files.forget(os.fspath(path))
 
-    def __enter__(self) -> TransferServer:
+    def __enter__(self) -> Self:
         self.start()
         return self
 

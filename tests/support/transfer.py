@@ -69,7 +69,7 @@ class Target:
 
     def __init__(self, path: Path, size: int) -> None:
         self.path = path
-        self._f = open(path, "w+b")
+        self._f = open(path, "w+b")  # noqa: SIM115 - kept open with the mapping, closed by close()
         self._f.truncate(size)
         self.map = mmap.mmap(self._f.fileno(), size)
 
@@ -110,7 +110,7 @@ def read_to_end(sock: socket.socket, timeout_s: float = 30.0) -> tuple[bytes, st
             got += b
     except ConnectionResetError:
         return bytes(got), "reset"
-    except socket.timeout:
+    except TimeoutError:
         return bytes(got), "open"
 
 
