@@ -115,29 +115,46 @@ def test_wrong_announced_length_is_a_failure(shm, src):
         liar.close()
 
 
+def _fetch_to(out: list, client: TransferClient, peer: Peer, address: str, dest, length: int, digest: str) -> None:
+    out.append(client.fetch_into(peer, address, dest, 0, length, digest))
+
+
 def test_server_killed_mid_body_is_a_failure(shm):
+    """kill -9 of the serving process once the body has started to land: FAILED, never OK with
+    a short body. If a loaded machine lets the whole chunk through before the kill lands, that
+    attempt must be a bit-exact OK and the scenario is tried again."""
     big = make_chunk_file(shm / "big", 256 << 20, 256 << 20)
-    proc = ServerProcess(big.path, big.chunk_size)
-    client = TransferClient(KEYS, "cli", rcvbuf=256 << 10, io_timeout_s=60)
-    target = Target(shm / "out", big.size)
     page = big.path.read_bytes()[:4096]
-    result: list = []
-    try:
-        t = threading.Thread(target=lambda: result.append(
-            client.fetch_into(Peer(proc.node_id, *proc.addr), big.address(0), target.map, 0, big.size, big.digests[0])))
-        t.start()
-        deadline = time.monotonic() + 120
-        while target.map[:4096] != page:  # the body has started to land in the mapping
-            assert time.monotonic() < deadline and t.is_alive(), result
-            time.sleep(0.001)
-        os.kill(proc.proc.pid, signal.SIGSTOP)  # freeze it mid-body (buffers hold far less than 256 MiB)
-        os.kill(proc.proc.pid, signal.SIGKILL)
-        t.join(120)
-        assert result and result[0].outcome is Outcome.FAILED, result
-    finally:
-        proc.kill()
-        client.close()
-        target.close()
+    outcomes = []
+    for _attempt in range(5):
+        proc = ServerProcess(big.path, big.chunk_size)
+        client = TransferClient(KEYS, "cli", rcvbuf=256 << 10, io_timeout_s=60)
+        target = Target(shm / "out", big.size)
+        result: list = []
+        try:
+            t = threading.Thread(target=_fetch_to, args=(
+                result, client, Peer(proc.node_id, *proc.addr), big.address(0), target.map, big.size, big.digests[0]))
+            t.start()
+            deadline = time.monotonic() + 120
+            while target.map[:4096] != page:  # the body has started to land in the mapping
+                assert time.monotonic() < deadline and t.is_alive(), result
+                time.sleep(0.001)
+            os.kill(proc.proc.pid, signal.SIGSTOP)  # freeze it mid-body (buffers hold far less than 256 MiB)
+            os.kill(proc.proc.pid, signal.SIGKILL)
+            t.join(120)
+            assert result, "fetch did not return"
+            r = result[0]
+            outcomes.append(r.outcome)
+            assert r.outcome in (Outcome.FAILED, Outcome.OK), r
+            if r.ok:
+                assert target.map[:] == big.path.read_bytes()
+            else:
+                break
+        finally:
+            proc.kill()
+            client.close()
+            target.close()
+    assert Outcome.FAILED in outcomes, outcomes
 
 
 def test_corrupted_bytes_from_a_lying_server_are_caught(shm, src):
