@@ -1,0 +1,432 @@
+"""The transfer wire: frames and the handshake of bdn's chunk transport (pure, no I/O).
+
+Source: DESIGN.md ("Moving chunks": bulk chunk bytes on a dedicated transfer layer with the
+swarm's isolation properties) and issue 9. Keys come from the partition secret (bdn.proto.keys);
+HMAC-SHA256 is RFC 2104, HKDF-SHA256 RFC 5869. The record layout (implicit per-direction sequence
+numbers in every tag, so no nonce has to travel or be remembered) follows TLS 1.3 (RFC 8446, 5.3)
+and SSH (RFC 4253, 6.4).
+
+Every frame is ``u32 length | u8 type | payload`` in network byte order; ``length`` counts the
+type byte and the payload and is at most ``MAX_FRAME`` (a frame that claims more is a protocol
+error: the reader closes the connection without allocating). A DATA frame is followed by
+``length`` raw chunk bytes that are not part of the frame (they go straight into the receiver's
+mapping; the receiver checks them against the manifest digest, never trusts them).
+
+Handshake (one per connection; a connection then carries any number of requests):
+
+1. server -> client ``SERVER_HELLO``: ``magic "BDNT" | version u8 | server_nonce[32]``. Sent to
+   anyone who connects, before anything is known about them; it says nothing about the swarm.
+2. client -> server ``CLIENT_HELLO``: ``magic | version | swarm_id[8] | ts u64 (unix s) |
+   client_nonce[32] | node_len u8 | node id (ascii, NODE_ID_RE) | mac[32]`` with
+   ``mac = HMAC(hs_key, "bdn-transfer-1 hello" | swarm_id | ts | server_nonce | client_nonce |
+   len-prefixed client node id | len-prefixed *target* node id)``. The target's node id and the
+   server's fresh nonce are in the MAC: a captured hello is refused by the same server (new
+   nonce) and by any other daemon of the swarm (other node id), with no nonce cache.
+3. server -> client ``ACCEPT``: ``mac_s[32] = HMAC(hs_key, "bdn-transfer-1 accept" | mac)``:
+   the client learns the server holds the key too. On any failure (unknown swarm, wrong secret,
+   replay, clock skew over ``MAX_SKEW_S``, malformed hello) the server sends nothing and closes
+   the connection: the same answer whatever was wrong and whatever was asked for.
+
+Session: ``HKDF-SHA256(hs_key, salt=server_nonce|client_nonce, info="bdn transfer session" |
+mac)`` gives 64 bytes, the client-to-server and server-to-client tag keys. Every later frame ends
+in ``tag[16] = HMAC(direction key, seq u64 | u32 length | u8 type | payload)[:16]`` where ``seq``
+counts that direction's frames from 0 and is never sent: a replayed, reordered, dropped or
+cross-connection frame fails its tag.
+
+Frames after the handshake (payloads, before the tag):
+
+- ``ASK`` (client): ``address[16] | offset u64 | length u64 | wait_ms u32 | hint_len u8 | hint``:
+  ``length`` bytes at ``offset`` inside the chunk at swarm ``address`` (the 32-hex swarm address
+  as 16 raw bytes); the server may hold the request up to ``wait_ms`` while it fetches the chunk;
+  ``hint`` is an optional snapshot identity.
+- ``DATA`` (server): ``length u64``, then ``length`` raw bytes.
+- ``BUSY`` (server): ``retry_after_ms u32`` (upload slots full, or still fetching).
+- ``NOT_HERE`` (server): empty.
+- ``HAVE`` (either side, for announcements): ``identity_len u8 | identity | layer u8 | count u32
+  | count x u32 chunk indices``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from bdn.proto.errors import AuthError, ProtocolError
+from bdn.proto.keys import MAX_SKEW_S, NODE_ID_RE, SwarmKeys, hkdf_sha256
+
+MAGIC = b"BDNT"
+VERSION = 1
+NONCE_BYTES = 32
+MAC_BYTES = 32
+TAG_BYTES = 16
+#: Largest frame (type byte plus payload) either side accepts; chunk bodies travel outside frames.
+MAX_FRAME = 64 << 10
+#: Largest number of chunk indices one HAVE frame carries.
+MAX_HAVE_INDICES = (MAX_FRAME - 1 - 1 - 255 - 1 - 4 - TAG_BYTES) // 4
+MAX_WAIT_MS = 60_000
+MAX_LENGTH = 1 << 30  # bdn.proto.chunks.MAX_CHUNK_SIZE: no request or answer is larger
+
+HEADER = struct.Struct("!IB")  # length (type + payload), type
+_SEQ = struct.Struct("!Q")
+_SERVER_HELLO = struct.Struct(f"!4sB{NONCE_BYTES}s")
+_CLIENT_HELLO_FIXED = struct.Struct(f"!4sB8sQ{NONCE_BYTES}sB")
+_ASK_FIXED = struct.Struct("!16sQQIB")
+_DATA = struct.Struct("!Q")
+_BUSY = struct.Struct("!I")
+_HAVE_FIXED = struct.Struct("!BI")
+
+
+class FrameType(IntEnum):
+    """The one-byte frame types."""
+
+    SERVER_HELLO = 0x01
+    CLIENT_HELLO = 0x02
+    ACCEPT = 0x03
+    ASK = 0x10
+    DATA = 0x11
+    BUSY = 0x12
+    NOT_HERE = 0x13
+    HAVE = 0x20
+
+
+_TYPES = frozenset(int(t) for t in FrameType)
+#: Frames a server accepts from a client after the handshake, and a client from a server.
+CLIENT_FRAMES = frozenset({FrameType.ASK, FrameType.HAVE})
+SERVER_FRAMES = frozenset({FrameType.DATA, FrameType.BUSY, FrameType.NOT_HERE, FrameType.HAVE})
+
+
+def parse_header(header: bytes | bytearray | memoryview) -> tuple[FrameType, int]:
+    """``(type, payload_length)`` of a 5-byte frame header.
+
+    Raises:
+        ProtocolError: the frame claims more than ``MAX_FRAME`` bytes, none, or an unknown type.
+    """
+    length, ftype = HEADER.unpack(header)
+    if not 1 <= length <= MAX_FRAME:
+        raise ProtocolError(f"transfer frame of {length} bytes (at most {MAX_FRAME})")
+    if ftype not in _TYPES:
+        raise ProtocolError(f"unknown transfer frame type 0x{ftype:02x}")
+    return FrameType(ftype), length - 1
+
+
+def _frame(ftype: FrameType, payload: bytes) -> bytes:
+    return HEADER.pack(len(payload) + 1, ftype) + payload
+
+
+def handshake_key(keys: SwarmKeys) -> bytes:
+    """The 32-byte key of the transfer handshake, derived from the swarm's ``auth_key`` (HKDF,
+    its own label, so a transfer MAC can never stand for a BDN-HMAC request signature)."""
+    return hkdf_sha256(keys.auth_key, b"bdn/transfer/v1", b"bdn transfer handshake", 32)
+
+
+# ---- handshake --------------------------------------------------------------------------------
+
+
+def server_hello(server_nonce: bytes) -> bytes:
+    """The SERVER_HELLO frame carrying a fresh 32-byte ``server_nonce`` (from the caller's CSPRNG)."""
+    if len(server_nonce) != NONCE_BYTES:
+        raise ValueError(f"server nonce must be {NONCE_BYTES} bytes")
+    return _frame(FrameType.SERVER_HELLO, _SERVER_HELLO.pack(MAGIC, VERSION, server_nonce))
+
+
+def parse_server_hello(payload: bytes | bytearray | memoryview) -> bytes:
+    """The server nonce of a SERVER_HELLO payload.
+
+    Raises:
+        ProtocolError: wrong size, magic or version (not a bdn transfer port of this version).
+    """
+    if len(payload) != _SERVER_HELLO.size:
+        raise ProtocolError("not a bdn transfer server (hello of the wrong size)")
+    magic, version, nonce = _SERVER_HELLO.unpack(payload)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError("not a bdn transfer server of version 1")
+    return bytes(nonce)
+
+
+def _lp(s: str) -> bytes:
+    raw = s.encode("ascii")
+    return bytes([len(raw)]) + raw
+
+
+def _hello_mac(
+    hs_key: bytes, swarm: bytes, ts: int, server_nonce: bytes, client_nonce: bytes, client: str, target: str
+) -> bytes:
+    msg = b"".join((
+        b"bdn-transfer-1 hello", swarm, _SEQ.pack(ts), server_nonce, client_nonce, _lp(client), _lp(target),
+    ))
+    return hmac.digest(hs_key, msg, hashlib.sha256)
+
+
+@dataclass
+class Session:
+    """One authenticated connection's tag keys and sequence numbers (one per direction).
+
+    ``seal`` and ``open`` are for the side given by ``is_client``. Not thread-safe: one
+    connection is used by one thread at a time.
+    """
+
+    is_client: bool
+    send_key: bytes
+    recv_key: bytes
+    peer_node_id: str
+    accept_mac: bytes
+    send_seq: int = 0
+    recv_seq: int = 0
+
+    def seal(self, ftype: FrameType, payload: bytes) -> bytes:
+        """The complete frame ``ftype`` carrying ``payload``, tagged with the next send sequence."""
+        frame = HEADER.pack(len(payload) + 1 + TAG_BYTES, ftype) + payload
+        tag = hmac.digest(self.send_key, _SEQ.pack(self.send_seq) + frame, hashlib.sha256)[:TAG_BYTES]
+        self.send_seq += 1
+        return frame + tag
+
+    def open(self, ftype: FrameType, body: bytes | bytearray | memoryview) -> memoryview:
+        """Check the tag of a received frame (``body`` = payload + tag, as framed); the payload.
+
+        Raises:
+            AuthError: the tag does not match (forged, replayed, reordered or truncated frame).
+        """
+        n = len(body)
+        if n < TAG_BYTES:
+            raise AuthError("frame without tag")
+        view = memoryview(body)
+        header = HEADER.pack(n + 1, ftype)
+        h = hmac.new(self.recv_key, _SEQ.pack(self.recv_seq) + header, hashlib.sha256)
+        h.update(view[: n - TAG_BYTES])
+        if not hmac.compare_digest(h.digest()[:TAG_BYTES], view[n - TAG_BYTES :]):
+            raise AuthError("bad frame tag")
+        self.recv_seq += 1
+        return view[: n - TAG_BYTES]
+
+
+def _session(
+    hs_key: bytes, server_nonce: bytes, client_nonce: bytes, mac: bytes, *, is_client: bool, peer: str
+) -> Session:
+    okm = hkdf_sha256(hs_key, server_nonce + client_nonce, b"bdn transfer session" + mac, 64)
+    c2s, s2c = okm[:32], okm[32:]
+    accept = hmac.digest(hs_key, b"bdn-transfer-1 accept" + mac, hashlib.sha256)
+    if is_client:
+        return Session(True, c2s, s2c, peer, accept)
+    return Session(False, s2c, c2s, peer, accept)
+
+
+def client_hello(
+    keys: SwarmKeys, node_id: str, target_node_id: str, server_nonce: bytes, client_nonce: bytes, now: float
+) -> tuple[bytes, Session]:
+    """The CLIENT_HELLO frame from ``node_id`` to the daemon ``target_node_id`` and the session it
+    opens (valid once the server's ACCEPT checks out, see ``check_accept``).
+
+    ``now`` is unix seconds (injected clock); ``client_nonce`` 32 bytes from a CSPRNG.
+
+    Raises:
+        ProtocolError: a node id does not match ``NODE_ID_RE``, or a nonce is not 32 bytes.
+    """
+    for n in (node_id, target_node_id):
+        if not NODE_ID_RE.match(n):
+            raise ProtocolError(f"node id {n[:80]!r} does not match {NODE_ID_RE.pattern}")
+    if len(server_nonce) != NONCE_BYTES or len(client_nonce) != NONCE_BYTES:
+        raise ProtocolError(f"handshake nonces must be {NONCE_BYTES} bytes")
+    hs_key = handshake_key(keys)
+    swarm = bytes.fromhex(keys.swarm_id)
+    ts = int(now)
+    mac = _hello_mac(hs_key, swarm, ts, server_nonce, client_nonce, node_id, target_node_id)
+    payload = _CLIENT_HELLO_FIXED.pack(MAGIC, VERSION, swarm, ts, client_nonce, len(node_id)) + node_id.encode() + mac
+    session = _session(hs_key, server_nonce, client_nonce, mac, is_client=True, peer=target_node_id)
+    return _frame(FrameType.CLIENT_HELLO, payload), session
+
+
+def check_client_hello(
+    keys: SwarmKeys, my_node_id: str, server_nonce: bytes, payload: bytes | bytearray | memoryview, now: float
+) -> tuple[bytes, Session]:
+    """Verify a CLIENT_HELLO payload received by daemon ``my_node_id`` after it sent
+    ``server_nonce``; return the ACCEPT frame to send and the server side's session.
+
+    Every check runs whatever fails first (the MAC is always computed), and every failure raises
+    the same ``AuthError("transfer handshake refused")``: the caller closes the connection and
+    says nothing, so nobody learns whether the swarm, the secret or the clock was wrong.
+
+    Raises:
+        AuthError: malformed hello, unknown swarm, wrong secret (bad MAC), a hello made for
+            another daemon or another server nonce (replay), or ``|now - ts| > MAX_SKEW_S``.
+    """
+    raw = bytes(payload)
+    fixed = _CLIENT_HELLO_FIXED.size
+    ok = len(raw) >= fixed + 1 + MAC_BYTES
+    if ok:
+        magic, version, swarm, ts, client_nonce, node_len = _CLIENT_HELLO_FIXED.unpack_from(raw)
+        ok = len(raw) == fixed + node_len + MAC_BYTES and magic == MAGIC and version == VERSION
+    if not ok:
+        # still compute one MAC so a malformed hello costs what a well-formed one does
+        _hello_mac(handshake_key(keys), b"\0" * 8, 0, server_nonce, b"\0" * 32, "x", my_node_id)
+        raise AuthError("transfer handshake refused")
+    node_raw = raw[fixed : fixed + node_len]
+    mac = raw[fixed + node_len :]
+    try:
+        node = node_raw.decode("ascii")
+    except UnicodeDecodeError:
+        node = ""
+    good_node = bool(NODE_ID_RE.match(node))
+    hs_key = handshake_key(keys)
+    want = _hello_mac(hs_key, swarm, ts, server_nonce, client_nonce, node if good_node else "x", my_node_id)
+    good = hmac.compare_digest(want, mac)
+    good &= good_node
+    good &= hmac.compare_digest(swarm, bytes.fromhex(keys.swarm_id))
+    good &= abs(now - ts) <= MAX_SKEW_S
+    if not good:
+        raise AuthError("transfer handshake refused")
+    session = _session(hs_key, server_nonce, client_nonce, mac, is_client=False, peer=node)
+    return _frame(FrameType.ACCEPT, session.accept_mac), session
+
+
+def check_accept(session: Session, payload: bytes | bytearray | memoryview) -> None:
+    """Check the server's ACCEPT payload against the client's session.
+
+    Raises:
+        AuthError: the server does not hold the partition secret (or is not the target daemon).
+    """
+    if not hmac.compare_digest(bytes(payload), session.accept_mac):
+        raise AuthError("transfer server failed to prove the partition secret")
+
+
+# ---- requests and answers ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A request for ``length`` bytes at ``offset`` inside the chunk at swarm ``address``
+    (32 lowercase hex chars); the server may hold it ``wait_ms`` while it fetches the chunk."""
+
+    address: str
+    offset: int
+    length: int
+    wait_ms: int = 0
+    snapshot: str | None = None
+
+
+def encode_ask(ask: Ask) -> bytes:
+    """The ASK payload (to be sealed by the client's session).
+
+    Raises:
+        ProtocolError: a field is out of range (address not 32 hex, length 0 or over 1 GiB, ...).
+    """
+    try:
+        address = bytes.fromhex(ask.address)
+    except ValueError:
+        address = b""
+    if len(address) != 16:
+        raise ProtocolError("chunk address must be 32 hex characters")
+    if not (0 <= ask.offset < MAX_LENGTH and 0 < ask.length <= MAX_LENGTH and 0 <= ask.wait_ms <= MAX_WAIT_MS):
+        raise ProtocolError(f"ask out of range: offset {ask.offset}, length {ask.length}, wait {ask.wait_ms} ms")
+    hint = (ask.snapshot or "").encode("ascii")
+    if len(hint) > 255:
+        raise ProtocolError("snapshot hint longer than 255 characters")
+    return _ASK_FIXED.pack(address, ask.offset, ask.length, ask.wait_ms, len(hint)) + hint
+
+
+def decode_ask(payload: bytes | bytearray | memoryview) -> Ask:
+    """Parse an ASK payload (already checked by ``Session.open``).
+
+    Raises:
+        ProtocolError: wrong size or a field out of range.
+    """
+    n = len(payload)
+    if n < _ASK_FIXED.size:
+        raise ProtocolError("ask frame too short")
+    address, offset, length, wait_ms, hint_len = _ASK_FIXED.unpack_from(payload)
+    if n != _ASK_FIXED.size + hint_len:
+        raise ProtocolError("ask frame of the wrong size")
+    if not (offset < MAX_LENGTH and 0 < length <= MAX_LENGTH and wait_ms <= MAX_WAIT_MS):
+        raise ProtocolError(f"ask out of range: offset {offset}, length {length}, wait {wait_ms} ms")
+    try:
+        hint = bytes(payload[_ASK_FIXED.size :]).decode("ascii") or None
+    except UnicodeDecodeError:
+        raise ProtocolError("snapshot hint is not ascii") from None
+    return Ask(address.hex(), offset, length, wait_ms, hint)
+
+
+def encode_data(length: int) -> bytes:
+    """The DATA payload announcing ``length`` raw bytes after the frame."""
+    return _DATA.pack(length)
+
+
+def decode_data(payload: bytes | bytearray | memoryview) -> int:
+    """The body length a DATA payload announces.
+
+    Raises:
+        ProtocolError: wrong size, or a length over ``MAX_LENGTH``.
+    """
+    if len(payload) != _DATA.size:
+        raise ProtocolError("data frame of the wrong size")
+    (length,) = _DATA.unpack(payload)
+    if length > MAX_LENGTH:
+        raise ProtocolError(f"data frame announces {length} bytes (at most {MAX_LENGTH})")
+    return length
+
+
+def encode_busy(retry_after_s: float) -> bytes:
+    """The BUSY payload: ask again after ``retry_after_s`` seconds (clamped to 0..60 s)."""
+    return _BUSY.pack(int(min(max(retry_after_s, 0.0), 60.0) * 1000))
+
+
+def decode_busy(payload: bytes | bytearray | memoryview) -> float:
+    """Seconds to wait before asking again, from a BUSY payload (clamped to 0..60 s).
+
+    Raises:
+        ProtocolError: wrong size.
+    """
+    if len(payload) != _BUSY.size:
+        raise ProtocolError("busy frame of the wrong size")
+    return min(_BUSY.unpack(payload)[0], 60_000) / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class Have:
+    """An announcement that the sender now holds chunks ``indices`` of ``identity``'s ``layer``
+    (0 stored, 1 reconstructed)."""
+
+    identity: str
+    layer: int
+    indices: tuple[int, ...]
+
+
+def encode_have(have: Have) -> bytes:
+    """The HAVE payload.
+
+    Raises:
+        ProtocolError: identity longer than 255, layer not 0/1, too many or out-of-range indices.
+    """
+    ident = have.identity.encode("ascii")
+    if not 0 < len(ident) <= 255 or have.layer not in (0, 1):
+        raise ProtocolError("have frame needs an identity of 1..255 chars and layer 0 or 1")
+    if len(have.indices) > MAX_HAVE_INDICES:
+        raise ProtocolError(f"have frame with {len(have.indices)} indices (at most {MAX_HAVE_INDICES})")
+    try:
+        body = struct.pack(f"!{len(have.indices)}I", *have.indices)
+    except struct.error:
+        raise ProtocolError("have index out of range") from None
+    return bytes([len(ident)]) + ident + _HAVE_FIXED.pack(have.layer, len(have.indices)) + body
+
+
+def decode_have(payload: bytes | bytearray | memoryview) -> Have:
+    """Parse a HAVE payload. The caller validates the identity and bounds the indices by the
+    manifest it holds.
+
+    Raises:
+        ProtocolError: wrong size, layer not 0/1, or identity not ascii.
+    """
+    raw = bytes(payload)
+    if not raw or len(raw) < 1 + raw[0] + _HAVE_FIXED.size:
+        raise ProtocolError("have frame too short")
+    n_ident = raw[0]
+    try:
+        ident = raw[1 : 1 + n_ident].decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("have identity is not ascii") from None
+    layer, count = _HAVE_FIXED.unpack_from(raw, 1 + n_ident)
+    start = 1 + n_ident + _HAVE_FIXED.size
+    if layer not in (0, 1) or len(raw) != start + 4 * count or not ident:
+        raise ProtocolError("have frame malformed")
+    return Have(ident, layer, struct.unpack_from(f"!{count}I", raw, start))

@@ -1,0 +1,419 @@
+"""The transfer server: serves verified chunk bytes with ``os.sendfile`` over authenticated
+persistent connections (the wire of bdn.proto.wire).
+
+Threads, not the event loop: one accept thread and one thread per connection (at most
+``max_connections``; peers keep a few persistent streams each). ``os.sendfile`` and ``recv_into``
+release the GIL for the whole system call, so connection threads run in parallel on every core
+while the daemon's asyncio loop keeps the control plane; the bytes never enter Python.
+
+The daemon plugs in two thread-safe callbacks (called on connection threads):
+
+- ``resolve(address) -> (fd | path, offset, length) | None``: where the verified chunk at swarm
+  ``address`` lies (an open file descriptor the caller keeps open, or a path whose descriptor
+  this server opens once and caches), or None when it is not held here.
+- ``admit(peer_node_id, ask) -> Granted | Busy | NOT_HERE``: the upload policy. It may block up to
+  ``ask.wait_ms`` (an owner holding a request while it fetches the chunk); ``Granted.release`` is
+  called once the answer is sent or failed. From asyncio code, wrap a coroutine with
+  ``asyncio.run_coroutine_threadsafe(...).result()``.
+
+Any handshake failure closes the connection without a word (bdn.proto.wire); any protocol error
+after it (garbage, an oversized frame, a bad tag) closes that connection only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Self, Union
+
+from bdn.proto import wire
+from bdn.proto.errors import AuthError, ProtocolError
+from bdn.proto.keys import NODE_ID_RE, SwarmKeys
+from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
+
+log = logging.getLogger("bdn.transfer.server")
+
+Source = Union[int, str, "os.PathLike[str]"]
+#: Where a chunk's bytes lie: (open fd or path, byte offset in the file, chunk length in bytes).
+Location = tuple[Source, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Granted:
+    """The upload policy lets this request through; ``release`` (if any) runs after the answer."""
+
+    release: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Busy:
+    """Answer BUSY: ask again after ``retry_after_s`` seconds."""
+
+    retry_after_s: float
+
+
+class _NotHere:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "NOT_HERE"
+
+
+NOT_HERE = _NotHere()
+GRANTED = Granted()
+Verdict = Granted | Busy | _NotHere
+Resolve = Callable[[str], "Location | None"]
+Admit = Callable[[str, wire.Ask], Verdict]
+
+
+def admit_all(peer: str, ask: wire.Ask) -> Verdict:
+    """The admission that lets every request through (benchmarks, or a daemon without limits)."""
+    return GRANTED
+
+
+@dataclass
+class ServerStats:
+    """Counters since start (read them any time; written under the server's lock)."""
+
+    connections: int = 0
+    handshakes_refused: int = 0
+    protocol_errors: int = 0
+    chunks_out: int = 0
+    bytes_out: int = 0
+    busy: int = 0
+    not_here: int = 0
+    aborted: int = 0  # answers cut off after their DATA header (peer gone, file shrank)
+
+
+class _FileCache:
+    """Open descriptors of chunk files by path, at most ``limit`` (least recently used closed
+    first), each checked against the path's current inode so a replaced file is reopened."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._open: OrderedDict[str, list] = OrderedDict()  # path -> [fd, dev, ino, users, stale]
+
+    def acquire(self, path: str) -> tuple[int, list] | None:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self.forget(path)
+            return None
+        with self._lock:
+            ent = self._open.get(path)
+            if ent is not None and (ent[1], ent[2]) == (st.st_dev, st.st_ino):
+                ent[3] += 1
+                self._open.move_to_end(path)
+                return ent[0], ent
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        fst = os.fstat(fd)
+        new = [fd, fst.st_dev, fst.st_ino, 1, False]
+        with self._lock:
+            old = self._open.pop(path, None)
+            if old is not None:
+                self._retire(old)
+            self._open[path] = new
+            while len(self._open) > self._limit:
+                _, ent = self._open.popitem(last=False)
+                self._retire(ent)
+        return fd, new
+
+    def release(self, ent: list) -> None:
+        with self._lock:
+            ent[3] -= 1
+            if ent[4] and ent[3] == 0:
+                os.close(ent[0])
+
+    def _retire(self, ent: list) -> None:  # lock held
+        if ent[3] == 0:
+            os.close(ent[0])
+        else:
+            ent[4] = True  # closed by the last user
+
+    def forget(self, path: str) -> None:
+        with self._lock:
+            ent = self._open.pop(str(path), None)
+            if ent is not None:
+                self._retire(ent)
+
+    def close(self) -> None:
+        with self._lock:
+            while self._open:
+                self._retire(self._open.popitem()[1])
+
+
+@dataclass(eq=False)  # hashed by identity: kept in a set
+class _Conn:
+    sock: socket.socket
+    thread: threading.Thread | None = None
+    peer: str = ""
+    buf: memoryview = field(default_factory=frame_buffer)
+
+
+class TransferServer:
+    """Serves chunks to authenticated peers of the swarm on ``(host, port)`` (port 0: any).
+
+    ``start()`` binds and returns ``(host, port)``; ``close()`` stops accepting, closes every
+    connection and joins the threads. Timeouts are seconds; ``clock`` gives unix seconds and
+    ``nonce(n)`` n random bytes (both injectable for tests).
+    """
+
+    def __init__(
+        self,
+        keys: SwarmKeys,
+        node_id: str,
+        resolve: Resolve,
+        *,
+        admit: Admit = admit_all,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_connections: int = 256,
+        handshake_timeout_s: float = 10.0,
+        idle_timeout_s: float = 300.0,
+        send_timeout_s: float = 60.0,
+        max_open_files: int = 256,
+        sndbuf: int | None = None,
+        clock: Callable[[], float] = time.time,
+        nonce: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> None:
+        if not NODE_ID_RE.match(node_id):
+            raise ValueError(f"node id {node_id[:80]!r} does not match {NODE_ID_RE.pattern}")
+        self.keys = keys
+        self.node_id = node_id
+        self._resolve = resolve
+        self._admit = admit
+        self._host, self._port = host, port
+        self._max_conns = max_connections
+        self._hs_timeout = handshake_timeout_s
+        self._idle_timeout = idle_timeout_s
+        self._send_timeout = send_timeout_s
+        self._sndbuf = sndbuf
+        self._clock = clock
+        self._nonce = nonce
+        self._files = _FileCache(max_open_files)
+        self._lock = threading.Lock()
+        self._conns: set[_Conn] = set()
+        self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
+        self._closing = threading.Event()
+        self.stats = ServerStats()
+        self.address: tuple[str, int] | None = None
+
+    # ---- life -------------------------------------------------------------------------------
+
+    def start(self) -> tuple[str, int]:
+        """Bind, listen and start the accept thread; the bound ``(host, port)``."""
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        ls = socket.socket(family, socket.SOCK_STREAM)
+        ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ls.bind((self._host, self._port))
+        ls.listen(128)
+        self._listener = ls
+        self.address = ls.getsockname()[:2]
+        self._acceptor = threading.Thread(target=self._accept_loop, name="bdn-transfer-accept", daemon=True)
+        self._acceptor.start()
+        return self.address
+
+    def close(self) -> None:
+        """Stop serving: no new connections, every open one closed, threads joined."""
+        self._closing.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        if self._acceptor is not None:
+            self._acceptor.join(10)
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for c in conns:
+            if c.thread is not None:
+                c.thread.join(10)
+        self._files.close()
+
+    def forget(self, path: str | os.PathLike[str]) -> None:
+        """Close the cached descriptor of ``path`` (call it when a snapshot is collected, so its
+        shm pages are freed; in-flight answers finish first)."""
+        self._files.forget(os.fspath(path))
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open_connections(self) -> int:
+        """Connections being served now (handshaking ones included)."""
+        with self._lock:
+            return len(self._conns)
+
+    # ---- connections ------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closing.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                if self._closing.is_set():
+                    return
+                time.sleep(0.05)  # EMFILE and friends: back off instead of spinning
+                continue
+            with self._lock:
+                full = len(self._conns) >= self._max_conns
+                if not full:
+                    conn = _Conn(sock)
+                    self._conns.add(conn)
+                    self.stats.connections += 1
+            if full:
+                sock.close()
+                continue
+            conn.thread = threading.Thread(target=self._serve, args=(conn,), name="bdn-transfer-conn", daemon=True)
+            conn.thread.start()
+
+    def _serve(self, conn: _Conn) -> None:
+        sock = conn.sock
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._sndbuf:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
+            set_timeouts(sock, self._hs_timeout, self._send_timeout)
+            session = self._handshake(conn)
+            if session is None:
+                return
+            set_timeouts(sock, self._idle_timeout)
+            while not self._closing.is_set():
+                try:
+                    ftype, body = read_frame(sock, conn.buf)
+                except ConnectionClosed:
+                    return  # the peer hung up between requests: normal
+                if ftype not in wire.CLIENT_FRAMES:
+                    raise ProtocolError(f"unexpected {ftype.name} frame from a client")
+                payload = session.open(ftype, body)
+                if ftype == wire.FrameType.ASK:
+                    self._answer(conn, session, wire.decode_ask(payload))
+                # HAVE: announcements are parsed by a later consumer; checking the tag keeps the
+                # sequence numbers in step.
+        except (ProtocolError, AuthError) as e:
+            with self._lock:
+                self.stats.protocol_errors += 1
+            log.debug("transfer connection from %s closed: %s", conn.peer or "?", e)
+        except (OSError, TimeoutError) as e:
+            log.debug("transfer connection from %s ended: %s", conn.peer or "?", e)
+        except Exception:  # a bug in resolve/admit: this connection ends, the server serves on
+            log.exception("transfer connection from %s: resolve or admit failed", conn.peer or "?")
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            sock.close()
+
+    def _handshake(self, conn: _Conn) -> wire.Session | None:
+        sock = conn.sock
+        nonce = self._nonce(wire.NONCE_BYTES)
+        sock.sendall(wire.server_hello(nonce))
+        try:
+            ftype, body = read_frame(sock, conn.buf)
+        except ProtocolError:
+            ftype, body = None, None
+        try:
+            if ftype != wire.FrameType.CLIENT_HELLO or body is None:
+                raise AuthError("transfer handshake refused")
+            accept, session = wire.check_client_hello(self.keys, self.node_id, nonce, body, self._clock())
+        except AuthError:
+            # one answer for every failure: the connection closed, nothing sent
+            with self._lock:
+                self.stats.handshakes_refused += 1
+            return None
+        conn.peer = session.peer_node_id
+        sock.sendall(accept)
+        return session
+
+    def _send(self, conn: _Conn, session: wire.Session, ftype: wire.FrameType, payload: bytes) -> None:
+        conn.sock.sendall(session.seal(ftype, payload))
+
+    def _answer(self, conn: _Conn, session: wire.Session, ask: wire.Ask) -> None:
+        verdict = self._admit(session.peer_node_id, ask)
+        if isinstance(verdict, Busy):
+            with self._lock:
+                self.stats.busy += 1
+            self._send(conn, session, wire.FrameType.BUSY, wire.encode_busy(verdict.retry_after_s))
+            return
+        if not isinstance(verdict, Granted):
+            self._not_here(conn, session)
+            return
+        try:
+            self._send_chunk(conn, session, ask)
+        finally:
+            if verdict.release is not None:
+                verdict.release()
+
+    def _not_here(self, conn: _Conn, session: wire.Session) -> None:
+        with self._lock:
+            self.stats.not_here += 1
+        self._send(conn, session, wire.FrameType.NOT_HERE, b"")
+
+    def _send_chunk(self, conn: _Conn, session: wire.Session, ask: wire.Ask) -> None:
+        loc = self._resolve(ask.address)
+        if loc is None:
+            self._not_here(conn, session)
+            return
+        src, base, chunk_len = loc
+        if ask.offset + ask.length > chunk_len:
+            self._not_here(conn, session)  # asks for bytes outside the chunk: we hold no such range
+            return
+        ent = None
+        if isinstance(src, int):
+            fd = src
+        else:
+            got = self._files.acquire(os.fspath(src))
+            if got is None:
+                self._not_here(conn, session)
+                return
+            fd, ent = got
+        try:
+            start = base + ask.offset
+            if os.fstat(fd).st_size < start + ask.length:
+                log.error("chunk %s: its file is shorter than its location says; answered not here", ask.address)
+                self._not_here(conn, session)
+                return
+            # MSG_MORE: the small header leaves in the same segment as the body's first bytes
+            conn.sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(ask.length)), socket.MSG_MORE)
+            out, pos, left = conn.sock.fileno(), start, ask.length
+            try:
+                while left:
+                    try:
+                        sent = os.sendfile(out, fd, pos, left)
+                    except BlockingIOError:
+                        raise TimeoutError("transfer send timed out") from None
+                    if sent == 0:
+                        raise ConnectionClosed("chunk file ended early (truncated while serving)")
+                    pos += sent
+                    left -= sent
+            except BaseException:
+                with self._lock:
+                    self.stats.aborted += 1
+                raise  # the body is cut short: the connection must close, the client sees it
+            with self._lock:
+                self.stats.chunks_out += 1
+                self.stats.bytes_out += ask.length
+        finally:
+            if ent is not None:
+                self._files.release(ent)

@@ -1,0 +1,72 @@
+"""Blocking-socket helpers shared by the transfer server and client (exact reads, frames, timeouts).
+
+Sockets stay in blocking mode with kernel timeouts (``SO_RCVTIMEO``/``SO_SNDTIMEO``) rather than
+Python's ``settimeout``: with a Python timeout every ``recv_into`` is preceded by a ``poll`` and
+``os.sendfile`` on the then non-blocking socket would return ``EAGAIN`` mid-chunk.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from bdn.proto import wire
+from bdn.proto.errors import ProtocolError
+
+
+class ConnectionClosed(ConnectionError):
+    """The other side closed the connection (or it broke) before a frame or body was complete."""
+
+
+def set_timeouts(sock: socket.socket, recv_s: float | None = None, send_s: float | None = None) -> None:
+    """Set the kernel receive and/or send timeout (seconds; 0 waits forever) of a blocking socket;
+    a timeout given as None is left as it is."""
+    for opt, val in ((socket.SO_RCVTIMEO, recv_s), (socket.SO_SNDTIMEO, send_s)):
+        if val is not None:
+            v = max(float(val), 0.0)
+            sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(v), int((v % 1) * 1e6)))
+
+
+def recv_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``.
+
+    Raises:
+        ConnectionClosed: EOF or reset before ``view`` was full.
+        TimeoutError: nothing arrived within the socket's receive timeout.
+    """
+    pos, n = 0, len(view)
+    while pos < n:
+        try:
+            got = sock.recv_into(view[pos:], n - pos)
+        except BlockingIOError:
+            raise TimeoutError("transfer connection timed out") from None
+        except (ConnectionResetError, BrokenPipeError) as e:
+            raise ConnectionClosed(f"transfer connection broke: {e}") from None
+        if got == 0:
+            raise ConnectionClosed(f"transfer connection closed after {pos} of {n} bytes")
+        pos += got
+
+
+def read_frame(sock: socket.socket, buf: memoryview) -> tuple[wire.FrameType, memoryview]:
+    """Read one frame into ``buf`` (at least ``wire.HEADER.size + wire.MAX_FRAME`` bytes, reused
+    per connection); ``(type, body)`` where ``body`` is a view into ``buf`` (payload and tag).
+
+    Raises:
+        ProtocolError: the header claims more than ``wire.MAX_FRAME`` or an unknown type (nothing
+            of it is allocated or read).
+        ConnectionClosed, TimeoutError: as ``recv_exact``.
+    """
+    hdr = buf[: wire.HEADER.size]
+    recv_exact(sock, hdr)
+    ftype, n = wire.parse_header(hdr)
+    body = buf[wire.HEADER.size : wire.HEADER.size + n]
+    recv_exact(sock, body)
+    return ftype, body
+
+
+def frame_buffer() -> memoryview:
+    """A buffer that holds any one frame (allocated once per connection)."""
+    return memoryview(bytearray(wire.HEADER.size + wire.MAX_FRAME))
+
+
+__all__ = ["ConnectionClosed", "ProtocolError", "frame_buffer", "read_frame", "recv_exact", "set_timeouts"]
