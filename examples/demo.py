@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file
 
-from bdn.proto.safetensors_fmt import save
+from bdn.fileops import save
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fleet  # noqa: E402  (examples/fleet.py: part two, and the process helpers both parts use)

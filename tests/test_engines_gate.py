@@ -125,7 +125,7 @@ def test_a_failing_apply_keeps_the_old_version_and_reopens() -> None:
 def _ready_dir(tmp_path: Path, name: str, tensors: dict[str, np.ndarray], chunk: int = 4096) -> Path:
     """A READY snapshot directory as bdnd writes it (one safetensors file, its chunk digests)."""
     from bdn.proto.chunks import digest
-    from bdn.proto.safetensors_fmt import save
+    from bdn.fileops import save
 
     d = tmp_path / name
     d.mkdir()

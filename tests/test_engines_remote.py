@@ -28,7 +28,7 @@ from bdn.engines.options import HotLoadOptions
 from bdn.engines.service import HttpThread, register, run_driver
 from bdn.engines.sglang import SGLangAdapter
 from bdn.engines.vllm import VLLMAdapter
-from bdn.proto.safetensors_fmt import read_header
+from bdn.fileops import read_header
 from bdn.publish import publish_delta, publish_full, publish_startup
 from support.checkpoints import make_state, optimizer_step, write_hf_dir
 from support.swarm import Swarm, free_port

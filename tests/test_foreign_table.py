@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from bdn.proto.arc import write_diff_file_from_arrays
+from bdn.fileops import save, write_diff_file_from_arrays
 from bdn.proto.errors import ManifestError, UnsupportedFormat
 from bdn.proto.foreign import (
     MAX_HEADER_BYTES,
@@ -27,7 +27,7 @@ from bdn.proto.foreign import (
     policy_version_from_identity,
     sniff_compression,
 )
-from bdn.proto.safetensors_fmt import parse_header, save
+from bdn.proto.safetensors_fmt import parse_header
 
 CHUNK = 4096
 

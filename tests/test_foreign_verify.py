@@ -25,7 +25,7 @@ from bdn.foreign.ready import check_header, check_ready
 from bdn.foreign.repair import repair_from_bucket
 from bdn.proto.errors import ChecksumError
 from bdn.proto.foreign import ForeignSnapshotError
-from bdn.proto.safetensors_fmt import save
+from bdn.fileops import save
 
 PART = 64 << 10
 

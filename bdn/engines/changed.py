@@ -27,7 +27,8 @@ import numpy as np
 
 from bdn.client import Snapshot
 from bdn.proto.errors import BdnError, ProtocolError
-from bdn.proto.safetensors_fmt import TensorInfo, read_header
+from bdn.fileops import read_header
+from bdn.proto.safetensors_fmt import TensorInfo
 
 __all__ = ["ChangedTensors", "changed_tensors", "compare", "from_offer", "tensor_infos"]
 

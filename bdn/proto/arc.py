@@ -120,7 +120,6 @@ from bdn.proto.safetensors_fmt import (
     parse_header,
     safetensors_dtype,
 )
-from bdn.proto._moved import fileops_attr, moved_to_fileops
 
 COMPRESSION_FORMATS: tuple[str, ...] = ("arc_v1", "arc_v2", "bdn_planes_v1")
 DEFAULT_COMPRESSION = "arc_v2"
@@ -751,7 +750,6 @@ def apply_diff(
     compression_format: str,
     *,
     map: Map[Any, Any] = serial_map,
-    workers: int | None = None,
 ) -> None:
     """Rebuild the target file into ``out_buf`` (writable, ``target_size`` bytes).
 
@@ -766,12 +764,7 @@ def apply_diff(
     ChecksumError("adler32 mismatch for tensor 'x': expected E, got G"), ProtocolError for a
     malformed diff (naming the tensor), UnsupportedFormat, ValueError for a wrong-sized ``out_buf``.
     On error ``out_buf`` holds partial data.
-
-    ``workers`` is deprecated (the thread pool moved to ``bdn.fileops``): ``workers > 1`` takes
-    ``bdn.fileops.thread_map(workers)`` for callers not yet switched to ``map``.
     """
-    if workers is not None and workers > 1 and map is serial_map:
-        map = fileops_attr("thread_map")(workers)
     fmt = _normalize_format(compression_format)
     streams = _streams(diff_header)
     _check_names(base_header, streams)
@@ -1042,4 +1035,3 @@ def encode_diff_arrays(
 
 
 # File-level entry points that lived here until bdn/proto became I/O-free (bdn.fileops now).
-__getattr__ = moved_to_fileops(__name__, "write_diff_file", "write_diff_file_from_arrays")

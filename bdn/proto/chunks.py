@@ -13,7 +13,6 @@ from typing import Any
 
 import xxhash
 
-from bdn.proto._moved import moved_to_fileops
 
 DEFAULT_CHUNK_SIZE = 16 << 20
 MIN_CHUNK_SIZE = 4 << 10
@@ -49,4 +48,3 @@ def buffer_digests(buf: Any, chunk_size: int) -> list[str]:
 
 
 # ``file_digests(path, chunk_size)`` is ``bdn.fileops.chunk_digests`` now (bdn/proto does no I/O).
-__getattr__ = moved_to_fileops(__name__, "file_digests:chunk_digests")

@@ -33,7 +33,6 @@ from typing import Any
 
 import numpy as np
 
-from bdn.proto._moved import moved_to_fileops
 from bdn.proto.errors import ProtocolError
 
 try:  # ml_dtypes is a declared dependency, but numpy views must not break without it.
@@ -418,4 +417,3 @@ def raw_tensors(tensors: Mapping[str, np.ndarray]) -> dict[str, tuple[str, tuple
 
 
 # File-level functions that lived here until bdn/proto became I/O-free (bdn.fileops now).
-__getattr__ = moved_to_fileops(__name__, "read_header", "save", "save_raw")

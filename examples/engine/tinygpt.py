@@ -19,7 +19,7 @@ Directory (what ``save_checkpoint`` writes and the daemon rebuilds in shared mem
 - ``config.json``: ``{"model_type": "tinygpt", "vocab_size", "n_layer", "n_head", "n_embd",
   "n_positions", "tie_word_embeddings", "layer_norm_epsilon", "architectures": ["TinyGPT"]}``
 - ``model.safetensors``: every tensor in bf16 (``ml_dtypes.bfloat16``), ``__metadata__``
-  ``{"format": "pt"}``, written by ``bdn.proto.safetensors_fmt.save``.
+  ``{"format": "pt"}``, written by ``bdn.fileops.save``.
 - ``tokenizer.json``: a Hugging Face ``tokenizers`` document of a byte-level tokenizer: ids 0..255
   are the bytes of UTF-8 text (a BPE model without merges behind the ByteLevel pre-tokenizer, so
   the ``tokenizers`` library encodes text to the same ids), then the special tokens
@@ -57,7 +57,8 @@ import numpy as np
 import xxhash
 
 from bdn.proto.errors import ProtocolError
-from bdn.proto.safetensors_fmt import read_header, safetensors_dtype, save, tensor_view
+from bdn.fileops import read_header, save
+from bdn.proto.safetensors_fmt import safetensors_dtype, tensor_view
 
 MODEL_TYPE = "tinygpt"
 BF16 = np.dtype(ml_dtypes.bfloat16)
