@@ -19,6 +19,7 @@ with the xxh3-128 digests of each reconstructed file's chunks.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import threading
@@ -26,12 +27,68 @@ from pathlib import Path
 
 import msgpack
 
-from bdn.proto.errors import ProtocolError
+from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import Manifest
 from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
 
 STAGING = ".staging"
 STORED = ".stored"
+LOCK_NAME = "bdnd.lock"
+
+
+class ShmInUse(BdnError):
+    """Another process holds the lock of the ``shm_dir`` (message names its pid)."""
+
+
+class ShmLock:
+    """The exclusive lock of one ``shm_dir`` (``<shm_dir>/bdnd.lock``), held for the process's life.
+
+    Two daemons on one ``shm_dir`` would resume each other's half-written files; the second must
+    stop before it touches anything. The lock is a ``flock`` on the open file (released by the
+    kernel when the process dies, however it dies); the file holds the holder's pid, for the
+    error message only.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+
+    @classmethod
+    def acquire(cls, shm_dir: str | os.PathLike[str]) -> ShmLock:
+        """Take the lock of ``shm_dir`` (created if missing).
+
+        Raises:
+            ShmInUse: another process holds it ("shm_dir X is in use by pid N").
+            BdnError: the directory or the lock file cannot be created or opened.
+        """
+        d = Path(shm_dir)
+        path = d / LOCK_NAME
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise BdnError(f"cannot lock shm_dir {str(d)!r}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            except OSError:
+                pid = ""
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                who = f"pid {pid}" if pid.isdigit() else "another process"
+                raise ShmInUse(f"shm_dir {str(d)!r} is in use by {who} (one bdnd per shm_dir)") from None
+            raise BdnError(f"cannot lock shm_dir {str(d)!r}: {e.strerror or e}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Drop the lock (the process exiting does the same)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class Store:
