@@ -84,7 +84,7 @@ class App:
         self.bucket = BucketIO(bucket, cfg.bucket, cfg.bucket_concurrency, RateLimit.from_mbit(cfg.bucket_mbit),
                                self.pools.bucket, self.stats)
         self.membership = Membership(cfg.node_id, cfg.advertise_url, cfg.peers, clock)
-        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s)
+        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s, node_of=self.membership.node_of)
         self.index = ChunkIndex(self.keys.address)
         self.haves = Haves(self.peers, self.membership)
         sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
