@@ -1,5 +1,14 @@
 """Wrong bytes and lost service (issue 12, items 1, 3, 4, 5 and 16), on real bdnd processes.
 
+- item 1: a checkpoint with a file named like bdn's READY marker is refused at publish, and a
+  bucket whose manifest lists one anyway (another publisher) fails the snapshot on every daemon
+  with that reason, instead of the trainer's file being replaced by the marker; progress files and
+  READY's temporary file never share a name with a snapshot's files or staging directories;
+
+- item 3: every safetensors header of a snapshot is checked before READY by the rule of the
+  real ``safetensors`` package: a corpus of files it refuses and files it accepts (some of which
+  bdn's own strict parser would refuse) goes through a daemon, and the daemon's verdict is the
+  library's for each; a refusal fails the snapshot with a reason naming the file;
 - item 4: two daemons on one ``shm_dir``: the second exits 2 before it listens, naming the pid
   of the first;
 - item 16: a signed peer request a real daemon made for one daemon is refused (401) by another
@@ -10,13 +19,26 @@ from __future__ import annotations
 
 import http.client
 import http.server
+import json
 import re
 import subprocess
 import threading
 import time
 from pathlib import Path
 
-from support.swarm import Daemon, free_port
+import pytest
+
+from bdn.bucket import open_bucket
+from bdn.daemon.store import Store
+from bdn.proto.chunks import buffer_digests
+from bdn.proto.errors import PathError
+from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
+from bdn.publish import publish_full
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import Daemon, Swarm, free_port
+
+CHUNK = 64 << 10
+NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
 
 
 def _exit_code(d: Daemon, timeout: float = 60.0) -> int:
@@ -136,3 +158,74 @@ def test_request_captured_on_its_way_to_one_daemon_is_refused_by_another(tmp_pat
         capture.shutdown()
         for d in (signer, other, target):
             d.stop()
+
+
+# ---- item 1: bdn's own names never stand for the trainer's files -------------------------------
+
+def test_a_checkpoint_file_named_ready_is_refused_at_publish(tmp_path: Path) -> None:
+    ck = write_hf_dir(tmp_path / "ck", make_state(0), 1)
+    (ck / "READY").write_text("the trainer's own file\n")
+    with pytest.raises(PathError, match="'READY' is reserved"):
+        publish_full(f"file://{tmp_path}/bucket", "step000001", 1, dir=ck, chunk_size=CHUNK)
+    (ck / "READY").unlink()
+    (ck / "READY").mkdir()
+    (ck / "READY" / "notes.txt").write_text("a directory there would block the marker\n")
+    with pytest.raises(PathError, match="'READY/notes.txt' is reserved"):
+        publish_full(f"file://{tmp_path}/bucket", "step000001", 1, dir=ck, chunk_size=CHUNK)
+    with pytest.raises(PathError, match="reserved"):
+        publish_full(f"file://{tmp_path}/bucket", "step000001", 1, state_dict=make_state(0),
+                     extra_files={"READY": b"x"}, chunk_size=CHUNK)
+
+
+def _publish_with_a_ready_file(tmp_path: Path, bucket: str, identity: str) -> bytes:
+    """What another publisher could write: a checkpoint whose manifest lists a file 'READY'."""
+    ck = write_hf_dir(tmp_path / "ck", make_state(0), 1)
+    m = publish_full(bucket, identity, 1, dir=ck, chunk_size=CHUNK)
+    trainer_ready = json.dumps({"format": "bdn.ready/1", "note": "the trainer's bytes"}).encode()
+    b = open_bucket(bucket)
+    try:
+        b.write(f"{identity}/READY", trainer_ready)
+        files = (*m.files, FileEntry("READY", len(trainer_ready), tuple(buffer_digests(trainer_ready, CHUNK))))
+        forged = Manifest(identity=identity, kind="full", policy_version=1, chunk_size=CHUNK,
+                          files=tuple(sorted(files, key=lambda f: f.path)), created_at=m.created_at)
+        b.write(f"{identity}/{MANIFEST_NAME}", forged.to_json())
+    finally:
+        b.close()
+    return trainer_ready
+
+
+def test_a_manifest_listing_ready_fails_the_snapshot_with_the_reason_on_every_daemon(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    _publish_with_a_ready_file(tmp_path, bucket, "step000001")
+    with Swarm(tmp_path / "nodes", 2, bucket, extra_env=NO_STARTUP) as swarm:
+        for d in swarm.daemons:
+            assert d.prefetch("step000001")[0] == 202
+        for d in swarm.daemons:
+            status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=60")
+            assert status == 409, (d.node_id, status, body)
+            reason = body["snapshot"]["reason"]
+            assert "'READY' is reserved" in reason, reason
+            assert not any(p.name == "step000001" for p in d.shm_dir.rglob("step000001"))
+            assert d.status()["counters"]["chunk_verify_failures"] == 0  # nobody was called a liar
+
+
+def test_progress_files_and_the_ready_temporary_never_share_a_snapshot_name(tmp_path: Path) -> None:
+    store = Store(tmp_path / "shm", "0011223344556677")
+    # "a.progress" and "a.tmp" are valid identities: their staging directories must not be the
+    # progress file (or its temporary) of "a".
+    m = Manifest(identity="a.progress", kind="full", policy_version=1, chunk_size=CHUNK,
+                 files=(FileEntry("config.json", 3, tuple(buffer_digests(b"abc", CHUNK))),))
+    store.prepare_staging(m)
+    store.prepare_staging(Manifest(identity="a", kind="full", policy_version=1, chunk_size=CHUNK, files=m.files))
+    store.save_progress("a", "m" * 32, b"\x80", b"\x80")
+    store.save_progress("a.progress", "n" * 32, b"\x00", b"\x00")
+    assert (store.staging_dir("a.progress") / "config.json").is_file()
+    assert store.load_progress("a", "m" * 32) == (b"\x80", b"\x80")
+    assert store.load_progress("a.progress", "n" * 32) == (b"\x00", b"\x00")
+    assert store.resumable() == ["a", "a.progress"]
+    store.clean_staging({"a.progress"})
+    assert store.resumable() == ["a.progress"] and not store.staging_dir("a").exists()
+    (store.staging_dir("a.progress") / "config.json").write_bytes(b"abc")
+    store.publish(m)
+    assert sorted(p.name for p in store.ready_dir("a.progress").iterdir()) == ["READY", "config.json"]
+    assert store.list_ready()[0].identity == "a.progress"

@@ -1,10 +1,16 @@
 """The node's snapshot store in shared memory: layout, READY markers, and the chunk index.
 
-Layout under ``root = <shm_dir>/<swarm_id>``::
+Layout under ``root = <shm_dir>/<swarm_id>`` (and ``<shm_dir>/bdnd.lock``, see ``ShmLock``)::
 
     <identity>/            a complete, verified Hugging Face directory plus its READY marker
     .staging/<identity>/   reconstructed files while the snapshot is being built (never handed out)
+    .staging/.ready-<identity>.tmp   READY being written (renamed into the staging directory)
+    .progress/<identity>   which chunks of a download are verified (resume after a restart)
     .stored/<identity>/    a delta's diff objects as stored in the bucket (kept to serve peers)
+
+Identities start with a letter or digit, so no identity is one of the dot-names. The only name
+bdn writes inside a snapshot directory is ``READY`` (``bdn.proto.ready.RESERVED_NAMES``), which
+no manifest may list: every other file under ``<identity>/`` is the trainer's.
 
 A snapshot is published on the node by writing READY into its staging directory and then renaming
 the directory to ``<identity>/`` (one atomic rename): a directory under its identity is always
@@ -33,6 +39,7 @@ from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
 
 STAGING = ".staging"
 STORED = ".stored"
+PROGRESS = ".progress"
 LOCK_NAME = "bdnd.lock"
 
 
@@ -100,6 +107,7 @@ class Store:
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / STAGING).mkdir(exist_ok=True)
         (self.root / STORED).mkdir(exist_ok=True)
+        (self.root / PROGRESS).mkdir(exist_ok=True)
 
     def ready_dir(self, identity: str) -> Path:
         return self.root / identity
@@ -204,12 +212,14 @@ class Store:
 
     # ---- persisted progress (resume after a restart) ---------------------------------------
     def progress_path(self, identity: str) -> Path:
-        return self.root / STAGING / f"{identity}.progress"
+        # Not beside the staging directories: ".staging/x.progress" would be the staging
+        # directory of the identity "x.progress".
+        return self.root / PROGRESS / identity
 
     def save_progress(self, identity: str, manifest_digest: str, stored: bytes, result: bytes) -> None:
         """Atomically record which chunks of a snapshot in progress are written and verified."""
         p = self.progress_path(identity)
-        tmp = p.with_suffix(".tmp")
+        tmp = p.with_name(f".{identity}.tmp")  # a dot-name: no identity's progress file
         tmp.write_bytes(msgpack.packb({"m": manifest_digest, "s": stored, "r": result}, use_bin_type=True))
         os.replace(tmp, p)
 
@@ -229,22 +239,23 @@ class Store:
     def resumable(self) -> list[str]:
         """Identities with a staging directory and saved progress (a download a restart cut)."""
         out = []
-        for p in (self.root / STAGING).glob("*.progress"):
-            ident = p.name[: -len(".progress")]
-            if self.staging_dir(ident).is_dir():
-                out.append(ident)
+        for p in (self.root / PROGRESS).iterdir():
+            if not p.name.startswith(".") and self.staging_dir(p.name).is_dir():
+                out.append(p.name)
         return sorted(out)
 
     def clean_staging(self, keep: set[str]) -> None:
         """Remove staging leftovers except the resumable downloads named in ``keep``."""
         for d in (self.root / STAGING).iterdir():
-            name = d.name[: -len(".progress")] if d.name.endswith(".progress") else d.name
-            if name in keep:
+            if d.name in keep:
                 continue
             if d.is_dir():
                 shutil.rmtree(d, ignore_errors=True)
             else:
                 d.unlink(missing_ok=True)
+        for p in (self.root / PROGRESS).iterdir():
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
         for d in (self.root / STORED).iterdir():
             if d.name not in keep and not self.is_ready(d.name):
                 shutil.rmtree(d, ignore_errors=True)
@@ -252,7 +263,9 @@ class Store:
     def publish(self, m: Manifest) -> Path:
         """Write READY into the staging directory, then rename it into place (atomic)."""
         st = self.staging_dir(m.identity)
-        tmp = st / (READY_NAME + ".tmp")
+        # The temporary file lives outside the snapshot directory: a name inside it could be
+        # one of the trainer's files.
+        tmp = self.root / STAGING / f".ready-{m.identity}.tmp"
         with open(tmp, "wb") as fh:
             fh.write(ready_json(m))
             fh.flush()

@@ -27,6 +27,11 @@ if TYPE_CHECKING:
 
 READY_NAME = "READY"
 READY_FORMAT = "bdn.ready/1"
+#: The names bdn itself writes inside a rebuilt snapshot directory (only the marker: its
+#: temporary file and the progress files live outside it). No snapshot may have a file or a
+#: directory under these names at its top level: the snapshot would be refused at publish and at
+#: load rather than have the trainer's file replaced by bdn's.
+RESERVED_NAMES: tuple[str, ...] = (READY_NAME,)
 KINDS = ("full", "delta")
 MAX_READY_BYTES = 64 << 20
 MAX_FILE_BYTES = 1 << 50
@@ -55,6 +60,19 @@ class ReadyMarker:
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+
+def reserved_path(path: str) -> str:
+    """"" if a snapshot may hold ``path`` (a valid relative path), else why not (one line).
+
+    A path whose first segment is one of ``RESERVED_NAMES`` (``READY``, or ``READY/x``: a
+    directory there would block the marker) is reserved for bdn's own files.
+    """
+    first = path.split("/", 1)[0]
+    if first in RESERVED_NAMES:
+        return (f"{path!r} is reserved: bdn writes its {first} marker at the top of every rebuilt "
+                "snapshot directory; rename that file in the checkpoint")
+    return ""
 
 
 def _int(obj: dict[str, Any], key: str, where: str, lo: int, hi: int) -> int:
@@ -111,8 +129,8 @@ def parse_ready(data: bytes, where: str = READY_NAME) -> ReadyMarker:
             path = validate_relpath(entry.get("path"))
         except BdnError as exc:
             raise ProtocolError(f"{fwhere}: {exc}") from None
-        if path == READY_NAME:
-            raise ProtocolError(f"{fwhere}: lists the READY marker itself")
+        if reserved_path(path):
+            raise ProtocolError(f"{fwhere}: {reserved_path(path)}")
         if path in seen:
             raise ProtocolError(f"{fwhere}: duplicate path {path!r}")
         seen.add(path)
