@@ -21,12 +21,14 @@ import http.client
 import http.server
 import json
 import re
+import struct
 import subprocess
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import safetensors
 
 from bdn.bucket import open_bucket
 from bdn.daemon.store import Store
@@ -229,3 +231,78 @@ def test_progress_files_and_the_ready_temporary_never_share_a_snapshot_name(tmp_
     store.publish(m)
     assert sorted(p.name for p in store.ready_dir("a.progress").iterdir()) == ["READY", "config.json"]
     assert store.list_ready()[0].identity == "a.progress"
+
+
+# ---- item 3: safetensors headers checked before READY, by the library's rule -------------------
+
+def _st(header: dict | None, data: bytes, raw: bytes | None = None, n: int | None = None) -> bytes:
+    h = raw if raw is not None else json.dumps(header, separators=(",", ":")).encode()
+    return struct.pack("<Q", len(h) if n is None else n) + h + data
+
+
+def _t(dtype: str, shape: list[int], begin: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+HEADER_CASES: dict[str, bytes] = {
+    "good": _st({"w": _t("F32", [2, 2], 0, 16), "__metadata__": {"format": "pt"}}, bytes(16)),
+    "overlapping tensors": _st({"a": _t("F32", [2], 0, 8), "b": _t("F32", [2], 4, 12)}, bytes(12)),
+    "gap before a tensor": _st({"a": _t("F32", [1], 0, 4), "b": _t("F32", [1], 8, 12)}, bytes(12)),
+    "unknown dtype": _st({"a": _t("F31", [2], 0, 8)}, bytes(8)),
+    "bytes after the last tensor": _st({"a": _t("F32", [2], 0, 8)}, bytes(12)),
+    "size not the shape's": _st({"a": _t("F32", [3], 0, 8)}, bytes(8)),
+    "header over 100,000,000 bytes": _st(None, b"", raw=b"{}", n=100_000_001),
+    "NUL padding": _st(None, bytes(8), raw=b'{"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}\0\0'),
+    "metadata value not a string": _st({"__metadata__": {"k": 1}}, b""),
+    "not a JSON object": _st(None, b"", raw=b"[]    "),
+    "shape overflows": _st({"a": _t("F32", [2**62, 16], 0, 8)}, bytes(8)),
+    # accepted by the library (bdn's own strict parser refuses some of these: not the rule here)
+    "leading whitespace": _st(None, bytes(8), raw=b' {"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'),
+    "an extra key in a tensor entry": _st({"a": {**_t("F32", [2], 0, 8), "note": "x"}}, bytes(8)),
+    "empty tensors at one offset": _st({"e": _t("F32", [0], 0, 0), "f": _t("BF16", [0, 3], 0, 0),
+                                        "a": _t("BF16", [4], 0, 8)}, bytes(8)),
+    "no tensors": _st({"__metadata__": None}, b""),
+}
+
+
+def _library_accepts(path: Path) -> bool:
+    try:
+        with safetensors.safe_open(str(path), framework="numpy"):
+            return True
+    except Exception:  # the library's verdict, whatever it raises
+        return False
+
+
+def test_each_safetensors_header_gets_the_librarys_verdict_before_ready(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    cases = {}
+    for i, (what, data) in enumerate(HEADER_CASES.items()):
+        ck = tmp_path / f"ck{i}"
+        ck.mkdir()
+        (ck / "config.json").write_text(json.dumps({"case": what}))
+        (ck / "model.safetensors").write_bytes(data)
+        ident = f"case{i:03d}"
+        publish_full(bucket, ident, i, dir=ck, chunk_size=CHUNK)
+        cases[ident] = (what, ck, _library_accepts(ck / "model.safetensors"))
+    verdicts = [v for _, _, v in cases.values()]
+    assert verdicts.count(True) >= 4 and verdicts.count(False) >= 8, verdicts  # the corpus has both
+    d = Daemon(tmp_path, "node0", bucket, extra_env=dict(NO_STARTUP, BDN_KEEP_READY="100"))
+    d.start([])
+    try:
+        d.wait_healthy()
+        for ident in cases:
+            assert d.prefetch(ident)[0] == 202
+        for ident, (what, ck, accepted) in cases.items():
+            status, body = d.request("GET", f"/v1/snapshots/{ident}/wait?state=ready&timeout=60")
+            if accepted:
+                assert status == 200, (what, status, body)
+                got = Path(body["path"]) / "model.safetensors"
+                assert got.read_bytes() == (ck / "model.safetensors").read_bytes(), what
+            else:
+                assert status == 409, (what, status, body)
+                reason = body["snapshot"]["reason"]
+                assert reason.startswith("model.safetensors: the safetensors library refuses its header: "), (what, reason)
+                assert "\n" not in reason
+                assert not list(d.shm_dir.glob(f"*/{ident}")), what  # nothing handed out
+    finally:
+        d.stop()

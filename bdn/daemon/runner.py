@@ -2,7 +2,8 @@
 
 ``queued`` (manifest read from the bucket, resume or staging) -> ``downloading`` (the stored layer,
 or for a delta without its base here the rebuilt layer from peers) -> ``applying`` (delta: base
-XOR diff) -> ``verifying`` -> ``ready`` (READY written, directory renamed into place), or
+XOR diff) -> ``verifying`` (every ``*.safetensors`` header checked by the safetensors library,
+``bdn.daemon.headers``) -> ``ready`` (READY written, directory renamed into place), or
 ``failed`` with a one-line reason. Progress is saved every ``progress_interval_s`` and on
 cancellation, so a restarted daemon resumes from what is verified on disk.
 """
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from bdn.bucket import ObjectNotFound
-from bdn.daemon import diskio, logctx
+from bdn.daemon import diskio, headers, logctx
 from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.clock import Clock
@@ -93,6 +94,8 @@ class Runner:
                 job.layer_complete(RESULT)  # full: stored == result
                 job.set_state("verifying")
                 await job.notify()
+            # every safetensors header as the engine's library reads it, before READY exists
+            await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
             final = await self._on(self.pools.disk, self.store.publish, m)
             job.set_state("ready")
             log.info("snapshot %s: ready at %s (stages %s)", job.identity, final,
