@@ -11,6 +11,12 @@
   library's for each; a refusal fails the snapshot with a reason naming the file;
 - item 4: two daemons on one ``shm_dir``: the second exits 2 before it listens, naming the pid
   of the first;
+- item 5: a byte corrupted in a READY file in shm: ``bdnctl verify`` reports it and changes
+  nothing; ``bdnctl verify --repair`` (``POST /v1/snapshots/{id}/repair``) quarantines the chunk
+  at once (not served to peers nor through the local API, counted in
+  ``bdn_chunks_quarantined_total``, the snapshot ``downloading`` with the reason) and fetches it
+  again, after which the file is the trainer's again; a chunk no source can give keeps the
+  quarantine and fails the snapshot with the reason;
 - item 16: a signed peer request a real daemon made for one daemon is refused (401) by another
   daemon of the swarm, and accepted by the one it was made for;
 """
@@ -23,6 +29,7 @@ import json
 import re
 import struct
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -34,10 +41,11 @@ from bdn.bucket import open_bucket
 from bdn.daemon.store import Store
 from bdn.proto.chunks import buffer_digests
 from bdn.proto.errors import PathError
+from bdn.proto.keys import derive_keys, sign_request
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
 from bdn.publish import publish_full
 from support.checkpoints import make_state, write_hf_dir
-from support.swarm import Daemon, Swarm, free_port
+from support.swarm import SECRET, Daemon, Swarm, free_port
 
 CHUNK = 64 << 10
 NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
@@ -304,5 +312,122 @@ def test_each_safetensors_header_gets_the_librarys_verdict_before_ready(tmp_path
                 assert reason.startswith("model.safetensors: the safetensors library refuses its header: "), (what, reason)
                 assert "\n" not in reason
                 assert not list(d.shm_dir.glob(f"*/{ident}")), what  # nothing handed out
+    finally:
+        d.stop()
+
+
+# ---- item 5: quarantine and repair of a corrupted READY chunk ----------------------------------
+
+SHARD = "model-00001-of-00002.safetensors"
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _bdnctl(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", url, *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _peer_get_chunk(d: Daemon, digest: str) -> tuple[int, bytes]:
+    keys = derive_keys(SECRET)
+    path = f"/bdn/v1/{keys.swarm_id}/chunks/{keys.address(digest)}"
+    host, port = d.peer_url.removeprefix("http://").rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", path, headers={"Authorization": sign_request(keys, "GET", path, "tester", to=d.node_id)})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def _quarantined(d: Daemon) -> float:
+    text = d.get("/metrics").decode()
+    m = re.search(r"^bdn_chunks_quarantined_total (\S+)$", text, re.M)
+    assert m, text[:2000]
+    return float(m.group(1))
+
+
+def test_a_corrupted_ready_chunk_is_quarantined_and_fetched_again(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    ck = write_hf_dir(tmp_path / "ck", make_state(0, scale=2), 1)
+    m = publish_full(bucket, "step000001", 1, dir=ck, chunk_size=CHUNK)
+    shard = m.file(SHARD)
+    assert len(shard.chunks) >= 3
+    with Swarm(tmp_path / "nodes", 2, bucket, extra_env=NO_STARTUP) as swarm:
+        victim, other = swarm.daemons
+        for d in swarm.daemons:
+            assert d.prefetch("step000001")[0] == 202
+        path = Path(victim.wait_ready("step000001")["path"])
+        other.wait_ready("step000001")
+        _flip(path / SHARD, CHUNK + 5)  # chunk 1 of the shard
+        # served as it is on disk: the bad bytes would reach peers and engines
+        status, body = _peer_get_chunk(victim, shard.chunks[1])
+        assert status == 200 and body != (ck / SHARD).read_bytes()[CHUNK:2 * CHUNK]
+
+        r = _bdnctl(victim.url, "verify", "step000001")  # reports, changes nothing
+        assert r.returncode == 1, r
+        assert f"{SHARD} chunk 1 " in r.stderr and "bdnctl verify --repair step000001" in r.stderr, r.stderr
+        assert victim.get("/v1/snapshots/step000001")["state"] == "ready"
+        assert _quarantined(victim) == 0
+
+        r = _bdnctl(victim.url, "verify", "--repair", "step000001", "--json")
+        assert r.returncode == 0, (r.stdout, r.stderr, victim.log())
+        out = json.loads(r.stdout)
+        assert out["repaired"] == 1 and out["corrupted"] == [
+            {"path": SHARD, "chunk": 1, "offset": CHUNK, "length": CHUNK}], out
+        snap = victim.get("/v1/snapshots/step000001")
+        assert snap["state"] == "ready" and snap["path"] == str(path), snap
+        assert (path / SHARD).read_bytes() == (ck / SHARD).read_bytes()
+        assert sorted(p.name for p in path.iterdir()) == sorted([*(p.name for p in ck.iterdir()), "READY"])
+        assert _quarantined(victim) == 1
+        assert _peer_get_chunk(victim, shard.chunks[1]) == (200, (ck / SHARD).read_bytes()[CHUNK:2 * CHUNK])
+        assert _bdnctl(victim.url, "verify", "step000001").returncode == 0
+        r = _bdnctl(victim.url, "verify", "--repair", "step000001")
+        assert r.returncode == 0 and "nothing to repair" in r.stdout, r
+        assert _quarantined(victim) == 1
+
+
+def test_a_quarantined_chunk_no_source_can_give_stays_quarantined_and_fails_the_snapshot(tmp_path: Path) -> None:
+    bucket_dir = tmp_path / "bucket"
+    ck = write_hf_dir(tmp_path / "ck", make_state(0, scale=2), 1)
+    m = publish_full(f"file://{bucket_dir}", "step000001", 1, dir=ck, chunk_size=CHUNK)
+    shard = m.file(SHARD)
+    d = Daemon(tmp_path, "alone", f"file://{bucket_dir}", extra_env=NO_STARTUP)
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        path = Path(d.wait_ready("step000001")["path"])
+        _flip(path / SHARD, 2 * CHUNK + 1)
+        stored = bucket_dir / "step000001" / SHARD
+        good = stored.read_bytes()
+        _flip(stored, 2 * CHUNK + 1)  # and the bucket's copy: no source has the chunk now
+        status, ans = d.request("POST", "/v1/snapshots/step000001/repair")
+        assert status == 200, ans
+        assert ans["corrupted"] == [{"path": SHARD, "chunk": 2, "offset": 2 * CHUNK, "length": CHUNK}], ans
+        assert ans["state"] == "downloading" and ans["reason"].startswith("repairing 1 corrupted chunk(s)"), ans
+        assert f"{SHARD} chunk 2 (bytes {2 * CHUNK}-{3 * CHUNK})" in ans["reason"]
+        # quarantined at once: not served to peers, not through the local API, not in shm as ready
+        assert _peer_get_chunk(d, shard.chunks[2])[0] == 404
+        assert d.request("GET", f"/v1/snapshots/step000001/files/{SHARD}")[0] == 409
+        assert not path.exists()
+        status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=60")
+        assert status == 409, body
+        assert body["snapshot"]["reason"].startswith("repair failed: "), body
+        assert "does not match the manifest digest" in body["snapshot"]["reason"], body
+        assert _peer_get_chunk(d, shard.chunks[2])[0] == 404
+        assert _quarantined(d) == 1
+        # once the bucket is right again, a prefetch rebuilds it
+        stored.write_bytes(good)
+        assert d.prefetch("step000001")[0] == 202
+        path = Path(d.wait_ready("step000001")["path"])
+        assert (path / SHARD).read_bytes() == (ck / SHARD).read_bytes()
     finally:
         d.stop()

@@ -260,14 +260,15 @@ class Store:
             if d.name not in keep and not self.is_ready(d.name):
                 shutil.rmtree(d, ignore_errors=True)
 
-    def publish(self, m: Manifest) -> Path:
-        """Write READY into the staging directory, then rename it into place (atomic)."""
+    def publish(self, m: Manifest, ready: bytes | None = None) -> Path:
+        """Write READY (``ready``, or the marker of ``m``) into the staging directory, then
+        rename the directory into place (atomic)."""
         st = self.staging_dir(m.identity)
         # The temporary file lives outside the snapshot directory: a name inside it could be
         # one of the trainer's files.
         tmp = self.root / STAGING / f".ready-{m.identity}.tmp"
         with open(tmp, "wb") as fh:
-            fh.write(ready_json(m))
+            fh.write(ready_json(m) if ready is None else ready)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, st / READY_NAME)
@@ -277,6 +278,18 @@ class Store:
             self._retire(final)
         os.replace(st, final)
         return final
+
+    def unpublish(self, identity: str) -> bytes:
+        """Take a ready snapshot back to staging (to repair it): its directory leaves
+        ``<identity>/`` in one rename, so nothing hands it out any more, and READY is removed
+        from it. Returns READY's bytes, for ``publish(m, ready=...)`` once it is whole again."""
+        final, st = self.ready_dir(identity), self.staging_dir(identity)
+        if st.exists():
+            self._retire(st)
+        marker = (final / READY_NAME).read_bytes()
+        os.replace(final, st)
+        (st / READY_NAME).unlink()
+        return marker
 
     def _retire(self, d: Path) -> None:
         """Delete a snapshot directory without a window where it is visible but incomplete:
