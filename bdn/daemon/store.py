@@ -9,7 +9,7 @@ Layout under ``root = <shm_dir>/<swarm_id>`` (and ``<shm_dir>/bdnd.lock``, see `
     .stored/<identity>/    a delta's diff objects as stored in the bucket (kept to serve peers)
 
 Identities start with a letter or digit, so no identity is one of the dot-names. The only name
-bdn writes inside a snapshot directory is ``READY`` (``bdn.proto.ready.RESERVED_NAMES``), which
+bdn writes inside a snapshot directory is ``READY`` (``bdn.proto.reserved.RESERVED_NAMES``), which
 no manifest may list: every other file under ``<identity>/`` is the trainer's.
 
 A snapshot is published on the node by writing READY into its staging directory and then renaming

@@ -26,7 +26,7 @@ from typing import Any
 from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, num_chunks
 from bdn.proto.errors import ManifestError, ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
-from bdn.proto.ready import reserved_path
+from bdn.proto.reserved import reserved_path
 
 MANIFEST_NAME = "bdn.manifest.json"
 STARTUP_NAME = "STARTUP_SNAPSHOT"

@@ -21,17 +21,15 @@ from typing import TYPE_CHECKING, Any
 from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, num_chunks
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
+from bdn.proto.reserved import READY_NAME, RESERVED_NAMES, reserved_path
+
+__all__ = ["KINDS", "MAX_FILE_BYTES", "MAX_READY_BYTES", "READY_FORMAT", "READY_NAME", "RESERVED_NAMES",
+           "ReadyFile", "ReadyMarker", "parse_ready", "ready_json", "reserved_path"]
 
 if TYPE_CHECKING:
     from bdn.proto.manifest import Manifest
 
-READY_NAME = "READY"
 READY_FORMAT = "bdn.ready/1"
-#: The names bdn itself writes inside a rebuilt snapshot directory (only the marker: its
-#: temporary file and the progress files live outside it). No snapshot may have a file or a
-#: directory under these names at its top level: the snapshot would be refused at publish and at
-#: load rather than have the trainer's file replaced by bdn's.
-RESERVED_NAMES: tuple[str, ...] = (READY_NAME,)
 KINDS = ("full", "delta")
 MAX_READY_BYTES = 64 << 20
 MAX_FILE_BYTES = 1 << 50
@@ -60,19 +58,6 @@ class ReadyMarker:
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
-
-
-def reserved_path(path: str) -> str:
-    """"" if a snapshot may hold ``path`` (a valid relative path), else why not (one line).
-
-    A path whose first segment is one of ``RESERVED_NAMES`` (``READY``, or ``READY/x``: a
-    directory there would block the marker) is reserved for bdn's own files.
-    """
-    first = path.split("/", 1)[0]
-    if first in RESERVED_NAMES:
-        return (f"{path!r} is reserved: bdn writes its {first} marker at the top of every rebuilt "
-                "snapshot directory; rename that file in the checkpoint")
-    return ""
 
 
 def _int(obj: dict[str, Any], key: str, where: str, lo: int, hi: int) -> int:

@@ -34,7 +34,7 @@ from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from bdn.proto.errors import PathError, TensorMismatch
 from bdn.proto.identity import validate_identity, validate_relpath
 from bdn.proto.manifest import MANIFEST_NAME, STARTUP_NAME, FileEntry, FileResult, Manifest
-from bdn.proto.ready import reserved_path
+from bdn.proto.reserved import reserved_path
 from bdn.publish.errors import PublishError
 from bdn.publish.fetch import check_local_file, materialize, read_manifest
 from bdn.publish.tree import LocalFile, scan_dir

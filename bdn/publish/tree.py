@@ -16,7 +16,7 @@ from pathlib import Path
 from bdn.proto.errors import PathError
 from bdn.proto.identity import validate_relpath
 from bdn.proto.manifest import MANIFEST_NAME
-from bdn.proto.ready import reserved_path
+from bdn.proto.reserved import reserved_path
 
 
 @dataclass(frozen=True)
