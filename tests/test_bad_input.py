@@ -157,21 +157,21 @@ def test_wrong_secret_swarm_id_unsigned_replayed_and_skewed_requests_get_401_and
         return raw_request(daemon.peer_url, "GET", p, {"Authorization": auth} if auth is not None else {})
 
     # The right secret is served the exact bytes: the 401s below are about auth, not the chunk.
-    good = sign_request(keys, "GET", path, "tester")
+    good = sign_request(keys, "GET", path, "tester", to=daemon.node_id)
     status, body = get(path, good)
     assert status == 200 and body == want
 
     other_path = f"/bdn/v1/{other.swarm_id}/chunks/{address}"
     other_address_path = f"/bdn/v1/{keys.swarm_id}/chunks/{keys.address(shard.chunks[2])}"
     refused = {
-        "signed with another partition's keys": (path, sign_request(other, "GET", path, "tester")),
-        "right keys, another swarm id in the path": (other_path, sign_request(keys, "GET", other_path, "tester")),
-        "another partition, its own swarm id": (other_path, sign_request(other, "GET", other_path, "tester")),
+        "signed with another partition's keys": (path, sign_request(other, "GET", path, "tester", to=daemon.node_id)),
+        "right keys, another swarm id in the path": (other_path, sign_request(keys, "GET", other_path, "tester", to=daemon.node_id)),
+        "another partition, its own swarm id": (other_path, sign_request(other, "GET", other_path, "tester", to=daemon.node_id)),
         "unsigned": (path, None),
         "empty Authorization": (path, ""),
         "a replayed Authorization header": (path, good),
-        "signature for another chunk": (other_address_path, sign_request(keys, "GET", path, "tester")),
-        "clock skew of 120 s": (path, sign_request(keys, "GET", path, "tester", now=time.time() - 120)),
+        "signature for another chunk": (other_address_path, sign_request(keys, "GET", path, "tester", to=daemon.node_id)),
+        "clock skew of 120 s": (path, sign_request(keys, "GET", path, "tester", to=daemon.node_id, now=time.time() - 120)),
         "wrong scheme": (path, good.replace("BDN-HMAC", "Bearer", 1)),
     }
     for what, (p, auth) in refused.items():
@@ -181,11 +181,11 @@ def test_wrong_secret_swarm_id_unsigned_replayed_and_skewed_requests_get_401_and
     for method, p in (("GET", f"/bdn/v1/{keys.swarm_id}/snapshots/step000001/have"),
                       ("POST", f"/bdn/v1/{keys.swarm_id}/members")):
         status, body = raw_request(daemon.peer_url, method, p,
-                                   {"Authorization": sign_request(other, method, p, "tester")})
+                                   {"Authorization": sign_request(other, method, p, "tester", to=daemon.node_id)})
         assert (status, body) == (401, b""), p
 
     # Still serving the swarm afterwards, and nothing was counted as sent to the strangers.
-    status, body = get(path, sign_request(keys, "GET", path, "tester"))
+    status, body = get(path, sign_request(keys, "GET", path, "tester", to=daemon.node_id))
     assert status == 200 and body == want
     assert daemon.status()["counters"]["peer_chunks_out"] == 2
 
@@ -388,7 +388,7 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
         assert any(v > 0 for v in after_delta.values())
         keys = derive_keys(SECRET)
         p = f"/bdn/v1/{keys.swarm_id}/liar/stats"
-        status, body = raw_request(liar.url, "GET", p, {"Authorization": sign_request(keys, "GET", p, "tester")})
+        status, body = raw_request(liar.url, "GET", p, {"Authorization": sign_request(keys, "GET", p, "tester", to="liar")})
         assert status == 200 and json.loads(body)["chunks_lied"] >= sum(after_delta.values())
     finally:
         for d in honest:

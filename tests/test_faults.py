@@ -248,7 +248,7 @@ def _fetched(d: Daemon) -> int:
 
 def saved_bytes(d: Daemon, m: Manifest) -> int:
     """Bytes of the stored chunks that ``d``'s persisted progress file marks as done."""
-    obj = msgpack.unpackb((shm_root(d) / ".staging" / f"{m.identity}.progress").read_bytes(), raw=False)
+    obj = msgpack.unpackb((shm_root(d) / ".progress" / m.identity).read_bytes(), raw=False)
     refs = list(m.stored_chunks())
     bits = Bitfield(len(refs), obj["s"])
     return sum(r.length for i, r in enumerate(refs) if bits[i])
@@ -302,7 +302,7 @@ def test_restart_mid_download_resumes_from_persisted_progress(
         for d in swarm.daemons:
             assert_ready_and_identical(d, "step000001", ck)
             assert d.status()["counters"]["chunk_verify_failures"] == 0
-        assert not (shm_root(victim) / ".staging" / "step000001.progress").exists()
+        assert not (shm_root(victim) / ".progress" / "step000001").exists()
         assert list((shm_root(victim) / ".staging").iterdir()) == []
         if how == "SIGTERM":
             assert victim.proc is not None

@@ -15,7 +15,9 @@ from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.keys import (
     MAX_SKEW_S,
     MIN_SECRET_CHARS,
+    UNKNOWN_TARGET,
     SwarmKeys,
+    WrongTarget,
     derive_keys,
     hkdf_expand,
     hkdf_extract,
@@ -28,6 +30,7 @@ SECRET = "3f1c0e9a8b7d6c5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4b3c2d1e"
 OTHER_SECRET = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 NOW = 1_780_000_000.0
 PATH = "/bdn/v1/0011223344556677/chunks/00112233445566778899aabbccddeeff?wait=5"
+ME = "node-b"  # the daemon every request in these tests is for
 
 # ---- RFC 5869 appendix A (HKDF-SHA256), test cases 1-3 -------------------------------------
 
@@ -170,16 +173,16 @@ def _parse(header: str) -> dict[str, str]:
 
 
 def _build(fields: dict[str, str]) -> str:
-    return "BDN-HMAC " + ", ".join(f"{k}={fields[k]}" for k in ("node", "ts", "nonce", "sig"))
+    return "BDN-HMAC " + ", ".join(f"{k}={fields[k]}" for k in ("node", "to", "ts", "nonce", "sig"))
 
 
 def test_sign_verify_round_trip(keys: SwarmKeys) -> None:
-    h = sign_request(keys, "GET", PATH, "node-a.example:7070", now=NOW)
-    assert verify_request(keys, h, "GET", PATH, NonceCache(), now=NOW) == "node-a.example:7070"
+    h = sign_request(keys, "GET", PATH, "node-a.example:7070", to=ME, now=NOW)
+    assert verify_request(keys, h, "GET", PATH, NonceCache(), me=ME, now=NOW) == "node-a.example:7070"
 
 
 def test_header_shape(keys: SwarmKeys) -> None:
-    h = sign_request(keys, "POST", "/bdn/v1/x/members", "n1", now=NOW)
+    h = sign_request(keys, "POST", "/bdn/v1/x/members", "n1", to=ME, now=NOW)
     f = _parse(h)
     assert f["node"] == "n1"
     assert f["ts"] == str(int(NOW))
@@ -188,61 +191,61 @@ def test_header_shape(keys: SwarmKeys) -> None:
 
 
 def test_method_case_is_normalised(keys: SwarmKeys) -> None:
-    h = sign_request(keys, "get", PATH, "n1", now=NOW)
-    assert verify_request(keys, h, "GET", PATH, NonceCache(), now=NOW) == "n1"
+    h = sign_request(keys, "get", PATH, "n1", to=ME, now=NOW)
+    assert verify_request(keys, h, "GET", PATH, NonceCache(), me=ME, now=NOW) == "n1"
 
 
 def test_each_signature_uses_a_fresh_nonce(keys: SwarmKeys) -> None:
-    nonces = {_parse(sign_request(keys, "GET", PATH, "n1", now=NOW))["nonce"] for _ in range(50)}
+    nonces = {_parse(sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW))["nonce"] for _ in range(50)}
     assert len(nonces) == 50
 
 
 def test_skew_within_30s_accepted(keys: SwarmKeys) -> None:
     cache = NonceCache()
     for delta in (-MAX_SKEW_S, -1, 0, 1, MAX_SKEW_S):
-        h = sign_request(keys, "GET", PATH, "n1", now=NOW + delta)
-        assert verify_request(keys, h, "GET", PATH, cache, now=NOW) == "n1"
+        h = sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW + delta)
+        assert verify_request(keys, h, "GET", PATH, cache, me=ME, now=NOW) == "n1"
 
 
 @pytest.mark.parametrize("delta", [-(MAX_SKEW_S + 1), MAX_SKEW_S + 1, -3600, 3600])
 def test_skew_over_30s_refused(keys: SwarmKeys, delta: int) -> None:
-    h = sign_request(keys, "GET", PATH, "n1", now=NOW + delta)
+    h = sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW + delta)
     with pytest.raises(AuthError):
-        verify_request(keys, h, "GET", PATH, NonceCache(), now=NOW)
+        verify_request(keys, h, "GET", PATH, NonceCache(), me=ME, now=NOW)
 
 
 def test_replayed_nonce_refused(keys: SwarmKeys) -> None:
     cache = NonceCache()
-    h = sign_request(keys, "GET", PATH, "n1", now=NOW)
-    verify_request(keys, h, "GET", PATH, cache, now=NOW)
+    h = sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW)
+    verify_request(keys, h, "GET", PATH, cache, me=ME, now=NOW)
     with pytest.raises(AuthError):
-        verify_request(keys, h, "GET", PATH, cache, now=NOW + 1)
+        verify_request(keys, h, "GET", PATH, cache, me=ME, now=NOW + 1)
     # Still refused at the edge of the skew window, where the header itself is still fresh.
     with pytest.raises(AuthError):
-        verify_request(keys, h, "GET", PATH, cache, now=NOW + MAX_SKEW_S)
+        verify_request(keys, h, "GET", PATH, cache, me=ME, now=NOW + MAX_SKEW_S)
 
 
 def test_rejected_request_does_not_burn_its_nonce(keys: SwarmKeys) -> None:
     # A forged request with a victim's nonce must not make the victim's real request a "replay".
     cache = NonceCache()
-    good = sign_request(keys, "GET", PATH, "n1", now=NOW)
+    good = sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW)
     f = _parse(good)
     forged = _build({**f, "sig": "0" * 64})
     with pytest.raises(AuthError):
-        verify_request(keys, forged, "GET", PATH, cache, now=NOW)
-    assert verify_request(keys, good, "GET", PATH, cache, now=NOW) == "n1"
+        verify_request(keys, forged, "GET", PATH, cache, me=ME, now=NOW)
+    assert verify_request(keys, good, "GET", PATH, cache, me=ME, now=NOW) == "n1"
 
 
 def test_full_nonce_cache_refuses_rather_than_forgets(keys: SwarmKeys) -> None:
     cache = NonceCache(max_entries=3)
     for _ in range(3):
-        verify_request(keys, sign_request(keys, "GET", PATH, "n1", now=NOW), "GET", PATH, cache, now=NOW)
+        verify_request(keys, sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW), "GET", PATH, cache, me=ME, now=NOW)
     with pytest.raises(AuthError):
-        verify_request(keys, sign_request(keys, "GET", PATH, "n1", now=NOW), "GET", PATH, cache, now=NOW)
+        verify_request(keys, sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW), "GET", PATH, cache, me=ME, now=NOW)
     # Once the old nonces are out of the 2 x skew window, there is room again.
     later = NOW + 2 * MAX_SKEW_S + 1
-    h = sign_request(keys, "GET", PATH, "n1", now=later)
-    assert verify_request(keys, h, "GET", PATH, cache, now=later) == "n1"
+    h = sign_request(keys, "GET", PATH, "n1", to=ME, now=later)
+    assert verify_request(keys, h, "GET", PATH, cache, me=ME, now=later) == "n1"
 
 
 def test_nonce_cache_add() -> None:
@@ -267,9 +270,9 @@ def test_nonce_cache_add() -> None:
     ],
 )
 def test_tampered_method_or_path_refused(keys: SwarmKeys, method: str, path: str) -> None:
-    h = sign_request(keys, "GET", PATH, "n1", now=NOW)
+    h = sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW)
     with pytest.raises(AuthError):
-        verify_request(keys, h, method, path, NonceCache(), now=NOW)
+        verify_request(keys, h, method, path, NonceCache(), me=ME, now=NOW)
 
 
 def _flip_hex(s: str) -> str:
@@ -281,6 +284,7 @@ def _flip_hex(s: str) -> str:
     [
         pytest.param(lambda f: {**f, "node": "n2"}, id="node"),
         pytest.param(lambda f: {**f, "node": f["node"] + "x"}, id="node-suffix"),
+        pytest.param(lambda f: {**f, "to": "node-c"}, id="to"),
         pytest.param(lambda f: {**f, "ts": str(int(f["ts"]) + 1)}, id="ts+1"),
         pytest.param(lambda f: {**f, "ts": str(int(f["ts"]) - 1)}, id="ts-1"),
         pytest.param(lambda f: {**f, "nonce": _flip_hex(f["nonce"])}, id="nonce"),
@@ -289,28 +293,28 @@ def _flip_hex(s: str) -> str:
     ],
 )
 def test_tampered_header_field_refused(keys: SwarmKeys, tamper) -> None:  # type: ignore[no-untyped-def]
-    h = sign_request(keys, "GET", PATH, "n1", now=NOW)
+    h = sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW)
     bad = _build(tamper(_parse(h)))
     assert bad != h
     with pytest.raises(AuthError):
-        verify_request(keys, bad, "GET", PATH, NonceCache(), now=NOW)
+        verify_request(keys, bad, "GET", PATH, NonceCache(), me=ME, now=NOW)
 
 
 def test_other_partition_refused(keys: SwarmKeys) -> None:
     other = derive_keys(OTHER_SECRET)
-    h = sign_request(other, "GET", PATH, "n1", now=NOW)
+    h = sign_request(other, "GET", PATH, "n1", to=ME, now=NOW)
     with pytest.raises(AuthError):
-        verify_request(keys, h, "GET", PATH, NonceCache(), now=NOW)
+        verify_request(keys, h, "GET", PATH, NonceCache(), me=ME, now=NOW)
     # ... and the other way round
-    h = sign_request(keys, "GET", PATH, "n1", now=NOW)
+    h = sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW)
     with pytest.raises(AuthError):
-        verify_request(other, h, "GET", PATH, NonceCache(), now=NOW)
+        verify_request(other, h, "GET", PATH, NonceCache(), me=ME, now=NOW)
 
 
 def test_sign_refuses_node_id_no_verifier_accepts(keys: SwarmKeys) -> None:
     for node in ("", "a b", "a,b", "-lead", "x" * 65, "nöde"):
         with pytest.raises(BdnError):
-            sign_request(keys, "GET", PATH, node, now=NOW)
+            sign_request(keys, "GET", PATH, node, to=ME, now=NOW)
 
 
 @pytest.mark.parametrize(
@@ -335,17 +339,17 @@ def test_sign_refuses_node_id_no_verifier_accepts(keys: SwarmKeys) -> None:
 )
 def test_malformed_headers_refused(keys: SwarmKeys, header: str | None) -> None:
     with pytest.raises(AuthError):
-        verify_request(keys, header, "GET", PATH, NonceCache(), now=NOW)
+        verify_request(keys, header, "GET", PATH, NonceCache(), me=ME, now=NOW)
 
 
 def test_non_ascii_digits_in_ts_refused(keys: SwarmKeys) -> None:
     # int() reads Arabic-Indic digits; the header grammar must not, or one request has many spellings.
-    h = sign_request(keys, "GET", PATH, "n1", now=NOW)
+    h = sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW)
     f = _parse(h)
     arabic = f["ts"].translate(str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩"))
     assert int(arabic) == int(f["ts"])
     with pytest.raises(AuthError):
-        verify_request(keys, _build({**f, "ts": arabic}), "GET", PATH, NonceCache(), now=NOW)
+        verify_request(keys, _build({**f, "ts": arabic}), "GET", PATH, NonceCache(), me=ME, now=NOW)
 
 
 @pytest.mark.parametrize(
@@ -357,15 +361,15 @@ def test_non_ascii_digits_in_ts_refused(keys: SwarmKeys) -> None:
     ],
 )
 def test_undecodable_request_line_is_auth_error(keys: SwarmKeys, method: str, path: str) -> None:
-    h = sign_request(keys, "GET", PATH, "n1", now=NOW)
+    h = sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW)
     with pytest.raises(AuthError):
-        verify_request(keys, h, method, path, NonceCache(), now=NOW)
+        verify_request(keys, h, method, path, NonceCache(), me=ME, now=NOW)
 
 
 def test_auth_error_text_is_one_line_without_secrets(keys: SwarmKeys) -> None:
-    h = sign_request(keys, "GET", PATH, "n1", now=NOW)
+    h = sign_request(keys, "GET", PATH, "n1", to=ME, now=NOW)
     with pytest.raises(AuthError) as ei:
-        verify_request(keys, _build({**_parse(h), "sig": "0" * 64}), "GET", PATH, NonceCache(), now=NOW)
+        verify_request(keys, _build({**_parse(h), "sig": "0" * 64}), "GET", PATH, NonceCache(), me=ME, now=NOW)
     msg = str(ei.value)
     assert "\n" not in msg
     assert _parse(h)["sig"] not in msg and keys.auth_key.hex() not in msg
@@ -381,7 +385,7 @@ _header_parts = st.sampled_from(
 def test_property_arbitrary_headers_raise_auth_error_only(header: str) -> None:
     keys = derive_keys(SECRET)
     with pytest.raises(AuthError):
-        verify_request(keys, header, "GET", PATH, NonceCache(), now=NOW)
+        verify_request(keys, header, "GET", PATH, NonceCache(), me=ME, now=NOW)
 
 
 @settings(max_examples=100)
@@ -393,5 +397,54 @@ def test_property_arbitrary_headers_raise_auth_error_only(header: str) -> None:
 )
 def test_property_round_trip(method: str, path: str, node: str, skew: int) -> None:
     keys = derive_keys(SECRET)
-    h = sign_request(keys, method, path, node, now=NOW + skew)
-    assert verify_request(keys, h, method, path, NonceCache(), now=NOW) == node
+    h = sign_request(keys, method, path, node, to=ME, now=NOW + skew)
+    assert verify_request(keys, h, method, path, NonceCache(), me=ME, now=NOW) == node
+
+
+# ---- issue 12 item 16: a signature binds the daemon it is for --------------------------------
+
+def test_request_signed_for_one_daemon_is_refused_by_another_without_burning_its_nonce(keys: SwarmKeys) -> None:
+    h = sign_request(keys, "GET", PATH, "node-a", to="node-b", now=NOW)
+    assert _parse(h)["to"] == "node-b"
+    cache = NonceCache()
+    with pytest.raises(WrongTarget) as e:
+        verify_request(keys, h, "GET", PATH, cache, me="node-c", now=NOW)
+    assert e.value.me == "node-c"
+    assert verify_request(keys, h, "GET", PATH, cache, me="node-b", now=NOW) == "node-a"  # nonce still fresh
+    with pytest.raises(AuthError):
+        verify_request(keys, h, "GET", PATH, cache, me="node-b", now=NOW)  # and now a replay
+
+
+def test_unknown_target_is_refused_by_everyone_who_names_itself(keys: SwarmKeys) -> None:
+    h = sign_request(keys, "POST", "/bdn/v1/x/members", "node-a", to=UNKNOWN_TARGET, now=NOW)
+    for me in ("node-b", "node-c"):
+        with pytest.raises(WrongTarget) as e:
+            verify_request(keys, h, "POST", "/bdn/v1/x/members", NonceCache(), me=me, now=NOW)
+        assert e.value.me == me
+
+
+def test_wrong_target_is_only_said_to_a_valid_signature(keys: SwarmKeys) -> None:
+    other = derive_keys(OTHER_SECRET)
+    h = sign_request(other, "GET", PATH, "node-a", to="node-b", now=NOW)
+    with pytest.raises(AuthError) as e:
+        verify_request(keys, h, "GET", PATH, NonceCache(), me="node-c", now=NOW)
+    assert not isinstance(e.value, WrongTarget)
+
+
+def test_the_target_is_inside_the_signed_string(keys: SwarmKeys) -> None:
+    # "BDN-HMAC-2\n" METHOD "\n" path?query "\n" ts "\n" nonce "\n" node "\n" to (DESIGN.md)
+    f = _parse(sign_request(keys, "GET", PATH, "node-a", to="node-b", now=NOW))
+    msg = f"BDN-HMAC-2\nGET\n{PATH}\n{f['ts']}\n{f['nonce']}\nnode-a\nnode-b".encode()
+    assert f["sig"] == hmac.new(keys.auth_key, msg, hashlib.sha256).hexdigest()
+    # the form without a target (BDN-HMAC-1) is not accepted by this version
+    old = hmac.new(keys.auth_key, f"BDN-HMAC-1\nGET\n{PATH}\n{f['ts']}\n{f['nonce']}\nnode-a".encode(),
+                   hashlib.sha256).hexdigest()
+    legacy = f"BDN-HMAC node=node-a, ts={f['ts']}, nonce={f['nonce']}, sig={old}"
+    with pytest.raises(AuthError):
+        verify_request(keys, legacy, "GET", PATH, NonceCache(), me="node-b", now=NOW)
+
+
+def test_sign_refuses_a_target_no_verifier_has(keys: SwarmKeys) -> None:
+    for to in ("", "a b", "-x", "x" * 65):
+        with pytest.raises(BdnError):
+            sign_request(keys, "GET", PATH, "node-a", to=to, now=NOW)

@@ -5,7 +5,7 @@ Usage::
     bdnctl [--url URL] [--json] prefetch <identity> [--wait] [--timeout S]
     bdnctl [--url URL] [--json] status
     bdnctl [--url URL] [--json] snapshots
-    bdnctl [--url URL] [--json] verify <identity | snapshot-dir>
+    bdnctl [--url URL] [--json] verify <identity | snapshot-dir> [--repair] [--timeout S]
     bdnctl [--url URL] [--json] hot-load <identity> [--previous ID] [--compression-format arc_v2]
                                          [--wait] [--timeout S]
     bdnctl [--url URL] [--json] peers
@@ -21,7 +21,11 @@ in human output (:mod:`bdn.cli.output`). ``--version`` prints ``bdn <version>``.
 ``<identity> ready in <s> s: <path>`` (the bar is drawn only when stderr is a terminal). The
 snapshot table's PATH column shows the directory of a ready snapshot and the reason of a failed
 one. ``verify`` re-hashes a ready snapshot's files against its
-READY marker's digests, on this host (it reads the directory the daemon reports, or the one given).
+READY marker's digests, on this host (it reads the directory the daemon reports, or the one given);
+it changes nothing. ``verify --repair <identity>`` asks bdnd to re-hash it: every corrupted chunk
+is quarantined at once (no longer served to peers or engines; the snapshot leaves ``ready``) and
+fetched again, and bdnctl waits (``--timeout``) until the snapshot is ``ready`` again (exit 0) or
+the repair failed (exit 1).
 
 ``hot-load`` asks the fleet (through this daemon, which fans the request out) to serve
 ``<identity>``; ``--previous`` names the snapshot a delta applies to. With ``--wait`` it shows a
@@ -58,7 +62,7 @@ from bdn.client.engine import collect_garbage, hot_load, hot_load_status
 from bdn.client.errors import one_line
 from bdn.client.ready import read_ready, verify_files
 from bdn.cli.output import BYTES_BAR, VERSION, emit_json, human_bytes
-from bdn.proto.errors import BdnError, IdentityError, PathError
+from bdn.proto.errors import BdnError, ChecksumError, IdentityError, PathError
 
 PROG = "bdnctl"
 DEFAULT_URL = "http://127.0.0.1:7081"
@@ -106,6 +110,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("snapshots", parents=[common], help="table of the snapshots this daemon knows")
     vf = sub.add_parser("verify", parents=[common], help="re-hash a ready snapshot's files against its READY marker")
     vf.add_argument("target", metavar="IDENTITY|DIR", help="an identity (asks bdnd where it is), or a snapshot directory path (holds a '/')")
+    vf.add_argument("--repair", action="store_true",
+                    help="ask bdnd to re-hash the snapshot, quarantine corrupted chunks and fetch them again")
+    vf.add_argument("--timeout", type=float, default=None, metavar="S",
+                    help="with --repair: give up waiting for the repair after S seconds (exit 1)")
     hl = sub.add_parser("hot-load", parents=[common], help="make every replica of the fleet serve a snapshot")
     hl.add_argument("identity")
     hl.add_argument("--previous", metavar="ID", default=None,
@@ -254,7 +262,38 @@ def _cmd_snapshots(client: DaemonClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_repair(client: DaemonClient, args: argparse.Namespace) -> int:
+    identity: str = args.target
+    if "/" in identity or identity.startswith("."):
+        raise _Fail("verify --repair needs an identity (bdnd repairs its own snapshots), not a directory",
+                    EXIT_USAGE)
+    start = time.monotonic()
+    ans = client.repair(identity)
+    corrupted = ans.get("corrupted") if isinstance(ans.get("corrupted"), list) else []
+    snap = client.snapshot(identity)
+    if corrupted:
+        try:
+            snap = client.wait(identity, "ready", timeout=args.timeout)
+        except SnapshotFailed as exc:
+            raise _Fail(f"repair of {identity} failed: {exc}") from None
+        except TimeoutError:
+            raise _Fail(f"repair of {identity} not done after {args.timeout:g} s") from None
+    result = {"identity": identity, "ok": True, "chunks": ans.get("chunks"), "corrupted": corrupted,
+              "repaired": len(corrupted), "path": snap.get("path"), "seconds": round(time.monotonic() - start, 3)}
+    if args.json:
+        emit_json(result)
+    elif corrupted:
+        first = corrupted[0] if isinstance(corrupted[0], dict) else {}
+        print(f"{identity} repaired: {len(corrupted)} corrupted chunk(s) quarantined and fetched again "
+              f"(first {_cell(first.get('path'))} chunk {_cell(first.get('chunk'))}); ready at {_cell(snap.get('path'))}")
+    else:
+        print(f"{identity} ok: {_cell(ans.get('chunks'))} chunks match READY, nothing to repair ({_cell(snap.get('path'))})")
+    return EXIT_OK
+
+
 def _cmd_verify(client: DaemonClient, args: argparse.Namespace) -> int:
+    if args.repair:
+        return _cmd_repair(client, args)
     target: str = args.target
     expect: str | None = None
     if "/" in target or target.startswith("."):
@@ -273,7 +312,11 @@ def _cmd_verify(client: DaemonClient, args: argparse.Namespace) -> int:
     marker = read_ready(path)
     if expect is not None and marker.identity != expect:
         raise _Fail(f"{path} holds snapshot {marker.identity}, not {expect}")
-    verify_files(path, marker)
+    try:
+        verify_files(path, marker)
+    except ChecksumError as exc:
+        hint = f"; bdnctl verify --repair {expect} quarantines and re-fetches it" if expect else ""
+        raise _Fail(f"{exc}{hint}") from None
     with open_snapshot(path) as s:
         result = {"identity": s.identity, "path": str(s.path), "ok": True, "files": len(s.files()),
                   "bytes": s.ready.total_bytes, "seconds": round(time.monotonic() - start, 3)}

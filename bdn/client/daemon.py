@@ -114,6 +114,13 @@ class DaemonClient:
         """
         return self._json("POST", self._snap_path(identity) + "/prefetch", ok=(200, 202), idempotent=True)
 
+    def repair(self, identity: str) -> dict[str, Any]:
+        """``POST /v1/snapshots/{identity}/repair``: the daemon re-hashes the ready snapshot; every
+        corrupted chunk is quarantined (no longer served) and fetched again. Returns ``{"identity",
+        "chunks", "corrupted": [{"path", "chunk", "offset", "length"}], "state", "reason"}``
+        (``state`` is ``downloading`` while a repair runs); DaemonError 404 unknown, 409 not ready."""
+        return self._json("POST", self._snap_path(identity) + "/repair")
+
     def wait(
         self,
         identity: str,

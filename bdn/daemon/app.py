@@ -51,7 +51,7 @@ from bdn.daemon.runner import Runner
 from bdn.daemon.serving import ChunkServing
 from bdn.daemon.stats import Stats
 from bdn.daemon.status import StatusView
-from bdn.daemon.store import Store
+from bdn.daemon.store import ShmLock, Store
 from bdn.daemon.uploads import Uploads
 from bdn.proto.errors import ProtocolError
 from bdn.proto.keys import derive_keys
@@ -61,9 +61,15 @@ log = logging.getLogger("bdn.bdnd")
 
 
 class App:
-    """One ``bdnd``: build with a Config, then ``await serve()``. ``notify`` is sd_notify."""
+    """One ``bdnd``: build with a Config, then ``await serve()``. ``notify`` is sd_notify.
 
-    def __init__(self, cfg: Config, notify: Any = None, clock: Clock = SYSTEM) -> None:
+    ``shm_lock`` is the lock of ``cfg.shm_dir`` (``ShmLock.acquire``); without one it is taken
+    here, first, so a second daemon on the same ``shm_dir`` raises ``ShmInUse`` before it touches
+    the directory or listens.
+    """
+
+    def __init__(self, cfg: Config, notify: Any = None, clock: Clock = SYSTEM, shm_lock: ShmLock | None = None) -> None:
+        self.shm_lock = shm_lock or ShmLock.acquire(cfg.shm_dir)
         self.cfg = cfg
         self.notify = notify or (lambda msg: None)
         self.clock = clock
@@ -78,7 +84,7 @@ class App:
         self.bucket = BucketIO(bucket, cfg.bucket, cfg.bucket_concurrency, RateLimit.from_mbit(cfg.bucket_mbit),
                                self.pools.bucket, self.stats)
         self.membership = Membership(cfg.node_id, cfg.advertise_url, cfg.peers, clock)
-        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s)
+        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s, node_of=self.membership.node_of)
         self.index = ChunkIndex(self.keys.address)
         self.haves = Haves(self.peers, self.membership)
         sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)

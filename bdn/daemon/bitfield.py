@@ -34,6 +34,15 @@ class Bitfield:
         self.count += 1
         return True
 
+    def clear(self, i: int) -> bool:
+        """Clear bit ``i``; True if it was set."""
+        mask = 0x80 >> (i & 7)
+        if not self.bits[i >> 3] & mask:
+            return False
+        self.bits[i >> 3] &= ~mask & 0xFF
+        self.count -= 1
+        return True
+
     def set_all(self) -> None:
         for i in range(self.n):
             self.set(i)

@@ -35,6 +35,13 @@ def verify_held(refs: list[ChunkRef], held: Callable[[int], bool], path_of: Call
     return sorted(good)
 
 
+def corrupt_chunks(refs: list[ChunkRef], path_of: Callable[[int], Path]) -> list[int]:
+    """Positions of ``refs`` whose bytes at ``path_of(file_index)`` do not match their digest
+    (a missing or short file counts as corrupted in every chunk it lacks)."""
+    good = set(verify_held(refs, lambda i: True, path_of))
+    return [i for i in range(len(refs)) if i not in good]
+
+
 def apply_delta(m: Manifest, base_dir: Path, stored_dir: Path, staging_dir: Path, workers: int) -> None:
     """target = base XOR diff per tensor into the staging files, Adler-32 checked per tensor.
 

@@ -80,6 +80,28 @@ class ChunkIndex:
         pend = self.pending.get(address)
         return pend is not None and pend[0].state not in TERMINAL and address not in self.by_address
 
+    def quarantine(self, job: SnapshotJob, refs: list[ChunkRef], others: Iterable[SnapshotJob]) -> None:
+        """Stop serving ``job``'s copies of ``refs`` (their bytes on disk are corrupted) at once;
+        another snapshot holding the same bytes serves them instead (failed ones excepted)."""
+        bad = {(r.file_index, r.offset) for r in refs}
+        job.registered = [(lay, r) for lay, r in job.registered if (r.file_index, r.offset) not in bad]
+        lost: set[str] = set()
+        for ref in refs:
+            addr = self.address(ref.digest)
+            for table, key in ((self.by_address, addr), (self.by_digest, ref.digest)):
+                loc = table.get(key)
+                if loc is not None and loc.job is job and (loc.file_index, loc.offset) == (ref.file_index, ref.offset):
+                    del table[key]
+                    lost.add(ref.digest)
+        for other in others:
+            if other.state == "failed":
+                continue
+            for layer, ref in other.registered:
+                if ref.digest in lost:
+                    loc = Loc(other, layer, ref.file_index, ref.offset, ref.length, ref.digest)
+                    self.by_digest.setdefault(ref.digest, loc)
+                    self.by_address.setdefault(self.address(ref.digest), loc)
+
     def unindex(self, address: str) -> None:
         """Stop serving ``address`` (its bytes on disk turned out not to be what was indexed)."""
         loc = self.by_address.pop(address, None)

@@ -1,8 +1,8 @@
 """``bdnd``: the per-node daemon's command line: flags -> Config -> run (``bdn.daemon.app``
 holds the lifecycle: signals, startup, main loop, shutdown).
 
-Exit status: 0 after SIGTERM/SIGINT, 2 on a configuration error (one line on stderr, before
-anything listens), 1 when a port cannot be bound.
+Exit status: 0 after SIGTERM/SIGINT, 2 on a configuration error or a ``shm_dir`` another
+process holds (one line on stderr, before anything listens), 1 when a port cannot be bound.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 from bdn import __version__
 from bdn.daemon.app import App
 from bdn.daemon.config import Config, ConfigError
+from bdn.daemon.store import ShmLock
 from bdn.daemon.logctx import ContextFilter
 from bdn.proto.errors import BdnError
 from bdn.proto.keys import derive_keys
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = Config.load(args.config, overrides=overrides)
         derive_keys(cfg.partition_secret)
+        shm_lock = ShmLock.acquire(cfg.shm_dir)  # held until the process ends; ShmInUse -> exit 2
     except (ConfigError, BdnError) as e:
         print(f"bdnd: error: {e}", file=sys.stderr)
         return 2
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     with runner:
         try:
-            return runner.run(App(cfg, notify=sd_notify).serve())
+            return runner.run(App(cfg, notify=sd_notify, shm_lock=shm_lock).serve())
         except BdnError as e:
             log.error("%s", e)
             return 1

@@ -93,6 +93,11 @@ class Membership:
         if m is not None:
             m.penalty_until = self.clock.monotonic() + seconds
 
+    def node_of(self, url: str) -> str:
+        """The node id known for the member at ``url`` ("" if none)."""
+        m = self.members.get(url.rstrip("/"))
+        return m.node_id if m is not None else ""
+
     def live(self) -> list[Member]:
         now = self.clock.monotonic()
         return [m for m in self.members.values() if m.usable(now)]

@@ -50,6 +50,9 @@ class _Collector:
             if peer != "bucket":
                 v.add_metric([peer], k)
         yield v
+        yield CounterMetricFamily("bdn_chunks_quarantined", "Chunks of ready snapshots found corrupted on this "
+                                  "node (bdnctl verify --repair): no longer served, fetched again",
+                                  value=c["chunks_quarantined"])
         s = GaugeMetricFamily("bdn_snapshots", "Snapshots on this node by state", labels=["state"])
         for st in STATES:
             s.add_metric([st], sum(1 for j in jobs if j.state == st))

@@ -1,4 +1,11 @@
-"""Signed requests to other daemons of the swarm (the peer protocol of DESIGN.md)."""
+"""Signed requests to other daemons of the swarm (the peer protocol of DESIGN.md).
+
+Each request is signed for the node id of the daemon it goes to (DESIGN.md, "Keys and
+signatures"): the one that daemon named in its last ``X-BDN-Node`` answer, else the one
+membership knows for its URL (``node_of``), else ``-``. A 401 that names another node id (the
+daemon behind that URL is not who this client thought, or was not known) is answered by signing
+the request again, once, for the daemon named.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +19,7 @@ import msgpack
 from yarl import URL
 
 from bdn.daemon.bodies import BodyTooLarge, read_body
-from bdn.proto.keys import SwarmKeys, sign_request
+from bdn.proto.keys import NODE_HEADER, NODE_ID_RE, UNKNOWN_TARGET, SwarmKeys, sign_request
 
 
 class PeerError(Exception):
@@ -29,15 +36,20 @@ class PeerBusy(PeerError):
 
 MAX_HAVE_BYTES = 64 << 20
 MAX_MEMBERS_BYTES = 4 << 20
+MAX_NAMED = 8192  # peer URLs whose self-named node id is remembered
 
 
 class PeerClient:
     """One aiohttp session for every peer; each request signed with the partition's auth key."""
 
-    def __init__(self, keys: SwarmKeys, node_id: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, keys: SwarmKeys, node_id: str, timeout_s: float = 60.0,
+                 node_of: Callable[[str], str] | None = None) -> None:
+        """``node_of(base_url)`` is the node id membership knows for a peer URL ("" if none)."""
         self.keys = keys
         self.node_id = node_id
         self.timeout_s = timeout_s
+        self.node_of = node_of or (lambda url: "")
+        self._named: dict[str, str] = {}  # base URL -> node id the daemon there named itself (bounded)
         self._session: aiohttp.ClientSession | None = None  # control: members, have, hot-load
         self._data: aiohttp.ClientSession | None = None  # chunks
 
@@ -65,19 +77,38 @@ class PeerClient:
     ) -> aiohttp.ClientResponse:
         session = session or self._session
         assert session is not None
-        headers = {"Authorization": sign_request(self.keys, method, path_qs, self.node_id)}
-        if data is not None:
-            headers["Content-Type"] = "application/msgpack"
-        try:
-            return await session.request(
-                method,
-                URL(base_url + path_qs, encoded=True),
-                headers=headers,
-                data=data,
-                timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=5, sock_read=read_idle),
-            )
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
+        for first in (True, False):
+            to = self.target_of(base_url)
+            headers = {"Authorization": sign_request(self.keys, method, path_qs, self.node_id, to=to)}
+            if data is not None:
+                headers["Content-Type"] = "application/msgpack"
+            try:
+                resp = await session.request(
+                    method,
+                    URL(base_url + path_qs, encoded=True),
+                    headers=headers,
+                    data=data,
+                    timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=5, sock_read=read_idle),
+                )
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
+            named = resp.headers.get(NODE_HEADER, "") if resp.status == 401 else ""
+            if first and named != to and NODE_ID_RE.match(named):
+                # signed for someone else: the daemon at this URL says who it is; sign for it
+                resp.release()
+                self._learn(base_url, named)
+                continue
+            return resp
+        raise AssertionError("unreachable")
+
+    def target_of(self, base_url: str) -> str:
+        """The node id a request to ``base_url`` is signed for."""
+        return self._named.get(base_url) or self.node_of(base_url) or UNKNOWN_TARGET
+
+    def _learn(self, base_url: str, node_id: str) -> None:
+        if len(self._named) >= MAX_NAMED and base_url not in self._named:
+            self._named.pop(next(iter(self._named)))
+        self._named[base_url] = node_id
 
     async def get_chunk(
         self,

@@ -2,7 +2,8 @@
 
 ``queued`` (manifest read from the bucket, resume or staging) -> ``downloading`` (the stored layer,
 or for a delta without its base here the rebuilt layer from peers) -> ``applying`` (delta: base
-XOR diff) -> ``verifying`` -> ``ready`` (READY written, directory renamed into place), or
+XOR diff) -> ``verifying`` (every ``*.safetensors`` header checked by the safetensors library,
+``bdn.daemon.headers``) -> ``ready`` (READY written, directory renamed into place), or
 ``failed`` with a one-line reason. Progress is saved every ``progress_interval_s`` and on
 cancellation, so a restarted daemon resumes from what is verified on disk.
 """
@@ -16,12 +17,12 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from bdn.bucket import ObjectNotFound
-from bdn.daemon import diskio, logctx
+from bdn.daemon import diskio, headers, logctx
 from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
-from bdn.daemon.errors import NotAvailable
+from bdn.daemon.errors import Conflict, NotAvailable
 from bdn.daemon.executors import Executors
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
@@ -31,7 +32,7 @@ from bdn.daemon.stats import Stats
 from bdn.daemon.store import Store
 from bdn.proto.chunks import digest as xxh3_digest
 from bdn.proto.errors import BdnError
-from bdn.proto.manifest import MANIFEST_NAME, Manifest
+from bdn.proto.manifest import MANIFEST_NAME, ChunkRef, Manifest
 
 log = logging.getLogger("bdn.runner")
 T = TypeVar("T")
@@ -41,6 +42,7 @@ class Jobs(Protocol):
     """What a runner needs of the catalog: other snapshots (a delta's base), the budget, GC."""
 
     def get(self, identity: str) -> SnapshotJob | None: ...
+    def all(self) -> list[SnapshotJob]: ...
     def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob: ...
     def check_budget(self, m: Manifest) -> None: ...
     def forget(self, job: SnapshotJob) -> None: ...
@@ -93,6 +95,8 @@ class Runner:
                 job.layer_complete(RESULT)  # full: stored == result
                 job.set_state("verifying")
                 await job.notify()
+            # every safetensors header as the engine's library reads it, before READY exists
+            await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
             final = await self._on(self.pools.disk, self.store.publish, m)
             job.set_state("ready")
             log.info("snapshot %s: ready at %s (stages %s)", job.identity, final,
@@ -119,6 +123,85 @@ class Runner:
                 job.flusher.cancel()
             self.index.drop_pending(job, job.stored_refs)
             await job.notify()
+
+    # ---- repair: a ready snapshot whose bytes on disk went bad ----------------------------------
+    async def repair(self, job: SnapshotJob) -> dict[str, Any]:
+        """Re-hash a ready snapshot's files; quarantine and re-fetch every corrupted chunk.
+
+        Corrupted chunks are quarantined at once: no longer served to peers (the index drops this
+        node's copy), and the snapshot leaves ``ready`` (its directory goes back to staging, READY
+        removed, so neither the local API nor ``bdn.client`` hands it out); counted in
+        ``chunks_quarantined``. The chunks are then fetched again like any chunk (another local
+        copy, peers, the bucket; a delta's rebuilt chunks from peers only) while the snapshot is
+        ``downloading`` (reason ``repairing ...``), and it is ``ready`` again once every chunk and
+        header is checked, or ``failed`` with the reason. Returns ``{"identity", "chunks",
+        "corrupted": [{"path", "chunk", "offset", "length"}], "state", "reason"}``.
+
+        Raises:
+            Conflict: the snapshot is not ready (or stopped being ready while it was hashed).
+        """
+        assert self.jobs is not None and job.manifest is not None
+        refs = job.result_refs
+        bad = await self._on(self.pools.disk, diskio.corrupt_chunks, refs, lambda fi: job.file_path(RESULT, fi))
+        report: dict[str, Any] = {
+            "identity": job.identity, "chunks": len(refs),
+            "corrupted": [{"path": refs[i].path, "chunk": refs[i].index, "offset": refs[i].offset,
+                           "length": refs[i].length} for i in bad[:1000]],
+        }
+        if bad:
+            if job.state != "ready" or self.jobs.get(job.identity) is not job:
+                raise Conflict(f"snapshot {job.identity!r} is {job.state}, not ready")
+            first = refs[bad[0]]
+            where = f"{first.path} chunk {first.index} (bytes {first.offset}-{first.offset + first.length})"
+            self.index.quarantine(job, [refs[i] for i in bad], self.jobs.all())
+            self.stats.add("chunks_quarantined", len(bad))
+            marker = await self._on(self.pools.disk, self.store.unpublish, job.identity)
+            job.quarantined(bad)
+            job.set_state("downloading", f"repairing {len(bad)} corrupted chunk(s) found on this node, first {where}")
+            log.error("snapshot %s: %d corrupted chunk(s) on this node (first %s): quarantined, fetching them again",
+                      job.identity, len(bad), where)
+            await job.notify()
+            job.task = asyncio.create_task(self._repair(job, [refs[i] for i in bad], marker),
+                                           name=f"repair-{job.identity}")
+        report.update(state=job.state, reason=job.reason)
+        return report
+
+    async def _repair(self, job: SnapshotJob, refs: list[ChunkRef], marker: bytes) -> None:
+        assert self.jobs is not None and job.manifest is not None
+        m = job.manifest
+        logctx.SNAPSHOT.set(job.identity)
+        try:
+            self.save_progress(job)  # a restart meanwhile resumes from what is still good
+            try:
+                await asyncio.wait_for(self.haves.refresh(job), 5.0)
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.gather(*(self.fetcher.ensure_chunk(job, self._repair_layer(job, r), r) for r in refs))
+            job.set_state("verifying")
+            await job.notify()
+            await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
+            await self._on(self.pools.disk, self.store.publish, m, marker)
+            job.set_state("ready")
+            log.info("snapshot %s: repaired (%d chunk(s) fetched again)", job.identity, len(refs))
+        except asyncio.CancelledError:
+            self.save_progress(job)
+            raise
+        except (BdnError, OSError) as e:
+            reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
+            job.set_state("failed", f"repair failed: {reason.splitlines()[0] if reason else type(e).__name__}")
+            log.error("snapshot %s: %s", job.identity, job.reason)
+            self.jobs.forget(job)
+            self.store.discard(job.identity)
+        finally:
+            await job.notify()
+
+    @staticmethod
+    def _repair_layer(job: SnapshotJob, ref: ChunkRef) -> str:
+        """The layer to fetch a rebuilt chunk through: a delta's rebuilt safetensors chunks exist
+        only on peers (RESULT); every other file is stored as it is used (STORED: bucket too)."""
+        assert job.manifest is not None
+        f = job.manifest.files[ref.file_index]
+        return RESULT if f.is_diff or (job.kind == "delta" and f.path.endswith(".safetensors")) else STORED
 
     async def _resume(self, job: SnapshotJob, saved: tuple[bytes, bytes]) -> None:
         """Take back the chunks a previous run wrote, re-verifying each against the manifest."""

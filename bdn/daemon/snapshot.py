@@ -1,7 +1,7 @@
 """One snapshot's life on a node: state, stage times, have-bitfields and byte counters.
 
 The record is written only through its event methods (``set_state``, ``chunk_verified``,
-``layer_complete``, ``layer_reset``, ``resumed``, ``start_layer``, ``attach_manifest``), called
+``layer_complete``, ``layer_reset``, ``resumed``, ``quarantined``, ``start_layer``, ``attach_manifest``), called
 by the snapshot's runner and the fetcher; everything else reads it.
 """
 
@@ -147,6 +147,20 @@ class SnapshotJob:
             bits.set(i)
         if layer == STORED:
             self.bytes_done = self.bytes_resumed = sum(self.stored_refs[i].length for i in positions)
+        self.touch()
+
+    def quarantined(self, positions: list[int]) -> None:
+        """Event: the rebuilt chunks at ``positions`` of the result layer were found corrupted on
+        disk (``bdnctl verify --repair``): no longer held (a file that is not a diff loses the same
+        chunk of its stored layer too)."""
+        assert self.result is not None and self.stored is not None and self.manifest is not None
+        for i in positions:
+            ref = self.result_refs[i]
+            if self.result.clear(i) and self.fetch_layer == RESULT:
+                self.bytes_done -= ref.length
+            if not self.manifest.files[ref.file_index].is_diff:
+                if self.stored.clear(self.ref_index(STORED, ref)) and self.fetch_layer == STORED:
+                    self.bytes_done -= ref.length
         self.touch()
 
     def start_layer(self, layer: str) -> None:

@@ -18,6 +18,7 @@ COUNTERS = (
     "peer_chunks_out",
     "local_bytes_copied",
     "chunk_verify_failures",
+    "chunks_quarantined",
 )
 
 

@@ -1,10 +1,16 @@
 """The node's snapshot store in shared memory: layout, READY markers, and the chunk index.
 
-Layout under ``root = <shm_dir>/<swarm_id>``::
+Layout under ``root = <shm_dir>/<swarm_id>`` (and ``<shm_dir>/bdnd.lock``, see ``ShmLock``)::
 
     <identity>/            a complete, verified Hugging Face directory plus its READY marker
     .staging/<identity>/   reconstructed files while the snapshot is being built (never handed out)
+    .staging/.ready-<identity>.tmp   READY being written (renamed into the staging directory)
+    .progress/<identity>   which chunks of a download are verified (resume after a restart)
     .stored/<identity>/    a delta's diff objects as stored in the bucket (kept to serve peers)
+
+Identities start with a letter or digit, so no identity is one of the dot-names. The only name
+bdn writes inside a snapshot directory is ``READY`` (``bdn.proto.reserved.RESERVED_NAMES``), which
+no manifest may list: every other file under ``<identity>/`` is the trainer's.
 
 A snapshot is published on the node by writing READY into its staging directory and then renaming
 the directory to ``<identity>/`` (one atomic rename): a directory under its identity is always
@@ -19,6 +25,7 @@ with the xxh3-128 digests of each reconstructed file's chunks.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import threading
@@ -26,12 +33,69 @@ from pathlib import Path
 
 import msgpack
 
-from bdn.proto.errors import ProtocolError
+from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import Manifest
 from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
 
 STAGING = ".staging"
 STORED = ".stored"
+PROGRESS = ".progress"
+LOCK_NAME = "bdnd.lock"
+
+
+class ShmInUse(BdnError):
+    """Another process holds the lock of the ``shm_dir`` (message names its pid)."""
+
+
+class ShmLock:
+    """The exclusive lock of one ``shm_dir`` (``<shm_dir>/bdnd.lock``), held for the process's life.
+
+    Two daemons on one ``shm_dir`` would resume each other's half-written files; the second must
+    stop before it touches anything. The lock is a ``flock`` on the open file (released by the
+    kernel when the process dies, however it dies); the file holds the holder's pid, for the
+    error message only.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self._fd = fd
+
+    @classmethod
+    def acquire(cls, shm_dir: str | os.PathLike[str]) -> ShmLock:
+        """Take the lock of ``shm_dir`` (created if missing).
+
+        Raises:
+            ShmInUse: another process holds it ("shm_dir X is in use by pid N").
+            BdnError: the directory or the lock file cannot be created or opened.
+        """
+        d = Path(shm_dir)
+        path = d / LOCK_NAME
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise BdnError(f"cannot lock shm_dir {str(d)!r}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            try:
+                pid = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            except OSError:
+                pid = ""
+            os.close(fd)
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                who = f"pid {pid}" if pid.isdigit() else "another process"
+                raise ShmInUse(f"shm_dir {str(d)!r} is in use by {who} (one bdnd per shm_dir)") from None
+            raise BdnError(f"cannot lock shm_dir {str(d)!r}: {e.strerror or e}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return cls(path, fd)
+
+    def release(self) -> None:
+        """Drop the lock (the process exiting does the same)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 class Store:
@@ -43,6 +107,7 @@ class Store:
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / STAGING).mkdir(exist_ok=True)
         (self.root / STORED).mkdir(exist_ok=True)
+        (self.root / PROGRESS).mkdir(exist_ok=True)
 
     def ready_dir(self, identity: str) -> Path:
         return self.root / identity
@@ -147,12 +212,14 @@ class Store:
 
     # ---- persisted progress (resume after a restart) ---------------------------------------
     def progress_path(self, identity: str) -> Path:
-        return self.root / STAGING / f"{identity}.progress"
+        # Not beside the staging directories: ".staging/x.progress" would be the staging
+        # directory of the identity "x.progress".
+        return self.root / PROGRESS / identity
 
     def save_progress(self, identity: str, manifest_digest: str, stored: bytes, result: bytes) -> None:
         """Atomically record which chunks of a snapshot in progress are written and verified."""
         p = self.progress_path(identity)
-        tmp = p.with_suffix(".tmp")
+        tmp = p.with_name(f".{identity}.tmp")  # a dot-name: no identity's progress file
         tmp.write_bytes(msgpack.packb({"m": manifest_digest, "s": stored, "r": result}, use_bin_type=True))
         os.replace(tmp, p)
 
@@ -172,32 +239,36 @@ class Store:
     def resumable(self) -> list[str]:
         """Identities with a staging directory and saved progress (a download a restart cut)."""
         out = []
-        for p in (self.root / STAGING).glob("*.progress"):
-            ident = p.name[: -len(".progress")]
-            if self.staging_dir(ident).is_dir():
-                out.append(ident)
+        for p in (self.root / PROGRESS).iterdir():
+            if not p.name.startswith(".") and self.staging_dir(p.name).is_dir():
+                out.append(p.name)
         return sorted(out)
 
     def clean_staging(self, keep: set[str]) -> None:
         """Remove staging leftovers except the resumable downloads named in ``keep``."""
         for d in (self.root / STAGING).iterdir():
-            name = d.name[: -len(".progress")] if d.name.endswith(".progress") else d.name
-            if name in keep:
+            if d.name in keep:
                 continue
             if d.is_dir():
                 shutil.rmtree(d, ignore_errors=True)
             else:
                 d.unlink(missing_ok=True)
+        for p in (self.root / PROGRESS).iterdir():
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
         for d in (self.root / STORED).iterdir():
             if d.name not in keep and not self.is_ready(d.name):
                 shutil.rmtree(d, ignore_errors=True)
 
-    def publish(self, m: Manifest) -> Path:
-        """Write READY into the staging directory, then rename it into place (atomic)."""
+    def publish(self, m: Manifest, ready: bytes | None = None) -> Path:
+        """Write READY (``ready``, or the marker of ``m``) into the staging directory, then
+        rename the directory into place (atomic)."""
         st = self.staging_dir(m.identity)
-        tmp = st / (READY_NAME + ".tmp")
+        # The temporary file lives outside the snapshot directory: a name inside it could be
+        # one of the trainer's files.
+        tmp = self.root / STAGING / f".ready-{m.identity}.tmp"
         with open(tmp, "wb") as fh:
-            fh.write(ready_json(m))
+            fh.write(ready_json(m) if ready is None else ready)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, st / READY_NAME)
@@ -207,6 +278,18 @@ class Store:
             self._retire(final)
         os.replace(st, final)
         return final
+
+    def unpublish(self, identity: str) -> bytes:
+        """Take a ready snapshot back to staging (to repair it): its directory leaves
+        ``<identity>/`` in one rename, so nothing hands it out any more, and READY is removed
+        from it. Returns READY's bytes, for ``publish(m, ready=...)`` once it is whole again."""
+        final, st = self.ready_dir(identity), self.staging_dir(identity)
+        if st.exists():
+            self._retire(st)
+        marker = (final / READY_NAME).read_bytes()
+        os.replace(final, st)
+        (st / READY_NAME).unlink()
+        return marker
 
     def _retire(self, d: Path) -> None:
         """Delete a snapshot directory without a window where it is visible but incomplete:

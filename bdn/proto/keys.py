@@ -11,9 +11,13 @@ From the partition secret (text, e.g. ``openssl rand -hex 32``; surrounding whit
 - ``address_key`` 32 bytes: a chunk's swarm address is ``HMAC-SHA256(address_key, digest)[:16]``
   in hex, so two partitions holding the same bytes use unrelated addresses.
 
-Peer requests carry ``Authorization: BDN-HMAC node=<id>, ts=<unix s>, nonce=<32 hex>, sig=<64 hex>``
-where ``sig = HMAC-SHA256(auth_key, "BDN-HMAC-1\\n" method "\\n" path?query "\\n" ts "\\n" nonce
-"\\n" node)``. A verifier rejects a bad signature, a clock skew over 30 s, or a nonce already seen.
+Peer requests carry ``Authorization: BDN-HMAC node=<id>, to=<id>, ts=<unix s>, nonce=<32 hex>,
+sig=<64 hex>`` where ``sig = HMAC-SHA256(auth_key, "BDN-HMAC-2\\n" method "\\n" path?query "\\n"
+ts "\\n" nonce "\\n" node "\\n" to)``: ``node`` is the signer, ``to`` the node id of the daemon
+the request is for (``-`` when the signer does not know it yet). A verifier rejects a bad
+signature, a clock skew over 30 s, a nonce already seen, and a request for another daemon
+(``WrongTarget``, which tells a validly signed caller who it reached), so a request captured on
+its way to one daemon cannot be replayed at another daemon of the swarm.
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ HKDF_SALT = b"bdn/partition/v1"
 MIN_SECRET_CHARS = 16
 MAX_SKEW_S = 30
 SCHEME = "BDN-HMAC"
+SIGNATURE_VERSION = "BDN-HMAC-2"  # "-1" had no target: never accepted by this version
+NODE_HEADER = "X-BDN-Node"  # a WrongTarget 401 names the daemon reached in this response header
+UNKNOWN_TARGET = "-"  # the ``to`` of a request whose signer does not know the target's node id yet
 NODE_ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._:-]{0,63}\Z")
 # [0-9], not \d: \d also matches non-ASCII digits ("\u0661"), which int() accepts, so one
 # signed request would have many spellings.
 _HEADER_RE = re.compile(
-    r"\ABDN-HMAC node=([A-Za-z0-9][A-Za-z0-9._:-]{0,63}), ts=([0-9]{1,12}), "
-    r"nonce=([0-9a-f]{32}), sig=([0-9a-f]{64})\Z"
+    r"\ABDN-HMAC node=([A-Za-z0-9][A-Za-z0-9._:-]{0,63}), to=(-|[A-Za-z0-9][A-Za-z0-9._:-]{0,63}), "
+    r"ts=([0-9]{1,12}), nonce=([0-9a-f]{32}), sig=([0-9a-f]{64})\Z"
 )
 
 
@@ -96,28 +103,46 @@ def derive_keys(secret: str | bytes) -> SwarmKeys:
     )
 
 
-def _signature(keys: SwarmKeys, method: str, path_qs: str, ts: int, nonce: str, node: str) -> str:
+def _signature(keys: SwarmKeys, method: str, path_qs: str, ts: int, nonce: str, node: str, to: str) -> str:
     # surrogatepass: servers decode raw request bytes with surrogateescape ("\udcff"); such a
     # path must fail the signature check (401), not raise UnicodeEncodeError (500).
-    msg = f"BDN-HMAC-1\n{method.upper()}\n{path_qs}\n{ts}\n{nonce}\n{node}"
+    msg = f"{SIGNATURE_VERSION}\n{method.upper()}\n{path_qs}\n{ts}\n{nonce}\n{node}\n{to}"
     raw = msg.encode("utf-8", "surrogatepass")
     return hmac.new(keys.auth_key, raw, hashlib.sha256).hexdigest()
 
 
+class WrongTarget(AuthError):
+    """A validly signed request for another daemon (``to`` is not the verifier's node id).
+
+    ``me`` is the verifier's node id: the server may tell the caller (it proved it holds the
+    partition secret, or replays a request of someone who does; node ids are no secret inside
+    the swarm), so that a signer that did not know whom it reached can sign again for it.
+    """
+
+    def __init__(self, me: str) -> None:
+        super().__init__("request signed for another daemon")
+        self.me = me
+
+
 def sign_request(
-    keys: SwarmKeys, method: str, path_qs: str, node_id: str, *, now: float | None = None
+    keys: SwarmKeys, method: str, path_qs: str, node_id: str, *, to: str, now: float | None = None
 ) -> str:
     """The ``Authorization`` header value for a peer request to ``path_qs`` (path plus query).
 
+    ``node_id`` is the signer; ``to`` the node id of the daemon the request is for (only that
+    daemon accepts it), or ``UNKNOWN_TARGET`` when the signer does not know it yet (every daemon
+    refuses it with ``WrongTarget``, naming itself).
+
     Raises:
-        BdnError: ``node_id`` does not match ``NODE_ID_RE`` (no verifier could accept the header).
+        BdnError: ``node_id`` or ``to`` does not match ``NODE_ID_RE`` (no verifier could accept it).
     """
-    if not NODE_ID_RE.match(node_id):
-        raise BdnError(f"node id {node_id[:80]!r} does not match {NODE_ID_RE.pattern}")
+    for what, nid in (("node id", node_id), ("target node id", to)):
+        if not NODE_ID_RE.match(nid) and not (what == "target node id" and nid == UNKNOWN_TARGET):
+            raise BdnError(f"{what} {nid[:80]!r} does not match {NODE_ID_RE.pattern}")
     ts = int(time.time() if now is None else now)
     nonce = secrets.token_hex(16)
-    sig = _signature(keys, method, path_qs, ts, nonce, node_id)
-    return f"{SCHEME} node={node_id}, ts={ts}, nonce={nonce}, sig={sig}"
+    sig = _signature(keys, method, path_qs, ts, nonce, node_id, to)
+    return f"{SCHEME} node={node_id}, to={to}, ts={ts}, nonce={nonce}, sig={sig}"
 
 
 class NonceSeen(Protocol):
@@ -135,26 +160,33 @@ def verify_request(
     path_qs: str,
     nonces: NonceSeen,
     *,
+    me: str,
     now: float | None = None,
 ) -> str:
-    """Check a peer request's ``Authorization`` header; return the signing node id.
+    """Check a peer request's ``Authorization`` header for the daemon ``me``; return the signer's node id.
+
+    Order: grammar, clock skew, signature (constant time), target, nonce: a request for another
+    daemon is refused before its nonce is recorded, and a refused request records nothing.
 
     Raises:
+        WrongTarget: a valid signature for another daemon (or for ``UNKNOWN_TARGET``).
         AuthError: missing/malformed header, bad signature, skew over 30 s, or replayed nonce.
-            The caller answers 401 with no detail.
+            The caller answers 401 with no detail (``WrongTarget``: with its own node id only).
     """
     if not header:
         raise AuthError("missing authorization")
     m = _HEADER_RE.match(header)
     if not m:
         raise AuthError("malformed authorization")
-    node, ts_s, nonce, sig = m.groups()
+    node, to, ts_s, nonce, sig = m.groups()
     t = time.time() if now is None else now
     ts = int(ts_s)
     if abs(t - ts) > MAX_SKEW_S:
         raise AuthError("clock skew")
-    if not hmac.compare_digest(sig, _signature(keys, method, path_qs, ts, nonce, node)):
+    if not hmac.compare_digest(sig, _signature(keys, method, path_qs, ts, nonce, node, to)):
         raise AuthError("bad signature")
+    if to != me:
+        raise WrongTarget(me)
     if not nonces.add(nonce, t):
         raise AuthError("replayed nonce")
     return node

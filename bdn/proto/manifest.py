@@ -26,6 +26,7 @@ from typing import Any
 from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, num_chunks
 from bdn.proto.errors import ManifestError, ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
+from bdn.proto.reserved import reserved_path
 
 MANIFEST_NAME = "bdn.manifest.json"
 STARTUP_NAME = "STARTUP_SNAPSHOT"
@@ -240,6 +241,8 @@ class Manifest:
                 raise ManifestError(f"manifest lists {path!r} twice")
             if path == MANIFEST_NAME:
                 raise ManifestError(f"manifest must not list itself ({MANIFEST_NAME})")
+            if reserved_path(path):
+                raise ManifestError(f"manifest path {reserved_path(path)}")
             if not _add_to_tree(tree, path):
                 raise ManifestError(
                     f"manifest path {path!r} clashes with another file (a file and a directory)"

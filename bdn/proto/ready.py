@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING, Any
 from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, num_chunks
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
+from bdn.proto.reserved import READY_NAME, RESERVED_NAMES, reserved_path
+
+__all__ = ["KINDS", "MAX_FILE_BYTES", "MAX_READY_BYTES", "READY_FORMAT", "READY_NAME", "RESERVED_NAMES",
+           "ReadyFile", "ReadyMarker", "parse_ready", "ready_json", "reserved_path"]
 
 if TYPE_CHECKING:
     from bdn.proto.manifest import Manifest
 
-READY_NAME = "READY"
 READY_FORMAT = "bdn.ready/1"
 KINDS = ("full", "delta")
 MAX_READY_BYTES = 64 << 20
@@ -111,8 +114,8 @@ def parse_ready(data: bytes, where: str = READY_NAME) -> ReadyMarker:
             path = validate_relpath(entry.get("path"))
         except BdnError as exc:
             raise ProtocolError(f"{fwhere}: {exc}") from None
-        if path == READY_NAME:
-            raise ProtocolError(f"{fwhere}: lists the READY marker itself")
+        if reserved_path(path):
+            raise ProtocolError(f"{fwhere}: {reserved_path(path)}")
         if path in seen:
             raise ProtocolError(f"{fwhere}: duplicate path {path!r}")
         seen.add(path)

@@ -63,8 +63,9 @@ DTYPE_BITS: dict[str, int] = {
 #: Bytes per element of every whole-byte dtype (the packed F4/F6 types are in ``DTYPE_BITS`` only).
 DTYPE_SIZES: dict[str, int] = {k: v // 8 for k, v in DTYPE_BITS.items() if v % 8 == 0}
 
-#: Largest header bdn accepts, in bytes (the reference refuses 100 MB and up as well).
-MAX_HEADER_BYTES = 100 << 20
+#: Largest header bdn accepts, in bytes: the reference's MAX_HEADER_SIZE (safetensors/src/tensor.rs),
+#: 100,000,000 bytes (not 100 MiB); a longer header is refused there too.
+MAX_HEADER_BYTES = 100_000_000
 METADATA_KEY = "__metadata__"
 _TENSOR_KEYS = frozenset(("dtype", "shape", "data_offsets"))
 _NAME_IN_ERRORS = 120  # long or hostile names are cut in error lines

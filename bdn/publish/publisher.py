@@ -34,6 +34,7 @@ from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from bdn.proto.errors import PathError, TensorMismatch
 from bdn.proto.identity import validate_identity, validate_relpath
 from bdn.proto.manifest import MANIFEST_NAME, STARTUP_NAME, FileEntry, FileResult, Manifest
+from bdn.proto.reserved import reserved_path
 from bdn.publish.errors import PublishError
 from bdn.publish.fetch import check_local_file, materialize, read_manifest
 from bdn.publish.tree import LocalFile, scan_dir
@@ -314,6 +315,8 @@ def _source_dir(
             validate_relpath(name)
             if name in (STATE_DICT_FILE, MANIFEST_NAME):
                 raise PathError(f"extra file {name!r} would replace a file bdn writes itself")
+            if reserved_path(name):
+                raise PathError(f"extra file {reserved_path(name)}")
             if not isinstance(data, (bytes, bytearray, memoryview)):
                 raise PublishError(f"extra file {name!r} must be bytes, got {type(data).__name__}")
             p = root / name

@@ -16,6 +16,7 @@ from pathlib import Path
 from bdn.proto.errors import PathError
 from bdn.proto.identity import validate_relpath
 from bdn.proto.manifest import MANIFEST_NAME
+from bdn.proto.reserved import reserved_path
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ def scan_dir(root: str | os.PathLike[str]) -> list[LocalFile]:
                 validate_relpath(rel)
                 if rel == MANIFEST_NAME:
                     raise PathError(f"{rel!r} is written by bdn itself; remove it from the directory")
+                if reserved_path(rel):
+                    raise PathError(reserved_path(rel))
                 out.append(LocalFile(rel, local, st.st_size))
             else:
                 raise PathError(f"{rel!r} is not a regular file or directory")

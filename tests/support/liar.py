@@ -30,7 +30,7 @@ from bdn.bucket import ObjectNotFound, open_bucket
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
 from bdn.daemon.nonces import NonceCache
-from bdn.proto.keys import SwarmKeys, derive_keys, verify_request
+from bdn.proto.keys import NODE_HEADER, SwarmKeys, WrongTarget, derive_keys, verify_request
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 
 LIAR_STATE = web.AppKey("liar", object)
@@ -70,7 +70,10 @@ async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
     if request.match_info.get("swarm_id") != st.keys.swarm_id:
         return web.Response(status=401)
     try:
-        verify_request(st.keys, request.headers.get("Authorization"), request.method, request.raw_path, st.nonces)
+        verify_request(st.keys, request.headers.get("Authorization"), request.method, request.raw_path, st.nonces,
+                       me=st.node_id)
+    except WrongTarget as e:  # as a daemon does: name itself, so members sign again for it
+        return web.Response(status=401, headers={NODE_HEADER: e.me})
     except AuthError:
         return web.Response(status=401)
     return await handler(request)

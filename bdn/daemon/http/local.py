@@ -150,6 +150,18 @@ async def get_tensor(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def repair(request: web.Request) -> web.Response:
+    """POST /v1/snapshots/{id}/repair -> 200 {identity, chunks, corrupted: [{path, chunk, offset,
+    length}], state, reason}: the ready snapshot re-hashed; corrupted chunks are quarantined and
+    fetched again (state ``downloading`` until it is ``ready`` again). 404 unknown, 409 not ready."""
+    identity = _identity(request)
+    try:
+        ans = await services(request).catalog.repair(identity)
+    except BdnError as e:
+        return error(status_of(e), str(e))
+    return json_response(ans)
+
+
 async def get_metrics(request: web.Request) -> web.Response:
     """GET /metrics -> Prometheus text exposition (see docs/OPERATIONS.md)."""
     body, ctype = services(request).metrics.render()
@@ -274,6 +286,7 @@ def make_local_app(svc: Services) -> web.Application:
     r.add_get("/v1/snapshots/{identity}/files", list_files)
     r.add_get("/v1/snapshots/{identity}/files/{path:.+}", get_file)
     r.add_get("/v1/snapshots/{identity}/tensors/{name}", get_tensor)
+    r.add_post("/v1/snapshots/{identity}/repair", repair)
     r.add_get("/metrics", get_metrics)
     r.add_post(hotload.PATH, hotload.post)
     r.add_get(hotload.PATH, hotload.get)

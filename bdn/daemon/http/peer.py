@@ -8,8 +8,10 @@
 - ``POST members``: msgpack ``{node_id, url, members, target}`` in, the same shape out.
 - ``POST hot_load`` (msgpack target, fanned out by the accepting daemon), ``GET replica``.
 
-Every request must carry a valid ``BDN-HMAC`` signature; anything else (including an unknown swarm
-id) gets 401 with an empty body, so a stranger learns nothing about what the partition holds.
+Every request must carry a valid ``BDN-HMAC`` signature made for this daemon's node id; anything
+else (including an unknown swarm id) gets 401 with an empty body, so a stranger learns nothing
+about what the partition holds. A valid signature for another daemon gets 401 with this
+daemon's node id in ``X-BDN-Node`` (the signer then signs again for it).
 The fleet hot-load API is mounted here too, behind a bearer token (``http/hotload.py``).
 """
 
@@ -32,7 +34,7 @@ from bdn.daemon.snapshot import Loc
 from bdn.daemon.uploads import Admission
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
-from bdn.proto.keys import verify_request
+from bdn.proto.keys import NODE_HEADER, WrongTarget, verify_request
 
 log = logging.getLogger("bdn.http.peer")
 ADDRESS_RE = re.compile(r"\A[0-9a-f]{32}\Z")
@@ -50,7 +52,11 @@ async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
         return web.Response(status=401)
     try:
         peer = verify_request(svc.keys, request.headers.get("Authorization"), request.method, request.raw_path,
-                              svc.nonces)
+                              svc.nonces, me=svc.cfg.node_id)
+    except WrongTarget as e:
+        # Signed with the partition's key, but for another daemon (or for "not known yet"): say
+        # who this is, so a member can sign again for it. A replayed capture learns a node id.
+        return web.Response(status=401, headers={NODE_HEADER: e.me})
     except AuthError:
         return web.Response(status=401)
     request["peer"] = peer
