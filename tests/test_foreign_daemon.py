@@ -216,10 +216,12 @@ def test_delta_chain_cap_requires_a_full_snapshot(file_run: str, tmp_path: Path)
 
 
 def test_config_mismatch_fails_naming_the_field(tmp_path: Path) -> None:
-    changed = {"step000002": {"architectures": ["TinyForCausalLM"], "model_type": "tiny", "hidden_size": 4096}}
-    r = make_run(tmp_path / "trainer", steps=2, configs=changed)
+    r = make_run(tmp_path / "trainer", steps=2)
     root = tmp_path / "bucket"
     copy_to(root, r)
+    # delta_compress_dirs copies the *base's* other files; the trainer uploads its own config.json
+    changed = {"architectures": ["TinyForCausalLM"], "model_type": "tiny", "hidden_size": 4096}
+    (root / "step000002" / "config.json").write_text(json.dumps(changed))
     d = Daemon(tmp_path / "work", "node0", f"file://{root}", extra_env=FOREIGN)
     d.start([])
     try:
