@@ -186,10 +186,15 @@ class ForeignLoader:
         base = jobs.get(base_id)
         if base is None or base.state == "failed":
             base = jobs.prefetch(base_id, requested_by=f"base of {job.identity}")
+        if base.state != "ready":
+            job.reason = f"waiting for its base {base_id!r} to be ready here (a delta without a manifest is derived from its base)"
+            job.touch()
+            await job.notify()
         while base.state not in ("ready", "failed"):
             await base.wait_change(base.version, 5.0)
         if base.state != "ready":
             raise BdnError(f"base snapshot {base_id!r} of {job.identity!r} failed: {base.reason}")
+        job.reason = ""
         return base
 
     async def table(self, job: Any, jobs: Jobs, wait_publish: bool = True) -> Manifest:

@@ -186,9 +186,7 @@ class HotLoad:
         key = contract.request_key(ident, meta)
         t = self.view.target
         if self.last is not None and t is not None and self.last[0] == key and t.request_id == self.last[1]["request_id"]:
-            job = self.snapshots.prefetch(ident, requested_by=f"hot-load {t.request_id}")  # a failed load starts again
-            log.info("hot-load %s: the same request again (%s), load %s", ident, t.request_id, job.state)
-            return dict(self.last[1])
+            return await self._again(t, dict(self.last[1]))
         m = await self._manifest(ident)
         prev = meta.get("previous_snapshot_identity") if meta else None
         base: str | None = None
@@ -201,6 +199,13 @@ class HotLoad:
         else:
             base = prev or self.cfg.foreign_base or None
             self.hints.set(ident, Hint(base, meta.get("compression_format") if meta else None))
+        if t is not None and t.identity == ident and t.base == base and t.seq > 0:
+            # the fleet's target already (accepted by another daemon, or before a restart)
+            return await self._again(t, {
+                "accepted": True, "identity": ident, "policy_version": m.policy_version if m is not None else None,
+                "request_id": t.request_id, "replicas": len(self.membership.live()) + 1,
+                "manifest_written": m is not None,
+            })
         contract.check_previous(prev, self.view.current, t.identity if t else None)
         contract.chain_length(ident, (await self._chain(ident, base)).get, self.cfg.max_delta_chain)
         target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8), base)
@@ -216,6 +221,14 @@ class HotLoad:
         }
         self.last = (key, answer)
         return dict(answer)
+
+    async def _again(self, t: Target, answer: dict[str, Any]) -> dict[str, Any]:
+        """The same hot-load posted again: its first answer (same request id); a failed load of it
+        starts again here and on the peers it is fanned out to once more."""
+        log.info("hot-load %s: the same request again (%s)", t.identity, t.request_id)
+        await self.view.adopt(t, source="request again", retry_failed=True)
+        await self.fan_out(t)
+        return answer
 
     async def fan_out(self, target: Target) -> int:
         """Post ``target`` to every live peer; how many took it."""
@@ -237,7 +250,7 @@ class HotLoad:
         t = Target.from_wire(obj, self.clock.time_ns())
         if t is None:
             raise Invalid("hot-load target is malformed")
-        await self.view.adopt(t, source=f"peer {peer}")
+        await self.view.adopt(t, source=f"peer {peer}", retry_failed=True)
         return True
 
     async def fleet(self) -> dict[str, Any]:

@@ -75,14 +75,22 @@ class ReplicaView:
                 pass
 
     # ---- events ----------------------------------------------------------------------------
-    async def adopt(self, target: Target, source: str) -> bool:
+    async def adopt(self, target: Target, source: str, retry_failed: bool = False) -> bool:
         """Event: a target seen (request, fan-out, membership). It becomes this replica's target
-        unless a later one is already set; True if it did."""
+        unless a later one is already set; True if it did. ``retry_failed``: the same request
+        posted again (a trainer's re-POST, or its fan-out): a failed load of it starts again
+        (membership rounds, which repeat the target every round, do not pass it)."""
         cur = self.target
         sup = supersedes(target, cur)
         if sup is not None:
             self._supersede(*sup)
         if not later(target, cur):
+            if retry_failed and cur is not None and cur.request_id == target.request_id:
+                job = self.snapshots.get(cur.identity)
+                if job is not None and job.state == "failed":
+                    log.info("hot-load %s: the same request again; its failed load starts again", cur.identity)
+                    self.snapshots.prefetch(cur.identity, requested_by=f"hot-load {cur.request_id}")
+                    await self.poke()
             return False
         self.target = target
         log.info("hot-load: target is now %s (from %s, request %s)", target.identity, source, target.request_id)
