@@ -21,11 +21,7 @@ from typing import Any
 
 import pytest
 
-try:
-    from support.foreign_run import BIG, MiB, Run, boto, copy_to, make_run, upload
-except ImportError as exc:  # .ci/run installs torch and fireworks-delta-compression; elsewhere say why
-    pytest.skip(f"fireworks-delta-compression is not importable: {exc}", allow_module_level=True)
-
+from support.foreign_run import BIG, MiB, Run, boto, copy_to, make_run, upload  # a test dependency
 from support.liar import Liar
 from support.s3server import create_bucket
 from support.swarm import SECRET, Daemon, Swarm
@@ -273,3 +269,50 @@ def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_
             assert bdnctl(d, "cancel", "step000097").returncode == 1
         finally:
             d.stop()
+
+
+# ---- the pieces, without a daemon ------------------------------------------------------------
+
+
+def test_foreign_state_trust_rules(file_run: str) -> None:
+    """Chunks of an object without a bucket checksum are read from the bucket unless accepted;
+    chunks received from a peer are served on only once their object verified."""
+    from bdn.bucket import open_bucket
+    from bdn.daemon.foreign_source import ForeignState
+    from bdn.foreign import read_checksums, read_foreign_table
+
+    bucket = open_bucket(file_run)
+    try:
+        table = read_foreign_table(bucket, "step000001", chunk_size=CHUNK, policy_version=1)
+        checksums = read_checksums(bucket, table)
+    finally:
+        bucket.close()
+    refs = list(table.manifest.stored_chunks())
+    strict, lenient = ForeignState(table, checksums, False), ForeignState(table, checksums, True)
+    assert strict.unverifiable == set(range(len(table.objects)))  # file:// vouches for nothing
+    assert all(strict.bucket_only(r) for r in refs) and not any(lenient.bucket_only(r) for r in refs)
+    a, b = refs[0], refs[1]
+    lenient.received(a, "http://peer", "peer")
+    assert not lenient.servable(a) and lenient.servable(b)  # b was read from the bucket here
+    lenient.verified = True
+    assert lenient.servable(a)
+    assert lenient.etag(a) == table.objects[a.file_index].etag
+
+
+def test_ready_manifest_has_real_digests(file_run: str, tmp_path: Path) -> None:
+    from bdn.bucket import open_bucket
+    from bdn.daemon.foreign_source import ready_manifest
+    from bdn.foreign import read_foreign_table
+
+    root = Path(file_run.removeprefix("file://")) / "step000001"
+    bucket = open_bucket(file_run)
+    try:
+        m = read_foreign_table(bucket, "step000001", chunk_size=CHUNK, policy_version=1).manifest
+    finally:
+        bucket.close()
+    real = ready_manifest(m, root)
+    assert [f.path for f in real.files] == [f.path for f in m.files]
+    for f in real.files:
+        assert list(f.result_chunks) == fileops.chunk_digests(root / f.path, CHUNK)
+        assert f.result_chunks != m.file(f.path).result_chunks  # ids are not digests
+    assert real.file(BIG).size == m.file(BIG).size
