@@ -261,6 +261,8 @@ def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_
                 time.sleep(0.05)
             out = bdnctl(d, "snapshots")
             assert out.returncode == 0 and "step000098" in out.stdout and snap["reason"][:30] in out.stdout, out
+            out = bdnctl(d, "prefetch", "step000098")  # already known: its state and reason
+            assert out.returncode == 0 and snap["reason"][:30] in out.stdout, out
             # cancelled
             out = bdnctl(d, "cancel", "step000098")
             assert out.returncode == 0, out
