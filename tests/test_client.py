@@ -103,7 +103,7 @@ def snap(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
 BUCKET_MBIT = 64
 SLOW_SCALE = 8  # support.checkpoints.make_state scale: about 9.5 MB of tensors
 FAILING = "step000004"  # a delta whose manifest names compression_format "arc_v3"
-UNPUBLISHED = "step000005"  # never written to the bucket: prefetch waits for its manifest
+UNPUBLISHED = "step000005"  # never written to the bucket: prefetch(wait_publish=True) waits for it
 
 
 @dataclass
@@ -383,7 +383,7 @@ def test_daemon_errors_carry_status_and_message(bdnd: Bdnd) -> None:
             c.snapshot("step999999")
         assert exc.value.status == 404
         assert str(exc.value).startswith("snapshot 'step999999' is not known to this daemon")
-        c.prefetch(UNPUBLISHED)  # known now, but not ready (its manifest never comes)
+        c.prefetch(UNPUBLISHED, wait_publish=True)  # known now, but not ready (its manifest never comes)
         with pytest.raises(DaemonError) as exc:
             c.read_file(UNPUBLISHED, SHARD1)
         assert exc.value.status == 409 and "not ready" in str(exc.value)
@@ -413,7 +413,7 @@ def test_wait_failed_and_timeout(bdnd: Bdnd) -> None:
         assert "arc_v3" in exc.value.reason and "\n" not in exc.value.reason
         assert exc.value.snapshot is not None and exc.value.snapshot["state"] == "failed"
         assert exc.value.snapshot["reason"] == exc.value.reason
-        c.prefetch(UNPUBLISHED)
+        c.prefetch(UNPUBLISHED, wait_publish=True)
         with pytest.raises(TimeoutError, match=f"{UNPUBLISHED} not ready"):
             c.wait(UNPUBLISHED, timeout=0.3, poll=0.05)
 
@@ -462,11 +462,11 @@ def test_bdnctl_prefetch_wait_exit_codes(bdnd: Bdnd) -> None:
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"bdnctl: error: {FAILING} failed: ") and "arc_v3" in last
-    r = run_bdnctl("prefetch", UNPUBLISHED, "--wait", "--timeout", "0.3", url=bdnd.url)
+    r = run_bdnctl("prefetch", UNPUBLISHED, "--wait", "--wait-publish", "--timeout", "0.3", url=bdnd.url)
     assert r.returncode == 1 and f"{UNPUBLISHED} not ready" in r.stderr
     r = run_bdnctl("prefetch", "step000006", url=bdnd.url)
     assert r.returncode == 0 and "step000006" in r.stdout
-    r = run_bdnctl("--json", "prefetch", UNPUBLISHED, "--wait", "--timeout", "0.2", url=bdnd.url)
+    r = run_bdnctl("--json", "prefetch", UNPUBLISHED, "--wait", "--wait-publish", "--timeout", "0.2", url=bdnd.url)
     assert r.returncode == 1 and json.loads(r.stdout)["exit_code"] == 1
 
 

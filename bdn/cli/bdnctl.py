@@ -2,7 +2,8 @@
 
 Usage::
 
-    bdnctl [--url URL] [--json] prefetch <identity> [--wait] [--timeout S]
+    bdnctl [--url URL] [--json] prefetch <identity> [--wait] [--wait-publish] [--timeout S]
+    bdnctl [--url URL] [--json] cancel <identity>
     bdnctl [--url URL] [--json] status
     bdnctl [--url URL] [--json] snapshots
     bdnctl [--url URL] [--json] verify <identity | snapshot-dir> [--repair] [--timeout S]
@@ -18,14 +19,18 @@ Byte counts are plain integers in JSON and SI units (``MB`` = 10^6 bytes, the pr
 in human output (:mod:`bdn.cli.output`). ``--version`` prints ``bdn <version>``.
 
 ``prefetch --wait`` shows a progress bar of fetched/total stored bytes on stderr and ends with
-``<identity> ready in <s> s: <path>`` (the bar is drawn only when stderr is a terminal). The
-snapshot table's PATH column shows the directory of a ready snapshot and the reason of a failed
-one. ``verify`` re-hashes a ready snapshot's files against its
-READY marker's digests, on this host (it reads the directory the daemon reports, or the one given);
-it changes nothing. ``verify --repair <identity>`` asks bdnd to re-hash it: every corrupted chunk
-is quarantined at once (no longer served to peers or engines; the snapshot leaves ``ready``) and
-fetched again, and bdnctl waits (``--timeout``) until the snapshot is ``ready`` again (exit 0) or
-the repair failed (exit 1).
+``<identity> ready in <s> s: <path>`` (the bar is drawn only when stderr is a terminal). A
+snapshot with nothing in the bucket fails at once, unless ``--wait-publish`` asks the daemon to
+wait for it to be published (up to its ``manifest_wait_s``). The prefetch line, the bar and the
+snapshot table show the reason of a snapshot that waits (``waiting for ...``): the table's PATH
+column shows the directory of a ready snapshot and the reason of any other one that has a
+reason. ``cancel`` stops a load in progress on this node (it becomes ``failed``, reason
+``cancelled by the operator``; a ready snapshot is left as it is). ``verify`` re-hashes a ready
+snapshot's files against its READY marker's digests, on this host (it reads the directory the
+daemon reports, or the one given); it changes nothing. ``verify --repair <identity>`` asks bdnd to
+re-hash it: every corrupted chunk is quarantined at once (no longer served to peers or engines; the
+snapshot leaves ``ready``) and fetched again, and bdnctl waits (``--timeout``) until the snapshot
+is ``ready`` again (exit 0) or the repair failed (exit 1).
 
 ``hot-load`` asks the fleet (through this daemon, which fans the request out) to serve
 ``<identity>``; ``--previous`` names the snapshot a delta applies to. With ``--wait`` it shows a
@@ -104,8 +109,12 @@ def _parser() -> argparse.ArgumentParser:
     pf = sub.add_parser("prefetch", parents=[common], help="start fetching a snapshot onto this node")
     pf.add_argument("identity")
     pf.add_argument("--wait", action="store_true", help="wait until ready, with a progress bar")
+    pf.add_argument("--wait-publish", action="store_true",
+                    help="if nothing is in the bucket yet, wait for it to be published (else fail at once)")
     pf.add_argument("--timeout", type=float, default=None, metavar="S",
                     help="with --wait: give up after S seconds (exit 1)")
+    cf = sub.add_parser("cancel", parents=[common], help="stop a snapshot's load on this node")
+    cf.add_argument("identity")
     sub.add_parser("status", parents=[common], help="node, swarm, peers, counters and snapshots")
     sub.add_parser("snapshots", parents=[common], help="table of the snapshots this daemon knows")
     vf = sub.add_parser("verify", parents=[common], help="re-hash a ready snapshot's files against its READY marker")
@@ -154,7 +163,7 @@ def _progress(snap: dict[str, Any]) -> str:
 def _snapshot_table(snaps: list[dict[str, Any]]) -> str:
     rows = [
         [s.get("identity"), s.get("kind"), s.get("policy_version"), s.get("state"), _progress(s),
-         s.get("path") if s.get("state") == "ready" else (s.get("reason") if s.get("state") == "failed" else None)]
+         s.get("path") if s.get("state") == "ready" else s.get("reason")]
         for s in snaps
     ]
     return _table(["IDENTITY", "KIND", "POLICY_VERSION", "STATE", "PROGRESS", "PATH"], rows)
@@ -167,14 +176,15 @@ def _cmd_prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.timeout >= 0:
         raise _Fail("--timeout must be >= 0 seconds", EXIT_USAGE)
     start = time.monotonic()
-    snap = client.prefetch(identity)
+    snap = client.prefetch(identity, wait_publish=args.wait_publish)
     if not args.wait:
         if snap.get("state") == "failed":
             raise _Fail(f"{identity} failed: {_cell(snap.get('reason'))}")
         if args.json:
             emit_json(snap)
         else:
-            print(f"{identity}: {_cell(snap.get('state'))} (prefetch started)")
+            reason = f": {_cell(snap.get('reason'))}" if snap.get("reason") else ""
+            print(f"{identity}: {_cell(snap.get('state'))} (prefetch started){reason}")
         return EXIT_OK
 
     # disable=None: no bar when stderr is not a terminal, so logs do not fill with redraws.
@@ -189,9 +199,12 @@ def _cmd_prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
             bar.refresh()
         if isinstance(done, int) and done >= 0 and done != bar.n:
             bar.update(done - bar.n)
-        if s.get("state") != shown_state[0]:
-            shown_state[0] = s.get("state")
-            bar.set_postfix_str(_cell(s.get("state")))
+        shown = (s.get("state"), s.get("reason"))
+        if shown != shown_state[0]:
+            shown_state[0] = shown
+            bar.set_postfix_str(_cell(s.get("state")) + (f": {one_line(str(s['reason']), 80)}" if s.get("reason") else ""))
+            if s.get("reason") and s.get("state") != "failed" and not args.json and not sys.stderr.isatty():
+                print(f"{identity}: {_cell(s.get('state'))}: {_cell(s.get('reason'))}", file=sys.stderr)
 
     try:
         update(snap)
@@ -211,6 +224,17 @@ def _cmd_prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
         emit_json(snap)
     else:
         print(f"{identity} ready in {elapsed:.1f} s: {_cell(snap.get('path'))}")
+    return EXIT_OK
+
+
+def _cmd_cancel(client: DaemonClient, args: argparse.Namespace) -> int:
+    snap = client.cancel(args.identity)
+    if args.json:
+        emit_json(snap)
+    elif snap.get("state") == "failed":
+        print(f"{args.identity}: cancelled ({_cell(snap.get('reason'))})")
+    else:
+        print(f"{args.identity}: {_cell(snap.get('state'))}, nothing to cancel")
     return EXIT_OK
 
 
@@ -455,7 +479,7 @@ def _cmd_gc(client: DaemonClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"prefetch": _cmd_prefetch, "status": _cmd_status, "snapshots": _cmd_snapshots,
+COMMANDS = {"prefetch": _cmd_prefetch, "cancel": _cmd_cancel, "status": _cmd_status, "snapshots": _cmd_snapshots,
             "verify": _cmd_verify, "hot-load": _cmd_hot_load, "peers": _cmd_peers, "gc": _cmd_gc}
 
 

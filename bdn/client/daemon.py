@@ -107,12 +107,22 @@ class DaemonClient:
         """``GET /v1/snapshots/{identity}``; DaemonError 404 if the daemon does not know it."""
         return self._json("GET", self._snap_path(identity))
 
-    def prefetch(self, identity: str) -> dict[str, Any]:
+    def prefetch(self, identity: str, wait_publish: bool = False) -> dict[str, Any]:
         """``POST /v1/snapshots/{identity}/prefetch``: start fetching; returns the ``<snapshot>``.
 
-        The daemon waits for ``bdn.manifest.json`` if the snapshot is not published yet.
+        The daemon waits for ``bdn.manifest.json`` if the snapshot's files are there without it.
+        With nothing at all under the identity the snapshot fails at once (reason "nothing is
+        published under ..."), unless ``wait_publish`` (``?wait_publish=1``): then it waits for
+        the publication too.
         """
-        return self._json("POST", self._snap_path(identity) + "/prefetch", ok=(200, 202), idempotent=True)
+        path = self._snap_path(identity) + "/prefetch" + ("?wait_publish=1" if wait_publish else "")
+        return self._json("POST", path, ok=(200, 202), idempotent=True)
+
+    def cancel(self, identity: str) -> dict[str, Any]:
+        """``DELETE /v1/snapshots/{identity}``: stop its load on this node; the ``<snapshot>``
+        (``failed``, reason "cancelled by the operator"; a ready or failed one unchanged).
+        DaemonError 404 if the daemon does not know it."""
+        return self._json("DELETE", self._snap_path(identity), idempotent=True)
 
     def repair(self, identity: str) -> dict[str, Any]:
         """``POST /v1/snapshots/{identity}/repair``: the daemon re-hashes the ready snapshot; every
@@ -266,8 +276,8 @@ class DaemonClient:
         """Open snapshot ``identity`` from the directory the daemon reports (same host only).
 
         With ``wait`` (the default) this fetches the snapshot if needed and blocks until it is
-        ready: a snapshot the daemon does not know yet is prefetched first (``POST .../prefetch``,
-        so the daemon waits for its manifest if it is not published yet), then waited for, all
+        ready: a snapshot the daemon does not know yet is prefetched first (``POST
+        .../prefetch?wait_publish=1``, so the daemon waits for it if it is not published yet), then waited for, all
         within ``timeout`` seconds (``None``: for ever); ``wait()``'s errors apply (TimeoutError,
         SnapshotFailed). Without ``wait``, raise DaemonError 404 if the daemon does not know it
         and 409 unless it is ready now. Raises ProtocolError if the directory is not a valid
@@ -280,7 +290,7 @@ class DaemonClient:
             except DaemonError as exc:
                 if exc.status != 404:
                     raise
-                snap = self.prefetch(identity)
+                snap = self.prefetch(identity, wait_publish=True)
             if snap.get("state") not in TERMINAL:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 snap = self.wait(identity, "ready", left)

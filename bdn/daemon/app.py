@@ -35,6 +35,7 @@ from bdn.daemon.executors import Executors
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.fetch.sources import Sources
+from bdn.daemon.foreign_source import ForeignLoader, Hints
 from bdn.daemon.gossip import Gossip
 from bdn.daemon.http.local import make_local_app
 from bdn.daemon.http.peer import make_peer_app
@@ -91,12 +92,15 @@ class App:
         self.fetcher = Fetcher(cfg, self.membership, self.index, self.haves, sources, self.stats, clock)
         runner = Runner(cfg, self.store, self.bucket, self.index, self.fetcher, self.haves, self.stats,
                         self.pools, clock)
+        self.hints = Hints()  # what hot-load requests say of snapshots without a manifest
+        runner.foreign = ForeignLoader(cfg, self.bucket, self.store, self.pools, clock, self.hints,
+                                       self.membership, self.stats)
         self.catalog = Catalog(cfg, self.store, self.index, runner, clock)
-        self.replica = ReplicaView(cfg.node_id, self.catalog, clock)
+        self.replica = ReplicaView(cfg.node_id, self.catalog, clock, self.hints)
         self.catalog.pinned = self.replica.pinned
         self.catalog.on_change = self.replica.on_job_changed
         self.hotload = HotLoad(cfg.node_id, self.replica, self.catalog, self.bucket, self.peers, self.membership,
-                               self.stats, clock)
+                               self.stats, clock, cfg, self.hints)
         self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock)
         serving = ChunkServing(cfg.node_id, self.catalog, self.index, self.fetcher, self.membership,
                                Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,

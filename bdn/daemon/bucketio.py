@@ -39,15 +39,21 @@ class BucketIO:
         """The whole object ``key`` outside the semaphore (``STARTUP_SNAPSHOT`` at start)."""
         return await self._run(self.bucket.read, key)
 
-    async def read_chunk(self, key: str, offset: int, length: int, alloc: Callable[[int], bytearray]) -> bytearray:
+    async def read_chunk(
+        self, key: str, offset: int, length: int, alloc: Callable[[int], bytearray], if_match: str | None = None,
+    ) -> bytearray:
         """``length`` bytes of ``key`` from ``offset`` (rate-limited) in a buffer from ``alloc``,
-        taken only once a bucket slot is free (waiting reads hold no memory)."""
+        taken only once a bucket slot is free (waiting reads hold no memory). ``if_match``: the
+        object's version token (raises ``ObjectChanged`` when it was replaced)."""
         await self.limit.take(length)
         async with self.sem:
             self.stats.inflight["bucket"] += 1
             buf = alloc(length)
             try:
-                await self._run(self.bucket.read_range_into, key, offset, memoryview(buf))
+                if if_match is None:
+                    await self._run(self.bucket.read_range_into, key, offset, memoryview(buf))
+                else:
+                    await self._run(lambda: self.bucket.read_range_into(key, offset, memoryview(buf), if_match=if_match))
             finally:
                 self.stats.inflight["bucket"] -= 1
         return buf

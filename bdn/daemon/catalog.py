@@ -58,10 +58,12 @@ class Catalog:
         """Every snapshot's record (``SnapshotJob.describe``), in the order they were started."""
         return [j.describe() for j in self.jobs.values()]
 
-    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob:
+    def prefetch(self, identity: str, requested_by: str = "local", wait_publish: bool = True) -> SnapshotJob:
         """Start (or return) the job that brings ``identity`` to ``ready`` on this node.
 
-        A failed job is retried from scratch. Raises IdentityError for a bad identity.
+        A failed job is retried from scratch. ``wait_publish``: with nothing under the identity
+        in the bucket, wait for it to be published (else the job fails at once with the reason).
+        Raises IdentityError for a bad identity.
         """
         validate_identity(identity)
         job = self.jobs.get(identity)
@@ -72,6 +74,7 @@ class Catalog:
             self.forget(job)
         job = SnapshotJob(identity, self.store)
         job.requested_by = requested_by
+        job.wait_publish = wait_publish
         job.on_change = self._job_changed
         self.jobs[identity] = job
         job.task = asyncio.create_task(self.runner.run(job), name=f"snapshot-{identity}")
@@ -93,6 +96,24 @@ class Catalog:
                 break
             await job.wait_change(job.version, left)
             job = self.jobs.get(identity, job)
+        return job
+
+    async def cancel(self, identity: str, reason: str = "cancelled") -> SnapshotJob:
+        """Stop the load of ``identity`` (its requests end, its staging files go): the job is
+        ``failed`` with ``reason``; a ready or failed one is left as it is. Raises NotFound."""
+        job = self.jobs.get(identity)
+        if job is None:
+            raise NotFound(f"snapshot {identity!r} is not known to this daemon")
+        if job.state in TERMINAL or job.task is None:
+            return job
+        job.task.cancel()
+        await asyncio.gather(job.task, return_exceptions=True)
+        if job.state not in TERMINAL:
+            job.set_state("failed", reason)
+            self.forget(job)
+            self.store.discard(identity)
+            await job.notify()
+        log.info("snapshot %s: %s", identity, reason)
         return job
 
     def forget(self, job: SnapshotJob) -> None:

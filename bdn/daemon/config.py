@@ -39,7 +39,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _MINIMUM: dict[str, float] = {
     "max_inflight": 1, "bucket_concurrency": 1, "max_uploads": 1, "uploads_per_chunk": 1,
     "max_per_peer": 1, "peer_timeout_s": 0.001, "manifest_poll_s": 0.001, "progress_interval_s": 0.001,
-    "peers_dns_interval_s": 0.001,
+    "peers_dns_interval_s": 0.001, "foreign_chunk_size": 4096, "max_delta_chain": 1,
 }
 
 
@@ -59,7 +59,11 @@ class Config:
     shm_dir: str = field(default="/dev/shm/bdn", metadata={"help": 'snapshots are rebuilt under <shm_dir>/<swarm_id>/'})
     credentials_file: str = field(default="", metadata={"help": 'reader credentials JSON (aws_access_key_id, ...)'})
     endpoint_url: str = field(default="", metadata={"help": 'S3 API endpoint override (else AWS_ENDPOINT_URL / default)'})
-    require_manifest: bool = field(default=True, metadata={"help": 'wait for bdn.manifest.json before loading a snapshot'})
+    require_manifest: bool = field(default=True, metadata={"help": 'wait for bdn.manifest.json before loading a snapshot (false: a snapshot without one is read from its listing, docs/OPERATIONS.md section 9)'})
+    foreign_chunk_size: int = field(default=16 << 20, metadata={"help": 'chunk size (bytes) of snapshots without a manifest; the same on every daemon'})
+    foreign_base: str = field(default="", metadata={"help": 'base of a delta without a manifest when the hot-load names none (previous_snapshot_identity)'})
+    allow_unverifiable: bool = field(default=False, metadata={"help": "take peers' bytes of objects the bucket keeps no checksum of (file://, SSE-KMS); false: each daemon reads those itself"})
+    max_delta_chain: int = field(default=64, metadata={"help": 'most deltas between a hot-load target and its anchor; past it a full snapshot is required'})
     load_startup: bool = field(default=True, metadata={"help": 'load STARTUP_SNAPSHOT on start'})
     startup_settle_s: float = field(default=5.0, metadata={"help": 'at start, wait up to this long for static peers to answer'})
     max_inflight: int = field(default=16, metadata={"help": 'chunk transfers in flight per snapshot'})

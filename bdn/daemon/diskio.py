@@ -17,6 +17,20 @@ verify_and_write = fileops.write_verified  # (buf, digest, path, offset) -> bool
 copy_range = fileops.copy_verified  # (src, src_off, dst, dst_off, length, digest) -> bool
 
 
+def write_at(buf: memoryview, path: Path, offset: int) -> bool:
+    """``pwrite`` ``buf`` at byte ``offset`` of the existing file ``path``, unhashed (a chunk of a
+    snapshot without a manifest, whose object is verified once whole); True."""
+    view = buf.cast("B")
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        pos = 0
+        while pos < len(view):
+            pos += os.pwrite(fd, view[pos:], offset + pos)
+    finally:
+        os.close(fd)
+    return True
+
+
 def verify_held(refs: list[ChunkRef], held: Callable[[int], bool], path_of: Callable[[int], Path]) -> list[int]:
     """Positions ``i`` of ``refs`` with ``held(i)`` whose bytes at ``path_of(file_index)`` match
     their digest (a resumed download takes back only what is verified on disk)."""

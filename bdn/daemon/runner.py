@@ -22,10 +22,12 @@ from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
+from bdn.daemon.delta_config import check_delta_config
 from bdn.daemon.errors import Conflict, NotAvailable
 from bdn.daemon.executors import Executors
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
+from bdn.daemon.foreign_source import ForeignLoader
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
 from bdn.daemon.stats import Stats
@@ -66,6 +68,7 @@ class Runner:
         self.pools = pools
         self.clock = clock
         self.jobs: Jobs | None = None  # the catalog, set by it
+        self.foreign: ForeignLoader | None = None  # the no-manifest path (require_manifest = false)
 
     async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -88,7 +91,12 @@ class Runner:
             job.set_state("downloading")
             await job.notify()
             log.info("snapshot %s: %s, %d files, %d stored bytes", job.identity, m.kind, len(m.files), m.stored_bytes)
-            if m.is_delta:
+            ready_m = m
+            if job.foreign is not None:
+                assert self.foreign is not None
+                await self.fetcher.fetch_layer(job, STORED)
+                ready_m = await self.foreign.finish(job, lambda layer, ref: self.index.register(job, layer, ref))
+            elif m.is_delta:
                 await self._run_delta(job, m)
             else:
                 await self.fetcher.fetch_layer(job, STORED)
@@ -97,7 +105,7 @@ class Runner:
                 await job.notify()
             # every safetensors header as the engine's library reads it, before READY exists
             await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
-            final = await self._on(self.pools.disk, self.store.publish, m)
+            final = await self._on(self.pools.disk, self.store.publish, ready_m)
             job.set_state("ready")
             log.info("snapshot %s: ready at %s (stages %s)", job.identity, final,
                      {k: round(v, 3) for k, v in job.stages.items()})
@@ -251,11 +259,10 @@ class Runner:
                 data = await self.bucket.read(key)
                 break
             except ObjectNotFound:
-                if not self.cfg.require_manifest:
-                    raise BdnError(
-                        f"snapshot {job.identity!r} has no {MANIFEST_NAME}; listing-based loading "
-                        "(require_manifest = false) is not implemented yet"
-                    ) from None
+                if not self.cfg.require_manifest and self.foreign is not None:
+                    return await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)  # type: ignore[arg-type]
+                if not job.wait_publish and not await self.bucket.list(f"{job.identity}/"):
+                    raise BdnError(f"snapshot {job.identity!r}: nothing is published under {job.identity}/ in {self.bucket.url}")
                 if self.clock.monotonic() >= deadline:
                     raise BdnError(
                         f"snapshot {job.identity!r} is not published: {MANIFEST_NAME} did not "
@@ -296,6 +303,8 @@ class Runner:
         await download
         if base.state != "ready":
             raise BdnError(f"base snapshot {base_id!r} failed: {base.reason}")
+        await self._on(self.pools.disk, check_delta_config, m.identity, base_id, self.store.ready_dir(base_id),
+                       self.store.staging_dir(m.identity))
         job.set_state("applying")
         await job.notify()
         await self._on(self.pools.apply, diskio.apply_delta, m, self.store.ready_dir(base_id),

@@ -78,6 +78,8 @@ class SnapshotJob:
         self.registered: list[tuple[str, ChunkRef]] = []  # (layer, chunk) this job put in the index
         self._positions: dict[str, dict[tuple[int, int], int]] = {}
         self.tensor_index: dict[str, tuple[str, Any]] | None = None  # built on the first tensor pull
+        self.foreign: Any = None  # ForeignState of a snapshot without a manifest (bdn.daemon.foreign_source)
+        self.wait_publish = True  # with nothing in the bucket yet: wait (True) or fail at once
 
     # ---- layout --------------------------------------------------------------------------
     def result_dir(self) -> Path:

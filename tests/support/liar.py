@@ -27,6 +27,7 @@ import msgpack
 from aiohttp import web
 
 from bdn.bucket import ObjectNotFound, open_bucket
+from bdn.foreign import read_foreign_table
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
 from bdn.daemon.nonces import NonceCache
@@ -39,7 +40,7 @@ LIAR_STATE = web.AppKey("liar", object)
 class LiarState:
     """What the liar knows: its keys, the bucket, and chunk lengths by swarm address."""
 
-    def __init__(self, keys: SwarmKeys, node_id: str, url: str, bucket_url: str) -> None:
+    def __init__(self, keys: SwarmKeys, node_id: str, url: str, bucket_url: str, foreign_chunk_size: int = 0) -> None:
         self.keys = keys
         self.node_id = node_id
         self.url = url
@@ -49,6 +50,7 @@ class LiarState:
         self.lengths: dict[str, int] = {}  # swarm address -> chunk length in bytes
         self.members: dict[str, str] = {}  # url -> node id, from POST members
         self.chunks_lied = 0
+        self.foreign_chunk_size = foreign_chunk_size  # > 0: derive the table of a full snapshot without a manifest
 
     def manifest(self, identity: str) -> Manifest | None:
         m = self.manifests.get(identity)
@@ -56,7 +58,14 @@ class LiarState:
             return m
         try:
             m = Manifest.from_json(self.bucket.read(f"{identity}/{MANIFEST_NAME}"), expect_identity=identity)
-        except (ObjectNotFound, BdnError):
+        except ObjectNotFound:
+            if not self.foreign_chunk_size:
+                return None
+            try:  # as a daemon with require_manifest = false derives it (chunk ids, not digests)
+                m = read_foreign_table(self.bucket, identity, chunk_size=self.foreign_chunk_size, policy_version=0).manifest
+            except BdnError:
+                return None
+        except BdnError:
             return None
         self.manifests[identity] = m
         for ref in (*m.stored_chunks(), *m.result_chunks()):
@@ -157,10 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bucket", required=True)
     ap.add_argument("--secret-file", required=True)
     ap.add_argument("--node-id", default="liar")
+    ap.add_argument("--foreign-chunk-size", type=int, default=0, help="lie about snapshots without a manifest too")
     args = ap.parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
     keys = derive_keys(Path(args.secret_file).read_text())
-    state = LiarState(keys, args.node_id, url, args.bucket)
+    state = LiarState(keys, args.node_id, url, args.bucket, args.foreign_chunk_size)
 
     async def run() -> None:
         runner = web.AppRunner(make_app(state), access_log=None)
@@ -181,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
 class Liar:
     """The liar as a subprocess: ``start()``, ``url``, ``stop()``."""
 
-    def __init__(self, workdir: Path, bucket: str, secret: str, node_id: str = "liar") -> None:
+    def __init__(self, workdir: Path, bucket: str, secret: str, node_id: str = "liar", foreign_chunk_size: int = 0) -> None:
+        self.foreign_chunk_size = foreign_chunk_size
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -202,7 +213,8 @@ class Liar:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port),
-                 "--bucket", self.bucket, "--secret-file", str(self.secret_file), "--node-id", self.node_id],
+                 "--bucket", self.bucket, "--secret-file", str(self.secret_file), "--node-id", self.node_id,
+                 "--foreign-chunk-size", str(self.foreign_chunk_size)],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + timeout

@@ -92,7 +92,8 @@ class Fetcher:
     async def _got(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Event: a chunk is verified on disk. The job's bitfields and the index change here only."""
         if job.chunk_verified(layer, ref):
-            self.index.register(job, layer, ref)
+            if job.foreign is None or job.foreign.servable(ref):
+                self.index.register(job, layer, ref)
             await job.notify()
 
     async def _acquire(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
@@ -105,6 +106,10 @@ class Fetcher:
         src = self.sources
         loc = self.index.by_content(ref.digest)
         if loc is not None and loc.length == ref.length and await src.from_local(job, loc, ref, target):
+            await self._got(job, layer, ref)
+            return
+        if job.foreign is not None and job.foreign.bucket_only(ref):
+            await src.from_bucket(job, ref, target, owner=True)  # no checksum: peers' bytes are not taken
             await self._got(job, layer, ref)
             return
         address = self.index.address(ref.digest)

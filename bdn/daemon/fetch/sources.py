@@ -66,11 +66,16 @@ class Sources:
     async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
 
-    async def verify_write(self, buf: bytearray, ref: ChunkRef, target: Path) -> bool:
+    async def verify_write(self, buf: bytearray, ref: ChunkRef, target: Path, foreign: bool = False) -> bool:
         """Hash and write ``buf`` on a disk thread; the buffer goes back to the pool after,
-        unless this coroutine is cancelled while the thread may still use it."""
+        unless this coroutine is cancelled while the thread may still use it. ``foreign``: the
+        chunk's id is no digest (a snapshot without a manifest): written unhashed, its object is
+        verified once whole (``bdn.daemon.foreign_source``)."""
         try:
-            ok = await self._disk(diskio.verify_and_write, memoryview(buf), ref.digest, target, ref.offset)
+            if foreign:
+                ok = await self._disk(diskio.write_at, memoryview(buf), target, ref.offset)
+            else:
+                ok = await self._disk(diskio.verify_and_write, memoryview(buf), ref.digest, target, ref.offset)
         except asyncio.CancelledError:
             raise  # the thread may still read ``buf``: leave it to the garbage collector
         self.pool.put(buf)
@@ -78,6 +83,8 @@ class Sources:
 
     async def from_local(self, job: SnapshotJob, loc: Loc, ref: ChunkRef, target: Path) -> bool:
         """The same bytes already on this node (e.g. an unchanged config.json), copied and re-verified."""
+        if job.foreign is not None:
+            return False  # ids are not digests: nothing to re-verify a copy against
         ok = await self._disk(diskio.copy_range, loc.path(), loc.offset, target, ref.offset, ref.length, ref.digest)
         if ok:
             job.bytes_local += ref.length
@@ -129,7 +136,9 @@ class Sources:
             m.inflight -= 1
         if buf is None:
             return False
-        good = await self.verify_write(buf, ref, target)
+        good = await self.verify_write(buf, ref, target, foreign=job.foreign is not None)
+        if good and job.foreign is not None:
+            job.foreign.received(ref, m.url, m.node_id)
         if not good:
             self.stats.verify_failed(m.node_id)
             self.membership.penalise(m.url, self.cfg.penalty_s)
@@ -175,12 +184,13 @@ class Sources:
             async for attempt in retry_policy.bucket_bytes():
                 with attempt:
                     try:
-                        buf = await self.bucket.read_chunk(key, ref.offset, ref.length, self.pool.get)
+                        etag = job.foreign.etag(ref) if job.foreign is not None else None
+                        buf = await self.bucket.read_chunk(key, ref.offset, ref.length, self.pool.get, if_match=etag)
                     except ObjectNotFound:
                         raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
                     except BucketError as e:
                         raise BdnError(f"bucket read of {key} failed: {e}") from None
-                    if not await self.verify_write(buf, ref, target):
+                    if not await self.verify_write(buf, ref, target, foreign=job.foreign is not None):
                         self.stats.verify_failed("bucket")
                         log.warning("snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
                                     job.identity, key, ref.index)

@@ -66,9 +66,22 @@ async def get_snapshot(request: web.Request) -> web.Response:
 
 
 async def prefetch(request: web.Request) -> web.Response:
-    """POST /v1/snapshots/{id}/prefetch -> 202 record (the download starts or is already on)."""
-    job = services(request).catalog.prefetch(_identity(request))
+    """POST /v1/snapshots/{id}/prefetch[?wait_publish=1] -> 202 record (the download starts or
+    is already on). Nothing in the bucket under the identity: the snapshot fails at once with the
+    reason, unless ``wait_publish=1`` (then it waits up to ``manifest_wait_s``)."""
+    wait_publish = request.query.get("wait_publish", "0") in ("1", "true", "yes")
+    job = services(request).catalog.prefetch(_identity(request), wait_publish=wait_publish)
     return json_response(job.describe(), 202)
+
+
+async def cancel_snapshot(request: web.Request) -> web.Response:
+    """DELETE /v1/snapshots/{id} -> 200 record (a load in progress is cancelled: failed,
+    reason "cancelled"; a ready or failed one is left as it is); 404 unknown here."""
+    try:
+        job = await services(request).catalog.cancel(_identity(request), "cancelled by the operator")
+    except BdnError as e:
+        return error(status_of(e), str(e))
+    return json_response(job.describe())
 
 
 async def wait(request: web.Request) -> web.Response:
@@ -281,6 +294,7 @@ def make_local_app(svc: Services) -> web.Application:
     r.add_get("/v1/status", status)
     r.add_get("/v1/snapshots", list_snapshots)
     r.add_get("/v1/snapshots/{identity}", get_snapshot)
+    r.add_delete("/v1/snapshots/{identity}", cancel_snapshot)
     r.add_post("/v1/snapshots/{identity}/prefetch", prefetch)
     r.add_get("/v1/snapshots/{identity}/wait", wait)
     r.add_get("/v1/snapshots/{identity}/files", list_files)

@@ -28,11 +28,14 @@ from bdn.daemon.clock import Clock
 from bdn.daemon.errors import Conflict, Invalid, NotFound, Unsupported, Upstream
 from bdn.daemon.membership import Membership
 from bdn.daemon.peer_client import PeerClient
+from bdn.daemon.config import Config
+from bdn.daemon.foreign_source import Hint, Hints
+from bdn.daemon.replica import contract
 from bdn.daemon.replica.ports import Snapshots
 from bdn.daemon.replica.target import Target
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.stats import Stats
-from bdn.proto.arc import CHECKSUM_FORMATS, COMPRESSION_FORMATS
+from bdn.proto.arc import COMPRESSION_FORMATS
 from bdn.proto.errors import IdentityError, ManifestError
 from bdn.proto.identity import validate_identity
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
@@ -77,9 +80,7 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any] | None]:
     cf = meta.get("compression_format")
     if cf is not None and cf.lower() not in COMPRESSION_FORMATS:
         raise Unsupported(f"unsupported compression_format {cf!r}: bdn supports {', '.join(COMPRESSION_FORMATS)}")
-    ck = meta.get("checksum_format")
-    if ck is not None and ck.lower() not in CHECKSUM_FORMATS:
-        raise Unsupported(f"unsupported checksum_format {ck!r}: bdn supports {', '.join(CHECKSUM_FORMATS)}")
+    contract.checksum_format(meta.get("checksum_format"))  # alder32 or adler32, else Unsupported
     return ident, meta
 
 
@@ -88,7 +89,8 @@ class HotLoad:
 
     def __init__(
         self, node_id: str, view: ReplicaView, snapshots: Snapshots, bucket: BucketIO, peers: PeerClient,
-        membership: Membership, stats: Stats, clock: Clock,
+        membership: Membership, stats: Stats, clock: Clock, cfg: Config | None = None,
+        hints: Hints | None = None,
     ) -> None:
         self.node_id = node_id
         self.view = view
@@ -98,6 +100,9 @@ class HotLoad:
         self.membership = membership
         self.stats = stats
         self.clock = clock
+        self.cfg = cfg or Config(bucket=bucket.url)
+        self.hints = hints if hints is not None else Hints()
+        self.last: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the last accepted request and answer
 
     async def _manifest(self, identity: str) -> Manifest | None:
         """The manifest from the bucket; None if the snapshot's files are there without it."""
@@ -140,25 +145,73 @@ class HotLoad:
             except BucketError as e:
                 raise Upstream(f"cannot check base {base!r}: {e}") from None
 
+    async def _base_of(self, identity: str, known: dict[str, str | None]) -> str | None:
+        """A snapshot's base for the chain cap: this node's record, else the bucket's manifest,
+        else the hot-load hint of a snapshot without one (None: an anchor, or not known)."""
+        if identity in known:
+            return known[identity]
+        job = self.snapshots.get(identity)
+        if job is not None and job.kind is not None and job.state != "failed":
+            base = job.base_identity if job.kind == "delta" else None
+        else:
+            try:
+                m = await self._manifest(identity)
+            except (NotFound, Upstream):
+                m = None
+            base = (m.base_identity if m.is_delta else None) if m is not None else self.hints.get(identity).base_identity
+        known[identity] = base
+        return base
+
+    async def _chain(self, ident: str, base: str | None) -> dict[str, str | None]:
+        """``{identity: base}`` from ``ident`` down to its anchor, at most max_delta_chain + 1 links."""
+        known: dict[str, str | None] = {ident: base}
+        cur = base
+        for _ in range(self.cfg.max_delta_chain + 1):
+            if cur is None or cur in known:
+                break
+            cur = await self._base_of(cur, known)
+        return known
+
     async def accept(self, body: bytes) -> dict[str, Any]:
-        """A trainer's POST: validate, apply here, fan out; the 200 answer's body."""
+        """A trainer's POST: validate, apply here, fan out; the 200 answer's body.
+
+        Concurrency (README "Hot-load API"): a POST identical to the one that set the current
+        target (same identity and metadata, :func:`contract.request_key`) is answered with that
+        request's answer and id, and retries a failed load; any other accepted POST becomes the
+        target at once, and the load it supersedes is cancelled unless the new target's chain
+        needs it. Raises Invalid, Unsupported, NotFound, Conflict (base, served snapshot,
+        max_delta_chain), Upstream.
+        """
         ident, meta = parse_request(body)
+        key = contract.request_key(ident, meta)
+        t = self.view.target
+        if self.last is not None and t is not None and self.last[0] == key and t.request_id == self.last[1]["request_id"]:
+            return await self._again(t, dict(self.last[1]))
         m = await self._manifest(ident)
         prev = meta.get("previous_snapshot_identity") if meta else None
+        base: str | None = None
         if m is not None:
             if meta is not None and not m.is_delta:
                 raise Invalid(f"snapshot {ident!r} is a full snapshot; drop incremental_snapshot_metadata")
             if m.is_delta:
                 await self._check_delta(ident, m, meta)
-        current = self.view.current
-        if prev is not None and current is not None and prev != current:
-            raise Conflict(
-                f"previous_snapshot_identity {prev!r} is not the snapshot being served ({current!r} is)"
-            )
-        target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8))
+                base = m.base_identity
+        else:
+            base = prev or self.cfg.foreign_base or None
+            self.hints.set(ident, Hint(base, meta.get("compression_format") if meta else None))
+        if t is not None and t.identity == ident and t.base == base and t.seq > 0:
+            # the fleet's target already (accepted by another daemon, or before a restart)
+            return await self._again(t, {
+                "accepted": True, "identity": ident, "policy_version": m.policy_version if m is not None else None,
+                "request_id": t.request_id, "replicas": len(self.membership.live()) + 1,
+                "manifest_written": m is not None,
+            })
+        contract.check_previous(prev, self.view.current, t.identity if t else None)
+        contract.chain_length(ident, (await self._chain(ident, base)).get, self.cfg.max_delta_chain)
+        target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8), base)
         await self.view.adopt(target, source="request")
         reached = await self.fan_out(target)
-        return {
+        answer = {
             "accepted": True,
             "identity": ident,
             "policy_version": m.policy_version if m is not None else None,
@@ -166,6 +219,16 @@ class HotLoad:
             "replicas": reached + 1,
             "manifest_written": m is not None,
         }
+        self.last = (key, answer)
+        return dict(answer)
+
+    async def _again(self, t: Target, answer: dict[str, Any]) -> dict[str, Any]:
+        """The same hot-load posted again: its first answer (same request id); a failed load of it
+        starts again here and on the peers it is fanned out to once more."""
+        log.info("hot-load %s: the same request again (%s)", t.identity, t.request_id)
+        await self.view.adopt(t, source="request again", retry_failed=True)
+        await self.fan_out(t)
+        return answer
 
     async def fan_out(self, target: Target) -> int:
         """Post ``target`` to every live peer; how many took it."""
@@ -187,7 +250,7 @@ class HotLoad:
         t = Target.from_wire(obj, self.clock.time_ns())
         if t is None:
             raise Invalid("hot-load target is malformed")
-        await self.view.adopt(t, source=f"peer {peer}")
+        await self.view.adopt(t, source=f"peer {peer}", retry_failed=True)
         return True
 
     async def fleet(self) -> dict[str, Any]:

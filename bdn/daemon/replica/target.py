@@ -20,18 +20,23 @@ MAX_FUTURE_NS = 60 * 10**9  # twice the signature's clock-skew limit
 
 @dataclass(frozen=True)
 class Target:
-    """A fleet hot-load target: ``identity`` ordered by ``(seq, origin)`` (seq = accepting clock, ns)."""
+    """A fleet hot-load target: ``identity`` ordered by ``(seq, origin)`` (seq = accepting clock, ns);
+    ``base``: the delta's base when known (a snapshot without a manifest has it from the request)."""
     identity: str
     seq: int
     origin: str
     request_id: str
+    base: str | None = None  # the base the request named or the manifest gives (a delta), else None
 
     @property
     def order(self) -> tuple[int, str]:
         return (self.seq, self.origin)
 
     def wire(self) -> dict[str, Any]:
-        return {"identity": self.identity, "seq": self.seq, "origin": self.origin, "request_id": self.request_id}
+        out = {"identity": self.identity, "seq": self.seq, "origin": self.origin, "request_id": self.request_id}
+        if self.base is not None:
+            out["base"] = self.base
+        return out
 
     @classmethod
     def from_wire(cls, obj: Any, now_ns: int) -> Target | None:
@@ -48,7 +53,13 @@ class Target:
             return None
         if not 0 < seq <= now_ns + MAX_FUTURE_NS:
             return None
-        return cls(ident, seq, origin[:64], rid[:64])
+        base = obj.get("base")
+        if base is not None:
+            try:
+                base = validate_identity(base)
+            except IdentityError:
+                return None
+        return cls(ident, seq, origin[:64], rid[:64], base)
 
 
 def later(candidate: Target, current: Target | None) -> bool:

@@ -18,9 +18,12 @@ from typing import Any
 
 from bdn.daemon.clock import Clock
 from bdn.daemon.errors import Conflict
+from bdn.daemon.foreign_source import Hint, Hints
+from bdn.daemon.replica import contract
 from bdn.daemon.replica.ports import SnapshotRecord, Snapshots
 from bdn.daemon.replica.target import Target, later, supersedes
 from bdn.proto.errors import BdnError
+from bdn.proto.states import TERMINAL
 
 log = logging.getLogger("bdn.hotload")
 
@@ -42,10 +45,11 @@ class Engine:
 class ReplicaView:
     """This replica's target, served snapshot, engines and leases; snapshots through ``Snapshots``."""
 
-    def __init__(self, node_id: str, snapshots: Snapshots, clock: Clock) -> None:
+    def __init__(self, node_id: str, snapshots: Snapshots, clock: Clock, hints: Hints | None = None) -> None:
         self.node_id = node_id
         self.snapshots = snapshots
         self.clock = clock
+        self.hints = hints if hints is not None else Hints()
         self.target: Target | None = None
         self.current: str | None = None
         self.current_policy_version: int | None = None
@@ -71,17 +75,29 @@ class ReplicaView:
                 pass
 
     # ---- events ----------------------------------------------------------------------------
-    async def adopt(self, target: Target, source: str) -> bool:
+    async def adopt(self, target: Target, source: str, retry_failed: bool = False) -> bool:
         """Event: a target seen (request, fan-out, membership). It becomes this replica's target
-        unless a later one is already set; True if it did."""
+        unless a later one is already set; True if it did. ``retry_failed``: the same request
+        posted again (a trainer's re-POST, or its fan-out): a failed load of it starts again
+        (membership rounds, which repeat the target every round, do not pass it)."""
         cur = self.target
         sup = supersedes(target, cur)
         if sup is not None:
             self._supersede(*sup)
         if not later(target, cur):
+            if retry_failed and cur is not None and cur.request_id == target.request_id:
+                job = self.snapshots.get(cur.identity)
+                if job is not None and job.state == "failed":
+                    log.info("hot-load %s: the same request again; its failed load starts again", cur.identity)
+                    self.snapshots.prefetch(cur.identity, requested_by=f"hot-load {cur.request_id}")
+                    await self.poke()
             return False
         self.target = target
         log.info("hot-load: target is now %s (from %s, request %s)", target.identity, source, target.request_id)
+        if target.base is not None and self.hints.get(target.identity).base_identity is None:
+            self.hints.set(target.identity, Hint(target.base))
+        if cur is not None and cur.identity != target.identity:
+            await self._cancel_superseded(cur.identity, target)
         try:
             job = self.snapshots.prefetch(target.identity, requested_by=f"hot-load {target.request_id}")
             if job.state == "ready":
@@ -90,6 +106,25 @@ class ReplicaView:
             log.error("hot-load %s: %s", target.identity, e)
         await self.poke()
         return True
+
+    def _base_of(self, identity: str) -> str | None:
+        job = self.snapshots.get(identity)
+        if job is not None and job.kind is not None:
+            return job.base_identity if job.kind == "delta" else None
+        if self.target is not None and self.target.identity == identity and self.target.base is not None:
+            return self.target.base
+        return self.hints.get(identity).base_identity
+
+    async def _cancel_superseded(self, old: str, new: Target) -> None:
+        """The load of ``old`` stops (its bandwidth freed) unless ``new``'s chain needs it, it is
+        served, or it is already ready or failed."""
+        if old == self.current or contract.keep_superseded(old, contract.base_chain(new.identity, self._base_of)):
+            return
+        job = self.snapshots.get(old)
+        if job is None or job.state in TERMINAL:
+            return
+        log.info("hot-load: the load of %s is cancelled: superseded by %s", old, new.identity)
+        await self.snapshots.cancel(old, f"cancelled: superseded by {new.identity}")
 
     def set_startup_target(self, identity: str) -> None:
         """STARTUP_SNAPSHOT names ``identity``: it is the target (seq 0) unless one is set."""

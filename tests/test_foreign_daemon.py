@@ -1,0 +1,320 @@
+"""Snapshots without bdn.manifest.json, loaded by real bdnd processes (``require_manifest =
+false``; issue 11): an anchor and two deltas written by ``fireworks-delta-compression`` and
+uploaded with plain boto3 (multipart for the large shard) to a real S3 API (moto), or copied into
+a file:// bucket, loaded by a three-daemon swarm through the hot-load API; files bit-identical to
+the trainer's and READY carrying their real xxh3-128 digests. Plus: a lying peer, an object
+overwritten mid-download, the idempotent re-POST, the delta chain cap, a config.json mismatch,
+prefetch of nothing, cancel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from support.foreign_run import BIG, MiB, Run, boto, copy_to, make_run, upload  # a test dependency
+from support.liar import Liar
+from support.s3server import create_bucket
+from support.swarm import SECRET, Daemon, Swarm
+from test_bad_input import raw_request
+from test_hotload import http, wait_fleet
+
+from bdn import fileops
+from bdn.proto.keys import derive_keys, sign_request
+
+CHUNK = MiB
+HOT = "/hot_load/v1/models/hot_load"
+FOREIGN = {"BDN_REQUIRE_MANIFEST": "false", "BDN_FOREIGN_CHUNK_SIZE": str(CHUNK), "BDN_LOAD_STARTUP": "false",
+           "BDN_STARTUP_SETTLE_S": "1"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return make_run(tmp_path_factory.mktemp("trainer"))
+
+
+@dataclass
+class Where:
+    url: str  # the bucket URL the daemons read
+    env: dict[str, str]  # extra daemon environment (the S3 endpoint)
+    replace: Any  # (identity/path key, bytes) -> None: the trainer overwrites an object
+
+
+@pytest.fixture(params=["s3", "file"])
+def where(request: pytest.FixtureRequest, run: Run, tmp_path: Path) -> Iterator[Where]:
+    if request.param == "s3":
+        endpoint = request.getfixturevalue("moto_endpoint")
+        name = create_bucket(endpoint)
+        client = boto(endpoint)
+        upload(client, name, "run-1", run)
+
+        def put(key: str, data: bytes) -> None:
+            client.put_object(Bucket=name, Key=f"run-1/{key}", Body=data)
+
+        yield Where(f"s3://{name}/run-1", {"BDN_ENDPOINT_URL": endpoint}, put)
+        client.close()
+    else:
+        root = tmp_path / "bucket"
+        copy_to(root, run)
+
+        def put(key: str, data: bytes) -> None:
+            tmp = root / (key + ".new")
+            tmp.write_bytes(data)
+            os.replace(tmp, root / key)
+
+        yield Where(f"file://{root}", {}, put)
+
+
+def assert_same_files(path: Path, trainer: Path) -> None:
+    got = sorted(p.name for p in path.iterdir() if p.name != "READY")
+    assert got == sorted(p.name for p in trainer.iterdir()), got
+    for f in trainer.iterdir():
+        assert (path / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def assert_ready_digests(path: Path) -> None:
+    """READY carries the files' real xxh3-128 digests (what ``bdnctl verify`` re-hashes), not ids."""
+    ready = json.loads((path / "READY").read_text())
+    for f in ready["files"]:
+        assert f["chunks"] == fileops.chunk_digests(path / f["path"], ready["chunk_size"]), f["path"]
+
+
+def post(d: Daemon, identity: str, meta: dict[str, str] | None = None) -> tuple[int, dict]:
+    body: dict[str, Any] = {"identity": identity}
+    if meta is not None:
+        body["incremental_snapshot_metadata"] = meta
+    return http("POST", d.url + HOT, body)
+
+
+def test_three_daemons_load_fireworks_anchor_and_two_deltas(where: Where, run: Run, tmp_path: Path) -> None:
+    with Swarm(tmp_path / "nodes", 3, where.url, extra_env={**FOREIGN, **where.env}) as swarm:
+        a, b = swarm.daemons[0], swarm.daemons[1]
+        st, ans = post(a, "step000001")
+        assert st == 200 and ans["manifest_written"] is False, ans
+        wait_fleet(a.url, "step000001", timeout=120)
+        # compression_format omitted; checksum_format in both spellings
+        st, ans2 = post(b, "step000002", {"previous_snapshot_identity": "step000001", "checksum_format": "adler32"})
+        assert st == 200, ans2
+        # the same request again: 200 with the same request id, not 409
+        st, again = post(b, "step000002", {"previous_snapshot_identity": "step000001", "checksum_format": "adler32"})
+        assert st == 200 and again["request_id"] == ans2["request_id"], (ans2, again)
+        wait_fleet(a.url, "step000002", timeout=120)
+        st, ans3 = post(a, "step000003", {"previous_snapshot_identity": "step000002", "checksum_format": "alder32"})
+        assert st == 200, ans3
+        wait_fleet(b.url, "step000003", timeout=120)
+        from_peers = 0
+        for d in swarm.daemons:
+            for ident in ("step000001", "step000002", "step000003"):
+                snap = d.get(f"/v1/snapshots/{ident}")
+                assert snap["state"] == "ready", snap
+                assert_same_files(Path(snap["path"]), run.trainer[ident])
+                assert_ready_digests(Path(snap["path"]))
+                from_peers += snap["bytes_from_peers"]
+            assert sum(d.status()["verify_failures_by_peer"].values()) == 0
+        if where.url.startswith("s3://"):
+            assert from_peers > 0  # the swarm shared what the bucket vouches for
+        snap = a.get("/v1/snapshots/step000003")
+        assert snap["kind"] == "delta" and snap["base_identity"] == "step000002" and snap["policy_version"] == 3
+
+
+def test_lying_peer_gets_no_wrong_bytes_into_ready(run: Run, moto_endpoint: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    name = create_bucket(moto_endpoint)
+    client = boto(moto_endpoint)
+    upload(client, name, "run-1", run, only=["step000001"])
+    url = f"s3://{name}/run-1"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)  # the liar's bucket client
+    liar = Liar(tmp_path / "work", url, SECRET, foreign_chunk_size=CHUNK).start()
+    env = {**FOREIGN, "BDN_ENDPOINT_URL": moto_endpoint, "BDN_PENALTY_S": "0.5"}
+    honest = [Daemon(tmp_path / "work", n, url, extra_env=env) for n in ("node0", "node1")]
+    peers = [d.peer_url for d in honest] + [liar.url]
+    try:
+        for d in honest:
+            d.start(peers)
+        for d in honest:
+            d.wait_healthy()
+        deadline = time.monotonic() + 20
+        for d in honest:
+            while {p["node_id"] for p in d.status()["peers"] if p["alive"]} != {"node0", "node1", "liar"} - {d.node_id}:
+                assert time.monotonic() < deadline, d.status()["peers"]
+                time.sleep(0.1)
+        for d in honest:
+            assert d.prefetch("step000001")[0] == 202
+        for d in honest:
+            path = Path(d.wait_ready("step000001", 120)["path"])
+            assert_same_files(path, run.trainer["step000001"])
+            assert_ready_digests(path)
+        blamed = {d.node_id: d.status()["verify_failures_by_peer"] for d in honest}
+        assert all(set(v) <= {"liar"} for v in blamed.values()), blamed
+        assert sum(v.get("liar", 0) for v in blamed.values()) > 0, blamed
+        keys = derive_keys(SECRET)
+        p = f"/bdn/v1/{keys.swarm_id}/liar/stats"
+        status, body = raw_request(liar.url, "GET", p, {"Authorization": sign_request(keys, "GET", p, "tester")})
+        assert status == 200 and json.loads(body)["chunks_lied"] > 0
+    finally:
+        for d in honest:
+            d.stop()
+        liar.stop()
+        client.close()
+
+
+def test_object_overwritten_mid_download_fails_naming_it(where: Where, run: Run, tmp_path: Path) -> None:
+    env = {**FOREIGN, **where.env, "BDN_BUCKET_MBIT": "16", "BDN_BUCKET_CONCURRENCY": "1"}
+    d = Daemon(tmp_path / "work", "node0", where.url, extra_env=env)
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        deadline = time.monotonic() + 60
+        while (snap := d.get("/v1/snapshots/step000001"))["bytes_done"] < CHUNK:
+            assert snap["state"] in ("queued", "downloading"), snap
+            assert time.monotonic() < deadline, snap
+            time.sleep(0.05)
+        big = (run.trainer["step000001"] / BIG).read_bytes()
+        where.replace(f"step000001/{BIG}", big[:-1] + bytes([big[-1] ^ 1]))  # the trainer re-uploads it
+        status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=60")
+        assert status == 409, body
+        assert "changed" in body["error"] and f"step000001/{BIG}" in body["error"], body
+        assert not list(d.shm_dir.glob("*/step000001"))
+    finally:
+        d.stop()
+
+
+@pytest.fixture
+def file_run(run: Run, tmp_path: Path) -> str:
+    root = tmp_path / "bucket"
+    copy_to(root, run)
+    return f"file://{root}"
+
+
+def test_delta_chain_cap_requires_a_full_snapshot(file_run: str, tmp_path: Path) -> None:
+    d = Daemon(tmp_path / "work", "node0", file_run, extra_env={**FOREIGN, "BDN_MAX_DELTA_CHAIN": "1"})
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert post(d, "step000001")[0] == 200
+        wait_fleet(d.url, "step000001", timeout=60)
+        assert post(d, "step000002", {"previous_snapshot_identity": "step000001"})[0] == 200
+        wait_fleet(d.url, "step000002", timeout=60)
+        st, body = post(d, "step000003", {"previous_snapshot_identity": "step000002"})
+        assert st == 409 and "full snapshot is required" in body["error"] and "max_delta_chain" in body["error"], body
+    finally:
+        d.stop()
+
+
+def test_config_mismatch_fails_naming_the_field(tmp_path: Path) -> None:
+    r = make_run(tmp_path / "trainer", steps=2)
+    root = tmp_path / "bucket"
+    copy_to(root, r)
+    # delta_compress_dirs copies the *base's* other files; the trainer uploads its own config.json
+    changed = {"architectures": ["TinyForCausalLM"], "model_type": "tiny", "hidden_size": 4096}
+    (root / "step000002" / "config.json").write_text(json.dumps(changed))
+    d = Daemon(tmp_path / "work", "node0", f"file://{root}", extra_env=FOREIGN)
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert post(d, "step000001")[0] == 200
+        wait_fleet(d.url, "step000001", timeout=60)
+        assert post(d, "step000002", {"previous_snapshot_identity": "step000001"})[0] == 200
+        deadline = time.monotonic() + 60
+        while True:
+            rep = http("GET", d.url + HOT)[1]["replicas"][0]
+            if rep["loading_state"]["stage"] == "error":
+                break
+            assert time.monotonic() < deadline, rep
+            time.sleep(0.1)
+        assert "Config value mismatch for hidden_size" in rep["loading_state"]["reason"], rep
+        assert rep["current_snapshot_identity"] == "step000001"  # still serving the base
+    finally:
+        d.stop()
+
+
+def bdnctl(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", d.url, *args],
+                          capture_output=True, text=True, timeout=60, env=os.environ.copy())
+
+
+def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_run: str, tmp_path: Path) -> None:
+    for env in (FOREIGN, {"BDN_LOAD_STARTUP": "false"}):  # without and with require_manifest
+        d = Daemon(tmp_path / "work", f"node{len(env)}", file_run, extra_env=env)
+        d.start([])
+        try:
+            d.wait_healthy()
+            assert d.prefetch("step000099")[0] == 202
+            status, body = d.request("GET", "/v1/snapshots/step000099/wait?state=ready&timeout=30")
+            assert status == 409 and "nothing is published under step000099/" in body["error"], body
+            # asked to wait for publication: it waits, with the reason shown by bdnctl
+            status, body = d.request("POST", "/v1/snapshots/step000098/prefetch?wait_publish=1")
+            assert status == 202, body
+            deadline = time.monotonic() + 30
+            while not (snap := d.get("/v1/snapshots/step000098"))["reason"]:
+                assert snap["state"] == "queued" and time.monotonic() < deadline, snap
+                time.sleep(0.05)
+            out = bdnctl(d, "snapshots")
+            assert out.returncode == 0 and "step000098" in out.stdout and snap["reason"][:30] in out.stdout, out
+            out = bdnctl(d, "prefetch", "step000098")  # already known: its state and reason
+            assert out.returncode == 0 and snap["reason"][:30] in out.stdout, out
+            # cancelled
+            out = bdnctl(d, "cancel", "step000098")
+            assert out.returncode == 0, out
+            snap = d.get("/v1/snapshots/step000098")
+            assert snap["state"] == "failed" and "cancelled" in snap["reason"], snap
+            assert bdnctl(d, "cancel", "step000097").returncode == 1
+        finally:
+            d.stop()
+
+
+# ---- the pieces, without a daemon ------------------------------------------------------------
+
+
+def test_foreign_state_trust_rules(file_run: str) -> None:
+    """Chunks of an object without a bucket checksum are read from the bucket unless accepted;
+    chunks received from a peer are served on only once their object verified."""
+    from bdn.bucket import open_bucket
+    from bdn.daemon.foreign_source import ForeignState
+    from bdn.foreign import read_checksums, read_foreign_table
+
+    bucket = open_bucket(file_run)
+    try:
+        table = read_foreign_table(bucket, "step000001", chunk_size=CHUNK, policy_version=1)
+        checksums = read_checksums(bucket, table)
+    finally:
+        bucket.close()
+    refs = list(table.manifest.stored_chunks())
+    strict, lenient = ForeignState(table, checksums, False), ForeignState(table, checksums, True)
+    assert strict.unverifiable == set(range(len(table.objects)))  # file:// vouches for nothing
+    assert all(strict.bucket_only(r) for r in refs) and not any(lenient.bucket_only(r) for r in refs)
+    a, b = refs[0], refs[1]
+    lenient.received(a, "http://peer", "peer")
+    assert not lenient.servable(a) and lenient.servable(b)  # b was read from the bucket here
+    lenient.verified = True
+    assert lenient.servable(a)
+    assert lenient.etag(a) == table.objects[a.file_index].etag
+
+
+def test_ready_manifest_has_real_digests(file_run: str, tmp_path: Path) -> None:
+    from bdn.bucket import open_bucket
+    from bdn.daemon.foreign_source import ready_manifest
+    from bdn.foreign import read_foreign_table
+
+    root = Path(file_run.removeprefix("file://")) / "step000001"
+    bucket = open_bucket(file_run)
+    try:
+        m = read_foreign_table(bucket, "step000001", chunk_size=CHUNK, policy_version=1).manifest
+    finally:
+        bucket.close()
+    real = ready_manifest(m, root)
+    assert [f.path for f in real.files] == [f.path for f in m.files]
+    for f in real.files:
+        assert list(f.result_chunks) == fileops.chunk_digests(root / f.path, CHUNK)
+        assert f.result_chunks != m.file(f.path).result_chunks  # ids are not digests
+    assert real.file(BIG).size == m.file(BIG).size
