@@ -1,0 +1,152 @@
+"""The soak's numbers: hot-load latencies, memory and fd slopes, log rates, and the text summary.
+
+Slopes are least-squares lines (``numpy.polyfit``, degree 1) over one daemon life's samples after
+its first ``warmup_s`` seconds, in MB/min (RSS) and fds/min; a life needs at least ``min_span_s``
+seconds of samples after warm-up to get one. The node's reported slope is that of its longest life
+(``node0`` is spared by the chaos loop, so it has the whole run). "Flat" is judged on the growth
+the slope implies over the run: below ``rss_flat_mb`` MB and ``fd_flat`` fds over ``flat_over_min``
+minutes.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RSS_FLAT_MB = 50.0
+FD_FLAT = 20.0
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100, linear interpolation), None for no data."""
+    return round(float(np.percentile(np.asarray(xs, dtype=float), q)), 3) if xs else None
+
+
+def slope_per_min(ts: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ``ys`` against ``ts`` (seconds), per minute."""
+    return float(np.polyfit(np.asarray(ts, float) / 60.0, np.asarray(ys, float), 1)[0])
+
+
+def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat_over_min: float) -> dict[str, Any]:
+    """Per node: each life's RSS / fd first-last-max and slope; the node's slope from its longest life."""
+    lives: dict[tuple[str, int], list[list[Any]]] = {}
+    for s in samples:
+        lives.setdefault((s[1], s[2]), []).append(s)
+    out: dict[str, Any] = {}
+    for (node, pid), ss in sorted(lives.items()):
+        t0 = ss[0][0]
+        late = [s for s in ss if s[0] - t0 >= warmup_s]
+        life: dict[str, Any] = {
+            "pid": pid, "from_s": ss[0][0], "to_s": ss[-1][0], "samples": len(ss),
+            "rss_mb_first": round(ss[0][3] / 1024, 1), "rss_mb_last": round(ss[-1][3] / 1024, 1),
+            "rss_mb_max": round(max(s[3] for s in ss) / 1024, 1),
+            "fds_first": ss[0][4], "fds_last": ss[-1][4], "fds_max": max(s[4] for s in ss),
+            "cpu_s": ss[-1][5],
+        }
+        if len(late) >= 3 and late[-1][0] - late[0][0] >= min_span_s:
+            life["rss_mb_per_min"] = round(slope_per_min([s[0] for s in late], [s[3] / 1024 for s in late]), 3)
+            life["fds_per_min"] = round(slope_per_min([s[0] for s in late], [s[4] for s in late]), 3)
+        out.setdefault(node, {"lives": []})["lives"].append(life)
+    for node, rec in out.items():
+        sloped = [lf for lf in rec["lives"] if "rss_mb_per_min" in lf]
+        rec["fds_max"] = max(lf["fds_max"] for lf in rec["lives"])
+        rec["rss_mb_max"] = max(lf["rss_mb_max"] for lf in rec["lives"])
+        if sloped:
+            best = max(sloped, key=lambda lf: lf["to_s"] - lf["from_s"])
+            rec["slope_life_pid"] = best["pid"]
+            rec["slope_life_min"] = round((best["to_s"] - best["from_s"]) / 60, 1)
+            rec["rss_mb_per_min"] = best["rss_mb_per_min"]
+            rec["fds_per_min"] = best["fds_per_min"]
+            rec["flat"] = (abs(best["rss_mb_per_min"]) * flat_over_min < RSS_FLAT_MB
+                           and abs(best["fds_per_min"]) * flat_over_min < FD_FLAT)
+    return out
+
+
+def log_rates(samples: list[list[Any]], minutes: float) -> dict[str, Any]:
+    """Per node: lines in the log over the run, lines per minute, and the busiest minute."""
+    out: dict[str, Any] = {}
+    by_node: dict[str, list[list[Any]]] = {}
+    for s in samples:
+        by_node.setdefault(s[1], []).append(s)
+    for node, ss in sorted(by_node.items()):
+        per_min: Counter[int] = Counter()
+        prev = ss[0][6]
+        for s in ss[1:]:
+            per_min[int(s[0] // 60)] += s[6] - prev
+            prev = s[6]
+        out[node] = {"lines": ss[-1][6], "per_min": round(ss[-1][6] / max(minutes, 1e-9), 1),
+                     "busiest_min": max(per_min.values()) if per_min else 0}
+    return out
+
+
+_NUM = re.compile(r"\b[0-9a-f]{8,}\b|\d+(\.\d+)?")
+
+
+def top_log_lines(paths: dict[str, Path], levels: tuple[str, ...] = ("WARNING", "ERROR", "CRITICAL"),
+                  n: int = 15) -> list[dict[str, Any]]:
+    """The most frequent warning/error messages over every daemon's log (numbers and hex masked)."""
+    c: Counter[str] = Counter()
+    example: dict[str, str] = {}
+    for p in paths.values():
+        try:
+            text = p.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if not any(f" {lv} " in line or f'"{lv}"' in line for lv in levels):
+                continue
+            body = line.split(" ", 2)[-1] if line[:4].isdigit() else line
+            key = _NUM.sub("#", body)[:200]
+            c[key] += 1
+            example.setdefault(key, line[:400])
+    return [{"count": k, "pattern": pat, "example": example[pat]} for pat, k in c.most_common(n)]
+
+
+def hotload_stats(hotloads: list[dict[str, Any]]) -> dict[str, Any]:
+    done = [h for h in hotloads if h["outcome"] == "done"]
+    ready = [h["ready_s"] for h in hotloads if h["ready_s"] is not None]
+    outcomes = Counter(h["outcome"] for h in hotloads)
+    return {
+        "posted": len(hotloads),
+        "completed": len(done),
+        "completed_after_faults": sum(1 for h in done if h["faults_before"] > 0),
+        "outcomes": dict(outcomes),
+        "post_to_all_done_s": {"p50": percentile([h["done_s"] for h in done], 50),
+                               "p99": percentile([h["done_s"] for h in done], 99),
+                               "max": max((h["done_s"] for h in done), default=None)},
+        "post_to_all_ready_s": {"p50": percentile(ready, 50), "p99": percentile(ready, 99),
+                                "max": max(ready, default=None), "n": len(ready)},
+        "posts_needing_retry": sum(1 for h in hotloads if len(h["attempts"]) > 1),
+    }
+
+
+def text_summary(r: dict[str, Any]) -> str:
+    """A few lines for a human: the numbers the issue asks for, and anything that went wrong."""
+    h, v = r["hotloads"], r["verify"]
+    lines = [
+        f"soak: {r['config']['nodes']} daemons, {r['elapsed_min']:.1f} min, seed {r['config']['seed']}, "
+        f"{len([e for e in r['chaos'] if e.get('fault')])} faults "
+        f"({', '.join(f'{k} {n}' for k, n in sorted(r['faults_by_kind'].items()))})",
+        f"hot-loads: {h['posted']} posted, {h['completed']} completed ({h['completed_after_faults']} after a fault), "
+        f"outcomes {h['outcomes']}",
+        f"POST -> all live replicas done: p50 {h['post_to_all_done_s']['p50']} s, p99 {h['post_to_all_done_s']['p99']} s; "
+        f"-> all ready: p50 {h['post_to_all_ready_s']['p50']} s, p99 {h['post_to_all_ready_s']['p99']} s",
+        f"wrong bytes handed out: {v['wrong_bytes_handed_out']} ({v['distinct_ready']} ready snapshots, "
+        f"{v['snapshot_checks']} checks, {v['bytes_hashed'] / 1e9:.2f} GB hashed, {v['http_range_checks']} range reads, "
+        f"{v['engine_checks']} engine digests)",
+    ]
+    for node, rec in sorted(r["resources"].items()):
+        if "rss_mb_per_min" in rec:
+            lines.append(f"  {node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min over "
+                         f"{rec['slope_life_min']} min ({'flat' if rec['flat'] else 'GROWING'}); max RSS "
+                         f"{rec['rss_mb_max']} MB, max fds {rec['fds_max']}; log {r['logs'].get(node, {}).get('per_min')} lines/min")
+    if r["unexpected_exits"]:
+        lines.append(f"daemons that exited on their own: {[(e.get('node'), e.get('rc')) for e in r['unexpected_exits']]}")
+    lines.append(f"at the end: alive {r['end']['alive']}, not alive {r['end']['not_alive']}; shutdown {r['end']['shutdown']}")
+    for f in r["findings"]:
+        lines.append(f"FINDING: {f}")
+    return "\n".join(lines)
