@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds between faults, LO,HI (default 20,45)")
     p.add_argument("--down", type=_range(float, "--down"), default=(5.0, 20.0), help="seconds a killed daemon stays down")
     p.add_argument("--liar-stay", type=_range(float, "--liar-stay"), default=(45.0, 90.0), help="seconds the liar stays")
-    p.add_argument("--burst", type=_range(int, "--burst"), default=(20, 60),
-                   help="chunk reads answered 503 per bucket burst, LO,HI (default 20,60)")
+    p.add_argument("--burst", type=_range(float, "--burst"), default=(5.0, 30.0),
+                   help="seconds of a bucket 503 burst (every request), LO,HI (default 5,30)")
     p.add_argument("--max-down", type=int, default=2, help="daemons down at once, at most (default %(default)s)")
     p.add_argument("--quiet-tail", type=float, default=60.0, help="no new faults in the last S seconds (default %(default)s)")
     p.add_argument("--sample-s", type=float, default=5.0)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         n_embd=a.n_embd, n_layer=a.n_layer, anchor_every=a.anchor_every, interval=a.interval,
         chunk_size=a.chunk_kib << 10, sample_s=a.sample_s, warmup_s=a.warmup_s, log_level=a.log_level, term_timeout=a.term_timeout,
         chaos=ChaosParams(kinds=a.faults, every=a.chaos_every, down_s=a.down, liar_s=a.liar_stay,
-                          burst=a.burst, max_down=a.max_down, quiet_s=a.quiet_tail, shuffle=a.fault_order == "shuffled"),
+                          burst_s=a.burst, max_down=a.max_down, quiet_s=a.quiet_tail, shuffle=a.fault_order == "shuffled"),
     )
 
     def on_term(signum: int, frame: object) -> None:

@@ -7,8 +7,8 @@ Fault kinds (``KINDS``):
 - ``liar``: the lying peer (tests/support/liar.py) starts and joins through a daemon that is
   killed and restarted with the liar among its static peers; the membership exchanges spread it
   to the others; it stops ``liar_s`` later (the restarted daemon keeps it as a dead static peer);
-- ``s3_503``: the proxy answers the next ``burst`` ranged GETs (chunk reads) with 503 SlowDown,
-  and the next ``burst // 10`` requests of any kind (manifest reads, lists) too;
+- ``s3_503``: the proxy answers every bucket request (chunk reads, manifest reads, lists) with
+  503 SlowDown for ``burst_s`` seconds;
 - ``engine_crash``: kill -9 of the engine (it does not unregister); a supervisor starts it again
   ``engine_down_s`` later (it registers anew).
 
@@ -38,7 +38,7 @@ class ChaosParams:
     down_s: tuple[float, float] = (5.0, 20.0)
     liar_s: tuple[float, float] = (45.0, 90.0)
     engine_down_s: tuple[float, float] = (3.0, 10.0)
-    burst: tuple[int, int] = (20, 60)
+    burst_s: tuple[float, float] = (5.0, 30.0)
     max_down: int = 2
     spare: tuple[str, ...] = ("node0",)
     quiet_s: float = 60.0
@@ -128,10 +128,9 @@ class Chaos:
             self.due.append((self.clock() + stay, "liar_stop", None))
         elif kind == "s3_503":
             assert f.proxy is not None
-            n = self.rng.randint(*self.p.burst)
-            f.proxy.fail_chunk_gets(n, 503, "SlowDown")
-            f.proxy.fail_next(max(1, n // 10), 503, "SlowDown")
-            self._record(fault=kind, chunk_gets=n, any_requests=max(1, n // 10))
+            secs = self.rng.uniform(*self.p.burst_s)
+            f.proxy.throttle_for(secs)
+            self._record(fault=kind, burst_s=round(secs, 1))
         elif kind == "engine_crash":
             pid = f.kill_engine()
             if pid is None:

@@ -26,9 +26,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # tests/support: real daemons, the fault proxy, the liar
 
+from aiohttp import web  # noqa: E402
 from support.faults import ChunkFaultProxy, listen_ports, stable_ports  # noqa: E402
 from support.liar import Liar  # noqa: E402
-from support.s3server import create_bucket, start_moto_server, stop_moto_server  # noqa: E402
+from support.s3server import _error_xml, create_bucket, start_moto_server, stop_moto_server  # noqa: E402
 from support.swarm import SECRET, Daemon  # noqa: E402
 
 ENGINE_SERVER = REPO / "examples" / "engine" / "server.py"
@@ -53,6 +54,32 @@ def http_json(method: str, url: str, body: object | None = None, token: str | No
             return e.code, json.loads(raw)
         except ValueError:
             return e.code, {"error": raw.decode(errors="replace")[:300]}
+
+
+class BurstProxy(ChunkFaultProxy):
+    """The fault proxy plus timed bursts: ``throttle_for(s)`` answers every request that arrives in
+    the next ``s`` seconds with 503 SlowDown, as S3 throttles a hot prefix for a while (a burst
+    measured in time, not in requests: the daemons' retries back off into it)."""
+
+    def __init__(self, upstream: str) -> None:
+        super().__init__(upstream)
+        self._until = 0.0
+        self.throttled = 0
+
+    def throttle_for(self, seconds: float) -> None:
+        with self._lock:
+            self._until = max(self._until, time.monotonic() + seconds)
+
+    async def _answer(self, request: web.Request, record, finished):  # type: ignore[no-untyped-def]
+        with self._lock:
+            burst = time.monotonic() < self._until
+            if burst:
+                self.throttled += 1
+        if not burst:
+            return await super()._answer(request, record, finished)
+        body = _error_xml("SlowDown", "Please reduce your request rate (soak burst).", record.path).encode()
+        record.status, record.injected, record.response_bytes = 503, True, len(body)
+        return web.Response(status=503, body=body, content_type="application/xml")
 
 
 @dataclass
@@ -91,7 +118,7 @@ class Fleet:
         self.moto: subprocess.Popen[bytes] | None = None
         self.endpoint = ""
         self.bucket_url = ""
-        self.proxy: ChunkFaultProxy | None = None
+        self.proxy: BurstProxy | None = None
         self.liar: Liar | None = None
         self.engine: subprocess.Popen[bytes] | None = None
         self.engine_port = 0
@@ -112,7 +139,7 @@ class Fleet:
         os.environ["AWS_ENDPOINT_URL"] = self.endpoint
         name = create_bucket(self.endpoint)
         self.bucket_url = f"s3://{name}/soak"
-        self.proxy = ChunkFaultProxy(self.endpoint).start()
+        self.proxy = BurstProxy(self.endpoint).start()
 
     def start_daemons(self, timeout: float = 120.0) -> None:
         """Create and start every daemon; return once all see each other alive."""

@@ -103,6 +103,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     setup: dict[str, Any] = {}
     end: dict[str, Any] = {"alive": [], "not_alive": [], "shutdown": {}}
     interrupted = False
+    bucket: dict[str, Any] = {}
     t_run0 = t_run1 = 0.0
     schedule: list[tuple[float, str]] = []
     try:
@@ -156,6 +157,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
                     (end["alive"] if status == 200 else end["not_alive"]).append(nid)
                 except OSError:
                     end["not_alive"].append(nid)
+            bucket = bucket_stats(fleet, trainer)
             end["shutdown"] = fleet.close(cfg.term_timeout)
         finally:
             fleet.kill_all()
@@ -163,12 +165,26 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         t_run1 = clock()
     result = build_result(cfg, fleet, trainer, chaos, verifier, sampler, schedule, setup, end, errors,
                           interrupted, t_run0, t_run1, workdir)
+    result["bucket"] = bucket
     if cfg.out is not None:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     if not cfg.keep_workdir and not errors and not result["findings"]:
         shutil.rmtree(workdir, ignore_errors=True)
     return result
+
+
+def bucket_stats(fleet: Fleet, trainer: Trainer) -> dict[str, Any]:
+    """What the daemons asked of the bucket (the proxy's records): requests, 503s, egress."""
+    if fleet.proxy is None:
+        return {}
+    recs = fleet.proxy.requests()
+    gets = [r for r in recs if r.method == "GET" and not r.injected]
+    stored = sum(p.stored_bytes for p in trainer.published.values())
+    egress = sum(r.response_bytes for r in gets)
+    return {"requests": len(recs), "answered_503": sum(1 for r in recs if r.injected),
+            "chunk_gets": sum(1 for r in gets if r.range), "egress_bytes": egress, "published_stored_bytes": stored,
+            "egress_over_stored": round(egress / stored, 3) if stored else None}
 
 
 _NUMS = re.compile(r"step\d+|\d+")

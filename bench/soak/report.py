@@ -4,8 +4,8 @@ Slopes are least-squares lines (``numpy.polyfit``, degree 1) over one daemon lif
 its first ``warmup_s`` seconds, in MB/min (RSS) and fds/min; a life needs at least ``min_span_s``
 seconds of samples after warm-up to get one. The node's reported slope is that of its longest life
 (``node0`` is spared by the chaos loop, so it has the whole run). "Flat" is judged on the growth
-the slope implies over the run: below ``rss_flat_mb`` MB and ``fd_flat`` fds over ``flat_over_min``
-minutes.
+the slope implies over the run: below ``RSS_FLAT_MB`` MB and ``FD_FLAT`` fds over the run's
+minutes, judged only on a life of at least ``JUDGE_MIN_S`` seconds.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 
 RSS_FLAT_MB = 50.0
 FD_FLAT = 20.0
+JUDGE_MIN_S = 600.0  # a life shorter than this gets slopes but no flat/growing verdict
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -61,8 +62,9 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
             rec["slope_life_min"] = round((best["to_s"] - best["from_s"]) / 60, 1)
             rec["rss_mb_per_min"] = best["rss_mb_per_min"]
             rec["fds_per_min"] = best["fds_per_min"]
-            rec["flat"] = (abs(best["rss_mb_per_min"]) * flat_over_min < RSS_FLAT_MB
-                           and abs(best["fds_per_min"]) * flat_over_min < FD_FLAT)
+            if best["to_s"] - best["from_s"] >= JUDGE_MIN_S:  # shorter lives: numbers, no verdict
+                rec["flat"] = (abs(best["rss_mb_per_min"]) * flat_over_min < RSS_FLAT_MB
+                               and abs(best["fds_per_min"]) * flat_over_min < FD_FLAT)
     return out
 
 
@@ -142,7 +144,7 @@ def text_summary(r: dict[str, Any]) -> str:
     for node, rec in sorted(r["resources"].items()):
         if "rss_mb_per_min" in rec:
             lines.append(f"  {node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min over "
-                         f"{rec['slope_life_min']} min ({'flat' if rec['flat'] else 'GROWING'}); max RSS "
+                         f"{rec['slope_life_min']} min ({ {True: 'flat', False: 'GROWING', None: 'too short to judge'}[rec.get('flat')] }); max RSS "
                          f"{rec['rss_mb_max']} MB, max fds {rec['fds_max']}; log {r['logs'].get(node, {}).get('per_min')} lines/min")
     if r["unexpected_exits"]:
         lines.append(f"daemons that exited on their own: {[(e.get('node'), e.get('rc')) for e in r['unexpected_exits']]}")

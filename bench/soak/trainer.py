@@ -14,7 +14,9 @@ is POSTed is recorded with the replicas that were not done, and their stage and 
 
 A POST answered 409 because the chosen daemon does not serve ``previous_snapshot_identity`` (a
 replica that is behind) is sent to another live daemon; when every one answers 409 it is sent
-without ``previous_snapshot_identity``. Each attempt is recorded.
+without ``previous_snapshot_identity``. A 5xx answer (the daemon could not read the manifest
+during a bucket burst) or no answer is tried again on the others, for up to a minute, as a
+trainer would. Each attempt is recorded.
 """
 
 from __future__ import annotations
@@ -138,36 +140,50 @@ class Trainer:
         return pub
 
     # ---- hot-load --------------------------------------------------------------------------
-    def post(self, pub: Published) -> HotLoad:
-        """POST the hot-load of ``pub`` (see module doc for 409 handling)."""
+    def post(self, pub: Published, give_up_s: float = 60.0) -> HotLoad:
+        """POST the hot-load of ``pub`` (see module doc for 409 handling); 5xx and unreachable
+        daemons are retried on others for up to ``give_up_s``; other 4xx answers are final."""
         hl = HotLoad(pub.identity, pub.policy_version, pub.kind, self.clock(), self.faults())
         meta = None
         if pub.kind == "delta":
             meta = {"previous_snapshot_identity": pub.base, "compression_format": "arc_v2",
                     "checksum_format": "alder32"}
-        live = [n.daemon for n in self.fleet.live()]
-        self.rng.shuffle(live)
-        bodies = [{"identity": pub.identity, **({"incremental_snapshot_metadata": meta} if meta else {})}]
-        if meta:
-            bodies.append({"identity": pub.identity, "incremental_snapshot_metadata":
-                           {k: v for k, v in meta.items() if k != "previous_snapshot_identity"}})
-        for body in bodies:
+        with_prev = meta is not None
+        deadline = time.monotonic() + give_up_s
+        while True:
+            live = [n.daemon for n in self.fleet.live()]
+            self.rng.shuffle(live)
+            all_409 = bool(live)
             for d in live:
+                m = dict(meta or {})
+                if not with_prev:
+                    m.pop("previous_snapshot_identity", None)
+                body = {"identity": pub.identity, **({"incremental_snapshot_metadata": m} if meta else {})}
                 try:
                     status, ans = http_json("POST", d.peer_url + HOT_LOAD, body, token=self.fleet.token, timeout=60)
                 except OSError as e:
                     hl.attempts.append({"node": d.node_id, "error": f"{type(e).__name__}: {e}"[:200]})
+                    all_409 = False
                     continue
-                hl.attempts.append({"node": d.node_id, "status": status, "with_previous": body is bodies[0] and bool(meta),
+                hl.attempts.append({"node": d.node_id, "status": status, "with_previous": with_prev,
                                     **({"error": str(ans.get("error"))[:300]} if status != 200 else {})})
                 if status == 200:
                     hl.accepted_by = d.node_id
                     hl.t_post = self.clock()
                     return hl
-                if status != 409:
-                    break
-        hl.outcome = "rejected"
-        return hl
+                if status == 409 and with_prev:
+                    continue
+                all_409 = False
+                if status < 500:
+                    hl.outcome = "rejected"
+                    return hl
+            if all_409 and with_prev:
+                with_prev = False
+                continue
+            if time.monotonic() > deadline:
+                hl.outcome = "rejected"
+                return hl
+            time.sleep(1.0)
 
     def fleet_view(self) -> list[dict[str, Any]] | None:
         """The fleet's replicas as a live daemon's local API lists them, or None."""
