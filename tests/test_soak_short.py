@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +35,23 @@ NODES = 4
 FD_BOUND = 256  # a daemon uses ~30-40; a leak of one per chunk or request would pass this fast
 
 pytestmark = pytest.mark.timeout(300)
+
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # bench/ is not an installed package
+
+
+def test_chaos_plan_is_seeded_bounded_and_covers_every_kind() -> None:
+    from bench.soak.chaos import KINDS, ChaosParams, plan
+
+    p = ChaosParams(every=(10.0, 20.0), quiet_s=30.0)
+    a, b = plan(random.Random(3), p, 100.0, 700.0), plan(random.Random(3), p, 100.0, 700.0)
+    assert a == b and a != plan(random.Random(4), p, 100.0, 700.0)
+    times = [t for t, _ in a]
+    assert times == sorted(times) and 100.0 < times[0] and times[-1] < 700.0 - 30.0
+    for i in range(0, len(a) - len(KINDS) + 1, len(KINDS)):  # every full round holds every kind once
+        assert sorted(k for _, k in a[i:i + len(KINDS)]) == sorted(KINDS)
+    given = plan(random.Random(3), ChaosParams(kinds=("liar", "kill"), shuffle=False), 0.0, 400.0)
+    assert [k for _, k in given[:4]] == ["liar", "kill", "liar", "kill"]
 
 
 @pytest.fixture(scope="module")
