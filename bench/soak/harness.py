@@ -8,7 +8,6 @@ kills every process it started before returning or raising.
 from __future__ import annotations
 
 import json
-import re
 import os
 import random
 import shutil
@@ -187,53 +186,6 @@ def bucket_stats(fleet: Fleet, trainer: Trainer) -> dict[str, Any]:
             "egress_over_stored": round(egress / stored, 3) if stored else None}
 
 
-_NUMS = re.compile(r"step\d+|\d+")
-
-
-def findings(r: dict[str, Any], fleet: Fleet) -> list[str]:
-    """What the daemon did wrong in this run, one line each (the report's FINDING lines)."""
-    out: list[str] = []
-    v = r["verify"]
-    if v["wrong_bytes_handed_out"]:
-        out.append(f"{v['wrong_bytes_handed_out']} wrong answers: {v['wrong'][:3]}")
-    for e in r["unexpected_exits"]:
-        out.append(f"{e.get('node')} exited on its own at {e.get('t_s')} s with rc {e.get('rc')}")
-    for e in r["chaos"]:
-        if e.get("action") == "restart_failed":
-            out.append(f"{e['node']} did not come back after a restart at {e['t_s']} s: {e['error']}")
-    for node, rec in r["resources"].items():
-        if rec.get("flat") is False:
-            out.append(f"{node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min "
-                       f"over {rec['slope_life_min']} min")
-    stuck: Counter[str] = Counter()
-    engine_wait = 0  # not done only because an engine did not acknowledge (bytes ready there)
-    for h in r["hotload_records"]:
-        if h["outcome"] in ("not_done_before_next", "not_done_at_end"):
-            for nd in h["not_done"]:
-                if nd["node"] == fleet.engine_node and nd.get("stage") in ("ready", "loading"):
-                    engine_wait += 1
-                else:
-                    stuck[f"{nd['node']} stage {nd.get('stage')}"] += 1
-    crashes = [e for e in r["chaos"] if e.get("fault") == "engine_crash"]
-    if engine_wait:
-        out.append(f"replica {fleet.engine_node} (the engine's) held the snapshot ready but was not done in "
-                   f"{engine_wait} hot-load(s)" + (f"; engine crashes at {[e['t_s'] for e in crashes]} s: a crashed "
-                   "engine's registration is never dropped (issue 10, engine liveness)" if crashes else ""))
-    for k, n in stuck.most_common():
-        out.append(f"replica {k}: not done in {n} hot-load(s)")
-    failed = r["verify"]["failed_snapshots"]
-    if failed:
-        reasons = Counter(_NUMS.sub("#", f["reason"])[:160] for f in failed)
-        out.append(f"{len(failed)} snapshot failures on live daemons; reasons: {dict(reasons.most_common(4))}")
-    if r["end"]["not_alive"]:
-        out.append(f"not alive at the end: {r['end']['not_alive']}")
-    bad = {k: v for k, v in r["end"]["shutdown"].items() if v != "exit 0"}
-    if bad:
-        out.append(f"SIGTERM at the end did not give exit 0: {bad}; their logs after 'stopping': "
-                   f"{ {k: v[:4] for k, v in fleet.shutdown_logs.items()} }")
-    return out
-
-
 def build_result(cfg: SoakConfig, fleet: Fleet, trainer: Trainer, chaos: Chaos, verifier: Verifier,
                  sampler: Sampler | None, schedule: list[tuple[float, str]], setup: dict[str, Any],
                  end: dict[str, Any], errors: list[dict[str, Any]], interrupted: bool, t0: float, t1: float,
@@ -264,13 +216,15 @@ def build_result(cfg: SoakConfig, fleet: Fleet, trainer: Trainer, chaos: Chaos, 
         "resources": report.resources(samples, cfg.warmup_s, min(300.0, cfg.minutes * 60 / 3), cfg.minutes),
         "logs": report.log_rates(samples, minutes),
         "top_log_lines": report.top_log_lines({nid: n.daemon.log_path for nid, n in fleet.nodes.items()}),
+        "liar_bad_chunks_taken": report.liar_hits({nid: n.daemon.log_path for nid, n in fleet.nodes.items()}),
         "lives": {nid: [asdict(lf) for lf in n.lives] for nid, n in fleet.nodes.items()},
         "engine_lives": [asdict(lf) for lf in fleet.engine_lives],
         "unexpected_exits": fleet.unexpected_exits,
         "shutdown_logs": fleet.shutdown_logs,
+        "engine_node": fleet.engine_node,
         "end": end,
         "samples_columns": ["t_s", "node", "pid", "rss_kb", "fds", "cpu_s", "log_lines"],
         "samples": samples,
     }
-    r["findings"] = findings(r, fleet)
+    r["findings"] = report.findings(r)
     return r

@@ -108,6 +108,27 @@ def top_log_lines(paths: dict[str, Path], levels: tuple[str, ...] = ("WARNING", 
     return [{"count": k, "pattern": pat, "example": example[pat]} for pat, k in c.most_common(n)]
 
 
+_LIAR = re.compile(r"snapshot (\S+): peer liar sent bad bytes")
+
+
+def liar_hits(paths: dict[str, Path]) -> dict[str, Any]:
+    """Bad chunks each daemon took from the liar, per snapshot (its "sent bad bytes" log lines).
+
+    A penalty (``penalty_s``) should send a daemon elsewhere after the first; many per snapshot
+    means requests already queued for the liar still went to it (issue 12, item 8)."""
+    per: dict[str, dict[str, int]] = {}
+    for node, p in sorted(paths.items()):
+        try:
+            text = p.read_text(errors="replace")
+        except OSError:
+            continue
+        for m in _LIAR.finditer(text):
+            per.setdefault(node, {}).setdefault(m.group(1), 0)
+            per[node][m.group(1)] += 1
+    counts = [n for d in per.values() for n in d.values()]
+    return {"total": sum(counts), "max_per_snapshot": max(counts, default=0), "by_node": per}
+
+
 def hotload_stats(hotloads: list[dict[str, Any]]) -> dict[str, Any]:
     done = [h for h in hotloads if h["outcome"] == "done"]
     ready = [h["ready_s"] for h in hotloads if h["ready_s"] is not None]
@@ -124,6 +145,59 @@ def hotload_stats(hotloads: list[dict[str, Any]]) -> dict[str, Any]:
                                 "max": max(ready, default=None), "n": len(ready)},
         "posts_needing_retry": sum(1 for h in hotloads if len(h["attempts"]) > 1),
     }
+
+
+_NUMS = re.compile(r"step\d+|\d+")
+
+
+def findings(r: dict[str, Any]) -> list[str]:
+    """What the daemon did wrong in this run, one line each (the report's FINDING lines)."""
+    out: list[str] = []
+    engine_node = r.get("engine_node", "node1")
+    v = r["verify"]
+    if v["wrong_bytes_handed_out"]:
+        out.append(f"{v['wrong_bytes_handed_out']} wrong answers: {v['wrong'][:3]}")
+    for e in r["unexpected_exits"]:
+        out.append(f"{e.get('node')} exited on its own at {e.get('t_s')} s with rc {e.get('rc')}")
+    for e in r["chaos"]:
+        if e.get("action") == "restart_failed":
+            out.append(f"{e['node']} did not come back after a restart at {e['t_s']} s: {e['error']}")
+    for node, rec in r["resources"].items():
+        if rec.get("flat") is False:
+            out.append(f"{node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min "
+                       f"over {rec['slope_life_min']} min")
+    stuck: Counter[str] = Counter()
+    engine_wait = 0  # not done only because an engine did not acknowledge (bytes ready there)
+    for h in r["hotload_records"]:
+        if h["outcome"] in ("not_done_before_next", "not_done_at_end"):
+            for nd in h["not_done"]:
+                if nd["node"] == engine_node and nd.get("stage") in ("ready", "loading"):
+                    engine_wait += 1
+                else:
+                    stuck[f"{nd['node']} stage {nd.get('stage')}"] += 1
+    crashes = [e for e in r["chaos"] if e.get("fault") == "engine_crash"]
+    if engine_wait:
+        out.append(f"replica {engine_node} (the engine's) held the snapshot ready but was not done in "
+                   f"{engine_wait} hot-load(s)" + (f"; engine crashes at {[e['t_s'] for e in crashes]} s: a crashed "
+                   "engine's registration is never dropped (issue 10, engine liveness)" if crashes else ""))
+    for k, n in stuck.most_common():
+        out.append(f"replica {k}: not done in {n} hot-load(s)")
+    failed = r["verify"].get("failed_snapshots", [])
+    if failed:
+        reasons = Counter(_NUMS.sub("#", f["reason"])[:160] for f in failed)
+        out.append(f"{len(failed)} snapshot failures on live daemons; reasons: {dict(reasons.most_common(4))}")
+    lh = r.get("liar_bad_chunks_taken") or {}
+    if lh.get("max_per_snapshot", 0) > 2:
+        worst = max(((n, i, k) for n, d in lh["by_node"].items() for i, k in d.items()), key=lambda x: x[2])
+        out.append(f"{worst[0]} took {worst[2]} bad chunks from the liar for {worst[1]} ({lh['total']} in all): the "
+                   "penalty does not redirect the requests already queued for a lying peer (issue 12, item 8)")
+    if r["end"]["not_alive"]:
+        out.append(f"not alive at the end: {r['end']['not_alive']}")
+    bad = {k: v for k, v in r["end"]["shutdown"].items() if v != "exit 0"}
+    if bad:
+        out.append(f"SIGTERM at the end did not give exit 0: {bad}; their logs after 'stopping': "
+                   f"{ {k: v[:4] for k, v in r.get('shutdown_logs', {}).items()} }")
+    return out
 
 
 def text_summary(r: dict[str, Any]) -> str:
@@ -146,9 +220,40 @@ def text_summary(r: dict[str, Any]) -> str:
             lines.append(f"  {node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min over "
                          f"{rec['slope_life_min']} min ({ {True: 'flat', False: 'GROWING', None: 'too short to judge'}[rec.get('flat')] }); max RSS "
                          f"{rec['rss_mb_max']} MB, max fds {rec['fds_max']}; log {r['logs'].get(node, {}).get('per_min')} lines/min")
+    lh = r.get("liar_bad_chunks_taken")
+    if lh:
+        lines.append(f"bad chunks taken from the liar: {lh['total']} (at most {lh['max_per_snapshot']} by one daemon "
+                     "for one snapshot)")
     if r["unexpected_exits"]:
         lines.append(f"daemons that exited on their own: {[(e.get('node'), e.get('rc')) for e in r['unexpected_exits']]}")
     lines.append(f"at the end: alive {r['end']['alive']}, not alive {r['end']['not_alive']}; shutdown {r['end']['shutdown']}")
     for f in r["findings"]:
         lines.append(f"FINDING: {f}")
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.soak.report RESULT.json [--write]``: print the summary of a finished run,
+    recomputing the log-derived sections from its workdir's logs when they are still there."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m bench.soak.report", description=main.__doc__.splitlines()[0])
+    ap.add_argument("result", type=Path)
+    ap.add_argument("--write", action="store_true", help="write the recomputed sections back into RESULT")
+    a = ap.parse_args(argv)
+    r = json.loads(a.result.read_text())
+    work = Path(r["config"]["workdir"])
+    logs = {f"node{i}": work / f"node{i}" / "bdnd.log" for i in range(r["config"]["nodes"])}
+    if all(p.exists() for p in logs.values()):
+        r["liar_bad_chunks_taken"] = liar_hits(logs)
+        r["top_log_lines"] = top_log_lines(logs)
+    r["findings"] = findings(r)
+    print(text_summary(r))
+    if a.write:
+        a.result.write_text(json.dumps(r, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
