@@ -223,7 +223,7 @@ def build_result(cfg: SoakConfig, fleet: Fleet, trainer: Trainer, chaos: Chaos, 
         "shutdown_logs": fleet.shutdown_logs,
         "engine_node": fleet.engine_node,
         "end": end,
-        "samples_columns": ["t_s", "node", "pid", "rss_kb", "fds", "cpu_s", "log_lines"],
+        "samples_columns": ["t_s", "node", "pid", "rss_kb", "fds", "cpu_s", "log_lines", "anon_kb"],
         "samples": samples,
     }
     r["findings"] = report.findings(r)

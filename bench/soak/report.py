@@ -51,6 +51,8 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
         if len(late) >= 3 and late[-1][0] - late[0][0] >= min_span_s:
             life["rss_mb_per_min"] = round(slope_per_min([s[0] for s in late], [s[3] / 1024 for s in late]), 3)
             life["fds_per_min"] = round(slope_per_min([s[0] for s in late], [s[4] for s in late]), 3)
+            if len(late[0]) > 7:
+                life["anon_mb_per_min"] = round(slope_per_min([s[0] for s in late], [s[7] / 1024 for s in late]), 3)
         out.setdefault(node, {"lives": []})["lives"].append(life)
     for node, rec in out.items():
         sloped = [lf for lf in rec["lives"] if "rss_mb_per_min" in lf]
@@ -62,6 +64,8 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
             rec["slope_life_min"] = round((best["to_s"] - best["from_s"]) / 60, 1)
             rec["rss_mb_per_min"] = best["rss_mb_per_min"]
             rec["fds_per_min"] = best["fds_per_min"]
+            if "anon_mb_per_min" in best:
+                rec["anon_mb_per_min"] = best["anon_mb_per_min"]
             if best["to_s"] - best["from_s"] >= JUDGE_MIN_S:  # shorter lives: numbers, no verdict
                 rec["flat"] = (abs(best["rss_mb_per_min"]) * flat_over_min < RSS_FLAT_MB
                                and abs(best["fds_per_min"]) * flat_over_min < FD_FLAT)

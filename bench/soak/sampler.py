@@ -2,7 +2,8 @@
 
 Read from ``/proc/<pid>/status`` (``VmRSS``, kB), ``/proc/<pid>/fd`` (entries), ``/proc/<pid>/stat``
 (utime + stime, clock ticks) and the daemon's log file (lines so far, counted incrementally). One
-sample: ``[t_s, node, pid, rss_kb, fds, cpu_s, log_lines]``; ``log_lines`` counts the whole file,
+sample: ``[t_s, node, pid, rss_kb, fds, cpu_s, log_lines, anon_kb]`` (``RssAnon``: the heap, without
+file pages mapped); ``log_lines`` counts the whole file,
 across the daemon's lives. Each tick also calls :meth:`Fleet.reap` so that a daemon that exits
 on its own is seen within one interval.
 """
@@ -19,18 +20,20 @@ from bench.soak.fleet import Fleet
 CLK = os.sysconf("SC_CLK_TCK")
 
 
-def proc_sample(pid: int) -> tuple[int, int, float] | None:
-    """``(rss_kb, open_fds, cpu_s)`` of a live process, or None when it is gone."""
+def proc_sample(pid: int) -> tuple[int, int, float, int] | None:
+    """``(rss_kb, open_fds, cpu_s, anon_kb)`` of a live process, or None when it is gone."""
     try:
         with open(f"/proc/{pid}/status") as f:
-            rss = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+            status = {k: v for k, _, v in (line.partition(":") for line in f)}
+        rss = int(status["VmRSS"].split()[0])
+        anon = int(status.get("RssAnon", "0 kB").split()[0])
         fds = len(os.listdir(f"/proc/{pid}/fd"))
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         cpu = (int(fields[11]) + int(fields[12])) / CLK
-    except (OSError, ValueError, StopIteration, IndexError):
+    except (OSError, ValueError, KeyError, IndexError):
         return None
-    return rss, fds, cpu
+    return rss, fds, cpu, anon
 
 
 class LogCounter:
@@ -68,7 +71,7 @@ class Sampler:
                 continue
             s = proc_sample(p.pid)
             if s is not None:
-                self.samples.append([t, nid, p.pid, s[0], s[1], round(s[2], 2), self.logs[nid].count()])
+                self.samples.append([t, nid, p.pid, s[0], s[1], round(s[2], 2), self.logs[nid].count(), s[3]])
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
