@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--anchor-every", type=int, default=10, help="a new anchor every N steps (default %(default)s)")
     p.add_argument("--interval", type=_range(float, "--interval"), default=(20.0, 30.0),
                    help="seconds between hot-load POSTs, LO,HI (default 20,30)")
-    p.add_argument("--faults", type=_kinds, default=KINDS, help=f"fault kinds (default {','.join(KINDS)})")
+    p.add_argument("--faults", type=_kinds, default=KINDS,
+                   help=f"fault kinds (default {','.join(KINDS)}; \"\" for a run without faults)")
     p.add_argument("--fault-order", choices=("shuffled", "given"), default="shuffled",
                    help="each round of faults in a seeded order, or in the order of --faults")
     p.add_argument("--chaos-every", type=_range(float, "--chaos-every"), default=(20.0, 45.0),

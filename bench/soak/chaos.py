@@ -49,7 +49,7 @@ def plan(rng: random.Random, p: ChaosParams, start_s: float, end_s: float) -> li
     """``[(t_s, kind), ...]`` in time order, within ``[start_s, end_s - p.quiet_s)``."""
     out: list[tuple[float, str]] = []
     t = start_s
-    while True:
+    while p.kinds:
         kinds = list(p.kinds)
         if p.shuffle:
             rng.shuffle(kinds)
@@ -58,6 +58,7 @@ def plan(rng: random.Random, p: ChaosParams, start_s: float, end_s: float) -> li
             if t >= end_s - p.quiet_s:
                 return out
             out.append((round(t, 2), k))
+    return out
 
 
 class Chaos:
