@@ -1,0 +1,263 @@
+"""The soak's numbers: hot-load latencies, memory and fd slopes, log rates, and the text summary.
+
+Slopes are least-squares lines (``numpy.polyfit``, degree 1) over one daemon life's samples after
+its first ``warmup_s`` seconds, in MB/min (RSS) and fds/min; a life needs at least ``min_span_s``
+seconds of samples after warm-up to get one. The node's reported slope is that of its longest life
+(``node0`` is spared by the chaos loop, so it has the whole run). "Flat" is judged on the growth
+the slope implies over the run: below ``RSS_FLAT_MB`` MB and ``FD_FLAT`` fds over the run's
+minutes, judged only on a life of at least ``JUDGE_MIN_S`` seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RSS_FLAT_MB = 50.0
+FD_FLAT = 20.0
+JUDGE_MIN_S = 600.0  # a life shorter than this gets slopes but no flat/growing verdict
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100, linear interpolation), None for no data."""
+    return round(float(np.percentile(np.asarray(xs, dtype=float), q)), 3) if xs else None
+
+
+def slope_per_min(ts: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ``ys`` against ``ts`` (seconds), per minute."""
+    return float(np.polyfit(np.asarray(ts, float) / 60.0, np.asarray(ys, float), 1)[0])
+
+
+def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat_over_min: float) -> dict[str, Any]:
+    """Per node: each life's RSS / fd first-last-max and slope; the node's slope from its longest life."""
+    lives: dict[tuple[str, int], list[list[Any]]] = {}
+    for s in samples:
+        lives.setdefault((s[1], s[2]), []).append(s)
+    out: dict[str, Any] = {}
+    for (node, pid), ss in sorted(lives.items()):
+        t0 = ss[0][0]
+        late = [s for s in ss if s[0] - t0 >= warmup_s]
+        life: dict[str, Any] = {
+            "pid": pid, "from_s": ss[0][0], "to_s": ss[-1][0], "samples": len(ss),
+            "rss_mb_first": round(ss[0][3] / 1024, 1), "rss_mb_last": round(ss[-1][3] / 1024, 1),
+            "rss_mb_max": round(max(s[3] for s in ss) / 1024, 1),
+            "fds_first": ss[0][4], "fds_last": ss[-1][4], "fds_max": max(s[4] for s in ss),
+            "cpu_s": ss[-1][5],
+        }
+        if len(late) >= 3 and late[-1][0] - late[0][0] >= min_span_s:
+            life["rss_mb_per_min"] = round(slope_per_min([s[0] for s in late], [s[3] / 1024 for s in late]), 3)
+            life["fds_per_min"] = round(slope_per_min([s[0] for s in late], [s[4] for s in late]), 3)
+            if len(late[0]) > 7:
+                life["anon_mb_per_min"] = round(slope_per_min([s[0] for s in late], [s[7] / 1024 for s in late]), 3)
+        out.setdefault(node, {"lives": []})["lives"].append(life)
+    for node, rec in out.items():
+        sloped = [lf for lf in rec["lives"] if "rss_mb_per_min" in lf]
+        rec["fds_max"] = max(lf["fds_max"] for lf in rec["lives"])
+        rec["rss_mb_max"] = max(lf["rss_mb_max"] for lf in rec["lives"])
+        if sloped:
+            best = max(sloped, key=lambda lf: lf["to_s"] - lf["from_s"])
+            rec["slope_life_pid"] = best["pid"]
+            rec["slope_life_min"] = round((best["to_s"] - best["from_s"]) / 60, 1)
+            rec["rss_mb_per_min"] = best["rss_mb_per_min"]
+            rec["fds_per_min"] = best["fds_per_min"]
+            if "anon_mb_per_min" in best:
+                rec["anon_mb_per_min"] = best["anon_mb_per_min"]
+            if best["to_s"] - best["from_s"] >= JUDGE_MIN_S:  # shorter lives: numbers, no verdict
+                rec["flat"] = (abs(best["rss_mb_per_min"]) * flat_over_min < RSS_FLAT_MB
+                               and abs(best["fds_per_min"]) * flat_over_min < FD_FLAT)
+    return out
+
+
+def log_rates(samples: list[list[Any]], minutes: float) -> dict[str, Any]:
+    """Per node: lines in the log over the run, lines per minute, and the busiest minute."""
+    out: dict[str, Any] = {}
+    by_node: dict[str, list[list[Any]]] = {}
+    for s in samples:
+        by_node.setdefault(s[1], []).append(s)
+    for node, ss in sorted(by_node.items()):
+        per_min: Counter[int] = Counter()
+        prev = ss[0][6]
+        for s in ss[1:]:
+            per_min[int(s[0] // 60)] += s[6] - prev
+            prev = s[6]
+        out[node] = {"lines": ss[-1][6], "per_min": round(ss[-1][6] / max(minutes, 1e-9), 1),
+                     "busiest_min": max(per_min.values()) if per_min else 0}
+    return out
+
+
+_NUM = re.compile(r"\b[0-9a-f]{8,}\b|\d+(\.\d+)?")
+
+
+def top_log_lines(paths: dict[str, Path], levels: tuple[str, ...] = ("WARNING", "ERROR", "CRITICAL"),
+                  n: int = 15) -> list[dict[str, Any]]:
+    """The most frequent warning/error messages over every daemon's log (numbers and hex masked)."""
+    c: Counter[str] = Counter()
+    example: dict[str, str] = {}
+    for p in paths.values():
+        try:
+            text = p.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if not any(f" {lv} " in line or f'"{lv}"' in line for lv in levels):
+                continue
+            body = line.split(" ", 2)[-1] if line[:4].isdigit() else line
+            key = _NUM.sub("#", body)[:200]
+            c[key] += 1
+            example.setdefault(key, line[:400])
+    return [{"count": k, "pattern": pat, "example": example[pat]} for pat, k in c.most_common(n)]
+
+
+_LIAR = re.compile(r"snapshot (\S+): peer liar sent bad bytes")
+
+
+def liar_hits(paths: dict[str, Path]) -> dict[str, Any]:
+    """Bad chunks each daemon took from the liar, per snapshot (its "sent bad bytes" log lines).
+
+    A penalty (``penalty_s``) should send a daemon elsewhere after the first; many per snapshot
+    means requests already queued for the liar still went to it (issue 12, item 8)."""
+    per: dict[str, dict[str, int]] = {}
+    for node, p in sorted(paths.items()):
+        try:
+            text = p.read_text(errors="replace")
+        except OSError:
+            continue
+        for m in _LIAR.finditer(text):
+            per.setdefault(node, {}).setdefault(m.group(1), 0)
+            per[node][m.group(1)] += 1
+    counts = [n for d in per.values() for n in d.values()]
+    return {"total": sum(counts), "max_per_snapshot": max(counts, default=0), "by_node": per}
+
+
+def hotload_stats(hotloads: list[dict[str, Any]]) -> dict[str, Any]:
+    done = [h for h in hotloads if h["outcome"] == "done"]
+    ready = [h["ready_s"] for h in hotloads if h["ready_s"] is not None]
+    outcomes = Counter(h["outcome"] for h in hotloads)
+    return {
+        "posted": len(hotloads),
+        "completed": len(done),
+        "completed_after_faults": sum(1 for h in done if h["faults_before"] > 0),
+        "outcomes": dict(outcomes),
+        "post_to_all_done_s": {"p50": percentile([h["done_s"] for h in done], 50),
+                               "p99": percentile([h["done_s"] for h in done], 99),
+                               "max": max((h["done_s"] for h in done), default=None)},
+        "post_to_all_ready_s": {"p50": percentile(ready, 50), "p99": percentile(ready, 99),
+                                "max": max(ready, default=None), "n": len(ready)},
+        "posts_needing_retry": sum(1 for h in hotloads if len(h["attempts"]) > 1),
+    }
+
+
+_NUMS = re.compile(r"step\d+|\d+")
+
+
+def findings(r: dict[str, Any]) -> list[str]:
+    """What the daemon did wrong in this run, one line each (the report's FINDING lines)."""
+    out: list[str] = []
+    engine_node = r.get("engine_node", "node1")
+    v = r["verify"]
+    if v["wrong_bytes_handed_out"]:
+        out.append(f"{v['wrong_bytes_handed_out']} wrong answers: {v['wrong'][:3]}")
+    for e in r["unexpected_exits"]:
+        out.append(f"{e.get('node')} exited on its own at {e.get('t_s')} s with rc {e.get('rc')}")
+    for e in r["chaos"]:
+        if e.get("action") == "restart_failed":
+            out.append(f"{e['node']} did not come back after a restart at {e['t_s']} s: {e['error']}")
+    for node, rec in r["resources"].items():
+        if rec.get("flat") is False:
+            out.append(f"{node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min "
+                       f"over {rec['slope_life_min']} min")
+    stuck: Counter[str] = Counter()
+    engine_wait = 0  # not done only because an engine did not acknowledge (bytes ready there)
+    for h in r["hotload_records"]:
+        if h["outcome"] in ("not_done_before_next", "not_done_at_end"):
+            for nd in h["not_done"]:
+                if nd["node"] == engine_node and nd.get("stage") in ("ready", "loading"):
+                    engine_wait += 1
+                else:
+                    stuck[f"{nd['node']} stage {nd.get('stage')}"] += 1
+    crashes = [e for e in r["chaos"] if e.get("fault") == "engine_crash"]
+    if engine_wait:
+        out.append(f"replica {engine_node} (the engine's) held the snapshot ready but was not done in "
+                   f"{engine_wait} hot-load(s)" + (f"; engine crashes at {[e['t_s'] for e in crashes]} s: a crashed "
+                   "engine's registration is never dropped (issue 10, engine liveness)" if crashes else ""))
+    for k, n in stuck.most_common():
+        out.append(f"replica {k}: not done in {n} hot-load(s)")
+    failed = r["verify"].get("failed_snapshots", [])
+    if failed:
+        reasons = Counter(_NUMS.sub("#", f["reason"])[:160] for f in failed)
+        out.append(f"{len(failed)} snapshot failures on live daemons; reasons: {dict(reasons.most_common(4))}")
+    lh = r.get("liar_bad_chunks_taken") or {}
+    if lh.get("max_per_snapshot", 0) > 2:
+        worst = max(((n, i, k) for n, d in lh["by_node"].items() for i, k in d.items()), key=lambda x: x[2])
+        out.append(f"{worst[0]} took {worst[2]} bad chunks from the liar for {worst[1]} ({lh['total']} in all): the "
+                   "penalty does not redirect the requests already queued for a lying peer (issue 12, item 8)")
+    if r["end"]["not_alive"]:
+        out.append(f"not alive at the end: {r['end']['not_alive']}")
+    bad = {k: v for k, v in r["end"]["shutdown"].items() if v != "exit 0"}
+    if bad:
+        out.append(f"SIGTERM at the end did not give exit 0: {bad}; their logs after 'stopping': "
+                   f"{ {k: v[:4] for k, v in r.get('shutdown_logs', {}).items()} }")
+    return out
+
+
+def text_summary(r: dict[str, Any]) -> str:
+    """A few lines for a human: the numbers the issue asks for, and anything that went wrong."""
+    h, v = r["hotloads"], r["verify"]
+    lines = [
+        f"soak: {r['config']['nodes']} daemons, {r['elapsed_min']:.1f} min, seed {r['config']['seed']}, "
+        f"{len([e for e in r['chaos'] if e.get('fault')])} faults "
+        f"({', '.join(f'{k} {n}' for k, n in sorted(r['faults_by_kind'].items()))})",
+        f"hot-loads: {h['posted']} posted, {h['completed']} completed ({h['completed_after_faults']} after a fault), "
+        f"outcomes {h['outcomes']}",
+        f"POST -> all live replicas done: p50 {h['post_to_all_done_s']['p50']} s, p99 {h['post_to_all_done_s']['p99']} s; "
+        f"-> all ready: p50 {h['post_to_all_ready_s']['p50']} s, p99 {h['post_to_all_ready_s']['p99']} s",
+        f"wrong bytes handed out: {v['wrong_bytes_handed_out']} ({v['distinct_ready']} ready snapshots, "
+        f"{v['snapshot_checks']} checks, {v['bytes_hashed'] / 1e9:.2f} GB hashed, {v['http_range_checks']} range reads, "
+        f"{v['engine_checks']} engine digests)",
+    ]
+    for node, rec in sorted(r["resources"].items()):
+        if "rss_mb_per_min" in rec:
+            lines.append(f"  {node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min over "
+                         f"{rec['slope_life_min']} min ({ {True: 'flat', False: 'GROWING', None: 'too short to judge'}[rec.get('flat')] }); max RSS "
+                         f"{rec['rss_mb_max']} MB, max fds {rec['fds_max']}; log {r['logs'].get(node, {}).get('per_min')} lines/min")
+    lh = r.get("liar_bad_chunks_taken")
+    if lh:
+        lines.append(f"bad chunks taken from the liar: {lh['total']} (at most {lh['max_per_snapshot']} by one daemon "
+                     "for one snapshot)")
+    if r["unexpected_exits"]:
+        lines.append(f"daemons that exited on their own: {[(e.get('node'), e.get('rc')) for e in r['unexpected_exits']]}")
+    lines.append(f"at the end: alive {r['end']['alive']}, not alive {r['end']['not_alive']}; shutdown {r['end']['shutdown']}")
+    for f in r["findings"]:
+        lines.append(f"FINDING: {f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.soak.report RESULT.json [--write]``: print the summary of a finished run,
+    recomputing the log-derived sections from its workdir's logs when they are still there."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="python -m bench.soak.report", description=main.__doc__.splitlines()[0])
+    ap.add_argument("result", type=Path)
+    ap.add_argument("--write", action="store_true", help="write the recomputed sections back into RESULT")
+    a = ap.parse_args(argv)
+    r = json.loads(a.result.read_text())
+    work = Path(r["config"]["workdir"])
+    logs = {f"node{i}": work / f"node{i}" / "bdnd.log" for i in range(r["config"]["nodes"])}
+    if all(p.exists() for p in logs.values()):
+        r["liar_bad_chunks_taken"] = liar_hits(logs)
+        r["top_log_lines"] = top_log_lines(logs)
+    r["findings"] = findings(r)
+    print(text_summary(r))
+    if a.write:
+        a.result.write_text(json.dumps(r, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
