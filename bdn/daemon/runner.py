@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -18,6 +19,7 @@ from typing import Any, Protocol, TypeVar
 from bdn.bucket import ObjectNotFound
 from bdn.daemon import diskio, logctx
 from bdn.daemon.bitfield import Bitfield
+from bdn.daemon.chunklist import check_limits
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
@@ -82,7 +84,8 @@ class Runner:
                 jobs.check_budget(m)
                 await self._on(self.pools.disk, self.store.prepare_staging, m)
             job.flusher = asyncio.create_task(self._progress_flusher(job))
-            self.index.add_pending(job, STORED, job.stored_refs)
+            # (a disk thread: one keyed address per chunk, seconds for millions of them)
+            await self._on(self.pools.disk, self.index.add_pending, job, STORED, job.stored_refs)
             job.set_state("downloading")
             await job.notify()
             log.info("snapshot %s: %s, %d files, %d stored bytes", job.identity, m.kind, len(m.files), m.stored_bytes)
@@ -95,8 +98,8 @@ class Runner:
                 await job.notify()
             final = await self._on(self.pools.disk, self.store.publish, m)
             job.set_state("ready")
-            log.info("snapshot %s: ready at %s (stages %s)", job.identity, final,
-                     {k: round(v, 3) for k, v in job.stages.items()})
+            log.info("snapshot %s: ready at %s (stages: %s)", job.identity, final,
+                     " ".join(f"{k}={v:.3f}s" for k, v in job.stages.items()))
             jobs.gc()
         except asyncio.CancelledError:
             self.save_progress(job)  # a clean stop resumes like a crash, from what is verified
@@ -104,7 +107,7 @@ class Runner:
         except (BdnError, OSError) as e:
             reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                reason = f"shm full while writing {job.identity!r}: {self.store.free_bytes()} bytes free on {self.store.root} ({e.strerror})"
+                reason = f"shm full while writing {job.identity}: {self.store.free_bytes()} bytes free on {self.store.root} ({e.strerror})"
             job.set_state("failed", reason.splitlines()[0] if reason else type(e).__name__)
             log.error("snapshot %s: failed: %s", job.identity, job.reason)
             jobs.forget(job)
@@ -117,7 +120,8 @@ class Runner:
         finally:
             if job.flusher is not None:
                 job.flusher.cancel()
-            self.index.drop_pending(job, job.stored_refs)
+            if job.stored_refs:
+                await asyncio.shield(self._on(self.pools.disk, self.index.drop_pending, job, job.stored_refs))
             await job.notify()
 
     async def _resume(self, job: SnapshotJob, saved: tuple[bytes, bytes]) -> None:
@@ -170,12 +174,12 @@ class Runner:
             except ObjectNotFound:
                 if not self.cfg.require_manifest:
                     raise BdnError(
-                        f"snapshot {job.identity!r} has no {MANIFEST_NAME}; listing-based loading "
+                        f"snapshot {job.identity} has no {MANIFEST_NAME}; listing-based loading "
                         "(require_manifest = false) is not implemented yet"
                     ) from None
                 if self.clock.monotonic() >= deadline:
                     raise BdnError(
-                        f"snapshot {job.identity!r} is not published: {MANIFEST_NAME} did not "
+                        f"snapshot {job.identity} is not published: {MANIFEST_NAME} did not "
                         f"appear within {self.cfg.manifest_wait_s:g} s"
                     ) from None
                 if not job.reason.startswith("waiting for manifest"):
@@ -185,7 +189,10 @@ class Runner:
                 await asyncio.sleep(self.cfg.manifest_poll_s)
         self.stats.add("bucket_manifest_bytes", len(data))
         job.manifest_digest = xxh3_digest(data)
-        return Manifest.from_json(data, expect_identity=job.identity)
+        # off the event loop: a manifest of a million chunks takes seconds to parse and validate
+        m = await self._on(self.pools.disk, functools.partial(Manifest.from_json, expect_identity=job.identity), data)
+        check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
+        return m
 
     async def _run_delta(self, job: SnapshotJob, m: Manifest) -> None:
         assert m.base_identity is not None and self.jobs is not None
@@ -212,7 +219,7 @@ class Runner:
             raise
         await download
         if base.state != "ready":
-            raise BdnError(f"base snapshot {base_id!r} failed: {base.reason}")
+            raise BdnError(f"base snapshot {base_id} failed: {base.reason}")
         job.set_state("applying")
         await job.notify()
         await self._on(self.pools.apply, diskio.apply_delta, m, self.store.ready_dir(base_id),

@@ -25,7 +25,9 @@ read as a counted *fallback*.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 from dataclasses import dataclass
 
 from bdn.daemon.clock import Clock
@@ -57,6 +59,68 @@ class ReadBucket:
     """This node reached itself at HRW position ``pos``: read the bucket if it is the owner."""
 
     pos: int
+
+
+class Positions(Protocol):
+    """What :func:`owned_first` needs of a have-bitfield."""
+
+    def __getitem__(self, i: int) -> bool: ...
+    def clear_positions(self) -> Any: ...
+
+
+YIELD_EVERY = 1024  # positions looked at before owned_first hands the event loop a turn
+
+
+def owned_first(
+    bits: Positions, refs: Sequence[Any], nodes: Sequence[str], self_id: str,
+) -> Iterator[int | None]:
+    """The positions of ``bits``'s clear bits, those whose chunk (``refs[i]``, or
+    ``refs.digest(i)`` when the sequence has it) this node owns by HRW among ``nodes`` first, then
+    the others, each part in manifest order.
+
+    Lazy and compact, for layers of millions of chunks: the owners are computed as the positions
+    are drawn (so no step takes long), the deferred positions are kept in a 4-byte array, and a
+    position whose bit got set meanwhile is skipped. Several workers may draw from one iterator.
+    ``None`` is drawn after every ``YIELD_EVERY`` positions looked at without a result: the drawer
+    gives the event loop a turn (``await asyncio.sleep(0)``) and draws again.
+    """
+    digest = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
+    missing = bits.clear_positions()
+    if len(nodes) <= 1:
+        idle = 0
+        for i in missing:
+            if not bits[int(i)]:
+                idle = 0
+                yield int(i)
+                continue
+            idle += 1
+            if idle >= YIELD_EVERY:
+                idle = 0
+                yield None
+        return
+    later = array("I")
+    idle = 0
+    for i in missing:
+        i = int(i)
+        if not bits[i] and hrw.owner(nodes, digest(i)) == self_id:
+            idle = 0
+            yield i
+            continue
+        if not bits[i]:
+            later.append(i)
+        idle += 1
+        if idle >= YIELD_EVERY:
+            idle = 0
+            yield None
+    for i in later:
+        if not bits[i]:
+            idle = 0
+            yield i
+            continue
+        idle += 1
+        if idle >= YIELD_EVERY:
+            idle = 0
+            yield None
 
 
 def endgame(left: int, holders: int, endgame_chunks: int) -> bool:

@@ -16,6 +16,7 @@ from bdn.bucket import BucketError, ObjectNotFound
 from bdn.daemon import diskio, retry_policy
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.config import Config
+from bdn.daemon.lograte import RepeatLog
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError
 from bdn.daemon.ratelimit import RateLimit
@@ -62,6 +63,7 @@ class Sources:
         self.peer_sem = asyncio.Semaphore(cfg.max_inflight)
         self.download_limit = RateLimit.from_mbit(cfg.peer_download_mbit)
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
+        self.repeat = RepeatLog(log, cfg.log_repeat_s)  # lines that can repeat per chunk
 
     async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -94,8 +96,11 @@ class Sources:
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
         m.inflight += 1
+        buf: bytearray | None = None
         try:
             async with sem, self.peer_sem:
+                if self.membership.redirected(m):
+                    return False  # penalised (or gone) while this request was queued for it
                 await self.download_limit.take(ref.length)
                 self.stats.inflight["peer"] += 1
                 try:
@@ -111,6 +116,8 @@ class Sources:
                         me = asyncio.current_task()
                         if me is not None and me.cancelling():
                             raise  # this acquisition itself is being cancelled
+                        if self.membership.redirected(m) and m.alive:
+                            return False  # penalised meanwhile: its queue goes elsewhere at once
                         raise PeerError(f"{m.url}: left the swarm while the request waited") from None
                     finally:
                         m.requests.discard(req)
@@ -133,9 +140,10 @@ class Sources:
         if not good:
             self.stats.verify_failed(m.node_id)
             self.membership.penalise(m.url, self.cfg.penalty_s)
-            log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
-                        job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s,
-                        extra={"peer": m.node_id})
+            self.repeat.log(logging.WARNING, ("bad bytes", m.url),
+                            "snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
+                            job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s,
+                            extra={"peer": m.node_id})
             return False
         job.bytes_from_peers += ref.length
         self.stats.add("peer_bytes_in", ref.length)
@@ -182,8 +190,9 @@ class Sources:
                         raise BdnError(f"bucket read of {key} failed: {e}") from None
                     if not await self.verify_write(buf, ref, target):
                         self.stats.verify_failed("bucket")
-                        log.warning("snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
-                                    job.identity, key, ref.index)
+                        self.repeat.log(logging.WARNING, ("bucket bad bytes", job.identity),
+                                        "snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
+                                        job.identity, key, ref.index)
                         raise retry_policy.BadBytes()
         except retry_policy.BadBytes:
             raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
@@ -192,4 +201,6 @@ class Sources:
         self.stats.add(f"bucket_chunks_{role}")
         job.bytes_from_bucket += ref.length
         if not owner:
-            log.info("snapshot %s: chunk %d of %s read from the bucket as a fallback", job.identity, ref.index, ref.path)
+            self.repeat.log(logging.INFO, ("fallback", job.identity),
+                            "snapshot %s: chunk %d of %s read from the bucket as a fallback",
+                            job.identity, ref.index, ref.path)

@@ -1,0 +1,57 @@
+"""RepeatLog (bdn.daemon.lograte) and ChunkList/check_limits (bdn.daemon.chunklist): pure, with
+a fake clock (issue 12, item 2)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from bdn.daemon.chunklist import ChunkList, SnapshotTooLarge, check_limits
+from bdn.daemon.clock import FakeClock
+from bdn.daemon.lograte import RepeatLog
+from bdn.proto.manifest import FileEntry, Manifest
+
+
+def test_repeat_log_writes_once_per_interval_then_a_summary(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    log = logging.getLogger("test.repeat")
+    r = RepeatLog(log, 10.0, clock)
+    with caplog.at_level(logging.WARNING, "test.repeat"):
+        assert r.log(logging.WARNING, "bad", "chunk %d bad", 1)
+        for i in range(2, 1000):
+            assert not r.log(logging.WARNING, "bad", "chunk %d bad", i)
+        assert r.log(logging.WARNING, "other", "other %d", 1)  # another kind has its own window
+        clock.advance(10.0)
+        assert r.log(logging.WARNING, "bad", "chunk %d bad", 1000)
+    msgs = [rec.getMessage() for rec in caplog.records]
+    assert msgs == ["chunk 1 bad", "other 1", "chunk 1000 bad (and 998 more like it in the last 10 s)"]
+
+
+def _manifest() -> Manifest:
+    files = (
+        FileEntry("a.bin", 10_000, tuple(f"{i:032x}" for i in range(3))),
+        FileEntry("empty.txt", 0, ()),
+        FileEntry("b.bin", 4096, (f"{9:032x}",)),
+    )
+    return Manifest(identity="step000001", kind="full", policy_version=1, chunk_size=4096, files=files)
+
+
+def test_chunk_list_is_the_manifest_order_without_one_object_per_chunk() -> None:
+    m = _manifest()
+    cl = ChunkList(m, result=False)
+    assert list(cl) == list(m.stored_chunks())
+    assert [cl[i] for i in range(len(cl))] == list(m.stored_chunks()) and cl[-1] == list(m.stored_chunks())[-1]
+    assert [cl.position(r) for r in cl] == list(range(4))
+    assert [cl.digest(i) for i in range(4)] == list(cl.digests()) == [r.digest for r in cl]
+    with pytest.raises(IndexError):
+        cl[4]
+
+
+def test_limits_refuse_naming_the_numbers() -> None:
+    m = _manifest()
+    check_limits(m, 4, 3)
+    with pytest.raises(SnapshotTooLarge, match=r"lists 4 chunks, over max_chunks_per_snapshot = 3"):
+        check_limits(m, 3, 0)
+    with pytest.raises(SnapshotTooLarge, match=r"lists 3 files, over max_files_per_snapshot = 2"):
+        check_limits(m, 0, 2)
