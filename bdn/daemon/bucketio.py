@@ -67,14 +67,15 @@ class BucketIO:
         """Whether the bucket is reachable, cheaply (for readiness): None, or the one-line reason.
 
         A ``file://`` bucket must be an existing directory; an ``s3://``/``gs://`` bucket must
-        answer a HEAD of ``STARTUP_SNAPSHOT`` (absent is fine: the bucket exists). Outside the
-        semaphore, so a busy download cannot delay it."""
+        answer a listing of the keys that start with ``STARTUP_SNAPSHOT`` (a HEAD cannot tell a
+        missing bucket from a missing key: both are a bare 404). Outside the semaphore, so a
+        busy download cannot delay it."""
         scheme, root, _ = check_bucket_url(self.url)
         if scheme == "file":
             ok = await self._run(os.path.isdir, root)
             return None if ok else f"{self.url}: no such directory"
         try:
-            await self._run(self.bucket.stat, STARTUP_NAME)
+            await self._run(self.bucket.list, STARTUP_NAME)
         except ObjectNotFound:
             return None
         except BucketError as e:

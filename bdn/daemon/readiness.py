@@ -4,9 +4,9 @@
 
 1. both ports listen (the peer port and the local API),
 2. the bucket is reachable: a cheap probe (``BucketIO.probe``: the root directory of a
-   ``file://`` bucket exists; an ``s3://``/``gs://`` bucket answers a HEAD of
-   ``STARTUP_SNAPSHOT``, present or not), cached ``PROBE_TTL_S`` seconds, bounded by
-   ``PROBE_TIMEOUT_S``,
+   ``file://`` bucket exists; an ``s3://``/``gs://`` bucket answers a listing of
+   ``STARTUP_SNAPSHOT``, present or not), renewed in the background every ``PROBE_TTL_S``
+   seconds (only the first check waits for one, at most ``PROBE_TIMEOUT_S``),
 3. startup is over (membership settled) and the replica's target (``STARTUP_SNAPSHOT``'s
    snapshot, or the fleet's hot-load target) is loaded or loading, not failed.
 
@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from bdn.daemon.clock import Clock
 
 PROBE_TTL_S = 10.0
-PROBE_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 1.5
 
 
 class Probe(Protocol):
@@ -50,21 +50,30 @@ class Readiness:
         self.started = False
         self._probed_at: float | None = None
         self._probe_error: str | None = None
-        self._probing: asyncio.Task[str | None] | None = None
+        self._probing: asyncio.Future[None] | None = None
 
     async def bucket_error(self) -> str | None:
-        """Why the bucket is not reachable (None: it is), from a probe at most ``PROBE_TTL_S`` old."""
+        """Why the bucket is not reachable (None: it is). A probe older than ``PROBE_TTL_S`` is
+        renewed in the background while its last answer is used; only the very first check
+        waits for one, at most ``PROBE_TIMEOUT_S``."""
         now = self.clock.monotonic()
-        if self._probed_at is not None and now - self._probed_at < PROBE_TTL_S:
+        stale = self._probed_at is None or now - self._probed_at >= PROBE_TTL_S
+        if stale and (self._probing is None or self._probing.done()):
+            self._probing = asyncio.ensure_future(self._probe())
+        if self._probed_at is not None or self._probing is None:
             return self._probe_error
-        if self._probing is None or self._probing.done():
-            self._probing = asyncio.ensure_future(self.bucket.probe())
         try:
-            err = await asyncio.wait_for(asyncio.shield(self._probing), PROBE_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(self._probing), PROBE_TIMEOUT_S)
         except asyncio.TimeoutError:
-            err = f"bucket did not answer a probe within {PROBE_TIMEOUT_S:g} s"
+            return f"the bucket did not answer a probe within {PROBE_TIMEOUT_S:g} s"
+        return self._probe_error
+
+    async def _probe(self) -> None:
+        try:
+            err = await self.bucket.probe()
+        except Exception as e:  # a probe that breaks says so, it does not break readiness
+            err = f"probe failed: {type(e).__name__}: {e}"
         self._probed_at, self._probe_error = self.clock.monotonic(), err
-        return err
 
     def snapshot_reason(self) -> str | None:
         """Why the target snapshot is neither loaded nor loading (None: it is, or there is none)."""
