@@ -451,3 +451,50 @@ def test_ready_once_listening_and_the_startup_snapshot_loads(tmp_path: Path) -> 
         assert _ready(d, True)["ready"]
     finally:
         d.stop()
+
+
+# Python reprs an operator should never read in a log message: quoted names, dicts, lists, paths.
+REPR = re.compile(r"'step\d|\{'|\['|PosixPath\(|\(stages \{")
+
+
+def test_json_logs_plain_messages_node_id_on_every_line_and_no_botocore(tmp_path: Path, s3_bucket: Any) -> None:
+    """Issue 12, item 14: against a real S3 API (moto), a snapshot loaded and one that fails:
+    every line is one JSON object with node_id; messages carry no Python reprs; botocore's
+    INFO lines (credential lookups) do not reach the daemon's log."""
+    import json as _json
+
+    from bdn.bucket import open_bucket
+    from bdn.publish import publish_full
+    from support.checkpoints import make_state, write_hf_dir
+
+    bucket, endpoint = s3_bucket
+    b = open_bucket(bucket, endpoint_url=endpoint)
+    try:
+        publish_full(b, "step000001", 1, dir=write_hf_dir(tmp_path / "ck", make_state(0), 1), chunk_size=64 << 10)
+    finally:
+        b.close()
+    d = Daemon(tmp_path / "nodes", "node0", bucket, extra_env={
+        "BDN_LOG_JSON": "true", "BDN_LOAD_STARTUP": "false", "BDN_ENDPOINT_URL": endpoint,
+        "BDN_MANIFEST_WAIT_S": "0.5", "BDN_LOG_LEVEL": "debug", "BDN_STARTUP_SETTLE_S": "0",
+    })
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        d.wait_ready("step000001")
+        assert d.prefetch("step000009")[0] == 202  # never published: fails with a reason
+        deadline = time.monotonic() + 60
+        while d.get("/v1/snapshots/step000009")["state"] != "failed":
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.1)
+    finally:
+        d.stop()
+    raw = [x for x in d.log_path.read_text().splitlines() if x.strip()]
+    lines = [_json.loads(x) for x in raw]  # every line is one JSON object
+    assert lines and all(x["node_id"] == "node0" for x in lines)
+    assert not [x for x in lines if x["logger"].startswith(("botocore", "boto3", "urllib3", "s3transfer"))
+                and x["level"] in ("debug", "info")]
+    bad = [x["msg"] for x in lines if REPR.search(x["msg"])]
+    assert not bad, bad
+    assert any("ready at" in x["msg"] and "stages: " in x["msg"] for x in lines)
+    assert any("step000009" in x["msg"] and "failed" in x["msg"] for x in lines)
