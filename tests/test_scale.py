@@ -97,8 +97,10 @@ def test_a_million_chunks_keep_health_memory_and_sigterm(tmp_path: Path) -> None
                 seen_downloading += 1
             time.sleep(0.2)
         peak = max(peak, _rss(d.proc.pid))  # type: ignore[union-attr]
+        print(f"peak RSS {peak} bytes")
         assert peak < RSS_BOUND, f"RSS reached {peak} bytes"
         lag = _metric(d, "bdn_event_loop_lag_max_seconds")
+        print(f"event loop lag max {lag} s")
         assert lag is not None and lag < 2.0, f"event loop lag {lag}"
         # SIGTERM in the middle of it: exits, cleanly.
         d.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]

@@ -13,7 +13,7 @@ import asyncio
 import errno
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 from bdn.bucket import ObjectNotFound
@@ -33,7 +33,7 @@ from bdn.daemon.stats import Stats
 from bdn.daemon.store import Store
 from bdn.proto.chunks import digest as xxh3_digest
 from bdn.proto.errors import BdnError
-from bdn.proto.manifest import MANIFEST_NAME, Manifest
+from bdn.proto.manifest import MANIFEST_NAME, ChunkRef, Manifest
 
 log = logging.getLogger("bdn.runner")
 T = TypeVar("T")
@@ -140,10 +140,8 @@ class Runner:
                               lambda fi: job.file_path(RESULT, fi))
         job.resumed(STORED, ok_s)
         job.resumed(RESULT, ok_r)
-        for i in ok_s:
-            self.index.register(job, STORED, job.stored_refs[i])
-        for i in ok_r:
-            self.index.register(job, RESULT, job.result_refs[i])
+        await self._register(job, STORED, (job.stored_refs[i] for i in ok_s))
+        await self._register(job, RESULT, (job.result_refs[i] for i in ok_r))
         log.info("snapshot %s: resumed with %d of %d stored chunks verified on disk",
                  job.identity, len(ok_s), len(job.stored_refs))
 
@@ -228,8 +226,14 @@ class Runner:
         await job.notify()
         await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity))
         job.layer_complete(RESULT)
-        for ref in job.result_refs:
-            self.index.register(job, RESULT, ref)
+        await self._register(job, RESULT, job.result_refs)
+
+    async def _register(self, job: SnapshotJob, layer: str, refs: Iterable[ChunkRef]) -> None:
+        """Index verified chunks, handing the event loop a turn every 4096 (millions are possible)."""
+        for n, ref in enumerate(refs, 1):
+            self.index.register(job, layer, ref)
+            if n % 4096 == 0:
+                await asyncio.sleep(0)
 
     @staticmethod
     async def _await_job(job: SnapshotJob) -> SnapshotJob:
