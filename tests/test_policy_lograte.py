@@ -46,6 +46,8 @@ def test_chunk_list_is_the_manifest_order_without_one_object_per_chunk() -> None
     assert [cl.digest(i) for i in range(4)] == list(cl.digests()) == [r.digest for r in cl]
     with pytest.raises(IndexError):
         cl[4]
+    for picked in ([], [0], [2], [3], [0, 2, 3], [0, 1, 2, 3]):
+        assert cl.bytes_of(picked) == sum(cl[i].length for i in picked)
 
 
 def test_limits_refuse_naming_the_numbers() -> None:

@@ -156,7 +156,7 @@ def test_bitfield_clear_positions_and_set_all() -> None:
 
     b = Bitfield(13)
     b.set(0), b.set(12)
-    assert list(b.clear_positions()) == list(range(1, 12))
+    assert list(b.clear_positions()) == list(range(1, 12)) and list(b.set_positions()) == [0, 12]
     b.set_all()
     assert b.complete and b.count == 13 and list(b.clear_positions()) == []
     assert Bitfield(13, b.to_bytes()).count == 13

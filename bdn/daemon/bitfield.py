@@ -52,7 +52,14 @@ class Bitfield:
 
     def clear_positions(self) -> np.ndarray:
         """The positions of the clear bits, ascending (uint32 array; milliseconds for millions)."""
+        return self._positions(0)
+
+    def set_positions(self) -> np.ndarray:
+        """The positions of the set bits, ascending (uint32 array)."""
+        return self._positions(1)
+
+    def _positions(self, value: int) -> np.ndarray:
         if not self.n:
             return np.zeros(0, dtype=np.uint32)
         bits = np.unpackbits(np.frombuffer(bytes(self.bits), dtype=np.uint8))[: self.n]
-        return np.flatnonzero(bits == 0).astype(np.uint32)
+        return np.flatnonzero(bits == value).astype(np.uint32)

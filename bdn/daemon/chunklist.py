@@ -10,8 +10,10 @@ the manifest's (files in order, each file's chunks in order), the order of have-
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import overload
+
+import numpy as np
 
 from bdn.proto.errors import BdnError
 from bdn.proto.manifest import ChunkRef, Manifest
@@ -105,3 +107,21 @@ class ChunkList(Sequence[ChunkRef]):
     def position(self, ref: ChunkRef) -> int:
         """Where ``ref`` (a chunk of this layer) is in the order."""
         return self._starts[ref.file_index] + ref.index
+
+    def bytes_of(self, positions: Iterable[int]) -> int:
+        """Total length of the chunks at ``positions`` (distinct), without building their refs:
+        every chunk is ``chunk_size`` long but the last of each file."""
+        pos = np.fromiter(positions, dtype=np.int64)
+        if not len(pos):
+            return 0
+        cs = self.m.chunk_size
+        total = len(pos) * cs
+        lasts, short = [], []
+        for fi, f in enumerate(self.m.files):
+            k = len(self._chunks(fi))
+            if k:
+                size = f.result_size if self.result else f.size
+                lasts.append(self._starts[fi] + k - 1)
+                short.append(cs - (size - (k - 1) * cs))
+        hit = np.isin(np.asarray(lasts, dtype=np.int64), pos)
+        return int(total - np.asarray(short, dtype=np.int64)[hit].sum())

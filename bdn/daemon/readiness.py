@@ -64,14 +64,14 @@ class Readiness:
             return self._probe_error
         try:
             await asyncio.wait_for(asyncio.shield(self._probing), PROBE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return f"the bucket did not answer a probe within {PROBE_TIMEOUT_S:g} s"
         return self._probe_error
 
     async def _probe(self) -> None:
         try:
             err = await self.bucket.probe()
-        except Exception as e:  # a probe that breaks says so, it does not break readiness
+        except Exception as e:  # noqa: BLE001 - a probe that breaks says so, it does not break readiness
             err = f"probe failed: {type(e).__name__}: {e}"
         self._probed_at, self._probe_error = self.clock.monotonic(), err
 

@@ -121,7 +121,7 @@ class Runner:
             if job.flusher is not None:
                 job.flusher.cancel()
             if job.stored_refs:
-                await asyncio.shield(self._on(self.pools.disk, self.index.drop_pending, job, job.stored_refs))
+                await asyncio.shield(self._on(self.pools.disk, self.index.drop_pending_of, job))
             await job.notify()
 
     async def _resume(self, job: SnapshotJob, saved: tuple[bytes, bytes]) -> None:

@@ -11,7 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bdn.daemon.bitfield import Bitfield
@@ -147,7 +147,7 @@ class SnapshotJob:
         for i in positions:
             bits.set(i)
         if layer == STORED:
-            self.bytes_done = self.bytes_resumed = sum(self.stored_refs[i].length for i in positions)
+            self.bytes_done = self.bytes_resumed = self._bytes_of(STORED, positions)
         self.touch()
 
     def start_layer(self, layer: str) -> None:
@@ -156,7 +156,14 @@ class SnapshotJob:
             bits = self.bits(layer)
             self.fetch_layer = layer
             self.bytes_total = self.stored_bytes if layer == STORED else self.result_bytes
-            self.bytes_done = sum(r.length for i, r in enumerate(self.refs(layer)) if bits[i])  # type: ignore[index]
+            assert bits is not None
+            self.bytes_done = self._bytes_of(layer, bits.set_positions().tolist())
+
+    def _bytes_of(self, layer: str, positions: Iterable[int]) -> int:
+        refs = self.refs(layer)
+        if isinstance(refs, ChunkList):
+            return refs.bytes_of(positions)
+        return sum(refs[i].length for i in positions)
 
     def attach_manifest(self, m: Manifest) -> None:
         self.manifest = m

@@ -27,8 +27,8 @@ from __future__ import annotations
 import random
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Protocol
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from bdn.daemon.clock import Clock
 from bdn.daemon.layers import STORED
@@ -87,33 +87,28 @@ def owned_first(
     digest = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
     missing = bits.clear_positions()
     if len(nodes) <= 1:
-        idle = 0
-        for i in missing:
-            if not bits[int(i)]:
-                idle = 0
-                yield int(i)
-                continue
-            idle += 1
-            if idle >= YIELD_EVERY:
-                idle = 0
-                yield None
+        yield from _paced(missing, lambda i: not bits[i])
         return
     later = array("I")
+
+    def owned(i: int) -> bool:
+        if bits[i]:
+            return False
+        if hrw.owner(nodes, digest(i)) == self_id:
+            return True
+        later.append(i)
+        return False
+
+    yield from _paced(missing, owned)
+    yield from _paced(later, lambda i: not bits[i])
+
+
+def _paced(positions: Iterable[Any], wanted: Any) -> Iterator[int | None]:
+    """The positions ``wanted(i)`` accepts, and ``None`` after every ``YIELD_EVERY`` refused in a row."""
     idle = 0
-    for i in missing:
+    for i in positions:
         i = int(i)
-        if not bits[i] and hrw.owner(nodes, digest(i)) == self_id:
-            idle = 0
-            yield i
-            continue
-        if not bits[i]:
-            later.append(i)
-        idle += 1
-        if idle >= YIELD_EVERY:
-            idle = 0
-            yield None
-    for i in later:
-        if not bits[i]:
+        if wanted(i):
             idle = 0
             yield i
             continue
