@@ -57,3 +57,38 @@ def test_limits_refuse_naming_the_numbers() -> None:
         check_limits(m, 3, 0)
     with pytest.raises(SnapshotTooLarge, match=r"lists 3 files, over max_files_per_snapshot = 2"):
         check_limits(m, 0, 2)
+
+
+def test_log_args_are_rendered_without_python_reprs() -> None:
+    from pathlib import Path
+
+    from bdn.daemon.main import PlainArgs
+
+    rec = logging.LogRecord("bdn.x", logging.INFO, __file__, 1, "stages %s files %s at %s took %s",
+                            ({"queued": 0.1234, "ready": 2}, ["a.bin", "b.bin"], Path("/dev/shm/x"), 1.23456), None)
+    assert PlainArgs().filter(rec)
+    assert rec.getMessage() == "stages queued=0.123 ready=2 files a.bin,b.bin at /dev/shm/x took 1.235"
+
+
+def test_peer_connect_errors_read_as_words() -> None:
+    import asyncio
+    import socket
+
+    import aiohttp
+
+    from bdn.daemon.peer_client import why
+
+    with socket.socket() as s:  # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+        async def attempt() -> BaseException:
+            async with aiohttp.ClientSession() as session:
+                try:
+                    await session.get(f"http://127.0.0.1:{port}/")
+                except aiohttp.ClientError as e:
+                    return e
+            raise AssertionError("connected")
+
+        text = why(asyncio.run(attempt()))
+    assert text.startswith(f"cannot connect to 127.0.0.1:{port}: ") and "(" not in text and "[" not in text, text
