@@ -101,15 +101,17 @@ def test_a_million_chunks_keep_health_memory_and_sigterm(tmp_path: Path) -> None
         assert peak < RSS_BOUND, f"RSS reached {peak} bytes"
         lag = _metric(d, "bdn_event_loop_lag_max_seconds")
         print(f"event loop lag max {lag} s")
-        assert lag is not None and lag < 2.0, f"event loop lag {lag}"
+        # Generous: the one step left that holds the loop is json.loads of the 36 MB manifest on a
+        # worker thread (it keeps the GIL), about 0.5 s here when idle; before, health took 17 s.
+        assert lag is not None and lag < 5.0, f"event loop lag {lag}"
         # SIGTERM in the middle of it: exits, cleanly.
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         try:
-            rc = d.proc.wait(30)  # type: ignore[union-attr]
+            rc = d.proc.wait(20)  # type: ignore[union-attr]
             print(f"SIGTERM to exit {time.monotonic() - t0:.2f} s")
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"SIGTERM not honoured within 30 s:\n{d.log()}") from None
+            raise AssertionError(f"SIGTERM not honoured within 20 s:\n{d.log()}") from None
         assert rc == 0, d.log()
     finally:
         d.kill()
