@@ -91,52 +91,33 @@ class Sources:
         target: Path, wait: float, errors: list[str],
     ) -> bool:
         """Ask peer ``m`` (parked up to ``wait`` s). A busy answer counts in ``stats.busy_answers``;
-        a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it."""
+        a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it.
+
+        One of the peer's ``max_per_peer`` slots is held until the chunk is verified, so that
+        once a peer's bytes turn out bad, at most ``max_per_peer`` of its answers were taken: the
+        penalty then cancels those in flight, and the requests queued for the peer go elsewhere."""
         sem = self._peer_sems.get(m.url)
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
         m.inflight += 1
-        buf: bytearray | None = None
         try:
-            async with sem, self.peer_sem:
+            async with sem:
                 if self.membership.redirected(m):
                     return False  # penalised (or gone) while this request was queued for it
-                await self.download_limit.take(ref.length)
-                self.stats.inflight["peer"] += 1
                 try:
-                    # The buffer is taken only once the peer answers 200: a request parked at an
-                    # owner (``wait``) holds no memory.
-                    req = asyncio.ensure_future(self.peers.get_chunk(
-                        m.url, address, ref.length, self.pool.get, wait=wait, snapshot=job.identity
-                    ))
-                    m.requests.add(req)
-                    try:
-                        buf = await req
-                    except asyncio.CancelledError:
-                        me = asyncio.current_task()
-                        if me is not None and me.cancelling():
-                            raise  # this acquisition itself is being cancelled
-                        if self.membership.redirected(m) and m.alive:
-                            return False  # penalised meanwhile: its queue goes elsewhere at once
-                        raise PeerError(f"{m.url}: left the swarm while the request waited") from None
-                    finally:
-                        m.requests.discard(req)
-                        if not req.done():
-                            req.cancel()
-                finally:
-                    self.stats.inflight["peer"] -= 1
-        except PeerBusy:
-            self.stats.busy_answers += 1
-            return False
-        except PeerError as e:
-            errors.append(str(e))
-            self.membership.mark_failed(m.url)
-            return False
+                    buf = await self._request(job, m, address, ref, wait)
+                except PeerBusy:
+                    self.stats.busy_answers += 1
+                    return False
+                except PeerError as e:
+                    errors.append(str(e))
+                    self.membership.mark_failed(m.url)
+                    return False
+                if buf is None:
+                    return False
+                good = await self.verify_write(buf, ref, target)
         finally:
             m.inflight -= 1
-        if buf is None:
-            return False
-        good = await self.verify_write(buf, ref, target)
         if not good:
             self.stats.verify_failed(m.node_id)
             self.membership.penalise(m.url, self.cfg.penalty_s)
@@ -149,6 +130,37 @@ class Sources:
         self.stats.add("peer_bytes_in", ref.length)
         self.stats.add("peer_chunks_in")
         return True
+
+    async def _request(self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef, wait: float) -> bytearray | None:
+        """The chunk's bytes from ``m`` (unverified), or None when a penalty redirected the request.
+        Raises PeerBusy, PeerError."""
+        async with self.peer_sem:
+            if self.membership.redirected(m):
+                return None  # penalised while this request waited for a transfer slot
+            await self.download_limit.take(ref.length)
+            self.stats.inflight["peer"] += 1
+            try:
+                # The buffer is taken only once the peer answers 200: a request parked at an
+                # owner (``wait``) holds no memory.
+                req = asyncio.ensure_future(self.peers.get_chunk(
+                    m.url, address, ref.length, self.pool.get, wait=wait, snapshot=job.identity
+                ))
+                m.requests.add(req)
+                try:
+                    return await req
+                except asyncio.CancelledError:
+                    me = asyncio.current_task()
+                    if me is not None and me.cancelling():
+                        raise  # this acquisition itself is being cancelled
+                    if self.membership.redirected(m) and m.alive:
+                        return None  # penalised meanwhile: its queue goes elsewhere at once
+                    raise PeerError(f"{m.url}: left the swarm while the request waited") from None
+                finally:
+                    m.requests.discard(req)
+                    if not req.done():
+                        req.cancel()
+            finally:
+                self.stats.inflight["peer"] -= 1
 
     async def race(
         self, job: SnapshotJob, members: list[Member], address: str, ref: ChunkRef, target: Path,
