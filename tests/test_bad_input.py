@@ -449,3 +449,39 @@ def test_snapshot_without_manifest_waits_and_loads_once_it_appears(
     os.replace(held, bucket.manifest_path("step000001"))
     snap = daemon.wait_ready("step000001", 30)
     assert_same_files(Path(snap["path"]), ck)
+
+
+def test_a_penalty_redirects_the_requests_queued_for_the_lying_peer(tmp_path: Path, bucket: Bucket) -> None:
+    """Issue 12, item 8: once the liar's first bad chunk is caught, the requests queued for it
+    and in flight to it go elsewhere at once; the victim takes at most ``max_per_peer`` chunks
+    from it (a peer's slot is held until its chunk is verified), not its share of the snapshot."""
+    m1, ck1 = bucket.full("step000001", make_state(0, scale=6), 1)
+    n_chunks = sum(len(f.chunks) for f in m1.files)
+    assert n_chunks >= 60
+    liar = Liar(tmp_path / "work", bucket.url, SECRET).start()
+    env = dict(NO_STARTUP, BDN_PENALTY_S="600", BDN_MAX_PER_PEER="2")
+    seed = Daemon(tmp_path / "work", "seed", bucket.url, extra_env=env)
+    victim = Daemon(tmp_path / "work", "victim", bucket.url, extra_env=env)
+    try:
+        seed.start([])
+        seed.wait_healthy()
+        assert seed.prefetch("step000001")[0] == 202
+        seed.wait_ready("step000001", 60)
+        victim.start([seed.peer_url, liar.url])
+        victim.wait_healthy()
+        deadline = time.monotonic() + 20
+        while {p["node_id"] for p in victim.status()["peers"] if p["alive"]} != {"seed", "liar"}:
+            assert time.monotonic() < deadline, victim.status()["peers"]
+            time.sleep(0.1)
+        assert victim.prefetch("step000001")[0] == 202
+        assert_same_files(Path(victim.wait_ready("step000001", 60)["path"]), ck1)
+        st = victim.status()
+        lies = st["verify_failures_by_peer"].get("liar", 0)
+        assert 1 <= lies <= 2, (lies, n_chunks)
+        assert st["counters"]["peer_chunks_in"] >= n_chunks - lies - st["counters"]["bucket_chunks_fallback"]
+        bad_lines = [ln for ln in victim.log_path.read_text().splitlines() if "sent bad bytes" in ln]
+        assert len(bad_lines) <= 2, bad_lines  # one line, then one summary line per interval
+    finally:
+        victim.stop()
+        seed.stop()
+        liar.stop()

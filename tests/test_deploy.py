@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import tomllib
 import urllib.error
 import urllib.request
@@ -164,10 +165,10 @@ def test_daemonset_wiring() -> None:
     shm = next(v for v in vols.values() if "hostPath" in v)
     assert shm["hostPath"] == {"path": "/dev/shm/bdn", "type": "DirectoryOrCreate"}
     c = pod["containers"][0]
-    for probe in ("readinessProbe", "livenessProbe"):
+    for probe, path in (("readinessProbe", "/v1/ready"), ("livenessProbe", "/v1/health")):
         get = c[probe]["httpGet"]
         # The local API is loopback-only; with hostNetwork the kubelet reaches it at 127.0.0.1.
-        assert pod["hostNetwork"] and get["host"] == "127.0.0.1" and get["path"] == "/v1/health"
+        assert pod["hostNetwork"] and get["host"] == "127.0.0.1" and get["path"] == path
     assert "memory" in c["resources"]["limits"] and "cpu" in c["resources"]["requests"]
     # The ConfigMap's bdnd.toml loads, with the per-node values the DaemonSet sets.
     cm = next(d for _, d in K8S_DOCS if d["kind"] == "ConfigMap")
@@ -310,6 +311,8 @@ def test_sd_notify_ready_and_stopping(tmp_path: Path, abstract: bool) -> None:
         except TimeoutError:
             pytest.fail(f"no READY=1 from bdnd:\n{d.log()}")
         assert state.get("READY") == "1", state
+        # STATUS= says readiness in words (an empty file:// bucket: reachable, nothing to load).
+        assert state.get("STATUS") == "ready", state
         # READY=1 means both ports listen: the local API answers, the peer port refuses unsigned requests.
         assert d.get("/v1/health")["status"] == "ok"
         assert _http_status(f"{d.peer_url}/bdn/v1/0000000000000000/members") == 401
@@ -378,3 +381,120 @@ def test_json_logs_name_the_snapshot(tmp_path: Path) -> None:
     lines = [_json.loads(x) for x in d.log_path.read_text().splitlines() if x.startswith("{")]
     about = [x for x in lines if "step000001" in x["msg"]]
     assert about and all(x.get("snapshot") == "step000001" for x in about), about
+
+
+# ---- liveness and readiness (issue 12, item 11) --------------------------------------------------
+
+def _ready(d: Any, want: bool, timeout: float = 60.0) -> dict[str, Any]:
+    """Poll /v1/ready until its answer is ``want``; the last document."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = d.request("GET", "/v1/ready", timeout=30)
+        assert status in (200, 503) and body["ready"] == (status == 200), (status, body)
+        if body["ready"] == want:
+            return body
+        assert time.monotonic() < deadline, (body, d.log())
+        time.sleep(0.1)
+
+
+def test_ready_fails_naming_a_missing_bucket_while_health_answers(tmp_path: Path) -> None:
+    from support.swarm import Daemon
+
+    d = Daemon(tmp_path, "node0", (tmp_path / "no-such-bucket").as_uri(), extra_env={"BDN_STARTUP_SETTLE_S": "0"})
+    try:
+        d.start([])
+        d.wait_healthy()
+        assert d.get("/v1/health")["status"] == "ok"
+        body = _ready(d, False)
+        deadline = time.monotonic() + 30
+        while not any("no-such-bucket" in r and "no such directory" in r for r in body["reasons"]):
+            assert time.monotonic() < deadline, body
+            time.sleep(0.1)
+            body = _ready(d, False)
+        assert all("\n" not in r for r in body["reasons"])
+    finally:
+        d.stop()
+
+
+def test_ready_fails_naming_an_s3_bucket_that_does_not_exist(tmp_path: Path, moto_endpoint: str) -> None:
+    from support.swarm import Daemon
+
+    d = Daemon(tmp_path, "node0", "s3://bdn-no-such-bucket/run1",
+               extra_env={"BDN_STARTUP_SETTLE_S": "0", "BDN_ENDPOINT_URL": moto_endpoint})
+    try:
+        d.start([])
+        d.wait_healthy()
+        body = _ready(d, False)
+        deadline = time.monotonic() + 30
+        while not any("does not exist" in r for r in body["reasons"]):
+            assert time.monotonic() < deadline, body
+            time.sleep(0.2)
+            body = _ready(d, False)
+    finally:
+        d.stop()
+
+
+def test_ready_once_listening_and_the_startup_snapshot_loads(tmp_path: Path) -> None:
+    from bdn.publish import publish_full, publish_startup
+    from support.checkpoints import make_state, write_hf_dir
+    from support.swarm import Daemon
+
+    bucket = f"file://{tmp_path}/bucket"
+    publish_full(bucket, "step000001", 1, dir=write_hf_dir(tmp_path / "ck", make_state(0), 1), chunk_size=64 << 10)
+    publish_startup(bucket, "step000001")
+    d = Daemon(tmp_path / "nodes", "node0", bucket, extra_env={"BDN_STARTUP_SETTLE_S": "0"})
+    try:
+        d.start([])
+        d.wait_healthy()
+        assert _ready(d, True)["reasons"] == []
+        d.wait_ready("step000001")
+        assert _ready(d, True)["ready"]
+    finally:
+        d.stop()
+
+
+# Python reprs an operator should never read in a log message: quoted names, dicts, lists, paths.
+REPR = re.compile(r"'step\d|\{'|\['|PosixPath\(|\(stages \{")
+
+
+def test_json_logs_plain_messages_node_id_on_every_line_and_no_botocore(tmp_path: Path, s3_bucket: Any) -> None:
+    """Issue 12, item 14: against a real S3 API (moto), a snapshot loaded and one that fails:
+    every line is one JSON object with node_id; messages carry no Python reprs; botocore's
+    INFO lines (credential lookups) do not reach the daemon's log."""
+    import json as _json
+
+    from bdn.bucket import open_bucket
+    from bdn.publish import publish_full
+    from support.checkpoints import make_state, write_hf_dir
+
+    bucket, endpoint = s3_bucket
+    b = open_bucket(bucket, endpoint_url=endpoint)
+    try:
+        publish_full(b, "step000001", 1, dir=write_hf_dir(tmp_path / "ck", make_state(0), 1), chunk_size=64 << 10)
+    finally:
+        b.close()
+    d = Daemon(tmp_path / "nodes", "node0", bucket, extra_env={
+        "BDN_LOG_JSON": "true", "BDN_LOAD_STARTUP": "false", "BDN_ENDPOINT_URL": endpoint,
+        "BDN_MANIFEST_WAIT_S": "0.5", "BDN_LOG_LEVEL": "debug", "BDN_STARTUP_SETTLE_S": "0",
+    })
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        d.wait_ready("step000001")
+        assert d.prefetch("step000009")[0] == 202  # never published: fails with a reason
+        deadline = time.monotonic() + 60
+        while d.get("/v1/snapshots/step000009")["state"] != "failed":
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.1)
+    finally:
+        d.stop()
+    raw = [x for x in d.log_path.read_text().splitlines() if x.strip()]
+    lines = [_json.loads(x) for x in raw]  # every line is one JSON object
+    assert lines and all(x["node_id"] == "node0" for x in lines)
+    assert not [x for x in lines if x["logger"].startswith(("botocore", "boto3", "urllib3", "s3transfer"))
+                and x["level"] in ("debug", "info")]
+    bad = [x["msg"] for x in lines if REPR.search(x["msg"])]
+    assert not bad, bad
+    assert any("ready at" in x["msg"] and "stages: " in x["msg"] for x in lines)
+    assert any("step000009" in x["msg"] and "failed" in x["msg"] for x in lines)

@@ -187,3 +187,42 @@ def test_hot_load_before_the_manifest_is_written(fleet) -> None:
     os.replace(held, manifest)
     reps = wait_fleet(a.url, "step000003")
     assert {r["policy_version"] for r in reps} == {3}
+
+
+def test_late_replica_found_by_peers_dns_settles_before_loading(tmp_path: Path) -> None:
+    """Issue 12, item 10: a late joiner that finds the fleet only through ``peers_dns`` learns the
+    fleet's target before it loads STARTUP_SNAPSHOT, as with static peers: it never loads the
+    outdated startup snapshot from the bucket. ``localhost:PORT`` resolves to 127.0.0.1, where
+    the early daemon listens; the late one listens on 127.0.0.2 at the same port."""
+    from support.swarm import Daemon, free_port
+
+    bucket = f"file://{tmp_path}/bucket"
+    s1 = make_state(0, scale=2)
+    s2 = optimizer_step(s1, 0.02, 1)
+    d1, d2 = (write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in ((1, s1), (2, s2)))
+    publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
+    publish_delta(bucket, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK)
+    publish_startup(bucket, "step000001")
+    port = free_port()
+    early = Daemon(tmp_path / "nodes", "early", bucket, peer_port=port, extra_env={"BDN_STARTUP_SETTLE_S": "0"})
+    late_url = f"http://127.0.0.2:{port}"
+    late = Daemon(tmp_path / "nodes", "late", bucket, extra_env={
+        "BDN_PEER_LISTEN": f"127.0.0.2:{port}", "BDN_ADVERTISE_URL": late_url,
+        "BDN_PEERS_DNS": f"localhost:{port}", "BDN_STARTUP_SETTLE_S": "5",
+    })
+    try:
+        early.start([])
+        early.wait_healthy()
+        wait_fleet(early.url, "step000001")
+        assert http("POST", early.url + "/hot_load/v1/models/hot_load", {"identity": "step000002"})[0] == 200
+        wait_fleet(early.url, "step000002")
+        late.start([])
+        late.wait_healthy()
+        snap = late.wait_ready("step000002")
+        assert snap["bytes_from_bucket"] == 0 and snap["bytes_from_peers"] > 0, snap
+        jobs = {s["identity"]: s for s in late.status()["snapshots"]}
+        assert jobs.get("step000001", {}).get("requested_by") != "startup", jobs
+        assert "names step000001, but the fleet serves step000002" in late.log()
+    finally:
+        late.stop()
+        early.stop()

@@ -117,3 +117,46 @@ def test_rounds_three_counted_rounds_then_fallback() -> None:
     assert r.after_round(busy=True, failed=True) == (0.4, True)  # busy and failed: counts
     delay, again = r.after_round(busy=False, failed=False)
     assert not again and abs(delay - 0.6) < 1e-9
+
+
+# ---- owned_first: the order a layer's chunks are drawn in (issue 12, item 2) ----------------
+
+
+def test_owned_first_draws_owned_chunks_then_the_rest_skipping_held_ones() -> None:
+    from bdn.daemon.bitfield import Bitfield
+
+    digests = [f"{i:032x}" for i in range(5000)]
+    bits = Bitfield(len(digests))
+    for i in range(0, 5000, 7):
+        bits.set(i)
+    drawn = [i for i in plan.owned_first(bits, [type("R", (), {"digest": d})() for d in digests], NODES, SELF)
+             if i is not None]
+    missing = [i for i in range(5000) if i % 7]
+    assert sorted(drawn) == missing
+    owned = [i for i in missing if hrw.owner(NODES, digests[i]) == SELF]
+    assert drawn[: len(owned)] == owned and drawn[len(owned):] == [i for i in missing if i not in set(owned)]
+
+
+def test_owned_first_hands_the_loop_a_turn_over_long_held_stretches() -> None:
+    from bdn.daemon.bitfield import Bitfield
+
+    n = 10 * plan.YIELD_EVERY
+    bits = Bitfield(n)
+    refs = [type("R", (), {"digest": f"{i:032x}"})() for i in range(n)]
+    it = plan.owned_first(bits, refs, NODES, SELF)
+    first = next(it)
+    bits.set_all()  # everything arrives meanwhile: the rest is skipped, a turn at a time
+    rest = list(it)
+    assert first is not None and rest and all(i is None for i in rest)
+    assert len(rest) <= 2 * n // plan.YIELD_EVERY + 2
+
+
+def test_bitfield_clear_positions_and_set_all() -> None:
+    from bdn.daemon.bitfield import Bitfield
+
+    b = Bitfield(13)
+    b.set(0), b.set(12)
+    assert list(b.clear_positions()) == list(range(1, 12)) and list(b.set_positions()) == [0, 12]
+    b.set_all()
+    assert b.complete and b.count == 13 and list(b.clear_positions()) == []
+    assert Bitfield(13, b.to_bytes()).count == 13

@@ -46,6 +46,7 @@ from bdn.daemon.metrics import Metrics
 from bdn.daemon.nonces import NonceCache
 from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.ratelimit import RateLimit
+from bdn.daemon.readiness import Readiness
 from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.runner import Runner
@@ -105,11 +106,13 @@ class App:
         serving = ChunkServing(cfg.node_id, self.catalog, self.index, self.fetcher, self.membership,
                                Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
                                RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
+        self.readiness = Readiness(cfg.node_id, self.bucket, self.catalog, self.replica, clock)
         self.services = Services(
             cfg=cfg, keys=self.keys, nonces=NonceCache(), catalog=self.catalog, replica=self.replica,
             hotload=self.hotload, gossip=self.gossip, serving=serving,
             status=StatusView(cfg, self.keys.swarm_id, self.membership, self.bucket, self.stats, self.catalog, clock),
             metrics=Metrics(self.stats, self.catalog, self.membership, self.bucket, self.replica),
+            readiness=self.readiness,
         )
         self.should_exit = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -159,7 +162,9 @@ class App:
         await self.peers.start()
         self.catalog.load_ready_from_store()
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
+        self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
         await self._listen()
+        self.readiness.listening = True
         cfg = self.cfg
         log.info(
             "bdnd %s listening: peers on %s (advertised %s), local API on %s%s; swarm %s; bucket %s",
@@ -167,7 +172,10 @@ class App:
             f" and {cfg.local_socket}" if cfg.local_socket else "", self.keys.swarm_id, cfg.bucket,
         )
         await self._load_startup()
-        self.notify("READY=1\nSTATUS=serving")
+        self.readiness.started = True
+        line = self.readiness.summary(await self.readiness.check())
+        self.notify(f"READY=1\nSTATUS={line}")
+        self._tasks.append(asyncio.create_task(self.readiness.watch(self.notify, line), name="readiness"))
 
     async def _listen(self) -> None:
         cfg = self.cfg

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 
 class Bitfield:
     """``n`` bits, all clear; ``count`` tracks how many are set."""
@@ -20,7 +22,7 @@ class Bitfield:
             self.bits = bytearray(data)
             if n % 8 and self.bits:
                 self.bits[-1] &= (0xFF00 >> (n % 8)) & 0xFF  # spare bits are ignored, not trusted
-            self.count = sum(bin(b).count("1") for b in self.bits)
+            self.count = int.from_bytes(self.bits, "big").bit_count()
 
     def __getitem__(self, i: int) -> bool:
         return bool(self.bits[i >> 3] & (0x80 >> (i & 7)))
@@ -44,8 +46,11 @@ class Bitfield:
         return True
 
     def set_all(self) -> None:
-        for i in range(self.n):
-            self.set(i)
+        nbytes = len(self.bits)
+        self.bits[:] = b"\xff" * nbytes
+        if self.n % 8 and nbytes:
+            self.bits[-1] = (0xFF00 >> (self.n % 8)) & 0xFF
+        self.count = self.n
 
     @property
     def complete(self) -> bool:
@@ -53,3 +58,17 @@ class Bitfield:
 
     def to_bytes(self) -> bytes:
         return bytes(self.bits)
+
+    def clear_positions(self) -> np.ndarray:
+        """The positions of the clear bits, ascending (uint32 array; milliseconds for millions)."""
+        return self._positions(0)
+
+    def set_positions(self) -> np.ndarray:
+        """The positions of the set bits, ascending (uint32 array)."""
+        return self._positions(1)
+
+    def _positions(self, value: int) -> np.ndarray:
+        if not self.n:
+            return np.zeros(0, dtype=np.uint32)
+        bits = np.unpackbits(np.frombuffer(bytes(self.bits), dtype=np.uint8))[: self.n]
+        return np.flatnonzero(bits == value).astype(np.uint32)

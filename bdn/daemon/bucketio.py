@@ -5,13 +5,16 @@ limit. Errors are the bucket's own (``bdn.bucket``: ``ObjectNotFound``, ``Bucket
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from bdn.bucket import Bucket
+from bdn.bucket import Bucket, BucketError, ObjectNotFound
+from bdn.bucket.urls import check_bucket_url
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.stats import Stats
+from bdn.proto.manifest import STARTUP_NAME
 
 
 class BucketIO:
@@ -65,6 +68,25 @@ class BucketIO:
     async def stat(self, key: str) -> Any:
         async with self.sem:
             return await self._run(self.bucket.stat, key)
+
+    async def probe(self) -> str | None:
+        """Whether the bucket is reachable, cheaply (for readiness): None, or the one-line reason.
+
+        A ``file://`` bucket must be an existing directory; an ``s3://``/``gs://`` bucket must
+        answer a listing of the keys that start with ``STARTUP_SNAPSHOT`` (a HEAD cannot tell a
+        missing bucket from a missing key: both are a bare 404). Outside the semaphore, so a
+        busy download cannot delay it."""
+        scheme, root, _ = check_bucket_url(self.url)
+        if scheme == "file":
+            ok = await self._run(os.path.isdir, root)
+            return None if ok else f"{self.url}: no such directory"
+        try:
+            await self._run(self.bucket.list, STARTUP_NAME)
+        except ObjectNotFound:
+            return None
+        except BucketError as e:
+            return str(e)
+        return None
 
     def bucket_stats(self) -> dict[str, Any]:
         return self.bucket.stats.snapshot()

@@ -91,8 +91,12 @@ class Gossip:
                 log.exception("membership round failed")
 
     async def settle(self) -> None:
-        """At start: rounds every 0.25 s until every static peer answered or ``startup_settle_s`` passed."""
+        """At start: rounds every 0.25 s until every static peer answered or ``startup_settle_s``
+        passed. The daemons behind ``peers_dns`` are static peers too, resolved first, so a late
+        joiner that finds the fleet by DNS learns its target before it loads STARTUP_SNAPSHOT."""
         deadline = self.clock.monotonic() + self.cfg.startup_settle_s
+        if self.cfg.peers_dns:
+            await self.resolve_dns()
         while True:
             await self.round()
             static = [m for m in self.membership.members.values() if m.static]
@@ -123,19 +127,25 @@ class Gossip:
                 self.membership.learn(other["url"][:MAX_URL], str(other.get("node_id") or "")[:MAX_NODE_ID])
         return self.payload()
 
+    async def resolve_dns(self) -> int:
+        """Resolve ``peers_dns`` once; every address it names becomes a static member (it stays
+        one until DNS drops it). The number of addresses, 0 when resolution failed (logged)."""
+        host, port = split_hostport(self.cfg.peers_dns)
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            log.warning("peers_dns %s: %s", self.cfg.peers_dns, e)
+            return 0
+        for fam, _, _, _, addr in infos:
+            ip = addr[0]
+            url = f"http://[{ip}]:{port}" if fam == socket.AF_INET6 else f"http://{ip}:{port}"
+            m = self.membership.learn(url)
+            if m is not None:
+                m.static = True
+        return len(infos)
+
     async def dns_loop(self) -> None:
         """Learn every daemon behind ``peers_dns`` (e.g. a Kubernetes headless Service)."""
-        host, port = split_hostport(self.cfg.peers_dns)
-        loop = asyncio.get_running_loop()
         while not self.closing:
-            try:
-                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-                for fam, _, _, _, addr in infos:
-                    ip = addr[0]
-                    url = f"http://[{ip}]:{port}" if fam == socket.AF_INET6 else f"http://{ip}:{port}"
-                    m = self.membership.learn(url)
-                    if m is not None:
-                        m.static = True  # re-resolved: it stays a member until DNS drops it
-            except OSError as e:
-                log.warning("peers_dns %s: %s", self.cfg.peers_dns, e)
+            await self.resolve_dns()
             await asyncio.sleep(self.cfg.peers_dns_interval_s)

@@ -72,6 +72,13 @@ class ChunkIndex:
             if self.pending.get(addr, (None,))[0] is job:
                 del self.pending[addr]
 
+    def drop_pending_of(self, job: SnapshotJob) -> None:
+        """Forget every pending chunk of ``job`` (no keyed addresses computed: cheap for millions;
+        safe on a worker thread while the loop reads the table)."""
+        for addr, (j, _, _) in list(self.pending.items()):
+            if j is job and self.pending.get(addr, (None,))[0] is job:
+                self.pending.pop(addr, None)
+
     def pending_for(self, address: str) -> tuple[SnapshotJob, str, ChunkRef] | None:
         return self.pending.get(address)
 

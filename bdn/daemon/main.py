@@ -27,6 +27,34 @@ from bdn.proto.keys import derive_keys
 log = logging.getLogger("bdn.bdnd")
 
 
+def plain(value: object) -> object:
+    """A log argument as an operator reads it: a dict as ``key=value`` pairs, a list, tuple or
+    set as a comma list, a path as its text, a float to 3 decimals; anything else unchanged
+    (identities, node ids and URLs are passed as plain strings and logged with ``%s``)."""
+    if isinstance(value, dict):
+        return " ".join(f"{k}={plain(v)}" for k, v in value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return ",".join(str(plain(v)) for v in value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, float):
+        return round(value, 3)
+    return value
+
+
+class PlainArgs(logging.Filter):
+    """Renders every record's arguments with :func:`plain`, so no Python repr (``{'a': 1}``,
+    ``['x']``, ``PosixPath(...)``) reaches a message, in text and in JSON logs alike."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and args:
+            record.args = tuple(plain(a) for a in args)
+        elif isinstance(args, dict) and args:
+            record.args = {k: plain(v) for k, v in args.items()}
+        return True
+
+
 class _JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {
@@ -60,6 +88,7 @@ def setup_logging(cfg: Config) -> None:
     else:
         h.setFormatter(logging.Formatter(f"%(asctime)s {cfg.node_id} %(levelname)s %(name)s: %(message)s"))
     h.addFilter(ContextFilter())
+    h.addFilter(PlainArgs())
     root = logging.getLogger()
     root.handlers[:] = [h]
     root.setLevel(cfg.log_level.upper())

@@ -89,9 +89,18 @@ class Membership:
                 del self.members[m.url]
 
     def penalise(self, url: str, seconds: float) -> None:
+        """Event: the member sent bad bytes. It leaves the live set for ``seconds``, and every
+        chunk request in flight to it is cancelled at once (the askers go elsewhere); requests
+        still queued for it see :meth:`Member.penalised` and go elsewhere too."""
         m = self.members.get(url.rstrip("/"))
         if m is not None:
             m.penalty_until = self.clock.monotonic() + seconds
+            for t in list(m.requests):
+                t.cancel()
+
+    def redirected(self, m: Member) -> bool:
+        """True when requests queued for ``m`` must go elsewhere: penalised, or out of the live set."""
+        return not m.usable(self.clock.monotonic())
 
     def node_of(self, url: str) -> str:
         """The node id known for the member at ``url`` ("" if none)."""

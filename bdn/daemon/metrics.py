@@ -78,6 +78,11 @@ class _Collector:
                                 value=cur if cur is not None else -1)
         yield CounterMetricFamily("bdn_bucket_retries", "Bucket requests retried (throttling, 5xx)",
                                   value=stats.get("retries", 0))
+        lag = self.stats.loop_lag
+        yield GaugeMetricFamily("bdn_event_loop_lag_max_seconds",
+                                "Largest lateness of the event loop over the last minute", value=lag.max_s)
+        yield CounterMetricFamily("bdn_event_loop_slow", "Event loop probes late by more than 100 ms",
+                                  value=lag.slow)
         shm = GaugeMetricFamily("bdn_shm_bytes", "Bytes of reconstructed snapshots held in shm")
         shm.add_metric([], sum(j.result_bytes for j in jobs if j.state == "ready"))
         yield shm

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,22 @@ class PeerBusy(PeerError):
     def __init__(self, retry_after: float) -> None:
         super().__init__(f"peer busy, retry after {retry_after:g} s")
         self.retry_after = retry_after
+
+
+def why(e: BaseException) -> str:
+    """A transport error in words, without Python reprs (aiohttp's connect errors embed the
+    address tuple: ``[Connect call failed ('127.0.0.1', 7080)]``)."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        os_err = e.os_error
+        if isinstance(os_err, OSError) and os_err.errno:
+            reason = os.strerror(os_err.errno)  # asyncio's strerror repeats the address tuple
+        else:
+            reason = type(os_err).__name__
+        return f"cannot connect to {e.host}:{e.port}: {reason}"
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 MAX_HAVE_BYTES = 64 << 20
@@ -91,7 +108,7 @@ class PeerClient:
                     timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=5, sock_read=read_idle),
                 )
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
+                raise PeerError(f"{base_url}: {why(e)}") from None
             named = resp.headers.get(NODE_HEADER, "") if resp.status == 401 else ""
             if first and named != to and NODE_ID_RE.match(named):
                 # signed for someone else: the daemon at this URL says who it is; sign for it
@@ -166,7 +183,7 @@ class PeerClient:
                 raise PeerError(f"{base_url}: chunk ended after {pos} of {length} bytes")
             return buf
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
+            raise PeerError(f"{base_url}: {why(e)}") from None
         finally:
             resp.release()
 
@@ -217,7 +234,7 @@ class PeerClient:
         try:
             return resp.status, await read_body(resp.content, MAX_MEMBERS_BYTES, resp.content_length)
         except (aiohttp.ClientError, asyncio.TimeoutError, BodyTooLarge) as e:
-            raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
+            raise PeerError(f"{base_url}: {why(e)}") from None
         finally:
             resp.release()
 
@@ -231,6 +248,6 @@ class PeerClient:
             except (ValueError, RecursionError):
                 return resp.status, None
         except (aiohttp.ClientError, asyncio.TimeoutError, BodyTooLarge) as e:
-            raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
+            raise PeerError(f"{base_url}: {why(e)}") from None
         finally:
             resp.release()

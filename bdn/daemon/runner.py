@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 from bdn.bucket import ObjectNotFound
 from bdn.daemon import diskio, headers, logctx
 from bdn.daemon.bitfield import Bitfield
+from bdn.daemon.chunklist import check_limits
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
@@ -87,7 +89,8 @@ class Runner:
                 jobs.check_budget(m)
                 await self._on(self.pools.disk, self.store.prepare_staging, m)
             job.flusher = asyncio.create_task(self._progress_flusher(job))
-            self.index.add_pending(job, STORED, job.stored_refs)
+            # (a disk thread: one keyed address per chunk, seconds for millions of them)
+            await self._on(self.pools.disk, self.index.add_pending, job, STORED, job.stored_refs)
             job.set_state("downloading")
             await job.notify()
             log.info("snapshot %s: %s, %d files, %d stored bytes", job.identity, m.kind, len(m.files), m.stored_bytes)
@@ -107,8 +110,8 @@ class Runner:
             await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
             final = await self._on(self.pools.disk, self.store.publish, ready_m)
             job.set_state("ready")
-            log.info("snapshot %s: ready at %s (stages %s)", job.identity, final,
-                     {k: round(v, 3) for k, v in job.stages.items()})
+            log.info("snapshot %s: ready at %s (stages: %s)", job.identity, final,
+                     " ".join(f"{k}={v:.3f}s" for k, v in job.stages.items()))
             jobs.gc()
         except asyncio.CancelledError:
             self.save_progress(job)  # a clean stop resumes like a crash, from what is verified
@@ -116,7 +119,7 @@ class Runner:
         except (BdnError, OSError) as e:
             reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                reason = f"shm full while writing {job.identity!r}: {self.store.free_bytes()} bytes free on {self.store.root} ({e.strerror})"
+                reason = f"shm full while writing {job.identity}: {self.store.free_bytes()} bytes free on {self.store.root} ({e.strerror})"
             job.set_state("failed", reason.splitlines()[0] if reason else type(e).__name__)
             log.error("snapshot %s: failed: %s", job.identity, job.reason)
             jobs.forget(job)
@@ -129,7 +132,8 @@ class Runner:
         finally:
             if job.flusher is not None:
                 job.flusher.cancel()
-            self.index.drop_pending(job, job.stored_refs)
+            if job.stored_refs:
+                await asyncio.shield(self._on(self.pools.disk, self.index.drop_pending_of, job))
             await job.notify()
 
     # ---- repair: a ready snapshot whose bytes on disk went bad ----------------------------------
@@ -227,10 +231,8 @@ class Runner:
                               lambda fi: job.file_path(RESULT, fi))
         job.resumed(STORED, ok_s)
         job.resumed(RESULT, ok_r)
-        for i in ok_s:
-            self.index.register(job, STORED, job.stored_refs[i])
-        for i in ok_r:
-            self.index.register(job, RESULT, job.result_refs[i])
+        await self._register(job, STORED, (job.stored_refs[i] for i in ok_s))
+        await self._register(job, RESULT, (job.result_refs[i] for i in ok_r))
         log.info("snapshot %s: resumed with %d of %d stored chunks verified on disk",
                  job.identity, len(ok_s), len(job.stored_refs))
 
@@ -262,10 +264,10 @@ class Runner:
                 if not self.cfg.require_manifest and self.foreign is not None:
                     return await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)  # type: ignore[arg-type]
                 if not job.wait_publish and not await self.bucket.list(f"{job.identity}/"):
-                    raise BdnError(f"snapshot {job.identity!r}: nothing is published under {job.identity}/ in {self.bucket.url}")
+                    raise BdnError(f"snapshot {job.identity}: nothing is published under {job.identity}/ in {self.bucket.url}")
                 if self.clock.monotonic() >= deadline:
                     raise BdnError(
-                        f"snapshot {job.identity!r} is not published: {MANIFEST_NAME} did not "
+                        f"snapshot {job.identity} is not published: {MANIFEST_NAME} did not "
                         f"appear within {self.cfg.manifest_wait_s:g} s"
                     ) from None
                 if not job.reason.startswith("waiting for manifest"):
@@ -275,7 +277,10 @@ class Runner:
                 await asyncio.sleep(self.cfg.manifest_poll_s)
         self.stats.add("bucket_manifest_bytes", len(data))
         job.manifest_digest = xxh3_digest(data)
-        return Manifest.from_json(data, expect_identity=job.identity)
+        # off the event loop: a manifest of a million chunks takes seconds to parse and validate
+        m = await self._on(self.pools.disk, functools.partial(Manifest.from_json, expect_identity=job.identity), data)
+        check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
+        return m
 
     async def _run_delta(self, job: SnapshotJob, m: Manifest) -> None:
         assert m.base_identity is not None and self.jobs is not None
@@ -302,7 +307,7 @@ class Runner:
             raise
         await download
         if base.state != "ready":
-            raise BdnError(f"base snapshot {base_id!r} failed: {base.reason}")
+            raise BdnError(f"base snapshot {base_id} failed: {base.reason}")
         await self._on(self.pools.disk, check_delta_config, m.identity, base_id, self.store.ready_dir(base_id),
                        self.store.staging_dir(m.identity))
         job.set_state("applying")
@@ -313,8 +318,14 @@ class Runner:
         await job.notify()
         await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity))
         job.layer_complete(RESULT)
-        for ref in job.result_refs:
-            self.index.register(job, RESULT, ref)
+        await self._register(job, RESULT, job.result_refs)
+
+    async def _register(self, job: SnapshotJob, layer: str, refs: Iterable[ChunkRef]) -> None:
+        """Index verified chunks, handing the event loop a turn every 4096 (millions are possible)."""
+        for n, ref in enumerate(refs, 1):
+            self.index.register(job, layer, ref)
+            if n % 4096 == 0:
+                await asyncio.sleep(0)
 
     @staticmethod
     async def _await_job(job: SnapshotJob) -> SnapshotJob:

@@ -11,9 +11,11 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bdn.daemon.bitfield import Bitfield
+from bdn.daemon.chunklist import ChunkList
 from bdn.daemon.layers import RESULT, STORED
 from bdn.daemon.store import Store
 from bdn.proto.manifest import ChunkRef, Manifest
@@ -52,8 +54,9 @@ class SnapshotJob:
         self.base_identity: str | None = None
         self.stored: Bitfield | None = None
         self.result: Bitfield | None = None
-        self.stored_refs: list[ChunkRef] = []
-        self.result_refs: list[ChunkRef] = []
+        # the layers' chunks, compact sequences over the manifest (empty until it is attached)
+        self.stored_refs: Sequence[ChunkRef] = ()
+        self.result_refs: Sequence[ChunkRef] = ()
         self.version = 0  # bumps on every change: have long-polls and waiters watch it
         self.cond = asyncio.Condition()
         self.created = time.time()
@@ -76,7 +79,6 @@ class SnapshotJob:
         self.flusher: asyncio.Task[None] | None = None
         self.bytes_resumed = 0
         self.registered: list[tuple[str, ChunkRef]] = []  # (layer, chunk) this job put in the index
-        self._positions: dict[str, dict[tuple[int, int], int]] = {}
         self.tensor_index: dict[str, tuple[str, Any]] | None = None  # built on the first tensor pull
         self.foreign: Any = None  # ForeignState of a snapshot without a manifest (bdn.daemon.foreign_source)
         self.wait_publish = True  # with nothing in the bucket yet: wait (True) or fail at once
@@ -94,18 +96,17 @@ class SnapshotJob:
             return self.store.stored_dir(self.identity) / f.path
         return self.result_dir() / f.path
 
-    def refs(self, layer: str) -> list[ChunkRef]:
+    def refs(self, layer: str) -> Sequence[ChunkRef]:
         return self.stored_refs if layer == STORED else self.result_refs
 
     def bits(self, layer: str) -> Bitfield | None:
         return self.stored if layer == STORED else self.result
 
     def ref_index(self, layer: str, ref: ChunkRef) -> int:
-        """Position of ``ref`` in ``layer``'s chunk list (refs are in manifest order; cached)."""
-        cache = self._positions.get(layer)
-        if cache is None:
-            cache = self._positions[layer] = {(r.file_index, r.index): i for i, r in enumerate(self.refs(layer))}
-        return cache[(ref.file_index, ref.index)]
+        """Position of ``ref`` in ``layer``'s chunk list (refs are in manifest order)."""
+        refs = self.refs(layer)
+        assert isinstance(refs, ChunkList)
+        return refs.position(ref)
 
     # ---- state (written only through these methods) --------------------------------------
     def chunk_verified(self, layer: str, ref: ChunkRef) -> bool:
@@ -148,7 +149,7 @@ class SnapshotJob:
         for i in positions:
             bits.set(i)
         if layer == STORED:
-            self.bytes_done = self.bytes_resumed = sum(self.stored_refs[i].length for i in positions)
+            self.bytes_done = self.bytes_resumed = self._bytes_of(STORED, positions)
         self.touch()
 
     def quarantined(self, positions: list[int]) -> None:
@@ -171,13 +172,20 @@ class SnapshotJob:
             bits = self.bits(layer)
             self.fetch_layer = layer
             self.bytes_total = self.stored_bytes if layer == STORED else self.result_bytes
-            self.bytes_done = sum(r.length for i, r in enumerate(self.refs(layer)) if bits[i])  # type: ignore[index]
+            assert bits is not None
+            self.bytes_done = self._bytes_of(layer, bits.set_positions().tolist())
+
+    def _bytes_of(self, layer: str, positions: Iterable[int]) -> int:
+        refs = self.refs(layer)
+        if isinstance(refs, ChunkList):
+            return refs.bytes_of(positions)
+        return sum(refs[i].length for i in positions)
 
     def attach_manifest(self, m: Manifest) -> None:
         self.manifest = m
         self.kind, self.policy_version, self.base_identity = m.kind, m.policy_version, m.base_identity
-        self.stored_refs = list(m.stored_chunks())
-        self.result_refs = list(m.result_chunks())
+        self.stored_refs = ChunkList(m, result=False)
+        self.result_refs = ChunkList(m, result=True)
         self.stored = Bitfield(len(self.stored_refs))
         self.result = Bitfield(len(self.result_refs))
         self.stored_bytes = m.stored_bytes

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bdn.daemon.looplag import LoopLag
+
 COUNTERS = (
     "bucket_bytes_owner",
     "bucket_bytes_fallback",
@@ -25,13 +27,15 @@ COUNTERS = (
 class Stats:
     """``counters`` (bytes and chunks by source, as named in ``COUNTERS``), ``verify_failures_by_peer``
     (node id or ``"bucket"`` -> count), ``inflight`` requests by kind (``peer``, ``bucket``,
-    ``upload``) and ``busy_answers`` (503s received from peers)."""
+    ``upload``), ``busy_answers`` (503s received from peers) and ``loop_lag`` (the event loop's
+lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
 
     def __init__(self) -> None:
         self.counters: dict[str, int] = {k: 0 for k in COUNTERS}
         self.verify_failures_by_peer: dict[str, int] = {}
         self.inflight: dict[str, int] = {"peer": 0, "bucket": 0, "upload": 0}
         self.busy_answers = 0
+        self.loop_lag = LoopLag()  # its run() is started by the app
 
     def add(self, name: str, n: int = 1) -> None:
         self.counters[name] += n

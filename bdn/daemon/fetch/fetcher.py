@@ -21,7 +21,6 @@ from bdn.daemon.index import ChunkIndex
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.stats import Stats
-from bdn.proto import hrw
 from bdn.proto.manifest import ChunkRef
 
 HAVES_FIRST_S = 5.0
@@ -48,10 +47,21 @@ class Fetcher:
         self.clock = clock
         self.rng = rng or random.Random()
 
+    def workers(self) -> int:
+        """How many chunks of a layer are acquired at once: enough to keep every peer slot
+        (``max_inflight``) and bucket slot (``bucket_concurrency``) busy, with room for chunks
+        parked at owners, and never one task per chunk (a manifest may list millions)."""
+        return 2 * (self.cfg.max_inflight + self.cfg.bucket_concurrency)
+
     async def fetch_layer(self, job: SnapshotJob, layer: str) -> None:
         """Obtain every chunk of ``layer``. Raises NotAvailable (a rebuilt chunk no peer has),
-        BdnError/ProtocolError (the bucket failed)."""
+        BdnError/ProtocolError (the bucket failed).
+
+        A bounded set of worker coroutines (:meth:`workers`) pulls chunk positions from
+        :func:`plan.owned_first` (the chunks this node owns first, since the other nodes wait
+        on them); each acquisition retries within its own worker (``plan.Rounds``)."""
         refs, bits = job.refs(layer), job.bits(layer)
+        assert bits is not None
         job.start_layer(layer)
         # Learn who already holds what before anything starts, so that a late joiner takes from
         # peers what they have rather than reading its own HRW share from the bucket.
@@ -59,12 +69,18 @@ class Fetcher:
             await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
         except asyncio.TimeoutError:
             pass
-        nodes = self.membership.hrw_nodes()
-        todo = [r for i, r in enumerate(refs) if not bits[i]]  # type: ignore[index]
-        todo.sort(key=lambda r: hrw.owner(nodes, r.digest) != self.node_id)
+        order = plan.owned_first(bits, refs, self.membership.hrw_nodes(), self.node_id)
         poller = asyncio.create_task(self.haves.poll(job))
+
+        async def worker() -> None:
+            for i in order:
+                if i is None:
+                    await asyncio.sleep(0)  # a long stretch of held chunks: let the loop run
+                elif not bits[i]:
+                    await self._ensure(job, layer, i, refs[i])
+
         try:
-            tasks = [asyncio.create_task(self.ensure_chunk(job, layer, r)) for r in todo]
+            tasks = [asyncio.create_task(worker()) for _ in range(min(self.workers(), max(1, bits.n - bits.count)))]
             try:
                 await asyncio.gather(*tasks)
             except BaseException:
@@ -81,10 +97,13 @@ class Fetcher:
 
     async def ensure_chunk(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Single-flight: one acquisition per chunk, however many ask for it."""
-        key = (layer, job.ref_index(layer, ref))
+        await self._ensure(job, layer, job.ref_index(layer, ref), ref)
+
+    async def _ensure(self, job: SnapshotJob, layer: str, idx: int, ref: ChunkRef) -> None:
+        key = (layer, idx)
         fut = job.inflight.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._acquire(job, layer, ref))
+            fut = asyncio.ensure_future(self._acquire(job, layer, idx, ref))
             job.inflight[key] = fut
             fut.add_done_callback(lambda _f: job.inflight.pop(key, None))
         await asyncio.shield(fut)
@@ -96,8 +115,7 @@ class Fetcher:
                 self.index.register(job, layer, ref)
             await job.notify()
 
-    async def _acquire(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
-        idx = job.ref_index(layer, ref)
+    async def _acquire(self, job: SnapshotJob, layer: str, idx: int, ref: ChunkRef) -> None:
         bits = job.bits(layer)
         assert bits is not None
         if bits[idx]:

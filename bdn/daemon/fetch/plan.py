@@ -25,8 +25,10 @@ read as a counted *fallback*.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from bdn.daemon.clock import Clock
 from bdn.daemon.layers import STORED
@@ -57,6 +59,63 @@ class ReadBucket:
     """This node reached itself at HRW position ``pos``: read the bucket if it is the owner."""
 
     pos: int
+
+
+class Positions(Protocol):
+    """What :func:`owned_first` needs of a have-bitfield."""
+
+    def __getitem__(self, i: int) -> bool: ...
+    def clear_positions(self) -> Any: ...
+
+
+YIELD_EVERY = 1024  # positions looked at before owned_first hands the event loop a turn
+
+
+def owned_first(
+    bits: Positions, refs: Sequence[Any], nodes: Sequence[str], self_id: str,
+) -> Iterator[int | None]:
+    """The positions of ``bits``'s clear bits, those whose chunk (``refs[i]``, or
+    ``refs.digest(i)`` when the sequence has it) this node owns by HRW among ``nodes`` first, then
+    the others, each part in manifest order.
+
+    Lazy and compact, for layers of millions of chunks: the owners are computed as the positions
+    are drawn (so no step takes long), the deferred positions are kept in a 4-byte array, and a
+    position whose bit got set meanwhile is skipped. Several workers may draw from one iterator.
+    ``None`` is drawn after every ``YIELD_EVERY`` positions looked at without a result: the drawer
+    gives the event loop a turn (``await asyncio.sleep(0)``) and draws again.
+    """
+    digest = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
+    missing = bits.clear_positions()
+    if len(nodes) <= 1:
+        yield from _paced(missing, lambda i: not bits[i])
+        return
+    later = array("I")
+
+    def owned(i: int) -> bool:
+        if bits[i]:
+            return False
+        if hrw.owner(nodes, digest(i)) == self_id:
+            return True
+        later.append(i)
+        return False
+
+    yield from _paced(missing, owned)
+    yield from _paced(later, lambda i: not bits[i])
+
+
+def _paced(positions: Iterable[Any], wanted: Any) -> Iterator[int | None]:
+    """The positions ``wanted(i)`` accepts, and ``None`` after every ``YIELD_EVERY`` refused in a row."""
+    idle = 0
+    for i in positions:
+        i = int(i)
+        if wanted(i):
+            idle = 0
+            yield i
+            continue
+        idle += 1
+        if idle >= YIELD_EVERY:
+            idle = 0
+            yield None
 
 
 def endgame(left: int, holders: int, endgame_chunks: int) -> bool:

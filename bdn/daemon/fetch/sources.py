@@ -17,6 +17,7 @@ from bdn.bucket import BucketError, ObjectNotFound
 from bdn.daemon import diskio, retry_policy
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.config import Config
+from bdn.daemon.lograte import RepeatLog
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError
 from bdn.daemon.ratelimit import RateLimit
@@ -90,6 +91,7 @@ class Sources:
         self.peer_sem = asyncio.Semaphore(cfg.max_inflight)
         self.download_limit = RateLimit.from_mbit(cfg.peer_download_mbit)
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
+        self.repeat = RepeatLog(log, cfg.log_repeat_s)  # lines that can repeat per chunk
 
     async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -124,60 +126,78 @@ class Sources:
         target: Path, wait: float, errors: list[str],
     ) -> bool:
         """Ask peer ``m`` (parked up to ``wait`` s). A busy answer counts in ``stats.busy_answers``;
-        a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it."""
+        a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it.
+
+        One of the peer's ``max_per_peer`` slots is held until the chunk is verified, so that
+        once a peer's bytes turn out bad, at most ``max_per_peer`` of its answers were taken: the
+        penalty then cancels those in flight, and the requests queued for the peer go elsewhere."""
         sem = self._peer_sems.get(m.url)
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
         m.inflight += 1
         try:
-            async with sem, self.peer_sem:
-                await self.download_limit.take(ref.length)
-                self.stats.inflight["peer"] += 1
+            async with sem:
+                if self.membership.redirected(m):
+                    return False  # penalised (or gone) while this request was queued for it
                 try:
-                    # The buffer is taken only once the peer answers 200: a request parked at an
-                    # owner (``wait``) holds no memory.
-                    req = asyncio.ensure_future(self.peers.get_chunk(
-                        m.url, address, ref.length, self.pool.get, wait=wait, snapshot=job.identity
-                    ))
-                    m.requests.add(req)
-                    try:
-                        buf = await req
-                    except asyncio.CancelledError:
-                        me = asyncio.current_task()
-                        if me is not None and me.cancelling():
-                            raise  # this acquisition itself is being cancelled
-                        raise PeerError(f"{m.url}: left the swarm while the request waited") from None
-                    finally:
-                        m.requests.discard(req)
-                        if not req.done():
-                            req.cancel()
-                finally:
-                    self.stats.inflight["peer"] -= 1
-        except PeerBusy:
-            self.stats.busy_answers += 1
-            return False
-        except PeerError as e:
-            errors.append(str(e))
-            self.membership.mark_failed(m.url)
-            return False
+                    buf = await self._request(job, m, address, ref, wait)
+                except PeerBusy:
+                    self.stats.busy_answers += 1
+                    return False
+                except PeerError as e:
+                    errors.append(str(e))
+                    self.membership.mark_failed(m.url)
+                    return False
+                if buf is None:
+                    return False
+                good = await self.verify_write(buf, ref, target, foreign=job.foreign is not None)
         finally:
             m.inflight -= 1
-        if buf is None:
-            return False
-        good = await self.verify_write(buf, ref, target, foreign=job.foreign is not None)
         if good and job.foreign is not None:
             job.foreign.received(ref, m.url, m.node_id)
         if not good:
             self.stats.verify_failed(m.node_id)
             self.membership.penalise(m.url, self.cfg.penalty_s)
-            log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
-                        job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s,
-                        extra={"peer": m.node_id})
+            self.repeat.log(logging.WARNING, ("bad bytes", m.url),
+                            "snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
+                            job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s,
+                            extra={"peer": m.node_id})
             return False
         job.bytes_from_peers += ref.length
         self.stats.add("peer_bytes_in", ref.length)
         self.stats.add("peer_chunks_in")
         return True
+
+    async def _request(self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef, wait: float) -> bytearray | None:
+        """The chunk's bytes from ``m`` (unverified), or None when a penalty redirected the request.
+        Raises PeerBusy, PeerError."""
+        async with self.peer_sem:
+            if self.membership.redirected(m):
+                return None  # penalised while this request waited for a transfer slot
+            await self.download_limit.take(ref.length)
+            self.stats.inflight["peer"] += 1
+            try:
+                # The buffer is taken only once the peer answers 200: a request parked at an
+                # owner (``wait``) holds no memory.
+                req = asyncio.ensure_future(self.peers.get_chunk(
+                    m.url, address, ref.length, self.pool.get, wait=wait, snapshot=job.identity
+                ))
+                m.requests.add(req)
+                try:
+                    return await req
+                except asyncio.CancelledError:
+                    me = asyncio.current_task()
+                    if me is not None and me.cancelling():
+                        raise  # this acquisition itself is being cancelled
+                    if self.membership.redirected(m) and m.alive:
+                        return None  # penalised meanwhile: its queue goes elsewhere at once
+                    raise PeerError(f"{m.url}: left the swarm while the request waited") from None
+                finally:
+                    m.requests.discard(req)
+                    if not req.done():
+                        req.cancel()
+            finally:
+                self.stats.inflight["peer"] -= 1
 
     async def race(
         self, job: SnapshotJob, members: list[Member], address: str, ref: ChunkRef, target: Path,
@@ -220,8 +240,9 @@ class Sources:
                         raise BdnError(f"bucket read of {key} failed: {e}") from None
                     if not await self.verify_write(buf, ref, target, foreign=job.foreign is not None):
                         self.stats.verify_failed("bucket")
-                        log.warning("snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
-                                    job.identity, key, ref.index)
+                        self.repeat.log(logging.WARNING, ("bucket bad bytes", job.identity),
+                                        "snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
+                                        job.identity, key, ref.index)
                         raise retry_policy.BadBytes()
         except retry_policy.BadBytes:
             raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
@@ -230,4 +251,6 @@ class Sources:
         self.stats.add(f"bucket_chunks_{role}")
         job.bytes_from_bucket += ref.length
         if not owner:
-            log.info("snapshot %s: chunk %d of %s read from the bucket as a fallback", job.identity, ref.index, ref.path)
+            self.repeat.log(logging.INFO, ("fallback", job.identity),
+                            "snapshot %s: chunk %d of %s read from the bucket as a fallback",
+                            job.identity, ref.index, ref.path)

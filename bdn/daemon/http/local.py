@@ -47,6 +47,13 @@ async def health(request: web.Request) -> web.Response:
     return json_response(services(request).status.health())
 
 
+async def ready(request: web.Request) -> web.Response:
+    """GET /v1/ready -> 200 {"ready": true, "reasons": [], "node_id"}, or 503 with the reasons
+    (bdn.daemon.readiness: both ports listening, the bucket reachable, the target loading)."""
+    doc = await services(request).readiness.check()
+    return json_response(doc, 200 if doc["ready"] else 503)
+
+
 async def status(request: web.Request) -> web.Response:
     """GET /v1/status -> 200: node, peers, bucket and byte counters, snapshot records."""
     return json_response(services(request).status.status())
@@ -291,6 +298,7 @@ def make_local_app(svc: Services) -> web.Application:
     app[SERVICES] = svc
     r = app.router
     r.add_get("/v1/health", health)
+    r.add_get("/v1/ready", ready)
     r.add_get("/v1/status", status)
     r.add_get("/v1/snapshots", list_snapshots)
     r.add_get("/v1/snapshots/{identity}", get_snapshot)

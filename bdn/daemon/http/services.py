@@ -11,6 +11,7 @@ from bdn.daemon.config import Config
 from bdn.daemon.gossip import Gossip
 from bdn.daemon.metrics import Metrics
 from bdn.daemon.nonces import NonceCache
+from bdn.daemon.readiness import Readiness
 from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.serving import ChunkServing
@@ -32,6 +33,7 @@ class Services:
     serving: ChunkServing
     status: StatusView
     metrics: Metrics
+    readiness: Readiness
 
 
 SERVICES = web.AppKey("services", Services)

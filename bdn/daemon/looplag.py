@@ -1,0 +1,40 @@
+"""How late the event loop runs: a probe that sleeps ``interval_s`` over and over and records
+how much later than asked it woke up (issue 12, item 2: no step may block the loop for more than
+about 100 ms). ``/metrics`` shows the largest lag of the last window and the count of probes
+that were late by more than ``SLOW_S``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+from bdn.daemon.clock import SYSTEM, Clock
+
+SLOW_S = 0.1
+
+
+class LoopLag:
+    """``run()`` probes until cancelled; ``max_s`` is the largest lag (s) over the last
+    ``window`` probes, ``slow`` counts probes later than ``SLOW_S`` since the start."""
+
+    def __init__(self, clock: Clock = SYSTEM, interval_s: float = 0.05, window: int = 1200) -> None:
+        self.clock = clock
+        self.interval_s = interval_s
+        self._lags: deque[float] = deque(maxlen=window)
+        self.slow = 0
+
+    def record(self, lag_s: float) -> None:
+        """One probe woke ``lag_s`` seconds late."""
+        self._lags.append(lag_s)
+        if lag_s > SLOW_S:
+            self.slow += 1
+
+    @property
+    def max_s(self) -> float:
+        return max(self._lags, default=0.0)
+
+    async def run(self) -> None:
+        while True:
+            t0 = self.clock.monotonic()
+            await asyncio.sleep(self.interval_s)
+            self.record(max(0.0, self.clock.monotonic() - t0 - self.interval_s))

@@ -1,0 +1,118 @@
+"""Readiness, apart from liveness (issue 12, item 11).
+
+``GET /v1/health`` is liveness: the event loop answers. ``GET /v1/ready`` is readiness, true when
+
+1. both ports listen (the peer port and the local API),
+2. the bucket is reachable: a cheap probe (``BucketIO.probe``: the root directory of a
+   ``file://`` bucket exists; an ``s3://``/``gs://`` bucket answers a listing of
+   ``STARTUP_SNAPSHOT``, present or not), renewed in the background every ``PROBE_TTL_S``
+   seconds (only the first check waits for one, at most ``PROBE_TIMEOUT_S``),
+3. startup is over (membership settled) and the replica's target (``STARTUP_SNAPSHOT``'s
+   snapshot, or the fleet's hot-load target) is loaded or loading, not failed.
+
+The answer is ``{"ready": bool, "reasons": [str, ...], "node_id"}``: each reason is one line
+saying what is missing. Time comes from an injected clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Protocol
+
+from bdn.daemon.clock import Clock
+
+PROBE_TTL_S = 10.0
+PROBE_TIMEOUT_S = 1.5
+
+
+class Probe(Protocol):
+    async def probe(self) -> str | None: ...
+
+
+class Records(Protocol):
+    def get(self, identity: str) -> Any: ...
+
+
+class TargetView(Protocol):
+    target: Any
+
+
+class Readiness:
+    """The ``/v1/ready`` document; the app sets ``listening`` and ``started`` as startup proceeds."""
+
+    def __init__(self, node_id: str, bucket: Probe, catalog: Records, replica: TargetView, clock: Clock) -> None:
+        self.node_id = node_id
+        self.bucket = bucket
+        self.catalog = catalog
+        self.replica = replica
+        self.clock = clock
+        self.listening = False
+        self.started = False
+        self._probed_at: float | None = None
+        self._probe_error: str | None = None
+        self._probing: asyncio.Future[None] | None = None
+
+    async def bucket_error(self) -> str | None:
+        """Why the bucket is not reachable (None: it is). A probe older than ``PROBE_TTL_S`` is
+        renewed in the background while its last answer is used; only the very first check
+        waits for one, at most ``PROBE_TIMEOUT_S``."""
+        now = self.clock.monotonic()
+        stale = self._probed_at is None or now - self._probed_at >= PROBE_TTL_S
+        if stale and (self._probing is None or self._probing.done()):
+            self._probing = asyncio.ensure_future(self._probe())
+        if self._probed_at is not None or self._probing is None:
+            return self._probe_error
+        try:
+            await asyncio.wait_for(asyncio.shield(self._probing), PROBE_TIMEOUT_S)
+        except TimeoutError:
+            return f"the bucket did not answer a probe within {PROBE_TIMEOUT_S:g} s"
+        return self._probe_error
+
+    async def _probe(self) -> None:
+        try:
+            err = await self.bucket.probe()
+        except Exception as e:  # noqa: BLE001 - a probe that breaks says so, it does not break readiness
+            err = f"probe failed: {type(e).__name__}: {e}"
+        self._probed_at, self._probe_error = self.clock.monotonic(), err
+
+    def snapshot_reason(self) -> str | None:
+        """Why the target snapshot is neither loaded nor loading (None: it is, or there is none)."""
+        t = self.replica.target
+        if t is None:
+            return None
+        job = self.catalog.get(t.identity)
+        if job is None:
+            return f"target snapshot {t.identity} is not loading"
+        if job.state == "failed":
+            return f"target snapshot {t.identity} failed: {job.reason}"
+        return None
+
+    async def check(self) -> dict[str, Any]:
+        """``{"ready", "reasons", "node_id"}`` (see the module docstring)."""
+        reasons = []
+        if not self.listening:
+            reasons.append("not listening yet")
+        err = await self.bucket_error()
+        if err:
+            reasons.append(f"bucket unreachable: {err}")
+        if not self.started:
+            reasons.append("starting: settling membership before loading the startup snapshot")
+        else:
+            why = self.snapshot_reason()
+            if why:
+                reasons.append(why)
+        return {"ready": not reasons, "reasons": reasons, "node_id": self.node_id}
+
+    def summary(self, doc: dict[str, Any]) -> str:
+        """One line for systemd's STATUS=: ``ready`` or ``not ready: <reasons>``."""
+        return "ready" if doc["ready"] else "not ready: " + "; ".join(doc["reasons"])
+
+    async def watch(self, notify: Any, last: str | None = None, interval_s: float = PROBE_TTL_S) -> None:
+        """Tell systemd (``notify("STATUS=...")``) the readiness summary whenever it changes
+        from ``last`` (the line already sent)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            line = self.summary(await self.check())
+            if line != last:
+                notify(f"STATUS={line}")
+                last = line
