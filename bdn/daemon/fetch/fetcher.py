@@ -94,6 +94,9 @@ class Fetcher:
                 raise
         finally:
             poller.cancel()
+            # The bitfields served this download only: kept, they would pile up one table of
+            # N peers' bitfields per snapshot ever fetched (a later fetch asks afresh first).
+            self.haves.forget(job.identity)
 
     async def ensure_chunk(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Single-flight: one acquisition per chunk, however many ask for it."""

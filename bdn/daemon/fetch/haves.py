@@ -56,6 +56,15 @@ class Haves:
             except Exception:
                 log.debug("have refresh failed", exc_info=True)
 
+    def forget(self, identity: str) -> None:
+        """Drop what peers reported of ``identity`` (its download ended)."""
+        self._by_identity.pop(identity, None)
+
+    @property
+    def tracked(self) -> int:
+        """How many snapshots' bitfields are held (one per download in progress)."""
+        return len(self._by_identity)
+
     def holding(self, job: SnapshotJob, layer: str, index: int) -> list[str]:
         """Urls of the peers whose last bitfield of ``layer`` shows chunk ``index`` of ``job``."""
         out = []
