@@ -20,7 +20,7 @@ Pure: no clock is needed (the epoch is the caller's membership epoch).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from bdn.proto import hrw
 
@@ -54,9 +54,22 @@ class OwnerMap:
         self.epoch = epoch
         self.live = tuple(sorted(set(live)))
         n = len(self.live) if readers is None else max(0, min(readers, len(self.live)))
-        self.readers = tuple(hrw.rank(self.live, "readers\x00" + identity)[:n])
+        self._key = "readers\x00" + identity
+        self.readers = tuple(hrw.rank(self.live, self._key)[:n])
         self._reader_set = frozenset(self.readers)
         self._owner: dict[str, str | None] = {}
+
+    def affected_by(self, node: str) -> bool:
+        """Would a change of ``node``'s standing (joined, died) change any owner?
+
+        Owners are HRW over the readers only, so only a reader leaving, or a joiner that
+        ranks among the readers, moves any; while every live node is a reader, any change
+        does. Lets a caller keep this map across epochs without recomputing the live set.
+        """
+        if node in self._reader_set or len(self.readers) >= len(self.live) or not self.readers:
+            return True
+        last = self.readers[-1]
+        return (hrw.score(node, self._key), node) > (hrw.score(last, self._key), last)
 
     def is_reader(self, node: str) -> bool:
         return node in self._reader_set
@@ -71,6 +84,26 @@ class OwnerMap:
     def ranked(self, digest: str) -> list[str]:
         """Readers from owner to last fallback for ``digest``."""
         return hrw.rank(self.readers, digest)
+
+    def acting_owner(self, digest: str, unreachable: Container[str] = ()) -> str | None:
+        """The owner, or when this node found it unreachable (connection refused or reset: a
+        local, certain signal, long before membership agrees it is dead) the next reader by
+        rank that is not: that reader takes the chunk over after checking the owner itself.
+        """
+        for n in self.ranked(digest):
+            if n not in unreachable:
+                return n
+        return None
+
+    def former_owner(self, digest: str, node: str) -> str | None:
+        """The reader ranked right below ``node`` for ``digest``: who owned it before ``node``
+        became a reader (it joined late, or a reader above it died). A new owner asks it first,
+        so a chunk already read or being read is not read from the bucket twice."""
+        r = self.ranked(digest)
+        if node in r:
+            i = r.index(node)
+            return r[i + 1] if i + 1 < len(r) else None
+        return None
 
     def owned_by(self, node: str, digests: Sequence[str]) -> list[int]:
         """Indexes into ``digests`` that ``node`` owns, in order."""

@@ -22,7 +22,7 @@ Pure: the caller's transport delivers BITFIELD/HAVE messages; time comes from ``
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,14 +110,19 @@ class PeerSet:
         return pack_bits(self.held)
 
     # ---- membership of the set ---------------------------------------------------------------
-    def refresh(self, live: Iterable[str], readers: Iterable[str] = ()) -> list[str]:
+    def refresh(self, live: Sequence[str], readers: Iterable[str] = (),
+                is_live: Callable[[str], bool] | None = None) -> list[str]:
         """Drop peers no longer live (and long-useless ones), choose new ones up to ``k``.
 
+        ``live``: the membership's live node ids; ``is_live``: an O(1) test of the same set
+        (built from ``live`` when not given). New peers are drawn at random from ``live``.
         Returns the node ids to dial (each gets this node's BITFIELD: :meth:`bitfield`).
         """
         now = self.clock()
-        live_set = set(live)
-        for p in [p for p in self.peers if p not in live_set]:
+        if is_live is None:
+            live_set = set(live)
+            is_live = live_set.__contains__
+        for p in [p for p in self.peers if not is_live(p)]:
             self.remove(p)
         if not self.complete:
             for p, s in list(self.peers.items()):
@@ -128,18 +133,32 @@ class PeerSet:
             return []
         dial: list[str] = []
         have_readers = sum(1 for s in self.peers.values() if s.reader)
-        rs = [r for r in readers if r != self.self_id and r not in self.peers and r in live_set]
+        rs = [r for r in readers if r != self.self_id and r not in self.peers and is_live(r)]
         if have_readers < self.reader_slots and rs:
             dial += self.rng.sample(rs, min(len(rs), self.reader_slots - have_readers, want))
-        others = [n for n in live_set if n != self.self_id and n not in self.peers and n not in dial]
-        need = want - len(dial)
-        if need > 0 and others:
-            dial += self.rng.sample(others, min(need, len(others)))
+        dial += self._draw(live, want - len(dial), set(dial))
         reader_set = set(rs)
         for p in dial:
             self._add(p, now, p in reader_set)
         self.messages_out += len(dial)
         return dial
+
+    def _draw(self, live: Sequence[str], need: int, taken: set[str]) -> list[str]:
+        """``need`` random members of ``live`` not yet peers: O(need) draws in a large fleet."""
+        if need <= 0 or not live:
+            return []
+        out: list[str] = []
+        if len(live) > 4 * (len(self.peers) + need + 1):
+            for _ in range(8 * need):
+                n = live[self.rng.randrange(len(live))]
+                if n != self.self_id and n not in self.peers and n not in taken:
+                    taken.add(n)
+                    out.append(n)
+                    if len(out) >= need:
+                        break
+            return out
+        others = [n for n in live if n != self.self_id and n not in self.peers and n not in taken]
+        return self.rng.sample(others, min(need, len(others)))
 
     def accept(self, peer: str, is_reader: bool = False) -> bool:
         """An inbound connection: True if taken (then answer with :meth:`bitfield`)."""

@@ -20,7 +20,8 @@ of the period the target becomes *suspect*; a suspect not refuted within the sus
 itself suspected refutes it with a higher incarnation number. Every change is piggybacked on the
 next outgoing messages (at most ``max_piggyback`` per message), each sent at most
 ``retransmit_mult * ceil(log2(N+1))`` times, so it reaches the whole fleet in O(log N) periods.
-A joiner (and every member, every ``sync_interval_s``) exchanges the whole table with one random
+A joiner (at once and again a few periods later) and every member (every ``sync_interval_s``,
+scaled up with log N as memberlist's push-pull) exchanges the whole table with one random
 member (``sync``/``sync_ack``): the only message whose size grows with N.
 
 Cost per member per period: 1 ping + 1 ack sent and on average 1 of each received, plus
@@ -163,6 +164,12 @@ class Swim:
         self._next_period = now
         self._next_sync = now + self.rng.uniform(0.5, 1.0) * self.sync_interval_s
         self._live_cache: tuple[str, ...] | None = None
+        self._suspects: dict[str, float] = {}  # node -> suspected since (timers without scanning)
+        self._dead: dict[str, float] = {}  # node -> dead since (forgotten after dead_forget_s)
+        #: Nodes whose live/dead standing changed, in order, for callers that update derived
+        #: state incrementally (:meth:`bdn.control.owners.OwnerMap.affected_by`); drain it.
+        self.changes: list[str] = []
+        self.synced = False  # holds a full table (see join)
         self.sent = 0  # messages returned for sending (a metric)
         self.received = 0
 
@@ -174,6 +181,13 @@ class Swim:
             ids.append(self.self_id)
             self._live_cache = tuple(sorted(ids))
         return self._live_cache
+
+    def is_live(self, node: str) -> bool:
+        """True for this daemon and for members alive or suspect (O(1))."""
+        if node == self.self_id:
+            return True
+        m = self._members.get(node)
+        return m is not None and m.status != DEAD
 
     def status(self, node: str) -> str | None:
         if node == self.self_id:
@@ -193,6 +207,11 @@ class Swim:
         per = sum(len(n) + len(m.addr) + 16 for n, m in self._members.items())
         return per + 48 * len(self._queue)
 
+    def sync_period(self) -> float:
+        """``sync_interval_s`` scaled as memberlist's push-pull: x(ceil(log2 N - 5) + 1) above 32."""
+        n = len(self._members) + 1
+        return self.sync_interval_s * (1 + max(0, math.ceil(math.log2(n) - 5)))
+
     def next_deadline(self) -> float:
         """The clock time at which :meth:`tick` has something to do."""
         t = min(self._next_period, self._next_sync)
@@ -201,14 +220,23 @@ class Swim:
         return t
 
     # ---- joining ---------------------------------------------------------------------------
-    def join(self, seeds: dict[str, str]) -> list[Message]:
-        """Add ``seeds`` (node id -> address) as alive and ask one of them for the whole table."""
+    def join(self, seeds: dict[str, str], complete: bool = False) -> list[Message]:
+        """Add ``seeds`` (node id -> address) as alive and ask one of them for the whole table.
+
+        ``complete``: the seeds are the whole fleet (a discovery source every node agrees on):
+        :attr:`synced` at once. Otherwise :attr:`synced` turns True with the first ``sync_ack``;
+        until then the view is partial, and callers keep this daemon out of HRW roles (a joiner
+        that counted only its seeds would own most chunks and read them from the bucket again).
+        """
         now = self.clock()
+        self.synced = self.synced or complete or not seeds
         for node, addr in seeds.items():
             if node != self.self_id and node not in self._members:
                 self._members[node] = _Member(ALIVE, 0, addr, now)
                 self._order.append(node)
+        self.rng.shuffle(self._order)  # each member its own random probe order (SWIM §4.3)
         self._changed()
+        self.changes.clear()  # a whole new table: callers rebuild from live()
         self._enqueue(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
         # A second full exchange a few periods later: seeds that joined at the same moment knew
         # little at the first one (a fleet starting together).
@@ -238,7 +266,7 @@ class Swim:
                 self._probe = _Probe(target, self._seq, now)
                 out.append(self._out("ping", target, seq=self._seq))
         if now >= self._next_sync:
-            self._next_sync = now + self.sync_interval_s
+            self._next_sync = now + self.sync_period()
             others = self._alive_others()
             if others:
                 out.append(self._out("sync", self.rng.choice(others), updates=self._table()))
@@ -272,6 +300,9 @@ class Swim:
             return [self._out("ping", msg.target, seq=self._seq)]
         if msg.kind == "sync":
             return [self._out("sync_ack", msg.src, updates=self._table())]
+        if msg.kind == "sync_ack" and not self.synced:
+            self.synced = True
+            self._changed()  # callers re-plan: the view is whole now
         return []
 
     # ---- internals -------------------------------------------------------------------------
@@ -335,25 +366,42 @@ class Swim:
         return self.suspect_mult * max(1.0, math.log10(n + 1)) * self.period_s
 
     def _expire(self, now: float) -> None:
-        timeout = self._suspect_timeout()
-        for node, m in list(self._members.items()):
-            if m.status == SUSPECT and now - m.changed_at >= timeout:
+        if self._suspects:
+            timeout = self._suspect_timeout()
+            for node in [n for n, t in self._suspects.items() if now - t >= timeout]:
+                m = self._members[node]
                 self._set(node, m, DEAD, m.incarnation, now)
                 self._enqueue(Update(node, DEAD, m.incarnation, m.addr))
-            elif m.status == DEAD and now - m.changed_at >= self.dead_forget_s:
-                del self._members[node]
+        if self._dead:
+            for node in [n for n, t in self._dead.items() if now - t >= self.dead_forget_s]:
+                del self._dead[node]
+                self._members.pop(node, None)
         for seq in [s for s, r in self._relays.items() if r.expires <= now]:
             del self._relays[seq]
 
     def _set(self, node: str, m: _Member, status: int, inc: int, now: float) -> None:
         was_live = m.status != DEAD
-        m.status, m.incarnation, m.changed_at = status, inc, now
+        if status != m.status:
+            m.changed_at = now
+        m.status, m.incarnation = status, inc
+        if status == SUSPECT:
+            self._suspects.setdefault(node, now)
+        else:
+            self._suspects.pop(node, None)
+        if status == DEAD:
+            self._dead[node] = now
+        else:
+            self._dead.pop(node, None)
         if was_live != (status != DEAD):
-            self._changed()
+            self._changed(node)
 
-    def _changed(self) -> None:
+    def _changed(self, node: str | None = None) -> None:
         self._live_cache = None
         self.epoch += 1
+        if node is not None:
+            self.changes.append(node)
+            if len(self.changes) > 4096:
+                del self.changes[:2048]  # a caller that never drains: keep the newest
 
     def _apply(self, u: Update, now: float) -> None:
         if u.node == self.self_id:
@@ -366,9 +414,11 @@ class Swim:
             if u.status == DEAD:
                 return  # never heard of it: nothing to forget
             m = self._members[u.node] = _Member(u.status, u.incarnation, u.addr, now)
-            if self._order:
-                self._order.insert(0, u.node)  # probed in this round too
-            self._changed()
+            if u.status == SUSPECT:
+                self._suspects[u.node] = now
+            if self._order:  # at a random place of this round (SWIM §4.3)
+                self._order.insert(self.rng.randrange(len(self._order) + 1), u.node)
+            self._changed(u.node)
             self._enqueue(u)
             return
         if _overrides(u, m):
