@@ -45,3 +45,23 @@ def test_cache_rebuilds_only_when_the_epoch_changes() -> None:
     assert cache.get(1, live, "s") is m1 and cache.rebuilds == 1
     m2 = cache.get(2, ["a", "b"], "s")
     assert m2 is not m1 and cache.rebuilds == 2 and "c" not in m2.readers
+
+
+def test_affected_by_acting_and_former_owner() -> None:
+    live = [f"n{i}" for i in range(100)]
+    m = OwnerMap(1, live, "s", readers=10)
+    outsiders = [n for n in live if not m.is_reader(n)]
+    assert m.affected_by(m.readers[3])
+    assert not any(m.affected_by(n) for n in outsiders)  # they rank below every reader
+    # a joiner matters only if it would rank among the readers
+    joiners = [f"j{i}" for i in range(200)]
+    for j in joiners:
+        again = OwnerMap(2, live + [j], "s", readers=10)
+        assert m.affected_by(j) == (again.readers != m.readers)
+    d = "chunk-a"
+    ranked = m.ranked(d)
+    assert m.acting_owner(d) == ranked[0] == m.owner(d)
+    assert m.acting_owner(d, {ranked[0]}) == ranked[1]
+    assert m.former_owner(d, ranked[0]) == ranked[1] and m.former_owner(d, ranked[-1]) is None
+    small = OwnerMap(1, ["a", "b"], "s", readers=5)
+    assert small.affected_by("zzz")  # every live node reads: any change moves owners

@@ -162,3 +162,17 @@ def test_update_from_wire_rejects_bad_input() -> None:
                 ["n", 0, 0, "x" * 600], ["n" * 200, 0, 0, ""]):
         with pytest.raises(SwimError):
             Update.from_wire(bad)
+
+
+def test_a_joiner_is_synced_only_after_a_full_table() -> None:
+    clock = FakeClock()
+    seed = Swim("s", "S", clock, rng=random.Random(1))
+    seed.join({f"m{i}": "x" for i in range(10)}, complete=True)
+    assert seed.synced and seed.is_live("m3") and not seed.is_live("nobody")
+    j = Swim("j", "J", clock, rng=random.Random(2))
+    out = j.join({"s": "S"})
+    assert not j.synced and [m.kind for m in out] == ["sync"]
+    (ack,) = seed.receive(out[0])
+    assert ack.kind == "sync_ack"
+    j.receive(ack)
+    assert j.synced and len(j.live()) == 12 and seed.is_live("j")

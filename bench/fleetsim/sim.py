@@ -84,6 +84,8 @@ class Scenario:
     uploads_per_chunk: int = 2
     today_per_peer: int = 4
     time_limit_s: float = 3600.0
+    data: bool = True  # False: membership and hot-load only (no chunks): the control plane at scale
+    min_sim_s: float = 0.0  # run at least this long (control rates over a steady window)
 
     @property
     def chunk_bytes(self) -> float:
@@ -119,7 +121,7 @@ class SimNode:
         self.uploads = 0
         self.uploads_by_chunk: Counter = Counter()
         self.load: Counter = Counter()
-        self.wake = env.event()
+        self.wake: list = []  # idle workers' events
         self.bucket_queue: list[int] = []
         self.reading: set[int] = set()
         self.flows: set = set()
@@ -176,14 +178,18 @@ class FleetSim:
             self.log.append((round(self.env.now, 4), node, what))
 
     def wake_or(self, nd: SimNode, timeout: float) -> simpy.Event:
-        """An event for a worker: the node's next kick (shared by all its workers) or a timeout."""
-        if nd.wake.triggered:
-            nd.wake = self.env.event()
-        return nd.wake | self.env.timeout(timeout)
+        """An event for an idle worker: the node's next kick (one idle worker per kick) or a
+        timeout. A woken worker that finds work kicks the next, so all wake only if needed."""
+        ev = self.env.event()
+        nd.wake.append(ev)
+        return ev | self.env.timeout(timeout)
 
     def kick(self, nd: SimNode) -> None:
-        if not nd.wake.triggered:
-            nd.wake.succeed()
+        while nd.wake:
+            ev = nd.wake.pop()
+            if not ev.triggered:
+                ev.succeed()
+                return
 
     # ---- membership (fleet) -----------------------------------------------------------------
     def send_swim(self, msgs: list[Message]) -> None:
@@ -238,7 +244,10 @@ class FleetSim:
         for p in push:
             nd.ctrl_sent += 1
             self.later(self.delay(), self.deliver_target, p, t)
-        self.start_download(nd)
+        if self.sc.data:
+            self.start_download(nd)
+        else:
+            nd.done_at = self.env.now
 
     def deliver_target(self, dst_id: str, t: Target) -> None:
         dst = self.nodes.get(dst_id)
@@ -475,6 +484,7 @@ class FleetSim:
                     nd.unavail_since[idx] = now
                     if owner == nd.id and idx not in nd.reading and idx not in nd.bucket_queue:
                         self.take_over(nd, idx)
+                    yield self.wake_or(nd, sc.owner_ask_after_s)  # never spin at one instant
                     continue
                 nd.ps.mark_inflight(idx)
                 ok = yield from self.ask(nd, owner, idx, wait=True)
@@ -485,6 +495,7 @@ class FleetSim:
                         nd.unreachable.add(owner)  # connection refused: try the next reader
                 continue
             i, peer = picks[0]
+            self.kick(nd)  # there may be more: let one more idle worker look
             nd.load[peer] += 1
             ok = yield from self.ask(nd, peer, i, wait=False)
             nd.load[peer] -= 1
@@ -739,7 +750,7 @@ class FleetSim:
         while True:
             yield self.env.timeout(0.25)
             live = [x for x in self.nodes.values() if x.alive]
-            if len(self.nodes) == self.sc.n and all(x.done_at is not None for x in live):
+            if len(self.nodes) == self.sc.n and all(x.done_at is not None for x in live) and self.env.now >= self.sc.min_sim_s:
                 yield self.env.timeout(self.sc.swim_period_s * 2)  # let gossip settle for the counts
                 raise simpy.core.StopSimulation(None)
 
@@ -769,7 +780,11 @@ class FleetSim:
             "control_msgs_per_node_s_max": round(float(np.max(rates)), 3),
             "peer_state_bytes_per_node_max": int(max((x.state_peak for x in live), default=0)),
             "member_table_bytes_per_node": int(swim_bytes),
-            "hotload_target_spread_s": None if len(adopted) < len(live) else round(max(adopted) - self.post_at, 4),
+            # the POST reaching every node of the fleet as it was, and joiners after their join
+            "hotload_target_spread_s": None if len(adopted) < len(live) else round(
+                max(x.adopted_at for x in live if x.joined_at == 0) - self.post_at, 4),
+            "hotload_late_joiner_adopt_s": round(max((x.adopted_at - x.joined_at for x in live if x.joined_at > 0
+                                                      and x.adopted_at is not None), default=0.0), 4),
             "hotload_done_s": None if last is None else round(last - self.post_at, 3),
             "sim_end_s": round(end, 3),
             "owner_map_rebuilds": self.owner_cache_rebuilds,
