@@ -1,0 +1,21 @@
+"""bdn's control-plane policies: pure, clock-injected, no asyncio, no sockets, no threads.
+
+Each module takes the time from an injected ``clock`` (a ``Callable[[], float]`` returning
+seconds, monotonic) and returns decisions or messages; the daemon's services and the fleet
+simulator (bench/fleetsim) are the only places that send them. Modules:
+
+- :mod:`bdn.control.swim`: membership at O(1) messages per node per period (SWIM).
+- :mod:`bdn.control.owners`: HRW owners and bucket readers, computed once per membership epoch.
+- :mod:`bdn.control.peerset`: a bounded peer set per snapshot, BITFIELD once then HAVE, rarest-first.
+- :mod:`bdn.control.hotload`: hot-load targets ordered by the trainer, gossiped; status
+  aggregation and pagination.
+- :mod:`bdn.control.replay`: bounded replay protection for signed requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+#: A clock: seconds (float), monotonic. The daemon passes ``time.monotonic``; tests and the
+#: simulator pass their own.
+Clock = Callable[[], float]

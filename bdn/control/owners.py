@@ -1,0 +1,132 @@
+"""Who reads each chunk from the bucket: HRW owners over the live set, computed once per epoch.
+
+Source: rendezvous hashing (:mod:`bdn.proto.hrw`). Two refinements for large fleets:
+
+- **Bucket readers.** A bucket serves ``aggregate_bps`` in total and ``per_connection_bps`` per
+  connection, so ``ceil(headroom * aggregate / per_connection)`` connections saturate it (100 at
+  10 GB/s and 100 MB/s; ``headroom`` 1.5 keeps it saturated while some finish). With one reader
+  per node, N = 10,000 owners would each read one slow connection and every chunk would finish
+  at the very end, with nothing left to overlap. So only the top ``readers`` nodes by HRW score
+  of the snapshot's identity read from the bucket (each with ``connections_per_reader``
+  connections), and a chunk's owner is the HRW top among those readers. The reader set differs
+  per snapshot, so the role rotates over the fleet.
+- **Once per epoch.** :class:`OwnerMap` is built from one membership epoch's live set; its
+  owner lookups are memoised per chunk and the whole map is rebuilt only when the live set
+  changes (``epoch`` differs), never per request: no ``chunks x N`` hashing before bytes move.
+
+Pure: no clock is needed (the epoch is the caller's membership epoch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Container, Sequence
+
+from bdn.proto import hrw
+
+
+def reader_count(
+    live_n: int, aggregate_bps: float, per_connection_bps: float, connections_per_reader: int = 1,
+    headroom: float = 1.5,
+) -> int:
+    """How many nodes read a snapshot from the bucket: enough connections to saturate it.
+
+    ``aggregate_bps``/``per_connection_bps``: bytes per second (0 = unlimited per connection:
+    then every live node reads). Returns an integer in ``[1, live_n]`` (0 when ``live_n`` is 0).
+    """
+    if live_n <= 0:
+        return 0
+    if per_connection_bps <= 0 or aggregate_bps <= 0:
+        return live_n
+    conns = math.ceil(headroom * aggregate_bps / per_connection_bps)
+    return max(1, min(live_n, math.ceil(conns / max(1, connections_per_reader))))
+
+
+class OwnerMap:
+    """Owners of one snapshot's chunks for one membership epoch.
+
+    ``live``: node ids of the epoch (this daemon included). ``identity``: the snapshot's
+    identity (picks its readers). ``readers``: how many read from the bucket (see
+    :func:`reader_count`; ``None`` = all). Keys are chunk digests (hex strings).
+    """
+
+    def __init__(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None) -> None:
+        self.epoch = epoch
+        self.live = tuple(sorted(set(live)))
+        n = len(self.live) if readers is None else max(0, min(readers, len(self.live)))
+        self._key = "readers\x00" + identity
+        self.readers = tuple(hrw.rank(self.live, self._key)[:n])
+        self._reader_set = frozenset(self.readers)
+        self._owner: dict[str, str | None] = {}
+
+    def affected_by(self, node: str) -> bool:
+        """Would a change of ``node``'s standing (joined, died) change any owner?
+
+        Owners are HRW over the readers only, so only a reader leaving, or a joiner that
+        ranks among the readers, moves any; while every live node is a reader, any change
+        does. Lets a caller keep this map across epochs without recomputing the live set.
+        """
+        if node in self._reader_set or len(self.readers) >= len(self.live) or not self.readers:
+            return True
+        last = self.readers[-1]
+        return (hrw.score(node, self._key), node) > (hrw.score(last, self._key), last)
+
+    def is_reader(self, node: str) -> bool:
+        return node in self._reader_set
+
+    def owner(self, digest: str) -> str | None:
+        """The reader that fetches ``digest`` from the bucket (None with no live readers)."""
+        o = self._owner.get(digest, "")
+        if o == "":
+            o = self._owner[digest] = hrw.owner(self.readers, digest)
+        return o
+
+    def ranked(self, digest: str) -> list[str]:
+        """Readers from owner to last fallback for ``digest``."""
+        return hrw.rank(self.readers, digest)
+
+    def acting_owner(self, digest: str, unreachable: Container[str] = ()) -> str | None:
+        """The owner, or when this node found it unreachable (connection refused or reset: a
+        local, certain signal, long before membership agrees it is dead) the next reader by
+        rank that is not: that reader takes the chunk over after checking the owner itself.
+        """
+        for n in self.ranked(digest):
+            if n not in unreachable:
+                return n
+        return None
+
+    def former_owner(self, digest: str, node: str) -> str | None:
+        """The reader ranked right below ``node`` for ``digest``: who owned it before ``node``
+        became a reader (it joined late, or a reader above it died). A new owner asks it first,
+        so a chunk already read or being read is not read from the bucket twice."""
+        r = self.ranked(digest)
+        if node in r:
+            i = r.index(node)
+            return r[i + 1] if i + 1 < len(r) else None
+        return None
+
+    def owned_by(self, node: str, digests: Sequence[str]) -> list[int]:
+        """Indexes into ``digests`` that ``node`` owns, in order."""
+        if node not in self._reader_set:
+            return []
+        return [i for i, d in enumerate(digests) if self.owner(d) == node]
+
+
+class OwnerCache:
+    """The current :class:`OwnerMap` per snapshot, rebuilt only when the epoch changes."""
+
+    def __init__(self, max_snapshots: int = 8) -> None:
+        self._maps: dict[str, OwnerMap] = {}
+        self._max = max_snapshots
+        self.rebuilds = 0
+
+    def get(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None) -> OwnerMap:
+        m = self._maps.get(identity)
+        if m is None or m.epoch != epoch or (readers is not None and len(m.readers) != min(readers, len(m.live))):
+            m = OwnerMap(epoch, live, identity, readers)
+            self.rebuilds += 1
+            self._maps.pop(identity, None)
+            self._maps[identity] = m
+            while len(self._maps) > self._max:
+                self._maps.pop(next(iter(self._maps)))
+        return m

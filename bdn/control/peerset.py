@@ -1,0 +1,293 @@
+"""A bounded peer set per snapshot: a bitfield once per connection, then HAVEs, rarest-first.
+
+Source: BitTorrent (BEP 3: ``bitfield`` once after the handshake, then ``have`` per piece;
+rarest-first piece selection) and Kraken's scheduler (a capped set of connections per torrent,
+``dispatch/piecerequest``'s rarest-first policy: a pure function of bitsets and counts).
+
+Each daemon works, per snapshot, with at most ``max_peers`` peers: it dials until it has
+``k`` (a few of them bucket readers, ``reader_slots``, so fresh chunks enter its neighbourhood
+first-hand) and accepts inbound connections up to ``max_peers``. A connection starts with
+one BITFIELD each way; after that each side pushes HAVE messages, batched: chunks that arrived
+since the last flush go to every peer at most once per ``have_flush_s`` (one message per peer
+per flush, however many chunks). Dead peers are dropped at once and replaced at the next
+:meth:`PeerSet.refresh`; so are peers that have been useless for ``idle_s`` while this node
+still needs chunks (a complete peer stays: it is a seed).
+
+Memory: two bitfields (held, in flight) and an availability count per chunk, plus one
+bitfield per peer: O(K * chunks / 8) bytes, independent of N.
+
+Pure: the caller's transport delivers BITFIELD/HAVE messages; time comes from ``clock``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from bdn.control import Clock
+
+MAX_PEERS_HARD = 256
+
+
+class PeerSetError(ValueError):
+    """A malformed BITFIELD or HAVE from a peer (untrusted input)."""
+
+
+def pack_bits(bits: np.ndarray) -> bytes:
+    """Bool array -> bytes, BitTorrent bit order (MSB of byte 0 is chunk 0)."""
+    return np.packbits(bits.astype(np.uint8)).tobytes()
+
+
+def unpack_bits(data: bytes, n: int) -> np.ndarray:
+    """Bytes (BitTorrent bit order) -> bool array of ``n``; spare bits are ignored.
+
+    Raises:
+        PeerSetError: the length is not ``ceil(n / 8)`` bytes.
+    """
+    if len(data) != (n + 7) // 8:
+        raise PeerSetError(f"bitfield of {n} chunks needs {(n + 7) // 8} bytes, got {len(data)}")
+    return np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=n).astype(bool)
+
+
+@dataclass
+class _Peer:
+    have: np.ndarray  # bool per chunk
+    since: float
+    last_useful: float
+    pending_have: list[int]
+    reader: bool = False
+
+
+class PeerSet:
+    """One node's peers for one snapshot of ``n_chunks`` chunks.
+
+    ``owned``: bool per chunk, True where this node is the chunk's owner (it reads those from
+    the bucket itself; :meth:`pick` never asks peers for them unless ``include_owned``).
+    """
+
+    def __init__(
+        self, self_id: str, n_chunks: int, clock: Clock, *, rng: random.Random | None = None,
+        k: int = 16, max_peers: int = 32, reader_slots: int = 4, have_flush_s: float = 0.1,
+        idle_s: float = 10.0, owned: Sequence[bool] | None = None,
+    ) -> None:
+        if not 0 < k <= max_peers <= MAX_PEERS_HARD:
+            raise ValueError("need 0 < k <= max_peers <= 256")
+        self.self_id = self_id
+        self.n = n_chunks
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.k, self.max_peers, self.reader_slots = k, max_peers, reader_slots
+        self.have_flush_s, self.idle_s = have_flush_s, idle_s
+        self.held = np.zeros(n_chunks, dtype=bool)
+        self.inflight = np.zeros(n_chunks, dtype=bool)
+        self.owned = np.zeros(n_chunks, dtype=bool) if owned is None else np.asarray(owned, dtype=bool).copy()
+        self.avail = np.zeros(n_chunks, dtype=np.int32)
+        self._tiebreak = np.array(self.rng.sample(range(n_chunks), n_chunks), dtype=np.int64)
+        self.peers: dict[str, _Peer] = {}
+        self._next_flush = clock()
+        self.messages_out = 0  # BITFIELD + HAVE messages this set asked to send (a metric)
+
+    # ---- reads -------------------------------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        return bool(self.held.all())
+
+    def missing(self) -> int:
+        return int(self.n - self.held.sum())
+
+    def holders(self, idx: int) -> list[str]:
+        return [p for p, s in self.peers.items() if s.have[idx]]
+
+    def state_bytes(self) -> int:
+        """Control-state bytes: our arrays plus one packed bitfield per peer."""
+        per_peer = (self.n + 7) // 8 + 64
+        return 3 * self.n + 4 * self.n + len(self.peers) * per_peer
+
+    def bitfield(self) -> bytes:
+        return pack_bits(self.held)
+
+    # ---- membership of the set ---------------------------------------------------------------
+    def refresh(self, live: Sequence[str], readers: Iterable[str] = (),
+                is_live: Callable[[str], bool] | None = None) -> list[str]:
+        """Drop peers no longer live (and long-useless ones), choose new ones up to ``k``.
+
+        ``live``: the membership's live node ids; ``is_live``: an O(1) test of the same set
+        (built from ``live`` when not given). New peers are drawn at random from ``live``.
+        Returns the node ids to dial (each gets this node's BITFIELD: :meth:`bitfield`).
+        """
+        now = self.clock()
+        if is_live is None:
+            live_set = set(live)
+            is_live = live_set.__contains__
+        for p in [p for p in self.peers if not is_live(p)]:
+            self.remove(p)
+        if not self.complete:
+            for p, s in list(self.peers.items()):
+                if not s.have.all() and now - s.last_useful >= self.idle_s and now - s.since >= self.idle_s:
+                    self.remove(p)
+        want = self.k - len(self.peers)
+        if want <= 0:
+            return []
+        dial: list[str] = []
+        have_readers = sum(1 for s in self.peers.values() if s.reader)
+        rs = [r for r in readers if r != self.self_id and r not in self.peers and is_live(r)]
+        if have_readers < self.reader_slots and rs:
+            dial += self.rng.sample(rs, min(len(rs), self.reader_slots - have_readers, want))
+        dial += self._draw(live, want - len(dial), set(dial))
+        reader_set = set(rs)
+        for p in dial:
+            self._add(p, now, p in reader_set)
+        self.messages_out += len(dial)
+        return dial
+
+    def _draw(self, live: Sequence[str], need: int, taken: set[str]) -> list[str]:
+        """``need`` random members of ``live`` not yet peers: O(need) draws in a large fleet."""
+        if need <= 0 or not live:
+            return []
+        out: list[str] = []
+        if len(live) > 4 * (len(self.peers) + need + 1):
+            for _ in range(8 * need):
+                n = live[self.rng.randrange(len(live))]
+                if n != self.self_id and n not in self.peers and n not in taken:
+                    taken.add(n)
+                    out.append(n)
+                    if len(out) >= need:
+                        break
+            return out
+        others = [n for n in live if n != self.self_id and n not in self.peers and n not in taken]
+        return self.rng.sample(others, min(need, len(others)))
+
+    def accept(self, peer: str, is_reader: bool = False) -> bool:
+        """An inbound connection: True if taken (then answer with :meth:`bitfield`)."""
+        if peer == self.self_id:
+            return False
+        if peer in self.peers:
+            return True
+        if len(self.peers) >= self.max_peers:
+            return False
+        self._add(peer, self.clock(), is_reader)
+        self.messages_out += 1
+        return True
+
+    def _add(self, peer: str, now: float, reader: bool) -> None:
+        self.peers[peer] = _Peer(np.zeros(self.n, dtype=bool), now, now, [], reader)
+
+    def remove(self, peer: str) -> None:
+        s = self.peers.pop(peer, None)
+        if s is not None:
+            self.avail -= s.have
+
+    # ---- what peers tell us ------------------------------------------------------------------
+    def on_bitfield(self, peer: str, data: bytes | np.ndarray) -> None:
+        """The peer's BITFIELD (bytes from the wire, or a bool array from a simulator).
+
+        Raises:
+            PeerSetError: wrong length.
+        """
+        s = self.peers.get(peer)
+        if s is None:
+            return
+        bits = unpack_bits(data, self.n) if isinstance(data, (bytes, bytearray)) else np.asarray(data, dtype=bool)
+        if bits.shape != (self.n,):
+            raise PeerSetError(f"bitfield of {bits.shape} for {self.n} chunks")
+        self.avail += bits.astype(np.int32) - s.have
+        s.have = bits.copy()
+        if (bits & ~self.held).any():
+            s.last_useful = self.clock()
+
+    def on_have(self, peer: str, indexes: Iterable[int]) -> None:
+        """The peer's HAVE: chunk indexes it now holds.
+
+        Raises:
+            PeerSetError: an index out of range.
+        """
+        s = self.peers.get(peer)
+        if s is None:
+            return
+        for i in indexes:
+            if not isinstance(i, int) or not 0 <= i < self.n:
+                raise PeerSetError(f"HAVE index {i!r} outside 0..{self.n - 1}")
+            if not s.have[i]:
+                s.have[i] = True
+                self.avail[i] += 1
+                if not self.held[i]:
+                    s.last_useful = self.clock()
+
+    # ---- what we do --------------------------------------------------------------------------
+    def got(self, idx: int) -> None:
+        """Chunk ``idx`` arrived here and was verified: queue a HAVE for every peer."""
+        self.inflight[idx] = False
+        if self.held[idx]:
+            return
+        self.held[idx] = True
+        for s in self.peers.values():
+            if not s.have[idx]:
+                s.pending_have.append(idx)
+
+    def failed(self, idx: int) -> None:
+        """A request for chunk ``idx`` failed: it may be picked again."""
+        self.inflight[idx] = False
+
+    def flush_haves(self, force: bool = False) -> dict[str, list[int]]:
+        """At most every ``have_flush_s``: peer -> chunk indexes to send in one HAVE message."""
+        now = self.clock()
+        if not force and now < self._next_flush:
+            return {}
+        self._next_flush = now + self.have_flush_s
+        out = {p: s.pending_have for p, s in self.peers.items() if s.pending_have}
+        for p in out:
+            self.peers[p].pending_have = []
+        self.messages_out += len(out)
+        return out
+
+    def next_flush(self) -> float:
+        return self._next_flush
+
+    def pick(self, limit: int, load: dict[str, int] | None = None, max_per_peer: int = 4,
+             include_owned: bool = False) -> list[tuple[int, str]]:
+        """Up to ``limit`` (chunk index, peer) requests: rarest first, from the least-loaded holder.
+
+        ``load``: requests in flight per peer (from this node); peers at ``max_per_peer`` are
+        skipped. Marks the picked chunks in flight (:meth:`got` or :meth:`failed` clear it).
+        """
+        if limit <= 0 or not self.peers:
+            return []
+        load = dict(load or {})
+        cand = ~self.held & ~self.inflight & (self.avail > 0)
+        if not include_owned:
+            cand &= ~self.owned
+        idxs = np.flatnonzero(cand)
+        if idxs.size == 0:
+            return []
+        order = idxs[np.lexsort((self._tiebreak[idxs], self.avail[idxs]))]
+        out: list[tuple[int, str]] = []
+        for i in order.tolist():
+            best, best_load = None, max_per_peer
+            for p, s in self.peers.items():
+                if s.have[i]:
+                    ld = load.get(p, 0)
+                    if ld < best_load:
+                        best, best_load = p, ld
+                        if ld == 0:
+                            break
+            if best is None:
+                continue
+            load[best] = best_load + 1
+            self.inflight[i] = True
+            out.append((i, best))
+            if len(out) >= limit:
+                break
+        return out
+
+    def unavailable(self, include_owned: bool = False) -> np.ndarray:
+        """Indexes of chunks still needed that no peer in the set holds (ask their owners)."""
+        cand = ~self.held & ~self.inflight & (self.avail == 0)
+        if not include_owned:
+            cand &= ~self.owned
+        return np.flatnonzero(cand)
+
+    def mark_inflight(self, idx: int) -> None:
+        self.inflight[idx] = True

@@ -1,0 +1,443 @@
+"""Swarm membership at O(1) messages per node per period: SWIM with suspicion and piggybacking.
+
+Source: Das, Gupta, Motivala, "SWIM: Scalable Weakly-consistent Infection-style Process Group
+Membership Protocol" (DSN 2002), with the suspicion sub-protocol (§4.2), round-robin probe order
+(§4.3) and the retransmit limit of HashiCorp memberlist (``RetransmitMult * log(N+1)``) and its
+periodic push-pull state sync for joiners.
+
+Why our own and not a library: the PyPI SWIM packages (``swim-protocol``, ``swim-p2p``) own their
+sockets and event loops (asyncio UDP, ZeroMQ) and read the wall clock, so the daemon's signed
+HTTP transport and the fleet simulator's simulated one could not drive them, and they could not be
+tested with a fake clock. This module is the protocol only: it takes an injected clock and
+returns :class:`Message` values; whoever owns a transport delivers them and calls
+:meth:`Swim.receive` with the answers.
+
+Per period (``period_s``) each member sends one ``ping`` to the next member of a shuffled
+round-robin order; without an ``ack`` within ``ack_timeout_s`` it sends ``ping_req`` to
+``indirect_k`` other members, which ping the target on its behalf; without any ack by the end
+of the period the target becomes *suspect*; a suspect not refuted within the suspicion timeout
+(``suspect_mult * log10(N+1)`` periods, at least ``suspect_mult``) is *dead*. A member that hears
+itself suspected refutes it with a higher incarnation number. Every change is piggybacked on the
+next outgoing messages (at most ``max_piggyback`` per message), each sent at most
+``retransmit_mult * ceil(log2(N+1))`` times, so it reaches the whole fleet in O(log N) periods.
+A joiner (at once and again a few periods later) and every member (every ``sync_interval_s``,
+scaled up with log N as memberlist's push-pull) exchanges the whole table with one random
+member (``sync``/``sync_ack``): the only message whose size grows with N.
+
+Cost per member per period: 1 ping + 1 ack sent and on average 1 of each received, plus
+``2 * indirect_k`` on a missed ack: O(1) in N. State: one ``(status, incarnation, address)``
+entry per member (the compact member list) plus O(log N) queued updates.
+
+**While two daemons disagree about the live set** (a change is still spreading: O(log N)
+periods, or a suspect not yet confirmed), they compute HRW owners over different sets. For
+every disputed member D only the keys whose top HRW score is D's are affected: at most
+1/|live| of a snapshot's chunks per disputed member. A daemon that counts D alive asks D (one
+read of the bucket, by D); one that counts D dead takes the chunk's next owner, which may read
+it too: at most one duplicate bucket read per such chunk per disagreement, i.e. at most
+``disputed / readers`` of S (bench/fleetsim measures it as ``egress / S``). Suspects stay in
+the live set until confirmed dead (as in memberlist), so a slow ack alone moves no owners.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from bdn.control import Clock
+
+ALIVE, SUSPECT, DEAD = 0, 1, 2
+STATUS_NAMES = ("alive", "suspect", "dead")
+KINDS = ("ping", "ack", "ping_req", "sync", "sync_ack")
+MAX_NODE_ID = 128
+MAX_ADDR = 512
+MAX_UPDATES_PER_MESSAGE = 64
+MAX_SYNC_ENTRIES = 100_000
+
+
+class SwimError(ValueError):
+    """A malformed message (from the wire: untrusted)."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """One member's state as gossiped: ``status`` is ALIVE/SUSPECT/DEAD, ``incarnation`` >= 0."""
+
+    node: str
+    status: int
+    incarnation: int
+    addr: str = ""
+
+    def wire(self) -> list:
+        return [self.node, self.status, self.incarnation, self.addr]
+
+    @classmethod
+    def from_wire(cls, obj: object) -> Update:
+        if not isinstance(obj, (list, tuple)) or len(obj) != 4:
+            raise SwimError("update must be [node, status, incarnation, addr]")
+        node, status, inc, addr = obj
+        if not isinstance(node, str) or not 0 < len(node) <= MAX_NODE_ID:
+            raise SwimError("update node id must be 1-128 characters")
+        if status not in (ALIVE, SUSPECT, DEAD) or isinstance(status, bool):
+            raise SwimError("update status must be 0, 1 or 2")
+        if not isinstance(inc, int) or isinstance(inc, bool) or not 0 <= inc < 2**63:
+            raise SwimError("update incarnation must be an integer in [0, 2^63)")
+        if not isinstance(addr, str) or len(addr) > MAX_ADDR:
+            raise SwimError("update address must be a string of at most 512 characters")
+        return cls(node, status, inc, addr)
+
+
+@dataclass(frozen=True)
+class Message:
+    """A membership message from ``src`` to ``dst``.
+
+    ``kind``: ``ping`` (answered by ``ack`` with the same ``seq``), ``ping_req`` (ping ``target``
+    for me, answer ``ack`` with my ``seq``), ``sync``/``sync_ack`` (``updates`` is the whole
+    table). ``extra`` is opaque to this module: what the caller piggybacks (the hot-load target).
+    """
+
+    kind: str
+    src: str
+    dst: str
+    seq: int = 0
+    target: str = ""
+    updates: tuple[Update, ...] = ()
+    extra: object = None
+
+
+@dataclass
+class _Member:
+    status: int
+    incarnation: int
+    addr: str
+    changed_at: float  # when the status last changed (suspicion timer start)
+
+
+@dataclass
+class _Probe:
+    target: str
+    seq: int
+    started: float
+    indirect_sent: bool = False
+    acked: bool = False
+
+
+@dataclass
+class _Relay:
+    asker: str
+    asker_seq: int
+    expires: float
+
+
+@dataclass
+class Swim:
+    """One daemon's SWIM state machine. Call :meth:`tick` at least at :meth:`next_deadline`.
+
+    ``self_id``/``self_addr``: this daemon. ``clock``: seconds. ``rng``: injected randomness
+    (probe order, indirect helpers). Public reads: :meth:`live` (sorted node ids, this daemon
+    included), :attr:`epoch` (increments whenever that set changes), :meth:`addr`.
+    """
+
+    self_id: str
+    self_addr: str
+    clock: Clock
+    rng: random.Random = field(default_factory=random.Random)
+    period_s: float = 1.0
+    ack_timeout_s: float = 0.25
+    indirect_k: int = 3
+    suspect_mult: float = 4.0
+    retransmit_mult: int = 4
+    max_piggyback: int = 8
+    sync_interval_s: float = 30.0
+    dead_forget_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        now = self.clock()
+        self.incarnation = 0
+        self.epoch = 0
+        self._members: dict[str, _Member] = {}
+        self._order: list[str] = []
+        self._queue: dict[str, list] = {}  # node -> [Update, transmits]
+        self._probe: _Probe | None = None
+        self._relays: dict[int, _Relay] = {}
+        self._seq = 0
+        self._next_period = now
+        self._next_sync = now + self.rng.uniform(0.5, 1.0) * self.sync_interval_s
+        self._live_cache: tuple[str, ...] | None = None
+        self._suspects: dict[str, float] = {}  # node -> suspected since (timers without scanning)
+        self._dead: dict[str, float] = {}  # node -> dead since (forgotten after dead_forget_s)
+        #: Nodes whose live/dead standing changed, in order, for callers that update derived
+        #: state incrementally (:meth:`bdn.control.owners.OwnerMap.affected_by`); drain it.
+        self.changes: list[str] = []
+        self.synced = False  # holds a full table (see join)
+        self.sent = 0  # messages returned for sending (a metric)
+        self.received = 0
+
+    # ---- reads ----------------------------------------------------------------------------
+    def live(self) -> tuple[str, ...]:
+        """Node ids counted live for HRW (alive or suspect, and this daemon), sorted."""
+        if self._live_cache is None:
+            ids = [n for n, m in self._members.items() if m.status != DEAD]
+            ids.append(self.self_id)
+            self._live_cache = tuple(sorted(ids))
+        return self._live_cache
+
+    def is_live(self, node: str) -> bool:
+        """True for this daemon and for members alive or suspect (O(1))."""
+        if node == self.self_id:
+            return True
+        m = self._members.get(node)
+        return m is not None and m.status != DEAD
+
+    def status(self, node: str) -> str | None:
+        if node == self.self_id:
+            return "alive"
+        m = self._members.get(node)
+        return STATUS_NAMES[m.status] if m else None
+
+    def addr(self, node: str) -> str | None:
+        m = self._members.get(node)
+        return m.addr if m else (self.self_addr if node == self.self_id else None)
+
+    def table_size(self) -> int:
+        return len(self._members)
+
+    def state_bytes(self) -> int:
+        """Rough control-state size: per member id + address + two ints, plus the queue."""
+        per = sum(len(n) + len(m.addr) + 16 for n, m in self._members.items())
+        return per + 48 * len(self._queue)
+
+    def sync_period(self) -> float:
+        """``sync_interval_s`` scaled as memberlist's push-pull: x(ceil(log2 N - 5) + 1) above 32."""
+        n = len(self._members) + 1
+        return self.sync_interval_s * (1 + max(0, math.ceil(math.log2(n) - 5)))
+
+    def next_deadline(self) -> float:
+        """The clock time at which :meth:`tick` has something to do."""
+        t = min(self._next_period, self._next_sync)
+        if self._probe is not None and not self._probe.acked and not self._probe.indirect_sent:
+            t = min(t, self._probe.started + self.ack_timeout_s)
+        return t
+
+    # ---- joining ---------------------------------------------------------------------------
+    def join(self, seeds: dict[str, str], complete: bool = False) -> list[Message]:
+        """Add ``seeds`` (node id -> address) as alive and ask one of them for the whole table.
+
+        ``complete``: the seeds are the whole fleet (a discovery source every node agrees on):
+        :attr:`synced` at once. Otherwise :attr:`synced` turns True with the first ``sync_ack``;
+        until then the view is partial, and callers keep this daemon out of HRW roles (a joiner
+        that counted only its seeds would own most chunks and read them from the bucket again).
+        """
+        now = self.clock()
+        self.synced = self.synced or complete or not seeds
+        for node, addr in seeds.items():
+            if node != self.self_id and node not in self._members:
+                self._members[node] = _Member(ALIVE, 0, addr, now)
+                self._order.append(node)
+        self.rng.shuffle(self._order)  # each member its own random probe order (SWIM §4.3)
+        self._changed()
+        self.changes.clear()  # a whole new table: callers rebuild from live()
+        self._enqueue(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
+        # A second full exchange a few periods later: seeds that joined at the same moment knew
+        # little at the first one (a fleet starting together).
+        self._next_sync = now + self.rng.uniform(2.0, 4.0) * self.period_s
+        if not seeds:
+            return []
+        seed = self.rng.choice(sorted(n for n in seeds if n != self.self_id) or [None])
+        return [] if seed is None else [self._out("sync", seed, updates=self._table())]
+
+    # ---- the protocol ----------------------------------------------------------------------
+    def tick(self) -> list[Message]:
+        """Advance timers; returns the messages to send now."""
+        now = self.clock()
+        out: list[Message] = []
+        p = self._probe
+        if p is not None and not p.acked and not p.indirect_sent and now >= p.started + self.ack_timeout_s:
+            p.indirect_sent = True
+            helpers = [n for n in self._alive_others() if n != p.target]
+            for h in self.rng.sample(helpers, min(self.indirect_k, len(helpers))):
+                out.append(self._out("ping_req", h, seq=p.seq, target=p.target))
+        if now >= self._next_period:
+            self._end_period(now)
+            self._next_period = now + self.period_s
+            target = self._next_target()
+            if target is not None:
+                self._seq += 1
+                self._probe = _Probe(target, self._seq, now)
+                out.append(self._out("ping", target, seq=self._seq))
+        if now >= self._next_sync:
+            self._next_sync = now + self.sync_period()
+            others = self._alive_others()
+            if others:
+                out.append(self._out("sync", self.rng.choice(others), updates=self._table()))
+        self._expire(now)
+        return out
+
+    def receive(self, msg: Message) -> list[Message]:
+        """Handle one message addressed to this daemon; returns the answers to send."""
+        if msg.dst != self.self_id or msg.kind not in KINDS:
+            return []
+        self.received += 1
+        now = self.clock()
+        for u in msg.updates[: MAX_SYNC_ENTRIES if msg.kind in ("sync", "sync_ack") else MAX_UPDATES_PER_MESSAGE]:
+            self._apply(u, now)
+        if msg.kind == "ping":
+            return [self._out("ack", msg.src, seq=msg.seq)]
+        if msg.kind == "ack":
+            p = self._probe
+            if p is not None and msg.seq == p.seq:
+                p.acked = True
+                return []
+            r = self._relays.pop(msg.seq, None)
+            if r is not None:
+                return [self._out("ack", r.asker, seq=r.asker_seq)]
+            return []
+        if msg.kind == "ping_req":
+            if not msg.target or msg.target == self.self_id:
+                return [self._out("ack", msg.src, seq=msg.seq)]
+            self._seq += 1
+            self._relays[self._seq] = _Relay(msg.src, msg.seq, now + self.period_s)
+            return [self._out("ping", msg.target, seq=self._seq)]
+        if msg.kind == "sync":
+            return [self._out("sync_ack", msg.src, updates=self._table())]
+        if msg.kind == "sync_ack" and not self.synced:
+            self.synced = True
+            self._changed()  # callers re-plan: the view is whole now
+        return []
+
+    # ---- internals -------------------------------------------------------------------------
+    def _out(self, kind: str, dst: str, *, seq: int = 0, target: str = "", updates: tuple[Update, ...] | None = None) -> Message:
+        self.sent += 1
+        ups = self._piggyback() if updates is None else updates
+        return Message(kind, self.self_id, dst, seq, target, ups)
+
+    def _table(self) -> tuple[Update, ...]:
+        rows = [Update(n, m.status, m.incarnation, m.addr) for n, m in self._members.items()]
+        rows.append(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
+        return tuple(rows)
+
+    def _limit(self) -> int:
+        return self.retransmit_mult * max(1, math.ceil(math.log2(len(self._members) + 2)))
+
+    def _enqueue(self, u: Update) -> None:
+        self._queue[u.node] = [u, 0]  # a newer update about a node replaces the older one
+
+    def _piggyback(self) -> tuple[Update, ...]:
+        if not self._queue:
+            return ()
+        picked = sorted(self._queue.values(), key=lambda e: e[1])[: self.max_piggyback]
+        limit = self._limit()
+        for e in picked:
+            e[1] += 1
+            if e[1] >= limit:
+                self._queue.pop(e[0].node, None)
+        return tuple(e[0] for e in picked)
+
+    def _alive_others(self) -> list[str]:
+        return [n for n, m in self._members.items() if m.status != DEAD]
+
+    def _next_target(self) -> str | None:
+        # Round-robin over a random permutation (SWIM §4.3): every member is probed within
+        # 2 * (N-1) periods, not only in expectation.
+        while self._order:
+            n = self._order.pop()
+            m = self._members.get(n)
+            if m is not None and m.status != DEAD:
+                return n
+        alive = self._alive_others()
+        if not alive:
+            return None
+        self.rng.shuffle(alive)
+        self._order = alive
+        return self._order.pop()
+
+    def _end_period(self, now: float) -> None:
+        p = self._probe
+        self._probe = None
+        if p is None or p.acked:
+            return
+        m = self._members.get(p.target)
+        if m is not None and m.status == ALIVE:
+            self._set(p.target, m, SUSPECT, m.incarnation, now)
+            self._enqueue(Update(p.target, SUSPECT, m.incarnation, m.addr))
+
+    def _suspect_timeout(self) -> float:
+        n = len(self._members) + 1
+        return self.suspect_mult * max(1.0, math.log10(n + 1)) * self.period_s
+
+    def _expire(self, now: float) -> None:
+        if self._suspects:
+            timeout = self._suspect_timeout()
+            for node in [n for n, t in self._suspects.items() if now - t >= timeout]:
+                m = self._members[node]
+                self._set(node, m, DEAD, m.incarnation, now)
+                self._enqueue(Update(node, DEAD, m.incarnation, m.addr))
+        if self._dead:
+            for node in [n for n, t in self._dead.items() if now - t >= self.dead_forget_s]:
+                del self._dead[node]
+                self._members.pop(node, None)
+        for seq in [s for s, r in self._relays.items() if r.expires <= now]:
+            del self._relays[seq]
+
+    def _set(self, node: str, m: _Member, status: int, inc: int, now: float) -> None:
+        was_live = m.status != DEAD
+        if status != m.status:
+            m.changed_at = now
+        m.status, m.incarnation = status, inc
+        if status == SUSPECT:
+            self._suspects.setdefault(node, now)
+        else:
+            self._suspects.pop(node, None)
+        if status == DEAD:
+            self._dead[node] = now
+        else:
+            self._dead.pop(node, None)
+        if was_live != (status != DEAD):
+            self._changed(node)
+
+    def _changed(self, node: str | None = None) -> None:
+        self._live_cache = None
+        self.epoch += 1
+        if node is not None:
+            self.changes.append(node)
+            if len(self.changes) > 4096:
+                del self.changes[:2048]  # a caller that never drains: keep the newest
+
+    def _apply(self, u: Update, now: float) -> None:
+        if u.node == self.self_id:
+            if u.status != ALIVE and u.incarnation >= self.incarnation:
+                self.incarnation = u.incarnation + 1  # refute (SWIM §4.2)
+                self._enqueue(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
+            return
+        m = self._members.get(u.node)
+        if m is None:
+            if u.status == DEAD:
+                return  # never heard of it: nothing to forget
+            m = self._members[u.node] = _Member(u.status, u.incarnation, u.addr, now)
+            if u.status == SUSPECT:
+                self._suspects[u.node] = now
+            if self._order:  # at a random place of this round (SWIM §4.3)
+                self._order.insert(self.rng.randrange(len(self._order) + 1), u.node)
+            self._changed(u.node)
+            self._enqueue(u)
+            return
+        if _overrides(u, m):
+            if u.addr:
+                m.addr = u.addr
+            self._set(u.node, m, u.status, u.incarnation, now)
+            self._enqueue(Update(u.node, u.status, u.incarnation, m.addr))
+
+
+def _overrides(u: Update, m: _Member) -> bool:
+    """SWIM §4.2 precedence: alive(i) beats suspect/alive(j<i) and dead(j<i) (a restarted member
+    that refuted its death); suspect(i) beats alive(j<=i) and suspect(j<i); dead(i) beats
+    alive/suspect(j<=i)."""
+    if u.status == ALIVE:
+        return u.incarnation > m.incarnation
+    if u.status == SUSPECT:
+        if m.status == ALIVE:
+            return u.incarnation >= m.incarnation
+        if m.status == SUSPECT:
+            return u.incarnation > m.incarnation
+        return False
+    return m.status != DEAD and u.incarnation >= m.incarnation

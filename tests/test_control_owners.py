@@ -1,0 +1,67 @@
+"""HRW owners and bucket readers per membership epoch (bdn/control/owners.py)."""
+
+from __future__ import annotations
+
+from bdn.control.owners import OwnerCache, OwnerMap, reader_count
+from bdn.proto import hrw
+
+
+def test_reader_count_saturates_the_bucket_with_headroom() -> None:
+    assert reader_count(10_000, 10e9, 100e6) == 150
+    assert reader_count(10_000, 10e9, 100e6, connections_per_reader=2) == 75
+    assert reader_count(8, 25e6, 0) == 8  # no per-connection limit: every node reads
+    assert reader_count(8, 10e9, 100e6) == 8  # never more than the live set
+    assert reader_count(0, 10e9, 100e6) == 0
+
+
+def test_owners_are_hrw_among_readers_and_all_nodes_with_no_limit() -> None:
+    live = [f"n{i}" for i in range(50)]
+    full = OwnerMap(1, live, "step1")
+    for d in ("a", "b", "c"):
+        assert full.owner(d) == hrw.owner(live, d)
+    m = OwnerMap(1, live, "step1", readers=5)
+    assert len(m.readers) == 5 and all(m.is_reader(r) for r in m.readers)
+    for d in (f"d{i}" for i in range(100)):
+        assert m.owner(d) == hrw.owner(m.readers, d)
+    assert set(m.owned_by(m.readers[0], [f"d{i}" for i in range(100)])) <= set(range(100))
+
+
+def test_readers_rotate_per_snapshot_and_survive_unrelated_deaths() -> None:
+    live = [f"n{i}" for i in range(200)]
+    a = OwnerMap(1, live, "step1", readers=10).readers
+    b = OwnerMap(1, live, "step2", readers=10).readers
+    assert set(a) != set(b)
+    outsider = next(n for n in live if n not in a)
+    c = OwnerMap(2, [n for n in live if n != outsider], "step1", readers=10).readers
+    assert c == a  # a non-reader's death moves no owner
+    d = OwnerMap(3, [n for n in live if n != a[0]], "step1", readers=10).readers
+    assert set(d) - set(a) and len(set(d) & set(a)) == 9  # one reader replaced, the rest stay
+
+
+def test_cache_rebuilds_only_when_the_epoch_changes() -> None:
+    cache = OwnerCache()
+    live = ["a", "b", "c"]
+    m1 = cache.get(1, live, "s")
+    assert cache.get(1, live, "s") is m1 and cache.rebuilds == 1
+    m2 = cache.get(2, ["a", "b"], "s")
+    assert m2 is not m1 and cache.rebuilds == 2 and "c" not in m2.readers
+
+
+def test_affected_by_acting_and_former_owner() -> None:
+    live = [f"n{i}" for i in range(100)]
+    m = OwnerMap(1, live, "s", readers=10)
+    outsiders = [n for n in live if not m.is_reader(n)]
+    assert m.affected_by(m.readers[3])
+    assert not any(m.affected_by(n) for n in outsiders)  # they rank below every reader
+    # a joiner matters only if it would rank among the readers
+    joiners = [f"j{i}" for i in range(200)]
+    for j in joiners:
+        again = OwnerMap(2, live + [j], "s", readers=10)
+        assert m.affected_by(j) == (again.readers != m.readers)
+    d = "chunk-a"
+    ranked = m.ranked(d)
+    assert m.acting_owner(d) == ranked[0] == m.owner(d)
+    assert m.acting_owner(d, {ranked[0]}) == ranked[1]
+    assert m.former_owner(d, ranked[0]) == ranked[1] and m.former_owner(d, ranked[-1]) is None
+    small = OwnerMap(1, ["a", "b"], "s", readers=5)
+    assert small.affected_by("zzz")  # every live node reads: any change moves owners

@@ -1,0 +1,105 @@
+"""Bounded peer sets, BITFIELD/HAVE and rarest-first (bdn/control/peerset.py)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from bdn.control.peerset import PeerSet, PeerSetError, pack_bits, unpack_bits
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_bitfield_wire_format_is_bittorrents() -> None:
+    bits = np.zeros(10, dtype=bool)
+    bits[[0, 9]] = True
+    assert pack_bits(bits) == bytes([0x80, 0x40])
+    assert unpack_bits(b"\x80\x7f", 10).tolist() == bits.tolist()  # spare bits ignored
+    with pytest.raises(PeerSetError):
+        unpack_bits(b"\x00", 10)
+
+
+def test_refresh_caps_the_set_and_includes_readers() -> None:
+    clock = FakeClock()
+    ps = PeerSet("me", 8, clock, rng=random.Random(1), k=16, max_peers=32, reader_slots=4)
+    live = [f"n{i}" for i in range(1000)] + ["me"]
+    readers = [f"n{i}" for i in range(100, 110)]
+    dial = ps.refresh(live, readers)
+    assert len(dial) == 16 and "me" not in dial
+    assert len(set(dial) & set(readers)) == 4
+    assert ps.refresh(live, readers) == []
+    for i in range(40):
+        ps.accept(f"in{i}")
+    assert len(ps.peers) == 32  # inbound bounded too
+    gone = dial[0]
+    ps.refresh([n for n in live if n != gone], readers)
+    assert gone not in ps.peers
+
+
+def test_rarest_first_from_least_loaded_holder_skipping_owned() -> None:
+    clock = FakeClock()
+    owned = [False] * 6
+    owned[5] = True
+    ps = PeerSet("me", 6, clock, rng=random.Random(2), k=3, max_peers=3, owned=owned)
+    for p in ("a", "b", "c"):
+        ps.accept(p)
+    ps.on_bitfield("a", np.array([1, 1, 1, 0, 0, 1], dtype=bool))
+    ps.on_bitfield("b", np.array([1, 1, 0, 0, 0, 1], dtype=bool))
+    ps.on_bitfield("c", pack_bits(np.array([1, 0, 0, 0, 0, 1], dtype=bool)))
+    picks = ps.pick(3, load={"a": 1})
+    assert [i for i, _ in picks] == [2, 1, 0]  # availability 1, 2, 3; chunk 5 is ours to read
+    assert dict(picks)[1] == "b" and dict(picks)[0] == "c"
+    assert ps.pick(3) == []  # all in flight
+    ps.got(2)
+    ps.failed(1)
+    assert [i for i, _ in ps.pick(1)] == [1]
+    assert ps.unavailable().tolist() == [3, 4]
+
+
+def test_haves_are_batched_once_per_flush_interval_per_peer() -> None:
+    clock = FakeClock()
+    ps = PeerSet("me", 100, clock, k=2, max_peers=2, have_flush_s=0.1)
+    ps.accept("a")
+    ps.accept("b")
+    ps.on_have("b", [7])
+    assert ps.flush_haves() == {}
+    for i in range(10):
+        ps.got(i)
+    ps.got(7)
+    clock.t = 0.1
+    out = ps.flush_haves()
+    assert out["a"] == list(range(10)) and 7 not in out["b"]  # a second got() sends nothing
+    assert ps.flush_haves() == {}  # not again before the interval
+    with pytest.raises(PeerSetError):
+        ps.on_have("a", [100])
+
+
+def test_dead_and_idle_peers_are_replaced() -> None:
+    clock = FakeClock()
+    ps = PeerSet("me", 4, clock, rng=random.Random(3), k=2, max_peers=4, idle_s=5)
+    live = ["a", "b", "c", "d"]
+    first = ps.refresh(live)
+    ps.on_bitfield(first[0], np.ones(4, dtype=bool))  # a seed: useful
+    clock.t = 6
+    ps.refresh(live)
+    assert first[0] in ps.peers and first[1] not in ps.peers or len(ps.peers) == 2
+    assert len(ps.peers) == 2
+    assert ps.avail.tolist() == [1, 1, 1, 1]
+
+
+def test_state_is_independent_of_fleet_size() -> None:
+    clock = FakeClock()
+    sizes = []
+    for n in (100, 10_000):
+        ps = PeerSet("me", 1000, clock, rng=random.Random(4), k=16, max_peers=32)
+        ps.refresh([f"n{i}" for i in range(n)])
+        sizes.append(ps.state_bytes())
+    assert sizes[0] == sizes[1]
