@@ -43,6 +43,16 @@ def src(shm):
     return make_chunk_file(shm / "model.safetensors", 37 * CHUNK + 12345, CHUNK)
 
 
+def _eventually(pred, what: str, timeout: float = 60.0) -> None:
+    """Wait until ``pred()`` holds: the server's threads finish an answer (release a grant, drop
+    a descriptor's last reference) just after the client has read it, so the client can be
+    first. A generous deadline, never a timing assertion."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"still not {what} after {timeout:g} s"
+        time.sleep(0.01)
+
+
 def _fetch_all(client, peer, src, target, order=None):
     results = []
     for i in order if order is not None else range(len(src.digests)):
@@ -165,6 +175,7 @@ def test_admission_busy_not_here_and_release(shm, src):
             assert (r0.outcome, r0.retry_after_s) == (Outcome.BUSY, 0.75)
             assert r1.outcome is Outcome.NOT_HERE and r2.ok and absent.outcome is Outcome.NOT_HERE
             # every grant is released once its answer is out, also when resolve then found nothing
+            _eventually(lambda: len(released) == 2, "both grants released")
             assert released == [src.address(2), "ab" * 16]
         finally:
             client.close()
@@ -223,13 +234,13 @@ def test_file_descriptors_cached_then_forgotten_and_replaced_files_reopened(shm,
             assert all(r.ok for r in _fetch_all(client, peer, src, target))
             assert _fds_to(src.path) == 1  # opened once for 38 chunks
             srv.forget(src.path)
-            assert _fds_to(src.path) == 0
+            _eventually(lambda: _fds_to(src.path) == 0, "the descriptor closed")
             # the file is replaced under the same path (new inode): the new bytes are served
             new = make_chunk_file(shm / "new", src.size, CHUNK)
             os.replace(new.path, src.path)
             r = client.fetch_into(peer, src.address(0), target.map, 0, CHUNK, src.digests[0])
             assert r.outcome is Outcome.CORRUPT  # old digest, new bytes: caught by the receiver
-            assert _fds_to(src.path) == 1
+            _eventually(lambda: _fds_to(src.path) == 1, "the new file opened once")
         finally:
             client.close()
             target.close()
