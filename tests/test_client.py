@@ -339,6 +339,27 @@ def test_read_tensor(bdnd: Bdnd) -> None:
         assert exc.value.status == 404 and "no.such.tensor" in str(exc.value)
 
 
+def test_daemon_refuses_a_tensor_named_in_two_shards(bdnd: Bdnd) -> None:
+    """One tensor-index rule (bdn.proto.safetensors_fmt.tensor_index) for the client and the daemon:
+    a checkpoint naming a tensor in two shards is refused naming both, never served from one."""
+    ident = "step000061"
+    src = bdnd.root / "trainer" / ident
+    src.mkdir(parents=True)
+    dup = {"w": np.arange(6, dtype=np.float32)}
+    save_file(dup, str(src / SHARD1), metadata={"format": "pt"})
+    save_file(dup, str(src / SHARD2), metadata={"format": "pt"})
+    bdnd.published.add(ident)
+    publish_full(bdnd.bucket, ident, 61, dir=src, chunk_size=64 << 10)
+    with DaemonClient(bdnd.url) as c:
+        c.prefetch(ident)
+        c.wait(ident, "ready", timeout=120)
+        with pytest.raises(DaemonError) as exc:
+            c.read_tensor(ident, "w")
+        assert exc.value.status == 409
+        assert SHARD1 in str(exc.value) and SHARD2 in str(exc.value)
+        assert (c.read_file(ident, SHARD2) == (src / SHARD2).read_bytes())  # the files themselves are served
+
+
 def test_read_tensor_of_zero_elements_leaves_the_client_usable(bdnd: Bdnd) -> None:
     """Issue 12 item 6: a 0-byte body must not leave the kept-alive connection half-read."""
     src = bdnd.root / "trainer" / "step000043"

@@ -21,10 +21,11 @@ from bdn.daemon.index import ChunkIndex
 from bdn.daemon.runner import Runner
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
 from bdn.daemon.store import Store
+from bdn.fileops import read_header
 from bdn.proto.errors import BdnError
 from bdn.proto.identity import validate_identity
 from bdn.proto.manifest import FileEntry, Manifest
-from bdn.fileops import read_header
+from bdn.proto.safetensors_fmt import SafetensorsError, tensor_index
 
 log = logging.getLogger("bdn.catalog")
 
@@ -252,18 +253,17 @@ class Catalog:
         return d / rel
 
     def tensor(self, identity: str, name: str) -> tuple[Path, str, Any]:
-        """``(file path, file name, TensorInfo)`` of tensor ``name``. Raises NotFound/Conflict,
-        BdnError (a header that cannot be read). The first file holding a name wins."""
+        """``(file path, file name, TensorInfo)`` of tensor ``name``. Raises NotFound/Conflict
+        (also for a checkpoint naming one tensor in two shards: ``tensor_index``'s one rule),
+        BdnError (a header that cannot be read)."""
         job, d = self.ready(identity)
         if job.tensor_index is None:
-            index: dict[str, tuple[str, Any]] = {}
             assert job.manifest is not None
-            for f in job.manifest.files:
-                if f.path.endswith(".safetensors"):
-                    h = read_header(d / f.path)
-                    for tname, info in h.tensors.items():
-                        index.setdefault(tname, (f.path, info))
-            job.tensor_index = index
+            headers = [(f.path, read_header(d / f.path)) for f in job.manifest.files if f.path.endswith(".safetensors")]
+            try:
+                job.tensor_index = tensor_index(headers)
+            except SafetensorsError as e:
+                raise Conflict(f"snapshot {identity}: {e}") from None
         hit = job.tensor_index.get(name)
         if hit is None:
             raise NotFound(f"snapshot {identity!r} has no tensor {name!r}")
