@@ -31,6 +31,7 @@ from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.catalog import Catalog
 from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config, split_hostport
+from bdn.daemon.current import CurrentLink
 from bdn.daemon.executors import Executors
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
@@ -86,7 +87,8 @@ class App:
         runner = Runner(cfg, self.store, self.bucket, self.index, self.fetcher, self.haves, self.stats,
                         self.pools, clock)
         self.catalog = Catalog(cfg, self.store, self.index, runner, clock)
-        self.replica = ReplicaView(cfg.node_id, self.catalog, clock)
+        self.replica = ReplicaView(cfg.node_id, self.catalog, clock, engine_ttl_s=cfg.engine_ttl_s)
+        self.replica.on_current = CurrentLink(self.store.root).point
         self.catalog.pinned = self.replica.pinned
         self.catalog.on_change = self.replica.on_job_changed
         self.hotload = HotLoad(cfg.node_id, self.replica, self.catalog, self.bucket, self.peers, self.membership,
@@ -149,6 +151,7 @@ class App:
         await self.peers.start()
         self.catalog.load_ready_from_store()
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
+        self._tasks.append(asyncio.create_task(self.replica.expiry_loop(), name="engine-expiry"))
         await self._listen()
         cfg = self.cfg
         log.info(

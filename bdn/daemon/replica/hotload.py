@@ -28,6 +28,7 @@ from bdn.daemon.clock import Clock
 from bdn.daemon.errors import Conflict, Invalid, NotFound, Unsupported, Upstream
 from bdn.daemon.membership import Membership
 from bdn.daemon.peer_client import PeerClient
+from bdn.daemon.replica.options import OPTION_FIELDS, parse_options
 from bdn.daemon.replica.ports import Snapshots
 from bdn.daemon.replica.target import Target
 from bdn.daemon.replica.view import ReplicaView
@@ -51,7 +52,7 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any] | None]:
         raise Invalid("request body is nested too deeply") from None
     if not isinstance(obj, dict):
         raise Invalid("request body must be a JSON object")
-    unknown = set(obj) - {"identity", "incremental_snapshot_metadata"}
+    unknown = set(obj) - {"identity", "incremental_snapshot_metadata", *OPTION_FIELDS}
     if unknown:
         raise Invalid(f"unknown request field(s): {', '.join(sorted(unknown))}")
     try:
@@ -143,6 +144,7 @@ class HotLoad:
     async def accept(self, body: bytes) -> dict[str, Any]:
         """A trainer's POST: validate, apply here, fan out; the 200 answer's body."""
         ident, meta = parse_request(body)
+        options = parse_options(json.loads(body))  # the engine options at the top level
         m = await self._manifest(ident)
         prev = meta.get("previous_snapshot_identity") if meta else None
         if m is not None:
@@ -155,7 +157,7 @@ class HotLoad:
             raise Conflict(
                 f"previous_snapshot_identity {prev!r} is not the snapshot being served ({current!r} is)"
             )
-        target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8))
+        target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8), options)
         await self.view.adopt(target, source="request")
         reached = await self.fan_out(target)
         return {
@@ -165,6 +167,7 @@ class HotLoad:
             "request_id": target.request_id,
             "replicas": reached + 1,
             "manifest_written": m is not None,
+            **options.wire(),
         }
 
     async def fan_out(self, target: Target) -> int:
