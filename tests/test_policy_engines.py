@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import math
 from pathlib import Path
 
@@ -220,3 +221,20 @@ def test_new_reshaped_moved_and_removed_tensors() -> None:
     moved = _layout("s2", moved_data, {"a": (16, 48), "b": (48, 80)})
     calls: list[int] = []
     assert changed_tensors(b_lay, moved, _same(base, moved_data, calls)) == [] and calls == [32, 32]
+
+
+# ---- the current link ------------------------------------------------------------------------
+
+def test_the_current_link_is_relative_and_replaced_in_place(tmp_path: Path) -> None:
+    from bdn.daemon.current import CurrentLink
+
+    for ident in ("s1", "s2"):
+        (tmp_path / ident).mkdir()
+        (tmp_path / ident / "READY").write_text(ident)
+    link = CurrentLink(tmp_path)
+    assert link.target() is None
+    link.point("s1")
+    assert os.readlink(tmp_path / "current") == "s1" and (tmp_path / "current" / "READY").read_text() == "s1"
+    link.point("s2")
+    assert link.target() == "s2" and (tmp_path / "current" / "READY").read_text() == "s2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "s1", "s2"]  # no temporary left
