@@ -149,7 +149,7 @@ def main() -> int:
                 try:
                     c.health()
                     break
-                except Exception:  # not listening yet
+                except Exception:  # noqa: BLE001 - not listening yet
                     if proc.poll() is not None:
                         sys.exit(f"bdnd exited; see {work / 'bdnd.log'}")
                     time.sleep(0.05)
@@ -197,7 +197,7 @@ def main() -> int:
                         per_run.append(row)
                         current, step = target, step + 1
                     row = runs.collapse(per_run, METRICS, by="post_to_done_s")
-                    med = row["median"] if "median" in row else row
+                    med = row.get("median", row)
                     row.update(mode=mode, model_bytes=model_bytes, changed_tensors=len(changed_names[ident(step - 1)]),
                                frac=a.frac, pause_vs_memcpy=round(med["pause_ms"] / 1000 / med["memcpy_changed_s"], 3),
                                done_vs_floor=round(med["post_to_done_s"] / (med["transfer_floor_s"] + med["apply_s"]), 3))
