@@ -224,7 +224,8 @@ async def engine_next(request: web.Request) -> web.Response:
     timeout = _timeout(request)
     if isinstance(timeout, web.Response):
         return timeout
-    def connected() -> bool:
+
+    def connected() -> bool:  # a poll on a closed connection no longer keeps its engine alive
         t = request.transport
         return t is not None and not t.is_closing()
 

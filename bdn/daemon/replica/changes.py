@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -187,8 +188,11 @@ class ChangedTensorsCache:
 
     async def _compute(self, base: str, target: str) -> list[str] | None:
         key = (base, target)
+        t0 = time.monotonic()
         try:
             names = await asyncio.to_thread(compute, self.ready_dir(base), self.ready_dir(target))
+            log.info("changed tensors of %s against %s: %s in %.3f s", target, base,
+                     "no list" if names is None else len(names), time.monotonic() - t0)
         except (BdnError, OSError) as e:
             log.warning("changed tensors of %s against %s: %s (the engine compares itself)", target, base, e)
             names = None
