@@ -498,3 +498,22 @@ def test_json_logs_plain_messages_node_id_on_every_line_and_no_botocore(tmp_path
     assert not bad, bad
     assert any("ready at" in x["msg"] and "stages: " in x["msg"] for x in lines)
     assert any("step000009" in x["msg"] and "failed" in x["msg"] for x in lines)
+
+
+def test_engine_pod_shares_the_daemonsets_shm_and_starts_on_the_current_snapshot() -> None:
+    ds = next(d for _, d in K8S_DOCS if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "bdnd")
+    eng = next(d for _, d in K8S_DOCS if d["metadata"]["name"] == "vllm-engine")
+    dpod, epod = ds["spec"]["template"]["spec"], eng["spec"]["template"]["spec"]
+    shm = next(v for v in dpod["volumes"] if "hostPath" in v)["hostPath"]["path"]
+    evols = {v["name"]: v for v in epod["volumes"]}
+    (name,) = [n for n, v in evols.items() if v.get("hostPath", {}).get("path") == shm]
+    assert evols[name]["hostPath"]["type"] == "Directory"  # the daemon creates it; the engine never does
+    assert epod["hostNetwork"] and 10001 in epod["securityContext"]["supplementalGroups"]
+    for c in epod["containers"]:
+        mounts = [m for m in c.get("volumeMounts", []) if m["name"] == name]
+        if mounts:
+            assert mounts[0]["mountPath"] == shm and mounts[0]["readOnly"] is True
+    init = " ".join(epod["initContainers"][0]["command"])
+    assert "path current --wait" in init and "/run/bdn/model-path" in init
+    vllm = next(c for c in epod["containers"] if c["name"] == "vllm")
+    assert "/run/bdn/model-path" in " ".join(vllm["command"])

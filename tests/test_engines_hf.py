@@ -5,13 +5,19 @@ published as an anchor and two deltas; one real bdnd process serves it; the engi
 OpenAI-compatible server on loopback and the hot-swap driver, in this process) goes 1 -> 2 -> 3
 with one hot-load each. After every swap its parameters equal the trainer's bit for bit, every
 answer reports the right policy version, and only the tensors the optimizer step changed were
-copied. A snapshot the engine cannot load is acked as the replica's error while policy 1 keeps
-serving. The prompt-cache and in-flight policies are checked on snapshots that bdnd rebuilt.
+copied, by the list of changed tensors in the daemon's offer. The hot-load request's prompt-cache
+and in-flight policies reach the engine and show in answers and in the replica state. A snapshot
+the engine cannot load is acked as the replica's error while policy 1 keeps serving. An engine
+killed with -9 expires after engine_ttl_s and the replica is done with the engine that remains.
+The ``current`` link and ``bdnctl path current`` follow the served snapshot.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -31,7 +37,9 @@ if _why:
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
+from bdn.cli import bdnctl  # noqa: E402
 from bdn.client import hot_load, hot_load_status, open_snapshot  # noqa: E402
+from bdn.client.engine import list_engines  # noqa: E402
 from bdn.engines.hf import HFEngine  # noqa: E402
 from bdn.engines.options import HotLoadOptions  # noqa: E402
 from bdn.engines.service import HFService  # noqa: E402
@@ -122,7 +130,7 @@ def node(trainer, tmp_path: Path):
         yield swarm.daemons[0]
 
 
-def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node) -> None:
+def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node, capsys) -> None:
     states = trainer["states"]
     with HFService(node.url, "127.0.0.1", free_port(), replica_id="node0", poll_timeout=2.0) as svc:
         wait_for(lambda: replica_done(node.url, IDS[0]), 120, f"{IDS[0]} served")
@@ -138,23 +146,42 @@ def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node) -> None:
 
         loader = threading.Thread(target=load)
         loader.start()
+        # step 2 with the defaults (RESET_ALL, wait, 30 s); step 3 preserves the prompt cache
+        options = [{}, {}, {"prompt_cache_policy": "PRESERVE", "inflight_wait_s": 10}]
         for i, ident in enumerate(IDS):
             if i:
-                ans = hot_load(node.url, ident, previous=IDS[i - 1])
+                ans = hot_load(node.url, ident, previous=IDS[i - 1], **options[i])
                 assert ans["accepted"] is True
                 reps = wait_for(lambda: replica_done(node.url, ident), 120, f"{ident} served")
                 report = svc.engine.last_swap
-                # Only the tensors the optimizer step changed were copied, found by comparing
-                # the two snapshots (the daemon's offer carries no list yet).
+                # Only the tensors the optimizer step changed were copied, by the daemon's list.
                 changed = sorted(k for k in states[i] if not torch.equal(states[i][k].view(torch.int16),
                                                                              states[i - 1][k].view(torch.int16)))
                 assert report["mode"] == "partial", report
                 assert sorted(svc.engine.last_swap_tensors) == changed and len(changed) == 3
                 assert report["tensors_copied"] == 3 and report["tensors_total"] == len(states[i])
                 assert report["bytes_copied"] == sum(states[i][k].numel() * 2 for k in changed)
-                assert report["changed_source"] == "compared"
-                assert report["prompt_cache"] == "reset" and report["inflight_policy"] == "wait"
-                assert reps[0]["last_swap_pause_ms"] == pytest.approx(report["pause_ms"], abs=1e-3)
+                assert report["changed_source"] == "offer"
+                preserve = options[i].get("prompt_cache_policy") == "PRESERVE"
+                assert report["prompt_cache"] == ("preserved" if preserve else "reset")
+                assert report["inflight_policy"] == "wait"
+                assert report["inflight_wait_s"] == options[i].get("inflight_wait_s", 30)
+                rep = reps[0]
+                assert rep["last_swap_pause_ms"] == pytest.approx(report["pause_ms"], abs=1e-3)
+                # the replica reports the policies in force and the engine's swap report
+                assert rep["prompt_cache_policy"] == ("PRESERVE" if preserve else "RESET_ALL")
+                assert rep["inflight_policy"] == "wait" and rep["inflight_wait_s"] == report["inflight_wait_s"]
+                last = rep["last_swap"]
+                assert last["mode"] == "partial" and last["changed_source"] == "offer"
+                assert last["tensors_copied"] == 3 and last["prompt_cache"] == report["prompt_cache"]
+                (eng,) = list_engines(node.url)["engines"]
+                assert eng["serving"] == ident and eng["swap"]["identity"] == ident
+                assert eng["prompt_cache_policy"] == rep["prompt_cache_policy"]
+            # the current link names the served snapshot; bdnctl path current resolves it
+            shm_root = Path(node.wait_ready(ident)["path"]).parent
+            assert os.readlink(shm_root / "current") == ident
+            assert bdnctl.main(["--url", node.url, "path", "current"]) == 0
+            assert capsys.readouterr().out.strip() == str(shm_root / ident)
             status, w = http("GET", svc.url + "/debug/weights")
             assert status == 200 and w["identity"] == ident and w["policy_version"] == i + 1
             assert w["tensors"] == digests(states[i]), f"{ident}: parameters differ from the trainer's"
@@ -168,6 +195,13 @@ def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node) -> None:
             answers[ident] = ans
         stop.set()
         loader.join(60)
+        # RESET_ALL at step 2: no answer of policy 2 reused a prefix policy 1 computed; PRESERVE
+        # at step 3: the first answer of policy 3 reused the prefix policy 2 had cached.
+        every = [*during, *answers.values()]
+        cache_of = [(a["nvext"]["engine_data"]["policy_version"], a["nvext"]["engine_data"]["prompt_cache"])
+                    for a in every]
+        assert not [c for v, c in cache_of if v == 2 and c["policy_version"] == 1]
+        assert [c for v, c in cache_of if v == 3 and c["policy_version"] == 2 and c["cached_tokens"] > 0]
         # The same greedy request, answered by three policies, from one engine.
         lp = [a["choices"][0]["logprobs"]["content"][0]["logprob"] for a in answers.values()]
         assert len(set(lp)) == 3, lp
@@ -310,10 +344,6 @@ def test_full_reload_copies_every_tensor_in_place(trainer, node) -> None:
 
 def test_the_command_serves_and_stops_on_sigterm(trainer, node) -> None:
     """``python -m bdn.engines hf`` as a process: registers, serves policy 1, exits 0 on SIGTERM."""
-    import os
-    import signal
-    import subprocess
-
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", node.url, "--listen",
                              f"127.0.0.1:{port}", "--replica-id", "node0", "--log-level", "warning"],
@@ -343,3 +373,62 @@ def _listening(port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1)
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _engine_process(bdn_url: str, port: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", bdn_url, "--listen",
+                             f"127.0.0.1:{port}", "--replica-id", "node0", "--name", "doomed",
+                             "--log-level", "warning"],
+                            env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def test_an_engine_killed_without_unregistering_expires(trainer, tmp_path: Path, capsys) -> None:
+    """Two engines serve policy 1; one is killed with -9 (no DELETE). After engine_ttl_s the daemon
+    drops it (its leases released) and the hot-load to policy 2 completes with the other."""
+    with Swarm(tmp_path / "nodes", 1, trainer["bucket"], extra_env={"BDN_ENGINE_TTL_S": "3"}) as swarm:
+        node = swarm.daemons[0]
+        with HFService(node.url, "127.0.0.1", free_port(), replica_id="node0", name="survivor",
+                       poll_timeout=2.0) as svc:
+            doomed = _engine_process(node.url, free_port())
+            try:
+                def both_serve():
+                    eng = list_engines(node.url)["engines"]
+                    return eng if len(eng) == 2 and all(e["serving"] == IDS[0] for e in eng) else None
+
+                wait_for(both_serve, 180, "both engines to serve policy 1")
+                assert bdnctl.main(["--url", node.url, "engines"]) == 0
+                table = capsys.readouterr().out
+                assert "doomed" in table and "survivor" in table and "SEEN_S_AGO" in table
+                doomed.send_signal(signal.SIGKILL)
+                doomed.wait(30)
+                hot_load(node.url, IDS[1], previous=IDS[0])
+                reps = wait_for(lambda: replica_done(node.url, IDS[1]), 120, "the replica done without the dead engine")
+                assert reps[0]["engines"] == 1
+                (eng,) = list_engines(node.url)["engines"]
+                assert eng["name"] == "survivor" and eng["serving"] == IDS[1]
+                assert svc.engine.identity == IDS[1]
+                assert "not seen for over 3 s: dropped" in node.log_path.read_text()
+            finally:
+                if doomed.poll() is None:
+                    doomed.kill()
+                    doomed.wait()
+
+
+def test_hot_load_options_are_validated_and_wait_has_a_deadline(trainer, node, capsys) -> None:
+    status, ans = http("POST", node.url + "/hot_load/v1/models/hot_load",
+                       {"identity": IDS[1], "inflight_policy": "drain"})
+    assert status == 400 and "inflight_policy" in ans["error"] and "\n" not in ans["error"]
+    status, ans = http("POST", node.url + "/hot_load/v1/models/hot_load",
+                       {"identity": IDS[1], "inflight_wait_s": -1})
+    assert status == 400 and "inflight_wait_s" in ans["error"]
+    # files without a manifest: accepted, never ready; --wait gives up at its deadline with exit 1
+    pending = Path(trainer["root"]) / "bucket" / "pending000009"
+    pending.mkdir(parents=True, exist_ok=True)
+    (pending / "config.json").write_text("{}")
+    code = bdnctl.main(["--url", node.url, "hot-load", "pending000009", "--wait", "--timeout", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and "not done after 2 s" in err, err
+    assert bdnctl._parser().parse_args(["hot-load", "x", "--wait"]).timeout == 600.0
+    # `path IDENTITY` names a ready snapshot's directory
+    assert bdnctl.main(["--url", node.url, "path", IDS[0]]) == 0
+    assert capsys.readouterr().out.strip().endswith(IDS[0])

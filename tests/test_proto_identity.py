@@ -53,7 +53,7 @@ def test_reserved_identities_refused(identity: str) -> None:
 
 
 def test_reserved_set_matches_design() -> None:
-    assert RESERVED_IDENTITIES == {"STARTUP_SNAPSHOT", "latest", ".", ".."}
+    assert RESERVED_IDENTITIES == {"STARTUP_SNAPSHOT", "latest", "current", ".", ".."}
 
 
 @pytest.mark.parametrize("identity", ["/", "a/b", "/a", "a/", "a\\b", "..\\x"])

@@ -8,7 +8,10 @@ Usage::
     bdnctl [--url URL] [--json] snapshots
     bdnctl [--url URL] [--json] verify <identity | snapshot-dir> [--repair] [--timeout S]
     bdnctl [--url URL] [--json] hot-load <identity> [--previous ID] [--compression-format arc_v2]
-                                         [--wait] [--timeout S]
+                                         [--prompt-cache-policy P] [--inflight-policy P]
+                                         [--inflight-wait-s S] [--wait] [--timeout S]
+    bdnctl [--url URL] [--json] engines [--remove ENGINE_ID]
+    bdnctl [--url URL] [--json] path <identity | current> [--wait] [--timeout S]
     bdnctl [--url URL] [--json] peers
     bdnctl [--url URL] [--json] gc
 
@@ -37,7 +40,14 @@ is ``ready`` again (exit 0) or the repair failed (exit 1).
 per-replica table (REPLICA, STAGE, IDENTITY, PROGRESS, POLICY_VERSION, SERVING, REASON) from
 ``GET /hot_load/v1/models/hot_load``, redrawn in place on a terminal and one line per change
 otherwise, until every replica is ``done`` serving ``<identity>`` (exit 0) or one reports
-``error`` for it (exit 1 with its reason). ``peers`` lists the swarm members this daemon sees;
+``error`` for it (exit 1 with its reason), or ``--timeout`` (default 600 s) passes (exit 1 naming
+the replicas not done). ``--prompt-cache-policy``, ``--inflight-policy`` and ``--inflight-wait-s``
+are the hot-load's engine options (docs/ENGINES.md). ``engines`` lists the engines registered
+with this daemon (``--remove`` drops one: its leases are released). ``path`` prints the directory
+of a ready snapshot, or with ``current`` the directory of the snapshot this replica serves (the
+``current`` link resolved, so a process started with it reads one snapshot); ``--wait`` waits for
+it to exist (default 600 s), for engines a process manager starts: ``vllm serve "$(bdnctl path
+current --wait)"``. ``peers`` lists the swarm members this daemon sees;
 ``gc`` collects old snapshots now (leased, current and target snapshots are kept).
 
 Exit codes:
@@ -52,7 +62,6 @@ Every failure prints one line ``bdnctl: error: <reason>`` on stderr.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -62,8 +71,22 @@ from typing import Any, NoReturn
 from tqdm import tqdm
 
 from bdn import retry
-from bdn.client import DaemonClient, DaemonError, DaemonUnreachable, SnapshotFailed, open_snapshot
-from bdn.client.engine import collect_garbage, hot_load, hot_load_status
+from bdn.cli.output import BYTES_BAR, VERSION, emit_json, human_bytes
+from bdn.client import (
+    DaemonClient,
+    DaemonError,
+    DaemonUnreachable,
+    SnapshotFailed,
+    open_snapshot,
+)
+from bdn.client.engine import (
+    call_json,
+    collect_garbage,
+    hot_load,
+    hot_load_status,
+    list_engines,
+    remove_engine,
+)
 from bdn.client.errors import one_line
 from bdn.client.ready import read_ready, verify_files
 from bdn.cli.output import BYTES_BAR, VERSION, emit_json, human_bytes
@@ -73,6 +96,7 @@ PROG = "bdnctl"
 DEFAULT_URL = "http://127.0.0.1:7081"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 POLL_SECONDS = 0.2
+DEFAULT_WAIT_S = 600.0
 
 
 class _Fail(Exception):
@@ -129,9 +153,23 @@ def _parser() -> argparse.ArgumentParser:
                     help="the snapshot a delta applies to (previous_snapshot_identity)")
     hl.add_argument("--compression-format", default="arc_v2", metavar="FMT",
                     help="the delta's compression format, with --previous (default %(default)s)")
+    hl.add_argument("--prompt-cache-policy", default=None, metavar="P",
+                    help="RESET_ALL (default: no sample reuses KV of the old policy) or PRESERVE")
+    hl.add_argument("--inflight-policy", default=None, metavar="P",
+                    help="wait (default: drain, bounded by --inflight-wait-s), keep or abort")
+    hl.add_argument("--inflight-wait-s", type=float, default=None, metavar="S",
+                    help="the bound of the wait policy, seconds (default 30)")
     hl.add_argument("--wait", action="store_true", help="follow every replica until it serves the snapshot")
-    hl.add_argument("--timeout", type=float, default=None, metavar="S",
-                    help="with --wait: give up after S seconds (exit 1)")
+    hl.add_argument("--timeout", type=float, default=DEFAULT_WAIT_S, metavar="S",
+                    help="with --wait: give up after S seconds (exit 1; default %(default)g)")
+    en = sub.add_parser("engines", parents=[common], help="the engines registered with this daemon")
+    en.add_argument("--remove", metavar="ENGINE_ID", default=None,
+                    help="drop this engine (its leases are released, the replica goes on without it)")
+    pa = sub.add_parser("path", parents=[common], help="the directory of a ready snapshot, or of the one served")
+    pa.add_argument("identity", metavar="IDENTITY|current")
+    pa.add_argument("--wait", action="store_true", help="wait until it is ready (or, for current, served)")
+    pa.add_argument("--timeout", type=float, default=DEFAULT_WAIT_S, metavar="S",
+                    help="with --wait: give up after S seconds (exit 1; default %(default)g)")
     sub.add_parser("peers", parents=[common], help="the swarm members this daemon sees")
     sub.add_parser("gc", parents=[common], help="collect old snapshots now")
     return p
@@ -414,7 +452,9 @@ def _cmd_hot_load(client: DaemonClient, args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.timeout >= 0:
         raise _Fail("--timeout must be >= 0 seconds", EXIT_USAGE)
     start = time.monotonic()
-    ans = hot_load(client, identity, args.previous, compression_format=args.compression_format)
+    ans = hot_load(client, identity, args.previous, compression_format=args.compression_format,
+                   prompt_cache_policy=args.prompt_cache_policy, inflight_policy=args.inflight_policy,
+                   inflight_wait_s=args.inflight_wait_s)
     if not args.wait:
         if args.json:
             emit_json(ans)
@@ -428,8 +468,8 @@ def _cmd_hot_load(client: DaemonClient, args: argparse.Namespace) -> int:
     try:
         # Poll until every replica is done: "not yet" is retried (bdn.retry) every POLL_SECONDS at
         # most, until --timeout.
-        for attempt in retry.attempts(deadline_s=math.inf if args.timeout is None else args.timeout,
-                                      first_s=POLL_SECONDS, max_s=POLL_SECONDS, on=(_NotYet,)):
+        for attempt in retry.attempts(deadline_s=args.timeout, first_s=POLL_SECONDS, max_s=POLL_SECONDS,
+                                      on=(_NotYet,)):
             with attempt:
                 replicas = hot_load_status(client)
                 live.update(replicas)
@@ -451,6 +491,84 @@ def _cmd_hot_load(client: DaemonClient, args: argparse.Namespace) -> int:
         versions = sorted({str(r.get("policy_version")) for r in replicas})
         print(f"{identity} served by {len(replicas)} replica(s) in {time.monotonic() - start:.1f} s "
               f"(policy version {', '.join(versions)})")
+    return EXIT_OK
+
+
+def _cmd_engines(client: DaemonClient, args: argparse.Namespace) -> int:
+    if args.remove is not None:
+        remove_engine(client, args.remove)
+        if args.json:
+            emit_json({"removed": args.remove})
+        else:
+            print(f"engine {args.remove} removed")
+        return EXIT_OK
+    ans = list_engines(client)
+    if args.json:
+        emit_json(ans)
+        return EXIT_OK
+    engines = ans["engines"]
+    if not engines:
+        print("no engines registered")
+        return EXIT_OK
+    rows = []
+    for e in engines:
+        swap = e.get("swap") if isinstance(e.get("swap"), dict) else {}
+        rows.append([e.get("engine_id"), e.get("name"), e.get("serving"), e.get("offered"),
+                     swap.get("mode"), e.get("pause_ms"), e.get("prompt_cache_policy"), e.get("inflight_policy"),
+                     e.get("last_seen_s_ago"), e.get("error")])
+    print(_table(["ENGINE", "NAME", "SERVING", "OFFERED", "MODE", "PAUSE_MS", "PROMPT_CACHE", "INFLIGHT",
+                  "SEEN_S_AGO", "ERROR"], rows))
+    return EXIT_OK
+
+
+def _current_path(client: DaemonClient) -> dict[str, Any] | None:
+    try:
+        _status, ans = call_json(client, "GET", "/v1/current")
+    except DaemonError as exc:
+        if exc.status == 404:
+            return None
+        raise
+    if not isinstance(ans, dict) or not isinstance(ans.get("path"), str):
+        raise _Fail("daemon answered /v1/current without a path")
+    return ans
+
+
+def _cmd_path(client: DaemonClient, args: argparse.Namespace) -> int:
+    identity: str = args.identity
+    if not args.timeout >= 0:
+        raise _Fail("--timeout must be >= 0 seconds", EXIT_USAGE)
+    if identity == "current":
+        rec: dict[str, Any] | None = None
+        try:
+            for attempt in retry.attempts(deadline_s=args.timeout if args.wait else 0.0, first_s=POLL_SECONDS,
+                                          max_s=1.0, on=(_NotYet,)):
+                with attempt:
+                    rec = _current_path(client)
+                    if rec is None:
+                        raise _NotYet
+        except _NotYet:
+            raise _Fail("this replica serves no snapshot yet"
+                        + (f" (waited {args.timeout:g} s)" if args.wait else " (--wait waits for one)")) from None
+        assert rec is not None
+        ans = {"identity": rec.get("identity"), "path": rec["path"], "link": rec.get("link")}
+    else:
+        snap = client.snapshot(identity) if not args.wait else None
+        if args.wait:
+            client.prefetch(identity)
+            try:
+                snap = client.wait(identity, "ready", args.timeout, poll=POLL_SECONDS)
+            except SnapshotFailed as exc:
+                raise _Fail(f"{identity} failed: {exc.reason}") from None
+            except TimeoutError as exc:
+                raise _Fail(str(exc)) from None
+        assert snap is not None
+        if snap.get("state") != "ready" or not isinstance(snap.get("path"), str):
+            raise _Fail(f"{identity} is {_cell(snap.get('state'))}, not ready")
+        ans = {"identity": identity, "path": snap["path"]}
+    if args.json:
+        emit_json(ans)
+    else:
+        print(ans["path"])
     return EXIT_OK
 
 
@@ -480,7 +598,8 @@ def _cmd_gc(client: DaemonClient, args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"prefetch": _cmd_prefetch, "cancel": _cmd_cancel, "status": _cmd_status, "snapshots": _cmd_snapshots,
-            "verify": _cmd_verify, "hot-load": _cmd_hot_load, "peers": _cmd_peers, "gc": _cmd_gc}
+            "verify": _cmd_verify, "hot-load": _cmd_hot_load, "engines": _cmd_engines, "path": _cmd_path,
+            "peers": _cmd_peers, "gc": _cmd_gc}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

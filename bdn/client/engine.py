@@ -28,11 +28,12 @@ peer port for the network hot-load API) gets a transport for the one call. Retri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import quote, urlencode
 
@@ -114,6 +115,9 @@ def hot_load(
     compression_format: str = "arc_v2",
     checksum_format: str = "alder32",
     token: str | None = None,
+    prompt_cache_policy: str | None = None,
+    inflight_policy: str | None = None,
+    inflight_wait_s: float | None = None,
 ) -> dict[str, Any]:
     """``POST /hot_load/v1/models/hot_load``: make every replica of the fleet load ``identity``.
 
@@ -123,8 +127,12 @@ def hot_load(
             request then carries ``incremental_snapshot_metadata`` with ``compression_format``
             and ``checksum_format`` (spelled ``alder32`` as the hosted APIs spell it).
         token: the daemons' API token, for a daemon's network (peer) port; not needed locally.
+        prompt_cache_policy, inflight_policy, inflight_wait_s: the engine options of this hot-load
+            (``RESET_ALL``/``PRESERVE``, ``wait``/``keep``/``abort``, seconds; docs/ENGINES.md);
+            None leaves a field out (the daemon's defaults: RESET_ALL, wait, 30 s).
 
-    Returns the answer: ``{"accepted", "identity", "policy_version", "request_id", "replicas"}``.
+    Returns the answer: ``{"accepted", "identity", "policy_version", "request_id", "replicas",
+    "prompt_cache_policy", "inflight_policy", "inflight_wait_s"}``.
 
     Raises:
         IdentityError: a malformed identity (nothing is sent).
@@ -138,6 +146,10 @@ def hot_load(
             "compression_format": compression_format,
             "checksum_format": checksum_format,
         }
+    for key, val in (("prompt_cache_policy", prompt_cache_policy), ("inflight_policy", inflight_policy),
+                     ("inflight_wait_s", inflight_wait_s)):
+        if val is not None:
+            body[key] = val
     headers = {"Authorization": f"Bearer {token}"} if token else None
     _status, ans = call_json(daemon, "POST", HOT_LOAD_PATH, body, headers=headers)
     return _object(ans, "hot-load answer")
@@ -156,6 +168,22 @@ def hot_load_status(daemon: DaemonClient | str, *, token: str | None = None) -> 
     if not isinstance(reps, list) or not all(isinstance(r, dict) for r in reps):
         raise ProtocolError("hot-load status: 'replicas' is not a list of objects")
     return reps
+
+
+def list_engines(daemon: DaemonClient | str) -> dict[str, Any]:
+    """``GET /v1/engines``: ``{"engine_ttl_s", "engines": [{"engine_id", "name", "serving",
+    "offered", "error", "pause_ms", "prompt_cache_policy", "inflight_policy", "swap",
+    "registered_s_ago", "last_seen_s_ago", "expires_in_s"}]}``."""
+    _status, ans = call_json(daemon, "GET", "/v1/engines")
+    ans = _object(ans, "engines")
+    if not isinstance(ans.get("engines"), list) or not all(isinstance(e, dict) for e in ans["engines"]):
+        raise ProtocolError("engines: 'engines' is not a list of objects")
+    return ans
+
+
+def remove_engine(daemon: DaemonClient | str, engine_id: str) -> None:
+    """``DELETE /v1/engines/{id}``: drop an engine (its leases are released); DaemonError 404 if unknown."""
+    call_json(daemon, "DELETE", f"/v1/engines/{quote(engine_id, safe='')}")
 
 
 def take_lease(daemon: DaemonClient | str, identity: str, holder: str) -> str:
@@ -270,6 +298,41 @@ class EngineLink:
             body["error"] = one_line(error) or "error"
         call_json(self.client, "POST", self._path("/ack"), body)
 
+    def heartbeat(self) -> None:
+        """``POST /v1/engines/{id}/heartbeat``: tell the daemon this engine is alive while it is not
+        polling (preparing or swapping), so it is not dropped after the daemon's ``engine_ttl_s``.
+
+        Raises DaemonError 404 when the daemon has already dropped it; DaemonUnreachable.
+        """
+        call_json(self.client, "POST", self._path("/heartbeat"))
+
+    @contextlib.contextmanager
+    def keepalive(self, interval_s: float | None) -> Iterator[None]:
+        """Send :meth:`heartbeat` every ``interval_s`` seconds from a thread while the block runs
+        (None or <= 0: nothing is sent). Failures are logged, never raised: the block's work goes on.
+
+        Use it around a prepare and swap: ``with link.keepalive(offer_keepalive_s(offer)): ...``.
+        """
+        if not interval_s or interval_s <= 0 or not math.isfinite(interval_s):
+            yield
+            return
+        done = threading.Event()
+
+        def beat() -> None:
+            while not done.wait(interval_s):
+                try:
+                    self.heartbeat()
+                except BdnError as exc:
+                    log.warning("heartbeat of engine %s failed: %s", self.engine_id, exc)
+
+        t = threading.Thread(target=beat, name="bdn-engine-keepalive", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join(5.0)
+
     def close(self) -> None:
         """``DELETE /v1/engines/{id}``: unregister (the daemon releases this engine's leases).
 
@@ -292,6 +355,15 @@ class EngineLink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def offer_keepalive_s(offer: dict[str, Any]) -> float | None:
+    """How often to send heartbeats while an offer is prepared: a third of the offer's
+    ``engine_ttl_s`` (the daemon drops an engine silent for that long), None without one."""
+    ttl = offer.get("engine_ttl_s")
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) or ttl <= 0:
+        return None
+    return max(0.05, ttl / 3.0)
 
 
 def _describe(exc: BaseException) -> str:
@@ -347,10 +419,11 @@ def run_hot_swap_loop(
                 if snap.identity != identity:
                     raise ProtocolError(f"{offer['path']} holds snapshot {snap.identity}, not {identity}")
                 t0 = time.monotonic()
-                prepared = prepare(snap)
-                t1 = time.perf_counter()
-                swap(prepared, snap)
-                pause_ms = (time.perf_counter() - t1) * 1000.0
+                with link.keepalive(offer_keepalive_s(offer)):
+                    prepared = prepare(snap)
+                    t1 = time.perf_counter()
+                    swap(prepared, snap)
+                    pause_ms = (time.perf_counter() - t1) * 1000.0
                 log.info("loaded %s (policy version %s): prepared in %.0f ms, paused %.2f ms",
                          identity, snap.policy_version, (time.monotonic() - t0) * 1000.0, pause_ms)
             except Exception as exc:  # any failure of the engine's own code is reported, not fatal
@@ -416,13 +489,16 @@ def _ack_quietly(link: EngineLink, identity: str, pause_ms: float, error: str | 
 
 
 __all__ = [
-    "EngineLink",
     "HOT_LOAD_PATH",
+    "EngineLink",
     "call_json",
     "collect_garbage",
     "hot_load",
     "hot_load_status",
+    "list_engines",
+    "offer_keepalive_s",
     "release_lease",
+    "remove_engine",
     "run_hot_swap_loop",
     "take_lease",
 ]

@@ -31,6 +31,7 @@ from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.catalog import Catalog
 from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config, split_hostport
+from bdn.daemon.current import CurrentLink
 from bdn.daemon.executors import Executors
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
@@ -97,7 +98,8 @@ class App:
         runner.foreign = ForeignLoader(cfg, self.bucket, self.store, self.pools, clock, self.hints,
                                        self.membership, self.stats)
         self.catalog = Catalog(cfg, self.store, self.index, runner, clock)
-        self.replica = ReplicaView(cfg.node_id, self.catalog, clock, self.hints)
+        self.replica = ReplicaView(cfg.node_id, self.catalog, clock, self.hints, engine_ttl_s=cfg.engine_ttl_s)
+        self.replica.on_current = CurrentLink(self.store.root).point
         self.catalog.pinned = self.replica.pinned
         self.catalog.on_change = self.replica.on_job_changed
         self.hotload = HotLoad(cfg.node_id, self.replica, self.catalog, self.bucket, self.peers, self.membership,
@@ -163,6 +165,7 @@ class App:
         self.catalog.load_ready_from_store()
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
         self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
+        self._tasks.append(asyncio.create_task(self.replica.expiry_loop(), name="engine-expiry"))
         await self._listen()
         self.readiness.listening = True
         cfg = self.cfg

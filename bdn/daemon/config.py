@@ -78,6 +78,7 @@ class Config:
     penalty_s: float = field(default=30.0, metadata={"help": 'how long a peer that sent bad bytes is skipped'})
     apply_workers: int = field(default=0, metadata={"help": 'threads decoding deltas (0 = one per core)'})
     keep_ready: int = field(default=2, metadata={"help": 'GC keeps this many newest ready snapshots (plus leased/current/target)'})
+    engine_ttl_s: float = field(default=30.0, metadata={"help": 'an engine that has not polled for this long is dropped and its leases released (0 = never); must exceed its longest prepare + swap'})
     gc_grace_s: float = field(default=60.0, metadata={"help": 'a snapshot that just became ready is kept at least this long'})
     shm_budget_bytes: int = field(default=0, metadata={"help": 'most bytes of snapshots (rebuilt + stored diffs) in shm; 0 = no budget'})
     peer_upload_mbit: float = field(default=0.0, metadata={"help": 'limit on chunk bytes served to peers, Mbit/s; 0 = none'})

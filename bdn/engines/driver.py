@@ -31,6 +31,7 @@ from urllib.parse import quote
 
 from bdn import retry
 from bdn.client import EngineLink, Snapshot, call_json, open_snapshot
+from bdn.client.engine import offer_keepalive_s
 from bdn.client.errors import DaemonError, DaemonUnreachable, one_line
 from bdn.engines.options import HotLoadOptions
 from bdn.proto.errors import BdnError, ProtocolError
@@ -132,8 +133,9 @@ def drive(link: EngineLink, adapter: Adapter, *, stop: threading.Event, current:
                 snap = open_snapshot(offer["path"])
                 if snap.identity != identity:
                     raise ProtocolError(f"{offer['path']} holds snapshot {snap.identity}, not {identity}")
-                prepared = adapter.prepare(snap, offer, options)
-                report = adapter.swap(prepared)
+                with link.keepalive(offer_keepalive_s(offer)):  # not polling meanwhile: stay registered
+                    prepared = adapter.prepare(snap, offer, options)
+                    report = adapter.swap(prepared)
             except Exception as exc:  # the engine's own failure is the replica's error, never fatal
                 reason = _describe(exc)
                 log.error("loading %s failed: %s", identity, reason)

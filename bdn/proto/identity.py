@@ -1,7 +1,7 @@
 """Snapshot identities and the file paths inside a snapshot (DESIGN.md, "Bucket layout").
 
 An identity is one path segment ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}``; ``STARTUP_SNAPSHOT``,
-``latest``, ``.`` and ``..`` are reserved. A file path is relative, ``/``-separated, with no
+``latest``, ``current`` (the store's link to the served snapshot), ``.`` and ``..`` are reserved. A file path is relative, ``/``-separated, with no
 ``..`` or ``.`` segment, no empty segment, no leading ``/``, no backslash, no NUL, valid UTF-8
 and at most 1024 bytes.
 """
@@ -14,7 +14,7 @@ from bdn.proto.errors import IdentityError, PathError
 
 IDENTITY_RULE = "[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 _IDENTITY_RE = re.compile(rf"\A{IDENTITY_RULE}\Z")
-RESERVED_IDENTITIES = frozenset({"STARTUP_SNAPSHOT", "latest", ".", ".."})
+RESERVED_IDENTITIES = frozenset({"STARTUP_SNAPSHOT", "latest", "current", ".", ".."})
 MAX_PATH_BYTES = 1024
 
 

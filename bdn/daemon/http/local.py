@@ -216,6 +216,14 @@ def _engine(request: web.Request) -> Engine:
     return e
 
 
+async def current(request: web.Request) -> web.Response:
+    """GET /v1/current -> 200 {"identity", "policy_version", "path", "link"}; 404 nothing served yet."""
+    rec = services(request).replica.current_record()
+    if rec is None:
+        return error(404, "this replica serves no snapshot yet")
+    return json_response(rec)
+
+
 async def register_engine(request: web.Request) -> web.Response:
     """POST /v1/engines {"name"} -> 201 {"engine_id"}."""
     body = await _body_json(request)
@@ -228,9 +236,17 @@ async def register_engine(request: web.Request) -> web.Response:
 
 async def unregister_engine(request: web.Request) -> web.Response:
     """DELETE /v1/engines/{id} -> 200; its leases are released; 404 unknown engine."""
-    if not services(request).replica.unregister_engine(request.match_info["engine_id"]):
+    replica = services(request).replica
+    if not replica.unregister_engine(request.match_info["engine_id"]):
         return error(404, "unknown engine id")
+    await replica.poke()
     return json_response({"ok": True})
+
+
+async def list_engines(request: web.Request) -> web.Response:
+    """GET /v1/engines -> 200 {"engine_ttl_s", "engines": [{"engine_id", "name", "serving", ...}]}."""
+    replica = services(request).replica
+    return json_response({"engine_ttl_s": replica.engine_ttl_s, "engines": replica.describe_engines()})
 
 
 async def engine_next(request: web.Request) -> web.Response:
@@ -240,17 +256,28 @@ async def engine_next(request: web.Request) -> web.Response:
     timeout = _timeout(request)
     if isinstance(timeout, web.Response):
         return timeout
-    ans = await services(request).replica.next_for(e, after, timeout)
+
+    def connected() -> bool:  # a poll on a closed connection no longer keeps its engine alive
+        t = request.transport
+        return t is not None and not t.is_closing()
+
+    ans = await services(request).replica.next_for(e, after, timeout, connected)
     if ans is None:
         return web.Response(status=204)
     return json_response(ans)
 
 
 async def engine_ack(request: web.Request) -> web.Response:
-    """POST /v1/engines/{id}/ack {"identity", "pause_ms" (ms), "error"?} -> 200; 409 never offered."""
+    """POST /v1/engines/{id}/ack {"identity", "pause_ms" (ms), "error"?, "prompt_cache_policy"?,
+    "inflight_policy"?, "swap"?} -> 200; 409 never offered."""
     e = _engine(request)
     body = await _body_json(request)
     ident, pause, err = body.get("identity"), body.get("pause_ms"), body.get("error")
+    swap, pcp, ifp = body.get("swap"), body.get("prompt_cache_policy"), body.get("inflight_policy")
+    if swap is not None and not isinstance(swap, dict):
+        return error(400, "swap must be an object")
+    if not all(v is None or isinstance(v, str) for v in (pcp, ifp)):
+        return error(400, "prompt_cache_policy and inflight_policy must be strings")
     try:
         validate_identity(ident)
     except BdnError as ex:
@@ -260,10 +287,19 @@ async def engine_ack(request: web.Request) -> web.Response:
     if err is not None and not isinstance(err, str):
         return error(400, "error must be a string")
     try:
-        await services(request).replica.ack(e, ident, float(pause) if pause is not None else None, err)
+        await services(request).replica.ack(e, ident, float(pause) if pause is not None else None, err,
+                                            swap, pcp, ifp)
     except BdnError as ex:
         return error(status_of(ex), str(ex))
     return json_response({"ok": True})
+
+
+async def engine_heartbeat(request: web.Request) -> web.Response:
+    """POST /v1/engines/{id}/heartbeat -> 200 {"engine_ttl_s"}: the engine is alive (while it prepares); 404 dropped."""
+    e = _engine(request)
+    replica = services(request).replica
+    replica.heartbeat(e)
+    return json_response({"ok": True, "engine_ttl_s": replica.engine_ttl_s})
 
 
 async def take_lease(request: web.Request) -> web.Response:
@@ -312,10 +348,13 @@ def make_local_app(svc: Services) -> web.Application:
     r.add_get("/metrics", get_metrics)
     r.add_post(hotload.PATH, hotload.post)
     r.add_get(hotload.PATH, hotload.get)
+    r.add_get("/v1/current", current)
     r.add_post("/v1/engines", register_engine)
+    r.add_get("/v1/engines", list_engines)
     r.add_delete("/v1/engines/{engine_id}", unregister_engine)
     r.add_get("/v1/engines/{engine_id}/next", engine_next)
     r.add_post("/v1/engines/{engine_id}/ack", engine_ack)
+    r.add_post("/v1/engines/{engine_id}/heartbeat", engine_heartbeat)
     r.add_post("/v1/snapshots/{identity}/leases", take_lease)
     r.add_delete("/v1/leases/{lease_id}", drop_lease)
     r.add_post("/v1/gc", run_gc)

@@ -31,6 +31,7 @@ from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.config import Config
 from bdn.daemon.foreign_source import Hint, Hints
 from bdn.daemon.replica import contract
+from bdn.daemon.replica.options import OPTION_FIELDS, parse_options
 from bdn.daemon.replica.ports import Snapshots
 from bdn.daemon.replica.target import Target
 from bdn.daemon.replica.view import ReplicaView
@@ -54,7 +55,7 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any] | None]:
         raise Invalid("request body is nested too deeply") from None
     if not isinstance(obj, dict):
         raise Invalid("request body must be a JSON object")
-    unknown = set(obj) - {"identity", "incremental_snapshot_metadata"}
+    unknown = set(obj) - {"identity", "incremental_snapshot_metadata", *OPTION_FIELDS}
     if unknown:
         raise Invalid(f"unknown request field(s): {', '.join(sorted(unknown))}")
     try:
@@ -183,6 +184,7 @@ class HotLoad:
         max_delta_chain), Upstream.
         """
         ident, meta = parse_request(body)
+        options = parse_options(json.loads(body))  # the engine options at the top level
         key = contract.request_key(ident, meta)
         t = self.view.target
         if self.last is not None and t is not None and self.last[0] == key and t.request_id == self.last[1]["request_id"]:
@@ -208,7 +210,7 @@ class HotLoad:
             })
         contract.check_previous(prev, self.view.current, t.identity if t else None)
         contract.chain_length(ident, (await self._chain(ident, base)).get, self.cfg.max_delta_chain)
-        target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8), base)
+        target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8), base, options)
         await self.view.adopt(target, source="request")
         reached = await self.fan_out(target)
         answer = {
@@ -218,6 +220,7 @@ class HotLoad:
             "request_id": target.request_id,
             "replicas": reached + 1,
             "manifest_written": m is not None,
+            **options.wire(),
         }
         self.last = (key, answer)
         return dict(answer)

@@ -4,14 +4,21 @@ The fleet has one **target** snapshot: the identity of the latest accepted hot-l
 by ``(seq, origin)``, ``seq`` being the accepting daemon's clock in nanoseconds: a hot-load that
 arrives with an older order than the target is superseded, so when two race, the later wins
 everywhere. A target from the wire whose ``seq`` lies more than ``MAX_FUTURE_NS`` past the
-receiver's clock is refused: it would outrank every real hot-load for good.
+receiver's clock is refused: it would outrank every real hot-load for good. A target carries
+the hot-load's engine options (``bdn.daemon.replica.options``), so every replica's engines apply
+the same ones.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from bdn.daemon.replica.options import (
+    DEFAULT_OPTIONS,
+    HotLoadOptions,
+    options_from_wire,
+)
 from bdn.proto.errors import IdentityError
 from bdn.proto.identity import validate_identity
 
@@ -21,19 +28,22 @@ MAX_FUTURE_NS = 60 * 10**9  # twice the signature's clock-skew limit
 @dataclass(frozen=True)
 class Target:
     """A fleet hot-load target: ``identity`` ordered by ``(seq, origin)`` (seq = accepting clock, ns);
-    ``base``: the delta's base when known (a snapshot without a manifest has it from the request)."""
+    ``base``: the delta's base when known (a snapshot without a manifest has it from the request);
+    ``options``: the engine options of its request."""
     identity: str
     seq: int
     origin: str
     request_id: str
     base: str | None = None  # the base the request named or the manifest gives (a delta), else None
+    options: HotLoadOptions = field(default=DEFAULT_OPTIONS, compare=False)
 
     @property
     def order(self) -> tuple[int, str]:
         return (self.seq, self.origin)
 
     def wire(self) -> dict[str, Any]:
-        out = {"identity": self.identity, "seq": self.seq, "origin": self.origin, "request_id": self.request_id}
+        out = {"identity": self.identity, "seq": self.seq, "origin": self.origin, "request_id": self.request_id,
+               "options": self.options.wire()}
         if self.base is not None:
             out["base"] = self.base
         return out
@@ -41,7 +51,8 @@ class Target:
     @classmethod
     def from_wire(cls, obj: Any, now_ns: int) -> Target | None:
         """The target in an untrusted wire map, or None if malformed or from the future
-        (``now_ns``: the receiver's clock, unix ns)."""
+        (``now_ns``: the receiver's clock, unix ns). Absent ``options`` (an older peer) are the
+        defaults; malformed ones make the target malformed."""
         if not isinstance(obj, dict):
             return None
         try:
@@ -59,7 +70,10 @@ class Target:
                 base = validate_identity(base)
             except IdentityError:
                 return None
-        return cls(ident, seq, origin[:64], rid[:64], base)
+        options = options_from_wire(obj.get("options"))
+        if options is None:
+            return None
+        return cls(ident, seq, origin[:64], rid[:64], base, options)
 
 
 def later(candidate: Target, current: Target | None) -> bool:

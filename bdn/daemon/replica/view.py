@@ -6,6 +6,12 @@ snapshot on this node), ``ready`` (verified, engine not yet told), ``loading`` (
 it and prepares it), ``done`` (every engine acknowledged the swap; with no engine registered,
 the daemon alone is the replica and is done when the snapshot is ready), ``error`` (failed,
 with the reason). The target changes only through :meth:`ReplicaView.adopt`.
+
+Engines (DESIGN.md, "Engine link and leases"): each offer carries the target's engine options and
+the tensors that changed against the snapshot that engine serves (``replica/changes.py``); an
+engine not seen for ``engine_ttl_s`` is dropped (``replica/engines.py``) and the replica's stage
+recomputed without it. ``on_current(identity)`` is called whenever the served snapshot changes
+(the ``current`` link, ``bdn/daemon/current.py``).
 """
 
 from __future__ import annotations
@@ -13,13 +19,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from bdn.daemon.clock import Clock
+from bdn.daemon.current import LINK_NAME
 from bdn.daemon.errors import Conflict
 from bdn.daemon.foreign_source import Hint, Hints
 from bdn.daemon.replica import contract
+from bdn.daemon.replica import engines as engine_rules
+from bdn.daemon.replica.changes import ChangedTensorsCache
+from bdn.daemon.replica.options import DEFAULT_OPTIONS
 from bdn.daemon.replica.ports import SnapshotRecord, Snapshots
 from bdn.daemon.replica.target import Target, later, supersedes
 from bdn.proto.errors import BdnError
@@ -39,17 +50,36 @@ class Engine:
     pause_ms: float | None = None
     lease_id: str | None = None  # lease on ``acked`` (or the offered one until then)
     offered_lease: str | None = None
-    last_seen: float = 0.0
+    last_seen: float = 0.0  # monotonic s: the last poll (start, or a live poll's periodic mark)
+    registered: float = 0.0  # monotonic s
+    prompt_cache_policy: str | None = None  # as the last ack reported them
+    inflight_policy: str | None = None
+    swap: dict[str, Any] | None = None  # the last ack's swap report, bounded (engines.sanitize_report)
+
+    def describe(self, now: float, ttl_s: float) -> dict[str, Any]:
+        """This engine as ``GET /v1/engines`` lists it (ages in seconds)."""
+        return {
+            "engine_id": self.engine_id, "name": self.name, "serving": self.acked, "offered": self.offered,
+            "error": self.error, "pause_ms": self.pause_ms,
+            "prompt_cache_policy": self.prompt_cache_policy, "inflight_policy": self.inflight_policy,
+            "swap": self.swap, "registered_s_ago": round(now - self.registered, 3),
+            "last_seen_s_ago": round(now - self.last_seen, 3),
+            "expires_in_s": round(max(0.0, self.last_seen + ttl_s - now), 3) if ttl_s > 0 else None,
+        }
 
 
 class ReplicaView:
     """This replica's target, served snapshot, engines and leases; snapshots through ``Snapshots``."""
 
-    def __init__(self, node_id: str, snapshots: Snapshots, clock: Clock, hints: Hints | None = None) -> None:
+    def __init__(self, node_id: str, snapshots: Snapshots, clock: Clock, hints: Hints | None = None,
+                 engine_ttl_s: float = 30.0, changes: ChangedTensorsCache | None = None) -> None:
         self.node_id = node_id
         self.snapshots = snapshots
         self.clock = clock
         self.hints = hints if hints is not None else Hints()
+        self.engine_ttl_s = engine_ttl_s
+        self.changes = changes or ChangedTensorsCache(snapshots.ready_dir)
+        self.on_current: Callable[[str], None] | None = None
         self.target: Target | None = None
         self.current: str | None = None
         self.current_policy_version: int | None = None
@@ -145,9 +175,31 @@ class ReplicaView:
     def on_snapshot_ready(self, identity: str) -> None:
         """With no engine registered, the daemon serves what is ready."""
         if not self.engines and self.target is not None and self.target.identity == identity:
-            job = self.snapshots.get(identity)
-            self.current = identity
-            self.current_policy_version = job.policy_version if job else None
+            self._set_current(identity)
+
+    def _set_current(self, identity: str) -> None:
+        """The replica now serves ``identity`` (every engine acknowledged it, or there is none)."""
+        job = self.snapshots.get(identity)
+        changed = identity != self.current
+        self.current = identity
+        self.current_policy_version = job.policy_version if job else None
+        if changed and self.on_current is not None:
+            try:
+                self.on_current(identity)
+            except OSError as e:  # the link is a convenience; serving goes on without it
+                log.error("cannot point the current link at %s: %s", identity, e)
+
+    def _recompute_current(self) -> None:
+        """After an engine left: the replica serves the target once every remaining engine
+        acknowledged it (or none remains and it is ready here)."""
+        t = self.target
+        if t is None:
+            return
+        job = self.snapshots.get(t.identity)
+        if job is None or job.state != "ready":
+            return
+        if all(e.acked == t.identity for e in self.engines.values()):
+            self._set_current(t.identity)
 
     def pinned(self) -> set[str]:
         """Identities GC must keep: leased, current, target."""
@@ -180,6 +232,9 @@ class ReplicaView:
             progress = 1.0
             stage, reason = self._engine_stage(ident)  # type: ignore[arg-type]
         pauses = [e.pause_ms for e in self.engines.values() if e.acked == self.current and e.pause_ms is not None]
+        reports = [e for e in self.engines.values() if e.acked == self.current and e.swap is not None]
+        last = max(reports, key=lambda e: e.pause_ms or 0.0) if reports else None
+        options = t.options if t is not None else DEFAULT_OPTIONS
         return {
             "replica_id": self.node_id,
             "current_snapshot_identity": self.current,
@@ -190,6 +245,8 @@ class ReplicaView:
             "last_swap_pause_ms": max(pauses) if pauses else None,
             "superseded": list(self.superseded),
             "request_id": t.request_id if t else None,
+            **options.wire(),
+            "last_swap": dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None,
         }
 
     def _engine_stage(self, ident: str) -> tuple[str, str]:
@@ -204,6 +261,15 @@ class ReplicaView:
         if any(e.offered == ident for e in self.engines.values()):
             return "loading", ""
         return "ready", ""
+
+    def current_record(self) -> dict[str, Any] | None:
+        """``{"identity", "policy_version", "path", "link"}`` of the snapshot this replica serves
+        (``path`` its READY directory, ``link`` the ``current`` symlink naming it), or None."""
+        if self.current is None:
+            return None
+        path = self.snapshots.ready_dir(self.current)
+        return {"identity": self.current, "policy_version": self.current_policy_version, "path": str(path),
+                "link": str(path.parent / LINK_NAME)}
 
     # ---- engines and leases --------------------------------------------------------------
     def lease(self, identity: str, holder: str) -> str:
@@ -225,7 +291,8 @@ class ReplicaView:
 
     def register_engine(self, name: str) -> Engine:
         """A new engine entry (the replica now waits for its acknowledgements)."""
-        e = Engine(secrets.token_hex(8), name[:128] or "engine", last_seen=self.clock.monotonic())
+        now = self.clock.monotonic()
+        e = Engine(secrets.token_hex(8), name[:128] or "engine", last_seen=now, registered=now)
         self.engines[e.engine_id] = e
         log.info("engine %s (%s) registered", e.engine_id, e.name)
         return e
@@ -234,13 +301,44 @@ class ReplicaView:
         return self.engines.get(engine_id)
 
     def unregister_engine(self, engine_id: str) -> bool:
-        """Forget an engine and release its leases; False if unknown."""
+        """Forget an engine, release its leases and recompute the replica without it; False if unknown."""
         e = self.engines.pop(engine_id, None)
         if e is None:
             return False
         self.release(e.lease_id)
         self.release(e.offered_lease)
+        self._recompute_current()
+        self.version += 1  # pollers and the fleet view see the change at their next look
         return True
+
+    def heartbeat(self, engine: Engine) -> None:
+        """Event: the engine says it is alive while it is not polling (it prepares or swaps)."""
+        engine.last_seen = self.clock.monotonic()
+
+    def describe_engines(self) -> list[dict[str, Any]]:
+        """Every registered engine as ``GET /v1/engines`` lists it, in registration order."""
+        now = self.clock.monotonic()
+        return [e.describe(now, self.engine_ttl_s) for e in self.engines.values()]
+
+    async def expire_engines(self) -> list[str]:
+        """Event (periodic): drop the engines not seen for ``engine_ttl_s``; their ids."""
+        gone = engine_rules.expired(self.engines.values(), self.clock.monotonic(), self.engine_ttl_s)
+        for engine_id in gone:
+            e = self.engines.get(engine_id)
+            log.warning("engine %s (%s) not seen for over %g s: dropped, its leases released",
+                        engine_id, e.name if e else "?", self.engine_ttl_s)
+            self.unregister_engine(engine_id)
+        if gone:
+            await self.poke()
+        return gone
+
+    async def expiry_loop(self) -> None:
+        """Run :meth:`expire_engines` every ``poll_step(engine_ttl_s)`` seconds, forever."""
+        if self.engine_ttl_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(engine_rules.poll_step(self.engine_ttl_s))
+            await self.expire_engines()
 
     def _offerable(self, after: str | None) -> str | None:
         ident = self.target.identity if self.target else None
@@ -251,10 +349,22 @@ class ReplicaView:
             return None
         return ident
 
-    async def next_for(self, engine: Engine, after: str | None, timeout: float) -> dict[str, Any] | None:
-        """Long-poll: the target snapshot once it is READY here and differs from ``after``."""
+    async def next_for(self, engine: Engine, after: str | None, timeout: float,
+                       connected: Callable[[], bool] = lambda: True) -> dict[str, Any] | None:
+        """Long-poll: the target snapshot once it is READY here and differs from ``after``.
+
+        The offer: ``{"identity", "policy_version", "kind", "path", "lease_id",
+        "prompt_cache_policy", "inflight_policy", "inflight_wait_s", "engine_ttl_s",
+        "changed_tensors"?, "changed_tensors_base"?}`` (docs/ENGINES.md); the changed tensors are
+        relative to the snapshot this engine acknowledged last, and absent on its first load or
+        when they cannot be told (``replica/changes.py``). None after ``timeout`` s, when the
+        poller's connection is gone (``connected()`` false) or the engine was dropped.
+        """
         deadline = self.clock.monotonic() + timeout
+        step = engine_rules.poll_step(self.engine_ttl_s)
         while True:
+            if not connected() or self.engines.get(engine.engine_id) is not engine:
+                return None
             engine.last_seen = self.clock.monotonic()
             ident = self._offerable(after)
             if ident is not None:
@@ -265,26 +375,42 @@ class ReplicaView:
                     engine.offered_lease = self.lease(ident, f"engine {engine.engine_id}")
                     engine.offered, engine.error = ident, None
                     await self.poke()
-                return {
+                offer: dict[str, Any] = {
                     "identity": ident,
                     "policy_version": job.policy_version,
                     "kind": job.kind,
                     "path": str(self.snapshots.ready_dir(ident)),
                     "lease_id": engine.offered_lease,
+                    **(self.target.options if self.target else DEFAULT_OPTIONS).wire(),
+                    "engine_ttl_s": self.engine_ttl_s,
                 }
+                base = engine.acked
+                base_job = self.snapshots.get(base) if base else None
+                if base and base != ident and base_job is not None and base_job.state == "ready":
+                    names = await self.changes.between(base, ident)
+                    if names is not None:
+                        offer.update(changed_tensors=names, changed_tensors_base=base)
+                engine.last_seen = self.clock.monotonic()
+                return offer
             left = deadline - self.clock.monotonic()
             if left <= 0:
                 return None
-            await self.wait_change(self.version, min(left, 5.0))
+            await self.wait_change(self.version, min(left, step))
 
-    async def ack(self, engine: Engine, identity: str, pause_ms: float | None, error: str | None) -> None:
+    async def ack(self, engine: Engine, identity: str, pause_ms: float | None, error: str | None,
+                  report: dict[str, Any] | None = None, prompt_cache_policy: str | None = None,
+                  inflight_policy: str | None = None) -> None:
         """An engine swapped to ``identity`` (``pause_ms`` measured by it) or failed with ``error``.
+
+        ``report`` is the ack's ``swap`` object, ``prompt_cache_policy`` / ``inflight_policy`` the
+        policies the engine applied (kept, bounded, for the replica and engine views).
 
         Raises:
             Conflict: ``identity`` was never offered to (nor acknowledged by) this engine.
         """
         if engine.offered != identity and engine.acked != identity:
             raise Conflict(f"engine was not offered {identity!r} (offered {engine.offered!r})")
+        engine.last_seen = self.clock.monotonic()
         if error:
             engine.error = error.splitlines()[0][:500]
             log.error("engine %s failed to load %s: %s", engine.engine_id, identity, engine.error)
@@ -293,9 +419,10 @@ class ReplicaView:
                 self.release(engine.lease_id)
                 engine.lease_id, engine.offered_lease = engine.offered_lease, None
             engine.acked, engine.pause_ms, engine.error = identity, pause_ms, None
+            engine.swap = engine_rules.sanitize_report(report)
+            engine.prompt_cache_policy = prompt_cache_policy[:32] if prompt_cache_policy else None
+            engine.inflight_policy = inflight_policy[:32] if inflight_policy else None
             if all(e.acked == identity for e in self.engines.values()):
-                job = self.snapshots.get(identity)
-                self.current = identity
-                self.current_policy_version = job.policy_version if job else None
+                self._set_current(identity)
             log.info("engine %s serves %s (pause %.1f ms)", engine.engine_id, identity, pause_ms or 0.0)
         await self.poke()

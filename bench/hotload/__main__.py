@@ -1,0 +1,227 @@
+"""Hot-load: POST to every replica ``done``, and the swap pause, for the transformers engine.
+
+    .venv/bin/python -m bench.hotload [--hidden 2048 --layers 7] [--frac 0.02] [--tensors all] [--runs 3]
+
+A LlamaForCausalLM in bf16 (``examples/engine/tiny_llama.py``; the defaults make 0.57 GB) is
+published to a ``file://`` bucket as an anchor; every step after it changes ``--frac`` of the
+values of ``--tensors`` of its matrices (``all`` by default: 2 % of every matrix, as hosted RL
+services report per step) and is published as an ``arc_v2`` delta. One real ``bdnd`` serves it
+on loopback with one ``HFEngine`` (``bdn.engines.service.HFService``: its chat server and the
+hot-swap driver, in this process) registered. Each run is one hot-load POST of the next delta,
+timed until the replica reports ``done`` serving it; ``--runs`` runs per mode:
+
+* ``changed tensors only``: ``HFEngine(partial=True)``: the engine stages and copies the tensors
+  the daemon's offer names (``changed_tensors``);
+* ``full reload``: ``HFEngine(partial=False)``: every tensor is staged and copied on every swap.
+
+Measured in the same run, for the targets of issue 10:
+
+* ``memcpy_changed_s``: copying the changed tensors' bytes once (``torch`` ``copy_`` from tensors in
+  memory into preallocated ones, what the pause must do at least): the pause should not exceed it;
+* ``transfer_floor_s``: reading the delta's stored objects from the bucket into ``/dev/shm`` with
+  one plain copy each; ``apply_s``: the daemon's ``applying`` + ``verifying`` seconds (its record's
+  ``stages``) plus the engine's prepare and pause (report ``prepare_ms`` + ``pause_ms``).
+  POST to done should be within 1.2 x (transfer floor + apply).
+
+Writes bench/results/hotload.json: one row per mode with ``runs``/``median``/``min``/``max`` of
+``post_to_done_s, pause_ms, prepare_ms, memcpy_changed_s, transfer_floor_s, apply_s`` (bench/runs.py),
+and the machine's load average at the start and the end (the machine may be shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples" / "engine"))
+
+from bench import runs  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+METRICS = ("post_to_done_s", "pause_ms", "prepare_ms", "memcpy_changed_s", "transfer_floor_s", "apply_s")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ident(i: int) -> str:
+    return f"step{i:06d}"
+
+
+def memcpy_changed_s(state: dict, names: list[str]) -> float:
+    """Seconds to copy the ``names`` tensors of ``state`` once into preallocated tensors (pre-faulted)."""
+    import torch
+
+    src = [state[n].contiguous() for n in names]
+    dst = [torch.empty_like(t) for t in src]
+    for d, s in zip(dst, src):
+        d.copy_(s)  # fault both in first
+    t0 = time.perf_counter()
+    for d, s in zip(dst, src):
+        d.copy_(s)
+    return time.perf_counter() - t0
+
+
+def transfer_floor_s(bucket_dir: Path, identity: str, shm: Path) -> float:
+    """Seconds to copy the delta's stored objects from the bucket into /dev/shm (one plain copy each)."""
+    out = shm / f".floor-{identity}"
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for f in sorted((bucket_dir / identity).rglob("*")):
+        if f.is_file():
+            shutil.copyfile(f, out / f.name)
+    dt = time.perf_counter() - t0
+    shutil.rmtree(out)
+    return dt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=7)
+    ap.add_argument("--frac", type=float, default=0.02, help="fraction of the values of a changed matrix per step")
+    ap.add_argument("--tensors", default="all", help="matrices a step changes: all, or a count")
+    ap.add_argument("--out", default=str(RESULTS / "hotload.json"))
+    runs.add_runs_arg(ap)
+    a = ap.parse_args()
+
+    import tiny_llama
+    import torch
+
+    from bdn.client import DaemonClient, hot_load, hot_load_status
+    from bdn.engines.service import HFService
+    from bdn.publish import publish_delta, publish_full
+
+    load0 = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="bdn-bench-hotload-"))
+    shm = Path("/dev/shm") / f"bdn-bench-hotload-{os.getpid()}"
+    bucket_dir = work / "bucket"
+    bucket = f"file://{bucket_dir}"
+    proc = None
+    rows: list[dict] = []
+    try:
+        _m, state = tiny_llama.make_tiny_llama(work / "ck1", hidden=a.hidden, layers=a.layers, heads=a.hidden // 128)
+        del _m
+        model_bytes = sum(v.numel() * v.element_size() for v in state.values())
+        matrices = sum(1 for v in state.values() if v.dim() == 2)
+        n_tensors = matrices if a.tensors == "all" else int(a.tensors)
+        print(f"hot-load benchmark: {model_bytes / 1e9:.2f} GB bf16, {len(state)} tensors; each step changes "
+              f"{a.frac:.0%} of the values of {n_tensors} of {matrices} matrices; {os.cpu_count()} cores, "
+              f"load average {load0[0]:.1f}", flush=True)
+        publish_full(bucket, ident(1), 1, dir=work / "ck1")
+        # every delta the runs will need, published before anything is timed
+        steps = 2 * a.runs
+        changed_names: dict[str, list[str]] = {}
+        prev_dir = work / "ck1"
+        for i in range(2, steps + 2):
+            new = tiny_llama.optimizer_step(state, a.frac, seed=i, tensors=n_tensors)
+            names = [k for k in new if not torch.equal(new[k].view(torch.int16), state[k].view(torch.int16))]
+            d = tiny_llama.save_state(work / f"ck{i}", work / "ck1", new)
+            publish_delta(bucket, ident(i), i, ident(i - 1), dir=d, base_dir=prev_dir)
+            if prev_dir != work / "ck1":
+                shutil.rmtree(prev_dir)
+            prev_dir, state = d, new
+            changed_names[ident(i)] = names
+            print(f"published {ident(i)}: {len(names)} tensors changed", flush=True)
+        (work / "secret").write_text(os.urandom(32).hex() + "\n")
+        local, peer = free_port(), free_port()
+        env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID="bench", BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
+                   BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
+                   BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(work / "secret"), BDN_LOAD_STARTUP="false",
+                   BDN_STARTUP_SETTLE_S="0", BDN_MANIFEST_POLL_S="0.05", BDN_ENGINE_TTL_S="120")
+        log = open(work / "bdnd.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{local}"
+        with DaemonClient(url) as c:
+            for _ in range(600):
+                try:
+                    c.health()
+                    break
+                except Exception:  # noqa: BLE001 - not listening yet
+                    if proc.poll() is not None:
+                        sys.exit(f"bdnd exited; see {work / 'bdnd.log'}")
+                    time.sleep(0.05)
+            hot_load(c, ident(1))
+            c.wait(ident(1), "ready", 900)
+
+            def done(identity: str) -> bool:
+                reps = hot_load_status(c)
+                errs = [r for r in reps if r["loading_state"]["stage"] == "error"]
+                if errs:
+                    raise SystemExit(f"replica error: {errs[0]['loading_state']['reason']}")
+                return all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done"
+                           for r in reps)
+
+            step = 2
+            for mode, partial in (("changed tensors only", True), ("full reload", False)):
+                with HFService(url, "127.0.0.1", free_port(), replica_id="bench", partial=partial,
+                               poll_timeout=5.0) as svc:
+                    current = ident(step - 1)
+                    while not done(current):
+                        time.sleep(0.05)
+                    per_run: list[dict] = []
+                    for _ in range(a.runs):
+                        target = ident(step)
+                        t0 = time.perf_counter()
+                        hot_load(c, target, previous=current)
+                        while not done(target):
+                            time.sleep(0.01)
+                        post_to_done = time.perf_counter() - t0
+                        rep = svc.engine.last_swap
+                        rec = c.snapshot(target)
+                        stages = rec.get("stages") or {}
+                        daemon_apply = float(stages.get("applying", 0.0)) + float(stages.get("verifying", 0.0))
+                        floor = transfer_floor_s(bucket_dir, target, shm)
+                        mc = memcpy_changed_s(state, changed_names[target])  # same names, same sizes
+                        row = {"post_to_done_s": round(post_to_done, 4), "pause_ms": rep["pause_ms"],
+                               "prepare_ms": rep["prepare_ms"], "memcpy_changed_s": round(mc, 5),
+                               "transfer_floor_s": round(floor, 4),
+                               "apply_s": round(daemon_apply + (rep["prepare_ms"] + rep["pause_ms"]) / 1000, 4),
+                               "daemon_apply_s": round(daemon_apply, 4), "swap_mode": rep["mode"],
+                               "changed_source": rep["changed_source"], "tensors_copied": rep["tensors_copied"],
+                               "bytes_copied": rep["bytes_copied"], "stored_bytes": rec.get("stored_bytes"),
+                               "stages": stages}
+                        print(f"{mode}: {target} {json.dumps(row)}", flush=True)
+                        per_run.append(row)
+                        current, step = target, step + 1
+                    row = runs.collapse(per_run, METRICS, by="post_to_done_s")
+                    med = row.get("median", row)
+                    row.update(mode=mode, model_bytes=model_bytes, changed_tensors=len(changed_names[ident(step - 1)]),
+                               frac=a.frac, pause_vs_memcpy=round(med["pause_ms"] / 1000 / med["memcpy_changed_s"], 3),
+                               done_vs_floor=round(med["post_to_done_s"] / (med["transfer_floor_s"] + med["apply_s"]), 3))
+                    rows.append(row)
+        load1 = os.getloadavg()
+        out = {"benchmark": "hotload", "cores": os.cpu_count(), "load_average_start": load0[0],
+               "load_average_end": load1[0], "hidden": a.hidden, "layers": a.layers, "tensors": a.tensors,
+               "rows": rows}
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {a.out} (load average {load0[0]:.1f} -> {load1[0]:.1f})")
+        for r in rows:
+            m = r.get("median", r)
+            print(f"{r['mode']:>22}: POST->done {m['post_to_done_s']:.2f} s, pause {m['pause_ms']:.1f} ms "
+                  f"(memcpy of changed {m['memcpy_changed_s'] * 1000:.1f} ms, x{r['pause_vs_memcpy']}), "
+                  f"floor+apply {m['transfer_floor_s'] + m['apply_s']:.2f} s (x{r['done_vs_floor']})")
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            proc.wait(60)
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
