@@ -89,7 +89,6 @@ from bdn.client.engine import (
 )
 from bdn.client.errors import one_line
 from bdn.client.ready import read_ready, verify_files
-from bdn.cli.output import BYTES_BAR, VERSION, emit_json, human_bytes
 from bdn.proto.errors import BdnError, ChecksumError, IdentityError, PathError
 
 PROG = "bdnctl"
