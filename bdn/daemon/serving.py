@@ -18,7 +18,7 @@ from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.membership import Membership
 from bdn.daemon.ratelimit import RateLimit
-from bdn.daemon.snapshot import STORED, Loc
+from bdn.daemon.snapshot import Loc
 from bdn.daemon.stats import Stats
 from bdn.daemon.uploads import Admission, Uploads
 from bdn.proto import hrw
@@ -78,14 +78,7 @@ class ChunkServing:
         go), or None: the snapshot was collected, or the file is shorter than the index says
         (then the chunk is no longer served)."""
         await self.limit.take(loc.length)
-        job = loc.job
-        f = job.manifest.files[loc.file_index] if job.manifest is not None else None
-        candidates = [loc.path()]
-        if f is not None and not (loc.layer == STORED and f.is_diff):
-            # staging is renamed to ready when the snapshot completes; the rename and the job's
-            # state change are not one step, so the other name is tried too
-            candidates += [job.store.ready_dir(job.identity) / f.path, job.store.staging_dir(job.identity) / f.path]
-        fd = diskio.open_first(candidates)
+        fd = diskio.open_first(loc.paths())
         if fd is None:
             return None
         if diskio.file_size(fd) < loc.offset + loc.length:

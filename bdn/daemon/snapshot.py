@@ -39,6 +39,19 @@ class Loc:
     def path(self) -> Path:
         return self.job.file_path(self.layer, self.file_index)
 
+    def paths(self) -> list[Path]:
+        """Where the bytes may be, most likely first: a snapshot's staging directory is renamed
+        to its ready directory when it completes, and the rename and the job's state change are
+        not one step, so a rebuilt (or full) file is looked for under both names."""
+        out = [self.path()]
+        m = self.job.manifest
+        f = m.files[self.file_index] if m is not None else None
+        if f is not None and not (self.layer == STORED and f.is_diff):
+            for d in (self.job.store.ready_dir(self.job.identity), self.job.store.staging_dir(self.job.identity)):
+                if d / f.path not in out:
+                    out.append(d / f.path)
+        return out
+
 
 class SnapshotJob:
     """The node's record of one snapshot, from ``queued`` to ``ready`` or ``failed``."""

@@ -115,7 +115,13 @@ class Sources:
         """The same bytes already on this node (e.g. an unchanged config.json), copied and re-verified."""
         if job.foreign is not None:
             return False  # ids are not digests: nothing to re-verify a copy against
-        ok = await self._disk(diskio.copy_range, loc.path(), loc.offset, target, ref.offset, ref.length, ref.digest)
+        ok = False
+        for src in loc.paths():  # the holder may be renamed from staging to ready meanwhile
+            try:
+                ok = await self._disk(diskio.copy_range, src, loc.offset, target, ref.offset, ref.length, ref.digest)
+                break
+            except FileNotFoundError:
+                continue
         if ok:
             job.bytes_local += ref.length
             self.stats.add("local_bytes_copied", ref.length)
