@@ -10,9 +10,10 @@ the request again, once, for the daemon named.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -127,6 +128,23 @@ class PeerClient:
             self._named.pop(next(iter(self._named)))
         self._named[base_url] = node_id
 
+    @contextlib.asynccontextmanager
+    async def _answer(
+        self, method: str, base_url: str, path_qs: str, what: str, *, timeout: float,
+        data: bytes | None = None, session: aiohttp.ClientSession | None = None, read_idle: float | None = None,
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """One signed request whose answer the caller reads inside the ``async with``: transport
+        and decoding errors become one PeerError (``"<url>: <what><why>"``), and the answer is
+        always released (the one copy of this try/except/finally for every peer request)."""
+        resp = await self._request(method, base_url, path_qs, timeout=timeout, data=data, session=session,
+                                   read_idle=read_idle)
+        try:
+            yield resp
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgpack.UnpackException, BodyTooLarge) as e:
+            raise PeerError(f"{base_url}: {what}{why(e)}") from None
+        finally:
+            resp.release()
+
     async def get_chunk(
         self,
         base_url: str,
@@ -153,10 +171,9 @@ class PeerClient:
         path = f"{self._prefix()}/chunks/{address}{q}"
         # sock_read: a peer that dies (or hangs) mid-request is noticed after ``wait`` plus 10 s of
         # silence, not after the whole request budget (a parked request is silent during ``wait``).
-        resp = await self._request(
-            "GET", base_url, path, timeout=wait + self.timeout_s, session=self._data, read_idle=wait + 10.0
-        )
-        try:
+        async with self._answer(
+            "GET", base_url, path, "", timeout=wait + self.timeout_s, session=self._data, read_idle=wait + 10.0
+        ) as resp:
             if resp.status == 404:
                 return None
             if resp.status == 503:
@@ -182,10 +199,6 @@ class PeerClient:
             if pos != length:
                 raise PeerError(f"{base_url}: chunk ended after {pos} of {length} bytes")
             return buf
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise PeerError(f"{base_url}: {why(e)}") from None
-        finally:
-            resp.release()
 
     async def get_have(
         self, base_url: str, identity: str, *, since: int = -1, wait: float = 0.0
@@ -193,8 +206,7 @@ class PeerClient:
         """A peer's have-bitfields for ``identity`` (None if it does not know the snapshot)."""
         q = f"?since={since}&wait={wait:g}"
         path = f"{self._prefix()}/snapshots/{identity}/have{q}"
-        resp = await self._request("GET", base_url, path, timeout=wait + self.timeout_s)
-        try:
+        async with self._answer("GET", base_url, path, "bad have answer: ", timeout=wait + self.timeout_s) as resp:
             if resp.status == 404:
                 return None
             if resp.status != 200:
@@ -204,18 +216,12 @@ class PeerClient:
             if not isinstance(obj, dict):
                 raise PeerError(f"{base_url}: have answer is not a map")
             return obj
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgpack.UnpackException, BodyTooLarge) as e:
-            raise PeerError(f"{base_url}: bad have answer: {e}") from None
-        finally:
-            resp.release()
 
     async def exchange_members(self, base_url: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST our member view; returns the peer's ``{node_id, url, members: [...]}``."""
         path = f"{self._prefix()}/members"
-        resp = await self._request(
-            "POST", base_url, path, timeout=5.0, data=msgpack.packb(payload, use_bin_type=True)
-        )
-        try:
+        data = msgpack.packb(payload, use_bin_type=True)
+        async with self._answer("POST", base_url, path, "bad members answer: ", timeout=5.0, data=data) as resp:
             if resp.status != 200:
                 raise PeerError(f"{base_url}: members answered {resp.status}")
             body = await read_body(resp.content, MAX_MEMBERS_BYTES, resp.content_length)
@@ -223,31 +229,17 @@ class PeerClient:
             if not isinstance(obj, dict) or not isinstance(obj.get("node_id"), str):
                 raise PeerError(f"{base_url}: members answer malformed")
             return obj
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgpack.UnpackException, BodyTooLarge) as e:
-            raise PeerError(f"{base_url}: bad members answer: {e}") from None
-        finally:
-            resp.release()
 
     async def post_json(self, base_url: str, path: str, payload: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
         """A signed POST of a msgpack body to a peer endpoint under the swarm prefix."""
-        resp = await self._request("POST", base_url, f"{self._prefix()}/{path}", timeout=timeout, data=payload)
-        try:
+        async with self._answer("POST", base_url, f"{self._prefix()}/{path}", "", timeout=timeout, data=payload) as resp:
             return resp.status, await read_body(resp.content, MAX_MEMBERS_BYTES, resp.content_length)
-        except (aiohttp.ClientError, asyncio.TimeoutError, BodyTooLarge) as e:
-            raise PeerError(f"{base_url}: {why(e)}") from None
-        finally:
-            resp.release()
 
     async def get_json(self, base_url: str, path: str, timeout: float = 5.0) -> tuple[int, Any]:
         """A signed GET of a JSON peer endpoint under the swarm prefix: ``(status, body)``."""
-        resp = await self._request("GET", base_url, f"{self._prefix()}/{path}", timeout=timeout)
-        try:
+        async with self._answer("GET", base_url, f"{self._prefix()}/{path}", "", timeout=timeout) as resp:
             body = await read_body(resp.content, MAX_MEMBERS_BYTES, resp.content_length)
             try:
                 return resp.status, json.loads(body)
             except (ValueError, RecursionError):
                 return resp.status, None
-        except (aiohttp.ClientError, asyncio.TimeoutError, BodyTooLarge) as e:
-            raise PeerError(f"{base_url}: {why(e)}") from None
-        finally:
-            resp.release()
