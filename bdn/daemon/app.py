@@ -28,7 +28,9 @@ from aiohttp import web
 
 from bdn.bucket import BucketError, ObjectNotFound, open_bucket
 from bdn.daemon.bucketio import BucketIO
+from bdn.daemon import wire_peer
 from bdn.daemon.catalog import Catalog
+from bdn.daemon.chunklog import open_chunk_log
 from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config, split_hostport
 from bdn.daemon.executors import Executors
@@ -83,6 +85,7 @@ class App:
         self.haves = Haves(self.peers, self.membership)
         sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
         self.fetcher = Fetcher(cfg, self.membership, self.index, self.haves, sources, self.stats, clock)
+        self.fetcher.chunk_log = open_chunk_log(cfg.chunk_log)
         runner = Runner(cfg, self.store, self.bucket, self.index, self.fetcher, self.haves, self.stats,
                         self.pools, clock)
         self.catalog = Catalog(cfg, self.store, self.index, runner, clock)
@@ -95,6 +98,8 @@ class App:
         serving = ChunkServing(cfg.node_id, self.catalog, self.index, self.fetcher, self.membership,
                                Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
                                RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
+        self.wire = wire_peer.adopt(cfg, self.keys, serving, self.index, self.stats, sources, self.membership,
+                                    self.pools.disk, self.fetcher.chunk_log, self.catalog, self.gossip)
         self.services = Services(
             cfg=cfg, keys=self.keys, nonces=NonceCache(), catalog=self.catalog, replica=self.replica,
             hotload=self.hotload, gossip=self.gossip, serving=serving,
@@ -150,10 +155,12 @@ class App:
         self.catalog.load_ready_from_store()
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
         await self._listen()
+        if self.wire is not None:
+            self.gossip.transfer = self.wire.start(asyncio.get_running_loop())
         cfg = self.cfg
         log.info(
-            "bdnd %s listening: peers on %s (advertised %s), local API on %s%s; swarm %s; bucket %s",
-            cfg.node_id, cfg.peer_listen, cfg.advertise_url, cfg.local_listen or "-",
+            "bdnd %s listening: peers on %s (advertised %s), transfer on %s, local API on %s%s; swarm %s; bucket %s",
+            cfg.node_id, cfg.peer_listen, cfg.advertise_url, self.gossip.transfer or "- (off)", cfg.local_listen or "-",
             f" and {cfg.local_socket}" if cfg.local_socket else "", self.keys.swarm_id, cfg.bucket,
         )
         await self._load_startup()
@@ -238,7 +245,13 @@ class App:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.wire is not None:
+            self.wire.close_client()  # fetches in flight end now, so the jobs stop at once
         await self.catalog.stop()
+        if self.wire is not None:
+            self.wire.close()
+        if self.fetcher.chunk_log is not None:
+            self.fetcher.chunk_log.close()
         await self.peers.close()
         self.pools.shutdown()
         self.bucket.close()

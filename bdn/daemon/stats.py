@@ -18,6 +18,8 @@ COUNTERS = (
     "peer_chunks_out",
     "local_bytes_copied",
     "chunk_verify_failures",
+    "peer_wire_bytes_in",  # the part of peer_bytes_in/out that went over the transfer wire
+    "peer_wire_bytes_out",
 )
 
 

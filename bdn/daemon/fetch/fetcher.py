@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
@@ -47,6 +48,7 @@ class Fetcher:
         self.stats = stats
         self.clock = clock
         self.rng = rng or random.Random()
+        self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
 
     async def fetch_layer(self, job: SnapshotJob, layer: str) -> None:
         """Obtain every chunk of ``layer``. Raises NotAvailable (a rebuilt chunk no peer has),
@@ -92,6 +94,8 @@ class Fetcher:
     async def _got(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Event: a chunk is verified on disk. The job's bitfields and the index change here only."""
         if job.chunk_verified(layer, ref):
+            if self.chunk_log is not None:
+                self.chunk_log.done(job, layer, ref, job.ref_index(layer, ref))
             self.index.register(job, layer, ref)
             await job.notify()
 
@@ -103,8 +107,12 @@ class Fetcher:
             return
         target = job.file_path(layer, ref.file_index)
         src = self.sources
+        if self.chunk_log is not None:
+            self.chunk_log.started(job, ref)
         loc = self.index.by_content(ref.digest)
         if loc is not None and loc.length == ref.length and await src.from_local(job, loc, ref, target):
+            if self.chunk_log is not None:
+                self.chunk_log.attempt(job, ref, "local", "ok")
             await self._got(job, layer, ref)
             return
         address = self.index.address(ref.digest)

@@ -21,6 +21,7 @@ from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import Loc, SnapshotJob
 from bdn.daemon.stats import Stats
+from bdn.daemon.transfer_address import peer_of
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef
 
@@ -62,6 +63,7 @@ class Sources:
         self.peer_sem = asyncio.Semaphore(cfg.max_inflight)
         self.download_limit = RateLimit.from_mbit(cfg.peer_download_mbit)
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
+        self.wire: Any = None  # bdn.daemon.fetch.wire_source.WireSource when the transfer wire is on
 
     async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -86,10 +88,15 @@ class Sources:
 
     async def from_peer(
         self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef,
-        target: Path, wait: float, errors: list[str],
+        target: Path, wait: float, errors: list[str], racing: bool = False,
     ) -> bool:
         """Ask peer ``m`` (parked up to ``wait`` s). A busy answer counts in ``stats.busy_answers``;
-        a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it."""
+        a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it.
+        Over the transfer wire when ``m`` advertises a transfer server (``racing``: other
+        holders are asked the same chunk at once), else HTTP."""
+        peer = peer_of(m) if self.wire is not None else None
+        if peer is not None:
+            return await self.wire.from_peer(job, m, peer, address, ref, target, wait, errors, racing)
         sem = self._peer_sems.get(m.url)
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
@@ -148,7 +155,7 @@ class Sources:
     ) -> str | None:
         """Request the chunk from each member at once; the url of the first verified copy."""
         tasks = {
-            asyncio.ensure_future(self.from_peer(job, m, address, ref, target, 0.0, errors)): m
+            asyncio.ensure_future(self.from_peer(job, m, address, ref, target, 0.0, errors, racing=True)): m
             for m in members
         }
         winner: str | None = None
@@ -170,6 +177,8 @@ class Sources:
         """Read the chunk from the bucket (as its ``owner``, or as a counted fallback); 3 tries
         when the bytes do not match. Raises BdnError (missing object, bucket error) or
         ProtocolError (never matched)."""
+        if self.wire is not None:
+            return await self.wire.from_bucket(self.bucket, job, ref, target, owner)
         key = f"{job.identity}/{ref.path}"
         try:
             async for attempt in retry_policy.bucket_bytes():
