@@ -5,13 +5,17 @@ server, and write the per-chunk event log."""
 from __future__ import annotations
 
 import json
+import socket
+import struct
+import threading
+import time
 from pathlib import Path
 
 from bdn.bucket import open_bucket
 from bdn.proto.manifest import Manifest
 from bdn.publish import publish_full
 from support.checkpoints import make_state, write_hf_dir
-from support.swarm import Swarm
+from support.swarm import Daemon, Swarm, free_port
 
 CHUNK = 64 << 10
 IDENT = "step000001"
@@ -39,7 +43,7 @@ def test_chunks_move_over_the_wire_and_the_chunk_log_says_so(tmp_path: Path) -> 
     logs = {d.node_id: d.dir / "chunks.jsonl" for d in swarm.daemons}
     for d in swarm.daemons:
         d.env["BDN_CHUNK_LOG"] = str(logs[d.node_id])
-    with swarm.start():
+    with swarm:
         for d in swarm.daemons:
             assert d.prefetch(IDENT)[0] == 202
         for d in swarm.daemons:
@@ -73,7 +77,7 @@ def test_a_peer_without_a_transfer_server_is_asked_over_http(tmp_path: Path) -> 
     swarm = Swarm(tmp_path / "nodes", 3, bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
     plain = swarm.daemons[0]
     plain.env["BDN_TRANSFER_LISTEN"] = ""  # this one speaks HTTP only
-    with swarm.start():
+    with swarm:
         for d in swarm.daemons:
             assert d.prefetch(IDENT)[0] == 202
         for d in swarm.daemons:
@@ -88,3 +92,111 @@ def test_a_peer_without_a_transfer_server_is_asked_over_http(tmp_path: Path) -> 
             cc = c[d.node_id]
             assert 0 < cc["peer_wire_bytes_in"] < cc["peer_bytes_in"], (d.node_id, c)
         assert sum(x["chunk_verify_failures"] for x in c.values()) == 0
+
+
+class Relay:
+    """A TCP relay in front of one daemon's transfer server that passes the server's bytes on at
+    ``rate`` bytes/s; ``cut()`` breaks every connection at once (a reset both ways), as when the
+    sender's host dies: nothing more of the body it was sending arrives."""
+
+    def __init__(self, target: tuple[str, int], rate: float) -> None:
+        self.target, self.rate = target, rate
+        self.ls = socket.create_server(("127.0.0.1", 0))
+        self.port = self.ls.getsockname()[1]
+        self.forwarded = 0  # server -> client bytes passed on
+        self.socks: list[socket.socket] = []
+        self.dead = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.dead.is_set():
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            try:
+                s = socket.create_connection(self.target)
+            except OSError:
+                c.close()
+                continue
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            self.socks += [c, s]
+            threading.Thread(target=self._pipe, args=(c, s, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(s, c, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, throttle: bool) -> None:
+        try:
+            while not self.dead.is_set():
+                data = src.recv(16 << 10)
+                if not data or self.dead.is_set():
+                    break
+                dst.sendall(data)
+                if throttle:
+                    self.forwarded += len(data)
+                    time.sleep(len(data) / self.rate)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        self.dead.set()
+        for s in self.socks:
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()
+            except OSError:
+                pass
+        self.ls.close()
+
+
+def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_short(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=8), 1)
+    b = open_bucket(bucket)
+    try:
+        m = publish_full(b, IDENT, 1, dir=ck, chunk_size=1 << 20)
+    finally:
+        b.close()
+    swarm = Swarm(tmp_path / "nodes", 2, bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
+    sender, other = swarm.daemons
+    # started once both hold the snapshot (else it would join it at the first request it serves)
+    receiver = Daemon(tmp_path / "nodes", "node2", bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
+    tport = free_port()
+    relay = Relay(("127.0.0.1", tport), rate=2e6)
+    sender.env.update(BDN_TRANSFER_LISTEN=f"127.0.0.1:{tport}", BDN_TRANSFER_ADVERTISE=f"127.0.0.1:{relay.port}")
+    log = receiver.dir / "chunks.jsonl"
+    receiver.env["BDN_CHUNK_LOG"] = str(log)
+    with swarm:
+        for d in (sender, other):
+            assert d.prefetch(IDENT)[0] == 202
+        for d in (sender, other):
+            d.wait_ready(IDENT, 60)
+        base = relay.forwarded  # what the other daemon took through the relay for its own copy
+        receiver.start(swarm.peer_urls)
+        try:
+            receiver.wait_healthy()
+            deadline = time.monotonic() + 20
+            while {p["node_id"] for p in receiver.status()["peers"] if p["alive"]} != {sender.node_id, other.node_id}:
+                assert time.monotonic() < deadline, receiver.status()["peers"]
+                time.sleep(0.1)
+            assert receiver.prefetch(IDENT)[0] == 202
+            # the sender (behind the slow relay) is in the middle of its chunks: at 2 MB/s over
+            # at most max_per_peer streams, no 1 MiB chunk of it is complete at 300 kB
+            deadline = time.monotonic() + 60
+            while relay.forwarded - base < 300_000:
+                assert time.monotonic() < deadline, receiver.log()
+                time.sleep(0.01)
+            assert relay.forwarded - base < 1 << 20
+            sender.kill()
+            relay.cut()
+            receiver.wait_ready(IDENT, 60)
+            assert_same(receiver, ck)
+            c = receiver.status()["counters"]
+            assert c["chunk_verify_failures"] == 0, c
+            lines = [json.loads(x) for x in log.read_text().splitlines()]
+            assert len(lines) == len(list(m.stored_chunks()))
+            retried = [x for x in lines if x["retries"] > 0]
+            assert retried, lines  # the chunks cut mid-body failed once ...
+            # ... and came whole from elsewhere: none of them is counted as the dead sender's
+            assert all(x["source"] != f"peer:{sender.node_id}" for x in retried), retried
+        finally:
+            receiver.stop()

@@ -138,7 +138,7 @@ class WirePeer:
         adv = urlsplit(self.cfg.advertise_url).hostname or host
         if self._host not in ("0.0.0.0", "::", ""):
             adv = host
-        self.address = f"[{adv}]:{port}" if ":" in adv else f"{adv}:{port}"
+        self.address = self.cfg.transfer_advertise or (f"[{adv}]:{port}" if ":" in adv else f"{adv}:{port}")
         return self.address
 
     def close_client(self) -> None:
