@@ -145,6 +145,8 @@ class Sources:
                         extra={"peer": m.node_id})
             return False
         job.bytes_from_peers += ref.length
+        if self.wire is not None and self.wire.chunk_log is not None:
+            self.wire.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "ok", "http")
         self.stats.add("peer_bytes_in", ref.length)
         self.stats.add("peer_chunks_in")
         return True
