@@ -47,7 +47,7 @@ def served(tmp_path_factory):
 
 
 def shard(ck: Path) -> tuple[str, bytes]:
-    p = sorted(ck.glob("*.safetensors"))[0]
+    p = min(ck.glob("*.safetensors"))
     return p.name, p.read_bytes()
 
 

@@ -11,11 +11,12 @@ import threading
 import time
 from pathlib import Path
 
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import Daemon, Swarm, free_port
+
 from bdn.bucket import open_bucket
 from bdn.proto.manifest import Manifest
 from bdn.publish import publish_full
-from support.checkpoints import make_state, write_hf_dir
-from support.swarm import Daemon, Swarm, free_port
 
 CHUNK = 64 << 10
 IDENT = "step000001"
@@ -30,7 +31,7 @@ def publish(tmp_path: Path, bucket: str) -> tuple[Manifest, Path]:
         b.close()
 
 
-def assert_same(d, ck: Path) -> None:  # noqa: ANN001 - a support.swarm.Daemon
+def assert_same(d, ck: Path) -> None:
     got = Path(d.get(f"/v1/snapshots/{IDENT}")["path"])
     for p in ck.iterdir():
         assert (got / p.name).read_bytes() == p.read_bytes(), (d.node_id, p.name)

@@ -32,11 +32,11 @@ import msgpack
 from aiohttp import web
 
 from bdn.bucket import ObjectNotFound, open_bucket
+from bdn.daemon.nonces import NonceCache
+from bdn.proto import wire
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
-from bdn.daemon.nonces import NonceCache
 from bdn.proto.keys import SwarmKeys, derive_keys, verify_request
-from bdn.proto import wire
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 from bdn.transfer import GRANTED, TransferServer
 
@@ -155,7 +155,7 @@ def start_wire(st: LiarState, junk: Path) -> TransferServer:
     junk.write_bytes(os.urandom(JUNK_BYTES))
     st.junk = junk
 
-    def admit(peer: str, ask: wire.Ask):  # noqa: ANN202 - a Verdict
+    def admit(peer: str, ask: wire.Ask):
         if ask.address not in st.lengths and ask.snapshot:
             try:
                 st.manifest(validate_identity(ask.snapshot))
@@ -163,7 +163,7 @@ def start_wire(st: LiarState, junk: Path) -> TransferServer:
                 pass
         return GRANTED
 
-    def resolve(address: str):  # noqa: ANN202 - a Location or None
+    def resolve(address: str):
         n = st.lengths.get(address)
         if n is None or n > JUNK_BYTES:
             return None

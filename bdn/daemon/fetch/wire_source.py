@@ -37,6 +37,7 @@ from bdn.daemon.membership import Member, Membership
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import SnapshotJob
 from bdn.daemon.stats import Stats
+from bdn.proto import wire
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef
 from bdn.transfer import FetchPool, FetchResult, Outcome, Peer
@@ -90,6 +91,7 @@ class WireSource:
         sem = self._peer_sems.get(m.url)
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
+        wait = min(wait, wire.MAX_WAIT_MS / 1000)  # the wire's bound (HTTP's ?wait= has the same)
         m.inflight += 1
         try:
             async with sem, self.peer_sem:
