@@ -97,7 +97,7 @@ def test_a_peer_without_a_transfer_server_is_asked_over_http(tmp_path: Path) -> 
 
 class Relay:
     """A TCP relay in front of one daemon's transfer server that passes the server's bytes on at
-    ``rate`` bytes/s; ``cut()`` breaks every connection at once (a reset both ways), as when the
+    ``rate`` bytes/s per connection; ``cut()`` breaks every connection at once (a reset both ways), as when the
     sender's host dies: nothing more of the body it was sending arrives."""
 
     def __init__(self, target: tuple[str, int], rate: float) -> None:
@@ -142,7 +142,9 @@ class Relay:
         self.dead.set()
         for s in self.socks:
             try:
+                # shutdown first: close() alone does not end a recv blocked in another thread
                 s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.shutdown(socket.SHUT_RDWR)
                 s.close()
             except OSError:
                 pass
@@ -180,8 +182,8 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
                 assert time.monotonic() < deadline, receiver.status()["peers"]
                 time.sleep(0.1)
             assert receiver.prefetch(IDENT)[0] == 202
-            # the sender (behind the slow relay) is in the middle of its chunks: at 2 MB/s over
-            # at most max_per_peer streams, no 1 MiB chunk of it is complete at 300 kB
+            # the sender (behind the slow relay, 2 MB/s per connection) is in the middle of its
+            # chunks: with under 1 MiB passed on in all, no 1 MiB chunk of it is complete
             deadline = time.monotonic() + 60
             while relay.forwarded - base < 300_000:
                 assert time.monotonic() < deadline, receiver.log()
@@ -189,6 +191,7 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
             assert relay.forwarded - base < 1 << 20
             sender.kill()
             relay.cut()
+            cut_at = time.time()
             receiver.wait_ready(IDENT, 60)
             assert_same(receiver, ck)
             c = receiver.status()["counters"]
@@ -197,6 +200,8 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
             assert len(lines) == len(list(m.stored_chunks()))
             retried = [x for x in lines if x["retries"] > 0]
             assert retried, lines  # the chunks cut mid-body failed once ...
+            # ... at once, not after the membership rounds notice the dead sender (2-3 s each)
+            assert all(x["end"] - cut_at < 2.0 for x in retried), (cut_at, retried)
             # ... and came whole from elsewhere: none of them is counted as the dead sender's
             assert all(x["source"] != f"peer:{sender.node_id}" for x in retried), retried
         finally:

@@ -83,7 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--png", type=Path)
     ap.add_argument("--tail", type=int, default=5)
     a = ap.parse_args(argv)
-    logs = {p.stem: load(p) for p in a.logs}
+    stems = [p.stem for p in a.logs]
+    names = [p.stem if stems.count(p.stem) == 1 else f"{p.parent.name}/{p.stem}" for p in a.logs]
+    if len(set(names)) < len(names):
+        names = [str(p) for p in a.logs]
+    logs = {n: load(p) for n, p in zip(names, a.logs, strict=True)}
     for name, recs in logs.items():
         print(summary(name, recs, a.tail))
     if a.png:
