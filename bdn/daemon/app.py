@@ -27,8 +27,8 @@ from typing import Any
 from aiohttp import web
 
 from bdn.bucket import BucketError, ObjectNotFound, open_bucket
-from bdn.daemon.bucketio import BucketIO
 from bdn.daemon import wire_peer
+from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.catalog import Catalog
 from bdn.daemon.chunklog import open_chunk_log
 from bdn.daemon.clock import SYSTEM, Clock
@@ -99,7 +99,7 @@ class App:
                                Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
                                RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
         self.wire = wire_peer.adopt(cfg, self.keys, serving, self.index, self.stats, sources, self.membership,
-                                    self.pools.disk, self.fetcher.chunk_log, self.catalog, self.gossip)
+                                    self.pools.disk, self.fetcher.chunk_log, self.catalog)
         self.services = Services(
             cfg=cfg, keys=self.keys, nonces=NonceCache(), catalog=self.catalog, replica=self.replica,
             hotload=self.hotload, gossip=self.gossip, serving=serving,

@@ -20,7 +20,6 @@ import asyncio
 import concurrent.futures
 import logging
 from concurrent.futures import Executor
-from typing import Any
 from urllib.parse import urlsplit
 
 from bdn.daemon.catalog import Catalog
@@ -73,7 +72,7 @@ def listen_address(cfg: Config) -> tuple[str, int, bool]:
 
 def adopt(
     cfg: Config, keys: SwarmKeys, serving: ChunkServing, index: ChunkIndex, stats: Stats, sources: Sources,
-    membership: Membership, disk_pool: Executor, chunk_log: ChunkLog | None, catalog: Catalog, gossip: Any,
+    membership: Membership, disk_pool: Executor, chunk_log: ChunkLog | None, catalog: Catalog,
 ) -> WirePeer | None:
     """Wire the transfer layer into a daemon (None when ``transfer_listen`` is ""): the server
     fed by ``serving``/``index``, the fetcher's peer and bucket reads through ``WireSource``,

@@ -56,6 +56,7 @@ class LiarState:
         self.lengths: dict[str, int] = {}  # swarm address -> chunk length in bytes
         self.members: dict[str, str] = {}  # url -> node id, from POST members
         self.chunks_lied = 0
+        self.wire_lied = 0  # the part of chunks_lied sent over the transfer wire
         self.transfer: str | None = None  # "host:port" of its transfer server, if it runs one
         self.junk: Path | None = None  # random bytes the transfer server sends for every chunk
 
@@ -144,7 +145,7 @@ async def get_chunk(request: web.Request) -> web.Response:
 
 async def get_stats(request: web.Request) -> web.Response:
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
-    return web.json_response({"chunks_lied": st.chunks_lied, "members": st.members})
+    return web.json_response({"chunks_lied": st.chunks_lied, "wire_lied": st.wire_lied, "members": st.members})
 
 
 JUNK_BYTES = 16 << 20  # bdn's default chunk size: no test publishes larger chunks
@@ -168,6 +169,7 @@ def start_wire(st: LiarState, junk: Path) -> TransferServer:
         if n is None or n > JUNK_BYTES:
             return None
         st.chunks_lied += 1
+        st.wire_lied += 1
         return str(junk), 0, n
 
     server = TransferServer(st.keys, st.node_id, resolve, admit=admit)
