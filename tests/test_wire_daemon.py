@@ -206,3 +206,24 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
             assert all(x["source"] != f"peer:{sender.node_id}" for x in retried), retried
         finally:
             receiver.stop()
+
+
+def test_the_chunk_log_names_sources_on_the_http_path_too(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    m, ck = publish(tmp_path, bucket)
+    swarm = Swarm(tmp_path / "nodes", 2, bucket,
+                  extra_env={"BDN_LOAD_STARTUP": "false", "BDN_TRANSFER_LISTEN": ""})
+    logs = {d.node_id: d.dir / "chunks.jsonl" for d in swarm.daemons}
+    for d in swarm.daemons:
+        d.env["BDN_CHUNK_LOG"] = str(logs[d.node_id])
+    with swarm:
+        for d in swarm.daemons:
+            assert d.prefetch(IDENT)[0] == 202
+        for d in swarm.daemons:
+            d.wait_ready(IDENT, 60)
+            assert_same(d, ck)
+            lines = [json.loads(x) for x in logs[d.node_id].read_text().splitlines()]
+            assert len(lines) == len(list(m.stored_chunks()))
+            assert {x["source"].split(":")[0] for x in lines} <= {"peer", "bucket-owner", "bucket-fallback", "local"}, lines
+            assert all(x["transport"] == "http" for x in lines if x["source"].startswith("peer:")), lines
+            assert d.status()["counters"]["peer_wire_bytes_in"] == 0

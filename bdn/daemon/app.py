@@ -85,7 +85,7 @@ class App:
         self.haves = Haves(self.peers, self.membership)
         sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
         self.fetcher = Fetcher(cfg, self.membership, self.index, self.haves, sources, self.stats, clock)
-        self.fetcher.chunk_log = open_chunk_log(cfg.chunk_log)
+        self.fetcher.chunk_log = sources.chunk_log = open_chunk_log(cfg.chunk_log)
         runner = Runner(cfg, self.store, self.bucket, self.index, self.fetcher, self.haves, self.stats,
                         self.pools, clock)
         self.catalog = Catalog(cfg, self.store, self.index, runner, clock)

@@ -64,6 +64,7 @@ class Sources:
         self.download_limit = RateLimit.from_mbit(cfg.peer_download_mbit)
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
         self.wire: Any = None  # bdn.daemon.fetch.wire_source.WireSource when the transfer wire is on
+        self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
 
     async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -145,8 +146,8 @@ class Sources:
                         extra={"peer": m.node_id})
             return False
         job.bytes_from_peers += ref.length
-        if self.wire is not None and self.wire.chunk_log is not None:
-            self.wire.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "ok", "http")
+        if self.chunk_log is not None:
+            self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "ok", "http")
         self.stats.add("peer_bytes_in", ref.length)
         self.stats.add("peer_chunks_in")
         return True
@@ -199,6 +200,8 @@ class Sources:
         except retry_policy.BadBytes:
             raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
         role = "owner" if owner else "fallback"
+        if self.chunk_log is not None:
+            self.chunk_log.attempt(job, ref, f"bucket-{role}", "ok")
         self.stats.add(f"bucket_bytes_{role}", ref.length)
         self.stats.add(f"bucket_chunks_{role}")
         job.bytes_from_bucket += ref.length
