@@ -390,6 +390,7 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
         p = f"/bdn/v1/{keys.swarm_id}/liar/stats"
         status, body = raw_request(liar.url, "GET", p, {"Authorization": sign_request(keys, "GET", p, "tester", to="liar")})
         assert status == 200 and json.loads(body)["chunks_lied"] >= sum(after_delta.values())
+        assert json.loads(body)["wire_lied"] > 0  # the daemons asked it over the transfer wire
     finally:
         for d in honest:
             d.stop()

@@ -22,13 +22,10 @@ from bdn.client.errors import DaemonError, SnapshotFailed
 from bdn.client.snapshot import Snapshot, open_snapshot
 from bdn.client.transport import (
     DEFAULT_URL,
-    MAX_JSON_BYTES,
     Response,
     Transport,
     error_message,
     is_uint,
-    read_body,
-    read_into,
 )
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
@@ -221,25 +218,21 @@ class DaemonClient:
         if offset or length is not None:
             end = "" if length is None else str(offset + length - 1)
             headers["Range"] = f"bytes={offset}-{end}"
-        with self.http.stream("GET", url, headers=headers) as resp:
-            status = resp.status_code
-            if status not in (200, 206):
-                raise DaemonError(status, error_message(status, read_body(resp, MAX_JSON_BYTES))[0])
-            if headers and status != 206:
-                raise ProtocolError(f"daemon ignored Range for {identity}/{path} (HTTP {status})")
-            if status == 206:
-                content_range = resp.headers.get("Content-Range", "")
-                if not content_range.startswith(f"bytes {offset}-"):
-                    raise ProtocolError(f"daemon sent Content-Range {content_range[:80]!r} for offset {offset}")
-            size = resp.headers.get("Content-Length")
-            if not is_uint(size):
-                raise ProtocolError(f"daemon sent no Content-Length for {identity}/{path}")
-            n = int(size)  # type: ignore[arg-type]
+        def alloc(n: int, h: dict[str, str]) -> bytearray:
             if length is not None and n > length:
                 raise ProtocolError(f"daemon sent {n} bytes for a range of {length}")
-            out = bytearray(n)
-            read_into(resp, memoryview(out), f"{identity}/{path}")
-        return bytes(out)
+            return bytearray(n)
+
+        status, h, body = self.http.get_into(url, headers, alloc)
+        if status not in (200, 206):
+            raise DaemonError(status, error_message(status, body)[0])
+        if headers and status != 206:
+            raise ProtocolError(f"daemon ignored Range for {identity}/{path} (HTTP {status})")
+        if status == 206:
+            content_range = h.get("content-range", "")
+            if not content_range.startswith(f"bytes {offset}-"):
+                raise ProtocolError(f"daemon sent Content-Range {content_range[:80]!r} for offset {offset}")
+        return bytes(body)
 
     def read_tensor(self, identity: str, name: str) -> np.ndarray:
         """Tensor ``name`` of a ready snapshot, pulled over HTTP into a new writable array.
@@ -253,23 +246,25 @@ class DaemonClient:
         if not isinstance(name, str) or not name:
             raise ValueError("tensor name must be a non-empty string")
         url = self._snap_path(identity) + "/tensors/" + quote(name, safe="")
-        with self.http.stream("GET", url) as resp:
-            if resp.status_code != 200:
-                raise DaemonError(resp.status_code, error_message(resp.status_code, read_body(resp, MAX_JSON_BYTES))[0])
-            dtype_str = resp.headers.get("X-BDN-Dtype") or ""
+        meta: dict[str, Any] = {}
+
+        def alloc(n: int, h: dict[str, str]) -> np.ndarray:
+            dtype_str = h.get("x-bdn-dtype") or ""
             try:
                 dtype = np.dtype(numpy_dtype(dtype_str))
             except BdnError as exc:
                 raise ProtocolError(f"tensor {name!r}: X-BDN-Dtype: {exc}") from None
-            shape = _parse_shape(resp.headers.get("X-BDN-Shape"), name)
+            shape = _parse_shape(h.get("x-bdn-shape"), name)
             nbytes = math.prod(shape) * dtype.itemsize
-            size = resp.headers.get("Content-Length")
-            if not is_uint(size) or int(size) != nbytes:  # type: ignore[arg-type]
-                raise ProtocolError(
-                    f"tensor {name!r}: {size} bytes sent, {dtype_str} {list(shape)} needs {nbytes}"
-                )
-            out = np.empty(nbytes, dtype=np.uint8)
-            read_into(resp, memoryview(out), f"tensor {name!r}")
+            if n != nbytes:
+                raise ProtocolError(f"tensor {name!r}: {n} bytes sent, {dtype_str} {list(shape)} needs {nbytes}")
+            meta.update(dtype=dtype, shape=shape)
+            return np.empty(nbytes, dtype=np.uint8)
+
+        status, _h, out = self.http.get_into(url, {}, alloc)
+        if status != 200:
+            raise DaemonError(status, error_message(status, out)[0])
+        dtype, shape = meta["dtype"], meta["shape"]
         return out.view(dtype).reshape(shape)
 
     def open(self, identity: str, wait: bool = True, timeout: float | None = None) -> Snapshot:

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from bdn import retry
+from bdn.client import bulk
 from bdn.client.errors import DaemonError, DaemonUnreachable, one_line
 from bdn.proto.errors import ProtocolError
 
@@ -136,6 +137,17 @@ class Transport:
             client, self._client = self._client, None
         if client is not None:
             client.close()
+
+    def get_into(
+        self, path: str, headers: dict[str, str], alloc: Any, timeout: float | None = None,
+    ) -> tuple[int, dict[str, str], Any]:
+        """A bulk GET whose body is received straight into ``alloc(length, headers)``
+        (``bdn.client.bulk``: its own connection, no pooling, no copy through Python);
+        ``(status, lowercase headers, body)``. Raises DaemonUnreachable, ProtocolError."""
+        parts = urlsplit(self._base)
+        host = None if self._uds else parts.hostname
+        return bulk.get_into(host, parts.port or 80, self._uds, parts.path + path, headers, alloc,
+                             timeout=self.timeout if timeout is None else timeout, url=self.url)
 
     @contextlib.contextmanager
     def stream(

@@ -27,8 +27,10 @@ from typing import Any
 from aiohttp import web
 
 from bdn.bucket import BucketError, ObjectNotFound, open_bucket
+from bdn.daemon import wire_peer
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.catalog import Catalog
+from bdn.daemon.chunklog import open_chunk_log
 from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config, split_hostport
 from bdn.daemon.current import CurrentLink
@@ -92,6 +94,7 @@ class App:
         self.haves = Haves(self.peers, self.membership)
         sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
         self.fetcher = Fetcher(cfg, self.membership, self.index, self.haves, sources, self.stats, clock)
+        self.fetcher.chunk_log = sources.chunk_log = open_chunk_log(cfg.chunk_log)
         runner = Runner(cfg, self.store, self.bucket, self.index, self.fetcher, self.haves, self.stats,
                         self.pools, clock)
         self.hints = Hints()  # what hot-load requests say of snapshots without a manifest
@@ -109,6 +112,8 @@ class App:
                                Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
                                RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
         self.readiness = Readiness(cfg.node_id, self.bucket, self.catalog, self.replica, clock)
+        self.wire = wire_peer.adopt(cfg, self.keys, serving, self.index, self.stats, sources, self.membership,
+                                    self.pools.disk, self.fetcher.chunk_log, self.catalog)
         self.services = Services(
             cfg=cfg, keys=self.keys, nonces=NonceCache(), catalog=self.catalog, replica=self.replica,
             hotload=self.hotload, gossip=self.gossip, serving=serving,
@@ -168,10 +173,12 @@ class App:
         self._tasks.append(asyncio.create_task(self.replica.expiry_loop(), name="engine-expiry"))
         await self._listen()
         self.readiness.listening = True
+        if self.wire is not None:
+            self.gossip.transfer = self.wire.start(asyncio.get_running_loop())
         cfg = self.cfg
         log.info(
-            "bdnd %s listening: peers on %s (advertised %s), local API on %s%s; swarm %s; bucket %s",
-            cfg.node_id, cfg.peer_listen, cfg.advertise_url, cfg.local_listen or "-",
+            "bdnd %s listening: peers on %s (advertised %s), transfer on %s, local API on %s%s; swarm %s; bucket %s",
+            cfg.node_id, cfg.peer_listen, cfg.advertise_url, self.gossip.transfer or "- (off)", cfg.local_listen or "-",
             f" and {cfg.local_socket}" if cfg.local_socket else "", self.keys.swarm_id, cfg.bucket,
         )
         await self._load_startup()
@@ -259,7 +266,13 @@ class App:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.wire is not None:
+            self.wire.close_client()  # fetches in flight end now, so the jobs stop at once
         await self.catalog.stop()
+        if self.wire is not None:
+            self.wire.close()
+        if self.fetcher.chunk_log is not None:
+            self.fetcher.chunk_log.close()
         await self.peers.close()
         self.pools.shutdown()
         self.bucket.close()

@@ -47,6 +47,7 @@ class Catalog:
         self.pinned: Callable[[], set[str]] = set
         self.on_change: Callable[[SnapshotJob], Awaitable[None]] | None = None
         self.closing = False
+        self.on_forget: Callable[[SnapshotJob], None] | None = None  # the transfer server's fd cache
 
     # ---- the set of jobs ---------------------------------------------------------------------
     def get(self, identity: str) -> SnapshotJob | None:
@@ -120,6 +121,8 @@ class Catalog:
     def forget(self, job: SnapshotJob) -> None:
         """Drop ``job``'s chunks from the index (other holders of the same bytes keep serving them)."""
         self.index.forget(job, self.jobs.values())
+        if self.on_forget is not None:
+            self.on_forget(job)
 
     async def stop(self) -> None:
         """Cancel every job (each saves its progress) and wait for them."""

@@ -96,6 +96,9 @@ class Config:
     log_repeat_s: float = field(default=10.0, metadata={"help": 'a log line repeated per chunk or per peer is written once per this interval, then one summary line'})
     log_level: str = field(default="info", metadata={"help": 'debug, info, warning, error or critical'})
     log_json: bool = field(default=False, metadata={"help": 'one JSON object per log line'})
+    transfer_listen: str = field(default="auto", metadata={"help": 'host:port of the transfer server for chunk bytes (the wire of bdn.proto.wire); "auto" = the peer host and port + 1 (+ 2 where local_listen has + 1); "" = off (chunks over HTTP only)'})
+    transfer_advertise: str = field(default="", metadata={"help": 'host:port peers use to reach the transfer server (NAT, a Service port); "" = the advertise_url host and the bound port'})
+    chunk_log: str = field(default="", metadata={"help": 'path of a JSON-lines log with one line per chunk fetched (source, start, end, bytes, retries, busy answers); "" = off'})
     local_allow_remote: bool = field(default=False, metadata={"help": 'allow local_listen on a non-loopback address (the local API has no auth)'})
 
     # ---- loading -------------------------------------------------------------------------
@@ -204,6 +207,10 @@ class Config:
                     f"config key 'local_listen' is {self.local_listen!r}, not a loopback address: the local "
                     "API has no authentication; set local_allow_remote = true to allow it anyway"
                 )
+        if self.transfer_listen not in ("", "auto") and _split_hostport(self.transfer_listen, "transfer_listen") is None:
+            raise ConfigError(f"config key 'transfer_listen' must be host:port, \"auto\" or \"\", got {self.transfer_listen!r}")
+        if self.transfer_advertise and _split_hostport(self.transfer_advertise, "transfer_advertise") is None:
+            raise ConfigError(f"config key 'transfer_advertise' must be host:port or \"\", got {self.transfer_advertise!r}")
         if not self.advertise_url:
             host, port = _split_hostport(self.peer_listen, "peer_listen")  # type: ignore[misc]
             if host in ("0.0.0.0", "::", ""):

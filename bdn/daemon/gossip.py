@@ -13,6 +13,7 @@ import random
 import socket
 from typing import Any
 
+from bdn.daemon import transfer_address
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config, split_hostport
 from bdn.daemon.membership import Member, Membership
@@ -40,6 +41,7 @@ class Gossip:
         self.replica = replica
         self.clock = clock
         self.closing = False
+        self.transfer: str | None = None  # our transfer server's "host:port" (bdn.daemon.wire_peer)
 
     def payload(self) -> dict[str, Any]:
         """Our side of a members exchange."""
@@ -49,6 +51,7 @@ class Gossip:
             "url": self.cfg.advertise_url,
             "members": [{"node_id": m.node_id, "url": m.url} for m in self.membership.live()],
             "target": t.wire() if t is not None and t.seq > 0 else None,
+            "transfer": self.transfer,
         }
 
     async def _adopt_from(self, obj: Any, who: str) -> None:
@@ -74,6 +77,7 @@ class Gossip:
                 self.membership.mark_failed(m.url)
                 return
             self.membership.mark_ok(m.url, ans["node_id"])
+            transfer_address.learn(m, ans)
             await self._adopt_from(ans, m.url)
             for other in ans.get("members") or []:
                 if isinstance(other, dict) and isinstance(other.get("url"), str):
@@ -121,6 +125,7 @@ class Gossip:
             self.membership.mark_ok(url, nid)
         else:
             self.membership.learn(url, nid)
+        transfer_address.learn(self.membership.members.get(url), body)
         others = body.get("members")
         for other in (others if isinstance(others, list) else [])[:MAX_LISTED]:
             if isinstance(other, dict) and isinstance(other.get("url"), str):

@@ -21,6 +21,8 @@ COUNTERS = (
     "local_bytes_copied",
     "chunk_verify_failures",
     "chunks_quarantined",
+    "peer_wire_bytes_in",  # the part of peer_bytes_in/out that went over the transfer wire
+    "peer_wire_bytes_out",
 )
 
 

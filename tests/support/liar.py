@@ -10,6 +10,11 @@ can catch it.
 Run: ``python tests/support/liar.py --port P --bucket URL --secret-file F [--node-id liar]``.
 It prints ``liar listening on <url>`` once it accepts connections. ``Liar`` below starts and stops
 that process from a test.
+
+It also speaks the transfer wire (bdn.transfer, advertised as ``transfer`` in its membership
+answers, unless ``--no-wire``): a real ``TransferServer`` whose location for every chunk it can
+size is a file of random bytes, so daemons asking it over the wire get wrong bytes of the right
+length, sent with ``sendfile`` like an honest peer's.
 """
 
 from __future__ import annotations
@@ -27,12 +32,14 @@ import msgpack
 from aiohttp import web
 
 from bdn.bucket import ObjectNotFound, open_bucket
+from bdn.daemon.nonces import NonceCache
 from bdn.foreign import read_foreign_table
+from bdn.proto import wire
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
-from bdn.daemon.nonces import NonceCache
 from bdn.proto.keys import NODE_HEADER, SwarmKeys, WrongTarget, derive_keys, verify_request
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
+from bdn.transfer import GRANTED, TransferServer
 
 LIAR_STATE = web.AppKey("liar", object)
 
@@ -51,6 +58,9 @@ class LiarState:
         self.members: dict[str, str] = {}  # url -> node id, from POST members
         self.chunks_lied = 0
         self.foreign_chunk_size = foreign_chunk_size  # > 0: derive the table of a full snapshot without a manifest
+        self.wire_lied = 0  # the part of chunks_lied sent over the transfer wire
+        self.transfer: str | None = None  # "host:port" of its transfer server, if it runs one
+        self.junk: Path | None = None  # random bytes the transfer server sends for every chunk
 
     def manifest(self, identity: str) -> Manifest | None:
         m = self.manifests.get(identity)
@@ -97,6 +107,7 @@ async def post_members(request: web.Request) -> web.Response:
         "node_id": st.node_id,
         "url": st.url,
         "members": [{"node_id": n, "url": u} for u, n in st.members.items()],
+        "transfer": st.transfer,
     }
     return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
 
@@ -146,7 +157,37 @@ async def get_chunk(request: web.Request) -> web.Response:
 
 async def get_stats(request: web.Request) -> web.Response:
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
-    return web.json_response({"chunks_lied": st.chunks_lied, "members": st.members})
+    return web.json_response({"chunks_lied": st.chunks_lied, "wire_lied": st.wire_lied, "members": st.members})
+
+
+JUNK_BYTES = 16 << 20  # bdn's default chunk size: no test publishes larger chunks
+
+
+def start_wire(st: LiarState, junk: Path) -> TransferServer:
+    """The liar's transfer server: random bytes of the right length for every chunk it can size."""
+    junk.write_bytes(os.urandom(JUNK_BYTES))
+    st.junk = junk
+
+    def admit(peer: str, ask: wire.Ask):
+        if ask.address not in st.lengths and ask.snapshot:
+            try:
+                st.manifest(validate_identity(ask.snapshot))
+            except BdnError:
+                pass
+        return GRANTED
+
+    def resolve(address: str):
+        n = st.lengths.get(address)
+        if n is None or n > JUNK_BYTES:
+            return None
+        st.chunks_lied += 1
+        st.wire_lied += 1
+        return str(junk), 0, n
+
+    server = TransferServer(st.keys, st.node_id, resolve, admit=admit)
+    host, port = server.start()
+    st.transfer = f"{host}:{port}"
+    return server
 
 
 def make_app(state: LiarState) -> web.Application:
@@ -167,10 +208,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--secret-file", required=True)
     ap.add_argument("--node-id", default="liar")
     ap.add_argument("--foreign-chunk-size", type=int, default=0, help="lie about snapshots without a manifest too")
+    ap.add_argument("--no-wire", action="store_true", help="no transfer server: lie over HTTP only")
     args = ap.parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
     keys = derive_keys(Path(args.secret_file).read_text())
     state = LiarState(keys, args.node_id, url, args.bucket, args.foreign_chunk_size)
+    if not args.no_wire:
+        start_wire(state, Path(args.secret_file).parent / "junk")
 
     async def run() -> None:
         runner = web.AppRunner(make_app(state), access_log=None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
@@ -46,6 +47,7 @@ class Fetcher:
         self.stats = stats
         self.clock = clock
         self.rng = rng or random.Random()
+        self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
 
     def workers(self) -> int:
         """How many chunks of a layer are acquired at once: enough to keep every peer slot
@@ -114,6 +116,8 @@ class Fetcher:
     async def _got(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Event: a chunk is verified on disk. The job's bitfields and the index change here only."""
         if job.chunk_verified(layer, ref):
+            if self.chunk_log is not None:
+                self.chunk_log.done(job, layer, ref, job.ref_index(layer, ref))
             if job.foreign is None or job.foreign.servable(ref):
                 self.index.register(job, layer, ref)
             await job.notify()
@@ -125,8 +129,12 @@ class Fetcher:
             return
         target = job.file_path(layer, ref.file_index)
         src = self.sources
+        if self.chunk_log is not None:
+            self.chunk_log.started(job, ref)
         loc = self.index.by_content(ref.digest)
         if loc is not None and loc.length == ref.length and await src.from_local(job, loc, ref, target):
+            if self.chunk_log is not None:
+                self.chunk_log.attempt(job, ref, "local", "ok")
             await self._got(job, layer, ref)
             return
         if job.foreign is not None and job.foreign.bucket_only(ref):

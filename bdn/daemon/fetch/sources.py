@@ -23,6 +23,7 @@ from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import Loc, SnapshotJob
 from bdn.daemon.stats import Stats
+from bdn.daemon.transfer_address import peer_of
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef
 
@@ -92,6 +93,8 @@ class Sources:
         self.download_limit = RateLimit.from_mbit(cfg.peer_download_mbit)
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
         self.repeat = RepeatLog(log, cfg.log_repeat_s)  # lines that can repeat per chunk
+        self.wire: Any = None  # bdn.daemon.fetch.wire_source.WireSource when the transfer wire is on
+        self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
 
     async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -129,14 +132,21 @@ class Sources:
 
     async def from_peer(
         self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef,
-        target: Path, wait: float, errors: list[str],
+        target: Path, wait: float, errors: list[str], racing: bool = False,
     ) -> bool:
         """Ask peer ``m`` (parked up to ``wait`` s). A busy answer counts in ``stats.busy_answers``;
         a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it.
 
+        Over the transfer wire when ``m`` advertises a transfer server (``racing``: other holders
+        are asked the same chunk at once), else HTTP; a snapshot without a manifest always over
+        HTTP (its chunk ids are not digests: the wire's in-place hash could not check them).
+
         One of the peer's ``max_per_peer`` slots is held until the chunk is verified, so that
         once a peer's bytes turn out bad, at most ``max_per_peer`` of its answers were taken: the
         penalty then cancels those in flight, and the requests queued for the peer go elsewhere."""
+        peer = peer_of(m) if self.wire is not None and job.foreign is None else None
+        if peer is not None:
+            return await self.wire.from_peer(job, m, peer, address, ref, target, wait, errors, racing)
         sem = self._peer_sems.get(m.url)
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
@@ -170,6 +180,8 @@ class Sources:
                             extra={"peer": m.node_id})
             return False
         job.bytes_from_peers += ref.length
+        if self.chunk_log is not None:
+            self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "ok", "http")
         self.stats.add("peer_bytes_in", ref.length)
         self.stats.add("peer_chunks_in")
         return True
@@ -211,7 +223,7 @@ class Sources:
     ) -> str | None:
         """Request the chunk from each member at once; the url of the first verified copy."""
         tasks = {
-            asyncio.ensure_future(self.from_peer(job, m, address, ref, target, 0.0, errors)): m
+            asyncio.ensure_future(self.from_peer(job, m, address, ref, target, 0.0, errors, racing=True)): m
             for m in members
         }
         winner: str | None = None
@@ -233,6 +245,8 @@ class Sources:
         """Read the chunk from the bucket (as its ``owner``, or as a counted fallback); 3 tries
         when the bytes do not match. Raises BdnError (missing object, bucket error) or
         ProtocolError (never matched)."""
+        if self.wire is not None and job.foreign is None:  # a foreign snapshot's reads need its etag
+            return await self.wire.from_bucket(self.bucket, job, ref, target, owner)
         key = f"{job.identity}/{ref.path}"
         try:
             async for attempt in retry_policy.bucket_bytes():
@@ -253,6 +267,8 @@ class Sources:
         except retry_policy.BadBytes:
             raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
         role = "owner" if owner else "fallback"
+        if self.chunk_log is not None:
+            self.chunk_log.attempt(job, ref, f"bucket-{role}", "ok")
         self.stats.add(f"bucket_bytes_{role}", ref.length)
         self.stats.add(f"bucket_chunks_{role}")
         job.bytes_from_bucket += ref.length

@@ -16,6 +16,7 @@ from bdn.daemon.bodies import BodyTooLarge, read_body
 from bdn.daemon.http import hotload
 from bdn.daemon.http.common import MAX_BODY, error, json_response
 from bdn.daemon.http.errors import status_of
+from bdn.daemon.http.sendfile import RangeNotSatisfiable, byte_range, send_file
 from bdn.daemon.http.services import SERVICES, Services, services
 from bdn.daemon.replica.view import Engine
 from bdn.proto.errors import BdnError
@@ -129,7 +130,19 @@ async def get_file(request: web.Request) -> web.StreamResponse:
         path = cat.file(ident, validate_relpath(request.match_info["path"]))
     except BdnError as e:
         return error(status_of(e), str(e))
-    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+    try:
+        size = path.stat().st_size
+        rng = byte_range(request, size)
+    except RangeNotSatisfiable as e:
+        return web.json_response({"error": str(e)}, status=416, headers={"Content-Range": f"bytes */{size}"})
+    except OSError as e:
+        return error(404, f"{request.match_info['path']}: {e.strerror}")
+    headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+    if rng is None:
+        return await send_file(request, path, 0, size, headers=headers)
+    start, length = rng
+    headers["Content-Range"] = f"bytes {start}-{start + length - 1}/{size}"
+    return await send_file(request, path, start, length, status=206, headers=headers)
 
 
 async def get_tensor(request: web.Request) -> web.StreamResponse:
@@ -147,27 +160,13 @@ async def get_tensor(request: web.Request) -> web.StreamResponse:
         if status_of(e) == 500:
             return error(500, f"cannot read safetensors headers: {e}")
         return error(status_of(e), str(e))
-    resp = web.StreamResponse(
-        headers={
-            "Content-Type": "application/octet-stream",
-            "X-BDN-Dtype": info.dtype,
-            "X-BDN-Shape": ",".join(str(x) for x in info.shape),
-            "X-BDN-File": fname,
-        }
-    )
-    resp.content_length = info.end - info.start
-    await resp.prepare(request)
-    with open(path, "rb") as f:
-        f.seek(info.start)
-        left = info.end - info.start
-        while left > 0:
-            piece = f.read(min(left, 8 << 20))
-            if not piece:
-                raise ConnectionResetError("tensor data shorter than its header says")
-            await resp.write(piece)
-            left -= len(piece)
-    await resp.write_eof()
-    return resp
+    headers = {
+        "Content-Type": "application/octet-stream",
+        "X-BDN-Dtype": info.dtype,
+        "X-BDN-Shape": ",".join(str(x) for x in info.shape),
+        "X-BDN-File": fname,
+    }
+    return await send_file(request, path, info.start, info.end - info.start, headers=headers)
 
 
 async def repair(request: web.Request) -> web.Response:

@@ -1,0 +1,103 @@
+"""The target files of the snapshots downloading on this node, each mapped once (shared,
+writable, page tables populated: bdn.transfer.target) and kept open while its snapshot
+downloads, so received chunks land in shm with one kernel copy and no open per chunk.
+
+A mapping is taken with ``acquire(job, path)`` and given back with ``release(path)``; it is
+closed once nobody uses it and its snapshot is no longer ``queued``/``downloading`` (checked on
+every acquire and by ``sweep``), or by ``close`` at shutdown. A mapping still used by a fetch
+thread is never closed (mmap refuses while a buffer is exported; the count comes first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+
+from bdn.daemon.snapshot import SnapshotJob
+from bdn.transfer.target import map_target
+
+ACTIVE = ("queued", "downloading")
+
+
+@dataclass(eq=False)
+class _Mapping:
+    job: SnapshotJob
+    map: mmap.mmap
+    users: int = 0
+
+
+class TargetMaps:
+    """Mappings by target path (see the module docstring); opened on ``disk_pool`` threads."""
+
+    def __init__(self, disk_pool: Executor) -> None:
+        self.disk_pool = disk_pool
+        self._maps: dict[str, _Mapping] = {}
+        self._opening: dict[str, asyncio.Future[_Mapping]] = {}
+
+    async def acquire(self, job: SnapshotJob, path: Path) -> mmap.mmap:
+        """The mapping of ``path`` (the whole file, as reserved by the store), counted as used.
+
+        Raises:
+            OSError: the file cannot be opened or mapped.
+        """
+        self.sweep()
+        key = str(path)
+        ent = self._maps.get(key)
+        if ent is None or ent.job is not job:
+            fut = self._opening.get(key)
+            if fut is None:
+                fut = self._opening[key] = asyncio.ensure_future(self._open(job, key))
+                fut.add_done_callback(lambda _f: self._opening.pop(key, None))
+            ent = await asyncio.shield(fut)
+        ent.users += 1
+        return ent.map
+
+    async def _open(self, job: SnapshotJob, key: str) -> _Mapping:
+        m = await asyncio.get_running_loop().run_in_executor(self.disk_pool, _map_file, key)
+        old = self._maps.pop(key, None)
+        if old is not None:
+            self._close(old)
+        ent = self._maps[key] = _Mapping(job, m)
+        return ent
+
+    def release(self, path: Path) -> None:
+        ent = self._maps.get(str(path))
+        if ent is not None:
+            ent.users -= 1
+
+    def sweep(self) -> None:
+        """Close the unused mappings of snapshots that no longer download."""
+        for key, ent in list(self._maps.items()):
+            if ent.users <= 0 and ent.job.state not in ACTIVE:
+                del self._maps[key]
+                self._close(ent)
+
+    def close(self) -> None:
+        for ent in self._maps.values():
+            self._close(ent)
+        self._maps.clear()
+
+    def open_count(self) -> int:
+        return len(self._maps)
+
+    @staticmethod
+    def _close(ent: _Mapping) -> None:
+        try:
+            ent.map.close()
+        except BufferError:
+            pass  # a fetch thread still holds a view: the mapping goes when the view does
+
+
+def _map_file(path: str) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            raise OSError(f"{path} is empty: nothing to map")
+        return map_target(fd, size)
+    finally:
+        os.close(fd)  # the mapping keeps its own reference to the file

@@ -1,0 +1,230 @@
+"""Chunks from peers over the transfer wire (bdn.transfer), and from the bucket, received
+straight into the target file's mapping (``bdn.daemon.fetch.targets``) at the chunk's offset
+and hashed in place; the fetcher marks a chunk verified (and indexes it) only after ``OK``.
+
+How a ``FetchResult`` maps onto the peer path of ``Sources.from_peer``: ``BUSY`` -> a busy
+answer (the plan's next round), ``NOT_HERE`` -> the next source, ``CORRUPT`` -> the peer is
+penalised for ``penalty_s``, ``FAILED`` -> the peer is marked failed (two in a row: it leaves
+HRW). On anything but ``OK`` the range holds unspecified bytes that are never served: only
+verified chunks are indexed, and a resumed download re-hashes every chunk it counts.
+
+One writer per range: an acquisition asks one source at a time, so a fetch owns its range
+until its thread returns; a fetch whose task is cancelled waits for its thread first (a member
+that left has its streams closed, so that is quick). The endgame race asks several holders of
+one chunk at once: each receives into its own buffer and only the first verified copy is
+written into the mapping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from collections.abc import Callable
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from bdn.bucket import BucketError, ObjectNotFound
+from bdn.daemon import retry_policy
+from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.chunklog import ChunkLog
+from bdn.daemon.config import Config
+from bdn.daemon.fetch.targets import TargetMaps
+from bdn.daemon.membership import Member, Membership
+from bdn.daemon.ratelimit import RateLimit
+from bdn.daemon.snapshot import SnapshotJob
+from bdn.daemon.stats import Stats
+from bdn.proto import wire
+from bdn.proto.errors import BdnError, ProtocolError
+from bdn.proto.manifest import ChunkRef
+from bdn.transfer import FetchPool, FetchResult, Outcome, Peer
+
+log = logging.getLogger("bdn.fetch.wire")
+
+
+def _hash_ok(view: memoryview, digest: str) -> bool:
+    return xxhash.xxh3_128(view).hexdigest() == digest
+
+
+def _copy_into(mm: Any, offset: int, buf: bytearray) -> None:
+    mm[offset : offset + len(buf)] = buf
+
+
+class WireSource:
+    """Peer fetches over the wire and bucket reads into the mapping (see the module docstring).
+
+    ``peer_sem`` (all peer requests) and ``alloc``/``free`` (chunk buffers for the endgame race)
+    are shared with ``Sources``; ``chunk_log`` may be None.
+    """
+
+    def __init__(
+        self, cfg: Config, pool: FetchPool, maps: TargetMaps, membership: Membership, stats: Stats,
+        peer_sem: asyncio.Semaphore, download_limit: RateLimit, disk_pool: Executor,
+        alloc: Callable[[int], bytearray], free: Callable[[bytearray], None], chunk_log: ChunkLog | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.pool = pool
+        self.maps = maps
+        self.membership = membership
+        self.stats = stats
+        self.peer_sem = peer_sem
+        self.download_limit = download_limit
+        self.disk_pool = disk_pool
+        self.alloc, self.free = alloc, free
+        self.chunk_log = chunk_log
+        self._peer_sems: dict[str, asyncio.Semaphore] = {}
+
+    async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
+
+    # ---- peers --------------------------------------------------------------------------------
+    async def from_peer(
+        self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path,
+        wait: float, errors: list[str], racing: bool = False,
+    ) -> bool:
+        """Ask ``peer`` (member ``m``) for ``ref`` (parked up to ``wait`` s at an owner). True
+        when the chunk is in ``target`` and verified; False to try the next source (busy answers
+        counted in ``stats.busy_answers``, failures appended to ``errors``)."""
+        sem = self._peer_sems.get(m.url)
+        if sem is None:
+            sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
+        wait = min(wait, wire.MAX_WAIT_MS / 1000)  # the wire's bound (HTTP's ?wait= has the same)
+        m.inflight += 1
+        try:
+            async with sem, self.peer_sem:
+                if self.membership.redirected(m):
+                    return False  # penalised (or gone) while this request was queued for it
+                await self.download_limit.take(ref.length)
+                self.stats.inflight["peer"] += 1
+                try:
+                    res = await (self._race_one if racing else self._direct)(job, m, peer, address, ref, target, wait)
+                finally:
+                    self.stats.inflight["peer"] -= 1
+        finally:
+            m.inflight -= 1
+        if self.chunk_log is not None:
+            self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", res.outcome.value, "wire")
+        if res.outcome is Outcome.OK:
+            job.bytes_from_peers += ref.length
+            self.stats.add("peer_bytes_in", ref.length)
+            self.stats.add("peer_wire_bytes_in", ref.length)
+            self.stats.add("peer_chunks_in")
+            return True
+        if res.outcome is Outcome.BUSY:
+            self.stats.busy_answers += 1
+        elif res.outcome is Outcome.CORRUPT:
+            self.stats.verify_failed(m.node_id)
+            self.membership.penalise(m.url, self.cfg.penalty_s)
+            log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
+                        job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s, extra={"peer": m.node_id})
+        elif res.outcome is Outcome.FAILED:
+            errors.append(res.error)
+            self.membership.mark_failed(m.url)
+        return False
+
+    async def _direct(
+        self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
+    ) -> FetchResult:
+        try:
+            mm = await self.maps.acquire(job, target)
+        except OSError as e:
+            return FetchResult(Outcome.FAILED, error=f"cannot map {target}: {e}")
+        fut = self.pool.submit(peer, address, mm, ref.offset, ref.length, ref.digest, wait_s=wait,
+                               snapshot=job.identity)
+        return await self._await(fut, m, peer, lambda: self.maps.release(target))
+
+    async def _race_one(
+        self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
+    ) -> FetchResult:
+        buf = self.alloc(ref.length)
+        fut = self.pool.submit(peer, address, buf, 0, ref.length, ref.digest, wait_s=wait, snapshot=job.identity)
+        res = await self._await(fut, m, peer, None, settle=False)
+        if res.outcome is not Outcome.OK:
+            self.free(buf)
+            return res
+        try:
+            mm = await self.maps.acquire(job, target)
+        except OSError as e:
+            return FetchResult(Outcome.FAILED, error=f"cannot map {target}: {e}")
+        try:
+            await self._disk(_copy_into, mm, ref.offset, buf)
+        finally:
+            self.maps.release(target)
+        self.free(buf)
+        return res
+
+    async def _await(
+        self, fut: concurrent.futures.Future[FetchResult], m: Member, peer: Peer,
+        release: Callable[[], None] | None, settle: bool = True,
+    ) -> FetchResult:
+        """The fetch's result; on cancellation (this task's, or ``m`` leaving the swarm, which
+        cancels its requests) the fetch is ended and, with ``settle``, waited for, so no thread
+        writes into the range after this returns. ``release`` runs once the thread is done."""
+        loop = asyncio.get_running_loop()
+        if release is not None:
+            fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(release))
+        req = asyncio.wrap_future(fut)
+        m.requests.add(req)
+        try:
+            return await asyncio.shield(req)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            mine = me is not None and me.cancelling() > 0
+            if not mine:
+                self.pool.client.close_peer(peer)  # the member left: end its streams now
+            if settle:
+                while not fut.done():
+                    try:
+                        await asyncio.shield(asyncio.wrap_future(fut))
+                    except asyncio.CancelledError:
+                        self.pool.client.close_peer(peer)
+                    except Exception:  # noqa: BLE001 - it ended: that is all we wait for
+                        break
+            if mine:
+                raise
+            return FetchResult(Outcome.FAILED, error=f"{m.url}: left the swarm while the request waited")
+        finally:
+            m.requests.discard(req)
+
+    # ---- the bucket ---------------------------------------------------------------------------
+    async def from_bucket(self, bucket: BucketIO, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool) -> None:
+        """``Sources.from_bucket`` with the bytes read into the mapping and hashed in place
+        (never indexed before the digest matched). Same errors."""
+        key = f"{job.identity}/{ref.path}"
+        try:
+            mm = await self.maps.acquire(job, target)
+        except OSError as e:
+            raise BdnError(f"cannot map {target}: {e}") from None
+        try:
+            with memoryview(mm) as whole, whole[ref.offset : ref.offset + ref.length] as view:
+                try:
+                    async for attempt in retry_policy.bucket_bytes():
+                        with attempt:
+                            try:
+                                await bucket.read_chunk(key, ref.offset, ref.length, lambda _n: view)  # type: ignore[arg-type,return-value]
+                            except ObjectNotFound:
+                                raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
+                            except BucketError as e:
+                                raise BdnError(f"bucket read of {key} failed: {e}") from None
+                            if not await self._disk(_hash_ok, view, ref.digest):
+                                self.stats.verify_failed("bucket")
+                                if self.chunk_log is not None:
+                                    self.chunk_log.attempt(job, ref, "bucket", "corrupt")
+                                log.warning("snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
+                                            job.identity, key, ref.index)
+                                raise retry_policy.BadBytes()
+                except retry_policy.BadBytes:
+                    raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
+        finally:
+            self.maps.release(target)
+        role = "owner" if owner else "fallback"
+        if self.chunk_log is not None:
+            self.chunk_log.attempt(job, ref, f"bucket-{role}", "ok")
+        self.stats.add(f"bucket_bytes_{role}", ref.length)
+        self.stats.add(f"bucket_chunks_{role}")
+        job.bytes_from_bucket += ref.length
+        if not owner:
+            log.info("snapshot %s: chunk %d of %s read from the bucket as a fallback", job.identity, ref.index, ref.path)

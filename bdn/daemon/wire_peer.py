@@ -1,0 +1,245 @@
+"""bdnd's side of the transfer wire (bdn.transfer, bdn.proto.wire): the ``TransferServer`` that
+serves this node's verified chunks with ``sendfile``, and the ``TransferClient``/``FetchPool``
+the fetcher receives chunks with (``bdn.daemon.fetch.wire_source``).
+
+Serving: ``admit`` runs on the server's connection threads and hands the request to the event
+loop, where ``ChunkServing.request`` decides exactly as for ``GET chunks/{address}?wait=``
+(wait at the owner while it fetches, join the snapshot the asker names, the pure upload policy
+of ``bdn.daemon.uploads``, the upload rate limit); ``resolve`` looks the address up in the chunk
+index (only verified chunks are indexed) and gives the file, offset and length, whose descriptor
+the server opens once and caches. ``forget(job)`` closes the cached descriptors of a snapshot GC
+collected, so its shm pages are freed.
+
+Advertising: ``address`` is ``"host:port"`` (the advertise URL's host, the bound port), sent in
+every membership exchange as ``transfer``; ``parse_address`` checks a peer's (untrusted) one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from concurrent.futures import Executor
+from urllib.parse import urlsplit
+
+from bdn.daemon.catalog import Catalog
+from bdn.daemon.chunklog import ChunkLog
+from bdn.daemon.config import Config, split_hostport
+from bdn.daemon.fetch.sources import Sources
+from bdn.daemon.fetch.targets import TargetMaps
+from bdn.daemon.fetch.wire_source import WireSource
+from bdn.daemon.index import ChunkIndex
+from bdn.daemon.membership import Member, Membership
+from bdn.daemon.serving import ChunkServing
+from bdn.daemon.snapshot import STORED, SnapshotJob
+from bdn.daemon.stats import Stats
+from bdn.daemon.transfer_address import learn, parse_address, peer_of
+from bdn.daemon.uploads import Admission
+from bdn.proto import wire
+from bdn.proto.errors import BdnError
+from bdn.proto.identity import validate_identity
+from bdn.proto.keys import SwarmKeys
+from bdn.transfer import (
+    NOT_HERE,
+    Busy,
+    FetchPool,
+    Granted,
+    TransferClient,
+    TransferServer,
+)
+from bdn.transfer.server import Location, Verdict
+
+log = logging.getLogger("bdn.wire")
+
+#: Seconds an ``admit`` waits for the event loop beyond the asker's own ``wait``.
+ADMIT_SLACK_S = 30.0
+
+
+def listen_address(cfg: Config) -> tuple[str, int, bool]:
+    """Where the transfer server binds: ``(host, port, auto)``. ``transfer_listen = "auto"`` is
+    the peer host with the peer port + 1 (+ 2 when ``local_listen`` uses + 1, as the defaults
+    7080/7081 do), ``auto`` True: if that port is taken any free one is used instead."""
+    if cfg.transfer_listen != "auto":
+        host, port = split_hostport(cfg.transfer_listen)
+        return host or "0.0.0.0", port, False
+    phost, pport = split_hostport(cfg.peer_listen)
+    lport = split_hostport(cfg.local_listen)[1] if cfg.local_listen else None
+    port = pport + 1 if lport != pport + 1 else pport + 2
+    if pport == 0 or port > 65535:
+        port = 0  # any free port: peers learn the bound one from membership exchanges
+    return phost or "0.0.0.0", port, True
+
+
+def adopt(
+    cfg: Config, keys: SwarmKeys, serving: ChunkServing, index: ChunkIndex, stats: Stats, sources: Sources,
+    membership: Membership, disk_pool: Executor, chunk_log: ChunkLog | None, catalog: Catalog,
+) -> WirePeer | None:
+    """Wire the transfer layer into a daemon (None when ``transfer_listen`` is ""): the server
+    fed by ``serving``/``index``, the fetcher's peer and bucket reads through ``WireSource``,
+    GC closing cached descriptors and mappings. ``start(loop)`` it once the loop runs."""
+    if not cfg.transfer_listen:
+        return None
+    wp = WirePeer(cfg, keys, serving, index, stats)
+    maps = TargetMaps(disk_pool)
+    sources.wire = WireSource(cfg, wp.pool, maps, membership, stats, sources.peer_sem, sources.download_limit,
+                              disk_pool, sources.pool.get, sources.pool.put, chunk_log)
+    wp.maps = maps
+
+    def forgot(job: SnapshotJob) -> None:
+        wp.forget(job)
+        maps.sweep()
+        if chunk_log is not None:
+            chunk_log.drop(job)
+
+    catalog.on_forget = forgot
+    return wp
+
+
+class WirePeer:
+    """The transfer server and client of one daemon (``cfg.transfer_listen`` not empty).
+
+    ``start(loop)`` binds (raises OSError when an explicit ``transfer_listen`` cannot be bound;
+    the ``auto`` port falls back to any free port), ``close_client()`` ends the fetches in
+    flight (shutdown, before the jobs are cancelled), ``close()`` stops both.
+    """
+
+    def __init__(
+        self, cfg: Config, keys: SwarmKeys, serving: ChunkServing, index: ChunkIndex, stats: Stats,
+        *, workers: int | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.serving = serving
+        self.index = index
+        self.stats = stats
+        self._host, self._port, self.auto_port = listen_address(cfg)
+        self.maps: TargetMaps | None = None
+        self.server = TransferServer(keys, cfg.node_id, self.resolve, admit=self.admit, host=self._host, port=self._port)
+        self.client = TransferClient(keys, cfg.node_id, streams_per_peer=max(1, cfg.max_per_peer),
+                                     io_timeout_s=cfg.peer_timeout_s)
+        self.pool = FetchPool(self.client, workers or max(2, cfg.max_inflight))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.address: str | None = None
+
+    # ---- life ---------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> str:
+        """Listen; the advertised ``host:port``."""
+        self.loop = loop
+        try:
+            host, port = self.server.start()
+        except OSError as e:
+            if not self.auto_port:
+                raise
+            log.warning("transfer port %s:%d is taken (%s): listening on any free port instead "
+                        "(peers learn it from membership exchanges)", self._host, self._port, e.strerror)
+            self.server = TransferServer(self.server.keys, self.cfg.node_id, self.resolve, admit=self.admit,
+                                         host=self._host, port=0)
+            host, port = self.server.start()
+        adv = urlsplit(self.cfg.advertise_url).hostname or host
+        if self._host not in ("0.0.0.0", "::", ""):
+            adv = host
+        self.address = self.cfg.transfer_advertise or (f"[{adv}]:{port}" if ":" in adv else f"{adv}:{port}")
+        return self.address
+
+    def close_client(self) -> None:
+        """End every fetch in flight (they report FAILED) and refuse new ones."""
+        self.client.close()
+
+    def close(self) -> None:
+        """Stop the client, its worker threads, the server and the target mappings."""
+        self.client.close()
+        self.pool.close()
+        self.server.close()
+        if self.maps is not None:
+            self.maps.close()
+
+    def forget(self, job: SnapshotJob) -> None:
+        """Event: GC collected ``job`` (or it failed): close the descriptors cached for its files."""
+        m = job.manifest
+        if m is None:
+            return
+        store = job.store
+        for f in m.files:
+            for d in (store.ready_dir(job.identity), store.staging_dir(job.identity), store.stored_dir(job.identity)):
+                self.server.forget(d / f.path)
+
+    def member_left(self, m: Member) -> None:
+        """Event: ``m`` left HRW (or changed its transfer address): close our streams to it, so
+        the fetches in flight on them end as FAILED instead of sitting out their timeouts."""
+        p = peer_of(m)
+        if p is not None:
+            self.client.close_peer(p)
+
+    # ---- the server's callbacks (connection threads) ------------------------------------------
+    def admit(self, peer: str, ask: wire.Ask) -> Verdict:
+        """The upload decision for ``peer``'s ``ask``, made on the event loop (blocks this thread
+        up to the ask's wait plus ``ADMIT_SLACK_S``)."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return NOT_HERE
+        fut = asyncio.run_coroutine_threadsafe(self._admit(ask), loop)
+        try:
+            return fut.result(ask.wait_ms / 1000 + ADMIT_SLACK_S)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            # granted just as we gave up: give the slot back
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(f.result()))
+            return Busy(1.0)
+
+    async def _admit(self, ask: wire.Ask) -> Verdict:
+        hint = ask.snapshot
+        if hint is not None:
+            try:
+                validate_identity(hint)
+            except BdnError:
+                return NOT_HERE
+        decision, _loc = await self.serving.request(ask.address, ask.wait_ms / 1000, hint)
+        if decision is Admission.NOT_HERE:
+            return NOT_HERE
+        if decision is not Admission.SEND:
+            return Busy(float(decision.retry_after or "1"))
+        try:
+            await self.serving.limit.take(ask.length)
+        except BaseException:
+            self.serving.done(ask.address)
+            raise
+        loop = asyncio.get_running_loop()
+        address, length = ask.address, ask.length
+
+        def release() -> None:
+            loop.call_soon_threadsafe(self._sent, address, length)
+
+        return Granted(release)
+
+    def _sent(self, address: str, length: int) -> None:
+        """Event: a granted upload ended (sent, or cut short: the asker then retries elsewhere)."""
+        self.serving.done(address)
+        self.stats.add("peer_bytes_out", length)
+        self.stats.add("peer_wire_bytes_out", length)
+        self.stats.add("peer_chunks_out")
+
+    def resolve(self, address: str) -> Location | None:
+        """Where the verified chunk at ``address`` lies: ``(path, offset, length)`` or None."""
+        loc = self.index.lookup(address)
+        if loc is None:
+            return None
+        job = loc.job
+        m = job.manifest
+        if m is None:
+            return None
+        f = m.files[loc.file_index]
+        paths = [loc.path()]
+        if not (loc.layer == STORED and f.is_diff):
+            # staging is renamed to ready when the snapshot completes (see ChunkServing.open)
+            paths += [job.store.ready_dir(job.identity) / f.path, job.store.staging_dir(job.identity) / f.path]
+        for p in paths:
+            if p.exists():
+                return str(p), loc.offset, loc.length
+        return None
+
+
+def _release(v: Verdict) -> None:
+    if isinstance(v, Granted) and v.release is not None:
+        v.release()
+
+
+__all__ = ["WirePeer", "learn", "parse_address", "peer_of"]

@@ -1,0 +1,124 @@
+"""The local HTTP pull on sendfile (issue 9): file ranges and tensors from a real bdnd over TCP
+and its unix socket, bit-exact, Range edge cases, and answers the client must not trust."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import Daemon
+
+from bdn.bucket import open_bucket
+from bdn.client import DaemonClient
+from bdn.client.bulk import get_into
+from bdn.client.errors import DaemonUnreachable
+from bdn.proto.errors import ProtocolError
+from bdn.publish import publish_full
+
+IDENT = "step000001"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pull")
+    bucket = f"file://{tmp}/bucket"
+    state = make_state(0, scale=4)
+    ck = write_hf_dir(tmp / "trainer", state, 1)
+    b = open_bucket(bucket)
+    try:
+        publish_full(b, IDENT, 1, dir=ck, chunk_size=64 << 10)
+    finally:
+        b.close()
+    sock = tmp / "local.sock"
+    d = Daemon(tmp / "nodes", "node0", bucket, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_LOCAL_SOCKET": str(sock)})
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch(IDENT)[0] == 202
+        d.wait_ready(IDENT, 60)
+        yield d, ck, state, sock
+    finally:
+        d.stop()
+
+
+def shard(ck: Path) -> tuple[str, bytes]:
+    p = min(ck.glob("*.safetensors"))
+    return p.name, p.read_bytes()
+
+
+def test_ranges_and_tensors_over_tcp_and_the_unix_socket(served) -> None:
+    d, ck, state, sock = served
+    name, data = shard(ck)
+    for url in (d.url, f"unix://{sock}"):
+        with DaemonClient(url) as c:
+            assert c.read_file(IDENT, name) == data
+            assert c.read_file(IDENT, name, 1, 70000) == data[1:70001]
+            assert c.read_file(IDENT, name, len(data) - 3) == data[-3:]
+            for tname, want in state.items():
+                got = c.read_tensor(IDENT, tname)
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), tname
+
+
+def raw(d: Daemon, path: str, headers: dict[str, str] | None = None, method: str = "GET"):
+    conn = http.client.HTTPConnection("127.0.0.1", d.local_port, timeout=30)
+    try:
+        conn.request(method, path, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()
+
+
+def test_range_edge_cases(served) -> None:
+    d, ck, _, _ = served
+    name, data = shard(ck)
+    path = f"/v1/snapshots/{IDENT}/files/{name}"
+    st, h, body = raw(d, path, {"Range": "bytes=-10"})
+    assert st == 206 and body == data[-10:] and h["Content-Range"] == f"bytes {len(data) - 10}-{len(data) - 1}/{len(data)}"
+    st, h, body = raw(d, path, {"Range": f"bytes=5-{len(data) * 2}"})  # clipped to the file
+    assert st == 206 and body == data[5:]
+    st, h, _ = raw(d, path, {"Range": f"bytes={len(data)}-"})
+    assert st == 416 and h["Content-Range"] == f"bytes */{len(data)}"
+    st, _, _ = raw(d, path, {"Range": "bytes=9-3"})
+    assert st == 416
+    st, h, body = raw(d, path, method="HEAD")
+    assert st == 200 and int(h["Content-Length"]) == len(data) and body == b""
+    st, _, body = raw(d, path)  # keep-alive after a sendfile body: a second request on a fresh conn is fine too
+    assert st == 200 and body == data
+
+
+class FakeDaemon:
+    """A loopback server that answers one request with ``answer`` then closes: what a broken
+    or hostile process on the local port could send."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.ls = socket.create_server(("127.0.0.1", 0))
+        self.port = self.ls.getsockname()[1]
+        self.answer = answer
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        c, _ = self.ls.accept()
+        with c:
+            c.recv(65536)
+            c.sendall(self.answer)
+
+
+@pytest.mark.parametrize("answer, err", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10, ProtocolError),  # short body
+    (b"HTTP/1.1 200 OK\r\n\r\nxxxx", ProtocolError),  # no Content-Length
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n", ProtocolError),
+    (b"garbage\r\n\r\n", ProtocolError),
+    (b"HTTP/1.1 200 OK\r\n" + b"X: " + b"y" * (70 << 10), ProtocolError),  # endless head
+    (b"", DaemonUnreachable),
+])
+def test_bulk_get_refuses_broken_answers(answer: bytes, err: type) -> None:
+    f = FakeDaemon(answer)
+    with pytest.raises(err):
+        get_into("127.0.0.1", f.port, None, "/x", {}, lambda n, h: bytearray(n), timeout=10, url="http://fake")

@@ -1,0 +1,229 @@
+"""bdnd on the transfer wire (issue 9): real daemons move chunk bytes over bdn.transfer (sendfile
+out, recv_into the target mapping), fall back to HTTP for peers that advertise no transfer
+server, and write the per-chunk event log."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import Daemon, Swarm, free_port
+
+from bdn.bucket import open_bucket
+from bdn.proto.manifest import Manifest
+from bdn.publish import publish_full
+
+CHUNK = 64 << 10
+IDENT = "step000001"
+
+
+def publish(tmp_path: Path, bucket: str) -> tuple[Manifest, Path]:
+    ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=4), 1)
+    b = open_bucket(bucket)
+    try:
+        return publish_full(b, IDENT, 1, dir=ck, chunk_size=CHUNK), ck
+    finally:
+        b.close()
+
+
+def assert_same(d, ck: Path) -> None:
+    got = Path(d.get(f"/v1/snapshots/{IDENT}")["path"])
+    for p in ck.iterdir():
+        assert (got / p.name).read_bytes() == p.read_bytes(), (d.node_id, p.name)
+
+
+def test_chunks_move_over_the_wire_and_the_chunk_log_says_so(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    m, ck = publish(tmp_path, bucket)
+    swarm = Swarm(tmp_path / "nodes", 3, bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
+    logs = {d.node_id: d.dir / "chunks.jsonl" for d in swarm.daemons}
+    for d in swarm.daemons:
+        d.env["BDN_CHUNK_LOG"] = str(logs[d.node_id])
+    with swarm:
+        for d in swarm.daemons:
+            assert d.prefetch(IDENT)[0] == 202
+        for d in swarm.daemons:
+            d.wait_ready(IDENT, 60)
+            assert_same(d, ck)
+        counters = [d.status()["counters"] for d in swarm.daemons]
+        peer_in = sum(c["peer_bytes_in"] for c in counters)
+        assert peer_in > 0
+        # every peer advertises a transfer server: every peer byte went over the wire
+        assert sum(c["peer_wire_bytes_in"] for c in counters) == peer_in, counters
+        assert sum(c["peer_wire_bytes_out"] for c in counters) == sum(c["peer_bytes_out"] for c in counters) > 0
+        assert sum(c["chunk_verify_failures"] for c in counters) == 0
+        n_chunks = len(list(m.stored_chunks()))
+        for d in swarm.daemons:
+            lines = [json.loads(x) for x in logs[d.node_id].read_text().splitlines()]
+            assert len(lines) == n_chunks, (d.node_id, len(lines), n_chunks)
+            assert sorted(x["chunk"] for x in lines) == list(range(n_chunks))
+            for x in lines:
+                assert x["snapshot"] == IDENT and x["bytes"] > 0 and x["end"] >= x["start"] > 0, x
+                assert x["source"] in ("bucket-owner", "bucket-fallback", "local") or x["source"].startswith("peer:"), x
+                if x["source"].startswith("peer:"):
+                    assert x["transport"] == "wire", x
+            c = d.status()["counters"]
+            from_peers = sum(x["bytes"] for x in lines if x["source"].startswith("peer:"))
+            assert from_peers == c["peer_bytes_in"], (d.node_id, from_peers, c)
+
+
+def test_a_peer_without_a_transfer_server_is_asked_over_http(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    _, ck = publish(tmp_path, bucket)
+    swarm = Swarm(tmp_path / "nodes", 3, bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
+    plain = swarm.daemons[0]
+    plain.env["BDN_TRANSFER_LISTEN"] = ""  # this one speaks HTTP only
+    with swarm:
+        for d in swarm.daemons:
+            assert d.prefetch(IDENT)[0] == 202
+        for d in swarm.daemons:
+            d.wait_ready(IDENT, 60)
+            assert_same(d, ck)
+        c = {d.node_id: d.status()["counters"] for d in swarm.daemons}
+        # the plain daemon fetched everything over HTTP and served over HTTP only
+        assert c[plain.node_id]["peer_bytes_in"] > 0 and c[plain.node_id]["peer_wire_bytes_in"] == 0, c
+        assert c[plain.node_id]["peer_wire_bytes_out"] == 0, c
+        # the others took the plain daemon's chunks over HTTP and each other's over the wire
+        for d in swarm.daemons[1:]:
+            cc = c[d.node_id]
+            assert 0 < cc["peer_wire_bytes_in"] < cc["peer_bytes_in"], (d.node_id, c)
+        assert sum(x["chunk_verify_failures"] for x in c.values()) == 0
+
+
+class Relay:
+    """A TCP relay in front of one daemon's transfer server that passes the server's bytes on at
+    ``rate`` bytes/s per connection; ``cut()`` breaks every connection at once (a reset both ways), as when the
+    sender's host dies: nothing more of the body it was sending arrives."""
+
+    def __init__(self, target: tuple[str, int], rate: float) -> None:
+        self.target, self.rate = target, rate
+        self.ls = socket.create_server(("127.0.0.1", 0))
+        self.port = self.ls.getsockname()[1]
+        self.forwarded = 0  # server -> client bytes passed on
+        self.socks: list[socket.socket] = []
+        self.dead = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.dead.is_set():
+            try:
+                c, _ = self.ls.accept()
+            except OSError:
+                return
+            try:
+                s = socket.create_connection(self.target)
+            except OSError:
+                c.close()
+                continue
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            self.socks += [c, s]
+            threading.Thread(target=self._pipe, args=(c, s, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(s, c, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, throttle: bool) -> None:
+        try:
+            while not self.dead.is_set():
+                data = src.recv(16 << 10)
+                if not data or self.dead.is_set():
+                    break
+                dst.sendall(data)
+                if throttle:
+                    self.forwarded += len(data)
+                    time.sleep(len(data) / self.rate)
+        except OSError:
+            pass
+
+    def cut(self) -> None:
+        self.dead.set()
+        for s in self.socks:
+            try:
+                # shutdown first: close() alone does not end a recv blocked in another thread
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.shutdown(socket.SHUT_RDWR)
+                s.close()
+            except OSError:
+                pass
+        self.ls.close()
+
+
+def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_short(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=8), 1)
+    b = open_bucket(bucket)
+    try:
+        m = publish_full(b, IDENT, 1, dir=ck, chunk_size=1 << 20)
+    finally:
+        b.close()
+    swarm = Swarm(tmp_path / "nodes", 2, bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
+    sender, other = swarm.daemons
+    # started once both hold the snapshot (else it would join it at the first request it serves)
+    receiver = Daemon(tmp_path / "nodes", "node2", bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
+    tport = free_port()
+    relay = Relay(("127.0.0.1", tport), rate=2e6)
+    sender.env.update(BDN_TRANSFER_LISTEN=f"127.0.0.1:{tport}", BDN_TRANSFER_ADVERTISE=f"127.0.0.1:{relay.port}")
+    log = receiver.dir / "chunks.jsonl"
+    receiver.env["BDN_CHUNK_LOG"] = str(log)
+    with swarm:
+        for d in (sender, other):
+            assert d.prefetch(IDENT)[0] == 202
+        for d in (sender, other):
+            d.wait_ready(IDENT, 60)
+        base = relay.forwarded  # what the other daemon took through the relay for its own copy
+        receiver.start(swarm.peer_urls)
+        try:
+            receiver.wait_healthy()
+            deadline = time.monotonic() + 20
+            while {p["node_id"] for p in receiver.status()["peers"] if p["alive"]} != {sender.node_id, other.node_id}:
+                assert time.monotonic() < deadline, receiver.status()["peers"]
+                time.sleep(0.1)
+            assert receiver.prefetch(IDENT)[0] == 202
+            # the sender (behind the slow relay, 2 MB/s per connection) is in the middle of its
+            # chunks: with under 1 MiB passed on in all, no 1 MiB chunk of it is complete
+            deadline = time.monotonic() + 60
+            while relay.forwarded - base < 300_000:
+                assert time.monotonic() < deadline, receiver.log()
+                time.sleep(0.01)
+            assert relay.forwarded - base < 1 << 20
+            sender.kill()
+            relay.cut()
+            cut_at = time.time()
+            receiver.wait_ready(IDENT, 60)
+            assert_same(receiver, ck)
+            c = receiver.status()["counters"]
+            assert c["chunk_verify_failures"] == 0, c
+            lines = [json.loads(x) for x in log.read_text().splitlines()]
+            assert len(lines) == len(list(m.stored_chunks()))
+            retried = [x for x in lines if x["retries"] > 0]
+            assert retried, lines  # the chunks cut mid-body failed once ...
+            # ... at once, not after the membership rounds notice the dead sender (2-3 s each)
+            assert all(x["end"] - cut_at < 2.0 for x in retried), (cut_at, retried)
+            # ... and came whole from elsewhere: none of them is counted as the dead sender's
+            assert all(x["source"] != f"peer:{sender.node_id}" for x in retried), retried
+        finally:
+            receiver.stop()
+
+
+def test_the_chunk_log_names_sources_on_the_http_path_too(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    m, ck = publish(tmp_path, bucket)
+    swarm = Swarm(tmp_path / "nodes", 2, bucket,
+                  extra_env={"BDN_LOAD_STARTUP": "false", "BDN_TRANSFER_LISTEN": ""})
+    logs = {d.node_id: d.dir / "chunks.jsonl" for d in swarm.daemons}
+    for d in swarm.daemons:
+        d.env["BDN_CHUNK_LOG"] = str(logs[d.node_id])
+    with swarm:
+        for d in swarm.daemons:
+            assert d.prefetch(IDENT)[0] == 202
+        for d in swarm.daemons:
+            d.wait_ready(IDENT, 60)
+            assert_same(d, ck)
+            lines = [json.loads(x) for x in logs[d.node_id].read_text().splitlines()]
+            assert len(lines) == len(list(m.stored_chunks()))
+            assert {x["source"].split(":")[0] for x in lines} <= {"peer", "bucket-owner", "bucket-fallback", "local"}, lines
+            assert all(x["transport"] == "http" for x in lines if x["source"].startswith("peer:")), lines
+            assert d.status()["counters"]["peer_wire_bytes_in"] == 0
