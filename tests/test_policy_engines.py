@@ -155,7 +155,7 @@ def test_the_request_accepts_the_options_at_its_top_level() -> None:
 
 
 def test_targets_carry_the_options_over_the_wire() -> None:
-    t = Target("s2", 5, "n0", "r", parse_options({"inflight_policy": "keep"}))
+    t = Target("s2", 5, "n0", "r", options=parse_options({"inflight_policy": "keep"}))
     back = Target.from_wire(t.wire(), 10)
     assert back is not None and back.options.inflight_policy == "keep"
     old_peer = {k: v for k, v in t.wire().items() if k != "options"}

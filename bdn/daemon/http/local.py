@@ -18,7 +18,7 @@ from bdn.daemon.http.common import MAX_BODY, error, json_response
 from bdn.daemon.http.errors import status_of
 from bdn.daemon.http.sendfile import RangeNotSatisfiable, byte_range, send_file
 from bdn.daemon.http.services import SERVICES, Services, services
-from bdn.daemon.replica.view import Engine
+from bdn.daemon.replica.engines import Engine
 from bdn.proto.errors import BdnError
 from bdn.proto.identity import validate_identity, validate_relpath
 from bdn.proto.states import WAITABLE

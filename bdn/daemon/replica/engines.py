@@ -1,4 +1,4 @@
-"""The engine table's pure rules: liveness (``engine_ttl_s``) and what an ack may report.
+"""The engine table: its entries (``Engine``) and pure rules: liveness (``engine_ttl_s``) and what an ack may report.
 
 **Liveness.** An engine is alive while it polls: every ``GET /v1/engines/{id}/next`` marks it seen
 when it starts and again at least every ``poll_step(ttl)`` seconds while the poll is held open on
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["MAX_REPORT_KEYS", "expired", "poll_step", "sanitize_report"]
+__all__ = ["MAX_REPORT_KEYS", "Engine", "expired", "poll_step", "sanitize_report"]
 
 MAX_REPORT_KEYS = 64
 MAX_REPORT_STR = 200
@@ -71,3 +72,32 @@ def sanitize_report(obj: Any) -> dict[str, Any] | None:
             continue
         out[k] = _scalar(v)
     return out
+
+
+@dataclass
+class Engine:
+    """An engine registered with this daemon: what it was offered and acknowledged, its leases."""
+    engine_id: str
+    name: str
+    offered: str | None = None  # identity handed out by /next, not yet acknowledged
+    acked: str | None = None
+    error: str | None = None
+    pause_ms: float | None = None
+    lease_id: str | None = None  # lease on ``acked`` (or the offered one until then)
+    offered_lease: str | None = None
+    last_seen: float = 0.0  # monotonic s: the last poll (start, or a live poll's periodic mark)
+    registered: float = 0.0  # monotonic s
+    prompt_cache_policy: str | None = None  # as the last ack reported them
+    inflight_policy: str | None = None
+    swap: dict[str, Any] | None = None  # the last ack's swap report, bounded (engines.sanitize_report)
+
+    def describe(self, now: float, ttl_s: float) -> dict[str, Any]:
+        """This engine as ``GET /v1/engines`` lists it (ages in seconds)."""
+        return {
+            "engine_id": self.engine_id, "name": self.name, "serving": self.acked, "offered": self.offered,
+            "error": self.error, "pause_ms": self.pause_ms,
+            "prompt_cache_policy": self.prompt_cache_policy, "inflight_policy": self.inflight_policy,
+            "swap": self.swap, "registered_s_ago": round(now - self.registered, 3),
+            "last_seen_s_ago": round(now - self.last_seen, 3),
+            "expires_in_s": round(max(0.0, self.last_seen + ttl_s - now), 3) if ttl_s > 0 else None,
+        }

@@ -20,7 +20,6 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from bdn.daemon.clock import Clock
@@ -29,6 +28,7 @@ from bdn.daemon.errors import Conflict
 from bdn.daemon.foreign_source import Hint, Hints
 from bdn.daemon.replica import contract
 from bdn.daemon.replica import engines as engine_rules
+from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.changes import ChangedTensorsCache
 from bdn.daemon.replica.options import DEFAULT_OPTIONS
 from bdn.daemon.replica.ports import SnapshotRecord, Snapshots
@@ -37,35 +37,6 @@ from bdn.proto.errors import BdnError
 from bdn.proto.states import TERMINAL
 
 log = logging.getLogger("bdn.hotload")
-
-
-@dataclass
-class Engine:
-    """An engine registered with this daemon: what it was offered and acknowledged, its leases."""
-    engine_id: str
-    name: str
-    offered: str | None = None  # identity handed out by /next, not yet acknowledged
-    acked: str | None = None
-    error: str | None = None
-    pause_ms: float | None = None
-    lease_id: str | None = None  # lease on ``acked`` (or the offered one until then)
-    offered_lease: str | None = None
-    last_seen: float = 0.0  # monotonic s: the last poll (start, or a live poll's periodic mark)
-    registered: float = 0.0  # monotonic s
-    prompt_cache_policy: str | None = None  # as the last ack reported them
-    inflight_policy: str | None = None
-    swap: dict[str, Any] | None = None  # the last ack's swap report, bounded (engines.sanitize_report)
-
-    def describe(self, now: float, ttl_s: float) -> dict[str, Any]:
-        """This engine as ``GET /v1/engines`` lists it (ages in seconds)."""
-        return {
-            "engine_id": self.engine_id, "name": self.name, "serving": self.acked, "offered": self.offered,
-            "error": self.error, "pause_ms": self.pause_ms,
-            "prompt_cache_policy": self.prompt_cache_policy, "inflight_policy": self.inflight_policy,
-            "swap": self.swap, "registered_s_ago": round(now - self.registered, 3),
-            "last_seen_s_ago": round(now - self.last_seen, 3),
-            "expires_in_s": round(max(0.0, self.last_seen + ttl_s - now), 3) if ttl_s > 0 else None,
-        }
 
 
 class ReplicaView:
