@@ -81,7 +81,7 @@ class Daemon:
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
-    def wait_healthy(self, timeout: float = 20.0) -> None:
+    def wait_healthy(self, timeout: float = 60.0) -> None:  # generous: a loaded machine starts Python slowly
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
