@@ -50,10 +50,13 @@ def _publish_huge(root: Path, n_files: int = 1) -> None:
 
 
 def _rss(pid: int) -> int:
+    """The daemon's own memory: anonymous resident pages (RssAnon). Its mappings of the snapshot's
+    shm files (the fetcher maps each target file, populated, while it downloads) are the snapshot's
+    bytes in tmpfs, not control state, and VmRSS would count them."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith("RssAnon:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    raise AssertionError("no RssAnon")
 
 
 def _state(d: Daemon) -> dict:

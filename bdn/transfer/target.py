@@ -28,6 +28,9 @@ def reserve(fd: int, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
 
 
+POPULATE_STEP = 16 << 20  # bytes populated per madvise call (a multiple of any page size)
+
+
 def map_target(fd: int, size: int, *, populate: bool = True) -> mmap.mmap:
     """A shared writable mapping of the first ``size`` bytes of the open file ``fd`` (reserve
     them first), with its page tables filled when ``populate``.
@@ -43,7 +46,11 @@ def map_target(fd: int, size: int, *, populate: bool = True) -> mmap.mmap:
             pass
     if populate and size:
         try:
-            m.madvise(MADV_POPULATE_WRITE)
+            # In pieces: CPython holds the GIL through one madvise call, and populating a
+            # multi-GB file in one call stalled the daemon's event loop for seconds (a 4 GB file:
+            # 6.6 s). Between pieces the GIL can go to the loop thread.
+            for start in range(0, size, POPULATE_STEP):
+                m.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_STEP, size - start))
         except OSError:  # kernel before 5.14: map again with MAP_POPULATE
             m.close()
             m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
