@@ -7,6 +7,7 @@ go over real loopback sockets, some byte for byte (``raw``) so no client normali
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,3 +61,45 @@ def test_a_bearer_token_that_is_not_ascii_gets_401_not_500(daemon: Daemon) -> No
     status, _ = raw(daemon.peer_port, b"GET /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\n"
                     b"Authorization: Bearer " + TOKEN.encode() + b"\r\nConnection: close\r\n\r\n")
     assert status == 200
+
+
+def _post(d: Daemon, path: str, body: bytes) -> tuple[int, object]:
+    status, ans = raw(d.local_port, b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    return status, json.loads(ans, parse_constant=_strict)
+
+
+def _strict(name: str) -> None:
+    raise AssertionError(f"the daemon answered {name}, which is not JSON")
+
+
+def _offered(d: Daemon, identity: str) -> str:
+    """A registered engine that has been offered ``identity`` (the fleet's target)."""
+    status, ans = _post(d, "/v1/engines", b'{"name": "attacker"}')
+    assert status == 201, ans
+    eid = ans["engine_id"]  # type: ignore[index]
+    offer = d.get(f"/v1/engines/{eid}/next?timeout=60")
+    assert offer["identity"] == identity, offer
+    return eid
+
+
+def _hot_load(d: Daemon, identity: str) -> None:
+    status, ans = _post(d, "/hot_load/v1/models/hot_load", json.dumps({"identity": identity}).encode())
+    assert status == 200, ans
+    d.wait_ready(identity, 60)
+
+
+def test_nan_and_infinity_in_an_engine_ack_are_400_and_never_reach_the_fleet_answer(daemon: Daemon) -> None:
+    _hot_load(daemon, "step000001")
+    eid = _offered(daemon, "step000001")
+    try:
+        for bad in (b"NaN", b"Infinity", b"-Infinity", b"1e999", b"1" + b"0" * 400, b"-0.5"):
+            status, ans = _post(daemon, f"/v1/engines/{eid}/ack", b'{"identity": "step000001", "pause_ms": ' + bad + b"}")
+            assert status == 400, (bad, ans)
+            assert "pause_ms" in ans["error"] or "JSON" in ans["error"], ans  # type: ignore[index]
+        status, ans = raw(daemon.local_port, b"GET /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        replica = json.loads(ans, parse_constant=_strict)["replicas"][0]
+        assert status == 200 and replica["last_swap_pause_ms"] is None, replica
+        assert _post(daemon, f"/v1/engines/{eid}/ack", b'{"identity": "step000001", "pause_ms": 3.5}')[0] == 200
+    finally:
+        daemon.request("DELETE", f"/v1/engines/{eid}")
