@@ -31,6 +31,8 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     bucket.mkdir()
     ck = write_hf_dir(root / "src" / "step000001", make_state(0), 1)
     publish_full(f"file://{bucket}", "step000001", 1, dir=ck, chunk_size=CHUNK)
+    ck = write_hf_dir(root / "src" / "step000002", make_state(1), 2)
+    publish_full(f"file://{bucket}", "step000002", 2, dir=ck, chunk_size=CHUNK)
     d = Daemon(root / "work", "node0", f"file://{bucket}",
                extra_env={"BDN_LOAD_STARTUP": "false", "BDN_API_TOKEN": TOKEN})
     d.start([])
@@ -73,11 +75,15 @@ def _strict(name: str) -> None:
     raise AssertionError(f"the daemon answered {name}, which is not JSON")
 
 
-def _offered(d: Daemon, identity: str) -> str:
-    """A registered engine that has been offered ``identity`` (the fleet's target)."""
+def _register(d: Daemon) -> str:
     status, ans = _post(d, "/v1/engines", b'{"name": "attacker"}')
     assert status == 201, ans
-    eid = ans["engine_id"]  # type: ignore[index]
+    return ans["engine_id"]  # type: ignore[index]
+
+
+def _offered(d: Daemon, identity: str, eid: str | None = None) -> str:
+    """A registered engine (``eid``, else a new one) that has been offered ``identity`` (the target)."""
+    eid = eid or _register(d)
     offer = d.get(f"/v1/engines/{eid}/next?timeout=60")
     assert offer["identity"] == identity, offer
     return eid
@@ -103,3 +109,23 @@ def test_nan_and_infinity_in_an_engine_ack_are_400_and_never_reach_the_fleet_ans
         assert _post(daemon, f"/v1/engines/{eid}/ack", b'{"identity": "step000001", "pause_ms": 3.5}')[0] == 200
     finally:
         daemon.request("DELETE", f"/v1/engines/{eid}")
+
+
+def test_an_engine_that_leaves_mid_hot_load_does_not_leave_the_replica_done_but_serving_nothing(daemon: Daemon) -> None:
+    """Two engines are offered the target; one acknowledges, the other unregisters instead (it
+    crashed and its supervisor cleaned up). Every remaining engine serves the target: the replica
+    is done *and* reports it as current, as it would had the second engine never registered."""
+    stays, leaves = _register(daemon), _register(daemon)  # before the target is ready
+    _hot_load(daemon, "step000002")
+    _offered(daemon, "step000002", stays), _offered(daemon, "step000002", leaves)
+    try:
+        assert _post(daemon, f"/v1/engines/{stays}/ack", b'{"identity": "step000002", "pause_ms": 2}')[0] == 200
+        status, _ = daemon.request("DELETE", f"/v1/engines/{leaves}")
+        assert status == 200
+        replica = daemon.get("/hot_load/v1/models/hot_load")["replicas"][0]
+        assert replica["loading_state"]["stage"] == "done", replica
+        assert replica["current_snapshot_identity"] == "step000002" and replica["readiness"] is True, replica
+        assert replica["last_swap_pause_ms"] == 2.0, replica
+    finally:
+        daemon.request("DELETE", f"/v1/engines/{stays}")
+        daemon.request("DELETE", f"/v1/engines/{leaves}")

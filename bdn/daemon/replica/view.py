@@ -240,7 +240,19 @@ class ReplicaView:
             return False
         self.release(e.lease_id)
         self.release(e.offered_lease)
+        job = self.snapshots.get(self.target.identity) if self.target is not None else None
+        if job is not None and job.state == "ready":
+            # the one engine still to acknowledge may be the one that left (with none left, the
+            # daemon is the replica and serves what is ready)
+            self._serve_if_all_acked(job.identity)
         return True
+
+    def _serve_if_all_acked(self, identity: str) -> None:
+        """``identity`` is current once every registered engine acknowledged it."""
+        if all(e.acked == identity for e in self.engines.values()):
+            job = self.snapshots.get(identity)
+            self.current = identity
+            self.current_policy_version = job.policy_version if job else None
 
     def _offerable(self, after: str | None) -> str | None:
         ident = self.target.identity if self.target else None
@@ -293,9 +305,6 @@ class ReplicaView:
                 self.release(engine.lease_id)
                 engine.lease_id, engine.offered_lease = engine.offered_lease, None
             engine.acked, engine.pause_ms, engine.error = identity, pause_ms, None
-            if all(e.acked == identity for e in self.engines.values()):
-                job = self.snapshots.get(identity)
-                self.current = identity
-                self.current_policy_version = job.policy_version if job else None
+            self._serve_if_all_acked(identity)
             log.info("engine %s serves %s (pause %.1f ms)", engine.engine_id, identity, pause_ms or 0.0)
         await self.poke()
