@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import json
 import socket
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
 from tests.support.checkpoints import make_state, write_hf_dir
-from tests.support.swarm import Daemon
+from tests.support.liar import Liar
+from tests.support.swarm import SECRET, Daemon
 
 CHUNK = 64 << 10
 TOKEN = "attack-test-token"
@@ -129,3 +133,39 @@ def test_an_engine_that_leaves_mid_hot_load_does_not_leave_the_replica_done_but_
     finally:
         daemon.request("DELETE", f"/v1/engines/{stays}")
         daemon.request("DELETE", f"/v1/engines/{leaves}")
+
+
+def test_a_member_that_stalls_every_chunk_is_penalised_after_its_first_timeout(tmp_path: Path) -> None:
+    """A peer that answers membership exchanges (so it stays alive) and claims every chunk, but
+    sends each at a byte every few seconds: its first timed-out chunk request penalises it, so
+    the other chunks are not queued behind it one timeout after another."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    ck = write_hf_dir(tmp_path / "src", make_state(3, scale=2), 1)
+    m = publish_full(f"file://{bucket}", "step000001", 1, dir=ck, chunk_size=CHUNK)
+    n_chunks = sum(len(f.chunks) for f in m.files)
+    liar = Liar(tmp_path, f"file://{bucket}", SECRET, trickle_s=2.0).start()
+    d = Daemon(tmp_path / "work", "node0", f"file://{bucket}",
+               extra_env={"BDN_LOAD_STARTUP": "false", "BDN_PEER_TIMEOUT_S": "2", "BDN_MAX_PER_PEER": "1",
+                          "BDN_PENALTY_S": "600"})
+    try:
+        d.start([liar.url])
+        d.wait_healthy()
+        deadline = time.monotonic() + 30
+        while not any(p["alive"] for p in d.status()["peers"]):
+            assert time.monotonic() < deadline, d.log()
+            time.sleep(0.1)
+        assert d.prefetch("step000001")[0] == 202
+        d.wait_ready("step000001", 120)
+        keys = derive_keys(SECRET)
+        path = f"/bdn/v1/{keys.swarm_id}/liar/stats"
+        req = urllib.request.Request(liar.url + path, headers={
+            "Authorization": sign_request(keys, "GET", path, "tester", to=liar.node_id)})
+        asked = json.loads(urllib.request.urlopen(req, timeout=10).read())
+        assert "stalled" in d.log() and "penalised" in d.log(), d.log()
+        # one request in flight to it at a time (max_per_peer 1): the one that timed out, and at
+        # most the one already queued behind it; without the penalty, every chunk waits its turn
+        assert asked["chunks_lied"] <= 2 < n_chunks, (asked, n_chunks)
+    finally:
+        d.stop()
+        liar.stop()

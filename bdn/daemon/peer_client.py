@@ -34,6 +34,10 @@ class PeerBusy(PeerError):
         self.retry_after = retry_after
 
 
+class PeerStalled(PeerError):
+    """A chunk request that started (200) but did not finish within the request's time budget."""
+
+
 MAX_HAVE_BYTES = 64 << 20
 MAX_MEMBERS_BYTES = 4 << 20
 MAX_NAMED = 8192  # peer URLs whose self-named node id is remembered
@@ -165,7 +169,9 @@ class PeerClient:
             if pos != length:
                 raise PeerError(f"{base_url}: chunk ended after {pos} of {length} bytes")
             return buf
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except asyncio.TimeoutError as e:  # aiohttp's ServerTimeoutError is one too
+            raise PeerStalled(f"{base_url}: chunk not received in time ({type(e).__name__})") from None
+        except aiohttp.ClientError as e:
             raise PeerError(f"{base_url}: {type(e).__name__}: {e}") from None
         finally:
             resp.release()

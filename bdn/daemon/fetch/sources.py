@@ -17,7 +17,7 @@ from bdn.daemon import diskio, retry_policy
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.config import Config
 from bdn.daemon.membership import Member, Membership
-from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError
+from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError, PeerStalled
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import Loc, SnapshotJob
 from bdn.daemon.stats import Stats
@@ -103,6 +103,8 @@ class Sources:
         m.inflight += 1
         try:
             async with sem, self.peer_sem:
+                if self.membership.clock.monotonic() < m.penalty_until:
+                    return False  # penalised while this request queued for its turn
                 await self.download_limit.take(ref.length)
                 self.stats.inflight["peer"] += 1
                 try:
@@ -131,6 +133,12 @@ class Sources:
         except PeerError as e:
             errors.append(str(e))
             self.membership.mark_failed(m.url)
+            if isinstance(e, PeerStalled):
+                # alive on membership exchanges yet too slow for chunks: skip it as for bad bytes
+                self.membership.penalise(m.url, self.cfg.penalty_s)
+                log.warning("snapshot %s: peer %s stalled on chunk %d of %s (%s); penalised for %g s",
+                            job.identity, m.node_id, ref.index, ref.path, e, self.cfg.penalty_s,
+                            extra={"peer": m.node_id})
             return False
         finally:
             m.inflight -= 1
