@@ -52,6 +52,10 @@ def why(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+class PeerStalled(PeerError):
+    """A chunk request that started (200) but did not finish within the request's time budget."""
+
+
 MAX_HAVE_BYTES = 64 << 20
 MAX_MEMBERS_BYTES = 4 << 20
 MAX_NAMED = 8192  # peer URLs whose self-named node id is remembered
@@ -132,15 +136,22 @@ class PeerClient:
     async def _answer(
         self, method: str, base_url: str, path_qs: str, what: str, *, timeout: float,
         data: bytes | None = None, session: aiohttp.ClientSession | None = None, read_idle: float | None = None,
+        stalled: str = "",
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """One signed request whose answer the caller reads inside the ``async with``: transport
         and decoding errors become one PeerError (``"<url>: <what><why>"``), and the answer is
-        always released (the one copy of this try/except/finally for every peer request)."""
+        always released (the one copy of this try/except/finally for every peer request). With
+        ``stalled`` set, a time-out while the answer is read raises PeerStalled with that message
+        (a chunk: the peer answered, then did not deliver)."""
         resp = await self._request(method, base_url, path_qs, timeout=timeout, data=data, session=session,
                                    read_idle=read_idle)
         try:
             yield resp
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgpack.UnpackException, BodyTooLarge) as e:
+        except asyncio.TimeoutError as e:  # aiohttp's ServerTimeoutError is one too
+            if stalled:
+                raise PeerStalled(f"{base_url}: {stalled}") from None
+            raise PeerError(f"{base_url}: {what}{why(e)}") from None
+        except (aiohttp.ClientError, ValueError, msgpack.UnpackException, BodyTooLarge) as e:
             raise PeerError(f"{base_url}: {what}{why(e)}") from None
         finally:
             resp.release()
@@ -172,7 +183,8 @@ class PeerClient:
         # sock_read: a peer that dies (or hangs) mid-request is noticed after ``wait`` plus 10 s of
         # silence, not after the whole request budget (a parked request is silent during ``wait``).
         async with self._answer(
-            "GET", base_url, path, "", timeout=wait + self.timeout_s, session=self._data, read_idle=wait + 10.0
+            "GET", base_url, path, "", timeout=wait + self.timeout_s, session=self._data,
+            read_idle=wait + 10.0, stalled="chunk not received in time",
         ) as resp:
             if resp.status == 404:
                 return None

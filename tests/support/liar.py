@@ -61,6 +61,7 @@ class LiarState:
         self.wire_lied = 0  # the part of chunks_lied sent over the transfer wire
         self.transfer: str | None = None  # "host:port" of its transfer server, if it runs one
         self.junk: Path | None = None  # random bytes the transfer server sends for every chunk
+        self.trickle_s = 0.0  # > 0: answer chunks one byte every trickle_s seconds (a stalling peer)
 
     def manifest(self, identity: str) -> Manifest | None:
         m = self.manifests.get(identity)
@@ -152,6 +153,17 @@ async def get_chunk(request: web.Request) -> web.Response:
     if n is None:
         return web.Response(status=404)
     st.chunks_lied += 1
+    if st.trickle_s > 0:  # 200 and the right length, then a byte now and then: never done in time
+        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+        resp.content_length = n
+        await resp.prepare(request)
+        try:
+            for _ in range(n):
+                await resp.write(b"\0")
+                await asyncio.sleep(st.trickle_s)
+        except ConnectionError:
+            pass  # the asker gave up
+        return resp
     return web.Response(body=os.urandom(n), content_type="application/octet-stream")
 
 
@@ -209,11 +221,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--node-id", default="liar")
     ap.add_argument("--foreign-chunk-size", type=int, default=0, help="lie about snapshots without a manifest too")
     ap.add_argument("--no-wire", action="store_true", help="no transfer server: lie over HTTP only")
+    ap.add_argument("--trickle-s", type=float, default=0.0, help="stall: send chunks one byte every S seconds")
     args = ap.parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
     keys = derive_keys(Path(args.secret_file).read_text())
     state = LiarState(keys, args.node_id, url, args.bucket, args.foreign_chunk_size)
-    if not args.no_wire:
+    state.trickle_s = args.trickle_s
+    if not args.no_wire and args.trickle_s <= 0:  # a staller stalls over HTTP (the wire path lies)
         start_wire(state, Path(args.secret_file).parent / "junk")
 
     async def run() -> None:
@@ -235,8 +249,10 @@ def main(argv: list[str] | None = None) -> None:
 class Liar:
     """The liar as a subprocess: ``start()``, ``url``, ``stop()``."""
 
-    def __init__(self, workdir: Path, bucket: str, secret: str, node_id: str = "liar", foreign_chunk_size: int = 0) -> None:
+    def __init__(self, workdir: Path, bucket: str, secret: str, node_id: str = "liar", foreign_chunk_size: int = 0,
+                 trickle_s: float = 0.0) -> None:
         self.foreign_chunk_size = foreign_chunk_size
+        self.trickle_s = trickle_s
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -258,7 +274,7 @@ class Liar:
             self.proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port),
                  "--bucket", self.bucket, "--secret-file", str(self.secret_file), "--node-id", self.node_id,
-                 "--foreign-chunk-size", str(self.foreign_chunk_size)],
+                 "--foreign-chunk-size", str(self.foreign_chunk_size), "--trickle-s", str(self.trickle_s)],
                 stdout=log, stderr=subprocess.STDOUT,
             )
         deadline = time.monotonic() + timeout

@@ -19,7 +19,7 @@ from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.config import Config
 from bdn.daemon.lograte import RepeatLog
 from bdn.daemon.membership import Member, Membership
-from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError
+from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError, PeerStalled
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import Loc, SnapshotJob
 from bdn.daemon.stats import Stats
@@ -163,6 +163,13 @@ class Sources:
                 except PeerError as e:
                     errors.append(str(e))
                     self.membership.mark_failed(m.url)
+                    if isinstance(e, PeerStalled):
+                        # alive on membership exchanges yet too slow for chunks: skip it as for bad bytes
+                        self.membership.penalise(m.url, self.cfg.penalty_s)
+                        self.repeat.log(logging.WARNING, ("stalled", m.url),
+                                        "snapshot %s: peer %s stalled on chunk %d of %s (%s); penalised for %g s",
+                                        job.identity, m.node_id, ref.index, ref.path, e, self.cfg.penalty_s,
+                                        extra={"peer": m.node_id})
                     return False
                 if buf is None:
                     return False

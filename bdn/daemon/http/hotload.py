@@ -23,7 +23,9 @@ def check_bearer(header: str | None, token: str) -> bool:
     """Constant-time check of ``Authorization: Bearer <token>`` (False when no token is set)."""
     if not token or not header or not header.startswith("Bearer "):
         return False
-    return hmac.compare_digest(header[7:].strip().encode(), token.encode())
+    # surrogatepass (as in proto/keys.py): aiohttp decodes header bytes that are not UTF-8 as
+    # lone surrogates; such a token is wrong (401), not an encoding error (500)
+    return hmac.compare_digest(header[7:].strip().encode("utf-8", "surrogatepass"), token.encode())
 
 
 async def post(request: web.Request) -> web.Response:

@@ -8,6 +8,7 @@ Each handler parses the request, calls one service and maps the answer; nothing 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from aiohttp import web
@@ -197,7 +198,7 @@ async def _body_json(request: web.Request) -> dict[str, Any]:
     if not raw:
         return {}
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_constant=_not_a_number)
     except RecursionError:
         raise web.HTTPBadRequest(text=json.dumps({"error": "body is nested too deeply"}), content_type="application/json") from None
     except ValueError as e:
@@ -205,6 +206,19 @@ async def _body_json(request: web.Request) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise web.HTTPBadRequest(text=json.dumps({"error": "body must be a JSON object"}), content_type="application/json")
     return obj
+
+
+def _not_a_number(name: str) -> None:
+    """``json.loads`` accepts ``NaN`` and ``Infinity``, which JSON (RFC 8259) does not; refuse them."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _as_float(x: int | float) -> float:
+    """``x`` as a float; an int too large for one (JSON allows 4,300 digits) is ``inf``."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
 
 
 def _engine(request: web.Request) -> Engine:
@@ -281,8 +295,9 @@ async def engine_ack(request: web.Request) -> web.Response:
         validate_identity(ident)
     except BdnError as ex:
         return error(400, f"identity: {ex}")
-    if pause is not None and (isinstance(pause, bool) or not isinstance(pause, (int, float)) or pause < 0):
-        return error(400, "pause_ms must be a non-negative number")
+    if pause is not None and (isinstance(pause, bool) or not isinstance(pause, (int, float))
+                              or not 0 <= _as_float(pause) < math.inf):
+        return error(400, "pause_ms must be a finite non-negative number")
     if err is not None and not isinstance(err, str):
         return error(400, "error must be a string")
     try:
