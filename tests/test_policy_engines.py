@@ -238,3 +238,17 @@ def test_the_current_link_is_relative_and_replaced_in_place(tmp_path: Path) -> N
     link.point("s2")
     assert link.target() == "s2" and (tmp_path / "current" / "READY").read_text() == "s2"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "s1", "s2"]  # no temporary left
+
+
+def test_the_engine_table_is_bounded(tmp_path: Path) -> None:
+    """The local API has no authentication: a loop of registrations gets 409 past MAX_ENGINES
+    (breakit found it unbounded), and a slot frees when an engine leaves."""
+    from bdn.daemon.errors import Conflict
+    from bdn.daemon.replica.view import MAX_ENGINES
+
+    view = ReplicaView("n0", _Snapshots(tmp_path, ["s1"]), FakeClock(), engine_ttl_s=30.0)
+    engines = [view.register_engine(f"e{i}") for i in range(MAX_ENGINES)]
+    with pytest.raises(Conflict, match=f"{MAX_ENGINES} engines are registered"):
+        view.register_engine("one too many")
+    assert view.unregister_engine(engines[0].engine_id)
+    assert view.register_engine("fits again").engine_id in view.engines

@@ -243,7 +243,10 @@ async def register_engine(request: web.Request) -> web.Response:
     name = body.get("name", "engine")
     if not isinstance(name, str):
         return error(400, "name must be a string")
-    e = services(request).replica.register_engine(name)
+    try:
+        e = services(request).replica.register_engine(name)
+    except BdnError as err:
+        return error(status_of(err), str(err))
     return json_response({"engine_id": e.engine_id}, 201)
 
 

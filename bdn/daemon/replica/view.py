@@ -37,6 +37,7 @@ from bdn.proto.errors import BdnError
 from bdn.proto.states import TERMINAL
 
 log = logging.getLogger("bdn.hotload")
+MAX_ENGINES = 256  # engines one daemon keeps registered at once
 
 
 class ReplicaView:
@@ -261,7 +262,15 @@ class ReplicaView:
         return {ident for ident, _ in self.leases.values()}
 
     def register_engine(self, name: str) -> Engine:
-        """A new engine entry (the replica now waits for its acknowledgements)."""
+        """A new engine entry (the replica now waits for its acknowledgements).
+
+        Raises:
+            Conflict: ``MAX_ENGINES`` engines are registered already (the local API is
+                unauthenticated: a loop of registrations must not grow the table without bound).
+        """
+        if len(self.engines) >= MAX_ENGINES:
+            raise Conflict(f"{MAX_ENGINES} engines are registered on this daemon already; "
+                           "unregister one (bdnctl engines --remove ID) or let dead ones expire (engine_ttl_s)")
         now = self.clock.monotonic()
         e = Engine(secrets.token_hex(8), name[:128] or "engine", last_seen=now, registered=now)
         self.engines[e.engine_id] = e
