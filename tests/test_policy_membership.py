@@ -82,3 +82,17 @@ def test_member_table_is_bounded() -> None:
     for i in range(Membership.MAX_MEMBERS + 10):
         m.learn(f"http://h{i}:1")
     assert len(m.members) == Membership.MAX_MEMBERS
+
+
+def test_one_daemon_under_two_urls_is_one_live_member() -> None:
+    """A static peer URL (an IP) and the URL that daemon advertises (its host name) name one node:
+    it counts once in the live set and in HRW (the new-user check saw it listed and counted twice)."""
+    m, clock = _table(["http://127.0.0.1:7081"])
+    m.mark_ok("http://127.0.0.1:7081", "n1")
+    clock.advance(1.0)
+    m.learn("http://vm:7081", "n1")
+    m.mark_ok("http://vm:7081", "n1")
+    live = m.live()
+    assert [x.node_id for x in live] == ["n1"] and live[0].url == "http://127.0.0.1:7081"  # the static one
+    assert m.hrw_nodes() == ["n0", "n1"]
+    assert len(m.describe()) == 2  # both URLs still shown, for the operator

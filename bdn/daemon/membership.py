@@ -108,8 +108,18 @@ class Membership:
         return m.node_id if m is not None else ""
 
     def live(self) -> list[Member]:
+        """The usable members, one per node id: a daemon reached under two URLs (a static peer
+        URL and the URL it advertises, e.g. an IP and a host name) is one member for HRW, for
+        the counts and for the exchanges; the static entry, else the one seen last, speaks for it."""
         now = self.clock.monotonic()
-        return [m for m in self.members.values() if m.usable(now)]
+        best: dict[str, Member] = {}
+        for m in self.members.values():
+            if not m.usable(now):
+                continue
+            cur = best.get(m.node_id)
+            if cur is None or (m.static, m.last_seen) > (cur.static, cur.last_seen):
+                best[m.node_id] = m
+        return list(best.values())
 
     def by_node(self) -> dict[str, Member]:
         return {m.node_id: m for m in self.live()}
