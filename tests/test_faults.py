@@ -294,10 +294,11 @@ def test_restart_mid_download_resumes_from_persisted_progress(
         assert fetched_after <= total - resumed + inflight * CHUNK, (fetched_after, total, resumed)
         # Every chunk the persisted progress names was re-verified and kept ...
         assert resumed == saved, (resumed, saved)
-        # ... and it names what was verified when the daemon stopped: all of it for a clean stop;
-        # for a kill, all but the chunks finished since the last save (progress_interval_s).
-        slack = 0 if how == "SIGTERM" else 16 * CHUNK
-        assert saved >= before["bytes_done"] - slack, (saved, before["bytes_done"])
+        # ... and for a clean stop it names everything verified when the daemon stopped. For a kill
+        # it misses what was verified since the last save (every progress_interval_s, later on a
+        # busy machine): how much is a timing window, so it is not bounded here.
+        if how == "SIGTERM":
+            assert saved >= before["bytes_done"], (saved, before["bytes_done"])
         assert snap["bytes_from_bucket"] + snap["bytes_from_peers"] + snap["bytes_local"] == fetched_after
         for d in swarm.daemons:
             assert_ready_and_identical(d, "step000001", ck)

@@ -69,13 +69,15 @@ def listen_ports(n: int) -> list[int]:
 
 
 def stable_ports(d: Daemon) -> Daemon:
-    """Move ``d``'s peer and local ports out of the ephemeral range (before it first starts)."""
-    d.peer_port, d.local_port = listen_ports(2)
+    """Move ``d``'s peer, local and transfer ports out of the ephemeral range (before it first starts)."""
+    d.peer_port, d.local_port, d.transfer_port = listen_ports(3)
     d.env.update(
         BDN_PEER_LISTEN=f"127.0.0.1:{d.peer_port}",
         BDN_ADVERTISE_URL=d.peer_url,
         BDN_LOCAL_LISTEN=f"127.0.0.1:{d.local_port}",
     )
+    if d.env.get("BDN_TRANSFER_LISTEN"):  # not where a test turned the wire off
+        d.env["BDN_TRANSFER_LISTEN"] = f"127.0.0.1:{d.transfer_port}"
     return d
 
 

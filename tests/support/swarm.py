@@ -45,6 +45,9 @@ class Daemon:
         self.node_id = node_id
         self.peer_port = peer_port or free_port()
         self.local_port = free_port()
+        # An explicit transfer port: the default (peer port + 1 or + 2) can be another test
+        # daemon's peer or local port, drawn at random from the same range.
+        self.transfer_port = free_port()
         self.dir = workdir / node_id
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shm_dir = self.dir / "shm"
@@ -58,6 +61,7 @@ class Daemon:
             "BDN_PEER_LISTEN": f"127.0.0.1:{self.peer_port}",
             "BDN_ADVERTISE_URL": self.peer_url,
             "BDN_LOCAL_LISTEN": f"127.0.0.1:{self.local_port}",
+            "BDN_TRANSFER_LISTEN": f"127.0.0.1:{self.transfer_port}",
             "BDN_SHM_DIR": str(self.shm_dir),
             "BDN_PARTITION_SECRET_FILE": str(secret_file),
             "BDN_MANIFEST_POLL_S": "0.2",
