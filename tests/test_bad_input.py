@@ -353,7 +353,7 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
             d.start(peers)
         for d in honest:
             d.wait_healthy()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120
         for d in honest:
             while {p["node_id"] for p in d.status()["peers"] if p["alive"]} != set(nodes) - {d.node_id}:
                 assert time.monotonic() < deadline, d.status()["peers"]
@@ -369,7 +369,7 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
 
         # A delta whose base (step000002) neither daemon has: the liar claims every reconstructed
         # chunk, the daemons catch it and walk the chain instead. First let its penalty lapse.
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120
         for d in honest:
             while any(p["node_id"] == "liar" and (p["penalised"] or not p["alive"]) for p in d.status()["peers"]):
                 assert time.monotonic() < deadline, d.status()["peers"]
@@ -431,7 +431,7 @@ def test_snapshot_without_manifest_waits_and_loads_once_it_appears(
     os.replace(bucket.manifest_path("step000001"), held)  # the upload is "still running"
 
     assert daemon.prefetch("step000001")[0] == 202
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120
     while not (snap := daemon.get("/v1/snapshots/step000001"))["reason"].startswith("waiting for manifest"):
         assert snap["state"] == "queued", snap
         assert time.monotonic() < deadline, snap
@@ -470,7 +470,7 @@ def test_a_penalty_redirects_the_requests_queued_for_the_lying_peer(tmp_path: Pa
         seed.wait_ready("step000001", 60)
         victim.start([seed.peer_url, liar.url])
         victim.wait_healthy()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120
         while {p["node_id"] for p in victim.status()["peers"] if p["alive"]} != {"seed", "liar"}:
             assert time.monotonic() < deadline, victim.status()["peers"]
             time.sleep(0.1)

@@ -181,7 +181,7 @@ class Swarm:
             raise
         return self
 
-    def wait_members(self, timeout: float = 20.0) -> None:
+    def wait_members(self, timeout: float = 120.0) -> None:
         """Until every running daemon sees every other running daemon as alive."""
         deadline = time.monotonic() + timeout
         running = [d for d in self.daemons if d.proc is not None and d.proc.poll() is None]

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,8 +160,7 @@ def _serve(path: str, chunk_size: int, node_id: str) -> None:
     srv = TransferServer(KEYS, node_id, table.get, sndbuf=256 << 10)
     host, port = srv.start()
     print("listening", host, port, flush=True)
-    while True:
-        time.sleep(3600)
+    threading.Event().wait()  # serve until the test kills this process
 
 
 if __name__ == "__main__":
