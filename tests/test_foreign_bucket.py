@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +18,7 @@ import numpy as np
 import pytest
 
 try:
-    import torch
-    from fireworks_delta_compression import delta_compress_dirs
-    from safetensors.torch import save_file
+    from support.foreign_run import BIG, PART, SMALL, Run, boto, make_run, upload
 except ImportError as exc:  # .ci/run installs it (after a CPU torch); elsewhere say why
     pytest.skip(f"fireworks-delta-compression is not importable: {exc}", allow_module_level=True)
 
@@ -41,71 +38,16 @@ except ImportError:  # collected with tests/ as a package
     from tests.support.s3server import create_bucket, start_moto_server, stop_moto_server
 
 MiB = 1 << 20
-PART = 5 * MiB  # s3transfer's (and S3's) smallest part
 CHUNK = 1 * MiB  # divides PART: a bad part is whole chunks
-BIG = "model-00001-of-00002.safetensors"
-SMALL = "model-00002-of-00002.safetensors"
 
 
-# ---------------------------------------------------------------------------------------------
-# the trainer: an anchor and two RL steps, as a Fireworks user writes them
-
-
-def _state(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "model.layers.0.mlp.weight": torch.randn(1536, 2048, generator=g).to(torch.bfloat16),
-        "model.layers.1.mlp.weight": torch.randn(1536, 2048, generator=g).to(torch.bfloat16),
-        "lm_head.weight": torch.randn(256, 512, generator=g).to(torch.bfloat16),
-        "model.norm.weight": torch.ones(512, dtype=torch.float32),
-    }
-
-
-def _rl_step(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    """About 2% of the values change, as hosted providers report per RL step."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in state.items():
-        mask = torch.rand(t.shape, generator=g) < 0.02
-        out[name] = torch.where(mask, (t.float() * 1.01 + 1e-3).to(t.dtype), t)
-    return out
-
-
-def _save_checkpoint(state: dict[str, torch.Tensor], d: Path) -> None:
-    d.mkdir(parents=True)
-    shard1 = {k: v for k, v in state.items() if ".layers." in k}
-    shard2 = {k: v for k, v in state.items() if ".layers." not in k}
-    save_file(shard1, str(d / BIG), metadata={"format": "pt"})
-    save_file(shard2, str(d / SMALL), metadata={"format": "pt"})
-    weight_map = {k: BIG for k in shard1} | {k: SMALL for k in shard2}
-    import json
-
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (d / "config.json").write_text('{"architectures": ["TinyForCausalLM"], "hidden_size": 2048}')
-
-
-@dataclass
-class Run:
-    trainer: dict[str, Path]  # identity -> the trainer's full checkpoint directory
-    published: dict[str, Path]  # identity -> what is uploaded (the anchor, then diff directories)
+# the trainer (tests/support/foreign_run.py): an anchor and two RL steps, as a Fireworks user
+# writes them; the deltas arc_v2 then arc_v1
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    root = tmp_path_factory.mktemp("trainer")
-    s1 = _state(1)
-    s2 = _rl_step(s1, 2)
-    s3 = _rl_step(s2, 3)
-    trainer = {}
-    for ident, state in (("step000001", s1), ("step000002", s2), ("step000003", s3)):
-        trainer[ident] = root / "ckpt" / ident
-        _save_checkpoint(state, trainer[ident])
-    published = {"step000001": trainer["step000001"]}
-    with ThreadPoolExecutor(2) as pool:  # the library's default is a 4-process pool
-        for ident, base, fmt in (("step000002", "step000001", "arc_v2"), ("step000003", "step000002", "arc_v1")):
-            published[ident] = root / "diffs" / ident
-            delta_compress_dirs(str(trainer[base]), str(trainer[ident]), str(published[ident]), fmt, executor=pool)
-    return Run(trainer, published)
+    return make_run(tmp_path_factory.mktemp("trainer"), steps=3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,24 +73,6 @@ def moto_endpoint() -> Iterator[str]:
         stop_moto_server(proc)
 
 
-def _boto(endpoint: str):  # type: ignore[no-untyped-def]
-    import boto3
-
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                        aws_access_key_id="testing", aws_secret_access_key="testing")
-
-
-def _upload(client, name: str, run: Run) -> None:  # type: ignore[no-untyped-def]
-    """Plain boto3, as a trainer's own upload code: multipart above 5 MiB, in 5 MiB parts."""
-    from boto3.s3.transfer import TransferConfig
-
-    config = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART)
-    for ident, d in run.published.items():
-        for f in sorted(d.rglob("*")):
-            if f.is_file():
-                client.upload_file(str(f), name, f"run-1/{ident}/{f.relative_to(d).as_posix()}", Config=config)
-
-
 @dataclass
 class Where:
     kind: str
@@ -161,8 +85,8 @@ def where(request: pytest.FixtureRequest, run: Run, tmp_path: Path) -> Iterator[
     if request.param == "s3":
         endpoint = request.getfixturevalue("moto_endpoint")
         name = create_bucket(endpoint)
-        client = _boto(endpoint)
-        _upload(client, name, run)
+        client = boto(endpoint)
+        upload(client, name, "run-1", run)
         bucket = open_bucket(f"s3://{name}/run-1", endpoint_url=endpoint)
 
         def replace(key: str, data: bytes) -> None:
@@ -290,8 +214,8 @@ def test_object_replaced_mid_download_is_object_changed(where: Where, run: Run) 
 @pytest.fixture
 def s3(run: Run, moto_endpoint: str) -> Iterator[Bucket]:
     name = create_bucket(moto_endpoint)
-    client = _boto(moto_endpoint)
-    _upload(client, name, run)
+    client = boto(moto_endpoint)
+    upload(client, name, "run-1", run)
     client.close()
     bucket = open_bucket(f"s3://{name}/run-1", endpoint_url=moto_endpoint)
     yield bucket
