@@ -253,7 +253,22 @@ class Sources:
         when the bytes do not match. Raises BdnError (missing object, bucket error) or
         ProtocolError (never matched)."""
         if self.wire is not None and job.foreign is None:  # a foreign snapshot's reads need its etag
-            return await self.wire.from_bucket(self.bucket, job, ref, target, owner)
+            await self.wire.from_bucket(self.bucket, job, ref, target, owner)  # into the mapping
+        else:
+            await self._bucket_into_buffer(job, ref, target)
+        role = "owner" if owner else "fallback"
+        if self.chunk_log is not None:
+            self.chunk_log.attempt(job, ref, f"bucket-{role}", "ok")
+        self.stats.add(f"bucket_bytes_{role}", ref.length)
+        self.stats.add(f"bucket_chunks_{role}")
+        job.bytes_from_bucket += ref.length
+        if not owner:
+            self.repeat.log(logging.INFO, ("fallback", job.identity),
+                            "snapshot %s: chunk %d of %s read from the bucket as a fallback",
+                            job.identity, ref.index, ref.path)
+
+    async def _bucket_into_buffer(self, job: SnapshotJob, ref: ChunkRef, target: Path) -> None:
+        """The HTTP-era bucket path: read into a pooled buffer, verify, write (3 tries)."""
         key = f"{job.identity}/{ref.path}"
         try:
             async for attempt in retry_policy.bucket_bytes():
@@ -273,13 +288,3 @@ class Sources:
                         raise retry_policy.BadBytes()
         except retry_policy.BadBytes:
             raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
-        role = "owner" if owner else "fallback"
-        if self.chunk_log is not None:
-            self.chunk_log.attempt(job, ref, f"bucket-{role}", "ok")
-        self.stats.add(f"bucket_bytes_{role}", ref.length)
-        self.stats.add(f"bucket_chunks_{role}")
-        job.bytes_from_bucket += ref.length
-        if not owner:
-            self.repeat.log(logging.INFO, ("fallback", job.identity),
-                            "snapshot %s: chunk %d of %s read from the bucket as a fallback",
-                            job.identity, ref.index, ref.path)

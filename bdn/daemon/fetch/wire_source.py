@@ -220,11 +220,4 @@ class WireSource:
                     raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
         finally:
             self.maps.release(target)
-        role = "owner" if owner else "fallback"
-        if self.chunk_log is not None:
-            self.chunk_log.attempt(job, ref, f"bucket-{role}", "ok")
-        self.stats.add(f"bucket_bytes_{role}", ref.length)
-        self.stats.add(f"bucket_chunks_{role}")
-        job.bytes_from_bucket += ref.length
-        if not owner:
-            log.info("snapshot %s: chunk %d of %s read from the bucket as a fallback", job.identity, ref.index, ref.path)
+        # the counters, the chunk log's "ok" and the fallback line: Sources.from_bucket, for both paths
