@@ -25,7 +25,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
+from bdn.engines.chat_params import ChatError, int_param, number_param
 from bdn.engines.hf import EngineError, HFEngine
 
 __all__ = ["ChatError", "make_app", "parse_chat"]
@@ -42,32 +42,6 @@ MAX_MESSAGES = 1000
 MAX_TOP_LOGPROBS = 20
 DEFAULT_MAX_TOKENS = 64
 ROLES = ("system", "user", "assistant", "tool")
-
-
-class ChatError(Exception):
-    """A refused request: HTTP status, one-line message, the parameter at fault."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-
-def _num(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
-        raise ChatError(400, f"{key} must be a number in [{lo:g}, {hi:g}]", key)
-    return float(v)
-
-
-def _int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ChatError(400, f"{key} must be an integer in [{lo}, {hi}]", key)
-    return v
 
 
 def parse_chat(body: Any) -> dict[str, Any]:
@@ -94,22 +68,22 @@ def parse_chat(body: Any) -> dict[str, Any]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ChatError(400, "model must be a string", "model")
-    if _int(body, "n", 1, 1) not in (None, 1):
+    if int_param(body, "n", 1, 1) not in (None, 1):
         raise ChatError(400, "n must be 1", "n")
     if body.get("stream"):
         raise ChatError(400, "stream is not supported; send stream: false", "stream")
-    mt = _int(body, "max_completion_tokens", 0, 1 << 20)
+    mt = int_param(body, "max_completion_tokens", 0, 1 << 20)
     if mt is None:
-        mt = _int(body, "max_tokens", 0, 1 << 20)
+        mt = int_param(body, "max_tokens", 0, 1 << 20)
     lp = body.get("logprobs", True)
     if not isinstance(lp, bool):
         raise ChatError(400, "logprobs must be true or false", "logprobs")
-    seed = _int(body, "seed", -(1 << 63), (1 << 63) - 1)
+    seed = int_param(body, "seed", -(1 << 63), (1 << 63) - 1)
     return {
         "model": model, "messages": messages, "max_tokens": mt,
-        "temperature": _num(body, "temperature", 1.0, 0.0, 2.0), "top_p": _num(body, "top_p", 1.0, 1e-9, 1.0),
+        "temperature": number_param(body, "temperature", 1.0, 0.0, 2.0), "top_p": number_param(body, "top_p", 1.0, 1e-9, 1.0),
         "seed": None if seed is None else seed % (1 << 63), "logprobs": lp,
-        "top_logprobs": _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0,
+        "top_logprobs": int_param(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0,
     }
 
 

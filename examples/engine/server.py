@@ -48,7 +48,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import secrets
 import signal
 import sys
@@ -68,6 +67,7 @@ import tinygpt  # noqa: E402
 
 from bdn.client import DaemonClient, EngineLink, Snapshot, run_hot_swap_loop  # noqa: E402
 from bdn.client.errors import DaemonError, DaemonUnreachable, one_line  # noqa: E402
+from bdn.engines.chat_params import ChatError, bool_param, int_param, number_param  # noqa: E402
 from bdn.proto.errors import BdnError  # noqa: E402
 
 log = logging.getLogger("engine")
@@ -149,12 +149,7 @@ def load_model(snapshot: Snapshot) -> tinygpt.Model:
 
 # -- requests ----------------------------------------------------------------------------------
 
-class RequestError(Exception):
-    """A request the server refuses: HTTP status, one-line message, the offending parameter."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+RequestError = ChatError  # the shared rules (bdn/engines/chat_params.py) raise it
 
 
 def _error_response(err: RequestError) -> web.Response:
@@ -174,33 +169,6 @@ class ChatRequest:
     top_logprobs: int
     return_token_ids: bool
     engine_data: bool
-
-
-def _number(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not lo <= v <= hi:
-        raise RequestError(400, f"{key} must be a number in [{lo:g}, {hi:g}]", key)
-    return float(v)
-
-
-def _int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
-    v = body.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise RequestError(400, f"{key} must be an integer in [{lo}, {hi}]", key)
-    return v
-
-
-def _bool(body: dict[str, Any], key: str, default: bool) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise RequestError(400, f"{key} must be true or false", key)
-    return v
 
 
 def _content(value: Any, i: int) -> str:
@@ -239,14 +207,14 @@ def parse_chat_request(body: Any) -> ChatRequest:
         if role not in tinygpt.CHAT_ROLES:
             raise RequestError(400, f"messages[{i}].role must be one of {', '.join(tinygpt.CHAT_ROLES)}", "messages")
         messages.append({"role": role, "content": _content(m.get("content"), i)})
-    if _int(body, "n", 1, 1) not in (None, 1):
+    if int_param(body, "n", 1, 1) not in (None, 1):
         raise RequestError(400, "n must be 1", "n")
     if body.get("stream"):
         raise RequestError(400, "stream is not supported by this engine; send stream: false", "stream")
-    max_tokens = _int(body, "max_completion_tokens", 0, 1 << 20)
+    max_tokens = int_param(body, "max_completion_tokens", 0, 1 << 20)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 0, 1 << 20)
-    seed = _int(body, "seed", -(1 << 63), (1 << 64) - 1)
+        max_tokens = int_param(body, "max_tokens", 0, 1 << 20)
+    seed = int_param(body, "seed", -(1 << 63), (1 << 64) - 1)
     nvext = body.get("nvext")
     engine_data = False
     if nvext is not None:
@@ -259,12 +227,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
         model=model,
         messages=messages,
         max_tokens=max_tokens,
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        temperature=number_param(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=number_param(body, "top_p", 1.0, 1e-9, 1.0),
         seed=None if seed is None else seed % (1 << 64),  # numpy seeds are unsigned
-        logprobs=_bool(body, "logprobs", True),
-        top_logprobs=_int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0,
-        return_token_ids=_bool(body, "return_token_ids", True),
+        logprobs=bool_param(body, "logprobs", True),
+        top_logprobs=int_param(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0,
+        return_token_ids=bool_param(body, "return_token_ids", True),
         engine_data=engine_data,
     )
 
