@@ -39,7 +39,7 @@ import xxhash  # noqa: E402
 
 from bdn.cli import bdnctl  # noqa: E402
 from bdn.client import hot_load, hot_load_status, open_snapshot  # noqa: E402
-from bdn.client.engine import list_engines  # noqa: E402
+from bdn.client.fleet import list_engines  # noqa: E402
 from bdn.engines.hf import HFEngine  # noqa: E402
 from bdn.engines.options import HotLoadOptions  # noqa: E402
 from bdn.engines.service import HFService  # noqa: E402

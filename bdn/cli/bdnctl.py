@@ -79,7 +79,7 @@ from bdn.client import (
     SnapshotFailed,
     open_snapshot,
 )
-from bdn.client.engine import (
+from bdn.client.fleet import (
     call_json,
     collect_garbage,
     hot_load,

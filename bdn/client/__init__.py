@@ -18,17 +18,18 @@ Example::
 """
 
 from bdn.client.daemon import DEFAULT_URL, STATES, DaemonClient
-from bdn.client.engine import (
-    EngineLink,
+from bdn.client.engine import EngineLink, run_hot_swap_loop
+from bdn.client.errors import DaemonError, DaemonUnreachable, SnapshotFailed
+from bdn.client.fleet import (
     call_json,
     collect_garbage,
     hot_load,
     hot_load_status,
+    list_engines,
     release_lease,
-    run_hot_swap_loop,
+    remove_engine,
     take_lease,
 )
-from bdn.client.errors import DaemonError, DaemonUnreachable, SnapshotFailed
 from bdn.client.ready import ReadyFile, ReadyMarker, read_ready
 from bdn.client.snapshot import Snapshot, open_snapshot
 
@@ -47,9 +48,11 @@ __all__ = [
     "collect_garbage",
     "hot_load",
     "hot_load_status",
+    "list_engines",
     "open_snapshot",
     "read_ready",
     "release_lease",
+    "remove_engine",
     "run_hot_swap_loop",
     "take_lease",
 ]

@@ -16,9 +16,7 @@ to it, then the one it serves) the daemon keeps a lease on it, so garbage collec
                       swap=lambda model, snap: engine.replace(model),     # the measured pause
                       stop=stop_event)
 
-The module also has the fleet hot-load calls a trainer or operator makes (``hot_load``,
-``hot_load_status``) and the lease and GC calls (``take_lease``, ``release_lease``,
-``collect_garbage``).
+The fleet hot-load, lease and GC calls a trainer or operator makes are in :mod:`bdn.client.fleet`.
 
 Transport: the ``DaemonClient``'s (:mod:`bdn.client.transport`, httpx over TCP or the unix
 socket, pooled keep-alive connections), with its timeout and errors; a plain URL (e.g. a daemon's
@@ -40,8 +38,8 @@ from urllib.parse import quote, urlencode
 from bdn import retry
 from bdn.client.daemon import DEFAULT_URL, DaemonClient
 from bdn.client.errors import DaemonError, DaemonUnreachable, one_line
+from bdn.client.fleet import as_client, call_json, json_object
 from bdn.client.snapshot import Snapshot, open_snapshot
-from bdn.client.transport import Transport
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.identity import validate_identity
 
@@ -49,168 +47,8 @@ log = logging.getLogger("bdn.client.engine")
 
 T = TypeVar("T")
 MAX_NEXT_POLL = 300.0  # the daemon caps one long-poll at 300 s
-HOT_LOAD_PATH = "/hot_load/v1/models/hot_load"
 RETRY_MIN, RETRY_MAX = 0.5, 10.0  # seconds between attempts while the daemon is unreachable
 
-
-def _as_client(daemon: DaemonClient | str) -> tuple[DaemonClient, bool]:
-    """The DaemonClient to use, and whether this module made it (and so must close it)."""
-    if isinstance(daemon, DaemonClient):
-        return daemon, False
-    return DaemonClient(daemon), True
-
-
-def call_json(
-    daemon: DaemonClient | str,
-    method: str,
-    path: str,
-    body: Any = None,
-    *,
-    ok: tuple[int, ...] = (200,),
-    timeout: float | None = None,
-    headers: dict[str, str] | None = None,
-) -> tuple[int, Any]:
-    """One JSON request to a daemon; returns ``(status, parsed body or None when empty)``.
-
-    Args:
-        daemon: a ``DaemonClient`` (its URL and timeout are used) or a URL (``http://host:port``,
-            ``unix:///path.sock``; also a daemon's peer URL for the network hot-load API).
-        body: sent as JSON (``Content-Type: application/json``) unless None.
-        ok: statuses that are answers; any other raises ``DaemonError(status, message)``.
-        timeout: seconds for the connection and the answer (default: the client's).
-        headers: extra headers (``Authorization: Bearer ...`` for the network hot-load API).
-
-    Raises:
-        DaemonUnreachable: refused, no socket, timed out, dropped.
-        DaemonError: a status outside ``ok`` (message: the daemon's ``{"error": ...}`` line).
-        ProtocolError: an answer over 64 MiB or not JSON.
-    """
-    if isinstance(daemon, DaemonClient):
-        r = daemon.http.request(method, path, body=body, ok=ok, headers=headers, timeout=timeout)
-    else:
-        transport = Transport(daemon)
-        try:
-            r = transport.request(method, path, body=body, ok=ok, headers=headers, timeout=timeout)
-        finally:
-            transport.close()
-    try:
-        return r.status, r.json()
-    except ProtocolError as exc:
-        raise ProtocolError(f"{method} {path}: {exc}") from None
-
-
-def _object(obj: Any, what: str) -> dict[str, Any]:
-    if not isinstance(obj, dict):
-        raise ProtocolError(f"{what}: expected a JSON object, got {type(obj).__name__}")
-    return obj
-
-
-# -- fleet hot-load, leases, GC ----------------------------------------------------------------
-
-def hot_load(
-    daemon: DaemonClient | str,
-    identity: str,
-    previous: str | None = None,
-    *,
-    compression_format: str = "arc_v2",
-    checksum_format: str = "alder32",
-    token: str | None = None,
-    prompt_cache_policy: str | None = None,
-    inflight_policy: str | None = None,
-    inflight_wait_s: float | None = None,
-) -> dict[str, Any]:
-    """``POST /hot_load/v1/models/hot_load``: make every replica of the fleet load ``identity``.
-
-    Args:
-        identity: the snapshot to serve.
-        previous: for a delta, the identity it applies to (``previous_snapshot_identity``); the
-            request then carries ``incremental_snapshot_metadata`` with ``compression_format``
-            and ``checksum_format`` (spelled ``alder32`` as the hosted APIs spell it).
-        token: the daemons' API token, for a daemon's network (peer) port; not needed locally.
-        prompt_cache_policy, inflight_policy, inflight_wait_s: the engine options of this hot-load
-            (``RESET_ALL``/``PRESERVE``, ``wait``/``keep``/``abort``, seconds; docs/ENGINES.md);
-            None leaves a field out (the daemon's defaults: RESET_ALL, wait, 30 s).
-
-    Returns the answer: ``{"accepted", "identity", "policy_version", "request_id", "replicas",
-    "prompt_cache_policy", "inflight_policy", "inflight_wait_s"}``.
-
-    Raises:
-        IdentityError: a malformed identity (nothing is sent).
-        DaemonError: 400 malformed, 404 not in the bucket, 409 unknown base or not the one
-            served, 415 unsupported compression format, 401 bad token.
-    """
-    body: dict[str, Any] = {"identity": validate_identity(identity)}
-    if previous is not None:
-        body["incremental_snapshot_metadata"] = {
-            "previous_snapshot_identity": validate_identity(previous),
-            "compression_format": compression_format,
-            "checksum_format": checksum_format,
-        }
-    for key, val in (("prompt_cache_policy", prompt_cache_policy), ("inflight_policy", inflight_policy),
-                     ("inflight_wait_s", inflight_wait_s)):
-        if val is not None:
-            body[key] = val
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    _status, ans = call_json(daemon, "POST", HOT_LOAD_PATH, body, headers=headers)
-    return _object(ans, "hot-load answer")
-
-
-def hot_load_status(daemon: DaemonClient | str, *, token: str | None = None) -> list[dict[str, Any]]:
-    """``GET /hot_load/v1/models/hot_load``: every replica of the fleet.
-
-    Each: ``{"replica_id", "current_snapshot_identity", "policy_version", "readiness",
-    "loading_state": {"stage", "identity", "progress", "reason"}}`` (stages queued, downloading,
-    applying, verifying, ready, loading, done, error).
-    """
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    _status, ans = call_json(daemon, "GET", HOT_LOAD_PATH, headers=headers)
-    reps = _object(ans, "hot-load status").get("replicas")
-    if not isinstance(reps, list) or not all(isinstance(r, dict) for r in reps):
-        raise ProtocolError("hot-load status: 'replicas' is not a list of objects")
-    return reps
-
-
-def list_engines(daemon: DaemonClient | str) -> dict[str, Any]:
-    """``GET /v1/engines``: ``{"engine_ttl_s", "engines": [{"engine_id", "name", "serving",
-    "offered", "error", "pause_ms", "prompt_cache_policy", "inflight_policy", "swap",
-    "registered_s_ago", "last_seen_s_ago", "expires_in_s"}]}``."""
-    _status, ans = call_json(daemon, "GET", "/v1/engines")
-    ans = _object(ans, "engines")
-    if not isinstance(ans.get("engines"), list) or not all(isinstance(e, dict) for e in ans["engines"]):
-        raise ProtocolError("engines: 'engines' is not a list of objects")
-    return ans
-
-
-def remove_engine(daemon: DaemonClient | str, engine_id: str) -> None:
-    """``DELETE /v1/engines/{id}``: drop an engine (its leases are released); DaemonError 404 if unknown."""
-    call_json(daemon, "DELETE", f"/v1/engines/{quote(engine_id, safe='')}")
-
-
-def take_lease(daemon: DaemonClient | str, identity: str, holder: str) -> str:
-    """``POST /v1/snapshots/{identity}/leases``: keep a ready snapshot from GC; returns the lease id.
-
-    Raises DaemonError 409 if the snapshot is not ready on this node.
-    """
-    path = f"/v1/snapshots/{quote(validate_identity(identity), safe='')}/leases"
-    _status, ans = call_json(daemon, "POST", path, {"holder": holder}, ok=(200, 201))
-    lease_id = _object(ans, "lease answer").get("lease_id")
-    if not isinstance(lease_id, str) or not lease_id:
-        raise ProtocolError("lease answer has no 'lease_id' string")
-    return lease_id
-
-
-def release_lease(daemon: DaemonClient | str, lease_id: str) -> None:
-    """``DELETE /v1/leases/{lease_id}``; DaemonError 404 for an unknown lease."""
-    call_json(daemon, "DELETE", f"/v1/leases/{quote(lease_id, safe='')}")
-
-
-def collect_garbage(daemon: DaemonClient | str) -> dict[str, Any]:
-    """``POST /v1/gc``: drop old snapshots now; returns ``{"removed": [...], "kept": [...]}``."""
-    _status, ans = call_json(daemon, "POST", "/v1/gc")
-    return _object(ans, "gc answer")
-
-
-# -- the engine's registration -----------------------------------------------------------------
 
 class EngineLink:
     """An engine's registration with its node's bdnd (local API only).
@@ -225,7 +63,7 @@ class EngineLink:
     """
 
     def __init__(self, daemon: DaemonClient | str = DEFAULT_URL, name: str = "engine") -> None:
-        self.client, self._owns_client = _as_client(daemon)
+        self.client, self._owns_client = as_client(daemon)
         self.name = name
         self._lock = threading.Lock()
         self._closed = False
@@ -240,7 +78,7 @@ class EngineLink:
     def register(self) -> str:
         """(Re-)register with the daemon, e.g. after it restarted and forgot us; returns the id."""
         _status, ans = call_json(self.client, "POST", "/v1/engines", {"name": self.name}, ok=(200, 201))
-        engine_id = _object(ans, "engine registration").get("engine_id")
+        engine_id = json_object(ans, "engine registration").get("engine_id")
         if not isinstance(engine_id, str) or not engine_id or not engine_id.isprintable() or len(engine_id) > 200:
             raise ProtocolError("engine registration: no valid 'engine_id' string")
         with self._lock:
@@ -272,7 +110,7 @@ class EngineLink:
                                 timeout=wait + self.client.timeout)
         if status == 204:
             return None
-        offer = _object(ans, "next snapshot")
+        offer = json_object(ans, "next snapshot")
         try:
             validate_identity(offer.get("identity"))
         except BdnError as exc:
@@ -488,17 +326,4 @@ def _ack_quietly(link: EngineLink, identity: str, pause_ms: float, error: str | 
         log.warning("ack of %s failed: %s", identity, exc)
 
 
-__all__ = [
-    "HOT_LOAD_PATH",
-    "EngineLink",
-    "call_json",
-    "collect_garbage",
-    "hot_load",
-    "hot_load_status",
-    "list_engines",
-    "offer_keepalive_s",
-    "release_lease",
-    "remove_engine",
-    "run_hot_swap_loop",
-    "take_lease",
-]
+__all__ = ["EngineLink", "offer_keepalive_s", "run_hot_swap_loop"]
