@@ -592,7 +592,7 @@ def test_sse_kms_object_has_no_md5_but_its_sdk_checksum(
 def test_parse_etags_and_goog_hash() -> None:
     import base64
 
-    from bdn.bucket.s3 import _goog_hash, parse_s3_etag
+    from bdn.bucket.checksums import goog_hash, parse_s3_etag
 
     assert parse_s3_etag('"0123456789abcdef0123456789ABCDEF"') == ("0123456789abcdef0123456789abcdef", None)
     assert parse_s3_etag("0123456789abcdef0123456789abcdef-12") == ("0123456789abcdef0123456789abcdef", 12)
@@ -601,9 +601,18 @@ def test_parse_etags_and_goog_hash() -> None:
     md5 = bytes(range(16))
     crc = (0xDEADBEEF).to_bytes(4, "big")
     header = f"crc32c={base64.b64encode(crc).decode()},md5={base64.b64encode(md5).decode()}"
-    assert _goog_hash(header) == (md5.hex(), 0xDEADBEEF)
-    assert _goog_hash("crc32c=!!,md5=AAAA") == (None, None)
-    assert _goog_hash(None) == (None, None)
+    assert goog_hash(header) == (md5.hex(), 0xDEADBEEF)
+    assert goog_hash("crc32c=!!,md5=AAAA") == (None, None)
+    assert goog_hash(None) == (None, None)
+
+
+def test_uniform_parts_is_the_aws_uploaders_layout() -> None:
+    from bdn.bucket.checksums import uniform_parts
+
+    assert uniform_parts(8, 3, 4, 27)  # 8 + 8 + 8 + 3
+    assert uniform_parts(8, 8, 2, 16)
+    assert not uniform_parts(8, 3, 4, 28)  # a middle part of another size
+    assert not uniform_parts(8, 9, 2, 17)  # the last part larger than the first
 
 
 def test_short_206_is_retried_not_taken_as_the_end(rctx: Ctx) -> None:

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bdn import fileops
-from bdn.proto import arc
+from bdn.proto import arc, planes
 from bdn.proto import safetensors_fmt as sf
 from bdn.proto.errors import ChecksumError, ProtocolError
 
@@ -30,13 +30,13 @@ SMALL = 4096  # the decoder's smallest accepted block: many blocks from small ar
 
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(arc, "PLANES_BLOCK", SMALL)
-    monkeypatch.setattr(arc, "_P_BATCH", 1)  # every block its own pool task
-    monkeypatch.setattr(arc, "_P_PIECE", 1000)  # several copy/scatter/checksum pieces per block
+    monkeypatch.setattr(planes, "PLANES_BLOCK", SMALL)
+    monkeypatch.setattr(planes, "_P_BATCH", 1)  # every block its own pool task
+    monkeypatch.setattr(planes, "_P_PIECE", 1000)  # several copy/scatter/checksum pieces per block
 
 
 def _modes(stream: bytes, n: int) -> list[int]:
-    _, blocks = arc._parse_planes(np.frombuffer(stream, np.uint8), n)
+    _, blocks = planes.parse_stream(np.frombuffer(stream, np.uint8), n)
     return [b.mode for b in blocks]
 
 
@@ -103,7 +103,7 @@ def test_every_block_mode_and_escaped_gaps_are_exercised() -> None:
     target[4 * SMALL :] = base[4 * SMALL :]  # block 4: unchanged again
     stream = _round_trip(base, target)
     assert _modes(stream, base.nbytes) == [0, 1, 2, 2, 0]
-    _, blocks = arc._parse_planes(np.frombuffer(stream, np.uint8), base.nbytes)
+    _, blocks = planes.parse_stream(np.frombuffer(stream, np.uint8), base.nbytes)
     assert (blocks[1].k, blocks[1].e) == (2, 1)
 
 
@@ -171,7 +171,7 @@ def _apply(base_path: Path, diff: bytes, workers: int) -> bytes:
 @pytest.mark.parametrize("workers", [1, 2, 8])
 @pytest.mark.parametrize("batch", [1, 3 * SMALL])
 def test_whole_file_apply_is_bit_exact(tmp_path: Path, workers: int, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(arc, "_P_BATCH", batch)  # pool tasks of one block, or of several
+    monkeypatch.setattr(planes, "_P_BATCH", batch)  # pool tasks of one block, or of several
     base_path, target_path = _files(tmp_path)
     fileops.write_diff_file(base_path, target_path, tmp_path / "d", FMT, workers=workers)
     diff = (tmp_path / "d").read_bytes()
@@ -311,12 +311,12 @@ def _valid_streams() -> list[tuple[bytes, int]]:
         target = base.copy()
         hit = rng.random(base.size) < density
         target[hit] ^= rng.integers(1, 256, int(hit.sum()), dtype=np.uint8)
-        saved = arc.PLANES_BLOCK
-        arc.PLANES_BLOCK = SMALL
+        saved = planes.PLANES_BLOCK
+        planes.PLANES_BLOCK = SMALL
         try:
             out.append((arc.encode_xor(base, target, FMT, width=w), n * w))
         finally:
-            arc.PLANES_BLOCK = saved
+            planes.PLANES_BLOCK = saved
     return out
 
 

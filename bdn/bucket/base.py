@@ -157,6 +157,12 @@ class BucketStats:
             }
 
 
+def one_line(text: object, limit: int = 200) -> str:
+    """Untrusted server text squeezed into one bounded line."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
 def _show(text: str, limit: int = 120) -> str:
     """A one-line, bounded rendering of untrusted text for error messages."""
     shown = repr(text)

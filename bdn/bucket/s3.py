@@ -24,8 +24,6 @@ GCS S3-API quirks handled here (``gs://``):
 
 from __future__ import annotations
 
-import base64
-import binascii
 import http.client
 import logging
 import os
@@ -51,12 +49,13 @@ from bdn.bucket.base import (
     ObjectChanged,
     ObjectChecksum,
     ObjectInfo,
-    SdkChecksum,
     ObjectNotFound,
     as_byte_view,
+    one_line,
     validate_key,
     validate_prefix,
 )
+from bdn.bucket.checksums import object_checksum
 from bdn.bucket.credentials import ReaderCredentials
 from bdn.proto.errors import PathError
 
@@ -99,12 +98,6 @@ _STREAM_ERRORS = (OSError, http.client.HTTPException, bex.HTTPClientError, bex.I
 
 #: Piece size for bodies read through ``readinto`` of a library that copies through a temp buffer.
 _FALLBACK_CHUNK = 1 << 20
-
-
-def _one_line(text: object, limit: int = 200) -> str:
-    """Untrusted server text squeezed into one bounded line."""
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 class S3Bucket(Bucket):
@@ -181,7 +174,7 @@ class S3Bucket(Bucket):
         try:
             self._client = session.client("s3", endpoint_url=endpoint_url, config=Config(**config_args))
         except (bex.BotoCoreError, ValueError) as exc:
-            raise BucketError(f"cannot open {url}: {_one_line(exc)}") from None
+            raise BucketError(f"cannot open {url}: {one_line(exc)}") from None
         self._install_retry_hook()
         self._transfer = create_transfer_manager(
             self._client,
@@ -211,7 +204,7 @@ class S3Bucket(Bucket):
         try:
             found = session.get_credentials()
         except bex.BotoCoreError as exc:
-            raise BucketError(f"cannot load credentials for {self.url}: {_one_line(exc)}") from None
+            raise BucketError(f"cannot load credentials for {self.url}: {one_line(exc)}") from None
         if found is None:
             raise BucketError(
                 f"no credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
@@ -269,7 +262,7 @@ class S3Bucket(Bucket):
             meta = response.get("ResponseMetadata") or {}
             code = str(error.get("Code") or "")
             status = meta.get("HTTPStatusCode")
-            message = _one_line(error.get("Message") or "")
+            message = one_line(error.get("Message") or "")
             what = f"{code or 'HTTP'} ({status})" + (f": {message}" if message else "")
             if code == "NoSuchBucket":
                 return BucketError(f"{op} {where}: bucket {self._bucket!r} does not exist")
@@ -283,13 +276,13 @@ class S3Bucket(Bucket):
             return BucketError(f"{op} {where}: {what}")
         if isinstance(exc, (bex.ConnectionError, bex.HTTPClientError)):
             return BucketUnavailable(
-                f"{op} {where}: gave up after up to {self._max_attempts} attempts: {_one_line(exc)}"
+                f"{op} {where}: gave up after up to {self._max_attempts} attempts: {one_line(exc)}"
             )
         if isinstance(exc, bex.NoCredentialsError):
             return BucketError(f"{op} {where}: no credentials found (AWS standard chain)")
         if isinstance(exc, bex.BotoCoreError):
-            return BucketError(f"{op} {where}: {_one_line(exc)}")
-        return BucketError(f"{op} {where}: {type(exc).__name__}: {_one_line(exc)}")
+            return BucketError(f"{op} {where}: {one_line(exc)}")
+        return BucketError(f"{op} {where}: {type(exc).__name__}: {one_line(exc)}")
 
     def _call(self, op: str, key: str | None, fn: Callable[..., _T], **params: Any) -> _T:
         try:
@@ -403,70 +396,17 @@ class S3Bucket(Bucket):
         return resp, (resp.get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
 
     def checksum(self, key: str, etag: str, *, exact_parts: bool = False) -> ObjectChecksum:
-        """S3: the MD5 in a single-part ETag, or the composite MD5, part count and part layout of
-        a multipart one, and the object's additional checksum if it was uploaded with one; GCS:
-        ``x-goog-hash``.
-
-        The layout of a multipart object: ``HeadObject`` with ``PartNumber=1`` and ``PartNumber=N``
-        give the first and last parts' sizes; when they fit parts of one size but the last, that
-        is the layout (every AWS uploader cuts parts so), else (or with ``exact_parts``) every
-        part is asked for its size (``part_sizes``). SSE-KMS/SSE-C objects
-        (``x-amz-server-side-encryption: aws:kms`` or a customer key) have an ETag that is not an
-        MD5; their additional checksum (``x-amz-checksum-*`` with ``ChecksumMode=ENABLED``, which
-        current AWS SDKs send on every upload) is then all the bucket vouches for.
-        """
+        """What the bucket vouches for (:func:`bdn.bucket.checksums.object_checksum`: S3's ETag MD5,
+        multipart composite and part layout, additional checksum; GCS's ``x-goog-hash``)."""
         validate_key(key)
-        md5, parts = parse_s3_etag(etag)
-        multipart = parts is not None and not self._gcs
-        resp, headers = self._head(key, etag, 1 if multipart else None, checksums=not self._gcs)
-        if headers.get("x-amz-server-side-encryption") == "aws:kms" or headers.get(
-            "x-amz-server-side-encryption-customer-algorithm"
-        ):
-            md5 = None
-        first_size = _size(resp, self._where(key))
-        if self._gcs:
-            # GCS's ETag is an MD5 only for non-composite objects; x-goog-hash says which.
-            goog_md5, crc = _goog_hash(headers.get("x-goog-hash"))
-            return ObjectChecksum(key=key, etag=etag, size=first_size, md5=goog_md5, crc32c=crc)
-        sdk = _sdk_checksum(headers, multipart)
-        if not multipart or parts is None:
-            return ObjectChecksum(key=key, etag=etag, size=first_size, md5=md5, sdk_checksum=sdk)
-        count = headers.get("x-amz-mp-parts-count")
-        if count is not None and str(count) != str(parts):
-            raise ObjectChanged(
-                f"object changed while it was read: {self._where(key)} (ETag names {parts}"
-                f" parts, the bucket now reports {_one_line(count, 20)})",
-                key,
-            )
-        if sdk is None:
-            # Some S3 APIs leave the checksum out of a part's HEAD; the object's HEAD has it.
-            sdk = _sdk_checksum(self._head(key, etag, None, checksums=True)[1], True)
-        info = self.stat(key)
-        if info.etag != etag:
-            raise ObjectChanged(
-                f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
-                key,
-            )
-        sizes: tuple[int, ...] | None = None
-        if parts > 1:
-            last = _size(self._head(key, etag, parts)[0], self._where(key))
-            if exact_parts or not (last <= first_size and first_size * (parts - 1) + last == info.size):
-                middle = [_size(self._head(key, etag, k)[0], self._where(key)) for k in range(2, parts)]
-                sizes = (first_size, *middle, last)
-                if sum(sizes) != info.size:
-                    raise ObjectChanged(
-                        f"object changed while it was read: {self._where(key)} (its parts add up to"
-                        f" {sum(sizes)} bytes, not {info.size})",
-                        key,
-                    )
-        if self.stat(key).etag != etag:  # the part HEADs carry no If-Match
-            raise ObjectChanged(
-                f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
-                key,
-            )
-        return ObjectChecksum(
-            key=key, etag=etag, size=info.size, parts=parts, part_size=first_size, composite_md5=md5,
-            part_sizes=sizes, sdk_checksum=sdk,
+        where = self._where(key)
+
+        def head(part: int | None, checksums: bool) -> tuple[int, dict[str, str]]:
+            resp, headers = self._head(key, etag, part, checksums=checksums)
+            return _size(resp, where), headers
+
+        return object_checksum(
+            key, etag, head=head, stat=lambda: self.stat(key), gcs=self._gcs, exact_parts=exact_parts, where=where
         )
 
     def _fill(
@@ -541,7 +481,7 @@ class S3Bucket(Bucket):
                     breaks += 1
                     if breaks + shorts >= self._max_attempts:
                         raise BucketUnavailable(
-                            f"read {where}: the body broke off {breaks} times; last: {_one_line(broken)}"
+                            f"read {where}: the body broke off {breaks} times; last: {one_line(broken)}"
                         )
                     self.stats.add(retries=1)
                     log.debug("resuming %s at byte %d after: %s", where, offset + done, broken)
@@ -561,7 +501,7 @@ class S3Bucket(Bucket):
                         raise BucketUnavailable(
                             f"read {where}: the bucket answered {shorts} times with fewer bytes than"
                             f" asked {goes_on} (last: {answered} bytes,"
-                            f" Content-Range {_one_line(content_range, 80)!r}, for"
+                            f" Content-Range {one_line(content_range, 80)!r}, for"
                             f" {answered + total - done} asked)"
                         )
                     self.stats.add(retries=1)
@@ -599,7 +539,7 @@ class S3Bucket(Bucket):
         except OSError as exc:
             raise BucketError(f"write {self._where(key)} from {name!r}: {exc.strerror or exc}") from None
         except Exception as exc:  # s3transfer wraps some failures in its own types
-            raise BucketError(f"write {self._where(key)}: {type(exc).__name__}: {_one_line(exc)}") from None
+            raise BucketError(f"write {self._where(key)}: {type(exc).__name__}: {one_line(exc)}") from None
         self.stats.add(put_bytes=size)
 
     def close(self) -> None:
@@ -626,21 +566,7 @@ def _quoted(etag: str) -> str:
     return etag if etag.startswith('"') else f'"{etag}"'
 
 
-_MD5_HEX = re.compile(r"[0-9a-f]{32}")
-_MULTIPART_ETAG = re.compile(r"([0-9a-f]{32})-([1-9][0-9]{0,4})")
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
-
-
-def parse_s3_etag(etag: str) -> tuple[str | None, int | None]:
-    """``(md5 hex, None)`` for a single-part ETag, ``(composite md5 hex, N)`` for ``<hex>-N``
-    (1 <= N <= 10000, S3's part limit), ``(None, None)`` for anything else. Quotes are ignored."""
-    text = etag.strip('"').lower()
-    if _MD5_HEX.fullmatch(text):
-        return text, None
-    m = _MULTIPART_ETAG.fullmatch(text)
-    if m and int(m.group(2)) <= 10000:
-        return m.group(1), int(m.group(2))
-    return None, None
 
 
 def _range_total(content_range: object) -> int | None:
@@ -651,49 +577,6 @@ def _range_total(content_range: object) -> int | None:
     if m is None or m.group(3) == "*":
         return None
     return int(m.group(3))
-
-
-#: S3's additional checksum algorithms that bdn can check (CRC64NVME has no well-kept binding).
-SDK_ALGORITHMS = ("crc32", "crc32c", "sha1", "sha256")
-
-
-def _sdk_checksum(headers: dict[str, str], multipart: bool) -> SdkChecksum | None:
-    """The ``x-amz-checksum-<algorithm>`` of a HEAD answer: ``<base64>`` (a full-object checksum)
-    or ``<base64>-N`` / ``x-amz-checksum-type: COMPOSITE`` (the checksum of the parts' binary
-    checksums, concatenated); a multipart object's checksum without a type is composite (S3's
-    default for every algorithm but CRC64NVME)."""
-    kind = str(headers.get("x-amz-checksum-type") or "").upper()
-    for algorithm in SDK_ALGORITHMS:
-        value = headers.get(f"x-amz-checksum-{algorithm}")
-        if not isinstance(value, str):
-            continue
-        b64, dash, count = value.strip().partition("-")
-        try:
-            digest = base64.b64decode(b64, validate=True)
-        except (ValueError, binascii.Error):
-            return None
-        composite = bool(dash) or kind == "COMPOSITE" or (multipart and kind != "FULL_OBJECT")
-        return SdkChecksum(algorithm, digest, composite)
-    return None
-
-
-def _goog_hash(value: object) -> tuple[str | None, int | None]:
-    """``(md5 hex, crc32c)`` from GCS's ``x-goog-hash: crc32c=<b64>,md5=<b64>`` (either may lack)."""
-    md5: str | None = None
-    crc: int | None = None
-    if not isinstance(value, str):
-        return md5, crc
-    for item in value.split(","):
-        name, _, b64 = item.strip().partition("=")
-        try:
-            raw = base64.b64decode(b64, validate=True)
-        except (ValueError, binascii.Error):
-            continue
-        if name == "md5" and len(raw) == 16:
-            md5 = raw.hex()
-        elif name == "crc32c" and len(raw) == 4:
-            crc = int.from_bytes(raw, "big")
-    return md5, crc
 
 
 def _stream_into(body: Any, view: memoryview) -> tuple[int, BaseException | None]:

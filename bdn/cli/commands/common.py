@@ -1,0 +1,66 @@
+"""What bdnctl's command modules share: the failure to report, exit codes, poll and wait defaults,
+and the plain-text tables of the human output (cells are bounded, one line each: the daemon's
+answers are shown, not trusted)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from bdn.cli.output import human_bytes
+from bdn.client.errors import one_line
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+POLL_SECONDS = 0.2
+DEFAULT_WAIT_S = 600.0
+
+#: ``sub.add_parser``'s owner (argparse's private type has no public name).
+Subparsers = Any
+
+
+class Fail(Exception):
+    """A failure to report as one line with an exit code."""
+
+    def __init__(self, message: str, code: int = EXIT_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class NotYet(Exception):
+    """Not every replica serves the snapshot yet (hot-load --wait polls again)."""
+
+
+# -- output helpers ----------------------------------------------------------------------------
+
+def cell(value: Any) -> str:
+    return "-" if value is None or value == "" else one_line(str(value), 200)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[cell(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def bytes_cell(n: Any) -> str:
+    return human_bytes(n) if isinstance(n, int | float) and not isinstance(n, bool) else cell(n)
+
+
+def progress(snap: dict[str, Any]) -> str:
+    done, total = snap.get("bytes_done"), snap.get("bytes_total")
+    if isinstance(done, int) and isinstance(total, int) and total > 0:
+        return f"{min(100.0, 100.0 * done / total):.0f}%"
+    return "100%" if snap.get("state") == "ready" else "-"
+
+
+def snapshot_table(snaps: list[dict[str, Any]]) -> str:
+    rows = [
+        [s.get("identity"), s.get("kind"), s.get("policy_version"), s.get("state"), progress(s),
+         s.get("path") if s.get("state") == "ready" else s.get("reason")]
+        for s in snaps
+    ]
+    return table(["IDENTITY", "KIND", "POLICY_VERSION", "STATE", "PROGRESS", "PATH"], rows)
+
+
+def indent(text: str) -> str:
+    return "\n".join("  " + line for line in text.splitlines())
