@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,10 +36,6 @@ import numpy as np
 
 from bdn.proto.errors import ProtocolError
 
-try:  # ml_dtypes is a declared dependency, but numpy views must not break without it.
-    import ml_dtypes as _ml_dtypes
-except ImportError:  # pragma: no cover - exercised only in stripped-down environments
-    _ml_dtypes = None
 
 
 class SafetensorsError(ProtocolError):
@@ -263,6 +260,12 @@ def tensor_index(files: Mapping[str, Header] | Iterable[tuple[str, Header]]) -> 
 
 
 def _numpy_dtypes() -> dict[str, np.dtype]:
+    # ml_dtypes is imported here, on the first dtype lookup, not at module import: importing it costs
+    # about 1 CPU-second (numpy alone 0.15), which every bdnd, bdnctl and bdn-publish start paid.
+    try:  # a declared dependency, but numpy views must not break without it
+        import ml_dtypes as _ml_dtypes
+    except ImportError:  # pragma: no cover - exercised only in stripped-down environments
+        _ml_dtypes = None
     table: dict[str, np.dtype] = {
         "BOOL": np.dtype(np.bool_), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
         "I16": np.dtype("<i2"), "U16": np.dtype("<u2"), "F16": np.dtype("<f2"),
@@ -284,12 +287,18 @@ def _numpy_dtypes() -> dict[str, np.dtype]:
     return table
 
 
-_NUMPY_DTYPES = _numpy_dtypes()
-# numpy dtype name -> safetensors name, for the writer. Insertion order makes the integer names win
-# when ml_dtypes is missing and BF16/F8 fall back to uint views.
-_FROM_NUMPY: dict[str, str] = {}
-for _st, _dt in _NUMPY_DTYPES.items():
-    _FROM_NUMPY.setdefault(_dt.name, _st)
+@functools.cache
+def _tables() -> tuple[dict[str, np.dtype], dict[str, str]]:
+    """(safetensors name -> numpy dtype, numpy dtype name -> safetensors name), built once.
+
+    In the second, insertion order makes the integer names win when ml_dtypes is missing and
+    BF16/F8 fall back to uint views.
+    """
+    to_numpy = _numpy_dtypes()
+    from_numpy: dict[str, str] = {}
+    for st, dt in to_numpy.items():
+        from_numpy.setdefault(dt.name, st)
+    return to_numpy, from_numpy
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
@@ -298,8 +307,9 @@ def numpy_dtype(dtype: str) -> np.dtype:
     BF16 and the F8 types map to ml_dtypes types (raw uint16/uint8 when ml_dtypes is missing).
     Raises SafetensorsError for unknown names and for the packed sub-byte types (F4, F6_*).
     """
-    if dtype in _NUMPY_DTYPES:
-        return _NUMPY_DTYPES[dtype]
+    to_numpy = _tables()[0]
+    if dtype in to_numpy:
+        return to_numpy[dtype]
     if dtype in DTYPE_BITS:
         raise SafetensorsError(f"dtype {dtype} is packed below one byte per element and has no numpy view")
     raise SafetensorsError(f"unknown safetensors dtype {_q(str(dtype))}")
@@ -322,7 +332,7 @@ def tensor_view(buf: Any, info: TensorInfo) -> np.ndarray:
 def safetensors_dtype(array: np.ndarray) -> str:
     """The safetensors dtype name of a numpy array's dtype; SafetensorsError if it has none."""
     try:
-        return _FROM_NUMPY[array.dtype.name]
+        return _tables()[1][array.dtype.name]
     except KeyError:
         raise SafetensorsError(f"numpy dtype {array.dtype} has no safetensors equivalent") from None
 
