@@ -15,6 +15,9 @@ one thread, no network, no Python on the byte path beyond one call per 16 MiB pi
 - ``fresh tmpfs: mmap + memcpy (page faults)``: no populate, one fault per page;
 - ``fresh tmpfs: pwrite``: ``pwrite`` of 1 MiB pieces from a hot buffer (a full-page write skips
   the zeroing; bdn.transfer's fd path);
+- ``fresh tmpfs: fallocate + pwrite``: the same into a reserved file (bdnd's store reserves);
+- ``just-freed tmpfs pages: ...``: the mapping path into pages a file freed a moment before, not
+  yet reported to the host (the zeroing and mapping without the host's fault);
 - ``fresh anonymous: memcpy``: a fresh private mapping (what a client's new numpy array costs);
 - ``xxh3-128 hot``: hashing the bytes once (bdn verifies every chunk).
 
@@ -124,6 +127,25 @@ def cases(work: Path, size: int, src: np.ndarray) -> dict[str, Callable[[], Call
             os.close(fd)
         return run
 
+    def fresh_falloc_pwrite() -> Callable[[], None]:
+        fd = fresh_file(work, size)
+        view = memoryview(src)
+
+        def run() -> None:
+            os.posix_fallocate(fd, 0, size)
+            for off in range(0, size, len(ring)):
+                os.pwrite(fd, view[off : off + len(ring)], off)
+            os.close(fd)
+        return run
+
+    def refill_populate() -> Callable[[], None]:
+        # pages freed a moment ago (still in the guest's free lists, not yet reported to the
+        # host): what the zeroing and mapping cost without a host fault
+        fd = fresh_file(work, size)
+        os.posix_fallocate(fd, 0, size)
+        os.close(fd)
+        return fresh_populate(True)()
+
     def fresh_anon() -> Callable[[], None]:
         def run() -> None:
             a = np.empty(size, dtype=np.uint8)
@@ -145,6 +167,8 @@ def cases(work: Path, size: int, src: np.ndarray) -> dict[str, Callable[[], Call
         "fresh tmpfs: fallocate + POPULATE_WRITE + memcpy": fresh_populate(True),
         "fresh tmpfs: mmap + memcpy (page faults)": fresh_faults,
         "fresh tmpfs: pwrite": fresh_pwrite,
+        "fresh tmpfs: fallocate + pwrite": fresh_falloc_pwrite,
+        "just-freed tmpfs pages: fallocate + POPULATE_WRITE + memcpy": refill_populate,
         "fresh anonymous: memcpy": fresh_anon,
         "xxh3-128 hot": hash_hot,
     }
@@ -156,6 +180,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm/bdn-bench-pagefill", help="a directory on the tmpfs to measure")
     ap.add_argument("--out", default="bench/results/pagefill.json")
+    ap.add_argument("--settle-s", type=float, default=3.0,
+                    help="seconds between cases (free page reporting hands freed memory back to the host meanwhile)")
     a = ap.parse_args()
     size = int(a.size_gib * 2**30) // PIECE * PIECE
     work = Path(a.dir)
@@ -167,6 +193,7 @@ def main() -> int:
     raw: dict[str, list[tuple[float, float]]] = {k: [] for k in table}
     for r in range(a.runs):
         for name, setup in table.items():  # interleaved: load hits every case alike
+            time.sleep(a.settle_s)  # let freed pages of the case before go back to the host
             run = setup()
             c0, t0 = cpu_s(), time.perf_counter()
             run()
