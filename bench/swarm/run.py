@@ -774,7 +774,8 @@ def publish(ns: str | None, endpoint: str, snap: Path) -> None:
     argv = (["ip", "netns", "exec", ns] if ns else []) + [
         str(BIN / "bdn-publish"), "full", "--dir", str(snap), "--bucket", f"s3://{BUCKET}/{PREFIX}",
         "--identity", IDENTITY, "--policy-version", "1", "--endpoint-url", endpoint, "--overwrite"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=dict(os.environ, **AWS_ENV))
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, **AWS_ENV, PYTHONPATH=str(REPO)))  # this tree's bdn, installed or not
     if r.returncode != 0:
         raise RuntimeError(f"bdn-publish: {r.stderr.strip()}")
 
