@@ -1,8 +1,6 @@
-"""Chunks from peers over the transfer wire (bdn.transfer), and from the bucket, into the target
-file at the chunk's offset (``bdn.daemon.fetch.targets``): a peer's bytes through the stream's
-cache-hot 1 MiB buffer, hashed there and ``pwrite``n into the file's descriptor (no zeroing of
-fresh tmpfs pages, see targets); the bucket's straight into the file's mapping, hashed in place.
-The fetcher marks a chunk verified (and indexes it) only after ``OK``.
+"""Chunks from peers over the transfer wire (bdn.transfer), and from the bucket, received
+straight into the target file's mapping (``bdn.daemon.fetch.targets``) at the chunk's offset
+and hashed in place; the fetcher marks a chunk verified (and indexes it) only after ``OK``.
 
 How a ``FetchResult`` maps onto the peer path of ``Sources.from_peer``: ``BUSY`` -> a busy
 answer (the plan's next round), ``NOT_HERE`` -> the next source, ``CORRUPT`` -> the peer is
@@ -14,7 +12,7 @@ One writer per range: an acquisition asks one source at a time, so a fetch owns 
 until its thread returns; a fetch whose task is cancelled waits for its thread first (a member
 that left has its streams closed, so that is quick). The endgame race asks several holders of
 one chunk at once: each receives into its own buffer and only the first verified copy is
-written into the file.
+written into the mapping.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
@@ -52,11 +49,8 @@ def _hash_ok(view: memoryview, digest: str) -> bool:
     return xxhash.xxh3_128(view).hexdigest() == digest
 
 
-def _write_at(fd: int, offset: int, buf: bytearray) -> None:
-    with memoryview(buf) as view:
-        done = 0
-        while done < len(view):  # pwrite may be short
-            done += os.pwrite(fd, view[done:], offset + done)
+def _copy_into(mm: Any, offset: int, buf: bytearray) -> None:
+    mm[offset : offset + len(buf)] = buf
 
 
 class WireSource:
@@ -135,12 +129,12 @@ class WireSource:
         self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
     ) -> FetchResult:
         try:
-            fd = self.maps.acquire_fd(job, target)  # pwrite from the stream's buffer (see targets)
+            mm = await self.maps.acquire(job, target)
         except OSError as e:
-            return FetchResult(Outcome.FAILED, error=f"cannot open {target}: {e}")
-        fut = self.pool.submit(peer, address, fd, ref.offset, ref.length, ref.digest, wait_s=wait,
+            return FetchResult(Outcome.FAILED, error=f"cannot map {target}: {e}")
+        fut = self.pool.submit(peer, address, mm, ref.offset, ref.length, ref.digest, wait_s=wait,
                                snapshot=job.identity)
-        return await self._await(fut, m, peer, lambda: self.maps.release_fd(target, fd))
+        return await self._await(fut, m, peer, lambda: self.maps.release(target))
 
     async def _race_one(
         self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
@@ -152,15 +146,13 @@ class WireSource:
             self.free(buf)
             return res
         try:
-            fd = self.maps.acquire_fd(job, target)
+            mm = await self.maps.acquire(job, target)
         except OSError as e:
-            return FetchResult(Outcome.FAILED, error=f"cannot open {target}: {e}")
+            return FetchResult(Outcome.FAILED, error=f"cannot map {target}: {e}")
         try:
-            await self._disk(_write_at, fd, ref.offset, buf)
-        except OSError as e:
-            return FetchResult(Outcome.FAILED, error=f"cannot write {target}: {e}")
+            await self._disk(_copy_into, mm, ref.offset, buf)
         finally:
-            self.maps.release_fd(target, fd)
+            self.maps.release(target)
         self.free(buf)
         return res
 
