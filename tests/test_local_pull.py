@@ -16,7 +16,7 @@ from support.swarm import Daemon
 from bdn.bucket import open_bucket
 from bdn.client import DaemonClient
 from bdn.client.bulk import get_into
-from bdn.client.errors import DaemonUnreachable
+from bdn.client.errors import DaemonError, DaemonUnreachable
 from bdn.proto.errors import ProtocolError
 from bdn.publish import publish_full
 
@@ -122,3 +122,36 @@ def test_bulk_get_refuses_broken_answers(answer: bytes, err: type) -> None:
     f = FakeDaemon(answer)
     with pytest.raises(err):
         get_into("127.0.0.1", f.port, None, "/x", {}, lambda n, h: bytearray(n), timeout=10, url="http://fake")
+
+
+def test_pull_into_the_callers_buffer_in_parallel_ranges(served) -> None:
+    """read_file_into / read_tensor_into fill a buffer the caller reuses, bit-exact, over TCP and
+    the unix socket, with 1 and several connections; a buffer of the wrong size is refused."""
+    d, ck, state, sock = served
+    name, data = shard(ck)
+    buf = bytearray(len(data))
+    part = np.zeros(70000, dtype=np.uint8)
+    for url in (d.url, f"unix://{sock}"):
+        with DaemonClient(url) as c:
+            for conns in (1, 3, 16):
+                buf[:] = bytes(len(buf))
+                assert c.read_file_into(IDENT, name, buf, connections=conns) == len(data)
+                assert buf == data, conns
+            assert c.read_file_into(IDENT, name, part, 1, connections=2) == 70000
+            assert part.tobytes() == data[1:70001]
+            for tname, want in state.items():
+                out = np.empty(want.nbytes, dtype=np.uint8)
+                got = c.read_tensor_into(IDENT, tname, out)
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert np.shares_memory(got, out)
+                assert np.array_equal(got.view(np.uint8).reshape(-1), want.view(np.uint8).reshape(-1)), tname
+            tname, want = next(iter(state.items()))
+            with pytest.raises(ValueError, match="buffer holds"):
+                c.read_tensor_into(IDENT, tname, bytearray(want.nbytes + 1))
+            with pytest.raises(ValueError, match="read-only"):
+                c.read_file_into(IDENT, name, bytes(10))
+            with pytest.raises(DaemonError) as e:  # a range past the end of the file: 416
+                c.read_file_into(IDENT, name, bytearray(10), len(data))
+            assert e.value.status == 416
+            # the client is still usable after every refusal
+            assert c.read_file_into(IDENT, name, part) == 70000 and part.tobytes() == data[:70000]

@@ -18,6 +18,7 @@ from urllib.parse import quote, urlencode
 
 import numpy as np
 
+from bdn.client import pull
 from bdn.client.errors import DaemonError, SnapshotFailed
 from bdn.client.snapshot import Snapshot, open_snapshot
 from bdn.client.transport import (
@@ -25,7 +26,6 @@ from bdn.client.transport import (
     Response,
     Transport,
     error_message,
-    is_uint,
 )
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
@@ -34,7 +34,6 @@ from bdn.proto.states import SNAPSHOT_STATES as STATES
 from bdn.proto.states import TERMINAL
 
 MAX_WAIT_POLL = 300.0  # the daemon caps one long-poll at 300 s
-MAX_NDIM = 64
 
 
 class DaemonClient:
@@ -254,7 +253,7 @@ class DaemonClient:
                 dtype = np.dtype(numpy_dtype(dtype_str))
             except BdnError as exc:
                 raise ProtocolError(f"tensor {name!r}: X-BDN-Dtype: {exc}") from None
-            shape = _parse_shape(h.get("x-bdn-shape"), name)
+            shape = pull.parse_shape(h.get("x-bdn-shape"), name)
             nbytes = math.prod(shape) * dtype.itemsize
             if n != nbytes:
                 raise ProtocolError(f"tensor {name!r}: {n} bytes sent, {dtype_str} {list(shape)} needs {nbytes}")
@@ -266,6 +265,17 @@ class DaemonClient:
             raise DaemonError(status, error_message(status, out)[0])
         dtype, shape = meta["dtype"], meta["shape"]
         return out.view(dtype).reshape(shape)
+
+    def read_file_into(self, identity: str, path: str, out: Any, offset: int = 0, *, connections: int = 1) -> int:
+        """Fill the writable buffer ``out`` with bytes ``[offset, offset + out.nbytes)`` of file
+        ``path`` (in ``connections`` parallel ranges); returns the byte count. For a buffer the
+        caller reuses: no new object, no fresh pages per call. See ``bdn.client.pull``."""
+        return pull.read_file_into(self.http, identity, path, out, offset, connections=connections)
+
+    def read_tensor_into(self, identity: str, name: str, out: Any) -> np.ndarray:
+        """Fill the writable buffer ``out`` (exactly the tensor's bytes) with tensor ``name``;
+        returns ``out`` viewed with the tensor's dtype and shape. See ``bdn.client.pull``."""
+        return pull.read_tensor_into(self.http, identity, name, out)
 
     def open(self, identity: str, wait: bool = True, timeout: float | None = None) -> Snapshot:
         """Open snapshot ``identity`` from the directory the daemon reports (same host only).
@@ -303,15 +313,3 @@ class DaemonClient:
             opened.close()
             raise ProtocolError(f"{path} holds snapshot {opened.identity}, not {identity}")
         return opened
-
-
-def _parse_shape(header: str | None, name: str) -> tuple[int, ...]:
-    if header is None:
-        raise ProtocolError(f"tensor {name!r}: no X-BDN-Shape header")
-    text = header.strip()
-    if not text:
-        return ()
-    parts = text.split(",")
-    if len(parts) > MAX_NDIM or not all(is_uint(p.strip()) for p in parts):
-        raise ProtocolError(f"tensor {name!r}: bad X-BDN-Shape {header[:80]!r}")
-    return tuple(int(p) for p in parts)

@@ -13,9 +13,15 @@ times per method the seconds until every tensor is an array in the engine:
 * ``zero-copy open + copy``: the views copied into fresh engine-owned arrays;
 * ``http pull (tensors)``: ``DaemonClient.read_tensor`` of every tensor from the local API;
 * ``http pull (files, 4 ranges)``: ``DaemonClient.read_file`` of each file in 4 parallel ranges;
+* ``http pull into a reused buffer (...)``: ``DaemonClient.read_tensor_into`` of every tensor, or
+  ``read_file_into`` of each file with 1 or 4 connections, into one buffer the process allocated
+  and wrote once before the clock (what a serving process with a staging buffer does), over TCP
+  and over the daemon's unix socket;
 * ``safetensors load_file``: ``safetensors.numpy.load_file`` of each ``*.safetensors`` file of the
   snapshot directory (it copies into new arrays);
-* ``memcpy``: ``np.copyto`` of one buffer of the same size into another (both pre-faulted).
+* ``memcpy``: ``np.copyto`` of one buffer of the same size into another (both pre-faulted);
+* ``memcpy into fresh memory``: the same into a new array each run (its pages faulted in and
+  zeroed as the copy lands: the bound of every method that returns new arrays).
 
 Writes bench/results/handoff.json (``--quick``: handoff.quick.json); rows: ``method, bytes,
 seconds, gbps, memcpy_gbps`` (``seconds`` the median of the runs, ``gbps`` and ``memcpy_gbps``
@@ -27,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import socket
 import subprocess
@@ -55,14 +62,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+HZ = os.sysconf("SC_CLK_TCK")
+DAEMON_PID: list[int] = []  # the bdnd whose CPU counts with ours
+
+
+def cpu_s() -> float:
+    """User + system CPU seconds of this process (all threads) and the daemon: on a shared
+    machine the wall seconds move with other people's load, the CPU per GB much less."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    tot = ru.ru_utime + ru.ru_stime
+    for pid in DAEMON_PID:
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()
+        tot += (int(st[11]) + int(st[12])) / HZ
+    return tot
+
+
 def timed(fn, n_runs: int) -> dict:
-    """``fn`` run ``n_runs`` times: ``runs``/``median``/``min``/``max`` of its wall seconds."""
-    out = []
+    """``fn`` run ``n_runs`` times: ``runs``/``median``/``min``/``max`` of its wall seconds and
+    of the CPU seconds (this process + the daemon) it took."""
+    out, cpu = [], []
     for _ in range(n_runs):
-        t0 = time.perf_counter()
+        c0, t0 = cpu_s(), time.perf_counter()
         fn()
         out.append(round(time.perf_counter() - t0, 6))
-    return runs.summarize({"seconds": out})
+        cpu.append(round(cpu_s() - c0, 4))
+    return runs.summarize({"seconds": out, "cpu_seconds": cpu})
 
 
 def memcpy_stats(nbytes: int, n_runs: int) -> dict:
@@ -80,7 +105,9 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=2)
     runs.add_runs_arg(ap)
     ap.add_argument("--repeat", type=int, dest="runs", help=argparse.SUPPRESS)  # the old name of --runs
+    ap.add_argument("--out", default="", help="result file (default bench/results/handoff[.quick].json)")
     args = ap.parse_args()
+    load0 = os.getloadavg()
     size = 0.2 if args.quick else args.size_gb
     work = Path(tempfile.mkdtemp(prefix="bdn-bench-handoff-"))
     shm = Path("/dev/shm") / f"bdn-bench-handoff-{os.getpid()}"
@@ -114,9 +141,10 @@ def main() -> None:
         env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID="bench", BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
                    BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
                    BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(secret), BDN_LOAD_STARTUP="false",
-                   BDN_STARTUP_SETTLE_S="0")
+                   BDN_STARTUP_SETTLE_S="0", BDN_LOCAL_SOCKET=str(work / "local.sock"))
         log = open(work / "bdnd.log", "wb")
         proc = subprocess.Popen([Path(sys.executable).parent / "bdnd"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        DAEMON_PID.append(proc.pid)
         url = f"http://127.0.0.1:{local}"
         with DaemonClient(url) as c:
             for _ in range(400):
@@ -170,6 +198,33 @@ def main() -> None:
                 with ThreadPoolExecutor(4) as pool:
                     assert sum(pool.map(rng, jobs)) == sum(f["size"] for f in files)
 
+            with c.open(IDENT) as snap:
+                tinfo = [(n, snap.tensor(n).nbytes) for n in snap.tensor_names()]
+            finfo = [(f["path"], f["size"]) for f in c.list_files(IDENT) if f["path"].endswith(".safetensors")]
+            arena = np.ones(max(sum(b for _, b in tinfo), sum(b for _, b in finfo)), dtype=np.uint8)  # written once
+            uds = DaemonClient(f"unix://{work / 'local.sock'}")
+
+            def tensors_into(cl):
+                def run():
+                    pos = 0
+                    for n, nb in tinfo:
+                        cl.read_tensor_into(IDENT, n, arena[pos : pos + nb])
+                        pos += nb
+                return run
+
+            def files_into(cl, conns):
+                def run():
+                    pos = 0
+                    for f, size in finfo:
+                        assert cl.read_file_into(IDENT, f, arena[pos : pos + size], connections=conns) == size
+                        pos += size
+                return run
+
+            def fresh_copy():
+                out = np.empty(nbytes, dtype=np.uint8)
+                np.copyto(out, arena[:nbytes])
+                del out
+
             def st_load():
                 with c.open(IDENT) as snap:
                     d = Path(snap.path)
@@ -178,15 +233,26 @@ def main() -> None:
 
             for method, fn in (("zero-copy open", open_views), ("zero-copy open + touch", open_touch),
                                ("zero-copy open + copy", open_copy), ("http pull (tensors)", http_tensors),
-                               ("http pull (files, 4 ranges)", http_files), ("safetensors load_file", st_load)):
+                               ("http pull (files, 4 ranges)", http_files),
+                               ("http pull into a reused buffer (tensors)", tensors_into(c)),
+                               ("http pull into a reused buffer (files, 1 connection)", files_into(c, 1)),
+                               ("http pull into a reused buffer (files, 4 connections)", files_into(c, 4)),
+                               ("http pull into a reused buffer (tensors, unix socket)", tensors_into(uds)),
+                               ("http pull into a reused buffer (files, 4 connections, unix socket)", files_into(uds, 4)),
+                               ("memcpy into fresh memory", fresh_copy),
+                               ("safetensors load_file", st_load)):
                 st = timed(fn, args.runs)
                 s = st["median"]["seconds"]
                 rows.append({"method": method, "bytes": nbytes, "seconds": round(s, 5),
                              "gbps": round(nbytes / s / 1e9, 3), "memcpy_gbps": round(mc, 3), **st})
+                rows[-1]["cpu_s_per_GB"] = round(st["median"]["cpu_seconds"] / (nbytes / 1e9), 3)
                 print(f"  {method:30s} {runs.spread(rows[-1], 'seconds', 1, 1e3)} ms  {nbytes / s / 1e9:7.2f} GB/s  "
-                      f"({nbytes / s / 1e9 / mc:5.2f}x memcpy, {s / (nbytes / 1e9) * 1e3:7.1f} ms/GB)", flush=True)
+                      f"({nbytes / s / 1e9 / mc:5.2f}x memcpy, {s / (nbytes / 1e9) * 1e3:7.1f} ms/GB, "
+                      f"{rows[-1]['cpu_s_per_GB']:.3f} CPU-s/GB)", flush=True)
+            uds.close()
             rows.append({"method": "memcpy", "bytes": nbytes, "seconds": round(mstats["median"]["seconds"], 5),
-                         "gbps": round(mc, 3), "memcpy_gbps": round(mc, 3), **mstats})
+                         "gbps": round(mc, 3), "memcpy_gbps": round(mc, 3), **mstats,
+                         "cpu_s_per_GB": round(mstats["median"]["cpu_seconds"] / (nbytes / 1e9), 3)})
     finally:
         if proc is not None:
             proc.terminate()
@@ -194,9 +260,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("handoff.quick.json" if args.quick else "handoff.json")
-    out.write_text(json.dumps({"machine": {"cores": cores, "when": time.strftime("%Y-%m-%d")}, "runs": args.runs,
-                               "rows": rows}, indent=1) + "\n")
+    out = Path(args.out) if args.out else RESULTS / ("handoff.quick.json" if args.quick else "handoff.json")
+    out.write_text(json.dumps({"machine": {"cores": cores, "when": time.strftime("%Y-%m-%d"),
+                                           "loadavg_before": load0, "loadavg_after": os.getloadavg()},
+                               "runs": args.runs, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
 
 

@@ -290,6 +290,22 @@ def cleanup() -> None:
     shutil.rmtree(SHM, ignore_errors=True)
 
 
+def cleanup_ceiling() -> None:
+    """What ``--ceiling-only`` may have left: its processes, its namespace, its shm directory
+    (never the cluster's bridge, bdnb-* namespaces or directories)."""
+    for pr in list(PROCS):
+        stop(pr, 2)
+    if LO_NS in sh("ip netns list", check=False, quiet=True).split():
+        for pid in sh(["ip", "netns", "pids", LO_NS], check=False, quiet=True).split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)  # processes inside our own namespace
+            except (ProcessLookupError, ValueError):
+                pass
+        time.sleep(0.2)
+        sh(["ip", "netns", "del", LO_NS], check=False, quiet=True)
+    shutil.rmtree(SHM, ignore_errors=True)
+
+
 # ---------------------------------------------------------------------------------------------
 # talking to bdnd over its unix socket (filesystem paths cross network namespaces)
 
@@ -758,7 +774,8 @@ def publish(ns: str | None, endpoint: str, snap: Path) -> None:
     argv = (["ip", "netns", "exec", ns] if ns else []) + [
         str(BIN / "bdn-publish"), "full", "--dir", str(snap), "--bucket", f"s3://{BUCKET}/{PREFIX}",
         "--identity", IDENTITY, "--policy-version", "1", "--endpoint-url", endpoint, "--overwrite"]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=dict(os.environ, **AWS_ENV))
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, **AWS_ENV, PYTHONPATH=str(REPO)))  # this tree's bdn, installed or not
     if r.returncode != 0:
         raise RuntimeError(f"bdn-publish: {r.stderr.strip()}")
 
@@ -915,9 +932,18 @@ def main() -> int:
         print("bench/swarm/run.py needs root (network namespaces and tc)", file=sys.stderr)
         return 2
     a.bdn_env = dict(kv.split("=", 1) for kv in a.bdn_env.split(",") if kv)
-    if a.cleanup:
+    if a.cleanup and not a.ceiling_only:
         cleanup()
         return 0
+    if a.ceiling_only:
+        # Its own namespace, work, shm and cache directories, and a cleanup that touches only
+        # those: a --ceiling-only run leaves a cluster run of this script (bridge, bdnb-*
+        # namespaces, /tmp/bdnbench, /dev/shm/bdnbench) alone, so both can run on one machine.
+        global WORK, SHM, CACHE, LO_NS
+        WORK, SHM, CACHE, LO_NS = Path("/tmp/bdnceiling"), Path("/dev/shm/bdnceiling"), Path("/var/tmp/bdnceiling"), "bdnc-lo"
+        if a.cleanup:
+            cleanup_ceiling()
+            return 0
     if a.quick:
         a.nodes, a.nic_mbit, a.bucket_mbit, a.snapshot_gb = "2,4", 200, 200, 0.25
     ns_list = [int(x) for x in a.nodes.split(",") if x]
@@ -925,7 +951,8 @@ def main() -> int:
 
     from bench.swarm.snapshot import digest_table, make_snapshot, snapshot_bytes, snapshot_files
 
-    cleanup()
+    tidy = cleanup_ceiling if a.ceiling_only else cleanup
+    tidy()
     (WORK / "logs").mkdir(parents=True, exist_ok=True)
     (WORK / "secret").write_text(os.urandom(32).hex() + "\n")
     snap = make_snapshot(CACHE, int(a.snapshot_gb * 2**30))
@@ -985,11 +1012,11 @@ def main() -> int:
             if b.moto:
                 stop(b.moto)
         if a.ceiling or a.ceiling_only:
-            cleanup()
+            tidy()
             b.point(ceiling, b, metrics=("MB_per_s", "MB_per_cpu_s"), by="MB_per_s")
     finally:
         b.save()
-        cleanup()
+        tidy()
     log(f"wrote {a.out}")
     return 0
 
