@@ -107,7 +107,7 @@ class App:
         self.catalog.on_change = self.replica.on_job_changed
         self.hotload = HotLoad(cfg.node_id, self.replica, self.catalog, self.bucket, self.peers, self.membership,
                                self.stats, clock, cfg, self.hints)
-        self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock)
+        self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock, self.stats)
         serving = ChunkServing(cfg.node_id, self.catalog, self.index, self.fetcher, self.membership,
                                Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
                                RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
@@ -262,7 +262,7 @@ class App:
             self.notify("STOPPING=1")
         for r in reversed(self._runners):
             await r.cleanup()
-        self.gossip.closing = True
+        await self.gossip.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

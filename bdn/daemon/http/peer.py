@@ -5,7 +5,8 @@
 - ``GET snapshots/{identity}/have[?since=V&wait=S]``: msgpack ``{v, state, ns, stored, nr,
   result}`` with bitfields over the manifest's stored and reconstructed chunk lists; long-polls
   until the version differs from ``since``.
-- ``POST members``: msgpack ``{node_id, url, members, target}`` in, the same shape out.
+- ``POST members``: one SWIM message, msgpack ``{"m": message}`` in, ``{node_id, url, m: [replies]}``
+  out (``bdn.daemon.gossip``).
 - ``POST hot_load`` (msgpack target, fanned out by the accepting daemon), ``GET replica``.
 
 Every request must carry a valid ``BDN-HMAC`` signature made for this daemon's node id; anything
@@ -167,14 +168,14 @@ async def get_have(request: web.Request) -> web.Response:
 
 
 async def post_members(request: web.Request) -> web.Response:
-    """POST members (msgpack {node_id, url, members, target}) -> 200 our view; 400/413 malformed."""
+    """POST members (msgpack {"m": SWIM message}) -> 200 {node_id, url, m: replies}; 400/413 malformed."""
     try:
         body = await read_body(request.content, MAX_MEMBERS_BODY, request.content_length)
     except BodyTooLarge as e:
         return text(413, f"members {e}")
     try:
         obj = msgpack.unpackb(body, raw=False)
-        ans = await services(request).gossip.handle(obj)
+        ans = await services(request).gossip.handle(obj, request["peer"])
     except (ValueError, msgpack.UnpackException, BdnError, RecursionError) as e:
         return text(400, f"members body is malformed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
