@@ -181,7 +181,6 @@ class Gossip:
         return True
 
     async def _receive(self, msg: Message, extra: Any) -> list[Message]:
-        self.stats.control_request("received", msg.kind)
         if isinstance(extra, dict):
             await self._adopt_from(extra, msg.src)
         out = self.swim.receive(msg)
@@ -252,6 +251,9 @@ class Gossip:
         """What is due now: SWIM's timers (probes, indirect probes, syncs), seeds, revivals."""
         out = self.swim.tick()
         self.apply_changes()
+        self.stats.membership.update(
+            periods=self.swim.periods, members=self.swim.table_size(), epoch=self.membership.epoch,
+            state_bytes=self.swim.state_bytes(), incarnation=self.swim.incarnation)
         for msg in out:
             self._spawn(self.send(msg))
         now = self.clock.monotonic()
@@ -298,6 +300,7 @@ class Gossip:
         if not isinstance(body, dict) or "m" not in body:
             raise ProtocolError("members body must be a map with a membership message m")
         msg, extra = parse_message(body["m"], peer, self.cfg.node_id)
+        self.stats.control_request("received", msg.kind)
         replies: list[Message] = []
         for out in await self._receive(msg, extra):
             if out.dst == msg.src:

@@ -40,6 +40,8 @@ lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
         #: control-plane requests by direction and message kind ("sent"/"received" -> kind -> n):
         #: SWIM (ping, ack, ping_req, sync, sync_ack), hot_load pushes, status reports and reads
         self.control: dict[str, dict[str, int]] = {"sent": {}, "received": {}}
+        #: membership gauges the gossip loop keeps current: periods, members, epoch, state_bytes
+        self.membership: dict[str, int] = {}
         self.loop_lag = LoopLag()  # its run() is started by the app
 
     def add(self, name: str, n: int = 1) -> None:
@@ -58,4 +60,5 @@ lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
     def snapshot(self) -> dict[str, Any]:
         """The ``counters`` and ``verify_failures_by_peer`` members of the status document (copies)."""
         return {"counters": dict(self.counters), "verify_failures_by_peer": dict(self.verify_failures_by_peer),
-                "control_requests": {k: dict(v) for k, v in self.control.items()}}
+                "control_requests": {k: dict(v) for k, v in self.control.items()},
+                "membership": dict(self.membership)}
