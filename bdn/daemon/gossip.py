@@ -153,6 +153,7 @@ class Gossip:
         if not url:
             return False
         self.stats.control_request("sent", msg.kind)
+        self.stats.control_request("messages_sent", msg.kind)
         try:
             ans = await self.peers.exchange_members(url, {"m": message_wire(msg, self._extra())})
         except PeerError as e:
@@ -176,6 +177,7 @@ class Gossip:
             except ProtocolError as e:
                 log.warning("peer %s: bad membership answer: %s", url, e)
                 continue
+            self.stats.control_request("messages_received", reply.kind)
             for out in await self._receive(reply, extra):
                 self._spawn(self.send(out))
         return True
@@ -301,6 +303,7 @@ class Gossip:
             raise ProtocolError("members body must be a map with a membership message m")
         msg, extra = parse_message(body["m"], peer, self.cfg.node_id)
         self.stats.control_request("received", msg.kind)
+        self.stats.control_request("messages_received", msg.kind)
         replies: list[Message] = []
         for out in await self._receive(msg, extra):
             if out.dst == msg.src:
@@ -310,6 +313,8 @@ class Gossip:
         if msg.kind == "sync":  # the sync's sender is in our table now: no seed round for it
             self.apply_changes()
         x = self._extra()
+        for r in replies[:MAX_REPLIES]:
+            self.stats.control_request("messages_sent", r.kind)
         return {"node_id": self.cfg.node_id, "url": self.cfg.advertise_url,
                 "m": [message_wire(r, x) for r in replies[:MAX_REPLIES]]}
 

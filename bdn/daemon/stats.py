@@ -39,7 +39,10 @@ lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
         self.busy_answers = 0
         #: control-plane requests by direction and message kind ("sent"/"received" -> kind -> n):
         #: SWIM (ping, ack, ping_req, sync, sync_ack), hot_load pushes, status reports and reads
-        self.control: dict[str, dict[str, int]] = {"sent": {}, "received": {}}
+        #: "messages_sent"/"messages_received": SWIM messages, answers included (an ack inside a
+        #: ping's response is one message, no request), the unit of bench/fleetsim
+        self.control: dict[str, dict[str, int]] = {"sent": {}, "received": {}, "messages_sent": {},
+                                                   "messages_received": {}}
         #: membership gauges the gossip loop keeps current: periods, members, epoch, state_bytes
         self.membership: dict[str, int] = {}
         self.loop_lag = LoopLag()  # its run() is started by the app
