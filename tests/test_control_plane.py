@@ -83,6 +83,20 @@ def test_control_requests_per_node_stay_bounded_from_3_to_8_daemons(tmp_path: Pa
         mean_large = sum(s for s, _ in large) / len(large)
         # Same per-period budget at 8 as at 3: not the 7 requests per round all-to-all cost.
         assert mean_large <= mean_small + 0.5 < 7 / 2, (small, large)
+        # The fleet GET is paginated as the hosted APIs: 50 by default, 1..1,000, opaque tokens.
+        hot = "/hot_load/v1/models/hot_load"
+        seen, token = [], ""
+        while True:
+            st, page = daemons[5].request("GET", f"{hot}?page_size=3" + (f"&page_token={token}" if token else ""))
+            assert st == 200 and page["replica_count"] == 8 and len(page["replicas"]) <= 3, page
+            seen += [r["replica_id"] for r in page["replicas"]]
+            token = page["next_page_token"]
+            if not token:
+                break
+        assert seen == sorted(d.node_id for d in daemons)
+        for bad in ("page_size=0", "page_size=1001", "page_size=x", "page_token=zz"):
+            st, body = daemons[5].request("GET", f"{hot}?{bad}")
+            assert st == 400 and "page" in body["error"], (bad, body)
     finally:
         for d in daemons:
             if d.proc is not None:
