@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from bdn.control.owners import OwnerCache, OwnerMap
 from bdn.daemon.clock import SYSTEM, Clock
 
 
@@ -59,6 +60,7 @@ class Membership:
         self._version = 0  # increments on every transition; the cache below is keyed to it
         self._cache: tuple[int, float, list[Member]] | None = None  # (version, valid until, live)
         self._cache_ids: tuple[str, ...] = ()
+        self._owners = OwnerCache()
         for u in static:
             u = u.rstrip("/")
             if u != self.self_url:
@@ -181,6 +183,14 @@ class Membership:
     def hrw_nodes(self) -> list[str]:
         """Node ids that take part in HRW: this daemon and every live member."""
         return [self.self_id] + [m.node_id for m in self.live()]
+
+    def owner_map(self, identity: str, readers: int | None = None) -> OwnerMap:
+        """HRW owners of ``identity``'s chunks over this epoch's live set (this daemon included),
+        built once per epoch and memoised per chunk (``bdn.control.owners``): what the fetcher
+        and the serving side can ask per chunk instead of ranking every node each time.
+        ``readers``: how many of the live nodes read the bucket (None: all)."""
+        nodes = self.hrw_nodes()  # refreshes the epoch
+        return self._owners.get(self.epoch, nodes, identity, readers)
 
     def describe(self) -> list[dict]:
         now = self.clock.monotonic()
