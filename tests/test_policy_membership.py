@@ -96,3 +96,21 @@ def test_one_daemon_under_two_urls_is_one_live_member() -> None:
     assert [x.node_id for x in live] == ["n1"] and live[0].url == "http://127.0.0.1:7081"  # the static one
     assert m.hrw_nodes() == ["n0", "n1"]
     assert len(m.describe()) == 2  # both URLs still shown, for the operator
+
+
+def test_owners_are_computed_once_per_epoch() -> None:
+    from bdn.proto import hrw
+
+    m, clock = _table(["http://n1:7080", "http://n2:7080"])
+    m.mark_ok("http://n1:7080", "n1")
+    m.mark_ok("http://n2:7080", "n2")
+    e = m.epoch if m.live() else -1
+    om = m.owner_map("s1")
+    assert m.owner_map("s1") is om and m.epoch == e  # same epoch, same map
+    assert om.owner("ab" * 16) == hrw.owner(["n0", "n1", "n2"], "ab" * 16)
+    m.mark_dead("http://n2:7080")
+    om2 = m.owner_map("s1")
+    assert m.epoch == e + 1 and om2 is not om and set(om2.live) == {"n0", "n1"}
+    clock.advance(1.0)
+    m.mark_ok("http://n1:7080", "n1")  # no change of the live set: no new epoch
+    assert m.owner_map("s1") is om2

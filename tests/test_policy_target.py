@@ -1,4 +1,5 @@
-"""Hot-load target ordering (bdn.daemon.replica.target): later wins, the future is refused."""
+"""Hot-load target ordering (bdn.daemon.replica.target): a later generation wins, then the
+trainer's policy version and publish time, never the accepting daemon's clock; the future is refused."""
 
 from __future__ import annotations
 
@@ -8,20 +9,32 @@ from bdn.daemon.replica.target import MAX_FUTURE_NS, Target, later, supersedes
 NOW = FakeClock().time_ns()
 
 
-def t(ident: str, seq: int, origin: str = "n1", rid: str = "r1") -> Target:
-    return Target(ident, seq, origin, rid)
+def t(ident: str, seq: int, origin: str = "n1", rid: str = "r1", gen: int | None = None, pv: int = -1,
+      at: float = 0.0) -> Target:
+    return Target(ident, seq, origin, rid, gen=seq if gen is None else gen, policy_version=pv, published_at=at)
 
 
-def test_later_seq_wins_and_origin_breaks_ties() -> None:
+def test_later_generation_wins_then_the_trainers_values_never_the_clock() -> None:
     assert later(t("s2", 2), t("s1", 1))
     assert not later(t("s1", 1), t("s2", 2))
-    assert later(t("s2", 5, "n2"), t("s1", 5, "n1"))
-    assert not later(t("s2", 5, "n1"), t("s1", 5, "n1"))  # equal order: not later
+    assert later(t("s1", 9, gen=3, pv=1), t("s2", 1, gen=2, pv=2))  # a rollback posted after: wins
+    # the same generation (accepted concurrently by two daemons): policy version, then publish time
+    assert later(t("s2", 1, gen=4, pv=2), t("s1", 10**18, gen=4, pv=1))  # a later clock does not help
+    assert later(t("s2", 1, gen=4, pv=2, at=20.0), t("s3", 10**18, gen=4, pv=2, at=10.0))
+    assert not later(t("s2", 5, "n2", gen=1), t("s2", 7, "n1", gen=1))  # equal order: not later
     assert later(t("s1", 1), None)
 
 
 def test_startup_target_seq0_is_beaten_by_any_hot_load() -> None:
     assert later(t("s9", 1), Target("s1", 0, "startup", "startup"))
+
+
+def test_wire_refuses_a_generation_out_of_range() -> None:
+    good = t("s1", NOW, gen=5, pv=3, at=1.5).wire()
+    assert Target.from_wire(good, NOW) == t("s1", NOW, gen=5, pv=3, at=1.5)
+    for bad in ({**good, "gen": -1}, {**good, "gen": 2**60}, {**good, "pv": -2}, {**good, "at": "x"},
+                {**good, "gen": True}):
+        assert Target.from_wire(bad, NOW) is None
 
 
 def test_superseded_records() -> None:

@@ -124,19 +124,31 @@ def hot_load(
     return json_object(ans, "hot-load answer")
 
 
-def hot_load_status(daemon: DaemonClient | str, *, token: str | None = None) -> list[dict[str, Any]]:
-    """``GET /hot_load/v1/models/hot_load``: every replica of the fleet.
+def hot_load_status(daemon: DaemonClient | str, *, token: str | None = None,
+                    max_pages: int = 100) -> list[dict[str, Any]]:
+    """``GET /hot_load/v1/models/hot_load``: every replica of the fleet, page after page
+    (1,000 a page, following ``next_page_token``; at most ``max_pages``). Each page costs the
+    daemon a few requests to the fleet status aggregators, whatever the fleet size.
 
     Each: ``{"replica_id", "current_snapshot_identity", "policy_version", "readiness",
     "loading_state": {"stage", "identity", "progress", "reason"}}`` (stages queued, downloading,
     applying, verifying, ready, loading, done, error).
     """
     headers = {"Authorization": f"Bearer {token}"} if token else None
-    _status, ans = call_json(daemon, "GET", HOT_LOAD_PATH, headers=headers)
-    reps = json_object(ans, "hot-load status").get("replicas")
-    if not isinstance(reps, list) or not all(isinstance(r, dict) for r in reps):
-        raise ProtocolError("hot-load status: 'replicas' is not a list of objects")
-    return reps
+    out: list[dict[str, Any]] = []
+    page_token = ""
+    for _ in range(max_pages):
+        q = "?page_size=1000" + (f"&page_token={quote(page_token)}" if page_token else "")
+        _status, ans = call_json(daemon, "GET", HOT_LOAD_PATH + q, headers=headers)
+        obj = json_object(ans, "hot-load status")
+        reps = obj.get("replicas")
+        if not isinstance(reps, list) or not all(isinstance(r, dict) for r in reps):
+            raise ProtocolError("hot-load status: 'replicas' is not a list of objects")
+        out += reps
+        page_token = obj.get("next_page_token") or ""
+        if not isinstance(page_token, str) or not page_token:
+            break
+    return out
 
 
 def list_engines(daemon: DaemonClient | str) -> dict[str, Any]:

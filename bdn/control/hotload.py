@@ -210,3 +210,65 @@ def paginate(rows: Sequence[Report], page_size: int, after: str | None) -> tuple
     page = list(rows[start:start + page_size])
     more = start + page_size < len(rows)
     return page, (page[-1].node.encode().hex() if more and page else "")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One replica's whole entry of the fleet GET (``data``: the JSON map ``GET replica`` gives),
+    as an aggregator keeps it; ``node`` is the replica's node id (what pages are sorted by)."""
+
+    node: str
+    identity: str
+    data: dict
+
+
+class ReplicaBoard:
+    """An aggregator's rows: the latest :class:`Row` per node, for the targets it aggregates.
+
+    A row older than ``ttl_s`` (the replica stopped reporting: dead, or it reports elsewhere
+    now) is dropped on read. At most ``max_rows`` (one per member of the fleet); a new node
+    past that is refused with HotLoadError.
+    """
+
+    def __init__(self, clock: Clock, ttl_s: float = 30.0, max_rows: int = 100_000) -> None:
+        self.clock = clock
+        self.ttl_s = ttl_s
+        self.max_rows = max_rows
+        self._rows: dict[str, tuple[Row, float]] = {}
+
+    def put(self, row: Row) -> None:
+        if row.node not in self._rows and len(self._rows) >= self.max_rows:
+            self._expire()
+            if len(self._rows) >= self.max_rows:
+                raise HotLoadError("status board full")
+        self._rows[row.node] = (row, self.clock())
+
+    def _expire(self) -> None:
+        cutoff = self.clock() - self.ttl_s
+        for n in [n for n, (_, t) in self._rows.items() if t < cutoff]:
+            del self._rows[n]
+
+    def rows(self, identity: str | None = None) -> list[Row]:
+        """Current rows sorted by node id (optionally of one target identity)."""
+        self._expire()
+        return sorted((r for r, _ in self._rows.values() if identity is None or r.identity == identity),
+                      key=lambda r: r.node)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+
+def report_interval(base_s: float, live_n: int, per_aggregator_per_s: float = 10.0) -> float:
+    """How often a replica re-reports an unchanged stage: ``base_s``, stretched so that the
+    refreshes reaching each aggregator (every one of the ``live_n`` replicas reports to each)
+    stay under ``per_aggregator_per_s`` whatever the fleet size. Changes are reported at once."""
+    return max(base_s, live_n / max(per_aggregator_per_s, 1e-9))
+
+
+def summary(rows: Iterable[Row], stage_of) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """Replicas per stage over every row (not one page): ``{"done": 998, "loading": 2}``."""
+    out: dict[str, int] = {}
+    for r in rows:
+        s = stage_of(r)
+        out[s] = out.get(s, 0) + 1
+    return out

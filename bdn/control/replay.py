@@ -53,6 +53,29 @@ class RequestCounter:
         return f"{self.boot:016x}{self.counter:016x}"
 
 
+class Counters:
+    """A signer's nonces numbered per ``(target node id, stream)``: each verifier then sees one
+    dense sequence per stream (its replay window is not used up by requests to other daemons),
+    and a stream of slow requests (control messages queued behind chunk requests) does not fall
+    behind the window of a fast one. ``stream`` is a small integer (0 control, 1 chunks); it
+    becomes part of the boot, so the streams are separate windows at the verifier. Bounded by
+    the number of targets (the member list)."""
+
+    STREAMS = 4
+
+    def __init__(self, clock: Clock) -> None:
+        self.boot = (int(clock() * 1_000_000) * self.STREAMS) & (2**64 - 1)
+        self._next: dict[tuple[str, int], int] = {}
+
+    def next(self, target: str, stream: int = 0) -> str:
+        if not 0 <= stream < self.STREAMS:
+            raise ValueError(f"stream must be in [0, {self.STREAMS})")
+        key = (target, stream)
+        c = self._next.get(key, 0) + 1
+        self._next[key] = c
+        return f"{self.boot + stream:016x}{c:016x}"
+
+
 def parse_nonce(nonce: str) -> tuple[int, int]:
     """``(boot, counter)`` from a nonce. Raises ReplayError if it is not 32 lowercase hex."""
     if not isinstance(nonce, str) or not NONCE_RE.match(nonce):
@@ -72,7 +95,8 @@ class _Window:
 class ReplayGuard:
     """The verifier's side. Call :meth:`check` after the signature and the clock skew passed."""
 
-    def __init__(self, clock: Clock, *, window: int = 4096, boots_kept: int = 2, max_signers: int = 100_000) -> None:
+    def __init__(self, clock: Clock, *, window: int = 4096, boots_kept: int = 2 * Counters.STREAMS,
+                 max_signers: int = 100_000) -> None:
         if window < 64 or boots_kept < 1 or max_signers < 1:
             raise ValueError("window >= 64, boots_kept >= 1, max_signers >= 1")
         self.clock = clock

@@ -170,6 +170,7 @@ class Swim:
         #: state incrementally (:meth:`bdn.control.owners.OwnerMap.affected_by`); drain it.
         self.changes: list[str] = []
         self.synced = False  # holds a full table (see join)
+        self.periods = 0  # protocol periods run (a metric: messages per period)
         self.sent = 0  # messages returned for sending (a metric)
         self.received = 0
 
@@ -246,6 +247,19 @@ class Swim:
         seed = self.rng.choice(sorted(n for n in seeds if n != self.self_id) or [None])
         return [] if seed is None else [self._out("sync", seed, updates=self._table())]
 
+    def sync_to(self, dst: str) -> Message:
+        """A ``sync`` (the whole table) to ``dst`` ("" = a seed whose node id is not known yet:
+        its transport addresses it by URL and the receiver reads it as addressed to itself)."""
+        return self._out("sync", dst, updates=self._table())
+
+    def readvertise(self, addr: str) -> None:
+        """This daemon's address changed (e.g. its transfer server bound a port): gossip it with
+        a new incarnation, so it overrides every older entry."""
+        if addr != self.self_addr:
+            self.self_addr = addr
+            self.incarnation += 1
+            self._enqueue(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
+
     # ---- the protocol ----------------------------------------------------------------------
     def tick(self) -> list[Message]:
         """Advance timers; returns the messages to send now."""
@@ -259,6 +273,7 @@ class Swim:
                 out.append(self._out("ping_req", h, seq=p.seq, target=p.target))
         if now >= self._next_period:
             self._end_period(now)
+            self.periods += 1
             self._next_period = now + self.period_s
             target = self._next_target()
             if target is not None:

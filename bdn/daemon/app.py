@@ -50,6 +50,7 @@ from bdn.daemon.nonces import NonceCache
 from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.readiness import Readiness
+from bdn.daemon.replica.fleet_status import FleetStatus
 from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.runner import Runner
@@ -107,7 +108,8 @@ class App:
         self.catalog.on_change = self.replica.on_job_changed
         self.hotload = HotLoad(cfg.node_id, self.replica, self.catalog, self.bucket, self.peers, self.membership,
                                self.stats, clock, cfg, self.hints)
-        self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock)
+        self.hotload.status = FleetStatus(cfg, self.replica, self.membership, self.peers, self.stats, clock)
+        self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock, self.stats)
         serving = ChunkServing(cfg.node_id, self.catalog, self.index, self.fetcher, self.membership,
                                Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
                                RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
@@ -169,6 +171,7 @@ class App:
         await self.peers.start()
         self.catalog.load_ready_from_store()
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
+        self._tasks.append(asyncio.create_task(self.hotload.status.loop(), name="fleet-status"))
         self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
         self._tasks.append(asyncio.create_task(self.replica.expiry_loop(), name="engine-expiry"))
         await self._listen()
@@ -262,7 +265,7 @@ class App:
             self.notify("STOPPING=1")
         for r in reversed(self._runners):
             await r.cleanup()
-        self.gossip.closing = True
+        await self.gossip.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -40,6 +40,8 @@ _MINIMUM: dict[str, float] = {
     "max_inflight": 1, "bucket_concurrency": 1, "max_uploads": 1, "uploads_per_chunk": 1,
     "max_per_peer": 1, "peer_timeout_s": 0.001, "manifest_poll_s": 0.001, "progress_interval_s": 0.001,
     "peers_dns_interval_s": 0.001, "foreign_chunk_size": 4096, "max_delta_chain": 1,
+    "swim_period_s": 0.05, "swim_ack_timeout_s": 0.01, "swim_suspect_mult": 1, "swim_sync_interval_s": 1,
+    "hotload_fanout": 1, "status_aggregators": 1, "status_report_s": 0.1,
 }
 
 
@@ -100,6 +102,15 @@ class Config:
     transfer_advertise: str = field(default="", metadata={"help": 'host:port peers use to reach the transfer server (NAT, a Service port); "" = the advertise_url host and the bound port'})
     chunk_log: str = field(default="", metadata={"help": 'path of a JSON-lines log with one line per chunk fetched (source, start, end, bytes, retries, busy answers); "" = off'})
     local_allow_remote: bool = field(default=False, metadata={"help": 'allow local_listen on a non-loopback address (the local API has no auth)'})
+    # membership and hot-load spread (bdn.control; DESIGN.md "Membership", "Hot-load")
+    swim_period_s: float = field(default=1.0, metadata={"help": 'SWIM protocol period: each daemon probes one member per period'})
+    swim_ack_timeout_s: float = field(default=0.5, metadata={"help": 'SWIM: without an ack this long after a ping, ask swim_indirect_k members to probe'})
+    swim_indirect_k: int = field(default=3, metadata={"help": 'SWIM: members asked for an indirect probe of a member that missed its ack'})
+    swim_suspect_mult: float = field(default=5.0, metadata={"help": 'SWIM: a suspect is dead after this many periods x max(1, log10(N+1)) unless it refutes'})
+    swim_sync_interval_s: float = field(default=30.0, metadata={"help": 'SWIM: full-table exchange with one random member this often (scaled with log N above 32 members)'})
+    hotload_fanout: int = field(default=3, metadata={"help": 'a daemon that adopts a newer hot-load target pushes it to this many random members'})
+    status_aggregators: int = field(default=3, metadata={"help": 'daemons that collect replica stages for the fleet hot-load GET'})
+    status_report_s: float = field(default=10.0, metadata={"help": 'each replica re-reports its stage to the aggregators this often (and at once on a change)'})
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod

@@ -59,6 +59,21 @@ class _Collector:
         yield s
         live = GaugeMetricFamily("bdn_peers_live", "Peers that answer health checks", value=len(self.membership.live()))
         yield live
+        ctl = CounterMetricFamily("bdn_control_requests", "Control-plane requests by direction and message kind "
+                                  "(SWIM ping/ack/ping_req/sync/sync_ack, hot_load, status_report, status_read)",
+                                  labels=["direction", "kind"])
+        for direction, kinds in self.stats.control.items():
+            for kind, v in kinds.items():
+                ctl.add_metric([direction, kind], v)
+        yield ctl
+        ms = self.stats.membership
+        yield CounterMetricFamily("bdn_swim_periods", "SWIM protocol periods run", value=ms.get("periods", 0))
+        yield GaugeMetricFamily("bdn_membership_epoch", "Changes of the live set seen (HRW owners recomputed)",
+                                value=ms.get("epoch", 0))
+        yield GaugeMetricFamily("bdn_members_known", "Members in the SWIM table (alive, suspect or dead)",
+                                value=ms.get("members", 0))
+        yield GaugeMetricFamily("bdn_membership_state_bytes", "Approximate bytes of the SWIM table and queue",
+                                value=ms.get("state_bytes", 0))
         infl = GaugeMetricFamily("bdn_inflight_requests", "Chunk requests in flight", labels=["kind"])
         for kind, v in self.stats.inflight.items():
             infl.add_metric([kind], v)

@@ -1,37 +1,54 @@
-"""The replay cache of peer-request nonces (the mutable half of ``bdn.proto.keys``' signatures).
+"""The replay check of peer requests (the mutable half of ``bdn.proto.keys``' signatures).
 
-``bdn.proto.keys.verify_request`` takes any object with ``add(nonce, now) -> bool``; this is the
-daemon's: nonces seen within the skew window (2 x ``MAX_SKEW_S`` = 60 s), bounded in size.
+``bdn.proto.keys.verify_request`` takes any object with ``add(nonce, now, node, ts) -> bool``;
+this is the daemon's: a sliding window per signer over its numbered nonces
+(``bdn.control.replay.ReplayGuard``, as IPsec's anti-replay window), so its memory grows with
+the number of signers (authenticated members), not with the request rate: it never fills up
+under load as a table of every nonce of the last 60 s did (full at ~17,000 requests/s, then
+every request refused). A captured request is refused by this daemon (its counter was seen, or
+is behind the window) and by every other one (the signature names its target, ``to``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 
-from bdn.proto.keys import MAX_SKEW_S
+from bdn.control.replay import ReplayError, ReplayGuard
 
 
-class NonceCache:
-    """Nonces seen within the skew window (2 x 30 s), so a captured request cannot be replayed.
+class ReplayWindows:
+    """Thread-safe :class:`~bdn.control.replay.ReplayGuard` for ``verify_request``.
 
-    Bounded: at most ``max_entries``; when full, new requests are refused (401) rather than
-    forgetting nonces that could then be replayed.
+    ``window``: counters accepted out of order behind the highest one (bits per signer and
+    boot); ``max_signers``: signers kept (then the least recently heard one is evicted and
+    unknown signers with older timestamps are refused). ``refused`` counts refusals (a metric).
     """
 
-    def __init__(self, max_entries: int = 1_000_000) -> None:
-        self._seen: dict[str, float] = {}
+    def __init__(self, window: int = 4096, max_signers: int = 100_000) -> None:
+        self._guard = ReplayGuard(time.time, window=window, max_signers=max_signers)
         self._lock = threading.Lock()
-        self._max = max_entries
-        self._next_prune = 0.0
+        self.refused = 0
 
-    def add(self, nonce: str, now: float) -> bool:
-        """Record ``nonce`` seen at ``now`` (s); False if it was already seen (a replay) or the cache is full."""
+    def add(self, nonce: str, now: float, node: str = "", ts: float | None = None) -> bool:
+        """Accept ``nonce`` of ``node`` signed at ``ts`` (unix s; ``now`` when not given) once.
+        False: a replay, a counter behind the window, a boot older than the kept ones, or a
+        nonce that is not ``boot || counter``."""
         with self._lock:
-            if now >= self._next_prune or len(self._seen) >= self._max:
-                cutoff = now - 2 * MAX_SKEW_S
-                self._seen = {n: t for n, t in self._seen.items() if t > cutoff}
-                self._next_prune = now + 5
-            if nonce in self._seen or len(self._seen) >= self._max:
+            try:
+                self._guard.check(node, nonce, now if ts is None else ts)
+            except ReplayError:
+                self.refused += 1
                 return False
-            self._seen[nonce] = now
             return True
+
+    def state_bytes(self) -> int:
+        """An upper bound of the bytes the windows hold."""
+        with self._lock:
+            return self._guard.state_bytes()
+
+    def __len__(self) -> int:
+        return len(self._guard)
+
+
+NonceCache = ReplayWindows  # the former name (tests, tools)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ import aiohttp
 import msgpack
 from yarl import URL
 
+from bdn.control.replay import Counters
 from bdn.daemon.bodies import BodyTooLarge, read_body
 from bdn.proto.keys import NODE_HEADER, NODE_ID_RE, UNKNOWN_TARGET, SwarmKeys, sign_request
 
@@ -74,6 +76,9 @@ class PeerClient:
         self._named: dict[str, str] = {}  # base URL -> node id the daemon there named itself (bounded)
         self._session: aiohttp.ClientSession | None = None  # control: members, have, hot-load
         self._data: aiohttp.ClientSession | None = None  # chunks
+        # Nonces numbered per target and per pool (DESIGN.md, "Keys and signatures"): the
+        # verifier's replay window then sees dense counters, control and chunks apart.
+        self._nonces = Counters(time.time)
 
     async def start(self) -> None:
         # Two connection pools: chunk requests parked at an owner can fill every connection to
@@ -101,7 +106,8 @@ class PeerClient:
         assert session is not None
         for first in (True, False):
             to = self.target_of(base_url)
-            headers = {"Authorization": sign_request(self.keys, method, path_qs, self.node_id, to=to)}
+            nonce = self._nonces.next(to, 1 if session is self._data else 0)
+            headers = {"Authorization": sign_request(self.keys, method, path_qs, self.node_id, to=to, nonce=nonce)}
             if data is not None:
                 headers["Content-Type"] = "application/msgpack"
             try:

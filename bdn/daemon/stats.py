@@ -37,10 +37,23 @@ lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
         self.verify_failures_by_peer: dict[str, int] = {}
         self.inflight: dict[str, int] = {"peer": 0, "bucket": 0, "upload": 0}
         self.busy_answers = 0
+        #: control-plane requests by direction and message kind ("sent"/"received" -> kind -> n):
+        #: SWIM (ping, ack, ping_req, sync, sync_ack), hot_load pushes, status reports and reads
+        #: "messages_sent"/"messages_received": SWIM messages, answers included (an ack inside a
+        #: ping's response is one message, no request), the unit of bench/fleetsim
+        self.control: dict[str, dict[str, int]] = {"sent": {}, "received": {}, "messages_sent": {},
+                                                   "messages_received": {}}
+        #: membership gauges the gossip loop keeps current: periods, members, epoch, state_bytes
+        self.membership: dict[str, int] = {}
         self.loop_lag = LoopLag()  # its run() is started by the app
 
     def add(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
+
+    def control_request(self, direction: str, kind: str) -> None:
+        """Count one control request ``sent`` or ``received`` of message ``kind``."""
+        d = self.control[direction]
+        d[kind] = d.get(kind, 0) + 1
 
     def verify_failed(self, source: str) -> None:
         """A chunk from ``source`` (a peer's node id, or ``"bucket"``) did not match its digest."""
@@ -49,4 +62,6 @@ lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
 
     def snapshot(self) -> dict[str, Any]:
         """The ``counters`` and ``verify_failures_by_peer`` members of the status document (copies)."""
-        return {"counters": dict(self.counters), "verify_failures_by_peer": dict(self.verify_failures_by_peer)}
+        return {"counters": dict(self.counters), "verify_failures_by_peer": dict(self.verify_failures_by_peer),
+                "control_requests": {k: dict(v) for k, v in self.control.items()},
+                "membership": dict(self.membership)}

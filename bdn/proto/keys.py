@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import re
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -124,10 +124,26 @@ class WrongTarget(AuthError):
         self.me = me
 
 
+# The default nonces: ``boot || counter`` (16 + 16 hex) as bdn.control.replay numbers them, so
+# the verifier's replay window accepts them; boot is this process's start in microseconds.
+# Callers that sign for many daemons pass their own (bdn.control.replay.Counters, per target).
+_BOOT = int(time.time() * 1_000_000) * 4 + 3
+_COUNTER = itertools.count(1)  # next() is atomic under the GIL: no lock (bdn/proto does no threading)
+
+
+def default_nonce() -> str:
+    """A fresh ``boot || counter`` nonce of this process (32 hex)."""
+    return f"{_BOOT & (2**64 - 1):016x}{next(_COUNTER):016x}"
+
+
 def sign_request(
-    keys: SwarmKeys, method: str, path_qs: str, node_id: str, *, to: str, now: float | None = None
+    keys: SwarmKeys, method: str, path_qs: str, node_id: str, *, to: str, now: float | None = None,
+    nonce: str | None = None,
 ) -> str:
     """The ``Authorization`` header value for a peer request to ``path_qs`` (path plus query).
+
+    ``nonce``: 32 lowercase hex, ``boot || counter`` (``bdn.control.replay``), strictly
+    increasing per signer and boot; default :func:`default_nonce`.
 
     ``node_id`` is the signer; ``to`` the node id of the daemon the request is for (only that
     daemon accepts it), or ``UNKNOWN_TARGET`` when the signer does not know it yet (every daemon
@@ -140,16 +156,17 @@ def sign_request(
         if not NODE_ID_RE.match(nid) and not (what == "target node id" and nid == UNKNOWN_TARGET):
             raise BdnError(f"{what} {nid[:80]!r} does not match {NODE_ID_RE.pattern}")
     ts = int(time.time() if now is None else now)
-    nonce = secrets.token_hex(16)
+    nonce = default_nonce() if nonce is None else nonce
     sig = _signature(keys, method, path_qs, ts, nonce, node_id, to)
     return f"{SCHEME} node={node_id}, to={to}, ts={ts}, nonce={nonce}, sig={sig}"
 
 
 class NonceSeen(Protocol):
-    """What ``verify_request`` needs of a replay cache (the daemon's is ``bdn.daemon.nonces.NonceCache``)."""
+    """What ``verify_request`` needs of a replay check (the daemon's is ``bdn.daemon.nonces.ReplayWindows``)."""
 
-    def add(self, nonce: str, now: float) -> bool:
-        """Record ``nonce`` seen at ``now`` (unix s); False if seen before (a replay) or full."""
+    def add(self, nonce: str, now: float, node: str = "", ts: float | None = None) -> bool:
+        """Accept ``nonce`` of signer ``node`` (signed at ``ts``, unix s) at ``now``; False if it
+        was seen before (a replay) or cannot be told apart from one."""
         ...
 
 
@@ -187,6 +204,6 @@ def verify_request(
         raise AuthError("bad signature")
     if to != me:
         raise WrongTarget(me)
-    if not nonces.add(nonce, t):
+    if not nonces.add(nonce, t, node, ts):
         raise AuthError("replayed nonce")
     return node

@@ -37,6 +37,8 @@ from bdn.foreign import read_foreign_table
 from bdn.proto import wire
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
+from bdn.control.swim import ALIVE, Message, Update
+from bdn.daemon import gossip
 from bdn.proto.keys import NODE_HEADER, SwarmKeys, WrongTarget, derive_keys, verify_request
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 from bdn.transfer import GRANTED, TransferServer
@@ -90,8 +92,8 @@ async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
     if request.match_info.get("swarm_id") != st.keys.swarm_id:
         return web.Response(status=401)
     try:
-        verify_request(st.keys, request.headers.get("Authorization"), request.method, request.raw_path, st.nonces,
-                       me=st.node_id)
+        request["peer"] = verify_request(st.keys, request.headers.get("Authorization"), request.method,
+                                         request.raw_path, st.nonces, me=st.node_id)
     except WrongTarget as e:  # as a daemon does: name itself, so members sign again for it
         return web.Response(status=401, headers={NODE_HEADER: e.me})
     except AuthError:
@@ -100,16 +102,24 @@ async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
 
 
 async def post_members(request: web.Request) -> web.Response:
+    """Speaks SWIM as a healthy member does (bdn.daemon.gossip): a sync gets a sync_ack with the
+    liar itself (and its transfer address), a ping an ack; it claims every ping_req target alive."""
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
     body = msgpack.unpackb(await request.content.read(1 << 20), raw=False)
-    if isinstance(body, dict) and isinstance(body.get("url"), str):
-        st.members[body["url"]] = str(body.get("node_id") or "")
-    ans = {
-        "node_id": st.node_id,
-        "url": st.url,
-        "members": [{"node_id": n, "url": u} for u, n in st.members.items()],
-        "transfer": st.transfer,
-    }
+    try:
+        msg, _ = gossip.parse_message(body.get("m") if isinstance(body, dict) else None, request["peer"], st.node_id)
+    except BdnError as e:
+        return web.Response(status=400, text=str(e))
+    for u in msg.updates:
+        if u.node == msg.src:
+            st.members[gossip.decode_addr(u.addr)[0]] = u.node
+    me = Update(st.node_id, ALIVE, 0, gossip.encode_addr(st.url, st.transfer))
+    replies = []
+    if msg.kind == "sync":
+        replies.append(Message("sync_ack", st.node_id, msg.src, updates=(me,)))
+    elif msg.kind in ("ping", "ping_req"):
+        replies.append(Message("ack", st.node_id, msg.src, seq=msg.seq, updates=(me,)))
+    ans = {"node_id": st.node_id, "url": st.url, "m": [gossip.message_wire(r, None) for r in replies]}
     return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
 
 

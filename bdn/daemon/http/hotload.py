@@ -42,8 +42,14 @@ async def post(request: web.Request) -> web.Response:
 
 
 async def get(request: web.Request) -> web.Response:
-    """GET -> 200 {"replicas": [...]} for the whole fleet."""
-    return json_response(await services(request).hotload.fleet())
+    """GET[?page_size=&page_token=] -> 200 {"replicas": [one page], "next_page_token",
+    "replica_count", "stages"}; 400 a bad page size (1..1000) or token."""
+    q = request.query
+    try:
+        ans = await services(request).hotload.fleet(q.get("page_size"), q.get("page_token"))
+    except BdnError as e:
+        return error(status_of(e), str(e))
+    return json_response(ans)
 
 
 async def public(request: web.Request) -> web.Response:

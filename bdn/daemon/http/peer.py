@@ -5,8 +5,10 @@
 - ``GET snapshots/{identity}/have[?since=V&wait=S]``: msgpack ``{v, state, ns, stored, nr,
   result}`` with bitfields over the manifest's stored and reconstructed chunk lists; long-polls
   until the version differs from ``since``.
-- ``POST members``: msgpack ``{node_id, url, members, target}`` in, the same shape out.
-- ``POST hot_load`` (msgpack target, fanned out by the accepting daemon), ``GET replica``.
+- ``POST members``: one SWIM message, msgpack ``{"m": message}`` in, ``{node_id, url, m: [replies]}``
+  out (``bdn.daemon.gossip``).
+- ``POST hot_load`` (msgpack target, pushed by gossip), ``GET replica``.
+- ``POST status`` (a replica's row to an aggregator), ``GET status?identity=`` (an aggregator's rows).
 
 Every request must carry a valid ``BDN-HMAC`` signature made for this daemon's node id; anything
 else (including an unknown swarm id) gets 401 with an empty body, so a stranger learns nothing
@@ -167,14 +169,14 @@ async def get_have(request: web.Request) -> web.Response:
 
 
 async def post_members(request: web.Request) -> web.Response:
-    """POST members (msgpack {node_id, url, members, target}) -> 200 our view; 400/413 malformed."""
+    """POST members (msgpack {"m": SWIM message}) -> 200 {node_id, url, m: replies}; 400/413 malformed."""
     try:
         body = await read_body(request.content, MAX_MEMBERS_BODY, request.content_length)
     except BodyTooLarge as e:
         return text(413, f"members {e}")
     try:
         obj = msgpack.unpackb(body, raw=False)
-        ans = await services(request).gossip.handle(obj)
+        ans = await services(request).gossip.handle(obj, request["peer"])
     except (ValueError, msgpack.UnpackException, BdnError, RecursionError) as e:
         return text(400, f"members body is malformed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
     return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
@@ -194,6 +196,31 @@ async def post_hot_load_peer(request: web.Request) -> web.Response:
     except BdnError as e:
         return text(400, str(e))
     return web.Response(body=msgpack.packb({"ok": True}), content_type="application/msgpack")
+
+
+async def post_status(request: web.Request) -> web.Response:
+    """POST status (msgpack {identity, row}: a replica's report to an aggregator) -> 200; 400/413."""
+    try:
+        body = await read_body(request.content, MAX_TARGET_BODY, request.content_length)
+        obj = msgpack.unpackb(body, raw=False)
+    except BodyTooLarge as e:
+        return text(413, f"status report {e}")
+    except (ValueError, msgpack.UnpackException, RecursionError):
+        obj = None
+    try:
+        services(request).hotload.status.received(obj, request["peer"])
+    except BdnError as e:
+        return text(400, str(e))
+    return web.Response(body=msgpack.packb({"ok": True}), content_type="application/msgpack")
+
+
+async def get_status(request: web.Request) -> web.Response:
+    """GET status?identity=ID -> 200 JSON {"rows": [...]}: the replicas this aggregator holds."""
+    try:
+        ident = validate_identity(request.query.get("identity"))
+    except BdnError as e:
+        return text(400, str(e))
+    return web.json_response({"rows": services(request).hotload.status.rows_for(ident)})
 
 
 async def get_replica(request: web.Request) -> web.Response:
@@ -216,6 +243,8 @@ def make_peer_app(svc: Services) -> web.Application:
     app.router.add_post(p + "/members", post_members)
     app.router.add_post(p + "/hot_load", post_hot_load_peer)
     app.router.add_get(p + "/replica", get_replica)
+    app.router.add_post(p + "/status", post_status)
+    app.router.add_get(p + "/status", get_status)
     app.router.add_route("POST", hotload.PATH, hotload.public)
     app.router.add_route("GET", hotload.PATH, hotload.public)
     return app

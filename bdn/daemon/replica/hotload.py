@@ -1,11 +1,14 @@
 """The fleet hot-load (DESIGN.md, "Surfaces"; the hosted hot-load APIs' request and answers).
 
 The daemon that accepts ``POST /hot_load/v1/models/hot_load`` checks the request against the
-bucket, makes it its target and posts it to every live peer (signed ``POST
-/bdn/v1/{swarm}/hot_load``); every membership exchange also carries the sender's target, so a
-daemon that missed the fan-out, started late or restarted adopts the fleet's target within one
-round and fetches its rebuilt chunks from peers instead of replaying the delta chain from the
-bucket. ``fleet()`` is the GET: this replica plus every member's answer.
+bucket, makes it its target and pushes it to ``hotload_fanout`` random live members (signed
+``POST /bdn/v1/{swarm}/hot_load``); a member that adopts it pushes it on to ``hotload_fanout``
+others once (infect-and-forward), so it reaches N members in about ``log_fanout(N)`` hops.
+Every SWIM message also carries the sender's target (anti-entropy), so a daemon that missed the
+pushes, started late or restarted adopts the fleet's target within O(log N) periods and fetches
+its rebuilt chunks from peers instead of replaying the delta chain from the bucket. The order
+is the trainer's (``bdn.daemon.replica.target``). ``fleet()`` is the GET, answered from the
+aggregators (``bdn.daemon.replica.fleet_status``).
 
 Errors are domain errors (``bdn.daemon.errors``): Invalid (malformed request), Unsupported
 (compression/checksum format), NotFound (nothing under the identity), Conflict (base or served
@@ -17,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import secrets
+from datetime import datetime
 from typing import Any
 
 import msgpack
@@ -104,6 +109,8 @@ class HotLoad:
         self.cfg = cfg or Config(bucket=bucket.url)
         self.hints = hints if hints is not None else Hints()
         self.last: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the last accepted request and answer
+        self.status: Any = None  # the FleetStatus (bdn.daemon.replica.fleet_status), set by the app
+        self.rng = random.Random()
 
     async def _manifest(self, identity: str) -> Manifest | None:
         """The manifest from the bucket; None if the snapshot's files are there without it."""
@@ -210,9 +217,13 @@ class HotLoad:
             })
         contract.check_previous(prev, self.view.current, t.identity if t else None)
         contract.chain_length(ident, (await self._chain(ident, base)).get, self.cfg.max_delta_chain)
-        target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8), base, options)
+        target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8), base, options,
+                        gen=(t.gen + 1) if t is not None else 1,
+                        policy_version=m.policy_version if m is not None else -1,
+                        published_at=published_at(m.created_at) if m is not None else 0.0)
         await self.view.adopt(target, source="request")
-        reached = await self.fan_out(target)
+        await self.fan_out(target)
+        reached = len(self.membership.live())
         answer = {
             "accepted": True,
             "identity": ident,
@@ -233,49 +244,47 @@ class HotLoad:
         await self.fan_out(t)
         return answer
 
-    async def fan_out(self, target: Target) -> int:
-        """Post ``target`` to every live peer; how many took it."""
+    async def fan_out(self, target: Target, exclude: str = "") -> int:
+        """Push ``target`` to ``hotload_fanout`` random live members (not ``exclude``, who sent
+        it to us); how many took it. Those that adopt it push it on: O(log N) hops in all."""
         payload = msgpack.packb(target.wire(), use_bin_type=True)
+        live = [m for m in self.membership.live() if m.node_id != exclude]
+        picked = self.rng.sample(live, min(self.cfg.hotload_fanout, len(live)))
 
         async def one(url: str) -> bool:
+            self.stats.control_request("sent", "hot_load")
             try:
                 status, _ = await self.peers.post_json(url, "hot_load", payload, timeout=10.0)
-            except Exception as e:  # a peer that misses it catches up through membership rounds
+            except Exception as e:  # a peer that misses it catches up through SWIM's piggyback
                 log.warning("hot-load %s: peer %s unreachable: %s", target.identity, url, e)
                 return False
             return status == 200
 
-        results = await asyncio.gather(*(one(m.url) for m in self.membership.live()))
+        results = await asyncio.gather(*(one(m.url) for m in picked))
         return sum(results)
 
     async def from_peer(self, obj: Any, peer: str) -> bool:
-        """A target fanned out by the daemon that accepted it (untrusted map). Raises Invalid."""
+        """A target pushed by a member (untrusted map); pushed on once if it is new here.
+        Raises Invalid."""
+        self.stats.control_request("received", "hot_load")
         t = Target.from_wire(obj, self.clock.time_ns())
         if t is None:
             raise Invalid("hot-load target is malformed")
-        await self.view.adopt(t, source=f"peer {peer}", retry_failed=True)
+        if await self.view.adopt(t, source=f"peer {peer}", retry_failed=True):
+            asyncio.get_running_loop().create_task(self.fan_out(t, exclude=peer))
         return True
 
-    async def fleet(self) -> dict[str, Any]:
-        """Every replica of the fleet: this one plus each member's answer."""
+    async def fleet(self, page_size: object = None, page_token: object = None) -> dict[str, Any]:
+        """One page of the fleet's replicas (``bdn.daemon.replica.fleet_status``). Raises Invalid."""
+        return await self.status.fleet(page_size, page_token)
 
-        async def one(m: Any) -> dict[str, Any]:
-            try:
-                status, body = await self.peers.get_json(m.url, "replica", timeout=3.0)
-                if status == 200 and isinstance(body, dict):
-                    return body
-                reason = f"answered {status}"
-            except Exception as e:  # an unreachable replica is reported, not hidden
-                reason = f"unreachable: {type(e).__name__}"
-            return {
-                "replica_id": m.node_id or m.url,
-                "current_snapshot_identity": None,
-                "policy_version": None,
-                "readiness": False,
-                "loading_state": {"stage": "error", "identity": None, "progress": 0.0, "reason": reason},
-            }
 
-        others = await asyncio.gather(*(one(m) for m in self.membership.members.values() if m.node_id))
-        reps = [self.view.replica(), *others]
-        reps.sort(key=lambda r: str(r.get("replica_id")))
-        return {"replicas": reps}
+def published_at(created_at: str) -> float:
+    """A manifest's ``created_at`` (ISO 8601, as the trainer wrote it) in seconds since the
+    epoch; 0.0 when it is empty or not ISO 8601 (the policy version still orders)."""
+    try:
+        dt = datetime.fromisoformat(created_at.replace("Z", "+00:00"))
+    except ValueError:
+        return 0.0
+    ts = dt.timestamp()
+    return ts if 0 <= ts < 1e11 else 0.0

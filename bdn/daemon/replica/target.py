@@ -1,12 +1,16 @@
 """The fleet's hot-load target and its order: a pure value type.
 
 The fleet has one **target** snapshot: the identity of the latest accepted hot-load. Ordering is
-by ``(seq, origin)``, ``seq`` being the accepting daemon's clock in nanoseconds: a hot-load that
-arrives with an older order than the target is superseded, so when two race, the later wins
-everywhere. A target from the wire whose ``seq`` lies more than ``MAX_FUTURE_NS`` past the
-receiver's clock is refused: it would outrank every real hot-load for good. A target carries
-the hot-load's engine options (``bdn.daemon.replica.options``), so every replica's engines apply
-the same ones.
+by ``(gen, policy_version, published_at, identity)`` (DESIGN.md, "Hot-load"), never by a
+daemon's clock: ``gen`` is a logical (Lamport) counter, one more than the target the accepting
+daemon held, so a hot-load posted after another one reached that daemon wins even when it rolls
+back to an older snapshot; two hot-loads accepted concurrently (the same ``gen``) are ordered by
+what the trainer wrote, the manifest's ``policy_version`` then its ``created_at``
+(``published_at``, seconds), then the identity. ``seq`` (the accepting daemon's clock, ns) and
+``origin`` are kept for the records only. A target from the wire whose ``seq`` lies more than
+``MAX_FUTURE_NS`` past the receiver's clock, or whose ``gen`` is over ``MAX_GEN``, is refused.
+A target carries the hot-load's engine options (``bdn.daemon.replica.options``), so every
+replica's engines apply the same ones.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from bdn.proto.errors import IdentityError
 from bdn.proto.identity import validate_identity
 
 MAX_FUTURE_NS = 60 * 10**9  # twice the signature's clock-skew limit
+MAX_GEN = 2**53  # a hot-load per microsecond for 285 years
 
 
 @dataclass(frozen=True)
@@ -36,14 +41,17 @@ class Target:
     request_id: str
     base: str | None = None  # the base the request named or the manifest gives (a delta), else None
     options: HotLoadOptions = field(default=DEFAULT_OPTIONS, compare=False)
+    gen: int = 0  # logical clock: 1 + the gen of the target the accepting daemon held (0: startup)
+    policy_version: int = -1  # the manifest's (-1: not known, e.g. no manifest yet)
+    published_at: float = 0.0  # the manifest's created_at, s since the epoch (0: not known)
 
     @property
-    def order(self) -> tuple[int, str]:
-        return (self.seq, self.origin)
+    def order(self) -> tuple[int, int, float, str]:
+        return (self.gen, self.policy_version, self.published_at, self.identity)
 
     def wire(self) -> dict[str, Any]:
         out = {"identity": self.identity, "seq": self.seq, "origin": self.origin, "request_id": self.request_id,
-               "options": self.options.wire()}
+               "options": self.options.wire(), "gen": self.gen, "pv": self.policy_version, "at": self.published_at}
         if self.base is not None:
             out["base"] = self.base
         return out
@@ -73,7 +81,13 @@ class Target:
         options = options_from_wire(obj.get("options"))
         if options is None:
             return None
-        return cls(ident, seq, origin[:64], rid[:64], base, options)
+        gen, pv, at = obj.get("gen", 0), obj.get("pv", -1), obj.get("at", 0.0)
+        for v, lo, hi in ((gen, 0, MAX_GEN), (pv, -1, 2**63 - 1)):
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                return None
+        if not isinstance(at, (int, float)) or isinstance(at, bool) or not 0 <= at < 1e11:
+            return None
+        return cls(ident, seq, origin[:64], rid[:64], base, options, gen, pv, float(at))
 
 
 def later(candidate: Target, current: Target | None) -> bool:
