@@ -155,6 +155,9 @@ def bdnd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bdnd]:
     daemon = Daemon(root / "nodes", "client-node", bucket, extra_env={
         "BDN_LOAD_STARTUP": "false", "BDN_LOCAL_SOCKET": str(sock),
         "BDN_MANIFEST_WAIT_S": "3600", "BDN_BUCKET_MBIT": str(BUCKET_MBIT),
+        # The tests share this daemon and each loads snapshots of its own; with the default
+        # keep_ready = 2 the GC could delete step000002 (``ready``) before a later test reads it.
+        "BDN_KEEP_READY": "1000",
     })
     b = Bdnd(daemon, bucket, root, sock, arrays, published={"step000001", "step000002", FAILING})
     try:
