@@ -40,7 +40,7 @@ class SimNode:
     __slots__ = (
         "id", "alive", "up", "down", "swim", "ps", "gossip", "owners", "ctrl_sent", "ctrl_recv",
         "done_at", "joined_at", "uploads", "uploads_by_chunk", "load", "bucket_queue", "reading",
-        "flows", "adopted_at", "owner_wait", "unavail_t", "have_pending", "state_peak", "omap",
+        "flows", "adopted_at", "owner_wait", "unavail_t", "ask_at", "have_pending", "state_peak", "omap",
         "nreads", "inherited", "unreachable", "upq", "busy", "nreq", "timer", "tasks", "dirty",
     )
 
@@ -61,6 +61,7 @@ class SimNode:
         self.flows: set = set()
         self.adopted_at: float | None = None
         self.owner_wait: dict[int, list] = {}  # requests parked until this owner holds the chunk
+        self.ask_at: Any = None
         self.unavail_t: Any = None  # per chunk: since when no peer of the set has it (inf: tracked not)
         self.have_pending = False
         self.state_peak = 0
@@ -462,8 +463,8 @@ class FleetSim:
                 nd.ps.remove(pid)
                 self.refresh_peers(nd)
         else:
-            if nd.ps.avail[i] == 0:
-                nd.unavail_t[i] = self.env.now
+            if nd.ps.avail[i] == 0:  # an owner ask: 404 (its view differs) - ask again a little later
+                nd.ask_at[i] = self.env.now + 0.05 + 0.1 * self.rng.random()
             until = self.env.now + 0.05 + 0.1 * self.rng.random()
             nd.busy[pid] = max(nd.busy.get(pid, 0.0), until)
             self.wake_at(nd, until)
@@ -472,6 +473,8 @@ class FleetSim:
         """``asker`` found chunk ``i``'s owner unreachable and asks ``src``, the next reader:
         ``src`` checks the owner itself (one probe, as SWIM's indirect ping) and, if it is
         unreachable from here too, reads the chunk from the bucket as its acting owner."""
+        if not self.synced(src):
+            return
         m = self.owner_map(src)
         owner = m.owner(self.digests[i])
         if owner is None or owner == src.id or owner not in asker.unreachable:
@@ -488,6 +491,7 @@ class FleetSim:
         nd.ps = PeerSet(nd.id, sc.chunks, lambda: self.env.now, rng=random.Random(self.rng.random()),
                         k=sc.k, max_peers=sc.max_peers, reader_slots=sc.reader_slots, have_flush_s=sc.have_flush_s)
         nd.unavail_t = np.full(sc.chunks, np.inf)
+        nd.ask_at = np.zeros(sc.chunks)  # per chunk: no owner ask before (a failed one backs off)
         self.plan_bucket(nd)
         self.refresh_peers(nd)
         self.kick(nd)
@@ -527,13 +531,14 @@ class FleetSim:
         if nd.unreachable:  # at once when its owner is known unreachable here (its connection reset)
             gone = np.array([om.owner(self.digests[j]) in nd.unreachable for j in unav[:256].tolist()], dtype=bool)
             due_at[: gone.size][gone] = now
+        due_at = np.maximum(due_at, nd.ask_at[unav])
         due = unav[due_at <= now]
         for j in due[:64].tolist():
             owner = om.acting_owner(self.digests[j], nd.unreachable)
             if owner is None or owner == nd.id:
                 nd.unavail_t[j] = now
-                if owner == nd.id and j not in nd.reading and j not in nd.bucket_queue:
-                    self.take_over(nd, j)
+                if owner == nd.id and self.synced(nd) and j not in nd.reading and j not in nd.bucket_queue:
+                    self.take_over(nd, j)  # (a joiner's partial view takes no reader role)
                 continue
             ps.mark_inflight(j)
             self.request(nd, owner, j, True)
