@@ -37,7 +37,10 @@ def test_deaths_and_late_joiners_still_complete_every_live_node() -> None:
     r = FleetSim(_fleet(20, 16, kill_frac=0.05, late_frac=0.1, hotload_fanout=6)).run()
     assert r["killed"] == 1 and r["late"] == 2
     assert r["done_nodes"] == r["live_nodes"] == 19
-    assert r["bucket_egress_over_s"] <= 1.25  # a dead reader's partial reads are read again
+    # A dead reader's partial reads are read again, and while the joiners' views and the old
+    # members' disagree on the reader set (within a SWIM period here: the floor is 0.2 s) two
+    # nodes may both take a dead reader's chunk over: bounded, not zero.
+    assert r["bucket_egress_over_s"] <= 1.5
 
 
 def test_same_seed_same_run() -> None:
