@@ -60,7 +60,7 @@ def scenarios(only: set[str] | None) -> list[Scenario]:
     out = []
     if not only or "validate" in only:
         out.append(Scenario("validate-n8", 8, 1073753398, 64, 200e6 / 8, 200e6 / 8, 0.0,
-                            rtt_s=0.0005, jitter_s=0.0005, policy="today"))
+                            rtt_s=0.0005, jitter_s=0.0005, policy="today", wire_payload=1448 / 1514))
     for n, chunks in CHUNKS.items():
         for kind, size in SNAPSHOTS.items():
             if only and f"n{n}" not in only and f"n{n}-{kind}" not in only:

@@ -53,6 +53,11 @@ class Scenario:
     max_inflight: int = 16
     uploads_per_chunk: int = 2
     today_per_peer: int = 4
+    #: payload share of a link's rate. 1.0: rates are payload rates. bench/swarm's ``tc tbf``
+    #: shapes whole frames (the kernel counts each GSO segment's headers: qdisc_pkt_len_init),
+    #: so a 200 Mbit/s tbf carries 1448 payload bytes per 1514-byte frame (MSS with TCP
+    #: timestamps): 0.956 of it; the validation row uses that.
+    wire_payload: float = 1.0
     time_limit_s: float = 3600.0
     data: bool = True  # False: membership and hot-load only (no chunks): the control plane at scale
     min_sim_s: float = 0.0  # run at least this long (control rates over a steady window)

@@ -91,7 +91,7 @@ class FleetSim:
         self.env = simpy.Environment()
         self.net = Network(self.env)
         self.rng = random.Random(sc.seed)
-        self.bucket = Link("bucket", sc.bucket_bps)
+        self.bucket = Link("bucket", sc.bucket_bps * sc.wire_payload)
         self.nodes: dict[str, SimNode] = {}
         self.digests = [f"{i:032x}" for i in range(sc.chunks)]
         self.identity = "step000001"
@@ -582,7 +582,7 @@ class FleetSim:
     # ---- the run ------------------------------------------------------------------------------
     def add_node(self, nid: str, seeds: list[str]) -> SimNode:
         sc = self.sc
-        nd = SimNode(nid, sc.nic_bps)
+        nd = SimNode(nid, sc.nic_bps * sc.wire_payload)
         nd.joined_at = self.env.now
         nd.owners = OwnerCache()
         nd.gossip = TargetGossip(nid, lambda: self.env.now, random.Random(self.rng.random()), fanout=sc.hotload_fanout)

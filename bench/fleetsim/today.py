@@ -49,7 +49,7 @@ class TodaySim(FleetSim):
 
     # ---- nodes and the run ------------------------------------------------------------------
     def add_node(self, nid: str, seeds: list[str]) -> SimNode:
-        nd = SimNode(nid, self.sc.nic_bps)
+        nd = SimNode(nid, self.sc.nic_bps * self.sc.wire_payload)
         nd.joined_at = self.env.now
         nd.owners = OwnerCache()
         nd.gossip = TargetGossip(nid, lambda: self.env.now, random.Random(self.rng.random()))
