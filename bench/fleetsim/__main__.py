@@ -1,8 +1,8 @@
 """Run the fleet simulations and write bench/results/fleetsim.json, fleetsim.png and a table.
 
-    .venv/bin/python -m bench.fleetsim [--only validate,n100,n1000,n10000] [--out PATH] [--merge]
+    .venv/bin/python -m bench.fleetsim [--only validate,n100,n1000,n10000,...] [--seeds 1,2,3] [--merge]
 
-Runs (bench/fleetsim/sim.py, policies from bdn/control):
+Runs (bench/fleetsim/sim.py, policies from bdn/control; today's daemon: bench/fleetsim/today.py):
 
 - ``validate``: today's daemon model at N = 8, 200 Mbit/s NICs, a 200 Mbit/s bucket, 1 GiB in
   16 MiB chunks (64): bench/swarm measured 80.8 s there (bench/results/swarm.json, the bdn row at
@@ -10,53 +10,70 @@ Runs (bench/fleetsim/sim.py, policies from bdn/control):
 - ``nN`` for N in 100, 1,000, 10,000: the fleet policy, 100 Gbit/s NICs, a bucket of 10 GB/s
   aggregate and 100 MB/s per connection, RTT 0.2 ms + up to 0.2 ms jitter, 1 % of the nodes
   killed at half the floor, 5 % joining at a quarter of it; a 700 GB anchor and a 20 GB delta.
-  The bytes are real; the chunk count is scaled down (``CHUNKS``) so that a run stays within a
-  few minutes on one core; each row says by how much (``chunk_scale``).
+  Bytes are real; the chunk count is scaled down (``CHUNKS``: a simulated chunk stands for
+  ``chunk_scale`` real 16 MiB chunks) so that a run fits the machine; ``chunks`` runs the same
+  N with other counts to show what the scaling costs.
+- ``ctlN``: the control plane alone (no chunks): SWIM, hot-load gossip, 5 % joining at 5 s, 1 % killed at 10 s; 15 s.
 - ``today-n100``: today's daemon model at N = 100 on the same fleet, for its control rate.
 
-Each row: time until the last live node holds the snapshot and its ratio to the floor
-(``S / min(NIC, bucket)``), bucket egress / S, duplicate bucket reads, control messages per
-node per second (mean and max over live nodes: SWIM, BITFIELD, HAVE, hot-load pushes, sent
-plus received), control state per node, hot-load target spread and completion times.
+Settings of the fleet runs (the daemon's keys): ``bucket_concurrency`` 32 connections per bucket
+reader (so :func:`bdn.control.owners.reader_count` gives ceil(1.5 x 100 / 32) = 5 readers, 160
+connections); peer set k 16, max 32 (4 reader slots); 8 download slots, 2 per peer; 8 upload
+slots and 8 queued; HAVE flush 0.1 s; SWIM period 1 s; hot-load fanout ceil(ln N) + 3.
+
+Each point: the median over ``--seeds`` runs, with the min and max (``spread``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.fleetsim.sim import REAL_CHUNK, FleetSim, Scenario
+from bench.fleetsim.scenario import REAL_CHUNK, Scenario
+from bench.fleetsim.sim import FleetSim
+from bench.fleetsim.today import TodaySim
 
 REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench" / "results" / "fleetsim.json"
 MEASURED_N8_S = 80.75  # bench/results/swarm.json: bdn, N = 8, 200 Mbit/s NIC and bucket, no fault
 GB = 1e9
-#: simulated chunks per run (the real snapshot has bytes / 16 MiB): what fits a few minutes
-CHUNKS = {100: 128, 1000: 32}
+#: simulated chunks per run (the real snapshot has bytes / 16 MiB): what fits the machine
+CHUNKS = {100: 256, 1000: 128, 10000: 32}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
+KEYS = ("seconds", "x_floor", "bucket_egress_over_s", "duplicate_bucket_reads", "control_msgs_per_node_s_mean",
+        "control_msgs_per_node_s_max", "peer_state_bytes_per_node_max", "member_table_bytes_per_node",
+        "hotload_target_spread_s", "hotload_done_s", "wall_s")
+
+
+def fleet(name: str, n: int, size: float, chunks: int, **kw: Any) -> Scenario:
+    kw.setdefault("hotload_fanout", math.ceil(math.log(n)) + 3)
+    return Scenario(name, n, size, chunks, 100e9 / 8, 10 * GB, 100e6, rtt_s=0.0002, jitter_s=0.0002,
+                    policy="fleet", kill_frac=0.01, late_frac=0.05, bucket_concurrency=32, **kw)
 
 
 def scenarios(only: set[str] | None) -> list[Scenario]:
     out = []
     if not only or "validate" in only:
         out.append(Scenario("validate-n8", 8, 1073753398, 64, 200e6 / 8, 200e6 / 8, 0.0,
-                            rtt_s=0.0005, jitter_s=0.0005, policy="today"))
+                            rtt_s=0.0005, jitter_s=0.0005, policy="today", wire_payload=1448 / 1514))
     for n, chunks in CHUNKS.items():
-        if only and f"n{n}" not in only:
-            continue
         for kind, size in SNAPSHOTS.items():
-            out.append(Scenario(f"fleet-n{n}-{kind}", n, size, chunks, 100e9 / 8, 10 * GB, 100e6,
-                                rtt_s=0.0002, jitter_s=0.0002, policy="fleet", kill_frac=0.01, late_frac=0.05))
+            if only and f"n{n}" not in only and f"n{n}-{kind}" not in only:
+                continue
+            out.append(fleet(f"fleet-n{n}-{kind}", n, size, chunks))
+    if only and "chunks" in only:  # the scaling's cost: the same fleet, other chunk counts
+        for c in (32, 64, 128, 256):
+            out.append(fleet(f"chunks-n1000-delta-c{c}", 1000, SNAPSHOTS["delta"], c))
     for n in (100, 1000, 10000):
         if only and f"ctl{n}" not in only:
             continue
-        # the control plane alone (no chunks): SWIM, hot-load gossip, joins and deaths, 30 s
-        out.append(Scenario(f"control-n{n}", n, 20 * GB, 1, 100e9 / 8, 10 * GB, 100e6, rtt_s=0.0002,
-                            jitter_s=0.0002, policy="fleet", kill_frac=0.01, late_frac=0.05, data=False,
-                            min_sim_s=30.0, kill_at_floor=5.0, late_at_floor=2.5))
+        out.append(fleet(f"control-n{n}", n, 20 * GB, 1, data=False, min_sim_s=15.0, kill_at_floor=5.0,
+                         late_at_floor=2.5))
     if not only or "today-n100" in only:
         out.append(Scenario("today-n100-delta", 100, 20 * GB, 256, 100e9 / 8, 10 * GB, 100e6,
                             rtt_s=0.0002, jitter_s=0.0002, policy="today", kill_frac=0.01, late_frac=0.05))
@@ -65,9 +82,11 @@ def scenarios(only: set[str] | None) -> list[Scenario]:
 
 def run_one(sc: Scenario) -> dict[str, Any]:
     t0 = time.perf_counter()
-    r = FleetSim(sc).run()
+    c0 = time.process_time()
+    r = (TodaySim if sc.policy == "today" else FleetSim)(sc).run()
     r["name"] = sc.name
     r["wall_s"] = round(time.perf_counter() - t0, 1)
+    r["cpu_s"] = round(time.process_time() - c0, 1)
     r["chunk_scale"] = round(sc.snapshot_bytes / REAL_CHUNK / sc.chunks, 1)
     if sc.name == "validate-n8" and r["seconds"]:
         r["measured_s"] = MEASURED_N8_S
@@ -75,15 +94,33 @@ def run_one(sc: Scenario) -> dict[str, Any]:
     return r
 
 
+def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row: the median run's fields, each key of KEYS as the median, plus min/max spread."""
+    row = dict(sorted(runs, key=lambda r: (r["seconds"] is None, r["seconds"] or 0))[len(runs) // 2])
+    row["seeds"] = [r["scenario"]["seed"] for r in runs]
+    row["spread"] = {}
+    for k in KEYS:
+        vals = [r[k] for r in runs if r.get(k) is not None]
+        if len(vals) == len(runs) and vals:
+            row[k] = round(statistics.median(vals), 4)
+            row["spread"][k] = [min(vals), max(vals)]
+    if row.get("seconds") is not None and row.get("measured_s"):
+        row["error"] = round(row["seconds"] / row["measured_s"] - 1, 4)
+    row["runs"] = [{k: r.get(k) for k in KEYS + ("cpu_s",)} | {"seed": r["scenario"]["seed"]} for r in runs]
+    return row
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| run | N | S | chunks (x real) | seconds | floor s | x floor | egress / S | dup reads "
+    head = ("| run | N | S | chunks (x real) | seeds | seconds | floor s | x floor (min-max) | egress / S | dup reads "
             "| ctrl msg/node/s mean | max | peer state B/node | member table B/node | target spread s | wall s |")
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         sc = r["scenario"]
+        sp = r.get("spread", {}).get("x_floor")
+        xf = f"{r['x_floor']}" + (f" ({sp[0]}-{sp[1]})" if sp and len(r.get("seeds", [])) > 1 else "")
         lines.append(
             f"| {r['name']} | {sc['n']} | {sc['snapshot_bytes'] / GB:g} GB | {sc['chunks']} ({r['chunk_scale']:g}) "
-            f"| {r['seconds']} | {r['floor_s']} | {r['x_floor']} | {r['bucket_egress_over_s']} "
+            f"| {len(r.get('seeds', [1]))} | {r['seconds']} | {r['floor_s']} | {xf} | {r['bucket_egress_over_s']} "
             f"| {r['duplicate_bucket_reads']} | {r['control_msgs_per_node_s_mean']} | {r['control_msgs_per_node_s_max']} "
             f"| {r['peer_state_bytes_per_node_max']} | {r['member_table_bytes_per_node']} "
             f"| {r['hotload_target_spread_s']} | {r['wall_s']} |")
@@ -124,15 +161,21 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated: validate, n100, n1000, ctl100, ctl1000, ctl10000, today-n100")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--merge", action="store_true", help="keep rows of --out not re-run")
+    ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds; each point is their median")
     args = ap.parse_args()
     only = {x for x in args.only.split(",") if x} or None
     rows: list[dict[str, Any]] = []
     if args.merge and args.out.exists():
         rows = json.loads(args.out.read_text())
+    seeds = [int(x) for x in args.seeds.split(",") if x]
     for sc in scenarios(only):
-        r = run_one(sc)
+        runs = []
+        for seed in seeds:
+            sc.seed = seed
+            runs.append(run_one(Scenario(**{**sc.__dict__})))
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "scenario"}), flush=True)
+        r = summarise(runs)
         rows = [x for x in rows if x["name"] != sc.name] + [r]
-        print(json.dumps({k: v for k, v in r.items() if k != "scenario"}), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
     order = {s.name: i for i, s in enumerate(scenarios(None))}

@@ -4,34 +4,24 @@ The policies are not re-implemented here: every node holds a :class:`bdn.control
 a :class:`bdn.control.peerset.PeerSet` for the snapshot, an :class:`bdn.control.owners.OwnerCache`
 and a :class:`bdn.control.hotload.TargetGossip`, exactly the objects the daemon uses, with
 simpy's clock injected; this module only delivers their messages (one-way delay = RTT/2 plus
-jitter) and moves chunk bytes over :mod:`bench.fleetsim.net`.
+jitter) and moves chunk bytes over :mod:`bench.fleetsim.net` (max-min fair flows).
 
-Two chunk-source policies:
+The ``fleet`` policy (this module): SWIM membership, bucket readers per snapshot
+(:func:`bdn.control.owners.reader_count` with the daemon's ``bucket_concurrency`` connections
+per reader), bounded peer sets with BITFIELD/HAVE and rarest-first, hot-load gossip; a node
+asks a chunk's owner directly only when no peer of its set has had it for
+``owner_ask_after_s``. ``today`` (today's bdnd, for the validation): bench/fleetsim/today.py.
 
-- ``today``: a model of today's daemon (bdn/daemon/node.py): every live node is an owner (HRW
-  over all), reads its chunks from the bucket ``bucket_concurrency`` (4) at a time in manifest
-  order; the other chunks are asked, ``max_inflight`` (16) at a time and at most ``max_per_peer``
-  (4) per peer, from a holder known from have-bitfields polled from every peer every 0.5 s, else
-  from the owner, which holds the request until it has the chunk; a holder with all
-  ``max_uploads`` (8) slots busy, or already sending that chunk to ``uploads_per_chunk`` (2)
-  peers, answers 503 and the asker tries again 0.1-0.5 s later. Membership messages are counted
-  as today's code sends them (every 2-3 s to every member), not simulated.
-- ``fleet``: the new control plane: SWIM membership, bucket readers per snapshot
-  (:func:`bdn.control.owners.reader_count`), bounded peer sets with BITFIELD/HAVE and
-  rarest-first, hot-load gossip; a node asks a chunk's owner directly only when no peer of its
-  set has had it for ``owner_ask_after_s``.
-
-Sizes: the snapshot's bytes are real; the chunk count is scaled down (a simulated chunk stands
-for ``g`` real chunks read from the bucket by ``g`` parallel ranged GETs, so its per-connection
-cap is ``g`` times the bucket's); see :class:`Scenario`.
+Mechanics (why N = 10,000 runs): no simpy process per request or transfer. A request is a
+chain of callbacks (ask -> admit or queue at the holder -> flow -> done); a node's download
+slots are filled by one ``fill`` per instant however many HAVEs, slot releases and arrivals
+woke it (:meth:`FleetSim.kick` coalesces), and one timer per node stands for all its waits.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -42,114 +32,66 @@ from bdn.control.owners import OwnerCache, reader_count
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
 from bench.fleetsim.net import Link, Network
-
-REAL_CHUNK = 16 << 20
-
-
-@dataclass
-class Scenario:
-    """One simulated run. Rates in bytes per second, times in seconds."""
-
-    name: str
-    n: int
-    snapshot_bytes: float
-    chunks: int  # simulated chunks (the real snapshot has snapshot_bytes / 16 MiB)
-    nic_bps: float
-    bucket_bps: float
-    bucket_conn_bps: float = 0.0  # 0: no per-connection limit
-    rtt_s: float = 0.0002
-    jitter_s: float = 0.0001
-    policy: str = "fleet"
-    kill_frac: float = 0.0
-    kill_at_floor: float = 0.5  # deaths at this fraction of the floor
-    late_frac: float = 0.0
-    late_at_floor: float = 0.25
-    seed: int = 1
-    # fleet policy knobs
-    k: int = 16
-    max_peers: int = 32
-    reader_slots: int = 4
-    download_slots: int = 8
-    reader_connections: int = 4
-    max_uploads: int = 8
-    max_per_peer: int = 2
-    upload_queue: int = 8  # requests a holder keeps waiting for a slot before it answers busy
-    have_flush_s: float = 0.1
-    owner_ask_after_s: float = 2.0
-    swim_period_s: float = 1.0
-    suspect_mult: float = 4.0
-    # today policy knobs (bdn/daemon/config.py defaults)
-    bucket_concurrency: int = 4
-    max_inflight: int = 16
-    uploads_per_chunk: int = 2
-    today_per_peer: int = 4
-    time_limit_s: float = 3600.0
-    data: bool = True  # False: membership and hot-load only (no chunks): the control plane at scale
-    min_sim_s: float = 0.0  # run at least this long (control rates over a steady window)
-
-    @property
-    def chunk_bytes(self) -> float:
-        return self.snapshot_bytes / self.chunks
-
-    @property
-    def real_chunks_per_chunk(self) -> float:
-        return max(1.0, self.chunk_bytes / REAL_CHUNK)
-
-    @property
-    def floor_s(self) -> float:
-        """S over the narrower of one NIC and the bucket: no schedule can beat it."""
-        return self.snapshot_bytes / min(self.nic_bps, self.bucket_bps)
+from bench.fleetsim.report import result
+from bench.fleetsim.scenario import Scenario
 
 
 class SimNode:
     __slots__ = (
         "id", "alive", "up", "down", "swim", "ps", "gossip", "owners", "ctrl_sent", "ctrl_recv",
-        "done_at", "joined_at", "uploads", "uploads_by_chunk", "load", "wake", "bucket_queue",
-        "reading", "flows", "adopted_at", "owner_wait", "unavail_since", "have_pending", "started",
-        "state_peak", "omap", "nreaders", "inherited", "unreachable", "upq", "busy",
+        "done_at", "joined_at", "uploads", "uploads_by_chunk", "load", "bucket_queue", "reading",
+        "flows", "adopted_at", "owner_wait", "unavail_t", "ask_at", "have_pending", "state_peak", "omap",
+        "nreads", "inherited", "unreachable", "upq", "busy", "nreq", "timer", "tasks", "dirty",
     )
 
-    def __init__(self, nid: str, env: simpy.Environment, nic: float) -> None:
+    def __init__(self, nid: str, nic: float) -> None:
         self.id = nid
         self.alive = True
         self.up = Link(nid + "/up", nic)
         self.down = Link(nid + "/down", nic)
-        self.ctrl_sent = 0
-        self.ctrl_recv = 0
+        self.ctrl_sent = 0.0
+        self.ctrl_recv = 0.0
         self.done_at: float | None = None
         self.joined_at = 0.0
         self.uploads = 0
         self.uploads_by_chunk: Counter = Counter()
-        self.load: Counter = Counter()
-        self.wake: list = []  # idle workers' events
+        self.load: Counter = Counter()  # requests in flight per peer (from this node)
         self.bucket_queue: list[int] = []
         self.reading: set[int] = set()
         self.flows: set = set()
         self.adopted_at: float | None = None
-        self.owner_wait: dict[int, list] = {}
-        self.unavail_since: dict[int, float] = {}
+        self.owner_wait: dict[int, list] = {}  # requests parked until this owner holds the chunk
+        self.ask_at: Any = None
+        self.unavail_t: Any = None  # per chunk: since when no peer of the set has it (inf: tracked not)
         self.have_pending = False
-        self.started = False
         self.state_peak = 0
-        self.omap = None
-        self.nreaders = 0
+        self.omap: Any = None
+        self.nreads = 0  # bucket reads in flight
         self.inherited: set[int] = set()
         self.unreachable: set[str] = set()
         self.upq: list = []  # requests held until an upload slot frees (FIFO, bounded)
         self.busy: dict[str, float] = {}  # peer -> until when it said "busy" (skip it)
+        self.nreq = 0  # requests in flight from this node
+        self.timer: float | None = None  # when this node's one pending wake-up fires
+        self.tasks: set[int] = set()  # today: chunks its workers hold
+        self.dirty = False
+        self.swim: Swim | None = None
+        self.ps: PeerSet | None = None
+        self.gossip: TargetGossip | None = None
+        self.owners: OwnerCache | None = None
 
 
 class FleetSim:
     """Build with a :class:`Scenario`, call :meth:`run`, read the result dict."""
+
+    policy = "fleet"
 
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
         self.env = simpy.Environment()
         self.net = Network(self.env)
         self.rng = random.Random(sc.seed)
-        self.bucket = Link("bucket", sc.bucket_bps)
-        conn = sc.bucket_conn_bps * sc.real_chunks_per_chunk if sc.bucket_conn_bps else math.inf
-        self.conn_cap = conn
+        self.bucket = Link("bucket", sc.bucket_bps * sc.wire_payload)
         self.nodes: dict[str, SimNode] = {}
         self.digests = [f"{i:032x}" for i in range(sc.chunks)]
         self.identity = "step000001"
@@ -159,8 +101,12 @@ class FleetSim:
         self.target = Target(1, 1.7e9, self.identity)
         self.post_at = 0.0
         self.owner_cache_rebuilds = 0
+        self.n_done = 0  # live nodes holding the snapshot
+        self.n_live = 0
+        self.requests = 0  # chunk requests sent (a cost metric)
         self._maps: dict[tuple, Any] = {}
-        self._forgotten: set[str] = set()
+        self._dirty: list[SimNode] = []
+        self._stop = self.env.event()
         n_late = int(round(sc.n * sc.late_frac))
         self.initial = [f"n{i:05d}" for i in range(sc.n - n_late)]
         self.late = [f"n{i:05d}" for i in range(sc.n - n_late, sc.n)]
@@ -170,35 +116,49 @@ class FleetSim:
         return self.sc.rtt_s / 2 + self.rng.random() * self.sc.jitter_s
 
     def later(self, dt: float, fn: Any, *args: Any) -> None:
-        ev = self.env.timeout(dt)
+        ev = self.env.timeout(max(0.0, dt))
         ev.callbacks.append(lambda _e: fn(*args))
 
     def event(self, node: str, what: str) -> None:
         if len(self.log) < 200_000:
             self.log.append((round(self.env.now, 4), node, what))
 
-    def wake_or(self, nd: SimNode, timeout: float) -> simpy.Event:
-        """An event for an idle worker: the node's next kick (one idle worker per kick) or a
-        timeout. A woken worker that finds work kicks the next, so all wake only if needed."""
-        ev = self.env.event()
-        nd.wake.append(ev)
-        return ev | self.env.timeout(timeout)
-
     def kick(self, nd: SimNode) -> None:
-        while nd.wake:
-            ev = nd.wake.pop()
-            if not ev.triggered:
-                ev.succeed()
-                return
+        """Fill ``nd``'s download slots once, at the end of this instant."""
+        if nd.dirty:
+            return
+        nd.dirty = True
+        if not self._dirty:
+            self.later(0.0, self._drain)
+        self._dirty.append(nd)
 
-    # ---- membership (fleet) -----------------------------------------------------------------
+    def _drain(self) -> None:
+        todo, self._dirty = self._dirty, []
+        for nd in todo:
+            nd.dirty = False
+            if nd.alive and nd.ps is not None and not nd.ps.complete:
+                self.fill(nd)
+
+    def wake_at(self, nd: SimNode, t: float) -> None:
+        """One timer per node: keep the earliest wake-up (a fill re-arms what it still needs)."""
+        if nd.timer is not None and nd.timer <= t:
+            return
+        nd.timer = t
+        self.later(t - self.env.now, self._timer, nd, t)
+
+    def _timer(self, nd: SimNode, t: float) -> None:
+        if nd.timer == t:
+            nd.timer = None
+            self.kick(nd)
+
+    # ---- membership -------------------------------------------------------------------------
     def send_swim(self, msgs: list[Message]) -> None:
         for m in msgs:
             src = self.nodes.get(m.src)
             if src is not None:
                 src.ctrl_sent += 1
-            if self.target is not None and src is not None and src.gossip is not None and src.gossip.current:
-                m = Message(m.kind, m.src, m.dst, m.seq, m.target, m.updates, src.gossip.piggyback())
+                if src.gossip is not None and src.gossip.current:
+                    m = Message(m.kind, m.src, m.dst, m.seq, m.target, m.updates, src.gossip.piggyback())
             self.later(self.delay(), self.deliver_swim, m)
 
     def deliver_swim(self, m: Message) -> None:
@@ -214,29 +174,28 @@ class FleetSim:
         if dst.swim.epoch != before:
             self.on_epoch(dst)
 
-    def swim_loop(self, nd: SimNode) -> Any:
-        while nd.alive:
-            before = nd.swim.epoch
-            self.send_swim(nd.swim.tick())
-            if nd.swim.epoch != before:
-                self.on_epoch(nd)
-            yield self.env.timeout(max(1e-4, nd.swim.next_deadline() - self.env.now))
+    def swim_tick(self, nd: SimNode) -> None:
+        if not nd.alive:
+            return
+        before = nd.swim.epoch
+        self.send_swim(nd.swim.tick())
+        if nd.swim.epoch != before:
+            self.on_epoch(nd)
+        self.later(max(1e-4, nd.swim.next_deadline() - self.env.now), self.swim_tick, nd)
 
     def on_epoch(self, nd: SimNode) -> None:
         if nd.ps is not None and nd.alive:
             if len(nd.ps.peers) < nd.ps.k or any(not nd.swim.is_live(p) for p in nd.ps.peers):
                 self.refresh_peers(nd)
             before = nd.omap
-            m = self.owner_map(nd)
-            if m is not before:
+            if self.owner_map(nd) is not before:
                 self.event(nd.id, "owners moved")
                 self.plan_bucket(nd)
             self.kick(nd)
 
-    # ---- hot-load (fleet) -------------------------------------------------------------------
+    # ---- hot-load ---------------------------------------------------------------------------
     def offer_target(self, nd: SimNode, t: Target) -> None:
-        live = nd.swim.live() if nd.swim else tuple(self.nodes)
-        push = nd.gossip.offer(t, live)
+        push = nd.gossip.offer(t, nd.swim.live() if nd.swim else tuple(self.nodes))
         if not push:
             return
         nd.adopted_at = self.env.now
@@ -247,16 +206,20 @@ class FleetSim:
         if self.sc.data:
             self.start_download(nd)
         else:
-            nd.done_at = self.env.now
+            self.mark_done(nd)
 
     def deliver_target(self, dst_id: str, t: Target) -> None:
         dst = self.nodes.get(dst_id)
-        if dst is None or not dst.alive or not dst.started:
+        if dst is None or not dst.alive:
             return
         dst.ctrl_recv += 1
         self.offer_target(dst, t)
 
-    # ---- the download -----------------------------------------------------------------------
+    # ---- owners and bucket reads ------------------------------------------------------------
+    def reader_count(self, live_n: int) -> int | None:
+        sc = self.sc
+        return reader_count(live_n, sc.bucket_bps, sc.bucket_conn_bps, connections_per_reader=sc.bucket_concurrency)
+
     def owner_map(self, nd: SimNode) -> Any:
         """This node's :class:`OwnerMap` for its current membership view.
 
@@ -264,23 +227,13 @@ class FleetSim:
         was (:meth:`OwnerMap.affected_by`); nodes whose views are identical share one build
         (the map is a pure function of the view: memoising it saves simulator time only).
         """
-        sc = self.sc
-        if nd.swim is not None:
-            changes, nd.swim.changes = nd.swim.changes, []
-            if nd.omap is not None and not any(nd.omap.affected_by(c) for c in changes):
-                return nd.omap
-            live = nd.swim.live()
-            epoch = nd.swim.epoch
-        else:
-            live = tuple(n for n, x in self.nodes.items() if x.alive and x.started and n not in self._forgotten)
-            epoch = self._today_epoch
-            if nd.omap is not None and nd.omap.epoch == epoch:
-                return nd.omap
-        if sc.policy == "fleet":
-            r = reader_count(len(live), sc.bucket_bps, sc.bucket_conn_bps * sc.real_chunks_per_chunk if sc.bucket_conn_bps else 0,
-                             connections_per_reader=sc.reader_connections)
-        else:
-            r = None
+        changes, nd.swim.changes = nd.swim.changes, []
+        if nd.omap is not None and not any(nd.omap.affected_by(c) for c in changes):
+            return nd.omap
+        return self._map_for(nd, nd.swim.epoch, nd.swim.live())
+
+    def _map_for(self, nd: SimNode, epoch: int, live: tuple[str, ...]) -> Any:
+        r = self.reader_count(len(live))
         key = (live, r)
         m = self._maps.get(key)
         if m is None:
@@ -292,54 +245,33 @@ class FleetSim:
         nd.omap = m
         return m
 
-    def start_download(self, nd: SimNode) -> None:
-        if nd.ps is not None:
-            return
-        sc = self.sc
-        k, mx = (sc.k, sc.max_peers) if sc.policy == "fleet" else (256, 256)  # today: every peer
-        nd.ps = PeerSet(nd.id, sc.chunks, lambda: self.env.now, rng=random.Random(self.rng.random()),
-                        k=k, max_peers=mx, reader_slots=sc.reader_slots, have_flush_s=sc.have_flush_s)
-        self.plan_bucket(nd)
-        if sc.policy == "fleet":
-            self.refresh_peers(nd)
-            for _ in range(sc.download_slots):
-                self.env.process(self.fleet_worker(nd))
-        else:
-            self.env.process(self.today_poller(nd))
-            for _ in range(sc.max_inflight):
-                self.env.process(self.today_worker(nd))
+    def synced(self, nd: SimNode) -> bool:
+        return nd.swim is None or nd.swim.synced
 
     def plan_bucket(self, nd: SimNode) -> None:
         """The chunks this node owns now (membership epoch): read them, in order."""
         m = self.owner_map(nd)
         owned = np.zeros(self.sc.chunks, dtype=bool)
         # a joiner with a partial view takes no reader role until its first full sync
-        mine = m.owned_by(nd.id, self.digests) if nd.swim is None or nd.swim.synced else []
+        mine = m.owned_by(nd.id, self.digests) if self.synced(nd) else []
         owned[mine] = True
-        if self.sc.policy == "fleet" and nd.ps.owned is not None and (nd.ps.held.any() or nd.joined_at > 0):
+        if self.policy == "fleet" and (nd.ps.held.any() or nd.joined_at > 0):
             # chunks that became ours while the snapshot was under way: ask the former owner first
             nd.inherited |= {i for i in mine if not nd.ps.owned[i]}
         nd.ps.owned = owned
-        queue = [i for i in mine if not nd.ps.held[i] and i not in nd.reading]
-        new = [i for i in queue if i not in set(nd.bucket_queue)]
+        queued = set(nd.bucket_queue)
+        new = [i for i in mine if not nd.ps.held[i] and i not in nd.reading and i not in queued]
         nd.bucket_queue = [i for i in nd.bucket_queue if owned[i] and not nd.ps.held[i]] + new
-        want = self.sc.bucket_concurrency if self.sc.policy == "today" else self.sc.reader_connections
-        while nd.nreaders < want and nd.bucket_queue:
-            nd.nreaders += 1
-            self.env.process(self.bucket_reader(nd))
+        self.start_reads(nd)
 
-    def bucket_reader(self, nd: SimNode) -> Any:
-        try:
-            yield from self._read_bucket(nd)
-        finally:
-            nd.nreaders -= 1
-
-    def _read_bucket(self, nd: SimNode) -> Any:
-        while nd.alive and nd.bucket_queue:
+    def start_reads(self, nd: SimNode) -> None:
+        """Keep ``reads_per_reader`` simulated chunk reads (``bucket_concurrency`` connections) going."""
+        sc = self.sc
+        while nd.alive and nd.nreads < sc.reads_per_reader and nd.bucket_queue:
             i = nd.bucket_queue.pop(0)
             if nd.ps.held[i] or i in nd.reading:
                 continue
-            if self.sc.policy == "fleet" and nd.ps.avail[i] > 0:
+            if self.policy == "fleet" and nd.ps.avail[i] > 0:
                 # A peer holds it already (this node became its owner late: it joined, or the
                 # old owner died after reading it): take it from the swarm, not the bucket.
                 nd.ps.owned[i] = False
@@ -347,48 +279,71 @@ class FleetSim:
                 continue
             nd.reading.add(i)
             nd.ps.mark_inflight(i)
+            nd.nreads += 1
             if i in nd.inherited:
                 nd.inherited.discard(i)
                 former = nd.omap.former_owner(self.digests[i], nd.id)
                 if former is not None and former not in nd.unreachable:
-                    ok = yield from self.ask(nd, former, i, wait=True)
-                    if ok or nd.ps.held[i]:
-                        nd.reading.discard(i)
-                        continue
-            if nd.ps.held[i]:
-                nd.reading.discard(i)
-                continue
-            f = self.net.start(self.sc.chunk_bytes, (self.bucket, nd.down), self.conn_cap, tag=("bucket", nd.id, i))
+                    self.request(nd, former, i, True, lambda ok, nd=nd, i=i: self._inherited_done(nd, i, ok))
+                    continue
+            f = self.net.start(sc.chunk_bytes, (self.bucket, nd.down), sc.read_cap_bps, ("bucket", nd.id, i),
+                               lambda f, ok, nd=nd, i=i: self._read_done(nd, i, f, ok))
             nd.flows.add(f)
-            ok = yield f.done
-            nd.flows.discard(f)
-            moved = f.size - f.left
-            self.bucket_bytes += moved
-            nd.reading.discard(i)
-            if not ok:
-                return
-            self.bucket_reads[i] += 1
-            self.event(nd.id, f"bucket read {i} done" + (" again" if self.bucket_reads[i] > 1 else ""))
-            self.got(nd, i, "bucket")
 
-    def got(self, nd: SimNode, i: int, source: str) -> None:
-        if nd.ps.held[i]:
-            nd.ps.inflight[i] = False
+    def _inherited_done(self, nd: SimNode, i: int, ok: bool) -> None:
+        nd.nreads -= 1
+        nd.reading.discard(i)
+        if nd.alive and not nd.ps.held[i]:
+            nd.bucket_queue.insert(0, i)  # the former owner had nothing: read it ourselves
+        self.start_reads(nd)
+
+    def _read_done(self, nd: SimNode, i: int, f: Any, ok: bool) -> None:
+        nd.flows.discard(f)
+        nd.nreads -= 1
+        self.bucket_bytes += f.moved
+        nd.reading.discard(i)
+        if not ok or not nd.alive:
             return
-        nd.ps.got(i)
-        nd.unavail_since.pop(i, None)
-        for w in nd.owner_wait.pop(i, []):  # requests parked here while this node fetched
-            if not w.triggered:
-                w.succeed(True)
-        if nd.ps.complete and nd.done_at is None:
-            nd.done_at = self.env.now
-            self.event(nd.id, "snapshot ready")
-        if self.sc.policy == "fleet" and not nd.have_pending:
+        self.bucket_reads[i] += 1
+        self.event(nd.id, f"bucket read {i} done" + (" again" if self.bucket_reads[i] > 1 else ""))
+        self.got(nd, i, "bucket")
+        self.start_reads(nd)
+
+    def take_over(self, nd: SimNode, i: int) -> None:
+        if nd.ps.held[i] or i in nd.reading or i in nd.bucket_queue:
+            return
+        self.event(nd.id, f"takes over chunk {i}")
+        nd.ps.owned[i] = True
+        nd.ps.inflight[i] = False
+        nd.bucket_queue.insert(0, i)
+        self.start_reads(nd)
+
+    # ---- chunk arrival, HAVE, peer set ------------------------------------------------------
+    def got(self, nd: SimNode, i: int, source: str) -> None:
+        ps = nd.ps
+        if ps.held[i]:
+            ps.inflight[i] = False
+            return
+        ps.got(i)
+        nd.unavail_t[i] = np.inf
+        for req in nd.owner_wait.pop(i, []):  # requests parked here while this node fetched
+            if req[0].alive:
+                self.admit(nd, *req)
+        if ps.complete:
+            self.mark_done(nd)
+        if self.policy == "fleet" and not nd.have_pending:
             nd.have_pending = True
-            self.later(max(0.0, nd.ps.next_flush() - self.env.now), self.flush_have, nd)
-        if nd.ps.complete or nd.ps.held.sum() == self.sc.chunks // 2:
-            nd.state_peak = max(nd.state_peak, nd.ps.state_bytes())
+            self.later(ps.next_flush() - self.env.now, self.flush_have, nd)
+        if ps.complete or int(ps.held.sum()) == self.sc.chunks // 2:
+            nd.state_peak = max(nd.state_peak, ps.state_bytes())
         self.kick(nd)
+
+    def mark_done(self, nd: SimNode) -> None:
+        if nd.done_at is None:
+            nd.done_at = self.env.now
+            self.n_done += 1
+            self.event(nd.id, "snapshot ready")
+            self.check_end()
 
     def flush_have(self, nd: SimNode) -> None:
         nd.have_pending = False
@@ -425,225 +380,196 @@ class FleetSim:
             other.ps.on_bitfield(nd.id, nd.ps.held)
             self.kick(other)
 
-    def upload_admit(self, src: SimNode, i: int) -> bool:
-        if src.uploads >= self.sc.max_uploads:
-            return False
-        if self.sc.policy == "today" and src.uploads_by_chunk[i] >= self.sc.uploads_per_chunk:
-            return False
-        return True
+    # ---- requests ---------------------------------------------------------------------------
+    def request(self, nd: SimNode, pid: str, i: int, wait: bool, cb: Any = None) -> None:
+        """Ask ``pid`` for chunk ``i`` (``wait``: it is the owner, which holds the request until
+        it has the chunk). Ends in :meth:`finish`, which calls ``cb(ok)`` when given."""
+        nd.nreq += 1
+        nd.load[pid] += 1
+        self.requests += 1
+        self.later(self.delay(), self._arrive, nd, pid, i, wait, cb)
 
-    def transfer(self, src: SimNode, dst: SimNode, i: int) -> Any:
-        """Move chunk ``i`` src -> dst (admission already granted); yields the flow's result."""
+    def _arrive(self, nd: SimNode, pid: str, i: int, wait: bool, cb: Any) -> None:
+        src = self.nodes.get(pid)
+        if src is None or not src.alive or src.ps is None:
+            self.later(self.delay(), self.finish, nd, pid, i, False, cb)  # refused / reset
+            return
+        if not src.ps.held[i]:
+            if wait and self.policy == "fleet" and i not in src.reading and i not in src.bucket_queue:
+                self.plan_bucket(src)
+                if i not in src.reading and i not in src.bucket_queue:
+                    self.maybe_take_over(src, nd, i)
+            if not wait or (self.policy == "fleet" and i not in src.reading and i not in src.bucket_queue):
+                self.later(self.delay(), self.finish, nd, pid, i, False, cb)  # 404: not (yet) here
+                return
+            src.owner_wait.setdefault(i, []).append((nd, i, cb))
+            return
+        self.admit(src, nd, i, cb)
+
+    def upload_admit(self, src: SimNode, i: int) -> bool:
+        return src.uploads < self.sc.max_uploads
+
+    def admit(self, src: SimNode, nd: SimNode, i: int, cb: Any) -> None:
+        if self.upload_admit(src, i):
+            self.transfer(src, nd, i, cb)
+        elif self.policy == "fleet" and len(src.upq) < self.sc.upload_queue:
+            src.upq.append((nd, i, cb))
+        else:
+            nd.busy[src.id] = self.env.now + 0.05
+            self.later(self.delay(), self.finish, nd, src.id, i, False, cb)  # 503 busy
+
+    def transfer(self, src: SimNode, nd: SimNode, i: int, cb: Any) -> None:
         src.uploads += 1
         src.uploads_by_chunk[i] += 1
-        f = self.net.start(self.sc.chunk_bytes, (src.up, dst.down), tag=("peer", src.id, dst.id, i))
+        f = self.net.start(self.sc.chunk_bytes, (src.up, nd.down), tag=("peer", src.id, nd.id, i),
+                           on_done=lambda f, ok: self._sent(src, nd, i, cb, f, ok))
         src.flows.add(f)
-        dst.flows.add(f)
-        ok = yield f.done
+        nd.flows.add(f)
+
+    def _sent(self, src: SimNode, nd: SimNode, i: int, cb: Any, f: Any, ok: bool) -> None:
         src.flows.discard(f)
-        dst.flows.discard(f)
+        nd.flows.discard(f)
         src.uploads -= 1
         src.uploads_by_chunk[i] -= 1
         while src.upq and src.alive:
-            w = src.upq.pop(0)
-            if not w.triggered:
-                w.succeed(True)  # the slot goes to the oldest held request
+            a, j, c = src.upq.pop(0)  # the slot goes to the oldest held request
+            if a.alive:
+                self.transfer(src, a, j, c)
                 break
-        self.kick(src)  # a slot freed
-        return ok
+        self.kick(src)
+        self.finish(nd, src.id, i, ok, cb)
 
-    def fleet_worker(self, nd: SimNode) -> Any:
-        sc = self.sc
-        while nd.alive and not nd.ps.complete:
-            now = self.env.now
-            load = nd.load
-            if nd.busy:
-                load = Counter(nd.load)
-                for p, until in list(nd.busy.items()):
-                    if until > now:
-                        load[p] = sc.max_per_peer
-                    else:
-                        del nd.busy[p]
-            picks = nd.ps.pick(1, load, sc.max_per_peer)
-            if not picks:
-                # nothing in the peer set: ask an owner for a chunk no peer has had for a while
-                now = self.env.now
-                idx = None
-                om = self.owner_map(nd)
-                for j in nd.ps.unavailable()[:64].tolist():
-                    t0 = nd.unavail_since.setdefault(j, now)
-                    # at once when its owner is known unreachable here (its connection reset)
-                    if now - t0 >= sc.owner_ask_after_s or (nd.unreachable and om.owner(self.digests[j]) in nd.unreachable):
-                        idx = j
-                        break
-                if idx is None:
-                    yield self.wake_or(nd, sc.owner_ask_after_s)
-                    continue
-                owner = self.owner_map(nd).acting_owner(self.digests[idx], nd.unreachable)
-                if owner is None or owner == nd.id:
-                    nd.unavail_since[idx] = now
-                    if owner == nd.id and idx not in nd.reading and idx not in nd.bucket_queue:
-                        self.take_over(nd, idx)
-                    yield self.wake_or(nd, sc.owner_ask_after_s)  # never spin at one instant
-                    continue
-                nd.ps.mark_inflight(idx)
-                ok = yield from self.ask(nd, owner, idx, wait=True)
-                if not ok:
-                    nd.ps.failed(idx)
-                    nd.unavail_since[idx] = self.env.now
-                    if not self.nodes[owner].alive:
-                        nd.unreachable.add(owner)  # connection refused: try the next reader
-                continue
-            i, peer = picks[0]
-            self.kick(nd)  # there may be more: let one more idle worker look
-            nd.load[peer] += 1
-            ok = yield from self.ask(nd, peer, i, wait=False)
-            nd.load[peer] -= 1
-            if not ok:
-                nd.ps.failed(i)
-                if not (self.nodes[peer].alive):
-                    nd.ps.remove(peer)  # connection reset: local knowledge, before SWIM agrees
-                    nd.unreachable.add(peer)
-                    self.refresh_peers(nd)
-                else:
-                    yield self.wake_or(nd, 0.05 + 0.1 * self.rng.random())
+    def finish(self, nd: SimNode, pid: str, i: int, ok: bool, cb: Any) -> None:
+        nd.nreq -= 1
+        nd.load[pid] -= 1
+        if not nd.alive:
+            return
+        if ok:
+            self.got(nd, i, pid)
+        else:
+            nd.ps.failed(i)
+            if cb is None:
+                self.failed(nd, pid, i)
+        if cb is not None:
+            cb(ok)
+        self.kick(nd)
 
-    def ask(self, nd: SimNode, peer_id: str, i: int, wait: bool) -> Any:
-        """Request chunk ``i`` from ``peer_id``: True when it arrived here."""
-        yield self.env.timeout(self.delay())
-        src = self.nodes.get(peer_id)
-        if src is None or not src.alive or src.ps is None:
-            yield self.env.timeout(self.delay())
-            return False
-        if not src.ps.held[i]:
-            if not wait:
-                yield self.env.timeout(self.delay())
-                return False
-            if self.sc.policy == "fleet" and i not in src.reading and i not in src.bucket_queue:
-                self.plan_bucket(src)
-                if i not in src.reading and i not in src.bucket_queue:
-                    yield from self.maybe_take_over(src, nd, i)
-                if i not in src.reading and i not in src.bucket_queue:
-                    yield self.env.timeout(self.delay())
-                    return False  # not its chunk in its own view: 404, ask again later
-            ev = self.env.event()
-            src.owner_wait.setdefault(i, []).append(ev)
-            res = yield ev | self.env.timeout(30.0)
-            if ev not in res or not src.alive:
-                return False
-        if not self.upload_admit(src, i):
-            if self.sc.policy == "fleet" and len(src.upq) < self.sc.upload_queue:
-                ev = self.env.event()
-                src.upq.append(ev)
-                granted = yield ev
-                if not granted or not src.alive or not nd.alive:
-                    return False
-            else:
-                yield self.env.timeout(self.delay())
-                nd.busy[peer_id] = self.env.now + 0.05
-                return False
-        ok = yield from self.transfer(src, nd, i)
-        if ok and nd.alive:
-            self.got(nd, i, peer_id)
-        return bool(ok)
+    def failed(self, nd: SimNode, pid: str, i: int) -> None:
+        """A fleet request failed: a dead peer leaves the set at once; a live one is skipped
+        for a moment (busy) so the slots go elsewhere."""
+        if not self.nodes[pid].alive:
+            nd.unreachable.add(pid)  # connection refused / reset: local knowledge, before SWIM
+            if pid in nd.ps.peers:
+                nd.ps.remove(pid)
+                self.refresh_peers(nd)
+        else:
+            if nd.ps.avail[i] == 0:  # an owner ask: 404 (its view differs) - ask again a little later
+                nd.ask_at[i] = self.env.now + 0.05 + 0.1 * self.rng.random()
+            until = self.env.now + 0.05 + 0.1 * self.rng.random()
+            nd.busy[pid] = max(nd.busy.get(pid, 0.0), until)
+            self.wake_at(nd, until)
 
-    def maybe_take_over(self, src: SimNode, asker: SimNode, i: int) -> Any:
+    def maybe_take_over(self, src: SimNode, asker: SimNode, i: int) -> None:
         """``asker`` found chunk ``i``'s owner unreachable and asks ``src``, the next reader:
         ``src`` checks the owner itself (one probe, as SWIM's indirect ping) and, if it is
         unreachable from here too, reads the chunk from the bucket as its acting owner."""
+        if not self.synced(src):
+            return
         m = self.owner_map(src)
         owner = m.owner(self.digests[i])
         if owner is None or owner == src.id or owner not in asker.unreachable:
             return
-        if m.acting_owner(self.digests[i], {owner}) != src.id:
-            return
-        yield self.env.timeout(self.sc.rtt_s)  # the probe
-        if not self.nodes[owner].alive:
+        if m.acting_owner(self.digests[i], {owner}) == src.id and not self.nodes[owner].alive:
             src.unreachable.add(owner)
             self.take_over(src, i)
 
-    def take_over(self, nd: SimNode, i: int) -> None:
-        if nd.ps.held[i] or i in nd.reading or i in nd.bucket_queue:
+    # ---- the fleet node's download slots ----------------------------------------------------
+    def start_download(self, nd: SimNode) -> None:
+        if nd.ps is not None:
             return
-        self.event(nd.id, f"takes over chunk {i}")
-        nd.ps.owned[i] = True
-        nd.ps.inflight[i] = False
-        nd.bucket_queue.insert(0, i)
-        want = self.sc.reader_connections
-        while nd.nreaders < want and nd.bucket_queue:
-            nd.nreaders += 1
-            self.env.process(self.bucket_reader(nd))
-
-    # ---- today's daemon -------------------------------------------------------------------
-    _today_epoch = 0  # today: membership changes seen (owners are recomputed on each)
-
-    def today_poller(self, nd: SimNode) -> Any:
-        """Have-bitfields of every live peer every 0.5 s (stale in between), and the counts."""
-        holders: dict[str, np.ndarray] = {}
-        nd_live = [x for x in self.nodes.values() if x.id != nd.id]
-        while nd.alive and not nd.ps.complete:
-            for x in nd_live:
-                if x.alive and x.ps is not None:
-                    holders[x.id] = x.ps.held.copy()
-            nd.ps.peers.clear()
-            nd.ps.avail[:] = 0
-            for pid, h in holders.items():
-                if self.nodes[pid].alive:
-                    nd.ps.accept(pid)
-                    nd.ps.on_bitfield(pid, h)
-            self.kick(nd)
-            yield self.env.timeout(0.5)
-
-    def today_worker(self, nd: SimNode) -> Any:
         sc = self.sc
-        while nd.alive and not nd.ps.complete:
-            cand = np.flatnonzero(~nd.ps.held & ~nd.ps.inflight & ~nd.ps.owned)
-            if cand.size == 0:
-                yield self.wake_or(nd, 0.5)
-                continue
-            i = int(cand[0])  # tasks run in manifest order
-            nd.ps.mark_inflight(i)
-            while nd.alive and not nd.ps.held[i]:
-                holders = [p for p in nd.ps.holders(i) if nd.load[p] < sc.today_per_peer]
-                if holders:
-                    holders.sort(key=lambda p: (nd.load[p], self.rng.random()))
-                    peer, wait = holders[0], False
+        nd.ps = PeerSet(nd.id, sc.chunks, lambda: self.env.now, rng=random.Random(self.rng.random()),
+                        k=sc.k, max_peers=sc.max_peers, reader_slots=sc.reader_slots, have_flush_s=sc.have_flush_s)
+        nd.unavail_t = np.full(sc.chunks, np.inf)
+        nd.ask_at = np.zeros(sc.chunks)  # per chunk: no owner ask before (a failed one backs off)
+        self.plan_bucket(nd)
+        self.refresh_peers(nd)
+        self.kick(nd)
+
+    def fill(self, nd: SimNode) -> None:
+        """Up to ``download_slots`` requests: rarest-first from the peer set; a chunk no peer
+        has had for ``owner_ask_after_s`` (at once when its owner's connection reset) from its
+        owner, or read from the bucket when this node is now its acting owner."""
+        sc, ps, now = self.sc, nd.ps, self.env.now
+        free = sc.download_slots - nd.nreq
+        if free <= 0:
+            return
+        load = nd.load
+        if nd.busy:
+            load = Counter(nd.load)
+            for p, until in list(nd.busy.items()):
+                if until > now:
+                    load[p] = sc.max_per_peer
                 else:
-                    peer, wait = self.owner_map(nd).owner(self.digests[i]), True
-                    if peer == nd.id or nd.load[peer] >= sc.today_per_peer:
-                        yield self.env.timeout(0.1 + 0.4 * self.rng.random())
-                        continue
-                nd.load[peer] += 1
-                ok = yield from self.ask(nd, peer, i, wait=wait)
-                nd.load[peer] -= 1
-                if not ok:
-                    yield self.env.timeout(0.1 + 0.4 * self.rng.random())
-            nd.ps.inflight[i] = False
+                    del nd.busy[p]
+        picks = ps.pick(free, load, sc.max_per_peer)
+        for i, peer in picks:
+            self.request(nd, peer, i, False)
+        free -= len(picks)
+        if free <= 0 or picks:
+            return
+        unav = ps.unavailable()
+        if unav.size == 0:
+            return
+        t0 = nd.unavail_t[unav]
+        fresh = np.isinf(t0)
+        if fresh.any():
+            nd.unavail_t[unav[fresh]] = now
+            t0 = nd.unavail_t[unav]
+        due_at = t0 + sc.owner_ask_after_s
+        om = self.owner_map(nd)
+        if nd.unreachable:  # at once when its owner is known unreachable here (its connection reset)
+            gone = np.array([om.owner(self.digests[j]) in nd.unreachable for j in unav[:256].tolist()], dtype=bool)
+            due_at[: gone.size][gone] = now
+        due_at = np.maximum(due_at, nd.ask_at[unav])
+        due = unav[due_at <= now]
+        for j in due[:64].tolist():
+            owner = om.acting_owner(self.digests[j], nd.unreachable)
+            if owner is None or owner == nd.id:
+                nd.unavail_t[j] = now
+                if owner == nd.id and self.synced(nd) and j not in nd.reading and j not in nd.bucket_queue:
+                    self.take_over(nd, j)  # (a joiner's partial view takes no reader role)
+                continue
+            ps.mark_inflight(j)
+            self.request(nd, owner, j, True)
+            free -= 1
+            if free <= 0:
+                return
+        later_ = due_at[due_at > now]
+        if later_.size:
+            self.wake_at(nd, float(later_.min()))
 
     # ---- faults -------------------------------------------------------------------------------
     def kill(self, nd: SimNode) -> None:
         nd.alive = False
+        self.n_live -= 1
         self.event(nd.id, "killed")
+        if nd.done_at is not None:
+            self.n_done -= 1
         for f in list(nd.flows):
             self.net.abort(f)
-        if self.sc.policy == "fleet" and nd.ps is not None:
+        if nd.ps is not None and self.policy == "fleet":
             # its peer-set neighbours see their connections to it reset (TCP RST), at once
             for p in list(nd.ps.peers):
                 other = self.nodes.get(p)
                 if other is not None and other.alive and other.ps is not None:
                     self.later(self.delay(), self._reset_seen, other, nd.id)
-        for w in nd.upq:
-            if not w.triggered:
-                w.succeed(False)
+        parked = [(a, i, cb) for a, i, cb in nd.upq] + [r for rs in nd.owner_wait.values() for r in rs]
         nd.upq.clear()
-        for ws in nd.owner_wait.values():
-            for w in ws:
-                if not w.triggered:
-                    w.succeed(False)
         nd.owner_wait.clear()
-        if self.sc.policy == "today":
-            # today's membership marks it failed within about two rounds (2-3 s each)
-            self.later(2 * 2.5, self._today_forget, nd.id)
+        for a, i, cb in parked:
+            self.later(self.delay(), self.finish, a, nd.id, i, False, cb)
+        self.check_end()
 
     def _reset_seen(self, nd: SimNode, dead: str) -> None:
         if not nd.alive:
@@ -653,140 +579,61 @@ class FleetSim:
         self.refresh_peers(nd)
         self.kick(nd)
 
-    def _today_forget(self, nid: str) -> None:
-        self._forgotten.add(nid)
-        self._today_epoch += 1
-        for x in self.nodes.values():
-            if x.alive and x.ps is not None:
-                self.plan_bucket(x)
-                self.kick(x)
-
     # ---- the run ------------------------------------------------------------------------------
     def add_node(self, nid: str, seeds: list[str]) -> SimNode:
         sc = self.sc
-        nd = SimNode(nid, self.env, sc.nic_bps)
+        nd = SimNode(nid, sc.nic_bps * sc.wire_payload)
         nd.joined_at = self.env.now
         nd.owners = OwnerCache()
-        nd.gossip = TargetGossip(nid, lambda: self.env.now, random.Random(self.rng.random()))
-        nd.ps = None
-        nd.swim = None
+        nd.gossip = TargetGossip(nid, lambda: self.env.now, random.Random(self.rng.random()), fanout=sc.hotload_fanout)
         self.nodes[nid] = nd
-        nd.started = True
-        if sc.policy == "fleet":
-            nd.swim = Swim(nid, f"http://{nid}", lambda: self.env.now, rng=random.Random(self.rng.random()),
-                           period_s=sc.swim_period_s, suspect_mult=sc.suspect_mult)
-            msgs = nd.swim.join({s: f"http://{s}" for s in seeds})
-            self.send_swim(msgs)
-            self.env.process(self.swim_loop(nd))
+        self.n_live += 1
+        nd.swim = Swim(nid, f"http://{nid}", lambda: self.env.now, rng=random.Random(self.rng.random()),
+                       period_s=sc.swim_period_s, suspect_mult=sc.suspect_mult)
+        if seeds:
+            self.send_swim(nd.swim.join({s: f"http://{s}" for s in seeds}))
+        self.later(0.0, self.swim_tick, nd)
         return nd
+
+    def begin(self) -> None:
+        """The initial fleet starts from the discovery source every node agrees on (a headless
+        Service's endpoints), so its tables are full at t = 0; the trainer's POST reaches one."""
+        for nid in self.initial:
+            nd = self.add_node(nid, [])
+            nd.swim.join({s: f"http://{s}" for s in self.initial if s != nid}, complete=True)
+            # the first push-pull at the policy's own (N-scaled) period, spread over it
+            nd.swim._next_sync = self.env.now + self.rng.uniform(0.5, 1.0) * nd.swim.sync_period()
+        self.offer_target(self.nodes[self.initial[0]], self.target)
+
+    def join_late(self, nid: str, live: list[str]) -> None:
+        self.add_node(nid, self.rng.sample(live, min(3, len(live))))
 
     def run(self) -> dict[str, Any]:
         sc = self.sc
-        self._today_epoch = 0
-        # The initial fleet starts from the discovery source every node agrees on (a headless
-        # Service's endpoints), so its tables are full at t = 0; late joiners know 3 seeds.
-        for nid in self.initial:
-            nd = self.add_node(nid, [])
-            if nd.swim is not None:
-                nd.swim.join({s: f"http://{s}" for s in self.initial if s != nid}, complete=True)
-                nd.swim._next_sync = self.env.now + self.rng.uniform(0.5, 1.0) * nd.swim.sync_interval_s
-        entry = self.nodes[self.initial[0]]
-        if sc.policy == "fleet":
-            self.offer_target(entry, self.target)
-        else:
-            for nd in self.nodes.values():  # today: the POST fans out to every peer
-                entry.ctrl_sent += 1
-                nd.gossip.offer(self.target, ())
-                nd.adopted_at = self.env.now
-                self.start_download(nd)
+        self.begin()
         floor = sc.floor_s
         victims = self.rng.sample(self.initial[1:], int(round(sc.n * sc.kill_frac)))
-        self.env.process(self._faults(victims, floor))
-        self.env.process(self._late(floor))
-        self.env.process(self._meter())
-        self.env.process(self._until_done())
-        self.env.run(until=sc.time_limit_s)
-        return self.result(victims)
+        if victims:
+            self.later(floor * sc.kill_at_floor, lambda: [self.kill(self.nodes[v]) for v in victims])
+        if self.late:
+            self.later(floor * sc.late_at_floor, self._late)
+        self.later(sc.min_sim_s, self.check_end)
+        self.later(sc.time_limit_s, self._end_now)
+        self.env.run(until=self._stop)
+        return result(self, victims)
 
-    def _faults(self, victims: list[str], floor: float) -> Any:
-        if not victims:
-            return
-        yield self.env.timeout(floor * self.sc.kill_at_floor)
-        for v in victims:
-            self.kill(self.nodes[v])
-
-    def _late(self, floor: float) -> Any:
-        if not self.late:
-            return
-        yield self.env.timeout(floor * self.sc.late_at_floor)
+    def _late(self) -> None:
         live = [n for n in self.initial if self.nodes[n].alive]
         for nid in self.late:
-            nd = self.add_node(nid, self.rng.sample(live, 3))
+            self.join_late(nid, live)
             self.event(nid, "joined late")
-            if self.sc.policy == "today":
-                nd.gossip.offer(self.target, ())
-                nd.adopted_at = self.env.now
-                self.start_download(nd)
-                self._today_epoch += 1
 
-    def _meter(self) -> Any:
-        """Today's control messages, counted as its loops send them (not simulated)."""
-        while True:
-            yield self.env.timeout(0.5)
-            if self.sc.policy != "today":
-                continue
-            live = [x for x in self.nodes.values() if x.alive]
-            n = len(live)
-            for x in live:
-                per = n - 1
-                # membership: a POST to every member every 2.5 s on average (and its answer)
-                x.ctrl_sent += per * 0.5 / 2.5
-                x.ctrl_recv += per * 0.5 / 2.5
-                if x.ps is not None and not x.ps.complete:
-                    x.ctrl_sent += per  # have-bitfield GET to every live peer every 0.5 s
-                    x.ctrl_recv += per
+    def check_end(self) -> None:
+        if len(self.nodes) < self.sc.n or self.env.now < self.sc.min_sim_s or self._stop.triggered:
+            return
+        if self.n_done >= self.n_live:
+            self.later(self.sc.swim_period_s * 2, self._end_now)  # let gossip settle for the counts
 
-    def _until_done(self) -> Any:
-        while True:
-            yield self.env.timeout(0.25)
-            live = [x for x in self.nodes.values() if x.alive]
-            if len(self.nodes) == self.sc.n and all(x.done_at is not None for x in live) and self.env.now >= self.sc.min_sim_s:
-                yield self.env.timeout(self.sc.swim_period_s * 2)  # let gossip settle for the counts
-                raise simpy.core.StopSimulation(None)
-
-    def result(self, victims: list[str]) -> dict[str, Any]:
-        sc = self.sc
-        live = [x for x in self.nodes.values() if x.alive]
-        done = [x.done_at for x in live if x.done_at is not None]
-        last = max(done) if len(done) == len(live) else None
-        end = self.env.now
-        rates = [(x.ctrl_sent + x.ctrl_recv) / max(1e-9, end - x.joined_at) for x in live]
-        dup = sum(c - 1 for c in self.bucket_reads.values() if c > 1)
-        adopted = [x.adopted_at for x in live if x.adopted_at is not None]
-        sample = self.rng.sample(live, min(10, len(live)))
-        swim_bytes = max((x.swim.state_bytes() for x in sample if x.swim), default=0)
-        out = {
-            "scenario": asdict(sc),
-            "floor_s": round(sc.floor_s, 3),
-            "seconds": None if last is None else round(last, 3),
-            "x_floor": None if last is None else round(last / sc.floor_s, 4),
-            "done_nodes": len(done),
-            "live_nodes": len(live),
-            "killed": len(victims),
-            "late": len(self.late),
-            "bucket_egress_over_s": round(self.bucket_bytes / sc.snapshot_bytes, 4),
-            "duplicate_bucket_reads": dup,
-            "control_msgs_per_node_s_mean": round(float(np.mean(rates)), 3),
-            "control_msgs_per_node_s_max": round(float(np.max(rates)), 3),
-            "peer_state_bytes_per_node_max": int(max((x.state_peak for x in live), default=0)),
-            "member_table_bytes_per_node": int(swim_bytes),
-            # the POST reaching every node of the fleet as it was, and joiners after their join
-            "hotload_target_spread_s": None if len(adopted) < len(live) else round(
-                max(x.adopted_at for x in live if x.joined_at == 0) - self.post_at, 4),
-            "hotload_late_joiner_adopt_s": round(max((x.adopted_at - x.joined_at for x in live if x.joined_at > 0
-                                                      and x.adopted_at is not None), default=0.0), 4),
-            "hotload_done_s": None if last is None else round(last - self.post_at, 3),
-            "sim_end_s": round(end, 3),
-            "owner_map_rebuilds": self.owner_cache_rebuilds,
-        }
-        return out
+    def _end_now(self) -> None:
+        if not self._stop.triggered:
+            self._stop.succeed()
