@@ -86,3 +86,13 @@ def test_refreshes_per_aggregator_stay_bounded_while_the_fleet_grows() -> None:
 def test_published_at_reads_the_manifests_created_at() -> None:
     assert published_at("1970-01-01T00:01:40Z") == 100.0
     assert published_at("") == 0.0 and published_at("yesterday") == 0.0
+
+
+def test_hot_load_push_fanout_grows_with_the_fleet() -> None:
+    from bdn.daemon.replica.hotload import push_fanout
+
+    assert push_fanout(5, 10_000) == 5  # configured wins
+    assert push_fanout(0, 1) == 3
+    assert push_fanout(0, 16) == 6  # ceil(ln 16) = 3
+    assert push_fanout(0, 10_000) == 13  # ceil(9.21) = 10
+    assert push_fanout(0, 100) < push_fanout(0, 10_000)

@@ -41,7 +41,7 @@ _MINIMUM: dict[str, float] = {
     "max_per_peer": 1, "peer_timeout_s": 0.001, "manifest_poll_s": 0.001, "progress_interval_s": 0.001,
     "peers_dns_interval_s": 0.001, "foreign_chunk_size": 4096, "max_delta_chain": 1,
     "swim_period_s": 0.05, "swim_ack_timeout_s": 0.01, "swim_suspect_mult": 1, "swim_sync_interval_s": 1,
-    "hotload_fanout": 1, "status_aggregators": 1, "status_report_s": 0.1,
+    "status_aggregators": 1, "status_report_s": 0.1,
 }
 
 
@@ -108,7 +108,7 @@ class Config:
     swim_indirect_k: int = field(default=3, metadata={"help": 'SWIM: members asked for an indirect probe of a member that missed its ack'})
     swim_suspect_mult: float = field(default=5.0, metadata={"help": 'SWIM: a suspect is dead after this many periods x max(1, log10(N+1)) unless it refutes'})
     swim_sync_interval_s: float = field(default=30.0, metadata={"help": 'SWIM: full-table exchange with one random member this often (scaled with log N above 32 members)'})
-    hotload_fanout: int = field(default=3, metadata={"help": 'a daemon that adopts a newer hot-load target pushes it to this many random members'})
+    hotload_fanout: int = field(default=0, metadata={"help": 'a daemon that adopts a newer hot-load target pushes it to this many random members (0: ceil(ln N) + 3; a fixed 3 leaves about 5 percent of a large fleet to the SWIM piggyback)'})
     status_aggregators: int = field(default=3, metadata={"help": 'daemons that collect replica stages for the fleet hot-load GET'})
     status_report_s: float = field(default=10.0, metadata={"help": 'each replica re-reports its stage to the aggregators this often (and at once on a change)'})
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import secrets
 from datetime import datetime
@@ -48,6 +49,17 @@ from bdn.proto.manifest import MANIFEST_NAME, Manifest
 
 log = logging.getLogger("bdn.hotload")
 META_FIELDS = ("previous_snapshot_identity", "compression_format", "checksum_format")
+
+
+def push_fanout(configured: int, members: int) -> int:
+    """How many members one adopting daemon pushes a new target to: ``configured``, or for 0
+    ceil(ln members) + 3. Infect-and-forward-once reaches all but about e**-f of the members
+    with fan-out f (Demers et al., epidemic algorithms); a fixed 3 left ~5 % of a large fleet to
+    SWIM's piggyback, one period later (bench/fleetsim), ln N + 3 leaves about e**-3 / N of it.
+    """
+    if configured > 0:
+        return configured
+    return math.ceil(math.log(max(members, 1))) + 3
 
 
 def parse_request(body: bytes) -> tuple[str, dict[str, Any] | None]:
@@ -249,7 +261,7 @@ class HotLoad:
         it to us); how many took it. Those that adopt it push it on: O(log N) hops in all."""
         payload = msgpack.packb(target.wire(), use_bin_type=True)
         live = [m for m in self.membership.live() if m.node_id != exclude]
-        picked = self.rng.sample(live, min(self.cfg.hotload_fanout, len(live)))
+        picked = self.rng.sample(live, min(push_fanout(self.cfg.hotload_fanout, len(live) + 1), len(live)))
 
         async def one(url: str) -> bool:
             self.stats.control_request("sent", "hot_load")
