@@ -64,6 +64,7 @@ class Config:
     foreign_base: str = field(default="", metadata={"help": 'base of a delta without a manifest when the hot-load names none (previous_snapshot_identity)'})
     allow_unverifiable: bool = field(default=False, metadata={"help": "take peers' bytes of objects the bucket keeps no checksum of (file://, SSE-KMS); false: each daemon reads those itself"})
     max_delta_chain: int = field(default=64, metadata={"help": 'most deltas between a hot-load target and its anchor; past it a full snapshot is required'})
+    fold_deltas: bool = field(default=True, metadata={"help": 'a delta several steps ahead of what this node has is rebuilt once from the chain (the diffs applied in place on one copy), not one ready snapshot per step'})
     load_startup: bool = field(default=True, metadata={"help": 'load STARTUP_SNAPSHOT on start'})
     startup_settle_s: float = field(default=5.0, metadata={"help": 'at start, wait up to this long for static peers to answer'})
     max_inflight: int = field(default=16, metadata={"help": 'chunk transfers in flight per snapshot'})

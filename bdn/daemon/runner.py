@@ -29,6 +29,7 @@ from bdn.daemon.errors import Conflict, NotAvailable
 from bdn.daemon.executors import Executors
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
+from bdn.daemon.fold import Folder
 from bdn.daemon.foreign_source import ForeignLoader
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
@@ -71,6 +72,7 @@ class Runner:
         self.clock = clock
         self.jobs: Jobs | None = None  # the catalog, set by it
         self.foreign: ForeignLoader | None = None  # the no-manifest path (require_manifest = false)
+        self.folder = Folder(cfg, store, bucket, index, fetcher, pools)  # a lagging node's catch-up
 
     async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -298,6 +300,10 @@ class Runner:
                 except NotAvailable as e:
                     log.info("snapshot %s: peers' reconstructed chunks not enough (%s); walking the chain", job.identity, e)
                     job.layer_reset(RESULT)
+            if self.cfg.fold_deltas and await self.folder.fold(job, m, self.jobs):
+                job.layer_complete(RESULT)
+                await self._register(job, RESULT, job.result_refs)
+                return
             base = self.jobs.prefetch(base_id, requested_by=f"base of {job.identity}")
         download = asyncio.create_task(self.fetcher.fetch_layer(job, STORED))
         try:
