@@ -145,6 +145,22 @@ def fold_file(
         raise err
 
 
+def fold_chain(chain: Sequence[Manifest], anc_dir: Path, stored_dir: Callable[[str], Path], staging: Path,
+               workers: int) -> None:
+    """Fold every diff file of ``chain[-1]`` (a chain :func:`plan_fold` accepts) on the files of the
+    ancestor directory ``anc_dir`` into ``staging``; ``stored_dir(identity)`` holds each delta's
+    diff files. Blocking. Raises BdnError (the ancestor lacks a file), ProtocolError, OSError."""
+    target = chain[-1]
+    for f in target.files:
+        if not f.is_diff:
+            continue
+        base = anc_dir / f.path
+        if not base.is_file():
+            raise BdnError(f"snapshot {chain[0].base_identity!r} has no file {f.path!r} to fold {target.identity!r} on")
+        diffs = [(stored_dir(d.identity) / f.path, d.compression_format or arc.DEFAULT_COMPRESSION) for d in chain]
+        fold_file(base, diffs, staging / f.path, f.result_size, workers=workers, name=f.path)
+
+
 class Jobs(Protocol):
     def get(self, identity: str) -> SnapshotJob | None: ...
     def all(self) -> list[SnapshotJob]: ...
@@ -227,7 +243,8 @@ class Folder:
             await self._on(self.pools.disk, check_delta_config, m.identity, ancestor_id, anc_dir, staging)
             job.set_state("applying", f"folding {len(chain)} deltas on {ancestor_id}")
             await job.notify()
-            await self._on(self.pools.apply, self._fold_files, chain, anc_dir, staging)
+            await self._on(self.pools.apply, fold_chain, chain, anc_dir, self.store.stored_dir, staging,
+                           self.cfg.apply_workers)
             job.set_state("verifying")
             await job.notify()
             await self._on(self.pools.apply, diskio.verify_results, m, staging)
@@ -235,18 +252,6 @@ class Folder:
             for p in parts:
                 await asyncio.shield(self._drop(p, jobs))
         return True
-
-    def _fold_files(self, chain: list[Manifest], anc_dir: Path, staging: Path) -> None:
-        target = chain[-1]
-        for f in target.files:
-            if not f.is_diff:
-                continue
-            base = anc_dir / f.path
-            if not base.is_file():
-                raise BdnError(f"snapshot {chain[0].base_identity!r} has no file {f.path!r} to fold {target.identity!r} on")
-            diffs = [(self.store.stored_dir(d.identity) / f.path, d.compression_format or arc.DEFAULT_COMPRESSION)
-                     for d in chain]
-            fold_file(base, diffs, staging / f.path, f.result_size, workers=self.cfg.apply_workers, name=f.path)
 
     async def _stored_job(self, m: Manifest) -> SnapshotJob:
         """A job holding only ``m``'s diff files, fetched like any layer (not in the catalog)."""
