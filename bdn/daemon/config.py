@@ -62,6 +62,7 @@ class Config:
     require_manifest: bool = field(default=True, metadata={"help": 'wait for bdn.manifest.json before loading a snapshot (false: a snapshot without one is read from its listing, docs/OPERATIONS.md section 9)'})
     foreign_chunk_size: int = field(default=16 << 20, metadata={"help": 'chunk size (bytes) of snapshots without a manifest; the same on every daemon'})
     foreign_base: str = field(default="", metadata={"help": 'base of a delta without a manifest when the hot-load names none (previous_snapshot_identity)'})
+    foreign_restarts: int = field(default=3, metadata={"help": 'times a snapshot without a manifest starts again on a fresh listing when an object is replaced mid-download, before it fails naming the object'})
     allow_unverifiable: bool = field(default=False, metadata={"help": "take peers' bytes of objects the bucket keeps no checksum of (file://, SSE-KMS); false: each daemon reads those itself"})
     max_delta_chain: int = field(default=64, metadata={"help": 'most deltas between a hot-load target and its anchor; past it a full snapshot is required'})
     fold_deltas: bool = field(default=True, metadata={"help": 'a delta several steps ahead of what this node has is rebuilt once from the chain (the diffs applied in place on one copy), not one ready snapshot per step'})
