@@ -88,17 +88,11 @@ def stored_only(m: Manifest) -> Manifest:
     return replace(m, files=tuple(f for f in m.files if f.is_diff), _by_path={})
 
 
-def _copy_into(src: Path, dst: Path, size: int) -> None:
-    """Copy ``size`` bytes of ``src`` over the start of the existing file ``dst`` (in the kernel:
-    ``copy_file_range``; the staging file keeps its reserved space)."""
-    with open(src, "rb") as fi, open(dst, "r+b") as fo:
-        fo.truncate(size)
-        done = 0
-        while done < size:
-            n = os.copy_file_range(fi.fileno(), fo.fileno(), size - done, done, done)
-            if n == 0:
-                raise ProtocolError(f"{src} is shorter than {size} bytes")
-            done += n
+def _map_read(path: Path) -> tuple[Any, mmap.mmap | None]:
+    """(open file, read-only map of all of it or None when empty)."""
+    fh = open(path, "rb")
+    size = os.fstat(fh.fileno()).st_size
+    return fh, (mmap.mmap(fh.fileno(), size, access=mmap.ACCESS_READ) if size else None)
 
 
 def fold_file(
@@ -107,40 +101,54 @@ def fold_file(
 ) -> None:
     """Rebuild ``out_path`` from the ancestor file ``base_path`` and a chain of diff files.
 
-    ``diffs``: ``(diff file, compression format)`` oldest first. The ancestor is copied once into
-    ``out_path`` (created or resized to ``expected_size`` bytes), then every diff is applied in
-    place (``bdn.proto.arc.apply_diff`` with ``out_buf`` = the base, tensors on ``workers``
+    ``diffs``: ``(diff file, compression format)`` oldest first. The first diff is applied from
+    the ancestor into ``out_path`` (created or resized to ``expected_size`` bytes), every later
+    one in place (``bdn.proto.arc.apply_diff`` with ``out_buf`` = its base; tensors on ``workers``
     threads), each tensor's Adler-32 checked against each diff's metadata. The bytes equal those
     of applying the diffs one by one into separate files. Blocking.
 
-    Raises ProtocolError / ChecksumError naming the file, the delta (by its position) and the
-    tensor; OSError.
+    Raises ProtocolError / ChecksumError naming the file, the delta (by its position and its
+    directory) and the tensor; OSError.
     """
     label = name if name is not None else os.fspath(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    if not out_path.exists():
-        out_path.touch()
-    _copy_into(base_path, out_path, expected_size)
-    if expected_size == 0:
-        return
     run = fileops.thread_map(workers)
     err: Exception | None = None
-    with open(out_path, "r+b") as fo, mmap.mmap(fo.fileno(), expected_size) as out:
-        header = parse_header(out, expected_size)
-        for step, (diff_path, fmt) in enumerate(diffs, 1):
-            try:
-                with open(diff_path, "rb") as fd:
-                    dsize = os.fstat(fd.fileno()).st_size
-                    with mmap.mmap(fd.fileno(), dsize, access=mmap.ACCESS_READ) as diff:
-                        dh = arc.read_diff_header(diff, dsize)
+    with open(out_path, "a+b") as fo:
+        fo.truncate(expected_size)
+        if expected_size == 0:
+            return
+        bf, base = _map_read(base_path)
+        try:
+            with mmap.mmap(fo.fileno(), expected_size) as out:
+                if base is None:
+                    raise ProtocolError(f"{label}: the ancestor's file is empty")
+                header = parse_header(base, len(base))
+                src: Any = base
+                for step, (diff_path, fmt) in enumerate(diffs, 1):
+                    df, diff = _map_read(diff_path)
+                    try:
+                        if diff is None:
+                            raise ProtocolError("the diff file is empty")
+                        dh = arc.read_diff_header(diff, len(diff))
                         size = arc.target_size(header, dh)
                         if size != expected_size:
                             raise ProtocolError(f"rebuilds {size} bytes but the manifest says {expected_size}")
-                        arc.apply_diff(out, header, diff, dh, out, fmt, map=run)
-            except ProtocolError as e:
-                err = type(e)(f"{label}: delta {step} of {len(diffs)} ({diff_path.parent.name}): {e}")
-                break
-        out.flush()
+                        arc.apply_diff(src, header, diff, dh, out, fmt, map=run)
+                        src = out  # every later diff applies in place
+                    except ProtocolError as e:
+                        err = type(e)(f"{label}: delta {step} of {len(diffs)} ({diff_path.parent.name}): {e}")
+                        break
+                    finally:
+                        if diff is not None:
+                            diff.close()
+                        df.close()
+                src = None
+                out.flush()
+        finally:
+            if base is not None:
+                base.close()
+            bf.close()
     if err is not None:
         raise err
 
