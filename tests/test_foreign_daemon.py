@@ -183,6 +183,13 @@ def _flipped(run: Run) -> bytes:
     return big[:-1] + bytes([big[-1] ^ 1])  # the trainer re-uploads it, one bit different
 
 
+def _replace(file_url: str, key: str, data: bytes) -> None:
+    """The trainer overwrites ``key`` in a file:// bucket (a new file renamed over it)."""
+    p = Path(file_url.removeprefix("file://")) / key
+    p.with_name(p.name + ".new").write_bytes(data)
+    os.replace(p.with_name(p.name + ".new"), p)
+
+
 SLOW = {"BDN_BUCKET_MBIT": "16", "BDN_BUCKET_CONCURRENCY": "1"}
 
 
@@ -206,15 +213,15 @@ def test_object_overwritten_mid_download_restarts_on_a_fresh_listing(where: Wher
         d.stop()
 
 
-def test_object_overwritten_past_the_restarts_fails_naming_it(where: Where, run: Run, tmp_path: Path) -> None:
-    env = {**FOREIGN, **where.env, **SLOW, "BDN_FOREIGN_RESTARTS": "0"}
-    d = Daemon(tmp_path / "work", "node0", where.url, extra_env=env)
+def test_object_overwritten_past_the_restarts_fails_naming_it(file_run: str, run: Run, tmp_path: Path) -> None:
+    env = {**FOREIGN, **SLOW, "BDN_FOREIGN_RESTARTS": "0"}
+    d = Daemon(tmp_path / "work", "node0", file_run, extra_env=env)
     d.start([])
     try:
         d.wait_healthy()
         assert d.prefetch("step000001")[0] == 202
         _wait_bytes(d, "step000001", CHUNK)
-        where.replace(f"step000001/{BIG}", _flipped(run))
+        _replace(file_run, f"step000001/{BIG}", _flipped(run))
         status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=60")
         assert status == 409, body
         assert "replaced during the download" in body["error"] and f"step000001/{BIG}" in body["error"], body
@@ -233,6 +240,7 @@ def _kill_mid_download(d: Daemon, identity: str) -> None:
         time.sleep(0.05)
     assert d.get(f"/v1/snapshots/{identity}")["state"] == "downloading"
     d.kill()
+    d.env["BDN_BUCKET_MBIT"] = "0"  # the restarted daemon reads at full speed
 
 
 def test_sigkill_mid_download_resumes_when_every_etag_is_unchanged(where: Where, run: Run, tmp_path: Path) -> None:
@@ -263,9 +271,7 @@ def test_sigkill_then_an_object_replaced_starts_over(file_run: str, run: Run, tm
         assert d.prefetch("step000001")[0] == 202
         _kill_mid_download(d, "step000001")
         new = _flipped(run)
-        root = Path(file_run.removeprefix("file://"))
-        (root / "step000001" / (BIG + ".new")).write_bytes(new)
-        os.replace(root / "step000001" / (BIG + ".new"), root / "step000001" / BIG)
+        _replace(file_run, f"step000001/{BIG}", new)
         d.start([])
         d.wait_healthy()
         got = Path(d.wait_ready("step000001")["path"])
