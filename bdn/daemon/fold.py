@@ -28,6 +28,7 @@ import functools
 import logging
 import mmap
 import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -97,7 +98,7 @@ def _map_read(path: Path) -> tuple[Any, mmap.mmap | None]:
 
 def fold_file(
     base_path: Path, diffs: Sequence[tuple[Path, str]], out_path: Path, expected_size: int,
-    *, workers: int = 1, name: str | None = None,
+    *, workers: int = 1, name: str | None = None, steps: Sequence[str] | None = None,
 ) -> None:
     """Rebuild ``out_path`` from the ancestor file ``base_path`` and a chain of diff files.
 
@@ -107,8 +108,8 @@ def fold_file(
     threads), each tensor's Adler-32 checked against each diff's metadata. The bytes equal those
     of applying the diffs one by one into separate files. Blocking.
 
-    Raises ProtocolError / ChecksumError naming the file, the delta (by its position and its
-    directory) and the tensor; OSError.
+    Raises ProtocolError / ChecksumError naming the file (``name``), the delta (its position and
+    ``steps[i]``, default the diff's directory name) and the tensor; OSError.
     """
     label = name if name is not None else os.fspath(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +138,8 @@ def fold_file(
                         arc.apply_diff(src, header, diff, dh, out, fmt, map=run)
                         src = out  # every later diff applies in place
                     except ProtocolError as e:
-                        err = type(e)(f"{label}: delta {step} of {len(diffs)} ({diff_path.parent.name}): {e}")
+                        which = steps[step - 1] if steps is not None else diff_path.parent.name
+                        err = type(e)(f"{label}: delta {step} of {len(diffs)} ({which}): {e}")
                         break
                     finally:
                         if diff is not None:
@@ -166,7 +168,21 @@ def fold_chain(chain: Sequence[Manifest], anc_dir: Path, stored_dir: Callable[[s
         if not base.is_file():
             raise BdnError(f"snapshot {chain[0].base_identity!r} has no file {f.path!r} to fold {target.identity!r} on")
         diffs = [(stored_dir(d.identity) / f.path, d.compression_format or arc.DEFAULT_COMPRESSION) for d in chain]
-        fold_file(base, diffs, staging / f.path, f.result_size, workers=workers, name=f.path)
+        fold_file(base, diffs, staging / f.path, f.result_size, workers=workers, name=f.path,
+                  steps=[d.identity for d in chain])
+
+
+class _Part(SnapshotJob):
+    """An intermediate delta of a fold: its diff files alone, in the fold's own directory ``dir``
+    (so a catalog job of the same identity, or another fold, never shares its files)."""
+
+    def __init__(self, identity: str, store: Store, where: Path) -> None:
+        super().__init__(identity, store)
+        self.dir = where
+
+    def file_path(self, layer: str, file_index: int) -> Path:
+        assert self.manifest is not None
+        return self.dir / self.manifest.files[file_index].path
 
 
 class Jobs(Protocol):
@@ -239,11 +255,17 @@ class Folder:
         job.reason = f"folding {len(chain)} deltas on {ancestor_id}"
         job.touch()
         await job.notify()
-        parts = [await self._stored_job(inter) for inter in chain[:-1]]
+        work = self.store.stored_dir(f".fold-{m.identity}")  # this fold's own: no catalog job's files
+        parts = [await self._stored_job(inter, work / inter.identity) for inter in chain[:-1]]
         try:
-            fetches = [self.fetcher.fetch_layer(p, STORED) for p in parts]
-            fetches.append(self.fetcher.fetch_layer(job, STORED))
-            await asyncio.gather(self._await(ancestor), *fetches)
+            fetches = [asyncio.ensure_future(self.fetcher.fetch_layer(p, STORED)) for p in [*parts, job]]
+            try:
+                await asyncio.gather(self._await(ancestor), *fetches)
+            except BaseException:
+                for f in fetches:
+                    f.cancel()
+                await asyncio.gather(*fetches, return_exceptions=True)
+                raise
             if ancestor.state != "ready":
                 raise BdnError(f"ancestor {ancestor_id} of {job.identity} failed: {ancestor.reason}")
             anc_dir = self.store.ready_dir(ancestor_id)
@@ -251,7 +273,8 @@ class Folder:
             await self._on(self.pools.disk, check_delta_config, m.identity, ancestor_id, anc_dir, staging)
             job.set_state("applying", f"folding {len(chain)} deltas on {ancestor_id}")
             await job.notify()
-            await self._on(self.pools.apply, fold_chain, chain, anc_dir, self.store.stored_dir, staging,
+            stored = {p.identity: p.dir for p in parts} | {m.identity: self.store.stored_dir(m.identity)}
+            await self._on(self.pools.apply, fold_chain, chain, anc_dir, stored.__getitem__, staging,
                            self.cfg.apply_workers)
             job.set_state("verifying")
             await job.notify()
@@ -259,19 +282,19 @@ class Folder:
         finally:
             for p in parts:
                 await asyncio.shield(self._drop(p, jobs))
+            await self._on(self.pools.disk, functools.partial(shutil.rmtree, work, ignore_errors=True))
         return True
 
-    async def _stored_job(self, m: Manifest) -> SnapshotJob:
-        """A job holding only ``m``'s diff files, fetched like any layer (not in the catalog)."""
-        part = SnapshotJob(m.identity, self.store)
-        sm = stored_only(m)
-        part.attach_manifest(sm)
+    async def _stored_job(self, m: Manifest, where: Path) -> _Part:
+        """A job holding only ``m``'s diff files under ``where``, fetched like any layer (not in
+        the catalog)."""
+        part = _Part(m.identity, self.store, where)
+        part.attach_manifest(stored_only(m))
         part.requested_by = "fold"
 
         def allocate() -> None:
-            self.store.discard(m.identity)
-            for f in sm.files:
-                p = self.store.stored_dir(m.identity) / f.path
+            for f in part.manifest.files:  # type: ignore[union-attr]
+                p = where / f.path
                 p.parent.mkdir(parents=True, exist_ok=True)
                 with open(p, "wb") as fh:
                     fh.truncate(f.size)
@@ -285,8 +308,6 @@ class Folder:
         await self._on(self.pools.disk, self.index.drop_pending_of, part)
         self.index.forget(part, jobs.all())
         part.set_state("failed", "folded")
-        if jobs.get(part.identity) is None:
-            await self._on(self.pools.disk, self.store.discard, part.identity)
 
     @staticmethod
     async def _await(job: SnapshotJob) -> None:
