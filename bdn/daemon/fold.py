@@ -47,10 +47,12 @@ from bdn.daemon.snapshot import STORED, TERMINAL, SnapshotJob
 from bdn.daemon.store import Store
 from bdn.proto import arc
 from bdn.proto.errors import BdnError, ProtocolError
+from bdn.proto.chunks import digest as xxh3_digest
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 from bdn.proto.safetensors_fmt import parse_header
 
 log = logging.getLogger("bdn.fold")
+RECENT = 64  # manifests a chain walk read, kept for a job of the same identity started right after
 T = TypeVar("T")
 
 
@@ -202,13 +204,24 @@ class Folder:
         self.index = index
         self.fetcher = fetcher
         self.pools = pools
+        self._recent: dict[str, tuple[str, Manifest]] = {}
 
     async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def _manifest(self, identity: str) -> Manifest:
         data = await self.bucket.read(f"{identity}/{MANIFEST_NAME}")
-        return await self._on(self.pools.disk, functools.partial(Manifest.from_json, expect_identity=identity), data)
+        m = await self._on(self.pools.disk, functools.partial(Manifest.from_json, expect_identity=identity), data)
+        self._recent[identity] = (xxh3_digest(data), m)
+        while len(self._recent) > RECENT:
+            self._recent.pop(next(iter(self._recent)))
+        return m
+
+    def take_recent(self, identity: str) -> tuple[str, Manifest] | None:
+        """``(digest of its bytes, manifest)`` of ``identity`` if a chain walk just read it (once:
+        a job of that identity started meanwhile, by a peer's hint, reads the bucket no second
+        time), else None."""
+        return self._recent.pop(identity, None)
 
     async def chain(self, m: Manifest, jobs: Jobs) -> tuple[str, list[Manifest]] | None:
         """``(ancestor, deltas oldest first ending with m)``: the ancestor is the first snapshot
@@ -257,6 +270,11 @@ class Folder:
         await job.notify()
         work = self.store.stored_dir(f".fold-{m.identity}")  # this fold's own: no catalog job's files
         parts = [await self._stored_job(inter, work / inter.identity) for inter in chain[:-1]]
+        if any(jobs.get(p.identity) is not None for p in parts):  # one started meanwhile (a peer's hint)
+            for p in parts:
+                await self._drop(p, jobs)
+            await self._on(self.pools.disk, functools.partial(shutil.rmtree, work, ignore_errors=True))
+            return False
         try:
             fetches = [asyncio.ensure_future(self.fetcher.fetch_layer(p, STORED)) for p in [*parts, job]]
             try:
