@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from support.foreign_run import BIG, MiB, Run, boto, copy_to, make_run, upload  # a test dependency
@@ -167,24 +169,116 @@ def test_lying_peer_gets_no_wrong_bytes_into_ready(run: Run, moto_endpoint: str,
         client.close()
 
 
-def test_object_overwritten_mid_download_fails_naming_it(where: Where, run: Run, tmp_path: Path) -> None:
-    env = {**FOREIGN, **where.env, "BDN_BUCKET_MBIT": "16", "BDN_BUCKET_CONCURRENCY": "1"}
+def _wait_bytes(d: Daemon, identity: str, n: int) -> None:
+    """Until ``identity`` has at least ``n`` bytes on ``d`` (generous deadline, states checked)."""
+    deadline = time.monotonic() + 120
+    while (snap := d.get(f"/v1/snapshots/{identity}"))["bytes_done"] < n:
+        assert snap["state"] in ("queued", "downloading"), snap
+        assert time.monotonic() < deadline, snap
+        time.sleep(0.05)
+
+
+def _flipped(run: Run) -> bytes:
+    big = (run.trainer["step000001"] / BIG).read_bytes()
+    return big[:-1] + bytes([big[-1] ^ 1])  # the trainer re-uploads it, one bit different
+
+
+def _replace(file_url: str, key: str, data: bytes) -> None:
+    """The trainer overwrites ``key`` in a file:// bucket (a new file renamed over it)."""
+    p = Path(file_url.removeprefix("file://")) / key
+    p.with_name(p.name + ".new").write_bytes(data)
+    os.replace(p.with_name(p.name + ".new"), p)
+
+
+SLOW = {"BDN_BUCKET_MBIT": "16", "BDN_BUCKET_CONCURRENCY": "1"}
+
+
+def test_object_overwritten_mid_download_restarts_on_a_fresh_listing(where: Where, run: Run, tmp_path: Path) -> None:
+    d = Daemon(tmp_path / "work", "node0", where.url, extra_env={**FOREIGN, **where.env, **SLOW})
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        _wait_bytes(d, "step000001", CHUNK)
+        new = _flipped(run)
+        where.replace(f"step000001/{BIG}", new)
+        got = Path(d.wait_ready("step000001")["path"])
+        assert (got / BIG).read_bytes() == new  # the new version whole, never a mix
+        for f in run.trainer["step000001"].iterdir():
+            if f.name != BIG:
+                assert (got / f.name).read_bytes() == f.read_bytes(), f.name
+        assert_ready_digests(got)
+        assert "starting again on a fresh listing (restart 1 of 3)" in d.log()
+    finally:
+        d.stop()
+
+
+def test_object_overwritten_past_the_restarts_fails_naming_it(file_run: str, run: Run, tmp_path: Path) -> None:
+    env = {**FOREIGN, **SLOW, "BDN_FOREIGN_RESTARTS": "0"}
+    d = Daemon(tmp_path / "work", "node0", file_run, extra_env=env)
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        _wait_bytes(d, "step000001", CHUNK)
+        _replace(file_run, f"step000001/{BIG}", _flipped(run))
+        status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=60")
+        assert status == 409, body
+        assert "replaced during the download" in body["error"] and f"step000001/{BIG}" in body["error"], body
+        assert not list(d.shm_dir.glob("*/step000001"))
+    finally:
+        d.stop()
+
+
+def _kill_mid_download(d: Daemon, identity: str) -> None:
+    """SIGKILL ``d`` once ``identity`` has saved progress with some chunks and is still downloading."""
+    _wait_bytes(d, identity, 3 * CHUNK)
+    progress = next(d.shm_dir.glob(f"*/.progress/{identity}"))
+    deadline = time.monotonic() + 120
+    while not any(msgpack.unpackb(progress.read_bytes(), raw=False)["s"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert d.get(f"/v1/snapshots/{identity}")["state"] == "downloading"
+    d.kill()
+    d.env["BDN_BUCKET_MBIT"] = "0"  # the restarted daemon reads at full speed
+
+
+def test_sigkill_mid_download_resumes_when_every_etag_is_unchanged(where: Where, run: Run, tmp_path: Path) -> None:
+    env = {**FOREIGN, **where.env, **SLOW, "BDN_PROGRESS_INTERVAL_S": "0.1"}
     d = Daemon(tmp_path / "work", "node0", where.url, extra_env=env)
     d.start([])
     try:
         d.wait_healthy()
         assert d.prefetch("step000001")[0] == 202
-        deadline = time.monotonic() + 60
-        while (snap := d.get("/v1/snapshots/step000001"))["bytes_done"] < CHUNK:
-            assert snap["state"] in ("queued", "downloading"), snap
-            assert time.monotonic() < deadline, snap
-            time.sleep(0.05)
-        big = (run.trainer["step000001"] / BIG).read_bytes()
-        where.replace(f"step000001/{BIG}", big[:-1] + bytes([big[-1] ^ 1]))  # the trainer re-uploads it
-        status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=60")
-        assert status == 409, body
-        assert "changed" in body["error"] and f"step000001/{BIG}" in body["error"], body
-        assert not list(d.shm_dir.glob("*/step000001"))
+        _kill_mid_download(d, "step000001")
+        d.start([])
+        d.wait_healthy()
+        got = Path(d.wait_ready("step000001")["path"])
+        assert_same_files(got, run.trainer["step000001"])
+        assert_ready_digests(got)
+        resumed = re.search(r"resumed with (\d+) of (\d+) stored chunks", d.log())
+        assert resumed and int(resumed.group(1)) > 0, d.log()
+    finally:
+        d.stop()
+
+
+def test_sigkill_then_an_object_replaced_starts_over(file_run: str, run: Run, tmp_path: Path) -> None:
+    env = {**FOREIGN, **SLOW, "BDN_PROGRESS_INTERVAL_S": "0.1"}
+    d = Daemon(tmp_path / "work", "node0", file_run, extra_env=env)
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        _kill_mid_download(d, "step000001")
+        new = _flipped(run)
+        _replace(file_run, f"step000001/{BIG}", new)
+        d.start([])
+        d.wait_healthy()
+        got = Path(d.wait_ready("step000001")["path"])
+        assert (got / BIG).read_bytes() == new
+        log = d.log()
+        assert f"the bucket changed since the interrupted download ({BIG}); starting over" in log, log
+        assert "resumed with" not in log.split("starting over")[-1]
     finally:
         d.stop()
 

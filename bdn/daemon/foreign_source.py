@@ -26,7 +26,7 @@ import asyncio
 import logging
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -86,8 +86,11 @@ class Hints:
 class ForeignState:
     """A foreign job's table and trust bookkeeping (``job.foreign``); see the module docstring."""
 
-    def __init__(self, table: ForeignTable, checksums: dict[str, ObjectChecksum], allow_unverifiable: bool) -> None:
+    def __init__(self, table: ForeignTable, checksums: dict[str, ObjectChecksum], allow_unverifiable: bool,
+                 hint: Hint | None = None) -> None:
         self.table = table
+        self.hint = hint or Hint()
+        self.restored: set[tuple[int, int]] = set()  # (file, chunk) taken back from disk after a restart
         self.checksums = checksums
         self.unverifiable = {
             i for i, o in enumerate(table.objects) if not checksums[o.path].verifiable
@@ -111,7 +114,27 @@ class ForeignState:
 
     def servable(self, ref: ChunkRef) -> bool:
         """Whether ``ref`` may be served to peers now: read from the bucket here, or its object verified."""
-        return self.verified or (ref.file_index, ref.index) not in self.senders
+        key = (ref.file_index, ref.index)
+        return self.verified or (key not in self.senders and key not in self.restored)
+
+    def resumed(self, refs: Sequence[ChunkRef], positions: list[int]) -> list[int]:
+        """Event: the chunks at ``positions`` of ``refs`` (the stored layer) are taken back from
+        disk after a restart, under a table whose every ETag is unchanged. They are not hashed
+        (ids are no digests) and not served until their object verified whole; ``positions``."""
+        for i in positions:
+            self.restored.add((refs[i].file_index, refs[i].index))
+        return positions
+
+    def held_back(self, ref: ChunkRef) -> bool:
+        """Whether ``ref`` waits for its object's verification before it enters the index."""
+        key = (ref.file_index, ref.index)
+        return key in self.senders or key in self.restored
+
+    def persisted(self) -> dict[str, Any]:
+        """What a restarted daemon needs to resume this snapshot (saved with its progress): the
+        table id, the hint (base, codec) and every object's ETag (to say which one changed)."""
+        return {"table": self.table.table_id, "base": self.hint.base_identity, "codec": self.hint.compression_format,
+                "etags": {o.path: o.etag for o in self.table.objects}}
 
 
 class Jobs(Protocol):
@@ -182,6 +205,16 @@ class ForeignLoader:
         """The base a foreign delta ``identity`` is rebuilt on: the request's, else the config's."""
         return self.hints.get(identity).base_identity or self.cfg.foreign_base or None
 
+    def _saved(self, identity: str) -> dict[str, Any] | None:
+        """The hint and ETags saved with an interrupted download of ``identity`` (validated), or None."""
+        x = self.store.load_progress_extra(identity)
+        if x is None:
+            return None
+        for key in ("base", "codec"):
+            if x.get(key) is not None and (not isinstance(x[key], str) or len(x[key]) > 512):
+                return None
+        return x
+
     async def _ready_base(self, job: Any, jobs: Jobs, base_id: str) -> Any:
         base = jobs.get(base_id)
         if base is None or base.state == "failed":
@@ -205,6 +238,9 @@ class ForeignLoader:
         index names but the listing lacks always waits. Raises BdnError (one line, naming the
         object) on anything final.
         """
+        saved = self._saved(job.identity)
+        if saved is not None and self.hints.get(job.identity) == Hint():
+            self.hints.set(job.identity, Hint(saved.get("base"), saved.get("codec")))
         hint = self.hints.get(job.identity)
         base_id = self.base_of(job.identity)
         base_m, base_headers = None, None
@@ -250,8 +286,13 @@ class ForeignLoader:
                 log.info("snapshot %s: %s; listing again", job.identity, e)
             except BucketError as e:
                 raise BdnError(f"snapshot {job.identity!r}: cannot read its objects: {e}") from None
-        job.foreign = ForeignState(table, checksums, self.cfg.allow_unverifiable)
+        job.foreign = ForeignState(table, checksums, self.cfg.allow_unverifiable, Hint(base_id, hint.compression_format))
         job.manifest_digest = table.table_id
+        if saved is not None and saved.get("table") != table.table_id:
+            old = saved.get("etags") if isinstance(saved.get("etags"), dict) else {}
+            changed = [o.path for o in table.objects if old.get(o.path) != o.etag] + sorted(set(old) - {o.path for o in table.objects})
+            log.warning("snapshot %s: the bucket changed since the interrupted download (%s); starting over",
+                        job.identity, ", ".join(changed[:3]) or "its table")
         if job.foreign.unverifiable:
             log.info("snapshot %s: %d object(s) without a bucket checksum, read from the bucket by this node",
                      job.identity, len(job.foreign.unverifiable))
@@ -273,6 +314,8 @@ class ForeignLoader:
                     self.pools.apply, verify_file, self.bucket.bucket, st.checksums[obj.path], path,
                     m.chunk_size, self.cfg.apply_workers or 1,
                 )
+            except ObjectChanged:
+                raise  # the runner starts again on a fresh listing
             except BucketError as e:
                 raise BdnError(f"snapshot {job.identity!r}: {e}") from None
             for ci in bad:
@@ -290,7 +333,7 @@ class ForeignLoader:
             verdicts[obj.path] = verdict
         st.verified = True
         for ref in job.stored_refs:
-            if (ref.file_index, ref.index) in st.senders:
+            if st.held_back(ref):
                 register(STORED, ref)
         staging = self.store.staging_dir(m.identity)
         if m.is_delta:

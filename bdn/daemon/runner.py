@@ -17,7 +17,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
-from bdn.bucket import ObjectNotFound
+from bdn.bucket import ObjectChanged, ObjectNotFound
 from bdn.daemon import diskio, headers, logctx
 from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.chunklist import check_limits
@@ -29,6 +29,7 @@ from bdn.daemon.errors import Conflict, NotAvailable
 from bdn.daemon.executors import Executors
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
+from bdn.daemon.fold import Folder
 from bdn.daemon.foreign_source import ForeignLoader
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
@@ -71,6 +72,7 @@ class Runner:
         self.clock = clock
         self.jobs: Jobs | None = None  # the catalog, set by it
         self.foreign: ForeignLoader | None = None  # the no-manifest path (require_manifest = false)
+        self.folder = Folder(cfg, store, bucket, index, fetcher, pools)  # a lagging node's catch-up
 
     async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -96,9 +98,8 @@ class Runner:
             log.info("snapshot %s: %s, %d files, %d stored bytes", job.identity, m.kind, len(m.files), m.stored_bytes)
             ready_m = m
             if job.foreign is not None:
-                assert self.foreign is not None
-                await self.fetcher.fetch_layer(job, STORED)
-                ready_m = await self.foreign.finish(job, lambda layer, ref: self.index.register(job, layer, ref))
+                ready_m = await self._run_foreign(job)
+                m = job.manifest
             elif m.is_delta:
                 await self._run_delta(job, m)
             else:
@@ -225,6 +226,11 @@ class Runner:
             self.jobs.check_budget(job.manifest)
             await self._on(self.pools.disk, self.store.prepare_staging, job.manifest)
             return
+        if job.foreign is not None:  # ids are no digests: the objects are verified whole before READY
+            job.resumed(STORED, job.foreign.resumed(job.stored_refs, stored.set_positions().tolist()))
+            log.info("snapshot %s: resumed with %d of %d stored chunks (no manifest: unchanged ETags, each object"
+                     " verified whole before READY)", job.identity, stored.count, len(job.stored_refs))
+            return
         ok_s = await self._on(self.pools.disk, diskio.verify_held, job.stored_refs, stored.__getitem__,
                               lambda fi: job.file_path(STORED, fi))
         ok_r = await self._on(self.pools.disk, diskio.verify_held, job.result_refs, result.__getitem__,
@@ -240,7 +246,8 @@ class Runner:
         if job.manifest is None or job.stored is None or job.result is None or job.state in ("ready", "failed"):
             return
         try:
-            self.store.save_progress(job.identity, job.manifest_digest, job.stored.to_bytes(), job.result.to_bytes())
+            extra = job.foreign.persisted() if job.foreign is not None else None
+            self.store.save_progress(job.identity, job.manifest_digest, job.stored.to_bytes(), job.result.to_bytes(), extra)
         except OSError as e:
             log.warning("snapshot %s: cannot save progress: %s", job.identity, e)
 
@@ -254,6 +261,11 @@ class Runner:
 
     async def _read_manifest(self, job: SnapshotJob) -> Manifest:
         """The manifest from the bucket, polled every ``manifest_poll_s`` up to ``manifest_wait_s``."""
+        recent = self.folder.take_recent(job.identity)
+        if recent is not None:  # a chain walk read it moments ago
+            job.manifest_digest, m = recent
+            check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
+            return m
         key = f"{job.identity}/{MANIFEST_NAME}"
         deadline = self.clock.monotonic() + self.cfg.manifest_wait_s
         while True:
@@ -282,6 +294,37 @@ class Runner:
         check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
         return m
 
+    async def _run_foreign(self, job: SnapshotJob) -> Manifest:
+        """Fetch, verify and rebuild a snapshot without a manifest; the manifest READY is written
+        from. An object replaced mid-download (a read's If-Match failed) abandons every chunk and
+        starts again on a fresh listing, at most ``foreign_restarts`` times, then fails naming the
+        object: one snapshot never mixes two versions of an object."""
+        assert self.foreign is not None and self.jobs is not None
+        restarts = 0
+        while True:
+            try:
+                await self.fetcher.fetch_layer(job, STORED)
+                return await self.foreign.finish(job, lambda layer, ref: self.index.register(job, layer, ref))
+            except ObjectChanged as e:
+                if restarts >= self.cfg.foreign_restarts:
+                    raise BdnError(f"snapshot {job.identity}: {e.key} was replaced during the download "
+                                   f"{restarts + 1} time(s) ({self.cfg.foreign_restarts} restart(s) allowed): {e}") from None
+                restarts += 1
+                log.warning("snapshot %s: %s; starting again on a fresh listing (restart %d of %d)",
+                            job.identity, e, restarts, self.cfg.foreign_restarts)
+            await self._on(self.pools.disk, self.index.drop_pending_of, job)
+            self.index.forget(job, self.jobs.all())
+            job.set_state("queued", f"restarting: an object was replaced during the download (restart {restarts})")
+            await job.notify()
+            m = await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)
+            check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
+            job.restarted(m)
+            self.jobs.check_budget(m)
+            await self._on(self.pools.disk, self.store.prepare_staging, m)
+            await self._on(self.pools.disk, self.index.add_pending, job, STORED, job.stored_refs)
+            job.set_state("downloading")
+            await job.notify()
+
     async def _run_delta(self, job: SnapshotJob, m: Manifest) -> None:
         assert m.base_identity is not None and self.jobs is not None
         base_id = m.base_identity
@@ -298,6 +341,10 @@ class Runner:
                 except NotAvailable as e:
                     log.info("snapshot %s: peers' reconstructed chunks not enough (%s); walking the chain", job.identity, e)
                     job.layer_reset(RESULT)
+            if self.cfg.fold_deltas and await self.folder.fold(job, m, self.jobs):
+                job.layer_complete(RESULT)
+                await self._register(job, RESULT, job.result_refs)
+                return
             base = self.jobs.prefetch(base_id, requested_by=f"base of {job.identity}")
         download = asyncio.create_task(self.fetcher.fetch_layer(job, STORED))
         try:

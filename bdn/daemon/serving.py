@@ -47,11 +47,12 @@ class ChunkServing:
         loc = self.index.lookup(address)
         if loc is not None or wait <= 0:
             return loc
-        if hint and self.catalog.get(hint) is None and not self.catalog.closing:
+        pend = self.index.pending_for(address)
+        if hint and pend is None and self.catalog.get(hint) is None and not self.catalog.closing:
             if hint in self.catalog.collected:
                 return None  # old here: the asker goes on to its next source at once
             self.catalog.prefetch(hint, requested_by="peer")
-        pend = self.index.pending_for(address)
+            pend = self.index.pending_for(address)
         if pend is not None:
             job, layer, ref = pend
             if hrw.owner(self.membership.hrw_nodes(), ref.digest) == self.node_id:

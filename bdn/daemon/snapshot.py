@@ -165,6 +165,15 @@ class SnapshotJob:
             self.bytes_done = self.bytes_resumed = self._bytes_of(STORED, positions)
         self.touch()
 
+    def restarted(self, m: Manifest) -> None:
+        """Event: everything fetched is abandoned for a new table ``m`` (a snapshot without a
+        manifest whose object was replaced mid-download): nothing held, nothing in the index."""
+        self.registered = []
+        self.attach_manifest(m)
+        self.fetch_layer = STORED
+        self.bytes_done = self.bytes_resumed = self.bytes_from_bucket = self.bytes_from_peers = self.bytes_local = 0
+        self.touch()
+
     def quarantined(self, positions: list[int]) -> None:
         """Event: the rebuilt chunks at ``positions`` of the result layer were found corrupted on
         disk (``bdnctl verify --repair``): no longer held (a file that is not a diff loses the same

@@ -30,6 +30,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -216,12 +217,27 @@ class Store:
         # directory of the identity "x.progress".
         return self.root / PROGRESS / identity
 
-    def save_progress(self, identity: str, manifest_digest: str, stored: bytes, result: bytes) -> None:
-        """Atomically record which chunks of a snapshot in progress are written and verified."""
+    def save_progress(self, identity: str, manifest_digest: str, stored: bytes, result: bytes,
+                      extra: dict[str, Any] | None = None) -> None:
+        """Atomically record which chunks of a snapshot in progress are written and verified;
+        ``extra``: what a snapshot without a manifest needs to resume (``load_progress_extra``)."""
         p = self.progress_path(identity)
         tmp = p.with_name(f".{identity}.tmp")  # a dot-name: no identity's progress file
-        tmp.write_bytes(msgpack.packb({"m": manifest_digest, "s": stored, "r": result}, use_bin_type=True))
+        doc: dict[str, Any] = {"m": manifest_digest, "s": stored, "r": result}
+        if extra is not None:
+            doc["x"] = extra
+        tmp.write_bytes(msgpack.packb(doc, use_bin_type=True))
         os.replace(tmp, p)
+
+    def load_progress_extra(self, identity: str) -> dict[str, Any] | None:
+        """The ``extra`` of the saved progress of ``identity`` whatever its manifest digest, or
+        None (untrusted: the caller validates every field)."""
+        try:
+            obj = msgpack.unpackb(self.progress_path(identity).read_bytes(), raw=False)
+        except (OSError, ValueError, msgpack.UnpackException):
+            return None
+        x = obj.get("x") if isinstance(obj, dict) else None
+        return x if isinstance(x, dict) else None
 
     def load_progress(self, identity: str, manifest_digest: str) -> tuple[bytes, bytes] | None:
         """The saved bitfields if they belong to this exact manifest and the files are there."""

@@ -13,7 +13,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bdn.bucket import BucketError, ObjectNotFound
+from bdn.bucket import BucketError, ObjectChanged, ObjectNotFound
 from bdn.daemon import diskio, retry_policy
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.config import Config
@@ -278,6 +278,8 @@ class Sources:
                         buf = await self.bucket.read_chunk(key, ref.offset, ref.length, self.pool.get, if_match=etag)
                     except ObjectNotFound:
                         raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
+                    except ObjectChanged:
+                        raise  # a snapshot without a manifest starts again on a fresh listing (runner)
                     except BucketError as e:
                         raise BdnError(f"bucket read of {key} failed: {e}") from None
                     if not await self.verify_write(buf, ref, target, foreign=job.foreign is not None):

@@ -1,0 +1,128 @@
+"""Delta folding (bdn/daemon/fold.py): a chain of diffs applied in place on one copy of the
+ancestor gives the bytes of applying them one by one, checks every diff's Adler-32, and a daemon
+that lags several deltas behind rebuilds the target without a ready snapshot per step."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bdn import fileops
+from bdn.daemon.fold import fold_file, plan_fold
+from bdn.fileops import read_header, save_raw
+from bdn.proto.errors import ChecksumError
+from bdn.proto.keys import derive_keys
+from bdn.proto.manifest import Manifest
+from bdn.publish import publish_delta, publish_full
+from tests.support.checkpoints import make_state, optimizer_step, write_hf_dir
+from tests.support.swarm import SECRET, Daemon
+
+CHUNK = 64 << 10
+SHARD = "model-00001-of-00002.safetensors"
+
+
+def _states(n: int, scale: int = 1) -> list[dict[str, Any]]:
+    s = [make_state(0, scale=scale)]
+    for i in range(1, n + 1):
+        s.append(optimizer_step(s[-1], 0.05, i))
+    return s
+
+
+def _chain_files(tmp_path: Path, fmt: str, k: int) -> tuple[list[Path], list[Path]]:
+    """``k + 1`` checkpoint dirs and the ``k`` diff files of SHARD between them."""
+    dirs = [write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in enumerate(_states(k))]
+    diffs = []
+    for i in range(1, k + 1):
+        d = tmp_path / f"d{i}" / SHARD
+        d.parent.mkdir()
+        fileops.write_diff_file(dirs[i - 1] / SHARD, dirs[i] / SHARD, d, fmt)
+        diffs.append(d)
+    return dirs, diffs
+
+
+@pytest.mark.parametrize("fmt", ["arc_v1", "arc_v2", "bdn_planes_v1"])
+def test_fold_is_bit_identical_to_one_by_one(tmp_path: Path, fmt: str) -> None:
+    dirs, diffs = _chain_files(tmp_path, fmt, 4)
+    size = (dirs[0] / SHARD).stat().st_size
+    prev = dirs[0] / SHARD
+    for i, d in enumerate(diffs, 1):  # one by one, each into its own file
+        out = tmp_path / f"one{i}"
+        fileops.apply_delta_file(prev, d, out, fmt, size, workers=2)
+        prev = out
+    folded = tmp_path / "fold" / SHARD
+    fold_file(dirs[0] / SHARD, [(d, fmt) for d in diffs], folded, size, workers=2)
+    assert folded.read_bytes() == prev.read_bytes() == (dirs[-1] / SHARD).read_bytes()
+    assert (dirs[0] / SHARD).read_bytes() != folded.read_bytes()  # the ancestor is left as it was
+
+
+def test_fold_checks_every_diffs_adler32_and_names_the_step(tmp_path: Path) -> None:
+    dirs, diffs = _chain_files(tmp_path, "arc_v2", 3)
+    # Corrupt the middle diff's Adler-32 of one tensor (its frame left alone): only the check of
+    # the intermediate catches it, since the last diff's own checksums still hold.
+    h = read_header(diffs[1])
+    raw = diffs[1].read_bytes()
+    victim = sorted(h.tensors)[0]
+    meta = dict(h.metadata)
+    meta[victim] = str((int(meta[victim]) + 1) % (1 << 32))
+    save_raw(diffs[1], {n: ("U8", (t.end - t.start,), raw[t.start : t.end]) for n, t in h.tensors.items()}, meta)
+    size = (dirs[0] / SHARD).stat().st_size
+    with pytest.raises(ChecksumError, match=rf"^{SHARD}: delta 2 of 3 \(d2\): adler32 mismatch for tensor '{victim}'"):
+        fold_file(dirs[0] / SHARD, [(d, "arc_v2") for d in diffs], tmp_path / "o", size, name=SHARD)
+
+
+def _m(identity: str, base: str | None, files: list[dict[str, Any]]) -> Manifest:
+    doc: dict[str, Any] = {"format": "bdn.snapshot/1", "identity": identity, "kind": "delta" if base else "full",
+                           "policy_version": 1, "created_at": "", "chunk_size": CHUNK, "files": files}
+    if base:
+        doc.update(base_identity=base, compression_format="arc_v2", checksum_format="alder32")
+    return Manifest.from_dict(doc)
+
+
+def _diff(path: str, rsize: int) -> dict[str, Any]:
+    return {"path": path, "size": 10, "chunks": ["0" * 32], "result": {"size": rsize, "chunks": ["1" * 32]}}
+
+
+def test_plan_fold_rules() -> None:
+    full = _m("a", None, [{"path": "m.safetensors", "size": 10, "chunks": ["0" * 32]}])
+    d1, d2 = _m("b", "a", [_diff("m.safetensors", 100)]), _m("c", "b", [_diff("m.safetensors", 100)])
+    assert plan_fold([d1, d2]) is None
+    assert plan_fold([d2]) == "fewer than two deltas"
+    assert plan_fold([full, d1]) == "'a' is not a delta"
+    assert plan_fold([d2, d1]) == "'b' is not built on 'c'"
+    other = _m("b", "a", [_diff("n.safetensors", 100)])
+    assert plan_fold([other, d2]) == "'b' has no 'm.safetensors'"
+    resized = _m("b", "a", [_diff("m.safetensors", 99)])
+    assert "not a diff of the same size" in (plan_fold([resized, d2]) or "")
+
+
+def test_daemon_folds_a_lagging_chain_without_intermediate_snapshots(tmp_path: Path) -> None:
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    url = f"file://{bucket}"
+    states = _states(4, scale=2)
+    dirs = [write_hf_dir(tmp_path / f"src/step{i:06d}", s, i) for i, s in enumerate(states, 1)]
+    publish_full(url, "step000001", 1, dir=dirs[0], chunk_size=CHUNK)
+    for i in range(2, 6):
+        publish_delta(url, f"step{i:06d}", i, f"step{i - 1:06d}", dir=dirs[i - 1], base_dir=dirs[i - 2],
+                      chunk_size=CHUNK, compression_format="bdn_planes_v1" if i == 3 else "arc_v2")
+    d = Daemon(tmp_path / "work", "node0", url, extra_env={"BDN_LOAD_STARTUP": "false"})
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        d.wait_ready("step000001")
+        assert d.prefetch("step000005")[0] == 202
+        snap = d.wait_ready("step000005")
+        got = Path(snap["path"])
+        for f in dirs[-1].iterdir():
+            assert hashlib.sha256((got / f.name).read_bytes()).digest() == hashlib.sha256(f.read_bytes()).digest(), f.name
+        for i in (2, 3, 4):  # folded through: never a snapshot on this node
+            assert d.request("GET", f"/v1/snapshots/step{i:06d}")[0] == 404
+        root = d.shm_dir / derive_keys(SECRET).swarm_id
+        assert not [p for p in root.rglob("*") if "step000003" in p.name or ".fold-" in p.name]  # cleaned up
+        assert "folding 4 deltas on step000001" in d.log()
+    finally:
+        d.stop()
