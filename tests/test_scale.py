@@ -111,10 +111,11 @@ def test_a_million_chunks_keep_health_memory_and_sigterm(tmp_path: Path) -> None
         t0 = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
         try:
-            rc = d.proc.wait(20)  # type: ignore[union-attr]
+            # A deadline for a hang, not a speed check: at load 27 on 2 cores the exit took 12.5 s.
+            rc = d.proc.wait(120)  # type: ignore[union-attr]
             print(f"SIGTERM to exit {time.monotonic() - t0:.2f} s")
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"SIGTERM not honoured within 20 s:\n{d.log()}") from None
+            raise AssertionError(f"SIGTERM not honoured within 120 s:\n{d.log()}") from None
         assert rc == 0, d.log()
     finally:
         d.kill()
