@@ -257,12 +257,9 @@ class S3Bucket(Bucket):
     def _map_error(self, op: str, key: str | None, exc: Exception) -> BucketError:
         where = self._where(key) if key is not None else self.url
         if isinstance(exc, bex.ClientError):
-            response = exc.response or {}
-            error = response.get("Error") or {}
-            meta = response.get("ResponseMetadata") or {}
-            code = str(error.get("Code") or "")
-            status = meta.get("HTTPStatusCode")
-            message = one_line(error.get("Message") or "")
+            status, code = _status_and_code(exc)
+            meta = (exc.response or {}).get("ResponseMetadata") or {}
+            message = one_line(((exc.response or {}).get("Error") or {}).get("Message") or "")
             what = f"{code or 'HTTP'} ({status})" + (f": {message}" if message else "")
             if code == "NoSuchBucket":
                 return BucketError(f"{op} {where}: bucket {self._bucket!r} does not exist")
@@ -378,8 +375,7 @@ class S3Bucket(Bucket):
             try:
                 resp = self._client.head_object(Bucket=self._bucket, **params)
             except bex.ClientError as exc:
-                status = (exc.response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-                code = str((exc.response.get("Error") or {}).get("Code") or "")
+                status, code = _status_and_code(exc)
                 if status == 412 or code == "PreconditionFailed":
                     raise ObjectChanged(
                         f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
@@ -448,8 +444,7 @@ class S3Bucket(Bucket):
                     try:
                         resp = self._client.get_object(Bucket=self._bucket, **params)
                     except bex.ClientError as exc:
-                        code = str((exc.response.get("Error") or {}).get("Code") or "")
-                        status = (exc.response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+                        status, code = _status_and_code(exc)
                         if code == "InvalidRange" or status == 416:
                             raise BucketError(
                                 f"short read of {where}: wanted {total} bytes at offset {offset},"
@@ -548,6 +543,14 @@ class S3Bucket(Bucket):
         self._closed = True
         self._transfer.shutdown()
         self._client.close()
+
+
+def _status_and_code(exc: bex.ClientError) -> tuple[Any, str]:
+    """The HTTP status and the S3 error code (``""`` if none) of a botocore ClientError."""
+    response = exc.response or {}
+    return (response.get("ResponseMetadata") or {}).get("HTTPStatusCode"), str(
+        (response.get("Error") or {}).get("Code") or ""
+    )
 
 
 def _size(resp: dict[str, Any], where: str) -> int:
