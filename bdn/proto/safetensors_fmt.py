@@ -35,12 +35,6 @@ import numpy as np
 
 from bdn.proto.errors import ProtocolError
 
-try:  # ml_dtypes is a declared dependency, but numpy views must not break without it.
-    import ml_dtypes as _ml_dtypes
-except ImportError:  # pragma: no cover - exercised only in stripped-down environments
-    _ml_dtypes = None
-
-
 class SafetensorsError(ProtocolError):
     """A safetensors file or header broke the format (message names the tensor where there is one)."""
 
@@ -263,6 +257,13 @@ def tensor_index(files: Mapping[str, Header] | Iterable[tuple[str, Header]]) -> 
 
 
 def _numpy_dtypes() -> dict[str, np.dtype]:
+    # ml_dtypes is imported here, on the first numpy view, not with this module: its import costs
+    # ~0.8 s of CPU (5-8 s on a busy 2-core machine), and bdnd, bdnctl and bdn-publish never view a
+    # tensor as numpy. A declared dependency, but numpy views must not break without it.
+    try:
+        import ml_dtypes as _ml_dtypes
+    except ImportError:  # pragma: no cover - exercised only in stripped-down environments
+        _ml_dtypes = None
     table: dict[str, np.dtype] = {
         "BOOL": np.dtype(np.bool_), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
         "I16": np.dtype("<i2"), "U16": np.dtype("<u2"), "F16": np.dtype("<f2"),
@@ -284,12 +285,26 @@ def _numpy_dtypes() -> dict[str, np.dtype]:
     return table
 
 
-_NUMPY_DTYPES = _numpy_dtypes()
+_NUMPY_DTYPES: dict[str, np.dtype] = {}  # filled by _tables() on first use
 # numpy dtype name -> safetensors name, for the writer. Insertion order makes the integer names win
 # when ml_dtypes is missing and BF16/F8 fall back to uint views.
 _FROM_NUMPY: dict[str, str] = {}
-for _st, _dt in _NUMPY_DTYPES.items():
-    _FROM_NUMPY.setdefault(_dt.name, _st)
+
+
+def _tables() -> tuple[dict[str, np.dtype], dict[str, str]]:
+    """(safetensors name -> numpy dtype, numpy dtype name -> safetensors name), built once.
+
+    Two threads building them at once build the same tables; ``_NUMPY_DTYPES`` is filled last, so
+    a caller that sees it filled sees ``_FROM_NUMPY`` filled too.
+    """
+    if not _NUMPY_DTYPES:
+        table = _numpy_dtypes()
+        from_numpy: dict[str, str] = {}
+        for st, dt in table.items():
+            from_numpy.setdefault(dt.name, st)
+        _FROM_NUMPY.update(from_numpy)
+        _NUMPY_DTYPES.update(table)
+    return _NUMPY_DTYPES, _FROM_NUMPY
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
@@ -298,8 +313,9 @@ def numpy_dtype(dtype: str) -> np.dtype:
     BF16 and the F8 types map to ml_dtypes types (raw uint16/uint8 when ml_dtypes is missing).
     Raises SafetensorsError for unknown names and for the packed sub-byte types (F4, F6_*).
     """
-    if dtype in _NUMPY_DTYPES:
-        return _NUMPY_DTYPES[dtype]
+    table, _ = _tables()
+    if dtype in table:
+        return table[dtype]
     if dtype in DTYPE_BITS:
         raise SafetensorsError(f"dtype {dtype} is packed below one byte per element and has no numpy view")
     raise SafetensorsError(f"unknown safetensors dtype {_q(str(dtype))}")
@@ -322,7 +338,7 @@ def tensor_view(buf: Any, info: TensorInfo) -> np.ndarray:
 def safetensors_dtype(array: np.ndarray) -> str:
     """The safetensors dtype name of a numpy array's dtype; SafetensorsError if it has none."""
     try:
-        return _FROM_NUMPY[array.dtype.name]
+        return _tables()[1][array.dtype.name]
     except KeyError:
         raise SafetensorsError(f"numpy dtype {array.dtype} has no safetensors equivalent") from None
 
