@@ -1,8 +1,9 @@
-"""Shared fixtures: a real moto S3 server for the session, fresh buckets, published checkpoints."""
+"""Shared fixtures: a real moto S3 server for the session, fresh buckets, a tmpfs directory."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -33,3 +34,13 @@ def s3_bucket(moto_endpoint):
 
     name = create_bucket(moto_endpoint)
     return f"s3://{name}/run1", moto_endpoint
+
+
+@pytest.fixture
+def shm():
+    """A fresh directory on tmpfs (/dev/shm, else the temp dir), removed after the test."""
+    from support.transfer import shm_tmpdir
+
+    d = shm_tmpdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

@@ -20,7 +20,7 @@ from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
 from tests.support.checkpoints import make_state, write_hf_dir
 from tests.support.liar import Liar
-from tests.support.swarm import SECRET, Daemon
+from tests.support.swarm import SECRET, Daemon, running
 
 CHUNK = 64 << 10
 TOKEN = "attack-test-token"
@@ -37,14 +37,9 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     publish_full(f"file://{bucket}", "step000001", 1, dir=ck, chunk_size=CHUNK)
     ck = write_hf_dir(root / "src" / "step000002", make_state(1), 2)
     publish_full(f"file://{bucket}", "step000002", 2, dir=ck, chunk_size=CHUNK)
-    d = Daemon(root / "work", "node0", f"file://{bucket}",
-               extra_env={"BDN_LOAD_STARTUP": "false", "BDN_API_TOKEN": TOKEN})
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(root / "work", "node0", f"file://{bucket}",
+                        extra_env={"BDN_LOAD_STARTUP": "false", "BDN_API_TOKEN": TOKEN})) as d:
         yield d
-    finally:
-        d.stop()
 
 
 def raw(port: int, data: bytes) -> tuple[int, bytes]:

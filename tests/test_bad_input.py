@@ -9,7 +9,6 @@ checkpoints with 64 KiB chunks keep each test to a few seconds.
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import time
@@ -25,9 +24,10 @@ from bdn.proto.keys import derive_keys, sign_request
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
 from bdn.fileops import read_header, save_raw
 from bdn.publish import publish_delta, publish_full
+from tests.support.api import raw_request
 from tests.support.checkpoints import make_state, optimizer_step, write_hf_dir
 from tests.support.liar import Liar
-from tests.support.swarm import SECRET, Daemon
+from tests.support.swarm import SECRET, Daemon, running
 
 CHUNK = 64 << 10
 NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
@@ -69,38 +69,17 @@ def bucket(tmp_path: Path) -> Bucket:
 
 @pytest.fixture
 def daemon(tmp_path: Path, bucket: Bucket) -> Iterator[Daemon]:
-    d = Daemon(tmp_path / "work", "node0", bucket.url, extra_env=NO_STARTUP)
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path / "work", "node0", bucket.url, extra_env=NO_STARTUP)) as d:
         yield d
-    finally:
-        d.stop()
 
 
 @pytest.fixture(scope="module")
 def idle_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """One daemon over an empty bucket, shared by tests that must leave it without any snapshot."""
     root = tmp_path_factory.mktemp("idle")
-    d = Daemon(root / "work", "node0", Bucket(root).url, extra_env=NO_STARTUP)
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(root / "work", "node0", Bucket(root).url, extra_env=NO_STARTUP)) as d:
         yield d
-    finally:
-        d.stop()
 
-
-def raw_request(base_url: str, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    """One HTTP request with the path sent exactly as given (no client-side normalisation)."""
-    host, port = base_url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        conn.request(method, path, headers=headers or {})
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
 
 
 def settle(d: Daemon, identity: str, timeout: float = 30.0) -> dict[str, Any]:

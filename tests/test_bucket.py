@@ -37,16 +37,12 @@ try:
         S3Proxy,
         create_bucket,
         free_port,
-        start_moto_server,
-        stop_moto_server,
     )
 except ImportError:  # collected with tests/ as a package
     from tests.support.s3server import (
         S3Proxy,
         create_bucket,
         free_port,
-        start_moto_server,
-        stop_moto_server,
     )
 
 MiB = 1 << 20
@@ -78,15 +74,6 @@ def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFa
     monkeypatch.setenv("AWS_CONFIG_FILE", str(home / "config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(home / "credentials"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[str]:
-    proc, endpoint = start_moto_server()
-    try:
-        yield endpoint
-    finally:
-        stop_moto_server(proc)
 
 
 @pytest.fixture(scope="session")

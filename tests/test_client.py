@@ -155,8 +155,8 @@ def bdnd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bdnd]:
     daemon = Daemon(root / "nodes", "client-node", bucket, extra_env={
         "BDN_LOAD_STARTUP": "false", "BDN_LOCAL_SOCKET": str(sock),
         "BDN_MANIFEST_WAIT_S": "3600", "BDN_BUCKET_MBIT": str(BUCKET_MBIT),
-        # The tests share this daemon and each loads snapshots of its own; with the default
-        # keep_ready = 2 the GC could delete step000002 (``ready``) before a later test reads it.
+        # Shared by every test, each publishing its own snapshot: GC (keep 2 newest after a 60 s
+        # grace) would drop step000002, which later tests read, once the module runs past 60 s.
         "BDN_KEEP_READY": "1000",
     })
     b = Bdnd(daemon, bucket, root, sock, arrays, published={"step000001", "step000002", FAILING})

@@ -13,7 +13,7 @@ from pathlib import Path
 from bdn.publish import publish_delta, publish_full
 from support.checkpoints import make_state, optimizer_step, write_hf_dir
 from support.swarm import Daemon
-from test_hotload import http, wait_fleet
+from support.api import http, wait_fleet
 
 CHUNK = 64 << 10
 HOT = "/hot_load/v1/models/hot_load"

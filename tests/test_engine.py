@@ -15,8 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,7 @@ import pytest
 
 from bdn.client import DaemonError, EngineLink, hot_load, hot_load_status
 from bdn.publish import publish_delta, publish_full, publish_startup
+from support.api import http
 from support.swarm import Swarm, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,18 +38,6 @@ PROMPT = [{"role": "user", "content": "Tell me about checkpoints."}]
 ENGINE_DATA = {"nvext": {"extra_fields": ["engine_data"]}}
 
 
-def http(method: str, url: str, body: Any = None, timeout: float = 30.0) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw)
-        except ValueError:
-            return e.code, raw.decode(errors="replace")
 
 
 # -- the server's parts, without a daemon ------------------------------------------------------

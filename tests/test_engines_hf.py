@@ -20,9 +20,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +41,7 @@ from bdn.engines.hf import HFEngine  # noqa: E402
 from bdn.engines.options import HotLoadOptions  # noqa: E402
 from bdn.engines.service import HFService  # noqa: E402
 from bdn.publish import publish_delta, publish_full, publish_startup  # noqa: E402
+from support.api import http, wait_for  # noqa: E402
 from support.swarm import Swarm, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,18 +53,6 @@ IDS = ["step000001", "step000002", "step000003"]
 PROMPT = [{"role": "user", "content": "Tell me about checkpoints."}]
 
 
-def http(method: str, url: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw)
-        except ValueError:
-            return e.code, raw.decode(errors="replace")
 
 
 def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -74,15 +60,6 @@ def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
             for k, v in state.items()}
 
 
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def replica_done(url: str, identity: str):

@@ -15,7 +15,6 @@ import asyncio
 import os
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from bdn.engines.vllm import VLLMAdapter
 from bdn.fileops import read_header
 from bdn.publish import publish_delta, publish_full, publish_startup
 from support.checkpoints import make_state, optimizer_step, write_hf_dir
+from support.api import wait_for
 from support.swarm import Swarm, free_port
 
 CHUNK = 64 << 10
@@ -169,15 +169,6 @@ def vllm_app(s: ProtocolServer) -> web.Application:
     return app
 
 
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def stage(url: str, identity: str) -> dict | None:

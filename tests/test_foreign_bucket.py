@@ -33,9 +33,9 @@ from bdn.proto.foreign import ForeignSnapshotError, ForeignTable
 from bdn.proto.safetensors_fmt import parse_header
 
 try:
-    from support.s3server import create_bucket, start_moto_server, stop_moto_server
+    from support.s3server import create_bucket
 except ImportError:  # collected with tests/ as a package
-    from tests.support.s3server import create_bucket, start_moto_server, stop_moto_server
+    from tests.support.s3server import create_bucket
 
 MiB = 1 << 20
 CHUNK = 1 * MiB  # divides PART: a bad part is whole chunks
@@ -62,15 +62,6 @@ def aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-
-
-@pytest.fixture(scope="module")
-def moto_endpoint() -> Iterator[str]:
-    proc, endpoint = start_moto_server()
-    try:
-        yield endpoint
-    finally:
-        stop_moto_server(proc)
 
 
 @dataclass

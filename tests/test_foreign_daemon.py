@@ -27,8 +27,7 @@ from support.foreign_run import BIG, MiB, Run, boto, copy_to, make_run, upload  
 from support.liar import Liar
 from support.s3server import create_bucket
 from support.swarm import SECRET, Daemon, Swarm
-from test_bad_input import raw_request
-from test_hotload import http, wait_fleet
+from support.api import http, raw_request, wait_fleet
 
 from bdn import fileops
 from bdn.proto.keys import derive_keys, sign_request

@@ -2,52 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from bdn.publish import publish_delta, publish_full, publish_startup
 from support.checkpoints import make_state, optimizer_step, write_hf_dir
+from support.api import http, wait_fleet
 from support.swarm import Swarm
 
 TOKEN = "trainer-token-0123456789"
 CHUNK = 64 << 10
 
-
-def http(method: str, url: str, body: object | None = None, token: str | None = None) -> tuple[int, dict]:
-    data = json.dumps(body).encode() if body is not None and not isinstance(body, bytes) else body
-    req = urllib.request.Request(url, data=data, method=method)
-    req.add_header("Content-Type", "application/json")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read() or b"{}")
-    except urllib.error.HTTPError as e:
-        raw = e.read()
-        try:
-            return e.code, json.loads(raw)
-        except ValueError:
-            return e.code, {"raw": raw.decode(errors="replace")}
-
-
-def wait_fleet(url: str, identity: str, timeout: float = 60.0, token: str | None = None) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        status, body = http("GET", url + "/hot_load/v1/models/hot_load", token=token)
-        assert status == 200, body
-        reps = body["replicas"]
-        if all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done" for r in reps):
-            return reps
-        errs = [r for r in reps if r["loading_state"]["stage"] == "error"]
-        assert not errs, errs
-        if time.monotonic() > deadline:
-            raise AssertionError(f"fleet not done with {identity}: {reps}")
-        time.sleep(0.2)
 
 
 @pytest.fixture

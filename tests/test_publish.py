@@ -37,7 +37,7 @@ from bdn.publish import (
     publish_full,
     publish_startup,
 )
-from tests.support.s3server import S3Proxy, create_bucket, start_moto_server, stop_moto_server
+from tests.support.s3server import S3Proxy, create_bucket
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent  # the venv running the tests (a worktree has no .venv of its own)
@@ -126,19 +126,13 @@ class S3Server:
 
 
 @pytest.fixture(scope="module")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
-    """A real moto S3 server on loopback, for this module."""
-    proc, endpoint = start_moto_server()
-    try:
-        creds = tmp_path_factory.mktemp("creds") / "writer.json"
-        creds.write_text(
-            json.dumps(
-                {"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "aws_region": "us-east-1"}
-            )
-        )
-        yield S3Server(endpoint, creds)
-    finally:
-        stop_moto_server(proc)
+def s3_server(moto_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> S3Server:
+    """The session's moto S3 server (tests/conftest.py) and a writer's credentials file for it."""
+    creds = tmp_path_factory.mktemp("creds") / "writer.json"
+    creds.write_text(
+        json.dumps({"aws_access_key_id": "testing", "aws_secret_access_key": "testing", "aws_region": "us-east-1"})
+    )
+    return S3Server(moto_endpoint, creds)
 
 
 @pytest.fixture

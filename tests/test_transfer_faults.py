@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import signal
 import socket
 import threading
@@ -22,20 +21,12 @@ from support.transfer import (
     make_chunk_file,
     read_to_end,
     recv_frame,
-    shm_tmpdir,
 )
 
 from bdn.proto import wire
 from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
 
 CHUNK = 1 << 20
-
-
-@pytest.fixture
-def shm():
-    d = shm_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import threading
 import time
 import tracemalloc
 
 import pytest
-from support.transfer import KEYS, Target, make_chunk_file, shm_tmpdir
+from support.transfer import KEYS, Target, make_chunk_file
 
 from bdn.proto import wire
 from bdn.transfer import (
@@ -28,13 +27,6 @@ from bdn.transfer import (
 )
 
 CHUNK = 1 << 20
-
-
-@pytest.fixture
-def shm():
-    d = shm_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture

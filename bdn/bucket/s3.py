@@ -35,6 +35,8 @@ from typing import Any, TypeVar
 
 import boto3
 import botocore.exceptions as bex
+import botocore.loaders
+import botocore.session
 from boto3.s3.transfer import TransferConfig, create_transfer_manager
 from botocore.config import Config
 from botocore.retries import standard as standard_retries
@@ -193,12 +195,12 @@ class S3Bucket(Bucket):
 
     def _session(self, credentials: ReaderCredentials | None, region: str | None) -> boto3.session.Session:
         if credentials is not None:
-            return boto3.session.Session(
+            return _new_session(
                 aws_access_key_id=credentials.access_key_id,
                 aws_secret_access_key=credentials.secret_access_key,
                 region_name=region,
             )
-        session = boto3.session.Session(region_name=region)
+        session = _new_session(region_name=region)
         if not self._gcs:
             return session
         try:
@@ -211,7 +213,7 @@ class S3Bucket(Bucket):
                 "to a GCS HMAC key, or give a credentials file"
             )
         frozen = found.get_frozen_credentials()
-        return boto3.session.Session(
+        return _new_session(
             aws_access_key_id=frozen.access_key,
             aws_secret_access_key=frozen.secret_key,
             region_name=region,
@@ -257,12 +259,9 @@ class S3Bucket(Bucket):
     def _map_error(self, op: str, key: str | None, exc: Exception) -> BucketError:
         where = self._where(key) if key is not None else self.url
         if isinstance(exc, bex.ClientError):
-            response = exc.response or {}
-            error = response.get("Error") or {}
-            meta = response.get("ResponseMetadata") or {}
-            code = str(error.get("Code") or "")
-            status = meta.get("HTTPStatusCode")
-            message = one_line(error.get("Message") or "")
+            status, code = _status_and_code(exc)
+            meta = (exc.response or {}).get("ResponseMetadata") or {}
+            message = one_line(((exc.response or {}).get("Error") or {}).get("Message") or "")
             what = f"{code or 'HTTP'} ({status})" + (f": {message}" if message else "")
             if code == "NoSuchBucket":
                 return BucketError(f"{op} {where}: bucket {self._bucket!r} does not exist")
@@ -378,8 +377,7 @@ class S3Bucket(Bucket):
             try:
                 resp = self._client.head_object(Bucket=self._bucket, **params)
             except bex.ClientError as exc:
-                status = (exc.response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-                code = str((exc.response.get("Error") or {}).get("Code") or "")
+                status, code = _status_and_code(exc)
                 if status == 412 or code == "PreconditionFailed":
                     raise ObjectChanged(
                         f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
@@ -448,8 +446,7 @@ class S3Bucket(Bucket):
                     try:
                         resp = self._client.get_object(Bucket=self._bucket, **params)
                     except bex.ClientError as exc:
-                        code = str((exc.response.get("Error") or {}).get("Code") or "")
-                        status = (exc.response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+                        status, code = _status_and_code(exc)
                         if code == "InvalidRange" or status == 416:
                             raise BucketError(
                                 f"short read of {where}: wanted {total} bytes at offset {offset},"
@@ -548,6 +545,39 @@ class S3Bucket(Bucket):
         self._closed = True
         self._transfer.shutdown()
         self._client.close()
+
+
+# Parsing botocore's JSON models (the endpoint table, the S3 API, the retry rules) is most of what a
+# new boto3 Session costs: 0.6-2 s per bucket opened on a busy 2-core machine, 0.12 s with the
+# models already parsed. Every S3Bucket needs a Session of its own (its credentials), so they all
+# share one botocore Loader per AWS_DATA_PATH (which says where models are read from); the
+# Loader's own caches hold the parsed models. boto3 appends its data directory to the Loader of
+# every new Session: the duplicates are dropped again so the list stays as botocore builds it.
+_LOADERS: dict[str | None, botocore.loaders.Loader] = {}
+_LOADERS_LOCK = threading.Lock()
+
+
+def _new_session(**kwargs: Any) -> boto3.session.Session:
+    """``boto3.session.Session(**kwargs)`` on a botocore session that shares the parsed models."""
+    core = botocore.session.Session()
+    data_path = core.get_config_variable("data_path")
+    with _LOADERS_LOCK:
+        loader = _LOADERS.get(data_path)
+        if loader is None:
+            loader = _LOADERS[data_path] = botocore.loaders.create_loader(data_path)
+        core.register_component("data_loader", loader)
+        session = boto3.session.Session(botocore_session=core, **kwargs)
+        paths = loader.search_paths
+        paths[:] = list(dict.fromkeys(paths))
+    return session
+
+
+def _status_and_code(exc: bex.ClientError) -> tuple[Any, str]:
+    """The HTTP status and the S3 error code (``""`` if none) of a botocore ClientError."""
+    response = exc.response or {}
+    return (response.get("ResponseMetadata") or {}).get("HTTPStatusCode"), str(
+        (response.get("Error") or {}).get("Code") or ""
+    )
 
 
 def _size(resp: dict[str, Any], where: str) -> int:

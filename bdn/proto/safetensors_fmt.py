@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import struct
-import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +34,6 @@ from typing import Any
 import numpy as np
 
 from bdn.proto.errors import ProtocolError
-
-
 
 class SafetensorsError(ProtocolError):
     """A safetensors file or header broke the format (message names the tensor where there is one)."""
@@ -260,9 +257,10 @@ def tensor_index(files: Mapping[str, Header] | Iterable[tuple[str, Header]]) -> 
 
 
 def _numpy_dtypes() -> dict[str, np.dtype]:
-    # ml_dtypes is imported here, on the first dtype lookup, not at module import: importing it costs
-    # about 1 CPU-second (numpy alone 0.15), which every bdnd, bdnctl and bdn-publish start paid.
-    try:  # a declared dependency, but numpy views must not break without it
+    # ml_dtypes is imported here, on the first numpy view, not with this module: its import costs
+    # ~0.8 s of CPU (5-8 s on a busy 2-core machine), and bdnd, bdnctl and bdn-publish never view a
+    # tensor as numpy. A declared dependency, but numpy views must not break without it.
+    try:
         import ml_dtypes as _ml_dtypes
     except ImportError:  # pragma: no cover - exercised only in stripped-down environments
         _ml_dtypes = None
@@ -287,18 +285,26 @@ def _numpy_dtypes() -> dict[str, np.dtype]:
     return table
 
 
-@functools.cache
+_NUMPY_DTYPES: dict[str, np.dtype] = {}  # filled by _tables() on first use
+# numpy dtype name -> safetensors name, for the writer. Insertion order makes the integer names win
+# when ml_dtypes is missing and BF16/F8 fall back to uint views.
+_FROM_NUMPY: dict[str, str] = {}
+
+
 def _tables() -> tuple[dict[str, np.dtype], dict[str, str]]:
     """(safetensors name -> numpy dtype, numpy dtype name -> safetensors name), built once.
 
-    In the second, insertion order makes the integer names win when ml_dtypes is missing and
-    BF16/F8 fall back to uint views.
+    Two threads building them at once build the same tables; ``_NUMPY_DTYPES`` is filled last, so
+    a caller that sees it filled sees ``_FROM_NUMPY`` filled too.
     """
-    to_numpy = _numpy_dtypes()
-    from_numpy: dict[str, str] = {}
-    for st, dt in to_numpy.items():
-        from_numpy.setdefault(dt.name, st)
-    return to_numpy, from_numpy
+    if not _NUMPY_DTYPES:
+        table = _numpy_dtypes()
+        from_numpy: dict[str, str] = {}
+        for st, dt in table.items():
+            from_numpy.setdefault(dt.name, st)
+        _FROM_NUMPY.update(from_numpy)
+        _NUMPY_DTYPES.update(table)
+    return _NUMPY_DTYPES, _FROM_NUMPY
 
 
 def numpy_dtype(dtype: str) -> np.dtype:
@@ -307,9 +313,9 @@ def numpy_dtype(dtype: str) -> np.dtype:
     BF16 and the F8 types map to ml_dtypes types (raw uint16/uint8 when ml_dtypes is missing).
     Raises SafetensorsError for unknown names and for the packed sub-byte types (F4, F6_*).
     """
-    to_numpy = _tables()[0]
-    if dtype in to_numpy:
-        return to_numpy[dtype]
+    table, _ = _tables()
+    if dtype in table:
+        return table[dtype]
     if dtype in DTYPE_BITS:
         raise SafetensorsError(f"dtype {dtype} is packed below one byte per element and has no numpy view")
     raise SafetensorsError(f"unknown safetensors dtype {_q(str(dtype))}")

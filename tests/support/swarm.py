@@ -11,6 +11,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +158,18 @@ class Daemon:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+
+@contextmanager
+def running(d: Daemon, peers: Sequence[str] = ()) -> Iterator[Daemon]:
+    """``d`` started (with static ``peers``) and healthy; stopped on the way out, also when it
+    never became healthy."""
+    d.start(list(peers))
+    try:
+        d.wait_healthy()
+        yield d
+    finally:
+        d.stop()
 
 
 class Swarm:
