@@ -9,7 +9,7 @@ import pytest
 
 from bdn.publish import publish_delta, publish_full, publish_startup
 from support.checkpoints import make_state, optimizer_step, write_hf_dir
-from support.api import http, wait_fleet
+from support.api import http, wait_fleet, wait_for
 from support.swarm import Swarm
 
 TOKEN = "trainer-token-0123456789"
@@ -143,8 +143,18 @@ def test_hot_load_before_the_manifest_is_written(fleet) -> None:
     os.replace(manifest, held)  # as if the publisher had not written it yet
     st, ans = http("POST", a.url + "/hot_load/v1/models/hot_load", {"identity": "step000003"})
     assert st == 200 and ans["accepted"] and ans["manifest_written"] is False, ans
-    time.sleep(1.0)
-    reps = http("GET", a.url + "/hot_load/v1/models/hot_load")[1]["replicas"]
+    # Every daemon has looked for the manifest and is waiting for it (a state, not a pause).
+    for d in swarm.daemons:
+        wait_for(lambda d=d: "waiting for manifest" in (http("GET", d.url + "/v1/snapshots/step000003")[1] or {}).get("reason", ""),
+                 120, f"{d.url} waiting for step000003's manifest")
+    # The fleet view is aggregated from the replicas' reports: wait until every one has reported
+    # the new target (a state), then check what they report.
+    def reported() -> list[dict]:
+        rs = http("GET", a.url + "/hot_load/v1/models/hot_load")[1]["replicas"]
+        ok = all(r["loading_state"]["identity"] == "step000003" and r["current_snapshot_identity"] for r in rs)
+        return rs if ok and len(rs) == len(swarm.daemons) else []
+
+    reps = wait_for(reported, 120, "every replica reporting step000003 as its target")
     for r in reps:
         assert r["loading_state"]["identity"] == "step000003"
         assert r["loading_state"]["stage"] == "queued", r
