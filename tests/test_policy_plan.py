@@ -160,3 +160,15 @@ def test_bitfield_clear_positions_and_set_all() -> None:
     b.set_all()
     assert b.complete and b.count == 13 and list(b.clear_positions()) == []
     assert Bitfield(13, b.to_bytes()).count == 13
+
+
+def test_bucket_parts_cover_a_chunk_exactly_in_at_most_streams_parts() -> None:
+    for length in (1, 100, plan.MIN_PART, 3 * plan.MIN_PART + 7, 16 << 20, (16 << 20) - 1):
+        for streams in (1, 2, 4, 16):
+            parts = plan.bucket_parts(length, streams)
+            assert 1 <= len(parts) <= streams
+            assert parts[0][0] == 0 and sum(n for _, n in parts) == length
+            assert all(o + n == parts[i + 1][0] for i, (o, n) in enumerate(parts[:-1]))
+            assert len(parts) == 1 or min(n for _, n in parts) >= plan.MIN_PART - 1
+    assert plan.bucket_parts(16 << 20, 4) == [(i * (4 << 20), 4 << 20) for i in range(4)]
+    assert plan.bucket_parts(100, 4) == [(0, 100)]

@@ -118,6 +118,21 @@ def _paced(positions: Iterable[Any], wanted: Any) -> Iterator[int | None]:
             yield None
 
 
+#: Smallest ranged GET a chunk's bucket read is split into (smaller parts cost more requests than they save).
+MIN_PART = 1 << 20
+
+
+def bucket_parts(length: int, streams: int) -> list[tuple[int, int]]:
+    """How one chunk of ``length`` bytes is read from the bucket: ``(offset, length)`` ranges
+    within it, at most ``streams`` (``bucket_concurrency``) of at least ``MIN_PART`` bytes each
+    (one for a small chunk), covering it exactly, in order. They are read in parallel and one
+    chunk at a time, so an owner's chunks complete one after another at its whole share of the
+    bucket (bench/NOTES.md, the N = 8 timeline)."""
+    n = max(1, min(streams, length // MIN_PART))
+    step = -(-length // n)
+    return [(o, min(step, length - o)) for o in range(0, length, step)]
+
+
 def endgame(left: int, holders: int, endgame_chunks: int) -> bool:
     """True when ``left`` chunks remain (<= ``endgame_chunks``) and at least two holders exist."""
     return holders >= 2 and left <= endgame_chunks
