@@ -172,3 +172,42 @@ def test_bucket_parts_cover_a_chunk_exactly_in_at_most_streams_parts() -> None:
             assert len(parts) == 1 or min(n for _, n in parts) >= plan.MIN_PART - 1
     assert plan.bucket_parts(16 << 20, 4) == [(i * (4 << 20), 4 << 20) for i in range(4)]
     assert plan.bucket_parts(100, 4) == [(0, 100)]
+
+
+def test_split_owned_gives_owned_chunks_in_manifest_order_and_the_rest_by_their_owners_queue() -> None:
+    from bdn.daemon.bitfield import Bitfield
+
+    digests = [f"{i:032x}" for i in range(3000)]
+    refs = [type("R", (), {"digest": d})() for d in digests]
+    bits = Bitfield(len(digests))
+    for i in range(0, 3000, 11):
+        bits.set(i)
+    owned, others = plan.split_owned(bits, refs, NODES, SELF, random.Random(5))
+    got_owned = [i for i in owned if i is not None]
+    got_others = [i for i in others if i is not None]
+    missing = [i for i in range(3000) if i % 11]
+    assert got_owned == [i for i in missing if hrw.owner(NODES, digests[i]) == SELF]
+    assert sorted(got_others) == [i for i in missing if hrw.owner(NODES, digests[i]) != SELF]
+    # the k-th chunk (manifest order) of every other owner comes before any owner's (k+1)-th
+    place: dict[str, int] = {}
+    ks = []
+    for i in got_others:
+        o = hrw.owner(NODES, digests[i])
+        ks.append(sorted(j for j in missing if hrw.owner(NODES, digests[j]) == o).index(i))
+        place[o] = place.get(o, 0) + 1
+    assert ks == sorted(ks)
+    # two nodes' orders of the same chunks differ within a place (ties are random)
+    _, again = plan.split_owned(bits, refs, NODES, SELF, random.Random(6))
+    assert [i for i in again if i is not None] != got_others
+
+
+def test_split_owned_alone_owns_everything_and_skips_chunks_that_arrive() -> None:
+    from bdn.daemon.bitfield import Bitfield
+
+    refs = [type("R", (), {"digest": f"{i:032x}"})() for i in range(50)]
+    bits = Bitfield(50)
+    owned, others = plan.split_owned(bits, refs, [SELF], SELF, random.Random(1))
+    first = next(owned)
+    bits.set(first + 1)
+    assert [first, *[i for i in owned if i is not None]] == [i for i in range(50) if i != first + 1]
+    assert list(others) == []

@@ -3,7 +3,7 @@
 For one chunk: this node's own store, then round after round of the plan's steps (holders, the
 endgame race, owners with ``?wait=``, this node's own bucket read when it is the owner), then
 the bucket as a counted fallback. One acquisition per chunk however many ask (single-flight);
-owned chunks are started first, since the other nodes wait on them.
+owned chunks have workers of their own, since the other nodes wait on them.
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ class Fetcher:
         """Obtain every chunk of ``layer``. Raises NotAvailable (a rebuilt chunk no peer has),
         BdnError/ProtocolError (the bucket failed).
 
-        A bounded set of worker coroutines (:meth:`workers`) pulls chunk positions from
-        :func:`plan.owned_first` (the chunks this node owns first, since the other nodes wait
-        on them); each acquisition retries within its own worker (``plan.Rounds``)."""
+        Bounded sets of worker coroutines pull chunk positions from :func:`plan.split_owned`: a
+        few (``bucket_concurrency + 1``) the chunks this node owns (the bucket reads them one
+        after another, the other nodes wait on them), :meth:`workers` the rest, in the order
+        their owners read them; each acquisition retries within its own worker (``plan.Rounds``)."""
         refs, bits = job.refs(layer), job.bits(layer)
         assert bits is not None
         job.start_layer(layer)
@@ -71,10 +72,10 @@ class Fetcher:
             await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
         except asyncio.TimeoutError:
             pass
-        order = plan.owned_first(bits, refs, self.membership.hrw_nodes(), self.node_id)
+        owned, others = plan.split_owned(bits, refs, self.membership.hrw_nodes(), self.node_id, self.rng)
         poller = asyncio.create_task(self.haves.poll(job))
 
-        async def worker() -> None:
+        async def worker(order: Any) -> None:
             for i in order:
                 if i is None:
                     await asyncio.sleep(0)  # a long stretch of held chunks: let the loop run
@@ -82,7 +83,12 @@ class Fetcher:
                     await self._ensure(job, layer, i, refs[i])
 
         try:
-            tasks = [asyncio.create_task(worker()) for _ in range(min(self.workers(), max(1, bits.n - bits.count)))]
+            # Owned chunks have workers of their own (the bucket reads them one after another:
+            # a few keep it busy), so that they never hold up the peer workers asking for the
+            # chunks the other owners are reading.
+            left = max(1, bits.n - bits.count)
+            tasks = [asyncio.create_task(worker(owned)) for _ in range(min(self.cfg.bucket_concurrency + 1, left))]
+            tasks += [asyncio.create_task(worker(others)) for _ in range(min(self.workers(), left))]
             try:
                 await asyncio.gather(*tasks)
             except BaseException:

@@ -103,6 +103,44 @@ def owned_first(
     yield from _paced(later, lambda i: not bits[i])
 
 
+#: Above this many missing chunks ``split_owned`` keeps manifest order (no full pass up front).
+ORDER_LIMIT = 1 << 18
+
+
+def split_owned(
+    bits: Positions, refs: Sequence[Any], nodes: Sequence[str], self_id: str, rng: random.Random,
+) -> tuple[Iterator[int | None], Iterator[int | None]]:
+    """``(owned, others)``: the clear positions of ``bits`` whose chunk this node owns by HRW
+    among ``nodes`` (it reads those from the bucket), in manifest order, and the rest, in the
+    order the fleet is expected to have them: by their place in their owner's own list (every
+    owner reads its chunks in manifest order, one after another), ties in a random order of this
+    node's own, so that the nodes ask for each owner's next chunk as it appears, and not all for
+    the same one. Both lazy as :func:`owned_first` (``None`` = give the loop a turn).
+
+    A layer with more than ``ORDER_LIMIT`` missing chunks keeps manifest order for ``others``
+    (no full pass over the manifest before the first request)."""
+    digest = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
+    if len(nodes) <= 1:
+        return _paced(bits.clear_positions(), lambda i: not bits[i]), iter(())
+    missing = bits.clear_positions()
+    if len(missing) > ORDER_LIMIT:
+        return (_paced(missing, lambda i: not bits[i] and hrw.owner(nodes, digest(i)) == self_id),
+                _paced(bits.clear_positions(), lambda i: not bits[i] and hrw.owner(nodes, digest(i)) != self_id))
+    mine, theirs = array("I"), []
+    place: dict[str, int] = {}
+    for i in missing:
+        i = int(i)
+        o = hrw.owner(nodes, digest(i))
+        if o == self_id:
+            mine.append(i)
+        else:
+            k = place.get(o, 0)
+            place[o] = k + 1
+            theirs.append((k, rng.random(), i))
+    theirs.sort()
+    return _paced(mine, lambda i: not bits[i]), _paced(array("I", (i for _, _, i in theirs)), lambda i: not bits[i])
+
+
 def _paced(positions: Iterable[Any], wanted: Any) -> Iterator[int | None]:
     """The positions ``wanted(i)`` accepts, and ``None`` after every ``YIELD_EVERY`` refused in a row."""
     idle = 0
