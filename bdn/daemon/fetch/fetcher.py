@@ -17,6 +17,7 @@ from bdn.daemon.config import Config
 from bdn.daemon.errors import NotAvailable
 from bdn.daemon.fetch import plan
 from bdn.daemon.fetch.haves import Haves
+from bdn.daemon.fetch.owners import Owners
 from bdn.daemon.fetch.sources import Sources
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.membership import Member, Membership
@@ -48,6 +49,18 @@ class Fetcher:
         self.clock = clock
         self.rng = rng or random.Random()
         self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
+        self.owners = Owners()
+
+    def owner(self, job: SnapshotJob, layer: str, digest: str, nodes: list[str] | None = None) -> str | None:
+        """The node that reads chunk ``digest`` of ``layer`` from the bucket, among ``nodes``
+        (default: this node and the live members): HRW with bounded loads
+        (``bdn.daemon.fetch.owners``), the same answer on every daemon with the same live set."""
+        refs = job.refs(layer)
+        nodes = self.membership.hrw_nodes() if nodes is None else nodes
+        dig = getattr(refs, "digest", None)
+        return self.owners.owner((job.identity, layer), nodes, digest,
+                                 (lambda: [dig(i) for i in range(len(refs))]) if dig else (lambda: [r.digest for r in refs]),
+                                 len(refs))
 
     def workers(self) -> int:
         """How many chunks of a layer are acquired at once: enough to keep every peer slot
@@ -72,7 +85,10 @@ class Fetcher:
             await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
         except asyncio.TimeoutError:
             pass
-        owned, others = plan.split_owned(bits, refs, self.membership.hrw_nodes(), self.node_id, self.rng)
+        nodes = self.membership.hrw_nodes()
+        dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
+        owned, others = plan.split_owned(bits, nodes, self.node_id, self.rng,
+                                         lambda i: self.owner(job, layer, dig(i), nodes))
         poller = asyncio.create_task(self.haves.poll(job))
 
         async def worker(order: Any) -> None:
@@ -105,6 +121,7 @@ class Fetcher:
             # The bitfields served this download only: kept, they would pile up one table of
             # N peers' bitfields per snapshot ever fetched (a later fetch asks afresh first).
             self.haves.forget(job.identity)
+            self.owners.forget((job.identity, layer))
 
     async def ensure_chunk(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Single-flight: one acquisition per chunk, however many ask for it."""
@@ -164,10 +181,12 @@ class Fetcher:
                     await self._got(job, layer, ref)
                     return
             views, members = _views(self.membership.live())
-            for step in plan.plan_owners(self.node_id, views, ref.digest, layer, tried, self.cfg.chunk_wait_s):
+            owner = self.owner(job, layer, ref.digest, [self.node_id, *(v.node_id for v in views)])
+            for step in plan.plan_owners(self.node_id, views, ref.digest, layer, tried, self.cfg.chunk_wait_s, owner):
                 if isinstance(step, plan.ReadBucket):
                     live_nodes = [m.node_id for m in self.membership.live()]
-                    if plan.reads_as_owner(step, self.node_id, live_nodes, ref.digest):
+                    owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
+                    if plan.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
                         await src.from_bucket(job, ref, target, owner=True)
                         await self._got(job, layer, ref)
                         return

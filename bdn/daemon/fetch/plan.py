@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -108,29 +108,29 @@ ORDER_LIMIT = 1 << 18
 
 
 def split_owned(
-    bits: Positions, refs: Sequence[Any], nodes: Sequence[str], self_id: str, rng: random.Random,
+    bits: Positions, nodes: Sequence[str], self_id: str, rng: random.Random, owner_of: Callable[[int], str | None],
 ) -> tuple[Iterator[int | None], Iterator[int | None]]:
-    """``(owned, others)``: the clear positions of ``bits`` whose chunk this node owns by HRW
-    among ``nodes`` (it reads those from the bucket), in manifest order, and the rest, in the
-    order the fleet is expected to have them: by their place in their owner's own list (every
-    owner reads its chunks in manifest order, one after another), ties in a random order of this
-    node's own, so that the nodes ask for each owner's next chunk as it appears, and not all for
-    the same one. Both lazy as :func:`owned_first` (``None`` = give the loop a turn).
+    """``(owned, others)``: the clear positions of ``bits`` whose chunk this node owns
+    (``owner_of(i)``, among ``nodes``: it reads those from the bucket), in manifest order, and
+    the rest, in the order the fleet is expected to have them: by their place in their owner's
+    own list (every owner reads its chunks in manifest order, one after another), ties in a
+    random order of this node's own, so that the nodes ask for each owner's next chunk as it
+    appears, and not all for the same one. Both lazy as :func:`owned_first` (``None`` = give the
+    loop a turn).
 
     A layer with more than ``ORDER_LIMIT`` missing chunks keeps manifest order for ``others``
     (no full pass over the manifest before the first request)."""
-    digest = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
     if len(nodes) <= 1:
         return _paced(bits.clear_positions(), lambda i: not bits[i]), iter(())
     missing = bits.clear_positions()
     if len(missing) > ORDER_LIMIT:
-        return (_paced(missing, lambda i: not bits[i] and hrw.owner(nodes, digest(i)) == self_id),
-                _paced(bits.clear_positions(), lambda i: not bits[i] and hrw.owner(nodes, digest(i)) != self_id))
+        return (_paced(missing, lambda i: not bits[i] and owner_of(i) == self_id),
+                _paced(bits.clear_positions(), lambda i: not bits[i] and owner_of(i) != self_id))
     mine, theirs = array("I"), []
-    place: dict[str, int] = {}
+    place: dict[str | None, int] = {}
     for i in missing:
         i = int(i)
-        o = hrw.owner(nodes, digest(i))
+        o = owner_of(i)
         if o == self_id:
             mine.append(i)
         else:
@@ -195,8 +195,11 @@ def plan_holders(
 
 def plan_owners(
     self_id: str, live: Iterable[PeerView], digest: str, layer: str, tried: set[str], chunk_wait_s: float,
+    owner: str | None = None,
 ) -> list[Ask | ReadBucket]:
-    """The owner steps of a round: peers by HRW rank (skipping ``tried`` urls) up to this node."""
+    """The owner steps of a round: peers by HRW rank (skipping ``tried`` urls) up to this node;
+    ``owner`` (``bdn.daemon.fetch.owners``: the chunk's bounded-load owner among this node and
+    ``live``) first, when given."""
     if layer != STORED:
         return []
     live = list(live)
@@ -204,7 +207,11 @@ def plan_owners(
     nodes = [self_id, *(p.node_id for p in live)]
     steps: list[Ask | ReadBucket] = []
     seen = set(tried)
-    for pos, node in enumerate(hrw.rank(nodes, digest)):
+    ranked = hrw.rank(nodes, digest)
+    if owner is not None and owner in ranked:
+        ranked.remove(owner)
+        ranked.insert(0, owner)
+    for pos, node in enumerate(ranked):
         if node == self_id:
             steps.append(ReadBucket(pos))
             break
@@ -216,10 +223,15 @@ def plan_owners(
     return steps
 
 
-def reads_as_owner(step: ReadBucket, self_id: str, live_nodes: Iterable[str], digest: str) -> bool:
+def reads_as_owner(
+    step: ReadBucket, self_id: str, live_nodes: Iterable[str], digest: str, owner_now: str | None = None,
+) -> bool:
     """Whether this node reads the bucket at ``step``: ranked first, or the owner among the nodes
-    live now (those ranked above died during the round: this is the new owner's read)."""
-    return step.pos == 0 or hrw.owner([self_id, *live_nodes], digest) == self_id
+    live now (``owner_now`` when given, else by HRW; those ranked above died during the round:
+    this is the new owner's read)."""
+    if step.pos == 0:
+        return True
+    return (owner_now if owner_now is not None else hrw.owner([self_id, *live_nodes], digest)) == self_id
 
 
 class Rounds:
