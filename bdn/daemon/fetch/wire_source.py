@@ -54,6 +54,13 @@ def _copy_into(mm: Any, offset: int, buf: bytearray) -> None:
     mm[offset : offset + len(buf)] = buf
 
 
+def stalled(res: FetchResult) -> bool:
+    """Whether a FAILED fetch ended in a time-out of the stream (``TimeoutError``: no byte
+    within ``io_timeout_s``, plus the request's wait) rather than a reset, a closed connection
+    or a protocol error (bdn.transfer.client reports the exception's type first)."""
+    return res.outcome is Outcome.FAILED and "TimeoutError" in res.error
+
+
 class WireSource:
     """Peer fetches over the wire and bucket reads into the mapping (see the module docstring).
 
@@ -129,6 +136,14 @@ class WireSource:
         elif res.outcome is Outcome.FAILED:
             errors.append(res.error)
             self.membership.mark_failed(m.url)
+            if stalled(res):
+                # alive on membership exchanges, yet silent on a chunk for the whole time-out: as
+                # on the HTTP path (PeerStalled), it is skipped like a peer that sent bad bytes,
+                # and the requests queued for it go elsewhere at once (penalise cancels them)
+                self.membership.penalise(m.url, self.cfg.penalty_s)
+                log.warning("snapshot %s: peer %s stalled on chunk %d of %s (%s); penalised for %g s",
+                            job.identity, m.node_id, ref.index, ref.path, res.error, self.cfg.penalty_s,
+                            extra={"peer": m.node_id})
         return False
 
     async def _direct(
