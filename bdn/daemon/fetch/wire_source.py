@@ -84,11 +84,6 @@ class WireSource:
         self.alloc, self.free = alloc, free
         self.chunk_log = chunk_log
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
-        # One chunk at a time from the bucket, its parts read in parallel (``bucket_parts``): an
-        # owner's chunks then complete one after another at its whole share of the bucket and
-        # flow on to the swarm at once, instead of ``bucket_concurrency`` chunks finishing
-        # together at a quarter of the rate each (bench/NOTES.md, the N = 8 timeline).
-        self._bucket_chunk = asyncio.Semaphore(1)
 
     async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -225,16 +220,19 @@ class WireSource:
                     async for attempt in retry_policy.bucket_bytes():
                         with attempt:
                             try:
-                                async with self._bucket_chunk:
-                                    # every part ends before the view is let go (a failed part
-                                    # does not leave the others writing into it)
-                                    res = await asyncio.gather(*(
-                                        bucket.read_chunk(key, ref.offset + off, n, lambda _n, o=off, n=n: view[o : o + n])  # type: ignore[misc]
-                                        for off, n in bucket_parts(ref.length, self.cfg.bucket_concurrency)
-                                    ), return_exceptions=True)
-                                    for r in res:
-                                        if isinstance(r, BaseException):
-                                            raise r
+                                # The parts queue, in order, for the bucket's
+                                # ``bucket_concurrency`` slots (FIFO): a chunk's parts run
+                                # together and, as each ends, the next chunk's part takes its
+                                # slot, so the streams never idle between chunks. Every part
+                                # ends before the view is let go (a failed part does not leave
+                                # the others writing into it).
+                                res = await asyncio.gather(*(
+                                    bucket.read_chunk(key, ref.offset + off, n, lambda _n, o=off, n=n: view[o : o + n])  # type: ignore[misc]
+                                    for off, n in bucket_parts(ref.length, self.cfg.bucket_concurrency)
+                                ), return_exceptions=True)
+                                for r in res:
+                                    if isinstance(r, BaseException):
+                                        raise r
                             except ObjectNotFound:
                                 raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
                             except BucketError as e:
