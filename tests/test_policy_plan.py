@@ -160,3 +160,68 @@ def test_bitfield_clear_positions_and_set_all() -> None:
     b.set_all()
     assert b.complete and b.count == 13 and list(b.clear_positions()) == []
     assert Bitfield(13, b.to_bytes()).count == 13
+
+
+def test_bucket_parts_cover_a_chunk_exactly_in_at_most_streams_parts() -> None:
+    for length in (1, 100, plan.MIN_PART, 3 * plan.MIN_PART + 7, 16 << 20, (16 << 20) - 1):
+        for streams in (1, 2, 4, 16):
+            parts = plan.bucket_parts(length, streams)
+            assert 1 <= len(parts) <= streams
+            assert parts[0][0] == 0 and sum(n for _, n in parts) == length
+            assert all(o + n == parts[i + 1][0] for i, (o, n) in enumerate(parts[:-1]))
+            assert len(parts) == 1 or min(n for _, n in parts) >= plan.MIN_PART - 1
+    assert plan.bucket_parts(16 << 20, 4) == [(i * (4 << 20), 4 << 20) for i in range(4)]
+    assert plan.bucket_parts(100, 4) == [(0, 100)]
+
+
+def test_split_owned_gives_owned_chunks_in_manifest_order_and_the_rest_by_their_owners_queue() -> None:
+    from bdn.daemon.bitfield import Bitfield
+
+    digests = [f"{i:032x}" for i in range(3000)]
+    bits = Bitfield(len(digests))
+    for i in range(0, 3000, 11):
+        bits.set(i)
+    owner_of = lambda i: hrw.owner(NODES, digests[i])  # noqa: E731
+    owned, others = plan.split_owned(bits, NODES, SELF, random.Random(5), owner_of)
+    got_owned = [i for i in owned if i is not None]
+    got_others = [i for i in others if i is not None]
+    missing = [i for i in range(3000) if i % 11]
+    assert got_owned == [i for i in missing if hrw.owner(NODES, digests[i]) == SELF]
+    assert sorted(got_others) == [i for i in missing if hrw.owner(NODES, digests[i]) != SELF]
+    # the k-th chunk (manifest order) of every other owner comes before any owner's (k+1)-th
+    place: dict[str, int] = {}
+    ks = []
+    for i in got_others:
+        o = hrw.owner(NODES, digests[i])
+        ks.append(sorted(j for j in missing if hrw.owner(NODES, digests[j]) == o).index(i))
+        place[o] = place.get(o, 0) + 1
+    assert ks == sorted(ks)
+    # two nodes' orders of the same chunks differ within a place (ties are random)
+    _, again = plan.split_owned(bits, NODES, SELF, random.Random(6), owner_of)
+    assert [i for i in again if i is not None] != got_others
+
+
+def test_split_owned_alone_owns_everything_and_skips_chunks_that_arrive() -> None:
+    from bdn.daemon.bitfield import Bitfield
+
+    bits = Bitfield(50)
+    owned, others = plan.split_owned(bits, [SELF], SELF, random.Random(1), lambda i: SELF)
+    first = next(owned)
+    bits.set(first + 1)
+    assert [first, *[i for i in owned if i is not None]] == [i for i in range(50) if i != first + 1]
+    assert list(others) == []
+
+
+def test_plan_owners_asks_the_bounded_owner_first_then_hrw_order() -> None:
+    d = _digest_where(3)
+    ranked = hrw.rank(NODES, d)
+    other = ranked[2]
+    steps = plan.plan_owners(SELF, PEERS, d, plan.STORED, set(), 30.0, owner=other)
+    first = steps[0]
+    assert isinstance(first, Ask) and first.peer.node_id == other and first.wait == 30.0
+    asked = [s.peer.node_id for s in steps if isinstance(s, Ask)]
+    assert asked == [other, *[n for n in ranked[: ranked.index(SELF)] if n != other]]
+    # this node as the bounded owner: it reads the bucket at once
+    assert plan.plan_owners(SELF, PEERS, d, plan.STORED, set(), 30.0, owner=SELF) == [ReadBucket(0)]
+    assert plan.reads_as_owner(ReadBucket(2), SELF, [p.node_id for p in PEERS], d, owner_now=SELF)
+    assert not plan.reads_as_owner(ReadBucket(2), SELF, [p.node_id for p in PEERS], d, owner_now=other)

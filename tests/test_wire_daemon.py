@@ -227,3 +227,81 @@ def test_the_chunk_log_names_sources_on_the_http_path_too(tmp_path: Path) -> Non
             assert {x["source"].split(":")[0] for x in lines} <= {"peer", "bucket-owner", "bucket-fallback", "local"}, lines
             assert all(x["transport"] == "http" for x in lines if x["source"].startswith("peer:")), lines
             assert d.status()["counters"]["peer_wire_bytes_in"] == 0
+
+
+class FreezingRelay(Relay):
+    """A ``Relay`` that stops passing the server's bytes on once ``after`` of them went through,
+    keeping every connection open: a peer that answers membership exchanges (HTTP) but whose
+    transfer streams fall silent mid-chunk."""
+
+    def __init__(self, target: tuple[str, int], after: int) -> None:
+        self.after = after
+        super().__init__(target, rate=1e12)
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, throttle: bool) -> None:
+        try:
+            while not self.dead.is_set():
+                data = src.recv(16 << 10)
+                if not data or self.dead.is_set():
+                    break
+                if throttle and self.forwarded + len(data) > self.after:
+                    self.dead.wait()  # silent from here on; the connection stays open
+                    break
+                dst.sendall(data)
+                if throttle:
+                    self.forwarded += len(data)
+        except OSError:
+            pass
+
+
+def test_a_wire_peer_that_falls_silent_is_penalised_and_its_queue_goes_elsewhere(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path}/bucket"
+    ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=8), 1)
+    b = open_bucket(bucket)
+    try:
+        m = publish_full(b, IDENT, 1, dir=ck, chunk_size=1 << 20)
+    finally:
+        b.close()
+    swarm = Swarm(tmp_path / "nodes", 2, bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
+    frozen, other = swarm.daemons
+    receiver = Daemon(tmp_path / "nodes", "node2", bucket, extra_env={
+        "BDN_LOAD_STARTUP": "false", "BDN_PEER_TIMEOUT_S": "3", "BDN_PENALTY_S": "600"})
+    tport = free_port()
+    relay = FreezingRelay(("127.0.0.1", tport), after=1 << 62)
+    frozen.env.update(BDN_TRANSFER_LISTEN=f"127.0.0.1:{tport}", BDN_TRANSFER_ADVERTISE=f"127.0.0.1:{relay.port}")
+    log = receiver.dir / "chunks.jsonl"
+    receiver.env["BDN_CHUNK_LOG"] = str(log)
+    with swarm:
+        for d in (frozen, other):
+            assert d.prefetch(IDENT)[0] == 202
+        for d in (frozen, other):
+            d.wait_ready(IDENT, 120)
+        relay.after = relay.forwarded + 1024  # from now on: a handshake at most, then silence
+        receiver.start(swarm.peer_urls)
+        try:
+            receiver.wait_healthy()
+            deadline = time.monotonic() + 120
+            while {p["node_id"] for p in receiver.status()["peers"] if p["alive"]} != {frozen.node_id, other.node_id}:
+                assert time.monotonic() < deadline, receiver.status()["peers"]
+                time.sleep(0.1)
+            assert receiver.prefetch(IDENT)[0] == 202
+            receiver.wait_ready(IDENT, 120)
+            assert_same(receiver, ck)
+            text = receiver.log()
+            assert "stalled" in text and "penalised" in text, text
+            lines = [json.loads(x) for x in log.read_text().splitlines()]
+            assert len(lines) == len(list(m.stored_chunks()))
+            # nothing came from the silent peer over the wire but a chunk small enough to pass in
+            # the 1 KiB let through before the silence (a small file's), or over HTTP before its
+            # transfer address was known; the chunks asked of it were retried elsewhere
+            assert all(x["source"] != f"peer:{frozen.node_id}" or x["transport"] == "http" or x["bytes"] < 1024
+                       for x in lines), [
+                (x["chunk"], x["source"], x["transport"], x["retries"]) for x in lines]
+            assert any(x["retries"] > 0 for x in lines), lines
+            # penalised after its first time-outs: not one time-out per chunk queued for it
+            assert sum(x["retries"] for x in lines) <= 8, lines
+            peers = {p["node_id"]: p for p in receiver.status()["peers"]}
+            assert peers[frozen.node_id]["penalised"], peers
+        finally:
+            receiver.stop()
+            relay.cut()

@@ -21,7 +21,6 @@ from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import Loc
 from bdn.daemon.stats import Stats
 from bdn.daemon.uploads import Admission, Uploads
-from bdn.proto import hrw
 
 log = logging.getLogger("bdn.serving")
 
@@ -55,7 +54,7 @@ class ChunkServing:
             pend = self.index.pending_for(address)
         if pend is not None:
             job, layer, ref = pend
-            if hrw.owner(self.membership.hrw_nodes(), ref.digest) == self.node_id:
+            if self.fetcher.owner(job, layer, ref.digest) == self.node_id:  # bdn.daemon.fetch.owners
                 asyncio.ensure_future(self.fetcher.ensure_chunk(job, layer, ref)).add_done_callback(
                     lambda f: f.cancelled() or f.exception()
                 )

@@ -267,14 +267,27 @@ class Cluster:
         sh(f"ip link set {root_veth(str(i))} {'up' if up else 'down'}")
 
 
-def cleanup() -> None:
-    """Remove everything a run of this script may have left: processes, namespaces, bridge, files."""
+def clear_shm(prefix: str = "n") -> None:
+    """Remove the shm directories of the daemons named ``prefix``N (``n``: the emulated cluster's
+    nodes, ``lo``: the ceiling's), leaving the other kind's: a ``--ceiling-only`` run and a
+    swarm run may share the machine."""
+    if SHM.exists():
+        for d in SHM.iterdir():
+            if d.name.startswith(prefix) and d.name[len(prefix):].isdigit():
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def cleanup(cluster: bool = True, ceiling: bool = False) -> None:
+    """Remove what a run of this script may have left: processes, namespaces, bridge, files; of
+    the emulated cluster (``cluster``) and of the ceiling's loopback namespace ``LO_NS``
+    (``ceiling``) separately, so that a swarm run and another process's ``--ceiling-only`` run
+    on the same machine leave each other alone."""
     for pr in list(PROCS):
         stop(pr, 2)
     out = sh("ip netns list", check=False, quiet=True)
     for line in out.splitlines():
         ns = line.split()[0] if line.strip() else ""
-        if ns.startswith("bdnb-"):
+        if ns.startswith("bdnb-") and (ceiling if ns == LO_NS else cluster):
             for pid in sh(["ip", "netns", "pids", ns], check=False, quiet=True).split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)  # processes inside our own namespaces
@@ -282,12 +295,15 @@ def cleanup() -> None:
                     pass
             time.sleep(0.2)
             sh(["ip", "netns", "del", ns], check=False, quiet=True)
-    for dev in os.listdir("/sys/class/net"):
-        if dev.startswith("bdnb-v"):
-            sh(["ip", "link", "del", dev], check=False, quiet=True)
-    if Path(f"/sys/class/net/{BRIDGE}").exists():
-        sh(["ip", "link", "del", BRIDGE], check=False, quiet=True)
-    shutil.rmtree(SHM, ignore_errors=True)
+    if cluster:
+        for dev in os.listdir("/sys/class/net"):
+            if dev.startswith("bdnb-v"):
+                sh(["ip", "link", "del", dev], check=False, quiet=True)
+        if Path(f"/sys/class/net/{BRIDGE}").exists():
+            sh(["ip", "link", "del", BRIDGE], check=False, quiet=True)
+        clear_shm("n")
+    if ceiling:
+        clear_shm("lo")
 
 
 def cleanup_ceiling() -> None:
@@ -377,6 +393,10 @@ class Bench:
              "seconds": None if seconds is None else round(seconds, 2),
              "floor_seconds": round(self.floor(), 2), "bucket_egress_bytes": egress, "fault": fault,
              "bucket_mbit": self.bucket_mbit, **extra}
+        if system.startswith("bdn") and system != "bdn-loopback":
+            r.setdefault("chunk_bytes", (self.args.chunk_mib << 20) or None)
+        elif system == "libtorrent":
+            r.setdefault("piece_bytes", self.args.piece_kib * 1024)
         self.rows.append(r)
         self.save()
         log(f"ROW {system} N={n} fault={fault}: {r['seconds']} s (floor {r['floor_seconds']} s), "
@@ -438,6 +458,10 @@ class Bench:
                    BDN_SHM_DIR=str(SHM / f"n{i}"), BDN_PARTITION_SECRET_FILE=str(WORK / "secret"),
                    BDN_PEERS=",".join(f"http://{node_ip(j)}:7080" for j in peers if j != i),
                    BDN_LOAD_STARTUP="false")
+        # every node's per-chunk event log next to its daemon log (bench.swarm.timeline reads them)
+        chunks = WORK / "logs" / f"{tag}-n{i}.chunks.jsonl"
+        chunks.unlink(missing_ok=True)  # bdnd appends: one run per file
+        env["BDN_CHUNK_LOG"] = str(chunks)
         env.update(self.args.bdn_env)
         if self.args.bdn_src:
             env["BENCH_PYTHONPATH"] = self.args.bdn_src
@@ -449,7 +473,7 @@ class Bench:
         if self.args.bdn_src:
             tag += "-src"  # keep the logs of the repo's daemon at the same point
         nodes = list(range(1, n + 1))
-        shutil.rmtree(SHM, ignore_errors=True)
+        clear_shm("n")
         rev = daemon_rev() + (f" patched copy at {self.args.bdn_src}" if self.args.bdn_src else "")
         daemons = {i: self.start_bdnd(i, nodes, tag) for i in nodes}
         try:
@@ -550,7 +574,7 @@ class Bench:
                 stop(p)
             if fault:
                 self.cluster.link(n, True)  # type: ignore[union-attr]
-            shutil.rmtree(SHM, ignore_errors=True)
+            clear_shm("n")
 
     @staticmethod
     def count_log_lines(tag: str, nodes: list[int]) -> dict[str, int]:
@@ -631,7 +655,7 @@ class Bench:
     def run_boto3(self, n: int) -> dict[str, Any]:
         tag = f"boto3-N{n}-b{int(self.bucket_mbit)}"
         nodes = list(range(1, n + 1))
-        shutil.rmtree(SHM, ignore_errors=True)
+        clear_shm("n")
         procs = {}
         for i in nodes:
             procs[i] = spawn(f"s3get-n{i}", node_ns(i), [
@@ -656,7 +680,7 @@ class Bench:
         for i, r in res.items():
             m["per_node"][f"n{i}"].update(done_s=round(r["done"] - t0, 2), fetch_s=round(r["fetched"] - r["start"], 2))
         egress = sum(r["bytes"] for r in res.values())
-        shutil.rmtree(SHM, ignore_errors=True)
+        clear_shm("n")
         return self.row("boto3", n, seconds, egress, None, verified=ok or None,
                         failed=None if ok else {i: "no result" for i in nodes if i not in res}, **m)
 
@@ -672,7 +696,7 @@ class Bench:
     def run_libtorrent(self, n: int, fault: str | None = None) -> dict[str, Any]:
         tag = f"lt-N{n}-{fault or 'nofault'}-b{int(self.bucket_mbit)}"
         nodes = list(range(1, n + 1))
-        shutil.rmtree(SHM, ignore_errors=True)
+        clear_shm("n")
         tor = self.torrent()
         procs = {}
         for i in nodes:
@@ -736,7 +760,7 @@ class Bench:
         verified = None
         if ok and not self.args.no_verify:
             verified = all(self.check_files(SHM / f"n{i}" / self.snap.name) for i in survivors)
-        shutil.rmtree(SHM, ignore_errors=True)
+        clear_shm("n")
         return self.row("libtorrent", n, seconds, egress, fault, verified=verified,
                         killed_at_s=round(killed_at[0] - t0, 2) if killed_at else None,
                         survivors=len(survivors) if fault else None, **m)
@@ -747,7 +771,8 @@ class Bench:
 
 
 def start_moto(ns: str, host: str, tag: str) -> Proc:
-    pr = spawn(f"moto-{tag}", ns, [PY, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(S3_PORT)],
+    # bench.swarm.moto_ranges: moto with ranged GETs that cost their range, not the whole object
+    pr = spawn(f"moto-{tag}", ns, [PY, "-m", "bench.swarm.moto_ranges", "-H", "0.0.0.0", "-p", str(S3_PORT)],
                logfile=WORK / "logs" / f"moto-{tag}.log")
     wait_until(lambda: urllib.request.urlopen(f"http://{host}:{S3_PORT}/", timeout=2).status == 200
                if ns == BUCKET_NS else True, 30, "moto")
@@ -770,10 +795,13 @@ def create_bucket(ns: str | None, endpoint: str) -> None:
     ns_python(ns, code)
 
 
-def publish(ns: str | None, endpoint: str, snap: Path) -> None:
+def publish(ns: str | None, endpoint: str, snap: Path, chunk_bytes: int | None = None) -> None:
+    """``bdn-publish full`` of ``snap`` (``chunk_bytes``: the manifest's chunk size, default bdn's)."""
     argv = (["ip", "netns", "exec", ns] if ns else []) + [
         str(BIN / "bdn-publish"), "full", "--dir", str(snap), "--bucket", f"s3://{BUCKET}/{PREFIX}",
         "--identity", IDENTITY, "--policy-version", "1", "--endpoint-url", endpoint, "--overwrite"]
+    if chunk_bytes:
+        argv += ["--chunk-size", str(chunk_bytes)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=900,
                        env=dict(os.environ, **AWS_ENV, PYTHONPATH=str(REPO)))  # this tree's bdn, installed or not
     if r.returncode != 0:
@@ -812,7 +840,7 @@ def ceiling(b: Bench) -> None:
                  logfile=WORK / "logs" / "moto-lo.log")
     create_bucket(LO_NS, ep)
     publish(LO_NS, ep, b.snap)
-    shutil.rmtree(SHM, ignore_errors=True)
+    clear_shm("lo")
     rev = daemon_rev()
     ds = {}
     for i, port in ((1, 7180), (2, 7280)):
@@ -868,7 +896,7 @@ def ceiling(b: Bench) -> None:
     for p, _ in ds.values():
         stop(p)
     stop(moto)
-    shutil.rmtree(SHM, ignore_errors=True)
+    clear_shm("lo")
     # iperf3 over the same loopback, in the same run
     srv = spawn("iperf3-s", LO_NS, ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", "5201"],
                 logfile=WORK / "logs" / "iperf3-s.log")
@@ -912,6 +940,9 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="N=2,4 at 200 Mbit/s, 256 MiB snapshot")
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--piece-kib", type=int, default=4096, help="BitTorrent piece size")
+    ap.add_argument("--chunk-mib", type=int, default=4,
+                    help="bdn's chunk size for the swarm runs (0: bdn-publish's default, 16 MiB); 4 MiB = "
+                         "the BitTorrent piece size, so both systems move the same pieces")
     ap.add_argument("--profile", action="store_true", help="py-spy record node 1's bdnd in each bdn run")
     ap.add_argument("--no-verify", action="store_true", help="skip the harness's own digest check of each node's files")
     ap.add_argument("--bdn-env", default="", help="extra BDN_*=v,... for every bdnd")
@@ -932,8 +963,8 @@ def main() -> int:
         print("bench/swarm/run.py needs root (network namespaces and tc)", file=sys.stderr)
         return 2
     a.bdn_env = dict(kv.split("=", 1) for kv in a.bdn_env.split(",") if kv)
-    if a.cleanup and not a.ceiling_only:
-        cleanup()
+    if a.cleanup and not a.ceiling_only:  # the cluster and its in-run ceiling namespace
+        cleanup(cluster=True, ceiling=True)
         return 0
     if a.ceiling_only:
         # Its own namespace, work, shm and cache directories, and a cleanup that touches only
@@ -951,7 +982,12 @@ def main() -> int:
 
     from bench.swarm.snapshot import digest_table, make_snapshot, snapshot_bytes, snapshot_files
 
-    tidy = cleanup_ceiling if a.ceiling_only else cleanup
+    def tidy() -> None:
+        if a.ceiling_only:
+            cleanup_ceiling()
+        else:
+            cleanup(cluster=True, ceiling=a.ceiling)
+
     tidy()
     (WORK / "logs").mkdir(parents=True, exist_ok=True)
     (WORK / "secret").write_text(os.urandom(32).hex() + "\n")
@@ -973,7 +1009,7 @@ def main() -> int:
             b.moto = start_moto(BUCKET_NS, BUCKET_IP, "bucket")
             create_bucket(None, ep)
             t = time.time()
-            publish(None, ep, snap)
+            publish(None, ep, snap, a.chunk_mib << 20 if a.chunk_mib else None)
             log(f"published in {time.time() - t:.1f} s")
             big = max(b.names, key=lambda n: (snap / n).stat().st_size)
             r1 = moto_get_rate(node_ns(1), ep, f"{PREFIX}/{IDENTITY}/{big}", (snap / big).stat().st_size, 1)

@@ -55,6 +55,37 @@ def summary(name: str, recs: list[dict], tail: int = 5) -> str:
     return "\n".join(lines)
 
 
+def fleet(logs: dict[str, list[dict]]) -> str:
+    """The fleet's view of one download: when each chunk first existed in the fleet (its owner's
+    bucket read ended), how long after that the other nodes had it (the spread lag), and how the
+    bucket phase and the nodes' finishing times relate (a swarm phase that trails the bucket)."""
+    recs = [r for rs in logs.values() for r in rs]
+    if not recs:
+        return "fleet: no chunks"
+    t0 = min(r["start"] for r in recs)
+    key = lambda r: (r.get("file"), r.get("index"))  # noqa: E731
+    first: dict = {}
+    for r in recs:
+        if r["source"].startswith("bucket"):
+            first[key(r)] = min(first.get(key(r), r["end"]), r["end"])
+    lags = sorted(r["end"] - first[key(r)] for r in recs if not r["source"].startswith("bucket") and key(r) in first)
+    ends = sorted(max(r["end"] for r in rs) - t0 for rs in logs.values() if rs)
+    bucket_ends = sorted(v - t0 for v in first.values())
+    q = lambda xs, f: xs[min(len(xs) - 1, int(f * len(xs)))] if xs else float("nan")  # noqa: E731
+    lines = [
+        f"fleet: {len(first)} chunks read from the bucket; first ready +{q(bucket_ends, 0):.2f} s, "
+        f"half +{q(bucket_ends, 0.5):.2f} s, last +{q(bucket_ends, 1):.2f} s",
+        f"  nodes done: +{ends[0]:.2f} .. +{ends[-1]:.2f} s",
+        f"  peer copies: {len(lags)}, lag after the bucket read ended: median {q(lags, 0.5):.2f} s, "
+        f"p90 {q(lags, 0.9):.2f} s, max {q(lags, 1):.2f} s",
+        f"  busy answers {sum(r.get('busy', 0) for r in recs)}, retries {sum(r.get('retries', 0) for r in recs)}",
+    ]
+    dur = sorted(r["end"] - r["start"] for r in recs if r["source"].startswith("bucket"))
+    if dur:
+        lines.append(f"  bucket reads: median {q(dur, 0.5):.2f} s, max {q(dur, 1):.2f} s per chunk")
+    return "\n".join(lines)
+
+
 def plot(logs: dict[str, list[dict]], out: Path) -> None:
     import matplotlib  # optional, only for --png
 
@@ -90,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     logs = {n: load(p) for n, p in zip(names, a.logs, strict=True)}
     for name, recs in logs.items():
         print(summary(name, recs, a.tail))
+    if len(logs) > 1:
+        print(fleet(logs))
     if a.png:
         plot(logs, a.png)
         print(f"wrote {a.png}")

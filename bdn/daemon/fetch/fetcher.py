@@ -3,7 +3,7 @@
 For one chunk: this node's own store, then round after round of the plan's steps (holders, the
 endgame race, owners with ``?wait=``, this node's own bucket read when it is the owner), then
 the bucket as a counted fallback. One acquisition per chunk however many ask (single-flight);
-owned chunks are started first, since the other nodes wait on them.
+owned chunks have workers of their own, since the other nodes wait on them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from bdn.daemon.config import Config
 from bdn.daemon.errors import NotAvailable
 from bdn.daemon.fetch import plan
 from bdn.daemon.fetch.haves import Haves
+from bdn.daemon.fetch.owners import Owners
 from bdn.daemon.fetch.sources import Sources
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.membership import Member, Membership
@@ -48,6 +49,18 @@ class Fetcher:
         self.clock = clock
         self.rng = rng or random.Random()
         self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
+        self.owners = Owners()
+
+    def owner(self, job: SnapshotJob, layer: str, digest: str, nodes: list[str] | None = None) -> str | None:
+        """The node that reads chunk ``digest`` of ``layer`` from the bucket, among ``nodes``
+        (default: this node and the live members): HRW with bounded loads
+        (``bdn.daemon.fetch.owners``), the same answer on every daemon with the same live set."""
+        refs = job.refs(layer)
+        nodes = self.membership.hrw_nodes() if nodes is None else nodes
+        dig = getattr(refs, "digest", None)
+        return self.owners.owner((job.identity, layer), nodes, digest,
+                                 (lambda: [dig(i) for i in range(len(refs))]) if dig else (lambda: [r.digest for r in refs]),
+                                 len(refs))
 
     def workers(self) -> int:
         """How many chunks of a layer are acquired at once: enough to keep every peer slot
@@ -59,9 +72,10 @@ class Fetcher:
         """Obtain every chunk of ``layer``. Raises NotAvailable (a rebuilt chunk no peer has),
         BdnError/ProtocolError (the bucket failed).
 
-        A bounded set of worker coroutines (:meth:`workers`) pulls chunk positions from
-        :func:`plan.owned_first` (the chunks this node owns first, since the other nodes wait
-        on them); each acquisition retries within its own worker (``plan.Rounds``)."""
+        Bounded sets of worker coroutines pull chunk positions from :func:`plan.split_owned`: a
+        few (``bucket_concurrency + 1``) the chunks this node owns (the bucket reads them one
+        after another, the other nodes wait on them), :meth:`workers` the rest, in the order
+        their owners read them; each acquisition retries within its own worker (``plan.Rounds``)."""
         refs, bits = job.refs(layer), job.bits(layer)
         assert bits is not None
         job.start_layer(layer)
@@ -71,10 +85,13 @@ class Fetcher:
             await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
         except asyncio.TimeoutError:
             pass
-        order = plan.owned_first(bits, refs, self.membership.hrw_nodes(), self.node_id)
+        nodes = self.membership.hrw_nodes()
+        dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
+        owned, others = plan.split_owned(bits, nodes, self.node_id, self.rng,
+                                         lambda i: self.owner(job, layer, dig(i), nodes))
         poller = asyncio.create_task(self.haves.poll(job))
 
-        async def worker() -> None:
+        async def worker(order: Any) -> None:
             for i in order:
                 if i is None:
                     await asyncio.sleep(0)  # a long stretch of held chunks: let the loop run
@@ -82,7 +99,12 @@ class Fetcher:
                     await self._ensure(job, layer, i, refs[i])
 
         try:
-            tasks = [asyncio.create_task(worker()) for _ in range(min(self.workers(), max(1, bits.n - bits.count)))]
+            # Owned chunks have workers of their own (the bucket reads them one after another:
+            # a few keep it busy), so that they never hold up the peer workers asking for the
+            # chunks the other owners are reading.
+            left = max(1, bits.n - bits.count)
+            tasks = [asyncio.create_task(worker(owned)) for _ in range(min(self.cfg.bucket_concurrency + 1, left))]
+            tasks += [asyncio.create_task(worker(others)) for _ in range(min(self.workers(), left))]
             try:
                 await asyncio.gather(*tasks)
             except BaseException:
@@ -99,6 +121,7 @@ class Fetcher:
             # The bitfields served this download only: kept, they would pile up one table of
             # N peers' bitfields per snapshot ever fetched (a later fetch asks afresh first).
             self.haves.forget(job.identity)
+            self.owners.forget((job.identity, layer))
 
     async def ensure_chunk(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Single-flight: one acquisition per chunk, however many ask for it."""
@@ -158,10 +181,12 @@ class Fetcher:
                     await self._got(job, layer, ref)
                     return
             views, members = _views(self.membership.live())
-            for step in plan.plan_owners(self.node_id, views, ref.digest, layer, tried, self.cfg.chunk_wait_s):
+            owner = self.owner(job, layer, ref.digest, [self.node_id, *(v.node_id for v in views)])
+            for step in plan.plan_owners(self.node_id, views, ref.digest, layer, tried, self.cfg.chunk_wait_s, owner):
                 if isinstance(step, plan.ReadBucket):
                     live_nodes = [m.node_id for m in self.membership.live()]
-                    if plan.reads_as_owner(step, self.node_id, live_nodes, ref.digest):
+                    owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
+                    if plan.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
                         await src.from_bucket(job, ref, target, owner=True)
                         await self._got(job, layer, ref)
                         return

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -103,6 +103,44 @@ def owned_first(
     yield from _paced(later, lambda i: not bits[i])
 
 
+#: Above this many missing chunks ``split_owned`` keeps manifest order (no full pass up front).
+ORDER_LIMIT = 1 << 18
+
+
+def split_owned(
+    bits: Positions, nodes: Sequence[str], self_id: str, rng: random.Random, owner_of: Callable[[int], str | None],
+) -> tuple[Iterator[int | None], Iterator[int | None]]:
+    """``(owned, others)``: the clear positions of ``bits`` whose chunk this node owns
+    (``owner_of(i)``, among ``nodes``: it reads those from the bucket), in manifest order, and
+    the rest, in the order the fleet is expected to have them: by their place in their owner's
+    own list (every owner reads its chunks in manifest order, one after another), ties in a
+    random order of this node's own, so that the nodes ask for each owner's next chunk as it
+    appears, and not all for the same one. Both lazy as :func:`owned_first` (``None`` = give the
+    loop a turn).
+
+    A layer with more than ``ORDER_LIMIT`` missing chunks keeps manifest order for ``others``
+    (no full pass over the manifest before the first request)."""
+    if len(nodes) <= 1:
+        return _paced(bits.clear_positions(), lambda i: not bits[i]), iter(())
+    missing = bits.clear_positions()
+    if len(missing) > ORDER_LIMIT:
+        return (_paced(missing, lambda i: not bits[i] and owner_of(i) == self_id),
+                _paced(bits.clear_positions(), lambda i: not bits[i] and owner_of(i) != self_id))
+    mine, theirs = array("I"), []
+    place: dict[str | None, int] = {}
+    for i in missing:
+        i = int(i)
+        o = owner_of(i)
+        if o == self_id:
+            mine.append(i)
+        else:
+            k = place.get(o, 0)
+            place[o] = k + 1
+            theirs.append((k, rng.random(), i))
+    theirs.sort()
+    return _paced(mine, lambda i: not bits[i]), _paced(array("I", (i for _, _, i in theirs)), lambda i: not bits[i])
+
+
 def _paced(positions: Iterable[Any], wanted: Any) -> Iterator[int | None]:
     """The positions ``wanted(i)`` accepts, and ``None`` after every ``YIELD_EVERY`` refused in a row."""
     idle = 0
@@ -116,6 +154,21 @@ def _paced(positions: Iterable[Any], wanted: Any) -> Iterator[int | None]:
         if idle >= YIELD_EVERY:
             idle = 0
             yield None
+
+
+#: Smallest ranged GET a chunk's bucket read is split into (smaller parts cost more requests than they save).
+MIN_PART = 1 << 20
+
+
+def bucket_parts(length: int, streams: int) -> list[tuple[int, int]]:
+    """How one chunk of ``length`` bytes is read from the bucket: ``(offset, length)`` ranges
+    within it, at most ``streams`` (``bucket_concurrency``) of at least ``MIN_PART`` bytes each
+    (one for a small chunk), covering it exactly, in order. They are read in parallel and one
+    chunk at a time, so an owner's chunks complete one after another at its whole share of the
+    bucket (bench/NOTES.md, the N = 8 timeline)."""
+    n = max(1, min(streams, length // MIN_PART))
+    step = -(-length // n)
+    return [(o, min(step, length - o)) for o in range(0, length, step)]
 
 
 def endgame(left: int, holders: int, endgame_chunks: int) -> bool:
@@ -142,8 +195,11 @@ def plan_holders(
 
 def plan_owners(
     self_id: str, live: Iterable[PeerView], digest: str, layer: str, tried: set[str], chunk_wait_s: float,
+    owner: str | None = None,
 ) -> list[Ask | ReadBucket]:
-    """The owner steps of a round: peers by HRW rank (skipping ``tried`` urls) up to this node."""
+    """The owner steps of a round: peers by HRW rank (skipping ``tried`` urls) up to this node;
+    ``owner`` (``bdn.daemon.fetch.owners``: the chunk's bounded-load owner among this node and
+    ``live``) first, when given."""
     if layer != STORED:
         return []
     live = list(live)
@@ -151,7 +207,11 @@ def plan_owners(
     nodes = [self_id, *(p.node_id for p in live)]
     steps: list[Ask | ReadBucket] = []
     seen = set(tried)
-    for pos, node in enumerate(hrw.rank(nodes, digest)):
+    ranked = hrw.rank(nodes, digest)
+    if owner is not None and owner in ranked:
+        ranked.remove(owner)
+        ranked.insert(0, owner)
+    for pos, node in enumerate(ranked):
         if node == self_id:
             steps.append(ReadBucket(pos))
             break
@@ -163,10 +223,15 @@ def plan_owners(
     return steps
 
 
-def reads_as_owner(step: ReadBucket, self_id: str, live_nodes: Iterable[str], digest: str) -> bool:
+def reads_as_owner(
+    step: ReadBucket, self_id: str, live_nodes: Iterable[str], digest: str, owner_now: str | None = None,
+) -> bool:
     """Whether this node reads the bucket at ``step``: ranked first, or the owner among the nodes
-    live now (those ranked above died during the round: this is the new owner's read)."""
-    return step.pos == 0 or hrw.owner([self_id, *live_nodes], digest) == self_id
+    live now (``owner_now`` when given, else by HRW; those ranked above died during the round:
+    this is the new owner's read)."""
+    if step.pos == 0:
+        return True
+    return (owner_now if owner_now is not None else hrw.owner([self_id, *live_nodes], digest)) == self_id
 
 
 class Rounds:

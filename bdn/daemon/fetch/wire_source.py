@@ -32,6 +32,7 @@ from bdn.daemon import retry_policy
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.chunklog import ChunkLog
 from bdn.daemon.config import Config
+from bdn.daemon.fetch.plan import bucket_parts
 from bdn.daemon.fetch.targets import TargetMaps
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.ratelimit import RateLimit
@@ -51,6 +52,13 @@ def _hash_ok(view: memoryview, digest: str) -> bool:
 
 def _copy_into(mm: Any, offset: int, buf: bytearray) -> None:
     mm[offset : offset + len(buf)] = buf
+
+
+def stalled(res: FetchResult) -> bool:
+    """Whether a FAILED fetch ended in a time-out of the stream (``TimeoutError``: no byte
+    within ``io_timeout_s``, plus the request's wait) rather than a reset, a closed connection
+    or a protocol error (bdn.transfer.client reports the exception's type first)."""
+    return res.outcome is Outcome.FAILED and "TimeoutError" in res.error
 
 
 class WireSource:
@@ -123,6 +131,14 @@ class WireSource:
         elif res.outcome is Outcome.FAILED:
             errors.append(res.error)
             self.membership.mark_failed(m.url)
+            if stalled(res):
+                # alive on membership exchanges, yet silent on a chunk for the whole time-out: as
+                # on the HTTP path (PeerStalled), it is skipped like a peer that sent bad bytes,
+                # and the requests queued for it go elsewhere at once (penalise cancels them)
+                self.membership.penalise(m.url, self.cfg.penalty_s)
+                log.warning("snapshot %s: peer %s stalled on chunk %d of %s (%s); penalised for %g s",
+                            job.identity, m.node_id, ref.index, ref.path, res.error, self.cfg.penalty_s,
+                            extra={"peer": m.node_id})
         return False
 
     async def _direct(
@@ -204,7 +220,19 @@ class WireSource:
                     async for attempt in retry_policy.bucket_bytes():
                         with attempt:
                             try:
-                                await bucket.read_chunk(key, ref.offset, ref.length, lambda _n: view)  # type: ignore[arg-type,return-value]
+                                # The parts queue, in order, for the bucket's
+                                # ``bucket_concurrency`` slots (FIFO): a chunk's parts run
+                                # together and, as each ends, the next chunk's part takes its
+                                # slot, so the streams never idle between chunks. Every part
+                                # ends before the view is let go (a failed part does not leave
+                                # the others writing into it).
+                                res = await asyncio.gather(*(
+                                    bucket.read_chunk(key, ref.offset + off, n, lambda _n, o=off, n=n: view[o : o + n])  # type: ignore[misc]
+                                    for off, n in bucket_parts(ref.length, self.cfg.bucket_concurrency)
+                                ), return_exceptions=True)
+                                for r in res:
+                                    if isinstance(r, BaseException):
+                                        raise r
                             except ObjectNotFound:
                                 raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
                             except BucketError as e:
