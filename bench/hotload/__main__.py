@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "engine"))
 
 from bench import runs  # noqa: E402
+from bench.hotload import timeline  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 METRICS = ("post_to_done_s", "pause_ms", "prepare_ms", "memcpy_changed_s", "transfer_floor_s", "apply_s")
@@ -94,6 +95,9 @@ def main() -> int:
     ap.add_argument("--frac", type=float, default=0.02, help="fraction of the values of a changed matrix per step")
     ap.add_argument("--tensors", default="all", help="matrices a step changes: all, or a count")
     ap.add_argument("--out", default=str(RESULTS / "hotload.json"))
+    ap.add_argument("--timeline", action="store_true",
+                    help="print and store each run's timeline (daemon log events, engine calls)")
+    ap.add_argument("--modes", default="partial,full", help="partial, full or both (comma-separated)")
     runs.add_runs_arg(ap)
     a = ap.parse_args()
 
@@ -140,7 +144,7 @@ def main() -> int:
         env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID="bench", BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
                    BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
                    BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(work / "secret"), BDN_LOAD_STARTUP="false",
-                   BDN_STARTUP_SETTLE_S="0", BDN_MANIFEST_POLL_S="0.05", BDN_ENGINE_TTL_S="120")
+                   BDN_STARTUP_SETTLE_S="0", BDN_MANIFEST_POLL_S="0.05", BDN_ENGINE_TTL_S="120", BDN_LOG_JSON="true")
         log = open(work / "bdnd.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{local}"
@@ -165,20 +169,26 @@ def main() -> int:
                            for r in reps)
 
             step = 2
-            for mode, partial in (("changed tensors only", True), ("full reload", False)):
+            modes = [m for m in (("changed tensors only", True), ("full reload", False))
+                     if ("partial" if m[1] else "full") in a.modes.split(",")]
+            for mode, partial in modes:
                 with HFService(url, "127.0.0.1", free_port(), replica_id="bench", partial=partial,
                                poll_timeout=5.0) as svc:
+                    marks = timeline.instrument(svc) if a.timeline else None
                     current = ident(step - 1)
                     while not done(current):
                         time.sleep(0.05)
                     per_run: list[dict] = []
                     for _ in range(a.runs):
                         target = ident(step)
+                        wall0 = time.time()
                         t0 = time.perf_counter()
                         hot_load(c, target, previous=current)
+                        wall_posted = time.time()
                         while not done(target):
                             time.sleep(0.01)
                         post_to_done = time.perf_counter() - t0
+                        wall_done = time.time()
                         rep = svc.engine.last_swap
                         rec = c.snapshot(target)
                         stages = rec.get("stages") or {}
@@ -193,6 +203,14 @@ def main() -> int:
                                "changed_source": rep["changed_source"], "tensors_copied": rep["tensors_copied"],
                                "bytes_copied": rep["bytes_copied"], "stored_bytes": rec.get("stored_bytes"),
                                "stages": stages}
+                        if marks is not None:
+                            log.flush()
+                            tl = timeline.build(wall0, work / "bdnd.log", target, marks, [
+                                (wall_posted, "bench: POST answered"), (wall_done, "bench: GET sees done"),
+                                *timeline.stage_events(rec)])
+                            row["timeline"] = tl
+                            for at, what in tl:
+                                print(f"  {at:8.3f} s  {what}", flush=True)
                         print(f"{mode}: {target} {json.dumps(row)}", flush=True)
                         per_run.append(row)
                         current, step = target, step + 1
