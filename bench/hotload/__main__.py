@@ -16,8 +16,10 @@ timed until the replica reports ``done`` serving it; ``--runs`` runs per mode:
 
 Measured in the same run, for the targets of issue 10:
 
-* ``memcpy_changed_s``: copying the changed tensors' bytes once (``torch`` ``copy_`` from tensors in
-  memory into preallocated ones, what the pause must do at least): the pause should not exceed it;
+* ``memcpy_changed_s``: copying the changed tensors' bytes once from tensors in memory into
+  preallocated ones, what the pause must do at least: the best of three ``torch`` ``copy_`` passes
+  and of three single-threaded ``np.copyto`` passes (``memcpy_torch_s`` / ``memcpy_numpy_s``,
+  measured right after the run): the pause should not exceed it;
 * ``transfer_floor_s``: reading the delta's stored objects from the bucket into ``/dev/shm`` with
   one plain copy each; ``apply_s``: the daemon's ``applying`` + ``verifying`` seconds (its record's
   ``stages``) plus the engine's prepare and pause (report ``prepare_ms`` + ``pause_ms``).
@@ -61,18 +63,30 @@ def ident(i: int) -> str:
     return f"step{i:06d}"
 
 
-def memcpy_changed_s(state: dict, names: list[str]) -> float:
-    """Seconds to copy the ``names`` tensors of ``state`` once into preallocated tensors (pre-faulted)."""
+def memcpy_changed_s(state: dict, names: list[str], repeat: int = 3) -> dict[str, float]:
+    """Seconds to copy the ``names`` tensors of ``state`` once into preallocated (pre-faulted)
+    tensors, two ways, each the best of ``repeat``: ``torch`` (``Tensor.copy_``, torch's intra-op
+    threads) and ``memcpy`` (one ``np.copyto`` per tensor, one thread); ``best`` is the lower."""
+    import numpy as np
     import torch
 
     src = [state[n].contiguous() for n in names]
     dst = [torch.empty_like(t) for t in src]
     for d, s in zip(dst, src):
         d.copy_(s)  # fault both in first
-    t0 = time.perf_counter()
-    for d, s in zip(dst, src):
-        d.copy_(s)
-    return time.perf_counter() - t0
+    views = [(d.view(-1).view(torch.uint8).numpy(), s.view(-1).view(torch.uint8).numpy()) for d, s in zip(dst, src)]
+
+    def best(fn) -> float:
+        out = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return min(out)
+
+    t_torch = best(lambda: [d.copy_(s) for d, s in zip(dst, src)])
+    t_np = best(lambda: [np.copyto(d, s) for d, s in views])
+    return {"torch": t_torch, "memcpy": t_np, "best": min(t_torch, t_np)}
 
 
 def transfer_floor_s(bucket_dir: Path, identity: str, shm: Path) -> float:
@@ -194,9 +208,11 @@ def main() -> int:
                         stages = rec.get("stages") or {}
                         daemon_apply = float(stages.get("applying", 0.0)) + float(stages.get("verifying", 0.0))
                         floor = transfer_floor_s(bucket_dir, target, shm)
-                        mc = memcpy_changed_s(state, changed_names[target])  # same names, same sizes
+                        mcs = memcpy_changed_s(state, changed_names[target])  # same names, same sizes
+                        mc = mcs["best"]
                         row = {"post_to_done_s": round(post_to_done, 4), "pause_ms": rep["pause_ms"],
                                "prepare_ms": rep["prepare_ms"], "memcpy_changed_s": round(mc, 5),
+                               "memcpy_torch_s": round(mcs["torch"], 5), "memcpy_numpy_s": round(mcs["memcpy"], 5),
                                "transfer_floor_s": round(floor, 4),
                                "apply_s": round(daemon_apply + (rep["prepare_ms"] + rep["pause_ms"]) / 1000, 4),
                                "daemon_apply_s": round(daemon_apply, 4), "swap_mode": rep["mode"],
