@@ -10,10 +10,14 @@ download) and generates token by token under a ``PolicyGate``. It is an adapter 
   or by comparing the two snapshots, bdn.engines.changed) and copies only those out of the
   snapshot's shared memory into staging tensors (a *partial swap*); otherwise it loads the whole
   new model (a *full reload*).
-- ``swap(prepared)`` replaces the weights as the in-flight policy says (bdn.engines.gate):
-  ``param.copy_(staged)`` for each staged tensor (what an engine that holds one copy of the
-  weights in device memory must do), or the model object on a first load. The prompt cache
-  is dropped (``RESET_ALL``) or kept (``PRESERVE``). The report says what was done.
+- ``swap(prepared)`` replaces the weights as the in-flight policy says (bdn.engines.gate). With
+  ``swap_method="rebind"`` (the default) each changed parameter is pointed at its staged tensor
+  (``param.data = staged``, no bytes move in the pause: the staged tensor already holds the new
+  weights, and the old storage is freed after the swap, so peak memory is the same as copying);
+  with ``"copy"`` each staged tensor is copied into the parameter's own storage (one memcpy per
+  tensor, pointer-stable: what an engine whose kernels captured the weights' addresses, e.g. CUDA
+  graphs, must do). A first load swaps the model object. The prompt cache is dropped
+  (``RESET_ALL``) or kept (``PRESERVE``). The report says what was done.
 
 The prompt cache: the KV cache of every prompt (``transformers.DynamicCache``), reused for a later
 prompt that starts with it; each entry remembers the policy version that computed it, and answers
@@ -50,6 +54,7 @@ __all__ = ["EngineError", "Generation", "HFEngine", "Prepared", "torch_available
 
 MAX_CACHE_ENTRIES = 64
 CONFIG_NAME = "config.json"
+SWAP_METHODS = ("rebind", "copy")
 
 
 def torch_available() -> str | None:
@@ -158,13 +163,19 @@ class HFEngine:
         device: torch device (``"cpu"``; ``"cuda"`` where present).
         partial: swap only changed tensors when possible (False: every swap copies every tensor,
             a full reload, for comparing the pause).
+        swap_method: ``"rebind"`` (parameters take the staged tensors) or ``"copy"`` (staged
+            tensors are copied into the parameters in place); see the module doc.
         clock: monotonic seconds, for the reported timings.
     """
 
-    def __init__(self, device: str = "cpu", partial: bool = True, clock: Any = time.monotonic) -> None:
+    def __init__(self, device: str = "cpu", partial: bool = True, clock: Any = time.monotonic,
+                 swap_method: str = "rebind") -> None:
         why = torch_available()
         if why:
             raise EngineError(why)
+        if swap_method not in SWAP_METHODS:
+            raise EngineError(f"swap_method must be one of {', '.join(SWAP_METHODS)}, got {swap_method!r}")
+        self.swap_method = swap_method
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
@@ -177,6 +188,8 @@ class HFEngine:
         self.tokenizer: Any = None
         self.snapshot: Snapshot | None = None
         self.params: dict[str, Any] = {}
+        self._slots: dict[str, Any] = {}  # state-dict name -> the model's Parameter / buffer object
+        self._aliases: dict[str, list[str]] = {}  # name -> every state-dict name of the same object (tied)
         self.prompt_cache = _PromptCache()
         self.last_swap: dict[str, Any] | None = None
         self.last_swap_tensors: list[str] = []  # names copied by the last swap (all, for a full reload)
@@ -293,13 +306,23 @@ class HFEngine:
         def apply() -> None:
             nonlocal dropped
             with torch.no_grad():
-                if prep.mode in ("partial", "full"):
+                if prep.mode in ("partial", "full") and self.swap_method == "copy":
                     for name, t in prep.tensors.items():
                         _copy_into(self.params[name], t)
+                elif prep.mode in ("partial", "full"):
+                    for name, t in prep.tensors.items():
+                        slot = self._slots.get(name)
+                        if slot is None:  # a state-dict entry that is no parameter or buffer object
+                            _copy_into(self.params[name], t)
+                            continue
+                        slot.data = t
+                        for alias in self._aliases[name]:
+                            self.params[alias] = slot.detach()
                 else:
                     model, tok = prep.model
                     self.model, self.tokenizer = model, tok
                     self.params = dict(model.state_dict(keep_vars=False))
+                    self._slots, self._aliases = _slots_of(model, self.params)
             if prep.options.reset_prompt_cache:
                 dropped = self.prompt_cache.clear()
             self.snapshot = prep.snapshot
@@ -315,6 +338,7 @@ class HFEngine:
             "policy_version": prep.snapshot.policy_version,
             "mode": prep.mode,
             "tensors_copied": len(prep.tensors) if prep.mode != "load" else len(self.params),
+            "swap_method": self.swap_method if prep.mode != "load" else "load",
             "tensors_total": len(self.params),
             "bytes_copied": prep.bytes_copied,
             "changed_source": prep.changed_source or None,
@@ -436,6 +460,17 @@ class HFEngine:
         except Aborted:
             finish = "abort"
         return Generation(prompt, out_ids, lps, tops, finish, list(ticket.versions), identity, cached, cache_version)
+
+
+def _slots_of(model: Any, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """Every state-dict name's Parameter or buffer object, and the names sharing each (tied weights)."""
+    objs = dict(model.named_parameters(remove_duplicate=False))
+    objs.update(model.named_buffers(remove_duplicate=False))
+    slots = {name: objs[name] for name in params if name in objs}
+    by_obj: dict[int, list[str]] = {}
+    for name, obj in slots.items():
+        by_obj.setdefault(id(obj), []).append(name)
+    return slots, {name: by_obj[id(obj)] for name, obj in slots.items()}
 
 
 def _copy_into(live: Any, staged: Any) -> None:

@@ -10,9 +10,13 @@ on loopback with one ``HFEngine`` (``bdn.engines.service.HFService``: its chat s
 hot-swap driver, in this process) registered. Each run is one hot-load POST of the next delta,
 timed until the replica reports ``done`` serving it; ``--runs`` runs per mode:
 
-* ``changed tensors only``: ``HFEngine(partial=True)``: the engine stages and copies the tensors
-  the daemon's offer names (``changed_tensors``);
-* ``full reload``: ``HFEngine(partial=False)``: every tensor is staged and copied on every swap.
+* ``changed tensors only, rebound`` (``--modes partial``, the engine's default): the engine
+  stages the tensors the daemon's offer names (``changed_tensors``) and the pause points the
+  parameters at them (``HFEngine(swap_method="rebind")``);
+* ``changed tensors only, copied in place`` (``partial-copy``): the same tensors, copied into the
+  parameters' own storage in the pause (``swap_method="copy"``, pointer-stable);
+* ``full reload, copied in place`` (``full``): ``HFEngine(partial=False)``: every tensor is staged
+  and copied on every swap.
 
 Measured in the same run, for the targets of issue 10:
 
@@ -50,6 +54,9 @@ from bench import runs  # noqa: E402
 from bench.hotload import timeline  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+MODES = (("partial", "changed tensors only, rebound", True, "rebind"),
+         ("partial-copy", "changed tensors only, copied in place", True, "copy"),
+         ("full", "full reload, copied in place", False, "copy"))
 METRICS = ("post_to_done_s", "pause_ms", "prepare_ms", "memcpy_changed_s", "transfer_floor_s", "apply_s")
 
 
@@ -111,7 +118,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(RESULTS / "hotload.json"))
     ap.add_argument("--timeline", action="store_true",
                     help="print and store each run's timeline (daemon log events, engine calls)")
-    ap.add_argument("--modes", default="partial,full", help="partial, full or both (comma-separated)")
+    ap.add_argument("--modes", default="partial,partial-copy,full",
+                    help="rows to measure (comma-separated): partial (changed tensors, rebound), partial-copy "
+                         "(changed tensors, copied in place), full (every tensor, copied in place)")
     runs.add_runs_arg(ap)
     a = ap.parse_args()
 
@@ -140,7 +149,7 @@ def main() -> int:
               f"load average {load0[0]:.1f}", flush=True)
         publish_full(bucket, ident(1), 1, dir=work / "ck1")
         # every delta the runs will need, published before anything is timed
-        steps = 2 * a.runs
+        steps = len([m for m in MODES if m[0] in a.modes.split(",")]) * a.runs
         changed_names: dict[str, list[str]] = {}
         prev_dir = work / "ck1"
         for i in range(2, steps + 2):
@@ -183,11 +192,10 @@ def main() -> int:
                            for r in reps)
 
             step = 2
-            modes = [m for m in (("changed tensors only", True), ("full reload", False))
-                     if ("partial" if m[1] else "full") in a.modes.split(",")]
-            for mode, partial in modes:
+            modes = [m for m in MODES if m[0] in a.modes.split(",")]
+            for _key, mode, partial, method in modes:
                 with HFService(url, "127.0.0.1", free_port(), replica_id="bench", partial=partial,
-                               poll_timeout=5.0) as svc:
+                               poll_timeout=5.0, swap_method=method) as svc:
                     marks = timeline.instrument(svc) if a.timeline else None
                     current = ident(step - 1)
                     while not done(current):
@@ -216,7 +224,7 @@ def main() -> int:
                                "transfer_floor_s": round(floor, 4),
                                "apply_s": round(daemon_apply + (rep["prepare_ms"] + rep["pause_ms"]) / 1000, 4),
                                "daemon_apply_s": round(daemon_apply, 4), "swap_mode": rep["mode"],
-                               "changed_source": rep["changed_source"], "tensors_copied": rep["tensors_copied"],
+                               "changed_source": rep["changed_source"], "swap_method": rep.get("swap_method"), "tensors_copied": rep["tensors_copied"],
                                "bytes_copied": rep["bytes_copied"], "stored_bytes": rec.get("stored_bytes"),
                                "stages": stages}
                         if marks is not None:
