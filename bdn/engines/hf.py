@@ -32,6 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -190,6 +191,7 @@ class HFEngine:
         self.params: dict[str, Any] = {}
         self._slots: dict[str, Any] = {}  # state-dict name -> the model's Parameter / buffer object
         self._aliases: dict[str, list[str]] = {}  # name -> every state-dict name of the same object (tied)
+        self._spares: dict[int, list[Any]] = {}  # nbytes -> free CPU buffers (storages the last swap freed)
         self.prompt_cache = _PromptCache()
         self.last_swap: dict[str, Any] | None = None
         self.last_swap_tensors: list[str] = []  # names copied by the last swap (all, for a full reload)
@@ -237,7 +239,13 @@ class HFEngine:
         return model, tok
 
     def _staged(self, snap: Snapshot, names: list[str]) -> tuple[dict[str, Any], int] | str:
-        """Copies of ``names`` out of ``snap`` as torch tensors; a reason string if one cannot be swapped."""
+        """Copies of ``names`` out of ``snap`` as torch tensors; a reason string if one cannot be swapped.
+
+        On CPU each tensor is read with ``os.preadv`` straight into a spare buffer of its size (the
+        storage the last swap freed, already faulted in) or a new one: measured on 152 MB with both
+        cores busy, 176-185 ms into a spare buffer, 277-309 ms into a new one, 305-1320 ms copying
+        out of the snapshot's mapping (a page fault per 4 KiB on both sides).
+        """
         torch = _torch()
         infos = changed_mod.tensor_infos(snap)
         out: dict[str, Any] = {}
@@ -250,11 +258,35 @@ class HFEngine:
             dt = _DTYPES.get(info.dtype)
             if dt is None or getattr(torch, dt) != live.dtype or tuple(info.shape) != tuple(live.shape):
                 return f"tensor {name[:80]!r} changed dtype or shape ({info.dtype} {list(info.shape)})"
-            raw = np.array(snap.tensor(name).reshape(-1).view(np.uint8))  # the one copy out of shm
-            t = torch.from_numpy(raw).view(live.dtype).reshape(live.shape)
-            out[name] = t.to(self.device) if self.device != "cpu" else t
-            total += raw.nbytes
+            if self.device == "cpu":
+                buf = self._spare_buffer(info.nbytes, live.dtype)
+                _pread_into(snap.path.joinpath(*snap.tensor_file(name).split("/")), info.start, buf)
+                out[name] = buf.view(live.dtype).reshape(live.shape)
+            else:
+                raw = np.array(snap.tensor(name).reshape(-1).view(np.uint8))  # the one copy out of shm
+                out[name] = torch.from_numpy(raw).view(live.dtype).reshape(live.shape).to(self.device)
+            total += info.nbytes
         return out, total
+
+    def _spare_buffer(self, nbytes: int, dtype: Any) -> Any:
+        """A flat uint8 CPU tensor of ``nbytes``: a spare one if the last swap left one, else new."""
+        torch = _torch()
+        spares = self._spares.get(nbytes)
+        if spares:
+            return spares.pop()
+        return torch.empty(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype).view(torch.uint8)
+
+    def _keep_spares(self, tensors: list[Any]) -> None:
+        """After a swap: the storages nobody uses any more become the next prepare's buffers (the
+        previous spares are freed), so at most the bytes of one swap are kept aside."""
+        torch = _torch()
+        self._spares = {}
+        if self.device != "cpu":
+            return
+        for t in tensors:
+            if t.device.type == "cpu" and t.is_contiguous():
+                flat = t.reshape(-1).view(torch.uint8)
+                self._spares.setdefault(flat.numel(), []).append(flat)
 
     def prepare(self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> Prepared:
         """Stage ``snap`` while the current policy serves (see the module doc).
@@ -302,6 +334,7 @@ class HFEngine:
         """
         torch = _torch()
         dropped = 0
+        freed: list[Any] = []  # storages no longer in use once apply returned
 
         def apply() -> None:
             nonlocal dropped
@@ -309,12 +342,15 @@ class HFEngine:
                 if prep.mode in ("partial", "full") and self.swap_method == "copy":
                     for name, t in prep.tensors.items():
                         _copy_into(self.params[name], t)
+                    freed.extend(prep.tensors.values())
                 elif prep.mode in ("partial", "full"):
                     for name, t in prep.tensors.items():
                         slot = self._slots.get(name)
                         if slot is None:  # a state-dict entry that is no parameter or buffer object
                             _copy_into(self.params[name], t)
+                            freed.append(t)
                             continue
+                        freed.append(self.params[name])
                         slot.data = t
                         for alias in self._aliases[name]:
                             self.params[alias] = slot.detach()
@@ -332,6 +368,7 @@ class HFEngine:
             # A new model object may not accept KV caches the old one computed: end them instead.
             gate_opts = dataclasses.replace(gate_opts, inflight_policy="abort")
         outcome = self.gate.swap(apply, gate_opts, prep.snapshot.policy_version)
+        self._keep_spares(freed)
         self.swaps += 1
         report = {
             "identity": prep.snapshot.identity,
@@ -471,6 +508,23 @@ def _slots_of(model: Any, params: dict[str, Any]) -> tuple[dict[str, Any], dict[
     for name, obj in slots.items():
         by_obj.setdefault(id(obj), []).append(name)
     return slots, {name: by_obj[id(obj)] for name, obj in slots.items()}
+
+
+def _pread_into(path: Path, offset: int, buf: Any) -> None:
+    """Fill the flat uint8 CPU tensor ``buf`` with ``path``'s bytes from ``offset`` (``os.preadv``,
+    64 MiB per call). Raises EngineError when the file ends first."""
+    view = memoryview(buf.numpy())
+    n, done = len(view), 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while done < n:
+            got = os.preadv(fd, [view[done:done + (64 << 20)]], offset + done)
+            if got <= 0:
+                raise EngineError(f"{path.name}: ends after {offset + done} bytes, the tensor needs {offset + n}")
+            done += got
+    finally:
+        os.close(fd)
+        view.release()
 
 
 def _copy_into(live: Any, staged: Any) -> None:
