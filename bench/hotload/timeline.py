@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ class Marks:
 
     def __init__(self) -> None:
         self.events: list[tuple[float, str]] = []
+        self.acked = threading.Event()  # set when the driver's ack returned (success or error)
 
     def add(self, what: str) -> None:
         self.events.append((time.time(), what))
@@ -70,6 +72,7 @@ def instrument(svc: Any) -> Marks:
         marks.add("engine: ack sent")
         out = ack(*a, **k)
         marks.add("engine: ack answered")
+        marks.acked.set()
         return out
 
     link.next_snapshot, engine.prepare, engine.swap, driver.ack = next_snapshot, prepare, swap_, ack_
