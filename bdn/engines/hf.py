@@ -32,10 +32,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import os
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +43,8 @@ import xxhash
 from bdn.client import Snapshot
 from bdn.engines import changed as changed_mod
 from bdn.engines.gate import Aborted, PolicyGate, Ticket
+from bdn.engines.prompt_cache import PromptCache
+from bdn.engines.weights import SpareBuffers, copy_into, pread_into, slots_of
 from bdn.engines.options import HotLoadOptions
 from bdn.proto.errors import BdnError
 
@@ -53,7 +52,6 @@ log = logging.getLogger("bdn.engines.hf")
 
 __all__ = ["EngineError", "Generation", "HFEngine", "Prepared", "torch_available"]
 
-MAX_CACHE_ENTRIES = 64
 CONFIG_NAME = "config.json"
 SWAP_METHODS = ("rebind", "copy")
 
@@ -107,50 +105,6 @@ class Generation:
     cache_policy_version: int | None
 
 
-class _PromptCache:
-    """Prompt token prefix -> (KV cache, policy version that computed it), LRU-bounded."""
-
-    def __init__(self, entries: int = MAX_CACHE_ENTRIES) -> None:
-        self._lock = threading.Lock()
-        self._map: OrderedDict[tuple[int, ...], tuple[Any, int | None]] = OrderedDict()
-        self._entries = entries
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._map)
-
-    def clear(self) -> int:
-        with self._lock:
-            n = len(self._map)
-            self._map.clear()
-            return n
-
-    def put(self, key: tuple[int, ...], cache: Any, version: int | None) -> None:
-        with self._lock:
-            self._map[key] = (cache, version)
-            self._map.move_to_end(key)
-            while len(self._map) > self._entries:
-                self._map.popitem(last=False)
-
-    def lookup(self, prompt: list[int]) -> tuple[Any, int, int | None] | None:
-        """The longest cached prefix of ``prompt`` that leaves at least one token to run:
-        ``(a copy of its KV cache cropped to n tokens, n, its policy version)``."""
-        best = None
-        with self._lock:
-            for key, (cache, version) in self._map.items():
-                n = min(len(key), len(prompt) - 1)
-                if n > 0 and tuple(prompt[:len(key)]) == key[:len(prompt)] and (best is None or n > best[1]):
-                    best = (cache, n, version, key)
-            if best is None:
-                return None
-            self._map.move_to_end(best[3])
-        kv = copy.deepcopy(best[0])
-        extra = kv.get_seq_length() - best[1]
-        if extra > 0:
-            kv.crop(-extra)  # a negative argument removes that many tokens (every transformers version)
-        return kv, best[1], best[2]
-
-
 def _torch():
     import torch
 
@@ -191,8 +145,8 @@ class HFEngine:
         self.params: dict[str, Any] = {}
         self._slots: dict[str, Any] = {}  # state-dict name -> the model's Parameter / buffer object
         self._aliases: dict[str, list[str]] = {}  # name -> every state-dict name of the same object (tied)
-        self._spares: dict[int, list[Any]] = {}  # nbytes -> free CPU buffers (storages the last swap freed)
-        self.prompt_cache = _PromptCache()
+        self.spares = SpareBuffers(enabled=device == "cpu")  # storages the last swap freed, for the next prepare
+        self.prompt_cache = PromptCache()
         self.last_swap: dict[str, Any] | None = None
         self.last_swap_tensors: list[str] = []  # names copied by the last swap (all, for a full reload)
         self.swaps = 0
@@ -259,34 +213,14 @@ class HFEngine:
             if dt is None or getattr(torch, dt) != live.dtype or tuple(info.shape) != tuple(live.shape):
                 return f"tensor {name[:80]!r} changed dtype or shape ({info.dtype} {list(info.shape)})"
             if self.device == "cpu":
-                buf = self._spare_buffer(info.nbytes, live.dtype)
-                _pread_into(snap.path.joinpath(*snap.tensor_file(name).split("/")), info.start, buf)
+                buf = self.spares.take(info.nbytes, live.dtype)
+                pread_into(snap.path.joinpath(*snap.tensor_file(name).split("/")), info.start, buf)
                 out[name] = buf.view(live.dtype).reshape(live.shape)
             else:
                 raw = np.array(snap.tensor(name).reshape(-1).view(np.uint8))  # the one copy out of shm
                 out[name] = torch.from_numpy(raw).view(live.dtype).reshape(live.shape).to(self.device)
             total += info.nbytes
         return out, total
-
-    def _spare_buffer(self, nbytes: int, dtype: Any) -> Any:
-        """A flat uint8 CPU tensor of ``nbytes``: a spare one if the last swap left one, else new."""
-        torch = _torch()
-        spares = self._spares.get(nbytes)
-        if spares:
-            return spares.pop()
-        return torch.empty(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype).view(torch.uint8)
-
-    def _keep_spares(self, tensors: list[Any]) -> None:
-        """After a swap: the storages nobody uses any more become the next prepare's buffers (the
-        previous spares are freed), so at most the bytes of one swap are kept aside."""
-        torch = _torch()
-        self._spares = {}
-        if self.device != "cpu":
-            return
-        for t in tensors:
-            if t.device.type == "cpu" and t.is_contiguous():
-                flat = t.reshape(-1).view(torch.uint8)
-                self._spares.setdefault(flat.numel(), []).append(flat)
 
     def prepare(self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> Prepared:
         """Stage ``snap`` while the current policy serves (see the module doc).
@@ -341,13 +275,13 @@ class HFEngine:
             with torch.no_grad():
                 if prep.mode in ("partial", "full") and self.swap_method == "copy":
                     for name, t in prep.tensors.items():
-                        _copy_into(self.params[name], t)
+                        copy_into(self.params[name], t)
                     freed.extend(prep.tensors.values())
                 elif prep.mode in ("partial", "full"):
                     for name, t in prep.tensors.items():
                         slot = self._slots.get(name)
                         if slot is None:  # a state-dict entry that is no parameter or buffer object
-                            _copy_into(self.params[name], t)
+                            copy_into(self.params[name], t)
                             freed.append(t)
                             continue
                         freed.append(self.params[name])
@@ -358,7 +292,7 @@ class HFEngine:
                     model, tok = prep.model
                     self.model, self.tokenizer = model, tok
                     self.params = dict(model.state_dict(keep_vars=False))
-                    self._slots, self._aliases = _slots_of(model, self.params)
+                    self._slots, self._aliases = slots_of(model, self.params)
             if prep.options.reset_prompt_cache:
                 dropped = self.prompt_cache.clear()
             self.snapshot = prep.snapshot
@@ -368,7 +302,7 @@ class HFEngine:
             # A new model object may not accept KV caches the old one computed: end them instead.
             gate_opts = dataclasses.replace(gate_opts, inflight_policy="abort")
         outcome = self.gate.swap(apply, gate_opts, prep.snapshot.policy_version)
-        self._keep_spares(freed)
+        self.spares.keep(freed)
         self.swaps += 1
         report = {
             "identity": prep.snapshot.identity,
@@ -497,50 +431,6 @@ class HFEngine:
         except Aborted:
             finish = "abort"
         return Generation(prompt, out_ids, lps, tops, finish, list(ticket.versions), identity, cached, cache_version)
-
-
-def _slots_of(model: Any, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[str]]]:
-    """Every state-dict name's Parameter or buffer object, and the names sharing each (tied weights)."""
-    objs = dict(model.named_parameters(remove_duplicate=False))
-    objs.update(model.named_buffers(remove_duplicate=False))
-    slots = {name: objs[name] for name in params if name in objs}
-    by_obj: dict[int, list[str]] = {}
-    for name, obj in slots.items():
-        by_obj.setdefault(id(obj), []).append(name)
-    return slots, {name: by_obj[id(obj)] for name, obj in slots.items()}
-
-
-def _pread_into(path: Path, offset: int, buf: Any) -> None:
-    """Fill the flat uint8 CPU tensor ``buf`` with ``path``'s bytes from ``offset`` (``os.preadv``,
-    64 MiB per call). Raises EngineError when the file ends first."""
-    view = memoryview(buf.numpy())
-    n, done = len(view), 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while done < n:
-            got = os.preadv(fd, [view[done:done + (64 << 20)]], offset + done)
-            if got <= 0:
-                raise EngineError(f"{path.name}: ends after {offset + done} bytes, the tensor needs {offset + n}")
-            done += got
-    finally:
-        os.close(fd)
-        view.release()
-
-
-def _copy_into(live: Any, staged: Any) -> None:
-    """``live[...] = staged`` in place (same dtype and shape): the one copy in the pause.
-
-    On CPU, one ``memcpy`` of the bytes through numpy (``np.copyto`` on uint8 views, GIL released)
-    instead of ``Tensor.copy_``: torch's copy kernel splits every tensor over its intra-op threads,
-    and with the cores busy (the daemon, other processes) their barrier waits made the pause
-    2-3x a plain memcpy (measured: 152 MB, load 17: ``copy_`` 424 ms median, one thread 139 ms,
-    ``np.copyto`` 150 ms). Elsewhere (a GPU) ``copy_`` is the device copy.
-    """
-    if live.device.type == "cpu" and staged.device.type == "cpu" and live.is_contiguous() and staged.is_contiguous():
-        torch = _torch()
-        np.copyto(live.view(-1).view(torch.uint8).numpy(), staged.reshape(-1).view(torch.uint8).numpy())
-    else:
-        live.copy_(staged)
 
 
 def _read(p: Path) -> bytes | None:
