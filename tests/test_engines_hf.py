@@ -319,6 +319,29 @@ def test_full_reload_copies_every_tensor_in_place(trainer, node) -> None:
             s.close()
 
 
+@pytest.mark.parametrize("method", ["rebind", "copy"])
+def test_both_swap_methods_serve_the_target_bit_for_bit(trainer, node, method: str) -> None:
+    """The model itself (its own state dict and its logits, not only the engine's table) holds the
+    target after a partial swap, whether parameters are rebound to the staged tensors or copied."""
+    node.prefetch(IDS[1])
+    base = Path(node.wait_ready(IDS[1])["path"]).parent
+    snaps = [open_snapshot(base / i) for i in IDS[:2]]
+    engine, fresh = HFEngine(swap_method=method), HFEngine()
+    try:
+        engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))
+        rep = engine.swap(engine.prepare(snaps[1], {}, HotLoadOptions()))
+        assert rep["mode"] == "partial" and rep["swap_method"] == method and rep["tensors_copied"] == 3
+        model_state = {k: v.detach().clone() for k, v in engine.model.state_dict().items()}
+        assert digests(model_state) == digests(trainer["states"][1]) == engine.weights_digest()
+        fresh.swap(fresh.prepare(snaps[1], {}, HotLoadOptions()))
+        ids = torch.tensor([[1, 2, 3, 4, 5]])
+        with torch.no_grad():
+            assert torch.equal(engine.model(input_ids=ids).logits, fresh.model(input_ids=ids).logits)
+    finally:
+        for s in snaps:
+            s.close()
+
+
 def test_the_command_serves_and_stops_on_sigterm(trainer, node) -> None:
     """``python -m bdn.engines hf`` as a process: registers, serves policy 1, exits 0 on SIGTERM."""
     port = free_port()

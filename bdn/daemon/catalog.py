@@ -230,6 +230,10 @@ class Catalog:
     def ready_dir(self, identity: str) -> Path:
         return self.store.ready_dir(identity)
 
+    def stored_dir(self, identity: str) -> Path:
+        """Where a delta's stored diff files live (the replica's changed-tensor list reads them)."""
+        return self.store.stored_dir(identity)
+
     async def have(self, identity: str, since: int, wait: float) -> dict[str, Any] | None:
         """The have answer once the job's version differs from ``since`` (or after ``wait`` s);
         None when the snapshot (or its manifest) is not known here."""

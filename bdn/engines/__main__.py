@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--served-model-name", default="model")
             p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
             p.add_argument("--full-reload", action="store_true", help="reload every tensor on every swap")
+            p.add_argument("--swap-in-place", action="store_true",
+                           help="copy new tensors into the parameters' own storage in the pause (pointer-stable, "
+                                "for captured kernels) instead of rebinding the parameters to them")
         else:
             p.add_argument("--engine-url", required=True, help="the engine server's base URL")
             p.add_argument("--api-key", default=None, help="the engine's API key (bearer token)")
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             from bdn.engines.service import HFService
 
             svc = HFService(a.bdn_url, a.listen[0], a.listen[1], replica_id=a.replica_id,
-                            served_name=a.served_model_name, partial=not a.full_reload, device=a.device, name=a.name)
+                            served_name=a.served_model_name, partial=not a.full_reload, device=a.device, name=a.name,
+                            swap_method="copy" if a.swap_in_place else "rebind")
             svc.start(a.connect_timeout)
             print(f"serving on {svc.url}; hot-loads from {a.bdn_url}", flush=True)
             stop.wait()

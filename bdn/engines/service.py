@@ -92,16 +92,18 @@ class HFService:
         host, port: where the chat server listens.
         replica_id: reported in every answer's ``engine_data``.
         partial: swap changed tensors only (False: full reload on every swap).
+        swap_method: ``"rebind"`` or ``"copy"`` (``bdn.engines.hf.HFEngine``).
         poll_timeout: seconds per long-poll (bounds how fast ``stop`` returns).
     """
 
     def __init__(self, bdn_url: str, host: str, port: int, replica_id: str = "replica", served_name: str = "model",
-                 partial: bool = True, device: str = "cpu", name: str = "hf", poll_timeout: float = 5.0) -> None:
+                 partial: bool = True, device: str = "cpu", name: str = "hf", poll_timeout: float = 5.0,
+                 swap_method: str = "rebind") -> None:
         from bdn.engines.hf import HFEngine
         from bdn.engines.openai_api import make_app
 
         self.bdn_url = bdn_url
-        self.engine = HFEngine(device=device, partial=partial)
+        self.engine = HFEngine(device=device, partial=partial, swap_method=swap_method)
         self.http = HttpThread(make_app(self.engine, served_name, replica_id), host, port)
         self.name = name
         self.poll_timeout = poll_timeout

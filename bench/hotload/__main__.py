@@ -8,16 +8,24 @@ values of ``--tensors`` of its matrices (``all`` by default: 2 % of every matrix
 services report per step) and is published as an ``arc_v2`` delta. One real ``bdnd`` serves it
 on loopback with one ``HFEngine`` (``bdn.engines.service.HFService``: its chat server and the
 hot-swap driver, in this process) registered. Each run is one hot-load POST of the next delta,
-timed until the replica reports ``done`` serving it; ``--runs`` runs per mode:
+timed until the replica reports ``done`` serving it (the harness waits for the engine's ack to be
+answered, an event, then polls the GET every 10 ms; it does not poll while the daemon and the
+engine work); ``--runs`` runs per mode:
 
-* ``changed tensors only``: ``HFEngine(partial=True)``: the engine stages and copies the tensors
-  the daemon's offer names (``changed_tensors``);
-* ``full reload``: ``HFEngine(partial=False)``: every tensor is staged and copied on every swap.
+* ``changed tensors only, rebound`` (``--modes partial``, the engine's default): the engine
+  stages the tensors the daemon's offer names (``changed_tensors``) and the pause points the
+  parameters at them (``HFEngine(swap_method="rebind")``);
+* ``changed tensors only, copied in place`` (``partial-copy``): the same tensors, copied into the
+  parameters' own storage in the pause (``swap_method="copy"``, pointer-stable);
+* ``full reload, copied in place`` (``full``): ``HFEngine(partial=False)``: every tensor is staged
+  and copied on every swap.
 
 Measured in the same run, for the targets of issue 10:
 
-* ``memcpy_changed_s``: copying the changed tensors' bytes once (``torch`` ``copy_`` from tensors in
-  memory into preallocated ones, what the pause must do at least): the pause should not exceed it;
+* ``memcpy_changed_s``: copying the changed tensors' bytes once from tensors in memory into
+  preallocated ones, what the pause must do at least: the best of three ``torch`` ``copy_`` passes
+  and of three single-threaded ``np.copyto`` passes (``memcpy_torch_s`` / ``memcpy_numpy_s``,
+  measured right after the run): the pause should not exceed it;
 * ``transfer_floor_s``: reading the delta's stored objects from the bucket into ``/dev/shm`` with
   one plain copy each; ``apply_s``: the daemon's ``applying`` + ``verifying`` seconds (its record's
   ``stages``) plus the engine's prepare and pause (report ``prepare_ms`` + ``pause_ms``).
@@ -45,8 +53,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "engine"))
 
 from bench import runs  # noqa: E402
+from bench.hotload import timeline  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+MODES = (("partial", "changed tensors only, rebound", True, "rebind"),
+         ("partial-copy", "changed tensors only, copied in place", True, "copy"),
+         ("full", "full reload, copied in place", False, "copy"))
 METRICS = ("post_to_done_s", "pause_ms", "prepare_ms", "memcpy_changed_s", "transfer_floor_s", "apply_s")
 
 
@@ -60,18 +72,30 @@ def ident(i: int) -> str:
     return f"step{i:06d}"
 
 
-def memcpy_changed_s(state: dict, names: list[str]) -> float:
-    """Seconds to copy the ``names`` tensors of ``state`` once into preallocated tensors (pre-faulted)."""
+def memcpy_changed_s(state: dict, names: list[str], repeat: int = 3) -> dict[str, float]:
+    """Seconds to copy the ``names`` tensors of ``state`` once into preallocated (pre-faulted)
+    tensors, two ways, each the best of ``repeat``: ``torch`` (``Tensor.copy_``, torch's intra-op
+    threads) and ``memcpy`` (one ``np.copyto`` per tensor, one thread); ``best`` is the lower."""
+    import numpy as np
     import torch
 
     src = [state[n].contiguous() for n in names]
     dst = [torch.empty_like(t) for t in src]
     for d, s in zip(dst, src):
         d.copy_(s)  # fault both in first
-    t0 = time.perf_counter()
-    for d, s in zip(dst, src):
-        d.copy_(s)
-    return time.perf_counter() - t0
+    views = [(d.view(-1).view(torch.uint8).numpy(), s.view(-1).view(torch.uint8).numpy()) for d, s in zip(dst, src)]
+
+    def best(fn) -> float:
+        out = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return min(out)
+
+    t_torch = best(lambda: [d.copy_(s) for d, s in zip(dst, src)])
+    t_np = best(lambda: [np.copyto(d, s) for d, s in views])
+    return {"torch": t_torch, "memcpy": t_np, "best": min(t_torch, t_np)}
 
 
 def transfer_floor_s(bucket_dir: Path, identity: str, shm: Path) -> float:
@@ -94,6 +118,11 @@ def main() -> int:
     ap.add_argument("--frac", type=float, default=0.02, help="fraction of the values of a changed matrix per step")
     ap.add_argument("--tensors", default="all", help="matrices a step changes: all, or a count")
     ap.add_argument("--out", default=str(RESULTS / "hotload.json"))
+    ap.add_argument("--timeline", action="store_true",
+                    help="print and store each run's timeline (daemon log events, engine calls)")
+    ap.add_argument("--modes", default="partial,partial-copy,full",
+                    help="rows to measure (comma-separated): partial (changed tensors, rebound), partial-copy "
+                         "(changed tensors, copied in place), full (every tensor, copied in place)")
     runs.add_runs_arg(ap)
     a = ap.parse_args()
 
@@ -122,7 +151,7 @@ def main() -> int:
               f"load average {load0[0]:.1f}", flush=True)
         publish_full(bucket, ident(1), 1, dir=work / "ck1")
         # every delta the runs will need, published before anything is timed
-        steps = 2 * a.runs
+        steps = len([m for m in MODES if m[0] in a.modes.split(",")]) * a.runs
         changed_names: dict[str, list[str]] = {}
         prev_dir = work / "ck1"
         for i in range(2, steps + 2):
@@ -140,7 +169,7 @@ def main() -> int:
         env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID="bench", BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
                    BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
                    BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(work / "secret"), BDN_LOAD_STARTUP="false",
-                   BDN_STARTUP_SETTLE_S="0", BDN_MANIFEST_POLL_S="0.05", BDN_ENGINE_TTL_S="120")
+                   BDN_STARTUP_SETTLE_S="0", BDN_MANIFEST_POLL_S="0.05", BDN_ENGINE_TTL_S="120", BDN_LOG_JSON="true")
         log = open(work / "bdnd.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{local}"
@@ -165,34 +194,55 @@ def main() -> int:
                            for r in reps)
 
             step = 2
-            for mode, partial in (("changed tensors only", True), ("full reload", False)):
+            modes = [m for m in MODES if m[0] in a.modes.split(",")]
+            for _key, mode, partial, method in modes:
                 with HFService(url, "127.0.0.1", free_port(), replica_id="bench", partial=partial,
-                               poll_timeout=5.0) as svc:
+                               poll_timeout=5.0, swap_method=method) as svc:
+                    marks = timeline.instrument(svc)
                     current = ident(step - 1)
                     while not done(current):
                         time.sleep(0.05)
                     per_run: list[dict] = []
                     for _ in range(a.runs):
                         target = ident(step)
+                        marks.acked.clear()
+                        wall0 = time.time()
                         t0 = time.perf_counter()
                         hot_load(c, target, previous=current)
+                        wall_posted = time.time()
+                        # No GET every 10 ms while the daemon applies and the engine prepares and
+                        # pauses (that polling shared the 2 cores with them): wait for the engine's
+                        # ack to be answered (an event), then the GET that sees done ends the time.
+                        while not marks.acked.wait(1.0) and not done(target):
+                            pass  # (once a second: a daemon-side error ends the run too)
                         while not done(target):
                             time.sleep(0.01)
                         post_to_done = time.perf_counter() - t0
+                        wall_done = time.time()
                         rep = svc.engine.last_swap
                         rec = c.snapshot(target)
                         stages = rec.get("stages") or {}
                         daemon_apply = float(stages.get("applying", 0.0)) + float(stages.get("verifying", 0.0))
                         floor = transfer_floor_s(bucket_dir, target, shm)
-                        mc = memcpy_changed_s(state, changed_names[target])  # same names, same sizes
+                        mcs = memcpy_changed_s(state, changed_names[target])  # same names, same sizes
+                        mc = mcs["best"]
                         row = {"post_to_done_s": round(post_to_done, 4), "pause_ms": rep["pause_ms"],
                                "prepare_ms": rep["prepare_ms"], "memcpy_changed_s": round(mc, 5),
+                               "memcpy_torch_s": round(mcs["torch"], 5), "memcpy_numpy_s": round(mcs["memcpy"], 5),
                                "transfer_floor_s": round(floor, 4),
                                "apply_s": round(daemon_apply + (rep["prepare_ms"] + rep["pause_ms"]) / 1000, 4),
                                "daemon_apply_s": round(daemon_apply, 4), "swap_mode": rep["mode"],
-                               "changed_source": rep["changed_source"], "tensors_copied": rep["tensors_copied"],
+                               "changed_source": rep["changed_source"], "swap_method": rep.get("swap_method"), "tensors_copied": rep["tensors_copied"],
                                "bytes_copied": rep["bytes_copied"], "stored_bytes": rec.get("stored_bytes"),
                                "stages": stages}
+                        if a.timeline:
+                            log.flush()
+                            tl = timeline.build(wall0, work / "bdnd.log", target, marks, [
+                                (wall_posted, "bench: POST answered"), (wall_done, "bench: GET sees done"),
+                                *timeline.stage_events(rec)])
+                            row["timeline"] = tl
+                            for at, what in tl:
+                                print(f"  {at:8.3f} s  {what}", flush=True)
                         print(f"{mode}: {target} {json.dumps(row)}", flush=True)
                         per_run.append(row)
                         current, step = target, step + 1

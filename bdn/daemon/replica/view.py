@@ -29,7 +29,7 @@ from bdn.daemon.foreign_source import Hint, Hints
 from bdn.daemon.replica import contract
 from bdn.daemon.replica import engines as engine_rules
 from bdn.daemon.replica.engines import Engine
-from bdn.daemon.replica.changes import ChangedTensorsCache
+from bdn.daemon.replica.changes import ChangedTensorsCache, DeltaSource, delta_source
 from bdn.daemon.replica.options import DEFAULT_OPTIONS
 from bdn.daemon.replica.ports import SnapshotRecord, Snapshots
 from bdn.daemon.replica.target import Target, later, supersedes
@@ -139,10 +139,21 @@ class ReplicaView:
         log.info("hot-load: %s superseded by %s", old, new)
 
     async def on_job_changed(self, job: SnapshotRecord) -> None:
-        """Event: a snapshot on this node changed (the catalog calls this)."""
+        """Event: a snapshot on this node changed (the catalog calls this). A delta target whose
+        stored layer is complete (``applying``) starts the changed-tensor list for the engines that
+        serve its base, so the offer at READY does not wait for it."""
         if job.state == "ready":
             self.on_snapshot_ready(job.identity)
+        elif job.state == "applying" and self.target is not None and self.target.identity == job.identity:
+            delta = self._delta_source(job.identity)
+            if delta is not None and any(e.acked == delta.base for e in self.engines.values()):
+                self.changes.start(delta.base, job.identity, delta)
         await self.poke()
+
+    def _delta_source(self, identity: str) -> DeltaSource | None:
+        job = self.snapshots.get(identity)
+        stored_dir, m = getattr(self.snapshots, "stored_dir", None), getattr(job, "manifest", None)  # fakes lack them
+        return delta_source(m, stored_dir(identity)) if m is not None and stored_dir is not None else None
 
     def on_snapshot_ready(self, identity: str) -> None:
         """With no engine registered, the daemon serves what is ready."""
@@ -367,7 +378,7 @@ class ReplicaView:
                 base = engine.acked
                 base_job = self.snapshots.get(base) if base else None
                 if base and base != ident and base_job is not None and base_job.state == "ready":
-                    names = await self.changes.between(base, ident)
+                    names = await self.changes.between(base, ident, self._delta_source(ident))
                     if names is not None:
                         offer.update(changed_tensors=names, changed_tensors_base=base)
                 engine.last_seen = self.clock.monotonic()
