@@ -40,6 +40,7 @@ from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.fetch.sources import Sources
 from bdn.daemon.foreign_source import ForeignLoader, Hints
 from bdn.daemon.gossip import Gossip
+from bdn.daemon.http.guard import GuardedRunner
 from bdn.daemon.http.local import make_local_app
 from bdn.daemon.http.peer import make_peer_app
 from bdn.daemon.http.services import Services
@@ -189,14 +190,18 @@ class App:
 
     async def _listen(self) -> None:
         cfg = self.cfg
-        # keepalive_timeout also bounds a connection that never completes a request (aiohttp
-        # arms it at connect), so idle or slowloris connections cannot pile up for minutes.
-        peer_runner = web.AppRunner(make_peer_app(self.services), access_log=None, keepalive_timeout=15)
+        # keepalive_timeout bounds idle connections; the guard (http/guard.py) bounds unfinished
+        # requests (http_header_timeout_s), open connections and answers bad headers in one line.
+        guard = dict(header_timeout_s=cfg.http_header_timeout_s, max_connections=cfg.http_max_connections,
+                     stats=self.stats, max_line_size=8190, max_field_size=8190, max_headers=128)
+        peer_runner = GuardedRunner(make_peer_app(self.services), name="peer API", access_log=None,
+                                    keepalive_timeout=15, **guard)
         await peer_runner.setup()
         self._runners.append(peer_runner)
         host, port = split_hostport(cfg.peer_listen)
         await web.TCPSite(peer_runner, host or None, port, reuse_address=True).start()
-        local_runner = web.AppRunner(make_local_app(self.services), access_log=None, keepalive_timeout=75)
+        local_runner = GuardedRunner(make_local_app(self.services), name="local API", access_log=None,
+                                     keepalive_timeout=75, **guard)
         await local_runner.setup()
         self._runners.append(local_runner)
         if cfg.local_listen:

@@ -40,6 +40,7 @@ _MINIMUM: dict[str, float] = {
     "max_inflight": 1, "bucket_concurrency": 1, "max_uploads": 1, "uploads_per_chunk": 1,
     "max_per_peer": 1, "peer_timeout_s": 0.001, "manifest_poll_s": 0.001, "progress_interval_s": 0.001,
     "peers_dns_interval_s": 0.001, "foreign_chunk_size": 4096, "max_delta_chain": 1,
+    "http_header_timeout_s": 0.001, "http_max_connections": 1,
 }
 
 
@@ -99,6 +100,8 @@ class Config:
     transfer_listen: str = field(default="auto", metadata={"help": 'host:port of the transfer server for chunk bytes (the wire of bdn.proto.wire); "auto" = the peer host and port + 1 (+ 2 where local_listen has + 1); "" = off (chunks over HTTP only)'})
     transfer_advertise: str = field(default="", metadata={"help": 'host:port peers use to reach the transfer server (NAT, a Service port); "" = the advertise_url host and the bound port'})
     chunk_log: str = field(default="", metadata={"help": 'path of a JSON-lines log with one line per chunk fetched (source, start, end, bytes, retries, busy answers); "" = off'})
+    http_header_timeout_s: float = field(default=10.0, metadata={"help": 'a connection to the peer port or the local API whose request headers are not complete this long after connect (or after its first bytes on a keep-alive connection) is closed (slowloris)'})
+    http_max_connections: int = field(default=4096, metadata={"help": 'most open connections on each HTTP listener (peer port, local API); more are answered 503 and closed'})
     local_allow_remote: bool = field(default=False, metadata={"help": 'allow local_listen on a non-loopback address (the local API has no auth)'})
 
     # ---- loading -------------------------------------------------------------------------

@@ -23,6 +23,9 @@ COUNTERS = (
     "chunks_quarantined",
     "peer_wire_bytes_in",  # the part of peer_bytes_in/out that went over the transfer wire
     "peer_wire_bytes_out",
+    "http_header_timeouts",  # bdn/daemon/http/guard.py: requests not complete in http_header_timeout_s
+    "http_connections_refused",  # over http_max_connections
+    "http_bad_requests",  # unparsable requests (431 / 400)
 )
 
 
