@@ -30,6 +30,7 @@ from bdn.bucket import BucketError, ObjectNotFound, open_bucket
 from bdn.daemon import wire_peer
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.catalog import Catalog
+from bdn.daemon.chunkcheck import ChunkCheck
 from bdn.daemon.chunklog import open_chunk_log
 from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config, split_hostport
@@ -113,14 +114,19 @@ class App:
                                Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
                                RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
         self.readiness = Readiness(cfg.node_id, self.bucket, self.catalog, self.replica, clock)
+        self.checks = ChunkCheck(self.index, self.catalog, self.peers, self.stats, self.pools.disk,
+                                 RateLimit.from_mbit(cfg.scrub_mbit) if cfg.scrub_mbit > 0 else None, cfg.log_repeat_s)
+        sources.on_bad_bytes = self.checks.report
         self.wire = wire_peer.adopt(cfg, self.keys, serving, self.index, self.stats, sources, self.membership,
                                     self.pools.disk, self.fetcher.chunk_log, self.catalog)
+        if sources.wire is not None:
+            sources.wire.on_bad_bytes = self.checks.report
         self.services = Services(
             cfg=cfg, keys=self.keys, nonces=NonceCache(), catalog=self.catalog, replica=self.replica,
             hotload=self.hotload, gossip=self.gossip, serving=serving,
             status=StatusView(cfg, self.keys.swarm_id, self.membership, self.bucket, self.stats, self.catalog, clock),
             metrics=Metrics(self.stats, self.catalog, self.membership, self.bucket, self.replica),
-            readiness=self.readiness,
+            readiness=self.readiness, checks=self.checks,
         )
         self.should_exit = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -172,6 +178,9 @@ class App:
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
         self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
         self._tasks.append(asyncio.create_task(self.replica.expiry_loop(), name="engine-expiry"))
+        self._tasks.append(asyncio.create_task(self.checks.run(), name="chunk-reports"))
+        if self.checks.scrub is not None:
+            self._tasks.append(asyncio.create_task(self.checks.scrub_loop(), name="scrub"))
         await self._listen()
         self.readiness.listening = True
         if self.wire is not None:
