@@ -26,7 +26,7 @@ def daemons(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
         for d in (quick, small):
             d.start([])
         for d in (quick, small):
-            d.wait_healthy()
+            d.wait_healthy(240)  # generous: a loaded machine imports for tens of seconds
         yield quick, small
     finally:
         for d in (quick, small):

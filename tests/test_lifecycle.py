@@ -27,7 +27,7 @@ def test_sigterm_during_startup_settling_stops_cleanly_and_sighup_is_ignored(tmp
     d = Daemon(tmp_path, "n1", f"file://{bucket}", extra_env={"BDN_STARTUP_SETTLE_S": "600"})
     d.start([f"http://127.0.0.1:{free_port()}"])
     try:
-        d.wait_healthy()
+        d.wait_healthy(240)  # generous: a loaded machine imports for tens of seconds
         _wait_log(d, "listening")
         assert d.proc is not None
         d.proc.send_signal(signal.SIGHUP)
