@@ -16,7 +16,7 @@ import msgpack
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
 from support.checkpoints import make_state, write_hf_dir
-from support.swarm import SECRET, Daemon, Swarm
+from support.swarm import SECRET, Daemon
 
 CHUNK = 64 << 10
 SHARD = "model-00001-of-00002.safetensors"
@@ -100,17 +100,26 @@ def test_a_receiver_reports_a_bad_chunk_and_the_sender_repairs_it(tmp_path: Path
     ck = write_hf_dir(tmp_path / "ck", make_state(0, scale=2), 1)
     publish_full(bucket, "step000001", 1, dir=ck, chunk_size=CHUNK)
     good = (ck / SHARD).read_bytes()
-    with Swarm(tmp_path / "nodes", 2, bucket, extra_env=NO_STARTUP) as swarm:
-        sender, receiver = swarm.daemons
-        swarm.wait_members()
+    # The receiver starts only once the sender's copy went bad (two daemons running together
+    # would both fetch it: a peer's request makes a daemon join the snapshot).
+    sender = Daemon(tmp_path / "nodes", "sender", bucket, extra_env=NO_STARTUP)
+    receiver = Daemon(tmp_path / "nodes", "receiver", bucket, extra_env=NO_STARTUP)
+    try:
+        sender.start([])
+        sender.wait_healthy()
         assert sender.prefetch("step000001")[0] == 202
         path = Path(sender.wait_ready("step000001")["path"])
         _flip(path / SHARD, CHUNK + 5)  # served as it is on disk until someone notices
         # The receiver takes chunks from the holder first: it gets the bad one, penalises the
         # sender, tells it, and takes the chunk elsewhere.
+        receiver.start([sender.peer_url])
+        receiver.wait_healthy()
         assert receiver.prefetch("step000001")[0] == 202
         receiver.wait_ready("step000001")
         assert _ready_bytes(receiver) == good
         _wait("sender quarantined", lambda: _metric(sender, "bdn_chunks_quarantined_total") == 1, sender)
         _wait("sender repaired", lambda: _ready_bytes(sender) == good, sender)
         assert _metric(sender, "bdn_bad_chunk_reports_refuted_total") == 0
+    finally:
+        receiver.stop()
+        sender.stop()
