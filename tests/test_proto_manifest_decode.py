@@ -24,7 +24,8 @@ def _doc(n: int, indent: int | None = 1) -> bytes:
              {"path": "b.safetensors", "size": 1, "chunks": ["f" * 32],
               "result": {"size": 4096 * n, "chunks": [f"{c + 7:032x}" for c in range(n)]}}]
     return json.dumps({"format": "bdn.snapshot/1", "identity": "s1", "kind": "delta", "policy_version": 1,
-                       "chunk_size": 4096, "files": files}, indent=indent).encode()
+                       "chunk_size": 4096, "base_identity": "s0", "compression_format": "arc_v2",
+                       "checksum_format": "alder32", "files": files}, indent=indent).encode()
 
 
 @settings(max_examples=25, deadline=None)
