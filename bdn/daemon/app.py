@@ -30,6 +30,7 @@ from bdn.bucket import BucketError, ObjectNotFound, open_bucket
 from bdn.daemon import wire_peer
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.catalog import Catalog
+from bdn.daemon.chunkcheck import ChunkCheck
 from bdn.daemon.chunklog import open_chunk_log
 from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config, split_hostport
@@ -40,6 +41,7 @@ from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.fetch.sources import Sources
 from bdn.daemon.foreign_source import ForeignLoader, Hints
 from bdn.daemon.gossip import Gossip
+from bdn.daemon.http.guard import GuardedRunner
 from bdn.daemon.http.local import make_local_app
 from bdn.daemon.http.peer import make_peer_app
 from bdn.daemon.http.services import Services
@@ -114,14 +116,19 @@ class App:
                                Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
                                RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
         self.readiness = Readiness(cfg.node_id, self.bucket, self.catalog, self.replica, clock)
+        self.checks = ChunkCheck(self.index, self.catalog, self.peers, self.stats, self.pools.disk,
+                                 RateLimit.from_mbit(cfg.scrub_mbit) if cfg.scrub_mbit > 0 else None, cfg.log_repeat_s)
+        sources.on_bad_bytes = self.checks.report
         self.wire = wire_peer.adopt(cfg, self.keys, serving, self.index, self.stats, sources, self.membership,
                                     self.pools.disk, self.fetcher.chunk_log, self.catalog)
+        if sources.wire is not None:
+            sources.wire.on_bad_bytes = self.checks.report
         self.services = Services(
             cfg=cfg, keys=self.keys, nonces=NonceCache(), catalog=self.catalog, replica=self.replica,
             hotload=self.hotload, gossip=self.gossip, serving=serving,
             status=StatusView(cfg, self.keys.swarm_id, self.membership, self.bucket, self.stats, self.catalog, clock),
             metrics=Metrics(self.stats, self.catalog, self.membership, self.bucket, self.replica),
-            readiness=self.readiness,
+            readiness=self.readiness, checks=self.checks,
         )
         self.should_exit = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -174,6 +181,9 @@ class App:
         self._tasks.append(asyncio.create_task(self.hotload.status.loop(), name="fleet-status"))
         self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
         self._tasks.append(asyncio.create_task(self.replica.expiry_loop(), name="engine-expiry"))
+        self._tasks.append(asyncio.create_task(self.checks.run(), name="chunk-reports"))
+        if self.checks.scrub is not None:
+            self._tasks.append(asyncio.create_task(self.checks.scrub_loop(), name="scrub"))
         await self._listen()
         self.readiness.listening = True
         if self.wire is not None:
@@ -192,14 +202,18 @@ class App:
 
     async def _listen(self) -> None:
         cfg = self.cfg
-        # keepalive_timeout also bounds a connection that never completes a request (aiohttp
-        # arms it at connect), so idle or slowloris connections cannot pile up for minutes.
-        peer_runner = web.AppRunner(make_peer_app(self.services), access_log=None, keepalive_timeout=15)
+        # keepalive_timeout bounds idle connections; the guard (http/guard.py) bounds unfinished
+        # requests (http_header_timeout_s), open connections and answers bad headers in one line.
+        guard = dict(header_timeout_s=cfg.http_header_timeout_s, max_connections=cfg.http_max_connections,
+                     stats=self.stats, max_line_size=8190, max_field_size=8190, max_headers=128)
+        peer_runner = GuardedRunner(make_peer_app(self.services), name="peer API", access_log=None,
+                                    keepalive_timeout=15, **guard)
         await peer_runner.setup()
         self._runners.append(peer_runner)
         host, port = split_hostport(cfg.peer_listen)
         await web.TCPSite(peer_runner, host or None, port, reuse_address=True).start()
-        local_runner = web.AppRunner(make_local_app(self.services), access_log=None, keepalive_timeout=75)
+        local_runner = GuardedRunner(make_local_app(self.services), name="local API", access_log=None,
+                                     keepalive_timeout=75, **guard)
         await local_runner.setup()
         self._runners.append(local_runner)
         if cfg.local_listen:

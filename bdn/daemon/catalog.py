@@ -221,11 +221,12 @@ class Catalog:
             raise Conflict(f"snapshot {identity!r} is {job.state}, not ready")
         return job, self.store.ready_dir(identity)
 
-    async def repair(self, identity: str) -> dict[str, Any]:
-        """Re-hash ready snapshot ``identity``; quarantine and re-fetch its corrupted chunks
-        (``Runner.repair``: shapes there). Raises NotFound (unknown) or Conflict (not ready)."""
+    async def repair(self, identity: str, positions: list[int] | None = None) -> dict[str, Any]:
+        """Re-hash ready snapshot ``identity`` (every rebuilt chunk, or those at ``positions``);
+        quarantine and re-fetch its corrupted chunks (``Runner.repair``: shapes there). Raises
+        NotFound (unknown) or Conflict (not ready)."""
         job, _ = self.ready(identity)
-        return await self.runner.repair(job)
+        return await self.runner.repair(job, positions)
 
     def ready_dir(self, identity: str) -> Path:
         return self.store.ready_dir(identity)

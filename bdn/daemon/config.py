@@ -42,6 +42,7 @@ _MINIMUM: dict[str, float] = {
     "peers_dns_interval_s": 0.001, "foreign_chunk_size": 4096, "max_delta_chain": 1,
     "swim_period_s": 0.05, "swim_ack_timeout_s": 0.01, "swim_suspect_mult": 1, "swim_sync_interval_s": 1,
     "status_aggregators": 1, "status_report_s": 0.1,
+    "http_header_timeout_s": 0.001, "http_max_connections": 1,
 }
 
 
@@ -103,6 +104,9 @@ class Config:
     transfer_listen: str = field(default="auto", metadata={"help": 'host:port of the transfer server for chunk bytes (the wire of bdn.proto.wire); "auto" = the peer host and port + 1 (+ 2 where local_listen has + 1); "" = off (chunks over HTTP only)'})
     transfer_advertise: str = field(default="", metadata={"help": 'host:port peers use to reach the transfer server (NAT, a Service port); "" = the advertise_url host and the bound port'})
     chunk_log: str = field(default="", metadata={"help": 'path of a JSON-lines log with one line per chunk fetched (source, start, end, bytes, retries, busy answers); "" = off'})
+    scrub_mbit: float = field(default=0.0, metadata={"help": 'background re-hash of every ready snapshot\'s chunks in shm at this rate, Mbit/s, over and over (a chunk gone bad is quarantined and fetched again); 0 = off'})
+    http_header_timeout_s: float = field(default=10.0, metadata={"help": 'a connection to the peer port or the local API whose request headers are not complete this long after connect (or after its first bytes on a keep-alive connection) is closed (slowloris)'})
+    http_max_connections: int = field(default=4096, metadata={"help": 'most open connections on each HTTP listener (peer port, local API); more are answered 503 and closed'})
     local_allow_remote: bool = field(default=False, metadata={"help": 'allow local_listen on a non-loopback address (the local API has no auth)'})
     # membership and hot-load spread (bdn.control; DESIGN.md "Membership", "Hot-load")
     swim_period_s: float = field(default=1.0, metadata={"help": 'SWIM protocol period: each daemon probes one member per period'})

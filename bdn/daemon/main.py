@@ -7,13 +7,32 @@ process holds (one line on stderr, before anything listens), 1 when a port canno
 
 from __future__ import annotations
 
-import argparse
+import os
+import signal
+import sys
+
+
+class EarlyStop(SystemExit):
+    """SIGTERM/SIGINT before the App's handlers are in place: exit 0 (nothing was started)."""
+
+
+def _stop_early(signum: int, frame: object) -> None:
+    raise EarlyStop(0)
+
+
+# Before the heavy imports below (aiohttp, numpy, boto3: ~0.3 s): the default action of SIGTERM
+# would end bdnd by the signal, which systemd and Kubernetes report as a failure. Only when this
+# module is the program (``bdnd``, ``python -m bdn.daemon.main``), not when a test imports it.
+if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "bdnd":
+    signal.signal(signal.SIGTERM, _stop_early)
+    signal.signal(signal.SIGINT, _stop_early)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the App logs a SIGHUP once its handlers are in
+
+import argparse  # noqa: E402  (the handlers above come first on purpose)
 import asyncio
 import json
 import logging
-import os
 import socket
-import sys
 import time
 
 from bdn import __version__

@@ -53,6 +53,16 @@ class _Collector:
         yield CounterMetricFamily("bdn_chunks_quarantined", "Chunks of ready snapshots found corrupted on this "
                                   "node (bdnctl verify --repair): no longer served, fetched again",
                                   value=c["chunks_quarantined"])
+        yield CounterMetricFamily("bdn_bad_chunk_reports_refuted", "Peers' reports of a bad chunk from this node "
+                                  "that its re-hash refuted (the bytes here match)", value=c["bad_chunk_reports_refuted"])
+        yield CounterMetricFamily("bdn_chunks_scrubbed", "Chunks of ready snapshots re-hashed by the scrub",
+                                  value=c["chunks_scrubbed"])
+        h = CounterMetricFamily("bdn_http_guard", "Connections the HTTP guards closed or refused "
+                                "(bdn/daemon/http/guard.py)", labels=["reason"])
+        h.add_metric(["header_timeout"], c["http_header_timeouts"])
+        h.add_metric(["too_many_connections"], c["http_connections_refused"])
+        h.add_metric(["bad_request"], c["http_bad_requests"])
+        yield h
         s = GaugeMetricFamily("bdn_snapshots", "Snapshots on this node by state", labels=["state"])
         for st in STATES:
             s.add_metric([st], sum(1 for j in jobs if j.state == st))

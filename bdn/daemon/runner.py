@@ -138,8 +138,9 @@ class Runner:
             await job.notify()
 
     # ---- repair: a ready snapshot whose bytes on disk went bad ----------------------------------
-    async def repair(self, job: SnapshotJob) -> dict[str, Any]:
-        """Re-hash a ready snapshot's files; quarantine and re-fetch every corrupted chunk.
+    async def repair(self, job: SnapshotJob, positions: list[int] | None = None) -> dict[str, Any]:
+        """Re-hash a ready snapshot's files (or only its rebuilt chunks at ``positions``: a peer's
+        report, the scrub); quarantine and re-fetch every corrupted chunk.
 
         Corrupted chunks are quarantined at once: no longer served to peers (the index drops this
         node's copy), and the snapshot leaves ``ready`` (its directory goes back to staging, READY
@@ -155,9 +156,15 @@ class Runner:
         """
         assert self.jobs is not None and job.manifest is not None
         refs = job.result_refs
-        bad = await self._on(self.pools.disk, diskio.corrupt_chunks, refs, lambda fi: job.file_path(RESULT, fi))
+        path_of = lambda fi: job.file_path(RESULT, fi)  # noqa: E731
+        if positions is None:
+            bad = await self._on(self.pools.disk, diskio.corrupt_chunks, refs, path_of)
+        else:
+            want = {p for p in positions if 0 <= p < len(refs)}
+            good = await self._on(self.pools.disk, diskio.verify_held, refs, want.__contains__, path_of)
+            bad = sorted(want - set(good))
         report: dict[str, Any] = {
-            "identity": job.identity, "chunks": len(refs),
+            "identity": job.identity, "chunks": len(refs) if positions is None else len(positions),
             "corrupted": [{"path": refs[i].path, "chunk": refs[i].index, "offset": refs[i].offset,
                            "length": refs[i].length} for i in bad[:1000]],
         }

@@ -23,6 +23,11 @@ COUNTERS = (
     "chunks_quarantined",
     "peer_wire_bytes_in",  # the part of peer_bytes_in/out that went over the transfer wire
     "peer_wire_bytes_out",
+    "http_header_timeouts",  # bdn/daemon/http/guard.py: requests not complete in http_header_timeout_s
+    "http_connections_refused",  # over http_max_connections
+    "http_bad_requests",  # unparsable requests (431 / 400)
+    "bad_chunk_reports_refuted",  # a peer said a chunk of ours was bad; re-hashed, it was not
+    "chunks_scrubbed",  # chunks of ready snapshots re-hashed by the scrub
 )
 
 

@@ -289,6 +289,7 @@ class Store:
             os.fsync(fh.fileno())
         os.replace(tmp, st / READY_NAME)
         self.progress_path(m.identity).unlink(missing_ok=True)
+        _set_modes(st, READ_ONLY)  # an engine cannot write into a ready snapshot by mistake
         final = self.ready_dir(m.identity)
         if final.exists():
             self._retire(final)
@@ -305,6 +306,7 @@ class Store:
         marker = (final / READY_NAME).read_bytes()
         os.replace(final, st)
         (st / READY_NAME).unlink()
+        _set_modes(st, WRITABLE)  # the repair writes the re-fetched chunks into them
         return marker
 
     def _retire(self, d: Path) -> None:
@@ -327,3 +329,15 @@ class Store:
         """Remove everything of a snapshot (GC)."""
         self.discard(identity)
         self._retire(self.ready_dir(identity))
+
+
+READ_ONLY = 0o444
+WRITABLE = 0o644
+
+
+def _set_modes(directory: Path, mode: int) -> None:
+    """chmod every file under ``directory`` (not the directories: GC and repair rename and
+    delete in them)."""
+    for parent, _, names in os.walk(directory):
+        for name in names:
+            os.chmod(os.path.join(parent, name), mode)

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, num_chunks
 from bdn.proto.errors import ManifestError, ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
@@ -166,13 +168,7 @@ class Manifest:
         """
         if len(data) > MAX_MANIFEST_BYTES:
             raise ManifestError(f"manifest is {len(data)} bytes, over the {MAX_MANIFEST_BYTES} limit")
-        try:
-            obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ManifestError(f"manifest is not valid JSON: {e}") from None
-        except RecursionError:
-            # json's C decoder recurses per nesting level: "[[[[..." of a few KB exhausts it.
-            raise ManifestError("manifest is not valid JSON: nested too deeply") from None
+        obj = decode_manifest_json(data)
         try:
             m = cls.from_dict(obj)
         except ManifestError:
@@ -279,6 +275,102 @@ class Manifest:
             compression_format=comp,
             checksum_format=cksum,
         )
+
+
+# ---- decoding without holding the GIL for long ---------------------------------------------
+# A daemon parses manifests on a worker thread, but a C decoder keeps the GIL for the whole
+# call: ``json.loads`` of a 36 MB manifest (10^6 chunks) held the event loop ~0.5 s (issue 12,
+# item 2). So the structure is decoded by msgspec with every ``chunks`` list left as raw JSON
+# bytes (one fast scan, no string objects), then each list is decoded in windows of
+# ``DECODE_WINDOW`` bytes, a few milliseconds each, between which the loop runs. Own code
+# because no JSON library decodes incrementally into a list; the windowing is exact (below).
+DECODE_WINDOW = 1 << 20
+
+
+class _RawResult(msgspec.Struct):
+    size: Any = None
+    chunks: msgspec.Raw = msgspec.Raw()
+
+
+class _RawFile(msgspec.Struct):
+    path: Any = None
+    size: Any = None
+    chunks: msgspec.Raw = msgspec.Raw()
+    result: _RawResult | None | msgspec.UnsetType = msgspec.UNSET
+
+
+class _RawManifest(msgspec.Struct):
+    files: list[_RawFile]
+    format: Any = msgspec.UNSET
+    identity: Any = msgspec.UNSET
+    kind: Any = msgspec.UNSET
+    policy_version: Any = msgspec.UNSET
+    chunk_size: Any = msgspec.UNSET
+    created_at: Any = msgspec.UNSET
+    base_identity: Any = msgspec.UNSET
+    compression_format: Any = msgspec.UNSET
+    checksum_format: Any = msgspec.UNSET
+
+
+def _present(struct: msgspec.Struct) -> dict[str, Any]:
+    return {k: v for k in struct.__struct_fields__ if (v := getattr(struct, k)) is not msgspec.UNSET}
+
+
+def decode_manifest_json(data: bytes | str) -> Any:
+    """The manifest's JSON as plain Python objects (dicts, lists, str, int) for
+    ``Manifest.from_dict``, decoded in short steps (see above); a document of another shape
+    (``files`` not a list of objects, ...) is decoded plainly and ``from_dict`` names what is
+    wrong. Raises ManifestError("manifest is not valid JSON: ...")."""
+    try:
+        try:
+            m = msgspec.json.decode(data, type=_RawManifest)
+        except msgspec.ValidationError:
+            return msgspec.json.decode(data)
+        obj = _present(m)
+        files = []
+        for f in m.files:
+            d = _present(f)
+            d["chunks"] = _decode_list(f.chunks) if f.chunks else None
+            if isinstance(f.result, _RawResult):
+                r = _present(f.result)
+                r["chunks"] = _decode_list(f.result.chunks) if f.result.chunks else None
+                d["result"] = r
+            files.append(d)
+        obj["files"] = files
+        return obj
+    except (msgspec.DecodeError, UnicodeDecodeError) as e:
+        if "surrogate" in str(e):  # "\ud800": valid JSON to some, but no UTF-8 path or key holds it
+            raise ManifestError("manifest is not valid JSON: a string (a file path?) holds a lone UTF-16 "
+                                f"surrogate, which is not valid UTF-8 ({e})") from None
+        raise ManifestError(f"manifest is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ManifestError("manifest is not valid JSON: nested too deeply") from None
+
+
+def _decode_list(raw: bytes) -> Any:
+    """A JSON value, decoded window by window when it is a large array.
+
+    The array is cut at the first comma past each ``DECODE_WINDOW`` bytes and each piece is
+    decoded as ``[piece]``. A cut inside a string leaves that piece with an unterminated string,
+    and one inside a nested value leaves it unbalanced, so either fails to decode: when every
+    piece decodes, their elements are exactly the whole array's (an empty piece is a stray
+    comma, refused). The converse does not hold: a long list of strings holding commas (never
+    chunk digests, which are hex) is refused as invalid JSON.
+    """
+    body = bytes(raw).strip()
+    if len(body) <= DECODE_WINDOW or not (body.startswith(b"[") and body.endswith(b"]")):
+        return msgspec.json.decode(body)
+    out: list[Any] = []
+    start, stop = 1, len(body) - 1
+    while True:
+        cut = body.find(b",", min(start + DECODE_WINDOW, stop), stop)
+        piece = msgspec.json.decode(b"[" + body[start:cut if cut >= 0 else stop] + b"]")
+        if not piece:
+            raise msgspec.DecodeError("an empty element in an array (a stray comma)")
+        out.extend(piece)
+        if cut < 0:
+            return out
+        start = cut + 1
 
 
 _FILE = object()  # leaf marker in the path tree

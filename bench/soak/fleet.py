@@ -141,7 +141,7 @@ class Fleet:
         self.bucket_url = f"s3://{name}/soak"
         self.proxy = BurstProxy(self.endpoint).start()
 
-    def start_daemons(self, timeout: float = 120.0) -> None:
+    def start_daemons(self, timeout: float = 600.0) -> None:  # 8 daemons importing at load 25+: minutes
         """Create and start every daemon; return once all see each other alive."""
         assert self.proxy is not None
         env = {"BDN_API_TOKEN": self.token, "BDN_ENDPOINT_URL": self.proxy.url,
@@ -207,7 +207,7 @@ class Fleet:
             life.ended, life.ended_by = self.clock(), "kill"
             return proc.pid
 
-    def restart(self, node_id: str, extra_peers: list[str] | None = None, timeout: float = 120.0) -> float:
+    def restart(self, node_id: str, extra_peers: list[str] | None = None, timeout: float = 300.0) -> float:
         """Start a daemon that is down again; wait until healthy; seconds it took."""
         t0 = time.monotonic()
         with self._lock:

@@ -52,7 +52,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_moto_server(timeout: float = 30.0) -> tuple[subprocess.Popen[bytes], str]:
+def start_moto_server(timeout: float = 240.0) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``python -m moto.server`` on a free loopback port; return (process, endpoint URL).
 
     Waits until the server answers HTTP. Raises ``RuntimeError`` (with the server's log tail) if

@@ -87,7 +87,7 @@ class Daemon:
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
-    def wait_healthy(self, timeout: float = 60.0) -> None:  # generous: a loaded machine starts Python slowly
+    def wait_healthy(self, timeout: float = 240.0) -> None:  # generous: on a loaded machine the imports alone took 60+ s
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:

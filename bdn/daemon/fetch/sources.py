@@ -95,6 +95,7 @@ class Sources:
         self.repeat = RepeatLog(log, cfg.log_repeat_s)  # lines that can repeat per chunk
         self.wire: Any = None  # bdn.daemon.fetch.wire_source.WireSource when the transfer wire is on
         self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
+        self.on_bad_bytes: Callable[[str, str, str, str], None] | None = None  # (url, node, address, snapshot)
 
     async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -181,6 +182,8 @@ class Sources:
         if not good:
             self.stats.verify_failed(m.node_id)
             self.membership.penalise(m.url, self.cfg.penalty_s)
+            if self.on_bad_bytes is not None and job.foreign is None:
+                self.on_bad_bytes(m.url, m.node_id, address, job.identity)  # chunkcheck: tell the peer
             self.repeat.log(logging.WARNING, ("bad bytes", m.url),
                             "snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
                             job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s,

@@ -84,6 +84,7 @@ class WireSource:
         self.alloc, self.free = alloc, free
         self.chunk_log = chunk_log
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
+        self.on_bad_bytes: Callable[[str, str, str, str], None] | None = None  # (url, node, address, snapshot)
 
     async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -126,6 +127,8 @@ class WireSource:
         elif res.outcome is Outcome.CORRUPT:
             self.stats.verify_failed(m.node_id)
             self.membership.penalise(m.url, self.cfg.penalty_s)
+            if self.on_bad_bytes is not None:
+                self.on_bad_bytes(m.url, m.node_id, address, job.identity)  # chunkcheck: tell the peer
             log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
                         job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s, extra={"peer": m.node_id})
         elif res.outcome is Outcome.FAILED:

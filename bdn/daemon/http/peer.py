@@ -9,6 +9,9 @@
   out (``bdn.daemon.gossip``).
 - ``POST hot_load`` (msgpack target, pushed by gossip), ``GET replica``.
 - ``POST status`` (a replica's row to an aggregator), ``GET status?identity=`` (an aggregator's rows).
+- ``POST bad_chunk`` (msgpack ``{address, snapshot}``, at most 1 KiB): the asker got bytes from
+  this node that do not match the chunk's digest; 202 the chunk is re-hashed here (the report
+  is not trusted, ``bdn.daemon.chunkcheck``), 503 too many reports queued, 400 malformed.
 
 Every request must carry a valid ``BDN-HMAC`` signature made for this daemon's node id; anything
 else (including an unknown swarm id) gets 401 with an empty body, so a stranger learns nothing
@@ -42,6 +45,7 @@ log = logging.getLogger("bdn.http.peer")
 ADDRESS_RE = re.compile(r"\A[0-9a-f]{32}\Z")
 MAX_MEMBERS_BODY = 1 << 20
 MAX_TARGET_BODY = 64 << 10
+MAX_REPORT_BODY = 1 << 10
 MAX_WAIT_S = 60.0
 
 
@@ -223,6 +227,23 @@ async def get_status(request: web.Request) -> web.Response:
     return web.json_response({"rows": services(request).hotload.status.rows_for(ident)})
 
 
+async def post_bad_chunk(request: web.Request) -> web.Response:
+    """POST bad_chunk (msgpack {address, snapshot}) -> 202 queued for a re-hash; 400; 413; 503 full."""
+    try:
+        body = await read_body(request.content, MAX_REPORT_BODY, request.content_length)
+        obj = msgpack.unpackb(body, raw=False)
+    except BodyTooLarge as e:
+        return text(413, f"bad_chunk {e}")
+    except (ValueError, msgpack.UnpackException, RecursionError):
+        return text(400, "bad_chunk body is not msgpack")
+    address = obj.get("address") if isinstance(obj, dict) else None
+    if not isinstance(address, str) or not ADDRESS_RE.match(address):
+        return text(400, "bad_chunk address must be 32 lowercase hex characters")
+    if not services(request).checks.reported(request["peer"], address):
+        return web.Response(status=503, headers={"Retry-After": "5"}, text="too many chunk reports queued\n")
+    return text(202, "chunk queued for a re-hash")
+
+
 async def get_replica(request: web.Request) -> web.Response:
     """GET replica -> 200 this replica as the hot-load GET lists it (JSON)."""
     return web.json_response(services(request).replica.replica())
@@ -245,6 +266,7 @@ def make_peer_app(svc: Services) -> web.Application:
     app.router.add_get(p + "/replica", get_replica)
     app.router.add_post(p + "/status", post_status)
     app.router.add_get(p + "/status", get_status)
+    app.router.add_post(p + "/bad_chunk", post_bad_chunk)
     app.router.add_route("POST", hotload.PATH, hotload.public)
     app.router.add_route("GET", hotload.PATH, hotload.public)
     return app

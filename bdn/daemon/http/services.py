@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from bdn.daemon.catalog import Catalog
+from bdn.daemon.chunkcheck import ChunkCheck
 from bdn.daemon.config import Config
 from bdn.daemon.gossip import Gossip
 from bdn.daemon.metrics import Metrics
@@ -34,6 +35,7 @@ class Services:
     status: StatusView
     metrics: Metrics
     readiness: Readiness
+    checks: ChunkCheck
 
 
 SERVICES = web.AppKey("services", Services)

@@ -140,7 +140,8 @@ class HotLoad:
             raise Upstream(f"cannot read the manifest of {identity!r}: {e}") from None
         self.stats.add("bucket_manifest_bytes", len(data))
         try:
-            return Manifest.from_json(data, expect_identity=identity)
+            # a worker thread: a 10^6-chunk manifest takes seconds to validate (issue 12, item 2)
+            return await asyncio.to_thread(Manifest.from_json, data, expect_identity=identity)
         except ManifestError as e:
             raise Upstream(f"the bucket holds an invalid manifest for {identity!r}: {e}") from None
 
