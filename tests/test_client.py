@@ -581,6 +581,11 @@ def test_bdnctl_main_in_process(bdnd: Bdnd, capsys: pytest.CaptureFixture[str]) 
     assert "step000002" in capsys.readouterr().out
     assert bdnctl_main(["--url", bdnd.url, "verify", "step999999"]) == 1
     assert "404" in capsys.readouterr().err
+    # gc in text: the kept snapshots by name; "nothing to collect" rather than a bare dash
+    assert bdnctl_main(["--url", bdnd.url, "gc"]) == 0
+    removed, kept = capsys.readouterr().out.splitlines()
+    assert removed == "removed 0 (nothing to collect)" or removed.startswith("removed "), removed
+    assert ": -" not in removed and kept.startswith("kept ") and "step000002" in kept, kept
 
 
 # -- against the real daemon ----------------------------------------------------------------------

@@ -78,6 +78,6 @@ def _gc(client: DaemonClient, args: argparse.Namespace) -> int:
         return EXIT_OK
     removed = [str(x) for x in ans.get("removed") or []] if isinstance(ans.get("removed"), list) else []
     kept = [str(x) for x in ans.get("kept") or []] if isinstance(ans.get("kept"), list) else []
-    print(f"removed {len(removed)}: {cell(', '.join(removed))}")
-    print(f"kept {len(kept)}: {cell(', '.join(kept))}")
+    print(f"removed {len(removed)}" + (f": {', '.join(removed)}" if removed else " (nothing to collect)"))
+    print(f"kept {len(kept)}" + (f": {', '.join(kept)}" if kept else ""))
     return EXIT_OK
