@@ -23,7 +23,7 @@ import pytest
 
 from bdn.client import DaemonError, EngineLink, hot_load, hot_load_status
 from bdn.publish import publish_delta, publish_full, publish_startup
-from support.api import http
+from support.api import http, wait_for
 from support.swarm import Swarm, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,6 +249,14 @@ def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
         assert codes == [0] * len(engines), "engines must stop cleanly on SIGTERM:\n" + "\n".join(e.log() for e in engines)
 
 
+def fleet_at(url: str, identity: str) -> list[dict[str, Any]] | None:
+    """The fleet's replicas as ``url`` reports them, once all 3 are done serving ``identity``."""
+    reps = hot_load_status(url)
+    done = len(reps) == 3 and all(
+        r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done" for r in reps)
+    return reps if done else None
+
+
 def test_one_hot_load_reaches_every_engine(fleet: dict[str, Any]) -> None:
     swarm, engines = fleet["swarm"], fleet["engines"]
     digests = {v: tinygpt.weights_digest(w) for v, w in fleet["weights"].items()}
@@ -266,9 +274,9 @@ def test_one_hot_load_reaches_every_engine(fleet: dict[str, Any]) -> None:
                                                "snapshot_identity": "step000001"}
         assert ans["choices"][0]["token_ids"] == expected[1]
         assert http("GET", e.url + "/debug/weights_digest")[1]["digest"] == digests[1]
-    reps = hot_load_status(swarm.daemons[0].url)
+    # The fleet view is aggregated from the replicas' reports (asynchronous): wait for the state.
+    reps = wait_for(lambda: fleet_at(swarm.daemons[0].url, "step000001"), 120, "every replica reporting step000001 done")
     assert sorted(r["replica_id"] for r in reps) == ["node0", "node1", "node2"]
-    assert all(r["current_snapshot_identity"] == "step000001" and r["loading_state"]["stage"] == "done" for r in reps)
 
     # Requests keep flowing during the hot-load; each is answered by one policy, whole.
     stop = threading.Event()
@@ -317,7 +325,7 @@ def test_one_hot_load_reaches_every_engine(fleet: dict[str, Any]) -> None:
         assert versions == sorted(versions)
 
     for d in swarm.daemons:  # every daemon answers for the whole fleet
-        reps = hot_load_status(d.url)
+        reps = wait_for(lambda d=d: fleet_at(d.url, "step000002"), 120, f"{d.url}: every replica reporting step000002 done")
         assert len(reps) == 3
         for r in reps:
             assert r["current_snapshot_identity"] == "step000002" and r["policy_version"] == 2
