@@ -275,7 +275,9 @@ class Runner:
             return m
         key = f"{job.identity}/{MANIFEST_NAME}"
         deadline = self.clock.monotonic() + self.cfg.manifest_wait_s
+        looked = 0
         while True:
+            looked += 1
             try:
                 data = await self.bucket.read(key)
                 break
@@ -289,10 +291,10 @@ class Runner:
                         f"snapshot {job.identity} is not published: {MANIFEST_NAME} did not "
                         f"appear within {self.cfg.manifest_wait_s:g} s"
                     ) from None
-                if not job.reason.startswith("waiting for manifest"):
-                    job.reason = f"waiting for manifest: {key} is not in the bucket yet"
-                    job.touch()
-                    await job.notify()
+                # The count tells an operator (and a test) that the daemon keeps looking.
+                job.reason = f"waiting for manifest: {key} is not in the bucket yet (looked {looked} times)"
+                job.touch()
+                await job.notify()
                 await asyncio.sleep(self.cfg.manifest_poll_s)
         self.stats.add("bucket_manifest_bytes", len(data))
         job.manifest_digest = xxh3_digest(data)
