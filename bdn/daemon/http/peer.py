@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import re
+from typing import Any
 
 import msgpack
 from aiohttp import web
@@ -186,15 +187,26 @@ async def post_members(request: web.Request) -> web.Response:
     return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
 
 
+_NOT_MSGPACK = object()
+
+
+async def _msgpack_body(request: web.Request, limit: int) -> Any:
+    """The request body decoded as msgpack, or ``_NOT_MSGPACK``; BodyTooLarge past ``limit`` bytes."""
+    body = await read_body(request.content, limit, request.content_length)
+    try:
+        return msgpack.unpackb(body, raw=False)
+    except (ValueError, msgpack.UnpackException, RecursionError):
+        return _NOT_MSGPACK
+
+
+
 async def post_hot_load_peer(request: web.Request) -> web.Response:
     """POST hot_load (msgpack target) -> 200 {"ok": true}; 400 malformed; 413 too large."""
     try:
-        body = await read_body(request.content, MAX_TARGET_BODY, request.content_length)
-        obj = msgpack.unpackb(body, raw=False)
+        obj = await _msgpack_body(request, MAX_TARGET_BODY)
     except BodyTooLarge as e:
         return text(413, f"hot-load {e}")
-    except (ValueError, msgpack.UnpackException, RecursionError):
-        obj = None
+    obj = None if obj is _NOT_MSGPACK else obj
     try:
         await services(request).hotload.from_peer(obj, request["peer"])
     except BdnError as e:
@@ -205,12 +217,10 @@ async def post_hot_load_peer(request: web.Request) -> web.Response:
 async def post_status(request: web.Request) -> web.Response:
     """POST status (msgpack {identity, row}: a replica's report to an aggregator) -> 200; 400/413."""
     try:
-        body = await read_body(request.content, MAX_TARGET_BODY, request.content_length)
-        obj = msgpack.unpackb(body, raw=False)
+        obj = await _msgpack_body(request, MAX_TARGET_BODY)
     except BodyTooLarge as e:
         return text(413, f"status report {e}")
-    except (ValueError, msgpack.UnpackException, RecursionError):
-        obj = None
+    obj = None if obj is _NOT_MSGPACK else obj
     try:
         services(request).hotload.status.received(obj, request["peer"])
     except BdnError as e:
@@ -230,11 +240,10 @@ async def get_status(request: web.Request) -> web.Response:
 async def post_bad_chunk(request: web.Request) -> web.Response:
     """POST bad_chunk (msgpack {address, snapshot}) -> 202 queued for a re-hash; 400; 413; 503 full."""
     try:
-        body = await read_body(request.content, MAX_REPORT_BODY, request.content_length)
-        obj = msgpack.unpackb(body, raw=False)
+        obj = await _msgpack_body(request, MAX_REPORT_BODY)
     except BodyTooLarge as e:
         return text(413, f"bad_chunk {e}")
-    except (ValueError, msgpack.UnpackException, RecursionError):
+    if obj is _NOT_MSGPACK:
         return text(400, "bad_chunk body is not msgpack")
     address = obj.get("address") if isinstance(obj, dict) else None
     if not isinstance(address, str) or not ADDRESS_RE.match(address):
