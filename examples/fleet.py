@@ -68,6 +68,7 @@ class NumpyTrainer:
     """The fallback model: the numpy tiny GPT, served by examples/engine/server.py."""
 
     label = "a tiny GPT (numpy, bf16)"
+    startup = "starting Python and numpy, and loading step000001 from the local daemon"
     # Its greedy answer is the same token for all three policies; a seeded sample shows the change.
     sampling = {"temperature": 1.0, "seed": 7, "max_tokens": 12}
 
@@ -93,6 +94,7 @@ class HFTrainer:
     """A Hugging Face LlamaForCausalLM made locally, served by ``python -m bdn.engines hf``."""
 
     label = "a small LlamaForCausalLM (transformers, bf16)"
+    startup = "importing torch and transformers in each engine process, and building the model"
     sampling = {"temperature": 0, "max_tokens": 8}
 
     def __init__(self) -> None:
@@ -179,6 +181,8 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
             elog = open(root / f"fleet-engine-{nd['id']}.log", "wb")
             procs.append(subprocess.Popen(tr.engine_cmd(nd), stdout=elog, stderr=subprocess.STDOUT))
         print(f"  {nodes_n} bdnd + {nodes_n} engines started; waiting until every replica serves {IDS[0]}")
+        # The hot-load API listens on the daemon's peer port (the one other hosts reach), behind the
+        # bearer token; the local port stays for the engines on the node.
         hot = f"http://127.0.0.1:{nodes[0]['peer']}/hot_load/v1/models/hot_load"
 
         def fleet_done(ident: str):
@@ -202,13 +206,16 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
             return True
 
         wait_until(engines_up, 180, "the engines to load their first snapshot")
+        t_engines = time.monotonic() - t0
         reps = wait_until(lambda: fleet_done(IDS[0]), 120, f"{IDS[0]} on every replica")
-        print(f"  fleet serves {IDS[0]} after {time.monotonic() - t0:.1f} s")
+        print(f"  fleet serves {IDS[0]} after {time.monotonic() - t0:.1f} s: the engines answered /health after "
+              f"{t_engines:.1f} s (most of it {tr.startup}), then every replica reported done")
         ok = check_engines(tr, nodes, 1, digests[0])
 
         for i in (1, 2):
             ident = IDS[i]
-            print(f"\n== fleet: optimizer step {i + 1}, publish delta {ident}, ONE hot-load POST to node0", flush=True)
+            print(f"\n== fleet: optimizer step {i + 1}, publish delta {ident}, ONE hot-load POST to node0's "
+                  f"peer port (:{nodes[0]['peer']}, where the hot-load API listens)", flush=True)
             digests.append(tr.save(i, trainer[i]))
             md = publish_delta(bucket, ident, i + 1, IDS[i - 1], dir=trainer[i], base_dir=trainer[i - 1], chunk_size=64 << 10)
             print(f"  {ident}: delta {md.stored_bytes} bytes (rebuilds {md.result_bytes})")
@@ -226,7 +233,10 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
             ok &= check_engines(tr, nodes, i + 1, digests[-1])
         return ok
     finally:
-        stop_all(procs)
+        # Engines first: an engine unregisters from its daemon on the way out, and would log a
+        # warning if the daemon were already gone.
+        stop_all(procs[1::2])
+        stop_all(procs[0::2])
 
 
 def stop_all(procs: list[subprocess.Popen]) -> None:
