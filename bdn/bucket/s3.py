@@ -4,9 +4,10 @@ Retries are botocore's own "standard" mode (jittered exponential backoff on thro
 as ``SlowDown``, on 429, on 500/502/503/504 and on connection errors, with the SDKs' shared retry
 quota) rather than a loop of ours: it is what every AWS SDK does and is well kept. We wrap its
 ``needs-retry`` handler only to count retries in :class:`BucketStats` and, for tests, to scale its
-delays. The one retry loop of our own resumes a GET whose *body* broke mid-stream (botocore only
-retries until the headers arrive): it re-asks the missing byte range with ``If-Match`` on the
-first response's ETag, so a resumed read never mixes two versions of an object.
+delays. The one retry loop of our own (:mod:`bdn.bucket.s3_reads`) resumes a GET whose *body*
+broke mid-stream (botocore only retries until the headers arrive): it re-asks the missing byte
+range with ``If-Match`` on the first response's ETag, so a resumed read never mixes two versions
+of an object.
 
 Concurrency: every call holds one slot of a ``BoundedSemaphore(max_concurrency)`` for as long as
 it uses a connection (for a GET, until the body is drained). ``write_file`` runs its multipart
@@ -24,10 +25,8 @@ GCS S3-API quirks handled here (``gs://``):
 
 from __future__ import annotations
 
-import http.client
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -59,6 +58,7 @@ from bdn.bucket.base import (
 )
 from bdn.bucket.checksums import object_checksum
 from bdn.bucket.credentials import ReaderCredentials
+from bdn.bucket.s3_reads import fill, status_and_code
 from bdn.proto.errors import PathError
 
 log = logging.getLogger(__name__)
@@ -94,14 +94,6 @@ _UNAVAILABLE_CODES = {
     "ServiceUnavailable",
     "RequestTimeout",
 }
-# A GET body broke after the headers came: the connection reset, timed out or closed early.
-_STREAM_ERRORS = (OSError, http.client.HTTPException, bex.HTTPClientError, bex.IncompleteReadError)
-
-
-#: Piece size for bodies read through ``readinto`` of a library that copies through a temp buffer.
-_FALLBACK_CHUNK = 1 << 20
-
-
 class S3Bucket(Bucket):
     """An S3 (or GCS through its S3 API) bucket under an optional key prefix.
 
@@ -259,7 +251,7 @@ class S3Bucket(Bucket):
     def _map_error(self, op: str, key: str | None, exc: Exception) -> BucketError:
         where = self._where(key) if key is not None else self.url
         if isinstance(exc, bex.ClientError):
-            status, code = _status_and_code(exc)
+            status, code = status_and_code(exc)
             meta = (exc.response or {}).get("ResponseMetadata") or {}
             message = one_line(((exc.response or {}).get("Error") or {}).get("Message") or "")
             what = f"{code or 'HTTP'} ({status})" + (f": {message}" if message else "")
@@ -377,7 +369,7 @@ class S3Bucket(Bucket):
             try:
                 resp = self._client.head_object(Bucket=self._bucket, **params)
             except bex.ClientError as exc:
-                status, code = _status_and_code(exc)
+                status, code = status_and_code(exc)
                 if status == 412 or code == "PreconditionFailed":
                     raise ObjectChanged(
                         f"object changed while it was read: {self._where(key)} (version {etag!r} is gone)",
@@ -408,104 +400,16 @@ class S3Bucket(Bucket):
         )
 
     def _fill(
-        self,
-        key: str,
-        offset: int,
-        view: memoryview,
-        *,
-        first: dict[str, Any] | None = None,
+        self, key: str, offset: int, view: memoryview, *, first: dict[str, Any] | None = None,
         if_match: str | None = None,
     ) -> None:
-        """Fill ``view`` with the object's bytes from ``offset``, resuming broken bodies.
-
-        ``first`` is an already-open GET answer whose body starts at ``offset``. ``if_match``: a
-        quoted ETag every request must match; without it the first answer's ETag is used.
-
-        Two kinds of broken answer are retried from the byte where they stopped, up to
-        ``max_attempts`` in all: a body that breaks off (the connection dies), and a 206 that is
-        well-formed but shorter than the range asked although its ``Content-Range`` says the
-        object goes on (a proxy or gateway cutting answers short). Only a ``Content-Range`` whose
-        end is the object's end means the object really ends there.
-        """
-        where = self._where(key)
-        total = len(view)
-        done = 0
-        breaks = 0
-        shorts = 0
-        etag: str | None = if_match
-        resp = first
-        try:
-            while done < total:
-                if resp is None:
-                    params: dict[str, Any] = {
-                        "Key": self._full_key(key),
-                        "Range": f"bytes={offset + done}-{offset + total - 1}",
-                    }
-                    if etag:
-                        params["IfMatch"] = etag
-                    try:
-                        resp = self._client.get_object(Bucket=self._bucket, **params)
-                    except bex.ClientError as exc:
-                        status, code = _status_and_code(exc)
-                        if code == "InvalidRange" or status == 416:
-                            raise BucketError(
-                                f"short read of {where}: wanted {total} bytes at offset {offset},"
-                                f" the object ends before offset {offset + done}"
-                            ) from None
-                        if etag and (code == "PreconditionFailed" or status == 412):
-                            raise ObjectChanged(
-                                f"object changed while it was read: {where} (ETag {etag} no longer matches)",
-                                key,
-                            ) from None
-                        raise self._map_error("read", key, exc) from None
-                    except bex.BotoCoreError as exc:
-                        raise self._map_error("read", key, exc) from None
-                etag = etag or resp.get("ETag")
-                body = resp["Body"]
-                answered = resp.get("ContentLength")
-                content_range = resp.get("ContentRange")
-                if not isinstance(answered, int) or answered > total - done:
-                    body.close()
-                    raise BucketError(
-                        f"read {where}: the bucket answered {answered!r} bytes for a request of"
-                        f" {total - done}"
-                    )
-                resp = None
-                got, broken = _stream_into(body, view[done : done + answered])
-                done += got
-                self.stats.add(get_bytes=got)
-                if broken is not None:
-                    breaks += 1
-                    if breaks + shorts >= self._max_attempts:
-                        raise BucketUnavailable(
-                            f"read {where}: the body broke off {breaks} times; last: {one_line(broken)}"
-                        )
-                    self.stats.add(retries=1)
-                    log.debug("resuming %s at byte %d after: %s", where, offset + done, broken)
-                    continue
-                if done < total:
-                    object_size = _range_total(content_range)
-                    if object_size is not None and object_size <= offset + done:
-                        raise BucketError(
-                            f"short read of {where}: wanted {total} bytes at offset {offset}, the"
-                            f" object ends after {done} (it is {object_size} bytes)"
-                        )
-                    shorts += 1
-                    if breaks + shorts >= self._max_attempts:
-                        goes_on = "although the object goes on" if object_size is not None else (
-                            "without saying that the object ends there"
-                        )
-                        raise BucketUnavailable(
-                            f"read {where}: the bucket answered {shorts} times with fewer bytes than"
-                            f" asked {goes_on} (last: {answered} bytes,"
-                            f" Content-Range {one_line(content_range, 80)!r}, for"
-                            f" {answered + total - done} asked)"
-                        )
-                    self.stats.add(retries=1)
-                    log.debug("re-asking %s from byte %d after a short answer (%s)", where, offset + done, content_range)
-        finally:
-            if resp is not None:
-                resp["Body"].close()
+        """Fill ``view`` from ``offset``, resuming broken bodies (:func:`bdn.bucket.s3_reads.fill`)."""
+        full = self._full_key(key)
+        fill(
+            lambda **params: self._client.get_object(Bucket=self._bucket, Key=full, **params),
+            key, offset, view, where=self._where(key), max_attempts=self._max_attempts, stats=self.stats,
+            map_error=self._map_error, first=first, if_match=if_match,
+        )
 
     # -- writes --------------------------------------------------------------------------------
 
@@ -572,14 +476,6 @@ def _new_session(**kwargs: Any) -> boto3.session.Session:
     return session
 
 
-def _status_and_code(exc: bex.ClientError) -> tuple[Any, str]:
-    """The HTTP status and the S3 error code (``""`` if none) of a botocore ClientError."""
-    response = exc.response or {}
-    return (response.get("ResponseMetadata") or {}).get("HTTPStatusCode"), str(
-        (response.get("Error") or {}).get("Code") or ""
-    )
-
-
 def _size(resp: dict[str, Any], where: str) -> int:
     size = resp.get("ContentLength")
     if not isinstance(size, int) or size < 0:
@@ -594,50 +490,3 @@ def _etag(resp: dict[str, Any]) -> str:
 def _quoted(etag: str) -> str:
     """An ETag as an HTTP entity-tag (``"..."``), as ``If-Match`` takes it."""
     return etag if etag.startswith('"') else f'"{etag}"'
-
-
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
-
-
-def _range_total(content_range: object) -> int | None:
-    """The object size in a ``Content-Range: bytes a-b/T`` answer, or None if absent or ``*``."""
-    if not isinstance(content_range, str):
-        return None
-    m = _CONTENT_RANGE.fullmatch(content_range.strip())
-    if m is None or m.group(3) == "*":
-        return None
-    return int(m.group(3))
-
-
-def _stream_into(body: Any, view: memoryview) -> tuple[int, BaseException | None]:
-    """Read exactly ``len(view)`` body bytes into ``view``; return (bytes read, error or None).
-
-    When the body is botocore's plain ``StreamingBody`` over urllib3 over ``http.client``, read
-    with ``http.client.HTTPResponse.readinto``, which ``recv_into``s the socket straight into
-    ``view``: urllib3's own ``readinto`` reads into a temporary ``bytes`` and copies it, and at
-    line rate that allocation and copy per chunk is what we are avoiding. Any other body (a
-    checksum wrapper, another HTTP stack) falls back to ``body.readinto``.
-    """
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
-    direct = type(body).__name__ == "StreamingBody" and isinstance(fp, http.client.HTTPResponse)
-    got = 0
-    try:
-        while got < len(view):
-            if direct:
-                n = fp.readinto(view[got:])
-            else:
-                n = body.readinto(view[got : got + _FALLBACK_CHUNK])
-            if not n:
-                raise http.client.IncompleteRead(b"", len(view) - got)
-            got += n
-    except _STREAM_ERRORS as exc:
-        body.close()
-        return got, exc
-    if direct:
-        # The response is fully read, so the connection is clean: give it back to the pool
-        # (closing the body would drop it instead).
-        raw.release_conn()
-    else:
-        body.close()
-    return got, None
