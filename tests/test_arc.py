@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from bdn import fileops
-from bdn.proto import arc
+from bdn.proto import arc, arc_streams
 from bdn.proto import safetensors_fmt as sf
 from bdn.proto.errors import ChecksumError, ProtocolError, TensorMismatch, UnsupportedFormat
 
@@ -43,7 +43,7 @@ def test_check_formats() -> None:
 
 def test_fused_adler32_over_pieces_matches_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # apply_diff checks each tensor's Adler-32 as a running value over decode pieces
-    monkeypatch.setattr(arc, "_DCHUNK", 777)
+    monkeypatch.setattr(arc_streams, "_DCHUNK", 777)
     rng = np.random.default_rng(11)
     base = {"a": rng.integers(0, 256, 10_001, dtype=np.uint8), "b": rng.integers(0, 256, 3, dtype=np.uint8)}
     target = {k: v ^ (rng.random(v.size) < 0.1).astype(np.uint8) for k, v in base.items()}
@@ -104,9 +104,9 @@ def test_round_trip_bf16(seed: int, n: int, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ARC_FORMATS)
 def test_round_trip_across_chunks(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # small chunks exercise the multi-chunk paths of both codecs without big buffers
-    monkeypatch.setattr(arc, "_CHUNK", 1000)
-    monkeypatch.setattr(arc, "_DCHUNK", 999)
-    monkeypatch.setattr(arc, "_ZLIB_IN", 37)
+    monkeypatch.setattr(arc_streams, "_CHUNK", 1000)
+    monkeypatch.setattr(arc_streams, "_DCHUNK", 999)
+    monkeypatch.setattr(arc_streams, "_ZLIB_IN", 37)
     rng = np.random.default_rng(3)
     base = rng.integers(0, 256, 25_013, dtype=np.uint8)
     target = base.copy()

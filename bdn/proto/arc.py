@@ -41,20 +41,19 @@ Hence bdn's rules:
 
 ``bdn_planes_v1``, bdn's own format, uses the same diff file with another per-tensor stream: its
 layout and codec are :mod:`bdn.proto.planes`. The diff-file container is :mod:`bdn.proto.diff_file`,
-the per-task state the codecs share :mod:`bdn.proto.delta_tasks`; this module is the entry point
+the per-task state the codecs share :mod:`bdn.proto.delta_tasks`, the zstd and zlib streams of
+``arc_v2`` and ``arc_v1`` :mod:`bdn.proto.arc_streams`; this module is the entry point
 for all three formats (its names are the ones callers import).
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import zstandard
 
-from bdn.proto import planes
+from bdn.proto import arc_streams, planes
 from bdn.proto.delta_tasks import (
     ZLIB_LEVEL,
     ZSTD_LEVEL,
@@ -100,13 +99,6 @@ COMPRESSION_FORMATS: tuple[str, ...] = ("arc_v1", "arc_v2", "bdn_planes_v1")
 DEFAULT_COMPRESSION = "arc_v2"
 CHECKSUM_FORMATS: tuple[str, ...] = ("alder32",)
 
-# XOR and decode work through a per-thread scratch buffer of this size: large enough to amortise
-# per-call overhead, small enough to stay in cache and to bound memory per worker thread.
-_CHUNK = 4 << 20
-# Decode output step: the XOR and the Adler-32 of each piece run while it is still in cache
-# (256 KiB measured ~10% faster than 4 MiB for a 100 MB bf16 tensor).
-_DCHUNK = 256 << 10
-_ZLIB_IN = 1 << 20  # compressed input fed per decompressor step (both codecs)
 
 
 def _normalize_format(compression_format: Any) -> str:
@@ -157,20 +149,8 @@ def encode_xor(
             width = base.dtype.itemsize
         with lease() as cx:
             return planes.encode_stream(cx, b, t, width, ZSTD_LEVEL if level is None else level)
-    if fmt == "arc_v2":
-        cobj: Any = zstandard.ZstdCompressor(level=ZSTD_LEVEL if level is None else level).compressobj(size=n)
-    else:
-        cobj = zlib.compressobj(ZLIB_LEVEL if level is None else level)
-    out: list[bytes] = []
     with lease() as cx:
-        scratch = cx.scratch(min(n, _CHUNK))
-        for i in range(0, n, _CHUNK):
-            j = min(i + _CHUNK, n)
-            x = scratch[: j - i]
-            np.bitwise_xor(b[i:j], t[i:j], out=x)
-            out.append(cobj.compress(x))
-    out.append(cobj.flush())
-    return b"".join(out)
+        return arc_streams.encode(cx, b, t, fmt, level)
 
 
 def decode_xor_into(frame: Any, base: Any, out: Any, compression_format: str) -> None:
@@ -179,7 +159,7 @@ def decode_xor_into(frame: Any, base: Any, out: Any, compression_format: str) ->
     ``frame`` is any buffer (e.g. a memoryview of a mapped diff file); ``base`` and ``out`` are
     byte buffers or arrays of equal byte length; ``out`` must be writable and may be ``base``
     itself (in-place apply). The stream must decompress to exactly ``len(base)`` bytes: output is
-    produced at most ``_CHUNK`` bytes at a time and decoding stops one byte past the expected size,
+    produced in bounded pieces (:mod:`bdn.proto.arc_streams`) and decoding stops one byte past the expected size,
     so a hostile frame cannot expand further. Raises ProtocolError for a corrupt, short, oversized
     or trailing-garbage stream, UnsupportedFormat for other formats, ValueError for a caller's
     size mismatch or a read-only ``out``.
@@ -205,85 +185,10 @@ def _decode(cx: Ctx, frame: Any, base: Any, out: Any, fmt: str) -> int:
         raise ValueError("out is read-only")
     n = len(b)
     if fmt == "arc_v2":
-        return _decode_zstd(cx, frame, b, o, n)
+        return arc_streams.decode_zstd(cx, frame, b, o, n)
     if fmt == "bdn_planes_v1":
         return planes.decode_stream(cx, frame, b, o, n)
-    return _decode_zlib(frame, b, o, n)
-
-
-def _decode_zstd(cx: Ctx, frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
-    scratch = cx.scratch(min(n, _DCHUNK))
-    view = memoryview(scratch)
-    adler = 1
-    try:
-        # read_across_frames: the reference decoder (ZSTD_decompress) concatenates frames too.
-        # read_size: the default (~128 KiB of input per step) measured ~4x slower than 1 MiB here.
-        with cx.dctx().stream_reader(frame, read_size=_ZLIB_IN, read_across_frames=True, closefd=False) as reader:
-            done = 0
-            while done < n:
-                want = min(_DCHUNK, n - done)
-                got = 0
-                while got < want:
-                    k = reader.readinto(view[got:want])
-                    if k == 0:
-                        raise ProtocolError(f"arc_v2 frame ends after {done + got} bytes, expected {n}")
-                    got += k
-                piece = o[done : done + want]
-                np.bitwise_xor(b[done : done + want], scratch[:want], out=piece)
-                adler = raw_adler32(piece, adler)
-                done += want
-            if reader.read(1):
-                raise ProtocolError(f"arc_v2 frame decompresses to more than the {n} bytes of the base tensor")
-    except zstandard.ZstdError as e:
-        raise ProtocolError(f"arc_v2 frame is not valid zstd: {str(e)[:200]}") from None
-    return adler
-
-
-def _decode_zlib(frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
-    src = memoryview(frame).cast("B") if not isinstance(frame, (bytes, bytearray)) else memoryview(frame)
-    total, pos = len(src), 0
-    tail = b""
-
-    def more() -> Any:
-        # Feed input in bounded slices: zlib copies unconsumed_tail on every call, so feeding the
-        # whole stream at once would copy it again for every output chunk.
-        nonlocal pos, tail
-        if tail:
-            return tail
-        data = src[pos : pos + _ZLIB_IN]
-        pos += len(data)
-        return data
-
-    dobj = zlib.decompressobj()
-    adler = 1
-    try:
-        done = 0
-        while done < n:
-            data = more()
-            if not len(data) or dobj.eof:
-                raise ProtocolError(f"arc_v1 stream ends after {done} bytes, expected {n}")
-            chunk = dobj.decompress(data, min(_CHUNK, n - done))
-            tail = dobj.unconsumed_tail
-            k = len(chunk)
-            if k:
-                piece = o[done : done + k]
-                np.bitwise_xor(b[done : done + k], np.frombuffer(chunk, dtype=np.uint8), out=piece)
-                adler = raw_adler32(piece, adler)
-                done += k
-        # All expected bytes are out; the stream may still hold its end marker and Adler trailer.
-        while not dobj.eof:
-            data = more()
-            if not len(data):
-                raise ProtocolError("arc_v1 stream is truncated (no end of stream)")
-            if dobj.decompress(data, 1):
-                raise ProtocolError(f"arc_v1 stream decompresses to more than the {n} bytes of the base tensor")
-            tail = dobj.unconsumed_tail
-        trailing = len(dobj.unused_data) + len(tail) + (total - pos)
-        if trailing:
-            raise ProtocolError(f"arc_v1 stream is followed by {trailing} unexpected bytes")
-    except zlib.error as e:
-        raise ProtocolError(f"arc_v1 stream is not valid zlib: {str(e)[:200]}") from None
-    return adler
+    return arc_streams.decode_zlib(frame, b, o, n)
 
 
 def apply_diff(
