@@ -62,10 +62,12 @@ class BucketIO:
         return buf
 
     async def list(self, prefix: str) -> Any:
+        """``Bucket.list(prefix)`` on a bucket thread, inside the concurrency limit."""
         async with self.sem:
             return await self._run(self.bucket.list, prefix)
 
     async def stat(self, key: str) -> Any:
+        """``Bucket.stat(key)`` on a bucket thread, inside the concurrency limit."""
         async with self.sem:
             return await self._run(self.bucket.stat, key)
 
@@ -89,7 +91,9 @@ class BucketIO:
         return None
 
     def bucket_stats(self) -> dict[str, Any]:
+        """The bucket client's counters (requests, bytes, retries), as a dict."""
         return self.bucket.stats.snapshot()
 
     def close(self) -> None:
+        """Close the bucket client's connections."""
         self.bucket.close()

@@ -51,9 +51,11 @@ class Catalog:
 
     # ---- the set of jobs ---------------------------------------------------------------------
     def get(self, identity: str) -> SnapshotJob | None:
+        """The job of ``identity``, or None."""
         return self.jobs.get(identity)
 
     def all(self) -> list[SnapshotJob]:
+        """Every job, in the order they were started."""
         return list(self.jobs.values())
 
     def records(self) -> list[dict[str, Any]]:
@@ -229,6 +231,7 @@ class Catalog:
         return await self.runner.repair(job, positions)
 
     def ready_dir(self, identity: str) -> Path:
+        """The directory of ``identity``'s files once it is ready (it need not exist yet)."""
         return self.store.ready_dir(identity)
 
     def stored_dir(self, identity: str) -> Path:

@@ -103,12 +103,15 @@ def open_first(paths: list[Path]) -> int | None:
 
 
 def file_size(fd: int) -> int:
+    """Size in bytes of the open file ``fd``."""
     return os.fstat(fd).st_size
 
 
 def pread(fd: int, length: int, offset: int) -> bytes:
+    """Up to ``length`` bytes of ``fd`` at ``offset`` (fewer at the end of the file)."""
     return os.pread(fd, length, offset)
 
 
 def close(fd: int) -> None:
+    """Close ``fd``."""
     os.close(fd)

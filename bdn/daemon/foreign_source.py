@@ -74,12 +74,14 @@ class Hints:
         self._by_identity: dict[str, Hint] = {}
 
     def set(self, identity: str, hint: Hint) -> None:
+        """Remember ``hint`` for ``identity`` (the newest ``MAX`` identities are kept)."""
         self._by_identity.pop(identity, None)
         self._by_identity[identity] = hint
         while len(self._by_identity) > self.MAX:
             self._by_identity.pop(next(iter(self._by_identity)))
 
     def get(self, identity: str) -> Hint:
+        """The hint given for ``identity``, or an empty ``Hint``."""
         return self._by_identity.get(identity, Hint())
 
 
@@ -138,16 +140,27 @@ class ForeignState:
 
 
 class Jobs(Protocol):
-    def get(self, identity: str) -> Any: ...
-    def prefetch(self, identity: str, requested_by: str = "local") -> Any: ...
+    """What the foreign loader needs of the catalog: another snapshot's job (a delta's base)."""
+
+    def get(self, identity: str) -> Any:
+        """The job of ``identity``, or None."""
+
+    def prefetch(self, identity: str, requested_by: str = "local") -> Any:
+        """The job of ``identity``, started if new."""
 
 
 class Penalties(Protocol):
-    def penalise(self, url: str, seconds: float) -> None: ...
+    """Where a peer that sent bad bytes is penalised (membership)."""
+
+    def penalise(self, url: str, seconds: float) -> None:
+        """Stop asking ``url`` for ``seconds``."""
 
 
 class VerifyStats(Protocol):
-    def verify_failed(self, source: str) -> None: ...
+    """Where failed chunk verifications are counted, by source (metrics)."""
+
+    def verify_failed(self, source: str) -> None:
+        """Count one chunk that failed its digest, from ``source`` (``bucket`` or ``peer``)."""
 
 
 def verify_file(bucket: Any, checksum: ObjectChecksum, path: Path, chunk_size: int, workers: int) -> tuple[Verdict, list[int]]:

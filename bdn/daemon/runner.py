@@ -46,12 +46,23 @@ T = TypeVar("T")
 class Jobs(Protocol):
     """What a runner needs of the catalog: other snapshots (a delta's base), the budget, GC."""
 
-    def get(self, identity: str) -> SnapshotJob | None: ...
-    def all(self) -> list[SnapshotJob]: ...
-    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob: ...
-    def check_budget(self, m: Manifest) -> None: ...
-    def forget(self, job: SnapshotJob) -> None: ...
-    def gc(self) -> dict[str, list[str]]: ...
+    def get(self, identity: str) -> SnapshotJob | None:
+        """The job of ``identity``, or None."""
+
+    def all(self) -> list[SnapshotJob]:
+        """Every job the node knows."""
+
+    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob:
+        """The job of ``identity``, started if new."""
+
+    def check_budget(self, m: Manifest) -> None:
+        """Raise if ``m``'s files do not fit the shm budget after GC."""
+
+    def forget(self, job: SnapshotJob) -> None:
+        """Drop ``job`` from the catalog (a failed or cancelled download)."""
+
+    def gc(self) -> dict[str, list[str]]:
+        """Collect what the keep rules allow; returns what was removed, by reason."""
 
 
 class Runner:
@@ -78,6 +89,10 @@ class Runner:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def run(self, job: SnapshotJob) -> None:
+        """Bring ``job`` to ``ready`` or ``failed``: read and verify the manifest, resume saved
+        progress or start afresh, fetch the stored chunks (peers, bucket, local copies), apply a delta
+        or fold several, check every file (safetensors headers, digests), then publish the READY
+        marker. Errors end in ``failed`` with a one-line reason; ``CancelledError`` is re-raised."""
         jobs = self.jobs
         assert jobs is not None
         logctx.SNAPSHOT.set(job.identity)  # every line this task (and its children) logs names it
@@ -250,6 +265,9 @@ class Runner:
                  job.identity, len(ok_s), len(job.stored_refs))
 
     def save_progress(self, job: SnapshotJob) -> None:
+        """Persist which chunks ``job`` holds (both layers' bitfields, tied to the
+        manifest's digest) so a restarted daemon resumes; nothing for a job without a manifest or in a
+        terminal state. An OSError is logged, not raised."""
         if job.manifest is None or job.stored is None or job.result is None or job.state in ("ready", "failed"):
             return
         try:

@@ -37,6 +37,7 @@ class Loc:
     digest: str
 
     def path(self) -> Path:
+        """The file the chunk is in, under the job's current directory (``paths`` lists the others)."""
         return self.job.file_path(self.layer, self.file_index)
 
     def paths(self) -> list[Path]:
@@ -98,11 +99,14 @@ class SnapshotJob:
 
     # ---- layout --------------------------------------------------------------------------
     def result_dir(self) -> Path:
+        """The directory the rebuilt files are in: the ready directory once ``ready``, else staging."""
         if self.state == "ready":
             return self.store.ready_dir(self.identity)
         return self.store.staging_dir(self.identity)
 
     def file_path(self, layer: str, file_index: int) -> Path:
+        """Path of file ``file_index`` (manifest order) of ``layer``: a delta's stored diff
+        files live in the stored directory, every other file in ``result_dir()``. Needs the manifest."""
         assert self.manifest is not None
         f = self.manifest.files[file_index]
         if layer == STORED and f.is_diff:
@@ -110,9 +114,11 @@ class SnapshotJob:
         return self.result_dir() / f.path
 
     def refs(self, layer: str) -> Sequence[ChunkRef]:
+        """The chunks of ``layer`` (``STORED`` or ``RESULT``), in manifest order."""
         return self.stored_refs if layer == STORED else self.result_refs
 
     def bits(self, layer: str) -> Bitfield | None:
+        """Which of ``layer``'s chunks this node holds (None before the manifest is attached)."""
         return self.stored if layer == STORED else self.result
 
     def ref_index(self, layer: str, ref: ChunkRef) -> int:
@@ -204,6 +210,8 @@ class SnapshotJob:
         return sum(refs[i].length for i in positions)
 
     def attach_manifest(self, m: Manifest) -> None:
+        """Take the verified manifest ``m``: its kind, policy version and base, the two
+        layers' chunk lists and empty bitfields, and the byte totals."""
         self.manifest = m
         self.kind, self.policy_version, self.base_identity = m.kind, m.policy_version, m.base_identity
         self.stored_refs = ChunkList(m, result=False)
@@ -215,6 +223,8 @@ class SnapshotJob:
         self.bytes_total = m.stored_bytes
 
     def set_state(self, state: str, reason: str = "") -> None:
+        """Move to ``state`` (one of ``bdn.proto.states``) with ``reason``; the time spent in
+        the state left is added to ``stages`` (seconds)."""
         now = time.monotonic()
         if state != self.state:
             self.stages[self.state] = self.stages.get(self.state, 0.0) + now - self._stage_started
@@ -223,10 +233,12 @@ class SnapshotJob:
         self.touch()
 
     def touch(self) -> None:
+        """Record a change: bump ``version`` (what waiters watch) and ``updated`` (epoch s)."""
         self.version += 1
         self.updated = time.time()
 
     async def notify(self) -> None:
+        """Wake everything waiting on ``version`` (``wait_change``), then call ``on_change``."""
         async with self.cond:
             self.cond.notify_all()
         if self.on_change is not None:
@@ -243,6 +255,8 @@ class SnapshotJob:
                 pass
 
     def describe(self) -> dict[str, Any]:
+        """The snapshot's record as the local API returns it (``GET /v1/snapshots/{id}``):
+        identity, kind, state, reason, path once ready, byte counts by source, and seconds per stage."""
         stages = dict(self.stages)
         if self.state not in TERMINAL:
             stages[self.state] = stages.get(self.state, 0.0) + time.monotonic() - self._stage_started

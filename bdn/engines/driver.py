@@ -44,9 +44,13 @@ POLL_RETRY_S = 3600.0  # retry a daemon that is away for up to an hour per long-
 
 
 class Adapter(Protocol):
-    def prepare(self, snapshot: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> Any: ...
+    """What the driver needs of an engine: prepare a snapshot while serving, then swap it in."""
 
-    def swap(self, prepared: Any) -> dict[str, Any]: ...
+    def prepare(self, snapshot: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> Any:
+        """Stage ``snapshot``'s weights (per ``offer``: which tensors changed) while serving; returns the staged state."""
+
+    def swap(self, prepared: Any) -> dict[str, Any]:
+        """Pause, make ``prepared`` the served weights, resume; returns what the ack reports (mode, tensors, pause ms)."""
 
 
 class _Stopped(Exception):

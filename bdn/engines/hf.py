@@ -154,10 +154,12 @@ class HFEngine:
     # -- what is served --------------------------------------------------------------------
     @property
     def identity(self) -> str | None:
+        """The identity of the snapshot being served, or None before the first load."""
         return self.snapshot.identity if self.snapshot else None
 
     @property
     def policy_version(self) -> int | None:
+        """The policy version being served (what every sample reports), or None."""
         return self.gate.version
 
     def weights_digest(self) -> dict[str, str]:
@@ -330,6 +332,8 @@ class HFEngine:
 
     # -- generation ------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat prompt: the tokenizer's chat template if the snapshot has one,
+        else a plain ``<|role|>content`` rendering; without a tokenizer the UTF-8 bytes are the tokens."""
         tok = self.tokenizer
         if tok is not None and getattr(tok, "chat_template", None):
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -342,19 +346,23 @@ class HFEngine:
         return list(text.encode("utf-8"))  # no tokenizer in the snapshot: bytes are the tokens
 
     def decode(self, ids: list[int]) -> str:
+        """Text of token ids (special tokens skipped); without a tokenizer, the bytes as UTF-8."""
         if self.tokenizer is not None:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def token_text(self, i: int) -> str:
+        """The text of one token id (the tokenizer's token string), for logprob answers."""
         return self.decode([i]) if self.tokenizer is None else self.tokenizer.convert_ids_to_tokens(i) or ""
 
     @property
     def max_model_len(self) -> int:
+        """The model's context length in tokens (``max_position_embeddings``, default 2048)."""
         cfg = getattr(self.model, "config", None)
         return int(getattr(cfg, "max_position_embeddings", 2048) or 2048)
 
     def eos_ids(self) -> set[int]:
+        """Token ids that end generation (the generation config's ``eos_token_id``)."""
         cfg = getattr(self.model, "generation_config", None) or getattr(self.model, "config", None)
         e = getattr(cfg, "eos_token_id", None)
         return set(e) if isinstance(e, list) else ({e} if isinstance(e, int) else set())

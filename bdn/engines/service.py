@@ -72,6 +72,7 @@ class HttpThread:
         self._loop.close()
 
     def start(self) -> HttpThread:
+        """Start the server thread and wait until it listens; re-raises its start-up error."""
         self._thread.start()
         self._started.wait()
         if self._error is not None:
@@ -79,6 +80,7 @@ class HttpThread:
         return self
 
     def stop(self) -> None:
+        """Stop the server's loop and join its thread (at most 30 s)."""
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30)
@@ -114,9 +116,12 @@ class HFService:
 
     @property
     def url(self) -> str:
+        """The chat server's base URL (``http://host:port``)."""
         return f"http://{self.http.host}:{self.http.port}"
 
     def start(self, connect_timeout_s: float = 60.0) -> HFService:
+        """Start the chat server, register with the daemon (waiting up to ``connect_timeout_s``
+        seconds for it) and start the hot-swap driver thread. Returns ``self``."""
         self.http.start()
         self.link = register(self.bdn_url, self.name, connect_timeout_s)
         self._driver = run_driver(self.link, self.engine, self.stop_event, poll_timeout=self.poll_timeout,

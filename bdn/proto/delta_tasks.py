@@ -54,21 +54,25 @@ class Ctx:
         self._cctx: dict[int, zstandard.ZstdCompressor] = {}
 
     def scratch(self, n: int) -> np.ndarray:
+        """A uint8 buffer of ``n`` bytes, reused between calls (grown when too small)."""
         if len(self._scratch) < n:
             self._scratch = np.empty(max(n, 1), dtype=np.uint8)
         return self._scratch[:n]
 
     def pscratch(self, n: int) -> np.ndarray:
+        """A second reusable uint8 buffer of ``n`` bytes (planes need two at once)."""
         if len(self._pscratch) < n:
             self._pscratch = np.empty(max(n, 1), dtype=np.uint8)
         return self._pscratch[:n]
 
     def dctx(self) -> zstandard.ZstdDecompressor:
+        """This context's zstd decompressor (created once)."""
         if self._dctx is None:
             self._dctx = zstandard.ZstdDecompressor()
         return self._dctx
 
     def cctx(self, level: int) -> zstandard.ZstdCompressor:
+        """This context's zstd compressor for ``level`` (created once per level; writes content sizes)."""
         c = self._cctx.get(level)
         if c is None:
             c = self._cctx[level] = zstandard.ZstdCompressor(level=level)  # writes the content size
@@ -80,6 +84,7 @@ _FREE: list[Ctx] = []
 
 @contextmanager
 def lease() -> Iterator[Ctx]:
+    """A ``Ctx`` for the duration of a ``with`` block, taken from a free list and given back after."""
     try:
         cx = _FREE.pop()
     except IndexError:

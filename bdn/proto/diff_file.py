@@ -63,12 +63,15 @@ DiffHeaderLike = Header | tuple[Header, Mapping[str, DiffTensor]]
 
 
 def streams_of(diff_header: DiffHeaderLike) -> Mapping[str, DiffTensor]:
+    """The per-tensor streams of a diff header (a parsed ``Header`` or ``read_diff_header``'s pair)."""
     if isinstance(diff_header, Header):
         return diff_tensors(diff_header)
     return diff_header[1]
 
 
 def check_names(base_header: Header, streams: Mapping[str, DiffTensor]) -> None:
+    """Raise ProtocolError unless ``streams`` has exactly the tensor names of ``base_header``
+    (one line naming the first missing or extra tensor)."""
     for name in base_header.tensors:
         if name not in streams:
             raise ProtocolError(f"diff file has no stream for tensor {_q(name)} of the base")
@@ -92,5 +95,6 @@ DiffContent = tuple[dict[str, tuple[str, tuple[int, ...], bytes]], dict[str, str
 
 
 def content(frames: dict[str, bytes], checksums: dict[str, str]) -> DiffContent:
+    """A diff file's content for ``bdn.fileops.save_raw``: one ``U8`` tensor per stream, and the checksums."""
     return {name: ("U8", (len(f),), f) for name, f in frames.items()}, checksums
 

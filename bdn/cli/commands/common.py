@@ -33,20 +33,24 @@ class NotYet(Exception):
 # -- output helpers ----------------------------------------------------------------------------
 
 def cell(value: Any) -> str:
+    """One table cell: ``-`` for None or empty, else ``str(value)`` on one line (at most 200 characters)."""
     return "-" if value is None or value == "" else one_line(str(value), 200)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: ``headers`` and ``rows`` left-aligned in columns two spaces apart."""
     cells = [[str(h) for h in headers]] + [[cell(v) for v in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
 
 
 def bytes_cell(n: Any) -> str:
+    """A byte count in SI units (``human_bytes``: B, kB, MB, GB), any other value as a cell."""
     return human_bytes(n) if isinstance(n, int | float) and not isinstance(n, bool) else cell(n)
 
 
 def progress(snap: dict[str, Any]) -> str:
+    """A snapshot record's progress as a percentage of ``bytes_total``; ``100%`` once ready, else ``-``."""
     done, total = snap.get("bytes_done"), snap.get("bytes_total")
     if isinstance(done, int) and isinstance(total, int) and total > 0:
         return f"{min(100.0, 100.0 * done / total):.0f}%"
@@ -54,6 +58,7 @@ def progress(snap: dict[str, Any]) -> str:
 
 
 def snapshot_table(snaps: list[dict[str, Any]]) -> str:
+    """The snapshots table of ``bdnctl status``: identity, kind, policy version, state, progress, path or reason."""
     rows = [
         [s.get("identity"), s.get("kind"), s.get("policy_version"), s.get("state"), progress(s),
          s.get("path") if s.get("state") == "ready" else s.get("reason")]
@@ -63,4 +68,5 @@ def snapshot_table(snaps: list[dict[str, Any]]) -> str:
 
 
 def indent(text: str) -> str:
+    """``text`` with every line indented two spaces."""
     return "\n".join("  " + line for line in text.splitlines())

@@ -7,6 +7,7 @@ from typing import Protocol
 
 
 class SnapshotRecord(Protocol):
+    """What the replica reads of a snapshot job (``bdn.daemon.snapshot.SnapshotJob`` is one)."""
     identity: str
     state: str
     reason: str
@@ -18,8 +19,19 @@ class SnapshotRecord(Protocol):
 
 
 class Snapshots(Protocol):
-    def get(self, identity: str) -> SnapshotRecord | None: ...
-    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotRecord: ...
-    def ready_dir(self, identity: str) -> Path: ...
-    def stored_dir(self, identity: str) -> Path: ...
-    async def cancel(self, identity: str, reason: str = "cancelled") -> SnapshotRecord: ...
+    """What the replica needs of the catalog: look up, start and cancel snapshots, and their directories."""
+
+    def get(self, identity: str) -> SnapshotRecord | None:
+        """The record of ``identity``, or None if this daemon does not know it."""
+
+    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotRecord:
+        """The record of ``identity``, its download started if new."""
+
+    def ready_dir(self, identity: str) -> Path:
+        """The directory of ``identity``'s files once it is ready."""
+
+    def stored_dir(self, identity: str) -> Path:
+        """The directory of a delta's stored diff files."""
+
+    async def cancel(self, identity: str, reason: str = "cancelled") -> SnapshotRecord:
+        """Stop ``identity``'s download and fail it with ``reason``; returns its record."""

@@ -63,11 +63,13 @@ class ReplicaView:
 
     # ---- change notification ---------------------------------------------------------------
     async def poke(self) -> None:
+        """Record a change of the replica (``version`` + 1) and wake ``wait_change`` callers."""
         self.version += 1
         async with self.changed:
             self.changed.notify_all()
 
     async def wait_change(self, since: int, timeout: float) -> None:
+        """Return once ``version`` differs from ``since`` or ``timeout`` seconds passed."""
         if self.version != since or timeout <= 0:
             return
         async with self.changed:
@@ -289,6 +291,7 @@ class ReplicaView:
         return e
 
     def engine(self, engine_id: str) -> Engine | None:
+        """The registered engine ``engine_id``, or None."""
         return self.engines.get(engine_id)
 
     def unregister_engine(self, engine_id: str) -> bool:
