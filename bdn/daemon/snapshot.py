@@ -14,6 +14,7 @@ from pathlib import Path
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from bdn.daemon import versioned
 from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.chunklist import ChunkList
 from bdn.daemon.layers import RESULT, STORED
@@ -246,13 +247,7 @@ class SnapshotJob:
 
     async def wait_change(self, since: int, timeout: float) -> None:
         """Return once ``version`` differs from ``since`` or ``timeout`` seconds passed."""
-        if self.version != since or timeout <= 0:
-            return
-        async with self.cond:
-            try:
-                await asyncio.wait_for(self.cond.wait_for(lambda: self.version != since), timeout)
-            except asyncio.TimeoutError:
-                pass
+        await versioned.wait_change(self.cond, lambda: self.version, since, timeout)
 
     def describe(self) -> dict[str, Any]:
         """The snapshot's record as the local API returns it (``GET /v1/snapshots/{id}``):

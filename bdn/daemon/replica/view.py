@@ -22,6 +22,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+from bdn.daemon import versioned
 from bdn.daemon.clock import Clock
 from bdn.daemon.current import LINK_NAME
 from bdn.daemon.errors import Conflict
@@ -70,13 +71,7 @@ class ReplicaView:
 
     async def wait_change(self, since: int, timeout: float) -> None:
         """Return once ``version`` differs from ``since`` or ``timeout`` seconds passed."""
-        if self.version != since or timeout <= 0:
-            return
-        async with self.changed:
-            try:
-                await asyncio.wait_for(self.changed.wait_for(lambda: self.version != since), timeout)
-            except asyncio.TimeoutError:
-                pass
+        await versioned.wait_change(self.changed, lambda: self.version, since, timeout)
 
     # ---- events ----------------------------------------------------------------------------
     async def adopt(self, target: Target, source: str, retry_failed: bool = False) -> bool:
