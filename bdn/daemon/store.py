@@ -202,16 +202,18 @@ class Store:
             # Spares first (their pages exist: receiving into them is a copy, not an
             # allocation), the largest files first; then the spares left over are trimmed to
             # the room the budget leaves and to what the fresh allocations need.
-            fresh = 0
+            reused = 0
             for p, size in sorted(files, key=lambda e: -e[1]):
                 p.parent.mkdir(parents=True, exist_ok=True)
-                fresh += size - (self.spares.take(size, p) if size else 0)
+                reused += self.spares.take(size, p) if size else 0
+            fresh = sum(size for _, size in files) - reused
             self.spares.trim(self.spare_room(m))
             short = fresh - self.free_bytes()
             if short > 0:
                 self.spares.trim(self.spares.bytes() - short)
             for p, size in files:
                 self._allocate(p, size)
+            log.info("snapshot %s: reserved %d bytes, %d in recycled pages", m.identity, need, reused)
         except OSError as e:
             self.discard(m.identity)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
