@@ -797,11 +797,12 @@ def create_bucket(ns: str | None, endpoint: str) -> None:
 
 
 def publish(ns: str | None, endpoint: str, snap: Path, chunk_bytes: int | None = None,
-            identity: str = IDENTITY, version: int = 1) -> None:
+            identity: str = IDENTITY, version: int = 1, bucket: str = f"s3://{BUCKET}/{PREFIX}") -> None:
     """``bdn-publish full`` of ``snap`` (``chunk_bytes``: the manifest's chunk size, default bdn's)."""
     argv = (["ip", "netns", "exec", ns] if ns else []) + [
-        str(BIN / "bdn-publish"), "full", "--dir", str(snap), "--bucket", f"s3://{BUCKET}/{PREFIX}",
-        "--identity", identity, "--policy-version", str(version), "--endpoint-url", endpoint, "--overwrite"]
+        str(BIN / "bdn-publish"), "full", "--dir", str(snap), "--bucket", bucket,
+        "--identity", identity, "--policy-version", str(version), "--overwrite"]
+    argv += ["--endpoint-url", endpoint] if bucket.startswith("s3://") else []
     if chunk_bytes:
         argv += ["--chunk-size", str(chunk_bytes)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=900,
@@ -847,10 +848,12 @@ def ceiling(b: Bench) -> None:
     """One bdnd pulls the snapshot from another over unshaped loopback; iperf3 on the same loopback."""
     sh(f"ip netns add {LO_NS}")
     sh(f"ip netns exec {LO_NS} ip link set lo up")
-    ep = f"http://127.0.0.1:{S3_PORT}"
-    moto = spawn("moto-lo", LO_NS, [PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(S3_PORT)],
-                 logfile=WORK / "logs" / "moto-lo.log")
-    create_bucket(LO_NS, ep)
+    # The bucket is a file:// one: the ceiling measures lo1 -> lo2 only, and moto (Python) took
+    # 190 s to serve lo1 its 1 GiB on the loaded machine (2026-12-01 14:34).
+    bdir = WORK / "bucket-lo"
+    shutil.rmtree(bdir, ignore_errors=True)
+    bdir.mkdir(parents=True)
+    ep, bucket = "", f"file://{bdir}"
     # --ceiling-pages recycled: the receiver first loads two warm-up snapshots (other bytes) and
     # collects the older, so the measured one lands in the page pool's spares (RL's steady
     # state: step N+2 receives into the pages of step N); fresh: into new tmpfs pages.
@@ -860,14 +863,14 @@ def ceiling(b: Bench) -> None:
         from bench.swarm.snapshot import make_snapshot
         wsnap = make_snapshot(CACHE / "warm", b.size, seed=2)
         for v, w in enumerate(warm, 1):
-            publish(LO_NS, ep, wsnap, identity=w, version=v)
-    publish(LO_NS, ep, b.snap, version=3 if recycled else 1)
+            publish(LO_NS, ep, wsnap, identity=w, version=v, bucket=bucket)
+    publish(LO_NS, ep, b.snap, version=3 if recycled else 1, bucket=bucket)
     clear_shm("lo")
     rev = daemon_rev()
     ds = {}
     for i, port in ((1, 7180), (2, 7280)):
         sockp = WORK / f"lo{i}.sock"
-        env = dict(AWS_ENV, BDN_BUCKET=f"s3://{BUCKET}/{PREFIX}", BDN_ENDPOINT_URL=ep, BDN_NODE_ID=f"lo{i}",
+        env = dict(AWS_ENV, BDN_BUCKET=bucket, BDN_NODE_ID=f"lo{i}",
                    BDN_PEER_LISTEN=f"127.0.0.1:{port}", BDN_ADVERTISE_URL=f"http://127.0.0.1:{port}",
                    BDN_LOCAL_LISTEN=f"127.0.0.1:{port + 1}", BDN_LOCAL_SOCKET=str(sockp),
                    BDN_SHM_DIR=str(SHM / f"lo{i}"), BDN_PARTITION_SECRET_FILE=str(WORK / "secret"),
@@ -925,7 +928,7 @@ def ceiling(b: Bench) -> None:
     log(f"ceiling: bdn lo1 -> lo2 {b.size / secs / 1e6:.0f} MB/s, {b.size / tot_cpu / 1e6:.0f} MB per CPU-s {cpu}")
     for p, _ in ds.values():
         stop(p)
-    stop(moto)
+    shutil.rmtree(bdir, ignore_errors=True)
     clear_shm("lo")
     # iperf3 over the same loopback, in the same run
     srv = spawn("iperf3-s", LO_NS, ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", "5201"],
