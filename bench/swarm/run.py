@@ -878,6 +878,8 @@ def ceiling(b: Bench) -> None:
         if recycled:  # lo1 keeps all three; lo2 only the newest, collected at once
             env.update({"BDN_KEEP_READY": "3"} if i == 1 else {"BDN_KEEP_READY": "1", "BDN_GC_GRACE_S": "0"})
         env.update(b.args.bdn_env)
+        if b.args.bdn_src:  # another tree's bdn (main's, for the baseline) ahead of this one's
+            env["BENCH_PYTHONPATH"] = b.args.bdn_src
         if i == 2:
             # B starts after A is ready, so everything B needs is already on a peer.
             for ident in (*warm, IDENTITY):
@@ -923,7 +925,7 @@ def ceiling(b: Bench) -> None:
         "fault": None, "MB_per_s": round(b.size / secs / 1e6, 1), "MB_per_cpu_s": round(b.size / tot_cpu / 1e6, 1),
         "cpu_seconds": cpu, "machine_cpu_busy": round((m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 3),
         "peer_bytes_in": c["peer_bytes_in"], "verified": verified, "cores": os.cpu_count(),
-        "daemon_commit": rev, "pages": b.args.ceiling_pages,
+        "daemon_commit": rev, "bdn_src": b.args.bdn_src or None, "pages": b.args.ceiling_pages,
         "recycled_bytes": recycled_bytes(WORK / "logs" / "ceiling-lo2.log", IDENTITY)})
     log(f"ceiling: bdn lo1 -> lo2 {b.size / secs / 1e6:.0f} MB/s, {b.size / tot_cpu / 1e6:.0f} MB per CPU-s {cpu}")
     for p, _ in ds.values():
