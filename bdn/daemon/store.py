@@ -213,7 +213,9 @@ class Store:
                 self.spares.trim(self.spares.bytes() - short)
             for p, size in files:
                 self._allocate(p, size)
-            log.info("snapshot %s: reserved %d bytes, %d in recycled pages", m.identity, need, reused)
+            # (a disk-pool thread: the task's SNAPSHOT context does not follow, so it is given here)
+            log.info("snapshot %s: reserved %d bytes, %d in recycled pages", m.identity, need, reused,
+                     extra={"snapshot": m.identity})
         except OSError as e:
             self.discard(m.identity)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
