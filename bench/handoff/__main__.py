@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=2)
     runs.add_runs_arg(ap)
     ap.add_argument("--repeat", type=int, dest="runs", help=argparse.SUPPRESS)  # the old name of --runs
+    ap.add_argument("--shm-root", default="/dev/shm",
+                    help="where the daemon's shm_dir goes (e.g. a tmpfs mounted huge=within_size)")
     ap.add_argument("--only", default="", help="comma list: run only the methods whose name contains one "
                                               "(memcpy always runs: the baseline)")
     ap.add_argument("--out", default="", help="result file (default bench/results/handoff[.quick].json)")
@@ -112,7 +114,7 @@ def main() -> None:
     load0 = os.getloadavg()
     size = 0.2 if args.quick else args.size_gb
     work = Path(tempfile.mkdtemp(prefix="bdn-bench-handoff-"))
-    shm = Path("/dev/shm") / f"bdn-bench-handoff-{os.getpid()}"
+    shm = Path(args.shm_root) / f"bdn-bench-handoff-{os.getpid()}"
     proc = None
     cores = os.cpu_count() or 1
     print(f"hand-off benchmark on {cores} cores, {size:g} GB bf16 in {args.shards} shards", flush=True)
