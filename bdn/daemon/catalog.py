@@ -48,6 +48,8 @@ class Catalog:
         self.on_change: Callable[[SnapshotJob], Awaitable[None]] | None = None
         self.closing = False
         self.on_forget: Callable[[SnapshotJob], None] | None = None  # the transfer server's fd cache
+        store.spares.limit = cfg.shm_spare_bytes
+        store.spare_room = self.spare_room
 
     # ---- the set of jobs ---------------------------------------------------------------------
     def get(self, identity: str) -> SnapshotJob | None:
@@ -191,6 +193,18 @@ class Catalog:
                 f"{budget}, {u} in use by {names or 'nothing'} (leased, current or in progress)"
             )
 
+    def spare_room(self, m: Manifest | None) -> int:
+        """Bytes the page pool may keep once ``m`` is reserved (None: now): its own cap, and
+        under ``shm_budget_bytes`` what the snapshots (``m`` included) leave of the budget."""
+        cap = self.store.spares.cap()
+        budget = self.cfg.shm_budget_bytes
+        if budget <= 0:
+            return cap
+        used = sum(self.store.space_needed(j.manifest) for j in self.jobs.values()
+                   if j.manifest is not None and j.state != "failed" and (m is None or j.identity != m.identity))
+        need = self.store.space_needed(m) if m is not None else 0
+        return max(0, min(cap, budget - used - need))
+
     def gc(self) -> dict[str, list[str]]:
         """Remove ready snapshots nobody needs (policy: ``bdn.daemon.retention``);
         ``{"removed": [...], "kept": [...]}``."""
@@ -204,6 +218,8 @@ class Catalog:
             self.store.remove(ident)
             self.collected.add(ident)
             log.info("gc: removed snapshot %s (%d bytes)", ident, j.result_bytes)
+        if remove:
+            self.store.spares.trim(self.spare_room(None))
         return {"removed": remove, "kept": kept}
 
     # ---- read views ----------------------------------------------------------------------

@@ -42,7 +42,7 @@ _MINIMUM: dict[str, float] = {
     "peers_dns_interval_s": 0.001, "foreign_chunk_size": 4096, "max_delta_chain": 1,
     "swim_period_s": 0.05, "swim_ack_timeout_s": 0.01, "swim_suspect_mult": 1, "swim_sync_interval_s": 1,
     "status_aggregators": 1, "status_report_s": 0.1,
-    "http_header_timeout_s": 0.001, "http_max_connections": 1,
+    "http_header_timeout_s": 0.001, "http_max_connections": 1, "shm_spare_bytes": -1,
 }
 
 
@@ -86,6 +86,7 @@ class Config:
     engine_ttl_s: float = field(default=30.0, metadata={"help": 'an engine that has not polled for this long is dropped and its leases released (0 = never); must exceed its longest prepare + swap'})
     gc_grace_s: float = field(default=60.0, metadata={"help": 'a snapshot that just became ready is kept at least this long'})
     shm_budget_bytes: int = field(default=0, metadata={"help": 'most bytes of snapshots (rebuilt + stored diffs) in shm; 0 = no budget'})
+    shm_spare_bytes: int = field(default=-1, metadata={"help": 'most bytes of collected snapshots\' shm files kept (no process mapping or holding them) to become the next snapshot\'s files, counted in shm_budget_bytes; -1 = as many as the largest snapshot collected, 0 = none'})
     peer_upload_mbit: float = field(default=0.0, metadata={"help": 'limit on chunk bytes served to peers, Mbit/s; 0 = none'})
     peer_download_mbit: float = field(default=0.0, metadata={"help": 'limit on chunk bytes fetched from peers, Mbit/s; 0 = none'})
     bucket_mbit: float = field(default=0.0, metadata={"help": 'limit on chunk bytes read from the bucket, Mbit/s; 0 = none'})

@@ -7,6 +7,8 @@ Layout under ``root = <shm_dir>/<swarm_id>`` (and ``<shm_dir>/bdnd.lock``, see `
     .staging/.ready-<identity>.tmp   READY being written (renamed into the staging directory)
     .progress/<identity>   which chunks of a download are verified (resume after a restart)
     .stored/<identity>/    a delta's diff objects as stored in the bucket (kept to serve peers)
+    .spares/<n>            files of collected snapshots no process maps or holds open, kept to
+                           become the next snapshot's files (``bdn.daemon.spares``: the page pool)
 
 Identities start with a letter or digit, so no identity is one of the dot-names. The only name
 bdn writes inside a snapshot directory is ``READY`` (``bdn.proto.reserved.RESERVED_NAMES``), which
@@ -26,22 +28,27 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import threading
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import Manifest
+from bdn.daemon.spares import Spares
 from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
 
 STAGING = ".staging"
 STORED = ".stored"
 PROGRESS = ".progress"
 LOCK_NAME = "bdnd.lock"
+
+log = logging.getLogger("bdn.store")
 
 
 class ShmInUse(BdnError):
@@ -109,6 +116,10 @@ class Store:
         (self.root / STAGING).mkdir(exist_ok=True)
         (self.root / STORED).mkdir(exist_ok=True)
         (self.root / PROGRESS).mkdir(exist_ok=True)
+        self.spares = Spares(self.root)
+        #: bytes the spares may keep once snapshot ``m`` is reserved (None: after a GC); the
+        #: catalog sets it from ``shm_budget_bytes``; default: the pool's own cap
+        self.spare_room: Callable[[Manifest | None], int] = lambda m: self.spares.cap()
 
     def ready_dir(self, identity: str) -> Path:
         return self.root / identity
@@ -178,18 +189,33 @@ class Store:
         # free-space check, both run out half-way, and both fail)
         self.discard(m.identity)
         need = self.space_needed(m)
-        free = self.free_bytes()
+        free = self.free_bytes() + self.spares.bytes()  # spares are dropped before fresh pages fail
         if need > free:
             raise ProtocolError(
                 f"shm full: snapshot {m.identity!r} needs {need} bytes, {free} are free on {self.root}"
             )
         st = self.staging_dir(m.identity)
         stored = self.stored_dir(m.identity)
+        files = [(st / f.path, f.result_size) for f in m.files]
+        files += [(stored / f.path, f.size) for f in m.files if f.is_diff]
         try:
-            for f in m.files:
-                self._allocate(st / f.path, f.result_size)
-                if f.is_diff:
-                    self._allocate(stored / f.path, f.size)
+            # Spares first (their pages exist: receiving into them is a copy, not an
+            # allocation), the largest files first; then the spares left over are trimmed to
+            # the room the budget leaves and to what the fresh allocations need.
+            reused = 0
+            for p, size in sorted(files, key=lambda e: -e[1]):
+                p.parent.mkdir(parents=True, exist_ok=True)
+                reused += self.spares.take(size, p) if size else 0
+            fresh = sum(size for _, size in files) - reused
+            self.spares.trim(self.spare_room(m))
+            short = fresh - self.free_bytes()
+            if short > 0:
+                self.spares.trim(self.spares.bytes() - short)
+            for p, size in files:
+                self._allocate(p, size)
+            # (a disk-pool thread: the task's SNAPSHOT context does not follow, so it is given here)
+            log.info("snapshot %s: reserved %d bytes, %d in recycled pages", m.identity, need, reused,
+                     extra={"snapshot": m.identity})
         except OSError as e:
             self.discard(m.identity)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -201,15 +227,22 @@ class Store:
 
     @staticmethod
     def _allocate(p: Path, size: int) -> None:
+        """``p`` at ``size`` bytes with its space allocated: a new file, or a spare moved there
+        (made writable and truncated to ``size``, never emptied first: its pages stay)."""
         p.parent.mkdir(parents=True, exist_ok=True)
-        with open(p, "wb") as fh:
-            fh.truncate(size)
+        if p.exists():
+            os.chmod(p, WRITABLE)  # a spare comes from a ready (read-only) snapshot
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, WRITABLE)
+        try:
+            os.ftruncate(fd, size)
             if size:
                 try:
-                    os.posix_fallocate(fh.fileno(), 0, size)
+                    os.posix_fallocate(fd, 0, size)
                 except OSError as e:
                     if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                         raise
+        finally:
+            os.close(fd)
 
     # ---- persisted progress (resume after a restart) ---------------------------------------
     def progress_path(self, identity: str) -> Path:
@@ -309,14 +342,20 @@ class Store:
         _set_modes(st, WRITABLE)  # the repair writes the re-fetched chunks into them
         return marker
 
-    def _retire(self, d: Path) -> None:
+    def _retire(self, d: Path, recycle: bool = False) -> None:
         """Delete a snapshot directory without a window where it is visible but incomplete:
-        rename it to a hidden name first (atomic), then remove that."""
+        rename it to a hidden name first (atomic), then remove that (after the page pool took
+        the files nobody uses, when ``recycle``)."""
         gone = self.root / STAGING / f".removing-{d.name}-{os.getpid()}-{id(d)}"
         try:
             os.replace(d, gone)
         except FileNotFoundError:
             return
+        if recycle:
+            try:
+                self.spares.absorb(gone)
+            except OSError as e:  # the pool is an optimisation: the removal goes on without it
+                log.warning("page pool: %s not recycled: %s", d.name, e)
         shutil.rmtree(gone, ignore_errors=True)
 
     def discard(self, identity: str) -> None:
@@ -326,9 +365,10 @@ class Store:
         self.progress_path(identity).unlink(missing_ok=True)
 
     def remove(self, identity: str) -> None:
-        """Remove everything of a snapshot (GC)."""
+        """Remove everything of a snapshot (GC); its files that no process maps or holds open
+        become spares (``bdn.daemon.spares``)."""
         self.discard(identity)
-        self._retire(self.ready_dir(identity))
+        self._retire(self.ready_dir(identity), recycle=True)
 
 
 READ_ONLY = 0o444

@@ -105,12 +105,16 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=2)
     runs.add_runs_arg(ap)
     ap.add_argument("--repeat", type=int, dest="runs", help=argparse.SUPPRESS)  # the old name of --runs
+    ap.add_argument("--shm-root", default="/dev/shm",
+                    help="where the daemon's shm_dir goes (e.g. a tmpfs mounted huge=within_size)")
+    ap.add_argument("--only", default="", help="comma list: run only the methods whose name contains one "
+                                              "(memcpy always runs: the baseline)")
     ap.add_argument("--out", default="", help="result file (default bench/results/handoff[.quick].json)")
     args = ap.parse_args()
     load0 = os.getloadavg()
     size = 0.2 if args.quick else args.size_gb
     work = Path(tempfile.mkdtemp(prefix="bdn-bench-handoff-"))
-    shm = Path("/dev/shm") / f"bdn-bench-handoff-{os.getpid()}"
+    shm = Path(args.shm_root) / f"bdn-bench-handoff-{os.getpid()}"
     proc = None
     cores = os.cpu_count() or 1
     print(f"hand-off benchmark on {cores} cores, {size:g} GB bf16 in {args.shards} shards", flush=True)
@@ -225,6 +229,31 @@ def main() -> None:
                 np.copyto(out, arena[:nbytes])
                 del out
 
+            with c.open(IDENT) as snap:
+                sdir = Path(snap.path)
+
+            def pread_files(threads):
+                # the floor of any copy out of the daemon's shm pages into the reused buffer (no
+                # socket, no daemon): the tmpfs page lookups + copy_to_user of os.preadv
+                def piece(fd, view, off):
+                    pos = 0
+                    while pos < len(view):
+                        pos += os.preadv(fd, [view[pos:]], off + pos)
+
+                def run():
+                    pos = 0
+                    with ThreadPoolExecutor(threads) as pool:
+                        for f, size in finfo:
+                            fd = os.open(sdir / f, os.O_RDONLY)
+                            try:
+                                step = -(-size // threads)
+                                view = memoryview(arena)[pos : pos + size]
+                                list(pool.map(lambda a: piece(fd, view[a : a + step], a), range(0, size, step)))
+                            finally:
+                                os.close(fd)
+                            pos += size
+                return run
+
             def st_load():
                 with c.open(IDENT) as snap:
                     d = Path(snap.path)
@@ -239,8 +268,12 @@ def main() -> None:
                                ("http pull into a reused buffer (files, 4 connections)", files_into(c, 4)),
                                ("http pull into a reused buffer (tensors, unix socket)", tensors_into(uds)),
                                ("http pull into a reused buffer (files, 4 connections, unix socket)", files_into(uds, 4)),
+                               ("pread from the shm files into a reused buffer (1 thread)", pread_files(1)),
+                               ("pread from the shm files into a reused buffer (2 threads)", pread_files(2)),
                                ("memcpy into fresh memory", fresh_copy),
                                ("safetensors load_file", st_load)):
+                if args.only and not any(w in method for w in args.only.split(",")):
+                    continue
                 st = timed(fn, args.runs)
                 s = st["median"]["seconds"]
                 rows.append({"method": method, "bytes": nbytes, "seconds": round(s, 5),

@@ -27,6 +27,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -795,11 +796,13 @@ def create_bucket(ns: str | None, endpoint: str) -> None:
     ns_python(ns, code)
 
 
-def publish(ns: str | None, endpoint: str, snap: Path, chunk_bytes: int | None = None) -> None:
+def publish(ns: str | None, endpoint: str, snap: Path, chunk_bytes: int | None = None,
+            identity: str = IDENTITY, version: int = 1, bucket: str = f"s3://{BUCKET}/{PREFIX}") -> None:
     """``bdn-publish full`` of ``snap`` (``chunk_bytes``: the manifest's chunk size, default bdn's)."""
     argv = (["ip", "netns", "exec", ns] if ns else []) + [
-        str(BIN / "bdn-publish"), "full", "--dir", str(snap), "--bucket", f"s3://{BUCKET}/{PREFIX}",
-        "--identity", IDENTITY, "--policy-version", "1", "--endpoint-url", endpoint, "--overwrite"]
+        str(BIN / "bdn-publish"), "full", "--dir", str(snap), "--bucket", bucket,
+        "--identity", identity, "--policy-version", str(version), "--overwrite"]
+    argv += ["--endpoint-url", endpoint] if bucket.startswith("s3://") else []
     if chunk_bytes:
         argv += ["--chunk-size", str(chunk_bytes)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=900,
@@ -831,37 +834,68 @@ print(tot / (time.time() - t0) / 1e6)
     return float(ns_python(ns, code).strip())
 
 
+def recycled_bytes(logfile: Path, identity: str) -> int | None:
+    """Bytes of ``identity``'s files the receiver reserved in recycled pages (its log line)."""
+    try:
+        text = logfile.read_text(errors="replace")
+    except OSError:
+        return None
+    got = re.findall(rf"snapshot {identity}: reserved \d+ bytes, (\d+) in recycled pages", text)
+    return int(got[-1]) if got else None
+
+
 def ceiling(b: Bench) -> None:
     """One bdnd pulls the snapshot from another over unshaped loopback; iperf3 on the same loopback."""
     sh(f"ip netns add {LO_NS}")
     sh(f"ip netns exec {LO_NS} ip link set lo up")
-    ep = f"http://127.0.0.1:{S3_PORT}"
-    moto = spawn("moto-lo", LO_NS, [PY, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(S3_PORT)],
-                 logfile=WORK / "logs" / "moto-lo.log")
-    create_bucket(LO_NS, ep)
-    publish(LO_NS, ep, b.snap)
+    # The bucket is a file:// one: the ceiling measures lo1 -> lo2 only, and moto (Python) took
+    # 190 s to serve lo1 its 1 GiB on the loaded machine (2026-12-01 14:34).
+    bdir = WORK / "bucket-lo"
+    shutil.rmtree(bdir, ignore_errors=True)
+    bdir.mkdir(parents=True)
+    ep, bucket = "", f"file://{bdir}"
+    # --ceiling-pages recycled: the receiver first loads two warm-up snapshots (other bytes) and
+    # collects the older, so the measured one lands in the page pool's spares (RL's steady
+    # state: step N+2 receives into the pages of step N); fresh: into new tmpfs pages.
+    recycled = b.args.ceiling_pages == "recycled"
+    warm = ("warm000001", "warm000002") if recycled else ()
+    if recycled:
+        from bench.swarm.snapshot import make_snapshot
+        wsnap = make_snapshot(CACHE / "warm", b.size, seed=2)
+        for v, w in enumerate(warm, 1):
+            publish(LO_NS, ep, wsnap, identity=w, version=v, bucket=bucket)
+    publish(LO_NS, ep, b.snap, version=3 if recycled else 1, bucket=bucket)
     clear_shm("lo")
     rev = daemon_rev()
     ds = {}
     for i, port in ((1, 7180), (2, 7280)):
         sockp = WORK / f"lo{i}.sock"
-        env = dict(AWS_ENV, BDN_BUCKET=f"s3://{BUCKET}/{PREFIX}", BDN_ENDPOINT_URL=ep, BDN_NODE_ID=f"lo{i}",
+        env = dict(AWS_ENV, BDN_BUCKET=bucket, BDN_NODE_ID=f"lo{i}",
                    BDN_PEER_LISTEN=f"127.0.0.1:{port}", BDN_ADVERTISE_URL=f"http://127.0.0.1:{port}",
                    BDN_LOCAL_LISTEN=f"127.0.0.1:{port + 1}", BDN_LOCAL_SOCKET=str(sockp),
                    BDN_SHM_DIR=str(SHM / f"lo{i}"), BDN_PARTITION_SECRET_FILE=str(WORK / "secret"),
                    BDN_PEERS="" if i == 1 else "http://127.0.0.1:7180", BDN_LOAD_STARTUP="false")
+        if recycled:  # lo1 keeps all three; lo2 only the newest, collected at once
+            env.update({"BDN_KEEP_READY": "3"} if i == 1 else {"BDN_KEEP_READY": "1", "BDN_GC_GRACE_S": "0"})
         env.update(b.args.bdn_env)
+        if b.args.bdn_src:  # another tree's bdn (main's, for the baseline) ahead of this one's
+            env["BENCH_PYTHONPATH"] = b.args.bdn_src
         if i == 2:
             # B starts after A is ready, so everything B needs is already on a peer.
-            st, _ = api(ds[1][1], "POST", f"/v1/snapshots/{IDENTITY}/prefetch")
-            wait_until(lambda: api(ds[1][1], "GET", f"/v1/snapshots/{IDENTITY}")[1]["state"] == "ready", 600,
-                       "A ready from the bucket", every=0.5)
+            for ident in (*warm, IDENTITY):
+                st, _ = api(ds[1][1], "POST", f"/v1/snapshots/{ident}/prefetch")
+                wait_until(lambda ident=ident: api(ds[1][1], "GET", f"/v1/snapshots/{ident}")[1]["state"] == "ready",
+                           600, f"A has {ident} from the bucket", every=0.5)
         pr = spawn(f"bdnd-lo{i}", LO_NS, [str(BIN / "bdnd")], env, WORK / "logs" / f"ceiling-lo{i}.log")
         ds[i] = (pr, sockp)
         wait_until(lambda: api(sockp, "GET", "/v1/health")[0] == 200, 60, f"bdnd lo{i}")
     wait_until(lambda: all(p["alive"] for p in api(ds[2][1], "GET", "/v1/status")[1]["peers"]) and
                api(ds[2][1], "GET", "/v1/status")[1]["peers"], 60, "lo2 sees lo1")
     time.sleep(3)  # let lo1 learn lo2 in a membership round too
+    for ident in warm:  # the second warm-up's ready collects the first: its files become spares
+        api(ds[2][1], "POST", f"/v1/snapshots/{ident}/prefetch")
+        wait_until(lambda ident=ident: api(ds[2][1], "GET", f"/v1/snapshots/{ident}")[1]["state"] == "ready",
+                   600, f"lo2 has {ident}", every=0.5)
     c0 = {i: cpu_seconds(p.pid) for i, (p, _) in ds.items()}
     m0 = machine_cpu()
     prof = b.start_profile(ds[2][0], "ceiling-receiver") if b.args.profile else None
@@ -891,11 +925,12 @@ def ceiling(b: Bench) -> None:
         "fault": None, "MB_per_s": round(b.size / secs / 1e6, 1), "MB_per_cpu_s": round(b.size / tot_cpu / 1e6, 1),
         "cpu_seconds": cpu, "machine_cpu_busy": round((m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 3),
         "peer_bytes_in": c["peer_bytes_in"], "verified": verified, "cores": os.cpu_count(),
-        "daemon_commit": rev})
+        "daemon_commit": rev, "bdn_src": b.args.bdn_src or None, "pages": b.args.ceiling_pages,
+        "recycled_bytes": recycled_bytes(WORK / "logs" / "ceiling-lo2.log", IDENTITY)})
     log(f"ceiling: bdn lo1 -> lo2 {b.size / secs / 1e6:.0f} MB/s, {b.size / tot_cpu / 1e6:.0f} MB per CPU-s {cpu}")
     for p, _ in ds.values():
         stop(p)
-    stop(moto)
+    shutil.rmtree(bdir, ignore_errors=True)
     clear_shm("lo")
     # iperf3 over the same loopback, in the same run
     srv = spawn("iperf3-s", LO_NS, ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", "5201"],
@@ -937,6 +972,9 @@ def main() -> int:
     ap.add_argument("--fault-systems", default="bdn,libtorrent")
     ap.add_argument("--ceiling", action="store_true", help="also: bdnd -> bdnd over loopback vs iperf3")
     ap.add_argument("--ceiling-only", action="store_true")
+    ap.add_argument("--ceiling-pages", choices=("fresh", "recycled"), default="fresh",
+                    help="the ceiling's receiver lands bytes in new tmpfs pages, or in a collected "
+                         "snapshot's recycled ones (bdn.daemon.spares)")
     ap.add_argument("--quick", action="store_true", help="N=2,4 at 200 Mbit/s, 256 MiB snapshot")
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--piece-kib", type=int, default=4096, help="BitTorrent piece size")

@@ -1,0 +1,167 @@
+"""The page pool: shm files of collected snapshots kept as spares, to become the next snapshot's
+files (issue 9: stop paying for fresh pages on the critical path).
+
+Why: on this class of VM reserving and zeroing fresh tmpfs pages costs 0.5-1.1 CPU-s per GiB
+(``bench/transfer/pagefill``), 5-8x a copy into pages that already exist, and in RL
+post-training a node receives a new snapshot every step while GC drops an old one: the pages
+exist. A spare file is renamed into the new snapshot's staging directory and truncated to the
+file's size, so receiving is a copy into existing pages. Its old bytes are never handed out:
+every chunk of a staging file is written and verified before READY, exactly as for a fresh one.
+
+When a file may become a spare: an engine that mapped or opened a file must never see its bytes
+change. The collected snapshot's directory is first renamed away from its identity (no new
+``open`` by path reaches it), then each file is recycled only under a write lease
+(``fcntl(F_SETLEASE, F_WRLCK)``): Linux grants it only when no other open file description of
+the inode exists, in any process (fs/locks.c ``check_conflicting_open``: the inode's read and
+write open counts must be the lease holder's own), and a mapping keeps its file description alive
+after its descriptor is closed; bdnd's own descriptors count too (a send still in flight keeps
+its file). Holding the lease, the file is renamed into the pool; if anyone tried to open it
+meanwhile (the lease is being broken: ``F_GETLEASE`` no longer says ``F_WRLCK``) the file is
+deleted instead. A refused lease (in use, not the file's owner, leases disabled by
+``fs.leases-enable``) means the file is deleted as before, never recycled. (A scan of
+``/proc/*/maps`` and ``/proc/*/fd`` was the first design: it cannot read every process here,
+pid 1 among them, even as root, and it races with an ``open``; the lease is the kernel's own
+answer, atomic with the rename.)
+
+Layout: ``<root>/.spares/<n>`` (``n`` a counter), at most ``limit`` bytes of allocated pages
+(``st_blocks``), the oldest dropped first. Sizes in bytes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+log = logging.getLogger("bdn.spares")
+
+SPARES = ".spares"
+
+
+def _ignore_sigio() -> None:
+    """A broken lease signals its holder with SIGIO, whose default action ends the process."""
+    try:
+        if signal.getsignal(signal.SIGIO) == signal.SIG_DFL:
+            signal.signal(signal.SIGIO, signal.SIG_IGN)
+    except ValueError:  # not the main thread: whoever runs the loop there decides
+        pass
+
+
+def recycle(path: Path, dest: Path) -> bool:
+    """Rename ``path`` to ``dest`` if no other open file description of it exists (any
+    process, any mapping); True if it moved. A file somebody holds or tries to open stays (False)
+    or, if the attempt came during the rename, is deleted from ``dest`` (False)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except OSError:
+            return False  # in use (EAGAIN), or leases unavailable here: not recycled
+        try:
+            os.replace(path, dest)
+            if fcntl.fcntl(fd, fcntl.F_GETLEASE) != fcntl.F_WRLCK:
+                os.unlink(dest)  # an open() came while we held it: that opener keeps the inode
+                return False
+            return True
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+    finally:
+        os.close(fd)
+
+
+class Spares:
+    """The spare files of one store (``root/.spares``), at most ``limit`` bytes (-1: at most
+    as many bytes as the largest batch collected at once; 0: the pool is off)."""
+
+    def __init__(self, root: Path, limit: int = -1) -> None:
+        self.dir = root / SPARES
+        self.dir.mkdir(exist_ok=True)
+        _ignore_sigio()
+        self.limit = limit
+        self._high = self.bytes()  # the largest batch absorbed (for limit -1); a restart keeps its spares
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self.recycled_bytes = 0  # counters, for the status page and the tests
+        self.kept_in_use = 0
+
+    def _files(self) -> list[tuple[float, int, Path]]:
+        """``(mtime, allocated bytes, path)`` of every spare, oldest first."""
+        out = []
+        for p in self.dir.iterdir():
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            out.append((st.st_mtime, st.st_blocks * 512, p))
+        return sorted(out)
+
+    def bytes(self) -> int:
+        """Allocated bytes the spares hold (they count against shm budgets and free space)."""
+        return sum(b for _, b, _ in self._files())
+
+    def cap(self) -> int:
+        return self._high if self.limit < 0 else self.limit
+
+    def absorb(self, directory: Path) -> int:
+        """Keep the regular files under ``directory`` (already renamed away from any identity)
+        that no process maps or holds open as spares, up to ``cap()``; returns the bytes kept.
+        The caller removes what is left of ``directory``."""
+        if self.limit == 0:
+            return 0
+        files: list[tuple[Path, os.stat_result]] = []
+        for parent, _, names in os.walk(directory):
+            for name in names:
+                p = Path(parent) / name
+                try:
+                    st = p.lstat()
+                except OSError:
+                    continue
+                if p.is_file() and not p.is_symlink() and st.st_blocks:
+                    files.append((p, st))
+        if not files:
+            return 0
+        kept = 0
+        with self._lock:
+            self._high = max(self._high, sum(st.st_blocks * 512 for _, st in files))
+            for p, st in files:
+                if recycle(p, self.dir / f"{os.getpid()}-{next(self._seq)}"):
+                    kept += st.st_blocks * 512
+                else:
+                    self.kept_in_use += 1
+            self._trim(self.cap())
+        return kept
+
+    def take(self, size: int, dest: Path) -> int:
+        """Move the spare best fitting ``size`` (the smallest holding it, else the largest) to
+        ``dest``; returns the bytes of existing pages it brings (0: the pool is empty)."""
+        with self._lock:
+            files = self._files()
+            if not files:
+                return 0
+            fits = [f for f in files if f[1] >= size]
+            pick = min(fits, key=lambda f: f[1]) if fits else max(files, key=lambda f: f[1])
+            os.replace(pick[2], dest)
+            got = min(pick[1], size)
+            self.recycled_bytes += got
+            return got
+
+    def trim(self, keep: int) -> None:
+        """Delete the oldest spares until at most ``keep`` bytes remain."""
+        with self._lock:
+            self._trim(keep)
+
+    def _trim(self, keep: int) -> None:  # lock held
+        files = self._files()
+        total = sum(b for _, b, _ in files)
+        for _, b, p in files:
+            if total <= max(keep, 0):
+                break
+            p.unlink(missing_ok=True)
+            total -= b

@@ -1,0 +1,147 @@
+"""The page pool (``bdn.daemon.spares``, issue 9) through a real bdnd: GC keeps the files of a
+collected snapshot that no process maps or holds open as spares, and the next snapshot's files
+are those spares renamed and truncated, their bytes received and verified like any other.
+
+Promises checked: a file a process maps is never recycled (its bytes stay the old snapshot's
+while the next ones load); a recycled file's snapshot is byte-identical to the trainer's and
+passes ``verify()``; spares count in ``shm_budget_bytes``; ``shm_spare_bytes=0`` turns the pool off.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import pytest
+
+from bdn.bucket import open_bucket
+from bdn.client import open_snapshot
+from bdn.proto.keys import derive_keys
+from bdn.proto.manifest import Manifest
+from bdn.publish import publish_full
+from support.checkpoints import make_state, write_hf_dir
+from support.faults import stable_ports
+from support.swarm import SECRET, Daemon
+
+CHUNK = 64 << 10
+SWARM_ID = derive_keys(SECRET).swarm_id
+BASE_ENV = {"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "2", "BDN_KEEP_READY": "1",
+            "BDN_GC_GRACE_S": "0"}
+SHARD = "model-00001-of-00002.safetensors"
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def file_bucket(tmp_path: Path) -> str:
+    (tmp_path / "bucket").mkdir()
+    return f"file://{tmp_path}/bucket"
+
+
+def publish(tmp_path: Path, bucket: str, identity: str, version: int) -> tuple[Manifest, Path]:
+    ck = write_hf_dir(tmp_path / "trainer" / identity, make_state(version, scale=2), version)
+    b = open_bucket(bucket)
+    try:
+        return publish_full(b, identity, version, dir=ck, chunk_size=CHUNK), ck
+    finally:
+        b.close()
+
+
+def daemon(tmp_path: Path, bucket: str, **env: str) -> Daemon:
+    return stable_ports(Daemon(tmp_path / "nodes", "node0", bucket, extra_env=dict(BASE_ENV, **env)))
+
+
+def root(d: Daemon) -> Path:
+    return d.shm_dir / SWARM_ID
+
+
+def inodes(directory: Path) -> dict[int, str]:
+    return {p.stat().st_ino: p.name for p in directory.iterdir() if p.is_file()}
+
+
+def load(d: Daemon, identity: str, trainer: Path) -> Path:
+    assert d.prefetch(identity)[0] in (200, 202)
+    d.wait_ready(identity, 120)
+    path = root(d) / identity
+    for p in trainer.iterdir():
+        assert (path / p.name).read_bytes() == p.read_bytes(), p.name
+    with open_snapshot(path) as s:
+        s.verify()
+    return path
+
+
+def collect(d: Daemon, identity: str) -> None:
+    """GC (the daemon may have run it on its own when the newer snapshot became ready)."""
+    status, body = d.request("POST", "/v1/gc")
+    assert status == 200, body
+    assert not (root(d) / identity).exists(), body
+
+
+def allocated(directory: Path) -> int:
+    return sum(p.stat().st_blocks * 512 for p in directory.rglob("*") if p.is_file())
+
+
+def test_mapped_file_never_recycled_and_recycled_files_verified(tmp_path: Path, file_bucket: str) -> None:
+    snaps = {i: publish(tmp_path, file_bucket, f"step00000{i}", i) for i in (1, 2, 3)}
+    d = daemon(tmp_path, file_bucket)
+    d.start([])
+    try:
+        d.wait_healthy()
+        p1 = load(d, "step000001", snaps[1][1])
+        old = inodes(p1)
+        want = (p1 / SHARD).read_bytes()
+        # a serving process maps one shard of step000001 (and closes its descriptor)
+        with open(p1 / SHARD, "rb") as fh:
+            mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        mapped_ino = os.stat(p1 / SHARD).st_ino
+        try:
+            load(d, "step000002", snaps[2][1])
+            collect(d, "step000001")
+            spares = inodes(root(d) / ".spares")
+            assert spares, "no file of the collected snapshot was kept as a spare"
+            assert mapped_ino not in spares, "a mapped file became a spare"
+            assert set(spares) <= set(old), (spares, old)
+            # the next snapshot lands in the spares: same inodes, new verified bytes
+            p3 = load(d, "step000003", snaps[3][1])
+            reused = set(inodes(p3)) & set(spares)
+            assert reused, "step000003 allocated fresh files while spares were there"
+            assert mapped[:] == want, "the mapped file's bytes changed"
+            st = d.get("/v1/snapshots/step000003")
+            assert st["state"] == "ready", st
+        finally:
+            mapped.close()
+    finally:
+        d.stop()
+
+
+def test_spares_count_in_the_budget_and_can_be_turned_off(tmp_path: Path, file_bucket: str) -> None:
+    snaps = {i: publish(tmp_path, file_bucket, f"step00000{i}", i) for i in (1, 2, 3)}
+    need = snaps[1][0].result_bytes  # what the store counts for a full snapshot
+    budget = int(need * 2.5)  # two snapshots fit, plus half of one as spares
+    d = daemon(tmp_path, file_bucket, BDN_SHM_BUDGET_BYTES=str(budget))
+    d.start([])
+    try:
+        d.wait_healthy()
+        load(d, "step000001", snaps[1][1])
+        load(d, "step000002", snaps[2][1])
+        collect(d, "step000001")
+        spares = allocated(root(d) / ".spares")
+        assert 0 < spares <= budget - need, (spares, budget, need)
+        assert allocated(root(d)) <= budget + (64 << 10), (allocated(root(d)), budget)
+        load(d, "step000003", snaps[3][1])
+        assert allocated(root(d)) <= budget + (64 << 10), (allocated(root(d)), budget)
+    finally:
+        d.stop()
+    off = stable_ports(Daemon(tmp_path / "nodes-off", "node1", file_bucket,
+                              extra_env=dict(BASE_ENV, BDN_SHM_SPARE_BYTES="0")))
+    off.start([])
+    try:
+        off.wait_healthy()
+        load(off, "step000001", snaps[1][1])
+        load(off, "step000002", snaps[2][1])
+        collect(off, "step000001")
+        assert list((root(off) / ".spares").iterdir()) == []
+        load(off, "step000003", snaps[3][1])
+    finally:
+        off.stop()
