@@ -1,0 +1,66 @@
+"""Attacks on delta folding (bdn/daemon/fold.py) by a confused publisher, on a real bdnd: chains
+whose manifests do not form a chain. The manifest is the root of trust, so a bad one must fail
+the snapshot with a reason; it must never leave it waiting forever or half built."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from bdn.proto.keys import derive_keys
+from bdn.publish import publish_delta, publish_full
+from tests.support.checkpoints import make_state, optimizer_step, write_hf_dir
+from tests.support.swarm import SECRET, Daemon
+
+pytestmark = pytest.mark.timeout(300)
+CHUNK = 64 << 10
+
+
+def _wait_failed(d: Daemon, identity: str, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        status, rec = d.request("GET", f"/v1/snapshots/{identity}")
+        if status == 200 and rec["state"] in ("failed", "ready"):
+            return rec
+        assert time.monotonic() < deadline, f"{identity} neither failed nor ready in {timeout} s: {rec}\n{d.log()}"
+        time.sleep(0.1)
+
+
+def test_a_delta_chain_that_loops_fails_the_target_instead_of_waiting_on_itself(tmp_path: Path) -> None:
+    """step000002's manifest names step000003 (a delta on it) as its base. Before the fix the fold
+    took the target's own job as the ancestor ("folding 2 deltas on step000003") and waited for it
+    to be ready: the prefetch never ended."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    url = f"file://{bucket}"
+    s1 = make_state(0)
+    s2 = optimizer_step(s1, 0.05, 1)
+    s3 = optimizer_step(s2, 0.05, 2)
+    d1, d2, d3 = (write_hf_dir(tmp_path / f"src{i}", s, i) for i, s in enumerate((s1, s2, s3), 1))
+    publish_full(url, "step000001", 1, dir=d1, chunk_size=CHUNK)
+    publish_delta(url, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK)
+    publish_delta(url, "step000003", 3, "step000002", dir=d3, base_dir=d2, chunk_size=CHUNK)
+    mp = bucket / "step000002" / "bdn.manifest.json"
+    m = json.loads(mp.read_text())
+    m["base_identity"] = "step000003"  # the loop
+    mp.write_text(json.dumps(m))
+    d = Daemon(tmp_path / "work", "node0", url, extra_env={"BDN_LOAD_STARTUP": "false"})
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        d.wait_ready("step000001")
+        assert d.prefetch("step000003")[0] == 202
+        rec = _wait_failed(d, "step000003")
+        assert rec["state"] == "failed", rec
+        assert rec["reason"] == ("the delta chain of step000003 loops: step000002 names step000003, "
+                                 "a snapshot built on it, as its base"), rec
+        root = d.shm_dir / derive_keys(SECRET).swarm_id
+        assert not (root / "step000003").exists()  # nothing under the identity: no half snapshot
+        assert d.get("/v1/health")["status"] == "ok"
+        assert d.wait_ready("step000001")["state"] == "ready"  # the ancestor is untouched
+    finally:
+        d.stop()
