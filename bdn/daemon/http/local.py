@@ -13,9 +13,9 @@ from typing import Any
 
 from aiohttp import web
 
-from bdn.daemon.bodies import BodyTooLarge, read_body
+from bdn.daemon.bodies import BodyTooLarge
 from bdn.daemon.http import hotload
-from bdn.daemon.http.common import MAX_BODY, error, json_response
+from bdn.daemon.http.common import MAX_BODY, BodyTimeout, error, json_response, request_body
 from bdn.daemon.http.errors import status_of
 from bdn.daemon.http.sendfile import RangeNotSatisfiable, byte_range, send_file
 from bdn.daemon.http.services import SERVICES, Services, services
@@ -191,7 +191,9 @@ async def get_metrics(request: web.Request) -> web.Response:
 # ---- engines, leases, gc ------------------------------------------------------------------
 async def _body_json(request: web.Request) -> dict[str, Any]:
     try:
-        raw = await read_body(request.content, MAX_BODY, request.content_length)
+        raw = await request_body(request, MAX_BODY)
+    except BodyTimeout as e:
+        raise web.HTTPRequestTimeout(text=json.dumps({"error": str(e)}), content_type="application/json") from None
     except BodyTooLarge as e:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=request.content_length or MAX_BODY + 1,
                                             text=json.dumps({"error": f"request {e}"}), content_type="application/json") from None
