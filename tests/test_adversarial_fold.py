@@ -64,3 +64,52 @@ def test_a_delta_chain_that_loops_fails_the_target_instead_of_waiting_on_itself(
         assert d.wait_ready("step000001")["state"] == "ready"  # the ancestor is untouched
     finally:
         d.stop()
+
+
+def test_a_fold_killed_midway_leaves_no_half_snapshot_and_restarts_clean(tmp_path: Path) -> None:
+    """SIGKILL once the fold started (in its apply or verify when the poll catches it, else while
+    it fetches the diffs): nothing under the target's identity, no intermediate snapshot; after a
+    restart the target loads again and is byte-identical to the trainer's."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    url = f"file://{bucket}"
+    states = [make_state(0, scale=8)]
+    for i in range(1, 4):
+        states.append(optimizer_step(states[-1], 0.05, i))
+    dirs = [write_hf_dir(tmp_path / f"src/step{i:06d}", s, i) for i, s in enumerate(states, 1)]
+    publish_full(url, "step000001", 1, dir=dirs[0], chunk_size=CHUNK)
+    for i in range(2, 5):
+        publish_delta(url, f"step{i:06d}", i, f"step{i - 1:06d}", dir=dirs[i - 1], base_dir=dirs[i - 2], chunk_size=CHUNK)
+    d = Daemon(tmp_path / "work", "node0", url, extra_env={"BDN_LOAD_STARTUP": "false"})
+    root = d.shm_dir / derive_keys(SECRET).swarm_id
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        d.wait_ready("step000001")
+        assert d.prefetch("step000004")[0] == 202
+        deadline = time.monotonic() + 120
+        while True:
+            rec = d.request("GET", "/v1/snapshots/step000004")[1]
+            if rec["state"] in ("applying", "verifying", "ready", "failed") or "folding" in rec["reason"]:
+                if rec["state"] in ("applying", "verifying", "ready", "failed") or time.monotonic() > deadline:
+                    break
+            assert time.monotonic() < deadline, rec
+            time.sleep(0.01)
+        d.kill()
+        target = root / "step000004"
+        assert not target.exists() or (target / "READY").is_file(), list(target.iterdir())
+        assert not (root / "step000002").exists() and not (root / "step000003").exists()
+        d.start([])
+        d.wait_healthy()
+        for p in root.iterdir():  # whatever is under an identity is a complete snapshot
+            if not p.name.startswith(".") and p.is_dir() and p.name.startswith("step"):
+                assert (p / "READY").is_file(), p
+        assert d.prefetch("step000004")[0] == 202
+        got = Path(d.wait_ready("step000004")["path"])
+        for f in dirs[-1].iterdir():
+            assert (got / f.name).read_bytes() == f.read_bytes(), f.name
+        assert d.request("GET", "/v1/snapshots/step000002")[0] == 404
+        assert not [p for p in root.rglob("*") if ".fold-" in p.name]
+    finally:
+        d.stop()
