@@ -102,3 +102,24 @@ def test_bodies_that_trickle_in_are_answered_408_and_free_their_connections(daem
         assert a.answer.startswith(b"HTTP/1.1 408 "), a.answer
         assert a.answer.endswith(b'{"error": "request body not complete after 2 s"}'), a.answer
     assert "Traceback" not in daemon.log(), daemon.log()
+
+
+def test_a_body_cut_short_is_answered_in_one_line_never_a_traceback(daemon: Daemon) -> None:
+    """Headers, half the body, then the sender closes: before the fix aiohttp logged the
+    handler's ConnectionResetError with a traceback at ERROR."""
+    keys = derive_keys(SECRET)
+    path = f"/bdn/v1/{keys.swarm_id}/members"
+    heads = [(daemon.local_port, b"POST /v1/engines HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"na"),
+             (daemon.local_port, b"POST /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"),
+             (daemon.peer_port, (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\nAuthorization: "
+                                 f"{sign_request(keys, 'POST', path, 'tester', to=daemon.node_id)}\r\n\r\n").encode() + b"\x81")]
+    for port, head in heads:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(head)
+            s.shutdown(socket.SHUT_WR)  # the body ends here: 100 bytes were promised
+            while s.recv(65536):
+                pass
+    _wait(lambda: daemon.log().count("request body cut short by the sender") == len(heads) or "Traceback" in daemon.log(),
+          "each cut to be handled")
+    assert _healthy(daemon)
+    assert "Traceback" not in daemon.log(), daemon.log()

@@ -11,7 +11,7 @@ import hmac
 from aiohttp import web
 
 from bdn.daemon.bodies import BodyTooLarge
-from bdn.daemon.http.common import MAX_BODY, BodyTimeout, error, json_response, request_body
+from bdn.daemon.http.common import MAX_BODY, BodyIncomplete, error, json_response, request_body
 from bdn.daemon.http.errors import status_of
 from bdn.daemon.http.services import services
 from bdn.proto.errors import BdnError
@@ -34,8 +34,8 @@ async def post(request: web.Request) -> web.Response:
         body = await request_body(request, MAX_BODY)
     except BodyTooLarge as e:
         return error(413, f"request {e}")
-    except BodyTimeout as e:
-        return error(408, str(e))
+    except BodyIncomplete as e:
+        return error(e.status, str(e))
     try:
         ans = await services(request).hotload.accept(body)
     except BdnError as e:

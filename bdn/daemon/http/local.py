@@ -15,7 +15,7 @@ from aiohttp import web
 
 from bdn.daemon.bodies import BodyTooLarge
 from bdn.daemon.http import hotload
-from bdn.daemon.http.common import MAX_BODY, BodyTimeout, error, json_response, request_body
+from bdn.daemon.http.common import MAX_BODY, BodyIncomplete, error, json_response, request_body
 from bdn.daemon.http.errors import status_of
 from bdn.daemon.http.sendfile import RangeNotSatisfiable, byte_range, send_file
 from bdn.daemon.http.services import SERVICES, Services, services
@@ -192,8 +192,9 @@ async def get_metrics(request: web.Request) -> web.Response:
 async def _body_json(request: web.Request) -> dict[str, Any]:
     try:
         raw = await request_body(request, MAX_BODY)
-    except BodyTimeout as e:
-        raise web.HTTPRequestTimeout(text=json.dumps({"error": str(e)}), content_type="application/json") from None
+    except BodyIncomplete as e:
+        answer = web.HTTPRequestTimeout if e.status == 408 else web.HTTPBadRequest
+        raise answer(text=json.dumps({"error": str(e)}), content_type="application/json") from None
     except BodyTooLarge as e:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=request.content_length or MAX_BODY + 1,
                                             text=json.dumps({"error": f"request {e}"}), content_type="application/json") from None

@@ -34,7 +34,7 @@ from aiohttp import web
 from bdn.daemon import logctx
 from bdn.daemon.bodies import BodyTooLarge
 from bdn.daemon.http import hotload
-from bdn.daemon.http.common import BodyTimeout, request_body, text
+from bdn.daemon.http.common import BodyIncomplete, request_body, text
 from bdn.daemon.http.services import SERVICES, Services, services
 from bdn.daemon.snapshot import Loc
 from bdn.daemon.uploads import Admission
@@ -179,8 +179,8 @@ async def post_members(request: web.Request) -> web.Response:
         body = await request_body(request, MAX_MEMBERS_BODY)
     except BodyTooLarge as e:
         return text(413, f"members {e}")
-    except BodyTimeout as e:
-        return text(408, f"members {e}")
+    except BodyIncomplete as e:
+        return text(e.status, f"members {e}")
     try:
         obj = msgpack.unpackb(body, raw=False)
         ans = await services(request).gossip.handle(obj, request["peer"])
@@ -194,7 +194,7 @@ _NOT_MSGPACK = object()
 
 async def _msgpack_body(request: web.Request, limit: int) -> Any:
     """The request body decoded as msgpack, or ``_NOT_MSGPACK``; BodyTooLarge past ``limit`` bytes,
-    BodyTimeout when it trickles in."""
+    BodyIncomplete when it trickles in."""
     body = await request_body(request, limit)
     try:
         return msgpack.unpackb(body, raw=False)
@@ -209,8 +209,8 @@ async def post_hot_load_peer(request: web.Request) -> web.Response:
         obj = await _msgpack_body(request, MAX_TARGET_BODY)
     except BodyTooLarge as e:
         return text(413, f"hot-load {e}")
-    except BodyTimeout as e:
-        return text(408, f"hot-load {e}")
+    except BodyIncomplete as e:
+        return text(e.status, f"hot-load {e}")
     obj = None if obj is _NOT_MSGPACK else obj
     try:
         await services(request).hotload.from_peer(obj, request["peer"])
@@ -225,8 +225,8 @@ async def post_status(request: web.Request) -> web.Response:
         obj = await _msgpack_body(request, MAX_TARGET_BODY)
     except BodyTooLarge as e:
         return text(413, f"status report {e}")
-    except BodyTimeout as e:
-        return text(408, f"status report {e}")
+    except BodyIncomplete as e:
+        return text(e.status, f"status report {e}")
     obj = None if obj is _NOT_MSGPACK else obj
     try:
         services(request).hotload.status.received(obj, request["peer"])
@@ -250,8 +250,8 @@ async def post_bad_chunk(request: web.Request) -> web.Response:
         obj = await _msgpack_body(request, MAX_REPORT_BODY)
     except BodyTooLarge as e:
         return text(413, f"bad_chunk {e}")
-    except BodyTimeout as e:
-        return text(408, f"bad_chunk {e}")
+    except BodyIncomplete as e:
+        return text(e.status, f"bad_chunk {e}")
     if obj is _NOT_MSGPACK:
         return text(400, "bad_chunk body is not msgpack")
     address = obj.get("address") if isinstance(obj, dict) else None
