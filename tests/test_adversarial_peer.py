@@ -72,3 +72,29 @@ def test_a_flood_of_bad_chunk_reports_quarantines_nothing_and_each_good_chunk_is
         assert d.get("/v1/snapshots/step000001")["state"] == "ready"
         assert _digests(path) == before == _digests(ck)
         assert "Traceback" not in d.log(), d.log()
+
+
+def test_a_chunk_request_hinting_a_snapshot_nobody_published_fails_it_at_once(tmp_path: Path) -> None:
+    """Join on hint: a daemon asked for a chunk of a snapshot it does not know starts loading it.
+    Before the fix an invented identity was loaded as ``wait_publish``: each one a job polling
+    the bucket every ``manifest_poll_s`` for ``manifest_wait_s`` (600 s), so a member (or a
+    buggy one) made one bucket request per second per invented name."""
+    (tmp_path / "bucket").mkdir()
+    with running(Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket",
+                        extra_env={"BDN_LOAD_STARTUP": "false"})) as d:
+        conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=60)
+        try:
+            for i in range(3):
+                url = f"/bdn/v1/{KEYS.swarm_id}/chunks/{os.urandom(16).hex()}?wait=0.1&snapshot=invented{i:04d}"
+                conn.request("GET", url, headers={"Authorization": sign_request(KEYS, "GET", url, "hinter", to=d.node_id)})
+                r = conn.getresponse()
+                assert (r.status, r.read()) == (404, b"chunk not here\n")
+        finally:
+            conn.close()
+        for i in range(3):
+            ident = f"invented{i:04d}"
+            deadline = time.monotonic() + 120
+            while (rec := d.get(f"/v1/snapshots/{ident}"))["state"] != "failed":
+                assert time.monotonic() < deadline, rec
+                time.sleep(0.1)
+            assert rec["reason"] == f"snapshot {ident}: nothing is published under {ident}/ in file://{tmp_path}/bucket", rec
