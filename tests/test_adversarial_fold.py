@@ -113,3 +113,41 @@ def test_a_fold_killed_midway_leaves_no_half_snapshot_and_restarts_clean(tmp_pat
         assert not [p for p in root.rglob("*") if ".fold-" in p.name]
     finally:
         d.stop()
+
+
+def test_a_chain_whose_manifests_lie_about_a_rebuilt_size_fails_the_target_and_leaves_nothing(tmp_path: Path) -> None:
+    """Both deltas' manifests say a diff file rebuilds 2 bytes less than it does (consistently,
+    so plan_fold accepts the chain): the fold fails naming the file and the step; nothing is
+    left under the target's identity, and the ancestor still serves."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    url = f"file://{bucket}"
+    s1 = make_state(0)
+    s2 = optimizer_step(s1, 0.05, 1)
+    s3 = optimizer_step(s2, 0.05, 2)
+    d1, d2, d3 = (write_hf_dir(tmp_path / f"src{i}", s, i) for i, s in enumerate((s1, s2, s3), 1))
+    publish_full(url, "step000001", 1, dir=d1, chunk_size=CHUNK)
+    publish_delta(url, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK)
+    publish_delta(url, "step000003", 3, "step000002", dir=d3, base_dir=d2, chunk_size=CHUNK)
+    for ident in ("step000002", "step000003"):
+        mp = bucket / ident / "bdn.manifest.json"
+        m = json.loads(mp.read_text())
+        f = next(f for f in m["files"] if f.get("result"))
+        f["result"]["size"] -= 2
+        mp.write_text(json.dumps(m))
+    d = Daemon(tmp_path / "work", "node0", url, extra_env={"BDN_LOAD_STARTUP": "false"})
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch("step000001")[0] == 202
+        d.wait_ready("step000001")
+        assert d.prefetch("step000003")[0] == 202
+        rec = _wait_failed(d, "step000003")
+        assert rec["state"] == "failed", rec
+        assert "\n" not in rec["reason"] and rec["reason"], rec
+        root = d.shm_dir / derive_keys(SECRET).swarm_id
+        assert not (root / "step000003").exists() and not (root / "step000002").exists()
+        assert d.wait_ready("step000001")["state"] == "ready"
+        assert "Traceback" not in d.log(), d.log()
+    finally:
+        d.stop()
