@@ -11,7 +11,6 @@ import threading
 import time
 import urllib.error
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -22,8 +21,9 @@ pytestmark = pytest.mark.timeout(300)
 MAX_CONNS = 4
 
 
-@pytest.fixture()
-def daemon(tmp_path: Path) -> Iterator[Daemon]:
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    tmp_path = tmp_path_factory.mktemp("http")
     (tmp_path / "bucket").mkdir()
     with running(Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket", extra_env={
             "BDN_LOAD_STARTUP": "false", "BDN_HTTP_MAX_CONNECTIONS": str(MAX_CONNS),
