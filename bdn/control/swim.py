@@ -53,6 +53,11 @@ MAX_NODE_ID = 128
 MAX_ADDR = 512
 MAX_UPDATES_PER_MESSAGE = 64
 MAX_SYNC_ENTRIES = 100_000
+#: The wire's largest incarnation (``Update.from_wire`` accepts ``[0, 2^63)``). A suspicion or a
+#: death counts at most ``MAX_INCARNATION - 1``, so the member can always refute it with an
+#: ``alive`` the wire carries: one forged ``dead`` at ``2^63 - 1`` would otherwise make it refute
+#: with ``2^63``, which every receiver refuses, and leave it dead for good (tests/test_adversarial_swim.py).
+MAX_INCARNATION = 2**63 - 1
 
 
 class SwimError(ValueError):
@@ -257,7 +262,7 @@ class Swim:
         a new incarnation, so it overrides every older entry."""
         if addr != self.self_addr:
             self.self_addr = addr
-            self.incarnation += 1
+            self.incarnation = min(self.incarnation + 1, MAX_INCARNATION)
             self._enqueue(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
 
     # ---- the protocol ----------------------------------------------------------------------
@@ -373,8 +378,9 @@ class Swim:
             return
         m = self._members.get(p.target)
         if m is not None and m.status == ALIVE:
-            self._set(p.target, m, SUSPECT, m.incarnation, now)
-            self._enqueue(Update(p.target, SUSPECT, m.incarnation, m.addr))
+            inc = _accusable(m.incarnation)
+            self._set(p.target, m, SUSPECT, inc, now)
+            self._enqueue(Update(p.target, SUSPECT, inc, m.addr))
 
     def _suspect_timeout(self) -> float:
         n = len(self._members) + 1
@@ -385,8 +391,9 @@ class Swim:
             timeout = self._suspect_timeout()
             for node in [n for n, t in self._suspects.items() if now - t >= timeout]:
                 m = self._members[node]
-                self._set(node, m, DEAD, m.incarnation, now)
-                self._enqueue(Update(node, DEAD, m.incarnation, m.addr))
+                inc = _accusable(m.incarnation)
+                self._set(node, m, DEAD, inc, now)
+                self._enqueue(Update(node, DEAD, inc, m.addr))
         if self._dead:
             for node in [n for n, t in self._dead.items() if now - t >= self.dead_forget_s]:
                 del self._dead[node]
@@ -419,9 +426,11 @@ class Swim:
                 del self.changes[:2048]  # a caller that never drains: keep the newest
 
     def _apply(self, u: Update, now: float) -> None:
+        if u.status != ALIVE and u.incarnation > MAX_INCARNATION - 1:
+            u = Update(u.node, u.status, MAX_INCARNATION - 1, u.addr)  # see MAX_INCARNATION
         if u.node == self.self_id:
-            if u.status != ALIVE and u.incarnation >= self.incarnation:
-                self.incarnation = u.incarnation + 1  # refute (SWIM §4.2)
+            if u.status != ALIVE and u.incarnation >= _accusable(self.incarnation):
+                self.incarnation = max(self.incarnation, u.incarnation + 1)  # refute (SWIM §4.2)
                 self._enqueue(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
             return
         m = self._members.get(u.node)
@@ -441,6 +450,12 @@ class Swim:
                 m.addr = u.addr
             self._set(u.node, m, u.status, u.incarnation, now)
             self._enqueue(Update(u.node, u.status, u.incarnation, m.addr))
+
+
+def _accusable(incarnation: int) -> int:
+    """The incarnation a suspicion or death of a member known at ``incarnation`` carries: the
+    same, but at most ``MAX_INCARNATION - 1`` (the member refutes with ``MAX_INCARNATION``)."""
+    return min(incarnation, MAX_INCARNATION - 1)
 
 
 def _overrides(u: Update, m: _Member) -> bool:

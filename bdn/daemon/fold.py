@@ -227,11 +227,18 @@ class Folder:
         """``(ancestor, deltas oldest first ending with m)``: the ancestor is the first snapshot
         down ``m``'s chain that this node has or is loading, else the anchor. None when the chain
         cannot be folded (:func:`plan_fold`), is longer than ``max_delta_chain``, or a manifest
-        cannot be read (the caller then goes one by one, which reports the error)."""
+        cannot be read (the caller then goes one by one, which reports the error).
+
+        Raises BdnError: the chain loops (a manifest names as its base a snapshot above it, or
+        the target itself): no ancestor would ever be ready, so the target fails rather than
+        waiting on itself (tests/test_adversarial_fold.py)."""
         chain = [m]
         while True:
             base_id = chain[0].base_identity
             assert base_id is not None
+            if any(c.identity == base_id for c in chain):
+                raise BdnError(f"the delta chain of {m.identity} loops: {chain[0].identity} names {base_id}, "
+                               "a snapshot built on it, as its base")
             job = jobs.get(base_id)
             if job is not None and job.state != "failed":
                 break

@@ -50,7 +50,9 @@ class ChunkServing:
         if hint and pend is None and self.catalog.get(hint) is None and not self.catalog.closing:
             if hint in self.catalog.collected:
                 return None  # old here: the asker goes on to its next source at once
-            self.catalog.prefetch(hint, requested_by="peer")
+            # nothing published under it: fail at once (one listing), not poll the bucket for
+            # manifest_wait_s per invented identity (tests/test_adversarial_peer.py)
+            self.catalog.prefetch(hint, requested_by="peer", wait_publish=False)
             pend = self.index.pending_for(address)
         if pend is not None:
             job, layer, ref = pend

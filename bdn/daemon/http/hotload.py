@@ -10,8 +10,8 @@ import hmac
 
 from aiohttp import web
 
-from bdn.daemon.bodies import BodyTooLarge, read_body
-from bdn.daemon.http.common import MAX_BODY, error, json_response
+from bdn.daemon.bodies import BodyTooLarge
+from bdn.daemon.http.common import MAX_BODY, BodyIncomplete, error, json_response, request_body
 from bdn.daemon.http.errors import status_of
 from bdn.daemon.http.services import services
 from bdn.proto.errors import BdnError
@@ -31,9 +31,11 @@ def check_bearer(header: str | None, token: str) -> bool:
 async def post(request: web.Request) -> web.Response:
     """POST -> 200 accepted; 400/404/409/413/415/502 with one line."""
     try:
-        body = await read_body(request.content, MAX_BODY, request.content_length)
+        body = await request_body(request, MAX_BODY)
     except BodyTooLarge as e:
         return error(413, f"request {e}")
+    except BodyIncomplete as e:
+        return error(e.status, str(e))
     try:
         ans = await services(request).hotload.accept(body)
     except BdnError as e:

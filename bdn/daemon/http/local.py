@@ -13,9 +13,9 @@ from typing import Any
 
 from aiohttp import web
 
-from bdn.daemon.bodies import BodyTooLarge, read_body
+from bdn.daemon.bodies import BodyTooLarge
 from bdn.daemon.http import hotload
-from bdn.daemon.http.common import MAX_BODY, error, json_response
+from bdn.daemon.http.common import MAX_BODY, BodyIncomplete, error, json_response, request_body
 from bdn.daemon.http.errors import status_of
 from bdn.daemon.http.sendfile import RangeNotSatisfiable, byte_range, send_file
 from bdn.daemon.http.services import SERVICES, Services, services
@@ -191,7 +191,10 @@ async def get_metrics(request: web.Request) -> web.Response:
 # ---- engines, leases, gc ------------------------------------------------------------------
 async def _body_json(request: web.Request) -> dict[str, Any]:
     try:
-        raw = await read_body(request.content, MAX_BODY, request.content_length)
+        raw = await request_body(request, MAX_BODY)
+    except BodyIncomplete as e:
+        answer = web.HTTPRequestTimeout if e.status == 408 else web.HTTPBadRequest
+        raise answer(text=json.dumps({"error": str(e)}), content_type="application/json") from None
     except BodyTooLarge as e:
         raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=request.content_length or MAX_BODY + 1,
                                             text=json.dumps({"error": f"request {e}"}), content_type="application/json") from None
@@ -205,7 +208,21 @@ async def _body_json(request: web.Request) -> dict[str, Any]:
         raise web.HTTPBadRequest(text=json.dumps({"error": f"body is not JSON: {e}"}), content_type="application/json") from None
     if not isinstance(obj, dict):
         raise web.HTTPBadRequest(text=json.dumps({"error": "body must be a JSON object"}), content_type="application/json")
+    _check_utf8(obj)
     return obj
+
+
+def _check_utf8(obj: Any) -> None:
+    """Refuse a body whose strings hold a lone surrogate (``"\\udc80"``): ``json.loads`` accepts
+    the escape, but such a string is not Unicode text (RFC 8259 section 8.2), and an engine's
+    error or name holding one could not be sent on: every msgpack status report of this replica
+    failed on it (tests/test_adversarial_local.py)."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise web.HTTPBadRequest(text=json.dumps({"error": f"body holds a lone surrogate \\u{ord(e.object[e.start]):04x} "
+                                                           "in a string (not Unicode text)"}),
+                                 content_type="application/json") from None
 
 
 def _not_a_number(name: str) -> None:

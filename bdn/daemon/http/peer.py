@@ -32,9 +32,9 @@ import msgpack
 from aiohttp import web
 
 from bdn.daemon import logctx
-from bdn.daemon.bodies import BodyTooLarge, read_body
+from bdn.daemon.bodies import BodyTooLarge
 from bdn.daemon.http import hotload
-from bdn.daemon.http.common import text
+from bdn.daemon.http.common import BodyIncomplete, request_body, text
 from bdn.daemon.http.services import SERVICES, Services, services
 from bdn.daemon.snapshot import Loc
 from bdn.daemon.uploads import Admission
@@ -176,9 +176,11 @@ async def get_have(request: web.Request) -> web.Response:
 async def post_members(request: web.Request) -> web.Response:
     """POST members (msgpack {"m": SWIM message}) -> 200 {node_id, url, m: replies}; 400/413 malformed."""
     try:
-        body = await read_body(request.content, MAX_MEMBERS_BODY, request.content_length)
+        body = await request_body(request, MAX_MEMBERS_BODY)
     except BodyTooLarge as e:
         return text(413, f"members {e}")
+    except BodyIncomplete as e:
+        return text(e.status, f"members {e}")
     try:
         obj = msgpack.unpackb(body, raw=False)
         ans = await services(request).gossip.handle(obj, request["peer"])
@@ -191,8 +193,9 @@ _NOT_MSGPACK = object()
 
 
 async def _msgpack_body(request: web.Request, limit: int) -> Any:
-    """The request body decoded as msgpack, or ``_NOT_MSGPACK``; BodyTooLarge past ``limit`` bytes."""
-    body = await read_body(request.content, limit, request.content_length)
+    """The request body decoded as msgpack, or ``_NOT_MSGPACK``; BodyTooLarge past ``limit`` bytes,
+    BodyIncomplete when it trickles in."""
+    body = await request_body(request, limit)
     try:
         return msgpack.unpackb(body, raw=False)
     except (ValueError, msgpack.UnpackException, RecursionError):
@@ -206,6 +209,8 @@ async def post_hot_load_peer(request: web.Request) -> web.Response:
         obj = await _msgpack_body(request, MAX_TARGET_BODY)
     except BodyTooLarge as e:
         return text(413, f"hot-load {e}")
+    except BodyIncomplete as e:
+        return text(e.status, f"hot-load {e}")
     obj = None if obj is _NOT_MSGPACK else obj
     try:
         await services(request).hotload.from_peer(obj, request["peer"])
@@ -220,6 +225,8 @@ async def post_status(request: web.Request) -> web.Response:
         obj = await _msgpack_body(request, MAX_TARGET_BODY)
     except BodyTooLarge as e:
         return text(413, f"status report {e}")
+    except BodyIncomplete as e:
+        return text(e.status, f"status report {e}")
     obj = None if obj is _NOT_MSGPACK else obj
     try:
         services(request).hotload.status.received(obj, request["peer"])
@@ -243,6 +250,8 @@ async def post_bad_chunk(request: web.Request) -> web.Response:
         obj = await _msgpack_body(request, MAX_REPORT_BODY)
     except BodyTooLarge as e:
         return text(413, f"bad_chunk {e}")
+    except BodyIncomplete as e:
+        return text(e.status, f"bad_chunk {e}")
     if obj is _NOT_MSGPACK:
         return text(400, "bad_chunk body is not msgpack")
     address = obj.get("address") if isinstance(obj, dict) else None

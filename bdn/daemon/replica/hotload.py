@@ -39,7 +39,7 @@ from bdn.daemon.foreign_source import Hint, Hints
 from bdn.daemon.replica import contract
 from bdn.daemon.replica.options import OPTION_FIELDS, parse_options
 from bdn.daemon.replica.ports import Snapshots
-from bdn.daemon.replica.target import Target
+from bdn.daemon.replica.target import MAX_GEN, Target
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.stats import Stats
 from bdn.proto.arc import COMPRESSION_FORMATS
@@ -231,7 +231,7 @@ class HotLoad:
         contract.check_previous(prev, self.view.current, t.identity if t else None)
         contract.chain_length(ident, (await self._chain(ident, base)).get, self.cfg.max_delta_chain)
         target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8), base, options,
-                        gen=(t.gen + 1) if t is not None else 1,
+                        gen=min(t.gen + 1, MAX_GEN) if t is not None else 1,  # the wire's bound: past it no peer takes it
                         policy_version=m.policy_version if m is not None else -1,
                         published_at=published_at(m.created_at) if m is not None else 0.0)
         await self.view.adopt(target, source="request")
