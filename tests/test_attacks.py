@@ -156,7 +156,7 @@ def test_a_member_that_stalls_every_chunk_is_penalised_after_its_first_timeout(t
         path = f"/bdn/v1/{keys.swarm_id}/liar/stats"
         req = urllib.request.Request(liar.url + path, headers={
             "Authorization": sign_request(keys, "GET", path, "tester", to=liar.node_id)})
-        asked = json.loads(urllib.request.urlopen(req, timeout=10).read())
+        asked = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert "stalled" in d.log() and "penalised" in d.log(), d.log()
         # one request in flight to it at a time (max_per_peer 1): the one that timed out, and at
         # most the one already queued behind it; without the penalty, every chunk waits its turn

@@ -34,7 +34,7 @@ CHUNK = 64 << 10
 NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
 OTHER_SECRET = "fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210"
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)  # a deadline for a hang: a liar, 2-3 daemons and their start-ups at load 30+ took over 120 s
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def idle_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 
 
-def settle(d: Daemon, identity: str, timeout: float = 30.0) -> dict[str, Any]:
+def settle(d: Daemon, identity: str, timeout: float = 120.0) -> dict[str, Any]:
     """Wait until ``identity`` is ready or failed on ``d``; return its snapshot description."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -43,7 +43,7 @@ def _request(gate: PolicyGate, steps: int, stepped: threading.Event, go_on: thre
                     pass
                 if i == 0:
                     stepped.set()
-                    go_on.wait(30)
+                    go_on.wait(120)
             out["versions"] = list(t.versions)
     except Aborted:
         out["aborted"] = True
@@ -55,7 +55,7 @@ def test_keep_swaps_between_steps_and_the_request_sees_both_policies() -> None:
     stepped, go_on, out = threading.Event(), threading.Event(), {}
     th = threading.Thread(target=_request, args=(gate, 3, stepped, go_on, out))
     th.start()
-    assert stepped.wait(30)
+    assert stepped.wait(120)
     applied = []
     res = gate.swap(lambda: applied.append(True), HotLoadOptions(inflight_policy="keep"), 2)
     go_on.set()
@@ -69,12 +69,12 @@ def test_abort_ends_the_request_before_the_swap() -> None:
     stepped, go_on, out = threading.Event(), threading.Event(), {}
     th = threading.Thread(target=_request, args=(gate, 3, stepped, go_on, out))
     th.start()
-    assert stepped.wait(30)
+    assert stepped.wait(120)
     done = threading.Event()
     threading.Thread(target=lambda: (gate.swap(lambda: None, HotLoadOptions(inflight_policy="abort"), 2), done.set())).start()
     go_on.set()
     th.join(30)
-    assert done.wait(30)
+    assert done.wait(120)
     assert out == {"aborted": True, "versions": [1]} and gate.version == 2
 
 
@@ -84,7 +84,7 @@ def test_wait_drains_then_swaps_and_new_requests_wait() -> None:
     stepped, go_on, out = threading.Event(), threading.Event(), {}
     th = threading.Thread(target=_request, args=(gate, 3, stepped, go_on, out))
     th.start()
-    assert stepped.wait(30)
+    assert stepped.wait(120)
     res = {}
     sw = threading.Thread(target=lambda: res.update(r=gate.swap(lambda: None, HotLoadOptions(inflight_wait_s=3600), 2)))
     sw.start()
@@ -99,7 +99,7 @@ def test_wait_aborts_what_is_still_running_at_the_bound() -> None:
     stepped, go_on, out = threading.Event(), threading.Event(), {}
     th = threading.Thread(target=_request, args=(gate, 3, stepped, go_on, out))
     th.start()
-    assert stepped.wait(30)
+    assert stepped.wait(120)
     res = {}
     sw = threading.Thread(target=lambda: res.update(r=gate.swap(lambda: None, HotLoadOptions(inflight_wait_s=0), 2)))
     sw.start()

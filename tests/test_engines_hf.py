@@ -283,7 +283,7 @@ def test_inflight_policies_on_a_generating_request(trainer, node) -> None:
 
             th = threading.Thread(target=long_request)
             th.start()
-            started.wait(30)
+            started.wait(120)
             wait_for(lambda: engine.gate.in_flight == 1, 30, "the request to run")
             old_v = engine.policy_version
             rep = engine.swap(engine.prepare(target, {}, HotLoadOptions(inflight_policy=policy)))
@@ -400,7 +400,7 @@ def test_an_engine_killed_without_unregistering_expires(trainer, tmp_path: Path,
                 table = capsys.readouterr().out
                 assert "doomed" in table and "survivor" in table and "SEEN_S_AGO" in table
                 doomed.send_signal(signal.SIGKILL)
-                doomed.wait(30)
+                doomed.wait(120)
                 hot_load(node.url, IDS[1], previous=IDS[0])
                 reps = wait_for(lambda: replica_done(node.url, IDS[1]), 120, "the replica done without the dead engine")
                 assert reps[0]["engines"] == 1

@@ -189,12 +189,15 @@ def test_split_owned_gives_owned_chunks_in_manifest_order_and_the_rest_by_their_
     assert got_owned == [i for i in missing if hrw.owner(NODES, digests[i]) == SELF]
     assert sorted(got_others) == [i for i in missing if hrw.owner(NODES, digests[i]) != SELF]
     # the k-th chunk (manifest order) of every other owner comes before any owner's (k+1)-th
-    place: dict[str, int] = {}
-    ks = []
-    for i in got_others:
-        o = hrw.owner(NODES, digests[i])
-        ks.append(sorted(j for j in missing if hrw.owner(NODES, digests[j]) == o).index(i))
-        place[o] = place.get(o, 0) + 1
+    # (each owner's chunks in manifest order computed once: asking hrw.owner per pair made this
+    # test quadratic, minutes on a loaded machine)
+    owner = {i: hrw.owner(NODES, digests[i]) for i in missing}
+    rank_in_owner: dict[int, int] = {}
+    seen_of: dict[str, int] = {}
+    for j in missing:
+        rank_in_owner[j] = seen_of.get(owner[j], 0)
+        seen_of[owner[j]] = rank_in_owner[j] + 1
+    ks = [rank_in_owner[i] for i in got_others]
     assert ks == sorted(ks)
     # two nodes' orders of the same chunks differ within a place (ties are random)
     _, again = plan.split_owned(bits, NODES, SELF, random.Random(6), owner_of)

@@ -168,6 +168,11 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
     sender.env.update(BDN_TRANSFER_LISTEN=f"127.0.0.1:{tport}", BDN_TRANSFER_ADVERTISE=f"127.0.0.1:{relay.port}")
     log = receiver.dir / "chunks.jsonl"
     receiver.env["BDN_CHUNK_LOG"] = str(log)
+    # "at once" as states, not as a wall-clock window: the receiver's membership would need over
+    # 1000 SWIM periods to call the killed sender dead, and a silent peer request would wait out
+    # 600 s. Every chunk cut mid-body must therefore be retried because the cut itself was seen
+    # (the connection ended short), or the snapshot could not be ready within the wait below.
+    receiver.env.update(BDN_SWIM_SUSPECT_MULT="1000", BDN_PEER_TIMEOUT_S="600")
     with swarm:
         for d in (sender, other):
             assert d.prefetch(IDENT)[0] == 202
@@ -191,17 +196,14 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
             assert relay.forwarded - base < 1 << 20
             sender.kill()
             relay.cut()
-            cut_at = time.time()
-            receiver.wait_ready(IDENT, 60)
+            receiver.wait_ready(IDENT, 120)
             assert_same(receiver, ck)
             c = receiver.status()["counters"]
             assert c["chunk_verify_failures"] == 0, c
             lines = [json.loads(x) for x in log.read_text().splitlines()]
             assert len(lines) == len(list(m.stored_chunks()))
             retried = [x for x in lines if x["retries"] > 0]
-            assert retried, lines  # the chunks cut mid-body failed once ...
-            # ... at once, not after the membership rounds notice the dead sender (2-3 s each)
-            assert all(x["end"] - cut_at < 2.0 for x in retried), (cut_at, retried)
+            assert retried, lines  # the chunks cut mid-body failed once (at once: see the env above) ...
             # ... and came whole from elsewhere: none of them is counted as the dead sender's
             assert all(x["source"] != f"peer:{sender.node_id}" for x in retried), retried
         finally:

@@ -108,6 +108,11 @@ class _Collector:
                                 "Largest lateness of the event loop over the last minute", value=lag.max_s)
         yield CounterMetricFamily("bdn_event_loop_slow", "Event loop probes late by more than 100 ms",
                                   value=lag.slow)
+        yield GaugeMetricFamily("bdn_event_loop_lag_cpu_max_seconds",
+                                "Largest lateness of the event loop over the last minute, at most the loop thread's own CPU time meanwhile",
+                                value=lag.cpu_max_s)
+        yield CounterMetricFamily("bdn_event_loop_slow_cpu", "Event loop probes late by more than 100 ms of the loop thread's own CPU time",
+                                  value=lag.slow_cpu)
         shm = GaugeMetricFamily("bdn_shm_bytes", "Bytes of reconstructed snapshots held in shm")
         shm.add_metric([], sum(j.result_bytes for j in jobs if j.state == "ready"))
         yield shm

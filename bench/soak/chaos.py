@@ -29,6 +29,7 @@ from typing import Any
 from bench.soak.fleet import Fleet
 
 KINDS = ("kill", "liar", "s3_503", "engine_crash")
+RETRY_S = 5.0  # a fault skipped for too many daemons down is tried again this much later
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,8 @@ class Chaos:
     def __init__(self, fleet: Fleet, rng: random.Random, clock: Any, params: ChaosParams) -> None:
         self.fleet, self.rng, self.clock, self.p = fleet, rng, clock, params
         self.events: list[dict[str, Any]] = []
-        self.due: list[tuple[float, str, Any]] = []  # (t, action, arg): restart / liar_stop / engine_start
+        self.due: list[tuple[float, str, Any]] = []  # (t, action, arg): restart / liar_stop / engine_start / retry
+        self.retry_until = 0.0  # skipped faults are retried until then (set by run())
         self.threads: list[threading.Thread] = []
         self.lock = threading.Lock()
 
@@ -108,6 +110,7 @@ class Chaos:
             victim = self._victim()
             if victim is None:
                 self._record(action="kill_skipped", reason="too many down")
+                self._retry_later(kind)
                 return
             pid = f.kill(victim)
             down = self.rng.uniform(*self.p.down_s)
@@ -120,6 +123,7 @@ class Chaos:
             victim = self._victim()
             if victim is None:
                 self._record(action="liar_skipped", reason="too many down")
+                self._retry_later(kind)
                 return
             url = f.start_liar()
             pid = f.kill(victim)
@@ -143,6 +147,13 @@ class Chaos:
         else:
             raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(KINDS)}")
 
+    def _retry_later(self, kind: str) -> None:
+        """A fault skipped because too many daemons are down is tried again a few seconds later
+        (until the last planned fault's time + 20 s): on a loaded machine a restart can take a
+        minute, and a skipped fault was a fault kind the run never exercised."""
+        if self.clock() + RETRY_S <= self.retry_until:
+            self.due.append((self.clock() + RETRY_S, "retry", kind))
+
     def _run_due(self, final: bool = False) -> None:
         now = self.clock()
         ready = [x for x in self.due if final or x[0] <= now]
@@ -153,6 +164,9 @@ class Chaos:
             elif action == "liar_stop":
                 self.fleet.stop_liar()
                 self._record(action="liar_stopped")
+            elif action == "retry":
+                if not final:  # no new fault once the run is over
+                    self.inject(arg)
             elif action == "engine_start":
                 if not self.fleet.closed:
                     pid = self.fleet.start_engine()
@@ -161,6 +175,7 @@ class Chaos:
     def run(self, schedule: list[tuple[float, str]], stop: threading.Event, end_t: float) -> None:
         """Inject ``schedule``; perform due restarts; at the end, perform all that is still due."""
         todo = list(schedule)
+        self.retry_until = (max(t for t, _ in schedule) + 20.0) if schedule else 0.0
         try:
             while not stop.is_set() and self.clock() < end_t:
                 while todo and todo[0][0] <= self.clock():

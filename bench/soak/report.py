@@ -5,7 +5,10 @@ its first ``warmup_s`` seconds, in MB/min (RSS) and fds/min; a life needs at lea
 seconds of samples after warm-up to get one. The node's reported slope is that of its longest life
 (``node0`` is spared by the chaos loop, so it has the whole run). "Flat" is judged on the growth
 the slope implies over the run: below ``RSS_FLAT_MB`` MB and ``FD_FLAT`` fds over the run's
-minutes, judged only on a life of at least ``JUDGE_MIN_S`` seconds.
+minutes, judged only on a life of at least ``JUDGE_MIN_S`` seconds. Beside it, the "floor"
+slopes (``rss_floor_mb_per_min``, ``anon_floor_mb_per_min``) fit the per-minute minima, the level
+a daemon returns to between hot-loads (:func:`floor_slope_per_min`): a leak moves the floor, a
+transient anchor rebuild does not.
 """
 
 from __future__ import annotations
@@ -32,6 +35,22 @@ def slope_per_min(ts: list[float], ys: list[float]) -> float:
     return float(np.polyfit(np.asarray(ts, float) / 60.0, np.asarray(ys, float), 1)[0])
 
 
+def floor_slope_per_min(ts: list[float], ys: list[float], bin_s: float = 60.0) -> float | None:
+    """Least-squares slope (per minute) of the per-``bin_s`` minima of ``ys``: the level memory
+    returns to between hot-loads. A daemon's RSS jumps 10-40 MB while it rebuilds an anchor and
+    drops back after; a few of those near one end of a life tilt the plain slope of every sample
+    (the 15-minute run of bench/NOTES.md read +0.5 MB/min where the per-minute medians moved
+    100 -> 102 MB). None with fewer than 3 bins."""
+    bins: dict[int, float] = {}
+    for t, y in zip(ts, ys):
+        k = int((t - ts[0]) // bin_s)
+        bins[k] = min(y, bins.get(k, y))
+    if len(bins) < 3:
+        return None
+    ks = sorted(bins)
+    return slope_per_min([k * bin_s for k in ks], [bins[k] for k in ks])
+
+
 def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat_over_min: float) -> dict[str, Any]:
     """Per node: each life's RSS / fd first-last-max and slope; the node's slope from its longest life."""
     lives: dict[tuple[str, int], list[list[Any]]] = {}
@@ -53,6 +72,11 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
             life["fds_per_min"] = round(slope_per_min([s[0] for s in late], [s[4] for s in late]), 3)
             if len(late[0]) > 7:
                 life["anon_mb_per_min"] = round(slope_per_min([s[0] for s in late], [s[7] / 1024 for s in late]), 3)
+            for key, col in (("rss_floor_mb_per_min", 3), ("anon_floor_mb_per_min", 7)):
+                if len(late[0]) > col:
+                    f = floor_slope_per_min([s[0] for s in late], [s[col] / 1024 for s in late])
+                    if f is not None:
+                        life[key] = round(f, 3)
         out.setdefault(node, {"lives": []})["lives"].append(life)
     for node, rec in out.items():
         sloped = [lf for lf in rec["lives"] if "rss_mb_per_min" in lf]
@@ -64,8 +88,9 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
             rec["slope_life_min"] = round((best["to_s"] - best["from_s"]) / 60, 1)
             rec["rss_mb_per_min"] = best["rss_mb_per_min"]
             rec["fds_per_min"] = best["fds_per_min"]
-            if "anon_mb_per_min" in best:
-                rec["anon_mb_per_min"] = best["anon_mb_per_min"]
+            for key in ("anon_mb_per_min", "rss_floor_mb_per_min", "anon_floor_mb_per_min"):
+                if key in best:
+                    rec[key] = best[key]
             if best["to_s"] - best["from_s"] >= JUDGE_MIN_S:  # shorter lives: numbers, no verdict
                 rec["flat"] = (abs(best["rss_mb_per_min"]) * flat_over_min < RSS_FLAT_MB
                                and abs(best["fds_per_min"]) * flat_over_min < FD_FLAT)
@@ -221,7 +246,9 @@ def text_summary(r: dict[str, Any]) -> str:
     ]
     for node, rec in sorted(r["resources"].items()):
         if "rss_mb_per_min" in rec:
-            lines.append(f"  {node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min over "
+            floor = (f" (per-minute floor {rec['rss_floor_mb_per_min']:+.3f}, heap floor "
+                     f"{rec.get('anon_floor_mb_per_min', 0):+.3f})" if "rss_floor_mb_per_min" in rec else "")
+            lines.append(f"  {node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min{floor}, fds {rec['fds_per_min']:+.3f}/min over "
                          f"{rec['slope_life_min']} min ({ {True: 'flat', False: 'GROWING', None: 'too short to judge'}[rec.get('flat')] }); max RSS "
                          f"{rec['rss_mb_max']} MB, max fds {rec['fds_max']}; log {r['logs'].get(node, {}).get('per_min')} lines/min")
     lh = r.get("liar_bad_chunks_taken")

@@ -279,7 +279,7 @@ class Liar:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> Liar:
+    def start(self, timeout: float = 240.0) -> Liar:  # a process start-up: at load 20+ the imports alone take tens of s
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port),

@@ -224,7 +224,7 @@ class S3Proxy:
 
         self._thread = threading.Thread(target=run, name="s3proxy", daemon=True)
         self._thread.start()
-        if not ready.wait(10):
+        if not ready.wait(120):  # a thread start-up; generous for a loaded machine
             raise RuntimeError("S3Proxy did not start")
         if failure:
             raise RuntimeError(f"S3Proxy did not start: {failure[0]!r}")

@@ -1,0 +1,21 @@
+"""The soak report's floor slope (bench/soak/report.py): a transient rise does not read as growth,
+a rising floor does."""
+
+from __future__ import annotations
+
+from bench.soak.report import floor_slope_per_min, slope_per_min
+
+
+def test_a_transient_near_the_end_tilts_the_plain_slope_not_the_floor() -> None:
+    ts = [5.0 * i for i in range(180)]  # 15 minutes, a sample every 5 s
+    ys = [100.0 + (30.0 if 700 <= t < 760 else 0.0) for t in ts]  # one anchor rebuild: +30 MB for a minute
+    assert slope_per_min(ts, ys) > 0.3
+    assert abs(floor_slope_per_min(ts, ys)) < 1e-9  # type: ignore[arg-type]
+
+
+def test_a_rising_floor_is_growth_and_too_few_minutes_give_none() -> None:
+    ts = [5.0 * i for i in range(180)]
+    ys = [100.0 + 0.5 * t / 60 + (20.0 if i % 12 == 0 else 0.0) for i, t in enumerate(ts)]  # +0.5 MB/min under spikes
+    f = floor_slope_per_min(ts, ys)
+    assert f is not None and abs(f - 0.5) < 0.05
+    assert floor_slope_per_min(ts[:20], ys[:20]) is None  # under 3 minutes
