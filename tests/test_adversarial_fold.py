@@ -29,10 +29,19 @@ def _wait_failed(d: Daemon, identity: str, timeout: float = 120.0) -> dict:
         time.sleep(0.1)
 
 
-def test_a_delta_chain_that_loops_fails_the_target_instead_of_waiting_on_itself(tmp_path: Path) -> None:
+LOOP_REASONS = {
+    "true": "the delta chain of step000003 loops: step000002 names step000003, a snapshot built on it, as its base",
+    "false": ("base snapshot step000002 failed: the delta chain of step000002 loops: "
+              "step000002 -> step000003 -> step000002"),
+}
+
+
+@pytest.mark.parametrize("fold", ["true", "false"])
+def test_a_delta_chain_that_loops_fails_the_target_instead_of_waiting_on_itself(tmp_path: Path, fold: str) -> None:
     """step000002's manifest names step000003 (a delta on it) as its base. Before the fix the fold
     took the target's own job as the ancestor ("folding 2 deltas on step000003") and waited for it
-    to be ready: the prefetch never ended."""
+    to be ready: the prefetch never ended. Without folding (``fold_deltas = false``), step000003
+    waited for step000002, which waited for step000003: the one that closes the loop fails."""
     bucket = tmp_path / "bucket"
     bucket.mkdir()
     url = f"file://{bucket}"
@@ -47,7 +56,7 @@ def test_a_delta_chain_that_loops_fails_the_target_instead_of_waiting_on_itself(
     m = json.loads(mp.read_text())
     m["base_identity"] = "step000003"  # the loop
     mp.write_text(json.dumps(m))
-    d = Daemon(tmp_path / "work", "node0", url, extra_env={"BDN_LOAD_STARTUP": "false"})
+    d = Daemon(tmp_path / "work", "node0", url, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_FOLD_DELTAS": fold})
     d.start([])
     try:
         d.wait_healthy()
@@ -56,8 +65,7 @@ def test_a_delta_chain_that_loops_fails_the_target_instead_of_waiting_on_itself(
         assert d.prefetch("step000003")[0] == 202
         rec = _wait_failed(d, "step000003")
         assert rec["state"] == "failed", rec
-        assert rec["reason"] == ("the delta chain of step000003 loops: step000002 names step000003, "
-                                 "a snapshot built on it, as its base"), rec
+        assert rec["reason"] == LOOP_REASONS[fold], rec
         root = d.shm_dir / derive_keys(SECRET).swarm_id
         assert not (root / "step000003").exists()  # nothing under the identity: no half snapshot
         assert d.get("/v1/health")["status"] == "ok"

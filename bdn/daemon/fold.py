@@ -193,6 +193,21 @@ class Jobs(Protocol):
     def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob: ...
 
 
+def refuse_loop(identity: str, base_id: str, jobs: Jobs) -> None:
+    """Raise BdnError when waiting for ``base_id`` would be waiting for ``identity`` itself: the
+    base identities of the snapshots this node knows lead from ``base_id`` back to ``identity``
+    (a manifest names a snapshot built on it as its base). Applied one by one, every snapshot of
+    such a loop would wait for the next forever; the one that closes the loop fails instead."""
+    seen = [identity]
+    cur: str | None = base_id
+    while cur is not None:
+        if cur in seen:
+            raise BdnError(f"the delta chain of {identity} loops: {' -> '.join(seen)} -> {cur}")
+        seen.append(cur)
+        j = jobs.get(cur)
+        cur = j.base_identity if j is not None else None
+
+
 class Folder:
     """Folds the chain under a delta whose base is not ready here (see the module docstring)."""
 

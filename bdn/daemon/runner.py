@@ -29,7 +29,7 @@ from bdn.daemon.errors import Conflict, NotAvailable
 from bdn.daemon.executors import Executors
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
-from bdn.daemon.fold import Folder
+from bdn.daemon.fold import Folder, refuse_loop
 from bdn.daemon.foreign_source import ForeignLoader
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
@@ -124,6 +124,8 @@ class Runner:
                 await job.notify()
             # every safetensors header as the engine's library reads it, before READY exists
             await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
+            if job.flusher is not None:  # publish removes the progress file: nothing may write it again
+                job.flusher.cancel()
             final = await self._on(self.pools.disk, self.store.publish, ready_m)
             job.set_state("ready")
             log.info("snapshot %s: ready at %s (stages: %s)", job.identity, final,
@@ -355,6 +357,7 @@ class Runner:
     async def _run_delta(self, job: SnapshotJob, m: Manifest) -> None:
         assert m.base_identity is not None and self.jobs is not None
         base_id = m.base_identity
+        refuse_loop(job.identity, base_id, self.jobs)
         base = self.jobs.get(base_id)
         if base is None or base.state != "ready":
             # No base here: take the reconstructed chunks from peers that already rebuilt it
