@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import select
 import socket
 import threading
@@ -45,6 +46,10 @@ def _executor() -> ThreadPoolExecutor:
         return _pool
 
 
+#: One ``bytes=`` range (RFC 9110 §14.1.2); positions of up to 19 digits (below 2^63).
+_RANGE = re.compile(r"bytes=([0-9]{0,19})-([0-9]{0,19})")
+
+
 class RangeNotSatisfiable(ValueError):
     """The ``Range`` asks for bytes the file does not have (HTTP 416)."""
 
@@ -53,22 +58,33 @@ def byte_range(request: web.Request, size: int) -> tuple[int, int] | None:
     """``(start, length)`` of the ``Range`` of ``request`` over a ``size``-byte file, or None
     when there is none (the whole file).
 
+    Parsed here, not by aiohttp's ``http_range``, which reads ``bytes=-0`` as the whole file
+    (RFC 9110 §14.1.1: a suffix of zero bytes is unsatisfiable) and lets an integer conversion
+    error of a very long number through as the message.
+
     Raises:
-        RangeNotSatisfiable: a malformed range, or one that starts at or beyond ``size``.
+        RangeNotSatisfiable: not one ``bytes=`` range, a range that ends before it starts, a
+        zero-byte suffix, or one that starts at or beyond ``size``.
     """
-    if "Range" not in request.headers:
+    value = request.headers.get("Range")
+    if value is None:
         return None
-    try:
-        rng = request.http_range
-    except ValueError as e:
-        raise RangeNotSatisfiable(str(e)) from None
-    start, stop = rng.start, rng.stop
-    if start is None:
-        start = 0
-    if start < 0:  # the last -start bytes
-        start = max(size + start, 0)
-    stop = size if stop is None else min(stop, size)
-    if start >= size or stop <= start:
+    m = _RANGE.fullmatch(value.strip())
+    if m is None or not (m.group(1) or m.group(2)):
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        raise RangeNotSatisfiable(f"Range {shown!r} is not one range 'bytes=a-b', 'bytes=a-' or 'bytes=-n'")
+    first, last = m.group(1), m.group(2)
+    if first:
+        start = int(first)
+        stop = size if not last else min(int(last) + 1, size)
+        if last and int(last) < start:
+            raise RangeNotSatisfiable(f"range {start}-{last} ends before it starts")
+    else:
+        n = int(last)
+        if n == 0:
+            raise RangeNotSatisfiable("a suffix range of 0 bytes asks for nothing")
+        start, stop = max(size - n, 0), size
+    if start >= size:
         raise RangeNotSatisfiable(f"range starts at {start}, the file has {size} bytes")
     return start, stop - start
 
