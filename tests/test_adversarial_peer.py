@@ -16,6 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
+from bdn.daemon.catalog import MAX_FAILED
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
 from tests.support.checkpoints import make_state, write_hf_dir
@@ -98,3 +99,31 @@ def test_a_chunk_request_hinting_a_snapshot_nobody_published_fails_it_at_once(tm
                 assert time.monotonic() < deadline, rec
                 time.sleep(0.1)
             assert rec["reason"] == f"snapshot {ident}: nothing is published under {ident}/ in file://{tmp_path}/bucket", rec
+
+
+def test_invented_hints_leave_a_bounded_number_of_failed_records(tmp_path: Path) -> None:
+    """Each invented identity fails at once (above), but its record stayed in the catalog for the
+    daemon's lifetime: a stream of hints grew it without bound. At most MAX_FAILED are kept."""
+    (tmp_path / "bucket").mkdir()
+    n = MAX_FAILED + 20
+    with running(Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket",
+                        extra_env={"BDN_LOAD_STARTUP": "false"})) as d:
+        conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=60)
+        try:
+            for i in range(n):
+                url = f"/bdn/v1/{KEYS.swarm_id}/chunks/{os.urandom(16).hex()}?wait=0.1&snapshot=invented{i:04d}"
+                conn.request("GET", url, headers={"Authorization": sign_request(KEYS, "GET", url, "hinter", to=d.node_id)})
+                r = conn.getresponse()
+                assert (r.status, r.read()) == (404, b"chunk not here\n")
+        finally:
+            conn.close()
+        deadline = time.monotonic() + 120
+        while True:
+            snaps = d.get("/v1/status")["snapshots"]
+            if snaps and all(s["state"] == "failed" for s in snaps) and d.get(f"/v1/snapshots/invented{n - 1:04d}").get("state") == "failed":
+                break
+            assert time.monotonic() < deadline, [s["state"] for s in snaps]
+            time.sleep(0.1)
+        assert len(snaps) <= MAX_FAILED, len(snaps)
+        assert snaps[-1]["identity"] == f"invented{n - 1:04d}"  # the newest are kept
+        assert d.get("/v1/health")["status"] == "ok"

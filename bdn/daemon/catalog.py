@@ -28,6 +28,8 @@ from bdn.proto.manifest import FileEntry, Manifest
 from bdn.proto.safetensors_fmt import SafetensorsError, tensor_index
 
 log = logging.getLogger("bdn.catalog")
+#: Failed snapshots whose records (state and reason) are kept; older ones are forgotten.
+MAX_FAILED = 256
 
 
 class Catalog:
@@ -86,6 +88,14 @@ class Catalog:
         job.task = asyncio.create_task(self.runner.run(job), name=f"snapshot-{identity}")
         return job
 
+    def _trim_failed(self) -> None:
+        """Keep the records of at most ``MAX_FAILED`` failed snapshots (the oldest started go first):
+        names nobody published, asked for by a confused client or a peer's hint, must not grow the
+        catalog without bound. A failed record only reports its reason; its files are gone."""
+        failed = [i for i, j in self.jobs.items() if j.state == "failed"]
+        for identity in failed[: max(0, len(failed) - MAX_FAILED)]:
+            del self.jobs[identity]
+
     async def _job_changed(self, job: SnapshotJob) -> None:
         if self.on_change is not None:
             await self.on_change(job)
@@ -123,10 +133,12 @@ class Catalog:
         return job
 
     def forget(self, job: SnapshotJob) -> None:
-        """Drop ``job``'s chunks from the index (other holders of the same bytes keep serving them)."""
+        """Drop ``job``'s chunks from the index (other holders of the same bytes keep serving them);
+        called when a job fails or is started again. Keeps at most ``MAX_FAILED`` failed records."""
         self.index.forget(job, self.jobs.values())
         if self.on_forget is not None:
             self.on_forget(job)
+        self._trim_failed()
 
     async def stop(self) -> None:
         """Cancel every job (each saves its progress) and wait for them."""
