@@ -237,7 +237,7 @@ class FleetSim:
         key = (live, r)
         m = self._maps.get(key)
         if m is None:
-            m = nd.owners.get(epoch, live, self.identity, r)
+            m = nd.owners.get(epoch, live, self.identity, r, self.digests)  # bdnd's owner rule
             self.owner_cache_rebuilds += 1
             self._maps[key] = m
             if len(self._maps) > 32:
