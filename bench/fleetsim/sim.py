@@ -28,6 +28,7 @@ import numpy as np
 import simpy
 
 from bdn.control.hotload import Target, TargetGossip
+from bdn.control.members import MemberBase
 from bdn.control.owners import OwnerCache, reader_count
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
@@ -598,9 +599,12 @@ class FleetSim:
     def begin(self) -> None:
         """The initial fleet starts from the discovery source every node agrees on (a headless
         Service's endpoints), so its tables are full at t = 0; the trainer's POST reaches one."""
+        # one shared fleet list, each node's table stores its changes only (bdn.control.members):
+        # N x N entries would not fit at N = 10,000
+        base = MemberBase({s: f"http://{s}" for s in self.initial}, self.env.now)
         for nid in self.initial:
             nd = self.add_node(nid, [])
-            nd.swim.join({s: f"http://{s}" for s in self.initial if s != nid}, complete=True)
+            nd.swim.join_shared(base)
             # the first push-pull at the policy's own (N-scaled) period, spread over it
             nd.swim._next_sync = self.env.now + self.rng.uniform(0.5, 1.0) * nd.swim.sync_period()
         self.offer_target(self.nodes[self.initial[0]], self.target)
