@@ -94,3 +94,14 @@ def test_one_owner_rule_bounded_loads_among_the_readers() -> None:
     plain = OwnerMap(1, live, "step1", readers=5)
     assert not plain.bounded and all(plain.owner(d) == hrw.owner(plain.readers, d) for d in digests)
     assert owner_table(digests, ["solo"]) == {} and owner_table([], live) == {}
+
+
+def test_readers_of_is_the_owner_maps_reader_set() -> None:
+    from bdn.control.owners import readers_of
+
+    live = [f"n{i}" for i in range(100)]
+    assert readers_of("s", live, 0) == live and readers_of("s", live, None) == live
+    assert readers_of("s", live[:3], 10) == live[:3]
+    r = readers_of("s", live, 5)
+    assert r == list(OwnerMap(1, live, "s", readers=5).readers)
+    assert r == readers_of("s", list(reversed(live)), 5)  # the same on every daemon

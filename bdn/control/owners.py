@@ -78,6 +78,15 @@ def reader_count(
     return max(1, min(live_n, math.ceil(conns / max(1, connections_per_reader))))
 
 
+def readers_of(identity: str, live: Sequence[str], readers: int | None) -> list[str]:
+    """The ``readers`` nodes of ``live`` that read snapshot ``identity`` from the bucket: the top
+    by HRW score of ``"readers" NUL identity`` (None or 0, or at least ``len(live)``: all of
+    ``live``, in the order given). The same set on every daemon with the same live set."""
+    if not readers or readers >= len(live):
+        return list(live)
+    return hrw.rank(live, "readers\x00" + identity)[:readers]
+
+
 class OwnerMap:
     """Owners of one snapshot's chunks for one membership epoch.
 
@@ -94,7 +103,7 @@ class OwnerMap:
         self.live = tuple(sorted(set(live)))
         n = len(self.live) if readers is None else max(0, min(readers, len(self.live)))
         self._key = "readers\x00" + identity
-        self.readers = tuple(hrw.rank(self.live, self._key)[:n])
+        self.readers = tuple(hrw.rank(self.live, self._key)[:n])  # = readers_of(), ranked
         self._reader_set = frozenset(self.readers)
         self._owner: dict[str, str | None] = dict(owner_table(digests, self.readers)) if self.readers else {}
         self.bounded = bool(self._owner)

@@ -107,6 +107,8 @@ class FleetSim:
         self.requests = 0  # chunk requests sent (a cost metric)
         self._maps: dict[tuple, Any] = {}
         self._dirty: list[SimNode] = []
+        #: (t, node, chunk, source) per chunk arrival when set to a list (bench/fleetsim/timeline.py)
+        self.arrivals: list[tuple[float, str, int, str]] | None = None
         self._stop = self.env.event()
         n_late = int(round(sc.n * sc.late_frac))
         self.initial = [f"n{i:05d}" for i in range(sc.n - n_late)]
@@ -327,6 +329,8 @@ class FleetSim:
             return
         ps.got(i)
         nd.unavail_t[i] = np.inf
+        if self.arrivals is not None:
+            self.arrivals.append((self.env.now, nd.id, i, source))
         for req in nd.owner_wait.pop(i, []):  # requests parked here while this node fetched
             if req[0].alive:
                 self.admit(nd, *req)

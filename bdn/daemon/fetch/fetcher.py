@@ -12,6 +12,7 @@ import asyncio
 import random
 from typing import Any
 
+from bdn.control.owners import readers_of
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import NotAvailable
@@ -57,6 +58,7 @@ class Fetcher:
         (``bdn.daemon.fetch.owners``), the same answer on every daemon with the same live set."""
         refs = job.refs(layer)
         nodes = self.membership.hrw_nodes() if nodes is None else nodes
+        nodes = readers_of(job.identity, nodes, self.cfg.bucket_readers)  # bdn.control.owners
         dig = getattr(refs, "digest", None)
         return self.owners.owner((job.identity, layer), nodes, digest,
                                  (lambda: [dig(i) for i in range(len(refs))]) if dig else (lambda: [r.digest for r in refs]),
