@@ -62,12 +62,17 @@ def main() -> None:
     ap.add_argument("--snapshot", choices=sorted(SNAPSHOTS), default="delta")
     ap.add_argument("--chunks", type=int, default=256)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Scenario field to override (numbers), e.g. --set upload_queue=32")
     args = ap.parse_args()
-    sc = fleet(f"timeline-n{args.n}", args.n, SNAPSHOTS[args.snapshot], args.chunks, seed=args.seed)
+    over = {k: float(v) if "." in v else int(v) for k, v in (x.split("=", 1) for x in args.set)}
+    sc = fleet(f"timeline-n{args.n}", args.n, SNAPSHOTS[args.snapshot], args.chunks, seed=args.seed, **over)
     sim = FleetSim(sc)
     sim.arrivals = []
     r = sim.run()
-    out = {"n": args.n, "chunks": args.chunks, "x_floor": r["x_floor"], "seconds": r["seconds"]}
+    out = {"n": args.n, "chunks": args.chunks, "set": over, "x_floor": r["x_floor"], "seconds": r["seconds"],
+           "control_msgs_per_node_s_mean": r["control_msgs_per_node_s_mean"], "chunk_requests": r["chunk_requests"],
+           "bucket_egress_over_s": r["bucket_egress_over_s"]}
     out |= analyse(sim.arrivals, sc.floor_s, sc.chunk_bytes)
     print(json.dumps(out))
 
