@@ -40,6 +40,7 @@ the live set until confirmed dead (as in memberlist), so a slow ack alone moves 
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import dataclass, field
@@ -358,7 +359,8 @@ class Swim:
     def _piggyback(self) -> tuple[Update, ...]:
         if not self._queue:
             return ()
-        picked = sorted(self._queue.values(), key=lambda e: e[1])[: self.max_piggyback]
+        # = sorted(...)[:max_piggyback] (heapq documents the equivalence), O(queue) not O(q log q)
+        picked = heapq.nsmallest(self.max_piggyback, self._queue.values(), key=lambda e: e[1])
         limit = self._limit()
         for e in picked:
             e[1] += 1

@@ -198,7 +198,7 @@ class FleetSim:
 
     # ---- hot-load ---------------------------------------------------------------------------
     def offer_target(self, nd: SimNode, t: Target) -> None:
-        push = nd.gossip.offer(t, nd.swim.live() if nd.swim else tuple(self.nodes))
+        push = nd.gossip.offer(t, nd.swim.live if nd.swim else tuple(self.nodes))  # live(): only on adoption
         if not push:
             return
         nd.adopted_at = self.env.now
