@@ -44,6 +44,7 @@ class Scenario:
     max_uploads: int = 8
     max_per_peer: int = 2
     upload_queue: int = 8  # requests a holder keeps waiting for a slot before it answers busy
+    upload_pick: str = "fifo"  # which held request a freed upload slot serves: "fifo" or "fewest" (sim.py)
     have_flush_s: float = 0.1
     owner_ask_after_s: float = 2.0
     swim_period_s: float = 1.0

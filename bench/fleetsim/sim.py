@@ -42,7 +42,7 @@ class SimNode:
         "id", "alive", "up", "down", "swim", "ps", "gossip", "owners", "ctrl_sent", "ctrl_recv",
         "done_at", "joined_at", "uploads", "uploads_by_chunk", "load", "bucket_queue", "reading",
         "flows", "adopted_at", "owner_wait", "unavail_t", "ask_at", "have_pending", "state_peak", "omap",
-        "nreads", "inherited", "unreachable", "upq", "busy", "nreq", "timer", "tasks", "dirty",
+        "nreads", "inherited", "unreachable", "upq", "busy", "nreq", "timer", "tasks", "dirty", "sent_by_chunk",
     )
 
     def __init__(self, nid: str, nic: float) -> None:
@@ -56,6 +56,7 @@ class SimNode:
         self.joined_at = 0.0
         self.uploads = 0
         self.uploads_by_chunk: Counter = Counter()
+        self.sent_by_chunk: Counter = Counter()  # uploads started per chunk, ever
         self.load: Counter = Counter()  # requests in flight per peer (from this node)
         self.bucket_queue: list[int] = []
         self.reading: set[int] = set()
@@ -426,6 +427,7 @@ class FleetSim:
     def transfer(self, src: SimNode, nd: SimNode, i: int, cb: Any) -> None:
         src.uploads += 1
         src.uploads_by_chunk[i] += 1
+        src.sent_by_chunk[i] += 1
         f = self.net.start(self.sc.chunk_bytes, (src.up, nd.down), tag=("peer", src.id, nd.id, i),
                            on_done=lambda f, ok: self._sent(src, nd, i, cb, f, ok))
         src.flows.add(f)
@@ -437,12 +439,21 @@ class FleetSim:
         src.uploads -= 1
         src.uploads_by_chunk[i] -= 1
         while src.upq and src.alive:
-            a, j, c = src.upq.pop(0)  # the slot goes to the oldest held request
+            a, j, c = src.upq.pop(self._next_upload(src))
             if a.alive:
                 self.transfer(src, a, j, c)
                 break
         self.kick(src)
         self.finish(nd, src.id, i, ok, cb)
+
+    def _next_upload(self, src: SimNode) -> int:
+        """Which held request gets a freed upload slot: the oldest (``upload_pick`` "fifo"), or
+        the oldest of those whose chunk this node has sent least so far ("fewest": a fresh chunk
+        goes to several peers before any goes to many, so more holders forward it sooner)."""
+        if self.sc.upload_pick != "fewest" or len(src.upq) < 2:
+            return 0
+        sent = src.sent_by_chunk
+        return min(range(len(src.upq)), key=lambda k: (sent[src.upq[k][1]], k))
 
     def finish(self, nd: SimNode, pid: str, i: int, ok: bool, cb: Any) -> None:
         nd.nreq -= 1

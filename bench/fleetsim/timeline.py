@@ -40,9 +40,12 @@ def analyse(arrivals: list[tuple[float, str, int, str]], floor: float, chunk_byt
         got_at[(node, i)] = t
         if i in read_at:
             by_depth.setdefault(d, []).append(t - read_at[i])
+    count: Counter = Counter()
     done: dict[str, float] = {}
     for t, node, _i, _src in arrivals:
-        done[node] = t
+        count[node] += 1
+        if count[node] == len(read_at):  # a node holding every chunk (killed ones never do)
+            done[node] = t
     ds = Counter(depth.values())
     return {
         "floor_s": round(floor, 3),
@@ -50,10 +53,18 @@ def analyse(arrivals: list[tuple[float, str, int, str]], floor: float, chunk_byt
         "first_node_done_s": round(min(done.values()), 3) if done else None,
         "last_node_done_s": round(max(done.values()), 3) if done else None,
         "chunk_at_full_nic_s": round(chunk_bytes / 12.5e9, 3),
+        "chunk_at_one_of_8_uploads_s": round(chunk_bytes / (12.5e9 / 8), 3),
         "arrivals_by_depth": dict(sorted(ds.items())),
         "median_s_after_bucket_read_by_depth": {d: round(statistics.median(v), 3) for d, v in sorted(by_depth.items())},
         "median_hop_s_by_depth": {d: round(statistics.median(v), 3) for d, v in sorted(hop.items())},
     }
+
+
+def _num(v: str) -> Any:
+    try:
+        return float(v) if "." in v else int(v)
+    except ValueError:
+        return v
 
 
 def main() -> None:
@@ -65,7 +76,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a Scenario field to override (numbers), e.g. --set upload_queue=32")
     args = ap.parse_args()
-    over = {k: float(v) if "." in v else int(v) for k, v in (x.split("=", 1) for x in args.set)}
+    over = {k: _num(v) for k, v in (x.split("=", 1) for x in args.set)}
     sc = fleet(f"timeline-n{args.n}", args.n, SNAPSHOTS[args.snapshot], args.chunks, seed=args.seed, **over)
     sim = FleetSim(sc)
     sim.arrivals = []
