@@ -313,8 +313,11 @@ class Swim:
             return []
         self.received += 1
         now = self.clock()
-        for u in msg.updates[: MAX_SYNC_ENTRIES if msg.kind in ("sync", "sync_ack") else MAX_UPDATES_PER_MESSAGE]:
-            self._apply(u, now)
+        if msg.kind in ("sync", "sync_ack"):
+            self._apply_table(msg.src, msg.updates[:MAX_SYNC_ENTRIES], now)
+        else:
+            for u in msg.updates[:MAX_UPDATES_PER_MESSAGE]:
+                self._apply(u, now)
         if msg.kind == "ping":
             return [self._out("ack", msg.src, seq=msg.seq)]
         if msg.kind == "ack":
@@ -459,7 +462,19 @@ class Swim:
             if len(self.changes) > 4096:
                 del self.changes[:2048]  # a caller that never drains: keep the newest
 
-    def _apply(self, u: Update, now: float) -> None:
+    def _apply_table(self, src: str, updates: tuple[Update, ...], now: float) -> None:
+        """A whole table (``sync``/``sync_ack``) from ``src``. Members new to this table are
+        appended and the probe order reshuffled once (random places, as :meth:`_apply` gives
+        one: O(N), not O(N^2) for a joiner's first table), and they are not re-gossiped unless
+        the entry is ``src`` itself (the sender knew them: gossiping a joiner's whole table,
+        N updates, would fill every queue; anti-entropy syncs cover a straggler)."""
+        before = len(self._order)
+        for u in updates:
+            self._apply(u, now, bulk=u.node != src)
+        if len(self._order) > before:
+            self.rng.shuffle(self._order)
+
+    def _apply(self, u: Update, now: float, bulk: bool = False) -> None:
         if u.node == self.self_id:
             if u.status != ALIVE and u.incarnation >= self.incarnation:
                 self.incarnation = u.incarnation + 1  # refute (SWIM §4.2)
@@ -472,10 +487,13 @@ class Swim:
             m = self._members[u.node] = _Member(u.status, u.incarnation, u.addr, now)
             if u.status == SUSPECT:
                 self._suspects[u.node] = now
-            if self._order or self._round is not None:  # at a random place of this round (SWIM §4.3)
+            if bulk:
+                self._order.append(u.node)  # the caller shuffles once (_apply_table)
+            elif self._order or self._round is not None:  # at a random place of this round (SWIM §4.3)
                 self._order.insert(self.rng.randrange(len(self._order) + 1), u.node)
             self._changed(u.node)
-            self._enqueue(u)
+            if not bulk:
+                self._enqueue(u)
             return
         if _overrides(u, m):
             if u.addr:
