@@ -80,3 +80,15 @@ def test_joiner_is_learned_and_probed_over_a_shared_base() -> None:
     c.run(40)
     assert j.synced and len(j.live()) == 31
     assert all(s.is_live("joiner") for s in c.nodes.values())
+
+
+def test_a_shared_view_syncs_the_same_table_as_a_full_one() -> None:
+    c = SharedCluster(20)
+    s = c.nodes["n00003"]
+    c.down.add("n00005")
+    c.run(30)
+    assert s.status("n00005") == "dead"
+    table = {u.node: (u.status, u.incarnation, u.addr) for u in s._table()}
+    assert len(table) == 20 and table["n00005"][0] == DEAD and table["n00003"][0] == ALIVE
+    assert {n: (m.status, m.incarnation, m.addr) for n, m in s._members.items()} == \
+        {n: v for n, v in table.items() if n != "n00003"}

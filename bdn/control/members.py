@@ -36,7 +36,7 @@ class MemberBase:
     """An immutable fleet list shared by every view: ``members`` node id -> address (all alive,
     incarnation 0, known since ``t0`` seconds)."""
 
-    __slots__ = ("ids", "addrs", "index", "sorted_ids", "t0")
+    __slots__ = ("ids", "addrs", "index", "sorted_ids", "t0", "cache")
 
     def __init__(self, members: Mapping[str, str], t0: float = 0.0) -> None:
         self.ids: tuple[str, ...] = tuple(members)
@@ -44,6 +44,7 @@ class MemberBase:
         self.index: dict[str, int] = {n: i for i, n in enumerate(self.ids)}
         self.sorted_ids: tuple[str, ...] = tuple(sorted(self.ids))
         self.t0 = t0
+        self.cache: dict[str, object] = {}  # derived immutable views, built once by their users
 
     def __len__(self) -> int:
         return len(self.ids)

@@ -349,7 +349,17 @@ class Swim:
         return Message(kind, self.self_id, dst, seq, target, ups)
 
     def _table(self) -> tuple[Update, ...]:
-        rows = [Update(n, m.status, m.incarnation, m.addr) for n, m in self._members.items()]
+        t = self._members
+        if t.base is not None:  # the base's entries as shared Update objects, built once per base
+            ups = t.base.cache.get("updates")
+            if ups is None:
+                ups = t.base.cache["updates"] = tuple(Update(n, ALIVE, 0, a) for n, a in zip(t.base.ids, t.base.addrs))
+            own, gone = t.own, t.gone
+            rows = [u for u in ups if u.node not in own and u.node not in gone]  # type: ignore[union-attr]
+            rows += [Update(n, m.status, m.incarnation, m.addr) for n, m in own.items()]
+            rows.append(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
+            return tuple(rows)
+        rows = [Update(n, m.status, m.incarnation, m.addr) for n, m in t.items()]
         rows.append(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
         return tuple(rows)
 
