@@ -41,7 +41,7 @@ class SimNode:
     __slots__ = (
         "id", "alive", "up", "down", "swim", "ps", "gossip", "owners", "ctrl_sent", "ctrl_recv",
         "done_at", "joined_at", "uploads", "uploads_by_chunk", "load", "bucket_queue", "reading",
-        "flows", "adopted_at", "owner_wait", "unavail_t", "ask_at", "have_pending", "state_peak", "omap",
+        "flows", "adopted_at", "owner_wait", "unavail_t", "ask_at", "have_pending", "state_peak", "omap", "prev_omap",
         "nreads", "inherited", "unreachable", "upq", "busy", "nreq", "timer", "tasks", "dirty", "sent_by_chunk",
     )
 
@@ -68,6 +68,7 @@ class SimNode:
         self.have_pending = False
         self.state_peak = 0
         self.omap: Any = None
+        self.prev_omap: Any = None  # the map before the last change: who owned a chunk before
         self.nreads = 0  # bucket reads in flight
         self.inherited: set[int] = set()
         self.unreachable: set[str] = set()
@@ -246,6 +247,8 @@ class FleetSim:
             self._maps[key] = m
             if len(self._maps) > 32:
                 self._maps.pop(next(iter(self._maps)))
+        if nd.omap is not m:
+            nd.prev_omap = nd.omap
         nd.omap = m
         return m
 
@@ -286,13 +289,24 @@ class FleetSim:
             nd.nreads += 1
             if i in nd.inherited:
                 nd.inherited.discard(i)
-                former = nd.omap.former_owner(self.digests[i], nd.id)
+                former = self.former_owner(nd, i)
                 if former is not None and former not in nd.unreachable:
                     self.request(nd, former, i, True, lambda ok, nd=nd, i=i: self._inherited_done(nd, i, ok))
                     continue
             f = self.net.start(sc.chunk_bytes, (self.bucket, nd.down), sc.read_cap_bps, ("bucket", nd.id, i),
                                lambda f, ok, nd=nd, i=i: self._read_done(nd, i, f, ok))
             nd.flows.add(f)
+
+    def former_owner(self, nd: SimNode, i: int) -> str | None:
+        """Who owned chunk ``i`` before it became ``nd``'s: the owner in ``nd``'s previous map
+        (with bounded loads a change can move a chunk between two surviving readers, which HRW
+        rank alone does not tell), else the reader ranked below ``nd``."""
+        d = self.digests[i]
+        if nd.prev_omap is not None:
+            o = nd.prev_omap.owner(d)
+            if o is not None and o != nd.id and nd.swim.is_live(o):
+                return o
+        return nd.omap.former_owner(d, nd.id)
 
     def _inherited_done(self, nd: SimNode, i: int, ok: bool) -> None:
         nd.nreads -= 1
@@ -337,7 +351,9 @@ class FleetSim:
                 self.admit(nd, *req)
         if ps.complete:
             self.mark_done(nd)
-        if self.policy == "fleet" and not nd.have_pending:
+        if self.policy == "fleet" and source == "bucket" and self.sc.have_at_once_after_read:
+            self.flush_have(nd, keep_pending=True)  # a bucket read is announced at once (readers: few nodes)
+        elif self.policy == "fleet" and not nd.have_pending:
             nd.have_pending = True
             self.later(ps.next_flush() - self.env.now, self.flush_have, nd)
         if ps.complete or int(ps.held.sum()) == self.sc.chunks // 2:
@@ -351,8 +367,9 @@ class FleetSim:
             self.event(nd.id, "snapshot ready")
             self.check_end()
 
-    def flush_have(self, nd: SimNode) -> None:
-        nd.have_pending = False
+    def flush_have(self, nd: SimNode, keep_pending: bool = False) -> None:
+        if not keep_pending:
+            nd.have_pending = False
         if not nd.alive:
             return
         out = nd.ps.flush_haves(force=True)
