@@ -74,9 +74,9 @@ def test_one_owner_rule_bounded_loads_among_the_readers() -> None:
     from bdn.control.owners import owner_table
     from bdn.daemon.fetch.owners import Owners
 
-    live = [f"n{i}" for i in range(40)]
+    live = [f"n{i}" for i in range(5)]
     digests = [f"{i * 7919:032x}" for i in range(263)]
-    m = OwnerMap(1, live, "step1", readers=5, digests=digests)
+    m = OwnerMap(1, live, "step1", readers=5, digests=digests)  # every live node reads: bounded
     assert m.bounded
     loads = Counter(m.owner(d) for d in digests)
     assert set(loads) == set(m.readers) and max(loads.values()) == -(-len(digests) // 5)  # cap: ceil(263 / 5)
@@ -87,10 +87,13 @@ def test_one_owner_rule_bounded_loads_among_the_readers() -> None:
         assert m.acting_owner(d, {m.owner(d)}) == m.ranked(d)[1]
     assert sorted(i for r in m.readers for i in m.owned_by(r, digests)) == list(range(len(digests)))
     # small N: every live node reads, and bdnd's fetcher cache gives the same owners
-    small = live[:8]
+    small = [f"n{i}" for i in range(8)]
     full = OwnerMap(1, small, "step1", digests=digests)
     o = Owners()
     assert all(o.owner("L", small, d, lambda: digests, len(digests)) == full.owner(d) for d in digests)
+    live = [f"n{i}" for i in range(40)]
+    sub = OwnerMap(1, live, "step1", readers=5, digests=digests)  # a subset reads: plain HRW
+    assert not sub.bounded and all(sub.owner(d) == hrw.owner(sub.readers, d) for d in digests)
     plain = OwnerMap(1, live, "step1", readers=5)
     assert not plain.bounded and all(plain.owner(d) == hrw.owner(plain.readers, d) for d in digests)
     assert owner_table(digests, ["solo"]) == {} and owner_table([], live) == {}
@@ -102,6 +105,10 @@ def test_readers_of_is_the_owner_maps_reader_set() -> None:
     live = [f"n{i}" for i in range(100)]
     assert readers_of("s", live, 0) == live and readers_of("s", live, None) == live
     assert readers_of("s", live[:3], 10) == live[:3]
+    from bdn.control.owners import readers_and_rule
+
+    assert readers_and_rule("s", live, 0) == (live, True)
+    assert readers_and_rule("s", live, 5) == (readers_of("s", live, 5), False)
     r = readers_of("s", live, 5)
     assert r == list(OwnerMap(1, live, "s", readers=5).readers)
     assert r == readers_of("s", list(reversed(live)), 5)  # the same on every daemon

@@ -10,9 +10,11 @@ Source: rendezvous hashing (:mod:`bdn.proto.hrw`). Two refinements for large fle
   of the snapshot's identity read from the bucket (each with ``connections_per_reader``
   connections), and a chunk's owner is the HRW top among those readers. The reader set differs
   per snapshot, so the role rotates over the fleet.
-- **Bounded loads** (Mirrokni, Thorup, Zadimoghaddam, "Consistent Hashing with Bounded Loads",
-  SODA 2018, applied to HRW): given the snapshot's digests in manifest order, each goes to the
-  first reader of its HRW ranking holding fewer than ``ceil(distinct digests / readers)``. With
+- **Bounded loads** when every live node reads (Mirrokni, Thorup, Zadimoghaddam, "Consistent
+  Hashing with Bounded Loads", SODA 2018, applied to HRW): given the snapshot's digests in
+  manifest order, each goes to the first node of its HRW ranking holding fewer than
+  ``ceil(distinct digests / nodes)``; plain HRW among a subset of readers
+  (:func:`readers_and_rule` says why). With
   a few hundred chunks over a few readers plain HRW's shares differ by +-30 %, and the reader
   with most chunks reads last, alone (the N = 8 tail, bench/NOTES.md); bounded shares are equal
   within one chunk. Above ``MAX_WORK`` hashes (millions of chunks) plain HRW is used, whose
@@ -87,14 +89,29 @@ def readers_of(identity: str, live: Sequence[str], readers: int | None) -> list[
     return hrw.rank(live, "readers\x00" + identity)[:readers]
 
 
+def readers_and_rule(identity: str, live: Sequence[str], readers: int | None) -> tuple[list[str], bool]:
+    """The one owner rule's two parts: the snapshot's readers (:func:`readers_of`) and whether
+    owners among them are bounded-load (:func:`owner_table`) or plain HRW.
+
+    Bounded loads when every live node reads (small fleets: equal shares, so no owner reads
+    last alone); plain HRW among a subset of readers (large fleets), because with bounded caps
+    a reader's death or arrival moves chunks between the surviving readers too, and two daemons
+    whose views disagree then both read those: bench/fleetsim measured 1.034 S of bucket egress
+    with bounded loads among 5 readers of 100 (a reader killed) against 1.000-1.020 S with HRW,
+    where only the dead reader's unread chunks move.
+    """
+    rs = readers_of(identity, live, readers)
+    return rs, len(rs) >= len(live)
+
+
 class OwnerMap:
     """Owners of one snapshot's chunks for one membership epoch.
 
     ``live``: node ids of the epoch (this daemon included). ``identity``: the snapshot's
     identity (picks its readers). ``readers``: how many read from the bucket (see
     :func:`reader_count`; ``None`` = all). ``digests``: the snapshot's (or layer's) chunk
-    digests in manifest order: owners are then bounded-load HRW among the readers
-    (:func:`owner_table`); without them plain HRW. Keys are chunk digests (hex strings).
+    digests in manifest order: owners are then bounded-load HRW when every live node reads
+    (:func:`readers_and_rule`); otherwise, and without them, plain HRW among the readers. Keys are chunk digests (hex strings).
     """
 
     def __init__(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None,
@@ -105,7 +122,8 @@ class OwnerMap:
         self._key = "readers\x00" + identity
         self.readers = tuple(hrw.rank(self.live, self._key)[:n])  # = readers_of(), ranked
         self._reader_set = frozenset(self.readers)
-        self._owner: dict[str, str | None] = dict(owner_table(digests, self.readers)) if self.readers else {}
+        bounded = bool(self.readers) and len(self.readers) >= len(self.live)  # readers_and_rule
+        self._owner: dict[str, str | None] = dict(owner_table(digests, self.readers)) if bounded else {}
         self.bounded = bool(self._owner)
 
     def affected_by(self, node: str) -> bool:
