@@ -94,11 +94,10 @@ def readers_and_rule(identity: str, live: Sequence[str], readers: int | None) ->
     owners among them are bounded-load (:func:`owner_table`) or plain HRW.
 
     Bounded loads when every live node reads (small fleets: equal shares, so no owner reads
-    last alone); plain HRW among a subset of readers (large fleets), because with bounded caps
-    a reader's death or arrival moves chunks between the surviving readers too, and two daemons
-    whose views disagree then both read those: bench/fleetsim measured 1.034 S of bucket egress
-    with bounded loads among 5 readers of 100 (a reader killed) against 1.000-1.020 S with HRW,
-    where only the dead reader's unread chunks move.
+    last alone); plain HRW among a subset of readers (large fleets): a reader's death or
+    arrival then moves only that reader's chunks (HRW's minimal disruption), while bounded caps
+    would move chunks between the surviving readers too, each one more chunk that two daemons
+    with different views may both read.
     """
     rs = readers_of(identity, live, readers)
     return rs, len(rs) >= len(live)
