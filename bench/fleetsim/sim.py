@@ -438,7 +438,7 @@ class FleetSim:
         elif self.policy == "fleet" and len(src.upq) < self.sc.upload_queue:
             src.upq.append((nd, i, cb))
         else:
-            nd.busy[src.id] = self.env.now + 0.05
+            nd.busy[src.id] = self.env.now + self.sc.busy_backoff_s
             self.later(self.delay(), self.finish, nd, src.id, i, False, cb)  # 503 busy
 
     def transfer(self, src: SimNode, nd: SimNode, i: int, cb: Any) -> None:
@@ -498,7 +498,7 @@ class FleetSim:
         else:
             if nd.ps.avail[i] == 0:  # an owner ask: 404 (its view differs) - ask again a little later
                 nd.ask_at[i] = self.env.now + 0.05 + 0.1 * self.rng.random()
-            until = self.env.now + 0.05 + 0.1 * self.rng.random()
+            until = self.env.now + self.sc.busy_backoff_s * (1 + 2 * self.rng.random())
             nd.busy[pid] = max(nd.busy.get(pid, 0.0), until)
             self.wake_at(nd, until)
 
