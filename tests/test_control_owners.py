@@ -65,3 +65,50 @@ def test_affected_by_acting_and_former_owner() -> None:
     assert m.former_owner(d, ranked[0]) == ranked[1] and m.former_owner(d, ranked[-1]) is None
     small = OwnerMap(1, ["a", "b"], "s", readers=5)
     assert small.affected_by("zzz")  # every live node reads: any change moves owners
+
+
+def test_one_owner_rule_bounded_loads_among_the_readers() -> None:
+    """The daemon's fetcher table and the simulator's OwnerMap are the same function."""
+    from collections import Counter
+
+    from bdn.control.owners import owner_table
+    from bdn.daemon.fetch.owners import Owners
+
+    live = [f"n{i}" for i in range(5)]
+    digests = [f"{i * 7919:032x}" for i in range(263)]
+    m = OwnerMap(1, live, "step1", readers=5, digests=digests)  # every live node reads: bounded
+    assert m.bounded
+    loads = Counter(m.owner(d) for d in digests)
+    assert set(loads) == set(m.readers) and max(loads.values()) == -(-len(digests) // 5)  # cap: ceil(263 / 5)
+    assert dict(owner_table(digests, m.readers)) == {d: m.owner(d) for d in digests}
+    for d in digests:  # the bounded owner heads the fallback order; acting owner follows it
+        assert m.ranked(d)[0] == m.owner(d) == m.acting_owner(d)
+        assert sorted(m.ranked(d)) == sorted(m.readers)
+        assert m.acting_owner(d, {m.owner(d)}) == m.ranked(d)[1]
+    assert sorted(i for r in m.readers for i in m.owned_by(r, digests)) == list(range(len(digests)))
+    # small N: every live node reads, and bdnd's fetcher cache gives the same owners
+    small = [f"n{i}" for i in range(8)]
+    full = OwnerMap(1, small, "step1", digests=digests)
+    o = Owners()
+    assert all(o.owner("L", small, d, lambda: digests, len(digests)) == full.owner(d) for d in digests)
+    live = [f"n{i}" for i in range(40)]
+    sub = OwnerMap(1, live, "step1", readers=5, digests=digests)  # a subset reads: plain HRW
+    assert not sub.bounded and all(sub.owner(d) == hrw.owner(sub.readers, d) for d in digests)
+    plain = OwnerMap(1, live, "step1", readers=5)
+    assert not plain.bounded and all(plain.owner(d) == hrw.owner(plain.readers, d) for d in digests)
+    assert owner_table(digests, ["solo"]) == {} and owner_table([], live) == {}
+
+
+def test_readers_of_is_the_owner_maps_reader_set() -> None:
+    from bdn.control.owners import readers_of
+
+    live = [f"n{i}" for i in range(100)]
+    assert readers_of("s", live, 0) == live and readers_of("s", live, None) == live
+    assert readers_of("s", live[:3], 10) == live[:3]
+    from bdn.control.owners import readers_and_rule
+
+    assert readers_and_rule("s", live, 0) == (live, True)
+    assert readers_and_rule("s", live, 5) == (readers_of("s", live, 5), False)
+    r = readers_of("s", live, 5)
+    assert r == list(OwnerMap(1, live, "s", readers=5).readers)
+    assert r == readers_of("s", list(reversed(live)), 5)  # the same on every daemon

@@ -5,7 +5,9 @@ seconds, monotonic) and returns decisions or messages; the daemon's services and
 simulator (bench/fleetsim) are the only places that send them. Modules:
 
 - :mod:`bdn.control.swim`: membership at O(1) messages per node per period (SWIM).
-- :mod:`bdn.control.owners`: HRW owners and bucket readers, computed once per membership epoch.
+- :mod:`bdn.control.members`: SWIM's member table, optionally over a shared immutable fleet list.
+- :mod:`bdn.control.owners`: the one owner rule (bucket readers, HRW with bounded loads among
+  them), computed once per membership epoch; bdnd's fetcher and the simulator use it.
 - :mod:`bdn.control.peerset`: a bounded peer set per snapshot, BITFIELD once then HAVE, rarest-first.
 - :mod:`bdn.control.hotload`: hot-load targets ordered by the trainer, gossiped; status
   aggregation and pagination.

@@ -22,7 +22,7 @@ Pure: time comes from an injected clock; the caller sends what these functions r
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from bdn.control import Clock
@@ -89,13 +89,17 @@ class TargetGossip:
         self.current: Target | None = None
         self.adopted_at: float | None = None
 
-    def offer(self, target: Target, live: Sequence[str]) -> list[str]:
+    def offer(self, target: Target, live: Sequence[str] | Callable[[], Sequence[str]]) -> list[str]:
         """A target from a POST, a push or a piggyback. Returns the members to push it to
-        (empty when it is not newer than the current one)."""
+        (empty when it is not newer than the current one). ``live``: the live node ids, or a
+        callable giving them (called only when the target is adopted: every membership message
+        carries a target, and the live set of a large fleet is not rebuilt for each)."""
         if self.current is not None and target.order <= self.current.order:
             return []
         self.current = target
         self.adopted_at = self.clock()
+        if callable(live):
+            live = live()
         others = [n for n in live if n != self.self_id]
         return self.rng.sample(others, min(self.fanout, len(others)))
 

@@ -10,6 +10,16 @@ Source: rendezvous hashing (:mod:`bdn.proto.hrw`). Two refinements for large fle
   of the snapshot's identity read from the bucket (each with ``connections_per_reader``
   connections), and a chunk's owner is the HRW top among those readers. The reader set differs
   per snapshot, so the role rotates over the fleet.
+- **Bounded loads** when every live node reads (Mirrokni, Thorup, Zadimoghaddam, "Consistent
+  Hashing with Bounded Loads", SODA 2018, applied to HRW): given the snapshot's digests in
+  manifest order, each goes to the first node of its HRW ranking holding fewer than
+  ``ceil(distinct digests / nodes)``; plain HRW among a subset of readers
+  (:func:`readers_and_rule` says why). With
+  a few hundred chunks over a few readers plain HRW's shares differ by +-30 %, and the reader
+  with most chunks reads last, alone (the N = 8 tail, bench/NOTES.md); bounded shares are equal
+  within one chunk. Above ``MAX_WORK`` hashes (millions of chunks) plain HRW is used, whose
+  shares are even at that size anyway. This is the one owner rule: bdnd's fetcher
+  (``bdn.daemon.fetch.owners``) and the fleet simulator both call it.
 - **Once per epoch.** :class:`OwnerMap` is built from one membership epoch's live set; its
   owner lookups are memoised per chunk and the whole map is rebuilt only when the live set
   changes (``epoch`` differs), never per request: no ``chunks x N`` hashing before bytes move.
@@ -23,6 +33,34 @@ import math
 from collections.abc import Container, Sequence
 
 from bdn.proto import hrw
+
+#: Largest ``distinct digests x readers`` a bounded table is computed for; beyond, plain HRW.
+MAX_WORK = 1 << 21
+
+
+def bounded(digests: Sequence[str], nodes: Sequence[str]) -> dict[str, str]:
+    """``digest -> owner`` for the distinct ``digests`` (taken in the order given): each to the
+    first node of its HRW ranking among ``nodes`` holding fewer than ``ceil(distinct / nodes)``.
+    ``nodes`` must not be empty. Cost: one HRW ranking per distinct digest."""
+    order = list(dict.fromkeys(digests))
+    cap = -(-len(order) // len(nodes))
+    load = dict.fromkeys(nodes, 0)
+    out: dict[str, str] = {}
+    for d in order:
+        for n in hrw.rank(nodes, d):
+            if load[n] < cap:
+                load[n] += 1
+                out[d] = n
+                break
+    return out
+
+
+def owner_table(digests: Sequence[str] | None, nodes: Sequence[str]) -> dict[str, str]:
+    """The bounded table of :func:`bounded`, or ``{}`` (plain HRW) when there are no digests,
+    at most one node, or more than ``MAX_WORK`` hashes to compute."""
+    if not digests or len(nodes) <= 1 or len(digests) * len(nodes) > MAX_WORK:
+        return {}
+    return bounded(digests, nodes)
 
 
 def reader_count(
@@ -42,29 +80,57 @@ def reader_count(
     return max(1, min(live_n, math.ceil(conns / max(1, connections_per_reader))))
 
 
+def readers_of(identity: str, live: Sequence[str], readers: int | None) -> list[str]:
+    """The ``readers`` nodes of ``live`` that read snapshot ``identity`` from the bucket: the top
+    by HRW score of ``"readers" NUL identity`` (None or 0, or at least ``len(live)``: all of
+    ``live``, in the order given). The same set on every daemon with the same live set."""
+    if not readers or readers >= len(live):
+        return list(live)
+    return hrw.rank(live, "readers\x00" + identity)[:readers]
+
+
+def readers_and_rule(identity: str, live: Sequence[str], readers: int | None) -> tuple[list[str], bool]:
+    """The one owner rule's two parts: the snapshot's readers (:func:`readers_of`) and whether
+    owners among them are bounded-load (:func:`owner_table`) or plain HRW.
+
+    Bounded loads when every live node reads (small fleets: equal shares, so no owner reads
+    last alone); plain HRW among a subset of readers (large fleets): a reader's death or
+    arrival then moves only that reader's chunks (HRW's minimal disruption), while bounded caps
+    would move chunks between the surviving readers too, each one more chunk that two daemons
+    with different views may both read.
+    """
+    rs = readers_of(identity, live, readers)
+    return rs, len(rs) >= len(live)
+
+
 class OwnerMap:
     """Owners of one snapshot's chunks for one membership epoch.
 
     ``live``: node ids of the epoch (this daemon included). ``identity``: the snapshot's
     identity (picks its readers). ``readers``: how many read from the bucket (see
-    :func:`reader_count`; ``None`` = all). Keys are chunk digests (hex strings).
+    :func:`reader_count`; ``None`` = all). ``digests``: the snapshot's (or layer's) chunk
+    digests in manifest order: owners are then bounded-load HRW when every live node reads
+    (:func:`readers_and_rule`); otherwise, and without them, plain HRW among the readers. Keys are chunk digests (hex strings).
     """
 
-    def __init__(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None) -> None:
+    def __init__(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None,
+                 digests: Sequence[str] | None = None) -> None:
         self.epoch = epoch
         self.live = tuple(sorted(set(live)))
         n = len(self.live) if readers is None else max(0, min(readers, len(self.live)))
         self._key = "readers\x00" + identity
-        self.readers = tuple(hrw.rank(self.live, self._key)[:n])
+        self.readers = tuple(hrw.rank(self.live, self._key)[:n])  # = readers_of(), ranked
         self._reader_set = frozenset(self.readers)
-        self._owner: dict[str, str | None] = {}
+        bounded = bool(self.readers) and len(self.readers) >= len(self.live)  # readers_and_rule
+        self._owner: dict[str, str | None] = dict(owner_table(digests, self.readers)) if bounded else {}
+        self.bounded = bool(self._owner)
 
     def affected_by(self, node: str) -> bool:
         """Would a change of ``node``'s standing (joined, died) change any owner?
 
-        Owners are HRW over the readers only, so only a reader leaving, or a joiner that
-        ranks among the readers, moves any; while every live node is a reader, any change
-        does. Lets a caller keep this map across epochs without recomputing the live set.
+        Owners are HRW (bounded or not) over the readers only, so only a reader leaving, or a
+        joiner that ranks among the readers, moves any; while every live node is a reader, any
+        change does. Lets a caller keep this map across epochs without recomputing the live set.
         """
         if node in self._reader_set or len(self.readers) >= len(self.live) or not self.readers:
             return True
@@ -82,8 +148,15 @@ class OwnerMap:
         return o
 
     def ranked(self, digest: str) -> list[str]:
-        """Readers from owner to last fallback for ``digest``."""
-        return hrw.rank(self.readers, digest)
+        """Readers from owner to last fallback for ``digest``: the owner, then the HRW ranking
+        (with bounded loads the owner may be below the ranking's top)."""
+        r = hrw.rank(self.readers, digest)
+        if self.bounded:
+            o = self.owner(digest)
+            if r and r[0] != o:
+                r.remove(o)
+                r.insert(0, o)
+        return r
 
     def acting_owner(self, digest: str, unreachable: Container[str] = ()) -> str | None:
         """The owner, or when this node found it unreachable (connection refused or reset: a
@@ -120,10 +193,13 @@ class OwnerCache:
         self._max = max_snapshots
         self.rebuilds = 0
 
-    def get(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None) -> OwnerMap:
+    def get(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None,
+            digests: Sequence[str] | None = None) -> OwnerMap:
+        """The map for ``identity`` at ``epoch`` (``digests``: see :class:`OwnerMap`; a map is
+        rebuilt when the epoch or the reader count changes, not when only ``digests`` is given)."""
         m = self._maps.get(identity)
         if m is None or m.epoch != epoch or (readers is not None and len(m.readers) != min(readers, len(m.live))):
-            m = OwnerMap(epoch, live, identity, readers)
+            m = OwnerMap(epoch, live, identity, readers, digests)
             self.rebuilds += 1
             self._maps.pop(identity, None)
             self._maps[identity] = m

@@ -40,11 +40,15 @@ the live set until confirmed dead (as in memberlist), so a slow ack alone moves 
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from bdn.control import Clock
+from bdn.control.members import Member as _Member
+from bdn.control.members import MemberBase, MemberTable
 
 ALIVE, SUSPECT, DEAD = 0, 1, 2
 STATUS_NAMES = ("alive", "suspect", "dead")
@@ -111,14 +115,6 @@ class Message:
 
 
 @dataclass
-class _Member:
-    status: int
-    incarnation: int
-    addr: str
-    changed_at: float  # when the status last changed (suspicion timer start)
-
-
-@dataclass
 class _Probe:
     target: str
     seq: int
@@ -160,8 +156,10 @@ class Swim:
         now = self.clock()
         self.incarnation = 0
         self.epoch = 0
-        self._members: dict[str, _Member] = {}
+        self._members = MemberTable()  # a dict, or a shared fleet list + changes (join_shared)
         self._order: list[str] = []
+        self._round: Any = None  # join_shared: the base members' lazy probe order this round
+        self._round_pos = 0
         self._queue: dict[str, list] = {}  # node -> [Update, transmits]
         self._probe: _Probe | None = None
         self._relays: dict[int, _Relay] = {}
@@ -183,6 +181,9 @@ class Swim:
     def live(self) -> tuple[str, ...]:
         """Node ids counted live for HRW (alive or suspect, and this daemon), sorted."""
         if self._live_cache is None:
+            if self._members.pristine() and self.self_id in self._members.base.index:
+                self._live_cache = self._members.base.sorted_ids  # shared by every view (join_shared)
+                return self._live_cache
             ids = [n for n, m in self._members.items() if m.status != DEAD]
             ids.append(self.self_id)
             self._live_cache = tuple(sorted(ids))
@@ -192,8 +193,8 @@ class Swim:
         """True for this daemon and for members alive or suspect (O(1))."""
         if node == self.self_id:
             return True
-        m = self._members.get(node)
-        return m is not None and m.status != DEAD
+        st = self._members.status_of(node)
+        return st is not None and st != DEAD
 
     def status(self, node: str) -> str | None:
         if node == self.self_id:
@@ -252,6 +253,24 @@ class Swim:
         seed = self.rng.choice(sorted(n for n in seeds if n != self.self_id) or [None])
         return [] if seed is None else [self._out("sync", seed, updates=self._table())]
 
+    def join_shared(self, base: MemberBase) -> None:
+        """Start from a fleet list every node agrees on (as ``join(seeds, complete=True)``),
+        held once for all the views that share it (:mod:`bdn.control.members`): this table
+        stores only what changes from it. Call on a fresh instance; :attr:`synced` at once."""
+        now = self.clock()
+        self._members = MemberTable(base, self.self_id)
+        self._order = []
+        self._base_round()
+        self.synced = True
+        self._changed()
+        self.changes.clear()
+        self._enqueue(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
+        self._next_sync = now + self.rng.uniform(2.0, 4.0) * self.period_s
+
+    def _base_round(self) -> None:
+        self._round = self._members.base_order(self.rng.random(), self.rng.random())
+        self._round_pos = 0
+
     def sync_to(self, dst: str) -> Message:
         """A ``sync`` (the whole table) to ``dst`` ("" = a seed whose node id is not known yet:
         its transport addresses it by URL and the receiver reads it as addressed to itself)."""
@@ -299,8 +318,11 @@ class Swim:
             return []
         self.received += 1
         now = self.clock()
-        for u in msg.updates[: MAX_SYNC_ENTRIES if msg.kind in ("sync", "sync_ack") else MAX_UPDATES_PER_MESSAGE]:
-            self._apply(u, now)
+        if msg.kind in ("sync", "sync_ack"):
+            self._apply_table(msg.src, msg.updates[:MAX_SYNC_ENTRIES], now)
+        else:
+            for u in msg.updates[:MAX_UPDATES_PER_MESSAGE]:
+                self._apply(u, now)
         if msg.kind == "ping":
             return [self._out("ack", msg.src, seq=msg.seq)]
         if msg.kind == "ack":
@@ -332,7 +354,17 @@ class Swim:
         return Message(kind, self.self_id, dst, seq, target, ups)
 
     def _table(self) -> tuple[Update, ...]:
-        rows = [Update(n, m.status, m.incarnation, m.addr) for n, m in self._members.items()]
+        t = self._members
+        if t.base is not None:  # the base's entries as shared Update objects, built once per base
+            ups = t.base.cache.get("updates")
+            if ups is None:
+                ups = t.base.cache["updates"] = tuple(Update(n, ALIVE, 0, a) for n, a in zip(t.base.ids, t.base.addrs))
+            own, gone = t.own, t.gone
+            rows = [u for u in ups if u.node not in own and u.node not in gone]  # type: ignore[union-attr]
+            rows += [Update(n, m.status, m.incarnation, m.addr) for n, m in own.items()]
+            rows.append(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
+            return tuple(rows)
+        rows = [Update(n, m.status, m.incarnation, m.addr) for n, m in t.items()]
         rows.append(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
         return tuple(rows)
 
@@ -345,7 +377,8 @@ class Swim:
     def _piggyback(self) -> tuple[Update, ...]:
         if not self._queue:
             return ()
-        picked = sorted(self._queue.values(), key=lambda e: e[1])[: self.max_piggyback]
+        # = sorted(...)[:max_piggyback] (heapq documents the equivalence), O(queue) not O(q log q)
+        picked = heapq.nsmallest(self.max_piggyback, self._queue.values(), key=lambda e: e[1])
         limit = self._limit()
         for e in picked:
             e[1] += 1
@@ -359,17 +392,37 @@ class Swim:
     def _next_target(self) -> str | None:
         # Round-robin over a random permutation (SWIM §4.3): every member is probed within
         # 2 * (N-1) periods, not only in expectation.
-        while self._order:
-            n = self._order.pop()
-            m = self._members.get(n)
-            if m is not None and m.status != DEAD:
+        while True:
+            n = self._pop_order()
+            if n is None:
+                break
+            st = self._members.status_of(n)
+            if st is not None and st != DEAD:
                 return n
+        if self._members.base is not None:  # a new round: the base lazily, the rest shuffled
+            self._base_round()
+            self._order = [n for n, m in self._members.own.items() if m.status != DEAD]
+            self.rng.shuffle(self._order)
+            n = self._pop_order()
+            while n is not None and self._members.status_of(n) in (None, DEAD):
+                n = self._pop_order()
+            return n
         alive = self._alive_others()
         if not alive:
             return None
         self.rng.shuffle(alive)
         self._order = alive
         return self._order.pop()
+
+    def _pop_order(self) -> str | None:
+        """The next member of this round: from the base's lazy order or the list, at random in
+        proportion to what each has left (a random interleave, as one shuffled list would be)."""
+        left = len(self._round) - self._round_pos if self._round is not None else 0
+        if left and (not self._order or self.rng.random() * (left + len(self._order)) < left):
+            n = self._round[self._round_pos]
+            self._round_pos += 1
+            return n  # (a removed one is skipped by the caller)
+        return self._order.pop() if self._order else None
 
     def _end_period(self, now: float) -> None:
         p = self._probe
@@ -406,6 +459,7 @@ class Swim:
         if status != m.status:
             m.changed_at = now
         m.status, m.incarnation = status, inc
+        self._members[node] = m  # a base member's entry is a copy: store it (bdn.control.members)
         if status == SUSPECT:
             self._suspects.setdefault(node, now)
         else:
@@ -425,7 +479,19 @@ class Swim:
             if len(self.changes) > 4096:
                 del self.changes[:2048]  # a caller that never drains: keep the newest
 
-    def _apply(self, u: Update, now: float) -> None:
+    def _apply_table(self, src: str, updates: tuple[Update, ...], now: float) -> None:
+        """A whole table (``sync``/``sync_ack``) from ``src``. Members new to this table are
+        appended and the probe order reshuffled once (random places, as :meth:`_apply` gives
+        one: O(N), not O(N^2) for a joiner's first table), and they are not re-gossiped unless
+        the entry is ``src`` itself (the sender knew them: gossiping a joiner's whole table,
+        N updates, would fill every queue; anti-entropy syncs cover a straggler)."""
+        before = len(self._order)
+        for u in updates:
+            self._apply(u, now, bulk=u.node != src)
+        if len(self._order) > before:
+            self.rng.shuffle(self._order)
+
+    def _apply(self, u: Update, now: float, bulk: bool = False) -> None:
         if u.status != ALIVE and u.incarnation > MAX_INCARNATION - 1:
             u = Update(u.node, u.status, MAX_INCARNATION - 1, u.addr)  # see MAX_INCARNATION
         if u.node == self.self_id:
@@ -440,10 +506,13 @@ class Swim:
             m = self._members[u.node] = _Member(u.status, u.incarnation, u.addr, now)
             if u.status == SUSPECT:
                 self._suspects[u.node] = now
-            if self._order:  # at a random place of this round (SWIM §4.3)
+            if bulk:
+                self._order.append(u.node)  # the caller shuffles once (_apply_table)
+            elif self._order or self._round is not None:  # at a random place of this round (SWIM §4.3)
                 self._order.insert(self.rng.randrange(len(self._order) + 1), u.node)
             self._changed(u.node)
-            self._enqueue(u)
+            if not bulk:
+                self._enqueue(u)
             return
         if _overrides(u, m):
             if u.addr:

@@ -73,6 +73,7 @@ class Config:
     startup_settle_s: float = field(default=5.0, metadata={"help": 'at start, wait up to this long for static peers to answer'})
     max_inflight: int = field(default=16, metadata={"help": 'chunk transfers in flight per snapshot'})
     bucket_concurrency: int = field(default=8, metadata={"help": "concurrent bucket requests: a chunk is read as up to this many ranged GETs (>= 1 MiB each) queued in chunk order, so an owner's chunks finish one after another and flow to peers at once (8: the bucket reads keep their share of a downlink full of peer traffic, bench/NOTES.md)"})
+    bucket_readers: int = field(default=0, metadata={"help": "how many live daemons read each snapshot from the bucket (its chunks' owners: the top by HRW of the snapshot's identity, so the role rotates per snapshot); 0 = every daemon. For large fleets: about 1.5 x the bucket's aggregate rate / (bucket_concurrency x its per-connection rate) (bdn.control.owners.reader_count)"})
     chunk_wait_s: float = field(default=30.0, metadata={"help": 'how long an owner may hold a chunk request while it fetches'})
     owner_patience_s: float = field(default=600.0, metadata={"help": 'keep asking a live owner that answers "still fetching" this long'})
     max_uploads: int = field(default=8, metadata={"help": 'chunk uploads served at once; beyond, 503 sends askers to other holders'})

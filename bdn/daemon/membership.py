@@ -13,6 +13,7 @@ limit below SWIM's own (``MAX_MEMBERS``, the largest table a ``sync`` may carry)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from bdn.control.owners import OwnerCache, OwnerMap
@@ -184,13 +185,14 @@ class Membership:
         """Node ids that take part in HRW: this daemon and every live member."""
         return [self.self_id] + [m.node_id for m in self.live()]
 
-    def owner_map(self, identity: str, readers: int | None = None) -> OwnerMap:
+    def owner_map(self, identity: str, readers: int | None = None, digests: Sequence[str] | None = None) -> OwnerMap:
         """HRW owners of ``identity``'s chunks over this epoch's live set (this daemon included),
         built once per epoch and memoised per chunk (``bdn.control.owners``): what the fetcher
         and the serving side can ask per chunk instead of ranking every node each time.
-        ``readers``: how many of the live nodes read the bucket (None: all)."""
+        ``readers``: how many of the live nodes read the bucket (None: all); ``digests`` (manifest
+        order): bounded loads among them (the fetcher's rule, ``bdn.control.owners.owner_table``)."""
         nodes = self.hrw_nodes()  # refreshes the epoch
-        return self._owners.get(self.epoch, nodes, identity, readers)
+        return self._owners.get(self.epoch, nodes, identity, readers, digests)
 
     def describe(self) -> list[dict]:
         now = self.clock.monotonic()

@@ -143,6 +143,10 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         a.plot(ns, [r["x_floor"] for _, r in pts], marker="o", label=kind)
         b.plot(ns, [r["control_msgs_per_node_s_mean"] for _, r in pts], marker="o", label=f"{kind} mean")
         b.plot(ns, [r["control_msgs_per_node_s_max"] for _, r in pts], marker="x", ls="--", label=f"{kind} max")
+    ctl = sorted((r["scenario"]["n"], r) for r in rows if r["name"].startswith("control-"))
+    if ctl:  # membership + hot-load alone, the control plane's own cost
+        b.plot([n for n, _ in ctl], [r["control_msgs_per_node_s_mean"] for _, r in ctl], marker="s", label="control only mean")
+        b.plot([n for n, _ in ctl], [r["control_msgs_per_node_s_max"] for _, r in ctl], marker="+", ls="--", label="control only max")
     a.axhline(1.15, color="grey", ls=":", label="target 1.15")
     for ax in (a, b):
         ax.set_xscale("log")
@@ -162,10 +166,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--merge", action="store_true", help="keep rows of --out not re-run")
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds; each point is their median")
+    ap.add_argument("--report-only", action="store_true", help="run nothing: the table and plot of --out")
     args = ap.parse_args()
-    only = {x for x in args.only.split(",") if x} or None
+    if args.report_only:
+        only = {"-"}
+    if not args.report_only:
+        only = {x for x in args.only.split(",") if x} or None
     rows: list[dict[str, Any]] = []
-    if args.merge and args.out.exists():
+    if (args.merge or args.report_only) and args.out.exists():
         rows = json.loads(args.out.read_text())
     seeds = [int(x) for x in args.seeds.split(",") if x]
     for sc in scenarios(only):

@@ -44,7 +44,10 @@ class Scenario:
     max_uploads: int = 8
     max_per_peer: int = 2
     upload_queue: int = 8  # requests a holder keeps waiting for a slot before it answers busy
+    busy_backoff_s: float = 0.05  # a peer that answered busy is skipped this long (x 1-3 after a failure)
+    upload_pick: str = "fifo"  # which held request a freed upload slot serves: "fifo" or "fewest" (sim.py)
     have_flush_s: float = 0.1
+    have_at_once_after_read: bool = False  # HAVE flushed at each bucket read, not at the next batch
     owner_ask_after_s: float = 2.0
     swim_period_s: float = 1.0
     hotload_fanout: int = 3  # TargetGossip's fanout (bdn/control/hotload.py default 3)

@@ -28,6 +28,7 @@ import numpy as np
 import simpy
 
 from bdn.control.hotload import Target, TargetGossip
+from bdn.control.members import MemberBase
 from bdn.control.owners import OwnerCache, reader_count
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
@@ -40,8 +41,8 @@ class SimNode:
     __slots__ = (
         "id", "alive", "up", "down", "swim", "ps", "gossip", "owners", "ctrl_sent", "ctrl_recv",
         "done_at", "joined_at", "uploads", "uploads_by_chunk", "load", "bucket_queue", "reading",
-        "flows", "adopted_at", "owner_wait", "unavail_t", "ask_at", "have_pending", "state_peak", "omap",
-        "nreads", "inherited", "unreachable", "upq", "busy", "nreq", "timer", "tasks", "dirty",
+        "flows", "adopted_at", "owner_wait", "unavail_t", "ask_at", "have_pending", "state_peak", "omap", "prev_omap",
+        "nreads", "inherited", "unreachable", "upq", "busy", "nreq", "timer", "tasks", "dirty", "sent_by_chunk",
     )
 
     def __init__(self, nid: str, nic: float) -> None:
@@ -55,6 +56,7 @@ class SimNode:
         self.joined_at = 0.0
         self.uploads = 0
         self.uploads_by_chunk: Counter = Counter()
+        self.sent_by_chunk: Counter = Counter()  # uploads started per chunk, ever
         self.load: Counter = Counter()  # requests in flight per peer (from this node)
         self.bucket_queue: list[int] = []
         self.reading: set[int] = set()
@@ -66,6 +68,7 @@ class SimNode:
         self.have_pending = False
         self.state_peak = 0
         self.omap: Any = None
+        self.prev_omap: Any = None  # the map before the last change: who owned a chunk before
         self.nreads = 0  # bucket reads in flight
         self.inherited: set[int] = set()
         self.unreachable: set[str] = set()
@@ -106,6 +109,8 @@ class FleetSim:
         self.requests = 0  # chunk requests sent (a cost metric)
         self._maps: dict[tuple, Any] = {}
         self._dirty: list[SimNode] = []
+        #: (t, node, chunk, source) per chunk arrival when set to a list (bench/fleetsim/timeline.py)
+        self.arrivals: list[tuple[float, str, int, str]] | None = None
         self._stop = self.env.event()
         n_late = int(round(sc.n * sc.late_frac))
         self.initial = [f"n{i:05d}" for i in range(sc.n - n_late)]
@@ -195,7 +200,7 @@ class FleetSim:
 
     # ---- hot-load ---------------------------------------------------------------------------
     def offer_target(self, nd: SimNode, t: Target) -> None:
-        push = nd.gossip.offer(t, nd.swim.live() if nd.swim else tuple(self.nodes))
+        push = nd.gossip.offer(t, nd.swim.live if nd.swim else tuple(self.nodes))  # live(): only on adoption
         if not push:
             return
         nd.adopted_at = self.env.now
@@ -237,11 +242,13 @@ class FleetSim:
         key = (live, r)
         m = self._maps.get(key)
         if m is None:
-            m = nd.owners.get(epoch, live, self.identity, r)
+            m = nd.owners.get(epoch, live, self.identity, r, self.digests)  # bdnd's owner rule
             self.owner_cache_rebuilds += 1
             self._maps[key] = m
             if len(self._maps) > 32:
                 self._maps.pop(next(iter(self._maps)))
+        if nd.omap is not m:
+            nd.prev_omap = nd.omap
         nd.omap = m
         return m
 
@@ -282,13 +289,24 @@ class FleetSim:
             nd.nreads += 1
             if i in nd.inherited:
                 nd.inherited.discard(i)
-                former = nd.omap.former_owner(self.digests[i], nd.id)
+                former = self.former_owner(nd, i)
                 if former is not None and former not in nd.unreachable:
                     self.request(nd, former, i, True, lambda ok, nd=nd, i=i: self._inherited_done(nd, i, ok))
                     continue
             f = self.net.start(sc.chunk_bytes, (self.bucket, nd.down), sc.read_cap_bps, ("bucket", nd.id, i),
                                lambda f, ok, nd=nd, i=i: self._read_done(nd, i, f, ok))
             nd.flows.add(f)
+
+    def former_owner(self, nd: SimNode, i: int) -> str | None:
+        """Who owned chunk ``i`` before it became ``nd``'s: the owner in ``nd``'s previous map
+        (with bounded loads a change can move a chunk between two surviving readers, which HRW
+        rank alone does not tell), else the reader ranked below ``nd``."""
+        d = self.digests[i]
+        if nd.prev_omap is not None:
+            o = nd.prev_omap.owner(d)
+            if o is not None and o != nd.id and nd.swim.is_live(o):
+                return o
+        return nd.omap.former_owner(d, nd.id)
 
     def _inherited_done(self, nd: SimNode, i: int, ok: bool) -> None:
         nd.nreads -= 1
@@ -326,12 +344,16 @@ class FleetSim:
             return
         ps.got(i)
         nd.unavail_t[i] = np.inf
+        if self.arrivals is not None:
+            self.arrivals.append((self.env.now, nd.id, i, source))
         for req in nd.owner_wait.pop(i, []):  # requests parked here while this node fetched
             if req[0].alive:
                 self.admit(nd, *req)
         if ps.complete:
             self.mark_done(nd)
-        if self.policy == "fleet" and not nd.have_pending:
+        if self.policy == "fleet" and source == "bucket" and self.sc.have_at_once_after_read:
+            self.flush_have(nd, keep_pending=True)  # a bucket read is announced at once (readers: few nodes)
+        elif self.policy == "fleet" and not nd.have_pending:
             nd.have_pending = True
             self.later(ps.next_flush() - self.env.now, self.flush_have, nd)
         if ps.complete or int(ps.held.sum()) == self.sc.chunks // 2:
@@ -345,8 +367,9 @@ class FleetSim:
             self.event(nd.id, "snapshot ready")
             self.check_end()
 
-    def flush_have(self, nd: SimNode) -> None:
-        nd.have_pending = False
+    def flush_have(self, nd: SimNode, keep_pending: bool = False) -> None:
+        if not keep_pending:
+            nd.have_pending = False
         if not nd.alive:
             return
         out = nd.ps.flush_haves(force=True)
@@ -415,12 +438,13 @@ class FleetSim:
         elif self.policy == "fleet" and len(src.upq) < self.sc.upload_queue:
             src.upq.append((nd, i, cb))
         else:
-            nd.busy[src.id] = self.env.now + 0.05
+            nd.busy[src.id] = self.env.now + self.sc.busy_backoff_s
             self.later(self.delay(), self.finish, nd, src.id, i, False, cb)  # 503 busy
 
     def transfer(self, src: SimNode, nd: SimNode, i: int, cb: Any) -> None:
         src.uploads += 1
         src.uploads_by_chunk[i] += 1
+        src.sent_by_chunk[i] += 1
         f = self.net.start(self.sc.chunk_bytes, (src.up, nd.down), tag=("peer", src.id, nd.id, i),
                            on_done=lambda f, ok: self._sent(src, nd, i, cb, f, ok))
         src.flows.add(f)
@@ -432,12 +456,21 @@ class FleetSim:
         src.uploads -= 1
         src.uploads_by_chunk[i] -= 1
         while src.upq and src.alive:
-            a, j, c = src.upq.pop(0)  # the slot goes to the oldest held request
+            a, j, c = src.upq.pop(self._next_upload(src))
             if a.alive:
                 self.transfer(src, a, j, c)
                 break
         self.kick(src)
         self.finish(nd, src.id, i, ok, cb)
+
+    def _next_upload(self, src: SimNode) -> int:
+        """Which held request gets a freed upload slot: the oldest (``upload_pick`` "fifo"), or
+        the oldest of those whose chunk this node has sent least so far ("fewest": a fresh chunk
+        goes to several peers before any goes to many, so more holders forward it sooner)."""
+        if self.sc.upload_pick != "fewest" or len(src.upq) < 2:
+            return 0
+        sent = src.sent_by_chunk
+        return min(range(len(src.upq)), key=lambda k: (sent[src.upq[k][1]], k))
 
     def finish(self, nd: SimNode, pid: str, i: int, ok: bool, cb: Any) -> None:
         nd.nreq -= 1
@@ -465,7 +498,7 @@ class FleetSim:
         else:
             if nd.ps.avail[i] == 0:  # an owner ask: 404 (its view differs) - ask again a little later
                 nd.ask_at[i] = self.env.now + 0.05 + 0.1 * self.rng.random()
-            until = self.env.now + 0.05 + 0.1 * self.rng.random()
+            until = self.env.now + self.sc.busy_backoff_s * (1 + 2 * self.rng.random())
             nd.busy[pid] = max(nd.busy.get(pid, 0.0), until)
             self.wake_at(nd, until)
 
@@ -598,9 +631,12 @@ class FleetSim:
     def begin(self) -> None:
         """The initial fleet starts from the discovery source every node agrees on (a headless
         Service's endpoints), so its tables are full at t = 0; the trainer's POST reaches one."""
+        # one shared fleet list, each node's table stores its changes only (bdn.control.members):
+        # N x N entries would not fit at N = 10,000
+        base = MemberBase({s: f"http://{s}" for s in self.initial}, self.env.now)
         for nid in self.initial:
             nd = self.add_node(nid, [])
-            nd.swim.join({s: f"http://{s}" for s in self.initial if s != nid}, complete=True)
+            nd.swim.join_shared(base)
             # the first push-pull at the policy's own (N-scaled) period, spread over it
             nd.swim._next_sync = self.env.now + self.rng.uniform(0.5, 1.0) * nd.swim.sync_period()
         self.offer_target(self.nodes[self.initial[0]], self.target)

@@ -12,6 +12,7 @@ import asyncio
 import random
 from typing import Any
 
+from bdn.control.owners import readers_and_rule
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import NotAvailable
@@ -23,6 +24,7 @@ from bdn.daemon.index import ChunkIndex
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.stats import Stats
+from bdn.proto import hrw
 from bdn.proto.manifest import ChunkRef
 
 HAVES_FIRST_S = 5.0
@@ -57,6 +59,9 @@ class Fetcher:
         (``bdn.daemon.fetch.owners``), the same answer on every daemon with the same live set."""
         refs = job.refs(layer)
         nodes = self.membership.hrw_nodes() if nodes is None else nodes
+        nodes, bounded = readers_and_rule(job.identity, nodes, self.cfg.bucket_readers)  # bdn.control.owners
+        if not bounded:
+            return hrw.owner(nodes, digest)
         dig = getattr(refs, "digest", None)
         return self.owners.owner((job.identity, layer), nodes, digest,
                                  (lambda: [dig(i) for i in range(len(refs))]) if dig else (lambda: [r.digest for r in refs]),
