@@ -257,8 +257,29 @@ def test_garbage_and_huge_frames_close_that_connection_only(shm, src):
             target.close()
 
 
+def test_strangers_in_their_handshake_cannot_keep_a_peer_out(shm, src):
+    """300 connections that never say hello (no secret needed) held the transfer port's 256
+    slots, so no peer could connect (tests/test_adversarial_*: breaker). Pending handshakes are
+    bounded on their own; a newcomer drops the oldest, so a real peer gets in and is served."""
+    with TransferServer(KEYS, "srv", src.resolve, max_connections=4, max_handshakes=8) as srv:
+        silent = [connect(srv.address)[0] for _ in range(40)]
+        try:
+            client = TransferClient(KEYS, "cli")
+            target = Target(shm / "out", CHUNK)
+            r = client.fetch_into(Peer("srv", *srv.address), src.address(0), target.map, 0, CHUNK, src.digests[0])
+            assert r.ok, r
+            assert srv.stats.handshakes_evicted >= 40 - 8
+            # the oldest strangers were dropped: they read EOF long before the 10 s handshake timeout
+            assert read_to_end(silent[0], timeout_s=60) == (b"", "eof")
+            client.close()
+            target.close()
+        finally:
+            for s in silent:
+                s.close()
+
+
 def test_silent_connections_are_dropped_and_the_cap_holds(shm, src):
-    with TransferServer(KEYS, "srv", src.resolve, handshake_timeout_s=0.5, max_connections=4) as srv:
+    with TransferServer(KEYS, "srv", src.resolve, handshake_timeout_s=0.5, max_connections=4, max_handshakes=4) as srv:
         silent = [connect(srv.address)[0] for _ in range(3)]
         try:
             for s in silent:
@@ -267,10 +288,12 @@ def test_silent_connections_are_dropped_and_the_cap_holds(shm, src):
             while srv.open_connections():
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
-            # beyond the cap, a connection is closed at once; the ones under it are served
+            # beyond the handshake bound the oldest unauthenticated connection is dropped and the
+            # newcomer gets its hello
             held = [connect(srv.address)[0] for _ in range(4)]
-            extra = socket.create_connection(srv.address, timeout=60)
-            assert read_to_end(extra, timeout_s=60) == (b"", "eof")
+            extra, _ = connect(srv.address)
+            assert read_to_end(held[0], timeout_s=60) == (b"", "eof")
+            assert srv.stats.handshakes_evicted == 1
             extra.close()
             for s in held:
                 s.close()

@@ -2,7 +2,8 @@
 persistent connections (the wire of bdn.proto.wire).
 
 Threads, not the event loop: one accept thread and one thread per connection (at most
-``max_connections``; peers keep a few persistent streams each). ``os.sendfile`` and ``recv_into``
+``max_connections`` authenticated ones, peers keeping a few persistent streams each, plus at most
+``max_handshakes`` still in their handshake, the oldest dropped for a newcomer). ``os.sendfile`` and ``recv_into``
 release the GIL for the whole system call, so connection threads run in parallel on every core
 while the daemon's asyncio loop keeps the control plane; the bytes never enter Python.
 
@@ -90,6 +91,7 @@ class ServerStats:
     busy: int = 0
     not_here: int = 0
     aborted: int = 0  # answers cut off after their DATA header (peer gone, file shrank)
+    handshakes_evicted: int = 0  # unauthenticated connections dropped to admit a newer one
 
 
 class _FileCache:
@@ -179,6 +181,7 @@ class TransferServer:
         host: str = "127.0.0.1",
         port: int = 0,
         max_connections: int = 256,
+        max_handshakes: int = 64,
         handshake_timeout_s: float = 10.0,
         idle_timeout_s: float = 300.0,
         send_timeout_s: float = 60.0,
@@ -195,6 +198,7 @@ class TransferServer:
         self._admit = admit
         self._host, self._port = host, port
         self._max_conns = max_connections
+        self._max_pending = max(1, max_handshakes)
         self._hs_timeout = handshake_timeout_s
         self._idle_timeout = idle_timeout_s
         self._send_timeout = send_timeout_s
@@ -204,6 +208,11 @@ class TransferServer:
         self._files = _FileCache(max_open_files)
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
+        # Connections still in their handshake, oldest first. Bounded on their own, so strangers
+        # without the secret cannot fill ``max_connections``: when full, the oldest is dropped to
+        # admit the newcomer (an honest peer's hello comes within a round trip; holding the
+        # slots needs more new connections per handshake time than there are slots).
+        self._pending: dict[_Conn, None] = {}
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._closing = threading.Event()
@@ -277,12 +286,23 @@ class TransferServer:
                     return
                 time.sleep(0.05)  # EMFILE and friends: back off instead of spinning
                 continue
+            evicted: _Conn | None = None
             with self._lock:
-                full = len(self._conns) >= self._max_conns
+                full = len(self._conns) - len(self._pending) >= self._max_conns
                 if not full:
+                    if len(self._pending) >= self._max_pending:
+                        evicted = next(iter(self._pending))
+                        del self._pending[evicted]
+                        self.stats.handshakes_evicted += 1
                     conn = _Conn(sock)
                     self._conns.add(conn)
+                    self._pending[conn] = None
                     self.stats.connections += 1
+            if evicted is not None:
+                try:  # its thread's read ends at once; that thread closes the socket
+                    evicted.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             if full:
                 sock.close()
                 continue
@@ -297,6 +317,10 @@ class TransferServer:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._sndbuf)
             set_timeouts(sock, self._hs_timeout, self._send_timeout)
             session = self._handshake(conn)
+            with self._lock:
+                if session is not None and conn not in self._pending:
+                    session = None  # evicted while it finished: the newer connection has the slot
+                self._pending.pop(conn, None)
             if session is None:
                 return
             set_timeouts(sock, self._idle_timeout)
@@ -323,6 +347,7 @@ class TransferServer:
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._pending.pop(conn, None)
             sock.close()
 
     def _handshake(self, conn: _Conn) -> wire.Session | None:
