@@ -33,6 +33,7 @@ from aiohttp import web
 
 from bdn.daemon import logctx
 from bdn.daemon.bodies import BodyTooLarge
+from bdn.daemon.errors import NotAvailable
 from bdn.daemon.http import hotload
 from bdn.daemon.http.common import BodyIncomplete, request_body, text
 from bdn.daemon.http.services import SERVICES, Services, services
@@ -230,6 +231,8 @@ async def post_status(request: web.Request) -> web.Response:
     obj = None if obj is _NOT_MSGPACK else obj
     try:
         services(request).hotload.status.received(obj, request["peer"])
+    except NotAvailable as e:
+        return text(503, str(e))
     except BdnError as e:
         return text(400, str(e))
     return web.Response(body=msgpack.packb({"ok": True}), content_type="application/msgpack")

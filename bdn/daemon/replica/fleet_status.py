@@ -26,7 +26,7 @@ import msgpack
 from bdn.control import hotload as policy
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
-from bdn.daemon.errors import Invalid
+from bdn.daemon.errors import Invalid, NotAvailable
 from bdn.daemon.membership import Membership
 from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.replica.view import ReplicaView
@@ -148,9 +148,14 @@ class FleetStatus:
 
     # ---- the aggregator side -----------------------------------------------------------------
     def received(self, obj: Any, peer: str) -> None:
-        """A replica's report (``POST status``). Raises Invalid."""
+        """A replica's report (``POST status``). Raises Invalid, or NotAvailable when the board
+        holds ``max_rows`` live rows already (more reporting nodes than a fleet has)."""
         self.stats.control_request("received", "status_report")
-        self.board.put(check_row(obj, peer))
+        row = check_row(obj, peer)
+        try:
+            self.board.put(row)
+        except policy.HotLoadError as e:
+            raise NotAvailable(f"{e} ({self.board.max_rows} replicas)") from None
 
     def rows_for(self, identity: str) -> list[dict[str, Any]]:
         """``GET status?identity=``: the rows this daemon aggregates for ``identity``."""
