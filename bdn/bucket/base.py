@@ -105,6 +105,7 @@ class ObjectChecksum:
 
     @property
     def verifiable(self) -> bool:
+        """True when the bucket vouches for the bytes with at least one checksum (MD5, composite MD5, CRC32C or an SDK checksum)."""
         return any(
             v is not None for v in (self.md5, self.composite_md5, self.crc32c, self.sdk_checksum)
         )

@@ -69,6 +69,7 @@ def call_json(
 
 
 def json_object(obj: Any, what: str) -> dict[str, Any]:
+    """``obj`` if it is a JSON object (dict), else ProtocolError naming ``what`` and the type it was."""
     if not isinstance(obj, dict):
         raise ProtocolError(f"{what}: expected a JSON object, got {type(obj).__name__}")
     return obj

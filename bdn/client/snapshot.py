@@ -203,6 +203,7 @@ class Snapshot:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` ran (its mappings are released; tensors must not be used)."""
         return self._closed
 
     def __enter__(self) -> Snapshot:

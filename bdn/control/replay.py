@@ -49,6 +49,7 @@ class RequestCounter:
         self.counter = 0
 
     def next(self) -> str:
+        """The next nonce: 32 lowercase hex, the boot time then a counter, strictly increasing."""
         self.counter += 1
         return f"{self.boot:016x}{self.counter:016x}"
 
@@ -68,6 +69,7 @@ class Counters:
         self._next: dict[tuple[str, int], int] = {}
 
     def next(self, target: str, stream: int = 0) -> str:
+        """The next nonce for requests to ``target`` on ``stream`` (0 control, 1 chunks); ValueError for another stream."""
         if not 0 <= stream < self.STREAMS:
             raise ValueError(f"stream must be in [0, {self.STREAMS})")
         key = (target, stream)

@@ -96,6 +96,7 @@ class ChunkList(Sequence[ChunkRef]):
                 yield self._ref(fi, ci)
 
     def digest(self, i: int) -> str:
+        """The xxh3-128 digest (hex) of chunk ``i``."""
         fi, ci = self._locate(i)
         return self._chunks(fi)[ci]
 

@@ -89,6 +89,7 @@ class ChunkLog:
             self.close()
 
     def close(self) -> None:
+        """Close the log file (errors closing it are ignored)."""
         if self._f is not None:
             try:
                 self._f.close()

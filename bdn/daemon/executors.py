@@ -27,6 +27,7 @@ class Executors:
 
     @classmethod
     def create(cls, bucket_concurrency: int) -> Executors:
+        """The three pools: ``bucket_concurrency + 2`` threads for the bucket, ``DISK_THREADS`` for disk work, ``APPLY_THREADS`` for delta apply."""
         return cls(
             bucket=ThreadPoolExecutor(max_workers=bucket_concurrency + 2, thread_name_prefix="bdn-bucket"),
             disk=ThreadPoolExecutor(max_workers=DISK_THREADS, thread_name_prefix="bdn-disk"),

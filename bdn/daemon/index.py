@@ -67,6 +67,7 @@ class ChunkIndex:
             self.pending.setdefault(self.address(ref.digest), (job, layer, ref))
 
     def drop_pending(self, job: SnapshotJob, refs: Iterable[ChunkRef]) -> None:
+        """Forget ``job``'s pending chunks among ``refs`` (other jobs' entries for the same bytes stay)."""
         for ref in refs:
             addr = self.address(ref.digest)
             if self.pending.get(addr, (None,))[0] is job:
@@ -80,6 +81,7 @@ class ChunkIndex:
                 self.pending.pop(addr, None)
 
     def pending_for(self, address: str) -> tuple[SnapshotJob, str, ChunkRef] | None:
+        """``(job, layer, chunk)`` of the download that will hold ``address``, or None."""
         return self.pending.get(address)
 
     def fetching(self, address: str) -> bool:

@@ -83,6 +83,7 @@ class PeerClient:
     async def start(self) -> None:
         # Two connection pools: chunk requests parked at an owner can fill every connection to
         # it, and a health check queued behind them would time out and drop a live peer.
+        """Open the HTTP session to peers (inside the running loop)."""
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=64, limit_per_host=4, ttl_dns_cache=10), auto_decompress=False
         )
@@ -91,6 +92,7 @@ class PeerClient:
         )
 
     async def close(self) -> None:
+        """Close the session and its connections."""
         for sess in (self._session, self._data):
             if sess is not None:
                 await sess.close()

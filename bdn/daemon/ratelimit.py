@@ -24,10 +24,12 @@ class RateLimit:
 
     @classmethod
     def from_mbit(cls, mbit: float) -> RateLimit:
+        """A limit of ``mbit`` megabits (10^6 bits) per second, kept as bytes per second; 0 is unlimited."""
         return cls(mbit * 1e6 / 8)
 
     @property
     def enabled(self) -> bool:
+        """True when a rate is set (a positive limit)."""
         return self.rate > 0
 
     async def take(self, nbytes: int) -> None:

@@ -53,6 +53,7 @@ lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
         self.loop_lag = LoopLag()  # its run() is started by the app
 
     def add(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to counter ``name`` (one of ``COUNTERS``)."""
         self.counters[name] += n
 
     def control_request(self, direction: str, kind: str) -> None:

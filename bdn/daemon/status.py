@@ -30,6 +30,7 @@ class StatusView:
         self.started = clock.time()
 
     def health(self) -> dict[str, Any]:
+        """``GET /v1/health`` (liveness): status ``ok``, node id and swarm id while the loop answers; readiness is ``/v1/ready``."""
         return {"status": "ok", "node_id": self.cfg.node_id, "swarm_id": self.swarm_id}
 
     def status(self) -> dict[str, Any]:

@@ -38,6 +38,7 @@ class Ticket:
     aborted: bool = False
 
     def saw(self, version: int | None) -> None:
+        """Record policy ``version`` as seen by the request (appended when it differs from the last seen)."""
         if not self.versions or self.versions[-1] != version:
             self.versions.append(version)
 
@@ -78,6 +79,7 @@ class PolicyGate:
 
     @property
     def in_flight(self) -> int:
+        """Requests admitted and not yet finished."""
         with self._cond:
             return len(self._active)
 

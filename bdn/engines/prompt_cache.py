@@ -30,12 +30,14 @@ class PromptCache:
             return len(self._map)
 
     def clear(self) -> int:
+        """Drop every cached prefix; returns how many were dropped."""
         with self._lock:
             n = len(self._map)
             self._map.clear()
             return n
 
     def put(self, key: tuple[int, ...], cache: Any, version: int | None) -> None:
+        """Cache ``cache`` (the model's KV state) for the prompt tokens ``key`` under policy ``version``; the least recently used entry goes past the limit."""
         with self._lock:
             self._map[key] = (cache, version)
             self._map.move_to_end(key)

@@ -72,6 +72,7 @@ class Verdict:
 
     @property
     def ok(self) -> bool:
+        """True when the verdict's status is ``OK`` (the bytes matched what the bucket vouches for)."""
         return self.status == OK
 
 

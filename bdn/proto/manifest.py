@@ -58,14 +58,17 @@ class FileEntry:
 
     @property
     def result_size(self) -> int:
+        """Bytes of the file the snapshot rebuilds (a diff's target size; a stored file's own size)."""
         return self.result.size if self.result else self.size
 
     @property
     def result_chunks(self) -> tuple[str, ...]:
+        """Digests of the rebuilt file's chunks (a stored file's own chunks when it is not a diff)."""
         return self.result.chunks if self.result else self.chunks
 
     @property
     def is_diff(self) -> bool:
+        """True when the stored object is a diff file that rebuilds another (it has a ``result``)."""
         return self.result is not None
 
 
@@ -102,6 +105,7 @@ class Manifest:
     # ---- queries -------------------------------------------------------------------------
     @property
     def is_delta(self) -> bool:
+        """True for a delta snapshot (``kind == "delta"``, with a ``base_identity``)."""
         return self.kind == "delta"
 
     def file(self, path: str) -> FileEntry:
@@ -125,14 +129,17 @@ class Manifest:
 
     @property
     def stored_bytes(self) -> int:
+        """Bytes of every stored object: what the swarm moves for this snapshot."""
         return sum(f.size for f in self.files)
 
     @property
     def result_bytes(self) -> int:
+        """Bytes of every rebuilt file: what the snapshot occupies once ready."""
         return sum(f.result_size for f in self.files)
 
     # ---- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """The manifest as the JSON object of ``bdn.manifest.json`` (format ``FORMAT``, DESIGN.md's manifest section)."""
         d: dict[str, Any] = {
             "format": FORMAT,
             "identity": self.identity,

@@ -405,6 +405,9 @@ def encode_tensors(
 ) -> tuple[dict[str, bytes], dict[str, str]]:
     # Blocks of all tensors and the tensors' Adler-32s are tasks of one map, as in decoding: a
     # single large tensor uses every core.
+    """``bdn_planes_v1`` streams of many tensors at once: ``pairs`` are ``(name, base bytes,
+    target bytes, element width)``; blocks of every tensor are tasks of one ``map`` (so one large
+    tensor uses every core). Returns ``({name: stream}, {name: decimal Adler-32 of the target})``."""
     widths = [_planes_width(len(b), w) for _, b, _, w in pairs]
     tasks: list[tuple[int, Any]] = [(pi, None) for pi in range(len(pairs))]
     tasks += [(pi, blk) for pi, (_, b, t, _) in enumerate(pairs) for blk in _planes_blocks(b, t, widths[pi])]

@@ -57,6 +57,7 @@ class ReadyMarker:
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every file the marker lists."""
         return sum(f.size for f in self.files)
 
 

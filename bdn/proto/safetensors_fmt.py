@@ -83,10 +83,12 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensor's data (``data_offsets`` end minus start)."""
         return self.end - self.start
 
     @property
     def numel(self) -> int:
+        """Number of elements (the product of ``shape``; 1 for a scalar)."""
         return math.prod(self.shape)
 
 

@@ -14,10 +14,12 @@ CHECKSUM_FORMAT = "alder32"
 
 
 def now() -> str:
+    """The current UTC time as RFC 3339 with seconds (``2026-12-01T14:22:25Z``), the manifest's ``published_at``."""
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def refuse_published(b: Bucket, identity: str, overwrite: bool) -> None:
+    """Raise PublishError if ``identity``'s manifest is already in bucket ``b``, unless ``overwrite``."""
     if overwrite:
         return
     try:

@@ -66,6 +66,7 @@ def source_dir(
 
 
 def write_state_dict(path: Path, state_dict: Mapping[str, np.ndarray]) -> None:
+    """Write ``state_dict`` (name -> array) as a safetensors file at ``path``; PublishError when empty."""
     if not state_dict:
         raise PublishError("state dict is empty")
     fileops.save(path, state_dict, dict(STATE_DICT_METADATA))

@@ -62,6 +62,7 @@ def store_all(
 
 
 def digests(local: Path, chunk_size: int, path: str) -> list[str]:
+    """The xxh3-128 digests of ``local``'s chunks of ``chunk_size`` bytes; PublishError naming ``path`` if unreadable."""
     try:
         return fileops.chunk_digests(local, chunk_size)
     except OSError as e:

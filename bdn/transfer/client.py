@@ -71,6 +71,7 @@ class FetchResult:
 
     @property
     def ok(self) -> bool:
+        """True when the outcome is ``Outcome.OK``: the chunk arrived whole and matched its digest."""
         return self.outcome is Outcome.OK
 
 

@@ -47,9 +47,11 @@ class Target:
 
     @property
     def order(self) -> tuple[int, int, float, str]:
+        """The key targets are ordered by: ``(gen, policy version, publish time, identity)``, never a daemon's clock."""
         return (self.gen, self.policy_version, self.published_at, self.identity)
 
     def wire(self) -> dict[str, Any]:
+        """The target as a hot-load gossip message carries it (msgpack-ready dict)."""
         out = {"identity": self.identity, "seq": self.seq, "origin": self.origin, "request_id": self.request_id,
                "options": self.options.wire(), "gen": self.gen, "pv": self.policy_version, "at": self.published_at}
         if self.base is not None:
