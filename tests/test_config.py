@@ -33,6 +33,15 @@ def test_malformed_bucket_url_is_a_config_error(base: dict[str, str], url: str) 
         _load({**base, "BDN_BUCKET": url})
 
 
+@pytest.mark.parametrize("peers", ["10.0.0.2:7080", "http://h:7080,node7", "ftp://h:1", "http://h:70/path"])
+def test_peer_urls_must_be_http_urls(base: dict[str, str], peers: str) -> None:
+    # a peer without its scheme was taken silently and sat "not alive" for good (new-user report)
+    with pytest.raises(ConfigError, match="'peers' must hold URLs http://host:port"):
+        _load({**base, "BDN_PEERS": peers})
+    assert _load({**base, "BDN_PEERS": "http://10.0.0.2:7080,https://[::1]:7080/"}).peers == [
+        "http://10.0.0.2:7080", "https://[::1]:7080"]
+
+
 def test_unknown_log_level(base: dict[str, str]) -> None:
     with pytest.raises(ConfigError, match="log_level.*'loud'"):
         _load({**base, "BDN_LOG_LEVEL": "loud"})

@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from bdn.client.errors import DaemonError
+from bdn.client.fleet import hot_load
 from bdn.publish import publish_delta, publish_full
 from support.checkpoints import make_state, optimizer_step, write_hf_dir
 from support.swarm import Daemon
@@ -67,5 +69,38 @@ def test_superseded_load_is_cancelled_unless_the_new_target_needs_it(tmp_path: P
         # the re-POST of the target being served is idempotent
         st, again = http("POST", d.url + HOT, {"identity": "step000001"})
         assert st == 200 and again["request_id"] == fourth["request_id"], (again, fourth)
+    finally:
+        d.stop()
+
+
+def test_hot_load_with_previous_takes_the_manifest_s_compression_format(tmp_path: Path) -> None:
+    """``hot_load(previous=...)`` (and ``bdnctl hot-load --previous``) sent ``arc_v2`` unless
+    told otherwise, so a ``bdn_planes_v1`` delta was refused 409 "compression_format 'arc_v2' does
+    not match"; the format is now left to the manifest. A ``previous`` that is served but is not
+    the delta's base says how to load it over its chain."""
+    bucket = f"file://{tmp_path}/bucket"
+    s1 = make_state(0)
+    s2 = optimizer_step(s1, 0.02, 1)
+    s3 = optimizer_step(s2, 0.02, 2)
+    d1, d2, d3 = (write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in enumerate((s1, s2, s3), 1))
+    publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
+    publish_delta(bucket, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK,
+                  compression_format="bdn_planes_v1")
+    publish_delta(bucket, "step000003", 3, "step000002", dir=d3, base_dir=d2, chunk_size=CHUNK)
+    d = Daemon(tmp_path / "work", "node0", bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert hot_load(d.url, "step000001")["accepted"]
+        wait_fleet(d.url, "step000001", timeout=120)
+        try:
+            hot_load(d.url, "step000003", previous="step000001")
+        except DaemonError as e:
+            assert e.status == 409 and "leave incremental_snapshot_metadata out" in str(e), e
+        else:
+            raise AssertionError("a previous that is not the delta's base was accepted")
+        ans = hot_load(d.url, "step000002", previous="step000001")
+        assert ans["accepted"] and ans["policy_version"] == 2, ans
+        wait_fleet(d.url, "step000002", timeout=120)
     finally:
         d.stop()

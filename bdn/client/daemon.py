@@ -304,7 +304,7 @@ class DaemonClient:
         else:
             snap = self.snapshot(identity)
         if snap.get("state") != "ready":
-            raise DaemonError(409, f"{identity} is {str(snap.get('state'))[:40]}, not ready")
+            raise DaemonError(409, f"{identity} is not ready (state {str(snap.get('state'))[:40]})")
         path = snap.get("path")
         if not isinstance(path, str) or not path:
             raise ProtocolError(f"daemon reports {identity} ready without a path")

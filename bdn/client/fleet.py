@@ -82,7 +82,7 @@ def hot_load(
     identity: str,
     previous: str | None = None,
     *,
-    compression_format: str = "arc_v2",
+    compression_format: str | None = None,
     checksum_format: str = "alder32",
     token: str | None = None,
     prompt_cache_policy: str | None = None,
@@ -93,9 +93,11 @@ def hot_load(
 
     Args:
         identity: the snapshot to serve.
-        previous: for a delta, the identity it applies to (``previous_snapshot_identity``); the
-            request then carries ``incremental_snapshot_metadata`` with ``compression_format``
-            and ``checksum_format`` (spelled ``alder32`` as the hosted APIs spell it).
+        previous: for a delta, the snapshot the fleet serves now or is loading, which must be the
+            delta's base (``previous_snapshot_identity``); the request then carries
+            ``incremental_snapshot_metadata`` with ``checksum_format`` (spelled ``alder32`` as the
+            hosted APIs spell it) and ``compression_format`` when given (None: the manifest's).
+            Leave it out to load a delta over a chain of deltas from what is served.
         token: the daemons' API token, for a daemon's network (peer) port; not needed locally.
         prompt_cache_policy, inflight_policy, inflight_wait_s: the engine options of this hot-load
             (``RESET_ALL``/``PRESERVE``, ``wait``/``keep``/``abort``, seconds; docs/ENGINES.md);
@@ -111,11 +113,11 @@ def hot_load(
     """
     body: dict[str, Any] = {"identity": validate_identity(identity)}
     if previous is not None:
-        body["incremental_snapshot_metadata"] = {
-            "previous_snapshot_identity": validate_identity(previous),
-            "compression_format": compression_format,
-            "checksum_format": checksum_format,
-        }
+        meta: dict[str, Any] = {"previous_snapshot_identity": validate_identity(previous),
+                                "checksum_format": checksum_format}
+        if compression_format is not None:
+            meta["compression_format"] = compression_format
+        body["incremental_snapshot_metadata"] = meta
     for key, val in (("prompt_cache_policy", prompt_cache_policy), ("inflight_policy", inflight_policy),
                      ("inflight_wait_s", inflight_wait_s)):
         if val is not None:

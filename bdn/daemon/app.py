@@ -194,9 +194,13 @@ class App:
             cfg.node_id, cfg.peer_listen, cfg.advertise_url, self.gossip.transfer or "- (off)", cfg.local_listen or "-",
             f" and {cfg.local_socket}" if cfg.local_socket else "", self.keys.swarm_id, cfg.bucket,
         )
+        if not cfg.api_token:
+            log.info("no api_token: the fleet hot-load API answers on the local API only (401 on the peer port)")
         await self._load_startup()
         self.readiness.started = True
         line = self.readiness.summary(await self.readiness.check())
+        if line != "ready":
+            log.warning("bdnd %s is %s", cfg.node_id, line)  # e.g. a bucket directory that does not exist
         self.notify(f"READY=1\nSTATUS={line}")
         self._tasks.append(asyncio.create_task(self.readiness.watch(self.notify, line), name="readiness"))
 

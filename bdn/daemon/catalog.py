@@ -248,7 +248,7 @@ class Catalog:
         if job is None:
             raise NotFound(f"snapshot {identity!r} is not known to this daemon")
         if job.state != "ready":
-            raise Conflict(f"snapshot {identity!r} is {job.state}, not ready")
+            raise Conflict(f"snapshot {identity!r} is not ready (state {job.state})")
         return job, self.store.ready_dir(identity)
 
     async def repair(self, identity: str, positions: list[int] | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import socket
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -236,6 +237,9 @@ class Config:
                 host = socket.gethostname()
             self.advertise_url = f"http://{host}:{port}"
         self.peers = [p.rstrip("/") for p in self.peers if p.strip()]
+        for key, urls in (("peers", self.peers), ("advertise_url", [self.advertise_url])):
+            for url in urls:
+                _check_peer_url(url, key)
         if self.apply_workers <= 0:
             self.apply_workers = os.cpu_count() or 2
 
@@ -307,6 +311,18 @@ def _check_bucket_url(url: str) -> None:
         check_bucket_url(url)
     except BucketError as e:
         raise ConfigError(f"config key 'bucket': {e}") from None
+
+
+def _check_peer_url(url: str, key: str) -> None:
+    """Refuse a peer URL that is not ``http(s)://host[:port]`` (``10.0.0.2:7080`` without a
+    scheme was taken and the peer never answered)."""
+    u = urllib.parse.urlsplit(url)
+    try:
+        u.port
+    except ValueError:
+        u = u._replace(netloc="")
+    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query or u.fragment:
+        raise ConfigError(f"config key {key!r} must hold URLs http://host:port, got {url!r}")
 
 
 def _read_secret(path: str, key: str) -> str:

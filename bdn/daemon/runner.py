@@ -139,7 +139,7 @@ class Runner:
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 reason = f"shm full while writing {job.identity}: {self.store.free_bytes()} bytes free on {self.store.root} ({e.strerror})"
             job.set_state("failed", reason.splitlines()[0] if reason else type(e).__name__)
-            log.error("snapshot %s: failed: %s", job.identity, job.reason)
+            log.error("snapshot %s: failed: %s", job.identity, job.reason.removeprefix(f"snapshot {job.identity}: "))
             jobs.forget(job)
             self.store.discard(job.identity)
         except Exception as e:  # a bug must fail the snapshot, not kill the daemon
@@ -187,7 +187,7 @@ class Runner:
         }
         if bad:
             if job.state != "ready" or self.jobs.get(job.identity) is not job:
-                raise Conflict(f"snapshot {job.identity!r} is {job.state}, not ready")
+                raise Conflict(f"snapshot {job.identity!r} is not ready (state {job.state})")
             first = refs[bad[0]]
             where = f"{first.path} chunk {first.index} (bytes {first.offset}-{first.offset + first.length})"
             self.index.quarantine(job, [refs[i] for i in bad], self.jobs.all())
@@ -312,7 +312,7 @@ class Runner:
                         f"appear within {self.cfg.manifest_wait_s:g} s"
                     ) from None
                 # The count tells an operator (and a test) that the daemon keeps looking.
-                job.reason = f"waiting for manifest: {key} is not in the bucket yet (looked {looked} times)"
+                job.reason = f"waiting for manifest: {key} is not in the bucket yet (looked {looked} time{'' if looked == 1 else 's'})"
                 job.touch()
                 await job.notify()
                 await asyncio.sleep(self.cfg.manifest_poll_s)

@@ -28,9 +28,10 @@ def add_hot_load(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     hl = sub.add_parser("hot-load", parents=[common], help="make every replica of the fleet serve a snapshot")
     hl.add_argument("identity")
     hl.add_argument("--previous", metavar="ID", default=None,
-                    help="the snapshot a delta applies to (previous_snapshot_identity)")
-    hl.add_argument("--compression-format", default="arc_v2", metavar="FMT",
-                    help="the delta's compression format, with --previous (default %(default)s)")
+                    help="what the fleet serves now (or is loading), the delta's base "
+                         "(previous_snapshot_identity); leave it out to load a delta over its chain")
+    hl.add_argument("--compression-format", default=None, metavar="FMT",
+                    help="the delta's compression format, with --previous (default: the manifest's)")
     hl.add_argument("--prompt-cache-policy", default=None, metavar="P",
                     help="RESET_ALL (default: no sample reuses KV of the old policy) or PRESERVE")
     hl.add_argument("--inflight-policy", default=None, metavar="P",

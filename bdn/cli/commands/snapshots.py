@@ -178,7 +178,7 @@ def _path(client: DaemonClient, args: argparse.Namespace) -> int:
                 raise Fail(str(exc)) from None
         assert snap is not None
         if snap.get("state") != "ready" or not isinstance(snap.get("path"), str):
-            raise Fail(f"{identity} is {cell(snap.get('state'))}, not ready")
+            raise Fail(f"{identity} is not ready (state {cell(snap.get('state'))})")
         ans = {"identity": identity, "path": snap["path"]}
     if args.json:
         emit_json(ans)

@@ -61,7 +61,7 @@ def _verify(client: DaemonClient, args: argparse.Namespace) -> int:
     else:
         snap = client.snapshot(target)
         if snap.get("state") != "ready":
-            raise Fail(f"{target} is {cell(snap.get('state'))}, not ready")
+            raise Fail(f"{target} is not ready (state {cell(snap.get('state'))})")
         path = snap.get("path")
         if not isinstance(path, str) or not path:
             raise Fail(f"daemon reports {target} ready without a path")

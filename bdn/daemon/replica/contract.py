@@ -76,6 +76,7 @@ def check_previous(previous: str | None, current: str | None, target: str | None
     raise Conflict(
         f"previous_snapshot_identity {previous!r} is not the snapshot being served ({current!r} is)"
         + (f" nor the one being loaded ({target!r})" if target and target != current else "")
+        + "; to load a delta over its chain of deltas, leave incremental_snapshot_metadata out"
     )
 
 

@@ -150,7 +150,8 @@ class HotLoad:
         if prev is not None and prev != m.base_identity:
             raise Conflict(
                 f"previous_snapshot_identity {prev!r} is not the base of {ident!r} "
-                f"(its base is {m.base_identity!r})"
+                f"(its base is {m.base_identity!r}); to load it over its chain of deltas, leave"
+                " incremental_snapshot_metadata out"
             )
         cf = meta.get("compression_format") if meta else None
         if cf is not None and cf.lower() != m.compression_format:
