@@ -95,7 +95,8 @@ def test_one_daemon_under_two_urls_is_one_live_member() -> None:
     live = m.live()
     assert [x.node_id for x in live] == ["n1"] and live[0].url == "http://127.0.0.1:7081"  # the static one
     assert m.hrw_nodes() == ["n0", "n1"]
-    assert len(m.describe()) == 2  # both URLs still shown, for the operator
+    rows = m.describe()  # one row for the operator too, the other URL under "also"
+    assert [(r["node_id"], r["url"], r["also"]) for r in rows] == [("n1", "http://127.0.0.1:7081", ["http://vm:7081"])]
 
 
 def test_owners_are_computed_once_per_epoch() -> None:

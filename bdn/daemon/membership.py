@@ -195,9 +195,17 @@ class Membership:
         return self._owners.get(self.epoch, nodes, identity, readers, digests)
 
     def describe(self) -> list[dict]:
+        """The members for ``/v1/status`` and ``bdnctl peers``, one row per node id (a daemon
+        reached under two URLs is one row, its other URLs under ``also``; members that never
+        answered are listed by URL): ``{node_id, url, alive, penalised, also}``, sorted by URL."""
         now = self.clock.monotonic()
-        return [
-            {"node_id": m.node_id, "url": m.url, "alive": m.alive,
-             "penalised": now < m.penalty_until}
-            for m in sorted(self.members.values(), key=lambda m: m.url)
-        ]
+        groups: dict[str, list[Member]] = {}
+        for m in self.members.values():
+            groups.setdefault(m.node_id or "\0" + m.url, []).append(m)
+        rows = []
+        for ms in groups.values():
+            head = max(ms, key=lambda m: (m.alive, m.static, m.last_seen))
+            rows.append({"node_id": head.node_id, "url": head.url, "alive": any(m.alive for m in ms),
+                         "penalised": any(now < m.penalty_until for m in ms),
+                         "also": sorted(m.url for m in ms if m is not head)})
+        return sorted(rows, key=lambda r: r["url"])

@@ -64,8 +64,9 @@ def _peers(client: DaemonClient, args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"node_id": st.get("node_id"), "swarm_id": st.get("swarm_id"), "peers": peers})
     elif peers:
-        print(table(["NODE", "URL", "ALIVE"], [[p.get("node_id"), p.get("url"), "yes" if p.get("alive") else "no"]
-                                               for p in peers]))
+        print(table(["NODE", "URL", "ALIVE", "ALSO"],
+                    [[p.get("node_id"), p.get("url"), "yes" if p.get("alive") else "no", ", ".join(p.get("also") or [])]
+                     for p in peers]))
     else:
         print("no peers")
     return EXIT_OK
