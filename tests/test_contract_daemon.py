@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bdn.client.errors import DaemonError
 from bdn.client.fleet import hot_load
-from bdn.publish import publish_delta, publish_full
+from bdn.publish import publish_delta, publish_full, publish_startup
 from support.checkpoints import make_state, optimizer_step, write_hf_dir
 from support.swarm import Daemon
 from support.api import http, wait_fleet
@@ -102,5 +102,26 @@ def test_hot_load_with_previous_takes_the_manifest_s_compression_format(tmp_path
         ans = hot_load(d.url, "step000002", previous="step000001")
         assert ans["accepted"] and ans["policy_version"] == 2, ans
         wait_fleet(d.url, "step000002", timeout=120)
+    finally:
+        d.stop()
+
+
+def test_the_startup_snapshot_replaced_by_a_hot_load_is_not_listed_as_superseded(tmp_path: Path) -> None:
+    """The new-user check saw ``superseded: [{"identity": "step000001", "by": ...}]`` for the
+    STARTUP_SNAPSHOT the daemon started with: that is no hot-load that lost."""
+    bucket = f"file://{tmp_path}/bucket"
+    s1 = make_state(0)
+    d1, d2 = (write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in enumerate((s1, optimizer_step(s1, 0.02, 1)), 1))
+    publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
+    publish_startup(bucket, "step000001")
+    publish_full(bucket, "step000002", 2, dir=d2, chunk_size=CHUNK)
+    d = Daemon(tmp_path / "work", "node0", bucket)
+    d.start([])
+    try:
+        d.wait_healthy()
+        wait_fleet(d.url, "step000001", timeout=120)
+        assert hot_load(d.url, "step000002")["accepted"]
+        (rep,) = wait_fleet(d.url, "step000002", timeout=120)
+        assert rep["superseded"] == [], rep
     finally:
         d.stop()

@@ -81,7 +81,8 @@ class ReplicaView:
         (membership rounds, which repeat the target every round, do not pass it)."""
         cur = self.target
         sup = supersedes(target, cur)
-        if sup is not None:
+        # STARTUP_SNAPSHOT's target replaced by the first hot-load is not a hot-load that lost
+        if sup is not None and not (cur is not None and cur.origin == "startup" and sup[0] == cur.identity):
             self._supersede(*sup)
         if not later(target, cur):
             if retry_failed and cur is not None and cur.request_id == target.request_id:
