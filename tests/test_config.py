@@ -119,6 +119,12 @@ def test_bdnd_version() -> None:
     assert r.returncode == 0 and r.stdout.strip() == f"bdn {__version__}"
 
 
+def test_a_mistyped_flag_is_one_line_exit_2() -> None:
+    r = _bdnd("--keep-readdy", "3")  # argparse printed its 33-line usage block (new-user report)
+    assert r.returncode == 2, r
+    assert r.stderr == "bdnd: error: unrecognized arguments: --keep-readdy 3 (see bdnd --help)\n", r.stderr
+
+
 def test_bad_config_exits_2_with_one_line(base: dict[str, str]) -> None:
     import os
 

@@ -34,6 +34,7 @@ import json
 import logging
 import socket
 import time
+from typing import NoReturn
 
 from bdn import __version__
 from bdn.daemon.app import App
@@ -142,9 +143,15 @@ def sd_notify(message: str) -> None:
 SECRET_KEYS = ("partition_secret", "api_token")  # files or environment only: argv shows in ps
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse would print the whole usage block (30+ lines of flags); the rule is one line.
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """``bdnd``'s flags: ``--config`` plus one flag per config key (``--shm-dir`` for ``shm_dir``)."""
-    ap = argparse.ArgumentParser(
+    ap = _OneLineParser(
         prog="bdnd",
         description="bdn per-node checkpoint distribution daemon. Every option is a config key: "
         "set it in the TOML file (--config), as BDN_<KEY> in the environment, or as a flag; "
