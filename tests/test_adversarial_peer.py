@@ -11,6 +11,7 @@ import http.client
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgpack
@@ -108,15 +109,20 @@ def test_invented_hints_leave_a_bounded_number_of_failed_records(tmp_path: Path)
     n = MAX_FAILED + 20
     with running(Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket",
                         extra_env={"BDN_LOAD_STARTUP": "false"})) as d:
-        conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=60)
-        try:
-            for i in range(n):
-                url = f"/bdn/v1/{KEYS.swarm_id}/chunks/{os.urandom(16).hex()}?wait=0.1&snapshot=invented{i:04d}"
-                conn.request("GET", url, headers={"Authorization": sign_request(KEYS, "GET", url, "hinter", to=d.node_id)})
-                r = conn.getresponse()
-                assert (r.status, r.read()) == (404, b"chunk not here\n")
-        finally:
-            conn.close()
+        def hints(first: int) -> None:  # 8 connections at once: each answer waits its 0.1 s
+            conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=60)
+            try:
+                for i in range(first, n, 8):
+                    url = f"/bdn/v1/{KEYS.swarm_id}/chunks/{os.urandom(16).hex()}?wait=0.1&snapshot=invented{i:04d}"
+                    conn.request("GET", url, headers={"Authorization": sign_request(KEYS, "GET", url, f"hinter{first}",
+                                                                                    to=d.node_id)})
+                    r = conn.getresponse()
+                    assert (r.status, r.read()) == (404, b"chunk not here\n")
+            finally:
+                conn.close()
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(hints, range(8)))
         deadline = time.monotonic() + 120
         while True:
             snaps = d.get("/v1/status")["snapshots"]
@@ -125,5 +131,5 @@ def test_invented_hints_leave_a_bounded_number_of_failed_records(tmp_path: Path)
             assert time.monotonic() < deadline, [s["state"] for s in snaps]
             time.sleep(0.1)
         assert len(snaps) <= MAX_FAILED, len(snaps)
-        assert snaps[-1]["identity"] == f"invented{n - 1:04d}"  # the newest are kept
+        assert f"invented{n - 1:04d}" in {s["identity"] for s in snaps}  # the newest are kept
         assert d.get("/v1/health")["status"] == "ok"

@@ -130,15 +130,15 @@ def test_owner_killed_mid_transfer_survivors_take_over(tmp_path: Path, file_buck
     owned = owned_bytes(m, nodes)
     victim_id = max(nodes, key=lambda n: owned[n])
     assert owned[victim_id] > 0
-    # 4 Mbit/s of bucket for the victim, 1 Mbit/s for the survivors: the kill must come while
+    # 8 Mbit/s of bucket for the victim, 2 Mbit/s for the survivors: the kill must come while
     # they still miss chunks, and their bucket rates, not the CPU share each process gets on a
     # loaded machine, bound what they can hold when the victim has a quarter of its own (before,
     # all at 4 Mbit/s, "the kill came too late" under load).
-    env = dict(BASE_ENV, BDN_BUCKET_MBIT="4")
+    env = dict(BASE_ENV, BDN_BUCKET_MBIT="8")
     swarm = FaultSwarm(tmp_path / "nodes", 3, file_bucket, extra_env=env)
     for d in swarm.daemons:
         if d.node_id != victim_id:
-            d.env["BDN_BUCKET_MBIT"] = "1"
+            d.env["BDN_BUCKET_MBIT"] = "2"
     with swarm:
         by_id = {d.node_id: d for d in swarm.daemons}
         victim = by_id[victim_id]
