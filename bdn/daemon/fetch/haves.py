@@ -94,6 +94,10 @@ class Haves:
     async def poll(self, job: SnapshotJob) -> None:
         """Keep the bitfields for ``job`` fresh until cancelled: subscriptions kept to the peer
         set, the others polled every ``POLL_S``."""
+        try:
+            self.subscribe(job)  # at once: the HAVEs flow from the download's first chunk on
+        except Exception:
+            log.debug("have subscription failed", exc_info=True)
         while True:
             await asyncio.sleep(POLL_S)
             try:
