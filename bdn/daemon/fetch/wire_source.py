@@ -101,6 +101,16 @@ class WireSource:
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
         wait = min(wait, wire.MAX_WAIT_MS / 1000)  # the wire's bound (HTTP's ?wait= has the same)
+        if not racing and sem.locked():
+            # Every stream to this peer is taken: queueing behind them (even to park at the
+            # owner) would commit the chunk to a saturated uplink (the N = 8 timeline: a late
+            # owner's last chunks all left through it, one asker after another, for 10-17 s
+            # while the first receivers sat idle). Count it as a busy answer instead; the next
+            # round (woken by a HAVE from any holder) asks whoever is least loaded then.
+            self.stats.busy_answers += 1
+            if self.chunk_log is not None:
+                self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "busy", "wire")
+            return False
         m.inflight += 1
         try:
             async with sem, self.peer_sem:
