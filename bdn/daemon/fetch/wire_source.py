@@ -127,10 +127,11 @@ class WireSource:
         if self.chunk_log is not None:
             self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", res.outcome.value, "wire")
         if res.outcome is Outcome.OK:
-            job.bytes_from_peers += ref.length
-            self.stats.add("peer_bytes_in", ref.length)
-            self.stats.add("peer_wire_bytes_in", ref.length)
-            self.stats.add("peer_chunks_in")
+            if not racing:  # a race counts its winner only (Sources.race)
+                job.bytes_from_peers += ref.length
+                self.stats.add("peer_bytes_in", ref.length)
+                self.stats.add("peer_wire_bytes_in", ref.length)
+                self.stats.add("peer_chunks_in")
             return True
         if res.outcome is Outcome.BUSY:
             self.stats.busy_answers += 1
