@@ -89,7 +89,8 @@ def adopt(
     wp.held = lambda identity: _held(catalog.get(identity))
     fetcher.on_indexed = wp.announce
     wp.haves = fetcher.haves
-    fetcher.haves.subscriber = wp.subscriber = HaveSubscriber(wp.client, fetcher.haves.on_have, fetcher.haves.on_end)
+    wp.subscriber = HaveSubscriber(wp.client, fetcher.haves.on_have, fetcher.haves.on_end)
+    fetcher.haves.subscriber = wp.subscriber
     maps = TargetMaps(disk_pool)
     sources.wire = WireSource(cfg, wp.pool, maps, membership, stats, sources.peer_sem, sources.download_limit,
                               disk_pool, sources.pool.get, sources.pool.put, chunk_log)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from bdn.control.peerset import PeerSet
@@ -145,8 +144,8 @@ class Haves:
         self._sizes[ident] = (ns, nr)
         ps = self._sets.get(ident)
         if ps is None:
-            ps = self._sets[ident] = PeerSet(self.membership.self_id, max(ns, 1), time.monotonic, k=self.k,
-                                             max_peers=max(self.k, 32), reader_slots=0, idle_s=1e9)
+            ps = self._sets[ident] = PeerSet(self.membership.self_id, max(ns, 1), self.membership.clock.monotonic,
+                                             k=self.k, max_peers=max(self.k, 32), reader_slots=0, idle_s=1e9)
         by_node = {m.node_id: m for m in self.membership.live() if peer_of(m) is not None}
         before = set(ps.peers)
         ps.refresh(list(by_node), is_live=by_node.__contains__)
