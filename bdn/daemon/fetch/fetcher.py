@@ -187,7 +187,13 @@ class Fetcher:
                     return
             views, members = _views(self.membership.live())
             owner = self.owner(job, layer, ref.digest, [self.node_id, *(v.node_id for v in views)])
-            for step in plan.plan_owners(self.node_id, views, ref.digest, layer, tried, self.cfg.chunk_wait_s, owner):
+            # Holders exist but all answered busy (or had no free stream): wait for one of them
+            # (or a new holder's HAVE) rather than park at the owners or read the bucket as the
+            # owner: the chunk is in the fleet already (a late joiner takes it from its peers).
+            holders_busy = bool(ranked) and self.stats.busy_answers > busy_before
+            steps = [] if holders_busy else plan.plan_owners(self.node_id, views, ref.digest, layer, tried,
+                                                             self.cfg.chunk_wait_s, owner)
+            for step in steps:
                 if isinstance(step, plan.ReadBucket):
                     live_nodes = [m.node_id for m in self.membership.live()]
                     owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
