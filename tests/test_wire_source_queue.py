@@ -40,7 +40,8 @@ def test_a_full_peer_is_busy_at_once_and_nothing_is_sent() -> None:
     async def main() -> None:
         cfg = Config()
         ms = Membership("me", "http://10.0.0.1:7080", [], FakeClock())
-        ms.mark_ok("http://10.0.0.2:7080", "p1")
+        for i in range(2, 6):  # four live peers: the rule applies (NO_QUEUE_MIN_PEERS)
+            ms.mark_ok(f"http://10.0.0.{i}:7080", f"p{i - 1}")
         m = ms.by_node()["p1"]
         stats = Stats()
         ws = WireSource(cfg, None, None, ms, stats, asyncio.Semaphore(cfg.max_inflight),  # type: ignore[arg-type]

@@ -48,6 +48,10 @@ log = logging.getLogger("bdn.fetch.wire")
 #: Seconds a request waits for a free stream to its peer before it counts as a busy answer and
 #: the fetcher plans the chunk again (bench/NOTES.md, part 2).
 QUEUE_S = 1.0
+#: ... when at least this many peers are live: with fewer there is hardly another holder to plan
+#: for, and a request that leaves the queue loses its place in the owner's order (N = 2 went
+#: from 46 to 51 s); with more, the late owner's tail is what it removes (N = 8).
+NO_QUEUE_MIN_PEERS = 4
 
 
 def _hash_ok(view: memoryview, digest: str) -> bool:
@@ -106,7 +110,7 @@ class WireSource:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
         wait = min(wait, wire.MAX_WAIT_MS / 1000)  # the wire's bound (HTTP's ?wait= has the same)
         held = False
-        if not racing and sem.locked():
+        if not racing and sem.locked() and len(self.membership.live()) >= NO_QUEUE_MIN_PEERS:
             # Every stream to this peer is taken. Waiting long behind them (even to park at the
             # owner) would commit the chunk to a saturated uplink (the N = 8 timeline: a late
             # owner's last chunks all left through it, one asker after another, for 10-17 s
