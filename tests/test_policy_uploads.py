@@ -34,12 +34,18 @@ def test_slots_full() -> None:
 
 def test_per_chunk_fan_out_limit() -> None:
     u = Uploads(max_uploads=8, per_chunk=2)
-    assert [u.admit(A, True, False, False) for _ in range(3)] == [Admission.SEND, Admission.SEND, Admission.FANNED_OUT]
+    # an idle uplink (fewer than half the slots in use): one chunk goes to up to half the slots
+    assert [u.admit(A, True, False, False) for _ in range(5)] == [Admission.SEND] * 4 + [Admission.FANNED_OUT]
+    assert u.fan_out() == 2  # 4 of 8 slots in use: busy, the tree limit holds
     assert u.admit(B, True, False, False) is Admission.SEND
+    assert u.admit(B, True, False, False) is Admission.SEND
+    assert u.admit(B, True, False, False) is Admission.FANNED_OUT
     u.done(A)
-    assert u.admit(A, True, False, False) is Admission.SEND
-
-
+    u.done(A)
+    assert u.running == 4 and u.admit(A, True, False, False) is Admission.FANNED_OUT  # 2 of A already
+    u.done(B)
+    u.done(B)
+    assert u.running == 2 and u.admit(A, True, False, False) is Admission.SEND  # idle again: a 3rd copy
 def test_busy_answers_carry_retry_after() -> None:
     assert Admission.STILL_FETCHING.retry_after == "1"
     assert Admission.SLOTS_FULL.retry_after == "1"

@@ -94,7 +94,7 @@ class App:
         self.membership = Membership(cfg.node_id, cfg.advertise_url, cfg.peers, clock)
         self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s, node_of=self.membership.node_of)
         self.index = ChunkIndex(self.keys.address)
-        self.haves = Haves(self.peers, self.membership)
+        self.haves = Haves(self.peers, self.membership, stats=self.stats)
         sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
         self.fetcher = Fetcher(cfg, self.membership, self.index, self.haves, sources, self.stats, clock)
         self.fetcher.chunk_log = sources.chunk_log = open_chunk_log(cfg.chunk_log)

@@ -7,7 +7,8 @@ the others -> 503 with ``Retry-After``):
   again", so it keeps waiting for this live owner instead of counting a failure and reading the
   bucket itself (``Retry-After: 1``);
 - ``SLOTS_FULL``: ``max_uploads`` uploads already run (``Retry-After: 1``);
-- ``FANNED_OUT``: this chunk already goes to ``per_chunk`` peers: the next asker takes it from
+- ``FANNED_OUT``: this chunk already goes to ``fan_out()`` peers (``per_chunk``, or half the slots
+  while fewer than half are in use): the next asker takes it from
   one of them as soon as they verified it, so chunks spread as a tree rather than every copy
   leaving the owner's uplink (``Retry-After: 0.2``).
 
@@ -48,11 +49,19 @@ class Uploads:
             return Admission.STILL_FETCHING if waited and fetching else Admission.NOT_HERE
         if self.running >= self.max_uploads:
             return Admission.SLOTS_FULL
-        if self.by_address.get(address, 0) >= self.per_chunk:
+        if self.by_address.get(address, 0) >= self.fan_out():
             return Admission.FANNED_OUT
         self.running += 1
         self.by_address[address] = self.by_address.get(address, 0) + 1
         return Admission.SEND
+
+    def fan_out(self) -> int:
+        """Peers one chunk may go to at once now: ``per_chunk``, or half the upload slots while
+        fewer than half are in use (an idle uplink sends a fresh chunk to more askers directly
+        rather than leave them waiting a tree level; a busy one keeps the tree, so a late
+        owner's last chunks are forwarded by their first receivers, bench/NOTES.md)."""
+        half = self.max_uploads // 2
+        return max(self.per_chunk, half) if self.running < half else self.per_chunk
 
     def done(self, address: str) -> None:
         """The upload of ``address`` that ``admit`` allowed ended (sent, cut short or failed)."""

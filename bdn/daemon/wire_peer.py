@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import Any
 from urllib.parse import urlsplit
 
 from bdn.daemon.catalog import Catalog
@@ -47,6 +49,7 @@ from bdn.transfer import (
     TransferClient,
     TransferServer,
 )
+from bdn.transfer.announce import HaveFeed, HaveSubscriber
 from bdn.transfer.server import Location, Verdict
 
 log = logging.getLogger("bdn.wire")
@@ -80,6 +83,14 @@ def adopt(
     if not cfg.transfer_listen:
         return None
     wp = WirePeer(cfg, keys, serving, index, stats)
+    # HAVE announcements on the wire (bdn.transfer.announce): this node's verified chunks to its
+    # subscribers, and its own subscriptions feeding the fetcher's Haves
+    fetcher = serving.fetcher
+    wp.held = lambda identity: _held(catalog.get(identity))
+    fetcher.on_indexed = wp.announce
+    wp.haves = fetcher.haves
+    wp.subscriber = HaveSubscriber(wp.client, fetcher.haves.on_have, fetcher.haves.on_end)
+    fetcher.haves.subscriber = wp.subscriber
     maps = TargetMaps(disk_pool)
     sources.wire = WireSource(cfg, wp.pool, maps, membership, stats, sources.peer_sem, sources.download_limit,
                               disk_pool, sources.pool.get, sources.pool.put, chunk_log)
@@ -113,7 +124,12 @@ class WirePeer:
         self.stats = stats
         self._host, self._port, self.auto_port = listen_address(cfg)
         self.maps: TargetMaps | None = None
-        self.server = TransferServer(keys, cfg.node_id, self.resolve, admit=self.admit, host=self._host, port=self._port)
+        self.held: Callable[[str], dict[int, Any] | None] = lambda _identity: None
+        self.feed = HaveFeed(lambda identity: self.held(identity))
+        self.haves: Any = None  # bdn.daemon.fetch.haves.Haves, fed by ``subscriber``
+        self.subscriber: HaveSubscriber | None = None
+        self.server = TransferServer(keys, cfg.node_id, self.resolve, admit=self.admit, host=self._host, port=self._port,
+                                     on_have=self.feed.serve)
         self.client = TransferClient(keys, cfg.node_id, streams_per_peer=max(1, cfg.max_per_peer),
                                      io_timeout_s=cfg.peer_timeout_s)
         self.pool = FetchPool(self.client, workers or max(2, cfg.max_inflight))
@@ -124,6 +140,8 @@ class WirePeer:
     def start(self, loop: asyncio.AbstractEventLoop) -> str:
         """Listen; the advertised ``host:port``."""
         self.loop = loop
+        if self.haves is not None:
+            self.haves.loop = loop
         try:
             host, port = self.server.start()
         except OSError as e:
@@ -132,7 +150,7 @@ class WirePeer:
             log.warning("transfer port %s:%d is taken (%s): listening on any free port instead "
                         "(peers learn it from membership exchanges)", self._host, self._port, e.strerror)
             self.server = TransferServer(self.server.keys, self.cfg.node_id, self.resolve, admit=self.admit,
-                                         host=self._host, port=0)
+                                         host=self._host, port=0, on_have=self.feed.serve)
             host, port = self.server.start()
         adv = urlsplit(self.cfg.advertise_url).hostname or host
         if self._host not in ("0.0.0.0", "::", ""):
@@ -142,10 +160,15 @@ class WirePeer:
 
     def close_client(self) -> None:
         """End every fetch in flight (they report FAILED) and refuse new ones."""
+        if self.subscriber is not None:
+            self.subscriber.close()
         self.client.close()
 
     def close(self) -> None:
         """Stop the client, its worker threads, the server and the target mappings."""
+        if self.subscriber is not None:
+            self.subscriber.close()
+        self.feed.close()
         self.client.close()
         self.pool.close()
         self.server.close()
@@ -161,6 +184,11 @@ class WirePeer:
         for f in m.files:
             for d in (store.ready_dir(job.identity), store.staging_dir(job.identity), store.stored_dir(job.identity)):
                 self.server.forget(d / f.path)
+
+    def announce(self, job: SnapshotJob, layer: str, position: int) -> None:
+        """Event (``Fetcher.on_indexed``): chunk ``position`` of ``job``'s ``layer`` is verified
+        and indexed here: a HAVE to the peers subscribed to ``job``."""
+        self.feed.announce(job.identity, 0 if layer == STORED else 1, position)
 
     def member_left(self, m: Member) -> None:
         """Event: ``m`` left HRW (or changed its transfer address): close our streams to it, so
@@ -235,6 +263,19 @@ class WirePeer:
             if p.exists():
                 return str(p), loc.offset, loc.length
         return None
+
+
+def _held(job: SnapshotJob | None) -> dict[int, Any] | None:
+    """``{layer: positions}`` of the verified chunks of ``job`` (for a new HAVE subscriber; read on
+    a connection thread: a bit set meanwhile is announced by the feed as well). None: not a
+    snapshot with a manifest here."""
+    if job is None or job.manifest is None or job.foreign is not None:
+        return None
+    out: dict[int, Any] = {}
+    for layer, bits in ((0, job.stored), (1, job.result)):
+        if bits is not None and bits.count:
+            out[layer] = bits.set_positions()
+    return out
 
 
 def _release(v: Verdict) -> None:

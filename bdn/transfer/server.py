@@ -72,6 +72,8 @@ GRANTED = Granted()
 Verdict = Granted | Busy | _NotHere
 Resolve = Callable[[str], "Location | None"]
 Admit = Callable[[str, wire.Ask], Verdict]
+#: Serves a HAVE subscription on its connection: (socket, session, the client's HAVE payload).
+OnHave = Callable[[socket.socket, wire.Session, memoryview], None]
 
 
 def admit_all(peer: str, ask: wire.Ask) -> Verdict:
@@ -189,11 +191,13 @@ class TransferServer:
         sndbuf: int | None = None,
         clock: Callable[[], float] = time.time,
         nonce: Callable[[int], bytes] = secrets.token_bytes,
+        on_have: OnHave | None = None,
     ) -> None:
         if not NODE_ID_RE.match(node_id):
             raise ValueError(f"node id {node_id[:80]!r} does not match {NODE_ID_RE.pattern}")
         self.keys = keys
         self.node_id = node_id
+        self._on_have = on_have
         self._resolve = resolve
         self._admit = admit
         self._host, self._port = host, port
@@ -334,8 +338,12 @@ class TransferServer:
                 payload = session.open(ftype, body)
                 if ftype == wire.FrameType.ASK:
                     self._answer(conn, session, wire.decode_ask(payload))
-                # HAVE: announcements are parsed by a later consumer; checking the tag keeps the
-                # sequence numbers in step.
+                elif self._on_have is not None:
+                    # a HAVE subscription (bdn.transfer.announce): the connection carries HAVE
+                    # frames to the client from now on, on this thread, until it ends
+                    self._on_have(sock, session, payload)
+                    return
+                # HAVE without a feed: checking the tag keeps the sequence numbers in step.
         except (ProtocolError, AuthError) as e:
             with self._lock:
                 self.stats.protocol_errors += 1

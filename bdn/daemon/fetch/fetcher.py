@@ -52,6 +52,9 @@ class Fetcher:
         self.rng = rng or random.Random()
         self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
         self.owners = Owners()
+        #: Event hook (job, layer, position): a chunk was verified and indexed here (the transfer
+        #: wire's HAVE feed announces it to the subscribed peers, bdn.transfer.announce).
+        self.on_indexed: Any = None
 
     def owner(self, job: SnapshotJob, layer: str, digest: str, nodes: list[str] | None = None) -> str | None:
         """The node that reads chunk ``digest`` of ``layer`` from the bucket, among ``nodes``
@@ -148,6 +151,8 @@ class Fetcher:
                 self.chunk_log.done(job, layer, ref, job.ref_index(layer, ref))
             if job.foreign is None or job.foreign.servable(ref):
                 self.index.register(job, layer, ref)
+                if self.on_indexed is not None and job.foreign is None:
+                    self.on_indexed(job, layer, job.ref_index(layer, ref))
             await job.notify()
 
     async def _acquire(self, job: SnapshotJob, layer: str, idx: int, ref: ChunkRef) -> None:
@@ -187,7 +192,13 @@ class Fetcher:
                     return
             views, members = _views(self.membership.live())
             owner = self.owner(job, layer, ref.digest, [self.node_id, *(v.node_id for v in views)])
-            for step in plan.plan_owners(self.node_id, views, ref.digest, layer, tried, self.cfg.chunk_wait_s, owner):
+            # Holders exist but all answered busy (or had no free stream): wait for one of them
+            # (or a new holder's HAVE) rather than park at the owners or read the bucket as the
+            # owner: the chunk is in the fleet already (a late joiner takes it from its peers).
+            holders_busy = bool(ranked) and self.stats.busy_answers > busy_before
+            steps = [] if holders_busy else plan.plan_owners(self.node_id, views, ref.digest, layer, tried,
+                                                             self.cfg.chunk_wait_s, owner)
+            for step in steps:
                 if isinstance(step, plan.ReadBucket):
                     live_nodes = [m.node_id for m in self.membership.live()]
                     owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
@@ -203,7 +214,8 @@ class Fetcher:
                     return
             busy = self.stats.busy_answers > busy_before
             delay, again = rounds.after_round(busy=busy, failed=len(errors) > errors_before)
-            await asyncio.sleep(delay)
+            # woken early when a peer announces the chunk (a HAVE pushed on the transfer wire)
+            await self.haves.wait_holder(job, layer, idx, delay)
             if not again:
                 break
         if layer == RESULT:

@@ -1,36 +1,71 @@
-"""What the live peers hold of each snapshot: their have-bitfields, asked when a download starts
-and then every 0.5 s while it runs (``GET snapshots/{identity}/have``). Untrusted: a bitfield
-that does not fit the manifest's chunk counts is dropped."""
+"""What the live peers hold of each snapshot: their have-bitfields.
+
+Two ways in, per peer, for a download in progress:
+
+- *pushed* (the transfer wire, ``bdn.transfer.announce``): the node subscribes, per snapshot, to
+  the peers of a bounded peer set (``bdn.control.peerset.PeerSet``: at most ``k`` peers, chosen
+  at random among the live ones with a transfer address, dropped when they left or stayed
+  useless); each sends its bitfield once, then a HAVE as chunks are verified there, so the
+  fetcher learns of a new holder within one round trip and a waiting acquisition is woken
+  (:meth:`wait_holder`) instead of sleeping and polling;
+- *polled* (``GET snapshots/{identity}/have``): once when a download starts (every live peer),
+  then every ``POLL_S`` only for the peers without a synchronised subscription (no transfer
+  address, or its subscription is (re)connecting).
+
+Untrusted: a bitfield that does not fit the manifest's chunk counts is dropped, and so is a
+subscription that announces an index outside them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
+from bdn.control.peerset import PeerSet
 from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.peer_client import PeerClient, PeerError
 from bdn.daemon.snapshot import STORED, SnapshotJob
+from bdn.daemon.transfer_address import peer_of
 
 log = logging.getLogger("bdn.fetch")
 POLL_S = 0.5
+#: Peers one node subscribes to per snapshot (issue 13: O(K) control state and messages per node).
+PEERSET_K = 24
 
 
 class Haves:
     """Per snapshot identity, per peer url: ``(stored, result)`` bitfields as last reported."""
 
-    def __init__(self, peers: PeerClient, membership: Membership) -> None:
+    def __init__(self, peers: PeerClient, membership: Membership, k: int = PEERSET_K, stats: Any = None) -> None:
         self.peers = peers
+        self.stats = stats  # bdn.daemon.stats.Stats: have polls and HAVE frames counted as control requests
         self.membership = membership
+        self.k = k
         self._by_identity: dict[str, dict[str, tuple[Bitfield, Bitfield]]] = {}
+        self._sizes: dict[str, tuple[int, int]] = {}
+        self._sets: dict[str, PeerSet] = {}
+        self._synced: set[tuple[str, str]] = set()  # (identity, node id): bitfield received, HAVEs flowing
+        self._waiters: dict[tuple[str, str, int], asyncio.Event] = {}
+        self.subscriber: Any = None  # bdn.transfer.announce.HaveSubscriber when the transfer wire is on
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.polls = 0  # have requests sent over HTTP (a metric)
+        self.pushed = 0  # chunk indices learned from HAVE frames
 
-    async def refresh(self, job: SnapshotJob, need_result: bool = False) -> bool:
-        """Ask every live peer what it holds of ``job``; True if ``need_result`` and one holds
-        every rebuilt chunk (result mode only pays off when some peer rebuilt the whole target)."""
+    # ---- polled -------------------------------------------------------------------------------
+    async def refresh(self, job: SnapshotJob, need_result: bool = False, only_unsynced: bool = False) -> bool:
+        """Ask the live peers what they hold of ``job`` (``only_unsynced``: those without a
+        synchronised subscription); True if ``need_result`` and one holds every rebuilt chunk
+        (result mode only pays off when some peer rebuilt the whole target)."""
         haves = self._by_identity.setdefault(job.identity, {})
         ns, nr = len(job.stored_refs), len(job.result_refs)
+        self._sizes[job.identity] = (ns, nr)
 
         async def one(m: Member) -> None:
+            self.polls += 1
+            if self.stats is not None:
+                self.stats.control_request("sent", "have_poll")
             try:
                 h = await self.peers.get_have(m.url, job.identity)
             except PeerError:
@@ -40,25 +75,49 @@ class Haves:
             try:
                 if h.get("ns") != ns or h.get("nr") != nr:
                     return
-                haves[m.url] = (Bitfield(ns, h.get("stored")), Bitfield(nr, h.get("result")))
+                got = (Bitfield(ns, h.get("stored")), Bitfield(nr, h.get("result")))
             except (ValueError, TypeError):
                 return
+            old = haves.get(m.url)
+            if old is not None and (job.identity, m.node_id) in self._synced:
+                return  # pushed HAVEs are newer than this answer
+            haves[m.url] = got
+            self._wake_all(job.identity, got)
 
-        await asyncio.gather(*(one(m) for m in self.membership.live()))
+        live = self.membership.live()
+        if only_unsynced:
+            live = [m for m in live if (job.identity, m.node_id) not in self._synced]
+        await asyncio.gather(*(one(m) for m in live))
         return any(r.complete for _, r in haves.values()) if need_result else False
 
     async def poll(self, job: SnapshotJob) -> None:
-        """Keep the bitfields for ``job`` fresh until cancelled."""
+        """Keep the bitfields for ``job`` fresh until cancelled: subscriptions kept to the peer
+        set, the others polled every ``POLL_S``."""
+        try:
+            self.subscribe(job)  # at once: the HAVEs flow from the download's first chunk on
+        except Exception:
+            log.debug("have subscription failed", exc_info=True)
         while True:
             await asyncio.sleep(POLL_S)
             try:
-                await self.refresh(job)
+                self.subscribe(job)
+                await self.refresh(job, only_unsynced=self.subscriber is not None)
             except Exception:
                 log.debug("have refresh failed", exc_info=True)
 
     def forget(self, identity: str) -> None:
-        """Drop what peers reported of ``identity`` (its download ended)."""
+        """Drop what peers reported of ``identity`` (its download ended) and its subscriptions."""
         self._by_identity.pop(identity, None)
+        self._sizes.pop(identity, None)
+        ps = self._sets.pop(identity, None)
+        if ps is not None and self.subscriber is not None:
+            by_node = self.membership.by_node()
+            for node in ps.peers:
+                m = by_node.get(node)
+                p = peer_of(m) if m is not None else None
+                if p is not None:
+                    self.subscriber.unsubscribe(p, identity)
+        self._synced = {s for s in self._synced if s[0] != identity}
 
     @property
     def tracked(self) -> int:
@@ -73,3 +132,92 @@ class Haves:
             if bits.n > index and bits[index]:
                 out.append(url)
         return out
+
+    # ---- pushed -------------------------------------------------------------------------------
+    def subscribe(self, job: SnapshotJob) -> None:
+        """Keep HAVE subscriptions for ``job`` to the peers of its peer set (no-op without the wire)."""
+        sub = self.subscriber
+        if sub is None or job.foreign is not None:
+            return
+        ident = job.identity
+        ns, nr = len(job.stored_refs), len(job.result_refs)
+        self._sizes[ident] = (ns, nr)
+        ps = self._sets.get(ident)
+        if ps is None:
+            ps = self._sets[ident] = PeerSet(self.membership.self_id, max(ns, 1), self.membership.clock.monotonic,
+                                             k=self.k, max_peers=max(self.k, 32), reader_slots=0, idle_s=1e9)
+        by_node = {m.node_id: m for m in self.membership.live() if peer_of(m) is not None}
+        before = set(ps.peers)
+        ps.refresh(list(by_node), is_live=by_node.__contains__)
+        for node in before - set(ps.peers):
+            self._synced.discard((ident, node))
+        haves = self._by_identity.setdefault(ident, {})
+        for node in ps.peers:
+            m = by_node.get(node)
+            p = peer_of(m) if m is not None else None
+            if p is not None and not sub.subscribed(p, ident):
+                haves.setdefault(m.url, (Bitfield(ns), Bitfield(nr)))
+                sub.subscribe(p, ident)
+
+    def on_have(self, node_id: str, identity: str, layer: int, indices: tuple[int, ...]) -> None:
+        """A HAVE frame from ``node_id`` (subscription thread): handled on the event loop."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._have, node_id, identity, layer, indices)
+
+    def on_end(self, node_id: str, identity: str, error: str) -> None:
+        """A subscription ended (subscription thread): its peer is polled again until it resubscribes."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._synced.discard, (identity, node_id))
+
+    def _have(self, node_id: str, identity: str, layer: int, indices: tuple[int, ...]) -> None:
+        haves = self._by_identity.get(identity)
+        m = self.membership.by_node().get(node_id)
+        if self.stats is not None:
+            self.stats.control_request("received", "have_frame")
+        if haves is None or m is None:
+            return
+        if not indices:
+            self._synced.add((identity, node_id))  # the bitfield was sent whole; HAVEs follow
+            return
+        ns, nr = self._sizes.get(identity, (0, 0))
+        entry = haves.setdefault(m.url, (Bitfield(ns), Bitfield(nr)))
+        bits = entry[0] if layer == 0 else entry[1]
+        if max(indices) >= bits.n:
+            log.debug("peer %s announced chunk %d of %s outside the manifest; subscription dropped",
+                      node_id, max(indices), identity)
+            p = peer_of(m)
+            if p is not None and self.subscriber is not None:
+                self.subscriber.unsubscribe(p, identity)
+            return
+        lay = STORED if layer == 0 else "result"
+        ps = self._sets.get(identity)
+        for i in indices:
+            if bits.set(i):
+                self.pushed += 1
+                ev = self._waiters.get((identity, lay, i))
+                if ev is not None:
+                    ev.set()
+        if ps is not None and layer == 0 and node_id in ps.peers:
+            ps.on_have(node_id, [int(i) for i in indices])
+
+    def _wake_all(self, identity: str, got: tuple[Bitfield, Bitfield]) -> None:
+        for (ident, lay, i), ev in self._waiters.items():
+            bits = got[0] if lay == STORED else got[1]
+            if ident == identity and i < bits.n and bits[i]:
+                ev.set()
+
+    async def wait_holder(self, job: SnapshotJob, layer: str, index: int, timeout: float) -> None:
+        """Sleep up to ``timeout`` s, less if a peer announces chunk ``index`` of ``layer`` meanwhile."""
+        key = (job.identity, layer, index)
+        ev = self._waiters.get(key)
+        if ev is None:
+            ev = self._waiters[key] = asyncio.Event()
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            if self._waiters.get(key) is ev:
+                del self._waiters[key]

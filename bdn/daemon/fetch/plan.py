@@ -156,8 +156,11 @@ def _paced(positions: Iterable[Any], wanted: Any) -> Iterator[int | None]:
             yield None
 
 
-#: Smallest ranged GET a chunk's bucket read is split into (smaller parts cost more requests than they save).
-MIN_PART = 1 << 20
+#: Smallest ranged GET a chunk's bucket read is split into (smaller parts cost more requests than
+#: they save). 512 KiB: a 4 MiB chunk is read in 8 parts, so with ``bucket_concurrency`` 8 an
+#: owner reads ONE chunk at a time at its whole bucket share; with 1 MiB parts two chunks shared
+#: the 8 streams and each took twice as long to complete and be forwarded (bench/NOTES.md).
+MIN_PART = 512 << 10
 
 
 def bucket_parts(length: int, streams: int) -> list[tuple[int, int]]:

@@ -189,12 +189,19 @@ class Sources:
                             job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s,
                             extra={"peer": m.node_id})
             return False
-        job.bytes_from_peers += ref.length
         if self.chunk_log is not None:
             self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "ok", "http")
-        self.stats.add("peer_bytes_in", ref.length)
-        self.stats.add("peer_chunks_in")
+        if not racing:  # a race counts its winner only (race)
+            self.count_peer_in(job, ref, wire=False)
         return True
+
+    def count_peer_in(self, job: SnapshotJob, ref: ChunkRef, wire: bool) -> None:
+        """Count one chunk received from a peer (over the transfer ``wire`` or HTTP)."""
+        job.bytes_from_peers += ref.length
+        self.stats.add("peer_bytes_in", ref.length)
+        if wire:
+            self.stats.add("peer_wire_bytes_in", ref.length)
+        self.stats.add("peer_chunks_in")
 
     async def _request(self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef, wait: float) -> bytearray | None:
         """The chunk's bytes from ``m`` (unverified), or None when a penalty redirected the request.
@@ -242,8 +249,12 @@ class Sources:
             while pending and winner is None:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
-                    if not t.cancelled() and t.exception() is None and t.result():
+                    if winner is None and not t.cancelled() and t.exception() is None and t.result():
                         winner = tasks[t].url
+                        # counted once: two racers can both finish before the loser is cancelled
+                        m = tasks[t]
+                        self.count_peer_in(job, ref, wire=self.wire is not None and job.foreign is None
+                                           and peer_of(m) is not None)
         finally:
             for t in pending:
                 t.cancel()

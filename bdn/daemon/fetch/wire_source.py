@@ -45,6 +45,14 @@ from bdn.transfer import FetchPool, FetchResult, Outcome, Peer
 
 log = logging.getLogger("bdn.fetch.wire")
 
+#: Seconds a request waits for a free stream to its peer before it counts as a busy answer and
+#: the fetcher plans the chunk again (bench/NOTES.md, part 2).
+QUEUE_S = 1.0
+#: ... when at least this many peers are live: with fewer there is hardly another holder to plan
+#: for, and a request that leaves the queue loses its place in the owner's order (N = 2 went
+#: from 46 to 51 s); with more, the late owner's tail is what it removes (N = 8).
+NO_QUEUE_MIN_PEERS = 4
+
 
 def _hash_ok(view: memoryview, digest: str) -> bool:
     return xxhash.xxh3_128(view).hexdigest() == digest
@@ -101,26 +109,50 @@ class WireSource:
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
         wait = min(wait, wire.MAX_WAIT_MS / 1000)  # the wire's bound (HTTP's ?wait= has the same)
+        held = False
+        if not racing and sem.locked() and len(self.membership.live()) >= NO_QUEUE_MIN_PEERS:
+            # Every stream to this peer is taken. Waiting long behind them (even to park at the
+            # owner) would commit the chunk to a saturated uplink (the N = 8 timeline: a late
+            # owner's last chunks all left through it, one asker after another, for 10-17 s
+            # while the first receivers sat idle); failing at once idles a lone holder's
+            # streams between rounds (N = 2). So: wait up to QUEUE_S for a stream, then count
+            # a busy answer; the next round (woken by a HAVE from any holder) asks whoever is
+            # least loaded then.
+            try:
+                await asyncio.wait_for(sem.acquire(), QUEUE_S)
+                held = True
+            except asyncio.TimeoutError:
+                self.stats.busy_answers += 1
+                if self.chunk_log is not None:
+                    self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "busy", "wire")
+                return False
         m.inflight += 1
         try:
-            async with sem, self.peer_sem:
-                if self.membership.redirected(m):
-                    return False  # penalised (or gone) while this request was queued for it
-                await self.download_limit.take(ref.length)
-                self.stats.inflight["peer"] += 1
-                try:
-                    res = await (self._race_one if racing else self._direct)(job, m, peer, address, ref, target, wait)
-                finally:
-                    self.stats.inflight["peer"] -= 1
+            if not held:
+                await sem.acquire()
+            try:
+                async with self.peer_sem:
+                    if self.membership.redirected(m):
+                        return False  # penalised (or gone) while this request was queued for it
+                    await self.download_limit.take(ref.length)
+                    self.stats.inflight["peer"] += 1
+                    try:
+                        res = await (self._race_one if racing else self._direct)(job, m, peer, address, ref, target,
+                                                                                 wait)
+                    finally:
+                        self.stats.inflight["peer"] -= 1
+            finally:
+                sem.release()
         finally:
             m.inflight -= 1
         if self.chunk_log is not None:
             self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", res.outcome.value, "wire")
         if res.outcome is Outcome.OK:
-            job.bytes_from_peers += ref.length
-            self.stats.add("peer_bytes_in", ref.length)
-            self.stats.add("peer_wire_bytes_in", ref.length)
-            self.stats.add("peer_chunks_in")
+            if not racing:  # a race counts its winner only (Sources.race)
+                job.bytes_from_peers += ref.length
+                self.stats.add("peer_bytes_in", ref.length)
+                self.stats.add("peer_wire_bytes_in", ref.length)
+                self.stats.add("peer_chunks_in")
             return True
         if res.outcome is Outcome.BUSY:
             self.stats.busy_answers += 1
