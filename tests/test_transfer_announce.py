@@ -101,7 +101,7 @@ def test_malformed_subscription_closes_only_that_connection():
         client = TransferClient(KEYS, "cli")
         peer = Peer("srv", *srv.address)
         try:
-            stream = client._connect(peer)
+            stream = client.connect(peer)
             # an identity with a path in it: refused, the connection closed, nothing announced
             bad = b"".join([bytes([9]), b"../../etc", wire._HAVE_FIXED.pack(0, 0)])
             stream.sock.sendall(stream.session.seal(wire.FrameType.HAVE, bad))

@@ -214,7 +214,7 @@ class HaveSubscriber:
         error = ""
         sock: socket.socket | None = None
         try:
-            stream = self.client._connect(peer)  # a dedicated stream: it never carries chunk requests
+            stream = self.client.connect(peer)  # a dedicated stream: it never carries chunk requests
             sock = stream.sock
             with self._lock:
                 if key not in self._subs:

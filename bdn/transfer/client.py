@@ -268,7 +268,7 @@ class TransferClient:
                     return FetchResult(Outcome.FAILED, error=f"peer {peer.node_id}: no free transfer stream")
                 self._cond.wait(left)
         try:
-            stream = self._connect(peer)
+            stream = self.connect(peer)
         except (OSError, TimeoutError, ProtocolError, AuthError) as e:
             with self._cond:
                 ps.open -= 1
@@ -291,7 +291,11 @@ class TransferClient:
                 stream.sock.close()
             self._cond.notify()
 
-    def _connect(self, peer: Peer) -> _Stream:
+    def connect(self, peer: Peer) -> _Stream:
+        """A new authenticated stream to ``peer``, outside the pool (the caller owns and closes
+        it; HAVE subscriptions keep one of their own so they never wait behind chunk requests).
+        Raises OSError (unreachable, timed out), HandshakeRefused (the server closed without
+        accepting: wrong secret, skewed clock) or ProtocolError (not a bdn transfer server)."""
         family = socket.AF_INET6 if ":" in peer.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
