@@ -43,7 +43,10 @@ Frames after the handshake (payloads, before the tag):
 - ``BUSY`` (server): ``retry_after_ms u32`` (upload slots full, or still fetching).
 - ``NOT_HERE`` (server): empty.
 - ``HAVE`` (either side, for announcements): ``identity_len u8 | identity | layer u8 | count u32
-  | count x u32 chunk indices``.
+  | count x u32 chunk indices``. From a client, a HAVE with no indices is a *subscription* to
+  ``identity`` (that connection then carries no chunk requests); the server answers with its
+  bitfield of the snapshot as HAVEs of layer 0 (stored) and 1 (rebuilt), then a HAVE whenever
+  chunks are indexed, and an empty one as a keep-alive (bdn.transfer.announce).
 """
 
 from __future__ import annotations
