@@ -114,6 +114,15 @@ class Catalog:
             job = self.jobs.get(identity, job)
         return job
 
+    async def delete(self, identity: str) -> SnapshotJob:
+        """``DELETE /v1/snapshots/{id}``: a load in progress is cancelled (``failed``, "cancelled by
+        the operator") and a failed record is forgotten (the record is returned as it was); a
+        ready snapshot is left to GC. Raises NotFound."""
+        job = await self.cancel(identity, "cancelled by the operator")
+        if job.state == "failed" and self.jobs.get(identity) is job:
+            del self.jobs[identity]
+        return job
+
     async def cancel(self, identity: str, reason: str = "cancelled") -> SnapshotJob:
         """Stop the load of ``identity`` (its requests end, its staging files go): the job is
         ``failed`` with ``reason``; a ready or failed one is left as it is. Raises NotFound."""

@@ -85,9 +85,10 @@ async def prefetch(request: web.Request) -> web.Response:
 
 async def cancel_snapshot(request: web.Request) -> web.Response:
     """DELETE /v1/snapshots/{id} -> 200 record (a load in progress is cancelled: failed,
-    reason "cancelled"; a ready or failed one is left as it is); 404 unknown here."""
+    reason "cancelled by the operator", and forgotten like any failed record; a ready one is
+    left to GC); 404 unknown here."""
     try:
-        job = await services(request).catalog.cancel(_identity(request), "cancelled by the operator")
+        job = await services(request).catalog.delete(_identity(request))
     except BdnError as e:
         return error(status_of(e), str(e))
     return json_response(job.describe())
