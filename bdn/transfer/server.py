@@ -162,6 +162,7 @@ class _Conn:
     sock: socket.socket
     thread: threading.Thread | None = None
     peer: str = ""
+    authed: bool = False
     buf: memoryview = field(default_factory=frame_buffer)
 
 
@@ -217,6 +218,7 @@ class TransferServer:
         # admit the newcomer (an honest peer's hello comes within a round trip; holding the
         # slots needs more new connections per handshake time than there are slots).
         self._pending: dict[_Conn, None] = {}
+        self._authed = 0  # connections past their handshake (what max_connections bounds)
         self._listener: socket.socket | None = None
         self._acceptor: threading.Thread | None = None
         self._closing = threading.Event()
@@ -292,7 +294,9 @@ class TransferServer:
                 continue
             evicted: _Conn | None = None
             with self._lock:
-                full = len(self._conns) - len(self._pending) >= self._max_conns
+                # not len(_conns) - len(_pending): a dropped handshake stays in _conns until its
+                # thread has closed it, and would count as authenticated meanwhile
+                full = self._authed >= self._max_conns
                 if not full:
                     if len(self._pending) >= self._max_pending:
                         evicted = next(iter(self._pending))
@@ -325,6 +329,9 @@ class TransferServer:
                 if session is not None and conn not in self._pending:
                     session = None  # evicted while it finished: the newer connection has the slot
                 self._pending.pop(conn, None)
+                if session is not None:
+                    conn.authed = True
+                    self._authed += 1
             if session is None:
                 return
             set_timeouts(sock, self._idle_timeout)
@@ -356,6 +363,8 @@ class TransferServer:
             with self._lock:
                 self._conns.discard(conn)
                 self._pending.pop(conn, None)
+                if conn.authed:
+                    self._authed -= 1
             sock.close()
 
     def _handshake(self, conn: _Conn) -> wire.Session | None:
