@@ -29,7 +29,6 @@ import secrets
 import socket
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self, Union
@@ -37,6 +36,7 @@ from typing import Self, Union
 from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import NODE_ID_RE, SwarmKeys
+from bdn.transfer.files import FileCache
 from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
 
 log = logging.getLogger("bdn.transfer.server")
@@ -96,67 +96,6 @@ class ServerStats:
     handshakes_evicted: int = 0  # unauthenticated connections dropped to admit a newer one
 
 
-class _FileCache:
-    """Open descriptors of chunk files by path, at most ``limit`` (least recently used closed
-    first), each checked against the path's current inode so a replaced file is reopened."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._lock = threading.Lock()
-        self._open: OrderedDict[str, list] = OrderedDict()  # path -> [fd, dev, ino, users, stale]
-
-    def acquire(self, path: str) -> tuple[int, list] | None:
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            self.forget(path)
-            return None
-        with self._lock:
-            ent = self._open.get(path)
-            if ent is not None and (ent[1], ent[2]) == (st.st_dev, st.st_ino):
-                ent[3] += 1
-                self._open.move_to_end(path)
-                return ent[0], ent
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        fst = os.fstat(fd)
-        new = [fd, fst.st_dev, fst.st_ino, 1, False]
-        with self._lock:
-            old = self._open.pop(path, None)
-            if old is not None:
-                self._retire(old)
-            self._open[path] = new
-            while len(self._open) > self._limit:
-                _, ent = self._open.popitem(last=False)
-                self._retire(ent)
-        return fd, new
-
-    def release(self, ent: list) -> None:
-        with self._lock:
-            ent[3] -= 1
-            if ent[4] and ent[3] == 0:
-                os.close(ent[0])
-
-    def _retire(self, ent: list) -> None:  # lock held
-        if ent[3] == 0:
-            os.close(ent[0])
-        else:
-            ent[4] = True  # closed by the last user
-
-    def forget(self, path: str) -> None:
-        with self._lock:
-            ent = self._open.pop(str(path), None)
-            if ent is not None:
-                self._retire(ent)
-
-    def close(self) -> None:
-        with self._lock:
-            while self._open:
-                self._retire(self._open.popitem()[1])
-
-
 @dataclass(eq=False)  # hashed by identity: kept in a set
 class _Conn:
     sock: socket.socket
@@ -210,7 +149,7 @@ class TransferServer:
         self._sndbuf = sndbuf
         self._clock = clock
         self._nonce = nonce
-        self._files = _FileCache(max_open_files)
+        self._files = FileCache(max_open_files)
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
         # Connections still in their handshake, oldest first. Bounded on their own, so strangers
