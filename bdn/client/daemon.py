@@ -93,7 +93,10 @@ class DaemonClient:
         return self._json("GET", "/v1/status")
 
     def snapshots(self) -> list[dict[str, Any]]:
-        """``GET /v1/snapshots``: every snapshot this daemon knows, as ``<snapshot>`` objects."""
+        """``GET /v1/snapshots``: every snapshot this daemon knows, as ``<snapshot>`` objects.
+
+        Raises ProtocolError when ``snapshots`` is not a list of objects.
+        """
         snaps = self._json("GET", "/v1/snapshots").get("snapshots")
         if not isinstance(snaps, list) or not all(isinstance(s, dict) for s in snaps):
             raise ProtocolError("GET /v1/snapshots: 'snapshots' is not a list of objects")
@@ -196,7 +199,11 @@ class DaemonClient:
                 )
 
     def list_files(self, identity: str) -> list[dict[str, Any]]:
-        """``GET /v1/snapshots/{identity}/files``: ``[{"path", "size"}]`` of a ready snapshot."""
+        """``GET /v1/snapshots/{identity}/files``: ``[{"path", "size"}]`` of a ready snapshot.
+
+        ``size`` is the rebuilt file's, in bytes (a delta's result, not its diff file). Raises
+        DaemonError (404 unknown identity, 409 not ready) or ProtocolError for a malformed answer.
+        """
         files = self._json("GET", self._snap_path(identity) + "/files").get("files")
         if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
             raise ProtocolError(f"files of {identity}: 'files' is not a list of objects")

@@ -76,7 +76,12 @@ class EngineLink:
             raise
 
     def register(self) -> str:
-        """(Re-)register with the daemon, e.g. after it restarted and forgot us; returns the id."""
+        """(Re-)register with the daemon (``POST /v1/engines {"name"}``), e.g. after it restarted and
+        forgot us; returns the new ``engine_id``.
+
+        Raises DaemonUnreachable / DaemonError from the call, ProtocolError when the answer has no
+        printable ``engine_id`` string of 1-200 characters.
+        """
         _status, ans = call_json(self.client, "POST", "/v1/engines", {"name": self.name}, ok=(200, 201))
         engine_id = json_object(ans, "engine registration").get("engine_id")
         if not isinstance(engine_id, str) or not engine_id or not engine_id.isprintable() or len(engine_id) > 200:

@@ -147,7 +147,11 @@ MAX_NDIM = 64
 
 
 def parse_shape(header: str | None, name: str) -> tuple[int, ...]:
-    """The ``X-BDN-Shape`` header (comma-separated non-negative integers; empty for a scalar)."""
+    """The ``X-BDN-Shape`` header (comma-separated non-negative integers; empty for a scalar).
+
+    Returns the shape as a tuple (``()`` for a scalar). Raises ProtocolError (naming tensor
+    ``name``) for a missing header, more than ``MAX_NDIM`` dimensions or a non-integer part.
+    """
     if header is None:
         raise ProtocolError(f"tensor {name!r}: no X-BDN-Shape header")
     text = header.strip()

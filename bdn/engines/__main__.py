@@ -29,6 +29,11 @@ def _hostport(text: str) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the adapter ``argv`` names (default ``sys.argv[1:]``) until SIGTERM/SIGINT.
+
+    Returns the exit status: 0 after a clean stop, 1 when the engine cannot start or bdnd is
+    unreachable (a :class:`BdnError`, one line on stderr). A usage error exits 2 from argparse.
+    """
     ap = argparse.ArgumentParser(prog="python -m bdn.engines", description="run an engine adapter under bdnd")
     sub = ap.add_subparsers(dest="engine", required=True)
     for name in ("hf", "sglang", "vllm"):

@@ -24,7 +24,7 @@ class ChatError(Exception):
 
 
 def number_param(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
-    """``body[key]`` as a finite float in ``[lo, hi]``, ``default`` when absent."""
+    """``body[key]`` as a finite float in ``[lo, hi]``, ``default`` when absent; ChatError 400 otherwise."""
     v = body.get(key)
     if v is None:
         return default
@@ -34,7 +34,8 @@ def number_param(body: dict[str, Any], key: str, default: float, lo: float, hi: 
 
 
 def int_param(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
-    """``body[key]`` as an int in ``[lo, hi]``, None when absent (bools are not integers here)."""
+    """``body[key]`` as an int in ``[lo, hi]``, None when absent (bools are not integers here); ChatError 400
+    otherwise."""
     v = body.get(key)
     if v is None:
         return None
@@ -44,7 +45,7 @@ def int_param(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
 
 
 def bool_param(body: dict[str, Any], key: str, default: bool) -> bool:
-    """``body[key]`` as a JSON boolean, ``default`` when absent."""
+    """``body[key]`` as a JSON boolean, ``default`` when absent; ChatError 400 otherwise."""
     v = body.get(key)
     if v is None:
         return default

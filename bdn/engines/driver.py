@@ -64,7 +64,8 @@ def ack(link: EngineLink, identity: str, pause_ms: float, options: HotLoadOption
     Body: ``{"identity", "pause_ms", "error"?, "prompt_cache_policy"?, "inflight_policy"?,
     "swap"?}``. The daemon reads ``identity``, ``pause_ms`` and ``error`` today; the other fields
     are what the replica state should report (docs/ENGINES.md, "What the daemon is asked to send").
-    Daemon errors other than unreachability are logged, not raised.
+    An unreachable daemon is tried 3 times (backoff from 0.5 s); whatever BdnError is left
+    (unreachable still, or an error answer) is logged, not raised.
     """
     body: dict[str, Any] = {"identity": identity, "pause_ms": max(0.0, float(pause_ms))}
     if error is not None:
@@ -114,6 +115,10 @@ def drive(link: EngineLink, adapter: Adapter, *, stop: threading.Event, current:
         current: the identity already served (None at start: the first offer is loaded too).
         poll_timeout: seconds per long-poll; bounds how late ``stop`` is noticed.
         on_swapped: called with the new snapshot and the report after each successful ack.
+
+    Returns once ``stop`` is set, after closing the snapshot it served. Daemon trouble is retried
+    and logged, and a failed load (offer, snapshot or adapter) is acked with ``"error"``: none of
+    them is raised. An exception of ``on_swapped`` ends the loop and propagates.
     """
     after = current
     serving: Snapshot | None = None

@@ -121,6 +121,9 @@ class HFEngine:
         swap_method: ``"rebind"`` (parameters take the staged tensors) or ``"copy"`` (staged
             tensors are copied into the parameters in place); see the module doc.
         clock: monotonic seconds, for the reported timings.
+
+    Raises EngineError (one line) when torch/transformers do not import or ``swap_method`` is
+    not one of ``SWAP_METHODS``.
     """
 
     def __init__(self, device: str = "cpu", partial: bool = True, clock: Any = time.monotonic,
@@ -390,6 +393,10 @@ class HFEngine:
 
         ``temperature`` 0 is greedy. Log-probabilities are the model's before temperature and
         top-p. An abort by a hot-load ends it with ``finish_reason "abort"``.
+
+        ``prompt``: token ids; at most ``max_tokens`` tokens are generated, stopping at the first
+        of ``stop_ids`` (default: :meth:`eos_ids`, the model's ``eos_token_id``), which is kept
+        in the output. Raises EngineError when no model is loaded yet.
         """
         torch = _torch()
         gen = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % (1 << 63)))

@@ -71,6 +71,7 @@ class HotLoadOptions:
 
     @property
     def reset_prompt_cache(self) -> bool:
+        """True when the swap drops the engine's prompt (prefix/KV) cache (policy ``RESET_ALL``)."""
         return self.prompt_cache_policy == "RESET_ALL"
 
     @classmethod

@@ -70,6 +70,7 @@ class EngineHTTP:
         return ans
 
     def close(self) -> None:
+        """Close the connection pool; a later :meth:`call` fails (httpx's RuntimeError)."""
         self.client.close()
 
 

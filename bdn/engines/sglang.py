@@ -108,4 +108,5 @@ class SGLangAdapter:
         return report
 
     def close(self) -> None:
+        """Close the HTTP client to the SGLang server (the server itself keeps running)."""
         self.http.close()

@@ -73,6 +73,8 @@ class VLLMAdapter:
         self.last_swap: dict[str, Any] | None = None
 
     def prepare(self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> _Prepared:
+        """Nothing to stage (vLLM's workers read the directory themselves); counts the changed
+        tensors when the offer lists them (``changed_tensors``, for the report only). No I/O."""
         names = offer.get("changed_tensors")
         return _Prepared(snap, options, len(names) if isinstance(names, list) else None)
 
@@ -100,7 +102,13 @@ class VLLMAdapter:
             return "wait_then_abort"
 
     def swap(self, prep: _Prepared) -> dict[str, Any]:
-        """Pause, reload from ``prep.snapshot.path``, reset the prefix cache per policy, version, resume."""
+        """Pause, reload from ``prep.snapshot.path``, reset the prefix cache per policy, version, resume.
+
+        Returns the report for the ack (``pause_ms``: ms from the pause to the resume answered).
+        Raises RemoteEngineError (one line) when a route fails (once the pause has answered,
+        ``/resume`` is always sent first) or, with ``require_change``, when the reload changed no
+        weight checksum.
+        """
         snap, opts = prep.snapshot, prep.options
         report: dict[str, Any] = {"identity": snap.identity, "policy_version": snap.policy_version, "mode": "full",
                                   "engine": "vllm", **opts.wire()}
@@ -133,4 +141,5 @@ class VLLMAdapter:
         return report
 
     def close(self) -> None:
+        """Close the HTTP client to the vLLM server (the server itself keeps running)."""
         self.http.close()

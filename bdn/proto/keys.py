@@ -54,7 +54,7 @@ def hkdf_extract(salt: bytes, ikm: bytes) -> bytes:
 
 
 def hkdf_expand(prk: bytes, info: bytes, length: int) -> bytes:
-    """RFC 5869 section 2.3: OKM of ``length`` bytes (at most 255*32)."""
+    """RFC 5869 section 2.3: OKM of ``length`` bytes (at most 255*32); ValueError outside 1..8160."""
     if not 0 < length <= 255 * 32:
         raise ValueError(f"HKDF-SHA256 length must be 1..8160, got {length}")
     out, block = b"", b""

@@ -190,7 +190,11 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, obj: Any) -> Manifest:
-        """Validate a decoded JSON object (see ``from_json``)."""
+        """Validate a decoded JSON object (see ``from_json``; no size limit or identity check here).
+
+        Raises ManifestError for a broken rule, or the ProtocolError of a bad identity or path
+        (IdentityError, PathError), which ``from_json`` rewraps as ManifestError.
+        """
         if not isinstance(obj, dict):
             raise ManifestError("manifest must be a JSON object")
         if obj.get("format") != FORMAT:

@@ -329,7 +329,12 @@ def _decode_planes_block(
 
 
 def decode_stream(cx: Ctx, stream: Any, b: np.ndarray, o: np.ndarray, n: int) -> int:
-    """Decode one whole stream serially into ``o``; return the Adler-32 of the ``n`` bytes written."""
+    """Decode one whole stream serially into ``o``; return the Adler-32 of the ``n`` bytes written.
+
+    ``stream``: the tensor's ``bdn_planes_v1`` bytes; ``b``/``o``: the base and output tensors as
+    ``uint8`` arrays of ``n`` bytes (may be the same buffer). Raises ProtocolError (naming the
+    block) for a stream that does not fit a base of ``n`` bytes.
+    """
     s = bytes_of(stream)
     w, blocks = parse_stream(s, n)
     adler = 1

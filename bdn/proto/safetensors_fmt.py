@@ -360,6 +360,9 @@ def serialize_header(
     sorted by descending dtype rank then name, compact JSON with ``__metadata__`` first, padded with
     spaces to a multiple of 8 bytes. Metadata keys are sorted (the reference uses a hash map, so its
     order is arbitrary; sorting makes bdn's output deterministic).
+
+    Raises SafetensorsError for metadata that is not ``str -> str``; ``dtype`` must be one of
+    the format's dtype names (KeyError otherwise: callers pass dtypes they have validated).
     """
     order = sorted(tensors, key=lambda name: (-_DTYPE_RANK[tensors[name][0]], name))
     parts: list[str] = []

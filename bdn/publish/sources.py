@@ -39,7 +39,13 @@ def source_dir(
     extra_files: Mapping[str, bytes] | None,
     tmp_dir: PathLike | None,
 ) -> Iterator[Path]:
-    """The directory to publish: ``dir`` itself, or a temporary one holding the state dict."""
+    """The directory to publish: ``dir`` itself, or a temporary one holding the state dict.
+
+    The temporary directory (under ``tmp_dir``) holds ``model.safetensors`` and ``extra_files``
+    (relative path -> bytes) and is removed on exit. Raises PublishError unless exactly one of
+    ``dir``/``state_dict`` is given, for ``extra_files`` with ``dir``, an empty state dict or a
+    non-bytes extra file; PathError for an extra file's bad, reserved or bdn-written path.
+    """
     if (dir is None) == (state_dict is None):
         raise PublishError("give exactly one of dir or state_dict")
     if dir is not None:
@@ -81,7 +87,13 @@ def base_files(
     work: Path,
     workers: int,
 ) -> Path:
-    """A directory holding the base's reconstructed ``paths``, checked against its manifest."""
+    """A directory holding the base's reconstructed ``paths``, checked against its manifest.
+
+    With neither ``base_dir`` nor ``base_state_dict`` the files are rebuilt from the bucket under
+    ``work/base`` (:func:`bdn.publish.fetch.materialize`, its errors). Otherwise every path must be
+    a file there whose chunks match the base's manifest: PathError when ``base_dir`` is not a
+    directory, PublishError for a missing file, ChecksumError for one that differs.
+    """
     base = base_manifest.identity
     if base_dir is None and base_state_dict is None:
         root = work / "base"
