@@ -14,26 +14,16 @@ from bdn import fileops
 from bdn.daemon.fold import fold_file, plan_fold
 from bdn.fileops import read_header, save_raw
 from bdn.proto.errors import ChecksumError
-from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import Manifest
-from bdn.publish import publish_delta, publish_full
-from tests.support.checkpoints import make_state, optimizer_step, write_hf_dir
-from tests.support.swarm import SECRET, Daemon
+from support.chains import chain_states, daemon_on_anchor, file_chain, write_chain
 
 CHUNK = 64 << 10
 SHARD = "model-00001-of-00002.safetensors"
 
 
-def _states(n: int, scale: int = 1) -> list[dict[str, Any]]:
-    s = [make_state(0, scale=scale)]
-    for i in range(1, n + 1):
-        s.append(optimizer_step(s[-1], 0.05, i))
-    return s
-
-
 def _chain_files(tmp_path: Path, fmt: str, k: int) -> tuple[list[Path], list[Path]]:
     """``k + 1`` checkpoint dirs and the ``k`` diff files of SHARD between them."""
-    dirs = [write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in enumerate(_states(k))]
+    dirs = write_chain(tmp_path / "ck", chain_states(k))
     diffs = []
     for i in range(1, k + 1):
         d = tmp_path / f"d{i}" / SHARD
@@ -99,30 +89,14 @@ def test_plan_fold_rules() -> None:
 
 
 def test_daemon_folds_a_lagging_chain_without_intermediate_snapshots(tmp_path: Path) -> None:
-    bucket = tmp_path / "bucket"
-    bucket.mkdir()
-    url = f"file://{bucket}"
-    states = _states(4, scale=2)
-    dirs = [write_hf_dir(tmp_path / f"src/step{i:06d}", s, i) for i, s in enumerate(states, 1)]
-    publish_full(url, "step000001", 1, dir=dirs[0], chunk_size=CHUNK)
-    for i in range(2, 6):
-        publish_delta(url, f"step{i:06d}", i, f"step{i - 1:06d}", dir=dirs[i - 1], base_dir=dirs[i - 2],
-                      chunk_size=CHUNK, compression_format="bdn_planes_v1" if i == 3 else "arc_v2")
-    d = Daemon(tmp_path / "work", "node0", url, extra_env={"BDN_LOAD_STARTUP": "false"})
-    d.start([])
-    try:
-        d.wait_healthy()
-        assert d.prefetch("step000001")[0] == 202
-        d.wait_ready("step000001")
+    chain = file_chain(tmp_path, 4, chunk_size=CHUNK, scale=2, formats={3: "bdn_planes_v1"})
+    with daemon_on_anchor(tmp_path, chain.url) as d:
         assert d.prefetch("step000005")[0] == 202
         snap = d.wait_ready("step000005")
         got = Path(snap["path"])
-        for f in dirs[-1].iterdir():
+        for f in chain.dirs[-1].iterdir():
             assert hashlib.sha256((got / f.name).read_bytes()).digest() == hashlib.sha256(f.read_bytes()).digest(), f.name
         for i in (2, 3, 4):  # folded through: never a snapshot on this node
             assert d.request("GET", f"/v1/snapshots/step{i:06d}")[0] == 404
-        root = d.shm_dir / derive_keys(SECRET).swarm_id
-        assert not [p for p in root.rglob("*") if "step000003" in p.name or ".fold-" in p.name]  # cleaned up
+        assert not [p for p in d.store.rglob("*") if "step000003" in p.name or ".fold-" in p.name]  # cleaned up
         assert "folding 4 deltas on step000001" in d.log()
-    finally:
-        d.stop()

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bdn.proto.keys import derive_keys
+
 SECRET = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 
 
@@ -53,6 +55,8 @@ class Daemon:
         self.dir = workdir / node_id
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shm_dir = self.dir / "shm"
+        #: the daemon's store, ``<shm_dir>/<swarm_id>/``: one directory per snapshot it rebuilt
+        self.store = self.shm_dir / derive_keys(secret).swarm_id
         self.log_path = self.dir / "bdnd.log"
         secret_file = self.dir / "secret"
         secret_file.write_text(secret + "\n")
@@ -142,6 +146,17 @@ class Daemon:
                 raise AssertionError(f"{self.node_id}: wait answered {status}: {body}")
             if status == 404:
                 time.sleep(0.1)
+
+    def wait_settled(self, identity: str, timeout: float = 120.0) -> dict[str, Any]:
+        """``identity``'s record once it is ``failed`` or ``ready`` (polled every 0.1 s);
+        AssertionError with the record and the log after ``timeout`` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            status, rec = self.request("GET", f"/v1/snapshots/{identity}")
+            if status == 200 and rec["state"] in ("failed", "ready"):
+                return rec
+            assert time.monotonic() < deadline, f"{identity} neither failed nor ready in {timeout} s: {rec}\n{self.log()}"
+            time.sleep(0.1)
 
     def status(self) -> dict[str, Any]:
         return self.get("/v1/status")
