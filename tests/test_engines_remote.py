@@ -15,6 +15,8 @@ import asyncio
 import os
 import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -195,16 +197,33 @@ def node(trainer, tmp_path: Path):
         yield swarm.daemons[0]
 
 
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
-def test_adapter_hot_swaps_the_engine_from_bdns_snapshot_dir(engine: str, trainer, node) -> None:
+@contextmanager
+def driven(engine: str, node) -> Iterator[tuple[ProtocolServer, Any]]:
+    """``(server, adapter)``: a protocol server of ``engine`` ("sglang" or "vllm") on a free
+    loopback port and its adapter, hot-swapped by bdn's driver thread registered with ``node``
+    (long-polls of 2 s); driver, link, adapter and server are stopped on the way out."""
     s = ProtocolServer()
     http = HttpThread(sglang_app(s) if engine == "sglang" else vllm_app(s), "127.0.0.1", free_port()).start()
     base = f"http://127.0.0.1:{http.port}"
     adapter = SGLangAdapter(base) if engine == "sglang" else VLLMAdapter(base)
     stop = threading.Event()
-    link = register(node.url, engine)
-    t = run_driver(link, adapter, stop, poll_timeout=2.0)
     try:
+        link = register(node.url, engine)
+        t = run_driver(link, adapter, stop, poll_timeout=2.0)
+        try:
+            yield s, adapter
+        finally:
+            stop.set()
+            t.join(30)
+            link.close()
+    finally:
+        adapter.close()
+        http.stop()
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_adapter_hot_swaps_the_engine_from_bdns_snapshot_dir(engine: str, trainer, node) -> None:
+    with driven(engine, node) as (s, adapter):
         for i, ident in enumerate(IDS):
             if i:
                 s.calls.clear()
@@ -229,24 +248,11 @@ def test_adapter_hot_swaps_the_engine_from_bdns_snapshot_dir(engine: str, traine
                 assert s.calls[1][1] == {"method": "reload_weights", "kwargs": {"weights_path": path}}
                 assert s.calls[3][1] == {"new_version": str(i + 1)}
             assert adapter.last_swap["pause_ms"] == pytest.approx(rep["last_swap_pause_ms"], abs=1e-3)
-    finally:
-        stop.set()
-        t.join(30)
-        link.close()
-        adapter.close()
-        http.stop()
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_a_failed_update_is_acked_and_generation_continues(engine: str, trainer, node) -> None:
-    s = ProtocolServer()
-    http = HttpThread(sglang_app(s) if engine == "sglang" else vllm_app(s), "127.0.0.1", free_port()).start()
-    base = f"http://127.0.0.1:{http.port}"
-    adapter = SGLangAdapter(base) if engine == "sglang" else VLLMAdapter(base)
-    stop = threading.Event()
-    link = register(node.url, engine)
-    t = run_driver(link, adapter, stop, poll_timeout=2.0)
-    try:
+    with driven(engine, node) as (s, _adapter):
         wait_for(lambda: stage(node.url, IDS[0]), 60, f"{IDS[0]} done")
         s.fail_next_update = "CUDA out of memory (injected)"
         hot_load(node.url, IDS[1], previous=IDS[0])
@@ -256,12 +262,6 @@ def test_a_failed_update_is_acked_and_generation_continues(engine: str, trainer,
         assert rep["current_snapshot_identity"] == IDS[0]
         assert s.calls[-1][0] in ("continue_generation", "resume") and not s.paused
         assert s.version == "1" and s.weights == dir_digest(trainer["dirs"][0])
-    finally:
-        stop.set()
-        t.join(30)
-        link.close()
-        adapter.close()
-        http.stop()
 
 
 def test_policies_map_onto_each_engines_routes(trainer, node) -> None:
