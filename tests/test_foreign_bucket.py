@@ -8,8 +8,6 @@ compared with the trainer's. Plus an object replaced mid-download and a flipped 
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +16,7 @@ import numpy as np
 import pytest
 
 try:
-    from support.foreign_run import BIG, PART, SMALL, Run, boto, make_run, upload
+    from support.foreign_run import BIG, PART, SMALL, Run, boto, make_run, stored_run, upload
 except ImportError as exc:  # .ci/run installs it (after a CPU torch); elsewhere say why
     pytest.skip(f"fireworks-delta-compression is not importable: {exc}", allow_module_level=True)
 
@@ -73,34 +71,13 @@ class Where:
 
 @pytest.fixture(params=["s3", "file"])
 def where(request: pytest.FixtureRequest, run: Run, tmp_path: Path) -> Iterator[Where]:
-    if request.param == "s3":
-        endpoint = request.getfixturevalue("moto_endpoint")
-        name = create_bucket(endpoint)
-        client = boto(endpoint)
-        upload(client, name, "run-1", run)
-        bucket = open_bucket(f"s3://{name}/run-1", endpoint_url=endpoint)
-
-        def replace(key: str, data: bytes) -> None:
-            client.put_object(Bucket=name, Key=f"run-1/{key}", Body=data)
-
+    endpoint = request.getfixturevalue("moto_endpoint") if request.param == "s3" else None
+    with stored_run(request.param, run, tmp_path, endpoint) as stored:
+        bucket = open_bucket(stored.url, endpoint_url=endpoint) if endpoint else open_bucket(stored.url)
         try:
-            yield Where("s3", bucket, replace)
+            yield Where(stored.kind, bucket, stored.replace)
         finally:
             bucket.close()
-            client.close()
-    else:
-        root = tmp_path / "bucket"
-        for ident, d in run.published.items():
-            shutil.copytree(d, root / ident)
-
-        def replace(key: str, data: bytes) -> None:
-            tmp = root / (key + ".new")
-            tmp.write_bytes(data)
-            os.replace(tmp, root / key)
-
-        bucket = open_bucket(f"file://{root}")
-        yield Where("file", bucket, replace)
-        bucket.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from support.foreign_run import BIG, MiB, Run, boto, copy_to, make_run, upload  # a test dependency
+from support.foreign_run import (  # a test dependency
+    BIG, MiB, Run, boto, copy_to, make_run, replace_file, stored_run, upload,
+)
 from support.liar import Liar
 from support.s3server import create_bucket
 from support.swarm import SECRET, Daemon, Swarm
@@ -52,27 +54,9 @@ class Where:
 
 @pytest.fixture(params=["s3", "file"])
 def where(request: pytest.FixtureRequest, run: Run, tmp_path: Path) -> Iterator[Where]:
-    if request.param == "s3":
-        endpoint = request.getfixturevalue("moto_endpoint")
-        name = create_bucket(endpoint)
-        client = boto(endpoint)
-        upload(client, name, "run-1", run)
-
-        def put(key: str, data: bytes) -> None:
-            client.put_object(Bucket=name, Key=f"run-1/{key}", Body=data)
-
-        yield Where(f"s3://{name}/run-1", {"BDN_ENDPOINT_URL": endpoint}, put)
-        client.close()
-    else:
-        root = tmp_path / "bucket"
-        copy_to(root, run)
-
-        def put(key: str, data: bytes) -> None:
-            tmp = root / (key + ".new")
-            tmp.write_bytes(data)
-            os.replace(tmp, root / key)
-
-        yield Where(f"file://{root}", {}, put)
+    endpoint = request.getfixturevalue("moto_endpoint") if request.param == "s3" else None
+    with stored_run(request.param, run, tmp_path, endpoint) as stored:
+        yield Where(stored.url, {"BDN_ENDPOINT_URL": endpoint} if endpoint else {}, stored.replace)
 
 
 def assert_same_files(path: Path, trainer: Path) -> None:
@@ -184,9 +168,7 @@ def _flipped(run: Run) -> bytes:
 
 def _replace(file_url: str, key: str, data: bytes) -> None:
     """The trainer overwrites ``key`` in a file:// bucket (a new file renamed over it)."""
-    p = Path(file_url.removeprefix("file://")) / key
-    p.with_name(p.name + ".new").write_bytes(data)
-    os.replace(p.with_name(p.name + ".new"), p)
+    replace_file(Path(file_url.removeprefix("file://")), key, data)
 
 
 SLOW = {"BDN_BUCKET_MBIT": "16", "BDN_BUCKET_CONCURRENCY": "1"}

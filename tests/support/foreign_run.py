@@ -7,8 +7,11 @@ its ETag is not an MD5) or copied into a file:// bucket. No bdn.manifest.json an
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +19,8 @@ from typing import Any
 import torch
 from fireworks_delta_compression import delta_compress_dirs
 from safetensors.torch import save_file
+
+from support.s3server import create_bucket
 
 MiB = 1 << 20
 PART = 5 * MiB  # s3transfer's (and S3's) smallest part
@@ -106,3 +111,53 @@ def copy_to(root: Path, run: Run, only: list[str] | None = None) -> None:
     for ident, d in run.published.items():
         if only is None or ident in only:
             shutil.copytree(d, root / ident)
+
+
+def replace_file(root: Path, key: str, data: bytes) -> None:
+    """The trainer overwrites object ``key`` (``identity/path``) of the file:// bucket at ``root``:
+    a new file renamed over it, so a reader sees the old bytes or the new, never a mix."""
+    p = root / key
+    tmp = p.with_name(p.name + ".new")
+    tmp.write_bytes(data)
+    os.replace(tmp, p)
+
+
+@dataclass
+class StoredRun:
+    """A run as the trainer left it in a bucket.
+
+    Attributes:
+        kind: ``"s3"`` (a fresh bucket on the moto server, prefix ``run-1``) or ``"file"``.
+        url: the bucket URL a daemon or ``open_bucket`` reads.
+        endpoint: the S3 endpoint URL (None for ``file``).
+        replace: ``(identity/path key, bytes) -> None``: the trainer overwrites one object.
+    """
+
+    kind: str
+    url: str
+    endpoint: str | None
+    replace: Callable[[str, bytes], None]
+
+
+@contextmanager
+def stored_run(kind: str, run: Run, tmp_path: Path, endpoint: str | None = None) -> Iterator[StoredRun]:
+    """``run`` uploaded with plain boto3 to a new bucket at ``endpoint`` (``kind`` "s3"), or copied
+    to the file:// bucket ``tmp_path/bucket`` (``kind`` "file"); the boto3 client is closed on the
+    way out."""
+    if kind == "s3":
+        assert endpoint is not None, "an s3 run needs the moto endpoint"
+        name = create_bucket(endpoint)
+        client = boto(endpoint)
+        try:
+            upload(client, name, "run-1", run)
+
+            def put(key: str, data: bytes) -> None:
+                client.put_object(Bucket=name, Key=f"run-1/{key}", Body=data)
+
+            yield StoredRun("s3", f"s3://{name}/run-1", endpoint, put)
+        finally:
+            client.close()
+    else:
+        root = tmp_path / "bucket"
+        copy_to(root, run)
+        yield StoredRun("file", f"file://{root}", None, lambda key, data: replace_file(root, key, data))
