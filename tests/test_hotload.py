@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bdn.publish import publish_delta, publish_full, publish_startup
-from support.checkpoints import make_state, optimizer_step, write_hf_dir
+from support.chains import chain_states, publish_chain, write_chain
 from support.api import http, wait_fleet, wait_for
 from support.swarm import Swarm
 
@@ -20,12 +20,8 @@ CHUNK = 64 << 10
 @pytest.fixture
 def fleet(tmp_path: Path):
     bucket = f"file://{tmp_path}/bucket"
-    s1 = make_state(0, scale=2)
-    s2 = optimizer_step(s1, 0.02, 1)
-    s3 = optimizer_step(s2, 0.02, 2)
-    d1, d2, d3 = (write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in ((1, s1), (2, s2), (3, s3)))
-    publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
-    publish_delta(bucket, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK)
+    d1, d2, d3 = write_chain(tmp_path / "ck", chain_states(2, scale=2, frac=0.02))
+    publish_chain(bucket, [d1, d2], chunk_size=CHUNK)  # step000003 is published by the tests that need it
     publish_startup(bucket, "step000001")
     with Swarm(tmp_path / "nodes", 3, bucket, extra_env={"BDN_API_TOKEN": TOKEN}) as swarm:
         yield swarm, bucket, (d1, d2, d3)
@@ -96,13 +92,8 @@ def test_late_replica_catches_up_from_peers(tmp_path: Path) -> None:
     """A daemon that starts after two hot-loads adopts the fleet's target from its peers and takes
     the rebuilt chunks from them: nothing of the delta chain comes from the bucket."""
     bucket = f"file://{tmp_path}/bucket"
-    s1 = make_state(0, scale=2)
-    s2 = optimizer_step(s1, 0.02, 1)
-    s3 = optimizer_step(s2, 0.02, 2)
-    d1, d2, d3 = (write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in ((1, s1), (2, s2), (3, s3)))
-    publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
-    publish_delta(bucket, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK)
-    publish_delta(bucket, "step000003", 3, "step000002", dir=d3, base_dir=d2, chunk_size=CHUNK)
+    d1, d2, d3 = write_chain(tmp_path / "ck", chain_states(2, scale=2, frac=0.02))
+    publish_chain(bucket, [d1, d2, d3], chunk_size=CHUNK)
     publish_startup(bucket, "step000001")
     swarm = Swarm(tmp_path / "nodes", 3, bucket, extra_env={"BDN_STARTUP_SETTLE_S": "1"})
     early, late = swarm.daemons[:2], swarm.daemons[2]
@@ -174,11 +165,7 @@ def test_late_replica_found_by_peers_dns_settles_before_loading(tmp_path: Path) 
     from support.swarm import Daemon, free_port
 
     bucket = f"file://{tmp_path}/bucket"
-    s1 = make_state(0, scale=2)
-    s2 = optimizer_step(s1, 0.02, 1)
-    d1, d2 = (write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in ((1, s1), (2, s2)))
-    publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
-    publish_delta(bucket, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK)
+    publish_chain(bucket, write_chain(tmp_path / "ck", chain_states(1, scale=2, frac=0.02)), chunk_size=CHUNK)
     publish_startup(bucket, "step000001")
     port = free_port()
     early = Daemon(tmp_path / "nodes", "early", bucket, peer_port=port, extra_env={"BDN_STARTUP_SETTLE_S": "0"})
