@@ -123,7 +123,7 @@ def test_wrong_secret_swarm_id_unsigned_replayed_and_skewed_requests_get_401_and
 ) -> None:
     m, ck = bucket.full("step000001", make_state(0, scale=2), 1)
     assert daemon.prefetch("step000001")[0] == 202
-    daemon.wait_ready("step000001", 30)
+    daemon.wait_ready("step000001", 120)
 
     keys = derive_keys(SECRET)
     other = derive_keys(OTHER_SECRET)
@@ -255,7 +255,7 @@ def test_bad_manifests_fail_the_snapshot_and_the_daemon_keeps_serving(bucket: Bu
 
     assert daemon.get("/v1/health")["status"] == "ok"
     assert daemon.prefetch("good")[0] == 202
-    snap = daemon.wait_ready("good", 30)
+    snap = daemon.wait_ready("good", 120)
     assert_same_files(Path(snap["path"]), ck)
 
 
@@ -291,7 +291,7 @@ def test_delta_with_wrong_adler32_fails_naming_the_tensor_and_leaves_the_base_in
     bucket.manifest_path("step000002").write_bytes(m2.to_json())
 
     assert daemon.prefetch("step000001")[0] == 202
-    base = Path(daemon.wait_ready("step000001", 30)["path"])
+    base = Path(daemon.wait_ready("step000001", 120)["path"])
     assert_same_files(base, ck1)
     before = tree_digests(base)
 
@@ -343,7 +343,7 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
         for d in honest:
             assert d.prefetch("step000001")[0] == 202
         for d in honest:
-            assert_same_files(Path(d.wait_ready("step000001", 60)["path"]), ck1)
+            assert_same_files(Path(d.wait_ready("step000001", 120)["path"]), ck1)
         after_anchor = lies()
         assert sum(after_anchor.values()) > 0, after_anchor
 
@@ -357,7 +357,7 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
         for d in honest:
             assert d.prefetch("step000003")[0] == 202
         for d in honest:
-            assert_same_files(Path(d.wait_ready("step000003", 60)["path"]), ck3)
+            assert_same_files(Path(d.wait_ready("step000003", 120)["path"]), ck3)
         after_delta = lies()
         assert sum(after_delta.values()) > sum(after_anchor.values()), (after_anchor, after_delta)
 
@@ -434,7 +434,7 @@ def test_snapshot_without_manifest_waits_and_loads_once_it_appears(
     assert daemon.status()["bucket"]["get_bytes"] == 0  # not one byte of the half upload read
 
     os.replace(held, bucket.manifest_path("step000001"))
-    snap = daemon.wait_ready("step000001", 30)
+    snap = daemon.wait_ready("step000001", 120)
     assert_same_files(Path(snap["path"]), ck)
 
 
@@ -453,7 +453,7 @@ def test_a_penalty_redirects_the_requests_queued_for_the_lying_peer(tmp_path: Pa
         seed.start([])
         seed.wait_healthy()
         assert seed.prefetch("step000001")[0] == 202
-        seed.wait_ready("step000001", 60)
+        seed.wait_ready("step000001", 120)
         victim.start([seed.peer_url, liar.url])
         victim.wait_healthy()
         deadline = time.monotonic() + 120
@@ -461,7 +461,7 @@ def test_a_penalty_redirects_the_requests_queued_for_the_lying_peer(tmp_path: Pa
             assert time.monotonic() < deadline, victim.status()["peers"]
             time.sleep(0.1)
         assert victim.prefetch("step000001")[0] == 202
-        assert_same_files(Path(victim.wait_ready("step000001", 60)["path"]), ck1)
+        assert_same_files(Path(victim.wait_ready("step000001", 120)["path"]), ck1)
         st = victim.status()
         lies = st["verify_failures_by_peer"].get("liar", 0)
         assert 1 <= lies <= 2, (lies, n_chunks)

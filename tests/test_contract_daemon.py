@@ -14,7 +14,8 @@ from bdn.client.errors import DaemonError
 from bdn.client.fleet import hot_load
 from bdn.publish import publish_delta, publish_full, publish_startup
 from support.checkpoints import make_state, optimizer_step, write_hf_dir
-from support.swarm import Daemon
+from support.chains import file_chain
+from support.swarm import Daemon, running
 from support.api import http, wait_fleet
 
 CHUNK = 64 << 10
@@ -24,7 +25,7 @@ SLOW = {"BDN_BUCKET_MBIT": "8", "BDN_BUCKET_CONCURRENCY": "1", "BDN_LOAD_STARTUP
 
 
 def _downloading(d: Daemon, identity: str) -> None:
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while (snap := d.get(f"/v1/snapshots/{identity}"))["bytes_done"] == 0:
         assert snap["state"] in ("queued", "downloading"), snap
         assert time.monotonic() < deadline, snap
@@ -41,10 +42,7 @@ def test_superseded_load_is_cancelled_unless_the_new_target_needs_it(tmp_path: P
     publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
     publish_delta(bucket, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK)
     publish_full(bucket, "other000009", 9, dir=dx, chunk_size=CHUNK)
-    d = Daemon(tmp_path / "work", "node0", bucket, extra_env=SLOW)
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path / "work", "node0", bucket, extra_env=SLOW)) as d:
         # 1. step000001 loading; step000002 (a delta on it) supersedes it: step000001 goes on
         st, first = http("POST", d.url + HOT, {"identity": "step000001"})
         assert st == 200, first
@@ -69,8 +67,6 @@ def test_superseded_load_is_cancelled_unless_the_new_target_needs_it(tmp_path: P
         # the re-POST of the target being served is idempotent
         st, again = http("POST", d.url + HOT, {"identity": "step000001"})
         assert st == 200 and again["request_id"] == fourth["request_id"], (again, fourth)
-    finally:
-        d.stop()
 
 
 def test_hot_load_with_previous_takes_the_manifest_s_compression_format(tmp_path: Path) -> None:
@@ -78,19 +74,8 @@ def test_hot_load_with_previous_takes_the_manifest_s_compression_format(tmp_path
     told otherwise, so a ``bdn_planes_v1`` delta was refused 409 "compression_format 'arc_v2' does
     not match"; the format is now left to the manifest. A ``previous`` that is served but is not
     the delta's base says how to load it over its chain."""
-    bucket = f"file://{tmp_path}/bucket"
-    s1 = make_state(0)
-    s2 = optimizer_step(s1, 0.02, 1)
-    s3 = optimizer_step(s2, 0.02, 2)
-    d1, d2, d3 = (write_hf_dir(tmp_path / f"ck{i}", s, i) for i, s in enumerate((s1, s2, s3), 1))
-    publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
-    publish_delta(bucket, "step000002", 2, "step000001", dir=d2, base_dir=d1, chunk_size=CHUNK,
-                  compression_format="bdn_planes_v1")
-    publish_delta(bucket, "step000003", 3, "step000002", dir=d3, base_dir=d2, chunk_size=CHUNK)
-    d = Daemon(tmp_path / "work", "node0", bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
-    d.start([])
-    try:
-        d.wait_healthy()
+    chain = file_chain(tmp_path, 2, chunk_size=CHUNK, frac=0.02, formats={2: "bdn_planes_v1"})
+    with running(Daemon(tmp_path / "work", "node0", chain.url, extra_env={"BDN_LOAD_STARTUP": "false"})) as d:
         assert hot_load(d.url, "step000001")["accepted"]
         wait_fleet(d.url, "step000001", timeout=120)
         try:
@@ -102,8 +87,6 @@ def test_hot_load_with_previous_takes_the_manifest_s_compression_format(tmp_path
         ans = hot_load(d.url, "step000002", previous="step000001")
         assert ans["accepted"] and ans["policy_version"] == 2, ans
         wait_fleet(d.url, "step000002", timeout=120)
-    finally:
-        d.stop()
 
 
 def test_the_startup_snapshot_replaced_by_a_hot_load_is_not_listed_as_superseded(tmp_path: Path) -> None:
@@ -115,13 +98,8 @@ def test_the_startup_snapshot_replaced_by_a_hot_load_is_not_listed_as_superseded
     publish_full(bucket, "step000001", 1, dir=d1, chunk_size=CHUNK)
     publish_startup(bucket, "step000001")
     publish_full(bucket, "step000002", 2, dir=d2, chunk_size=CHUNK)
-    d = Daemon(tmp_path / "work", "node0", bucket)
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path / "work", "node0", bucket)) as d:
         wait_fleet(d.url, "step000001", timeout=120)
         assert hot_load(d.url, "step000002")["accepted"]
         (rep,) = wait_fleet(d.url, "step000002", timeout=120)
         assert rep["superseded"] == [], rep
-    finally:
-        d.stop()

@@ -284,7 +284,7 @@ def test_inflight_policies_on_a_generating_request(trainer, node) -> None:
             th = threading.Thread(target=long_request)
             th.start()
             started.wait(120)
-            wait_for(lambda: engine.gate.in_flight == 1, 30, "the request to run")
+            wait_for(lambda: engine.gate.in_flight == 1, 120, "the request to run")
             old_v = engine.policy_version
             rep = engine.swap(engine.prepare(target, {}, HotLoadOptions(inflight_policy=policy)))
             th.join(120)
@@ -356,7 +356,7 @@ def test_the_command_serves_and_stops_on_sigterm(trainer, node) -> None:
 
         body = wait_for(healthy, 120, "the engine to serve")
         assert body["identity"] == IDS[0] and body["policy_version"] == 1
-        wait_for(lambda: replica_done(node.url, IDS[0]), 60, "the replica done")
+        wait_for(lambda: replica_done(node.url, IDS[0]), 120, "the replica done")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         # it unregistered on the way out (the fleet view follows the replica's report: a state)

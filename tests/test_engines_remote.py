@@ -228,7 +228,7 @@ def test_adapter_hot_swaps_the_engine_from_bdns_snapshot_dir(engine: str, traine
             if i:
                 s.calls.clear()
                 hot_load(node.url, ident, previous=IDS[0])
-            rep = wait_for(lambda: stage(node.url, ident), 60, f"{ident} done")
+            rep = wait_for(lambda: stage(node.url, ident), 120, f"{ident} done")
             assert rep["loading_state"]["stage"] == "done", rep
             assert rep["current_snapshot_identity"] == ident
             path = str(Path(node.wait_ready(ident)["path"]))
@@ -253,10 +253,10 @@ def test_adapter_hot_swaps_the_engine_from_bdns_snapshot_dir(engine: str, traine
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_a_failed_update_is_acked_and_generation_continues(engine: str, trainer, node) -> None:
     with driven(engine, node) as (s, _adapter):
-        wait_for(lambda: stage(node.url, IDS[0]), 60, f"{IDS[0]} done")
+        wait_for(lambda: stage(node.url, IDS[0]), 120, f"{IDS[0]} done")
         s.fail_next_update = "CUDA out of memory (injected)"
         hot_load(node.url, IDS[1], previous=IDS[0])
-        rep = wait_for(lambda: stage(node.url, IDS[1]), 60, f"{IDS[1]} acked")
+        rep = wait_for(lambda: stage(node.url, IDS[1]), 120, f"{IDS[1]} acked")
         assert rep["loading_state"]["stage"] == "error"
         assert "CUDA out of memory (injected)" in rep["loading_state"]["reason"]
         assert rep["current_snapshot_identity"] == IDS[0]

@@ -7,6 +7,8 @@ frames themselves are tested over real sockets in tests/test_transfer_announce.p
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bdn.daemon.clock import FakeClock
@@ -78,6 +80,14 @@ def test_an_index_outside_the_manifest_drops_the_subscription() -> None:
     assert h.holding(job, STORED, 2) == []  # nothing of that frame was taken
 
 
+async def _until(cond: Callable[[], bool], timeout: float = 120.0) -> None:
+    """Let the event loop run until ``cond()`` holds (a state, not a time); AssertionError after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition never held"
+        await asyncio.sleep(0)
+
+
 def test_a_waiting_acquisition_is_woken_by_its_chunks_have() -> None:
     async def main() -> None:
         h, subs, ms = _fleet(3)
@@ -85,11 +95,12 @@ def test_a_waiting_acquisition_is_woken_by_its_chunks_have() -> None:
         job = Job("step000001")
         h.subscribe(job)
         node = next(iter(subs.open))[0].node_id
+        url = ms.by_node()[node].url
         waiter = asyncio.ensure_future(h.wait_holder(job, STORED, 7, 120.0))
-        await asyncio.sleep(0)
+        await _until(lambda: (job.identity, STORED, 7) in h._waiters)
         h.on_have(node, job.identity, 0, (6,))  # another chunk: still waiting
-        await asyncio.sleep(0.01)
-        assert not waiter.done()
+        await _until(lambda: h.holding(job, STORED, 6) == [url])  # that HAVE was handled
+        assert not h._waiters[(job.identity, STORED, 7)].is_set() and not waiter.done()
         h.on_have(node, job.identity, 0, (7,))  # from a subscription thread, via the loop
         await asyncio.wait_for(waiter, 120)
         assert h._waiters == {}

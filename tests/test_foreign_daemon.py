@@ -28,7 +28,7 @@ from support.foreign_run import (  # a test dependency
 )
 from support.liar import Liar
 from support.s3server import create_bucket
-from support.swarm import SECRET, Daemon, Swarm
+from support.swarm import SECRET, Daemon, Swarm, running
 from support.api import http, raw_request, wait_fleet
 
 from bdn import fileops
@@ -175,10 +175,7 @@ SLOW = {"BDN_BUCKET_MBIT": "16", "BDN_BUCKET_CONCURRENCY": "1"}
 
 
 def test_object_overwritten_mid_download_restarts_on_a_fresh_listing(where: Where, run: Run, tmp_path: Path) -> None:
-    d = Daemon(tmp_path / "work", "node0", where.url, extra_env={**FOREIGN, **where.env, **SLOW})
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path / "work", "node0", where.url, extra_env={**FOREIGN, **where.env, **SLOW})) as d:
         assert d.prefetch("step000001")[0] == 202
         _wait_bytes(d, "step000001", CHUNK)
         new = _flipped(run)
@@ -190,25 +187,18 @@ def test_object_overwritten_mid_download_restarts_on_a_fresh_listing(where: Wher
                 assert (got / f.name).read_bytes() == f.read_bytes(), f.name
         assert_ready_digests(got)
         assert "starting again on a fresh listing (restart 1 of 3)" in d.log()
-    finally:
-        d.stop()
 
 
 def test_object_overwritten_past_the_restarts_fails_naming_it(file_run: str, run: Run, tmp_path: Path) -> None:
     env = {**FOREIGN, **SLOW, "BDN_FOREIGN_RESTARTS": "0"}
-    d = Daemon(tmp_path / "work", "node0", file_run, extra_env=env)
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path / "work", "node0", file_run, extra_env=env)) as d:
         assert d.prefetch("step000001")[0] == 202
         _wait_bytes(d, "step000001", CHUNK)
         _replace(file_run, f"step000001/{BIG}", _flipped(run))
-        status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=60")
+        status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=120", timeout=150)
         assert status == 409, body
         assert "replaced during the download" in body["error"] and f"step000001/{BIG}" in body["error"], body
         assert not list(d.shm_dir.glob("*/step000001"))
-    finally:
-        d.stop()
 
 
 def _kill_mid_download(d: Daemon, identity: str) -> None:
@@ -226,10 +216,7 @@ def _kill_mid_download(d: Daemon, identity: str) -> None:
 
 def test_sigkill_mid_download_resumes_when_every_etag_is_unchanged(where: Where, run: Run, tmp_path: Path) -> None:
     env = {**FOREIGN, **where.env, **SLOW, "BDN_PROGRESS_INTERVAL_S": "0.1"}
-    d = Daemon(tmp_path / "work", "node0", where.url, extra_env=env)
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path / "work", "node0", where.url, extra_env=env)) as d:
         assert d.prefetch("step000001")[0] == 202
         _kill_mid_download(d, "step000001")
         d.start([])
@@ -239,16 +226,11 @@ def test_sigkill_mid_download_resumes_when_every_etag_is_unchanged(where: Where,
         assert_ready_digests(got)
         resumed = re.search(r"resumed with (\d+) of (\d+) stored chunks", d.log())
         assert resumed and int(resumed.group(1)) > 0, d.log()
-    finally:
-        d.stop()
 
 
 def test_sigkill_then_an_object_replaced_starts_over(file_run: str, run: Run, tmp_path: Path) -> None:
     env = {**FOREIGN, **SLOW, "BDN_PROGRESS_INTERVAL_S": "0.1"}
-    d = Daemon(tmp_path / "work", "node0", file_run, extra_env=env)
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path / "work", "node0", file_run, extra_env=env)) as d:
         assert d.prefetch("step000001")[0] == 202
         _kill_mid_download(d, "step000001")
         new = _flipped(run)
@@ -260,8 +242,6 @@ def test_sigkill_then_an_object_replaced_starts_over(file_run: str, run: Run, tm
         log = d.log()
         assert f"the bucket changed since the interrupted download ({BIG}); starting over" in log, log
         assert "resumed with" not in log.split("starting over")[-1]
-    finally:
-        d.stop()
 
 
 @pytest.fixture
@@ -272,18 +252,13 @@ def file_run(run: Run, tmp_path: Path) -> str:
 
 
 def test_delta_chain_cap_requires_a_full_snapshot(file_run: str, tmp_path: Path) -> None:
-    d = Daemon(tmp_path / "work", "node0", file_run, extra_env={**FOREIGN, "BDN_MAX_DELTA_CHAIN": "1"})
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path / "work", "node0", file_run, extra_env={**FOREIGN, "BDN_MAX_DELTA_CHAIN": "1"})) as d:
         assert post(d, "step000001")[0] == 200
-        wait_fleet(d.url, "step000001", timeout=60)
+        wait_fleet(d.url, "step000001", timeout=120)
         assert post(d, "step000002", {"previous_snapshot_identity": "step000001"})[0] == 200
-        wait_fleet(d.url, "step000002", timeout=60)
+        wait_fleet(d.url, "step000002", timeout=120)
         st, body = post(d, "step000003", {"previous_snapshot_identity": "step000002"})
         assert st == 409 and "full snapshot is required" in body["error"] and "max_delta_chain" in body["error"], body
-    finally:
-        d.stop()
 
 
 def test_config_mismatch_fails_naming_the_field(tmp_path: Path) -> None:
@@ -293,14 +268,11 @@ def test_config_mismatch_fails_naming_the_field(tmp_path: Path) -> None:
     # delta_compress_dirs copies the *base's* other files; the trainer uploads its own config.json
     changed = {"architectures": ["TinyForCausalLM"], "model_type": "tiny", "hidden_size": 4096}
     (root / "step000002" / "config.json").write_text(json.dumps(changed))
-    d = Daemon(tmp_path / "work", "node0", f"file://{root}", extra_env=FOREIGN)
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path / "work", "node0", f"file://{root}", extra_env=FOREIGN)) as d:
         assert post(d, "step000001")[0] == 200
-        wait_fleet(d.url, "step000001", timeout=60)
+        wait_fleet(d.url, "step000001", timeout=120)
         assert post(d, "step000002", {"previous_snapshot_identity": "step000001"})[0] == 200
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while True:
             rep = http("GET", d.url + HOT)[1]["replicas"][0]
             if rep["loading_state"]["stage"] == "error":
@@ -309,8 +281,6 @@ def test_config_mismatch_fails_naming_the_field(tmp_path: Path) -> None:
             time.sleep(0.1)
         assert "Config value mismatch for hidden_size" in rep["loading_state"]["reason"], rep
         assert rep["current_snapshot_identity"] == "step000001"  # still serving the base
-    finally:
-        d.stop()
 
 
 def bdnctl(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
@@ -320,17 +290,14 @@ def bdnctl(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
 
 def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_run: str, tmp_path: Path) -> None:
     for env in (FOREIGN, {"BDN_LOAD_STARTUP": "false"}):  # without and with require_manifest
-        d = Daemon(tmp_path / "work", f"node{len(env)}", file_run, extra_env=env)
-        d.start([])
-        try:
-            d.wait_healthy()
+        with running(Daemon(tmp_path / "work", f"node{len(env)}", file_run, extra_env=env)) as d:
             assert d.prefetch("step000099")[0] == 202
-            status, body = d.request("GET", "/v1/snapshots/step000099/wait?state=ready&timeout=30")
+            status, body = d.request("GET", "/v1/snapshots/step000099/wait?state=ready&timeout=120", timeout=150)
             assert status == 409 and "nothing is published under step000099/" in body["error"], body
             # asked to wait for publication: it waits, with the reason shown by bdnctl
             status, body = d.request("POST", "/v1/snapshots/step000098/prefetch?wait_publish=1")
             assert status == 202, body
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120
             while not (snap := d.get("/v1/snapshots/step000098"))["reason"]:
                 assert snap["state"] == "queued" and time.monotonic() < deadline, snap
                 time.sleep(0.05)
@@ -345,8 +312,6 @@ def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_
             assert d.request("GET", "/v1/snapshots/step000098")[0] == 404
             assert "step000098" not in bdnctl(d, "snapshots").stdout
             assert bdnctl(d, "cancel", "step000097").returncode == 1
-        finally:
-            d.stop()
 
 
 # ---- the pieces, without a daemon ------------------------------------------------------------

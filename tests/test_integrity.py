@@ -45,13 +45,13 @@ from bdn.proto.keys import derive_keys, sign_request
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
 from bdn.publish import publish_full
 from support.checkpoints import make_state, write_hf_dir
-from support.swarm import SECRET, Daemon, Swarm, free_port
+from support.swarm import SECRET, Daemon, Swarm, free_port, running
 
 CHUNK = 64 << 10
 NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
 
 
-def _exit_code(d: Daemon, timeout: float = 60.0) -> int:
+def _exit_code(d: Daemon, timeout: float = 120.0) -> int:
     assert d.proc is not None
     try:
         return d.proc.wait(timeout)
@@ -154,7 +154,7 @@ def test_request_captured_on_its_way_to_one_daemon_is_refused_by_another(tmp_pat
         # signs its next POST members for "target", and that request is what an eavesdropper has.
         signer.start([capture.url])
         signer.wait_healthy()
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120
         while not capture.captured:
             assert time.monotonic() < deadline, f"no request signed for 'target':\n{signer.log()}"
             time.sleep(0.05)
@@ -211,7 +211,7 @@ def test_a_manifest_listing_ready_fails_the_snapshot_with_the_reason_on_every_da
         for d in swarm.daemons:
             assert d.prefetch("step000001")[0] == 202
         for d in swarm.daemons:
-            status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=60")
+            status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=120", timeout=150)
             assert status == 409, (d.node_id, status, body)
             reason = body["snapshot"]["reason"]
             assert "'READY' is reserved" in reason, reason
@@ -294,14 +294,11 @@ def test_each_safetensors_header_gets_the_librarys_verdict_before_ready(tmp_path
         cases[ident] = (what, ck, _library_accepts(ck / "model.safetensors"))
     verdicts = [v for _, _, v in cases.values()]
     assert verdicts.count(True) >= 4 and verdicts.count(False) >= 8, verdicts  # the corpus has both
-    d = Daemon(tmp_path, "node0", bucket, extra_env=dict(NO_STARTUP, BDN_KEEP_READY="100"))
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path, "node0", bucket, extra_env=dict(NO_STARTUP, BDN_KEEP_READY="100"))) as d:
         for ident in cases:
             assert d.prefetch(ident)[0] == 202
         for ident, (what, ck, accepted) in cases.items():
-            status, body = d.request("GET", f"/v1/snapshots/{ident}/wait?state=ready&timeout=60")
+            status, body = d.request("GET", f"/v1/snapshots/{ident}/wait?state=ready&timeout=120", timeout=150)
             if accepted:
                 assert status == 200, (what, status, body)
                 got = Path(body["path"]) / "model.safetensors"
@@ -312,8 +309,6 @@ def test_each_safetensors_header_gets_the_librarys_verdict_before_ready(tmp_path
                 assert reason.startswith("model.safetensors: the safetensors library refuses its header: "), (what, reason)
                 assert "\n" not in reason
                 assert not list(d.shm_dir.glob(f"*/{ident}")), what  # nothing handed out
-    finally:
-        d.stop()
 
 
 # ---- item 5: quarantine and repair of a corrupted READY chunk ----------------------------------
@@ -399,10 +394,7 @@ def test_a_quarantined_chunk_no_source_can_give_stays_quarantined_and_fails_the_
     ck = write_hf_dir(tmp_path / "ck", make_state(0, scale=2), 1)
     m = publish_full(f"file://{bucket_dir}", "step000001", 1, dir=ck, chunk_size=CHUNK)
     shard = m.file(SHARD)
-    d = Daemon(tmp_path, "alone", f"file://{bucket_dir}", extra_env=NO_STARTUP)
-    d.start([])
-    try:
-        d.wait_healthy()
+    with running(Daemon(tmp_path, "alone", f"file://{bucket_dir}", extra_env=NO_STARTUP)) as d:
         assert d.prefetch("step000001")[0] == 202
         path = Path(d.wait_ready("step000001")["path"])
         _flip(path / SHARD, 2 * CHUNK + 1)
@@ -418,7 +410,7 @@ def test_a_quarantined_chunk_no_source_can_give_stays_quarantined_and_fails_the_
         assert _peer_get_chunk(d, shard.chunks[2])[0] == 404
         assert d.request("GET", f"/v1/snapshots/step000001/files/{SHARD}")[0] == 409
         assert not path.exists()
-        status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=60")
+        status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=120", timeout=150)
         assert status == 409, body
         assert body["snapshot"]["reason"].startswith("repair failed: "), body
         assert "does not match the manifest digest" in body["snapshot"]["reason"], body
@@ -429,5 +421,3 @@ def test_a_quarantined_chunk_no_source_can_give_stays_quarantined_and_fails_the_
         assert d.prefetch("step000001")[0] == 202
         path = Path(d.wait_ready("step000001")["path"])
         assert (path / SHARD).read_bytes() == (ck / SHARD).read_bytes()
-    finally:
-        d.stop()

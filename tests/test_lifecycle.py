@@ -12,7 +12,7 @@ from pathlib import Path
 from support.swarm import Daemon, free_port
 
 
-def _wait_log(d: Daemon, needle: str, timeout: float = 30.0) -> None:
+def _wait_log(d: Daemon, needle: str, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while needle not in d.log():
         assert d.proc is not None and d.proc.poll() is None, f"bdnd exited {d.proc.returncode}:\n{d.log()}"

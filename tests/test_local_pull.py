@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.checkpoints import make_state, write_hf_dir
-from support.swarm import Daemon
+from support.swarm import Daemon, running
 
 from bdn.bucket import open_bucket
 from bdn.client import DaemonClient
@@ -35,15 +35,11 @@ def served(tmp_path_factory):
     finally:
         b.close()
     sock = tmp / "local.sock"
-    d = Daemon(tmp / "nodes", "node0", bucket, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_LOCAL_SOCKET": str(sock)})
-    d.start([])
-    try:
-        d.wait_healthy()
+    env = {"BDN_LOAD_STARTUP": "false", "BDN_LOCAL_SOCKET": str(sock)}
+    with running(Daemon(tmp / "nodes", "node0", bucket, extra_env=env)) as d:
         assert d.prefetch(IDENT)[0] == 202
-        d.wait_ready(IDENT, 60)
+        d.wait_ready(IDENT, 120)
         yield d, ck, state, sock
-    finally:
-        d.stop()
 
 
 def shard(ck: Path) -> tuple[str, bytes]:
