@@ -5,23 +5,19 @@ accepts (2^53) must not freeze the fleet's target.
 
 from __future__ import annotations
 
-import http.client
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgpack
 import pytest
 
-from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
 from tests.support import api
 from tests.support.api import HOT_LOAD, wait_for
 from tests.support.checkpoints import make_state, write_hf_dir
-from tests.support.swarm import SECRET, Daemon, Swarm
+from tests.support.swarm import Daemon, Swarm
 
 pytestmark = pytest.mark.timeout(300)
-KEYS = derive_keys(SECRET)
 
 
 @pytest.fixture()
@@ -36,16 +32,7 @@ def swarm(tmp_path: Path) -> Iterator[Swarm]:
 
 
 def _push(d: Daemon, target: dict) -> int:
-    path = f"/bdn/v1/{KEYS.swarm_id}/hot_load"
-    conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=30)
-    try:
-        conn.request("POST", path, body=msgpack.packb(target),
-                     headers={"Authorization": sign_request(KEYS, "POST", path, "runaway", to=d.node_id)})
-        r = conn.getresponse()
-        r.read()
-        return r.status
-    finally:
-        conn.close()
+    return d.peer_post("hot_load", target, "runaway")[0]
 
 
 def _loading(d: Daemon) -> str | None:

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from bdn.publish import publish_full
 from tests.support.api import HOT_LOAD, http, wait_for
-from tests.support.checkpoints import make_state, write_hf_dir
+from support.chains import anchor_swarm
 from tests.support.swarm import Swarm
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,11 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture()
 def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    bucket = tmp_path / "bucket"
-    bucket.mkdir()
-    ck = write_hf_dir(tmp_path / "ck", make_state(0), 1)
-    publish_full(f"file://{bucket}", "step000001", 1, dir=ck, chunk_size=64 << 10)
-    with Swarm(tmp_path / "work", 2, f"file://{bucket}", extra_env={"BDN_LOAD_STARTUP": "false"}) as s:
+    with anchor_swarm(tmp_path, 2) as s:
         yield s
 
 

@@ -7,7 +7,6 @@ signs ``POST members`` as a third node id ("evil"), as any holder of the secret 
 
 from __future__ import annotations
 
-import http.client
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,14 +15,11 @@ import msgpack
 import pytest
 
 from bdn.control.swim import ALIVE, DEAD, Message, Swim, Update
-from bdn.proto.keys import derive_keys, sign_request
-from bdn.publish import publish_full
 from tests.support.api import wait_for
-from tests.support.checkpoints import make_state, write_hf_dir
-from tests.support.swarm import SECRET, Daemon, Swarm
+from support.chains import anchor_swarm
+from tests.support.swarm import Daemon, Swarm
 
 pytestmark = pytest.mark.timeout(300)
-KEYS = derive_keys(SECRET)
 TOP = 2**63 - 1  # the largest incarnation the wire carries (bdn.control.swim.MAX_INCARNATION)
 
 
@@ -52,26 +48,14 @@ def test_a_death_forged_at_the_largest_incarnation_is_refuted_with_one_the_wire_
 
 @pytest.fixture()
 def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    bucket = tmp_path / "bucket"
-    bucket.mkdir()
-    ck = write_hf_dir(tmp_path / "ck", make_state(0), 1)
-    publish_full(f"file://{bucket}", "step000001", 1, dir=ck, chunk_size=64 << 10)
-    with Swarm(tmp_path / "work", 2, f"file://{bucket}", extra_env={"BDN_LOAD_STARTUP": "false"}) as s:
+    with anchor_swarm(tmp_path, 2) as s:
         yield s
 
 
 def members(d: Daemon, message: dict[str, Any]) -> tuple[int, Any]:
     """One signed ``POST members`` to ``d`` from node id "evil" (which holds the secret)."""
-    path = f"/bdn/v1/{KEYS.swarm_id}/members"
-    conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=30)
-    try:
-        conn.request("POST", path, body=msgpack.packb({"m": message}),
-                     headers={"Authorization": sign_request(KEYS, "POST", path, "evil", to=d.node_id)})
-        r = conn.getresponse()
-        body = r.read()
-        return r.status, msgpack.unpackb(body) if r.status == 200 else body
-    finally:
-        conn.close()
+    status, body = d.peer_post("members", {"m": message}, "evil")
+    return status, msgpack.unpackb(body) if status == 200 else body
 
 
 def table_entry(d: Daemon, node: str) -> list[Any] | None:

@@ -5,18 +5,15 @@ scrub finds one nobody asked for; ready snapshot files are read-only (0444)."""
 
 from __future__ import annotations
 
-import http.client
 import re
 import stat
 import time
 from pathlib import Path
 
-import msgpack
 
-from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
 from support.checkpoints import make_state, write_hf_dir
-from support.swarm import SECRET, Daemon
+from support.swarm import Daemon
 
 CHUNK = 64 << 10
 SHARD = "model-00001-of-00002.safetensors"
@@ -47,19 +44,7 @@ def _wait(what: str, cond, d: Daemon, timeout: float = 120.0) -> None:  # type: 
 
 def _report(d: Daemon, digest: str) -> int:
     """A signed ``POST bad_chunk`` for ``digest``'s address, as a peer would send it."""
-    keys = derive_keys(SECRET)
-    path = f"/bdn/v1/{keys.swarm_id}/bad_chunk"
-    body = msgpack.packb({"address": keys.address(digest), "snapshot": "step000001"})
-    host, port = d.peer_url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        conn.request("POST", path, body=body,
-                     headers={"Authorization": sign_request(keys, "POST", path, "tester", to=d.node_id)})
-        r = conn.getresponse()
-        r.read()
-        return r.status
-    finally:
-        conn.close()
+    return d.peer_post("bad_chunk", {"address": d.keys.address(digest), "snapshot": "step000001"})[0]
 
 
 def _ready_bytes(d: Daemon) -> bytes | None:

@@ -20,7 +20,7 @@ import numpy as np
 from bdn.proto.manifest import MANIFEST_NAME
 from bdn.publish import publish_delta, publish_full
 from support.checkpoints import make_state, optimizer_step, write_hf_dir
-from support.swarm import Daemon
+from support.swarm import Daemon, Swarm
 
 ANCHOR = "step000001"
 
@@ -98,3 +98,16 @@ def daemon_on_anchor(tmp_path: Path, url: str, extra_env: Mapping[str, str] | No
         yield d
     finally:
         d.stop()
+
+
+@contextmanager
+def anchor_swarm(tmp_path: Path, n: int = 2, chunk_size: int = 64 << 10) -> Iterator[Swarm]:
+    """``make_state(0)`` published as :data:`ANCHOR` to ``tmp_path/bucket``, and a started
+    :class:`Swarm` of ``n`` daemons on it (files under ``tmp_path/work``) that load nothing on
+    their own (``BDN_LOAD_STARTUP=false``); stopped on the way out."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    ck = write_hf_dir(tmp_path / "ck", make_state(0), 1)
+    publish_full(f"file://{bucket}", ANCHOR, 1, dir=ck, chunk_size=chunk_size)
+    with Swarm(tmp_path / "work", n, f"file://{bucket}", extra_env={"BDN_LOAD_STARTUP": "false"}) as s:
+        yield s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -16,7 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bdn.proto.keys import derive_keys
+import msgpack
+
+from bdn.proto.keys import derive_keys, sign_request
 
 SECRET = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 
@@ -55,8 +58,9 @@ class Daemon:
         self.dir = workdir / node_id
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shm_dir = self.dir / "shm"
+        self.keys = derive_keys(secret)
         #: the daemon's store, ``<shm_dir>/<swarm_id>/``: one directory per snapshot it rebuilt
-        self.store = self.shm_dir / derive_keys(secret).swarm_id
+        self.store = self.shm_dir / self.keys.swarm_id
         self.log_path = self.dir / "bdnd.log"
         secret_file = self.dir / "secret"
         secret_file.write_text(secret + "\n")
@@ -127,6 +131,19 @@ class Daemon:
         if status >= 400:
             raise urllib.error.HTTPError(self.url + path, status, str(body), None, None)  # type: ignore[arg-type]
         return body
+
+    def peer_post(self, route: str, message: Any, sender: str = "tester") -> tuple[int, bytes]:
+        """``(status, body)`` of one ``POST /bdn/v1/<swarm_id>/<route>`` to the peer API with
+        ``message`` as msgpack, signed with the swarm's keys as peer ``sender`` (for this daemon)."""
+        path = f"/bdn/v1/{self.keys.swarm_id}/{route}"
+        conn = http.client.HTTPConnection("127.0.0.1", self.peer_port, timeout=30)
+        try:
+            conn.request("POST", path, body=msgpack.packb(message),
+                         headers={"Authorization": sign_request(self.keys, "POST", path, sender, to=self.node_id)})
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
 
     def prefetch(self, identity: str) -> tuple[int, Any]:
         return self.request("POST", f"/v1/snapshots/{identity}/prefetch")
