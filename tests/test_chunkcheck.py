@@ -12,20 +12,12 @@ from pathlib import Path
 
 
 from bdn.publish import publish_full
-from support.checkpoints import make_state, write_hf_dir
+from support.checkpoints import flip_byte, make_state, write_hf_dir
 from support.swarm import Daemon
 
 CHUNK = 64 << 10
 SHARD = "model-00001-of-00002.safetensors"
 NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
-
-
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:  # root writes through 0444, as an engine's mistake would not
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 def _metric(d: Daemon, name: str) -> float:
@@ -72,7 +64,7 @@ def test_a_lying_report_changes_nothing_and_the_scrub_repairs_a_bad_chunk(tmp_pa
         assert d.get("/v1/snapshots/step000001")["state"] == "ready"
         assert _metric(d, "bdn_chunks_quarantined_total") == 0
         # A chunk gone bad that nobody reports: the scrub finds it, quarantines, re-fetches it.
-        _flip(path / SHARD, 2 * CHUNK + 3)
+        flip_byte(path / SHARD, 2 * CHUNK + 3)
         _wait("scrub quarantined", lambda: _metric(d, "bdn_chunks_quarantined_total") == 1, d)
         _wait("repaired", lambda: _ready_bytes(d) == good, d)
         assert _metric(d, "bdn_chunks_scrubbed_total") > 0
@@ -94,7 +86,7 @@ def test_a_receiver_reports_a_bad_chunk_and_the_sender_repairs_it(tmp_path: Path
         sender.wait_healthy()
         assert sender.prefetch("step000001")[0] == 202
         path = Path(sender.wait_ready("step000001")["path"])
-        _flip(path / SHARD, CHUNK + 5)  # served as it is on disk until someone notices
+        flip_byte(path / SHARD, CHUNK + 5)  # served as it is on disk until someone notices
         # The receiver takes chunks from the holder first: it gets the bad one, penalises the
         # sender, tells it, and takes the chunk elsewhere.
         receiver.start([sender.peer_url])

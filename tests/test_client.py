@@ -42,7 +42,7 @@ from bdn.cli.bdnctl import main as bdnctl_main
 from bdn.fileops import chunk_digests as file_digests
 from bdn.proto.errors import ChecksumError, IdentityError, ProtocolError
 from bdn.publish import publish_delta, publish_full
-from support.checkpoints import make_state, write_hf_dir
+from support.checkpoints import flip_byte, make_state, write_hf_dir
 from support.swarm import Daemon
 
 BDNCTL = Path(sys.executable).parent / "bdnctl"
@@ -173,14 +173,6 @@ def bdnd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bdnd]:
         daemon.stop()
 
 
-def flip_byte(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -217,7 +209,7 @@ def test_tensor_views_share_the_mapped_file(snap: tuple[Path, dict[str, np.ndarr
         # Find the tensor's bytes in the file and change one: the existing view must see it.
         data = info_file.read_bytes()
         offset = data.index(arrays["model.layers.0.mlp.up_proj.weight"].tobytes())
-        flip_byte(info_file, offset)
+        flip_byte(info_file, offset, 0x01)
         assert view.tobytes() != arrays["model.layers.0.mlp.up_proj.weight"].tobytes()
 
 
@@ -225,7 +217,7 @@ def test_verify_passes_then_catches_a_flipped_byte(snap: tuple[Path, dict[str, n
     d, _ = snap
     with open_snapshot(d) as s:
         s.verify()
-    flip_byte(d / SHARD1, CHUNK + 10)  # inside chunk 1
+    flip_byte(d / SHARD1, CHUNK + 10, 0x01)  # inside chunk 1
     with open_snapshot(d) as s, pytest.raises(ChecksumError) as exc:
         s.verify()
     msg = str(exc.value)
@@ -547,7 +539,7 @@ def test_bdnctl_verify(bdnd: Bdnd) -> None:
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("step000033 ok: 5 files")
     assert run_bdnctl("verify", str(d)).returncode == 0  # a directory needs no daemon
-    flip_byte(d / SHARD2, 9)
+    flip_byte(d / SHARD2, 9, 0x01)
     r = run_bdnctl("verify", "step000033", url=bdnd.url)
     assert r.returncode == 1
     assert r.stderr.startswith("bdnctl: error: ") and SHARD2 in r.stderr and "chunk 0 " in r.stderr

@@ -20,23 +20,22 @@ from __future__ import annotations
 import os
 import re
 import signal
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgpack
 import pytest
 
-from bdn.bucket import open_bucket
 from bdn.client import open_snapshot
 from bdn.daemon.bitfield import Bitfield
 from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import Manifest
-from bdn.publish import publish_full
-from support.checkpoints import make_state, write_hf_dir
+from support.api import wait_for
+from support.checkpoints import publish_state
 from support.faults import ChunkFaultProxy, FaultSwarm, ShmWatcher, owned_bytes, small_tmpfs, stable_ports
-from support.swarm import SECRET, Daemon
+from support.swarm import SECRET, Daemon, running
 
 CHUNK = 64 << 10
 SWARM_ID = derive_keys(SECRET).swarm_id
@@ -51,30 +50,30 @@ T = TypeVar("T")
 
 
 def poll(fn: Callable[[], T | None], timeout: float, what: str, interval: float = 0.02) -> T:
-    """Call ``fn`` until it returns something truthy; fail naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = fn()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
+    """Call ``fn`` every ``interval`` s until it returns something truthy; fail naming ``what`` after ``timeout`` s."""
+    return wait_for(fn, timeout, what, interval)  # type: ignore[return-value]
 
 
 def publish(tmp_path: Path, bucket: str, identity: str, version: int, scale: int,
             endpoint: str | None = None) -> tuple[Manifest, Path]:
-    ck = write_hf_dir(tmp_path / "trainer" / identity, make_state(version, scale=scale), version)
-    b = open_bucket(bucket, endpoint_url=endpoint)
-    try:
-        return publish_full(b, identity, version, dir=ck, chunk_size=CHUNK), ck
-    finally:
-        b.close()
+    return publish_state(tmp_path, bucket, identity, version, scale=scale, chunk_size=CHUNK, endpoint=endpoint)
 
 
 def one_daemon(tmp_path: Path, bucket: str, **env: str) -> Daemon:
     """A lone daemon (not started) with the tests' base environment plus ``env``."""
     return stable_ports(Daemon(tmp_path / "nodes", "node0", bucket, extra_env=dict(BASE_ENV, **env)))
+
+
+@contextmanager
+def tmpfs_daemon(tmp_path: Path, bucket: str, size: int) -> Iterator[tuple[Daemon, Path]]:
+    """``(daemon, mount)``: :func:`one_daemon` started and healthy with its shm dir on a fresh
+    tmpfs of ``size`` bytes (skipped where mounting is not permitted); stopped and unmounted on
+    the way out."""
+    with small_tmpfs(tmp_path / "tmpfs", size) as mnt:
+        d = one_daemon(tmp_path, bucket, BDN_SHM_DIR=str(mnt))
+        d.shm_dir = mnt
+        with running(d):
+            yield d, mnt
 
 
 def shm_root(d: Daemon) -> Path:
@@ -163,7 +162,7 @@ def test_owner_killed_mid_transfer_survivors_take_over(tmp_path: Path, file_buck
         # The survivors noticed: the victim left their member lists' live set.
         for d in survivors:
             poll(lambda d=d: any(p["node_id"] == victim_id and not p["alive"] for p in d.status()["peers"]),
-                 20, f"{d.node_id} to see {victim_id} dead", interval=0.2)
+                 120, f"{d.node_id} to see {victim_id} dead", interval=0.2)
 
         counters = {d.node_id: d.status()["counters"] for d in survivors}
         for c in counters.values():
@@ -370,31 +369,24 @@ def test_real_full_tmpfs_fails_with_numbers_and_old_snapshot_keeps_serving(tmp_p
     m1, ck1 = publish(tmp_path, file_bucket, "step000001", 1, scale=1)
     m2, _ = publish(tmp_path, file_bucket, "step000002", 2, scale=4)
     size = 1 << 20
-    with small_tmpfs(tmp_path / "tmpfs", size) as mnt:
-        d = one_daemon(tmp_path, file_bucket, BDN_SHM_DIR=str(mnt))
-        d.shm_dir = mnt
-        d.start([])
-        try:
-            d.wait_healthy()
-            d.prefetch("step000001")
-            d.wait_ready("step000001", 120)
-            st = os.statvfs(mnt)
-            free_before = st.f_bavail * st.f_frsize
-            assert free_before < _space_needed(m2)
-            with ShmWatcher([shm_root(d)]) as watcher:
-                assert d.prefetch("step000002")[0] == 202
-                snap = _check_failed_and_old_still_served(d, ck1, "step000002")
-            assert watcher.violations == []
-            got = re.fullmatch(r"shm full: snapshot 'step000002' needs (\d+) bytes, (\d+) are free on (.+)",
-                               snap["reason"])
-            assert got, snap["reason"]
-            need, free = int(got.group(1)), int(got.group(2))
-            assert need == _space_needed(m2) and free < need and free <= size, snap["reason"]
-            assert Path(got.group(3)) == shm_root(d)
-            st = os.statvfs(mnt)
-            assert st.f_bavail * st.f_frsize == free_before, "the failed snapshot left space allocated"
-        finally:
-            d.stop()
+    with tmpfs_daemon(tmp_path, file_bucket, size) as (d, mnt):
+        d.prefetch("step000001")
+        d.wait_ready("step000001", 120)
+        st = os.statvfs(mnt)
+        free_before = st.f_bavail * st.f_frsize
+        assert free_before < _space_needed(m2)
+        with ShmWatcher([shm_root(d)]) as watcher:
+            assert d.prefetch("step000002")[0] == 202
+            snap = _check_failed_and_old_still_served(d, ck1, "step000002")
+        assert watcher.violations == []
+        got = re.fullmatch(r"shm full: snapshot 'step000002' needs (\d+) bytes, (\d+) are free on (.+)",
+                           snap["reason"])
+        assert got, snap["reason"]
+        need, free = int(got.group(1)), int(got.group(2))
+        assert need == _space_needed(m2) and free < need and free <= size, snap["reason"]
+        assert Path(got.group(3)) == shm_root(d)
+        st = os.statvfs(mnt)
+        assert st.f_bavail * st.f_frsize == free_before, "the failed snapshot left space allocated"
 
 
 def test_two_snapshots_racing_for_a_small_tmpfs_one_fails_cleanly(tmp_path: Path, file_bucket: str) -> None:
@@ -404,29 +396,22 @@ def test_two_snapshots_racing_for_a_small_tmpfs_one_fails_cleanly(tmp_path: Path
     m3, ck3 = publish(tmp_path, file_bucket, "step000003", 3, scale=2)
     size = 1 << 20
     assert max(_space_needed(m2), _space_needed(m3)) < size < _space_needed(m2) + _space_needed(m3)
-    with small_tmpfs(tmp_path / "tmpfs", size) as mnt:
-        d = one_daemon(tmp_path, file_bucket, BDN_SHM_DIR=str(mnt))
-        d.shm_dir = mnt
-        d.start([])
-        try:
-            d.wait_healthy()
-            with ShmWatcher([shm_root(d)]) as watcher:
-                assert d.prefetch("step000002")[0] == 202
-                assert d.prefetch("step000003")[0] == 202
-                snaps = {i: poll(lambda i=i: (r := record(d, i))["state"] in ("ready", "failed") and r, 120, i)
-                         for i in ("step000002", "step000003")}
-            assert watcher.violations == []
-            states = sorted(s["state"] for s in snaps.values())
-            assert states == ["failed", "ready"], snaps
-            (bad,) = [i for i, s in snaps.items() if s["state"] == "failed"]
-            (good,) = [i for i, s in snaps.items() if s["state"] == "ready"]
-            assert re.fullmatch(rf"shm full: snapshot '{bad}' needs \d+ bytes, \d+ are free on .+",
-                                snaps[bad]["reason"]), snaps[bad]["reason"]
-            assert_not_visible(d, bad)
-            assert [p.name for p in (shm_root(d) / ".staging").iterdir()] == []
-            assert_ready_and_identical(d, good, ck2 if good == "step000002" else ck3)
-            # The failed one gave back whatever it had reserved: only the ready one takes space.
-            st = os.statvfs(mnt)
-            assert st.f_bavail * st.f_frsize >= size - _space_needed(m2 if good == "step000002" else m3) - 64 * 1024
-        finally:
-            d.stop()
+    with tmpfs_daemon(tmp_path, file_bucket, size) as (d, mnt):
+        with ShmWatcher([shm_root(d)]) as watcher:
+            assert d.prefetch("step000002")[0] == 202
+            assert d.prefetch("step000003")[0] == 202
+            snaps = {i: poll(lambda i=i: (r := record(d, i))["state"] in ("ready", "failed") and r, 120, i)
+                     for i in ("step000002", "step000003")}
+        assert watcher.violations == []
+        states = sorted(s["state"] for s in snaps.values())
+        assert states == ["failed", "ready"], snaps
+        (bad,) = [i for i, s in snaps.items() if s["state"] == "failed"]
+        (good,) = [i for i, s in snaps.items() if s["state"] == "ready"]
+        assert re.fullmatch(rf"shm full: snapshot '{bad}' needs \d+ bytes, \d+ are free on .+",
+                            snaps[bad]["reason"]), snaps[bad]["reason"]
+        assert_not_visible(d, bad)
+        assert [p.name for p in (shm_root(d) / ".staging").iterdir()] == []
+        assert_ready_and_identical(d, good, ck2 if good == "step000002" else ck3)
+        # The failed one gave back whatever it had reserved: only the ready one takes space.
+        st = os.statvfs(mnt)
+        assert st.f_bavail * st.f_frsize >= size - _space_needed(m2 if good == "step000002" else m3) - 64 * 1024

@@ -44,7 +44,7 @@ from bdn.proto.errors import PathError
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
 from bdn.publish import publish_full
-from support.checkpoints import make_state, write_hf_dir
+from support.checkpoints import flip_byte, make_state, write_hf_dir
 from support.swarm import SECRET, Daemon, Swarm, free_port, running
 
 CHUNK = 64 << 10
@@ -316,14 +316,6 @@ def test_each_safetensors_header_gets_the_librarys_verdict_before_ready(tmp_path
 SHARD = "model-00001-of-00002.safetensors"
 
 
-def _flip(path: Path, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0xFF]))
-
-
 def _bdnctl(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", url, *args],
                           capture_output=True, text=True, timeout=120)
@@ -361,7 +353,7 @@ def test_a_corrupted_ready_chunk_is_quarantined_and_fetched_again(tmp_path: Path
             assert d.prefetch("step000001")[0] == 202
         path = Path(victim.wait_ready("step000001")["path"])
         other.wait_ready("step000001")
-        _flip(path / SHARD, CHUNK + 5)  # chunk 1 of the shard
+        flip_byte(path / SHARD, CHUNK + 5)  # chunk 1 of the shard
         # served as it is on disk: the bad bytes would reach peers and engines
         status, body = _peer_get_chunk(victim, shard.chunks[1])
         assert status == 200 and body != (ck / SHARD).read_bytes()[CHUNK:2 * CHUNK]
@@ -397,10 +389,10 @@ def test_a_quarantined_chunk_no_source_can_give_stays_quarantined_and_fails_the_
     with running(Daemon(tmp_path, "alone", f"file://{bucket_dir}", extra_env=NO_STARTUP)) as d:
         assert d.prefetch("step000001")[0] == 202
         path = Path(d.wait_ready("step000001")["path"])
-        _flip(path / SHARD, 2 * CHUNK + 1)
+        flip_byte(path / SHARD, 2 * CHUNK + 1)
         stored = bucket_dir / "step000001" / SHARD
         good = stored.read_bytes()
-        _flip(stored, 2 * CHUNK + 1)  # and the bucket's copy: no source has the chunk now
+        flip_byte(stored, 2 * CHUNK + 1)  # and the bucket's copy: no source has the chunk now
         status, ans = d.request("POST", "/v1/snapshots/step000001/repair")
         assert status == 200, ans
         assert ans["corrupted"] == [{"path": SHARD, "chunk": 2, "offset": 2 * CHUNK, "length": CHUNK}], ans

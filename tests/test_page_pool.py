@@ -15,12 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from bdn.bucket import open_bucket
 from bdn.client import open_snapshot
 from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import Manifest
-from bdn.publish import publish_full
-from support.checkpoints import make_state, write_hf_dir
+from support.checkpoints import publish_state
 from support.faults import stable_ports
 from support.swarm import SECRET, Daemon
 
@@ -40,12 +38,7 @@ def file_bucket(tmp_path: Path) -> str:
 
 
 def publish(tmp_path: Path, bucket: str, identity: str, version: int) -> tuple[Manifest, Path]:
-    ck = write_hf_dir(tmp_path / "trainer" / identity, make_state(version, scale=2), version)
-    b = open_bucket(bucket)
-    try:
-        return publish_full(b, identity, version, dir=ck, chunk_size=CHUNK), ck
-    finally:
-        b.close()
+    return publish_state(tmp_path, bucket, identity, version, scale=2, chunk_size=CHUNK)
 
 
 def daemon(tmp_path: Path, bucket: str, **env: str) -> Daemon:

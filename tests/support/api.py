@@ -39,8 +39,8 @@ def http(
             return e.code, raw.decode(errors="replace")
 
 
-def wait_for(pred: Callable[[], _T], timeout: float, what: str) -> _T:
-    """``pred()``'s first truthy value, polled every 50 ms; AssertionError after ``timeout`` s."""
+def wait_for(pred: Callable[[], _T], timeout: float, what: str, interval: float = 0.05) -> _T:
+    """``pred()``'s first truthy value, polled every ``interval`` s; AssertionError after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
         v = pred()
@@ -48,7 +48,7 @@ def wait_for(pred: Callable[[], _T], timeout: float, what: str) -> _T:
             return v
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(interval)
 
 
 def wait_fleet(url: str, identity: str, timeout: float = 120.0, token: str | None = None) -> list[dict]:

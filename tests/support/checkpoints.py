@@ -8,7 +8,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from bdn.bucket import open_bucket
 from bdn.fileops import save
+from bdn.proto.manifest import Manifest
+from bdn.publish import publish_full
 
 BF16 = ml_dtypes.bfloat16
 
@@ -66,3 +69,26 @@ def write_hf_dir(path: Path, state: dict[str, np.ndarray], step: int = 0) -> Pat
     (path / "config.json").write_text(json.dumps({"model_type": "toy", "hidden_size": 64, "step": step}))
     (path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "vocab": {f"t{i}": i for i in range(300)}}))
     return path
+
+
+def publish_state(root: Path, bucket: str, identity: str, version: int, *, scale: int, chunk_size: int,
+                  endpoint: str | None = None) -> tuple[Manifest, Path]:
+    """``make_state(version, scale)`` written as ``root/trainer/<identity>`` and published to
+    ``bucket`` (S3 at ``endpoint``, or file://) as full snapshot ``identity`` at policy version
+    ``version``; the manifest and the trainer's directory."""
+    ck = write_hf_dir(root / "trainer" / identity, make_state(version, scale=scale), version)
+    b = open_bucket(bucket, endpoint_url=endpoint)
+    try:
+        return publish_full(b, identity, version, dir=ck, chunk_size=chunk_size), ck
+    finally:
+        b.close()
+
+
+def flip_byte(path: Path, offset: int, mask: int = 0xFF) -> None:
+    """XOR the byte at ``offset`` of the file at ``path`` with ``mask``, in place (bit rot, a bad
+    write). As root it writes through a 0444 file, as an engine's mistake would not."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))

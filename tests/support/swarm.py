@@ -59,8 +59,6 @@ class Daemon:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shm_dir = self.dir / "shm"
         self.keys = derive_keys(secret)
-        #: the daemon's store, ``<shm_dir>/<swarm_id>/``: one directory per snapshot it rebuilt
-        self.store = self.shm_dir / self.keys.swarm_id
         self.log_path = self.dir / "bdnd.log"
         secret_file = self.dir / "secret"
         secret_file.write_text(secret + "\n")
@@ -87,6 +85,11 @@ class Daemon:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.local_port}"
+
+    @property
+    def store(self) -> Path:
+        """The daemon's store, ``<shm_dir>/<swarm_id>/``: one directory per snapshot it rebuilt."""
+        return self.shm_dir / self.keys.swarm_id
 
     def start(self, peers: list[str]) -> None:
         env = dict(self.env, BDN_PEERS=",".join(p for p in peers if p != self.peer_url))
