@@ -64,28 +64,33 @@ def test_policy_slot_swap_waits_for_readers_and_blocks_new_ones(models: dict[int
     def long_request() -> None:
         with slot.reading() as m:
             in_read.set()
-            release.wait(10)
+            release.wait(120)
             seen.append(m.policy_version if m else None)
 
     def late_request() -> None:
         with slot.reading() as m:
             seen.append(m.policy_version if m else None)
 
+    def blocked() -> int:  # threads waiting on the slot's condition (CPython's Condition keeps them in _waiters)
+        return len(slot._cond._waiters)  # type: ignore[attr-defined]
+
     r1 = threading.Thread(target=long_request)
     r1.start()
-    assert in_read.wait(10)
+    assert in_read.wait(120)
     w = threading.Thread(target=slot.swap, args=(models[2],))
     w.start()
-    w.join(0.3)
-    assert w.is_alive(), "the swap must wait for the in-flight request"
+    # States, not windows: the swap is pending and blocked while the request reads ...
+    wait_for(lambda: slot._writers_waiting == 1 and blocked() == 1, 120, "the swap to wait for the in-flight request")
+    assert w.is_alive() and slot.peek() is models[1], "the swap must wait for the in-flight request"
     r2 = threading.Thread(target=late_request)
     r2.start()
-    r2.join(0.3)
-    assert r2.is_alive(), "a request arriving during a pending swap must wait for it"
+    # ... and a request arriving meanwhile blocks too (had it read, it would have seen policy 1)
+    wait_for(lambda: blocked() == 2, 120, "the late request to wait for the pending swap")
+    assert r2.is_alive() and seen == [], "a request arriving during a pending swap must wait for it"
     assert slot.peek() is models[1]
     release.set()
     for t in (r1, w, r2):
-        t.join(10)
+        t.join(120)
     # The in-flight request finished on policy 1, the late one ran on policy 2.
     assert seen == [1, 2]
 
