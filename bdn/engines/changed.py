@@ -55,8 +55,8 @@ class ChangedTensors:
 def tensor_infos(snap: Snapshot) -> dict[str, TensorInfo]:
     """Every tensor's header entry (absolute byte range in its file), read from the headers.
 
-    Returns ``{tensor name: TensorInfo}`` over all of ``snap``'s safetensors files. Raises
-    ProtocolError (naming the file) for a header that cannot be read or parsed.
+    Returns ``{tensor name: TensorInfo}`` over the safetensors files that hold ``snap``'s
+    tensors. Raises ProtocolError (naming the file) for a header that cannot be read or parsed.
     """
     out: dict[str, TensorInfo] = {}
     for rel in {snap.tensor_file(n) for n in snap.tensor_names()}:

@@ -190,7 +190,7 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, obj: Any) -> Manifest:
-        """Validate a decoded JSON object (see ``from_json``; no size limit or identity check here).
+        """Validate a decoded JSON object (see ``from_json``; no size limit, no ``expect_identity`` here).
 
         Raises ManifestError for a broken rule, or the ProtocolError of a bad identity or path
         (IdentityError, PathError), which ``from_json`` rewraps as ManifestError.
