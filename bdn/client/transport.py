@@ -143,7 +143,8 @@ class Transport:
     ) -> tuple[int, dict[str, str], Any]:
         """A bulk GET whose body is received straight into ``alloc(length, headers)``
         (``bdn.client.bulk``: its own connection, no pooling, no copy through Python);
-        ``(status, lowercase headers, body)``. Raises DaemonUnreachable, ProtocolError."""
+        ``(status, lowercase headers, body)``; ``timeout`` in seconds (default the transport's).
+        Raises DaemonUnreachable, ProtocolError."""
         parts = urlsplit(self._base)
         host = None if self._uds else parts.hostname
         return bulk.get_into(host, parts.port or 80, self._uds, parts.path + path, headers, alloc,
@@ -156,7 +157,8 @@ class Transport:
     ) -> Iterator[httpx.Response]:
         """Send a request; yield the response with its body unread (read it with ``iter_raw``).
 
-        ``body`` is sent as JSON unless None. Errors while sending or reading become
+        ``body`` is sent as JSON unless None; ``timeout`` in seconds (default the transport's).
+        Errors while sending or reading become
         DaemonUnreachable; others raised inside the block pass through. The response is closed
         on exit (its connection goes back to the pool only if the body was read to the end).
         """

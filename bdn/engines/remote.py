@@ -40,7 +40,9 @@ class EngineHTTP:
              timeout_s: float | None = None) -> Any:
         """``method route`` with a JSON ``body``; the parsed JSON answer (or its text, or None).
 
-        Raises RemoteEngineError (one line) for transport failures and statuses >= 300.
+        ``timeout_s``: seconds for this call (default the client's). Bodies over
+        ``MAX_ANSWER_BYTES`` are refused. Raises RemoteEngineError (one line) for transport
+        failures, an answer too large and statuses >= 300.
         """
         kw: dict[str, Any] = {"params": params}
         if body is not None:

@@ -39,7 +39,9 @@ def commit(
     """Build the snapshot's manifest and write it: the last object, whose presence publishes it.
 
     ``delta_of`` is ``(base identity, compression format)`` for a delta, None for a full
-    snapshot. Returns the manifest written.
+    snapshot; ``chunk_size`` in bytes, the one ``entries`` were cut with. Returns the manifest
+    written. Raises PublishError if ``identity`` is already published (unless ``overwrite``),
+    ManifestError if the manifest breaks a rule of ``bdn.snapshot/1``, BucketError from the write.
     """
     base, fmt = delta_of if delta_of is not None else (None, None)
     manifest = Manifest(

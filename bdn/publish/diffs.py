@@ -21,7 +21,14 @@ def make_diffs(
     chunk_size: int,
     workers: int,
 ) -> list[Upload]:
-    """Write one diff file per target safetensors file; return them as uploads with results."""
+    """Write one diff file per target safetensors file; return them as uploads with results.
+
+    Each diff of ``f.path`` goes to ``out_root/f.path``, against ``base_root/f.path``; the upload's
+    result holds the target's size and its chunk digests (``chunk_size`` bytes). At most
+    ``workers`` files (and no more than the cores) are diffed at once. Raises the errors of
+    :func:`bdn.fileops.write_diff_file` (TensorMismatch prefixed with the file's path) and
+    PublishError for an unreadable target.
+    """
 
     # Diffing holds a shard's base and target mapped plus its compressed output: bound the files
     # in flight by cores, not by upload workers, and give each file's tensors the cores left.

@@ -37,7 +37,12 @@ def store_all(
     workers: int,
     progress: ProgressFn | None,
 ) -> list[FileEntry]:
-    """Store every upload under ``<identity>/`` in parallel; their entries, in upload order."""
+    """Store every upload under ``<identity>/`` in parallel; their entries, in upload order.
+
+    ``chunk_size``: bytes per digest; ``workers``: threads; ``progress``: called with each stored
+    file's size in bytes. Raises PathError (before anything is stored) for a path no bucket key
+    may have, PublishError for a file unreadable or changed while it was sent, BucketError.
+    """
     for u in uploads:
         # Before the first byte moves: a path too long for a bucket key should not fail midway.
         validate_key(f"{identity}/{u.path}")
