@@ -55,6 +55,18 @@ class Uploads:
         self.by_address[address] = self.by_address.get(address, 0) + 1
         return Admission.SEND
 
+    def admit_growing(self, address: str) -> Admission:
+        """The answer for a request of ``address`` while the chunk still lands here from the
+        bucket (a cut-through asker, bdn.transfer.growing): sent to as many askers as there are
+        free slots, without the per-chunk fan-out: each copy runs at the rate the bucket's bytes
+        land (a fraction of the uplink) and the askers would otherwise wait a whole chunk for a
+        tree level. Copies counted here hold the chunk's fan-out once it is verified."""
+        if self.running >= self.max_uploads:
+            return Admission.SLOTS_FULL
+        self.running += 1
+        self.by_address[address] = self.by_address.get(address, 0) + 1
+        return Admission.SEND
+
     def fan_out(self) -> int:
         """Peers one chunk may go to at once now: ``per_chunk``, or half the upload slots while
         fewer than half are in use (an idle uplink sends a fresh chunk to more askers directly

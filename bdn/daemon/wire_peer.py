@@ -50,6 +50,7 @@ from bdn.transfer import (
     TransferServer,
 )
 from bdn.transfer.announce import HaveFeed, HaveSubscriber
+from bdn.transfer.growing import Growing, GrowingChunks
 from bdn.transfer.server import Location, Verdict
 
 log = logging.getLogger("bdn.wire")
@@ -95,6 +96,10 @@ def adopt(
     sources.wire = WireSource(cfg, wp.pool, maps, membership, stats, sources.peer_sem, sources.download_limit,
                               disk_pool, sources.pool.get, sources.pool.put, chunk_log)
     wp.maps = maps
+    if cfg.cut_through:
+        # an owner's bucket bytes go on to parked askers as they land (bdn.transfer.growing)
+        sources.wire.growing = serving.growing = wp.growing
+        wp.growing.on_start = index.wake
 
     def forgot(job: SnapshotJob) -> None:
         wp.forget(job)
@@ -135,6 +140,8 @@ class WirePeer:
         self.pool = FetchPool(self.client, workers or max(2, cfg.max_inflight))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.address: str | None = None
+        #: Chunks landing here from the bucket, served cut-through (bdn.transfer.growing).
+        self.growing = GrowingChunks()
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> str:
@@ -220,7 +227,8 @@ class WirePeer:
                 validate_identity(hint)
             except BdnError:
                 return NOT_HERE
-        decision, _loc = await self.serving.request(ask.address, ask.wait_ms / 1000, hint)
+        cut = ask.cut_through and ask.offset == 0
+        decision, _loc = await self.serving.request(ask.address, ask.wait_ms / 1000, hint, cut)
         if decision is Admission.NOT_HERE:
             return NOT_HERE
         if decision is not Admission.SEND:
@@ -245,11 +253,21 @@ class WirePeer:
         self.stats.add("peer_wire_bytes_out", length)
         self.stats.add("peer_chunks_out")
 
-    def resolve(self, address: str) -> Location | None:
-        """Where the verified chunk at ``address`` lies: ``(path, offset, length)`` or None."""
+    def resolve(self, address: str) -> Location | Growing | None:
+        """Where the verified chunk at ``address`` lies: ``(path, offset, length)``; the chunk
+        while it lands here from the bucket (``Growing``, for a cut-through answer); or None."""
         loc = self.index.lookup(address)
         if loc is None:
-            return None
+            g = self.growing.get(address)
+            # a verified copy leaves the growing table only after it is indexed: look again
+            return g if g is not None else self._resolve_verified(address)
+        return self._locate(loc)
+
+    def _resolve_verified(self, address: str) -> Location | None:
+        loc = self.index.lookup(address)
+        return None if loc is None else self._locate(loc)
+
+    def _locate(self, loc: Any) -> Location | None:
         job = loc.job
         m = job.manifest
         if m is None:

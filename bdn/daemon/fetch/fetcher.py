@@ -203,7 +203,7 @@ class Fetcher:
                     live_nodes = [m.node_id for m in self.membership.live()]
                     owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
                     if plan.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
-                        await src.from_bucket(job, ref, target, owner=True)
+                        await src.from_bucket(job, ref, target, owner=True, address=address)
                         await self._got(job, layer, ref)
                         return
                     # Not the owner: the nodes above only said "busy" or "not yet". Reading the
@@ -221,7 +221,7 @@ class Fetcher:
         if layer == RESULT:
             raise NotAvailable(f"no peer holds reconstructed chunk {ref.index} of {ref.path}")
         # every peer failed: this node reads the bucket itself, as a counted fallback
-        await src.from_bucket(job, ref, target, owner=False)
+        await src.from_bucket(job, ref, target, owner=False, address=address)
         await self._got(job, layer, ref)
 
 
