@@ -149,8 +149,11 @@ class WireSource:
         finally:
             m.inflight -= 1
         if self.chunk_log is not None:
-            self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", res.outcome.value, "wire")
+            self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", res.outcome.value,
+                                   "wire-cut" if res.cut_through else "wire")
         if res.outcome is Outcome.OK:
+            if res.cut_through:
+                self.stats.add("peer_chunks_in_cut_through")
             if not racing:  # a race counts its winner only (Sources.race)
                 job.bytes_from_peers += ref.length
                 self.stats.add("peer_bytes_in", ref.length)
@@ -167,6 +170,8 @@ class WireSource:
             log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
                         job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s, extra={"peer": m.node_id})
         elif res.outcome is Outcome.FAILED:
+            log.debug("snapshot %s: chunk %d of %s from %s failed: %s", job.identity, ref.index, ref.path, m.node_id,
+                      res.error)
             errors.append(res.error)
             self.membership.mark_failed(m.url)
             if stalled(res):
