@@ -51,3 +51,21 @@ def test_busy_answers_carry_retry_after() -> None:
     assert Admission.SLOTS_FULL.retry_after == "1"
     assert Admission.FANNED_OUT.retry_after == "0.2"
     assert Admission.SEND.retry_after is None and Admission.NOT_HERE.retry_after is None
+
+
+def test_a_growing_chunk_goes_to_every_asker_while_slots_last() -> None:
+    """Cut-through copies (the chunk still lands from the bucket) ignore the per-chunk fan-out
+    and may use up to twice max_uploads; ordinary uploads see the slots full meanwhile."""
+    from bdn.daemon.uploads import Admission, Uploads
+
+    u = Uploads(max_uploads=4, per_chunk=2)
+    assert [u.admit_growing("a") for _ in range(6)] == [Admission.SEND] * 6
+    assert u.admit("b", True, False, False) is Admission.SLOTS_FULL
+    assert [u.admit_growing("c") for _ in range(3)] == [Admission.SEND, Admission.SEND, Admission.SLOTS_FULL]
+    assert u.admit("a", True, False, False) is Admission.SLOTS_FULL
+    for _ in range(6):
+        u.done("a")
+    u.done("c")
+    u.done("c")
+    assert u.running == 0 and u.by_address == {}
+    assert u.admit("b", True, False, False) is Admission.SEND

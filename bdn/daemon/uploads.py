@@ -60,8 +60,11 @@ class Uploads:
         bucket (a cut-through asker, bdn.transfer.growing): sent to as many askers as there are
         free slots, without the per-chunk fan-out: each copy runs at the rate the bucket's bytes
         land (a fraction of the uplink) and the askers would otherwise wait a whole chunk for a
-        tree level. Copies counted here hold the chunk's fan-out once it is verified."""
-        if self.running >= self.max_uploads:
+        tree level. They may take up to twice ``max_uploads`` slots in all, so that a fresh
+        chunk's askers are not turned away by uploads of older chunks (which others hold too);
+        those see the slots full meanwhile. Copies counted here hold the chunk's fan-out once it
+        is verified."""
+        if self.running >= 2 * self.max_uploads:
             return Admission.SLOTS_FULL
         self.running += 1
         self.by_address[address] = self.by_address.get(address, 0) + 1

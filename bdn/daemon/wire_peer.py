@@ -100,6 +100,8 @@ def adopt(
         # an owner's bucket bytes go on to parked askers as they land (bdn.transfer.growing)
         sources.wire.growing = serving.growing = wp.growing
         wp.growing.on_start = index.wake
+        sources.wire.on_growing = lambda job, ref: wp.feed.announce(job.identity, wire.HAVE_GROWING,
+                                                                    job.ref_index(STORED, ref))
 
     def forgot(job: SnapshotJob) -> None:
         wp.forget(job)

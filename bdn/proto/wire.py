@@ -53,7 +53,9 @@ Frames after the handshake (payloads, before the tag):
   | count x u32 chunk indices``. From a client, a HAVE with no indices is a *subscription* to
   ``identity`` (that connection then carries no chunk requests); the server answers with its
   bitfield of the snapshot as HAVEs of layer 0 (stored) and 1 (rebuilt), then a HAVE whenever
-  chunks are indexed, and an empty one as a keep-alive (bdn.transfer.announce).
+  chunks are indexed, a HAVE of layer 2 (``HAVE_GROWING``) when it starts reading stored chunks
+  from the bucket (an asker may take them cut-through at once), and an empty one as a keep-alive
+  (bdn.transfer.announce).
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ _TYPES = frozenset(int(t) for t in FrameType)
 #: Frames a server accepts from a client after the handshake, and a client from a server.
 CLIENT_FRAMES = frozenset({FrameType.ASK, FrameType.HAVE})
 SERVER_FRAMES = frozenset({FrameType.DATA, FrameType.BUSY, FrameType.NOT_HERE, FrameType.PART, FrameType.HAVE})
+#: HAVE layer: the sender is reading these stored chunks from the bucket now (cut-through).
+HAVE_GROWING = 2
 #: ASK flag: the client accepts a cut-through answer (PART frames).
 ASK_CUT_THROUGH = 0x01
 
@@ -428,7 +432,8 @@ def decode_busy(payload: bytes | bytearray | memoryview) -> float:
 @dataclass(frozen=True, slots=True)
 class Have:
     """An announcement that the sender now holds chunks ``indices`` of ``identity``'s ``layer``
-    (0 stored, 1 reconstructed)."""
+    (0 stored, 1 reconstructed), or (``HAVE_GROWING``, 2) that it is reading those stored
+    chunks from the bucket now: an asker may take them cut-through (a PART answer) at once."""
 
     identity: str
     layer: int
@@ -442,8 +447,8 @@ def encode_have(have: Have) -> bytes:
         ProtocolError: identity longer than 255, layer not 0/1, too many or out-of-range indices.
     """
     ident = have.identity.encode("ascii")
-    if not 0 < len(ident) <= 255 or have.layer not in (0, 1):
-        raise ProtocolError("have frame needs an identity of 1..255 chars and layer 0 or 1")
+    if not 0 < len(ident) <= 255 or have.layer not in (0, 1, HAVE_GROWING):
+        raise ProtocolError("have frame needs an identity of 1..255 chars and layer 0, 1 or 2")
     if len(have.indices) > MAX_HAVE_INDICES:
         raise ProtocolError(f"have frame with {len(have.indices)} indices (at most {MAX_HAVE_INDICES})")
     try:
@@ -470,6 +475,6 @@ def decode_have(payload: bytes | bytearray | memoryview) -> Have:
         raise ProtocolError("have identity is not ascii") from None
     layer, count = _HAVE_FIXED.unpack_from(raw, 1 + n_ident)
     start = 1 + n_ident + _HAVE_FIXED.size
-    if layer not in (0, 1) or len(raw) != start + 4 * count or not ident:
+    if layer not in (0, 1, HAVE_GROWING) or len(raw) != start + 4 * count or not ident:
         raise ProtocolError("have frame malformed")
     return Have(ident, layer, struct.unpack_from(f"!{count}I", raw, start))

@@ -181,6 +181,13 @@ class Fetcher:
             errors_before, busy_before = len(errors), self.stats.busy_answers
             views, members = _views(self.membership.live())
             ranked = plan.holders(views, self.haves.holding(job, layer, idx), self.rng)
+            if not ranked:
+                # Nobody holds it yet, but a peer announced it is reading it from the bucket now:
+                # ask it at once, cut-through (bdn.transfer.growing), before parking anywhere.
+                for url in self.haves.growing_at(job, layer, idx):
+                    if url in members and await src.from_peer(job, members[url], address, ref, target, 0.0, errors):
+                        await self._got(job, layer, ref)
+                        return
             race, asks = plan.plan_holders(ranked, bits.n - bits.count, self.cfg.endgame_chunks)
             tried = {p.url for p in race} | {a.peer.url for a in asks}
             if race and await src.race(job, [members[p.url] for p in race], address, ref, target, errors):

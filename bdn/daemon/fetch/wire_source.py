@@ -96,6 +96,8 @@ class WireSource:
         self.on_bad_bytes: Callable[[str, str, str, str], None] | None = None  # (url, node, address, snapshot)
         #: Chunks landing from the bucket, for cut-through (None: store and forward only).
         self.growing: GrowingChunks | None = None
+        #: Event hook (job, ref): a chunk started growing here (announced to subscribed peers).
+        self.on_growing: Callable[[SnapshotJob, ChunkRef], None] | None = None
 
     async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -267,7 +269,7 @@ class WireSource:
                 try:
                     async for attempt in retry_policy.bucket_bytes():
                         with attempt:
-                            g = self._grow(address, target, ref, parts)
+                            g = self._grow(job, address, target, ref, parts)
                             try:
                                 await self._read_parts(bucket, key, ref, view, parts, g)
                                 if not await self._disk(_hash_ok, view, ref.digest):
@@ -309,11 +311,15 @@ class WireSource:
         except BucketError as e:
             raise BdnError(f"bucket read of {key} failed: {e}") from None
 
-    def _grow(self, address: str, target: Path, ref: ChunkRef, parts: list[tuple[int, int]]) -> Growing | None:
+    def _grow(
+        self, job: SnapshotJob, address: str, target: Path, ref: ChunkRef, parts: list[tuple[int, int]],
+    ) -> Growing | None:
         if self.growing is None or not address:
             return None
         g = Growing(str(target), ref.offset, parts)
         self.growing.start(address, g)
+        if self.on_growing is not None:
+            self.on_growing(job, ref)  # a HAVE of layer HAVE_GROWING to the subscribers
         return g
 
     def _ungrow(self, address: str, g: Growing | None) -> None:
