@@ -28,6 +28,9 @@ from bdn.proto import hrw
 from bdn.proto.manifest import ChunkRef
 
 HAVES_FIRST_S = 5.0
+#: Requests of ours an owner whose announcements we receive may have in flight before another
+#: acquisition of its chunks waits for its HAVE_GROWING instead of parking there too.
+PARK_AHEAD = 2
 
 
 def _views(members: list[Member]) -> tuple[list[plan.PeerView], dict[str, Member]]:
@@ -205,6 +208,7 @@ class Fetcher:
             holders_busy = bool(ranked) and self.stats.busy_answers > busy_before
             steps = [] if holders_busy else plan.plan_owners(self.node_id, views, ref.digest, layer, tried,
                                                              self.cfg.chunk_wait_s, owner)
+            parked_out = False
             for step in steps:
                 if isinstance(step, plan.ReadBucket):
                     live_nodes = [m.node_id for m in self.membership.live()]
@@ -216,10 +220,20 @@ class Fetcher:
                     # Not the owner: the nodes above only said "busy" or "not yet". Reading the
                     # bucket here would compete with the owners for its bandwidth; go round again.
                     break
-                if await src.from_peer(job, members[step.peer.url], address, ref, target, step.wait, errors):
+                m = members[step.peer.url]
+                if step.wait > 0 and self.cfg.cut_through and m.inflight >= PARK_AHEAD \
+                        and self.haves.synced(job, m.node_id):
+                    # This owner announces what it starts reading (HAVE_GROWING) and already has
+                    # a request of ours parked: wait for the announcement and take the chunk
+                    # cut-through then, instead of parking one more request on a chunk it reads
+                    # later (parked requests hold this node's streams and transfer slots, and the
+                    # chunks the owners read *now* found none free: bench/NOTES.md).
+                    parked_out = True
+                    break
+                if await src.from_peer(job, m, address, ref, target, step.wait, errors):
                     await self._got(job, layer, ref)
                     return
-            busy = self.stats.busy_answers > busy_before
+            busy = self.stats.busy_answers > busy_before or parked_out
             delay, again = rounds.after_round(busy=busy, failed=len(errors) > errors_before)
             # woken early when a peer announces the chunk (a HAVE pushed on the transfer wire)
             await self.haves.wait_holder(job, layer, idx, delay)

@@ -140,6 +140,11 @@ class Haves:
                 out.append(url)
         return out
 
+    def synced(self, job: SnapshotJob, node_id: str) -> bool:
+        """Whether ``node_id``'s HAVE subscription for ``job`` is synchronised (its HAVEs and
+        HAVE_GROWINGs reach this node as they happen)."""
+        return (job.identity, node_id) in self._synced
+
     def growing_at(self, job: SnapshotJob, layer: str, index: int) -> list[str]:
         """Urls of the peers that announced they are reading stored chunk ``index`` of ``job``
         from the bucket now (and do not hold it yet): they answer a cut-through ASK at once."""
