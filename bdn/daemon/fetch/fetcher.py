@@ -31,6 +31,8 @@ HAVES_FIRST_S = 5.0
 #: Requests of ours an owner whose announcements we receive may have in flight before another
 #: acquisition of its chunks waits for its HAVE_GROWING instead of parking there too.
 PARK_AHEAD = 2
+#: Workers per stored layer that take the chunks peers announce growing (cut-through).
+CUT_WORKERS = 8
 
 
 def _views(members: list[Member]) -> tuple[list[plan.PeerView], dict[str, Member]]:
@@ -109,6 +111,16 @@ class Fetcher:
                 elif not bits[i]:
                     await self._ensure(job, layer, i, refs[i])
 
+        async def cut_worker() -> None:
+            # A chunk a peer announced it is reading from the bucket now, which no acquisition
+            # here is on: take it now, cut-through, rather than when the workers' order reaches
+            # it (the owners' read order is not exactly the order the workers expect; a chunk
+            # missed while it grew was taken 15-45 s later, from a holder: bench/NOTES.md).
+            while True:
+                i = await self.haves.next_growing(job)
+                if i < bits.n and not bits[i] and (layer, i) not in job.inflight:
+                    await self._ensure(job, layer, i, refs[i])
+
         try:
             # Owned chunks have workers of their own (the bucket reads them one after another:
             # a few keep it busy), so that they never hold up the peer workers asking for the
@@ -116,6 +128,8 @@ class Fetcher:
             left = max(1, bits.n - bits.count)
             tasks = [asyncio.create_task(worker(owned)) for _ in range(min(self.cfg.bucket_concurrency + 1, left))]
             tasks += [asyncio.create_task(worker(others)) for _ in range(min(self.workers(), left))]
+            cut = [asyncio.create_task(cut_worker()) for _ in range(CUT_WORKERS)] \
+                if layer == STORED and self.cfg.cut_through and self.haves.subscriber is not None else []
             try:
                 await asyncio.gather(*tasks)
             except BaseException:
@@ -127,6 +141,10 @@ class Fetcher:
                     t.cancel()
                 await asyncio.gather(*tasks, *acquiring, return_exceptions=True)
                 raise
+            finally:
+                for t in cut:
+                    t.cancel()
+                await asyncio.gather(*cut, return_exceptions=True)
         finally:
             poller.cancel()
             # The bitfields served this download only: kept, they would pile up one table of

@@ -54,6 +54,9 @@ class Haves:
         #: identity -> chunk index -> urls of the peers reading that stored chunk from the bucket
         #: now (HAVE of layer ``wire.HAVE_GROWING``): cut-through candidates until they hold it
         self._growing: dict[str, dict[int, set[str]]] = {}
+        #: identity -> growing chunks announced while no acquisition of ours waited for them
+        #: (the fetcher's cut-through workers take them at once: :meth:`next_growing`)
+        self._fresh: dict[str, asyncio.Queue[int]] = {}
         self.subscriber: Any = None  # bdn.transfer.announce.HaveSubscriber when the transfer wire is on
         self.loop: asyncio.AbstractEventLoop | None = None
         self.polls = 0  # have requests sent over HTTP (a metric)
@@ -116,6 +119,7 @@ class Haves:
         self._by_identity.pop(identity, None)
         self._sizes.pop(identity, None)
         self._growing.pop(identity, None)
+        self._fresh.pop(identity, None)
         ps = self._sets.pop(identity, None)
         if ps is not None and self.subscriber is not None:
             by_node = self.membership.by_node()
@@ -139,6 +143,14 @@ class Haves:
             if bits.n > index and bits[index]:
                 out.append(url)
         return out
+
+    async def next_growing(self, job: SnapshotJob) -> int:
+        """The next stored chunk of ``job`` a peer announced growing while no acquisition here
+        waited for it (waits until there is one; the fetcher's cut-through workers)."""
+        q = self._fresh.get(job.identity)
+        if q is None:
+            q = self._fresh[job.identity] = asyncio.Queue()
+        return await q.get()
 
     def synced(self, job: SnapshotJob, node_id: str) -> bool:
         """Whether ``node_id``'s HAVE subscription for ``job`` is synchronised (its HAVEs and
@@ -243,6 +255,10 @@ class Haves:
             ev = self._waiters.get((identity, STORED, i))
             if ev is not None:
                 ev.set()
+            else:
+                q = self._fresh.get(identity)
+                if q is not None and q.qsize() < MAX_GROWING:
+                    q.put_nowait(i)
 
     def _wake_all(self, identity: str, got: tuple[Bitfield, Bitfield]) -> None:
         for (ident, lay, i), ev in self._waiters.items():
