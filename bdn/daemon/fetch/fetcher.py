@@ -98,6 +98,7 @@ class Fetcher:
             await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
         except asyncio.TimeoutError:
             pass
+        await self.sources.prepare(job, layer)
         nodes = self.membership.hrw_nodes()
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
         owned, others = plan.split_owned(bits, nodes, self.node_id, self.rng,
