@@ -98,6 +98,8 @@ class WireSource:
         self.growing: GrowingChunks | None = None
         #: Event hook (job, ref): a chunk started growing here (announced to subscribed peers).
         self.on_growing: Callable[[SnapshotJob, ChunkRef], None] | None = None
+        #: Event hook (job, ref): that chunk no longer grows here (verified or failed).
+        self.on_grown: Callable[[SnapshotJob, ChunkRef], None] | None = None
 
     async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -282,7 +284,7 @@ class WireSource:
                                 if g is not None:
                                     g.verified()
                             finally:
-                                self._ungrow(address, g)
+                                self._ungrow(job, ref, address, g)
                 except retry_policy.BadBytes:
                     raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
         finally:
@@ -336,13 +338,15 @@ class WireSource:
             self.on_growing(job, ref)  # a HAVE of layer HAVE_GROWING to the subscribers
         return g
 
-    def _ungrow(self, address: str, g: Growing | None) -> None:
+    def _ungrow(self, job: SnapshotJob, ref: ChunkRef, address: str, g: Growing | None) -> None:
         """The read attempt ended: a failed copy leaves the table at once (its answers in
         flight are cut off); a verified one on the loop's next turn, after the fetcher indexed
         the chunk, so a request resolved meanwhile finds one of the two."""
         if g is None or self.growing is None:
             return
         g.failed()  # no-op once verified
+        if self.on_grown is not None:
+            self.on_grown(job, ref)
         if g.state == "verified":
             asyncio.get_running_loop().call_soon(self.growing.end, address, g)
         else:
