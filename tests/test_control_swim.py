@@ -176,3 +176,21 @@ def test_a_joiner_is_synced_only_after_a_full_table() -> None:
     assert ack.kind == "sync_ack"
     j.receive(ack)
     assert j.synced and len(j.live()) == 12 and seed.is_live("j")
+
+
+def test_a_new_address_of_a_live_member_is_a_change_everyone_applies() -> None:
+    """A member readvertises (its transfer server bound after its first messages): every other
+    member reports it in ``changes`` with the new address, so the daemon re-reads it (a change
+    that did not flip liveness was silently dropped: peers kept asking it over HTTP)."""
+    c = Cluster(6)
+    c.run(35)
+    target = "n00002"
+    for s in c.nodes.values():
+        s.changes.clear()
+    c.nodes[target].readvertise("http://n2 10.0.0.2:7082")
+    c.run(20)
+    for nid, s in c.nodes.items():
+        if nid == target:
+            continue
+        assert s.addr(target) == "http://n2 10.0.0.2:7082", nid
+        assert target in s.changes, nid

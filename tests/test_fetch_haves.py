@@ -108,3 +108,28 @@ def test_a_waiting_acquisition_is_woken_by_its_chunks_have() -> None:
         await h.wait_holder(job, STORED, 9, 0.01)
 
     asyncio.run(main())
+
+
+def test_a_growing_announcement_makes_a_cut_through_candidate_until_it_is_held() -> None:
+    async def main() -> None:
+        h, subs, ms = _fleet(3)
+        h.loop = asyncio.get_running_loop()
+        job = Job("step000001")
+        h.subscribe(job)
+        node = next(iter(subs.open))[0].node_id
+        url = ms.by_node()[node].url
+        waiter = asyncio.ensure_future(h.wait_holder(job, STORED, 7, 120.0))
+        await asyncio.sleep(0)
+        h.on_have(node, job.identity, 2, (7,))  # reading 7 from the bucket now
+        await asyncio.wait_for(waiter, 120)  # woken by the growing announcement
+        assert h.growing_at(job, STORED, 7) == [url] and h.growing_at(job, "result", 7) == []
+        assert h.holding(job, STORED, 7) == []  # growing is not holding
+        h._have(node, job.identity, 0, (7,))  # verified there: a holder, no longer growing
+        assert h.holding(job, STORED, 7) == [url] and h.growing_at(job, STORED, 7) == []
+        h._have(node, job.identity, 2, (8, 40))  # 40 is outside the manifest: the frame is refused
+        assert h.growing_at(job, STORED, 8) == [] and (node, job.identity) in subs.dropped
+        h._have(node, job.identity, 2, (9,))
+        h.forget(job.identity)
+        assert h.growing_at(job, STORED, 9) == []
+
+    asyncio.run(main())

@@ -12,6 +12,7 @@ import abc
 import dataclasses
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from bdn.proto.errors import BdnError, PathError
@@ -40,6 +41,10 @@ class ObjectInfo:
     key: str
     size: int
     etag: str
+
+
+#: Largest piece read between two ``progress`` calls of ``read_range_into`` (bytes).
+PROGRESS_BYTES = 128 << 10
 
 
 class BucketError(BdnError):
@@ -249,9 +254,14 @@ class Bucket(abc.ABC):
 
     @abc.abstractmethod
     def read_range_into(
-        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None
+        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         """Fill all of ``out`` (a writable contiguous buffer) with the bytes at ``offset``.
+
+        ``progress(n)``, when given, is called on the reading thread each time the first ``n``
+        bytes of ``out`` are in place (n grows; pieces of at most ``PROGRESS_BYTES``): the
+        daemon forwards a chunk's bytes while they land (cut-through, bdn.transfer.growing).
 
         Bytes land directly in ``out`` where the backend allows it. Raises :class:`BucketError`
         if the object ends before ``offset + len(out)`` (``out`` is then partly written).

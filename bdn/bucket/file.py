@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from bdn.bucket.base import (
+    PROGRESS_BYTES,
     DEFAULT_MAX_READ,
     AccessDenied,
     Bucket,
@@ -155,7 +156,8 @@ class FileBucket(Bucket):
         return data
 
     def read_range_into(
-        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None
+        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         view = as_byte_view(out)
         if offset < 0:
@@ -170,14 +172,17 @@ class FileBucket(Bucket):
         try:
             if if_match is not None:
                 self._check_token(fd, key, if_match)
+            step = PROGRESS_BYTES if progress is not None else len(view)
             while done < len(view):
-                n = os.preadv(fd, [view[done:]], offset + done)
+                n = os.preadv(fd, [view[done : done + step]], offset + done)
                 if n == 0:
                     raise BucketError(
                         f"short read of {self._where(key)}: wanted {len(view)} bytes at offset"
                         f" {offset}, the object ends after {done}"
                     )
                 done += n
+                if progress is not None:
+                    progress(done)
             if if_match is not None:
                 self._check_token(fd, key, if_match)
         except OSError as exc:

@@ -338,7 +338,8 @@ class S3Bucket(Bucket):
         return bytes(buf)
 
     def read_range_into(
-        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None
+        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         view = as_byte_view(out)
         validate_key(key)
@@ -348,7 +349,7 @@ class S3Bucket(Bucket):
             return
         self.stats.add(get_requests=1)
         with self._slot():
-            self._fill(key, offset, view, if_match=_quoted(if_match) if if_match else None)
+            self._fill(key, offset, view, if_match=_quoted(if_match) if if_match else None, progress=progress)
 
     def _head(
         self, key: str, etag: str, part: int | None, *, checksums: bool = False
@@ -401,14 +402,14 @@ class S3Bucket(Bucket):
 
     def _fill(
         self, key: str, offset: int, view: memoryview, *, first: dict[str, Any] | None = None,
-        if_match: str | None = None,
+        if_match: str | None = None, progress: Callable[[int], None] | None = None,
     ) -> None:
         """Fill ``view`` from ``offset``, resuming broken bodies (:func:`bdn.bucket.s3_reads.fill`)."""
         full = self._full_key(key)
         fill(
             lambda **params: self._client.get_object(Bucket=self._bucket, Key=full, **params),
             key, offset, view, where=self._where(key), max_attempts=self._max_attempts, stats=self.stats,
-            map_error=self._map_error, first=first, if_match=if_match,
+            map_error=self._map_error, first=first, if_match=if_match, progress=progress,
         )
 
     # -- writes --------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 
 import botocore.exceptions as bex
 
-from bdn.bucket.base import BucketError, BucketStats, BucketUnavailable, ObjectChanged, one_line
+from bdn.bucket.base import PROGRESS_BYTES, BucketError, BucketStats, BucketUnavailable, ObjectChanged, one_line
 
 log = logging.getLogger("bdn.bucket.s3")
 
@@ -52,6 +52,7 @@ def fill(
     map_error: Callable[[str, str, Exception], BucketError],
     first: dict[str, Any] | None = None,
     if_match: str | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> None:
     """Fill ``view`` with the object's bytes from ``offset``, resuming broken bodies.
 
@@ -61,6 +62,7 @@ def fill(
     ``if_match``: a quoted ETag every request must match; without it the first answer's ETag is
     used. ``where`` names the object in messages; ``map_error(op, key, exc)`` turns other botocore
     errors into :class:`BucketError`; ``stats`` counts ``get_bytes`` and ``retries``.
+    ``progress(n)``: called each time the first ``n`` bytes of ``view`` are in place.
 
     Two kinds of broken answer are retried from the byte where they stopped, up to
     ``max_attempts`` in all: a body that breaks off (the connection dies), and a 206 that is
@@ -111,7 +113,10 @@ def fill(
                     f" {total - done}"
                 )
             resp = None
-            got, broken = _stream_into(body, view[done : done + answered])
+            got, broken = _stream_into(
+                body, view[done : done + answered],
+                None if progress is None else (lambda n, base=done: progress(base + n)),
+            )
             done += got
             stats.add(get_bytes=got)
             if broken is not None:
@@ -158,28 +163,35 @@ def _range_total(content_range: object) -> int | None:
     return int(m.group(3))
 
 
-def _stream_into(body: Any, view: memoryview) -> tuple[int, BaseException | None]:
+def _stream_into(
+    body: Any, view: memoryview, progress: Callable[[int], None] | None = None,
+) -> tuple[int, BaseException | None]:
     """Read exactly ``len(view)`` body bytes into ``view``; return (bytes read, error or None).
 
     When the body is botocore's plain ``StreamingBody`` over urllib3 over ``http.client``, read
     with ``http.client.HTTPResponse.readinto``, which ``recv_into``s the socket straight into
     ``view``: urllib3's own ``readinto`` reads into a temporary ``bytes`` and copies it, and at
     line rate that allocation and copy per chunk is what we are avoiding. Any other body (a
-    checksum wrapper, another HTTP stack) falls back to ``body.readinto``.
+    checksum wrapper, another HTTP stack) falls back to ``body.readinto``. With ``progress``
+    the body is read in pieces of ``PROGRESS_BYTES`` (a buffered ``readinto`` returns only once
+    its whole view is full), each reported as it lands.
     """
     raw = getattr(body, "_raw_stream", None)
     fp = getattr(raw, "_fp", None)
     direct = type(body).__name__ == "StreamingBody" and isinstance(fp, http.client.HTTPResponse)
     got = 0
+    step = PROGRESS_BYTES if progress is not None else len(view)
     try:
         while got < len(view):
             if direct:
-                n = fp.readinto(view[got:])
+                n = fp.readinto(view[got : got + step])
             else:
-                n = body.readinto(view[got : got + _FALLBACK_CHUNK])
+                n = body.readinto(view[got : got + min(step, _FALLBACK_CHUNK)])
             if not n:
                 raise http.client.IncompleteRead(b"", len(view) - got)
             got += n
+            if progress is not None:
+                progress(got)
     except _STREAM_ERRORS as exc:
         body.close()
         return got, exc

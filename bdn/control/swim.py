@@ -515,9 +515,14 @@ class Swim:
                 self._enqueue(u)
             return
         if _overrides(u, m):
+            moved = bool(u.addr) and u.addr != m.addr and u.status != DEAD
             if u.addr:
                 m.addr = u.addr
             self._set(u.node, m, u.status, u.incarnation, now)
+            if moved:
+                # a new address (e.g. the member's transfer server bound after its first
+                # message): a change the daemon must apply, although its liveness did not flip
+                self._changed(u.node)
             self._enqueue(Update(u.node, u.status, u.incarnation, m.addr))
 
 

@@ -177,6 +177,10 @@ class App:
         """Open, listen, settle, load (see the module docstring). Raises OSError (cannot listen)."""
         await self.peers.start()
         self.catalog.load_ready_from_store()
+        if self.wire is not None:
+            # before the first membership message, so every peer learns our transfer address
+            # with our first entry (an address learned later is a change of its own)
+            self.gossip.transfer = self.wire.start(asyncio.get_running_loop())
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
         self._tasks.append(asyncio.create_task(self.hotload.status.loop(), name="fleet-status"))
         self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
@@ -186,8 +190,6 @@ class App:
             self._tasks.append(asyncio.create_task(self.checks.scrub_loop(), name="scrub"))
         await self._listen()
         self.readiness.listening = True
-        if self.wire is not None:
-            self.gossip.transfer = self.wire.start(asyncio.get_running_loop())
         cfg = self.cfg
         log.info(
             "bdnd %s listening: peers on %s (advertised %s), transfer on %s, local API on %s%s; swarm %s; bucket %s",

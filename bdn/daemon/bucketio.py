@@ -44,19 +44,22 @@ class BucketIO:
 
     async def read_chunk(
         self, key: str, offset: int, length: int, alloc: Callable[[int], bytearray], if_match: str | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> bytearray:
         """``length`` bytes of ``key`` from ``offset`` (rate-limited) in a buffer from ``alloc``,
         taken only once a bucket slot is free (waiting reads hold no memory). ``if_match``: the
-        object's version token (raises ``ObjectChanged`` when it was replaced)."""
+        object's version token (raises ``ObjectChanged`` when it was replaced). ``progress(n)``:
+        called on the bucket thread as the first ``n`` bytes land (``Bucket.read_range_into``)."""
         await self.limit.take(length)
         async with self.sem:
             self.stats.inflight["bucket"] += 1
             buf = alloc(length)
             try:
-                if if_match is None:
+                if if_match is None and progress is None:
                     await self._run(self.bucket.read_range_into, key, offset, memoryview(buf))
                 else:
-                    await self._run(lambda: self.bucket.read_range_into(key, offset, memoryview(buf), if_match=if_match))
+                    await self._run(lambda: self.bucket.read_range_into(key, offset, memoryview(buf), if_match=if_match,
+                                                                        progress=progress))
             finally:
                 self.stats.inflight["bucket"] -= 1
         return buf

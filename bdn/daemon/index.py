@@ -125,6 +125,13 @@ class ChunkIndex:
         """A verified location of the bytes with xxh3-128 ``digest`` on this node, or None."""
         return self.by_digest.get(digest)
 
+    def wake(self, address: str) -> None:
+        """Wake the requests waiting for ``address`` without registering it (the chunk started
+        landing here from the bucket: a cut-through asker need not wait for the whole chunk)."""
+        ev = self._waiters.pop(address, None)
+        if ev is not None:
+            ev.set()
+
     async def wait(self, address: str, timeout: float) -> Loc | None:
         """Wait up to ``timeout`` s for ``address`` to be registered; its location or None."""
         loc = self.by_address.get(address)

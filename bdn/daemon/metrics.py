@@ -43,6 +43,8 @@ class _Collector:
         p.add_metric(["in"], c["peer_bytes_in"])
         p.add_metric(["out"], c["peer_bytes_out"])
         yield p
+        yield CounterMetricFamily("bdn_peer_chunks_in_cut_through", "Chunks received while the sender's bucket "
+                                  "read still landed (cut-through)", value=c["peer_chunks_in_cut_through"])
         yield CounterMetricFamily("bdn_local_bytes_copied", "Chunk bytes copied from this node's own store", value=c["local_bytes_copied"])
         v = CounterMetricFamily("bdn_chunk_verify_failures", "Chunks whose bytes did not match the manifest", labels=["source"])
         v.add_metric(["bucket"], failures.get("bucket", 0))

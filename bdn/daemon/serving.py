@@ -21,6 +21,7 @@ from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import Loc
 from bdn.daemon.stats import Stats
 from bdn.daemon.uploads import Admission, Uploads
+from bdn.transfer.growing import Growing, GrowingChunks
 
 log = logging.getLogger("bdn.serving")
 
@@ -41,9 +42,14 @@ class ChunkServing:
         self.stats = stats
         self.limit = limit
         self.disk_pool = disk_pool
+        #: Chunks landing here from the bucket (cut-through over the transfer wire), or None.
+        self.growing: GrowingChunks | None = None
 
-    async def _wait_for(self, address: str, wait: float, hint: str | None) -> Loc | None:
-        loc = self.index.lookup(address)
+    def _growing(self, address: str, cut_through: bool) -> Growing | None:
+        return self.growing.get(address) if cut_through and self.growing is not None else None
+
+    async def _wait_for(self, address: str, wait: float, hint: str | None, cut_through: bool) -> Loc | Growing | None:
+        loc = self.index.lookup(address) or self._growing(address, cut_through)
         if loc is not None or wait <= 0:
             return loc
         pend = self.index.pending_for(address)
@@ -60,13 +66,29 @@ class ChunkServing:
                 asyncio.ensure_future(self.fetcher.ensure_chunk(job, layer, ref)).add_done_callback(
                     lambda f: f.cancelled() or f.exception()
                 )
-        return await self.index.wait(address, wait)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            # woken when the chunk is indexed, or (ChunkIndex.wake) when it starts landing here
+            found = await self.index.wait(address, deadline - loop.time())
+            if found is not None:
+                return found
+            g = self._growing(address, cut_through)
+            if g is not None or loop.time() >= deadline:
+                return g
 
-    async def request(self, address: str, wait: float, hint: str | None) -> tuple[Admission, Loc | None]:
-        """The answer for a peer's request of ``address`` (``wait`` s, snapshot ``hint``). On
-        ``SEND`` an upload slot is booked: call :meth:`done` once the upload ends."""
-        loc = await self._wait_for(address, wait, hint)
-        decision = self.uploads.admit(address, loc is not None, self.index.fetching(address), wait > 0)
+    async def request(
+        self, address: str, wait: float, hint: str | None, cut_through: bool = False,
+    ) -> tuple[Admission, Loc | Growing | None]:
+        """The answer for a peer's request of ``address`` (``wait`` s, snapshot ``hint``;
+        ``cut_through``: the asker takes the chunk's bytes while they still land here from the
+        bucket, bdn.transfer.growing). On ``SEND`` an upload slot is booked: call :meth:`done`
+        once the upload ends."""
+        loc = await self._wait_for(address, wait, hint, cut_through)
+        if isinstance(loc, Growing):
+            decision = self.uploads.admit_growing(address)
+        else:
+            decision = self.uploads.admit(address, loc is not None, self.index.fetching(address), wait > 0)
         if decision is Admission.SEND:
             self.stats.inflight["upload"] += 1
         return decision, loc

@@ -23,6 +23,7 @@ COUNTERS = (
     "chunks_quarantined",
     "peer_wire_bytes_in",  # the part of peer_bytes_in/out that went over the transfer wire
     "peer_wire_bytes_out",
+    "peer_chunks_in_cut_through",  # received while the sender's bucket read still landed (bdn.transfer.growing)
     "http_header_timeouts",  # bdn/daemon/http/guard.py: requests not complete in http_header_timeout_s
     "http_connections_refused",  # over http_max_connections
     "http_bad_requests",  # unparsable requests (431 / 400)
@@ -67,7 +68,9 @@ lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
         self.verify_failures_by_peer[source] = self.verify_failures_by_peer.get(source, 0) + 1
 
     def snapshot(self) -> dict[str, Any]:
-        """The ``counters`` and ``verify_failures_by_peer`` members of the status document (copies)."""
+        """The ``counters``, ``verify_failures_by_peer``, ``inflight`` (requests in flight now, by
+        kind), ``control_requests`` and ``membership`` members of the status document (copies)."""
         return {"counters": dict(self.counters), "verify_failures_by_peer": dict(self.verify_failures_by_peer),
+                "inflight": dict(self.inflight),
                 "control_requests": {k: dict(v) for k, v in self.control.items()},
                 "membership": dict(self.membership)}

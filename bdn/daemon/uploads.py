@@ -34,24 +34,45 @@ class Admission(enum.Enum):
 
 
 class Uploads:
-    """At most ``max_uploads`` uploads at once, at most ``per_chunk`` of one chunk."""
+    """At most ``max_uploads`` uploads at once, at most ``per_chunk`` of one chunk, plus at most
+    ``max_uploads`` cut-through uploads of chunks still landing here (``admit_growing``)."""
 
     def __init__(self, max_uploads: int, per_chunk: int) -> None:
         self.max_uploads = max_uploads
         self.per_chunk = per_chunk
-        self.running = 0
+        self.running = 0  # every upload, cut-through ones included
         self.by_address: dict[str, int] = {}
+        self.growing = 0  # cut-through uploads (admit_growing), their own max_uploads slots
+        self.growing_by_address: dict[str, int] = {}
 
     def admit(self, address: str, held: bool, fetching: bool, waited: bool) -> Admission:
         """The answer for a request of ``address``: ``held`` (verified here), ``fetching`` (in
         progress here), ``waited`` (the asker asked to wait and the wait ended)."""
         if not held:
             return Admission.STILL_FETCHING if waited and fetching else Admission.NOT_HERE
-        if self.running >= self.max_uploads:
+        if self.running - self.growing >= self.max_uploads:
             return Admission.SLOTS_FULL
         if self.by_address.get(address, 0) >= self.fan_out():
             return Admission.FANNED_OUT
         self.running += 1
+        self.by_address[address] = self.by_address.get(address, 0) + 1
+        return Admission.SEND
+
+    def admit_growing(self, address: str) -> Admission:
+        """The answer for a request of ``address`` while the chunk still lands here from the
+        bucket (a cut-through asker, bdn.transfer.growing): sent to as many askers as there are
+        free slots, without the per-chunk fan-out: each copy runs at the rate the bucket's bytes
+        land (a fraction of the uplink) and the askers would otherwise wait a whole chunk for a
+        tree level. They have ``max_uploads`` slots of their own, beside the ordinary ones: a
+        fresh chunk's askers are not turned away by uploads of older chunks, and a chunk that
+        missed its cut-through is still served while fresh ones land (with one shared budget,
+        such chunks waited until the bucket phase ended: bench/NOTES.md). Copies counted here
+        hold the chunk's fan-out once it is verified."""
+        if self.growing >= self.max_uploads:
+            return Admission.SLOTS_FULL
+        self.running += 1
+        self.growing += 1
+        self.growing_by_address[address] = self.growing_by_address.get(address, 0) + 1
         self.by_address[address] = self.by_address.get(address, 0) + 1
         return Admission.SEND
 
@@ -61,11 +82,18 @@ class Uploads:
         rather than leave them waiting a tree level; a busy one keeps the tree, so a late
         owner's last chunks are forwarded by their first receivers, bench/NOTES.md)."""
         half = self.max_uploads // 2
-        return max(self.per_chunk, half) if self.running < half else self.per_chunk
+        return max(self.per_chunk, half) if self.running - self.growing < half else self.per_chunk
 
     def done(self, address: str) -> None:
         """The upload of ``address`` that ``admit`` allowed ended (sent, cut short or failed)."""
         self.running -= 1
+        g = self.growing_by_address.get(address, 0)
+        if g:
+            self.growing -= 1
+            if g > 1:
+                self.growing_by_address[address] = g - 1
+            else:
+                del self.growing_by_address[address]
         left = self.by_address[address] - 1
         if left:
             self.by_address[address] = left

@@ -50,6 +50,7 @@ from bdn.transfer import (
     TransferServer,
 )
 from bdn.transfer.announce import HaveFeed, HaveSubscriber
+from bdn.transfer.growing import Growing, GrowingChunks
 from bdn.transfer.server import Location, Verdict
 
 log = logging.getLogger("bdn.wire")
@@ -86,7 +87,7 @@ def adopt(
     # HAVE announcements on the wire (bdn.transfer.announce): this node's verified chunks to its
     # subscribers, and its own subscriptions feeding the fetcher's Haves
     fetcher = serving.fetcher
-    wp.held = lambda identity: _held(catalog.get(identity))
+    wp.held = lambda identity: _held(catalog.get(identity), wp.growing_positions.get(identity))
     fetcher.on_indexed = wp.announce
     wp.haves = fetcher.haves
     wp.subscriber = HaveSubscriber(wp.client, fetcher.haves.on_have, fetcher.haves.on_end)
@@ -95,6 +96,12 @@ def adopt(
     sources.wire = WireSource(cfg, wp.pool, maps, membership, stats, sources.peer_sem, sources.download_limit,
                               disk_pool, sources.pool.get, sources.pool.put, chunk_log)
     wp.maps = maps
+    if cfg.cut_through:
+        # an owner's bucket bytes go on to parked askers as they land (bdn.transfer.growing)
+        sources.wire.growing = serving.growing = wp.growing
+        wp.growing.on_start = index.wake
+        sources.wire.on_growing = wp.started_growing
+        sources.wire.on_grown = wp.stopped_growing
 
     def forgot(job: SnapshotJob) -> None:
         wp.forget(job)
@@ -135,6 +142,10 @@ class WirePeer:
         self.pool = FetchPool(self.client, workers or max(2, cfg.max_inflight))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.address: str | None = None
+        #: Chunks landing here from the bucket, served cut-through (bdn.transfer.growing).
+        self.growing = GrowingChunks()
+        #: identity -> stored chunk positions growing here now (sent to a new HAVE subscriber)
+        self.growing_positions: dict[str, set[int]] = {}
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> str:
@@ -190,6 +201,21 @@ class WirePeer:
         and indexed here: a HAVE to the peers subscribed to ``job``."""
         self.feed.announce(job.identity, 0 if layer == STORED else 1, position)
 
+    def started_growing(self, job: SnapshotJob, ref: Any) -> None:
+        """Event: stored chunk ``ref`` of ``job`` started landing here from the bucket: a HAVE
+        of layer ``HAVE_GROWING`` to the subscribers (they may take it cut-through now)."""
+        pos = job.ref_index(STORED, ref)
+        self.growing_positions.setdefault(job.identity, set()).add(pos)
+        self.feed.announce(job.identity, wire.HAVE_GROWING, pos)
+
+    def stopped_growing(self, job: SnapshotJob, ref: Any) -> None:
+        """Event: that chunk no longer lands here (verified, or the read failed)."""
+        pos = self.growing_positions.get(job.identity)
+        if pos is not None:
+            pos.discard(job.ref_index(STORED, ref))
+            if not pos:
+                del self.growing_positions[job.identity]
+
     def member_left(self, m: Member) -> None:
         """Event: ``m`` left HRW (or changed its transfer address): close our streams to it, so
         the fetches in flight on them end as FAILED instead of sitting out their timeouts."""
@@ -220,7 +246,8 @@ class WirePeer:
                 validate_identity(hint)
             except BdnError:
                 return NOT_HERE
-        decision, _loc = await self.serving.request(ask.address, ask.wait_ms / 1000, hint)
+        cut = ask.cut_through and ask.offset == 0
+        decision, _loc = await self.serving.request(ask.address, ask.wait_ms / 1000, hint, cut)
         if decision is Admission.NOT_HERE:
             return NOT_HERE
         if decision is not Admission.SEND:
@@ -245,11 +272,21 @@ class WirePeer:
         self.stats.add("peer_wire_bytes_out", length)
         self.stats.add("peer_chunks_out")
 
-    def resolve(self, address: str) -> Location | None:
-        """Where the verified chunk at ``address`` lies: ``(path, offset, length)`` or None."""
+    def resolve(self, address: str) -> Location | Growing | None:
+        """Where the verified chunk at ``address`` lies: ``(path, offset, length)``; the chunk
+        while it lands here from the bucket (``Growing``, for a cut-through answer); or None."""
         loc = self.index.lookup(address)
         if loc is None:
-            return None
+            g = self.growing.get(address)
+            # a verified copy leaves the growing table only after it is indexed: look again
+            return g if g is not None else self._resolve_verified(address)
+        return self._locate(loc)
+
+    def _resolve_verified(self, address: str) -> Location | None:
+        loc = self.index.lookup(address)
+        return None if loc is None else self._locate(loc)
+
+    def _locate(self, loc: Any) -> Location | None:
         job = loc.job
         m = job.manifest
         if m is None:
@@ -265,13 +302,18 @@ class WirePeer:
         return None
 
 
-def _held(job: SnapshotJob | None) -> dict[int, Any] | None:
-    """``{layer: positions}`` of the verified chunks of ``job`` (for a new HAVE subscriber; read on
-    a connection thread: a bit set meanwhile is announced by the feed as well). None: not a
-    snapshot with a manifest here."""
+def _held(job: SnapshotJob | None, growing: set[int] | None = None) -> dict[int, Any] | None:
+    """``{layer: positions}`` of the verified chunks of ``job``, and (layer ``HAVE_GROWING``)
+    those landing here now (for a new HAVE subscriber; read on a connection thread: a change
+    meanwhile is announced by the feed as well). None: not a snapshot with a manifest here."""
     if job is None or job.manifest is None or job.foreign is not None:
         return None
     out: dict[int, Any] = {}
+    if growing:
+        try:
+            out[wire.HAVE_GROWING] = sorted(growing)
+        except RuntimeError:  # the loop changed the set meanwhile: its announcements follow anyway
+            pass
     for layer, bits in ((0, job.stored), (1, job.result)):
         if bits is not None and bits.count:
             out[layer] = bits.set_positions()

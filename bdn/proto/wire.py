@@ -35,18 +35,27 @@ cross-connection frame fails its tag.
 
 Frames after the handshake (payloads, before the tag):
 
-- ``ASK`` (client): ``address[16] | offset u64 | length u64 | wait_ms u32 | hint_len u8 | hint``:
-  ``length`` bytes at ``offset`` inside the chunk at swarm ``address`` (the 32-hex swarm address
-  as 16 raw bytes); the server may hold the request up to ``wait_ms`` while it fetches the chunk;
-  ``hint`` is an optional snapshot identity.
+- ``ASK`` (client): ``address[16] | offset u64 | length u64 | wait_ms u32 | hint_len u8 | hint
+  [| flags u8]``: ``length`` bytes at ``offset`` inside the chunk at swarm ``address`` (the
+  32-hex swarm address as 16 raw bytes); the server may hold the request up to ``wait_ms`` while
+  it fetches the chunk; ``hint`` is an optional snapshot identity. ``flags`` (absent = 0; unknown
+  bits ignored): bit 0 ``ASK_CUT_THROUGH``, the client accepts a PART answer.
 - ``DATA`` (server): ``length u64``, then ``length`` raw bytes.
+- ``PART`` (server, only to an ASK with ``ASK_CUT_THROUGH``): ``offset u64 | length u64``
+  (within the asked range), then ``length`` raw bytes: a *cut-through* answer is a sequence of
+  PARTs, in any order, never overlapping, that ends when they cover the asked range; a PART of
+  length 0 is a keep-alive. The server sends it for a chunk it is still reading from the bucket
+  (bdn.transfer.growing): the bytes it has, as they land, and the range's last bytes only after
+  it verified the whole chunk, so a completed answer is still one its sender checked.
 - ``BUSY`` (server): ``retry_after_ms u32`` (upload slots full, or still fetching).
 - ``NOT_HERE`` (server): empty.
 - ``HAVE`` (either side, for announcements): ``identity_len u8 | identity | layer u8 | count u32
   | count x u32 chunk indices``. From a client, a HAVE with no indices is a *subscription* to
   ``identity`` (that connection then carries no chunk requests); the server answers with its
   bitfield of the snapshot as HAVEs of layer 0 (stored) and 1 (rebuilt), then a HAVE whenever
-  chunks are indexed, and an empty one as a keep-alive (bdn.transfer.announce).
+  chunks are indexed, a HAVE of layer 2 (``HAVE_GROWING``) when it starts reading stored chunks
+  from the bucket (an asker may take them cut-through at once), and an empty one as a keep-alive
+  (bdn.transfer.announce).
 """
 
 from __future__ import annotations
@@ -78,6 +87,7 @@ _SERVER_HELLO = struct.Struct(f"!4sB{NONCE_BYTES}s")
 _CLIENT_HELLO_FIXED = struct.Struct(f"!4sB8sQ{NONCE_BYTES}sB")
 _ASK_FIXED = struct.Struct("!16sQQIB")
 _DATA = struct.Struct("!Q")
+_PART = struct.Struct("!QQ")
 _BUSY = struct.Struct("!I")
 _HAVE_FIXED = struct.Struct("!BI")
 
@@ -92,13 +102,18 @@ class FrameType(IntEnum):
     DATA = 0x11
     BUSY = 0x12
     NOT_HERE = 0x13
+    PART = 0x14
     HAVE = 0x20
 
 
 _TYPES = frozenset(int(t) for t in FrameType)
 #: Frames a server accepts from a client after the handshake, and a client from a server.
 CLIENT_FRAMES = frozenset({FrameType.ASK, FrameType.HAVE})
-SERVER_FRAMES = frozenset({FrameType.DATA, FrameType.BUSY, FrameType.NOT_HERE, FrameType.HAVE})
+SERVER_FRAMES = frozenset({FrameType.DATA, FrameType.BUSY, FrameType.NOT_HERE, FrameType.PART, FrameType.HAVE})
+#: HAVE layer: the sender is reading these stored chunks from the bucket now (cut-through).
+HAVE_GROWING = 2
+#: ASK flag: the client accepts a cut-through answer (PART frames).
+ASK_CUT_THROUGH = 0x01
 
 
 def parse_header(header: bytes | bytearray | memoryview) -> tuple[FrameType, int]:
@@ -307,6 +322,12 @@ class Ask:
     length: int
     wait_ms: int = 0
     snapshot: str | None = None
+    flags: int = 0
+
+    @property
+    def cut_through(self) -> bool:
+        """The client accepts a cut-through answer (PART frames)."""
+        return bool(self.flags & ASK_CUT_THROUGH)
 
 
 def encode_ask(ask: Ask) -> bytes:
@@ -326,7 +347,10 @@ def encode_ask(ask: Ask) -> bytes:
     hint = (ask.snapshot or "").encode("ascii")
     if len(hint) > 255:
         raise ProtocolError("snapshot hint longer than 255 characters")
-    return _ASK_FIXED.pack(address, ask.offset, ask.length, ask.wait_ms, len(hint)) + hint
+    if not 0 <= ask.flags <= 0xFF:
+        raise ProtocolError(f"ask flags {ask.flags} out of range")
+    tail = bytes([ask.flags]) if ask.flags else b""
+    return _ASK_FIXED.pack(address, ask.offset, ask.length, ask.wait_ms, len(hint)) + hint + tail
 
 
 def decode_ask(payload: bytes | bytearray | memoryview) -> Ask:
@@ -339,15 +363,16 @@ def decode_ask(payload: bytes | bytearray | memoryview) -> Ask:
     if n < _ASK_FIXED.size:
         raise ProtocolError("ask frame too short")
     address, offset, length, wait_ms, hint_len = _ASK_FIXED.unpack_from(payload)
-    if n != _ASK_FIXED.size + hint_len:
+    if n not in (_ASK_FIXED.size + hint_len, _ASK_FIXED.size + hint_len + 1):
         raise ProtocolError("ask frame of the wrong size")
+    flags = payload[n - 1] if n == _ASK_FIXED.size + hint_len + 1 else 0
     if not (offset < MAX_LENGTH and 0 < length <= MAX_LENGTH and wait_ms <= MAX_WAIT_MS):
         raise ProtocolError(f"ask out of range: offset {offset}, length {length}, wait {wait_ms} ms")
     try:
-        hint = bytes(payload[_ASK_FIXED.size :]).decode("ascii") or None
+        hint = bytes(payload[_ASK_FIXED.size : _ASK_FIXED.size + hint_len]).decode("ascii") or None
     except UnicodeDecodeError:
         raise ProtocolError("snapshot hint is not ascii") from None
-    return Ask(address.hex(), offset, length, wait_ms, hint)
+    return Ask(address.hex(), offset, length, wait_ms, hint, flags)
 
 
 def encode_data(length: int) -> bytes:
@@ -369,6 +394,25 @@ def decode_data(payload: bytes | bytearray | memoryview) -> int:
     return length
 
 
+def encode_part(offset: int, length: int) -> bytes:
+    """The PART payload: ``length`` raw bytes at ``offset`` of the asked range follow the frame."""
+    return _PART.pack(offset, length)
+
+
+def decode_part(payload: bytes | bytearray | memoryview, asked: int) -> tuple[int, int]:
+    """``(offset, length)`` of a PART payload inside an asked range of ``asked`` bytes.
+
+    Raises:
+        ProtocolError: wrong size, or a range outside ``[0, asked)``.
+    """
+    if len(payload) != _PART.size:
+        raise ProtocolError("part frame of the wrong size")
+    offset, length = _PART.unpack(payload)
+    if offset + length > asked:
+        raise ProtocolError(f"part frame {offset}+{length} outside the {asked}-byte range asked")
+    return offset, length
+
+
 def encode_busy(retry_after_s: float) -> bytes:
     """The BUSY payload: ask again after ``retry_after_s`` seconds (clamped to 0..60 s)."""
     return _BUSY.pack(int(min(max(retry_after_s, 0.0), 60.0) * 1000))
@@ -388,7 +432,8 @@ def decode_busy(payload: bytes | bytearray | memoryview) -> float:
 @dataclass(frozen=True, slots=True)
 class Have:
     """An announcement that the sender now holds chunks ``indices`` of ``identity``'s ``layer``
-    (0 stored, 1 reconstructed)."""
+    (0 stored, 1 reconstructed), or (``HAVE_GROWING``, 2) that it is reading those stored
+    chunks from the bucket now: an asker may take them cut-through (a PART answer) at once."""
 
     identity: str
     layer: int
@@ -402,8 +447,8 @@ def encode_have(have: Have) -> bytes:
         ProtocolError: identity longer than 255, layer not 0/1, too many or out-of-range indices.
     """
     ident = have.identity.encode("ascii")
-    if not 0 < len(ident) <= 255 or have.layer not in (0, 1):
-        raise ProtocolError("have frame needs an identity of 1..255 chars and layer 0 or 1")
+    if not 0 < len(ident) <= 255 or have.layer not in (0, 1, HAVE_GROWING):
+        raise ProtocolError("have frame needs an identity of 1..255 chars and layer 0, 1 or 2")
     if len(have.indices) > MAX_HAVE_INDICES:
         raise ProtocolError(f"have frame with {len(have.indices)} indices (at most {MAX_HAVE_INDICES})")
     try:
@@ -430,6 +475,6 @@ def decode_have(payload: bytes | bytearray | memoryview) -> Have:
         raise ProtocolError("have identity is not ascii") from None
     layer, count = _HAVE_FIXED.unpack_from(raw, 1 + n_ident)
     start = 1 + n_ident + _HAVE_FIXED.size
-    if layer not in (0, 1) or len(raw) != start + 4 * count or not ident:
+    if layer not in (0, 1, HAVE_GROWING) or len(raw) != start + 4 * count or not ident:
         raise ProtocolError("have frame malformed")
     return Have(ident, layer, struct.unpack_from(f"!{count}I", raw, start))

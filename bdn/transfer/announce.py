@@ -57,7 +57,7 @@ def frames(identity: str, layer: int, indices: Iterable[int]) -> list[bytes]:
 @dataclass(eq=False)
 class _Sub:
     identity: str
-    pending: dict[int, list[int]] = field(default_factory=lambda: {0: [], 1: []})
+    pending: dict[int, list[int]] = field(default_factory=lambda: {0: [], 1: [], wire.HAVE_GROWING: []})
     closed: bool = False
 
 
@@ -82,7 +82,8 @@ class HaveFeed:
 
     def announce(self, identity: str, layer: int, index: int) -> None:
         """Event: chunk ``index`` of ``identity``'s ``layer`` (0 stored, 1 rebuilt) is verified
-        and served here: tell its subscribers (O(1) when nobody subscribed)."""
+        and served here, or (layer ``wire.HAVE_GROWING``) started landing here from the bucket:
+        tell its subscribers (O(1) when nobody subscribed)."""
         with self._cond:
             subs = self._subs.get(identity)
             if not subs:
@@ -135,12 +136,12 @@ class HaveFeed:
     def _push(self, sock: socket.socket, session: wire.Session, sub: _Sub) -> None:
         while True:
             with self._cond:
-                if not (sub.pending[0] or sub.pending[1] or self._closing):
+                if not (any(sub.pending.values()) or self._closing):
                     self._cond.wait(self._keepalive)
                 if self._closing:
                     return
                 batch = {layer: idx for layer, idx in sub.pending.items() if idx}
-                sub.pending = {0: [], 1: []}
+                sub.pending = {0: [], 1: [], wire.HAVE_GROWING: []}
             if not batch:
                 if not _alive(sock):
                     return

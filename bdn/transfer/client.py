@@ -21,6 +21,7 @@ the chunk is reported ``FAILED``: never a short success.
 
 from __future__ import annotations
 
+import bisect
 import enum
 import mmap
 import os
@@ -68,6 +69,7 @@ class FetchResult:
     outcome: Outcome
     retry_after_s: float = 0.0
     error: str = ""
+    cut_through: bool = False  # the answer came as PARTs while the sender's bucket read landed
 
     @property
     def ok(self) -> bool:
@@ -76,6 +78,7 @@ class FetchResult:
 
 
 OK = FetchResult(Outcome.OK)
+CUT_OK = FetchResult(Outcome.OK, cut_through=True)
 NOT_HERE = FetchResult(Outcome.NOT_HERE)
 
 
@@ -156,6 +159,7 @@ class TransferClient:
         wait_s: float = 0.0,
         snapshot: str | None = None,
         chunk_offset: int = 0,
+        cut_through: bool = False,
     ) -> FetchResult:
         """Fetch ``length`` bytes at ``chunk_offset`` of the chunk at swarm ``address`` from
         ``peer`` into ``dest`` at ``offset`` and check them against ``digest`` (32 hex chars,
@@ -167,16 +171,19 @@ class TransferClient:
         ``pwrite``n at ``offset``; on tmpfs a full-page write skips the zeroing of a freshly
         reserved page that a first store through a mapping costs, see bench/transfer).
 
-        ``wait_s`` (0..60) lets the peer hold the request while it fetches the chunk. Blocks the
-        calling thread. On anything but ``OK`` the range of ``dest`` holds unspecified bytes;
+        ``wait_s`` (0..60) lets the peer hold the request while it fetches the chunk.
+        ``cut_through`` (a buffer ``dest`` only): the peer may answer with the chunk's bytes as
+        they land from its bucket read (PART frames, bdn.transfer.growing); the whole range is
+        hashed once the parts cover it. Blocks the calling thread. On anything but ``OK`` the range of ``dest`` holds unspecified bytes;
         the caller must not index or serve them.
 
         Raises:
             ValueError: bad arguments (range outside ``dest``, a malformed address or digest):
                 a bug in the caller, not a peer failure.
         """
+        flags = wire.ASK_CUT_THROUGH if cut_through and not isinstance(dest, int) else 0
         try:
-            ask = wire.encode_ask(wire.Ask(address, chunk_offset, length, int(wait_s * 1000), snapshot))
+            ask = wire.encode_ask(wire.Ask(address, chunk_offset, length, int(wait_s * 1000), snapshot, flags))
         except ProtocolError as e:
             raise ValueError(str(e)) from None
         if len(digest) != 32:
@@ -184,22 +191,23 @@ class TransferClient:
         if isinstance(dest, int):
             if offset < 0:
                 raise ValueError(f"negative file offset {offset}")
-            return self._fetch(peer, ask, dest, offset, length, wait_s, digest)
+            return self._fetch(peer, ask, dest, offset, length, wait_s, digest, False)
         with memoryview(dest) as whole:
             if whole.readonly or not (0 <= offset and offset + length <= whole.nbytes):
                 raise ValueError(f"range {offset}+{length} is not inside a writable buffer of {whole.nbytes} bytes")
             with whole.cast("B")[offset : offset + length] as target:
-                return self._fetch(peer, ask, target, 0, length, wait_s, digest)
+                return self._fetch(peer, ask, target, 0, length, wait_s, digest, bool(flags))
 
     def _fetch(
-        self, peer: Peer, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str
+        self, peer: Peer, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
+        cut_ok: bool,
     ) -> FetchResult:
         stream = self._acquire(peer)
         if isinstance(stream, FetchResult):
             return stream
         keep = False
         try:
-            result = self._exchange(stream, ask, sink, offset, length, wait_s, digest)
+            result = self._exchange(stream, ask, sink, offset, length, wait_s, digest, cut_ok)
             keep = result.outcome is not Outcome.FAILED
             return result
         finally:
@@ -334,9 +342,11 @@ class TransferClient:
     # ---- one request ------------------------------------------------------------------------
 
     def _exchange(
-        self, s: _Stream, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str
+        self, s: _Stream, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
+        cut_ok: bool = False,
     ) -> FetchResult:
         peer = s.session.peer_node_id
+        cut = False
         try:
             want_timeout = self._io_timeout + wait_s
             if want_timeout != s.recv_timeout:
@@ -354,18 +364,68 @@ class TransferClient:
                 return NOT_HERE
             if ftype == wire.FrameType.BUSY:
                 return FetchResult(Outcome.BUSY, retry_after_s=wire.decode_busy(payload))
-            n = wire.decode_data(payload)
-            if n != length:
+            cut = ftype == wire.FrameType.PART
+            if cut:
+                if not cut_ok or isinstance(sink, int):
+                    raise ProtocolError("a cut-through answer to a request that did not accept one")
+                self._receive_parts(s, sink, payload, wait_s)
+                s.hasher.reset()
+                s.hasher.update(sink)
+            elif ftype != wire.FrameType.DATA:
+                raise ProtocolError(f"unexpected {ftype.name} frame as an answer")
+            elif (n := wire.decode_data(payload)) != length:
                 raise ProtocolError(f"announced {n} bytes for a {length}-byte request")
-            if isinstance(sink, int):
+            elif isinstance(sink, int):
                 self._receive_to_file(s, sink, offset, length)
             else:
                 self._receive(s, sink)
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:
             return FetchResult(Outcome.FAILED, error=f"peer {peer}: {_one_line(e)}")
         if s.hasher.hexdigest() != digest:
-            return FetchResult(Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}")
-        return OK
+            return FetchResult(Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}",
+                               cut_through=cut)
+        return CUT_OK if cut else OK
+
+    def _receive_parts(self, s: _Stream, target: memoryview, first: bytes | memoryview, wait_s: float) -> None:
+        """Receive a cut-through answer (PART frames, the first one's payload ``first``) into
+        ``target`` until the parts cover it. Raises ProtocolError (overlapping or outside
+        parts, a frame that is no PART), TimeoutError (no new byte for ``io_timeout_s``, or the
+        answer outlived ``wait_s`` + 4 x ``io_timeout_s``), ConnectionClosed."""
+        n = len(target)
+        covered = Coverage(n)
+        start = last_byte = time.monotonic()
+        limit = wait_s + 4 * self._io_timeout
+        payload = first
+        while True:
+            off, ln = wire.decode_part(payload, n)
+            now = time.monotonic()
+            if ln:
+                covered.add(off, ln)  # raises on overlap
+                self._receive_range(s, target[off : off + ln])
+                last_byte = now
+                if covered.full:
+                    return
+            elif now - last_byte > self._io_timeout:
+                raise TimeoutError(f"cut-through answer: no new byte for {self._io_timeout:g} s")
+            if now - start > limit:
+                raise TimeoutError(f"cut-through answer still incomplete after {limit:g} s")
+            ftype, body = read_frame(s.sock, s.buf)
+            if ftype != wire.FrameType.PART:
+                raise ProtocolError(f"{ftype.name} frame inside a cut-through answer")
+            payload = s.session.open(ftype, body)
+
+    @staticmethod
+    def _receive_range(s: _Stream, target: memoryview) -> None:
+        recv_into = s.sock.recv_into
+        pos, n = 0, len(target)
+        while pos < n:
+            try:
+                got = recv_into(target[pos:], n - pos)
+            except BlockingIOError:
+                raise TimeoutError(f"part stalled after {pos} of {n} bytes") from None
+            if got == 0:
+                raise ConnectionClosed(f"connection closed after {pos} of {n} part bytes")
+            pos += got
 
     def _receive(self, s: _Stream, target: memoryview) -> None:
         """Receive ``len(target)`` body bytes into ``target``, hashing each piece as it lands."""
@@ -407,6 +467,39 @@ class TransferClient:
                     with piece[done:] as rest:
                         done += os.pwrite(fd, rest, offset + pos + done)
             pos += got
+
+
+class Coverage:
+    """Which bytes of an ``n``-byte range arrived, as merged ``[start, end)`` intervals: the
+    receiver's check that a cut-through answer's parts never overlap and cover the range."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        self.bytes = 0
+
+    def add(self, off: int, length: int) -> None:
+        """Count ``[off, off + length)``. Raises ProtocolError if it overlaps what arrived."""
+        end = off + length
+        i = bisect.bisect_right(self._starts, off)
+        if (i and self._ends[i - 1] > off) or (i < len(self._starts) and self._starts[i] < end):
+            raise ProtocolError(f"cut-through part {off}+{length} overlaps bytes already received")
+        if i and self._ends[i - 1] == off:  # extends the interval before it
+            i -= 1
+            self._ends[i] = end
+        else:
+            self._starts.insert(i, off)
+            self._ends.insert(i, end)
+        if i + 1 < len(self._starts) and self._starts[i + 1] == end:  # meets the next one
+            self._ends[i] = self._ends.pop(i + 1)
+            self._starts.pop(i + 1)
+        self.bytes += length
+
+    @property
+    def full(self) -> bool:
+        """Every byte of the range arrived."""
+        return self.bytes == self.n
 
 
 def _alive(sock: socket.socket) -> bool:

@@ -9,9 +9,11 @@ while the daemon's asyncio loop keeps the control plane; the bytes never enter P
 
 The daemon plugs in two thread-safe callbacks (called on connection threads):
 
-- ``resolve(address) -> (fd | path, offset, length) | None``: where the verified chunk at swarm
-  ``address`` lies (an open file descriptor the caller keeps open, or a path whose descriptor
-  this server opens once and caches), or None when it is not held here.
+- ``resolve(address) -> (fd | path, offset, length) | Growing | None``: where the verified chunk
+  at swarm ``address`` lies (an open file descriptor the caller keeps open, or a path whose
+  descriptor this server opens once and caches), the chunk while it still lands here from the
+  bucket (``bdn.transfer.growing.Growing``: answered by cut-through to an ASK that accepts it,
+  NOT_HERE to one that does not), or None when it is not held here.
 - ``admit(peer_node_id, ask) -> Granted | Busy | NOT_HERE``: the upload policy. It may block up to
   ``ask.wait_ms`` (an owner holding a request while it fetches the chunk); ``Granted.release`` is
   called once the answer is sent or failed. From asyncio code, wrap a coroutine with
@@ -37,6 +39,7 @@ from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import NODE_ID_RE, SwarmKeys
 from bdn.transfer.files import FileCache
+from bdn.transfer.growing import CutOff, Growing, send_growing
 from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
 
 log = logging.getLogger("bdn.transfer.server")
@@ -70,7 +73,7 @@ class _NotHere:
 NOT_HERE = _NotHere()
 GRANTED = Granted()
 Verdict = Granted | Busy | _NotHere
-Resolve = Callable[[str], "Location | None"]
+Resolve = Callable[[str], "Location | Growing | None"]
 Admit = Callable[[str, wire.Ask], Verdict]
 #: Serves a HAVE subscription on its connection: (socket, session, the client's HAVE payload).
 OnHave = Callable[[socket.socket, wire.Session, memoryview], None]
@@ -94,6 +97,7 @@ class ServerStats:
     not_here: int = 0
     aborted: int = 0  # answers cut off after their DATA header (peer gone, file shrank)
     handshakes_evicted: int = 0  # unauthenticated connections dropped to admit a newer one
+    cut_through: int = 0  # answers sent cut-through (while the chunk landed from the bucket)
 
 
 @dataclass(eq=False)  # hashed by identity: kept in a set
@@ -290,6 +294,8 @@ class TransferServer:
                     self._on_have(sock, session, payload)
                     return
                 # HAVE without a feed: checking the tag keeps the sequence numbers in step.
+        except CutOff as e:
+            log.debug("transfer connection from %s cut off: %s", conn.peer or "?", e)
         except (ProtocolError, AuthError) as e:
             with self._lock:
                 self.stats.protocol_errors += 1
@@ -351,8 +357,34 @@ class TransferServer:
             self.stats.not_here += 1
         self._send(conn, session, wire.FrameType.NOT_HERE, b"")
 
+    def _send_growing(self, conn: _Conn, session: wire.Session, ask: wire.Ask, g: Growing) -> None:
+        """A cut-through answer (bdn.transfer.growing) for a chunk still landing here."""
+        if not ask.cut_through or ask.offset + ask.length > g.length:
+            self._not_here(conn, session)
+            return
+        got = self._files.acquire(g.path)
+        if got is None:
+            self._not_here(conn, session)
+            return
+        fd, ent = got
+        try:
+            send_growing(conn.sock, session.seal, fd, g, ask.offset, ask.length)
+        except (CutOff, OSError, TimeoutError):
+            with self._lock:
+                self.stats.aborted += 1
+            raise  # the answer is cut short: the connection closes, the client reports FAILED
+        finally:
+            self._files.release(ent)
+        with self._lock:
+            self.stats.chunks_out += 1
+            self.stats.bytes_out += ask.length
+            self.stats.cut_through += 1
+
     def _send_chunk(self, conn: _Conn, session: wire.Session, ask: wire.Ask) -> None:
         loc = self._resolve(ask.address)
+        if isinstance(loc, Growing):
+            self._send_growing(conn, session, ask, loc)
+            return
         if loc is None:
             self._not_here(conn, session)
             return

@@ -28,6 +28,11 @@ from bdn.proto import hrw
 from bdn.proto.manifest import ChunkRef
 
 HAVES_FIRST_S = 5.0
+#: Requests of ours an owner whose announcements we receive may have in flight before another
+#: acquisition of its chunks waits for its HAVE_GROWING instead of parking there too.
+PARK_AHEAD = 2
+#: Workers per stored layer that take the chunks peers announce growing (cut-through).
+CUT_WORKERS = 8
 
 
 def _views(members: list[Member]) -> tuple[list[plan.PeerView], dict[str, Member]]:
@@ -89,10 +94,14 @@ class Fetcher:
         job.start_layer(layer)
         # Learn who already holds what before anything starts, so that a late joiner takes from
         # peers what they have rather than reading its own HRW share from the bucket.
-        try:
-            await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
-        except asyncio.TimeoutError:
-            pass
+        # (meanwhile the layer's target files are mapped: sources.prepare)
+        async def learn() -> None:
+            try:
+                await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
+            except asyncio.TimeoutError:
+                pass
+
+        await asyncio.gather(learn(), self.sources.prepare(job, layer))
         nodes = self.membership.hrw_nodes()
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
         owned, others = plan.split_owned(bits, nodes, self.node_id, self.rng,
@@ -106,6 +115,16 @@ class Fetcher:
                 elif not bits[i]:
                     await self._ensure(job, layer, i, refs[i])
 
+        async def cut_worker() -> None:
+            # A chunk a peer announced it is reading from the bucket now, which no acquisition
+            # here is on: take it now, cut-through, rather than when the workers' order reaches
+            # it (the owners' read order is not exactly the order the workers expect; a chunk
+            # missed while it grew was taken 15-45 s later, from a holder: bench/NOTES.md).
+            while True:
+                i = await self.haves.next_growing(job)
+                if i < bits.n and not bits[i] and (layer, i) not in job.inflight:
+                    await self._ensure(job, layer, i, refs[i])
+
         try:
             # Owned chunks have workers of their own (the bucket reads them one after another:
             # a few keep it busy), so that they never hold up the peer workers asking for the
@@ -113,6 +132,8 @@ class Fetcher:
             left = max(1, bits.n - bits.count)
             tasks = [asyncio.create_task(worker(owned)) for _ in range(min(self.cfg.bucket_concurrency + 1, left))]
             tasks += [asyncio.create_task(worker(others)) for _ in range(min(self.workers(), left))]
+            cut = [asyncio.create_task(cut_worker()) for _ in range(CUT_WORKERS)] \
+                if layer == STORED and self.cfg.cut_through and self.haves.subscriber is not None else []
             try:
                 await asyncio.gather(*tasks)
             except BaseException:
@@ -124,6 +145,10 @@ class Fetcher:
                     t.cancel()
                 await asyncio.gather(*tasks, *acquiring, return_exceptions=True)
                 raise
+            finally:
+                for t in cut:
+                    t.cancel()
+                await asyncio.gather(*cut, return_exceptions=True)
         finally:
             poller.cancel()
             # The bitfields served this download only: kept, they would pile up one table of
@@ -181,6 +206,13 @@ class Fetcher:
             errors_before, busy_before = len(errors), self.stats.busy_answers
             views, members = _views(self.membership.live())
             ranked = plan.holders(views, self.haves.holding(job, layer, idx), self.rng)
+            if not ranked:
+                # Nobody holds it yet, but a peer announced it is reading it from the bucket now:
+                # ask it at once, cut-through (bdn.transfer.growing), before parking anywhere.
+                for url in self.haves.growing_at(job, layer, idx):
+                    if url in members and await src.from_peer(job, members[url], address, ref, target, 0.0, errors):
+                        await self._got(job, layer, ref)
+                        return
             race, asks = plan.plan_holders(ranked, bits.n - bits.count, self.cfg.endgame_chunks)
             tried = {p.url for p in race} | {a.peer.url for a in asks}
             if race and await src.race(job, [members[p.url] for p in race], address, ref, target, errors):
@@ -198,21 +230,32 @@ class Fetcher:
             holders_busy = bool(ranked) and self.stats.busy_answers > busy_before
             steps = [] if holders_busy else plan.plan_owners(self.node_id, views, ref.digest, layer, tried,
                                                              self.cfg.chunk_wait_s, owner)
+            parked_out = False
             for step in steps:
                 if isinstance(step, plan.ReadBucket):
                     live_nodes = [m.node_id for m in self.membership.live()]
                     owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
                     if plan.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
-                        await src.from_bucket(job, ref, target, owner=True)
+                        await src.from_bucket(job, ref, target, owner=True, address=address)
                         await self._got(job, layer, ref)
                         return
                     # Not the owner: the nodes above only said "busy" or "not yet". Reading the
                     # bucket here would compete with the owners for its bandwidth; go round again.
                     break
-                if await src.from_peer(job, members[step.peer.url], address, ref, target, step.wait, errors):
+                m = members[step.peer.url]
+                if step.wait > 0 and self.cfg.cut_through and m.inflight >= PARK_AHEAD \
+                        and self.haves.synced(job, m.node_id):
+                    # This owner announces what it starts reading (HAVE_GROWING) and already has
+                    # a request of ours parked: wait for the announcement and take the chunk
+                    # cut-through then, instead of parking one more request on a chunk it reads
+                    # later (parked requests hold this node's streams and transfer slots, and the
+                    # chunks the owners read *now* found none free: bench/NOTES.md).
+                    parked_out = True
+                    break
+                if await src.from_peer(job, m, address, ref, target, step.wait, errors):
                     await self._got(job, layer, ref)
                     return
-            busy = self.stats.busy_answers > busy_before
+            busy = self.stats.busy_answers > busy_before or parked_out
             delay, again = rounds.after_round(busy=busy, failed=len(errors) > errors_before)
             # woken early when a peer announces the chunk (a HAVE pushed on the transfer wire)
             await self.haves.wait_holder(job, layer, idx, delay)
@@ -221,7 +264,7 @@ class Fetcher:
         if layer == RESULT:
             raise NotAvailable(f"no peer holds reconstructed chunk {ref.index} of {ref.path}")
         # every peer failed: this node reads the bucket itself, as a counted fallback
-        await src.from_bucket(job, ref, target, owner=False)
+        await src.from_bucket(job, ref, target, owner=False, address=address)
         await self._got(job, layer, ref)
 
 

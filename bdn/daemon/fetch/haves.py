@@ -28,9 +28,12 @@ from bdn.daemon.membership import Member, Membership
 from bdn.daemon.peer_client import PeerClient, PeerError
 from bdn.daemon.snapshot import STORED, SnapshotJob
 from bdn.daemon.transfer_address import peer_of
+from bdn.proto.wire import HAVE_GROWING
 
 log = logging.getLogger("bdn.fetch")
 POLL_S = 0.5
+#: Chunks per snapshot tracked as growing at some peer (bounds what a lying peer can add).
+MAX_GROWING = 4096
 #: Peers one node subscribes to per snapshot (issue 13: O(K) control state and messages per node).
 PEERSET_K = 24
 
@@ -48,6 +51,12 @@ class Haves:
         self._sets: dict[str, PeerSet] = {}
         self._synced: set[tuple[str, str]] = set()  # (identity, node id): bitfield received, HAVEs flowing
         self._waiters: dict[tuple[str, str, int], asyncio.Event] = {}
+        #: identity -> chunk index -> urls of the peers reading that stored chunk from the bucket
+        #: now (HAVE of layer ``wire.HAVE_GROWING``): cut-through candidates until they hold it
+        self._growing: dict[str, dict[int, set[str]]] = {}
+        #: identity -> growing chunks announced while no acquisition of ours waited for them
+        #: (the fetcher's cut-through workers take them at once: :meth:`next_growing`)
+        self._fresh: dict[str, asyncio.Queue[int]] = {}
         self.subscriber: Any = None  # bdn.transfer.announce.HaveSubscriber when the transfer wire is on
         self.loop: asyncio.AbstractEventLoop | None = None
         self.polls = 0  # have requests sent over HTTP (a metric)
@@ -109,6 +118,8 @@ class Haves:
         """Drop what peers reported of ``identity`` (its download ended) and its subscriptions."""
         self._by_identity.pop(identity, None)
         self._sizes.pop(identity, None)
+        self._growing.pop(identity, None)
+        self._fresh.pop(identity, None)
         ps = self._sets.pop(identity, None)
         if ps is not None and self.subscriber is not None:
             by_node = self.membership.by_node()
@@ -132,6 +143,26 @@ class Haves:
             if bits.n > index and bits[index]:
                 out.append(url)
         return out
+
+    async def next_growing(self, job: SnapshotJob) -> int:
+        """The next stored chunk of ``job`` a peer announced growing while no acquisition here
+        waited for it (waits until there is one; the fetcher's cut-through workers)."""
+        q = self._fresh.get(job.identity)
+        if q is None:
+            q = self._fresh[job.identity] = asyncio.Queue()
+        return await q.get()
+
+    def synced(self, job: SnapshotJob, node_id: str) -> bool:
+        """Whether ``node_id``'s HAVE subscription for ``job`` is synchronised (its HAVEs and
+        HAVE_GROWINGs reach this node as they happen)."""
+        return (job.identity, node_id) in self._synced
+
+    def growing_at(self, job: SnapshotJob, layer: str, index: int) -> list[str]:
+        """Urls of the peers that announced they are reading stored chunk ``index`` of ``job``
+        from the bucket now (and do not hold it yet): they answer a cut-through ASK at once."""
+        if layer != STORED:
+            return []
+        return list(self._growing.get(job.identity, {}).get(index, ()))
 
     # ---- pushed -------------------------------------------------------------------------------
     def subscribe(self, job: SnapshotJob) -> None:
@@ -183,7 +214,7 @@ class Haves:
             return
         ns, nr = self._sizes.get(identity, (0, 0))
         entry = haves.setdefault(m.url, (Bitfield(ns), Bitfield(nr)))
-        bits = entry[0] if layer == 0 else entry[1]
+        bits = entry[1] if layer == 1 else entry[0]
         if max(indices) >= bits.n:
             log.debug("peer %s announced chunk %d of %s outside the manifest; subscription dropped",
                       node_id, max(indices), identity)
@@ -191,9 +222,19 @@ class Haves:
             if p is not None and self.subscriber is not None:
                 self.subscriber.unsubscribe(p, identity)
             return
+        if layer == HAVE_GROWING:
+            self._grow(identity, m.url, ns, indices)
+            return
         lay = STORED if layer == 0 else "result"
         ps = self._sets.get(identity)
+        grow = self._growing.get(identity) if layer == 0 else None
         for i in indices:
+            if grow:
+                at = grow.get(i)
+                if at is not None:
+                    at.discard(m.url)
+                    if not at:
+                        del grow[i]
             if bits.set(i):
                 self.pushed += 1
                 ev = self._waiters.get((identity, lay, i))
@@ -201,6 +242,23 @@ class Haves:
                     ev.set()
         if ps is not None and layer == 0 and node_id in ps.peers:
             ps.on_have(node_id, [int(i) for i in indices])
+
+    def _grow(self, identity: str, url: str, ns: int, indices: tuple[int, ...]) -> None:
+        """Peer ``url`` reads ``indices`` from the bucket now: cut-through candidates; wake the
+        acquisitions waiting for them. At most ``MAX_GROWING`` chunks tracked per snapshot (an
+        honest owner has a few in flight; more are dropped, they still arrive as HAVEs)."""
+        grow = self._growing.setdefault(identity, {})
+        for i in indices:
+            if i >= ns or (i not in grow and len(grow) >= MAX_GROWING):
+                continue
+            grow.setdefault(i, set()).add(url)
+            ev = self._waiters.get((identity, STORED, i))
+            if ev is not None:
+                ev.set()
+            else:
+                q = self._fresh.get(identity)
+                if q is not None and q.qsize() < MAX_GROWING:
+                    q.put_nowait(i)
 
     def _wake_all(self, identity: str, got: tuple[Bitfield, Bitfield]) -> None:
         for (ident, lay, i), ev in self._waiters.items():

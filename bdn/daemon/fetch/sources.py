@@ -21,7 +21,7 @@ from bdn.daemon.lograte import RepeatLog
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError, PeerStalled
 from bdn.daemon.ratelimit import RateLimit
-from bdn.daemon.snapshot import Loc, SnapshotJob
+from bdn.daemon.snapshot import STORED, Loc, SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.transfer_address import peer_of
 from bdn.proto.errors import BdnError, ProtocolError
@@ -29,6 +29,8 @@ from bdn.proto.manifest import ChunkRef
 
 log = logging.getLogger("bdn.fetch")
 T = TypeVar("T")
+#: Target files a layer may have for them all to be mapped before its first chunk.
+PREPARE_FILES = 64
 
 
 class BufferPool:
@@ -114,6 +116,16 @@ class Sources:
             raise  # the thread may still read ``buf``: leave it to the garbage collector
         self.pool.put(buf)
         return ok
+
+    async def prepare(self, job: SnapshotJob, layer: str) -> None:
+        """Before a layer's first chunk: over the transfer wire, map its target files (at most
+        ``PREPARE_FILES`` of them; more are mapped by their first chunk)."""
+        m = job.manifest
+        if self.wire is None or job.foreign is not None or m is None or len(m.files) > PREPARE_FILES:
+            return
+        paths = list(dict.fromkeys(job.file_path(layer, i) for i, f in enumerate(m.files)
+                                   if (f.size if layer == STORED else f.result_size)))
+        await self.wire.prepare(job, paths)
 
     async def from_local(self, job: SnapshotJob, loc: Loc, ref: ChunkRef, target: Path) -> bool:
         """The same bytes already on this node (e.g. an unchanged config.json), copied and re-verified."""
@@ -262,12 +274,15 @@ class Sources:
                 await asyncio.gather(*pending, return_exceptions=True)
         return winner
 
-    async def from_bucket(self, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool) -> None:
+    async def from_bucket(
+        self, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool, address: str = "",
+    ) -> None:
         """Read the chunk from the bucket (as its ``owner``, or as a counted fallback); 3 tries
-        when the bytes do not match. Raises BdnError (missing object, bucket error) or
-        ProtocolError (never matched)."""
+        when the bytes do not match. ``address``: the chunk's swarm address (over the transfer
+        wire its bytes then go on to parked askers as they land: cut-through). Raises BdnError
+        (missing object, bucket error) or ProtocolError (never matched)."""
         if self.wire is not None and job.foreign is None:  # a foreign snapshot's reads need its etag
-            await self.wire.from_bucket(self.bucket, job, ref, target, owner)  # into the mapping
+            await self.wire.from_bucket(self.bucket, job, ref, target, owner, address)  # into the mapping
         else:
             await self._bucket_into_buffer(job, ref, target)
         role = "owner" if owner else "fallback"

@@ -42,6 +42,7 @@ from bdn.proto import wire
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef
 from bdn.transfer import FetchPool, FetchResult, Outcome, Peer
+from bdn.transfer.growing import Growing, GrowingChunks
 
 log = logging.getLogger("bdn.fetch.wire")
 
@@ -93,6 +94,12 @@ class WireSource:
         self.chunk_log = chunk_log
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
         self.on_bad_bytes: Callable[[str, str, str, str], None] | None = None  # (url, node, address, snapshot)
+        #: Chunks landing from the bucket, for cut-through (None: store and forward only).
+        self.growing: GrowingChunks | None = None
+        #: Event hook (job, ref): a chunk started growing here (announced to subscribed peers).
+        self.on_growing: Callable[[SnapshotJob, ChunkRef], None] | None = None
+        #: Event hook (job, ref): that chunk no longer grows here (verified or failed).
+        self.on_grown: Callable[[SnapshotJob, ChunkRef], None] | None = None
 
     async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -146,8 +153,11 @@ class WireSource:
         finally:
             m.inflight -= 1
         if self.chunk_log is not None:
-            self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", res.outcome.value, "wire")
+            self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", res.outcome.value,
+                                   "wire-cut" if res.cut_through else "wire")
         if res.outcome is Outcome.OK:
+            if res.cut_through:
+                self.stats.add("peer_chunks_in_cut_through")
             if not racing:  # a race counts its winner only (Sources.race)
                 job.bytes_from_peers += ref.length
                 self.stats.add("peer_bytes_in", ref.length)
@@ -164,6 +174,8 @@ class WireSource:
             log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
                         job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s, extra={"peer": m.node_id})
         elif res.outcome is Outcome.FAILED:
+            log.debug("snapshot %s: chunk %d of %s from %s failed: %s", job.identity, ref.index, ref.path, m.node_id,
+                      res.error)
             errors.append(res.error)
             self.membership.mark_failed(m.url)
             if stalled(res):
@@ -184,7 +196,7 @@ class WireSource:
         except OSError as e:
             return FetchResult(Outcome.FAILED, error=f"cannot map {target}: {e}")
         fut = self.pool.submit(peer, address, mm, ref.offset, ref.length, ref.digest, wait_s=wait,
-                               snapshot=job.identity)
+                               snapshot=job.identity, cut_through=self.growing is not None)
         return await self._await(fut, m, peer, lambda: self.maps.release(target))
 
     async def _race_one(
@@ -241,46 +253,103 @@ class WireSource:
             m.requests.discard(req)
 
     # ---- the bucket ---------------------------------------------------------------------------
-    async def from_bucket(self, bucket: BucketIO, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool) -> None:
+    async def from_bucket(
+        self, bucket: BucketIO, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool, address: str = "",
+    ) -> None:
         """``Sources.from_bucket`` with the bytes read into the mapping and hashed in place
-        (never indexed before the digest matched). Same errors."""
+        (never indexed before the digest matched). Same errors. With ``growing`` set and the
+        chunk's swarm ``address`` given, the chunk is registered as growing while it lands, so
+        the transfer server can send it on cut-through (bdn.transfer.growing)."""
         key = f"{job.identity}/{ref.path}"
         try:
             mm = await self.maps.acquire(job, target)
         except OSError as e:
             raise BdnError(f"cannot map {target}: {e}") from None
+        parts = bucket_parts(ref.length, self.cfg.bucket_concurrency)
         try:
             with memoryview(mm) as whole, whole[ref.offset : ref.offset + ref.length] as view:
                 try:
                     async for attempt in retry_policy.bucket_bytes():
                         with attempt:
+                            g = self._grow(job, address, target, ref, parts)
                             try:
-                                # The parts queue, in order, for the bucket's
-                                # ``bucket_concurrency`` slots (FIFO): a chunk's parts run
-                                # together and, as each ends, the next chunk's part takes its
-                                # slot, so the streams never idle between chunks. Every part
-                                # ends before the view is let go (a failed part does not leave
-                                # the others writing into it).
-                                res = await asyncio.gather(*(
-                                    bucket.read_chunk(key, ref.offset + off, n, lambda _n, o=off, n=n: view[o : o + n])  # type: ignore[misc]
-                                    for off, n in bucket_parts(ref.length, self.cfg.bucket_concurrency)
-                                ), return_exceptions=True)
-                                for r in res:
-                                    if isinstance(r, BaseException):
-                                        raise r
-                            except ObjectNotFound:
-                                raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
-                            except BucketError as e:
-                                raise BdnError(f"bucket read of {key} failed: {e}") from None
-                            if not await self._disk(_hash_ok, view, ref.digest):
-                                self.stats.verify_failed("bucket")
-                                if self.chunk_log is not None:
-                                    self.chunk_log.attempt(job, ref, "bucket", "corrupt")
-                                log.warning("snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
-                                            job.identity, key, ref.index)
-                                raise retry_policy.BadBytes()
+                                await self._read_parts(bucket, key, ref, view, parts, g)
+                                if not await self._disk(_hash_ok, view, ref.digest):
+                                    self.stats.verify_failed("bucket")
+                                    if self.chunk_log is not None:
+                                        self.chunk_log.attempt(job, ref, "bucket", "corrupt")
+                                    log.warning("snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
+                                                job.identity, key, ref.index)
+                                    raise retry_policy.BadBytes()
+                                if g is not None:
+                                    g.verified()
+                            finally:
+                                self._ungrow(job, ref, address, g)
                 except retry_policy.BadBytes:
                     raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
         finally:
             self.maps.release(target)
+
+    async def prepare(self, job: SnapshotJob, paths: list[Path]) -> None:
+        """Map the target files ``paths`` now, all at once, before the layer's first chunk: the
+        first read into each file then waits for no mapping, so an owner's bucket reads start
+        in its chunks' order (the order its askers expect them in). Files that cannot be
+        mapped (empty ones) are left to the chunk that needs them."""
+        async def one(p: Path) -> None:
+            try:
+                await self.maps.acquire(job, p)
+            except OSError:
+                return
+            self.maps.release(p)
+
+        await asyncio.gather(*(one(p) for p in paths))
+
+    async def _read_parts(
+        self, bucket: BucketIO, key: str, ref: ChunkRef, view: memoryview, parts: list[tuple[int, int]],
+        g: Growing | None,
+    ) -> None:
+        """Read ``parts`` of the chunk into ``view``. The parts queue, in order, for the
+        bucket's ``bucket_concurrency`` slots (FIFO): a chunk's parts run together and, as each
+        ends, the next chunk's part takes its slot, so the streams never idle between chunks.
+        Every part ends before this returns (a failed part does not leave the others writing
+        into the view). Raises BdnError (missing object, bucket error)."""
+        try:
+            res = await asyncio.gather(*(
+                bucket.read_chunk(key, ref.offset + off, n, lambda _n, o=off, n=n: view[o : o + n],  # type: ignore[misc]
+                                  progress=None if g is None else (lambda k, i=i: g.landed(i, k)))
+                for i, (off, n) in enumerate(parts)
+            ), return_exceptions=True)
+            for r in res:
+                if isinstance(r, BaseException):
+                    raise r
+        except ObjectNotFound:
+            raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
+        except BucketError as e:
+            raise BdnError(f"bucket read of {key} failed: {e}") from None
+
+    def _grow(
+        self, job: SnapshotJob, address: str, target: Path, ref: ChunkRef, parts: list[tuple[int, int]],
+    ) -> Growing | None:
+        if self.growing is None or not address:
+            return None
+        g = Growing(str(target), ref.offset, parts)
+        self.growing.start(address, g)
+        if self.on_growing is not None:
+            self.on_growing(job, ref)  # a HAVE of layer HAVE_GROWING to the subscribers
+        return g
+
+    def _ungrow(self, job: SnapshotJob, ref: ChunkRef, address: str, g: Growing | None) -> None:
+        """The read attempt ended: a failed copy leaves the table at once (its answers in
+        flight are cut off); a verified one on the loop's next turn, after the fetcher indexed
+        the chunk, so a request resolved meanwhile finds one of the two."""
+        if g is None or self.growing is None:
+            return
+        g.failed()  # no-op once verified
+        if self.on_grown is not None:
+            self.on_grown(job, ref)
+        if g.state == "verified":
+            asyncio.get_running_loop().call_soon(self.growing.end, address, g)
+        else:
+            self.growing.end(address, g)
+
         # the counters, the chunk log's "ok" and the fallback line: Sources.from_bucket, for both paths
