@@ -26,6 +26,9 @@ from bdn.client import DaemonClient, DaemonError, SnapshotFailed
 from bdn.client.errors import one_line
 from bdn.client.fleet import call_json
 
+#: The reason ``DELETE /v1/snapshots/{id}`` gives a load it stopped (``catalog.delete``).
+CANCELLED = "cancelled by the operator"
+
 
 def add_prefetch(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     pf = sub.add_parser("prefetch", parents=[common], help="start fetching a snapshot onto this node")
@@ -66,9 +69,13 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
     snap = client.prefetch(identity, wait_publish=args.wait_publish)
     if not args.wait:
         if snap.get("state") == "failed":
-            raise Fail(f"{identity} failed: {cell(snap.get('reason'))}")
+            raise Fail(f"{identity} failed: {_reason(identity, snap.get('reason'))}")
+        # The daemon answers once it looked at the bucket, so a request that fails at once (nothing
+        # published, a manifest refused, no room) is a failed record here: exit 1, above.
         if args.json:
             emit_json(snap)
+        elif snap.get("state") == "ready":
+            print(f"{identity}: ready: {cell(snap.get('path'))}")
         else:
             reason = f": {cell(snap.get('reason'))}" if snap.get("reason") else ""
             print(f"{identity}: {cell(snap.get('state'))} (prefetch started){reason}")
@@ -101,7 +108,7 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
             snap = client.wait(identity, "ready", args.timeout, poll=POLL_SECONDS, on_update=update)
         update(snap)
     except SnapshotFailed as exc:
-        raise Fail(f"{identity} failed: {exc.reason}") from None
+        raise Fail(f"{identity} failed: {_reason(identity, exc.reason)}") from None
     except TimeoutError as exc:
         raise Fail(str(exc)) from None
     finally:
@@ -114,12 +121,20 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _reason(identity: str, reason: Any) -> str:
+    """A failed snapshot's reason without the daemon's ``snapshot <identity>: `` prefix (the
+    line names the identity already)."""
+    return cell(str(reason or "failed").removeprefix(f"snapshot {identity}: ").removeprefix(f"snapshot {identity!r}: "))
+
+
 def _cancel(client: DaemonClient, args: argparse.Namespace) -> int:
     snap = client.cancel(args.identity)
     if args.json:
         emit_json(snap)
-    elif snap.get("state") == "failed":
-        print(f"{args.identity}: cancelled ({cell(snap.get('reason'))})")
+    elif snap.get("state") == "failed" and snap.get("reason") == CANCELLED:
+        print(f"{args.identity}: {CANCELLED}")
+    elif snap.get("state") == "failed":  # it had failed before: its record is dropped
+        print(f"{args.identity}: had failed already, record dropped ({cell(snap.get('reason'))})")
     else:
         print(f"{args.identity}: {cell(snap.get('state'))}, nothing to cancel")
     return EXIT_OK
