@@ -94,7 +94,8 @@ class App:
         self.bucket = BucketIO(bucket, cfg.bucket, cfg.bucket_concurrency, RateLimit.from_mbit(cfg.bucket_mbit),
                                self.pools.bucket, self.stats)
         self.membership = Membership(cfg.node_id, cfg.advertise_url, cfg.peers, clock)
-        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s, node_of=self.membership.node_of)
+        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s, node_of=self.membership.node_of,
+                                keepalive_s=min(5.0, cfg.http_header_timeout_s / 2))  # below the peers' keep-alive
         self.index = ChunkIndex(self.keys.address)
         self.haves = Haves(self.peers, self.membership, stats=self.stats)
         sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
