@@ -98,3 +98,21 @@ def test_a_lie_adopted_before_the_manifest_was_read_is_corrected(daemon: tuple[D
     assert _push(d, "step000003", pv3, at3)[0] == 200
     wait_for(lambda: _loading(d) == "step000003", 120, "the honest later target to win")
     d.wait_ready("step000003")
+
+
+def test_a_claim_for_an_identity_nobody_published_is_voided(daemon: tuple[Daemon, Path]) -> None:
+    """An invented identity has no manifest to correct the claim with: its load fails at once
+    (one listing, not after manifest_wait_s), the claim is voided, the same request pushed again
+    is refused, and the next honest target of the same gen wins (before: the invented target
+    at policy version 2^63 - 1 outranked it while its load waited 600 s for publication)."""
+    d, bucket = daemon
+    status, body = _push(d, "step000077", LIE_PV, 9.9e10)
+    assert status == 200, body
+    wait_for(lambda: "it orders as unknown" in d.log_path.read_text(errors="replace"), 120, "the claim to be voided")
+    assert d.get("/v1/snapshots/step000077")["state"] == "failed"
+    status, body = _push(d, "step000077", LIE_PV, 9.9e10)  # the same request id again
+    assert status == 400 and b"no manifest of it could be read here" in body, body
+    pv3, at3 = _truth(bucket, "step000003")
+    assert _push(d, "step000003", pv3, at3)[0] == 200
+    wait_for(lambda: _loading(d) == "step000003", 120, "the honest later target to win")
+    d.wait_ready("step000003")

@@ -35,7 +35,7 @@ from bdn.daemon.membership import Membership
 from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.config import Config
 from bdn.daemon.foreign_source import Hint, Hints
-from bdn.daemon.replica import claims, contract
+from bdn.daemon.replica import contract
 from bdn.daemon.replica.options import OPTION_FIELDS, parse_options
 from bdn.daemon.replica.ports import Snapshots
 from bdn.daemon.replica.target import MAX_GEN, Target, published_at
@@ -284,7 +284,7 @@ class HotLoad:
         t = Target.from_wire(obj, self.clock.time_ns())
         if t is None:
             raise Invalid("hot-load target is malformed")
-        why = claims.contradiction(self.snapshots, t)
+        why = self.view.claims.contradiction(t)
         if why is not None:  # a member's claim the manifest read here refutes (docs/TRUST.md)
             raise Invalid(why)
         if await self.view.adopt(t, source=f"peer {peer}", retry_failed=True):

@@ -52,6 +52,7 @@ class ReplicaView:
         self.hints = hints if hints is not None else Hints()
         self.engine_ttl_s = engine_ttl_s
         self.changes = changes or ChangedTensorsCache(snapshots.ready_dir)
+        self.claims = claims.Claims(snapshots)  # targets' policy versions checked against manifests
         self.on_current: Callable[[str], None] | None = None
         self.target: Target | None = None
         self.current: str | None = None
@@ -79,7 +80,7 @@ class ReplicaView:
         unless a later one is already set; True if it did. ``retry_failed``: the same request
         posted again (a trainer's re-POST, or its fan-out): a failed load of it starts again
         (membership rounds, which repeat the target every round, do not pass it)."""
-        if (why := claims.contradiction(self.snapshots, target)) is not None:  # refuted: docs/TRUST.md
+        if (why := self.claims.contradiction(target)) is not None:  # refuted: docs/TRUST.md
             log.debug("%s (from %s): ignored", why, source)
             return False
         cur = self.target
@@ -102,7 +103,8 @@ class ReplicaView:
         if cur is not None and cur.identity != target.identity:
             await self._cancel_superseded(cur.identity, target)
         try:
-            job = self.snapshots.prefetch(target.identity, requested_by=f"hot-load {target.request_id}")
+            job = self.snapshots.prefetch(target.identity, requested_by=f"hot-load {target.request_id}",
+                                          wait_publish=False)  # accepted = published (else 404): fail at once
             if job.state == "ready":
                 self.on_snapshot_ready(target.identity)
         except BdnError as e:
@@ -143,7 +145,7 @@ class ReplicaView:
         """Event: a snapshot on this node changed (the catalog calls this). A delta target whose
         stored layer is complete (``applying``) starts the changed-tensor list for the engines that
         serve its base, so the offer at READY does not wait for it."""
-        self.target = claims.corrected(self.snapshots, self.target, job.identity)
+        self.target = self.claims.corrected(self.target, job.identity)
         if job.state == "ready":
             self.on_snapshot_ready(job.identity)
         elif job.state == "applying" and self.target is not None and self.target.identity == job.identity:
