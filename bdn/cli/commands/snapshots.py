@@ -32,18 +32,18 @@ CANCELLED = "cancelled by the operator"
 
 def add_prefetch(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     pf = sub.add_parser("prefetch", parents=[common], help="start fetching a snapshot onto this node")
-    pf.add_argument("identity")
+    pf.add_argument("identity", help="the snapshot's identity, as published (e.g. step000002)")
     pf.add_argument("--wait", action="store_true", help="wait until ready, with a progress bar")
     pf.add_argument("--wait-publish", action="store_true",
                     help="if nothing is in the bucket yet, wait for it to be published (else fail at once)")
     pf.add_argument("--timeout", type=float, default=None, metavar="S",
-                    help="with --wait: give up after S seconds (exit 1)")
+                    help="with --wait: give up after S seconds (exit 1; default: no limit)")
     pf.set_defaults(run=_prefetch)
 
 
 def add_cancel(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     cf = sub.add_parser("cancel", parents=[common], help="stop a snapshot's load on this node")
-    cf.add_argument("identity")
+    cf.add_argument("identity", help="the snapshot's identity")
     cf.set_defaults(run=_cancel)
 
 
@@ -54,7 +54,8 @@ def add_snapshots(sub: Subparsers, common: argparse.ArgumentParser) -> None:
 
 def add_path(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     pa = sub.add_parser("path", parents=[common], help="the directory of a ready snapshot, or of the one served")
-    pa.add_argument("identity", metavar="IDENTITY|current")
+    pa.add_argument("identity", metavar="IDENTITY|current",
+                    help="a snapshot's identity, or current: the one this replica serves")
     pa.add_argument("--wait", action="store_true", help="wait until it is ready (or, for current, served)")
     pa.add_argument("--timeout", type=float, default=DEFAULT_WAIT_S, metavar="S",
                     help="with --wait: give up after S seconds (exit 1; default %(default)g)")
