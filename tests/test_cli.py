@@ -110,3 +110,26 @@ def test_bdnd_on_an_address_of_no_interface_exits_2(bucket: str, tmp_path: Path)
     r = _bdnd_exit(d, {"BDN_PEER_LISTEN": f"192.0.2.1:{free_port()}"})  # TEST-NET-1: on no interface here
     assert r.returncode == 2 and r.stderr.startswith("bdnd: error: peer_listen 192.0.2.1:"), r
     assert "no interface of this host has that address" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r
+
+
+def test_bdnd_on_a_unix_socket_in_use_exits_2_and_leaves_it(bucket: str, tmp_path: Path) -> None:
+    d = Daemon(tmp_path, "sock", bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
+    path = str(tmp_path / "bdn.sock")
+    with socket.socket(socket.AF_UNIX) as holder:  # another process's socket, accepting
+        holder.bind(path)
+        holder.listen()
+        r = _bdnd_exit(d, {"BDN_LOCAL_SOCKET": path})
+        assert r.returncode == 2, r  # before: unlinked the holder's socket and took the path
+        assert r.stderr.strip().splitlines() == [f"bdnd: error: local_socket {path} is in use (another process "
+                                                 "accepts connections on it; stop it or choose another path)"], r
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(path)  # still the holder's
+    # the holder is gone, its socket file stays (a crash): stale, so bdnd removes it and binds
+    assert Path(path).exists()
+    d.env["BDN_LOCAL_SOCKET"] = path
+    with running(d):
+        with socket.socket(socket.AF_UNIX) as client:
+            client.settimeout(60)
+            client.connect(path)
+            client.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert client.recv(4096).startswith(b"HTTP/1.1 200"), "bdnd does not answer on its socket"

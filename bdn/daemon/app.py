@@ -47,7 +47,7 @@ from bdn.daemon.http.local import make_local_app
 from bdn.daemon.http.peer import make_peer_app
 from bdn.daemon.http.services import Services
 from bdn.daemon.index import ChunkIndex
-from bdn.daemon.listening import binding
+from bdn.daemon.listening import binding, clear_unix_socket
 from bdn.daemon.membership import Membership
 from bdn.daemon.metrics import Metrics
 from bdn.daemon.nonces import NonceCache
@@ -226,8 +226,7 @@ class App:
             with binding("local_listen", cfg.local_listen):
                 await web.TCPSite(local_runner, lhost, lport, reuse_address=True).start()
         if cfg.local_socket:
-            if os.path.exists(cfg.local_socket):
-                os.unlink(cfg.local_socket)
+            clear_unix_socket(cfg.local_socket)  # a stale one goes; one in use: CannotListen
             with binding("local_socket", cfg.local_socket):
                 await web.UnixSite(local_runner, cfg.local_socket).start()
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from bdn.proto.errors import BdnError
 
-__all__ = ["CannotListen", "binding", "describe"]
+__all__ = ["CannotListen", "binding", "clear_unix_socket", "describe"]
 
 
 class CannotListen(BdnError):
@@ -40,3 +41,22 @@ def binding(key: str, address: str) -> Iterator[None]:
         yield
     except OSError as e:
         raise CannotListen(describe(key, address, e)) from None
+
+
+def clear_unix_socket(path: str) -> None:
+    """Remove a stale unix socket file at ``path`` (a previous bdnd's, left by a crash) before
+    binding it; raises CannotListen when a process still accepts connections there (unlinking it
+    would silently take the socket from that process: another bdnd with the same
+    ``local_socket``)."""
+    if not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError:  # refused (no listener), not a socket, ...: stale, safe to remove
+            pass
+        else:
+            raise CannotListen(f"local_socket {path} is in use (another process accepts connections on it; "
+                               "stop it or choose another path)")
+    os.unlink(path)
