@@ -133,3 +133,13 @@ def test_bdnd_on_a_unix_socket_in_use_exits_2_and_leaves_it(bucket: str, tmp_pat
             client.connect(path)
             client.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert client.recv(4096).startswith(b"HTTP/1.1 200"), "bdnd does not answer on its socket"
+
+
+def test_bdn_publish_usage_errors_are_one_line(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "bdn.cli.publish", "full", "--dir", str(tmp_path), "--bucket", f"file://{tmp_path}/b",
+           "--identity", "step000001", "--policy-version", "-1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.splitlines() == [  # before: the whole usage block, then the line
+        "bdn-publish: error: argument --policy-version: must be >= 0 (see bdn-publish full --help)"], r
+    r = subprocess.run([*cmd[:-1], "1", "--chunk-size", "7", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and '"exit_code": 2' in r.stdout and len(r.stderr.splitlines()) == 1, r
