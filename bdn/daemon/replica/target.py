@@ -10,9 +10,10 @@ what the trainer wrote, the manifest's ``policy_version`` then its ``created_at`
 ``origin`` are kept for the records only. A target from the wire whose ``seq`` lies more than
 ``MAX_FUTURE_NS`` past the receiver's clock, or whose ``gen`` is over ``MAX_GEN``, is refused.
 A target's ``policy_version`` and ``published_at`` are claims of the daemon that accepted the
-POST; a receiver that knows the snapshot's manifest checks them (:func:`contradiction`): a push
-that contradicts it is refused, and a target adopted before its manifest was read is corrected
-to the manifest's values (:func:`as_manifest_says`) once it is. A target carries the hot-load's engine options (``bdn.daemon.replica.options``), so every
+POST; a receiver that knows the snapshot's manifest checks them (:func:`contradiction`, applied
+by ``replica/claims.py``): a push that contradicts it is refused, and a target adopted before
+its manifest was read is corrected to the manifest's values (:func:`as_manifest_says`) once it
+is. A target carries the hot-load's engine options (``bdn.daemon.replica.options``), so every
 replica's engines apply the same ones.
 """
 
