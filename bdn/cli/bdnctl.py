@@ -21,7 +21,10 @@ Usage::
 Byte counts are plain integers in JSON and SI units (``MB`` = 10^6 bytes, the progress bar too)
 in human output (:mod:`bdn.cli.output`). ``--version`` prints ``bdn <version>``.
 
-``prefetch --wait`` shows a progress bar of fetched/total stored bytes on stderr and ends with
+``prefetch`` without ``--wait`` returns once the daemon has looked at the bucket: a request that
+fails at once (nothing published under the identity, a manifest refused, no room in shm) exits
+1 with the reason, one that is accepted prints the state (``ready`` with its path, or what it
+waits for). ``prefetch --wait`` shows a progress bar of fetched/total stored bytes on stderr and ends with
 ``<identity> ready in <s> s: <path>`` (the bar is drawn only when stderr is a terminal). A
 snapshot with nothing in the bucket fails at once, unless ``--wait-publish`` asks the daemon to
 wait for it to be published (up to its ``manifest_wait_s``). The prefetch line, the bar and the
