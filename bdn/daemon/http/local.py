@@ -76,7 +76,7 @@ async def get_snapshot(request: web.Request) -> web.Response:
 
 #: How long a prefetch answer waits for the job's first look at the bucket (a manifest read and,
 #: when absent, one listing: milliseconds unless the bucket is retrying); past it, 202 as queued.
-PREFETCH_LOOK_S = 30.0
+PREFETCH_LOOK_S = 10.0  # well below bdn.client's 30 s read timeout
 
 
 async def prefetch(request: web.Request) -> web.Response:
