@@ -254,6 +254,8 @@ def main() -> int:
         fleet.stop_all(procs)
         print(f"(daemon logs in {ROOT})")
     if args.no_fleet:
+        if not args.keep:  # the daemons' shm copies (three of every snapshot) are not left behind
+            shutil.rmtree(SHM, ignore_errors=True)
         return 0 if ok else 1
     try:
         ok_fleet = fleet.run(ROOT, SHM, args.nodes)

@@ -53,7 +53,7 @@ class _Snapshots:
     def get(self, identity: str):
         return self.jobs.get(identity)
 
-    def prefetch(self, identity: str, requested_by: str = "local"):
+    def prefetch(self, identity: str, requested_by: str = "local", wait_publish: bool = True):
         return self.jobs[identity]
 
     def ready_dir(self, identity: str) -> Path:

@@ -21,7 +21,10 @@ Usage::
 Byte counts are plain integers in JSON and SI units (``MB`` = 10^6 bytes, the progress bar too)
 in human output (:mod:`bdn.cli.output`). ``--version`` prints ``bdn <version>``.
 
-``prefetch --wait`` shows a progress bar of fetched/total stored bytes on stderr and ends with
+``prefetch`` without ``--wait`` returns once the daemon has looked at the bucket: a request that
+fails at once (nothing published under the identity, a manifest refused, no room in shm) exits
+1 with the reason, one that is accepted prints the state (``ready`` with its path, or what it
+waits for). ``prefetch --wait`` shows a progress bar of fetched/total stored bytes on stderr and ends with
 ``<identity> ready in <s> s: <path>`` (the bar is drawn only when stderr is a terminal). A
 snapshot with nothing in the bucket fails at once, unless ``--wait-publish`` asks the daemon to
 wait for it to be published (up to its ``manifest_wait_s``). The prefetch line, the bar and the
@@ -86,6 +89,19 @@ _COMMANDS = (
 )
 
 
+EPILOG = """\
+examples:
+  bdnctl prefetch step000002 --wait     fetch a snapshot onto this node, with a progress bar
+  bdnctl snapshots                      what this node holds, loads or failed (with the reason)
+  bdnctl hot-load step000002 --wait     move the whole fleet to it, one table row per replica
+  bdnctl COMMAND --help                 the options of one command
+
+exit status: 0 success; 1 the operation failed (a request the daemon refused or failed at once,
+a failed snapshot, a wait that timed out, a verification that failed); 2 usage error (bad
+arguments, bad URL, malformed identity); 3 bdnd unreachable. Every failure prints one line
+"bdnctl: error: ..." on stderr (and {"error", "exit_code"} on stdout with --json)."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         # argparse would print the whole usage block; the rule is one line.
@@ -93,7 +109,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Operate the node's bdn daemon (bdnd) through its local API.")
+    p = _Parser(prog=PROG, description="Operate the node's bdn daemon (bdnd) through its local API.",
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=os.environ.get("BDN_URL") or DEFAULT_URL,
                    help="bdnd local API: http://host:port or unix:///path.sock (default $BDN_URL or %(default)s)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")

@@ -26,6 +26,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 from typing import TYPE_CHECKING
 
@@ -66,13 +67,25 @@ def _positive(text: str) -> int:
     return v
 
 
+class _Parser(argparse.ArgumentParser):
+    json_mode = False  # set by main() from its argv: a usage error with --json is JSON too
+
+    def error(self, message: str) -> NoReturn:
+        # argparse prints the whole usage block; the rule is one line (as bdnctl), exit 2.
+        if _Parser.json_mode:
+            emit_json({"error": message, "exit_code": 2})
+        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``bdn-publish`` (subcommands ``full``, ``delta``, ``startup``)."""
-    parser = argparse.ArgumentParser(
-        prog=PROG, description="Publish checkpoints to a bucket for bdn daemons to distribute."
+    parser = _Parser(
+        prog=PROG, description="Publish checkpoints to a bucket for bdn daemons to distribute.",
+        epilog="exit status: 0 published; 1 bdn refused or failed (one line 'bdn-publish: error: ...'); "
+        "2 usage error. Run 'bdn-publish COMMAND --help' for a command's options.",
     )
     parser.add_argument("--version", action="version", version=VERSION)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{full,delta,startup}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{full,delta,startup}", parser_class=_Parser)
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -130,6 +143,7 @@ def _summary_json(m: Manifest, seconds: float) -> dict[str, object]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``bdn-publish``; returns the exit status (argparse exits 2 on a usage error)."""
+    _Parser.json_mode = "--json" in (sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     # Imported after parsing: boto3 and numpy take most of a second, usage errors need neither.
     from tqdm import tqdm

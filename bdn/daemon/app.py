@@ -13,7 +13,8 @@
 4. ``shutdown()``: tell systemd ``STOPPING=1``, stop listening, cancel every task and job (each
    saves its progress), close the peer client, the worker pools and the bucket.
 
-``serve()`` returns the exit status: 0 after a stop request, 1 when a port cannot be bound.
+``serve()`` returns the exit status, 0 after a stop request; a port that cannot be bound raises
+``CannotListen`` (``bdnd`` exits 2 with its one line, as for a configuration error).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from bdn.daemon.http.local import make_local_app
 from bdn.daemon.http.peer import make_peer_app
 from bdn.daemon.http.services import Services
 from bdn.daemon.index import ChunkIndex
+from bdn.daemon.listening import binding, clear_unix_socket
 from bdn.daemon.membership import Membership
 from bdn.daemon.metrics import Metrics
 from bdn.daemon.nonces import NonceCache
@@ -92,7 +94,8 @@ class App:
         self.bucket = BucketIO(bucket, cfg.bucket, cfg.bucket_concurrency, RateLimit.from_mbit(cfg.bucket_mbit),
                                self.pools.bucket, self.stats)
         self.membership = Membership(cfg.node_id, cfg.advertise_url, cfg.peers, clock)
-        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s, node_of=self.membership.node_of)
+        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s, node_of=self.membership.node_of,
+                                keepalive_s=min(5.0, cfg.http_header_timeout_s / 2))  # below the peers' keep-alive
         self.index = ChunkIndex(self.keys.address)
         self.haves = Haves(self.peers, self.membership, stats=self.stats)
         sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
@@ -152,7 +155,7 @@ class App:
 
     # ---- life ----------------------------------------------------------------------------
     async def serve(self) -> int:
-        """Run until SIGTERM/SIGINT; 0, or 1 when a port cannot be bound."""
+        """Run until SIGTERM/SIGINT; 0. Raises CannotListen (a port cannot be bound)."""
         self.install_signal_handlers()
         try:
             starting = asyncio.create_task(self.startup(), name="startup")
@@ -163,24 +166,21 @@ class App:
                 starting.cancel()  # a stop request while settling: shut down from where it is
                 await asyncio.gather(starting, return_exceptions=True)
             elif starting.exception() is not None:
-                e = starting.exception()
-                if isinstance(e, OSError):
-                    log.error("cannot listen: %s", e)
-                    return 1
-                raise e  # type: ignore[misc]
+                raise starting.exception()  # type: ignore[misc]  # CannotListen: main exits 2
             await self.main_loop()
             return 0
         finally:
             await self.shutdown()
 
     async def startup(self) -> None:
-        """Open, listen, settle, load (see the module docstring). Raises OSError (cannot listen)."""
+        """Open, listen, settle, load (see the module docstring). Raises CannotListen."""
         await self.peers.start()
         self.catalog.load_ready_from_store()
         if self.wire is not None:
             # before the first membership message, so every peer learns our transfer address
             # with our first entry (an address learned later is a change of its own)
-            self.gossip.transfer = self.wire.start(asyncio.get_running_loop())
+            with binding("transfer_listen", self.cfg.transfer_listen):  # raises only when explicit
+                self.gossip.transfer = self.wire.start(asyncio.get_running_loop())
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
         self._tasks.append(asyncio.create_task(self.hotload.status.loop(), name="fleet-status"))
         self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
@@ -217,18 +217,20 @@ class App:
         await peer_runner.setup()
         self._runners.append(peer_runner)
         host, port = split_hostport(cfg.peer_listen)
-        await web.TCPSite(peer_runner, host or None, port, reuse_address=True).start()
+        with binding("peer_listen", cfg.peer_listen):
+            await web.TCPSite(peer_runner, host or None, port, reuse_address=True).start()
         local_runner = GuardedRunner(make_local_app(self.services), name="local API", access_log=None,
                                      keepalive_timeout=75, **guard)
         await local_runner.setup()
         self._runners.append(local_runner)
         if cfg.local_listen:
             lhost, lport = split_hostport(cfg.local_listen)
-            await web.TCPSite(local_runner, lhost, lport, reuse_address=True).start()
+            with binding("local_listen", cfg.local_listen):
+                await web.TCPSite(local_runner, lhost, lport, reuse_address=True).start()
         if cfg.local_socket:
-            if os.path.exists(cfg.local_socket):
-                os.unlink(cfg.local_socket)
-            await web.UnixSite(local_runner, cfg.local_socket).start()
+            clear_unix_socket(cfg.local_socket)  # a stale one goes; one in use: CannotListen
+            with binding("local_socket", cfg.local_socket):
+                await web.UnixSite(local_runner, cfg.local_socket).start()
 
     async def _load_startup(self) -> None:
         """Membership settles, then STARTUP_SNAPSHOT loads.

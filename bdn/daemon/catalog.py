@@ -88,6 +88,20 @@ class Catalog:
         job.task = asyncio.create_task(self.runner.run(job), name=f"snapshot-{identity}")
         return job
 
+    async def prefetch_looked(self, identity: str, wait_publish: bool, timeout: float) -> SnapshotJob:
+        """``prefetch``, then wait (at most ``timeout`` s) until the job has looked at the bucket
+        once: it downloads, waits with a reason (for its manifest, for publication), or failed
+        (nothing published, a manifest refused, no room): so the local API can refuse a request
+        that fails at once instead of answering 202 for it (issue 12). Raises IdentityError."""
+        job = self.prefetch(identity, wait_publish=wait_publish)
+        deadline = self.clock.monotonic() + timeout
+        while job.state == "queued" and not job.reason:
+            left = deadline - self.clock.monotonic()
+            if left <= 0:
+                break
+            await job.wait_change(job.version, left)
+        return job
+
     def _trim_failed(self) -> None:
         """Keep the records of at most ``MAX_FAILED`` failed snapshots (the oldest started go first):
         names nobody published, asked for by a confused client or a peer's hint, must not grow the

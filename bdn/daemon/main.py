@@ -39,6 +39,7 @@ from typing import NoReturn
 from bdn import __version__
 from bdn.daemon.app import App
 from bdn.daemon.config import Config, ConfigError
+from bdn.daemon.listening import CannotListen
 from bdn.daemon.store import ShmLock
 from bdn.daemon.logctx import ContextFilter
 from bdn.proto.errors import BdnError
@@ -158,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         "later sources win (defaults < file < environment < flags).",
         epilog="Secrets are read from files (partition_secret_file, api_token_file) or the "
         "environment (BDN_PARTITION_SECRET, BDN_API_TOKEN), never from flags. Exit status: 0 after "
-        "SIGTERM/SIGINT, 1 when a port cannot be bound, 2 on a configuration error. SIGHUP is ignored.",
+        "SIGTERM/SIGINT, 1 on an unexpected error, 2 on a configuration error (a listen address in use "
+        "included). SIGHUP is ignored.",
     )
     ap.add_argument("--version", action="version", version=f"bdn {__version__}")
     ap.add_argument("--config", metavar="FILE", help="TOML config file (see deploy/bdnd.toml.example)")
@@ -181,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``bdnd`` console script: flags -> Config -> ``App.serve()``. Exit 0, 1 (cannot listen) or 2 (config)."""
+    """The ``bdnd`` console script: flags -> Config -> ``App.serve()``. Exit 0, 1 (an unexpected error) or 2 (config, a port in use)."""
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     if isinstance(overrides.get("peers"), str):
@@ -202,15 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:  # uvloop is a dependency, but the daemon still runs without it
         runner = asyncio.Runner()
     t0 = time.monotonic()
+    bound = True
     with runner:
         try:
             return runner.run(App(cfg, notify=sd_notify, shm_lock=shm_lock).serve())
+        except CannotListen as e:  # a configuration error found at bind: one line, exit 2
+            bound = False
+            print(f"bdnd: error: {e}", file=sys.stderr)
+            return 2
         except BdnError as e:
             log.error("%s", e)
             return 1
         finally:
-            log.info("bdnd ran %.1f s", time.monotonic() - t0)
-
+            if bound:
+                log.info("bdnd ran %.1f s", time.monotonic() - t0)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -67,9 +67,13 @@ class PeerClient:
     """One aiohttp session for every peer; each request signed with the partition's auth key."""
 
     def __init__(self, keys: SwarmKeys, node_id: str, timeout_s: float = 60.0,
-                 node_of: Callable[[str], str] | None = None) -> None:
-        """``node_of(base_url)`` is the node id membership knows for a peer URL ("" if none)."""
+                 node_of: Callable[[str], str] | None = None, keepalive_s: float = 5.0) -> None:
+        """``node_of(base_url)`` is the node id membership knows for a peer URL ("" if none).
+        ``keepalive_s``: how long an idle connection is kept for reuse, below the peers' own
+        keep-alive (``http_header_timeout_s``, ``bdn/daemon/http/guard.py``), so that a request
+        (a POST is not retried) never goes out on a connection the peer is closing."""
         self.keys = keys
+        self.keepalive_s = keepalive_s
         self.node_id = node_id
         self.timeout_s = timeout_s
         self.node_of = node_of or (lambda url: "")
@@ -85,10 +89,13 @@ class PeerClient:
         # it, and a health check queued behind them would time out and drop a live peer.
         """Open the HTTP session to peers (inside the running loop)."""
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=64, limit_per_host=4, ttl_dns_cache=10), auto_decompress=False
+            connector=aiohttp.TCPConnector(limit=64, limit_per_host=4, ttl_dns_cache=10, keepalive_timeout=self.keepalive_s),
+            auto_decompress=False,
         )
         self._data = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=512, limit_per_host=64, ttl_dns_cache=10), auto_decompress=False
+            connector=aiohttp.TCPConnector(limit=512, limit_per_host=64, ttl_dns_cache=10,
+                                           keepalive_timeout=self.keepalive_s),
+            auto_decompress=False,
         )
 
     async def close(self) -> None:

@@ -26,7 +26,7 @@ from bdn.client.fleet import hot_load, hot_load_status, list_engines, remove_eng
 
 def add_hot_load(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     hl = sub.add_parser("hot-load", parents=[common], help="make every replica of the fleet serve a snapshot")
-    hl.add_argument("identity")
+    hl.add_argument("identity", help="the snapshot's identity, as published (e.g. step000002)")
     hl.add_argument("--previous", metavar="ID", default=None,
                     help="what the fleet serves now (or is loading), the delta's base "
                          "(previous_snapshot_identity); leave it out to load a delta over its chain")

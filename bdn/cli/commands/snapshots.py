@@ -26,21 +26,24 @@ from bdn.client import DaemonClient, DaemonError, SnapshotFailed
 from bdn.client.errors import one_line
 from bdn.client.fleet import call_json
 
+#: The reason ``DELETE /v1/snapshots/{id}`` gives a load it stopped (``catalog.delete``).
+CANCELLED = "cancelled by the operator"
+
 
 def add_prefetch(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     pf = sub.add_parser("prefetch", parents=[common], help="start fetching a snapshot onto this node")
-    pf.add_argument("identity")
+    pf.add_argument("identity", help="the snapshot's identity, as published (e.g. step000002)")
     pf.add_argument("--wait", action="store_true", help="wait until ready, with a progress bar")
     pf.add_argument("--wait-publish", action="store_true",
                     help="if nothing is in the bucket yet, wait for it to be published (else fail at once)")
     pf.add_argument("--timeout", type=float, default=None, metavar="S",
-                    help="with --wait: give up after S seconds (exit 1)")
+                    help="with --wait: give up after S seconds (exit 1; default: no limit)")
     pf.set_defaults(run=_prefetch)
 
 
 def add_cancel(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     cf = sub.add_parser("cancel", parents=[common], help="stop a snapshot's load on this node")
-    cf.add_argument("identity")
+    cf.add_argument("identity", help="the snapshot's identity")
     cf.set_defaults(run=_cancel)
 
 
@@ -51,7 +54,8 @@ def add_snapshots(sub: Subparsers, common: argparse.ArgumentParser) -> None:
 
 def add_path(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     pa = sub.add_parser("path", parents=[common], help="the directory of a ready snapshot, or of the one served")
-    pa.add_argument("identity", metavar="IDENTITY|current")
+    pa.add_argument("identity", metavar="IDENTITY|current",
+                    help="a snapshot's identity, or current: the one this replica serves")
     pa.add_argument("--wait", action="store_true", help="wait until it is ready (or, for current, served)")
     pa.add_argument("--timeout", type=float, default=DEFAULT_WAIT_S, metavar="S",
                     help="with --wait: give up after S seconds (exit 1; default %(default)g)")
@@ -66,9 +70,13 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
     snap = client.prefetch(identity, wait_publish=args.wait_publish)
     if not args.wait:
         if snap.get("state") == "failed":
-            raise Fail(f"{identity} failed: {cell(snap.get('reason'))}")
+            raise Fail(f"{identity} failed: {_reason(identity, snap.get('reason'))}")
+        # The daemon answers once it looked at the bucket, so a request that fails at once (nothing
+        # published, a manifest refused, no room) is a failed record here: exit 1, above.
         if args.json:
             emit_json(snap)
+        elif snap.get("state") == "ready":
+            print(f"{identity}: ready: {cell(snap.get('path'))}")
         else:
             reason = f": {cell(snap.get('reason'))}" if snap.get("reason") else ""
             print(f"{identity}: {cell(snap.get('state'))} (prefetch started){reason}")
@@ -101,7 +109,7 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
             snap = client.wait(identity, "ready", args.timeout, poll=POLL_SECONDS, on_update=update)
         update(snap)
     except SnapshotFailed as exc:
-        raise Fail(f"{identity} failed: {exc.reason}") from None
+        raise Fail(f"{identity} failed: {_reason(identity, exc.reason)}") from None
     except TimeoutError as exc:
         raise Fail(str(exc)) from None
     finally:
@@ -114,12 +122,20 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _reason(identity: str, reason: Any) -> str:
+    """A failed snapshot's reason without the daemon's ``snapshot <identity>: `` prefix (the
+    line names the identity already)."""
+    return cell(str(reason or "failed").removeprefix(f"snapshot {identity}: ").removeprefix(f"snapshot {identity!r}: "))
+
+
 def _cancel(client: DaemonClient, args: argparse.Namespace) -> int:
     snap = client.cancel(args.identity)
     if args.json:
         emit_json(snap)
-    elif snap.get("state") == "failed":
-        print(f"{args.identity}: cancelled ({cell(snap.get('reason'))})")
+    elif snap.get("state") == "failed" and snap.get("reason") == CANCELLED:
+        print(f"{args.identity}: {CANCELLED}")
+    elif snap.get("state") == "failed":  # it had failed before: its record is dropped
+        print(f"{args.identity}: had failed already, record dropped ({cell(snap.get('reason'))})")
     else:
         print(f"{args.identity}: {cell(snap.get('state'))}, nothing to cancel")
     return EXIT_OK

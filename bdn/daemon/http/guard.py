@@ -15,6 +15,17 @@ it answers a header it refuses with 400 plus a traceback in the ``aiohttp.server
 - :class:`GuardedServer` (aiohttp's ``Server``, the protocol factory): more than
   ``max_connections`` open connections on one listener and the new one is answered ``503 too
   many connections`` and closed before anything is parsed.
+- **Keep-alive at most the deadline.** aiohttp parses a request that arrives right behind a
+  complete one in the same segment (pipelining) without telling the protocol, so those bytes
+  are under no deadline but aiohttp's keep-alive timer, armed once the response is sent (the
+  adversarial session measured 15 s on the peer port, 75 s on the local API, with a 10 s
+  header deadline). :class:`GuardedRunner` therefore caps ``keepalive_timeout`` at
+  ``header_timeout_s + KEEPALIVE_MARGIN_S``: an unfinished request, pipelined or not, holds its
+  connection at most that long once the connection is idle, and an idle keep-alive connection
+  is closed then too. The margin lets the header deadline, which counts what it closes, fire
+  first on a slowloris. bdnd's peer client keeps idle connections at most half the header
+  deadline, so it never reuses one the server is closing (a POST is not retried);
+  ``bdn.client``'s httpx pool keeps them 5 s.
 - ``handle_error``: a header over the limits is ``431 request header too large``, any other
   unparsable request ``400 malformed request: <what>``; one rate-limited log line (at most one
   per ``LOG_REPEAT_S`` per kind), never a traceback.
@@ -36,6 +47,7 @@ from bdn.daemon.stats import Stats
 
 log = logging.getLogger("bdn.http")
 LOG_REPEAT_S = 60.0
+KEEPALIVE_MARGIN_S = 1.0  # keep-alive cap = header deadline + this (see the module docstring)
 _repeat = RepeatLog(log, LOG_REPEAT_S)
 
 TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n"
@@ -138,10 +150,13 @@ class GuardedServer(Server):
 
 class GuardedRunner(web.AppRunner):
     """``web.AppRunner`` whose server is a :class:`GuardedServer` (same keyword arguments as
-    ``AppRunner``, e.g. ``keepalive_timeout``, ``max_line_size``, plus the guard's)."""
+    ``AppRunner``, e.g. ``keepalive_timeout`` (s, capped at ``header_timeout_s + KEEPALIVE_MARGIN_S``),
+    ``max_line_size``, plus the guard's)."""
 
     def __init__(self, app: web.Application, *, name: str, header_timeout_s: float, max_connections: int,
                  stats: Stats, **kwargs: Any) -> None:
+        cap = header_timeout_s + KEEPALIVE_MARGIN_S
+        kwargs["keepalive_timeout"] = min(float(kwargs.get("keepalive_timeout", 75.0)), cap)
         super().__init__(app, **kwargs)
         self._guard_args = dict(name=name, header_timeout_s=header_timeout_s, max_connections=max_connections,
                                 stats=stats)

@@ -74,12 +74,19 @@ async def get_snapshot(request: web.Request) -> web.Response:
         return error(status_of(e), str(e))
 
 
+#: How long a prefetch answer waits for the job's first look at the bucket (a manifest read and,
+#: when absent, one listing: milliseconds unless the bucket is retrying); past it, 202 as queued.
+PREFETCH_LOOK_S = 10.0  # well below bdn.client's 30 s read timeout
+
+
 async def prefetch(request: web.Request) -> web.Response:
-    """POST /v1/snapshots/{id}/prefetch[?wait_publish=1] -> 202 record (the download starts or
-    is already on). Nothing in the bucket under the identity: the snapshot fails at once with the
-    reason, unless ``wait_publish=1`` (then it waits up to ``manifest_wait_s``)."""
+    """POST /v1/snapshots/{id}/prefetch[?wait_publish=1] -> 202 record once the daemon has looked
+    at the bucket (at most ``PREFETCH_LOOK_S``): the download started, or the snapshot waits for
+    its manifest (the reason says so), or it failed at once (state ``failed`` with the reason:
+    nothing in the bucket under the identity unless ``wait_publish=1``, which waits up to
+    ``manifest_wait_s``; a manifest refused; no room in shm)."""
     wait_publish = request.query.get("wait_publish", "0") in ("1", "true", "yes")
-    job = services(request).catalog.prefetch(_identity(request), wait_publish=wait_publish)
+    job = await services(request).catalog.prefetch_looked(_identity(request), wait_publish, PREFETCH_LOOK_S)
     return json_response(job.describe(), 202)
 
 

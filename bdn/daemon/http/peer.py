@@ -205,7 +205,8 @@ async def _msgpack_body(request: web.Request, limit: int) -> Any:
 
 
 async def post_hot_load_peer(request: web.Request) -> web.Response:
-    """POST hot_load (msgpack target) -> 200 {"ok": true}; 400 malformed; 413 too large."""
+    """POST hot_load (msgpack target) -> 200 {"ok": true}; 400 malformed, or its policy version or
+    publish time contradicts the manifest read here (``replica/claims.py``); 413 too large."""
     try:
         obj = await _msgpack_body(request, MAX_TARGET_BODY)
     except BodyTooLarge as e:

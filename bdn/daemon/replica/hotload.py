@@ -23,7 +23,6 @@ import logging
 import math
 import random
 import secrets
-from datetime import datetime
 from typing import Any
 
 import msgpack
@@ -39,7 +38,7 @@ from bdn.daemon.foreign_source import Hint, Hints
 from bdn.daemon.replica import contract
 from bdn.daemon.replica.options import OPTION_FIELDS, parse_options
 from bdn.daemon.replica.ports import Snapshots
-from bdn.daemon.replica.target import MAX_GEN, Target
+from bdn.daemon.replica.target import MAX_GEN, Target, published_at
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.stats import Stats
 from bdn.proto.arc import COMPRESSION_FORMATS
@@ -279,11 +278,15 @@ class HotLoad:
 
     async def from_peer(self, obj: Any, peer: str) -> bool:
         """A target pushed by a member (untrusted map); pushed on once if it is new here.
-        Raises Invalid."""
+        Raises Invalid: malformed, or its policy version or publish time contradicts the
+        snapshot's manifest known here."""
         self.stats.control_request("received", "hot_load")
         t = Target.from_wire(obj, self.clock.time_ns())
         if t is None:
             raise Invalid("hot-load target is malformed")
+        why = self.view.claims.contradiction(t)
+        if why is not None:  # a member's claim the manifest read here refutes (docs/TRUST.md)
+            raise Invalid(why)
         if await self.view.adopt(t, source=f"peer {peer}", retry_failed=True):
             asyncio.get_running_loop().create_task(self.fan_out(t, exclude=peer))
         return True
@@ -292,13 +295,3 @@ class HotLoad:
         """One page of the fleet's replicas (``bdn.daemon.replica.fleet_status``). Raises Invalid."""
         return await self.status.fleet(page_size, page_token)
 
-
-def published_at(created_at: str) -> float:
-    """A manifest's ``created_at`` (ISO 8601, as the trainer wrote it) in seconds since the
-    epoch; 0.0 when it is empty or not ISO 8601 (the policy version still orders)."""
-    try:
-        dt = datetime.fromisoformat(created_at.replace("Z", "+00:00"))
-    except ValueError:
-        return 0.0
-    ts = dt.timestamp()
-    return ts if 0 <= ts < 1e11 else 0.0

@@ -24,8 +24,9 @@ class Snapshots(Protocol):
     def get(self, identity: str) -> SnapshotRecord | None:
         """The record of ``identity``, or None if this daemon does not know it."""
 
-    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotRecord:
-        """The record of ``identity``, its download started if new."""
+    def prefetch(self, identity: str, requested_by: str = "local", wait_publish: bool = True) -> SnapshotRecord:
+        """The record of ``identity``, its download started if new (``wait_publish``: with nothing
+        under the identity in the bucket, wait for it to be published, else fail at once)."""
 
     def ready_dir(self, identity: str) -> Path:
         """The directory of ``identity``'s files once it is ready."""

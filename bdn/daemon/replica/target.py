@@ -9,13 +9,18 @@ what the trainer wrote, the manifest's ``policy_version`` then its ``created_at`
 (``published_at``, seconds), then the identity. ``seq`` (the accepting daemon's clock, ns) and
 ``origin`` are kept for the records only. A target from the wire whose ``seq`` lies more than
 ``MAX_FUTURE_NS`` past the receiver's clock, or whose ``gen`` is over ``MAX_GEN``, is refused.
-A target carries the hot-load's engine options (``bdn.daemon.replica.options``), so every
+A target's ``policy_version`` and ``published_at`` are claims of the daemon that accepted the
+POST; a receiver that knows the snapshot's manifest checks them (:func:`contradiction`, applied
+by ``replica/claims.py``): a push that contradicts it is refused, and a target adopted before
+its manifest was read is corrected to the manifest's values (:func:`as_manifest_says`) once it
+is. A target carries the hot-load's engine options (``bdn.daemon.replica.options``), so every
 replica's engines apply the same ones.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 from bdn.daemon.replica.options import (
@@ -111,3 +116,32 @@ def supersedes(candidate: Target, current: Target | None) -> tuple[str, str] | N
     if current.request_id != candidate.request_id and candidate.identity != current.identity:
         return (candidate.identity, current.identity)
     return None
+
+
+def published_at(created_at: str) -> float:
+    """A manifest's ``created_at`` (ISO 8601, as the trainer wrote it) in seconds since the
+    epoch; 0.0 when it is empty or not ISO 8601 (the policy version still orders)."""
+    try:
+        dt = datetime.fromisoformat(created_at.replace("Z", "+00:00"))
+    except ValueError:
+        return 0.0
+    ts = dt.timestamp()
+    return ts if 0 <= ts < 1e11 else 0.0
+
+
+def contradiction(t: Target, policy_version: int, created_at: str) -> str | None:
+    """Why ``t`` contradicts its snapshot's manifest (``policy_version``, ``created_at`` as the
+    trainer wrote them), or None. The accepting daemon copies both from the manifest it read, so
+    an honest target carries exactly ``(policy_version, published_at(created_at))``, or
+    ``(-1, 0.0)`` when it was accepted before the manifest was written (that orders lowest, so
+    it wins nothing)."""
+    at = published_at(created_at)
+    if (t.policy_version, t.published_at) in ((policy_version, at), (-1, 0.0)):
+        return None
+    return (f"hot-load target {t.identity} claims policy version {t.policy_version} published at "
+            f"{t.published_at:.6f}, but its manifest says policy version {policy_version} published at {at:.6f}")
+
+
+def as_manifest_says(t: Target, policy_version: int, created_at: str) -> Target:
+    """``t`` with the order fields its manifest gives (the rest unchanged)."""
+    return replace(t, policy_version=policy_version, published_at=published_at(created_at))

@@ -27,7 +27,7 @@ from bdn.daemon.clock import Clock
 from bdn.daemon.current import LINK_NAME
 from bdn.daemon.errors import Conflict
 from bdn.daemon.foreign_source import Hint, Hints
-from bdn.daemon.replica import contract
+from bdn.daemon.replica import claims, contract
 from bdn.daemon.replica import engines as engine_rules
 from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.changes import ChangedTensorsCache, DeltaSource, delta_source
@@ -52,6 +52,7 @@ class ReplicaView:
         self.hints = hints if hints is not None else Hints()
         self.engine_ttl_s = engine_ttl_s
         self.changes = changes or ChangedTensorsCache(snapshots.ready_dir)
+        self.claims = claims.Claims(snapshots)  # targets' policy versions checked against manifests
         self.on_current: Callable[[str], None] | None = None
         self.target: Target | None = None
         self.current: str | None = None
@@ -79,6 +80,9 @@ class ReplicaView:
         unless a later one is already set; True if it did. ``retry_failed``: the same request
         posted again (a trainer's re-POST, or its fan-out): a failed load of it starts again
         (membership rounds, which repeat the target every round, do not pass it)."""
+        if (why := self.claims.contradiction(target)) is not None:  # refuted: docs/TRUST.md
+            log.debug("%s (from %s): ignored", why, source)
+            return False
         cur = self.target
         sup = supersedes(target, cur)
         # STARTUP_SNAPSHOT's target replaced by the first hot-load is not a hot-load that lost
@@ -99,7 +103,8 @@ class ReplicaView:
         if cur is not None and cur.identity != target.identity:
             await self._cancel_superseded(cur.identity, target)
         try:
-            job = self.snapshots.prefetch(target.identity, requested_by=f"hot-load {target.request_id}")
+            job = self.snapshots.prefetch(target.identity, requested_by=f"hot-load {target.request_id}",
+                                          wait_publish=False)  # accepted = published (else 404): fail at once
             if job.state == "ready":
                 self.on_snapshot_ready(target.identity)
         except BdnError as e:
@@ -140,6 +145,7 @@ class ReplicaView:
         """Event: a snapshot on this node changed (the catalog calls this). A delta target whose
         stored layer is complete (``applying``) starts the changed-tensor list for the engines that
         serve its base, so the offer at READY does not wait for it."""
+        self.target = self.claims.corrected(self.target, job.identity)
         if job.state == "ready":
             self.on_snapshot_ready(job.identity)
         elif job.state == "applying" and self.target is not None and self.target.identity == job.identity:
@@ -184,12 +190,8 @@ class ReplicaView:
 
     def pinned(self) -> set[str]:
         """Identities GC must keep: leased, current, target."""
-        keep = self.leased()
-        if self.current:
-            keep.add(self.current)
-        if self.target:
-            keep.add(self.target.identity)
-        return keep
+        keep = self.leased() | ({self.current} if self.current else set())
+        return keep | ({self.target.identity} if self.target else set())
 
     # ---- the replica record ----------------------------------------------------------------
     def replica(self) -> dict[str, Any]:
