@@ -97,6 +97,31 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
     return out
 
 
+def memory_owners(maps: list[list[Any]], warmup_s: float) -> dict[str, Any]:
+    """Per node, its longest life's ``maps`` rows (bench/soak/sampler.py) after ``warmup_s``: the
+    first and last MB of the glibc main heap, the glibc thread arenas and the other anonymous
+    mappings, each one's least-squares slope (MB/min), and the arena heaps and threads at the end."""
+    lives: dict[tuple[str, int], list[list[Any]]] = {}
+    for m in maps:
+        lives.setdefault((m[1], m[2]), []).append(m)
+    best: dict[str, list[list[Any]]] = {}
+    for (node, _), ms in lives.items():
+        late = [m for m in ms if m[0] - ms[0][0] >= warmup_s]
+        if len(late) >= 3 and (node not in best or late[-1][0] - late[0][0] > best[node][-1][0] - best[node][0][0]):
+            best[node] = late
+    out: dict[str, Any] = {}
+    for node, ms in sorted(best.items()):
+        ts = [m[0] for m in ms]
+        rec: dict[str, Any] = {"pid": ms[0][2], "from_s": ts[0], "to_s": ts[-1],
+                               "arena_heaps_last": ms[-1][5], "threads_last": ms[-1][7]}
+        for key, col in (("heap", 3), ("arenas", 4), ("other", 6)):
+            ys = [m[col] / 1024 for m in ms]
+            rec[f"{key}_mb_first"], rec[f"{key}_mb_last"] = round(ys[0], 1), round(ys[-1], 1)
+            rec[f"{key}_mb_per_min"] = round(slope_per_min(ts, ys), 3)
+        out[node] = rec
+    return out
+
+
 def log_rates(samples: list[list[Any]], minutes: float) -> dict[str, Any]:
     """Per node: lines in the log over the run, lines per minute, and the busiest minute."""
     out: dict[str, Any] = {}
@@ -251,6 +276,13 @@ def text_summary(r: dict[str, Any]) -> str:
             lines.append(f"  {node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min{floor}, fds {rec['fds_per_min']:+.3f}/min over "
                          f"{rec['slope_life_min']} min ({ {True: 'flat', False: 'GROWING', None: 'too short to judge'}[rec.get('flat')] }); max RSS "
                          f"{rec['rss_mb_max']} MB, max fds {rec['fds_max']}; log {r['logs'].get(node, {}).get('per_min')} lines/min")
+    envs = r["config"].get("node_env") or {}
+    for node, m in sorted((r.get("memory_owners") or {}).items()):
+        lines.append(f"  {node} {' '.join(f'{k}={v}' for k, v in sorted(envs.get(node, {}).items())) or '(default env)'}: "
+                     f"main heap {m['heap_mb_first']} -> {m['heap_mb_last']} MB ({m['heap_mb_per_min']:+.3f}/min), "
+                     f"thread arenas {m['arenas_mb_first']} -> {m['arenas_mb_last']} MB ({m['arenas_mb_per_min']:+.3f}/min, "
+                     f"{m['arena_heaps_last']} heaps), other anon {m['other_mb_first']} -> {m['other_mb_last']} MB "
+                     f"({m['other_mb_per_min']:+.3f}/min); {m['threads_last']} threads")
     lh = r.get("liar_bad_chunks_taken")
     if lh:
         lines.append(f"bad chunks taken from the liar: {lh['total']} (at most {lh['max_per_snapshot']} by one daemon "
