@@ -63,3 +63,25 @@ def read_smaps(pid: int) -> dict[str, int] | None:
             return parse_smaps(f)
     except (OSError, ValueError):
         return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.soak.maps PID...``: one line per process, MB of each owner."""
+    import sys
+
+    pids = [int(a) for a in (argv if argv is not None else sys.argv[1:])]
+    if not pids:
+        print("usage: python -m bench.soak.maps PID...", file=sys.stderr)
+        return 2
+    for pid in pids:
+        m = read_smaps(pid)
+        if m is None:
+            print(f"{pid}: gone or unreadable")
+            continue
+        print(f"{pid}: main heap {m['heap_kb'] / 1024:.1f} MB, thread arenas {m['arenas_kb'] / 1024:.1f} MB "
+              f"({m['arena_heaps']} heaps), other anonymous {m['other_kb'] / 1024:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
