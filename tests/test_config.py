@@ -47,6 +47,14 @@ def test_unknown_log_level(base: dict[str, str]) -> None:
         _load({**base, "BDN_LOG_LEVEL": "loud"})
 
 
+def test_event_loop(base: dict[str, str]) -> None:
+    # BDN_EVENT_LOOP=asyncio: the soak's A/B against uvloop (bench/NOTES.md "Issue 12: soak memory")
+    assert _load(base).event_loop == "uvloop"
+    assert _load({**base, "BDN_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
+    with pytest.raises(ConfigError, match="event_loop.*uvloop or asyncio.*'trio'"):
+        _load({**base, "BDN_EVENT_LOOP": "trio"})
+
+
 @pytest.mark.parametrize("env", [
     {"BDN_KEEP_READY": "-1"}, {"BDN_PEER_TIMEOUT_S": "-5"}, {"BDN_MAX_UPLOADS": "0"},
     {"BDN_CHUNK_WAIT_S": "nan"}, {"BDN_SHM_BUDGET_BYTES": "-1e9"},

@@ -116,3 +116,12 @@ def test_open_fds_stay_bounded(soak: dict[str, Any]) -> None:
     assert soak["samples"], "no resource samples"
     worst = max(soak["samples"], key=lambda s: s[4])
     assert worst[4] < FD_BOUND, f"{worst[1]} (pid {worst[2]}) had {worst[4]} open fds at {worst[0]} s"
+
+
+def test_memory_split_by_owner_adds_up(soak: dict[str, Any]) -> None:
+    # bench/soak/maps.py: glibc main heap + thread arenas + other anonymous ~= RssAnon of the same life
+    assert {m[1] for m in soak["maps"]} == {f"node{i}" for i in range(NODES)}, soak["maps"][:5]
+    for t, node, pid, heap, arenas, _, other, threads in soak["maps"]:
+        near = min((s for s in soak["samples"] if s[2] == pid), key=lambda s: abs(s[0] - t))
+        assert heap > 0 and threads >= 1  # 1: a restarted daemon still importing
+        assert 0.7 * near[7] < heap + arenas + other < 1.3 * near[7], (node, t, heap, arenas, other, near)

@@ -105,6 +105,7 @@ class Config:
     log_repeat_s: float = field(default=10.0, metadata={"help": 'a log line repeated per chunk or per peer is written once per this interval, then one summary line'})
     log_level: str = field(default="info", metadata={"help": 'debug, info, warning, error or critical'})
     log_json: bool = field(default=False, metadata={"help": 'one JSON object per log line'})
+    event_loop: str = field(default="uvloop", metadata={"help": 'the asyncio event loop: uvloop, or asyncio (the standard library\'s; for A/B runs and debugging)'})
     transfer_listen: str = field(default="auto", metadata={"help": 'host:port of the transfer server for chunk bytes (the wire of bdn.proto.wire); "auto" = the peer host and port + 1 (+ 2 where local_listen has + 1); "" = off (chunks over HTTP only)'})
     transfer_advertise: str = field(default="", metadata={"help": 'host:port peers use to reach the transfer server (NAT, a Service port); "" = the advertise_url host and the bound port'})
     chunk_log: str = field(default="", metadata={"help": 'path of a JSON-lines log with one line per chunk fetched (source, start, end, bytes, retries, busy answers); "" = off'})
@@ -196,6 +197,8 @@ class Config:
         _check_bucket_url(self.bucket)
         if self.log_level.lower() not in LOG_LEVELS:
             raise ConfigError(f"config key 'log_level' must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.event_loop not in ("uvloop", "asyncio"):
+            raise ConfigError(f"config key 'event_loop' must be uvloop or asyncio, got {self.event_loop!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool):

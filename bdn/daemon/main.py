@@ -197,12 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     setup_logging(cfg)
     _raise_fd_limit()
-    try:
-        import uvloop
+    runner = asyncio.Runner()
+    if cfg.event_loop == "uvloop":
+        try:
+            import uvloop
 
-        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-    except ImportError:  # uvloop is a dependency, but the daemon still runs without it
-        runner = asyncio.Runner()
+            runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+        except ImportError:  # uvloop is a dependency, but the daemon still runs without it
+            pass
     t0 = time.monotonic()
     bound = True
     with runner:

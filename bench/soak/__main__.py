@@ -40,6 +40,20 @@ def _kinds(v: str) -> tuple[str, ...]:
     return ks
 
 
+def _assign(v: str) -> tuple[str, str]:
+    key, eq, val = v.partition("=")
+    if not eq or not key or not key.replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {v!r}")
+    return key, val
+
+
+def _node_assign(v: str) -> tuple[str, str, str]:
+    node, colon, kv = v.partition(":")
+    if not colon or not node.startswith("node") or not node[4:].isdigit():
+        raise argparse.ArgumentTypeError(f"expected nodeN:KEY=VALUE, got {v!r}")
+    return (node, *_assign(kv))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, default=8, help="bdnd daemons (default %(default)s)")
@@ -72,14 +86,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--term-timeout", type=float, default=20.0,
                    help="at the end, seconds a daemon gets to exit after SIGTERM before SIGKILL (default %(default)s)")
     p.add_argument("--log-level", default="info", help="the daemons' log level (default %(default)s)")
+    p.add_argument("--env", type=_assign, action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable of every daemon (repeatable), e.g. MALLOC_ARENA_MAX=2")
+    p.add_argument("--node-env", type=_node_assign, action="append", default=[], metavar="nodeN:KEY=VALUE",
+                   help="an environment variable of one daemon, over --env (repeatable): an A/B within one run")
+    p.add_argument("--spare", default="node0", help="daemons the chaos loop never kills, comma list (default %(default)s)")
+    p.add_argument("--engine-node", type=int, default=1, help="the daemon the engine uses (default %(default)s)")
     a = p.parse_args(argv)
     if a.nodes < 2 or a.minutes <= 0 or a.max_down < 1 or a.max_down >= a.nodes:
         p.error("need --nodes >= 2, --minutes > 0 and 1 <= --max-down < --nodes")
+    spare = tuple(x for x in a.spare.split(",") if x)
+    node_env: dict[str, dict[str, str]] = {}
+    for node, k, v in a.node_env:
+        node_env.setdefault(node, {})[k] = v
+    unknown = sorted(n for n in {*spare, *node_env} if n not in {f"node{i}" for i in range(a.nodes)})
+    if unknown:
+        p.error(f"--spare / --node-env name daemons this run does not have: {', '.join(unknown)}")
     cfg = SoakConfig(
         nodes=a.nodes, minutes=a.minutes, seed=a.seed, out=a.out, workdir=a.workdir, keep_workdir=a.keep_workdir,
         n_embd=a.n_embd, n_layer=a.n_layer, anchor_every=a.anchor_every, interval=a.interval,
         chunk_size=a.chunk_kib << 10, sample_s=a.sample_s, warmup_s=a.warmup_s, log_level=a.log_level, term_timeout=a.term_timeout,
-        chaos=ChaosParams(kinds=a.faults, every=a.chaos_every, down_s=a.down, liar_s=a.liar_stay,
+        daemon_env=dict(a.env), node_env=node_env, engine_node=a.engine_node,
+        chaos=ChaosParams(kinds=a.faults, every=a.chaos_every, down_s=a.down, liar_s=a.liar_stay, spare=spare,
                           burst_s=a.burst, max_down=a.max_down, quiet_s=a.quiet_tail, shuffle=a.fault_order == "shuffled"),
     )
 

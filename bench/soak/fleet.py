@@ -107,9 +107,11 @@ class Fleet:
     """
 
     def __init__(self, workdir: Path, shm_root: Path, n: int, clock: Any, log_level: str = "info",
-                 engine_node: int = 1) -> None:
+                 engine_node: int = 1, daemon_env: dict[str, str] | None = None,
+                 node_env: dict[str, dict[str, str]] | None = None) -> None:
         self.workdir, self.shm_root, self.n, self.clock = workdir, shm_root, n, clock
         self.log_level = log_level
+        self.daemon_env, self.node_env = dict(daemon_env or {}), dict(node_env or {})
         self.engine_node = f"node{engine_node % n}"
         self.token = TOKEN
         self.secret = SECRET
@@ -145,9 +147,10 @@ class Fleet:
         """Create and start every daemon; return once all see each other alive."""
         assert self.proxy is not None
         env = {"BDN_API_TOKEN": self.token, "BDN_ENDPOINT_URL": self.proxy.url,
-               "BDN_LOG_LEVEL": self.log_level}
+               "BDN_LOG_LEVEL": self.log_level, **self.daemon_env}
         for i in range(self.n):
-            d = stable_ports(Daemon(self.workdir, f"node{i}", self.bucket_url, self.secret, env))
+            node_env = {**env, **self.node_env.get(f"node{i}", {})}
+            d = stable_ports(Daemon(self.workdir, f"node{i}", self.bucket_url, self.secret, node_env))
             d.shm_dir = self.shm_root / d.node_id
             d.env["BDN_SHM_DIR"] = str(d.shm_dir)
             self.nodes[d.node_id] = Node(d)

@@ -49,6 +49,9 @@ class SoakConfig:
     log_level: str = "info"
     term_timeout: float = 20.0
     keep_workdir: bool = False
+    daemon_env: dict[str, str] = field(default_factory=dict)  # every daemon (MALLOC_ARENA_MAX=2, BDN_EVENT_LOOP=...)
+    node_env: dict[str, dict[str, str]] = field(default_factory=dict)  # per node, over daemon_env: A/B in one run
+    engine_node: int = 1
 
 
 def _thread(name: str, fn: Any, errors: list[dict[str, Any]], *args: Any) -> threading.Thread:
@@ -89,7 +92,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else workdir
     shm_root = Path(tempfile.mkdtemp(prefix="bdn-soak-shm-", dir=shm_base))
-    fleet = Fleet(workdir, shm_root, cfg.nodes, clock, cfg.log_level)
+    fleet = Fleet(workdir, shm_root, cfg.nodes, clock, cfg.log_level, cfg.engine_node,
+                  daemon_env=cfg.daemon_env, node_env=cfg.node_env)
     errors: list[dict[str, Any]] = []
     stop = threading.Event()
     chaos = Chaos(fleet, random.Random(rng.randrange(1 << 30)), clock, cfg.chaos)
@@ -214,6 +218,7 @@ def build_result(cfg: SoakConfig, fleet: Fleet, trainer: Trainer, chaos: Chaos, 
                        "publish_s": round(p.publish_s, 2)} for p in trainer.published.values()],
         "verify": verifier.summary(),
         "resources": report.resources(samples, cfg.warmup_s, min(300.0, cfg.minutes * 60 / 3), cfg.minutes),
+        "memory_owners": report.memory_owners(sampler.maps if sampler else [], cfg.warmup_s),
         "logs": report.log_rates(samples, minutes),
         "top_log_lines": report.top_log_lines({nid: n.daemon.log_path for nid, n in fleet.nodes.items()}),
         "liar_bad_chunks_taken": report.liar_hits({nid: n.daemon.log_path for nid, n in fleet.nodes.items()}),
@@ -225,6 +230,8 @@ def build_result(cfg: SoakConfig, fleet: Fleet, trainer: Trainer, chaos: Chaos, 
         "end": end,
         "samples_columns": ["t_s", "node", "pid", "rss_kb", "fds", "cpu_s", "log_lines", "anon_kb"],
         "samples": samples,
+        "maps_columns": ["t_s", "node", "pid", "heap_kb", "arenas_kb", "arena_heaps", "other_kb", "threads"],
+        "maps": sampler.maps if sampler else [],
     }
     r["findings"] = report.findings(r)
     return r

@@ -51,6 +51,15 @@ def floor_slope_per_min(ts: list[float], ys: list[float], bin_s: float = 60.0) -
     return slope_per_min([k * bin_s for k in ks], [bins[k] for k in ks])
 
 
+def floor_levels(ts: list[float], ys: list[float], bin_s: float = 300.0) -> list[float]:
+    """The minimum of ``ys`` in each ``bin_s`` window from the first sample (a life's floor per 5 minutes)."""
+    bins: dict[int, float] = {}
+    for t, y in zip(ts, ys):
+        k = int((t - ts[0]) // bin_s)
+        bins[k] = min(y, bins.get(k, y))
+    return [round(bins[k], 1) for k in sorted(bins)]
+
+
 def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat_over_min: float) -> dict[str, Any]:
     """Per node: each life's RSS / fd first-last-max and slope; the node's slope from its longest life."""
     lives: dict[tuple[str, int], list[list[Any]]] = {}
@@ -72,11 +81,19 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
             life["fds_per_min"] = round(slope_per_min([s[0] for s in late], [s[4] for s in late]), 3)
             if len(late[0]) > 7:
                 life["anon_mb_per_min"] = round(slope_per_min([s[0] for s in late], [s[7] / 1024 for s in late]), 3)
+            half = [s for s in late if s[0] >= (late[0][0] + late[-1][0]) / 2]
             for key, col in (("rss_floor_mb_per_min", 3), ("anon_floor_mb_per_min", 7)):
                 if len(late[0]) > col:
                     f = floor_slope_per_min([s[0] for s in late], [s[col] / 1024 for s in late])
                     if f is not None:
                         life[key] = round(f, 3)
+                    # the second half alone: a warm-up that levels off (allocator, bounded pools) reads
+                    # flat here, a leak does not
+                    f = floor_slope_per_min([s[0] for s in half], [s[col] / 1024 for s in half])
+                    if f is not None:
+                        life[key.replace("_per_min", "_per_min_2nd_half")] = round(f, 3)
+            if len(late[0]) > 7:
+                life["anon_floor_mb_by_5min"] = floor_levels([s[0] for s in ss], [s[7] / 1024 for s in ss])
         out.setdefault(node, {"lives": []})["lives"].append(life)
     for node, rec in out.items():
         sloped = [lf for lf in rec["lives"] if "rss_mb_per_min" in lf]
@@ -88,12 +105,38 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
             rec["slope_life_min"] = round((best["to_s"] - best["from_s"]) / 60, 1)
             rec["rss_mb_per_min"] = best["rss_mb_per_min"]
             rec["fds_per_min"] = best["fds_per_min"]
-            for key in ("anon_mb_per_min", "rss_floor_mb_per_min", "anon_floor_mb_per_min"):
+            for key in ("anon_mb_per_min", "rss_floor_mb_per_min", "anon_floor_mb_per_min", "rss_floor_mb_per_min_2nd_half",
+                        "anon_floor_mb_per_min_2nd_half", "anon_floor_mb_by_5min"):
                 if key in best:
                     rec[key] = best[key]
             if best["to_s"] - best["from_s"] >= JUDGE_MIN_S:  # shorter lives: numbers, no verdict
                 rec["flat"] = (abs(best["rss_mb_per_min"]) * flat_over_min < RSS_FLAT_MB
                                and abs(best["fds_per_min"]) * flat_over_min < FD_FLAT)
+    return out
+
+
+def memory_owners(maps: list[list[Any]], warmup_s: float) -> dict[str, Any]:
+    """Per node, its longest life's ``maps`` rows (bench/soak/sampler.py) after ``warmup_s``: the
+    first and last MB of the glibc main heap, the glibc thread arenas and the other anonymous
+    mappings, each one's least-squares slope (MB/min), and the arena heaps and threads at the end."""
+    lives: dict[tuple[str, int], list[list[Any]]] = {}
+    for m in maps:
+        lives.setdefault((m[1], m[2]), []).append(m)
+    best: dict[str, list[list[Any]]] = {}
+    for (node, _), ms in lives.items():
+        late = [m for m in ms if m[0] - ms[0][0] >= warmup_s]
+        if len(late) >= 3 and (node not in best or late[-1][0] - late[0][0] > best[node][-1][0] - best[node][0][0]):
+            best[node] = late
+    out: dict[str, Any] = {}
+    for node, ms in sorted(best.items()):
+        ts = [m[0] for m in ms]
+        rec: dict[str, Any] = {"pid": ms[0][2], "from_s": ts[0], "to_s": ts[-1],
+                               "arena_heaps_last": ms[-1][5], "threads_last": ms[-1][7]}
+        for key, col in (("heap", 3), ("arenas", 4), ("other", 6)):
+            ys = [m[col] / 1024 for m in ms]
+            rec[f"{key}_mb_first"], rec[f"{key}_mb_last"] = round(ys[0], 1), round(ys[-1], 1)
+            rec[f"{key}_mb_per_min"] = round(slope_per_min(ts, ys), 3)
+        out[node] = rec
     return out
 
 
@@ -247,10 +290,18 @@ def text_summary(r: dict[str, Any]) -> str:
     for node, rec in sorted(r["resources"].items()):
         if "rss_mb_per_min" in rec:
             floor = (f" (per-minute floor {rec['rss_floor_mb_per_min']:+.3f}, heap floor "
-                     f"{rec.get('anon_floor_mb_per_min', 0):+.3f})" if "rss_floor_mb_per_min" in rec else "")
+                     f"{rec.get('anon_floor_mb_per_min', 0):+.3f}, 2nd half {rec.get('anon_floor_mb_per_min_2nd_half', 0):+.3f}; "
+                     f"heap floor per 5 min {rec.get('anon_floor_mb_by_5min')})" if "rss_floor_mb_per_min" in rec else "")
             lines.append(f"  {node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min{floor}, fds {rec['fds_per_min']:+.3f}/min over "
                          f"{rec['slope_life_min']} min ({ {True: 'flat', False: 'GROWING', None: 'too short to judge'}[rec.get('flat')] }); max RSS "
                          f"{rec['rss_mb_max']} MB, max fds {rec['fds_max']}; log {r['logs'].get(node, {}).get('per_min')} lines/min")
+    envs = r["config"].get("node_env") or {}
+    for node, m in sorted((r.get("memory_owners") or {}).items()):
+        lines.append(f"  {node} {' '.join(f'{k}={v}' for k, v in sorted(envs.get(node, {}).items())) or '(default env)'}: "
+                     f"main heap {m['heap_mb_first']} -> {m['heap_mb_last']} MB ({m['heap_mb_per_min']:+.3f}/min), "
+                     f"thread arenas {m['arenas_mb_first']} -> {m['arenas_mb_last']} MB ({m['arenas_mb_per_min']:+.3f}/min, "
+                     f"{m['arena_heaps_last']} heaps), other anon {m['other_mb_first']} -> {m['other_mb_last']} MB "
+                     f"({m['other_mb_per_min']:+.3f}/min); {m['threads_last']} threads")
     lh = r.get("liar_bad_chunks_taken")
     if lh:
         lines.append(f"bad chunks taken from the liar: {lh['total']} (at most {lh['max_per_snapshot']} by one daemon "
@@ -279,6 +330,11 @@ def main(argv: list[str] | None = None) -> int:
     if all(p.exists() for p in logs.values()):
         r["liar_bad_chunks_taken"] = liar_hits(logs)
         r["top_log_lines"] = top_log_lines(logs)
+    c = r["config"]
+    if r.get("samples"):  # slopes and floors with the current estimators
+        r["resources"] = resources(r["samples"], c["warmup_s"], min(300.0, c["minutes"] * 60 / 3), c["minutes"])
+    if r.get("maps"):
+        r["memory_owners"] = memory_owners(r["maps"], c["warmup_s"])
     r["findings"] = findings(r)
     print(text_summary(r))
     if a.write:

@@ -5,7 +5,9 @@ Read from ``/proc/<pid>/status`` (``VmRSS``, kB), ``/proc/<pid>/fd`` (entries), 
 sample: ``[t_s, node, pid, rss_kb, fds, cpu_s, log_lines, anon_kb]`` (``RssAnon``: the heap, without
 file pages mapped); ``log_lines`` counts the whole file,
 across the daemon's lives. Each tick also calls :meth:`Fleet.reap` so that a daemon that exits
-on its own is seen within one interval.
+on its own is seen within one interval. Every ``maps_s`` seconds (60) the anonymous memory is also
+split by owner (bench/soak/maps.py): one ``maps`` row ``[t_s, node, pid, heap_kb, arenas_kb,
+arena_heaps, other_kb, threads]`` (glibc main heap, glibc thread arenas, everything else).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from typing import Any
 
 from bench.soak.fleet import Fleet
+from bench.soak.maps import read_smaps
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -34,6 +37,18 @@ def proc_sample(pid: int) -> tuple[int, int, float, int] | None:
     except (OSError, ValueError, KeyError, IndexError):
         return None
     return rss, fds, cpu, anon
+
+
+def threads(pid: int) -> int:
+    """``Threads:`` of ``/proc/<pid>/status``; 0 when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Threads:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 class LogCounter:
@@ -55,9 +70,11 @@ class LogCounter:
 
 
 class Sampler:
-    def __init__(self, fleet: Fleet, clock: Any, interval_s: float = 5.0) -> None:
-        self.fleet, self.clock, self.interval_s = fleet, clock, interval_s
+    def __init__(self, fleet: Fleet, clock: Any, interval_s: float = 5.0, maps_s: float = 60.0) -> None:
+        self.fleet, self.clock, self.interval_s, self.maps_s = fleet, clock, interval_s, maps_s
         self.samples: list[list[Any]] = []
+        self.maps: list[list[Any]] = []
+        self._maps_t = -maps_s
         self.logs = {nid: LogCounter(n.daemon.log_path) for nid, n in fleet.nodes.items()}
         self.reaped: list[tuple[float, str]] = []
 
@@ -65,6 +82,9 @@ class Sampler:
         for t, nid in ((self.clock(), n) for n in self.fleet.reap()):
             self.reaped.append((round(t, 1), nid))
         t = round(self.clock(), 1)
+        with_maps = t - self._maps_t >= self.maps_s
+        if with_maps:
+            self._maps_t = t
         for nid, node in self.fleet.nodes.items():
             p = node.daemon.proc
             if p is None or p.poll() is not None:
@@ -72,6 +92,10 @@ class Sampler:
             s = proc_sample(p.pid)
             if s is not None:
                 self.samples.append([t, nid, p.pid, s[0], s[1], round(s[2], 2), self.logs[nid].count(), s[3]])
+            m = read_smaps(p.pid) if with_maps else None
+            if m is not None:
+                self.maps.append([t, nid, p.pid, m["heap_kb"], m["arenas_kb"], m["arena_heaps"], m["other_kb"],
+                                  threads(p.pid)])
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
