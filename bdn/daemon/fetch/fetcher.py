@@ -30,7 +30,7 @@ from bdn.proto.manifest import ChunkRef
 HAVES_FIRST_S = 5.0
 #: Requests of ours an owner whose announcements we receive may have in flight before another
 #: acquisition of its chunks waits for its HAVE_GROWING instead of parking there too.
-PARK_AHEAD = 2
+PARK_AHEAD = 1
 #: Workers per stored layer that take the chunks peers announce growing (cut-through).
 CUT_WORKERS = 8
 
