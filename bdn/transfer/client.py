@@ -281,7 +281,9 @@ class TransferClient:
             with self._cond:
                 ps.open -= 1
                 self._cond.notify()
-            return FetchResult(Outcome.FAILED, error=f"peer {peer.node_id}: {_one_line(e)}")
+            # "connect:" tells a stream that could not be opened from one that stalled on an
+            # answer (bdn.daemon.fetch.wire_source.stalled penalises only the latter)
+            return FetchResult(Outcome.FAILED, error=f"peer {peer.node_id}: connect: {_one_line(e)}")
         with self._cond:
             ps.streams.add(stream)
             if self._closed:

@@ -66,8 +66,11 @@ def _copy_into(mm: Any, offset: int, buf: bytearray) -> None:
 def stalled(res: FetchResult) -> bool:
     """Whether a FAILED fetch ended in a time-out of the stream (``TimeoutError``: no byte
     within ``io_timeout_s``, plus the request's wait) rather than a reset, a closed connection
-    or a protocol error (bdn.transfer.client reports the exception's type first)."""
-    return res.outcome is Outcome.FAILED and "TimeoutError" in res.error
+    or a protocol error (bdn.transfer.client reports the exception's type first). A stream
+    that could not be opened in time (``connect:``: a handshake slow under load) is a plain
+    failure: penalising the peer took it out of every asker's live set and moved its chunks to
+    new owners, who read them from the bucket a second time (bench/NOTES.md, part 3)."""
+    return res.outcome is Outcome.FAILED and "TimeoutError" in res.error and ": connect: " not in res.error
 
 
 class WireSource:
