@@ -117,16 +117,15 @@ class Sources:
         self.pool.put(buf)
         return ok
 
-    def prepare(self, job: SnapshotJob, layer: str) -> None:
-        """Before a layer's first chunk: over the transfer wire, start mapping its target files
-        in manifest order (at most ``PREPARE_FILES`` of them; more are mapped by their first
-        chunk). Returns at once."""
+    async def prepare(self, job: SnapshotJob, layer: str) -> None:
+        """Before a layer's first chunk: over the transfer wire, map its target files (at most
+        ``PREPARE_FILES`` of them; more are mapped by their first chunk)."""
         m = job.manifest
         if self.wire is None or job.foreign is not None or m is None or len(m.files) > PREPARE_FILES:
             return
         paths = list(dict.fromkeys(job.file_path(layer, i) for i, f in enumerate(m.files)
                                    if (f.size if layer == STORED else f.result_size)))
-        self.wire.prepare(job, paths)
+        await self.wire.prepare(job, paths)
 
     async def from_local(self, job: SnapshotJob, loc: Loc, ref: ChunkRef, target: Path) -> bool:
         """The same bytes already on this node (e.g. an unchanged config.json), copied and re-verified."""

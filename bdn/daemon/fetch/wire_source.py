@@ -103,7 +103,6 @@ class WireSource:
         self.on_growing: Callable[[SnapshotJob, ChunkRef], None] | None = None
         #: Event hook (job, ref): that chunk no longer grows here (verified or failed).
         self.on_grown: Callable[[SnapshotJob, ChunkRef], None] | None = None
-        self._preparing: set[asyncio.Future[None]] = set()  # background mappings (prepare)
 
     async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -294,26 +293,19 @@ class WireSource:
         finally:
             self.maps.release(target)
 
-    def prepare(self, job: SnapshotJob, paths: list[Path]) -> None:
-        """Map the target files ``paths`` one after another, in this order, in the background:
-        a read into a file waits for that file's mapping only, and the files come ready in
-        manifest order, so an owner's bucket reads start in its chunks' order (the order its
-        askers expect). Left to itself, the first read into each file mapped it, and a file
-        mapped early let its chunks overtake earlier ones (bench/NOTES.md, part 3). Files that
-        cannot be mapped (empty ones) are left to the chunk that needs them."""
-        async def in_order() -> None:
-            for p in paths:
-                if job.state not in ("queued", "downloading"):
-                    return
-                try:
-                    await self.maps.acquire(job, p)
-                except OSError:
-                    continue
-                self.maps.release(p)
+    async def prepare(self, job: SnapshotJob, paths: list[Path]) -> None:
+        """Map the target files ``paths`` now, all at once, before the layer's first chunk: the
+        first read into each file then waits for no mapping, so an owner's bucket reads start
+        in its chunks' order (the order its askers expect them in). Files that cannot be
+        mapped (empty ones) are left to the chunk that needs them."""
+        async def one(p: Path) -> None:
+            try:
+                await self.maps.acquire(job, p)
+            except OSError:
+                return
+            self.maps.release(p)
 
-        t = asyncio.ensure_future(in_order())
-        self._preparing.add(t)
-        t.add_done_callback(self._preparing.discard)
+        await asyncio.gather(*(one(p) for p in paths))
 
     async def _read_parts(
         self, bucket: BucketIO, key: str, ref: ChunkRef, view: memoryview, parts: list[tuple[int, int]],
