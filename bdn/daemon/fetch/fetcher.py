@@ -94,14 +94,10 @@ class Fetcher:
         job.start_layer(layer)
         # Learn who already holds what before anything starts, so that a late joiner takes from
         # peers what they have rather than reading its own HRW share from the bucket.
-        # (meanwhile the layer's target files are mapped: sources.prepare)
-        async def learn() -> None:
-            try:
-                await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
-            except asyncio.TimeoutError:
-                pass
-
-        await asyncio.gather(learn(), self.sources.prepare(job, layer))
+        try:
+            await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
+        except asyncio.TimeoutError:
+            pass
         nodes = self.membership.hrw_nodes()
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
         owned, others = plan.split_owned(bits, nodes, self.node_id, self.rng,

@@ -293,20 +293,6 @@ class WireSource:
         finally:
             self.maps.release(target)
 
-    async def prepare(self, job: SnapshotJob, paths: list[Path]) -> None:
-        """Map the target files ``paths`` now, all at once, before the layer's first chunk: the
-        first read into each file then waits for no mapping, so an owner's bucket reads start
-        in its chunks' order (the order its askers expect them in). Files that cannot be
-        mapped (empty ones) are left to the chunk that needs them."""
-        async def one(p: Path) -> None:
-            try:
-                await self.maps.acquire(job, p)
-            except OSError:
-                return
-            self.maps.release(p)
-
-        await asyncio.gather(*(one(p) for p in paths))
-
     async def _read_parts(
         self, bucket: BucketIO, key: str, ref: ChunkRef, view: memoryview, parts: list[tuple[int, int]],
         g: Growing | None,
