@@ -382,7 +382,9 @@ class TransferClient:
             else:
                 self._receive(s, sink)
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:
-            return FetchResult(Outcome.FAILED, error=f"peer {peer}: {_one_line(e)}")
+            # ``cut_through``: it broke inside a cut-through answer (the sender's copy may have
+            # failed its own check and been cut off: bdn.transfer.growing; not the sender's fault)
+            return FetchResult(Outcome.FAILED, error=f"peer {peer}: {_one_line(e)}", cut_through=cut)
         if s.hasher.hexdigest() != digest:
             return FetchResult(Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}",
                                cut_through=cut)

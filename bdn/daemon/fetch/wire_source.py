@@ -176,6 +176,16 @@ class WireSource:
                 self.on_bad_bytes(m.url, m.node_id, address, job.identity)  # chunkcheck: tell the peer
             log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
                         job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s, extra={"peer": m.node_id})
+        elif res.outcome is Outcome.FAILED and res.cut_through and not stalled(res):
+            # A cut-through answer broken off: the owner's copy failed its own check or its
+            # bucket read broke (bdn.transfer.growing cuts the answers off), or the owner died.
+            # Not a failure of the peer (nobody is blamed for it, DESIGN.md "Cut-through"): the
+            # round counts as busy and the chunk is asked again; a dead owner is SWIM's to find.
+            # (Counted as failures, one bucket hiccup at an owner marked it failed at every
+            # asker, took it out of their HRW and moved its chunks to owners that read them again.)
+            log.debug("snapshot %s: cut-through answer for chunk %d of %s from %s broke off: %s", job.identity,
+                      ref.index, ref.path, m.node_id, res.error)
+            self.stats.busy_answers += 1
         elif res.outcome is Outcome.FAILED:
             log.debug("snapshot %s: chunk %d of %s from %s failed: %s", job.identity, ref.index, ref.path, m.node_id,
                       res.error)
