@@ -120,7 +120,7 @@ def test_a_copy_the_server_finds_bad_is_cut_off_not_blamed(shm, landing):
             _eventually(lambda: out[: CHUNK - HOLD_BYTES] == landing.data[: CHUNK - HOLD_BYTES], "all but the end")
             landing.g.failed()
             res = fut.result(120)
-            assert res.outcome is Outcome.FAILED
+            assert res.outcome is Outcome.FAILED and res.cut_through  # the daemon blames nobody for it
             assert srv.stats.aborted == 1 and srv.stats.cut_through == 0
         finally:
             pool.close()
@@ -262,3 +262,19 @@ def test_not_here_when_neither_growing_nor_held(shm):
             assert res.outcome is Outcome.NOT_HERE
         finally:
             client.close()
+
+
+def test_a_stream_that_cannot_be_opened_is_a_failure_not_a_stall():
+    """A peer whose handshake does not come within the connect timeout: FAILED with "connect:"
+    (a plain failure), which the daemon does not penalise as a stalled answer."""
+    from bdn.daemon.fetch.wire_source import stalled
+
+    ls = socket.create_server(("127.0.0.1", 0))  # accepts, never says hello
+    client = TransferClient(KEYS, "cli", connect_timeout_s=0.5, io_timeout_s=30)
+    try:
+        res = client.fetch_into(Peer("mute", *ls.getsockname()), "ab" * 16, bytearray(16), 0, 16, "cd" * 16)
+        assert res.outcome is Outcome.FAILED and ": connect: " in res.error and "TimeoutError" in res.error, res
+        assert not stalled(res)
+    finally:
+        client.close()
+        ls.close()

@@ -281,7 +281,9 @@ class TransferClient:
             with self._cond:
                 ps.open -= 1
                 self._cond.notify()
-            return FetchResult(Outcome.FAILED, error=f"peer {peer.node_id}: {_one_line(e)}")
+            # "connect:" tells a stream that could not be opened from one that stalled on an
+            # answer (bdn.daemon.fetch.wire_source.stalled penalises only the latter)
+            return FetchResult(Outcome.FAILED, error=f"peer {peer.node_id}: connect: {_one_line(e)}")
         with self._cond:
             ps.streams.add(stream)
             if self._closed:
@@ -380,7 +382,9 @@ class TransferClient:
             else:
                 self._receive(s, sink)
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:
-            return FetchResult(Outcome.FAILED, error=f"peer {peer}: {_one_line(e)}")
+            # ``cut_through``: it broke inside a cut-through answer (the sender's copy may have
+            # failed its own check and been cut off: bdn.transfer.growing; not the sender's fault)
+            return FetchResult(Outcome.FAILED, error=f"peer {peer}: {_one_line(e)}", cut_through=cut)
         if s.hasher.hexdigest() != digest:
             return FetchResult(Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}",
                                cut_through=cut)

@@ -30,7 +30,7 @@ from bdn.proto.manifest import ChunkRef
 HAVES_FIRST_S = 5.0
 #: Requests of ours an owner whose announcements we receive may have in flight before another
 #: acquisition of its chunks waits for its HAVE_GROWING instead of parking there too.
-PARK_AHEAD = 2
+PARK_AHEAD = 1
 #: Workers per stored layer that take the chunks peers announce growing (cut-through).
 CUT_WORKERS = 8
 
@@ -94,14 +94,10 @@ class Fetcher:
         job.start_layer(layer)
         # Learn who already holds what before anything starts, so that a late joiner takes from
         # peers what they have rather than reading its own HRW share from the bucket.
-        # (meanwhile the layer's target files are mapped: sources.prepare)
-        async def learn() -> None:
-            try:
-                await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
-            except asyncio.TimeoutError:
-                pass
-
-        await asyncio.gather(learn(), self.sources.prepare(job, layer))
+        try:
+            await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
+        except asyncio.TimeoutError:
+            pass
         nodes = self.membership.hrw_nodes()
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
         owned, others = plan.split_owned(bits, nodes, self.node_id, self.rng,

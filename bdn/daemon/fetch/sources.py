@@ -21,7 +21,7 @@ from bdn.daemon.lograte import RepeatLog
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError, PeerStalled
 from bdn.daemon.ratelimit import RateLimit
-from bdn.daemon.snapshot import STORED, Loc, SnapshotJob
+from bdn.daemon.snapshot import Loc, SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.transfer_address import peer_of
 from bdn.proto.errors import BdnError, ProtocolError
@@ -29,8 +29,6 @@ from bdn.proto.manifest import ChunkRef
 
 log = logging.getLogger("bdn.fetch")
 T = TypeVar("T")
-#: Target files a layer may have for them all to be mapped before its first chunk.
-PREPARE_FILES = 64
 
 
 class BufferPool:
@@ -116,16 +114,6 @@ class Sources:
             raise  # the thread may still read ``buf``: leave it to the garbage collector
         self.pool.put(buf)
         return ok
-
-    async def prepare(self, job: SnapshotJob, layer: str) -> None:
-        """Before a layer's first chunk: over the transfer wire, map its target files (at most
-        ``PREPARE_FILES`` of them; more are mapped by their first chunk)."""
-        m = job.manifest
-        if self.wire is None or job.foreign is not None or m is None or len(m.files) > PREPARE_FILES:
-            return
-        paths = list(dict.fromkeys(job.file_path(layer, i) for i, f in enumerate(m.files)
-                                   if (f.size if layer == STORED else f.result_size)))
-        await self.wire.prepare(job, paths)
 
     async def from_local(self, job: SnapshotJob, loc: Loc, ref: ChunkRef, target: Path) -> bool:
         """The same bytes already on this node (e.g. an unchanged config.json), copied and re-verified."""

@@ -66,8 +66,11 @@ def _copy_into(mm: Any, offset: int, buf: bytearray) -> None:
 def stalled(res: FetchResult) -> bool:
     """Whether a FAILED fetch ended in a time-out of the stream (``TimeoutError``: no byte
     within ``io_timeout_s``, plus the request's wait) rather than a reset, a closed connection
-    or a protocol error (bdn.transfer.client reports the exception's type first)."""
-    return res.outcome is Outcome.FAILED and "TimeoutError" in res.error
+    or a protocol error (bdn.transfer.client reports the exception's type first). A stream
+    that could not be opened in time (``connect:``: a handshake slow under load) is a plain
+    failure: penalising the peer took it out of every asker's live set and moved its chunks to
+    new owners, who read them from the bucket a second time (bench/NOTES.md, part 3)."""
+    return res.outcome is Outcome.FAILED and "TimeoutError" in res.error and ": connect: " not in res.error
 
 
 class WireSource:
@@ -173,6 +176,16 @@ class WireSource:
                 self.on_bad_bytes(m.url, m.node_id, address, job.identity)  # chunkcheck: tell the peer
             log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
                         job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s, extra={"peer": m.node_id})
+        elif res.outcome is Outcome.FAILED and res.cut_through and not stalled(res):
+            # A cut-through answer broken off: the owner's copy failed its own check or its
+            # bucket read broke (bdn.transfer.growing cuts the answers off), or the owner died.
+            # Not a failure of the peer (nobody is blamed for it, DESIGN.md "Cut-through"): the
+            # round counts as busy and the chunk is asked again; a dead owner is SWIM's to find.
+            # (Counted as failures, one bucket hiccup at an owner marked it failed at every
+            # asker, took it out of their HRW and moved its chunks to owners that read them again.)
+            log.debug("snapshot %s: cut-through answer for chunk %d of %s from %s broke off: %s", job.identity,
+                      ref.index, ref.path, m.node_id, res.error)
+            self.stats.busy_answers += 1
         elif res.outcome is Outcome.FAILED:
             log.debug("snapshot %s: chunk %d of %s from %s failed: %s", job.identity, ref.index, ref.path, m.node_id,
                       res.error)
@@ -289,20 +302,6 @@ class WireSource:
                     raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
         finally:
             self.maps.release(target)
-
-    async def prepare(self, job: SnapshotJob, paths: list[Path]) -> None:
-        """Map the target files ``paths`` now, all at once, before the layer's first chunk: the
-        first read into each file then waits for no mapping, so an owner's bucket reads start
-        in its chunks' order (the order its askers expect them in). Files that cannot be
-        mapped (empty ones) are left to the chunk that needs them."""
-        async def one(p: Path) -> None:
-            try:
-                await self.maps.acquire(job, p)
-            except OSError:
-                return
-            self.maps.release(p)
-
-        await asyncio.gather(*(one(p) for p in paths))
 
     async def _read_parts(
         self, bucket: BucketIO, key: str, ref: ChunkRef, view: memoryview, parts: list[tuple[int, int]],
