@@ -208,7 +208,8 @@ class TransferClient:
         keep = False
         try:
             result = self._exchange(stream, ask, sink, offset, length, wait_s, digest, cut_ok)
-            keep = result.outcome is not Outcome.FAILED
+            # a peer that sent wrong bytes may have sent more than it announced: never reuse it
+            keep = result.outcome not in (Outcome.FAILED, Outcome.CORRUPT)
             return result
         finally:
             self._release(peer, stream, keep)
