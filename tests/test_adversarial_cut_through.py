@@ -1,0 +1,223 @@
+"""Trying to break cut-through forwarding (issues 9 and 12) with a sender that holds the swarm
+secret and lies on the wire: overlapping or outside PARTs, floods of empty or gapped PARTs, a
+PART to an ask that did not accept one, answers that mix DATA and PART. Each must fail that one
+fetch (FAILED, or CORRUPT once the parts cover the range with wrong bytes), in bounded memory,
+and leave the client able to fetch from an honest server right after."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from support.transfer import KEYS, make_chunk_file, recv_frame
+
+from bdn.proto import wire
+from bdn.proto.errors import ProtocolError
+from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
+from bdn.transfer.client import MAX_INTERVALS, Coverage
+
+CHUNK = 1 << 20
+
+Send = Callable[[wire.FrameType, bytes, bytes], None]
+
+
+class WireLiar:
+    """A transfer peer that knows the secret and answers every ask by calling
+    ``script(ask, send)``; ``send(type, payload, raw)`` seals one frame and sends the raw
+    bytes after it. The connection stays open until the client closes it."""
+
+    def __init__(self, script: Callable[[wire.Ask, Send], None]) -> None:
+        self.script = script
+        self.ls = socket.create_server(("127.0.0.1", 0))
+        self.addr = self.ls.getsockname()
+        self.sent_frames = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                sock, _ = self.ls.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(sock,), daemon=True).start()
+
+    def _one(self, sock: socket.socket) -> None:
+        try:
+            nonce = secrets.token_bytes(32)
+            sock.sendall(wire.server_hello(nonce))
+            _, body = recv_frame(sock)
+            accept, session = wire.check_client_hello(KEYS, "liar", nonce, body, time.time())
+            sock.sendall(accept)
+            ftype, body = recv_frame(sock)
+            ask = wire.decode_ask(session.open(ftype, body))
+
+            def send(ft: wire.FrameType, payload: bytes, raw: bytes = b"") -> None:
+                sock.sendall(session.seal(ft, payload) + raw)
+                self.sent_frames += 1
+
+            self.script(ask, send)
+            sock.recv(1)  # hold it open until the client closes it
+        except (OSError, ConnectionError):
+            pass
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        self.ls.close()
+
+
+def _part(send: Send, off: int, n: int) -> None:
+    send(wire.FrameType.PART, wire.encode_part(off, n), os.urandom(n))
+
+
+def _gapped(ask: wire.Ask, send: Send) -> None:
+    """1-byte parts at every other byte, from the end backwards (the worst case for a sorted list)."""
+    for off in range(ask.length - 2, -1, -2):
+        _part(send, off, 1)
+
+
+def _empty_flood(ask: wire.Ask, send: Send) -> None:
+    """Half the range, then nothing but empty PARTs (keep-alives) as fast as the socket takes them."""
+    _part(send, 0, ask.length // 2)
+    while True:
+        send(wire.FrameType.PART, wire.encode_part(0, 0))
+
+
+def _data_then_part(ask: wire.Ask, send: Send) -> None:
+    send(wire.FrameType.DATA, wire.encode_data(ask.length), os.urandom(ask.length // 2))
+    _part(send, ask.length // 2, ask.length - ask.length // 2)
+
+
+def _part_then_data(ask: wire.Ask, send: Send) -> None:
+    _part(send, 0, ask.length // 2)
+    send(wire.FrameType.DATA, wire.encode_data(ask.length - ask.length // 2), os.urandom(ask.length // 2))
+
+
+def _part_then_not_here(ask: wire.Ask, send: Send) -> None:
+    _part(send, 0, ask.length // 2)
+    send(wire.FrameType.NOT_HERE, b"")
+
+
+def _huge_offset(ask: wire.Ask, send: Send) -> None:
+    send(wire.FrameType.PART, wire.encode_part((1 << 64) - 1, 1), b"x")
+
+
+def _wraps_around(ask: wire.Ask, send: Send) -> None:
+    """offset + length would wrap to a small number in 64-bit arithmetic."""
+    send(wire.FrameType.PART, wire.encode_part(ask.length // 2, (1 << 64) - ask.length // 2 + 16), b"")
+
+
+def _same_part_twice(ask: wire.Ask, send: Send) -> None:
+    _part(send, 0, ask.length // 2)
+    _part(send, 0, ask.length // 2)
+
+
+def _covers_then_more(ask: wire.Ask, send: Send) -> None:
+    """The whole range (random bytes: CORRUPT), then a PART past the end of the answer."""
+    _part(send, 0, ask.length)
+    _part(send, 0, 16)
+
+
+def _empty_then_stall(ask: wire.Ask, send: Send) -> None:
+    """A PART header announcing bytes that never come."""
+    send(wire.FrameType.PART, wire.encode_part(0, ask.length), b"")
+
+
+CASES = {
+    "gapped 1-byte parts": (_gapped, Outcome.FAILED, "gaps open"),
+    "data then part": (_data_then_part, Outcome.CORRUPT, None),  # a DATA body swallows the PART frame as bytes
+    "part then data": (_part_then_data, Outcome.FAILED, "DATA frame inside"),
+    "part then not here": (_part_then_not_here, Outcome.FAILED, "NOT_HERE frame inside"),
+    "huge offset": (_huge_offset, Outcome.FAILED, "outside"),
+    "wraps around": (_wraps_around, Outcome.FAILED, "outside"),
+    "same part twice": (_same_part_twice, Outcome.FAILED, "overlaps"),
+    "covers then more": (_covers_then_more, Outcome.CORRUPT, None),
+}
+
+
+@pytest.fixture
+def honest(shm):
+    cf = make_chunk_file(shm / "honest", 2 * CHUNK, CHUNK)
+    with TransferServer(KEYS, "honest", cf.resolve) as srv:
+        yield cf, Peer("honest", *srv.address)
+
+
+def _honest_fetch_works(client: TransferClient, honest) -> None:
+    cf, peer = honest
+    out = bytearray(CHUNK)
+    res = client.fetch_into(peer, cf.address(1), out, 0, CHUNK, cf.digests[1], cut_through=True)
+    assert res.ok, res
+    assert bytes(out) == cf.path.read_bytes()[CHUNK:]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_lying_part_stream_fails_that_fetch_only(case, honest):
+    script, outcome, why = CASES[case]
+    liar = WireLiar(script)
+    client = TransferClient(KEYS, "victim", io_timeout_s=30)
+    try:
+        res = client.fetch_into(Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16,
+                                cut_through=True)
+        assert res.outcome is outcome, res
+        if why is not None:
+            assert why in (res.error or ""), res
+        _honest_fetch_works(client, honest)
+    finally:
+        client.close()
+        liar.close()
+
+
+def test_a_flood_of_empty_parts_is_cut_off_by_the_silence_timer(honest):
+    """Keep-alives only, after half the range: bounded by ``io_timeout_s`` with no new byte (a
+    short one here; the default is 30 s), not by the flood."""
+    liar = WireLiar(_empty_flood)
+    client = TransferClient(KEYS, "victim", io_timeout_s=1.0)
+    try:
+        res = client.fetch_into(Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16,
+                                cut_through=True)
+        assert res.outcome is Outcome.FAILED, res
+        assert "no new byte" in (res.error or ""), res
+        assert liar.sent_frames > 1, liar.sent_frames
+    finally:
+        client.close()
+        liar.close()
+    client = TransferClient(KEYS, "victim", io_timeout_s=30)
+    try:
+        _honest_fetch_works(client, honest)
+    finally:
+        client.close()
+
+
+def test_a_header_announcing_bytes_that_never_come_times_out(honest):
+    liar = WireLiar(_empty_then_stall)
+    client = TransferClient(KEYS, "victim", io_timeout_s=1.0)
+    try:
+        res = client.fetch_into(Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16,
+                                cut_through=True)
+        assert res.outcome is Outcome.FAILED, res
+    finally:
+        client.close()
+        liar.close()
+
+
+def test_coverage_keeps_at_most_max_intervals_open():
+    n = 4 * MAX_INTERVALS
+    c = Coverage(n)
+    for off in range(0, 2 * MAX_INTERVALS, 2):  # MAX_INTERVALS disjoint 1-byte intervals
+        c.add(off, 1)
+    with pytest.raises(ProtocolError, match="gaps open"):
+        c.add(n - 1, 1)
+    c.add(1, 1)  # closing a gap is always allowed: it merges two intervals into one
+    c.add(n - 1, 1)  # and makes room for a new one
+
+
+def test_coverage_grows_an_interval_downwards_without_a_new_one():
+    c = Coverage(MAX_INTERVALS * 4)
+    for off in range(MAX_INTERVALS * 4 - 1, -1, -1):  # contiguous, backwards: one interval throughout
+        c.add(off, 1)
+    assert c.full
