@@ -12,9 +12,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
+from support.checkpoints import make_state, write_hf_dir
+from support.fliprelay import FlipRelay
+from support.swarm import Swarm
 from support.transfer import KEYS, make_chunk_file, recv_frame
+
+from bdn.bucket import open_bucket
+from bdn.publish import publish_full
 
 from bdn.proto import wire
 from bdn.proto.errors import ProtocolError
@@ -221,3 +229,73 @@ def test_coverage_grows_an_interval_downwards_without_a_new_one():
     for off in range(MAX_INTERVALS * 4 - 1, -1, -1):  # contiguous, backwards: one interval throughout
         c.add(off, 1)
     assert c.full
+
+
+# ---- real daemons: the bucket lies, the owner dies ---------------------------------------------
+
+IDENT = "step000001"
+
+
+def _until(pred, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _publish(tmp_path, s3_bucket):
+    bucket, endpoint = s3_bucket
+    ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=8), 1)
+    b = open_bucket(bucket, endpoint_url=endpoint)
+    try:
+        m = publish_full(b, IDENT, 1, dir=ck, chunk_size=CHUNK)
+    finally:
+        b.close()
+    return ck, m
+
+
+def _same_bytes(d, ck) -> None:
+    got = Path(d.get(f"/v1/snapshots/{IDENT}")["path"])
+    for p in ck.iterdir():
+        assert (got / p.name).read_bytes() == p.read_bytes(), (d.node_id, p.name)
+
+
+def _blamed_peers(daemons) -> dict[str, dict[str, int]]:
+    """Who each daemon recorded as a sender of bad bytes, other than the bucket."""
+    out = {}
+    for d in daemons:
+        by = {k: v for k, v in d.status()["verify_failures_by_peer"].items() if k != "bucket"}
+        if by:
+            out[d.node_id] = by
+    return out
+
+
+def test_bad_bucket_bytes_under_a_cut_through_stream_are_re_read_and_blame_nobody(tmp_path, s3_bucket):
+    """One ranged bucket answer has a flipped byte at 64 KiB (before the point where every answer
+    is held, so the bad bytes land and go on to the parked askers). The owner's hash fails, its
+    askers are cut off, it reads the chunk again: every daemon ends with the trainer's bytes,
+    only the bucket is counted as a bad source, no peer is penalised."""
+    ck, m = _publish(tmp_path, s3_bucket)
+    u = urlsplit(s3_bucket[1])
+    relay = FlipRelay((u.hostname, u.port), flips=1, at=64 << 10, after=256 << 10)
+    env = {"BDN_ENDPOINT_URL": relay.url, "BDN_LOAD_STARTUP": "false", "BDN_BUCKET_CONCURRENCY": "2"}
+    try:
+        with Swarm(tmp_path / "nodes", 3, s3_bucket[0], extra_env=env) as swarm:
+            for d in swarm.daemons:
+                assert d.prefetch(IDENT)[0] == 202
+            _until(lambda: relay.held.is_set(), "a bucket read held half way")
+            _until(lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons),
+                   "requests parked at the owners")
+            relay.release()
+            for d in swarm.daemons:
+                d.wait_ready(IDENT, 120)
+                _same_bytes(d, ck)
+            assert relay.flipped == 1
+            statuses = [d.status() for d in swarm.daemons]
+            assert sum(s["verify_failures_by_peer"].get("bucket", 0) for s in statuses) == 1, statuses
+            assert _blamed_peers(swarm.daemons) == {}
+            logs = "".join(d.log_path.read_text(errors="replace") for d in swarm.daemons)
+            assert "sent bad bytes" not in logs and "penalised" not in logs
+    finally:
+        relay.close()
