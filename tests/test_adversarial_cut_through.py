@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 from support.checkpoints import make_state, write_hf_dir
 from support.fliprelay import FlipRelay
+from support.relay import GateRelay
 from support.swarm import Swarm
 from support.transfer import KEYS, make_chunk_file, recv_frame
 
@@ -297,5 +298,78 @@ def test_bad_bucket_bytes_under_a_cut_through_stream_are_re_read_and_blame_nobod
             assert _blamed_peers(swarm.daemons) == {}
             logs = "".join(d.log_path.read_text(errors="replace") for d in swarm.daemons)
             assert "sent bad bytes" not in logs and "penalised" not in logs
+    finally:
+        relay.close()
+
+
+def _wait_failed(d, timeout: float = 120.0) -> str:
+    """The error of ``d``'s snapshot once it failed (AssertionError if it ends READY)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, body = d.request("GET", f"/v1/snapshots/{IDENT}/wait?state=ready&timeout=10")
+        if status == 409:
+            return str(body.get("error"))
+        assert status != 200, f"{d.node_id}: READY on a bucket whose bytes do not match the manifest"
+        if status == 404:
+            time.sleep(0.1)
+    raise AssertionError(f"{d.node_id}: {IDENT} neither ready nor failed in {timeout} s:\n{d.log()}")
+
+
+def test_an_object_replaced_under_the_manifest_fails_clearly_and_blames_nobody(tmp_path, s3_bucket):
+    """Every stored object of the snapshot rewritten (same size, one byte flipped) after it was
+    published: no owner can ever verify a chunk, so every copy in flight is cut off. No daemon
+    may end READY; each fails naming the digest mismatch; no peer is blamed."""
+    import boto3
+
+    ck, m = _publish(tmp_path, s3_bucket)
+    bucket, endpoint = s3_bucket
+    name, prefix = bucket.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    replaced = 0
+    for f in m.files:
+        key = f"{prefix}/{IDENT}/{f.path}"
+        body = bytearray(s3.get_object(Bucket=name, Key=key)["Body"].read())
+        if not body:
+            continue
+        body[len(body) // 2] ^= 0xFF
+        s3.put_object(Bucket=name, Key=key, Body=bytes(body))
+        replaced += 1
+    assert replaced
+    env = {"BDN_ENDPOINT_URL": endpoint, "BDN_LOAD_STARTUP": "false", "BDN_BUCKET_CONCURRENCY": "2"}
+    with Swarm(tmp_path / "nodes", 3, bucket, extra_env=env) as swarm:
+        for d in swarm.daemons:
+            assert d.prefetch(IDENT)[0] == 202
+        errors = [_wait_failed(d) for d in swarm.daemons]
+        for e in errors:
+            assert "does not match the manifest" in e, errors
+        assert _blamed_peers(swarm.daemons) == {}
+        logs = "".join(d.log_path.read_text(errors="replace") for d in swarm.daemons)
+        assert "sent bad bytes" not in logs
+
+
+def test_an_owner_killed_while_it_streams_growing_chunks_leaves_the_survivors_whole(tmp_path, s3_bucket):
+    """Every bucket answer is held after 256 KiB, the askers are parked on the owners and get
+    the landed parts; one owner is killed -9 mid-stream, then the bucket goes on. The survivors
+    end with the trainer's bytes (the dead owner's chunks from someone else or the bucket)."""
+    ck, m = _publish(tmp_path, s3_bucket)
+    u = urlsplit(s3_bucket[1])
+    relay = GateRelay((u.hostname, u.port), after=256 << 10)
+    env = {"BDN_ENDPOINT_URL": relay.url, "BDN_LOAD_STARTUP": "false", "BDN_BUCKET_CONCURRENCY": "2"}
+    try:
+        with Swarm(tmp_path / "nodes", 3, s3_bucket[0], extra_env=env) as swarm:
+            for d in swarm.daemons:
+                assert d.prefetch(IDENT)[0] == 202
+            _until(lambda: relay.held.is_set(), "a bucket read held half way")
+            _until(lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons),
+                   "requests parked at the owners")
+            victim, survivors = swarm.daemons[0], swarm.daemons[1:]
+            victim.kill()
+            relay.release()
+            for d in survivors:
+                d.wait_ready(IDENT, 120)
+                _same_bytes(d, ck)
+            assert _blamed_peers(survivors) == {}
+            assert sum(d.status()["counters"]["chunk_verify_failures"] for d in survivors) == 0
     finally:
         relay.close()
