@@ -18,8 +18,9 @@ from urllib.parse import urlsplit
 import pytest
 from support.checkpoints import make_state, write_hf_dir
 from support.fliprelay import FlipRelay
+from support.growliar import GrowLiar
 from support.relay import GateRelay
-from support.swarm import Swarm
+from support.swarm import SECRET, Daemon, Swarm
 from support.transfer import KEYS, make_chunk_file, recv_frame
 
 from bdn.bucket import open_bucket
@@ -373,3 +374,45 @@ def test_an_owner_killed_while_it_streams_growing_chunks_leaves_the_survivors_wh
             assert sum(d.status()["counters"]["chunk_verify_failures"] for d in survivors) == 0
     finally:
         relay.close()
+
+
+@pytest.mark.parametrize("mode", ["not-here", "keepalive"])
+def test_a_peer_announcing_every_chunk_growing_does_not_hold_up_the_victims(tmp_path, mode):
+    """A secret holder announces every stored chunk growing (HAVE_GROWING) on each HAVE
+    subscription and holds none; asked cut-through it says NOT_HERE, or keeps the ask alive with
+    keep-alive PARTs of a chunk that never lands. What bounds the victims: a NOT_HERE costs a
+    round trip; a keep-alive-only answer ends after ``peer_timeout_s`` without a new byte (3 s
+    here), and the failures take the liar out of the owners and holders (membership FAIL_LIMIT);
+    ``haves.MAX_GROWING`` bounds the announced chunks kept. Both victims end with the trainer's
+    bytes within the deadline."""
+    bucket = tmp_path / "bucket"
+    bucket.mkdir()
+    ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=8), 1)
+    b = open_bucket(f"file://{bucket}")
+    try:
+        publish_full(b, IDENT, 1, dir=ck, chunk_size=CHUNK)
+    finally:
+        b.close()
+    liar = GrowLiar(tmp_path, f"file://{bucket}", SECRET, mode).start()
+    env = {"BDN_LOAD_STARTUP": "false", "BDN_PEER_TIMEOUT_S": "3"}
+    victims = [Daemon(tmp_path / "nodes", f"node{i}", f"file://{bucket}", extra_env=env) for i in range(2)]
+    peers = [v.peer_url for v in victims] + [liar.url]
+    try:
+        for v in victims:
+            v.start(peers)
+        for v in victims:
+            v.wait_healthy()
+        _until(lambda: all(any(p["node_id"] == "growliar" and p["alive"] for p in v.status()["peers"])
+                           for v in victims), "the liar a live member of both victims")
+        for v in victims:
+            assert v.prefetch(IDENT)[0] == 202
+        for v in victims:
+            v.wait_ready(IDENT, 120)
+            _same_bytes(v, ck)
+        assert _blamed_peers(victims) == {}
+        log = liar.log()
+        assert "announced" in log and "asked" in log, log  # the attack reached the victims
+    finally:
+        for v in victims:
+            v.stop()
+        liar.stop()
