@@ -133,3 +133,17 @@ def test_a_growing_announcement_makes_a_cut_through_candidate_until_it_is_held()
         assert h.growing_at(job, STORED, 9) == []
 
     asyncio.run(main())
+
+
+def test_a_growing_hint_that_did_not_deliver_is_forgotten() -> None:
+    h, subs, ms = _fleet(3)
+    job = Job("step000001")
+    h.subscribe(job)
+    node = next(iter(subs.open))[0].node_id
+    url = ms.by_node()[node].url
+    h._have(node, job.identity, 2, (5,))
+    assert h.growing_at(job, STORED, 5) == [url]
+    h.not_growing(job, 5, url)
+    assert h.growing_at(job, STORED, 5) == []
+    h.not_growing(job, 5, url)  # twice, or for a chunk never announced: nothing to do
+    h.not_growing(job, 6, url)

@@ -208,7 +208,8 @@ class TransferClient:
         keep = False
         try:
             result = self._exchange(stream, ask, sink, offset, length, wait_s, digest, cut_ok)
-            keep = result.outcome is not Outcome.FAILED
+            # a peer that sent wrong bytes may have sent more than it announced: never reuse it
+            keep = result.outcome not in (Outcome.FAILED, Outcome.CORRUPT)
             return result
         finally:
             self._release(peer, stream, keep)
@@ -473,9 +474,19 @@ class TransferClient:
             pos += got
 
 
+#: Disjoint byte intervals a cut-through answer may leave open at once. An honest sender's
+#: parts grow from the starts of its bucket parts (at most ``bucket_concurrency`` of them, plus
+#: the held-back end), so its coverage has a handful of intervals; a sender that holds the
+#: secret could otherwise send 1-byte parts with gaps between them and make the receiver keep
+#: ``n / 2`` intervals (two Python lists of ints: ~70 bytes per interval, 280 MB for a 8 MiB
+#: chunk) and insert into them in O(n) each.
+MAX_INTERVALS = 1024
+
+
 class Coverage:
     """Which bytes of an ``n``-byte range arrived, as merged ``[start, end)`` intervals: the
-    receiver's check that a cut-through answer's parts never overlap and cover the range."""
+    receiver's check that a cut-through answer's parts never overlap and cover the range.
+    At most ``MAX_INTERVALS`` disjoint intervals (bounded memory and work per answer)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -484,7 +495,8 @@ class Coverage:
         self.bytes = 0
 
     def add(self, off: int, length: int) -> None:
-        """Count ``[off, off + length)``. Raises ProtocolError if it overlaps what arrived."""
+        """Count ``[off, off + length)``. Raises ProtocolError if it overlaps what arrived or
+        would open more than ``MAX_INTERVALS`` disjoint intervals."""
         end = off + length
         i = bisect.bisect_right(self._starts, off)
         if (i and self._ends[i - 1] > off) or (i < len(self._starts) and self._starts[i] < end):
@@ -492,7 +504,11 @@ class Coverage:
         if i and self._ends[i - 1] == off:  # extends the interval before it
             i -= 1
             self._ends[i] = end
+        elif i < len(self._starts) and self._starts[i] == end:  # extends the interval after it
+            self._starts[i] = off
         else:
+            if len(self._starts) >= MAX_INTERVALS:
+                raise ProtocolError(f"cut-through parts leave more than {MAX_INTERVALS} gaps open")
             self._starts.insert(i, off)
             self._ends.insert(i, end)
         if i + 1 < len(self._starts) and self._starts[i + 1] == end:  # meets the next one

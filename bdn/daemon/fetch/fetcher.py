@@ -209,6 +209,7 @@ class Fetcher:
                     if url in members and await src.from_peer(job, members[url], address, ref, target, 0.0, errors):
                         await self._got(job, layer, ref)
                         return
+                    self.haves.not_growing(job, idx, url)  # a hint: asked once, then the plan
             race, asks = plan.plan_holders(ranked, bits.n - bits.count, self.cfg.endgame_chunks)
             tried = {p.url for p in race} | {a.peer.url for a in asks}
             if race and await src.race(job, [members[p.url] for p in race], address, ref, target, errors):

@@ -152,6 +152,16 @@ class Haves:
             q = self._fresh[job.identity] = asyncio.Queue()
         return await q.get()
 
+    def not_growing(self, job: SnapshotJob, index: int, url: str) -> None:
+        """Forget that ``url`` grows stored chunk ``index`` of ``job`` (asked, it did not send
+        it): a wrong or stale announcement is asked once, not first in every round."""
+        grow = self._growing.get(job.identity)
+        at = grow.get(index) if grow else None
+        if at is not None:
+            at.discard(url)
+            if not at:
+                del grow[index]
+
     def synced(self, job: SnapshotJob, node_id: str) -> bool:
         """Whether ``node_id``'s HAVE subscription for ``job`` is synchronised (its HAVEs and
         HAVE_GROWINGs reach this node as they happen)."""

@@ -1,0 +1,194 @@
+"""A peer that holds the secret and claims it is reading every chunk from the bucket now: on a
+HAVE subscription it announces every stored chunk of the snapshot growing (HAVE layer
+``wire.HAVE_GROWING``) and never one held; it holds nothing (its have-bitfields are empty).
+Asked for a chunk cut-through, it answers ``--mode``:
+
+- ``not-here``: NOT_HERE at once;
+- ``keepalive``: a growing chunk that never lands: keep-alive PARTs (``bdn.transfer.growing``)
+  until the asker gives up.
+
+It speaks SWIM as a healthy member (``support.liar.post_members``). Run:
+``python tests/support/growliar.py --port P --bucket URL --secret-file F --mode M``; ``GrowLiar``
+starts and stops that process from a test."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from support.liar import LIAR_STATE, LiarState, _auth, post_members  # noqa: E402
+
+from bdn.proto import wire  # noqa: E402
+from bdn.proto.errors import BdnError  # noqa: E402
+from bdn.proto.identity import validate_identity  # noqa: E402
+from bdn.proto.keys import derive_keys  # noqa: E402
+from bdn.transfer import GRANTED, NOT_HERE, TransferServer  # noqa: E402
+from bdn.transfer.announce import frames  # noqa: E402
+from bdn.transfer.growing import Growing  # noqa: E402
+
+
+class Counts:
+    subscriptions = 0
+    asks = 0
+
+
+def _have_feed(st: LiarState, counts: Counts):
+    def serve(sock: socket.socket, session: wire.Session, payload: memoryview) -> None:
+        have = wire.decode_have(payload)
+        m = st.manifest(validate_identity(have.identity))
+        if m is None:
+            return
+        counts.subscriptions += 1
+        ns = sum(len(f.chunks) for f in m.files)
+        print(f"announced {ns} chunks of {have.identity} growing (subscription {counts.subscriptions})", flush=True)
+        for p in frames(have.identity, wire.HAVE_GROWING, range(ns)):
+            sock.sendall(session.seal(wire.FrameType.HAVE, p))
+        while True:  # "that was all", then keep-alives until the subscriber leaves
+            sock.sendall(session.seal(wire.FrameType.HAVE, wire.encode_have(wire.Have(have.identity, 0, ()))))
+            time.sleep(2.0)
+
+    return serve
+
+
+def start_wire(st: LiarState, mode: str, counts: Counts, junk: Path) -> TransferServer:
+    junk.write_bytes(b"\0" * (16 << 20))
+
+    def admit(peer: str, ask: wire.Ask):
+        counts.asks += 1
+        print(f"asked for {ask.address} (ask {counts.asks}, cut-through {ask.cut_through})", flush=True)
+        if ask.snapshot:
+            try:
+                st.manifest(validate_identity(ask.snapshot))
+            except BdnError:
+                pass
+        return NOT_HERE if mode == "not-here" else GRANTED
+
+    def resolve(address: str):
+        n = st.lengths.get(address)
+        if n is None or mode == "not-here":
+            return None
+        return Growing(str(junk), 0, [(0, n)])  # never lands, never verified
+
+    server = TransferServer(st.keys, st.node_id, resolve, admit=admit, on_have=_have_feed(st, counts))
+    host, port = server.start()
+    st.transfer = f"{host}:{port}"
+    return server
+
+
+async def get_have(request: web.Request) -> web.Response:
+    """Holds nothing: empty bitfields of the manifest's sizes."""
+    st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
+    identity = request.match_info["identity"]
+    try:
+        validate_identity(identity)
+    except BdnError:
+        return web.Response(status=400)
+    m = st.manifest(identity)
+    if m is None:
+        return web.Response(status=404)
+    ns = sum(len(f.chunks) for f in m.files)
+    nr = sum(len(f.result_chunks) for f in m.files)
+    if request.query.get("since") == "1":
+        await asyncio.sleep(min(float(request.query.get("wait", "0") or 0), 5.0))
+    ans = {"v": 1, "state": "fetching", "ns": ns, "stored": bytes((ns + 7) // 8), "nr": nr,
+           "result": bytes((nr + 7) // 8)}
+    return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--bucket", required=True)
+    ap.add_argument("--secret-file", required=True)
+    ap.add_argument("--node-id", default="growliar")
+    ap.add_argument("--mode", choices=["not-here", "keepalive"], required=True)
+    a = ap.parse_args()
+    url = f"http://127.0.0.1:{a.port}"
+    st = LiarState(derive_keys(Path(a.secret_file).read_text()), a.node_id, url, a.bucket)
+    counts = Counts()
+    start_wire(st, a.mode, counts, Path(a.secret_file).parent / "junk")
+
+    async def run() -> None:
+        app = web.Application(middlewares=[_auth])
+        app[LIAR_STATE] = st
+        p = "/bdn/v1/{swarm_id}"
+        app.router.add_get(p + "/snapshots/{identity}/have", get_have)
+        app.router.add_post(p + "/members", post_members)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", a.port).start()
+        print(f"liar listening on {url}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+class GrowLiar:
+    """The process: ``start()``, ``url``, ``stop()``."""
+
+    def __init__(self, workdir: Path, bucket: str, secret: str, mode: str, node_id: str = "growliar") -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.node_id, self.bucket, self.mode = node_id, bucket, mode
+        self.dir = workdir / node_id
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.secret_file = self.dir / "secret"
+        self.secret_file.write_text(secret + "\n")
+        self.log_path = self.dir / "liar.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 240.0) -> GrowLiar:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port), "--bucket", self.bucket,
+                 "--secret-file", str(self.secret_file), "--node-id", self.node_id, "--mode", self.mode],
+                stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"growliar exited {self.proc.returncode}:\n{self.log()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"growliar not listening after {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+if __name__ == "__main__":
+    threading.excepthook = lambda args: None  # a subscriber that left ends its feed thread with an OSError
+    main()
