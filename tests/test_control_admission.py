@@ -149,3 +149,17 @@ def test_a_flood_of_invented_members_stays_out_and_a_real_joiner_gets_in(swarm: 
         wait_for(lambda: sees(node1, "node2") and sees(node2, "node1") and sees(node0, "node2"), 120,
                  "node2 to be admitted by node0 and node1")
         assert sees(node0, "node1") and sees(node1, "node0")
+
+
+def test_a_second_live_member_s_word_admits_a_newcomer_one_member_and_its_aliases_do_not() -> None:
+    t, a, b = _pair()
+    a.receive(Message("ping", "c", "a", 1, updates=(Update("c", ALIVE, 0, "http://c"),)))  # c: a member
+    a.receive(Message("ping", "b", "a", 2, updates=(Update("n", ALIVE, 0, "http://n"),)))
+    assert "n" not in a.live()
+    a.receive(Message("ping", "b", "a", 3, updates=(Update("n", ALIVE, 0, "http://n"),)))
+    assert "n" not in a.live()  # the same member twice
+    for alias in ("evil1", "evil2"):  # node ids a holder of the secret signs as: not members here
+        a.receive(Message("ping", alias, "a", 4, updates=(Update("n", ALIVE, 0, "http://n"),)))
+    assert "n" not in a.live()
+    a.receive(Message("ping", "c", "a", 5, updates=(Update("n", ALIVE, 0, "http://n"),)))
+    assert "n" in a.live() and "n" not in a.newcomers  # b and c: two members

@@ -26,8 +26,8 @@ member (``sync``/``sync_ack``): the only message whose size grows with N.
 
 **Admission** (:mod:`bdn.control.probation`): a member new to this daemon that another member
 announces (a piggybacked update, a table row) waits on probation, out of the live set and not
-relayed, until it is heard from directly or answers a confirmation probe (every other period's
-ping while newcomers wait: no extra messages); at most ``probation_per_source`` wait per source. Exempt: a member's own entry,
+relayed, until it is heard from directly, is announced by a second live member, or answers a
+confirmation probe (every other period's ping while newcomers wait: no extra messages); at most ``probation_per_source`` wait per source. Exempt: a member's own entry,
 the seeds (:meth:`Swim.join`, :meth:`Swim.sync_to`: their answers), the shared fleet list
 (:meth:`Swim.join_shared`). ``probation=False`` admits every newcomer at once (the protocol
 before: a member holding the partition secret could add 25,000 invented members with one sync).
@@ -185,7 +185,8 @@ class Swim:
         #: state incrementally (:meth:`bdn.control.owners.OwnerMap.affected_by`); drain it.
         self.changes: list[str] = []
         self.synced = False  # holds a full table (see join)
-        self._probation = Probation(self.probation_per_source, self.probation_limit, 30.0 * self.period_s)
+        self._probation = Probation(self.probation_per_source, self.probation_limit, 30.0 * self.period_s,
+                                    probe_after_s=2.0 * self.period_s)
         self._confirm: dict[int, tuple[str, float]] = {}  # seq -> (newcomer probed, when)
         self._seed_asks: dict[str, float] = {}  # seed node id ("" = not known yet) -> when asked
         self.periods = 0  # protocol periods run (a metric: messages per period)
@@ -578,8 +579,9 @@ class Swim:
                     self._probation.drop(u.node)
                 return  # never heard of it: nothing to forget
             if self.probation and src and src != u.node:
-                self._probation.offer(u.node, u, src, now)  # second-hand: it waits for a probe
-                return
+                # second-hand: it waits for a probe or a second member's word (bdn.control.probation)
+                if self._probation.offer(u.node, u, src, now, member=self.is_live(src)) is not None:
+                    return
             m = self._members[u.node] = _Member(u.status, u.incarnation, u.addr, now)
             if u.status == SUSPECT:
                 self._suspects[u.node] = now
