@@ -56,3 +56,39 @@ def test_today_model_completes_and_counts_its_polling() -> None:
     assert r["seconds"] >= r["floor_s"]
     # today: a have-bitfield GET to each of 3 peers every 0.5 s (and its answer) while downloading
     assert r["control_msgs_per_node_s_mean"] >= 3 * 2 * 2 * 0.5
+
+
+def _piped(n: int, chunks: int, forward: str, **kw: object) -> Scenario:
+    return _fleet(n, chunks, serial_reads=True, have_flush_s=0.0, download_slots=16, max_per_peer=4,
+                  forward=forward, **kw)
+
+
+def test_forwarding_real_chunks_as_they_arrive_beats_store_and_forward_and_conserves_bytes() -> None:
+    """A simulated chunk of 7.5 real ones (bench/fleetsim/forward.py): forwarded as each real
+    chunk arrives ("real", bdnd) and with cut-through behind bucket reads ("cut"), against
+    forwarding it only once whole ("store")."""
+    r = {f: FleetSim(_piped(12, 16, f)).run() for f in ("store", "real", "cut")}
+    for x in r.values():
+        assert x["done_nodes"] == x["live_nodes"] == 12
+        assert x["bucket_egress_over_s"] == pytest.approx(1.0) and x["seconds"] >= x["floor_s"]
+    assert r["cut"]["seconds"] <= r["real"]["seconds"] <= r["store"]["seconds"]
+
+
+def test_at_one_real_chunk_per_simulated_chunk_real_forwarding_is_store_and_forward() -> None:
+    a = FleetSim(Scenario("t", 8, 32 * (16 << 20), 32, 100e9 / 8, 10 * GB, 100e6, bucket_concurrency=32,
+                          serial_reads=True, forward="store")).run()
+    b = FleetSim(Scenario("t", 8, 32 * (16 << 20), 32, 100e9 / 8, 10 * GB, 100e6, bucket_concurrency=32,
+                          serial_reads=True, forward="real")).run()
+    assert a["seconds"] == b["seconds"] and a["chunk_requests"] == b["chunk_requests"]
+
+
+def test_a_copy_cut_short_by_a_death_is_withdrawn_and_every_live_node_completes() -> None:
+    """A node announces a chunk while it arrives; when its source dies the copy fails, the node
+    withdraws its announcement, and nobody waits on it (a stale HAVE once stalled a run)."""
+    for seed in (1, 2):
+        sim = FleetSim(_piped(20, 16, "real", kill_frac=0.05, late_frac=0.1, hotload_fanout=6, seed=seed,
+                              time_limit_s=30.0))
+        r = sim.run()
+        assert r["done_nodes"] == r["live_nodes"] == 19, seed
+        assert r["bucket_egress_over_s"] <= 1.5
+        assert not sim.fwd.waiting and not sim.fwd.children

@@ -13,7 +13,7 @@ per flush, however many chunks). Dead peers are dropped at once and replaced at 
 :meth:`PeerSet.refresh`; so are peers that have been useless for ``idle_s`` while this node
 still needs chunks (a complete peer stays: it is a seed).
 
-Memory: two bitfields (held, in flight) and an availability count per chunk, plus one
+Memory: four bool arrays (held, in flight, owned, announced) and an availability count per chunk, plus one
 bitfield per peer: O(K * chunks / 8) bytes, independent of N.
 
 Pure: the caller's transport delivers BITFIELD/HAVE messages; time comes from ``clock``.
@@ -83,6 +83,7 @@ class PeerSet:
         self.have_flush_s, self.idle_s = have_flush_s, idle_s
         self.held = np.zeros(n_chunks, dtype=bool)
         self.inflight = np.zeros(n_chunks, dtype=bool)
+        self.announced = np.zeros(n_chunks, dtype=bool)  # HAVE sent before the chunk was whole
         self.owned = np.zeros(n_chunks, dtype=bool) if owned is None else np.asarray(owned, dtype=bool).copy()
         self.avail = np.zeros(n_chunks, dtype=np.int32)
         # numpy's permutation, seeded from rng: random.sample of 10^6 chunks took 0.7 s on the
@@ -106,7 +107,7 @@ class PeerSet:
     def state_bytes(self) -> int:
         """Control-state bytes: our arrays plus one packed bitfield per peer."""
         per_peer = (self.n + 7) // 8 + 64
-        return 3 * self.n + 4 * self.n + len(self.peers) * per_peer
+        return 4 * self.n + 4 * self.n + len(self.peers) * per_peer
 
     def bitfield(self) -> bytes:
         return pack_bits(self.held)
@@ -220,14 +221,52 @@ class PeerSet:
 
     # ---- what we do --------------------------------------------------------------------------
     def got(self, idx: int) -> None:
-        """Chunk ``idx`` arrived here and was verified: queue a HAVE for every peer."""
+        """Chunk ``idx`` arrived here and was verified: queue a HAVE for every peer (unless
+        :meth:`announce` did already)."""
         self.inflight[idx] = False
         if self.held[idx]:
             return
         self.held[idx] = True
+        if self.announced[idx]:
+            return
         for s in self.peers.values():
             if not s.have[idx]:
                 s.pending_have.append(idx)
+
+    def announce(self, idx: int) -> None:
+        """Chunk ``idx`` is arriving here and is served while it arrives (forwarded piece by piece
+        as each is verified: a simulated chunk of several real ones, or cut-through behind a
+        bucket read): queue its HAVE now, once; :meth:`got` then sends none."""
+        if self.held[idx] or self.announced[idx]:
+            return
+        self.announced[idx] = True
+        for s in self.peers.values():
+            if not s.have[idx]:
+                s.pending_have.append(idx)
+
+    def withdraw(self, idx: int) -> None:
+        """The copy of chunk ``idx`` that :meth:`announce` announced failed before it was whole:
+        its HAVEs not sent yet are dropped (the caller tells the peers that got one: they call
+        :meth:`on_withdraw`); a later :meth:`got` announces it again."""
+        if not self.announced[idx] or self.held[idx]:
+            return
+        self.announced[idx] = False
+        for s in self.peers.values():
+            if idx in s.pending_have:
+                s.pending_have.remove(idx)
+
+    def on_withdraw(self, peer: str, idx: int) -> None:
+        """``peer`` no longer serves chunk ``idx`` (its announced copy failed before it was whole).
+
+        Raises:
+            PeerSetError: an index out of range.
+        """
+        if not isinstance(idx, int) or not 0 <= idx < self.n:
+            raise PeerSetError(f"withdrawn index {idx!r} outside 0..{self.n - 1}")
+        s = self.peers.get(peer)
+        if s is not None and s.have[idx]:
+            s.have[idx] = False
+            self.avail[idx] -= 1
 
     def failed(self, idx: int) -> None:
         """A request for chunk ``idx`` failed: it may be picked again."""

@@ -24,6 +24,14 @@ A joiner (at once and again a few periods later) and every member (every ``sync_
 scaled up with log N as memberlist's push-pull) exchanges the whole table with one random
 member (``sync``/``sync_ack``): the only message whose size grows with N.
 
+**Admission** (:mod:`bdn.control.probation`): a member new to this daemon that another member
+announces (a piggybacked update, a table row) waits on probation, out of the live set and not
+relayed, until it is heard from directly, is announced by a second live member, or answers a
+confirmation probe (every other period's ping while newcomers wait: no extra messages); at most ``probation_per_source`` wait per source. Exempt: a member's own entry,
+the seeds (:meth:`Swim.join`, :meth:`Swim.sync_to`: their answers), the shared fleet list
+(:meth:`Swim.join_shared`). ``probation=False`` admits every newcomer at once (the protocol
+before: a member holding the partition secret could add 25,000 invented members with one sync).
+
 Cost per member per period: 1 ping + 1 ack sent and on average 1 of each received, plus
 ``2 * indirect_k`` on a missed ack: O(1) in N. State: one ``(status, incarnation, address)``
 entry per member (the compact member list) plus O(log N) queued updates.
@@ -49,6 +57,7 @@ from typing import Any
 from bdn.control import Clock
 from bdn.control.members import Member as _Member
 from bdn.control.members import MemberBase, MemberTable
+from bdn.control.probation import Probation
 
 ALIVE, SUSPECT, DEAD = 0, 1, 2
 STATUS_NAMES = ("alive", "suspect", "dead")
@@ -151,6 +160,9 @@ class Swim:
     max_piggyback: int = 8
     sync_interval_s: float = 30.0
     dead_forget_s: float = 3600.0
+    probation: bool = True
+    probation_per_source: int = 16
+    probation_limit: int = 256
 
     def __post_init__(self) -> None:
         now = self.clock()
@@ -173,6 +185,10 @@ class Swim:
         #: state incrementally (:meth:`bdn.control.owners.OwnerMap.affected_by`); drain it.
         self.changes: list[str] = []
         self.synced = False  # holds a full table (see join)
+        self._probation = Probation(self.probation_per_source, self.probation_limit, 30.0 * self.period_s,
+                                    probe_after_s=2.0 * self.period_s)
+        self._confirm: dict[int, tuple[str, float]] = {}  # seq -> (newcomer probed, when)
+        self._seed_asks: dict[str, float] = {}  # seed node id ("" = not known yet) -> when asked
         self.periods = 0  # protocol periods run (a metric: messages per period)
         self.sent = 0  # messages returned for sending (a metric)
         self.received = 0
@@ -203,8 +219,20 @@ class Swim:
         return STATUS_NAMES[m.status] if m else None
 
     def addr(self, node: str) -> str | None:
+        """The member's address (a newcomer on probation's too: it is probed there)."""
         m = self._members.get(node)
-        return m.addr if m else (self.self_addr if node == self.self_id else None)
+        if m:
+            return m.addr
+        if node == self.self_id:
+            return self.self_addr
+        w = self._probation.get(node)
+        return w.update.addr if w is not None else None  # type: ignore[attr-defined]
+
+    @property
+    def newcomers(self) -> Probation:
+        """The newcomers on probation, waiting for a confirmation probe (counts: ``refused``,
+        ``confirmed``, ``dropped``)."""
+        return self._probation
 
     def table_size(self) -> int:
         return len(self._members)
@@ -251,7 +279,7 @@ class Swim:
         if not seeds:
             return []
         seed = self.rng.choice(sorted(n for n in seeds if n != self.self_id) or [None])
-        return [] if seed is None else [self._out("sync", seed, updates=self._table())]
+        return [] if seed is None else [self.sync_to(seed)]
 
     def join_shared(self, base: MemberBase) -> None:
         """Start from a fleet list every node agrees on (as ``join(seeds, complete=True)``),
@@ -273,7 +301,13 @@ class Swim:
 
     def sync_to(self, dst: str) -> Message:
         """A ``sync`` (the whole table) to ``dst`` ("" = a seed whose node id is not known yet:
-        its transport addresses it by URL and the receiver reads it as addressed to itself)."""
+        its transport addresses it by URL and the receiver reads it as addressed to itself).
+        ``dst`` is a seed: the table its answer carries is admitted whole (no probation)."""
+        now = self.clock()
+        for k in [k for k, t in self._seed_asks.items() if now - t > 60.0]:
+            del self._seed_asks[k]
+        if len(self._seed_asks) < 4096:
+            self._seed_asks[dst] = now
         return self._out("sync", dst, updates=self._table())
 
     def readvertise(self, addr: str) -> None:
@@ -299,11 +333,21 @@ class Swim:
             self._end_period(now)
             self.periods += 1
             self._next_period = now + self.period_s
-            target = self._next_target()
-            if target is not None:
+            # Every other period with newcomers waiting, the period's one ping is a confirmation
+            # probe (bdn.control.probation): the messages per period stay those of SWIM, and
+            # failure detection keeps at least half its pace whatever arrives.
+            w = self._probation.next_probe(now) if self.periods % 2 and len(self._probation) else None
+            if w is not None:
                 self._seq += 1
-                self._probe = _Probe(target, self._seq, now)
-                out.append(self._out("ping", target, seq=self._seq))
+                node = w.update.node  # type: ignore[attr-defined]
+                self._confirm[self._seq] = (node, now)
+                out.append(self._out("ping", node, seq=self._seq))
+            else:
+                target = self._next_target()
+                if target is not None:
+                    self._seq += 1
+                    self._probe = _Probe(target, self._seq, now)
+                    out.append(self._out("ping", target, seq=self._seq))
         if now >= self._next_sync:
             self._next_sync = now + self.sync_period()
             others = self._alive_others()
@@ -318,17 +362,25 @@ class Swim:
             return []
         self.received += 1
         now = self.clock()
+        if msg.src in self._probation:
+            self._admit(msg.src, now)  # heard from directly
         if msg.kind in ("sync", "sync_ack"):
-            self._apply_table(msg.src, msg.updates[:MAX_SYNC_ENTRIES], now)
+            seeded = msg.kind == "sync_ack" and self._seed_answer(msg.src)
+            self._apply_table(msg.src, msg.updates[:MAX_SYNC_ENTRIES], now, seeded)
         else:
             for u in msg.updates[:MAX_UPDATES_PER_MESSAGE]:
-                self._apply(u, now)
+                self._apply(u, now, src=msg.src)
         if msg.kind == "ping":
             return [self._out("ack", msg.src, seq=msg.seq)]
         if msg.kind == "ack":
             p = self._probe
             if p is not None and msg.seq == p.seq:
                 p.acked = True
+                return []
+            c = self._confirm.pop(msg.seq, None)
+            if c is not None:
+                if c[0] == msg.src:
+                    self._admit(msg.src, now)  # (already admitted above: it sent this ack)
                 return []
             r = self._relays.pop(msg.seq, None)
             if r is not None:
@@ -367,6 +419,21 @@ class Swim:
         rows = [Update(n, m.status, m.incarnation, m.addr) for n, m in t.items()]
         rows.append(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
         return tuple(rows)
+
+    def _seed_answer(self, src: str) -> bool:
+        """Is a ``sync_ack`` from ``src`` the answer to a sync we sent a seed?"""
+        if self._seed_asks.pop(src, None) is not None:
+            return True
+        if "" in self._seed_asks:  # a seed addressed by URL: its node id was not known
+            del self._seed_asks[""]
+            return True
+        return False
+
+    def _admit(self, node: str, now: float) -> None:
+        """A newcomer on probation was heard from directly: a member now, relayed."""
+        w = self._probation.take(node)
+        if w is not None and node not in self._members:
+            self._apply(w.update, now, src=node)  # type: ignore[arg-type]
 
     def _limit(self) -> int:
         return self.retransmit_mult * max(1, math.ceil(math.log2(len(self._members) + 2)))
@@ -453,6 +520,10 @@ class Swim:
                 self._members.pop(node, None)
         for seq in [s for s, r in self._relays.items() if r.expires <= now]:
             del self._relays[seq]
+        for seq in [s for s, (_n, t) in self._confirm.items() if now - t >= self.period_s]:
+            node, _t = self._confirm.pop(seq)
+            if node not in self._members:
+                self._probation.drop(node)  # unanswered: it never was a member
 
     def _set(self, node: str, m: _Member, status: int, inc: int, now: float) -> None:
         was_live = m.status != DEAD
@@ -479,19 +550,21 @@ class Swim:
             if len(self.changes) > 4096:
                 del self.changes[:2048]  # a caller that never drains: keep the newest
 
-    def _apply_table(self, src: str, updates: tuple[Update, ...], now: float) -> None:
+    def _apply_table(self, src: str, updates: tuple[Update, ...], now: float, seeded: bool = False) -> None:
         """A whole table (``sync``/``sync_ack``) from ``src``. Members new to this table are
         appended and the probe order reshuffled once (random places, as :meth:`_apply` gives
         one: O(N), not O(N^2) for a joiner's first table), and they are not re-gossiped unless
         the entry is ``src`` itself (the sender knew them: gossiping a joiner's whole table,
-        N updates, would fill every queue; anti-entropy syncs cover a straggler)."""
+        N updates, would fill every queue; anti-entropy syncs cover a straggler). ``seeded``:
+        a seed's answer to our sync, admitted whole; otherwise newcomers wait on probation."""
         before = len(self._order)
         for u in updates:
-            self._apply(u, now, bulk=u.node != src)
+            self._apply(u, now, bulk=u.node != src, src=src if not seeded else "")
         if len(self._order) > before:
             self.rng.shuffle(self._order)
 
-    def _apply(self, u: Update, now: float, bulk: bool = False) -> None:
+    def _apply(self, u: Update, now: float, bulk: bool = False, src: str = "") -> None:
+        """One update from ``src`` ("": a source admitted whole: a seed's table, the caller's)."""
         if u.status != ALIVE and u.incarnation > MAX_INCARNATION - 1:
             u = Update(u.node, u.status, MAX_INCARNATION - 1, u.addr)  # see MAX_INCARNATION
         if u.node == self.self_id:
@@ -502,7 +575,13 @@ class Swim:
         m = self._members.get(u.node)
         if m is None:
             if u.status == DEAD:
+                if u.node in self._probation:
+                    self._probation.drop(u.node)
                 return  # never heard of it: nothing to forget
+            if self.probation and src and src != u.node:
+                # second-hand: it waits for a probe or a second member's word (bdn.control.probation)
+                if self._probation.offer(u.node, u, src, now, member=self.is_live(src)) is not None:
+                    return
             m = self._members[u.node] = _Member(u.status, u.incarnation, u.addr, now)
             if u.status == SUSPECT:
                 self._suspects[u.node] = now

@@ -255,7 +255,9 @@ class Gossip:
         self.apply_changes()
         self.stats.membership.update(
             periods=self.swim.periods, members=self.swim.table_size(), epoch=self.membership.epoch,
-            state_bytes=self.swim.state_bytes(), incarnation=self.swim.incarnation)
+            state_bytes=self.swim.state_bytes(), incarnation=self.swim.incarnation,
+            newcomers_waiting=len(self.swim.newcomers), newcomers_refused=self.swim.newcomers.refused,
+            newcomers_confirmed=self.swim.newcomers.confirmed)
         for msg in out:
             self._spawn(self.send(msg))
         now = self.clock.monotonic()

@@ -45,6 +45,8 @@ GB = 1e9
 #: simulated chunks per run (the real snapshot has bytes / 16 MiB): what fits the machine
 CHUNKS = {100: 256, 1000: 128, 10000: 32}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
+FLEET_DEFAULTS: dict[str, Any] = {"serial_reads": True, "have_flush_s": 0.0, "download_slots": 16, "max_per_peer": 4,
+                                  "forward": "cut", "upload_pick": "fewest"}
 KEYS = ("seconds", "x_floor", "bucket_egress_over_s", "duplicate_bucket_reads", "control_msgs_per_node_s_mean",
         "control_msgs_per_node_s_max", "peer_state_bytes_per_node_max", "member_table_bytes_per_node",
         "hotload_target_spread_s", "hotload_done_s", "wall_s")
@@ -52,6 +54,12 @@ KEYS = ("seconds", "x_floor", "bucket_egress_over_s", "duplicate_bucket_reads", 
 
 def fleet(name: str, n: int, size: float, chunks: int, **kw: Any) -> Scenario:
     kw.setdefault("hotload_fanout", math.ceil(math.log(n)) + 3)
+    # bdnd as it runs (bench/NOTES.md, "Issue 13, part 3"): one chunk at a time per reader, a
+    # HAVE as soon as a chunk is verified, max_inflight 16 and max_per_peer 4 (its defaults),
+    # chunks forwarded as their real 16 MiB chunks arrive, cut-through behind bucket reads (the
+    # lead's); a freed upload slot serves the chunk sent least (bdn.control.uploadq)
+    for k, v in FLEET_DEFAULTS.items():
+        kw.setdefault(k, v)
     return Scenario(name, n, size, chunks, 100e9 / 8, 10 * GB, 100e6, rtt_s=0.0002, jitter_s=0.0002,
                     policy="fleet", kill_frac=0.01, late_frac=0.05, bucket_concurrency=32, **kw)
 
@@ -78,6 +86,13 @@ def scenarios(only: set[str] | None) -> list[Scenario]:
         out.append(Scenario("today-n100-delta", 100, 20 * GB, 256, 100e9 / 8, 10 * GB, 100e6,
                             rtt_s=0.0002, jitter_s=0.0002, policy="today", kill_frac=0.01, late_frac=0.05))
     return out
+
+
+def _num(v: str) -> Any:
+    try:
+        return float(v) if "." in v else int(v)
+    except ValueError:
+        return v
 
 
 def run_one(sc: Scenario) -> dict[str, Any]:
@@ -167,7 +182,11 @@ def main() -> None:
     ap.add_argument("--merge", action="store_true", help="keep rows of --out not re-run")
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds; each point is their median")
     ap.add_argument("--report-only", action="store_true", help="run nothing: the table and plot of --out")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Scenario field for every run (numbers or words), e.g. --set forward=real")
+    ap.add_argument("--tag", default="", help="appended to each run's name (rows of other settings side by side)")
     args = ap.parse_args()
+    over = {k: _num(v) for k, v in (x.split("=", 1) for x in args.set)}
     if args.report_only:
         only = {"-"}
     if not args.report_only:
@@ -177,6 +196,9 @@ def main() -> None:
         rows = json.loads(args.out.read_text())
     seeds = [int(x) for x in args.seeds.split(",") if x]
     for sc in scenarios(only):
+        for k, v in over.items():
+            setattr(sc, k, v)
+        sc.name += args.tag
         runs = []
         for seed in seeds:
             sc.seed = seed

@@ -25,6 +25,12 @@ def result(sim: Any, victims: list[str]) -> dict[str, Any]:
     sample = sim.rng.sample(live, min(10, len(live)))
     swim_bytes = max((x.swim.state_bytes() for x in sample if x.swim), default=0)
     readers = sim.reader_count(sc.n - len(sim.late))
+    # late joiners counted live by the members that were there before them (SWIM admission:
+    # a joiner heard of second-hand counts once it answered a probe, bdn.control.probation)
+    joiners = [x.id for x in live if x.joined_at > 0]
+    olds = [x for x in sample if x.joined_at == 0 and x.swim is not None]
+    known = sum(1 for x in olds for j in joiners if x.swim.is_live(j))
+    waiting = max((len(x.swim.newcomers) for x in sample if x.swim), default=0)
     return {
         "scenario": asdict(sc),
         "floor_s": round(sc.floor_s, 3),
@@ -48,6 +54,8 @@ def result(sim: Any, victims: list[str]) -> dict[str, Any]:
         "hotload_late_joiner_adopt_s": round(max((x.adopted_at - x.joined_at for x in live if x.joined_at > 0
                                                   and x.adopted_at is not None), default=0.0), 4),
         "hotload_done_s": None if last is None else round(last - sim.post_at, 3),
+        "joiners_counted_live_frac": round(known / (len(olds) * len(joiners)), 4) if olds and joiners else None,
+        "newcomers_waiting_max": waiting,
         "sim_end_s": round(end, 3),
         "owner_map_rebuilds": sim.owner_cache_rebuilds,
         "chunk_requests": sim.requests,

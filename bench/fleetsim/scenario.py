@@ -14,10 +14,14 @@ class Scenario:
 
     Sizes: ``snapshot_bytes`` are real; ``chunks`` simulated chunks stand for them, each of
     ``g = chunk_bytes / 16 MiB`` real chunks (:attr:`real_chunks_per_chunk`). A bucket reader
-    runs ``bucket_concurrency`` connections of ``bucket_conn_bps`` each, as the daemon does;
-    a simulated chunk of ``g`` real chunks is read by ``min(g, bucket_concurrency)`` of them
-    (consecutive ranged GETs), so a reader has ``ceil(bucket_concurrency / g)`` simulated
-    chunks in flight: the reader's connection count and rate are the daemon's at any scale.
+    runs ``bucket_concurrency`` connections of ``bucket_conn_bps`` each, as the daemon does.
+    ``serial_reads`` (bdnd since the N = 8 timeline, ``plan.bucket_parts``): one chunk at a
+    time, split over all ``bucket_concurrency`` connections, so a reader's chunks complete one
+    after another at its whole share of the bucket; otherwise (the older daemon, and today's
+    model in the validation) a simulated chunk of ``g`` real chunks is read by
+    ``min(g, bucket_concurrency)`` connections and a reader has ``ceil(bucket_concurrency / g)``
+    simulated chunks in flight. Either way the reader's connection count and rate are the
+    daemon's at any scale.
     """
 
     name: str
@@ -47,6 +51,8 @@ class Scenario:
     busy_backoff_s: float = 0.05  # a peer that answered busy is skipped this long (x 1-3 after a failure)
     upload_pick: str = "fifo"  # which held request a freed upload slot serves: "fifo" or "fewest" (sim.py)
     have_flush_s: float = 0.1
+    serial_reads: bool = False  # a reader reads one chunk at a time over all its connections (bdnd)
+    forward: str = "store"  # how a chunk still arriving is forwarded: store, real, cut (forward.py)
     have_at_once_after_read: bool = False  # HAVE flushed at each bucket read, not at the next batch
     owner_ask_after_s: float = 2.0
     swim_period_s: float = 1.0
@@ -76,11 +82,15 @@ class Scenario:
     @property
     def conns_per_read(self) -> int:
         """Bucket connections one simulated chunk read stands for."""
+        if self.serial_reads:
+            return max(1, self.bucket_concurrency)
         return max(1, min(self.bucket_concurrency, round(self.real_chunks_per_chunk)))
 
     @property
     def reads_per_reader(self) -> int:
         """Simulated chunk reads a reader keeps in flight (its connections / conns_per_read)."""
+        if self.serial_reads:
+            return 1
         return max(1, math.ceil(self.bucket_concurrency / self.conns_per_read))
 
     @property

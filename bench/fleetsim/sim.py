@@ -32,6 +32,8 @@ from bdn.control.members import MemberBase
 from bdn.control.owners import OwnerCache, reader_count
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
+from bdn.control.uploadq import next_upload
+from bench.fleetsim.forward import Forwarding
 from bench.fleetsim.net import Link, Network
 from bench.fleetsim.report import result
 from bench.fleetsim.scenario import Scenario
@@ -43,6 +45,7 @@ class SimNode:
         "done_at", "joined_at", "uploads", "uploads_by_chunk", "load", "bucket_queue", "reading",
         "flows", "adopted_at", "owner_wait", "unavail_t", "ask_at", "have_pending", "state_peak", "omap", "prev_omap",
         "nreads", "inherited", "unreachable", "upq", "busy", "nreq", "timer", "tasks", "dirty", "sent_by_chunk",
+        "partial",
     )
 
     def __init__(self, nid: str, nic: float) -> None:
@@ -78,6 +81,7 @@ class SimNode:
         self.timer: float | None = None  # when this node's one pending wake-up fires
         self.tasks: set[int] = set()  # today: chunks its workers hold
         self.dirty = False
+        self.partial: dict[int, Any] = {}  # chunk -> incoming copy, announced and served while it arrives
         self.swim: Swim | None = None
         self.ps: PeerSet | None = None
         self.gossip: TargetGossip | None = None
@@ -93,6 +97,7 @@ class FleetSim:
         self.sc = sc
         self.env = simpy.Environment()
         self.net = Network(self.env)
+        self.fwd = Forwarding(sc.forward, sc.chunk_bytes, self.env, self.net.abort)
         self.rng = random.Random(sc.seed)
         self.bucket = Link("bucket", sc.bucket_bps * sc.wire_payload)
         self.nodes: dict[str, SimNode] = {}
@@ -294,8 +299,9 @@ class FleetSim:
                     self.request(nd, former, i, True, lambda ok, nd=nd, i=i: self._inherited_done(nd, i, ok))
                     continue
             f = self.net.start(sc.chunk_bytes, (self.bucket, nd.down), sc.read_cap_bps, ("bucket", nd.id, i),
-                               lambda f, ok, nd=nd, i=i: self._read_done(nd, i, f, ok))
+                               lambda f, ok, nd=nd, i=i: self.fwd.ended(f, ok, lambda ok2: self._read_done(nd, i, f, ok2)))
             nd.flows.add(f)
+            self._incoming(nd, i, f, True)
 
     def former_owner(self, nd: SimNode, i: int) -> str | None:
         """Who owned chunk ``i`` before it became ``nd``'s: the owner in ``nd``'s previous map
@@ -315,7 +321,49 @@ class FleetSim:
             nd.bucket_queue.insert(0, i)  # the former owner had nothing: read it ourselves
         self.start_reads(nd)
 
+    def _incoming(self, nd: SimNode, i: int, f: Any, bucket: bool) -> None:
+        """``f`` brings chunk ``i`` to ``nd``: when forwarding is pipelined (:mod:`bench.fleetsim.forward`)
+        ``nd`` announces and serves it once the first granule arrived."""
+        if f.ended:
+            return
+        self.fwd.incoming(f, bucket)
+        dt = self.fwd.announce_after(f, bucket)
+        if dt is not None:
+            self.later(dt, self._announce, nd, i, f)
+
+    def _announce(self, nd: SimNode, i: int, f: Any) -> None:
+        if f.ended or not nd.alive or nd.ps is None or nd.ps.held[i]:
+            return
+        nd.partial[i] = f
+        nd.ps.announce(i)
+        if self.policy == "fleet" and not nd.have_pending:
+            nd.have_pending = True
+            self.later(nd.ps.next_flush() - self.env.now, self.flush_have, nd)
+        for req in nd.owner_wait.pop(i, []):  # cut-through to the requests parked here
+            if req[0].alive:
+                self.admit(nd, *req)
+
+    def _in_done(self, nd: SimNode, i: int, f: Any, ok: bool) -> None:
+        """An incoming copy is complete or failed: the copies made from it follow; a failed
+        copy that was announced is withdrawn from the peers (they stop counting this node)."""
+        if nd.partial.get(i) is f:
+            del nd.partial[i]
+            if not ok and nd.alive and nd.ps is not None and not nd.ps.held[i]:
+                nd.ps.withdraw(i)
+                nd.ctrl_sent += len(nd.ps.peers)
+                self.later(self.delay(), self._withdrawn, nd.id, list(nd.ps.peers), i)
+        self.fwd.source_done(f, ok)
+
+    def _withdrawn(self, src: str, peers: list[str], i: int) -> None:
+        for p in peers:
+            dst = self.nodes.get(p)
+            if dst is not None and dst.alive and dst.ps is not None:
+                dst.ctrl_recv += 1
+                dst.ps.on_withdraw(src, i)
+                self.kick(dst)
+
     def _read_done(self, nd: SimNode, i: int, f: Any, ok: bool) -> None:
+        self._in_done(nd, i, f, ok)
         nd.flows.discard(f)
         nd.nreads -= 1
         self.bucket_bytes += f.moved
@@ -417,7 +465,7 @@ class FleetSim:
         if src is None or not src.alive or src.ps is None:
             self.later(self.delay(), self.finish, nd, pid, i, False, cb)  # refused / reset
             return
-        if not src.ps.held[i]:
+        if not src.ps.held[i] and i not in src.partial:
             if wait and self.policy == "fleet" and i not in src.reading and i not in src.bucket_queue:
                 self.plan_bucket(src)
                 if i not in src.reading and i not in src.bucket_queue:
@@ -445,12 +493,16 @@ class FleetSim:
         src.uploads += 1
         src.uploads_by_chunk[i] += 1
         src.sent_by_chunk[i] += 1
+        source = None if src.ps.held[i] else src.partial.get(i)
         f = self.net.start(self.sc.chunk_bytes, (src.up, nd.down), tag=("peer", src.id, nd.id, i),
-                           on_done=lambda f, ok: self._sent(src, nd, i, cb, f, ok))
+                           on_done=lambda f, ok: self.fwd.ended(f, ok, lambda ok2: self._sent(src, nd, i, cb, f, ok2)))
         src.flows.add(f)
         nd.flows.add(f)
+        self.fwd.copy(f, source)
+        self._incoming(nd, i, f, False)
 
     def _sent(self, src: SimNode, nd: SimNode, i: int, cb: Any, f: Any, ok: bool) -> None:
+        self._in_done(nd, i, f, ok)
         src.flows.discard(f)
         nd.flows.discard(f)
         src.uploads -= 1
@@ -465,12 +517,10 @@ class FleetSim:
 
     def _next_upload(self, src: SimNode) -> int:
         """Which held request gets a freed upload slot: the oldest (``upload_pick`` "fifo"), or
-        the oldest of those whose chunk this node has sent least so far ("fewest": a fresh chunk
-        goes to several peers before any goes to many, so more holders forward it sooner)."""
+        the policy of :mod:`bdn.control.uploadq` ("fewest": the chunk this node sent least)."""
         if self.sc.upload_pick != "fewest" or len(src.upq) < 2:
             return 0
-        sent = src.sent_by_chunk
-        return min(range(len(src.upq)), key=lambda k: (sent[src.upq[k][1]], k))
+        return next_upload([r[1] for r in src.upq], src.sent_by_chunk)
 
     def finish(self, nd: SimNode, pid: str, i: int, ok: bool, cb: Any) -> None:
         nd.nreq -= 1
@@ -589,6 +639,7 @@ class FleetSim:
         self.event(nd.id, "killed")
         if nd.done_at is not None:
             self.n_done -= 1
+        self.fwd.fail_waiting(nd.flows)
         for f in list(nd.flows):
             self.net.abort(f)
         if nd.ps is not None and self.policy == "fleet":

@@ -17,7 +17,7 @@ import statistics
 from collections import Counter
 from typing import Any
 
-from bench.fleetsim.__main__ import SNAPSHOTS, fleet
+from bench.fleetsim.__main__ import SNAPSHOTS, _num, fleet
 from bench.fleetsim.sim import FleetSim
 
 
@@ -58,13 +58,6 @@ def analyse(arrivals: list[tuple[float, str, int, str]], floor: float, chunk_byt
         "median_s_after_bucket_read_by_depth": {d: round(statistics.median(v), 3) for d, v in sorted(by_depth.items())},
         "median_hop_s_by_depth": {d: round(statistics.median(v), 3) for d, v in sorted(hop.items())},
     }
-
-
-def _num(v: str) -> Any:
-    try:
-        return float(v) if "." in v else int(v)
-    except ValueError:
-        return v
 
 
 def main() -> None:
