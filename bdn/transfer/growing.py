@@ -30,14 +30,13 @@ them under the lock; the server thread reads the counts under the lock and only 
 
 from __future__ import annotations
 
-import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 
 from bdn.proto import wire
-from bdn.transfer.sockio import ConnectionClosed
+from bdn.transfer.sockio import sendfile_all
 
 #: Bytes at the end of a chunk held back until the owner verified the whole chunk.
 HOLD_BYTES = 64 << 10
@@ -171,23 +170,11 @@ def send_growing(
                 continue
             start = p_off + sent[i]
             sock.sendall(seal(wire.FrameType.PART, wire.encode_part(start - offset, new)), socket.MSG_MORE)
-            _sendfile_all(out, fd, g.base + start, new)
+            sendfile_all(out, fd, g.base + start, new)
             sent[i] = upto
             left -= new
             last = now
         if left and now - last >= KEEPALIVE_S:
             sock.sendall(seal(wire.FrameType.PART, wire.encode_part(0, 0)))
             last = now
-
-
-def _sendfile_all(out: int, fd: int, pos: int, n: int) -> None:
-    while n:
-        try:
-            sent = os.sendfile(out, fd, pos, n)
-        except BlockingIOError:
-            raise TimeoutError("transfer send timed out") from None
-        if sent == 0:
-            raise ConnectionClosed("chunk file ended early (truncated while serving)")
-        pos += sent
-        n -= sent
 

@@ -40,7 +40,7 @@ from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import NODE_ID_RE, SwarmKeys
 from bdn.transfer.files import FileCache
 from bdn.transfer.growing import CutOff, Growing, send_growing
-from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
+from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, sendfile_all, set_timeouts
 
 log = logging.getLogger("bdn.transfer.server")
 
@@ -409,17 +409,8 @@ class TransferServer:
                 return
             # MSG_MORE: the small header leaves in the same segment as the body's first bytes
             conn.sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(ask.length)), socket.MSG_MORE)
-            out, pos, left = conn.sock.fileno(), start, ask.length
             try:
-                while left:
-                    try:
-                        sent = os.sendfile(out, fd, pos, left)
-                    except BlockingIOError:
-                        raise TimeoutError("transfer send timed out") from None
-                    if sent == 0:
-                        raise ConnectionClosed("chunk file ended early (truncated while serving)")
-                    pos += sent
-                    left -= sent
+                sendfile_all(conn.sock.fileno(), fd, start, ask.length)
             except BaseException:
                 with self._lock:
                     self.stats.aborted += 1

@@ -7,6 +7,7 @@ Python's ``settimeout``: with a Python timeout every ``recv_into`` is preceded b
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -64,9 +65,29 @@ def read_frame(sock: socket.socket, buf: memoryview) -> tuple[wire.FrameType, me
     return ftype, body
 
 
+def sendfile_all(out: int, fd: int, pos: int, n: int) -> None:
+    """Send ``n`` bytes of file ``fd`` from offset ``pos`` to socket ``out`` with ``os.sendfile``
+    (the bytes never enter Python).
+
+    Raises:
+        TimeoutError: the socket's send timeout passed.
+        ConnectionClosed: the file ended early (truncated while serving).
+        OSError: the socket failed.
+    """
+    while n:
+        try:
+            sent = os.sendfile(out, fd, pos, n)
+        except BlockingIOError:
+            raise TimeoutError("transfer send timed out") from None
+        if sent == 0:
+            raise ConnectionClosed("chunk file ended early (truncated while serving)")
+        pos += sent
+        n -= sent
+
+
 def frame_buffer() -> memoryview:
     """A buffer that holds any one frame (allocated once per connection)."""
     return memoryview(bytearray(wire.HEADER.size + wire.MAX_FRAME))
 
 
-__all__ = ["ConnectionClosed", "ProtocolError", "frame_buffer", "read_frame", "recv_exact", "set_timeouts"]
+__all__ = ["ConnectionClosed", "ProtocolError", "frame_buffer", "read_frame", "recv_exact", "sendfile_all", "set_timeouts"]
