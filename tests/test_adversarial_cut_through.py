@@ -7,7 +7,6 @@ and leave the client able to fetch from an honest server right after."""
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import threading
 import time
@@ -21,7 +20,7 @@ from support.fliprelay import FlipRelay
 from support.growliar import GrowLiar
 from support.relay import GateRelay
 from support.swarm import SECRET, Daemon, Swarm
-from support.transfer import KEYS, make_chunk_file, recv_frame
+from support.transfer import KEYS, accept_ask, make_chunk_file
 
 from bdn.bucket import open_bucket
 from bdn.publish import publish_full
@@ -58,13 +57,7 @@ class WireLiar:
 
     def _one(self, sock: socket.socket) -> None:
         try:
-            nonce = secrets.token_bytes(32)
-            sock.sendall(wire.server_hello(nonce))
-            _, body = recv_frame(sock)
-            accept, session = wire.check_client_hello(KEYS, "liar", nonce, body, time.time())
-            sock.sendall(accept)
-            ftype, body = recv_frame(sock)
-            ask = wire.decode_ask(session.open(ftype, body))
+            session, ask = accept_ask(sock, "liar")
 
             def send(ft: wire.FrameType, payload: bytes, raw: bytes = b"") -> None:
                 sock.sendall(session.seal(ft, payload) + raw)

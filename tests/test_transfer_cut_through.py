@@ -6,13 +6,12 @@ with PARTs (overlapping, outside the range, to an asker that did not accept them
 from __future__ import annotations
 
 import os
-import secrets
 import socket
 import threading
 import time
 
 import pytest
-from support.transfer import KEYS, recv_frame
+from support.transfer import KEYS, accept_ask
 
 from bdn.proto import wire
 from bdn.proto.chunks import digest
@@ -185,13 +184,7 @@ class PartLiar:
             except OSError:
                 return
             try:
-                nonce = secrets.token_bytes(32)
-                sock.sendall(wire.server_hello(nonce))
-                _, body = recv_frame(sock)
-                accept, session = wire.check_client_hello(KEYS, "liar", nonce, body, time.time())
-                sock.sendall(accept)
-                ftype, body = recv_frame(sock)
-                ask = wire.decode_ask(session.open(ftype, body))
+                session, ask = accept_ask(sock, "liar")
                 for off, n in self.parts(ask.length):
                     sock.sendall(session.seal(wire.FrameType.PART, wire.encode_part(off, n)) + os.urandom(n))
                 sock.recv(1)  # hold it open until the client closes it

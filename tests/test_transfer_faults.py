@@ -17,6 +17,7 @@ from support.transfer import (
     KEYS,
     ServerProcess,
     Target,
+    accept_ask,
     connect,
     make_chunk_file,
     read_to_end,
@@ -55,13 +56,7 @@ class Liar:
                 return
             self.connections += 1
             try:
-                nonce = secrets.token_bytes(32)
-                sock.sendall(wire.server_hello(nonce))
-                _, body = recv_frame(sock)
-                accept, session = wire.check_client_hello(KEYS, "liar", nonce, body, time.time())
-                sock.sendall(accept)
-                ftype, body = recv_frame(sock)
-                ask = wire.decode_ask(session.open(ftype, body))
+                session, ask = accept_ask(sock, "liar")
                 n = ask.length if self.announce is None else self.announce
                 sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(n)))
                 sock.sendall(os.urandom(min(self.send, n)))

@@ -81,6 +81,21 @@ class Target:
 # ---- a raw client speaking the wire by hand -------------------------------------------------
 
 
+def accept_ask(sock: socket.socket, node_id: str, keys: SwarmKeys = KEYS) -> tuple[wire.Session, wire.Ask]:
+    """The server side of a transfer handshake on ``sock`` as daemon ``node_id`` (a test peer
+    that knows the secret), then the client's first ASK: ``(session, ask)``."""
+    import secrets
+    import time
+
+    nonce = secrets.token_bytes(wire.NONCE_BYTES)
+    sock.sendall(wire.server_hello(nonce))
+    _, body = recv_frame(sock)
+    accept, session = wire.check_client_hello(keys, node_id, nonce, body, time.time())
+    sock.sendall(accept)
+    ftype, body = recv_frame(sock)
+    return session, wire.decode_ask(session.open(ftype, body))
+
+
 def recv_frame(sock: socket.socket) -> tuple[wire.FrameType, bytes]:
     hdr = _recv_n(sock, 5)
     ftype, n = wire.parse_header(hdr)
