@@ -28,7 +28,7 @@ from bdn.publish import publish_full
 from bdn.proto import wire
 from bdn.proto.errors import ProtocolError
 from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
-from bdn.transfer.client import MAX_INTERVALS, Coverage
+from bdn.transfer.coverage import MAX_INTERVALS, Coverage
 
 CHUNK = 1 << 20
 

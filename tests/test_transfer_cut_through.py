@@ -17,7 +17,7 @@ from bdn.proto import wire
 from bdn.proto.chunks import digest
 from bdn.proto.errors import ProtocolError
 from bdn.transfer import GRANTED, NOT_HERE, FetchPool, Outcome, Peer, TransferClient, TransferServer
-from bdn.transfer.client import Coverage
+from bdn.transfer.coverage import Coverage
 from bdn.transfer.growing import HOLD_BYTES, GrowingChunks, Growing
 
 CHUNK = 1 << 20
