@@ -55,19 +55,20 @@ def test_busy_answers_carry_retry_after() -> None:
 
 def test_a_growing_chunk_goes_to_every_asker_while_its_own_slots_last() -> None:
     """Cut-through copies (the chunk still lands from the bucket) ignore the per-chunk fan-out
-    and have max_uploads slots of their own: ordinary uploads are still admitted beside them."""
-    from bdn.daemon.uploads import Admission, Uploads
+    and have GROWING_X * max_uploads slots of their own: ordinary uploads are still admitted beside them."""
+    from bdn.daemon.uploads import GROWING_X, Admission, Uploads
 
     u = Uploads(max_uploads=4, per_chunk=2)
-    assert [u.admit_growing("a") for _ in range(5)] == [Admission.SEND] * 4 + [Admission.SLOTS_FULL]
+    g = GROWING_X * 4
+    assert [u.admit_growing("a") for _ in range(g + 1)] == [Admission.SEND] * g + [Admission.SLOTS_FULL]
     assert [u.admit("b", True, False, False) for _ in range(3)] == [Admission.SEND] * 2 + [Admission.FANNED_OUT]
     assert u.admit("c", True, False, False) is Admission.SEND
     assert u.admit("d", True, False, False) is Admission.SEND
     assert u.admit("e", True, False, False) is Admission.SLOTS_FULL  # 4 ordinary ones run
     assert u.admit("a", True, False, False) is Admission.SLOTS_FULL
     u.done("b")
-    assert u.admit("a", True, False, False) is Admission.FANNED_OUT  # 4 copies of "a" run already
-    for _ in range(4):
+    assert u.admit("a", True, False, False) is Admission.FANNED_OUT  # g copies of "a" run already
+    for _ in range(g):
         u.done("a")
     for x in ("b", "c", "d"):
         u.done(x)

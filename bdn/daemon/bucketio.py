@@ -44,14 +44,18 @@ class BucketIO:
 
     async def read_chunk(
         self, key: str, offset: int, length: int, alloc: Callable[[int], bytearray], if_match: str | None = None,
-        progress: Callable[[int], None] | None = None,
+        progress: Callable[[int], None] | None = None, started: Callable[[], None] | None = None,
     ) -> bytearray:
         """``length`` bytes of ``key`` from ``offset`` (rate-limited) in a buffer from ``alloc``,
         taken only once a bucket slot is free (waiting reads hold no memory). ``if_match``: the
         object's version token (raises ``ObjectChanged`` when it was replaced). ``progress(n)``:
-        called on the bucket thread as the first ``n`` bytes land (``Bucket.read_range_into``)."""
+        called on the bucket thread as the first ``n`` bytes land (``Bucket.read_range_into``).
+        ``started()``: called on the event loop once the read holds its bucket slot, just before
+        the request goes out."""
         await self.limit.take(length)
         async with self.sem:
+            if started is not None:
+                started()
             self.stats.inflight["bucket"] += 1
             buf = alloc(length)
             try:

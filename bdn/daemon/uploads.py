@@ -33,9 +33,17 @@ class Admission(enum.Enum):
         return {"STILL_FETCHING": "1", "SLOTS_FULL": "1", "FANNED_OUT": "0.2"}.get(self.name)
 
 
+#: Cut-through upload slots per ``max_uploads``. An owner lands about two chunks at once (its
+#: ``bucket_concurrency`` parts of >= 1 MiB over 4 MiB chunks) and every node of its peer set
+#: wants each: 2 x 7 askers at N = 8. With ``max_uploads`` (8) of them, the askers of half the
+#: landing chunks were refused and took those chunks store-and-forward, seconds later; each
+#: such copy is paced by the bucket's bytes, so more of them cost the uplink nothing extra.
+GROWING_X = 2
+
+
 class Uploads:
     """At most ``max_uploads`` uploads at once, at most ``per_chunk`` of one chunk, plus at most
-    ``max_uploads`` cut-through uploads of chunks still landing here (``admit_growing``)."""
+    ``GROWING_X * max_uploads`` cut-through uploads of chunks still landing here (``admit_growing``)."""
 
     def __init__(self, max_uploads: int, per_chunk: int) -> None:
         self.max_uploads = max_uploads
@@ -63,12 +71,12 @@ class Uploads:
         bucket (a cut-through asker, bdn.transfer.growing): sent to as many askers as there are
         free slots, without the per-chunk fan-out: each copy runs at the rate the bucket's bytes
         land (a fraction of the uplink) and the askers would otherwise wait a whole chunk for a
-        tree level. They have ``max_uploads`` slots of their own, beside the ordinary ones: a
+        tree level. They have ``GROWING_X * max_uploads`` slots of their own, beside the ordinary ones: a
         fresh chunk's askers are not turned away by uploads of older chunks, and a chunk that
         missed its cut-through is still served while fresh ones land (with one shared budget,
         such chunks waited until the bucket phase ended: bench/NOTES.md). Copies counted here
         hold the chunk's fan-out once it is verified."""
-        if self.growing >= self.max_uploads:
+        if self.growing >= GROWING_X * self.max_uploads:
             return Admission.SLOTS_FULL
         self.running += 1
         self.growing += 1

@@ -69,6 +69,9 @@ class Growing:
         self.state = GROWING
         self._version = 0
         self._cond = threading.Condition()
+        #: Set by the owner once the chunk is registered and announced (its first bucket part
+        #: holds a slot); a read that ends before that was never visible to anyone.
+        self.announced = False
 
     def landed(self, part: int, n: int) -> None:
         """Event (a bucket thread): the first ``n`` bytes of part ``part`` are in the file."""

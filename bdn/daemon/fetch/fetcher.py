@@ -31,8 +31,10 @@ HAVES_FIRST_S = 5.0
 #: Requests of ours an owner whose announcements we receive may have in flight before another
 #: acquisition of its chunks waits for its HAVE_GROWING instead of parking there too.
 PARK_AHEAD = 1
-#: Workers per stored layer that take the chunks peers announce growing (cut-through).
-CUT_WORKERS = 8
+#: Workers per stored layer that take the chunks peers announce growing (cut-through): one per
+#: chunk landing at the other owners at once (about 2 per owner: 14 at N = 8; with 8, half of
+#: them went store-and-forward). Still bounded by ``max_inflight`` peer requests in all.
+CUT_WORKERS = 16
 
 
 def _views(members: list[Member]) -> tuple[list[plan.PeerView], dict[str, Member]]:
