@@ -228,3 +228,16 @@ def test_plan_owners_asks_the_bounded_owner_first_then_hrw_order() -> None:
     assert plan.plan_owners(SELF, PEERS, d, plan.STORED, set(), 30.0, owner=SELF) == [ReadBucket(0)]
     assert plan.reads_as_owner(ReadBucket(2), SELF, [p.node_id for p in PEERS], d, owner_now=SELF)
     assert not plan.reads_as_owner(ReadBucket(2), SELF, [p.node_id for p in PEERS], d, owner_now=other)
+
+
+def test_steal_takes_the_last_chunk_of_the_owner_with_the_most_left() -> None:
+    """A node whose own reads are done takes over the end of the longest list (its owner reads
+    from the front), never one of an owner's last `margin` chunks."""
+    remaining = {"a": [3, 7, 9], "b": [1, 4, 8, 12, 20], "c": [2]}
+    assert plan.pick_steal(remaining, margin=2) == ("b", 20)
+    assert plan.pick_steal({"a": [3, 7], "c": [2]}, margin=2) is None
+    assert plan.pick_steal({}, margin=0) is None
+    # equal lengths: one answer whatever the dict order (the larger owner id), so repeated
+    # looks do not alternate between owners
+    assert plan.pick_steal({"a": [1, 2, 5], "b": [3, 4, 6]}, margin=1) == ("b", 6)
+    assert plan.pick_steal({"b": [3, 4, 6], "a": [1, 2, 5]}, margin=1) == ("b", 6)

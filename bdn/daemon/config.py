@@ -79,6 +79,7 @@ class Config:
     owner_patience_s: float = field(default=600.0, metadata={"help": 'keep asking a live owner that answers "still fetching" this long'})
     max_uploads: int = field(default=8, metadata={"help": 'chunk uploads served at once; beyond, 503 sends askers to other holders'})
     uploads_per_chunk: int = field(default=2, metadata={"help": 'peers served one chunk at once; others are sent to holders (fan-out tree)'})
+    steal_reads: bool = field(default=True, metadata={"help": "a daemon whose own bucket reads of an anchor are done reads the last chunks of the owner with the most left (announced over the transfer wire, so the owner skips them; fleets within one peer set only); false: every chunk is read by its owner"})
     cut_through: bool = field(default=True, metadata={"help": "an owner sends a chunk on to the askers parked on it while its bucket read still lands (over the transfer wire; the last bytes only once it verified the whole chunk); false: store and forward"})
     manifest_wait_s: float = field(default=600.0, metadata={"help": 'how long a prefetch waits for the manifest to appear'})
     manifest_poll_s: float = field(default=1.0, metadata={"help": 'how often a waiting prefetch looks for the manifest'})

@@ -28,3 +28,10 @@ class Upstream(BdnError):
 
 class NotAvailable(BdnError):
     """No source could supply a chunk (message says which and why)."""
+
+
+class Superseded(Exception):
+    """A bucket read given up at the moment it took its bucket slot, because another node
+    announced the same chunk (it reads it, or holds it) meanwhile: the chunk is taken from that
+    node instead (bdn.daemon.fetch: reads taken over at the end of an owner's list). Not a
+    failure; never reaches a client."""

@@ -24,6 +24,7 @@ class ChunkIndex:
         self.by_digest: dict[str, Loc] = {}
         self.pending: dict[str, tuple[SnapshotJob, str, ChunkRef]] = {}
         self._waiters: dict[str, asyncio.Event] = {}
+        self._elsewhere: set[str] = set()  # read_elsewhere
 
     def register(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Event: ``ref`` of ``job``'s ``layer`` is verified on disk; wake the requests waiting for it."""
@@ -32,6 +33,7 @@ class ChunkIndex:
         addr = self.address(ref.digest)
         self.by_address.setdefault(addr, loc)
         self.by_digest.setdefault(ref.digest, loc)
+        self._elsewhere.discard(addr)
         ev = self._waiters.pop(addr, None)
         if ev is not None:
             ev.set()
@@ -124,6 +126,18 @@ class ChunkIndex:
     def by_content(self, digest: str) -> Loc | None:
         """A verified location of the bytes with xxh3-128 ``digest`` on this node, or None."""
         return self.by_digest.get(digest)
+
+    def read_elsewhere(self, address: str) -> None:
+        """Event: this node gave its bucket read of ``address`` up because another node reads
+        it now (bdn.daemon.fetch.fetcher, ``steal_reads``). The requests parked here for it end
+        at once (``elsewhere``: they answer busy, and the askers take the chunk from that node,
+        cut-through) instead of waiting for this node to hold it. Cleared when it is registered."""
+        self._elsewhere.add(address)
+        self.wake(address)
+
+    def elsewhere(self, address: str) -> bool:
+        """Whether another node reads ``address`` for this one now (:meth:`read_elsewhere`)."""
+        return address in self._elsewhere
 
     def wake(self, address: str) -> None:
         """Wake the requests waiting for ``address`` without registering it (the chunk started

@@ -45,6 +45,8 @@ class _Collector:
         yield p
         yield CounterMetricFamily("bdn_peer_chunks_in_cut_through", "Chunks received while the sender's bucket "
                                   "read still landed (cut-through)", value=c["peer_chunks_in_cut_through"])
+        yield CounterMetricFamily("bdn_bucket_chunks_taken_over", "Chunks read from the bucket here for another "
+                                  "owner, at the end of its list", value=c["bucket_chunks_taken_over"])
         yield CounterMetricFamily("bdn_local_bytes_copied", "Chunk bytes copied from this node's own store", value=c["local_bytes_copied"])
         v = CounterMetricFamily("bdn_chunk_verify_failures", "Chunks whose bytes did not match the manifest", labels=["source"])
         v.add_metric(["bucket"], failures.get("bucket", 0))

@@ -74,8 +74,8 @@ class ChunkServing:
             if found is not None:
                 return found
             g = self._growing(address, cut_through)
-            if g is not None or loop.time() >= deadline:
-                return g
+            if g is not None or loop.time() >= deadline or self.index.elsewhere(address):
+                return g  # (elsewhere: another node reads it for us; the asker takes it there)
 
     async def request(
         self, address: str, wait: float, hint: str | None, cut_through: bool = False,

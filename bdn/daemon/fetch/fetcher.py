@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 from typing import Any
 
 from bdn.control.owners import readers_and_rule
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
-from bdn.daemon.errors import NotAvailable
+from bdn.daemon.errors import NotAvailable, Superseded
 from bdn.daemon.fetch import plan
 from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.fetch.owners import Owners
@@ -35,6 +36,16 @@ PARK_AHEAD = 1
 #: chunk landing at the other owners at once (about 2 per owner: 14 at N = 8; with 8, half of
 #: them went store-and-forward). Still bounded by ``max_inflight`` peer requests in all.
 CUT_WORKERS = 16
+#: Chunks at once this node reads for other owners, at the end of their lists, once its own
+#: are all acquired (``steal_reads``): about the chunks one owner lands at once.
+STEALERS = 2
+#: An owner keeps this many of its not yet announced chunks (the front of its list: the ones it
+#: is about to read) before another node takes its last one.
+STEAL_MARGIN = 2
+#: Seconds between looks for a chunk to take over when there was none.
+STEAL_POLL_S = 0.25
+#: Missing chunks above which no look is taken (each look scans them: the tail is what it is for).
+STEAL_SCAN_LIMIT = 4096
 
 
 def _views(members: list[Member]) -> tuple[list[plan.PeerView], dict[str, Member]]:
@@ -62,6 +73,10 @@ class Fetcher:
         #: Event hook (job, layer, position): a chunk was verified and indexed here (the transfer
         #: wire's HAVE feed announces it to the subscribed peers, bdn.transfer.announce).
         self.on_indexed: Any = None
+        #: (identity, layer, position) of chunks this node reads for their owner (``_steal``):
+        #: the acquisition takes the bucket read on its next round, if nobody has the chunk then.
+        self._steals: set[tuple[str, str, int]] = set()
+        self._stealing: set[tuple[str, str, int]] = set()  # ... whose bucket read runs here now
 
     def owner(self, job: SnapshotJob, layer: str, digest: str, nodes: list[str] | None = None) -> str | None:
         """The node that reads chunk ``digest`` of ``layer`` from the bucket, among ``nodes``
@@ -128,10 +143,12 @@ class Fetcher:
             # a few keep it busy), so that they never hold up the peer workers asking for the
             # chunks the other owners are reading.
             left = max(1, bits.n - bits.count)
-            tasks = [asyncio.create_task(worker(owned)) for _ in range(min(self.cfg.bucket_concurrency + 1, left))]
-            tasks += [asyncio.create_task(worker(others)) for _ in range(min(self.workers(), left))]
-            cut = [asyncio.create_task(cut_worker()) for _ in range(CUT_WORKERS)] \
-                if layer == STORED and self.cfg.cut_through and self.haves.subscriber is not None else []
+            mine = [asyncio.create_task(worker(owned)) for _ in range(min(self.cfg.bucket_concurrency + 1, left))]
+            tasks = mine + [asyncio.create_task(worker(others)) for _ in range(min(self.workers(), left))]
+            wired = layer == STORED and self.cfg.cut_through and self.haves.subscriber is not None
+            cut = [asyncio.create_task(cut_worker()) for _ in range(CUT_WORKERS)] if wired else []
+            if wired and self._may_steal(job, nodes, bits.n - bits.count):
+                cut.append(asyncio.create_task(self._steal(job, layer, mine)))
             try:
                 await asyncio.gather(*tasks)
             except BaseException:
@@ -153,6 +170,77 @@ class Fetcher:
             # N peers' bitfields per snapshot ever fetched (a later fetch asks afresh first).
             self.haves.forget(job.identity)
             self.owners.forget((job.identity, layer))
+
+    def _may_steal(self, job: SnapshotJob, nodes: list[str], missing: int) -> bool:
+        """Whether this node takes over other owners' last chunks in this download: only when
+        every node is in its peer set (the owner and this node then see each other's
+        announcements, which is what keeps a chunk from being read twice), the layer is small
+        enough to scan (``plan.ORDER_LIMIT``), and this node reads from the bucket at all."""
+        if not self.cfg.steal_reads or len(nodes) > self.haves.k + 1 or missing > plan.ORDER_LIMIT:
+            return False
+        if job.manifest is None or job.manifest.is_delta:
+            # anchors only: a delta folded here may take a subset of its stored chunks, numbered
+            # otherwise than at the peers that load it whole, so their announcements of it do not
+            # say reliably what is read where (bench/NOTES.md)
+            return False
+        readers, _ = readers_and_rule(job.identity, nodes, self.cfg.bucket_readers)
+        return self.node_id in readers
+
+    async def _steal(self, job: SnapshotJob, layer: str, mine: list[asyncio.Task[None]]) -> None:
+        """Once this node's own chunks are all acquired: over and over, the last chunk of the
+        owner with the most chunks nobody holds or reads yet (``plan.pick_steal``) is marked to
+        be read here from the bucket, at most ``STEALERS`` at once. Its acquisition here (started
+        if there is none; woken if it sleeps) takes the read on its next round, announced as it
+        starts to land (HAVE_GROWING), so that the owner gives its own read of it up (``claim``)
+        and every asker takes it from here, cut-through."""
+        if mine:
+            await asyncio.wait(mine)
+        refs, bits = job.refs(layer), job.bits(layer)
+        assert bits is not None
+        dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
+        started: set[asyncio.Future[None]] = set()
+        try:
+            while bits.count < bits.n:
+                ours = [k for k in (*self._steals, *self._stealing) if k[0] == job.identity and k[1] == layer]
+                for k in ours:
+                    if bits[k[2]]:
+                        self._steals.discard(k)  # it came from elsewhere first
+                if len(ours) >= STEALERS or bits.n - bits.count > STEAL_SCAN_LIMIT:
+                    await asyncio.sleep(STEAL_POLL_S)  # (over the limit: the tail is not here yet)
+                    continue
+                nodes = self.membership.hrw_nodes()
+                remaining: dict[str, list[int]] = {}
+                for i in bits.clear_positions():
+                    i = int(i)
+                    if (job.identity, layer, i) in self._steals:
+                        continue
+                    o = self.owner(job, layer, dig(i), nodes)
+                    if o is None or o == self.node_id or not self.haves.synced(job, o) \
+                            or self.haves.holding(job, layer, i) or self.haves.growing_at(job, layer, i):
+                        continue
+                    remaining.setdefault(o, []).append(i)
+                pick = plan.pick_steal(remaining, STEAL_MARGIN)
+                if pick is None:
+                    await asyncio.sleep(STEAL_POLL_S)
+                    continue
+                i = pick[1]
+                key = (job.identity, layer, i)
+                self._steals.add(key)
+                self.haves.wake(key)
+                if (layer, i) not in job.inflight:
+                    f = asyncio.ensure_future(self._ensure(job, layer, i, refs[i]))
+                    started.add(f)
+                    f.add_done_callback(lambda f: (started.discard(f), f.cancelled() or f.exception()))
+                await asyncio.sleep(0)
+        finally:
+            for k in [k for k in self._steals if k[0] == job.identity and k[1] == layer]:
+                self._steals.discard(k)
+            for f in list(started):
+                f.cancel()
+
+    def _claim(self, job: SnapshotJob, layer: str, idx: int) -> Callable[[], bool]:
+        """At the bucket slot: whether this read is still wanted (nobody else announced the chunk)."""
+        return lambda: not self.haves.holding(job, layer, idx) and not self.haves.growing_at(job, layer, idx)
 
     async def ensure_chunk(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Single-flight: one acquisition per chunk, however many ask for it."""
@@ -204,6 +292,22 @@ class Fetcher:
             errors_before, busy_before = len(errors), self.stats.busy_answers
             views, members = _views(self.membership.live())
             ranked = plan.holders(views, self.haves.holding(job, layer, idx), self.rng)
+            key = (job.identity, layer, idx)
+            if key in self._steals:
+                self._steals.discard(key)
+                if not ranked and not self.haves.growing_at(job, layer, idx):
+                    # this node takes the read over from the chunk's owner (_steal)
+                    self._stealing.add(key)
+                    try:
+                        await src.from_bucket(job, ref, target, owner=True, address=address,
+                                              claim=self._claim(job, layer, idx))
+                        self.stats.add("bucket_chunks_taken_over")
+                        await self._got(job, layer, ref)
+                        return
+                    except Superseded:
+                        pass  # the owner (or someone) started it first: take it from them
+                    finally:
+                        self._stealing.discard(key)
             if not ranked:
                 # Nobody holds it yet, but a peer announced it is reading it from the bucket now:
                 # ask it at once, cut-through (bdn.transfer.growing), before parking anywhere.
@@ -235,7 +339,17 @@ class Fetcher:
                     live_nodes = [m.node_id for m in self.membership.live()]
                     owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
                     if plan.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
-                        await src.from_bucket(job, ref, target, owner=True, address=address)
+                        try:
+                            await src.from_bucket(job, ref, target, owner=True, address=address,
+                                                  claim=self._claim(job, layer, idx))
+                        except Superseded:
+                            # another node took this read over (_steal): the requests parked
+                            # here for it go there; a busy round, then take the chunk from it
+                            # (never a fallback read: it is being read)
+                            if address:
+                                self.index.read_elsewhere(address)
+                            parked_out = True
+                            break
                         await self._got(job, layer, ref)
                         return
                     # Not the owner: the nodes above only said "busy" or "not yet". Reading the

@@ -225,6 +225,11 @@ class Haves:
         ns, nr = self._sizes.get(identity, (0, 0))
         entry = haves.setdefault(m.url, (Bitfield(ns), Bitfield(nr)))
         bits = entry[1] if layer == 1 else entry[0]
+        if layer == 1 and bits.n == 0:
+            # rebuilt chunks of a snapshot this node takes only the stored layer of (a delta it
+            # folds): nothing to track, and no lie (dropping the subscription here lost the
+            # stored HAVEs of every peer that rebuilds it: tests/test_swarm.py)
+            return
         if max(indices) >= bits.n:
             log.debug("peer %s announced chunk %d of %s outside the manifest; subscription dropped",
                       node_id, max(indices), identity)
@@ -275,6 +280,16 @@ class Haves:
             bits = got[0] if lay == STORED else got[1]
             if ident == identity and i < bits.n and bits[i]:
                 ev.set()
+
+    def waiting(self, key: tuple[str, str, int]) -> bool:
+        """Whether an acquisition of ``(identity, layer, index)`` sleeps in :meth:`wait_holder` now."""
+        return key in self._waiters
+
+    def wake(self, key: tuple[str, str, int]) -> None:
+        """End the :meth:`wait_holder` sleep of ``(identity, layer, index)``, if one sleeps."""
+        ev = self._waiters.get(key)
+        if ev is not None:
+            ev.set()
 
     async def wait_holder(self, job: SnapshotJob, layer: str, index: int, timeout: float) -> None:
         """Sleep up to ``timeout`` s, less if a peer announces chunk ``index`` of ``layer`` meanwhile."""

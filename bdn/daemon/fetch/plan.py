@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -139,6 +139,24 @@ def split_owned(
             theirs.append((k, rng.random(), i))
     theirs.sort()
     return _paced(mine, lambda i: not bits[i]), _paced(array("I", (i for _, _, i in theirs)), lambda i: not bits[i])
+
+
+def pick_steal(remaining: Mapping[str, Sequence[int]], margin: int) -> tuple[str, int] | None:
+    """The chunk a node whose own bucket reads are all done reads for another owner, or None.
+
+    ``remaining[owner]``: positions (ascending: an owner reads its chunks in manifest order) of
+    that owner's chunks that nobody holds or announced reading yet. The owner with the most of
+    them gives up its **last** one, if it has more than ``margin`` (the ones at its front are
+    the ones it is about to read). Owners do not progress evenly (the N = 4 and 8 timelines: one
+    owner's reads ended 5-9 s after another's), and the last owner's uplink alone then carries
+    its last chunks to every other node: the tail (bench/NOTES.md)."""
+    best: tuple[int, str] | None = None
+    for owner, pos in remaining.items():
+        if len(pos) > margin and (best is None or (len(pos), owner) > best):
+            best = (len(pos), owner)
+    if best is None:
+        return None
+    return best[1], int(remaining[best[1]][-1])
 
 
 def _paced(positions: Iterable[Any], wanted: Any) -> Iterator[int | None]:

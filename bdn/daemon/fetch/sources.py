@@ -264,13 +264,16 @@ class Sources:
 
     async def from_bucket(
         self, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool, address: str = "",
+        claim: Callable[[], bool] | None = None,
     ) -> None:
         """Read the chunk from the bucket (as its ``owner``, or as a counted fallback); 3 tries
         when the bytes do not match. ``address``: the chunk's swarm address (over the transfer
-        wire its bytes then go on to parked askers as they land: cut-through). Raises BdnError
-        (missing object, bucket error) or ProtocolError (never matched)."""
+        wire its bytes then go on to parked askers as they land: cut-through). ``claim()``:
+        asked when the read takes its bucket slot (transfer wire only); False gives the read up
+        (raises Superseded). Raises BdnError (missing object, bucket error) or ProtocolError
+        (never matched)."""
         if self.wire is not None and job.foreign is None:  # a foreign snapshot's reads need its etag
-            await self.wire.from_bucket(self.bucket, job, ref, target, owner, address)  # into the mapping
+            await self.wire.from_bucket(self.bucket, job, ref, target, owner, address, claim)  # into the mapping
         else:
             await self._bucket_into_buffer(job, ref, target)
         role = "owner" if owner else "fallback"

@@ -32,6 +32,7 @@ from bdn.daemon import retry_policy
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.chunklog import ChunkLog
 from bdn.daemon.config import Config
+from bdn.daemon.errors import Superseded
 from bdn.daemon.fetch.plan import bucket_parts
 from bdn.daemon.fetch.targets import TargetMaps
 from bdn.daemon.membership import Member, Membership
@@ -268,11 +269,14 @@ class WireSource:
     # ---- the bucket ---------------------------------------------------------------------------
     async def from_bucket(
         self, bucket: BucketIO, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool, address: str = "",
+        claim: Callable[[], bool] | None = None,
     ) -> None:
         """``Sources.from_bucket`` with the bytes read into the mapping and hashed in place
-        (never indexed before the digest matched). Same errors. With ``growing`` set and the
-        chunk's swarm ``address`` given, the chunk is registered as growing while it lands, so
-        the transfer server can send it on cut-through (bdn.transfer.growing)."""
+        (never indexed before the digest matched). Same errors, and Superseded when ``claim()``
+        (asked once, as the first part takes its bucket slot) says another node has the chunk
+        now. With ``growing`` set and the chunk's swarm ``address`` given, the chunk is
+        registered as growing while it lands, so the transfer server can send it on
+        cut-through (bdn.transfer.growing)."""
         key = f"{job.identity}/{ref.path}"
         try:
             mm = await self.maps.acquire(job, target)
@@ -288,7 +292,7 @@ class WireSource:
                                 if self.growing is not None and address else None
                             try:
                                 await self._read_parts(bucket, key, ref, view, parts, g,
-                                                       None if g is None else (lambda g=g: self._grow(job, address, ref, g)))
+                                                       self._on_slot(job, address, ref, g, claim))
                                 if not await self._disk(_hash_ok, view, ref.digest):
                                     self.stats.verify_failed("bucket")
                                     if self.chunk_log is not None:
@@ -313,14 +317,14 @@ class WireSource:
         bucket's ``bucket_concurrency`` slots (FIFO): a chunk's parts run together and, as each
         ends, the next chunk's part takes its slot, so the streams never idle between chunks.
         Every part ends before this returns (a failed part does not leave the others writing
-        into the view). ``started()``: called when the first part holds its bucket slot (the
-        chunk starts landing then, not while its parts queue). Raises BdnError (missing object,
-        bucket error)."""
+        into the view). ``started()``: called as each part takes its bucket slot, before its
+        request (the chunk starts landing then, not while its parts queue); what it raises ends
+        that part. Raises BdnError (missing object, bucket error)."""
         try:
             res = await asyncio.gather(*(
                 bucket.read_chunk(key, ref.offset + off, n, lambda _n, o=off, n=n: view[o : o + n],  # type: ignore[misc]
                                   progress=None if g is None else (lambda k, i=i: g.landed(i, k)),
-                                  started=started if i == 0 else None)
+                                  started=started)
                 for i, (off, n) in enumerate(parts)
             ), return_exceptions=True)
             for r in res:
@@ -330,6 +334,26 @@ class WireSource:
             raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
         except BucketError as e:
             raise BdnError(f"bucket read of {key} failed: {e}") from None
+
+    def _on_slot(
+        self, job: SnapshotJob, address: str, ref: ChunkRef, g: Growing | None, claim: Callable[[], bool] | None,
+    ) -> Callable[[], None] | None:
+        """The hook each part of one read attempt calls as it takes its bucket slot: the first
+        call decides (``claim()``: does the chunk still want this read?) and announces the chunk
+        for cut-through; later parts follow that decision. A read given up raises Superseded
+        in every part, before any request went out, so none of its bytes is read."""
+        if g is None and claim is None:
+            return None
+        decided: list[bool] = []
+
+        def started() -> None:
+            if not decided:
+                decided.append(claim is None or claim())
+                if decided[0] and g is not None:
+                    self._grow(job, address, ref, g)
+            if not decided[0]:
+                raise Superseded(f"chunk {ref.index} of {ref.path}: another node has it now")
+        return started
 
     def _grow(self, job: SnapshotJob, address: str, ref: ChunkRef, g: Growing) -> None:
         """The chunk's first part holds its bucket slot: from now on ``g`` lands, so it is
