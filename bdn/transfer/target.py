@@ -15,8 +15,10 @@ matters where shmem_enabled is ``advise``.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
+from typing import Any
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # <linux/mman.h>; not in 3.11's mmap
 
@@ -46,12 +48,44 @@ def map_target(fd: int, size: int, *, populate: bool = True) -> mmap.mmap:
             pass
     if populate and size:
         try:
-            # In pieces: CPython holds the GIL through one madvise call, and populating a
-            # multi-GB file in one call stalled the daemon's event loop for seconds (a 4 GB file:
-            # 6.6 s). Between pieces the GIL can go to the loop thread.
-            for start in range(0, size, POPULATE_STEP):
-                m.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_STEP, size - start))
+            _populate(m, size)
         except OSError:  # kernel before 5.14: map again with MAP_POPULATE
             m.close()
             m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return m
+
+
+def _libc_madvise() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _libc_madvise()
+
+
+def _populate(m: mmap.mmap, size: int) -> None:
+    """``MADV_POPULATE_WRITE`` over the mapping, in ``POPULATE_STEP`` pieces. Through libc's
+    ``madvise`` by ctypes, which releases the GIL for the call: the kernel zeroes every fresh
+    page here (1 GiB: ~0.1-0.3 s of CPU), and ``mmap.madvise`` held the GIL throughout, so the
+    event loop and every transfer thread stood still meanwhile (11 % of the GIL's time in a
+    daemon of the N = 8 bench, py-spy --gil; bench/NOTES.md). Raises OSError (EINVAL: a kernel
+    before 5.14)."""
+    if _MADVISE is None:
+        for start in range(0, size, POPULATE_STEP):
+            m.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_STEP, size - start))
+        return
+    view = (ctypes.c_char * size).from_buffer(m)
+    try:
+        base = ctypes.addressof(view)
+    finally:
+        del view  # the mapping must not stay exported (close() refuses while it is)
+    for start in range(0, size, POPULATE_STEP):
+        if _MADVISE(base + start, min(POPULATE_STEP, size - start), MADV_POPULATE_WRITE) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
