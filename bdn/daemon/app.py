@@ -95,7 +95,11 @@ class App:
                                self.pools.bucket, self.stats)
         self.membership = Membership(cfg.node_id, cfg.advertise_url, cfg.peers, clock)
         self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s, node_of=self.membership.node_of,
-                                keepalive_s=min(5.0, cfg.http_header_timeout_s / 2))  # below the peers' keep-alive
+                                # below the peers' keep-alive (header timeout + 1 s) by 3 s; SWIM
+                                # probes one member per second, so at N = 8 a pair's connection
+                                # idles ~7 s between probes: with 5 s each probe paid a new
+                                # connection (9 % of a daemon's GIL time, bench/NOTES.md)
+                                keepalive_s=max(1.0, cfg.http_header_timeout_s - 2))
         self.index = ChunkIndex(self.keys.address)
         self.haves = Haves(self.peers, self.membership, stats=self.stats)
         sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
