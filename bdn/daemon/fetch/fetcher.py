@@ -239,8 +239,15 @@ class Fetcher:
                 f.cancel()
 
     def _claim(self, job: SnapshotJob, layer: str, idx: int) -> Callable[[], bool]:
-        """At the bucket slot: whether this read is still wanted (nobody else announced the chunk)."""
-        return lambda: not self.haves.holding(job, layer, idx) and not self.haves.growing_at(job, layer, idx)
+        """At the bucket slot: whether this read is still wanted, i.e. no live member (not
+        penalised, not failed) announced the chunk, growing or held. A peer's word alone never
+        stops a read for longer than its penalty: a liar claiming every chunk is penalised at
+        its first bad bytes, and its claims do not count meanwhile (tests/test_bad_input.py)."""
+        def claim() -> bool:
+            live = {m.url for m in self.membership.live()}
+            return not any(u in live for u in (*self.haves.holding(job, layer, idx),
+                                                *self.haves.growing_at(job, layer, idx)))
+        return claim
 
     async def ensure_chunk(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Single-flight: one acquisition per chunk, however many ask for it."""
