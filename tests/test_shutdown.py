@@ -78,3 +78,33 @@ def test_sigterm_mid_download_with_a_long_poll_exits_0_and_the_next_start_resume
             assert (Path(rec["path"]) / f.path).read_bytes() == (trainer / f.path).read_bytes(), f.path
     finally:
         d.kill()
+
+
+def test_sigterm_during_a_local_pull_of_a_big_file_exits_0(tmp_path: Path) -> None:
+    """An engine pulling a file over the local API and reading slowly (its socket full) holds a
+    request in flight: the stop gives it HTTP_GRACE_S, then closes it (aiohttp alone: 60 s)."""
+    bucket = tmp_path / "bucket"
+    m, _ = publish_state(tmp_path, f"file://{bucket}", IDENT, 1, scale=14, chunk_size=1 << 20)
+    big = max(m.files, key=lambda f: f.size)
+    assert big.size > 8 << 20  # well over the loopback socket buffers
+    d = Daemon(tmp_path, "n1", f"file://{bucket}", extra_env={"BDN_LOG_LEVEL": "info"})
+    d.start([])
+    try:
+        d.wait_healthy()
+        d.prefetch(IDENT)
+        d.wait_ready(IDENT)
+        conn = http.client.HTTPConnection("127.0.0.1", d.local_port, timeout=180)
+        conn.request("GET", f"/v1/snapshots/{IDENT}/files/{big.path}")
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert len(resp.read(64 << 10)) == 64 << 10  # then it stops reading: the server blocks
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            code = d.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"bdnd still running 60 s after SIGTERM during a local pull:\n{d.log()}") from None
+        assert code == 0, d.log()
+        conn.close()
+    finally:
+        d.kill()

@@ -15,9 +15,9 @@ disk write. The pieces here bound each of them:
   its own C thread, so it fires even when the event loop or interpreter finalisation is stuck)
   that writes every thread's stack to stderr and exits 1 at ``shutdown_timeout_s +
   WATCHDOG_MARGIN_S``;
-- :func:`join_workers`: after the loop is closed, waits for the worker threads until
-  ``shutdown_timeout_s``; what is still busy then is logged (name and stack) and abandoned: the
-  caller ends the process with ``os._exit(0)``. Abandoning is safe: every job saved its progress
+- :func:`join_workers`: after the loop is closed, waits for the worker threads that are busy
+  (idle pool workers hold nothing) until ``shutdown_timeout_s``; what is still busy then is
+  logged (name and stack) and abandoned: the caller ends the process with ``os._exit(0)``. Abandoning is safe: every job saved its progress
   when it was cancelled, a chunk a worker was still writing is not in that progress (the next
   start re-verifies every chunk it takes back), and a snapshot becomes READY only by a rename
   of its complete, verified directory.
@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import faulthandler
 import logging
+import os
 import sys
 import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from types import FrameType
 
 log = logging.getLogger("bdn.bdnd")
 
@@ -84,19 +86,42 @@ class StopClock:
         return max(0.0, self.deadline - time.monotonic())
 
 
+def _idle_pool_worker(frame: FrameType | None) -> bool:
+    """Whether ``frame`` (a thread's innermost) is a ``ThreadPoolExecutor`` worker waiting for
+    work: ``_worker`` on its stack and no ``_WorkItem.run`` (a pool nobody shut down, such as a
+    module's own, keeps such threads; they hold nothing and would hold the exit forever)."""
+    in_pool = False
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(_POOL_FILE):
+            if code.co_name == "run":
+                return False  # running a work item: busy
+            if code.co_name == "_worker":
+                in_pool = True
+        frame = frame.f_back
+    return in_pool
+
+
+_POOL_FILE = os.path.join("concurrent", "futures", "thread.py")
+
+
 def busy_workers() -> list[threading.Thread]:
-    """The threads that would hold the interpreter's exit: alive, not daemon, not this one."""
+    """The threads that would hold the interpreter's exit and are doing something: alive, not
+    daemon, not this one, not an idle pool worker."""
     me = threading.current_thread()
-    return [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()]
+    frames = sys._current_frames()
+    return [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()
+            and not (t.ident is not None and _idle_pool_worker(frames.get(t.ident)))]
 
 
 def join_workers(timeout_s: float) -> list[threading.Thread]:
     """Wait up to ``timeout_s`` seconds in all for :func:`busy_workers` to end; return those
     still alive, each logged once with its stack (WARNING)."""
     deadline = time.monotonic() + timeout_s
-    for t in busy_workers():
-        t.join(max(0.0, deadline - time.monotonic()))
     left = busy_workers()
+    while left and time.monotonic() < deadline:  # a worker may finish one item and go idle
+        left[0].join(min(0.05, max(0.0, deadline - time.monotonic())))
+        left = busy_workers()
     if left:
         frames = sys._current_frames()
         for t in left:
