@@ -1,8 +1,11 @@
 """``bdnd``: the per-node daemon's command line: flags -> Config -> run (``bdn.daemon.app``
 holds the lifecycle: signals, startup, main loop, shutdown).
 
-Exit status: 0 after SIGTERM/SIGINT, 2 on a configuration error or a ``shm_dir`` another
-process holds (one line on stderr, before anything listens), 1 when a port cannot be bound.
+Exit status: 0 after SIGTERM/SIGINT (the process is gone within ``shutdown_timeout_s``), 2 on a
+configuration error or a ``shm_dir`` another process holds (one line on stderr, before anything
+listens), 1 on an unexpected error, a second SIGTERM while stopping, or a stop stuck past
+``shutdown_timeout_s`` + 5 s (every thread's stack is in the log then). SIGUSR1 writes every
+thread's stack to the log.
 """
 
 from __future__ import annotations
@@ -162,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         "later sources win (defaults < file < environment < flags).",
         epilog="Secrets are read from files (partition_secret_file, api_token_file) or the "
         "environment (BDN_PARTITION_SECRET, BDN_API_TOKEN), never from flags. Exit status: 0 after "
-        "SIGTERM/SIGINT, 1 on an unexpected error, 2 on a configuration error (a listen address in use "
-        "included). SIGHUP is ignored.",
+        "SIGTERM/SIGINT (within shutdown_timeout_s), 1 on an unexpected error or a stuck stop, 2 on a "
+        "configuration error (a listen address in use included). SIGHUP is ignored; SIGUSR1 logs every thread's stack.",
     )
     ap.add_argument("--version", action="version", version=f"bdn {__version__}")
     ap.add_argument("--config", metavar="FILE", help="TOML config file (see deploy/bdnd.toml.example)")

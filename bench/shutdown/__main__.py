@@ -2,8 +2,8 @@
 
 N daemons on loopback load a fresh anchor from a file:// bucket read at ``--mbit`` (``bucket_mbit``,
 so the download is in flight), each with a ``/v1/snapshots/{id}/wait`` long-poll open (what
-``bdnctl prefetch --wait`` and engines hold); ``--after`` seconds after the prefetch POSTs every
-daemon gets SIGTERM; the time from the signal to the process's exit and its status are recorded.
+``bdnctl prefetch --wait`` and engines hold); once every daemon has chunks on disk, ``--after``
+seconds later every daemon gets SIGTERM; the time from the signal to the process's exit and its status are recorded.
 ``--code DIR`` runs the daemons from another checkout (the baseline: PYTHONPATH=DIR).
 
     PYTHONPATH=$PWD nice -n 19 .venv/bin/python -m bench.shutdown --runs 3 --out bench/results/shutdown.json
@@ -48,6 +48,11 @@ def one_run(root: Path, a: argparse.Namespace, code: str) -> dict[str, Any]:
             c = http.client.HTTPConnection("127.0.0.1", d.local_port, timeout=300)
             c.request("GET", f"/v1/snapshots/{IDENT}/wait?state=ready&timeout=250")
             polls.append(c)
+        posted = time.monotonic()
+        # every daemon has chunks on disk (the download is in flight, not still starting), then --after
+        while time.monotonic() - posted < 180 and not all(
+                d.get(f"/v1/snapshots/{IDENT}")["bytes_done"] > 0 for d in sw.daemons):
+            time.sleep(0.1)
         time.sleep(a.after)
         done = {d.node_id: d.get(f"/v1/snapshots/{IDENT}")["bytes_done"] for d in sw.daemons}
         t0 = {}
@@ -83,7 +88,7 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--scale", type=int, default=40, help="anchor size (40: 239 MB)")
     p.add_argument("--mbit", type=float, default=400.0, help="bucket_mbit of every daemon")
-    p.add_argument("--after", type=float, default=2.0, help="seconds between the POSTs and the SIGTERMs")
+    p.add_argument("--after", type=float, default=2.0, help="seconds between the first chunks on every daemon and the SIGTERMs")
     p.add_argument("--wait", type=float, default=120.0, help="seconds a daemon gets to exit before it is killed")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--code", default="", help="run the daemons from this checkout (baseline)")
