@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bdn.control.replay import ReplayError, ReplayGuard, RequestCounter, parse_nonce
+from bdn.control.replay import Counters, ReplayError, ReplayGuard, RequestCounter, parse_nonce
 
 
 class FakeClock:
@@ -73,3 +73,64 @@ def test_malformed_nonces() -> None:
         with pytest.raises(ReplayError):
             parse_nonce(bad)
     assert parse_nonce("0" * 15 + "1" + "0" * 15 + "2") == (1, 2)
+
+
+def test_a_boot_from_the_future_is_refused_and_cannot_lock_out_the_genuine_boots() -> None:
+    """A secret holder signs nonces with boots near 2^64 for node "a": refused before any state
+    is kept, so "a"'s genuine boots (its start time, scaled as Counters scales it) still pass."""
+    clock = FakeClock()
+    guard = ReplayGuard(clock, boots_kept=2)
+    for boot in (2**64 - 1, 2**64 - 2, 2**63):
+        with pytest.raises(ReplayError, match="ahead"):
+            guard.check("a", f"{boot:016x}{1:016x}", clock.t)
+    assert len(guard) == 0  # nothing remembered for the forged boots
+    genuine = Counters(clock)
+    guard.check("a", genuine.next("v", 0), clock.t)
+    guard.check("a", genuine.next("v", Counters.STREAMS - 1), clock.t)  # the largest stream offset
+    guard.check("c", RequestCounter(clock).next(), clock.t)  # plain µs boots are smaller still
+
+
+def test_the_boot_bound_is_30_s_ahead_of_the_injected_clock() -> None:
+    clock = FakeClock()
+    guard = ReplayGuard(clock)
+    edge = Counters(FakeClock(clock.t + 30.0))  # a signer whose clock runs 30 s ahead: accepted
+    guard.check("a", edge.next("v", Counters.STREAMS - 1), clock.t)
+    late = Counters(FakeClock(clock.t + 30.01))
+    with pytest.raises(ReplayError, match="30 s ahead"):
+        guard.check("b", late.next("v"), clock.t)
+    clock.t += 1.0  # a second later the same boot is within the bound
+    guard.check("b", late.next("v"), clock.t)
+
+
+def test_a_lock_out_lasts_only_while_the_forger_keeps_every_window_busy() -> None:
+    """8 forged boots within the next 30 s push out node "a"'s genuine window: "a" is refused
+    while the forger keeps using them, and taken back (same boot, no restart) 30 s after it stops."""
+    clock = FakeClock()
+    guard = ReplayGuard(clock)
+    genuine = Counters(clock)
+    guard.check("a", genuine.next("v"), clock.t)
+    forged = [Counters(FakeClock(clock.t + 1 + i)) for i in range(guard.boots_kept)]
+    for f in forged:
+        guard.check("a", f.next("v"), clock.t)
+    for _ in range(3):  # the forger keeps every window busy: "a" stays out
+        with pytest.raises(ReplayError, match="boot older"):
+            guard.check("a", genuine.next("v"), clock.t)
+        clock.t += 20.0
+        for f in forged:
+            guard.check("a", f.next("v"), clock.t)
+    clock.t += 30.5  # the forger stopped 30.5 s ago: its windows can be dropped, "a" is back
+    guard.check("a", genuine.next("v"), clock.t)
+    guard.check("a", genuine.next("v"), clock.t)
+
+
+def test_a_window_dropped_while_live_cannot_be_replayed_into() -> None:
+    clock = FakeClock()
+    guard = ReplayGuard(clock, boots_kept=2)
+    old = RequestCounter(clock)
+    captured = old.next()
+    guard.check("a", captured, clock.t)
+    for i in (1, 2):  # two newer boots push the live window out
+        guard.check("a", RequestCounter(FakeClock(clock.t + i)).next(), clock.t)
+    clock.t += 29.0  # still within the signature's skew of the captured request
+    with pytest.raises(ReplayError, match="boot older"):
+        guard.check("a", captured, clock.t - 29.0)

@@ -59,6 +59,7 @@ from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.runner import Runner
 from bdn.daemon.serving import ChunkServing
+from bdn.daemon.shutdown import HTTP_GRACE_S, NoWaitExecutor, StopClock
 from bdn.daemon.stats import Stats
 from bdn.daemon.status import StatusView
 from bdn.daemon.store import ShmLock, Store
@@ -78,8 +79,10 @@ class App:
     the directory or listens.
     """
 
-    def __init__(self, cfg: Config, notify: Any = None, clock: Clock = SYSTEM, shm_lock: ShmLock | None = None) -> None:
+    def __init__(self, cfg: Config, notify: Any = None, clock: Clock = SYSTEM, shm_lock: ShmLock | None = None,
+                 stop_clock: StopClock | None = None) -> None:
         self.shm_lock = shm_lock or ShmLock.acquire(cfg.shm_dir)
+        self.stop_clock = stop_clock or StopClock()  # bdnd passes one with the exit watchdog
         self.cfg = cfg
         self.notify = notify or (lambda msg: None)
         self.clock = clock
@@ -161,6 +164,8 @@ class App:
     async def serve(self) -> int:
         """Run until SIGTERM/SIGINT; 0. Raises CannotListen (a port cannot be bound)."""
         self.install_signal_handlers()
+        # asyncio.to_thread's pool: asyncio.Runner.close would wait for its threads without a bound
+        asyncio.get_running_loop().set_default_executor(NoWaitExecutor(thread_name_prefix="bdn-default"))
         try:
             starting = asyncio.create_task(self.startup(), name="startup")
             stop = asyncio.create_task(self.should_exit.wait())
@@ -217,14 +222,14 @@ class App:
         guard = dict(header_timeout_s=cfg.http_header_timeout_s, max_connections=cfg.http_max_connections,
                      stats=self.stats, max_line_size=8190, max_field_size=8190, max_headers=128)
         peer_runner = GuardedRunner(make_peer_app(self.services), name="peer API", access_log=None,
-                                    keepalive_timeout=15, **guard)
+                                    keepalive_timeout=15, shutdown_timeout=HTTP_GRACE_S, **guard)
         await peer_runner.setup()
         self._runners.append(peer_runner)
         host, port = split_hostport(cfg.peer_listen)
         with binding("peer_listen", cfg.peer_listen):
             await web.TCPSite(peer_runner, host or None, port, reuse_address=True).start()
         local_runner = GuardedRunner(make_local_app(self.services), name="local API", access_log=None,
-                                     keepalive_timeout=75, **guard)
+                                     keepalive_timeout=75, shutdown_timeout=HTTP_GRACE_S, **guard)
         await local_runner.setup()
         self._runners.append(local_runner)
         if cfg.local_listen:
@@ -285,19 +290,28 @@ class App:
         await self.should_exit.wait()
 
     async def shutdown(self) -> None:
-        """Stop listening, cancel tasks and jobs (progress saved), close clients and pools."""
+        """Stop within ``shutdown_timeout_s`` (``bdn.daemon.shutdown``): stop accepting
+        connections, cancel the tasks and jobs (each saves its progress; long-polls answer at
+        once), give requests still in flight ``HTTP_GRACE_S``, close clients and pools (their
+        threads are not waited for here)."""
         if self.should_exit.is_set():
             log.info("bdnd %s stopping", self.cfg.node_id)
             self.notify("STOPPING=1")
-        for r in reversed(self._runners):
-            await r.cleanup()
+        self.stop_clock.start(self.cfg.shutdown_timeout_s)
+        for r in self._runners:  # no new connections; the requests in flight go on for now
+            for site in list(r.sites):
+                await site.stop()
         await self.gossip.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.wire is not None:
             self.wire.close_client()  # fetches in flight end now, so the jobs stop at once
+        # Before the HTTP servers: a request held for a job (a peer's ?wait= chunk request, a
+        # /wait long-poll) would otherwise keep its listener open while the download goes on.
         await self.catalog.stop()
+        # what is still in flight gets HTTP_GRACE_S, then is cancelled (both listeners at once)
+        await asyncio.gather(*(r.cleanup() for r in self._runners))
         if self.wire is not None:
             self.wire.close()
         if self.fetcher.chunk_log is not None:

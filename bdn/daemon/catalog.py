@@ -115,12 +115,13 @@ class Catalog:
             await self.on_change(job)
 
     async def wait_state(self, identity: str, state: str, timeout: float) -> SnapshotJob | None:
-        """The job once it reaches ``state`` or a terminal state, or after ``timeout`` s; None if unknown."""
+        """The job once it reaches ``state`` or a terminal state, or after ``timeout`` s, or at
+        once when the daemon is stopping (``closing``); None if unknown."""
         job = self.jobs.get(identity)
         if job is None:
             return None
         deadline = self.clock.monotonic() + timeout
-        while job.state != state and job.state not in TERMINAL:
+        while job.state != state and job.state not in TERMINAL and not self.closing:
             left = deadline - self.clock.monotonic()
             if left <= 0:
                 break
@@ -164,13 +165,18 @@ class Catalog:
         self._trim_failed()
 
     async def stop(self) -> None:
-        """Cancel every job (each saves its progress) and wait for them."""
+        """Cancel every job (each saves its progress) and wait for them; then wake every
+        waiter (``wait_state`` answers at once from now on)."""
         self.closing = True
         tasks = [j.task for j in self.jobs.values() if j.task]
         for t in tasks:
             if not t.done():
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for j in self.jobs.values():
+            j.touch()
+            async with j.cond:
+                j.cond.notify_all()
 
     def load_ready_from_store(self) -> None:
         """Register the snapshots already READY in shm (a restarted daemon keeps serving them)."""

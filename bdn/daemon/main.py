@@ -1,8 +1,11 @@
 """``bdnd``: the per-node daemon's command line: flags -> Config -> run (``bdn.daemon.app``
 holds the lifecycle: signals, startup, main loop, shutdown).
 
-Exit status: 0 after SIGTERM/SIGINT, 2 on a configuration error or a ``shm_dir`` another
-process holds (one line on stderr, before anything listens), 1 when a port cannot be bound.
+Exit status: 0 after SIGTERM/SIGINT (the process is gone within ``shutdown_timeout_s``), 2 on a
+configuration error or a ``shm_dir`` another process holds (one line on stderr, before anything
+listens), 1 on an unexpected error, a second SIGTERM while stopping, or a stop stuck past
+``shutdown_timeout_s`` + 5 s (every thread's stack is in the log then). SIGUSR1 writes every
+thread's stack to the log.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ def _stop_early(signum: int, frame: object) -> None:
 # Before the heavy imports below (aiohttp, numpy, boto3: ~0.3 s): the default action of SIGTERM
 # would end bdnd by the signal, which systemd and Kubernetes report as a failure. Only when this
 # module is the program (``bdnd``, ``python -m bdn.daemon.main``), not when a test imports it.
-if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "bdnd":
+IS_PROGRAM = __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "bdnd"
+if IS_PROGRAM:
     signal.signal(signal.SIGTERM, _stop_early)
     signal.signal(signal.SIGINT, _stop_early)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the App logs a SIGHUP once its handlers are in
 
 import argparse  # noqa: E402  (the handlers above come first on purpose)
 import asyncio
+import faulthandler
 import json
 import logging
 import socket
@@ -40,6 +45,7 @@ from bdn import __version__
 from bdn.daemon.app import App
 from bdn.daemon.config import Config, ConfigError
 from bdn.daemon.listening import CannotListen
+from bdn.daemon.shutdown import StopClock, join_workers
 from bdn.daemon.store import ShmLock
 from bdn.daemon.logctx import ContextFilter
 from bdn.proto.errors import BdnError
@@ -159,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
         "later sources win (defaults < file < environment < flags).",
         epilog="Secrets are read from files (partition_secret_file, api_token_file) or the "
         "environment (BDN_PARTITION_SECRET, BDN_API_TOKEN), never from flags. Exit status: 0 after "
-        "SIGTERM/SIGINT, 1 on an unexpected error, 2 on a configuration error (a listen address in use "
-        "included). SIGHUP is ignored.",
+        "SIGTERM/SIGINT (within shutdown_timeout_s), 1 on an unexpected error or a stuck stop, 2 on a "
+        "configuration error (a listen address in use included). SIGHUP is ignored; SIGUSR1 logs every thread's stack.",
     )
     ap.add_argument("--version", action="version", version=f"bdn {__version__}")
     ap.add_argument("--config", metavar="FILE", help="TOML config file (see deploy/bdnd.toml.example)")
@@ -183,7 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``bdnd`` console script: flags -> Config -> ``App.serve()``. Exit 0, 1 (an unexpected error) or 2 (config, a port in use)."""
+    """The ``bdnd`` console script: flags -> Config -> ``App.serve()``. Exit 0, 1 (an unexpected error) or 2 (config, a port in use).
+
+    As the program (``IS_PROGRAM``) it does not return once the daemon ran: the process ends with
+    ``os._exit`` after the logs are flushed, within ``shutdown_timeout_s`` of the stop request
+    (``bdn.daemon.shutdown``)."""
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     if isinstance(overrides.get("peers"), str):
@@ -196,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bdnd: error: {e}", file=sys.stderr)
         return 2
     setup_logging(cfg)
+    # SIGUSR1: every thread's stack on stderr (the log), for a daemon that seems stuck (stdlib
+    # faulthandler: it writes from the signal handler, so it works while the event loop is blocked).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     _raise_fd_limit()
     runner = asyncio.Runner()
     if cfg.event_loop == "uvloop":
@@ -207,19 +220,35 @@ def main(argv: list[str] | None = None) -> int:
             pass
     t0 = time.monotonic()
     bound = True
-    with runner:
+    stop = StopClock(watchdog=True)
+    code = 1
+    with runner:  # closing it cancels what is left and shuts the default executor (no waiting)
         try:
-            return runner.run(App(cfg, notify=sd_notify, shm_lock=shm_lock).serve())
+            code = runner.run(App(cfg, notify=sd_notify, shm_lock=shm_lock, stop_clock=stop).serve())
         except CannotListen as e:  # a configuration error found at bind: one line, exit 2
             bound = False
             print(f"bdnd: error: {e}", file=sys.stderr)
-            return 2
+            code = 2
         except BdnError as e:
             log.error("%s", e)
-            return 1
-        finally:
-            if bound:
-                log.info("bdnd ran %.1f s", time.monotonic() - t0)
+            code = 1
+    if bound:
+        log.info("bdnd ran %.1f s", time.monotonic() - t0)
+    # The interpreter would join every worker thread at exit, without a bound (one may sit in a
+    # bucket read); the rest of shutdown_timeout_s is theirs, then they are abandoned.
+    abandoned = join_workers(stop.left() if stop.deadline is not None else cfg.shutdown_timeout_s)
+    if IS_PROGRAM or abandoned:
+        # Everything kept is on disk (progress files, READY snapshots) and the logs are flushed
+        # here: the interpreter's own finalisation (a garbage collection of every object, module
+        # teardown) only frees memory the kernel frees anyway, and took 40 s of wall time at
+        # nice 19 on a loaded machine (bench/NOTES.md, "Issue 12: SIGTERM").
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    stop.disarm()
+    return code
+
 
 if __name__ == "__main__":
     sys.exit(main())

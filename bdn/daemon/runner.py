@@ -64,6 +64,10 @@ class Jobs(Protocol):
     def gc(self) -> dict[str, list[str]]:
         """Collect what the keep rules allow; returns what was removed, by reason."""
 
+    @property
+    def closing(self) -> bool:
+        """True once the daemon is stopping."""
+
 
 class Runner:
     """Brings one snapshot job at a time (``run(job)``) from ``queued`` to a terminal state."""
@@ -150,7 +154,9 @@ class Runner:
         finally:
             if job.flusher is not None:
                 job.flusher.cancel()
-            if job.stored_refs:
+            # (not when the daemon stops: the index goes with it, and this would queue behind
+            # the disk threads' work in flight, a populate of a big target for one)
+            if job.stored_refs and not jobs.closing:
                 await asyncio.shield(self._on(self.pools.disk, self.index.drop_pending_of, job))
             await job.notify()
 
