@@ -24,23 +24,42 @@ from bdn.proto.keys import derive_keys, sign_request
 SECRET = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 
 
+#: Ports :func:`free_port` handed out in this process: never handed out twice.
+_HANDED: set[int] = set()
+
+
 def free_port() -> int:
     """A free loopback port below the kernel's ephemeral range, so that no outgoing connection
-    (to a peer, the proxy, moto) can take it between this check and the daemon's bind."""
+    (to a peer, the proxy, moto) can take it between this check and the daemon's bind.
+
+    Never the same port twice in one test process: a daemon's peer, local and transfer ports
+    were three independent draws, so two of them could be one port (the daemon then fails to
+    bind, and until it exits its local port may be answered by its own transfer server: the
+    BadStatusLine once seen in test_http_guard's fixture). Each pytest-xdist worker draws from
+    its own residue class (``port % workers``), so two workers' daemons never race for a port."""
     import random
 
     try:
         lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     except (OSError, ValueError, IndexError):
         lo = 32768
-    for _ in range(200):
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under xdist
+    try:
+        workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+    except ValueError:
+        workers = 1
+    mine = int(worker[2:]) % workers if worker.startswith("gw") and worker[2:].isdigit() else 0
+    for _ in range(1000):
         port = random.randint(10000, max(10001, lo - 1))
+        if port % workers != mine or port in _HANDED:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED.add(port)
+        return port
     raise RuntimeError("no free port found")
 
 
@@ -106,7 +125,9 @@ class Daemon:
             try:
                 self.get("/v1/health")
                 return
-            except (OSError, urllib.error.URLError):
+            except (OSError, urllib.error.URLError, http.client.HTTPException):
+                # (HTTPException: something that is not this daemon's HTTP answered, e.g. a
+                # process that took the port; the daemon then exits, reported above)
                 time.sleep(0.05)
         raise TimeoutError(f"bdnd {self.node_id} not healthy after {timeout} s:\n{self.log()}")
 
