@@ -351,14 +351,14 @@ def test_the_command_serves_and_stops_on_sigterm(trainer, node) -> None:
     try:
         def healthy():
             assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
-            status, body = http("GET", f"http://127.0.0.1:{port}/health", timeout=5) if _listening(port) else (0, None)
+            status, body = http("GET", f"http://127.0.0.1:{port}/health", timeout=60) if _listening(port) else (0, None)
             return body if status == 200 else None
 
         body = wait_for(healthy, 120, "the engine to serve")
         assert body["identity"] == IDS[0] and body["policy_version"] == 1
         wait_for(lambda: replica_done(node.url, IDS[0]), 120, "the replica done")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        assert proc.wait(120) == 0
         # it unregistered on the way out (the fleet view follows the replica's report: a state)
         wait_for(lambda: hot_load_status(node.url)[0]["engines"] == 0, 120, "the replica to list no engine")
     finally:

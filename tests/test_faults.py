@@ -205,7 +205,7 @@ def test_bucket_throttling_and_5xx_are_retried_with_bounded_concurrency(tmp_path
                 for d in swarm.daemons:
                     assert d.prefetch("step000001")[0] == 202
                 for d in swarm.daemons:
-                    d.wait_ready("step000001", 90)
+                    d.wait_ready("step000001", 120)
             assert watcher.violations == [], watcher.violations
             for d in swarm.daemons:
                 assert_ready_and_identical(d, "step000001", ck)

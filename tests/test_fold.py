@@ -4,6 +4,7 @@ that lags several deltas behind rebuilds the target without a ready snapshot per
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,16 @@ from typing import Any
 import pytest
 
 from bdn import fileops
-from bdn.daemon.fold import fold_file, plan_fold
+from bdn.bucket import open_bucket
+from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.config import Config
+from bdn.daemon.executors import Executors
+from bdn.daemon.fold import Folder, fold_file, plan_fold
+from bdn.daemon.ratelimit import RateLimit
+from bdn.daemon.stats import Stats
 from bdn.fileops import read_header, save_raw
 from bdn.proto.errors import ChecksumError
-from bdn.proto.manifest import Manifest
+from bdn.proto.manifest import MANIFEST_NAME, Manifest
 from support.chains import chain_states, daemon_on_anchor, file_chain, write_chain
 
 CHUNK = 64 << 10
@@ -100,3 +107,52 @@ def test_daemon_folds_a_lagging_chain_without_intermediate_snapshots(tmp_path: P
             assert d.request("GET", f"/v1/snapshots/step{i:06d}")[0] == 404
         assert not [p for p in d.store.rglob("*") if "step000003" in p.name or ".fold-" in p.name]  # cleaned up
         assert "folding 4 deltas on step000001" in d.log()
+
+
+class _NoJobs:
+    """A catalog that knows no snapshot (the chain walk then reads every manifest down the chain)."""
+
+    def get(self, identity: str) -> None:
+        return None
+
+    def all(self) -> list[Any]:
+        return []
+
+    def prefetch(self, identity: str, requested_by: str = "local") -> Any:
+        raise AssertionError("the chain walk prefetches nothing")
+
+
+def test_a_job_started_during_the_chain_walks_manifest_read_takes_that_read(tmp_path: Path) -> None:
+    """A job of ``step000002`` started (by a peer's hint) while the chain walk under
+    ``step000003`` reads ``step000002``'s manifest waits for that read instead of a second GET
+    (tests/test_swarm.py::test_s3_bucket_no_stored_byte_fetched_twice saw 4 GETs for 3 daemons
+    under load); a walk whose read failed leaves nothing to take (the job reads and reports)."""
+    chain = file_chain(tmp_path, 2, chunk_size=CHUNK)
+    bucket = open_bucket(chain.url)
+    pools = Executors.create(4)
+    m3 = Manifest.from_json((chain.bucket / "step000003" / MANIFEST_NAME).read_bytes())
+
+    async def run() -> None:
+        io = BucketIO(bucket, chain.url, 4, RateLimit(0), pools.bucket, Stats())
+        folder = Folder(Config(), None, io, None, None, pools)  # type: ignore[arg-type]  # the walk reads manifests only
+        walk = asyncio.ensure_future(folder.chain(m3, _NoJobs()))
+        await asyncio.sleep(0)  # the walk's first step: its read of step000002's manifest is in flight
+        assert bucket.stats.get_requests <= 1
+        got = await folder.take_recent("step000002")
+        assert got is not None and got[1].identity == "step000002"
+        found = await walk
+        assert found is not None and [c.identity for c in found[1]] == ["step000002", "step000003"]
+        assert bucket.stats.get_requests == 2  # step000002's and step000001's manifests, once each
+        assert await folder.take_recent("step000002") is None  # taken once
+
+        (chain.bucket / "step000002" / MANIFEST_NAME).unlink()
+        walk = asyncio.ensure_future(folder.chain(m3, _NoJobs()))
+        await asyncio.sleep(0)
+        assert await folder.take_recent("step000002") is None
+        assert await walk is None  # the walk gives up on folding; the job reads and reports itself
+
+    try:
+        asyncio.run(run())
+    finally:
+        pools.shutdown()
+        bucket.close()

@@ -285,7 +285,7 @@ def test_config_mismatch_fails_naming_the_field(tmp_path: Path) -> None:
 
 def bdnctl(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", d.url, *args],
-                          capture_output=True, text=True, timeout=60, env=os.environ.copy())
+                          capture_output=True, text=True, timeout=240, env=os.environ.copy())
 
 
 def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_run: str, tmp_path: Path) -> None:

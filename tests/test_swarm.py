@@ -75,7 +75,7 @@ def test_file_bucket_three_daemons(tmp_path: Path) -> None:
 
         # The serving process sees exactly the trainer's arrays, zero-copy, bit for bit.
         for d in swarm.daemons:
-            with DaemonClient(d.url) as client, client.open(IDS[2], timeout=30) as snap:
+            with DaemonClient(d.url) as client, client.open(IDS[2], timeout=120) as snap:
                 assert snap.policy_version == 3
                 for name, want in states[2].items():
                     got = snap.tensor(name)

@@ -51,9 +51,14 @@ def test_haves_are_pushed_and_polls_stay_bounded(tmp_path: Path) -> None:
         assert sum(r[3] for r in rows) > 0, rows  # the swarm moved chunks between the nodes
         n_chunks = len(list(m.stored_chunks()))
         assert sum(r[2] for r in rows) >= N - 1, rows  # HAVE frames arrived
+        # Each node polls every peer once when its download starts, then every 0.5 s only the
+        # peers whose subscription is not in sync yet. How long that takes depends on the load
+        # (a connection and a handshake per peer, on a starved CPU: 26 polls were seen with both
+        # cores busy), so the bound is not a count of 0.5 s rounds: it says the peers were polled
+        # for at most half of the download (polling for all of it, the design before HAVE frames,
+        # is (N - 1) x 2 per second of download).
+        bound = (N - 1) * (1 + max(3.0, took))
         for node, polls, frames, _ in rows:
-            # the first refresh (N - 1) and a few polls while the subscriptions come up, per peer;
-            # polling every 0.5 s for the whole download would be (N - 1) x 2 per second
-            assert polls <= 4 * (N - 1), (node, polls, took, rows)
+            assert polls <= bound, (node, polls, took, rows)
             assert frames >= 1, (node, rows)
         assert n_chunks > N

@@ -49,7 +49,7 @@ def test_chunks_move_over_the_wire_and_the_chunk_log_says_so(tmp_path: Path) -> 
         for d in swarm.daemons:
             assert d.prefetch(IDENT)[0] == 202
         for d in swarm.daemons:
-            d.wait_ready(IDENT, 60)
+            d.wait_ready(IDENT, 120)
             assert_same(d, ck)
         counters = [d.status()["counters"] for d in swarm.daemons]
         peer_in = sum(c["peer_bytes_in"] for c in counters)
@@ -83,7 +83,7 @@ def test_a_peer_without_a_transfer_server_is_asked_over_http(tmp_path: Path) -> 
         for d in swarm.daemons:
             assert d.prefetch(IDENT)[0] == 202
         for d in swarm.daemons:
-            d.wait_ready(IDENT, 60)
+            d.wait_ready(IDENT, 120)
             assert_same(d, ck)
         c = {d.node_id: d.status()["counters"] for d in swarm.daemons}
         # the plain daemon fetched everything over HTTP and served over HTTP only
@@ -109,7 +109,7 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
     # started once both hold the snapshot (else it would join it at the first request it serves)
     receiver = Daemon(tmp_path / "nodes", "node2", bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
     tport = free_port()
-    relay = Relay(("127.0.0.1", tport), rate=2e6)
+    relay = FreezingRelay(("127.0.0.1", tport), after=1 << 62)
     sender.env.update(BDN_TRANSFER_LISTEN=f"127.0.0.1:{tport}", BDN_TRANSFER_ADVERTISE=f"127.0.0.1:{relay.port}")
     log = receiver.dir / "chunks.jsonl"
     receiver.env["BDN_CHUNK_LOG"] = str(log)
@@ -122,8 +122,12 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
         for d in (sender, other):
             assert d.prefetch(IDENT)[0] == 202
         for d in (sender, other):
-            d.wait_ready(IDENT, 60)
+            d.wait_ready(IDENT, 120)
         base = relay.forwarded  # what the other daemon took through the relay for its own copy
+        # the relay passes on less than one 1 MiB chunk's worth for the receiver, then holds the
+        # rest: the sender is in the middle of its chunks when it is killed, however slowly the
+        # test runs (a throttled relay and a polled byte count overshot 1 MiB under load)
+        relay.after = base + (1 << 20) - (64 << 10)
         receiver.start(swarm.peer_urls)
         try:
             receiver.wait_healthy()
@@ -132,9 +136,9 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
                 assert time.monotonic() < deadline, receiver.status()["peers"]
                 time.sleep(0.1)
             assert receiver.prefetch(IDENT)[0] == 202
-            # the sender (behind the slow relay, 2 MB/s per connection) is in the middle of its
-            # chunks: with under 1 MiB passed on in all, no 1 MiB chunk of it is complete
-            deadline = time.monotonic() + 60
+            # the sender (behind the holding relay) is in the middle of its chunks: with under
+            # 1 MiB passed on in all, no 1 MiB chunk of it is complete
+            deadline = time.monotonic() + 120
             while relay.forwarded - base < 300_000:
                 assert time.monotonic() < deadline, receiver.log()
                 time.sleep(0.01)
@@ -167,7 +171,7 @@ def test_the_chunk_log_names_sources_on_the_http_path_too(tmp_path: Path) -> Non
         for d in swarm.daemons:
             assert d.prefetch(IDENT)[0] == 202
         for d in swarm.daemons:
-            d.wait_ready(IDENT, 60)
+            d.wait_ready(IDENT, 120)
             assert_same(d, ck)
             lines = [json.loads(x) for x in logs[d.node_id].read_text().splitlines()]
             assert len(lines) == len(list(m.stored_chunks()))

@@ -220,11 +220,22 @@ class Folder:
         self.fetcher = fetcher
         self.pools = pools
         self._recent: dict[str, tuple[str, Manifest]] = {}
+        #: identity -> the chain walk's bucket read of its manifest, while it is in flight
+        self._reading: dict[str, asyncio.Task[Manifest]] = {}
 
     async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def _manifest(self, identity: str) -> Manifest:
+        read = asyncio.ensure_future(self._read_manifest(identity))
+        self._reading[identity] = read
+        try:
+            return await read
+        finally:
+            if self._reading.get(identity) is read:
+                del self._reading[identity]
+
+    async def _read_manifest(self, identity: str) -> Manifest:
         data = await self.bucket.read(f"{identity}/{MANIFEST_NAME}")
         m = await self._on(self.pools.disk, functools.partial(Manifest.from_json, expect_identity=identity), data)
         self._recent[identity] = (xxh3_digest(data), m)
@@ -232,10 +243,16 @@ class Folder:
             self._recent.pop(next(iter(self._recent)))
         return m
 
-    def take_recent(self, identity: str) -> tuple[str, Manifest] | None:
-        """``(digest of its bytes, manifest)`` of ``identity`` if a chain walk just read it (once:
-        a job of that identity started meanwhile, by a peer's hint, reads the bucket no second
-        time), else None."""
+    async def take_recent(self, identity: str) -> tuple[str, Manifest] | None:
+        """``(digest of its bytes, manifest)`` of ``identity`` if a chain walk read it moments
+        ago, else None. Taken once: a job of that identity started meanwhile (by a peer's hint)
+        reads the bucket no second time. A chain walk's read still in flight is waited for
+        (not raced: that was a second GET of the manifest by one daemon under load,
+        tests/test_swarm.py::test_s3_bucket_no_stored_byte_fetched_twice); if it failed, None
+        (the job reads the manifest itself and reports what the bucket said)."""
+        read = self._reading.get(identity)
+        if read is not None:
+            await asyncio.wait((read,))  # a cancelled waiter leaves the chain walk's read running
         return self._recent.pop(identity, None)
 
     async def chain(self, m: Manifest, jobs: Jobs) -> tuple[str, list[Manifest]] | None:

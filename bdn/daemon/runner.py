@@ -294,7 +294,7 @@ class Runner:
 
     async def _read_manifest(self, job: SnapshotJob) -> Manifest:
         """The manifest from the bucket, polled every ``manifest_poll_s`` up to ``manifest_wait_s``."""
-        recent = self.folder.take_recent(job.identity)
+        recent = await self.folder.take_recent(job.identity)
         if recent is not None:  # a chain walk read it moments ago
             job.manifest_digest, m = recent
             check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)

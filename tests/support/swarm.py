@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -24,23 +25,80 @@ from bdn.proto.keys import derive_keys, sign_request
 SECRET = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 
 
+#: Ports :func:`free_port` handed out in this process: never handed out twice.
+_HANDED: set[int] = set()
+#: One file per port handed out, naming the test process that took it (see :func:`_claim`).
+PORT_CLAIMS = Path(tempfile.gettempdir()) / "bdn-test-ports"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _claim(port: int) -> bool:
+    """Claim ``port`` for this process among every test process of the machine (pytest-xdist
+    workers, other suites run at once): a file ``PORT_CLAIMS/<port>`` holding our pid, created
+    exclusively; a claim whose process ended is taken over. Own code because a daemon binds
+    its ports only once started (tens of seconds on a loaded machine), and in that window any
+    other process's probe finds the port free: portpicker coordinates this only through its
+    separate portserver process, port-for not across processes at all."""
+    PORT_CLAIMS.mkdir(exist_ok=True)
+    path = PORT_CLAIMS / str(port)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        try:
+            pid = int(path.read_text() or 0)
+        except (OSError, ValueError):
+            return False
+        if not pid or _pid_alive(pid):
+            return False  # (0: its owner is writing it now)
+        tmp = PORT_CLAIMS / f".{port}.{os.getpid()}"
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, path)  # take the stale claim over atomically
+        try:
+            return path.read_text() == str(os.getpid())
+        except OSError:
+            return False
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    return True
+
+
 def free_port() -> int:
     """A free loopback port below the kernel's ephemeral range, so that no outgoing connection
-    (to a peer, the proxy, moto) can take it between this check and the daemon's bind."""
+    (to a peer, the proxy, moto) can take it between this check and the daemon's bind.
+
+    Never the same port twice on the machine while the test process that took it runs
+    (:func:`_claim`): a daemon's peer, local and transfer ports were three independent draws,
+    so two of them could be one port, and two test processes could draw one port before either
+    daemon bound it (the daemon then fails to bind, and until it exits its local port may be
+    answered by a transfer server: the BadStatusLine once seen in test_http_guard's fixture)."""
     import random
 
     try:
         lo = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
     except (OSError, ValueError, IndexError):
         lo = 32768
-    for _ in range(200):
+    for _ in range(1000):
         port = random.randint(10000, max(10001, lo - 1))
+        if port in _HANDED:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        if not _claim(port):
+            continue
+        _HANDED.add(port)
+        return port
     raise RuntimeError("no free port found")
 
 
@@ -106,7 +164,9 @@ class Daemon:
             try:
                 self.get("/v1/health")
                 return
-            except (OSError, urllib.error.URLError):
+            except (OSError, urllib.error.URLError, http.client.HTTPException):
+                # (HTTPException: something that is not this daemon's HTTP answered, e.g. a
+                # process that took the port; the daemon then exits, reported above)
                 time.sleep(0.05)
         raise TimeoutError(f"bdnd {self.node_id} not healthy after {timeout} s:\n{self.log()}")
 
