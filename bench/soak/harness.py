@@ -104,7 +104,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     sampler: Sampler | None = None
     threads: list[threading.Thread] = []
     setup: dict[str, Any] = {}
-    end: dict[str, Any] = {"alive": [], "not_alive": [], "shutdown": {}}
+    end: dict[str, Any] = {"alive": [], "not_alive": [], "shutdown": {}, "exits": {}}
     interrupted = False
     bucket: dict[str, Any] = {}
     t_run0 = t_run1 = 0.0
@@ -161,7 +161,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
                 except OSError:
                     end["not_alive"].append(nid)
             bucket = bucket_stats(fleet, trainer)
-            end["shutdown"] = fleet.close(cfg.term_timeout)
+            end["exits"] = fleet.close(cfg.term_timeout)
+            end["shutdown"] = {nid: e["result"] for nid, e in end["exits"].items()}
         finally:
             fleet.kill_all()
     if not t_run1:
