@@ -125,3 +125,16 @@ def test_memory_split_by_owner_adds_up(soak: dict[str, Any]) -> None:
         near = min((s for s in soak["samples"] if s[2] == pid), key=lambda s: abs(s[0] - t))
         assert heap > 0 and threads >= 1  # 1: a restarted daemon still importing
         assert 0.7 * near[7] < heap + arenas + other < 1.3 * near[7], (node, t, heap, arenas, other, near)
+
+
+def test_every_daemons_sigterm_exit_is_recorded(soak: dict[str, Any]) -> None:
+    # bench/soak/fleet.py Fleet.close: SIGTERM to all at once, each one's exit time and code (or
+    # "did not exit in N s" before the SIGKILL), so a slow shutdown shows in the JSON, not silently killed.
+    exits = soak["end"]["exits"]
+    assert sorted(exits) == [f"node{i}" for i in range(NODES)], exits
+    for node, e in exits.items():
+        assert isinstance(e["pid"], int) and e["result"] == soak["end"]["shutdown"][node], (node, e)
+        if e["rc"] is None:
+            assert e["exit_s"] is None and e["result"].startswith("did not exit in "), (node, e)
+        else:
+            assert e["result"] == f"exit {e['rc']}" and 0 <= e["exit_s"], (node, e)

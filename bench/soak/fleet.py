@@ -33,6 +33,7 @@ from support.s3server import _error_xml, create_bucket, start_moto_server, stop_
 from support.swarm import SECRET, Daemon  # noqa: E402
 
 ENGINE_SERVER = REPO / "examples" / "engine" / "server.py"
+PROBE_ENV = "SOAK_TRACEMALLOC"  # bench/soak/tmprobe.py: a daemon with it runs under the memory probe
 TOKEN = "soak-trainer-token-0123456789abcdef"
 
 
@@ -80,6 +81,19 @@ class BurstProxy(ChunkFaultProxy):
         body = _error_xml("SlowDown", "Please reduce your request rate (soak burst).", record.path).encode()
         record.status, record.injected, record.response_bytes = 503, True, len(body)
         return web.Response(status=503, body=body, content_type="application/xml")
+
+
+class ProbedDaemon(Daemon):
+    """A :class:`Daemon` started as ``python -m bench.soak.tmprobe`` (the daemon's own ``__main__``
+    under a tracemalloc / mallinfo2 probe, bench/soak/tmprobe.py), snapshots in ``<dir>/tracemalloc``."""
+
+    def start(self, peers: list[str]) -> None:
+        env = dict(self.env, BDN_PEERS=",".join(p for p in peers if p != self.peer_url),
+                   SOAK_TRACEMALLOC_DIR=str(self.dir / "tracemalloc"))
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.soak.tmprobe"], env=env,
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
 
 
 @dataclass
@@ -150,7 +164,8 @@ class Fleet:
                "BDN_LOG_LEVEL": self.log_level, **self.daemon_env}
         for i in range(self.n):
             node_env = {**env, **self.node_env.get(f"node{i}", {})}
-            d = stable_ports(Daemon(self.workdir, f"node{i}", self.bucket_url, self.secret, node_env))
+            kind = ProbedDaemon if node_env.get(PROBE_ENV) else Daemon
+            d = stable_ports(kind(self.workdir, f"node{i}", self.bucket_url, self.secret, node_env))
             d.shm_dir = self.shm_root / d.node_id
             d.env["BDN_SHM_DIR"] = str(d.shm_dir)
             self.nodes[d.node_id] = Node(d)
@@ -293,11 +308,14 @@ class Fleet:
         return f"http://127.0.0.1:{self.engine_port}"
 
     # ---- teardown --------------------------------------------------------------------------
-    def close(self, term_timeout: float = 20.0) -> dict[str, str]:
-        """Stop every process started here; remove shm. Daemons get SIGTERM first (README: they
-        stop cleanly with exit 0); what each did is returned (``"exit 0"``, ``"exit N"``, or
-        ``"killed after N s"``). Then the engine, liar, proxy and moto are stopped."""
-        shutdown: dict[str, str] = {}
+    def close(self, term_timeout: float = 20.0) -> dict[str, dict[str, Any]]:
+        """Stop every process started here; remove shm. Daemons get SIGTERM first, all at once
+        (README: they stop cleanly with exit 0), and are watched together every 50 ms; what each
+        did is returned per node: ``{"pid", "exit_s"`` (seconds from SIGTERM to its exit, None if
+        it did not), ``"rc"`` (None if it did not), ``"result"``: ``"exit 0"``, ``"exit N"``, or
+        ``"did not exit in N s"`` (then it is SIGKILLed and its log after "stopping" kept in
+        ``shutdown_logs``)}``. Then the engine, liar, proxy and moto are stopped."""
+        shutdown: dict[str, dict[str, Any]] = {}
         with self._lock:
             self.closed = True
             running = {nid: n.daemon.proc for nid, n in self.nodes.items()
@@ -305,18 +323,27 @@ class Fleet:
             if self.engine is not None and self.engine.poll() is None:
                 self.engine.kill()
                 self.engine.wait()
+            t_term = time.monotonic()
             for p in running.values():
                 p.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + term_timeout
-            for nid, p in running.items():
-                try:
-                    p.wait(max(0.1, deadline - time.monotonic()))
-                    shutdown[nid] = f"exit {p.returncode}"
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-                    shutdown[nid] = f"killed after {term_timeout:.0f} s"
-                    self.shutdown_logs[nid] = self._after_stopping(self.nodes[nid].daemon)
+            waiting = dict(running)
+            while waiting and time.monotonic() - t_term < term_timeout:
+                for nid, p in list(waiting.items()):
+                    if p.poll() is not None:
+                        shutdown[nid] = {"pid": p.pid, "exit_s": round(time.monotonic() - t_term, 2),
+                                         "rc": p.returncode, "result": f"exit {p.returncode}"}
+                        del waiting[nid]
+                time.sleep(0.05)
+            for nid, p in waiting.items():
+                if p.poll() is not None:  # exited in the last 50 ms
+                    shutdown[nid] = {"pid": p.pid, "exit_s": round(time.monotonic() - t_term, 2),
+                                     "rc": p.returncode, "result": f"exit {p.returncode}"}
+                    continue
+                p.kill()
+                p.wait()
+                shutdown[nid] = {"pid": p.pid, "exit_s": None, "rc": None,
+                                 "result": f"did not exit in {term_timeout:g} s", "killed_rc": p.returncode}
+                self.shutdown_logs[nid] = self._after_stopping(self.nodes[nid].daemon)
             for node in self.nodes.values():
                 if node.lives and node.lives[-1].ended is None:
                     node.lives[-1].ended, node.lives[-1].ended_by = self.clock(), "end"

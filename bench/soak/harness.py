@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.soak import report
+from bench.soak import flat, report
 from bench.soak.chaos import Chaos, ChaosParams, plan
 from bench.soak.fleet import REPO, Fleet, http_json
 from bench.soak.sampler import Sampler
@@ -104,7 +104,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     sampler: Sampler | None = None
     threads: list[threading.Thread] = []
     setup: dict[str, Any] = {}
-    end: dict[str, Any] = {"alive": [], "not_alive": [], "shutdown": {}}
+    end: dict[str, Any] = {"alive": [], "not_alive": [], "shutdown": {}, "exits": {}}
     interrupted = False
     bucket: dict[str, Any] = {}
     t_run0 = t_run1 = 0.0
@@ -161,7 +161,8 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
                 except OSError:
                     end["not_alive"].append(nid)
             bucket = bucket_stats(fleet, trainer)
-            end["shutdown"] = fleet.close(cfg.term_timeout)
+            end["exits"] = fleet.close(cfg.term_timeout)
+            end["shutdown"] = {nid: e["result"] for nid, e in end["exits"].items()}
         finally:
             fleet.kill_all()
     if not t_run1:
@@ -218,6 +219,7 @@ def build_result(cfg: SoakConfig, fleet: Fleet, trainer: Trainer, chaos: Chaos, 
                        "publish_s": round(p.publish_s, 2)} for p in trainer.published.values()],
         "verify": verifier.summary(),
         "resources": report.resources(samples, cfg.warmup_s, min(300.0, cfg.minutes * 60 / 3), cfg.minutes),
+        "flat": flat.judge(samples),
         "memory_owners": report.memory_owners(sampler.maps if sampler else [], cfg.warmup_s),
         "logs": report.log_rates(samples, minutes),
         "top_log_lines": report.top_log_lines({nid: n.daemon.log_path for nid, n in fleet.nodes.items()}),

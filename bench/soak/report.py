@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.soak import flat as flat_rule
+
 RSS_FLAT_MB = 50.0
 FD_FLAT = 20.0
 JUDGE_MIN_S = 600.0  # a life shorter than this gets slopes but no flat/growing verdict
@@ -238,6 +240,11 @@ def findings(r: dict[str, Any]) -> list[str]:
         if rec.get("flat") is False:
             out.append(f"{node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min "
                        f"over {rec['slope_life_min']} min")
+    for node, fr in (r.get("flat") or {}).items():  # bench/soak/flat.py: the 10-minute-window rule
+        if fr.get("flat") is False:
+            out.append(f"{node} not flat over its last 30 min (pid {fr['pid']}, {fr['life_min']} min): RssAnon floor "
+                       f"per 10 min {fr['anon_floor_mb']} (+{fr['anon_growth_mb']} MB), fd maxima {fr['fds_max']} "
+                       f"({fr['fds_growth']:+d})")
     stuck: Counter[str] = Counter()
     engine_wait = 0  # not done only because an engine did not acknowledge (bytes ready there)
     for h in r["hotload_records"]:
@@ -302,6 +309,12 @@ def text_summary(r: dict[str, Any]) -> str:
                      f"thread arenas {m['arenas_mb_first']} -> {m['arenas_mb_last']} MB ({m['arenas_mb_per_min']:+.3f}/min, "
                      f"{m['arena_heaps_last']} heaps), other anon {m['other_mb_first']} -> {m['other_mb_last']} MB "
                      f"({m['other_mb_per_min']:+.3f}/min); {m['threads_last']} threads")
+    for node, fr in sorted((r.get("flat") or {}).items()):
+        verdict = {True: "FLAT", False: "NOT FLAT", None: f"not judged ({fr.get('why')})"}[fr["flat"]]
+        grow = (f"; growth over the last 30 min: RssAnon floor {fr['anon_growth_mb']:+.2f} MB, fd maxima "
+                f"{fr['fds_growth']:+d}" if fr["flat"] is not None else "")
+        lines.append(f"  {node} rule (bench/soak/flat.py) {verdict}: pid {fr['pid']}, {fr['life_min']} min; RssAnon "
+                     f"floor per 10 min {fr['anon_floor_mb']} MB, fd maxima {fr['fds_max']}{grow}")
     lh = r.get("liar_bad_chunks_taken")
     if lh:
         lines.append(f"bad chunks taken from the liar: {lh['total']} (at most {lh['max_per_snapshot']} by one daemon "
@@ -309,6 +322,10 @@ def text_summary(r: dict[str, Any]) -> str:
     if r["unexpected_exits"]:
         lines.append(f"daemons that exited on their own: {[(e.get('node'), e.get('rc')) for e in r['unexpected_exits']]}")
     lines.append(f"at the end: alive {r['end']['alive']}, not alive {r['end']['not_alive']}; shutdown {r['end']['shutdown']}")
+    exits = r["end"].get("exits") or {}
+    if exits:
+        lines.append("SIGTERM -> exit: " + ", ".join(
+            f"{n} {e['result']}" + (f" in {e['exit_s']} s" if e.get("exit_s") is not None else "") for n, e in sorted(exits.items())))
     for f in r["findings"]:
         lines.append(f"FINDING: {f}")
     return "\n".join(lines)
@@ -335,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
         r["resources"] = resources(r["samples"], c["warmup_s"], min(300.0, c["minutes"] * 60 / 3), c["minutes"])
     if r.get("maps"):
         r["memory_owners"] = memory_owners(r["maps"], c["warmup_s"])
+    if r.get("samples"):
+        r["flat"] = flat_rule.judge(r["samples"])
     r["findings"] = findings(r)
     print(text_summary(r))
     if a.write:
