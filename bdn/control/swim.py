@@ -18,7 +18,7 @@ round-robin order; without an ``ack`` within ``ack_timeout_s`` it sends ``ping_r
 of the period the target becomes *suspect*; a suspect not refuted within the suspicion timeout
 (``suspect_mult * log10(N+1)`` periods, at least ``suspect_mult``) is *dead*. A member that hears
 itself suspected refutes it with a higher incarnation number. Every change is piggybacked on the
-next outgoing messages (at most ``max_piggyback`` per message), each sent at most
+next outgoing messages (at most ``max_piggyback``, 32, per message: ~2 kB), each sent at most
 ``retransmit_mult * ceil(log2(N+1))`` times, so it reaches the whole fleet in O(log N) periods.
 A joiner (at once and again a few periods later) and every member (every ``sync_interval_s``,
 scaled up with log N as memberlist's push-pull) exchanges the whole table with one random
@@ -27,7 +27,9 @@ member (``sync``/``sync_ack``): the only message whose size grows with N.
 **Admission** (:mod:`bdn.control.probation`): a member new to this daemon that another member
 announces (a piggybacked update, a table row) waits on probation, out of the live set and not
 relayed, until it is heard from directly, is announced by a second live member, or answers a
-confirmation probe (every other period's ping while newcomers wait: no extra messages); at most ``probation_per_source`` wait per source. Exempt: a member's own entry,
+confirmation probe (every other period's ping while newcomers wait: no extra messages; only
+from its ``confirmers`` designated daemons, :func:`bdn.control.probation.confirms`, so a joiner
+answers about that many probes in any fleet); at most ``probation_per_source`` wait per source. Exempt: a member's own entry,
 the seeds (:meth:`Swim.join`, :meth:`Swim.sync_to`: their answers), the shared fleet list
 (:meth:`Swim.join_shared`). ``probation=False`` admits every newcomer at once (the protocol
 before: a member holding the partition secret could add 25,000 invented members with one sync).
@@ -57,7 +59,7 @@ from typing import Any
 from bdn.control import Clock
 from bdn.control.members import Member as _Member
 from bdn.control.members import MemberBase, MemberTable
-from bdn.control.probation import Probation
+from bdn.control.probation import Probation, confirms
 
 ALIVE, SUSPECT, DEAD = 0, 1, 2
 STATUS_NAMES = ("alive", "suspect", "dead")
@@ -157,12 +159,13 @@ class Swim:
     indirect_k: int = 3
     suspect_mult: float = 4.0
     retransmit_mult: int = 4
-    max_piggyback: int = 8
+    max_piggyback: int = 32  # 8 before: a 5 % join burst at N = 1,000 waited on it (bench/NOTES.md)
     sync_interval_s: float = 30.0
     dead_forget_s: float = 3600.0
     probation: bool = True
     probation_per_source: int = 16
     probation_limit: int = 256
+    confirmers: int = 16  # expected daemons that probe one newcomer (bdn.control.probation.confirms)
 
     def __post_init__(self) -> None:
         now = self.clock()
@@ -336,7 +339,7 @@ class Swim:
             # Every other period with newcomers waiting, the period's one ping is a confirmation
             # probe (bdn.control.probation): the messages per period stay those of SWIM, and
             # failure detection keeps at least half its pace whatever arrives.
-            w = self._probation.next_probe(now) if self.periods % 2 and len(self._probation) else None
+            w = self._probation.next_probe(now, self._confirms) if self.periods % 2 and len(self._probation) else None
             if w is not None:
                 self._seq += 1
                 node = w.update.node  # type: ignore[attr-defined]
@@ -397,7 +400,23 @@ class Swim:
         if msg.kind == "sync_ack" and not self.synced:
             self.synced = True
             self._changed()  # callers re-plan: the view is whole now
+            return self._ping_confirmers(now)
         return []
+
+    def _ping_confirmers(self, now: float) -> list[Message]:
+        """A joiner's first whole table: one ping to each of its designated confirmers
+        (:func:`bdn.control.probation.confirms`), which admits it there at once (heard from
+        directly); their word then admits it elsewhere. Once per join: O(N) hashes, about
+        ``confirmers`` messages (and their acks)."""
+        n = len(self._members) + 1
+        if not self.probation or n <= 2 * self.confirmers or self.confirmers <= 0:
+            return []
+        out = []
+        for node in self._alive_others():
+            if confirms(node, self.self_id, n, self.confirmers):
+                self._seq += 1
+                out.append(self._out("ping", node, seq=self._seq))
+        return out[: 4 * self.confirmers]
 
     # ---- internals -------------------------------------------------------------------------
     def _out(self, kind: str, dst: str, *, seq: int = 0, target: str = "", updates: tuple[Update, ...] | None = None) -> Message:
@@ -434,6 +453,10 @@ class Swim:
         w = self._probation.take(node)
         if w is not None and node not in self._members:
             self._apply(w.update, now, src=node)  # type: ignore[arg-type]
+
+    def _confirms(self, newcomer: str) -> bool:
+        """Is this daemon one of ``newcomer``'s designated confirmers (it probes it)?"""
+        return confirms(self.self_id, newcomer, len(self._members) + 1, self.confirmers)
 
     def _limit(self) -> int:
         return self.retransmit_mult * max(1, math.ceil(math.log2(len(self._members) + 2)))
@@ -580,7 +603,10 @@ class Swim:
                 return  # never heard of it: nothing to forget
             if self.probation and src and src != u.node:
                 # second-hand: it waits for a probe or a second member's word (bdn.control.probation)
-                if self._probation.offer(u.node, u, src, now, member=self.is_live(src)) is not None:
+                member = self.is_live(src)
+                n = len(self._members) + 1
+                strong = member and n > 2 * self.confirmers > 0 and confirms(src, u.node, n, self.confirmers)
+                if self._probation.offer(u.node, u, src, now, member=member, confirmer=strong) is not None:
                     return
             m = self._members[u.node] = _Member(u.status, u.incarnation, u.addr, now)
             if u.status == SUSPECT:
