@@ -163,3 +163,73 @@ def test_a_second_live_member_s_word_admits_a_newcomer_one_member_and_its_aliase
     assert "n" not in a.live()
     a.receive(Message("ping", "c", "a", 5, updates=(Update("n", ALIVE, 0, "http://n"),)))
     assert "n" in a.live() and "n" not in a.newcomers  # b and c: two members
+
+
+# ---- designated confirmers (bdn.control.probation.confirms) -------------------------------------
+
+def test_about_confirmers_members_of_a_large_fleet_confirm_a_newcomer_and_all_of_a_small_one() -> None:
+    from bdn.control.probation import confirms
+    fleet = [f"m{i}" for i in range(10_000)]
+    counts = [sum(confirms(m, f"joiner{j}", len(fleet), 16) for m in fleet) for j in range(20)]
+    assert 4 <= min(counts) and max(counts) <= 40 and 12 <= sum(counts) / len(counts) <= 20
+    assert all(confirms(m, "joiner", 10, 16) for m in fleet[:10])  # a fleet of <= 16: everyone
+    assert confirms("m1", "j", 10_000, 16) == confirms("m1", "j", 10_000, 16)  # the same everywhere
+
+
+def _fleet(n: int, t: list[float]) -> dict[str, Swim]:
+    from bdn.control.members import MemberBase
+    base = MemberBase({f"m{i}": f"http://m{i}" for i in range(n)}, 0.0)
+    out = {}
+    for i in range(n):
+        s = Swim(f"m{i}", f"http://m{i}", lambda: t[0], rng=random.Random(i))
+        s.join_shared(base)
+        out[s.self_id] = s
+    return out
+
+
+def test_only_designated_confirmers_probe_a_newcomer_heard_of_second_hand() -> None:
+    from bdn.control.probation import confirms
+    t = [0.0]
+    fleet = _fleet(200, t)
+    n = len(fleet)
+    probed: dict[str, int] = {}
+    for s in fleet.values():  # every member hears of "j" from m0 alone (one word: it waits)
+        if s.self_id != "m0":
+            s.receive(Message("ping", "m0", s.self_id, 1, updates=(Update("j", ALIVE, 0, "http://j"),)))
+    for _ in range(6):
+        t[0] += 1.0
+        for s in fleet.values():
+            for m in s.tick():
+                if m.dst == "j":
+                    probed[s.self_id] = probed.get(s.self_id, 0) + 1
+    want = {m for m in fleet if m != "m0" and confirms(m, "j", n, 16) and not confirms("m0", "j", n, 16)}
+    assert set(probed) == want and all(c == 1 for c in probed.values())  # each probes it once
+    assert 0 < len(probed) <= 40  # ~16 of 200, not 199
+
+
+def test_a_joiner_pings_its_confirmers_and_their_word_alone_admits_it_at_a_rate() -> None:
+    from bdn.control.probation import confirms
+    t = [0.0]
+    fleet = _fleet(200, t)
+    n = len(fleet) + 1
+    j = Swim("j", "http://j", lambda: t[0], rng=random.Random(7))
+    (sync,) = j.join({"m0": "http://m0"})
+    (ack,) = fleet["m0"].receive(sync)
+    pings = j.receive(ack)  # its first whole table: one ping to each of its confirmers
+    want = {m for m in fleet if confirms(m, "j", n, 16)}
+    assert {p.dst for p in pings} == want and all(p.kind == "ping" for p in pings) and len(pings) <= 64
+    c = sorted(want)[0]
+    fleet[c].receive(pings[[p.dst for p in pings].index(c)])
+    assert "j" in fleet[c].live()  # heard from directly
+    others = [s for s in fleet.values() if s.self_id not in want and s.self_id != "m0"]
+    # the confirmer's word alone admits j at a member that is no confirmer ...
+    others[0].receive(Message("ping", c, others[0].self_id, 5, updates=(Update("j", ALIVE, 0, "http://j"),)))
+    assert "j" in others[0].live()
+    # ... one newcomer per source per period: a second one from the same confirmer in the same
+    # period waits (if c confirms it too), and a non-confirmer's word waits for a second word
+    k = next(x for x in (f"k{i}" for i in range(10_000)) if confirms(c, x, n, 16))
+    others[0].receive(Message("ping", c, others[0].self_id, 6, updates=(Update(k, ALIVE, 0, "http://k"),)))
+    assert k not in others[0].live() and k in others[0].newcomers
+    plain = next(s.self_id for s in others[2:] if not confirms(s.self_id, "q", n, 16))
+    others[1].receive(Message("ping", plain, others[1].self_id, 7, updates=(Update("q", ALIVE, 0, "http://q"),)))
+    assert "q" not in others[1].live() and "q" in others[1].newcomers

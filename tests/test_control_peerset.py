@@ -103,3 +103,22 @@ def test_state_is_independent_of_fleet_size() -> None:
         ps.refresh([f"n{i}" for i in range(n)])
         sizes.append(ps.state_bytes())
     assert sizes[0] == sizes[1]
+
+
+def test_a_chunk_another_peer_holds_is_not_taken_from_a_bucket_reader() -> None:
+    clock = FakeClock()
+    ps = PeerSet("me", 3, clock, rng=random.Random(5), k=3, max_peers=3)
+    assert ps.accept("reader", is_reader=True) and ps.accept("a") and ps.accept("b")
+    ps.on_bitfield("reader", np.array([True, True, True]))
+    ps.on_bitfield("a", np.array([True, False, False]))
+    ps.on_bitfield("b", np.array([False, True, False]))
+    picks = dict((i, p) for i, p in ps.pick(3, {}, max_per_peer=1))
+    assert picks[2] == "reader"  # only the reader has chunk 2: its slots are for that
+    assert picks[0] == "a" and picks[1] == "b"  # the others from non-readers, though the reader is idle
+    ps2 = PeerSet("me", 1, clock, rng=random.Random(6), k=2, max_peers=2)
+    assert ps2.accept("reader", is_reader=True) and ps2.accept("a")
+    ps2.on_bitfield("reader", np.array([True]))
+    ps2.on_bitfield("a", np.array([True]))
+    assert ps2.pick(1, {}, max_per_peer=1) == [(0, "a")]  # both idle: the non-reader (the reader came first)
+    ps2.failed(0)
+    assert ps2.pick(1, {"a": 1}, max_per_peer=1) == [(0, "reader")]  # a is full: the reader then

@@ -292,7 +292,7 @@ class PeerSet:
         """Up to ``limit`` (chunk index, peer) requests: rarest first, from the least-loaded holder.
 
         ``load``: requests in flight per peer (from this node); peers at ``max_per_peer`` are
-        skipped. Marks the picked chunks in flight (:meth:`got` or :meth:`failed` clear it).
+        skipped; bucket readers only when no other holder of the chunk has a free slot. Marks the picked chunks in flight (:meth:`got` or :meth:`failed` clear it).
         """
         if limit <= 0 or not self.peers:
             return []
@@ -306,13 +306,17 @@ class PeerSet:
         order = idxs[np.lexsort((self._tiebreak[idxs], self.avail[idxs]))]
         out: list[tuple[int, str]] = []
         for i in order.tolist():
-            best, best_load = None, max_per_peer
+            # a bucket reader's upload slots carry the chunks nobody else has yet: a chunk
+            # another peer holds too is taken from a non-reader when one has a free slot
+            spare_readers = self.avail[i] > 1
+            best, best_key, best_load = None, (True, max_per_peer), max_per_peer
             for p, s in self.peers.items():
                 if s.have[i]:
                     ld = load.get(p, 0)
-                    if ld < best_load:
-                        best, best_load = p, ld
-                        if ld == 0:
+                    key = (s.reader and spare_readers, ld)
+                    if ld < max_per_peer and key < best_key:
+                        best, best_key, best_load = p, key, ld
+                        if key == (False, 0):
                             break
             if best is None:
                 continue

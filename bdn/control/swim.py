@@ -18,7 +18,7 @@ round-robin order; without an ``ack`` within ``ack_timeout_s`` it sends ``ping_r
 of the period the target becomes *suspect*; a suspect not refuted within the suspicion timeout
 (``suspect_mult * log10(N+1)`` periods, at least ``suspect_mult``) is *dead*. A member that hears
 itself suspected refutes it with a higher incarnation number. Every change is piggybacked on the
-next outgoing messages (at most ``max_piggyback`` per message), each sent at most
+next outgoing messages (at most ``max_piggyback``, 32, per message: ~2 kB), each sent at most
 ``retransmit_mult * ceil(log2(N+1))`` times, so it reaches the whole fleet in O(log N) periods.
 A joiner (at once and again a few periods later) and every member (every ``sync_interval_s``,
 scaled up with log N as memberlist's push-pull) exchanges the whole table with one random
@@ -27,10 +27,16 @@ member (``sync``/``sync_ack``): the only message whose size grows with N.
 **Admission** (:mod:`bdn.control.probation`): a member new to this daemon that another member
 announces (a piggybacked update, a table row) waits on probation, out of the live set and not
 relayed, until it is heard from directly, is announced by a second live member, or answers a
-confirmation probe (every other period's ping while newcomers wait: no extra messages); at most ``probation_per_source`` wait per source. Exempt: a member's own entry,
+confirmation probe (every other period's ping while newcomers wait: no extra messages; only
+from its ``confirmers`` designated daemons, :func:`bdn.control.probation.confirms`, so a joiner
+answers about that many probes in any fleet); at most ``probation_per_source`` wait per source. Exempt: a member's own entry,
 the seeds (:meth:`Swim.join`, :meth:`Swim.sync_to`: their answers), the shared fleet list
 (:meth:`Swim.join_shared`). ``probation=False`` admits every newcomer at once (the protocol
 before: a member holding the partition secret could add 25,000 invented members with one sync).
+
+Modules: this one is the protocol (periods, probes, suspicion, piggyback); the member table's
+sync and the admission wiring are :mod:`bdn.control.swimtable` (a mixin of :class:`Swim`); the
+wire values :mod:`bdn.control.swimwire` (re-exported here).
 
 Cost per member per period: 1 ping + 1 ack sent and on average 1 of each received, plus
 ``2 * indirect_k`` on a missed ack: O(1) in N. State: one ``(status, incarnation, address)``
@@ -58,69 +64,22 @@ from bdn.control import Clock
 from bdn.control.members import Member as _Member
 from bdn.control.members import MemberBase, MemberTable
 from bdn.control.probation import Probation
-
-ALIVE, SUSPECT, DEAD = 0, 1, 2
-STATUS_NAMES = ("alive", "suspect", "dead")
-KINDS = ("ping", "ack", "ping_req", "sync", "sync_ack")
-MAX_NODE_ID = 128
-MAX_ADDR = 512
-MAX_UPDATES_PER_MESSAGE = 64
-MAX_SYNC_ENTRIES = 100_000
-#: The wire's largest incarnation (``Update.from_wire`` accepts ``[0, 2^63)``). A suspicion or a
-#: death counts at most ``MAX_INCARNATION - 1``, so the member can always refute it with an
-#: ``alive`` the wire carries: one forged ``dead`` at ``2^63 - 1`` would otherwise make it refute
-#: with ``2^63``, which every receiver refuses, and leave it dead for good (tests/test_adversarial_swim.py).
-MAX_INCARNATION = 2**63 - 1
-
-
-class SwimError(ValueError):
-    """A malformed message (from the wire: untrusted)."""
-
-
-@dataclass(frozen=True)
-class Update:
-    """One member's state as gossiped: ``status`` is ALIVE/SUSPECT/DEAD, ``incarnation`` >= 0."""
-
-    node: str
-    status: int
-    incarnation: int
-    addr: str = ""
-
-    def wire(self) -> list:
-        return [self.node, self.status, self.incarnation, self.addr]
-
-    @classmethod
-    def from_wire(cls, obj: object) -> Update:
-        if not isinstance(obj, (list, tuple)) or len(obj) != 4:
-            raise SwimError("update must be [node, status, incarnation, addr]")
-        node, status, inc, addr = obj
-        if not isinstance(node, str) or not 0 < len(node) <= MAX_NODE_ID:
-            raise SwimError("update node id must be 1-128 characters")
-        if status not in (ALIVE, SUSPECT, DEAD) or isinstance(status, bool):
-            raise SwimError("update status must be 0, 1 or 2")
-        if not isinstance(inc, int) or isinstance(inc, bool) or not 0 <= inc < 2**63:
-            raise SwimError("update incarnation must be an integer in [0, 2^63)")
-        if not isinstance(addr, str) or len(addr) > MAX_ADDR:
-            raise SwimError("update address must be a string of at most 512 characters")
-        return cls(node, status, inc, addr)
-
-
-@dataclass(frozen=True)
-class Message:
-    """A membership message from ``src`` to ``dst``.
-
-    ``kind``: ``ping`` (answered by ``ack`` with the same ``seq``), ``ping_req`` (ping ``target``
-    for me, answer ``ack`` with my ``seq``), ``sync``/``sync_ack`` (``updates`` is the whole
-    table). ``extra`` is opaque to this module: what the caller piggybacks (the hot-load target).
-    """
-
-    kind: str
-    src: str
-    dst: str
-    seq: int = 0
-    target: str = ""
-    updates: tuple[Update, ...] = ()
-    extra: object = None
+from bdn.control.swimtable import TableSync, _accusable
+from bdn.control.swimwire import (  # noqa: F401  (re-exported: callers import them from here)
+    ALIVE,
+    DEAD,
+    KINDS,
+    MAX_ADDR,
+    MAX_INCARNATION,
+    MAX_NODE_ID,
+    MAX_SYNC_ENTRIES,
+    MAX_UPDATES_PER_MESSAGE,
+    STATUS_NAMES,
+    SUSPECT,
+    Message,
+    SwimError,
+    Update,
+)
 
 
 @dataclass
@@ -140,7 +99,7 @@ class _Relay:
 
 
 @dataclass
-class Swim:
+class Swim(TableSync):
     """One daemon's SWIM state machine. Call :meth:`tick` at least at :meth:`next_deadline`.
 
     ``self_id``/``self_addr``: this daemon. ``clock``: seconds. ``rng``: injected randomness
@@ -157,12 +116,13 @@ class Swim:
     indirect_k: int = 3
     suspect_mult: float = 4.0
     retransmit_mult: int = 4
-    max_piggyback: int = 8
+    max_piggyback: int = 32  # 8 before: a 5 % join burst at N = 1,000 waited on it (bench/NOTES.md)
     sync_interval_s: float = 30.0
     dead_forget_s: float = 3600.0
     probation: bool = True
     probation_per_source: int = 16
     probation_limit: int = 256
+    confirmers: int = 16  # expected daemons that probe one newcomer (bdn.control.probation.confirms)
 
     def __post_init__(self) -> None:
         now = self.clock()
@@ -299,17 +259,6 @@ class Swim:
         self._round = self._members.base_order(self.rng.random(), self.rng.random())
         self._round_pos = 0
 
-    def sync_to(self, dst: str) -> Message:
-        """A ``sync`` (the whole table) to ``dst`` ("" = a seed whose node id is not known yet:
-        its transport addresses it by URL and the receiver reads it as addressed to itself).
-        ``dst`` is a seed: the table its answer carries is admitted whole (no probation)."""
-        now = self.clock()
-        for k in [k for k, t in self._seed_asks.items() if now - t > 60.0]:
-            del self._seed_asks[k]
-        if len(self._seed_asks) < 4096:
-            self._seed_asks[dst] = now
-        return self._out("sync", dst, updates=self._table())
-
     def readvertise(self, addr: str) -> None:
         """This daemon's address changed (e.g. its transfer server bound a port): gossip it with
         a new incarnation, so it overrides every older entry."""
@@ -336,7 +285,7 @@ class Swim:
             # Every other period with newcomers waiting, the period's one ping is a confirmation
             # probe (bdn.control.probation): the messages per period stay those of SWIM, and
             # failure detection keeps at least half its pace whatever arrives.
-            w = self._probation.next_probe(now) if self.periods % 2 and len(self._probation) else None
+            w = self._probation.next_probe(now, self._confirms) if self.periods % 2 and len(self._probation) else None
             if w is not None:
                 self._seq += 1
                 node = w.update.node  # type: ignore[attr-defined]
@@ -397,6 +346,7 @@ class Swim:
         if msg.kind == "sync_ack" and not self.synced:
             self.synced = True
             self._changed()  # callers re-plan: the view is whole now
+            return self._ping_confirmers(now)
         return []
 
     # ---- internals -------------------------------------------------------------------------
@@ -404,36 +354,6 @@ class Swim:
         self.sent += 1
         ups = self._piggyback() if updates is None else updates
         return Message(kind, self.self_id, dst, seq, target, ups)
-
-    def _table(self) -> tuple[Update, ...]:
-        t = self._members
-        if t.base is not None:  # the base's entries as shared Update objects, built once per base
-            ups = t.base.cache.get("updates")
-            if ups is None:
-                ups = t.base.cache["updates"] = tuple(Update(n, ALIVE, 0, a) for n, a in zip(t.base.ids, t.base.addrs))
-            own, gone = t.own, t.gone
-            rows = [u for u in ups if u.node not in own and u.node not in gone]  # type: ignore[union-attr]
-            rows += [Update(n, m.status, m.incarnation, m.addr) for n, m in own.items()]
-            rows.append(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
-            return tuple(rows)
-        rows = [Update(n, m.status, m.incarnation, m.addr) for n, m in t.items()]
-        rows.append(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
-        return tuple(rows)
-
-    def _seed_answer(self, src: str) -> bool:
-        """Is a ``sync_ack`` from ``src`` the answer to a sync we sent a seed?"""
-        if self._seed_asks.pop(src, None) is not None:
-            return True
-        if "" in self._seed_asks:  # a seed addressed by URL: its node id was not known
-            del self._seed_asks[""]
-            return True
-        return False
-
-    def _admit(self, node: str, now: float) -> None:
-        """A newcomer on probation was heard from directly: a member now, relayed."""
-        w = self._probation.take(node)
-        if w is not None and node not in self._members:
-            self._apply(w.update, now, src=node)  # type: ignore[arg-type]
 
     def _limit(self) -> int:
         return self.retransmit_mult * max(1, math.ceil(math.log2(len(self._members) + 2)))
@@ -549,78 +469,3 @@ class Swim:
             self.changes.append(node)
             if len(self.changes) > 4096:
                 del self.changes[:2048]  # a caller that never drains: keep the newest
-
-    def _apply_table(self, src: str, updates: tuple[Update, ...], now: float, seeded: bool = False) -> None:
-        """A whole table (``sync``/``sync_ack``) from ``src``. Members new to this table are
-        appended and the probe order reshuffled once (random places, as :meth:`_apply` gives
-        one: O(N), not O(N^2) for a joiner's first table), and they are not re-gossiped unless
-        the entry is ``src`` itself (the sender knew them: gossiping a joiner's whole table,
-        N updates, would fill every queue; anti-entropy syncs cover a straggler). ``seeded``:
-        a seed's answer to our sync, admitted whole; otherwise newcomers wait on probation."""
-        before = len(self._order)
-        for u in updates:
-            self._apply(u, now, bulk=u.node != src, src=src if not seeded else "")
-        if len(self._order) > before:
-            self.rng.shuffle(self._order)
-
-    def _apply(self, u: Update, now: float, bulk: bool = False, src: str = "") -> None:
-        """One update from ``src`` ("": a source admitted whole: a seed's table, the caller's)."""
-        if u.status != ALIVE and u.incarnation > MAX_INCARNATION - 1:
-            u = Update(u.node, u.status, MAX_INCARNATION - 1, u.addr)  # see MAX_INCARNATION
-        if u.node == self.self_id:
-            if u.status != ALIVE and u.incarnation >= _accusable(self.incarnation):
-                self.incarnation = max(self.incarnation, u.incarnation + 1)  # refute (SWIM §4.2)
-                self._enqueue(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
-            return
-        m = self._members.get(u.node)
-        if m is None:
-            if u.status == DEAD:
-                if u.node in self._probation:
-                    self._probation.drop(u.node)
-                return  # never heard of it: nothing to forget
-            if self.probation and src and src != u.node:
-                # second-hand: it waits for a probe or a second member's word (bdn.control.probation)
-                if self._probation.offer(u.node, u, src, now, member=self.is_live(src)) is not None:
-                    return
-            m = self._members[u.node] = _Member(u.status, u.incarnation, u.addr, now)
-            if u.status == SUSPECT:
-                self._suspects[u.node] = now
-            if bulk:
-                self._order.append(u.node)  # the caller shuffles once (_apply_table)
-            elif self._order or self._round is not None:  # at a random place of this round (SWIM §4.3)
-                self._order.insert(self.rng.randrange(len(self._order) + 1), u.node)
-            self._changed(u.node)
-            if not bulk:
-                self._enqueue(u)
-            return
-        if _overrides(u, m):
-            moved = bool(u.addr) and u.addr != m.addr and u.status != DEAD
-            if u.addr:
-                m.addr = u.addr
-            self._set(u.node, m, u.status, u.incarnation, now)
-            if moved:
-                # a new address (e.g. the member's transfer server bound after its first
-                # message): a change the daemon must apply, although its liveness did not flip
-                self._changed(u.node)
-            self._enqueue(Update(u.node, u.status, u.incarnation, m.addr))
-
-
-def _accusable(incarnation: int) -> int:
-    """The incarnation a suspicion or death of a member known at ``incarnation`` carries: the
-    same, but at most ``MAX_INCARNATION - 1`` (the member refutes with ``MAX_INCARNATION``)."""
-    return min(incarnation, MAX_INCARNATION - 1)
-
-
-def _overrides(u: Update, m: _Member) -> bool:
-    """SWIM §4.2 precedence: alive(i) beats suspect/alive(j<i) and dead(j<i) (a restarted member
-    that refuted its death); suspect(i) beats alive(j<=i) and suspect(j<i); dead(i) beats
-    alive/suspect(j<=i)."""
-    if u.status == ALIVE:
-        return u.incarnation > m.incarnation
-    if u.status == SUSPECT:
-        if m.status == ALIVE:
-            return u.incarnation >= m.incarnation
-        if m.status == SUSPECT:
-            return u.incarnation > m.incarnation
-        return False
-    return m.status != DEAD and u.incarnation >= m.incarnation

@@ -117,6 +117,7 @@ class FleetSim:
         #: (t, node, chunk, source) per chunk arrival when set to a list (bench/fleetsim/timeline.py)
         self.arrivals: list[tuple[float, str, int, str]] | None = None
         self._stop = self.env.event()
+        self.admitted_99: dict[str, float] = {}  # joiner -> s until 99 % of members count it (control runs)
         n_late = int(round(sc.n * sc.late_frac))
         self.initial = [f"n{i:05d}" for i in range(sc.n - n_late)]
         self.late = [f"n{i:05d}" for i in range(sc.n - n_late, sc.n)]
@@ -714,6 +715,23 @@ class FleetSim:
         for nid in self.late:
             self.join_late(nid, live)
             self.event(nid, "joined late")
+        if not self.sc.data:
+            self.later(0.5, self._sample_admission)
+
+    def _sample_admission(self, every_s: float = 0.5, members: int = 500) -> None:
+        """Control runs: every ``every_s``, the share of (up to ``members`` sampled) initial
+        members that count each joiner live; ``admitted_99`` gets the seconds from a joiner's
+        join until 99 % of them do (SWIM admission, bdn.control.probation)."""
+        olds = [x for x in self.nodes.values() if x.joined_at == 0 and x.alive and x.swim is not None]
+        sample = self.rng.sample(olds, min(members, len(olds)))
+        for nid in self.late:
+            j = self.nodes[nid]
+            if nid in self.admitted_99 or not j.alive or not sample:
+                continue
+            if sum(1 for o in sample if o.swim.is_live(nid)) >= 0.99 * len(sample):
+                self.admitted_99[nid] = self.env.now - j.joined_at
+        if len(self.admitted_99) < len(self.late) and not self._stop.triggered:
+            self.later(every_s, self._sample_admission)
 
     def check_end(self) -> None:
         if len(self.nodes) < self.sc.n or self.env.now < self.sc.min_sim_s or self._stop.triggered:
