@@ -64,7 +64,8 @@ class TargetMaps:
         old = self._maps.pop(key, None)
         if old is not None:
             self._close(old)
-        ent = self._maps[key] = _Mapping(job, m, inode)
+        # release() is by path: users of the replaced mapping give their count back to this one
+        ent = self._maps[key] = _Mapping(job, m, inode, old.users if old is not None else 0)
         return ent
 
     def release(self, path: Path) -> None:
