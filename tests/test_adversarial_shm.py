@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
 from support.swarm import Daemon, Swarm, running
 from bdn.publish import publish_full
@@ -162,3 +163,45 @@ def test_a_peer_fetching_from_a_daemon_whose_files_were_damaged_gets_the_right_b
             assert (got / name).read_bytes() == (ck / name).read_bytes(), name
         assert node0.get("/v1/health")["status"] == "ok"
         assert decoy.read_bytes() == b"S" * len(decoy.read_bytes())
+
+
+def test_shm_filled_to_enospc_while_downloading(tmp_path: Path, published: tuple[str, Path]) -> None:
+    """The tmpfs under shm_dir filled by another process (a file written until ENOSPC) once the
+    download started. The snapshot's space was reserved up front, so it must still end ready and
+    identical, or failed with one line; never a READY snapshot with wrong bytes, and the daemon
+    keeps answering. Once the filler is gone a new prefetch (if it failed) loads it."""
+    from support.faults import small_tmpfs
+
+    url, ck = published
+    with small_tmpfs(tmp_path / "tmpfs", 8 << 20) as mnt:
+        env = {"BDN_LOAD_STARTUP": "false", "BDN_SHM_DIR": str(mnt), "BDN_BUCKET_MBIT": "4",
+               "BDN_PROGRESS_INTERVAL_S": "0.2"}
+        d = Daemon(tmp_path / "nodes", "node0", url, extra_env=env)
+        d.shm_dir = mnt
+        with running(d):
+            assert d.prefetch(IDENT)[0] == 202
+            wait_for(lambda: (r := d.get(f"/v1/snapshots/{IDENT}"))["state"] != "queued" and r.get("bytes_total"),
+                     120, "the download to start")
+            filler = mnt / "filler"
+            with open(filler, "wb") as fh:
+                try:
+                    while True:
+                        fh.write(b"F" * (64 << 10))
+                        fh.flush()
+                except OSError:
+                    pass
+            rec = d.wait_settled(IDENT, 120)
+            assert d.get("/v1/health")["status"] == "ok"
+            if rec["state"] == "ready":
+                got = Path(rec["path"])
+                for f in ck.iterdir():
+                    assert (got / f.name).read_bytes() == f.read_bytes(), f.name
+            else:
+                assert rec["reason"] and "\n" not in rec["reason"], rec
+                assert not (d.store / IDENT).exists()
+                filler.unlink()
+                assert d.prefetch(IDENT)[0] == 202
+                got = Path(d.wait_ready(IDENT)["path"])
+                for f in ck.iterdir():
+                    assert (got / f.name).read_bytes() == f.read_bytes(), f.name
+            assert "Traceback" not in d.log(), d.log()
