@@ -184,11 +184,11 @@ def test_bursts_of_500_503_and_429_on_every_kind_of_request(tmp_path: Path, s3_b
 def test_a_body_that_trickles_in_does_not_hold_the_snapshot_for_ever(tmp_path: Path, s3_bucket: tuple[str, str]) -> None:
     """Two chunk reads answered 64 bytes every 0.5 s (a 64 KiB chunk would take ~8.5 minutes;
     the socket is never silent for the 60 s read timeout). The snapshot must still be ready:
-    the slow read is given up and asked again. The 60 s settle wait is this test's only clock
-    (a bound on an xfail, so that it costs a minute, not nine)."""
+    the slow read is given up and asked again. The 30 s settle wait is this test's only clock
+    (a bound on an xfail, so that it costs half a minute, not nine)."""
     proxy = BadBucket(s3_bucket[1]).start()
     try:
-        rec, ck, _ = _load_through(tmp_path, s3_bucket, proxy, [(2, "trickle")], settle_s=60)
+        rec, ck, _ = _load_through(tmp_path, s3_bucket, proxy, [(2, "trickle")], settle_s=30)
     finally:
         proxy.stop()
     assert proxy.hit == ["trickle"] * 2
