@@ -320,6 +320,15 @@ class Catalog:
             raise NotFound(f"snapshot {identity!r} has no file {rel!r}") from None
         return d / rel
 
+    def file_size(self, identity: str, rel: str) -> int:
+        """The size in bytes file ``rel`` of a ready snapshot has by its manifest. Raises NotFound/Conflict."""
+        job, _ = self.ready(identity)
+        assert job.manifest is not None
+        try:
+            return job.manifest.file(rel).result_size
+        except KeyError:
+            raise NotFound(f"snapshot {identity!r} has no file {rel!r}") from None
+
     def tensor(self, identity: str, name: str) -> tuple[Path, str, Any]:
         """``(file path, file name, TensorInfo)`` of tensor ``name``. Raises NotFound/Conflict
         (also for a checkpoint naming one tensor in two shards: ``tensor_index``'s one rule),

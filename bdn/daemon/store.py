@@ -230,9 +230,9 @@ class Store:
         """``p`` at ``size`` bytes with its space allocated: a new file, or a spare moved there
         (made writable and truncated to ``size``, never emptied first: its pages stay)."""
         p.parent.mkdir(parents=True, exist_ok=True)
-        if p.exists():
+        if p.exists() and not p.is_symlink():
             os.chmod(p, WRITABLE)  # a spare comes from a ready (read-only) snapshot
-        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, WRITABLE)
+        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, WRITABLE)
         try:
             os.ftruncate(fd, size)
             if size:
@@ -340,6 +340,12 @@ class Store:
         os.replace(final, st)
         (st / READY_NAME).unlink()
         _set_modes(st, WRITABLE)  # the repair writes the re-fetched chunks into them
+        for f in parse_ready(marker).files:  # files changed behind the daemon's back: regular again
+            p = st / f.path
+            if not p.is_file() or p.is_symlink() or p.stat().st_size != f.size:
+                if p.is_symlink() or (p.exists() and not p.is_file()):
+                    p.unlink()  # never written through (a symlink to /etc/passwd)
+                self._allocate(p, f.size)
         return marker
 
     def _retire(self, d: Path, recycle: bool = False) -> None:
@@ -380,4 +386,6 @@ def _set_modes(directory: Path, mode: int) -> None:
     delete in them)."""
     for parent, _, names in os.walk(directory):
         for name in names:
-            os.chmod(os.path.join(parent, name), mode)
+            p = os.path.join(parent, name)
+            if not os.path.islink(p):  # chmod follows symlinks: one planted here is left alone
+                os.chmod(p, mode)

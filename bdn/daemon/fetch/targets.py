@@ -27,6 +27,7 @@ ACTIVE = ("queued", "downloading")
 class _Mapping:
     job: SnapshotJob
     map: mmap.mmap
+    inode: tuple[int, int]  # (st_dev, st_ino) of the file mapped
     users: int = 0
 
 
@@ -47,6 +48,8 @@ class TargetMaps:
         self.sweep()
         key = str(path)
         ent = self._maps.get(key)
+        if ent is not None and ent.job is job and not _same_file(key, ent.inode):
+            ent = None  # the file was replaced (a repair recreated one deleted behind our back)
         if ent is None or ent.job is not job:
             fut = self._opening.get(key)
             if fut is None:
@@ -57,11 +60,12 @@ class TargetMaps:
         return ent.map
 
     async def _open(self, job: SnapshotJob, key: str) -> _Mapping:
-        m = await asyncio.get_running_loop().run_in_executor(self.disk_pool, _map_file, key)
+        m, inode = await asyncio.get_running_loop().run_in_executor(self.disk_pool, _map_file, key)
         old = self._maps.pop(key, None)
         if old is not None:
             self._close(old)
-        ent = self._maps[key] = _Mapping(job, m)
+        # release() is by path: users of the replaced mapping give their count back to this one
+        ent = self._maps[key] = _Mapping(job, m, inode, old.users if old is not None else 0)
         return ent
 
     def release(self, path: Path) -> None:
@@ -92,12 +96,20 @@ class TargetMaps:
             pass  # a fetch thread still holds a view: the mapping goes when the view does
 
 
-def _map_file(path: str) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+def _same_file(path: str, inode: tuple[int, int]) -> bool:
     try:
-        size = os.fstat(fd).st_size
-        if size == 0:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == inode
+
+
+def _map_file(path: str) -> tuple[mmap.mmap, tuple[int, int]]:
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)  # never write through a symlink
+    try:
+        st = os.fstat(fd)
+        if st.st_size == 0:
             raise OSError(f"{path} is empty: nothing to map")
-        return map_target(fd, size)
+        return map_target(fd, st.st_size), (st.st_dev, st.st_ino)
     finally:
         os.close(fd)  # the mapping keeps its own reference to the file

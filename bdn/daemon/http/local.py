@@ -136,22 +136,30 @@ async def get_file(request: web.Request) -> web.StreamResponse:
     except BdnError as e:
         return error(status_of(e), str(e))
     try:
-        path = cat.file(ident, validate_relpath(request.match_info["path"]))
+        rel = validate_relpath(request.match_info["path"])
+        path = cat.file(ident, rel)
+        size = cat.file_size(ident, rel)  # the snapshot's, never the disk's (a file truncated here)
+        rng = byte_range(request, size)
     except BdnError as e:
         return error(status_of(e), str(e))
-    try:
-        size = path.stat().st_size
-        rng = byte_range(request, size)
     except RangeNotSatisfiable as e:
         return web.json_response({"error": str(e)}, status=416, headers={"Content-Range": f"bytes */{size}"})
-    except OSError as e:
-        return error(404, f"{request.match_info['path']}: {e.strerror}")
     headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
-    if rng is None:
-        return await send_file(request, path, 0, size, headers=headers)
-    start, length = rng
-    headers["Content-Range"] = f"bytes {start}-{start + length - 1}/{size}"
-    return await send_file(request, path, start, length, status=206, headers=headers)
+    start, length, code = (0, size, 200) if rng is None else (*rng, 206)
+    if rng is not None:
+        headers["Content-Range"] = f"bytes {start}-{start + length - 1}/{size}"
+    return await _send(request, ident, path, start, length, code, headers, size)
+
+
+async def _send(request: web.Request, ident: str, path: Any, start: int, length: int, code: int,
+                headers: dict[str, str], size: int) -> web.StreamResponse:
+    """send_file, its refusals mapped: 404 no such file, 500 a file changed on this node."""
+    try:
+        return await send_file(request, path, start, length, status=code, headers=headers, file_size=size)
+    except FileNotFoundError:
+        return error(404, f"snapshot {ident}: {path.name}: No such file or directory on this node")
+    except OSError as e:  # FileChanged, or another reason it cannot be opened
+        return error(500, f"snapshot {ident}: {e.strerror or e}; not served (POST /v1/snapshots/{ident}/repair)")
 
 
 async def get_tensor(request: web.Request) -> web.StreamResponse:
@@ -175,7 +183,8 @@ async def get_tensor(request: web.Request) -> web.StreamResponse:
         "X-BDN-Shape": ",".join(str(x) for x in info.shape),
         "X-BDN-File": fname,
     }
-    return await send_file(request, path, info.start, info.end - info.start, headers=headers)
+    return await _send(request, ident, path, info.start, info.end - info.start, 200, headers,
+                       cat.file_size(ident, fname))
 
 
 async def repair(request: web.Request) -> web.Response:

@@ -22,6 +22,7 @@ import os
 import re
 import select
 import socket
+import stat
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -132,17 +133,46 @@ def _pread(fd: int, n: int, offset: int) -> bytes:
     return os.pread(fd, n, offset)
 
 
-async def send_file(
-    request: web.Request, path: str | os.PathLike[str] | Path, offset: int, length: int,
-    *, status: int = 200, headers: dict[str, str] | None = None,
-) -> web.StreamResponse:
-    """Answer ``request`` with ``length`` bytes of ``path`` from ``offset`` (``status``, plus
-    ``headers``; Content-Length is set here). HEAD gets the headers only.
+class FileChanged(OSError):
+    """A ready file is not what its snapshot says any more (changed behind the daemon's back:
+    truncated, grown, replaced by a symlink or another kind of file); nothing was sent."""
+
+
+def open_exact(path: str | os.PathLike[str] | Path, size: int) -> int:
+    """A read-only fd of ``path``, which must be a regular file of ``size`` bytes; a symlink is
+    not followed (a ready file replaced by a symlink to ``/etc/passwd`` must not serve its bytes).
 
     Raises:
-        OSError: ``path`` cannot be opened (before anything is sent).
+        FileNotFoundError: no such file.
+        FileChanged: a symlink, not a regular file, or not ``size`` bytes (one line, naming it).
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    name = Path(path).name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ELOOP: a symlink
+        raise FileChanged(f"{name} is no longer a regular file on this node ({e.strerror})") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        os.close(fd)
+        what = f"{st.st_size} bytes" if stat.S_ISREG(st.st_mode) else "not a regular file"
+        raise FileChanged(f"{name} is {what} on this node, the snapshot's file has {size} bytes")
+    return fd
+
+
+async def send_file(
+    request: web.Request, path: str | os.PathLike[str] | Path, offset: int, length: int,
+    *, status: int = 200, headers: dict[str, str] | None = None, file_size: int,
+) -> web.StreamResponse:
+    """Answer ``request`` with ``length`` bytes of ``path`` from ``offset`` (``status``, plus
+    ``headers``; Content-Length is set here). HEAD gets the headers only. ``file_size``: the
+    size the snapshot says the file has (checked by :func:`open_exact`, never taken from disk).
+
+    Raises:
+        OSError: ``path`` cannot be opened, or FileChanged (both before anything is sent).
+    """
+    fd = open_exact(path, file_size)
     owned = [fd]  # closed when this returns, unless a send thread still uses them
     try:
         resp = web.StreamResponse(status=status, headers=headers)
