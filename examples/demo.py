@@ -126,9 +126,10 @@ def get(url: str, timeout: float = 30) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=3)
-    ap.add_argument("--frac", type=float, default=0.02, help="fraction of bf16 values one step changes")
-    ap.add_argument("--chunk-size", type=int, default=4 << 20, help="bytes per chunk (design default 16 MiB)")
+    ap.add_argument("--nodes", type=int, default=3, help="bdnd daemons (and, in part 2, engines) on loopback (default 3)")
+    ap.add_argument("--frac", type=float, default=0.02, help="fraction of bf16 values one step changes (default 0.02)")
+    ap.add_argument("--chunk-size", type=int, default=4 << 20,
+                    help="bytes per chunk (default 4 MiB, so the small model spreads over several owners; bdn-publish's is 16 MiB)")
     ap.add_argument("--keep", action="store_true", help="leave the daemons' shm snapshots in place")
     ap.add_argument("--no-fleet", action="store_true", help="skip part 2 (engines and hot-loads)")
     args = ap.parse_args()

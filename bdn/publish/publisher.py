@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bdn.bucket import Bucket, ObjectNotFound, open_bucket
+from bdn.daemon.headers import SUFFIX, HeaderRefused, check_file
 from bdn.proto import arc
 from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from bdn.proto.identity import validate_identity
@@ -36,7 +37,7 @@ from bdn.publish.diffs import make_diffs
 from bdn.publish.errors import PublishError
 from bdn.publish.fetch import read_manifest
 from bdn.publish.sources import PathLike, base_files, source_dir
-from bdn.publish.tree import scan_dir
+from bdn.publish.tree import LocalFile, scan_dir
 from bdn.publish.uploads import ProgressFn, Upload, store_all
 
 __all__ = ["CHECKSUM_FORMAT", "ProgressFn", "publish_delta", "publish_full", "publish_startup"]
@@ -58,6 +59,7 @@ def publish_full(
     overwrite: bool = False,
     progress: ProgressFn | None = None,
     tmp_dir: PathLike | None = None,
+    check_headers: bool = True,
 ) -> Manifest:
     """Publish a full snapshot (an anchor) as ``<bucket>/<identity>/``.
 
@@ -68,7 +70,9 @@ def publish_full(
 
     ``chunk_size`` (bytes) is recorded in the manifest; ``workers`` files are stored at a time.
     ``progress(n)`` is called (serialised, from worker threads) as each file's ``n`` bytes are
-    stored. A published identity is refused unless ``overwrite``; overwriting replaces objects in
+    stored. Every ``*.safetensors`` file must open in the safetensors library, as every daemon
+    checks before READY (``check_headers=False`` skips that: the daemons' own check is tested
+    with files the library refuses). A published identity is refused unless ``overwrite``; overwriting replaces objects in
     place and the old manifest stays until the new one is written, so a daemon fetching it
     meanwhile sees digest mismatches and fails that snapshot rather than loading mixed bytes.
     If any upload fails, the ones already running finish, the rest are not started, and no
@@ -79,7 +83,8 @@ def publish_full(
     Raises:
         IdentityError: ``identity`` breaks the identity rule.
         PublishError: the snapshot is already published (and not ``overwrite``), a local file
-            cannot be read or changed during the upload, or an argument is out of range.
+            cannot be read or changed during the upload, a ``*.safetensors`` file does not open
+            in the safetensors library (checked before any upload), or an argument is out of range.
         PathError: the directory holds an unsafe path, symlink or special file.
         BucketError: the bucket failed; the manifest is then not written.
     """
@@ -89,6 +94,8 @@ def publish_full(
         refuse_published(b, identity, overwrite)
         with source_dir(dir, state_dict, extra_files, tmp_dir) as src:
             files = scan_dir(src)
+            if check_headers:
+                _check_headers(files)
             entries = store_all(
                 b, identity, [Upload(f.path, f.local) for f in files], chunk_size, workers, progress
             )
@@ -131,7 +138,8 @@ def publish_delta(
         UnsupportedFormat: ``compression_format`` is not one bdn writes (the message lists them).
         BaseNotPublished: ``base`` has no ``bdn.manifest.json`` in the bucket.
         PublishError: the snapshot is already published, a target ``*.safetensors`` file has no
-            counterpart in the base, or an argument is out of range.
+            counterpart in the base or does not open in the safetensors library, or an argument
+            is out of range.
         ChecksumError: a local base file differs from what ``base`` published.
         TensorMismatch: a tensor's name, shape or dtype differs between base and target.
         PathError, BucketError: as for :func:`publish_full`.
@@ -155,6 +163,7 @@ def publish_delta(
         ):
             work = Path(work_s)
             files = scan_dir(src)
+            _check_headers(files)
             tensors = [f for f in files if f.path.endswith(".safetensors")]
             for f in tensors:
                 try:
@@ -196,6 +205,22 @@ def publish_startup(bucket: str | Bucket, identity: str) -> None:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+
+
+def _check_headers(files: list[LocalFile]) -> None:
+    """Refuse, before anything is uploaded, a ``*.safetensors`` file that the safetensors library
+    does not open (a truncated copy, a bad header): every daemon would fail the snapshot at its
+    last check before READY (``bdn.daemon.headers``, the same rule), after the fleet fetched it.
+
+    Raises:
+        PublishError: "<path>: the safetensors library refuses its header: <its reason> ...".
+    """
+    for f in files:
+        if f.path.endswith(SUFFIX):
+            try:
+                check_file(f.local, f.path)
+            except HeaderRefused as e:
+                raise PublishError(f"{e}; every bdnd would fail this snapshot, so nothing was uploaded") from None
 
 
 def _check_args(policy_version: int, chunk_size: int, workers: int) -> None:

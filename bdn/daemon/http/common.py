@@ -59,6 +59,24 @@ def error(status: int, msg: str, **extra: Any) -> web.Response:
     return json_response({"error": msg, **extra}, status)
 
 
+@web.middleware
+async def json_route_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The local API's answer to a path it does not have (404) or a method the path does not take
+    (405, with ``Allow``): ``{"error": "<one line>"}`` like every other error of it (README.md,
+    "Local API"), not aiohttp's plain-text ``404: Not Found`` page. The path is shown raw (as
+    sent, at most 200 characters), so it stays one line."""
+    exc = request.match_info.http_exception
+    if exc is None:
+        return await handler(request)
+    path = request.raw_path[:200]
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        answer = error(405, f"{request.method} is not allowed on {path} (allowed: {allowed})")
+        answer.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
+        return answer
+    return error(exc.status, f"no endpoint {request.method} {path} (README.md, \"Local API\", lists them)")
+
+
 def text(status: int, msg: str) -> web.Response:
     """A one-line plain-text answer (the peer protocol's error bodies)."""
     return web.Response(status=status, text=msg + "\n")

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from bdn.daemon.bodies import BodyTooLarge
 from bdn.daemon.http import hotload
-from bdn.daemon.http.common import MAX_BODY, BodyIncomplete, error, json_response, request_body
+from bdn.daemon.http.common import MAX_BODY, BodyIncomplete, error, json_response, json_route_errors, request_body
 from bdn.daemon.http.errors import status_of
 from bdn.daemon.http.sendfile import RangeNotSatisfiable, byte_range, send_file
 from bdn.daemon.http.services import SERVICES, Services, services
@@ -381,7 +381,7 @@ async def run_gc(request: web.Request) -> web.Response:
 
 def make_local_app(svc: Services) -> web.Application:
     """The local API application (bind it to loopback or a unix socket only: it has no auth)."""
-    app = web.Application()
+    app = web.Application(middlewares=[json_route_errors])
     app[SERVICES] = svc
     r = app.router
     r.add_get("/v1/health", health)
