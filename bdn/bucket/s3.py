@@ -135,6 +135,8 @@ class S3Bucket(Bucket):
     # -- reads ---------------------------------------------------------------------------------
 
     def stat(self, key: str) -> ObjectInfo:
+        """HEAD of the object: ``Content-Length`` in bytes and the ETag (quotes stripped). Raises
+        :class:`ObjectNotFound`, :class:`AccessDenied`, :class:`BucketUnavailable` (retries used up)."""
         validate_key(key)
         self.stats.add(head_requests=1)
         with self._slot():
@@ -142,6 +144,9 @@ class S3Bucket(Bucket):
         return ObjectInfo(key=key, size=_size(resp, self._where(key)), etag=_etag(resp))
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """ListObjectsV2 under the bucket's prefix, every page (``ContinuationToken``), sorted by
+        key. Directory markers and keys that break the key rules are skipped (the latter with a
+        warning); an item without a usable ``Size`` raises :class:`BucketError`."""
         validate_prefix(prefix)
         root = f"{self._prefix}/" if self._prefix else ""
         params: dict[str, Any] = {"Prefix": root + prefix}
@@ -174,6 +179,9 @@ class S3Bucket(Bucket):
         return found
 
     def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
+        """One GET of the whole object, its body read into one buffer (resumed with ``If-Match``
+        if it breaks). Raises :class:`BucketError` before reading the body when
+        ``Content-Length`` is over ``max_size`` bytes, and the errors of :meth:`stat`."""
         validate_key(key)
         self.stats.add(get_requests=1)
         with self._slot():
@@ -192,6 +200,10 @@ class S3Bucket(Bucket):
         self, key: str, offset: int, out: memoryview, *, if_match: str | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
+        """Ranged GETs (``Range: bytes=offset-end``, ``If-Match`` with ``if_match``) ``recv_into``
+        ``out``, resumed from the byte where a body broke (:func:`bdn.bucket.s3_reads.fill`).
+        Raises :class:`ObjectChanged` when ``If-Match`` fails, :class:`BucketError` for a short
+        object or a negative offset, :class:`BucketUnavailable` when the attempts are used up."""
         view = as_byte_view(out)
         validate_key(key)
         if offset < 0:
@@ -266,6 +278,8 @@ class S3Bucket(Bucket):
     # -- writes --------------------------------------------------------------------------------
 
     def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """One PutObject of ``data`` (S3 replaces the object atomically). Raises the mapped
+        errors of :mod:`bdn.bucket.s3_errors`."""
         validate_key(key)
         # botocore takes bytes/bytearray/files, not memoryview; objects written whole are small.
         body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
@@ -275,6 +289,10 @@ class S3Bucket(Bucket):
         self.stats.add(put_bytes=len(body))
 
     def write_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        """Upload the local file at ``path`` through s3transfer: one PutObject under
+        ``multipart_threshold`` bytes, else a multipart upload of ``multipart_chunksize`` parts on
+        its own threads. Raises :class:`BucketError` when ``path`` cannot be read or the bucket
+        is closed, and the mapped errors of :mod:`bdn.bucket.s3_errors`."""
         validate_key(key)
         name = os.fspath(path)
         try:
@@ -296,6 +314,8 @@ class S3Bucket(Bucket):
         self.stats.add(put_bytes=size)
 
     def close(self) -> None:
+        """Shut the transfer manager down (waiting for uploads in flight), then close the
+        client's connections. Idempotent; every later call raises :class:`BucketError`."""
         if self._closed:
             return
         self._closed = True
