@@ -88,6 +88,8 @@ class FileBucket(Bucket):
     # -- reads ---------------------------------------------------------------------------------
 
     def stat(self, key: str) -> ObjectInfo:
+        """``os.stat`` of the key's file: its size in bytes and :func:`file_etag`. Raises
+        :class:`ObjectNotFound` (also for a directory), :class:`AccessDenied`, ``PathError``."""
         path = self._path(key)
         self.stats.add(head_requests=1)
         try:
@@ -99,6 +101,12 @@ class FileBucket(Bucket):
         return ObjectInfo(key=key, size=st.st_size, etag=file_etag(st))
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every regular file under the root whose key starts with ``prefix``, sorted by key.
+
+        Walks only the deepest directory ``prefix`` names in full; skips in-flight writes
+        (``TEMP_PREFIX``), files that vanish mid-walk, symlinks that lead outside the root and
+        names that break the key rules. A missing directory lists as ``[]``. Raises ``PathError``
+        for a prefix that escapes the root."""
         validate_prefix(prefix)
         root = self._real_root()
         # Walk only the deepest directory the prefix names in full; the rest is a string filter.
@@ -135,6 +143,8 @@ class FileBucket(Bucket):
         return found
 
     def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
+        """The whole file; :class:`BucketError` if it is (or grows) over ``max_size`` bytes,
+        :class:`ObjectNotFound` / :class:`AccessDenied` from the open."""
         path = self._path(key)
         self.stats.add(get_requests=1)
         try:
@@ -159,6 +169,10 @@ class FileBucket(Bucket):
         self, key: str, offset: int, out: memoryview, *, if_match: str | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
+        """``os.preadv`` from ``offset`` straight into ``out`` (pieces of ``PROGRESS_BYTES`` with
+        ``progress``). ``if_match``: the :func:`file_etag` of the opened file must equal it before
+        and after the read, else :class:`ObjectChanged`. Raises :class:`BucketError` for a
+        negative offset or a file that ends before ``offset + len(out)``."""
         view = as_byte_view(out)
         if offset < 0:
             raise BucketError(f"negative offset {offset} for {self._where(key)}")
@@ -241,12 +255,16 @@ class FileBucket(Bucket):
         self.stats.add(put_requests=1, put_bytes=size)
 
     def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """Write ``data`` to a temporary file beside the key's, fsync it, rename it into place
+        (``os.replace``) and fsync the directory. Raises :class:`BucketError` / :class:`AccessDenied`."""
         def fill(f: BinaryIO) -> int:
             return f.write(data)
 
         self._commit(key, fill)
 
     def write_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        """Copy the local file at ``path`` (1 MiB at a time) as :meth:`write` stores bytes.
+        Raises :class:`BucketError` when ``path`` cannot be read."""
         try:
             src = open(path, "rb")
         except OSError as exc:
@@ -260,4 +278,5 @@ class FileBucket(Bucket):
             self._commit(key, fill)
 
     def close(self) -> None:
+        """Nothing to release (no descriptor outlives a call); marks the bucket closed."""
         self._closed = True

@@ -1,26 +1,16 @@
-"""``s3://bucket/prefix`` and ``gs://bucket/prefix`` (GCS's S3-compatible XML API) with boto3.
+"""``s3://bucket/prefix`` and ``gs://bucket/prefix`` (GCS's S3-compatible XML API): the reads and writes.
 
-Retries are botocore's own "standard" mode (jittered exponential backoff on throttling codes such
-as ``SlowDown``, on 429, on 500/502/503/504 and on connection errors, with the SDKs' shared retry
-quota) rather than a loop of ours: it is what every AWS SDK does and is well kept. We wrap its
-``needs-retry`` handler only to count retries in :class:`BucketStats` and, for tests, to scale its
-delays. The one retry loop of our own (:mod:`bdn.bucket.s3_reads`) resumes a GET whose *body*
-broke mid-stream (botocore only retries until the headers arrive): it re-asks the missing byte
-range with ``If-Match`` on the first response's ETag, so a resumed read never mixes two versions
-of an object.
+The client is built by :mod:`bdn.bucket.s3_client` (session, botocore's "standard" retries
+counted in :class:`BucketStats`, the GCS quirks); botocore's errors become bucket errors in
+:mod:`bdn.bucket.s3_errors`. The one retry loop of our own (:mod:`bdn.bucket.s3_reads`) resumes
+a GET whose *body* broke mid-stream (botocore only retries until the headers arrive): it re-asks
+the missing byte range with ``If-Match`` on the first response's ETag, so a resumed read never
+mixes two versions of an object.
 
 Concurrency: every call holds one slot of a ``BoundedSemaphore(max_concurrency)`` for as long as
 it uses a connection (for a GET, until the body is drained). ``write_file`` runs its multipart
 parts on s3transfer's own pool of ``multipart_concurrency`` threads, which bounds those parts
 separately; botocore's connection pool is sized for both so no connection is opened and dropped.
-
-GCS S3-API quirks handled here (``gs://``):
-- botocore >= 1.36 by default sends ``x-amz-checksum-crc32`` with an ``aws-chunked`` trailer body
-  on PUT/UploadPart and asks for checksums on GET; GCS's XML API does not implement the flexible
-  checksums and rejects or mis-stores such bodies, so both are "when_required" there.
-- SigV4 must be signed for region ``us-east-1``; path-style addressing is used.
-- An AWS session token must not be sent (GCS rejects ``x-amz-security-token``): credentials
-  from the standard chain are reduced to the HMAC key id and secret.
 """
 
 from __future__ import annotations
@@ -32,25 +22,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-import boto3
 import botocore.exceptions as bex
-import botocore.loaders
-import botocore.session
-from boto3.s3.transfer import TransferConfig, create_transfer_manager
-from botocore.config import Config
-from botocore.retries import standard as standard_retries
 
 from bdn.bucket.base import (
     DEFAULT_MAX_READ,
-    AccessDenied,
     Bucket,
     BucketError,
     BucketStats,
-    BucketUnavailable,
     ObjectChanged,
     ObjectChecksum,
     ObjectInfo,
-    ObjectNotFound,
     as_byte_view,
     one_line,
     validate_key,
@@ -58,42 +39,19 @@ from bdn.bucket.base import (
 )
 from bdn.bucket.checksums import object_checksum
 from bdn.bucket.credentials import ReaderCredentials
-from bdn.bucket.s3_reads import fill, status_and_code
+from bdn.bucket.s3_client import open_client, open_transfer
+from bdn.bucket.s3_errors import map_error, status_and_code
+from bdn.bucket.s3_reads import fill
 from bdn.proto.errors import PathError
 
 log = logging.getLogger(__name__)
-
-GCS_ENDPOINT_URL = "https://storage.googleapis.com"
-GCS_REGION = "us-east-1"
 
 DEFAULT_MULTIPART_THRESHOLD = 64 << 20
 DEFAULT_MULTIPART_CHUNKSIZE = 16 << 20
 
 _T = TypeVar("_T")
 
-_NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
-_DENIED_CODES = {
-    "AccessDenied",
-    "403",
-    "Forbidden",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "ExpiredToken",
-    "InvalidToken",
-    "AllAccessDisabled",
-}
-_UNAVAILABLE_STATUS = {429, 500, 502, 503, 504}
-_UNAVAILABLE_CODES = {
-    "SlowDown",
-    "Throttling",
-    "ThrottlingException",
-    "RequestLimitExceeded",
-    "TooManyRequests",
-    "TooManyRequestsException",
-    "InternalError",
-    "ServiceUnavailable",
-    "RequestTimeout",
-}
+
 class S3Bucket(Bucket):
     """An S3 (or GCS through its S3 API) bucket under an optional key prefix.
 
@@ -137,104 +95,20 @@ class S3Bucket(Bucket):
         self._prefix = prefix.strip("/")
         self._gcs = gcs
         self._max_attempts = max_attempts
-        self._backoff_scale = retry_backoff_scale
         self._slots = threading.BoundedSemaphore(max_concurrency)
         self._closed = False
         transfer_threads = multipart_concurrency or min(max_concurrency, 10)
 
-        region: str | None
-        if gcs:
-            endpoint_url = endpoint_url or os.environ.get("BDN_GCS_ENDPOINT_URL") or GCS_ENDPOINT_URL
-            region = GCS_REGION
-        else:
-            region = credentials.region if credentials else None
-        session = self._session(credentials, region)
-
-        config_args: dict[str, Any] = dict(
-            region_name=region,
-            signature_version="s3v4",
-            retries={"mode": "standard", "total_max_attempts": max_attempts},
-            max_pool_connections=max_concurrency + transfer_threads,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            tcp_keepalive=True,
-            # bdn checks every chunk against the manifest's xxh3-128, and ranged GETs carry no
-            # whole-object checksum anyway; a second hash on the hot path buys nothing.
-            response_checksum_validation="when_required",
+        self._client = open_client(
+            url, gcs=gcs, credentials=credentials, endpoint_url=endpoint_url,
+            max_connections=max_concurrency + transfer_threads, max_attempts=max_attempts,
+            connect_timeout=connect_timeout, read_timeout=read_timeout,
+            stats=self.stats, retry_backoff_scale=retry_backoff_scale,
         )
-        if gcs:
-            config_args["request_checksum_calculation"] = "when_required"
-            config_args["s3"] = {"addressing_style": "path"}
-        try:
-            self._client = session.client("s3", endpoint_url=endpoint_url, config=Config(**config_args))
-        except (bex.BotoCoreError, ValueError) as exc:
-            raise BucketError(f"cannot open {url}: {one_line(exc)}") from None
-        self._install_retry_hook()
-        self._transfer = create_transfer_manager(
-            self._client,
-            TransferConfig(
-                multipart_threshold=multipart_threshold,
-                multipart_chunksize=multipart_chunksize,
-                max_concurrency=transfer_threads,
-                use_threads=True,
-                # The CRT client would build its own connection with its own credentials and
-                # retries; keep every request on the client configured above.
-                preferred_transfer_client="classic",
-            ),
+        self._transfer = open_transfer(
+            self._client, multipart_threshold=multipart_threshold,
+            multipart_chunksize=multipart_chunksize, threads=transfer_threads,
         )
-
-    # -- setup ---------------------------------------------------------------------------------
-
-    def _session(self, credentials: ReaderCredentials | None, region: str | None) -> boto3.session.Session:
-        if credentials is not None:
-            return _new_session(
-                aws_access_key_id=credentials.access_key_id,
-                aws_secret_access_key=credentials.secret_access_key,
-                region_name=region,
-            )
-        session = _new_session(region_name=region)
-        if not self._gcs:
-            return session
-        try:
-            found = session.get_credentials()
-        except bex.BotoCoreError as exc:
-            raise BucketError(f"cannot load credentials for {self.url}: {one_line(exc)}") from None
-        if found is None:
-            raise BucketError(
-                f"no credentials for {self.url}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                "to a GCS HMAC key, or give a credentials file"
-            )
-        frozen = found.get_frozen_credentials()
-        return _new_session(
-            aws_access_key_id=frozen.access_key,
-            aws_secret_access_key=frozen.secret_key,
-            region_name=region,
-        )
-
-    def _install_retry_hook(self) -> None:
-        """Put a counting, scaling wrapper around botocore's standard retry handler.
-
-        botocore registers its handler under a unique id; we swap it for an identical one that we
-        hold (built by botocore's own ``register_retry_handler``) and wrap that. The decision of
-        whether and how long to wait stays botocore's.
-        """
-        events = self._client.meta.events
-        event = "needs-retry.s3"
-        unique_id = "retry-config-s3"
-        events.unregister(event, unique_id=unique_id)
-        inner = standard_retries.register_retry_handler(self._client, max_attempts=self._max_attempts)
-        events.unregister(event, unique_id=unique_id)
-        stats = self.stats
-        scale = self._backoff_scale
-
-        def needs_retry(**kwargs: Any) -> float | None:
-            delay = inner.needs_retry(**kwargs)
-            if delay is None or delay is False:
-                return delay
-            stats.add(retries=1)
-            return delay * scale
-
-        events.register(event, needs_retry, unique_id=unique_id)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -250,30 +124,7 @@ class S3Bucket(Bucket):
 
     def _map_error(self, op: str, key: str | None, exc: Exception) -> BucketError:
         where = self._where(key) if key is not None else self.url
-        if isinstance(exc, bex.ClientError):
-            status, code = status_and_code(exc)
-            meta = (exc.response or {}).get("ResponseMetadata") or {}
-            message = one_line(((exc.response or {}).get("Error") or {}).get("Message") or "")
-            what = f"{code or 'HTTP'} ({status})" + (f": {message}" if message else "")
-            if code == "NoSuchBucket":
-                return BucketError(f"{op} {where}: bucket {self._bucket!r} does not exist")
-            if code in _NOT_FOUND_CODES or status == 404:
-                return ObjectNotFound(f"object not found: {where}")
-            if code in _DENIED_CODES or status == 403:
-                return AccessDenied(f"{op} {where}: access denied: {what}")
-            if code in _UNAVAILABLE_CODES or status in _UNAVAILABLE_STATUS:
-                attempts = int(meta.get("RetryAttempts", 0)) + 1
-                return BucketUnavailable(f"{op} {where}: gave up after {attempts} attempts: {what}")
-            return BucketError(f"{op} {where}: {what}")
-        if isinstance(exc, (bex.ConnectionError, bex.HTTPClientError)):
-            return BucketUnavailable(
-                f"{op} {where}: gave up after up to {self._max_attempts} attempts: {one_line(exc)}"
-            )
-        if isinstance(exc, bex.NoCredentialsError):
-            return BucketError(f"{op} {where}: no credentials found (AWS standard chain)")
-        if isinstance(exc, bex.BotoCoreError):
-            return BucketError(f"{op} {where}: {one_line(exc)}")
-        return BucketError(f"{op} {where}: {type(exc).__name__}: {one_line(exc)}")
+        return map_error(op, where, exc, bucket=self._bucket, max_attempts=self._max_attempts)
 
     def _call(self, op: str, key: str | None, fn: Callable[..., _T], **params: Any) -> _T:
         try:
@@ -284,6 +135,8 @@ class S3Bucket(Bucket):
     # -- reads ---------------------------------------------------------------------------------
 
     def stat(self, key: str) -> ObjectInfo:
+        """HEAD of the object: ``Content-Length`` in bytes and the ETag (quotes stripped). Raises
+        :class:`ObjectNotFound`, :class:`AccessDenied`, :class:`BucketUnavailable` (retries used up)."""
         validate_key(key)
         self.stats.add(head_requests=1)
         with self._slot():
@@ -291,6 +144,9 @@ class S3Bucket(Bucket):
         return ObjectInfo(key=key, size=_size(resp, self._where(key)), etag=_etag(resp))
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """ListObjectsV2 under the bucket's prefix, every page (``ContinuationToken``), sorted by
+        key. Directory markers and keys that break the key rules are skipped (the latter with a
+        warning); an item without a usable ``Size`` raises :class:`BucketError`."""
         validate_prefix(prefix)
         root = f"{self._prefix}/" if self._prefix else ""
         params: dict[str, Any] = {"Prefix": root + prefix}
@@ -323,6 +179,9 @@ class S3Bucket(Bucket):
         return found
 
     def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
+        """One GET of the whole object, its body read into one buffer (resumed with ``If-Match``
+        if it breaks). Raises :class:`BucketError` before reading the body when
+        ``Content-Length`` is over ``max_size`` bytes, and the errors of :meth:`stat`."""
         validate_key(key)
         self.stats.add(get_requests=1)
         with self._slot():
@@ -341,6 +200,10 @@ class S3Bucket(Bucket):
         self, key: str, offset: int, out: memoryview, *, if_match: str | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
+        """Ranged GETs (``Range: bytes=offset-end``, ``If-Match`` with ``if_match``) ``recv_into``
+        ``out``, resumed from the byte where a body broke (:func:`bdn.bucket.s3_reads.fill`).
+        Raises :class:`ObjectChanged` when ``If-Match`` fails, :class:`BucketError` for a short
+        object or a negative offset, :class:`BucketUnavailable` when the attempts are used up."""
         view = as_byte_view(out)
         validate_key(key)
         if offset < 0:
@@ -415,6 +278,8 @@ class S3Bucket(Bucket):
     # -- writes --------------------------------------------------------------------------------
 
     def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
+        """One PutObject of ``data`` (S3 replaces the object atomically). Raises the mapped
+        errors of :mod:`bdn.bucket.s3_errors`."""
         validate_key(key)
         # botocore takes bytes/bytearray/files, not memoryview; objects written whole are small.
         body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
@@ -424,6 +289,10 @@ class S3Bucket(Bucket):
         self.stats.add(put_bytes=len(body))
 
     def write_file(self, key: str, path: str | os.PathLike[str]) -> None:
+        """Upload the local file at ``path`` through s3transfer: one PutObject under
+        ``multipart_threshold`` bytes, else a multipart upload of ``multipart_chunksize`` parts on
+        its own threads. Raises :class:`BucketError` when ``path`` cannot be read or the bucket
+        is closed, and the mapped errors of :mod:`bdn.bucket.s3_errors`."""
         validate_key(key)
         name = os.fspath(path)
         try:
@@ -445,36 +314,13 @@ class S3Bucket(Bucket):
         self.stats.add(put_bytes=size)
 
     def close(self) -> None:
+        """Shut the transfer manager down (waiting for uploads in flight), then close the
+        client's connections. Idempotent; every later call raises :class:`BucketError`."""
         if self._closed:
             return
         self._closed = True
         self._transfer.shutdown()
         self._client.close()
-
-
-# Parsing botocore's JSON models (the endpoint table, the S3 API, the retry rules) is most of what a
-# new boto3 Session costs: 0.6-2 s per bucket opened on a busy 2-core machine, 0.12 s with the
-# models already parsed. Every S3Bucket needs a Session of its own (its credentials), so they all
-# share one botocore Loader per AWS_DATA_PATH (which says where models are read from); the
-# Loader's own caches hold the parsed models. boto3 appends its data directory to the Loader of
-# every new Session: the duplicates are dropped again so the list stays as botocore builds it.
-_LOADERS: dict[str | None, botocore.loaders.Loader] = {}
-_LOADERS_LOCK = threading.Lock()
-
-
-def _new_session(**kwargs: Any) -> boto3.session.Session:
-    """``boto3.session.Session(**kwargs)`` on a botocore session that shares the parsed models."""
-    core = botocore.session.Session()
-    data_path = core.get_config_variable("data_path")
-    with _LOADERS_LOCK:
-        loader = _LOADERS.get(data_path)
-        if loader is None:
-            loader = _LOADERS[data_path] = botocore.loaders.create_loader(data_path)
-        core.register_component("data_loader", loader)
-        session = boto3.session.Session(botocore_session=core, **kwargs)
-        paths = loader.search_paths
-        paths[:] = list(dict.fromkeys(paths))
-    return session
 
 
 def _size(resp: dict[str, Any], where: str) -> int:

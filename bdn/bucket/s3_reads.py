@@ -20,6 +20,7 @@ from typing import Any
 import botocore.exceptions as bex
 
 from bdn.bucket.base import PROGRESS_BYTES, BucketError, BucketStats, BucketUnavailable, ObjectChanged, one_line
+from bdn.bucket.s3_errors import status_and_code
 
 log = logging.getLogger("bdn.bucket.s3")
 
@@ -30,14 +31,6 @@ _STREAM_ERRORS = (OSError, http.client.HTTPException, bex.HTTPClientError, bex.I
 _FALLBACK_CHUNK = 1 << 20
 
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
-
-
-def status_and_code(exc: bex.ClientError) -> tuple[Any, str]:
-    """The HTTP status and the S3 error code (``""`` if none) of a botocore ClientError."""
-    response = exc.response or {}
-    return (response.get("ResponseMetadata") or {}).get("HTTPStatusCode"), str(
-        (response.get("Error") or {}).get("Code") or ""
-    )
 
 
 def fill(

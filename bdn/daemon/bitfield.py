@@ -46,6 +46,7 @@ class Bitfield:
         return True
 
     def set_all(self) -> None:
+        """Set every bit ``0 .. n-1`` (the pad bits of the last byte stay clear)."""
         nbytes = len(self.bits)
         self.bits[:] = b"\xff" * nbytes
         if self.n % 8 and nbytes:
@@ -54,9 +55,11 @@ class Bitfield:
 
     @property
     def complete(self) -> bool:
+        """Whether all ``n`` bits are set."""
         return self.count == self.n
 
     def to_bytes(self) -> bytes:
+        """The bits as ``ceil(n / 8)`` bytes, most significant bit first (bit 0 is ``0x80`` of byte 0)."""
         return bytes(self.bits)
 
     def clear_positions(self) -> np.ndarray:

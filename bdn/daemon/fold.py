@@ -188,9 +188,20 @@ class _Part(SnapshotJob):
 
 
 class Jobs(Protocol):
-    def get(self, identity: str) -> SnapshotJob | None: ...
-    def all(self) -> list[SnapshotJob]: ...
-    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob: ...
+    """The snapshots this node knows, as a fold needs them (``bdn.daemon.catalog.Catalog``)."""
+
+    def get(self, identity: str) -> SnapshotJob | None:
+        """The job of ``identity``, or None when the node has never seen it."""
+        ...
+
+    def all(self) -> list[SnapshotJob]:
+        """Every job this node knows, in no particular order."""
+        ...
+
+    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob:
+        """The job of ``identity``, started (queued) if it was not known; ``requested_by`` names
+        who asked, for the logs and the status."""
+        ...
 
 
 def refuse_loop(identity: str, base_id: str, jobs: Jobs) -> None:

@@ -19,6 +19,8 @@ class ContextFilter(logging.Filter):
     """Adds ``record.snapshot`` and ``record.peer`` (None when unknown)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Set ``record.snapshot`` / ``record.peer`` from the context unless the call gave them
+        (``extra=``); always True (no record is dropped)."""
         if not hasattr(record, "snapshot"):
             record.snapshot = SNAPSHOT.get()
         if not hasattr(record, "peer"):

@@ -41,13 +41,16 @@ class LoopLag:
 
     @property
     def max_s(self) -> float:
+        """The largest wall-clock lag (seconds) over the window, 0.0 before the first probe."""
         return max(self._lags, default=0.0)
 
     @property
     def cpu_max_s(self) -> float:
+        """The largest lag (seconds) the loop's own CPU time accounts for, over the window."""
         return max(self._cpu_lags, default=0.0)
 
     async def run(self) -> None:
+        """Sleep ``interval_s`` and :meth:`record` how late the wake-up was, until cancelled."""
         while True:
             t0, c0 = self.clock.monotonic(), time.thread_time()
             await asyncio.sleep(self.interval_s)

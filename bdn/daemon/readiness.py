@@ -26,14 +26,27 @@ PROBE_TIMEOUT_S = 1.5
 
 
 class Probe(Protocol):
-    async def probe(self) -> str | None: ...
+    """The bucket as readiness sees it (``bdn.daemon.bucketio.BucketIO``)."""
+
+    async def probe(self) -> str | None:
+        """None when the bucket is reachable, else the one-line reason; never raises for an
+        unreachable bucket (a raise is reported as ``probe failed: <type>: <message>``)."""
+        ...
 
 
 class Records(Protocol):
-    def get(self, identity: str) -> Any: ...
+    """The snapshots this node knows (``bdn.daemon.catalog.Catalog``)."""
+
+    def get(self, identity: str) -> Any:
+        """The record of ``identity`` (with ``state``, one of ``bdn.proto.states``, and ``reason``,
+        one line, for a failed one), or None when the node has never seen it."""
+        ...
 
 
 class TargetView(Protocol):
+    """The replica's view (``bdn.daemon.replica.view.ReplicaView``): ``target`` is the snapshot
+    this node should serve (an object with ``identity``), or None when there is none."""
+
     target: Any
 
 

@@ -107,6 +107,7 @@ class Spares:
         return sum(b for _, b, _ in self._files())
 
     def cap(self) -> int:
+        """Bytes the spares may hold: ``limit``, or for ``limit`` -1 the largest batch absorbed so far."""
         return self._high if self.limit < 0 else self.limit
 
     def absorb(self, directory: Path) -> int:

@@ -122,18 +122,25 @@ class Store:
         self.spare_room: Callable[[Manifest | None], int] = lambda m: self.spares.cap()
 
     def ready_dir(self, identity: str) -> Path:
+        """``<root>/<identity>``: the published snapshot directory (complete once it exists)."""
         return self.root / identity
 
     def staging_dir(self, identity: str) -> Path:
+        """``<root>/.staging/<identity>``: the files being rebuilt (never handed out)."""
         return self.root / STAGING / identity
 
     def stored_dir(self, identity: str) -> Path:
+        """``<root>/.stored/<identity>``: a delta's diff files as stored in the bucket (served to peers)."""
         return self.root / STORED / identity
 
     def is_ready(self, identity: str) -> bool:
+        """Whether ``<identity>/READY`` exists (not whether it parses: :meth:`read_ready`)."""
         return (self.ready_dir(identity) / READY_NAME).is_file()
 
     def read_ready(self, identity: str) -> ReadyMarker:
+        """The snapshot's READY marker (``bdn.ready/1``, :func:`bdn.proto.ready.parse_ready`).
+
+        Raises OSError when it cannot be read, ProtocolError when it is not a valid marker."""
         return parse_ready((self.ready_dir(identity) / READY_NAME).read_bytes())
 
     def list_ready(self) -> list[ReadyMarker]:
@@ -156,6 +163,7 @@ class Store:
         return m.result_bytes + sum(f.size for f in m.files if f.is_diff)
 
     def free_bytes(self) -> int:
+        """Bytes an unprivileged process may still allocate on the store's file system (statvfs)."""
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 
@@ -246,6 +254,7 @@ class Store:
 
     # ---- persisted progress (resume after a restart) ---------------------------------------
     def progress_path(self, identity: str) -> Path:
+        """``<root>/.progress/<identity>``: the msgpack record of :meth:`save_progress`."""
         # Not beside the staging directories: ".staging/x.progress" would be the staging
         # directory of the identity "x.progress".
         return self.root / PROGRESS / identity

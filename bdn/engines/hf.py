@@ -23,6 +23,10 @@ The prompt cache: the KV cache of every prompt (``transformers.DynamicCache``), 
 prompt that starts with it; each entry remembers the policy version that computed it, and answers
 report ``cached_tokens`` and that version, so a stale (off-policy) reuse is visible.
 
+What is read out of a snapshot (the whole model, or the staged tensors) is
+:mod:`bdn.engines.hf_staging`'s; tokens, text and the choice of the next token are
+:mod:`bdn.engines.hf_sampling`'s. This module holds the served state and the order of the steps.
+
 Errors: ``EngineError`` (one line) for a snapshot this engine cannot load; exceptions from torch
 propagate to the driver, which acks them as the replica's error.
 """
@@ -34,44 +38,24 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import xxhash
 
 from bdn.client import Snapshot
 from bdn.engines import changed as changed_mod
+from bdn.engines import hf_sampling as sampling
 from bdn.engines.gate import Aborted, PolicyGate, Ticket
-from bdn.engines.prompt_cache import PromptCache
-from bdn.engines.weights import SpareBuffers, copy_into, pread_into, slots_of
+from bdn.engines.hf_staging import EngineError, load_model, same_config, stage_tensors, torch, torch_available
 from bdn.engines.options import HotLoadOptions
-from bdn.proto.errors import BdnError
+from bdn.engines.prompt_cache import PromptCache
+from bdn.engines.weights import SpareBuffers, copy_into, slots_of
 
 log = logging.getLogger("bdn.engines.hf")
 
 __all__ = ["EngineError", "Generation", "HFEngine", "Prepared", "torch_available"]
 
-CONFIG_NAME = "config.json"
 SWAP_METHODS = ("rebind", "copy")
-
-
-def torch_available() -> str | None:
-    """None when torch and transformers import; else the reason (for skips and fallbacks)."""
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken build raising something else
-        return f"torch/transformers not importable: {type(exc).__name__}: {exc}"
-    return None
-
-
-class EngineError(BdnError):
-    """A snapshot the engine cannot load or a request it cannot serve (one line)."""
-
-
-_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
 
 @dataclass
@@ -103,12 +87,6 @@ class Generation:
     identity: str | None
     cached_tokens: int
     cache_policy_version: int | None
-
-
-def _torch():
-    import torch
-
-    return torch
 
 
 class HFEngine:
@@ -167,66 +145,15 @@ class HFEngine:
 
     def weights_digest(self) -> dict[str, str]:
         """``{tensor name: xxh3-128 hex of its bytes}`` as served now (compare with the trainer's)."""
-        torch = _torch()
+        th = torch()
         out = {}
-        with torch.no_grad():
+        with th.no_grad():
             for name, t in self.params.items():
                 raw = t.detach().to("cpu").contiguous().reshape(-1)
-                out[name] = xxhash.xxh3_128_hexdigest(raw.view(torch.uint8).numpy().tobytes())
+                out[name] = xxhash.xxh3_128_hexdigest(raw.view(th.uint8).numpy().tobytes())
         return out
 
     # -- prepare (while serving) -----------------------------------------------------------
-    def _load_full(self, snap: Snapshot) -> tuple[Any, Any]:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(snap.path), dtype="auto", local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            raise EngineError(f"{snap.identity}: transformers cannot load {snap.path}: {str(exc).splitlines()[0][:300]}") from None
-        model.to(self.device).eval()
-        if self.device == "cpu":
-            # transformers leaves CPU parameters mapped copy-on-write from the snapshot's files in
-            # shm: the first in-place swap would then pay a page fault per 4 KiB inside the pause
-            # (measured: 1.5 s instead of 0.2 s for 0.6 GB), and the engine would pin the
-            # snapshot's pages after GC. Copy them into the engine's own memory now, while preparing.
-            with _torch().no_grad():
-                for t in [*model.parameters(), *model.buffers()]:
-                    t.data = t.data.clone()
-        tok = None
-        if (snap.path / "tokenizer.json").is_file() or (snap.path / "tokenizer_config.json").is_file():
-            tok = AutoTokenizer.from_pretrained(str(snap.path), local_files_only=True)
-        return model, tok
-
-    def _staged(self, snap: Snapshot, names: list[str]) -> tuple[dict[str, Any], int] | str:
-        """Copies of ``names`` out of ``snap`` as torch tensors; a reason string if one cannot be swapped.
-
-        On CPU each tensor is read with ``os.preadv`` straight into a spare buffer of its size (the
-        storage the last swap freed, already faulted in) or a new one: measured on 152 MB with both
-        cores busy, 176-185 ms into a spare buffer, 277-309 ms into a new one, 305-1320 ms copying
-        out of the snapshot's mapping (a page fault per 4 KiB on both sides).
-        """
-        torch = _torch()
-        infos = changed_mod.tensor_infos(snap)
-        out: dict[str, Any] = {}
-        total = 0
-        for name in names:
-            live = self.params.get(name)
-            if live is None:
-                return f"tensor {name[:80]!r} is not a parameter of the served model"
-            info = infos[name]
-            dt = _DTYPES.get(info.dtype)
-            if dt is None or getattr(torch, dt) != live.dtype or tuple(info.shape) != tuple(live.shape):
-                return f"tensor {name[:80]!r} changed dtype or shape ({info.dtype} {list(info.shape)})"
-            if self.device == "cpu":
-                buf = self.spares.take(info.nbytes, live.dtype)
-                pread_into(snap.path.joinpath(*snap.tensor_file(name).split("/")), info.start, buf)
-                out[name] = buf.view(live.dtype).reshape(live.shape)
-            else:
-                raw = np.array(snap.tensor(name).reshape(-1).view(np.uint8))  # the one copy out of shm
-                out[name] = torch.from_numpy(raw).view(live.dtype).reshape(live.shape).to(self.device)
-            total += info.nbytes
-        return out, total
-
     def prepare(self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> Prepared:
         """Stage ``snap`` while the current policy serves (see the module doc).
 
@@ -240,7 +167,7 @@ class HFEngine:
         prep: Prepared | None = None
         reason = ""
         if serving is not None:
-            if _read(serving.path / CONFIG_NAME) != _read(snap.path / CONFIG_NAME):
+            if not same_config(serving, snap):
                 reason = "config.json changed"
             else:
                 ch = changed_mod.changed_tensors(offer, serving, snap) if self.partial else None
@@ -248,7 +175,7 @@ class HFEngine:
                     reason = f"{len(ch.removed)} tensor(s) removed"
                 else:
                     names = ch.names if ch is not None else snap.tensor_names()
-                    staged = self._staged(snap, names)
+                    staged = stage_tensors(snap, names, self.params, self.device, self.spares)
                     if isinstance(staged, str):
                         reason = staged
                     else:
@@ -257,7 +184,7 @@ class HFEngine:
             if prep is None:
                 log.info("%s: loading a new model object (%s)", snap.identity, reason)
         if prep is None:
-            model, tok = self._load_full(snap)
+            model, tok = load_model(snap, self.device)
             nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
             prep = Prepared(snap, options, "load", model=(model, tok), bytes_copied=nbytes, reason=reason)
         prep.prepare_ms = (self.clock() - t0) * 1000.0
@@ -271,13 +198,13 @@ class HFEngine:
         "changed_source", "prompt_cache": "reset"|"preserved", "prompt_cache_entries_dropped",
         "prepare_ms", "pause_ms", "drain_ms", "aborted", "kept", ...options}``.
         """
-        torch = _torch()
+        th = torch()
         dropped = 0
         freed: list[Any] = []  # storages no longer in use once apply returned
 
         def apply() -> None:
             nonlocal dropped
-            with torch.no_grad():
+            with th.no_grad():
                 if prep.mode in ("partial", "full") and self.swap_method == "copy":
                     for name, t in prep.tensors.items():
                         copy_into(self.params[name], t)
@@ -335,28 +262,17 @@ class HFEngine:
 
     # -- generation ------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat prompt: the tokenizer's chat template if the snapshot has one,
-        else a plain ``<|role|>content`` rendering; without a tokenizer the UTF-8 bytes are the tokens."""
-        tok = self.tokenizer
-        if tok is not None and getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
-        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages) + "<|assistant|>"
-        if tok is not None:
-            return [int(i) for i in tok.encode(text, add_special_tokens=False)]
-        return list(text.encode("utf-8"))  # no tokenizer in the snapshot: bytes are the tokens
+        """Token ids of a chat prompt (:func:`bdn.engines.hf_sampling.encode_chat` with the served
+        snapshot's tokenizer)."""
+        return sampling.encode_chat(self.tokenizer, messages)
 
     def decode(self, ids: list[int]) -> str:
         """Text of token ids (special tokens skipped); without a tokenizer, the bytes as UTF-8."""
-        if self.tokenizer is not None:
-            return self.tokenizer.decode(ids, skip_special_tokens=True)
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return sampling.decode(self.tokenizer, ids)
 
     def token_text(self, i: int) -> str:
         """The text of one token id (the tokenizer's token string), for logprob answers."""
-        return self.decode([i]) if self.tokenizer is None else self.tokenizer.convert_ids_to_tokens(i) or ""
+        return sampling.token_text(self.tokenizer, i)
 
     @property
     def max_model_len(self) -> int:
@@ -366,25 +282,7 @@ class HFEngine:
 
     def eos_ids(self) -> set[int]:
         """Token ids that end generation (the generation config's ``eos_token_id``)."""
-        cfg = getattr(self.model, "generation_config", None) or getattr(self.model, "config", None)
-        e = getattr(cfg, "eos_token_id", None)
-        return set(e) if isinstance(e, list) else ({e} if isinstance(e, int) else set())
-
-    def _forward(self, ids: list[int], kv: Any) -> tuple[Any, Any]:
-        torch = _torch()
-        from transformers import DynamicCache
-
-        if kv is None:
-            kv = DynamicCache()
-        x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        model = self.model
-        if getattr(model, "_bdn_cache_kw", None) is None:
-            import inspect
-
-            # transformers >= 5.2x names the argument ``cache``; older ones ``past_key_values``.
-            model._bdn_cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        out = model(input_ids=x, use_cache=True, **{model._bdn_cache_kw: kv})
-        return out.logits[0, -1].float(), kv
+        return sampling.eos_ids(self.model)
 
     def generate(self, ticket: Ticket, prompt: list[int], max_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, seed: int | None = None, top_logprobs: int = 0,
@@ -398,8 +296,8 @@ class HFEngine:
         of ``stop_ids`` (default: :meth:`eos_ids`, the model's ``eos_token_id``), which is kept
         in the output. Raises EngineError when no model is loaded yet.
         """
-        torch = _torch()
-        gen = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % (1 << 63)))
+        th = torch()
+        gen = th.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % (1 << 63)))
         stop_ids = self.eos_ids() if stop_ids is None else stop_ids
         out_ids: list[int] = []
         lps: list[float] = []
@@ -409,7 +307,7 @@ class HFEngine:
         identity = None
         kv = None
         try:
-            with torch.no_grad():
+            with th.no_grad():
                 with self.gate.step(ticket) as version:
                     if self.model is None:
                         raise EngineError("no model is loaded yet")
@@ -417,24 +315,15 @@ class HFEngine:
                     hit = self.prompt_cache.lookup(prompt)
                     if hit is not None:
                         kv, cached, cache_version = hit
-                    logits, kv = self._forward(prompt[cached:], kv)
+                    logits, kv = sampling.forward(self.model, prompt[cached:], kv, self.device)
                     self.prompt_cache.put(tuple(prompt), copy.deepcopy(kv), version)
                 for _ in range(max_tokens):
-                    logp = torch.log_softmax(logits, -1)
-                    if temperature == 0:
-                        tid = int(torch.argmax(logits))
-                    else:
-                        probs = torch.softmax(logits / temperature, -1)
-                        if top_p < 1.0:
-                            sp, si = torch.sort(probs, descending=True)
-                            keep = torch.cumsum(sp, 0) - sp < top_p
-                            probs = torch.zeros_like(probs).scatter(0, si[keep], sp[keep])
-                        tid = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+                    logp = th.log_softmax(logits, -1)
+                    tid = sampling.next_token(logits, temperature, top_p, gen)
                     out_ids.append(tid)
                     lps.append(float(logp[tid]))
                     if top_logprobs:
-                        v, i = torch.topk(logp, min(top_logprobs, logp.numel()))
-                        tops.append([(int(a), float(b)) for a, b in zip(i, v)])
+                        tops.append(sampling.top_logprobs(logp, top_logprobs))
                     if tid in stop_ids:
                         finish = "stop"
                         break
@@ -442,15 +331,7 @@ class HFEngine:
                         break
                     with self.gate.step(ticket):
                         identity = self.identity
-                        logits, kv = self._forward([tid], kv)
+                        logits, kv = sampling.forward(self.model, [tid], kv, self.device)
         except Aborted:
             finish = "abort"
         return Generation(prompt, out_ids, lps, tops, finish, list(ticket.versions), identity, cached, cache_version)
-
-
-def _read(p: Path) -> bytes | None:
-    try:
-        return p.read_bytes()
-    except OSError:
-        return None
-

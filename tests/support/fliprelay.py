@@ -1,5 +1,5 @@
 """A TCP relay in front of an S3 server that corrupts bucket answers: it flips one byte of the
-body of the next ``flips`` ranged answers (206) at body offset ``at``, and, like
+body of the next ``flips`` ranged answers (206) at body offset ``at``, and, being a
 ``support.relay.GateRelay``, can hold every answer after ``after`` bytes until ``release()`` (a
 deterministic slow bucket, so that askers are parked on the owner while the bad bytes land).
 
@@ -12,143 +12,106 @@ passes unchanged."""
 from __future__ import annotations
 
 import collections
-import socket
 import threading
 
+from support.relay import GateRelay, Shape
 
-class FlipRelay:
+
+class FlipRelay(GateRelay):
+    """``flipped``: how many answers had their byte flipped so far."""
+
     def __init__(self, target: tuple[str, int], *, flips: int, at: int, after: int | None = None) -> None:
-        self.target, self.at, self.after = target, at, after
+        self.at = at
         self.flips_left = flips
         self.flipped = 0  # answers whose byte was flipped
-        self.open = threading.Event()
-        if after is None:
-            self.open.set()
-        self.held = threading.Event()  # some connection reached ``after`` bytes and waits
         self._lock = threading.Lock()
-        self.ls = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.ls.getsockname()[1]}"
-        self.socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target, after)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.ls.accept()
-            except OSError:
-                return
-            try:
-                s = socket.create_connection(self.target)
-            except OSError:
-                c.close()
-                continue
-            self.socks += [c, s]
-            methods: collections.deque[str] = collections.deque()
-            threading.Thread(target=self._requests, args=(c, s, methods), daemon=True).start()
-            threading.Thread(target=self._answers, args=(s, c, methods), daemon=True).start()
+    def _shapes(self) -> tuple[Shape, Shape]:
+        methods: collections.deque[str] = collections.deque()
+        return _Requests(methods), _Answers(self, methods)
 
-    def _take_flip(self) -> bool:
+    def take_flip(self) -> bool:
+        """Whether the answer starting now gets a flipped byte (one of the ``flips`` left)."""
         with self._lock:
             if self.flips_left <= 0:
                 return False
             self.flips_left -= 1
             return True
 
-    def _requests(self, src: socket.socket, dst: socket.socket, methods: collections.deque[str]) -> None:
-        buf = b""
-        try:
-            while True:
-                data = src.recv(16 << 10)
-                if not data:
-                    break
-                buf += data
-                while (end := buf.find(b"\r\n\r\n")) >= 0:  # header blocks (GET/HEAD: no body)
-                    head, buf = buf[:end], buf[end + 4 :]
-                    methods.append(head.split(b" ", 1)[0].decode("latin-1"))
-                    n = _content_length(head)
-                    if n:  # a request body: skip what already arrived, and stop parsing requests
-                        buf = b""
-                        break
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            _shut(src, dst)
+    def count_flip(self) -> None:
+        with self._lock:
+            self.flipped += 1
 
-    def _answers(self, src: socket.socket, dst: socket.socket, methods: collections.deque[str]) -> None:
-        passed = 0
-        buf = bytearray()
-        body_left = 0  # bytes of the current answer's body still to come
-        body_pos = 0  # bytes of it passed
-        flip = False
-        framing = True
-        try:
-            while True:
-                want = 16 << 10
-                if self.after is not None and not self.open.is_set():
-                    if passed >= self.after:
-                        self.held.set()
-                        self.open.wait()
-                    else:
-                        want = min(want, self.after - passed)
-                data = bytearray(src.recv(want))
-                if not data:
-                    break
-                passed += len(data)
-                out = bytearray()
-                while data and framing:
-                    if body_left:
-                        take = min(body_left, len(data))
-                        piece = data[:take]
-                        if flip and body_pos <= self.at < body_pos + take:
-                            piece[self.at - body_pos] ^= 0xFF
-                            flip = False
-                            with self._lock:
-                                self.flipped += 1
-                        out += piece
-                        del data[:take]
-                        body_left -= take
-                        body_pos += take
-                        continue
-                    buf += data
-                    data = bytearray()
-                    end = buf.find(b"\r\n\r\n")
-                    if end < 0:
-                        break
-                    head = bytes(buf[:end])
-                    out += buf[: end + 4]
-                    data = buf[end + 4 :]
-                    buf = bytearray()
-                    status = int(head.split(b" ", 2)[1])
-                    method = methods.popleft() if methods else "GET"
-                    n = _content_length(head)
-                    if method == "HEAD" or status in (204, 304) or n == 0:
-                        continue
-                    if n is None:
-                        framing = False  # cannot frame it: pass the rest unchanged
-                        break
-                    body_left, body_pos = n, 0
-                    flip = status == 206 and n > self.at and self._take_flip()
-                out += data
-                if out:
-                    dst.sendall(out)
-        except (OSError, ValueError, IndexError):
-            pass
-        finally:
-            _shut(src, dst)
 
-    def release(self) -> None:
-        """Let every held and later byte through."""
-        self.open.set()
+class _Requests:
+    """The client -> server side: records each request's method (GET/HEAD: no body) for the
+    answers' side; a request with a body ends the parsing. The bytes pass unchanged."""
 
-    def close(self) -> None:
-        self.open.set()
-        self.ls.close()
-        for s in self.socks:
-            try:
-                s.close()
-            except OSError:
-                pass
+    def __init__(self, methods: collections.deque[str]) -> None:
+        self.methods = methods
+        self.buf = b""
+
+    def __call__(self, data: bytearray) -> bytearray:
+        self.buf += data
+        while (end := self.buf.find(b"\r\n\r\n")) >= 0:  # header blocks (GET/HEAD: no body)
+            head, self.buf = self.buf[:end], self.buf[end + 4 :]
+            self.methods.append(head.split(b" ", 1)[0].decode("latin-1"))
+            if _content_length(head):  # a request body: skip what already arrived, and stop parsing requests
+                self.buf = b""
+                break
+        return data
+
+
+class _Answers:
+    """The server -> client side: frames each answer by its status line and ``Content-Length``
+    and flips the byte at ``relay.at`` of a 206 body the relay grants a flip to."""
+
+    def __init__(self, relay: FlipRelay, methods: collections.deque[str]) -> None:
+        self.relay, self.methods = relay, methods
+        self.buf = bytearray()
+        self.body_left = 0  # bytes of the current answer's body still to come
+        self.body_pos = 0  # bytes of it passed
+        self.flip = False
+        self.framing = True
+
+    def __call__(self, data: bytearray) -> bytearray:
+        at = self.relay.at
+        out = bytearray()
+        while data and self.framing:
+            if self.body_left:
+                take = min(self.body_left, len(data))
+                piece = data[:take]
+                if self.flip and self.body_pos <= at < self.body_pos + take:
+                    piece[at - self.body_pos] ^= 0xFF
+                    self.flip = False
+                    self.relay.count_flip()
+                out += piece
+                del data[:take]
+                self.body_left -= take
+                self.body_pos += take
+                continue
+            self.buf += data
+            data = bytearray()
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                break
+            head = bytes(self.buf[:end])
+            out += self.buf[: end + 4]
+            data = self.buf[end + 4 :]
+            self.buf = bytearray()
+            status = int(head.split(b" ", 2)[1])
+            method = self.methods.popleft() if self.methods else "GET"
+            n = _content_length(head)
+            if method == "HEAD" or status in (204, 304) or n == 0:
+                continue
+            if n is None:
+                self.framing = False  # cannot frame it: pass the rest unchanged
+                break
+            self.body_left, self.body_pos = n, 0
+            self.flip = status == 206 and n > at and self.relay.take_flip()
+        out += data
+        return out
 
 
 def _content_length(head: bytes) -> int | None:
@@ -157,11 +120,3 @@ def _content_length(head: bytes) -> int | None:
         if name.strip().lower() == b"content-length":
             return int(value.strip())
     return None
-
-
-def _shut(*socks: socket.socket) -> None:
-    for x in socks:
-        try:
-            x.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass

@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import msgpack
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from support.liar import LIAR_STATE, LiarState, _auth, post_members  # noqa: E402
+from support.liar import LIAR_STATE, LiarState, _auth, have_answer, post_members  # noqa: E402
+from support.peerproc import PeerProcess  # noqa: E402
 
 from bdn.proto import wire  # noqa: E402
 from bdn.proto.errors import BdnError  # noqa: E402
@@ -89,22 +87,7 @@ def start_wire(st: LiarState, mode: str, counts: Counts, junk: Path) -> Transfer
 
 async def get_have(request: web.Request) -> web.Response:
     """Holds nothing: empty bitfields of the manifest's sizes."""
-    st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
-    identity = request.match_info["identity"]
-    try:
-        validate_identity(identity)
-    except BdnError:
-        return web.Response(status=400)
-    m = st.manifest(identity)
-    if m is None:
-        return web.Response(status=404)
-    ns = sum(len(f.chunks) for f in m.files)
-    nr = sum(len(f.result_chunks) for f in m.files)
-    if request.query.get("since") == "1":
-        await asyncio.sleep(min(float(request.query.get("wait", "0") or 0), 5.0))
-    ans = {"v": 1, "state": "fetching", "ns": ns, "stored": bytes((ns + 7) // 8), "nr": nr,
-           "result": bytes((nr + 7) // 8)}
-    return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
+    return await have_answer(request, "fetching", lambda n: bytes((n + 7) // 8))
 
 
 def main() -> None:
@@ -135,58 +118,17 @@ def main() -> None:
     asyncio.run(run())
 
 
-class GrowLiar:
+class GrowLiar(PeerProcess):
     """The process: ``start()``, ``url``, ``stop()``."""
 
+    script = Path(__file__).resolve()
+
     def __init__(self, workdir: Path, bucket: str, secret: str, mode: str, node_id: str = "growliar") -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.node_id, self.bucket, self.mode = node_id, bucket, mode
-        self.dir = workdir / node_id
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.secret_file = self.dir / "secret"
-        self.secret_file.write_text(secret + "\n")
-        self.log_path = self.dir / "liar.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.mode = mode
+        super().__init__(workdir, bucket, secret, node_id)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 240.0) -> GrowLiar:
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port), "--bucket", self.bucket,
-                 "--secret-file", str(self.secret_file), "--node-id", self.node_id, "--mode", self.mode],
-                stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"growliar exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"growliar not listening after {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+    def args(self) -> list[str]:
+        return ["--mode", self.mode]
 
 
 if __name__ == "__main__":

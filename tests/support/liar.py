@@ -22,14 +22,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
-import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
 from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: tests/ for support.*
+
+from support.peerproc import PeerProcess  # noqa: E402
 
 from bdn.bucket import ObjectNotFound, open_bucket
 from bdn.daemon.nonces import NonceCache
@@ -132,6 +134,14 @@ def _all_set(n: int) -> bytes:
 
 
 async def get_have(request: web.Request) -> web.Response:
+    """Holds everything: full bitfields, state ``ready``."""
+    return await have_answer(request, "ready", _all_set)
+
+
+async def have_answer(request: web.Request, state: str, bitfield: Callable[[int], bytes]) -> web.Response:
+    """The have answer (msgpack ``{"v", "state", "ns", "stored", "nr", "result"}``) for the snapshot
+    of the path, with ``bitfield(n)`` as each layer's bits; 400 for a bad identity, 404 for one
+    the bucket has no manifest of. A long-poll (``since=1``) waits ``wait`` s (at most 5)."""
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
     identity = request.match_info["identity"]
     try:
@@ -145,7 +155,7 @@ async def get_have(request: web.Request) -> web.Response:
     nr = sum(len(f.result_chunks) for f in m.files)
     if request.query.get("since") == "1":  # nothing will ever change: honour the long-poll
         await asyncio.sleep(min(float(request.query.get("wait", "0") or 0), 5.0))
-    ans = {"v": 1, "state": "ready", "ns": ns, "stored": _all_set(ns), "nr": nr, "result": _all_set(nr)}
+    ans = {"v": 1, "state": state, "ns": ns, "stored": bitfield(ns), "nr": nr, "result": bitfield(nr)}
     return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
 
 
@@ -256,63 +266,19 @@ def main(argv: list[str] | None = None) -> None:
         pass
 
 
-class Liar:
+class Liar(PeerProcess):
     """The liar as a subprocess: ``start()``, ``url``, ``stop()``."""
+
+    script = Path(__file__).resolve()
 
     def __init__(self, workdir: Path, bucket: str, secret: str, node_id: str = "liar", foreign_chunk_size: int = 0,
                  trickle_s: float = 0.0) -> None:
         self.foreign_chunk_size = foreign_chunk_size
         self.trickle_s = trickle_s
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.node_id = node_id
-        self.bucket = bucket
-        self.dir = workdir / node_id
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.secret_file = self.dir / "secret"
-        self.secret_file.write_text(secret + "\n")
-        self.log_path = self.dir / "liar.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        super().__init__(workdir, bucket, secret, node_id)
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 240.0) -> Liar:  # a process start-up: at load 20+ the imports alone take tens of s
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--port", str(self.port),
-                 "--bucket", self.bucket, "--secret-file", str(self.secret_file), "--node-id", self.node_id,
-                 "--foreign-chunk-size", str(self.foreign_chunk_size), "--trickle-s", str(self.trickle_s)],
-                stdout=log, stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"liar exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"liar not listening after {timeout} s:\n{self.log()}")
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+    def args(self) -> list[str]:
+        return ["--foreign-chunk-size", str(self.foreign_chunk_size), "--trickle-s", str(self.trickle_s)]
 
 
 if __name__ == "__main__":

@@ -1,5 +1,10 @@
-"""TCP relays for daemon tests: one that throttles (and can cut) what a server sends, one that
-holds a server's answers back after a number of bytes until the test releases them."""
+"""TCP relays for daemon tests, in front of one server on loopback.
+
+``TcpRelay`` is the shared piece: the listener, the accept loop that opens one connection to the
+server per client connection, and the two loops of each (client -> server, server -> client).
+``Relay`` throttles (and can cut) what the server sends; ``GateRelay`` holds the server's answers
+back after a number of bytes until the test releases them, passing each piece through a shaping
+function (``support.fliprelay.FlipRelay`` uses it to corrupt bucket answers)."""
 
 from __future__ import annotations
 
@@ -7,24 +12,35 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
+
+#: bytes asked of ``recv`` at a time
+PIECE = 16 << 10
+
+Loop = Callable[[], None]
+Shape = Callable[[bytearray], bytes | bytearray]
 
 
-class Relay:
-    """A TCP relay in front of one daemon's transfer server that passes the server's bytes on at
-    ``rate`` bytes/s per connection; ``cut()`` breaks every connection at once (a reset both ways), as when the
-    sender's host dies: nothing more of the body it was sending arrives."""
+class TcpRelay:
+    """A listener on ``127.0.0.1`` (``port``, ``url``) relaying every connection to ``target``.
 
-    def __init__(self, target: tuple[str, int], rate: float) -> None:
-        self.target, self.rate = target, rate
+    Subclasses set their own attributes before calling ``__init__`` (the accept loop starts in
+    it) and give the two loops of one connection in :meth:`_loops`. ``socks``: every socket
+    opened, both sides, for closing them."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
         self.ls = socket.create_server(("127.0.0.1", 0))
         self.port = self.ls.getsockname()[1]
-        self.forwarded = 0  # server -> client bytes passed on
+        self.url = f"http://127.0.0.1:{self.port}"
         self.socks: list[socket.socket] = []
-        self.dead = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
+    def _accepting(self) -> bool:
+        return True
+
     def _accept(self) -> None:
-        while not self.dead.is_set():
+        while self._accepting():
             try:
                 c, _ = self.ls.accept()
             except OSError:
@@ -34,15 +50,50 @@ class Relay:
             except OSError:
                 c.close()
                 continue
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
             self.socks += [c, s]
-            threading.Thread(target=self._pipe, args=(c, s, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(s, c, True), daemon=True).start()
+            for loop in self._loops(c, s):
+                threading.Thread(target=loop, daemon=True).start()
+
+    def _loops(self, client: socket.socket, server: socket.socket) -> tuple[Loop, Loop]:
+        """The client -> server and the server -> client loop of one relayed connection."""
+        raise NotImplementedError
+
+
+def shut(*socks: socket.socket) -> None:
+    """``shutdown(SHUT_RDWR)`` each socket (ends a ``recv`` blocked in another thread), errors ignored."""
+    for x in socks:
+        try:
+            x.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _unchanged(data: bytearray) -> bytearray:
+    return data
+
+
+class Relay(TcpRelay):
+    """A TCP relay in front of one daemon's transfer server that passes the server's bytes on at
+    ``rate`` bytes/s per connection; ``cut()`` breaks every connection at once (a reset both ways), as when the
+    sender's host dies: nothing more of the body it was sending arrives."""
+
+    def __init__(self, target: tuple[str, int], rate: float) -> None:
+        self.rate = rate
+        self.forwarded = 0  # server -> client bytes passed on
+        self.dead = threading.Event()
+        super().__init__(target)
+
+    def _accepting(self) -> bool:
+        return not self.dead.is_set()
+
+    def _loops(self, client: socket.socket, server: socket.socket) -> tuple[Loop, Loop]:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        return (lambda: self._pipe(client, server, False)), (lambda: self._pipe(server, client, True))
 
     def _pipe(self, src: socket.socket, dst: socket.socket, throttle: bool) -> None:
         try:
             while not self.dead.is_set():
-                data = src.recv(16 << 10)
+                data = src.recv(PIECE)
                 if not data or self.dead.is_set():
                     break
                 dst.sendall(data)
@@ -53,6 +104,7 @@ class Relay:
             pass
 
     def cut(self) -> None:
+        """Reset every connection (SO_LINGER 0) and stop listening."""
         self.dead.set()
         for s in self.socks:
             try:
@@ -65,41 +117,37 @@ class Relay:
         self.ls.close()
 
 
-class GateRelay:
+class GateRelay(TcpRelay):
     """A TCP relay in front of ``target`` (e.g. the S3 server) that passes the first ``after``
     bytes the server sends on each connection, then holds the rest until ``release()``: the
-    reads behind it are stuck half way through their bodies, a deterministic slow bucket."""
+    reads behind it are stuck half way through their bodies, a deterministic slow bucket.
+    ``after`` None holds nothing.
 
-    def __init__(self, target: tuple[str, int], after: int) -> None:
-        self.target, self.after = target, after
+    Every piece read passes through the connection's shaping functions before it is sent on
+    (:meth:`_shapes`; by default unchanged); a shaping function that raises ValueError or
+    IndexError ends that connection."""
+
+    def __init__(self, target: tuple[str, int], after: int | None) -> None:
+        self.after = after
         self.open = threading.Event()
+        if after is None:
+            self.open.set()
         self.held = threading.Event()  # some connection reached ``after`` bytes and waits
-        self.ls = socket.create_server(("127.0.0.1", 0))
-        self.port = self.ls.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.socks: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                c, _ = self.ls.accept()
-            except OSError:
-                return
-            try:
-                s = socket.create_connection(self.target)
-            except OSError:
-                c.close()
-                continue
-            self.socks += [c, s]
-            threading.Thread(target=self._pipe, args=(c, s, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(s, c, True), daemon=True).start()
+    def _shapes(self) -> tuple[Shape, Shape]:
+        """The client -> server and the server -> client shaping functions of a new connection."""
+        return _unchanged, _unchanged
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, gated: bool) -> None:
+    def _loops(self, client: socket.socket, server: socket.socket) -> tuple[Loop, Loop]:
+        up, down = self._shapes()
+        return (lambda: self._pipe(client, server, up, False)), (lambda: self._pipe(server, client, down, True))
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, shape: Shape, gated: bool) -> None:
         passed = 0
         try:
             while True:
-                want = 16 << 10
+                want = PIECE
                 if gated and not self.open.is_set():
                     if passed >= self.after:
                         self.held.set()
@@ -109,22 +157,21 @@ class GateRelay:
                 data = src.recv(want)
                 if not data:
                     break
-                dst.sendall(data)
                 passed += len(data)
-        except OSError:
+                out = shape(bytearray(data))
+                if out:
+                    dst.sendall(out)
+        except (OSError, ValueError, IndexError):
             pass
         finally:
-            for x in (src, dst):
-                try:
-                    x.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            shut(src, dst)
 
     def release(self) -> None:
         """Let every held and later byte through."""
         self.open.set()
 
     def close(self) -> None:
+        """Release what is held, stop listening and close every connection."""
         self.open.set()
         self.ls.close()
         for s in self.socks:

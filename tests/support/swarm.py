@@ -22,6 +22,8 @@ import msgpack
 
 from bdn.proto.keys import derive_keys, sign_request
 
+from .peerproc import tail, wait_started  # relative: imported as support.swarm and as tests.support.swarm (bench/control)
+
 SECRET = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 
 
@@ -157,24 +159,20 @@ class Daemon:
         log.close()
 
     def wait_healthy(self, timeout: float = 240.0) -> None:  # generous: on a loaded machine the imports alone took 60+ s
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"bdnd {self.node_id} exited {self.proc.returncode}:\n{self.log()}")
-            try:
-                self.get("/v1/health")
-                return
-            except (OSError, urllib.error.URLError, http.client.HTTPException):
-                # (HTTPException: something that is not this daemon's HTTP answered, e.g. a
-                # process that took the port; the daemon then exits, reported above)
-                time.sleep(0.05)
-        raise TimeoutError(f"bdnd {self.node_id} not healthy after {timeout} s:\n{self.log()}")
+        wait_started(self.proc, self._healthy, timeout, f"bdnd {self.node_id}", "healthy", self.log)
+
+    def _healthy(self) -> bool:
+        try:
+            self.get("/v1/health")
+            return True
+        except (OSError, urllib.error.URLError, http.client.HTTPException):
+            # (HTTPException: something that is not this daemon's HTTP answered, e.g. a
+            # process that took the port; the daemon then exits, which wait_started reports)
+            return False
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-6000:]
-        except OSError:
-            return ""
+        """The last 6000 characters of the daemon's log."""
+        return tail(self.log_path, 6000)
 
     def request(self, method: str, path: str, timeout: float = 60.0) -> tuple[int, Any]:
         req = urllib.request.Request(self.url + path, method=method)

@@ -51,6 +51,7 @@ async def request_body(request: web.Request, limit: int) -> bytes:
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
+    """``obj`` as a JSON body (``application/json``) with ``status``."""
     return web.Response(status=status, text=json.dumps(obj), content_type="application/json")
 
 

@@ -65,6 +65,8 @@ class GuardedHandler(RequestHandler):
         self._seen = 0  # requests parsed so far
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Refuse the connection with a 503 (``TOO_MANY``) when ``max_connections`` are open,
+        else count it and arm the header deadline."""
         g = self._guard
         if g.open >= g.max_connections:
             self._refused = True
@@ -79,6 +81,7 @@ class GuardedHandler(RequestHandler):
         self._arm()
 
     def connection_lost(self, exc: BaseException | None) -> None:
+        """Uncount the connection and disarm its deadline (nothing for a refused one)."""
         if self._refused:
             return
         self._guard.open -= 1
@@ -86,6 +89,8 @@ class GuardedHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        """Feed aiohttp's parser; disarm the deadline once a request's headers are complete, arm
+        it again at the first bytes of the next request on a keep-alive connection."""
         if self._refused:
             return
         super().data_received(data)
@@ -117,6 +122,8 @@ class GuardedHandler(RequestHandler):
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
+        """A request aiohttp could not parse: 431 (a header line too long) or 400, one line of
+        text, the connection closed after it; any other error is aiohttp's own answer."""
         if not isinstance(exc, HttpProcessingError):
             return super().handle_error(request, status, exc, message)
         self._guard.stats.add("http_bad_requests")

@@ -42,4 +42,5 @@ SERVICES = web.AppKey("services", Services)
 
 
 def services(request: web.Request) -> Services:
+    """The :class:`Services` the app registered under ``SERVICES`` (what a handler calls)."""
     return request.app[SERVICES]

@@ -97,6 +97,8 @@ class FleetStatus:
         return t.identity if t is not None else (self.view.current or "")
 
     def aggregators(self, identity: str) -> list[str]:
+        """The node ids that aggregate ``identity``'s replica rows (HRW over this node and the live members,
+        ``status_aggregators`` of them)."""
         return policy.aggregators(self.membership.hrw_nodes(), identity, self.cfg.status_aggregators)
 
     def _interval(self) -> float:
@@ -139,6 +141,7 @@ class FleetStatus:
         return sent
 
     async def loop(self) -> None:
+        """:meth:`report_once` every ``CHECK_S`` seconds until ``closing``; a failed round is logged."""
         while not self.closing:
             await asyncio.sleep(CHECK_S)
             try:
