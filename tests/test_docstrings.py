@@ -47,8 +47,6 @@ MISSING = frozenset({
     "bdn/control/peerset.py:PeerSet.next_flush",
     "bdn/control/peerset.py:PeerSet.mark_inflight",
     "bdn/control/probation.py:Probation.get",
-    "bdn/control/swim.py:Update.wire",
-    "bdn/control/swim.py:Update.from_wire",
     "bdn/control/swim.py:Swim.status",
     "bdn/control/swim.py:Swim.table_size",
     "bdn/daemon/app.py:App.install_signal_handlers",

@@ -40,10 +40,12 @@ class Update:
     addr: str = ""
 
     def wire(self) -> list:
+        """The update as sent: ``[node, status, incarnation, addr]`` (msgpack-able)."""
         return [self.node, self.status, self.incarnation, self.addr]
 
     @classmethod
     def from_wire(cls, obj: object) -> Update:
+        """Parse ``[node, status, incarnation, addr]`` from a peer. Raises SwimError when malformed."""
         if not isinstance(obj, (list, tuple)) or len(obj) != 4:
             raise SwimError("update must be [node, status, incarnation, addr]")
         node, status, inc, addr = obj

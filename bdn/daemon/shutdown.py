@@ -50,6 +50,8 @@ class NoWaitExecutor(ThreadPoolExecutor):
     event loop's default executor, which ``asyncio.Runner.close`` shuts down with ``wait=True``."""
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Cancel queued work and return at once, whatever ``wait`` says (busy threads are
+        waited for, up to the stop's bound, by ``join_workers``)."""
         super().shutdown(wait=False, cancel_futures=True)
 
 
