@@ -54,8 +54,6 @@ MISSING = frozenset({
     "bdn/daemon/app.py:App.main_loop",
     "bdn/daemon/fetch/plan.py:Positions.clear_positions",
     "bdn/daemon/fetch/plan.py:Rounds.after_round",
-    "bdn/daemon/fetch/sources.py:BufferPool.get",
-    "bdn/daemon/fetch/sources.py:BufferPool.put",
     "bdn/daemon/fetch/targets.py:TargetMaps.release",
     "bdn/daemon/fetch/targets.py:TargetMaps.close",
     "bdn/daemon/fetch/targets.py:TargetMaps.open_count",

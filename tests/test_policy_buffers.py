@@ -39,3 +39,16 @@ def test_keep_zero_pools_nothing() -> None:
     pool = BufferPool(keep=0)
     pool.put(pool.get(10))
     assert pool.free_bytes == 0
+
+
+def test_free_bytes_stay_under_max_bytes_whatever_keep_allows() -> None:
+    """keep = 24 buffers of 16 MiB would hold 384 MiB; the byte bound keeps 4 of them."""
+    pool = BufferPool(keep=24, max_bytes=4 * 1000)
+    bufs = [pool.get(1000) for _ in range(24)]
+    for b in bufs:
+        pool.put(b)
+    assert pool.free_bytes == 4 * 1000
+    pool.put(pool.get(5000))  # one buffer over the bound alone is not kept
+    assert pool.free_bytes == 4 * 1000
+    assert len({id(pool.get(1000)) for _ in range(4)}) == 4  # the kept ones are reused
+    assert pool.free_bytes == 0
