@@ -13,8 +13,8 @@ Source: rendezvous hashing (:mod:`bdn.proto.hrw`). Two refinements for large fle
 - **Bounded loads** when every live node reads (Mirrokni, Thorup, Zadimoghaddam, "Consistent
   Hashing with Bounded Loads", SODA 2018, applied to HRW): given the snapshot's digests in
   manifest order, each goes to the first node of its HRW ranking holding fewer than
-  ``ceil(distinct digests / nodes)``, among the snapshot's readers, whether every live node
-  reads or a subset does (:func:`readers_and_rule` says why). With
+  ``ceil(distinct digests / nodes)``; plain HRW among a subset of readers
+  (:func:`readers_and_rule` says why). With
   a few hundred chunks over a few readers plain HRW's shares differ by +-30 %, and the reader
   with most chunks reads last, alone (the N = 8 tail, bench/NOTES.md); bounded shares are equal
   within one chunk. Above ``MAX_WORK`` hashes (millions of chunks) plain HRW is used, whose
@@ -91,20 +91,16 @@ def readers_of(identity: str, live: Sequence[str], readers: int | None) -> list[
 
 def readers_and_rule(identity: str, live: Sequence[str], readers: int | None) -> tuple[list[str], bool]:
     """The one owner rule's two parts: the snapshot's readers (:func:`readers_of`) and whether
-    owners among them are bounded-load (:func:`owner_table`): always True now.
+    owners among them are bounded-load (:func:`owner_table`) or plain HRW.
 
-    Bounded loads among the readers, every node or a subset: equal shares, so no reader reads
-    last alone. Plain HRW among a subset (the rule until the fleet branch) gave 5 readers
-    10-15 of 64 simulated chunks at N = 1,000 (17 of 64 at N = 100), so the bucket phase ended
-    at 1.08 x (1.18 x) the floor while the others idled (bench/NOTES.md, "Issue 13, part 4").
-    The price: a reader's death or arrival can move chunks between the surviving readers too
-    (the caps shift), each one more chunk two daemons with different views may both read,
-    inside the same disagreement window; with 5 readers among 1,000 nodes 99.5 % of deaths are
-    not readers' and move nothing (:meth:`OwnerMap.affected_by`), and bench/fleetsim measures
-    the egress (1.000 S with 1 % killed).
+    Bounded loads when every live node reads (small fleets: equal shares, so no owner reads
+    last alone); plain HRW among a subset of readers (large fleets): a reader's death or
+    arrival then moves only that reader's chunks (HRW's minimal disruption), while bounded caps
+    would move chunks between the surviving readers too, each one more chunk that two daemons
+    with different views may both read.
     """
     rs = readers_of(identity, live, readers)
-    return rs, True
+    return rs, len(rs) >= len(live)
 
 
 class OwnerMap:
@@ -113,8 +109,8 @@ class OwnerMap:
     ``live``: node ids of the epoch (this daemon included). ``identity``: the snapshot's
     identity (picks its readers). ``readers``: how many read from the bucket (see
     :func:`reader_count`; ``None`` = all). ``digests``: the snapshot's (or layer's) chunk
-    digests in manifest order: owners are then bounded-load HRW among the readers
-    (:func:`readers_and_rule`); without them, plain HRW among the readers. Keys are chunk digests (hex strings).
+    digests in manifest order: owners are then bounded-load HRW when every live node reads
+    (:func:`readers_and_rule`); otherwise, and without them, plain HRW among the readers. Keys are chunk digests (hex strings).
     """
 
     def __init__(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None,
@@ -125,7 +121,7 @@ class OwnerMap:
         self._key = "readers\x00" + identity
         self.readers = tuple(hrw.rank(self.live, self._key)[:n])  # = readers_of(), ranked
         self._reader_set = frozenset(self.readers)
-        bounded = bool(self.readers)  # readers_and_rule: bounded loads among the readers, whoever they are
+        bounded = bool(self.readers) and len(self.readers) >= len(self.live)  # readers_and_rule
         self._owner: dict[str, str | None] = dict(owner_table(digests, self.readers)) if bounded else {}
         self.bounded = bool(self._owner)
 
