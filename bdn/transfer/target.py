@@ -1,6 +1,5 @@
 """Target files for the transfer client: reserved on tmpfs and mapped with their page tables
-populated, up front (``map_target``) or one chunk's range just before it lands
-(``populate_range``: what the daemon does).
+populated up front.
 
 Why populate: receiving into a fresh mapping of a tmpfs file takes one minor page fault per 4 KiB
 page the kernel's copy first touches (262,144 faults per GiB), which measured as a large share of
