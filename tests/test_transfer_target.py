@@ -42,29 +42,3 @@ def test_reserve_on_a_full_tmpfs_fails_there_not_later(tmp_path):
         os.close(fd)
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
-
-
-def test_populate_range_fills_a_chunk_and_leaves_the_file_unchanged(tmp_path) -> None:
-    """populate_range (a chunk's page tables, just before it lands) takes unaligned ranges and
-    ranges past the end, and neither changes a byte nor needs the whole file populated."""
-    import os
-
-    from bdn.transfer.target import map_target, populate_range, reserve
-
-    path = tmp_path / "t.bin"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        size = 3 * 65536 + 123
-        reserve(fd, size)
-        m = map_target(fd, size, populate=False)
-        try:
-            populate_range(m, 70000, 5000)
-            populate_range(m, size - 10, 1 << 20)  # clipped at the end
-            populate_range(m, 0, 0)
-            assert m[:] == bytes(size)
-            m[70000:75000] = b"x" * 5000
-        finally:
-            m.close()
-    finally:
-        os.close(fd)
-    assert path.read_bytes()[70000:75000] == b"x" * 5000
