@@ -89,29 +89,3 @@ def _populate(m: mmap.mmap, size: int) -> None:
         if _MADVISE(base + start, min(POPULATE_STEP, size - start), MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
-
-
-_PAGE = mmap.PAGESIZE
-
-
-def populate_range(m: mmap.mmap, offset: int, length: int) -> None:
-    """Fill the page tables of ``[offset, offset + length)`` of mapping ``m`` (bytes; widened to
-    whole pages) with ``MADV_POPULATE_WRITE``, without the GIL, just before a chunk lands there.
-
-    Why per chunk and not per file: populating a whole file when its first chunk arrives made
-    that chunk wait for every page of the file (8 daemons zeroing 1 GiB each on 2 cores held the
-    bucket at a third of its rate for the first 4 s of the N = 8 bench, bench/NOTES.md); per
-    chunk the same work is spread over the download. A kernel before 5.14 (EINVAL): nothing is
-    done, the copy faults its pages in instead."""
-    if length <= 0 or _MADVISE is None:
-        return
-    start = offset - offset % _PAGE
-    end = min(len(m), offset + length)
-    if end <= start:
-        return
-    view = (ctypes.c_char * len(m)).from_buffer(m)
-    try:
-        base = ctypes.addressof(view)
-    finally:
-        del view
-    _MADVISE(base + start, end - start, MADV_POPULATE_WRITE)

@@ -1,5 +1,5 @@
 """The target files of the snapshots downloading on this node, each mapped once (shared,
-writable; page tables filled per chunk as it lands: bdn.transfer.target) and kept open while its snapshot
+writable, page tables populated: bdn.transfer.target) and kept open while its snapshot
 downloads, so received chunks land in shm with one kernel copy and no open per chunk.
 
 A mapping is taken with ``acquire(job, path)`` and given back with ``release(path)``; it is
@@ -110,7 +110,6 @@ def _map_file(path: str) -> tuple[mmap.mmap, tuple[int, int]]:
         st = os.fstat(fd)
         if st.st_size == 0:
             raise OSError(f"{path} is empty: nothing to map")
-        # page tables filled per chunk as it lands (target.populate_range), not for the whole file
-        return map_target(fd, st.st_size, populate=False), (st.st_dev, st.st_ino)
+        return map_target(fd, st.st_size), (st.st_dev, st.st_ino)
     finally:
         os.close(fd)  # the mapping keeps its own reference to the file

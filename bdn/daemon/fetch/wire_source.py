@@ -44,7 +44,6 @@ from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef
 from bdn.transfer import FetchPool, FetchResult, Outcome, Peer
 from bdn.transfer.growing import Growing, GrowingChunks
-from bdn.transfer.target import populate_range
 
 log = logging.getLogger("bdn.fetch.wire")
 
@@ -210,11 +209,6 @@ class WireSource:
             mm = await self.maps.acquire(job, target)
         except OSError as e:
             return FetchResult(Outcome.FAILED, error=f"cannot map {target}: {e}")
-        try:
-            await self._disk(populate_range, mm, ref.offset, ref.length)
-        except BaseException:
-            self.maps.release(target)  # cancelled before the fetch took the mapping over
-            raise
         fut = self.pool.submit(peer, address, mm, ref.offset, ref.length, ref.digest, wait_s=wait,
                                snapshot=job.identity, cut_through=self.growing is not None)
         return await self._await(fut, m, peer, lambda: self.maps.release(target))
@@ -290,7 +284,6 @@ class WireSource:
             raise BdnError(f"cannot map {target}: {e}") from None
         parts = bucket_parts(ref.length, self.cfg.bucket_concurrency)
         try:
-            await self._disk(populate_range, mm, ref.offset, ref.length)
             with memoryview(mm) as whole, whole[ref.offset : ref.offset + ref.length] as view:
                 try:
                     async for attempt in retry_policy.bucket_bytes():
