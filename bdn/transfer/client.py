@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 import mmap
-import os
 import secrets
 import socket
 import threading
@@ -36,11 +35,8 @@ import xxhash
 from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import MAX_SKEW_S, NODE_ID_RE, SwarmKeys
-from bdn.transfer.coverage import MAX_INTERVALS, Coverage
+from bdn.transfer.receive import receive_hashed, receive_parts, receive_to_file
 from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
-
-#: Largest single ``recv_into``: bounds the piece hashed at once so it is still in L2/L3 cache.
-READ_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,7 +367,7 @@ class TransferClient:
             if cut:
                 if not cut_ok or isinstance(sink, int):
                     raise ProtocolError("a cut-through answer to a request that did not accept one")
-                self._receive_parts(s, sink, payload, wait_s)
+                receive_parts(s, sink, payload, wait_s, self._io_timeout)
                 s.hasher.reset()
                 s.hasher.update(sink)
             elif ftype != wire.FrameType.DATA:
@@ -379,9 +375,9 @@ class TransferClient:
             elif (n := wire.decode_data(payload)) != length:
                 raise ProtocolError(f"announced {n} bytes for a {length}-byte request")
             elif isinstance(sink, int):
-                self._receive_to_file(s, sink, offset, length)
+                receive_to_file(s, sink, offset, length)
             else:
-                self._receive(s, sink)
+                receive_hashed(s, sink)
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:
             # ``cut_through``: it broke inside a cut-through answer (the sender's copy may have
             # failed its own check and been cut off: bdn.transfer.growing; not the sender's fault)
@@ -390,89 +386,6 @@ class TransferClient:
             return FetchResult(Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}",
                                cut_through=cut)
         return CUT_OK if cut else OK
-
-    def _receive_parts(self, s: _Stream, target: memoryview, first: bytes | memoryview, wait_s: float) -> None:
-        """Receive a cut-through answer (PART frames, the first one's payload ``first``) into
-        ``target`` until the parts cover it. Raises ProtocolError (overlapping or outside
-        parts, a frame that is no PART), TimeoutError (no new byte for ``io_timeout_s``, or the
-        answer outlived ``wait_s`` + 4 x ``io_timeout_s``), ConnectionClosed."""
-        n = len(target)
-        covered = Coverage(n)
-        start = last_byte = time.monotonic()
-        limit = wait_s + 4 * self._io_timeout
-        payload = first
-        while True:
-            off, ln = wire.decode_part(payload, n)
-            now = time.monotonic()
-            if ln:
-                covered.add(off, ln)  # raises on overlap
-                self._receive_range(s, target[off : off + ln])
-                last_byte = now
-                if covered.full:
-                    return
-            elif now - last_byte > self._io_timeout:
-                raise TimeoutError(f"cut-through answer: no new byte for {self._io_timeout:g} s")
-            if now - start > limit:
-                raise TimeoutError(f"cut-through answer still incomplete after {limit:g} s")
-            ftype, body = read_frame(s.sock, s.buf)
-            if ftype != wire.FrameType.PART:
-                raise ProtocolError(f"{ftype.name} frame inside a cut-through answer")
-            payload = s.session.open(ftype, body)
-
-    @staticmethod
-    def _receive_range(s: _Stream, target: memoryview) -> None:
-        recv_into = s.sock.recv_into
-        pos, n = 0, len(target)
-        while pos < n:
-            try:
-                got = recv_into(target[pos:], n - pos)
-            except BlockingIOError:
-                raise TimeoutError(f"part stalled after {pos} of {n} bytes") from None
-            if got == 0:
-                raise ConnectionClosed(f"connection closed after {pos} of {n} part bytes")
-            pos += got
-
-    def _receive(self, s: _Stream, target: memoryview) -> None:
-        """Receive ``len(target)`` body bytes into ``target``, hashing each piece as it lands."""
-        h = s.hasher
-        h.reset()
-        recv_into, update = s.sock.recv_into, h.update
-        pos, n = 0, len(target)
-        while pos < n:
-            want = min(n - pos, READ_BYTES)
-            try:
-                got = recv_into(target[pos : pos + want], want)
-            except BlockingIOError:
-                raise TimeoutError(f"body stalled after {pos} of {n} bytes") from None
-            if got == 0:
-                raise ConnectionClosed(f"connection closed after {pos} of {n} body bytes")
-            update(target[pos : pos + got])
-            pos += got
-
-    def _receive_to_file(self, s: _Stream, fd: int, offset: int, n: int) -> None:
-        """Receive ``n`` body bytes through the stream's buffer into file ``fd`` at ``offset``."""
-        if s.ring is None:
-            s.ring = memoryview(bytearray(READ_BYTES))  # once per stream, reused for every chunk
-        ring, h = s.ring, s.hasher
-        h.reset()
-        recv_into, update = s.sock.recv_into, h.update
-        pos = 0
-        while pos < n:
-            want = min(n - pos, READ_BYTES)
-            try:
-                got = recv_into(ring, want)
-            except BlockingIOError:
-                raise TimeoutError(f"body stalled after {pos} of {n} bytes") from None
-            if got == 0:
-                raise ConnectionClosed(f"connection closed after {pos} of {n} body bytes")
-            with ring[:got] as piece:
-                update(piece)
-                done = 0
-                while done < got:  # pwrite may be short (signals, a full tmpfs raises ENOSPC)
-                    with piece[done:] as rest:
-                        done += os.pwrite(fd, rest, offset + pos + done)
-            pos += got
-
 
 def _alive(sock: socket.socket) -> bool:
     """Whether an idle stream is still open: nothing to read (EAGAIN) means open; EOF, a reset

@@ -1,0 +1,104 @@
+"""Landing one answer's bytes (bdn.proto.wire DATA bodies and PART frames) from an open,
+authenticated transfer stream: into a mapped target with xxh3-128 hashed piece by piece, into
+a file by ``pwrite``, or cut-through parts until they cover the chunk. ``s`` is the client's
+stream (``sock``, ``buf``, ``session``, ``hasher``, ``ring``). Every function raises
+TimeoutError (silence), ConnectionClosed, ProtocolError (a bad part) or OSError; split out of
+bdn.transfer.client, which keeps connections, the handshake and the ask/answer exchange.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from bdn.proto import wire
+from bdn.proto.errors import ProtocolError
+from bdn.transfer.coverage import Coverage
+from bdn.transfer.sockio import ConnectionClosed, read_frame
+
+#: Bytes per ``recv_into`` of a DATA body (and the ring buffer of ``receive_to_file``).
+READ_BYTES = 1 << 20
+
+
+def receive_parts(s: Any, target: memoryview, first: bytes | memoryview, wait_s: float, io_timeout: float) -> None:
+    """Receive a cut-through answer (PART frames, the first one's payload ``first``) into
+    ``target`` until the parts cover it. Raises ProtocolError (overlapping or outside
+    parts, a frame that is no PART), TimeoutError (no new byte for ``io_timeout_s``, or the
+    answer outlived ``wait_s`` + 4 x ``io_timeout_s``), ConnectionClosed."""
+    n = len(target)
+    covered = Coverage(n)
+    start = last_byte = time.monotonic()
+    limit = wait_s + 4 * io_timeout
+    payload = first
+    while True:
+        off, ln = wire.decode_part(payload, n)
+        now = time.monotonic()
+        if ln:
+            covered.add(off, ln)  # raises on overlap
+            receive_range(s, target[off : off + ln])
+            last_byte = now
+            if covered.full:
+                return
+        elif now - last_byte > io_timeout:
+            raise TimeoutError(f"cut-through answer: no new byte for {io_timeout:g} s")
+        if now - start > limit:
+            raise TimeoutError(f"cut-through answer still incomplete after {limit:g} s")
+        ftype, body = read_frame(s.sock, s.buf)
+        if ftype != wire.FrameType.PART:
+            raise ProtocolError(f"{ftype.name} frame inside a cut-through answer")
+        payload = s.session.open(ftype, body)
+
+def receive_range(s: Any, target: memoryview) -> None:
+    """Receive exactly ``len(target)`` raw bytes of one PART into ``target``."""
+    recv_into = s.sock.recv_into
+    pos, n = 0, len(target)
+    while pos < n:
+        try:
+            got = recv_into(target[pos:], n - pos)
+        except BlockingIOError:
+            raise TimeoutError(f"part stalled after {pos} of {n} bytes") from None
+        if got == 0:
+            raise ConnectionClosed(f"connection closed after {pos} of {n} part bytes")
+        pos += got
+
+def receive_hashed(s: Any, target: memoryview) -> None:
+    """Receive ``len(target)`` body bytes into ``target``, hashing each piece as it lands."""
+    h = s.hasher
+    h.reset()
+    recv_into, update = s.sock.recv_into, h.update
+    pos, n = 0, len(target)
+    while pos < n:
+        want = min(n - pos, READ_BYTES)
+        try:
+            got = recv_into(target[pos : pos + want], want)
+        except BlockingIOError:
+            raise TimeoutError(f"body stalled after {pos} of {n} bytes") from None
+        if got == 0:
+            raise ConnectionClosed(f"connection closed after {pos} of {n} body bytes")
+        update(target[pos : pos + got])
+        pos += got
+
+def receive_to_file(s: Any, fd: int, offset: int, n: int) -> None:
+    """Receive ``n`` body bytes through the stream's buffer into file ``fd`` at ``offset``."""
+    if s.ring is None:
+        s.ring = memoryview(bytearray(READ_BYTES))  # once per stream, reused for every chunk
+    ring, h = s.ring, s.hasher
+    h.reset()
+    recv_into, update = s.sock.recv_into, h.update
+    pos = 0
+    while pos < n:
+        want = min(n - pos, READ_BYTES)
+        try:
+            got = recv_into(ring, want)
+        except BlockingIOError:
+            raise TimeoutError(f"body stalled after {pos} of {n} bytes") from None
+        if got == 0:
+            raise ConnectionClosed(f"connection closed after {pos} of {n} body bytes")
+        with ring[:got] as piece:
+            update(piece)
+            done = 0
+            while done < got:  # pwrite may be short (signals, a full tmpfs raises ENOSPC)
+                with piece[done:] as rest:
+                    done += os.pwrite(fd, rest, offset + pos + done)
+        pos += got
