@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
 from support.fliprelay import FlipRelay
 from support.growliar import GrowLiar
@@ -232,11 +233,13 @@ IDENT = "step000001"
 
 
 def _until(pred, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+    wait_for(pred, timeout, what)  # support.api: the shared poll-a-state helper
+
+
+def _held_and_parked(relay, swarm) -> None:
+    """Until a bucket answer is held half way and every daemon has a request parked at an owner."""
+    _until(lambda: relay.held.is_set(), "a bucket read held half way")
+    _until(lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons), "requests parked at the owners")
 
 
 def _publish(tmp_path, s3_bucket):
@@ -279,9 +282,7 @@ def test_bad_bucket_bytes_under_a_cut_through_stream_are_re_read_and_blame_nobod
         with Swarm(tmp_path / "nodes", 3, s3_bucket[0], extra_env=env) as swarm:
             for d in swarm.daemons:
                 assert d.prefetch(IDENT)[0] == 202
-            _until(lambda: relay.held.is_set(), "a bucket read held half way")
-            _until(lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons),
-                   "requests parked at the owners")
+            _held_and_parked(relay, swarm)
             relay.release()
             for d in swarm.daemons:
                 d.wait_ready(IDENT, 120)
@@ -354,9 +355,7 @@ def test_an_owner_killed_while_it_streams_growing_chunks_leaves_the_survivors_wh
         with Swarm(tmp_path / "nodes", 3, s3_bucket[0], extra_env=env) as swarm:
             for d in swarm.daemons:
                 assert d.prefetch(IDENT)[0] == 202
-            _until(lambda: relay.held.is_set(), "a bucket read held half way")
-            _until(lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons),
-                   "requests parked at the owners")
+            _held_and_parked(relay, swarm)
             victim, survivors = swarm.daemons[0], swarm.daemons[1:]
             victim.kill()
             relay.release()
