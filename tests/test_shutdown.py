@@ -29,6 +29,17 @@ def _wait_record(d: Daemon, pred: Any, what: str, timeout: float = 120.0) -> dic
         time.sleep(0.05)
 
 
+
+def _sigterm_exits_0(d, when: str) -> None:
+    """SIGTERM ``d``; it must be gone with exit status 0 within 60 s (a deadline, not a window)."""
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGTERM)
+    try:
+        code = d.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"bdnd still running 60 s after SIGTERM {when}:\n{d.log()}") from None
+    assert code == 0, d.log()
+
 def test_sigterm_mid_download_with_a_long_poll_exits_0_and_the_next_start_resumes(tmp_path: Path) -> None:
     bucket = tmp_path / "bucket"
     m, trainer = publish_state(tmp_path, f"file://{bucket}", IDENT, 1, scale=14, chunk_size=256 << 10)
@@ -54,13 +65,7 @@ def test_sigterm_mid_download_with_a_long_poll_exits_0_and_the_next_start_resume
 
         poll = threading.Thread(target=read_answer, daemon=True)
         poll.start()
-        assert d.proc is not None
-        d.proc.send_signal(signal.SIGTERM)
-        try:
-            code = d.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"bdnd still running 60 s after SIGTERM mid-download:\n{d.log()}") from None
-        assert code == 0, d.log()
+        _sigterm_exits_0(d, "mid-download")
         poll.join(60)
         assert answers in ([202], []), answers  # answered "not yet" at once, or cut by the stop
         assert not (d.store / IDENT).exists(), "a half-written snapshot sits under its identity"
@@ -98,13 +103,7 @@ def test_sigterm_during_a_local_pull_of_a_big_file_exits_0(tmp_path: Path) -> No
         resp = conn.getresponse()
         assert resp.status == 200
         assert len(resp.read(64 << 10)) == 64 << 10  # then it stops reading: the server blocks
-        assert d.proc is not None
-        d.proc.send_signal(signal.SIGTERM)
-        try:
-            code = d.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"bdnd still running 60 s after SIGTERM during a local pull:\n{d.log()}") from None
-        assert code == 0, d.log()
+        _sigterm_exits_0(d, "during a local pull")
         conn.close()
     finally:
         d.kill()
