@@ -281,10 +281,6 @@ class Haves:
             if ident == identity and i < bits.n and bits[i]:
                 ev.set()
 
-    def waiting(self, key: tuple[str, str, int]) -> bool:
-        """Whether an acquisition of ``(identity, layer, index)`` sleeps in :meth:`wait_holder` now."""
-        return key in self._waiters
-
     def wake(self, key: tuple[str, str, int]) -> None:
         """End the :meth:`wait_holder` sleep of ``(identity, layer, index)``, if one sleeps."""
         ev = self._waiters.get(key)
