@@ -45,6 +45,10 @@ def test_fast_nodes_take_over_a_slow_owners_last_reads(tmp_path: Path) -> None:
         assert sum(owner_reads) == n_chunks, owner_reads  # every chunk read once, by one node
         assert sum(c["bucket_chunks_taken_over"] for c in counters[1:]) > 0, counters
         assert counters[0]["bucket_chunks_taken_over"] == 0
+        # every read taken over was granted by its owner first (TAKE/GIVE): the slow owner gave
+        # them all, and nobody read a chunk without a grant
+        taken = sum(c["bucket_chunks_taken_over"] for c in counters)
+        assert sum(c["bucket_reads_given"] for c in counters) >= taken, counters
         assert sum(c["chunk_verify_failures"] for c in counters) == 0
         for d in daemons:
             snap = d.get(f"/v1/snapshots/{IDENTITY}")

@@ -206,6 +206,49 @@ def test_owner_holds_a_request_while_it_fetches(shm, src):
             target.close()
 
 
+def test_take_is_decided_by_the_server_and_answered_on_a_busy_peer(shm, src):
+    # the owner's word on a read given up (bdn.daemon.fetch.fetcher.give): what the hook says,
+    # asked with the asking peer's proven node id; refused without a hook; answered even while
+    # every pooled stream to the owner is held by a parked request (a stream of its own)
+    asked: list[tuple[str, str, int]] = []
+    parked, release = threading.Event(), threading.Event()
+
+    def on_take(peer: str, take: wire.Take) -> bool:
+        asked.append((peer, take.identity, take.index))
+        return take.index % 2 == 0
+
+    def admit(peer: str, ask: wire.Ask):
+        parked.set()
+        release.wait(60)
+        return GRANTED
+
+    with TransferServer(KEYS, "srv", src.resolve, admit=admit, on_take=on_take) as srv, \
+            TransferServer(KEYS, "old", src.resolve) as old:
+        client = TransferClient(KEYS, "cli", streams_per_peer=1)
+        peer, old_peer = Peer("srv", *srv.address), Peer("old", *old.address)
+        target = Target(shm / "out", src.size)
+        try:
+            assert client.take(peer, "step000001", 4) is True
+            assert client.take(peer, "step000001", 5) is False
+            assert client.take(old_peer, "step000001", 4) is False  # no hook: every TAKE refused
+            t = threading.Thread(target=client.fetch_into, args=(peer, src.address(0), target.map, 0,
+                                                                 src.chunk_size, src.digests[0]))
+            t.start()
+            assert parked.wait(60)
+            assert client.streams_open(peer) == 1  # the only pooled stream is held by the ask
+            assert client.take(peer, "step000001", 6) is True
+            release.set()
+            t.join(60)
+            assert asked == [("cli", "step000001", 4), ("cli", "step000001", 5), ("cli", "step000001", 6)]
+            _eventually(lambda: srv.stats.takes == 3 and srv.stats.given == 2, "counted")
+            with pytest.raises(ValueError):
+                client.take(peer, "", 0)
+        finally:
+            release.set()
+            client.close()
+            target.close()
+
+
 def _fds_to(path) -> int:
     n = 0
     for fd in os.listdir("/proc/self/fd"):

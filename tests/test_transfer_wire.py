@@ -148,10 +148,31 @@ def test_busy_data_have_round_trip():
     assert len(ss.seal(wire.FrameType.HAVE, wire.encode_have(big))) <= wire.HEADER.size + wire.MAX_FRAME
 
 
+def test_take_and_give_round_trip_and_limits():
+    t = wire.Take("step000002", 2**32 - 1)
+    assert wire.decode_take(wire.encode_take(t)) == t
+    assert wire.decode_give(wire.encode_give(True)) is True
+    assert wire.decode_give(wire.encode_give(False)) is False
+    for bad in (wire.Take("", 0), wire.Take("x" * 256, 0), wire.Take("x", -1), wire.Take("x", 2**32),
+                wire.Take("st\u00e9p", 0)):
+        with pytest.raises(ProtocolError):
+            wire.encode_take(bad)
+    for raw in (b"", b"\x00\x00\x00\x00\x00", b"\x01x\x00\x00\x00", b"\x01x\x00\x00\x00\x00\x00", b"\x01\xff\0\0\0\0"):
+        with pytest.raises(ProtocolError):
+            wire.decode_take(raw)
+    for raw in (b"", b"\x02", b"\x01\x01"):
+        with pytest.raises(ProtocolError):
+            wire.decode_give(raw)
+    # a TAKE is a client's frame and a GIVE a server's: each side refuses the other's
+    assert wire.FrameType.TAKE in wire.CLIENT_FRAMES and wire.FrameType.TAKE not in wire.SERVER_FRAMES
+    assert wire.FrameType.GIVE in wire.SERVER_FRAMES and wire.FrameType.GIVE not in wire.CLIENT_FRAMES
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400))
 def test_decoders_fail_only_with_protocol_errors(raw):
-    for decode in (wire.decode_ask, wire.decode_data, wire.decode_busy, wire.decode_have, wire.parse_server_hello):
+    for decode in (wire.decode_ask, wire.decode_data, wire.decode_busy, wire.decode_have, wire.decode_take,
+                   wire.decode_give, wire.parse_server_hello):
         try:
             decode(raw)
         except ProtocolError:

@@ -25,6 +25,7 @@ COUNTERS = (
     "peer_wire_bytes_out",
     "peer_chunks_in_cut_through",  # received while the sender's bucket read still landed (bdn.transfer.growing)
     "bucket_chunks_taken_over",  # read here for another owner at the end of its list (part of bucket_chunks_owner)
+    "bucket_reads_given",  # reads of this node's own chunks it gave up to a taker (a TAKE it granted)
     "http_header_timeouts",  # bdn/daemon/http/guard.py: requests not complete in http_header_timeout_s
     "http_connections_refused",  # over http_max_connections
     "http_bad_requests",  # unparsable requests (431 / 400)

@@ -57,6 +57,8 @@ log = logging.getLogger("bdn.wire")
 
 #: Seconds an ``admit`` waits for the event loop beyond the asker's own ``wait``.
 ADMIT_SLACK_S = 30.0
+#: Seconds a TAKE waits for the event loop's decision before it is refused.
+TAKE_WAIT_S = 5.0
 
 
 def listen_address(cfg: Config) -> tuple[str, int, bool]:
@@ -136,7 +138,7 @@ class WirePeer:
         self.haves: Any = None  # bdn.daemon.fetch.haves.Haves, fed by ``subscriber``
         self.subscriber: HaveSubscriber | None = None
         self.server = TransferServer(keys, cfg.node_id, self.resolve, admit=self.admit, host=self._host, port=self._port,
-                                     on_have=self.feed.serve)
+                                     on_have=self.feed.serve, on_take=self.take)
         self.client = TransferClient(keys, cfg.node_id, streams_per_peer=max(1, cfg.max_per_peer),
                                      io_timeout_s=cfg.peer_timeout_s)
         self.pool = FetchPool(self.client, workers or max(2, cfg.max_inflight))
@@ -161,7 +163,7 @@ class WirePeer:
             log.warning("transfer port %s:%d is taken (%s): listening on any free port instead "
                         "(peers learn it from membership exchanges)", self._host, self._port, e.strerror)
             self.server = TransferServer(self.server.keys, self.cfg.node_id, self.resolve, admit=self.admit,
-                                         host=self._host, port=0, on_have=self.feed.serve)
+                                         host=self._host, port=0, on_have=self.feed.serve, on_take=self.take)
             host, port = self.server.start()
         adv = urlsplit(self.cfg.advertise_url).hostname or host
         if self._host not in ("0.0.0.0", "::", ""):
@@ -238,6 +240,43 @@ class WirePeer:
             # granted just as we gave up: give the slot back
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(f.result()))
             return Busy(1.0)
+
+    def take(self, peer: str, take: wire.Take) -> bool:
+        """Whether this node, the owner, gives its bucket read of stored chunk ``take.index`` of
+        ``take.identity`` up to ``peer`` (``Fetcher.give``, decided on the event loop where this
+        node's own reads decide; blocks this thread up to ``TAKE_WAIT_S``; refused on a time-out)."""
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            return False
+        try:
+            validate_identity(take.identity)
+        except BdnError:
+            return False
+
+        result: concurrent.futures.Future[bool] = concurrent.futures.Future()
+
+        def decide() -> None:
+            if not result.set_running_or_notify_cancel():
+                return  # this thread gave up waiting first: nothing was granted
+            try:
+                result.set_result(self.serving.fetcher.give(peer, take.identity, take.index))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                result.set_exception(e)
+
+        try:
+            loop.call_soon_threadsafe(decide)
+        except RuntimeError:  # the loop closed meanwhile
+            return False
+        try:
+            try:
+                return result.result(TAKE_WAIT_S)
+            except concurrent.futures.TimeoutError:
+                # a decision not started yet is cancelled (never granted); one running right now
+                # (give() is synchronous: a moment) stands, so the asker learns what was decided
+                return False if result.cancel() else result.result()
+        except Exception:  # noqa: BLE001 - a bug in give: refused, the connection serves on
+            log.exception("take of chunk %d of %s from %s failed", take.index, take.identity, peer)
+            return False
 
     async def _admit(self, ask: wire.Ask) -> Verdict:
         hint = ask.snapshot

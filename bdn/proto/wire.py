@@ -56,6 +56,13 @@ Frames after the handshake (payloads, before the tag):
   chunks are indexed, a HAVE of layer 2 (``HAVE_GROWING``) when it starts reading stored chunks
   from the bucket (an asker may take them cut-through at once), and an empty one as a keep-alive
   (bdn.transfer.announce).
+- ``TAKE`` (client): ``identity_len u8 | identity | index u32``: the client asks to read stored
+  chunk ``index`` of ``identity`` from the bucket *instead of* the server, the chunk's owner
+  (a read taken over at the end of a slow owner's list). The owner decides on its own event
+  loop, where its bucket reads decide too: ``GIVE`` (server): ``u8`` 1 = the read is the
+  client's (the owner will not start it while the grant lasts), 0 = refused (the owner reads
+  it, or holds it, or does not know the snapshot). The grant is what keeps a chunk read from
+  the bucket once: two announcements crossing each other could not (both reads would start).
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ _DATA = struct.Struct("!Q")
 _PART = struct.Struct("!QQ")
 _BUSY = struct.Struct("!I")
 _HAVE_FIXED = struct.Struct("!BI")
+_INDEX = struct.Struct("!I")
 
 
 class FrameType(IntEnum):
@@ -104,12 +112,16 @@ class FrameType(IntEnum):
     NOT_HERE = 0x13
     PART = 0x14
     HAVE = 0x20
+    TAKE = 0x15
+    GIVE = 0x16
 
 
 _TYPES = frozenset(int(t) for t in FrameType)
 #: Frames a server accepts from a client after the handshake, and a client from a server.
-CLIENT_FRAMES = frozenset({FrameType.ASK, FrameType.HAVE})
-SERVER_FRAMES = frozenset({FrameType.DATA, FrameType.BUSY, FrameType.NOT_HERE, FrameType.PART, FrameType.HAVE})
+CLIENT_FRAMES = frozenset({FrameType.ASK, FrameType.HAVE, FrameType.TAKE})
+SERVER_FRAMES = frozenset({
+    FrameType.DATA, FrameType.BUSY, FrameType.NOT_HERE, FrameType.PART, FrameType.HAVE, FrameType.GIVE,
+})
 #: HAVE layer: the sender is reading these stored chunks from the bucket now (cut-through).
 HAVE_GROWING = 2
 #: ASK flag: the client accepts a cut-through answer (PART frames).
@@ -478,3 +490,60 @@ def decode_have(payload: bytes | bytearray | memoryview) -> Have:
     if layer not in (0, 1, HAVE_GROWING) or len(raw) != start + 4 * count or not ident:
         raise ProtocolError("have frame malformed")
     return Have(ident, layer, struct.unpack_from(f"!{count}I", raw, start))
+
+
+@dataclass(frozen=True, slots=True)
+class Take:
+    """A request to read stored chunk ``index`` of ``identity`` from the bucket instead of the
+    server (its owner): answered by ``GIVE`` (see the module docstring)."""
+
+    identity: str
+    index: int
+
+
+def encode_take(take: Take) -> bytes:
+    """The TAKE payload.
+
+    Raises:
+        ProtocolError: identity not 1..255 ascii characters, or index outside 0..2^32-1.
+    """
+    try:
+        ident = take.identity.encode("ascii")
+    except UnicodeEncodeError:
+        raise ProtocolError("take identity is not ascii") from None
+    if not 0 < len(ident) <= 255 or not 0 <= take.index <= 0xFFFFFFFF:
+        raise ProtocolError("take frame needs an identity of 1..255 chars and an index below 2^32")
+    return bytes([len(ident)]) + ident + _INDEX.pack(take.index)
+
+
+def decode_take(payload: bytes | bytearray | memoryview) -> Take:
+    """Parse a TAKE payload. The caller validates the identity and bounds the index by the
+    manifest it holds.
+
+    Raises:
+        ProtocolError: wrong size, or an identity that is empty or not ascii.
+    """
+    raw = bytes(payload)
+    if not raw or len(raw) != 1 + raw[0] + _INDEX.size or raw[0] == 0:
+        raise ProtocolError("take frame malformed")
+    try:
+        ident = raw[1 : 1 + raw[0]].decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("take identity is not ascii") from None
+    return Take(ident, _INDEX.unpack_from(raw, 1 + raw[0])[0])
+
+
+def encode_give(granted: bool) -> bytes:
+    """The GIVE payload: 1 when the read is the asker's, 0 when refused."""
+    return b"\x01" if granted else b"\x00"
+
+
+def decode_give(payload: bytes | bytearray | memoryview) -> bool:
+    """Whether a GIVE payload grants the read.
+
+    Raises:
+        ProtocolError: not exactly one byte of 0 or 1.
+    """
+    if len(payload) != 1 or payload[0] > 1:
+        raise ProtocolError("give frame malformed")
+    return payload[0] == 1

@@ -210,6 +210,55 @@ class TransferClient:
         finally:
             self._release(peer, stream, keep)
 
+    def take(self, peer: Peer, identity: str, index: int) -> bool:
+        """Ask ``peer``, the owner of stored chunk ``index`` of ``identity``, to give its bucket
+        read of the chunk up to this node (a ``TAKE`` frame, bdn.proto.wire). True only when the
+        owner answered ``GIVE`` granted; False when it refused, and on any failure (no stream,
+        a broken connection, an owner of an older version that does not know the frame). Blocks
+        the calling thread up to ``io_timeout_s``.
+
+        Raises:
+            ValueError: a malformed identity or index (a bug in the caller).
+        """
+        try:
+            payload = wire.encode_take(wire.Take(identity, index))
+        except ProtocolError as e:
+            raise ValueError(str(e)) from None
+        # not behind the chunk requests parked on this peer's pooled streams: a stream of its
+        # own when none is idle (a take is rare: a few per download, at its very end)
+        pooled = self._acquire(peer, patience_s=0.0)
+        own = isinstance(pooled, FetchResult)
+        try:
+            stream = self.connect(peer) if own else pooled
+        except (OSError, TimeoutError, ProtocolError, AuthError):
+            return False
+        assert isinstance(stream, _Stream)
+        keep = False
+        try:
+            if stream.recv_timeout != self._io_timeout:
+                set_timeouts(stream.sock, self._io_timeout)
+                stream.recv_timeout = self._io_timeout
+            stream.sock.sendall(stream.session.seal(wire.FrameType.TAKE, payload))
+            while True:
+                ftype, body = read_frame(stream.sock, stream.buf)
+                if ftype not in wire.SERVER_FRAMES:
+                    raise ProtocolError(f"unexpected {ftype.name} frame from a transfer server")
+                answer = stream.session.open(ftype, body)
+                if ftype != wire.FrameType.HAVE:
+                    break
+            if ftype != wire.FrameType.GIVE:
+                raise ProtocolError(f"unexpected {ftype.name} frame as an answer to TAKE")
+            granted = wire.decode_give(answer)
+            keep = True
+            return granted
+        except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError):
+            return False
+        finally:
+            if own:
+                stream.sock.close()
+            else:
+                self._release(peer, stream, keep)
+
     def close_peer(self, peer: Peer) -> None:
         """Close every stream to ``peer`` (a peer that left the swarm): idle ones at once, busy
         ones by shutting their sockets, so the fetches in flight on them end as FAILED."""
@@ -249,8 +298,10 @@ class TransferClient:
 
     # ---- streams ----------------------------------------------------------------------------
 
-    def _acquire(self, peer: Peer) -> _Stream | FetchResult:
-        deadline = time.monotonic() + self._io_timeout
+    def _acquire(self, peer: Peer, patience_s: float | None = None) -> _Stream | FetchResult:
+        """An idle or new pooled stream to ``peer``, waiting up to ``patience_s`` (default
+        ``io_timeout_s``) for one while all are busy; a FAILED result when none came."""
+        deadline = time.monotonic() + (self._io_timeout if patience_s is None else patience_s)
         with self._cond:
             while True:
                 if self._closed:

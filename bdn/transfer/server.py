@@ -14,6 +14,9 @@ The daemon plugs in two thread-safe callbacks (called on connection threads):
   descriptor this server opens once and caches), the chunk while it still lands here from the
   bucket (``bdn.transfer.growing.Growing``: answered by cut-through to an ASK that accepts it,
   NOT_HERE to one that does not), or None when it is not held here.
+- ``take(peer_node_id, take) -> bool``: whether the owner gives the bucket read of a chunk up
+  to the asking peer (a ``TAKE`` frame, answered ``GIVE``); it may block briefly (the decision is
+  made on the daemon's loop). Without it every TAKE is refused.
 - ``admit(peer_node_id, ask) -> Granted | Busy | NOT_HERE``: the upload policy. It may block up to
   ``ask.wait_ms`` (an owner holding a request while it fetches the chunk); ``Granted.release`` is
   called once the answer is sent or failed. From asyncio code, wrap a coroutine with
@@ -77,6 +80,8 @@ Resolve = Callable[[str], "Location | Growing | None"]
 Admit = Callable[[str, wire.Ask], Verdict]
 #: Serves a HAVE subscription on its connection: (socket, session, the client's HAVE payload).
 OnHave = Callable[[socket.socket, wire.Session, memoryview], None]
+#: Decides a TAKE: (the asking peer's node id, the request) -> granted.
+OnTake = Callable[[str, wire.Take], bool]
 
 
 def admit_all(peer: str, ask: wire.Ask) -> Verdict:
@@ -98,6 +103,8 @@ class ServerStats:
     aborted: int = 0  # answers cut off after their DATA header (peer gone, file shrank)
     handshakes_evicted: int = 0  # unauthenticated connections dropped to admit a newer one
     cut_through: int = 0  # answers sent cut-through (while the chunk landed from the bucket)
+    takes: int = 0  # TAKE requests answered
+    given: int = 0  # ... of which granted
 
 
 @dataclass(eq=False)  # hashed by identity: kept in a set
@@ -136,12 +143,14 @@ class TransferServer:
         clock: Callable[[], float] = time.time,
         nonce: Callable[[int], bytes] = secrets.token_bytes,
         on_have: OnHave | None = None,
+        on_take: OnTake | None = None,
     ) -> None:
         if not NODE_ID_RE.match(node_id):
             raise ValueError(f"node id {node_id[:80]!r} does not match {NODE_ID_RE.pattern}")
         self.keys = keys
         self.node_id = node_id
         self._on_have = on_have
+        self._on_take = on_take
         self._resolve = resolve
         self._admit = admit
         self._host, self._port = host, port
@@ -288,6 +297,13 @@ class TransferServer:
                 payload = session.open(ftype, body)
                 if ftype == wire.FrameType.ASK:
                     self._answer(conn, session, wire.decode_ask(payload))
+                elif ftype == wire.FrameType.TAKE:
+                    take = wire.decode_take(payload)
+                    granted = self._on_take is not None and self._on_take(session.peer_node_id, take)
+                    with self._lock:
+                        self.stats.takes += 1
+                        self.stats.given += int(granted)
+                    self._send(conn, session, wire.FrameType.GIVE, wire.encode_give(granted))
                 elif self._on_have is not None:
                     # a HAVE subscription (bdn.transfer.announce): the connection carries HAVE
                     # frames to the client from now on, on this thread, until it ends

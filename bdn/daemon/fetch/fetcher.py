@@ -46,6 +46,15 @@ STEAL_MARGIN = 2
 STEAL_POLL_S = 0.25
 #: Missing chunks above which no look is taken (each look scans them: the tail is what it is for).
 STEAL_SCAN_LIMIT = 4096
+#: Seconds a bucket read this node (the owner) gave up to a taker (``give``) stays the taker's:
+#: the taker announces it within a round trip of its bucket slot (its own reads are done, its
+#: slots free), after which the announcement keeps it; a taker that dies meanwhile leaves the
+#: live set, which ends the grant at once. A chunk is given once per download, so a taker that
+#: never reads (a secret holder) holds a chunk up this long, once, ``MAX_GRANTS`` at a time.
+GRANT_S = 10.0
+#: Grants one taker may hold here at once (it takes ``STEALERS`` at a time): a secret holder
+#: asking for every chunk gets this many, then only refusals.
+MAX_GRANTS = 2 * STEALERS
 
 
 def _views(members: list[Member]) -> tuple[list[plan.PeerView], dict[str, Member]]:
@@ -77,6 +86,14 @@ class Fetcher:
         #: the acquisition takes the bucket read on its next round, if nobody has the chunk then.
         self._steals: set[tuple[str, str, int]] = set()
         self._stealing: set[tuple[str, str, int]] = set()  # ... whose bucket read runs here now
+        #: Chunks whose bucket read here passed its ``claim()`` (it holds its slot and reads):
+        #: never given up to a taker.
+        self._reading: set[tuple[str, str, int]] = set()
+        #: Chunks whose bucket read this node gave up (``give``): key -> (taker's node id, until);
+        #: kept after ``until`` (never given twice) until the download ends.
+        self._given: dict[tuple[str, str, int], tuple[str, float]] = {}
+        #: identity -> the job whose stored layer is being fetched here (what ``give`` decides on).
+        self._fetching: dict[str, SnapshotJob] = {}
 
     def owner(self, job: SnapshotJob, layer: str, digest: str, nodes: list[str] | None = None) -> str | None:
         """The node that reads chunk ``digest`` of ``layer`` from the bucket, among ``nodes``
@@ -120,6 +137,8 @@ class Fetcher:
         owned, others = plan.split_owned(bits, nodes, self.node_id, self.rng,
                                          lambda i: self.owner(job, layer, dig(i), nodes))
         poller = asyncio.create_task(self.haves.poll(job))
+        if layer == STORED:
+            self._fetching[job.identity] = job
 
         async def worker(order: Any) -> None:
             for i in order:
@@ -166,6 +185,10 @@ class Fetcher:
                 await asyncio.gather(*cut, return_exceptions=True)
         finally:
             poller.cancel()
+            if layer == STORED and self._fetching.get(job.identity) is job:
+                del self._fetching[job.identity]
+                for k in [k for k in self._given if k[0] == job.identity]:
+                    del self._given[k]
             # The bitfields served this download only: kept, they would pile up one table of
             # N peers' bitfields per snapshot ever fetched (a later fetch asks afresh first).
             self.haves.forget(job.identity)
@@ -199,6 +222,7 @@ class Fetcher:
         assert bits is not None
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
         started: set[asyncio.Future[None]] = set()
+        refused: set[int] = set()  # positions whose owner reads (or holds) them: not asked again
         try:
             while bits.count < bits.n:
                 ours = [k for k in (*self._steals, *self._stealing) if k[0] == job.identity and k[1] == layer]
@@ -212,7 +236,7 @@ class Fetcher:
                 remaining: dict[str, list[int]] = {}
                 for i in bits.clear_positions():
                     i = int(i)
-                    if (job.identity, layer, i) in self._steals:
+                    if (job.identity, layer, i) in self._steals or i in refused:
                         continue
                     o = self.owner(job, layer, dig(i), nodes)
                     if o is None or o == self.node_id or not self.haves.synced(job, o) \
@@ -223,8 +247,17 @@ class Fetcher:
                 if pick is None:
                     await asyncio.sleep(STEAL_POLL_S)
                     continue
-                i = pick[1]
+                o, i = pick
                 key = (job.identity, layer, i)
+                m = next((m for m in self.membership.live() if m.node_id == o), None)
+                # the owner decides, on its own loop where its reads decide: a read it has started
+                # is never given, one it gave is never started (two announcements crossing each
+                # other could not promise that: both reads started, tests/test_swarm_steal.py)
+                if m is None or not await self.sources.take(m, job.identity, i):
+                    refused.add(i)
+                    continue
+                if bits[i]:
+                    continue
                 self._steals.add(key)
                 self.haves.wake(key)
                 if (layer, i) not in job.inflight:
@@ -243,11 +276,44 @@ class Fetcher:
         penalised, not failed) announced the chunk, growing or held. A peer's word alone never
         stops a read for longer than its penalty: a liar claiming every chunk is penalised at
         its first bad bytes, and its claims do not count meanwhile (tests/test_bad_input.py)."""
+        key = (job.identity, layer, idx)
+
         def claim() -> bool:
-            live = {m.url for m in self.membership.live()}
-            return not any(u in live for u in (*self.haves.holding(job, layer, idx),
-                                                *self.haves.growing_at(job, layer, idx)))
+            members = self.membership.live()
+            given = self._given.get(key)
+            if given is not None:
+                taker, until = given
+                if self.clock.monotonic() < until and any(m.node_id == taker for m in members):
+                    return False  # given up to a live taker (``give``): it reads the chunk
+            live = {m.url for m in members}
+            if any(u in live for u in (*self.haves.holding(job, layer, idx), *self.haves.growing_at(job, layer, idx))):
+                return False
+            self._reading.add(key)
+            return True
         return claim
+
+    def give(self, node_id: str, identity: str, idx: int) -> bool:
+        """Event (a peer's ``TAKE``, on the loop): whether this node gives its bucket read of
+        stored chunk ``idx`` of ``identity`` up to the live member ``node_id``. Granted only for
+        an anchor being fetched here whose chunk is neither held here nor being read here (its
+        read has not passed ``claim()``) and was never given before, at most ``MAX_GRANTS`` per
+        taker at once; the grant makes this node's ``claim()`` give the read up while the taker is
+        live, for ``GRANT_S`` at most."""
+        job = self._fetching.get(identity)
+        if job is None or not self.cfg.steal_reads or job.manifest is None or job.manifest.is_delta:
+            return False
+        bits = job.bits(STORED)
+        key = (identity, STORED, idx)
+        if bits is None or not 0 <= idx < bits.n or bits[idx] or key in self._reading or key in self._stealing:
+            return False
+        if key in self._given or not any(m.node_id == node_id for m in self.membership.live()):
+            return False
+        now = self.clock.monotonic()
+        if sum(1 for taker, until in self._given.values() if taker == node_id and until > now) >= MAX_GRANTS:
+            return False
+        self._given[key] = (node_id, now + GRANT_S)
+        self.stats.add("bucket_reads_given")
+        return True
 
     async def ensure_chunk(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Single-flight: one acquisition per chunk, however many ask for it."""
@@ -312,9 +378,10 @@ class Fetcher:
                         await self._got(job, layer, ref)
                         return
                     except Superseded:
-                        pass  # the owner (or someone) started it first: take it from them
+                        pass  # someone announced it first: take it from them
                     finally:
                         self._stealing.discard(key)
+                        self._reading.discard(key)
             if not ranked:
                 # Nobody holds it yet, but a peer announced it is reading it from the bucket now:
                 # ask it at once, cut-through (bdn.transfer.growing), before parking anywhere.
@@ -357,6 +424,8 @@ class Fetcher:
                                 self.index.read_elsewhere(address)
                             parked_out = True
                             break
+                        finally:
+                            self._reading.discard((job.identity, layer, idx))
                         await self._got(job, layer, ref)
                         return
                     # Not the owner: the nodes above only said "busy" or "not yet". Reading the

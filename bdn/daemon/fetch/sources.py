@@ -208,6 +208,17 @@ class Sources:
             self.count_peer_in(job, ref, wire=False)
         return True
 
+    async def take(self, m: Member, identity: str, index: int) -> bool:
+        """Ask member ``m``, the owner of stored chunk ``index`` of ``identity``, to give its
+        bucket read up to this node (``TAKE``/``GIVE`` on the transfer wire). True only when it
+        granted it; False when it refused, failed, or has no transfer wire (then it reads it)."""
+        peer = peer_of(m) if self.wire is not None else None
+        if peer is None:
+            return False
+        loop = asyncio.get_running_loop()
+        # the default executor: not behind the fetch pool's threads, which may all be parked
+        return await loop.run_in_executor(None, self.wire.pool.client.take, peer, identity, index)
+
     def count_peer_in(self, job: SnapshotJob, ref: ChunkRef, wire: bool) -> None:
         """Count one chunk received from a peer (over the transfer ``wire`` or HTTP)."""
         job.bytes_from_peers += ref.length

@@ -1,0 +1,102 @@
+"""The owner's side of a read taken over (``Fetcher.give`` and the ``claim()`` of its own bucket
+reads, bdn/daemon/fetch/fetcher.py): a read that passed its claim is never given, a read given
+is never started while the taker is live and the grant lasts, a chunk is given once, a taker
+holds at most ``MAX_GRANTS`` at a time. Pure decisions on the event loop's state, with an
+injected clock; the TAKE/GIVE frames travel over real sockets in
+tests/test_transfer_roundtrip.py, and between real daemons in tests/test_swarm_steal.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from bdn.daemon.bitfield import Bitfield
+from bdn.daemon.clock import FakeClock
+from bdn.daemon.config import Config
+from bdn.daemon.fetch.fetcher import GRANT_S, MAX_GRANTS, Fetcher
+from bdn.daemon.membership import Membership
+from bdn.daemon.snapshot import STORED
+from bdn.daemon.stats import Stats
+
+N = 40
+
+
+class Job:
+    def __init__(self, identity: str = "step000001", delta: bool = False) -> None:
+        self.identity = identity
+        self.manifest = SimpleNamespace(is_delta=delta)
+        self.stored = Bitfield(N)
+
+    def bits(self, layer: str) -> Bitfield | None:
+        return self.stored if layer == STORED else None
+
+
+class NoHaves:
+    def holding(self, job, layer, idx):  # noqa: ANN001, ANN201
+        return []
+
+    def growing_at(self, job, layer, idx):  # noqa: ANN001, ANN201
+        return []
+
+
+def _owner(clock: FakeClock) -> tuple[Fetcher, Membership]:
+    ms = Membership("owner", "http://10.0.0.1:7080", [], clock)
+    for i in range(3):
+        ms.mark_ok(f"http://10.0.1.{i}:7080", f"taker{i}")
+    f = Fetcher(Config(node_id="owner"), ms, None, NoHaves(), None, Stats(), clock)  # type: ignore[arg-type]
+    return f, ms
+
+
+def test_a_read_started_is_never_given_and_a_read_given_is_never_started() -> None:
+    clock = FakeClock()
+    f, _ = _owner(clock)
+    job = Job()
+    assert not f.give("taker0", job.identity, 3)  # no download of it here: refused
+    f._fetching[job.identity] = job
+    claim3 = f._claim(job, STORED, 3)
+    assert claim3()  # this node's read of chunk 3 takes its bucket slot ...
+    assert not f.give("taker0", job.identity, 3)  # ... so it is never given
+    assert f.give("taker0", job.identity, 4)
+    assert not f._claim(job, STORED, 4)()  # given: this node's read of 4 gives itself up
+    assert f.stats.counters["bucket_reads_given"] == 1
+    job.stored.set(5)
+    assert not f.give("taker0", job.identity, 5)  # held here: taken from here, not the bucket
+    for bad in (-1, N, 2**32 - 1):
+        assert not f.give("taker0", job.identity, bad)
+    assert not f.give("stranger", job.identity, 6)  # not a live member
+    assert not f.give("taker0", "step000009", 6)
+
+
+def test_a_grant_ends_with_its_taker_or_its_time_and_is_never_given_twice() -> None:
+    clock = FakeClock()
+    f, ms = _owner(clock)
+    job = Job()
+    f._fetching[job.identity] = job
+    assert f.give("taker0", job.identity, 7) and f.give("taker1", job.identity, 8)
+    claim7, claim8 = f._claim(job, STORED, 7), f._claim(job, STORED, 8)
+    assert not claim7() and not claim8()
+    ms.mark_dead("http://10.0.1.1:7080")  # taker1 died before it read chunk 8
+    assert claim8()  # the owner reads it after all
+    clock.advance(GRANT_S - 0.5)
+    assert not claim7()
+    clock.advance(1.0)  # taker0 never announced it: the grant lapsed
+    assert claim7()
+    assert not f.give("taker2", job.identity, 7)  # reading it here now, and given once already
+
+
+def test_a_taker_holds_at_most_max_grants_at_once_and_deltas_are_never_given() -> None:
+    clock = FakeClock()
+    f, _ = _owner(clock)
+    job = Job()
+    f._fetching[job.identity] = job
+    got = [i for i in range(10, 30) if f.give("taker0", job.identity, i)]
+    assert got == list(range(10, 10 + MAX_GRANTS))  # a secret holder asking for all gets a few
+    assert f.give("taker1", job.identity, 30)  # the bound is per taker
+    clock.advance(GRANT_S + 1)
+    assert f.give("taker0", job.identity, 31)  # lapsed grants no longer count against it
+    assert not f.give("taker0", job.identity, 10)  # but their chunks are not given again
+    delta = Job("step000002", delta=True)
+    f._fetching[delta.identity] = delta
+    assert not f.give("taker0", delta.identity, 1)
+    off = Fetcher(Config(node_id="owner", steal_reads=False), f.membership, None, NoHaves(), None, Stats(), clock)  # type: ignore[arg-type]
+    off._fetching[job.identity] = job
+    assert not off.give("taker0", job.identity, 32)
