@@ -9,6 +9,7 @@ bdn.transfer.client, which keeps connections, the handshake and the ask/answer e
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -19,6 +20,14 @@ from bdn.transfer.sockio import ConnectionClosed, read_frame
 
 #: Bytes per ``recv_into`` of a DATA body (and the ring buffer of ``receive_to_file``).
 READ_BYTES = 1 << 20
+#: Body bytes are received with ``MSG_WAITALL``: one call returns once the piece asked for is
+#: whole (or at EOF, an error, a signal or the receive timeout, with what came), and the kernel
+#: wakes per segment inside it. Without it, on a slow stream (a shaped link, 8 askers sharing one
+#: uplink) each call returned one ~9 KiB segment, and the Python around every call was most of
+#: a receiver's user CPU (bench/NOTES.md, "Swarm scheduling, part 5"). (``SO_RCVLOWAT`` was
+#: tried first: Linux wakes a sleeping receiver only once the whole mark is queued again after
+#: a partial copy, so the last piece of a body slept to the receive timeout.)
+WAITALL = socket.MSG_WAITALL
 
 
 def receive_parts(s: Any, target: memoryview, first: bytes | memoryview, wait_s: float, io_timeout: float) -> None:
@@ -55,7 +64,7 @@ def receive_range(s: Any, target: memoryview) -> None:
     pos, n = 0, len(target)
     while pos < n:
         try:
-            got = recv_into(target[pos:], n - pos)
+            got = recv_into(target[pos:], n - pos, WAITALL)
         except BlockingIOError:
             raise TimeoutError(f"part stalled after {pos} of {n} bytes") from None
         if got == 0:
@@ -71,7 +80,7 @@ def receive_hashed(s: Any, target: memoryview) -> None:
     while pos < n:
         want = min(n - pos, READ_BYTES)
         try:
-            got = recv_into(target[pos : pos + want], want)
+            got = recv_into(target[pos : pos + want], want, WAITALL)
         except BlockingIOError:
             raise TimeoutError(f"body stalled after {pos} of {n} bytes") from None
         if got == 0:
@@ -90,7 +99,7 @@ def receive_to_file(s: Any, fd: int, offset: int, n: int) -> None:
     while pos < n:
         want = min(n - pos, READ_BYTES)
         try:
-            got = recv_into(ring, want)
+            got = recv_into(ring, want, WAITALL)
         except BlockingIOError:
             raise TimeoutError(f"body stalled after {pos} of {n} bytes") from None
         if got == 0:
