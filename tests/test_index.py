@@ -181,3 +181,33 @@ def test_index_state_per_chunk_is_a_few_bytes() -> None:
     assert idx.chunks() == {"positions": 2 * N, "pending": N, "held": N}
     assert used / N < BYTES_PER_CHUNK, f"{used / N:.1f} bytes per chunk"
     assert idx.lookup(_addr(N - 1)).offset == (N // 4 - 1) * CS
+
+
+def test_a_parsed_manifest_keeps_16_bytes_per_digest() -> None:
+    """The manifest's chunk lists (and a READY marker's) are one bytes block per file, 16 bytes
+    per digest, not a tuple of 32-char strings (89 bytes per chunk with the tuple's slot)."""
+    import json
+
+    from bdn.proto.chunks import Digests
+    from bdn.proto.manifest import Manifest as M
+
+    n = 100_000
+    doc = {"format": "bdn.snapshot/1", "identity": "step000001", "kind": "full", "policy_version": 1,
+           "chunk_size": CS, "files": [{"path": "a.bin", "size": n * CS, "chunks": [_digest(i) for i in range(n)]}]}
+    raw = json.dumps(doc).encode()
+    del doc
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        m = M.from_json(raw)
+        gc.collect()
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    chunks = m.files[0].chunks
+    assert isinstance(chunks, Digests) and used / n < 20, f"{used / n:.1f} bytes per chunk"
+    assert chunks[7] == _digest(7) and chunks[-1] == _digest(n - 1) and list(chunks[2:4]) == [_digest(2), _digest(3)]
+    assert chunks == tuple(_digest(i) for i in range(n)) and hash(chunks[:3]) == hash(Digests.of(chunks[:3]))
+    assert _digest(5) in chunks and "0" * 31 + "g" not in chunks
+    assert json.loads(m.to_json())["files"][0]["chunks"][9] == _digest(9)

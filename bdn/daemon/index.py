@@ -119,14 +119,13 @@ class _Segment:
 
     def position_of(self, ref: ChunkRef) -> int | None:
         """Where ``ref`` (a chunk of this layer) is, or None if it is not one of this layer's."""
-        try:
-            p = self.refs.position(ref)  # type: ignore[attr-defined]
-            have = self.refs[p]
-        except (AttributeError, IndexError):
-            return None
-        if (have.file_index, have.offset, have.digest) != (ref.file_index, ref.offset, ref.digest):
-            return None
-        return p
+        holds = getattr(self.refs, "holds", None)
+        if holds is not None:
+            return holds(ref)
+        for p, have in enumerate(self.refs):  # a plain sequence (not a ChunkList): small
+            if (have.file_index, have.offset, have.digest) == (ref.file_index, ref.offset, ref.digest):
+                return p
+        return None
 
 
 def _digests(refs: Sequence[ChunkRef]) -> Iterable[str]:
