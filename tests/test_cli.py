@@ -143,3 +143,12 @@ def test_bdn_publish_usage_errors_are_one_line(tmp_path: Path) -> None:
         "bdn-publish: error: argument --policy-version: must be >= 0 (see bdn-publish full --help)"], r
     r = subprocess.run([*cmd[:-1], "1", "--chunk-size", "7", "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and '"exit_code": 2' in r.stdout and len(r.stderr.splitlines()) == 1, r
+
+
+@pytest.mark.parametrize("module", ["bdn.daemon.main", "bdn.cli.bdnctl", "bdn.cli.publish", "bdn.engines"])
+def test_every_command_prints_its_version(module: str) -> None:
+    """Issue 12, item 15: ``--version`` on every command (the engine runner included)."""
+    from bdn import __version__
+
+    r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0 and r.stdout.strip() == f"bdn {__version__}", (r.returncode, r.stdout, r.stderr)

@@ -133,10 +133,19 @@ def test_a_mistyped_flag_is_one_line_exit_2() -> None:
     assert r.stderr == "bdnd: error: unrecognized arguments: --keep-readdy 3 (see bdnd --help)\n", r.stderr
 
 
-def test_bad_config_exits_2_with_one_line(base: dict[str, str]) -> None:
+@pytest.mark.parametrize("args, env, needle", [
+    (["--keep-ready", "-1"], {}, "keep_ready"),
+    ([], {"BDN_PEER_TIMEOUT_S": "-5"}, "peer_timeout_s"),
+    ([], {"BDN_PEER_TIMEOUT": "5"}, "BDN_PEER_TIMEOUT: unknown variable"),
+    ([], {"BDN_SHM_BUDGET_BYTES": "1e9x"}, "expected an integer"),
+    (["--local-listen", "0.0.0.0:7081"], {}, "not a loopback address"),
+    (["--local-listen", ""], {}, "local_listen (loopback host:port) or local_socket"),
+], ids=["negative-flag", "negative-env", "unknown-env", "bad-number-env", "remote-local-api", "no-local-api"])
+def test_bad_config_exits_2_with_one_line(base: dict[str, str], args: list[str], env: dict[str, str], needle: str) -> None:
+    """Issue 12, items 9 and 13, as a process: exit 2 and one line (systemd does not restart it)."""
     import os
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BDN_")}
-    r = _bdnd("--keep-ready", "-1", env={**env, **base})
-    assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "keep_ready" in r.stderr
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("BDN_")}
+    r = _bdnd(*args, env={**clean, **base, **env})
+    assert r.returncode == 2, r
+    assert r.stderr.strip().count("\n") == 0 and needle in r.stderr, r.stderr

@@ -122,3 +122,32 @@ def test_a_chunk_another_peer_holds_is_not_taken_from_a_bucket_reader() -> None:
     assert ps2.pick(1, {}, max_per_peer=1) == [(0, "a")]  # both idle: the non-reader (the reader came first)
     ps2.failed(0)
     assert ps2.pick(1, {"a": 1}, max_per_peer=1) == [(0, "reader")]  # a is full: the reader then
+
+
+def test_a_million_chunk_set_costs_8_bytes_a_chunk_and_breaks_ties_at_random() -> None:
+    """Issue 12, item 2: a daemon builds a PeerSet on its event loop when a download starts. Its
+    per-chunk state is the four masks and the availability counts (8 bytes); the rarest-first
+    tie-break is a keyed bijection of the position, not a permutation array (8 more bytes, and
+    60-70 ms of the loop for 10^6 chunks in bench/manifest_lag)."""
+    import tracemalloc
+
+    n = 1_000_000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        ps = PeerSet("me", n, FakeClock(), rng=random.Random(5))
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert used / n < 9, f"{used / n:.1f} bytes per chunk"
+    ranks = ps._tiebreak(np.arange(n))
+    assert len(np.unique(ranks)) == n  # no two positions tie
+    small = PeerSet("me", 64, FakeClock(), rng=random.Random(5))
+    small.accept("a")
+    small.on_bitfield("a", np.ones(64, dtype=bool))
+    order = [i for i, _ in small.pick(64, max_per_peer=64)]
+    assert sorted(order) == list(range(64)) and order != list(range(64))  # equally rare: a random order
+    again = PeerSet("me", 64, FakeClock(), rng=random.Random(5))
+    again.accept("a")
+    again.on_bitfield("a", np.ones(64, dtype=bool))
+    assert [i for i, _ in again.pick(64, max_per_peer=64)] == order  # the seed decides it

@@ -325,6 +325,32 @@ def test_sd_notify_ready_and_stopping(tmp_path: Path, abstract: bool) -> None:
         sock.close()
 
 
+def test_sd_notify_status_says_not_ready_naming_a_missing_bucket(tmp_path: Path) -> None:
+    """Issue 12, item 11: systemd's STATUS= carries readiness, not only READY=1: with a bucket
+    that does not exist it names it (``systemctl status bdnd`` shows the line)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify = str(tmp_path / "notify.sock")
+    sock.bind(notify)
+    sock.settimeout(240)  # READY=1 comes after bdnd's imports: 60+ s on a loaded machine
+    d = Daemon(tmp_path, "node0", (tmp_path / "no-such-bucket").as_uri(),
+               extra_env={"NOTIFY_SOCKET": notify, "BDN_STARTUP_SETTLE_S": "0"})
+    try:
+        d.start([])
+        try:
+            state = _recv_state(sock)
+        except TimeoutError:
+            pytest.fail(f"no READY=1 from bdnd:\n{d.log()}")
+        assert state.get("READY") == "1", state
+        while "no-such-bucket" not in state.get("STATUS", ""):  # (a later STATUS= if the first was sent too early)
+            state = _recv_state(sock)
+        status = state["STATUS"]
+        assert status.startswith("not ready: ") and "bucket unreachable" in status and "no such directory" in status, status
+        assert d.get("/v1/health")["status"] == "ok"  # alive all the same: liveness is not readiness
+    finally:
+        d.stop()
+        sock.close()
+
+
 # ---- configuration errors ----------------------------------------------------------------------
 
 CONFIG_ERRORS = {
@@ -334,6 +360,13 @@ CONFIG_ERRORS = {
     "secret-is-a-directory": ('bucket = "file:///tmp/b"\npartition_secret_file = "{tmp}"\n', ["partition_secret_file", "{tmp}"]),
     "toml-syntax": ('bucket = "file:///tmp/b\npartition_secret_file = "{secret}"\n', ["{cfg}", "TOML"]),
     "unknown-key-in-bdnd-table": ('[bdnd]\nbucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\npeer_port = 7080\n', ["peer_port"]),
+    # issue 12, item 9: these exited 1 with a traceback or a log line, or were accepted
+    "malformed-s3-url": ('bucket = "s3:/x"\npartition_secret_file = "{secret}"\n', ["bucket", "s3:/x"]),
+    "relative-file-url": ('bucket = "file://relative"\npartition_secret_file = "{secret}"\n', ["bucket", "file:///absolute/path"]),
+    "http-url": ('bucket = "http://example.invalid/b"\npartition_secret_file = "{secret}"\n', ["bucket", "http://example.invalid/b"]),
+    "unknown-log-level": ('bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nlog_level = "loud"\n', ["log_level", "loud"]),
+    "negative-count": ('bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nkeep_ready = -1\n', ["keep_ready", ">= 0"]),
+    "bdnd-table-beside-another": ('[bdnd]\nbucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\n[engine]\nname = "x"\n', ["outside the [bdnd] table: engine"]),
 }
 
 

@@ -28,7 +28,12 @@ pytestmark = pytest.mark.timeout(900)  # deadlines for a hang: at load 30-40 tak
 CHUNK = 4 << 10
 N_CHUNKS = 1_000_000
 IDENTITY = "step000001"
-RSS_BOUND = 1_500_000_000  # generous: the manifest, its chunk list and bitfields fit well below
+# The daemon's own memory with the plan in hand: 155 MB measured (bench/manifest_lag, RssAnon,
+# 2026-12-02) now that the control state per chunk is arrays (~40 B: digest, keyed address,
+# position, masks, bitfield bits; tests/test_index.py), against 557 MB when the pending table
+# held a dict entry, an address string and a ChunkRef per chunk. 400 MB: room for allocator
+# arenas and the manifest decode's transient strings, and below what per-chunk objects cost.
+RSS_BOUND = 400_000_000
 
 
 def _publish_huge(root: Path, n_files: int = 1) -> None:

@@ -86,9 +86,11 @@ class PeerSet:
         self.announced = np.zeros(n_chunks, dtype=bool)  # HAVE sent before the chunk was whole
         self.owned = np.zeros(n_chunks, dtype=bool) if owned is None else np.asarray(owned, dtype=bool).copy()
         self.avail = np.zeros(n_chunks, dtype=np.int32)
-        # numpy's permutation, seeded from rng: random.sample of 10^6 chunks took 0.7 s on the
-        # daemon's event loop (tests/test_scale.py)
-        self._tiebreak = np.random.default_rng(self.rng.getrandbits(64)).permutation(n_chunks).astype(np.int64)
+        # Ties among equally rare chunks go by a random order of this set's own: a keyed
+        # bijection of the position (:meth:`_tiebreak`), computed for the candidates only. (A
+        # permutation array of 10^6 chunks took 60-70 ms on the daemon's event loop and 8 bytes
+        # per chunk; random.sample before it 0.7 s: issue 12, item 2.)
+        self._salt = np.uint64(self.rng.getrandbits(64))
         self.peers: dict[str, _Peer] = {}
         self._next_flush = clock()
         self.messages_out = 0  # BITFIELD + HAVE messages this set asked to send (a metric)
@@ -284,6 +286,14 @@ class PeerSet:
         self.messages_out += len(out)
         return out
 
+    def _tiebreak(self, idxs: np.ndarray) -> np.ndarray:
+        """A random-looking rank of each position, the same for the set's life: splitmix64's
+        finaliser of ``position ^ salt``, a bijection of 64-bit integers (no two ranks tie)."""
+        x = idxs.astype(np.uint64) ^ self._salt
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
     def next_flush(self) -> float:
         return self._next_flush
 
@@ -303,7 +313,7 @@ class PeerSet:
         idxs = np.flatnonzero(cand)
         if idxs.size == 0:
             return []
-        order = idxs[np.lexsort((self._tiebreak[idxs], self.avail[idxs]))]
+        order = idxs[np.lexsort((self._tiebreak(idxs), self.avail[idxs]))]
         out: list[tuple[int, str]] = []
         for i in order.tolist():
             # a bucket reader's upload slots carry the chunks nobody else has yet: a chunk

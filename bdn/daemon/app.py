@@ -67,6 +67,7 @@ from bdn.daemon.uploads import Uploads
 from bdn.proto.errors import ProtocolError
 from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import STARTUP_NAME, parse_startup
+from bdn.transfer import target
 
 log = logging.getLogger("bdn.bdnd")
 
@@ -298,6 +299,7 @@ class App:
             log.info("bdnd %s stopping", self.cfg.node_id)
             self.notify("STOPPING=1")
         self.stop_clock.start(self.cfg.shutdown_timeout_s)
+        target.STOPPING.set()  # a disk worker filling a big target's page tables stops there
         for r in self._runners:  # no new connections; the requests in flight go on for now
             for site in list(r.sites):
                 await site.stop()

@@ -70,7 +70,7 @@ class ChunkList(Sequence[ChunkRef]):
             fi += 1
         return fi, i - self._starts[fi]
 
-    def _chunks(self, fi: int) -> tuple[str, ...]:
+    def _chunks(self, fi: int) -> Sequence[str]:
         f = self.m.files[fi]
         return f.result_chunks if self.result else f.chunks
 
@@ -91,9 +91,12 @@ class ChunkList(Sequence[ChunkRef]):
         return self._ref(*self._locate(i))
 
     def __iter__(self) -> Iterator[ChunkRef]:
-        for fi in range(len(self.m.files)):
-            for ci in range(len(self._chunks(fi))):
-                yield self._ref(fi, ci)
+        cs = self.m.chunk_size
+        for fi, f in enumerate(self.m.files):
+            size = f.result_size if self.result else f.size
+            for ci, d in enumerate(self._chunks(fi)):
+                off = ci * cs
+                yield ChunkRef(fi, f.path, ci, off, min(cs, size - off), d)
 
     def digest(self, i: int) -> str:
         """The xxh3-128 digest (hex) of chunk ``i``."""
@@ -108,6 +111,17 @@ class ChunkList(Sequence[ChunkRef]):
     def position(self, ref: ChunkRef) -> int:
         """Where ``ref`` (a chunk of this layer) is in the order."""
         return self._starts[ref.file_index] + ref.index
+
+    def holds(self, ref: ChunkRef) -> int | None:
+        """Where ``ref`` is in the order if it is one of this layer's chunks (same file, place
+        and digest), else None; builds no ChunkRef."""
+        fi, ci = ref.file_index, ref.index
+        if not 0 <= fi < len(self._starts):
+            return None
+        chunks = self._chunks(fi)
+        if not 0 <= ci < len(chunks) or ref.offset != ci * self.m.chunk_size or chunks[ci] != ref.digest:
+            return None
+        return self._starts[fi] + ci
 
     def bytes_of(self, positions: Iterable[int]) -> int:
         """Total length of the chunks at ``positions`` (distinct), without building their refs:

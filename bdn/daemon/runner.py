@@ -370,6 +370,7 @@ class Runner:
             # (content-addressed like any chunk), else walk the chain from the nearest anchor.
             if await self.haves.refresh(job, need_result=True):
                 try:
+                    await self._on(self.pools.disk, self.index.prepare, job, RESULT)  # off the loop
                     await self.fetcher.fetch_layer(job, RESULT)
                     job.layer_complete(STORED)
                     job.set_state("verifying")
@@ -404,7 +405,9 @@ class Runner:
         await self._register(job, RESULT, job.result_refs)
 
     async def _register(self, job: SnapshotJob, layer: str, refs: Iterable[ChunkRef]) -> None:
-        """Index verified chunks, handing the event loop a turn every 4096 (millions are possible)."""
+        """Index verified chunks, handing the event loop a turn every 4096 (millions are possible);
+        the layer's keyed addresses are computed first, on a disk thread (bdn.daemon.index)."""
+        await self._on(self.pools.disk, self.index.prepare, job, layer)
         for n, ref in enumerate(refs, 1):
             self.index.register(job, layer, ref)
             if n % 4096 == 0:

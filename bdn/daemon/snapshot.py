@@ -93,7 +93,6 @@ class SnapshotJob:
         self.manifest_digest = ""  # xxh3-128 of the manifest's bytes (ties saved progress to it)
         self.flusher: asyncio.Task[None] | None = None
         self.bytes_resumed = 0
-        self.registered: list[tuple[str, ChunkRef]] = []  # (layer, chunk) this job put in the index
         self.tensor_index: dict[str, tuple[str, Any]] | None = None  # built on the first tensor pull
         self.foreign: Any = None  # ForeignState of a snapshot without a manifest (bdn.daemon.foreign_source)
         self.wait_publish = True  # with nothing in the bucket yet: wait (True) or fail at once
@@ -175,8 +174,7 @@ class SnapshotJob:
     def restarted(self, m: Manifest) -> None:
         """Event: everything fetched is abandoned for a new table ``m`` (a snapshot without a
         manifest whose object was replaced mid-download): nothing held, nothing in the index."""
-        self.registered = []
-        self.attach_manifest(m)
+        self.attach_manifest(m)  # (the index drops segments of the old table: bdn.daemon.index)
         self.fetch_layer = STORED
         self.bytes_done = self.bytes_resumed = self.bytes_from_bucket = self.bytes_from_peers = self.bytes_local = 0
         self.touch()

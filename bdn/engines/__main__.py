@@ -34,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     Returns the exit status: 0 after a clean stop, 1 when the engine cannot start or bdnd is
     unreachable (a :class:`BdnError`, one line on stderr). A usage error exits 2 from argparse.
     """
+    from bdn import __version__
+
     ap = argparse.ArgumentParser(prog="python -m bdn.engines", description="run an engine adapter under bdnd")
+    ap.add_argument("--version", action="version", version=f"bdn {__version__}")  # as bdnd, bdnctl, bdn-publish
     sub = ap.add_subparsers(dest="engine", required=True)
     for name in ("hf", "sglang", "vllm"):
         p = sub.add_parser(name)

@@ -9,7 +9,8 @@ prints).
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, overload
 
 import xxhash
 
@@ -48,3 +49,74 @@ def buffer_digests(buf: Any, chunk_size: int) -> list[str]:
 
 
 # ``file_digests(path, chunk_size)`` is ``bdn.fileops.chunk_digests`` now (bdn/proto does no I/O).
+
+
+class Digests(Sequence[str]):
+    """A file's chunk digests in one bytes block, 16 bytes per digest (issue 12, item 2: a
+    manifest of a million chunks held a million 32-char strings, 89 bytes each with their tuple
+    slot). Reads like the tuple it replaces: ``d[i]`` / iteration give the lowercase hex digest,
+    ``d[a:b]`` a tuple, and it equals (and hashes like) the tuple of the same digests."""
+
+    __slots__ = ("_raw",)
+
+    def __init__(self, raw: bytes) -> None:
+        if len(raw) % 16:
+            raise ValueError(f"{len(raw)} bytes is not a whole number of 16-byte digests")
+        self._raw = bytes(raw)
+
+    @classmethod
+    def of(cls, hexes: Iterable[str]) -> Digests:
+        """From lowercase hex digests (validated by the caller: ``DIGEST_RE``)."""
+        return cls(bytes.fromhex("".join(hexes)))
+
+    @property
+    def raw(self) -> bytes:
+        """The digests back to back, 16 bytes each."""
+        return self._raw
+
+    def __len__(self) -> int:
+        return len(self._raw) >> 4
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[str, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> str | tuple[str, ...]:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(len(self))))
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return self._raw[i << 4:(i + 1) << 4].hex()
+
+    def __iter__(self) -> Iterator[str]:
+        raw = self._raw
+        for o in range(0, len(raw), 16):
+            yield raw[o:o + 16].hex()
+
+    def __contains__(self, value: object) -> bool:
+        if not (isinstance(value, str) and DIGEST_RE.match(value)):
+            return False
+        b = bytes.fromhex(value)
+        at = self._raw.find(b)
+        while at >= 0:
+            if at % 16 == 0:
+                return True
+            at = self._raw.find(b, at + 1)
+        return False
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Digests):
+            return self._raw == other._raw
+        if isinstance(other, (tuple, list)):
+            return len(other) == len(self) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Digests({len(self)} digests)"

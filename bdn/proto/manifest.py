@@ -19,13 +19,13 @@ bucket, so ``Manifest.from_json`` treats it as untrusted and validates everythin
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, num_chunks
+from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, Digests, num_chunks
 from bdn.proto.errors import ManifestError, ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
 from bdn.proto.reserved import reserved_path
@@ -44,7 +44,7 @@ class FileResult:
     """The reconstructed file of a delta diff: its size in bytes and chunk digests."""
 
     size: int
-    chunks: tuple[str, ...]
+    chunks: Sequence[str]  # a tuple, or Digests (16 bytes per digest) when parsed
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class FileEntry:
 
     path: str
     size: int
-    chunks: tuple[str, ...]
+    chunks: Sequence[str]  # a tuple, or Digests (16 bytes per digest) when parsed
     result: FileResult | None = None
 
     @property
@@ -62,7 +62,7 @@ class FileEntry:
         return self.result.size if self.result else self.size
 
     @property
-    def result_chunks(self) -> tuple[str, ...]:
+    def result_chunks(self) -> Sequence[str]:
         """Digests of the rebuilt file's chunks (a stored file's own chunks when it is not a diff)."""
         return self.result.chunks if self.result else self.chunks
 
@@ -412,7 +412,7 @@ def _int(obj: dict[str, Any], key: str, lo: int, hi: float, where: str = "manife
     return v
 
 
-def _chunks(raw: Any, size: int, chunk_size: int, where: str) -> tuple[str, ...]:
+def _chunks(raw: Any, size: int, chunk_size: int, where: str) -> Digests:
     if not isinstance(raw, list):
         raise ManifestError(f"{where}: chunks must be a list")
     want = num_chunks(size, chunk_size)
@@ -424,7 +424,7 @@ def _chunks(raw: Any, size: int, chunk_size: int, where: str) -> tuple[str, ...]
     for d in raw:
         if not isinstance(d, str) or not DIGEST_RE.match(d):
             raise ManifestError(f"{where}: chunk digest {str(d)[:40]!r} is not 32 lowercase hex")
-    return tuple(raw)
+    return Digests.of(raw)  # 16 bytes per chunk, not a string object
 
 
 def parse_startup(data: bytes) -> str:

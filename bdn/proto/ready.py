@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, num_chunks
+from bdn.proto.chunks import DIGEST_RE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE, Digests, num_chunks
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
 from bdn.proto.reserved import READY_NAME, RESERVED_NAMES, reserved_path
@@ -41,7 +42,7 @@ class ReadyFile:
 
     path: str
     size: int
-    chunks: tuple[str, ...]
+    chunks: Sequence[str]  # Digests when parsed (16 bytes per digest, bdn.proto.chunks)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def parse_ready(data: bytes, where: str = READY_NAME) -> ReadyMarker:
                 f"{fwhere} ({path}): {len(chunks)} chunk digests for {size} bytes at chunk_size "
                 f"{chunk_size} (expected {num_chunks(size, chunk_size)})"
             )
-        files.append(ReadyFile(path, size, tuple(chunks)))
+        files.append(ReadyFile(path, size, Digests.of(chunks)))
     return ReadyMarker(identity, kind, policy_version, base, chunk_size, tuple(files))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import threading
 from typing import Any
 
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # <linux/mman.h>; not in 3.11's mmap
@@ -31,6 +32,9 @@ def reserve(fd: int, size: int) -> None:
 
 
 POPULATE_STEP = 16 << 20  # bytes populated per madvise call (a multiple of any page size)
+#: Set when the process stops: a page-table fill in progress ends at its next step (it only
+#: saves page faults later; a stopping daemon would wait seconds for a GiB-sized target).
+STOPPING = threading.Event()
 
 
 def map_target(fd: int, size: int, *, populate: bool = True) -> mmap.mmap:
@@ -78,6 +82,8 @@ def _populate(m: mmap.mmap, size: int) -> None:
     before 5.14)."""
     if _MADVISE is None:
         for start in range(0, size, POPULATE_STEP):
+            if STOPPING.is_set():
+                return
             m.madvise(MADV_POPULATE_WRITE, start, min(POPULATE_STEP, size - start))
         return
     view = (ctypes.c_char * size).from_buffer(m)
@@ -86,6 +92,8 @@ def _populate(m: mmap.mmap, size: int) -> None:
     finally:
         del view  # the mapping must not stay exported (close() refuses while it is)
     for start in range(0, size, POPULATE_STEP):
+        if STOPPING.is_set():
+            return
         if _MADVISE(base + start, min(POPULATE_STEP, size - start), MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err))
