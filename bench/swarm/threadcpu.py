@@ -25,6 +25,7 @@ PYSPY = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), 
 
 
 def bdnd_pids() -> list[str]:
+    """Process ids (strings) of the running processes whose command line runs ``bdnd``."""
     out = []
     for pid in os.listdir("/proc"):
         if pid.isdigit():
@@ -38,6 +39,7 @@ def bdnd_pids() -> list[str]:
 
 
 def main() -> None:
+    """Sample until told to stop, then print the table (see the module docstring)."""
     cpu: dict[tuple[str, str], tuple[float, float]] = {}
     names: dict[tuple[str, str], str] = {}
     named: set[str] = set()
