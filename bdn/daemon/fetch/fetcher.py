@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
 from typing import Any
 
 from bdn.control.owners import readers_and_rule
@@ -21,6 +20,7 @@ from bdn.daemon.fetch import plan
 from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.fetch.owners import Owners
 from bdn.daemon.fetch.sources import Sources
+from bdn.daemon.fetch.takeover import TakeOvers
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
@@ -36,27 +36,6 @@ PARK_AHEAD = 1
 #: chunk landing at the other owners at once (about 2 per owner: 14 at N = 8; with 8, half of
 #: them went store-and-forward). Still bounded by ``max_inflight`` peer requests in all.
 CUT_WORKERS = 16
-#: Chunks at once this node reads for other owners, at the end of their lists, once its own
-#: are all acquired (``steal_reads``): about the chunks one owner lands at once.
-STEALERS = 2
-#: An owner keeps this many of its not yet announced chunks (the front of its list: the ones it
-#: is about to read) before another node takes its last one.
-STEAL_MARGIN = 2
-#: Seconds between looks for a chunk to take over when there was none.
-STEAL_POLL_S = 0.25
-#: Missing chunks above which no look is taken (each look scans them: the tail is what it is for).
-STEAL_SCAN_LIMIT = 4096
-#: Seconds a bucket read this node (the owner) gave up to a taker (``give``) stays the taker's:
-#: the taker announces it within a round trip of its bucket slot (its own reads are done, its
-#: slots free), after which the announcement keeps it; a taker that dies meanwhile leaves the
-#: live set, which ends the grant at once. A chunk is given once per download, so a taker that
-#: never reads (a secret holder) holds a chunk up this long, once, ``MAX_GRANTS`` at a time.
-GRANT_S = 10.0
-#: Grants one taker may hold here at once (it takes ``STEALERS`` at a time): a secret holder
-#: asking for every chunk gets this many, then only refusals.
-MAX_GRANTS = 2 * STEALERS
-
-
 def _views(members: list[Member]) -> tuple[list[plan.PeerView], dict[str, Member]]:
     return [plan.PeerView(m.url, m.node_id, m.inflight) for m in members], {m.url: m for m in members}
 
@@ -82,18 +61,8 @@ class Fetcher:
         #: Event hook (job, layer, position): a chunk was verified and indexed here (the transfer
         #: wire's HAVE feed announces it to the subscribed peers, bdn.transfer.announce).
         self.on_indexed: Any = None
-        #: (identity, layer, position) of chunks this node reads for their owner (``_steal``):
-        #: the acquisition takes the bucket read on its next round, if nobody has the chunk then.
-        self._steals: set[tuple[str, str, int]] = set()
-        self._stealing: set[tuple[str, str, int]] = set()  # ... whose bucket read runs here now
-        #: Chunks whose bucket read here passed its ``claim()`` (it holds its slot and reads):
-        #: never given up to a taker.
-        self._reading: set[tuple[str, str, int]] = set()
-        #: Chunks whose bucket read this node gave up (``give``): key -> (taker's node id, until);
-        #: kept after ``until`` (never given twice) until the download ends.
-        self._given: dict[tuple[str, str, int], tuple[str, float]] = {}
-        #: identity -> the job whose stored layer is being fetched here (what ``give`` decides on).
-        self._fetching: dict[str, SnapshotJob] = {}
+        #: Reads taken over at the end of a slow owner's list, both ways (``steal_reads``).
+        self.takeovers = TakeOvers(cfg, membership, haves, sources, stats, clock)
 
     def owner(self, job: SnapshotJob, layer: str, digest: str, nodes: list[str] | None = None) -> str | None:
         """The node that reads chunk ``digest`` of ``layer`` from the bucket, among ``nodes``
@@ -138,7 +107,7 @@ class Fetcher:
                                          lambda i: self.owner(job, layer, dig(i), nodes))
         poller = asyncio.create_task(self.haves.poll(job))
         if layer == STORED:
-            self._fetching[job.identity] = job
+            self.takeovers.begin(job)
 
         async def worker(order: Any) -> None:
             for i in order:
@@ -166,8 +135,8 @@ class Fetcher:
             tasks = mine + [asyncio.create_task(worker(others)) for _ in range(min(self.workers(), left))]
             wired = layer == STORED and self.cfg.cut_through and self.haves.subscriber is not None
             cut = [asyncio.create_task(cut_worker()) for _ in range(CUT_WORKERS)] if wired else []
-            if wired and self._may_steal(job, nodes, bits.n - bits.count):
-                cut.append(asyncio.create_task(self._steal(job, layer, mine)))
+            if wired and self.takeovers.may_steal(job, nodes, bits.n - bits.count):
+                cut.append(asyncio.create_task(self.takeovers.run(job, layer, mine, self.owner, self._ensure)))
             try:
                 await asyncio.gather(*tasks)
             except BaseException:
@@ -185,135 +154,16 @@ class Fetcher:
                 await asyncio.gather(*cut, return_exceptions=True)
         finally:
             poller.cancel()
-            if layer == STORED and self._fetching.get(job.identity) is job:
-                del self._fetching[job.identity]
-                for k in [k for k in self._given if k[0] == job.identity]:
-                    del self._given[k]
+            if layer == STORED:
+                self.takeovers.end(job)
             # The bitfields served this download only: kept, they would pile up one table of
             # N peers' bitfields per snapshot ever fetched (a later fetch asks afresh first).
             self.haves.forget(job.identity)
             self.owners.forget((job.identity, layer))
 
-    def _may_steal(self, job: SnapshotJob, nodes: list[str], missing: int) -> bool:
-        """Whether this node takes over other owners' last chunks in this download: only when
-        every node is in its peer set (the owner and this node then see each other's
-        announcements, which is what keeps a chunk from being read twice), the layer is small
-        enough to scan (``plan.ORDER_LIMIT``), and this node reads from the bucket at all."""
-        if not self.cfg.steal_reads or len(nodes) > self.haves.k + 1 or missing > plan.ORDER_LIMIT:
-            return False
-        if job.manifest is None or job.manifest.is_delta:
-            # anchors only: a delta folded here may take a subset of its stored chunks, numbered
-            # otherwise than at the peers that load it whole, so their announcements of it do not
-            # say reliably what is read where (bench/NOTES.md)
-            return False
-        readers, _ = readers_and_rule(job.identity, nodes, self.cfg.bucket_readers)
-        return self.node_id in readers
-
-    async def _steal(self, job: SnapshotJob, layer: str, mine: list[asyncio.Task[None]]) -> None:
-        """Once this node's own chunks are all acquired: over and over, the last chunk of the
-        owner with the most chunks nobody holds or reads yet (``plan.pick_steal``) is marked to
-        be read here from the bucket, at most ``STEALERS`` at once. Its acquisition here (started
-        if there is none; woken if it sleeps) takes the read on its next round, announced as it
-        starts to land (HAVE_GROWING), so that the owner gives its own read of it up (``claim``)
-        and every asker takes it from here, cut-through."""
-        if mine:
-            await asyncio.wait(mine)
-        refs, bits = job.refs(layer), job.bits(layer)
-        assert bits is not None
-        dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
-        started: set[asyncio.Future[None]] = set()
-        refused: set[int] = set()  # positions whose owner reads (or holds) them: not asked again
-        try:
-            while bits.count < bits.n:
-                ours = [k for k in (*self._steals, *self._stealing) if k[0] == job.identity and k[1] == layer]
-                for k in ours:
-                    if bits[k[2]]:
-                        self._steals.discard(k)  # it came from elsewhere first
-                if len(ours) >= STEALERS or bits.n - bits.count > STEAL_SCAN_LIMIT:
-                    await asyncio.sleep(STEAL_POLL_S)  # (over the limit: the tail is not here yet)
-                    continue
-                nodes = self.membership.hrw_nodes()
-                remaining: dict[str, list[int]] = {}
-                for i in bits.clear_positions():
-                    i = int(i)
-                    if (job.identity, layer, i) in self._steals or i in refused:
-                        continue
-                    o = self.owner(job, layer, dig(i), nodes)
-                    if o is None or o == self.node_id or not self.haves.synced(job, o) \
-                            or self.haves.holding(job, layer, i) or self.haves.growing_at(job, layer, i):
-                        continue
-                    remaining.setdefault(o, []).append(i)
-                pick = plan.pick_steal(remaining, STEAL_MARGIN)
-                if pick is None:
-                    await asyncio.sleep(STEAL_POLL_S)
-                    continue
-                o, i = pick
-                key = (job.identity, layer, i)
-                m = next((m for m in self.membership.live() if m.node_id == o), None)
-                # the owner decides, on its own loop where its reads decide: a read it has started
-                # is never given, one it gave is never started (two announcements crossing each
-                # other could not promise that: both reads started, tests/test_swarm_steal.py)
-                if m is None or not await self.sources.take(m, job.identity, i):
-                    refused.add(i)
-                    continue
-                if bits[i]:
-                    continue
-                self._steals.add(key)
-                self.haves.wake(key)
-                if (layer, i) not in job.inflight:
-                    f = asyncio.ensure_future(self._ensure(job, layer, i, refs[i]))
-                    started.add(f)
-                    f.add_done_callback(lambda f: (started.discard(f), f.cancelled() or f.exception()))
-                await asyncio.sleep(0)
-        finally:
-            for k in [k for k in self._steals if k[0] == job.identity and k[1] == layer]:
-                self._steals.discard(k)
-            for f in list(started):
-                f.cancel()
-
-    def _claim(self, job: SnapshotJob, layer: str, idx: int) -> Callable[[], bool]:
-        """At the bucket slot: whether this read is still wanted, i.e. no live member (not
-        penalised, not failed) announced the chunk, growing or held. A peer's word alone never
-        stops a read for longer than its penalty: a liar claiming every chunk is penalised at
-        its first bad bytes, and its claims do not count meanwhile (tests/test_bad_input.py)."""
-        key = (job.identity, layer, idx)
-
-        def claim() -> bool:
-            members = self.membership.live()
-            given = self._given.get(key)
-            if given is not None:
-                taker, until = given
-                if self.clock.monotonic() < until and any(m.node_id == taker for m in members):
-                    return False  # given up to a live taker (``give``): it reads the chunk
-            live = {m.url for m in members}
-            if any(u in live for u in (*self.haves.holding(job, layer, idx), *self.haves.growing_at(job, layer, idx))):
-                return False
-            self._reading.add(key)
-            return True
-        return claim
-
     def give(self, node_id: str, identity: str, idx: int) -> bool:
-        """Event (a peer's ``TAKE``, on the loop): whether this node gives its bucket read of
-        stored chunk ``idx`` of ``identity`` up to the live member ``node_id``. Granted only for
-        an anchor being fetched here whose chunk is neither held here nor being read here (its
-        read has not passed ``claim()``) and was never given before, at most ``MAX_GRANTS`` per
-        taker at once; the grant makes this node's ``claim()`` give the read up while the taker is
-        live, for ``GRANT_S`` at most."""
-        job = self._fetching.get(identity)
-        if job is None or not self.cfg.steal_reads or job.manifest is None or job.manifest.is_delta:
-            return False
-        bits = job.bits(STORED)
-        key = (identity, STORED, idx)
-        if bits is None or not 0 <= idx < bits.n or bits[idx] or key in self._reading or key in self._stealing:
-            return False
-        if key in self._given or not any(m.node_id == node_id for m in self.membership.live()):
-            return False
-        now = self.clock.monotonic()
-        if sum(1 for taker, until in self._given.values() if taker == node_id and until > now) >= MAX_GRANTS:
-            return False
-        self._given[key] = (node_id, now + GRANT_S)
-        self.stats.add("bucket_reads_given")
-        return True
+        """Event (a peer's ``TAKE``, on the loop): ``TakeOvers.give``."""
+        return self.takeovers.give(node_id, identity, idx)
 
     async def ensure_chunk(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Single-flight: one acquisition per chunk, however many ask for it."""
@@ -366,22 +216,17 @@ class Fetcher:
             views, members = _views(self.membership.live())
             ranked = plan.holders(views, self.haves.holding(job, layer, idx), self.rng)
             key = (job.identity, layer, idx)
-            if key in self._steals:
-                self._steals.discard(key)
-                if not ranked and not self.haves.growing_at(job, layer, idx):
-                    # this node takes the read over from the chunk's owner (_steal)
-                    self._stealing.add(key)
-                    try:
+            if self.takeovers.unmark(key) and not ranked and not self.haves.growing_at(job, layer, idx):
+                # this node takes the read over from the chunk's owner, who granted it (TakeOvers)
+                try:
+                    with self.takeovers.reading_for_owner(key):
                         await src.from_bucket(job, ref, target, owner=True, address=address,
-                                              claim=self._claim(job, layer, idx))
-                        self.stats.add("bucket_chunks_taken_over")
-                        await self._got(job, layer, ref)
-                        return
-                    except Superseded:
-                        pass  # someone announced it first: take it from them
-                    finally:
-                        self._stealing.discard(key)
-                        self._reading.discard(key)
+                                              claim=self.takeovers.claim(job, layer, idx))
+                    self.stats.add("bucket_chunks_taken_over")
+                    await self._got(job, layer, ref)
+                    return
+                except Superseded:
+                    pass  # someone announced it first: take it from them
             if not ranked:
                 # Nobody holds it yet, but a peer announced it is reading it from the bucket now:
                 # ask it at once, cut-through (bdn.transfer.growing), before parking anywhere.
@@ -415,9 +260,9 @@ class Fetcher:
                     if plan.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
                         try:
                             await src.from_bucket(job, ref, target, owner=True, address=address,
-                                                  claim=self._claim(job, layer, idx))
+                                                  claim=self.takeovers.claim(job, layer, idx))
                         except Superseded:
-                            # another node took this read over (_steal): the requests parked
+                            # another node took this read over (TakeOvers): the requests parked
                             # here for it go there; a busy round, then take the chunk from it
                             # (never a fallback read: it is being read)
                             if address:
@@ -425,7 +270,7 @@ class Fetcher:
                             parked_out = True
                             break
                         finally:
-                            self._reading.discard((job.identity, layer, idx))
+                            self.takeovers.read_ended((job.identity, layer, idx))
                         await self._got(job, layer, ref)
                         return
                     # Not the owner: the nodes above only said "busy" or "not yet". Reading the
