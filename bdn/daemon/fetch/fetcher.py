@@ -77,6 +77,7 @@ class Fetcher:
         #: the acquisition takes the bucket read on its next round, if nobody has the chunk then.
         self._steals: set[tuple[str, str, int]] = set()
         self._stealing: set[tuple[str, str, int]] = set()  # ... whose bucket read runs here now
+        self._fetching = 0  # fetch_layer calls running (the buffer pool is cleared when none is)
 
     def owner(self, job: SnapshotJob, layer: str, digest: str, nodes: list[str] | None = None) -> str | None:
         """The node that reads chunk ``digest`` of ``layer`` from the bucket, among ``nodes``
@@ -120,6 +121,7 @@ class Fetcher:
         owned, others = plan.split_owned(bits, nodes, self.node_id, self.rng,
                                          lambda i: self.owner(job, layer, dig(i), nodes))
         poller = asyncio.create_task(self.haves.poll(job))
+        self._fetching += 1
 
         async def worker(order: Any) -> None:
             for i in order:
@@ -170,6 +172,11 @@ class Fetcher:
             # N peers' bitfields per snapshot ever fetched (a later fetch asks afresh first).
             self.haves.forget(job.identity)
             self.owners.forget((job.identity, layer))
+            self._fetching -= 1
+            if not self._fetching:
+                # No download runs: the chunk buffers its races and HTTP peers used go back to
+                # the system now, not when the pool's bound pushes them out (sources.BufferPool).
+                self.sources.pool.clear()
 
     def _may_steal(self, job: SnapshotJob, nodes: list[str], missing: int) -> bool:
         """Whether this node takes over other owners' last chunks in this download: only when
