@@ -63,6 +63,13 @@ def test_buffers_are_anonymous_mappings_outside_the_heap() -> None:
     pool = BufferPool(keep=2)
     buf = pool.get(3 << 20)
     assert isinstance(buf, mmap.mmap) and len(buf) == 3 << 20
+    import ctypes
+
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    with open("/proc/self/maps") as f:  # private: MAP_SHARED anonymous memory is shmem, not RssAnon
+        perms = [line.split()[1] for line in f
+                 if int(line.split()[0].split("-")[0], 16) <= addr < int(line.split()[0].split("-")[1], 16)]
+    assert perms == ["rw-p"]
     assert buf[:4] == b"\0\0\0\0"  # zeroed like bytearray(n)
     memoryview(buf)[10:13] = b"abc"
     target = mmap.mmap(-1, 4 << 20)
