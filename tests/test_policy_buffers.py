@@ -52,3 +52,44 @@ def test_free_bytes_stay_under_max_bytes_whatever_keep_allows() -> None:
     assert pool.free_bytes == 4 * 1000
     assert len({id(pool.get(1000)) for _ in range(4)}) == 4  # the kept ones are reused
     assert pool.free_bytes == 0
+
+
+def test_buffers_are_anonymous_mappings_outside_the_heap() -> None:
+    """A chunk buffer is an anonymous mapping (glibc never carves it from its heap, and returns
+    it to the system when dropped), usable wherever a bytearray was: memoryview writes, slice
+    assignment into a target mapping, len."""
+    import mmap
+
+    pool = BufferPool(keep=2)
+    buf = pool.get(3 << 20)
+    assert isinstance(buf, mmap.mmap) and len(buf) == 3 << 20
+    import ctypes
+
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    with open("/proc/self/maps") as f:  # private: MAP_SHARED anonymous memory is shmem, not RssAnon
+        perms = [line.split()[1] for line in f
+                 if int(line.split()[0].split("-")[0], 16) <= addr < int(line.split()[0].split("-")[1], 16)]
+    assert perms == ["rw-p"]
+    assert buf[:4] == b"\0\0\0\0"  # zeroed like bytearray(n)
+    memoryview(buf)[10:13] = b"abc"
+    target = mmap.mmap(-1, 4 << 20)
+    target[100 : 100 + len(buf)] = buf
+    assert target[110:113] == b"abc"
+    assert len(pool.get(0)) == 0  # a mapping cannot be empty: an empty bytearray
+    pool.put(pool.get(0))
+    assert pool.free_bytes == 0
+
+
+def test_clear_drops_every_free_buffer() -> None:
+    """What one download's races needed is not held until the next (Fetcher.fetch_layer clears
+    the pool when no download runs)."""
+    pool = BufferPool(keep=8)
+    bufs = [pool.get(1 << 20) for _ in range(3)]
+    for b in bufs:
+        pool.put(b)
+    assert pool.free_bytes == 3 << 20
+    pool.clear()
+    assert pool.free_bytes == 0
+    assert all(pool.get(1 << 20) is not b for b in bufs)
+    pool.put(pool.get(5))  # usable after a clear, its counts start again from zero
+    assert pool.free_bytes == 5

@@ -29,12 +29,12 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-import msgpack
 
 from bdn.daemon import diskio
 from bdn.daemon.catalog import Catalog
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.lograte import RepeatLog
+from bdn.daemon.packing import packb
 from bdn.daemon.peer_client import PeerClient, PeerError
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import RESULT, Loc, SnapshotJob
@@ -77,7 +77,7 @@ class ChunkCheck:
         if key in self._outgoing or len(self._outgoing) >= MAX_OUTGOING:
             return
         self._outgoing.add(key)
-        body = msgpack.packb({"address": address, "snapshot": snapshot}, use_bin_type=True)
+        body = packb({"address": address, "snapshot": snapshot})
         task = asyncio.ensure_future(self._send(url, node_id, body))
         self._sending.add(task)
         task.add_done_callback(lambda t: (self._outgoing.discard(key), self._sending.discard(t)))

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from bdn.daemon.errors import Conflict
@@ -13,9 +14,13 @@ CONFIG_NAME = "config.json"
 
 
 def _read(path: Path) -> bytes | None:
+    # At most one byte over the limit (parse_config refuses that), but never a buffer of the
+    # limit for a file of a few hundred bytes: ``f.read(n)`` allocates ``n`` bytes first, and a
+    # 1 MiB block allocated and freed twice per delta fragmented glibc's heap (bench/NOTES.md,
+    # "Issue 12: the flat soak").
     try:
         with open(path, "rb") as f:
-            return f.read(MAX_CONFIG_BYTES + 1)
+            return f.read(min(os.fstat(f.fileno()).st_size, MAX_CONFIG_BYTES) + 1)
     except FileNotFoundError:
         return None
 

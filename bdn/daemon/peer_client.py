@@ -23,6 +23,7 @@ from yarl import URL
 
 from bdn.control.replay import Counters
 from bdn.daemon.bodies import BodyTooLarge, read_body
+from bdn.daemon.packing import packb
 from bdn.proto.keys import NODE_HEADER, NODE_ID_RE, UNKNOWN_TARGET, SwarmKeys, sign_request
 
 
@@ -247,7 +248,7 @@ class PeerClient:
     async def exchange_members(self, base_url: str, payload: dict[str, Any]) -> dict[str, Any]:
         """POST our member view; returns the peer's ``{node_id, url, members: [...]}``."""
         path = f"{self._prefix()}/members"
-        data = msgpack.packb(payload, use_bin_type=True)
+        data = packb(payload)
         async with self._answer("POST", base_url, path, "bad members answer: ", timeout=5.0, data=data) as resp:
             if resp.status != 200:
                 raise PeerError(f"{base_url}: members answered {resp.status}")

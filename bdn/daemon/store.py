@@ -40,6 +40,7 @@ import msgpack
 
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import Manifest
+from bdn.daemon.packing import packb
 from bdn.daemon.spares import Spares
 from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
 
@@ -268,7 +269,7 @@ class Store:
         doc: dict[str, Any] = {"m": manifest_digest, "s": stored, "r": result}
         if extra is not None:
             doc["x"] = extra
-        tmp.write_bytes(msgpack.packb(doc, use_bin_type=True))
+        tmp.write_bytes(packb(doc))
         os.replace(tmp, p)
 
     def load_progress_extra(self, identity: str) -> dict[str, Any] | None:

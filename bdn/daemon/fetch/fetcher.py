@@ -63,6 +63,7 @@ class Fetcher:
         self.on_indexed: Any = None
         #: Reads taken over at the end of a slow owner's list, both ways (``steal_reads``).
         self.takeovers = TakeOvers(cfg, membership, haves, sources, stats, clock)
+        self._layers = 0  # fetch_layer calls running (the buffer pool is cleared when none is)
 
     def owner(self, job: SnapshotJob, layer: str, digest: str, nodes: list[str] | None = None) -> str | None:
         """The node that reads chunk ``digest`` of ``layer`` from the bucket, among ``nodes``
@@ -108,6 +109,7 @@ class Fetcher:
         poller = asyncio.create_task(self.haves.poll(job))
         if layer == STORED:
             self.takeovers.begin(job)
+        self._layers += 1
 
         async def worker(order: Any) -> None:
             for i in order:
@@ -160,6 +162,11 @@ class Fetcher:
             # N peers' bitfields per snapshot ever fetched (a later fetch asks afresh first).
             self.haves.forget(job.identity)
             self.owners.forget((job.identity, layer))
+            self._layers -= 1
+            if not self._layers:
+                # No download runs: the chunk buffers its races and HTTP peers used go back to
+                # the system now, not when the pool's bound pushes them out (sources.BufferPool).
+                self.sources.pool.clear()
 
     def give(self, node_id: str, identity: str, idx: int) -> bool:
         """Event (a peer's ``TAKE``, on the loop): ``TakeOvers.give``."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -38,26 +39,43 @@ class BufferPool:
     snapshot's chunk size, but the last chunk of every file has a size of its own, and a pool
     that kept ``keep`` buffers per size grew with every delta published (the soak found the
     daemon's heap growing by about 1 MB per hot-load). The sizes used least recently go first.
-    At most ``max_bytes`` are kept in free buffers as well: the one-hour soak traced most of a
-    daemon's remaining growth to this pool filling towards ``keep`` buffers (24: up to 384 MiB
-    of 16 MiB chunks), which on the transfer wire serve only endgame races and HTTP peers.
+    At most ``max_bytes`` are kept in free buffers as well (``keep`` = 24 of 16 MiB would be
+    384 MiB).
+
+    The buffers are anonymous mappings (``mmap.mmap(-1, size)``), not ``bytearray``: a chunk-sized
+    ``bytearray`` is a glibc heap block once glibc's dynamic mmap threshold has risen past it
+    (mallopt(3)), and a heap that such blocks pass through fragments; a mapping is returned to
+    the system whole when it is dropped. :meth:`clear` drops every free buffer: the fetcher calls
+    it when no download is running, so that what one download's endgame races or HTTP peers
+    needed is not held until the next (the one-hour soak saw the pool fill towards its bound
+    over an hour, one buffer at a time; bench/NOTES.md, "Issue 12: the flat soak").
     """
 
     #: Bytes kept in free buffers at most (4 chunks of bdn-publish's default 16 MiB).
     MAX_BYTES = 64 << 20
 
     def __init__(self, keep: int, max_bytes: int = MAX_BYTES) -> None:
-        self._free: OrderedDict[int, list[bytearray]] = OrderedDict()
+        self._free: OrderedDict[int, list[Any]] = OrderedDict()
         self._keep = keep
         self._max_bytes = max_bytes
         self._count = 0
         self._bytes = 0
 
-    def get(self, size: int) -> bytearray:
-        """A buffer of ``size`` bytes: a free one of that size, else a new one (zeroed)."""
+    @staticmethod
+    def new(size: int) -> Any:
+        """A new zeroed buffer of ``size`` bytes: an anonymous private mapping (writable, with
+        the buffer protocol, ``len`` and slice assignment of a ``bytearray``); an empty
+        ``bytearray`` for 0 (a mapping cannot be empty). Private, not ``mmap``'s default
+        ``MAP_SHARED``: a shared anonymous mapping is shmem (counted in ``RssShmem``, not in
+        ``RssAnon`` where the soak judges the heap) and faulted in at twice the CPU (0.9 against
+        0.5 ms per MiB, first touch)."""
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE) if size > 0 else bytearray(0)
+
+    def get(self, size: int) -> Any:
+        """A buffer of ``size`` bytes: a free one of that size, else a new one (:meth:`new`)."""
         lst = self._free.get(size)
         if not lst:
-            return bytearray(size)
+            return self.new(size)
         self._count -= 1
         self._bytes -= size
         buf = lst.pop()
@@ -65,9 +83,9 @@ class BufferPool:
             del self._free[size]
         return buf
 
-    def put(self, buf: bytearray) -> None:
+    def put(self, buf: Any) -> None:
         """Give ``buf`` back for reuse (dropped if it alone is over ``max_bytes``)."""
-        if self._keep <= 0 or len(buf) > self._max_bytes:
+        if self._keep <= 0 or len(buf) > self._max_bytes or len(buf) == 0:
             return
         while self._count >= self._keep or self._bytes + len(buf) > self._max_bytes:
             size, lst = next(iter(self._free.items()))  # the size used least recently
@@ -81,6 +99,11 @@ class BufferPool:
         lst.append(buf)
         self._count += 1
         self._bytes += len(buf)
+
+    def clear(self) -> None:
+        """Drop every free buffer (each mapping is unmapped once nothing refers to it)."""
+        self._free.clear()
+        self._count = self._bytes = 0
 
     @property
     def free_bytes(self) -> int:

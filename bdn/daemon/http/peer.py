@@ -37,6 +37,7 @@ from bdn.daemon.errors import NotAvailable
 from bdn.daemon.http import hotload
 from bdn.daemon.http.common import BodyIncomplete, request_body, text
 from bdn.daemon.http.services import SERVICES, Services, services
+from bdn.daemon.packing import packb
 from bdn.daemon.snapshot import Loc
 from bdn.daemon.uploads import Admission
 from bdn.proto.errors import AuthError, BdnError
@@ -171,7 +172,7 @@ async def get_have(request: web.Request) -> web.Response:
     have = await services(request).catalog.have(identity, int(since), wait)
     if have is None:
         return text(404, "snapshot not known here")
-    return web.Response(body=msgpack.packb(have, use_bin_type=True), content_type="application/msgpack")
+    return web.Response(body=packb(have), content_type="application/msgpack")
 
 
 async def post_members(request: web.Request) -> web.Response:
@@ -187,7 +188,7 @@ async def post_members(request: web.Request) -> web.Response:
         ans = await services(request).gossip.handle(obj, request["peer"])
     except (ValueError, msgpack.UnpackException, BdnError, RecursionError) as e:
         return text(400, f"members body is malformed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
-    return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
+    return web.Response(body=packb(ans), content_type="application/msgpack")
 
 
 _NOT_MSGPACK = object()
@@ -218,7 +219,7 @@ async def post_hot_load_peer(request: web.Request) -> web.Response:
         await services(request).hotload.from_peer(obj, request["peer"])
     except BdnError as e:
         return text(400, str(e))
-    return web.Response(body=msgpack.packb({"ok": True}), content_type="application/msgpack")
+    return web.Response(body=packb({"ok": True}), content_type="application/msgpack")
 
 
 async def post_status(request: web.Request) -> web.Response:
@@ -236,7 +237,7 @@ async def post_status(request: web.Request) -> web.Response:
         return text(503, str(e))
     except BdnError as e:
         return text(400, str(e))
-    return web.Response(body=msgpack.packb({"ok": True}), content_type="application/msgpack")
+    return web.Response(body=packb({"ok": True}), content_type="application/msgpack")
 
 
 async def get_status(request: web.Request) -> web.Response:

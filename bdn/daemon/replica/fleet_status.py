@@ -21,13 +21,13 @@ import json
 import logging
 from typing import Any
 
-import msgpack
 
 from bdn.control import hotload as policy
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Invalid, NotAvailable
 from bdn.daemon.membership import Membership
+from bdn.daemon.packing import packb
 from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.stats import Stats
@@ -119,7 +119,7 @@ class FleetStatus:
             return 0
         self._sent, self._next_refresh = state, now + self._interval()
         self.board.ttl_s = TTL_MULT * self._interval()
-        payload = msgpack.packb({"identity": ident, "row": row}, use_bin_type=True)
+        payload = packb({"identity": ident, "row": row})
         by_node = self.membership.by_node()
         sent = 0
         for node in aggs:

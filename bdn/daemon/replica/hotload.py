@@ -25,13 +25,13 @@ import random
 import secrets
 from typing import Any
 
-import msgpack
 
 from bdn.bucket import BucketError, ObjectNotFound
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.clock import Clock
 from bdn.daemon.errors import Conflict, Invalid, NotFound, Unsupported, Upstream
 from bdn.daemon.membership import Membership
+from bdn.daemon.packing import packb
 from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.config import Config
 from bdn.daemon.foreign_source import Hint, Hints
@@ -260,7 +260,7 @@ class HotLoad:
     async def fan_out(self, target: Target, exclude: str = "") -> int:
         """Push ``target`` to ``hotload_fanout`` random live members (not ``exclude``, who sent
         it to us); how many took it. Those that adopt it push it on: O(log N) hops in all."""
-        payload = msgpack.packb(target.wire(), use_bin_type=True)
+        payload = packb(target.wire())
         live = [m for m in self.membership.live() if m.node_id != exclude]
         picked = self.rng.sample(live, min(push_fanout(self.cfg.hotload_fanout, len(live) + 1), len(live)))
 
