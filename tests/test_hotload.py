@@ -41,6 +41,9 @@ def test_one_post_moves_the_fleet(fleet) -> None:
     }, token=TOKEN)
     assert status == 200, ans
     assert ans["accepted"] is True and ans["identity"] == "step000002" and ans["policy_version"] == 2
+    # before it made the target, the accepting daemon asked members for theirs (HotLoad.catch_up)
+    assert a.status()["control_requests"]["sent"].get("hot_load_pull", 0) >= 1
+    assert sum(d.status()["control_requests"]["received"].get("hot_load_pull", 0) for d in swarm.daemons[1:]) >= 1
     reps = wait_fleet(swarm.daemons[2].url, "step000002")
     assert {r["policy_version"] for r in reps} == {2}
     for d in swarm.daemons:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
@@ -59,6 +61,8 @@ log = logging.getLogger("bdn.wire")
 ADMIT_SLACK_S = 30.0
 #: Seconds a TAKE waits for the event loop's decision before it is refused.
 TAKE_WAIT_S = 5.0
+#: Seconds between a waiting connection thread's looks at ``WirePeer.closing``.
+CLOSING_POLL_S = 0.25
 
 
 def listen_address(cfg: Config) -> tuple[str, int, bool]:
@@ -148,6 +152,8 @@ class WirePeer:
         self.growing = GrowingChunks()
         #: identity -> stored chunk positions growing here now (sent to a new HAVE subscriber)
         self.growing_positions: dict[str, set[int]] = {}
+        #: Set when the daemon stops (``close_client``): connection threads stop waiting for the loop.
+        self.closing = threading.Event()
 
     # ---- life ---------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> str:
@@ -172,13 +178,17 @@ class WirePeer:
         return self.address
 
     def close_client(self) -> None:
-        """End every fetch in flight (they report FAILED) and refuse new ones."""
+        """End every fetch in flight (they report FAILED) and refuse new ones; from now on the
+        server's connection threads stop waiting for the event loop (``admit``, ``take``), so
+        that ``close`` can join them while the loop runs it."""
+        self.closing.set()
         if self.subscriber is not None:
             self.subscriber.close()
         self.client.close()
 
     def close(self) -> None:
         """Stop the client, its worker threads, the server and the target mappings."""
+        self.closing.set()
         if self.subscriber is not None:
             self.subscriber.close()
         self.feed.close()
@@ -232,21 +242,30 @@ class WirePeer:
         loop = self.loop
         if loop is None or loop.is_closed():
             return NOT_HERE
+        if self.closing.is_set():
+            return NOT_HERE
         fut = asyncio.run_coroutine_threadsafe(self._admit(ask), loop)
-        try:
-            return fut.result(ask.wait_ms / 1000 + ADMIT_SLACK_S)
-        except concurrent.futures.TimeoutError:
+        deadline = time.monotonic() + ask.wait_ms / 1000 + ADMIT_SLACK_S
+        while True:
+            try:
+                return fut.result(min(CLOSING_POLL_S, max(0.0, deadline - time.monotonic())))
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() < deadline and not self.closing.is_set():
+                    continue
             fut.cancel()
             # granted just as we gave up: give the slot back
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(f.result()))
-            return Busy(1.0)
+            # a stopping daemon answers at once: its loop is joining this thread (App.shutdown ->
+            # close -> TransferServer.close) and would not run the decision (the soak's node4
+            # waited out its 20 s watchdog that way)
+            return NOT_HERE if self.closing.is_set() else Busy(1.0)
 
     def take(self, peer: str, take: wire.Take) -> bool:
         """Whether this node, the owner, gives its bucket read of stored chunk ``take.index`` of
         ``take.identity`` up to ``peer`` (``Fetcher.give``, decided on the event loop where this
         node's own reads decide; blocks this thread up to ``TAKE_WAIT_S``; refused on a time-out)."""
         loop = self.loop
-        if loop is None or loop.is_closed():
+        if loop is None or loop.is_closed() or self.closing.is_set():
             return False
         try:
             validate_identity(take.identity)
@@ -269,7 +288,13 @@ class WirePeer:
             return False
         try:
             try:
-                return result.result(TAKE_WAIT_S)
+                deadline = time.monotonic() + TAKE_WAIT_S
+                while True:  # in slices: a stopping daemon's loop may be joining this thread
+                    try:
+                        return result.result(min(CLOSING_POLL_S, max(0.0, deadline - time.monotonic())))
+                    except concurrent.futures.TimeoutError:
+                        if time.monotonic() >= deadline or self.closing.is_set():
+                            raise
             except concurrent.futures.TimeoutError:
                 # a decision not started yet is cancelled (never granted); one running right now
                 # (give() is synchronous: a moment) stands, so the asker learns what was decided

@@ -222,6 +222,14 @@ async def post_hot_load_peer(request: web.Request) -> web.Response:
     return web.Response(body=packb({"ok": True}), content_type="application/msgpack")
 
 
+async def get_hot_load_peer(request: web.Request) -> web.Response:
+    """GET hot_load -> 200 {"target": this daemon's hot-load target as the wire carries it, or
+    null}: what a member asks before it accepts a hot-load POST (``HotLoad.catch_up``)."""
+    hotload = services(request).hotload
+    hotload.stats.control_request("received", "hot_load_pull")
+    return web.json_response(hotload.current_wire())
+
+
 async def post_status(request: web.Request) -> web.Response:
     """POST status (msgpack {identity, row}: a replica's report to an aggregator) -> 200; 400/413."""
     try:
@@ -286,6 +294,7 @@ def make_peer_app(svc: Services) -> web.Application:
     app.router.add_get(p + "/snapshots/{identity}/have", get_have)
     app.router.add_post(p + "/members", post_members)
     app.router.add_post(p + "/hot_load", post_hot_load_peer)
+    app.router.add_get(p + "/hot_load", get_hot_load_peer)
     app.router.add_get(p + "/replica", get_replica)
     app.router.add_post(p + "/status", post_status)
     app.router.add_get(p + "/status", get_status)

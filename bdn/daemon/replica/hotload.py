@@ -101,6 +101,12 @@ def parse_request(body: bytes) -> tuple[str, dict[str, Any] | None]:
     return ident, meta
 
 
+#: Members a daemon asks for their hot-load target before it accepts a POST (``catch_up``).
+PULL_PEERS = 3
+#: Seconds it waits for each of them.
+PULL_TIMEOUT_S = 2.0
+
+
 class HotLoad:
     """Accepts a trainer's hot-load (checked against the bucket), fans it out, answers the fleet GET."""
 
@@ -206,6 +212,7 @@ class HotLoad:
         ident, meta = parse_request(body)
         options = parse_options(json.loads(body))  # the engine options at the top level
         key = contract.request_key(ident, meta)
+        await self.catch_up()
         t = self.view.target
         if self.last is not None and t is not None and self.last[0] == key and t.request_id == self.last[1]["request_id"]:
             return await self._again(t, dict(self.last[1]))
@@ -248,6 +255,42 @@ class HotLoad:
         }
         self.last = (key, answer)
         return dict(answer)
+
+    async def catch_up(self) -> int:
+        """Before a POST's target is made (its ``gen`` is one more than the target held here):
+        ask up to ``PULL_PEERS`` members for their current target, live ones first, then other
+        known ones (static seeds, members not yet admitted), and adopt any later one as a push
+        would. A daemon restarted seconds before may not have heard the fleet's target by
+        gossip yet (the soak: a node back from a liar's round heard nothing for 70 s), and a
+        ``gen`` made from its stale one lost to the fleet's older target: the POST answered 200
+        and the fleet stayed where it was (bench/NOTES.md, "Issue 12: the flat soak"). A member
+        that does not answer within ``PULL_TIMEOUT_S`` is skipped; returns how many answered."""
+        live = self.membership.live()
+        ids = {m.node_id for m in live}
+        others = [m for m in self.membership.members.values() if m.node_id not in ids and m.url != self.membership.self_url]
+        picked = self.rng.sample(live, min(PULL_PEERS, len(live)))
+        picked += self.rng.sample(others, min(PULL_PEERS - len(picked), len(others)))
+
+        async def one(url: str) -> bool:
+            self.stats.control_request("sent", "hot_load_pull")
+            try:
+                status, obj = await self.peers.get_json(url, "hot_load", timeout=PULL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - unreachable, slow or garbled: gossip converges anyway
+                return False
+            if status != 200 or not isinstance(obj, dict):
+                return False
+            if obj.get("target") is not None:
+                t = Target.from_wire(obj["target"], self.clock.time_ns())
+                if t is not None:
+                    await self.view.adopt(t, source=f"peer {url} (asked before a hot-load)")
+            return True
+
+        return sum(await asyncio.gather(*(one(m.url) for m in picked)))
+
+    def current_wire(self) -> dict[str, Any]:
+        """What a member's ``catch_up`` gets from here: ``{"target": the target's wire map or None}``."""
+        t = self.view.target
+        return {"target": None if t is None else t.wire()}
 
     async def _again(self, t: Target, answer: dict[str, Any]) -> dict[str, Any]:
         """The same hot-load posted again: its first answer (same request id); a failed load of it
