@@ -35,7 +35,7 @@ import xxhash
 from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import MAX_SKEW_S, NODE_ID_RE, SwarmKeys
-from bdn.transfer.receive import receive_hashed, receive_parts, receive_to_file
+from bdn.transfer.receive import body_limit, receive_hashed, receive_parts, receive_to_file
 from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
 
 
@@ -109,7 +109,11 @@ class TransferClient:
             busy waits for one (up to ``io_timeout_s``).
         rcvbuf: ``SO_RCVBUF`` in bytes set before connecting (None: the kernel's autotuning).
         connect_timeout_s / io_timeout_s: seconds for TCP connect + handshake, and of silence
-            on a stream (a request held with ``wait_s`` adds that).
+            on a stream (a request held with ``wait_s`` adds that until its answer begins). A
+            body that stops ends within two ``io_timeout_s`` of its last byte (one
+            ``MSG_WAITALL`` call, bdn.transfer.receive); a DATA body as a whole has
+            ``receive.body_limit`` (a timeout per MiB, plus two), a cut-through answer
+            ``wait_s`` + 4 timeouts.
         clock / nonce: unix seconds and n random bytes (injectable for tests).
     """
 
@@ -425,10 +429,17 @@ class TransferClient:
                 raise ProtocolError(f"unexpected {ftype.name} frame as an answer")
             elif (n := wire.decode_data(payload)) != length:
                 raise ProtocolError(f"announced {n} bytes for a {length}-byte request")
-            elif isinstance(sink, int):
-                receive_to_file(s, sink, offset, length)
             else:
-                receive_hashed(s, sink)
+                # ``wait_s`` was for the answer to come; the body gets ``io_timeout_s`` of silence
+                # (within two of them a stopped body ends) and ``body_limit`` as a whole
+                if s.recv_timeout != self._io_timeout:
+                    set_timeouts(s.sock, self._io_timeout)
+                    s.recv_timeout = self._io_timeout
+                deadline = time.monotonic() + body_limit(length, self._io_timeout)
+                if isinstance(sink, int):
+                    receive_to_file(s, sink, offset, length, deadline)
+                else:
+                    receive_hashed(s, sink, deadline)
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:
             # ``cut_through``: it broke inside a cut-through answer (the sender's copy may have
             # failed its own check and been cut off: bdn.transfer.growing; not the sender's fault)
