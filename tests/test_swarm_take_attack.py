@@ -12,6 +12,8 @@ node id it likes.
   serves on, nothing is granted; then a well-formed TAKE is granted (the setup could grant).
 - A taker that dies (kill -9) right after its grants: the owners read those chunks once it
   leaves their live set, long before its grants would lapse (``GRANT_S`` set to 600 s here).
+- An owner whose transfer server has no TAKE hook (a daemon of the version before TAKE): every
+  TAKE answered GIVE 0, and its chunks are read by it alone.
 """
 
 from __future__ import annotations
@@ -311,5 +313,55 @@ def test_a_taker_killed_after_its_grants_ends_them_when_it_leaves_the_live_set(t
         for d, c in zip(owners, counters, strict=True):
             assert c["bucket_reads_given"] >= len(got[d.node_id]), (d.node_id, c, got)
         assert sum(c["chunk_verify_failures"] for c in counters) == 0
+    finally:
+        swarm.stop()
+
+
+# ---- an owner of the older version: no TAKE hook -----------------------------------------------
+
+
+_NO_HOOK = (
+    "import sys, runpy\n"
+    "import bdn.proto.wire as w, bdn.transfer.server as s\n"
+    "init, decode = s.TransferServer.__init__, w.decode_take\n"
+    "def no_hook(self, *a, on_take=None, **k):\n"
+    "    init(self, *a, **k)\n"
+    "def seen(payload):\n"
+    "    print('TAKE-SEEN', flush=True)\n"
+    "    return decode(payload)\n"
+    "s.TransferServer.__init__, w.decode_take = no_hook, seen\n"
+    "sys.argv = ['bdnd']; runpy.run_module('bdn.daemon.main', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def test_a_slow_owner_without_the_take_hook_gives_nothing_and_nothing_is_read_twice(tmp_path: Path) -> None:
+    """tests/test_swarm_steal.py's swarm, the slow owner's transfer server built without
+    ``on_take`` (what a daemon of the version before TAKE answers: GIVE 0 to every TAKE): the fast
+    nodes ask it, are refused, and read none of its chunks."""
+    bucket, src, n = _publish(tmp_path)
+    swarm = Swarm(tmp_path / "nodes", 5, bucket)
+    slow = swarm.daemons[0]
+    slow.env["BDN_BUCKET_MBIT"] = "2"
+    try:
+        env = dict(slow.env, BDN_PEERS=",".join(p for p in swarm.peer_urls if p != slow.peer_url))
+        with open(slow.log_path, "ab") as log:
+            slow.proc = subprocess.Popen([sys.executable, "-c", _NO_HOOK], env=env, stdout=log, stderr=subprocess.STDOUT)
+        for d in swarm.daemons[1:]:
+            d.start(swarm.peer_urls)
+        for d in swarm.daemons:
+            d.wait_healthy()
+        for d in swarm.daemons:
+            assert d.prefetch(IDENTITY)[0] in (200, 202)
+        for d in swarm.daemons:
+            d.wait_ready(IDENTITY, timeout=600)
+        counters = [d.status()["counters"] for d in swarm.daemons]
+        assert "TAKE-SEEN" in slow.log_path.read_text(), "nobody asked the slow owner: the test proves nothing"
+        assert counters[0]["bucket_reads_given"] == 0, counters[0]
+        # no read taken over without a grant, and every chunk read once
+        assert sum(c["bucket_chunks_taken_over"] for c in counters) <= sum(c["bucket_reads_given"] for c in counters)
+        assert sum(c["bucket_chunks_owner"] for c in counters) == n, counters
+        assert sum(c["bucket_chunks_fallback"] for c in counters) == 0, counters
+        for d in swarm.daemons:
+            _check_bytes(d, src)
     finally:
         swarm.stop()
