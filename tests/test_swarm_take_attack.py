@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from bdn.daemon.fetch.fetcher import GRANT_S, MAX_GRANTS
+from bdn.daemon.fetch.takeover import GRANT_S, MAX_GRANTS
 from bdn.proto import wire
 from bdn.proto.keys import derive_keys
 from bdn.publish import publish_full
@@ -267,7 +267,7 @@ def test_malformed_takes_are_refused_or_closed_and_the_daemon_serves_on(tmp_path
 
 
 _PATCHED = (
-    "import sys, runpy; import bdn.daemon.fetch.fetcher as f; f.GRANT_S = 600.0; "
+    "import sys, runpy; import bdn.daemon.fetch.takeover as f; f.GRANT_S = 600.0; "
     "sys.argv = ['bdnd']; runpy.run_module('bdn.daemon.main', run_name='__main__', alter_sys=True)"
 )
 
