@@ -111,7 +111,7 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
     # started once both hold the snapshot (else it would join it at the first request it serves)
     receiver = Daemon(tmp_path / "nodes", "node2", bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
     tport = free_port()
-    relay = relay_cls(("127.0.0.1", tport), after=1 << 62)
+    relay = FreezingRelay(("127.0.0.1", tport), after=1 << 62)
     sender.env.update(BDN_TRANSFER_LISTEN=f"127.0.0.1:{tport}", BDN_TRANSFER_ADVERTISE=f"127.0.0.1:{relay.port}")
     log = receiver.dir / "chunks.jsonl"
     receiver.env["BDN_CHUNK_LOG"] = str(log)
