@@ -26,13 +26,14 @@ import threading
 import time
 from pathlib import Path
 
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import SECRET, Daemon, Swarm
+
 from bdn.daemon.fetch.takeover import GRANT_S, MAX_GRANTS
 from bdn.proto import wire
 from bdn.proto.keys import derive_keys
 from bdn.publish import publish_full
 from bdn.transfer import Peer, TransferClient
-from support.checkpoints import make_state, write_hf_dir
-from support.swarm import SECRET, Daemon, Swarm
 
 IDENTITY = "step000001"
 KEYS = derive_keys(SECRET)
