@@ -257,3 +257,83 @@ def test_the_wait_of_a_held_request_does_not_stretch_the_silence_of_its_body(shm
         client.close()
         target.close()
         s.close()
+
+
+class HaveSpammer:
+    """A peer that knows the secret and answers the first request (ASK or TAKE) with HAVE frames
+    only, one every 0.2 s, forever: never silent, never an answer."""
+
+    def __init__(self) -> None:
+        self.ls = socket.create_server(("127.0.0.1", 0))
+        self.addr = self.ls.getsockname()
+        self.stop = threading.Event()
+        self.sent = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        import secrets
+
+        from support.transfer import recv_frame
+
+        while True:
+            try:
+                sock, _ = self.ls.accept()
+            except OSError:
+                return
+            try:
+                nonce = secrets.token_bytes(wire.NONCE_BYTES)
+                sock.sendall(wire.server_hello(nonce))
+                _, body = recv_frame(sock)
+                accept, session = wire.check_client_hello(KEYS, "spammer", nonce, body, time.time())
+                sock.sendall(accept)
+                ftype, body = recv_frame(sock)
+                session.open(ftype, body)
+                have = wire.encode_have(wire.Have("step000001", 0, (1, 2, 3)))
+                while not self.stop.wait(0.2):
+                    sock.sendall(session.seal(wire.FrameType.HAVE, have))
+                    self.sent += 1
+            except OSError:
+                pass
+            finally:
+                sock.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.ls.close()
+
+
+@pytest.mark.parametrize("what", ["ask", "ask-waited", "take"])
+def test_an_answer_that_never_begins_ends_at_the_timeout_however_many_haves_come(shm, src, what):
+    """HAVE frames on a request stream are skipped (they are announcements, not answers); a peer
+    sending them without end held the fetch (or TAKE) thread for ever: the answer must begin
+    within ``io_timeout_s`` (plus the request's wait) whatever else comes."""
+    io = 1.0
+    s = HaveSpammer()
+    client = TransferClient(KEYS, "cli", io_timeout_s=io)
+    target = Target(shm / "out", CHUNK)
+    peer = Peer("spammer", *s.addr)
+    wait = 2.0 if what == "ask-waited" else 0.0
+    out: list = []
+
+    def go() -> None:
+        if what == "take":
+            out.append(client.take(peer, "step000001", 1))
+        else:
+            out.append(client.fetch_into(peer, src.address(0), target.map, 0, CHUNK, src.digests[0], wait_s=wait))
+
+    try:
+        t0 = time.monotonic()
+        th = threading.Thread(target=go, daemon=True)
+        th.start()
+        th.join(30)
+        took = time.monotonic() - t0
+        assert out, f"still waiting for an answer after {took:.0f} s ({s.sent} HAVEs)"
+        if what == "take":
+            assert out[0] is False
+        else:
+            assert out[0].outcome is Outcome.FAILED, out[0]
+        assert took <= io + wait + 1.5, took
+    finally:
+        client.close()
+        target.close()
+        s.close()

@@ -243,13 +243,7 @@ class TransferClient:
                 set_timeouts(stream.sock, self._io_timeout)
                 stream.recv_timeout = self._io_timeout
             stream.sock.sendall(stream.session.seal(wire.FrameType.TAKE, payload))
-            while True:
-                ftype, body = read_frame(stream.sock, stream.buf)
-                if ftype not in wire.SERVER_FRAMES:
-                    raise ProtocolError(f"unexpected {ftype.name} frame from a transfer server")
-                answer = stream.session.open(ftype, body)
-                if ftype != wire.FrameType.HAVE:
-                    break
+            ftype, answer = _answer(stream, self._io_timeout)
             if ftype != wire.FrameType.GIVE:
                 raise ProtocolError(f"unexpected {ftype.name} frame as an answer to TAKE")
             granted = wire.decode_give(answer)
@@ -407,13 +401,7 @@ class TransferClient:
                 set_timeouts(s.sock, want_timeout)
                 s.recv_timeout = want_timeout
             s.sock.sendall(s.session.seal(wire.FrameType.ASK, ask))
-            while True:
-                ftype, body = read_frame(s.sock, s.buf)
-                if ftype not in wire.SERVER_FRAMES:
-                    raise ProtocolError(f"unexpected {ftype.name} frame from a transfer server")
-                payload = s.session.open(ftype, body)
-                if ftype != wire.FrameType.HAVE:  # announcements are not answers; skip them here
-                    break
+            ftype, payload = _answer(s, want_timeout)
             if ftype == wire.FrameType.NOT_HERE:
                 return NOT_HERE
             if ftype == wire.FrameType.BUSY:
@@ -448,6 +436,23 @@ class TransferClient:
             return FetchResult(Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}",
                                cut_through=cut)
         return CUT_OK if cut else OK
+
+def _answer(s: _Stream, within_s: float) -> tuple[wire.FrameType, memoryview | bytes]:
+    """The first frame after a request that is not a HAVE (announcements are not answers: skipped)
+    and its opened payload. It must come within ``within_s`` of the call: HAVEs do not extend
+    that (a peer sending them without end held the calling thread for ever,
+    tests/test_transfer_slow_body.py). Raises TimeoutError, ProtocolError, ConnectionClosed."""
+    deadline = time.monotonic() + within_s
+    while True:
+        ftype, body = read_frame(s.sock, s.buf)
+        if ftype not in wire.SERVER_FRAMES:
+            raise ProtocolError(f"unexpected {ftype.name} frame from a transfer server")
+        payload = s.session.open(ftype, body)
+        if ftype != wire.FrameType.HAVE:
+            return ftype, payload
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer within {within_s:g} s (only announcements)")
+
 
 def _alive(sock: socket.socket) -> bool:
     """Whether an idle stream is still open: nothing to read (EAGAIN) means open; EOF, a reset
