@@ -366,3 +366,35 @@ def test_a_slow_owner_without_the_take_hook_gives_nothing_and_nothing_is_read_tw
             _check_bytes(d, src)
     finally:
         swarm.stop()
+
+
+def test_a_take_for_a_delta_is_never_granted(tmp_path: Path) -> None:
+    """A delta's stored chunks are never given (a delta folded here may take a subset of them,
+    numbered otherwise than at its peers): GIVE 0 to a live member for every position while the
+    delta downloads, and its download completes."""
+    from support.chains import file_chain, step_id
+
+    from bdn.proto.manifest import MANIFEST_NAME, Manifest
+
+    chain = file_chain(tmp_path, 1, chunk_size=64 << 10, scale=8, frac=0.5)
+    delta = step_id(2)
+    m = Manifest.from_json((chain.bucket / delta / MANIFEST_NAME).read_bytes())
+    assert m.is_delta
+    n = sum(1 for _ in m.stored_chunks())
+    with Swarm(tmp_path / "nodes", 2, chain.url, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_BUCKET_MBIT": "1"}) as swarm:
+        owner, other = swarm.daemons
+        assert owner.prefetch(delta)[0] in (200, 202)
+        seen_downloading = False
+        client = TransferClient(KEYS, other.node_id, io_timeout_s=30)
+        try:
+            while True:
+                state = owner.get(f"/v1/snapshots/{delta}")["state"]
+                if state in ("ready", "failed"):
+                    break
+                seen_downloading = seen_downloading or state == "downloading"
+                for i in range(n):
+                    assert client.take(_wire_peer(owner), delta, i) is False, (i, state)
+        finally:
+            client.close()
+        assert state == "ready", state
+        assert seen_downloading, "the delta was never seen downloading: the test proves nothing"
