@@ -112,7 +112,7 @@ class TransferClient:
             on a stream (a request held with ``wait_s`` adds that until its answer begins). A
             body that stops ends within two ``io_timeout_s`` of its last byte (one
             ``MSG_WAITALL`` call, bdn.transfer.receive); a DATA body as a whole has
-            ``receive.body_limit`` (a timeout per MiB, plus two), a cut-through answer
+            ``receive.body_limit`` (four timeouts, one more per 16 MiB past the first 16), a cut-through answer
             ``wait_s`` + 4 timeouts.
         clock / nonce: unix seconds and n random bytes (injectable for tests).
     """

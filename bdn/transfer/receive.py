@@ -28,6 +28,8 @@ READ_BYTES = 1 << 20
 #: tried first: Linux wakes a sleeping receiver only once the whole mark is queued again after
 #: a partial copy, so the last piece of a body slept to the receive timeout.)
 WAITALL = socket.MSG_WAITALL
+#: Bytes a DATA body gets one more ``io_timeout`` for, past the four every body has.
+BODY_SPAN = 16 << 20
 #: The receive timeout bounds one ``MSG_WAITALL`` call as a whole (Linux counts it down across
 #: the waits inside the call; a byte now and then does not restart it), and the call returns what
 #: came when it runs out: so a body that stops ends within two timeouts of its last byte (the
@@ -37,11 +39,13 @@ WAITALL = socket.MSG_WAITALL
 
 
 def body_limit(length: int, io_timeout: float) -> float:
-    """Seconds a DATA body of ``length`` bytes may take as a whole: ``io_timeout`` per
-    ``READ_BYTES`` piece, plus two (a body must average 1 MiB per timeout: 17 KiB/s at the
-    daemon's 60 s). A trickle of a byte every few seconds held a fetch thread for the length
-    times that before (tests/test_transfer_slow_body.py)."""
-    return io_timeout * (2 + -(-length // READ_BYTES))
+    """Seconds a DATA body of ``length`` bytes may take as a whole: four ``io_timeout``, as a
+    cut-through answer has (``receive_parts``), plus one per ``BODY_SPAN`` bytes past the first
+    ``BODY_SPAN`` (a 16 MiB chunk at the daemon's 60 s: 4 min, at least 70 kB/s; the HTTP chunk
+    path allows ``peer_timeout_s`` for the whole request). A trickle of a byte every few seconds held a fetch thread, and
+    the chunk's acquisition, for the body's length times that before
+    (tests/test_transfer_slow_body.py)."""
+    return io_timeout * (4 + max(0, length - 1) // BODY_SPAN)
 
 
 def _late(deadline: float, what: str, pos: int, n: int) -> None:
