@@ -35,7 +35,12 @@ import xxhash
 from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import MAX_SKEW_S, NODE_ID_RE, SwarmKeys
-from bdn.transfer.receive import body_limit, receive_hashed, receive_parts, receive_to_file
+from bdn.transfer.receive import (
+    body_limit,
+    receive_hashed,
+    receive_parts,
+    receive_to_file,
+)
 from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
 
 
