@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from support.checkpoints import make_state, write_hf_dir
 from support.relay import Relay
 from support.swarm import Daemon, Swarm, free_port
@@ -205,7 +207,36 @@ class FreezingRelay(Relay):
             pass
 
 
-def test_a_wire_peer_that_falls_silent_is_penalised_and_its_queue_goes_elsewhere(tmp_path: Path) -> None:
+class TricklingRelay(FreezingRelay):
+    """A ``FreezingRelay`` that, past ``after`` bytes, passes the server's bytes on one at a time,
+    one every ``pace`` seconds: never silent for a whole receive timeout, never done."""
+
+    pace = 1.8  # 0.6 x the receiver's peer_timeout_s
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, throttle: bool) -> None:
+        try:
+            while not self.dead.is_set():
+                data = src.recv(16 << 10)
+                if not data or self.dead.is_set():
+                    break
+                if throttle and self.forwarded + len(data) > self.after:
+                    for i in range(len(data)):
+                        if self.dead.wait(self.pace):
+                            return
+                        dst.sendall(data[i : i + 1])
+                    continue
+                dst.sendall(data)
+                if throttle:
+                    self.forwarded += len(data)
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("relay_cls", [FreezingRelay, TricklingRelay], ids=["silent", "trickling"])
+def test_a_wire_peer_that_falls_silent_is_penalised_and_its_queue_goes_elsewhere(tmp_path: Path, relay_cls) -> None:
+    """Silent mid-chunk, or trickling a byte every 0.6 x the receive timeout (only the body's
+    deadline, bdn.transfer.receive.body_limit, ends that one: before it, the chunk's fetch
+    never ended and the snapshot never became ready)."""
     bucket = f"file://{tmp_path}/bucket"
     ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=8), 1)
     b = open_bucket(bucket)
@@ -218,7 +249,7 @@ def test_a_wire_peer_that_falls_silent_is_penalised_and_its_queue_goes_elsewhere
     receiver = Daemon(tmp_path / "nodes", "node2", bucket, extra_env={
         "BDN_LOAD_STARTUP": "false", "BDN_PEER_TIMEOUT_S": "3", "BDN_PENALTY_S": "600"})
     tport = free_port()
-    relay = FreezingRelay(("127.0.0.1", tport), after=1 << 62)
+    relay = relay_cls(("127.0.0.1", tport), after=1 << 62)
     frozen.env.update(BDN_TRANSFER_LISTEN=f"127.0.0.1:{tport}", BDN_TRANSFER_ADVERTISE=f"127.0.0.1:{relay.port}")
     log = receiver.dir / "chunks.jsonl"
     receiver.env["BDN_CHUNK_LOG"] = str(log)

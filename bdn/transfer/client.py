@@ -35,7 +35,12 @@ import xxhash
 from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import MAX_SKEW_S, NODE_ID_RE, SwarmKeys
-from bdn.transfer.receive import receive_hashed, receive_parts, receive_to_file
+from bdn.transfer.receive import (
+    body_limit,
+    receive_hashed,
+    receive_parts,
+    receive_to_file,
+)
 from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
 
 
@@ -109,7 +114,11 @@ class TransferClient:
             busy waits for one (up to ``io_timeout_s``).
         rcvbuf: ``SO_RCVBUF`` in bytes set before connecting (None: the kernel's autotuning).
         connect_timeout_s / io_timeout_s: seconds for TCP connect + handshake, and of silence
-            on a stream (a request held with ``wait_s`` adds that).
+            on a stream (a request held with ``wait_s`` adds that until its answer begins). A
+            body that stops ends within two ``io_timeout_s`` of its last byte (one
+            ``MSG_WAITALL`` call, bdn.transfer.receive); a DATA body as a whole has
+            ``receive.body_limit`` (four timeouts, one more per 16 MiB past the first 16), a cut-through answer
+            ``wait_s`` + 4 timeouts.
         clock / nonce: unix seconds and n random bytes (injectable for tests).
     """
 
@@ -239,13 +248,7 @@ class TransferClient:
                 set_timeouts(stream.sock, self._io_timeout)
                 stream.recv_timeout = self._io_timeout
             stream.sock.sendall(stream.session.seal(wire.FrameType.TAKE, payload))
-            while True:
-                ftype, body = read_frame(stream.sock, stream.buf)
-                if ftype not in wire.SERVER_FRAMES:
-                    raise ProtocolError(f"unexpected {ftype.name} frame from a transfer server")
-                answer = stream.session.open(ftype, body)
-                if ftype != wire.FrameType.HAVE:
-                    break
+            ftype, answer = _answer(stream, self._io_timeout)
             if ftype != wire.FrameType.GIVE:
                 raise ProtocolError(f"unexpected {ftype.name} frame as an answer to TAKE")
             granted = wire.decode_give(answer)
@@ -403,13 +406,7 @@ class TransferClient:
                 set_timeouts(s.sock, want_timeout)
                 s.recv_timeout = want_timeout
             s.sock.sendall(s.session.seal(wire.FrameType.ASK, ask))
-            while True:
-                ftype, body = read_frame(s.sock, s.buf)
-                if ftype not in wire.SERVER_FRAMES:
-                    raise ProtocolError(f"unexpected {ftype.name} frame from a transfer server")
-                payload = s.session.open(ftype, body)
-                if ftype != wire.FrameType.HAVE:  # announcements are not answers; skip them here
-                    break
+            ftype, payload = _answer(s, want_timeout)
             if ftype == wire.FrameType.NOT_HERE:
                 return NOT_HERE
             if ftype == wire.FrameType.BUSY:
@@ -425,10 +422,17 @@ class TransferClient:
                 raise ProtocolError(f"unexpected {ftype.name} frame as an answer")
             elif (n := wire.decode_data(payload)) != length:
                 raise ProtocolError(f"announced {n} bytes for a {length}-byte request")
-            elif isinstance(sink, int):
-                receive_to_file(s, sink, offset, length)
             else:
-                receive_hashed(s, sink)
+                # ``wait_s`` was for the answer to come; the body gets ``io_timeout_s`` of silence
+                # (within two of them a stopped body ends) and ``body_limit`` as a whole
+                if s.recv_timeout != self._io_timeout:
+                    set_timeouts(s.sock, self._io_timeout)
+                    s.recv_timeout = self._io_timeout
+                deadline = time.monotonic() + body_limit(length, self._io_timeout)
+                if isinstance(sink, int):
+                    receive_to_file(s, sink, offset, length, deadline)
+                else:
+                    receive_hashed(s, sink, deadline)
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:
             # ``cut_through``: it broke inside a cut-through answer (the sender's copy may have
             # failed its own check and been cut off: bdn.transfer.growing; not the sender's fault)
@@ -437,6 +441,23 @@ class TransferClient:
             return FetchResult(Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}",
                                cut_through=cut)
         return CUT_OK if cut else OK
+
+def _answer(s: _Stream, within_s: float) -> tuple[wire.FrameType, memoryview | bytes]:
+    """The first frame after a request that is not a HAVE (announcements are not answers: skipped)
+    and its opened payload. It must come within ``within_s`` of the call: HAVEs do not extend
+    that (a peer sending them without end held the calling thread for ever,
+    tests/test_transfer_slow_body.py). Raises TimeoutError, ProtocolError, ConnectionClosed."""
+    deadline = time.monotonic() + within_s
+    while True:
+        ftype, body = read_frame(s.sock, s.buf)
+        if ftype not in wire.SERVER_FRAMES:
+            raise ProtocolError(f"unexpected {ftype.name} frame from a transfer server")
+        payload = s.session.open(ftype, body)
+        if ftype != wire.FrameType.HAVE:
+            return ftype, payload
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer within {within_s:g} s (only announcements)")
+
 
 def _alive(sock: socket.socket) -> bool:
     """Whether an idle stream is still open: nothing to read (EAGAIN) means open; EOF, a reset

@@ -28,13 +28,36 @@ READ_BYTES = 1 << 20
 #: tried first: Linux wakes a sleeping receiver only once the whole mark is queued again after
 #: a partial copy, so the last piece of a body slept to the receive timeout.)
 WAITALL = socket.MSG_WAITALL
+#: Bytes a DATA body gets one more ``io_timeout`` for, past the four every body has.
+BODY_SPAN = 16 << 20
+#: The receive timeout bounds one ``MSG_WAITALL`` call as a whole (Linux counts it down across
+#: the waits inside the call; a byte now and then does not restart it), and the call returns what
+#: came when it runs out: so a body that stops ends within two timeouts of its last byte (the
+#: call it stopped in, one more that gets nothing). A body that trickles on (a byte every so
+#: often, never silent for a whole timeout) goes on call after call: each function here also
+#: takes a ``deadline`` (``time.monotonic()``) for the body as a whole, checked after each call.
+
+
+def body_limit(length: int, io_timeout: float) -> float:
+    """Seconds a DATA body of ``length`` bytes may take as a whole: four ``io_timeout``, as a
+    cut-through answer has (``receive_parts``), plus one per ``BODY_SPAN`` bytes past the first
+    ``BODY_SPAN`` (a 16 MiB chunk at the daemon's 60 s: 4 min, at least 70 kB/s; the HTTP chunk
+    path allows ``peer_timeout_s`` for the whole request). A trickle of a byte every few seconds held a fetch thread, and
+    the chunk's acquisition, for the body's length times that before
+    (tests/test_transfer_slow_body.py)."""
+    return io_timeout * (4 + max(0, length - 1) // BODY_SPAN)
+
+
+def _late(deadline: float, what: str, pos: int, n: int) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"{what} still incomplete at its deadline, {pos} of {n} bytes")
 
 
 def receive_parts(s: Any, target: memoryview, first: bytes | memoryview, wait_s: float, io_timeout: float) -> None:
     """Receive a cut-through answer (PART frames, the first one's payload ``first``) into
     ``target`` until the parts cover it. Raises ProtocolError (overlapping or outside
     parts, a frame that is no PART), TimeoutError (no new byte for ``io_timeout_s``, or the
-    answer outlived ``wait_s`` + 4 x ``io_timeout_s``), ConnectionClosed."""
+    answer outlived ``wait_s`` + 4 x ``io_timeout_s``, also inside a part), ConnectionClosed."""
     n = len(target)
     covered = Coverage(n)
     start = last_byte = time.monotonic()
@@ -45,7 +68,7 @@ def receive_parts(s: Any, target: memoryview, first: bytes | memoryview, wait_s:
         now = time.monotonic()
         if ln:
             covered.add(off, ln)  # raises on overlap
-            receive_range(s, target[off : off + ln])
+            receive_range(s, target[off : off + ln], start + limit)
             last_byte = now
             if covered.full:
                 return
@@ -58,8 +81,8 @@ def receive_parts(s: Any, target: memoryview, first: bytes | memoryview, wait_s:
             raise ProtocolError(f"{ftype.name} frame inside a cut-through answer")
         payload = s.session.open(ftype, body)
 
-def receive_range(s: Any, target: memoryview) -> None:
-    """Receive exactly ``len(target)`` raw bytes of one PART into ``target``."""
+def receive_range(s: Any, target: memoryview, deadline: float) -> None:
+    """Receive exactly ``len(target)`` raw bytes of one PART into ``target`` by ``deadline``."""
     recv_into = s.sock.recv_into
     pos, n = 0, len(target)
     while pos < n:
@@ -70,9 +93,12 @@ def receive_range(s: Any, target: memoryview) -> None:
         if got == 0:
             raise ConnectionClosed(f"connection closed after {pos} of {n} part bytes")
         pos += got
+        if pos < n:
+            _late(deadline, "part", pos, n)
 
-def receive_hashed(s: Any, target: memoryview) -> None:
-    """Receive ``len(target)`` body bytes into ``target``, hashing each piece as it lands."""
+def receive_hashed(s: Any, target: memoryview, deadline: float) -> None:
+    """Receive ``len(target)`` body bytes into ``target`` by ``deadline``, hashing each piece as
+    it lands."""
     h = s.hasher
     h.reset()
     recv_into, update = s.sock.recv_into, h.update
@@ -87,9 +113,12 @@ def receive_hashed(s: Any, target: memoryview) -> None:
             raise ConnectionClosed(f"connection closed after {pos} of {n} body bytes")
         update(target[pos : pos + got])
         pos += got
+        if pos < n:
+            _late(deadline, "body", pos, n)
 
-def receive_to_file(s: Any, fd: int, offset: int, n: int) -> None:
-    """Receive ``n`` body bytes through the stream's buffer into file ``fd`` at ``offset``."""
+def receive_to_file(s: Any, fd: int, offset: int, n: int, deadline: float) -> None:
+    """Receive ``n`` body bytes through the stream's buffer into file ``fd`` at ``offset`` by
+    ``deadline``."""
     if s.ring is None:
         s.ring = memoryview(bytearray(READ_BYTES))  # once per stream, reused for every chunk
     ring, h = s.ring, s.hasher
@@ -111,3 +140,5 @@ def receive_to_file(s: Any, fd: int, offset: int, n: int) -> None:
                 with piece[done:] as rest:
                     done += os.pwrite(fd, rest, offset + pos + done)
         pos += got
+        if pos < n:
+            _late(deadline, "body", pos, n)
