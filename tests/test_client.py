@@ -391,6 +391,14 @@ def test_open_prefetches_an_unknown_identity_and_waits(bdnd: Bdnd) -> None:
         assert c.snapshot("step000063")["state"] == "queued"
         with pytest.raises(SnapshotFailed, match="arc_v3"):
             c.open(FAILING, timeout=120)
+        # a load that failed because the snapshot was not published yet is asked for again
+        # (new-user report: open() raised the stale "nothing is published" after publication)
+        c.prefetch("step000071")
+        with pytest.raises(SnapshotFailed, match="nothing is published"):
+            c.wait("step000071", timeout=120)
+        bdnd.publish("step000071", 71)
+        with c.open("step000071", timeout=120) as s:
+            assert s.identity == "step000071" and s.policy_version == 71
 
 
 def test_daemon_errors_carry_status_and_message(bdnd: Bdnd) -> None:

@@ -71,7 +71,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from bdn.cli.commands import fleet, node, snapshots, verify
 from bdn.cli.commands.common import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, Fail
@@ -103,6 +103,12 @@ arguments, bad URL, malformed identity); 3 bdnd unreachable. Every failure print
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # no prefix matching: "--partition-secret X" was taken as --partition-secret-file X
+        # (a new user's report; the error then printed the secret as a file name)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         # argparse would print the whole usage block; the rule is one line.
         raise Fail(f"{message} (see {PROG} --help)", EXIT_USAGE)

@@ -26,7 +26,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from typing import TYPE_CHECKING
 
@@ -68,6 +68,12 @@ def _positive(text: str) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # no prefix matching: "--partition-secret X" was taken as --partition-secret-file X
+        # (a new user's report; the error then printed the secret as a file name)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     json_mode = False  # set by main() from its argv: a usage error with --json is JSON too
 
     def error(self, message: str) -> NoReturn:

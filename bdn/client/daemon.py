@@ -288,8 +288,9 @@ class DaemonClient:
         """Open snapshot ``identity`` from the directory the daemon reports (same host only).
 
         With ``wait`` (the default) this fetches the snapshot if needed and blocks until it is
-        ready: a snapshot the daemon does not know yet is prefetched first (``POST
-        .../prefetch?wait_publish=1``, so the daemon waits for it if it is not published yet), then waited for, all
+        ready: a snapshot the daemon does not know yet, or whose earlier load failed, is
+        prefetched first (``POST .../prefetch?wait_publish=1``, so the daemon waits for it if it
+        is not published yet), then waited for, all
         within ``timeout`` seconds (``None``: for ever); ``wait()``'s errors apply (TimeoutError,
         SnapshotFailed). Without ``wait``, raise DaemonError 404 if the daemon does not know it
         and 409 unless it is ready now. Raises ProtocolError if the directory is not a valid
@@ -298,10 +299,15 @@ class DaemonClient:
         if wait:
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                snap = self.snapshot(identity)
+                snap: dict[str, Any] | None = self.snapshot(identity)
             except DaemonError as exc:
                 if exc.status != 404:
                     raise
+                snap = None
+            if snap is None or snap.get("state") == "failed":
+                # unknown here, or failed before (not published yet then, a bucket outage): ask
+                # for it again, as ``bdnctl prefetch --wait`` does; a failure that is still true
+                # (a malformed delta) fails again and is raised below
                 snap = self.prefetch(identity, wait_publish=True)
             if snap.get("state") not in TERMINAL:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())

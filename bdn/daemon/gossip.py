@@ -166,7 +166,17 @@ class Gossip:
             log.debug("membership %s to %s failed: %s", msg.kind, url, e)
             return False
         node = ans["node_id"]
-        if not NODE_ID_RE.match(node) or node == self.cfg.node_id:
+        if node == self.cfg.node_id and str(ans.get("url", "")).rstrip("/") != self.membership.self_url:  # not us
+            m = self.membership.members.get(url)
+            if m is not None and not m.extra.get("warned_same_id"):
+                m.extra["warned_same_id"] = True  # once per peer URL
+                # a daemon never talks to itself by another URL: two daemons share one node id
+                # (it defaults to the host name: two daemons on one host), and each ignores the
+                # other for ever; say so instead of running alone without a word (new-user report)
+                log.warning("peer %s has this daemon's node id %r: node ids must be unique in a swarm "
+                            "(set node_id, BDN_NODE_ID); it is ignored", url, node)
+            return False
+        if not NODE_ID_RE.match(node):
             return False
         if msg.dst == "":  # a seed named itself
             self.membership.mark_ok(url, node)

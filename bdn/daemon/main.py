@@ -39,7 +39,7 @@ import json
 import logging
 import socket
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from bdn import __version__
 from bdn.daemon.app import App
@@ -151,6 +151,12 @@ SECRET_KEYS = ("partition_secret", "api_token")  # files or environment only: ar
 
 
 class _OneLineParser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # no prefix matching: "--partition-secret X" was taken as --partition-secret-file X
+        # (a new user's report; the error then printed the secret as a file name)
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         # argparse would print the whole usage block (30+ lines of flags); the rule is one line.
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
