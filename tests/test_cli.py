@@ -64,6 +64,13 @@ def test_prefetch_without_wait_exits_1_when_the_request_fails_at_once(daemon: Da
     assert r.returncode == 2 and "one path segment" in one_error_line(r), r
 
 
+def test_bdnctl_pointed_at_the_peer_port_says_which_port_it_wants(daemon: Daemon) -> None:
+    r = bdnctl(daemon.peer_url, "status")  # new-user report: "bdnd answered 401: HTTP 401" only
+    assert r.returncode == 1, r
+    line = one_error_line(r)
+    assert "answered 401" in line and "peer port" in line and "local API" in line, line
+
+
 def test_prefetch_cancel_and_path_say_what_happened(daemon: Daemon) -> None:
     r = bdnctl(daemon.url, "prefetch", PUBLISHED, "--wait", "--timeout", "120")
     assert r.returncode == 0, r

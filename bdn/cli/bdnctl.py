@@ -155,7 +155,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (IdentityError, PathError) as exc:
         return _report(str(exc), EXIT_USAGE, json_mode)
     except DaemonError as exc:
-        return _report(f"bdnd answered {exc.status}: {exc.message}", EXIT_FAILED, json_mode)
+        hint = ""
+        if exc.status == 401:
+            # the local API has no authentication: a 401 comes from a peer port (7080 by default)
+            hint = (f" ({args.url} looks like bdnd's peer port; bdnctl talks to its local API: "
+                    "local_listen, default http://127.0.0.1:7081, or local_socket)")
+        return _report(f"bdnd answered {exc.status}: {exc.message}{hint}", EXIT_FAILED, json_mode)
     except BdnError as exc:
         return _report(str(exc), EXIT_FAILED, json_mode)
     except KeyboardInterrupt:
