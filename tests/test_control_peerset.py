@@ -122,3 +122,20 @@ def test_a_chunk_another_peer_holds_is_not_taken_from_a_bucket_reader() -> None:
     assert ps2.pick(1, {}, max_per_peer=1) == [(0, "a")]  # both idle: the non-reader (the reader came first)
     ps2.failed(0)
     assert ps2.pick(1, {"a": 1}, max_per_peer=1) == [(0, "reader")]  # a is full: the reader then
+
+
+def test_an_inbound_peer_not_yet_counted_live_stays_until_it_was_and_is_not() -> None:
+    """A joiner on SWIM probation here dialed us: its connection is kept (its HAVEs were its
+    only news of our chunks); once counted live and then not, it is dropped."""
+    clock = FakeClock()
+    ps = PeerSet("me", 4, clock, rng=random.Random(4), k=2, max_peers=4)
+    live = ["a", "b", "me"]
+    assert sorted(ps.refresh(live)) == ["a", "b"]
+    assert ps.accept("joiner")
+    ps.refresh(live)
+    assert "joiner" in ps.peers  # never counted live here: kept
+    ps.refresh(live + ["joiner"])
+    ps.refresh(live)
+    assert "joiner" not in ps.peers  # counted live, then not: gone
+    ps.refresh(["b", "me"])
+    assert "a" not in ps.peers

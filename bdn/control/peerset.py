@@ -59,6 +59,7 @@ class _Peer:
     last_useful: float
     pending_have: list[int]
     reader: bool = False
+    seen_live: bool = False  # counted live by this node's membership at some refresh
 
 
 class PeerSet:
@@ -120,12 +121,25 @@ class PeerSet:
         ``live``: the membership's live node ids; ``is_live``: an O(1) test of the same set
         (built from ``live`` when not given). New peers are drawn at random from ``live``.
         Returns the node ids to dial (each gets this node's BITFIELD: :meth:`bitfield`).
+
+        "No longer live" means counted live here once and not now (it died or left). A peer
+        that connected to this node (:meth:`accept`) before this node's membership counts it
+        (a joiner still on SWIM probation here, :mod:`bdn.control.probation`) stays: its open
+        connection is first-hand evidence that it runs, and its death resets the connection
+        (the caller's :meth:`remove`). Dropping it at every refresh cut late joiners off from
+        the HAVEs of the peers they had dialed (bench/NOTES.md, "Issue 13, part 5").
         """
         now = self.clock()
         if is_live is None:
             live_set = set(live)
             is_live = live_set.__contains__
-        for p in [p for p in self.peers if not is_live(p)]:
+        gone = []
+        for p, s in self.peers.items():
+            if is_live(p):
+                s.seen_live = True
+            elif s.seen_live:
+                gone.append(p)
+        for p in gone:
             self.remove(p)
         if not self.complete:
             for p, s in list(self.peers.items()):
@@ -143,6 +157,7 @@ class PeerSet:
         reader_set = set(rs)
         for p in dial:
             self._add(p, now, p in reader_set)
+            self.peers[p].seen_live = True
         self.messages_out += len(dial)
         return dial
 

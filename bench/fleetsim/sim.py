@@ -437,7 +437,13 @@ class FleetSim:
 
     def refresh_peers(self, nd: SimNode) -> None:
         m = self.owner_map(nd)
+        before = list(nd.ps.peers)
         dial = nd.ps.refresh(nd.swim.live(), m.readers, nd.swim.is_live)
+        for p in before:
+            if p not in nd.ps.peers:  # dropped here: the other side sees its connection close
+                other = self.nodes.get(p)
+                if other is not None and other.alive and other.ps is not None and nd.id in other.ps.peers:
+                    self.later(self.delay(), self._reset_seen, other, nd.id, False)
         for p in dial:
             other = self.nodes.get(p)
             nd.ctrl_sent += 1
@@ -656,10 +662,15 @@ class FleetSim:
             self.later(self.delay(), self.finish, a, nd.id, i, False, cb)
         self.check_end()
 
-    def _reset_seen(self, nd: SimNode, dead: str) -> None:
+    def _reset_seen(self, nd: SimNode, dead: str, reset: bool = True) -> None:
+        """``nd`` sees its peer-set connection to ``dead`` end: reset (it died) or closed by it
+        (``reset`` False: it dropped ``nd`` from its set)."""
         if not nd.alive:
             return
-        nd.unreachable.add(dead)
+        if reset:
+            nd.unreachable.add(dead)
+        elif nd.ps is None or dead not in nd.ps.peers:
+            return
         nd.ps.remove(dead)
         self.refresh_peers(nd)
         self.kick(nd)
