@@ -139,3 +139,17 @@ def test_an_inbound_peer_not_yet_counted_live_stays_until_it_was_and_is_not() ->
     assert "joiner" not in ps.peers  # counted live, then not: gone
     ps.refresh(["b", "me"])
     assert "a" not in ps.peers
+
+
+def test_a_peer_added_after_an_announce_learns_the_chunk_from_the_bitfield() -> None:
+    """announce() queues a HAVE for the peers of the moment and got() sends none after it: a
+    peer that connects in between gets the chunk in its BITFIELD."""
+    clock = FakeClock()
+    ps = PeerSet("me", 8, clock, k=2, max_peers=4)
+    ps.accept("early")
+    ps.announce(3)
+    ps.accept("late")
+    ps.got(3)
+    assert ps.flush_haves(force=True) == {"early": [3]}
+    assert unpack_bits(ps.bitfield(), 8).tolist() == [i == 3 for i in range(8)]
+    assert ps.have_bits()[3]

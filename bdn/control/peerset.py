@@ -110,8 +110,14 @@ class PeerSet:
         per_peer = (self.n + 7) // 8 + 64
         return 4 * self.n + 4 * self.n + len(self.peers) * per_peer
 
+    def have_bits(self) -> np.ndarray:
+        """What a new peer's BITFIELD tells: the chunks held, and those announced while they
+        arrive (:meth:`announce`; :meth:`got` sends no second HAVE for them, so a peer that
+        connected in between would otherwise never learn of them)."""
+        return self.held | self.announced
+
     def bitfield(self) -> bytes:
-        return pack_bits(self.held)
+        return pack_bits(self.have_bits())
 
     # ---- membership of the set ---------------------------------------------------------------
     def refresh(self, live: Sequence[str], readers: Iterable[str] = (),

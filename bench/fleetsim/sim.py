@@ -454,8 +454,8 @@ class FleetSim:
             other.ctrl_sent += 1
             nd.ctrl_recv += 1
             # BITFIELD each way (one message each, counted above), then HAVEs
-            nd.ps.on_bitfield(p, other.ps.held)
-            other.ps.on_bitfield(nd.id, nd.ps.held)
+            nd.ps.on_bitfield(p, other.ps.have_bits())
+            other.ps.on_bitfield(nd.id, nd.ps.have_bits())
             self.kick(other)
 
     # ---- requests ---------------------------------------------------------------------------
