@@ -318,23 +318,33 @@ class PeerSet:
         if limit <= 0 or not self.peers:
             return []
         load = dict(load or {})
+        # peers with a free slot (a pick only takes slots, so none frees up during this call)
+        elig = [(p, s.have, s.reader) for p, s in self.peers.items() if load.get(p, 0) < max_per_peer]
+        if not elig:
+            return []
         cand = ~self.held & ~self.inflight & (self.avail > 0)
         if not include_owned:
             cand &= ~self.owned
+        if len(elig) <= len(self.peers) // 2:  # only what a peer with a free slot holds
+            held_by = np.zeros(self.n, dtype=bool)
+            for _p, have, _r in elig:
+                held_by |= have
+            cand &= held_by
         idxs = np.flatnonzero(cand)
         if idxs.size == 0:
             return []
         order = idxs[np.lexsort((self._tiebreak[idxs], self.avail[idxs]))]
+        avail = self.avail
         out: list[tuple[int, str]] = []
         for i in order.tolist():
             # a bucket reader's upload slots carry the chunks nobody else has yet: a chunk
             # another peer holds too is taken from a non-reader when one has a free slot
-            spare_readers = self.avail[i] > 1
+            spare_readers = avail[i] > 1
             best, best_key, best_load = None, (True, max_per_peer), max_per_peer
-            for p, s in self.peers.items():
-                if s.have[i]:
+            for p, have, reader in elig:
+                if have[i]:
                     ld = load.get(p, 0)
-                    key = (s.reader and spare_readers, ld)
+                    key = (reader and spare_readers, ld)
                     if ld < max_per_peer and key < best_key:
                         best, best_key, best_load = p, key, ld
                         if key == (False, 0):
