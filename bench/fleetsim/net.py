@@ -25,10 +25,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from heapq import heappush
+from typing import Any
 
 import simpy
+from simpy.events import NORMAL
 
 _EPS = 1e-9
+
+
+class _Call:
+    """A bare simpy event that calls ``fn(*args)`` when it fires: what ``env.timeout(dt)`` plus a
+    callback does, scheduled in the same order (same priority, the environment's own event
+    ids), without the Timeout's setup (simulator time only: most of a run's events are these)."""
+
+    __slots__ = ("callbacks", "fn", "args")
+    _ok = True
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self.fn = fn
+        self.args = args
+        self.callbacks = (self._fire,)
+
+    def _fire(self, _ev: Any) -> None:
+        self.fn(*self.args)
+
+
+def call_later(env: simpy.Environment, dt: float, fn: Callable[..., Any], *args: Any) -> None:
+    """``fn(*args)`` after ``dt`` simulated seconds (0 if negative), as a timeout's callback would."""
+    heappush(env._queue, (env._now + (dt if dt > 0 else 0.0), NORMAL, next(env._eid), _Call(fn, args)))
 
 
 class Link:
@@ -187,11 +212,8 @@ class Network:
             f.version += 1
             if r <= 0:
                 continue
-            ev = self.env.timeout(f.left / r if not math.isinf(r) else 0.0)
-            ev.callbacks.append(self._finisher(f, f.version))
+            call_later(self.env, f.left / r if not math.isinf(r) else 0.0, self._fire, f, f.version)
 
-    def _finisher(self, f: Flow, v: int) -> Callable[[simpy.Event], None]:
-        def fire(_ev: simpy.Event) -> None:
-            if f.version == v and not f.ended:
-                self._end(f, True)
-        return fire
+    def _fire(self, f: Flow, v: int) -> None:
+        if f.version == v and not f.ended:
+            self._end(f, True)
