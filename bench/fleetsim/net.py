@@ -75,7 +75,7 @@ class Flow:
     """``size`` bytes over ``links``; ``on_done(flow, ok)`` runs once: ok True when complete,
     False when aborted (:meth:`Network.abort`)."""
 
-    __slots__ = ("size", "left", "links", "cap", "rate", "t", "version", "on_done", "tag", "ended")
+    __slots__ = ("size", "left", "links", "cap", "rate", "t", "version", "on_done", "tag", "ended", "due")
 
     def __init__(self, size: float, links: tuple[Link, ...], cap: float, now: float,
                  on_done: Callable[[Flow, bool], None] | None, tag: object) -> None:
@@ -89,6 +89,7 @@ class Flow:
         self.on_done = on_done
         self.tag = tag
         self.ended = False
+        self.due: float | None = None  # when its pending end check fires (None: none pending)
 
     @property
     def moved(self) -> float:
@@ -212,8 +213,28 @@ class Network:
             f.version += 1
             if r <= 0:
                 continue
-            call_later(self.env, f.left / r if not math.isinf(r) else 0.0, self._fire, f, f.version)
+            end = now + (f.left / r if not math.isinf(r) else 0.0)
+            if f.due is not None and f.due <= end:
+                continue  # its pending check fires first and re-schedules at the rate of then
+            f.due = end
+            call_later(self.env, end - now, self._fire, f, end)
 
-    def _fire(self, f: Flow, v: int) -> None:
-        if f.version == v and not f.ended:
+    def _fire(self, f: Flow, due: float) -> None:
+        """A flow's end check: it ends if its bytes are through, else (its rate fell since the
+        check was scheduled) the check moves to its end at the present rate. One pending check
+        per flow, moved only when the end comes *earlier*: a flow whose rate falls at every
+        neighbour's start is not re-scheduled each time (simulator time only: at N = 10,000 the
+        stale end events were a third of a run's heap work)."""
+        if f.ended or f.due != due:
+            return  # superseded by an earlier check
+        f.due = None
+        now = self.env.now
+        self._progress(f, now)
+        r = f.rate
+        if r <= 0:
+            return
+        if math.isinf(r) or f.left <= 1e-9 * f.size + 1e-6 or now + f.left / r <= now:
             self._end(f, True)
+            return
+        f.due = now + f.left / r
+        call_later(self.env, f.left / r, self._fire, f, f.due)
