@@ -39,7 +39,7 @@ class _Call:
     callback does, scheduled in the same order (same priority, the environment's own event
     ids), without the Timeout's setup (simulator time only: most of a run's events are these)."""
 
-    __slots__ = ("callbacks", "fn", "args")
+    __slots__ = ("args", "callbacks", "fn")
     _ok = True
 
     def __init__(self, fn: Callable[..., Any], args: tuple) -> None:

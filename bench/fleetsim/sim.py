@@ -47,7 +47,7 @@ class _LazyLive(Sequence):
     when it dials, and rebuilding a sorted tuple of N ids at every epoch change of every node
     cost O(N^2) per membership change at N = 10,000 (simulator time only)."""
 
-    __slots__ = ("swim", "_ids")
+    __slots__ = ("_ids", "swim")
 
     def __init__(self, swim: Swim) -> None:
         self.swim = swim
