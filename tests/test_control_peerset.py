@@ -151,3 +151,34 @@ def test_a_million_chunk_set_costs_8_bytes_a_chunk_and_breaks_ties_at_random() -
     again.accept("a")
     again.on_bitfield("a", np.ones(64, dtype=bool))
     assert [i for i, _ in again.pick(64, max_per_peer=64)] == order  # the seed decides it
+
+
+def test_an_inbound_peer_not_yet_counted_live_stays_until_it_was_and_is_not() -> None:
+    """A joiner on SWIM probation here dialed us: its connection is kept (its HAVEs were its
+    only news of our chunks); once counted live and then not, it is dropped."""
+    clock = FakeClock()
+    ps = PeerSet("me", 4, clock, rng=random.Random(4), k=2, max_peers=4)
+    live = ["a", "b", "me"]
+    assert sorted(ps.refresh(live)) == ["a", "b"]
+    assert ps.accept("joiner")
+    ps.refresh(live)
+    assert "joiner" in ps.peers  # never counted live here: kept
+    ps.refresh(live + ["joiner"])
+    ps.refresh(live)
+    assert "joiner" not in ps.peers  # counted live, then not: gone
+    ps.refresh(["b", "me"])
+    assert "a" not in ps.peers
+
+
+def test_a_peer_added_after_an_announce_learns_the_chunk_from_the_bitfield() -> None:
+    """announce() queues a HAVE for the peers of the moment and got() sends none after it: a
+    peer that connects in between gets the chunk in its BITFIELD."""
+    clock = FakeClock()
+    ps = PeerSet("me", 8, clock, k=2, max_peers=4)
+    ps.accept("early")
+    ps.announce(3)
+    ps.accept("late")
+    ps.got(3)
+    assert ps.flush_haves(force=True) == {"early": [3]}
+    assert unpack_bits(ps.bitfield(), 8).tolist() == [i == 3 for i in range(8)]
+    assert ps.have_bits()[3]

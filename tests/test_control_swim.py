@@ -197,3 +197,28 @@ def test_a_new_address_of_a_live_member_is_a_change_everyone_applies() -> None:
             continue
         assert s.addr(target) == "http://n2 10.0.0.2:7082", nid
         assert target in s.changes, nid
+
+
+def test_live_patched_after_changes_equals_a_rebuild() -> None:
+    """live() patches its sorted tuple with the members changed since the last call; it must
+    equal the tuple rebuilt from the whole table whatever the changes (deaths, revivals, new
+    members, a shared base), read after each change or after many."""
+    from bdn.control.members import MemberBase
+
+    rng = random.Random(7)
+    clock = FakeClock()
+    base = MemberBase({f"n{i:03d}": f"http://n{i}" for i in range(60)})
+    s = Swim("n000", "http://n0", clock, rng=random.Random(1), probation=False)
+    s.join_shared(base)
+
+    def rebuilt() -> tuple[str, ...]:
+        return tuple(sorted([n for n, m in s._members.items() if m.status != DEAD] + [s.self_id]))
+
+    for step in range(400):
+        clock.t += 0.01
+        node = f"n{rng.randrange(80):03d}"
+        status = rng.choice((ALIVE, SUSPECT, DEAD))
+        s._apply(Update(node, status, step + 1, f"http://{node}"), clock.t, src=node)
+        if rng.random() < 0.3:
+            assert s.live() == rebuilt()
+    assert s.live() == rebuilt()

@@ -59,6 +59,7 @@ class _Peer:
     last_useful: float
     pending_have: list[int]
     reader: bool = False
+    seen_live: bool = False  # counted live by this node's membership at some refresh
 
 
 class PeerSet:
@@ -111,8 +112,14 @@ class PeerSet:
         per_peer = (self.n + 7) // 8 + 64
         return 4 * self.n + 4 * self.n + len(self.peers) * per_peer
 
+    def have_bits(self) -> np.ndarray:
+        """What a new peer's BITFIELD tells: the chunks held, and those announced while they
+        arrive (:meth:`announce`; :meth:`got` sends no second HAVE for them, so a peer that
+        connected in between would otherwise never learn of them)."""
+        return self.held | self.announced
+
     def bitfield(self) -> bytes:
-        return pack_bits(self.held)
+        return pack_bits(self.have_bits())
 
     # ---- membership of the set ---------------------------------------------------------------
     def refresh(self, live: Sequence[str], readers: Iterable[str] = (),
@@ -122,12 +129,25 @@ class PeerSet:
         ``live``: the membership's live node ids; ``is_live``: an O(1) test of the same set
         (built from ``live`` when not given). New peers are drawn at random from ``live``.
         Returns the node ids to dial (each gets this node's BITFIELD: :meth:`bitfield`).
+
+        "No longer live" means counted live here once and not now (it died or left). A peer
+        that connected to this node (:meth:`accept`) before this node's membership counts it
+        (a joiner still on SWIM probation here, :mod:`bdn.control.probation`) stays: its open
+        connection is first-hand evidence that it runs, and its death resets the connection
+        (the caller's :meth:`remove`). Dropping it at every refresh cut late joiners off from
+        the HAVEs of the peers they had dialed (bench/NOTES.md, "Issue 13, part 5").
         """
         now = self.clock()
         if is_live is None:
             live_set = set(live)
             is_live = live_set.__contains__
-        for p in [p for p in self.peers if not is_live(p)]:
+        gone = []
+        for p, s in self.peers.items():
+            if is_live(p):
+                s.seen_live = True
+            elif s.seen_live:
+                gone.append(p)
+        for p in gone:
             self.remove(p)
         if not self.complete:
             for p, s in list(self.peers.items()):
@@ -145,6 +165,7 @@ class PeerSet:
         reader_set = set(rs)
         for p in dial:
             self._add(p, now, p in reader_set)
+            self.peers[p].seen_live = True
         self.messages_out += len(dial)
         return dial
 
@@ -307,23 +328,33 @@ class PeerSet:
         if limit <= 0 or not self.peers:
             return []
         load = dict(load or {})
+        # peers with a free slot (a pick only takes slots, so none frees up during this call)
+        elig = [(p, s.have, s.reader) for p, s in self.peers.items() if load.get(p, 0) < max_per_peer]
+        if not elig:
+            return []
         cand = ~self.held & ~self.inflight & (self.avail > 0)
         if not include_owned:
             cand &= ~self.owned
+        if len(elig) <= len(self.peers) // 2:  # only what a peer with a free slot holds
+            held_by = np.zeros(self.n, dtype=bool)
+            for _p, have, _r in elig:
+                held_by |= have
+            cand &= held_by
         idxs = np.flatnonzero(cand)
         if idxs.size == 0:
             return []
         order = idxs[np.lexsort((self._tiebreak(idxs), self.avail[idxs]))]
+        avail = self.avail
         out: list[tuple[int, str]] = []
         for i in order.tolist():
             # a bucket reader's upload slots carry the chunks nobody else has yet: a chunk
             # another peer holds too is taken from a non-reader when one has a free slot
-            spare_readers = self.avail[i] > 1
+            spare_readers = avail[i] > 1
             best, best_key, best_load = None, (True, max_per_peer), max_per_peer
-            for p, s in self.peers.items():
-                if s.have[i]:
+            for p, have, reader in elig:
+                if have[i]:
                     ld = load.get(p, 0)
-                    key = (s.reader and spare_readers, ld)
+                    key = (reader and spare_readers, ld)
                     if ld < max_per_peer and key < best_key:
                         best, best_key, best_load = p, key, ld
                         if key == (False, 0):

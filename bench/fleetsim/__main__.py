@@ -43,8 +43,10 @@ REPO = Path(__file__).resolve().parents[2]
 OUT = REPO / "bench" / "results" / "fleetsim.json"
 MEASURED_N8_S = 80.75  # bench/results/swarm.json: bdn, N = 8, 200 Mbit/s NIC and bucket, no fault
 GB = 1e9
-#: simulated chunks per run (the real snapshot has bytes / 16 MiB): what fits the machine
-CHUNKS = {100: 256, 1000: 128, 10000: 32}
+#: simulated chunks per run (the real snapshot has bytes / 16 MiB; the 20 GB delta 1,192): what fits
+#: the machine. N = 1,000 at 256 takes ~150 CPU-s, N = 10,000 at 128 ~1,500 CPU-s and 1.3 GB
+#: (bench/NOTES.md, "Issue 13, part 5"); at 64 or fewer the first hop out of a reader is what costs
+CHUNKS = {100: 256, 1000: 256, 10000: 128}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
 FLEET_DEFAULTS: dict[str, Any] = {"serial_reads": True, "have_flush_s": 0.0, "download_slots": 16, "max_per_peer": 4,
                                   "forward": "cut", "upload_pick": "fewest"}

@@ -20,8 +20,10 @@ woke it (:meth:`FleetSim.kick` coalesces), and one timer per node stands for all
 
 from __future__ import annotations
 
+import heapq
 import random
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -33,10 +35,37 @@ from bdn.control.owners import OwnerCache, reader_count
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
 from bdn.control.uploadq import next_upload
+from bdn.proto import hrw
 from bench.fleetsim.forward import Forwarding
-from bench.fleetsim.net import Link, Network
+from bench.fleetsim.net import Link, Network, call_later
 from bench.fleetsim.report import result
 from bench.fleetsim.scenario import Scenario
+
+
+class _LazyLive(Sequence):
+    """``swim.live()``, built only when read: :meth:`PeerSet.refresh` reads the live list only
+    when it dials, and rebuilding a sorted tuple of N ids at every epoch change of every node
+    cost O(N^2) per membership change at N = 10,000 (simulator time only)."""
+
+    __slots__ = ("_ids", "swim")
+
+    def __init__(self, swim: Swim) -> None:
+        self.swim = swim
+        self._ids: tuple[str, ...] | None = None
+
+    def _get(self) -> tuple[str, ...]:
+        if self._ids is None:
+            self._ids = self.swim.live()
+        return self._ids
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._get()[i]
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self._get())
 
 
 class SimNode:
@@ -113,6 +142,8 @@ class FleetSim:
         self.n_live = 0
         self.requests = 0  # chunk requests sent (a cost metric)
         self._maps: dict[tuple, Any] = {}
+        self._reader_scores: dict[str, int] = {}
+        self._readers_of_view: dict[int, tuple] = {}  # id(live tuple) -> (live, r, readers)
         self._dirty: list[SimNode] = []
         #: (t, node, chunk, source) per chunk arrival when set to a list (bench/fleetsim/timeline.py)
         self.arrivals: list[tuple[float, str, int, str]] | None = None
@@ -127,8 +158,7 @@ class FleetSim:
         return self.sc.rtt_s / 2 + self.rng.random() * self.sc.jitter_s
 
     def later(self, dt: float, fn: Any, *args: Any) -> None:
-        ev = self.env.timeout(max(0.0, dt))
-        ev.callbacks.append(lambda _e: fn(*args))
+        call_later(self.env, dt, fn, *args)
 
     def event(self, node: str, what: str) -> None:
         if len(self.log) < 200_000:
@@ -245,7 +275,13 @@ class FleetSim:
 
     def _map_for(self, nd: SimNode, epoch: int, live: tuple[str, ...]) -> Any:
         r = self.reader_count(len(live))
-        key = (live, r)
+        if r is not None and 0 < r < len(live):
+            # a map over a subset of readers depends on the view only through its readers
+            # (plain HRW among them; bdn.control.owners.readers_and_rule): views that differ in
+            # other members share one (simulator time only: an O(N) ranking per view at N = 10,000)
+            key: tuple = ("readers", self._top_readers(live, r))
+        else:
+            key = (live, r)
         m = self._maps.get(key)
         if m is None:
             m = nd.owners.get(epoch, live, self.identity, r, self.digests)  # bdnd's owner rule
@@ -257,6 +293,22 @@ class FleetSim:
             nd.prev_omap = nd.omap
         nd.omap = m
         return m
+
+    def _top_readers(self, live: tuple[str, ...], r: int) -> tuple[str, ...]:
+        """``hrw.rank(live, "readers" NUL identity)[:r]`` (:func:`bdn.control.owners.readers_of`),
+        from scores computed once per node."""
+        hit = self._readers_of_view.get(id(live))
+        if hit is not None and hit[0] is live and hit[1] == r:
+            return hit[2]  # the same tuple object: views that share the fleet list (MemberBase)
+        sc = self._reader_scores
+        for n in live:
+            if n not in sc:
+                sc[n] = hrw.score(n, "readers\x00" + self.identity)
+        top = tuple(heapq.nlargest(r, live, key=lambda n: (sc[n], n)))
+        if len(self._readers_of_view) > 64:
+            self._readers_of_view.clear()
+        self._readers_of_view[id(live)] = (live, r, top)
+        return top
 
     def synced(self, nd: SimNode) -> bool:
         return nd.swim is None or nd.swim.synced
@@ -432,12 +484,30 @@ class FleetSim:
             if dst is None or not dst.alive or dst.ps is None:
                 continue
             dst.ctrl_recv += 1
-            dst.ps.on_have(src, idxs)
-            self.kick(dst)
+            ps = dst.ps
+            if src not in ps.peers:
+                continue
+            ps.on_have(src, idxs)
+            # a fill can only pick something new when a HAVE names a chunk still wanted and not
+            # in flight here (the others change no candidate: simulator time only, the picks
+            # are the same)
+            if ps.complete:
+                continue
+            held, infl, owned = ps.held, ps.inflight, ps.owned
+            for i in idxs:
+                if not (held[i] or infl[i] or owned[i]):
+                    self.kick(dst)
+                    break
 
     def refresh_peers(self, nd: SimNode) -> None:
         m = self.owner_map(nd)
-        dial = nd.ps.refresh(nd.swim.live(), m.readers, nd.swim.is_live)
+        before = list(nd.ps.peers)
+        dial = nd.ps.refresh(_LazyLive(nd.swim), m.readers, nd.swim.is_live)
+        for p in before:
+            if p not in nd.ps.peers:  # dropped here: the other side sees its connection close
+                other = self.nodes.get(p)
+                if other is not None and other.alive and other.ps is not None and nd.id in other.ps.peers:
+                    self.later(self.delay(), self._reset_seen, other, nd.id, False)
         for p in dial:
             other = self.nodes.get(p)
             nd.ctrl_sent += 1
@@ -448,8 +518,8 @@ class FleetSim:
             other.ctrl_sent += 1
             nd.ctrl_recv += 1
             # BITFIELD each way (one message each, counted above), then HAVEs
-            nd.ps.on_bitfield(p, other.ps.held)
-            other.ps.on_bitfield(nd.id, nd.ps.held)
+            nd.ps.on_bitfield(p, other.ps.have_bits())
+            other.ps.on_bitfield(nd.id, nd.ps.have_bits())
             self.kick(other)
 
     # ---- requests ---------------------------------------------------------------------------
@@ -656,10 +726,15 @@ class FleetSim:
             self.later(self.delay(), self.finish, a, nd.id, i, False, cb)
         self.check_end()
 
-    def _reset_seen(self, nd: SimNode, dead: str) -> None:
+    def _reset_seen(self, nd: SimNode, dead: str, reset: bool = True) -> None:
+        """``nd`` sees its peer-set connection to ``dead`` end: reset (it died) or closed by it
+        (``reset`` False: it dropped ``nd`` from its set)."""
         if not nd.alive:
             return
-        nd.unreachable.add(dead)
+        if reset:
+            nd.unreachable.add(dead)
+        elif nd.ps is None or dead not in nd.ps.peers:
+            return
         nd.ps.remove(dead)
         self.refresh_peers(nd)
         self.kick(nd)
