@@ -130,7 +130,7 @@ def _load_through(tmp_path: Path, s3_bucket: tuple[str, str], proxy: BadBucket, 
 
 
 def _identical(rec: dict, ck: Path) -> None:
-    assert rec["state"] == "ready", rec
+    assert rec["state"] == "ready", (rec.get("reason"), rec)
     got = Path(rec["path"])
     for f in ck.iterdir():
         assert (got / f.name).read_bytes() == f.read_bytes(), f.name

@@ -64,6 +64,10 @@ def map_error(op: str, where: str, exc: Exception, *, bucket: str, max_attempts:
             return ObjectNotFound(f"object not found: {where}")
         if code in _DENIED_CODES or status == 403:
             return AccessDenied(f"{op} {where}: access denied: {what}")
+        if isinstance(status, int) and 300 <= status < 400:
+            # bdn never follows a redirect (it could lead to other bytes); a bucket that answers
+            # one now may not on the next try, which the caller may make
+            return BucketUnavailable(f"{op} {where}: answered a redirect, which bdn does not follow: {what}")
         if code in _UNAVAILABLE_CODES or status in _UNAVAILABLE_STATUS:
             attempts = int(meta.get("RetryAttempts", 0)) + 1
             return BucketUnavailable(f"{op} {where}: gave up after {attempts} attempts: {what}")

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
-from bdn.bucket import ObjectChanged, ObjectNotFound
+from bdn.bucket import ObjectChanged
 from bdn.daemon import diskio, headers, logctx
 from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.chunklist import check_limits
@@ -32,12 +31,12 @@ from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.fold import Folder, refuse_loop
 from bdn.daemon.foreign_source import ForeignLoader
 from bdn.daemon.index import ChunkIndex
+from bdn.daemon.published import read_manifest
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.store import Store
-from bdn.proto.chunks import digest as xxh3_digest
 from bdn.proto.errors import BdnError
-from bdn.proto.manifest import MANIFEST_NAME, ChunkRef, Manifest
+from bdn.proto.manifest import ChunkRef, Manifest
 
 log = logging.getLogger("bdn.runner")
 T = TypeVar("T")
@@ -293,41 +292,8 @@ class Runner:
                 self.save_progress(job)
 
     async def _read_manifest(self, job: SnapshotJob) -> Manifest:
-        """The manifest from the bucket, polled every ``manifest_poll_s`` up to ``manifest_wait_s``."""
-        recent = await self.folder.take_recent(job.identity)
-        if recent is not None:  # a chain walk read it moments ago
-            job.manifest_digest, m = recent
-            check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
-            return m
-        key = f"{job.identity}/{MANIFEST_NAME}"
-        deadline = self.clock.monotonic() + self.cfg.manifest_wait_s
-        looked = 0
-        while True:
-            looked += 1
-            try:
-                data = await self.bucket.read(key)
-                break
-            except ObjectNotFound:
-                if not self.cfg.require_manifest and self.foreign is not None:
-                    return await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)  # type: ignore[arg-type]
-                if not job.wait_publish and not await self.bucket.list(f"{job.identity}/"):
-                    raise BdnError(f"snapshot {job.identity}: nothing is published under {job.identity}/ in {self.bucket.url}")
-                if self.clock.monotonic() >= deadline:
-                    raise BdnError(
-                        f"snapshot {job.identity} is not published: {MANIFEST_NAME} did not "
-                        f"appear within {self.cfg.manifest_wait_s:g} s"
-                    ) from None
-                # The count tells an operator (and a test) that the daemon keeps looking.
-                job.reason = f"waiting for manifest: {key} is not in the bucket yet (looked {looked} time{'' if looked == 1 else 's'})"
-                job.touch()
-                await job.notify()
-                await asyncio.sleep(self.cfg.manifest_poll_s)
-        self.stats.add("bucket_manifest_bytes", len(data))
-        job.manifest_digest = xxh3_digest(data)
-        # off the event loop: a manifest of a million chunks takes seconds to parse and validate
-        m = await self._on(self.pools.disk, functools.partial(Manifest.from_json, expect_identity=job.identity), data)
-        check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
-        return m
+        """The manifest from the bucket (``bdn.daemon.published.read_manifest``)."""
+        return await read_manifest(self, job)
 
     async def _run_foreign(self, job: SnapshotJob) -> Manifest:
         """Fetch, verify and rebuild a snapshot without a manifest; the manifest READY is written

@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from bdn.bucket import BucketError, ObjectNotFound
+from bdn.bucket import BucketError, BucketUnavailable, ObjectNotFound
 from bdn.daemon import retry_policy
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.chunklog import ChunkLog
@@ -306,6 +306,8 @@ class WireSource:
                                 self._ungrow(job, ref, address, g)
                 except retry_policy.BadBytes:
                     raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
+                except retry_policy.Transient as e:
+                    raise BdnError(str(e)) from None
         finally:
             self.maps.release(target)
 
@@ -332,6 +334,8 @@ class WireSource:
                     raise r
         except ObjectNotFound:
             raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
+        except BucketUnavailable as e:
+            raise retry_policy.Transient(f"bucket read of {key} failed: {e}") from None
         except BucketError as e:
             raise BdnError(f"bucket read of {key} failed: {e}") from None
 
