@@ -49,6 +49,8 @@ class _Collector:
                                   "owner, at the end of its list", value=c["bucket_chunks_taken_over"])
         yield CounterMetricFamily("bdn_bucket_reads_given", "Bucket reads of this node's own chunks given up to "
                                   "another node that took them over", value=c["bucket_reads_given"])
+        yield CounterMetricFamily("bdn_heap_trims", "Times the C heap's free pages were given back to the "
+                                  "system while no download ran (malloc_trim)", value=c["heap_trims"])
         yield CounterMetricFamily("bdn_local_bytes_copied", "Chunk bytes copied from this node's own store", value=c["local_bytes_copied"])
         v = CounterMetricFamily("bdn_chunk_verify_failures", "Chunks whose bytes did not match the manifest", labels=["source"])
         v.add_metric(["bucket"], failures.get("bucket", 0))

@@ -31,6 +31,7 @@ COUNTERS = (
     "http_bad_requests",  # unparsable requests (431 / 400)
     "bad_chunk_reports_refuted",  # a peer said a chunk of ours was bad; re-hashed, it was not
     "chunks_scrubbed",  # chunks of ready snapshots re-hashed by the scrub
+    "heap_trims",  # malloc_trim(0) calls when no download ran (bdn.daemon.memtrim)
 )
 
 

@@ -7,6 +7,7 @@ Python's ``settimeout``: with a Python timeout every ``recv_into`` is preceded b
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import struct
@@ -86,8 +87,13 @@ def sendfile_all(out: int, fd: int, pos: int, n: int) -> None:
 
 
 def frame_buffer() -> memoryview:
-    """A buffer that holds any one frame (allocated once per connection)."""
-    return memoryview(bytearray(wire.HEADER.size + wire.MAX_FRAME))
+    """A writable buffer that holds any one frame (``HEADER.size + MAX_FRAME`` bytes, allocated
+    once per connection). An anonymous private mapping, not a ``bytearray``: a 64 KiB block lives
+    as long as its connection, and in glibc's heap (a thread arena: the acceptor's, for the
+    server's connections) such blocks, coming and going with connection churn, pinned the arenas'
+    tops, so that the one-hour soak's thread arenas grew by 2-3 MB (bench/NOTES.md, "Issue 12:
+    the flat soak"). A mapping goes back to the system whole when the view is dropped."""
+    return memoryview(mmap.mmap(-1, wire.HEADER.size + wire.MAX_FRAME, flags=mmap.MAP_PRIVATE))
 
 
 __all__ = ["ConnectionClosed", "ProtocolError", "frame_buffer", "read_frame", "recv_exact", "sendfile_all", "set_timeouts"]

@@ -23,6 +23,7 @@ from bdn.daemon.fetch.sources import Sources
 from bdn.daemon.fetch.takeover import TakeOvers
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.membership import Member, Membership
+from bdn.daemon.memtrim import IdleTrim
 from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.proto import hrw
@@ -64,6 +65,7 @@ class Fetcher:
         #: Reads taken over at the end of a slow owner's list, both ways (``steal_reads``).
         self.takeovers = TakeOvers(cfg, membership, haves, sources, stats, clock)
         self._layers = 0  # fetch_layer calls running (the buffer pool is cleared when none is)
+        self.idle_trim = IdleTrim(clock)  # the C heap's free pages go back when none is, too
 
     def owner(self, job: SnapshotJob, layer: str, digest: str, nodes: list[str] | None = None) -> str | None:
         """The node that reads chunk ``digest`` of ``layer`` from the bucket, among ``nodes``
@@ -167,6 +169,10 @@ class Fetcher:
                 # No download runs: the chunk buffers its races and HTTP peers used go back to
                 # the system now, not when the pool's bound pushes them out (sources.BufferPool).
                 self.sources.pool.clear()
+                # And the C heap's free pages, which glibc keeps resident in the middle of its
+                # threads' arenas (bdn.daemon.memtrim; at most once per 30 s).
+                if self.idle_trim.maybe():
+                    self.stats.add("heap_trims")
 
     def give(self, node_id: str, identity: str, idx: int) -> bool:
         """Event (a peer's ``TAKE``, on the loop): ``TakeOvers.give``."""
