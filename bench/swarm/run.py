@@ -469,7 +469,30 @@ class Bench:
         pr = spawn(f"bdnd-n{i}", node_ns(i), [str(BIN / "bdnd")], env, WORK / "logs" / f"{tag}-n{i}.log")
         return pr, sockp
 
-    def run_bdn(self, n: int, fault: str | None = None, system: str = "bdn") -> dict[str, Any]:
+    def run_bdn_recycled(self, n: int, fault: str | None = None) -> dict[str, Any]:
+        """``run_bdn`` with every node's page pool holding a collected snapshot's pages: RL's steady
+        state, where step N+2 lands in the pages of step N (bdn.daemon.spares), against a first
+        anchor's fresh tmpfs pages (on this VM 0.8-3.6 CPU-s per GiB of first touch, 8 daemons at
+        once on 2 cores: bench/NOTES.md, "Swarm scheduling, part 6")."""
+        return self.run_bdn(n, fault, system="bdn-recycled", pages="recycled")
+
+    def plant_spares(self, daemons: dict[int, tuple[Proc, Path]]) -> int:
+        """Give every node's page pool the pages of one collected snapshot of the same file sizes
+        (written, so resident), as its GC would have left them; returns the bytes per node."""
+        sizes = [(self.snap / nm).stat().st_size for nm in self.names]
+        block = b"\x5a" * (8 << 20)
+        for i, (_, s) in daemons.items():
+            sid = api(s, "GET", "/v1/status")[1]["swarm_id"]
+            d = SHM / f"n{i}" / sid / ".spares"
+            d.mkdir(parents=True, exist_ok=True)
+            for k, size in enumerate(sizes):
+                with open(d / f"bench-{k}", "wb") as f:
+                    left = size
+                    while left:
+                        left -= f.write(block[: min(left, len(block))])
+        return sum(sizes)
+
+    def run_bdn(self, n: int, fault: str | None = None, system: str = "bdn", pages: str = "fresh") -> dict[str, Any]:
         tag = f"{system}-N{n}-{fault or 'nofault'}-b{int(self.bucket_mbit)}".replace("[", "-").replace("]", "")
         if self.args.bdn_src:
             tag += "-src"  # keep the logs of the repo's daemon at the same point
@@ -485,6 +508,8 @@ class Bench:
                         return False
                 return True
             wait_until(all_up, 60, "every bdnd up and seeing all its peers")
+            if pages == "recycled":
+                log(f"planted {self.plant_spares(daemons)} bytes of spare pages per node")
             meter = Meter(nodes, [d[0] for d in daemons.values()] + [self.moto])  # type: ignore[list-item]
             prof = self.start_profile(daemons[1][0], tag) if self.args.profile else None
             busy = self.start_503_capture(tag)
@@ -578,7 +603,9 @@ class Bench:
             for i in done:
                 m["per_node"][f"n{i}"]["done_s"] = round(done[i] - t0, 2)
             m["log_lines"] = self.count_log_lines(tag, nodes)
-            return self.row(system, n, seconds, egress, fault, daemon_commit=rev, verified=verified,
+            if pages == "recycled":  # what each daemon says it reserved in recycled pages
+                m["recycled_bytes"] = {f"n{i}": recycled_bytes(WORK / "logs" / f"{tag}-n{i}.log", IDENTITY) for i in nodes}
+            return self.row(system, n, seconds, egress, fault, daemon_commit=rev, verified=verified, pages=pages,
                             failed=failed or None,
                             killed_at_s=killed_at[0] if killed_at else None,
                             survivors=len(survivors) if fault else None, **m)
@@ -979,7 +1006,9 @@ def main() -> int:
     ap.add_argument("--bucket-fast-x", type=float, default=0,
                     help="one more run of every system at the largest N with the bucket this many times faster")
     ap.add_argument("--snapshot-gb", type=float, default=1.0, help="snapshot size in GiB (bf16 safetensors)")
-    ap.add_argument("--systems", default="bdn,boto3,libtorrent")
+    ap.add_argument("--systems", default="bdn,boto3,libtorrent",
+                    help="comma list of bdn, bdn_recycled (bdn with a collected snapshot's pages in every "
+                         "node's page pool), boto3, libtorrent")
     ap.add_argument("--fault", default="", help="kill50: kill one node (process and link) at 50%% of its download")
     ap.add_argument("--fault-systems", default="bdn,libtorrent")
     ap.add_argument("--ceiling", action="store_true", help="also: bdnd -> bdnd over loopback vs iperf3")
