@@ -81,6 +81,19 @@ def row_key(r: dict[str, Any]) -> tuple[Any, ...]:
     return (r["system"], r["nodes"], r.get("bucket_mbit"), r.get("fault"))
 
 
+def shm_mount() -> str:
+    """The tmpfs options of the daemons' shm root when it is a mount of its own (e.g.
+    ``huge=within_size``: 2 MiB pages, docs/OPERATIONS.md), else "/dev/shm"."""
+    try:
+        for line in Path("/proc/mounts").read_text().splitlines():
+            f = line.split()
+            if len(f) > 3 and f[1] == str(SHM):
+                return f"{f[2]} {f[3]}"
+    except OSError:
+        pass
+    return "/dev/shm"
+
+
 def daemon_rev() -> str:
     """The bdn tree a bdnd starts from: HEAD's short sha, "+dirty" if bdn/ has uncommitted edits
     (the package is installed editable, so the working tree is what runs)."""
@@ -605,7 +618,7 @@ class Bench:
             m["log_lines"] = self.count_log_lines(tag, nodes)
             if pages == "recycled":  # what each daemon says it reserved in recycled pages
                 m["recycled_bytes"] = {f"n{i}": recycled_bytes(WORK / "logs" / f"{tag}-n{i}.log", IDENTITY) for i in nodes}
-            return self.row(system, n, seconds, egress, fault, daemon_commit=rev, verified=verified, pages=pages,
+            return self.row(system, n, seconds, egress, fault, daemon_commit=rev, verified=verified, pages=pages, shm=shm_mount(),
                             failed=failed or None,
                             killed_at_s=killed_at[0] if killed_at else None,
                             survivors=len(survivors) if fault else None, **m)
