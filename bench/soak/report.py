@@ -24,6 +24,8 @@ from bench.soak import flat as flat_rule
 
 RSS_FLAT_MB = 50.0
 FD_FLAT = 20.0
+#: bdnd's max_per_peer default: chunk requests in flight to one peer (bdn/daemon/config.py)
+MAX_PER_PEER = 4
 JUDGE_MIN_S = 600.0  # a life shorter than this gets slopes but no flat/growing verdict
 
 
@@ -266,10 +268,14 @@ def findings(r: dict[str, Any]) -> list[str]:
         reasons = Counter(_NUMS.sub("#", f["reason"])[:160] for f in failed)
         out.append(f"{len(failed)} snapshot failures on live daemons; reasons: {dict(reasons.most_common(4))}")
     lh = r.get("liar_bad_chunks_taken") or {}
-    if lh.get("max_per_snapshot", 0) > 2:
+    # A penalty cannot take back what is already in flight: up to max_per_peer (4) requests were
+    # sent to the liar before its first bad answer came; more than that by one daemon for one
+    # snapshot means queued requests still went to it after the penalty.
+    if lh.get("max_per_snapshot", 0) > MAX_PER_PEER:
         worst = max(((n, i, k) for n, d in lh["by_node"].items() for i, k in d.items()), key=lambda x: x[2])
         out.append(f"{worst[0]} took {worst[2]} bad chunks from the liar for {worst[1]} ({lh['total']} in all): the "
-                   "penalty does not redirect the requests already queued for a lying peer (issue 12, item 8)")
+                   f"penalty does not redirect the requests queued for a lying peer (issue 12, item 8; up to "
+                   f"{MAX_PER_PEER} in flight when the first bad answer comes are expected)")
     if r["end"]["not_alive"]:
         out.append(f"not alive at the end: {r['end']['not_alive']}")
     bad = {k: v for k, v in r["end"]["shutdown"].items() if v != "exit 0"}
