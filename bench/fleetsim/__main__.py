@@ -49,7 +49,7 @@ GB = 1e9
 CHUNKS = {100: 256, 1000: 256, 10000: 128}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
 FLEET_DEFAULTS: dict[str, Any] = {"serial_reads": True, "have_flush_s": 0.0, "download_slots": 16, "max_per_peer": 4,
-                                  "forward": "cut", "upload_pick": "fewest"}
+                                  "forward": "cut", "upload_pick": "fewest", "endgame_chunks": 4}
 KEYS = ("seconds", "x_floor", "bucket_egress_over_s", "duplicate_bucket_reads", "control_msgs_per_node_s_mean",
         "control_msgs_per_node_s_max", "peer_state_bytes_per_node_max", "member_table_bytes_per_node",
         "hotload_target_spread_s", "hotload_done_s", "wall_s")
@@ -63,8 +63,10 @@ def fleet(name: str, n: int, size: float, chunks: int, **kw: Any) -> Scenario:
     # lead's); a freed upload slot serves the chunk sent least (bdn.control.uploadq)
     for k, v in FLEET_DEFAULTS.items():
         kw.setdefault(k, v)
+    kw.setdefault("kill_frac", 0.01)  # overridable (--set late_frac=0: the joiners' share of the time)
+    kw.setdefault("late_frac", 0.05)
     return Scenario(name, n, size, chunks, 100e9 / 8, 10 * GB, 100e6, rtt_s=0.0002, jitter_s=0.0002,
-                    policy="fleet", kill_frac=0.01, late_frac=0.05, bucket_concurrency=32, **kw)
+                    policy="fleet", bucket_concurrency=32, **kw)
 
 
 def scenarios(only: set[str] | None) -> list[Scenario]:

@@ -55,6 +55,7 @@ class Scenario:
     forward: str = "store"  # how a chunk still arriving is forwarded: store, real, cut (forward.py)
     have_at_once_after_read: bool = False  # HAVE flushed at each bucket read, not at the next batch
     owner_ask_after_s: float = 2.0
+    endgame_chunks: int = 0  # bdnd's endgame_chunks (4): race two holders for the last chunks (PeerSet)
     swim_period_s: float = 1.0
     hotload_fanout: int = 3  # TargetGossip's fanout (bdn/control/hotload.py default 3)
     suspect_mult: float = 4.0

@@ -443,7 +443,10 @@ class FleetSim:
         if ps.held[i]:
             ps.inflight[i] = False
             return
+        legs = ps.asked.get(i)
         ps.got(i)
+        if legs is not None and len(legs) > 1:
+            self.cancel_legs(nd, i, [p for p in legs if p != source])
         nd.unavail_t[i] = np.inf
         if self.arrivals is not None:
             self.arrivals.append((self.env.now, nd.id, i, source))
@@ -460,6 +463,23 @@ class FleetSim:
         if ps.complete or int(ps.held.sum()) == self.sc.chunks // 2:
             nd.state_peak = max(nd.state_peak, ps.state_bytes())
         self.kick(nd)
+
+    def cancel_legs(self, nd: SimNode, i: int, peers: list[str]) -> None:
+        """``nd`` holds chunk ``i`` now: the other legs of its endgame race are cancelled (a
+        request still queued at its holder leaves the queue; a copy on the wire stops, unless
+        ``nd`` already forwards it to others: then it is let finish)."""
+        for p in peers:
+            src = self.nodes.get(p)
+            if src is None:
+                continue
+            for k, (a, j, c) in enumerate(src.upq):
+                if a is nd and j == i:
+                    del src.upq[k]
+                    self.later(self.delay(), self.finish, nd, p, i, False, c)
+                    break
+            for f in list(nd.flows):
+                if f.tag == ("peer", p, nd.id, i) and not f.ended and not self.fwd.children.get(f):
+                    self.net.abort(f)
 
     def mark_done(self, nd: SimNode) -> None:
         if nd.done_at is None:
@@ -536,6 +556,9 @@ class FleetSim:
         if src is None or not src.alive or src.ps is None:
             self.later(self.delay(), self.finish, nd, pid, i, False, cb)  # refused / reset
             return
+        if self._cancelled(nd, i):  # the asker got the chunk meanwhile (an endgame race's loser)
+            self.later(self.delay(), self.finish, nd, pid, i, False, cb)
+            return
         if not src.ps.held[i] and i not in src.partial:
             if wait and self.policy == "fleet" and i not in src.reading and i not in src.bucket_queue:
                 self.plan_bucket(src)
@@ -551,7 +574,15 @@ class FleetSim:
     def upload_admit(self, src: SimNode, i: int) -> bool:
         return src.uploads < self.sc.max_uploads
 
+    def _cancelled(self, nd: SimNode, i: int) -> bool:
+        """A request of ``nd`` for chunk ``i`` that ``nd`` no longer needs: it holds the chunk
+        (the other leg of an endgame race won), so it cancelled this one."""
+        return nd.ps is not None and bool(nd.ps.held[i])
+
     def admit(self, src: SimNode, nd: SimNode, i: int, cb: Any) -> None:
+        if self._cancelled(nd, i):
+            self.later(self.delay(), self.finish, nd, src.id, i, False, cb)
+            return
         if self.upload_admit(src, i):
             self.transfer(src, nd, i, cb)
         elif self.policy == "fleet" and len(src.upq) < self.sc.upload_queue:
@@ -580,6 +611,9 @@ class FleetSim:
         src.uploads_by_chunk[i] -= 1
         while src.upq and src.alive:
             a, j, c = src.upq.pop(self._next_upload(src))
+            if a.alive and self._cancelled(a, j):
+                self.later(self.delay(), self.finish, a, src.id, j, False, c)
+                continue
             if a.alive:
                 self.transfer(src, a, j, c)
                 break
@@ -600,8 +634,10 @@ class FleetSim:
             return
         if ok:
             self.got(nd, i, pid)
+        elif nd.ps.held[i]:
+            nd.ps.failed(i, pid)  # a cancelled endgame leg: nothing failed
         else:
-            nd.ps.failed(i)
+            nd.ps.failed(i, pid)
             if cb is None:
                 self.failed(nd, pid, i)
         if cb is not None:
@@ -643,7 +679,8 @@ class FleetSim:
             return
         sc = self.sc
         nd.ps = PeerSet(nd.id, sc.chunks, lambda: self.env.now, rng=random.Random(self.rng.random()),
-                        k=sc.k, max_peers=sc.max_peers, reader_slots=sc.reader_slots, have_flush_s=sc.have_flush_s)
+                        k=sc.k, max_peers=sc.max_peers, reader_slots=sc.reader_slots, have_flush_s=sc.have_flush_s,
+                        endgame_chunks=sc.endgame_chunks)
         nd.unavail_t = np.full(sc.chunks, np.inf)
         nd.ask_at = np.zeros(sc.chunks)  # per chunk: no owner ask before (a failed one backs off)
         self.plan_bucket(nd)
