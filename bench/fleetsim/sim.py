@@ -20,7 +20,6 @@ woke it (:meth:`FleetSim.kick` coalesces), and one timer per node stands for all
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -31,7 +30,7 @@ import simpy
 
 from bdn.control.hotload import Target, TargetGossip
 from bdn.control.members import MemberBase
-from bdn.control.owners import OwnerCache, reader_count
+from bdn.control.owners import OwnerCache, reader_count, reader_slots
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
 from bdn.control.uploadq import next_upload
@@ -142,7 +141,7 @@ class FleetSim:
         self.n_live = 0
         self.requests = 0  # chunk requests sent (a cost metric)
         self._maps: dict[tuple, Any] = {}
-        self._reader_scores: dict[str, int] = {}
+        self._reader_scores: dict[tuple[str, str], int] = {}  # (node, slot key) -> HRW score
         self._readers_of_view: dict[int, tuple] = {}  # id(live tuple) -> (live, r, readers)
         self._dirty: list[SimNode] = []
         #: (t, node, chunk, source) per chunk arrival when set to a list (bench/fleetsim/timeline.py)
@@ -295,16 +294,20 @@ class FleetSim:
         return m
 
     def _top_readers(self, live: tuple[str, ...], r: int) -> tuple[str, ...]:
-        """``hrw.rank(live, "readers" NUL identity)[:r]`` (:func:`bdn.control.owners.readers_of`),
-        from scores computed once per node."""
+        """The holders of the snapshot's reader slots (:func:`bdn.control.owners.reader_slots`,
+        the policy's own function), with each node's slot scores computed once."""
         hit = self._readers_of_view.get(id(live))
         if hit is not None and hit[0] is live and hit[1] == r:
             return hit[2]  # the same tuple object: views that share the fleet list (MemberBase)
         sc = self._reader_scores
-        for n in live:
-            if n not in sc:
-                sc[n] = hrw.score(n, "readers\x00" + self.identity)
-        top = tuple(heapq.nlargest(r, live, key=lambda n: (sc[n], n)))
+
+        def score(n: str, key: str) -> int:
+            v = sc.get((n, key))
+            if v is None:
+                v = sc[(n, key)] = hrw.score(n, key)
+            return v
+        cands = reader_slots(self.identity, live, r, score=score)
+        top = tuple(tuple(c) for c in cands)  # the map's key: each slot's holder and next candidates
         if len(self._readers_of_view) > 64:
             self._readers_of_view.clear()
         self._readers_of_view[id(live)] = (live, r, top)
