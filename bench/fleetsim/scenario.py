@@ -49,6 +49,7 @@ class Scenario:
     max_per_peer: int = 2
     upload_queue: int = 8  # requests a holder keeps waiting for a slot before it answers busy
     busy_backoff_s: float = 0.05  # a peer that answered busy is skipped this long (x 1-3 after a failure)
+    upload_wait: str = "any"  # which requests wait at a full holder: "any" (up to upload_queue) or "fresh" (uploadq.may_wait)
     upload_pick: str = "fifo"  # which held request a freed upload slot serves: "fifo" or "fewest" (sim.py)
     have_flush_s: float = 0.1
     serial_reads: bool = False  # a reader reads one chunk at a time over all its connections (bdnd)

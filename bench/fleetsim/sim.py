@@ -33,7 +33,7 @@ from bdn.control.members import MemberBase
 from bdn.control.owners import OwnerCache, reader_count, reader_slots
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
-from bdn.control.uploadq import next_upload
+from bdn.control.uploadq import may_wait, next_upload
 from bdn.proto import hrw
 from bench.fleetsim.forward import Forwarding
 from bench.fleetsim.net import Link, Network, call_later
@@ -588,7 +588,7 @@ class FleetSim:
             return
         if self.upload_admit(src, i):
             self.transfer(src, nd, i, cb)
-        elif self.policy == "fleet" and len(src.upq) < self.sc.upload_queue:
+        elif self.policy == "fleet" and self._may_wait(src, i):
             src.upq.append((nd, i, cb))
         else:
             nd.busy[src.id] = self.env.now + self.sc.busy_backoff_s
@@ -622,6 +622,14 @@ class FleetSim:
                 break
         self.kick(src)
         self.finish(nd, src.id, i, ok, cb)
+
+    def _may_wait(self, src: SimNode, i: int) -> bool:
+        """Whether a request for chunk ``i`` waits for one of ``src``'s upload slots: up to
+        ``upload_queue`` requests ("fifo"/"fewest" alone), or :func:`bdn.control.uploadq.may_wait`
+        (``upload_wait`` "fresh": not for a chunk it sends now, one request per chunk)."""
+        if self.sc.upload_wait == "fresh":
+            return may_wait(i, [r[1] for r in src.upq], src.uploads_by_chunk, self.sc.upload_queue)
+        return len(src.upq) < self.sc.upload_queue
 
     def _next_upload(self, src: SimNode) -> int:
         """Which held request gets a freed upload slot: the oldest (``upload_pick`` "fifo"), or
