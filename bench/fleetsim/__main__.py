@@ -19,8 +19,10 @@ Runs (bench/fleetsim/sim.py, policies from bdn/control; today's daemon: bench/fl
 
 Settings of the fleet runs (the daemon's keys): ``bucket_concurrency`` 32 connections per bucket
 reader (so :func:`bdn.control.owners.reader_count` gives ceil(1.5 x 100 / 32) = 5 readers, 160
-connections); peer set k 16, max 32 (4 reader slots); 8 download slots, 2 per peer; 8 upload
-slots and 8 queued; HAVE flush 0.1 s; SWIM period 1 s; hot-load fanout ceil(ln N) + 3.
+connections, reader slots); peer set k 16, max 32 (4 reader slots); 16 download slots, 4 per
+peer; 8 upload slots and up to 8 waiting, only for a chunk the holder is not sending now, one per
+chunk (bdn.control.uploadq.may_wait), served chunk-sent-least first; endgame 4 (bdnd's); a HAVE
+as soon as a chunk is verified; SWIM period 1 s; hot-load fanout ceil(ln N) + 3.
 
 Each point: the median over ``--seeds`` runs, with the min and max (``spread``).
 """
@@ -49,7 +51,8 @@ GB = 1e9
 CHUNKS = {100: 256, 1000: 256, 10000: 128}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
 FLEET_DEFAULTS: dict[str, Any] = {"serial_reads": True, "have_flush_s": 0.0, "download_slots": 16, "max_per_peer": 4,
-                                  "forward": "cut", "upload_pick": "fewest", "endgame_chunks": 4}
+                                  "forward": "cut", "upload_pick": "fewest", "endgame_chunks": 4,
+                                  "upload_wait": "fresh"}
 KEYS = ("seconds", "x_floor", "bucket_egress_over_s", "duplicate_bucket_reads", "control_msgs_per_node_s_mean",
         "control_msgs_per_node_s_max", "peer_state_bytes_per_node_max", "member_table_bytes_per_node",
         "hotload_target_spread_s", "hotload_done_s", "wall_s")
