@@ -60,6 +60,7 @@ class Scenario:
     swim_period_s: float = 1.0
     hotload_fanout: int = 3  # TargetGossip's fanout (bdn/control/hotload.py default 3)
     suspect_mult: float = 4.0
+    max_piggyback: int = 32  # Swim.max_piggyback: updates per SWIM message
     # today policy knobs (bdn/daemon/config.py defaults)
     max_inflight: int = 16
     uploads_per_chunk: int = 2

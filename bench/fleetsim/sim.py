@@ -797,7 +797,7 @@ class FleetSim:
         self.nodes[nid] = nd
         self.n_live += 1
         nd.swim = Swim(nid, f"http://{nid}", lambda: self.env.now, rng=random.Random(self.rng.random()),
-                       period_s=sc.swim_period_s, suspect_mult=sc.suspect_mult)
+                       period_s=sc.swim_period_s, suspect_mult=sc.suspect_mult, max_piggyback=sc.max_piggyback)
         if seeds:
             self.send_swim(nd.swim.join({s: f"http://{s}" for s in seeds}))
         self.later(0.0, self.swim_tick, nd)
