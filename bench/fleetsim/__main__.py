@@ -133,6 +133,30 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def combine(files: list[Path], out: Path, code: str = "") -> None:
+    """Rows of one name from several result files (one seed each, from parallel processes)
+    become one row over all their seeds; the rows are merged into ``out``."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for f in files:
+        for r in json.loads(f.read_text()):
+            by_name.setdefault(r["name"], []).append(r)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    for name, rs in by_name.items():
+        if len(rs) == 1:
+            row = rs[0]
+        else:
+            if any(len(r.get("seeds", [])) != 1 for r in rs):
+                raise SystemExit(f"{name}: --combine takes single-seed rows (one process per seed)")
+            row = summarise(rs)
+        if code:
+            row["code"] = code
+        rows = [x for x in rows if x["name"] != name] + [row]
+        print(f"{name}: seeds {row.get('seeds')}, x floor {row.get('x_floor')} {row.get('spread', {}).get('x_floor')}")
+    order = {s.name: i for i, s in enumerate(scenarios(None))}
+    rows.sort(key=lambda r: order.get(r["name"], 99))
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| run | N | S | chunks (x real) | seeds | seconds | floor s | x floor (min-max) | egress / S | dup reads "
             "| ctrl msg/node/s mean | max | peer state B/node | member table B/node | target spread s | wall s |")
@@ -193,7 +217,14 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a Scenario field for every run (numbers or words), e.g. --set forward=real")
     ap.add_argument("--tag", default="", help="appended to each run's name (rows of other settings side by side)")
+    ap.add_argument("--combine", nargs="+", type=Path, default=[], metavar="FILE",
+                    help="run nothing: the rows of these --out files (one process per seed), rows of one name "
+                         "summarised together (median and spread over their seeds), merged into --out")
+    ap.add_argument("--code", default="", help="with --combine: the 'code' note of the combined rows (which commit ran)")
     args = ap.parse_args()
+    if args.combine:
+        combine(args.combine, args.out, args.code)
+        return
     over = {k: _num(v) for k, v in (x.split("=", 1) for x in args.set)}
     if args.report_only:
         only = {"-"}
