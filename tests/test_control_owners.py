@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from bdn.control.owners import OwnerCache, OwnerMap, reader_count
+from bdn.control.owners import (
+    OwnerCache,
+    OwnerMap,
+    reader_count,
+    reader_slots,
+    slot_of,
+    slot_table,
+)
 from bdn.proto import hrw
 
 
@@ -21,8 +28,8 @@ def test_owners_are_hrw_among_readers_and_all_nodes_with_no_limit() -> None:
         assert full.owner(d) == hrw.owner(live, d)
     m = OwnerMap(1, live, "step1", readers=5)
     assert len(m.readers) == 5 and all(m.is_reader(r) for r in m.readers)
-    for d in (f"d{i}" for i in range(100)):
-        assert m.owner(d) == hrw.owner(m.readers, d)
+    for d in (f"d{i}" for i in range(100)):  # without digests: plain HRW over the reader slots
+        assert m.owner(d) == m.readers[slot_of(d, 5)]
     assert set(m.owned_by(m.readers[0], [f"d{i}" for i in range(100)])) <= set(range(100))
 
 
@@ -92,10 +99,16 @@ def test_one_owner_rule_bounded_loads_among_the_readers() -> None:
     o = Owners()
     assert all(o.owner("L", small, d, lambda: digests, len(digests)) == full.owner(d) for d in digests)
     live = [f"n{i}" for i in range(40)]
-    sub = OwnerMap(1, live, "step1", readers=5, digests=digests)  # a subset reads: plain HRW
-    assert not sub.bounded and all(sub.owner(d) == hrw.owner(sub.readers, d) for d in digests)
+    sub = OwnerMap(1, live, "step1", readers=5, digests=digests)  # a subset reads: reader slots
+    table = slot_table(digests, 5)
+    assert not sub.bounded and all(sub.owner(d) == sub.readers[table[d]] for d in digests)
+    shares = Counter(sub.owner(d) for d in digests)
+    assert len(shares) == 5 and max(shares.values()) == 53  # no reader above ceil(263 / 5)
+    # bdnd's fetcher (bucket_readers > 0) gives the same owners from the same slots
+    assert all(o.slot_owner("L2", list(sub.readers), d, lambda: digests, len(digests)) == sub.owner(d)
+               for d in digests)
     plain = OwnerMap(1, live, "step1", readers=5)
-    assert not plain.bounded and all(plain.owner(d) == hrw.owner(plain.readers, d) for d in digests)
+    assert not plain.bounded and all(plain.owner(d) == plain.readers[slot_of(d, 5)] for d in digests)
     assert owner_table(digests, ["solo"]) == {} and owner_table([], live) == {}
 
 
@@ -112,3 +125,51 @@ def test_readers_of_is_the_owner_maps_reader_set() -> None:
     r = readers_of("s", live, 5)
     assert r == list(OwnerMap(1, live, "s", readers=5).readers)
     assert r == readers_of("s", list(reversed(live)), 5)  # the same on every daemon
+
+
+def test_reader_slots_share_equally_and_a_change_moves_one_slot() -> None:
+    """Reader slots: equal shares (within one chunk) whatever the node ids, where plain HRW
+    among 5 readers split 128 chunks up to 21 / 31 (bench/NOTES.md, "Issue 13, part 6"); a
+    reader's death moves its slot only, to the slot's next candidate, who is also its acting
+    owner and the new holder's former owner."""
+    from collections import Counter
+
+    digests = [f"{i:032x}" for i in range(128)]
+    for n in (100, 1000, 3000):
+        live = [f"n{i:05d}" for i in range(n)]
+        m = OwnerMap(1, live, "step000001", readers=5, digests=digests)
+        shares = Counter(m.owner(d) for d in digests)
+        assert len(shares) == 5 and max(shares.values()) == 26  # ceil(128 / 5), whatever the ids
+    live = [f"n{i:05d}" for i in range(1000)]
+    m = OwnerMap(1, live, "s", readers=5, digests=digests)
+    dead = m.readers[2]
+    after = OwnerMap(2, [x for x in live if x != dead], "s", readers=5, digests=digests)
+    moved = [d for d in digests if m.owner(d) != after.owner(d)]
+    assert moved and all(m.owner(d) == dead for d in moved)  # only the dead reader's chunks move
+    assert {after.owner(d) for d in moved} == {after.readers[2]}  # all to one node, its slot's next
+    for d in moved:
+        assert m.acting_owner(d, {dead}) == after.owner(d)
+        assert after.former_owner(d, after.owner(d)) is not None
+    assert [r for k, r in enumerate(after.readers) if k != 2] == [r for k, r in enumerate(m.readers) if k != 2]
+    # a joiner outranking a holder takes that slot only (affected_by says so beforehand)
+    for j in (f"j{i}" for i in range(3000)):
+        if m.affected_by(j):
+            again = OwnerMap(2, live + [j], "s", readers=5, digests=digests)
+            k = again.readers.index(j)
+            assert [r for i, r in enumerate(again.readers) if i != k] == [r for i, r in enumerate(m.readers) if i != k]
+            assert again.former_owner(digests[[again.owner(d) for d in digests].index(j)], j) == m.readers[k]
+            break
+    else:
+        raise AssertionError("no joiner outranked a holder")
+    # the candidates: holder first, then nodes holding no slot; a cached score gives the same
+    cands = reader_slots("s", live, 5)
+    holders = [c[0] for c in cands]
+    assert len(set(holders)) == 5 and all(not set(c[1:]) & set(holders) for c in cands)
+    cache: dict = {}
+
+    def cached(node: str, key: str) -> int:
+        if (node, key) not in cache:
+            cache[(node, key)] = hrw.score(node, key)
+        return cache[(node, key)]
+    assert reader_slots("s", live, 5, score=cached) == cands
+    assert slot_table(digests, 5) == slot_table(list(digests), 5) and slot_table([], 5) == {}

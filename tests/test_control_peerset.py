@@ -182,3 +182,51 @@ def test_a_peer_added_after_an_announce_learns_the_chunk_from_the_bitfield() -> 
     assert ps.flush_haves(force=True) == {"early": [3]}
     assert unpack_bits(ps.bitfield(), 8).tolist() == [i == 3 for i in range(8)]
     assert ps.have_bits()[3]
+
+
+def test_endgame_asks_a_second_holder_for_the_last_chunks_only() -> None:
+    """bdnd's endgame rule (endgame_chunks): with at most that many chunks left and two holders,
+    a chunk asked of one holder is asked of a second; never a third, never before the endgame."""
+    clock = FakeClock()
+    ps = PeerSet("me", 8, clock, rng=random.Random(6), k=3, max_peers=3, endgame_chunks=2)
+    for p in ("a", "b", "c"):
+        ps.accept(p)
+    ps.on_bitfield("a", np.ones(8, dtype=bool))
+    ps.on_bitfield("b", np.ones(8, dtype=bool))
+    for i in range(5):
+        ps.got(i)
+    picks = ps.pick(8, max_per_peer=8)
+    assert sorted(i for i, _ in picks) == [5, 6, 7]  # 3 left: no race yet
+    assert ps.pick(8, max_per_peer=8) == []
+    ps.got(5)  # 2 left: the endgame
+    race = ps.pick(8, max_per_peer=8)
+    assert sorted(i for i, _ in race) == [6, 7]
+    for i, p in race:
+        assert ps.asked[i] == {"a", "b"} and p in ("a", "b")
+    assert ps.pick(8, max_per_peer=8) == []  # two legs each: no third holder asked
+    # one leg fails: the chunk stays in flight at the other, and may be raced again
+    ps.failed(6, "a")
+    assert ps.inflight[6] and ps.asked[6] == {"b"}
+    assert ps.pick(8, max_per_peer=8) == [(6, "a")]
+    ps.got(6)
+    assert not ps.inflight[6] and 6 not in ps.asked
+
+
+def test_endgame_needs_two_holders_and_leaves_owner_asks_alone() -> None:
+    clock = FakeClock()
+    ps = PeerSet("me", 4, clock, rng=random.Random(7), k=2, max_peers=2, endgame_chunks=4)
+    ps.accept("a")
+    ps.accept("b")
+    ps.on_bitfield("a", np.array([1, 1, 0, 0], dtype=bool))
+    ps.on_bitfield("b", np.array([1, 0, 0, 0], dtype=bool))
+    ps.mark_inflight(0)  # asked of its owner (not a pick): never raced
+    assert ps.pick(4, max_per_peer=4) == [(1, "a")]
+    assert ps.pick(4, max_per_peer=4) == []  # chunk 1 has one holder only
+    ps.failed(1, "a")
+    assert not ps.inflight[1]  # its only leg failed: free to pick again
+    off = PeerSet("me", 4, clock, rng=random.Random(7), k=2, max_peers=2)  # endgame_chunks 0: off
+    off.accept("a")
+    off.accept("b")
+    off.on_bitfield("a", np.ones(4, dtype=bool))
+    off.on_bitfield("b", np.ones(4, dtype=bool))
+    assert len(off.pick(8, max_per_peer=8)) == 4 and off.pick(8, max_per_peer=8) == []

@@ -35,3 +35,16 @@ def test_a_reader_s_queue_under_a_herd_sends_its_newest_chunk_first() -> None:
 def test_an_empty_queue_is_an_error() -> None:
     with pytest.raises(ValueError):
         next_upload([], {})
+
+
+def test_a_request_waits_only_for_a_fresh_chunk_once() -> None:
+    """may_wait: a full holder keeps a request waiting only for a chunk it is not sending now
+    and that no other waiting request wants, up to the limit; the rest are told busy."""
+    from bdn.control.uploadq import may_wait
+
+    assert may_wait(7, [], {}, 8)
+    assert not may_wait(7, [3, 7], {}, 8)  # one waiting request per chunk
+    assert not may_wait(7, [], {7: 1}, 8)  # being sent: take it from its receivers
+    assert may_wait(7, [], {7: 0, 3: 2}, 8)
+    assert not may_wait(7, list(range(8)), {}, 8)  # the queue is full
+    assert not may_wait(7, [], {}, 0)

@@ -92,3 +92,25 @@ def test_a_copy_cut_short_by_a_death_is_withdrawn_and_every_live_node_completes(
         assert r["done_nodes"] == r["live_nodes"] == 19, seed
         assert r["bucket_egress_over_s"] <= 1.5
         assert not sim.fwd.waiting and not sim.fwd.children
+
+
+def test_endgame_races_cancel_their_losers_and_conserve_the_slots() -> None:
+    """endgame_chunks > 0: the last chunks are asked of two holders; every node still completes
+    with one bucket read per chunk, and no request, upload slot or flow is left behind."""
+    sim = FleetSim(_fleet(24, 16, endgame_chunks=4, kill_frac=0.05, late_frac=0.1, hotload_fanout=6))
+    raced = []
+    got = sim.got
+
+    def spy(nd, i, source):  # type: ignore[no-untyped-def]
+        legs = nd.ps.asked.get(i) if nd.ps is not None else None
+        if legs is not None and len(legs) > 1 and not nd.ps.held[i]:
+            raced.append((nd.id, i))
+        got(nd, i, source)
+    sim.got = spy  # type: ignore[method-assign]
+    r = sim.run()
+    assert raced  # some races happened
+    assert r["done_nodes"] == r["live_nodes"]
+    assert r["bucket_egress_over_s"] <= 1.5
+    live = [x for x in sim.nodes.values() if x.alive]
+    assert all(x.nreq == 0 and x.uploads == 0 and not x.upq for x in live)
+    assert all(not x.ps.asked for x in live if x.ps is not None)

@@ -19,3 +19,24 @@ def test_depths_hops_and_done_from_arrivals() -> None:
     assert r["median_hop_s_by_depth"] == {1: 0.5, 2: 1.3}  # (0.2, 0.5, 1.0) and (1.0, 1.6)
     assert r["median_s_after_bucket_read_by_depth"][2] == 1.65  # 1.5 and 1.8 after their reads
     assert r["chunk_at_full_nic_s"] == 0.1
+
+
+def test_combine_makes_one_row_of_single_seed_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """`python -m bench.fleetsim --combine a.json b.json`: one process per seed, one row over both."""
+    import json
+
+    from bench.fleetsim.__main__ import KEYS, combine
+
+    def row(seed: int, x: float) -> dict:
+        r = {k: x for k in KEYS} | {"name": "fleet-n10000-delta", "seconds": 2 * x, "x_floor": x, "cpu_s": 1.0,
+                                     "scenario": {"seed": seed}, "seeds": [seed]}
+        return r
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    a.write_text(json.dumps([row(1, 1.10)]))
+    b.write_text(json.dumps([row(2, 1.12)]))
+    out.write_text(json.dumps([{"name": "fleet-n10000-delta", "x_floor": 9.9}, {"name": "other", "x_floor": 1.0}]))
+    combine([a, b], out, code="abc")
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    r = rows["fleet-n10000-delta"]
+    assert r["seeds"] == [1, 2] and r["spread"]["x_floor"] == [1.10, 1.12] and r["code"] == "abc"
+    assert [x["seed"] for x in r["runs"]] == [1, 2] and rows["other"]["x_floor"] == 1.0

@@ -10,6 +10,14 @@ Source: rendezvous hashing (:mod:`bdn.proto.hrw`). Two refinements for large fle
   of the snapshot's identity read from the bucket (each with ``connections_per_reader``
   connections), and a chunk's owner is the HRW top among those readers. The reader set differs
   per snapshot, so the role rotates over the fleet.
+- **Reader slots** (a subset of readers): a snapshot has ``readers`` slots; its chunks are
+  split over the slots by bounded loads (manifest order, shares equal within one chunk, the
+  same whatever the membership); slot ``k`` is read by the live node ranked highest by HRW
+  score of ``"readers" NUL identity NUL k`` that no lower slot holds. So the readers' shares
+  are equal (plain HRW among 5 readers split 128 chunks 21 / 24 / 26 / 26 / 31 for the
+  node ids of the N = 10,000 simulation, and the reader with 31 read last, alone: bench/NOTES.md,
+  "Issue 13, part 6"), and a reader's death or a joiner that outranks one moves one slot's
+  chunks only, to the node that holds that slot next (HRW's minimal disruption, per slot).
 - **Bounded loads** when every live node reads (Mirrokni, Thorup, Zadimoghaddam, "Consistent
   Hashing with Bounded Loads", SODA 2018, applied to HRW): given the snapshot's digests in
   manifest order, each goes to the first node of its HRW ranking holding fewer than
@@ -29,8 +37,9 @@ Pure: no clock is needed (the epoch is the caller's membership epoch).
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from bdn.proto import hrw
 
@@ -80,13 +89,56 @@ def reader_count(
     return max(1, min(live_n, math.ceil(conns / max(1, connections_per_reader))))
 
 
+def slot_key(identity: str, k: int) -> str:
+    """The HRW key of reader slot ``k`` of snapshot ``identity``."""
+    return f"readers\x00{identity}\x00{k}"
+
+
+def reader_slots(identity: str, live: Sequence[str], slots: int,
+                 score: Callable[[str, str], int] = hrw.score, spare: int = 3) -> list[list[str]]:
+    """Per reader slot ``k`` (``0 <= k < slots``, ``slots < len(live)``), its holder and then
+    its next candidates: slot ``k`` ranks ``live`` by ``score(node, slot_key(identity, k))``
+    (ties by node id) and is held by its best node that no lower slot holds; the candidates
+    after the holder (up to ``spare``) hold no other slot, and the first of them is who holds
+    the slot when the holder dies (unless it ranks first for a lower slot too: a chance of about
+    ``slots / len(live)``). ``score``: :func:`bdn.proto.hrw.score`, or a cached copy of it.
+    Cost: ``slots x len(live)`` scores."""
+    tops = []
+    for k in range(slots):
+        key = slot_key(identity, k)
+        tops.append(heapq.nlargest(slots + spare, live, key=lambda n, key=key: (score(n, key), n)))
+    holders: list[str] = []
+    for top in tops:
+        h = next((n for n in top if n not in holders), None)
+        if h is not None:
+            holders.append(h)
+    held = set(holders)
+    return [[h] + [n for n in top if n not in held][:spare] for h, top in zip(holders, tops)]
+
+
+def slot_table(digests: Sequence[str], slots: int) -> dict[str, int]:
+    """``digest -> slot`` for the distinct ``digests`` (manifest order): bounded loads over the
+    slots (:func:`bounded`), so each slot reads ``ceil(distinct / slots)`` chunks or one fewer;
+    ``{}`` above ``MAX_WORK`` hashes (then :func:`slot_of`'s plain HRW, even at that size)."""
+    if not digests or slots <= 0 or len(digests) * slots > MAX_WORK:
+        return {}
+    return {d: int(k) for d, k in bounded(digests, [str(k) for k in range(slots)]).items()}
+
+
+def slot_of(digest: str, slots: int, table: dict[str, int] | None = None) -> int:
+    """The reader slot of ``digest``: from ``table`` (:func:`slot_table`), else plain HRW over the slots."""
+    k = table.get(digest) if table else None
+    return k if k is not None else int(hrw.owner([str(i) for i in range(slots)], digest) or 0)
+
+
 def readers_of(identity: str, live: Sequence[str], readers: int | None) -> list[str]:
-    """The ``readers`` nodes of ``live`` that read snapshot ``identity`` from the bucket: the top
-    by HRW score of ``"readers" NUL identity`` (None or 0, or at least ``len(live)``: all of
-    ``live``, in the order given). The same set on every daemon with the same live set."""
+    """The ``readers`` nodes of ``live`` that read snapshot ``identity`` from the bucket: the
+    holders of its reader slots, in slot order (:func:`reader_slots`; None or 0, or at least
+    ``len(live)``: all of ``live``, in the order given). The same on every daemon with the same
+    live set."""
     if not readers or readers >= len(live):
         return list(live)
-    return hrw.rank(live, "readers\x00" + identity)[:readers]
+    return [c[0] for c in reader_slots(identity, live, readers)]
 
 
 def readers_and_rule(identity: str, live: Sequence[str], readers: int | None) -> tuple[list[str], bool]:
@@ -94,10 +146,11 @@ def readers_and_rule(identity: str, live: Sequence[str], readers: int | None) ->
     owners among them are bounded-load (:func:`owner_table`) or plain HRW.
 
     Bounded loads when every live node reads (small fleets: equal shares, so no owner reads
-    last alone); plain HRW among a subset of readers (large fleets): a reader's death or
-    arrival then moves only that reader's chunks (HRW's minimal disruption), while bounded caps
-    would move chunks between the surviving readers too, each one more chunk that two daemons
-    with different views may both read.
+    last alone); reader slots among a subset of readers (large fleets; the second value False):
+    equal shares too, and a reader's death or arrival moves only that reader's slot, while
+    bounded caps over the readers themselves would move chunks between the surviving readers
+    too, each one more chunk that two daemons with different views may both read. The owner of
+    a chunk is then ``readers[slot_of(digest, len(readers), slot_table(digests, len(readers)))]``.
     """
     rs = readers_of(identity, live, readers)
     return rs, len(rs) >= len(live)
@@ -110,7 +163,8 @@ class OwnerMap:
     identity (picks its readers). ``readers``: how many read from the bucket (see
     :func:`reader_count`; ``None`` = all). ``digests``: the snapshot's (or layer's) chunk
     digests in manifest order: owners are then bounded-load HRW when every live node reads
-    (:func:`readers_and_rule`); otherwise, and without them, plain HRW among the readers. Keys are chunk digests (hex strings).
+    (:func:`readers_and_rule`); otherwise reader slots (:func:`reader_slots`, :func:`slot_table`;
+    without digests plain HRW over the slots). Keys are chunk digests (hex strings).
     """
 
     def __init__(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None,
@@ -118,12 +172,18 @@ class OwnerMap:
         self.epoch = epoch
         self.live = tuple(sorted(set(live)))
         n = len(self.live) if readers is None else max(0, min(readers, len(self.live)))
-        self._key = "readers\x00" + identity
-        self.readers = tuple(hrw.rank(self.live, self._key)[:n])  # = readers_of(), ranked
+        self._identity = identity
+        every = n >= len(self.live)  # readers_and_rule: every live node reads
+        self._cands: list[list[str]] = [] if every or n == 0 else reader_slots(identity, self.live, n)
+        if every:
+            self.readers = tuple(hrw.rank(self.live, "readers\x00" + identity))
+        else:
+            self.readers = tuple(c[0] for c in self._cands)  # = readers_of(), in slot order
         self._reader_set = frozenset(self.readers)
-        bounded = bool(self.readers) and len(self.readers) >= len(self.live)  # readers_and_rule
+        bounded = bool(self.readers) and every
         self._owner: dict[str, str | None] = dict(owner_table(digests, self.readers)) if bounded else {}
         self.bounded = bool(self._owner)
+        self._slots = {} if every else slot_table(digests or (), len(self.readers))
 
     def affected_by(self, node: str) -> bool:
         """Would a change of ``node``'s standing (joined, died) change any owner?
@@ -134,8 +194,11 @@ class OwnerMap:
         """
         if node in self._reader_set or len(self.readers) >= len(self.live) or not self.readers:
             return True
-        last = self.readers[-1]
-        return (hrw.score(node, self._key), node) > (hrw.score(last, self._key), last)
+        for k, h in enumerate(self.readers):  # would it outrank a slot's holder?
+            key = slot_key(self._identity, k)
+            if (hrw.score(node, key), node) > (hrw.score(h, key), h):
+                return True
+        return False
 
     def is_reader(self, node: str) -> bool:
         return node in self._reader_set
@@ -144,12 +207,19 @@ class OwnerMap:
         """The reader that fetches ``digest`` from the bucket (None with no live readers)."""
         o = self._owner.get(digest, "")
         if o == "":
-            o = self._owner[digest] = hrw.owner(self.readers, digest)
+            if self._cands:
+                o = self.readers[slot_of(digest, len(self.readers), self._slots)]
+            else:
+                o = hrw.owner(self.readers, digest)
+            self._owner[digest] = o
         return o
 
     def ranked(self, digest: str) -> list[str]:
-        """Readers from owner to last fallback for ``digest``: the owner, then the HRW ranking
-        (with bounded loads the owner may be below the ranking's top)."""
+        """Nodes from owner to last fallback for ``digest``: the owner, then the HRW ranking
+        (with bounded loads the owner may be below the ranking's top); with reader slots the
+        slot's holder, then its next candidates (who hold the slot when the holder dies)."""
+        if self._cands:
+            return list(self._cands[slot_of(digest, len(self.readers), self._slots)])
         r = hrw.rank(self.readers, digest)
         if self.bounded:
             o = self.owner(digest)

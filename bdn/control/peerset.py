@@ -13,6 +13,13 @@ per flush, however many chunks). Dead peers are dropped at once and replaced at 
 :meth:`PeerSet.refresh`; so are peers that have been useless for ``idle_s`` while this node
 still needs chunks (a complete peer stays: it is a seed).
 
+**Endgame** (``endgame_chunks``, bdnd's key of the same name and rule,
+``bdn.daemon.fetch.plan.endgame``): once at most that many chunks are missing, a chunk already
+asked of one holder is asked of a second holder too (a race: the first verified copy wins, the
+caller cancels the other). At the end of a snapshot every node wants the same last chunks, and
+a request queued behind a holder's full upload slots otherwise waits there for a whole copy
+while a peer that just announced the chunk has slots free (bench/NOTES.md, "Issue 13, part 6").
+
 Memory: four bool arrays (held, in flight, owned, announced) and an availability count per chunk, plus one
 bitfield per peer: O(K * chunks / 8) bytes, independent of N.
 
@@ -30,6 +37,13 @@ import numpy as np
 from bdn.control import Clock
 
 MAX_PEERS_HARD = 256
+RACE = 2  # holders asked at once for one chunk in the endgame (bdnd: the first two)
+
+
+def endgame(left: int, holders: int, endgame_chunks: int) -> bool:
+    """True when ``left`` chunks remain (<= ``endgame_chunks``) and at least two holders exist:
+    then a chunk is asked of two holders at once (bdnd's fetcher and :meth:`PeerSet.pick`)."""
+    return holders >= 2 and left <= endgame_chunks
 
 
 class PeerSetError(ValueError):
@@ -72,7 +86,7 @@ class PeerSet:
     def __init__(
         self, self_id: str, n_chunks: int, clock: Clock, *, rng: random.Random | None = None,
         k: int = 16, max_peers: int = 32, reader_slots: int = 4, have_flush_s: float = 0.1,
-        idle_s: float = 10.0, owned: Sequence[bool] | None = None,
+        idle_s: float = 10.0, owned: Sequence[bool] | None = None, endgame_chunks: int = 0,
     ) -> None:
         if not 0 < k <= max_peers <= MAX_PEERS_HARD:
             raise ValueError("need 0 < k <= max_peers <= 256")
@@ -82,6 +96,8 @@ class PeerSet:
         self.rng = rng or random.Random()
         self.k, self.max_peers, self.reader_slots = k, max_peers, reader_slots
         self.have_flush_s, self.idle_s = have_flush_s, idle_s
+        self.endgame_chunks = endgame_chunks
+        self.asked: dict[int, set[str]] = {}  # chunk -> peers asked for it now (picks in flight)
         self.held = np.zeros(n_chunks, dtype=bool)
         self.inflight = np.zeros(n_chunks, dtype=bool)
         self.announced = np.zeros(n_chunks, dtype=bool)  # HAVE sent before the chunk was whole
@@ -247,6 +263,7 @@ class PeerSet:
         """Chunk ``idx`` arrived here and was verified: queue a HAVE for every peer (unless
         :meth:`announce` did already)."""
         self.inflight[idx] = False
+        self.asked.pop(idx, None)
         if self.held[idx]:
             return
         self.held[idx] = True
@@ -291,8 +308,15 @@ class PeerSet:
             s.have[idx] = False
             self.avail[idx] -= 1
 
-    def failed(self, idx: int) -> None:
-        """A request for chunk ``idx`` failed: it may be picked again."""
+    def failed(self, idx: int, peer: str | None = None) -> None:
+        """A request for chunk ``idx`` (to ``peer``, when it was a pick) failed: it may be picked
+        again, unless an endgame race still has a request for it at another holder."""
+        asked = self.asked.get(idx)
+        if asked is not None and peer is not None:
+            asked.discard(peer)
+            if asked:
+                return
+        self.asked.pop(idx, None)
         self.inflight[idx] = False
 
     def flush_haves(self, force: bool = False) -> dict[str, list[int]]:
@@ -324,6 +348,8 @@ class PeerSet:
 
         ``load``: requests in flight per peer (from this node); peers at ``max_per_peer`` are
         skipped; bucket readers only when no other holder of the chunk has a free slot. Marks the picked chunks in flight (:meth:`got` or :meth:`failed` clear it).
+        In the endgame (:func:`endgame`) a chunk in flight at one holder is picked again from a
+        second one (the caller races the two and cancels the loser).
         """
         if limit <= 0 or not self.peers:
             return []
@@ -332,6 +358,43 @@ class PeerSet:
         elig = [(p, s.have, s.reader) for p, s in self.peers.items() if load.get(p, 0) < max_per_peer]
         if not elig:
             return []
+        out = self._pick_new(limit, load, max_per_peer, include_owned, elig)
+        if self.endgame_chunks > 0 and len(out) < limit:
+            out += self._pick_race(limit - len(out), load, max_per_peer, include_owned, elig)
+        return out
+
+    def _pick_race(self, limit: int, load: dict[str, int], max_per_peer: int, include_owned: bool,
+                   elig: list) -> list[tuple[int, str]]:
+        """Endgame: second holders for the chunks asked of one holder only."""
+        left = self.n - int(self.held.sum())
+        if left > self.endgame_chunks:
+            return []
+        cand = self.inflight & ~self.held & (self.avail >= RACE)
+        if not include_owned:
+            cand &= ~self.owned
+        out: list[tuple[int, str]] = []
+        for i in np.flatnonzero(cand).tolist():
+            asked = self.asked.get(i)
+            if asked is None or len(asked) >= RACE:  # not a pick of ours (an owner ask, a read)
+                continue
+            if not endgame(left, int(self.avail[i]), self.endgame_chunks):
+                continue
+            best, best_load = None, max_per_peer
+            for p, have, _reader in elig:
+                ld = load.get(p, 0)
+                if have[i] and p not in asked and ld < best_load:
+                    best, best_load = p, ld
+            if best is None:
+                continue
+            load[best] = best_load + 1
+            asked.add(best)
+            out.append((i, best))
+            if len(out) >= limit:
+                break
+        return out
+
+    def _pick_new(self, limit: int, load: dict[str, int], max_per_peer: int, include_owned: bool,
+                  elig: list) -> list[tuple[int, str]]:
         cand = ~self.held & ~self.inflight & (self.avail > 0)
         if not include_owned:
             cand &= ~self.owned
@@ -363,6 +426,7 @@ class PeerSet:
                 continue
             load[best] = best_load + 1
             self.inflight[i] = True
+            self.asked[i] = {best}
             out.append((i, best))
             if len(out) >= limit:
                 break
@@ -376,4 +440,6 @@ class PeerSet:
         return np.flatnonzero(cand)
 
     def mark_inflight(self, idx: int) -> None:
+        """Chunk ``idx`` is being fetched other than by a pick (its owner asked, the bucket read)."""
         self.inflight[idx] = True
+        self.asked.pop(idx, None)

@@ -14,12 +14,29 @@ bench/fleetsim (N = 100, 20 GB delta, 3 seeds) measures the effect against FIFO;
 uploads (``bdn/daemon/uploads.py``) admit or refuse and do not queue yet, so this order runs
 in the simulator only until they do.
 
+:func:`may_wait` decides which requests wait at all (the rest are told busy).
+
 Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
+
+def may_wait(chunk: int, waiting: Sequence[int], uploading: Mapping[int, int], limit: int) -> bool:
+    """May a request for ``chunk`` wait for a slot at a holder whose upload slots are all taken?
+    Only while fewer than ``limit`` requests wait, none of them for the same chunk, and the
+    holder is not sending that chunk now (``uploading``: chunk -> uploads running): a chunk it
+    is sending already has receivers that forward it within one real chunk, so the asker is
+    told busy and takes it from one of them (its HAVE wakes the asker) instead of waiting a
+    whole copy here. At the end of a snapshot every node wants the same last chunks, and FIFO
+    waiting at their first holders made that herd one queue deep per hop (bench/NOTES.md,
+    "Issue 13, part 6"); a fresh chunk (a bucket reader's newest) still waits for the next slot.
+    """
+    if len(waiting) >= limit or uploading.get(chunk, 0) > 0:
+        return False
+    return chunk not in waiting
 
 
 def next_upload(waiting: Sequence[int], sent: Mapping[int, int]) -> int:

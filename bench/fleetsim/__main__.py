@@ -19,8 +19,10 @@ Runs (bench/fleetsim/sim.py, policies from bdn/control; today's daemon: bench/fl
 
 Settings of the fleet runs (the daemon's keys): ``bucket_concurrency`` 32 connections per bucket
 reader (so :func:`bdn.control.owners.reader_count` gives ceil(1.5 x 100 / 32) = 5 readers, 160
-connections); peer set k 16, max 32 (4 reader slots); 8 download slots, 2 per peer; 8 upload
-slots and 8 queued; HAVE flush 0.1 s; SWIM period 1 s; hot-load fanout ceil(ln N) + 3.
+connections, reader slots); peer set k 16, max 32 (4 reader slots); 16 download slots, 4 per
+peer; 8 upload slots and up to 8 waiting, only for a chunk the holder is not sending now, one per
+chunk (bdn.control.uploadq.may_wait), served chunk-sent-least first; endgame 4 (bdnd's); a HAVE
+as soon as a chunk is verified; SWIM period 1 s; hot-load fanout ceil(ln N) + 3.
 
 Each point: the median over ``--seeds`` runs, with the min and max (``spread``).
 """
@@ -49,7 +51,8 @@ GB = 1e9
 CHUNKS = {100: 256, 1000: 256, 10000: 128}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
 FLEET_DEFAULTS: dict[str, Any] = {"serial_reads": True, "have_flush_s": 0.0, "download_slots": 16, "max_per_peer": 4,
-                                  "forward": "cut", "upload_pick": "fewest"}
+                                  "forward": "cut", "upload_pick": "fewest", "endgame_chunks": 4,
+                                  "upload_wait": "fresh"}
 KEYS = ("seconds", "x_floor", "bucket_egress_over_s", "duplicate_bucket_reads", "control_msgs_per_node_s_mean",
         "control_msgs_per_node_s_max", "peer_state_bytes_per_node_max", "member_table_bytes_per_node",
         "hotload_target_spread_s", "hotload_done_s", "wall_s")
@@ -63,8 +66,10 @@ def fleet(name: str, n: int, size: float, chunks: int, **kw: Any) -> Scenario:
     # lead's); a freed upload slot serves the chunk sent least (bdn.control.uploadq)
     for k, v in FLEET_DEFAULTS.items():
         kw.setdefault(k, v)
+    kw.setdefault("kill_frac", 0.01)  # overridable (--set late_frac=0: the joiners' share of the time)
+    kw.setdefault("late_frac", 0.05)
     return Scenario(name, n, size, chunks, 100e9 / 8, 10 * GB, 100e6, rtt_s=0.0002, jitter_s=0.0002,
-                    policy="fleet", kill_frac=0.01, late_frac=0.05, bucket_concurrency=32, **kw)
+                    policy="fleet", bucket_concurrency=32, **kw)
 
 
 def scenarios(only: set[str] | None) -> list[Scenario]:
@@ -128,6 +133,30 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def combine(files: list[Path], out: Path, code: str = "") -> None:
+    """Rows of one name from several result files (one seed each, from parallel processes)
+    become one row over all their seeds; the rows are merged into ``out``."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for f in files:
+        for r in json.loads(f.read_text()):
+            by_name.setdefault(r["name"], []).append(r)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    for name, rs in by_name.items():
+        if len(rs) == 1:
+            row = rs[0]
+        else:
+            if any(len(r.get("seeds", [])) != 1 for r in rs):
+                raise SystemExit(f"{name}: --combine takes single-seed rows (one process per seed)")
+            row = summarise(rs)
+        if code:
+            row["code"] = code
+        rows = [x for x in rows if x["name"] != name] + [row]
+        print(f"{name}: seeds {row.get('seeds')}, x floor {row.get('x_floor')} {row.get('spread', {}).get('x_floor')}")
+    order = {s.name: i for i, s in enumerate(scenarios(None))}
+    rows.sort(key=lambda r: order.get(r["name"], 99))
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| run | N | S | chunks (x real) | seeds | seconds | floor s | x floor (min-max) | egress / S | dup reads "
             "| ctrl msg/node/s mean | max | peer state B/node | member table B/node | target spread s | wall s |")
@@ -188,7 +217,14 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a Scenario field for every run (numbers or words), e.g. --set forward=real")
     ap.add_argument("--tag", default="", help="appended to each run's name (rows of other settings side by side)")
+    ap.add_argument("--combine", nargs="+", type=Path, default=[], metavar="FILE",
+                    help="run nothing: the rows of these --out files (one process per seed), rows of one name "
+                         "summarised together (median and spread over their seeds), merged into --out")
+    ap.add_argument("--code", default="", help="with --combine: the 'code' note of the combined rows (which commit ran)")
     args = ap.parse_args()
+    if args.combine:
+        combine(args.combine, args.out, args.code)
+        return
     over = {k: _num(v) for k, v in (x.split("=", 1) for x in args.set)}
     if args.report_only:
         only = {"-"}

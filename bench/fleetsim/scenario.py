@@ -49,15 +49,18 @@ class Scenario:
     max_per_peer: int = 2
     upload_queue: int = 8  # requests a holder keeps waiting for a slot before it answers busy
     busy_backoff_s: float = 0.05  # a peer that answered busy is skipped this long (x 1-3 after a failure)
+    upload_wait: str = "any"  # which requests wait at a full holder: "any" (up to upload_queue) or "fresh" (uploadq.may_wait)
     upload_pick: str = "fifo"  # which held request a freed upload slot serves: "fifo" or "fewest" (sim.py)
     have_flush_s: float = 0.1
     serial_reads: bool = False  # a reader reads one chunk at a time over all its connections (bdnd)
     forward: str = "store"  # how a chunk still arriving is forwarded: store, real, cut (forward.py)
     have_at_once_after_read: bool = False  # HAVE flushed at each bucket read, not at the next batch
     owner_ask_after_s: float = 2.0
+    endgame_chunks: int = 0  # bdnd's endgame_chunks (4): race two holders for the last chunks (PeerSet)
     swim_period_s: float = 1.0
     hotload_fanout: int = 3  # TargetGossip's fanout (bdn/control/hotload.py default 3)
     suspect_mult: float = 4.0
+    max_piggyback: int = 32  # Swim.max_piggyback: updates per SWIM message
     # today policy knobs (bdn/daemon/config.py defaults)
     max_inflight: int = 16
     uploads_per_chunk: int = 2

@@ -20,7 +20,6 @@ woke it (:meth:`FleetSim.kick` coalesces), and one timer per node stands for all
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -31,10 +30,10 @@ import simpy
 
 from bdn.control.hotload import Target, TargetGossip
 from bdn.control.members import MemberBase
-from bdn.control.owners import OwnerCache, reader_count
+from bdn.control.owners import OwnerCache, reader_count, reader_slots
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
-from bdn.control.uploadq import next_upload
+from bdn.control.uploadq import may_wait, next_upload
 from bdn.proto import hrw
 from bench.fleetsim.forward import Forwarding
 from bench.fleetsim.net import Link, Network, call_later
@@ -142,7 +141,7 @@ class FleetSim:
         self.n_live = 0
         self.requests = 0  # chunk requests sent (a cost metric)
         self._maps: dict[tuple, Any] = {}
-        self._reader_scores: dict[str, int] = {}
+        self._reader_scores: dict[tuple[str, str], int] = {}  # (node, slot key) -> HRW score
         self._readers_of_view: dict[int, tuple] = {}  # id(live tuple) -> (live, r, readers)
         self._dirty: list[SimNode] = []
         #: (t, node, chunk, source) per chunk arrival when set to a list (bench/fleetsim/timeline.py)
@@ -295,16 +294,20 @@ class FleetSim:
         return m
 
     def _top_readers(self, live: tuple[str, ...], r: int) -> tuple[str, ...]:
-        """``hrw.rank(live, "readers" NUL identity)[:r]`` (:func:`bdn.control.owners.readers_of`),
-        from scores computed once per node."""
+        """The holders of the snapshot's reader slots (:func:`bdn.control.owners.reader_slots`,
+        the policy's own function), with each node's slot scores computed once."""
         hit = self._readers_of_view.get(id(live))
         if hit is not None and hit[0] is live and hit[1] == r:
             return hit[2]  # the same tuple object: views that share the fleet list (MemberBase)
         sc = self._reader_scores
-        for n in live:
-            if n not in sc:
-                sc[n] = hrw.score(n, "readers\x00" + self.identity)
-        top = tuple(heapq.nlargest(r, live, key=lambda n: (sc[n], n)))
+
+        def score(n: str, key: str) -> int:
+            v = sc.get((n, key))
+            if v is None:
+                v = sc[(n, key)] = hrw.score(n, key)
+            return v
+        cands = reader_slots(self.identity, live, r, score=score)
+        top = tuple(tuple(c) for c in cands)  # the map's key: each slot's holder and next candidates
         if len(self._readers_of_view) > 64:
             self._readers_of_view.clear()
         self._readers_of_view[id(live)] = (live, r, top)
@@ -443,7 +446,10 @@ class FleetSim:
         if ps.held[i]:
             ps.inflight[i] = False
             return
+        legs = ps.asked.get(i)
         ps.got(i)
+        if legs is not None and len(legs) > 1:
+            self.cancel_legs(nd, i, [p for p in legs if p != source])
         nd.unavail_t[i] = np.inf
         if self.arrivals is not None:
             self.arrivals.append((self.env.now, nd.id, i, source))
@@ -460,6 +466,23 @@ class FleetSim:
         if ps.complete or int(ps.held.sum()) == self.sc.chunks // 2:
             nd.state_peak = max(nd.state_peak, ps.state_bytes())
         self.kick(nd)
+
+    def cancel_legs(self, nd: SimNode, i: int, peers: list[str]) -> None:
+        """``nd`` holds chunk ``i`` now: the other legs of its endgame race are cancelled (a
+        request still queued at its holder leaves the queue; a copy on the wire stops, unless
+        ``nd`` already forwards it to others: then it is let finish)."""
+        for p in peers:
+            src = self.nodes.get(p)
+            if src is None:
+                continue
+            for k, (a, j, c) in enumerate(src.upq):
+                if a is nd and j == i:
+                    del src.upq[k]
+                    self.later(self.delay(), self.finish, nd, p, i, False, c)
+                    break
+            for f in list(nd.flows):
+                if f.tag == ("peer", p, nd.id, i) and not f.ended and not self.fwd.children.get(f):
+                    self.net.abort(f)
 
     def mark_done(self, nd: SimNode) -> None:
         if nd.done_at is None:
@@ -536,6 +559,9 @@ class FleetSim:
         if src is None or not src.alive or src.ps is None:
             self.later(self.delay(), self.finish, nd, pid, i, False, cb)  # refused / reset
             return
+        if self._cancelled(nd, i):  # the asker got the chunk meanwhile (an endgame race's loser)
+            self.later(self.delay(), self.finish, nd, pid, i, False, cb)
+            return
         if not src.ps.held[i] and i not in src.partial:
             if wait and self.policy == "fleet" and i not in src.reading and i not in src.bucket_queue:
                 self.plan_bucket(src)
@@ -551,10 +577,18 @@ class FleetSim:
     def upload_admit(self, src: SimNode, i: int) -> bool:
         return src.uploads < self.sc.max_uploads
 
+    def _cancelled(self, nd: SimNode, i: int) -> bool:
+        """A request of ``nd`` for chunk ``i`` that ``nd`` no longer needs: it holds the chunk
+        (the other leg of an endgame race won), so it cancelled this one."""
+        return nd.ps is not None and bool(nd.ps.held[i])
+
     def admit(self, src: SimNode, nd: SimNode, i: int, cb: Any) -> None:
+        if self._cancelled(nd, i):
+            self.later(self.delay(), self.finish, nd, src.id, i, False, cb)
+            return
         if self.upload_admit(src, i):
             self.transfer(src, nd, i, cb)
-        elif self.policy == "fleet" and len(src.upq) < self.sc.upload_queue:
+        elif self.policy == "fleet" and self._may_wait(src, i):
             src.upq.append((nd, i, cb))
         else:
             nd.busy[src.id] = self.env.now + self.sc.busy_backoff_s
@@ -580,11 +614,22 @@ class FleetSim:
         src.uploads_by_chunk[i] -= 1
         while src.upq and src.alive:
             a, j, c = src.upq.pop(self._next_upload(src))
+            if a.alive and self._cancelled(a, j):
+                self.later(self.delay(), self.finish, a, src.id, j, False, c)
+                continue
             if a.alive:
                 self.transfer(src, a, j, c)
                 break
         self.kick(src)
         self.finish(nd, src.id, i, ok, cb)
+
+    def _may_wait(self, src: SimNode, i: int) -> bool:
+        """Whether a request for chunk ``i`` waits for one of ``src``'s upload slots: up to
+        ``upload_queue`` requests ("fifo"/"fewest" alone), or :func:`bdn.control.uploadq.may_wait`
+        (``upload_wait`` "fresh": not for a chunk it sends now, one request per chunk)."""
+        if self.sc.upload_wait == "fresh":
+            return may_wait(i, [r[1] for r in src.upq], src.uploads_by_chunk, self.sc.upload_queue)
+        return len(src.upq) < self.sc.upload_queue
 
     def _next_upload(self, src: SimNode) -> int:
         """Which held request gets a freed upload slot: the oldest (``upload_pick`` "fifo"), or
@@ -600,8 +645,10 @@ class FleetSim:
             return
         if ok:
             self.got(nd, i, pid)
+        elif nd.ps.held[i]:
+            nd.ps.failed(i, pid)  # a cancelled endgame leg: nothing failed
         else:
-            nd.ps.failed(i)
+            nd.ps.failed(i, pid)
             if cb is None:
                 self.failed(nd, pid, i)
         if cb is not None:
@@ -643,7 +690,8 @@ class FleetSim:
             return
         sc = self.sc
         nd.ps = PeerSet(nd.id, sc.chunks, lambda: self.env.now, rng=random.Random(self.rng.random()),
-                        k=sc.k, max_peers=sc.max_peers, reader_slots=sc.reader_slots, have_flush_s=sc.have_flush_s)
+                        k=sc.k, max_peers=sc.max_peers, reader_slots=sc.reader_slots, have_flush_s=sc.have_flush_s,
+                        endgame_chunks=sc.endgame_chunks)
         nd.unavail_t = np.full(sc.chunks, np.inf)
         nd.ask_at = np.zeros(sc.chunks)  # per chunk: no owner ask before (a failed one backs off)
         self.plan_bucket(nd)
@@ -749,7 +797,7 @@ class FleetSim:
         self.nodes[nid] = nd
         self.n_live += 1
         nd.swim = Swim(nid, f"http://{nid}", lambda: self.env.now, rng=random.Random(self.rng.random()),
-                       period_s=sc.swim_period_s, suspect_mult=sc.suspect_mult)
+                       period_s=sc.swim_period_s, suspect_mult=sc.suspect_mult, max_piggyback=sc.max_piggyback)
         if seeds:
             self.send_swim(nd.swim.join({s: f"http://{s}" for s in seeds}))
         self.later(0.0, self.swim_tick, nd)

@@ -26,7 +26,6 @@ from bdn.daemon.membership import Member, Membership
 from bdn.daemon.memtrim import IdleTrim
 from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.stats import Stats
-from bdn.proto import hrw
 from bdn.proto.manifest import ChunkRef
 
 HAVES_FIRST_S = 5.0
@@ -70,16 +69,16 @@ class Fetcher:
     def owner(self, job: SnapshotJob, layer: str, digest: str, nodes: list[str] | None = None) -> str | None:
         """The node that reads chunk ``digest`` of ``layer`` from the bucket, among ``nodes``
         (default: this node and the live members): HRW with bounded loads
-        (``bdn.daemon.fetch.owners``), the same answer on every daemon with the same live set."""
+        (``bdn.daemon.fetch.owners``), or reader slots when ``bucket_readers`` picks a subset;
+        the same answer on every daemon with the same live set."""
         refs = job.refs(layer)
         nodes = self.membership.hrw_nodes() if nodes is None else nodes
         nodes, bounded = readers_and_rule(job.identity, nodes, self.cfg.bucket_readers)  # bdn.control.owners
-        if not bounded:
-            return hrw.owner(nodes, digest)
         dig = getattr(refs, "digest", None)
-        return self.owners.owner((job.identity, layer), nodes, digest,
-                                 (lambda: [dig(i) for i in range(len(refs))]) if dig else (lambda: [r.digest for r in refs]),
-                                 len(refs))
+        digests = (lambda: [dig(i) for i in range(len(refs))]) if dig else (lambda: [r.digest for r in refs])
+        if not bounded:
+            return self.owners.slot_owner((job.identity, layer), nodes, digest, digests, len(refs))
+        return self.owners.owner((job.identity, layer), nodes, digest, digests, len(refs))
 
     def workers(self) -> int:
         """How many chunks of a layer are acquired at once: enough to keep every peer slot

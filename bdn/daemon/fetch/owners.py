@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from bdn.control.owners import MAX_WORK, bounded, owner_table
+from bdn.control.owners import MAX_WORK, bounded, owner_table, slot_of, slot_table
 from bdn.proto import hrw
 
 __all__ = ["KEEP", "MAX_WORK", "Owners", "bounded"]
@@ -49,6 +49,22 @@ class Owners:
             self._tables.move_to_end(k)
         o = table.get(digest)
         return o if o is not None else hrw.owner(nodes, digest)
+
+    def slot_owner(self, key: object, readers: Sequence[str], digest: str,
+                   digests: Callable[[], Sequence[str]], count: int) -> str | None:
+        """The owner of ``digest`` when a subset reads (``bucket_readers``): ``readers`` are the
+        holders of the layer's reader slots in slot order (:func:`bdn.control.owners.readers_of`),
+        and the chunk's slot comes from the layer's slot table (equal shares, independent of the
+        membership: built once per layer and slot count)."""
+        if not readers:
+            return None
+        k = (key, "slots", len(readers))
+        table = self._tables.get(k)  # type: ignore[call-overload]
+        if table is None:
+            table = self._tables[k] = slot_table(digests(), len(readers)) if count * len(readers) <= MAX_WORK else {}  # type: ignore[index]
+            while len(self._tables) > KEEP:
+                self._tables.popitem(last=False)
+        return readers[slot_of(digest, len(readers), table)]
 
     def forget(self, key: object) -> None:
         """Drop the tables of layer ``key`` (its download ended)."""
