@@ -45,7 +45,6 @@ MISSING = frozenset({
     "bdn/control/peerset.py:PeerSet.bitfield",
     "bdn/control/peerset.py:PeerSet.remove",
     "bdn/control/peerset.py:PeerSet.next_flush",
-    "bdn/control/peerset.py:PeerSet.mark_inflight",
     "bdn/control/probation.py:Probation.get",
     "bdn/control/swim.py:Swim.status",
     "bdn/control/swim.py:Swim.table_size",
