@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from support.procmem import rss_anon_kib as _rss_anon_kb
 
 from bdn.daemon import memtrim
 from bdn.daemon.clock import FakeClock
-
-
-def _rss_anon_kb() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise AssertionError("no RssAnon in /proc/self/status")
 
 
 def test_idle_trim_keeps_its_interval() -> None:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+from support.procmem import rss_anon_kib as _rss_anon_kb
+
 from bench.soak.maps import HEAP_MAX, parse_smaps, read_smaps
 
 # A child whose threads each keep 16 MB of 4000-byte blocks: glibc serves those from thread arenas.
@@ -22,10 +24,6 @@ CHILD = textwrap.dedent("""
     sys.stdin.read()
 """)
 
-
-def _rss_anon_kb(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
 
 
 def test_real_process_thread_arenas_and_sum() -> None:

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+from support.procmem import rss_anon_kib as _rss_anon_kib
 from support.transfer import (
     KEYS,
     ServerProcess,
@@ -174,14 +175,6 @@ def test_file_shorter_than_its_location_is_not_served(shm, src):
         finally:
             client.close()
             target.close()
-
-
-def _rss_anon_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1])
-    raise AssertionError("no RssAnon in /proc/self/status")
 
 
 def _session_socket(addr):
