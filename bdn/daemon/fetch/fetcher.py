@@ -169,9 +169,14 @@ class Fetcher:
                 # the system now, not when the pool's bound pushes them out (sources.BufferPool).
                 self.sources.pool.clear()
                 # And the C heap's free pages, which glibc keeps resident in the middle of its
-                # threads' arenas (bdn.daemon.memtrim; at most once per 30 s).
-                if self.idle_trim.maybe():
-                    self.stats.add("heap_trims")
+                # threads' arenas (bdn.daemon.memtrim; at most once per 30 s), on a disk thread:
+                # the walk of a large heap must not hold the event loop.
+                if self.idle_trim.due():
+                    try:
+                        self.sources.disk_pool.submit(self.idle_trim.maybe)
+                        self.stats.add("heap_trims")
+                    except RuntimeError:  # the pool is shut down: the daemon is stopping
+                        pass
 
     def give(self, node_id: str, identity: str, idx: int) -> bool:
         """Event (a peer's ``TAKE``, on the loop): ``TakeOvers.give``."""
