@@ -30,7 +30,7 @@ from support.checkpoints import make_state, write_hf_dir
 from support.swarm import SECRET, Daemon, Swarm
 
 from bdn.daemon.fetch.takeover import GRANT_S, MAX_GRANTS
-from bdn.proto import wire
+from bdn.proto import handshake, wire
 from bdn.proto.keys import derive_keys
 from bdn.publish import publish_full
 from bdn.transfer import Peer, TransferClient
@@ -138,12 +138,12 @@ class Raw:
         self.sock = socket.create_connection(("127.0.0.1", d.transfer_port), timeout=30)
         ftype, body = self.frame()
         assert ftype == wire.FrameType.SERVER_HELLO
-        hello, self.session = wire.client_hello(KEYS, as_node, d.node_id, wire.parse_server_hello(body),
+        hello, self.session = handshake.client_hello(KEYS, as_node, d.node_id, handshake.parse_server_hello(body),
                                                 secrets.token_bytes(32), time.time())
         self.sock.sendall(hello)
         ftype, body = self.frame()
         assert ftype == wire.FrameType.ACCEPT
-        wire.check_accept(self.session, body)
+        handshake.check_accept(self.session, body)
 
     def _n(self, n: int) -> bytes:
         out = bytearray()

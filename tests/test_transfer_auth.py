@@ -20,7 +20,7 @@ from support.transfer import (
     shm_tmpdir,
 )
 
-from bdn.proto import wire
+from bdn.proto import handshake, wire
 from bdn.proto.keys import MAX_SKEW_S, SwarmKeys, derive_keys
 from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
 
@@ -53,7 +53,7 @@ def _probe(addr, address: str, *, keys: SwarmKeys = KEYS, target: str = "srv", s
     sock, nonce = connect(addr)
     try:
         if hello is None:
-            hello, session = wire.client_hello(keys, "cli", target, nonce, secrets.token_bytes(32), time.time() + skew)
+            hello, session = handshake.client_hello(keys, "cli", target, nonce, secrets.token_bytes(32), time.time() + skew)
             ask = session.seal(wire.FrameType.ASK, _ask(address))
         sock.sendall(hello + (ask or b""))
         return read_to_end(sock)
@@ -65,12 +65,12 @@ def _capture(addr, address: str) -> tuple[bytes, bytes, bytes, bytes]:
     """A legitimate exchange at ``addr``: (server nonce, hello, ask frame, answer received)."""
     sock, nonce = connect(addr)
     try:
-        hello, session = wire.client_hello(KEYS, "cli", "srv", nonce, secrets.token_bytes(32), time.time())
+        hello, session = handshake.client_hello(KEYS, "cli", "srv", nonce, secrets.token_bytes(32), time.time())
         ask = session.seal(wire.FrameType.ASK, _ask(address))
         sock.sendall(hello)
         ftype, body = recv_frame(sock)
         assert ftype == wire.FrameType.ACCEPT
-        wire.check_accept(session, body)
+        handshake.check_accept(session, body)
         sock.sendall(ask)
         ftype, body = recv_frame(sock)
         return nonce, hello, ask, bytes([ftype]) + body
@@ -128,7 +128,7 @@ def test_captured_request_cannot_be_replayed_in_another_session_or_again(server,
     # a fresh, valid session carrying the captured ASK frame: bad tag, connection closed
     sock, nonce = connect(server.address)
     try:
-        hello, session = wire.client_hello(KEYS, "cli", "srv", nonce, secrets.token_bytes(32), time.time())
+        hello, session = handshake.client_hello(KEYS, "cli", "srv", nonce, secrets.token_bytes(32), time.time())
         sock.sendall(hello)
         assert recv_frame(sock)[0] == wire.FrameType.ACCEPT
         sock.sendall(ask)
@@ -138,7 +138,7 @@ def test_captured_request_cannot_be_replayed_in_another_session_or_again(server,
     # within one session, the same ASK frame twice: answered once, then closed
     sock, nonce = connect(server.address)
     try:
-        hello, session = wire.client_hello(KEYS, "cli", "srv", nonce, secrets.token_bytes(32), time.time())
+        hello, session = handshake.client_hello(KEYS, "cli", "srv", nonce, secrets.token_bytes(32), time.time())
         frame = session.seal(wire.FrameType.ASK, _ask(ABSENT))
         sock.sendall(hello)
         assert recv_frame(sock)[0] == wire.FrameType.ACCEPT

@@ -25,7 +25,7 @@ from support.transfer import (
     recv_frame,
 )
 
-from bdn.proto import wire
+from bdn.proto import handshake, wire
 from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
 
 CHUNK = 1 << 20
@@ -179,7 +179,7 @@ def test_file_shorter_than_its_location_is_not_served(shm, src):
 
 def _session_socket(addr):
     sock, nonce = connect(addr)
-    hello, session = wire.client_hello(KEYS, "cli", "srv", nonce, secrets.token_bytes(32), time.time())
+    hello, session = handshake.client_hello(KEYS, "cli", "srv", nonce, secrets.token_bytes(32), time.time())
     sock.sendall(hello)
     assert recv_frame(sock)[0] == wire.FrameType.ACCEPT
     return sock, session

@@ -19,7 +19,7 @@ import time
 import pytest
 from support.transfer import KEYS, Target, accept_ask, make_chunk_file
 
-from bdn.proto import wire
+from bdn.proto import handshake, wire
 from bdn.transfer import Outcome, Peer, TransferClient
 from bdn.transfer.receive import body_limit
 
@@ -281,10 +281,10 @@ class HaveSpammer:
             except OSError:
                 return
             try:
-                nonce = secrets.token_bytes(wire.NONCE_BYTES)
-                sock.sendall(wire.server_hello(nonce))
+                nonce = secrets.token_bytes(handshake.NONCE_BYTES)
+                sock.sendall(handshake.server_hello(nonce))
                 _, body = recv_frame(sock)
-                accept, session = wire.check_client_hello(KEYS, "spammer", nonce, body, time.time())
+                accept, session = handshake.check_client_hello(KEYS, "spammer", nonce, body, time.time())
                 sock.sendall(accept)
                 ftype, body = recv_frame(sock)
                 session.open(ftype, body)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bdn.proto import wire
+from bdn.proto import handshake, wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import MAX_SKEW_S, SwarmKeys, derive_keys
 
@@ -24,22 +24,22 @@ def _payload(frame: bytes) -> tuple[wire.FrameType, bytes]:
     return ftype, frame[5:]
 
 
-def _hello(keys: SwarmKeys = KEYS, target: str = "srv", sn: bytes = SN, now: float = NOW) -> tuple[bytes, wire.Session]:
-    frame, session = wire.client_hello(keys, "cli", target, sn, CN, now)
+def _hello(keys: SwarmKeys = KEYS, target: str = "srv", sn: bytes = SN, now: float = NOW) -> tuple[bytes, handshake.Session]:
+    frame, session = handshake.client_hello(keys, "cli", target, sn, CN, now)
     ftype, payload = _payload(frame)
     assert ftype == wire.FrameType.CLIENT_HELLO
     return payload, session
 
 
 def test_handshake_round_trip_gives_matching_sessions():
-    ftype, body = _payload(wire.server_hello(SN))
-    assert ftype == wire.FrameType.SERVER_HELLO and wire.parse_server_hello(body) == SN
+    ftype, body = _payload(handshake.server_hello(SN))
+    assert ftype == wire.FrameType.SERVER_HELLO and handshake.parse_server_hello(body) == SN
     hello, cs = _hello()
-    accept, ss = wire.check_client_hello(KEYS, "srv", SN, hello, NOW + MAX_SKEW_S)
+    accept, ss = handshake.check_client_hello(KEYS, "srv", SN, hello, NOW + MAX_SKEW_S)
     assert ss.peer_node_id == "cli" and cs.peer_node_id == "srv"
     ftype, body = _payload(accept)
     assert ftype == wire.FrameType.ACCEPT
-    wire.check_accept(cs, body)
+    handshake.check_accept(cs, body)
     assert (cs.send_key, cs.recv_key) == (ss.recv_key, ss.send_key) and cs.send_key != cs.recv_key
 
 
@@ -53,16 +53,16 @@ def test_every_handshake_failure_is_the_same_refusal():
     hello, _ = _hello()
     wrong_secret_same_swarm = SwarmKeys(KEYS.swarm_id, OTHER.auth_key, OTHER.address_key)
     cases = {
-        "unknown swarm": lambda: wire.check_client_hello(KEYS, "srv", SN, _hello(OTHER)[0], NOW),
-        "wrong secret": lambda: wire.check_client_hello(KEYS, "srv", SN, _hello(wrong_secret_same_swarm)[0], NOW),
-        "replay (other server nonce)": lambda: wire.check_client_hello(KEYS, "srv", b"t" * 32, hello, NOW),
-        "made for another daemon": lambda: wire.check_client_hello(KEYS, "srv2", SN, hello, NOW),
-        "skew behind": lambda: wire.check_client_hello(KEYS, "srv", SN, _hello(now=NOW - MAX_SKEW_S - 1)[0], NOW),
-        "skew ahead": lambda: wire.check_client_hello(KEYS, "srv", SN, _hello(now=NOW + MAX_SKEW_S + 1)[0], NOW),
-        "truncated": lambda: wire.check_client_hello(KEYS, "srv", SN, hello[:-1], NOW),
-        "garbage": lambda: wire.check_client_hello(KEYS, "srv", SN, os.urandom(80), NOW),
-        "empty": lambda: wire.check_client_hello(KEYS, "srv", SN, b"", NOW),
-        "flipped mac bit": lambda: wire.check_client_hello(KEYS, "srv", SN, hello[:-1] + bytes([hello[-1] ^ 1]), NOW),
+        "unknown swarm": lambda: handshake.check_client_hello(KEYS, "srv", SN, _hello(OTHER)[0], NOW),
+        "wrong secret": lambda: handshake.check_client_hello(KEYS, "srv", SN, _hello(wrong_secret_same_swarm)[0], NOW),
+        "replay (other server nonce)": lambda: handshake.check_client_hello(KEYS, "srv", b"t" * 32, hello, NOW),
+        "made for another daemon": lambda: handshake.check_client_hello(KEYS, "srv2", SN, hello, NOW),
+        "skew behind": lambda: handshake.check_client_hello(KEYS, "srv", SN, _hello(now=NOW - MAX_SKEW_S - 1)[0], NOW),
+        "skew ahead": lambda: handshake.check_client_hello(KEYS, "srv", SN, _hello(now=NOW + MAX_SKEW_S + 1)[0], NOW),
+        "truncated": lambda: handshake.check_client_hello(KEYS, "srv", SN, hello[:-1], NOW),
+        "garbage": lambda: handshake.check_client_hello(KEYS, "srv", SN, os.urandom(80), NOW),
+        "empty": lambda: handshake.check_client_hello(KEYS, "srv", SN, b"", NOW),
+        "flipped mac bit": lambda: handshake.check_client_hello(KEYS, "srv", SN, hello[:-1] + bytes([hello[-1] ^ 1]), NOW),
     }
     answers = {name: _refusal(fn) for name, fn in cases.items()}
     assert set(answers.values()) == {"transfer handshake refused"}, answers
@@ -73,14 +73,14 @@ def test_accept_from_a_server_without_the_secret_is_refused():
     bad_server = SwarmKeys(KEYS.swarm_id, OTHER.auth_key, OTHER.address_key)
     # a server without the key cannot compute the accept MAC; any other 32 bytes fail too
     with pytest.raises(AuthError):
-        wire.check_accept(cs, wire.handshake_key(bad_server)[:32])
+        handshake.check_accept(cs, handshake.handshake_key(bad_server)[:32])
     with pytest.raises(AuthError):
-        wire.check_accept(cs, b"")
+        handshake.check_accept(cs, b"")
 
 
-def _sessions() -> tuple[wire.Session, wire.Session]:
+def _sessions() -> tuple[handshake.Session, handshake.Session]:
     hello, cs = _hello()
-    _, ss = wire.check_client_hello(KEYS, "srv", SN, hello, NOW)
+    _, ss = handshake.check_client_hello(KEYS, "srv", SN, hello, NOW)
     return cs, ss
 
 
@@ -95,8 +95,8 @@ def test_session_tags_reject_replay_reorder_and_cross_connection_frames():
     t, body2 = _payload(f2)
     assert bytes(ss.open(t, body2)) == b"two"
     # a frame of another connection (fresh nonces) fails even at the same sequence number
-    other_hello, _ = wire.client_hello(KEYS, "cli", "srv", b"u" * 32, CN, NOW)
-    _, other_ss = wire.check_client_hello(KEYS, "srv", b"u" * 32, _payload(other_hello)[1], NOW)
+    other_hello, _ = handshake.client_hello(KEYS, "cli", "srv", b"u" * 32, CN, NOW)
+    _, other_ss = handshake.check_client_hello(KEYS, "srv", b"u" * 32, _payload(other_hello)[1], NOW)
     with pytest.raises(AuthError):
         other_ss.open(*_payload(f1))
     # the type byte is covered: an ASK cannot be passed off as a HAVE
@@ -172,10 +172,10 @@ def test_take_and_give_round_trip_and_limits():
 @given(st.binary(max_size=400))
 def test_decoders_fail_only_with_protocol_errors(raw):
     for decode in (wire.decode_ask, wire.decode_data, wire.decode_busy, wire.decode_have, wire.decode_take,
-                   wire.decode_give, wire.parse_server_hello):
+                   wire.decode_give, handshake.parse_server_hello):
         try:
             decode(raw)
         except ProtocolError:
             pass
     with pytest.raises(AuthError):
-        wire.check_client_hello(KEYS, "srv", SN, raw, NOW)
+        handshake.check_client_hello(KEYS, "srv", SN, raw, NOW)

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from bdn.proto import wire
+from bdn.proto import handshake, wire
 from bdn.proto.errors import AuthError, BdnError, ProtocolError
 from bdn.proto.identity import validate_identity
 from bdn.transfer.client import Peer, TransferClient
@@ -98,7 +98,7 @@ class HaveFeed:
             self._closing = True
             self._cond.notify_all()
 
-    def serve(self, sock: socket.socket, session: wire.Session, payload: memoryview) -> None:
+    def serve(self, sock: socket.socket, session: handshake.Session, payload: memoryview) -> None:
         """``TransferServer``'s ``on_have``: the client's HAVE frame ``payload`` opened a
         subscription; serve it on this connection thread until it ends.
 
@@ -133,7 +133,7 @@ class HaveFeed:
                         del self._subs[sub.identity]
                 self._count -= 1
 
-    def _push(self, sock: socket.socket, session: wire.Session, sub: _Sub) -> None:
+    def _push(self, sock: socket.socket, session: handshake.Session, sub: _Sub) -> None:
         while True:
             with self._cond:
                 if not (any(sub.pending.values()) or self._closing):
@@ -151,7 +151,7 @@ class HaveFeed:
                 for p in frames(sub.identity, layer, idx):
                     self._send(sock, session, p)
 
-    def _send(self, sock: socket.socket, session: wire.Session, payload: bytes) -> None:
+    def _send(self, sock: socket.socket, session: handshake.Session, payload: bytes) -> None:
         sock.sendall(session.seal(wire.FrameType.HAVE, payload))
         self.frames_out += 1
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from bdn.proto import wire
+from bdn.proto import handshake, wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import MAX_SKEW_S, NODE_ID_RE, SwarmKeys
 from bdn.transfer.receive import (
@@ -90,7 +90,7 @@ class HandshakeRefused(ConnectionError):
 @dataclass(eq=False)
 class _Stream:
     sock: socket.socket
-    session: wire.Session
+    session: handshake.Session
     recv_timeout: float
     buf: memoryview = field(default_factory=frame_buffer)
     hasher: xxhash.xxh3_128 = field(default_factory=xxhash.xxh3_128)
@@ -371,9 +371,9 @@ class TransferClient:
             ftype, body = read_frame(sock, buf)
             if ftype != wire.FrameType.SERVER_HELLO:
                 raise ProtocolError("not a bdn transfer server")
-            server_nonce = wire.parse_server_hello(body)
-            hello, session = wire.client_hello(
-                self.keys, self.node_id, peer.node_id, server_nonce, self._nonce(wire.NONCE_BYTES), self._clock()
+            server_nonce = handshake.parse_server_hello(body)
+            hello, session = handshake.client_hello(
+                self.keys, self.node_id, peer.node_id, server_nonce, self._nonce(handshake.NONCE_BYTES), self._clock()
             )
             sock.sendall(hello)
             try:
@@ -385,7 +385,7 @@ class TransferClient:
                 ) from None
             if ftype != wire.FrameType.ACCEPT:
                 raise ProtocolError(f"answered the handshake with a {ftype.name} frame")
-            wire.check_accept(session, body)
+            handshake.check_accept(session, body)
             set_timeouts(sock, self._io_timeout)
             return _Stream(sock, session, self._io_timeout, buf)
         except BaseException:

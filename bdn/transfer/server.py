@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Self, Union
 
-from bdn.proto import wire
+from bdn.proto import handshake, wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import NODE_ID_RE, SwarmKeys
 from bdn.transfer.files import FileCache
@@ -79,7 +79,7 @@ Verdict = Granted | Busy | _NotHere
 Resolve = Callable[[str], "Location | Growing | None"]
 Admit = Callable[[str, wire.Ask], Verdict]
 #: Serves a HAVE subscription on its connection: (socket, session, the client's HAVE payload).
-OnHave = Callable[[socket.socket, wire.Session, memoryview], None]
+OnHave = Callable[[socket.socket, handshake.Session, memoryview], None]
 #: Decides a TAKE: (the asking peer's node id, the request) -> granted.
 OnTake = Callable[[str, wire.Take], bool]
 
@@ -328,10 +328,10 @@ class TransferServer:
                     self._authed -= 1
             sock.close()
 
-    def _handshake(self, conn: _Conn) -> wire.Session | None:
+    def _handshake(self, conn: _Conn) -> handshake.Session | None:
         sock = conn.sock
-        nonce = self._nonce(wire.NONCE_BYTES)
-        sock.sendall(wire.server_hello(nonce))
+        nonce = self._nonce(handshake.NONCE_BYTES)
+        sock.sendall(handshake.server_hello(nonce))
         try:
             ftype, body = read_frame(sock, conn.buf)
         except ProtocolError:
@@ -339,7 +339,7 @@ class TransferServer:
         try:
             if ftype != wire.FrameType.CLIENT_HELLO or body is None:
                 raise AuthError("transfer handshake refused")
-            accept, session = wire.check_client_hello(self.keys, self.node_id, nonce, body, self._clock())
+            accept, session = handshake.check_client_hello(self.keys, self.node_id, nonce, body, self._clock())
         except AuthError:
             # one answer for every failure: the connection closed, nothing sent
             with self._lock:
@@ -349,10 +349,10 @@ class TransferServer:
         sock.sendall(accept)
         return session
 
-    def _send(self, conn: _Conn, session: wire.Session, ftype: wire.FrameType, payload: bytes) -> None:
+    def _send(self, conn: _Conn, session: handshake.Session, ftype: wire.FrameType, payload: bytes) -> None:
         conn.sock.sendall(session.seal(ftype, payload))
 
-    def _answer(self, conn: _Conn, session: wire.Session, ask: wire.Ask) -> None:
+    def _answer(self, conn: _Conn, session: handshake.Session, ask: wire.Ask) -> None:
         verdict = self._admit(session.peer_node_id, ask)
         if isinstance(verdict, Busy):
             with self._lock:
@@ -368,12 +368,12 @@ class TransferServer:
             if verdict.release is not None:
                 verdict.release()
 
-    def _not_here(self, conn: _Conn, session: wire.Session) -> None:
+    def _not_here(self, conn: _Conn, session: handshake.Session) -> None:
         with self._lock:
             self.stats.not_here += 1
         self._send(conn, session, wire.FrameType.NOT_HERE, b"")
 
-    def _send_growing(self, conn: _Conn, session: wire.Session, ask: wire.Ask, g: Growing) -> None:
+    def _send_growing(self, conn: _Conn, session: handshake.Session, ask: wire.Ask, g: Growing) -> None:
         """A cut-through answer (bdn.transfer.growing) for a chunk still landing here."""
         if not ask.cut_through or ask.offset + ask.length > g.length:
             self._not_here(conn, session)
@@ -396,7 +396,7 @@ class TransferServer:
             self.stats.bytes_out += ask.length
             self.stats.cut_through += 1
 
-    def _send_chunk(self, conn: _Conn, session: wire.Session, ask: wire.Ask) -> None:
+    def _send_chunk(self, conn: _Conn, session: handshake.Session, ask: wire.Ask) -> None:
         loc = self._resolve(ask.address)
         if isinstance(loc, Growing):
             self._send_growing(conn, session, ask, loc)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from support.liar import LIAR_STATE, LiarState, _auth, have_answer, post_members  # noqa: E402
 from support.peerproc import PeerProcess  # noqa: E402
 
-from bdn.proto import wire  # noqa: E402
+from bdn.proto import handshake, wire  # noqa: E402
 from bdn.proto.errors import BdnError  # noqa: E402
 from bdn.proto.identity import validate_identity  # noqa: E402
 from bdn.proto.keys import derive_keys  # noqa: E402
@@ -43,7 +43,7 @@ class Counts:
 
 
 def _have_feed(st: LiarState, counts: Counts):
-    def serve(sock: socket.socket, session: wire.Session, payload: memoryview) -> None:
+    def serve(sock: socket.socket, session: handshake.Session, payload: memoryview) -> None:
         have = wire.decode_have(payload)
         m = st.manifest(validate_identity(have.identity))
         if m is None:

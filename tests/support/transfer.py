@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from bdn.proto import wire
+from bdn.proto import handshake, wire
 from bdn.proto.chunks import digest
 from bdn.proto.keys import SwarmKeys, derive_keys
 
@@ -81,16 +81,16 @@ class Target:
 # ---- a raw client speaking the wire by hand -------------------------------------------------
 
 
-def accept_ask(sock: socket.socket, node_id: str, keys: SwarmKeys = KEYS) -> tuple[wire.Session, wire.Ask]:
+def accept_ask(sock: socket.socket, node_id: str, keys: SwarmKeys = KEYS) -> tuple[handshake.Session, wire.Ask]:
     """The server side of a transfer handshake on ``sock`` as daemon ``node_id`` (a test peer
     that knows the secret), then the client's first ASK: ``(session, ask)``."""
     import secrets
     import time
 
-    nonce = secrets.token_bytes(wire.NONCE_BYTES)
-    sock.sendall(wire.server_hello(nonce))
+    nonce = secrets.token_bytes(handshake.NONCE_BYTES)
+    sock.sendall(handshake.server_hello(nonce))
     _, body = recv_frame(sock)
-    accept, session = wire.check_client_hello(keys, node_id, nonce, body, time.time())
+    accept, session = handshake.check_client_hello(keys, node_id, nonce, body, time.time())
     sock.sendall(accept)
     ftype, body = recv_frame(sock)
     return session, wire.decode_ask(session.open(ftype, body))
@@ -134,7 +134,7 @@ def connect(addr: tuple[str, int]) -> tuple[socket.socket, bytes]:
     sock = socket.create_connection(addr, timeout=30)
     ftype, body = recv_frame(sock)
     assert ftype == wire.FrameType.SERVER_HELLO
-    return sock, wire.parse_server_hello(body)
+    return sock, handshake.parse_server_hello(body)
 
 
 # ---- a transfer server in its own process ---------------------------------------------------
