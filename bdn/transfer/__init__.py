@@ -9,7 +9,8 @@ The wire format and handshake are in bdn.proto.wire (pure); this package does th
   (its own threads), ``forget(path)`` when a snapshot is collected, ``close()`` on shutdown.
 - ``TransferClient(keys, node_id)``: ``fetch_into(peer, address, dest, offset, length, digest,
   wait_s=, snapshot=) -> FetchResult`` (OK / BUSY / NOT_HERE / CORRUPT / FAILED),
-  ``close_peer(peer)`` when a member leaves.
+  ``close_peer(peer)`` when a member leaves; its streams are pooled per peer by
+  bdn.transfer.streams (``StreamPool``, ``Peer``).
 - ``FetchPool(client, workers)``: ``await pool.fetch(...)`` from asyncio, ``submit(...)`` for a
   ``concurrent.futures.Future``.
 - bdn.transfer.target: ``reserve(fd, size)`` and ``map_target(fd, size)`` for target files.
@@ -23,13 +24,7 @@ transfer port next to its URL; the fetcher maps FetchResult onto what ``_from_pe
 indexes a chunk only after OK.
 """
 
-from bdn.transfer.client import (
-    FetchResult,
-    HandshakeRefused,
-    Outcome,
-    Peer,
-    TransferClient,
-)
+from bdn.transfer.client import FetchResult, Outcome, TransferClient
 from bdn.transfer.pool import FetchPool
 from bdn.transfer.server import (
     GRANTED,
@@ -39,6 +34,7 @@ from bdn.transfer.server import (
     TransferServer,
     admit_all,
 )
+from bdn.transfer.streams import HandshakeRefused, Peer
 
 __all__ = [
     "GRANTED", "NOT_HERE", "Busy", "FetchPool", "FetchResult", "Granted", "HandshakeRefused", "Outcome",

@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from bdn.proto import handshake, wire
 from bdn.proto.errors import AuthError, BdnError, ProtocolError
 from bdn.proto.identity import validate_identity
-from bdn.transfer.client import Peer, TransferClient
+from bdn.transfer.client import TransferClient
 from bdn.transfer.sockio import ConnectionClosed, read_frame, set_timeouts
+from bdn.transfer.streams import Peer
 
 log = logging.getLogger("bdn.transfer.announce")
 

@@ -14,9 +14,10 @@ thread sleeping 1 ms wakes on time while another hashes 256 MiB in one 30-50 ms 
 ``recv_into`` and ``os.sendfile`` (plain blocking system calls). So threads scale over cores
 here and worker processes (with their own mappings and IPC) would buy nothing.
 
-Each peer gets up to ``streams_per_peer`` connections, opened on demand and kept; a stream that
-fails in any way (reset, timeout, a body cut short, a bad tag) is closed and never reused, and
-the chunk is reported ``FAILED``: never a short success.
+Each peer gets up to ``streams_per_peer`` connections, opened on demand and kept (the pool and
+the handshake: bdn.transfer.streams, which also defines ``Peer`` and ``HandshakeRefused``,
+re-exported here); a stream that fails in any way (reset, timeout, a body cut short, a bad tag)
+is closed and never reused, and the chunk is reported ``FAILED``: never a short success.
 """
 
 from __future__ import annotations
@@ -24,33 +25,27 @@ from __future__ import annotations
 import enum
 import mmap
 import secrets
-import socket
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import xxhash
-
-from bdn.proto import handshake, wire
+from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
-from bdn.proto.keys import MAX_SKEW_S, NODE_ID_RE, SwarmKeys
+from bdn.proto.keys import SwarmKeys
 from bdn.transfer.receive import (
     body_limit,
     receive_hashed,
     receive_parts,
     receive_to_file,
 )
-from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
-
-
-@dataclass(frozen=True, slots=True)
-class Peer:
-    """Where a peer's transfer server listens, and the node id it must prove it is."""
-
-    node_id: str
-    host: str
-    port: int
+from bdn.transfer.sockio import ConnectionClosed, read_frame, set_timeouts
+from bdn.transfer.streams import (
+    HandshakeRefused,
+    Peer,
+    Stream,
+    StreamPool,
+    one_line,
+)
 
 
 class Outcome(enum.Enum):
@@ -83,27 +78,6 @@ CUT_OK = FetchResult(Outcome.OK, cut_through=True)
 NOT_HERE = FetchResult(Outcome.NOT_HERE)
 
 
-class HandshakeRefused(ConnectionError):
-    """The peer closed the connection during the handshake or failed to prove the secret."""
-
-
-@dataclass(eq=False)
-class _Stream:
-    sock: socket.socket
-    session: handshake.Session
-    recv_timeout: float
-    buf: memoryview = field(default_factory=frame_buffer)
-    hasher: xxhash.xxh3_128 = field(default_factory=xxhash.xxh3_128)
-    ring: memoryview | None = None  # receive buffer for file-descriptor targets
-
-
-@dataclass(eq=False)
-class _PeerStreams:
-    idle: list[_Stream] = field(default_factory=list)
-    open: int = 0  # idle + in use + being opened
-    streams: set[_Stream] = field(default_factory=set)
-
-
 class TransferClient:
     """Per-peer persistent transfer streams of the daemon ``node_id`` (thread-safe).
 
@@ -134,21 +108,13 @@ class TransferClient:
         clock: Callable[[], float] = time.time,
         nonce: Callable[[int], bytes] = secrets.token_bytes,
     ) -> None:
-        if not NODE_ID_RE.match(node_id):
-            raise ValueError(f"node id {node_id[:80]!r} does not match {NODE_ID_RE.pattern}")
-        if streams_per_peer < 1:
-            raise ValueError("streams_per_peer must be >= 1")
+        self._streams = StreamPool(
+            keys, node_id, streams_per_peer=streams_per_peer, rcvbuf=rcvbuf, connect_timeout_s=connect_timeout_s,
+            io_timeout_s=io_timeout_s, clock=clock, nonce=nonce,
+        )  # checks node_id and streams_per_peer (ValueError)
         self.keys = keys
         self.node_id = node_id
-        self._per_peer = streams_per_peer
-        self._rcvbuf = rcvbuf
-        self._connect_timeout = connect_timeout_s
         self._io_timeout = io_timeout_s
-        self._clock = clock
-        self._nonce = nonce
-        self._cond = threading.Condition()
-        self._peers: dict[Peer, _PeerStreams] = {}
-        self._closed = False
 
     # ---- public -----------------------------------------------------------------------------
 
@@ -207,9 +173,9 @@ class TransferClient:
         self, peer: Peer, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
         cut_ok: bool,
     ) -> FetchResult:
-        stream = self._acquire(peer)
-        if isinstance(stream, FetchResult):
-            return stream
+        stream = self._streams.acquire(peer)
+        if isinstance(stream, str):
+            return FetchResult(Outcome.FAILED, error=stream)
         keep = False
         try:
             result = self._exchange(stream, ask, sink, offset, length, wait_s, digest, cut_ok)
@@ -217,7 +183,7 @@ class TransferClient:
             keep = result.outcome not in (Outcome.FAILED, Outcome.CORRUPT)
             return result
         finally:
-            self._release(peer, stream, keep)
+            self._streams.release(peer, stream, keep)
 
     def take(self, peer: Peer, identity: str, index: int) -> bool:
         """Ask ``peer``, the owner of stored chunk ``index`` of ``identity``, to give its bucket
@@ -235,13 +201,13 @@ class TransferClient:
             raise ValueError(str(e)) from None
         # not behind the chunk requests parked on this peer's pooled streams: a stream of its
         # own when none is idle (a take is rare: a few per download, at its very end)
-        pooled = self._acquire(peer, patience_s=0.0)
-        own = isinstance(pooled, FetchResult)
+        pooled = self._streams.acquire(peer, patience_s=0.0)
+        own = isinstance(pooled, str)
         try:
             stream = self.connect(peer) if own else pooled
         except (OSError, TimeoutError, ProtocolError, AuthError):
             return False
-        assert isinstance(stream, _Stream)
+        assert isinstance(stream, Stream)
         keep = False
         try:
             if stream.recv_timeout != self._io_timeout:
@@ -260,142 +226,32 @@ class TransferClient:
             if own:
                 stream.sock.close()
             else:
-                self._release(peer, stream, keep)
+                self._streams.release(peer, stream, keep)
 
-    def close_peer(self, peer: Peer) -> None:
-        """Close every stream to ``peer`` (a peer that left the swarm): idle ones at once, busy
-        ones by shutting their sockets, so the fetches in flight on them end as FAILED."""
-        with self._cond:
-            ps = self._peers.get(peer)
-            if ps is None:
-                return
-            idle, ps.idle = ps.idle, []
-            ps.open -= len(idle)
-            for s in idle:
-                ps.streams.discard(s)
-            busy = list(ps.streams)
-            self._cond.notify_all()
-        for s in idle:
-            s.sock.close()
-        for s in busy:
-            try:
-                s.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        """Close every stream; later fetches fail."""
-        with self._cond:
-            self._closed = True
-            peers = list(self._peers)
-        for p in peers:
-            self.close_peer(p)
-        with self._cond:
-            self._cond.notify_all()
-
-    def streams_open(self, peer: Peer) -> int:
-        """Connections to ``peer`` now (idle, busy or being opened)."""
-        with self._cond:
-            ps = self._peers.get(peer)
-            return ps.open if ps else 0
-
-    # ---- streams ----------------------------------------------------------------------------
-
-    def _acquire(self, peer: Peer, patience_s: float | None = None) -> _Stream | FetchResult:
-        """An idle or new pooled stream to ``peer``, waiting up to ``patience_s`` (default
-        ``io_timeout_s``) for one while all are busy; a FAILED result when none came."""
-        deadline = time.monotonic() + (self._io_timeout if patience_s is None else patience_s)
-        with self._cond:
-            while True:
-                if self._closed:
-                    return FetchResult(Outcome.FAILED, error="transfer client closed")
-                ps = self._peers.setdefault(peer, _PeerStreams())
-                while ps.idle:
-                    stream = ps.idle.pop()
-                    if _alive(stream.sock):
-                        return stream
-                    # the peer closed it while idle (its idle timeout, a restart): not a failure
-                    # of this fetch; drop it and use another or open a new one
-                    ps.open -= 1
-                    ps.streams.discard(stream)
-                    stream.sock.close()
-                if ps.open < self._per_peer:
-                    ps.open += 1
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return FetchResult(Outcome.FAILED, error=f"peer {peer.node_id}: no free transfer stream")
-                self._cond.wait(left)
-        try:
-            stream = self.connect(peer)
-        except (OSError, TimeoutError, ProtocolError, AuthError) as e:
-            with self._cond:
-                ps.open -= 1
-                self._cond.notify()
-            # "connect:" tells a stream that could not be opened from one that stalled on an
-            # answer (bdn.daemon.fetch.wire_source.stalled penalises only the latter)
-            return FetchResult(Outcome.FAILED, error=f"peer {peer.node_id}: connect: {_one_line(e)}")
-        with self._cond:
-            ps.streams.add(stream)
-            if self._closed:
-                stream.sock.close()
-        return stream
-
-    def _release(self, peer: Peer, stream: _Stream, keep: bool) -> None:
-        with self._cond:
-            ps = self._peers[peer]
-            if keep and not self._closed:
-                ps.idle.append(stream)
-            else:
-                ps.open -= 1
-                ps.streams.discard(stream)
-                stream.sock.close()
-            self._cond.notify()
-
-    def connect(self, peer: Peer) -> _Stream:
+    def connect(self, peer: Peer) -> Stream:
         """A new authenticated stream to ``peer``, outside the pool (the caller owns and closes
         it; HAVE subscriptions keep one of their own so they never wait behind chunk requests).
         Raises OSError (unreachable, timed out), HandshakeRefused (the server closed without
         accepting: wrong secret, skewed clock) or ProtocolError (not a bdn transfer server)."""
-        family = socket.AF_INET6 if ":" in peer.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._rcvbuf:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self._rcvbuf)  # before connect: window scale
-            sock.settimeout(self._connect_timeout)
-            sock.connect((peer.host, peer.port))
-            sock.settimeout(None)
-            set_timeouts(sock, self._connect_timeout, self._io_timeout)
-            buf = frame_buffer()
-            ftype, body = read_frame(sock, buf)
-            if ftype != wire.FrameType.SERVER_HELLO:
-                raise ProtocolError("not a bdn transfer server")
-            server_nonce = handshake.parse_server_hello(body)
-            hello, session = handshake.client_hello(
-                self.keys, self.node_id, peer.node_id, server_nonce, self._nonce(handshake.NONCE_BYTES), self._clock()
-            )
-            sock.sendall(hello)
-            try:
-                ftype, body = read_frame(sock, buf)
-            except ConnectionClosed:
-                raise HandshakeRefused(
-                    "refused the transfer handshake (another partition secret, a clock off by over "
-                    f"{MAX_SKEW_S} s, or another daemon than {peer.node_id} at {peer.host}:{peer.port})"
-                ) from None
-            if ftype != wire.FrameType.ACCEPT:
-                raise ProtocolError(f"answered the handshake with a {ftype.name} frame")
-            handshake.check_accept(session, body)
-            set_timeouts(sock, self._io_timeout)
-            return _Stream(sock, session, self._io_timeout, buf)
-        except BaseException:
-            sock.close()
-            raise
+        return self._streams.connect(peer)
+
+    def close_peer(self, peer: Peer) -> None:
+        """Close every stream to ``peer`` (a peer that left the swarm): idle ones at once, busy
+        ones by shutting their sockets, so the fetches in flight on them end as FAILED."""
+        self._streams.close_peer(peer)
+
+    def close(self) -> None:
+        """Close every stream; later fetches fail."""
+        self._streams.close()
+
+    def streams_open(self, peer: Peer) -> int:
+        """Connections to ``peer`` now (idle, busy or being opened)."""
+        return self._streams.streams_open(peer)
 
     # ---- one request ------------------------------------------------------------------------
 
     def _exchange(
-        self, s: _Stream, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
+        self, s: Stream, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
         cut_ok: bool = False,
     ) -> FetchResult:
         peer = s.session.peer_node_id
@@ -436,13 +292,14 @@ class TransferClient:
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:
             # ``cut_through``: it broke inside a cut-through answer (the sender's copy may have
             # failed its own check and been cut off: bdn.transfer.growing; not the sender's fault)
-            return FetchResult(Outcome.FAILED, error=f"peer {peer}: {_one_line(e)}", cut_through=cut)
+            return FetchResult(Outcome.FAILED, error=f"peer {peer}: {one_line(e)}", cut_through=cut)
         if s.hasher.hexdigest() != digest:
             return FetchResult(Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}",
                                cut_through=cut)
         return CUT_OK if cut else OK
 
-def _answer(s: _Stream, within_s: float) -> tuple[wire.FrameType, memoryview | bytes]:
+
+def _answer(s: Stream, within_s: float) -> tuple[wire.FrameType, memoryview | bytes]:
     """The first frame after a request that is not a HAVE (announcements are not answers: skipped)
     and its opened payload. It must come within ``within_s`` of the call: HAVEs do not extend
     that (a peer sending them without end held the calling thread for ever,
@@ -457,23 +314,6 @@ def _answer(s: _Stream, within_s: float) -> tuple[wire.FrameType, memoryview | b
             return ftype, payload
         if time.monotonic() > deadline:
             raise TimeoutError(f"no answer within {within_s:g} s (only announcements)")
-
-
-def _alive(sock: socket.socket) -> bool:
-    """Whether an idle stream is still open: nothing to read (EAGAIN) means open; EOF, a reset
-    or unexpected bytes mean it cannot carry a request."""
-    try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        return False  # EOF, or bytes no request asked for
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 __all__ = ["FetchResult", "HandshakeRefused", "Outcome", "Peer", "TransferClient"]

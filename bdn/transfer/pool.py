@@ -12,7 +12,8 @@ import asyncio
 import concurrent.futures
 from typing import Any
 
-from bdn.transfer.client import FetchResult, Peer, TransferClient
+from bdn.transfer.client import FetchResult, TransferClient
+from bdn.transfer.streams import Peer
 
 
 class FetchPool:

@@ -1,9 +1,10 @@
 """Landing one answer's bytes (bdn.proto.wire DATA bodies and PART frames) from an open,
 authenticated transfer stream: into a mapped target with xxh3-128 hashed piece by piece, into
 a file by ``pwrite``, or cut-through parts until they cover the chunk. ``s`` is the client's
-stream (``sock``, ``buf``, ``session``, ``hasher``, ``ring``). Every function raises
-TimeoutError (silence), ConnectionClosed, ProtocolError (a bad part) or OSError; split out of
-bdn.transfer.client, which keeps connections, the handshake and the ask/answer exchange.
+stream (bdn.transfer.streams.Stream: ``sock``, ``buf``, ``session``, ``hasher``, ``ring``). Every
+function raises TimeoutError (silence), ConnectionClosed, ProtocolError (a bad part) or OSError;
+split out of bdn.transfer.client, which keeps the ask/answer exchange (connections and the
+handshake: bdn.transfer.streams).
 """
 
 from __future__ import annotations
