@@ -122,26 +122,38 @@ def table(rows: list[dict[str, Any]]) -> str:
 def user_table(rows: list[dict[str, Any]]) -> str:
     """BENCHMARKS.md's swarm table: one line per point, bdn against boto3 and libtorrent.
 
-    Only the current systems (``bdn``, ``boto3``, ``libtorrent``); rows of earlier daemons
-    (``bdn@<rev>``) and tuning variants (``bdn[...]``) are history (bench/NOTES.md).
+    Only the current systems (``bdn``, ``bdn-recycled`` when the file has it, ``boto3``,
+    ``libtorrent``); rows of earlier daemons (``bdn@<rev>``) and tuning variants (``bdn[...]``)
+    are history (bench/NOTES.md). A point shows when bdn or bdn-recycled measured it.
     """
-    by = {row_key(r): r for r in rows if r["system"] in ("bdn", "boto3", "libtorrent") and r.get("nic_mbit")}
+    systems = ("bdn", "bdn-recycled", "boto3", "libtorrent")
+    by = {row_key(r): r for r in rows if r["system"] in systems and r.get("nic_mbit")}
+    recycled = any(k[0] == "bdn-recycled" for k in by)
     points = sorted({k[1:] for k in by}, key=lambda p: (p[1] or 0, p[2] or "", p[0]))
-    out = ["| N | bucket Mbit/s | fault | bdn s | ×floor | bucket egress / S | libtorrent s | boto3 s | floor s |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    head = "| N | bucket Mbit/s | fault | bdn s | ×floor | bucket egress / S |"
+    if recycled:
+        head += " bdn, recycled pages s | ×floor | bucket egress / S |"
+    out = [head + " libtorrent s | boto3 s | floor s |", "|" + "---|" * head.count("|") + "---|---|---|"]
+    out[1] = "|" + "---|" * (out[0].count("|") - 1)
     shown = []
+
+    def cells(r: dict[str, Any] | None) -> list[str]:
+        if r is None:
+            return ["–", "–", "–"]
+        shown.append(r)
+        return [runs.spread(r, "seconds", 1), fmt(r["seconds"] / r["floor_seconds"] if r.get("seconds") else None, 3),
+                runs.spread(r, "bucket_egress_bytes", 3, 1 / r["snapshot_bytes"])]
+
     for n, bm, fault in points:
-        b, lt, bo = (by.get((s, n, bm, fault)) for s in ("bdn", "libtorrent", "boto3"))
-        if b is None:
+        b, rb, lt, bo = (by.get((s, n, bm, fault)) for s in systems[:2] + ("libtorrent", "boto3"))
+        if b is None and rb is None:
             continue
-        shown.append(b)
-        S, fl = b["snapshot_bytes"], b["floor_seconds"]
-        out.append("| " + " | ".join([
-            str(n), fmt(bm, 0), fault or "", runs.spread(b, "seconds", 1),
-            fmt(b["seconds"] / fl if b.get("seconds") else None),
-            runs.spread(b, "bucket_egress_bytes", 3, 1 / S),
-            runs.spread(lt, "seconds", 1) if lt else "–", runs.spread(bo, "seconds", 1) if bo else "–",
-            fmt(fl, 1)]) + " |")
+        fl = (b or rb)["floor_seconds"]
+        line = [str(n), fmt(bm, 0), fault or "", *cells(b)]
+        if recycled:
+            line += cells(rb)
+        line += [runs.spread(lt, "seconds", 1) if lt else "–", runs.spread(bo, "seconds", 1) if bo else "–", fmt(fl, 1)]
+        out.append("| " + " | ".join(line) + " |")
     out.append("")
     out.append(f"bdn: {runs.runs_label(shown, 'seconds')}.")
     return "\n".join(out)
