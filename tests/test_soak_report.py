@@ -19,3 +19,17 @@ def test_a_rising_floor_is_growth_and_too_few_minutes_give_none() -> None:
     f = floor_slope_per_min(ts, ys)
     assert f is not None and abs(f - 0.5) < 0.05
     assert floor_slope_per_min(ts[:20], ys[:20]) is None  # under 3 minutes
+
+
+def test_liar_chunks_are_counted_per_daemon_life(tmp_path) -> None:
+    from bench.soak.report import MAX_PER_PEER, liar_hits
+
+    bad = "2026-12-02 01:00:00 WARNING snapshot step000001: peer liar sent bad bytes for chunk 3\n"
+    start = "2026-12-02 01:00:00 INFO bdnd node7 listening: peers on 0.0.0.0:7080 (advertised x)\n"
+    log = tmp_path / "node7.log"
+    # three lives of one daemon, each taking 3 bad chunks of the same snapshot (what max_per_peer allows)
+    log.write_text((start + bad * 3) * 3)
+    hits = liar_hits({"node7": log})
+    assert hits["total"] == 9
+    assert hits["max_per_snapshot"] == 3 <= MAX_PER_PEER
+    assert hits["by_node"] == {f"node7 life {k}": {"step000001": 3} for k in (1, 2, 3)}

@@ -185,22 +185,35 @@ def top_log_lines(paths: dict[str, Path], levels: tuple[str, ...] = ("WARNING", 
 
 
 _LIAR = re.compile(r"snapshot (\S+): peer liar sent bad bytes")
+#: The line each life of a daemon logs once it listens (bdn/daemon/app.py); the soak appends a
+#: restarted daemon's log to the same file, so this line separates its lives.
+_LIFE = re.compile(r"bdnd \S+ listening: ")
 
 
 def liar_hits(paths: dict[str, Path]) -> dict[str, Any]:
-    """Bad chunks each daemon took from the liar, per snapshot (its "sent bad bytes" log lines).
+    """Bad chunks each daemon life took from the liar, per snapshot (its "sent bad bytes" log lines).
 
-    A penalty (``penalty_s``) should send a daemon elsewhere after the first; many per snapshot
-    means requests already queued for the liar still went to it (issue 12, item 8)."""
+    Keys of ``by_node`` are ``"<node> life <k>"`` (k counts the daemon's starts in its log from 1):
+    a restarted daemon downloads a snapshot again and meets the liar afresh, so its lives are
+    counted apart. A penalty (``penalty_s``) should send a daemon elsewhere after the first; many
+    per snapshot in one life means requests already queued for the liar still went to it (issue
+    12, item 8)."""
     per: dict[str, dict[str, int]] = {}
     for node, p in sorted(paths.items()):
         try:
             text = p.read_text(errors="replace")
         except OSError:
             continue
-        for m in _LIAR.finditer(text):
-            per.setdefault(node, {}).setdefault(m.group(1), 0)
-            per[node][m.group(1)] += 1
+        life = 0
+        for line in text.splitlines():
+            if _LIFE.search(line):
+                life += 1
+                continue
+            m = _LIAR.search(line)
+            if m:
+                key = f"{node} life {max(life, 1)}"
+                per.setdefault(key, {}).setdefault(m.group(1), 0)
+                per[key][m.group(1)] += 1
     counts = [n for d in per.values() for n in d.values()]
     return {"total": sum(counts), "max_per_snapshot": max(counts, default=0), "by_node": per}
 
