@@ -55,13 +55,13 @@ the live set until confirmed dead (as in memberlist), so a slow ack alone moves 
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from bdn.control import Clock
+from bdn.control.broadcasts import Broadcasts
 from bdn.control.members import Member as _Member
 from bdn.control.members import MemberBase, MemberTable
 from bdn.control.probation import Probation
@@ -133,7 +133,7 @@ class Swim(TableSync):
         self._order: list[str] = []
         self._round: Any = None  # join_shared: the base members' lazy probe order this round
         self._round_pos = 0
-        self._queue: dict[str, list] = {}  # node -> [Update, transmits]
+        self._queue = Broadcasts(self.retransmit_mult, self.max_piggyback)  # updates to piggyback
         self._probe: _Probe | None = None
         self._relays: dict[int, _Relay] = {}
         self._seq = 0
@@ -372,23 +372,11 @@ class Swim(TableSync):
         ups = self._piggyback() if updates is None else updates
         return Message(kind, self.self_id, dst, seq, target, ups)
 
-    def _limit(self) -> int:
-        return self.retransmit_mult * max(1, math.ceil(math.log2(len(self._members) + 2)))
-
     def _enqueue(self, u: Update) -> None:
-        self._queue[u.node] = [u, 0]  # a newer update about a node replaces the older one
+        self._queue.add(u.node, u)  # a newer update about a node replaces the older one
 
     def _piggyback(self) -> tuple[Update, ...]:
-        if not self._queue:
-            return ()
-        # = sorted(...)[:max_piggyback] (heapq documents the equivalence), O(queue) not O(q log q)
-        picked = heapq.nsmallest(self.max_piggyback, self._queue.values(), key=lambda e: e[1])
-        limit = self._limit()
-        for e in picked:
-            e[1] += 1
-            if e[1] >= limit:
-                self._queue.pop(e[0].node, None)
-        return tuple(e[0] for e in picked)
+        return self._queue.take(len(self._members))
 
     def _alive_others(self) -> list[str]:
         return [n for n, m in self._members.items() if m.status != DEAD]
