@@ -172,9 +172,14 @@ class Fetcher:
                 # threads' arenas (bdn.daemon.memtrim; at most once per 30 s), on a disk thread:
                 # the walk of a large heap must not hold the event loop.
                 if self.idle_trim.due():
+                    loop = asyncio.get_running_loop()
+
+                    def trim() -> None:  # counted when it ran: two ends queued before it run it once
+                        if self.idle_trim.maybe():
+                            loop.call_soon_threadsafe(self.stats.add, "heap_trims")
+
                     try:
-                        self.sources.disk_pool.submit(self.idle_trim.maybe)
-                        self.stats.add("heap_trims")
+                        self.sources.disk_pool.submit(trim)
                     except RuntimeError:  # the pool is shut down: the daemon is stopping
                         pass
 
