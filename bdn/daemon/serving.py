@@ -25,6 +25,10 @@ from bdn.transfer.growing import Growing, GrowingChunks
 
 log = logging.getLogger("bdn.serving")
 
+#: Seconds between two looks, while a request is held, at who owns its chunk now (a membership
+#: change can make the asker itself the owner: then it must not wait on this node).
+OWNER_RECHECK_S = 1.0
+
 
 class ChunkServing:
     """Answers peers' chunk requests: find or wait, admit (upload policy), open, account."""
@@ -48,7 +52,23 @@ class ChunkServing:
     def _growing(self, address: str, cut_through: bool) -> Growing | None:
         return self.growing.get(address) if cut_through and self.growing is not None else None
 
-    async def _wait_for(self, address: str, wait: float, hint: str | None, cut_through: bool) -> Loc | Growing | None:
+    def _asker_owns(self, address: str, asker: str | None) -> bool:
+        """Whether ``asker`` is, in this node's view, the owner of the pending chunk at
+        ``address`` while nothing of it lands here. Such a request must not be held: this node
+        will not read that chunk from the bucket, it asks the owner for it, i.e. the asker, which
+        waits on this node meanwhile (after a membership change moved the chunk between two
+        survivors each parked at the other until ``chunk_wait_s`` ran out)."""
+        if not asker or asker == self.node_id:
+            return False
+        pend = self.index.pending_for(address)
+        if pend is None or (self.growing is not None and self.growing.get(address) is not None):
+            return False
+        job, layer, ref = pend
+        return self.fetcher.owner(job, layer, ref.digest) == asker
+
+    async def _wait_for(
+        self, address: str, wait: float, hint: str | None, cut_through: bool, asker: str | None = None,
+    ) -> Loc | Growing | None:
         loc = self.index.lookup(address) or self._growing(address, cut_through)
         if loc is not None or wait <= 0:
             return loc
@@ -69,8 +89,11 @@ class ChunkServing:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while True:
-            # woken when the chunk is indexed, or (ChunkIndex.wake) when it starts landing here
-            found = await self.index.wait(address, deadline - loop.time())
+            if self._asker_owns(address, asker):
+                return None  # "still fetching": the asker, the owner, goes round and reads it
+            # woken when the chunk is indexed, or (ChunkIndex.wake) when it starts landing here;
+            # in slices, to see a membership change that makes the asker the owner
+            found = await self.index.wait(address, min(OWNER_RECHECK_S, deadline - loop.time()))
             if found is not None:
                 return found
             g = self._growing(address, cut_through)
@@ -78,13 +101,14 @@ class ChunkServing:
                 return g  # (elsewhere: another node reads it for us; the asker takes it there)
 
     async def request(
-        self, address: str, wait: float, hint: str | None, cut_through: bool = False,
+        self, address: str, wait: float, hint: str | None, cut_through: bool = False, asker: str | None = None,
     ) -> tuple[Admission, Loc | Growing | None]:
         """The answer for a peer's request of ``address`` (``wait`` s, snapshot ``hint``;
         ``cut_through``: the asker takes the chunk's bytes while they still land here from the
-        bucket, bdn.transfer.growing). On ``SEND`` an upload slot is booked: call :meth:`done`
-        once the upload ends."""
-        loc = await self._wait_for(address, wait, hint, cut_through)
+        bucket, bdn.transfer.growing; ``asker``: its node id, never held while it owns the chunk
+        in this node's view). On ``SEND`` an upload slot is booked: call :meth:`done` once the
+        upload ends."""
+        loc = await self._wait_for(address, wait, hint, cut_through, asker)
         if isinstance(loc, Growing):
             decision = self.uploads.admit_growing(address)
         else:

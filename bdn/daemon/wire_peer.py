@@ -244,7 +244,7 @@ class WirePeer:
             return NOT_HERE
         if self.closing.is_set():
             return NOT_HERE
-        fut = asyncio.run_coroutine_threadsafe(self._admit(ask), loop)
+        fut = asyncio.run_coroutine_threadsafe(self._admit(ask, peer), loop)
         deadline = time.monotonic() + ask.wait_ms / 1000 + ADMIT_SLACK_S
         while True:
             try:
@@ -303,7 +303,7 @@ class WirePeer:
             log.exception("take of chunk %d of %s from %s failed", take.index, take.identity, peer)
             return False
 
-    async def _admit(self, ask: wire.Ask) -> Verdict:
+    async def _admit(self, ask: wire.Ask, peer: str | None = None) -> Verdict:
         hint = ask.snapshot
         if hint is not None:
             try:
@@ -311,7 +311,7 @@ class WirePeer:
             except BdnError:
                 return NOT_HERE
         cut = ask.cut_through and ask.offset == 0
-        decision, _loc = await self.serving.request(ask.address, ask.wait_ms / 1000, hint, cut)
+        decision, _loc = await self.serving.request(ask.address, ask.wait_ms / 1000, hint, cut, peer)
         if decision is Admission.NOT_HERE:
             return NOT_HERE
         if decision is not Admission.SEND:

@@ -99,7 +99,7 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
             validate_identity(hint)
         except BdnError as e:
             return text(400, str(e))
-    decision, loc = await serving.request(address, wait, hint)
+    decision, loc = await serving.request(address, wait, hint, asker=request["peer"])
     if decision is Admission.NOT_HERE:
         return text(404, "chunk not here")
     if decision is not Admission.SEND:
