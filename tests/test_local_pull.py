@@ -149,6 +149,12 @@ def test_pull_into_the_callers_buffer_in_parallel_ranges(served) -> None:
                 assert got.dtype == want.dtype and got.shape == want.shape
                 assert np.shares_memory(got, out)
                 assert np.array_equal(got.view(np.uint8).reshape(-1), want.view(np.uint8).reshape(-1)), tname
+                # an array of the tensor's own dtype and shape (bf16: ml_dtypes.bfloat16, which has
+                # no buffer-protocol format) is filled as it is
+                same = np.empty_like(want)
+                assert np.shares_memory(c.read_tensor_into(IDENT, tname, same), same)
+                assert same.tobytes() == want.tobytes(), tname
+            assert any(w.dtype.name == "bfloat16" for w in state.values())
             tname, want = next(iter(state.items()))
             with pytest.raises(ValueError, match="buffer holds"):
                 c.read_tensor_into(IDENT, tname, bytearray(want.nbytes + 1))

@@ -34,7 +34,17 @@ MAX_CONNECTIONS = 16
 
 
 def _bytes_view(out: Any) -> memoryview:
-    view = memoryview(out)
+    """``out`` as a 1-D byte view. A numpy array of a dtype without a buffer-protocol format
+    (``ml_dtypes.bfloat16``, the dtype of bf16 tensors: ``memoryview`` raises "cannot include
+    dtype 'E' in a buffer") is viewed as its bytes (``out.view(np.uint8)``) instead."""
+    try:
+        view = memoryview(out)
+    except ValueError:
+        if not isinstance(out, np.ndarray):
+            raise
+        if not out.flags.c_contiguous:
+            raise ValueError("the destination buffer must be C-contiguous") from None
+        view = memoryview(out.reshape(-1).view(np.uint8))
     if view.readonly:
         view.release()
         raise ValueError("the destination buffer is read-only")
