@@ -29,7 +29,7 @@ class HeldServing:
     def __init__(self) -> None:
         self.entered = threading.Event()
 
-    async def request(self, address, wait, hint, cut):  # noqa: ANN001, ANN201
+    async def request(self, address, wait, hint, cut, asker=None):  # noqa: ANN001, ANN201
         self.entered.set()
         await asyncio.sleep(3600)
 
