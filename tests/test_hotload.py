@@ -193,3 +193,33 @@ def test_late_replica_found_by_peers_dns_settles_before_loading(tmp_path: Path) 
     finally:
         late.stop()
         early.stop()
+
+
+def test_a_restarted_lone_daemon_serves_what_it_served(tmp_path: Path) -> None:
+    """A daemon hot-loaded to step000002 and restarted with no peer to tell it the fleet's target
+    serves step000002 again (its ``current`` link names it and it is ready), not
+    STARTUP_SNAPSHOT's step000001: a restart does not undo a hot-load, and nothing is fetched."""
+    from support.swarm import Daemon
+
+    bucket = f"file://{tmp_path}/bucket"
+    publish_chain(bucket, write_chain(tmp_path / "ck", chain_states(1, scale=2, frac=0.02)), chunk_size=CHUNK)
+    publish_startup(bucket, "step000001")
+    d = Daemon(tmp_path / "nodes", "lone", bucket, extra_env={"BDN_STARTUP_SETTLE_S": "0"})
+    try:
+        d.start([])
+        d.wait_healthy()
+        wait_fleet(d.url, "step000001")
+        assert http("POST", d.url + "/hot_load/v1/models/hot_load", {"identity": "step000002"})[0] == 200
+        wait_fleet(d.url, "step000002")
+        d.stop()
+        d.start([])
+        d.wait_healthy()
+        reps = wait_fleet(d.url, "step000002")
+        assert [r["policy_version"] for r in reps] == [2]
+        assert (d.store / "current").resolve() == (d.store / "step000002").resolve()
+        assert "current names step000002, ready here: serving it again (STARTUP_SNAPSHOT names step000001: not loaded)" in d.log()
+        jobs = {s["identity"]: s for s in d.status()["snapshots"]}
+        assert all(j.get("requested_by") != "startup" for j in jobs.values()), jobs
+        assert d.status()["counters"]["bucket_bytes_owner"] + d.status()["counters"]["bucket_bytes_fallback"] == 0
+    finally:
+        d.stop()

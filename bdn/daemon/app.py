@@ -243,23 +243,33 @@ class App:
                 await web.UnixSite(local_runner, cfg.local_socket).start()
 
     async def _load_startup(self) -> None:
-        """Membership settles, then STARTUP_SNAPSHOT loads.
+        """Membership settles, then what this replica serves is decided: the fleet's target if
+        its peers hold a hot-loaded one, else the snapshot it served before a restart (the
+        ``current`` link, when that snapshot is still ready here), else STARTUP_SNAPSHOT.
 
         Daemons of a fleet start within seconds of each other; loading before they know each
         other would make each one the HRW owner of everything and multiply bucket egress.
-        STARTUP_SNAPSHOT is read first, so that it is this replica's target (and safe from GC)
-        even if a peer makes this daemon join it before the settling ends.
+        The first choice is made before the settling, so that it is this replica's target (and
+        safe from GC) even if a peer makes this daemon join it before the settling ends.
         """
+        served = self._served_before()
         startup = await self._read_startup() if self.cfg.load_startup else None
-        if startup is not None:
-            self.replica.set_startup_target(startup)
+        first = served or startup
+        if first is not None:
+            self.replica.set_startup_target(first)
         await self.gossip.settle()
         target = self.replica.target
-        if startup is not None and target is not None and target.identity != startup and target.seq > 0:
+        if first is not None and target is not None and target.identity != first and target.seq > 0:
             # The fleet moved on while this daemon was away: go straight to its target (rebuilt
             # chunks come from peers); loading the outdated startup snapshot first is only waste.
             log.info("%s names %s, but the fleet serves %s: loading that instead",
-                     STARTUP_NAME, startup, target.identity)
+                     "current" if served else STARTUP_NAME, first, target.identity)
+        elif served is not None:
+            # A restart (or a lone daemon's) serves what it served: a hot-load is not undone by
+            # a restart (README "Rebuilt snapshots", docs/OPERATIONS.md section 4)
+            log.info("current names %s, ready here: serving it again%s", served,
+                     f" ({STARTUP_NAME} names {startup}: not loaded)" if startup and startup != served else "")
+            self.replica.on_snapshot_ready(served)
         elif startup is not None:
             log.info("%s names %s: loading it", STARTUP_NAME, startup)
             job = self.catalog.prefetch(startup, requested_by="startup")
@@ -270,6 +280,15 @@ class App:
             self.catalog.prefetch(ident, requested_by="resume")
         if self.cfg.peers_dns:
             self._tasks.append(asyncio.create_task(self.gossip.dns_loop(), name="peers-dns"))
+
+    def _served_before(self) -> str | None:
+        """The identity the ``current`` link names if that snapshot is ready on this node (a
+        restarted daemon), else None (no link, or it names a snapshot collected or removed)."""
+        ident = CurrentLink(self.store.root).target()
+        if ident is None:
+            return None
+        job = self.catalog.get(ident)
+        return ident if job is not None and job.state == "ready" else None
 
     async def _read_startup(self) -> str | None:
         """The identity STARTUP_SNAPSHOT names, or None (absent or unreadable: logged)."""
