@@ -35,7 +35,8 @@ demo: $(VENV)/.installed
 
 # Two workers, a test file per worker at a time (its module fixtures start their daemons once):
 # most of a test's time is waiting on real daemons, so the suite takes half as long on 2 cores
-# (2026-12-01: 542 s serially on a fresh clone, 293 s this way). `$(PY) -m pytest` runs it serially.
+# (2026-12-01: 542 s serially on a fresh clone, 293 s this way; 2026-12-02, with more tests since,
+# 467 s this way on an idle 2-core machine). `$(PY) -m pytest` runs it serially.
 test: $(VENV)/.installed
 	@$(PY) -m pytest -q -n 2 --dist loadfile
 
