@@ -9,7 +9,8 @@ copied, by the list of changed tensors in the daemon's offer. The hot-load reque
 and in-flight policies reach the engine and show in answers and in the replica state. A snapshot
 the engine cannot load is acked as the replica's error while policy 1 keeps serving. An engine
 killed with -9 expires after engine_ttl_s and the replica is done with the engine that remains.
-The ``current`` link and ``bdnctl path current`` follow the served snapshot.
+The ``current`` link and ``bdnctl path current`` follow the served snapshot. Stopping (SIGTERM
+to the command, ``stop()`` in process) unregisters at once instead of waiting out the long-poll.
 """
 
 from __future__ import annotations
@@ -342,15 +343,18 @@ def test_both_swap_methods_serve_the_target_bit_for_bit(trainer, node, method: s
             s.close()
 
 
-def test_the_command_serves_and_stops_on_sigterm(trainer, node) -> None:
-    """``python -m bdn.engines hf`` as a process: registers, serves policy 1, exits 0 on SIGTERM."""
+def test_the_command_serves_and_stops_on_sigterm(trainer, node, tmp_path: Path) -> None:
+    """``python -m bdn.engines hf`` as a process: registers, serves policy 1, exits 0 on SIGTERM
+    without waiting out its long-poll to bdnd: it unregisters, which ends the poll at once."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", node.url, "--listen",
-                             f"127.0.0.1:{port}", "--replica-id", "node0", "--log-level", "warning"],
-                            env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = tmp_path / "engine.log"
+    with out.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", node.url, "--listen",
+                                 f"127.0.0.1:{port}", "--replica-id", "node0", "--log-level", "info"],
+                                env=dict(os.environ), stdout=f, stderr=subprocess.STDOUT)
     try:
         def healthy():
-            assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+            assert proc.poll() is None, out.read_text(errors="replace")
             if not _listening(port):
                 return None
             try:
@@ -363,13 +367,40 @@ def test_the_command_serves_and_stops_on_sigterm(trainer, node) -> None:
         assert body["identity"] == IDS[0] and body["policy_version"] == 1
         wait_for(lambda: replica_done(node.url, IDS[0]), 120, "the replica done")
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(120) == 0
+        assert proc.wait(120) == 0, out.read_text(errors="replace")
+        log = out.read_text(errors="replace")
+        # what the shutdown did, in order: the signal, the DELETE (which ended the long-poll), done
+        stopping = [ln for ln in log.splitlines() if "stopping" in ln or "unregistered" in ln or "stopped in" in ln]
+        print("\n".join(stopping))
+        assert all(k in log for k in ("SIGTERM: stopping", "unregistered engine", "stopped in")), log
+        assert log.index("SIGTERM: stopping") < log.index("unregistered engine") < log.index("stopped in")
         # it unregistered on the way out (the fleet view follows the replica's report: a state)
         wait_for(lambda: hot_load_status(node.url)[0]["engines"] == 0, 120, "the replica to list no engine")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_stop_does_not_wait_out_the_long_poll(trainer, node) -> None:
+    """An engine idle in a long-poll of 300 s (the daemon's cap) stops at once: ``stop()``
+    unregisters, the daemon answers the poll, the driver thread ends; it does not register again."""
+    svc = HFService(node.url, "127.0.0.1", free_port(), replica_id="node0", poll_timeout=300.0).start()
+    stopped = threading.Event()
+    try:
+        wait_for(lambda: replica_done(node.url, IDS[0]) and svc.engine.identity == IDS[0], 120, f"{IDS[0]} served")
+        wait_for(lambda: list_engines(node.url)["engines"][0]["serving"] == IDS[0], 120, "the ack")
+        assert svc._driver is not None
+        wait_for(svc._driver.polling.is_set, 120, "the driver to wait for the next offer")
+        threading.Thread(target=lambda: (svc.stop(), stopped.set()), daemon=True).start()
+        # generous, and far below the 300 s the poll would have held the stop
+        assert stopped.wait(60), "stop() waited for the long-poll"
+        assert not svc._driver.is_alive()
+        assert list_engines(node.url)["engines"] == []
+    finally:
+        if not stopped.is_set():  # failed: do not wait out the poll here (the node's teardown ends it)
+            svc.stop_event.set()
+            svc.http.stop()
 
 
 def _listening(port: int) -> bool:

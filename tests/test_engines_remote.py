@@ -213,9 +213,7 @@ def driven(engine: str, node) -> Iterator[tuple[ProtocolServer, Any]]:
         try:
             yield s, adapter
         finally:
-            stop.set()
-            t.join(30)
-            link.close()
+            t.close()
     finally:
         adapter.close()
         http.stop()

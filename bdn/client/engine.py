@@ -176,10 +176,12 @@ class EngineLink:
             done.set()
             t.join(5.0)
 
-    def close(self) -> None:
-        """``DELETE /v1/engines/{id}``: unregister (the daemon releases this engine's leases).
+    def unregister(self) -> None:
+        """``DELETE /v1/engines/{id}``: the daemon forgets this engine and releases its leases; a
+        :meth:`next_snapshot` in flight in another thread is answered at once (None).
 
-        Best effort: a daemon that is gone or has forgotten the engine is not an error.
+        Once per registration (:meth:`register` again re-arms it). Best effort: a daemon that is
+        gone or has forgotten the engine is not an error (logged). The connections stay open.
         """
         with self._lock:
             if self._closed:
@@ -189,6 +191,13 @@ class EngineLink:
             call_json(self.client, "DELETE", self._path(), ok=(200, 204, 404))
         except (DaemonUnreachable, DaemonError, ProtocolError) as exc:
             log.warning("could not unregister engine %s: %s", self.engine_id, exc)
+        else:
+            log.info("unregistered engine %s from %s", self.engine_id, self.client.url)
+
+    def close(self) -> None:
+        """:meth:`unregister`, then close the connections this link opened (not a client passed in)."""
+        try:
+            self.unregister()
         finally:
             if self._owns_client:
                 self.client.close()

@@ -17,8 +17,11 @@ import logging
 import signal
 import sys
 import threading
+import time
 
 from bdn.proto.errors import BdnError
+
+log = logging.getLogger("bdn.engines")
 
 
 def _hostport(text: str) -> tuple[str, int]:
@@ -63,8 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
+    signalled: list[str] = []  # the signals' names, for the log
+
+    def on_signal(signum: int, _frame: object) -> None:
+        signalled.append(signal.Signals(signum).name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_signal)
     try:
         if a.engine == "hf":
             from bdn.engines.service import HFService
@@ -75,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             svc.start(a.connect_timeout)
             print(f"serving on {svc.url}; hot-loads from {a.bdn_url}", flush=True)
             stop.wait()
+            t0 = time.monotonic()
+            log.info("%s: stopping", ", ".join(signalled) or "stop")
             svc.stop()
+            log.info("stopped in %.2f s", time.monotonic() - t0)
             return 0
         from bdn.engines.service import register, run_driver
 
@@ -91,9 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         t = run_driver(link, adapter, stop, poll_timeout=5.0)
         print(f"driving {a.engine} at {a.engine_url}; hot-loads from {a.bdn_url}", flush=True)
         stop.wait()
-        t.join(60)
-        link.close()
+        t0 = time.monotonic()
+        log.info("%s: stopping", ", ".join(signalled) or "stop")
+        t.close()
         adapter.close()
+        log.info("stopped in %.2f s", time.monotonic() - t0)
         return 0
     except BdnError as exc:
         print(f"python -m bdn.engines: error: {exc}", file=sys.stderr)

@@ -19,6 +19,10 @@ engine keeps serving the old policy and only a newer target is tried). The snaps
 is closed after the ack; the daemon holds the leases.
 
 Daemon trouble never ends the loop: the long-poll and the ack retry through ``bdn.retry``.
+
+Stopping: set ``stop``. A long-poll in flight is answered at once when the engine unregisters
+(``DELETE /v1/engines/{id}``); ``polling`` tells a stopper whether that is safe now (no load in
+progress) or must wait for the driver to return (``bdn.engines.service.Driver.close``).
 """
 
 from __future__ import annotations
@@ -100,6 +104,8 @@ def _next(link: EngineLink, after: str | None, poll_timeout: float, stop: thread
                 return link.next_snapshot(after, poll_timeout)
             except DaemonError as exc:
                 if exc.status == 404:
+                    if stop.is_set():  # unregistered on the way out: do not register again
+                        raise _Stopped from None
                     log.warning("daemon forgot engine %s; registering again", link.engine_id)
                     link.register()
                     return link.next_snapshot(after, poll_timeout)
@@ -108,13 +114,19 @@ def _next(link: EngineLink, after: str | None, poll_timeout: float, stop: thread
 
 
 def drive(link: EngineLink, adapter: Adapter, *, stop: threading.Event, current: str | None = None,
-          poll_timeout: float = 30.0, on_swapped: Callable[[Snapshot, dict[str, Any]], None] | None = None) -> None:
+          poll_timeout: float = 30.0, on_swapped: Callable[[Snapshot, dict[str, Any]], None] | None = None,
+          polling: threading.Event | None = None) -> None:
     """Serve hot-loads until ``stop`` is set (see the module doc).
 
     Args:
         current: the identity already served (None at start: the first offer is loaded too).
-        poll_timeout: seconds per long-poll; bounds how late ``stop`` is noticed.
+        poll_timeout: seconds per long-poll; bounds how late ``stop`` is noticed, unless the
+            engine is unregistered meanwhile (the daemon then answers the poll at once).
         on_swapped: called with the new snapshot and the report after each successful ack.
+        polling: set while the driver waits for an offer, clear while it loads one (from the
+            offer to its ack). It is set before each check of ``stop`` and cleared before the
+            check that precedes a load, so a stopper that sets ``stop`` and then finds
+            ``polling`` set knows no load will start: it may unregister at once.
 
     Returns once ``stop`` is set, after closing the snapshot it served. Daemon trouble is retried
     and logged, and a failed load (offer, snapshot or adapter) is acked with ``"error"``: none of
@@ -122,8 +134,12 @@ def drive(link: EngineLink, adapter: Adapter, *, stop: threading.Event, current:
     """
     after = current
     serving: Snapshot | None = None
+    polling = polling if polling is not None else threading.Event()
     try:
-        while not stop.is_set():
+        while True:
+            polling.set()
+            if stop.is_set():
+                break
             try:
                 offer = _next(link, after, poll_timeout, stop)
             except _Stopped:
@@ -131,7 +147,10 @@ def drive(link: EngineLink, adapter: Adapter, *, stop: threading.Event, current:
             except BdnError as exc:
                 log.warning("waiting for the next snapshot failed: %s", exc)
                 continue
-            if offer is None or stop.is_set():
+            if offer is None:
+                continue
+            polling.clear()
+            if stop.is_set():
                 continue
             identity: str = offer["identity"]
             after = identity

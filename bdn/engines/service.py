@@ -24,7 +24,7 @@ from bdn.engines.driver import Adapter, drive
 
 log = logging.getLogger("bdn.engines.service")
 
-__all__ = ["HFService", "HttpThread", "register", "run_driver"]
+__all__ = ["Driver", "HFService", "HttpThread", "register", "run_driver"]
 
 
 def register(bdn_url: str, name: str, connect_timeout_s: float = 60.0) -> EngineLink:
@@ -36,10 +36,40 @@ def register(bdn_url: str, name: str, connect_timeout_s: float = 60.0) -> Engine
     raise AssertionError("unreachable")
 
 
-def run_driver(link: EngineLink, adapter: Adapter, stop: threading.Event, **kw: Any) -> threading.Thread:
-    """``drive`` on a daemon thread; the thread is returned started."""
-    t = threading.Thread(target=drive, args=(link, adapter), kwargs={"stop": stop, **kw}, name="bdn-hot-swap",
-                         daemon=True)
+class Driver(threading.Thread):
+    """``drive(link, adapter, stop=stop, **kw)`` on a daemon thread, and its prompt stop (:meth:`close`)."""
+
+    def __init__(self, link: EngineLink, adapter: Adapter, stop: threading.Event, **kw: Any) -> None:
+        self.link, self.stop_event = link, stop
+        self.polling = threading.Event()  # drive sets it while it waits for an offer
+        super().__init__(target=drive, args=(link, adapter), kwargs={"stop": stop, "polling": self.polling, **kw},
+                         name="bdn-hot-swap", daemon=True)
+
+    def close(self, unregister: bool = True, timeout_s: float = 60.0) -> None:
+        """Set ``stop``, unregister from bdnd, join the thread and close the link.
+
+        A load in progress finishes and is acked first (the thread is joined for up to
+        ``timeout_s`` seconds before unregistering); a long-poll in flight does not hold the
+        stop: unregistering (``DELETE /v1/engines/{id}``) makes the daemon answer it at once, and
+        the thread is then joined (up to ``timeout_s``). ``unregister=False`` leaves the daemon's
+        entry and the link open (a crash, in tests): the long-poll then runs to its timeout.
+        """
+        self.stop_event.set()
+        if not unregister:
+            self.join(timeout_s)
+            return
+        if not self.polling.is_set():  # loading: let it finish and ack before the DELETE
+            self.join(timeout_s)
+        self.link.unregister()
+        self.join(timeout_s)
+        if self.is_alive():
+            log.warning("the hot-swap driver did not stop within %g s; leaving it", timeout_s)
+        self.link.close()
+
+
+def run_driver(link: EngineLink, adapter: Adapter, stop: threading.Event, **kw: Any) -> Driver:
+    """``drive`` on a daemon thread (a :class:`Driver`), returned started; ``close()`` stops it."""
+    t = Driver(link, adapter, stop, **kw)
     t.start()
     return t
 
@@ -95,7 +125,7 @@ class HFService:
         replica_id: reported in every answer's ``engine_data``.
         partial: swap changed tensors only (False: full reload on every swap).
         swap_method: ``"rebind"`` or ``"copy"`` (``bdn.engines.hf.HFEngine``).
-        poll_timeout: seconds per long-poll (bounds how fast ``stop`` returns).
+        poll_timeout: seconds per long-poll (``stop`` does not wait for one: it unregisters).
     """
 
     def __init__(self, bdn_url: str, host: str, port: int, replica_id: str = "replica", served_name: str = "model",
@@ -111,7 +141,7 @@ class HFService:
         self.poll_timeout = poll_timeout
         self.stop_event = threading.Event()
         self.link: EngineLink | None = None
-        self._driver: threading.Thread | None = None
+        self._driver: Driver | None = None
         self.reports: list[dict[str, Any]] = []
 
     @property
@@ -129,11 +159,13 @@ class HFService:
         return self
 
     def stop(self, unregister: bool = True) -> None:
-        """Stop the driver and the server; ``unregister=False`` leaves the daemon's entry (a crash)."""
+        """Stop the driver (a swap in progress finishes; a long-poll does not hold it: see
+        :meth:`Driver.close`), unregister from bdnd, then stop the chat server.
+        ``unregister=False`` leaves the daemon's entry (a crash)."""
         self.stop_event.set()
         if self._driver is not None:
-            self._driver.join(self.poll_timeout + 60)
-        if self.link is not None and unregister:
+            self._driver.close(unregister, timeout_s=self.poll_timeout + 60)
+        elif self.link is not None and unregister:
             self.link.close()
         self.http.stop()
 
