@@ -374,6 +374,9 @@ def test_the_command_serves_and_stops_on_sigterm(trainer, node, tmp_path: Path) 
         print("\n".join(stopping))
         assert all(k in log for k in ("SIGTERM: stopping", "unregistered engine", "stopped in")), log
         assert log.index("SIGTERM: stopping") < log.index("unregistered engine") < log.index("stopped in")
+        # at --log-level info: the engine's own lines, not httpx's line per request to bdnd
+        assert "bdn.client.engine: registered with" in log and "bdn.engines.driver: serving step000001" in log, log
+        assert "httpx" not in log and "HTTP Request:" not in log, log
         # it unregistered on the way out (the fleet view follows the replica's report: a state)
         wait_for(lambda: hot_load_status(node.url)[0]["engines"] == 0, 120, "the replica to list no engine")
     finally:

@@ -22,6 +22,8 @@ import time
 from bdn.proto.errors import BdnError
 
 log = logging.getLogger("bdn.engines")
+# httpx logs every request at INFO (the long-poll to bdnd, every 5 s); httpcore its connections at DEBUG.
+QUIET_LOGGERS = ("httpx", "httpcore")
 
 
 def _hostport(text: str) -> tuple[str, int]:
@@ -65,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                            help="fail a swap whose reload changed no weight checksum")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     stop = threading.Event()
     signalled: list[str] = []  # the signals' names, for the log
 

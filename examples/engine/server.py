@@ -432,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    for name in ("httpx", "httpcore"):  # httpx logs every request to bdnd (each long-poll) at INFO
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         return asyncio.run(_serve(args))
     except (DaemonUnreachable, DaemonError) as exc:
