@@ -356,7 +356,8 @@ def test_one_hot_load_reaches_every_engine(fleet: dict[str, Any]) -> None:
 
 
 def test_engine_link_against_a_real_daemon(tmp_path: Path) -> None:
-    """Register, long-poll, ack with an error, re-register after DELETE; no engine process."""
+    """Register, long-poll, ack with an error, re-register after DELETE; no engine process.
+    ``bdnctl engines`` shows the acked pause with two decimals."""
     bucket = f"file://{tmp_path}/bucket"
     w1 = tinygpt.init_weights(CFG, 0)
     publish_full(bucket, "step000001", 1, dir=tinygpt.save_checkpoint(tmp_path / "ck", CFG, w1), chunk_size=CHUNK)
@@ -377,6 +378,14 @@ def test_engine_link_against_a_real_daemon(tmp_path: Path) -> None:
             link.ack("step000001", 1.5)
             (rep,) = hot_load_status(d.url)
             assert rep["loading_state"]["stage"] == "done" and rep["last_swap_pause_ms"] == 1.5
+            # a pause as run_hot_swap_loop measures it (unrounded): the API keeps it, bdnctl shows 2 decimals
+            link.ack("step000001", 0.0152587890625)
+            (rep,) = hot_load_status(d.url)
+            assert rep["last_swap_pause_ms"] == 0.0152587890625
+            table = subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", d.url, "engines"],
+                                   capture_output=True, text=True, timeout=240, cwd=ROOT).stdout
+            header, row = table.splitlines()
+            assert row.split()[header.split().index("PAUSE_MS")] == "0.02", table
             with pytest.raises(DaemonError) as info:
                 link.ack("step000009", 1.0)
             assert info.value.status == 409

@@ -172,8 +172,9 @@ def drive(link: EngineLink, adapter: Adapter, *, stop: threading.Event, current:
                 ack(link, identity, 0.0, options, error=reason)
                 continue
             pause = float(report.get("pause_ms") or 0.0)
+            what = [f"{k} {report[k]}" for k in ("mode", "tensors_copied") if k in report]
             log.info("serving %s (policy version %s): %s", identity, snap.policy_version,
-                     ", ".join(f"{k} {v}" for k, v in report.items() if k in ("mode", "tensors_copied", "pause_ms")))
+                     ", ".join([*what, f"paused {pause:.2f} ms"]))
             old, serving = serving, snap
             ack(link, identity, pause, options, report)
             if old is not None and old is not snap:

@@ -49,6 +49,12 @@ def bytes_cell(n: Any) -> str:
     return human_bytes(n) if isinstance(n, int | float) and not isinstance(n, bool) else cell(n)
 
 
+def ms_cell(ms: Any) -> str:
+    """A duration in milliseconds with two decimals (``0.02``; an engine acks its pause unrounded),
+    any other value as a cell."""
+    return f"{ms:.2f}" if isinstance(ms, int | float) and not isinstance(ms, bool) else cell(ms)
+
+
 def progress(snap: dict[str, Any]) -> str:
     """A snapshot record's progress as a percentage of ``bytes_total``; ``100%`` once ready, else ``-``."""
     done, total = snap.get("bytes_done"), snap.get("bytes_total")

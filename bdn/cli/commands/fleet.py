@@ -17,6 +17,7 @@ from bdn.cli.commands.common import (
     NotYet,
     Subparsers,
     cell,
+    ms_cell,
     table,
 )
 from bdn.cli.output import emit_json
@@ -175,8 +176,8 @@ def _engines(client: DaemonClient, args: argparse.Namespace) -> int:
     for e in engines:
         swap = e.get("swap") if isinstance(e.get("swap"), dict) else {}
         rows.append([e.get("engine_id"), e.get("name"), e.get("serving"), e.get("offered"),
-                     swap.get("mode"), e.get("pause_ms"), e.get("prompt_cache_policy"), e.get("inflight_policy"),
-                     e.get("last_seen_s_ago"), e.get("error")])
+                     swap.get("mode"), ms_cell(e.get("pause_ms")), e.get("prompt_cache_policy"),
+                     e.get("inflight_policy"), e.get("last_seen_s_ago"), e.get("error")])
     print(table(["ENGINE", "NAME", "SERVING", "OFFERED", "MODE", "PAUSE_MS", "PROMPT_CACHE", "INFLIGHT",
                   "SEEN_S_AGO", "ERROR"], rows))
     return EXIT_OK
