@@ -38,3 +38,32 @@ def test_bad_budgets_are_refused() -> None:
         Broadcasts(0, 8)
     with pytest.raises(ValueError):
         Broadcasts(4, 0)
+
+
+def test_take_matches_the_sorted_reference_and_never_scans_the_queue() -> None:
+    """Against the plain definition (sort the pending updates by transmissions, take the first
+    ``max_per_message``), over a random mix of adds and takes with a changing member count."""
+    import random
+
+    rng = random.Random(7)
+    q = Broadcasts(retransmit_mult=2, max_per_message=5)
+    ref: dict[str, list] = {}  # node -> [update, transmissions]
+    for step in range(3000):
+        if rng.random() < 0.4:
+            node = f"n{rng.randrange(60)}"
+            upd = f"{node}@{step}"
+            q.add(node, upd)
+            ref[node] = [upd, 0]
+        else:
+            members = rng.randrange(1, 200)
+            got = q.take(members)
+            counts = sorted(e[1] for e in ref.values())[: q.max_per_message]
+            assert sorted(ref[u.split("@")[0]][1] for u in got) == counts
+            limit = q.limit(members)
+            for u in got:
+                e = ref[u.split("@")[0]]
+                assert e[0] == u
+                e[1] += 1
+                if e[1] >= limit:
+                    del ref[u.split("@")[0]]
+        assert len(q) == len(ref)

@@ -11,47 +11,72 @@ budget are read and tested apart.
 
 from __future__ import annotations
 
-import heapq
 import math
 from typing import Any
 
 
 class Broadcasts:
     """Pending updates, keyed by the member they are about. ``retransmit_mult`` is SWIM's lambda;
-    ``max_per_message`` bounds the updates one message carries."""
+    ``max_per_message`` bounds the updates one message carries.
+
+    Kept in buckets by transmissions so far (``_buckets[t]``: the updates sent ``t`` times, in the
+    order they reached that count), so a message's updates cost O(``max_per_message`` + the
+    limit), not O(queue): at N = 10,000 a queue of hundreds of updates (the fleet's joins and
+    deaths) was scanned whole for every SWIM message, a fifth of bench/fleetsim's time at the end
+    of the 700 GB anchor run (bench/NOTES.md). memberlist keeps the same order in a B-tree."""
 
     def __init__(self, retransmit_mult: int, max_per_message: int) -> None:
         if retransmit_mult < 1 or max_per_message < 1:
             raise ValueError("retransmit_mult and max_per_message must be >= 1")
         self.retransmit_mult = retransmit_mult
         self.max_per_message = max_per_message
-        self._queue: dict[str, list[Any]] = {}  # node -> [update, transmits]
+        self._sent: dict[str, int] = {}  # node -> transmissions of its pending update
+        self._buckets: list[dict[str, Any]] = []  # transmissions -> {node: update}, arrival order
 
     def __len__(self) -> int:
-        return len(self._queue)
+        return len(self._sent)
 
     def limit(self, members: int) -> int:
         """Transmissions of one update in a table of ``members`` members."""
         return self.retransmit_mult * max(1, math.ceil(math.log2(members + 2)))
 
+    def _put(self, t: int, node: str, update: Any) -> None:
+        while len(self._buckets) <= t:
+            self._buckets.append({})
+        self._buckets[t][node] = update
+        self._sent[node] = t
+
     def add(self, node: str, update: Any) -> None:
-        """Queue ``update`` about ``node``, replacing a pending one about the same node."""
-        self._queue[node] = [update, 0]
+        """Queue ``update`` about ``node``, replacing a pending one about the same node (its
+        transmissions start again from 0)."""
+        t = self._sent.get(node)
+        if t is not None:
+            del self._buckets[t][node]
+        self._put(0, node, update)
 
     def take(self, members: int) -> tuple[Any, ...]:
-        """The updates for the next message (the least transmitted first, at most
-        ``max_per_message``); each counts one transmission, and those at the limit for a table of
-        ``members`` members leave the queue."""
-        if not self._queue:
+        """The updates for the next message (the least transmitted first, ties in the order
+        they reached that count; at most ``max_per_message``); each counts one transmission, and
+        those at the limit for a table of ``members`` members leave the queue."""
+        if not self._sent:
             return ()
-        # = sorted(...)[:max_per_message] (heapq documents the equivalence), O(queue) not O(q log q)
-        picked = heapq.nsmallest(self.max_per_message, self._queue.items(), key=lambda kv: kv[1][1])
+        want = self.max_per_message
+        picked: list[tuple[int, str, Any]] = []
+        for t, bucket in enumerate(self._buckets):
+            for node, update in bucket.items():
+                picked.append((t, node, update))
+                if len(picked) == want:
+                    break
+            if len(picked) == want:
+                break
         limit = self.limit(members)
-        for node, e in picked:
-            e[1] += 1
-            if e[1] >= limit:
-                del self._queue[node]
-        return tuple(e[0] for _, e in picked)
+        for t, node, update in picked:
+            del self._buckets[t][node]
+            if t + 1 >= limit:
+                del self._sent[node]
+            else:
+                self._put(t + 1, node, update)
+        return tuple(u for _, _, u in picked)
 
 
 __all__ = ["Broadcasts"]
