@@ -5,6 +5,7 @@ with PARTs (overlapping, outside the range, to an asker that did not accept them
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 import threading
@@ -273,3 +274,38 @@ def test_a_stream_that_cannot_be_opened_is_a_failure_not_a_stall():
     finally:
         client.close()
         ls.close()
+
+
+def test_with_a_file_whole_answers_are_written_and_cut_through_ones_land_in_the_mapping(shm, landing):
+    """``fetch_into(..., fd=)`` (the daemon's ``peer_receive = write``): a DATA answer is
+    pwritten to the file through the stream's buffer, a cut-through answer lands in the mapped
+    buffer; both are verified, and both end up in the same file."""
+    growing = GrowingChunks()
+    address = KEYS.address(digest(landing.data))
+    other = os.urandom(CHUNK)
+    whole = shm / "whole"
+    whole.write_bytes(other)
+    index = {KEYS.address(digest(other)): (str(whole), 0, CHUNK)}
+    growing.start(address, landing.g)
+    out = shm / "out"
+    fd = os.open(out, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(fd, 0, 2 * CHUNK)
+    m = mmap.mmap(fd, 2 * CHUNK)
+    with _serve(growing, index) as srv:
+        client = TransferClient(KEYS, "cli", io_timeout_s=30)
+        peer = Peer("owner", *srv.address)
+        try:
+            landing.land_all()
+            landing.g.verified()
+            r1 = client.fetch_into(peer, address, m, 0, CHUNK, digest(landing.data), cut_through=True, fd=fd)
+            assert r1.ok and r1.cut_through
+            r2 = client.fetch_into(peer, KEYS.address(digest(other)), m, CHUNK, CHUNK, digest(other),
+                                   cut_through=True, fd=fd)
+            assert r2.ok and not r2.cut_through
+            bad = client.fetch_into(peer, KEYS.address(digest(other)), m, CHUNK, CHUNK, "0" * 32, fd=fd)
+            assert bad.outcome is Outcome.CORRUPT
+        finally:
+            client.close()
+            m.close()
+            os.close(fd)
+    assert out.read_bytes() == landing.data + other

@@ -98,7 +98,9 @@ def adopt(
     wp.haves = fetcher.haves
     wp.subscriber = HaveSubscriber(wp.client, fetcher.haves.on_have, fetcher.haves.on_end)
     fetcher.haves.subscriber = wp.subscriber
-    maps = TargetMaps(disk_pool)
+    # with peer_receive "write" the peers' whole answers are pwritten, so the mapping (bucket
+    # reads, cut-through answers) fills its page tables on demand instead of all up front
+    maps = TargetMaps(disk_pool, populate=cfg.peer_receive == "map")
     sources.wire = WireSource(cfg, wp.pool, maps, membership, stats, sources.peer_sem, sources.download_limit,
                               disk_pool, sources.pool.get, sources.pool.put, chunk_log)
     wp.maps = maps

@@ -1,11 +1,13 @@
 """The target files of the snapshots downloading on this node, each mapped once (shared,
-writable, page tables populated: bdn.transfer.target) and kept open while its snapshot
-downloads, so received chunks land in shm with one kernel copy and no open per chunk.
+writable; page tables populated up front when ``populate``: bdn.transfer.target) and held open
+as a descriptor too while its snapshot downloads, so received chunks land in shm with no open
+per chunk: by ``recv_into`` the mapping, or by ``pwrite`` to the descriptor (``fd``).
 
 A mapping is taken with ``acquire(job, path)`` and given back with ``release(path)``; it is
 closed once nobody uses it and its snapshot is no longer ``queued``/``downloading`` (checked on
 every acquire and by ``sweep``), or by ``close`` at shutdown. A mapping still used by a fetch
-thread is never closed (mmap refuses while a buffer is exported; the count comes first).
+thread is never closed (mmap refuses while a buffer is exported; the count comes first), and
+neither is its descriptor (a file replaced while in use keeps its old descriptor until ``close``).
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ class _Mapping:
     job: SnapshotJob
     map: mmap.mmap
     inode: tuple[int, int]  # (st_dev, st_ino) of the file mapped
+    fd: int  # the file, open read-write (pwrite), closed with the mapping
     users: int = 0
 
 
 class TargetMaps:
     """Mappings by target path (see the module docstring); opened on ``disk_pool`` threads."""
 
-    def __init__(self, disk_pool: Executor) -> None:
+    def __init__(self, disk_pool: Executor, *, populate: bool = True) -> None:
         self.disk_pool = disk_pool
+        self.populate = populate
         self._maps: dict[str, _Mapping] = {}
+        self._retired: list[int] = []  # descriptors of replaced files still in use (left to the exit)
         self._opening: dict[str, asyncio.Future[_Mapping]] = {}
 
     async def acquire(self, job: SnapshotJob, path: Path) -> mmap.mmap:
@@ -60,13 +65,21 @@ class TargetMaps:
         return ent.map
 
     async def _open(self, job: SnapshotJob, key: str) -> _Mapping:
-        m, inode = await asyncio.get_running_loop().run_in_executor(self.disk_pool, _map_file, key)
+        m, inode, fd = await asyncio.get_running_loop().run_in_executor(self.disk_pool, _map_file, key, self.populate)
         old = self._maps.pop(key, None)
         if old is not None:
+            if old.users > 0:  # a fetch thread may still pwrite through it
+                self._retired.append(old.fd)
+                old.fd = -1
             self._close(old)
         # release() is by path: users of the replaced mapping give their count back to this one
-        ent = self._maps[key] = _Mapping(job, m, inode, old.users if old is not None else 0)
+        ent = self._maps[key] = _Mapping(job, m, inode, fd, old.users if old is not None else 0)
         return ent
+
+    def fd(self, path: Path) -> int:
+        """The open descriptor of ``path``'s target file; only while the caller holds it
+        (between ``acquire`` and ``release``)."""
+        return self._maps[str(path)].fd
 
     def release(self, path: Path) -> None:
         ent = self._maps.get(str(path))
@@ -81,15 +94,24 @@ class TargetMaps:
                 self._close(ent)
 
     def close(self) -> None:
+        """Close every mapping (shutdown). A descriptor a fetch thread may still write through
+        is left to the process's exit: closed now, its number could be reused by the next
+        ``open`` and the late ``pwrite`` land in that file."""
         for ent in self._maps.values():
+            if ent.users > 0:
+                ent.fd = -1
             self._close(ent)
         self._maps.clear()
+        self._retired.clear()
 
     def open_count(self) -> int:
         return len(self._maps)
 
     @staticmethod
     def _close(ent: _Mapping) -> None:
+        if ent.fd >= 0:
+            os.close(ent.fd)
+            ent.fd = -1
         try:
             ent.map.close()
         except BufferError:
@@ -104,12 +126,13 @@ def _same_file(path: str, inode: tuple[int, int]) -> bool:
     return (st.st_dev, st.st_ino) == inode
 
 
-def _map_file(path: str) -> tuple[mmap.mmap, tuple[int, int]]:
+def _map_file(path: str, populate: bool) -> tuple[mmap.mmap, tuple[int, int], int]:
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)  # never write through a symlink
     try:
         st = os.fstat(fd)
         if st.st_size == 0:
             raise OSError(f"{path} is empty: nothing to map")
-        return map_target(fd, st.st_size), (st.st_dev, st.st_ino)
-    finally:
-        os.close(fd)  # the mapping keeps its own reference to the file
+        return map_target(fd, st.st_size, populate=populate), (st.st_dev, st.st_ino), fd
+    except BaseException:
+        os.close(fd)
+        raise

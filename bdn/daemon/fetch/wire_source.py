@@ -209,8 +209,11 @@ class WireSource:
             mm = await self.maps.acquire(job, target)
         except OSError as e:
             return FetchResult(Outcome.FAILED, error=f"cannot map {target}: {e}")
+        # peer_receive "write": a whole answer is pwritten through the stream's buffer (no
+        # page tables for the mapping, no zeroing of fresh pages), a cut-through one lands in it
+        fd = self.maps.fd(target) if self.cfg.peer_receive == "write" else None
         fut = self.pool.submit(peer, address, mm, ref.offset, ref.length, ref.digest, wait_s=wait,
-                               snapshot=job.identity, cut_through=self.growing is not None)
+                               snapshot=job.identity, cut_through=self.growing is not None, fd=fd)
         return await self._await(fut, m, peer, lambda: self.maps.release(target))
 
     async def _race_one(
