@@ -448,13 +448,12 @@ class Bench:
             if self.args.runs > 1:
                 log(f"    run {k + 1} of {self.args.runs}")
             mark = len(self.rows)
-            if self.args.pretouch_gib:
-                pretouch(self.args.pretouch_gib)
+            touched = pretouch() if self.args.pretouch else 0.0
             try:
                 fn(*args, **kw)
             finally:
                 for r in self.rows[mark:]:
-                    r["pretouch_gib"] = self.args.pretouch_gib
+                    r["pretouch_gib"] = touched
                     raw.setdefault(row_key(r), []).append(r)
                 self.rows[start:] = [collapse(rs, keep, by=by) for rs in raw.values()]
                 self.save()
@@ -894,28 +893,36 @@ print(tot / (time.time() - t0) / 1e6)
 _PRETOUCH = ("import mmap, sys\n"
              "ms = [mmap.mmap(-1, 1 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)"
              " for _ in range(int(sys.argv[1]))]\n")
+#: GiB of the machine's available memory the pretouch leaves alone.
+PRETOUCH_MARGIN_GIB = 1.5
 
 
-def pretouch(gib: float) -> float:
-    """Touch ``gib`` GiB of guest memory and free it again, right before a run; returns seconds.
+def pretouch() -> float:
+    """Touch nearly all of the guest's available memory and free it again, right before a run;
+    returns the GiB touched.
 
     Why (bench/NOTES.md, "Fresh pages on this VM are the hypervisor's"): this VM's host backs a
     guest page only when it is first touched, and takes freed guest memory back within minutes
-    (free page reporting, virtio_balloon), so a run that lands its snapshot in fresh tmpfs pages
-    pays ~2.9 s of CPU per GiB of first touch (0.26 s/GiB for memory touched before), 8 nodes at
-    once on 2 cores. A GPU node's memory is pinned by its hypervisor for device passthrough (or
-    the node is bare metal), so there a fresh page costs its zeroing only. Touching the memory
-    just before the run gives the runs' fresh pages that cost; every system of the run gets it."""
+    (free page reporting), so a run that lands its snapshot in fresh tmpfs pages pays ~2.9 s of
+    CPU per GiB of first touch (0.26 s/GiB for memory touched before), 8 nodes at once on 2
+    cores. A GPU node's memory is pinned by its hypervisor for device passthrough (or the node is
+    bare metal), so there a fresh page costs its zeroing only. Touching 3 GiB was not enough (2
+    of 3 ceiling runs still paid it: the allocator hands out other free pages than the ones just
+    touched), so the whole available memory but ``PRETOUCH_MARGIN_GIB`` is touched. Every
+    system of the run gets it."""
     t0 = time.monotonic()
-    n = max(1, int(round(gib)))
+    avail = 0
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            avail = int(line.split()[1]) * 1024
+    n = max(0, int(avail / (1 << 30) - PRETOUCH_MARGIN_GIB))
     workers = max(1, min(os.cpu_count() or 1, n))
     per = [n // workers + (1 if k < n % workers else 0) for k in range(workers)]
     procs = [subprocess.Popen([sys.executable, "-c", _PRETOUCH, str(g)]) for g in per if g]
     for pr in procs:
         pr.wait()
-    secs = time.monotonic() - t0
-    log(f"    pretouched {n} GiB of guest memory in {secs:.1f} s")
-    return secs
+    log(f"    pretouched {n} GiB of guest memory in {time.monotonic() - t0:.1f} s")
+    return float(n)
 
 
 def recycled_bytes(logfile: Path, identity: str) -> int | None:
@@ -1061,9 +1068,9 @@ def main() -> int:
     ap.add_argument("--ceiling-pages", choices=("fresh", "recycled"), default="fresh",
                     help="the ceiling's receiver lands bytes in new tmpfs pages, or in a collected "
                          "snapshot's recycled ones (bdn.daemon.spares)")
-    ap.add_argument("--pretouch-gib", type=float, default=0,
-                    help="before every run, touch and free this many GiB of guest memory, so that fresh "
-                         "tmpfs pages cost what they cost where the hypervisor pins memory (see pretouch())")
+    ap.add_argument("--pretouch", action="store_true",
+                    help="before every run, touch and free the guest's available memory (but 1.5 GiB), so "
+                         "that fresh tmpfs pages cost what they cost where the hypervisor pins memory (pretouch())")
     ap.add_argument("--quick", action="store_true", help="N=2,4 at 200 Mbit/s, 256 MiB snapshot")
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--piece-kib", type=int, default=4096, help="BitTorrent piece size")
