@@ -1,7 +1,7 @@
 """Landing one answer's bytes (bdn.proto.wire DATA bodies and PART frames) from an open,
 authenticated transfer stream: into a mapped target with xxh3-128 hashed piece by piece, into
 a file by ``pwrite``, or cut-through parts until they cover the chunk. ``s`` is the client's
-stream (bdn.transfer.streams.Stream: ``sock``, ``buf``, ``session``, ``hasher``, ``ring``). Every
+stream (bdn.transfer.streams.Stream: ``sock``, ``buf``, ``session``, ``hasher``). Every
 function raises TimeoutError (silence), ConnectionClosed, ProtocolError (a bad part) or OSError;
 split out of bdn.transfer.client, which keeps the ask/answer exchange (connections and the
 handshake: bdn.transfer.streams).
@@ -9,8 +9,10 @@ handshake: bdn.transfer.streams).
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
+import threading
 import time
 from typing import Any
 
@@ -117,12 +119,25 @@ def receive_hashed(s: Any, target: memoryview, deadline: float) -> None:
         if pos < n:
             _late(deadline, "body", pos, n)
 
+_local = threading.local()
+
+
+def _ring() -> memoryview:
+    """This thread's receive buffer for ``receive_to_file`` (``READ_BYTES``, allocated once per
+    thread). Per thread, not per stream: a daemon keeps up to ``streams_per_peer`` idle streams
+    to each of dozens of peers (128 MiB of buffers at 32 peers x 4), but only its fetch threads
+    (``max_inflight``) receive at once. An anonymous mapping, not a ``bytearray``, for the reason
+    ``sockio.frame_buffer`` gives (glibc arenas pinned by long-lived blocks)."""
+    ring = getattr(_local, "ring", None)
+    if ring is None:
+        ring = _local.ring = memoryview(mmap.mmap(-1, READ_BYTES, flags=mmap.MAP_PRIVATE))
+    return ring
+
+
 def receive_to_file(s: Any, fd: int, offset: int, n: int, deadline: float) -> None:
-    """Receive ``n`` body bytes through the stream's buffer into file ``fd`` at ``offset`` by
-    ``deadline``."""
-    if s.ring is None:
-        s.ring = memoryview(bytearray(READ_BYTES))  # once per stream, reused for every chunk
-    ring, h = s.ring, s.hasher
+    """Receive ``n`` body bytes through this thread's 1 MiB buffer into file ``fd`` at ``offset``
+    by ``deadline``, hashing each piece there."""
+    ring, h = _ring(), s.hasher
     h.reset()
     recv_into, update = s.sock.recv_into, h.update
     pos = 0

@@ -5,7 +5,8 @@ connect + the transfer handshake of bdn.proto.handshake, framed by bdn.proto.wir
 ``streams_per_peer`` per peer; ``release(peer, stream, keep)`` returns it. ``connect(peer)``
 opens one outside the pool (HAVE subscriptions, bdn.transfer.announce). A ``Stream`` carries
 what receiving an answer needs (bdn.transfer.receive): the socket, the session's tags, a frame
-buffer, a per-stream xxh3-128 hasher and an optional 1 MiB ring.
+buffer and a per-stream xxh3-128 hasher (a file target's 1 MiB receive buffer is per thread:
+bdn.transfer.receive).
 
 Threads: every method is thread-safe (one condition variable guards the pool); ``acquire``
 blocks its caller while all of a peer's streams are busy, and ``connect`` blocks for the TCP
@@ -54,8 +55,7 @@ class Stream:
     ``sock`` (blocking, ``TCP_NODELAY``), ``session`` (the handshake's frame tags),
     ``recv_timeout`` (seconds of silence now set on ``sock``: whoever changes it with
     ``sockio.set_timeouts`` updates this), ``buf`` (a frame buffer, ``sockio.frame_buffer``),
-    ``hasher`` (xxh3-128, reset per chunk) and ``ring`` (a receive buffer for file-descriptor
-    targets, made on first use by bdn.transfer.receive). Compared by identity.
+    and ``hasher`` (xxh3-128, reset per chunk). Compared by identity.
     """
 
     sock: socket.socket
@@ -63,7 +63,6 @@ class Stream:
     recv_timeout: float
     buf: memoryview = field(default_factory=frame_buffer)
     hasher: xxhash.xxh3_128 = field(default_factory=xxhash.xxh3_128)
-    ring: memoryview | None = None  # receive buffer for file-descriptor targets
 
 
 @dataclass(eq=False)
