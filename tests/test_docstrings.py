@@ -54,7 +54,6 @@ MISSING = frozenset({
     "bdn/daemon/fetch/plan.py:Positions.clear_positions",
     "bdn/daemon/fetch/plan.py:Rounds.after_round",
     "bdn/daemon/fetch/targets.py:TargetMaps.release",
-    "bdn/daemon/fetch/targets.py:TargetMaps.close",
     "bdn/daemon/fetch/targets.py:TargetMaps.open_count",
     "bdn/daemon/gossip.py:encode_addr",
     "bdn/daemon/gossip.py:message_wire",
