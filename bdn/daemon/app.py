@@ -288,7 +288,10 @@ class App:
         if ident is None:
             return None
         job = self.catalog.get(ident)
-        return ident if job is not None and job.state == "ready" else None
+        if job is None or job.state != "ready":
+            log.info("current names %s, which is not ready here: not serving it again", ident)
+            return None
+        return ident
 
     async def _read_startup(self) -> str | None:
         """The identity STARTUP_SNAPSHOT names, or None (absent or unreadable: logged)."""
