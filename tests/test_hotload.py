@@ -160,6 +160,14 @@ def test_hot_load_before_the_manifest_is_written(fleet) -> None:
     assert {r["policy_version"] for r in reps} == {3}
 
 
+def _two_steps(tmp_path: Path) -> str:
+    """A ``file://`` bucket with step000001 (the startup snapshot) and its delta step000002."""
+    bucket = f"file://{tmp_path}/bucket"
+    publish_chain(bucket, write_chain(tmp_path / "ck", chain_states(1, scale=2, frac=0.02)), chunk_size=CHUNK)
+    publish_startup(bucket, "step000001")
+    return bucket
+
+
 def test_late_replica_found_by_peers_dns_settles_before_loading(tmp_path: Path) -> None:
     """Issue 12, item 10: a late joiner that finds the fleet only through ``peers_dns`` learns the
     fleet's target before it loads STARTUP_SNAPSHOT, as with static peers: it never loads the
@@ -167,9 +175,7 @@ def test_late_replica_found_by_peers_dns_settles_before_loading(tmp_path: Path) 
     the early daemon listens; the late one listens on 127.0.0.2 at the same port."""
     from support.swarm import Daemon, free_port
 
-    bucket = f"file://{tmp_path}/bucket"
-    publish_chain(bucket, write_chain(tmp_path / "ck", chain_states(1, scale=2, frac=0.02)), chunk_size=CHUNK)
-    publish_startup(bucket, "step000001")
+    bucket = _two_steps(tmp_path)
     port = free_port()
     early = Daemon(tmp_path / "nodes", "early", bucket, peer_port=port, extra_env={"BDN_STARTUP_SETTLE_S": "0"})
     late_url = f"http://127.0.0.2:{port}"
@@ -201,9 +207,7 @@ def test_a_restarted_lone_daemon_serves_what_it_served(tmp_path: Path) -> None:
     STARTUP_SNAPSHOT's step000001: a restart does not undo a hot-load, and nothing is fetched."""
     from support.swarm import Daemon
 
-    bucket = f"file://{tmp_path}/bucket"
-    publish_chain(bucket, write_chain(tmp_path / "ck", chain_states(1, scale=2, frac=0.02)), chunk_size=CHUNK)
-    publish_startup(bucket, "step000001")
+    bucket = _two_steps(tmp_path)
     d = Daemon(tmp_path / "nodes", "lone", bucket, extra_env={"BDN_STARTUP_SETTLE_S": "0"})
     try:
         d.start([])

@@ -147,7 +147,8 @@ class TransferClient:
         answer lands as with an ``int`` ``dest`` (buffer, hash, ``pwrite`` at ``offset``), a
         cut-through answer in ``dest``. On /dev/shm this skips the page-table fill of the
         mapping (recycled pages) and the zeroing of fresh ones: bench/swarm's loopback ceiling
-        measured +6 % MB/s on recycled pages and +21 % on fresh ones (bench/NOTES.md).
+        (3 runs each, BENCHMARKS.md "How fast can one node receive?") measured 1797 against
+        1784 MB/s on recycled pages and 1244 against 1115 MB/s on fresh ones.
 
         ``wait_s`` (0..60) lets the peer hold the request while it fetches the chunk.
         ``cut_through`` (a buffer ``dest`` only): the peer may answer with the chunk's bytes as

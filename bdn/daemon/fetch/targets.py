@@ -7,7 +7,8 @@ A mapping is taken with ``acquire(job, path)`` and given back with ``release(pat
 closed once nobody uses it and its snapshot is no longer ``queued``/``downloading`` (checked on
 every acquire and by ``sweep``), or by ``close`` at shutdown. A mapping still used by a fetch
 thread is never closed (mmap refuses while a buffer is exported; the count comes first), and
-neither is its descriptor (a file replaced while in use keeps its old descriptor until ``close``).
+neither is its descriptor (a file replaced while in use keeps its old one open until the
+process exits: one descriptor per such repair).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ class TargetMaps:
         self.disk_pool = disk_pool
         self.populate = populate
         self._maps: dict[str, _Mapping] = {}
-        self._retired: list[int] = []  # descriptors of replaced files still in use (left to the exit)
         self._opening: dict[str, asyncio.Future[_Mapping]] = {}
 
     async def acquire(self, job: SnapshotJob, path: Path) -> mmap.mmap:
@@ -68,8 +68,7 @@ class TargetMaps:
         m, inode, fd = await asyncio.get_running_loop().run_in_executor(self.disk_pool, _map_file, key, self.populate)
         old = self._maps.pop(key, None)
         if old is not None:
-            if old.users > 0:  # a fetch thread may still pwrite through it
-                self._retired.append(old.fd)
+            if old.users > 0:  # a fetch thread may still pwrite through it: left to the exit
                 old.fd = -1
             self._close(old)
         # release() is by path: users of the replaced mapping give their count back to this one
@@ -102,7 +101,6 @@ class TargetMaps:
                 ent.fd = -1
             self._close(ent)
         self._maps.clear()
-        self._retired.clear()
 
     def open_count(self) -> int:
         return len(self._maps)
