@@ -58,12 +58,12 @@ import bisect
 import math
 import random
 from dataclasses import dataclass, field
-from typing import Any
 
 from bdn.control import Clock
 from bdn.control.broadcasts import Broadcasts
 from bdn.control.members import Member as _Member
 from bdn.control.members import MemberBase, MemberTable
+from bdn.control.probeorder import ProbeOrder
 from bdn.control.probation import Probation
 from bdn.control.swimtable import TableSync, _accusable
 from bdn.control.swimwire import (  # noqa: F401  (re-exported: callers import them from here)
@@ -130,9 +130,7 @@ class Swim(TableSync):
         self.incarnation = 0
         self.epoch = 0
         self._members = MemberTable()  # a dict, or a shared fleet list + changes (join_shared)
-        self._order: list[str] = []
-        self._round: Any = None  # join_shared: the base members' lazy probe order this round
-        self._round_pos = 0
+        self._probes = ProbeOrder(self.rng)  # whom to probe next (SWIM §4.3)
         self._queue = Broadcasts(self.retransmit_mult, self.max_piggyback)  # updates to piggyback
         self._probe: _Probe | None = None
         self._relays: dict[int, _Relay] = {}
@@ -245,8 +243,8 @@ class Swim(TableSync):
         for node, addr in seeds.items():
             if node != self.self_id and node not in self._members:
                 self._members[node] = _Member(ALIVE, 0, addr, now)
-                self._order.append(node)
-        self.rng.shuffle(self._order)  # each member its own random probe order (SWIM §4.3)
+                self._probes.append(node)
+        self._probes.shuffle()  # each member its own random probe order (SWIM §4.3)
         self._changed()
         self.changes.clear()  # a whole new table: callers rebuild from live()
         self._enqueue(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
@@ -264,17 +262,12 @@ class Swim(TableSync):
         stores only what changes from it. Call on a fresh instance; :attr:`synced` at once."""
         now = self.clock()
         self._members = MemberTable(base, self.self_id)
-        self._order = []
-        self._base_round()
+        self._probes.start_base(self._members)
         self.synced = True
         self._changed()
         self.changes.clear()
         self._enqueue(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
         self._next_sync = now + self.rng.uniform(2.0, 4.0) * self.period_s
-
-    def _base_round(self) -> None:
-        self._round = self._members.base_order(self.rng.random(), self.rng.random())
-        self._round_pos = 0
 
     def readvertise(self, addr: str) -> None:
         """This daemon's address changed (e.g. its transfer server bound a port): gossip it with
@@ -309,7 +302,7 @@ class Swim(TableSync):
                 self._confirm[self._seq] = (node, now)
                 out.append(self._out("ping", node, seq=self._seq))
             else:
-                target = self._next_target()
+                target = self._probes.next(self._members)
                 if target is not None:
                     self._seq += 1
                     self._probe = _Probe(target, self._seq, now)
@@ -380,41 +373,6 @@ class Swim(TableSync):
 
     def _alive_others(self) -> list[str]:
         return [n for n, m in self._members.items() if m.status != DEAD]
-
-    def _next_target(self) -> str | None:
-        # Round-robin over a random permutation (SWIM §4.3): every member is probed within
-        # 2 * (N-1) periods, not only in expectation.
-        while True:
-            n = self._pop_order()
-            if n is None:
-                break
-            st = self._members.status_of(n)
-            if st is not None and st != DEAD:
-                return n
-        if self._members.base is not None:  # a new round: the base lazily, the rest shuffled
-            self._base_round()
-            self._order = [n for n, m in self._members.own.items() if m.status != DEAD]
-            self.rng.shuffle(self._order)
-            n = self._pop_order()
-            while n is not None and self._members.status_of(n) in (None, DEAD):
-                n = self._pop_order()
-            return n
-        alive = self._alive_others()
-        if not alive:
-            return None
-        self.rng.shuffle(alive)
-        self._order = alive
-        return self._order.pop()
-
-    def _pop_order(self) -> str | None:
-        """The next member of this round: from the base's lazy order or the list, at random in
-        proportion to what each has left (a random interleave, as one shuffled list would be)."""
-        left = len(self._round) - self._round_pos if self._round is not None else 0
-        if left and (not self._order or self.rng.random() * (left + len(self._order)) < left):
-            n = self._round[self._round_pos]
-            self._round_pos += 1
-            return n  # (a removed one is skipped by the caller)
-        return self._order.pop() if self._order else None
 
     def _end_period(self, now: float) -> None:
         p = self._probe

@@ -27,8 +27,7 @@ class TableSync:
     # the fields of Swim these methods use (set by Swim.__post_init__)
     _members: Any
     _probation: Any
-    _order: list
-    _round: Any
+    _probes: Any
     _seed_asks: dict
     _suspects: dict
     self_id: str
@@ -105,11 +104,11 @@ class TableSync:
         the entry is ``src`` itself (the sender knew them: gossiping a joiner's whole table,
         N updates, would fill every queue; anti-entropy syncs cover a straggler). ``seeded``:
         a seed's answer to our sync, admitted whole; otherwise newcomers wait on probation."""
-        before = len(self._order)
+        before = self._probes.own_count()
         for u in updates:
             self._apply(u, now, bulk=u.node != src, src=src if not seeded else "")
-        if len(self._order) > before:
-            self.rng.shuffle(self._order)
+        if self._probes.own_count() > before:
+            self._probes.shuffle()
 
     def _apply(self, u: Update, now: float, bulk: bool = False, src: str = "") -> None:
         """One update from ``src`` ("": a source admitted whole: a seed's table, the caller's)."""
@@ -137,9 +136,9 @@ class TableSync:
             if u.status == SUSPECT:
                 self._suspects[u.node] = now
             if bulk:
-                self._order.append(u.node)  # the caller shuffles once (_apply_table)
-            elif self._order or self._round is not None:  # at a random place of this round (SWIM §4.3)
-                self._order.insert(self.rng.randrange(len(self._order) + 1), u.node)
+                self._probes.append(u.node)  # the caller shuffles once (_apply_table)
+            else:  # at a random place of this round, if one is under way (SWIM §4.3)
+                self._probes.insert(u.node)
             self._changed(u.node)
             if not bulk:
                 self._enqueue(u)
