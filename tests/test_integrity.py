@@ -40,7 +40,7 @@ import safetensors
 from bdn.bucket import open_bucket
 from bdn.daemon.store import Store
 from bdn.proto.chunks import buffer_digests
-from bdn.proto.errors import PathError
+from bdn.proto.errors import BdnError, PathError
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
 from bdn.publish import publish_full
@@ -239,6 +239,40 @@ def test_progress_files_and_the_ready_temporary_never_share_a_snapshot_name(tmp_
     store.publish(m)
     assert sorted(p.name for p in store.ready_dir("a.progress").iterdir()) == ["READY", "config.json"]
     assert store.list_ready()[0].identity == "a.progress"
+
+
+def test_a_staging_file_truncated_behind_the_daemon_is_not_published(shm: Path) -> None:
+    """A target file truncated in ``.staging`` while it downloads and grown back to its size by
+    later writes holds zeros where verified chunks were: publish refuses it (breaker's finding:
+    it was served READY with wrong bytes)."""
+    import os
+
+    store = Store(shm / "store", "0011223344556677")
+    data = os.urandom(3 * CHUNK)
+    m = Manifest(identity="step000001", kind="full", policy_version=1, chunk_size=CHUNK,
+                 files=(FileEntry("model.safetensors", len(data), tuple(buffer_digests(data, CHUNK))),))
+    store.prepare_staging(m)
+    f = store.staging_dir("step000001") / "model.safetensors"
+    fd = os.open(f, os.O_RDWR)
+    try:
+        os.pwrite(fd, data[: 2 * CHUNK], 0)  # chunks 0 and 1 verified
+        os.truncate(f, 1000)  # behind the daemon's back
+        os.pwrite(fd, data[2 * CHUNK :], 2 * CHUNK)  # the last chunk lands: the size is right again
+    finally:
+        os.close(fd)
+    assert f.stat().st_size == len(data)
+    rfd = os.open(f, os.O_RDONLY)
+    try:
+        if os.lseek(rfd, 0, os.SEEK_HOLE) >= len(data):
+            pytest.skip("this file system reports no holes")
+    finally:
+        os.close(rfd)
+    with pytest.raises(BdnError, match=r"model.safetensors has a hole at byte \d+ of \d+ .*not published"):
+        store.publish(m)
+    assert not store.ready_dir("step000001").exists()
+    f.write_bytes(data)  # written whole again: published
+    store.publish(m)
+    assert (store.ready_dir("step000001") / "model.safetensors").read_bytes() == data
 
 
 # ---- item 3: safetensors headers checked before READY, by the library's rule -------------------
