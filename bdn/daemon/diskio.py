@@ -92,6 +92,43 @@ def verify_results(m: Manifest, staging_dir: Path) -> None:
             )
 
 
+def _changed_behind(p: Path, size: int) -> str:
+    """"" if the staging file ``p`` is ``size`` bytes with no hole, else what is wrong.
+
+    Every byte of a staging file was written and verified before READY; a file truncated (or
+    punched) behind the daemon while it downloaded loses bytes already verified, and the later
+    ``pwrite``s grow it back to its size with zeros in between (the chunk index still says
+    verified). ``SEEK_HOLE`` finds that: a file system without holes reports none (no false
+    alarm), and tmpfs counts a reserved page never written as a hole, which a complete file
+    has none of."""
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError as e:
+        return f"cannot be opened ({e.strerror})"
+    try:
+        got = os.fstat(fd).st_size
+        if got != size:
+            return f"is {got} bytes, not {size} (changed behind the daemon)"
+        hole = os.lseek(fd, 0, os.SEEK_HOLE) if size else 0
+        if hole < size:
+            return f"has a hole at byte {hole} of {size} (truncated behind the daemon while it downloaded)"
+        return ""
+    finally:
+        os.close(fd)
+
+
+def check_staging(m: Manifest, staging_dir: Path) -> None:
+    """Every file of ``m`` in ``staging_dir`` is its rebuilt size with no hole, just before READY.
+
+    Raises:
+        BdnError: the first file that is not, naming it and what is wrong.
+    """
+    for f in m.files:
+        bad = _changed_behind(staging_dir / f.path, f.result_size)
+        if bad:
+            raise BdnError(f"snapshot {m.identity!r}: {f.path} {bad}: not published (prefetch it again)")
+
+
 def open_first(paths: list[Path]) -> int | None:
     """A read-only fd of the first of ``paths`` that exists, or None."""
     for p in paths:

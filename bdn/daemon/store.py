@@ -40,6 +40,7 @@ import msgpack
 
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import Manifest
+from bdn.daemon import diskio
 from bdn.daemon.packing import packb
 from bdn.daemon.spares import Spares
 from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
@@ -324,13 +325,10 @@ class Store:
         rename the directory into place (atomic).
 
         Raises:
-            BdnError: a staging file is not its size or has a hole (``_changed_behind``).
+            BdnError: a staging file is not its size or has a hole (``diskio.check_staging``).
         """
         st = self.staging_dir(m.identity)
-        for f in m.files:
-            bad = _changed_behind(st / f.path, f.result_size)
-            if bad:
-                raise BdnError(f"snapshot {m.identity!r}: {f.path} {bad}: not published (prefetch it again)")
+        diskio.check_staging(m, st)
         # The temporary file lives outside the snapshot directory: a name inside it could be
         # one of the trainer's files.
         tmp = self.root / STAGING / f".ready-{m.identity}.tmp"
@@ -408,27 +406,3 @@ def _set_modes(directory: Path, mode: int) -> None:
             if not os.path.islink(p):  # chmod follows symlinks: one planted here is left alone
                 os.chmod(p, mode)
 
-
-def _changed_behind(p: Path, size: int) -> str:
-    """"" if the staging file ``p`` is ``size`` bytes with no hole, else what is wrong.
-
-    Every byte of a staging file was written and verified before READY; a file truncated (or
-    punched) behind the daemon while it downloaded loses bytes already verified, and the later
-    ``pwrite``s grow it back to its size with zeros in between (the chunk index still says
-    verified). ``SEEK_HOLE`` finds that: a file system without holes reports none (no false
-    alarm), and tmpfs counts a reserved page never written as a hole, which a complete file
-    has none of."""
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as e:
-        return f"cannot be opened ({e.strerror})"
-    try:
-        got = os.fstat(fd).st_size
-        if got != size:
-            return f"is {got} bytes, not {size} (changed behind the daemon)"
-        hole = os.lseek(fd, 0, os.SEEK_HOLE) if size else 0
-        if hole < size:
-            return f"has a hole at byte {hole} of {size} (truncated behind the daemon while it downloaded)"
-        return ""
-    finally:
-        os.close(fd)
