@@ -33,16 +33,17 @@ class FakeIndex:
         self.job = SimpleNamespace(identity="step000001", state="downloading")
         self.ref = SimpleNamespace(digest="d" * 32)
         self.held: Any = None
+        self.given_up = False  # the download here failed: the chunk is neither pending nor held
         self._event = asyncio.Event()
 
     def lookup(self, address: str) -> Any:
         return self.held
 
     def pending_for(self, address: str) -> Any:
-        return None if self.held is not None else (self.job, "stored", self.ref)
+        return None if self.held is not None or self.given_up else (self.job, "stored", self.ref)
 
     def fetching(self, address: str) -> bool:
-        return self.held is None
+        return self.held is None and not self.given_up
 
     def elsewhere(self, address: str) -> bool:
         return False
@@ -74,7 +75,7 @@ class FakeFetcher:
 
 def _serving(owner: str) -> tuple[ChunkServing, FakeIndex, FakeFetcher]:
     index, fetcher = FakeIndex(), FakeFetcher(owner)
-    catalog = SimpleNamespace(get=lambda identity: object(), closing=False, collected=set())
+    catalog = SimpleNamespace(get=lambda identity: index.job, closing=False, collected=set())
     stats = SimpleNamespace(inflight={"upload": 0})
     serving = ChunkServing(ME, catalog, index, fetcher, None, Uploads(8, 2), stats, None, None)  # type: ignore[arg-type]
     return serving, index, fetcher
@@ -116,5 +117,23 @@ def test_other_askers_are_still_held_until_the_chunk_is_here() -> None:
         index.register(loc)
         decision, got = await asyncio.wait_for(task, DEADLINE_S)
         assert decision is Admission.SEND and got is loc
+
+    asyncio.run(main())
+
+
+def test_a_held_request_ends_when_this_nodes_download_of_the_snapshot_fails() -> None:
+    """This node (the owner) gave the snapshot up (its bucket bytes never matched the manifest):
+    a request held for one of its chunks is answered at once, not after the asker's whole wait,
+    so the asker goes on to its own fallback read (3 rounds x chunk_wait_s before; found by
+    tests/test_adversarial_cut_through.py taking 95 s instead of 4)."""
+    async def main() -> None:
+        serving, index, fetcher = _serving(owner=ME)
+        task = asyncio.ensure_future(serving.request(ADDRESS, HOLD_S, "step000001", asker=OTHER))
+        await asyncio.wait_for(fetcher.asked_owner.wait(), DEADLINE_S)
+        assert not task.done()
+        index.job.state = "failed"
+        index.given_up = True
+        decision, loc = await asyncio.wait_for(task, DEADLINE_S)
+        assert decision is Admission.NOT_HERE and loc is None
 
     asyncio.run(main())

@@ -28,7 +28,10 @@ def _until(pred, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
-def test_parked_peers_get_an_owners_bytes_while_its_bucket_read_lands(tmp_path: Path, s3_bucket) -> None:
+def _swarm_through_a_held_bucket(tmp_path: Path, s3_bucket, nodes: int, env: dict[str, str], held) -> list[dict]:
+    """Publish, start ``nodes`` daemons whose bucket answers all stop after 256 KiB, wait for
+    ``held(swarm)`` while they are stuck, let the bucket go on, check every daemon's bytes and
+    that no chunk failed its digest and no stored byte left the bucket twice. The counters."""
     bucket, endpoint = s3_bucket
     ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=8), 1)
     b = open_bucket(bucket, endpoint_url=endpoint)
@@ -38,15 +41,13 @@ def test_parked_peers_get_an_owners_bytes_while_its_bucket_read_lands(tmp_path: 
         b.close()
     u = urlsplit(endpoint)
     relay = GateRelay((u.hostname, u.port), after=256 << 10)  # every bucket answer stops after 256 KiB
-    env = {"BDN_ENDPOINT_URL": relay.url, "BDN_LOAD_STARTUP": "false", "BDN_BUCKET_CONCURRENCY": "2"}
+    env = {"BDN_ENDPOINT_URL": relay.url, "BDN_LOAD_STARTUP": "false", "BDN_BUCKET_CONCURRENCY": "2", **env}
     try:
-        with Swarm(tmp_path / "nodes", 3, bucket, extra_env=env) as swarm:
+        with Swarm(tmp_path / "nodes", nodes, bucket, extra_env=env) as swarm:
             for d in swarm.daemons:
                 assert d.prefetch(IDENT)[0] == 202
-            # every owner's reads are stuck and every daemon has requests parked at owners
             _until(lambda: relay.held.is_set(), "a bucket read held half way")
-            _until(lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons),
-                   "requests parked at the owners")
+            held(swarm)
             relay.release()
             for d in swarm.daemons:
                 d.wait_ready(IDENT, 120)
@@ -56,7 +57,30 @@ def test_parked_peers_get_an_owners_bytes_while_its_bucket_read_lands(tmp_path: 
             counters = [d.status()["counters"] for d in swarm.daemons]
     finally:
         relay.close()
-    assert sum(c["peer_chunks_in_cut_through"] for c in counters) > 0, counters
     assert sum(c["chunk_verify_failures"] for c in counters) == 0, counters
     assert sum(c["bucket_bytes_fallback"] for c in counters) == 0, counters
     assert sum(c["bucket_bytes_owner"] for c in counters) == m.stored_bytes, counters
+    return counters
+
+
+def test_parked_peers_get_an_owners_bytes_while_its_bucket_read_lands(tmp_path: Path, s3_bucket) -> None:
+    def held(swarm) -> None:
+        # every owner's reads are stuck and every daemon has requests parked at owners
+        _until(lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons),
+               "requests parked at the owners")
+
+    counters = _swarm_through_a_held_bucket(tmp_path, s3_bucket, 3, {}, held)
+    assert sum(c["peer_chunks_in_cut_through"] for c in counters) > 0, counters
+
+
+def test_receivers_relay_a_landing_chunk_to_the_askers_its_owner_turns_away(tmp_path: Path, s3_bucket) -> None:
+    """Relays (``cut_through_relay``): with ``cut_through_fan_out`` = 1 an owner sends each landing
+    chunk to one asker at a time; while its bucket reads are stuck half way, the other askers get
+    the landed bytes from that receiver (counted in ``peer_chunks_relayed``), and in the end
+    every daemon holds the trainer's bytes, read from the bucket once."""
+    def held(swarm) -> None:
+        _until(lambda: sum(d.status()["counters"]["peer_chunks_relayed"] for d in swarm.daemons) > 0,
+               "a receiver passing a stuck chunk's landed bytes on")
+
+    _swarm_through_a_held_bucket(tmp_path, s3_bucket, 4, {"BDN_CUT_THROUGH_RELAY": "true",
+                                                          "BDN_CUT_THROUGH_FAN_OUT": "1"}, held)

@@ -66,6 +66,10 @@ class ChunkServing:
         job, layer, ref = pend
         return self.fetcher.owner(job, layer, ref.digest) == asker
 
+    def _failed_here(self, identity: str) -> bool:
+        job = self.catalog.get(identity)
+        return job is not None and job.state == "failed"
+
     async def _wait_for(
         self, address: str, wait: float, hint: str | None, cut_through: bool, asker: str | None = None,
     ) -> Loc | Growing | None:
@@ -91,6 +95,11 @@ class ChunkServing:
         while True:
             if self._asker_owns(address, asker):
                 return None  # "still fetching": the asker, the owner, goes round and reads it
+            if hint and self._failed_here(hint) and self.index.pending_for(address) is None:
+                # this node gave the snapshot up (its bucket bytes never matched, say): it will
+                # not get the chunk, so the asker goes on now instead of parking out its wait
+                # each round (3 x chunk_wait_s before its own fallback read)
+                return None
             # woken when the chunk is indexed, or (ChunkIndex.wake) when it starts landing here;
             # in slices, to see a membership change that makes the asker the owner
             found = await self.index.wait(address, min(OWNER_RECHECK_S, deadline - loop.time()))
@@ -111,6 +120,8 @@ class ChunkServing:
         loc = await self._wait_for(address, wait, hint, cut_through, asker)
         if isinstance(loc, Growing):
             decision = self.uploads.admit_growing(address)
+            if decision is Admission.SEND and loc.relayed:
+                self.stats.add("peer_chunks_relayed")
         else:
             decision = self.uploads.admit(address, loc is not None, self.index.fetching(address), wait > 0)
         if decision is Admission.SEND:

@@ -25,17 +25,18 @@ Frames after the handshake (payloads, before the tag):
 - ``PART`` (server, only to an ASK with ``ASK_CUT_THROUGH``): ``offset u64 | length u64``
   (within the asked range), then ``length`` raw bytes: a *cut-through* answer is a sequence of
   PARTs, in any order, never overlapping, that ends when they cover the asked range; a PART of
-  length 0 is a keep-alive. The server sends it for a chunk it is still reading from the bucket
-  (bdn.transfer.growing): the bytes it has, as they land, and the range's last bytes only after
-  it verified the whole chunk, so a completed answer is still one its sender checked.
+  length 0 is a keep-alive. The server sends it for a chunk it is still reading from the bucket,
+  or still receiving cut-through from a peer (a relay; bdn.transfer.growing): the bytes it has,
+  as they land, and the range's last bytes only after it verified the whole chunk, so a
+  completed answer is still one its sender checked.
 - ``BUSY`` (server): ``retry_after_ms u32`` (upload slots full, or still fetching).
 - ``NOT_HERE`` (server): empty.
 - ``HAVE`` (either side, for announcements): ``identity_len u8 | identity | layer u8 | count u32
   | count x u32 chunk indices``. From a client, a HAVE with no indices is a *subscription* to
   ``identity`` (that connection then carries no chunk requests); the server answers with its
   bitfield of the snapshot as HAVEs of layer 0 (stored) and 1 (rebuilt), then a HAVE whenever
-  chunks are indexed, a HAVE of layer 2 (``HAVE_GROWING``) when it starts reading stored chunks
-  from the bucket (an asker may take them cut-through at once), and an empty one as a keep-alive
+  chunks are indexed, a HAVE of layer 2 (``HAVE_GROWING``) when stored chunks start landing
+  there, from the bucket or cut-through from a peer (an asker may take them cut-through at once), and an empty one as a keep-alive
   (bdn.transfer.announce).
 - ``TAKE`` (client): ``identity_len u8 | identity | index u32``: the client asks to read stored
   chunk ``index`` of ``identity`` from the bucket *instead of* the server, the chunk's owner
@@ -243,8 +244,9 @@ def decode_busy(payload: bytes | bytearray | memoryview) -> float:
 @dataclass(frozen=True, slots=True)
 class Have:
     """An announcement that the sender now holds chunks ``indices`` of ``identity``'s ``layer``
-    (0 stored, 1 reconstructed), or (``HAVE_GROWING``, 2) that it is reading those stored
-    chunks from the bucket now: an asker may take them cut-through (a PART answer) at once."""
+    (0 stored, 1 reconstructed), or (``HAVE_GROWING``, 2) that those stored chunks are landing
+    there now (from the bucket, or cut-through from a peer): an asker may take them cut-through
+    (a PART answer) at once."""
 
     identity: str
     layer: int

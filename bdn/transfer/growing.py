@@ -30,6 +30,7 @@ them under the lock; the server thread reads the counts under the lock and only 
 
 from __future__ import annotations
 
+import bisect
 import socket
 import threading
 import time
@@ -51,12 +52,28 @@ GROWING, VERIFIED, FAILED = "growing", "verified", "failed"
 
 
 class CutOff(Exception):
-    """The owner's copy of the chunk failed: the answer in flight must end (close the stream)."""
+    """The owner's copy of the chunk failed: the answer in flight must end (close the stream).
+    ``started``: whether any PART of the answer was sent (if not, a plain BUSY answers it)."""
+
+    def __init__(self, msg: str, started: bool = True) -> None:
+        super().__init__(msg)
+        self.started = started
 
 
 class Growing:
-    """One chunk landing in ``path`` at byte ``base`` in ``parts`` (``(offset, length)`` within
-    the chunk, covering it in order). Thread-safe."""
+    """One chunk of ``length`` bytes landing in ``path`` at byte ``base``. Thread-safe.
+
+    Two ways its bytes land:
+
+    - *an owner's bucket read* (``Growing(path, base, parts)``): ``parts`` are ``(offset,
+      length)`` within the chunk, covering it in order, each filled from its start by one ranged
+      GET and reported by :meth:`landed` (part, bytes so far);
+    - *a relay* (:meth:`relay`): a node that receives the chunk cut-through from its owner (or
+      another relay) passes the bytes on as they arrive: each PART it received is reported by
+      :meth:`arrived` (offset, length), in any order, never overlapping (the receiver's
+      ``Coverage`` checked that).
+
+    Either way :meth:`wait` returns the landed bytes as merged ``[start, end)`` ranges."""
 
     def __init__(self, path: str, base: int, parts: list[tuple[int, int]]) -> None:
         if not parts:
@@ -66,6 +83,8 @@ class Growing:
         self.parts = list(parts)
         self.length = sum(n for _, n in parts)
         self._landed = [0] * len(parts)
+        #: A relay's landed ranges (sorted, disjoint, merged); None for an owner's read.
+        self._ranges: list[list[int]] | None = None
         self.state = GROWING
         self._version = 0
         self._cond = threading.Condition()
@@ -73,12 +92,35 @@ class Growing:
         #: holds a slot); a read that ends before that was never visible to anyone.
         self.announced = False
 
+    @classmethod
+    def relay(cls, path: str, base: int, length: int) -> Growing:
+        """A chunk of ``length`` bytes arriving here cut-through from a peer, passed on as it
+        arrives (:meth:`arrived`)."""
+        g = cls(path, base, [(0, length)])
+        g._ranges = []
+        return g
+
+    @property
+    def relayed(self) -> bool:
+        """Whether this copy arrives from a peer (:meth:`relay`), not from the bucket."""
+        return self._ranges is not None
+
     def landed(self, part: int, n: int) -> None:
         """Event (a bucket thread): the first ``n`` bytes of part ``part`` are in the file."""
         with self._cond:
             if self.state != GROWING or n <= self._landed[part]:
                 return
             self._landed[part] = min(n, self.parts[part][1])
+            self._version += 1
+            self._cond.notify_all()
+
+    def arrived(self, off: int, n: int) -> None:
+        """Event (a relay's fetch thread): bytes ``[off, off + n)`` of the chunk are in the file
+        (disjoint from every earlier report)."""
+        with self._cond:
+            if self.state != GROWING or self._ranges is None or n <= 0:
+                return
+            _merge(self._ranges, off, min(off + n, self.length))
             self._version += 1
             self._cond.notify_all()
 
@@ -97,13 +139,40 @@ class Growing:
                 self._version += 1
                 self._cond.notify_all()
 
-    def wait(self, version: int, timeout: float) -> tuple[int, str, list[int]]:
-        """``(version, state, landed bytes per part)`` once the version differs from ``version``
-        or ``timeout`` s passed."""
+    def wait(self, version: int, timeout: float) -> tuple[int, str, list[tuple[int, int]]]:
+        """``(version, state, landed [start, end) ranges, merged and sorted)`` once the version
+        differs from ``version`` or ``timeout`` s passed."""
         with self._cond:
             if self._version == version and self.state == GROWING:
                 self._cond.wait(timeout)
-            return self._version, self.state, list(self._landed)
+            if self._ranges is not None:
+                ranges = [(a, b) for a, b in self._ranges]
+            else:
+                ranges = []
+                for (p_off, _), n in zip(self.parts, self._landed):
+                    if n:
+                        _merge_t(ranges, p_off, p_off + n)
+            return self._version, self.state, ranges
+
+
+def _merge(ranges: list[list[int]], a: int, b: int) -> None:
+    """Add ``[a, b)`` to the sorted, disjoint, merged ``ranges`` (in place)."""
+    i = bisect.bisect_left(ranges, [a, a])
+    if i and ranges[i - 1][1] >= a:
+        i -= 1
+        ranges[i][1] = max(ranges[i][1], b)
+    else:
+        ranges.insert(i, [a, b])
+    while i + 1 < len(ranges) and ranges[i + 1][0] <= ranges[i][1]:
+        ranges[i][1] = max(ranges[i][1], ranges.pop(i + 1)[1])
+
+
+def _merge_t(ranges: list[tuple[int, int]], a: int, b: int) -> None:
+    """``[a, b)`` appended to ``ranges`` built in order (an owner's parts), merged with the last."""
+    if ranges and ranges[-1][1] >= a:
+        ranges[-1] = (ranges[-1][0], max(ranges[-1][1], b))
+    else:
+        ranges.append((a, b))
 
 
 class GrowingChunks:
@@ -145,39 +214,66 @@ def send_growing(
     """Send ``length`` bytes at ``offset`` of the growing chunk ``g`` (open as ``fd``) as PART
     frames sealed by ``seal`` (the connection's session), as they land.
 
+    A piece of fewer than ``MIN_PIECE`` new bytes waits for more unless it closes a gap (ends
+    where sent bytes begin), reaches the range's end or the chunk is verified. The chunk's last
+    ``HOLD_BYTES`` go only once ``g`` is verified.
+
     Raises:
-        CutOff: the owner's copy failed, or the answer outlived ``MAX_ANSWER_S``.
+        CutOff: the owner's copy failed (``started`` False when no frame went out yet: the
+            caller may answer BUSY on the open stream instead), or the answer outlived
+            ``MAX_ANSWER_S``.
         OSError, TimeoutError: the socket failed (the caller closes the connection).
     """
     end = offset + length
     hold = g.length - min(HOLD_BYTES, g.length)
-    sent = [0] * len(g.parts)  # bytes of each part sent or outside the asked range, from its start
-    for i, (p_off, p_len) in enumerate(g.parts):
-        sent[i] = min(max(offset - p_off, 0), p_len)
-    left = sum(max(0, min(p_off + p_len, end) - max(p_off, offset)) for p_off, p_len in g.parts)
+    sent: list[list[int]] = []  # merged [start, end) ranges sent, in chunk offsets
+    left = length
     out = sock.fileno()
     version = -1
     started = last = clock()
+    framed = False  # a PART went out: the asker is inside a cut-through answer
     while left:
         version, state, landed = g.wait(version, KEEPALIVE_S)
         if state == FAILED:
-            raise CutOff("the owner's copy of the chunk failed")
+            raise CutOff("the owner's copy of the chunk failed", framed)
         now = clock()
         if now - started > MAX_ANSWER_S:
             raise CutOff(f"the chunk was still landing after {MAX_ANSWER_S:g} s")
         limit = end if state == VERIFIED else min(end, hold)
-        for i, (p_off, p_len) in enumerate(g.parts):
-            upto = min(p_off + landed[i], limit) - p_off  # sendable bytes of part i, from its start
-            new = upto - sent[i]
-            if new <= 0 or (new < MIN_PIECE and upto < p_len and state != VERIFIED and upto + p_off < limit):
+        for start, stop in _unsent(landed, sent, offset, limit):
+            n = stop - start
+            if n < MIN_PIECE and state != VERIFIED and stop < limit and not _starts_at(sent, stop):
                 continue
-            start = p_off + sent[i]
-            sock.sendall(seal(wire.FrameType.PART, wire.encode_part(start - offset, new)), socket.MSG_MORE)
-            sendfile_all(out, fd, g.base + start, new)
-            sent[i] = upto
-            left -= new
+            framed = True
+            sock.sendall(seal(wire.FrameType.PART, wire.encode_part(start - offset, n)), socket.MSG_MORE)
+            sendfile_all(out, fd, g.base + start, n)
+            _merge(sent, start, stop)
+            left -= n
             last = now
         if left and now - last >= KEEPALIVE_S:
+            framed = True
             sock.sendall(seal(wire.FrameType.PART, wire.encode_part(0, 0)))
             last = now
 
+
+def _unsent(landed: list[tuple[int, int]], sent: list[list[int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The pieces of the ``landed`` ranges inside ``[lo, hi)`` that no ``sent`` range covers."""
+    out = []
+    for a, b in landed:
+        a, b = max(a, lo), min(b, hi)
+        for s, e in sent:
+            if e <= a:
+                continue
+            if s >= b:
+                break
+            if s > a:
+                out.append((a, s))
+            a = max(a, e)
+        if a < b:
+            out.append((a, b))
+    return out
+
+
+def _starts_at(ranges: list[list[int]], pos: int) -> bool:
+    i = bisect.bisect_left(ranges, [pos, pos])
+    return i < len(ranges) and ranges[i][0] == pos

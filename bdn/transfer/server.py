@@ -75,6 +75,9 @@ class _NotHere:
 
 NOT_HERE = _NotHere()
 GRANTED = Granted()
+#: Seconds a BUSY asks an asker to wait when the growing copy it asked for failed before the
+#: answer began (the chunk is read or relayed again soon; its HAVE wakes the asker earlier).
+CUT_OFF_RETRY_S = 0.2
 Verdict = Granted | Busy | _NotHere
 Resolve = Callable[[str], "Location | Growing | None"]
 Admit = Callable[[str, wire.Ask], Verdict]
@@ -385,7 +388,18 @@ class TransferServer:
         fd, ent = got
         try:
             send_growing(conn.sock, session.seal, fd, g, ask.offset, ask.length)
-        except (CutOff, OSError, TimeoutError):
+        except CutOff as e:
+            if e.started:
+                with self._lock:
+                    self.stats.aborted += 1
+                raise  # the answer is cut short: the connection closes, the client reports FAILED
+            # the copy failed before the answer began: a busy answer (ask again), not a closed
+            # stream, which the asker would count against this node
+            with self._lock:
+                self.stats.busy += 1
+            self._send(conn, session, wire.FrameType.BUSY, wire.encode_busy(CUT_OFF_RETRY_S))
+            return
+        except (OSError, TimeoutError):
             with self._lock:
                 self.stats.aborted += 1
             raise  # the answer is cut short: the connection closes, the client reports FAILED

@@ -252,7 +252,11 @@ class Fetcher:
             if not ranked:
                 # Nobody holds it yet, but a peer announced it is reading it from the bucket now:
                 # ask it at once, cut-through (bdn.transfer.growing), before parking anywhere.
-                for url in self.haves.growing_at(job, layer, idx):
+                # (the owner and the relays passing it on: in random order, so the askers spread
+                # over them; a full one answers busy and is not asked again for this chunk)
+                growing = self.haves.growing_at(job, layer, idx)
+                self.rng.shuffle(growing)
+                for url in growing:
                     if url in members and await src.from_peer(job, members[url], address, ref, target, 0.0, errors):
                         await self._got(job, layer, ref)
                         return

@@ -51,8 +51,9 @@ class Haves:
         self._sets: dict[str, PeerSet] = {}
         self._synced: set[tuple[str, str]] = set()  # (identity, node id): bitfield received, HAVEs flowing
         self._waiters: dict[tuple[str, str, int], asyncio.Event] = {}
-        #: identity -> chunk index -> urls of the peers reading that stored chunk from the bucket
-        #: now (HAVE of layer ``wire.HAVE_GROWING``): cut-through candidates until they hold it
+        #: identity -> chunk index -> urls of the peers that stored chunk lands at now (its owner's
+        #: bucket read, relays; HAVE of layer ``wire.HAVE_GROWING``): cut-through candidates until
+        #: they hold it
         self._growing: dict[str, dict[int, set[str]]] = {}
         #: identity -> growing chunks announced while no acquisition of ours waited for them
         #: (the fetcher's cut-through workers take them at once: :meth:`next_growing`)
@@ -168,8 +169,9 @@ class Haves:
         return (job.identity, node_id) in self._synced
 
     def growing_at(self, job: SnapshotJob, layer: str, index: int) -> list[str]:
-        """Urls of the peers that announced they are reading stored chunk ``index`` of ``job``
-        from the bucket now (and do not hold it yet): they answer a cut-through ASK at once."""
+        """Urls of the peers that announced stored chunk ``index`` of ``job`` landing there now
+        (its owner reading it from the bucket, relays receiving it cut-through) and do not hold
+        it yet: they answer a cut-through ASK at once."""
         if layer != STORED:
             return []
         return list(self._growing.get(job.identity, {}).get(index, ()))
