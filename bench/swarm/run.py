@@ -1042,6 +1042,31 @@ def ceiling(b: Bench) -> None:
         "bucket_egress_bytes": None, "fault": None, "MB_per_s": round(bps / 8 / 1e6, 1),
         "MB_per_cpu_s": round(nbytes / cpu_s / 1e6, 1) if cpu_s else None, "cpu_utilization_percent": cpu_u})
     log(f"ceiling: iperf3 {bps / 8 / 1e6:.0f} MB/s, cpu {cpu_u}")
+    if b.args.ceiling_pages == "fresh":
+        # the same, the server writing what it receives into a new file on the shm tmpfs (fresh
+        # pages, as bdn's receiver does): what landing bytes in fresh pages costs any receiver
+        # on this machine; 1 GiB (-n), not 10 s of it
+        out = SHM / "lo-iperf3.bin"
+        out.unlink(missing_ok=True)
+        srv = spawn("iperf3-s", LO_NS, ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", "5201", "-F", str(out)],
+                    logfile=WORK / "logs" / "iperf3-s-file.log")
+        time.sleep(1)
+        r = subprocess.run(["ip", "netns", "exec", LO_NS, "iperf3", "-c", "127.0.0.1", "-p", "5201", "-n",
+                            str(b.size), "-J"], capture_output=True, text=True, timeout=120)
+        stop(srv)
+        landed = out.stat().st_size if out.exists() else 0
+        out.unlink(missing_ok=True)
+        j = json.loads(r.stdout)
+        e = j["end"]
+        bps_f, cpu_f = e["sum_received"]["bits_per_second"], e["cpu_utilization_percent"]
+        cpu_s = (cpu_f["host_total"] + cpu_f["remote_total"]) / 100 * e["sum_received"]["seconds"]
+        b.rows.append({
+            "system": "iperf3-loopback-shm-file", "nodes": 2, "snapshot_bytes": e["sum_received"]["bytes"],
+            "nic_mbit": None, "seconds": round(e["sum_received"]["seconds"], 2), "floor_seconds": None,
+            "bucket_egress_bytes": None, "fault": None, "MB_per_s": round(bps_f / 8 / 1e6, 1),
+            "MB_per_cpu_s": round(e["sum_received"]["bytes"] / cpu_s / 1e6, 1) if cpu_s else None,
+            "cpu_utilization_percent": cpu_f, "landed_bytes": landed, "pages": "fresh"})
+        log(f"ceiling: iperf3 into a fresh shm file {bps_f / 8 / 1e6:.0f} MB/s, cpu {cpu_f}, {landed} bytes landed")
     b.save()
     sh(["ip", "netns", "del", LO_NS], check=False)
     time.sleep(0.5)  # the namespace's loopback must be gone before the next run adds it again
