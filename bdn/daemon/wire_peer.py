@@ -326,17 +326,19 @@ class WirePeer:
         loop = asyncio.get_running_loop()
         address, length = ask.address, ask.length
 
-        def release() -> None:
-            loop.call_soon_threadsafe(self._sent, address, length)
+        def release(sent: bool) -> None:
+            loop.call_soon_threadsafe(self._sent, address, length, sent)
 
         return Granted(release)
 
-    def _sent(self, address: str, length: int) -> None:
-        """Event: a granted upload ended (sent, or cut short: the asker then retries elsewhere)."""
+    def _sent(self, address: str, length: int, sent: bool) -> None:
+        """Event: a granted upload ended: ``sent`` whole (counted), or not (NOT_HERE or BUSY after
+        all, or cut short: the asker then retries elsewhere)."""
         self.serving.done(address)
-        self.stats.add("peer_bytes_out", length)
-        self.stats.add("peer_wire_bytes_out", length)
-        self.stats.add("peer_chunks_out")
+        if sent:
+            self.stats.add("peer_bytes_out", length)
+            self.stats.add("peer_wire_bytes_out", length)
+            self.stats.add("peer_chunks_out")
 
     def resolve(self, address: str) -> Location | Growing | None:
         """Where the verified chunk at ``address`` lies: ``(path, offset, length)``; the chunk
@@ -388,7 +390,7 @@ def _held(job: SnapshotJob | None, growing: set[int] | None = None) -> dict[int,
 
 def _release(v: Verdict) -> None:
     if isinstance(v, Granted) and v.release is not None:
-        v.release()
+        v.release(False)
 
 
 __all__ = ["WirePeer", "learn", "parse_address", "peer_of"]

@@ -54,9 +54,11 @@ Location = tuple[Source, int, int]
 
 @dataclass(frozen=True, slots=True)
 class Granted:
-    """The upload policy lets this request through; ``release`` (if any) runs after the answer."""
+    """The upload policy lets this request through; ``release(sent)`` (if any) runs after the
+    answer: ``sent`` True when the chunk's bytes went out whole, False when the answer was
+    NOT_HERE or BUSY after all, or was cut short."""
 
-    release: Callable[[], None] | None = None
+    release: Callable[[bool], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,26 +367,28 @@ class TransferServer:
         if not isinstance(verdict, Granted):
             self._not_here(conn, session)
             return
+        sent = False
         try:
-            self._send_chunk(conn, session, ask)
+            sent = self._send_chunk(conn, session, ask)
         finally:
             if verdict.release is not None:
-                verdict.release()
+                verdict.release(sent)
 
     def _not_here(self, conn: _Conn, session: handshake.Session) -> None:
         with self._lock:
             self.stats.not_here += 1
         self._send(conn, session, wire.FrameType.NOT_HERE, b"")
 
-    def _send_growing(self, conn: _Conn, session: handshake.Session, ask: wire.Ask, g: Growing) -> None:
-        """A cut-through answer (bdn.transfer.growing) for a chunk still landing here."""
+    def _send_growing(self, conn: _Conn, session: handshake.Session, ask: wire.Ask, g: Growing) -> bool:
+        """A cut-through answer (bdn.transfer.growing) for a chunk still landing here; True when
+        it went out whole."""
         if not ask.cut_through or ask.offset + ask.length > g.length:
             self._not_here(conn, session)
-            return
+            return False
         got = self._files.acquire(g.path)
         if got is None:
             self._not_here(conn, session)
-            return
+            return False
         fd, ent = got
         try:
             send_growing(conn.sock, session.seal, fd, g, ask.offset, ask.length)
@@ -398,7 +402,7 @@ class TransferServer:
             with self._lock:
                 self.stats.busy += 1
             self._send(conn, session, wire.FrameType.BUSY, wire.encode_busy(CUT_OFF_RETRY_S))
-            return
+            return False
         except (OSError, TimeoutError):
             with self._lock:
                 self.stats.aborted += 1
@@ -409,19 +413,20 @@ class TransferServer:
             self.stats.chunks_out += 1
             self.stats.bytes_out += ask.length
             self.stats.cut_through += 1
+        return True
 
-    def _send_chunk(self, conn: _Conn, session: handshake.Session, ask: wire.Ask) -> None:
+    def _send_chunk(self, conn: _Conn, session: handshake.Session, ask: wire.Ask) -> bool:
+        """Answer a granted ASK; True when the chunk's bytes went out whole."""
         loc = self._resolve(ask.address)
         if isinstance(loc, Growing):
-            self._send_growing(conn, session, ask, loc)
-            return
+            return self._send_growing(conn, session, ask, loc)
         if loc is None:
             self._not_here(conn, session)
-            return
+            return False
         src, base, chunk_len = loc
         if ask.offset + ask.length > chunk_len:
             self._not_here(conn, session)  # asks for bytes outside the chunk: we hold no such range
-            return
+            return False
         ent = None
         if isinstance(src, int):
             fd = src
@@ -429,14 +434,14 @@ class TransferServer:
             got = self._files.acquire(os.fspath(src))
             if got is None:
                 self._not_here(conn, session)
-                return
+                return False
             fd, ent = got
         try:
             start = base + ask.offset
             if os.fstat(fd).st_size < start + ask.length:
                 log.error("chunk %s: its file is shorter than its location says; answered not here", ask.address)
                 self._not_here(conn, session)
-                return
+                return False
             # MSG_MORE: the small header leaves in the same segment as the body's first bytes
             conn.sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(ask.length)), socket.MSG_MORE)
             try:
@@ -448,6 +453,7 @@ class TransferServer:
             with self._lock:
                 self.stats.chunks_out += 1
                 self.stats.bytes_out += ask.length
+            return True
         finally:
             if ent is not None:
                 self._files.release(ent)

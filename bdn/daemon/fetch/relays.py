@@ -7,6 +7,11 @@ registered and announced (HAVE_GROWING) on the event loop, so this node's transf
 the chunk on to further askers while it arrives (a relay chain: owner -> here -> others, each
 link at the bucket read's pace). Why off: on the emulated 8-node cluster it gained nothing
 (bench/NOTES.md, "Swarm scheduling, part 7"; docs/DESIGN.md "Cut-through").
+
+Known limits (found in review, not fixed while off): ``GrowingChunks`` is keyed by address, so a
+relay's copy replaces another copy of the same bytes growing here (two jobs, duplicate chunks)
+until it is indexed; and a relay holds back pieces under 64 KiB, so when its sender stalls, a
+downstream asker's "no new byte" timer can run out before the relay's own and blame the relay.
 """
 
 from __future__ import annotations
