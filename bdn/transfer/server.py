@@ -7,20 +7,14 @@ Threads, not the event loop: one accept thread and one thread per connection (at
 release the GIL for the whole system call, so connection threads run in parallel on every core
 while the daemon's asyncio loop keeps the control plane; the bytes never enter Python.
 
-The daemon plugs in two thread-safe callbacks (called on connection threads):
+What one ASK gets (the upload policy's verdict, DATA by ``sendfile``, PARTs while the chunk
+grows, BUSY, NOT_HERE) is bdn.transfer.answer, with the daemon's ``resolve`` and ``admit``
+callbacks. Beside them, thread-safe and called on connection threads:
 
-- ``resolve(address) -> (fd | path, offset, length) | Growing | None``: where the verified chunk
-  at swarm ``address`` lies (an open file descriptor the caller keeps open, or a path whose
-  descriptor this server opens once and caches), the chunk while it still lands here from the
-  bucket (``bdn.transfer.growing.Growing``: answered by cut-through to an ASK that accepts it,
-  NOT_HERE to one that does not), or None when it is not held here.
-- ``take(peer_node_id, take) -> bool``: whether the owner gives the bucket read of a chunk up
+- ``on_take(peer_node_id, take) -> bool``: whether the owner gives the bucket read of a chunk up
   to the asking peer (a ``TAKE`` frame, answered ``GIVE``); it may block briefly (the decision is
   made on the daemon's loop). Without it every TAKE is refused.
-- ``admit(peer_node_id, ask) -> Granted | Busy | NOT_HERE``: the upload policy. It may block up to
-  ``ask.wait_ms`` (an owner holding a request while it fetches the chunk); ``Granted.release`` is
-  called once the answer is sent or failed. From asyncio code, wrap a coroutine with
-  ``asyncio.run_coroutine_threadsafe(...).result()``.
+- ``on_have(sock, session, payload)``: serves a HAVE subscription on its connection.
 
 Any handshake failure closes the connection without a word (bdn.proto.wire); any protocol error
 after it (garbage, an oversized frame, a bad tag) closes that connection only.
@@ -36,81 +30,40 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Self, Union
+from typing import Self
 
 from bdn.proto import handshake, wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import NODE_ID_RE, SwarmKeys
+from bdn.transfer.answer import (  # re-exported: the admission and location types
+    CUT_OFF_RETRY_S,
+    GRANTED,
+    NOT_HERE,
+    Admit,
+    Answers,
+    Busy,
+    Granted,
+    Location,
+    Resolve,
+    Verdict,
+    admit_all,
+)
 from bdn.transfer.files import FileCache
-from bdn.transfer.growing import CutOff, Growing, send_growing
-from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, sendfile_all, set_timeouts
+from bdn.transfer.growing import CutOff
+from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
+from bdn.transfer.stats import ServerStats
 
 log = logging.getLogger("bdn.transfer.server")
 
-Source = Union[int, str, "os.PathLike[str]"]
-#: Where a chunk's bytes lie: (open fd or path, byte offset in the file, chunk length in bytes).
-Location = tuple[Source, int, int]
-
-
-@dataclass(frozen=True, slots=True)
-class Granted:
-    """The upload policy lets this request through; ``release(sent)`` (if any) runs after the
-    answer: ``sent`` True when the chunk's bytes went out whole, False when the answer was
-    NOT_HERE or BUSY after all, or was cut short."""
-
-    release: Callable[[bool], None] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Busy:
-    """Answer BUSY: ask again after ``retry_after_s`` seconds."""
-
-    retry_after_s: float
-
-
-class _NotHere:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "NOT_HERE"
-
-
-NOT_HERE = _NotHere()
-GRANTED = Granted()
-#: Seconds a BUSY asks an asker to wait when the growing copy it asked for failed before the
-#: answer began (the chunk is read or relayed again soon; its HAVE wakes the asker earlier).
-CUT_OFF_RETRY_S = 0.2
-Verdict = Granted | Busy | _NotHere
-Resolve = Callable[[str], "Location | Growing | None"]
-Admit = Callable[[str, wire.Ask], Verdict]
 #: Serves a HAVE subscription on its connection: (socket, session, the client's HAVE payload).
 OnHave = Callable[[socket.socket, handshake.Session, memoryview], None]
 #: Decides a TAKE: (the asking peer's node id, the request) -> granted.
 OnTake = Callable[[str, wire.Take], bool]
 
-
-def admit_all(peer: str, ask: wire.Ask) -> Verdict:
-    """The admission that lets every request through (benchmarks, or a daemon without limits)."""
-    return GRANTED
-
-
-@dataclass
-class ServerStats:
-    """Counters since start (read them any time; written under the server's lock)."""
-
-    connections: int = 0
-    handshakes_refused: int = 0
-    protocol_errors: int = 0
-    chunks_out: int = 0
-    bytes_out: int = 0
-    busy: int = 0
-    not_here: int = 0
-    aborted: int = 0  # answers cut off after their DATA header (peer gone, file shrank)
-    handshakes_evicted: int = 0  # unauthenticated connections dropped to admit a newer one
-    cut_through: int = 0  # answers sent cut-through (while the chunk landed from the bucket)
-    takes: int = 0  # TAKE requests answered
-    given: int = 0  # ... of which granted
-
+__all__ = [
+    "CUT_OFF_RETRY_S", "GRANTED", "NOT_HERE", "Admit", "Busy", "Granted", "Location", "OnHave", "OnTake",
+    "Resolve", "ServerStats", "TransferServer", "Verdict", "admit_all",
+]
 
 @dataclass(eq=False)  # hashed by identity: kept in a set
 class _Conn:
@@ -156,8 +109,6 @@ class TransferServer:
         self.node_id = node_id
         self._on_have = on_have
         self._on_take = on_take
-        self._resolve = resolve
-        self._admit = admit
         self._host, self._port = host, port
         self._max_conns = max_connections
         self._max_pending = max(1, max_handshakes)
@@ -180,6 +131,7 @@ class TransferServer:
         self._acceptor: threading.Thread | None = None
         self._closing = threading.Event()
         self.stats = ServerStats()
+        self._answers = Answers(resolve, admit, self._files, self.stats, self._lock)
         self.address: tuple[str, int] | None = None
 
     # ---- life -------------------------------------------------------------------------------
@@ -301,14 +253,14 @@ class TransferServer:
                     raise ProtocolError(f"unexpected {ftype.name} frame from a client")
                 payload = session.open(ftype, body)
                 if ftype == wire.FrameType.ASK:
-                    self._answer(conn, session, wire.decode_ask(payload))
+                    self._answers.answer(sock, session, wire.decode_ask(payload))
                 elif ftype == wire.FrameType.TAKE:
                     take = wire.decode_take(payload)
                     granted = self._on_take is not None and self._on_take(session.peer_node_id, take)
                     with self._lock:
                         self.stats.takes += 1
                         self.stats.given += int(granted)
-                    self._send(conn, session, wire.FrameType.GIVE, wire.encode_give(granted))
+                    sock.sendall(session.seal(wire.FrameType.GIVE, wire.encode_give(granted)))
                 elif self._on_have is not None:
                     # a HAVE subscription (bdn.transfer.announce): the connection carries HAVE
                     # frames to the client from now on, on this thread, until it ends
@@ -353,107 +305,3 @@ class TransferServer:
         conn.peer = session.peer_node_id
         sock.sendall(accept)
         return session
-
-    def _send(self, conn: _Conn, session: handshake.Session, ftype: wire.FrameType, payload: bytes) -> None:
-        conn.sock.sendall(session.seal(ftype, payload))
-
-    def _answer(self, conn: _Conn, session: handshake.Session, ask: wire.Ask) -> None:
-        verdict = self._admit(session.peer_node_id, ask)
-        if isinstance(verdict, Busy):
-            with self._lock:
-                self.stats.busy += 1
-            self._send(conn, session, wire.FrameType.BUSY, wire.encode_busy(verdict.retry_after_s))
-            return
-        if not isinstance(verdict, Granted):
-            self._not_here(conn, session)
-            return
-        sent = False
-        try:
-            sent = self._send_chunk(conn, session, ask)
-        finally:
-            if verdict.release is not None:
-                verdict.release(sent)
-
-    def _not_here(self, conn: _Conn, session: handshake.Session) -> None:
-        with self._lock:
-            self.stats.not_here += 1
-        self._send(conn, session, wire.FrameType.NOT_HERE, b"")
-
-    def _send_growing(self, conn: _Conn, session: handshake.Session, ask: wire.Ask, g: Growing) -> bool:
-        """A cut-through answer (bdn.transfer.growing) for a chunk still landing here; True when
-        it went out whole."""
-        if not ask.cut_through or ask.offset + ask.length > g.length:
-            self._not_here(conn, session)
-            return False
-        got = self._files.acquire(g.path)
-        if got is None:
-            self._not_here(conn, session)
-            return False
-        fd, ent = got
-        try:
-            send_growing(conn.sock, session.seal, fd, g, ask.offset, ask.length)
-        except CutOff as e:
-            if e.started:
-                with self._lock:
-                    self.stats.aborted += 1
-                raise  # the answer is cut short: the connection closes, the client reports FAILED
-            # the copy failed before the answer began: a busy answer (ask again), not a closed
-            # stream, which the asker would count against this node
-            with self._lock:
-                self.stats.busy += 1
-            self._send(conn, session, wire.FrameType.BUSY, wire.encode_busy(CUT_OFF_RETRY_S))
-            return False
-        except (OSError, TimeoutError):
-            with self._lock:
-                self.stats.aborted += 1
-            raise  # the answer is cut short: the connection closes, the client reports FAILED
-        finally:
-            self._files.release(ent)
-        with self._lock:
-            self.stats.chunks_out += 1
-            self.stats.bytes_out += ask.length
-            self.stats.cut_through += 1
-        return True
-
-    def _send_chunk(self, conn: _Conn, session: handshake.Session, ask: wire.Ask) -> bool:
-        """Answer a granted ASK; True when the chunk's bytes went out whole."""
-        loc = self._resolve(ask.address)
-        if isinstance(loc, Growing):
-            return self._send_growing(conn, session, ask, loc)
-        if loc is None:
-            self._not_here(conn, session)
-            return False
-        src, base, chunk_len = loc
-        if ask.offset + ask.length > chunk_len:
-            self._not_here(conn, session)  # asks for bytes outside the chunk: we hold no such range
-            return False
-        ent = None
-        if isinstance(src, int):
-            fd = src
-        else:
-            got = self._files.acquire(os.fspath(src))
-            if got is None:
-                self._not_here(conn, session)
-                return False
-            fd, ent = got
-        try:
-            start = base + ask.offset
-            if os.fstat(fd).st_size < start + ask.length:
-                log.error("chunk %s: its file is shorter than its location says; answered not here", ask.address)
-                self._not_here(conn, session)
-                return False
-            # MSG_MORE: the small header leaves in the same segment as the body's first bytes
-            conn.sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(ask.length)), socket.MSG_MORE)
-            try:
-                sendfile_all(conn.sock.fileno(), fd, start, ask.length)
-            except BaseException:
-                with self._lock:
-                    self.stats.aborted += 1
-                raise  # the body is cut short: the connection must close, the client sees it
-            with self._lock:
-                self.stats.chunks_out += 1
-                self.stats.bytes_out += ask.length
-            return True
-        finally:
-            if ent is not None:
-                self._files.release(ent)
