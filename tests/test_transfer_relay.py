@@ -7,6 +7,7 @@ needs the owner's verification first; an owner's copy that fails cuts the whole 
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 
@@ -52,114 +53,117 @@ class Node:
         self.server.close()
 
 
-def _chain(shm, data: bytes):
-    """Owner A landing ``data`` part by part; relay B and end C each with a tmpfs file."""
-    a, b, c = Node("owner"), Node("relay"), Node("end")
-    path_a = shm / "a"
-    path_a.write_bytes(b"\0" * CHUNK)
-    fd_a = os.open(path_a, os.O_RDWR)
-    g_a = Growing(str(path_a), 0, PARTS)
-    address = KEYS.address(digest(data))
-    a.growing.start(address, g_a)
-    path_b = shm / "b"
-    path_b.write_bytes(b"\0" * CHUNK)
-    fd_b = os.open(path_b, os.O_RDWR)
-    import mmap
+class Chain:
+    """Owner A landing ``data`` part by part (``land``); relay B fetching it from A into a tmpfs
+    file with a relay hook (``start``: B's future once B registered its copy); end node C."""
 
-    mm_b = mmap.mmap(fd_b, CHUNK)
-    relays: list[Growing] = []
+    def __init__(self, shm, data: bytes) -> None:
+        self.data = data
+        self.a, self.b, self.c = Node("owner"), Node("relay"), Node("end")
+        path_a, self.path_b = shm / "a", shm / "b"
+        path_a.write_bytes(b"\0" * CHUNK)
+        self.path_b.write_bytes(b"\0" * CHUNK)
+        self.fd_a = os.open(path_a, os.O_RDWR)
+        self.fd_b = os.open(self.path_b, os.O_RDWR)
+        self.mm_b = mmap.mmap(self.fd_b, CHUNK)
+        self.g_a = Growing(str(path_a), 0, PARTS)
+        self.address = KEYS.address(digest(data))
+        self.a.growing.start(self.address, self.g_a)
+        self.relays: list[Growing] = []
 
-    def relay() -> Growing:
-        g = Growing.relay(str(path_b), 0, CHUNK)
-        relays.append(g)
-        b.growing.start(address, g)
+    def _relay(self) -> Growing:
+        g = Growing.relay(str(self.path_b), 0, CHUNK)
+        self.relays.append(g)
+        self.b.growing.start(self.address, g)
         return g
 
-    def land(part: int, upto: int) -> None:
+    def land(self, part: int, upto: int) -> None:
         off, _ = PARTS[part]
-        os.pwrite(fd_a, data[off : off + upto], off)
-        g_a.landed(part, upto)
+        os.pwrite(self.fd_a, self.data[off : off + upto], off)
+        self.g_a.landed(part, upto)
 
-    def close() -> None:
-        for n in (a, b, c):
+    def start(self, part: int, upto: int):
+        """B asks A; ``upto`` bytes of ``part`` land; returns B's future once B relays."""
+        fut = self.b.pool.submit(self.a.peer, self.address, self.mm_b, 0, CHUNK, digest(self.data),
+                                 cut_through=True, relay=self._relay)
+        self.land(part, upto)
+        _eventually(lambda: bool(self.relays), "the relay to register its copy")
+        return fut
+
+    def ask_relay(self, out, length: int = CHUNK, chunk_offset: int = 0, digest_: str | None = None):
+        """C asks B for ``length`` bytes at ``chunk_offset`` into ``out``, cut-through."""
+        return self.c.pool.submit(self.b.peer, self.address, out, 0, length, digest_ or digest(self.data),
+                                  cut_through=True, chunk_offset=chunk_offset)
+
+    def close(self) -> None:
+        for n in (self.a, self.b, self.c):
             n.close()
-        mm_b.close()
-        os.close(fd_a)
-        os.close(fd_b)
-
-    return a, b, c, g_a, address, mm_b, relay, relays, land, close
+        self.mm_b.close()
+        os.close(self.fd_a)
+        os.close(self.fd_b)
 
 
 def test_a_relay_passes_the_bytes_on_while_they_arrive(shm):
     data = os.urandom(CHUNK)
-    a, b, c, g_a, address, mm_b, relay, relays, land, close = _chain(shm, data)
+    ch = Chain(shm, data)
     try:
-        fut_b = b.pool.submit(a.peer, address, mm_b, 0, CHUNK, digest(data), cut_through=True, relay=relay)
-        land(1, 256 << 10)
-        _eventually(lambda: bool(relays), "the relay to register its copy")
+        fut_b = ch.start(1, 256 << 10)
         out_c = bytearray(CHUNK)
-        fut_c = c.pool.submit(b.peer, address, out_c, 0, CHUNK, digest(data), cut_through=True)
+        fut_c = ch.ask_relay(out_c)
         # C gets the owner's landed bytes through B before the owner has the rest
         _eventually(lambda: out_c[256 << 10 : 512 << 10] == data[256 << 10 : 512 << 10], "part 1 at the end node")
         for i in range(4):
-            land(i, PARTS[i][1])
+            ch.land(i, PARTS[i][1])
         _eventually(lambda: out_c[: CHUNK - HOLD_BYTES] == data[: CHUNK - HOLD_BYTES], "all but the held end at C")
         # nobody verified yet: neither B nor C can complete
         assert not fut_b.done() and not fut_c.done()
-        assert relays[0].state == "growing"
-        g_a.verified()
+        assert ch.relays[0].state == "growing"
+        ch.g_a.verified()
         res_b, res_c = fut_b.result(120), fut_c.result(120)
         assert res_b.ok and res_b.cut_through, res_b
         assert res_c.ok and res_c.cut_through, res_c
-        assert bytes(out_c) == data and mm_b[:] == data
-        assert relays[0].state == VERIFIED
-        _eventually(lambda: b.server.stats.cut_through == 1, "the relay to count its cut-through answer")
+        assert bytes(out_c) == data and ch.mm_b[:] == data
+        assert ch.relays[0].state == VERIFIED
+        _eventually(lambda: ch.b.server.stats.cut_through == 1, "the relay to count its cut-through answer")
     finally:
-        close()
+        ch.close()
 
 
 def test_an_owner_copy_that_fails_cuts_the_whole_chain_off(shm):
     data = os.urandom(CHUNK)
-    a, b, c, g_a, address, mm_b, relay, relays, land, close = _chain(shm, data)
+    ch = Chain(shm, data)
     try:
-        fut_b = b.pool.submit(a.peer, address, mm_b, 0, CHUNK, digest(data), cut_through=True, relay=relay)
-        land(0, 256 << 10)
-        _eventually(lambda: bool(relays), "the relay to register its copy")
+        fut_b = ch.start(0, 256 << 10)
         out_c = bytearray(CHUNK)
-        fut_c = c.pool.submit(b.peer, address, out_c, 0, CHUNK, digest(data), cut_through=True)
+        fut_c = ch.ask_relay(out_c)
         _eventually(lambda: out_c[: 256 << 10] == data[: 256 << 10], "the landed part at the end node")
-        g_a.failed()  # the owner's bucket bytes did not match: its answers are cut off
+        ch.g_a.failed()  # the owner's bucket bytes did not match: its answers are cut off
         res_b, res_c = fut_b.result(120), fut_c.result(120)
         assert res_b.outcome is Outcome.FAILED and res_b.cut_through, res_b
         assert res_c.outcome is Outcome.FAILED and res_c.cut_through, res_c  # blamed on nobody
-        assert relays[0].state == FAILED
+        assert ch.relays[0].state == FAILED
     finally:
-        close()
+        ch.close()
 
 
 def test_a_copy_that_fails_before_its_answer_began_is_a_busy_answer(shm):
     """Nothing of the chunk was sent to the asker yet when the relay's (or owner's) copy failed:
     the asker gets BUSY on a stream that stays usable, not a closed connection it would count
     against an honest node."""
-    data = os.urandom(CHUNK)
-    a, b, c, g_a, address, mm_b, relay, relays, land, close = _chain(shm, data)
+    ch = Chain(shm, os.urandom(CHUNK))
     try:
-        fut_b = b.pool.submit(a.peer, address, mm_b, 0, CHUNK, digest(data), cut_through=True, relay=relay)
-        land(0, MIN_PIECE)
-        _eventually(lambda: bool(relays), "the relay to register its copy")
-        _eventually(lambda: relays[0].wait(-1, 0)[2] == [(0, MIN_PIECE)], "the first piece at the relay")
+        fut_b = ch.start(0, MIN_PIECE)
+        _eventually(lambda: ch.relays[0].wait(-1, 0)[2] == [(0, MIN_PIECE)], "the first piece at the relay")
         # C asks for bytes beyond what landed (nothing to send yet), then the owner's copy fails
-        fut_c = c.pool.submit(b.peer, address, bytearray(CHUNK - MIN_PIECE), 0, CHUNK - MIN_PIECE, "cd" * 16,
-                              cut_through=True, chunk_offset=MIN_PIECE)
-        _eventually(lambda: len(b.asks) == 1, "the end node's request at the relay")
-        g_a.failed()
+        fut_c = ch.ask_relay(bytearray(CHUNK - MIN_PIECE), CHUNK - MIN_PIECE, MIN_PIECE, "cd" * 16)
+        _eventually(lambda: len(ch.b.asks) == 1, "the end node's request at the relay")
+        ch.g_a.failed()
         assert fut_b.result(120).outcome is Outcome.FAILED
         res_c = fut_c.result(120)
         assert res_c.outcome is Outcome.BUSY, res_c
-        assert c.client.streams_open(b.peer) == 1  # kept: the stream is still good
+        assert ch.c.client.streams_open(ch.b.peer) == 1  # kept: the stream is still good
     finally:
-        close()
-
+        ch.close()
 
 
 def test_bytes_that_do_not_match_at_the_relay_end_its_copy():
