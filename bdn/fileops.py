@@ -347,7 +347,8 @@ def apply_sparse_file(
     """
     label = name if name is not None else os.fspath(path)
     try:
-        buf, diff = _map(path, write=True), _map(diff_path)
+        buf: Any = _map(path, write=True)  # a numpy memmap (flush)
+        diff = _map(diff_path)
         header = parse_header(buf, len(buf))
         _, streams = arc.read_diff_header(diff, len(diff))
         result = sparse.apply_sparse(buf, header, diff, streams, adlers, map=thread_map(workers))

@@ -30,6 +30,7 @@ from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.fold import Folder, refuse_loop
 from bdn.daemon.foreign_source import ForeignLoader
+from bdn.daemon.forward import Forward
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.published import read_manifest
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
@@ -87,6 +88,7 @@ class Runner:
         self.jobs: Jobs | None = None  # the catalog, set by it
         self.foreign: ForeignLoader | None = None  # the no-manifest path (require_manifest = false)
         self.folder = Folder(cfg, store, bucket, index, fetcher, pools)  # a lagging node's catch-up
+        self.forward = Forward(cfg, store, stats, pools, self._register, self.repair)  # sparse applies
 
     async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -107,7 +109,11 @@ class Runner:
                 await self._resume(job, saved)
             else:
                 jobs.check_budget(m)
-                await self._on(self.pools.disk, self.store.prepare_staging, m)
+                accept = self.forward.accept(m, jobs.get) if m.is_delta else None
+                if accept is not None:
+                    jobs.gc()  # the snapshot before the base may be collected now, and become a buffer
+                held = await self._on(self.pools.disk, self.store.prepare_staging, m, accept)
+                self.forward.held(m.identity, held)
             job.flusher = asyncio.create_task(self._progress_flusher(job))
             # (a disk thread: one keyed address per chunk, seconds for millions of them)
             await self._on(self.pools.disk, self.index.add_pending, job, STORED, job.stored_refs)
@@ -133,6 +139,7 @@ class Runner:
             job.set_state("ready")
             log.info("snapshot %s: ready at %s (stages: %s)", job.identity, final,
                      " ".join(f"{k}={v:.3f}s" for k, v in job.stages.items()))
+            self.forward.after_ready(job)
             jobs.gc()
         except asyncio.CancelledError:
             self.save_progress(job)  # a clean stop resumes like a crash, from what is verified
@@ -151,6 +158,8 @@ class Runner:
             jobs.forget(job)
             self.store.discard(job.identity)
         finally:
+            if job.state != "ready":
+                self.forward.forget(job.identity)
             if job.flusher is not None:
                 job.flusher.cancel()
             # (not when the daemon stops: the index goes with it, and this would queue behind
@@ -362,13 +371,15 @@ class Runner:
                        self.store.staging_dir(m.identity))
         job.set_state("applying")
         await job.notify()
+        sparse = await self.forward.apply(job, m)  # buffers brought forward in place; the rest in full
         await self._on(self.pools.apply, diskio.apply_delta, m, self.store.ready_dir(base_id),
-                       self.store.stored_dir(m.identity), self.store.staging_dir(m.identity), self.cfg.apply_workers)
+                       self.store.stored_dir(m.identity), self.store.staging_dir(m.identity), self.cfg.apply_workers,
+                       sparse)
         job.set_state("verifying")
         await job.notify()
-        await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity))
+        await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity), sparse)
         job.layer_complete(RESULT)
-        await self._register(job, RESULT, job.result_refs)
+        await self._register(job, RESULT, self.forward.untouched(job))
 
     async def _register(self, job: SnapshotJob, layer: str, refs: Iterable[ChunkRef]) -> None:
         """Index verified chunks, handing the event loop a turn every 4096 (millions are possible);

@@ -40,7 +40,7 @@ import msgpack
 
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import Manifest
-from bdn.daemon import diskio
+from bdn.daemon import buffers, diskio
 from bdn.daemon.packing import packb
 from bdn.daemon.spares import Spares
 from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
@@ -181,12 +181,13 @@ class Store:
                 return f"{f.path} is {got} bytes, READY says {f.size}"
         return ""
 
-    def prepare_staging(self, m: Manifest) -> None:
-        """Reserve a snapshot's staging files, one snapshot at a time (see ``_prepare_staging``)."""
+    def prepare_staging(self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, dict[str, Any]]:
+        """Reserve a snapshot's staging files, one snapshot at a time (see ``_prepare_staging``);
+        ``accept``, ``{path: tag}`` returned: ``bdn.daemon.buffers.take``."""
         with self._reserve_lock:
-            self._prepare_staging(m)
+            return self._prepare_staging(m, accept)
 
-    def _prepare_staging(self, m: Manifest) -> None:
+    def _prepare_staging(self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, dict[str, Any]]:
         """Create the staging files at their final sizes, with their space reserved up front.
 
         The space is allocated (``posix_fallocate``) rather than left sparse: a full tmpfs must
@@ -195,8 +196,7 @@ class Store:
         Raises:
             ProtocolError: the file system cannot hold the snapshot (message gives the numbers).
         """
-        # (called under _reserve_lock: two snapshots reserving at once would both pass the
-        # free-space check, both run out half-way, and both fail)
+        # (under _reserve_lock: two reserving at once would both pass the free-space check, then both fail)
         self.discard(m.identity)
         need = self.space_needed(m)
         free = self.free_bytes() + self.spares.bytes()  # spares are dropped before fresh pages fail
@@ -208,13 +208,20 @@ class Store:
         stored = self.stored_dir(m.identity)
         files = [(st / f.path, f.result_size) for f in m.files]
         files += [(stored / f.path, f.size) for f in m.files if f.is_diff]
+        held: dict[str, dict[str, Any]] = {}
         try:
+            if accept is not None:  # spares holding an earlier snapshot of a diff file, kept as they are
+                held = buffers.take(self.spares, m, st, accept)
+            taken = {st / p for p in held}
             # Spares first (their pages exist: receiving into them is a copy, not an
             # allocation), the largest files first; then the spares left over are trimmed to
             # the room the budget leaves and to what the fresh allocations need.
             reused = 0
             for p, size in sorted(files, key=lambda e: -e[1]):
                 p.parent.mkdir(parents=True, exist_ok=True)
+                if p in taken:
+                    reused += size
+                    continue
                 reused += self.spares.take(size, p) if size else 0
             fresh = sum(size for _, size in files) - reused
             self.spares.trim(self.spare_room(m))
@@ -224,8 +231,9 @@ class Store:
             for p, size in files:
                 self._allocate(p, size)
             # (a disk-pool thread: the task's SNAPSHOT context does not follow, so it is given here)
-            log.info("snapshot %s: reserved %d bytes, %d in recycled pages", m.identity, need, reused,
-                     extra={"snapshot": m.identity})
+            log.info("snapshot %s: reserved %d bytes, %d in recycled pages, %d file(s) kept as buffers", m.identity,
+                     need, reused, len(held), extra={"snapshot": m.identity})
+            return held
         except OSError as e:
             self.discard(m.identity)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -364,7 +372,7 @@ class Store:
                 self._allocate(p, f.size)
         return marker
 
-    def _retire(self, d: Path, recycle: bool = False) -> None:
+    def _retire(self, d: Path, recycle: bool = False, tags: dict[str, dict[str, Any]] | None = None) -> None:
         """Delete a snapshot directory without a window where it is visible but incomplete:
         rename it to a hidden name first (atomic), then remove that (after the page pool took
         the files nobody uses, when ``recycle``)."""
@@ -375,7 +383,7 @@ class Store:
             return
         if recycle:
             try:
-                self.spares.absorb(gone)
+                self.spares.absorb(gone, tags)
             except OSError as e:  # the pool is an optimisation: the removal goes on without it
                 log.warning("page pool: %s not recycled: %s", d.name, e)
         shutil.rmtree(gone, ignore_errors=True)
@@ -388,9 +396,13 @@ class Store:
 
     def remove(self, identity: str) -> None:
         """Remove everything of a snapshot (GC); its files that no process maps or holds open
-        become spares (``bdn.daemon.spares``)."""
+        become spares (``bdn.daemon.spares``), its safetensors files tagged with what they hold."""
+        try:
+            tags = buffers.tags_of(self.read_ready(identity), self.stored_dir(identity))
+        except (OSError, ProtocolError):
+            tags = {}
         self.discard(identity)
-        self._retire(self.ready_dir(identity), recycle=True)
+        self._retire(self.ready_dir(identity), recycle=True, tags=tags)
 
 
 READ_ONLY = 0o444

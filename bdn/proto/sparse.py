@@ -165,13 +165,13 @@ def _block(
             if int(over.min()) < 255:
                 raise ProtocolError("an escaped gap below 255")
             gaps[esc] = over
-        nz = np.cumsum(gaps)
+        nz = np.cumsum(gaps, dtype=np.int64)
         nz -= 1
         if int(nz[-1]) >= elems:
             raise ProtocolError(f"changed element {int(nz[-1])} lies past the block's {elems} elements")
         vals = _words_from_planes(raw[k + 4 * e :], w, np.empty(k, dtype=dt))
-    old = words[nz]
-    new = old ^ vals
+    old: np.ndarray = words[nz]
+    new: np.ndarray = old ^ vals
     words[nz] = new
     # Adler sums over the changed words' bytes (module docstring). Byte j of word i is at tensor
     # position p = lo + q + j with q = i*w relative to the block: sum (n - p) d = n S - lo S - sum (q+j) d,
