@@ -49,6 +49,7 @@ from bdn.proto.safetensors_fmt import Header, TensorInfo, _q
 
 __all__ = [
     "MAX_RANGES", "PAGE", "SparseResult", "adler_update", "apply_sparse", "changed_bytes", "check_untouched", "coalesce",
+    "stream_ranges",
     "touched_chunks",
 ]
 
@@ -136,6 +137,29 @@ def coalesce(starts: np.ndarray, ends: np.ndarray, limit: int = MAX_RANGES) -> l
     return [(int(a), int(b)) for a, b in zip(lo, hi)]
 
 
+def _sparse_indices(cx: Any, payload: np.ndarray, blk: _PlanesBlock, w: int, elems: int) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse block's changed word indices (ascending, int64) and its decoded payload."""
+    k, e = blk.k, blk.e
+    raw = _zstd_exact(cx, payload, k + 4 * e + k * w)
+    g8 = raw[:k]
+    if not g8.all():
+        raise ProtocolError("a gap of 0 between changed elements")
+    esc = np.flatnonzero(g8 == 255)
+    if len(esc) != e:
+        raise ProtocolError(f"{len(esc)} escaped gaps, the block record says {e}")
+    gaps = g8.astype(np.int64)
+    if e:
+        over = raw[k : k + 4 * e].view("<u4")
+        if int(over.min()) < 255:
+            raise ProtocolError("an escaped gap below 255")
+        gaps[esc] = over
+    nz = np.cumsum(gaps, dtype=np.int64)
+    nz -= 1
+    if int(nz[-1]) >= elems:
+        raise ProtocolError(f"changed element {int(nz[-1])} lies past the block's {elems} elements")
+    return nz, raw
+
+
 def _block(
     cx: Any, stream: np.ndarray, blk: _PlanesBlock, buf: np.ndarray, w: int, n: int,
 ) -> tuple[int, int, np.ndarray, np.ndarray, int]:
@@ -151,25 +175,8 @@ def _block(
         nz = np.flatnonzero(x)
         vals = x[nz]
     else:
-        k, e = blk.k, blk.e
-        raw = _zstd_exact(cx, payload, k + 4 * e + k * w)
-        g8 = raw[:k]
-        if not g8.all():
-            raise ProtocolError("a gap of 0 between changed elements")
-        esc = np.flatnonzero(g8 == 255)
-        if len(esc) != e:
-            raise ProtocolError(f"{len(esc)} escaped gaps, the block record says {e}")
-        gaps = g8.astype(np.int64)
-        if e:
-            over = raw[k : k + 4 * e].view("<u4")
-            if int(over.min()) < 255:
-                raise ProtocolError("an escaped gap below 255")
-            gaps[esc] = over
-        nz = np.cumsum(gaps, dtype=np.int64)
-        nz -= 1
-        if int(nz[-1]) >= elems:
-            raise ProtocolError(f"changed element {int(nz[-1])} lies past the block's {elems} elements")
-        vals = _words_from_planes(raw[k + 4 * e :], w, np.empty(k, dtype=dt))
+        nz, raw = _sparse_indices(cx, payload, blk, w, elems)
+        vals = _words_from_planes(raw[blk.k + 4 * blk.e :], w, np.empty(blk.k, dtype=dt))
     old: np.ndarray = words[nz]
     new: np.ndarray = old ^ vals
     words[nz] = new
@@ -317,3 +324,29 @@ def check_untouched(touched: list[int], before: list[str], after: list[str], pat
     for i, (b, a) in enumerate(zip(before, after)):
         if i not in t and a != b:
             raise ChecksumError(f"{path}: chunk {i} is untouched by the diff but its digest changes ({b} -> {a})")
+
+
+def stream_ranges(stream: Any, info: TensorInfo) -> list[tuple[int, int]]:
+    """The changed ranges of one tensor's ``bdn_planes_v1`` stream without applying it: whole
+    :data:`PAGE` s of the tensor holding a changed word (a dense block: the whole block), ABSOLUTE
+    file offsets from ``info``, merged to at most :data:`MAX_RANGES`. ``[]`` for an unchanged
+    tensor. Raises ProtocolError for a stream that does not fit the tensor."""
+    s = bytes_of(stream)
+    w, blocks = parse_stream(s, info.nbytes)
+    pages: list[np.ndarray] = []
+    with lease() as cx:
+        for blk in blocks:
+            if blk.mode == _P_SAME:
+                continue
+            if blk.mode == _P_DENSE:
+                pages.append(np.arange(blk.lo >> _PAGE_SHIFT, ((blk.hi - 1) >> _PAGE_SHIFT) + 1, dtype=np.int64))
+                continue
+            nz, _ = _sparse_indices(cx, s[blk.start : blk.end], blk, w, (blk.hi - blk.lo) // w)
+            pages.append((nz * w + blk.lo) >> _PAGE_SHIFT)
+    if not pages:
+        return []
+    p = np.concatenate(pages)
+    p = p[np.concatenate(([True], p[1:] != p[:-1]))]
+    lo = (p << _PAGE_SHIFT) + info.start
+    hi = np.minimum((p + 1) << _PAGE_SHIFT, info.nbytes) + info.start
+    return coalesce(lo, hi)
