@@ -332,12 +332,14 @@ def apply_delta_file(
 
 def apply_sparse_file(
     path: Path, diff_path: Path, adlers: Mapping[str, int] | None, *, workers: int = 1, name: str | None = None,
+    mapped: Any = None,
 ) -> sparse.SparseResult:
     """Bring the safetensors file at ``path`` (holding a ``bdn_planes_v1`` diff's base) to the
     target in place, writing only the changed words (``bdn.proto.sparse.apply_sparse``).
 
     ``adlers``: the base tensors' known Adler-32s (None: computed for changed tensors only).
-    ``name`` labels errors (default: ``path``).
+    ``name`` labels errors (default: ``path``). ``mapped``: a writable shared mapping of the whole
+    file already made (``bdn.daemon.hotmaps``), used instead of mapping it for this call.
 
     Raises:
         ProtocolError: a malformed diff or one that does not fit the file; ChecksumError (a
@@ -347,12 +349,15 @@ def apply_sparse_file(
     """
     label = name if name is not None else os.fspath(path)
     try:
-        buf: Any = _map(path, write=True)  # a numpy memmap (flush)
+        buf: Any = _map(path, write=True) if mapped is None else np.frombuffer(mapped, dtype=np.uint8)
+        if mapped is not None and len(buf) != os.stat(path).st_size:
+            raise ValueError(f"the mapping has {len(buf)} bytes, the file {os.stat(path).st_size}")
         diff = _map(diff_path)
         header = parse_header(buf, len(buf))
         _, streams = arc.read_diff_header(diff, len(diff))
         result = sparse.apply_sparse(buf, header, diff, streams, adlers, map=thread_map(workers))
-        buf.flush()
+        if mapped is None:
+            buf.flush()
         del buf, diff
     except (ProtocolError, ValueError) as e:
         err = ProtocolError(f"{label}: {e}") if not isinstance(e, ProtocolError) else type(e)(f"{label}: {e}")

@@ -110,9 +110,11 @@ class Forwarded:
 
 
 def bring_forward(path: str, file: Path, tag: dict[str, Any], steps: Sequence[tuple[str, Path]],
-                  result_size: int, result_chunks: Sequence[str], chunk_size: int, workers: int) -> Forwarded:
+                  result_size: int, result_chunks: Sequence[str], chunk_size: int, workers: int,
+                  mapped: Any = None) -> Forwarded:
     """Apply ``steps`` (``(identity, stored directory)`` of each delta, in order) in place to
-    ``file``, which holds ``tag``'s snapshot of ``path``; blocking.
+    ``file``, which holds ``tag``'s snapshot of ``path``; blocking. ``mapped``: the file's populated
+    mapping (``bdn.daemon.hotmaps``) when it has one.
 
     Raises:
         ProtocolError: the deltas together would write more than the file (a full apply is
@@ -141,7 +143,7 @@ def bring_forward(path: str, file: Path, tag: dict[str, Any], steps: Sequence[tu
     touched: set[int] = set()
     for (ident, _), d in zip(steps, diffs):
         try:
-            res = fileops.apply_sparse_file(file, d, known, workers=workers, name=path)
+            res = fileops.apply_sparse_file(file, d, known, workers=workers, name=path, mapped=mapped)
         except ProtocolError as e:
             raise ProtocolError(f"buffer holding {held}, delta {ident}: {e}") from None
         known = res.adlers

@@ -36,7 +36,9 @@ class Forward:
         self._chains: dict[str, dict[str, list[tuple[str, Any]]]] = {}
         self._held: dict[str, dict[str, dict[str, Any]]] = {}
         self._touched: dict[str, list[int]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._hot_used = 0
+        self._hot: dict[str, list[str]] = {}  # identity -> its files whose buffer mapping to drop after READY
 
     def accept(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> Callable[[dict[str, Any]], bool] | None:
         """For ``Store.prepare_staging``: which spare tags delta ``m`` can start from (None: none)."""
@@ -55,6 +57,8 @@ class Forward:
 
     def forget(self, identity: str) -> None:
         """Drop what is known of ``identity``'s buffers (it failed, or is rebuilt another way)."""
+        for p in self._hot.pop(identity, []):
+            self.store.spares.maps.drop(self.store.staging_dir(identity) / p)
         self._chains.pop(identity, None)
         self._held.pop(identity, None)
         self._touched.pop(identity, None)
@@ -63,12 +67,16 @@ class Forward:
         held, chains = self._held.pop(m.identity, {}), self._chains.pop(m.identity, {})
         files = {f.path: f for f in m.files}
         staging = self.store.staging_dir(m.identity)
-        done = []
+        done: list[buffers.Forwarded] = []
+        self._hot_used = 0
         for path, tag in held.items():
             f = files[path]
+            hot = self.store.spares.maps.get(staging / path)
+            self._hot_used += hot is not None
+            self._hot.setdefault(m.identity, []).append(path)
             try:
                 done.append(buffers.bring_forward(path, staging / path, tag, chains[tag["identity"]], f.result_size,
-                                                  f.result_chunks, m.chunk_size, self.cfg.apply_workers))
+                                                  f.result_chunks, m.chunk_size, self.cfg.apply_workers, hot))
             except (ProtocolError, KeyError) as e:
                 self.stats.add("sparse_fallbacks")
                 log.warning("snapshot %s: sparse apply of %s refused (the buffer holds %s, the delta's base is %s): "
@@ -88,9 +96,9 @@ class Forward:
             self.stats.add("sparse_applies")
             self.stats.add("sparse_bytes_written", f.written)
         if done:
-            log.info("snapshot %s: %d file(s) brought forward sparsely (%d delta(s), %d bytes written, %d chunks touched)",
-                     m.identity, len(done), max(f.steps for f in done), sum(f.written for f in done),
-                     len(self._touched[m.identity]))
+            log.info("snapshot %s: %d file(s) brought forward sparsely (%d delta(s), %d bytes written, %d chunks touched,"
+                     " %d through a mapping populated ahead)", m.identity, len(done), max(f.steps for f in done),
+                     sum(f.written for f in done), len(self._touched[m.identity]), self._hot_used)
         return {f.path for f in done}
 
     def untouched(self, job: SnapshotJob) -> list[ChunkRef]:
@@ -99,13 +107,27 @@ class Forward:
         return [r for i, r in enumerate(job.result_refs) if i not in touched]
 
     def after_ready(self, job: SnapshotJob) -> None:
-        """Start hashing the chunks a sparse apply touched (a task; READY does not wait for it)."""
+        """After READY (and GC): drop the buffers' mappings, map the spares GC just tagged, and
+        hash the chunks a sparse apply touched (tasks; READY does not wait for them)."""
         positions = self._touched.pop(job.identity, None)
+        hot = self._hot.pop(job.identity, [])
         self.forget(job.identity)
+        maps, ready = self.store.spares.maps, self.store.ready_dir(job.identity)
+        loop = asyncio.get_running_loop()
+
+        def keep_hot() -> None:
+            for p in hot:
+                maps.drop(ready / p)
+            self.store.spares.prime_tagged()
+
+        self._spawn(loop.run_in_executor(self.pools.disk, keep_hot))
         if positions:
-            t = asyncio.create_task(self._check(job, positions), name=f"sparse-check-{job.identity}")
-            self._tasks.add(t)
-            t.add_done_callback(self._tasks.discard)
+            self._spawn(self._check(job, positions))
+
+    def _spawn(self, aw: Awaitable[Any]) -> None:
+        t = asyncio.ensure_future(aw)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
 
     async def _check(self, job: SnapshotJob, positions: list[int]) -> None:
         refs = list(job.result_refs)

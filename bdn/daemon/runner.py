@@ -139,8 +139,8 @@ class Runner:
             job.set_state("ready")
             log.info("snapshot %s: ready at %s (stages: %s)", job.identity, final,
                      " ".join(f"{k}={v:.3f}s" for k, v in job.stages.items()))
-            self.forward.after_ready(job)
             jobs.gc()
+            self.forward.after_ready(job)  # after GC: the spares it just tagged are mapped ahead
         except asyncio.CancelledError:
             self.save_progress(job)  # a clean stop resumes like a crash, from what is verified
             raise

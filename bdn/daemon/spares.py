@@ -48,6 +48,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from bdn.daemon.hotmaps import HotMaps
+
 log = logging.getLogger("bdn.spares")
 
 SPARES = ".spares"
@@ -95,6 +97,7 @@ class Spares:
     def __init__(self, root: Path, limit: int = -1) -> None:
         self.dir = root / SPARES
         self.dir.mkdir(exist_ok=True)
+        self.maps = HotMaps()  # tagged spares' mappings, populated ahead of a sparse apply
         self.tags = self.dir / TAGS  # created with the first tag
         for t in self._tag_files():  # a tag whose file is gone (trimmed, taken, crashed) says nothing
             if not (self.dir / t.name).is_file():
@@ -172,6 +175,7 @@ class Spares:
             fits = [f for f in files if f[1] >= size]
             pick = min(fits, key=lambda f: f[1]) if fits else max(files, key=lambda f: f[1])
             (self.tags / pick[2].name).unlink(missing_ok=True)  # its bytes are about to change
+            self.maps.drop(pick[2])
             os.replace(pick[2], dest)
             got = min(pick[1], size)
             self.recycled_bytes += got
@@ -189,6 +193,7 @@ class Spares:
             if total <= max(keep, 0):
                 break
             (self.tags / p.name).unlink(missing_ok=True)
+            self.maps.drop(p)
             p.unlink(missing_ok=True)
             total -= b
 
@@ -232,3 +237,8 @@ class Spares:
             os.replace(self.dir / t.name, dest)
             self.recycled_bytes += size
             return tag
+
+    def prime_tagged(self) -> int:
+        """Map and populate every tagged spare not mapped yet (``HotMaps.prime``; blocking, a disk
+        thread); returns how many were mapped."""
+        return sum(self.maps.prime(self.dir / t.name) for t in self._tag_files())
