@@ -194,3 +194,28 @@ def test_a_byte_flipped_in_a_sparse_built_snapshot_is_found_by_the_scrub_and_no_
         assert "corrupted chunk" in d.log_path.read_text()
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("every", [2, 9, 40])  # a dense block; a sparse one past 1/16 of the bytes; a sparse one below
+def test_the_kernel_is_exact_on_every_block_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int) -> None:
+    import ml_dtypes
+
+    from bdn.proto import planes
+
+    monkeypatch.setattr(planes, "PLANES_BLOCK", 4096)
+    rng = np.random.default_rng(every)
+    base = {f"t{i}": (rng.standard_normal((100 + i, 300)) * 0.02).astype(ml_dtypes.bfloat16) for i in range(4)}
+    target = {k: v.copy() for k, v in base.items()}
+    for v in target.values():
+        v.reshape(-1).view(np.uint16)[::every] ^= 1
+    fileops.save(tmp_path / "b", base)
+    fileops.save(tmp_path / "t", target)
+    fileops.write_diff_file(tmp_path / "b", tmp_path / "t", tmp_path / "x", "bdn_planes_v1")
+    buf = np.fromfile(tmp_path / "b", dtype=np.uint8)
+    header = fileops.read_header(tmp_path / "b")
+    d = np.fromfile(tmp_path / "x", dtype=np.uint8)
+    _, streams = arc.read_diff_header(d, len(d))
+    known = {n: zlib.adler32(buf[t.start : t.end].tobytes()) for n, t in header.tensors.items()}
+    res = sparse.apply_sparse(buf, header, d, streams, known, map=fileops.thread_map(2))
+    assert buf.tobytes() == (tmp_path / "t").read_bytes()
+    assert res.checksummed == 0 and set(res.ranges) == set(base)

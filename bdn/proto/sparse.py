@@ -160,6 +160,20 @@ def _sparse_indices(cx: Any, payload: np.ndarray, blk: _PlanesBlock, w: int, ele
     return nz, raw
 
 
+def _block_sums(before: int, after: int, blk: _PlanesBlock, n: int) -> tuple[int, int]:
+    """The block's contribution ``(da, db)`` to its tensor's sums from the block's Adler-32 before
+    and after: for L bytes at ``lo`` it gives S = sum d and W = sum (L - i) d, and
+    sum (n - p) d = (n - lo - L) S + W."""
+    ds = ((after & 0xFFFF) - (before & 0xFFFF)) % _MOD
+    dw = ((after >> 16) - (before >> 16)) % _MOD
+    return ds, ((n - blk.lo - (blk.hi - blk.lo)) * ds + dw) % _MOD
+
+
+def _block_pages(blk: _PlanesBlock) -> np.ndarray:
+    """Every page of the tensor the block covers."""
+    return np.arange(blk.lo >> _PAGE_SHIFT, ((blk.hi - 1) >> _PAGE_SHIFT) + 1, dtype=np.int64)
+
+
 def _block(
     cx: Any, stream: np.ndarray, blk: _PlanesBlock, buf: np.ndarray, w: int, n: int,
 ) -> tuple[int, int, np.ndarray, np.ndarray, int]:
@@ -172,23 +186,25 @@ def _block(
     if blk.mode == _P_DENSE:
         # More than 1/8 of the words change: XOR the whole block in one sequential pass, and take
         # the block's contribution to the tensor's sums from its Adler-32 before and after (SIMD,
-        # sequential) instead of per word. For a block of L bytes at ``lo``, adler32 gives
-        # S = sum d and W = sum (L - i) d over the block; sum (n - p) d = (n - lo - L) S + W.
+        # sequential) instead of per word (_block_sums).
         raw = _zstd_exact(cx, payload, elems * w)
         x = _words_from_planes(raw, w, cx.pscratch(elems * w).view(dt))
         seg = buf[blk.lo : blk.hi]
-        size = blk.hi - blk.lo
         before = raw_adler32(seg)
         np.bitwise_xor(words, x, out=words)
         after = raw_adler32(seg)
-        ds = ((after & 0xFFFF) - (before & 0xFFFF)) % _MOD
-        dw = ((after >> 16) - (before >> 16)) % _MOD
-        first, last = blk.lo >> _PAGE_SHIFT, (blk.hi - 1) >> _PAGE_SHIFT
-        pages = np.arange(first, last + 1, dtype=np.int64)
-        return ds, ((n - blk.lo - size) * ds + dw) % _MOD, pages, pages, size
+        return _block_sums(before, after, blk, n) + (_block_pages(blk), _block_pages(blk), blk.hi - blk.lo)
     else:
         nz, raw = _sparse_indices(cx, payload, blk, w, elems)
         vals = _words_from_planes(raw[blk.k + 4 * blk.e :], w, np.empty(blk.k, dtype=dt))
+        if blk.k * w * 16 >= blk.hi - blk.lo:
+            # A sixteenth of the block's bytes or more: two sequential Adler-32 passes over the
+            # block cost less than the per-word sums below (as for a dense block).
+            seg = buf[blk.lo : blk.hi]
+            before = raw_adler32(seg)
+            words[nz] ^= vals
+            after = raw_adler32(seg)
+            return _block_sums(before, after, blk, n) + (_block_pages(blk), _block_pages(blk), len(nz) * w)
     old: np.ndarray = words[nz]
     new: np.ndarray = old ^ vals
     words[nz] = new
