@@ -1,6 +1,7 @@
 """Node work per step: turning snapshot N into N+1 on one node, against its physical floors.
 
-    .venv/bin/python -m bench.nodework [--size-gb 2] [--runs 3] [--fracs 0.001,0.01,0.02]
+    .venv/bin/python -m bench.nodework [--size-gb 2] [--runs 3] [--fracs 0.001,0.01,0.02] [--patterns scattered,clustered]
+    .venv/bin/python -m bench.nodework --report bench/results/nodework.json ...   # the BENCHMARKS.md table
 
 A synthetic bf16 checkpoint of ``--size-gb`` GB (``bench/delta/inputs.py``: 7B-class layer
 shapes) in one safetensors file in /dev/shm, and per changed fraction and pattern one optimizer-like
@@ -82,8 +83,24 @@ def manifest_for(work: Path, base: Path, target: Path, diff: Path) -> Manifest:
     return Manifest.from_json(json.dumps(doc).encode())
 
 
+def report(paths: list[str]) -> None:
+    """Print BENCHMARKS.md's table from result files (rows in file order)."""
+    def sp(r: dict, k: str, nd: int = 3) -> str:
+        return f"{r['median'][k]:.{nd}f} ({r['min'][k]:.{nd}f}–{r['max'][k]:.{nd}f})"
+
+    print("| pattern | changed | diff MB | memcpy(model) s | sparse floor s | today s | sparse (mapping populated ahead) s"
+          " | sparse, mapped per apply s | sparse / floor | sparse / memcpy | today / floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["rows"]:
+            print(f"| {r['pattern']} | {r['frac'] * 100:g} % | {r['diff_bytes'] / 1e6:.1f} | {sp(r, 'memcpy_s')} | "
+                  f"{sp(r, 'sparse_floor_s', 4)} | {sp(r, 'today_s', 2)} | {sp(r, 'sparse_s')} | {sp(r, 'sparse_cold_s')} | "
+                  f"{r['sparse_over_floor']:.1f}x | {r['sparse_over_memcpy']:.2f}x | {r['today_over_floor']:.1f}x |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--report", nargs="+", metavar="JSON", help="print the BENCHMARKS.md table of these result files")
     ap.add_argument("--size-gb", type=float, default=2.0)
     ap.add_argument("--fracs", default="0.001,0.01,0.02")
     ap.add_argument("--patterns", default="scattered,clustered")
@@ -91,6 +108,9 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/nodework.json")
     runs.add_runs_arg(ap)
     a = ap.parse_args()
+    if a.report:
+        report(a.report)
+        return
     work = Path(tempfile.mkdtemp(prefix="bdn-nodework-", dir=SHM))
     rows = []
     load0 = os.getloadavg()
