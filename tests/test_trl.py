@@ -1,0 +1,112 @@
+"""TRL's GRPOTrainer drives bdn end to end (examples/trl_grpo.py's ``train``).
+
+Two real bdnd processes on a ``file://`` bucket, each with bdn's transformers engine as a real
+process (``python -m bdn.engines hf``). The trainer (``trl.GRPOTrainer``, CPU, a tiny randomly
+initialised Llama built from a config and a tokenizer made with ``tokenizers``: nothing
+downloaded) trains 5 steps; ``BdnPublishCallback`` publishes the initial weights and every step
+(anchor, then deltas) and hot-loads each through one daemon; every rollout comes from an engine
+through ``BdnRollouts`` (GRPO's ``rollout_func``) with the policy version the engine reported.
+
+Asserted: every step trained on rollouts generated at that step, each no more than the configured
+bound behind the trainer and none ahead of it; the versions advance; every step was published in
+order (one anchor, then deltas); after training both engines serve the last step with weights
+equal, tensor for tensor, to the trainer's final weights cast to bf16.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bdn.engines.hf import torch_available
+
+_why = torch_available()
+if _why:
+    pytest.skip(f"TRL on bdn needs torch and transformers ({_why})", allow_module_level=True)
+try:
+    import trl  # noqa: F401
+except ImportError as e:
+    pytest.skip(f"TRL on bdn needs trl (pip install trl; in the test extra): {e}", allow_module_level=True)
+
+import xxhash
+from support.api import http, wait_fleet
+from support.peerproc import tail, wait_started
+from support.swarm import Swarm, free_port
+
+from bdn.rl.publisher import identity_of
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import trl_grpo
+
+STEPS = 5
+MAX_STALENESS = 1
+
+
+def _listening(url: str) -> bool:
+    """The engine's HTTP server answers (503 while it waits for its first snapshot)."""
+    try:
+        status, _ = http("GET", url + "/health", timeout=2)
+    except OSError:
+        return False
+    return status in (200, 503)
+
+
+def test_grpo_trains_on_rollouts_from_engines_bdn_hot_loads(tmp_path: Path) -> None:
+    bucket = f"file://{tmp_path / 'bucket'}"
+    engines: list[tuple[subprocess.Popen[bytes], str, Path]] = []
+    with Swarm(tmp_path / "nodes", 2, bucket) as swarm:
+        try:
+            for d in swarm.daemons:
+                url, log = f"http://127.0.0.1:{free_port()}", d.dir / "engine.log"
+                with open(log, "wb") as f:
+                    p = subprocess.Popen([sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", d.url,
+                                          "--listen", url.removeprefix("http://"), "--replica-id", d.node_id],
+                                         stdout=f, stderr=subprocess.STDOUT)
+                engines.append((p, url, log))
+            for p, url, log in engines:
+                wait_started(p, lambda u=url: _listening(u), 240, f"engine {url}", "listening",
+                             lambda lg=log: tail(lg, 4000))
+            urls = [u for _p, u, _l in engines]
+
+            run = trl_grpo.train(bucket, swarm.daemons[0].url, urls, tmp_path / "trainer", steps=STEPS,
+                                 max_staleness=MAX_STALENESS)
+
+            assert trl_grpo.check(run, MAX_STALENESS, STEPS) == []
+            # every step's rollouts: generated at that step, within the bound, never ahead of the trainer
+            per_step: dict[int, list[int]] = {}
+            for r in run.rollouts:
+                assert r.last_use_step == r.step  # GRPO's defaults: one optimizer step per generation
+                assert r.step - MAX_STALENESS <= r.policy_version <= r.step, r
+                assert r.identity == identity_of("step", r.policy_version)
+                per_step.setdefault(r.step, []).append(r.policy_version)
+            assert sorted(per_step) == list(range(STEPS))
+            assert all(len(v) == 8 for v in per_step.values()), per_step
+            # the versions advance: the last step's rollouts come from a policy the first step's did not
+            assert min(per_step[STEPS - 1]) >= STEPS - 1 - MAX_STALENESS > max(per_step[0]) == 0
+            assert [(p.identity, p.kind) for p in run.published] == (
+                [("step000000", "full")] + [(identity_of("step", v), "delta") for v in range(1, STEPS + 1)])
+            assert all(p.hot_loaded_at is not None for p in run.published)
+            losses = [h["loss"] for h in run.log_history if "loss" in h]
+            assert len(losses) == STEPS
+
+            # the fleet ends on the last step, each engine with the trainer's final weights
+            last = identity_of("step", STEPS)
+            reps = wait_fleet(swarm.daemons[0].url, last, timeout=120)
+            assert sorted(r["replica_id"] for r in reps) == ["node0", "node1"]
+            want = {k: xxhash.xxh3_128_hexdigest(v.tobytes()) for k, v in run.final_state.items()}
+            for url in urls:
+                status, w = http("GET", url + "/debug/weights")
+                assert status == 200 and w["identity"] == last and w["policy_version"] == STEPS
+                assert w["tensors"] == want, f"{url}: served weights differ from the trainer's"
+        finally:
+            for p, _u, _l in engines:
+                p.terminate()
+            for p, _u, _l in engines:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
