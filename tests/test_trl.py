@@ -10,7 +10,9 @@ through ``BdnRollouts`` (GRPO's ``rollout_func``) with the policy version the en
 Asserted: every step trained on rollouts generated at that step, each no more than the configured
 bound behind the trainer and none ahead of it; the versions advance; every step was published in
 order (one anchor, then deltas); after training both engines serve the last step with weights
-equal, tensor for tensor, to the trainer's final weights cast to bf16.
+equal, tensor for tensor, to the trainer's final weights cast to bf16. Then the gate against the
+same engines: a trainer ahead of every engine waits and times out, one behind them refuses
+rollouts from its future (StaleRollout), a batch reused past the bound is refused at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -37,6 +40,7 @@ from support.peerproc import tail
 from support.swarm import Swarm, free_port
 
 from bdn.rl.publisher import identity_of
+from bdn.rl.trl import BdnRollouts, StaleRollout
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")  # TRL 1.16 on transformers 5
 
@@ -47,6 +51,16 @@ import trl_grpo
 STEPS = 5
 BATCH = 4  # one prompt, GRPO's group of 4 completions, per step
 MAX_STALENESS = 1
+
+
+class _Trainer:
+    """What BdnRollouts reads of a GRPOTrainer (``state.global_step`` and three ``args``), for
+    calling it outside a training loop."""
+
+    def __init__(self, step: int, steps_per_generation: int = 1) -> None:
+        self.state = SimpleNamespace(global_step=step)
+        self.args = SimpleNamespace(steps_per_generation=steps_per_generation, gradient_accumulation_steps=1,
+                                    num_iterations=1)
 
 
 def test_grpo_trains_on_rollouts_from_engines_bdn_hot_loads(tmp_path: Path) -> None:
@@ -70,7 +84,6 @@ def test_grpo_trains_on_rollouts_from_engines_bdn_hot_loads(tmp_path: Path) -> N
                 logs = "\n".join(f"--- engine {u} (exit {p.poll()}):\n{tail(lg, 3000)}" for p, u, lg in engines)
                 raise AssertionError(f"training failed: {e}\n{logs}") from e
 
-            print("TIMING", run.seconds, [h.get("step_time") for h in run.log_history])
             assert trl_grpo.check(run, MAX_STALENESS, STEPS) == []
             # every step's rollouts: generated at that step, within the bound, never ahead of the trainer
             per_step: dict[int, list[int]] = {}
@@ -98,6 +111,20 @@ def test_grpo_trains_on_rollouts_from_engines_bdn_hot_loads(tmp_path: Path) -> N
                 status, w = http("GET", url + "/debug/weights")
                 assert status == 200 and w["identity"] == last and w["policy_version"] == STEPS
                 assert w["tensors"] == want, f"{url}: served weights differ from the trainer's"
+
+            # The gate, against the same engines (they serve version STEPS now): a trainer ahead of
+            # every engine waits and gives up; one behind them refuses rollouts from its future.
+            ahead = BdnRollouts(urls, max_staleness=0, wait_s=1.0)
+            with pytest.raises(TimeoutError, match=f"no engine serves policy version {STEPS + 2} or later"):
+                ahead(["hi"], _Trainer(STEPS + 2))
+            behind = BdnRollouts(urls, max_staleness=1, retries=1, max_tokens=2)
+            with pytest.raises(StaleRollout, match=rf"policy versions \[{STEPS}\], outside \[1, 2\]"):
+                behind(["hi"], _Trainer(2))
+            reuse = BdnRollouts(urls, max_staleness=1)
+            with pytest.raises(ValueError, match="trains 3 steps, more than max_staleness"):
+                reuse(["hi"], _Trainer(4, steps_per_generation=3))
+            for r in (ahead, behind, reuse):
+                r.close()
         finally:
             for p, _u, _l in engines:
                 p.terminate()

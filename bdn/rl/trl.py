@@ -114,7 +114,8 @@ class BdnPublishCallback(TrainerCallback):  # type: ignore[misc]
 
 
 class StaleRollout(RuntimeError):
-    """An engine kept answering with a policy older than the staleness bound allows."""
+    """An engine kept answering with a policy the staleness bound does not admit: older than it
+    allows, or newer than the trainer's weights (another run's snapshot in the fleet)."""
 
 
 @dataclass(frozen=True)
@@ -194,5 +195,5 @@ class BdnRollouts:
             if self.bound.admissible(last, r.policy_versions):
                 return r
             url = self.pool.wait_serving(lo, self.wait_s)[0]
-        raise StaleRollout(f"engine {url} answered with policy versions {r.policy_versions}, older than {lo} "
-                           f"(max_staleness {self.bound.max_staleness} at step {last}) after {self.retries} retries")
+        raise StaleRollout(f"engine {url} answered with policy versions {r.policy_versions}, outside [{lo}, {last}] "
+                           f"(max_staleness {self.bound.max_staleness} at step {last}), {self.retries + 1} times")
