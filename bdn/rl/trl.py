@@ -182,18 +182,21 @@ class BdnRollouts:
                              f"{self.bound.max_staleness + 1}: no policy can satisfy the bound")
         messages = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
         ok = self.pool.wait_serving(lo, self.wait_s)
-        jobs = [functools.partial(self._one, m, ok[i % len(ok)], lo, last) for i, m in enumerate(messages)]
+        jobs = [functools.partial(self._one, m, ok[i % len(ok)], step, last) for i, m in enumerate(messages)]
         rollouts = self.pool.map(jobs)
         self.log += [RolloutRecord(step, last, min(r.policy_versions), r.replica_id, r.identity) for r in rollouts]
         return {"prompt_ids": [r.prompt_ids for r in rollouts], "completion_ids": [r.completion_ids for r in rollouts],
                 "logprobs": [r.logprobs for r in rollouts], "policy_version": [min(r.policy_versions) for r in rollouts]}
 
-    def _one(self, messages: Any, url: str, lo: int, last: int) -> Rollout:
+    def _one(self, messages: Any, url: str, step: int, last: int) -> Rollout:
+        """One rollout admissible at its last use ``last`` and made by no policy newer than the
+        trainer's ``step``; asked again (of an engine serving an admissible policy) up to ``retries`` times."""
+        lo = self.bound.min_version(last)
         for _ in range(self.retries + 1):
             r = self.pool.complete(url, messages, max_tokens=self.max_tokens, temperature=self.temperature,
                                    seed=self._seed())
-            if self.bound.admissible(last, r.policy_versions):
+            if self.bound.admissible(last, r.policy_versions) and max(r.policy_versions) <= step:
                 return r
             url = self.pool.wait_serving(lo, self.wait_s)[0]
-        raise StaleRollout(f"engine {url} answered with policy versions {r.policy_versions}, outside [{lo}, {last}] "
+        raise StaleRollout(f"engine {url} answered with policy versions {r.policy_versions}, outside [{lo}, {step}] "
                            f"(max_staleness {self.bound.max_staleness} at step {last}), {self.retries + 1} times")
