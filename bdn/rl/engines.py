@@ -22,7 +22,7 @@ from typing import Any, Self
 
 import httpx
 
-__all__ = ["EngineAnswerError", "EnginePool", "Rollout"]
+__all__ = ["EngineAnswerError", "EnginePool", "Rollout", "parse_answer"]
 
 
 class EngineAnswerError(RuntimeError):
