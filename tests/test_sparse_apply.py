@@ -219,3 +219,41 @@ def test_the_kernel_is_exact_on_every_block_path(tmp_path: Path, monkeypatch: py
     res = sparse.apply_sparse(buf, header, d, streams, known, map=fileops.thread_map(2))
     assert buf.tobytes() == (tmp_path / "t").read_bytes()
     assert res.checksummed == 0 and set(res.ranges) == set(base)
+
+
+@pytest.mark.parametrize("run", [1, 3, 64])  # every light block alone; runs split by RUN_BLOCKS and by heavy blocks; one run a tensor
+def test_light_blocks_applied_in_runs_match_the_trainer_and_the_streams_ranges(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: int,
+) -> None:
+    import ml_dtypes
+
+    from bdn.proto import planes
+
+    monkeypatch.setattr(planes, "PLANES_BLOCK", 4096)
+    monkeypatch.setattr(sparse, "RUN_BLOCKS", run)
+    rng = np.random.default_rng(run)
+    base = {f"t{i}": (rng.standard_normal((200 + i, 300)) * 0.02).astype(ml_dtypes.bfloat16) for i in range(3)}
+    target = {k: v.copy() for k, v in base.items()}
+    for v in target.values():
+        bits = v.reshape(-1).view(np.uint16)
+        for blk in range(len(bits) // 4096):  # 4096-word blocks: light, light, heavy, same, ...
+            lo = blk * 4096
+            if blk % 4 in (0, 1):
+                bits[lo + rng.choice(4096, 7, replace=False)] ^= 3  # light: far below 1/16 of the bytes
+            elif blk % 4 == 2:
+                bits[lo : lo + 4096 : 2] ^= 1  # heavy
+    fileops.save(tmp_path / "b", base)
+    fileops.save(tmp_path / "t", target)
+    fileops.write_diff_file(tmp_path / "b", tmp_path / "t", tmp_path / "x", "bdn_planes_v1")
+    buf = np.fromfile(tmp_path / "b", dtype=np.uint8)
+    header = fileops.read_header(tmp_path / "b")
+    d = np.fromfile(tmp_path / "x", dtype=np.uint8)
+    _, streams = arc.read_diff_header(d, len(d))
+    known = {n: zlib.adler32(buf[t.start : t.end].tobytes()) for n, t in header.tensors.items()}
+    res = sparse.apply_sparse(buf, header, d, streams, known, map=fileops.thread_map(2))
+    assert buf.tobytes() == (tmp_path / "t").read_bytes()
+    tgt = np.fromfile(tmp_path / "t", dtype=np.uint8)
+    for name, info in header.tensors.items():
+        assert res.adlers[name] == zlib.adler32(tgt[info.start : info.end].tobytes())
+        s = streams[name]
+        assert res.ranges[name] == sparse.stream_ranges(d[s.frame_start : s.frame_end], info)
