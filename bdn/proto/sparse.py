@@ -250,6 +250,8 @@ def _is_heavy(blk: _PlanesBlock, w: int) -> bool:
 #: Light sparse blocks of one tensor applied together by :func:`_light_run` (one gather, XOR,
 #: scatter and checksum pass for them all instead of a dozen numpy calls per block).
 RUN_BLOCKS = 32
+#: A file whose blocks write fewer bytes than this is applied on the calling thread.
+SERIAL_BYTES = 8 << 20
 
 
 def _light_run(
@@ -279,7 +281,9 @@ def apply_sparse(
     ``base_header``: the base file's parsed header (the target's is the same, :mod:`bdn.proto.arc`);
     ``diff_buf``/``streams``: a ``bdn_planes_v1`` diff file and its streams (``read_diff_header``);
     ``adlers``: what the caller knows of the base tensors' Adler-32s (a missing name is computed
-    from ``buf`` before its tensor is written, if it changes). Blocks are tasks through ``map``.
+    from ``buf`` before its tensor is written, if it changes). Blocks are tasks through ``map``
+    (heavy blocks alone, light ones in runs of :data:`RUN_BLOCKS`), on the calling thread when
+    they write fewer than :data:`SERIAL_BYTES` together.
 
     Raises:
         ProtocolError: a stream does not fit the base (naming tensor and block); nothing of that
@@ -362,7 +366,10 @@ def apply_sparse(
             return ProtocolError(f"tensor {_q(info.name)}: bdn_planes_v1 block {blks[0].index}: {e}")
         return None
 
-    err = first_error(one, tasks, map)
+    # Little to write (0.1 % of a model's values): threads cost more (GIL hand-offs, a busy
+    # machine's scheduler) than they save, so the file's tasks run on this thread.
+    work = sum((blk.hi - blk.lo) if blk.mode == _P_DENSE else blk.k * parsed[ti][2] for ti, _, blks in tasks for blk in blks)
+    err = first_error(one, tasks, map if work >= SERIAL_BYTES else serial_map)
     if err is not None:
         raise err
     out: list[list[Any]] = [[] for _ in parsed]
