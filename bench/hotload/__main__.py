@@ -41,12 +41,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,7 +62,8 @@ RESULTS = ROOT / "bench" / "results"
 MODES = (("partial", "changed tensors only, rebound", True, "rebind"),
          ("partial-copy", "changed tensors only, copied in place", True, "copy"),
          ("full", "full reload, copied in place", False, "copy"))
-METRICS = ("post_to_done_s", "pause_ms", "prepare_ms", "memcpy_changed_s", "transfer_floor_s", "apply_s")
+METRICS = ("post_to_done_s", "pause_ms", "prepare_ms", "memcpy_changed_s", "transfer_floor_s", "apply_s",
+           "sparse_floor_s")
 
 
 def free_port() -> int:
@@ -111,6 +115,71 @@ def transfer_floor_s(bucket_dir: Path, identity: str, shm: Path) -> float:
     return dt
 
 
+def sparse_floor_s(prev: dict, new: dict, names: list[str]) -> float:
+    """Seconds of the in-place XOR of exactly the changed bytes of ``names`` (positions and XOR
+    values precomputed) into copies of the previous tensors' bytes: the sparse floor's write part
+    (reading the delta is ``transfer_floor_s``)."""
+    import numpy as np
+    import torch
+
+    work = []
+    for n in names:
+        a = prev[n].contiguous().view(-1).view(torch.uint8).numpy()
+        b = new[n].contiguous().view(-1).view(torch.uint8).numpy()
+        idx = np.flatnonzero(a != b)
+        work.append((a.copy(), idx, a[idx] ^ b[idx]))
+    t0 = time.perf_counter()
+    for buf, idx, x in work:
+        buf[idx] ^= x
+    return time.perf_counter() - t0
+
+
+class Peaks:
+    """Samples, every ``every`` s on a thread, the bytes of the files under ``shm`` (allocated
+    blocks) and the daemon's resident memory (``/proc/<pid>/status``: RssAnon, RssShmem); the
+    daemon's VmHWM (peak RSS) is read at :meth:`stop`."""
+
+    def __init__(self, shm: Path, pid: int, every: float = 0.05) -> None:
+        self.shm, self.pid, self.every = shm, pid, every
+        self.shm_peak = self.anon_peak = self.shmem_peak = self.hwm = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _status(self) -> dict[str, int]:
+        try:
+            text = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return {}
+        return {k: int(v) * 1024 for k, v in re.findall(r"^(\w+):\s+(\d+) kB", text, re.MULTILINE)}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            total = 0
+            for d, _, files in os.walk(self.shm):
+                for f in files:
+                    try:
+                        total += os.lstat(os.path.join(d, f)).st_blocks * 512
+                    except OSError:
+                        pass
+            st = self._status()
+            self.shm_peak = max(self.shm_peak, total)
+            self.anon_peak = max(self.anon_peak, st.get("RssAnon", 0))
+            self.shmem_peak = max(self.shmem_peak, st.get("RssShmem", 0))
+
+    def stop(self) -> None:
+        self.hwm = self._status().get("VmHWM", 0)
+        self._stop.set()
+        self._t.join()
+
+
+def sparse_counters(url: str) -> dict[str, float]:
+    """The daemon's ``bdn_sparse_total`` counters (applies, bytes_written, fallbacks, chunks_bad)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^bdn_sparse_total\{what="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=2048)
@@ -123,6 +192,10 @@ def main() -> int:
     ap.add_argument("--modes", default="partial,partial-copy,full",
                     help="rows to measure (comma-separated): partial (changed tensors, rebound), partial-copy "
                          "(changed tensors, copied in place), full (every tensor, copied in place)")
+    ap.add_argument("--codec", default="arc_v2", choices=("arc_v2", "bdn_planes_v1"),
+                    help="the deltas' compression format (bdn_planes_v1: bdnd applies it sparsely)")
+    ap.add_argument("--keep-ready", type=int, default=None,
+                    help="bdnd's keep_ready (1: the served snapshot plus one buffer, DESIGN.md 'Sparse apply')")
     runs.add_runs_arg(ap)
     a = ap.parse_args()
 
@@ -153,16 +226,18 @@ def main() -> int:
         # every delta the runs will need, published before anything is timed
         steps = len([m for m in MODES if m[0] in a.modes.split(",")]) * a.runs
         changed_names: dict[str, list[str]] = {}
+        sfloor: dict[str, float] = {}
         prev_dir = work / "ck1"
         for i in range(2, steps + 2):
             new = tiny_llama.optimizer_step(state, a.frac, seed=i, tensors=n_tensors)
             names = [k for k in new if not torch.equal(new[k].view(torch.int16), state[k].view(torch.int16))]
             d = tiny_llama.save_state(work / f"ck{i}", work / "ck1", new)
-            publish_delta(bucket, ident(i), i, ident(i - 1), dir=d, base_dir=prev_dir)
+            publish_delta(bucket, ident(i), i, ident(i - 1), dir=d, base_dir=prev_dir, compression_format=a.codec)
             if prev_dir != work / "ck1":
                 shutil.rmtree(prev_dir)
-            prev_dir, state = d, new
             changed_names[ident(i)] = names
+            sfloor[ident(i)] = sparse_floor_s(state, new, names)
+            prev_dir, state = d, new
             print(f"published {ident(i)}: {len(names)} tensors changed", flush=True)
         (work / "secret").write_text(os.urandom(32).hex() + "\n")
         local, peer = free_port(), free_port()
@@ -170,9 +245,12 @@ def main() -> int:
                    BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
                    BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(work / "secret"), BDN_LOAD_STARTUP="false",
                    BDN_STARTUP_SETTLE_S="0", BDN_MANIFEST_POLL_S="0.05", BDN_ENGINE_TTL_S="120", BDN_LOG_JSON="true")
+        if a.keep_ready is not None:
+            env.update(BDN_KEEP_READY=str(a.keep_ready), BDN_GC_GRACE_S="0")
         log = open(work / "bdnd.log", "wb")
         proc = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{local}"
+        peaks = Peaks(shm, proc.pid)
         with DaemonClient(url) as c:
             for _ in range(600):
                 try:
@@ -221,6 +299,7 @@ def main() -> int:
                         wall_done = time.time()
                         rep = svc.engine.last_swap
                         rec = c.snapshot(target)
+                        counters = sparse_counters(url)
                         stages = rec.get("stages") or {}
                         daemon_apply = float(stages.get("applying", 0.0)) + float(stages.get("verifying", 0.0))
                         floor = transfer_floor_s(bucket_dir, target, shm)
@@ -229,7 +308,8 @@ def main() -> int:
                         row = {"post_to_done_s": round(post_to_done, 4), "pause_ms": rep["pause_ms"],
                                "prepare_ms": rep["prepare_ms"], "memcpy_changed_s": round(mc, 5),
                                "memcpy_torch_s": round(mcs["torch"], 5), "memcpy_numpy_s": round(mcs["memcpy"], 5),
-                               "transfer_floor_s": round(floor, 4),
+                               "transfer_floor_s": round(floor, 4), "sparse_floor_s": round(sfloor[target], 5),
+                               "sparse_counters": counters,
                                "apply_s": round(daemon_apply + (rep["prepare_ms"] + rep["pause_ms"]) / 1000, 4),
                                "daemon_apply_s": round(daemon_apply, 4), "swap_mode": rep["mode"],
                                "changed_source": rep["changed_source"], "swap_method": rep.get("swap_method"), "tensors_copied": rep["tensors_copied"],
@@ -250,12 +330,19 @@ def main() -> int:
                     med = row.get("median", row)
                     row.update(mode=mode, model_bytes=model_bytes, changed_tensors=len(changed_names[ident(step - 1)]),
                                frac=a.frac, pause_vs_memcpy=round(med["pause_ms"] / 1000 / med["memcpy_changed_s"], 3),
-                               done_vs_floor=round(med["post_to_done_s"] / (med["transfer_floor_s"] + med["apply_s"]), 3))
+                               done_vs_floor=round(med["post_to_done_s"] / (med["transfer_floor_s"] + med["apply_s"]), 3),
+                               done_vs_sparse_floor=round(med["post_to_done_s"] / (
+                                   med["transfer_floor_s"] + med["sparse_floor_s"] + med["pause_ms"] / 1000), 3))
                     rows.append(row)
+        peaks.stop()
         load1 = os.getloadavg()
+        mem = {"model_bytes": model_bytes, "shm_peak_bytes": peaks.shm_peak, "daemon_rss_hwm_bytes": peaks.hwm,
+               "daemon_rss_anon_peak_bytes": peaks.anon_peak, "daemon_rss_shmem_peak_bytes": peaks.shmem_peak}
+        print("memory (model sizes): " + ", ".join(f"{k[:-6]} {v / model_bytes:.2f}" for k, v in mem.items()
+                                                   if k != "model_bytes"), flush=True)
         out = {"benchmark": "hotload", "cores": os.cpu_count(), "load_average_start": load0[0],
                "load_average_end": load1[0], "hidden": a.hidden, "layers": a.layers, "tensors": a.tensors,
-               "rows": rows}
+               "codec": a.codec, "keep_ready": a.keep_ready, "memory": mem, "rows": rows}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {a.out} (load average {load0[0]:.1f} -> {load1[0]:.1f})")
@@ -263,7 +350,8 @@ def main() -> int:
             m = r.get("median", r)
             print(f"{r['mode']:>22}: POST->done {m['post_to_done_s']:.2f} s, pause {m['pause_ms']:.1f} ms "
                   f"(memcpy of changed {m['memcpy_changed_s'] * 1000:.1f} ms, x{r['pause_vs_memcpy']}), "
-                  f"floor+apply {m['transfer_floor_s'] + m['apply_s']:.2f} s (x{r['done_vs_floor']})")
+                  f"floor+apply {m['transfer_floor_s'] + m['apply_s']:.2f} s (x{r['done_vs_floor']}), "
+                  f"transfer + sparse floor + pause x{r['done_vs_sparse_floor']}")
     finally:
         if proc is not None and proc.poll() is None:
             proc.terminate()

@@ -36,7 +36,9 @@ import os
 import shutil
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +83,18 @@ def manifest_for(work: Path, base: Path, target: Path, diff: Path) -> Manifest:
                       "chunks": fileops.chunk_digests(diff, CHUNK),
                       "result": {"size": target.stat().st_size, "chunks": fileops.chunk_digests(target, CHUNK)}}]}
     return Manifest.from_json(json.dumps(doc).encode())
+
+
+def sparse_step(o: np.ndarray, diff: Path, bh: Any, adlers: dict[str, int], workers: int, size: int,
+                base_digests: list[str], m: Manifest) -> sparse.SparseResult:
+    """The sparse step on the buffer's held mapping ``o``: map the diff, apply it in place, compare
+    the untouched chunks' digests (what ``sparse_s`` times)."""
+    dmap = np.memmap(diff, dtype=np.uint8, mode="r")
+    _, streams = arc.read_diff_header(dmap, len(dmap))
+    sa = sparse.apply_sparse(o, bh, dmap, streams, adlers, map=fileops.thread_map(workers))
+    touched = sparse.touched_chunks(sa.ranges, size, CHUNK)
+    sparse.check_untouched(touched, base_digests, m.files[0].result_chunks, "model.safetensors")
+    return sa
 
 
 def report(paths: list[str]) -> None:
@@ -148,30 +162,34 @@ def main() -> None:
                 dsize = diff.stat().st_size
                 dbuf = np.empty(dsize, dtype=np.uint8)
                 ts: dict[str, list[float]] = {"memcpy_s": [], "sparse_floor_s": [], "today_s": [], "sparse_s": [],
-                                              "sparse_cold_s": []}
-                written = 0
+                                              "sparse_cold_s": [], "memcpy_cpu_s": [], "sparse_floor_cpu_s": [],
+                                              "sparse_cpu_s": []}
+                written = heap_peak = 0
                 o = np.memmap(out, dtype=np.uint8, mode="r+")  # the buffer, mapped once (its pages hot)
                 np.copyto(o, base_map)
                 for _ in range(a.runs):
                     np.copyto(o, base_map)  # the buffer holds the base (untimed)
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     np.copyto(o, base_map)
                     ts["memcpy_s"].append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
+                    ts["memcpy_cpu_s"].append(time.process_time() - c0)
+                    t0, c0 = time.perf_counter(), time.process_time()
                     np.copyto(dbuf, np.memmap(diff, dtype=np.uint8, mode="r"))
                     o[idx] ^= xor
                     ts["sparse_floor_s"].append(time.perf_counter() - t0)
+                    ts["sparse_floor_cpu_s"].append(time.process_time() - c0)
                     np.copyto(o, base_map)
-                    t0 = time.perf_counter()  # the sparse step on the buffer's held mapping
-                    dmap = np.memmap(diff, dtype=np.uint8, mode="r")
-                    _, streams = arc.read_diff_header(dmap, len(dmap))
-                    sa = sparse.apply_sparse(o, bh, dmap, streams, base_adlers, map=fileops.thread_map(a.workers))
-                    touched = sparse.touched_chunks(sa.ranges, size, CHUNK)
-                    sparse.check_untouched(touched, base_digests, m.files[0].result_chunks, "model.safetensors")
+                    t0, c0 = time.perf_counter(), time.process_time()  # the sparse step on the buffer's held mapping
+                    sa = sparse_step(o, diff, bh, base_adlers, a.workers, size, base_digests, m)
                     ts["sparse_s"].append(time.perf_counter() - t0)
-                    del dmap
+                    ts["sparse_cpu_s"].append(time.process_time() - c0)
                     written = sa.written
                     assert np.array_equal(o[idx], base_map[idx] ^ xor)
+                    np.copyto(o, base_map)
+                    tracemalloc.start()  # untimed: the step's peak heap (numpy buffers are traced)
+                    sparse_step(o, diff, bh, base_adlers, a.workers, size, base_digests, m)
+                    heap_peak = max(heap_peak, tracemalloc.get_traced_memory()[1])
+                    tracemalloc.stop()
                     np.copyto(o, base_map)
                     o.flush()
                     t0 = time.perf_counter()  # the same through a mapping made for this apply
@@ -187,12 +205,14 @@ def main() -> None:
                 del o
                 st = runs.summarize(ts)
                 row = {"pattern": pattern, "frac": frac, "model_bytes": size, "diff_bytes": dsize,
-                       "changed_bytes": len(idx), "written_bytes": written, "encode_s": enc_s, **st,
+                       "changed_bytes": len(idx), "written_bytes": written, "sparse_heap_peak_bytes": heap_peak, "encode_s": enc_s, **st,
                        **{k: st["median"][k] for k in ts}}
                 med = st["median"]
                 row["sparse_over_floor"] = med["sparse_s"] / med["sparse_floor_s"]
                 row["sparse_over_memcpy"] = med["sparse_s"] / med["memcpy_s"]
                 row["today_over_floor"] = med["today_s"] / med["sparse_floor_s"]
+                row["sparse_cpu_over_floor_cpu"] = med["sparse_cpu_s"] / med["sparse_floor_cpu_s"]
+                row["sparse_cpu_over_memcpy_cpu"] = med["sparse_cpu_s"] / med["memcpy_cpu_s"]
                 row["sparse_cold_over_floor"] = med["sparse_cold_s"] / med["sparse_floor_s"]
                 rows.append(row)
                 print(f"  {pattern:9s} {frac * 100:5.2f} %: diff {dsize / 1e6:7.1f} MB  memcpy "
@@ -200,7 +220,9 @@ def main() -> None:
                       f"today {runs.spread(row, 'today_s', 3)} s  sparse {runs.spread(row, 'sparse_s', 4)} s  "
                       f"cold map {runs.spread(row, 'sparse_cold_s', 3)} s "
                       f"(sparse = {row['sparse_over_floor']:.1f}x floor, {row['sparse_over_memcpy']:.2f}x memcpy; "
-                      f"today = {row['today_over_floor']:.1f}x floor)", flush=True)
+                      f"today = {row['today_over_floor']:.1f}x floor; CPU s: sparse {row['sparse_cpu_over_floor_cpu']:.1f}x "
+                      f"floor, {row['sparse_cpu_over_memcpy_cpu']:.2f}x memcpy; heap peak {heap_peak / 1e6:.0f} MB "
+                      f"= {heap_peak / size:.3f} model)", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     path = Path(a.out)
