@@ -222,7 +222,7 @@ def test_the_kernel_is_exact_on_every_block_path(tmp_path: Path, monkeypatch: py
     assert res.checksummed == 0 and set(res.ranges) == set(base)
 
 
-@pytest.mark.parametrize("run", [1, 3, 64])  # every light block alone; runs split by RUN_BLOCKS and by heavy blocks; one run a tensor
+@pytest.mark.parametrize("run", [1, 3, 64])  # every light block alone; runs cut by RUN_BLOCKS and heavy blocks; by RUN_WORDS
 def test_light_blocks_applied_in_runs_match_the_trainer_and_the_streams_ranges(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: int,
 ) -> None:
@@ -232,6 +232,7 @@ def test_light_blocks_applied_in_runs_match_the_trainer_and_the_streams_ranges(
 
     monkeypatch.setattr(planes, "PLANES_BLOCK", 4096)
     monkeypatch.setattr(sparse, "RUN_BLOCKS", run)
+    monkeypatch.setattr(sparse, "RUN_WORDS", 12 if run == 64 else 1 << 20)  # 64: runs cut by their words (7 a block)
     if run != 3:
         monkeypatch.setattr(sparse, "SERIAL_BYTES", 0)  # on 2 threads (small files run serially)
     rng = np.random.default_rng(run)

@@ -250,6 +250,9 @@ def _is_heavy(blk: _PlanesBlock, w: int) -> bool:
 #: Light sparse blocks of one tensor applied together by :func:`_light_run` (one gather, XOR,
 #: scatter and checksum pass for them all instead of a dozen numpy calls per block).
 RUN_BLOCKS = 32
+#: ... and of at most this many changed words together (a block with more is a run alone): a
+#: worker's memory for a run is about 70 bytes a changed word (indices, words, sums), ~70 MiB here.
+RUN_WORDS = 1 << 20
 #: A file whose blocks write fewer bytes than this is applied on the calling thread.
 SERIAL_BYTES = 8 << 20
 
@@ -344,10 +347,10 @@ def apply_sparse(
                     light = []
                 tasks.append((ti, len(tasks), [blk]))
                 continue
-            light.append(blk)
-            if len(light) == RUN_BLOCKS:
+            if light and (len(light) == RUN_BLOCKS or sum(x.k for x in light) + blk.k > RUN_WORDS):
                 tasks.append((ti, len(tasks), light))
                 light = []
+            light.append(blk)
         if light:
             tasks.append((ti, len(tasks), light))
     res_of: list[Any] = [None] * len(tasks)
