@@ -103,13 +103,18 @@ def report(paths: list[str]) -> None:
         return f"{r['median'][k]:.{nd}f} ({r['min'][k]:.{nd}f}–{r['max'][k]:.{nd}f})"
 
     print("| pattern | changed | diff MB | memcpy(model) s | sparse floor s | today s | sparse (mapping populated ahead) s"
-          " | sparse, mapped per apply s | sparse / floor | sparse / memcpy | today / floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          " | sparse, mapped per apply s | sparse / floor | sparse / memcpy | CPU s: sparse / floor | CPU s: sparse / memcpy"
+          " | sparse peak heap (model sizes) | today / floor |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in paths:
         for r in json.loads(Path(path).read_text())["rows"]:
+            heap = r.get("sparse_heap_peak_bytes")
+            hs = "" if heap is None else f"{heap / r['model_bytes']:.4f}"
             print(f"| {r['pattern']} | {r['frac'] * 100:g} % | {r['diff_bytes'] / 1e6:.1f} | {sp(r, 'memcpy_s')} | "
                   f"{sp(r, 'sparse_floor_s', 4)} | {sp(r, 'today_s', 2)} | {sp(r, 'sparse_s')} | {sp(r, 'sparse_cold_s')} | "
-                  f"{r['sparse_over_floor']:.1f}x | {r['sparse_over_memcpy']:.2f}x | {r['today_over_floor']:.1f}x |")
+                  f"{r['sparse_over_floor']:.1f}x | {r['sparse_over_memcpy']:.2f}x | "
+                  f"{r.get('sparse_cpu_over_floor_cpu', float('nan')):.1f}x | {r.get('sparse_cpu_over_memcpy_cpu', float('nan')):.2f}x | "
+                  f"{hs} | {r['today_over_floor']:.1f}x |")
 
 
 def main() -> None:
