@@ -134,6 +134,7 @@ class TransferClient:
         cut_through: bool = False,
         fd: int | None = None,
         relay: Callable[[], Growing | None] | None = None,
+        on_data: Callable[[], None] | None = None,
     ) -> FetchResult:
         """Fetch ``length`` bytes at ``chunk_offset`` of the chunk at swarm ``address`` from
         ``peer`` into ``dest`` at ``offset`` and check them against ``digest`` (32 hex chars,
@@ -160,7 +161,9 @@ class TransferClient:
         by the caller, so this node's transfer server answers other askers from it) is told of
         each part as it lands, then ``verified()`` once the digest matched, or ``failed()``
         (its own answers in flight are cut off): a relay chain, owner -> here -> further askers,
-        each link at the pace of the bucket read. Blocks the calling thread. On anything but ``OK`` the range of ``dest`` holds unspecified bytes;
+        each link at the pace of the bucket read. ``on_data``: called (on this thread) when a
+        whole-chunk answer (DATA) begins, before its body: the asker times the peer's sending
+        from there (bdn.daemon.fetch.policy.SourceBook). Blocks the calling thread. On anything but ``OK`` the range of ``dest`` holds unspecified bytes;
         the caller must not index or serve them.
 
         Raises:
@@ -177,24 +180,26 @@ class TransferClient:
         if isinstance(dest, int):
             if offset < 0:
                 raise ValueError(f"negative file offset {offset}")
-            return self._fetch(peer, ask, dest, offset, length, wait_s, digest, False)
+            return self._fetch(peer, ask, dest, offset, length, wait_s, digest, False, on_data=on_data)
         with memoryview(dest) as whole:
             if whole.readonly or not (0 <= offset and offset + length <= whole.nbytes):
                 raise ValueError(f"range {offset}+{length} is not inside a writable buffer of {whole.nbytes} bytes")
             with whole.cast("B")[offset : offset + length] as target:
                 return self._fetch(peer, ask, target, 0, length, wait_s, digest, bool(flags),
-                                   None if fd is None else (fd, offset), relay if flags else None)
+                                   None if fd is None else (fd, offset), relay if flags else None, on_data)
 
     def _fetch(
         self, peer: Peer, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
         cut_ok: bool, file_sink: tuple[int, int] | None = None, relay: Callable[[], Growing | None] | None = None,
+        on_data: Callable[[], None] | None = None,
     ) -> FetchResult:
         stream = self._streams.acquire(peer)
         if isinstance(stream, str):
             return FetchResult(Outcome.FAILED, error=stream)
         keep = False
         try:
-            result = self._exchange(stream, ask, sink, offset, length, wait_s, digest, cut_ok, file_sink, relay)
+            result = self._exchange(stream, ask, sink, offset, length, wait_s, digest, cut_ok, file_sink, relay,
+                                    on_data)
             # a peer that sent wrong bytes may have sent more than it announced: never reuse it
             keep = result.outcome not in (Outcome.FAILED, Outcome.CORRUPT)
             return result
@@ -269,7 +274,7 @@ class TransferClient:
     def _exchange(
         self, s: Stream, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
         cut_ok: bool = False, file_sink: tuple[int, int] | None = None,
-        relay: Callable[[], Growing | None] | None = None,
+        relay: Callable[[], Growing | None] | None = None, on_data: Callable[[], None] | None = None,
     ) -> FetchResult:
         peer = s.session.peer_node_id
         cut = False
@@ -298,6 +303,8 @@ class TransferClient:
             elif (n := wire.decode_data(payload)) != length:
                 raise ProtocolError(f"announced {n} bytes for a {length}-byte request")
             else:
+                if on_data is not None:
+                    on_data()
                 # ``wait_s`` was for the answer to come; the body gets ``io_timeout_s`` of silence
                 # (within two of them a stopped body ends) and ``body_limit`` as a whole
                 if s.recv_timeout != self._io_timeout:

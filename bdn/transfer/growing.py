@@ -8,7 +8,7 @@ bytes go on as they land, at the rate the bucket gives them.
 
 How (DESIGN.md, "Cut-through"):
 
-- The owner reads a chunk from the bucket in parts (``bdn.daemon.fetch.plan.bucket_parts``),
+- The owner reads a chunk from the bucket in parts (``bdn.daemon.fetch.policy.bucket_parts``),
   in parallel, straight into the target file's mapping. Each part reports the bytes it has
   landed so far (:meth:`Growing.landed`, from the bucket threads). :class:`GrowingChunks` holds
   the chunks in that state by swarm address.

@@ -31,11 +31,13 @@ from bdn.bucket import BucketError, BucketUnavailable, ObjectNotFound
 from bdn.daemon import retry_policy
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.chunklog import ChunkLog
+from bdn.daemon.clock import SYSTEM
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Superseded
-from bdn.daemon.fetch.plan import bucket_parts
+from bdn.daemon.fetch.policy import bucket_parts
 from bdn.daemon.fetch.relays import relay_hook
 from bdn.daemon.fetch.targets import TargetMaps
+from bdn.daemon.fetch.watch import Attempt
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import SnapshotJob
@@ -112,11 +114,13 @@ class WireSource:
     # ---- peers --------------------------------------------------------------------------------
     async def from_peer(
         self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path,
-        wait: float, errors: list[str], racing: bool = False,
+        wait: float, errors: list[str], racing: bool = False, att: Attempt | None = None,
     ) -> bool:
         """Ask ``peer`` (member ``m``) for ``ref`` (parked up to ``wait`` s at an owner). True
         when the chunk is in ``target`` and verified; False to try the next source (busy answers
-        counted in ``stats.busy_answers``, failures appended to ``errors``)."""
+        counted in ``stats.busy_answers``, failures appended to ``errors``). ``att`` is told
+        when the answer's body begins and how the request ended (bdn.daemon.fetch.watch)."""
+        att = att or Attempt(SYSTEM)
         sem = self._peer_sems.get(m.url)
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
@@ -150,13 +154,14 @@ class WireSource:
                     self.stats.inflight["peer"] += 1
                     try:
                         res = await (self._race_one if racing else self._direct)(job, m, peer, address, ref, target,
-                                                                                 wait)
+                                                                                 wait, att)
                     finally:
                         self.stats.inflight["peer"] -= 1
             finally:
                 sem.release()
         finally:
             m.inflight -= 1
+        att.outcome = res.outcome.value
         if self.chunk_log is not None:
             self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", res.outcome.value,
                                    "wire-cut" if res.cut_through else "wire")
@@ -205,6 +210,7 @@ class WireSource:
 
     async def _direct(
         self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
+        att: Attempt,
     ) -> FetchResult:
         try:
             mm = await self.maps.acquire(job, target)
@@ -217,7 +223,8 @@ class WireSource:
         relay = relay_hook(job, address, ref, target, relayed, self._grow) \
             if self.cfg.cut_through_relay and self.growing is not None else None
         fut = self.pool.submit(peer, address, mm, ref.offset, ref.length, ref.digest, wait_s=wait,
-                               snapshot=job.identity, cut_through=self.growing is not None, fd=fd, relay=relay)
+                               snapshot=job.identity, cut_through=self.growing is not None, fd=fd, relay=relay,
+                               on_data=att.data)
         try:
             return await self._await(fut, m, peer, lambda: self.maps.release(target))
         finally:
@@ -226,9 +233,11 @@ class WireSource:
 
     async def _race_one(
         self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
+        att: Attempt,
     ) -> FetchResult:
         buf = self.alloc(ref.length)
-        fut = self.pool.submit(peer, address, buf, 0, ref.length, ref.digest, wait_s=wait, snapshot=job.identity)
+        fut = self.pool.submit(peer, address, buf, 0, ref.length, ref.digest, wait_s=wait, snapshot=job.identity,
+                               on_data=att.data)
         res = await self._await(fut, m, peer, None, settle=False)
         if res.outcome is not Outcome.OK:
             self.free(buf)
