@@ -10,11 +10,14 @@ holder kept each chunk it was asked for until its whole copy arrived.
 from __future__ import annotations
 
 import json
+import os
 import urllib.request
 from pathlib import Path
 
+import msgpack
 import pytest
 
+from bdn.daemon.bitfield import Bitfield
 from bdn.proto import hrw
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
@@ -128,3 +131,54 @@ def test_a_holder_far_slower_than_the_others_is_asked_no_more_and_its_chunks_go_
         for d in (joiner, *seeds):
             d.stop()
         relay.cut()
+
+
+def _have(d: Daemon) -> dict:
+    keys = derive_keys(SECRET)
+    path = f"/bdn/v1/{keys.swarm_id}/snapshots/{IDENT}/have"
+    req = urllib.request.Request(d.peer_url + path, headers={
+        "Authorization": sign_request(keys, "GET", path, "tester", to=d.node_id)})
+    return msgpack.unpackb(urllib.request.urlopen(req, timeout=60).read(), raw=False)
+
+
+def test_a_node_whose_shard_files_were_deleted_or_truncated_stops_advertising_their_chunks(tmp_path: Path) -> None:
+    """Someone deletes one shard of a ready snapshot and truncates another. The node's have
+    answer (what its peers ask it for) no longer shows their chunks (before: every bit stayed
+    set, and the peers asked for chunks it could not send); a joiner gets the whole snapshot."""
+    bucket = f"file://{tmp_path}/bucket"
+    ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=4), 1)
+    m = publish_full(bucket, IDENT, 1, dir=ck, chunk_size=CHUNK)
+    work = tmp_path / "nodes"
+    seed = Daemon(work, "seed", bucket, extra_env=NO_STARTUP)
+    joiner = Daemon(work, "joiner", bucket, extra_env=NO_STARTUP)
+    big = sorted((f for f in m.files if len(f.chunks) > 1), key=lambda f: -f.size)[:2]
+    assert len(big) == 2
+    try:
+        seed.start([])
+        seed.wait_healthy()
+        assert seed.prefetch(IDENT)[0] == 202
+        ready = Path(seed.wait_ready(IDENT, 120)["path"])
+        (ready / big[0].path).unlink()
+        os.truncate(ready / big[1].path, big[1].size // 2)
+        starts, n = {}, 0
+        for f in m.files:
+            starts[f.path] = (n, n + len(f.chunks))
+            n += len(f.chunks)
+
+        def shown(path: str) -> list[bool]:
+            bits = Bitfield(n, _have(seed)["stored"])
+            return [bits[i] for i in range(*starts[path])]
+
+        wait_for(lambda: not any(shown(big[0].path)) and not any(shown(big[1].path)), 60,
+                 "the seed to stop advertising the chunks of the deleted and the truncated file")
+        others = [f for f in m.files if f not in big and f.chunks]
+        assert all(all(shown(f.path)) for f in others)
+        joiner.start([seed.peer_url])
+        joiner.wait_healthy()
+        wait_for(lambda: any(p["alive"] for p in joiner.status()["peers"]), 120, "the joiner to see the seed")
+        assert joiner.prefetch(IDENT)[0] == 202
+        joiner.wait_ready(IDENT, 120)
+        _same_files(joiner, ck)
+    finally:
+        joiner.stop()
+        seed.stop()

@@ -17,6 +17,7 @@ from bdn.daemon import retention
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Conflict, NotFound
+from bdn.daemon.fetch.held import HeldFiles
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.runner import Runner
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
@@ -42,6 +43,8 @@ class Catalog:
         self.index = index
         self.runner = runner
         self.clock = clock
+        #: The have-bits this node advertises: less the chunks of files gone from disk.
+        self.held = HeldFiles(clock)
         runner.jobs = self
         self.jobs: dict[str, SnapshotJob] = {}
         self.resumable: set[str] = set()
@@ -302,7 +305,7 @@ class Catalog:
         if job is None or job.manifest is None:
             return None
         await job.wait_change(since, wait)
-        return job.have_map()
+        return job.have_map(self.held.advertised(job, STORED), self.held.advertised(job, RESULT))
 
     def files(self, identity: str) -> list[dict[str, Any]]:
         """``[{path, size}]`` of a ready snapshot. Raises NotFound/Conflict."""

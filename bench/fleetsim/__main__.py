@@ -51,8 +51,7 @@ GB = 1e9
 CHUNKS = {100: 256, 1000: 256, 10000: 128}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
 FLEET_DEFAULTS: dict[str, Any] = {"serial_reads": True, "have_flush_s": 0.0, "download_slots": 16, "max_per_peer": 4,
-                                  "forward": "cut", "upload_pick": "fewest", "endgame_chunks": 4,
-                                  "upload_wait": "fresh"}
+                                  "forward": "cut", "endgame_chunks": 4}
 KEYS = ("seconds", "x_floor", "bucket_egress_over_s", "duplicate_bucket_reads", "control_msgs_per_node_s_mean",
         "control_msgs_per_node_s_max", "peer_state_bytes_per_node_max", "member_table_bytes_per_node",
         "hotload_target_spread_s", "hotload_done_s", "wall_s")
