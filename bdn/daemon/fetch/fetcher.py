@@ -252,8 +252,8 @@ class Fetcher:
             if not ranked:
                 # Nobody holds it yet, but a peer announced it is reading it from the bucket now:
                 # ask it at once, cut-through (bdn.transfer.growing), before parking anywhere.
-                # (the owner and the relays passing it on: in random order, so the askers spread
-                # over them; a full one answers busy and is not asked again for this chunk)
+                # (in random order, so the askers spread over them; a full one answers busy and is
+                # not asked again for this chunk)
                 growing = self.haves.growing_at(job, layer, idx)
                 self.rng.shuffle(growing)
                 for url in growing:

@@ -35,7 +35,6 @@ from bdn.daemon.clock import SYSTEM
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Superseded
 from bdn.daemon.fetch.policy import bucket_parts
-from bdn.daemon.fetch.relays import relay_hook
 from bdn.daemon.fetch.targets import TargetMaps
 from bdn.daemon.fetch.watch import Attempt
 from bdn.daemon.membership import Member, Membership
@@ -219,17 +218,10 @@ class WireSource:
         # peer_receive "write": a whole answer is pwritten through the stream's buffer (no
         # page tables for the mapping, no zeroing of fresh pages), a cut-through one lands in it
         fd = self.maps.fd(target) if self.cfg.peer_receive == "write" else None
-        relayed: list[Growing] = []
-        relay = relay_hook(job, address, ref, target, relayed, self._grow) \
-            if self.cfg.cut_through_relay and self.growing is not None else None
         fut = self.pool.submit(peer, address, mm, ref.offset, ref.length, ref.digest, wait_s=wait,
-                               snapshot=job.identity, cut_through=self.growing is not None, fd=fd, relay=relay,
+                               snapshot=job.identity, cut_through=self.growing is not None, fd=fd,
                                on_data=att.data)
-        try:
-            return await self._await(fut, m, peer, lambda: self.maps.release(target))
-        finally:
-            for g in relayed:  # registered on the loop before the result (call_soon_threadsafe: FIFO)
-                self._ungrow(job, ref, address, g)
+        return await self._await(fut, m, peer, lambda: self.maps.release(target))
 
     async def _race_one(
         self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
@@ -387,7 +379,7 @@ class WireSource:
         slots on it while the chunks landing then found none free; bench/NOTES.md.)"""
         assert self.growing is not None
         if g.state != "growing":
-            return  # a relay whose answer ended before the loop got here: nothing to pass on
+            return  # its read ended before the loop got here: nothing to pass on
         g.announced = True
         self.growing.start(address, g)
         if self.on_growing is not None:
