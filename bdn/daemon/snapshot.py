@@ -94,8 +94,10 @@ class SnapshotJob:
         self.flusher: asyncio.Task[None] | None = None
         self.bytes_resumed = 0
         self.tensor_index: dict[str, tuple[str, Any]] | None = None  # built on the first tensor pull
+        self.tensor_refused = ""  # why its headers cannot be served (logged once)
         self.foreign: Any = None  # ForeignState of a snapshot without a manifest (bdn.daemon.foreign_source)
         self.wait_publish = True  # with nothing in the bucket yet: wait (True) or fail at once
+        self.derived = False  # restored from the store with a table derived here: no claims to check
 
     # ---- layout --------------------------------------------------------------------------
     def result_dir(self) -> Path:
@@ -220,6 +222,17 @@ class SnapshotJob:
         self.stored_bytes = m.stored_bytes
         self.result_bytes = m.result_bytes
         self.bytes_total = m.stored_bytes
+
+    def restored(self, manifest_digest: str, created: float, derived: bool) -> None:
+        """Event: the snapshot was found READY in shm at start (``bdn.daemon.records``), its
+        manifest attached: both layers held, created at ``created`` (epoch s) as before the
+        restart, ``ready``."""
+        self.manifest_digest, self.created, self.derived = manifest_digest, created, derived
+        self.layer_complete(STORED)
+        self.layer_complete(RESULT)
+        self.bytes_done = self.bytes_total
+        self.requested_by = "store"
+        self.set_state("ready")
 
     def set_state(self, state: str, reason: str = "") -> None:
         """Move to ``state`` (one of ``bdn.proto.states``) with ``reason``; the time spent in

@@ -172,7 +172,7 @@ async def get_tensor(request: web.Request) -> web.StreamResponse:
         return error(status_of(e), str(e))
     name = request.match_info["name"]
     try:
-        path, fname, info = cat.tensor(ident, name)
+        path, fname, info = await cat.tensor(ident, name)
     except BdnError as e:
         if status_of(e) == 500:
             return error(500, f"cannot read safetensors headers: {e}")
