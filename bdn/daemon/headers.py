@@ -12,10 +12,18 @@ exactly the files the installed library accepts. bdn's parser
 ``data_offsets`` per tensor, the header starting with ``{``) is stricter than the library in a few
 rules; a file that passed only the library would reach READY and then fail ``GET .../tensors``, so
 both run here, and a file READY lets through is one the serving side reads.
+
+A header of ``CHILD_BYTES`` or more is checked in a child process (``python -m
+bdn.daemon.headers PATH NAME``): parsing 100 MB of JSON takes the CPU for seconds and, on a worker
+thread, holds the daemon's GIL against its event loop for most of them (a 98 MB header kept a
+snapshot ``verifying`` for minutes on a loaded machine, the loop seconds late, issue 31).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -23,10 +31,14 @@ from safetensors import SafetensorError, safe_open
 from bdn.fileops import read_header
 from bdn.proto.errors import ProtocolError
 from bdn.proto.manifest import Manifest
-from bdn.proto.safetensors_fmt import SafetensorsError
+from bdn.proto.safetensors_fmt import SafetensorsError, header_length
 
 SUFFIX = ".safetensors"
 _REASON_CHARS = 300
+#: Headers this long (bytes) or longer are checked in a child process.
+CHILD_BYTES = 4 << 20
+#: Seconds a child's check may take (100 MB of JSON on a loaded machine) before the file is refused.
+CHILD_TIMEOUT_S = 900.0
 
 
 class HeaderRefused(ProtocolError):
@@ -41,6 +53,31 @@ def check_file(path: Path, name: str) -> None:
         HeaderRefused: "<name>: bdn refuses its header: <reason, naming the key>" or "<name>: the
             safetensors library refuses its header: <its reason>".
     """
+    try:
+        with open(path, "rb") as fh:
+            big = header_length(fh.read(8)) >= CHILD_BYTES
+    except (SafetensorsError, OSError):
+        big = False  # refused below, in this process, with the reason
+    if big:
+        _check_in_child(path, name)
+        return
+    _check_here(path, name)
+
+
+def _check_in_child(path: Path, name: str) -> None:
+    """``_check_here`` in a child interpreter; its one-line refusal raised here as HeaderRefused."""
+    try:
+        r = subprocess.run([sys.executable, "-m", "bdn.daemon.headers", os.fspath(path), name],
+                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    except subprocess.TimeoutExpired:
+        raise HeaderRefused(f"{name}: its header check did not finish within {CHILD_TIMEOUT_S:g} s") from None
+    if r.returncode != 0:
+        lines = r.stderr.strip().splitlines()
+        raise HeaderRefused(lines[-1] if lines else f"{name}: its header check exited {r.returncode}")
+
+
+def _check_here(path: Path, name: str) -> None:
     try:
         read_header(path)
     except SafetensorsError as e:
@@ -67,3 +104,11 @@ def check_snapshot(m: Manifest, directory: Path) -> int:
             check_file(directory / f.path, f.path)
             n += 1
     return n
+
+
+if __name__ == "__main__":  # the child of _check_in_child: exit 0, or 1 with the refusal on stderr
+    try:
+        _check_here(Path(sys.argv[1]), sys.argv[2])
+    except HeaderRefused as e:
+        print(str(e), file=sys.stderr)
+        sys.exit(1)
