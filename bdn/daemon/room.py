@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from bdn.proto.manifest import Manifest
 
 #: JSON bytes per chunk digest in READY and in the manifest (indent 1: 4 spaces, quotes, comma, newline).
 _PER_DIGEST = 41
-#: JSON bytes per file around its path and digests (keys, sizes, brackets), an upper bound.
-_PER_FILE = 192
+#: JSON bytes per file around its path and digests (keys, indents, a size up to 2^50), an upper bound.
+_PER_FILE = 96
 #: The rest of a READY marker, a record or a progress file (format, identity, numbers), an upper bound.
 _FIXED = 1024
 
@@ -52,7 +53,7 @@ def pages(n: int, page: int) -> int:
 
 
 def _json_path(path: str) -> int:
-    return 6 * len(path.encode())  # every byte escaped as \\u00XX at worst
+    return len(json.dumps(path))  # as READY and the manifest write it (ASCII, escapes)
 
 
 def small_files(m: Manifest) -> tuple[int, int, int]:
@@ -75,15 +76,27 @@ def room(m: Manifest, page: int = 4096) -> Room:
     data += sum(pages(f.size, page) for f in m.files if f.is_diff)
     ready, record, progress = small_files(m)
     small = pages(ready, page) + pages(record, page) + 2 * pages(progress, page)
-    dirs = {PurePosixPath(f.path).parent for f in m.files}
-    dirs = {p for d in dirs for p in (d, *d.parents)} - {PurePosixPath(".")}
-    diff_dirs = {PurePosixPath(f.path).parent for f in m.files if f.is_diff}
-    diff_dirs = {p for d in diff_dirs for p in (d, *d.parents)} - {PurePosixPath(".")}
+    dirs = _dirs(f.path for f in m.files)
+    diff_dirs = _dirs(f.path for f in m.files if f.is_diff)
     n_diff = sum(1 for f in m.files if f.is_diff)
     inodes = len(m.files) + 1 + len(dirs)  # the files, the staging directory, its subdirectories
     inodes += (n_diff + 1 + len(diff_dirs)) if n_diff else 0  # the stored tree
     inodes += 5  # READY, the record, two progress files, the reservation
     return Room(data, small, inodes)
+
+
+def _dirs(paths: Iterable[str]) -> set[str]:
+    """Every directory above the ``/``-separated relative ``paths`` (not the root)."""
+    out: set[str] = set()
+    for p in paths:
+        i = p.rfind("/")
+        while i > 0:
+            d = p[:i]
+            if d in out:
+                break
+            out.add(d)
+            i = p.rfind("/", 0, i)
+    return out
 
 
 def _grow(path: Path, size: int) -> None:

@@ -104,7 +104,7 @@ class Runner:
         logctx.SNAPSHOT.set(job.identity)  # every line this task (and its children) logs names it
         try:
             m = await self._read_manifest(job)
-            job.attach_manifest(m)
+            await self._on(self.pools.disk, job.attach_manifest, m)  # O(files): off the loop
             saved = self.store.load_progress(m.identity, job.manifest_digest)
             if saved is not None:
                 await self._resume(job, saved)
