@@ -23,12 +23,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from support.api import wait_for
+from support.swarm import SECRET, Daemon
 
 from bdn.proto.chunks import digest
 from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import MANIFEST_NAME
-from support.api import wait_for
-from support.swarm import SECRET, Daemon
 
 PAGE = 4096
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root only)")
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root 
 def tmpfs(where: Path, size: int, inodes: int) -> Iterator[Path]:
     where.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(where)],
-                       capture_output=True, text=True)
+                       capture_output=True, text=True, check=False)
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
     try:
@@ -159,14 +159,13 @@ def test_a_full_tmpfs_at_start_exits_2_with_one_line(tmp_path: Path) -> None:
         except OSError as e:
             assert e.errno == errno.ENOSPC
         d = daemon(tmp_path, bucket, shm)
-        r = subprocess.run([sys.executable, "-m", "bdn.daemon.main"], env=d.env, capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "bdn.daemon.main"], env=d.env, capture_output=True, text=True, check=False,
                            timeout=300)
         assert r.returncode == 2, (r.returncode, r.stderr)
         store = shm / derive_keys(SECRET).swarm_id
-        assert r.stderr.strip().splitlines() == [
-            f"bdnd: error: shm_dir {str(shm)!r} is full, bdnd cannot create its store {store}: "
-            f"{free(shm)[0]} of {64 << 10} bytes, 0 of 16 inodes free on {shm} (free some, or give it a larger tmpfs)"
-        ], r.stderr
+        want = (f"bdnd: error: shm_dir {str(shm)!r} is full, bdnd cannot create its store {store}: "
+                f"{free(shm)[0]} of {64 << 10} bytes, 0 of 16 inodes free on {shm} (free some, or give it a larger tmpfs)")
+        assert r.stderr.strip().splitlines() == [want], r.stderr
 
 
 def test_cannot_save_progress_is_rate_limited(tmp_path: Path) -> None:
