@@ -46,12 +46,12 @@ class HeaderRefused(ProtocolError):
 
 
 def check_file(path: Path, name: str) -> None:
-    """Parse ``path``'s header as bdn serves it, then open it as the safetensors library does
+    """Open ``path`` as the safetensors library does, then parse its header as bdn serves it
     (header only, both).
 
     Raises:
-        HeaderRefused: "<name>: bdn refuses its header: <reason, naming the key>" or "<name>: the
-            safetensors library refuses its header: <its reason>".
+        HeaderRefused: "<name>: the safetensors library refuses its header: <its reason>" or
+            "<name>: bdn refuses its header: <reason, naming the key>" (a file the library opens).
     """
     try:
         with open(path, "rb") as fh:
@@ -78,18 +78,20 @@ def _check_in_child(path: Path, name: str) -> None:
 
 
 def _check_here(path: Path, name: str) -> None:
-    try:
-        read_header(path)
-    except SafetensorsError as e:
-        raise HeaderRefused(f"{name}: bdn refuses its header: {str(e)[:_REASON_CHARS]}") from None
-    except OSError as e:
-        raise HeaderRefused(f"{name}: cannot read its header: {e.strerror or e}") from None
+    # the library first: a file it refuses is named with its reason, as engines would see it;
+    # then bdn's parser, stricter in a few rules
     try:
         with safe_open(str(path), framework="numpy"):
             pass
     except (SafetensorError, OSError, ValueError) as e:
         why = " ".join(str(e).split()) or type(e).__name__
         raise HeaderRefused(f"{name}: the safetensors library refuses its header: {why[:_REASON_CHARS]}") from None
+    try:
+        read_header(path)
+    except SafetensorsError as e:
+        raise HeaderRefused(f"{name}: bdn refuses its header: {str(e)[:_REASON_CHARS]}") from None
+    except OSError as e:
+        raise HeaderRefused(f"{name}: cannot read its header: {e.strerror or e}") from None
 
 
 def check_snapshot(m: Manifest, directory: Path) -> int:

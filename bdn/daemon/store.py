@@ -297,7 +297,7 @@ class Store:
                 reused += self.spares.take(size, p) if size else 0
             fresh = sum(size for _, size in files) - reused
             self.spares.trim(self.spare_room(m))
-            short = fresh - self.free_bytes()
+            short = fresh + r.small - self.free_bytes()  # (the reservation is fresh pages too)
             if short > 0:
                 self.spares.trim(self.spares.bytes() - short)
             for p, size in files:
