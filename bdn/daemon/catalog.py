@@ -46,8 +46,7 @@ class Catalog:
         self.index = index
         self.runner = runner
         self.clock = clock
-        #: The have-bits this node advertises: less the chunks of files gone from disk.
-        self.held = HeldFiles(clock)
+        self.held = HeldFiles(clock)  # the have-bits advertised: less the chunks of files gone from disk
         runner.jobs = self
         self.jobs: dict[str, SnapshotJob] = {}
         self.resumable: set[str] = set()
