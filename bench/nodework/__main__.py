@@ -228,12 +228,17 @@ def main() -> None:
                       f"today = {row['today_over_floor']:.1f}x floor; CPU s: sparse {row['sparse_cpu_over_floor_cpu']:.1f}x "
                       f"floor, {row['sparse_cpu_over_memcpy_cpu']:.2f}x memcpy; heap peak {heap_peak / 1e6:.0f} MB "
                       f"= {heap_peak / size:.3f} model)", flush=True)
+                write(a.out, load0, a.workers, rows)  # after every row: a long run stopped early keeps its rows
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    path = Path(a.out)
+
+
+def write(out: str, load0: tuple[float, float, float], workers: int, rows: list[dict]) -> None:
+    """The result file: the load at the start and now, and the rows so far."""
+    path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"load_start": load0, "load_end": os.getloadavg(), "cores": os.cpu_count(),
-                                "workers": a.workers, "rows": rows}, indent=1) + "\n")
+                                "workers": workers, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
