@@ -6,6 +6,7 @@ something took.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
@@ -39,16 +40,56 @@ def http(
             return e.code, raw.decode(errors="replace")
 
 
-def wait_for(pred: Callable[[], _T], timeout: float, what: str, interval: float = 0.05) -> _T:
-    """``pred()``'s first truthy value, polled every ``interval`` s; AssertionError after ``timeout`` s."""
+def wait_for(
+    probe: Callable[[], _T],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    *,
+    until: Callable[[_T], object] | None = None,
+    detail: Callable[[], str] | None = None,
+) -> _T:
+    """``probe()``'s first value that is truthy (with ``until``: for which ``until(value)`` is truthy),
+    polled every ``interval`` s. After ``timeout`` s an AssertionError naming ``what``, the last value
+    seen and ``detail()`` (say a daemon's log) when given. An exception from ``probe`` or ``until`` (an
+    assertion on a state that must hold while waiting) propagates at once."""
     deadline = time.monotonic() + timeout
     while True:
-        v = pred()
-        if v:
+        v = probe()
+        if until(v) if until is not None else v:
             return v
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            raise AssertionError(_timed_out(timeout, what, v, detail))
         time.sleep(interval)
+
+
+async def wait_for_async(
+    probe: Callable[[], _T],
+    timeout: float,
+    what: str,
+    interval: float = 0.0,
+    *,
+    until: Callable[[_T], object] | None = None,
+    detail: Callable[[], str] | None = None,
+) -> _T:
+    """:func:`wait_for` inside an event loop: between polls it awaits ``asyncio.sleep(interval)``
+    (0: one turn of the loop), so the tasks under test run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = probe()
+        if until(v) if until is not None else v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(_timed_out(timeout, what, v, detail))
+        await asyncio.sleep(interval)
+
+
+def _timed_out(timeout: float, what: str, last: object, detail: Callable[[], str] | None) -> str:
+    seen = repr(last)
+    if len(seen) > 2000:
+        seen = seen[:2000] + "..."
+    msg = f"timed out after {timeout:g} s waiting for {what}; last seen: {seen}"
+    return msg + "\n" + detail() if detail is not None else msg
 
 
 def wait_fleet(url: str, identity: str, timeout: float = 120.0, token: str | None = None) -> list[dict]:
