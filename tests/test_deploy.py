@@ -353,30 +353,11 @@ def test_sd_notify_status_says_not_ready_naming_a_missing_bucket(tmp_path: Path)
 
 # ---- configuration errors ----------------------------------------------------------------------
 
-CONFIG_ERRORS = {
-    "unknown-key": ('bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nbogus_key = 1\n', ["bogus_key", "{cfg}"]),
-    "wrong-type": ('bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\npeers = 5\n', ["peers", "{cfg}"]),
-    "missing-secret-file": ('bucket = "file:///tmp/b"\npartition_secret_file = "{tmp}/nope.secret"\n', ["partition_secret_file", "{tmp}/nope.secret"]),
-    "secret-is-a-directory": ('bucket = "file:///tmp/b"\npartition_secret_file = "{tmp}"\n', ["partition_secret_file", "{tmp}"]),
-    "toml-syntax": ('bucket = "file:///tmp/b\npartition_secret_file = "{secret}"\n', ["{cfg}", "TOML"]),
-    "unknown-key-in-bdnd-table": ('[bdnd]\nbucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\npeer_port = 7080\n', ["peer_port"]),
-    # issue 12, item 9: these exited 1 with a traceback or a log line, or were accepted
-    "malformed-s3-url": ('bucket = "s3:/x"\npartition_secret_file = "{secret}"\n', ["bucket", "s3:/x"]),
-    "relative-file-url": ('bucket = "file://relative"\npartition_secret_file = "{secret}"\n', ["bucket", "file:///absolute/path"]),
-    "http-url": ('bucket = "http://example.invalid/b"\npartition_secret_file = "{secret}"\n', ["bucket", "http://example.invalid/b"]),
-    "unknown-log-level": ('bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nlog_level = "loud"\n', ["log_level", "loud"]),
-    "negative-count": ('bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nkeep_ready = -1\n', ["keep_ready", ">= 0"]),
-    "bdnd-table-beside-another": ('[bdnd]\nbucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\n[engine]\nname = "x"\n', ["outside the [bdnd] table: engine"]),
-}
-
-
-@pytest.mark.parametrize("case", list(CONFIG_ERRORS))
-def test_config_error_exits_2_with_one_line(tmp_path: Path, case: str) -> None:
-    text, needles = CONFIG_ERRORS[case]
-    secret = _secret_file(tmp_path)
+def test_config_error_exits_2_with_one_line(tmp_path: Path) -> None:
+    """A config file bdnd refuses, end to end: exit 2 and one line. Every other config error is
+    tested in-process through the loader (tests/test_config.py)."""
     cfg = tmp_path / "bdnd.toml"
-    subs = {"secret": str(secret), "tmp": str(tmp_path), "cfg": str(cfg)}
-    cfg.write_text(text.format(**subs))
+    cfg.write_text(f'bucket = "file:///tmp/b"\npartition_secret_file = "{_secret_file(tmp_path)}"\nbogus_key = 1\n')
     # Ports held by this test: a daemon that got as far as listening would fail with exit 1.
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -388,8 +369,7 @@ def test_config_error_exits_2_with_one_line(tmp_path: Path, case: str) -> None:
     assert out.returncode == 2, out.stderr
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("bdnd: error: "), out.stderr
-    for n in needles:
-        assert n.format(**subs) in lines[0], lines[0]
+    assert "bogus_key" in lines[0] and str(cfg) in lines[0], lines[0]
     assert out.stdout == ""
 
 
