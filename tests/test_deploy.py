@@ -22,7 +22,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import tomllib
 import urllib.error
 import urllib.request
@@ -33,6 +32,7 @@ import pytest
 import yaml
 
 from bdn.daemon.config import Config
+from support.api import wait_for
 from support.swarm import SECRET, Daemon, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -400,14 +400,13 @@ def test_json_logs_name_the_snapshot(tmp_path: Path) -> None:
 
 def _ready(d: Any, want: bool, timeout: float = 120.0) -> dict[str, Any]:
     """Poll /v1/ready until its answer is ``want``; the last document."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def ready() -> dict[str, Any]:
         status, body = d.request("GET", "/v1/ready", timeout=30)
         assert status in (200, 503) and body["ready"] == (status == 200), (status, body)
-        if body["ready"] == want:
-            return body
-        assert time.monotonic() < deadline, (body, d.log())
-        time.sleep(0.1)
+        return body
+
+    return wait_for(ready, timeout, f"/v1/ready to say {want}", 0.1, until=lambda body: body["ready"] == want,
+                    detail=d.log)
 
 
 def test_ready_fails_naming_a_missing_bucket_while_health_answers(tmp_path: Path) -> None:
@@ -418,12 +417,9 @@ def test_ready_fails_naming_a_missing_bucket_while_health_answers(tmp_path: Path
         d.start([])
         d.wait_healthy()
         assert d.get("/v1/health")["status"] == "ok"
-        body = _ready(d, False)
-        deadline = time.monotonic() + 120
-        while not any("no-such-bucket" in r and "no such directory" in r for r in body["reasons"]):
-            assert time.monotonic() < deadline, body
-            time.sleep(0.1)
-            body = _ready(d, False)
+        body = wait_for(lambda: _ready(d, False), 120, "a reason naming the missing bucket directory", 0.1,
+                        until=lambda body: any("no-such-bucket" in r and "no such directory" in r
+                                               for r in body["reasons"]))
         assert all("\n" not in r for r in body["reasons"])
     finally:
         d.stop()
@@ -437,12 +433,8 @@ def test_ready_fails_naming_an_s3_bucket_that_does_not_exist(tmp_path: Path, mot
     try:
         d.start([])
         d.wait_healthy()
-        body = _ready(d, False)
-        deadline = time.monotonic() + 120
-        while not any("does not exist" in r for r in body["reasons"]):
-            assert time.monotonic() < deadline, body
-            time.sleep(0.2)
-            body = _ready(d, False)
+        wait_for(lambda: _ready(d, False), 120, "a reason saying the bucket does not exist", 0.2,
+                 until=lambda body: any("does not exist" in r for r in body["reasons"]))
     finally:
         d.stop()
 
@@ -496,10 +488,8 @@ def test_json_logs_plain_messages_node_id_on_every_line_and_no_botocore(tmp_path
         assert d.prefetch("step000001")[0] == 202
         d.wait_ready("step000001")
         assert d.prefetch("step000009")[0] == 202  # never published: fails with a reason
-        deadline = time.monotonic() + 120
-        while d.get("/v1/snapshots/step000009")["state"] != "failed":
-            assert time.monotonic() < deadline, d.log()
-            time.sleep(0.1)
+        wait_for(lambda: d.get("/v1/snapshots/step000009")["state"] == "failed", 120, "step000009 to fail", 0.1,
+                 detail=d.log)
     finally:
         d.stop()
     raw = [x for x in d.log_path.read_text().splitlines() if x.strip()]
