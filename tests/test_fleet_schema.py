@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.api import HOT_LOAD, http, wait_fleet, wait_for
+from support.chains import anchor_swarm
+from support.swarm import Swarm
 
 from bdn.client.fleet import hot_load_status
 from bdn.engines.options import HotLoadOptions
@@ -27,9 +30,6 @@ from bdn.proto.fleet_schema import (
     schema_errors,
 )
 from bdn.proto.states import REPLICA_STAGES
-from support.api import HOT_LOAD, http, wait_fleet, wait_for
-from support.chains import anchor_swarm
-from support.swarm import Swarm
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -55,7 +55,7 @@ def test_complete_row_gives_every_key_whatever_the_wire_held(wire: dict[str, Any
     assert schema_errors(row) == [], row
     assert set(REPLICA_ROW) <= set(row)
     for key in ("engines", "last_swap_pause_ms", "superseded", "request_id", "last_swap"):
-        row[key]  # noqa: B018 - what raised KeyError before
+        row[key]
     with pytest.raises(ProtocolError):
         complete_row(["not", "a", "row"])
 

@@ -96,6 +96,7 @@ class SnapshotJob:
         self.tensor_index: dict[str, tuple[str, Any]] | None = None  # built on the first tensor pull
         self.foreign: Any = None  # ForeignState of a snapshot without a manifest (bdn.daemon.foreign_source)
         self.wait_publish = True  # with nothing in the bucket yet: wait (True) or fail at once
+        self.publish_deadline: float | None = None  # monotonic s: stop waiting for publication (None: manifest_wait_s)
 
     # ---- layout --------------------------------------------------------------------------
     def result_dir(self) -> Path:

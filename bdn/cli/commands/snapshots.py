@@ -67,7 +67,9 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.timeout >= 0:
         raise Fail("--timeout must be >= 0 seconds", EXIT_USAGE)
     start = time.monotonic()
-    snap = client.prefetch(identity, wait_publish=args.wait_publish)
+    # the daemon looks for the publication no longer than this command waits
+    snap = client.prefetch(identity, wait_publish=args.wait_publish,
+                           publish_timeout=args.timeout if args.wait else None)
     if not args.wait:
         if snap.get("state") == "failed":
             raise Fail(f"{identity} failed: {_reason(identity, snap.get('reason'))}")
@@ -111,6 +113,9 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
     except SnapshotFailed as exc:
         raise Fail(f"{identity} failed: {_reason(identity, exc.reason)}") from None
     except TimeoutError as exc:
+        why = str(shown_state[0][1] or "") if shown_state[0] else ""
+        if "not published yet" in why:
+            raise Fail(f"{identity} is not published yet (waited {time.monotonic() - start:.0f} s): {why}") from None
         raise Fail(str(exc)) from None
     finally:
         bar.close()
