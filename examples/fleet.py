@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "engine"))
 import tinygpt  # noqa: E402
 
+from bdn.client.swap_report import describe_swap  # noqa: E402
 from bdn.engines.hf import torch_available  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -267,8 +268,7 @@ def check_engines(tr, nodes: list[dict], policy: int, digest: str) -> bool:
         try:
             last = http("GET", base + "/debug/state").get("last_swap") or {}
             if last:
-                swap = (f", last swap {last['mode']}: {last['tensors_copied']}/{last['tensors_total']} tensors "
-                        f"copied, pause {last['pause_ms']:.2f} ms")
+                swap = f"; last swap: {describe_swap(last)}"
         except OSError:
             pass  # the numpy engine has no /debug/state
         print(f"    {nd['id']} engine: policy_version {ed['policy_version']}, token_ids {ch['token_ids']}, "

@@ -71,9 +71,9 @@ async def read_manifest(self: Any, job: SnapshotJob) -> Manifest:
                     f"{key} is not in {self.bucket.url}"
                 ) from None
             # The count tells an operator (and a test) that the daemon keeps looking.
-            job.reason = (f"waiting for manifest: {job.identity} is not published yet ({key} is not in the "
-                          f"bucket; looked {looked} time{'' if looked == 1 else 's'} in {now - started:.0f} s, "
-                          f"gives up after {limit - started:.0f} s)")
+            job.reason = (f"waiting for manifest: {job.identity} is not published yet, {key} is not in the "
+                          f"bucket (looked {looked} time{'' if looked == 1 else 's'}); gives up after "
+                          f"{limit - started:.0f} s")
             job.touch()
             await job.notify()
             await asyncio.sleep(self.cfg.manifest_poll_s)
