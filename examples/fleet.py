@@ -198,15 +198,25 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
 
         t0 = time.monotonic()
 
+        told = [t0]
+
         def engines_up() -> bool:
-            for nd in nodes:
+            for i, nd in enumerate(nodes):
+                if procs[2 * i + 1].poll() is not None:
+                    sys.exit(f"fleet demo: engine {nd['id']} exited ({procs[2 * i + 1].returncode}); "
+                             f"its log: {root / ('fleet-engine-' + nd['id'] + '.log')}")
                 try:
                     http("GET", f"http://127.0.0.1:{nd['engine']}/health", timeout=2)
                 except OSError:
+                    if time.monotonic() - told[0] >= 30:  # on a busy machine this takes minutes: say so
+                        told[0] = time.monotonic()
+                        print(f"  ... still waiting for the engines ({time.monotonic() - t0:.0f} s: {tr.startup})",
+                              flush=True)
                     return False
             return True
 
-        wait_until(engines_up, 180, "the engines to load their first snapshot")
+        # 153 s on a fresh clone at load 18 (2 cores): 180 s was too short at load 25
+        wait_until(engines_up, 900, "the engines to load their first snapshot")
         t_engines = time.monotonic() - t0
         reps = wait_until(lambda: fleet_done(IDS[0]), 120, f"{IDS[0]} on every replica")
         print(f"  fleet serves {IDS[0]} after {time.monotonic() - t0:.1f} s: the engines answered /health after "
