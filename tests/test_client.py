@@ -488,7 +488,7 @@ def test_bdnctl_prefetch_wait_exit_codes(bdnd: Bdnd) -> None:
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"bdnctl: error: {FAILING} failed: ") and "arc_v3" in last
     r = run_bdnctl("prefetch", UNPUBLISHED, "--wait", "--wait-publish", "--timeout", "0.3", url=bdnd.url)
-    assert r.returncode == 1 and f"{UNPUBLISHED} not ready" in r.stderr
+    assert r.returncode == 1 and f"{UNPUBLISHED} is not published yet (waited " in r.stderr, r.stderr
     r = run_bdnctl("prefetch", "step000006", url=bdnd.url)  # never published: refused at once (exited 0 before)
     assert r.returncode == 1 and "step000006 failed: nothing is published under step000006/" in r.stderr, r
     r = run_bdnctl("--json", "prefetch", UNPUBLISHED, "--wait", "--wait-publish", "--timeout", "0.2", url=bdnd.url)

@@ -34,13 +34,13 @@ def _identity(request: web.Request) -> str:
         raise web.HTTPBadRequest(text=json.dumps({"error": str(e)}), content_type="application/json") from None
 
 
-def _timeout(request: web.Request) -> float | web.Response:
+def _timeout(request: web.Request, name: str = "timeout", most: float = MAX_WAIT_S) -> float | web.Response:
     try:
-        timeout = float(request.query.get("timeout", "30"))
+        timeout = float(request.query.get(name, "30"))
     except ValueError:
-        return error(400, "timeout must be a number of seconds")
-    if not 0 <= timeout <= MAX_WAIT_S:
-        return error(400, f"timeout must be in [0, {MAX_WAIT_S:g}] seconds")
+        return error(400, f"{name} must be a number of seconds")
+    if not 0 <= timeout <= most:  # (NaN fails too)
+        return error(400, f"{name} must be in [0, {most:g}] seconds")
     return timeout
 
 
@@ -88,19 +88,12 @@ async def prefetch(request: web.Request) -> web.Response:
     the snapshot waits for its manifest (the reason says so), or it failed at once (state
     ``failed`` with the reason: nothing in the bucket under the identity unless
     ``wait_publish=1``, which waits up to ``manifest_wait_s``, or ``publish_timeout`` seconds
-    when the asker gives up sooner; a manifest refused; no room in shm). 400 for a
-    ``publish_timeout`` that is not a finite number of seconds >= 0."""
+    when the asker gives up sooner; a manifest refused; no room in shm). 400 for a bad ``publish_timeout``."""
     wait_publish = request.query.get("wait_publish", "0") in ("1", "true", "yes")
-    svc = services(request)
-    bound: float | None = None  # the asker's patience for the publication
-    if "publish_timeout" in request.query:
-        try:
-            bound = float(request.query["publish_timeout"])
-        except ValueError:
-            return error(400, "publish_timeout must be a number of seconds")
-        if not 0 <= bound < float("inf"):  # (NaN fails too; past manifest_wait_s that one bounds it)
-            return error(400, "publish_timeout must be a number of seconds >= 0")
-    job = await svc.catalog.prefetch_looked(_identity(request), wait_publish, PREFETCH_LOOK_S, bound)
+    bound = _timeout(request, "publish_timeout", 1e9) if "publish_timeout" in request.query else None
+    if isinstance(bound, web.Response):
+        return bound
+    job = await services(request).catalog.prefetch_looked(_identity(request), wait_publish, PREFETCH_LOOK_S, bound)
     return json_response(job.describe(), 202)
 
 

@@ -202,8 +202,9 @@ class ReplicaView:
         stage, reason, progress = "queued", "", 0.0
         ident = t.identity if t else self.current
         job = self.snapshots.get(ident) if ident else None
-        if t is None and job is None:
-            stage = "done" if self.current else "queued"
+        if t is None and job is None:  # (ident is None unless something is served)
+            stage, reason = ("done", "") if self.current else ("queued", "no hot-load target yet: no "
+                                                               "STARTUP_SNAPSHOT loaded, no hot-load received")
         elif job is None:
             stage = "queued"
         elif job.state == "failed":
@@ -220,21 +221,13 @@ class ReplicaView:
         reports = [e for e in self.engines.values() if e.acked == self.current and e.swap is not None]
         last = max(reports, key=lambda e: e.pause_ms or 0.0) if reports else None
         options = t.options if t is not None else DEFAULT_OPTIONS
-        if ident is None:
-            reason = "no hot-load target yet: no STARTUP_SNAPSHOT loaded, no hot-load received"
         return replica_row(
-            self.node_id,
-            {"stage": stage, "identity": ident, "progress": round(progress, 4), "reason": reason},
-            current_snapshot_identity=self.current,
-            policy_version=self.current_policy_version,
-            readiness=self.current is not None,
-            engines=len(self.engines),
-            last_swap_pause_ms=max(pauses) if pauses else None,
-            superseded=list(self.superseded),
-            request_id=t.request_id if t else None,
-            **options.wire(),
-            last_swap=dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None,
-        )
+            self.node_id, {"stage": stage, "identity": ident, "progress": round(progress, 4), "reason": reason},
+            current_snapshot_identity=self.current, policy_version=self.current_policy_version,
+            readiness=self.current is not None, engines=len(self.engines),
+            last_swap_pause_ms=max(pauses) if pauses else None, superseded=list(self.superseded),
+            request_id=t.request_id if t else None, **options.wire(),
+            last_swap=dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None)
 
     def _engine_stage(self, ident: str) -> tuple[str, str]:
         """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node."""
