@@ -17,19 +17,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.swarm import Daemon, free_port, running
 
 from bdn.cli import bdnctl, publish
 from bdn.cli.helpfmt import DefaultsFormatter
 from bdn.client.swap_report import describe_swap
 from bdn.engines.__main__ import build_parser as engines_parser
-from support.swarm import Daemon, free_port, running
 
 pytestmark = pytest.mark.timeout(600)
 PY = sys.executable
 
 
 def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PY, "-m", *argv], capture_output=True, text=True, timeout=240)
+    return subprocess.run([PY, "-m", *argv], capture_output=True, text=True, timeout=240, check=False)
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +73,8 @@ def test_usage_errors_exit_2_before_anything_is_contacted(ckpt: Path, tmp_path: 
 def _options(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], argparse.Action]]:
     """Every (subcommand path, option) of ``parser`` and its subparsers."""
     out = []
-    for a in parser._actions:  # noqa: SLF001 - argparse has no public walk
-        if isinstance(a, argparse._SubParsersAction):  # noqa: SLF001
+    for a in parser._actions:
+        if isinstance(a, argparse._SubParsersAction):
             for name, sp in a.choices.items():
                 out += _options(sp, (*path, name))
         elif a.option_strings and a.help is not argparse.SUPPRESS:
@@ -83,11 +83,11 @@ def _options(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> lis
 
 
 def _tells_default(a: argparse.Action) -> bool:
-    return a.default in (None, False, "", [], argparse.SUPPRESS) or isinstance(a, argparse._VersionAction)  # noqa: SLF001
+    return a.default in (None, False, "", [], argparse.SUPPRESS) or isinstance(a, argparse._VersionAction)
 
 
 @pytest.mark.parametrize("module,parser", [
-    ("bdn.cli.bdnctl", bdnctl._parser), ("bdn.cli.publish", publish.build_parser),  # noqa: SLF001
+    ("bdn.cli.bdnctl", bdnctl._parser), ("bdn.cli.publish", publish.build_parser),
     ("bdn.engines", engines_parser), ("bdn.daemon.main", None),
 ])
 def test_every_help_shows_the_defaults(module: str, parser) -> None:  # type: ignore[no-untyped-def]

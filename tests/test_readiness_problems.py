@@ -86,7 +86,7 @@ def test_two_daemons_with_one_node_id_are_not_ready(tmp_path: Path) -> None:
     seeds = [a.peer_url, b.peer_url]
     with running(a, seeds), running(b, seeds):
         for d, other in ((a, b), (b, a)):
-            body = wait_for(lambda: _misconfigured(d, "node id"), 120, f"{d.peer_url} to name the twin")  # noqa: B023
+            body = wait_for(lambda: _misconfigured(d, "node id"), 120, f"{d.peer_url} to name the twin")
             assert any(other.peer_url in r for r in body["reasons"]), body
             assert _metric(d, "bdn_misconfigured", '{problem="duplicate_node_id"}') == 1
 

@@ -52,8 +52,8 @@ from bdn.daemon.membership import Membership
 from bdn.daemon.metrics import Metrics
 from bdn.daemon.nonces import NonceCache
 from bdn.daemon.peer_client import PeerClient
-from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.problems import Problems
+from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.readiness import Readiness
 from bdn.daemon.replica.fleet_status import FleetStatus
 from bdn.daemon.replica.hotload import HotLoad

@@ -29,8 +29,8 @@ from bdn.daemon import transfer_address
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config, split_hostport
 from bdn.daemon.membership import Membership
-from bdn.daemon.problems import Problems
 from bdn.daemon.peer_client import PeerClient, PeerError
+from bdn.daemon.problems import Problems
 from bdn.daemon.replica.target import Target
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.stats import Stats

@@ -140,7 +140,8 @@ def page_errors(page: Any) -> list[str]:
     stages = page.get("stages")
     if isinstance(stages, dict) and set(stages) != set(REPLICA_STAGES):
         errs.append(f"stages: keys {sorted(stages)}, not the replica stages")
-    for i, r in enumerate(page.get("replicas") if isinstance(page.get("replicas"), list) else []):
+    reps = page.get("replicas")
+    for i, r in enumerate(reps if isinstance(reps, list) else []):
         errs += [f"replicas[{i}].{e}" for e in schema_errors(r)]
     return errs
 
@@ -171,9 +172,9 @@ def complete_page(obj: Any) -> dict[str, Any]:
         page["next_page_token"] = ""
     if not _fits(page.get("replica_count"), (int,)):
         page["replica_count"] = len(reps)
-    given = page.get("stages") if isinstance(page.get("stages"), dict) else {}
+    given = page.get("stages")
     counts = dict.fromkeys(REPLICA_STAGES, 0)
-    for k, v in given.items():
+    for k, v in (given.items() if isinstance(given, dict) else ()):
         if k in counts and _fits(v, (int,)):
             counts[k] = v
     page["stages"] = counts

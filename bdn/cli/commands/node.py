@@ -67,8 +67,8 @@ def _readiness(doc: object) -> list[str]:
         return [f"{'ready':<9} -"]
     lines = [f"{'ready':<9} {'yes' if doc.get('ready') is True else 'no'}"]
     for key, label in (("reasons", "because"), ("warnings", "warning")):
-        items = doc.get(key) if isinstance(doc.get(key), list) else []
-        lines += [f"{label:<9} {cell(r)}" for r in items]
+        items = doc.get(key)
+        lines += [f"{label:<9} {cell(r)}" for r in (items if isinstance(items, list) else [])]
     if doc.get("waiting_for"):
         lines.append(f"{'waiting':<9} for {cell(doc.get('waiting_for'))}")
     return lines

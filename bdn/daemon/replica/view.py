@@ -39,6 +39,7 @@ from bdn.proto.fleet_schema import replica_row
 from bdn.proto.states import TERMINAL
 
 log = logging.getLogger("bdn.hotload")
+NO_TARGET = "no hot-load target yet: no STARTUP_SNAPSHOT loaded, no hot-load received"
 MAX_ENGINES = 256  # engines one daemon keeps registered at once
 
 
@@ -203,8 +204,7 @@ class ReplicaView:
         ident = t.identity if t else self.current
         job = self.snapshots.get(ident) if ident else None
         if t is None and job is None:  # (ident is None unless something is served)
-            stage, reason = ("done", "") if self.current else ("queued", "no hot-load target yet: no "
-                                                               "STARTUP_SNAPSHOT loaded, no hot-load received")
+            stage, reason = ("done", "") if self.current else ("queued", NO_TARGET)
         elif job is None:
             stage = "queued"
         elif job.state == "failed":
