@@ -104,11 +104,9 @@ class Catalog:
         once: it downloads, waits with a reason (for its manifest, for publication), or failed
         (nothing published, a manifest refused, no room): so the local API can refuse a request
         that fails at once instead of answering 202 for it (issue 12). ``publish_wait_s``: the
-        asker waits this long at most, so the job looks for the publication no longer than that
-        (the latest of its askers' bounds, at most ``manifest_wait_s``; a job started without a
-        bound keeps ``manifest_wait_s``). Raises IdentityError."""
-        known = self.jobs.get(identity)
-        fresh = known is None or known.state == "failed"
+        asker's patience, which bounds the job's wait for publication (the latest of its askers';
+        a job started without one keeps ``manifest_wait_s``). Raises IdentityError."""
+        fresh = getattr(self.jobs.get(identity), "state", "failed") == "failed"
         job = self.prefetch(identity, wait_publish=wait_publish)
         if publish_wait_s is not None and (fresh or job.publish_deadline is not None):
             job.publish_deadline = max(job.publish_deadline or 0.0, self.clock.monotonic() + publish_wait_s)
