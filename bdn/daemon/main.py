@@ -46,7 +46,7 @@ from bdn.daemon.app import App
 from bdn.daemon.config import Config, ConfigError
 from bdn.daemon.listening import CannotListen
 from bdn.daemon.shutdown import StopClock, join_workers
-from bdn.daemon.store import ShmFull, ShmLock
+from bdn.daemon.shmlock import ShmFull, ShmLock
 from bdn.daemon.logctx import ContextFilter
 from bdn.proto.errors import BdnError
 from bdn.proto.keys import derive_keys
