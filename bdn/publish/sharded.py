@@ -135,7 +135,7 @@ def publish_part(
     files = group(arrays, file_of)
     base_arrays = {n: as_numpy(n, v) for n, v in (base_tensors or {}).items()}
     if base is not None and set(base_arrays) != set(arrays):
-        extra = sorted(set(arrays) ^ set(base_arrays))[0]
+        extra = min(set(arrays) ^ set(base_arrays))
         raise PublishError(
             f"base_tensors must name exactly this rank's tensors; {extra!r} is in "
             f"{'tensors' if extra in arrays else 'base_tensors'} only"
