@@ -86,6 +86,7 @@ def publish_part(
     workers: int | None = None,
     uploads: int = 2,
     overwrite: bool = False,
+    stats: dict[str, float] | None = None,
 ) -> PartRecord:
     """Store rank ``rank``'s part of step ``identity``: its files, then its part record.
 
@@ -97,7 +98,10 @@ def publish_part(
     digests before anything is uploaded, so a diff is never made against bytes nodes do not
     have. ``compression_format``: ``bdn_planes_v1`` (default), ``arc_v2`` or ``arc_v1``.
     ``chunk_size`` (bytes) must be the same on every rank. ``workers``: encode threads (default:
-    the cores); ``uploads``: files uploaded at once while the next ones encode.
+    the cores); ``uploads``: files uploaded at once while the next ones encode. ``stats``, when
+    given, receives seconds of wall time: ``encode_s`` (building files: layout, digests, diff
+    streams), ``upload_s`` (from the first upload's start to the last one's end), ``record_s``
+    (the part record), and ``stored_bytes``.
 
     Returns the part record written (files with sizes and chunk digests, tensors with their file,
     dtype and shape).
@@ -170,14 +174,18 @@ def publish_part(
                 base_manifest.chunk_size, base_manifest.identity, compression_format, chunk_size, mapper,
             )
 
-        entries = pipeline(b, identity, list(files), build, uploads)
+        times: dict[str, float] = {}
+        entries = pipeline(b, identity, list(files), build, uploads, times)
         record = PartRecord(
             identity=identity, rank=rank, world_size=world_size, kind="full" if base is None else "delta",
             chunk_size=chunk_size, files=tuple(entries),
             tensors={n: (path, safetensors_dtype(a), tuple(a.shape)) for path, ts in files.items() for n, a in ts.items()},
             base_identity=base, compression_format=compression_format if base is not None else None,
         )
+        t0 = time.perf_counter()
         b.write(key, record.to_json())
+        if stats is not None:
+            stats.update(times, record_s=time.perf_counter() - t0, stored_bytes=sum(e.size for e in entries))
     return record
 
 
@@ -313,21 +321,28 @@ def index_json(step: Step) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
-def pipeline(b: Bucket, identity: str, paths: list[str], build: Callable[[str], Built], uploads: int) -> list[FileEntry]:
+def pipeline(
+    b: Bucket, identity: str, paths: list[str], build: Callable[[str], Built], uploads: int, times: dict[str, float]
+) -> list[FileEntry]:
     """Build each file (on this thread) and upload it on ``uploads`` threads while the next builds.
 
     At most ``uploads`` built files wait or upload at once (a built delta file holds its streams
     in memory). The first error stops building; uploads under way finish; it is raised.
+    ``times`` receives ``encode_s`` and ``upload_s`` (see :func:`publish_part`).
     """
+    spans: list[tuple[float, float]] = []
+    encode = 0.0
     slots = threading.BoundedSemaphore(uploads)
     pool = ThreadPoolExecutor(max_workers=uploads, thread_name_prefix="bdn-part-upload")
     futures: list[Future[FileEntry]] = []
 
     def up(f: Built) -> FileEntry:
+        t0 = time.perf_counter()
         try:
             b.write_buffers(f"{identity}/{f.entry.path}", f.buffers)
             return f.entry
         finally:
+            spans.append((t0, time.perf_counter()))
             slots.release()
 
     try:
@@ -336,12 +351,17 @@ def pipeline(b: Bucket, identity: str, paths: list[str], build: Callable[[str], 
             if any(fu.done() and fu.exception() is not None for fu in futures):
                 slots.release()
                 break
+            t0 = time.perf_counter()
             try:
                 built = build(path)
             except BaseException:
                 slots.release()
                 raise
+            encode += time.perf_counter() - t0
             futures.append(pool.submit(up, built))
-        return [fu.result() for fu in futures]
+        entries = [fu.result() for fu in futures]
+        times["encode_s"] = encode
+        times["upload_s"] = max(e for _, e in spans) - min(s for s, _ in spans) if spans else 0.0
+        return entries
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
