@@ -48,11 +48,11 @@ from bdn.proto.chunks import concat_digests
 from bdn.proto.safetensors_fmt import encode_raw, raw_tensors
 from bdn.publish import commit_step
 from bench import runs
-from bench.publish.rank import model_shapes, moved, tensor
+from bench.publish.rank import moved, tensor
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
-from support.s3server import create_bucket, start_moto_server, stop_moto_server  # noqa: E402
+from support.s3server import create_bucket, start_moto_server, stop_moto_server
 
 RESULTS = REPO / "bench" / "results"
 # moto accepts any credentials; boto3 wants some.

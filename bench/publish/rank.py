@@ -27,10 +27,10 @@ import ml_dtypes
 import numpy as np
 
 from bdn.bucket import open_bucket
+from bdn.proto.safetensors_fmt import encode_raw, raw_tensors
 from bdn.publish import publish_part
 from bdn.publish.layout import group, layer_file
 from bdn.publish.memfile import METADATA
-from bdn.proto.safetensors_fmt import encode_raw, raw_tensors
 
 BF16 = ml_dtypes.bfloat16
 UPLOADS = 2
@@ -69,7 +69,7 @@ def moved(a: np.ndarray, frac: float, rng: np.random.Generator) -> np.ndarray:
     """A copy of ``a`` with ``frac`` of its values moved by 1-3 ulps (indices drawn with replacement)."""
     out = a.copy()
     flat = out.reshape(-1).view(np.uint16)
-    k = int(round(frac * flat.size))
+    k = round(frac * flat.size)
     idx = rng.integers(0, flat.size, k)
     flat[idx] ^= rng.integers(1, 4, k, dtype=np.uint16)
     return out
