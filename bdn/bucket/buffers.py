@@ -26,20 +26,25 @@ class BuffersReader(io.RawIOBase):
         self._pos = 0
 
     def readable(self) -> bool:
+        """Always True."""
         return True
 
     def seekable(self) -> bool:
+        """Always True (s3transfer seeks back to retry a part)."""
         return True
 
     def tell(self) -> int:
+        """The current position, in bytes from the start."""
         return self._pos
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        """Move to ``offset`` from the start, the current position or the end; the new position."""
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self.size}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
     def readinto(self, out: Any) -> int:  # type: ignore[override]
+        """Copy up to ``len(out)`` bytes from the position into ``out``; how many (0 at the end)."""
         dst = memoryview(out).cast("B")
         done = 0
         i = bisect.bisect_right(self._starts, self._pos) - 1
