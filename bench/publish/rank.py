@@ -17,6 +17,7 @@ Commands (one JSON object per line; the answer is one JSON line):
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 import zlib
@@ -95,7 +96,7 @@ class Rank:
         if op == "floor":
             files = group(self.anchor, layer_file)
             # A share of the files is enough to measure the bucket's bandwidth (moto takes ~1 min per GiB).
-            files = dict(list(files.items())[: max(1, -(-len(files) * msg.get("share", 1.0) // 1))])
+            files = dict(list(files.items())[: max(1, math.ceil(len(files) * msg.get("share", 1.0)))])
 
             def up(item: tuple[str, dict[str, np.ndarray]]) -> int:
                 prefix, parts = encode_raw(raw_tensors(item[1]), METADATA)
