@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load, load_file
+from support.checkpoints import BF16
 from support.ranks import CHUNK, model, owned, run_ranks
 from support.swarm import Daemon
 
@@ -234,3 +235,17 @@ def test_s3_large_file_goes_up_in_parts_straight_from_memory(moto_endpoint: str)
         data = b.read(f"s1/{path}", 64 << 20)
     assert rec.files == tuple(f for f in m.files if f.path == path)
     assert load(data)["model.layers.0.w"].tobytes() == big.tobytes()
+
+
+def test_torch_tensors_publish_the_same_bytes_as_numpy(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    state = model(1)
+    as_torch = {
+        n: torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if a.dtype == BF16 else torch.from_numpy(a)
+        for n, a in state.items()
+    }
+    recs = []
+    for name, tensors in (("np", state), ("torch", as_torch)):
+        (tmp_path / name).mkdir()
+        recs.append(publish_part(f"file://{tmp_path / name}", "s1", tensors, rank=0, world_size=1, chunk_size=CHUNK))
+    assert recs[0].files == recs[1].files and recs[0].tensors == recs[1].tensors
