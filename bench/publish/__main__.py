@@ -7,7 +7,7 @@ Publish: for each bucket (``file://`` under ``--dir``, and a moto S3 server star
 each world size, ``world`` rank processes (bench/publish/rank.py) hold their layers of a
 ``--gib`` GiB bf16 model in memory (rank ``r`` owns layers ``i % world == r``). Each run:
 
-1. *floor*: every rank uploads ``--floor-share`` of its anchor files' bytes as they are (``Bucket.write_buffers``, two
+1. *floor*: every rank uploads its anchor files' bytes (S3: ``--floor-share`` of them) as they are (``Bucket.write_buffers``, two
    files at a time, no digest or encoding): ``bandwidth = bytes / seconds`` of the bucket in
    this run, and a step's upload floor is its stored bytes / that bandwidth;
 2. *anchor*: ``publish_part`` on every rank, then ``commit_step``;
@@ -149,7 +149,8 @@ def publish_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     per: dict[str, list[dict[str, Any]]] = {"anchor": [], "delta 0.1%": [], "delta 2%": []}
                     for r in range(args.runs):
                         tag = f"r{r}w{world}"
-                        fl = ranks.same({"op": "floor", "identity": f"{tag}floor", "share": args.floor_share})
+                        share = 1.0 if kind == "file" else args.floor_share
+                        fl = ranks.same({"op": "floor", "identity": f"{tag}floor", "share": share})
                         floor_wall = max(a["seconds"] for a in fl)
                         bw = sum(a["stored_bytes"] for a in fl) / floor_wall
                         steps = [("anchor", {"op": "anchor", "identity": f"{tag}a"}, None)]
@@ -211,6 +212,29 @@ def encode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def report(path: Path) -> str:
+    """The markdown table of a results file (publish or encode rows), cells ``median (min–max)``."""
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    if rows and "format" in rows[0]:
+        out = ["| stream | changed | GB/s per core (CPU s) | GB/s wall, 1 thread | GB/s wall, 2 threads | stored / model |",
+               "|---|---|---|---|---|---|"]
+        for r in rows:
+            out.append(f"| {r['format']} | {r['changed'] * 100:g} % | {runs.spread(r, 'cpu_gbps')} | "
+                       f"{runs.spread(r, 'wall1_gbps')} | {runs.spread(r, 'wall2_gbps')} | "
+                       f"{r['stored_fraction'] * 100:.2f} % |")
+        return "\n".join(out)
+    out = [("| bucket | ranks | step | publish s | encode s (slowest rank) | upload s | commit s | stored MB | "
+            "upload floor s | publish / floor |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(
+            f"| {r['bucket']} | {r['world']} | {r['step']} | {runs.spread(r, 'wall_s')} | {runs.spread(r, 'encode_s')} | "
+            f"{runs.spread(r, 'upload_s')} | {runs.spread(r, 'commit_s')} | {r['stored_bytes'] / 1e6:.1f} | "
+            f"{runs.spread(r, 'floor_s', 3)} | {runs.spread(r, 'ratio')} |"
+        )
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=2.0)
@@ -219,11 +243,16 @@ def main() -> None:
     ap.add_argument("--buckets", default="file,s3")
     ap.add_argument("--dir", default=None, help="where the file:// bucket lives (default: the temp dir)")
     ap.add_argument("--floor-share", type=float, default=0.5,
-                    help="share of each rank's anchor files uploaded to measure the bucket's bandwidth (default 0.5)")
+                    help="share of each rank's anchor files uploaded to measure the S3 bucket's bandwidth "
+                         "(default 0.5; file:// uploads them all)")
     ap.add_argument("--encode", action="store_true", help="the encoder alone")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--report", default=None, help="print the markdown table of this results file and exit")
     runs.add_runs_arg(ap)
     args = ap.parse_args()
+    if args.report:
+        print(report(Path(args.report)))
+        return
     args.worlds = [int(w) for w in args.worlds.split(",")]
     args.buckets = args.buckets.split(",")
     load = os.getloadavg()
