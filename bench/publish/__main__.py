@@ -165,7 +165,7 @@ def publish_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                             row["ratio"] = row["wall_s"] / row["floor_s"]
                             per[name].append(row)
                             print(f"{kind} world={world} run={r} {name}: " + ", ".join(
-                                f"{k}={v:.3g}" for k, v in row.items()), flush=True)
+                                f"{k}={v:.6g}" for k, v in row.items()), flush=True)
                         _clean(url, endpoint, tag)
                     for name, vals in per.items():
                         metrics = {k: [v[k] for v in vals] for k in vals[0]}
@@ -212,6 +212,24 @@ def encode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def rows_from_log(text: str, gib: float) -> list[dict[str, Any]]:
+    """The rows of a publish run rebuilt from the lines it printed (``<bucket> world=W run=R <step>:
+    k=v, ...``): a run stopped before its end (moto takes minutes per GiB) keeps what it measured."""
+    per: dict[tuple[str, int, str], list[dict[str, float]]] = {}
+    for line in text.splitlines():
+        head, sep, tail = line.partition(": ")
+        parts = head.split(" ", 3)
+        if not sep or len(parts) != 4 or not parts[1].startswith("world="):
+            continue
+        vals = {k: float(v) for k, v in (kv.split("=") for kv in tail.split(", "))}
+        per.setdefault((parts[0], int(parts[1][6:]), parts[3]), []).append(vals)
+    rows = []
+    for (kind, world, step), vals in per.items():
+        summary = runs.summarize({k: [v[k] for v in vals] for k in vals[0]})
+        rows.append({"bucket": kind, "world": world, "step": step, "gib": gib, **summary["median"], **summary})
+    return rows
+
+
 def report(path: Path) -> str:
     """The markdown table of a results file (publish or encode rows), cells ``median (min–max)``."""
     data = json.loads(path.read_text())
@@ -248,6 +266,7 @@ def main() -> None:
     ap.add_argument("--encode", action="store_true", help="the encoder alone")
     ap.add_argument("--out", default=None)
     ap.add_argument("--report", default=None, help="print the markdown table of this results file and exit")
+    ap.add_argument("--from-log", default=None, help="rebuild the results file from a run's printed lines (a run stopped early)")
     runs.add_runs_arg(ap)
     args = ap.parse_args()
     if args.report:
@@ -256,7 +275,10 @@ def main() -> None:
     args.worlds = [int(w) for w in args.worlds.split(",")]
     args.buckets = args.buckets.split(",")
     load = os.getloadavg()
-    rows = encode_bench(args) if args.encode else publish_bench(args)
+    if args.from_log:
+        rows = rows_from_log(Path(args.from_log).read_text(), args.gib)
+    else:
+        rows = encode_bench(args) if args.encode else publish_bench(args)
     out = Path(args.out) if args.out else RESULTS / ("publish_encode.json" if args.encode else "publish.json")
     out.write_text(json.dumps({"cores": os.cpu_count(), "loadavg_start": load, "loadavg_end": os.getloadavg(),
                                "rows": rows}, indent=1) + "\n")
