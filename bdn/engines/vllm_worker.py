@@ -70,7 +70,7 @@ def parse_request(raw: Any) -> tuple[Path, list[str]]:
     """``(snapshot_dir, names)`` of a request (a JSON string or a dict, see the module doc).
 
     Raises ValueError (one line) when it is not JSON, lacks a field, names no directory or has
-    more than ``MAX_NAMES`` names.
+    more than ``MAX_NAMES`` names; TypeError when it is not a JSON object.
     """
     if isinstance(raw, str):
         try:
@@ -78,7 +78,7 @@ def parse_request(raw: Any) -> tuple[Path, list[str]]:
         except ValueError as exc:
             raise ValueError(f"bdn_load_tensors: request is not JSON: {exc}") from None
     if not isinstance(raw, dict):
-        raise ValueError("bdn_load_tensors: request must be a JSON object")
+        raise TypeError("bdn_load_tensors: request must be a JSON object")
     d, names = raw.get("snapshot_dir"), raw.get("names")
     if not isinstance(d, str) or not Path(d).is_dir():
         raise ValueError(f"bdn_load_tensors: snapshot_dir {str(d)[:200]!r} is not a directory")
@@ -168,21 +168,25 @@ class BdnWorkerExtension:
     def bdn_load_tensors(self, request: Any) -> dict[str, Any]:
         """Load ``request``'s changed tensors from its snapshot directory (see the module doc)."""
         import torch
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.layerwise import (
+        from vllm.config import set_current_vllm_config  # type: ignore[import-not-found]
+        from vllm.model_executor.model_loader.reload.layerwise import (  # type: ignore[import-not-found]
             _place_kernel_tensors,
             finalize_layerwise_reload,
             get_layerwise_info,
             initialize_online_processing,
         )
-        from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
-        from vllm.model_executor.model_loader.reload.utils import get_layer_params_buffers
+        from vllm.model_executor.model_loader.reload.meta import (  # type: ignore[import-not-found]
+            restore_layer_on_meta,
+        )
+        from vllm.model_executor.model_loader.reload.utils import (  # type: ignore[import-not-found]
+            get_layer_params_buffers,
+        )
 
         t0 = time.perf_counter()
         snapshot_dir, names = parse_request(request)
-        runner: Any = getattr(self, "model_runner")
+        runner: Any = self.model_runner  # type: ignore[attr-defined]  # the worker's, once mixed in
         model = runner.get_model()
-        vllm_config = getattr(self, "vllm_config")
+        vllm_config: Any = self.vllm_config  # type: ignore[attr-defined]
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         infos = read_headers(snapshot_dir)
         unknown = [n for n in names if n not in infos]
