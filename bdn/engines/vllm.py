@@ -170,7 +170,16 @@ class VLLMAdapter:
                 prep.reason = f"bdn_load_tensors failed: {str(exc)[:200]}"
                 log.warning("%s: %s; reloading fully", snap.identity, prep.reason)
         t0 = self.clock()
-        self.http.call("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(snap.path)}})
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(snap.path)}}
+        try:
+            self.http.call("POST", "/collective_rpc", body)
+        except RemoteEngineError as exc:
+            # After a failed bdn_load_tensors, vLLM's server may close the kept-alive connection
+            # (an exception in its ASGI app): the next call then meets a reset. reload_weights
+            # is idempotent, so one more try on a new connection.
+            if prep.names is None or "unreachable" not in str(exc):
+                raise
+            self.http.call("POST", "/collective_rpc", body)
         report.update(mode="full", full_reload_reason=prep.reason or None, bytes_read=prep.total_bytes,
                       rpc_ms=round((self.clock() - t0) * 1000.0, 3))
 

@@ -35,8 +35,10 @@ extension does the same for only the modules that hold a changed tensor:
 2. only those modules are set up for a layerwise reload; the closure's tensors are read from the
    snapshot's safetensors files (``os.preadv`` of each tensor's byte range into a torch buffer:
    exactly the tensor's bytes) and given to ``model.load_weights`` (the model's own name mapping);
-3. a module that did not receive all of its weights is put back as it was and the call fails
-   (the adapter then reloads fully): a partial module never serves.
+3. a module that did not receive every element of the checkpoint tensors given for it is put
+   back as it was and the call fails (the adapter then reloads fully): a partial module never
+   serves. (A module may hold more elements than its checkpoint tensors: a vocabulary padded to a
+   multiple of 64; vLLM's own reload processes such a module once loading ends, and so does this.)
 
 Returns (per worker) ``{"ok": true, "tensors_changed", "tensors_read", "bytes_read",
 "bytes_changed", "modules", "read_ms", "load_ms"}``. Raises ``ValueError`` (one line) for a bad
@@ -204,10 +206,14 @@ class BdnWorkerExtension:
                 raise ValueError(f"bdn_load_tensors: no module {key!r} in the served model") from None
         tensors = []
         nbytes = 0
+        want: dict[str, int] = {}  # module -> checkpoint elements it is given
         for n in read:
             f, dtype, shape, start, end = infos[n]
-            tensors.append((n, _pread_tensor(torch, f, dtype, shape, start, end)))
+            t = _pread_tensor(torch, f, dtype, shape, start, end)
+            tensors.append((n, t))
             nbytes += end - start
+            key = module_key(n, packed)
+            want[key] = want.get(key, 0) + t.numel()
         t1 = time.perf_counter()
         with set_current_vllm_config(vllm_config), torch.no_grad():
             for _key, layer in layers:
@@ -219,12 +225,16 @@ class BdnWorkerExtension:
             try:
                 model.load_weights(iter(tensors))
             finally:
+                # A module still waiting got fewer elements than its parameters hold. That is
+                # padding (a vocab padded to a multiple of 64: vLLM's own reload then processes
+                # it as it is) when it got every element of its checkpoint tensors (1/tp of them
+                # per worker); anything less means a tensor missed it: put it back.
+                tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
                 incomplete = [key for key, layer in layers if get_layerwise_info(layer).can_load()
-                              and get_layerwise_info(layer).load_numel > 0
-                              and get_layerwise_info(layer).load_numel < (get_layerwise_info(layer).load_numel_total or 0)]
+                              and get_layerwise_info(layer).load_numel * tp < want.get(key, 1)]
                 for key, layer in layers:
                     info = get_layerwise_info(layer)
-                    if key in incomplete or (info.can_load() and info.load_numel == 0):
+                    if key in incomplete:
                         _place_kernel_tensors(layer, info)  # as it was: never serve a half-built module
                         info.reset()
                 finalize_layerwise_reload(model, vllm_config.model_config)
