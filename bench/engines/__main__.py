@@ -144,12 +144,15 @@ def main() -> int:
         procs.append(bdnd)
         port = free_port()
         with DaemonClient(url) as c:
-            for _ in range(600):
+            deadline = time.monotonic() + 600
+            while True:
                 try:
                     c.health()
                     break
                 except Exception:  # noqa: BLE001 - not listening yet
-                    time.sleep(0.05)
+                    if bdnd.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit(f"bdnd did not start; see {work / 'bdnd.log'}") from None
+                    time.sleep(0.2)
             hot_load(c, ident(1))
             path1 = c.wait(ident(1), "ready", 900)["path"]
             t0 = time.perf_counter()
