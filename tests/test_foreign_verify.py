@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from bdn.bucket import ObjectChecksum, open_bucket
+from bdn.bucket.base import SdkChecksum
+from bdn.bucket.checksums import object_checksum, sdk_checksum
 from bdn.foreign import read_checksums, read_foreign_table
 from bdn.foreign.checksum import (
     Part,
@@ -81,6 +83,63 @@ def test_single_part_md5_and_crc32c_and_nothing() -> None:
     none = ObjectChecksum(key="k", etag="e", size=len(data))
     v = verify_object(data, none)
     assert (v.status, v.method, v.ok) == ("unverifiable", "none", False)
+
+
+def test_multipart_additional_checksum_comes_from_the_object_head() -> None:
+    """S3 answers a HEAD with PartNumber with that *part's* checksum: the object's own additional
+    checksum is read from a HEAD without one (the suite's first failure on moto 5.2.6, where a
+    good multipart object was called bad because part 1's CRC32 was taken for the object's)."""
+    import base64
+    import zlib
+
+    data = os.urandom(3 * PART + 100)
+    parts = [data[i : i + PART] for i in range(0, len(data), PART)]
+    crcs = [zlib.crc32(p).to_bytes(4, "big") for p in parts]
+    composite = base64.b64encode(zlib.crc32(b"".join(crcs)).to_bytes(4, "big")).decode()
+    md5 = multipart_checksum(data, PART).composite_md5
+    asked: list[tuple[int | None, bool]] = []
+
+    def head(part: int | None, checksums: bool) -> tuple[int, dict[str, str]]:
+        asked.append((part, checksums))
+        if part is None:
+            return len(data), {"x-amz-checksum-crc32": composite, "x-amz-mp-parts-count": "4"}
+        part_crc = base64.b64encode(crcs[part - 1]).decode()
+        return len(parts[part - 1]), {"x-amz-checksum-crc32": part_crc, "x-amz-checksum-type": "COMPOSITE",
+                                      "x-amz-mp-parts-count": "4"}
+
+    from bdn.bucket.base import ObjectInfo
+
+    info = ObjectInfo(key="s/m", size=len(data), etag=f"{md5}-4")
+    cs = object_checksum("s/m", f"{md5}-4", head=head, stat=lambda: info, gcs=False, where="s/m")
+    assert (None, True) in asked and (1, True) not in asked
+    assert cs.sdk_checksum == SdkChecksum("crc32", base64.b64decode(composite), composite=True, typed=False)
+    import dataclasses
+
+    v = verify_object(data, dataclasses.replace(cs, composite_md5=None))
+    assert v.ok and v.method == "crc32-composite"
+
+
+def test_untyped_multipart_checksum_is_tried_whole_too_and_never_calls_a_good_object_bad() -> None:
+    """A store that leaves ``x-amz-checksum-type`` out of a multipart object's HEAD: composite is
+    S3's default, but a full-object checksum (FULL_OBJECT uploads) must verify as well."""
+    import base64
+    import zlib
+
+    data = os.urandom(2 * PART + 7)
+    whole = base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+    untyped = sdk_checksum({"x-amz-checksum-crc32": whole}, True)
+    typed = sdk_checksum({"x-amz-checksum-crc32": whole, "x-amz-checksum-type": "COMPOSITE"}, True)
+    assert untyped is not None and untyped.composite and not untyped.typed
+    assert typed is not None and typed.composite and typed.typed
+    base = ObjectChecksum(key="k", etag="e-3", size=len(data), parts=3, part_size=PART)
+    import dataclasses
+
+    assert verify_object(data, dataclasses.replace(base, sdk_checksum=untyped)).ok
+    flipped = bytearray(data)
+    flipped[PART + 1] ^= 1
+    assert verify_object(flipped, dataclasses.replace(base, sdk_checksum=untyped)).status == "bad"
+    # Typed COMPOSITE: the full-object value is not a composite one, and that is reported bad.
+    assert verify_object(data, dataclasses.replace(base, sdk_checksum=typed)).status == "bad"
 
 
 def test_file_bucket_table_has_no_checksums_and_repairs_by_rereading(tmp_path: Path) -> None:

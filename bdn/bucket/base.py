@@ -72,11 +72,15 @@ class SdkChecksum:
     """An S3 additional checksum (``x-amz-checksum-<algorithm>``): ``algorithm`` one of
     ``crc32``, ``crc32c``, ``sha1``, ``sha256``; ``digest`` its raw bytes (CRCs big-endian);
     ``composite``: the checksum of the parts' concatenated binary checksums (multipart
-    ``COMPOSITE``), else of the whole object."""
+    ``COMPOSITE``), else of the whole object. ``typed``: the bucket said which
+    (``x-amz-checksum-type`` or a ``-N`` suffix); an untyped multipart checksum is taken as
+    composite (S3's default) and, if that does not match, also tried as a full-object one, so a
+    store that leaves the type out never gets a good object called bad."""
 
     algorithm: str
     digest: bytes
     composite: bool = False
+    typed: bool = True
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,11 @@ def object_checksum(
     """
     md5, parts = parse_s3_etag(etag)
     multipart = parts is not None and not gcs
-    first_size, headers = head(1 if multipart else None, not gcs)
+    # A HEAD with PartNumber answers the *part's* additional checksum (S3 user guide, "Checking
+    # object integrity": a part's checksum is read with GetObject/HeadObject and its part
+    # number; moto >= 5.2 does the same), so a multipart object's own checksum comes from a
+    # HEAD without one, below.
+    first_size, headers = head(1 if multipart else None, not gcs and not multipart)
     if headers.get("x-amz-server-side-encryption") == "aws:kms" or headers.get(
         "x-amz-server-side-encryption-customer-algorithm"
     ):
@@ -56,8 +60,8 @@ def object_checksum(
         # GCS's ETag is an MD5 only for non-composite objects; x-goog-hash says which.
         goog_md5, crc = goog_hash(headers.get("x-goog-hash"))
         return ObjectChecksum(key=key, etag=etag, size=first_size, md5=goog_md5, crc32c=crc)
-    sdk = sdk_checksum(headers, multipart)
     if not multipart or parts is None:
+        sdk = sdk_checksum(headers, False)
         return ObjectChecksum(key=key, etag=etag, size=first_size, md5=md5, sdk_checksum=sdk)
     count = headers.get("x-amz-mp-parts-count")
     if count is not None and str(count) != str(parts):
@@ -66,9 +70,7 @@ def object_checksum(
             f" parts, the bucket now reports {one_line(count, 20)})",
             key,
         )
-    if sdk is None:
-        # Some S3 APIs leave the checksum out of a part's HEAD; the object's HEAD has it.
-        sdk = sdk_checksum(head(None, True)[1], True)
+    sdk = sdk_checksum(head(None, True)[1], True)
     info = stat()
     if info.etag != etag:
         raise ObjectChanged(
@@ -128,8 +130,9 @@ SDK_ALGORITHMS = ("crc32", "crc32c", "sha1", "sha256")
 def sdk_checksum(headers: dict[str, str], multipart: bool) -> SdkChecksum | None:
     """The ``x-amz-checksum-<algorithm>`` of a HEAD answer: ``<base64>`` (a full-object checksum)
     or ``<base64>-N`` / ``x-amz-checksum-type: COMPOSITE`` (the checksum of the parts' binary
-    checksums, concatenated); a multipart object's checksum without a type is composite (S3's
-    default for every algorithm but CRC64NVME)."""
+    checksums, concatenated); a multipart object's checksum without a type is taken as composite
+    (S3's default for every algorithm but CRC64NVME) and marked untyped (``typed=False``).
+    ``headers`` must be those of a HEAD without ``PartNumber``: with one, S3 answers the part's."""
     kind = str(headers.get("x-amz-checksum-type") or "").upper()
     for algorithm in SDK_ALGORITHMS:
         value = headers.get(f"x-amz-checksum-{algorithm}")
@@ -140,8 +143,9 @@ def sdk_checksum(headers: dict[str, str], multipart: bool) -> SdkChecksum | None
             digest = base64.b64decode(b64, validate=True)
         except (ValueError, binascii.Error):
             return None
+        typed = bool(dash) or kind in ("COMPOSITE", "FULL_OBJECT") or not multipart
         composite = bool(dash) or kind == "COMPOSITE" or (multipart and kind != "FULL_OBJECT")
-        return SdkChecksum(algorithm, digest, composite)
+        return SdkChecksum(algorithm, digest, composite, typed)
     return None
 
 

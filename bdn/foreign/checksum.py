@@ -255,6 +255,9 @@ def _verify_sdk(buf: Any, checksum: ObjectChecksum, size: int, whole: tuple[Part
                 v.release()
     if sdk_digest(sdk.algorithm, b"".join(digests)) == sdk.digest:
         return Verdict(checksum.key, OK, method, parts, reason=f"every part matches the composite {sdk.algorithm}")
+    if not sdk.typed and sdk_digest(sdk.algorithm, buf) == sdk.digest:
+        # The store gave no checksum type: a full-object checksum is as good an answer.
+        return Verdict(checksum.key, OK, sdk.algorithm, whole, reason=f"{sdk.algorithm} matches the bucket's")
     return Verdict(
         checksum.key, BAD, method, parts, bad_parts=None,
         reason=f"{checksum.key}: the {sdk.algorithm} of its {len(parts)} part checksums is not the bucket's",

@@ -78,7 +78,8 @@ def perturb(state: dict, names: list[str], frac: float, seed: int) -> dict:
 def start_bdnd(work: Path, bucket: str, shm: Path) -> tuple[subprocess.Popen[bytes], str]:
     (work / "secret").write_text(os.urandom(32).hex() + "\n")
     local, peer = free_port(), free_port()
-    env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID="bench", BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
+    base = {k: v for k, v in os.environ.items() if k != "BDN_VLLM_PYTHON"}  # bdnd refuses BDN_ keys it lacks
+    env = dict(base, BDN_BUCKET=bucket, BDN_NODE_ID="bench", BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
                BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
                BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(work / "secret"), BDN_LOAD_STARTUP="false",
                BDN_STARTUP_SETTLE_S="0", BDN_MANIFEST_POLL_S="0.05", BDN_ENGINE_TTL_S="600", BDN_LOG_JSON="true")
@@ -151,7 +152,8 @@ def main() -> int:
                     break
                 except Exception:  # noqa: BLE001 - not listening yet
                     if bdnd.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit(f"bdnd did not start; see {work / 'bdnd.log'}") from None
+                        tail = (work / "bdnd.log").read_text(errors="replace")[-2000:]
+                        raise SystemExit(f"bdnd did not start: {tail}") from None
                     time.sleep(0.2)
             hot_load(c, ident(1))
             path1 = c.wait(ident(1), "ready", 900)["path"]
