@@ -83,9 +83,8 @@ def start_bdnd(work: Path, bucket: str, shm: Path) -> tuple[subprocess.Popen[byt
                BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
                BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(work / "secret"), BDN_LOAD_STARTUP="false",
                BDN_STARTUP_SETTLE_S="0", BDN_MANIFEST_POLL_S="0.05", BDN_ENGINE_TTL_S="600", BDN_LOG_JSON="true")
-    log = open(work / "bdnd.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
+    with open(work / "bdnd.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{local}"
 
 
@@ -161,7 +160,7 @@ def main() -> int:
             vllm = vllm_launch.start_vllm(a.python, path1, port, work / "vllm.log")
             first_start = time.perf_counter() - t0
             procs.append(vllm)
-            adapter = VLLMAdapter(f"http://127.0.0.1:{port}")
+            adapter = VLLMAdapter(f"http://127.0.0.1:{port}", partial_max_fraction=1.0)  # measure partial for all
             acked = threading.Event()
 
             def swapped(_snap, _rep) -> None:

@@ -38,9 +38,8 @@ def start_vllm(python: str, model: str | Path, port: int, log: Path, *, extensio
            "--enforce-eager", "--max-num-seqs", "4"]
     if extension:
         cmd += ["--worker-extension-cls", EXTENSION]
-    out = open(log, "ab")
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    out.close()
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
