@@ -39,6 +39,7 @@ import xxhash  # noqa: E402
 from bdn.cli import bdnctl  # noqa: E402
 from bdn.client import hot_load, hot_load_status, open_snapshot  # noqa: E402
 from bdn.client.fleet import list_engines  # noqa: E402
+from bdn.engines import changed as changed_mod  # noqa: E402
 from bdn.engines.hf import HFEngine  # noqa: E402
 from bdn.engines.options import HotLoadOptions  # noqa: E402
 from bdn.engines.service import HFService  # noqa: E402
@@ -345,7 +346,7 @@ def test_both_swap_methods_serve_the_target_bit_for_bit(trainer, node, method: s
 
 
 def byte_ranges(a: torch.Tensor, b: torch.Tensor) -> list[list[int]]:
-    """The half-open byte ranges where two tensors' bytes differ (what the offer's changed_ranges names)."""
+    """The half-open byte ranges where two tensors' bytes differ, from the tensor's first byte."""
     x = a.contiguous().reshape(-1).view(torch.uint8).numpy()
     y = b.contiguous().reshape(-1).view(torch.uint8).numpy()
     diff = (x != y).nonzero()[0].tolist()
@@ -367,13 +368,14 @@ def test_partial_swap_reads_only_the_offers_changed_byte_ranges(trainer, node) -
     snaps = [open_snapshot(base / i) for i in IDS[:2]]
     s1, s2 = trainer["states"][:2]
     changed = [k for k in s2 if not torch.equal(s1[k].view(torch.uint8), s2[k].view(torch.uint8))]
-    ranges = {k: byte_ranges(s1[k], s2[k]) for k in changed}
+    infos = changed_mod.tensor_infos(snaps[1])  # the offer's ranges are absolute offsets in the file
+    ranges = {k: [[a + infos[k].start, b + infos[k].start] for a, b in byte_ranges(s1[k], s2[k])] for k in changed}
     offer = {"changed_tensors": changed, "changed_tensors_base": IDS[0], "changed_ranges": ranges}
     engine = HFEngine()
     try:
         engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))
         bad = dict(offer, changed_ranges={changed[0]: [[0, 1 << 40]]})
-        with pytest.raises(Exception, match="outside its"):
+        with pytest.raises(Exception, match="outside its bytes"):
             engine.prepare(snaps[1], bad, HotLoadOptions())
         assert engine.weights_digest() == digests(s1)
         rep = engine.swap(engine.prepare(snaps[1], offer, HotLoadOptions()))

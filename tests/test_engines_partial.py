@@ -65,12 +65,13 @@ def test_requests_and_headers_are_checked(tmp_path: Path) -> None:
 
 
 def test_changed_ranges_are_validated() -> None:
-    names, nbytes = {"a", "b"}, {"a": 100, "b": 8}
-    assert parse_ranges({"a": [[0, 4], [4, 10], [90, 100]], "b": []}, names, nbytes) == {
+    """Absolute file offsets in the offer, relative to each tensor's first byte after parsing."""
+    names, bounds = {"a", "b"}, {"a": (1000, 1100), "b": (1100, 1108)}
+    assert parse_ranges({"a": [[1000, 1004], [1004, 1010], [1090, 1100]], "b": []}, names, bounds) == {
         "a": [(0, 4), (4, 10), (90, 100)], "b": []}
-    for bad, why in (([], "must map"), ({"c": [[0, 1]]}, "not in changed_tensors"), ({"a": [[0, 101]]}, "outside"),
-                     ({"a": [[5, 5]]}, "empty"), ({"a": [[10, 20], [0, 5]]}, "unsorted"),
-                     ({"a": [[0, 10], [5, 20]]}, "overlapping"), ({"a": [[0, True]]}, "is not"),
-                     ({"a": [[0]]}, "is not"), ({"a": "0-10"}, "must be a list")):
+    for bad, why in (([], "must map"), ({"c": [[0, 1]]}, "not in changed_tensors"), ({"a": [[1000, 1101]]}, "outside"),
+                     ({"a": [[0, 10]]}, "outside"), ({"a": [[1005, 1005]]}, "empty"),
+                     ({"a": [[1010, 1020], [1000, 1005]]}, "unsorted"), ({"a": [[1000, 1010], [1005, 1020]]}, "overlapping"),
+                     ({"a": [[1000, True]]}, "is not"), ({"a": [[1000]]}, "is not"), ({"a": "0-10"}, "must be a list")):
         with pytest.raises(ProtocolError, match=why):
-            parse_ranges(bad, names, nbytes)
+            parse_ranges(bad, names, bounds)

@@ -15,11 +15,12 @@ typical RL step instead of all of it. The list comes from one of two places:
    (``ChangedTensors.removed``).
 
 The offer may also carry ``changed_ranges``: ``{tensor name: [[start, end], ...]}``, the bytes of
-each changed tensor that differ from the base, as half-open ranges ``[start, end)`` in bytes
-relative to the start of the tensor's data (its ``data_offsets[0]``), sorted and not overlapping.
-It is relative to the same base as ``changed_tensors`` and used only with it; a changed tensor
-without an entry changed as a whole (an engine reads all of it). :func:`from_offer` validates
-it (:func:`parse_ranges`) and hands it on in ``ChangedTensors.ranges``.
+each changed tensor outside which it holds the base's bytes, as half-open ranges ``[start, end)``
+of ABSOLUTE offsets in the tensor's safetensors file (as bdnd's ``ranges_from_diffs`` writes
+them: docs/ENGINES.md), sorted and not overlapping. It is relative to the same base as
+``changed_tensors`` and used only with it; a changed tensor without an entry changed as a whole.
+:func:`from_offer` validates it (:func:`parse_ranges`) and hands it on in
+``ChangedTensors.ranges``, as offsets relative to the tensor's first byte.
 
 Sources: README.md ("How a chunk moves": READY's chunk digests); the safetensors format
 (https://github.com/huggingface/safetensors, "Format") through ``bdn.client.Snapshot``.
@@ -53,7 +54,7 @@ class ChangedTensors:
         removed: tensors of the base that the target lacks (non-empty: reload fully).
         compared_bytes: bytes read to compare (0 when every chunk digest matched, or from the offer).
         ranges: from the offer's ``changed_ranges`` (see the module doc), or None: ``{name:
-            [(start, end), ...]}`` in bytes relative to the tensor's data, for some of ``names``.
+            [(start, end), ...]}`` in bytes relative to the tensor's first byte, for some of ``names``.
     """
 
     names: list[str]
@@ -144,18 +145,19 @@ def from_offer(offer: dict[str, Any], serving: str | None, target: Snapshot) -> 
     ranges = None
     if offer.get("changed_ranges") is not None:
         infos = tensor_infos(target)
-        ranges = parse_ranges(offer["changed_ranges"], wanted, {n: infos[n].nbytes for n in wanted})
+        ranges = parse_ranges(offer["changed_ranges"], wanted, {n: (infos[n].start, infos[n].end) for n in wanted})
     return ChangedTensors([n for n in target.tensor_names() if n in wanted], "offer", ranges=ranges)
 
 
-def parse_ranges(raw: Any, names: set[str], nbytes: dict[str, int]) -> dict[str, list[tuple[int, int]]]:
-    """The offer's ``changed_ranges`` as ``{name: [(start, end), ...]}`` (see the module doc).
+def parse_ranges(raw: Any, names: set[str], bounds: dict[str, tuple[int, int]]) -> dict[str, list[tuple[int, int]]]:
+    """The offer's ``changed_ranges`` as ``{name: [(start, end), ...]}`` relative to each tensor's
+    first byte (see the module doc).
 
-    ``names``: the offer's changed tensors; ``nbytes``: each one's data length. Raises
-    ProtocolError (one line) for anything else: not a mapping of names to lists of ``[start,
-    end]`` integer pairs, a name not among the changed tensors, a range empty, outside the tensor,
-    unsorted or overlapping, or more than ``MAX_OFFER_RANGES`` ranges in all. A wrong range would
-    leave stale bytes in place, so none is guessed at.
+    ``names``: the offer's changed tensors; ``bounds``: each one's absolute ``(start, end)`` in its
+    file. Raises ProtocolError (one line) for anything else: not a mapping of names to lists of
+    ``[start, end]`` integer pairs, a name not among the changed tensors, a range empty, outside
+    the tensor, unsorted or overlapping, or more than ``MAX_OFFER_RANGES`` ranges in all. A wrong
+    range would leave stale bytes in place, so none is guessed at.
     """
     if not isinstance(raw, dict):
         raise ProtocolError("offer field changed_ranges must map tensor names to lists of [start, end]")
@@ -169,17 +171,18 @@ def parse_ranges(raw: Any, names: set[str], nbytes: dict[str, int]) -> dict[str,
         count += len(spans)
         if count > MAX_OFFER_RANGES:
             raise ProtocolError(f"changed_ranges holds more than {MAX_OFFER_RANGES} ranges")
-        prev = 0
+        lo, hi = bounds[name]
+        prev = lo
         got: list[tuple[int, int]] = []
         for span in spans:
             if (not isinstance(span, list) or len(span) != 2
                     or not all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
                 raise ProtocolError(f"changed_ranges of {name[:80]!r}: {str(span)[:40]} is not [start, end]")
             start, end = span
-            if not prev <= start < end <= nbytes[name]:
+            if not prev <= start < end <= hi:
                 raise ProtocolError(f"changed_ranges of {name[:80]!r}: [{start}, {end}) is empty, unsorted, "
-                                    f"overlapping or outside its {nbytes[name]} bytes")
-            got.append((start, end))
+                                    f"overlapping or outside its bytes [{lo}, {hi})")
+            got.append((start - lo, end - lo))
             prev = end
         out[name] = got
     return out
