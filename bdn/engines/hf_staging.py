@@ -118,6 +118,8 @@ def stage_tensors(
             return f"tensor {name[:80]!r} changed dtype or shape ({info.dtype} {list(info.shape)})"
         path = snap.path.joinpath(*snap.tensor_file(name).split("/"))
         spans = (ranges or {}).get(name)
+        if spans is not None and sum(e - s for s, e in spans) == info.nbytes:
+            spans = None  # the whole tensor (arc deltas): one read, no copy of the served bytes first
         if device == "cpu" and spans is not None and live.is_contiguous():
             buf = spares.take(info.nbytes, live.dtype)
             np.copyto(buf.numpy(), live.detach().reshape(-1).view(th.uint8).numpy())  # the served bytes
