@@ -12,8 +12,9 @@ import abc
 import dataclasses
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bdn.proto.errors import BdnError, PathError
 
@@ -249,6 +250,11 @@ class Bucket(abc.ABC):
         Directory markers (keys ending in ``/``) and keys that break the key rules are skipped.
         """
 
+    def has_objects(self) -> bool:
+        """Whether any object lies under the bucket's URL (a readiness probe: an empty prefix is
+        usually a mistyped one). This default lists everything; backends ask for one key."""
+        return bool(self.list(""))
+
     @abc.abstractmethod
     def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
         """The whole object (manifests, ``STARTUP_SNAPSHOT``).
@@ -299,6 +305,12 @@ class Bucket(abc.ABC):
     @abc.abstractmethod
     def write_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """Store the local file at ``path`` as the object (multipart and parallel where large)."""
+
+    def write_buffers(self, key: str, buffers: Sequence[Any]) -> None:
+        """Store the concatenation of ``buffers`` (bytes-like objects) as the object, as
+        :meth:`write` does; backends send the buffers without joining them (multipart and
+        parallel where large). This default joins them and calls :meth:`write`."""
+        self.write(key, b"".join(memoryview(b).cast("B") for b in buffers))
 
     @abc.abstractmethod
     def close(self) -> None:

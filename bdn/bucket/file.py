@@ -21,13 +21,13 @@ import os
 import shutil
 import stat as stat_mod
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from bdn.bucket.base import (
-    PROGRESS_BYTES,
     DEFAULT_MAX_READ,
+    PROGRESS_BYTES,
     AccessDenied,
     Bucket,
     BucketError,
@@ -141,6 +141,15 @@ class FileBucket(Bucket):
                     found.append(ObjectInfo(key=key, size=st.st_size, etag=file_etag(st)))
         found.sort(key=lambda info: info.key)
         return found
+
+    def has_objects(self) -> bool:
+        """Whether the root holds any regular file (not an in-flight write); stops at the first."""
+        self.stats.add(list_requests=1)
+        for _dirpath, dirnames, filenames in os.walk(self._real_root()):
+            dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX)]
+            if any(not n.startswith(TEMP_PREFIX) for n in filenames):
+                return True
+        return False
 
     def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
         """The whole file; :class:`BucketError` if it is (or grows) over ``max_size`` bytes,
@@ -276,6 +285,16 @@ class FileBucket(Bucket):
 
         with src:
             self._commit(key, fill)
+
+    def write_buffers(self, key: str, buffers: Sequence[Any]) -> None:
+        """Write the buffers one after the other (no join) as :meth:`write` stores bytes."""
+        def fill(f: BinaryIO) -> int:
+            n = 0
+            for b in buffers:
+                n += f.write(b)
+            return n
+
+        self._commit(key, fill)
 
     def close(self) -> None:
         """Nothing to release (no descriptor outlives a call); marks the bucket closed."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ from bdn.bucket.base import (
     validate_key,
     validate_prefix,
 )
+from bdn.bucket.buffers import BuffersReader
 from bdn.bucket.checksums import object_checksum
 from bdn.bucket.credentials import ReaderCredentials
 from bdn.bucket.s3_client import open_client, open_transfer
@@ -178,6 +179,14 @@ class S3Bucket(Bucket):
         found.sort(key=lambda info: info.key)
         return found
 
+    def has_objects(self) -> bool:
+        """One ListObjectsV2 of at most one key under the prefix (directory markers count)."""
+        root = f"{self._prefix}/" if self._prefix else ""
+        self.stats.add(list_requests=1)
+        with self._slot():
+            page = self._call("list", "", self._client.list_objects_v2, Prefix=root, MaxKeys=1)
+        return bool(page.get("Contents") or page.get("KeyCount"))
+
     def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
         """One GET of the whole object, its body read into one buffer (resumed with ``If-Match``
         if it breaks). Raises :class:`BucketError` before reading the body when
@@ -312,6 +321,24 @@ class S3Bucket(Bucket):
         except Exception as exc:  # s3transfer wraps some failures in its own types
             raise BucketError(f"write {self._where(key)}: {type(exc).__name__}: {one_line(exc)}") from None
         self.stats.add(put_bytes=size)
+
+    def write_buffers(self, key: str, buffers: Sequence[Any]) -> None:
+        """Upload the concatenation of ``buffers`` through s3transfer, as :meth:`write_file`
+        uploads a file (one PutObject under ``multipart_threshold``, else parallel parts),
+        reading each part straight from the buffers. Raises the mapped bucket errors."""
+        validate_key(key)
+        if self._closed:
+            raise BucketError(f"{self.url} is closed")
+        reader = BuffersReader(buffers)
+        self.stats.add(put_requests=1)
+        future = self._transfer.upload(reader, self._bucket, self._full_key(key))
+        try:
+            future.result()
+        except (bex.BotoCoreError, bex.ClientError) as exc:
+            raise self._map_error("write", key, exc) from None
+        except Exception as exc:  # s3transfer wraps some failures in its own types
+            raise BucketError(f"write {self._where(key)}: {type(exc).__name__}: {one_line(exc)}") from None
+        self.stats.add(put_bytes=reader.size)
 
     def close(self) -> None:
         """Shut the transfer manager down (waiting for uploads in flight), then close the

@@ -18,6 +18,7 @@ from bdn.daemon import retention
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Conflict, NotFound
+from bdn.daemon.fetch.held import HeldFiles
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.records import MAX_RECORD_BYTES, from_ready, matches_ready, parse_record
 from bdn.daemon.runner import Runner
@@ -45,6 +46,7 @@ class Catalog:
         self.index = index
         self.runner = runner
         self.clock = clock
+        self.held = HeldFiles(clock)  # the have-bits advertised: less the chunks of files gone from disk
         runner.jobs = self
         self.jobs: dict[str, SnapshotJob] = {}
         self.resumable: set[str] = set()
@@ -98,12 +100,18 @@ class Catalog:
         self.jobs[identity] = job
         return job
 
-    async def prefetch_looked(self, identity: str, wait_publish: bool, timeout: float) -> SnapshotJob:
+    async def prefetch_looked(self, identity: str, wait_publish: bool, timeout: float,
+                              publish_wait_s: float | None = None) -> SnapshotJob:
         """``prefetch``, then wait (at most ``timeout`` s) until the job has looked at the bucket
         once: it downloads, waits with a reason (for its manifest, for publication), or failed
         (nothing published, a manifest refused, no room): so the local API can refuse a request
-        that fails at once instead of answering 202 for it (issue 12). Raises IdentityError."""
+        that fails at once instead of answering 202 for it (issue 12). ``publish_wait_s``: the
+        asker's patience, which bounds the job's wait for publication (the latest of its askers';
+        a job started without one keeps ``manifest_wait_s``). Raises IdentityError."""
+        fresh = getattr(self.jobs.get(identity), "state", "failed") == "failed"
         job = self.prefetch(identity, wait_publish=wait_publish)
+        if publish_wait_s is not None and (fresh or job.publish_deadline is not None):
+            job.publish_deadline = max(job.publish_deadline or 0.0, self.clock.monotonic() + publish_wait_s)
         deadline = self.clock.monotonic() + timeout
         while job.state == "queued" and not job.reason:
             left = deadline - self.clock.monotonic()
@@ -347,7 +355,7 @@ class Catalog:
         if job is None or job.manifest is None:
             return None
         await job.wait_change(since, wait)
-        return job.have_map()
+        return job.have_map(self.held.advertised(job, STORED), self.held.advertised(job, RESULT))
 
     def files(self, identity: str) -> list[dict[str, Any]]:
         """``[{path, size}]`` of a ready snapshot. Raises NotFound/Conflict."""

@@ -14,6 +14,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.catalog import Catalog
 from bdn.daemon.membership import Membership
+from bdn.daemon.readiness import Readiness
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.stats import Stats
 from bdn.proto.states import SNAPSHOT_STATES as STATES
@@ -21,8 +22,9 @@ from bdn.proto.states import SNAPSHOT_STATES as STATES
 
 class _Collector:
     def __init__(self, stats: Stats, catalog: Catalog, membership: Membership, bucket: BucketIO,
-                 replica: ReplicaView) -> None:
+                 replica: ReplicaView, readiness: Readiness | None = None) -> None:
         self.stats, self.catalog, self.membership, self.bucket, self.replica = stats, catalog, membership, bucket, replica
+        self.readiness = readiness
 
     def collect(self):  # type: ignore[no-untyped-def]
         c = self.stats.counters
@@ -45,8 +47,6 @@ class _Collector:
         yield p
         yield CounterMetricFamily("bdn_peer_chunks_in_cut_through", "Chunks received while the sender's bucket "
                                   "read still landed (cut-through)", value=c["peer_chunks_in_cut_through"])
-        yield CounterMetricFamily("bdn_peer_chunks_relayed", "Cut-through answers sent while the chunk still "
-                                  "arrived here from a peer (a relay)", value=c["peer_chunks_relayed"])
         yield CounterMetricFamily("bdn_bucket_chunks_taken_over", "Chunks read from the bucket here for another "
                                   "owner, at the end of its list", value=c["bucket_chunks_taken_over"])
         yield CounterMetricFamily("bdn_bucket_reads_given", "Bucket reads of this node's own chunks given up to "
@@ -132,15 +132,24 @@ class _Collector:
         shm = GaugeMetricFamily("bdn_shm_bytes", "Bytes of reconstructed snapshots held in shm")
         shm.add_metric([], sum(j.result_bytes for j in jobs if j.state == "ready"))
         yield shm
+        if self.readiness is not None:
+            # the last /v1/ready answer (renewed every 10 s), and the misconfigurations behind it
+            yield GaugeMetricFamily("bdn_ready", "1 when /v1/ready answered ready last (renewed every 10 s)",
+                                    value=1 if self.readiness.last["ready"] else 0)
+            bad = GaugeMetricFamily("bdn_misconfigured", "Misconfigurations noticed and not over, by kind",
+                                    labels=["problem"])
+            for kind, n in self.readiness.problems.counts().items():
+                bad.add_metric([kind], n)
+            yield bad
 
 
 class Metrics:
     """One registry with the daemon's collector; ``render()`` -> ``(body, content_type)``."""
 
     def __init__(self, stats: Stats, catalog: Catalog, membership: Membership, bucket: BucketIO,
-                 replica: ReplicaView) -> None:
+                 replica: ReplicaView, readiness: Readiness | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_Collector(stats, catalog, membership, bucket, replica))  # type: ignore[arg-type]
+        self.registry.register(_Collector(stats, catalog, membership, bucket, replica, readiness))  # type: ignore[arg-type]
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

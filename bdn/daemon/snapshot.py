@@ -97,6 +97,7 @@ class SnapshotJob:
         self.tensor_refused = ""  # why its headers cannot be served (logged once)
         self.foreign: Any = None  # ForeignState of a snapshot without a manifest (bdn.daemon.foreign_source)
         self.wait_publish = True  # with nothing in the bucket yet: wait (True) or fail at once
+        self.publish_deadline: float | None = None  # monotonic s: stop waiting for publication (None: manifest_wait_s)
         self.derived = False  # restored from the store with a table derived here: no claims to check
 
     # ---- layout --------------------------------------------------------------------------
@@ -287,13 +288,17 @@ class SnapshotJob:
             "updated_at": self.updated,
         }
 
-    def have_map(self) -> dict[str, Any]:
-        """The msgpack-able have answer: bitfields over the manifest's stored and result chunks."""
+    def have_map(self, stored: Bitfield | None = None, result: Bitfield | None = None) -> dict[str, Any]:
+        """The msgpack-able have answer: bitfields over the manifest's stored and result chunks
+        (``stored``/``result``: the bits to advertise instead of the job's own, e.g. without the
+        chunks of files gone from disk: ``bdn.daemon.fetch.held``)."""
+        stored = stored if stored is not None else self.stored
+        result = result if result is not None else self.result
         return {
             "v": self.version,
             "state": self.state,
-            "ns": self.stored.n if self.stored else 0,
-            "stored": self.stored.to_bytes() if self.stored else b"",
-            "nr": self.result.n if self.result else 0,
-            "result": self.result.to_bytes() if self.result else b"",
+            "ns": stored.n if stored else 0,
+            "stored": stored.to_bytes() if stored else b"",
+            "nr": result.n if result else 0,
+            "result": result.to_bytes() if result else b"",
         }
