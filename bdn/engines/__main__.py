@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--engine-url", required=True, help="the engine server's base URL")
             p.add_argument("--api-key", default=None, help="the engine's API key (bearer token)")
+            p.add_argument("--full-reload", action="store_true",
+                           help="load the whole snapshot on every swap (default: only the changed tensors when "
+                                "possible; docs/ENGINES.md)")
         if name == "vllm":
             p.add_argument("--require-weight-change", action="store_true",
                            help="fail a swap whose reload changed no weight checksum")
@@ -113,14 +116,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from bdn.engines.service import register, run_driver
 
+        from bdn.engines.sglang import SGLangAdapter
+        from bdn.engines.vllm import VLLMAdapter
+
         if a.engine == "sglang":
-            from bdn.engines.sglang import SGLangAdapter
-
-            adapter = SGLangAdapter(a.engine_url, a.api_key)
+            adapter: SGLangAdapter | VLLMAdapter = SGLangAdapter(a.engine_url, a.api_key, partial=not a.full_reload)
         else:
-            from bdn.engines.vllm import VLLMAdapter
-
-            adapter = VLLMAdapter(a.engine_url, a.api_key, require_change=a.require_weight_change)
+            adapter = VLLMAdapter(a.engine_url, a.api_key, require_change=a.require_weight_change,
+                                  partial=not a.full_reload)
         link = register(a.bdn_url, a.name, a.connect_timeout)
         t = run_driver(link, adapter, stop, poll_timeout=5.0)
         print(f"driving {a.engine} at {a.engine_url}; hot-loads from {a.bdn_url}", flush=True)

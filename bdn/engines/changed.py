@@ -14,6 +14,14 @@ typical RL step instead of all of it. The list comes from one of two places:
    shape, counts as changed; a tensor the target dropped makes a partial swap impossible
    (``ChangedTensors.removed``).
 
+The offer may also carry ``changed_ranges``: ``{tensor name: [[start, end], ...]}``, the bytes of
+each changed tensor outside which it holds the base's bytes, as half-open ranges ``[start, end)``
+of ABSOLUTE offsets in the tensor's safetensors file (as bdnd's ``ranges_from_diffs`` writes
+them: docs/ENGINES.md), sorted and not overlapping. It is relative to the same base as
+``changed_tensors`` and used only with it; a changed tensor without an entry changed as a whole.
+:func:`from_offer` validates it (:func:`parse_ranges`) and hands it on in
+``ChangedTensors.ranges``, as offsets relative to the tensor's first byte.
+
 Sources: README.md ("How a chunk moves": READY's chunk digests); the safetensors format
 (https://github.com/huggingface/safetensors, "Format") through ``bdn.client.Snapshot``.
 """
@@ -30,9 +38,10 @@ from bdn.proto.errors import BdnError, ProtocolError
 from bdn.fileops import read_header
 from bdn.proto.safetensors_fmt import TensorInfo
 
-__all__ = ["ChangedTensors", "changed_tensors", "compare", "from_offer", "tensor_infos"]
+__all__ = ["ChangedTensors", "changed_tensors", "compare", "from_offer", "parse_ranges", "tensor_infos"]
 
 MAX_OFFER_NAMES = 1_000_000
+MAX_OFFER_RANGES = 4_000_000
 
 
 @dataclass(frozen=True)
@@ -44,12 +53,15 @@ class ChangedTensors:
         source: ``"offer"`` (the daemon's list) or ``"compared"`` (found by :func:`compare`).
         removed: tensors of the base that the target lacks (non-empty: reload fully).
         compared_bytes: bytes read to compare (0 when every chunk digest matched, or from the offer).
+        ranges: from the offer's ``changed_ranges`` (see the module doc), or None: ``{name:
+            [(start, end), ...]}`` in bytes relative to the tensor's first byte, for some of ``names``.
     """
 
     names: list[str]
     source: str
     removed: list[str] = field(default_factory=list)
     compared_bytes: int = 0
+    ranges: dict[str, list[tuple[int, int]]] | None = None
 
 
 def tensor_infos(snap: Snapshot) -> dict[str, TensorInfo]:
@@ -130,7 +142,50 @@ def from_offer(offer: dict[str, Any], serving: str | None, target: Snapshot) -> 
     if unknown:
         raise ProtocolError(f"offer names {len(unknown)} tensor(s) not in {target.identity}, e.g. {unknown[0][:80]!r}")
     wanted = set(names)
-    return ChangedTensors([n for n in target.tensor_names() if n in wanted], "offer")
+    ranges = None
+    if offer.get("changed_ranges") is not None:
+        infos = tensor_infos(target)
+        ranges = parse_ranges(offer["changed_ranges"], wanted, {n: (infos[n].start, infos[n].end) for n in wanted})
+    return ChangedTensors([n for n in target.tensor_names() if n in wanted], "offer", ranges=ranges)
+
+
+def parse_ranges(raw: Any, names: set[str], bounds: dict[str, tuple[int, int]]) -> dict[str, list[tuple[int, int]]]:
+    """The offer's ``changed_ranges`` as ``{name: [(start, end), ...]}`` relative to each tensor's
+    first byte (see the module doc).
+
+    ``names``: the offer's changed tensors; ``bounds``: each one's absolute ``(start, end)`` in its
+    file. Raises ProtocolError (one line) for anything else: not a mapping of names to lists of
+    ``[start, end]`` integer pairs, a name not among the changed tensors, a range empty, outside
+    the tensor, unsorted or overlapping, or more than ``MAX_OFFER_RANGES`` ranges in all. A wrong
+    range would leave stale bytes in place, so none is guessed at.
+    """
+    if not isinstance(raw, dict):
+        raise ProtocolError("offer field changed_ranges must map tensor names to lists of [start, end]")
+    out: dict[str, list[tuple[int, int]]] = {}
+    count = 0
+    for name, spans in raw.items():
+        if name not in names:
+            raise ProtocolError(f"changed_ranges names {str(name)[:80]!r}, which is not in changed_tensors")
+        if not isinstance(spans, list):
+            raise ProtocolError(f"changed_ranges of {name[:80]!r} must be a list of [start, end]")
+        count += len(spans)
+        if count > MAX_OFFER_RANGES:
+            raise ProtocolError(f"changed_ranges holds more than {MAX_OFFER_RANGES} ranges")
+        lo, hi = bounds[name]
+        prev = lo
+        got: list[tuple[int, int]] = []
+        for span in spans:
+            if (not isinstance(span, list) or len(span) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
+                raise ProtocolError(f"changed_ranges of {name[:80]!r}: {str(span)[:40]} is not [start, end]")
+            start, end = span
+            if not prev <= start < end <= hi:
+                raise ProtocolError(f"changed_ranges of {name[:80]!r}: [{start}, {end}) is empty, unsorted, "
+                                    f"overlapping or outside its bytes [{lo}, {hi})")
+            got.append((start - lo, end - lo))
+            prev = end
+        out[name] = got
+    return out
 
 
 def changed_tensors(offer: dict[str, Any], serving: Snapshot | None, target: Snapshot) -> ChangedTensors | None:

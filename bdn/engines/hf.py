@@ -72,6 +72,7 @@ class Prepared:
     reason: str = ""
     prepare_ms: float = 0.0
     bytes_copied: int = 0
+    ranges: int = 0  # tensors of which only the offer's changed byte ranges were read
 
 
 @dataclass
@@ -175,12 +176,14 @@ class HFEngine:
                     reason = f"{len(ch.removed)} tensor(s) removed"
                 else:
                     names = ch.names if ch is not None else snap.tensor_names()
-                    staged = stage_tensors(snap, names, self.params, self.device, self.spares)
+                    staged = stage_tensors(snap, names, self.params, self.device, self.spares,
+                                           ch.ranges if ch is not None else None)
                     if isinstance(staged, str):
                         reason = staged
                     else:
                         prep = Prepared(snap, options, "partial" if ch is not None else "full", tensors=staged[0],
-                                        changed_source=ch.source if ch is not None else "", bytes_copied=staged[1])
+                                        changed_source=ch.source if ch is not None else "", bytes_copied=staged[1],
+                                        ranges=len(ch.ranges or {}) if ch is not None else 0)
             if prep is None:
                 log.info("%s: loading a new model object (%s)", snap.identity, reason)
         if prep is None:
@@ -244,6 +247,7 @@ class HFEngine:
             "swap_method": self.swap_method if prep.mode != "load" else "load",
             "tensors_total": len(self.params),
             "bytes_copied": prep.bytes_copied,
+            "tensors_by_ranges": prep.ranges,
             "changed_source": prep.changed_source or None,
             "full_reload_reason": prep.reason or None,
             "prompt_cache": "reset" if prep.options.reset_prompt_cache else "preserved",

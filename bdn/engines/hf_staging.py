@@ -19,7 +19,7 @@ import numpy as np
 
 from bdn.client import Snapshot
 from bdn.engines import changed as changed_mod
-from bdn.engines.weights import SpareBuffers, pread_into
+from bdn.engines.weights import SpareBuffers, pread_into, pread_ranges
 from bdn.proto.errors import BdnError
 
 CONFIG_NAME = "config.json"
@@ -85,9 +85,10 @@ def load_model(snap: Snapshot, device: str) -> tuple[Any, Any]:
 
 
 def stage_tensors(
-    snap: Snapshot, names: list[str], params: dict[str, Any], device: str, spares: SpareBuffers
+    snap: Snapshot, names: list[str], params: dict[str, Any], device: str, spares: SpareBuffers,
+    ranges: dict[str, list[tuple[int, int]]] | None = None,
 ) -> tuple[dict[str, Any], int] | str:
-    """Copies of ``names`` out of ``snap`` as torch tensors: ``({name: tensor}, bytes copied)``.
+    """Copies of ``names`` out of ``snap`` as torch tensors: ``({name: tensor}, bytes read from snap)``.
 
     ``params`` is the served model's state dict (name -> tensor); each staged tensor has the
     dtype and shape of the served one, on ``device``. Returns a reason string instead when one
@@ -97,6 +98,11 @@ def stage_tensors(
     storage the last swap freed, already faulted in) or a new one: measured on 152 MB with both
     cores busy, 176-185 ms into a spare buffer, 277-309 ms into a new one, 305-1320 ms copying
     out of the snapshot's mapping (a page fault per 4 KiB on both sides).
+
+    ``ranges`` (the offer's ``changed_ranges``, relative to the served snapshot: see
+    :mod:`bdn.engines.changed`): for a CPU tensor listed there, the staged copy starts as a copy
+    of the served parameter (engine memory, no read of the snapshot) and only the listed byte
+    ranges are read from ``snap``; the bytes counted are those ranges'.
     """
     th = torch()
     infos = changed_mod.tensor_infos(snap)
@@ -110,9 +116,19 @@ def stage_tensors(
         dt = _DTYPES.get(info.dtype)
         if dt is None or getattr(th, dt) != live.dtype or tuple(info.shape) != tuple(live.shape):
             return f"tensor {name[:80]!r} changed dtype or shape ({info.dtype} {list(info.shape)})"
+        path = snap.path.joinpath(*snap.tensor_file(name).split("/"))
+        spans = (ranges or {}).get(name)
+        if spans is not None and sum(e - s for s, e in spans) == info.nbytes:
+            spans = None  # the whole tensor (arc deltas): one read, no copy of the served bytes first
+        if device == "cpu" and spans is not None and live.is_contiguous():
+            buf = spares.take(info.nbytes, live.dtype)
+            np.copyto(buf.numpy(), live.detach().reshape(-1).view(th.uint8).numpy())  # the served bytes
+            total += pread_ranges(path, info.start, buf, spans)
+            out[name] = buf.view(live.dtype).reshape(live.shape)
+            continue
         if device == "cpu":
             buf = spares.take(info.nbytes, live.dtype)
-            pread_into(snap.path.joinpath(*snap.tensor_file(name).split("/")), info.start, buf)
+            pread_into(path, info.start, buf)
             out[name] = buf.view(live.dtype).reshape(live.shape)
         else:
             raw = np.array(snap.tensor(name).reshape(-1).view(np.uint8))  # the one copy out of shm

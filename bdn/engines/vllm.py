@@ -9,7 +9,7 @@ for these routes):
    answer within ``inflight_wait_s`` (+ a margin), bdn pauses again with ``mode=abort``.
 2. ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": <bdn's snapshot
    dir>}}``: every worker reloads its weights in place from the directory (a new path each time,
-   so no cached weights are reused).
+   so no cached weights are reused); or the partial load below.
 3. ``POST /reset_prefix_cache`` when the prompt-cache policy is ``RESET_ALL`` (``{"success":
    false}`` while running requests hold blocks, e.g. after ``keep``: reported as
    ``prompt_cache: "reset_failed"``).
@@ -21,24 +21,42 @@ before and after and reports how many checksums changed (``weights_changed``); w
 ``require_change=True`` a reload that changed none fails the swap (the trap where a reload serves
 the cached weights). vLLM's CPU backend repacks some layers, whose checksums are then constant, so
 the check is off by default.
+
+**Partial swaps.** With vLLM started with bdn's worker extension
+(``--worker-extension-cls bdn.engines.vllm_worker.BdnWorkerExtension``, see that module), step 2
+becomes ``POST /collective_rpc {"method": "bdn_load_tensors", "kwargs": {"request": "<JSON
+{snapshot_dir, names}>"}}``: every worker reads only the changed tensors (and the other tensors of
+the modules that hold them) from the snapshot and rebuilds only those modules. The adapter takes
+this path when it serves a snapshot already, ``config.json`` is unchanged, the changed tensors are
+known (the offer's list relative to the served snapshot, else :func:`bdn.engines.changed.compare`),
+none was removed and at most ``PARTIAL_MAX_FRACTION`` of the tensors changed, and the extension answers ``bdn_ping`` (asked once, before the first
+partial swap, outside the pause). Otherwise, and when ``bdn_load_tensors`` fails, it reloads fully
+with ``reload_weights`` and logs one line saying why (``full_reload_reason`` in the report).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from bdn.client import Snapshot
+from bdn.engines import changed as changed_mod
+from bdn.engines.hf_staging import same_config
 from bdn.engines.options import HotLoadOptions
 from bdn.engines.remote import EngineHTTP, RemoteEngineError
 
 log = logging.getLogger("bdn.engines.vllm")
 
-__all__ = ["VLLMAdapter"]
+__all__ = ["EXTENSION_CLS", "VLLMAdapter"]
 
 WAIT_MARGIN_S = 10.0
+EXTENSION_CLS = "bdn.engines.vllm_worker.BdnWorkerExtension"
+# Above this fraction of the tensors changed, one reload_weights is faster than rebuilding the
+# modules one by one (bench/engines: every tensor changed, partial 0.7-1.6x the full reload's pause).
+PARTIAL_MAX_FRACTION = 0.5
 
 
 @dataclass
@@ -46,6 +64,12 @@ class _Prepared:
     snapshot: Snapshot
     options: HotLoadOptions
     changed: int | None
+    names: list[str] | None = None  # the tensors to load partially; None: reload fully
+    reason: str = ""  # why a full reload
+    changed_source: str = ""
+    changed_bytes: int = 0
+    total_bytes: int = 0
+    prepare_ms: float = 0.0
 
 
 class VLLMAdapter:
@@ -57,26 +81,115 @@ class VLLMAdapter:
         timeout_s: per route (a reload of a large model takes a while).
         check_weights / require_change: see the module doc.
         wait_margin_s: added to ``inflight_wait_s`` for the ``wait`` pause's HTTP timeout.
+        partial: load only the changed tensors through the worker extension when possible
+            (False: always ``reload_weights``, for comparison).
+        partial_max_fraction: reload fully when more than this fraction of the tensors changed.
         clock: monotonic seconds.
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 900.0,
                  check_weights: bool = False, require_change: bool = False, clock: Any = time.monotonic,
-                 wait_margin_s: float = WAIT_MARGIN_S) -> None:
+                 wait_margin_s: float = WAIT_MARGIN_S, partial: bool = True,
+                 partial_max_fraction: float = PARTIAL_MAX_FRACTION) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.http = EngineHTTP(base_url, timeout_s, headers)
         self.check_weights = check_weights or require_change
         self.require_change = require_change
         self.clock = clock
         self.wait_margin_s = wait_margin_s
+        self.partial = partial
+        self.partial_max_fraction = partial_max_fraction
+        self.extension: bool | None = None  # the worker extension answers (None: not asked yet)
         self.serving: Snapshot | None = None
         self.last_swap: dict[str, Any] | None = None
 
+    def _has_extension(self) -> bool:
+        if self.extension is None:
+            try:
+                ans = self.http.call("POST", "/collective_rpc", {"method": "bdn_ping"}, timeout_s=30.0)
+                res = ans.get("results") if isinstance(ans, dict) else None
+                self.extension = isinstance(res, list) and bool(res) and all(
+                    isinstance(r, dict) and r.get("extension") == "bdn" for r in res)
+            except RemoteEngineError as exc:
+                log.info("vLLM has no bdn worker extension (%s): every swap reloads fully; start vLLM with "
+                         "--worker-extension-cls %s for partial swaps", str(exc)[:200], EXTENSION_CLS)
+                self.extension = False
+        return self.extension
+
     def prepare(self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> _Prepared:
-        """Nothing to stage (vLLM's workers read the directory themselves); counts the changed
-        tensors when the offer lists them (``changed_tensors``, for the report only). No I/O."""
-        names = offer.get("changed_tensors")
-        return _Prepared(snap, options, len(names) if isinstance(names, list) else None)
+        """Decide between a partial swap and a full reload (while the old policy serves).
+
+        vLLM's workers read the snapshot themselves, so nothing is staged here: this finds the
+        changed tensors (the offer's list, or by comparing the served snapshot with ``snap``)
+        and, once, whether the worker extension is installed. Raises ProtocolError (one line) for
+        a malformed ``changed_tensors`` / ``changed_ranges`` in the offer.
+        """
+        t0 = self.clock()
+        listed = offer.get("changed_tensors")
+        prep = _Prepared(snap, options, len(listed) if isinstance(listed, list) else None)
+        infos = changed_mod.tensor_infos(snap)
+        prep.total_bytes = sum(i.nbytes for i in infos.values())
+        serving = self.serving
+        if not self.partial:
+            prep.reason = "partial swaps are off"
+        elif serving is None:
+            prep.reason = "first load"
+        elif not same_config(serving, snap):
+            prep.reason = "config.json changed"
+        else:
+            ch = changed_mod.changed_tensors(offer, serving, snap)
+            if ch is None or ch.removed:
+                prep.reason = f"{len(ch.removed) if ch else 0} tensor(s) removed"
+            elif len(ch.names) > self.partial_max_fraction * len(infos):
+                prep.reason = f"{len(ch.names)} of {len(infos)} tensors changed"
+            elif not self._has_extension():
+                prep.reason = "worker extension not installed"
+            else:
+                prep.names, prep.changed_source = ch.names, ch.source
+                prep.changed = len(ch.names)
+                prep.changed_bytes = sum(infos[n].nbytes for n in ch.names)
+        if prep.names is None:
+            log.info("%s: full reload_weights (%s)", snap.identity, prep.reason)
+        prep.prepare_ms = (self.clock() - t0) * 1000.0
+        return prep
+
+    def _load(self, prep: _Prepared, report: dict[str, Any]) -> None:
+        """Step 2: the partial load through the extension, else (or when it fails) a full reload."""
+        snap = prep.snapshot
+        if prep.names is not None:
+            t0 = self.clock()
+            try:
+                if prep.names:
+                    req = json.dumps({"snapshot_dir": str(snap.path), "names": prep.names})
+                    ans = self.http.call("POST", "/collective_rpc",
+                                         {"method": "bdn_load_tensors", "kwargs": {"request": req}})
+                    res = ans.get("results") if isinstance(ans, dict) else None
+                    if not isinstance(res, list) or not res or not all(isinstance(r, dict) and r.get("ok") for r in res):
+                        raise RemoteEngineError(f"bdn_load_tensors answered {str(ans)[:200]}")
+                    first = res[0]
+                    for k in ("tensors_read", "bytes_read", "modules", "read_ms", "load_ms"):
+                        report[k] = first.get(k)
+                else:
+                    report.update(tensors_read=0, bytes_read=0, modules=0)
+                report.update(mode="partial", changed_source=prep.changed_source, bytes_changed=prep.changed_bytes,
+                              load_ms=report.get("load_ms"), rpc_ms=round((self.clock() - t0) * 1000.0, 3))
+                return
+            except RemoteEngineError as exc:
+                prep.reason = f"bdn_load_tensors failed: {str(exc)[:200]}"
+                log.warning("%s: %s; reloading fully", snap.identity, prep.reason)
+        t0 = self.clock()
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(snap.path)}}
+        try:
+            self.http.call("POST", "/collective_rpc", body)
+        except RemoteEngineError as exc:
+            # After a failed bdn_load_tensors, vLLM's server may close the kept-alive connection
+            # (an exception in its ASGI app): the next call then meets a reset. reload_weights
+            # is idempotent, so one more try on a new connection.
+            if prep.names is None or "unreachable" not in str(exc):
+                raise
+            self.http.call("POST", "/collective_rpc", body)
+        report.update(mode="full", full_reload_reason=prep.reason or None, bytes_read=prep.total_bytes,
+                      rpc_ms=round((self.clock() - t0) * 1000.0, 3))
 
     def _checksums(self) -> dict[str, str]:
         ans = self.http.call("POST", "/weight_checker", {"action": "checksum"})
@@ -102,7 +215,8 @@ class VLLMAdapter:
             return "wait_then_abort"
 
     def swap(self, prep: _Prepared) -> dict[str, Any]:
-        """Pause, reload from ``prep.snapshot.path``, reset the prefix cache per policy, version, resume.
+        """Pause, load (partially or fully) from ``prep.snapshot.path``, reset the prefix cache per policy,
+        set the version, resume.
 
         Returns the report for the ack (``pause_ms``: ms from the pause to the resume answered).
         Raises RemoteEngineError (one line) when a route fails (once the pause has answered,
@@ -111,13 +225,12 @@ class VLLMAdapter:
         """
         snap, opts = prep.snapshot, prep.options
         report: dict[str, Any] = {"identity": snap.identity, "policy_version": snap.policy_version, "mode": "full",
-                                  "engine": "vllm", **opts.wire()}
+                                  "engine": "vllm", "prepare_ms": round(prep.prepare_ms, 3), **opts.wire()}
         before = self._checksums() if self.check_weights else None
         t0 = self.clock()
         report["pause_mode"] = self._pause(opts)
         try:
-            self.http.call("POST", "/collective_rpc",
-                           {"method": "reload_weights", "kwargs": {"weights_path": str(snap.path)}})
+            self._load(prep, report)
             if opts.reset_prompt_cache:
                 ans = self.http.call("POST", "/reset_prefix_cache")
                 ok = isinstance(ans, dict) and ans.get("success") is True

@@ -21,7 +21,7 @@ import numpy as np
 
 from bdn.proto.errors import BdnError
 
-__all__ = ["SpareBuffers", "copy_into", "pread_into", "slots_of"]
+__all__ = ["SpareBuffers", "copy_into", "pread_into", "pread_ranges", "slots_of"]
 
 PREAD_PIECE = 64 << 20
 
@@ -90,6 +90,28 @@ def pread_into(path: Path, offset: int, buf: Any) -> None:
     finally:
         os.close(fd)
         view.release()
+
+
+def pread_ranges(path: Path, offset: int, buf: Any, spans: list[tuple[int, int]]) -> int:
+    """Fill ``buf[start:end]`` for each ``(start, end)`` of ``spans`` with ``path``'s bytes from
+    ``offset + start`` (one open file, ``os.preadv`` per range); the rest of ``buf`` is left as
+    it is. Returns the bytes read. Raises BdnError (one line) when the file ends first."""
+    view = memoryview(buf.numpy())
+    fd = os.open(path, os.O_RDONLY)
+    total = 0
+    try:
+        for start, end in spans:
+            done = start
+            while done < end:
+                got = os.preadv(fd, [view[done:min(end, done + PREAD_PIECE)]], offset + done)
+                if got <= 0:
+                    raise BdnError(f"{path.name}: ends after {offset + done} bytes, the tensor needs {offset + end}")
+                done += got
+            total += end - start
+    finally:
+        os.close(fd)
+        view.release()
+    return total
 
 
 def copy_into(live: Any, staged: Any) -> None:

@@ -123,7 +123,8 @@ class Daemon:
         secret_file = self.dir / "secret"
         secret_file.write_text(secret + "\n")
         self.env = {
-            **os.environ,
+            # the tests' own switches (BDN_TEST_*) are not bdnd's config: it refuses unknown BDN_ keys
+            **{k: v for k, v in os.environ.items() if not k.startswith("BDN_TEST_")},
             "BDN_BUCKET": bucket,
             "BDN_NODE_ID": node_id,
             "BDN_PEER_LISTEN": f"127.0.0.1:{self.peer_port}",

@@ -1,0 +1,77 @@
+"""The pure parts of partial engine loads: the offer's changed byte ranges (bdn.engines.changed) and
+how bdn's vLLM worker extension (bdn.engines.vllm_worker) picks the tensors to read.
+
+The extension's load itself runs inside vLLM (tests/test_engines_vllm_real.py); what is checked
+here is what it decides before touching the model: which vLLM module a checkpoint tensor loads
+into (the model's ``packed_modules_mapping``, as vLLM's Llama defines it), which tensors a module
+is rebuilt from, and which requests and files it refuses.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bdn.engines.changed import parse_ranges
+from bdn.engines.vllm_worker import closure, module_key, parse_request, read_headers
+from bdn.fileops import save
+from bdn.proto.errors import ProtocolError
+
+LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+NAMES = [f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+    "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")]
+NAMES += ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+
+
+def test_checkpoint_names_map_to_vllms_stacked_modules() -> None:
+    assert module_key("model.layers.0.self_attn.q_proj.weight", LLAMA_PACKED) == "model.layers.0.self_attn.qkv_proj"
+    assert module_key("model.layers.1.mlp.up_proj.weight", LLAMA_PACKED) == "model.layers.1.mlp.gate_up_proj"
+    assert module_key("model.layers.1.mlp.down_proj.weight", LLAMA_PACKED) == "model.layers.1.mlp.down_proj"
+    assert module_key("model.embed_tokens.weight", LLAMA_PACKED) == "model.embed_tokens"
+    assert module_key("lm_head.weight", {}) == "lm_head"
+
+
+def test_a_changed_q_proj_rebuilds_its_qkv_module_from_q_k_and_v() -> None:
+    mods, read = closure(["model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"], NAMES, LLAMA_PACKED)
+    assert mods == ["model.embed_tokens", "model.layers.1.self_attn.qkv_proj"]
+    assert read == ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                    "model.layers.1.self_attn.v_proj.weight", "model.embed_tokens.weight"]
+    mods, read = closure(["model.layers.0.mlp.gate_proj.weight"], NAMES, LLAMA_PACKED)
+    assert read == ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
+    assert closure([], NAMES, LLAMA_PACKED) == ([], [])
+
+
+def test_requests_and_headers_are_checked(tmp_path: Path) -> None:
+    save(tmp_path / "a.safetensors", {"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
+    save(tmp_path / "b.safetensors", {"y": np.zeros(4, dtype=np.int64)})
+    heads = read_headers(tmp_path)
+    f, dtype, shape, start, end = heads["x"]
+    assert (f.name, dtype, shape, end - start) == ("a.safetensors", "F32", [2, 3], 24)
+    assert np.frombuffer(f.read_bytes()[start:end], np.float32).tolist() == [0, 1, 2, 3, 4, 5]
+    assert parse_request(json.dumps({"snapshot_dir": str(tmp_path), "names": ["x"]})) == (tmp_path, ["x"])
+    for bad, why in (("{", "not JSON"), (json.dumps({"snapshot_dir": str(tmp_path / "no"), "names": []}), "not a directory"),
+                     (json.dumps({"snapshot_dir": str(tmp_path), "names": "x"}), "list of tensor names")):
+        with pytest.raises(ValueError, match=why):
+            parse_request(bad)
+    with pytest.raises(TypeError, match="JSON object"):
+        parse_request("[1]")
+    save(tmp_path / "c.safetensors", {"x": np.zeros(1, dtype=np.float32)})
+    with pytest.raises(ValueError, match="is in a.safetensors and c.safetensors"):
+        read_headers(tmp_path)
+
+
+def test_changed_ranges_are_validated() -> None:
+    """Absolute file offsets in the offer, relative to each tensor's first byte after parsing."""
+    names, bounds = {"a", "b"}, {"a": (1000, 1100), "b": (1100, 1108)}
+    assert parse_ranges({"a": [[1000, 1004], [1004, 1010], [1090, 1100]], "b": []}, names, bounds) == {
+        "a": [(0, 4), (4, 10), (90, 100)], "b": []}
+    for bad, why in (([], "must map"), ({"c": [[0, 1]]}, "not in changed_tensors"), ({"a": [[1000, 1101]]}, "outside"),
+                     ({"a": [[0, 10]]}, "outside"), ({"a": [[1005, 1005]]}, "empty"),
+                     ({"a": [[1010, 1020], [1000, 1005]]}, "unsorted"), ({"a": [[1000, 1010], [1005, 1020]]}, "overlapping"),
+                     ({"a": [[1000, True]]}, "is not"), ({"a": [[1000]]}, "is not"), ({"a": "0-10"}, "must be a list")):
+        with pytest.raises(ProtocolError, match=why):
+            parse_ranges(bad, names, bounds)
