@@ -10,7 +10,6 @@ import stat
 import time
 from pathlib import Path
 
-
 from bdn.publish import publish_full
 from support.checkpoints import flip_byte, make_state, write_hf_dir
 from support.swarm import Daemon

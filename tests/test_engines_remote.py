@@ -31,8 +31,8 @@ from bdn.engines.sglang import SGLangAdapter
 from bdn.engines.vllm import VLLMAdapter
 from bdn.fileops import read_header
 from bdn.publish import publish_delta, publish_full, publish_startup
-from support.checkpoints import make_state, optimizer_step, write_hf_dir
 from support.api import wait_for
+from support.checkpoints import make_state, optimizer_step, write_hf_dir
 from support.swarm import Swarm, free_port
 
 CHUNK = 64 << 10

@@ -11,9 +11,6 @@ import mmap
 import os
 import threading
 
-from support.transfer import KEYS
-from test_transfer_cut_through import _eventually
-
 from bdn.proto.chunks import digest
 from bdn.transfer import GRANTED, FetchPool, Outcome, Peer, TransferClient, TransferServer
 from bdn.transfer.growing import (
@@ -25,6 +22,8 @@ from bdn.transfer.growing import (
     GrowingChunks,
     _unsent,
 )
+from support.transfer import KEYS
+from test_transfer_cut_through import _eventually
 
 CHUNK = 1 << 20
 PARTS = [(0, 256 << 10), (256 << 10, 256 << 10), (512 << 10, 256 << 10), (768 << 10, 256 << 10)]
@@ -209,8 +208,8 @@ def test_send_growing_holds_small_pieces_unless_they_close_a_gap(shm):
     piece that joins two sent ranges at once, and the held end only once verified."""
     import socket
 
-    from bdn.transfer.growing import send_growing
     from bdn.proto import wire
+    from bdn.transfer.growing import send_growing
 
     n = 4 * MIN_PIECE + HOLD_BYTES
     path = shm / "r"

@@ -11,7 +11,6 @@ import time
 import tracemalloc
 
 import pytest
-from support.transfer import KEYS, Target, make_chunk_file
 
 from bdn.proto import wire
 from bdn.transfer import (
@@ -25,6 +24,7 @@ from bdn.transfer import (
     TransferClient,
     TransferServer,
 )
+from support.transfer import KEYS, Target, make_chunk_file
 
 CHUNK = 1 << 20
 

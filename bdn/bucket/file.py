@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from bdn.bucket.base import (
-    PROGRESS_BYTES,
     DEFAULT_MAX_READ,
+    PROGRESS_BYTES,
     AccessDenied,
     Bucket,
     BucketError,

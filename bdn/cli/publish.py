@@ -26,9 +26,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from bdn.cli.output import BYTES_BAR, VERSION, emit_json, human_bytes
 from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE

@@ -63,8 +63,8 @@ from bdn.control import Clock
 from bdn.control.broadcasts import Broadcasts
 from bdn.control.members import Member as _Member
 from bdn.control.members import MemberBase, MemberTable
-from bdn.control.probeorder import ProbeOrder
 from bdn.control.probation import Probation
+from bdn.control.probeorder import ProbeOrder
 from bdn.control.swimtable import TableSync, _accusable
 from bdn.control.swimwire import (  # noqa: F401  (re-exported: callers import them from here)
     ALIVE,

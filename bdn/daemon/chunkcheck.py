@@ -86,7 +86,7 @@ class ChunkCheck:
         try:
             status, _ = await self.peers.post_json(url, "bad_chunk", body, timeout=10.0)
             log.debug("told %s of a bad chunk: %d", node_id, status)
-        except (PeerError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, PeerError, OSError) as e:
             log.debug("could not tell %s of a bad chunk: %s", node_id, e)
 
     # ---- reports in ----------------------------------------------------------------------

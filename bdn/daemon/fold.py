@@ -46,8 +46,8 @@ from bdn.daemon.index import ChunkIndex
 from bdn.daemon.snapshot import STORED, TERMINAL, SnapshotJob
 from bdn.daemon.store import Store
 from bdn.proto import arc
-from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.chunks import digest as xxh3_digest
+from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 from bdn.proto.safetensors_fmt import parse_header
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bdn.daemon import versioned

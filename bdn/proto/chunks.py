@@ -14,7 +14,6 @@ from typing import Any, overload
 
 import xxhash
 
-
 DEFAULT_CHUNK_SIZE = 16 << 20
 MIN_CHUNK_SIZE = 4 << 10
 MAX_CHUNK_SIZE = 1 << 30

@@ -78,7 +78,6 @@ from bdn.proto.diff_file import DiffTensor
 from bdn.proto.errors import ChecksumError, ProtocolError, TensorMismatch
 from bdn.proto.safetensors_fmt import TensorInfo, _q
 
-
 _P_MAGIC = b"BDNP"
 _P_VERSION = 1
 _P_HEAD = struct.Struct("<4sBBHQII")  # magic, version, width, reserved, n_bytes, block, nblocks

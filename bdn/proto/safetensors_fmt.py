@@ -35,6 +35,7 @@ import numpy as np
 
 from bdn.proto.errors import ProtocolError
 
+
 class SafetensorsError(ProtocolError):
     """A safetensors file or header broke the format (message names the tensor where there is one)."""
 

@@ -297,7 +297,7 @@ class Haves:
             ev = self._waiters[key] = asyncio.Event()
         try:
             await asyncio.wait_for(ev.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             if self._waiters.get(key) is ev:

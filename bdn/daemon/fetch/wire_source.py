@@ -133,7 +133,7 @@ class WireSource:
             try:
                 await asyncio.wait_for(sem.acquire(), QUEUE_S)
                 held = True
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.stats.busy_answers += 1
                 if self.chunk_log is not None:
                     self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "busy", "wire")

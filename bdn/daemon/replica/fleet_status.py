@@ -21,7 +21,6 @@ import json
 import logging
 from typing import Any
 
-
 from bdn.control import hotload as policy
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config

@@ -29,8 +29,8 @@ from bdn.daemon.errors import Conflict
 from bdn.daemon.foreign_source import Hint, Hints
 from bdn.daemon.replica import claims, contract
 from bdn.daemon.replica import engines as engine_rules
-from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.changes import ChangedTensorsCache, DeltaSource, delta_source
+from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.options import DEFAULT_OPTIONS
 from bdn.daemon.replica.ports import SnapshotRecord, Snapshots
 from bdn.daemon.replica.target import Target, later, supersedes
