@@ -100,7 +100,7 @@ class Transport:
             if not parts.hostname:
                 raise ValueError(f"daemon URL {url!r} has no host")
             try:
-                parts.port
+                _ = parts.port  # raises ValueError on a bad port
             except ValueError:
                 raise ValueError(f"daemon URL {url!r} has a bad port") from None
             self._base = f"http://{parts.netloc}{parts.path.rstrip('/')}"

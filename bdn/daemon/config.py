@@ -329,7 +329,7 @@ def _check_peer_url(url: str, key: str) -> None:
     scheme was taken and the peer never answered)."""
     u = urllib.parse.urlsplit(url)
     try:
-        u.port
+        _ = u.port  # raises ValueError on a bad port
     except ValueError:
         u = u._replace(netloc="")
     if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query or u.fragment:

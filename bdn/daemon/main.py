@@ -32,7 +32,7 @@ if IS_PROGRAM:
     signal.signal(signal.SIGINT, _stop_early)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the App logs a SIGHUP once its handlers are in
 
-import argparse  # noqa: E402  (the handlers above come first on purpose)
+import argparse  # the handlers above come first on purpose (E402 off for this file: pyproject.toml)
 import asyncio
 import faulthandler
 import json

@@ -59,7 +59,7 @@ async def read_manifest(self: Any, job: SnapshotJob) -> Manifest:
             if not self.cfg.require_manifest and self.foreign is not None:
                 return await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)  # type: ignore[arg-type]
             if not job.wait_publish and not await self.bucket.list(f"{job.identity}/"):
-                raise BdnError(f"snapshot {job.identity}: nothing is published under {job.identity}/ in {self.bucket.url}")
+                raise BdnError(f"snapshot {job.identity}: nothing is published under {job.identity}/ in {self.bucket.url}") from None
             if self.clock.monotonic() >= deadline:
                 raise BdnError(
                     f"snapshot {job.identity} is not published: {MANIFEST_NAME} did not "

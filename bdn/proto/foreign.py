@@ -398,7 +398,7 @@ def derive_table(
                 "size": rsize,
                 "chunks": _ids(
                     num_chunks(rsize, chunk_size),
-                    lambda i, o=o: result_chunk_id(o.key, o.etag, base_identity, rids, rsize, chunk_size, i),
+                    lambda i, o=o, rids=rids, rsize=rsize: result_chunk_id(o.key, o.etag, base_identity, rids, rsize, chunk_size, i),
                 ),
             }
             total += len(entry["result"]["chunks"])

@@ -138,7 +138,7 @@ class HotLoad:
             except BucketError as e:
                 raise Upstream(f"cannot list {identity}/ in the bucket: {e}") from None
             if not objs:
-                raise NotFound(f"snapshot {identity!r} is not in the bucket {self.bucket.url}")
+                raise NotFound(f"snapshot {identity!r} is not in the bucket {self.bucket.url}") from None
             return None
         except BucketError as e:
             raise Upstream(f"cannot read the manifest of {identity!r}: {e}") from None
