@@ -80,7 +80,7 @@ class ChunkCheck:
         body = packb({"address": address, "snapshot": snapshot})
         task = asyncio.ensure_future(self._send(url, node_id, body))
         self._sending.add(task)
-        task.add_done_callback(lambda t: (self._outgoing.discard(key), self._sending.discard(t)))
+        task.add_done_callback(lambda t: (self._outgoing.discard(key), self._sending.discard(t)))  # type: ignore[func-returns-value]  # a callback's value is unused
 
     async def _send(self, url: str, node_id: str, body: bytes) -> None:
         try:

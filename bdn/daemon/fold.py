@@ -361,7 +361,7 @@ class Folder:
         part.requested_by = "fold"
 
         def allocate() -> None:
-            for f in part.manifest.files:  # type: ignore[union-attr]
+            for f in part.manifest.files:  # type: ignore[union-attr]  # attached above
                 p = where / f.path
                 p.parent.mkdir(parents=True, exist_ok=True)
                 with open(p, "wb") as fh:

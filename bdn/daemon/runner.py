@@ -117,6 +117,7 @@ class Runner:
             ready_m = m
             if job.foreign is not None:
                 ready_m = await self._run_foreign(job)
+                assert job.manifest is not None  # _run_foreign read it
                 m = job.manifest
             elif m.is_delta:
                 await self._run_delta(job, m)

@@ -256,7 +256,7 @@ class WirePeer:
                     continue
             fut.cancel()
             # granted just as we gave up: give the slot back
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(f.result()))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(f.result()))  # type: ignore[func-returns-value]  # a callback's value is unused
             # a stopping daemon answers at once: its loop is joining this thread (App.shutdown ->
             # close -> TransferServer.close) and would not run the decision (the soak's node4
             # waited out its 20 s watchdog that way)

@@ -18,8 +18,12 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from bdn.proto.errors import BdnError
+
+if TYPE_CHECKING:
+    from bdn.engines.driver import Adapter
 
 log = logging.getLogger("bdn.engines")
 # httpx logs every request at INFO (the long-poll to bdnd, every 5 s); httpcore its connections at DEBUG.
@@ -95,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from bdn.engines.service import register, run_driver
 
+        adapter: Adapter
         if a.engine == "sglang":
             from bdn.engines.sglang import SGLangAdapter
 

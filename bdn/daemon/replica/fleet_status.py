@@ -58,7 +58,7 @@ def check_row(obj: Any, peer: str) -> policy.Row:
         raise Invalid("status report must be a map with a row")
     ident, row = obj.get("identity"), obj["row"]
     try:
-        validate_identity(ident)
+        ident = validate_identity(ident)
     except IdentityError as e:
         raise Invalid(f"status report identity: {e}") from None
     if row.get("replica_id") != peer:
@@ -198,7 +198,7 @@ class FleetStatus:
                 return out
 
             boards = list(await asyncio.gather(*(one(n) for n in self.aggregators(ident))))
-        merged = {r.node: r for r in policy.merge(boards)}  # type: ignore[arg-type]
+        merged = {r.node: r for r in policy.merge(boards)}
         merged[self.cfg.node_id] = policy.Row(self.cfg.node_id, ident, self.view.replica())  # our own, fresh
         for m in self.membership.live():
             if m.node_id not in merged:
@@ -209,6 +209,6 @@ class FleetStatus:
                                       "reason": "no status report yet"},
                 })
         rows = [merged[n] for n in sorted(merged)]
-        page, token = policy.paginate(rows, size, after)  # type: ignore[arg-type]
+        page, token = policy.paginate(rows, size, after)
         return {"replicas": [r.data for r in page], "next_page_token": token, "replica_count": len(rows),
                 "stages": policy.summary(rows, _stage)}
