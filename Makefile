@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-warn-script-location
 
-.PHONY: demo test venv clean lock
+.PHONY: demo test lint venv clean lock
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@echo "setting up $(VENV) (first run: downloads the dependencies from PyPI)"
@@ -39,6 +39,12 @@ demo: $(VENV)/.installed
 # 467 s this way on an idle 2-core machine). `$(PY) -m pytest` runs it serially.
 test: $(VENV)/.installed
 	@$(PY) -m pytest -q -n 2 --dist loadfile
+
+# What CI checks besides the tests (.ci/run), configured in pyproject.toml: ruff over bdn, tests
+# and bench, mypy over bdn. Any finding fails.
+lint: $(VENV)/.installed
+	@$(VENV)/bin/ruff check bdn tests bench
+	@$(VENV)/bin/mypy
 
 # constraints.txt pins every package of the test venv to the versions the suite last passed with
 # (pyproject.toml keeps ranges: users of `pip install bdn` get current releases). To refresh it:
