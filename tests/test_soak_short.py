@@ -63,8 +63,8 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.soak", "--nodes", str(NODES), "--minutes", "1.75", "--seed", "7",
            "--out", str(out), "--workdir", str(tmp / "work"), "--keep-workdir",
            "--n-embd", "256", "--n-layer", "4", "--chunk-kib", "256", "--anchor-every", "5",
-           "--interval", "10,14", "--faults", "kill,liar,s3_503,engine_crash", "--fault-order", "given",
-           "--chaos-every", "12,16", "--down", "3,6", "--liar-stay", "15,25", "--burst", "2,4",
+           "--interval", "10,14", "--faults", "kill,liar,s3_503,engine_crash,slow", "--fault-order", "given",
+           "--chaos-every", "12,16", "--down", "3,6", "--liar-stay", "15,25", "--burst", "2,4", "--slow-stay", "10,15",
            "--max-down", "1", "--quiet-tail", "15", "--sample-s", "2", "--warmup-s", "20",
            "--term-timeout", "10"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
@@ -82,7 +82,7 @@ def _explain(r: dict[str, Any]) -> str:
 def test_the_harness_ran_every_fault(soak: dict[str, Any]) -> None:
     assert soak["harness_errors"] == [], _explain(soak)
     assert not soak["interrupted"]
-    assert set(soak["faults_by_kind"]) == {"kill", "liar", "s3_503", "engine_crash"}, soak["chaos"]
+    assert set(soak["faults_by_kind"]) == {"kill", "liar", "s3_503", "engine_crash", "slow"}, soak["chaos"]
     assert soak["hotloads"]["posted"] >= 3, soak["hotload_records"]
 
 

@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--liar-stay", type=_range(float, "--liar-stay"), default=(45.0, 90.0), help="seconds the liar stays")
     p.add_argument("--burst", type=_range(float, "--burst"), default=(5.0, 30.0),
                    help="seconds of a bucket 503 burst (every request), LO,HI (default 5,30)")
+    p.add_argument("--slow-stay", type=_range(float, "--slow-stay"), default=(45.0, 90.0),
+                   help="seconds a daemon runs with its peer uplink limited (fault 'slow'), LO,HI (default 45,90)")
+    p.add_argument("--slow-mbit", type=float, default=0.5,
+                   help="the slow daemon's peer uplink, Mbit/s (default %(default)s: 64 KB/s)")
     p.add_argument("--max-down", type=int, default=2, help="daemons down at once, at most (default %(default)s)")
     p.add_argument("--quiet-tail", type=float, default=60.0, help="no new faults in the last S seconds (default %(default)s)")
     p.add_argument("--sample-s", type=float, default=5.0)
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         chunk_size=a.chunk_kib << 10, sample_s=a.sample_s, warmup_s=a.warmup_s, log_level=a.log_level, term_timeout=a.term_timeout,
         daemon_env=dict(a.env), node_env=node_env, engine_node=a.engine_node,
         chaos=ChaosParams(kinds=a.faults, every=a.chaos_every, down_s=a.down, liar_s=a.liar_stay, spare=spare,
-                          burst_s=a.burst, max_down=a.max_down, quiet_s=a.quiet_tail, shuffle=a.fault_order == "shuffled"),
+                          burst_s=a.burst, slow_s=a.slow_stay, slow_mbit=a.slow_mbit, max_down=a.max_down, quiet_s=a.quiet_tail, shuffle=a.fault_order == "shuffled"),
     )
 
     def on_term(signum: int, frame: object) -> None:

@@ -10,7 +10,10 @@ Fault kinds (``KINDS``):
 - ``s3_503``: the proxy answers every bucket request (chunk reads, manifest reads, lists) with
   503 SlowDown for ``burst_s`` seconds;
 - ``engine_crash``: kill -9 of the engine (it does not unregister); a supervisor starts it again
-  ``engine_down_s`` later (it registers anew).
+  ``engine_down_s`` later (it registers anew);
+- ``slow``: a random live daemon is restarted with its peer uplink limited to ``slow_mbit``
+  (``BDN_PEER_UPLOAD_MBIT``; 0.5 Mbit/s is 64 KB/s, issue 31's slow peer) for ``slow_s``
+  seconds, then restarted unlimited; meanwhile it advertises what it holds and answers slowly.
 
 :func:`plan` is pure: the same seed, kinds and times give the same schedule. Faults come in
 rounds; each round holds every kind once, in a seeded order (or the order given, ``shuffle=False``),
@@ -28,7 +31,7 @@ from typing import Any
 
 from bench.soak.fleet import Fleet
 
-KINDS = ("kill", "liar", "s3_503", "engine_crash")
+KINDS = ("kill", "liar", "s3_503", "engine_crash", "slow")
 RETRY_S = 5.0  # a fault skipped for too many daemons down is tried again this much later
 
 
@@ -40,6 +43,8 @@ class ChaosParams:
     liar_s: tuple[float, float] = (45.0, 90.0)
     engine_down_s: tuple[float, float] = (3.0, 10.0)
     burst_s: tuple[float, float] = (5.0, 30.0)
+    slow_s: tuple[float, float] = (45.0, 90.0)
+    slow_mbit: float = 0.5
     max_down: int = 2
     spare: tuple[str, ...] = ("node0",)
     quiet_s: float = 60.0
@@ -88,15 +93,16 @@ class Chaos:
             return None
         return self.rng.choice(sorted(live))
 
-    def _restart_later(self, node_id: str, after: float, extra_peers: list[str] | None = None) -> None:
-        self.due.append((self.clock() + after, "restart", (node_id, extra_peers or [])))
+    def _restart_later(self, node_id: str, after: float, extra_peers: list[str] | None = None,
+                       env: dict[str, str] | None = None) -> None:
+        self.due.append((self.clock() + after, "restart", (node_id, extra_peers or [], env or {})))
 
-    def _restart(self, node_id: str, extra_peers: list[str]) -> None:
+    def _restart(self, node_id: str, extra_peers: list[str], env: dict[str, str]) -> None:
         def go() -> None:
             try:
-                took = self.fleet.restart(node_id, extra_peers)
+                took = self.fleet.restart(node_id, extra_peers, env=env)
                 self._record(action="restarted", node=node_id, healthy_after_s=round(took, 2),
-                             with_liar=bool(extra_peers))
+                             with_liar=bool(extra_peers), **({"env": env} if env else {}))
             except Exception as e:  # a daemon that does not come back is a finding, not a harness crash
                 self._record(action="restart_failed", node=node_id, error=str(e).splitlines()[0][:300])
 
@@ -144,6 +150,17 @@ class Chaos:
             down = self.rng.uniform(*self.p.engine_down_s)
             self._record(fault=kind, node=f.engine_node, pid=pid, down_s=round(down, 1))
             self.due.append((self.clock() + down, "engine_start", None))
+        elif kind == "slow":
+            victim = self._victim()
+            if victim is None:
+                self._record(action="slow_skipped", reason="too many down")
+                self._retry_later(kind)
+                return
+            pid = f.kill(victim)
+            stay = self.rng.uniform(*self.p.slow_s)
+            self._record(fault=kind, node=victim, pid=pid, slow_s=round(stay, 1), mbit=self.p.slow_mbit)
+            self._restart_later(victim, 1.0, env={"BDN_PEER_UPLOAD_MBIT": str(self.p.slow_mbit)})
+            self.due.append((self.clock() + stay, "slow_stop", victim))
         else:
             raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(KINDS)}")
 
@@ -164,6 +181,14 @@ class Chaos:
             elif action == "liar_stop":
                 self.fleet.stop_liar()
                 self._record(action="liar_stopped")
+            elif action == "slow_stop":
+                # Back to an unlimited uplink: kill -9 and start again (as an operator would fix it).
+                if not final and arg in {n.daemon.node_id for n in self.fleet.live()}:
+                    pid = self.fleet.kill(arg)
+                    self._record(action="slow_stopped", node=arg, pid=pid)
+                    self._restart_later(arg, 1.0)
+                elif not final:
+                    self.due.append((now + RETRY_S, "slow_stop", arg))  # still starting: later
             elif action == "retry":
                 if not final:  # no new fault once the run is over
                     self.inject(arg)

@@ -113,6 +113,7 @@ class Node:
     daemon: Daemon
     state: str = "down"  # down | starting | up
     lives: list[Incarnation] = field(default_factory=list)
+    base_env: dict[str, str] | None = None  # the daemon's variables without a life's own
 
 
 class Fleet:
@@ -197,8 +198,11 @@ class Fleet:
             time.sleep(0.5)
 
     # ---- daemons ---------------------------------------------------------------------------
-    def _spawn(self, node: Node, extra_peers: list[str]) -> None:
+    def _spawn(self, node: Node, extra_peers: list[str], env: dict[str, str] | None = None) -> None:
         peers = [n.daemon.peer_url for n in self.nodes.values()] + extra_peers
+        base = node.base_env if node.base_env is not None else dict(node.daemon.env)
+        node.base_env = base
+        node.daemon.env = {**base, **(env or {})}  # a life's own variables (chaos "slow") end with it
         node.daemon.start(peers)
         assert node.daemon.proc is not None
         node.lives.append(Incarnation(node.daemon.proc.pid, self.clock(), with_liar=bool(extra_peers)))
@@ -226,14 +230,16 @@ class Fleet:
             life.ended, life.ended_by = self.clock(), "kill"
             return proc.pid
 
-    def restart(self, node_id: str, extra_peers: list[str] | None = None, timeout: float = 300.0) -> float:
-        """Start a daemon that is down again; wait until healthy; seconds it took."""
+    def restart(self, node_id: str, extra_peers: list[str] | None = None, timeout: float = 300.0,
+                env: dict[str, str] | None = None) -> float:
+        """Start a daemon that is down again (``env``: variables for this life only); wait until
+        healthy; seconds it took."""
         t0 = time.monotonic()
         with self._lock:
             node = self.nodes[node_id]
             if self.closed or node.state != "down":
                 return 0.0
-            self._spawn(node, extra_peers or [])
+            self._spawn(node, extra_peers or [], env)
         node.daemon.wait_healthy(timeout)
         with self._lock:
             if node.state == "starting":
