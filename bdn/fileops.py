@@ -21,13 +21,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from bdn.proto import arc
+from bdn.proto import arc, sparse
 from bdn.proto.chunks import buffer_digests, digest
 from bdn.proto.errors import ProtocolError
 from bdn.proto.safetensors_fmt import Header, SafetensorsError, encode_raw, header_length, parse_header, raw_tensors
 
 __all__ = [
-    "apply_delta_file", "chunk_digests", "copy_verified", "first_mismatch", "read_header", "save", "save_raw",
+    "apply_delta_file", "apply_sparse_file", "chunk_digests", "copy_verified", "first_mismatch", "read_header", "save", "save_raw",
     "thread_map", "verify_chunks", "write_diff_file", "write_diff_file_from_arrays", "write_verified",
 ]
 
@@ -327,4 +327,40 @@ def apply_delta_file(
         err = type(e)(f"{label}: {e}")
     else:
         return
+    raise err  # raised outside the mapped files' frames (see arc.apply_diff)
+
+
+def apply_sparse_file(
+    path: Path, diff_path: Path, adlers: Mapping[str, int] | None, *, workers: int = 1, name: str | None = None,
+    mapped: Any = None,
+) -> sparse.SparseResult:
+    """Bring the safetensors file at ``path`` (holding a ``bdn_planes_v1`` diff's base) to the
+    target in place, writing only the changed words (``bdn.proto.sparse.apply_sparse``).
+
+    ``adlers``: the base tensors' known Adler-32s (None: computed for changed tensors only).
+    ``name`` labels errors (default: ``path``). ``mapped``: a writable shared mapping of the whole
+    file already made (``bdn.daemon.hotmaps``), used instead of mapping it for this call.
+
+    Raises:
+        ProtocolError: a malformed diff or one that does not fit the file; ChecksumError (a
+            ProtocolError) when a tensor's Adler-32 is not the diff's. The file then holds
+            partial data. The message names the file.
+        OSError: a file cannot be read or written.
+    """
+    label = name if name is not None else os.fspath(path)
+    try:
+        buf: Any = _map(path, write=True) if mapped is None else np.frombuffer(mapped, dtype=np.uint8)
+        if mapped is not None and len(buf) != os.stat(path).st_size:
+            raise ValueError(f"the mapping has {len(buf)} bytes, the file {os.stat(path).st_size}")
+        diff = _map(diff_path)
+        header = parse_header(buf, len(buf))
+        _, streams = arc.read_diff_header(diff, len(diff))
+        result = sparse.apply_sparse(buf, header, diff, streams, adlers, map=thread_map(workers))
+        if mapped is None:
+            buf.flush()
+        del buf, diff
+    except (ProtocolError, ValueError) as e:
+        err = ProtocolError(f"{label}: {e}") if not isinstance(e, ProtocolError) else type(e)(f"{label}: {e}")
+    else:
+        return result
     raise err  # raised outside the mapped files' frames (see arc.apply_diff)

@@ -95,3 +95,24 @@ def test_a_corrupt_small_stream_counts_as_changed(tmp_path: Path) -> None:
     assert changes._zero_stream(b"\x28\xb5\x2f\xfd garbage", 1600, "arc_v2") is False
     assert changes._zero_stream(b"not zlib", 1600, "arc_v1") is False
     assert changes._zero_stream(b"BDNP", 1600, "bdn_planes_v1") is False
+
+
+@pytest.mark.parametrize("fmt", COMPRESSION_FORMATS)
+def test_the_changed_ranges_cover_every_changed_byte_and_little_else(tmp_path: Path, fmt: str) -> None:
+    bdir, tdir, delta, want = _pair(tmp_path, fmt)
+    names = from_diffs(bdir, delta)
+    assert names is not None
+    got = changes.ranges_from_diffs(bdir, delta, names)
+    assert sorted(got) == want
+    b = np.frombuffer((bdir / "model.safetensors").read_bytes(), np.uint8)
+    t = np.frombuffer((tdir / "model.safetensors").read_bytes(), np.uint8)
+    covered = np.zeros(len(b), bool)
+    for ranges in got.values():
+        assert len(ranges) <= 64
+        for lo, hi in ranges:
+            covered[lo:hi] = True
+    assert not (b != t)[~covered].any()  # no changed byte outside the ranges
+    if fmt == "bdn_planes_v1":  # pages, not whole tensors: "big" (360 KB, 2 % changed) is mostly covered,
+        layout = changes.layout(bdir)  # t1 (one value changed) by one page
+        t1 = got["t1"]
+        assert sum(hi - lo for lo, hi in t1) <= 4096 < layout.tensors["t1"].end - layout.tensors["t1"].start

@@ -188,7 +188,7 @@ class App:
     async def startup(self) -> None:
         """Open, listen, settle, load (see the module docstring). Raises CannotListen."""
         await self.peers.start()
-        self.catalog.load_ready_from_store()
+        await self.catalog.load_ready_from_store()
         if self.wire is not None:
             # before the first membership message, so every peer learns our transfer address
             # with our first entry (an address learned later is a change of its own)
@@ -287,7 +287,12 @@ class App:
     def _served_before(self) -> str | None:
         """The identity the ``current`` link names if that snapshot is ready on this node (a
         restarted daemon), else None (no link, or it names a snapshot collected or removed)."""
-        ident = CurrentLink(self.store.root).target()
+        link = CurrentLink(self.store.root)
+        why = link.problem()
+        if why is not None:  # someone else's directory or file: reported, never removed
+            log.error("%s", why)
+            return None
+        ident = link.target()
         if ident is None:
             return None
         job = self.catalog.get(ident)

@@ -8,6 +8,7 @@ runner (``bdn.daemon.runner``) and by the fetcher's chunk events.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -18,13 +19,15 @@ from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Conflict, NotFound
 from bdn.daemon.index import ChunkIndex
+from bdn.daemon.records import MAX_RECORD_BYTES, from_ready, matches_ready, parse_record
 from bdn.daemon.runner import Runner
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
 from bdn.daemon.store import Store
 from bdn.fileops import read_header
 from bdn.proto.errors import BdnError
 from bdn.proto.identity import validate_identity
-from bdn.proto.manifest import FileEntry, Manifest
+from bdn.proto.manifest import Manifest
+from bdn.proto.ready import ReadyMarker
 from bdn.proto.safetensors_fmt import SafetensorsError, tensor_index
 
 log = logging.getLogger("bdn.catalog")
@@ -50,6 +53,7 @@ class Catalog:
         self.on_change: Callable[[SnapshotJob], Awaitable[None]] | None = None
         self.closing = False
         self.on_forget: Callable[[SnapshotJob], None] | None = None  # the transfer server's fd cache
+        self._indexing: dict[str, asyncio.Future[dict[str, tuple[str, Any]]]] = {}  # tensor indexes being built
         store.spares.limit = cfg.shm_spare_bytes
         store.spare_room = self.spare_room
 
@@ -80,12 +84,18 @@ class Catalog:
         self.collected.discard(identity)
         if job is not None:
             self.forget(job)
-        job = SnapshotJob(identity, self.store)
-        job.requested_by = requested_by
+        job = self._new_job(identity, requested_by)
         job.wait_publish = wait_publish
+        job.task = asyncio.create_task(self.runner.run(job), name=f"snapshot-{identity}")
+        return job
+
+    def _new_job(self, identity: str, requested_by: str, job: SnapshotJob | None = None) -> SnapshotJob:
+        """The one way a job is entered (a download, or one found READY at start: ``job``, made
+        with its manifest attached off the loop)."""
+        job = job or SnapshotJob(identity, self.store)
+        job.requested_by = requested_by
         job.on_change = self._job_changed
         self.jobs[identity] = job
-        job.task = asyncio.create_task(self.runner.run(job), name=f"snapshot-{identity}")
         return job
 
     async def prefetch_looked(self, identity: str, wait_publish: bool, timeout: float) -> SnapshotJob:
@@ -178,36 +188,71 @@ class Catalog:
             async with j.cond:
                 j.cond.notify_all()
 
-    def load_ready_from_store(self) -> None:
-        """Register the snapshots already READY in shm (a restarted daemon keeps serving them)."""
+    async def load_ready_from_store(self) -> None:
+        """Register the snapshots already READY in shm (a restarted daemon keeps serving them),
+        each the same record a fresh download of it ends with: its manifest from the store's
+        record (``bdn.daemon.records``, parsed with the bucket's parser, on a disk thread), else
+        READY's table alone (marked ``derived``: no publish time to check claims against)."""
         # Downloads a restart cut short resume from their saved progress; other half-built
         # leftovers were never handed out and are removed.
-        self.resumable = set(self.store.resumable())
-        self.store.clean_staging(self.resumable)
-        for info in self.store.list_ready():
-            bad = self.store.check_sizes(info)
+        disk = self.runner.pools.disk
+        loop = asyncio.get_running_loop()
+        self.resumable = set(await loop.run_in_executor(disk, self.store.resumable))
+        await loop.run_in_executor(disk, self.store.clean_staging, self.resumable)
+        for info in await loop.run_in_executor(disk, self.store.list_ready):
+            bad = await loop.run_in_executor(disk, self.store.check_sizes, info)
             if bad:
                 # Never hand out a file that is not what READY describes; it is fetched again.
                 log.error("snapshot %s in shm is damaged (%s): removed, it will be fetched again", info.identity, bad)
-                self.store.remove(info.identity)
+                await loop.run_in_executor(disk, self.store.remove, info.identity)
                 continue
+            m, digest, created, derived = await loop.run_in_executor(disk, self._restored_table, info)
             job = SnapshotJob(info.identity, self.store)
-            files = [FileEntry(f.path, f.size, f.chunks) for f in info.files]
-            m = Manifest(
-                identity=info.identity, kind="full", policy_version=info.policy_version,
-                chunk_size=info.chunk_size, files=tuple(files),
-            )
-            job.attach_manifest(m)
-            job.kind, job.base_identity = info.kind, info.base_identity
-            job.layer_complete(STORED)
-            job.layer_complete(RESULT)
-            job.bytes_done = job.bytes_total
-            job.requested_by = "store"
-            job.set_state("ready")
-            self.jobs[info.identity] = job
-            for ref in job.result_refs:
-                self.index.register(job, RESULT, ref)
-            log.info("snapshot %s: ready from shm (%d bytes)", info.identity, info.total_bytes)
+            await loop.run_in_executor(disk, job.attach_manifest, m)  # O(files): off the loop
+            job = self._new_job(info.identity, "store", job)
+            job.restored(digest, created if created is not None else job.created, derived)
+            await self._register_restored(job)
+            log.info("snapshot %s: ready from shm (%d bytes)%s", info.identity, info.total_bytes,
+                     "" if created is not None else ", no record of its manifest: READY's table")
+
+    def _restored_table(self, info: ReadyMarker) -> tuple[Manifest, str, float | None, bool]:
+        """``(manifest, digest, created, derived)`` of a snapshot READY at start, from its record
+        when it is valid and describes READY's files (blocking)."""
+        data = self.store.read_record(info.identity, MAX_RECORD_BYTES)
+        if data is not None:
+            try:
+                rec = parse_record(data, info.identity)
+                why = matches_ready(rec.manifest, info)
+            except BdnError as e:
+                why = str(e)
+            if not why:
+                return rec.manifest, rec.digest, rec.created, rec.derived
+            log.warning("snapshot %s: its record in shm is ignored (%s): READY's table is used", info.identity, why)
+        return from_ready(info), "", None, True
+
+    async def _register_restored(self, job: SnapshotJob) -> None:
+        """Index a restored snapshot's chunks: every rebuilt chunk, and a delta's stored diff
+        chunks when its stored files are there at their sizes (what a fresh download served)."""
+        assert job.manifest is not None
+        m = job.manifest
+        disk = self.runner.pools.disk
+        loop = asyncio.get_running_loop()
+        layers = [(RESULT, job.result_refs)]
+        if m.is_delta and await loop.run_in_executor(disk, self._stored_whole, m):
+            layers.append((STORED, [r for r in job.stored_refs if m.files[r.file_index].is_diff]))
+        for layer, refs in layers:
+            await loop.run_in_executor(disk, self.index.prepare, job, layer)
+            for n, ref in enumerate(refs, 1):
+                self.index.register(job, layer, ref)
+                if n % 4096 == 0:
+                    await asyncio.sleep(0)  # millions of chunks: the loop answers meanwhile
+
+    def _stored_whole(self, m: Manifest) -> bool:
+        d = self.store.stored_dir(m.identity)
+        try:
+            return all((d / f.path).stat().st_size == f.size for f in m.files if f.is_diff)
+        except OSError:
+            return False
 
     # ---- shm: budget and garbage collection --------------------------------------------------
     def check_budget(self, m: Manifest) -> None:
@@ -310,6 +355,14 @@ class Catalog:
         assert job.manifest is not None
         return [{"path": f.path, "size": f.result_size} for f in job.manifest.files]
 
+    async def files_json(self, identity: str) -> bytes:
+        """``{"files": files(identity)}`` as JSON bytes, encoded on a disk thread in slices of
+        ``FILES_SLICE`` entries (100,000 files took 0.2 s of the event loop's CPU). Raises
+        NotFound/Conflict."""
+        job, _ = self.ready(identity)
+        assert job.manifest is not None
+        return await asyncio.get_running_loop().run_in_executor(self.runner.pools.disk, _files_json, job.manifest)
+
     def file(self, identity: str, rel: str) -> Path:
         """The path of file ``rel`` of a ready snapshot. Raises NotFound/Conflict."""
         job, d = self.ready(identity)
@@ -329,19 +382,61 @@ class Catalog:
         except KeyError:
             raise NotFound(f"snapshot {identity!r} has no file {rel!r}") from None
 
-    def tensor(self, identity: str, name: str) -> tuple[Path, str, Any]:
+    async def tensor(self, identity: str, name: str) -> tuple[Path, str, Any]:
         """``(file path, file name, TensorInfo)`` of tensor ``name``. Raises NotFound/Conflict
-        (also for a checkpoint naming one tensor in two shards: ``tensor_index``'s one rule),
-        BdnError (a header that cannot be read)."""
+        (also for a checkpoint naming one tensor in two shards: ``tensor_index``'s one rule, and
+        for a header bdn's parser refuses: the line names the file and the key, and is logged
+        once per snapshot).
+
+        The headers are read and parsed on a disk thread, once per snapshot (up to 100 MB of
+        JSON each: on the event loop that stalled every request for a second, issue 31)."""
         job, d = self.ready(identity)
-        if job.tensor_index is None:
-            assert job.manifest is not None
-            headers = [(f.path, read_header(d / f.path)) for f in job.manifest.files if f.path.endswith(".safetensors")]
+        if job.tensor_refused:
+            raise Conflict(job.tensor_refused)
+        index = job.tensor_index
+        if index is None:
+            fut = self._indexing.get(identity)
+            if fut is None:  # one parse per snapshot, however many requests wait for it
+                fut = asyncio.get_running_loop().run_in_executor(self.runner.pools.disk, self._tensor_index, job, d)
+                self._indexing[identity] = fut
+                fut.add_done_callback(lambda f: self._indexing.pop(identity, None) if self._indexing.get(identity) is f else None)
             try:
-                job.tensor_index = tensor_index(headers)
+                index = await asyncio.shield(fut)
             except SafetensorsError as e:
-                raise Conflict(f"snapshot {identity}: {e}") from None
-        hit = job.tensor_index.get(name)
+                if not job.tensor_refused:
+                    job.tensor_refused = f"snapshot {identity}: tensors not served: {e}"
+                    log.error("%s", job.tensor_refused)
+                raise Conflict(job.tensor_refused) from None
+            except OSError as e:
+                raise BdnError(f"snapshot {identity}: cannot read its safetensors headers: {e.strerror or e}") from None
+            if self.jobs.get(identity) is job:
+                job.tensor_index = index
+        hit = index.get(name)
         if hit is None:
             raise NotFound(f"snapshot {identity!r} has no tensor {name!r}")
         return d / hit[0], hit[0], hit[1]
+
+    @staticmethod
+    def _tensor_index(job: SnapshotJob, d: Path) -> dict[str, tuple[str, Any]]:
+        """Every tensor of a ready snapshot by name (blocking). Raises SafetensorsError naming
+        the file, OSError."""
+        assert job.manifest is not None
+        headers = []
+        for f in job.manifest.files:
+            if f.path.endswith(".safetensors"):
+                try:
+                    headers.append((f.path, read_header(d / f.path)))
+                except SafetensorsError as e:
+                    raise SafetensorsError(f"{f.path}: {e}") from None
+        return tensor_index(headers)
+
+
+#: Entries per ``json.dumps`` call of a file listing (each call holds the GIL; a few ms each).
+FILES_SLICE = 4096
+
+
+def _files_json(m: Manifest) -> bytes:
+    parts = []
+    for i in range(0, len(m.files), FILES_SLICE):
+        parts.append(json.dumps([{"path": f.path, "size": f.result_size} for f in m.files[i:i + FILES_SLICE]])[1:-1])
+    return ('{"files": [' + ", ".join(parts) + "]}").encode()

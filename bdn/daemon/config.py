@@ -90,6 +90,8 @@ class Config:
     manifest_poll_s: float = field(default=1.0, metadata={"help": 'how often a waiting prefetch looks for the manifest'})
     peer_timeout_s: float = field(default=60.0, metadata={"help": 'one peer request (after any wait)'})
     penalty_s: float = field(default=30.0, metadata={"help": 'how long a peer that sent bad bytes is skipped'})
+    sparse_apply: bool = field(default=True, metadata={"help": 'a bdn_planes_v1 delta is applied in place to a spare that holds an earlier snapshot of the file, writing only the changed words (DESIGN.md, "Sparse apply"); false: every delta is a full apply'})
+    sparse_max_chain: int = field(default=4, metadata={"help": 'most deltas a spare may be behind to be brought forward sparsely'})
     apply_workers: int = field(default=0, metadata={"help": 'threads decoding deltas (0 = one per core)'})
     keep_ready: int = field(default=2, metadata={"help": 'GC keeps this many newest ready snapshots (plus leased/current/target)'})
     engine_ttl_s: float = field(default=30.0, metadata={"help": 'an engine that has not polled for this long is dropped and its leases released (0 = never); must exceed its longest prepare + swap'})

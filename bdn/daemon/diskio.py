@@ -6,7 +6,7 @@ the client and the publisher) for each file or chunk.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from bdn import fileops
@@ -56,14 +56,16 @@ def corrupt_chunks(refs: list[ChunkRef], path_of: Callable[[int], Path]) -> list
     return [i for i in range(len(refs)) if i not in good]
 
 
-def apply_delta(m: Manifest, base_dir: Path, stored_dir: Path, staging_dir: Path, workers: int) -> None:
-    """target = base XOR diff per tensor into the staging files, Adler-32 checked per tensor.
+def apply_delta(m: Manifest, base_dir: Path, stored_dir: Path, staging_dir: Path, workers: int,
+                skip: Collection[str] = ()) -> None:
+    """target = base XOR diff per tensor into the staging files, Adler-32 checked per tensor
+    (every diff file but the paths in ``skip``: those a sparse apply brought forward).
 
     Raises:
         BdnError: the base lacks a file; ProtocolError: a diff that does not fit the manifest.
     """
     for f in m.files:
-        if not f.is_diff:
+        if not f.is_diff or f.path in skip:
             continue
         base_path = base_dir / f.path
         if not base_path.is_file():
@@ -74,14 +76,15 @@ def apply_delta(m: Manifest, base_dir: Path, stored_dir: Path, staging_dir: Path
         )
 
 
-def verify_results(m: Manifest, staging_dir: Path) -> None:
-    """Every reconstructed chunk's xxh3-128 against the manifest's ``result`` digests.
+def verify_results(m: Manifest, staging_dir: Path, skip: Collection[str] = ()) -> None:
+    """Every reconstructed chunk's xxh3-128 against the manifest's ``result`` digests (but the
+    files in ``skip``: a sparse apply's, whose touched chunks are hashed after READY).
 
     Raises:
         ProtocolError: the first chunk that does not match (file, chunk, both digests).
     """
     for f in m.files:
-        if not f.is_diff or f.result_size == 0:
+        if not f.is_diff or f.result_size == 0 or f.path in skip:
             continue
         bad = fileops.first_mismatch(staging_dir / f.path, m.chunk_size, f.result_chunks)
         if bad is not None:

@@ -47,7 +47,7 @@ from bdn.daemon.config import Config, ConfigError
 from bdn.daemon.listening import CannotListen
 from bdn.daemon.logctx import ContextFilter
 from bdn.daemon.shutdown import StopClock, join_workers
-from bdn.daemon.store import ShmLock
+from bdn.daemon.store import ShmFull, ShmLock
 from bdn.proto.errors import BdnError
 from bdn.proto.keys import derive_keys
 
@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The ``bdnd`` console script: flags -> Config -> ``App.serve()``. Exit 0, 1 (an unexpected error) or 2 (config, a port in use).
+    """The ``bdnd`` console script: flags -> Config -> ``App.serve()``. Exit 0, 1 (an unexpected error) or 2 (config, a port in use, no room in shm_dir for the store).
 
     As the program (``IS_PROGRAM``) it does not return once the daemon ran: the process ends with
     ``os._exit`` after the logs are flushed, within ``shutdown_timeout_s`` of the stop request
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     with runner:  # closing it cancels what is left and shuts the default executor (no waiting)
         try:
             code = runner.run(App(cfg, notify=sd_notify, shm_lock=shm_lock, stop_clock=stop).serve())
-        except CannotListen as e:  # a configuration error found at bind: one line, exit 2
+        except (CannotListen, ShmFull) as e:  # found at bind / at the store's creation: one line, exit 2
             bound = False
             print(f"bdnd: error: {e}", file=sys.stderr)
             code = 2

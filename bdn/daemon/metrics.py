@@ -69,6 +69,12 @@ class _Collector:
                                   "that its re-hash refuted (the bytes here match)", value=c["bad_chunk_reports_refuted"])
         yield CounterMetricFamily("bdn_chunks_scrubbed", "Chunks of ready snapshots re-hashed by the scrub",
                                   value=c["chunks_scrubbed"])
+        sp = CounterMetricFamily("bdn_sparse", "Sparse applies (DESIGN.md, Sparse apply): files brought forward "
+                                 "in place, bytes they wrote, refusals (full apply instead), touched chunks found bad",
+                                 labels=["what"])
+        for what in ("applies", "bytes_written", "fallbacks", "chunks_bad"):
+            sp.add_metric([what], c[f"sparse_{what}"])
+        yield sp
         h = CounterMetricFamily("bdn_http_guard", "Connections the HTTP guards closed or refused "
                                 "(bdn/daemon/http/guard.py)", labels=["reason"])
         h.add_metric(["header_timeout"], c["http_header_timeouts"])

@@ -30,8 +30,11 @@ from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.fold import Folder, refuse_loop
 from bdn.daemon.foreign_source import ForeignLoader
+from bdn.daemon.forward import Forward
 from bdn.daemon.index import ChunkIndex
+from bdn.daemon.lograte import RepeatLog
 from bdn.daemon.published import read_manifest
+from bdn.daemon.records import record_bytes
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.store import Store
@@ -87,6 +90,8 @@ class Runner:
         self.jobs: Jobs | None = None  # the catalog, set by it
         self.foreign: ForeignLoader | None = None  # the no-manifest path (require_manifest = false)
         self.folder = Folder(cfg, store, bucket, index, fetcher, pools)  # a lagging node's catch-up
+        self.forward = Forward(cfg, store, stats, pools, self._register, self.repair)  # sparse applies
+        self.repeat = RepeatLog(log, cfg.log_repeat_s, clock)  # lines a full disk repeats per save
 
     async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -101,13 +106,17 @@ class Runner:
         logctx.SNAPSHOT.set(job.identity)  # every line this task (and its children) logs names it
         try:
             m = await self._read_manifest(job)
-            job.attach_manifest(m)
+            await self._on(self.pools.disk, job.attach_manifest, m)  # O(files): off the loop
             saved = self.store.load_progress(m.identity, job.manifest_digest)
             if saved is not None:
                 await self._resume(job, saved)
             else:
                 jobs.check_budget(m)
-                await self._on(self.pools.disk, self.store.prepare_staging, m)
+                accept = self.forward.accept(m, jobs.get) if m.is_delta else None
+                if accept is not None:
+                    jobs.gc()  # the snapshot before the base may be collected now, and become a buffer
+                held = await self._on(self.pools.disk, self.store.prepare_staging, m, accept)
+                self.forward.held(m.identity, held)
             job.flusher = asyncio.create_task(self._progress_flusher(job))
             # (a disk thread: one keyed address per chunk, seconds for millions of them)
             await self._on(self.pools.disk, self.index.add_pending, job, STORED, job.stored_refs)
@@ -130,18 +139,19 @@ class Runner:
             await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
             if job.flusher is not None:  # publish removes the progress file: nothing may write it again
                 job.flusher.cancel()
-            final = await self._on(self.pools.disk, self.store.publish, ready_m)
+            final = await self._on(self.pools.disk, self._publish, job, ready_m)
             job.set_state("ready")
             log.info("snapshot %s: ready at %s (stages: %s)", job.identity, final,
                      " ".join(f"{k}={v:.3f}s" for k, v in job.stages.items()))
             jobs.gc()
+            self.forward.after_ready(job)  # after GC: the spares it just tagged are mapped ahead
         except asyncio.CancelledError:
             self.save_progress(job)  # a clean stop resumes like a crash, from what is verified
             raise
         except (BdnError, OSError) as e:
             reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                reason = f"shm full while writing {job.identity}: {self.store.free_bytes()} bytes free on {self.store.root} ({e.strerror})"
+                reason = self.store.full_reason(job.identity, e)
             job.set_state("failed", reason.splitlines()[0] if reason else type(e).__name__)
             log.error("snapshot %s: failed: %s", job.identity, job.reason.removeprefix(f"snapshot {job.identity}: "))
             jobs.forget(job)
@@ -152,6 +162,8 @@ class Runner:
             jobs.forget(job)
             self.store.discard(job.identity)
         finally:
+            if job.state != "ready":
+                self.forward.forget(job.identity)
             if job.flusher is not None:
                 job.flusher.cancel()
             # (not when the daemon stops: the index goes with it, and this would queue behind
@@ -159,6 +171,12 @@ class Runner:
             if job.stored_refs and not jobs.closing:
                 await asyncio.shield(self._on(self.pools.disk, self.index.drop_pending_of, job))
             await job.notify()
+
+    def _publish(self, job: SnapshotJob, m: Manifest) -> Any:
+        """READY and the restart record of ``job`` rebuilt from ``m`` (a disk thread: the record
+        serialises the whole manifest)."""
+        derived = job.foreign is not None or job.derived
+        return self.store.publish(m, None, record_bytes(m, job.manifest_digest, job.created, derived))
 
     # ---- repair: a ready snapshot whose bytes on disk went bad ----------------------------------
     async def repair(self, job: SnapshotJob, positions: list[int] | None = None) -> dict[str, Any]:
@@ -282,7 +300,9 @@ class Runner:
             extra = job.foreign.persisted() if job.foreign is not None else None
             self.store.save_progress(job.identity, job.manifest_digest, job.stored.to_bytes(), job.result.to_bytes(), extra)
         except OSError as e:
-            log.warning("snapshot %s: cannot save progress: %s", job.identity, e)
+            why = self.store.full_reason(job.identity, e) if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
+            self.repeat.log(logging.WARNING, ("progress", job.identity), "snapshot %s: cannot save progress: %s",
+                            job.identity, why)
 
     async def _progress_flusher(self, job: SnapshotJob) -> None:
         last = -1
@@ -363,13 +383,15 @@ class Runner:
                        self.store.staging_dir(m.identity))
         job.set_state("applying")
         await job.notify()
+        sparse = await self.forward.apply(job, m)  # buffers brought forward in place; the rest in full
         await self._on(self.pools.apply, diskio.apply_delta, m, self.store.ready_dir(base_id),
-                       self.store.stored_dir(m.identity), self.store.staging_dir(m.identity), self.cfg.apply_workers)
+                       self.store.stored_dir(m.identity), self.store.staging_dir(m.identity), self.cfg.apply_workers,
+                       sparse)
         job.set_state("verifying")
         await job.notify()
-        await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity))
+        await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity), sparse)
         job.layer_complete(RESULT)
-        await self._register(job, RESULT, job.result_refs)
+        await self._register(job, RESULT, self.forward.untouched(job))
 
     async def _register(self, job: SnapshotJob, layer: str, refs: Iterable[ChunkRef]) -> None:
         """Index verified chunks, handing the event loop a turn every 4096 (millions are possible);

@@ -94,8 +94,10 @@ class SnapshotJob:
         self.flusher: asyncio.Task[None] | None = None
         self.bytes_resumed = 0
         self.tensor_index: dict[str, tuple[str, Any]] | None = None  # built on the first tensor pull
+        self.tensor_refused = ""  # why its headers cannot be served (logged once)
         self.foreign: Any = None  # ForeignState of a snapshot without a manifest (bdn.daemon.foreign_source)
         self.wait_publish = True  # with nothing in the bucket yet: wait (True) or fail at once
+        self.derived = False  # restored from the store with a table derived here: no claims to check
 
     # ---- layout --------------------------------------------------------------------------
     def result_dir(self) -> Path:
@@ -210,16 +212,26 @@ class SnapshotJob:
 
     def attach_manifest(self, m: Manifest) -> None:
         """Take the verified manifest ``m``: its kind, policy version and base, the two
-        layers' chunk lists and empty bitfields, and the byte totals."""
-        self.manifest = m
+        layers' chunk lists and empty bitfields, and the byte totals. O(files): a worker thread
+        may run it for a job nothing reads yet (``manifest`` is set last)."""
+        stored_refs, result_refs = ChunkList(m, result=False), ChunkList(m, result=True)
+        stored, result = Bitfield(len(stored_refs)), Bitfield(len(result_refs))
+        stored_bytes, result_bytes = m.stored_bytes, m.result_bytes
         self.kind, self.policy_version, self.base_identity = m.kind, m.policy_version, m.base_identity
-        self.stored_refs = ChunkList(m, result=False)
-        self.result_refs = ChunkList(m, result=True)
-        self.stored = Bitfield(len(self.stored_refs))
-        self.result = Bitfield(len(self.result_refs))
-        self.stored_bytes = m.stored_bytes
-        self.result_bytes = m.result_bytes
-        self.bytes_total = m.stored_bytes
+        self.stored_refs, self.result_refs, self.stored, self.result = stored_refs, result_refs, stored, result
+        self.stored_bytes, self.result_bytes, self.bytes_total = stored_bytes, result_bytes, stored_bytes
+        self.manifest = m
+
+    def restored(self, manifest_digest: str, created: float, derived: bool) -> None:
+        """Event: the snapshot was found READY in shm at start (``bdn.daemon.records``), its
+        manifest attached: both layers held, created at ``created`` (epoch s) as before the
+        restart, ``ready``."""
+        self.manifest_digest, self.created, self.derived = manifest_digest, created, derived
+        self.layer_complete(STORED)
+        self.layer_complete(RESULT)
+        self.bytes_done = self.bytes_total
+        self.requested_by = "store"
+        self.set_state("ready")
 
     def set_state(self, state: str, reason: str = "") -> None:
         """Move to ``state`` (one of ``bdn.proto.states``) with ``reason``; the time spent in

@@ -25,21 +25,35 @@ answer, atomic with the rename.)
 
 Layout: ``<root>/.spares/<n>`` (``n`` a counter), at most ``limit`` bytes of allocated pages
 (``st_blocks``), the oldest dropped first. Sizes in bytes.
+
+**Tags** (``<root>/.spares/.tags/<n>``, JSON): what a spare still holds, for the sparse apply
+(DESIGN.md, "Sparse apply"): ``{"identity", "path", "size", "chunks", "adlers"}``, the ready
+snapshot the file was, its path there, the xxh3-128 digests READY listed for it and, when known,
+each tensor's Adler-32 (the snapshot's own diff metadata). A tag is written after its file moved
+into the pool and removed before the file leaves it (a crash in between leaves an untagged spare,
+never a tag on other bytes); spare files keep their read-only mode (0444). Untrusted on read: a
+tag that does not parse is dropped.
 """
 
 from __future__ import annotations
 
 import fcntl
 import itertools
+import json
 import logging
 import os
 import signal
 import threading
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
+
+from bdn.daemon.hotmaps import HotMaps
 
 log = logging.getLogger("bdn.spares")
 
 SPARES = ".spares"
+TAGS = ".tags"
 
 
 def _ignore_sigio() -> None:
@@ -83,6 +97,11 @@ class Spares:
     def __init__(self, root: Path, limit: int = -1) -> None:
         self.dir = root / SPARES
         self.dir.mkdir(exist_ok=True)
+        self.maps = HotMaps()  # tagged spares' mappings, populated ahead of a sparse apply
+        self.tags = self.dir / TAGS  # created with the first tag
+        for t in self._tag_files():  # a tag whose file is gone (trimmed, taken, crashed) says nothing
+            if not (self.dir / t.name).is_file():
+                t.unlink(missing_ok=True)
         _ignore_sigio()
         self.limit = limit
         self._high = self.bytes()  # the largest batch absorbed (for limit -1); a restart keeps its spares
@@ -95,6 +114,8 @@ class Spares:
         """``(mtime, allocated bytes, path)`` of every spare, oldest first."""
         out = []
         for p in self.dir.iterdir():
+            if p.name.startswith("."):  # the tags directory
+                continue
             try:
                 st = p.stat()
             except FileNotFoundError:
@@ -110,9 +131,10 @@ class Spares:
         """Bytes the spares may hold: ``limit``, or for ``limit`` -1 the largest batch absorbed so far."""
         return self._high if self.limit < 0 else self.limit
 
-    def absorb(self, directory: Path) -> int:
+    def absorb(self, directory: Path, tags: Mapping[str, dict[str, Any]] | None = None) -> int:
         """Keep the regular files under ``directory`` (already renamed away from any identity)
         that no process maps or holds open as spares, up to ``cap()``; returns the bytes kept.
+        ``tags``: relative path (``/``-separated) -> the tag of that file (module docstring).
         The caller removes what is left of ``directory``."""
         if self.limit == 0:
             return 0
@@ -132,8 +154,12 @@ class Spares:
         with self._lock:
             self._high = max(self._high, sum(st.st_blocks * 512 for _, st in files))
             for p, st in files:
-                if recycle(p, self.dir / f"{os.getpid()}-{next(self._seq)}"):
+                name = f"{os.getpid()}-{next(self._seq)}"
+                if recycle(p, self.dir / name):
                     kept += st.st_blocks * 512
+                    tag = (tags or {}).get(p.relative_to(directory).as_posix())
+                    if tag is not None:
+                        self._write_tag(name, tag)
                 else:
                     self.kept_in_use += 1
             self._trim(self.cap())
@@ -148,6 +174,8 @@ class Spares:
                 return 0
             fits = [f for f in files if f[1] >= size]
             pick = min(fits, key=lambda f: f[1]) if fits else max(files, key=lambda f: f[1])
+            (self.tags / pick[2].name).unlink(missing_ok=True)  # its bytes are about to change
+            self.maps.drop(pick[2])
             os.replace(pick[2], dest)
             got = min(pick[1], size)
             self.recycled_bytes += got
@@ -164,5 +192,53 @@ class Spares:
         for _, b, p in files:
             if total <= max(keep, 0):
                 break
+            (self.tags / p.name).unlink(missing_ok=True)
+            self.maps.drop(p)
             p.unlink(missing_ok=True)
             total -= b
+
+    def _tag_files(self) -> list[Path]:
+        try:
+            return [t for t in self.tags.iterdir() if not t.name.startswith(".")]
+        except FileNotFoundError:
+            return []
+
+    def _write_tag(self, name: str, tag: dict[str, Any]) -> None:  # lock held
+        tmp = self.tags / f".{name}.tmp"
+        try:
+            self.tags.mkdir(exist_ok=True)
+            tmp.write_text(json.dumps(tag))
+            os.replace(tmp, self.tags / name)
+        except OSError as e:  # an untagged spare is still a spare
+            log.warning("page pool: tag of %s not written: %s", name, e)
+            tmp.unlink(missing_ok=True)
+
+    def take_tagged(self, path: str, size: int, dest: Path, accept: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+        """Move a spare that held ``path`` at exactly ``size`` bytes and whose tag ``accept``s to
+        ``dest`` (the newest such); returns its tag, or None (nothing moved). The tag is removed
+        before the file moves: from here on only the caller knows what the file holds."""
+        with self._lock:
+            best: tuple[float, Path, dict[str, Any]] | None = None
+            for t in self._tag_files():
+                try:
+                    tag = json.loads(t.read_text())
+                    st = (self.dir / t.name).stat()
+                except (OSError, ValueError):
+                    continue
+                if (not isinstance(tag, dict) or tag.get("path") != path or tag.get("size") != size
+                        or st.st_size != size or not accept(tag)):
+                    continue
+                if best is None or st.st_mtime > best[0]:
+                    best = (st.st_mtime, t, tag)
+            if best is None:
+                return None
+            _, t, tag = best
+            t.unlink(missing_ok=True)
+            os.replace(self.dir / t.name, dest)
+            self.recycled_bytes += size
+            return tag
+
+    def prime_tagged(self) -> int:
+        """Map and populate every tagged spare not mapped yet (``HotMaps.prime``; blocking, a disk
+        thread); returns how many were mapped."""
+        return sum(self.maps.prime(self.dir / t.name) for t in self._tag_files())

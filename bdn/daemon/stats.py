@@ -33,6 +33,10 @@ COUNTERS = (
     "bad_chunk_reports_refuted",  # a peer said a chunk of ours was bad; re-hashed, it was not
     "chunks_scrubbed",  # chunks of ready snapshots re-hashed by the scrub
     "heap_trims",  # malloc_trim(0) calls when no download ran (bdn.daemon.memtrim)
+    "sparse_applies",  # rebuilt files brought forward in place from a spare (bdn.daemon.buffers)
+    "sparse_bytes_written",  # bytes those applies wrote
+    "sparse_fallbacks",  # sparse applies refused (wrong base, checksum, cheaper in full): full apply instead
+    "sparse_chunks_bad",  # chunks a sparse apply touched whose xxh3 after READY did not match: quarantined
 )
 
 

@@ -7,6 +7,9 @@ Layout under ``root = <shm_dir>/<swarm_id>`` (and ``<shm_dir>/bdnd.lock``, see `
     .staging/.ready-<identity>.tmp   READY being written (renamed into the staging directory)
     .progress/<identity>   which chunks of a download are verified (resume after a restart)
     .stored/<identity>/    a delta's diff objects as stored in the bucket (kept to serve peers)
+    .manifests/<identity>  the manifest a ready snapshot was rebuilt from (``bdn.daemon.records``)
+    .staging/.reserve-<identity>  the bytes of READY, the record and progress, held from the start
+                           (``bdn.daemon.room``)
     .spares/<n>            files of collected snapshots no process maps or holds open, kept to
                            become the next snapshot's files (``bdn.daemon.spares``: the page pool)
 
@@ -38,8 +41,9 @@ from typing import Any
 
 import msgpack
 
-from bdn.daemon import diskio
+from bdn.daemon import buffers, diskio
 from bdn.daemon.packing import packb
+from bdn.daemon.room import Reserve, room
 from bdn.daemon.spares import Spares
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import Manifest
@@ -48,6 +52,7 @@ from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
 STAGING = ".staging"
 STORED = ".stored"
 PROGRESS = ".progress"
+MANIFESTS = ".manifests"
 LOCK_NAME = "bdnd.lock"
 
 log = logging.getLogger("bdn.store")
@@ -55,6 +60,28 @@ log = logging.getLogger("bdn.store")
 
 class ShmInUse(BdnError):
     """Another process holds the lock of the ``shm_dir`` (message names its pid)."""
+
+
+class ShmFull(BdnError):
+    """The ``shm_dir`` has no room (bytes or inodes) for the store's own directories at start
+    (one line with the numbers; bdnd exits 2)."""
+
+
+def room_line(path: Path) -> str:
+    """"N of M bytes, I of J inodes free on PATH" (statvfs; what a "no space" line quotes)."""
+    try:
+        st = os.statvfs(path)
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    return (f"{st.f_bavail * st.f_frsize} of {st.f_blocks * st.f_frsize} bytes, "
+            f"{st.f_favail} of {st.f_files} inodes free on {path}")
+
+
+def _existing(p: Path) -> Path:
+    """``p`` or its nearest existing parent (what statvfs can be asked about)."""
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
 
 
 class ShmLock:
@@ -84,6 +111,9 @@ class ShmLock:
             d.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise ShmFull(f"shm_dir {str(d)!r} is full, bdnd cannot create its lock file: "
+                              f"{room_line(_existing(d))} (free some, or give it a larger tmpfs)") from None
             raise BdnError(f"cannot lock shm_dir {str(d)!r}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -97,8 +127,11 @@ class ShmLock:
                 who = f"pid {pid}" if pid.isdigit() else "another process"
                 raise ShmInUse(f"shm_dir {str(d)!r} is in use by {who} (one bdnd per shm_dir)") from None
             raise BdnError(f"cannot lock shm_dir {str(d)!r}: {e.strerror or e}") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError:  # a full tmpfs: the pid is for messages only, the lock is held
+            pass
         return cls(path, fd)
 
     def release(self) -> None:
@@ -112,12 +145,18 @@ class Store:
     """Directories of one swarm's snapshots under ``<shm_dir>/<swarm_id>``."""
 
     def __init__(self, shm_dir: str | os.PathLike[str], swarm_id: str) -> None:
+        """Open (create) the store. Raises ShmFull: a directory cannot be made for want of room."""
         self.root = Path(shm_dir) / swarm_id
         self._reserve_lock = threading.Lock()
-        self.root.mkdir(parents=True, exist_ok=True)
-        (self.root / STAGING).mkdir(exist_ok=True)
-        (self.root / STORED).mkdir(exist_ok=True)
-        (self.root / PROGRESS).mkdir(exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for name in (STAGING, STORED, PROGRESS, MANIFESTS):
+                (self.root / name).mkdir(exist_ok=True)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise ShmFull(f"shm_dir {str(shm_dir)!r} is full, bdnd cannot create its store {self.root}: "
+                          f"{room_line(_existing(Path(shm_dir)))} (free some, or give it a larger tmpfs)") from None
         self.spares = Spares(self.root)
         #: bytes the spares may keep once snapshot ``m`` is reserved (None: after a GC); the
         #: catalog sets it from ``shm_budget_bytes``; default: the pool's own cap
@@ -169,6 +208,38 @@ class Store:
         st = os.statvfs(self.root)
         return st.f_bavail * st.f_frsize
 
+    def free_inodes(self) -> int:
+        """Inodes an unprivileged process may still create on the store's file system (statvfs)."""
+        return os.statvfs(self.root).f_favail
+
+    def page_size(self) -> int:
+        """The file system's allocation unit in bytes (statvfs ``f_bsize``; tmpfs: the page)."""
+        return os.statvfs(self.root).f_bsize or 4096
+
+    def full_reason(self, identity: str, e: OSError) -> str:
+        """The one line for an ENOSPC/EDQUOT while writing snapshot ``identity``: "no inodes"
+        when none are left (tmpfs says ENOSPC for both), else "no space", with the numbers."""
+        what = "no inodes" if self.free_inodes() == 0 else "no space"
+        return f"{what} in shm while writing snapshot {identity!r}: {room_line(self.root)} ({e.strerror})"
+
+    def reserve(self, identity: str) -> Reserve:
+        """The reservation of snapshot ``identity``'s small files (``bdn.daemon.room``)."""
+        return Reserve(self.root / STAGING / f".reserve-{identity}", self.page_size())
+
+    def record_path(self, identity: str) -> Path:
+        """``<root>/.manifests/<identity>``: the record a restart rebuilds the job from."""
+        return self.root / MANIFESTS / identity
+
+    def read_record(self, identity: str, limit: int) -> bytes | None:
+        """The record's bytes, or None (none, unreadable, or over ``limit`` bytes)."""
+        p = self.record_path(identity)
+        try:
+            if p.is_symlink() or p.stat().st_size > limit:
+                return None
+            return p.read_bytes()
+        except OSError:
+            return None
+
     def check_sizes(self, info: ReadyMarker) -> str:
         """"" if every file READY lists exists with its size, else what is wrong (one line)."""
         d = self.ready_dir(info.identity)
@@ -181,12 +252,13 @@ class Store:
                 return f"{f.path} is {got} bytes, READY says {f.size}"
         return ""
 
-    def prepare_staging(self, m: Manifest) -> None:
-        """Reserve a snapshot's staging files, one snapshot at a time (see ``_prepare_staging``)."""
+    def prepare_staging(self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, dict[str, Any]]:
+        """Reserve a snapshot's staging files, one snapshot at a time (see ``_prepare_staging``);
+        ``accept``, ``{path: tag}`` returned: ``bdn.daemon.buffers.take``."""
         with self._reserve_lock:
-            self._prepare_staging(m)
+            return self._prepare_staging(m, accept)
 
-    def _prepare_staging(self, m: Manifest) -> None:
+    def _prepare_staging(self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, dict[str, Any]]:
         """Create the staging files at their final sizes, with their space reserved up front.
 
         The space is allocated (``posix_fallocate``) rather than left sparse: a full tmpfs must
@@ -195,44 +267,57 @@ class Store:
         Raises:
             ProtocolError: the file system cannot hold the snapshot (message gives the numbers).
         """
-        # (called under _reserve_lock: two snapshots reserving at once would both pass the
-        # free-space check, both run out half-way, and both fail)
+        # (under _reserve_lock: two reserving at once would both pass the free-space check, then both fail)
         self.discard(m.identity)
-        need = self.space_needed(m)
+        r = room(m, self.page_size())
+        need = r.bytes
         free = self.free_bytes() + self.spares.bytes()  # spares are dropped before fresh pages fail
         if need > free:
             raise ProtocolError(
-                f"shm full: snapshot {m.identity!r} needs {need} bytes, {free} are free on {self.root}"
+                f"no space in shm: snapshot {m.identity!r} needs {need} bytes ({r.files} of files, {r.small} of "
+                f"READY, record and progress), {free} are free on {self.root}"
+            )
+        inodes = self.free_inodes()
+        if r.inodes > inodes:
+            raise ProtocolError(
+                f"no inodes in shm: snapshot {m.identity!r} needs {r.inodes} inodes (files and directories), "
+                f"{inodes} are free on {self.root}"
             )
         st = self.staging_dir(m.identity)
         stored = self.stored_dir(m.identity)
         files = [(st / f.path, f.result_size) for f in m.files]
         files += [(stored / f.path, f.size) for f in m.files if f.is_diff]
+        held: dict[str, dict[str, Any]] = {}
         try:
+            if accept is not None:  # spares holding an earlier snapshot of a diff file, kept as they are
+                held = buffers.take(self.spares, m, st, accept)
+            taken = {st / p for p in held}
             # Spares first (their pages exist: receiving into them is a copy, not an
             # allocation), the largest files first; then the spares left over are trimmed to
             # the room the budget leaves and to what the fresh allocations need.
             reused = 0
             for p, size in sorted(files, key=lambda e: -e[1]):
                 p.parent.mkdir(parents=True, exist_ok=True)
+                if p in taken:
+                    reused += size
+                    continue
                 reused += self.spares.take(size, p) if size else 0
             fresh = sum(size for _, size in files) - reused
             self.spares.trim(self.spare_room(m))
-            short = fresh - self.free_bytes()
+            short = fresh + r.small - self.free_bytes()  # (the reservation is fresh pages too)
             if short > 0:
                 self.spares.trim(self.spares.bytes() - short)
             for p, size in files:
                 self._allocate(p, size)
+            self.reserve(m.identity).hold(r.small)
             # (a disk-pool thread: the task's SNAPSHOT context does not follow, so it is given here)
-            log.info("snapshot %s: reserved %d bytes, %d in recycled pages", m.identity, need, reused,
-                     extra={"snapshot": m.identity})
+            log.info("snapshot %s: reserved %d bytes, %d in recycled pages, %d file(s) kept as buffers", m.identity,
+                     need, reused, len(held), extra={"snapshot": m.identity})
+            return held
         except OSError as e:
             self.discard(m.identity)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ProtocolError(
-                    f"shm full: snapshot {m.identity!r} needs {need} bytes, "
-                    f"{self.free_bytes()} are free on {self.root}"
-                ) from None
+                raise ProtocolError(f"{self.full_reason(m.identity, e)}; it needs {need} bytes, {r.inodes} inodes") from None
             raise
 
     @staticmethod
@@ -270,8 +355,20 @@ class Store:
         doc: dict[str, Any] = {"m": manifest_digest, "s": stored, "r": result}
         if extra is not None:
             doc["x"] = extra
-        tmp.write_bytes(packb(doc))
-        os.replace(tmp, p)
+        data = packb(doc)
+        try:
+            old = p.stat().st_size
+        except FileNotFoundError:
+            old = 0
+        # the bytes come out of the snapshot's reservation (bdn.daemon.room): a full tmpfs cannot
+        # refuse them
+        with self.reserve(identity).lend(len(data), old):
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, p)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+                raise
 
     def load_progress_extra(self, identity: str) -> dict[str, Any] | None:
         """The ``extra`` of the saved progress of ``identity`` whatever its manifest digest, or
@@ -307,7 +404,7 @@ class Store:
     def clean_staging(self, keep: set[str]) -> None:
         """Remove staging leftovers except the resumable downloads named in ``keep``."""
         for d in (self.root / STAGING).iterdir():
-            if d.name in keep:
+            if d.name in keep or d.name.removeprefix(".reserve-") in keep:
                 continue
             if d.is_dir():
                 shutil.rmtree(d, ignore_errors=True)
@@ -319,9 +416,13 @@ class Store:
         for d in (self.root / STORED).iterdir():
             if d.name not in keep and not self.is_ready(d.name):
                 shutil.rmtree(d, ignore_errors=True)
+        for p in (self.root / MANIFESTS).iterdir():
+            if not self.is_ready(p.name):
+                p.unlink(missing_ok=True)
 
-    def publish(self, m: Manifest, ready: bytes | None = None) -> Path:
-        """Write READY (``ready``, or the marker of ``m``) into the staging directory, then
+    def publish(self, m: Manifest, ready: bytes | None = None, record: bytes | None = None) -> Path:
+        """Write READY (``ready``, or the marker of ``m``) into the staging directory and
+        ``record`` (``bdn.daemon.records``) beside it, in the room the reservation held, then
         rename the directory into place (atomic).
 
         Raises:
@@ -332,6 +433,11 @@ class Store:
         # The temporary file lives outside the snapshot directory: a name inside it could be
         # one of the trainer's files.
         tmp = self.root / STAGING / f".ready-{m.identity}.tmp"
+        self.reserve(m.identity).release()
+        if record is not None:
+            rtmp = self.root / MANIFESTS / f".{m.identity}.tmp"
+            rtmp.write_bytes(record)
+            os.replace(rtmp, self.record_path(m.identity))
         with open(tmp, "wb") as fh:
             fh.write(ready_json(m) if ready is None else ready)
             fh.flush()
@@ -364,7 +470,7 @@ class Store:
                 self._allocate(p, f.size)
         return marker
 
-    def _retire(self, d: Path, recycle: bool = False) -> None:
+    def _retire(self, d: Path, recycle: bool = False, tags: dict[str, dict[str, Any]] | None = None) -> None:
         """Delete a snapshot directory without a window where it is visible but incomplete:
         rename it to a hidden name first (atomic), then remove that (after the page pool took
         the files nobody uses, when ``recycle``)."""
@@ -375,7 +481,7 @@ class Store:
             return
         if recycle:
             try:
-                self.spares.absorb(gone)
+                self.spares.absorb(gone, tags)
             except OSError as e:  # the pool is an optimisation: the removal goes on without it
                 log.warning("page pool: %s not recycled: %s", d.name, e)
         shutil.rmtree(gone, ignore_errors=True)
@@ -385,12 +491,18 @@ class Store:
         shutil.rmtree(self.staging_dir(identity), ignore_errors=True)
         shutil.rmtree(self.stored_dir(identity), ignore_errors=True)
         self.progress_path(identity).unlink(missing_ok=True)
+        self.reserve(identity).release()
 
     def remove(self, identity: str) -> None:
         """Remove everything of a snapshot (GC); its files that no process maps or holds open
-        become spares (``bdn.daemon.spares``)."""
+        become spares (``bdn.daemon.spares``), its safetensors files tagged with what they hold."""
+        try:
+            tags = buffers.tags_of(self.read_ready(identity), self.stored_dir(identity))
+        except (OSError, ProtocolError):
+            tags = {}
         self.discard(identity)
-        self._retire(self.ready_dir(identity), recycle=True)
+        self.record_path(identity).unlink(missing_ok=True)
+        self._retire(self.ready_dir(identity), recycle=True, tags=tags)
 
 
 READ_ONLY = 0o444

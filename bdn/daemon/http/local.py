@@ -122,7 +122,8 @@ async def list_files(request: web.Request) -> web.Response:
     """GET /v1/snapshots/{id}/files -> 200 {"files": [{"path", "size"}]}; 409 not ready."""
     ident = _identity(request)
     try:
-        return json_response({"files": services(request).catalog.files(ident)})
+        body = await services(request).catalog.files_json(ident)
+        return web.Response(body=body, content_type="application/json")
     except BdnError as e:
         return error(status_of(e), str(e))
 
@@ -172,7 +173,7 @@ async def get_tensor(request: web.Request) -> web.StreamResponse:
         return error(status_of(e), str(e))
     name = request.match_info["name"]
     try:
-        path, fname, info = cat.tensor(ident, name)
+        path, fname, info = await cat.tensor(ident, name)
     except BdnError as e:
         if status_of(e) == 500:
             return error(500, f"cannot read safetensors headers: {e}")

@@ -52,7 +52,7 @@ import numpy as np
 import zstandard
 
 from bdn.fileops import read_header
-from bdn.proto import arc
+from bdn.proto import arc, sparse
 from bdn.proto.errors import BdnError
 from bdn.proto.ready import READY_NAME, parse_ready
 from bdn.proto.safetensors_fmt import tensor_index
@@ -60,7 +60,7 @@ from bdn.proto.safetensors_fmt import tensor_index
 log = logging.getLogger("bdn.hotload")
 
 __all__ = ["ChangedTensorsCache", "DeltaSource", "Layout", "Span", "changed_tensors", "from_diffs", "layout",
-           "same_bytes_in"]
+           "ranges_from_diffs", "same_bytes_in"]
 
 COMPARE_PIECE = 1 << 20
 CACHE_ENTRIES = 8
@@ -287,6 +287,34 @@ def from_diffs(base_dir: Path, delta: DeltaSource) -> list[str] | None:
     return [name for name in base.tensors if name in changed]
 
 
+def ranges_from_diffs(base_dir: Path, delta: DeltaSource, names: list[str]) -> dict[str, list[list[int]]]:
+    """The changed byte ranges of each tensor in ``names`` (a :func:`from_diffs` answer), ABSOLUTE
+    offsets ``[start, end)`` in the tensor's file: for ``bdn_planes_v1`` the 4 KiB pages of the
+    tensor that hold a changed word, merged to at most 64 ranges (``bdn.proto.sparse.stream_ranges``,
+    decoding only where the words are); for the arc formats the whole tensor. Raises BdnError /
+    OSError for an unreadable file."""
+    base = layout(base_dir)
+    want = set(names)
+    out: dict[str, list[list[int]]] = {}
+    planes = delta.compression_format.lower() == "bdn_planes_v1"
+    for rel in delta.diff_files:
+        path = delta.stored_dir.joinpath(*rel.split("/"))
+        streams, _size = _diff_streams(path)
+        header = read_header(base_dir.joinpath(*rel.split("/"))) if planes else None
+        with open(path, "rb") as fh:
+            for name, st in streams.items():
+                span = base.tensors.get(name)
+                if name not in want or span is None:
+                    continue
+                if header is None:
+                    out[name] = [[span.start, span.end]]
+                    continue
+                fh.seek(st.frame_start)
+                frame = fh.read(st.frame_end - st.frame_start)
+                out[name] = [[a, b] for a, b in sparse.stream_ranges(frame, header.tensors[name])]
+    return out
+
+
 class ChangedTensorsCache:
     """``await between(base, target, delta)``: the changed tensors, computed on a worker thread once
     per pair and remembered (the last ``CACHE_ENTRIES`` pairs); ``start(base, target, delta)``
@@ -298,6 +326,7 @@ class ChangedTensorsCache:
     def __init__(self, ready_dir: Callable[[str], Path]) -> None:
         self.ready_dir = ready_dir
         self._done: OrderedDict[tuple[str, str], list[str] | None] = OrderedDict()
+        self._ranges: dict[tuple[str, str], dict[str, list[list[int]]]] = {}
         self._running: dict[tuple[str, str], asyncio.Future[list[str] | None]] = {}
 
     def start(self, base: str, target: str, delta: DeltaSource) -> None:
@@ -334,6 +363,8 @@ class ChangedTensorsCache:
                 try:
                     names = await asyncio.to_thread(from_diffs, self.ready_dir(base), delta)
                     how = "from the delta's streams"
+                    if names is not None:
+                        self._ranges[key] = await asyncio.to_thread(ranges_from_diffs, self.ready_dir(base), delta, names)
                 except (BdnError, OSError) as e:
                     log.warning("changed tensors of %s from its diff files: %s", target, e)
             if names is None and not ready:
@@ -350,5 +381,11 @@ class ChangedTensorsCache:
             self._running.pop(key, None)
         self._done[key] = names
         while len(self._done) > CACHE_ENTRIES:
-            self._done.popitem(last=False)
+            self._ranges.pop(self._done.popitem(last=False)[0], None)
         return names
+
+    def ranges_of(self, base: str, target: str) -> dict[str, Any]:
+        """``{"changed_ranges": {tensor: [[start, end], ...]}}`` for a pair :meth:`between` answered
+        from the delta's streams (``ranges_from_diffs``), else ``{}``: the offer's optional field."""
+        r = self._ranges.get((base, target))
+        return {} if r is None else {"changed_ranges": r}

@@ -28,7 +28,7 @@ def manifest_says(snapshots: Snapshots, identity: str) -> tuple[int, str] | None
     (not read yet, or a snapshot without a manifest)."""
     job = snapshots.get(identity)
     m = getattr(job, "manifest", None)
-    if m is None or getattr(job, "foreign", None) is not None:
+    if m is None or getattr(job, "foreign", None) is not None or getattr(job, "derived", False):
         return None
     return m.policy_version, m.created_at
 

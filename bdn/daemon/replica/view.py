@@ -347,7 +347,7 @@ class ReplicaView:
 
         The offer: ``{"identity", "policy_version", "kind", "path", "lease_id",
         "prompt_cache_policy", "inflight_policy", "inflight_wait_s", "engine_ttl_s",
-        "changed_tensors"?, "changed_tensors_base"?}`` (docs/ENGINES.md); the changed tensors are
+        "changed_tensors"?, "changed_tensors_base"?, "changed_ranges"?}`` (docs/ENGINES.md); the changed tensors are
         relative to the snapshot this engine acknowledged last, and absent on its first load or
         when they cannot be told (``replica/changes.py``). None after ``timeout`` s, when the
         poller's connection is gone (``connected()`` false) or the engine was dropped.
@@ -381,7 +381,7 @@ class ReplicaView:
                 if base and base != ident and base_job is not None and base_job.state == "ready":
                     names = await self.changes.between(base, ident, self._delta_source(ident))
                     if names is not None:
-                        offer.update(changed_tensors=names, changed_tensors_base=base)
+                        offer.update(changed_tensors=names, changed_tensors_base=base, **self.changes.ranges_of(base, ident))
                 engine.last_seen = self.clock.monotonic()
                 return offer
             left = deadline - self.clock.monotonic()

@@ -1,0 +1,380 @@
+"""Sparse apply of a ``bdn_planes_v1`` diff: write only the changed words of a buffer that holds
+the base, and keep each tensor's Adler-32 by updating it from the changed bytes alone
+(DESIGN.md, "Sparse apply").
+
+Why it is correct. A planes stream says which words of a tensor changed (a *same* block: none; a
+*sparse* block: exactly the ``k`` indices it lists; a *dense* block: any of them) and what they are
+XORed with (:mod:`bdn.proto.planes`). A buffer that holds the base's bytes therefore becomes the
+target by XORing those words in place; every other byte already is the target's. Adler-32 (RFC
+1950) of ``n`` bytes ``d_0 .. d_(n-1)`` is ``a = 1 + sum d_p``, ``b = n + sum (n - p) d_p`` (mod
+65521), linear in each byte, so changing byte ``p`` from ``o`` to ``v`` adds ``v - o`` to ``a`` and
+``(n - p)(v - o)`` to ``b``: the target tensor's checksum follows from the base tensor's and the
+changed bytes, and is compared with the diff's metadata exactly as a full apply compares it.
+
+The base tensor's checksum comes from the caller (``adlers``: what the buffer is known to hold,
+e.g. the previous diff's metadata); a changed tensor whose checksum the caller does not know is
+checksummed here before it is written (one pass over that tensor only).
+
+No I/O and no threads: the caller maps the buffer and passes a :data:`bdn.proto.delta_tasks.Map`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from bdn.proto.delta_tasks import (
+    Map,
+    bytes_of,
+    first_error,
+    lease,
+    raw_adler32,
+    serial_map,
+)
+from bdn.proto.diff_file import DiffTensor, check_names
+from bdn.proto.errors import ChecksumError, ProtocolError
+from bdn.proto.planes import (
+    _P_DENSE,
+    _P_SAME,
+    _P_WIDTHS,
+    _PlanesBlock,
+    _words_from_planes,
+    _zstd_exact,
+    parse_stream,
+)
+from bdn.proto.safetensors_fmt import Header, TensorInfo, _q
+
+__all__ = [
+    "MAX_RANGES", "PAGE", "SparseResult", "adler_update", "apply_sparse", "changed_bytes", "check_untouched", "coalesce",
+    "stream_ranges",
+    "touched_chunks",
+]
+
+_MOD = 65521
+#: Changed ranges are whole pages of the tensor (4 KiB, counted from the tensor's first byte):
+#: what an engine or a page cache reads anyway, and thousands of times fewer than changed words.
+PAGE = 4096
+_PAGE_SHIFT = 12
+#: A tensor's changed ranges are merged until at most this many remain (the largest gaps stay
+#: breaks): an offer of a 0.1 %-scattered tensor lists a few ranges, not a million words.
+MAX_RANGES = 64
+
+
+@dataclass
+class SparseResult:
+    """What :func:`apply_sparse` did to one file.
+
+    ``ranges``: per changed tensor, ``[start, end)`` ABSOLUTE file byte offsets covering every
+    changed byte (whole :data:`PAGE`-sized pages of the tensor, merged, at most :data:`MAX_RANGES`
+    per tensor); ``adlers``: every tensor's
+    Adler-32 after the apply (the diff's metadata, each checked for a changed tensor);
+    ``written``: bytes written (changed words times their width, dense blocks whole);
+    ``checksummed``: bytes read only to learn a base tensor's Adler-32 the caller did not know.
+    """
+
+    ranges: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    adlers: dict[str, int] = field(default_factory=dict)
+    written: int = 0
+    checksummed: int = 0
+
+
+def changed_bytes(diff: Any, streams: Mapping[str, DiffTensor], base_header: Header) -> int:
+    """Bytes a sparse apply of this diff writes (from the block records alone, no decoding):
+    ``k * w`` per sparse block, the whole block for a dense one. Raises ProtocolError for a
+    malformed stream."""
+    d = bytes_of(diff)
+    total = 0
+    for info in base_header.tensors.values():
+        s = streams[info.name]
+        w, blocks = parse_stream(d[s.frame_start : s.frame_end], info.nbytes)
+        for blk in blocks:
+            total += (blk.hi - blk.lo) if blk.mode == _P_DENSE else blk.k * w
+    return total
+
+
+def adler_update(adler: int, n: int, pos: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
+    """Adler-32 of ``n`` bytes after the bytes at positions ``pos`` changed from ``old`` to ``new``.
+
+    ``adler``: the checksum before; ``pos``: int64 byte positions ``< n`` (each once); ``old`` /
+    ``new``: the bytes there (uint8 arrays as long as ``pos``). RFC 1950's sums are linear in each
+    byte (module docstring), so this reads only the changed bytes.
+    """
+    da, db = _sums(n, pos, old.astype(np.int64), new.astype(np.int64))
+    return _combine(adler, da, db)
+
+
+def _sums(n: int, pos: np.ndarray, old: np.ndarray, new: np.ndarray) -> tuple[int, int]:
+    d = new - old
+    wgt = (n - pos) % _MOD
+    return int(d.sum()) % _MOD, int(np.dot(wgt, d)) % _MOD
+
+
+def _combine(adler: int, da: int, db: int) -> int:
+    a = ((adler & 0xFFFF) + da) % _MOD
+    b = ((adler >> 16) + db) % _MOD
+    return (b << 16) | a
+
+
+def coalesce(starts: np.ndarray, ends: np.ndarray, limit: int = MAX_RANGES) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping ``[start, end)`` ranges merged until at most ``limit`` remain
+    (the ``limit - 1`` largest gaps stay; ties keep the earlier gaps). Input: ascending ``starts``
+    with ``ends[i] <= starts[i + 1]``."""
+    if len(starts) == 0:
+        return []
+    gaps = starts[1:] - ends[:-1]
+    breaks = np.flatnonzero(gaps > 0)
+    if len(breaks) >= limit:
+        # the limit-1 largest gaps stay breaks: a linear-time threshold, then the first ones at it
+        thr = np.partition(gaps[breaks], len(breaks) - (limit - 1))[len(breaks) - (limit - 1)]
+        above = breaks[gaps[breaks] > thr]
+        at = breaks[gaps[breaks] == thr][: limit - 1 - len(above)]
+        breaks = np.sort(np.concatenate((above, at)))
+    lo = np.concatenate(([starts[0]], starts[breaks + 1]))
+    hi = np.concatenate((ends[breaks], [ends[-1]]))
+    return [(int(a), int(b)) for a, b in zip(lo, hi)]
+
+
+def _sparse_indices(cx: Any, payload: np.ndarray, blk: _PlanesBlock, w: int, elems: int) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse block's changed word indices (ascending, int64) and its decoded payload."""
+    k, e = blk.k, blk.e
+    raw = _zstd_exact(cx, payload, k + 4 * e + k * w)
+    g8 = raw[:k]
+    if not g8.all():
+        raise ProtocolError("a gap of 0 between changed elements")
+    esc = np.flatnonzero(g8 == 255)
+    if len(esc) != e:
+        raise ProtocolError(f"{len(esc)} escaped gaps, the block record says {e}")
+    gaps = g8.astype(np.int64)
+    if e:
+        over = raw[k : k + 4 * e].view("<u4")
+        if int(over.min()) < 255:
+            raise ProtocolError("an escaped gap below 255")
+        gaps[esc] = over
+    nz = np.cumsum(gaps, dtype=np.int64)
+    nz -= 1
+    if int(nz[-1]) >= elems:
+        raise ProtocolError(f"changed element {int(nz[-1])} lies past the block's {elems} elements")
+    return nz, raw
+
+
+def _block_sums(before: int, after: int, blk: _PlanesBlock, n: int) -> tuple[int, int]:
+    """The block's contribution ``(da, db)`` to its tensor's sums from the block's Adler-32 before
+    and after: for L bytes at ``lo`` it gives S = sum d and W = sum (L - i) d, and
+    sum (n - p) d = (n - lo - L) S + W."""
+    ds = ((after & 0xFFFF) - (before & 0xFFFF)) % _MOD
+    dw = ((after >> 16) - (before >> 16)) % _MOD
+    return ds, ((n - blk.lo - (blk.hi - blk.lo)) * ds + dw) % _MOD
+
+
+def _block_pages(blk: _PlanesBlock) -> np.ndarray:
+    """Every page of the tensor the block covers."""
+    return np.arange(blk.lo >> _PAGE_SHIFT, ((blk.hi - 1) >> _PAGE_SHIFT) + 1, dtype=np.int64)
+
+
+def _block(
+    cx: Any, stream: np.ndarray, blk: _PlanesBlock, buf: np.ndarray, w: int, n: int,
+) -> tuple[int, int, np.ndarray, np.ndarray, int]:
+    """Apply one block in place (``buf``: the tensor's bytes); returns ``(da, db, range starts,
+    range ends, bytes written)``, ranges relative to the tensor, each sum mod 65521."""
+    dt = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
+    elems = (blk.hi - blk.lo) // w
+    words = buf[blk.lo : blk.hi].view(dt)
+    payload = stream[blk.start : blk.end]
+    if blk.mode == _P_DENSE:
+        # More than 1/8 of the words change: XOR the whole block in one sequential pass, and take
+        # the block's contribution to the tensor's sums from its Adler-32 before and after (SIMD,
+        # sequential) instead of per word (_block_sums).
+        raw = _zstd_exact(cx, payload, elems * w)
+        x = _words_from_planes(raw, w, cx.pscratch(elems * w).view(dt))
+        seg = buf[blk.lo : blk.hi]
+        before = raw_adler32(seg)
+        np.bitwise_xor(words, x, out=words)
+        after = raw_adler32(seg)
+        return _block_sums(before, after, blk, n) + (_block_pages(blk), _block_pages(blk), blk.hi - blk.lo)
+    else:
+        nz, raw = _sparse_indices(cx, payload, blk, w, elems)
+        vals = _words_from_planes(raw[blk.k + 4 * blk.e :], w, np.empty(blk.k, dtype=dt))
+        if blk.k * w * 16 >= blk.hi - blk.lo:
+            # A sixteenth of the block's bytes or more: two sequential Adler-32 passes over the
+            # block cost less than the per-word sums below (as for a dense block).
+            seg = buf[blk.lo : blk.hi]
+            before = raw_adler32(seg)
+            words[nz] ^= vals
+            after = raw_adler32(seg)
+            return _block_sums(before, after, blk, n) + (_block_pages(blk), _block_pages(blk), len(nz) * w)
+    old: np.ndarray = words[nz]
+    new: np.ndarray = old ^ vals
+    words[nz] = new
+    # Adler sums over the changed words' bytes (module docstring). Byte j of word i is at tensor
+    # position p = lo + q + j with q = i*w relative to the block: sum (n - p) d = n S - lo S - sum (q+j) d,
+    # with S = sum d; every product fits int64 (q < 2**24, |d| <= 255, <= 2**21 words a block).
+    q = nz.astype(np.int64) * w
+    dd = np.zeros(len(nz), dtype=np.int64)
+    extra = 0
+    for j in range(w):
+        nj = ((new >> (8 * j)) & 0xFF).astype(np.int32)
+        oj = ((old >> (8 * j)) & 0xFF).astype(np.int32)
+        nj -= oj
+        dd += nj
+        if j:
+            extra += j * int(nj.sum())
+    s1 = int(dd.sum())
+    sq = int(np.dot(q, dd)) + extra
+    da, db = s1 % _MOD, ((n - blk.lo) * s1 - sq) % _MOD
+    # Pages of the tensor holding changed words (a word never straddles a page: 4096 % w == 0 and
+    # words sit at multiples of w from the tensor's start); q is ascending, so runs are adjacent.
+    page = (q + blk.lo) >> _PAGE_SHIFT
+    keep = np.empty(len(page), dtype=bool)
+    keep[:1] = True
+    np.not_equal(page[1:], page[:-1], out=keep[1:])
+    pages = page[keep]
+    return da, db, pages, pages, len(nz) * w
+
+
+def apply_sparse(
+    buf: Any, base_header: Header, diff_buf: Any, streams: Mapping[str, DiffTensor],
+    adlers: Mapping[str, int] | None = None, *, map: Map[Any, Any] = serial_map,
+) -> SparseResult:
+    """Turn ``buf`` (writable, holding exactly the base file's bytes) into the target in place,
+    writing only changed words; check every changed tensor's Adler-32.
+
+    ``base_header``: the base file's parsed header (the target's is the same, :mod:`bdn.proto.arc`);
+    ``diff_buf``/``streams``: a ``bdn_planes_v1`` diff file and its streams (``read_diff_header``);
+    ``adlers``: what the caller knows of the base tensors' Adler-32s (a missing name is computed
+    from ``buf`` before its tensor is written, if it changes). Blocks are tasks through ``map``.
+
+    Raises:
+        ProtocolError: a stream does not fit the base (naming tensor and block); nothing of that
+            file is trustworthy then.
+        ChecksumError: a changed tensor's Adler-32 after the apply is not the diff's, or an
+            unchanged tensor's known Adler-32 is not the diff's: the buffer did not hold the base
+            (or the diff is not for it). ``buf`` then holds partial data.
+        ValueError: ``buf`` is read-only or not the base's size.
+    """
+    b, d = bytes_of(buf), bytes_of(diff_buf)
+    size = base_header.file_size
+    if len(b) != size:
+        raise ValueError(f"buffer has {len(b)} bytes, the base is {size}")
+    if not b.flags.writeable:
+        raise ValueError("buffer is read-only")
+    check_names(base_header, streams)
+    known = dict(adlers or {})
+    infos = sorted(base_header.tensors.values(), key=lambda t: t.nbytes, reverse=True)
+    parsed: list[tuple[TensorInfo, np.ndarray, int, list[_PlanesBlock]]] = []
+    res = SparseResult()
+    for info in infos:
+        s = streams[info.name]
+        if s.frame_end > len(d):
+            raise ProtocolError(f"diff stream for tensor {_q(info.name)} lies past the end of the diff buffer")
+        stream = d[s.frame_start : s.frame_end]
+        try:
+            w, blocks = parse_stream(stream, info.nbytes)
+        except ProtocolError as e:
+            raise ProtocolError(f"tensor {_q(info.name)}: {e}") from None
+        live = [blk for blk in blocks if blk.mode != _P_SAME]
+        if not live:
+            want = s.target_adler32
+            if info.name in known and known[info.name] != want:
+                raise ChecksumError(
+                    f"adler32 mismatch for unchanged tensor {_q(info.name)}: the buffer is known to hold "
+                    f"{known[info.name]}, the diff says {want}")
+            res.adlers[info.name] = want
+            continue
+        parsed.append((info, stream, w, live))
+    missing = [info for info, *_ in parsed if info.name not in known]
+
+    def checksum(info: TensorInfo) -> tuple[str, int]:
+        return info.name, raw_adler32(b[info.start : info.end])
+
+    for name, a in (map(checksum, missing) if len(missing) > 1 else serial_map(checksum, missing)):
+        known[name] = a
+        res.checksummed += base_header.tensors[name].nbytes
+    out: list[list[Any]] = [[None] * len(live) for _, _, _, live in parsed]
+
+    def one(task: tuple[int, int]) -> Exception | None:
+        ti, bi = task
+        info, stream, w, live = parsed[ti]
+        blk = live[bi]
+        try:
+            with lease() as cx:
+                out[ti][bi] = _block(cx, stream, blk, b[info.start : info.end], w, info.nbytes)
+        except ProtocolError as e:
+            return ProtocolError(f"tensor {_q(info.name)}: bdn_planes_v1 block {blk.index}: {e}")
+        return None
+
+    tasks = [(ti, bi) for ti, (_, _, _, live) in enumerate(parsed) for bi in range(len(live))]
+    err = first_error(one, tasks, map)
+    if err is not None:
+        raise err
+    for (info, _, _, _), blocks in zip(parsed, out):
+        da = sum(r[0] for r in blocks) % _MOD
+        db = sum(r[1] for r in blocks) % _MOD
+        got = _combine(known[info.name], da, db)
+        want = streams[info.name].target_adler32
+        if got != want:
+            raise ChecksumError(f"adler32 mismatch for tensor {_q(info.name)}: expected {want}, got {got}")
+        res.adlers[info.name] = got
+        res.written += sum(r[4] for r in blocks)
+        pages = np.concatenate([r[2] for r in blocks])  # ascending (blocks in order); a page may end one and start the next
+        if len(pages) > 1:
+            pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
+        if len(pages):
+            lo = np.maximum(pages << _PAGE_SHIFT, 0) + info.start
+            hi = np.minimum((pages + 1) << _PAGE_SHIFT, info.nbytes) + info.start
+            res.ranges[info.name] = coalesce(lo, hi)
+    return res
+
+
+def touched_chunks(ranges: Mapping[str, list[tuple[int, int]]], size: int, chunk_size: int) -> list[int]:
+    """Indices of the ``chunk_size``-byte chunks of a ``size``-byte file that any range touches."""
+    hit: set[int] = set()
+    for rs in ranges.values():
+        for lo, hi in rs:
+            if hi > lo:
+                hit.update(range(lo // chunk_size, (min(hi, size) - 1) // chunk_size + 1))
+    return sorted(hit)
+
+
+def check_untouched(touched: list[int], before: list[str], after: list[str], path: str) -> None:
+    """Every chunk no range touched must keep its digest: ``after[i] == before[i]`` (the manifest's
+    digest of the target against the buffer's known digest of the base; strings, no I/O).
+
+    Raises ChecksumError naming the first chunk whose digest the target changes although the diff
+    leaves its bytes alone (the buffer does not hold the diff's base, or the manifest is not this
+    diff's), or when the chunk counts differ.
+    """
+    if len(before) != len(after):
+        raise ChecksumError(f"{path}: the buffer has {len(before)} chunks, the target {len(after)}")
+    t = set(touched)
+    for i, (b, a) in enumerate(zip(before, after)):
+        if i not in t and a != b:
+            raise ChecksumError(f"{path}: chunk {i} is untouched by the diff but its digest changes ({b} -> {a})")
+
+
+def stream_ranges(stream: Any, info: TensorInfo) -> list[tuple[int, int]]:
+    """The changed ranges of one tensor's ``bdn_planes_v1`` stream without applying it: whole
+    :data:`PAGE` s of the tensor holding a changed word (a dense block: the whole block), ABSOLUTE
+    file offsets from ``info``, merged to at most :data:`MAX_RANGES`. ``[]`` for an unchanged
+    tensor. Raises ProtocolError for a stream that does not fit the tensor."""
+    s = bytes_of(stream)
+    w, blocks = parse_stream(s, info.nbytes)
+    pages: list[np.ndarray] = []
+    with lease() as cx:
+        for blk in blocks:
+            if blk.mode == _P_SAME:
+                continue
+            if blk.mode == _P_DENSE:
+                pages.append(np.arange(blk.lo >> _PAGE_SHIFT, ((blk.hi - 1) >> _PAGE_SHIFT) + 1, dtype=np.int64))
+                continue
+            nz, _ = _sparse_indices(cx, s[blk.start : blk.end], blk, w, (blk.hi - blk.lo) // w)
+            pages.append((nz * w + blk.lo) >> _PAGE_SHIFT)
+    if not pages:
+        return []
+    p = np.concatenate(pages)
+    p = p[np.concatenate(([True], p[1:] != p[:-1]))]
+    lo = (p << _PAGE_SHIFT) + info.start
+    hi = np.minimum((p + 1) << _PAGE_SHIFT, info.nbytes) + info.start
+    return coalesce(lo, hi)
