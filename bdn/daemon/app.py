@@ -62,7 +62,8 @@ from bdn.daemon.serving import ChunkServing
 from bdn.daemon.shutdown import HTTP_GRACE_S, NoWaitExecutor, StopClock
 from bdn.daemon.stats import Stats
 from bdn.daemon.status import StatusView
-from bdn.daemon.store import ShmLock, Store
+from bdn.daemon.shmlock import ShmLock
+from bdn.daemon.store import Store
 from bdn.daemon.uploads import Uploads
 from bdn.proto.errors import ProtocolError
 from bdn.proto.keys import derive_keys

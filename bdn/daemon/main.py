@@ -46,8 +46,8 @@ from bdn.daemon.app import App
 from bdn.daemon.config import Config, ConfigError
 from bdn.daemon.listening import CannotListen
 from bdn.daemon.logctx import ContextFilter
+from bdn.daemon.shmlock import ShmFull, ShmLock
 from bdn.daemon.shutdown import StopClock, join_workers
-from bdn.daemon.store import ShmFull, ShmLock
 from bdn.proto.errors import BdnError
 from bdn.proto.keys import derive_keys
 
