@@ -59,10 +59,10 @@ from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.runner import Runner
 from bdn.daemon.serving import ChunkServing
+from bdn.daemon.shmlock import ShmLock
 from bdn.daemon.shutdown import HTTP_GRACE_S, NoWaitExecutor, StopClock
 from bdn.daemon.stats import Stats
 from bdn.daemon.status import StatusView
-from bdn.daemon.shmlock import ShmLock
 from bdn.daemon.store import Store
 from bdn.daemon.uploads import Uploads
 from bdn.proto.errors import ProtocolError

@@ -45,7 +45,7 @@ from bdn.daemon.packing import packb
 from bdn.daemon.room import Reserve, room
 from bdn.daemon.shmlock import ShmFull, existing, room_line
 from bdn.daemon.spares import Spares
-from bdn.proto.errors import BdnError, ProtocolError
+from bdn.proto.errors import ProtocolError
 from bdn.proto.manifest import Manifest
 from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
 
