@@ -63,7 +63,7 @@ def _piped(n: int, chunks: int, forward: str, **kw: object) -> Scenario:
                   forward=forward, **kw)
 
 
-def test_forwarding_real_chunks_as_they_arrive_beats_store_and_forward_and_conserves_bytes() -> None:
+def test_forwarding_real_chunks_as_they_arrive_and_cut_through_conserve_bytes() -> None:
     """A simulated chunk of 7.5 real ones (bench/fleetsim/forward.py): forwarded as each real
     chunk arrives ("real", bdnd) and with cut-through behind bucket reads ("cut"), against
     forwarding it only once whole ("store")."""
@@ -71,7 +71,10 @@ def test_forwarding_real_chunks_as_they_arrive_beats_store_and_forward_and_conse
     for x in r.values():
         assert x["done_nodes"] == x["live_nodes"] == 12
         assert x["bucket_egress_over_s"] == pytest.approx(1.0) and x["seconds"] >= x["floor_s"]
-    assert r["cut"]["seconds"] <= r["real"]["seconds"] <= r["store"]["seconds"]
+    # Which way is fastest is not asserted: under the daemon's own upload admission
+    # (bdn.daemon.uploads: per-chunk fan-out, cut-through slots) store-and-forward came out
+    # ahead at this size (12 nodes, 16 chunks: 1.311 s against 1.359 real, 1.365 cut); the
+    # simulator's own upload queue, which favoured pipelining, is gone (issue 27).
 
 
 def test_at_one_real_chunk_per_simulated_chunk_real_forwarding_is_store_and_forward() -> None:
@@ -112,5 +115,5 @@ def test_endgame_races_cancel_their_losers_and_conserve_the_slots() -> None:
     assert r["done_nodes"] == r["live_nodes"]
     assert r["bucket_egress_over_s"] <= 1.5
     live = [x for x in sim.nodes.values() if x.alive]
-    assert all(x.nreq == 0 and x.uploads == 0 and not x.upq for x in live)
+    assert all(x.nreq == 0 and x.uploads == 0 and x.upl.running == 0 for x in live)
     assert all(not x.ps.asked for x in live if x.ps is not None)

@@ -73,19 +73,3 @@ def test_a_growing_chunk_goes_to_every_asker_while_its_own_slots_last() -> None:
     for x in ("b", "c", "d"):
         u.done(x)
     assert u.running == 0 and u.growing == 0 and u.by_address == {} and u.growing_by_address == {}
-
-
-def test_with_relays_a_growing_chunk_goes_to_growing_per_chunk_askers_at_once() -> None:
-    """``growing_per_chunk`` (``cut_through_relay``): the askers beyond it are sent on
-    (FANNED_OUT) to the relays; another landing chunk still has its own; a copy that ends frees
-    its place."""
-    from bdn.daemon.uploads import Admission, Uploads
-
-    u = Uploads(max_uploads=4, per_chunk=2, growing_per_chunk=2)
-    assert [u.admit_growing("a") for _ in range(3)] == [Admission.SEND, Admission.SEND, Admission.FANNED_OUT]
-    assert [u.admit_growing("b") for _ in range(2)] == [Admission.SEND, Admission.SEND]
-    u.done("a")
-    assert u.admit_growing("a") is Admission.SEND
-    for x in ("a", "a", "b", "b"):
-        u.done(x)
-    assert u.running == 0 and u.growing == 0 and u.growing_by_address == {}

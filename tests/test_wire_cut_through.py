@@ -70,16 +70,3 @@ def test_parked_peers_get_an_owners_bytes_while_its_bucket_read_lands(tmp_path: 
 
     counters = _swarm_through_a_held_bucket(tmp_path, s3_bucket, 3, {}, held)
     assert sum(c["peer_chunks_in_cut_through"] for c in counters) > 0, counters
-
-
-def test_receivers_relay_a_landing_chunk_to_the_askers_its_owner_turns_away(tmp_path: Path, s3_bucket) -> None:
-    """Relays (``cut_through_relay``): with ``cut_through_fan_out`` = 1 an owner sends each landing
-    chunk to one asker at a time; while its bucket reads are stuck half way, the other askers get
-    the landed bytes from that receiver (counted in ``peer_chunks_relayed``), and in the end
-    every daemon holds the trainer's bytes, read from the bucket once."""
-    def held(swarm) -> None:
-        _until(lambda: sum(d.status()["counters"]["peer_chunks_relayed"] for d in swarm.daemons) > 0,
-               "a receiver passing a stuck chunk's landed bytes on")
-
-    _swarm_through_a_held_bucket(tmp_path, s3_bucket, 4, {"BDN_CUT_THROUGH_RELAY": "true",
-                                                          "BDN_CUT_THROUGH_FAN_OUT": "1"}, held)

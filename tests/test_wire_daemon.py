@@ -267,7 +267,9 @@ def test_a_wire_peer_that_falls_silent_is_penalised_and_its_queue_goes_elsewhere
             receiver.wait_ready(IDENT, 120)
             assert_same(receiver, ck)
             text = receiver.log()
-            assert "stalled" in text and "penalised" in text, text
+            # a body that falls silent or trickles is cut by the lag watch ("is slow", once the
+            # other seed gave a median rate, bdn.daemon.fetch.watch) or by the time-out ("stalled")
+            assert ("stalled" in text or "is slow" in text) and "penalised" in text, text
             lines = [json.loads(x) for x in log.read_text().splitlines()]
             assert len(lines) == len(list(m.stored_chunks()))
             # nothing came from the silent peer over the wire but a chunk small enough to pass in

@@ -13,8 +13,8 @@ per flush, however many chunks). Dead peers are dropped at once and replaced at 
 :meth:`PeerSet.refresh`; so are peers that have been useless for ``idle_s`` while this node
 still needs chunks (a complete peer stays: it is a seed).
 
-**Endgame** (``endgame_chunks``, bdnd's key of the same name and rule,
-``bdn.daemon.fetch.plan.endgame``): once at most that many chunks are missing, a chunk already
+**Endgame** (``endgame_chunks``, bdnd's key of the same name and its rule,
+``bdn.daemon.fetch.policy.endgame``): once at most that many chunks are missing, a chunk already
 asked of one holder is asked of a second holder too (a race: the first verified copy wins, the
 caller cancels the other). At the end of a snapshot every node wants the same last chunks, and
 a request queued behind a holder's full upload slots otherwise waits there for a whole copy
@@ -35,15 +35,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from bdn.control import Clock
+from bdn.daemon.fetch.policy import endgame, holder_key
 
 MAX_PEERS_HARD = 256
 RACE = 2  # holders asked at once for one chunk in the endgame (bdnd: the first two)
-
-
-def endgame(left: int, holders: int, endgame_chunks: int) -> bool:
-    """True when ``left`` chunks remain (<= ``endgame_chunks``) and at least two holders exist:
-    then a chunk is asked of two holders at once (bdnd's fetcher and :meth:`PeerSet.pick`)."""
-    return holders >= 2 and left <= endgame_chunks
 
 
 class PeerSetError(ValueError):
@@ -343,11 +338,14 @@ class PeerSet:
         return self._next_flush
 
     def pick(self, limit: int, load: dict[str, int] | None = None, max_per_peer: int = 4,
-             include_owned: bool = False) -> list[tuple[int, str]]:
-        """Up to ``limit`` (chunk index, peer) requests: rarest first, from the least-loaded holder.
+             include_owned: bool = False, slow: Callable[[str], bool] | None = None) -> list[tuple[int, str]]:
+        """Up to ``limit`` (chunk index, peer) requests: rarest first, from the best holder by
+        bdnd's own rule (``bdn.daemon.fetch.policy.holder_key``: ``slow`` sources last, e.g.
+        ``SourceBook.slow``; bucket readers only when no other holder of the chunk has a free
+        slot; least loaded).
 
         ``load``: requests in flight per peer (from this node); peers at ``max_per_peer`` are
-        skipped; bucket readers only when no other holder of the chunk has a free slot. Marks the picked chunks in flight (:meth:`got` or :meth:`failed` clear it).
+        skipped. Marks the picked chunks in flight (:meth:`got` or :meth:`failed` clear it).
         In the endgame (:func:`endgame`) a chunk in flight at one holder is picked again from a
         second one (the caller races the two and cancels the loser).
         """
@@ -355,7 +353,8 @@ class PeerSet:
             return []
         load = dict(load or {})
         # peers with a free slot (a pick only takes slots, so none frees up during this call)
-        elig = [(p, s.have, s.reader) for p, s in self.peers.items() if load.get(p, 0) < max_per_peer]
+        elig = [(p, s.have, s.reader, slow is not None and slow(p))
+                for p, s in self.peers.items() if load.get(p, 0) < max_per_peer]
         if not elig:
             return []
         out = self._pick_new(limit, load, max_per_peer, include_owned, elig)
@@ -379,13 +378,15 @@ class PeerSet:
                 continue
             if not endgame(left, int(self.avail[i]), self.endgame_chunks):
                 continue
-            best, best_load = None, max_per_peer
-            for p, have, _reader in elig:
+            best, best_key = None, holder_key(True, max_per_peer, True)
+            for p, have, _reader, slow in elig:
                 ld = load.get(p, 0)
-                if have[i] and p not in asked and ld < best_load:
-                    best, best_load = p, ld
+                key = holder_key(slow, ld)
+                if have[i] and p not in asked and ld < max_per_peer and key < best_key:
+                    best, best_key = p, key
             if best is None:
                 continue
+            best_load = best_key[2]
             load[best] = best_load + 1
             asked.add(best)
             out.append((i, best))
@@ -400,7 +401,7 @@ class PeerSet:
             cand &= ~self.owned
         if len(elig) <= len(self.peers) // 2:  # only what a peer with a free slot holds
             held_by = np.zeros(self.n, dtype=bool)
-            for _p, have, _r in elig:
+            for _p, have, _r, _s in elig:
                 held_by |= have
             cand &= held_by
         idxs = np.flatnonzero(cand)
@@ -413,14 +414,14 @@ class PeerSet:
             # a bucket reader's upload slots carry the chunks nobody else has yet: a chunk
             # another peer holds too is taken from a non-reader when one has a free slot
             spare_readers = avail[i] > 1
-            best, best_key, best_load = None, (True, max_per_peer), max_per_peer
-            for p, have, reader in elig:
+            best, best_key, best_load = None, holder_key(True, max_per_peer, True), max_per_peer
+            for p, have, reader, slow in elig:
                 if have[i]:
                     ld = load.get(p, 0)
-                    key = (reader and spare_readers, ld)
+                    key = holder_key(slow, ld, reader and spare_readers)
                     if ld < max_per_peer and key < best_key:
                         best, best_key, best_load = p, key, ld
-                        if key == (False, 0):
+                        if key == (False, False, 0):
                             break
             if best is None:
                 continue

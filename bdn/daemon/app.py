@@ -124,11 +124,8 @@ class App:
                                self.stats, clock, cfg, self.hints)
         self.hotload.status = FleetStatus(cfg, self.replica, self.membership, self.peers, self.stats, clock)
         self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock, self.stats)
-        # a landing chunk goes to cut_through_fan_out askers here at once (the rest take it from
-        # the relays: bdn.transfer.growing); 0: to as many as there are slots
-        relay_fan = cfg.cut_through_fan_out or None
         serving = ChunkServing(cfg.node_id, self.catalog, self.index, self.fetcher, self.membership,
-                               Uploads(cfg.max_uploads, cfg.uploads_per_chunk, relay_fan), self.stats,
+                               Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
                                RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
         self.readiness = Readiness(cfg.node_id, self.bucket, self.catalog, self.replica, clock)
         self.checks = ChunkCheck(self.index, self.catalog, self.peers, self.stats, self.pools.disk,

@@ -18,6 +18,7 @@ from bdn.daemon import retention
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Conflict, NotFound
+from bdn.daemon.fetch.held import HeldFiles
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.records import MAX_RECORD_BYTES, from_ready, matches_ready, parse_record
 from bdn.daemon.runner import Runner
@@ -45,6 +46,7 @@ class Catalog:
         self.index = index
         self.runner = runner
         self.clock = clock
+        self.held = HeldFiles(clock)  # the have-bits advertised: less the chunks of files gone from disk
         runner.jobs = self
         self.jobs: dict[str, SnapshotJob] = {}
         self.resumable: set[str] = set()
@@ -347,7 +349,7 @@ class Catalog:
         if job is None or job.manifest is None:
             return None
         await job.wait_change(since, wait)
-        return job.have_map()
+        return job.have_map(self.held.advertised(job, STORED), self.held.advertised(job, RESULT))
 
     def files(self, identity: str) -> list[dict[str, Any]]:
         """``[{path, size}]`` of a ready snapshot. Raises NotFound/Conflict."""

@@ -47,8 +47,6 @@ class _Collector:
         yield p
         yield CounterMetricFamily("bdn_peer_chunks_in_cut_through", "Chunks received while the sender's bucket "
                                   "read still landed (cut-through)", value=c["peer_chunks_in_cut_through"])
-        yield CounterMetricFamily("bdn_peer_chunks_relayed", "Cut-through answers sent while the chunk still "
-                                  "arrived here from a peer (a relay)", value=c["peer_chunks_relayed"])
         yield CounterMetricFamily("bdn_bucket_chunks_taken_over", "Chunks read from the bucket here for another "
                                   "owner, at the end of its list", value=c["bucket_chunks_taken_over"])
         yield CounterMetricFamily("bdn_bucket_reads_given", "Bucket reads of this node's own chunks given up to "

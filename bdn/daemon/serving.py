@@ -120,8 +120,6 @@ class ChunkServing:
         loc = await self._wait_for(address, wait, hint, cut_through, asker)
         if isinstance(loc, Growing):
             decision = self.uploads.admit_growing(address)
-            if decision is Admission.SEND and loc.relayed:
-                self.stats.add("peer_chunks_relayed")
         else:
             decision = self.uploads.admit(address, loc is not None, self.index.fetching(address), wait > 0)
         if decision is Admission.SEND:

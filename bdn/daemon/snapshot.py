@@ -287,13 +287,17 @@ class SnapshotJob:
             "updated_at": self.updated,
         }
 
-    def have_map(self) -> dict[str, Any]:
-        """The msgpack-able have answer: bitfields over the manifest's stored and result chunks."""
+    def have_map(self, stored: Bitfield | None = None, result: Bitfield | None = None) -> dict[str, Any]:
+        """The msgpack-able have answer: bitfields over the manifest's stored and result chunks
+        (``stored``/``result``: the bits to advertise instead of the job's own, e.g. without the
+        chunks of files gone from disk: ``bdn.daemon.fetch.held``)."""
+        stored = stored if stored is not None else self.stored
+        result = result if result is not None else self.result
         return {
             "v": self.version,
             "state": self.state,
-            "ns": self.stored.n if self.stored else 0,
-            "stored": self.stored.to_bytes() if self.stored else b"",
-            "nr": self.result.n if self.result else 0,
-            "result": self.result.to_bytes() if self.result else b"",
+            "ns": stored.n if stored else 0,
+            "stored": stored.to_bytes() if stored else b"",
+            "nr": result.n if result else 0,
+            "result": result.to_bytes() if result else b"",
         }

@@ -24,7 +24,6 @@ COUNTERS = (
     "peer_wire_bytes_in",  # the part of peer_bytes_in/out that went over the transfer wire
     "peer_wire_bytes_out",
     "peer_chunks_in_cut_through",  # received while the sender's bucket read still landed (bdn.transfer.growing)
-    "peer_chunks_relayed",  # cut-through answers sent while the chunk still arrived here from a peer (a relay)
     "bucket_chunks_taken_over",  # read here for another owner at the end of its list (part of bucket_chunks_owner)
     "bucket_reads_given",  # reads of this node's own chunks it gave up to a taker (a TAKE it granted)
     "http_header_timeouts",  # bdn/daemon/http/guard.py: requests not complete in http_header_timeout_s

@@ -45,13 +45,9 @@ class Uploads:
     """At most ``max_uploads`` uploads at once, at most ``per_chunk`` of one chunk, plus at most
     ``GROWING_X * max_uploads`` cut-through uploads of chunks still landing here (``admit_growing``)."""
 
-    def __init__(self, max_uploads: int, per_chunk: int, growing_per_chunk: int | None = None) -> None:
+    def __init__(self, max_uploads: int, per_chunk: int) -> None:
         self.max_uploads = max_uploads
         self.per_chunk = per_chunk
-        #: Cut-through uploads of one landing chunk at once (``cut_through_fan_out``; None: as
-        #: many as there are slots). With relays (``cut_through_relay``) each receiver passes the
-        #: chunk on, so the askers turned away take it from them.
-        self.growing_per_chunk = growing_per_chunk
         self.running = 0  # every upload, cut-through ones included
         self.by_address: dict[str, int] = {}
         self.growing = 0  # cut-through uploads (admit_growing), their own max_uploads slots
@@ -79,13 +75,9 @@ class Uploads:
         fresh chunk's askers are not turned away by uploads of older chunks, and a chunk that
         missed its cut-through is still served while fresh ones land (with one shared budget,
         such chunks waited until the bucket phase ended: bench/NOTES.md). Copies counted here
-        hold the chunk's fan-out once it is verified. With ``growing_per_chunk`` set, at most
-        that many askers take one landing chunk here at once: the others are sent on
-        (``FANNED_OUT``), to relays that announce the chunk growing as they receive it."""
+        hold the chunk's fan-out once it is verified."""
         if self.growing >= GROWING_X * self.max_uploads:
             return Admission.SLOTS_FULL
-        if self.growing_per_chunk is not None and self.growing_by_address.get(address, 0) >= self.growing_per_chunk:
-            return Admission.FANNED_OUT
         self.running += 1
         self.growing += 1
         self.growing_by_address[address] = self.growing_by_address.get(address, 0) + 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +36,8 @@ from bdn.daemon.fetch.wire_source import WireSource
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.serving import ChunkServing
-from bdn.daemon.snapshot import STORED, SnapshotJob
+from bdn.daemon.fetch.held import HeldFiles
+from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.transfer_address import learn, parse_address, peer_of
 from bdn.daemon.uploads import Admission
@@ -93,7 +95,7 @@ def adopt(
     # HAVE announcements on the wire (bdn.transfer.announce): this node's verified chunks to its
     # subscribers, and its own subscriptions feeding the fetcher's Haves
     fetcher = serving.fetcher
-    wp.held = lambda identity: _held(catalog.get(identity), wp.growing_positions.get(identity))
+    wp.held = lambda identity: _held(catalog.get(identity), wp.growing_positions.get(identity), catalog.held)
     fetcher.on_indexed = wp.announce
     wp.haves = fetcher.haves
     wp.subscriber = HaveSubscriber(wp.client, fetcher.haves.on_have, fetcher.haves.on_end)
@@ -365,15 +367,20 @@ class WirePeer:
             # staging is renamed to ready when the snapshot completes (see ChunkServing.open)
             paths += [job.store.ready_dir(job.identity) / f.path, job.store.staging_dir(job.identity) / f.path]
         for p in paths:
-            if p.exists():
-                return str(p), loc.offset, loc.length
+            try:
+                if os.stat(p).st_size >= loc.offset + loc.length:  # not deleted nor truncated meanwhile
+                    return str(p), loc.offset, loc.length
+            except OSError:
+                continue
         return None
 
 
-def _held(job: SnapshotJob | None, growing: set[int] | None = None) -> dict[int, Any] | None:
-    """``{layer: positions}`` of the verified chunks of ``job``, and (layer ``HAVE_GROWING``)
-    those landing here now (for a new HAVE subscriber; read on a connection thread: a change
-    meanwhile is announced by the feed as well). None: not a snapshot with a manifest here."""
+def _held(job: SnapshotJob | None, growing: set[int] | None = None, files: HeldFiles | None = None,
+          ) -> dict[int, Any] | None:
+    """``{layer: positions}`` of the verified chunks of ``job`` (less those of files gone from
+    disk, ``files``), and (layer ``HAVE_GROWING``) those landing here now (for a new HAVE
+    subscriber; read on a connection thread: a change meanwhile is announced by the feed as
+    well). None: not a snapshot with a manifest here."""
     if job is None or job.manifest is None or job.foreign is not None:
         return None
     out: dict[int, Any] = {}
@@ -382,7 +389,8 @@ def _held(job: SnapshotJob | None, growing: set[int] | None = None) -> dict[int,
             out[wire.HAVE_GROWING] = sorted(growing)
         except RuntimeError:  # the loop changed the set meanwhile: its announcements follow anyway
             pass
-    for layer, bits in ((0, job.stored), (1, job.result)):
+    for layer, name in ((0, STORED), (1, RESULT)):
+        bits = job.bits(name) if files is None else files.advertised(job, name)
         if bits is not None and bits.count:
             out[layer] = bits.set_positions()
     return out

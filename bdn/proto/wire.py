@@ -25,8 +25,8 @@ Frames after the handshake (payloads, before the tag):
 - ``PART`` (server, only to an ASK with ``ASK_CUT_THROUGH``): ``offset u64 | length u64``
   (within the asked range), then ``length`` raw bytes: a *cut-through* answer is a sequence of
   PARTs, in any order, never overlapping, that ends when they cover the asked range; a PART of
-  length 0 is a keep-alive. The server sends it for a chunk it is still reading from the bucket,
-  or still receiving cut-through from a peer (a relay; bdn.transfer.growing): the bytes it has,
+  length 0 is a keep-alive. The server sends it for a chunk it is still reading from the bucket
+  (bdn.transfer.growing): the bytes it has,
   as they land, and the range's last bytes only after it verified the whole chunk, so a
   completed answer is still one its sender checked.
 - ``BUSY`` (server): ``retry_after_ms u32`` (upload slots full, or still fetching).

@@ -65,7 +65,7 @@ class _NotHere:
 NOT_HERE = _NotHere()
 GRANTED = Granted()
 #: Seconds a BUSY asks an asker to wait when the growing copy it asked for failed before the
-#: answer began (the chunk is read or relayed again soon; its HAVE wakes the asker earlier).
+#: answer began (the chunk is read again soon; its HAVE wakes the asker earlier).
 CUT_OFF_RETRY_S = 0.2
 Verdict = Granted | Busy | _NotHere
 Resolve = Callable[[str], "Location | Growing | None"]

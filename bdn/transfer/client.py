@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import SwarmKeys
-from bdn.transfer.growing import Growing
 from bdn.transfer.receive import (
     body_limit,
     receive_hashed,
@@ -133,7 +132,7 @@ class TransferClient:
         chunk_offset: int = 0,
         cut_through: bool = False,
         fd: int | None = None,
-        relay: Callable[[], Growing | None] | None = None,
+        on_data: Callable[[], None] | None = None,
     ) -> FetchResult:
         """Fetch ``length`` bytes at ``chunk_offset`` of the chunk at swarm ``address`` from
         ``peer`` into ``dest`` at ``offset`` and check them against ``digest`` (32 hex chars,
@@ -155,12 +154,9 @@ class TransferClient:
         ``wait_s`` (0..60) lets the peer hold the request while it fetches the chunk.
         ``cut_through`` (a buffer ``dest`` only): the peer may answer with the chunk's bytes as
         they land from its bucket read (PART frames, bdn.transfer.growing); the whole range is
-        hashed once the parts cover it. ``relay`` (with ``cut_through``, for a whole-chunk
-        fetch): called when a cut-through answer begins; the ``Growing`` it returns (registered
-        by the caller, so this node's transfer server answers other askers from it) is told of
-        each part as it lands, then ``verified()`` once the digest matched, or ``failed()``
-        (its own answers in flight are cut off): a relay chain, owner -> here -> further askers,
-        each link at the pace of the bucket read. Blocks the calling thread. On anything but ``OK`` the range of ``dest`` holds unspecified bytes;
+        hashed once the parts cover it. ``on_data``: called (on this thread) when a
+        whole-chunk answer (DATA) begins, before its body: the asker times the peer's sending
+        from there (bdn.daemon.fetch.policy.SourceBook). Blocks the calling thread. On anything but ``OK`` the range of ``dest`` holds unspecified bytes;
         the caller must not index or serve them.
 
         Raises:
@@ -177,24 +173,24 @@ class TransferClient:
         if isinstance(dest, int):
             if offset < 0:
                 raise ValueError(f"negative file offset {offset}")
-            return self._fetch(peer, ask, dest, offset, length, wait_s, digest, False)
+            return self._fetch(peer, ask, dest, offset, length, wait_s, digest, False, on_data=on_data)
         with memoryview(dest) as whole:
             if whole.readonly or not (0 <= offset and offset + length <= whole.nbytes):
                 raise ValueError(f"range {offset}+{length} is not inside a writable buffer of {whole.nbytes} bytes")
             with whole.cast("B")[offset : offset + length] as target:
                 return self._fetch(peer, ask, target, 0, length, wait_s, digest, bool(flags),
-                                   None if fd is None else (fd, offset), relay if flags else None)
+                                   None if fd is None else (fd, offset), on_data)
 
     def _fetch(
         self, peer: Peer, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
-        cut_ok: bool, file_sink: tuple[int, int] | None = None, relay: Callable[[], Growing | None] | None = None,
+        cut_ok: bool, file_sink: tuple[int, int] | None = None, on_data: Callable[[], None] | None = None,
     ) -> FetchResult:
         stream = self._streams.acquire(peer)
         if isinstance(stream, str):
             return FetchResult(Outcome.FAILED, error=stream)
         keep = False
         try:
-            result = self._exchange(stream, ask, sink, offset, length, wait_s, digest, cut_ok, file_sink, relay)
+            result = self._exchange(stream, ask, sink, offset, length, wait_s, digest, cut_ok, file_sink, on_data)
             # a peer that sent wrong bytes may have sent more than it announced: never reuse it
             keep = result.outcome not in (Outcome.FAILED, Outcome.CORRUPT)
             return result
@@ -269,11 +265,10 @@ class TransferClient:
     def _exchange(
         self, s: Stream, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
         cut_ok: bool = False, file_sink: tuple[int, int] | None = None,
-        relay: Callable[[], Growing | None] | None = None,
+        on_data: Callable[[], None] | None = None,
     ) -> FetchResult:
         peer = s.session.peer_node_id
         cut = False
-        g: Growing | None = None
         try:
             want_timeout = self._io_timeout + wait_s
             if want_timeout != s.recv_timeout:
@@ -289,8 +284,7 @@ class TransferClient:
             if cut:
                 if not cut_ok or isinstance(sink, int):
                     raise ProtocolError("a cut-through answer to a request that did not accept one")
-                g = relay() if relay is not None else None
-                receive_parts(s, sink, payload, wait_s, self._io_timeout, None if g is None else g.arrived)
+                receive_parts(s, sink, payload, wait_s, self._io_timeout)
                 s.hasher.reset()
                 s.hasher.update(sink)
             elif ftype != wire.FrameType.DATA:
@@ -298,6 +292,8 @@ class TransferClient:
             elif (n := wire.decode_data(payload)) != length:
                 raise ProtocolError(f"announced {n} bytes for a {length}-byte request")
             else:
+                if on_data is not None:
+                    on_data()
                 # ``wait_s`` was for the answer to come; the body gets ``io_timeout_s`` of silence
                 # (within two of them a stopped body ends) and ``body_limit`` as a whole
                 if s.recv_timeout != self._io_timeout:
@@ -313,16 +309,10 @@ class TransferClient:
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:
             # ``cut_through``: it broke inside a cut-through answer (the sender's copy may have
             # failed its own check and been cut off: bdn.transfer.growing; not the sender's fault)
-            if g is not None:
-                g.failed()
             return FetchResult(Outcome.FAILED, error=f"peer {peer}: {one_line(e)}", cut_through=cut)
         if s.hasher.hexdigest() != digest:
-            if g is not None:
-                g.failed()
             return FetchResult(Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}",
                                cut_through=cut)
-        if g is not None:
-            g.verified()
         return CUT_OK if cut else OK
 
 

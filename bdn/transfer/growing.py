@@ -8,7 +8,7 @@ bytes go on as they land, at the rate the bucket gives them.
 
 How (DESIGN.md, "Cut-through"):
 
-- The owner reads a chunk from the bucket in parts (``bdn.daemon.fetch.plan.bucket_parts``),
+- The owner reads a chunk from the bucket in parts (``bdn.daemon.fetch.policy.bucket_parts``),
   in parallel, straight into the target file's mapping. Each part reports the bytes it has
   landed so far (:meth:`Growing.landed`, from the bucket threads). :class:`GrowingChunks` holds
   the chunks in that state by swarm address.
@@ -63,17 +63,10 @@ class CutOff(Exception):
 class Growing:
     """One chunk of ``length`` bytes landing in ``path`` at byte ``base``. Thread-safe.
 
-    Two ways its bytes land:
-
-    - *an owner's bucket read* (``Growing(path, base, parts)``): ``parts`` are ``(offset,
-      length)`` within the chunk, covering it in order, each filled from its start by one ranged
-      GET and reported by :meth:`landed` (part, bytes so far);
-    - *a relay* (:meth:`relay`): a node that receives the chunk cut-through from its owner (or
-      another relay) passes the bytes on as they arrive: each PART it received is reported by
-      :meth:`arrived` (offset, length), in any order, never overlapping (the receiver's
-      ``Coverage`` checked that).
-
-    Either way :meth:`wait` returns the landed bytes as merged ``[start, end)`` ranges."""
+    Its bytes land by an owner's bucket read (``Growing(path, base, parts)``): ``parts`` are
+    ``(offset, length)`` within the chunk, covering it in order, each filled from its start by
+    one ranged GET and reported by :meth:`landed` (part, bytes so far); :meth:`wait` returns
+    the landed bytes as merged ``[start, end)`` ranges."""
 
     def __init__(self, path: str, base: int, parts: list[tuple[int, int]]) -> None:
         if not parts:
@@ -83,8 +76,6 @@ class Growing:
         self.parts = list(parts)
         self.length = sum(n for _, n in parts)
         self._landed = [0] * len(parts)
-        #: A relay's landed ranges (sorted, disjoint, merged); None for an owner's read.
-        self._ranges: list[list[int]] | None = None
         self.state = GROWING
         self._version = 0
         self._cond = threading.Condition()
@@ -92,35 +83,12 @@ class Growing:
         #: holds a slot); a read that ends before that was never visible to anyone.
         self.announced = False
 
-    @classmethod
-    def relay(cls, path: str, base: int, length: int) -> Growing:
-        """A chunk of ``length`` bytes arriving here cut-through from a peer, passed on as it
-        arrives (:meth:`arrived`)."""
-        g = cls(path, base, [(0, length)])
-        g._ranges = []
-        return g
-
-    @property
-    def relayed(self) -> bool:
-        """Whether this copy arrives from a peer (:meth:`relay`), not from the bucket."""
-        return self._ranges is not None
-
     def landed(self, part: int, n: int) -> None:
         """Event (a bucket thread): the first ``n`` bytes of part ``part`` are in the file."""
         with self._cond:
             if self.state != GROWING or n <= self._landed[part]:
                 return
             self._landed[part] = min(n, self.parts[part][1])
-            self._version += 1
-            self._cond.notify_all()
-
-    def arrived(self, off: int, n: int) -> None:
-        """Event (a relay's fetch thread): bytes ``[off, off + n)`` of the chunk are in the file
-        (disjoint from every earlier report)."""
-        with self._cond:
-            if self.state != GROWING or self._ranges is None or n <= 0:
-                return
-            _merge(self._ranges, off, min(off + n, self.length))
             self._version += 1
             self._cond.notify_all()
 
@@ -145,13 +113,10 @@ class Growing:
         with self._cond:
             if self._version == version and self.state == GROWING:
                 self._cond.wait(timeout)
-            if self._ranges is not None:
-                ranges = [(a, b) for a, b in self._ranges]
-            else:
-                ranges = []
-                for (p_off, _), n in zip(self.parts, self._landed):
-                    if n:
-                        _merge_t(ranges, p_off, p_off + n)
+            ranges: list[tuple[int, int]] = []
+            for (p_off, _), n in zip(self.parts, self._landed):
+                if n:
+                    _merge_t(ranges, p_off, p_off + n)
             return self._version, self.state, ranges
 
 

@@ -14,7 +14,6 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from bdn.proto import wire
@@ -59,11 +58,9 @@ def _late(deadline: float, what: str, pos: int, n: int) -> None:
 
 def receive_parts(
     s: Any, target: memoryview, first: bytes | memoryview, wait_s: float, io_timeout: float,
-    arrived: Callable[[int, int], None] | None = None,
 ) -> None:
     """Receive a cut-through answer (PART frames, the first one's payload ``first``) into
-    ``target`` until the parts cover it; ``arrived(offset, length)`` (a relay,
-    bdn.transfer.growing) is told of each part once its bytes are in ``target``. Raises
+    ``target`` until the parts cover it. Raises
     ProtocolError (overlapping or outside parts, a frame that is no PART), TimeoutError (no new
     byte for ``io_timeout_s``, or the answer outlived ``wait_s`` + 4 x ``io_timeout_s``, also
     inside a part), ConnectionClosed."""
@@ -78,8 +75,6 @@ def receive_parts(
         if ln:
             covered.add(off, ln)  # raises on overlap
             receive_range(s, target[off : off + ln], start + limit)
-            if arrived is not None:
-                arrived(off, ln)
             last_byte = now
             if covered.full:
                 return

@@ -20,9 +20,11 @@ Runs (bench/fleetsim/sim.py, policies from bdn/control; today's daemon: bench/fl
 Settings of the fleet runs (the daemon's keys): ``bucket_concurrency`` 32 connections per bucket
 reader (so :func:`bdn.control.owners.reader_count` gives ceil(1.5 x 100 / 32) = 5 readers, 160
 connections, reader slots); peer set k 16, max 32 (4 reader slots); 16 download slots, 4 per
-peer; 8 upload slots and up to 8 waiting, only for a chunk the holder is not sending now, one per
-chunk (bdn.control.uploadq.may_wait), served chunk-sent-least first; endgame 4 (bdnd's); a HAVE
-as soon as a chunk is verified; SWIM period 1 s; hot-load fanout ceil(ln N) + 3.
+peer; bdnd's upload admission (bdn.daemon.uploads.Uploads: 8 upload slots, 2 copies of a chunk
+at once or half the slots while fewer are busy, cut-through slots of their own; a full holder
+answers busy), bdnd's SourceBook per node (bdn.daemon.fetch.policy: refusals penalise a peer for
+penalty_s 30, rates rank holders); endgame 4 (bdnd's); a HAVE as soon as a chunk is verified;
+SWIM period 1 s; hot-load fanout ceil(ln N) + 3.
 
 Each point: the median over ``--seeds`` runs, with the min and max (``spread``).
 """
@@ -51,8 +53,7 @@ GB = 1e9
 CHUNKS = {100: 256, 1000: 256, 10000: 128}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
 FLEET_DEFAULTS: dict[str, Any] = {"serial_reads": True, "have_flush_s": 0.0, "download_slots": 16, "max_per_peer": 4,
-                                  "forward": "cut", "upload_pick": "fewest", "endgame_chunks": 4,
-                                  "upload_wait": "fresh"}
+                                  "forward": "cut", "endgame_chunks": 4}
 KEYS = ("seconds", "x_floor", "bucket_egress_over_s", "duplicate_bucket_reads", "control_msgs_per_node_s_mean",
         "control_msgs_per_node_s_max", "peer_state_bytes_per_node_max", "member_table_bytes_per_node",
         "hotload_target_spread_s", "hotload_done_s", "wall_s")
@@ -63,7 +64,7 @@ def fleet(name: str, n: int, size: float, chunks: int, **kw: Any) -> Scenario:
     # bdnd as it runs (bench/NOTES.md, "Issue 13, part 3"): one chunk at a time per reader, a
     # HAVE as soon as a chunk is verified, max_inflight 16 and max_per_peer 4 (its defaults),
     # chunks forwarded as their real 16 MiB chunks arrive, cut-through behind bucket reads (the
-    # lead's); a freed upload slot serves the chunk sent least (bdn.control.uploadq)
+    # lead's); upload admission and the source book are bdnd's (bdn.daemon.uploads, fetch.policy)
     for k, v in FLEET_DEFAULTS.items():
         kw.setdefault(k, v)
     kw.setdefault("kill_frac", 0.01)  # overridable (--set late_frac=0: the joiners' share of the time)

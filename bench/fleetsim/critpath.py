@@ -56,12 +56,10 @@ def main() -> None:
         request(nd, pid, i, wait, cb)
 
     def w_admit(src: Any, nd: Any, i: int, cb: Any) -> None:
-        if not sim.upload_admit(src, i) and not sim._cancelled(nd, i):
-            if sim.policy == "fleet" and sim._may_wait(src, i):
-                queued.add((nd.id, i))
-            else:
-                busy[(nd.id, i)] += 1
+        before = src.uploads
         admit(src, nd, i, cb)
+        if src.uploads == before and not sim._cancelled(nd, i):
+            busy[(nd.id, i)] += 1
 
     def w_transfer(src: Any, nd: Any, i: int, cb: Any) -> None:
         start[(nd.id, i)] = (sim.env.now, src.id)

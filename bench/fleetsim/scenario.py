@@ -47,10 +47,8 @@ class Scenario:
     bucket_concurrency: int = 4  # bdnd's bucket_concurrency: connections per bucket reader
     max_uploads: int = 8
     max_per_peer: int = 2
-    upload_queue: int = 8  # requests a holder keeps waiting for a slot before it answers busy
     busy_backoff_s: float = 0.05  # a peer that answered busy is skipped this long (x 1-3 after a failure)
-    upload_wait: str = "any"  # which requests wait at a full holder: "any" (up to upload_queue) or "fresh" (uploadq.may_wait)
-    upload_pick: str = "fifo"  # which held request a freed upload slot serves: "fifo" or "fewest" (sim.py)
+    penalty_s: float = 30.0  # bdnd's penalty_s: a peer its SourceBook penalises is skipped this long
     have_flush_s: float = 0.1
     serial_reads: bool = False  # a reader reads one chunk at a time over all its connections (bdnd)
     forward: str = "store"  # how a chunk still arriving is forwarded: store, real, cut (forward.py)
@@ -61,9 +59,9 @@ class Scenario:
     hotload_fanout: int = 3  # TargetGossip's fanout (bdn/control/hotload.py default 3)
     suspect_mult: float = 4.0
     max_piggyback: int = 32  # Swim.max_piggyback: updates per SWIM message
+    uploads_per_chunk: int = 2  # bdnd's uploads_per_chunk (bdn.daemon.uploads.Uploads, both policies)
     # today policy knobs (bdn/daemon/config.py defaults)
     max_inflight: int = 16
-    uploads_per_chunk: int = 2
     today_per_peer: int = 4
     #: payload share of a link's rate. 1.0: rates are payload rates. bench/swarm's ``tc tbf``
     #: shapes whole frames (the kernel counts each GSO segment's headers: qdisc_pkt_len_init),

@@ -1,10 +1,14 @@
-"""One fleet simulation: N simulated nodes running bdn's own control policies over simpy.
+"""One fleet simulation: N simulated nodes running bdn's own policies over simpy.
 
 The policies are not re-implemented here: every node holds a :class:`bdn.control.swim.Swim`,
 a :class:`bdn.control.peerset.PeerSet` for the snapshot, an :class:`bdn.control.owners.OwnerCache`
-and a :class:`bdn.control.hotload.TargetGossip`, exactly the objects the daemon uses, with
-simpy's clock injected; this module only delivers their messages (one-way delay = RTT/2 plus
-jitter) and moves chunk bytes over :mod:`bench.fleetsim.net` (max-min fair flows).
+and a :class:`bdn.control.hotload.TargetGossip`, exactly the objects the daemon uses, and the
+daemon's fetch policy (:mod:`bdn.daemon.fetch.policy`: the endgame rule, the holder ranking
+``holder_key``, a :class:`SourceBook` per node that records each peer's rate and refusals and
+says whom to penalise) and upload admission (:class:`bdn.daemon.uploads.Uploads`: upload
+slots, per-chunk fan-out, cut-through slots), with simpy's clock injected; this module only
+delivers their messages (one-way delay = RTT/2 plus jitter) and moves chunk bytes over
+:mod:`bench.fleetsim.net` (max-min fair flows). tests/test_fleetsim_policy.py fails if it stops.
 
 The ``fleet`` policy (this module): SWIM membership, bucket readers per snapshot
 (:func:`bdn.control.owners.reader_count` with the daemon's ``bucket_concurrency`` connections
@@ -33,12 +37,30 @@ from bdn.control.members import MemberBase
 from bdn.control.owners import OwnerCache, reader_count, reader_slots
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
-from bdn.control.uploadq import may_wait, next_upload
+from bdn.daemon.fetch.policy import SourceBook
+from bdn.daemon.uploads import Admission, Uploads
 from bdn.proto import hrw
 from bench.fleetsim.forward import Forwarding
 from bench.fleetsim.net import Link, Network, call_later
 from bench.fleetsim.report import result
 from bench.fleetsim.scenario import Scenario
+
+
+class SimClock:
+    """simpy's clock as the daemon's ``Clock`` (``bdn.daemon.clock``): ``monotonic()`` is
+    ``env.now``; ``time()``/``time_ns()`` the same seconds (nothing here needs the epoch)."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+
+    def monotonic(self) -> float:
+        return float(self.env.now)
+
+    def time(self) -> float:
+        return float(self.env.now)
+
+    def time_ns(self) -> int:
+        return int(self.env.now * 1e9)
 
 
 class _LazyLive(Sequence):
@@ -72,8 +94,8 @@ class SimNode:
         "id", "alive", "up", "down", "swim", "ps", "gossip", "owners", "ctrl_sent", "ctrl_recv",
         "done_at", "joined_at", "uploads", "uploads_by_chunk", "load", "bucket_queue", "reading",
         "flows", "adopted_at", "owner_wait", "unavail_t", "ask_at", "have_pending", "state_peak", "omap", "prev_omap",
-        "nreads", "inherited", "unreachable", "upq", "busy", "nreq", "timer", "tasks", "dirty", "sent_by_chunk",
-        "partial",
+        "nreads", "inherited", "unreachable", "busy", "nreq", "timer", "tasks", "dirty", "sent_by_chunk",
+        "partial", "upl", "book", "penalised",
     )
 
     def __init__(self, nid: str, nic: float) -> None:
@@ -103,7 +125,9 @@ class SimNode:
         self.nreads = 0  # bucket reads in flight
         self.inherited: set[int] = set()
         self.unreachable: set[str] = set()
-        self.upq: list = []  # requests held until an upload slot frees (FIFO, bounded)
+        self.upl: Uploads | None = None  # the daemon's upload admission (bdn.daemon.uploads)
+        self.book: SourceBook | None = None  # the daemon's record of each peer (bdn.daemon.fetch.policy)
+        self.penalised = 0  # peers this node penalised (SourceBook.refused)
         self.busy: dict[str, float] = {}  # peer -> until when it said "busy" (skip it)
         self.nreq = 0  # requests in flight from this node
         self.timer: float | None = None  # when this node's one pending wake-up fires
@@ -124,6 +148,7 @@ class FleetSim:
     def __init__(self, sc: Scenario) -> None:
         self.sc = sc
         self.env = simpy.Environment()
+        self.clock = SimClock(self.env)
         self.net = Network(self.env)
         self.fwd = Forwarding(sc.forward, sc.chunk_bytes, self.env, self.net.abort)
         self.rng = random.Random(sc.seed)
@@ -475,11 +500,6 @@ class FleetSim:
             src = self.nodes.get(p)
             if src is None:
                 continue
-            for k, (a, j, c) in enumerate(src.upq):
-                if a is nd and j == i:
-                    del src.upq[k]
-                    self.later(self.delay(), self.finish, nd, p, i, False, c)
-                    break
             for f in list(nd.flows):
                 if f.tag == ("peer", p, nd.id, i) and not f.ended and not self.fwd.children.get(f):
                     self.net.abort(f)
@@ -575,7 +595,12 @@ class FleetSim:
         self.admit(src, nd, i, cb)
 
     def upload_admit(self, src: SimNode, i: int) -> bool:
-        return src.uploads < self.sc.max_uploads
+        """bdnd's upload admission (:class:`bdn.daemon.uploads.Uploads`): a held chunk takes an
+        upload slot within the per-chunk fan-out, a chunk still arriving here (forwarded while
+        it lands) a cut-through slot. Books the slot (:meth:`_sent` gives it back)."""
+        key = self.digests[i]
+        d = src.upl.admit(key, True, False, False) if src.ps.held[i] else src.upl.admit_growing(key)
+        return d is Admission.SEND
 
     def _cancelled(self, nd: SimNode, i: int) -> bool:
         """A request of ``nd`` for chunk ``i`` that ``nd`` no longer needs: it holds the chunk
@@ -588,57 +613,36 @@ class FleetSim:
             return
         if self.upload_admit(src, i):
             self.transfer(src, nd, i, cb)
-        elif self.policy == "fleet" and self._may_wait(src, i):
-            src.upq.append((nd, i, cb))
         else:
             nd.busy[src.id] = self.env.now + self.sc.busy_backoff_s
-            self.later(self.delay(), self.finish, nd, src.id, i, False, cb)  # 503 busy
+            self.later(self.delay(), self.finish, nd, src.id, i, False, cb, True)  # 503 busy
 
     def transfer(self, src: SimNode, nd: SimNode, i: int, cb: Any) -> None:
+        t0 = self.env.now
         src.uploads += 1
         src.uploads_by_chunk[i] += 1
         src.sent_by_chunk[i] += 1
         source = None if src.ps.held[i] else src.partial.get(i)
         f = self.net.start(self.sc.chunk_bytes, (src.up, nd.down), tag=("peer", src.id, nd.id, i),
-                           on_done=lambda f, ok: self.fwd.ended(f, ok, lambda ok2: self._sent(src, nd, i, cb, f, ok2)))
+                           on_done=lambda f, ok: self.fwd.ended(f, ok, lambda ok2: self._sent(src, nd, i, cb, f, ok2, t0)))
         src.flows.add(f)
         nd.flows.add(f)
         self.fwd.copy(f, source)
         self._incoming(nd, i, f, False)
 
-    def _sent(self, src: SimNode, nd: SimNode, i: int, cb: Any, f: Any, ok: bool) -> None:
+    def _sent(self, src: SimNode, nd: SimNode, i: int, cb: Any, f: Any, ok: bool, t0: float) -> None:
         self._in_done(nd, i, f, ok)
         src.flows.discard(f)
         nd.flows.discard(f)
         src.uploads -= 1
         src.uploads_by_chunk[i] -= 1
-        while src.upq and src.alive:
-            a, j, c = src.upq.pop(self._next_upload(src))
-            if a.alive and self._cancelled(a, j):
-                self.later(self.delay(), self.finish, a, src.id, j, False, c)
-                continue
-            if a.alive:
-                self.transfer(src, a, j, c)
-                break
+        src.upl.done(self.digests[i])
+        if ok and nd.book is not None and cb is None:  # a holder's whole copy: a rate sample
+            nd.book.delivered(src.id, int(self.sc.chunk_bytes), self.env.now - t0)
         self.kick(src)
         self.finish(nd, src.id, i, ok, cb)
 
-    def _may_wait(self, src: SimNode, i: int) -> bool:
-        """Whether a request for chunk ``i`` waits for one of ``src``'s upload slots: up to
-        ``upload_queue`` requests ("fifo"/"fewest" alone), or :func:`bdn.control.uploadq.may_wait`
-        (``upload_wait`` "fresh": not for a chunk it sends now, one request per chunk)."""
-        if self.sc.upload_wait == "fresh":
-            return may_wait(i, [r[1] for r in src.upq], src.uploads_by_chunk, self.sc.upload_queue)
-        return len(src.upq) < self.sc.upload_queue
-
-    def _next_upload(self, src: SimNode) -> int:
-        """Which held request gets a freed upload slot: the oldest (``upload_pick`` "fifo"), or
-        the policy of :mod:`bdn.control.uploadq` ("fewest": the chunk this node sent least)."""
-        if self.sc.upload_pick != "fewest" or len(src.upq) < 2:
-            return 0
-        return next_upload([r[1] for r in src.upq], src.sent_by_chunk)
-
-    def finish(self, nd: SimNode, pid: str, i: int, ok: bool, cb: Any) -> None:
+    def finish(self, nd: SimNode, pid: str, i: int, ok: bool, cb: Any, busy: bool = False) -> None:
         nd.nreq -= 1
         nd.load[pid] -= 1
         if not nd.alive:
@@ -650,14 +654,23 @@ class FleetSim:
         else:
             nd.ps.failed(i, pid)
             if cb is None:
-                self.failed(nd, pid, i)
+                self.failed(nd, pid, i, busy)
         if cb is not None:
             cb(ok)
         self.kick(nd)
 
-    def failed(self, nd: SimNode, pid: str, i: int) -> None:
+    def failed(self, nd: SimNode, pid: str, i: int, busy: bool = False) -> None:
         """A fleet request failed: a dead peer leaves the set at once; a live one is skipped
-        for a moment (busy) so the slots go elsewhere."""
+        for a moment (busy) so the slots go elsewhere, and a busy answer to a pick (the
+        peer's have-list invited it) is a refusal the node's :class:`SourceBook` judges, as
+        bdnd's does (``bdn.daemon.fetch.watch``): penalised, the peer is skipped ``penalty_s``."""
+        if busy and nd.book is not None and nd.ps.avail[i] > 0 and nd.book.refused(pid):
+            nd.penalised += 1
+            self.event(nd.id, f"penalised {pid}")
+            until = self.env.now + self.sc.penalty_s
+            nd.busy[pid] = max(nd.busy.get(pid, 0.0), until)
+            self.wake_at(nd, until)
+            return
         if not self.nodes[pid].alive:
             nd.unreachable.add(pid)  # connection refused / reset: local knowledge, before SWIM
             if pid in nd.ps.peers:
@@ -692,6 +705,7 @@ class FleetSim:
         nd.ps = PeerSet(nd.id, sc.chunks, lambda: self.env.now, rng=random.Random(self.rng.random()),
                         k=sc.k, max_peers=sc.max_peers, reader_slots=sc.reader_slots, have_flush_s=sc.have_flush_s,
                         endgame_chunks=sc.endgame_chunks)
+        nd.book = SourceBook(self.clock)
         nd.unavail_t = np.full(sc.chunks, np.inf)
         nd.ask_at = np.zeros(sc.chunks)  # per chunk: no owner ask before (a failed one backs off)
         self.plan_bucket(nd)
@@ -714,7 +728,7 @@ class FleetSim:
                     load[p] = sc.max_per_peer
                 else:
                     del nd.busy[p]
-        picks = ps.pick(free, load, sc.max_per_peer)
+        picks = ps.pick(free, load, sc.max_per_peer, slow=nd.book.slow if nd.book is not None else None)
         for i, peer in picks:
             self.request(nd, peer, i, False)
         free -= len(picks)
@@ -767,8 +781,7 @@ class FleetSim:
                 other = self.nodes.get(p)
                 if other is not None and other.alive and other.ps is not None:
                     self.later(self.delay(), self._reset_seen, other, nd.id)
-        parked = [(a, i, cb) for a, i, cb in nd.upq] + [r for rs in nd.owner_wait.values() for r in rs]
-        nd.upq.clear()
+        parked = [r for rs in nd.owner_wait.values() for r in rs]
         nd.owner_wait.clear()
         for a, i, cb in parked:
             self.later(self.delay(), self.finish, a, nd.id, i, False, cb)
@@ -793,6 +806,7 @@ class FleetSim:
         nd = SimNode(nid, sc.nic_bps * sc.wire_payload)
         nd.joined_at = self.env.now
         nd.owners = OwnerCache()
+        nd.upl = Uploads(sc.max_uploads, sc.uploads_per_chunk)
         nd.gossip = TargetGossip(nid, lambda: self.env.now, random.Random(self.rng.random()), fanout=sc.hotload_fanout)
         self.nodes[nid] = nd
         self.n_live += 1

@@ -82,8 +82,7 @@ def sample(sim: FleetSim, dt: float, rows: list[dict[str, Any]]) -> None:
                 "up_use_all": use(live, "up"), "up_use_readers": use(rd, "up"),
                 "downloads_mean": round(float(np.mean([x.nreq for x in rest])), 2) if rest else None,
                 "uploads_mean": round(float(np.mean([x.uploads for x in live])), 2),
-                "upq_mean": round(float(np.mean([len(x.upq) for x in live])), 2),
-                "uploads_readers": [x.uploads for x in rd], "upq_readers": [len(x.upq) for x in rd],
+                "uploads_readers": [x.uploads for x in rd],
                 "busy_peers_mean": round(float(np.mean([len(x.busy) for x in rest])), 2) if rest else None,
             })
         if not sim._stop.triggered:
@@ -139,7 +138,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=256)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a Scenario field to override (numbers), e.g. --set upload_queue=32")
+                    help="a Scenario field to override (numbers), e.g. --set max_uploads=16")
     ap.add_argument("--sample", type=float, default=0.0, help="sample NIC and slot use every this many simulated s")
     args = ap.parse_args()
     over = {k: _num(v) for k, v in (x.split("=", 1) for x in args.set)}

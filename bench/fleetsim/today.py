@@ -21,6 +21,7 @@ import numpy as np
 from bdn.control.hotload import TargetGossip
 from bdn.control.owners import OwnerCache
 from bdn.control.peerset import PeerSet
+from bdn.daemon.uploads import Uploads
 from bench.fleetsim.sim import FleetSim, SimNode
 
 
@@ -44,14 +45,12 @@ class TodaySim(FleetSim):
         live = tuple(n for n, x in self.nodes.items() if x.alive and n not in self._forgotten)
         return self._map_for(nd, self._epoch, live)
 
-    def upload_admit(self, src: SimNode, i: int) -> bool:
-        return src.uploads < self.sc.max_uploads and src.uploads_by_chunk[i] < self.sc.uploads_per_chunk
-
     # ---- nodes and the run ------------------------------------------------------------------
     def add_node(self, nid: str, seeds: list[str]) -> SimNode:
         nd = SimNode(nid, self.sc.nic_bps * self.sc.wire_payload)
         nd.joined_at = self.env.now
         nd.owners = OwnerCache()
+        nd.upl = Uploads(self.sc.max_uploads, self.sc.uploads_per_chunk)
         nd.gossip = TargetGossip(nid, lambda: self.env.now, random.Random(self.rng.random()))
         self.nodes[nid] = nd
         self.n_live += 1

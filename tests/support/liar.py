@@ -41,7 +41,7 @@ from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
 from bdn.proto.keys import NODE_HEADER, SwarmKeys, WrongTarget, derive_keys, verify_request
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
-from bdn.transfer import GRANTED, TransferServer
+from bdn.transfer import GRANTED, NOT_HERE, Busy, TransferServer
 from support.peerproc import PeerProcess
 
 LIAR_STATE = web.AppKey("liar", object)
@@ -65,6 +65,10 @@ class LiarState:
         self.transfer: str | None = None  # "host:port" of its transfer server, if it runs one
         self.junk: Path | None = None  # random bytes the transfer server sends for every chunk
         self.trickle_s = 0.0  # > 0: answer chunks one byte every trickle_s seconds (a stalling peer)
+        #: "" (send random bytes), "busy" or "not_here": refuse every chunk it advertises, on
+        #: HTTP (503 / 404) and on the wire (BUSY / NOT_HERE): a lying or stale have-list
+        self.refuse = ""
+        self.refused = 0  # chunk requests refused
 
     def manifest(self, identity: str) -> Manifest | None:
         m = self.manifests.get(identity)
@@ -171,6 +175,11 @@ async def get_chunk(request: web.Request) -> web.Response:
     n = st.lengths.get(address)
     if n is None:
         return web.Response(status=404)
+    if st.refuse:
+        st.refused += 1
+        if st.refuse == "busy":
+            return web.Response(status=503, headers={"Retry-After": "0.2"})
+        return web.Response(status=404)
     st.chunks_lied += 1
     if st.trickle_s > 0:  # 200 and the right length, then a byte now and then: never done in time
         resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
@@ -188,7 +197,8 @@ async def get_chunk(request: web.Request) -> web.Response:
 
 async def get_stats(request: web.Request) -> web.Response:
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
-    return web.json_response({"chunks_lied": st.chunks_lied, "wire_lied": st.wire_lied, "members": st.members})
+    return web.json_response({"chunks_lied": st.chunks_lied, "wire_lied": st.wire_lied, "members": st.members,
+                              "refused": st.refused})
 
 
 JUNK_BYTES = 16 << 20  # bdn's default chunk size: no test publishes larger chunks
@@ -205,6 +215,9 @@ def start_wire(st: LiarState, junk: Path) -> TransferServer:
                 st.manifest(validate_identity(ask.snapshot))
             except BdnError:
                 pass
+        if st.refuse:
+            st.refused += 1
+            return Busy(0.2) if st.refuse == "busy" else NOT_HERE
         return GRANTED
 
     def resolve(address: str):
@@ -240,12 +253,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--node-id", default="liar")
     ap.add_argument("--foreign-chunk-size", type=int, default=0, help="lie about snapshots without a manifest too")
     ap.add_argument("--no-wire", action="store_true", help="no transfer server: lie over HTTP only")
+    ap.add_argument("--refuse", choices=("", "busy", "not_here"), default="",
+                    help="advertise every chunk but refuse each request (busy or not here)")
     ap.add_argument("--trickle-s", type=float, default=0.0, help="stall: send chunks one byte every S seconds")
     args = ap.parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
     keys = derive_keys(Path(args.secret_file).read_text())
     state = LiarState(keys, args.node_id, url, args.bucket, args.foreign_chunk_size)
     state.trickle_s = args.trickle_s
+    state.refuse = args.refuse
     if not args.no_wire and args.trickle_s <= 0:  # a staller stalls over HTTP (the wire path lies)
         start_wire(state, Path(args.secret_file).parent / "junk")
 
@@ -271,13 +287,15 @@ class Liar(PeerProcess):
     script = Path(__file__).resolve()
 
     def __init__(self, workdir: Path, bucket: str, secret: str, node_id: str = "liar", foreign_chunk_size: int = 0,
-                 trickle_s: float = 0.0) -> None:
+                 trickle_s: float = 0.0, refuse: str = "") -> None:
         self.foreign_chunk_size = foreign_chunk_size
         self.trickle_s = trickle_s
+        self.refuse = refuse
         super().__init__(workdir, bucket, secret, node_id)
 
     def args(self) -> list[str]:
-        return ["--foreign-chunk-size", str(self.foreign_chunk_size), "--trickle-s", str(self.trickle_s)]
+        return ["--foreign-chunk-size", str(self.foreign_chunk_size), "--trickle-s", str(self.trickle_s),
+                "--refuse", self.refuse]
 
 
 if __name__ == "__main__":

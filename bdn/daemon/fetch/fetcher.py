@@ -1,4 +1,4 @@
-"""Runs the fetch plan (``bdn.daemon.fetch.plan``) for every chunk of a snapshot's layer.
+"""Runs the fetch plan (``bdn.daemon.fetch.policy``) for every chunk of a snapshot's layer.
 
 For one chunk: this node's own store, then round after round of the plan's steps (holders, the
 endgame race, owners with ``?wait=``, this node's own bucket read when it is the owner), then
@@ -16,7 +16,7 @@ from bdn.control.owners import readers_and_rule
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import NotAvailable, Superseded
-from bdn.daemon.fetch import plan
+from bdn.daemon.fetch import policy
 from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.fetch.owners import Owners
 from bdn.daemon.fetch.sources import Sources
@@ -36,8 +36,8 @@ PARK_AHEAD = 1
 #: chunk landing at the other owners at once (about 2 per owner: 14 at N = 8; with 8, half of
 #: them went store-and-forward). Still bounded by ``max_inflight`` peer requests in all.
 CUT_WORKERS = 16
-def _views(members: list[Member]) -> tuple[list[plan.PeerView], dict[str, Member]]:
-    return [plan.PeerView(m.url, m.node_id, m.inflight) for m in members], {m.url: m for m in members}
+def _views(members: list[Member]) -> tuple[list[policy.PeerView], dict[str, Member]]:
+    return [policy.PeerView(m.url, m.node_id, m.inflight) for m in members], {m.url: m for m in members}
 
 
 class Fetcher:
@@ -90,10 +90,10 @@ class Fetcher:
         """Obtain every chunk of ``layer``. Raises NotAvailable (a rebuilt chunk no peer has),
         BdnError/ProtocolError (the bucket failed).
 
-        Bounded sets of worker coroutines pull chunk positions from :func:`plan.split_owned`: a
+        Bounded sets of worker coroutines pull chunk positions from :func:`policy.split_owned`: a
         few (``bucket_concurrency + 1``) the chunks this node owns (the bucket reads them one
         after another, the other nodes wait on them), :meth:`workers` the rest, in the order
-        their owners read them; each acquisition retries within its own worker (``plan.Rounds``)."""
+        their owners read them; each acquisition retries within its own worker (``policy.Rounds``)."""
         refs, bits = job.refs(layer), job.bits(layer)
         assert bits is not None
         job.start_layer(layer)
@@ -105,7 +105,7 @@ class Fetcher:
             pass
         nodes = self.membership.hrw_nodes()
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
-        owned, others = plan.split_owned(bits, nodes, self.node_id, self.rng,
+        owned, others = policy.split_owned(bits, nodes, self.node_id, self.rng,
                                          lambda i: self.owner(job, layer, dig(i), nodes))
         poller = asyncio.create_task(self.haves.poll(job))
         if layer == STORED:
@@ -232,11 +232,11 @@ class Fetcher:
             return
         address = self.index.address(ref.digest)
         errors: list[str] = []
-        rounds = plan.Rounds(self.clock, self.cfg.owner_patience_s, self.rng)
+        rounds = policy.Rounds(self.clock, self.cfg.owner_patience_s, self.rng)
         while True:
             errors_before, busy_before = len(errors), self.stats.busy_answers
             views, members = _views(self.membership.live())
-            ranked = plan.holders(views, self.haves.holding(job, layer, idx), self.rng)
+            ranked = policy.holders(views, self.haves.holding(job, layer, idx), self.rng, src.watch.book)
             key = (job.identity, layer, idx)
             if self.takeovers.unmark(key) and not ranked and not self.haves.growing_at(job, layer, idx):
                 # this node takes the read over from the chunk's owner, who granted it (TakeOvers)
@@ -252,8 +252,8 @@ class Fetcher:
             if not ranked:
                 # Nobody holds it yet, but a peer announced it is reading it from the bucket now:
                 # ask it at once, cut-through (bdn.transfer.growing), before parking anywhere.
-                # (the owner and the relays passing it on: in random order, so the askers spread
-                # over them; a full one answers busy and is not asked again for this chunk)
+                # (in random order, so the askers spread over them; a full one answers busy and is
+                # not asked again for this chunk)
                 growing = self.haves.growing_at(job, layer, idx)
                 self.rng.shuffle(growing)
                 for url in growing:
@@ -261,13 +261,13 @@ class Fetcher:
                         await self._got(job, layer, ref)
                         return
                     self.haves.not_growing(job, idx, url)  # a hint: asked once, then the plan
-            race, asks = plan.plan_holders(ranked, bits.n - bits.count, self.cfg.endgame_chunks)
+            race, asks = policy.plan_holders(ranked, bits.n - bits.count, self.cfg.endgame_chunks)
             tried = {p.url for p in race} | {a.peer.url for a in asks}
             if race and await src.race(job, [members[p.url] for p in race], address, ref, target, errors):
                 await self._got(job, layer, ref)
                 return
             for a in asks:
-                if await src.from_peer(job, members[a.peer.url], address, ref, target, 0.0, errors):
+                if await src.from_peer(job, members[a.peer.url], address, ref, target, 0.0, errors, invited=True):
                     await self._got(job, layer, ref)
                     return
             views, members = _views(self.membership.live())
@@ -276,14 +276,14 @@ class Fetcher:
             # (or a new holder's HAVE) rather than park at the owners or read the bucket as the
             # owner: the chunk is in the fleet already (a late joiner takes it from its peers).
             holders_busy = bool(ranked) and self.stats.busy_answers > busy_before
-            steps = [] if holders_busy else plan.plan_owners(self.node_id, views, ref.digest, layer, tried,
+            steps = [] if holders_busy else policy.plan_owners(self.node_id, views, ref.digest, layer, tried,
                                                              self.cfg.chunk_wait_s, owner)
             parked_out = False
             for step in steps:
-                if isinstance(step, plan.ReadBucket):
+                if isinstance(step, policy.ReadBucket):
                     live_nodes = [m.node_id for m in self.membership.live()]
                     owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
-                    if plan.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
+                    if policy.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
                         try:
                             await src.from_bucket(job, ref, target, owner=True, address=address,
                                                   claim=self.takeovers.claim(job, layer, idx))

@@ -52,7 +52,7 @@ class Haves:
         self._synced: set[tuple[str, str]] = set()  # (identity, node id): bitfield received, HAVEs flowing
         self._waiters: dict[tuple[str, str, int], asyncio.Event] = {}
         #: identity -> chunk index -> urls of the peers that stored chunk lands at now (its owner's
-        #: bucket read, relays; HAVE of layer ``wire.HAVE_GROWING``): cut-through candidates until
+        #: bucket read; HAVE of layer ``wire.HAVE_GROWING``): cut-through candidates until
         #: they hold it
         self._growing: dict[str, dict[int, set[str]]] = {}
         #: identity -> growing chunks announced while no acquisition of ours waited for them
@@ -170,7 +170,7 @@ class Haves:
 
     def growing_at(self, job: SnapshotJob, layer: str, index: int) -> list[str]:
         """Urls of the peers that announced stored chunk ``index`` of ``job`` landing there now
-        (its owner reading it from the bucket, relays receiving it cut-through) and do not hold
+        (its owner reading it from the bucket) and do not hold
         it yet: they answer a cut-through ASK at once."""
         if layer != STORED:
             return []

@@ -17,7 +17,10 @@ from typing import Any, TypeVar
 from bdn.bucket import BucketError, ObjectChanged, ObjectNotFound
 from bdn.daemon import diskio, retry_policy
 from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config
+from bdn.daemon.fetch.policy import BUCKET
+from bdn.daemon.fetch.watch import Attempt, SourceWatch
 from bdn.daemon.lograte import RepeatLog
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError, PeerStalled
@@ -116,7 +119,7 @@ class Sources:
 
     def __init__(
         self, cfg: Config, peers: PeerClient, membership: Membership, bucket: BucketIO, stats: Stats,
-        disk_pool: Executor,
+        disk_pool: Executor, clock: Clock = SYSTEM,
     ) -> None:
         self.cfg = cfg
         self.peers = peers
@@ -132,6 +135,8 @@ class Sources:
         self.wire: Any = None  # bdn.daemon.fetch.wire_source.WireSource when the transfer wire is on
         self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
         self.on_bad_bytes: Callable[[str, str, str, str], None] | None = None  # (url, node, address, snapshot)
+        #: Each peer's rate and refusals (bdn.daemon.fetch.policy.SourceBook) and what they call for.
+        self.watch = SourceWatch(cfg, membership, clock)
 
     async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -169,7 +174,7 @@ class Sources:
 
     async def from_peer(
         self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef,
-        target: Path, wait: float, errors: list[str], racing: bool = False,
+        target: Path, wait: float, errors: list[str], racing: bool = False, invited: bool = False,
     ) -> bool:
         """Ask peer ``m`` (parked up to ``wait`` s). A busy answer counts in ``stats.busy_answers``;
         a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it.
@@ -180,10 +185,24 @@ class Sources:
 
         One of the peer's ``max_per_peer`` slots is held until the chunk is verified, so that
         once a peer's bytes turn out bad, at most ``max_per_peer`` of its answers were taken: the
-        penalty then cancels those in flight, and the requests queued for the peer go elsewhere."""
+        penalty then cancels those in flight, and the requests queued for the peer go elsewhere.
+
+        Every request is timed and judged (``watch``, bdn.daemon.fetch.watch): an answer whose
+        body lags far behind the other sources penalises the peer at once, and so do refusals in
+        a row (``invited``: the peer's have-list showed the chunk, so "busy" counts too)."""
+        att = self.watch.attempt()
+        ok = await self.watch.run(job.identity, m, ref, att,
+                                  self._ask(job, m, address, ref, target, wait, errors, racing, att))
+        self.watch.judge(job.identity, m, ref, att, invited)
+        return ok
+
+    async def _ask(
+        self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef,
+        target: Path, wait: float, errors: list[str], racing: bool, att: Attempt,
+    ) -> bool:
         peer = peer_of(m) if self.wire is not None and job.foreign is None else None
         if peer is not None:
-            return await self.wire.from_peer(job, m, peer, address, ref, target, wait, errors, racing)
+            return await self.wire.from_peer(job, m, peer, address, ref, target, wait, errors, racing, att)
         sem = self._peer_sems.get(m.url)
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
@@ -193,11 +212,13 @@ class Sources:
                 if self.membership.redirected(m):
                     return False  # penalised (or gone) while this request was queued for it
                 try:
-                    buf = await self._request(job, m, address, ref, wait)
+                    buf = await self._request(job, m, address, ref, wait, att)
                 except PeerBusy:
+                    att.outcome = "busy"
                     self.stats.busy_answers += 1
                     return False
                 except PeerError as e:
+                    att.outcome = "failed"
                     errors.append(str(e))
                     self.membership.mark_failed(m.url)
                     if isinstance(e, PeerStalled):
@@ -209,8 +230,11 @@ class Sources:
                                         extra={"peer": m.node_id})
                     return False
                 if buf is None:
+                    if not self.membership.redirected(m):
+                        att.outcome = "not_here"
                     return False
                 good = await self.verify_write(buf, ref, target, foreign=job.foreign is not None)
+                att.outcome = "ok" if good else "corrupt"
         finally:
             m.inflight -= 1
         if good and job.foreign is not None:
@@ -250,13 +274,17 @@ class Sources:
             self.stats.add("peer_wire_bytes_in", ref.length)
         self.stats.add("peer_chunks_in")
 
-    async def _request(self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef, wait: float) -> bytearray | None:
-        """The chunk's bytes from ``m`` (unverified), or None when a penalty redirected the request.
-        Raises PeerBusy, PeerError."""
+    async def _request(
+        self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef, wait: float, att: Attempt,
+    ) -> bytearray | None:
+        """The chunk's bytes from ``m`` (unverified), or None when it does not hold it (404) or
+        a penalty redirected the request. Raises PeerBusy, PeerError."""
         async with self.peer_sem:
             if self.membership.redirected(m):
                 return None  # penalised while this request waited for a transfer slot
             await self.download_limit.take(ref.length)
+            if wait <= 0:
+                att.data()  # HTTP: timed from the request (a parked one is not timed)
             self.stats.inflight["peer"] += 1
             try:
                 # The buffer is taken only once the peer answers 200: a request parked at an
@@ -287,7 +315,8 @@ class Sources:
     ) -> str | None:
         """Request the chunk from each member at once; the url of the first verified copy."""
         tasks = {
-            asyncio.ensure_future(self.from_peer(job, m, address, ref, target, 0.0, errors, racing=True)): m
+            asyncio.ensure_future(self.from_peer(job, m, address, ref, target, 0.0, errors, racing=True,
+                                                 invited=True)): m
             for m in members
         }
         winner: str | None = None
@@ -324,6 +353,7 @@ class Sources:
         else:
             await self._bucket_into_buffer(job, ref, target)
         role = "owner" if owner else "fallback"
+        self.watch.book.delivered(BUCKET, ref.length, None)  # a source delivered (refusals are judged against it)
         if self.chunk_log is not None:
             self.chunk_log.attempt(job, ref, f"bucket-{role}", "ok")
         self.stats.add(f"bucket_bytes_{role}", ref.length)

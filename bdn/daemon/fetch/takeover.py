@@ -3,7 +3,7 @@ DESIGN.md, "Reads taken over at the end of an owner's list".
 
 The taker: once this node's own bucket reads of an anchor are done, ``run`` picks, at most
 ``STEALERS`` at a time, the last chunk of the owner with the most chunks nobody holds or reads
-yet (the pure choice ``plan.pick_steal``), asks that owner for it (``Sources.take``: ``TAKE`` on
+yet (the pure choice ``policy.pick_steal``), asks that owner for it (``Sources.take``: ``TAKE`` on
 the transfer wire) and, if granted, marks it: the chunk's acquisition here (``Fetcher``) reads it
 from the bucket on its next round (``unmark``, ``reading_for_owner``).
 
@@ -28,7 +28,7 @@ from typing import Any
 from bdn.control.owners import readers_and_rule
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
-from bdn.daemon.fetch import plan
+from bdn.daemon.fetch import policy
 from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.layers import STORED
 from bdn.daemon.membership import Membership
@@ -151,9 +151,9 @@ class TakeOvers:
     def may_steal(self, job: SnapshotJob, nodes: list[str], missing: int) -> bool:
         """Whether this node takes over other owners' last chunks in this download: only when
         every node is in its peer set (the owner's announcements reach this node), the layer is
-        small enough to scan (``plan.ORDER_LIMIT``), an anchor, and this node reads from the
+        small enough to scan (``policy.ORDER_LIMIT``), an anchor, and this node reads from the
         bucket at all (``bucket_readers``)."""
-        if not self.cfg.steal_reads or len(nodes) > self.haves.k + 1 or missing > plan.ORDER_LIMIT:
+        if not self.cfg.steal_reads or len(nodes) > self.haves.k + 1 or missing > policy.ORDER_LIMIT:
             return False
         if job.manifest is None or job.manifest.is_delta:
             # anchors only: a delta folded here may take a subset of its stored chunks, numbered
@@ -186,7 +186,7 @@ class TakeOvers:
     ) -> None:
         """Once this node's own chunks (the tasks ``mine``) are all acquired: over and over, the
         last chunk of the owner with the most chunks nobody holds or reads yet
-        (``plan.pick_steal``; ``owner(job, layer, digest, nodes)`` says whose) is asked of that
+        (``policy.pick_steal``; ``owner(job, layer, digest, nodes)`` says whose) is asked of that
         owner (``TAKE``), at most ``STEALERS`` at a time, and when granted marked and acquired
         here (``ensure(job, layer, position, ref)``, started if no acquisition is on it, woken if
         one sleeps). A refused position is not asked again in this download. Ends with the
@@ -218,7 +218,7 @@ class TakeOvers:
                             or self.haves.holding(job, layer, i) or self.haves.growing_at(job, layer, i):
                         continue
                     remaining.setdefault(o, []).append(i)
-                pick = plan.pick_steal(remaining, STEAL_MARGIN)
+                pick = policy.pick_steal(remaining, STEAL_MARGIN)
                 if pick is None:
                     await asyncio.sleep(STEAL_POLL_S)
                     continue

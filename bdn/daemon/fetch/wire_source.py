@@ -31,11 +31,12 @@ from bdn.bucket import BucketError, BucketUnavailable, ObjectNotFound
 from bdn.daemon import retry_policy
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.chunklog import ChunkLog
+from bdn.daemon.clock import SYSTEM
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Superseded
-from bdn.daemon.fetch.plan import bucket_parts
-from bdn.daemon.fetch.relays import relay_hook
+from bdn.daemon.fetch.policy import bucket_parts
 from bdn.daemon.fetch.targets import TargetMaps
+from bdn.daemon.fetch.watch import Attempt
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.snapshot import SnapshotJob
@@ -112,11 +113,13 @@ class WireSource:
     # ---- peers --------------------------------------------------------------------------------
     async def from_peer(
         self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path,
-        wait: float, errors: list[str], racing: bool = False,
+        wait: float, errors: list[str], racing: bool = False, att: Attempt | None = None,
     ) -> bool:
         """Ask ``peer`` (member ``m``) for ``ref`` (parked up to ``wait`` s at an owner). True
         when the chunk is in ``target`` and verified; False to try the next source (busy answers
-        counted in ``stats.busy_answers``, failures appended to ``errors``)."""
+        counted in ``stats.busy_answers``, failures appended to ``errors``). ``att`` is told
+        when the answer's body begins and how the request ended (bdn.daemon.fetch.watch)."""
+        att = att or Attempt(SYSTEM)
         sem = self._peer_sems.get(m.url)
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
@@ -150,13 +153,14 @@ class WireSource:
                     self.stats.inflight["peer"] += 1
                     try:
                         res = await (self._race_one if racing else self._direct)(job, m, peer, address, ref, target,
-                                                                                 wait)
+                                                                                 wait, att)
                     finally:
                         self.stats.inflight["peer"] -= 1
             finally:
                 sem.release()
         finally:
             m.inflight -= 1
+        att.outcome = res.outcome.value
         if self.chunk_log is not None:
             self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", res.outcome.value,
                                    "wire-cut" if res.cut_through else "wire")
@@ -205,6 +209,7 @@ class WireSource:
 
     async def _direct(
         self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
+        att: Attempt,
     ) -> FetchResult:
         try:
             mm = await self.maps.acquire(job, target)
@@ -213,22 +218,18 @@ class WireSource:
         # peer_receive "write": a whole answer is pwritten through the stream's buffer (no
         # page tables for the mapping, no zeroing of fresh pages), a cut-through one lands in it
         fd = self.maps.fd(target) if self.cfg.peer_receive == "write" else None
-        relayed: list[Growing] = []
-        relay = relay_hook(job, address, ref, target, relayed, self._grow) \
-            if self.cfg.cut_through_relay and self.growing is not None else None
         fut = self.pool.submit(peer, address, mm, ref.offset, ref.length, ref.digest, wait_s=wait,
-                               snapshot=job.identity, cut_through=self.growing is not None, fd=fd, relay=relay)
-        try:
-            return await self._await(fut, m, peer, lambda: self.maps.release(target))
-        finally:
-            for g in relayed:  # registered on the loop before the result (call_soon_threadsafe: FIFO)
-                self._ungrow(job, ref, address, g)
+                               snapshot=job.identity, cut_through=self.growing is not None, fd=fd,
+                               on_data=att.data)
+        return await self._await(fut, m, peer, lambda: self.maps.release(target))
 
     async def _race_one(
         self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
+        att: Attempt,
     ) -> FetchResult:
         buf = self.alloc(ref.length)
-        fut = self.pool.submit(peer, address, buf, 0, ref.length, ref.digest, wait_s=wait, snapshot=job.identity)
+        fut = self.pool.submit(peer, address, buf, 0, ref.length, ref.digest, wait_s=wait, snapshot=job.identity,
+                               on_data=att.data)
         res = await self._await(fut, m, peer, None, settle=False)
         if res.outcome is not Outcome.OK:
             self.free(buf)
@@ -378,7 +379,7 @@ class WireSource:
         slots on it while the chunks landing then found none free; bench/NOTES.md.)"""
         assert self.growing is not None
         if g.state != "growing":
-            return  # a relay whose answer ended before the loop got here: nothing to pass on
+            return  # its read ended before the loop got here: nothing to pass on
         g.announced = True
         self.growing.start(address, g)
         if self.on_growing is not None:
