@@ -30,13 +30,13 @@ from urllib.parse import urlsplit
 from bdn.daemon.catalog import Catalog
 from bdn.daemon.chunklog import ChunkLog
 from bdn.daemon.config import Config, split_hostport
+from bdn.daemon.fetch.held import HeldFiles
 from bdn.daemon.fetch.sources import Sources
 from bdn.daemon.fetch.targets import TargetMaps
 from bdn.daemon.fetch.wire_source import WireSource
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.serving import ChunkServing
-from bdn.daemon.fetch.held import HeldFiles
 from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.transfer_address import learn, parse_address, peer_of
