@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "engine"))
 import tinygpt  # noqa: E402
 
+from bdn.client.swap_report import describe_swap  # noqa: E402
 from bdn.engines.hf import torch_available  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -197,15 +198,25 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
 
         t0 = time.monotonic()
 
+        told = [t0]
+
         def engines_up() -> bool:
-            for nd in nodes:
+            for i, nd in enumerate(nodes):
+                if procs[2 * i + 1].poll() is not None:
+                    sys.exit(f"fleet demo: engine {nd['id']} exited ({procs[2 * i + 1].returncode}); "
+                             f"its log: {root / ('fleet-engine-' + nd['id'] + '.log')}")
                 try:
                     http("GET", f"http://127.0.0.1:{nd['engine']}/health", timeout=2)
                 except OSError:
+                    if time.monotonic() - told[0] >= 30:  # on a busy machine this takes minutes: say so
+                        told[0] = time.monotonic()
+                        print(f"  ... still waiting for the engines ({time.monotonic() - t0:.0f} s: {tr.startup})",
+                              flush=True)
                     return False
             return True
 
-        wait_until(engines_up, 180, "the engines to load their first snapshot")
+        # 153 s on a fresh clone at load 18 (2 cores): 180 s was too short at load 25
+        wait_until(engines_up, 900, "the engines to load their first snapshot")
         t_engines = time.monotonic() - t0
         reps = wait_until(lambda: fleet_done(IDS[0]), 120, f"{IDS[0]} on every replica")
         print(f"  fleet serves {IDS[0]} after {time.monotonic() - t0:.1f} s: the engines answered /health after "
@@ -267,8 +278,7 @@ def check_engines(tr, nodes: list[dict], policy: int, digest: str) -> bool:
         try:
             last = http("GET", base + "/debug/state").get("last_swap") or {}
             if last:
-                swap = (f", last swap {last['mode']}: {last['tensors_copied']}/{last['tensors_total']} tensors "
-                        f"copied, pause {last['pause_ms']:.2f} ms")
+                swap = f"; last swap: {describe_swap(last)}"
         except OSError:
             pass  # the numpy engine has no /debug/state
         print(f"    {nd['id']} engine: policy_version {ed['policy_version']}, token_ids {ch['token_ids']}, "

@@ -294,6 +294,7 @@ def _http_status(url: str) -> int:
 def test_sd_notify_ready_and_stopping(tmp_path: Path, abstract: bool) -> None:
     bucket = tmp_path / "bucket"
     bucket.mkdir()
+    (bucket / "README").write_text("a run's bucket\n")  # an empty one is a misconfiguration (not ready)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     if abstract:
         name = f"bdn-test-{os.getpid()}-{free_port()}"
@@ -311,7 +312,7 @@ def test_sd_notify_ready_and_stopping(tmp_path: Path, abstract: bool) -> None:
         except TimeoutError:
             pytest.fail(f"no READY=1 from bdnd:\n{d.log()}")
         assert state.get("READY") == "1", state
-        # STATUS= says readiness in words (an empty file:// bucket: reachable, nothing to load).
+        # STATUS= says readiness in words (a file:// bucket with no snapshot: reachable, nothing to load).
         assert state.get("STATUS") == "ready", state
         # READY=1 means both ports listen: the local API answers, the peer port refuses unsigned requests.
         assert d.get("/v1/health")["status"] == "ok"

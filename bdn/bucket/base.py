@@ -249,6 +249,11 @@ class Bucket(abc.ABC):
         Directory markers (keys ending in ``/``) and keys that break the key rules are skipped.
         """
 
+    def has_objects(self) -> bool:
+        """Whether any object lies under the bucket's URL (a readiness probe: an empty prefix is
+        usually a mistyped one). This default lists everything; backends ask for one key."""
+        return bool(self.list(""))
+
     @abc.abstractmethod
     def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
         """The whole object (manifests, ``STARTUP_SNAPSHOT``).

@@ -142,6 +142,15 @@ class FileBucket(Bucket):
         found.sort(key=lambda info: info.key)
         return found
 
+    def has_objects(self) -> bool:
+        """Whether the root holds any regular file (not an in-flight write); stops at the first."""
+        self.stats.add(list_requests=1)
+        for _dirpath, dirnames, filenames in os.walk(self._real_root()):
+            dirnames[:] = [d for d in dirnames if not d.startswith(TEMP_PREFIX)]
+            if any(not n.startswith(TEMP_PREFIX) for n in filenames):
+                return True
+        return False
+
     def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
         """The whole file; :class:`BucketError` if it is (or grows) over ``max_size`` bytes,
         :class:`ObjectNotFound` / :class:`AccessDenied` from the open."""

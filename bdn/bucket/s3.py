@@ -178,6 +178,14 @@ class S3Bucket(Bucket):
         found.sort(key=lambda info: info.key)
         return found
 
+    def has_objects(self) -> bool:
+        """One ListObjectsV2 of at most one key under the prefix (directory markers count)."""
+        root = f"{self._prefix}/" if self._prefix else ""
+        self.stats.add(list_requests=1)
+        with self._slot():
+            page = self._call("list", "", self._client.list_objects_v2, Prefix=root, MaxKeys=1)
+        return bool(page.get("Contents") or page.get("KeyCount"))
+
     def read(self, key: str, max_size: int = DEFAULT_MAX_READ) -> bytes:
         """One GET of the whole object, its body read into one buffer (resumed with ``If-Match``
         if it breaks). Raises :class:`BucketError` before reading the body when

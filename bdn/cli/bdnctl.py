@@ -75,6 +75,7 @@ from typing import Any, NoReturn
 
 from bdn.cli.commands import fleet, node, snapshots, verify
 from bdn.cli.commands.common import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, Fail
+from bdn.cli.helpfmt import DefaultsFormatter
 from bdn.cli.output import VERSION, emit_json
 from bdn.client import DaemonClient, DaemonError, DaemonUnreachable
 from bdn.client.errors import one_line
@@ -107,16 +108,17 @@ class _Parser(argparse.ArgumentParser):
         # no prefix matching: "--partition-secret X" was taken as --partition-secret-file X
         # (a new user's report; the error then printed the secret as a file name)
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsFormatter)  # every --help shows the defaults
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        # argparse would print the whole usage block; the rule is one line.
+        # argparse would print the whole usage block; the rule is one line, exit 2 (usage).
         raise Fail(f"{message} (see {PROG} --help)", EXIT_USAGE)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Operate the node's bdn daemon (bdnd) through its local API.",
-                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                epilog=EPILOG)
     p.add_argument("--url", default=os.environ.get("BDN_URL") or DEFAULT_URL,
                    help="bdnd local API: http://host:port or unix:///path.sock (default $BDN_URL or %(default)s)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")

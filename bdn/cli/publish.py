@@ -23,11 +23,13 @@ Output: one summary line; sizes in SI units (``MB`` = 10^6 bytes, the upload bar
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from bdn.cli.helpfmt import DefaultsFormatter
 from bdn.cli.output import BYTES_BAR, VERSION, emit_json, human_bytes
 from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from bdn.proto.errors import BdnError
@@ -58,6 +60,45 @@ def _non_negative(text: str) -> int:
     return v
 
 
+def _identity(text: str) -> str:
+    from bdn.proto.identity import validate_identity
+
+    try:
+        return validate_identity(text)
+    except BdnError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _bucket_url(text: str) -> str:
+    from bdn.bucket.urls import check_bucket_url
+
+    try:
+        check_bucket_url(text)
+    except (BdnError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _directory(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a directory")
+    return text
+
+
+def _readable_file(text: str) -> str:
+    if not os.path.isfile(text) or not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a readable file")
+    return text
+
+
+def _compression(text: str) -> str:
+    from bdn.proto.arc import COMPRESSION_FORMATS
+
+    if text.lower() not in COMPRESSION_FORMATS:
+        raise argparse.ArgumentTypeError(f"unsupported {text!r}: bdn supports {', '.join(COMPRESSION_FORMATS)}")
+    return text.lower()
+
+
 def _positive(text: str) -> int:
     v = _non_negative(text)
     if v == 0:
@@ -70,6 +111,7 @@ class _Parser(argparse.ArgumentParser):
         # no prefix matching: "--partition-secret X" was taken as --partition-secret-file X
         # (a new user's report; the error then printed the secret as a file name)
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsFormatter)  # every --help shows the defaults
         super().__init__(*args, **kwargs)
 
     json_mode = False  # set by main() from its argv: a usage error with --json is JSON too
@@ -93,14 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-        p.add_argument("--bucket", required=True, help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
-        p.add_argument("--identity", required=True, help="snapshot identity, e.g. step000002")
-        p.add_argument("--credentials-file", help="JSON file with the bucket credentials")
+        p.add_argument("--bucket", required=True, type=_bucket_url, help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
+        p.add_argument("--identity", required=True, type=_identity, help="snapshot identity, e.g. step000002")
+        p.add_argument("--credentials-file", type=_readable_file, help="JSON file with the bucket credentials")
         p.add_argument("--endpoint-url", help="S3-compatible endpoint URL")
 
     def snapshot(p: argparse.ArgumentParser) -> None:
         common(p)
-        p.add_argument("--dir", required=True, help="Hugging Face checkpoint directory to publish")
+        p.add_argument("--dir", required=True, type=_directory, help="Hugging Face checkpoint directory to publish")
         p.add_argument("--policy-version", required=True, type=_non_negative, help="integer policy version")
         p.add_argument(
             "--chunk-size",
@@ -117,13 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot(full)
     delta = sub.add_parser("delta", help="publish a delta against a published base snapshot")
     snapshot(delta)
-    delta.add_argument("--base", required=True, help="identity of the published base snapshot")
+    delta.add_argument("--base", required=True, type=_identity, help="identity of the published base snapshot")
     delta.add_argument(
-        "--base-dir",
+        "--base-dir", type=_directory,
         help="local copy of the base checkpoint (default: download it from the bucket)",
     )
     delta.add_argument(
-        "--compression-format", default="arc_v2", help="arc_v2 (zstd, default), arc_v1 (zlib) or bdn_planes_v1 (bdn's own, smaller; bdnd only)"
+        "--compression-format", default="arc_v2", type=_compression, help="arc_v2 (zstd, default), arc_v1 (zlib) or bdn_planes_v1 (bdn's own, smaller; bdnd only)"
     )
     startup = sub.add_parser("startup", help="point STARTUP_SNAPSHOT at a published snapshot")
     common(startup)

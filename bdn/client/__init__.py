@@ -19,7 +19,12 @@ Example::
 
 from bdn.client.daemon import DEFAULT_URL, STATES, DaemonClient
 from bdn.client.engine import EngineLink, run_hot_swap_loop
-from bdn.client.errors import DaemonError, DaemonUnreachable, SnapshotFailed
+from bdn.client.errors import (
+    DaemonError,
+    DaemonUnreachable,
+    NotPublished,
+    SnapshotFailed,
+)
 from bdn.client.fleet import (
     call_json,
     collect_garbage,
@@ -40,6 +45,7 @@ __all__ = [
     "DaemonError",
     "DaemonUnreachable",
     "EngineLink",
+    "NotPublished",
     "ReadyFile",
     "ReadyMarker",
     "Snapshot",

@@ -19,7 +19,7 @@ from urllib.parse import quote, urlencode
 import numpy as np
 
 from bdn.client import pull
-from bdn.client.errors import DaemonError, SnapshotFailed
+from bdn.client.errors import DaemonError, NotPublished, SnapshotFailed
 from bdn.client.snapshot import Snapshot, open_snapshot
 from bdn.client.transport import (
     DEFAULT_URL,
@@ -106,15 +106,21 @@ class DaemonClient:
         """``GET /v1/snapshots/{identity}``; DaemonError 404 if the daemon does not know it."""
         return self._json("GET", self._snap_path(identity))
 
-    def prefetch(self, identity: str, wait_publish: bool = False) -> dict[str, Any]:
+    def prefetch(self, identity: str, wait_publish: bool = False,
+                 publish_timeout: float | None = None) -> dict[str, Any]:
         """``POST /v1/snapshots/{identity}/prefetch``: start fetching; returns the ``<snapshot>``.
 
         The daemon waits for ``bdn.manifest.json`` if the snapshot's files are there without it.
         With nothing at all under the identity the snapshot fails at once (reason "nothing is
         published under ..."), unless ``wait_publish`` (``?wait_publish=1``): then it waits for
-        the publication too.
+        the publication too. Either wait lasts up to the daemon's ``manifest_wait_s`` (600 s),
+        or ``publish_timeout`` seconds when given (the caller gives up then: the daemon stops
+        looking too, and the snapshot fails "not published yet (waited N s)").
         """
-        path = self._snap_path(identity) + "/prefetch" + ("?wait_publish=1" if wait_publish else "")
+        query = {"wait_publish": "1"} if wait_publish else {}
+        if publish_timeout is not None:
+            query["publish_timeout"] = f"{max(0.0, publish_timeout):.3f}"
+        path = self._snap_path(identity) + "/prefetch" + (f"?{urlencode(query)}" if query else "")
         return self._json("POST", path, ok=(200, 202), idempotent=True)
 
     def cancel(self, identity: str) -> dict[str, Any]:
@@ -197,6 +203,13 @@ class DaemonClient:
                 raise TimeoutError(
                     f"{identity} not {state} after {timeout:g} s (state {snap.get('state', '?')})"
                 )
+
+    def _reason(self, identity: str) -> str:
+        """The daemon's current reason for ``identity`` ("" when it has none or is unreachable)."""
+        try:
+            return str(self.snapshot(identity).get("reason") or "")
+        except BdnError:
+            return ""
 
     def list_files(self, identity: str) -> list[dict[str, Any]]:
         """``GET /v1/snapshots/{identity}/files``: ``[{"path", "size"}]`` of a ready snapshot.
@@ -291,29 +304,40 @@ class DaemonClient:
         ready: a snapshot the daemon does not know yet, or whose earlier load failed, is
         prefetched first (``POST .../prefetch?wait_publish=1``, so the daemon waits for it if it
         is not published yet), then waited for, all
-        within ``timeout`` seconds (``None``: for ever); ``wait()``'s errors apply (TimeoutError,
-        SnapshotFailed). Without ``wait``, raise DaemonError 404 if the daemon does not know it
+        within ``timeout`` seconds (``None``: for ever; the daemon looks for the publication no
+        longer either); ``wait()``'s errors apply (TimeoutError, SnapshotFailed), and a snapshot
+        nobody published within ``timeout`` raises NotPublished (a TimeoutError: "<identity> is
+        not published yet (waited N s): <reason>"). Without ``wait``, raise DaemonError 404 if the daemon does not know it
         and 409 unless it is ready now. Raises ProtocolError if the directory is not a valid
         snapshot or holds another identity.
         """
         if wait:
-            deadline = None if timeout is None else time.monotonic() + timeout
+            started = time.monotonic()
+            deadline = None if timeout is None else started + timeout
             try:
                 snap: dict[str, Any] | None = self.snapshot(identity)
             except DaemonError as exc:
                 if exc.status != 404:
                     raise
                 snap = None
-            if snap is None or snap.get("state") == "failed":
+            if snap is None or snap.get("state") in ("failed", "queued"):
                 # unknown here, or failed before (not published yet then, a bucket outage): ask
                 # for it again, as ``bdnctl prefetch --wait`` does; a failure that is still true
-                # (a malformed delta) fails again and is raised below
-                snap = self.prefetch(identity, wait_publish=True)
-            if snap.get("state") not in TERMINAL:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                snap = self.wait(identity, "ready", left)
-            elif snap.get("state") == "failed":
-                raise SnapshotFailed(str(snap.get("reason") or "failed"), snap)
+                # (a malformed delta) fails again and is raised below. The daemon looks for the
+                # publication no longer than this call waits (``publish_timeout``).
+                snap = self.prefetch(identity, wait_publish=True, publish_timeout=timeout)
+            try:
+                if snap.get("state") not in TERMINAL:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    snap = self.wait(identity, "ready", left)
+                elif snap.get("state") == "failed":
+                    raise SnapshotFailed(str(snap.get("reason") or "failed"), snap)
+            except (TimeoutError, SnapshotFailed) as exc:
+                # say what was missing, not only that the time ran out (issue 31, class 10)
+                reason = exc.reason if isinstance(exc, SnapshotFailed) else self._reason(identity)
+                if reason and "not published yet" in reason:
+                    raise NotPublished(identity, time.monotonic() - started, reason) from None
+                raise
         else:
             snap = self.snapshot(identity)
         if snap.get("state") != "ready":

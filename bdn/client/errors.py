@@ -64,3 +64,22 @@ class DaemonUnreachable(BdnError, ConnectionError):
         self.url = url
         self.reason = one_line(reason) or "unknown error"
         super().__init__(f"cannot reach bdnd at {url}: {self.reason}")
+
+
+class NotPublished(TimeoutError):
+    """``DaemonClient.open`` waited ``waited`` seconds for a snapshot nobody has published yet
+    (no ``<identity>/bdn.manifest.json`` in the bucket). A ``TimeoutError``: the caller's time
+    ran out; the message says what was missing: ``<identity> is not published yet (waited N s):
+    <the daemon's reason>``.
+
+    Attributes:
+        identity: the snapshot asked for.
+        waited: seconds the caller waited.
+        reason: the daemon's last one-line reason.
+    """
+
+    def __init__(self, identity: str, waited: float, reason: str) -> None:
+        self.identity = identity
+        self.waited = waited
+        self.reason = one_line(reason)
+        super().__init__(f"{identity} is not published yet (waited {waited:.0f} s): {self.reason}")

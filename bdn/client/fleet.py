@@ -17,6 +17,7 @@ from urllib.parse import quote
 from bdn.client.daemon import DaemonClient
 from bdn.client.transport import Transport
 from bdn.proto.errors import ProtocolError
+from bdn.proto.fleet_schema import complete_page
 from bdn.proto.identity import validate_identity
 
 HOT_LOAD_PATH = "/hot_load/v1/models/hot_load"
@@ -133,9 +134,13 @@ def hot_load_status(daemon: DaemonClient | str, *, token: str | None = None,
     (1,000 a page, following ``next_page_token``; at most ``max_pages``). Each page costs the
     daemon a few requests to the fleet status aggregators, whatever the fleet size.
 
-    Each: ``{"replica_id", "current_snapshot_identity", "policy_version", "readiness",
-    "loading_state": {"stage", "identity", "progress", "reason"}}`` (stages queued, downloading,
-    applying, verifying, ready, loading, done, error).
+    Each row has every key of ``bdn.proto.fleet_schema.REPLICA_ROW`` (``replica_id``,
+    ``current_snapshot_identity``, ``policy_version``, ``readiness``, ``loading_state``: ``{"stage",
+    "identity", "progress", "reason"}``, ``engines``, ``last_swap_pause_ms``, ``superseded``,
+    ``request_id``, the engine options, ``last_swap``), in every stage (queued, downloading,
+    applying, verifying, ready, loading, done, error): a key an answer lacks takes its
+    documented default, so none raises KeyError. Raises ProtocolError for an answer that is not
+    a map with a ``replicas`` list or a row that is not a map.
     """
     headers = {"Authorization": f"Bearer {token}"} if token else None
     out: list[dict[str, Any]] = []
@@ -143,13 +148,10 @@ def hot_load_status(daemon: DaemonClient | str, *, token: str | None = None,
     for _ in range(max_pages):
         q = "?page_size=1000" + (f"&page_token={quote(page_token)}" if page_token else "")
         _status, ans = call_json(daemon, "GET", HOT_LOAD_PATH + q, headers=headers)
-        obj = json_object(ans, "hot-load status")
-        reps = obj.get("replicas")
-        if not isinstance(reps, list) or not all(isinstance(r, dict) for r in reps):
-            raise ProtocolError("hot-load status: 'replicas' is not a list of objects")
-        out += reps
-        page_token = obj.get("next_page_token") or ""
-        if not isinstance(page_token, str) or not page_token:
+        page = complete_page(ans)  # every documented key, whichever daemon version answered
+        out += page["replicas"]
+        page_token = page["next_page_token"]
+        if not page_token:
             break
     return out
 

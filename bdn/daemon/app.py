@@ -52,6 +52,7 @@ from bdn.daemon.membership import Membership
 from bdn.daemon.metrics import Metrics
 from bdn.daemon.nonces import NonceCache
 from bdn.daemon.peer_client import PeerClient
+from bdn.daemon.problems import Problems
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.readiness import Readiness
 from bdn.daemon.replica.fleet_status import FleetStatus
@@ -123,11 +124,13 @@ class App:
         self.hotload = HotLoad(cfg.node_id, self.replica, self.catalog, self.bucket, self.peers, self.membership,
                                self.stats, clock, cfg, self.hints)
         self.hotload.status = FleetStatus(cfg, self.replica, self.membership, self.peers, self.stats, clock)
-        self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock, self.stats)
+        self.problems = Problems(clock)  # misconfigurations noticed (readiness, metrics, the log)
+        self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock, self.stats, self.problems)
         serving = ChunkServing(cfg.node_id, self.catalog, self.index, self.fetcher, self.membership,
                                Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
                                RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
-        self.readiness = Readiness(cfg.node_id, self.bucket, self.catalog, self.replica, clock)
+        self.readiness = Readiness(cfg.node_id, self.bucket, self.catalog, self.replica, clock, self.problems,
+                                   lambda: len(self.membership.live()), cfg.bucket)
         self.checks = ChunkCheck(self.index, self.catalog, self.peers, self.stats, self.pools.disk,
                                  RateLimit.from_mbit(cfg.scrub_mbit) if cfg.scrub_mbit > 0 else None, cfg.log_repeat_s)
         sources.on_bad_bytes = self.checks.report
@@ -139,7 +142,7 @@ class App:
             cfg=cfg, keys=self.keys, nonces=NonceCache(), catalog=self.catalog, replica=self.replica,
             hotload=self.hotload, gossip=self.gossip, serving=serving,
             status=StatusView(cfg, self.keys.swarm_id, self.membership, self.bucket, self.stats, self.catalog, clock),
-            metrics=Metrics(self.stats, self.catalog, self.membership, self.bucket, self.replica),
+            metrics=Metrics(self.stats, self.catalog, self.membership, self.bucket, self.replica, self.readiness),
             readiness=self.readiness, checks=self.checks,
         )
         self.should_exit = asyncio.Event()

@@ -99,6 +99,11 @@ class BucketIO:
             return str(e)
         return None
 
+    async def empty(self) -> bool:
+        """Whether the bucket holds no object under its URL (one short listing; readiness calls
+        it after a :meth:`probe` that found the bucket reachable). Raises BucketError."""
+        return not await self._run(self.bucket.has_objects)
+
     def bucket_stats(self) -> dict[str, Any]:
         """The bucket client's counters (requests, bytes, retries), as a dict."""
         return self.bucket.stats.snapshot()

@@ -100,12 +100,18 @@ class Catalog:
         self.jobs[identity] = job
         return job
 
-    async def prefetch_looked(self, identity: str, wait_publish: bool, timeout: float) -> SnapshotJob:
+    async def prefetch_looked(self, identity: str, wait_publish: bool, timeout: float,
+                              publish_wait_s: float | None = None) -> SnapshotJob:
         """``prefetch``, then wait (at most ``timeout`` s) until the job has looked at the bucket
         once: it downloads, waits with a reason (for its manifest, for publication), or failed
         (nothing published, a manifest refused, no room): so the local API can refuse a request
-        that fails at once instead of answering 202 for it (issue 12). Raises IdentityError."""
+        that fails at once instead of answering 202 for it (issue 12). ``publish_wait_s``: the
+        asker's patience, which bounds the job's wait for publication (the latest of its askers';
+        a job started without one keeps ``manifest_wait_s``). Raises IdentityError."""
+        fresh = getattr(self.jobs.get(identity), "state", "failed") == "failed"
         job = self.prefetch(identity, wait_publish=wait_publish)
+        if publish_wait_s is not None and (fresh or job.publish_deadline is not None):
+            job.publish_deadline = max(job.publish_deadline or 0.0, self.clock.monotonic() + publish_wait_s)
         deadline = self.clock.monotonic() + timeout
         while job.state == "queued" and not job.reason:
             left = deadline - self.clock.monotonic()

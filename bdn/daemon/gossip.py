@@ -30,6 +30,7 @@ from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config, split_hostport
 from bdn.daemon.membership import Membership
 from bdn.daemon.peer_client import PeerClient, PeerError
+from bdn.daemon.problems import Problems
 from bdn.daemon.replica.target import Target
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.stats import Stats
@@ -101,9 +102,10 @@ class Gossip:
 
     def __init__(
         self, cfg: Config, membership: Membership, peers: PeerClient, replica: ReplicaView, clock: Clock,
-        stats: Stats | None = None,
+        stats: Stats | None = None, problems: Problems | None = None,
     ) -> None:
         self.cfg = cfg
+        self.problems = problems or Problems(clock)  # misconfigurations seen (readiness reads them)
         self.membership = membership
         self.peers = peers
         self.replica = replica
@@ -157,25 +159,23 @@ class Gossip:
         try:
             ans = await self.peers.exchange_members(url, {"m": message_wire(msg, self._extra())})
         except PeerError as e:
-            if "answered 401" in str(e):
-                m = self.membership.members.get(url)
-                if m is not None and not m.extra.get("warned_401"):
-                    m.extra["warned_401"] = True
-                    log.warning("peer %s refuses our signed requests (401): a different partition "
-                                "secret, or a clock skew over 30 s", url)
+            if "answered 401" in str(e):  # readiness, the log (once) and the metrics say so
+                self.problems.report("partition_secret", url, (
+                    f"peer {url} refuses this daemon's signed requests (401): its partition secret "
+                    "differs from this daemon's, or the clocks are more than 30 s apart"))
             log.debug("membership %s to %s failed: %s", msg.kind, url, e)
             return False
+        self.problems.clear("partition_secret", url)
         node = ans["node_id"]
         if node == self.cfg.node_id and str(ans.get("url", "")).rstrip("/") != self.membership.self_url:  # not us
-            m = self.membership.members.get(url)
-            if m is not None and not m.extra.get("warned_same_id"):
-                m.extra["warned_same_id"] = True  # once per peer URL
-                # a daemon never talks to itself by another URL: two daemons share one node id
-                # (it defaults to the host name: two daemons on one host), and each ignores the
-                # other for ever; say so instead of running alone without a word (new-user report)
-                log.warning("peer %s has this daemon's node id %r: node ids must be unique in a swarm "
-                            "(set node_id, BDN_NODE_ID); it is ignored", url, node)
+            # a daemon never talks to itself by another URL: two daemons share one node id
+            # (it defaults to the host name: two daemons on one host), and each ignores the
+            # other for ever; say so instead of running alone without a word (new-user report)
+            self.problems.report("duplicate_node_id", url, (
+                f"peer {url} has this daemon's node id {node!r}: node ids must be unique in a swarm "
+                "(set node_id, BDN_NODE_ID); it is ignored"))
             return False
+        self.problems.clear("duplicate_node_id", url)
         if not NODE_ID_RE.match(node):
             return False
         if msg.dst == "":  # a seed named itself

@@ -16,6 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.catalog import Catalog
 from bdn.daemon.membership import Membership
+from bdn.daemon.readiness import Readiness
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.stats import Stats
 from bdn.proto.states import SNAPSHOT_STATES as STATES
@@ -23,8 +24,9 @@ from bdn.proto.states import SNAPSHOT_STATES as STATES
 
 class _Collector:
     def __init__(self, stats: Stats, catalog: Catalog, membership: Membership, bucket: BucketIO,
-                 replica: ReplicaView) -> None:
+                 replica: ReplicaView, readiness: Readiness | None = None) -> None:
         self.stats, self.catalog, self.membership, self.bucket, self.replica = stats, catalog, membership, bucket, replica
+        self.readiness = readiness
 
     def collect(self) -> Iterator[Metric]:
         c = self.stats.counters
@@ -132,15 +134,24 @@ class _Collector:
         shm = GaugeMetricFamily("bdn_shm_bytes", "Bytes of reconstructed snapshots held in shm")
         shm.add_metric([], sum(j.result_bytes for j in jobs if j.state == "ready"))
         yield shm
+        if self.readiness is not None:
+            # the last /v1/ready answer (renewed every 10 s), and the misconfigurations behind it
+            yield GaugeMetricFamily("bdn_ready", "1 when /v1/ready answered ready last (renewed every 10 s)",
+                                    value=1 if self.readiness.last["ready"] else 0)
+            bad = GaugeMetricFamily("bdn_misconfigured", "Misconfigurations noticed and not over, by kind",
+                                    labels=["problem"])
+            for kind, n in self.readiness.problems.counts().items():
+                bad.add_metric([kind], n)
+            yield bad
 
 
 class Metrics:
     """One registry with the daemon's collector; ``render()`` -> ``(body, content_type)``."""
 
     def __init__(self, stats: Stats, catalog: Catalog, membership: Membership, bucket: BucketIO,
-                 replica: ReplicaView) -> None:
+                 replica: ReplicaView, readiness: Readiness | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_Collector(stats, catalog, membership, bucket, replica))
+        self.registry.register(_Collector(stats, catalog, membership, bucket, replica, readiness))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

@@ -36,7 +36,7 @@ async def read_manifest(self: Any, job: SnapshotJob) -> Manifest:
         check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
         return m
     key = f"{job.identity}/{MANIFEST_NAME}"
-    deadline = self.clock.monotonic() + self.cfg.manifest_wait_s
+    started = self.clock.monotonic()
     looked = 0
     unavailable = 0
     while True:
@@ -60,13 +60,20 @@ async def read_manifest(self: Any, job: SnapshotJob) -> Manifest:
                 return await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)
             if not job.wait_publish and not await self.bucket.list(f"{job.identity}/"):
                 raise BdnError(f"snapshot {job.identity}: nothing is published under {job.identity}/ in {self.bucket.url}") from None
-            if self.clock.monotonic() >= deadline:
+            # bounded by the askers (a client that gives up after 60 s: issue 31, class 10)
+            limit = started + self.cfg.manifest_wait_s
+            if job.publish_deadline is not None:
+                limit = min(limit, job.publish_deadline)
+            now = self.clock.monotonic()
+            if now >= limit:
                 raise BdnError(
-                    f"snapshot {job.identity} is not published: {MANIFEST_NAME} did not "
-                    f"appear within {self.cfg.manifest_wait_s:g} s"
+                    f"snapshot {job.identity} is not published yet (waited {now - started:.0f} s): "
+                    f"{key} is not in {self.bucket.url}"
                 ) from None
             # The count tells an operator (and a test) that the daemon keeps looking.
-            job.reason = f"waiting for manifest: {key} is not in the bucket yet (looked {looked} time{'' if looked == 1 else 's'})"
+            job.reason = (f"waiting for manifest: {job.identity} is not published yet, {key} is not in the "
+                          f"bucket (looked {looked} time{'' if looked == 1 else 's'}); gives up after "
+                          f"{limit - started:.0f} s")
             job.touch()
             await job.notify()
             await asyncio.sleep(self.cfg.manifest_poll_s)

@@ -8,18 +8,28 @@
    ``STARTUP_SNAPSHOT``, present or not), renewed in the background every ``PROBE_TTL_S``
    seconds (only the first check waits for one, at most ``PROBE_TIMEOUT_S``),
 3. startup is over (membership settled) and the replica's target (``STARTUP_SNAPSHOT``'s
-   snapshot, or the fleet's hot-load target) is loaded or loading, not failed.
+   snapshot, or the fleet's hot-load target) is loaded or loading, not failed,
+4. nothing is misconfigured (``bdn.daemon.problems``; issue 31, class 9): the bucket URL holds
+   some object (an empty one is a mistyped prefix, or nothing published yet), no peer answers
+   with this daemon's node id, and not every peer refuses its signature (401: another partition
+   secret). Some peers refusing while others answer is a warning, not a reason.
 
-The answer is ``{"ready": bool, "reasons": [str, ...], "node_id"}``: each reason is one line
-saying what is missing. Time comes from an injected clock.
+The answer is ``{"ready": bool, "reasons": [str, ...], "warnings": [str, ...], "waiting_for":
+str | None, "node_id"}``: each reason is one line saying what is missing or wrong (a
+misconfiguration starts with ``misconfigured:``); ``waiting_for`` says in one line what the
+daemon waits for now, ready or not (settling, the target's state, a hot-load), None when it
+serves its target. The last answer is kept (``last``) for the metrics. Time comes from an
+injected clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from bdn.daemon.clock import Clock
+from bdn.daemon.problems import Problems
 
 PROBE_TTL_S = 10.0
 PROBE_TIMEOUT_S = 1.5
@@ -31,6 +41,10 @@ class Probe(Protocol):
     async def probe(self) -> str | None:
         """None when the bucket is reachable, else the one-line reason; never raises for an
         unreachable bucket (a raise is reported as ``probe failed: <type>: <message>``)."""
+        ...
+
+    async def empty(self) -> bool:
+        """Whether the (reachable) bucket holds no object at all under its URL."""
         ...
 
 
@@ -51,16 +65,24 @@ class TargetView(Protocol):
 
 
 class Readiness:
-    """The ``/v1/ready`` document; the app sets ``listening`` and ``started`` as startup proceeds."""
+    """The ``/v1/ready`` document; the app sets ``listening`` and ``started`` as startup proceeds.
+    ``live_peers()`` counts the members this daemon talks to; ``bucket_url`` names the bucket."""
 
-    def __init__(self, node_id: str, bucket: Probe, catalog: Records, replica: TargetView, clock: Clock) -> None:
+    def __init__(self, node_id: str, bucket: Probe, catalog: Records, replica: TargetView, clock: Clock,
+                 problems: Problems | None = None, live_peers: Callable[[], int] = lambda: 0,
+                 bucket_url: str = "the bucket") -> None:
         self.node_id = node_id
         self.bucket = bucket
         self.catalog = catalog
         self.replica = replica
         self.clock = clock
+        self.problems = problems or Problems(clock)
+        self.live_peers = live_peers
+        self.bucket_url = bucket_url
         self.listening = False
         self.started = False
+        self.last: dict[str, Any] = {"ready": False, "reasons": ["not checked yet"], "warnings": [],
+                                     "waiting_for": None, "node_id": node_id}
         self._probed_at: float | None = None
         self._probe_error: str | None = None
         self._probing: asyncio.Future[None] | None = None
@@ -82,10 +104,19 @@ class Readiness:
         return self._probe_error
 
     async def _probe(self) -> None:
+        empty = False
         try:
             err = await self.bucket.probe()
+            if err is None:
+                empty = await self.bucket.empty()
         except Exception as e:  # noqa: BLE001 - a probe that breaks says so, it does not break readiness
             err = f"probe failed: {type(e).__name__}: {e}"
+        if empty:
+            self.problems.report("bucket_empty", self.bucket_url, (
+                f"the bucket {self.bucket_url} holds no object: a mistyped or empty prefix, or nothing "
+                "published yet (bdn-publish writes STARTUP_SNAPSHOT and the snapshots under it)"))
+        elif err is None:
+            self.problems.clear("bucket_empty", self.bucket_url)
         self._probed_at, self._probe_error = self.clock.monotonic(), err
 
     def snapshot_reason(self) -> str | None:
@@ -100,8 +131,34 @@ class Readiness:
             return f"target snapshot {t.identity} failed: {job.reason}"
         return None
 
+    def waiting_for(self) -> str | None:
+        """What the daemon waits for now, in one line (None: it has its target)."""
+        if not self.started:
+            return "membership to settle, then the startup snapshot"
+        t = self.replica.target
+        if t is None:
+            return "a hot-load (no target: no STARTUP_SNAPSHOT loaded, no hot-load received)"
+        job = self.catalog.get(t.identity)
+        if job is None:
+            return f"target snapshot {t.identity} to start loading"
+        if job.state in ("ready", "failed"):
+            return None
+        return f"target snapshot {t.identity}: {job.state}" + (f" ({job.reason})" if job.reason else "")
+
+    def misconfigured(self) -> tuple[list[str], list[str]]:
+        """``(reasons, warnings)`` from the problems noticed: a duplicate node id and an empty
+        bucket are reasons; peers refusing the signature are a reason when no peer answers,
+        else a warning each."""
+        reasons, warnings = [], []
+        for p in self.problems.active():
+            if p.kind == "partition_secret" and self.live_peers() > 0:
+                warnings.append(p.message)
+            else:
+                reasons.append(f"misconfigured: {p.message}")
+        return reasons, warnings
+
     async def check(self) -> dict[str, Any]:
-        """``{"ready", "reasons", "node_id"}`` (see the module docstring)."""
+        """``{"ready", "reasons", "warnings", "waiting_for", "node_id"}`` (see the module docstring)."""
         reasons = []
         if not self.listening:
             reasons.append("not listening yet")
@@ -114,7 +171,11 @@ class Readiness:
             why = self.snapshot_reason()
             if why:
                 reasons.append(why)
-        return {"ready": not reasons, "reasons": reasons, "node_id": self.node_id}
+        wrong, warnings = self.misconfigured()
+        reasons += wrong
+        self.last = {"ready": not reasons, "reasons": reasons, "warnings": warnings,
+                     "waiting_for": self.waiting_for(), "node_id": self.node_id}
+        return dict(self.last)
 
     def summary(self, doc: dict[str, Any]) -> str:
         """One line for systemd's STATUS=: ``ready`` or ``not ready: <reasons>``."""

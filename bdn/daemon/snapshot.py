@@ -97,6 +97,7 @@ class SnapshotJob:
         self.tensor_refused = ""  # why its headers cannot be served (logged once)
         self.foreign: Any = None  # ForeignState of a snapshot without a manifest (bdn.daemon.foreign_source)
         self.wait_publish = True  # with nothing in the bucket yet: wait (True) or fail at once
+        self.publish_deadline: float | None = None  # monotonic s: stop waiting for publication (None: manifest_wait_s)
         self.derived = False  # restored from the store with a table derived here: no claims to check
 
     # ---- layout --------------------------------------------------------------------------

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from bdn.cli.helpfmt import DefaultsFormatter
 from bdn.proto.errors import BdnError
 
 if TYPE_CHECKING:
@@ -37,27 +38,35 @@ def _hostport(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", int(port)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the adapter ``argv`` names (default ``sys.argv[1:]``) until SIGTERM/SIGINT.
+def _seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= v < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return v
 
-    Returns the exit status: 0 after a clean stop, 1 when the engine cannot start or bdnd is
-    unreachable (a :class:`BdnError`, one line on stderr). A usage error exits 2 from argparse.
-    """
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m bdn.engines`` (subcommands ``hf``, ``sglang``, ``vllm``)."""
     from bdn import __version__
 
-    ap = argparse.ArgumentParser(prog="python -m bdn.engines", description="run an engine adapter under bdnd")
+    ap = argparse.ArgumentParser(prog="python -m bdn.engines", description="run an engine adapter under bdnd",
+                                 formatter_class=DefaultsFormatter)  # every --help shows the defaults
     ap.add_argument("--version", action="version", version=f"bdn {__version__}")  # as bdnd, bdnctl, bdn-publish
     sub = ap.add_subparsers(dest="engine", required=True)
     for name in ("hf", "sglang", "vllm"):
-        p = sub.add_parser(name)
+        p = sub.add_parser(name, formatter_class=DefaultsFormatter)
         p.add_argument("--bdn-url", default="http://127.0.0.1:7081", help="the node's bdnd local API")
         p.add_argument("--name", default=name, help="the engine's name in bdnd's logs")
-        p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for bdnd")
-        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+        p.add_argument("--connect-timeout", type=_seconds, default=60.0, help="seconds to wait for bdnd")
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="the adapter's logging level")
         if name == "hf":
             p.add_argument("--listen", type=_hostport, default=("127.0.0.1", 8000), help="HOST:PORT of the chat server")
             p.add_argument("--replica-id", default="replica", help="reported in every answer's engine_data")
-            p.add_argument("--served-model-name", default="model")
+            p.add_argument("--served-model-name", default="model", help="the model name the chat server answers to")
             p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
             p.add_argument("--full-reload", action="store_true", help="reload every tensor on every swap")
             p.add_argument("--swap-in-place", action="store_true",
@@ -69,7 +78,16 @@ def main(argv: list[str] | None = None) -> int:
         if name == "vllm":
             p.add_argument("--require-weight-change", action="store_true",
                            help="fail a swap whose reload changed no weight checksum")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the adapter ``argv`` names (default ``sys.argv[1:]``) until SIGTERM/SIGINT.
+
+    Returns the exit status: 0 after a clean stop, 1 when the engine cannot start or bdnd is
+    unreachable (a :class:`BdnError`, one line on stderr). A usage error exits 2 from argparse.
+    """
+    a = build_parser().parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))

@@ -37,6 +37,7 @@ from bdn import retry
 from bdn.client import EngineLink, Snapshot, call_json, open_snapshot
 from bdn.client.engine import offer_keepalive_s
 from bdn.client.errors import DaemonError, DaemonUnreachable, one_line
+from bdn.client.swap_report import describe_swap
 from bdn.engines.options import HotLoadOptions
 from bdn.proto.errors import BdnError, ProtocolError
 
@@ -172,9 +173,8 @@ def drive(link: EngineLink, adapter: Adapter, *, stop: threading.Event, current:
                 ack(link, identity, 0.0, options, error=reason)
                 continue
             pause = float(report.get("pause_ms") or 0.0)
-            what = [f"{k} {report[k]}" for k in ("mode", "tensors_copied") if k in report]
             log.info("serving %s (policy version %s): %s", identity, snap.policy_version,
-                     ", ".join([*what, f"paused {pause:.2f} ms"]))
+                     describe_swap({**report, "pause_ms": pause}))
             old, serving = serving, snap
             ack(link, identity, pause, options, report)
             if old is not None and old is not snap:

@@ -4,11 +4,14 @@ answers are shown, not trusted)."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from typing import Any
 
 from bdn.cli.output import human_bytes
 from bdn.client.errors import one_line
+from bdn.proto.errors import IdentityError
+from bdn.proto.identity import validate_identity
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 POLL_SECONDS = 0.2
@@ -16,6 +19,32 @@ DEFAULT_WAIT_S = 600.0
 
 #: ``sub.add_parser``'s owner (argparse's private type has no public name).
 Subparsers = Any
+
+
+def seconds(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds >= 0 (else argparse's usage error, exit 2)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= v < float("inf"):  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return v
+
+
+def identity_arg(text: str) -> str:
+    """An argparse ``type``: a well-formed snapshot identity (else a usage error, exit 2)."""
+    try:
+        return validate_identity(text)
+    except IdentityError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def nonempty(text: str) -> str:
+    """An argparse ``type``: any text but an empty one."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
 
 
 class Fail(Exception):

@@ -17,37 +17,41 @@ from bdn.cli.commands.common import (
     NotYet,
     Subparsers,
     cell,
+    identity_arg,
     ms_cell,
+    nonempty,
+    seconds,
     table,
 )
 from bdn.cli.output import emit_json
 from bdn.client import DaemonClient
 from bdn.client.fleet import hot_load, hot_load_status, list_engines, remove_engine
+from bdn.client.swap_report import describe_swap
 
 
 def add_hot_load(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     hl = sub.add_parser("hot-load", parents=[common], help="make every replica of the fleet serve a snapshot")
     hl.add_argument("identity", help="the snapshot's identity, as published (e.g. step000002)")
-    hl.add_argument("--previous", metavar="ID", default=None,
+    hl.add_argument("--previous", metavar="ID", default=None, type=identity_arg,
                     help="what the fleet serves now (or is loading), the delta's base "
                          "(previous_snapshot_identity); leave it out to load a delta over its chain")
     hl.add_argument("--compression-format", default=None, metavar="FMT",
                     help="the delta's compression format, with --previous (default: the manifest's)")
-    hl.add_argument("--prompt-cache-policy", default=None, metavar="P",
+    hl.add_argument("--prompt-cache-policy", default=None, metavar="P", type=str.upper, choices=("RESET_ALL", "PRESERVE"),
                     help="RESET_ALL (default: no sample reuses KV of the old policy) or PRESERVE")
-    hl.add_argument("--inflight-policy", default=None, metavar="P",
+    hl.add_argument("--inflight-policy", default=None, metavar="P", type=str.lower, choices=("wait", "keep", "abort"),
                     help="wait (default: drain, bounded by --inflight-wait-s), keep or abort")
-    hl.add_argument("--inflight-wait-s", type=float, default=None, metavar="S",
+    hl.add_argument("--inflight-wait-s", type=seconds, default=None, metavar="S",
                     help="the bound of the wait policy, seconds (default 30)")
     hl.add_argument("--wait", action="store_true", help="follow every replica until it serves the snapshot")
-    hl.add_argument("--timeout", type=float, default=DEFAULT_WAIT_S, metavar="S",
+    hl.add_argument("--timeout", type=seconds, default=DEFAULT_WAIT_S, metavar="S",
                     help="with --wait: give up after S seconds (exit 1; default %(default)g)")
     hl.set_defaults(run=_hot_load)
 
 
 def add_engines(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     en = sub.add_parser("engines", parents=[common], help="the engines registered with this daemon")
-    en.add_argument("--remove", metavar="ENGINE_ID", default=None,
+    en.add_argument("--remove", metavar="ENGINE_ID", default=None, type=nonempty,
                     help="drop this engine (its leases are released, the replica goes on without it)")
     en.set_defaults(run=_engines)
 
@@ -174,10 +178,11 @@ def _engines(client: DaemonClient, args: argparse.Namespace) -> int:
         return EXIT_OK
     rows = []
     for e in engines:
-        swap = e.get("swap") if isinstance(e.get("swap"), dict) else {}
+        swap = e.get("swap") if isinstance(e.get("swap"), dict) else None
         rows.append([e.get("engine_id"), e.get("name"), e.get("serving"), e.get("offered"),
-                     swap.get("mode"), ms_cell(e.get("pause_ms")), e.get("prompt_cache_policy"),
-                     e.get("inflight_policy"), e.get("last_seen_s_ago"), e.get("error")])
-    print(table(["ENGINE", "NAME", "SERVING", "OFFERED", "MODE", "PAUSE_MS", "PROMPT_CACHE", "INFLIGHT",
-                  "SEEN_S_AGO", "ERROR"], rows))
+                     ms_cell(e.get("pause_ms")), e.get("prompt_cache_policy"),
+                     e.get("inflight_policy"), e.get("last_seen_s_ago"), e.get("error"),
+                     describe_swap(swap) if swap is not None else None])
+    print(table(["ENGINE", "NAME", "SERVING", "OFFERED", "PAUSE_MS", "PROMPT_CACHE", "INFLIGHT",
+                  "SEEN_S_AGO", "ERROR", "LAST_SWAP"], rows))
     return EXIT_OK

@@ -11,7 +11,8 @@ from bdn.client.fleet import collect_garbage
 
 
 def add_status(sub: Subparsers, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("status", parents=[common], help="node, swarm, peers, counters and snapshots")
+    p = sub.add_parser("status", parents=[common],
+                       help="node, readiness (and why not), swarm, peers, counters and snapshots")
     p.set_defaults(run=_status)
 
 
@@ -31,6 +32,7 @@ def _status(client: DaemonClient, args: argparse.Namespace) -> int:
         emit_json(st)
         return EXIT_OK
     lines = [f"{k:<9} {cell(st.get(k))}" for k in ("node_id", "swarm_id", "peer_url", "version")]
+    lines += _readiness(st.get("readiness"))
     bucket = st.get("bucket")
     if isinstance(bucket, dict):
         extra = ", ".join(
@@ -56,6 +58,20 @@ def _status(client: DaemonClient, args: argparse.Namespace) -> int:
         lines.append(indent(snapshot_table(snaps)))
     print("\n".join(lines))
     return EXIT_OK
+
+
+def _readiness(doc: object) -> list[str]:
+    """``/v1/status``'s readiness as lines: ready yes/no, one line per reason and warning, and
+    what the daemon waits for (``-`` from a daemon that does not report it)."""
+    if not isinstance(doc, dict):
+        return [f"{'ready':<9} -"]
+    lines = [f"{'ready':<9} {'yes' if doc.get('ready') is True else 'no'}"]
+    for key, label in (("reasons", "because"), ("warnings", "warning")):
+        items = doc.get(key)
+        lines += [f"{label:<9} {cell(r)}" for r in (items if isinstance(items, list) else [])]
+    if doc.get("waiting_for"):
+        lines.append(f"{'waiting':<9} for {cell(doc.get('waiting_for'))}")
+    return lines
 
 
 def _peers(client: DaemonClient, args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from bdn.cli.commands.common import (
     NotYet,
     Subparsers,
     cell,
+    seconds,
     snapshot_table,
 )
 from bdn.cli.output import BYTES_BAR, emit_json
@@ -36,7 +37,7 @@ def add_prefetch(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     pf.add_argument("--wait", action="store_true", help="wait until ready, with a progress bar")
     pf.add_argument("--wait-publish", action="store_true",
                     help="if nothing is in the bucket yet, wait for it to be published (else fail at once)")
-    pf.add_argument("--timeout", type=float, default=None, metavar="S",
+    pf.add_argument("--timeout", type=seconds, default=None, metavar="S",
                     help="with --wait: give up after S seconds (exit 1; default: no limit)")
     pf.set_defaults(run=_prefetch)
 
@@ -57,7 +58,7 @@ def add_path(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     pa.add_argument("identity", metavar="IDENTITY|current",
                     help="a snapshot's identity, or current: the one this replica serves")
     pa.add_argument("--wait", action="store_true", help="wait until it is ready (or, for current, served)")
-    pa.add_argument("--timeout", type=float, default=DEFAULT_WAIT_S, metavar="S",
+    pa.add_argument("--timeout", type=seconds, default=DEFAULT_WAIT_S, metavar="S",
                     help="with --wait: give up after S seconds (exit 1; default %(default)g)")
     pa.set_defaults(run=_path)
 
@@ -67,7 +68,9 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
     if args.timeout is not None and not args.timeout >= 0:
         raise Fail("--timeout must be >= 0 seconds", EXIT_USAGE)
     start = time.monotonic()
-    snap = client.prefetch(identity, wait_publish=args.wait_publish)
+    # the daemon looks for the publication no longer than this command waits
+    snap = client.prefetch(identity, wait_publish=args.wait_publish,
+                           publish_timeout=args.timeout if args.wait else None)
     if not args.wait:
         if snap.get("state") == "failed":
             raise Fail(f"{identity} failed: {_reason(identity, snap.get('reason'))}")
@@ -111,6 +114,9 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
     except SnapshotFailed as exc:
         raise Fail(f"{identity} failed: {_reason(identity, exc.reason)}") from None
     except TimeoutError as exc:
+        why = str(shown_state[0][1] or "") if shown_state[0] else ""
+        if "not published yet" in why:
+            raise Fail(f"{identity} is not published yet (waited {time.monotonic() - start:.0f} s): {why}") from None
         raise Fail(str(exc)) from None
     finally:
         bar.close()

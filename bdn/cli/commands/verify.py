@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bdn.cli.commands.common import EXIT_OK, EXIT_USAGE, Fail, Subparsers, bytes_cell, cell
+from bdn.cli.commands.common import EXIT_OK, EXIT_USAGE, Fail, Subparsers, bytes_cell, cell, seconds
 from bdn.cli.output import emit_json
 from bdn.client import DaemonClient, SnapshotFailed, open_snapshot
 from bdn.client.ready import read_ready, verify_files
@@ -17,7 +17,7 @@ def add_verify(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     vf.add_argument("target", metavar="IDENTITY|DIR", help="an identity (asks bdnd where it is), or a snapshot directory path (holds a '/')")
     vf.add_argument("--repair", action="store_true",
                     help="ask bdnd to re-hash the snapshot, quarantine corrupted chunks and fetch them again")
-    vf.add_argument("--timeout", type=float, default=None, metavar="S",
+    vf.add_argument("--timeout", type=seconds, default=None, metavar="S",
                     help="with --repair: give up waiting for the repair after S seconds (exit 1)")
     vf.set_defaults(run=_verify)
 

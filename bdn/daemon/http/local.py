@@ -34,13 +34,13 @@ def _identity(request: web.Request) -> str:
         raise web.HTTPBadRequest(text=json.dumps({"error": str(e)}), content_type="application/json") from None
 
 
-def _timeout(request: web.Request) -> float | web.Response:
+def _timeout(request: web.Request, name: str = "timeout", most: float = MAX_WAIT_S) -> float | web.Response:
     try:
-        timeout = float(request.query.get("timeout", "30"))
+        timeout = float(request.query.get(name, "30"))
     except ValueError:
-        return error(400, "timeout must be a number of seconds")
-    if not 0 <= timeout <= MAX_WAIT_S:
-        return error(400, f"timeout must be in [0, {MAX_WAIT_S:g}] seconds")
+        return error(400, f"{name} must be a number of seconds")
+    if not 0 <= timeout <= most:  # (NaN fails too)
+        return error(400, f"{name} must be in [0, {most:g}] seconds")
     return timeout
 
 
@@ -50,15 +50,18 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """GET /v1/ready -> 200 {"ready": true, "reasons": [], "node_id"}, or 503 with the reasons
-    (bdn.daemon.readiness: both ports listening, the bucket reachable, the target loading)."""
+    """GET /v1/ready -> 200 {"ready": true, "reasons": [], "warnings", "waiting_for", "node_id"},
+    or 503 with the reasons (bdn.daemon.readiness: both ports listening, the bucket reachable and
+    not empty, the target loading, nothing misconfigured)."""
     doc = await services(request).readiness.check()
     return json_response(doc, 200 if doc["ready"] else 503)
 
 
 async def status(request: web.Request) -> web.Response:
-    """GET /v1/status -> 200: node, peers, bucket and byte counters, snapshot records."""
-    return json_response(services(request).status.status())
+    """GET /v1/status -> 200: node, readiness (as /v1/ready), peers, bucket and byte counters,
+    snapshot records."""
+    svc = services(request)
+    return json_response({**svc.status.status(), "readiness": await svc.readiness.check()})
 
 
 async def list_snapshots(request: web.Request) -> web.Response:
@@ -80,13 +83,17 @@ PREFETCH_LOOK_S = 10.0  # well below bdn.client's 30 s read timeout
 
 
 async def prefetch(request: web.Request) -> web.Response:
-    """POST /v1/snapshots/{id}/prefetch[?wait_publish=1] -> 202 record once the daemon has looked
-    at the bucket (at most ``PREFETCH_LOOK_S``): the download started, or the snapshot waits for
-    its manifest (the reason says so), or it failed at once (state ``failed`` with the reason:
-    nothing in the bucket under the identity unless ``wait_publish=1``, which waits up to
-    ``manifest_wait_s``; a manifest refused; no room in shm)."""
+    """POST /v1/snapshots/{id}/prefetch[?wait_publish=1][&publish_timeout=S] -> 202 record once
+    the daemon has looked at the bucket (at most ``PREFETCH_LOOK_S``): the download started, or
+    the snapshot waits for its manifest (the reason says so), or it failed at once (state
+    ``failed`` with the reason: nothing in the bucket under the identity unless
+    ``wait_publish=1``, which waits up to ``manifest_wait_s``, or ``publish_timeout`` seconds
+    when the asker gives up sooner; a manifest refused; no room in shm). 400 for a bad ``publish_timeout``."""
     wait_publish = request.query.get("wait_publish", "0") in ("1", "true", "yes")
-    job = await services(request).catalog.prefetch_looked(_identity(request), wait_publish, PREFETCH_LOOK_S)
+    bound = _timeout(request, "publish_timeout", 1e9) if "publish_timeout" in request.query else None
+    if isinstance(bound, web.Response):
+        return bound
+    job = await services(request).catalog.prefetch_looked(_identity(request), wait_publish, PREFETCH_LOOK_S, bound)
     return json_response(job.describe(), 202)
 
 

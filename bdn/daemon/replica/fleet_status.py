@@ -30,6 +30,7 @@ from bdn.daemon.packing import packb
 from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.stats import Stats
+from bdn.proto.fleet_schema import complete_row, replica_row, stage_counts
 from bdn.proto.identity import IdentityError, validate_identity
 from bdn.proto.keys import NODE_ID_RE
 from bdn.proto.states import REPLICA_STAGES
@@ -166,7 +167,9 @@ class FleetStatus:
 
     # ---- the GET -----------------------------------------------------------------------------
     async def fleet(self, page_size: object = None, page_token: object = None) -> dict[str, Any]:
-        """One page of the fleet's replicas (sorted by replica id). Raises Invalid (page args)."""
+        """One page of the fleet's replicas (sorted by replica id), every key of
+        ``bdn.proto.fleet_schema`` in every row; replicas membership knows dead are left out.
+        Raises Invalid (page args)."""
         try:
             size, after = policy.page_params(page_size, page_token)
         except policy.HotLoadError as e:
@@ -198,17 +201,17 @@ class FleetStatus:
                 return out
 
             boards = list(await asyncio.gather(*(one(n) for n in self.aggregators(ident))))
-        merged = {r.node: r for r in policy.merge(boards)}
+        live = {m.node_id for m in self.membership.live()}
+        # a replica membership declared dead leaves the view at once, not when its row expires
+        # (3 report intervals: a killed replica was counted done for ~30 s; issue 31, class 9)
+        dead = {m.node_id for m in self.membership.members.values() if m.node_id and not m.alive} - live
+        reported = policy.merge(boards)
+        merged = {r.node: policy.Row(r.node, r.identity, complete_row(r.data)) for r in reported if r.node not in dead}
         merged[self.cfg.node_id] = policy.Row(self.cfg.node_id, ident, self.view.replica())  # our own, fresh
-        for m in self.membership.live():
-            if m.node_id not in merged:
-                merged[m.node_id] = policy.Row(m.node_id, ident, {
-                    "replica_id": m.node_id, "current_snapshot_identity": None, "policy_version": None,
-                    "readiness": False,
-                    "loading_state": {"stage": "queued", "identity": ident or None, "progress": 0.0,
-                                      "reason": "no status report yet"},
-                })
+        for node in live - set(merged):
+            merged[node] = policy.Row(node, ident, replica_row(
+                node, {"stage": "queued", "identity": ident or None, "reason": "no status report yet"}))
         rows = [merged[n] for n in sorted(merged)]
         page, token = policy.paginate(rows, size, after)
-        return {"replicas": [r.data for r in page], "next_page_token": token, "replica_count": len(rows),
-                "stages": policy.summary(rows, _stage)}
+        return {"identity": ident or None, "replicas": [r.data for r in page],
+                "next_page_token": token, "replica_count": len(rows), "stages": stage_counts(_stage(r) for r in rows)}

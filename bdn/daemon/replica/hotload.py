@@ -334,6 +334,10 @@ class HotLoad:
         return True
 
     async def fleet(self, page_size: object = None, page_token: object = None) -> dict[str, Any]:
-        """One page of the fleet's replicas (``bdn.daemon.replica.fleet_status``). Raises Invalid."""
+        """One page of the fleet's replicas (``bdn.daemon.replica.fleet_status``). A daemon with
+        no target yet first asks members for theirs (:meth:`catch_up`): a GET on a daemon the
+        hot-load's push had not reached answered a null identity. Raises Invalid."""
+        if self.view.target is None:
+            await self.catch_up()
         return await self.status.fleet(page_size, page_token)
 

@@ -35,9 +35,11 @@ from bdn.daemon.replica.options import DEFAULT_OPTIONS
 from bdn.daemon.replica.ports import SnapshotRecord, Snapshots
 from bdn.daemon.replica.target import Target, later, supersedes
 from bdn.proto.errors import BdnError
+from bdn.proto.fleet_schema import replica_row
 from bdn.proto.states import TERMINAL
 
 log = logging.getLogger("bdn.hotload")
+NO_TARGET = "no hot-load target yet: no STARTUP_SNAPSHOT loaded, no hot-load received"
 MAX_ENGINES = 256  # engines one daemon keeps registered at once
 
 
@@ -195,13 +197,14 @@ class ReplicaView:
 
     # ---- the replica record ----------------------------------------------------------------
     def replica(self) -> dict[str, Any]:
-        """This replica as ``GET /hot_load/v1/models/hot_load`` lists it."""
+        """This replica as ``GET /hot_load/v1/models/hot_load`` lists it (every key of
+        ``bdn.proto.fleet_schema.REPLICA_ROW``)."""
         t = self.target
         stage, reason, progress = "queued", "", 0.0
         ident = t.identity if t else self.current
         job = self.snapshots.get(ident) if ident else None
-        if t is None and job is None:
-            stage = "done" if self.current else "queued"
+        if t is None and job is None:  # (ident is None unless something is served)
+            stage, reason = ("done", "") if self.current else ("queued", NO_TARGET)
         elif job is None:
             stage = "queued"
         elif job.state == "failed":
@@ -218,19 +221,13 @@ class ReplicaView:
         reports = [e for e in self.engines.values() if e.acked == self.current and e.swap is not None]
         last = max(reports, key=lambda e: e.pause_ms or 0.0) if reports else None
         options = t.options if t is not None else DEFAULT_OPTIONS
-        return {
-            "replica_id": self.node_id,
-            "current_snapshot_identity": self.current,
-            "policy_version": self.current_policy_version,
-            "readiness": self.current is not None,
-            "loading_state": {"stage": stage, "identity": ident, "progress": round(progress, 4), "reason": reason},
-            "engines": len(self.engines),
-            "last_swap_pause_ms": max(pauses) if pauses else None,
-            "superseded": list(self.superseded),
-            "request_id": t.request_id if t else None,
-            **options.wire(),
-            "last_swap": dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None,
-        }
+        return replica_row(
+            self.node_id, {"stage": stage, "identity": ident, "progress": round(progress, 4), "reason": reason},
+            current_snapshot_identity=self.current, policy_version=self.current_policy_version,
+            readiness=self.current is not None, engines=len(self.engines),
+            last_swap_pause_ms=max(pauses) if pauses else None, superseded=list(self.superseded),
+            request_id=t.request_id if t else None, **options.wire(),
+            last_swap=dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None)
 
     def _engine_stage(self, ident: str) -> tuple[str, str]:
         """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node."""
