@@ -12,8 +12,9 @@ import abc
 import dataclasses
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from bdn.proto.errors import BdnError, PathError
 
@@ -304,6 +305,12 @@ class Bucket(abc.ABC):
     @abc.abstractmethod
     def write_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """Store the local file at ``path`` as the object (multipart and parallel where large)."""
+
+    def write_buffers(self, key: str, buffers: Sequence[Any]) -> None:
+        """Store the concatenation of ``buffers`` (bytes-like objects) as the object, as
+        :meth:`write` does; backends send the buffers without joining them (multipart and
+        parallel where large). This default joins them and calls :meth:`write`."""
+        self.write(key, b"".join(memoryview(b).cast("B") for b in buffers))
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -21,9 +21,9 @@ import os
 import shutil
 import stat as stat_mod
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from bdn.bucket.base import (
     DEFAULT_MAX_READ,
@@ -285,6 +285,16 @@ class FileBucket(Bucket):
 
         with src:
             self._commit(key, fill)
+
+    def write_buffers(self, key: str, buffers: Sequence[Any]) -> None:
+        """Write the buffers one after the other (no join) as :meth:`write` stores bytes."""
+        def fill(f: BinaryIO) -> int:
+            n = 0
+            for b in buffers:
+                n += f.write(b)
+            return n
+
+        self._commit(key, fill)
 
     def close(self) -> None:
         """Nothing to release (no descriptor outlives a call); marks the bucket closed."""

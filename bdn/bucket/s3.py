@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -37,6 +37,7 @@ from bdn.bucket.base import (
     validate_key,
     validate_prefix,
 )
+from bdn.bucket.buffers import BuffersReader
 from bdn.bucket.checksums import object_checksum
 from bdn.bucket.credentials import ReaderCredentials
 from bdn.bucket.s3_client import open_client, open_transfer
@@ -320,6 +321,24 @@ class S3Bucket(Bucket):
         except Exception as exc:  # s3transfer wraps some failures in its own types
             raise BucketError(f"write {self._where(key)}: {type(exc).__name__}: {one_line(exc)}") from None
         self.stats.add(put_bytes=size)
+
+    def write_buffers(self, key: str, buffers: Sequence[Any]) -> None:
+        """Upload the concatenation of ``buffers`` through s3transfer, as :meth:`write_file`
+        uploads a file (one PutObject under ``multipart_threshold``, else parallel parts),
+        reading each part straight from the buffers. Raises the mapped bucket errors."""
+        validate_key(key)
+        if self._closed:
+            raise BucketError(f"{self.url} is closed")
+        reader = BuffersReader(buffers)
+        self.stats.add(put_requests=1)
+        future = self._transfer.upload(reader, self._bucket, self._full_key(key))
+        try:
+            future.result()
+        except (bex.BotoCoreError, bex.ClientError) as exc:
+            raise self._map_error("write", key, exc) from None
+        except Exception as exc:  # s3transfer wraps some failures in its own types
+            raise BucketError(f"write {self._where(key)}: {type(exc).__name__}: {one_line(exc)}") from None
+        self.stats.add(put_bytes=reader.size)
 
     def close(self) -> None:
         """Shut the transfer manager down (waiting for uploads in flight), then close the

@@ -47,6 +47,41 @@ def buffer_digests(buf: Any, chunk_size: int) -> list[str]:
         view.release()
 
 
+def concat_digests(buffers: Sequence[Any], chunk_size: int, map: Any = None) -> list[str]:
+    """Digests of every chunk of the concatenation of ``buffers`` (no copy of the buffers).
+
+    A chunk that spans buffers is hashed piece by piece (streaming XXH3-128). ``map(fn, items)``
+    runs the per-chunk tasks (``bdn.fileops.thread_map(n)`` hashes on ``n`` cores; xxhash
+    releases the GIL); serially by default.
+    """
+    views = [memoryview(b).cast("B") if not isinstance(b, memoryview) or b.format != "B" else b for b in buffers]
+    tasks: list[list[memoryview]] = []
+    cur: list[memoryview] = []
+    room = chunk_size
+    for v in views:
+        pos = 0
+        while pos < len(v):
+            take = min(room, len(v) - pos)
+            cur.append(v[pos : pos + take])
+            pos += take
+            room -= take
+            if room == 0:
+                tasks.append(cur)
+                cur, room = [], chunk_size
+    if cur:
+        tasks.append(cur)
+
+    def one(pieces: list[memoryview]) -> str:
+        if len(pieces) == 1:
+            return digest(pieces[0])
+        h = xxhash.xxh3_128()
+        for p in pieces:
+            h.update(p)
+        return h.hexdigest()
+
+    return list(map(one, tasks)) if map is not None else [one(t) for t in tasks]
+
+
 # ``file_digests(path, chunk_size)`` is ``bdn.fileops.chunk_digests`` now (bdn/proto does no I/O).
 
 

@@ -11,13 +11,18 @@ from bdn.publish.publisher import (
     publish_full,
     publish_startup,
 )
+from bdn.publish.sharded import PartError, PartRecord, commit_step, publish_part
 
 __all__ = [
     "CHECKSUM_FORMAT",
     "BaseNotPublished",
+    "PartError",
+    "PartRecord",
     "ProgressFn",
     "PublishError",
+    "commit_step",
     "publish_delta",
     "publish_full",
+    "publish_part",
     "publish_startup",
 ]

@@ -89,8 +89,8 @@ def publish_full(
         BucketError: the bucket failed; the manifest is then not written.
     """
     validate_identity(identity)
-    _check_args(policy_version, chunk_size, workers)
-    with _opened(bucket) as b:
+    check_args(policy_version, chunk_size, workers)
+    with opened(bucket) as b:
         refuse_published(b, identity, overwrite)
         with source_dir(dir, state_dict, extra_files, tmp_dir) as src:
             files = scan_dir(src)
@@ -148,13 +148,13 @@ def publish_delta(
     validate_identity(base)
     if base == identity:
         raise PublishError(f"delta {identity!r} cannot be its own base")
-    _check_args(policy_version, chunk_size, workers)
+    check_args(policy_version, chunk_size, workers)
     arc.check_formats(compression_format, CHECKSUM_FORMAT)
     # Accepted case-insensitively (as the hot-load services do); recorded in its canonical form.
     compression_format = compression_format.lower()
     if base_dir is not None and base_state_dict is not None:
         raise PublishError("give base_dir or base_state_dict, not both")
-    with _opened(bucket) as b:
+    with opened(bucket) as b:
         refuse_published(b, identity, overwrite)
         base_manifest = read_manifest(b, base)
         with (
@@ -194,7 +194,7 @@ def publish_startup(bucket: str | Bucket, identity: str) -> None:
         BucketError: the bucket failed.
     """
     validate_identity(identity)
-    with _opened(bucket) as b:
+    with opened(bucket) as b:
         try:
             b.stat(f"{identity}/{MANIFEST_NAME}")
         except ObjectNotFound:
@@ -223,7 +223,8 @@ def _check_headers(files: list[LocalFile]) -> None:
                 raise PublishError(f"{e}; every bdnd would fail this snapshot, so nothing was uploaded") from None
 
 
-def _check_args(policy_version: int, chunk_size: int, workers: int) -> None:
+def check_args(policy_version: int, chunk_size: int, workers: int) -> None:
+    """PublishError unless the policy version, chunk size (bytes) and worker count are in range."""
     if isinstance(policy_version, bool) or not isinstance(policy_version, int) or not (
         0 <= policy_version <= 2**63 - 1
     ):
@@ -239,7 +240,7 @@ def _check_args(policy_version: int, chunk_size: int, workers: int) -> None:
 
 
 @contextlib.contextmanager
-def _opened(bucket: str | Bucket) -> Iterator[Bucket]:
+def opened(bucket: str | Bucket) -> Iterator[Bucket]:
     """The bucket object; one opened here from a URL is closed again on the way out."""
     if isinstance(bucket, Bucket):
         yield bucket
