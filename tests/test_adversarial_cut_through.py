@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -298,15 +297,10 @@ def test_bad_bucket_bytes_under_a_cut_through_stream_are_re_read_and_blame_nobod
 
 def _wait_failed(d, timeout: float = 120.0) -> str:
     """The error of ``d``'s snapshot once it failed (AssertionError if it ends READY)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status, body = d.request("GET", f"/v1/snapshots/{IDENT}/wait?state=ready&timeout=10")
-        if status == 409:
-            return str(body.get("error"))
-        assert status != 200, f"{d.node_id}: READY on a bucket whose bytes do not match the manifest"
-        if status == 404:
-            time.sleep(0.1)
-    raise AssertionError(f"{d.node_id}: {IDENT} neither ready nor failed in {timeout} s:\n{d.log()}")
+    _, body = wait_for(lambda: d.request("GET", f"/v1/snapshots/{IDENT}/wait?state=ready&timeout=10"), timeout,
+                       f"{d.node_id}: {IDENT} to fail, never READY (its bucket's bytes do not match the manifest)", 0.1,
+                       until=lambda answer: answer[0] == 409, meanwhile=lambda answer: answer[0] != 200, detail=d.log)
+    return str(body.get("error"))
 
 
 def test_an_object_replaced_under_the_manifest_fails_clearly_and_blames_nobody(tmp_path, s3_bucket):

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 import urllib.error
 from collections.abc import Iterator
 
 import pytest
 
 from bdn.proto.keys import derive_keys, sign_request
+from tests.support.api import wait_for
 from tests.support.swarm import SECRET, Daemon, running
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,13 +74,6 @@ def _healthy(d: Daemon) -> bool:
         return False
 
 
-def _wait(pred, what: str, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.1)
-
-
 def test_bodies_that_trickle_in_are_answered_408_and_free_their_connections(daemon: Daemon) -> None:
     keys = derive_keys(SECRET)
     path = f"/bdn/v1/{keys.swarm_id}/bad_chunk"
@@ -91,8 +84,8 @@ def test_bodies_that_trickle_in_are_answered_408_and_free_their_connections(daem
     attacks += [Trickle(daemon.local_port, local_head) for _ in range(MAX_CONNS)]  # the local API's every slot
     try:
         for a in attacks:  # each is answered within the body deadline, and closed
-            _wait(a.closed.is_set, "the daemon to close a trickling request")
-        _wait(lambda: _healthy(daemon), "the local API to answer again")
+            wait_for(a.closed.is_set, 120, "the daemon to close a trickling request", 0.1)
+        wait_for(lambda: _healthy(daemon), 120, "the local API to answer again", 0.1)
     finally:
         for a in attacks:
             a.stop()
@@ -119,7 +112,7 @@ def test_a_body_cut_short_is_answered_in_one_line_never_a_traceback(daemon: Daem
             s.shutdown(socket.SHUT_WR)  # the body ends here: 100 bytes were promised
             while s.recv(65536):
                 pass
-    _wait(lambda: daemon.log().count("request body cut short by the sender") == len(heads) or "Traceback" in daemon.log(),
-          "each cut to be handled")
+    wait_for(lambda: daemon.log().count("request body cut short by the sender") == len(heads) or "Traceback" in daemon.log(),
+             120, "each cut to be handled", 0.1)
     assert _healthy(daemon)
     assert "Traceback" not in daemon.log(), daemon.log()

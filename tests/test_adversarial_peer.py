@@ -10,7 +10,6 @@ import hashlib
 import http.client
 import os
 import re
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 from bdn.daemon.catalog import MAX_FAILED
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
+from tests.support.api import wait_for
 from tests.support.checkpoints import make_state, write_hf_dir
 from tests.support.swarm import SECRET, Daemon, running
 
@@ -64,10 +64,8 @@ def test_a_flood_of_bad_chunk_reports_quarantines_nothing_and_each_good_chunk_is
         assert set(answers) <= {202, 503}, answers
         assert answers[202] == {b"chunk queued for a re-hash\n"}, answers
         assert answers.get(503, {b"too many chunk reports queued\n"}) == {b"too many chunk reports queued\n"}, answers
-        deadline = time.monotonic() + 120
-        while _metric(d, "bdn_bad_chunk_reports_refuted_total") < len(real):
-            assert time.monotonic() < deadline, d.log()
-            time.sleep(0.1)
+        wait_for(lambda: _metric(d, "bdn_bad_chunk_reports_refuted_total") >= len(real), 120,
+                 "every real report refuted", 0.1, detail=d.log)
         # repeats while queued or just refuted are not hashed again; nothing was dropped
         assert _metric(d, "bdn_bad_chunk_reports_refuted_total") == len(real)
         assert _metric(d, "bdn_chunks_quarantined_total") == 0
@@ -95,10 +93,8 @@ def test_a_chunk_request_hinting_a_snapshot_nobody_published_fails_it_at_once(tm
             conn.close()
         for i in range(3):
             ident = f"invented{i:04d}"
-            deadline = time.monotonic() + 120
-            while (rec := d.get(f"/v1/snapshots/{ident}"))["state"] != "failed":
-                assert time.monotonic() < deadline, rec
-                time.sleep(0.1)
+            rec = wait_for(lambda ident=ident: d.get(f"/v1/snapshots/{ident}"), 120, f"{ident} to fail", 0.1,
+                           until=lambda rec: rec["state"] == "failed")
             assert rec["reason"] == f"snapshot {ident}: nothing is published under {ident}/ in file://{tmp_path}/bucket", rec
 
 
@@ -123,13 +119,9 @@ def test_invented_hints_leave_a_bounded_number_of_failed_records(tmp_path: Path)
 
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(hints, range(8)))
-        deadline = time.monotonic() + 120
-        while True:
-            snaps = d.get("/v1/status")["snapshots"]
-            if snaps and all(s["state"] == "failed" for s in snaps) and d.get(f"/v1/snapshots/invented{n - 1:04d}").get("state") == "failed":
-                break
-            assert time.monotonic() < deadline, [s["state"] for s in snaps]
-            time.sleep(0.1)
+        snaps = wait_for(lambda: d.get("/v1/status")["snapshots"], 120, "every invented identity failed", 0.1,
+                         until=lambda snaps: snaps and all(s["state"] == "failed" for s in snaps)
+                         and d.get(f"/v1/snapshots/invented{n - 1:04d}").get("state") == "failed")
         assert len(snaps) <= MAX_FAILED, len(snaps)
         assert f"invented{n - 1:04d}" in {s["identity"] for s in snaps}  # the newest are kept
         assert d.get("/v1/health")["status"] == "ok"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
+from tests.support.api import wait_for
 from tests.support.checkpoints import make_state, write_hf_dir
 from tests.support.liar import Liar
 from tests.support.swarm import SECRET, Daemon, running
@@ -146,10 +146,7 @@ def test_a_member_that_stalls_every_chunk_is_penalised_after_its_first_timeout(t
     try:
         d.start([liar.url])
         d.wait_healthy()
-        deadline = time.monotonic() + 120
-        while not any(p["alive"] for p in d.status()["peers"]):
-            assert time.monotonic() < deadline, d.log()
-            time.sleep(0.1)
+        wait_for(lambda: any(p["alive"] for p in d.status()["peers"]), 120, "a live peer", 0.1, detail=d.log)
         assert d.prefetch("step000001")[0] == 202
         d.wait_ready("step000001", 120)
         keys = derive_keys(SECRET)

@@ -25,7 +25,7 @@ from bdn.proto import hrw
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
 from bdn.publish import publish_delta, publish_full
-from tests.support.api import raw_request
+from tests.support.api import raw_request, wait_for
 from tests.support.checkpoints import make_state, optimizer_step, write_hf_dir
 from tests.support.liar import Liar
 from tests.support.swarm import SECRET, Daemon, running
@@ -85,15 +85,11 @@ def idle_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
 
 def settle(d: Daemon, identity: str, timeout: float = 120.0) -> dict[str, Any]:
     """Wait until ``identity`` is ready or failed on ``d``; return its snapshot description."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status, body = d.request("GET", f"/v1/snapshots/{identity}/wait?state=ready&timeout=5")
-        if status == 200:
-            return body
-        if status == 409:
-            return body["snapshot"]
-        assert status == 202, (status, body)
-    raise TimeoutError(f"{identity} neither ready nor failed on {d.node_id}:\n{d.log()}")
+    status, body = wait_for(lambda: d.request("GET", f"/v1/snapshots/{identity}/wait?state=ready&timeout=5"), timeout,
+                            f"{identity} ready or failed on {d.node_id}", 0,  # the daemon holds each request up to 5 s
+                            until=lambda answer: answer[0] in (200, 409), meanwhile=lambda answer: answer[0] == 202,
+                            detail=d.log)
+    return body if status == 200 else body["snapshot"]
 
 
 def tree_digests(root: Path) -> dict[str, str]:
@@ -333,11 +329,10 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
             d.start(peers)
         for d in honest:
             d.wait_healthy()
-        deadline = time.monotonic() + 120
         for d in honest:
-            while {p["node_id"] for p in d.status()["peers"] if p["alive"]} != set(nodes) - {d.node_id}:
-                assert time.monotonic() < deadline, d.status()["peers"]
-                time.sleep(0.1)
+            wait_for(lambda d=d: {p["node_id"] for p in d.status()["peers"] if p["alive"]}, 120,
+                     f"{d.node_id} to see every other node alive", 0.1,
+                     until=lambda alive, d=d: alive == set(nodes) - {d.node_id})
 
         # The anchor: the liar is the HRW owner of some chunks and claims all of them.
         for d in honest:
@@ -349,11 +344,10 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
 
         # A delta whose base (step000002) neither daemon has: the liar claims every reconstructed
         # chunk, the daemons catch it and walk the chain instead. First let its penalty lapse.
-        deadline = time.monotonic() + 120
         for d in honest:
-            while any(p["node_id"] == "liar" and (p["penalised"] or not p["alive"]) for p in d.status()["peers"]):
-                assert time.monotonic() < deadline, d.status()["peers"]
-                time.sleep(0.1)
+            wait_for(lambda d=d: d.status()["peers"], 120, f"{d.node_id} to see the liar alive and unpenalised", 0.1,
+                     until=lambda peers: not any(p["node_id"] == "liar" and (p["penalised"] or not p["alive"])
+                                                 for p in peers))
         for d in honest:
             assert d.prefetch("step000003")[0] == 202
         for d in honest:
@@ -411,25 +405,21 @@ def test_snapshot_without_manifest_waits_and_loads_once_it_appears(
     os.replace(bucket.manifest_path("step000001"), held)  # the upload is "still running"
 
     assert daemon.prefetch("step000001")[0] == 202
-    deadline = time.monotonic() + 120
-    while not (snap := daemon.get("/v1/snapshots/step000001"))["reason"].startswith("waiting for manifest"):
-        assert snap["state"] == "queued", snap
-        assert time.monotonic() < deadline, snap
-        time.sleep(0.05)
+    wait_for(lambda: daemon.get("/v1/snapshots/step000001"), 120, "the load to wait for its manifest",
+             until=lambda snap: snap["reason"].startswith("waiting for manifest"),
+             meanwhile=lambda snap: snap["state"] == "queued")
     # Several manifest polls pass (counted by the daemon in the reason, not timed here); it must
     # keep waiting, loading nothing.
-    deadline = time.monotonic() + 120
-    while True:
+    def still_waiting() -> int:
         snap = daemon.get("/v1/snapshots/step000001")
         assert snap["state"] == "queued" and snap["reason"].startswith("waiting for manifest"), snap
         assert snap["bytes_done"] == 0
         assert not ready_dir(daemon, "step000001").exists()
         looked = re.search(r"\(looked (\d+) times?\)", snap["reason"])
         assert looked, snap["reason"]
-        if int(looked.group(1)) >= 5:
-            break
-        assert time.monotonic() < deadline, snap
-        time.sleep(0.05)
+        return int(looked.group(1))
+
+    wait_for(still_waiting, 120, "5 manifest polls", until=lambda looked: looked >= 5)
     assert daemon.request("GET", "/v1/snapshots/step000001/files")[0] == 409
     assert daemon.status()["bucket"]["get_bytes"] == 0  # not one byte of the half upload read
 
@@ -456,10 +446,8 @@ def test_a_penalty_redirects_the_requests_queued_for_the_lying_peer(tmp_path: Pa
         seed.wait_ready("step000001", 120)
         victim.start([seed.peer_url, liar.url])
         victim.wait_healthy()
-        deadline = time.monotonic() + 120
-        while {p["node_id"] for p in victim.status()["peers"] if p["alive"]} != {"seed", "liar"}:
-            assert time.monotonic() < deadline, victim.status()["peers"]
-            time.sleep(0.1)
+        wait_for(lambda: {p["node_id"] for p in victim.status()["peers"] if p["alive"]}, 120,
+                 "the victim to see the seed and the liar alive", 0.1, until=lambda alive: alive == {"seed", "liar"})
         assert victim.prefetch("step000001")[0] == 202
         assert_same_files(Path(victim.wait_ready("step000001", 120)["path"]), ck1)
         st = victim.status()

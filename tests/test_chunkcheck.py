@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 import stat
-import time
 from pathlib import Path
 
 from bdn.publish import publish_full
+from support.api import wait_for
 from support.checkpoints import flip_byte, make_state, write_hf_dir
 from support.swarm import Daemon
 
@@ -24,13 +24,6 @@ def _metric(d: Daemon, name: str) -> float:
     m = re.search(rf"^{name} (\S+)$", text, re.M)
     assert m, f"no {name}"
     return float(m.group(1))
-
-
-def _wait(what: str, cond, d: Daemon, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what}: not after {timeout} s:\n{d.log()}"
-        time.sleep(0.1)
 
 
 def _report(d: Daemon, digest: str) -> int:
@@ -59,13 +52,14 @@ def test_a_lying_report_changes_nothing_and_the_scrub_repairs_a_bad_chunk(tmp_pa
         assert set(modes.values()) == {0o444}, modes
         # A report on a good chunk: re-hashed, refuted, nothing dropped.
         assert _report(d, shard.chunks[1]) == 202
-        _wait("report refuted", lambda: _metric(d, "bdn_bad_chunk_reports_refuted_total") == 1, d)
+        wait_for(lambda: _metric(d, "bdn_bad_chunk_reports_refuted_total") == 1, 120, "report refuted", 0.1,
+                 detail=d.log)
         assert d.get("/v1/snapshots/step000001")["state"] == "ready"
         assert _metric(d, "bdn_chunks_quarantined_total") == 0
         # A chunk gone bad that nobody reports: the scrub finds it, quarantines, re-fetches it.
         flip_byte(path / SHARD, 2 * CHUNK + 3)
-        _wait("scrub quarantined", lambda: _metric(d, "bdn_chunks_quarantined_total") == 1, d)
-        _wait("repaired", lambda: _ready_bytes(d) == good, d)
+        wait_for(lambda: _metric(d, "bdn_chunks_quarantined_total") == 1, 120, "scrub quarantined", 0.1, detail=d.log)
+        wait_for(lambda: _ready_bytes(d) == good, 120, "repaired", 0.1, detail=d.log)
         assert _metric(d, "bdn_chunks_scrubbed_total") > 0
     finally:
         d.stop()
@@ -93,8 +87,9 @@ def test_a_receiver_reports_a_bad_chunk_and_the_sender_repairs_it(tmp_path: Path
         assert receiver.prefetch("step000001")[0] == 202
         receiver.wait_ready("step000001")
         assert _ready_bytes(receiver) == good
-        _wait("sender quarantined", lambda: _metric(sender, "bdn_chunks_quarantined_total") == 1, sender)
-        _wait("sender repaired", lambda: _ready_bytes(sender) == good, sender)
+        wait_for(lambda: _metric(sender, "bdn_chunks_quarantined_total") == 1, 120, "sender quarantined", 0.1,
+                 detail=sender.log)
+        wait_for(lambda: _ready_bytes(sender) == good, 120, "sender repaired", 0.1, detail=sender.log)
         assert _metric(sender, "bdn_bad_chunk_reports_refuted_total") == 0
     finally:
         receiver.stop()

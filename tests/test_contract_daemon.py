@@ -7,13 +7,12 @@ which case it goes on and the new target is rebuilt on top of it.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from bdn.client.errors import DaemonError
 from bdn.client.fleet import hot_load
 from bdn.publish import publish_delta, publish_full, publish_startup
-from support.api import http, wait_fleet
+from support.api import http, wait_fleet, wait_for
 from support.chains import file_chain
 from support.checkpoints import make_state, optimizer_step, write_hf_dir
 from support.swarm import Daemon, running
@@ -25,11 +24,9 @@ SLOW = {"BDN_BUCKET_MBIT": "8", "BDN_BUCKET_CONCURRENCY": "1", "BDN_LOAD_STARTUP
 
 
 def _downloading(d: Daemon, identity: str) -> None:
-    deadline = time.monotonic() + 120
-    while (snap := d.get(f"/v1/snapshots/{identity}"))["bytes_done"] == 0:
-        assert snap["state"] in ("queued", "downloading"), snap
-        assert time.monotonic() < deadline, snap
-        time.sleep(0.05)
+    snap = wait_for(lambda: d.get(f"/v1/snapshots/{identity}"), 120, f"{identity}'s first bytes",
+                    until=lambda snap: snap["bytes_done"] > 0,
+                    meanwhile=lambda snap: snap["state"] in ("queued", "downloading"))
     assert snap["state"] == "downloading", snap
 
 

@@ -11,9 +11,9 @@ count as protocol cost (``tests/test_control_swim.py`` covers indirect probes). 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
+from tests.support.api import wait_for
 from tests.support.swarm import Daemon
 
 PERIODS = 8  # SWIM periods measured at each fleet size
@@ -28,26 +28,17 @@ def _counts(d: Daemon) -> tuple[int, int, int]:
 
 
 def _wait_members(daemons: list[Daemon], timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        ok = all({o.node_id for o in daemons if o is not d}
-                 <= {p["node_id"] for p in d.status()["peers"] if p["alive"]} for d in daemons)
-        if ok:
-            return
-        assert time.monotonic() < deadline, "members did not converge:\n" + "\n".join(d.log()[-3000:] for d in daemons)
-        time.sleep(0.2)
+    wait_for(lambda: all({o.node_id for o in daemons if o is not d}
+                         <= {p["node_id"] for p in d.status()["peers"] if p["alive"]} for d in daemons),
+             timeout, "the members to converge", 0.2, detail=lambda: "\n".join(d.log()[-3000:] for d in daemons))
 
 
 def _per_period(daemons: list[Daemon], timeout: float = 120.0) -> list[tuple[float, float]]:
     """Every daemon's (sent, received) requests per period over its next PERIODS periods."""
     before = {d.node_id: _counts(d) for d in daemons}
-    deadline = time.monotonic() + timeout
-    while True:
-        now = {d.node_id: _counts(d) for d in daemons}
-        if all(now[n][0] - before[n][0] >= PERIODS for n in now):
-            break
-        assert time.monotonic() < deadline, f"daemons did not run {PERIODS} SWIM periods: {before} -> {now}"
-        time.sleep(0.2)
+    now = wait_for(lambda: {d.node_id: _counts(d) for d in daemons}, timeout,
+                   f"every daemon to run {PERIODS} SWIM periods after {before}", 0.2,
+                   until=lambda now: all(now[n][0] - before[n][0] >= PERIODS for n in now))
     out = []
     for n, (p1, s1, r1) in now.items():
         p0, s0, r0 = before[n]

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -202,18 +201,16 @@ class Engine:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def wait_policy(self, version: int, timeout: float = 120.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        last: Any = None
-        while time.monotonic() < deadline:
+        def health() -> Any:
             assert self.proc.poll() is None, f"engine {self.replica_id} exited {self.proc.returncode}:\n{self.log()}"
             try:
-                status, last = http("GET", self.url + "/health", timeout=5)
-                if status == 200 and last["policy_version"] == version:
-                    return last
+                status, body = http("GET", self.url + "/health", timeout=5)
             except OSError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"engine {self.replica_id} not on policy {version}: {last}\n{self.log()}")
+                return None
+            return body if status == 200 and body["policy_version"] == version else (status, body)
+
+        return wait_for(health, timeout, f"engine {self.replica_id} on policy {version}", 0.1,
+                        until=lambda v: isinstance(v, dict), detail=self.log)
 
     def chat(self, **extra: Any) -> dict[str, Any]:
         body = {"model": "tinygpt", "messages": PROMPT, "max_tokens": 16, "temperature": 0, **ENGINE_DATA, **extra}

@@ -7,14 +7,13 @@ frames themselves are tested over real sockets in tests/test_transfer_announce.p
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from bdn.daemon.clock import FakeClock
 from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.membership import Membership
 from bdn.daemon.snapshot import STORED
+from support.api import wait_for_async
 
 
 @dataclass
@@ -80,14 +79,6 @@ def test_an_index_outside_the_manifest_drops_the_subscription() -> None:
     assert h.holding(job, STORED, 2) == []  # nothing of that frame was taken
 
 
-async def _until(cond: Callable[[], bool], timeout: float = 120.0) -> None:
-    """Let the event loop run until ``cond()`` holds (a state, not a time); AssertionError after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0)
-
-
 def test_a_waiting_acquisition_is_woken_by_its_chunks_have() -> None:
     async def main() -> None:
         h, subs, ms = _fleet(3)
@@ -97,9 +88,10 @@ def test_a_waiting_acquisition_is_woken_by_its_chunks_have() -> None:
         node = next(iter(subs.open))[0].node_id
         url = ms.by_node()[node].url
         waiter = asyncio.ensure_future(h.wait_holder(job, STORED, 7, 120.0))
-        await _until(lambda: (job.identity, STORED, 7) in h._waiters)
+        await wait_for_async(lambda: (job.identity, STORED, 7) in h._waiters, 120,
+                             "the acquisition to wait for chunk 7")
         h.on_have(node, job.identity, 0, (6,))  # another chunk: still waiting
-        await _until(lambda: h.holding(job, STORED, 6) == [url])  # that HAVE was handled
+        await wait_for_async(lambda: h.holding(job, STORED, 6) == [url], 120, "that HAVE to be handled")
         assert not h._waiters[(job.identity, STORED, 7)].is_set() and not waiter.done()
         h.on_have(node, job.identity, 0, (7,))  # from a subscription thread, via the loop
         await asyncio.wait_for(waiter, 120)

@@ -14,7 +14,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ import pytest
 
 from bdn import fileops
 from bdn.proto.keys import derive_keys, sign_request
-from support.api import http, raw_request, wait_fleet
+from support.api import http, raw_request, wait_fleet, wait_for
 from support.foreign_run import (  # a test dependency
     BIG,
     MiB,
@@ -134,11 +133,10 @@ def test_lying_peer_gets_no_wrong_bytes_into_ready(run: Run, moto_endpoint: str,
             d.start(peers)
         for d in honest:
             d.wait_healthy()
-        deadline = time.monotonic() + 120  # generous: membership settles in seconds even on a busy machine
-        for d in honest:
-            while {p["node_id"] for p in d.status()["peers"] if p["alive"]} != {"node0", "node1", "liar"} - {d.node_id}:
-                assert time.monotonic() < deadline, d.status()["peers"]
-                time.sleep(0.1)
+        for d in honest:  # generous: membership settles in seconds even on a busy machine
+            wait_for(lambda d=d: {p["node_id"] for p in d.status()["peers"] if p["alive"]}, 120,
+                     f"{d.node_id} to see the others alive", 0.1,
+                     until=lambda alive, d=d: alive == {"node0", "node1", "liar"} - {d.node_id})
         for d in honest:
             assert d.prefetch("step000001")[0] == 202
         for d in honest:
@@ -161,11 +159,9 @@ def test_lying_peer_gets_no_wrong_bytes_into_ready(run: Run, moto_endpoint: str,
 
 def _wait_bytes(d: Daemon, identity: str, n: int) -> None:
     """Until ``identity`` has at least ``n`` bytes on ``d`` (generous deadline, states checked)."""
-    deadline = time.monotonic() + 120
-    while (snap := d.get(f"/v1/snapshots/{identity}"))["bytes_done"] < n:
-        assert snap["state"] in ("queued", "downloading"), snap
-        assert time.monotonic() < deadline, snap
-        time.sleep(0.05)
+    wait_for(lambda: d.get(f"/v1/snapshots/{identity}"), 120, f"{n} bytes of {identity}",
+             until=lambda snap: snap["bytes_done"] >= n,
+             meanwhile=lambda snap: snap["state"] in ("queued", "downloading"))
 
 
 def _flipped(run: Run) -> bytes:
@@ -212,10 +208,7 @@ def _kill_mid_download(d: Daemon, identity: str) -> None:
     """SIGKILL ``d`` once ``identity`` has saved progress with some chunks and is still downloading."""
     _wait_bytes(d, identity, 3 * CHUNK)
     progress = next(d.shm_dir.glob(f"*/.progress/{identity}"))
-    deadline = time.monotonic() + 120
-    while not any(msgpack.unpackb(progress.read_bytes(), raw=False)["s"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for(lambda: any(msgpack.unpackb(progress.read_bytes(), raw=False)["s"]), 120, "saved progress with a chunk")
     assert d.get(f"/v1/snapshots/{identity}")["state"] == "downloading"
     d.kill()
     d.env["BDN_BUCKET_MBIT"] = "0"  # the restarted daemon reads at full speed
@@ -279,13 +272,8 @@ def test_config_mismatch_fails_naming_the_field(tmp_path: Path) -> None:
         assert post(d, "step000001")[0] == 200
         wait_fleet(d.url, "step000001", timeout=120)
         assert post(d, "step000002", {"previous_snapshot_identity": "step000001"})[0] == 200
-        deadline = time.monotonic() + 120
-        while True:
-            rep = http("GET", d.url + HOT)[1]["replicas"][0]
-            if rep["loading_state"]["stage"] == "error":
-                break
-            assert time.monotonic() < deadline, rep
-            time.sleep(0.1)
+        rep = wait_for(lambda: http("GET", d.url + HOT)[1]["replicas"][0], 120, "the replica to report an error", 0.1,
+                       until=lambda rep: rep["loading_state"]["stage"] == "error")
         assert "Config value mismatch for hidden_size" in rep["loading_state"]["reason"], rep
         assert rep["current_snapshot_identity"] == "step000001"  # still serving the base
 
@@ -304,10 +292,8 @@ def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_
             # asked to wait for publication: it waits, with the reason shown by bdnctl
             status, body = d.request("POST", "/v1/snapshots/step000098/prefetch?wait_publish=1")
             assert status == 202, body
-            deadline = time.monotonic() + 120
-            while not (snap := d.get("/v1/snapshots/step000098"))["reason"]:
-                assert snap["state"] == "queued" and time.monotonic() < deadline, snap
-                time.sleep(0.05)
+            snap = wait_for(lambda: d.get("/v1/snapshots/step000098"), 120, "a reason for step000098",
+                            until=lambda snap: snap["reason"], meanwhile=lambda snap: snap["state"] == "queued")
             out = bdnctl(d, "snapshots")
             assert out.returncode == 0 and "step000098" in out.stdout and snap["reason"][:30] in out.stdout, out
             out = bdnctl(d, "prefetch", "step000098")  # already known: its state and reason

@@ -31,7 +31,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +43,7 @@ from bdn.proto.errors import BdnError, PathError
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
 from bdn.publish import publish_full
+from support.api import wait_for
 from support.checkpoints import flip_byte, make_state, write_hf_dir
 from support.swarm import SECRET, Daemon, Swarm, free_port, running
 
@@ -154,10 +154,7 @@ def test_request_captured_on_its_way_to_one_daemon_is_refused_by_another(tmp_pat
         # signs its next POST members for "target", and that request is what an eavesdropper has.
         signer.start([capture.url])
         signer.wait_healthy()
-        deadline = time.monotonic() + 120
-        while not capture.captured:
-            assert time.monotonic() < deadline, f"no request signed for 'target':\n{signer.log()}"
-            time.sleep(0.05)
+        wait_for(lambda: capture.captured, 120, "a request signed for 'target'", detail=signer.log)
         assert capture.seen_targets[0] == "-"  # it did not know whom it reached: signed for nobody
         req = capture.captured[0]
         assert "to=target," in req[2]["Authorization"]

@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
+from support.api import wait_for
 from support.swarm import Daemon, free_port
 
 
 def _wait_log(d: Daemon, needle: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while needle not in d.log():
+    def logged() -> bool:
+        if needle in d.log():
+            return True
         assert d.proc is not None and d.proc.poll() is None, f"bdnd exited {d.proc.returncode}:\n{d.log()}"
-        assert time.monotonic() < deadline, f"no {needle!r} in the log after {timeout} s:\n{d.log()}"
-        time.sleep(0.05)
+        return False
+
+    wait_for(logged, timeout, f"{needle!r} in the log", detail=d.log)
 
 
 def test_sigterm_during_startup_settling_stops_cleanly_and_sighup_is_ignored(tmp_path: Path) -> None:
@@ -62,11 +64,15 @@ def test_sigterm_during_the_imports_exits_0(tmp_path: Path) -> None:
     d.start([])
     assert d.proc is not None
     try:
-        deadline = time.monotonic() + 120
-        while not _maps_site_package_extension(d.proc.pid):
-            assert d.proc.poll() is None, d.log()
-            assert time.monotonic() < deadline, "bdnd never started importing"
-            time.sleep(0.001)
+        proc = d.proc
+
+        def importing() -> bool:
+            if _maps_site_package_extension(proc.pid):
+                return True
+            assert proc.poll() is None, d.log()
+            return False
+
+        wait_for(importing, 120, "bdnd to start importing", 0.001)
         d.proc.send_signal(signal.SIGTERM)
         code = d.proc.wait(120)
         assert code == 0, f"exit {code}:\n{d.log()}"

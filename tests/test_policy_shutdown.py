@@ -4,17 +4,10 @@ waited for up to the bound and then named; the default executor's shutdown does 
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 from bdn.daemon.shutdown import NoWaitExecutor, StopClock, busy_workers, join_workers
-
-
-def _until(pred, what: str, timeout: float = 120.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
+from support.api import wait_for
 
 
 def test_idle_pool_workers_are_not_waited_for_and_busy_ones_are_named() -> None:
@@ -26,7 +19,8 @@ def test_idle_pool_workers_are_not_waited_for_and_busy_ones_are_named() -> None:
         started = threading.Event()
         busy_pool.submit(lambda: (started.set(), release.wait(120)))
         started.wait(120)
-        _until(lambda: not any(t.name.startswith("t-idle") for t in busy_workers()), "the idle worker counted busy")
+        wait_for(lambda: not any(t.name.startswith("t-idle") for t in busy_workers()), 120,
+                 "the idle worker counted busy", 0.01)
         left = join_workers(0.2)
         assert [t.name for t in left if t.name.startswith("t-")] == ["t-busy_0"]
         release.set()

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from bdn.proto.manifest import MANIFEST_NAME
+from support.api import wait_for
 from support.swarm import Daemon
 
 pytestmark = pytest.mark.timeout(900)  # deadlines for a hang: at load 30-40 taking the manifest took minutes
@@ -90,18 +91,18 @@ def test_a_million_chunks_keep_health_memory_and_sigterm(tmp_path: Path) -> None
         d.wait_healthy()  # its 240 s default: a start-up at load 34 took over 60 s
         assert d.prefetch(IDENTITY)[0] in (200, 202)
         # Health answers all along while the manifest is parsed and the plan built.
-        deadline = time.monotonic() + 600
-        seen_downloading = 0
-        peak = 0
-        while seen_downloading < 5:
-            assert time.monotonic() < deadline, f"never downloading:\n{d.log()}"
+        seen = {"downloading": 0, "peak": 0}
+
+        def sample() -> bool:
             assert d.get("/v1/health", timeout=120)["status"] == "ok"  # a deadline for a hang, not a window
-            peak = max(peak, _rss(d.proc.pid))  # type: ignore[union-attr]
+            seen["peak"] = max(seen["peak"], _rss(d.proc.pid))  # type: ignore[union-attr]
             st = _state(d)
             assert st.get("state") != "failed", st
-            if st.get("state") == "downloading":
-                seen_downloading += 1
-            time.sleep(0.2)
+            seen["downloading"] += st.get("state") == "downloading"
+            return seen["downloading"] >= 5
+
+        wait_for(sample, 600, "the download to be seen running 5 times", 0.2, detail=d.log)
+        peak = seen["peak"]
         peak = max(peak, _rss(d.proc.pid))  # type: ignore[union-attr]
         print(f"peak RSS {peak} bytes")
         assert peak < RSS_BOUND, f"RSS reached {peak} bytes"
@@ -142,11 +143,11 @@ def test_limits_on_chunks_and_files_refuse_at_once(tmp_path: Path, key: str, lim
     try:
         d.wait_healthy()  # its 240 s default: a start-up at load 34 took over 60 s
         d.prefetch(IDENTITY)
-        deadline = time.monotonic() + 300  # a deadline for a hang (the refusal itself is immediate once the manifest is read)
-        while (st := _state(d)).get("state") != "failed":
-            assert st.get("state") in (None, "queued"), f"not refused: {st}"
-            assert time.monotonic() < deadline, d.log()
-            time.sleep(0.1)
+        # a deadline for a hang (the refusal itself is immediate once the manifest is read)
+        st = wait_for(lambda: _state(d), 300, "the load to be refused", 0.1,
+                      until=lambda st: st.get("state") == "failed",
+                      meanwhile=lambda st: st.get("state") in (None, "queued"),
+                      detail=d.log)
         assert named in st["reason"] and limit in st["reason"], st["reason"]
     finally:
         d.stop()

@@ -9,10 +9,10 @@ import http.client
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
+from support.api import wait_for
 from support.checkpoints import publish_state
 from support.swarm import Daemon
 
@@ -20,13 +20,8 @@ IDENT = "step000001"
 
 
 def _wait_record(d: Daemon, pred: Any, what: str, timeout: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        status, rec = d.request("GET", f"/v1/snapshots/{IDENT}")
-        if status == 200 and pred(rec):
-            return rec
-        assert time.monotonic() < deadline, f"no {what} in {timeout} s: {status} {rec}\n{d.log()}"
-        time.sleep(0.05)
+    return wait_for(lambda: d.request("GET", f"/v1/snapshots/{IDENT}"), timeout, what,
+                    until=lambda answer: answer[0] == 200 and pred(answer[1]), detail=d.log)[1]
 
 
 

@@ -31,6 +31,7 @@ from bdn.proto import handshake, wire
 from bdn.proto.keys import derive_keys
 from bdn.publish import publish_full
 from bdn.transfer import Peer, TransferClient
+from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
 from support.swarm import SECRET, Daemon, Swarm
 
@@ -296,13 +297,15 @@ def test_a_taker_killed_after_its_grants_ends_them_when_it_leaves_the_live_set(t
         # as the victim, TAKE chunks at both owners until each gave some
         client = TransferClient(KEYS, victim.node_id, io_timeout_s=30)
         got: dict[str, list[int]] = {d.node_id: [] for d in owners}
-        deadline = time.monotonic() + 120
-        while not all(got.values()):
-            assert time.monotonic() < deadline, got
+
+        def granted() -> dict[str, list[int]]:
             for d in owners:
                 for i in range(n - 1, -1, -1):
                     if len(got[d.node_id]) < MAX_GRANTS and client.take(_wire_peer(d), IDENTITY, i):
                         got[d.node_id].append(i)
+            return got
+
+        wait_for(granted, 120, "a grant from every owner", 0, until=lambda got: all(got.values()))
         client.close()
         victim.kill()
         for d in owners:

@@ -5,22 +5,15 @@ sides, a malformed subscription refused, and an unauthenticated client learning 
 from __future__ import annotations
 
 import threading
-import time
 
 from bdn.proto import wire
 from bdn.proto.keys import derive_keys
 from bdn.transfer import Peer, TransferClient, TransferServer
 from bdn.transfer.announce import HaveFeed, HaveSubscriber, frames
+from support.api import wait_for
 from support.transfer import KEYS
 
 IDENT = "step000007"
-
-
-def _eventually(pred, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"still not {what} after {timeout:g} s"
-        time.sleep(0.01)
 
 
 class Recorder:
@@ -57,16 +50,16 @@ def test_bitfield_then_haves_then_end():
             assert sub.subscribe(peer, IDENT) and not sub.subscribe(peer, IDENT)
             assert rec.synced.wait(120)
             assert rec.got[0] == set(held[0]) and rec.got[1] == {3}
-            _eventually(lambda: feed.subscribers == 1, "subscribed")
+            wait_for(lambda: feed.subscribers == 1, 120, "subscribed", 0.01)
             feed.announce(IDENT, 0, 20001)
             feed.announce(IDENT, 1, 4)
             feed.announce("step000008", 0, 5)  # nobody subscribed to it: dropped
-            _eventually(lambda: 20001 in rec.got[0] and 4 in rec.got[1], "announced")
+            wait_for(lambda: 20001 in rec.got[0] and 4 in rec.got[1], 120, "announced", 0.01)
             assert 5 not in rec.got[0]
             n = sub.frames_in
-            _eventually(lambda: sub.frames_in > n + 2, "keep-alives")  # an idle feed says it is alive
+            wait_for(lambda: sub.frames_in > n + 2, 120, "keep-alives", 0.01)  # an idle feed says it is alive
             sub.unsubscribe(peer, IDENT)
-            _eventually(lambda: rec.ended and feed.subscribers == 0, "ended on both sides")
+            wait_for(lambda: rec.ended and feed.subscribers == 0, 120, "ended on both sides", 0.01)
             assert not sub.subscribed(peer, IDENT)
         finally:
             sub.close()
@@ -86,7 +79,7 @@ def test_server_closing_ends_the_subscription():
         assert rec.synced.wait(120)
         feed.close()
         srv.close()
-        _eventually(lambda: rec.ended, "the subscription ended")
+        wait_for(lambda: rec.ended, 120, "the subscription ended", 0.01)
         assert sub.count() == 0
     finally:
         sub.close()
@@ -125,7 +118,7 @@ def test_without_the_secret_no_have_is_learned():
         sub = HaveSubscriber(other, rec.on_have, rec.on_end)
         try:
             sub.subscribe(Peer("srv", *srv.address), IDENT)
-            _eventually(lambda: rec.ended, "refused")
+            wait_for(lambda: rec.ended, 120, "refused", 0.01)
             assert "handshake" in rec.ended[0]
             assert rec.got == {0: set(), 1: set()} and not rec.synced.is_set()
             assert srv.stats.handshakes_refused == 1 and feed.subscribers == 0 and feed.frames_out == 0

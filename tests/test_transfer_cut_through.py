@@ -9,7 +9,6 @@ import mmap
 import os
 import socket
 import threading
-import time
 
 import pytest
 
@@ -19,6 +18,7 @@ from bdn.proto.errors import ProtocolError
 from bdn.transfer import GRANTED, NOT_HERE, FetchPool, Outcome, Peer, TransferClient, TransferServer
 from bdn.transfer.coverage import Coverage
 from bdn.transfer.growing import HOLD_BYTES, Growing, GrowingChunks
+from support.api import wait_for
 from support.transfer import KEYS, accept_ask
 
 CHUNK = 1 << 20
@@ -55,14 +55,6 @@ def _serve(growing: GrowingChunks, index: dict):
     return TransferServer(KEYS, "owner", resolve, admit=lambda peer, ask: GRANTED)
 
 
-def _eventually(pred, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def landing(shm):
     ld = Landing(shm / "chunk", os.urandom(CHUNK))
@@ -83,12 +75,13 @@ def test_parts_go_out_as_they_land_and_the_end_only_once_verified(shm, landing):
                               cut_through=True)
             # parts land out of order; the asker receives each one as it lands
             landing.land(2, 256 << 10)
-            _eventually(lambda: out[512 << 10 : 768 << 10] == landing.data[512 << 10 : 768 << 10], "part 2")
+            wait_for(lambda: out[512 << 10 : 768 << 10] == landing.data[512 << 10 : 768 << 10], 120, "part 2", 0.01)
             landing.land(0, 128 << 10)
-            _eventually(lambda: out[: 128 << 10] == landing.data[: 128 << 10], "half of part 0")
+            wait_for(lambda: out[: 128 << 10] == landing.data[: 128 << 10], 120, "half of part 0", 0.01)
             landing.land_all()
             # everything landed but the chunk is not verified: the last HOLD_BYTES stay back
-            _eventually(lambda: out[: CHUNK - HOLD_BYTES] == landing.data[: CHUNK - HOLD_BYTES], "all but the end")
+            wait_for(lambda: out[: CHUNK - HOLD_BYTES] == landing.data[: CHUNK - HOLD_BYTES], 120, "all but the end",
+                     0.01)
             assert not fut.done()
             assert out[CHUNK - HOLD_BYTES :] != landing.data[CHUNK - HOLD_BYTES :]
             landing.g.verified()
@@ -96,7 +89,7 @@ def test_parts_go_out_as_they_land_and_the_end_only_once_verified(shm, landing):
             assert res.ok and res.cut_through
             assert bytes(out) == landing.data
             # counted by the server thread once its answer ended (after the client had it all)
-            _eventually(lambda: srv.stats.cut_through == 1, "the server to count its cut-through answer")
+            wait_for(lambda: srv.stats.cut_through == 1, 120, "the server to count its cut-through answer", 0.01)
         finally:
             pool.close()
             client.close()
@@ -118,11 +111,12 @@ def test_a_copy_the_server_finds_bad_is_cut_off_not_blamed(shm, landing):
             fut = pool.submit(Peer("owner", *srv.address), address, out, 0, CHUNK, real, cut_through=True)
             landing.land_all()
             # every byte but the held-back end reached the asker before the owner's hash failed
-            _eventually(lambda: out[: CHUNK - HOLD_BYTES] == landing.data[: CHUNK - HOLD_BYTES], "all but the end")
+            wait_for(lambda: out[: CHUNK - HOLD_BYTES] == landing.data[: CHUNK - HOLD_BYTES], 120, "all but the end",
+                     0.01)
             landing.g.failed()
             res = fut.result(120)
             assert res.outcome is Outcome.FAILED and res.cut_through  # the daemon blames nobody for it
-            _eventually(lambda: srv.stats.aborted == 1, "the server to count the answer it cut off")
+            wait_for(lambda: srv.stats.aborted == 1, 120, "the server to count the answer it cut off", 0.01)
             assert srv.stats.cut_through == 0
         finally:
             pool.close()

@@ -16,6 +16,7 @@ import pytest
 
 from bdn.proto import handshake, wire
 from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
+from support.api import wait_for
 from support.procmem import rss_anon_kib as _rss_anon_kib
 from support.transfer import (
     KEYS,
@@ -122,10 +123,14 @@ def test_server_killed_mid_body_is_a_failure(shm):
             t = threading.Thread(target=_fetch_to, args=(
                 result, client, Peer(proc.node_id, *proc.addr), big.address(0), target.map, big.size, big.digests[0]))
             t.start()
-            deadline = time.monotonic() + 120
-            while target.map[:4096] != page:  # the body has started to land in the mapping
-                assert time.monotonic() < deadline and t.is_alive(), result
-                time.sleep(0.001)
+
+            def landing(t: threading.Thread = t, target: Target = target, result: list = result) -> bool:
+                if target.map[:4096] == page:
+                    return True
+                assert t.is_alive(), result
+                return False
+
+            wait_for(landing, 120, "the body to start landing in the mapping", 0.001)
             os.kill(proc.proc.pid, signal.SIGSTOP)  # freeze it mid-body (buffers hold far less than 256 MiB)
             os.kill(proc.proc.pid, signal.SIGKILL)
             t.join(120)
@@ -273,10 +278,7 @@ def test_silent_connections_are_dropped_and_the_cap_holds(shm, src):
         try:
             for s in silent:
                 assert read_to_end(s, timeout_s=60) == (b"", "eof")  # closed by the handshake timeout
-            deadline = time.monotonic() + 60
-            while srv.open_connections():
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_for(srv.open_connections, 60, "the server to drop every connection", 0.01, until=lambda n: not n)
             # beyond the handshake bound the oldest unauthenticated connection is dropped and the
             # newcomer gets its hello
             held = [connect(srv.address)[0] for _ in range(4)]
@@ -288,13 +290,9 @@ def test_silent_connections_are_dropped_and_the_cap_holds(shm, src):
                 s.close()
             client = TransferClient(KEYS, "cli")
             target = Target(shm / "out", CHUNK)
-            r = None
-            while time.monotonic() < deadline:  # the held ones go as the server notices them closed
-                r = client.fetch_into(Peer("srv", *srv.address), src.address(0), target.map, 0, CHUNK, src.digests[0])
-                if r.ok:
-                    break
-                time.sleep(0.05)
-            assert r is not None and r.ok, r
+            # the held ones go as the server notices them closed
+            wait_for(lambda: client.fetch_into(Peer("srv", *srv.address), src.address(0), target.map, 0, CHUNK,
+                                               src.digests[0]), 60, "a fetch to succeed", 0.05, until=lambda r: r.ok)
             client.close()
             target.close()
         finally:

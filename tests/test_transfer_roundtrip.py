@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 import tracemalloc
 
 import pytest
@@ -24,6 +23,7 @@ from bdn.transfer import (
     TransferClient,
     TransferServer,
 )
+from support.api import wait_for
 from support.transfer import KEYS, Target, make_chunk_file
 
 CHUNK = 1 << 20
@@ -33,16 +33,6 @@ CHUNK = 1 << 20
 def src(shm):
     # 37 chunks of 1 MiB and a short last one
     return make_chunk_file(shm / "model.safetensors", 37 * CHUNK + 12345, CHUNK)
-
-
-def _eventually(pred, what: str, timeout: float = 60.0) -> None:
-    """Wait until ``pred()`` holds: the server's threads finish an answer (release a grant, drop
-    a descriptor's last reference) just after the client has read it, so the client can be
-    first. A generous deadline, never a timing assertion."""
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"still not {what} after {timeout:g} s"
-        time.sleep(0.01)
 
 
 def _fetch_all(client, peer, src, target, order=None):
@@ -64,10 +54,8 @@ def test_many_chunks_bit_exact_over_one_persistent_stream(shm, src):
             assert target.map[:] == src.path.read_bytes()
             assert srv.stats.connections == 1 and client.streams_open(peer) == 1
             # the server counts a chunk once sendfile returns, which may be after the client has it
-            deadline = time.monotonic() + 60
-            while srv.stats.chunks_out < len(src.digests):
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            wait_for(lambda: srv.stats.chunks_out, 60, "the server to count every chunk out", 0.01,
+                     until=lambda n: n >= len(src.digests))
             assert srv.stats.chunks_out == len(src.digests) and srv.stats.bytes_out == src.size
         finally:
             client.close()
@@ -168,7 +156,7 @@ def test_admission_busy_not_here_and_release(shm, src):
             assert r1.outcome is Outcome.NOT_HERE and r2.ok and absent.outcome is Outcome.NOT_HERE
             # every grant is released once its answer is out, also when resolve then found nothing
             # (then not as sent: the daemon counts only chunks that went out whole)
-            _eventually(lambda: len(released) == 2, "both grants released")
+            wait_for(lambda: len(released) == 2, 60, "both grants released", 0.01)
             assert released == [(src.address(2), True), ("ab" * 16, False)]
         finally:
             client.close()
@@ -241,7 +229,7 @@ def test_take_is_decided_by_the_server_and_answered_on_a_busy_peer(shm, src):
             release.set()
             t.join(60)
             assert asked == [("cli", "step000001", 4), ("cli", "step000001", 5), ("cli", "step000001", 6)]
-            _eventually(lambda: srv.stats.takes == 3 and srv.stats.given == 2, "counted")
+            wait_for(lambda: srv.stats.takes == 3 and srv.stats.given == 2, 60, "counted", 0.01)
             with pytest.raises(ValueError):
                 client.take(peer, "", 0)
         finally:
@@ -270,13 +258,13 @@ def test_file_descriptors_cached_then_forgotten_and_replaced_files_reopened(shm,
             assert all(r.ok for r in _fetch_all(client, peer, src, target))
             assert _fds_to(src.path) == 1  # opened once for 38 chunks
             srv.forget(src.path)
-            _eventually(lambda: _fds_to(src.path) == 0, "the descriptor closed")
+            wait_for(lambda: _fds_to(src.path) == 0, 60, "the descriptor closed", 0.01)
             # the file is replaced under the same path (new inode): the new bytes are served
             new = make_chunk_file(shm / "new", src.size, CHUNK)
             os.replace(new.path, src.path)
             r = client.fetch_into(peer, src.address(0), target.map, 0, CHUNK, src.digests[0])
             assert r.outcome is Outcome.CORRUPT  # old digest, new bytes: caught by the receiver
-            _eventually(lambda: _fds_to(src.path) == 1, "the new file opened once")
+            wait_for(lambda: _fds_to(src.path) == 1, 60, "the new file opened once", 0.01)
         finally:
             client.close()
             target.close()
@@ -328,10 +316,8 @@ def test_idle_stream_closed_by_the_server_is_replaced_not_failed(shm, src):
         peer = Peer("srv", *srv.address)
         try:
             assert client.fetch_into(peer, src.address(0), target.map, 0, CHUNK, src.digests[0]).ok
-            deadline = time.monotonic() + 60
-            while srv.open_connections():  # the server dropped the idle stream
-                assert time.monotonic() < deadline
-                time.sleep(0.01)
+            # the server dropped the idle stream
+            wait_for(srv.open_connections, 60, "the server to drop the idle stream", 0.01, until=lambda n: not n)
             assert client.fetch_into(peer, src.address(1), target.map, CHUNK, CHUNK, src.digests[1]).ok
             assert srv.stats.connections == 2
             client.close_peer(peer)

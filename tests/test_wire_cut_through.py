@@ -5,26 +5,18 @@ fails its digest and no stored byte leaves the bucket twice."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from bdn.bucket import open_bucket
 from bdn.publish import publish_full
+from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
 from support.relay import GateRelay
 from support.swarm import Swarm
 
 IDENT = "step000001"
 CHUNK = 1 << 20
-
-
-def _until(pred, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _swarm_through_a_held_bucket(tmp_path: Path, s3_bucket, nodes: int, env: dict[str, str], held) -> list[dict]:
@@ -45,7 +37,7 @@ def _swarm_through_a_held_bucket(tmp_path: Path, s3_bucket, nodes: int, env: dic
         with Swarm(tmp_path / "nodes", nodes, bucket, extra_env=env) as swarm:
             for d in swarm.daemons:
                 assert d.prefetch(IDENT)[0] == 202
-            _until(lambda: relay.held.is_set(), "a bucket read held half way")
+            wait_for(lambda: relay.held.is_set(), 120, "a bucket read held half way")
             held(swarm)
             relay.release()
             for d in swarm.daemons:
@@ -65,8 +57,8 @@ def _swarm_through_a_held_bucket(tmp_path: Path, s3_bucket, nodes: int, env: dic
 def test_parked_peers_get_an_owners_bytes_while_its_bucket_read_lands(tmp_path: Path, s3_bucket) -> None:
     def held(swarm) -> None:
         # every owner's reads are stuck and every daemon has requests parked at owners
-        _until(lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons),
-               "requests parked at the owners")
+        wait_for(lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons), 120,
+                 "requests parked at the owners")
 
     counters = _swarm_through_a_held_bucket(tmp_path, s3_bucket, 3, {}, held)
     assert sum(c["peer_chunks_in_cut_through"] for c in counters) > 0, counters

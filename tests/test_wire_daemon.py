@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from bdn.bucket import open_bucket
 from bdn.proto.manifest import Manifest
 from bdn.publish import publish_full
+from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
 from support.relay import Relay
 from support.swarm import Daemon, Swarm, free_port
@@ -130,17 +130,14 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
         receiver.start(swarm.peer_urls)
         try:
             receiver.wait_healthy()
-            deadline = time.monotonic() + 120
-            while {p["node_id"] for p in receiver.status()["peers"] if p["alive"]} != {sender.node_id, other.node_id}:
-                assert time.monotonic() < deadline, receiver.status()["peers"]
-                time.sleep(0.1)
+            wait_for(lambda: {p["node_id"] for p in receiver.status()["peers"] if p["alive"]}, 120,
+                     "the receiver to see the sender and the other alive", 0.1,
+                     until=lambda alive: alive == {sender.node_id, other.node_id})
             assert receiver.prefetch(IDENT)[0] == 202
             # the sender (behind the holding relay) is in the middle of its chunks: with under
             # 1 MiB passed on in all, no 1 MiB chunk of it is complete
-            deadline = time.monotonic() + 120
-            while relay.forwarded - base < 300_000:
-                assert time.monotonic() < deadline, receiver.log()
-                time.sleep(0.01)
+            wait_for(lambda: relay.forwarded - base >= 300_000, 120, "300 kB passed on by the relay", 0.01,
+                     detail=receiver.log)
             assert relay.forwarded - base < 1 << 20
             sender.kill()
             relay.cut()
@@ -259,10 +256,9 @@ def test_a_wire_peer_that_falls_silent_is_penalised_and_its_queue_goes_elsewhere
         receiver.start(swarm.peer_urls)
         try:
             receiver.wait_healthy()
-            deadline = time.monotonic() + 120
-            while {p["node_id"] for p in receiver.status()["peers"] if p["alive"]} != {frozen.node_id, other.node_id}:
-                assert time.monotonic() < deadline, receiver.status()["peers"]
-                time.sleep(0.1)
+            wait_for(lambda: {p["node_id"] for p in receiver.status()["peers"] if p["alive"]}, 120,
+                     "the receiver to see the frozen one and the other alive", 0.1,
+                     until=lambda alive: alive == {frozen.node_id, other.node_id})
             assert receiver.prefetch(IDENT)[0] == 202
             receiver.wait_ready(IDENT, 120)
             assert_same(receiver, ck)

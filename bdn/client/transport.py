@@ -213,16 +213,3 @@ def read_body(resp: httpx.Response, limit: int) -> bytes:
             raise ProtocolError(f"daemon answer exceeds {limit} bytes")
         parts.append(piece)
     return b"".join(parts)
-
-
-def read_into(resp: httpx.Response, buf: memoryview, what: str) -> None:
-    """Fill ``buf`` with exactly the streamed body; ProtocolError naming ``what`` if it differs."""
-    got = 0
-    for piece in resp.iter_raw():
-        end = got + len(piece)
-        if end > len(buf):
-            raise ProtocolError(f"{what}: body is longer than the {len(buf)} bytes announced")
-        buf[got:end] = piece
-        got = end
-    if got != len(buf):
-        raise ProtocolError(f"{what}: body ended after {got} of {len(buf)} bytes")

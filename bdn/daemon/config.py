@@ -265,13 +265,6 @@ class Config:
             out.append((f.name, hints[f.name], default, f.metadata.get("help", "")))
         return out
 
-    def public_dict(self) -> dict[str, Any]:
-        """The configuration without secrets, for logs and the status endpoint."""
-        d = dataclasses.asdict(self)
-        d.pop("partition_secret", None)
-        d.pop("api_token", None)
-        return d
-
 
 def _split_hostport(v: str, key: str) -> tuple[str, int] | None:
     host, sep, port = v.rpartition(":")

@@ -122,7 +122,6 @@ class Gossip:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._next_seed = 0.0
         self._next_revive = 0.0
-        self.on_live_change: list[Any] = []  # callbacks () -> None when the live set changes
 
     # ---- our address -----------------------------------------------------------------------
     @property
@@ -228,8 +227,6 @@ class Gossip:
                         self.membership.forget(m.url)
                     else:
                         self.membership.mark_dead(m.url)
-        for cb in self.on_live_change:
-            cb()
 
     async def _adopt_from(self, extra: dict[str, Any], who: str) -> None:
         """A peer's hot-load target, piggybacked on a membership message: adopt it if later."""

@@ -35,7 +35,7 @@ from bdn.daemon.fetch.sources import Sources
 from bdn.daemon.fetch.targets import TargetMaps
 from bdn.daemon.fetch.wire_source import WireSource
 from bdn.daemon.index import ChunkIndex
-from bdn.daemon.membership import Member, Membership
+from bdn.daemon.membership import Membership
 from bdn.daemon.serving import ChunkServing
 from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.stats import Stats
@@ -231,13 +231,6 @@ class WirePeer:
             pos.discard(job.ref_index(STORED, ref))
             if not pos:
                 del self.growing_positions[job.identity]
-
-    def member_left(self, m: Member) -> None:
-        """Event: ``m`` left HRW (or changed its transfer address): close our streams to it, so
-        the fetches in flight on them end as FAILED instead of sitting out their timeouts."""
-        p = peer_of(m)
-        if p is not None:
-            self.client.close_peer(p)
 
     # ---- the server's callbacks (connection threads) ------------------------------------------
     def admit(self, peer: str, ask: wire.Ask) -> Verdict:

@@ -6,6 +6,7 @@ something took.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.error
@@ -39,33 +40,82 @@ def http(
             return e.code, raw.decode(errors="replace")
 
 
-def wait_for(pred: Callable[[], _T], timeout: float, what: str, interval: float = 0.05) -> _T:
-    """``pred()``'s first truthy value, polled every ``interval`` s; AssertionError after ``timeout`` s."""
+def wait_for(
+    probe: Callable[[], _T],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    *,
+    until: Callable[[_T], object] | None = None,
+    meanwhile: Callable[[_T], object] | None = None,
+    detail: Callable[[], str] | None = None,
+) -> _T:
+    """``probe()``'s first value that is truthy (with ``until``: for which ``until(value)`` is truthy),
+    polled every ``interval`` s. ``meanwhile(value)`` must hold of every value that does not end the
+    wait (a state the wait may pass through): an AssertionError naming ``what`` and the value at once
+    otherwise. After ``timeout`` s an AssertionError naming ``what``, the last value seen and
+    ``detail()`` (say a daemon's log) when given. An exception from ``probe`` or ``until``
+    propagates at once."""
     deadline = time.monotonic() + timeout
     while True:
-        v = pred()
-        if v:
+        v = probe()
+        if until(v) if until is not None else v:
+            return v
+        if meanwhile is not None and not meanwhile(v):
+            raise AssertionError(f"while waiting for {what}: unexpected {_shown(v)}" + _detail(detail))
+        if time.monotonic() > deadline:
+            raise AssertionError(_timed_out(timeout, what, v, detail))
+        time.sleep(interval)
+
+
+async def wait_for_async(
+    probe: Callable[[], _T],
+    timeout: float,
+    what: str,
+    interval: float = 0.0,
+    *,
+    until: Callable[[_T], object] | None = None,
+    detail: Callable[[], str] | None = None,
+) -> _T:
+    """:func:`wait_for` inside an event loop: between polls it awaits ``asyncio.sleep(interval)``
+    (0: one turn of the loop), so the tasks under test run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = probe()
+        if until(v) if until is not None else v:
             return v
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
+            raise AssertionError(_timed_out(timeout, what, v, detail))
+        await asyncio.sleep(interval)
+
+
+def _timed_out(timeout: float, what: str, last: object, detail: Callable[[], str] | None) -> str:
+    return f"timed out after {timeout:g} s waiting for {what}; last seen: {_shown(last)}" + _detail(detail)
+
+
+def _shown(v: object) -> str:
+    r = repr(v)
+    return r if len(r) <= 2000 else r[:2000] + "..."
+
+
+def _detail(detail: Callable[[], str] | None) -> str:
+    return "\n" + detail() if detail is not None else ""
 
 
 def wait_fleet(url: str, identity: str, timeout: float = 120.0, token: str | None = None) -> list[dict]:
     """The replicas the daemon at ``url`` lists, once every one is done serving ``identity``; an
     AssertionError as soon as one reports an error, or after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def replicas() -> list[dict]:
         status, body = http("GET", url + HOT_LOAD, token=token)
         assert status == 200, body
-        reps = body["replicas"]
-        if all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done" for r in reps):
-            return reps
-        errs = [r for r in reps if r["loading_state"]["stage"] == "error"]
-        assert not errs, errs
-        if time.monotonic() > deadline:
-            raise AssertionError(f"fleet not done with {identity}: {reps}")
-        time.sleep(0.2)
+        return body["replicas"]
+
+    return wait_for(
+        replicas, timeout, f"the fleet done with {identity}", 0.2,
+        until=lambda reps: all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done"
+                               for r in reps),
+        meanwhile=lambda reps: not [r for r in reps if r["loading_state"]["stage"] == "error"],
+    )
 
 
 def raw_request(base_url: str, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -22,6 +21,7 @@ import msgpack
 
 from bdn.proto.keys import derive_keys, sign_request
 
+from .api import wait_for
 from .peerproc import (  # relative: imported as support.swarm and as tests.support.swarm (bench/control)
     tail,
     wait_started,
@@ -213,31 +213,26 @@ class Daemon:
         return self.request("POST", f"/v1/snapshots/{identity}/prefetch")
 
     def wait_ready(self, identity: str, timeout: float = 120.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.node_id}: {identity} not ready in {timeout} s:\n{self.log()}")
-            status, body = self.request("GET", f"/v1/snapshots/{identity}/wait?state=ready&timeout={min(left, 10):.1f}")
-            if status == 200:
-                return body
+        """``identity``'s record once it is ready (the daemon holds each poll up to 10 s);
+        AssertionError at once if it fails, or with the log after ``timeout`` s."""
+        def answer() -> tuple[int, Any]:
+            status, body = self.request("GET", f"/v1/snapshots/{identity}/wait?state=ready&timeout=10")
             if status == 409:
                 raise AssertionError(f"{self.node_id}: {identity} failed: {body.get('error')}")
-            if status not in (202, 404):
+            if status not in (200, 202, 404):
                 raise AssertionError(f"{self.node_id}: wait answered {status}: {body}")
-            if status == 404:
-                time.sleep(0.1)
+            return status, body
+
+        return wait_for(answer, timeout, f"{identity} ready on {self.node_id}", 0.1,
+                        until=lambda answer: answer[0] == 200, detail=self.log)[1]
 
     def wait_settled(self, identity: str, timeout: float = 120.0) -> dict[str, Any]:
         """``identity``'s record once it is ``failed`` or ``ready`` (polled every 0.1 s);
         AssertionError with the record and the log after ``timeout`` s."""
-        deadline = time.monotonic() + timeout
-        while True:
-            status, rec = self.request("GET", f"/v1/snapshots/{identity}")
-            if status == 200 and rec["state"] in ("failed", "ready"):
-                return rec
-            assert time.monotonic() < deadline, f"{identity} neither failed nor ready in {timeout} s: {rec}\n{self.log()}"
-            time.sleep(0.1)
+        return wait_for(lambda: self.request("GET", f"/v1/snapshots/{identity}"), timeout,
+                        f"{identity} failed or ready on {self.node_id}", 0.1,
+                        until=lambda answer: answer[0] == 200 and answer[1]["state"] in ("failed", "ready"),
+                        detail=self.log)[1]
 
     def status(self) -> dict[str, Any]:
         return self.get("/v1/status")
@@ -293,19 +288,10 @@ class Swarm:
 
     def wait_members(self, timeout: float = 120.0) -> None:
         """Until every running daemon sees every other running daemon as alive."""
-        deadline = time.monotonic() + timeout
         running = [d for d in self.daemons if d.proc is not None and d.proc.poll() is None]
-        while time.monotonic() < deadline:
-            ok = True
-            for d in running:
-                alive = {p["node_id"] for p in d.status()["peers"] if p["alive"]}
-                if not {o.node_id for o in running if o is not d} <= alive:
-                    ok = False
-                    break
-            if ok:
-                return
-            time.sleep(0.2)
-        raise TimeoutError("swarm members did not converge:\n" + "\n".join(d.log() for d in running))
+        wait_for(lambda: all({o.node_id for o in running if o is not d}
+                             <= {p["node_id"] for p in d.status()["peers"] if p["alive"]} for d in running),
+                 timeout, "the swarm's members to converge", 0.2, detail=lambda: "\n".join(d.log() for d in running))
 
     def stop(self) -> None:
         for d in self.daemons:
