@@ -9,7 +9,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check --no-warn-script-location
 
-.PHONY: demo test venv clean lock engines-venv test-engines
+.PHONY: demo test lint venv clean lock engines-venv test-engines
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	@echo "setting up $(VENV) (first run: downloads the dependencies from PyPI)"
@@ -60,6 +60,12 @@ engines-venv: $(ENGINES_VENV)/.installed
 
 test-engines: $(VENV)/.installed $(ENGINES_VENV)/.installed
 	BDN_TEST_VLLM_PYTHON=$(abspath $(ENGINES_PY)) $(PY) -m pytest -q -rs tests/test_engines_vllm_real.py tests/test_engines_remote.py
+
+# What CI checks besides the tests (.ci/run), configured in pyproject.toml: ruff over bdn, tests
+# and bench, mypy over bdn. Any finding fails.
+lint: $(VENV)/.installed
+	@$(VENV)/bin/ruff check bdn tests bench
+	@$(VENV)/bin/mypy
 
 # constraints.txt pins every package of the test venv to the versions the suite last passed with
 # (pyproject.toml keeps ranges: users of `pip install bdn` get current releases). To refresh it:

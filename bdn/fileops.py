@@ -127,7 +127,7 @@ def verify_chunks(
         end = min(off + chunk_size, total)
         if off >= end or end > len(view):
             continue
-        if digest(view[off:end]) == digests[i]:
+        if digest(view[off:end]) == digests[i]:  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only from Python 3.12
             good.append(i)
     return good
 
@@ -143,7 +143,7 @@ def first_mismatch(path: Path, chunk_size: int, digests: Sequence[str]) -> tuple
     view = _map(path)
     n = (len(view) + chunk_size - 1) // chunk_size
     for i in range(max(n, len(digests))):
-        got = digest(view[i * chunk_size : (i + 1) * chunk_size]) if i < n else ""
+        got = digest(view[i * chunk_size : (i + 1) * chunk_size]) if i < n else ""  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only from Python 3.12
         if i >= len(digests) or got != digests[i]:
             return i, got
     return None
@@ -321,7 +321,7 @@ def apply_delta_file(
         out = _map(out_path, write=True, size=size)
         if size:
             arc.apply_diff(base, base_header, diff, diff_header, out, compression_format, map=thread_map(workers))
-            out.flush()
+            out.flush()  # type: ignore[attr-defined]  # _map gives a np.memmap for a non-empty file
         del base, diff, out
     except ProtocolError as e:
         err = type(e)(f"{label}: {e}")

@@ -35,7 +35,7 @@ def _kwargs(
 ) -> dict[str, Any]:
     if tries is None and deadline_s is None:
         raise ValueError("give tries, deadline_s or both")
-    stops = []
+    stops: list[tenacity.stop.stop_base] = []
     if tries is not None:
         if tries < 1:
             raise ValueError("tries must be >= 1")
@@ -54,7 +54,7 @@ def _kwargs(
 def attempts(
     tries: int | None = None, *, deadline_s: float | None = None, first_s: float = 0.2,
     max_s: float = 5.0, on: tuple[type[BaseException], ...] = (Exception,),
-    sleep: Callable[[float], None] | None = None,
+    sleep: Callable[[float], object] | None = None,
 ) -> tenacity.Retrying:
     """A synchronous retry loop: at most ``tries`` tries and/or ``deadline_s`` seconds (float)."""
     kw = _kwargs(tries, deadline_s, first_s, max_s, on)

@@ -14,6 +14,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+
+from bdn.bucket import open_bucket
+from bdn.proto import wire
+from bdn.proto.errors import ProtocolError
+from bdn.publish import publish_full
+from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
+from bdn.transfer.coverage import MAX_INTERVALS, Coverage
 from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
 from support.fliprelay import FlipRelay
@@ -21,14 +28,6 @@ from support.growliar import GrowLiar
 from support.relay import GateRelay
 from support.swarm import SECRET, Daemon, Swarm
 from support.transfer import KEYS, accept_ask, make_chunk_file
-
-from bdn.bucket import open_bucket
-from bdn.publish import publish_full
-
-from bdn.proto import wire
-from bdn.proto.errors import ProtocolError
-from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
-from bdn.transfer.coverage import MAX_INTERVALS, Coverage
 
 CHUNK = 1 << 20
 

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from bdn.publish import publish_full
 from support.checkpoints import make_state, write_hf_dir
 from support.swarm import Swarm
-from bdn.publish import publish_full
 
 pytestmark = pytest.mark.timeout(300)
 IDENT = "step000001"

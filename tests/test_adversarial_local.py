@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.api import HOT_LOAD, http, wait_for
 from support.chains import anchor_swarm
+from tests.support.api import HOT_LOAD, http, wait_for
 from tests.support.swarm import Swarm
 
 pytestmark = pytest.mark.timeout(300)

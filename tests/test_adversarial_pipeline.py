@@ -36,7 +36,7 @@ def _until_closed(port: int, payload: bytes, deadline_s: float = 120.0) -> bytes
         while True:
             try:
                 data = s.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 raise AssertionError(f"connection still open after {deadline_s:g} s: {got[:200]!r}") from None
             if not data:
                 return got

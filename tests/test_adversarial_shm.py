@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from bdn.publish import publish_full
 from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
 from support.swarm import Daemon, Swarm, running
-from bdn.publish import publish_full
 
 pytestmark = pytest.mark.timeout(300)
 IDENT = "step000001"

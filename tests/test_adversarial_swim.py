@@ -15,8 +15,8 @@ import msgpack
 import pytest
 
 from bdn.control.swim import ALIVE, DEAD, Message, Swim, Update
-from tests.support.api import wait_for
 from support.chains import anchor_swarm
+from tests.support.api import wait_for
 from tests.support.swarm import Daemon, Swarm
 
 pytestmark = pytest.mark.timeout(300)

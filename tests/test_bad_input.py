@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from bdn.proto import hrw
 from bdn.fileops import chunk_digests as file_digests
+from bdn.fileops import read_header, save_raw
+from bdn.proto import hrw
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
-from bdn.fileops import read_header, save_raw
 from bdn.publish import publish_delta, publish_full
 from tests.support.api import raw_request, wait_for
 from tests.support.checkpoints import make_state, optimizer_step, write_hf_dir

@@ -25,7 +25,7 @@ def test_started_fires_only_once_the_read_holds_a_slot(tmp_path: Path) -> None:
             started: list[int] = []
             await io.sem.acquire()  # another read holds the only slot
             task = asyncio.create_task(io.read_chunk("obj", 16, 32, bytearray, started=lambda: started.append(1)))
-            while not io.sem._waiters:  # the read is queued on the slot now (a state, not a delay)
+            while not io.sem._waiters:  # noqa: ASYNC110  (the read is queued on the slot now: a state, not a delay)
                 await asyncio.sleep(0)
             assert started == []
             io.sem.release()

@@ -9,7 +9,6 @@ import re
 import stat
 from pathlib import Path
 
-
 from bdn.publish import publish_full
 from support.api import wait_for
 from support.checkpoints import flip_byte, make_state, write_hf_dir

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.checkpoints import make_state, write_hf_dir
-from support.swarm import Daemon, free_port, running
 
 from bdn.publish import publish_full
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import Daemon, free_port, running
 
 PUBLISHED = "step000001"
 NOTHING = "step000009"  # never published: nothing under step000009/ in the bucket

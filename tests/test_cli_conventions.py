@@ -17,12 +17,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.swarm import Daemon, free_port, running
 
 from bdn.cli import bdnctl, publish
 from bdn.cli.helpfmt import DefaultsFormatter
 from bdn.client.swap_report import describe_swap
 from bdn.engines.__main__ import build_parser as engines_parser
+from support.swarm import Daemon, free_port, running
 
 pytestmark = pytest.mark.timeout(600)
 PY = sys.executable

@@ -31,6 +31,7 @@ import pytest
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
+from bdn.cli.bdnctl import main as bdnctl_main
 from bdn.client import (
     DaemonClient,
     DaemonError,
@@ -39,7 +40,6 @@ from bdn.client import (
     SnapshotFailed,
     open_snapshot,
 )
-from bdn.cli.bdnctl import main as bdnctl_main
 from bdn.fileops import chunk_digests as file_digests
 from bdn.proto.errors import ChecksumError, IdentityError, ProtocolError
 from bdn.publish import publish_delta, publish_full

@@ -12,10 +12,10 @@ from pathlib import Path
 from bdn.client.errors import DaemonError
 from bdn.client.fleet import hot_load
 from bdn.publish import publish_delta, publish_full, publish_startup
-from support.checkpoints import make_state, optimizer_step, write_hf_dir
-from support.chains import file_chain
-from support.swarm import Daemon, running
 from support.api import http, wait_fleet, wait_for
+from support.chains import file_chain
+from support.checkpoints import make_state, optimizer_step, write_hf_dir
+from support.swarm import Daemon, running
 
 CHUNK = 64 << 10
 HOT = "/hot_load/v1/models/hot_load"

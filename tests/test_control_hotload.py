@@ -8,7 +8,15 @@ import random
 import pytest
 
 from bdn.control.hotload import (
-    HotLoadError, Report, StatusBoard, Target, TargetGossip, aggregators, merge, page_params, paginate,
+    HotLoadError,
+    Report,
+    StatusBoard,
+    Target,
+    TargetGossip,
+    aggregators,
+    merge,
+    page_params,
+    paginate,
 )
 from bdn.proto.states import REPLICA_STAGES
 

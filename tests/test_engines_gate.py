@@ -124,8 +124,8 @@ def test_a_failing_apply_keeps_the_old_version_and_reopens() -> None:
 
 def _ready_dir(tmp_path: Path, name: str, tensors: dict[str, np.ndarray], chunk: int = 4096) -> Path:
     """A READY snapshot directory as bdnd writes it (one safetensors file, its chunk digests)."""
-    from bdn.proto.chunks import digest
     from bdn.fileops import save
+    from bdn.proto.chunks import digest
 
     d = tmp_path / name
     d.mkdir()

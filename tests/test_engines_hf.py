@@ -132,7 +132,7 @@ def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node, capsys) -> N
             if i:
                 ans = hot_load(node.url, ident, previous=IDS[i - 1], **options[i])
                 assert ans["accepted"] is True
-                reps = wait_for(lambda: replica_done(node.url, ident), 120, f"{ident} served")
+                reps = wait_for(lambda ident=ident: replica_done(node.url, ident), 120, f"{ident} served")
                 report = svc.engine.last_swap
                 # Only the tensors the optimizer step changed were copied, by the daemon's list.
                 changed = sorted(k for k in states[i] if not torch.equal(states[i][k].view(torch.int16),
@@ -279,7 +279,7 @@ def test_inflight_policies_on_a_generating_request(trainer, node) -> None:
             target = snaps[1] if engine.identity == IDS[0] else snaps[0]
             started, result = threading.Event(), {}
 
-            def long_request():
+            def long_request(started=started, result=result):
                 with engine.gate.admit() as t:
                     started.set()
                     result["g"] = engine.generate(t, prompt, 400, temperature=1.0, seed=1, stop_ids=set())

@@ -32,8 +32,8 @@ from bdn.engines.sglang import SGLangAdapter
 from bdn.engines.vllm import VLLMAdapter
 from bdn.fileops import read_header
 from bdn.publish import publish_delta, publish_full, publish_startup
-from support.checkpoints import make_state, optimizer_step, write_hf_dir
 from support.api import wait_for
+from support.checkpoints import make_state, optimizer_step, write_hf_dir
 from support.swarm import Swarm, free_port
 
 CHUNK = 64 << 10
@@ -149,7 +149,7 @@ def vllm_app(s: ProtocolServer) -> web.Application:
             return web.json_response({"error": f"invalid mode {mode!r}"}, status=400)
         s.calls.append(("pause", {"mode": mode, "clear_cache": r.query.get("clear_cache", "true")}))
         if mode == "wait":
-            while not s.block_wait_pause.is_set():  # in-flight requests still running
+            while not s.block_wait_pause.is_set():  # noqa: ASYNC110  (a threading.Event the test sets: in-flight requests still running)
                 await asyncio.sleep(0.02)
         s.paused = True
         return web.json_response({"status": "paused"})
@@ -262,7 +262,7 @@ def test_adapter_hot_swaps_the_engine_from_bdns_snapshot_dir(engine: str, traine
             if i:
                 s.calls.clear()
                 hot_load(node.url, ident, previous=IDS[0])
-            rep = wait_for(lambda: stage(node.url, ident), 120, f"{ident} done")
+            rep = wait_for(lambda ident=ident: stage(node.url, ident), 120, f"{ident} done")
             assert rep["loading_state"]["stage"] == "done", rep
             assert rep["current_snapshot_identity"] == ident
             path = str(Path(node.wait_ready(ident)["path"]))

@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.api import wait_for
-from support.swarm import Swarm, free_port
 
 from bdn.client import hot_load, hot_load_status
 from bdn.engines.service import register, run_driver
 from bdn.engines.vllm import VLLMAdapter
 from bdn.publish import publish_delta, publish_full, publish_startup
+from support.api import wait_for
+from support.swarm import Swarm, free_port
 
 VLLM_PYTHON = os.environ.get("BDN_TEST_VLLM_PYTHON")
 pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="set BDN_TEST_VLLM_PYTHON to the Python of a venv with vLLM "

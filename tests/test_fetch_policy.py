@@ -166,7 +166,10 @@ def test_split_owned_gives_owned_chunks_in_manifest_order_and_the_rest_by_their_
     bits = Bitfield(len(digests))
     for i in range(0, 3000, 11):
         bits.set(i)
-    owner_of = lambda i: hrw.owner(NODES, digests[i])
+
+    def owner_of(i: int) -> str | None:
+        return hrw.owner(NODES, digests[i])
+
     owned, others = policy.split_owned(bits, NODES, SELF, random.Random(5), owner_of)
     got_owned = [i for i in owned if i is not None]
     got_others = [i for i in others if i is not None]

@@ -14,9 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.api import HOT_LOAD, http, wait_fleet, wait_for
-from support.chains import anchor_swarm
-from support.swarm import Swarm
 
 from bdn.client.fleet import hot_load_status
 from bdn.engines.options import HotLoadOptions
@@ -30,6 +27,9 @@ from bdn.proto.fleet_schema import (
     schema_errors,
 )
 from bdn.proto.states import REPLICA_STAGES
+from support.api import HOT_LOAD, http, wait_fleet, wait_for
+from support.chains import anchor_swarm
+from support.swarm import Swarm
 
 pytestmark = pytest.mark.timeout(600)
 

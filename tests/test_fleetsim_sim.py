@@ -7,9 +7,9 @@ import pytest
 
 pytest.importorskip("simpy")
 
-from bench.fleetsim.scenario import Scenario  # noqa: E402
-from bench.fleetsim.sim import FleetSim  # noqa: E402
-from bench.fleetsim.today import TodaySim  # noqa: E402
+from bench.fleetsim.scenario import Scenario
+from bench.fleetsim.sim import FleetSim
+from bench.fleetsim.today import TodaySim
 
 GB = 1e9
 

@@ -22,16 +22,23 @@ from typing import Any
 import msgpack
 import pytest
 
+from bdn import fileops
+from bdn.proto.keys import derive_keys, sign_request
+from support.api import http, raw_request, wait_fleet, wait_for
 from support.foreign_run import (  # a test dependency
-    BIG, MiB, Run, boto, copy_to, make_run, replace_file, stored_run, upload,
+    BIG,
+    MiB,
+    Run,
+    boto,
+    copy_to,
+    make_run,
+    replace_file,
+    stored_run,
+    upload,
 )
 from support.liar import Liar
 from support.s3server import create_bucket
 from support.swarm import SECRET, Daemon, Swarm, running
-from support.api import http, raw_request, wait_fleet, wait_for
-
-from bdn import fileops
-from bdn.proto.keys import derive_keys, sign_request
 
 CHUNK = MiB
 HOT = "/hot_load/v1/models/hot_load"

@@ -15,6 +15,7 @@ import pytest
 from bdn.bucket import ObjectChecksum, open_bucket
 from bdn.bucket.base import SdkChecksum
 from bdn.bucket.checksums import object_checksum, sdk_checksum
+from bdn.fileops import save
 from bdn.foreign import read_checksums, read_foreign_table
 from bdn.foreign.checksum import (
     Part,
@@ -27,7 +28,6 @@ from bdn.foreign.ready import check_header, check_ready
 from bdn.foreign.repair import repair_from_bucket
 from bdn.proto.errors import ChecksumError
 from bdn.proto.foreign import ForeignSnapshotError
-from bdn.fileops import save
 
 PART = 64 << 10
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
 from bdn.publish import publish_delta, publish_full, publish_startup
-from support.chains import chain_states, publish_chain, write_chain
 from support.api import http, wait_fleet, wait_for
+from support.chains import chain_states, publish_chain, write_chain
 from support.swarm import Swarm
 
 TOKEN = "trainer-token-0123456789"

@@ -21,7 +21,6 @@ from bdn.daemon.replica.hotload import PULL_PEERS, HotLoad
 from bdn.daemon.replica.target import Target
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.stats import Stats
-
 from test_policy_engines import _Snapshots
 
 

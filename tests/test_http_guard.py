@@ -45,7 +45,7 @@ def _closed_by_server(sock: socket.socket, deadline: float) -> bytes:
             return got  # reset: closed
         try:
             data = sock.recv(4096)
-        except socket.timeout:
+        except TimeoutError:
             continue
         except OSError:
             return got

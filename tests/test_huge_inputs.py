@@ -17,10 +17,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from support.swarm import Daemon
 
 from bdn.proto.chunks import digest
 from bdn.proto.manifest import MANIFEST_NAME
+from support.swarm import Daemon
 
 pytestmark = pytest.mark.timeout(1500)  # a hang's deadline: 100,000 files take minutes on a loaded machine
 

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.checkpoints import make_state, write_hf_dir
-from support.swarm import Daemon, running
 
 from bdn.bucket import open_bucket
 from bdn.client import DaemonClient
@@ -19,6 +17,8 @@ from bdn.client.bulk import get_into
 from bdn.client.errors import DaemonError, DaemonUnreachable
 from bdn.proto.errors import ProtocolError
 from bdn.publish import publish_full
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import Daemon, running
 
 IDENT = "step000001"
 

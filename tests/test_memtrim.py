@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from support.procmem import rss_anon_kib as _rss_anon_kb
 
 from bdn.daemon import memtrim
 from bdn.daemon.clock import FakeClock
+from support.procmem import rss_anon_kib as _rss_anon_kb
 
 
 def test_idle_trim_keeps_its_interval() -> None:

@@ -9,7 +9,6 @@ aiohttp's router answered an unknown path or a wrong method with its own plain-t
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bdn.fileops import save
 from bdn.publish import publish_delta, publish_full
 from bdn.publish.errors import PublishError
-from bdn.fileops import save
 
 ROOT = Path(__file__).resolve().parents[1]
 

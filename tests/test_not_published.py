@@ -12,11 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.checkpoints import make_state, write_hf_dir
-from support.swarm import Daemon, running
 
 from bdn.client import DaemonClient, NotPublished
 from bdn.publish import publish_full
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import Daemon, running
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "bdn"
 MAX_DAEMON_LINES = 460  # a prompt to look for a second responsibility, not a target: modules split by cohesion (store.py lost its shm lock to shmlock.py)

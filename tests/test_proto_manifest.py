@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bdn.proto import manifest as manifest_mod
 from bdn.fileops import chunk_digests as file_digests
+from bdn.proto import manifest as manifest_mod
 from bdn.proto.chunks import MIN_CHUNK_SIZE, chunk_range, digest
 from bdn.proto.errors import IdentityError, ManifestError, ProtocolError
 from bdn.proto.manifest import (

@@ -19,7 +19,7 @@ import safetensors.numpy as st_np
 import zstandard
 from safetensors import safe_open
 
-from bdn.bucket import AccessDenied, Bucket, open_bucket
+from bdn.bucket import AccessDenied, Bucket, ObjectNotFound, open_bucket
 from bdn.fileops import apply_delta_file
 from bdn.fileops import chunk_digests as file_digests
 from bdn.proto.errors import (
@@ -265,7 +265,7 @@ def test_unreadable_file_fails_before_the_manifest(bucket: Bucket, ckpt) -> None
     (src / "tokenizer.json").symlink_to(src / "gone.json")
     with pytest.raises(PathError, match="tokenizer.json"):
         publish_full(bucket, "step000001", 1, dir=src, chunk_size=CHUNK)
-    with pytest.raises(Exception):
+    with pytest.raises(ObjectNotFound):
         bucket.stat(f"step000001/{MANIFEST_NAME}")
 
 
@@ -504,7 +504,7 @@ def test_delta_refuses_a_tensor_mismatch_naming_the_tensor(bucket: Bucket, ckpt,
     target = _write_hf_dir(tmp_path / "step2", changed)
     with pytest.raises(TensorMismatch, match="model.norm.weight"):
         publish_delta(bucket, "step000002", 2, "step000001", dir=target, base_dir=base_dir, chunk_size=CHUNK)
-    with pytest.raises(Exception):
+    with pytest.raises(ObjectNotFound):
         bucket.stat(f"step000002/{MANIFEST_NAME}")
 
 

@@ -10,9 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load, load_file
-from support.checkpoints import BF16
-from support.ranks import CHUNK, model, owned, run_ranks
-from support.swarm import Daemon
 
 from bdn.bucket import open_bucket
 from bdn.fileops import apply_delta_file, save
@@ -21,6 +18,9 @@ from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
 from bdn.proto.parts import PartError, PartRecord, part_key
 from bdn.publish import PublishError, commit_step, publish_part
 from bdn.publish.layout import INDEX_NAME, REST_FILE, layer_file
+from support.checkpoints import BF16
+from support.ranks import CHUNK, model, owned, run_ranks
+from support.swarm import Daemon
 from tests.support.s3server import create_bucket
 
 CONFIG = {"config.json": b'{"model_type": "llama"}\n'}

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from bdn.bucket import open_bucket
+from bdn.publish import publish_full
 from support.api import HOT_LOAD, http, wait_fleet, wait_for
 from support.chains import anchor_swarm
 from support.checkpoints import make_state, write_hf_dir
 from support.swarm import Daemon, running
-
-from bdn.bucket import open_bucket
-from bdn.publish import publish_full
 
 pytestmark = pytest.mark.timeout(600)
 OTHER_SECRET = "f" * 64
@@ -86,7 +86,7 @@ def test_two_daemons_with_one_node_id_are_not_ready(tmp_path: Path) -> None:
     seeds = [a.peer_url, b.peer_url]
     with running(a, seeds), running(b, seeds):
         for d, other in ((a, b), (b, a)):
-            body = wait_for(lambda: _misconfigured(d, "node id"), 120, f"{d.peer_url} to name the twin")
+            body = wait_for(lambda d=d: _misconfigured(d, "node id"), 120, f"{d.peer_url} to name the twin")
             assert any(other.peer_url in r for r in body["reasons"]), body
             assert _metric(d, "bdn_misconfigured", '{problem="duplicate_node_id"}') == 1
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bdn.publish import publish_startup
 from support.api import http, wait_fleet
 from support.chains import chain_states, publish_chain, write_chain
 from support.swarm import Daemon
-
-from bdn.publish import publish_startup
 
 CHUNK = 64 << 10
 HOT_LOAD = "/hot_load/v1/models/hot_load"

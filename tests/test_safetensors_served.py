@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from support.api import wait_for
-from support.swarm import Daemon
 
 from bdn.proto.chunks import digest
 from bdn.proto.manifest import MANIFEST_NAME
 from bdn.publish import publish_full
 from bdn.publish.errors import PublishError
+from support.api import wait_for
+from support.swarm import Daemon
 
 CONFIG = b'{"model_type": "toy"}'
 

@@ -51,7 +51,7 @@ class FakeIndex:
     async def wait(self, address: str, timeout: float) -> Any:
         try:
             await asyncio.wait_for(self._event.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return self.held
 

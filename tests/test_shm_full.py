@@ -23,12 +23,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from support.api import wait_for
-from support.swarm import SECRET, Daemon
 
 from bdn.proto.chunks import digest
 from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import MANIFEST_NAME
+from support.api import wait_for
+from support.swarm import SECRET, Daemon
 
 PAGE = 4096
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root only)")

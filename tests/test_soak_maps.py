@@ -7,9 +7,8 @@ import subprocess
 import sys
 import textwrap
 
-from support.procmem import rss_anon_kib as _rss_anon_kb
-
 from bench.soak.maps import HEAP_MAX, parse_smaps, read_smaps
+from support.procmem import rss_anon_kib as _rss_anon_kb
 
 # A child whose threads each keep 16 MB of 4000-byte blocks: glibc serves those from thread arenas.
 CHILD = textwrap.dedent("""

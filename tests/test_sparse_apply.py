@@ -19,14 +19,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.api import wait_for
-from support.chains import ANCHOR, chain_states, file_chain, step_id, write_chain
-from support.swarm import SECRET, Daemon
 
 from bdn import fileops
 from bdn.proto import arc, sparse
 from bdn.proto.errors import ChecksumError
 from bdn.proto.keys import derive_keys
+from support.api import wait_for
+from support.chains import ANCHOR, chain_states, file_chain, step_id, write_chain
+from support.swarm import SECRET, Daemon
 
 CHUNK = 64 << 10
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")

@@ -10,11 +10,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from support.checkpoints import make_state, write_hf_dir
-from support.swarm import Swarm
-
 from bdn.bucket import open_bucket
 from bdn.publish import publish_full
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import Swarm
 
 CHUNK = 64 << 10
 IDENT = "step000001"

@@ -26,15 +26,14 @@ import threading
 import time
 from pathlib import Path
 
-from support.api import wait_for
-from support.checkpoints import make_state, write_hf_dir
-from support.swarm import SECRET, Daemon, Swarm
-
 from bdn.daemon.fetch.takeover import GRANT_S, MAX_GRANTS
 from bdn.proto import handshake, wire
 from bdn.proto.keys import derive_keys
 from bdn.publish import publish_full
 from bdn.transfer import Peer, TransferClient
+from support.api import wait_for
+from support.checkpoints import make_state, write_hf_dir
+from support.swarm import SECRET, Daemon, Swarm
 
 IDENTITY = "step000001"
 KEYS = derive_keys(SECRET)
@@ -375,9 +374,8 @@ def test_a_take_for_a_delta_is_never_granted(tmp_path: Path) -> None:
     """A delta's stored chunks are never given (a delta folded here may take a subset of them,
     numbered otherwise than at its peers): GIVE 0 to a live member for every position while the
     delta downloads, and its download completes."""
-    from support.chains import file_chain, step_id
-
     from bdn.proto.manifest import MANIFEST_NAME, Manifest
+    from support.chains import file_chain, step_id
 
     chain = file_chain(tmp_path, 1, chunk_size=64 << 10, scale=8, frac=0.5)
     delta = step_id(2)

@@ -15,7 +15,7 @@ from bdn.fileops import chunk_digests as file_digests
 from bdn.fileops import read_header
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "engine"))
-import tinygpt  # noqa: E402
+import tinygpt
 
 CFG = tinygpt.TinyGPTConfig(n_layer=2, n_head=4, n_embd=32, n_positions=128)
 CHUNK = 64 << 10

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import threading
 
-from support.api import wait_for
-from support.transfer import KEYS
-
 from bdn.proto import wire
 from bdn.proto.keys import derive_keys
 from bdn.transfer import Peer, TransferClient, TransferServer
 from bdn.transfer.announce import HaveFeed, HaveSubscriber, frames
+from support.api import wait_for
+from support.transfer import KEYS
 
 IDENT = "step000007"
 

@@ -10,6 +10,10 @@ import shutil
 import time
 
 import pytest
+
+from bdn.proto import handshake, wire
+from bdn.proto.keys import MAX_SKEW_S, SwarmKeys, derive_keys
+from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
 from support.transfer import (
     KEYS,
     Target,
@@ -19,10 +23,6 @@ from support.transfer import (
     recv_frame,
     shm_tmpdir,
 )
-
-from bdn.proto import handshake, wire
-from bdn.proto.keys import MAX_SKEW_S, SwarmKeys, derive_keys
-from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
 
 CHUNK = 256 << 10
 OTHER = derive_keys("a-different-partition-secret-42")

@@ -11,15 +11,15 @@ import socket
 import threading
 
 import pytest
-from support.api import wait_for
-from support.transfer import KEYS, accept_ask
 
 from bdn.proto import wire
 from bdn.proto.chunks import digest
 from bdn.proto.errors import ProtocolError
 from bdn.transfer import GRANTED, NOT_HERE, FetchPool, Outcome, Peer, TransferClient, TransferServer
 from bdn.transfer.coverage import Coverage
-from bdn.transfer.growing import HOLD_BYTES, GrowingChunks, Growing
+from bdn.transfer.growing import HOLD_BYTES, Growing, GrowingChunks
+from support.api import wait_for
+from support.transfer import KEYS, accept_ask
 
 CHUNK = 1 << 20
 PARTS = [(0, 256 << 10), (256 << 10, 256 << 10), (512 << 10, 256 << 10), (768 << 10, 256 << 10)]

@@ -13,6 +13,9 @@ import threading
 import time
 
 import pytest
+
+from bdn.proto import handshake, wire
+from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
 from support.api import wait_for
 from support.procmem import rss_anon_kib as _rss_anon_kib
 from support.transfer import (
@@ -25,9 +28,6 @@ from support.transfer import (
     read_to_end,
     recv_frame,
 )
-
-from bdn.proto import handshake, wire
-from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
 
 CHUNK = 1 << 20
 

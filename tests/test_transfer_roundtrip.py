@@ -10,8 +10,6 @@ import threading
 import tracemalloc
 
 import pytest
-from support.api import wait_for
-from support.transfer import KEYS, Target, make_chunk_file
 
 from bdn.proto import wire
 from bdn.transfer import (
@@ -25,6 +23,8 @@ from bdn.transfer import (
     TransferClient,
     TransferServer,
 )
+from support.api import wait_for
+from support.transfer import KEYS, Target, make_chunk_file
 
 CHUNK = 1 << 20
 

@@ -17,11 +17,11 @@ import threading
 import time
 
 import pytest
-from support.transfer import KEYS, Target, accept_ask, make_chunk_file
 
 from bdn.proto import handshake, wire
 from bdn.transfer import Outcome, Peer, TransferClient
 from bdn.transfer.receive import body_limit
+from support.transfer import KEYS, Target, accept_ask, make_chunk_file
 
 CHUNK = 1 << 20
 

@@ -8,9 +8,9 @@ import shutil
 import subprocess
 
 import pytest
-from support.transfer import shm_tmpdir
 
 from bdn.transfer.target import map_target, reserve
+from support.transfer import shm_tmpdir
 
 
 def test_reserved_populated_mapping_writes_through_to_the_file():

@@ -35,12 +35,12 @@ except ImportError as e:
     pytest.skip(f"TRL on bdn needs trl (pip install trl; in the test extra): {e}", allow_module_level=True)
 
 import xxhash
-from support.api import http, wait_fleet
-from support.peerproc import tail
-from support.swarm import Swarm, free_port
 
 from bdn.rl.publisher import identity_of
 from bdn.rl.trl import BdnRollouts, StaleRollout
+from support.api import http, wait_fleet
+from support.peerproc import tail
+from support.swarm import Swarm, free_port
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*gradient_checkpointing.*:FutureWarning")  # TRL 1.16 on transformers 5
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from bdn.bucket import open_bucket
+from bdn.publish import publish_full
 from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
 from support.relay import GateRelay
 from support.swarm import Swarm
-
-from bdn.bucket import open_bucket
-from bdn.publish import publish_full
 
 IDENT = "step000001"
 CHUNK = 1 << 20

@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import json
 import socket
-import struct
-import threading
 from pathlib import Path
 
 import pytest
 
+from bdn.bucket import open_bucket
+from bdn.proto.manifest import Manifest
+from bdn.publish import publish_full
 from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
 from support.relay import Relay
 from support.swarm import Daemon, Swarm, free_port
-
-from bdn.bucket import open_bucket
-from bdn.proto.manifest import Manifest
-from bdn.publish import publish_full
 
 CHUNK = 64 << 10
 IDENT = "step000001"

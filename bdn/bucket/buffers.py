@@ -43,7 +43,7 @@ class BuffersReader(io.RawIOBase):
         self._pos = max(0, base + offset)
         return self._pos
 
-    def readinto(self, out: Any) -> int:  # type: ignore[override]
+    def readinto(self, out: Any) -> int:
         """Copy up to ``len(out)`` bytes from the position into ``out``; how many (0 at the end)."""
         dst = memoryview(out).cast("B")
         done = 0

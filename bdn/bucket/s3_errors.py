@@ -10,6 +10,7 @@ code is unknown. Pure: no client, no I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import botocore.exceptions as bex
@@ -43,7 +44,7 @@ _UNAVAILABLE_CODES = {
 
 def status_and_code(exc: bex.ClientError) -> tuple[Any, str]:
     """The HTTP status and the S3 error code (``""`` if none) of a botocore ClientError."""
-    response = exc.response or {}
+    response: Mapping[str, Any] = exc.response or {}
     return (response.get("ResponseMetadata") or {}).get("HTTPStatusCode"), str(
         (response.get("Error") or {}).get("Code") or ""
     )
@@ -55,8 +56,9 @@ def map_error(op: str, where: str, exc: Exception, *, bucket: str, max_attempts:
     ``max_attempts`` the attempts botocore made at most, both for the message."""
     if isinstance(exc, bex.ClientError):
         status, code = status_and_code(exc)
-        meta = (exc.response or {}).get("ResponseMetadata") or {}
-        message = one_line(((exc.response or {}).get("Error") or {}).get("Message") or "")
+        response: Mapping[str, Any] = exc.response or {}
+        meta = response.get("ResponseMetadata") or {}
+        message = one_line((response.get("Error") or {}).get("Message") or "")
         what = f"{code or 'HTTP'} ({status})" + (f": {message}" if message else "")
         if code == "NoSuchBucket":
             return BucketError(f"{op} {where}: bucket {bucket!r} does not exist")

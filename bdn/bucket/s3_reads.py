@@ -108,7 +108,7 @@ def fill(
             resp = None
             got, broken = _stream_into(
                 body, view[done : done + answered],
-                None if progress is None else (lambda n, base=done: progress(base + n)),
+                None if progress is None else (lambda n, base=done: progress(base + n)),  # type: ignore[misc]  # mypy cannot type a lambda with a default argument
             )
             done += got
             stats.add(get_bytes=got)
@@ -169,8 +169,8 @@ def _stream_into(
     the body is read in pieces of ``PROGRESS_BYTES`` (a buffered ``readinto`` returns only once
     its whole view is full), each reported as it lands.
     """
-    raw = getattr(body, "_raw_stream", None)
-    fp = getattr(raw, "_fp", None)
+    raw: Any = getattr(body, "_raw_stream", None)  # urllib3's response when ``direct``
+    fp: Any = getattr(raw, "_fp", None)
     direct = type(body).__name__ == "StreamingBody" and isinstance(fp, http.client.HTTPResponse)
     got = 0
     step = PROGRESS_BYTES if progress is not None else len(view)

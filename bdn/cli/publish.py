@@ -27,9 +27,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from bdn.cli.helpfmt import DefaultsFormatter
 from bdn.cli.output import BYTES_BAR, VERSION, emit_json, human_bytes

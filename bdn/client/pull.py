@@ -44,7 +44,7 @@ def _bytes_view(out: Any) -> memoryview:
             raise
         if not out.flags.c_contiguous:
             raise ValueError("the destination buffer must be C-contiguous") from None
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only from Python 3.12
     if view.readonly:
         view.release()
         raise ValueError("the destination buffer is read-only")

@@ -22,12 +22,11 @@ import threading
 from pathlib import Path
 from types import TracebackType
 
-
 import numpy as np
 
 from bdn.client.ready import ReadyFile, ReadyMarker, read_ready, verify_files
-from bdn.proto.errors import BdnError, ProtocolError
 from bdn.fileops import read_header
+from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.safetensors_fmt import Header, TensorInfo, tensor_index, tensor_view
 
 SAFETENSORS_SUFFIX = ".safetensors"

@@ -100,7 +100,7 @@ class Transport:
             if not parts.hostname:
                 raise ValueError(f"daemon URL {url!r} has no host")
             try:
-                parts.port
+                _ = parts.port  # raises ValueError on a bad port
             except ValueError:
                 raise ValueError(f"daemon URL {url!r} has a bad port") from None
             self._base = f"http://{parts.netloc}{parts.path.rstrip('/')}"
@@ -204,7 +204,7 @@ class Transport:
 def read_body(resp: httpx.Response, limit: int) -> bytes:
     """The whole body of a streamed response, refusing (ProtocolError) more than ``limit`` bytes."""
     length = resp.headers.get("Content-Length")
-    if is_uint(length) and int(length) > limit:  # type: ignore[arg-type]
+    if is_uint(length) and int(length) > limit:
         raise ProtocolError(f"daemon answer of {length} bytes exceeds {limit} bytes")
     parts, got = [], 0
     for piece in resp.iter_raw():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from bdn.control import Clock
 from bdn.proto import hrw
@@ -163,9 +164,17 @@ class StatusBoard:
         return len(self._rows)
 
 
-def merge(boards: Iterable[Sequence[Report]]) -> list[Report]:
+class _Keyed(Protocol):
+    @property
+    def node(self) -> str: ...
+
+
+_R = TypeVar("_R", bound=_Keyed)  # a Report, or a Row of the fleet GET
+
+
+def merge(boards: Iterable[Sequence[_R]]) -> list[_R]:
     """Rows from several aggregators, one per node (the later board wins), sorted by node."""
-    by_node: dict[str, Report] = {}
+    by_node: dict[str, _R] = {}
     for rows in boards:
         for r in rows:
             by_node[r.node] = r
@@ -182,7 +191,7 @@ def page_params(page_size: object = None, page_token: object = None) -> tuple[in
         size = DEFAULT_PAGE_SIZE
     else:
         try:
-            size = int(page_size)  # type: ignore[arg-type]
+            size = int(page_size)  # type: ignore[call-overload]  # any query value: int() raising is the check
         except (TypeError, ValueError):
             raise HotLoadError("page_size must be an integer") from None
         if not 1 <= size <= MAX_PAGE_SIZE:
@@ -198,7 +207,7 @@ def page_params(page_size: object = None, page_token: object = None) -> tuple[in
     return size, after
 
 
-def paginate(rows: Sequence[Report], page_size: int, after: str | None) -> tuple[list[Report], str]:
+def paginate(rows: Sequence[_R], page_size: int, after: str | None) -> tuple[list[_R], str]:
     """One page of ``rows`` (sorted by node) after node ``after``; returns (page, next_token),
     next_token ``""`` on the last page."""
     start = 0
@@ -269,7 +278,7 @@ def report_interval(base_s: float, live_n: int, per_aggregator_per_s: float = 10
     return max(base_s, live_n / max(per_aggregator_per_s, 1e-9))
 
 
-def summary(rows: Iterable[Row], stage_of) -> dict[str, int]:  # type: ignore[no-untyped-def]
+def summary(rows: Iterable[Row], stage_of: Callable[[Row], str]) -> dict[str, int]:
     """Replicas per stage over every row (not one page): ``{"done": 998, "loading": 2}``."""
     out: dict[str, int] = {}
     for r in rows:

@@ -77,6 +77,7 @@ class MemberTable:
         if m is not None:
             return m
         if self._in_base(node):
+            assert self.base is not None  # _in_base is False without a base
             return Member(ALIVE, 0, self.base.addrs[self.base.index[node]], self.base.t0)
         return default
 
@@ -156,7 +157,7 @@ class _Strided(Sequence):
     def __len__(self) -> int:
         return len(self.ids)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         n = len(self.ids)

@@ -106,7 +106,7 @@ def reader_slots(identity: str, live: Sequence[str], slots: int,
     tops = []
     for k in range(slots):
         key = slot_key(identity, k)
-        tops.append(heapq.nlargest(slots + spare, live, key=lambda n, key=key: (score(n, key), n)))
+        tops.append(heapq.nlargest(slots + spare, live, key=lambda n, key=key: (score(n, key), n)))  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
     holders: list[str] = []
     for top in tops:
         h = next((n for n in top if n not in holders), None)
@@ -223,7 +223,7 @@ class OwnerMap:
         r = hrw.rank(self.readers, digest)
         if self.bounded:
             o = self.owner(digest)
-            if r and r[0] != o:
+            if o is not None and r and r[0] != o:
                 r.remove(o)
                 r.insert(0, o)
         return r

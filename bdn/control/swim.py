@@ -63,8 +63,8 @@ from bdn.control import Clock
 from bdn.control.broadcasts import Broadcasts
 from bdn.control.members import Member as _Member
 from bdn.control.members import MemberBase, MemberTable
-from bdn.control.probeorder import ProbeOrder
 from bdn.control.probation import Probation
+from bdn.control.probeorder import ProbeOrder
 from bdn.control.swimtable import TableSync, _accusable
 from bdn.control.swimwire import (  # noqa: F401  (re-exported: callers import them from here)
     ALIVE,
@@ -201,7 +201,7 @@ class Swim(TableSync):
         if node == self.self_id:
             return self.self_addr
         w = self._probation.get(node)
-        return w.update.addr if w is not None else None  # type: ignore[attr-defined]
+        return w.update.addr if w is not None else None
 
     @property
     def newcomers(self) -> Probation:
@@ -298,7 +298,7 @@ class Swim(TableSync):
             w = self._probation.next_probe(now, self._confirms) if self.periods % 2 and len(self._probation) else None
             if w is not None:
                 self._seq += 1
-                node = w.update.node  # type: ignore[attr-defined]
+                node = w.update.node
                 self._confirm[self._seq] = (node, now)
                 out.append(self._out("ping", node, seq=self._seq))
             else:

@@ -14,8 +14,9 @@ Pure: time from the caller; no I/O.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from bdn.control import Clock
 from bdn.control.members import Member as _Member
 from bdn.control.probation import confirms
 from bdn.control.swimwire import ALIVE, DEAD, MAX_INCARNATION, SUSPECT, Message, Update
@@ -36,6 +37,17 @@ class TableSync:
     probation: bool
     confirmers: int
     rng: Any
+    clock: Clock
+    _seq: int
+
+    if TYPE_CHECKING:  # the methods of Swim these use (bdn/control/swim.py)
+        def _out(self, kind: str, dst: str, *, seq: int = 0, target: str = "",
+                 updates: tuple[Update, ...] | None = None) -> Message: ...
+        def _alive_others(self) -> list[str]: ...
+        def is_live(self, node: str) -> bool: ...
+        def _enqueue(self, u: Update) -> None: ...
+        def _set(self, node: str, m: _Member, status: int, inc: int, now: float) -> None: ...
+        def _changed(self, node: str | None = None) -> None: ...
 
     def sync_to(self, dst: str) -> Message:
         """A ``sync`` (the whole table) to ``dst`` ("" = a seed whose node id is not known yet:
@@ -70,7 +82,7 @@ class TableSync:
             if ups is None:
                 ups = t.base.cache["updates"] = tuple(Update(n, ALIVE, 0, a) for n, a in zip(t.base.ids, t.base.addrs))
             own, gone = t.own, t.gone
-            rows = [u for u in ups if u.node not in own and u.node not in gone]  # type: ignore[union-attr]
+            rows = [u for u in ups if u.node not in own and u.node not in gone]
             rows += [Update(n, m.status, m.incarnation, m.addr) for n, m in own.items()]
             rows.append(Update(self.self_id, ALIVE, self.incarnation, self.self_addr))
             return tuple(rows)
@@ -91,7 +103,7 @@ class TableSync:
         """A newcomer on probation was heard from directly: a member now, relayed."""
         w = self._probation.take(node)
         if w is not None and node not in self._members:
-            self._apply(w.update, now, src=node)  # type: ignore[arg-type]
+            self._apply(w.update, now, src=node)
 
     def _confirms(self, newcomer: str) -> bool:
         """Is this daemon one of ``newcomer``'s designated confirmers (it probes it)?"""

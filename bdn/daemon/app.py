@@ -60,10 +60,10 @@ from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.runner import Runner
 from bdn.daemon.serving import ChunkServing
+from bdn.daemon.shmlock import ShmLock
 from bdn.daemon.shutdown import HTTP_GRACE_S, NoWaitExecutor, StopClock
 from bdn.daemon.stats import Stats
 from bdn.daemon.status import StatusView
-from bdn.daemon.shmlock import ShmLock
 from bdn.daemon.store import Store
 from bdn.daemon.uploads import Uploads
 from bdn.proto.errors import ProtocolError
@@ -224,7 +224,7 @@ class App:
         cfg = self.cfg
         # keepalive_timeout bounds idle connections; the guard (http/guard.py) bounds unfinished
         # requests (http_header_timeout_s), open connections and answers bad headers in one line.
-        guard = dict(header_timeout_s=cfg.http_header_timeout_s, max_connections=cfg.http_max_connections,
+        guard: dict[str, Any] = dict(header_timeout_s=cfg.http_header_timeout_s, max_connections=cfg.http_max_connections,
                      stats=self.stats, max_line_size=8190, max_field_size=8190, max_headers=128)
         peer_runner = GuardedRunner(make_peer_app(self.services), name="peer API", access_log=None,
                                     keepalive_timeout=15, shutdown_timeout=HTTP_GRACE_S, **guard)

@@ -8,13 +8,15 @@ import asyncio
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from bdn.bucket import Bucket, BucketError, ObjectNotFound
 from bdn.bucket.urls import check_bucket_url
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.stats import Stats
 from bdn.proto.manifest import STARTUP_NAME
+
+_Buf = TypeVar("_Buf", bytearray, memoryview)  # a chunk buffer, or a view into a chunk's mapping
 
 
 class BucketIO:
@@ -43,9 +45,9 @@ class BucketIO:
         return await self._run(self.bucket.read, key)
 
     async def read_chunk(
-        self, key: str, offset: int, length: int, alloc: Callable[[int], bytearray], if_match: str | None = None,
+        self, key: str, offset: int, length: int, alloc: Callable[[int], _Buf], if_match: str | None = None,
         progress: Callable[[int], None] | None = None, started: Callable[[], None] | None = None,
-    ) -> bytearray:
+    ) -> _Buf:
         """``length`` bytes of ``key`` from ``offset`` (rate-limited) in a buffer from ``alloc``,
         taken only once a bucket slot is free (waiting reads hold no memory). ``if_match``: the
         object's version token (raises ``ObjectChanged`` when it was replaced). ``progress(n)``:

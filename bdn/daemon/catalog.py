@@ -275,7 +275,7 @@ class Catalog:
                     if j.manifest is not None and j.identity != m.identity and j.state != "failed"]
 
         def used() -> int:
-            return sum(self.store.space_needed(j.manifest) for j in holders())  # type: ignore[arg-type]
+            return sum(self.store.space_needed(j.manifest) for j in holders() if j.manifest is not None)
 
         if used() + need > budget:
             self.gc()

@@ -80,13 +80,13 @@ class ChunkCheck:
         body = packb({"address": address, "snapshot": snapshot})
         task = asyncio.ensure_future(self._send(url, node_id, body))
         self._sending.add(task)
-        task.add_done_callback(lambda t: (self._outgoing.discard(key), self._sending.discard(t)))
+        task.add_done_callback(lambda t: (self._outgoing.discard(key), self._sending.discard(t)))  # type: ignore[func-returns-value]  # a callback's value is unused
 
     async def _send(self, url: str, node_id: str, body: bytes) -> None:
         try:
             status, _ = await self.peers.post_json(url, "bad_chunk", body, timeout=10.0)
             log.debug("told %s of a bad chunk: %d", node_id, status)
-        except (PeerError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, PeerError, OSError) as e:
             log.debug("could not tell %s of a bad chunk: %s", node_id, e)
 
     # ---- reports in ----------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 import socket
 import tomllib
 import urllib.parse
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -133,7 +134,7 @@ class Config:
     def load(
         cls,
         path: str | os.PathLike[str] | None = None,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
         overrides: dict[str, Any] | None = None,
     ) -> Config:
         """Build a Config from a TOML file, the environment and overrides; validate it.
@@ -232,7 +233,7 @@ class Config:
             if v and _split_hostport(v, key) is None:
                 raise ConfigError(f"config key {key!r} must be host:port, got {v!r}")
         if self.local_listen and not self.local_allow_remote:
-            lhost = _split_hostport(self.local_listen, "local_listen")[0]  # type: ignore[index]
+            lhost = _split_hostport(self.local_listen, "local_listen")[0]  # type: ignore[index]  # checked as host:port above
             if lhost not in LOOPBACK_HOSTS and not lhost.startswith("127."):
                 raise ConfigError(
                     f"config key 'local_listen' is {self.local_listen!r}, not a loopback address: the local "
@@ -243,7 +244,7 @@ class Config:
         if self.transfer_advertise and _split_hostport(self.transfer_advertise, "transfer_advertise") is None:
             raise ConfigError(f"config key 'transfer_advertise' must be host:port or \"\", got {self.transfer_advertise!r}")
         if not self.advertise_url:
-            host, port = _split_hostport(self.peer_listen, "peer_listen")  # type: ignore[misc]
+            host, port = _split_hostport(self.peer_listen, "peer_listen")  # type: ignore[misc]  # checked as host:port above
             if host in ("0.0.0.0", "::", ""):
                 host = socket.gethostname()
             self.advertise_url = f"http://{host}:{port}"
@@ -260,7 +261,7 @@ class Config:
         hints = get_type_hints(cls)
         out = []
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[misc]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]  # every key has a default or a default_factory
             out.append((f.name, hints[f.name], default, f.metadata.get("help", "")))
         return out
 
@@ -322,7 +323,7 @@ def _check_peer_url(url: str, key: str) -> None:
     scheme was taken and the peer never answered)."""
     u = urllib.parse.urlsplit(url)
     try:
-        u.port
+        _ = u.port  # raises ValueError on a bad port
     except ValueError:
         u = u._replace(netloc="")
     if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query or u.fragment:

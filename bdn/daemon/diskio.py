@@ -71,8 +71,8 @@ def apply_delta(m: Manifest, base_dir: Path, stored_dir: Path, staging_dir: Path
         if not base_path.is_file():
             raise BdnError(f"base snapshot {m.base_identity!r} has no file {f.path!r} to apply the delta to")
         fileops.apply_delta_file(
-            base_path, stored_dir / f.path, staging_dir / f.path, m.compression_format,
-            f.result.size, workers=workers, name=f.path,  # type: ignore[union-attr]
+            base_path, stored_dir / f.path, staging_dir / f.path, m.compression_format,  # type: ignore[arg-type]  # a delta names its codec
+            f.result.size, workers=workers, name=f.path,  # type: ignore[union-attr]  # a diff file's entry has its result
         )
 
 

@@ -46,8 +46,8 @@ from bdn.daemon.index import ChunkIndex
 from bdn.daemon.snapshot import STORED, TERMINAL, SnapshotJob
 from bdn.daemon.store import Store
 from bdn.proto import arc
-from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.chunks import digest as xxh3_digest
+from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 from bdn.proto.safetensors_fmt import parse_header
 
@@ -361,7 +361,7 @@ class Folder:
         part.requested_by = "fold"
 
         def allocate() -> None:
-            for f in part.manifest.files:  # type: ignore[union-attr]
+            for f in part.manifest.files:  # type: ignore[union-attr]  # attached above
                 p = where / f.path
                 p.parent.mkdir(parents=True, exist_ok=True)
                 with open(p, "wb") as fh:

@@ -302,10 +302,10 @@ class ForeignLoader:
         job.foreign = ForeignState(table, checksums, self.cfg.allow_unverifiable, Hint(base_id, hint.compression_format))
         job.manifest_digest = table.table_id
         if saved is not None and saved.get("table") != table.table_id:
-            old = saved.get("etags") if isinstance(saved.get("etags"), dict) else {}
-            changed = [o.path for o in table.objects if old.get(o.path) != o.etag] + sorted(set(old) - {o.path for o in table.objects})
+            old = tags if isinstance(tags := saved.get("etags"), dict) else {}
+            moved = [o.path for o in table.objects if old.get(o.path) != o.etag] + sorted(set(old) - {o.path for o in table.objects})
             log.warning("snapshot %s: the bucket changed since the interrupted download (%s); starting over",
-                        job.identity, ", ".join(changed[:3]) or "its table")
+                        job.identity, ", ".join(moved[:3]) or "its table")
         if job.foreign.unverifiable:
             log.info("snapshot %s: %d object(s) without a bucket checksum, read from the bucket by this node",
                      job.identity, len(job.foreign.unverifiable))
@@ -352,6 +352,7 @@ class ForeignLoader:
         if m.is_delta:
             job.set_state("applying")
             await job.notify()
+            assert m.base_identity is not None  # a delta names its base
             base_dir = self.store.ready_dir(m.base_identity)
             await self._on(self.pools.disk, check_delta_config, m.identity, m.base_identity, base_dir, staging)
             await self._on(self.pools.apply, diskio.apply_delta, m, base_dir,

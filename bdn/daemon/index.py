@@ -332,6 +332,6 @@ class ChunkIndex:
             ev = self._waiters[address] = asyncio.Event()
         try:
             await asyncio.wait_for(ev.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         return self.lookup(address)

@@ -32,7 +32,7 @@ if IS_PROGRAM:
     signal.signal(signal.SIGINT, _stop_early)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the App logs a SIGHUP once its handlers are in
 
-import argparse  # noqa: E402  (the handlers above come first on purpose)
+import argparse  # the handlers above come first on purpose (E402 off for this file: pyproject.toml)
 import asyncio
 import faulthandler
 import json
@@ -45,9 +45,9 @@ from bdn import __version__
 from bdn.daemon.app import App
 from bdn.daemon.config import Config, ConfigError
 from bdn.daemon.listening import CannotListen
-from bdn.daemon.shutdown import StopClock, join_workers
-from bdn.daemon.shmlock import ShmFull, ShmLock
 from bdn.daemon.logctx import ContextFilter
+from bdn.daemon.shmlock import ShmFull, ShmLock
+from bdn.daemon.shutdown import StopClock, join_workers
 from bdn.proto.errors import BdnError
 from bdn.proto.keys import derive_keys
 

@@ -7,8 +7,10 @@ hot path only bumps plain integers.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from bdn.daemon.bucketio import BucketIO
@@ -26,7 +28,7 @@ class _Collector:
         self.stats, self.catalog, self.membership, self.bucket, self.replica = stats, catalog, membership, bucket, replica
         self.readiness = readiness
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> Iterator[Metric]:
         c = self.stats.counters
         failures = self.stats.verify_failures_by_peer
         jobs = self.catalog.all()
@@ -80,8 +82,8 @@ class _Collector:
         h.add_metric(["bad_request"], c["http_bad_requests"])
         yield h
         s = GaugeMetricFamily("bdn_snapshots", "Snapshots on this node by state", labels=["state"])
-        for st in STATES:
-            s.add_metric([st], sum(1 for j in jobs if j.state == st))
+        for state in STATES:
+            s.add_metric([state], sum(1 for j in jobs if j.state == state))
         yield s
         live = GaugeMetricFamily("bdn_peers_live", "Peers that answer health checks", value=len(self.membership.live()))
         yield live
@@ -89,8 +91,8 @@ class _Collector:
                                   "(SWIM ping/ack/ping_req/sync/sync_ack, hot_load, status_report, status_read)",
                                   labels=["direction", "kind"])
         for direction, kinds in self.stats.control.items():
-            for kind, v in kinds.items():
-                ctl.add_metric([direction, kind], v)
+            for kind, n in kinds.items():
+                ctl.add_metric([direction, kind], n)
         yield ctl
         ms = self.stats.membership
         yield CounterMetricFamily("bdn_swim_periods", "SWIM protocol periods run", value=ms.get("periods", 0))
@@ -101,8 +103,8 @@ class _Collector:
         yield GaugeMetricFamily("bdn_membership_state_bytes", "Approximate bytes of the SWIM table and queue",
                                 value=ms.get("state_bytes", 0))
         infl = GaugeMetricFamily("bdn_inflight_requests", "Chunk requests in flight", labels=["kind"])
-        for kind, v in self.stats.inflight.items():
-            infl.add_metric([kind], v)
+        for kind, n in self.stats.inflight.items():
+            infl.add_metric([kind], n)
         yield infl
         st = GaugeMetricFamily("bdn_snapshot_stage_seconds", "Seconds each snapshot spent in each stage",
                                labels=["identity", "stage"])
@@ -149,7 +151,7 @@ class Metrics:
     def __init__(self, stats: Stats, catalog: Catalog, membership: Membership, bucket: BucketIO,
                  replica: ReplicaView, readiness: Readiness | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_Collector(stats, catalog, membership, bucket, replica, readiness))  # type: ignore[arg-type]
+        self.registry.register(_Collector(stats, catalog, membership, bucket, replica, readiness))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

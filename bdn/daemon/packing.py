@@ -25,4 +25,4 @@ def packb(obj: Any) -> bytes:
     """``obj`` as msgpack (bin type for ``bytes``, str8 for ``str``: the same bytes as
     ``msgpack.packb(obj, use_bin_type=True)``). Raises what ``msgpack.packb`` raises (TypeError
     for an object msgpack cannot encode, ValueError for one too large)."""
-    return msgpack.Packer(use_bin_type=True, buf_size=BUF_SIZE).pack(obj)
+    return msgpack.Packer(use_bin_type=True, buf_size=BUF_SIZE).pack(obj)  # type: ignore[call-arg]  # msgpack-types has the pure-Python Packer's arguments; the C Packer takes buf_size

@@ -128,7 +128,7 @@ class PeerClient:
                     data=data,
                     timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=5, sock_read=read_idle),
                 )
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 raise PeerError(f"{base_url}: {why(e)}") from None
             named = resp.headers.get(NODE_HEADER, "") if resp.status == 401 else ""
             if first and named != to and NODE_ID_RE.match(named):
@@ -163,7 +163,7 @@ class PeerClient:
                                    read_idle=read_idle)
         try:
             yield resp
-        except asyncio.TimeoutError as e:  # aiohttp's ServerTimeoutError is one too
+        except TimeoutError as e:  # aiohttp's ServerTimeoutError is one too
             if stalled:
                 raise PeerStalled(f"{base_url}: {stalled}") from None
             raise PeerError(f"{base_url}: {what}{why(e)}") from None

@@ -57,9 +57,9 @@ async def read_manifest(self: Any, job: SnapshotJob) -> Manifest:
             await asyncio.sleep(min(2.0 ** unavailable, 30.0))
         except ObjectNotFound:
             if not self.cfg.require_manifest and self.foreign is not None:
-                return await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)  # type: ignore[arg-type]
+                return await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)
             if not job.wait_publish and not await self.bucket.list(f"{job.identity}/"):
-                raise BdnError(f"snapshot {job.identity}: nothing is published under {job.identity}/ in {self.bucket.url}")
+                raise BdnError(f"snapshot {job.identity}: nothing is published under {job.identity}/ in {self.bucket.url}") from None
             # bounded by the askers (a client that gives up after 60 s: issue 31, class 10)
             limit = started + self.cfg.manifest_wait_s
             if job.publish_deadline is not None:

@@ -19,8 +19,8 @@ from typing import Any, Protocol, TypeVar
 from bdn.bucket import ObjectChanged
 from bdn.daemon import diskio, headers, logctx
 from bdn.daemon.bitfield import Bitfield
-from bdn.daemon.chunklist import check_limits
 from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.chunklist import check_limits
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.delta_config import check_delta_config
@@ -126,6 +126,7 @@ class Runner:
             ready_m = m
             if job.foreign is not None:
                 ready_m = await self._run_foreign(job)
+                assert job.manifest is not None  # _run_foreign read it
                 m = job.manifest
             elif m.is_delta:
                 await self._run_delta(job, m)
@@ -234,7 +235,7 @@ class Runner:
             self.save_progress(job)  # a restart meanwhile resumes from what is still good
             try:
                 await asyncio.wait_for(self.haves.refresh(job), 5.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             await asyncio.gather(*(self.fetcher.ensure_chunk(job, self._repair_layer(job, r), r) for r in refs))
             job.set_state("verifying")

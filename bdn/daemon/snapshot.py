@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bdn.daemon import versioned
@@ -153,7 +153,7 @@ class SnapshotJob:
     def layer_complete(self, layer: str) -> None:
         """Event: every chunk of ``layer`` is known good (a full snapshot's result is its stored
         layer; a delta's rebuilt files were verified; result mode makes the stored layer moot)."""
-        self.bits(layer).set_all()  # type: ignore[union-attr]
+        self.bits(layer).set_all()  # type: ignore[union-attr]  # a layer completes only once the manifest is attached
         self.touch()
 
     def layer_reset(self, layer: str) -> None:

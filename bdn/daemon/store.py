@@ -34,19 +34,19 @@ import logging
 import os
 import shutil
 import threading
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
 
-from bdn.proto.errors import BdnError, ProtocolError
-from bdn.proto.manifest import Manifest
 from bdn.daemon import buffers, diskio
 from bdn.daemon.packing import packb
 from bdn.daemon.room import Reserve, room
 from bdn.daemon.shmlock import ShmFull, existing, room_line
 from bdn.daemon.spares import Spares
+from bdn.proto.errors import ProtocolError
+from bdn.proto.manifest import Manifest
 from bdn.proto.ready import READY_NAME, ReadyMarker, parse_ready, ready_json
 
 STAGING = ".staging"

@@ -18,5 +18,5 @@ async def wait_change(cond: asyncio.Condition, version: Callable[[], int], since
     async with cond:
         try:
             await asyncio.wait_for(cond.wait_for(lambda: version() != since), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass

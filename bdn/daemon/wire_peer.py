@@ -30,13 +30,13 @@ from urllib.parse import urlsplit
 from bdn.daemon.catalog import Catalog
 from bdn.daemon.chunklog import ChunkLog
 from bdn.daemon.config import Config, split_hostport
+from bdn.daemon.fetch.held import HeldFiles
 from bdn.daemon.fetch.sources import Sources
 from bdn.daemon.fetch.targets import TargetMaps
 from bdn.daemon.fetch.wire_source import WireSource
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.membership import Membership
 from bdn.daemon.serving import ChunkServing
-from bdn.daemon.fetch.held import HeldFiles
 from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.transfer_address import learn, parse_address, peer_of
@@ -251,7 +251,7 @@ class WirePeer:
                     continue
             fut.cancel()
             # granted just as we gave up: give the slot back
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(f.result()))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(f.result()))  # type: ignore[func-returns-value]  # a callback's value is unused
             # a stopping daemon answers at once: its loop is joining this thread (App.shutdown ->
             # close -> TransferServer.close) and would not run the decision (the soak's node4
             # waited out its 20 s watchdog that way)

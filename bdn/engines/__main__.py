@@ -18,9 +18,13 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from bdn.cli.helpfmt import DefaultsFormatter
 from bdn.proto.errors import BdnError
+
+if TYPE_CHECKING:
+    from bdn.engines.driver import Adapter
 
 log = logging.getLogger("bdn.engines")
 # httpx logs every request at INFO (the long-poll to bdnd, every 5 s); httpcore its connections at DEBUG.
@@ -115,12 +119,12 @@ def main(argv: list[str] | None = None) -> int:
             log.info("stopped in %.2f s", time.monotonic() - t0)
             return 0
         from bdn.engines.service import register, run_driver
-
         from bdn.engines.sglang import SGLangAdapter
         from bdn.engines.vllm import VLLMAdapter
 
+        adapter: Adapter
         if a.engine == "sglang":
-            adapter: SGLangAdapter | VLLMAdapter = SGLangAdapter(a.engine_url, a.api_key, partial=not a.full_reload)
+            adapter = SGLangAdapter(a.engine_url, a.api_key, partial=not a.full_reload)
         else:
             adapter = VLLMAdapter(a.engine_url, a.api_key, require_change=a.require_weight_change,
                                   partial=not a.full_reload)

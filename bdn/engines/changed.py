@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from bdn.client import Snapshot
-from bdn.proto.errors import BdnError, ProtocolError
 from bdn.fileops import read_header
+from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.safetensors_fmt import TensorInfo
 
 __all__ = ["ChangedTensors", "changed_tensors", "compare", "from_offer", "parse_ranges", "tensor_infos"]

@@ -69,7 +69,7 @@ def load_model(snap: Snapshot, device: str) -> tuple[Any, Any]:
         model = AutoModelForCausalLM.from_pretrained(str(snap.path), dtype="auto", local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise EngineError(f"{snap.identity}: transformers cannot load {snap.path}: {str(exc).splitlines()[0][:300]}") from None
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers types to() through a decorator that loses the bound self
     if device == "cpu":
         # transformers leaves CPU parameters mapped copy-on-write from the snapshot's files in
         # shm: the first in-place swap would then pay a page fault per 4 KiB inside the pause

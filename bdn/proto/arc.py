@@ -143,7 +143,6 @@ def encode_xor(
     b, t = bytes_of(base), bytes_of(target)
     if len(b) != len(t):
         raise TensorMismatch(f"base has {len(b)} bytes, target has {len(t)}")
-    n = len(b)
     if fmt == "bdn_planes_v1":
         if width is None and isinstance(base, np.ndarray):
             width = base.dtype.itemsize

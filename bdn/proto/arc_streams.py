@@ -52,7 +52,7 @@ def decode_zstd(cx: Ctx, frame: Any, b: np.ndarray, o: np.ndarray, n: int) -> in
     """``o[:n] = b XOR zstd-decompress(frame)``; return the Adler-32 of ``o``. Raises ProtocolError
     for a corrupt frame or one that decompresses to more or fewer than ``n`` bytes."""
     scratch = cx.scratch(min(n, _DCHUNK))
-    view = memoryview(scratch)
+    view = memoryview(scratch)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only from Python 3.12
     adler = 1
     try:
         # read_across_frames: the reference decoder (ZSTD_decompress) concatenates frames too.

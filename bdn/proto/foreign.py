@@ -81,9 +81,17 @@ class IncompleteSnapshot(ForeignSnapshotError):
 class ListedLike(Protocol):
     """What a bucket listing gives per object (:class:`bdn.bucket.ObjectInfo` has it)."""
 
-    key: str
-    size: int
-    etag: str
+    @property
+    def key(self) -> str:
+        """The object's key, relative to the bucket root."""
+
+    @property
+    def size(self) -> int:
+        """The object's size, bytes."""
+
+    @property
+    def etag(self) -> str:
+        """The object's version token."""
 
 
 @dataclass(frozen=True)
@@ -379,7 +387,7 @@ def derive_table(
     files: list[dict[str, Any]] = []
     total = 0
     for o in objects:
-        stored = _ids(num_chunks(o.size, chunk_size), lambda i, o=o: chunk_id(o.key, o.etag, o.size, chunk_size, i))
+        stored = _ids(num_chunks(o.size, chunk_size), lambda i, o=o: chunk_id(o.key, o.etag, o.size, chunk_size, i))  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
         entry: dict[str, Any] = {"path": o.path, "size": o.size, "chunks": stored}
         total += len(stored)
         if is_delta and o.path.endswith(".safetensors"):
@@ -398,7 +406,7 @@ def derive_table(
                 "size": rsize,
                 "chunks": _ids(
                     num_chunks(rsize, chunk_size),
-                    lambda i, o=o: result_chunk_id(o.key, o.etag, base_identity, rids, rsize, chunk_size, i),
+                    lambda i, o=o, rids=rids, rsize=rsize: result_chunk_id(o.key, o.etag, base_identity, rids, rsize, chunk_size, i),  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
                 ),
             }
             total += len(entry["result"]["chunks"])

@@ -225,6 +225,7 @@ class Manifest:
                     raise ManifestError(f"delta manifest {k} must be a string, got {v!r}"[:200])
             from bdn.proto.arc import check_formats  # arc owns the list of supported codecs
 
+            assert isinstance(comp, str) and isinstance(cksum, str)  # checked just above
             check_formats(comp, cksum)
             comp = comp.lower()  # check_formats matches case-insensitively; store one spelling
         else:

@@ -78,7 +78,6 @@ from bdn.proto.diff_file import DiffTensor
 from bdn.proto.errors import ChecksumError, ProtocolError, TensorMismatch
 from bdn.proto.safetensors_fmt import TensorInfo, _q
 
-
 _P_MAGIC = b"BDNP"
 _P_VERSION = 1
 _P_HEAD = struct.Struct("<4sBBHQII")  # magic, version, width, reserved, n_bytes, block, nblocks
@@ -172,7 +171,7 @@ def encode_stream(cx: Ctx, b: np.ndarray, t: np.ndarray, width: int | None, leve
 class _PlanesBlock(NamedTuple):
     """One block of a parsed stream: payload ``[start, end)`` of the stream, bytes ``[lo, hi)`` of the tensor."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the block's position; shadows tuple.index, which nothing calls
     mode: int
     k: int
     e: int
@@ -191,7 +190,7 @@ def parse_stream(stream: np.ndarray, n: int) -> tuple[int, list[_PlanesBlock]]:
     total = len(stream)
     if total < _P_HEAD.size:
         raise ProtocolError(f"bdn_planes_v1 stream is {total} bytes, shorter than its {_P_HEAD.size}-byte header")
-    magic, version, w, reserved, n_bytes, block, nblocks = _P_HEAD.unpack_from(stream, 0)
+    magic, version, w, reserved, n_bytes, block, nblocks = _P_HEAD.unpack_from(stream, 0)  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only from Python 3.12
     if magic != _P_MAGIC:
         raise ProtocolError(f"not a bdn_planes_v1 stream (magic {bytes(magic)!r})")
     if version != _P_VERSION or reserved != 0:
@@ -217,7 +216,7 @@ def parse_stream(stream: np.ndarray, n: int) -> tuple[int, list[_PlanesBlock]]:
     # (and this runs before the pool starts, so it is serial time).
     blocks: list[_PlanesBlock] = []
     pos, lo = table_end, 0
-    for i, (mode, k, e, ln) in enumerate(_P_REC.iter_unpack(memoryview(stream)[_P_HEAD.size : table_end])):
+    for i, (mode, k, e, ln) in enumerate(_P_REC.iter_unpack(memoryview(stream)[_P_HEAD.size : table_end])):  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only from Python 3.12
         elems = block if i < nblocks - 1 else m - (nblocks - 1) * block
         if not (
             (mode == _P_SAME and k == e == ln == 0)
@@ -268,13 +267,13 @@ def _zstd_exact(cx: Ctx, payload: np.ndarray, size: int) -> np.ndarray:
     writes into a buffer of exactly that size, so output never exceeds ``size`` (zip-bomb safe).
     """
     try:
-        declared = zstandard.frame_content_size(payload)
+        declared = zstandard.frame_content_size(payload)  # type: ignore[arg-type]  # zstandard reads any buffer; its stubs name bytes-likes only
     except zstandard.ZstdError as e:
         raise ProtocolError(f"payload is not a zstd frame: {str(e)[:200]}") from None
     if declared != size:
         raise ProtocolError(f"payload's zstd frame declares {declared} bytes, expected {size}")
     try:
-        raw = cx.dctx().decompress(payload)
+        raw = cx.dctx().decompress(payload)  # type: ignore[arg-type]  # zstandard reads any buffer; its stubs name bytes-likes only
     except zstandard.ZstdError as e:
         raise ProtocolError(f"payload is not valid zstd: {str(e)[:200]}") from None
     if len(raw) != size:  # pragma: no cover - the library enforces the declared size
@@ -302,7 +301,7 @@ def _decode_planes_block(
 ) -> int:
     """Decode one block into ``o`` (``b``/``o``: the block's base and output bytes); return its Adler-32."""
     in_place = o.ctypes.data == b.ctypes.data
-    dt = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
+    dt: np.dtype[Any] = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
     elems = (blk.hi - blk.lo) // w
     payload = stream[blk.start : blk.end]
     if blk.mode == _P_DENSE:

@@ -35,6 +35,7 @@ import numpy as np
 
 from bdn.proto.errors import ProtocolError
 
+
 class SafetensorsError(ProtocolError):
     """A safetensors file or header broke the format (message names the tensor where there is one)."""
 
@@ -265,7 +266,7 @@ def _numpy_dtypes() -> dict[str, np.dtype]:
     try:
         import ml_dtypes as _ml_dtypes
     except ImportError:  # pragma: no cover - exercised only in stripped-down environments
-        _ml_dtypes = None
+        _ml_dtypes = None  # type: ignore[assignment]  # the module, or None without it
     table: dict[str, np.dtype] = {
         "BOOL": np.dtype(np.bool_), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
         "I16": np.dtype("<i2"), "U16": np.dtype("<u2"), "F16": np.dtype("<f2"),
@@ -404,7 +405,7 @@ def encode_raw(
             raise SafetensorsError(f"invalid tensor name {_q(str(name))}")
         if dtype not in DTYPE_BITS:
             raise SafetensorsError(f"tensor {_q(name)}: unknown dtype {_q(str(dtype))}")
-        mv = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1).view(np.uint8))
+        mv = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only from Python 3.12
         bits = math.prod(shape) * DTYPE_BITS[dtype]
         if bits % 8 or bits // 8 != mv.nbytes:
             raise SafetensorsError(f"tensor {_q(name)}: {mv.nbytes} bytes do not match {dtype} shape {list(shape)}")

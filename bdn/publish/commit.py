@@ -3,7 +3,7 @@ presence is what publishes the snapshot), and the refusal to publish an identity
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from bdn.bucket import Bucket, ObjectNotFound
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
@@ -15,7 +15,7 @@ CHECKSUM_FORMAT = "alder32"
 
 def now() -> str:
     """The current UTC time as RFC 3339 with seconds (``2026-12-01T14:22:25Z``), the manifest's ``published_at``."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def refuse_published(b: Bucket, identity: str, overwrite: bool) -> None:

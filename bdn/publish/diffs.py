@@ -13,6 +13,7 @@ from bdn.proto.manifest import FileResult
 from bdn.publish.tree import LocalFile
 from bdn.publish.uploads import Upload, digests, run_all
 
+
 def make_diffs(
     base_root: Path,
     tensors: list[LocalFile],

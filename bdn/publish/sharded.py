@@ -242,7 +242,7 @@ def commit_step(
             entries.append(FileEntry(path, len(data), tuple(buffer_digests(data, step.chunk_size))))
         entries.sort(key=lambda e: e.path)
         delta_of = (step.base_identity, step.compression_format) if step.kind == "delta" else None
-        return commit(b, identity, policy_version, step.chunk_size, entries, overwrite, delta_of=delta_of)  # type: ignore[arg-type]
+        return commit(b, identity, policy_version, step.chunk_size, entries, overwrite, delta_of=delta_of)  # type: ignore[arg-type]  # a delta step has its base and codec
 
 
 # ---- helpers ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from bdn.proto.manifest import FileEntry, FileResult
 from bdn.publish.errors import PublishError
 
 #: Called with a number of bytes each time that many more bytes were stored in the bucket.
-ProgressFn = Callable[[int], None]
+ProgressFn = Callable[[int], object]
 
 
 @dataclass(frozen=True)
@@ -74,19 +74,19 @@ def digests(local: Path, chunk_size: int, path: str) -> list[str]:
         raise PublishError(f"cannot read {path!r}: {e.strerror or e}") from None
 
 
-def run_all(fn: Callable, items: list, workers: int) -> list:  # type: ignore[type-arg]
+def run_all(fn: Callable, items: list, workers: int) -> list:
     """``[fn(x) for x in items]`` on ``workers`` threads; the first error cancels what has not
     started and is raised once the running calls have finished."""
     if not items:
         return []
     ex = ThreadPoolExecutor(max_workers=max(1, min(workers, len(items))), thread_name_prefix="bdn-publish")
     try:
-        futures: list[Future] = [ex.submit(fn, x) for x in items]  # type: ignore[type-arg]
+        futures: list[Future] = [ex.submit(fn, x) for x in items]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for f in done:
             if f.exception() is not None:
                 ex.shutdown(wait=True, cancel_futures=True)
-                raise f.exception()  # type: ignore[misc]
+                raise f.exception()  # type: ignore[misc]  # not None: checked on the line above
         return [f.result() for f in futures]
     finally:
         ex.shutdown(wait=True, cancel_futures=True)

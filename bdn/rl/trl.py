@@ -80,7 +80,7 @@ def checkpoint_files(model: Any, tokenizer: Any = None, dtype: str = "bfloat16")
     return files
 
 
-class BdnPublishCallback(TrainerCallback):  # type: ignore[misc]
+class BdnPublishCallback(TrainerCallback):
     """Publish the policy through ``publisher`` at the start and after every optimizer step.
 
     ``dtype``: what the engines serve (the trainer may train in float32). ``flush_timeout``: the

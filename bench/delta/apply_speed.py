@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from bdn.proto import arc
 from bdn import fileops
 from bdn.fileops import read_header
+from bdn.proto import arc
 from bench import runs
 from bench.delta import inputs
 

@@ -33,9 +33,9 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from bdn.proto import arc
 from bdn import fileops
 from bdn.fileops import read_header
+from bdn.proto import arc
 from bdn.proto.safetensors_fmt import Header
 from bench.delta.inputs import Pair
 

@@ -38,7 +38,7 @@ import numpy as np
 from bdn.daemon import diskio, headers
 from bdn.daemon.fold import fold_chain
 from bdn.fileops import save
-from bdn.proto.manifest import MANIFEST_NAME, Manifest
+from bdn.proto.manifest import Manifest
 from bdn.publish import publish_delta, publish_full
 from bench import runs
 from bench.delta import inputs

@@ -40,10 +40,10 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples" / "engine"))
-
 from bench import runs
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples" / "engine"))  # tiny_llama, imported below where used
 
 RESULTS = ROOT / "bench" / "results"
 METRICS = ("pause_ms", "post_to_done_s", "rpc_ms", "bytes_read", "bytes_changed", "read_ms", "load_ms")

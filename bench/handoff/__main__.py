@@ -248,7 +248,7 @@ def main() -> None:
                             try:
                                 step = -(-size // threads)
                                 view = memoryview(arena)[pos : pos + size]
-                                list(pool.map(lambda a: piece(fd, view[a : a + step], a), range(0, size, step)))
+                                list(pool.map(lambda a, fd=fd, view=view, step=step: piece(fd, view[a : a + step], a), range(0, size, step)))
                             finally:
                                 os.close(fd)
                             pos += size

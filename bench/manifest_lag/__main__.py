@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,8 +36,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from bench.runs import add_runs_arg, summarize
 from bdn.proto.manifest import MANIFEST_NAME
+from bench.runs import add_runs_arg, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))

@@ -52,7 +52,7 @@ from bench.publish.rank import moved, tensor
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
-from support.s3server import create_bucket, start_moto_server, stop_moto_server
+from support.s3server import create_bucket, start_moto_server, stop_moto_server  # noqa: E402  (tests/ on the path first)
 
 RESULTS = REPO / "bench" / "results"
 # moto accepts any credentials; boto3 wants some.

@@ -95,7 +95,7 @@ def main() -> int:
     p.add_argument("--out", default="")
     a = p.parse_args()
     runs = []
-    for i in range(a.runs):
+    for _ in range(a.runs):
         root = Path(tempfile.mkdtemp(prefix="bdn-shutdown-"))
         try:
             r = one_run(root, a, a.code)

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))  # tests/support: real daemons, the fault proxy, the liar
 
 from aiohttp import web  # noqa: E402
+
 from support.faults import ChunkFaultProxy, listen_ports, stable_ports  # noqa: E402
 from support.liar import Liar  # noqa: E402
 from support.s3server import _error_xml, create_bucket, start_moto_server, stop_moto_server  # noqa: E402

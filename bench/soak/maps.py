@@ -19,7 +19,7 @@ psutil's ``memory_maps()`` drops the addresses and the permissions this needs.
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 HEAP_MAX = 64 << 20  # glibc HEAP_MAX_SIZE on 64-bit (2 * DEFAULT_MMAP_THRESHOLD_MAX)
 _HEAD = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ \d+\s*(.*)$")

@@ -99,7 +99,7 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
             if len(late[0]) > 7:
                 life["anon_floor_mb_by_5min"] = floor_levels([s[0] for s in ss], [s[7] / 1024 for s in ss])
         out.setdefault(node, {"lives": []})["lives"].append(life)
-    for node, rec in out.items():
+    for rec in out.values():
         sloped = [lf for lf in rec["lives"] if "rss_mb_per_min" in lf]
         rec["fds_max"] = max(lf["fds_max"] for lf in rec["lives"])
         rec["rss_mb_max"] = max(lf["rss_mb_max"] for lf in rec["lives"])

@@ -34,9 +34,9 @@ from typing import Any
 from bench.soak.fleet import REPO, Fleet, http_json
 
 sys.path.insert(0, str(REPO / "examples" / "engine"))
-import tinygpt  # noqa: E402
+import tinygpt
 
-from bdn.publish import publish_delta, publish_full, publish_startup  # noqa: E402
+from bdn.publish import publish_delta, publish_full, publish_startup
 
 HOT_LOAD = "/hot_load/v1/models/hot_load"
 

@@ -42,7 +42,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=6881)
     ap.add_argument("--peers", default="", help="ip:port,... of the other nodes")
     ap.add_argument("--seed-from-bucket", action="store_true")
-    ap.add_argument("--endpoint"); ap.add_argument("--bucket"); ap.add_argument("--prefix")
+    ap.add_argument("--endpoint")
+    ap.add_argument("--bucket")
+    ap.add_argument("--prefix")
     ap.add_argument("--timeout", type=float, default=1800)
     a = ap.parse_args()
 

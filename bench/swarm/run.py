@@ -517,7 +517,7 @@ class Bench:
         daemons = {i: self.start_bdnd(i, nodes, tag) for i in nodes}
         try:
             def all_up() -> bool:
-                for i, (_, s) in daemons.items():
+                for _, s in daemons.values():
                     st, body = api(s, "GET", "/v1/status")
                     if st != 200 or sum(1 for p in body["peers"] if p["alive"]) < n - 1:
                         return False
@@ -979,7 +979,7 @@ def ceiling(b: Bench) -> None:
                            600, f"A has {ident} from the bucket", every=0.5)
         pr = spawn(f"bdnd-lo{i}", LO_NS, [str(BIN / "bdnd")], env, WORK / "logs" / f"ceiling-lo{i}.log")
         ds[i] = (pr, sockp)
-        wait_until(lambda: api(sockp, "GET", "/v1/health")[0] == 200, 60, f"bdnd lo{i}")
+        wait_until(lambda sockp=sockp: api(sockp, "GET", "/v1/health")[0] == 200, 60, f"bdnd lo{i}")
     wait_until(lambda: all(p["alive"] for p in api(ds[2][1], "GET", "/v1/status")[1]["peers"]) and
                api(ds[2][1], "GET", "/v1/status")[1]["peers"], 60, "lo2 sees lo1")
     time.sleep(3)  # let lo1 learn lo2 in a membership round too

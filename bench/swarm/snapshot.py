@@ -12,8 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bdn.proto.chunks import digest as xxh3_digest
 from bdn.fileops import save_raw
+from bdn.proto.chunks import digest as xxh3_digest
 
 TENSOR_SHAPE = (4096, 2048)  # 16 MiB of bf16 per tensor
 TENSOR_BYTES = TENSOR_SHAPE[0] * TENSOR_SHAPE[1] * 2

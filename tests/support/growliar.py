@@ -25,16 +25,15 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from support.liar import LIAR_STATE, LiarState, _auth, have_answer, post_members  # noqa: E402
-from support.peerproc import PeerProcess  # noqa: E402
-
-from bdn.proto import handshake, wire  # noqa: E402
-from bdn.proto.errors import BdnError  # noqa: E402
-from bdn.proto.identity import validate_identity  # noqa: E402
-from bdn.proto.keys import derive_keys  # noqa: E402
-from bdn.transfer import GRANTED, NOT_HERE, TransferServer  # noqa: E402
-from bdn.transfer.announce import frames  # noqa: E402
-from bdn.transfer.growing import Growing  # noqa: E402
+from bdn.proto import handshake, wire
+from bdn.proto.errors import BdnError
+from bdn.proto.identity import validate_identity
+from bdn.proto.keys import derive_keys
+from bdn.transfer import GRANTED, NOT_HERE, TransferServer
+from bdn.transfer.announce import frames
+from bdn.transfer.growing import Growing
+from support.liar import LIAR_STATE, LiarState, _auth, have_answer, post_members
+from support.peerproc import PeerProcess
 
 
 class Counts:

@@ -31,19 +31,18 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: tests/ for support.*
 
-from support.peerproc import PeerProcess  # noqa: E402
-
 from bdn.bucket import ObjectNotFound, open_bucket
+from bdn.control.swim import ALIVE, Message, Update
+from bdn.daemon import gossip
 from bdn.daemon.nonces import NonceCache
 from bdn.foreign import read_foreign_table
 from bdn.proto import wire
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
-from bdn.control.swim import ALIVE, Message, Update
-from bdn.daemon import gossip
 from bdn.proto.keys import NODE_HEADER, SwarmKeys, WrongTarget, derive_keys, verify_request
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 from bdn.transfer import GRANTED, NOT_HERE, Busy, TransferServer
+from support.peerproc import PeerProcess
 
 LIAR_STATE = web.AppKey("liar", object)
 

@@ -22,7 +22,10 @@ import msgpack
 from bdn.proto.keys import derive_keys, sign_request
 
 from .api import wait_for
-from .peerproc import tail, wait_started  # relative: imported as support.swarm and as tests.support.swarm (bench/control)
+from .peerproc import (  # relative: imported as support.swarm and as tests.support.swarm (bench/control)
+    tail,
+    wait_started,
+)
 
 SECRET = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"
 

@@ -57,7 +57,7 @@ def add_engines(sub: Subparsers, common: argparse.ArgumentParser) -> None:
 
 
 def _replica_row(r: dict[str, Any]) -> list[Any]:
-    ls = r.get("loading_state") if isinstance(r.get("loading_state"), dict) else {}
+    ls = s if isinstance(s := r.get("loading_state"), dict) else {}
     prog = ls.get("progress")
     shown = f"{100.0 * prog:.0f}%" if isinstance(prog, int | float) and not isinstance(prog, bool) else None
     return [r.get("replica_id"), ls.get("stage"), ls.get("identity"), shown, r.get("policy_version"),
@@ -68,7 +68,7 @@ REPLICA_HEADERS = ["REPLICA", "STAGE", "IDENTITY", "PROGRESS", "POLICY_VERSION",
 
 
 def _replica_state(r: dict[str, Any]) -> tuple[Any, Any, Any]:
-    ls = r.get("loading_state") if isinstance(r.get("loading_state"), dict) else {}
+    ls = s if isinstance(s := r.get("loading_state"), dict) else {}
     return ls.get("stage"), ls.get("identity"), ls.get("reason")
 
 
@@ -128,7 +128,7 @@ def _hot_load(client: DaemonClient, args: argparse.Namespace) -> int:
             print(f"{identity}: hot-load accepted (request {cell(ans.get('request_id'))}, "
                   f"{cell(ans.get('replicas'))} replicas reached)")
         return EXIT_OK
-    reached = ans.get("replicas") if isinstance(ans.get("replicas"), int) else 0
+    reached = n if isinstance(n := ans.get("replicas"), int) else 0
     live = _LiveTable(not args.json)
     replicas: list[dict[str, Any]] = []
     try:

@@ -39,7 +39,7 @@ def _status(client: DaemonClient, args: argparse.Namespace) -> int:
             f"{k} {bytes_cell(v) if k.endswith('bytes') else cell(v)}" for k, v in bucket.items() if k != "url"
         )
         lines.append(f"{'bucket':<9} {cell(bucket.get('url'))}" + (f" ({extra})" if extra else ""))
-    peers = st.get("peers") if isinstance(st.get("peers"), list) else []
+    peers = p if isinstance(p := st.get("peers"), list) else []
     lines.append(f"\npeers ({len(peers)}):")
     if peers:
         rows = [[p.get("node_id"), p.get("url"), "yes" if p.get("alive") else "no"]

@@ -29,7 +29,7 @@ def _repair(client: DaemonClient, args: argparse.Namespace) -> int:
                     EXIT_USAGE)
     start = time.monotonic()
     ans = client.repair(identity)
-    corrupted = ans.get("corrupted") if isinstance(ans.get("corrupted"), list) else []
+    corrupted = c if isinstance(c := ans.get("corrupted"), list) else []
     snap = client.snapshot(identity)
     if corrupted:
         try:
@@ -56,6 +56,7 @@ def _verify(client: DaemonClient, args: argparse.Namespace) -> int:
         return _repair(client, args)
     target: str = args.target
     expect: str | None = None
+    path: str | None
     if "/" in target or target.startswith("."):
         path = target  # identities never hold '/' nor start with '.', so this is a directory
     else:

@@ -101,7 +101,7 @@ class Fetcher:
         # peers what they have rather than reading its own HRW share from the bucket.
         try:
             await asyncio.wait_for(self.haves.refresh(job), HAVES_FIRST_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         nodes = self.membership.hrw_nodes()
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)

@@ -158,7 +158,7 @@ class Haves:
         it): a wrong or stale announcement is asked once, not first in every round."""
         grow = self._growing.get(job.identity)
         at = grow.get(index) if grow else None
-        if at is not None:
+        if grow and at is not None:
             at.discard(url)
             if not at:
                 del grow[index]
@@ -198,7 +198,7 @@ class Haves:
         for node in ps.peers:
             m = by_node.get(node)
             p = peer_of(m) if m is not None else None
-            if p is not None and not sub.subscribed(p, ident):
+            if m is not None and p is not None and not sub.subscribed(p, ident):
                 haves.setdefault(m.url, (Bitfield(ns), Bitfield(nr)))
                 sub.subscribe(p, ident)
 
@@ -297,7 +297,7 @@ class Haves:
             ev = self._waiters[key] = asyncio.Event()
         try:
             await asyncio.wait_for(ev.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         finally:
             if self._waiters.get(key) is ev:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from bdn.control.owners import MAX_WORK, bounded, owner_table, slot_of, slot_table
 from bdn.proto import hrw
@@ -30,7 +31,8 @@ class Owners:
     """
 
     def __init__(self) -> None:
-        self._tables: OrderedDict[tuple[object, tuple[str, ...]], dict[str, str]] = OrderedDict()
+        # (key, nodes) -> owner table; (key, "slots", count) -> slot table
+        self._tables: OrderedDict[tuple[object, ...], dict[str, str] | dict[str, int]] = OrderedDict()
 
     def owner(self, key: object, nodes: Sequence[str], digest: str,
               digests: Callable[[], Sequence[str]], count: int) -> str | None:
@@ -40,7 +42,7 @@ class Owners:
         if count * len(nodes) > MAX_WORK or len(nodes) == 1:
             return hrw.owner(nodes, digest)
         k = (key, tuple(sorted(nodes)))
-        table = self._tables.get(k)
+        table = cast("dict[str, str] | None", self._tables.get(k))  # a (key, nodes) key holds an owner table
         if table is None:
             table = self._tables[k] = owner_table(digests(), k[1])
             while len(self._tables) > KEEP:
@@ -59,9 +61,9 @@ class Owners:
         if not readers:
             return None
         k = (key, "slots", len(readers))
-        table = self._tables.get(k)  # type: ignore[call-overload]
+        table = cast("dict[str, int] | None", self._tables.get(k))  # a (key, "slots", n) key holds a slot table
         if table is None:
-            table = self._tables[k] = slot_table(digests(), len(readers)) if count * len(readers) <= MAX_WORK else {}  # type: ignore[index]
+            table = self._tables[k] = slot_table(digests(), len(readers)) if count * len(readers) <= MAX_WORK else {}
             while len(self._tables) > KEEP:
                 self._tables.popitem(last=False)
         return readers[slot_of(digest, len(readers), table)]

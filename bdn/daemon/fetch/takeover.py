@@ -235,9 +235,9 @@ class TakeOvers:
                 self._marked.add(key)
                 self.haves.wake(key)
                 if (layer, i) not in job.inflight:
-                    f = asyncio.ensure_future(ensure(job, layer, i, refs[i]))
+                    f: asyncio.Future[None] = asyncio.ensure_future(ensure(job, layer, i, refs[i]))
                     started.add(f)
-                    f.add_done_callback(lambda f: (started.discard(f), f.cancelled() or f.exception()))
+                    f.add_done_callback(lambda f: (started.discard(f), f.cancelled() or f.exception()))  # type: ignore[func-returns-value]  # a callback's value is unused
                 await asyncio.sleep(0)
         finally:
             for k in [k for k in self._marked if k[0] == job.identity and k[1] == layer]:

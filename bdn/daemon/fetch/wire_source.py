@@ -136,7 +136,7 @@ class WireSource:
             try:
                 await asyncio.wait_for(sem.acquire(), QUEUE_S)
                 held = True
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.stats.busy_answers += 1
                 if self.chunk_log is not None:
                     self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "busy", "wire")
@@ -336,8 +336,8 @@ class WireSource:
         that part. Raises BdnError (missing object, bucket error)."""
         try:
             res = await asyncio.gather(*(
-                bucket.read_chunk(key, ref.offset + off, n, lambda _n, o=off, n=n: view[o : o + n],  # type: ignore[misc]
-                                  progress=None if g is None else (lambda k, i=i: g.landed(i, k)),
+                bucket.read_chunk(key, ref.offset + off, n, lambda _n, o=off, n=n: view[o : o + n],  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
+                                  progress=None if g is None else (lambda k, i=i: g.landed(i, k)),  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
                                   started=started)
                 for i, (off, n) in enumerate(parts)
             ), return_exceptions=True)

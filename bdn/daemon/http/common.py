@@ -43,7 +43,7 @@ async def request_body(request: web.Request, limit: int) -> bytes:
     timeout_s = services(request).cfg.http_header_timeout_s
     try:
         return await asyncio.wait_for(read_body(request.content, limit, request.content_length), timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise BodyIncomplete(408, f"request body not complete after {timeout_s:g} s") from None
     except ConnectionResetError:
         log.debug("%s %s: request body cut short by the sender", request.method, request.path)

@@ -73,7 +73,7 @@ class GuardedHandler(RequestHandler):
             g.stats.add("http_connections_refused")
             _repeat.log(logging.WARNING, "too-many", "%s: more than %d connections open: refusing new ones",
                         g.name, g.max_connections)
-            transport.write(TOO_MANY)  # type: ignore[attr-defined]
+            transport.write(TOO_MANY)  # type: ignore[attr-defined]  # a stream transport (TCP or unix): it writes
             transport.close()
             return
         g.open += 1
@@ -165,7 +165,7 @@ class GuardedRunner(web.AppRunner):
         cap = header_timeout_s + KEEPALIVE_MARGIN_S
         kwargs["keepalive_timeout"] = min(float(kwargs.get("keepalive_timeout", 75.0)), cap)
         super().__init__(app, **kwargs)
-        self._guard_args = dict(name=name, header_timeout_s=header_timeout_s, max_connections=max_connections,
+        self._guard_args: dict[str, Any] = dict(name=name, header_timeout_s=header_timeout_s, max_connections=max_connections,
                                 stats=stats)
 
     async def _make_server(self) -> Server:

@@ -337,7 +337,7 @@ async def engine_ack(request: web.Request) -> web.Response:
     if not all(v is None or isinstance(v, str) for v in (pcp, ifp)):
         return error(400, "prompt_cache_policy and inflight_policy must be strings")
     try:
-        validate_identity(ident)
+        ident = validate_identity(ident)
     except BdnError as ex:
         return error(400, f"identity: {ex}")
     if pause is not None and (isinstance(pause, bool) or not isinstance(pause, (int, float))

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgpack
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from bdn.daemon import logctx
 from bdn.daemon.bodies import BodyTooLarge
@@ -53,7 +54,7 @@ MAX_WAIT_S = 60.0
 
 
 @web.middleware
-async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
+async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     svc = services(request)
     if request.path == hotload.PATH and request.method in ("GET", "POST"):
         return await handler(request)  # bearer-token checked by the handler
@@ -104,7 +105,7 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
         return text(404, "chunk not here")
     if decision is not Admission.SEND:
         return web.Response(status=503, headers={"Retry-After": decision.retry_after or "1"}, text=decision.value + "\n")
-    assert loc is not None
+    assert isinstance(loc, Loc)  # a Growing only when cut_through is asked
     try:
         return await _send_chunk(request, services(request), address, loc)
     finally:

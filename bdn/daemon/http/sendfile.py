@@ -173,7 +173,7 @@ async def send_file(
         OSError: ``path`` cannot be opened, or FileChanged (both before anything is sent).
     """
     fd = open_exact(path, file_size)
-    owned = [fd]  # closed when this returns, unless a send thread still uses them
+    owned: list[int | socket.socket] = [fd]  # closed when this returns, unless a send thread still uses them
     try:
         resp = web.StreamResponse(status=status, headers=headers)
         resp.content_length = length
@@ -198,7 +198,7 @@ async def send_file(
                     await asyncio.shield(fut)
                 except asyncio.CancelledError:
                     _shutdown(out)  # the thread's next sendfile fails at once
-                    fut.add_done_callback(lambda _f, o=list(owned): _close_all(o))
+                    fut.add_done_callback(lambda _f, o=list(owned): _close_all(o))  # type: ignore[misc]  # mypy cannot type a lambda with a default argument
                     owned.clear()
                     transport.abort()
                     raise

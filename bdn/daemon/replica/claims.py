@@ -71,6 +71,7 @@ class Claims:
             claimless = (t.policy_version, t.published_at) == (-1, 0.0)
             if not unread or claimless or getattr(job, "foreign", None) is not None:
                 return t
+            assert job is not None  # unread: it failed here
             self.voided[t.request_id] = None
             while len(self.voided) > self.MAX_VOIDED:
                 del self.voided[next(iter(self.voided))]

@@ -19,8 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, cast
-
+from typing import Any
 
 from bdn.control import hotload as policy
 from bdn.daemon.clock import Clock
@@ -60,7 +59,7 @@ def check_row(obj: Any, peer: str) -> policy.Row:
         raise Invalid("status report must be a map with a row")
     ident, row = obj.get("identity"), obj["row"]
     try:
-        validate_identity(ident)
+        ident = validate_identity(ident)
     except IdentityError as e:
         raise Invalid(f"status report identity: {e}") from None
     if row.get("replica_id") != peer:
@@ -206,13 +205,13 @@ class FleetStatus:
         # a replica membership declared dead leaves the view at once, not when its row expires
         # (3 report intervals: a killed replica was counted done for ~30 s; issue 31, class 9)
         dead = {m.node_id for m in self.membership.members.values() if m.node_id and not m.alive} - live
-        reported = cast("list[policy.Row]", policy.merge(boards))  # type: ignore[arg-type]  # (its rows, back)
+        reported = policy.merge(boards)
         merged = {r.node: policy.Row(r.node, r.identity, complete_row(r.data)) for r in reported if r.node not in dead}
         merged[self.cfg.node_id] = policy.Row(self.cfg.node_id, ident, self.view.replica())  # our own, fresh
         for node in live - set(merged):
             merged[node] = policy.Row(node, ident, replica_row(
                 node, {"stage": "queued", "identity": ident or None, "reason": "no status report yet"}))
         rows = [merged[n] for n in sorted(merged)]
-        page, token = policy.paginate(rows, size, after)  # type: ignore[arg-type]
-        return {"identity": ident or None, "replicas": [cast(policy.Row, r).data for r in page],
+        page, token = policy.paginate(rows, size, after)
+        return {"identity": ident or None, "replicas": [r.data for r in page],
                 "next_page_token": token, "replica_count": len(rows), "stages": stage_counts(_stage(r) for r in rows)}

@@ -25,16 +25,15 @@ import random
 import secrets
 from typing import Any
 
-
 from bdn.bucket import BucketError, ObjectNotFound
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.clock import Clock
+from bdn.daemon.config import Config
 from bdn.daemon.errors import Conflict, Invalid, NotFound, Unsupported, Upstream
+from bdn.daemon.foreign_source import Hint, Hints
 from bdn.daemon.membership import Membership
 from bdn.daemon.packing import packb
 from bdn.daemon.peer_client import PeerClient
-from bdn.daemon.config import Config
-from bdn.daemon.foreign_source import Hint, Hints
 from bdn.daemon.replica import contract
 from bdn.daemon.replica.options import OPTION_FIELDS, parse_options
 from bdn.daemon.replica.ports import Snapshots
@@ -139,7 +138,7 @@ class HotLoad:
             except BucketError as e:
                 raise Upstream(f"cannot list {identity}/ in the bucket: {e}") from None
             if not objs:
-                raise NotFound(f"snapshot {identity!r} is not in the bucket {self.bucket.url}")
+                raise NotFound(f"snapshot {identity!r} is not in the bucket {self.bucket.url}") from None
             return None
         except BucketError as e:
             raise Upstream(f"cannot read the manifest of {identity!r}: {e}") from None

@@ -29,8 +29,8 @@ from bdn.daemon.errors import Conflict
 from bdn.daemon.foreign_source import Hint, Hints
 from bdn.daemon.replica import claims, contract
 from bdn.daemon.replica import engines as engine_rules
-from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.changes import ChangedTensorsCache, DeltaSource, delta_source
+from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.options import DEFAULT_OPTIONS
 from bdn.daemon.replica.ports import SnapshotRecord, Snapshots
 from bdn.daemon.replica.target import Target, later, supersedes
@@ -216,7 +216,7 @@ class ReplicaView:
                 reason = job.reason
         else:
             progress = 1.0
-            stage, reason = self._engine_stage(ident)  # type: ignore[arg-type]
+            stage, reason = self._engine_stage(ident)  # type: ignore[arg-type]  # a job was found: ident is set
         pauses = [e.pause_ms for e in self.engines.values() if e.acked == self.current and e.pause_ms is not None]
         reports = [e for e in self.engines.values() if e.acked == self.current and e.swap is not None]
         last = max(reports, key=lambda e: e.pause_ms or 0.0) if reports else None
