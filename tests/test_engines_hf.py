@@ -423,9 +423,9 @@ def test_the_command_serves_and_stops_on_sigterm(trainer, node, tmp_path: Path) 
         # at --log-level info: the engine's own lines, not httpx's line per request to bdnd
         assert "bdn.client.engine: registered with" in log and "bdn.engines.driver: serving step000001" in log, log
         assert "httpx" not in log and "HTTP Request:" not in log, log
-        # the swap's pause as the other lines give durations: "paused 0.19 ms"
-        assert re.search(r"serving step000001 \(policy version 1\): mode load, tensors_copied \d+, paused \d+\.\d\d ms$",
-                         log, re.M), log
+        # the swap in plain words, its pause as the other lines give durations: "paused 0.19 ms"
+        assert re.search(r"serving step000001 \(policy version 1\): loaded a new model object \(first load, \d+ tensors\), "
+                         r"paused \d+\.\d\d ms$", log, re.M), log
         # it unregistered on the way out (the fleet view follows the replica's report: a state)
         wait_for(lambda: hot_load_status(node.url)[0]["engines"] == 0, 120, "the replica to list no engine")
     finally:
