@@ -146,13 +146,15 @@ class Readiness:
         return f"target snapshot {t.identity}: {job.state}" + (f" ({job.reason})" if job.reason else "")
 
     def misconfigured(self) -> tuple[list[str], list[str]]:
-        """``(reasons, warnings)`` from the problems noticed: a duplicate node id and an empty
-        bucket are reasons; peers refusing the signature are a reason when no peer answers,
-        else a warning each."""
+        """``(reasons, warnings)`` from the problems noticed: an empty bucket (this daemon's own
+        probe) is a reason; what peers answered (a 401, this daemon's node id) is a warning each,
+        never a reason: those answers are not authenticated (a 401 comes from a peer without the
+        secret by definition), so anything at a seed address could otherwise keep an honest node
+        not ready for ever (docs/TRUST.md)."""
         reasons, warnings = [], []
         for p in self.problems.active():
-            if p.kind == "partition_secret" and self.live_peers() > 0:
-                warnings.append(p.message)
+            if p.kind in ("partition_secret", "duplicate_node_id"):
+                warnings.append(f"misconfigured: {p.message}")
             else:
                 reasons.append(f"misconfigured: {p.message}")
         return reasons, warnings
