@@ -125,6 +125,36 @@ def test_commit_waits_for_a_late_part(url: str) -> None:
     assert commit_step(url, "s1", 1, world_size=2, wait_s=5).kind == "full"
 
 
+def test_a_commit_waiting_for_parts_never_overwrites_a_step_committed_meanwhile(url: str) -> None:
+    """Commit B waits for a late part; commit A of the same step lands first. B must refuse
+    before it writes anything: its config.json over A's would break A's published step."""
+    import threading
+
+    publish_part(url, "s1", owned(model(1), 0, 2), rank=0, world_size=2, chunk_size=CHUNK)
+    errors: list[BaseException] = []
+
+    def commit_b() -> None:
+        try:
+            commit_step(url, "s1", 1, world_size=2, extra_files={"config.json": b'{"from": "B"}'}, wait_s=120)
+        except BaseException as e:
+            errors.append(e)
+
+    b = threading.Thread(target=commit_b)
+    b.start()
+    publish_part(url, "s1", owned(model(1), 1, 2), rank=1, world_size=2, chunk_size=CHUNK)
+    try:
+        commit_step(url, "s1", 1, world_size=2, extra_files={"config.json": b'{"from": "A"}'})
+        winner = b'{"from": "A"}'
+    except PublishError as e:  # B saw the late part first and committed: then A is the refused one
+        errors.append(e)
+        winner = b'{"from": "B"}'
+    b.join(300)
+    assert not b.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], PublishError), errors
+    with open_bucket(url) as bucket:
+        assert bucket.read("s1/config.json") == winner  # the published step's own config, not the loser's
+
+
 def test_a_tensor_published_by_two_ranks_is_refused(url: str) -> None:
     state = model(1)
     publish_part(url, "s1", owned(state, 0, 2), rank=0, world_size=2, chunk_size=CHUNK, file_of=layer_file)

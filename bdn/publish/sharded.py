@@ -237,6 +237,12 @@ def commit_step(
         if len(step.files) > 1:
             extras[INDEX_NAME] = index_json(step)
         entries = list(step.files)
+        # Again, right before the first write: the wait for the parts above can be long, and a
+        # commit that finished meanwhile must not have its extra files replaced under its
+        # manifest (two commit_step calls of one step at once; one per step is the contract, and
+        # two racing within this check's own window are still not excluded: the bucket has no
+        # conditional write that bdn uses).
+        refuse_published(b, identity, overwrite)
         for path, data in sorted(extras.items()):
             b.write(f"{identity}/{path}", data)
             entries.append(FileEntry(path, len(data), tuple(buffer_digests(data, step.chunk_size))))
