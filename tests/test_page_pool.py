@@ -138,3 +138,22 @@ def test_spares_count_in_the_budget_and_can_be_turned_off(tmp_path: Path, file_b
         load(off, "step000003", snaps[3][1])
     finally:
         off.stop()
+
+
+
+def test_a_restart_with_the_same_pid_never_leaves_an_old_tag_on_other_bytes(tmp_path: Path) -> None:
+    """Spare names are ``<pid>-<n>``, n counting from 0 in each pool: a daemon restarted with the
+    same pid (PID 1 in a container) reuses names. An untagged file recycled under a name that
+    still has a tag must not inherit it: the tag describes other bytes."""
+    from bdn.daemon.spares import Spares
+
+    root = tmp_path / "store"
+    root.mkdir()
+    for name, fill, tags in (("one", b"X", {"model.safetensors": {"path": "model.safetensors", "size": 8192}}),
+                             ("two", b"Y", {})):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(fill * 8192)
+        Spares(root).absorb(d, tags)  # a new pool each time: the restart, same pid
+    got = Spares(root).take_tagged("model.safetensors", 8192, tmp_path / "out", lambda t: True)
+    assert got is None or (tmp_path / "out").read_bytes() == b"X" * 8192, "a tag over another file's bytes"

@@ -155,6 +155,9 @@ class Spares:
             self._high = max(self._high, sum(st.st_blocks * 512 for _, st in files))
             for p, st in files:
                 name = f"{os.getpid()}-{next(self._seq)}"
+                # A restarted daemon with the same pid (PID 1 in a container) counts from 0 again:
+                # a tag left at this name is some other file's, never this one's.
+                (self.tags / name).unlink(missing_ok=True)
                 if recycle(p, self.dir / name):
                     kept += st.st_blocks * 512
                     tag = (tags or {}).get(p.relative_to(directory).as_posix())
