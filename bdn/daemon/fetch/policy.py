@@ -269,8 +269,10 @@ class Rounds:
 REFUSE_LIMIT = 6
 #: ... spanning at least this long, with nothing delivered by it meanwhile while another source
 #: delivered: it is penalised (a lying or stale have-list; an honest holder that is merely busy
-#: delivers now and then, and when every source is busy nobody is blamed).
-REFUSE_WINDOW_S = 3.0
+#: delivers now and then, and when every source is busy nobody is blamed). Long enough that an
+#: honest owner busy serving others is not taken for a liar: a penalty takes it out of the live
+#: set, so its chunks' HRW owners move and another node reads them from the bucket too.
+REFUSE_WINDOW_S = 10.0
 #: A source below this fraction of the median rate of the others is slow: asked last, and a
 #: request to it running longer than the median source would need at this fraction is lagging.
 SLOW_FRACTION = 0.1
