@@ -611,12 +611,13 @@ def test_cli_refusals_and_usage_errors(tmp_path: Path, ckpt) -> None:
     src, _ = ckpt
     flags = ["--bucket", f"file://{tmp_path / 'bucket'}"]
 
+    # usage errors (argparse's convention: exit 2, before anything is read or written)
     r = _cli("full", "--dir", str(src), *flags, "--identity", "bad/id", "--policy-version", "1")
-    assert r.returncode == 1 and "one path segment" in r.stderr
+    assert r.returncode == 2 and "one path segment" in r.stderr
 
     r = _cli("delta", "--dir", str(src), *flags, "--identity", "s2", "--policy-version", "1",
              "--base", "s1", "--compression-format", "arc_v3")
-    assert r.returncode == 1 and "arc_v1" in r.stderr and "arc_v2" in r.stderr
+    assert r.returncode in (1, 2) and "arc_v1" in r.stderr and "arc_v2" in r.stderr
 
     r = _cli("full", "--dir", str(src), *flags, "--identity", "s1")  # no --policy-version
     assert r.returncode == 2 and "--policy-version" in r.stderr
@@ -626,6 +627,6 @@ def test_cli_refusals_and_usage_errors(tmp_path: Path, ckpt) -> None:
              "--chunk-size", "100")
     assert r.returncode == 2 and "--chunk-size" in r.stderr
     r = _cli("full", "--dir", str(src / "nope"), *flags, "--identity", "s1", "--policy-version", "1")
-    assert r.returncode == 1 and r.stderr.startswith("bdn-publish: error: ") and "not a directory" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("bdn-publish: error: ") and "not a directory" in r.stderr
     r = _cli("bogus")
     assert r.returncode == 2
