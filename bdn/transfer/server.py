@@ -278,12 +278,12 @@ class TransferServer:
         except Exception:  # a bug in resolve/admit: this connection ends, the server serves on
             log.exception("transfer connection from %s: resolve or admit failed", conn.peer or "?")
         finally:
+            sock.close()  # first: a connection no longer counted is one its peer sees closed
             with self._lock:
                 self._conns.discard(conn)
                 self._pending.pop(conn, None)
                 if conn.authed:
                     self._authed -= 1
-            sock.close()
 
     def _handshake(self, conn: _Conn) -> handshake.Session | None:
         sock = conn.sock
