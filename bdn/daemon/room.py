@@ -99,8 +99,11 @@ def _dirs(paths: Iterable[str]) -> set[str]:
     return out
 
 
-def _grow(path: Path, size: int) -> None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+def grow(path: Path, size: int, mode: int = 0o600) -> None:
+    """``path`` (created with ``mode`` if missing, never through a symlink) at ``size`` bytes with
+    its space allocated (``posix_fallocate``; a file system without it keeps the sparse file).
+    Raises OSError: ENOSPC/EDQUOT when the space is not there."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     try:
         os.ftruncate(fd, size)
         if size:
@@ -123,7 +126,7 @@ class Reserve:
 
     def hold(self, size: int) -> None:
         """Allocate ``size`` bytes (raises OSError, ENOSPC when they are not there)."""
-        _grow(self.path, size)
+        grow(self.path, size)
 
     def size(self) -> int:
         """The bytes held (0 when there is no reservation)."""
@@ -152,7 +155,7 @@ class Reserve:
         finally:
             back = max(0, held - new) + (old if done else new)
             with contextlib.suppress(OSError):
-                _grow(self.path, back)
+                grow(self.path, back)
 
     def release(self) -> None:
         """Free the reservation (READY and the record are written next)."""

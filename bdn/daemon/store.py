@@ -42,7 +42,7 @@ import msgpack
 
 from bdn.daemon import buffers, diskio
 from bdn.daemon.packing import packb
-from bdn.daemon.room import Reserve, room
+from bdn.daemon.room import Reserve, grow, room
 from bdn.daemon.shmlock import ShmFull, existing, room_line
 from bdn.daemon.spares import Spares
 from bdn.proto.errors import ProtocolError
@@ -243,17 +243,7 @@ class Store:
         p.parent.mkdir(parents=True, exist_ok=True)
         if p.exists() and not p.is_symlink():
             os.chmod(p, WRITABLE)  # a spare comes from a ready (read-only) snapshot
-        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, WRITABLE)
-        try:
-            os.ftruncate(fd, size)
-            if size:
-                try:
-                    os.posix_fallocate(fd, 0, size)
-                except OSError as e:
-                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                        raise
-        finally:
-            os.close(fd)
+        grow(p, size, WRITABLE)
 
     # ---- persisted progress (resume after a restart) ---------------------------------------
     def progress_path(self, identity: str) -> Path:
