@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import struct
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from bdn.proto.chunks import digest
 from bdn.proto.manifest import MANIFEST_NAME
+from support.api import wait_for
 from support.swarm import Daemon
 
 pytestmark = pytest.mark.timeout(1500)  # a hang's deadline: 100,000 files take minutes on a loaded machine
@@ -85,6 +85,11 @@ class LagWatch:
             except OSError:
                 pass  # between a stop and a start
 
+    def settle(self) -> None:
+        """Wait until the metric was read 3 more times: the lag of the steps just taken is in it."""
+        after = self.samples + 3
+        wait_for(lambda: self.samples, 300, "3 more reads of the loop-lag metric", until=lambda n: n >= after)
+
     def stop(self) -> float:
         self._stop.set()
         self._t.join(70)
@@ -108,7 +113,7 @@ def test_a_huge_snapshot_never_blocks_the_loop(tmp_path: Path) -> None:
         assert status == 200 and len(files["files"] if isinstance(files, dict) else files) == N_FILES
         status, _ = d.request("GET", f"/v1/snapshots/{IDENTITY}/tensors/layer.00000007.weight", timeout=300)
         assert status == 200
-        time.sleep(1.5)  # the probes after the last step
+        watch.settle()  # the probes after the last step
         worst_running = watch.stop()
         d.stop()
         d.start([])
@@ -117,7 +122,7 @@ def test_a_huge_snapshot_never_blocks_the_loop(tmp_path: Path) -> None:
         assert d.get(f"/v1/snapshots/{IDENTITY}")["state"] == "ready"
         status, _ = d.request("GET", f"/v1/snapshots/{IDENTITY}/tensors/layer.00000008.weight", timeout=300)
         assert status == 200
-        time.sleep(1.5)
+        watch.settle()
         worst_restarted = watch.stop()
         watch = None
         assert worst_running < 0.1 and worst_restarted < 0.1, (worst_running, worst_restarted)
