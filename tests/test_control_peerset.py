@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from bdn.control.peerset import PeerSet, PeerSetError, pack_bits, unpack_bits
+from bdn.daemon.fetch.policy import tiebreak
 
 
 class FakeClock:
@@ -140,7 +141,7 @@ def test_a_million_chunk_set_costs_8_bytes_a_chunk_and_breaks_ties_at_random() -
     finally:
         tracemalloc.stop()
     assert used / n < 9, f"{used / n:.1f} bytes per chunk"
-    ranks = ps._tiebreak(np.arange(n))
+    ranks = tiebreak(np.arange(n), ps._salt)  # bdn.daemon.fetch.policy.tiebreak
     assert len(np.unique(ranks)) == n  # no two positions tie
     small = PeerSet("me", 64, FakeClock(), rng=random.Random(5))
     small.accept("a")

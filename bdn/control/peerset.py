@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bdn.control import Clock
-from bdn.daemon.fetch.policy import endgame, holder_key
+from bdn.daemon.fetch.policy import chunk_order, endgame, holder_key, tiebreak
 
 MAX_PEERS_HARD = 256
 RACE = 2  # holders asked at once for one chunk in the endgame (bdnd: the first two)
@@ -98,11 +98,12 @@ class PeerSet:
         self.announced = np.zeros(n_chunks, dtype=bool)  # HAVE sent before the chunk was whole
         self.owned = np.zeros(n_chunks, dtype=bool) if owned is None else np.asarray(owned, dtype=bool).copy()
         self.avail = np.zeros(n_chunks, dtype=np.int32)
-        # Ties among equally rare chunks go by a random order of this set's own: a keyed
-        # bijection of the position (:meth:`_tiebreak`), computed for the candidates only. (A
-        # permutation array of 10^6 chunks took 60-70 ms on the daemon's event loop and 8 bytes
-        # per chunk; random.sample before it 0.7 s: issue 12, item 2.)
-        self._salt = np.uint64(self.rng.getrandbits(64))
+        # Ties go by a random order of this set's own (``policy.tiebreak``: a keyed bijection of
+        # the position, computed for the candidates only; issue 12, item 2).
+        self._salt = self.rng.getrandbits(64)
+        #: Each chunk's place in its owner's read list (``policy.owner_places``; the caller sets
+        #: it when the owners change; None: all 0): the chunk order's second key, after the holder count.
+        self.place: np.ndarray | None = None
         self.peers: dict[str, _Peer] = {}
         self._next_flush = clock()
         self.messages_out = 0  # BITFIELD + HAVE messages this set asked to send (a metric)
@@ -326,14 +327,6 @@ class PeerSet:
         self.messages_out += len(out)
         return out
 
-    def _tiebreak(self, idxs: np.ndarray) -> np.ndarray:
-        """A random-looking rank of each position, the same for the set's life: splitmix64's
-        finaliser of ``position ^ salt``, a bijection of 64-bit integers (no two ranks tie)."""
-        x = idxs.astype(np.uint64) ^ self._salt
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
     def next_flush(self) -> float:
         return self._next_flush
 
@@ -407,7 +400,8 @@ class PeerSet:
         idxs = np.flatnonzero(cand)
         if idxs.size == 0:
             return []
-        order = idxs[np.lexsort((self._tiebreak(idxs), self.avail[idxs]))]
+        place = self.place[idxs] if self.place is not None else np.zeros(idxs.size, dtype=np.int32)
+        order = idxs[chunk_order(self.avail[idxs], place, tiebreak(idxs, self._salt))]
         avail = self.avail
         out: list[tuple[int, str]] = []
         for i in order.tolist():

@@ -37,7 +37,7 @@ from bdn.control.members import MemberBase
 from bdn.control.owners import OwnerCache, reader_count, reader_slots
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
-from bdn.daemon.fetch.policy import SourceBook
+from bdn.daemon.fetch.policy import SourceBook, owner_places
 from bdn.daemon.uploads import Admission, Uploads
 from bdn.proto import hrw
 from bench.fleetsim.forward import Forwarding
@@ -166,6 +166,7 @@ class FleetSim:
         self.n_live = 0
         self.requests = 0  # chunk requests sent (a cost metric)
         self._maps: dict[tuple, Any] = {}
+        self._place_of: dict[int, tuple[Any, np.ndarray]] = {}  # id(owner map) -> (map, places)
         self._reader_scores: dict[tuple[str, str], int] = {}  # (node, slot key) -> HRW score
         self._readers_of_view: dict[int, tuple] = {}  # id(live tuple) -> (live, r, readers)
         self._dirty: list[SimNode] = []
@@ -352,10 +353,23 @@ class FleetSim:
             # chunks that became ours while the snapshot was under way: ask the former owner first
             nd.inherited |= {i for i in mine if not nd.ps.owned[i]}
         nd.ps.owned = owned
+        nd.ps.place = self._places(m)
         queued = set(nd.bucket_queue)
         new = [i for i in mine if not nd.ps.held[i] and i not in nd.reading and i not in queued]
         nd.bucket_queue = [i for i in nd.bucket_queue if owned[i] and not nd.ps.held[i]] + new
         self.start_reads(nd)
+
+    def _places(self, m: Any) -> np.ndarray:
+        """Each chunk's place in its owner's read list under map ``m`` (``policy.owner_places``,
+        as bdnd's fetcher computes it), built once per map."""
+        hit = self._place_of.get(id(m))
+        if hit is not None and hit[0] is m:
+            return hit[1]
+        place = owner_places(m.owner(d) for d in self.digests)
+        if len(self._place_of) > 64:
+            self._place_of.clear()
+        self._place_of[id(m)] = (m, place)
+        return place
 
     def start_reads(self, nd: SimNode) -> None:
         """Keep ``reads_per_reader`` simulated chunk reads (``bucket_concurrency`` connections) going."""
