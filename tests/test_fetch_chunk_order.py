@@ -21,22 +21,20 @@ class FakeClock:
 
 
 @st.composite
-def candidates(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def candidates(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray]:
     n = draw(st.integers(0, 60))
-    avail = np.array(draw(st.lists(st.integers(0, 4), min_size=n, max_size=n)), dtype=np.int32)
     place = np.array(draw(st.lists(st.integers(0, 6), min_size=n, max_size=n)), dtype=np.int32)
     positions = np.array(draw(st.lists(st.integers(0, 10_000), min_size=n, max_size=n, unique=True)), dtype=np.int64)
-    ties = policy.tiebreak(positions, draw(st.integers(0, 2**64 - 1)))
-    return avail, place, ties
+    return place, policy.tiebreak(positions, draw(st.integers(0, 2**64 - 1)))
 
 
 @settings(max_examples=200, deadline=None)
 @given(candidates())
-def test_chunk_order_is_a_permutation_sorted_by_holders_then_owner_place_then_ties(c) -> None:
-    avail, place, ties = c
-    order = policy.chunk_order(avail, place, ties)
-    assert sorted(order.tolist()) == list(range(len(avail)))
-    keys = [(int(avail[j]), int(place[j]), int(ties[j])) for j in order]
+def test_chunk_order_is_a_permutation_by_owner_place_then_ties(c) -> None:
+    place, ties = c
+    order = policy.chunk_order(place, ties)
+    assert sorted(order.tolist()) == list(range(len(place)))
+    keys = [(int(place[j]), int(ties[j])) for j in order]
     assert keys == sorted(keys)
 
 
@@ -50,46 +48,47 @@ def test_tiebreak_is_a_bijection_fixed_by_the_salt(salt: int) -> None:
     assert not np.array_equal(ranks, policy.tiebreak(pos, salt ^ 1))
 
 
-def test_owner_places_count_each_owners_chunks_in_manifest_order() -> None:
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.sampled_from("abcd"), max_size=80))
+def test_owner_places_count_each_owners_chunks_in_manifest_order(owners: list[str]) -> None:
+    place = policy.owner_places(owners).tolist()
+    for i, o in enumerate(owners):
+        assert place[i] == owners[:i].count(o)
     assert policy.owner_places(["a", "b", "a", "c", "b", "a"]).tolist() == [0, 0, 1, 0, 1, 2]
-    assert policy.owner_places([]).tolist() == []
 
 
 def _owner_of(owners: list[str]):
     return lambda i: owners[i]
 
 
-def test_the_fetcher_draws_rarest_first_then_each_owners_next_chunk_and_reads_counts_again() -> None:
-    n = 200
-    rnd = random.Random(3)
-    owners = [rnd.choice(["me", "a", "b", "c"]) for _ in range(n)]
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32), st.lists(st.sampled_from(["me", "a", "b", "c"]), min_size=1, max_size=90),
+       st.sets(st.integers(0, 89)))
+def test_the_fetcher_draws_owned_chunks_in_manifest_order_and_the_rest_each_owners_next_first(
+        seed: int, owners: list[str], held: set[int]) -> None:
+    n = len(owners)
     bits = Bitfield(n)
-    counts = np.zeros(n, dtype=np.int32)
-    counts[[i for i in range(n) if i % 7 == 0]] = 2
-    counts[[i for i in range(n) if i % 5 == 0]] = 1
-    calls = []
+    for i in held:
+        if i < n:
+            bits.set(i)
+    owned, others = policy.split_owned(bits, ["me", "a", "b", "c"], "me", random.Random(seed), _owner_of(owners))
+    missing = [i for i in range(n) if not bits[i]]
+    assert [i for i in owned if i is not None] == [i for i in missing if owners[i] == "me"]
+    drawn = [i for i in others if i is not None]
+    assert sorted(drawn) == [i for i in missing if owners[i] != "me"]
+    place = policy.owner_places(owners)  # places in the owners' whole lists, not in what is missing
+    assert [place[i] for i in drawn] == sorted(place[i] for i in drawn)
 
-    def avail(pos: np.ndarray) -> np.ndarray:
-        calls.append(len(pos))
-        return counts[pos]
 
-    owned, others = policy.split_owned(bits, ["me", "a", "b", "c"], "me", random.Random(9), _owner_of(owners), avail)
-    assert [i for i in owned if i is not None] == [i for i in range(n) if owners[i] == "me"]
-    first = [next(others) for _ in range(policy.REORDER_EVERY)]
-    place = policy.owner_places(owners)
-    theirs = np.array([i for i in range(n) if owners[i] != "me"])
-    expect = theirs[policy.chunk_order(counts[theirs], place[theirs], policy.tiebreak(theirs, random.Random(9).getrandbits(64)))]
-    assert first == expect[: policy.REORDER_EVERY].tolist()
-    assert calls == [len(theirs)]
-    # news between two draws: a chunk arrived here, and the rarest left now has 3 holders
-    got = int(expect[policy.REORDER_EVERY])
-    bits.set(got)
-    counts[expect[policy.REORDER_EVERY + 1:]] += 3
-    counts[int(expect[-1])] = 0
+def test_a_chunk_that_arrives_while_the_order_is_drawn_is_skipped() -> None:
+    owners = ["a", "b"] * 20
+    bits = Bitfield(40)
+    _, others = policy.split_owned(bits, ["me", "a", "b"], "me", random.Random(2), _owner_of(owners))
+    first = next(others)
+    assert first in (0, 1)  # each owner's first chunk first
+    bits.set(1 - first)  # the other owner's first chunk arrives meanwhile
     rest = [i for i in others if i is not None]
-    assert len(calls) >= 2 and calls[1] == len(theirs) - policy.REORDER_EVERY - 1  # counts read again
-    assert rest[0] == int(expect[-1])  # the one nobody holds now comes first
-    assert got not in rest and sorted(first + rest + [got]) == theirs.tolist()
+    assert sorted([first, *rest]) == [i for i in range(40) if i != 1 - first]
 
 
 def test_the_daemon_and_the_simulators_peer_set_pick_the_same_order_from_the_same_inputs() -> None:
@@ -101,10 +100,9 @@ def test_the_daemon_and_the_simulators_peer_set_pick_the_same_order_from_the_sam
     have = {p: np.array([rnd.random() < 0.4 for _ in range(n)]) for p in peers}
     held = np.array([rnd.random() < 0.2 for _ in range(n)])
     owned = np.array([o == "me" for o in owners])
-    place = policy.owner_places(owners)
 
     ps = PeerSet("me", n, FakeClock(), rng=random.Random(5), owned=owned)
-    ps.place = place
+    ps.place = policy.owner_places(owners)
     for p in peers:
         ps.accept(p)
         ps.on_bitfield(p, have[p])
@@ -115,11 +113,10 @@ def test_the_daemon_and_the_simulators_peer_set_pick_the_same_order_from_the_sam
     bits = Bitfield(n)
     for i in np.flatnonzero(held):
         bits.set(int(i))
-    counts = sum(h.astype(np.int32) for h in have.values())
-    _, others = policy.split_owned(bits, ["me", *peers], "me", random.Random(5), _owner_of(owners),
-                                   lambda pos: counts[pos])
+    _, others = policy.split_owned(bits, ["me", *peers], "me", random.Random(5), _owner_of(owners))
     drawn = [i for i in others if i is not None]
-    # the fetcher draws every missing chunk (those nobody holds go to their owners); the peer
-    # set picks only what a peer holds: the same order on those
-    assert picked == [i for i in drawn if counts[i] > 0]
-    assert len(picked) == int(((counts > 0) & ~held & ~owned).sum())
+    # the fetcher draws every missing chunk (those nobody holds go to their owners, parked); the
+    # peer set picks only what a peer holds: the same order on those
+    held_by_a_peer = sum(h.astype(np.int32) for h in have.values()) > 0
+    assert picked == [i for i in drawn if held_by_a_peer[i]]
+    assert len(picked) == int((held_by_a_peer & ~held & ~owned).sum()) > 0

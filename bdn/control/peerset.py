@@ -1,8 +1,11 @@
-"""A bounded peer set per snapshot: a bitfield once per connection, then HAVEs, rarest-first.
+"""A bounded peer set per snapshot: a bitfield once per connection, then HAVEs; chunks picked in
+bdnd's own order (``bdn.daemon.fetch.policy.chunk_order``: each owner's next chunk first).
 
-Source: BitTorrent (BEP 3: ``bitfield`` once after the handshake, then ``have`` per piece;
-rarest-first piece selection) and Kraken's scheduler (a capped set of connections per torrent,
-``dispatch/piecerequest``'s rarest-first policy: a pure function of bitsets and counts).
+Source: BitTorrent (BEP 3: ``bitfield`` once after the handshake, then ``have`` per piece) and
+Kraken's scheduler (a capped set of connections per torrent; ``dispatch/piecerequest``: which
+piece next is a pure function of bitsets and counts). The order itself is bdnd's, not
+rarest-first: in this fleet every chunk starts at one holder, its owner, and measured against
+rarest-first the owners' order was as fast or faster (``policy.chunk_order``).
 
 Each daemon works, per snapshot, with at most ``max_peers`` peers: it dials until it has
 ``k`` (a few of them bucket readers, ``reader_slots``, so fresh chunks enter its neighbourhood
@@ -102,7 +105,7 @@ class PeerSet:
         # the position, computed for the candidates only; issue 12, item 2).
         self._salt = self.rng.getrandbits(64)
         #: Each chunk's place in its owner's read list (``policy.owner_places``; the caller sets
-        #: it when the owners change; None: all 0): the chunk order's second key, after the holder count.
+        #: it when the owners change; None: all 0): the chunk order's key.
         self.place: np.ndarray | None = None
         self.peers: dict[str, _Peer] = {}
         self._next_flush = clock()
@@ -332,7 +335,10 @@ class PeerSet:
 
     def pick(self, limit: int, load: dict[str, int] | None = None, max_per_peer: int = 4,
              include_owned: bool = False, slow: Callable[[str], bool] | None = None) -> list[tuple[int, str]]:
-        """Up to ``limit`` (chunk index, peer) requests: rarest first, from the best holder by
+        """Up to ``limit`` (chunk index, peer) requests, in bdnd's chunk order
+        (``bdn.daemon.fetch.policy.chunk_order`` over :attr:`place` and this set's tiebreak: the
+        order bdnd's fetcher draws in) among the chunks a peer with a free slot holds, each from
+        the best holder by
         bdnd's own rule (``bdn.daemon.fetch.policy.holder_key``: ``slow`` sources last, e.g.
         ``SourceBook.slow``; bucket readers only when no other holder of the chunk has a free
         slot; least loaded).
@@ -401,7 +407,7 @@ class PeerSet:
         if idxs.size == 0:
             return []
         place = self.place[idxs] if self.place is not None else np.zeros(idxs.size, dtype=np.int32)
-        order = idxs[chunk_order(self.avail[idxs], place, tiebreak(idxs, self._salt))]
+        order = idxs[chunk_order(place, tiebreak(idxs, self._salt))]
         avail = self.avail
         out: list[tuple[int, str]] = []
         for i in order.tolist():

@@ -12,7 +12,8 @@ delivers their messages (one-way delay = RTT/2 plus jitter) and moves chunk byte
 
 The ``fleet`` policy (this module): SWIM membership, bucket readers per snapshot
 (:func:`bdn.control.owners.reader_count` with the daemon's ``bucket_concurrency`` connections
-per reader), bounded peer sets with BITFIELD/HAVE and rarest-first, hot-load gossip; a node
+per reader), bounded peer sets with BITFIELD/HAVE picking chunks in bdnd's order
+(``policy.chunk_order``: each owner's next chunk first), hot-load gossip; a node
 asks a chunk's owner directly only when no peer of its set has had it for
 ``owner_ask_after_s``. ``today`` (today's bdnd, for the validation): bench/fleetsim/today.py.
 
@@ -727,7 +728,7 @@ class FleetSim:
         self.kick(nd)
 
     def fill(self, nd: SimNode) -> None:
-        """Up to ``download_slots`` requests: rarest-first from the peer set; a chunk no peer
+        """Up to ``download_slots`` requests: from the peer set in bdnd's chunk order; a chunk no peer
         has had for ``owner_ask_after_s`` (at once when its owner's connection reset) from its
         owner, or read from the bucket when this node is now its acting owner."""
         sc, ps, now = self.sc, nd.ps, self.env.now

@@ -22,8 +22,6 @@ import asyncio
 import logging
 from typing import Any
 
-import numpy as np
-
 from bdn.control.peerset import PeerSet
 from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.membership import Member, Membership
@@ -145,20 +143,6 @@ class Haves:
             bits = h[0] if layer == STORED else h[1]
             if bits.n > index and bits[index]:
                 out.append(url)
-        return out
-
-    def counts(self, job: SnapshotJob, layer: str, positions: np.ndarray) -> np.ndarray:
-        """How many peers' last bitfields of ``layer`` show each chunk of ``positions`` (an int
-        array of chunk indexes of ``job``): int32 array of the same length, for the fetch
-        policy's chunk order (``policy.chunk_order``). O(peers x chunks / 8) per call."""
-        out = np.zeros(len(positions), dtype=np.int32)
-        for h in self._by_identity.get(job.identity, {}).values():
-            bits = h[0] if layer == STORED else h[1]
-            if bits.count == 0:
-                continue
-            unpacked = np.unpackbits(np.frombuffer(bytes(bits.bits), dtype=np.uint8), count=bits.n)
-            ok = positions < bits.n
-            out[ok] += unpacked[positions[ok]]
         return out
 
     async def next_growing(self, job: SnapshotJob) -> int:

@@ -5,8 +5,11 @@ No I/O, no asyncio: bdnd's fetcher (``bdn.daemon.fetch.fetcher``) executes what 
 and the fleet simulator (``bench/fleetsim``) runs the same functions (tests/test_fleetsim_policy.py
 fails if it stops). Time comes from an injected clock, chance from an injected ``random.Random``.
 
-*Which chunk next*: :func:`split_owned` (the chunks this node owns, in manifest order; the rest in
-the order their owners read them). One *round* over the sources, for a chunk of ``layer``:
+*Which chunk next*: :func:`chunk_order`, the one order bdnd and the simulator draw from: each
+owner's next chunk first (the order the owners read them), ties at random per node. :func:`split_owned`
+applies it to a layer (the chunks this node owns apart, in manifest order: it reads them), and
+``bdn.control.peerset.PeerSet.pick`` to what a peer set's holders have. One *round* over the
+sources, for a chunk of ``layer``:
 
 1. *holders* (:func:`holders`): live peers whose have-bitfield shows the chunk; sources the
    :class:`SourceBook` counts slow last, then least loaded (fewest requests in flight from this
@@ -30,7 +33,6 @@ it is asked elsewhere). :func:`bucket_parts` splits one bucket read.
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -109,39 +111,34 @@ def owner_places(owners: Iterable[object]) -> np.ndarray:
     return np.asarray(out, dtype=np.int32)
 
 
-def chunk_order(avail: np.ndarray, place: np.ndarray, ties: np.ndarray) -> np.ndarray:
+def chunk_order(place: np.ndarray, ties: np.ndarray) -> np.ndarray:
     """Which chunk next: the indexes ``0..len-1`` of the candidate chunks in the order to ask
-    for them. ``avail[j]``: holders known for candidate ``j`` (peers whose have-list shows it);
-    ``place[j]``: its place in its owner's read list (:func:`owner_places`); ``ties[j]``: this
-    node's random rank of it (:func:`tiebreak`). %s
+    for them. ``place[j]``: candidate ``j``'s place in its owner's read list
+    (:func:`owner_places`); ``ties[j]``: this node's random rank of it (:func:`tiebreak`).
+
+    Each owner's next chunk first: every owner reads its list in manifest order, so the k-th
+    chunk of each owner is in the fleet before any (k+1)-th, and a chunk nobody holds yet is
+    asked for as it appears (parked at its owner); ties at random per node, so that nodes asking
+    at once spread over the owners' chunks rather than all ask for the same one. Chosen by
+    measurement over rarest first (fewest holders first, BitTorrent's order, which the fleet
+    simulator's peer sets ran before) and over rarest first with this order among equals, which
+    gave the same runs as this one: BENCHMARKS.md, "How does the control plane scale?".
 
     bdnd's fetcher (:func:`split_owned`) and the fleet simulator's peer sets
     (``bdn.control.peerset.PeerSet.pick``) both order their candidates with it."""
-    if _ORDER == "rarest":
-        return np.lexsort((ties, avail))
-    if _ORDER == "owner":
-        return np.lexsort((ties, place))
-    return np.lexsort((ties, place, avail))
-
-
-_ORDER = os.environ.get("BDNX_CHUNK_ORDER", "both")  # EXPERIMENT (issue 27): removed after the measurement
-
-
-#: Candidates ordered again (with fresh holder counts) after every this many drawn, at least.
-REORDER_EVERY = 16
+    return np.lexsort((ties, place))
 
 
 def split_owned(
     bits: Positions, nodes: Sequence[str], self_id: str, rng: random.Random, owner_of: Callable[[int], str | None],
-    avail: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> tuple[Iterator[int | None], Iterator[int | None]]:
     """``(owned, others)``: the clear positions of ``bits`` whose chunk this node owns
     (``owner_of(i)``, among ``nodes``: it reads those from the bucket), in manifest order, and
-    the rest in :func:`chunk_order`'s order (places in the owners' lists of all ``bits.n`` chunks), with ``avail(positions)`` (holder counts, int
-    array; none known when not given) read again after every ``max(REORDER_EVERY, m // 64)``
-    drawn of ``m`` left. Both lazy and compact (4-byte arrays of positions, a position whose bit
-    got set meanwhile skipped); ``None`` is drawn after every ``YIELD_EVERY`` positions looked
-    at without a result: the drawer gives the event loop a turn and draws again.
+    the rest in :func:`chunk_order`'s order (places in the owners' lists of all ``bits.n``
+    chunks, ties by :func:`tiebreak` salted from ``rng``). Both lazy and compact (4-byte arrays
+    of positions, a position whose bit got set meanwhile skipped); ``None`` is drawn after every
+    ``YIELD_EVERY`` positions looked at without a result: the drawer gives the event loop a turn
+    and draws again.
 
     A layer with more than ``ORDER_LIMIT`` missing chunks keeps manifest order for ``others``
     (no full pass over the manifest before the first request)."""
@@ -154,26 +151,9 @@ def split_owned(
     owners = [owner_of(i) for i in range(bits.n)]
     place = owner_places(owners)[missing]
     is_mine = np.fromiter((owners[i] == self_id for i in missing), dtype=bool, count=len(missing))
-    mine = missing[is_mine]
-    rest, rest_place = missing[~is_mine].astype(np.int64), place[~is_mine]
-    return (_paced(mine, lambda i: not bits[i]),
-            _ordered(bits, rest, rest_place, rng.getrandbits(64), avail))
-
-
-def _ordered(bits: Positions, rest: np.ndarray, place: np.ndarray, salt: int,
-             avail: Callable[[np.ndarray], np.ndarray] | None) -> Iterator[int | None]:
-    """``rest``'s clear positions in :func:`chunk_order`'s order, re-ordered as they are drawn."""
-    ties = tiebreak(rest, salt)
-    while rest.size:
-        counts = avail(rest) if avail is not None else np.zeros(rest.size, dtype=np.int32)
-        order = chunk_order(counts, place, ties)
-        every = rest.size if avail is None else max(REORDER_EVERY, rest.size // 64)
-        take, keep = order[:every], np.sort(order[every:])
-        yield from _paced(rest[take], lambda i: not bits[i])
-        rest, place, ties = rest[keep], place[keep], ties[keep]
-        if rest.size:
-            clear = np.isin(rest, bits.clear_positions(), assume_unique=True)
-            rest, place, ties = rest[clear], place[clear], ties[clear]
+    rest = missing[~is_mine]
+    order = chunk_order(place[~is_mine], tiebreak(rest, rng.getrandbits(64)))
+    return _paced(missing[is_mine], lambda i: not bits[i]), _paced(rest[order], lambda i: not bits[i])
 
 
 def pick_steal(remaining: Mapping[str, Sequence[int]], margin: int) -> tuple[str, int] | None:
