@@ -4,8 +4,8 @@ bdnd's own order (``bdn.daemon.fetch.policy.chunk_order``: each owner's next chu
 Source: BitTorrent (BEP 3: ``bitfield`` once after the handshake, then ``have`` per piece) and
 Kraken's scheduler (a capped set of connections per torrent; ``dispatch/piecerequest``: which
 piece next is a pure function of bitsets and counts). The order itself is bdnd's, not
-rarest-first: in this fleet every chunk starts at one holder, its owner, and measured against
-rarest-first the owners' order was as fast or faster (``policy.chunk_order``).
+rarest-first: in this fleet every chunk starts at one holder, its owner (measured:
+``policy.chunk_order``).
 
 Each daemon works, per snapshot, with at most ``max_peers`` peers: it dials until it has
 ``k`` (a few of them bucket readers, ``reader_slots``, so fresh chunks enter its neighbourhood
