@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import shutil
 import struct
+import sys
 import zlib
 from pathlib import Path
 
@@ -176,9 +177,8 @@ def test_kernel_and_numpy_encoders_write_the_same_stream(monkeypatch: pytest.Mon
     assert arc.encode_xor(base, target, FMT) == with_kernel
 
 
-def test_bdn_numba_0_turns_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("BDN_NUMBA", "0")
-    monkeypatch.setattr(planes_scan, "_loaded", False)
+def test_without_numba_the_encoder_uses_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
     monkeypatch.setattr(planes_scan, "_kernel", None)
     assert not planes_scan.available()
     b = np.arange(8, dtype=np.uint16)

@@ -11,16 +11,15 @@ lowest changed word of a group, so the loop runs once per changed word, not once
 Optional, compiled with numba: installed with ``pip install 'bdn[fast]'`` (the test extras carry
 it). The kernel is compiled on first use and cached on disk (numba's ``cache=True``: next to this
 file, or in numba's per-user cache directory where that is not writable), ``nogil`` so that the
-encoder's threads run it on every core. Without numba, or with ``BDN_NUMBA=0`` in the
-environment, :func:`scan` returns None and the encoder uses numpy (same output: the encoder's
-tests run both). No I/O, no threads.
+encoder's threads run it on every core. Loading it costs once per process (numba's import and
+the cached kernel: about 1 s here on an idle machine, several under load). Without numba (or if
+it fails to import or compile), :func:`scan` returns None and the encoder uses numpy (the same
+streams, byte for byte: the encoder's tests run both). No I/O, no threads.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import threading
 from typing import Any
 
 import numpy as np
@@ -36,15 +35,13 @@ for _i in range(64):
     _DB_TABLE[((1 << _i) * _DEBRUIJN & 0xFFFF_FFFF_FFFF_FFFF) >> 58] = _i
 _LOG2_BITS = {1: 3, 2: 4, 4: 5, 8: 6}
 
-_lock = threading.Lock()
-_kernel: Any = None  # the compiled function once loaded; False when numba is absent or disabled
-_loaded = False
+_kernel: Any = None  # the compiled function once loaded; False when numba is absent or broken
 
 
 def _compile() -> Any:
     try:
         import numba
-    except ImportError:
+    except Exception:  # noqa: BLE001 - absent, or built for another numpy: the numpy path then
         return False
     debruijn = np.uint64(_DEBRUIJN)
 
@@ -100,14 +97,14 @@ def _compile() -> Any:
 
 
 def available() -> bool:
-    """Whether :func:`scan` runs the compiled kernel (numba importable and not disabled)."""
-    global _kernel, _loaded
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                off = os.environ.get("BDN_NUMBA", "1") == "0" or sys.byteorder != "little"
-                _kernel = False if off else _compile()
-                _loaded = True
+    """Whether :func:`scan` runs the compiled kernel (numba importable on a little-endian machine).
+
+    The first call imports numba; two threads calling it at once both get the same answer (the
+    later assignment wins, both functions compile to the same cached code).
+    """
+    global _kernel
+    if _kernel is None:
+        _kernel = _compile() if sys.byteorder == "little" else False
     return _kernel is not False
 
 
@@ -123,6 +120,7 @@ def scan(b: np.ndarray, t: np.ndarray, scratch: np.ndarray, vals: np.ndarray) ->
     ``min(g_j, 255)``, and every ``g_j >= 255`` again, in order, as an escaped gap: the
     ``bdn_planes_v1`` sparse payload's fields (:mod:`bdn.proto.planes`).
     """
+    global _kernel
     if not available():
         return None
     w = b.itemsize
@@ -137,10 +135,23 @@ def scan(b: np.ndarray, t: np.ndarray, scratch: np.ndarray, vals: np.ndarray) ->
     gaps = scratch[8 * _GROUPS + 4 * esc_n : 8 * _GROUPS + 4 * esc_n + m]
     b64 = b[: n64 * per].view(np.uint64)
     t64 = t[: n64 * per].view(np.uint64)
-    k, e = _kernel(b, t, b64, t64, per, _LOG2_BITS[w], np.uint64((1 << (8 * w)) - 1), _DB_TABLE, gi, gaps, esc, vals)
+    try:
+        k, e = _kernel(b, t, b64, t64, per, _LOG2_BITS[w], np.uint64((1 << (8 * w)) - 1), _DB_TABLE, gi, gaps, esc, vals)
+    except Exception:  # noqa: BLE001 - numba failed to compile for these types: numpy from now on
+        _kernel = False
+        return None
     return k, gaps[:k], esc[:e], vals[:k]
 
 
 def scratch_bytes(m: int) -> int:
     """Bytes of ``scratch`` that :func:`scan` needs for a block of ``m`` words."""
     return 8 * _GROUPS + 4 * (m // 255 + 1) + m
+
+
+def warm() -> bool:
+    """Load the kernel for every word width now (numba's import and its cached compile, about a
+    second once per process) instead of in the first delta encoded; returns :func:`available`."""
+    for w in _LOG2_BITS:
+        words = np.zeros(64, dtype=f"<u{w}")
+        scan(words, words, np.empty(scratch_bytes(64), dtype=np.uint64).view(np.uint8), words.copy())
+    return available()
