@@ -177,6 +177,17 @@ def test_kernel_and_numpy_encoders_write_the_same_stream(monkeypatch: pytest.Mon
     assert arc.encode_xor(base, target, FMT) == with_kernel
 
 
+def test_warm_loads_the_kernel_for_every_width() -> None:
+    _needs_kernel()
+    assert planes_scan.warm() is True
+    for w in (1, 2, 4, 8):  # each width's compiled code is there: a scan of an aligned block works
+        b = np.zeros(4096, dtype=f"<u{w}")
+        t = b.copy()
+        t[[5, 4000]] = 3
+        got = planes_scan.scan(b, t, np.empty(planes_scan.scratch_bytes(4096), np.uint64).view(np.uint8), b.copy())
+        assert got is not None and got[0] == 2 and got[1].tolist() == [6, 255] and got[2].tolist() == [3995]
+
+
 def test_without_numba_the_encoder_uses_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
     monkeypatch.setattr(planes_scan, "_kernel", None)

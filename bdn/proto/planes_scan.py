@@ -12,7 +12,7 @@ Optional, compiled with numba: installed with ``pip install 'bdn[fast]'`` (the t
 it). The kernel is compiled on first use and cached on disk (numba's ``cache=True``: next to this
 file, or in numba's per-user cache directory where that is not writable), ``nogil`` so that the
 encoder's threads run it on every core. Loading it costs once per process (numba's import and
-the cached kernel: about 1 s here on an idle machine, several under load). Without numba (or if
+the cached kernel: 0.5 s for the import on a quiet machine here, 4-10 s in all at load 30). Without numba (or if
 it fails to import or compile), :func:`scan` returns None and the encoder uses numpy (the same
 streams, byte for byte: the encoder's tests run both). No I/O, no threads.
 """
@@ -149,8 +149,8 @@ def scratch_bytes(m: int) -> int:
 
 
 def warm() -> bool:
-    """Load the kernel for every word width now (numba's import and its cached compile, about a
-    second once per process) instead of in the first delta encoded; returns :func:`available`."""
+    """Load the kernel for every word width now (numba's import and its cached compile, once per
+    process) instead of in the first delta encoded; returns :func:`available`."""
     for w in _LOG2_BITS:
         words = np.zeros(64, dtype=f"<u{w}")
         scan(words, words, np.empty(scratch_bytes(64), dtype=np.uint64).view(np.uint8), words.copy())
