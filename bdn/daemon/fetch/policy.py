@@ -136,7 +136,8 @@ def split_owned(
     """``(owned, others)``: the clear positions of ``bits`` whose chunk this node owns
     (``owner_of(i)``, among ``nodes``: it reads those from the bucket), in manifest order, and
     the rest in :func:`chunk_order`'s order (places in the owners' lists of all ``bits.n``
-    chunks, ties by :func:`tiebreak` salted from ``rng``). Both lazy and compact (4-byte arrays
+    chunks, of the missing ones above ``ORDER_LIMIT`` chunks; ties by :func:`tiebreak` salted
+    from ``rng``). Both lazy and compact (4-byte arrays
     of positions, a position whose bit got set meanwhile skipped); ``None`` is drawn after every
     ``YIELD_EVERY`` positions looked at without a result: the drawer gives the event loop a turn
     and draws again.
@@ -149,9 +150,13 @@ def split_owned(
     if len(missing) > ORDER_LIMIT:
         return (_paced(missing, lambda i: not bits[i] and owner_of(i) == self_id),
                 _paced(bits.clear_positions(), lambda i: not bits[i] and owner_of(i) != self_id))
-    owners = [owner_of(i) for i in range(bits.n)]
-    place = owner_places(owners)[missing]
-    is_mine = np.fromiter((owners[i] == self_id for i in missing), dtype=bool, count=len(missing))
+    if bits.n <= ORDER_LIMIT:
+        every = [owner_of(i) for i in range(bits.n)]
+        owners, place = [every[i] for i in missing], owner_places(every)[missing]
+    else:  # a large manifest, most of it held: places among the missing chunks (no pass over all)
+        owners = [owner_of(int(i)) for i in missing]
+        place = owner_places(owners)
+    is_mine = np.fromiter((o == self_id for o in owners), dtype=bool, count=len(missing))
     rest = missing[~is_mine]
     order = chunk_order(place[~is_mine], tiebreak(rest, rng.getrandbits(64)))
     return _paced(missing[is_mine], lambda i: not bits[i]), _paced(rest[order], lambda i: not bits[i])
