@@ -104,7 +104,7 @@ class App:
                                 # below the peers' keep-alive (header timeout + 1 s) by 3 s; SWIM
                                 # probes one member per second, so at N = 8 a pair's connection
                                 # idles ~7 s between probes: with 5 s each probe paid a new
-                                # connection (9 % of a daemon's GIL time, bench/NOTES.md)
+                                # connection (9 % of a daemon's GIL time, measured at N = 8)
                                 keepalive_s=max(1.0, cfg.http_header_timeout_s - 2))
         self.index = ChunkIndex(self.keys.address)
         self.haves = Haves(self.peers, self.membership, stats=self.stats)

@@ -105,7 +105,7 @@ class Catalog:
         """``prefetch``, then wait (at most ``timeout`` s) until the job has looked at the bucket
         once: it downloads, waits with a reason (for its manifest, for publication), or failed
         (nothing published, a manifest refused, no room): so the local API can refuse a request
-        that fails at once instead of answering 202 for it (issue 12). ``publish_wait_s``: the
+        that fails at once instead of answering 202 for it. ``publish_wait_s``: the
         asker's patience, which bounds the job's wait for publication (the latest of its askers';
         a job started without one keeps ``manifest_wait_s``). Raises IdentityError."""
         fresh = getattr(self.jobs.get(identity), "state", "failed") == "failed"
@@ -397,7 +397,7 @@ class Catalog:
         once per snapshot).
 
         The headers are read and parsed on a disk thread, once per snapshot (up to 100 MB of
-        JSON each: on the event loop that stalled every request for a second, issue 31)."""
+        JSON each: on the event loop that would stall every request for a second)."""
         job, d = self.ready(identity)
         if job.tensor_refused:
             raise Conflict(job.tensor_refused)

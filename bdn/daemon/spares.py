@@ -1,5 +1,5 @@
 """The page pool: shm files of collected snapshots kept as spares, to become the next snapshot's
-files (issue 9: stop paying for fresh pages on the critical path).
+files, so that fresh pages are not paid for on the critical path (docs/decisions/0010-page-pool-write-lease.md).
 
 Why: on this class of VM reserving and zeroing fresh tmpfs pages costs 0.5-1.1 CPU-s per GiB
 (``bench/transfer/pagefill``), 5-8x a copy into pages that already exist, and in RL
