@@ -196,6 +196,9 @@ def main() -> int:
                     help="the deltas' compression format (bdn_planes_v1: bdnd applies it sparsely)")
     ap.add_argument("--keep-ready", type=int, default=None,
                     help="bdnd's keep_ready (1: the served snapshot plus one buffer, DESIGN.md 'Sparse apply')")
+    ap.add_argument("--step-interval", type=float, default=0.0,
+                    help="seconds between one step's done and the next POST (a trainer's step; the daemon "
+                         "brings the freed spare forward meanwhile, DESIGN.md 'Sparse apply')")
     runs.add_runs_arg(ap)
     a = ap.parse_args()
 
@@ -324,6 +327,8 @@ def main() -> int:
                             for at, what in tl:
                                 print(f"  {at:8.3f} s  {what}", flush=True)
                         print(f"{mode}: {target} {json.dumps(row)}", flush=True)
+                        if a.step_interval > 0:
+                            time.sleep(a.step_interval)
                         per_run.append(row)
                         current, step = target, step + 1
                     row = runs.collapse(per_run, METRICS, by="post_to_done_s")
@@ -342,7 +347,8 @@ def main() -> int:
                                                    if k != "model_bytes"), flush=True)
         out = {"benchmark": "hotload", "cores": os.cpu_count(), "load_average_start": load0[0],
                "load_average_end": load1[0], "hidden": a.hidden, "layers": a.layers, "tensors": a.tensors,
-               "codec": a.codec, "keep_ready": a.keep_ready, "memory": mem, "rows": rows}
+               "codec": a.codec, "keep_ready": a.keep_ready, "step_interval_s": a.step_interval, "memory": mem,
+               "rows": rows}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {a.out} (load average {load0[0]:.1f} -> {load1[0]:.1f})")
