@@ -63,7 +63,7 @@ MODES = (("partial", "changed tensors only, rebound", True, "rebind"),
          ("partial-copy", "changed tensors only, copied in place", True, "copy"),
          ("full", "full reload, copied in place", False, "copy"))
 METRICS = ("post_to_done_s", "pause_ms", "prepare_ms", "memcpy_changed_s", "transfer_floor_s", "apply_s",
-           "sparse_floor_s")
+           "sparse_floor_s", "daemon_cpu_s")
 
 
 def free_port() -> int:
@@ -171,6 +171,12 @@ class Peaks:
         self.hwm = self._status().get("VmHWM", 0)
         self._stop.set()
         self._t.join()
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def sparse_counters(url: str) -> dict[str, float]:
@@ -288,6 +294,7 @@ def main() -> int:
                         target = ident(step)
                         marks.acked.clear()
                         wall0 = time.time()
+                        cpu0 = cpu_s(proc.pid)
                         t0 = time.perf_counter()
                         hot_load(c, target, previous=current)
                         wall_posted = time.time()
@@ -299,6 +306,7 @@ def main() -> int:
                         while not done(target):
                             time.sleep(0.01)
                         post_to_done = time.perf_counter() - t0
+                        daemon_cpu = cpu_s(proc.pid) - cpu0
                         wall_done = time.time()
                         rep = svc.engine.last_swap
                         rec = c.snapshot(target)
@@ -314,7 +322,8 @@ def main() -> int:
                                "transfer_floor_s": round(floor, 4), "sparse_floor_s": round(sfloor[target], 5),
                                "sparse_counters": counters,
                                "apply_s": round(daemon_apply + (rep["prepare_ms"] + rep["pause_ms"]) / 1000, 4),
-                               "daemon_apply_s": round(daemon_apply, 4), "swap_mode": rep["mode"],
+                               "daemon_apply_s": round(daemon_apply, 4), "daemon_cpu_s": round(daemon_cpu, 3),
+                               "swap_mode": rep["mode"],
                                "changed_source": rep["changed_source"], "swap_method": rep.get("swap_method"), "tensors_copied": rep["tensors_copied"],
                                "bytes_copied": rep["bytes_copied"], "stored_bytes": rec.get("stored_bytes"),
                                "stages": stages}
