@@ -29,7 +29,12 @@ Measured in the same run, for the targets of issue 10:
 * ``transfer_floor_s``: reading the delta's stored objects from the bucket into ``/dev/shm`` with
   one plain copy each; ``apply_s``: the daemon's ``applying`` + ``verifying`` seconds (its record's
   ``stages``) plus the engine's prepare and pause (report ``prepare_ms`` + ``pause_ms``).
-  POST to done should be within 1.2 x (transfer floor + apply).
+  POST to done should be within 1.2 x (transfer floor + apply);
+* ``daemon_cpu_s``: bdnd's user + system CPU seconds from the POST to done (``/proc/<pid>/stat``):
+  on a loaded machine the wall times are mostly the scheduler's, this is the daemon's own work.
+
+``--step-interval S`` waits S seconds after each done before the next POST (a trainer's step: the
+daemon brings the spare the engine freed forward meanwhile, DESIGN.md "Sparse apply").
 
 Writes bench/results/hotload.json: one row per mode with ``runs``/``median``/``min``/``max`` of
 ``post_to_done_s, pause_ms, prepare_ms, memcpy_changed_s, transfer_floor_s, apply_s`` (bench/runs.py),
