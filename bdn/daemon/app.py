@@ -55,6 +55,7 @@ from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.problems import Problems
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.readiness import Readiness
+from bdn.daemon.replica.changes import ChangedTensorsCache
 from bdn.daemon.replica.fleet_status import FleetStatus
 from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
@@ -117,8 +118,15 @@ class App:
         runner.foreign = ForeignLoader(cfg, self.bucket, self.store, self.pools, clock, self.hints,
                                        self.membership, self.stats)
         self.catalog = Catalog(cfg, self.store, self.index, runner, clock)
-        self.replica = ReplicaView(cfg.node_id, self.catalog, clock, self.hints, engine_ttl_s=cfg.engine_ttl_s)
-        self.replica.on_current = CurrentLink(self.store.root).point
+        self.replica = ReplicaView(cfg.node_id, self.catalog, clock, self.hints, engine_ttl_s=cfg.engine_ttl_s,
+                                   changes=ChangedTensorsCache(self.catalog.ready_dir, sparse=runner.forward))
+        link = CurrentLink(self.store.root).point
+
+        def on_current(identity: str) -> None:
+            link(identity)
+            runner.on_served(identity)  # the spare it frees is brought forward in the background
+
+        self.replica.on_current = on_current
         self.catalog.pinned = self.replica.pinned
         self.catalog.on_change = self.replica.on_job_changed
         self.hotload = HotLoad(cfg.node_id, self.replica, self.catalog, self.bucket, self.peers, self.membership,

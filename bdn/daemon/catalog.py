@@ -299,6 +299,12 @@ class Catalog:
         need = self.store.space_needed(m) if m is not None else 0
         return max(0, min(cap, budget - used - need))
 
+    def collectable(self) -> list[str]:
+        """The ready identities :meth:`gc` would remove now (nothing removed)."""
+        held = [retention.Held(j.identity, j.state, j.policy_version, j.created, j.updated, j.base_identity)
+                for j in self.jobs.values()]
+        return retention.plan_gc(held, self.pinned(), self.cfg.keep_ready, self.cfg.gc_grace_s, self.clock.time())[0]
+
     def gc(self) -> dict[str, list[str]]:
         """Remove ready snapshots nobody needs (policy: ``bdn.daemon.retention``);
         ``{"removed": [...], "kept": [...]}``."""
