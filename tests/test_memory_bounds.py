@@ -64,6 +64,19 @@ def test_pymalloc_figures_are_read_from_debugmallocstats() -> None:
     assert parse_pymalloc(text) == {"arenas": 18, "arenas_highwater": 20, "allocated_kb": 17584, "available_kb": 285}
 
 
+def test_untraced_the_probe_reports_pymalloc_arenas_and_the_census(tmp_path: Path) -> None:
+    """CPython reports pymalloc's arenas only while tracemalloc does not wrap its allocator."""
+    import asyncio
+
+    from bdn.daemon.memprobe import MemProbe
+
+    probe = MemProbe(tmp_path, 60.0, frames=1, top=5, census=lambda: {"jobs": 3}, trace=False)
+    line = asyncio.run(probe.once())
+    assert line["pymalloc"]["arenas"] > 0 and line["pymalloc"]["allocated_kb"] > 0
+    assert line["census"] == {"jobs": 3} and "grew" not in line and "traced_kb" not in line
+    assert json.loads((tmp_path / "memprobe.jsonl").read_text()) == line
+
+
 # ---- a real daemon ---------------------------------------------------------------------------
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -121,6 +134,6 @@ def test_superseded_hot_loads_leave_bounded_records_and_the_probe_reports_them(t
     ready = sum(1 for s in snaps.values() if s["state"] == "ready")
     assert c["jobs"] == ready + len(failed), (c, snaps)  # nothing but the ready ones (GC's) and the failed records
     assert c["collected"] <= n and c["engines"] == 0 and c["tasks"] > 0 and c["threads"] > 0
-    assert line["rss_anon_kb"] > 0 and line["traced_kb"] >= 0 and line["pymalloc"]["arenas"] > 0
+    assert line["rss_anon_kb"] > 0 and line["traced_kb"] >= 0 and "pymalloc" not in line  # traced: no pymalloc figures
     assert set(line["anon_maps"]) == {"heap", "1MiB", "stack_or_arena", "other"}
     assert all(set(g) == {"where", "kb", "blocks", "now_kb"} for g in line["grew"])

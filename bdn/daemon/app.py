@@ -207,7 +207,7 @@ class App:
         self._tasks.append(asyncio.create_task(self.checks.run(), name="chunk-reports"))
         if self.cfg.memory_probe_dir:
             probe = MemProbe(Path(self.cfg.memory_probe_dir), self.cfg.memory_probe_every_s, frames=8, top=20,
-                             census=self.census)
+                             census=self.census, trace=self.cfg.memory_probe_trace)
             self._tasks.append(asyncio.create_task(probe.run(), name="memory-probe"))
         if self.checks.scrub is not None:
             self._tasks.append(asyncio.create_task(self.checks.scrub_loop(), name="scrub"))

@@ -94,6 +94,7 @@ class Config:
     keep_ready: int = field(default=2, metadata={"help": 'GC keeps this many newest ready snapshots (plus leased/current/target)'})
     engine_ttl_s: float = field(default=30.0, metadata={"help": 'an engine that has not polled for this long is dropped and its leases released (0 = never); must exceed its longest prepare + swap'})
     memory_probe_dir: str = field(default="", metadata={"help": 'diagnosis only, slows the daemon: trace Python allocations and append what grew, RssAnon by mapping and the sizes of long-lived structures to DIR/memprobe.jsonl every memory_probe_every_s ("" = off)'})
+    memory_probe_trace: bool = field(default=True, metadata={"help": 'the memory probe traces Python allocations (tracemalloc: what grew, by code line); false: pymalloc\'s own arena figures instead, which CPython gives only untraced'})
     memory_probe_every_s: float = field(default=300.0, metadata={"help": 'seconds between two lines of the memory probe'})
     engine_stale_s: float = field(default=10.0, metadata={"help": 'an engine not heard from (poll, heartbeat, ack) for this long is stale: the replica stops waiting for it and says so; live again when heard from (0 = never stale; above engine_ttl_s it has no effect)'})
     gc_grace_s: float = field(default=60.0, metadata={"help": 'a snapshot that just became ready is kept at least this long'})

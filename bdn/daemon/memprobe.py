@@ -1,14 +1,14 @@
 """An opt-in memory probe inside bdnd: what grows, written down every few minutes (issue 31).
 
 Off unless the config key ``memory_probe_dir`` (env ``BDN_MEMORY_PROBE_DIR``) names a directory.
-Then bdnd starts ``tracemalloc`` (``memory_probe_frames`` frames) and every
+Then bdnd starts ``tracemalloc`` (8 frames; not with ``memory_probe_trace = false``) and every
 ``memory_probe_every_s`` seconds appends one JSON line to ``<dir>/memprobe.jsonl``::
 
     {"t_s": float,                 # seconds since the probe started
      "rss_anon_kb": int,           # /proc/self/status RssAnon (proc(5))
      "anon_maps": {kind: {"n": int, "kb": int}},   # anonymous memory by mapping kind (below)
      "traced_kb": int, "traced_peak_kb": int,      # tracemalloc: Python allocations since the start
-     "pymalloc": {"arenas": int, "arenas_highwater": int, "allocated_kb": int, "available_kb": int},
+     "pymalloc": {"arenas": int, "arenas_highwater": int, "allocated_kb": int, "available_kb": int},  # untraced only
      "census": {name: int},        # sizes of the daemon's long-lived structures (App.census)
      "grew": [{"where": "bdn/x.py:12", "kb": float, "blocks": int, "now_kb": float}, ...]}
 
@@ -23,7 +23,9 @@ allocator (bench/NOTES.md, "Issue 31: the soak's memory"). ``pymalloc`` is CPyth
 allocator as ``sys._debugmallocstats()`` reports it: its 1 MiB arenas in use (each an anonymous
 mapping, counted in RssAnon, returned only when every object in it is freed), the bytes of live
 blocks in them and of free blocks in their used pools; ``arenas`` x 1 MiB well above
-``allocated_kb`` is fragmentation, not live data. (That call writes to file descriptor 2, which
+``allocated_kb`` is fragmentation, not live data. CPython reports them only while its allocator
+is not wrapped by tracemalloc, so only with ``memory_probe_trace = false`` (then ``traced_kb`` and
+``grew`` are absent); the two modes answer different questions, one run each. (That call writes to file descriptor 2, which
 the probe points at a temporary file for the few milliseconds it takes: a log line written to
 stderr by another thread meanwhile is lost.)
 
@@ -153,25 +155,28 @@ class MemProbe:
     """Appends one line to ``<dir>/memprobe.jsonl`` every ``every_s`` seconds (see the module)."""
 
     def __init__(self, out_dir: Path, every_s: float, frames: int, top: int,
-                 census: Callable[[], Mapping[str, int]]) -> None:
+                 census: Callable[[], Mapping[str, int]], trace: bool = True) -> None:
         self.path = out_dir / "memprobe.jsonl"
         self.every_s = every_s
         self.frames = frames
         self.top = top
         self.census = census
+        self.trace = trace
         self._last: tracemalloc.Snapshot | None = None
         self._t0 = time.monotonic()
 
     def _measure(self) -> dict[str, Any]:
         """The tracemalloc and /proc part of a line (on a worker thread: a snapshot takes a while)."""
-        snap = tracemalloc.take_snapshot()
-        traced, peak = tracemalloc.get_traced_memory()
         try:
             maps = anon_maps(Path("/proc/self/smaps").read_text().splitlines())
         except OSError:
             maps = {}
-        line = {"rss_anon_kb": _status_kb("RssAnon"), "anon_maps": maps, "traced_kb": traced >> 10,
-                "traced_peak_kb": peak >> 10, "pymalloc": pymalloc_stats(), "grew": grew(self._last, snap, self.top)}
+        line: dict[str, Any] = {"rss_anon_kb": _status_kb("RssAnon"), "anon_maps": maps}
+        if not tracemalloc.is_tracing():
+            return {**line, "pymalloc": pymalloc_stats()}
+        snap = tracemalloc.take_snapshot()
+        traced, peak = tracemalloc.get_traced_memory()
+        line.update(traced_kb=traced >> 10, traced_peak_kb=peak >> 10, grew=grew(self._last, snap, self.top))
         self._last = snap
         return line
 
@@ -194,9 +199,10 @@ class MemProbe:
     async def run(self) -> None:
         """Start tracemalloc and write a line every ``every_s`` s until cancelled (tracing stops then)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tracemalloc.start(self.frames)
-        log.warning("memory probe on: tracemalloc (%d frames), a line every %g s in %s (slows the daemon)",
-                    self.frames, self.every_s, self.path)
+        if self.trace:
+            tracemalloc.start(self.frames)
+        log.warning("memory probe on: %s, a line every %g s in %s", f"tracemalloc ({self.frames} frames; slows "
+                    "the daemon)" if self.trace else "pymalloc's arenas (no tracemalloc)", self.every_s, self.path)
         try:
             while True:
                 try:
@@ -205,4 +211,5 @@ class MemProbe:
                     log.warning("memory probe: cannot write %s: %s", self.path, e)
                 await asyncio.sleep(self.every_s)
         finally:
-            tracemalloc.stop()
+            if self.trace:
+                tracemalloc.stop()
