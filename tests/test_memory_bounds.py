@@ -86,6 +86,7 @@ def _lines(path: Path) -> list[dict[str, Any]]:
         return []
 
 
+@pytest.mark.timeout(900)  # a deadline for a hang: at load 58 on 2 cores the run took over 300 s
 def test_superseded_hot_loads_leave_bounded_records_and_the_probe_reports_them(tmp_path: Path) -> None:
     """N full snapshots hot-loaded one after the other through a throttled bucket: each load is
     cancelled by the next (a failed record with a manifest), the last one is served. The memory
@@ -103,7 +104,7 @@ def test_superseded_hot_loads_leave_bounded_records_and_the_probe_reports_them(t
 
     cfg = tinygpt.TinyGPTConfig(n_layer=2, n_head=4, n_embd=128, n_positions=256)
     bucket = f"file://{tmp_path}/bucket"
-    n = 6
+    n = 4
     w = tinygpt.init_weights(cfg, 0)
     for i in range(1, n + 1):
         w = tinygpt.optimizer_step(w, 0.02, i)

@@ -30,12 +30,14 @@ the probe points at a temporary file for the few milliseconds it takes: a log li
 stderr by another thread meanwhile is lost.)
 
 Costly (tracemalloc slows every allocation and doubles their size): for diagnosis, not for
-production. Snapshots are taken on a worker thread; the census is read on the event loop.
+production. Snapshots are taken on the probe's own thread (not the loop's default executor, whose
+few threads a busy daemon may keep waiting on peers); the census is read on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -164,6 +166,7 @@ class MemProbe:
         self.trace = trace
         self._last: tracemalloc.Snapshot | None = None
         self._t0 = time.monotonic()
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bdn-memprobe")
 
     def _measure(self) -> dict[str, Any]:
         """The tracemalloc and /proc part of a line (on a worker thread: a snapshot takes a while)."""
@@ -190,8 +193,8 @@ class MemProbe:
     async def once(self) -> dict[str, Any]:
         """Measure and append one line; the line."""
         census = self._census()
-        line = {"t_s": round(time.monotonic() - self._t0, 1), **await asyncio.to_thread(self._measure),
-                "census": census}
+        measured = await asyncio.get_running_loop().run_in_executor(self._thread, self._measure)
+        line = {"t_s": round(time.monotonic() - self._t0, 1), **measured, "census": census}
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
         return line
@@ -211,5 +214,6 @@ class MemProbe:
                     log.warning("memory probe: cannot write %s: %s", self.path, e)
                 await asyncio.sleep(self.every_s)
         finally:
+            self._thread.shutdown(wait=False)
             if self.trace:
                 tracemalloc.stop()
