@@ -55,6 +55,55 @@ def floor_slope_per_min(ts: list[float], ys: list[float], bin_s: float = 60.0) -
     return slope_per_min([k * bin_s for k in ks], [bins[k] for k in ks])
 
 
+def second_half_trend(ts: list[float], ys: list[float], kind: str = "min", bin_s: float = 60.0) -> dict[str, Any] | None:
+    """The trend of one daemon life's second half: the per-``bin_s`` minima (``kind`` "min": the
+    memory floor) or maxima ("max": the fd peaks) of its samples from the life's midpoint on,
+    their least-squares slope per minute, the slope's standard error (the noise: the scatter of
+    the bins about the line), and the total change the slope implies over that half.
+    ``{"slope_per_min", "stderr_per_min", "over_min", "implied", "first", "last", "bins"}``;
+    None with fewer than 5 bins."""
+    if not ts:
+        return None
+    mid = ts[0] + (ts[-1] - ts[0]) / 2
+    pick = min if kind == "min" else max
+    bins: dict[int, float] = {}
+    for t, y in zip(ts, ys):
+        if t >= mid:
+            k = int((t - mid) // bin_s)
+            bins[k] = pick(y, bins[k]) if k in bins else y
+    if len(bins) < 5:
+        return None
+    xs = [k * bin_s / 60.0 for k in sorted(bins)]
+    vs = [bins[k] for k in sorted(bins)]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(vs) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, vs)) / sxx
+    resid = sum((y - my - b * (x - mx)) ** 2 for x, y in zip(xs, vs))
+    se = (resid / (n - 2) / sxx) ** 0.5
+    return {"slope_per_min": round(b, 4), "stderr_per_min": round(se, 4), "over_min": round(xs[-1] - xs[0], 1),
+            "implied": round(b * (xs[-1] - xs[0]), 2), "first": round(vs[0], 1), "last": round(vs[-1], 1), "bins": n}
+
+
+def second_half(samples: list[list[Any]]) -> dict[str, Any]:
+    """Per node, its longest life's second-half trends (:func:`second_half_trend`): the RssAnon
+    floor (MB, per-minute minima) and the open fds (per-minute maxima). ``samples`` rows are
+    ``[t_s, node, pid, rss_kb, fds, cpu_s, log_lines, anon_kb]``."""
+    lives: dict[tuple[str, int], list[list[Any]]] = {}
+    for row in samples:
+        lives.setdefault((row[1], row[2]), []).append(row)
+    out: dict[str, Any] = {}
+    for (node, pid), rows in sorted(lives.items()):
+        span = rows[-1][0] - rows[0][0]
+        if node in out and out[node]["life_min"] * 60 >= span:
+            continue
+        ts = [x[0] for x in rows]
+        out[node] = {"pid": pid, "life_min": round(span / 60, 1),
+                     "anon_mb": second_half_trend(ts, [x[7] / 1024 for x in rows], "min"),
+                     "fds": second_half_trend(ts, [float(x[4]) for x in rows], "max")}
+    return out
+
+
 def floor_levels(ts: list[float], ys: list[float], bin_s: float = 300.0) -> list[float]:
     """The minimum of ``ys`` in each ``bin_s`` window from the first sample (a life's floor per 5 minutes)."""
     bins: dict[int, float] = {}
@@ -364,6 +413,13 @@ def text_summary(r: dict[str, Any]) -> str:
                 f"{fr['fds_growth']:+d}" if fr["flat"] is not None else "")
         lines.append(f"  {node} rule (bench/soak/flat.py) {verdict}: pid {fr['pid']}, {fr['life_min']} min; RssAnon "
                      f"floor per 10 min {fr['anon_floor_mb']} MB, fd maxima {fr['fds_max']}{grow}")
+    for node, sh in sorted((r.get("second_half") or {}).items()):
+        a, f = sh["anon_mb"], sh["fds"]
+        if a and f:
+            lines.append(f"  {node} second half of its {sh['life_min']} min life ({a['over_min']} min): RssAnon floor "
+                         f"{a['first']} -> {a['last']} MB, slope {a['slope_per_min']:+.4f} ± {a['stderr_per_min']:.4f} "
+                         f"MB/min; fd maxima {f['first']:.0f} -> {f['last']:.0f}, slope {f['slope_per_min']:+.3f} ± "
+                         f"{f['stderr_per_min']:.3f} /min")
     lh = r.get("liar_bad_chunks_taken")
     if lh:
         lines.append(f"bad chunks taken from the liar: {lh['total']} (at most {lh['max_per_snapshot']} by one daemon "
@@ -403,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         r["memory_owners"] = memory_owners(r["maps"], c["warmup_s"])
     if r.get("samples"):
         r["flat"] = flat_rule.judge(r["samples"])
+        r["second_half"] = second_half(r["samples"])
     r["findings"] = findings(r)
     print(text_summary(r))
     if a.write:
