@@ -106,7 +106,7 @@ def _changed(x: np.ndarray) -> np.ndarray:
     numpy's ``nonzero`` of a word array takes a branch per word (0.6 GB/s of CPU time here at
     2 % changed bf16); of a bool array it is 4x faster, and when few 8-byte groups change at
     all, finding those groups first and then the words inside them is faster again (6.5 GB/s
-    at 0.1 %, measured in CPU time: bench/NOTES.md, "Issue 30: publishing from the ranks").
+    at 0.1 %, measured in CPU time).
     """
     n = len(x)
     w = x.itemsize
