@@ -221,6 +221,33 @@ def test_write_read_stat_list(ctx: Ctx) -> None:
         assert stats["get_requests"] == len(ctx.proxy.requests("GET", forwarded=True)) - stats["list_requests"]
 
 
+def test_write_new_lets_exactly_one_of_racing_writers_create_the_object(ctx: Ctx) -> None:
+    """The conditional write a commit relies on: of 6 writers racing for one key, one gets True
+    and its bytes are the object's; a later write_new of an existing key changes nothing."""
+    import threading
+
+    key = "s1/claim.json"
+    start = threading.Barrier(6)
+    won: dict[int, bool] = {}
+
+    def writer(i: int) -> None:
+        start.wait()
+        won[i] = ctx.bucket.write_new(key, f"writer {i}".encode())
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    winners = [i for i, ok in won.items() if ok]
+    assert len(won) == 6 and len(winners) == 1, won
+    assert ctx.bucket.read(key) == f"writer {winners[0]}".encode()
+    assert ctx.bucket.write_new(key, b"late") is False
+    assert ctx.bucket.read(key) == f"writer {winners[0]}".encode()
+    if ctx.kind == "file":
+        assert [o.key for o in ctx.bucket.list("s1/")] == [key]  # no temporary file left
+
+
 def test_missing_object_is_object_not_found(ctx: Ctx) -> None:
     b = ctx.bucket
     for call in (

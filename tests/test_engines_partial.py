@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from bdn.engines.changed import parse_ranges
-from bdn.engines.vllm_worker import closure, module_key, parse_request, read_headers
+from bdn.engines.vllm_worker import check_ranges, closure, module_key, parse_request, read_headers
 from bdn.fileops import save
 from bdn.proto.errors import ProtocolError
 
@@ -52,9 +52,24 @@ def test_requests_and_headers_are_checked(tmp_path: Path) -> None:
     f, dtype, shape, start, end = heads["x"]
     assert (f.name, dtype, shape, end - start) == ("a.safetensors", "F32", [2, 3], 24)
     assert np.frombuffer(f.read_bytes()[start:end], np.float32).tolist() == [0, 1, 2, 3, 4, 5]
-    assert parse_request(json.dumps({"snapshot_dir": str(tmp_path), "names": ["x"]})) == (tmp_path, ["x"])
+    assert parse_request(json.dumps({"snapshot_dir": str(tmp_path), "names": ["x"]})) == (tmp_path, ["x"], {}, True)
+    ok = {"snapshot_dir": str(tmp_path), "names": ["x", "y"], "ranges": {"x": [[0, 4], [8, 24]], "y": []}}
+    assert parse_request(ok) == (tmp_path, ["x", "y"], {"x": [(0, 4), (8, 24)], "y": []}, True)
+    assert parse_request({**ok, "inplace": False})[3] is False
+    check_ranges({"x": [(0, 4), (8, 24)]}, {"x": 24})
+    with pytest.raises(ValueError, match="end at byte 25, after the tensor's 24"):
+        check_ranges({"x": [(0, 25)]}, {"x": 24})
+
+    def req(**kw: object) -> str:
+        return json.dumps({"snapshot_dir": str(tmp_path), "names": ["x"], **kw})
+
     for bad, why in (("{", "not JSON"), (json.dumps({"snapshot_dir": str(tmp_path / "no"), "names": []}), "not a directory"),
-                     (json.dumps({"snapshot_dir": str(tmp_path), "names": "x"}), "list of tensor names")):
+                     (json.dumps({"snapshot_dir": str(tmp_path), "names": "x"}), "list of tensor names"),
+                     (req(ranges=[]), "must map"), (req(ranges={"z": [[0, 1]]}), "not a changed tensor"),
+                     (req(ranges={"x": [[4, 4]]}), "empty"), (req(ranges={"x": [[8, 12], [0, 4]]}), "unsorted"),
+                     (req(ranges={"x": [[0, 8], [4, 12]]}), "overlapping"), (req(ranges={"x": [[-1, 4]]}), "unsorted"),
+                     (req(ranges={"x": [[0, True]]}), "is not"), (req(ranges={"x": [[0]]}), "is not"),
+                     (req(inplace="no"), "true or false")):
         with pytest.raises(ValueError, match=why):
             parse_request(bad)
     with pytest.raises(TypeError, match="JSON object"):

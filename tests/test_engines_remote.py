@@ -284,17 +284,25 @@ def test_adapter_hot_swaps_the_engine_from_bdns_snapshot_dir(engine: str, traine
                     assert not (Path(model_path) / "READY").exists()
                 assert s.calls[3][1] == {"new_version": str(i + 1), "abort_all_requests": False}
             else:
+                # Three round trips: the pause resets the prefix cache (RESET_ALL, not keep); the
+                # version is set beside the load (after it on a first load); then the resume.
                 calls = [c for c in s.calls if c != ("collective_rpc", {"method": "bdn_ping"})]
-                assert [c[0] for c in calls] == ["pause", "collective_rpc", "reset_prefix_cache",
-                                                 "update_weight_version", "resume"]
-                assert calls[0][1] == {"mode": "wait", "clear_cache": "false"}
+                assert calls[0] == ("pause", {"mode": "wait", "clear_cache": "true"})
+                assert calls[-1][0] == "resume" and "reset_prefix_cache" not in [c[0] for c in calls]
+                if i == 0:
+                    assert [c[0] for c in calls] == ["pause", "collective_rpc", "update_weight_version", "resume"]
+                else:
+                    assert sorted(c[0] for c in calls[1:3]) == ["collective_rpc", "update_weight_version"]
+                load = next(c[1] for c in calls if c[0] == "collective_rpc")
                 if swap["mode"] == "full":
-                    assert calls[1][1] == {"method": "reload_weights", "kwargs": {"weights_path": path}}
+                    assert load == {"method": "reload_weights", "kwargs": {"weights_path": path}}
                     assert swap["full_reload_reason"] == ("first load" if i == 0 else "worker extension not installed")
                 else:
-                    assert calls[1][1]["method"] == "bdn_load_tensors"
-                    assert json.loads(calls[1][1]["kwargs"]["request"]) == {"snapshot_dir": path, "names": changed}
-                assert calls[3][1] == {"new_version": str(i + 1)}
+                    assert load["method"] == "bdn_load_tensors"
+                    req = json.loads(load["kwargs"]["request"])
+                    assert (req["snapshot_dir"], req["names"]) == (path, changed)
+                    assert set(req.get("ranges", {})) <= set(changed)
+                assert next(c[1] for c in calls if c[0] == "update_weight_version") == {"new_version": str(i + 1)}
             assert adapter.last_swap["pause_ms"] == pytest.approx(rep["last_swap_pause_ms"], abs=1e-3)
         views = getattr(adapter, "_views", [])
     assert not any(Path(v).exists() for v in views), "close() removes the subset views"
@@ -356,11 +364,20 @@ def test_policies_map_onto_each_engines_routes(trainer, node) -> None:
                 rep = vl.swap(vl.prepare(snap, {}, opts))
                 assert v.calls[0] == ("pause", {"mode": policy, "clear_cache": "false"})
                 assert "reset_prefix_cache" not in [c[0] for c in v.calls] and rep["prompt_cache"] == "preserved"
+            # RESET_ALL with keep: vLLM's pause ignores clear_cache then, so the reset is its own
+            # route (beside the load; here it answers success: nothing holds blocks).
+            v.calls.clear()
+            rep = vl.swap(vl.prepare(snap, {}, HotLoadOptions(inflight_policy="keep")))
+            assert v.calls[0] == ("pause", {"mode": "keep", "clear_cache": "false"})
+            assert "reset_prefix_cache" in [c[0] for c in v.calls] and rep["prompt_cache"] == "reset"
+            assert v.calls[-1][0] == "resume"
             v.calls.clear()
             v.block_wait_pause.clear()  # requests that never finish
             rep = vl.swap(vl.prepare(snap, {}, HotLoadOptions(inflight_policy="wait", inflight_wait_s=0.3)))
-            assert [c[1]["mode"] for c in v.calls if c[0] == "pause"] == ["wait", "abort"]
+            assert [(c[1]["mode"], c[1]["clear_cache"]) for c in v.calls if c[0] == "pause"] == [
+                ("wait", "true"), ("abort", "true")]
             assert rep["pause_mode"] == "wait_then_abort" and rep["prompt_cache"] == "reset"
+            assert "reset_prefix_cache" not in [c[0] for c in v.calls]
         finally:
             v.block_wait_pause.set()
             sg.close()

@@ -4,9 +4,10 @@ fresh vLLM started on the final snapshot.
 A Llama made here (random weights, real architecture: 6 layers, hidden 768, about 70 MB in bf16)
 is published as an anchor and three deltas: one changes only ``q_proj`` of one layer (a slice of
 vLLM's stacked ``qkv_proj``), one only the embedding, one 2 % of the values of six matrices. vLLM
-is started on the anchor with ``--worker-extension-cls bdn.engines.vllm_worker.BdnWorkerExtension``;
-the adapter takes every delta with a partial load (only the modules holding changed tensors are
-rebuilt). Then greedy completions with logprobs for fixed prompts must equal, bit for bit, those of
+is started on the anchor with ``--worker-extension-cls bdn.engines.vllm_worker.BdnWorkerExtension``
+and ``BDN_VLLM_KEEP_UNPACKED=1``; the adapter takes every delta with a partial load: the first two
+written in place (only the changed bytes read: ``q_proj`` into its rows of ``qkv_proj``), the last
+with in-place loads off (every module holding a changed matrix rebuilt from all its tensors). Then greedy completions with logprobs for fixed prompts must equal, bit for bit, those of
 a fresh vLLM started on the final snapshot.
 
 Runs when ``BDN_TEST_VLLM_PYTHON`` names the Python of a venv with vLLM (``make test-engines``
@@ -112,6 +113,7 @@ def test_partial_swaps_serve_what_a_fresh_vllm_serves(tmp_path: Path) -> None:
             try:
                 for i, ident in enumerate(IDS):
                     if i:
+                        adapter.inplace = i < 3  # the last delta: every module rebuilt (the fallback path)
                         hot_load(node.url, ident, previous=IDS[i - 1])
                     rep = wait_for(lambda ident=ident: stage(node.url, ident), 600, f"{ident} acked")
                     assert rep["loading_state"]["stage"] == "done", rep
@@ -127,10 +129,15 @@ def test_partial_swaps_serve_what_a_fresh_vllm_serves(tmp_path: Path) -> None:
         for sw in swaps[1:]:
             assert sw["mode"] == "partial" and sw["changed_source"] == "offer", sw
         q, e, m = swaps[1:]
-        assert (q["tensors_changed"], q["tensors_read"], q["modules"]) == (1, 3, 1)  # q, k, v of one qkv_proj
-        assert (e["tensors_changed"], e["tensors_read"], e["modules"]) == (1, 1, 1)
-        assert e["bytes_read"] == e["bytes_changed"] == states[0][EMBED].numel() * 2
-        assert m["tensors_changed"] == 6 and m["bytes_read"] >= m["bytes_changed"]
+        # q_proj alone: written into its rows of qkv_proj (k and v neither read nor touched), then
+        # the module repacked; the offer's changed byte ranges bound what is read.
+        assert (q["tensors_changed"], q["tensors_read"], q["modules"], q["inplace_tensors"]) == (1, 1, 1, 1), q
+        assert 0 < q["bytes_read"] <= q["bytes_changed"] == states[0][Q_PROJ].numel() * 2
+        assert (e["tensors_changed"], e["tensors_read"], e["modules"], e["inplace_tensors"]) == (1, 1, 1, 1), e
+        assert 0 < e["bytes_read"] <= e["bytes_changed"] == states[0][EMBED].numel() * 2
+        # in-place loads off: each module holding a changed matrix rebuilt from all its tensors
+        assert m["tensors_changed"] == 6 and m["inplace_tensors"] == 0 and m["rebuilt_modules"] == m["modules"]
+        assert m["bytes_read"] >= m["bytes_changed"]
         proc = vllm_launch.start_vllm(VLLM_PYTHON, node.wait_ready(IDS[-1])["path"], port, tmp_path / "fresh.log",
                                       extension=False)
         try:

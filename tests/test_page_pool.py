@@ -157,3 +157,23 @@ def test_a_restart_with_the_same_pid_never_leaves_an_old_tag_on_other_bytes(tmp_
         Spares(root).absorb(d, tags)  # a new pool each time: the restart, same pid
     got = Spares(root).take_tagged("model.safetensors", 8192, tmp_path / "out", lambda t: True)
     assert got is None or (tmp_path / "out").read_bytes() == b"X" * 8192, "a tag over another file's bytes"
+
+
+def test_the_lease_probe_says_in_use_while_a_descriptor_or_a_mapping_holds_the_file(tmp_path: Path) -> None:
+    """``spares.unused``: what the background catch-up waits on before GC (an engine closes the
+    snapshot it swapped away from only after its ack)."""
+    from bdn.daemon.spares import unused
+
+    p = tmp_path / "f"
+    p.write_bytes(b"x" * 8192)
+    assert unused(p)
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        assert not unused(p)  # an open descriptor (this process's too)
+        m = mmap.mmap(fd, 8192, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    assert not unused(p)  # a mapping keeps its file description after close
+    m.close()
+    assert unused(p)
+    assert not unused(tmp_path / "gone")

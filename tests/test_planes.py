@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import shutil
 import struct
+import sys
 import zlib
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bdn import fileops
-from bdn.proto import arc, planes
+from bdn.proto import arc, planes, planes_scan
 from bdn.proto import safetensors_fmt as sf
 from bdn.proto.errors import ChecksumError, ProtocolError
 
@@ -118,6 +119,82 @@ def test_round_trip_random(small_blocks: None, seed: int, n: int, density: float
     hit = rng.random(raw.size) < density
     raw[hit] = rng.integers(0, 256, int(hit.sum()), dtype=np.uint8)
     _round_trip(base, target)
+
+
+# --- the encoder's kernel (bdn/proto/planes_scan.py) against numpy -----------------------------
+
+def _needs_kernel() -> None:
+    if not planes_scan.available():
+        pytest.skip("numba is not installed (pip install 'bdn[fast]'): the encoder's kernel is not compiled")
+
+
+def _words(rng: np.random.Generator, n: int, w: int, density: float, offset: int) -> tuple[np.ndarray, np.ndarray]:
+    """Base and target words (width ``w``) starting ``offset`` bytes into their buffers (unaligned when odd)."""
+    dt = np.dtype(f"<u{w}")
+    raw = rng.integers(0, 256, (2, n * w + offset), dtype=np.uint8)
+    base, target = raw[0, offset:].view(dt), raw[1, offset:].view(dt)
+    target[:] = base
+    hit = rng.random(n) < density
+    target[hit] ^= rng.integers(1, 1 << min(8 * w, 63), int(hit.sum()), dtype=np.uint64).astype(dt)
+    if density and n:
+        target[-1] ^= 1  # a change in the tail after the last whole 8-byte group, when there is one
+    return base, target
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 9000), w=st.sampled_from([1, 2, 4, 8]),
+       density=st.sampled_from([0.0, 0.0005, 0.004, 0.03, 0.3, 1.0]), offset=st.sampled_from([0, 0, 1, 2, 4]))
+def test_scan_kernel_finds_what_numpy_finds(seed: int, n: int, w: int, density: float, offset: int) -> None:
+    _needs_kernel()
+    rng = np.random.default_rng(seed)
+    base, target = _words(rng, n, w, density, offset)
+    scratch = np.empty(planes_scan.scratch_bytes(n) + 8, dtype=np.uint64).view(np.uint8)
+    vals = np.full(n, 0xAB, dtype=base.dtype)
+    got = planes_scan.scan(base, target, scratch, vals)
+    assert got is not None
+    k, g8, esc, changed = got
+    nz = np.flatnonzero(base != target)
+    gaps = np.diff(nz, prepend=-1)
+    assert k == len(nz)
+    assert g8.tolist() == np.minimum(gaps, 255).tolist()
+    assert esc.tolist() == gaps[gaps >= 255].tolist()
+    assert changed.tolist() == (base ^ target)[nz].tolist()
+
+
+@pytest.mark.usefixtures("small_blocks")
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.uint8, np.float64], ids=str)
+@pytest.mark.parametrize("density", [0.0004, 0.02, 0.4])
+def test_kernel_and_numpy_encoders_write_the_same_stream(monkeypatch: pytest.MonkeyPatch, dtype: type, density: float) -> None:
+    _needs_kernel()
+    rng = np.random.default_rng(int(density * 1e4))
+    base = rng.standard_normal(3 * SMALL + 5).astype(dtype) if dtype != np.uint8 else rng.integers(0, 256, 3 * SMALL + 5, dtype=np.uint8)
+    target = _changed(base, density, rng)
+    target[2 * SMALL + 1] = base[2 * SMALL + 1] + 1 if dtype != np.uint8 else base[2 * SMALL + 1] ^ 1
+    target[2 * SMALL + 2000] = base[2 * SMALL + 2000] + 1 if dtype != np.uint8 else base[2 * SMALL + 2000] ^ 1
+    with_kernel = _round_trip(base, target)
+    monkeypatch.setattr(planes_scan, "_kernel", False)  # as where numba is absent
+    assert not planes_scan.available()
+    assert arc.encode_xor(base, target, FMT) == with_kernel
+
+
+def test_warm_loads_the_kernel_for_every_width() -> None:
+    _needs_kernel()
+    assert planes_scan.warm() is True
+    for w in (1, 2, 4, 8):  # each width's compiled code is there: a scan of an aligned block works
+        b = np.zeros(4096, dtype=f"<u{w}")
+        t = b.copy()
+        t[[5, 4000]] = 3
+        got = planes_scan.scan(b, t, np.empty(planes_scan.scratch_bytes(4096), np.uint64).view(np.uint8), b.copy())
+        assert got is not None and got[0] == 2 and got[1].tolist() == [6, 255] and got[2].tolist() == [3995]
+
+
+def test_without_numba_the_encoder_uses_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+    monkeypatch.setattr(planes_scan, "_kernel", None)
+    assert not planes_scan.available()
+    b = np.arange(8, dtype=np.uint16)
+    assert planes_scan.scan(b, b ^ 1, np.empty(planes_scan.scratch_bytes(8), np.uint8), np.empty(8, np.uint16)) is None
+    _round_trip(b, b ^ 1)  # the numpy path
 
 
 def test_width_falls_back_to_bytes() -> None:

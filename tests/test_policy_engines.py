@@ -1,4 +1,4 @@
-"""Pure rules of the daemon's engine side: liveness (engine_ttl_s), swap reports, hot-load options,
+"""Pure rules of the daemon's engine side: liveness (engine_stale_s, engine_ttl_s), swap reports, hot-load options,
 and the changed tensors of an offer (bdn/daemon/replica/engines.py, options.py, changes.py)."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from bdn.daemon.replica.view import ReplicaView
 # ---- liveness --------------------------------------------------------------------------------
 
 class _E:
-    def __init__(self, engine_id: str, last_seen: float) -> None:
-        self.engine_id, self.last_seen = engine_id, last_seen
+    def __init__(self, engine_id: str, last_seen: float, stale: bool = False) -> None:
+        self.engine_id, self.last_seen, self.stale, self.name = engine_id, last_seen, stale, f"name-{engine_id}"
 
 
 def test_an_engine_expires_only_after_the_ttl() -> None:
@@ -38,6 +38,31 @@ def test_a_held_poll_marks_its_engine_well_inside_the_ttl() -> None:
     assert rules.poll_step(30.0) == 5.0
     assert rules.poll_step(3.0) == pytest.approx(1.0)
     assert rules.poll_step(0.01) == 0.05
+
+
+def test_an_engine_is_stale_after_the_stale_timeout_and_live_again_when_heard_from() -> None:
+    es = [_E("a", 100.0), _E("b", 105.0), _E("c", 90.0, stale=True), _E("d", 109.0, stale=True)]
+    went, back = rules.stale_changes(es, 110.0, 10.0)
+    assert went == [] and back == ["d"]  # "a" is silent for exactly 10 s: not yet; "c" stays stale
+    went, back = rules.stale_changes(es, 110.5, 10.0)
+    assert went == ["a"] and back == ["d"]
+    assert rules.stale_changes(es, 1e9, 0.0) == ([], ["c", "d"])  # 0: staleness off, nobody stale
+
+
+def test_the_stale_reason_names_the_silent_engines_and_both_timeouts() -> None:
+    es = [_E(f"e{i}", 100.0 - i, stale=True) for i in range(5)]
+    why = rules.stale_reason(es, 112.0, 10.0, 30.0)
+    assert why.startswith("engine e4 (name-e4) not seen for 16.0 s; e3 (name-e3) not seen for 15.0 s")
+    assert why.endswith("and 2 more (stale after 10 s, dropped after 30 s)")
+    assert rules.stale_reason(es[:1], 112.0, 10.0, 0.0).endswith("(stale after 10 s)")
+
+
+def test_polls_and_heartbeats_come_well_inside_the_shorter_timeout() -> None:
+    assert rules.poll_step(30.0, 10.0) == pytest.approx(10.0 / 3)
+    assert rules.poll_step(30.0, 0.0) == 5.0 and rules.poll_step(0.0, 3.0) == pytest.approx(1.0)
+    assert rules.poll_step(0.0, 0.0) == 5.0  # both off: the tick does nothing, its pace does not matter
+    assert rules.keepalive_s(30.0, 10.0) == pytest.approx(10.0 / 3) and rules.keepalive_s(30.0) == 10.0
+    assert rules.keepalive_s(0.0, 0.0) is None
 
 
 class _Snap:
@@ -92,6 +117,56 @@ def test_a_silent_engine_is_dropped_and_the_replica_is_done_with_the_rest(tmp_pa
         assert {ident for ident, _ in view.leases.values()} == {"s2"}  # the dead one's s1 lease is gone
         (desc,) = view.describe_engines()
         assert desc["serving"] == "s2" and desc["inflight_policy"] == "wait" and desc["expires_in_s"] == 19.0
+
+    asyncio.run(run())
+
+
+def test_a_crashed_engine_goes_stale_then_is_dropped_and_the_replica_says_why(tmp_path: Path) -> None:
+    """Engines "old" and "new" serve s1; "old" crashes (no more polls). The fleet moves to s2 and
+    "new" acks it: the replica waits for "old" until engine_stale_s, then is done with "new" alone
+    and names "old" in its reason; engine_ttl_s later "old" is dropped. With only a stale engine
+    left the replica is in error saying why, and live again when that engine is heard from."""
+    clock = FakeClock()
+    view = ReplicaView("n0", _Snapshots(tmp_path, ["s1", "s2", "s3"]), clock, engine_ttl_s=30.0, engine_stale_s=10.0)
+
+    async def run() -> None:
+        await view.adopt(Target("s1", 1, "o", "r1"), "test")
+        old, new = view.register_engine("old"), view.register_engine("new")
+        for e in (old, new):
+            assert await view.next_for(e, None, 0) is not None
+            await view.ack(e, "s1", 1.0, None)
+        await view.adopt(Target("s2", 2, "o", "r2"), "test")
+        offer = await view.next_for(new, "s1", 0)
+        assert offer is not None and offer["engine_stale_s"] == 10.0
+        await view.ack(new, "s2", 2.0, None)
+        clock.advance(9.0)
+        assert await view.expire_engines() == []
+        rep = view.replica()
+        assert rep["loading_state"]["stage"] == "loading" and rep["engines"] == 2 and view.current == "s1"
+        clock.advance(1.5)  # "old" silent for 10.5 s, "new" acked 10.5 s ago: both stale
+        await view.next_for(new, "s2", 0)  # "new" polls again: live
+        assert await view.expire_engines() == []
+        rep = view.replica()
+        assert old.stale and not new.stale
+        assert rep["loading_state"]["stage"] == "done" and rep["engines"] == 1 and view.current == "s2"
+        assert rep["loading_state"]["reason"].startswith(f"not counted: engine {old.engine_id} (old) not seen for 10.5 s")
+        assert [d["stale"] for d in view.describe_engines()] == [True, False]
+        clock.advance(20.0)
+        await view.next_for(new, "s2", 0)
+        assert await view.expire_engines() == [old.engine_id]
+        rep = view.replica()
+        assert rep["loading_state"] == {**rep["loading_state"], "stage": "done", "reason": ""}
+        # the last engine stops polling: the replica reports an error naming it, not "done"
+        await view.adopt(Target("s3", 3, "o", "r3"), "test")
+        clock.advance(10.5)
+        await view.expire_engines()
+        rep = view.replica()
+        assert rep["loading_state"]["stage"] == "error" and rep["engines"] == 0 and view.current == "s2"
+        assert rep["loading_state"]["reason"].startswith(f"every engine stopped polling: engine {new.engine_id} (new)")
+        view.heartbeat(new)  # it was only slow: live again at the next tick, offered s3
+        await view.expire_engines()
+        assert not new.stale and view.replica()["loading_state"]["stage"] == "ready"
+        assert (await view.next_for(new, "s2", 0) or {}).get("identity") == "s3"
 
     asyncio.run(run())
 

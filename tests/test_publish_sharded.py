@@ -155,6 +155,34 @@ def test_a_commit_waiting_for_parts_never_overwrites_a_step_committed_meanwhile(
         assert bucket.read("s1/config.json") == winner  # the published step's own config, not the loser's
 
 
+def test_a_commit_held_by_a_live_publisher_is_refused_and_a_dead_ones_claim_taken_over(url: str) -> None:
+    """The step's claim (``.bdn-parts/<id>/commit.json``) names its holder: while that process
+    runs, another commit is refused naming it and writes nothing; once it has exited (it died
+    mid-commit on this host), the next commit takes the claim over and publishes."""
+    import socket
+    import subprocess
+    import sys
+
+    from bdn.publish.commit import claim_key
+
+    publish_part(url, "s1", owned(model(1), 0, 1), rank=0, world_size=1, chunk_size=CHUNK)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        claim = {"host": socket.gethostname(), "pid": holder.pid, "started": "2026-12-07T04:00:00Z"}
+        with open_bucket(url) as bucket:
+            bucket.write(claim_key("s1"), json.dumps(claim).encode())
+        with pytest.raises(PublishError, match=rf"being committed by another publisher \(.* pid {holder.pid}"):
+            commit_step(url, "s1", 1, world_size=1, extra_files={"config.json": b"{}"})
+        _nothing_published(url, "s1")
+        assert not (Path(url.removeprefix("file://")) / "s1" / "config.json").exists()
+    finally:
+        holder.communicate(b"", timeout=60)  # the holder exits: its claim is now a dead process's
+    manifest = commit_step(url, "s1", 1, world_size=1, extra_files={"config.json": b"{}"})
+    assert manifest.identity == "s1"
+    with open_bucket(url) as bucket:
+        assert json.loads(bucket.read(claim_key("s1")))["pid"] != holder.pid
+
+
 def test_a_tensor_published_by_two_ranks_is_refused(url: str) -> None:
     state = model(1)
     publish_part(url, "s1", owned(state, 0, 2), rank=0, world_size=2, chunk_size=CHUNK, file_of=layer_file)

@@ -116,3 +116,51 @@ def test_the_changed_ranges_cover_every_changed_byte_and_little_else(tmp_path: P
         layout = changes.layout(bdir)  # t1 (one value changed) by one page
         t1 = got["t1"]
         assert sum(hi - lo for lo, hi in t1) <= 4096 < layout.tensors["t1"].end - layout.tensors["t1"].start
+
+
+@pytest.mark.parametrize("applied", [True, False])  # the sparse apply gave its ranges; it fell back to a full apply
+def test_a_sparse_applys_ranges_are_the_offers_and_the_streams_are_not_decoded_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, applied: bool,
+) -> None:
+    from bdn.fileops import read_header
+    from bdn.proto import arc, sparse
+
+    bdir, tdir, delta, want = _pair(tmp_path, "bdn_planes_v1")
+    names = from_diffs(bdir, delta)
+    assert names is not None
+    expected = changes.ranges_from_diffs(bdir, delta, names)
+    # what the daemon's sparse apply computes while it writes the changed words (bdn.daemon.forward)
+    buf = np.fromfile(bdir / "model.safetensors", dtype=np.uint8)
+    d = np.fromfile(delta.stored_dir / "model.safetensors", dtype=np.uint8)
+    _, streams = arc.read_diff_header(d, len(d))
+    res = sparse.apply_sparse(buf, read_header(bdir / "model.safetensors"), d, streams)
+    assert buf.tobytes() == (tdir / "model.safetensors").read_bytes()
+
+    class Applies:
+        def planned(self, identity: str) -> bool:
+            return identity == "step000002"
+
+        def ranges(self, identity: str) -> dict[str, list[list[int]]] | None:
+            return {n: [[a, b] for a, b in r] for n, r in res.ranges.items()} if applied else None
+
+    decoded: list[str] = []
+    real = changes.ranges_from_diffs
+
+    def counted(*a: object) -> dict[str, list[list[int]]]:
+        decoded.append("x")
+        return real(*a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(changes, "ranges_from_diffs", counted)
+
+    async def run() -> tuple[list[str] | None, dict[str, object]]:
+        cache = ChangedTensorsCache(lambda ident: bdir, sparse=Applies())
+        cache.start(delta.base, "step000002", delta)  # while applying: names only
+        await asyncio.wait(list(cache._running.values()))
+        assert not decoded
+        got = await cache.between(delta.base, "step000002", delta)  # at READY
+        return got, cache.ranges_of(delta.base, "step000002")
+
+    got, offer = asyncio.run(run())
+    assert got is not None and sorted(got) == want
+    assert offer == {"changed_ranges": expected}
+    assert len(decoded) == (0 if applied else 1)

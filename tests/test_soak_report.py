@@ -33,3 +33,39 @@ def test_liar_chunks_are_counted_per_daemon_life(tmp_path) -> None:
     assert hits["total"] == 9
     assert hits["max_per_snapshot"] == 3 <= MAX_PER_PEER
     assert hits["by_node"] == {f"node7 life {k}": {"step000001": 3} for k in (1, 2, 3)}
+
+
+def test_not_done_replicas_are_explained_or_counted_as_findings() -> None:
+    from bench.soak.report import not_done_reasons
+
+    def rec(t: float, outcome: str, *nd: dict) -> dict:
+        return {"t_post": t, "outcome": outcome, "not_done": list(nd)}
+
+    records = [
+        rec(0.0, "done"),
+        rec(10.0, "not_done_before_next", {"node": "node2", "stage": "downloading"},  # superseded by the POST at 20
+            {"node": "node3", "stage": "loading"}),  # the engine crashed at 15: held until stale
+        rec(20.0, "not_done_before_next", {"node": "node3", "stage": "done", "reason": "not counted: engine 1f (e) not seen for 11.0 s"},
+            {"node": "node3", "stage": "error", "reason": "every engine stopped polling: engine 1f"}),
+        rec(100.0, "not_done_before_next", {"node": "node3", "stage": "loading"},  # no crash near: a finding
+            {"node": "node5", "stage": None}),
+        rec(110.0, "not_done_at_end", {"node": "node1", "stage": "downloading"}),  # the end came: a finding
+    ]
+    why = not_done_reasons(records, [{"t_s": 15.0, "fault": "engine_crash"}, {"t_s": 50.0, "fault": "kill"}], "node3")
+    assert (why["superseded"], why["engine_stale"], why["reported"]) == (1, 1, 2)
+    assert dict(why["unexplained"]) == {"node3 stage loading": 1, "node5 stage None": 1, "node1 stage downloading": 1}
+
+
+def test_the_second_half_trend_gives_a_slope_and_its_noise() -> None:
+    from bench.soak.report import second_half_trend
+
+    ts = [5.0 * i for i in range(720)]  # an hour, a sample every 5 s
+    flat = [100.0 + (3.0 if i % 7 == 0 else 0.0) + (0.5 if i % 12 == 0 else 0.0) for i in range(720)]
+    tr = second_half_trend(ts, flat)
+    assert tr is not None and tr["bins"] == 30 and abs(tr["slope_per_min"]) <= 2 * tr["stderr_per_min"] + 1e-9
+    rising = [100.0 + 0.2 * t / 60 for t in ts]
+    tr = second_half_trend(ts, rising)
+    assert tr is not None and abs(tr["slope_per_min"] - 0.2) < 1e-6 and tr["stderr_per_min"] < 1e-6
+    peaks = [90.0 + (20.0 if i % 40 == 0 else 0.0) for i in range(720)]
+    assert second_half_trend(ts, peaks, "max")["first"] == 110.0
+    assert second_half_trend(ts[:50], flat[:50]) is None  # a 4-minute life: too short

@@ -261,3 +261,47 @@ def test_light_blocks_applied_in_runs_match_the_trainer_and_the_streams_ranges(
         assert res.adlers[name] == zlib.adler32(tgt[info.start : info.end].tobytes())
         s = streams[name]
         assert res.ranges[name] == sparse.stream_ranges(d[s.frame_start : s.frame_end], info)
+
+
+def test_after_a_swap_the_freed_spare_is_brought_forward_in_the_background_and_the_next_delta_applies_once(
+    tmp_path: Path,
+) -> None:
+    """Hot-loads (no engine: the daemon serves what is ready): once step N is served, the spare GC
+    made of N-1 is brought forward to N off the critical path, its touched chunks hashed, and
+    tagged N; the next delta then applies only itself, through a mapping populated ahead. The
+    bytes stay the trainer's at every step; a restart deletes a spare a catch-up had claimed."""
+    from bdn.client.fleet import hot_load
+
+    steps = 5
+    chain = file_chain(tmp_path, steps, chunk_size=CHUNK, frac=0.02,
+                       formats={v: "bdn_planes_v1" for v in range(2, steps + 2)})
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=ENV)
+    d.start([])
+    try:
+        d.wait_healthy()
+        previous = None
+        for v in range(1, steps + 2):
+            hot_load(d.url, step_id(v), previous=previous)
+            d.wait_ready(step_id(v), 300)
+            _same_as_trainer(d, step_id(v), chain.dirs[v - 1])
+            if v >= 3:  # step v-1's spare exists from step 3 on: it is brought forward to step v
+                wait_for(lambda v=v: f"to {step_id(v)} in the background" in d.log_path.read_text(), 120,
+                         f"the catch-up to {step_id(v)}")
+            previous = step_id(v)
+        log = d.log_path.read_text()
+        got = _sparse(d)
+        assert got["caught_up"] >= len(SHARDS) * (steps - 1), got
+        assert got["fallbacks"] == 0 and got["chunks_bad"] == 0, got
+        # from step 4 on every sparse apply started from a buffer caught up to its base: one delta each
+        for v in range(4, steps + 2):
+            line = next(ln for ln in log.splitlines() if f"{step_id(v)}" in ln and "brought forward sparsely" in ln)
+            assert "(1 delta(s)" in line and f"{len(SHARDS)} through a mapping populated ahead" in line, line
+        # the caught-up spares are plain spares again after a restart that finds one claimed
+        claimed = d.shm_dir / SWARM_ID / ".spares" / ".claimed-0-0"
+        d.stop()
+        claimed.write_bytes(b"partial")
+        d.start([])
+        d.wait_healthy()
+        assert not claimed.exists()
+    finally:
+        d.stop()

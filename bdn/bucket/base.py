@@ -303,6 +303,14 @@ class Bucket(abc.ABC):
         """Store ``data`` as the object; readers see the old object or the new one, never half."""
 
     @abc.abstractmethod
+    def write_new(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        """Store ``data`` as the object only if no object ``key`` exists, atomically: of two
+        writers racing, exactly one gets True. Returns False (and writes nothing) when the key
+        exists. ``file://``: a hard link of the written temporary file (``link(2)`` fails with
+        EEXIST); S3: ``PutObject`` with ``If-None-Match: *`` (HTTP 412 when the key exists, S3
+        user guide "Conditional writes"). Raises as :meth:`write` does."""
+
+    @abc.abstractmethod
     def write_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """Store the local file at ``path`` as the object (multipart and parallel where large)."""
 

@@ -252,16 +252,20 @@ class FileBucket(Bucket):
             if isinstance(exc, OSError):
                 raise self._oserror("write", key, exc) from None
             raise
-        # Make the rename itself durable, as an object store's PUT is.
+        self._fsync_dir(path.parent)
+        self.stats.add(put_requests=1, put_bytes=size)
+
+    @staticmethod
+    def _fsync_dir(directory: Path) -> None:
+        # Make the rename (or link) itself durable, as an object store's PUT is.
         try:
-            dir_fd = os.open(path.parent, os.O_RDONLY)
+            dir_fd = os.open(directory, os.O_RDONLY)
             try:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
         except OSError:
             pass
-        self.stats.add(put_requests=1, put_bytes=size)
 
     def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write ``data`` to a temporary file beside the key's, fsync it, rename it into place
@@ -270,6 +274,32 @@ class FileBucket(Bucket):
             return f.write(data)
 
         self._commit(key, fill)
+
+    def write_new(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        """As :meth:`write`, but the temporary file is hard-linked into place (``os.link`` fails
+        when the key exists: then False and nothing changes) instead of renamed over it."""
+        path = self._prepare_parent(key)
+        fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+        except OSError as exc:
+            raise self._oserror("write", key, exc) from None
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        self._fsync_dir(path.parent)
+        self.stats.add(put_requests=1, put_bytes=len(memoryview(data).cast("B")))
+        return True
 
     def write_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """Copy the local file at ``path`` (1 MiB at a time) as :meth:`write` stores bytes.

@@ -297,6 +297,31 @@ class S3Bucket(Bucket):
             self._call("write", key, self._client.put_object, Key=self._full_key(key), Body=body)
         self.stats.add(put_bytes=len(body))
 
+    def write_new(self, key: str, data: bytes | bytearray | memoryview) -> bool:
+        """One PutObject with ``If-None-Match: *``: False when S3 answers 412 (the key exists).
+        Raises the mapped errors of :mod:`bdn.bucket.s3_errors`; a store that does not implement
+        conditional writes (501 NotImplemented) raises :class:`BucketError` saying so."""
+        validate_key(key)
+        body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
+        self.stats.add(put_requests=1)
+        with self._slot():
+            try:
+                self._client.put_object(Bucket=self._bucket, Key=self._full_key(key), Body=body, IfNoneMatch="*")
+            except bex.ClientError as exc:
+                status, code = status_and_code(exc)
+                if status == 412 or code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                    return False
+                if status == 501 or code == "NotImplemented":
+                    raise BucketError(
+                        f"{self._where(key)}: the store does not implement conditional writes "
+                        "(If-None-Match: *), which a commit needs to refuse a concurrent one"
+                    ) from None
+                raise self._map_error("write", key, exc) from None
+            except bex.BotoCoreError as exc:
+                raise self._map_error("write", key, exc) from None
+        self.stats.add(put_bytes=len(body))
+        return True
+
     def write_file(self, key: str, path: str | os.PathLike[str]) -> None:
         """Upload the local file at ``path`` through s3transfer: one PutObject under
         ``multipart_threshold`` bytes, else a multipart upload of ``multipart_chunksize`` parts on

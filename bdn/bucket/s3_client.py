@@ -92,7 +92,17 @@ def open_client(
     except (bex.BotoCoreError, ValueError) as exc:
         raise BucketError(f"cannot open {url}: {one_line(exc)}") from None
     _install_retry_hook(client, max_attempts, stats, retry_backoff_scale)
+    if gcs:
+        client.meta.events.register("before-sign.s3.PutObject", _gcs_create_only)
     return client
+
+
+def _gcs_create_only(request: Any, **_: Any) -> None:
+    """GCS's XML API spells "create only if absent" on an upload as ``x-goog-if-generation-match: 0``
+    (GCS docs, "Request preconditions"); its ``If-None-Match`` applies to reads. The S3 header is
+    kept for S3-compatible fakes. Not run against real GCS here."""
+    if request.headers.get("If-None-Match") == "*":
+        request.headers["x-goog-if-generation-match"] = "0"
 
 
 def open_transfer(client: Any, *, multipart_threshold: int, multipart_chunksize: int, threads: int) -> Any:

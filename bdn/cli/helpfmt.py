@@ -1,4 +1,4 @@
-"""``--help`` that shows every default (issue 31, class 11), for bdnctl, bdn-publish and
+"""``--help`` that shows every default, for bdnctl, bdn-publish and
 ``python -m bdn.engines`` (bdnd writes its own, with each key's variable).
 
 argparse's ArgumentDefaultsHelpFormatter also prints ``(default: None)`` and ``(default:

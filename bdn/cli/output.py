@@ -1,6 +1,6 @@
 """What ``bdnctl`` and ``bdn-publish`` print in common: the version line and byte counts.
 
-One unit rule for both commands (issue 12, item 15): JSON carries plain byte counts; human output
+One unit rule for both commands: JSON carries plain byte counts; human output
 and progress bars use SI decimal units, ``kB`` = 10^3, ``MB`` = 10^6, ``GB`` = 10^9 bytes (the
 label always matches the divisor).
 """

@@ -1,4 +1,4 @@
-"""Bulk GETs from the local daemon straight into the caller's buffer (issue 9: the HTTP pull at
+"""Bulk GETs from the local daemon straight into the caller's buffer (the HTTP pull at
 memory speed).
 
 httpx reads a body 64 KiB at a time into new ``bytes`` and the caller copies each piece again,

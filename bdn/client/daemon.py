@@ -333,7 +333,7 @@ class DaemonClient:
                 elif snap.get("state") == "failed":
                     raise SnapshotFailed(str(snap.get("reason") or "failed"), snap)
             except (TimeoutError, SnapshotFailed) as exc:
-                # say what was missing, not only that the time ran out (issue 31, class 10)
+                # say what was missing, not only that the time ran out
                 reason = exc.reason if isinstance(exc, SnapshotFailed) else self._reason(identity)
                 if reason and "not published yet" in reason:
                     raise NotPublished(identity, time.monotonic() - started, reason) from None

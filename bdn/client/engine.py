@@ -210,12 +210,16 @@ class EngineLink:
 
 
 def offer_keepalive_s(offer: dict[str, Any]) -> float | None:
-    """How often to send heartbeats while an offer is prepared: a third of the offer's
-    ``engine_ttl_s`` (the daemon drops an engine silent for that long), None without one."""
-    ttl = offer.get("engine_ttl_s")
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not math.isfinite(ttl) or ttl <= 0:
-        return None
-    return max(0.05, ttl / 3.0)
+    """How often to send heartbeats while an offer is prepared: a third of the smaller of the
+    offer's ``engine_stale_s`` (the daemon stops waiting for an engine silent for that long) and
+    ``engine_ttl_s`` (it drops one), counting only positive finite numbers; None without one."""
+    def positive(key: str) -> float | None:
+        v = offer.get(key)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
+            return None
+        return float(v)
+    window = [v for v in (positive("engine_ttl_s"), positive("engine_stale_s")) if v is not None]
+    return max(0.05, min(window) / 3.0) if window else None
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,4 +1,4 @@
-"""HTTP pull from the local daemon into the caller's own buffer (issue 9: the local pull at memory
+"""HTTP pull from the local daemon into the caller's own buffer (the local pull at memory
 speed), the way a serving process on the node wants it: one range request per tensor, or one big
 file in several parallel ranges, each on its own connection, landing in memory the process
 allocated once (a pinned staging buffer, a reused arena) instead of in a new object per call.

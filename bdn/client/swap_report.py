@@ -1,5 +1,5 @@
-"""An engine's swap report in plain words (issue 31, class 11): what the swap did, not its field
-names. ``mode partial, tensors_copied 75`` became "swapped all 75 tensors in place (every one
+"""An engine's swap report in plain words: what the swap did, not its field
+names. ``mode partial, tensors_copied 75`` becomes "swapped all 75 tensors in place (every one
 changed)". Used by the engine driver's log line, ``bdnctl engines`` and the demo. Pure.
 
 The report is what an engine acknowledges (``swap`` in ``POST /v1/engines/{id}/ack``;

@@ -22,8 +22,8 @@ class Broadcasts:
     Kept in buckets by transmissions so far (``_buckets[t]``: the updates sent ``t`` times, in the
     order they reached that count), so a message's updates cost O(``max_per_message`` + the
     limit), not O(queue): at N = 10,000 a queue of hundreds of updates (the fleet's joins and
-    deaths) was scanned whole for every SWIM message, a fifth of bench/fleetsim's time at the end
-    of the 700 GB anchor run (bench/NOTES.md). memberlist keeps the same order in a B-tree."""
+    deaths) scanned whole for every SWIM message took a fifth of bench/fleetsim's time at the
+    end of a 700 GB anchor. memberlist keeps the same order in a B-tree."""
 
     def __init__(self, retransmit_mult: int, max_per_message: int) -> None:
         if retransmit_mult < 1 or max_per_message < 1:

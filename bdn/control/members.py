@@ -7,7 +7,7 @@ the sorted live tuple, an index); :class:`MemberTable` is one node's view of it:
 ``node -> Member`` that reads through to the base and stores only what this node changed
 (a status, an incarnation, an address, a joiner, a forgotten member). So N simulated daemons
 in one process hold O(N + changes) entries instead of N x N (10^8 at N = 10,000: 2.8 GB per
-process, bench/NOTES.md), and a real daemon's table is the same compact list it always was.
+process), and a real daemon's table is the same compact list it always was.
 
 Contract (what :class:`bdn.control.swim.Swim` relies on): :meth:`MemberTable.get` of a member
 that lives only in the base returns a *fresh* :class:`Member`; a caller that changes it writes

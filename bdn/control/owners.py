@@ -15,8 +15,8 @@ Source: rendezvous hashing (:mod:`bdn.proto.hrw`). Two refinements for large fle
   same whatever the membership); slot ``k`` is read by the live node ranked highest by HRW
   score of ``"readers" NUL identity NUL k`` that no lower slot holds. So the readers' shares
   are equal (plain HRW among 5 readers split 128 chunks 21 / 24 / 26 / 26 / 31 for the
-  node ids of the N = 10,000 simulation, and the reader with 31 read last, alone: bench/NOTES.md,
-  "Issue 13, part 6"), and a reader's death or a joiner that outranks one moves one slot's
+  node ids of the N = 10,000 simulation, and the reader with 31 read last, alone:
+  docs/decisions/0002-bucket-reader-slots.md), and a reader's death or a joiner that outranks one moves one slot's
   chunks only, to the node that holds that slot next (HRW's minimal disruption, per slot).
 - **Bounded loads** when every live node reads (Mirrokni, Thorup, Zadimoghaddam, "Consistent
   Hashing with Bounded Loads", SODA 2018, applied to HRW): given the snapshot's digests in
@@ -24,7 +24,7 @@ Source: rendezvous hashing (:mod:`bdn.proto.hrw`). Two refinements for large fle
   ``ceil(distinct digests / nodes)``; plain HRW among a subset of readers
   (:func:`readers_and_rule` says why). With
   a few hundred chunks over a few readers plain HRW's shares differ by +-30 %, and the reader
-  with most chunks reads last, alone (the N = 8 tail, bench/NOTES.md); bounded shares are equal
+  with most chunks reads last, alone (docs/decisions/0001-owners-hrw-bounded-loads.md); bounded shares are equal
   within one chunk. Above ``MAX_WORK`` hashes (millions of chunks) plain HRW is used, whose
   shares are even at that size anyway. This is the one owner rule: bdnd's fetcher
   (``bdn.daemon.fetch.owners``) and the fleet simulator both call it.

@@ -18,7 +18,7 @@ still needs chunks (a complete peer stays: it is a seed).
 asked of one holder is asked of a second holder too (a race: the first verified copy wins, the
 caller cancels the other). At the end of a snapshot every node wants the same last chunks, and
 a request queued behind a holder's full upload slots otherwise waits there for a whole copy
-while a peer that just announced the chunk has slots free (bench/NOTES.md, "Issue 13, part 6").
+while a peer that just announced the chunk has slots free.
 
 Memory: four bool arrays (held, in flight, owned, announced) and an availability count per chunk, plus one
 bitfield per peer: O(K * chunks / 8) bytes, independent of N.
@@ -101,7 +101,7 @@ class PeerSet:
         # Ties among equally rare chunks go by a random order of this set's own: a keyed
         # bijection of the position (:meth:`_tiebreak`), computed for the candidates only. (A
         # permutation array of 10^6 chunks took 60-70 ms on the daemon's event loop and 8 bytes
-        # per chunk; random.sample before it 0.7 s: issue 12, item 2.)
+        # per chunk; random.sample 0.7 s.)
         self._salt = np.uint64(self.rng.getrandbits(64))
         self.peers: dict[str, _Peer] = {}
         self._next_flush = clock()
@@ -145,8 +145,8 @@ class PeerSet:
         that connected to this node (:meth:`accept`) before this node's membership counts it
         (a joiner still on SWIM probation here, :mod:`bdn.control.probation`) stays: its open
         connection is first-hand evidence that it runs, and its death resets the connection
-        (the caller's :meth:`remove`). Dropping it at every refresh cut late joiners off from
-        the HAVEs of the peers they had dialed (bench/NOTES.md, "Issue 13, part 5").
+        (the caller's :meth:`remove`). Dropping it at every refresh would cut late joiners off
+        from the HAVEs of the peers they had dialed (docs/decisions/0021-peer-set-keeps-accepted-joiners.md).
         """
         now = self.clock()
         if is_live is None:

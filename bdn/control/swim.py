@@ -117,7 +117,7 @@ class Swim(TableSync):
     indirect_k: int = 3
     suspect_mult: float = 4.0
     retransmit_mult: int = 4
-    max_piggyback: int = 32  # 8 before: a 5 % join burst at N = 1,000 waited on it (bench/NOTES.md)
+    max_piggyback: int = 32  # a 5 % join burst at N = 1,000 must not queue behind the message budget
     sync_interval_s: float = 30.0
     dead_forget_s: float = 3600.0
     probation: bool = True

@@ -20,9 +20,12 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
+import threading
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -49,12 +52,14 @@ from bdn.daemon.http.services import Services
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.listening import binding, clear_unix_socket
 from bdn.daemon.membership import Membership
+from bdn.daemon.memprobe import MemProbe
 from bdn.daemon.metrics import Metrics
 from bdn.daemon.nonces import NonceCache
 from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.problems import Problems
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.readiness import Readiness
+from bdn.daemon.replica.changes import ChangedTensorsCache
 from bdn.daemon.replica.fleet_status import FleetStatus
 from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
@@ -104,7 +109,7 @@ class App:
                                 # below the peers' keep-alive (header timeout + 1 s) by 3 s; SWIM
                                 # probes one member per second, so at N = 8 a pair's connection
                                 # idles ~7 s between probes: with 5 s each probe paid a new
-                                # connection (9 % of a daemon's GIL time, bench/NOTES.md)
+                                # connection (9 % of a daemon's GIL time, measured at N = 8)
                                 keepalive_s=max(1.0, cfg.http_header_timeout_s - 2))
         self.index = ChunkIndex(self.keys.address)
         self.haves = Haves(self.peers, self.membership, stats=self.stats)
@@ -117,8 +122,16 @@ class App:
         runner.foreign = ForeignLoader(cfg, self.bucket, self.store, self.pools, clock, self.hints,
                                        self.membership, self.stats)
         self.catalog = Catalog(cfg, self.store, self.index, runner, clock)
-        self.replica = ReplicaView(cfg.node_id, self.catalog, clock, self.hints, engine_ttl_s=cfg.engine_ttl_s)
-        self.replica.on_current = CurrentLink(self.store.root).point
+        self.replica = ReplicaView(cfg.node_id, self.catalog, clock, self.hints, engine_ttl_s=cfg.engine_ttl_s,
+                                   engine_stale_s=cfg.engine_stale_s,
+                                   changes=ChangedTensorsCache(self.catalog.ready_dir, sparse=runner.forward))
+        link = CurrentLink(self.store.root).point
+
+        def on_current(identity: str) -> None:
+            link(identity)
+            runner.on_served(identity)  # the spare it frees is brought forward in the background
+
+        self.replica.on_current = on_current
         self.catalog.pinned = self.replica.pinned
         self.catalog.on_change = self.replica.on_job_changed
         self.hotload = HotLoad(cfg.node_id, self.replica, self.catalog, self.bucket, self.peers, self.membership,
@@ -200,6 +213,10 @@ class App:
         self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
         self._tasks.append(asyncio.create_task(self.replica.expiry_loop(), name="engine-expiry"))
         self._tasks.append(asyncio.create_task(self.checks.run(), name="chunk-reports"))
+        if self.cfg.memory_probe_dir:
+            probe = MemProbe(Path(self.cfg.memory_probe_dir), self.cfg.memory_probe_every_s, frames=8, top=20,
+                             census=self.census, trace=self.cfg.memory_probe_trace)
+            self._tasks.append(asyncio.create_task(probe.run(), name="memory-probe"))
         if self.checks.scrub is not None:
             self._tasks.append(asyncio.create_task(self.checks.scrub_loop(), name="scrub"))
         await self._listen()
@@ -320,6 +337,27 @@ class App:
 
     async def main_loop(self) -> None:
         await self.should_exit.wait()
+
+    def census(self) -> dict[str, int]:
+        """Sizes (entries) of the long-lived structures that grow with snapshots, peers, engines or
+        requests, for the memory probe (``bdn/daemon/memprobe.py``); ``pool_kb`` in KiB."""
+        def n(obj: Any, attr: str) -> int:
+            return len(getattr(obj, attr, ()))
+        f, r = self.fetcher, self.replica
+        return {
+            "jobs": n(self.catalog, "jobs"), "collected": n(self.catalog, "collected"),
+            "failed_holding_manifest": sum(1 for j in self.catalog.jobs.values() if j.state == "failed" and j.manifest),
+            "resumable": n(self.catalog, "resumable"), "hints": n(self.hints, "_by_identity"),
+            "engines": n(r, "engines"), "leases": n(r, "leases"), "claims_voided": n(r.claims, "voided"),
+            "changes_done": n(r.changes, "_done"), "changes_ranges": n(r.changes, "_ranges"),
+            "members": n(self.membership, "members"), "verify_failures_by_peer": n(self.stats, "verify_failures_by_peer"),
+            "haves": n(self.haves, "_by_identity"), "haves_synced": n(self.haves, "_synced"),
+            "haves_growing": n(self.haves, "_growing"), "owner_tables": n(f.owners, "_tables"),
+            "checks_recent": n(self.checks, "_recent"), "problems": n(self.problems, "_active"),
+            "board_rows": n(self.hotload.status.board, "_rows"),
+            "pool_buffers": getattr(f.sources.pool, "_count", 0), "pool_kb": getattr(f.sources.pool, "_bytes", 0) >> 10,
+            "tasks": len(asyncio.all_tasks()), "threads": threading.active_count(), "gc_objects": len(gc.get_objects()),
+        }
 
     async def shutdown(self) -> None:
         """Stop within ``shutdown_timeout_s`` (``bdn.daemon.shutdown``): stop accepting

@@ -100,13 +100,15 @@ def chains(m: Manifest, get: Callable[[str], Held | None], stored_dir: Callable[
 class Forwarded:
     """A buffer brought forward: ``ranges`` the target's changed ranges against its base (the last
     delta's, ``bdn.proto.sparse.SparseResult.ranges``), ``touched`` the chunk indices any step
-    wrote (their xxh3 is checked after READY), ``written`` bytes written over all steps."""
+    wrote (their xxh3 is checked after READY), ``written`` bytes written over all steps, ``adlers``
+    every tensor's Adler-32 after the last step (checked against that diff's metadata)."""
 
     path: str
     ranges: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     touched: list[int] = field(default_factory=list)
     written: int = 0
     steps: int = 0
+    adlers: dict[str, int] = field(default_factory=dict)
 
 
 def bring_forward(path: str, file: Path, tag: dict[str, Any], steps: Sequence[tuple[str, Path]],
@@ -150,5 +152,6 @@ def bring_forward(path: str, file: Path, tag: dict[str, Any], steps: Sequence[tu
         touched.update(sparse.touched_chunks(res.ranges, result_size, chunk_size))
         out.ranges, out.written, out.steps = res.ranges, out.written + res.written, out.steps + 1
     out.touched = sorted(touched)
+    out.adlers = dict(known or {})
     sparse.check_untouched(out.touched, [str(c) for c in chunks], list(result_chunks), path)
     return out

@@ -20,6 +20,7 @@ from bdn.daemon.config import Config
 from bdn.daemon.errors import Conflict, NotFound
 from bdn.daemon.fetch.held import HeldFiles
 from bdn.daemon.index import ChunkIndex
+from bdn.daemon.recent import RecentSet
 from bdn.daemon.records import MAX_RECORD_BYTES, from_ready, matches_ready, parse_record
 from bdn.daemon.runner import Runner
 from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
@@ -34,6 +35,7 @@ from bdn.proto.safetensors_fmt import SafetensorsError, tensor_index
 log = logging.getLogger("bdn.catalog")
 #: Failed snapshots whose records (state and reason) are kept; older ones are forgotten.
 MAX_FAILED = 256
+MAX_COLLECTED = 1024  # identities GC removed that the catalog remembers (bdn/daemon/recent.py)
 
 
 class Catalog:
@@ -50,7 +52,7 @@ class Catalog:
         runner.jobs = self
         self.jobs: dict[str, SnapshotJob] = {}
         self.resumable: set[str] = set()
-        self.collected: set[str] = set()  # identities GC removed: old, not re-joined for peers
+        self.collected = RecentSet(MAX_COLLECTED)  # identities GC removed: old, not re-joined for peers
         self.pinned: Callable[[], set[str]] = set
         self.on_change: Callable[[SnapshotJob], Awaitable[None]] | None = None
         self.closing = False
@@ -105,7 +107,7 @@ class Catalog:
         """``prefetch``, then wait (at most ``timeout`` s) until the job has looked at the bucket
         once: it downloads, waits with a reason (for its manifest, for publication), or failed
         (nothing published, a manifest refused, no room): so the local API can refuse a request
-        that fails at once instead of answering 202 for it (issue 12). ``publish_wait_s``: the
+        that fails at once instead of answering 202 for it. ``publish_wait_s``: the
         asker's patience, which bounds the job's wait for publication (the latest of its askers';
         a job started without one keeps ``manifest_wait_s``). Raises IdentityError."""
         fresh = getattr(self.jobs.get(identity), "state", "failed") == "failed"
@@ -123,10 +125,15 @@ class Catalog:
     def _trim_failed(self) -> None:
         """Keep the records of at most ``MAX_FAILED`` failed snapshots (the oldest started go first):
         names nobody published, asked for by a confused client or a peer's hint, must not grow the
-        catalog without bound. A failed record only reports its reason; its files are gone."""
+        catalog without bound. A failed record only reports its reason; its files are gone, and
+        once its task has ended it sheds its manifest, chunk lists and bitfields
+        (``SnapshotJob.shed``): 256 records of a 10^6-chunk snapshot would otherwise hold 4 GB."""
         failed = [i for i, j in self.jobs.items() if j.state == "failed"]
         for identity in failed[: max(0, len(failed) - MAX_FAILED)]:
             del self.jobs[identity]
+        for j in self.jobs.values():
+            if j.state == "failed" and (j.task is None or j.task.done()):
+                j.shed()
 
     async def _job_changed(self, job: SnapshotJob) -> None:
         if self.on_change is not None:
@@ -299,6 +306,12 @@ class Catalog:
         need = self.store.space_needed(m) if m is not None else 0
         return max(0, min(cap, budget - used - need))
 
+    def collectable(self) -> list[str]:
+        """The ready identities :meth:`gc` would remove now (nothing removed)."""
+        held = [retention.Held(j.identity, j.state, j.policy_version, j.created, j.updated, j.base_identity)
+                for j in self.jobs.values()]
+        return retention.plan_gc(held, self.pinned(), self.cfg.keep_ready, self.cfg.gc_grace_s, self.clock.time())[0]
+
     def gc(self) -> dict[str, list[str]]:
         """Remove ready snapshots nobody needs (policy: ``bdn.daemon.retention``);
         ``{"removed": [...], "kept": [...]}``."""
@@ -397,7 +410,7 @@ class Catalog:
         once per snapshot).
 
         The headers are read and parsed on a disk thread, once per snapshot (up to 100 MB of
-        JSON each: on the event loop that stalled every request for a second, issue 31)."""
+        JSON each: on the event loop that would stall every request for a second)."""
         job, d = self.ready(identity)
         if job.tensor_refused:
             raise Conflict(job.tensor_refused)

@@ -1,4 +1,4 @@
-"""A layer's chunks as a compact sequence over the manifest (issue 12, item 2).
+"""A layer's chunks as a compact sequence over the manifest.
 
 A snapshot of a million chunks must not cost a million Python objects: :class:`ChunkList` keeps
 one integer per file (where the file's chunks start in the layer's order) and builds the

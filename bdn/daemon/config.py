@@ -44,7 +44,7 @@ _MINIMUM: dict[str, float] = {
     "peers_dns_interval_s": 0.001, "foreign_chunk_size": 4096, "max_delta_chain": 1,
     "swim_period_s": 0.05, "swim_ack_timeout_s": 0.01, "swim_suspect_mult": 1, "swim_sync_interval_s": 1,
     "status_aggregators": 1, "status_report_s": 0.1,
-    "http_header_timeout_s": 0.001, "http_max_connections": 1, "shm_spare_bytes": -1,
+    "http_header_timeout_s": 0.001, "memory_probe_every_s": 0.1, "http_max_connections": 1, "shm_spare_bytes": -1,
 }
 
 
@@ -75,7 +75,7 @@ class Config:
     startup_settle_s: float = field(default=5.0, metadata={"help": 'at start, wait up to this long for static peers to answer'})
     shutdown_timeout_s: float = field(default=15.0, metadata={"help": 'after SIGTERM/SIGINT, the process is gone within this long: worker threads still busy then are abandoned (exit 0, progress saved); if the event loop itself is stuck, every thread\'s stack is logged and bdnd exits 1 five seconds later (keep it below systemd\'s TimeoutStopSec and Kubernetes\' terminationGracePeriodSeconds)'})
     max_inflight: int = field(default=16, metadata={"help": 'chunk transfers in flight per snapshot'})
-    bucket_concurrency: int = field(default=8, metadata={"help": "concurrent bucket requests: a chunk is read as up to this many ranged GETs (>= 1 MiB each) queued in chunk order, so an owner's chunks finish one after another and flow to peers at once (8: the bucket reads keep their share of a downlink full of peer traffic, bench/NOTES.md)"})
+    bucket_concurrency: int = field(default=8, metadata={"help": "concurrent bucket requests: a chunk is read as up to this many ranged GETs (>= 512 KiB each) queued in chunk order, so an owner's chunks finish one after another and flow to peers at once (8: the bucket reads keep their share of a downlink full of peer traffic)"})
     bucket_readers: int = field(default=0, metadata={"help": "how many live daemons read each snapshot from the bucket (its chunks' owners: the top by HRW of the snapshot's identity, so the role rotates per snapshot); 0 = every daemon. For large fleets: about 1.5 x the bucket's aggregate rate / (bucket_concurrency x its per-connection rate) (bdn.control.owners.reader_count)"})
     chunk_wait_s: float = field(default=30.0, metadata={"help": 'how long an owner may hold a chunk request while it fetches'})
     owner_patience_s: float = field(default=600.0, metadata={"help": 'keep asking a live owner that answers "still fetching" this long'})
@@ -93,6 +93,10 @@ class Config:
     apply_workers: int = field(default=0, metadata={"help": 'threads decoding deltas (0 = one per core)'})
     keep_ready: int = field(default=2, metadata={"help": 'GC keeps this many newest ready snapshots (plus leased/current/target)'})
     engine_ttl_s: float = field(default=30.0, metadata={"help": 'an engine that has not polled for this long is dropped and its leases released (0 = never); must exceed its longest prepare + swap'})
+    memory_probe_dir: str = field(default="", metadata={"help": 'diagnosis only, slows the daemon: trace Python allocations and append what grew, RssAnon by mapping and the sizes of long-lived structures to DIR/memprobe.jsonl every memory_probe_every_s ("" = off)'})
+    memory_probe_trace: bool = field(default=True, metadata={"help": 'the memory probe traces Python allocations (tracemalloc: what grew, by code line); false: pymalloc\'s own arena figures instead, which CPython gives only untraced'})
+    memory_probe_every_s: float = field(default=300.0, metadata={"help": 'seconds between two lines of the memory probe'})
+    engine_stale_s: float = field(default=10.0, metadata={"help": 'an engine not heard from (poll, heartbeat, ack) for this long is stale: the replica stops waiting for it and says so; live again when heard from (0 = never stale; above engine_ttl_s it has no effect)'})
     gc_grace_s: float = field(default=60.0, metadata={"help": 'a snapshot that just became ready is kept at least this long'})
     shm_budget_bytes: int = field(default=0, metadata={"help": 'most bytes of snapshots (rebuilt + stored diffs) in shm; 0 = no budget'})
     shm_spare_bytes: int = field(default=-1, metadata={"help": 'most bytes of collected snapshots\' shm files kept (no process mapping or holding them) to become the next snapshot\'s files, counted in shm_budget_bytes; -1 = as many as the largest snapshot collected, 0 = none'})

@@ -16,8 +16,8 @@ CONFIG_NAME = "config.json"
 def _read(path: Path) -> bytes | None:
     # At most one byte over the limit (parse_config refuses that), but never a buffer of the
     # limit for a file of a few hundred bytes: ``f.read(n)`` allocates ``n`` bytes first, and a
-    # 1 MiB block allocated and freed twice per delta fragmented glibc's heap (bench/NOTES.md,
-    # "Issue 12: the flat soak").
+    # 1 MiB block allocated and freed twice per delta fragments glibc's heap
+    # (docs/decisions/0025-flat-rss.md).
     try:
         with open(path, "rb") as f:
             return f.read(min(os.fstat(f.fileno()).st_size, MAX_CONFIG_BYTES) + 1)

@@ -1,5 +1,5 @@
-"""Delta folding: a node that lags several deltas behind rebuilds the target once (issue 11;
-docs/DESIGN.md "Folding a delta chain").
+"""Delta folding: a node that lags several deltas behind rebuilds the target once
+(docs/DESIGN.md "Folding a delta chain").
 
 Every delta format bdn reads (``arc_v1``, ``arc_v2``, ``bdn_planes_v1``, and fireworks'
 ``arc_v2`` files, which are the same format) stores per tensor ``base XOR target``; nothing is

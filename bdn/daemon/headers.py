@@ -16,7 +16,7 @@ both run here, and a file READY lets through is one the serving side reads.
 A header of ``CHILD_BYTES`` or more is checked in a child process (``python -m
 bdn.daemon.headers PATH NAME``): parsing 100 MB of JSON takes the CPU for seconds and, on a worker
 thread, holds the daemon's GIL against its event loop for most of them (a 98 MB header kept a
-snapshot ``verifying`` for minutes on a loaded machine, the loop seconds late, issue 31).
+snapshot ``verifying`` for minutes on a loaded machine, the loop seconds late).
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ Only verified chunks are ever registered (DESIGN.md, "Moving chunks": every chun
 before it is written or served). A chunk held by several snapshots is served from one of them;
 when the snapshot that serves it is forgotten, another holder takes its place.
 
-**Compact** (issue 12, item 2): a snapshot of a million chunks costs no Python object per chunk
+**Compact**: a snapshot of a million chunks costs no Python object per chunk
 here. The index keeps one :class:`_Segment` per (snapshot, layer): the layer's keyed addresses as
 two sorted ``uint64`` columns plus the position each came from (``uint32``), and two byte masks,
 ``pending`` (the snapshot is about to fetch it) and ``held`` (verified here). That is 22 bytes
-per chunk, against ~900 for the dicts of ``ChunkRef`` / ``Loc`` objects it replaced (bench/NOTES.md,
-"Issue 12 audit"); the ``ChunkRef`` / ``Loc`` of a chunk is built only when a lookup answers it.
+per chunk, against ~900 for the dicts of ``ChunkRef`` / ``Loc`` objects
+(docs/decisions/0018-compact-chunk-state.md); the ``ChunkRef`` / ``Loc`` of a chunk is built only when a lookup answers it.
 A full snapshot's two layers list the same digests in the same order and share one set of
 columns. Building a segment computes one keyed address per chunk (seconds for millions): callers
 do it on a worker thread (``add_pending``, :meth:`prepare`).

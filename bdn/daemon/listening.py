@@ -1,5 +1,5 @@
 """Binding the daemon's ports: an address that cannot be bound is a configuration error that
-names its key (issue 12: "peer_listen 127.0.0.1:7080 is in use (...)"), so ``bdnd`` exits 2 with
+names its key ("peer_listen 127.0.0.1:7080 is in use (...)"), so ``bdnd`` exits 2 with
 one line, as for any other configuration error, and systemd (``RestartPreventExitStatus=2``)
 does not restart it into the same failure forever."""
 

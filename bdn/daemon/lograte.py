@@ -1,4 +1,4 @@
-"""Rate-limited log lines for events that can repeat per chunk (issue 12, item 2: a million-chunk
+"""Rate-limited log lines for events that can repeat per chunk (a million-chunk
 snapshot from a lying peer or a failing bucket must not write a line per chunk).
 
 :class:`RepeatLog` writes the first line of a *kind* (a key the caller picks, e.g. the message

@@ -1,6 +1,6 @@
 """How late the event loop runs: a probe that sleeps ``interval_s`` over and over and records
-how much later than asked it woke up (issue 12, item 2: no step may block the loop for more than
-about 100 ms). ``/metrics`` shows the largest lag of the last window and the count of probes
+how much later than asked it woke up (the rule it watches: no step may block the loop for more
+than about 100 ms). ``/metrics`` shows the largest lag of the last window and the count of probes
 that were late by more than ``SLOW_S``. Beside the wall lateness, each probe records the
 ``cpu`` lateness: the wall lateness, at most the CPU time the event loop's own thread spent
 between the probe's sleep and its wake-up (``time.thread_time``). That is the part a step on the

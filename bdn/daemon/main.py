@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         # Everything kept is on disk (progress files, READY snapshots) and the logs are flushed
         # here: the interpreter's own finalisation (a garbage collection of every object, module
         # teardown) only frees memory the kernel frees anyway, and took 40 s of wall time at
-        # nice 19 on a loaded machine (bench/NOTES.md, "Issue 12: SIGTERM").
+        # nice 19 on a loaded machine (docs/decisions/0029-bounded-shutdown.md).
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,11 +1,11 @@
-"""Gives the C heap's free pages back to the system when the daemon is idle (issue 12: RSS must
-stay flat over a soak).
+"""Gives the C heap's free pages back to the system when the daemon is idle, so that its RSS
+does not creep up over many hot-loads (docs/decisions/0025-flat-rss.md).
 
 glibc returns a heap's free memory to the system by itself only from the top of each heap
 (``M_TRIM_THRESHOLD``); free pages in the middle of a heap stay resident for as long as one block
 above them lives. A daemon has a dozen threads, each with its own arena, whose small blocks come
-and go with downloads, so the arenas' resident size creeps up with each hot-load (the one-hour
-soak: +2-3 MB over 15 arenas; bench/NOTES.md, "Issue 12: the flat soak"). ``malloc_trim(0)``
+and go with downloads, so the arenas' resident size creeps up with each hot-load (+2-3 MB over
+15 arenas in an hour of hot-loads). ``malloc_trim(0)``
 (malloc_trim(3), glibc >= 2.8) walks every arena and ``madvise(MADV_DONTNEED)``s each free page.
 
 The fetcher runs :meth:`IdleTrim.maybe` on a disk thread when no download runs, at most once

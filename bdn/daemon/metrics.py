@@ -70,9 +70,9 @@ class _Collector:
         yield CounterMetricFamily("bdn_chunks_scrubbed", "Chunks of ready snapshots re-hashed by the scrub",
                                   value=c["chunks_scrubbed"])
         sp = CounterMetricFamily("bdn_sparse", "Sparse applies (DESIGN.md, Sparse apply): files brought forward "
-                                 "in place, bytes they wrote, refusals (full apply instead), touched chunks found bad",
+                                 "in place, spares brought forward in the background, bytes they wrote, refusals (full apply instead), touched chunks found bad",
                                  labels=["what"])
-        for what in ("applies", "bytes_written", "fallbacks", "chunks_bad"):
+        for what in ("applies", "caught_up", "bytes_written", "fallbacks", "chunks_bad"):
             sp.add_metric([what], c[f"sparse_{what}"])
         yield sp
         h = CounterMetricFamily("bdn_http_guard", "Connections the HTTP guards closed or refused "

@@ -1,4 +1,4 @@
-"""Misconfigurations this daemon has noticed (issue 31, class 9): one place that readiness
+"""Misconfigurations this daemon has noticed: one place that readiness
 (``/v1/ready``, ``/v1/status``, systemd's ``STATUS=``), the log and the metrics read.
 
 Kinds (:data:`KINDS`), each keyed by what it is about (a peer URL, the bucket URL):

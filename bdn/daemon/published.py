@@ -60,7 +60,7 @@ async def read_manifest(self: Any, job: SnapshotJob) -> Manifest:
                 return await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)
             if not job.wait_publish and not await self.bucket.list(f"{job.identity}/"):
                 raise BdnError(f"snapshot {job.identity}: nothing is published under {job.identity}/ in {self.bucket.url}") from None
-            # bounded by the askers (a client that gives up after 60 s: issue 31, class 10)
+            # bounded by the askers (a client that gives up after 60 s)
             limit = started + self.cfg.manifest_wait_s
             if job.publish_deadline is not None:
                 limit = min(limit, job.publish_deadline)

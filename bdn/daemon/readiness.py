@@ -1,4 +1,4 @@
-"""Readiness, apart from liveness (issue 12, item 11).
+"""Readiness, apart from liveness.
 
 ``GET /v1/health`` is liveness: the event loop answers. ``GET /v1/ready`` is readiness, true when
 
@@ -9,7 +9,7 @@
    seconds (only the first check waits for one, at most ``PROBE_TIMEOUT_S``),
 3. startup is over (membership settled) and the replica's target (``STARTUP_SNAPSHOT``'s
    snapshot, or the fleet's hot-load target) is loaded or loading, not failed,
-4. nothing is misconfigured (``bdn.daemon.problems``; issue 31, class 9): the bucket URL holds
+4. nothing is misconfigured (``bdn.daemon.problems``): the bucket URL holds
    some object (an empty one is a mistyped prefix, or nothing published yet), no peer answers
    with this daemon's node id, and not every peer refuses its signature (401: another partition
    secret). Some peers refusing while others answer is a warning, not a reason.

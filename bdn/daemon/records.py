@@ -1,5 +1,5 @@
 """What a restarted daemon needs to rebuild a ready snapshot's record exactly: the manifest it was
-rebuilt from, kept in the store beside READY (DESIGN.md, "On the node").
+rebuilt from, kept in the store beside READY (DESIGN.md, "Progress files and restart").
 
 ``<root>/.manifests/<identity>`` is written just before the snapshot's directory is renamed into
 place (``Store.publish``) and removed with the snapshot. It is msgpack (format ``bdn.record/1``)::
@@ -11,7 +11,7 @@ place (``Store.publish``) and removed with the snapshot. It is msgpack (format `
 READY alone (``bdn.ready/1``) names the rebuilt files and the policy version, but not the
 manifest's creation time, a delta's stored diff objects, its formats, nor the digest saved
 progress is keyed to; a record rebuilt from READY alone answered a hot-load's claims with an
-empty publish time, and the hot-load was refused after its 200 (issue 31). With the record, the
+empty publish time, and the hot-load was refused after its 200. With the record, the
 restarted daemon parses the manifest with the same parser (``Manifest.from_json``) and builds the
 job with the same steps as a fresh download. The file is read from shared memory anyone on the
 node may write, so it is parsed as untrusted input and must describe exactly the files READY

@@ -1,4 +1,4 @@
-"""Which ready snapshots garbage collection removes: a pure policy (DESIGN.md, "On the node").
+"""Which ready snapshots garbage collection removes: a pure policy (DESIGN.md, "Garbage collection").
 
 Kept: every *pinned* identity (leased by an engine, served now, the hot-load target), every
 snapshot in progress and its base, the ``keep_ready`` newest ready ones by ``(policy_version,

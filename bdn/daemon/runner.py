@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 from bdn.bucket import ObjectChanged
-from bdn.daemon import diskio, headers, logctx
+from bdn.daemon import diskio, headers, logctx, spares
 from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.chunklist import check_limits
@@ -66,9 +66,18 @@ class Jobs(Protocol):
     def gc(self) -> dict[str, list[str]]:
         """Collect what the keep rules allow; returns what was removed, by reason."""
 
+    def collectable(self) -> list[str]:
+        """The ready identities :meth:`gc` would remove now."""
+
     @property
     def closing(self) -> bool:
         """True once the daemon is stopping."""
+
+
+#: After the engines swap, how long a catch-up waits for the old snapshot's files to be closed,
+#: and how often it looks (a lease probe per file, ``bdn.daemon.spares.unused``).
+CATCH_UP_WAIT_S = 30.0
+CATCH_UP_POLL_S = 0.05
 
 
 class Runner:
@@ -111,6 +120,8 @@ class Runner:
             if saved is not None:
                 await self._resume(job, saved)
             else:
+                if m.is_delta:
+                    await self.forward.settle()  # a background catch-up's buffer is this delta's to take
                 jobs.check_budget(m)
                 accept = self.forward.accept(m, jobs.get) if m.is_delta else None
                 if accept is not None:
@@ -171,6 +182,39 @@ class Runner:
             if job.stored_refs and not jobs.closing:
                 await asyncio.shield(self._on(self.pools.disk, self.index.drop_pending_of, job))
             await job.notify()
+
+    def on_served(self, identity: str) -> None:
+        """Event: the engines serve ``identity`` now (or none is registered). The snapshot served
+        before it is free once the engines close it: then GC recycles it into a tagged spare and
+        :meth:`Forward.catch_up` brings that spare forward to ``identity`` in the background (a
+        task; DESIGN.md, "Sparse apply")."""
+        if self.cfg.sparse_apply and self.jobs is not None:
+            self.forward.spawn(self._catch_up(identity))
+
+    async def _catch_up(self, identity: str) -> None:
+        jobs = self.jobs
+        assert jobs is not None
+
+        def free(idents: list[str]) -> bool:
+            return all(spares.unused(p) for ident in idents for p in self.store.ready_dir(ident).rglob("*.safetensors"))
+
+        # An engine closes the snapshot it swapped away from right after its ack: until then GC
+        # could not recycle those files (a lease is refused on a file in use, and it is deleted).
+        # No event says a mapping is gone (munmap notifies nobody), so the lease is probed.
+        for _ in range(int(CATCH_UP_WAIT_S / CATCH_UP_POLL_S)):
+            if await self._on(self.pools.disk, free, jobs.collectable()):
+                break
+            await asyncio.sleep(CATCH_UP_POLL_S)
+        if any(j.state not in TERMINAL for j in jobs.all()):
+            return  # a snapshot is on its way: it takes the spares itself
+        jobs.gc()
+        job = jobs.get(identity)
+        if job is None or job.state != "ready" or job.manifest is None or not job.manifest.is_delta:
+            return
+        await self._on(self.pools.disk, self.store.spares.prime_tagged)
+        if any(j.state not in TERMINAL for j in jobs.all()):
+            return
+        await self.forward.catch_up(job.manifest, jobs.get)
 
     def _publish(self, job: SnapshotJob, m: Manifest) -> Any:
         """READY and the restart record of ``job`` rebuilt from ``m`` (a disk thread: the record

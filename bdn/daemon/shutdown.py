@@ -1,8 +1,7 @@
 """How ``bdnd`` stops within ``shutdown_timeout_s`` of SIGTERM/SIGINT (docs/OPERATIONS.md, "Stopping").
 
-What used to hold a stopping daemon, found on real daemons (bench/NOTES.md, "Issue 12: SIGTERM"):
-aiohttp waits up to 60 s per listener for requests in flight, and long-polls (a peer's
-``?wait=`` chunk request, ``/v1/snapshots/{id}/wait``, an engine's ``/next``) stay in flight that
+What would hold a stopping daemon (docs/decisions/0029-bounded-shutdown.md): aiohttp waits up to
+60 s per listener for requests in flight, and long-polls (a peer's ``?wait=`` chunk request, ``/v1/snapshots/{id}/wait``, an engine's ``/next``) stay in flight that
 long while the download they wait for goes on; and after the event loop has stopped, the
 interpreter joins every worker thread (``concurrent.futures`` does so at exit, and
 ``asyncio.Runner`` joins the default executor), one of which may sit in a bucket read or a long

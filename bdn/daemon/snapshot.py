@@ -260,6 +260,17 @@ class SnapshotJob:
         """Return once ``version`` differs from ``since`` or ``timeout`` seconds passed."""
         await versioned.wait_change(self.cond, lambda: self.version, since, timeout)
 
+    def shed(self) -> None:
+        """Drop what only a download needs (manifest, chunk lists, bitfields, tensor index, the
+        in-flight table), keeping the record's scalars (``describe`` is unchanged): for a failed
+        record whose task has ended, which the catalog keeps only to report its reason."""
+        self.manifest = None
+        self.stored_refs = self.result_refs = ()
+        self.stored = self.result = None
+        self.tensor_index = None
+        self.inflight = {}
+        self.foreign = None
+
     def describe(self) -> dict[str, Any]:
         """The snapshot's record as the local API returns it (``GET /v1/snapshots/{id}``):
         identity, kind, state, reason, path once ready, byte counts by source, and seconds per stage."""

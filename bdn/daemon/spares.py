@@ -1,5 +1,5 @@
 """The page pool: shm files of collected snapshots kept as spares, to become the next snapshot's
-files (issue 9: stop paying for fresh pages on the critical path).
+files, so that fresh pages are not paid for on the critical path (docs/decisions/0010-page-pool-write-lease.md).
 
 Why: on this class of VM reserving and zeroing fresh tmpfs pages costs 0.5-1.1 CPU-s per GiB
 (``bench/transfer/pagefill``), 5-8x a copy into pages that already exist, and in RL
@@ -54,6 +54,7 @@ log = logging.getLogger("bdn.spares")
 
 SPARES = ".spares"
 TAGS = ".tags"
+CLAIMED = ".claimed-"
 
 
 def _ignore_sigio() -> None:
@@ -63,6 +64,25 @@ def _ignore_sigio() -> None:
             signal.signal(signal.SIGIO, signal.SIG_IGN)
     except ValueError:  # not the main thread: whoever runs the loop there decides
         pass
+
+
+def unused(path: Path) -> bool:
+    """True if no other open file description of ``path`` exists now (the write lease of
+    :func:`recycle`, granted and given back at once): nobody maps or holds the file. False when it
+    is in use, gone, or leases are unavailable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except OSError:
+        return False
+    else:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    finally:
+        os.close(fd)
 
 
 def recycle(path: Path, dest: Path) -> bool:
@@ -102,6 +122,8 @@ class Spares:
         for t in self._tag_files():  # a tag whose file is gone (trimmed, taken, crashed) says nothing
             if not (self.dir / t.name).is_file():
                 t.unlink(missing_ok=True)
+        for p in self.dir.glob(f"{CLAIMED}*"):  # a catch-up a crash interrupted: partial bytes
+            p.unlink(missing_ok=True)
         _ignore_sigio()
         self.limit = limit
         self._high = self.bytes()  # the largest batch absorbed (for limit -1); a restart keeps its spares
@@ -240,6 +262,35 @@ class Spares:
             os.replace(self.dir / t.name, dest)
             self.recycled_bytes += size
             return tag
+
+    def claim_tagged(self, path: str, size: int, accept: Callable[[dict[str, Any]], bool]) -> tuple[Path, dict[str, Any]] | None:
+        """Take a tagged spare out of the pool to bring it forward where it lies (the sparse
+        catch-up, ``bdn.daemon.forward``): as :meth:`take_tagged`, but to a hidden name in the
+        pool's directory (``.claimed-<n>``, which no take, trim or restart hands out: a restart
+        deletes it), writable; ``(its path, its tag)`` or None. Give it back with :meth:`release`."""
+        hidden = self.dir / f"{CLAIMED}{os.getpid()}-{next(self._seq)}"
+        tag = self.take_tagged(path, size, hidden, accept)
+        if tag is None:
+            return None
+        self.recycled_bytes -= size  # not handed to a snapshot (yet)
+        os.chmod(hidden, 0o644)
+        return hidden, tag
+
+    def release(self, hidden: Path, tag: dict[str, Any] | None) -> None:
+        """Put a file :meth:`claim_tagged` took back into the pool, read-only, with ``tag`` (what
+        it holds now) or untagged (None: its bytes are not known)."""
+        with self._lock:
+            name = f"{os.getpid()}-{next(self._seq)}"
+            (self.tags / name).unlink(missing_ok=True)
+            try:
+                os.chmod(hidden, 0o444)
+                os.replace(hidden, self.dir / name)
+            except OSError as e:
+                log.warning("page pool: %s not given back: %s", hidden.name, e)
+                hidden.unlink(missing_ok=True)
+                return
+            if tag is not None:
+                self._write_tag(name, tag)
 
     def prime_tagged(self) -> int:
         """Map and populate every tagged spare not mapped yet (``HotMaps.prime``; blocking, a disk

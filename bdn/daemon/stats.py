@@ -34,6 +34,7 @@ COUNTERS = (
     "heap_trims",  # malloc_trim(0) calls when no download ran (bdn.daemon.memtrim)
     "sparse_applies",  # rebuilt files brought forward in place from a spare (bdn.daemon.buffers)
     "sparse_bytes_written",  # bytes those applies wrote
+    "sparse_caught_up",  # spares brought forward in the background to the snapshot served (bdn.daemon.forward)
     "sparse_fallbacks",  # sparse applies refused (wrong base, checksum, cheaper in full): full apply instead
     "sparse_chunks_bad",  # chunks a sparse apply touched whose xxh3 after READY did not match: quarantined
 )

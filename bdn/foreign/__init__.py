@@ -1,4 +1,4 @@
-"""Snapshots published without ``bdn.manifest.json`` (issue 11; docs/TRUST.md).
+"""Snapshots published without ``bdn.manifest.json`` (docs/TRUST.md).
 
 :func:`read_foreign_table` lists ``<identity>/`` and reads each safetensors header through the
 bucket interface, then derives the table with the pure :func:`bdn.proto.foreign.derive_table`.

@@ -1,6 +1,6 @@
 """bdn's formats and rules, pure: bytes and values in, values out, no I/O.
 
-Modules (docs/DESIGN.md, "Parts and interfaces"): ``identity`` (identities and relative paths),
+Modules (docs/DESIGN.md, "Map of the code"): ``identity`` (identities and relative paths),
 ``manifest`` (``bdn.manifest.json``, format ``bdn.snapshot/1``), ``chunks`` (chunk ranges and
 XXH3-128 digests), ``keys`` (keys derived from the partition secret, chunk addresses, request
 signatures), ``hrw`` (rendezvous owners), ``safetensors_fmt`` (strict header parser, writer),

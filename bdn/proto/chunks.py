@@ -86,9 +86,8 @@ def concat_digests(buffers: Sequence[Any], chunk_size: int, map: Any = None) -> 
 
 
 class Digests(Sequence[str]):
-    """A file's chunk digests in one bytes block, 16 bytes per digest (issue 12, item 2: a
-    manifest of a million chunks held a million 32-char strings, 89 bytes each with their tuple
-    slot). Reads like the tuple it replaces: ``d[i]`` / iteration give the lowercase hex digest,
+    """A file's chunk digests in one bytes block, 16 bytes per digest (a tuple of
+    32-char strings costs 89 bytes a digest with its tuple slot: 89 MB for a million chunks). Reads like the tuple it replaces: ``d[i]`` / iteration give the lowercase hex digest,
     ``d[a:b]`` a tuple, and it equals (and hashes like) the tuple of the same digests."""
 
     __slots__ = ("_raw",)

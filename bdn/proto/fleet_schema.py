@@ -1,5 +1,5 @@
 """The fleet hot-load GET's answer, written down once (README.md "Fleet hot-load API",
-docs/DESIGN.md "Replica stages"; issue 31, class 8).
+docs/DESIGN.md "Replica stages").
 
 ``GET /hot_load/v1/models/hot_load`` answers one page::
 

@@ -1,6 +1,6 @@
 """Snapshots without ``bdn.manifest.json`` ("foreign" snapshots): listing + headers -> table.
 
-Source: issue 11 and docs/TRUST.md. A trainer that publishes with the hosted services' tools (the
+Source: docs/TRUST.md. A trainer that publishes with the hosted services' tools (the
 Fireworks library ``fireworks-delta-compression`` plus its own upload code, or the hosted RL
 service's reference publisher) writes under ``<root>/<identity>/`` either
 
@@ -52,7 +52,7 @@ from bdn.proto.safetensors_fmt import Header, SafetensorsError, _q, parse_header
 
 FOREIGN_FORMAT = "bdn.foreign/1"
 #: The safetensors library refuses headers of 100,000,000 bytes and more (``MAX_HEADER_SIZE``);
-#: a foreign file must load in the engine, so the same limit holds here (issue 12 item 3).
+#: a foreign file must load in the engine, so the same limit holds here.
 MAX_HEADER_BYTES = 100_000_000
 #: The first read of each safetensors object: the whole header of every real checkpoint shard
 #: (a few KB to ~1 MB) plus the first bytes of the first stream, in one ranged GET.

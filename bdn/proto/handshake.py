@@ -1,6 +1,6 @@
 """The transfer wire's handshake and session tags (pure, no I/O).
 
-Source: DESIGN.md ("The transfer wire") and issue 9. Keys come from the partition secret
+Source: DESIGN.md ("The transfer wire"). Keys come from the partition secret
 (bdn.proto.keys); HMAC-SHA256 is RFC 2104, HKDF-SHA256 RFC 5869. The record layout (implicit
 per-direction sequence numbers in every tag, so no nonce has to travel or be remembered) follows
 TLS 1.3 (RFC 8446, 5.3) and SSH (RFC 4253, 6.4). Frames themselves (header, types, request and

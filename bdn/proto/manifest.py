@@ -291,8 +291,8 @@ class Manifest:
 
 # ---- decoding without holding the GIL for long ---------------------------------------------
 # A daemon parses manifests on a worker thread, but a C decoder keeps the GIL for the whole
-# call: ``json.loads`` of a 36 MB manifest (10^6 chunks) held the event loop ~0.5 s (issue 12,
-# item 2). So the structure is decoded by msgspec with every ``chunks`` list left as raw JSON
+# call: ``json.loads`` of a 36 MB manifest (10^6 chunks) held the event loop ~0.5 s, and
+# no step may hold it for more than about 100 ms. So the structure is decoded by msgspec with every ``chunks`` list left as raw JSON
 # bytes (one fast scan, no string objects), then each list is decoded in windows of
 # ``DECODE_WINDOW`` bytes, a few milliseconds each, between which the loop runs. Own code
 # because no JSON library decodes incrementally into a list; the windowing is exact (below).

@@ -63,6 +63,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import zstandard
 
+from bdn.proto import planes_scan
 from bdn.proto.delta_tasks import (
     ZSTD_LEVEL,
     Ctx,
@@ -105,7 +106,7 @@ def _changed(x: np.ndarray) -> np.ndarray:
     numpy's ``nonzero`` of a word array takes a branch per word (0.6 GB/s of CPU time here at
     2 % changed bf16); of a bool array it is 4x faster, and when few 8-byte groups change at
     all, finding those groups first and then the words inside them is faster again (6.5 GB/s
-    at 0.1 %, measured in CPU time: BENCHMARKS.md, "Publishing from the ranks").
+    at 0.1 %, measured in CPU time).
     """
     n = len(x)
     w = x.itemsize
@@ -123,19 +124,31 @@ def _changed(x: np.ndarray) -> np.ndarray:
     return ((g[:, None] * per) + np.arange(per))[sub != 0]
 
 
-def _encode_block(cx: Ctx, b: np.ndarray, t: np.ndarray, w: int, level: int) -> tuple[int, int, int, bytes]:
-    """(mode, k, e, payload) of one block; ``b``/``t`` are little-endian word arrays."""
+def _sparse_fields(cx: Ctx, b: np.ndarray, t: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """(k, gap bytes, escaped gaps as little-endian u32, changed XOR words) of one block.
+
+    One pass of the compiled kernel (:mod:`bdn.proto.planes_scan`) when numba is there; else
+    numpy's XOR, :func:`_changed`, gaps and gather.
+    """
+    if planes_scan.available():
+        found = planes_scan.scan(b, t, cx.pscratch(planes_scan.scratch_bytes(len(b))), cx.scratch(b.nbytes).view(b.dtype))
+        if found is not None:
+            return found
     x = np.bitwise_xor(b, t, out=cx.scratch(b.nbytes).view(b.dtype))
     nz = _changed(x)
-    k = len(nz)
+    gaps = np.diff(nz, prepend=-1)
+    return len(nz), np.minimum(gaps, 255).astype(np.uint8), gaps[gaps >= 255].astype("<u4"), x[nz]
+
+
+def _encode_block(cx: Ctx, b: np.ndarray, t: np.ndarray, w: int, level: int) -> tuple[int, int, int, bytes]:
+    """(mode, k, e, payload) of one block; ``b``/``t`` are little-endian word arrays."""
+    k, g8, over, vals = _sparse_fields(cx, b, t)
     if k == 0:
         return _P_SAME, 0, 0, b""
-    gaps = np.diff(nz, prepend=-1)
-    over = gaps[gaps >= 255].astype("<u4")
-    g8 = np.minimum(gaps, 255).astype(np.uint8)
     cctx = cx.cctx(level)
-    sparse = cctx.compress(b"".join((g8.tobytes(), over.tobytes(), _planes_of(x[nz], w))))
-    if k > len(x) // 8:  # dense can only win when many words change
+    sparse = cctx.compress(b"".join((g8.tobytes(), over.astype("<u4", copy=False).tobytes(), _planes_of(vals, w))))
+    if k > len(b) // 8:  # dense can only win when many words change
+        x = np.bitwise_xor(b, t, out=cx.scratch(b.nbytes).view(b.dtype))
         dense = cctx.compress(_planes_of(x, w))
         if len(dense) < len(sparse):
             return _P_DENSE, 0, 0, dense

@@ -1,7 +1,7 @@
 """The transfer wire: frames and the handshake of bdn's chunk transport (pure, no I/O).
 
-Source: DESIGN.md ("Moving chunks": bulk chunk bytes on a dedicated transfer layer with the
-swarm's isolation properties) and issue 9. Keys come from the partition secret (bdn.proto.keys);
+Source: DESIGN.md ("The transfer wire": bulk chunk bytes on a dedicated transfer layer with
+the swarm's isolation properties). Keys come from the partition secret (bdn.proto.keys);
 HMAC-SHA256 is RFC 2104, HKDF-SHA256 RFC 5869. The record layout (implicit per-direction sequence
 numbers in every tag, so no nonce has to travel or be remembered) follows TLS 1.3 (RFC 8446, 5.3)
 and SSH (RFC 4253, 6.4).

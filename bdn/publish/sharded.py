@@ -57,7 +57,7 @@ from bdn.proto.parts import (
 )
 from bdn.proto.reserved import reserved_path
 from bdn.proto.safetensors_fmt import DTYPE_BITS, safetensors_dtype
-from bdn.publish.commit import CHECKSUM_FORMAT, commit, refuse_published
+from bdn.publish.commit import CHECKSUM_FORMAT, claim_commit, commit, refuse_published
 from bdn.publish.errors import PublishError
 from bdn.publish.fetch import read_manifest
 from bdn.publish.layout import INDEX_NAME, as_numpy, group, layer_file
@@ -212,7 +212,8 @@ def commit_step(
             is not in the bucket"), ranks disagree (world size, kind, base, compression format,
             chunk size), a tensor or a file is published by two ranks, or a delta's files are
             not the base's. Nothing is published then.
-        PublishError: ``identity`` already published (unless ``overwrite``), bad arguments.
+        PublishError: ``identity`` already published (unless ``overwrite``), another commit of
+            it holds the step's claim (:func:`bdn.publish.commit.claim_commit`), bad arguments.
         PathError: a bad ``extra_files`` path.
         BucketError: the bucket failed; the manifest is then not written.
     """
@@ -237,12 +238,10 @@ def commit_step(
         if len(step.files) > 1:
             extras[INDEX_NAME] = index_json(step)
         entries = list(step.files)
-        # Again, right before the first write: the wait for the parts above can be long, and a
-        # commit that finished meanwhile must not have its extra files replaced under its
-        # manifest (two commit_step calls of one step at once; one per step is the contract, and
-        # two racing within this check's own window are still not excluded: the bucket has no
-        # conditional write that bdn uses).
-        refuse_published(b, identity, overwrite)
+        # Right before the first write (the wait for the parts above can be long): only the
+        # holder of the step's claim writes its extra files and manifest, so a commit racing
+        # this one never replaces the files under the other's manifest.
+        claim_commit(b, identity, overwrite)
         for path, data in sorted(extras.items()):
             b.write(f"{identity}/{path}", data)
             entries.append(FileEntry(path, len(data), tuple(buffer_digests(data, step.chunk_size))))

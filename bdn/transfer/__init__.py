@@ -1,4 +1,4 @@
-"""bdn's transfer layer for chunk bytes (issue 9): persistent authenticated connections between
+"""bdn's transfer layer for chunk bytes (docs/decisions/0006-transfer-wire.md): persistent authenticated connections between
 peer pairs, ``sendfile`` from the snapshot's shm file on the serving side, ``recv_into`` the
 target file's mapping (or a per-stream buffer and ``pwrite``) with in-place xxh3 on the
 receiving side, worker threads on both (every call on the byte path releases the GIL).
@@ -15,7 +15,7 @@ The wire format and handshake are in bdn.proto.wire (pure); this package does th
   ``concurrent.futures.Future``.
 - bdn.transfer.target: ``reserve(fd, size)`` and ``map_target(fd, size)`` for target files.
 
-How the daemon adopts it (the lead wires it in): ``resolve`` answers from the chunk index
+How the daemon adopts it (bdn.daemon.wire_peer): ``resolve`` answers from the chunk index
 (address -> stored file, offset, length; only verified chunks are indexed); ``admit`` runs the
 pure upload policy (slots, per-chunk fan-out, ``wait`` while this owner fetches the chunk) and
 returns ``Granted(release)``, ``Busy(retry_after_s)`` or ``NOT_HERE``; each member advertises its

@@ -3,7 +3,7 @@
 Why: store and forward (a chunk leaves a node only once it is whole and verified) costs one
 bucket read of the whole chunk before the first byte moves on: at an owner's share of a slow
 bucket (1/8 of 200 Mbit/s in bench/swarm) that is 1.35 s per 4 MiB chunk, and the downlinks of
-the other nodes idle meanwhile (bench/NOTES.md, the N = 8 timeline). Here the owner's fresh
+the other nodes idle meanwhile (docs/decisions/0008-cut-through-no-relays.md). Here the owner's fresh
 bytes go on as they land, at the rate the bucket gives them.
 
 How (DESIGN.md, "Cut-through"):

@@ -26,10 +26,10 @@ READ_BYTES = 1 << 20
 #: Body bytes are received with ``MSG_WAITALL``: one call returns once the piece asked for is
 #: whole (or at EOF, an error, a signal or the receive timeout, with what came), and the kernel
 #: wakes per segment inside it. Without it, on a slow stream (a shaped link, 8 askers sharing one
-#: uplink) each call returned one ~9 KiB segment, and the Python around every call was most of
-#: a receiver's user CPU (bench/NOTES.md, "Swarm scheduling, part 5"). (``SO_RCVLOWAT`` was
-#: tried first: Linux wakes a sleeping receiver only once the whole mark is queued again after
-#: a partial copy, so the last piece of a body slept to the receive timeout.)
+#: uplink) each call returns one ~9 KiB segment, and the Python around every call was most of
+#: a receiver's user CPU. (``SO_RCVLOWAT`` does not do: Linux wakes a sleeping receiver only
+#: once the whole mark is queued again after a partial copy, so the last piece of a body would
+#: sleep to the receive timeout.)
 WAITALL = socket.MSG_WAITALL
 #: Bytes a DATA body gets one more ``io_timeout`` for, past the four every body has.
 BODY_SPAN = 16 << 20

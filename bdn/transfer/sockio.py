@@ -90,9 +90,9 @@ def frame_buffer() -> memoryview:
     """A writable buffer that holds any one frame (``HEADER.size + MAX_FRAME`` bytes, allocated
     once per connection). An anonymous private mapping, not a ``bytearray``: a 64 KiB block lives
     as long as its connection, and in glibc's heap (a thread arena: the acceptor's, for the
-    server's connections) such blocks, coming and going with connection churn, pinned the arenas'
-    tops, so that the one-hour soak's thread arenas grew by 2-3 MB (bench/NOTES.md, "Issue 12:
-    the flat soak"). A mapping goes back to the system whole when the view is dropped."""
+    server's connections) such blocks, coming and going with connection churn, pin the arenas'
+    tops, so that the thread arenas grew by 2-3 MB over an hour of hot-loads
+    (docs/decisions/0025-flat-rss.md). A mapping goes back to the system whole when the view is dropped."""
     return memoryview(mmap.mmap(-1, wire.HEADER.size + wire.MAX_FRAME, flags=mmap.MAP_PRIVATE))
 
 

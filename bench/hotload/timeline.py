@@ -27,7 +27,9 @@ DAEMON_MARKS = (
     (re.compile(r"snapshot (\S+): delta, "), "daemon: manifest read, staging ready -> downloading"),
     (re.compile(r"snapshot (\S+): stored layer complete"), "daemon: stored layer fetched"),
     (re.compile(r"snapshot (\S+): applying"), "daemon: applying"),
+    (re.compile(r"snapshot (\S+): \d+ file\(s\) brought forward sparsely"), "daemon: sparse apply done"),
     (re.compile(r"snapshot (\S+): ready at"), "daemon: READY published"),
+    (re.compile(r"catch-up: .* brought forward to (\S+) in the background"), "daemon: freed spare caught up (background)"),
     (re.compile(r"changed tensors of (\S+) against"), "daemon: changed tensors computed"),
     (re.compile(r"engine \S+ serves (\S+)"), "daemon: ack received, replica done"),
 )

@@ -12,17 +12,22 @@ each world size, ``world`` rank processes (bench/publish/rank.py) hold their lay
    this run, and a step's upload floor is its stored bytes / that bandwidth;
 2. *anchor*: ``publish_part`` on every rank, then ``commit_step``;
 3. *delta 0.1 %*, *delta 2 %*: targets with that fraction of bf16 values moved by a few ulps
-   (made untimed), published as ``bdn_planes_v1`` deltas on the anchor.
+   (made untimed), published as ``bdn_planes_v1`` deltas on the anchor. Before each, the
+   *memory floor*: every rank reads its anchor and target tensors once (XOR, all cores, all ranks
+   at once): a delta publish cannot take less, whatever the bucket's speed.
 
 Per step: wall seconds (all ranks started together to the last one's return, plus the commit),
 the slowest rank's encode (building files: layout, chunk digests, diff streams) and upload
-seconds, the commit's seconds, the stored bytes, the floor and the ratio wall / floor. The
+seconds, the commit's seconds, the stored bytes, the floors and the ratios wall / upload floor
+and wall / max(upload floor, memory floor). The
 objects of a run are removed after it. Results: bench/results/publish.json (median, min, max of
 ``--runs``; bench/runs.py).
 
 ``--encode``: the encoder alone, in CPU seconds of one thread (GB/s per core of model bytes)
 and in wall seconds on 1 and 2 threads: ``bdn_planes_v1`` and ``arc_v2`` of a 512 MiB set of
-bf16 matrices at 0.1 %, 2 % and 10 % changed, and the chunk digests (xxh3-128) of the target.
+bf16 matrices at 0.1 %, 2 % and 10 % changed, and the chunk digests (xxh3-128) of the target;
+first the *read floor*: base and target read once (XOR of 1 MiB pieces into a reused buffer),
+the least an encoder does.
 Results: bench/results/publish_encode.json.
 """
 
@@ -43,12 +48,12 @@ import numpy as np
 
 from bdn.bucket import open_bucket
 from bdn.fileops import thread_map
-from bdn.proto import arc
+from bdn.proto import arc, planes_scan
 from bdn.proto.chunks import concat_digests
 from bdn.proto.safetensors_fmt import encode_raw, raw_tensors
 from bdn.publish import commit_step
 from bench import runs
-from bench.publish.rank import moved, tensor
+from bench.publish.rank import moved, read_floor, tensor
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
@@ -157,12 +162,18 @@ def publish_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                         steps += [(f"delta {f * 100:g}%", {"op": "delta", "identity": f"{tag}d{i}", "base": f"{tag}a"}, f)
                                   for i, f in enumerate((0.001, 0.02))]
                         for name, msg, frac in steps:
+                            mem = 0.0
                             if frac is not None:
                                 ranks.same({"op": "target", "frac": frac})
+                                mem = max(a["seconds"] for a in ranks.same({"op": "memfloor"}))
                             row = _step(ranks, url, endpoint, msg, 1 if frac is None else 2)
                             row["bandwidth_Bps"] = bw
                             row["floor_s"] = row["stored_bytes"] / bw
                             row["ratio"] = row["wall_s"] / row["floor_s"]
+                            # A delta reads the base and the target at least once: its floor is the
+                            # larger of that read (all ranks at once, measured just before) and the upload.
+                            row["mem_floor_s"] = mem
+                            row["ratio_floor"] = row["wall_s"] / max(row["floor_s"], mem)
                             per[name].append(row)
                             print(f"{kind} world={world} run={r} {name}: " + ", ".join(
                                 f"{k}={v:.6g}" for k, v in row.items()), flush=True)
@@ -182,6 +193,7 @@ def publish_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def encode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    print(f"bdn_planes_v1 kernel (numba): {planes_scan.warm()}", flush=True)
     shapes = {f"m{i}": (4096, 4096) for i in range(16)}  # 512 MiB of bf16
     base = {n: tensor(n, s) for n, s in shapes.items()}
     nbytes = sum(a.nbytes for a in base.values())
@@ -190,13 +202,22 @@ def encode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
     for frac in (0.001, 0.02, 0.10):
         target = {n: moved(a, frac, rng) for n, a in base.items()}
         prefix, parts = encode_raw(raw_tensors(target), {"format": "pt"})
-        for fmt in ("bdn_planes_v1", "arc_v2", "digests"):
+        for fmt in ("read floor", "bdn_planes_v1", "arc_v2", "digests"):
             vals: dict[str, list[float]] = {"cpu_gbps": [], "wall1_gbps": [], "wall2_gbps": []}
             size = 0
             for _ in range(args.runs):
                 for threads in (1, 2):
                     t0, c0 = time.perf_counter(), time.thread_time()
-                    if fmt == "digests":
+                    if fmt == "read floor":  # base and target read once (XOR into a reused 1 MiB buffer)
+                        if threads == 1:
+                            out = np.empty(1 << 20, dtype=np.uint8)
+                            for n_, a in base.items():
+                                b8, t8 = a.reshape(-1).view(np.uint8), target[n_].reshape(-1).view(np.uint8)
+                                for i in range(0, len(b8), 1 << 20):
+                                    np.bitwise_xor(b8[i : i + (1 << 20)], t8[i : i + (1 << 20)], out=out[: len(b8[i : i + (1 << 20)])])
+                        else:
+                            read_floor(base, target, threads)
+                    elif fmt == "digests":
                         concat_digests([prefix, *parts], 16 << 20, thread_map(threads))
                     else:
                         frames, _ = arc.encode_diff_arrays(base, target, fmt, map=thread_map(threads))
@@ -242,13 +263,16 @@ def report(path: Path) -> str:
                        f"{runs.spread(r, 'wall1_gbps')} | {runs.spread(r, 'wall2_gbps')} | "
                        f"{r['stored_fraction'] * 100:.2f} % |")
         return "\n".join(out)
-    out = [("| bucket | ranks | step | publish s | encode s (slowest rank) | upload s | commit s | stored MB | "
-            "upload floor s | publish / floor |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    out = [("| bucket | GiB | ranks | step | publish s | encode s (slowest rank) | upload s | commit s | stored MB | "
+            "upload floor s | memory floor s | publish / upload floor | publish / max(floors) |"),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        mem = runs.spread(r, "mem_floor_s", 3) if r.get("mem_floor_s") else "–"
+        both = runs.spread(r, "ratio_floor") if r.get("mem_floor_s") else "–"
         out.append(
-            f"| {r['bucket']} | {r['world']} | {r['step']} | {runs.spread(r, 'wall_s')} | {runs.spread(r, 'encode_s')} | "
+            f"| {r['bucket']} | {r['gib']:g} | {r['world']} | {r['step']} | {runs.spread(r, 'wall_s')} | {runs.spread(r, 'encode_s')} | "
             f"{runs.spread(r, 'upload_s')} | {runs.spread(r, 'commit_s')} | {r['stored_bytes'] / 1e6:.1f} | "
-            f"{runs.spread(r, 'floor_s', 3)} | {runs.spread(r, 'ratio')} |"
+            f"{runs.spread(r, 'floor_s', 3)} | {mem} | {runs.spread(r, 'ratio')} | {both} |"
         )
     return "\n".join(out)
 

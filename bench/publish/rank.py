@@ -10,6 +10,9 @@ Commands (one JSON object per line; the answer is one JSON line):
 * ``{"op": "floor", "identity", "share"}``: upload ``share`` of this rank's anchor files' bytes as they are (no
   digest, no encoding) through ``Bucket.write_buffers``, ``uploads`` files at a time, as the
   publish does: the bucket's bandwidth in this run.
+* ``{"op": "memfloor"}``: the least any delta publish of this rank does: read the anchor and the
+  last target once, XORing them piece by piece (1 MiB) on every core into a reused buffer: the
+  memory floor of this run (seconds).
 * ``{"op": "anchor"|"delta", "identity", "base"?}``: ``publish_part`` of the anchor or of the
   last target against the anchor; answers its stats (seconds, bytes).
 """
@@ -18,7 +21,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +33,7 @@ import ml_dtypes
 import numpy as np
 
 from bdn.bucket import open_bucket
+from bdn.proto import planes_scan
 from bdn.proto.safetensors_fmt import encode_raw, raw_tensors
 from bdn.publish import publish_part
 from bdn.publish.layout import group, layer_file
@@ -76,6 +82,25 @@ def moved(a: np.ndarray, frac: float, rng: np.random.Generator) -> np.ndarray:
     return out
 
 
+def read_floor(base: dict[str, np.ndarray], target: dict[str, np.ndarray], threads: int) -> float:
+    """Seconds to read ``base`` and ``target`` once: XOR of 1 MiB pieces into a per-thread buffer, on ``threads`` threads."""
+    piece = 1 << 20
+    pairs = [(base[n].reshape(-1).view(np.uint8), target[n].reshape(-1).view(np.uint8)) for n in base]
+    tasks = [(b[i : i + piece], t[i : i + piece]) for b, t in pairs for i in range(0, len(b), piece)]
+    local = threading.local()
+
+    def one(task: tuple[np.ndarray, np.ndarray]) -> None:
+        out = getattr(local, "out", None)
+        if out is None:
+            out = local.out = np.empty(piece, dtype=np.uint8)
+        np.bitwise_xor(task[0], task[1], out=out[: len(task[0])])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, tasks, chunksize=16))
+    return time.perf_counter() - t0
+
+
 class Rank:
     """A rank's state between commands."""
 
@@ -85,6 +110,9 @@ class Rank:
         shapes = model_shapes(msg["gib"], msg["layers"])
         self.anchor = {n: tensor(n, s) for n, s in shapes.items() if owner(n, self.world, msg["layers"]) == self.rank}
         self.target: dict[str, np.ndarray] = {}
+        # A trainer process loads the encoder's kernel once (numba's import and cached compile);
+        # the steps measured here are its steady state.
+        self.kernel = planes_scan.warm()
 
     def run(self, msg: dict[str, Any]) -> dict[str, Any]:
         op = msg["op"]
@@ -92,6 +120,8 @@ class Rank:
             rng = np.random.default_rng(self.rank)
             self.target = {n: moved(a, msg["frac"], rng) for n, a in self.anchor.items()}
             return {}
+        if op == "memfloor":
+            return {"seconds": read_floor(self.anchor, self.target, os.cpu_count() or 1)}
         t0 = time.perf_counter()
         if op == "floor":
             files = group(self.anchor, layer_file)
@@ -123,7 +153,7 @@ def main() -> None:
         msg = json.loads(line)
         if msg["op"] == "init":
             rank = Rank(msg)
-            out: dict[str, Any] = {"bytes": sum(a.nbytes for a in rank.anchor.values())}
+            out: dict[str, Any] = {"bytes": sum(a.nbytes for a in rank.anchor.values()), "kernel": rank.kernel}
         else:
             assert rank is not None
             out = rank.run(msg)

@@ -55,6 +55,55 @@ def floor_slope_per_min(ts: list[float], ys: list[float], bin_s: float = 60.0) -
     return slope_per_min([k * bin_s for k in ks], [bins[k] for k in ks])
 
 
+def second_half_trend(ts: list[float], ys: list[float], kind: str = "min", bin_s: float = 60.0) -> dict[str, Any] | None:
+    """The trend of one daemon life's second half: the per-``bin_s`` minima (``kind`` "min": the
+    memory floor) or maxima ("max": the fd peaks) of its samples from the life's midpoint on,
+    their least-squares slope per minute, the slope's standard error (the noise: the scatter of
+    the bins about the line), and the total change the slope implies over that half.
+    ``{"slope_per_min", "stderr_per_min", "over_min", "implied", "first", "last", "bins"}``;
+    None with fewer than 5 bins."""
+    if not ts:
+        return None
+    mid = ts[0] + (ts[-1] - ts[0]) / 2
+    pick = min if kind == "min" else max
+    bins: dict[int, float] = {}
+    for t, y in zip(ts, ys):
+        if t >= mid:
+            k = int((t - mid) // bin_s)
+            bins[k] = pick(y, bins[k]) if k in bins else y
+    if len(bins) < 5:
+        return None
+    xs = [k * bin_s / 60.0 for k in sorted(bins)]
+    vs = [bins[k] for k in sorted(bins)]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(vs) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, vs)) / sxx
+    resid = sum((y - my - b * (x - mx)) ** 2 for x, y in zip(xs, vs))
+    se = (resid / (n - 2) / sxx) ** 0.5
+    return {"slope_per_min": round(b, 4), "stderr_per_min": round(se, 4), "over_min": round(xs[-1] - xs[0], 1),
+            "implied": round(b * (xs[-1] - xs[0]), 2), "first": round(vs[0], 1), "last": round(vs[-1], 1), "bins": n}
+
+
+def second_half(samples: list[list[Any]]) -> dict[str, Any]:
+    """Per node, its longest life's second-half trends (:func:`second_half_trend`): the RssAnon
+    floor (MB, per-minute minima) and the open fds (per-minute maxima). ``samples`` rows are
+    ``[t_s, node, pid, rss_kb, fds, cpu_s, log_lines, anon_kb]``."""
+    lives: dict[tuple[str, int], list[list[Any]]] = {}
+    for row in samples:
+        lives.setdefault((row[1], row[2]), []).append(row)
+    out: dict[str, Any] = {}
+    for (node, pid), rows in sorted(lives.items()):
+        span = rows[-1][0] - rows[0][0]
+        if node in out and out[node]["life_min"] * 60 >= span:
+            continue
+        ts = [x[0] for x in rows]
+        out[node] = {"pid": pid, "life_min": round(span / 60, 1),
+                     "anon_mb": second_half_trend(ts, [x[7] / 1024 for x in rows], "min"),
+                     "fds": second_half_trend(ts, [float(x[4]) for x in rows], "max")}
+    return out
+
+
 def floor_levels(ts: list[float], ys: list[float], bin_s: float = 300.0) -> list[float]:
     """The minimum of ``ys`` in each ``bin_s`` window from the first sample (a life's floor per 5 minutes)."""
     bins: dict[int, float] = {}
@@ -238,6 +287,45 @@ def hotload_stats(hotloads: list[dict[str, Any]]) -> dict[str, Any]:
 
 _NUMS = re.compile(r"step\d+|\d+")
 
+#: Stages of a replica still loading its target: a POST that comes meanwhile supersedes it (the
+#: replica's row lists it in ``superseded``), which is the trainer's pace, not the daemon's fault.
+LOADING_STAGES = ("queued", "downloading", "applying", "verifying")
+#: How long before a POST an engine crash can still hold its replica: bdnd's engine_stale_s (10 s)
+#: plus a liveness tick (a third of it) and the engine's restart and first poll.
+ENGINE_HOLD_S = 20.0
+
+
+def not_done_reasons(records: list[dict[str, Any]], chaos: list[dict[str, Any]], engine_node: str) -> dict[str, Any]:
+    """Why each replica not done with a hot-load before the next POST (or the end) was not:
+    ``{"superseded": n, "engine_stale": n, "reported": n, "unexplained": Counter("node stage S")}``.
+
+    - ``superseded``: the replica was still loading (``LOADING_STAGES``) when the next POST came;
+    - ``engine_stale``: the engine's replica held the bytes ready (``ready``, ``loading``) or said
+      its engine stopped polling, and an engine crash came within ``ENGINE_HOLD_S`` before the POST
+      or before the next one (bdnd stops waiting for a crashed engine after ``engine_stale_s``);
+    - ``reported``: stage ``error`` with a reason, or a reason naming a stale engine;
+    - anything else is unexplained (a finding), counted by node and stage.
+    Pure: from the result's records alone."""
+    crashes = sorted(e["t_s"] for e in chaos if e.get("fault") == "engine_crash")
+    out: dict[str, Any] = {"superseded": 0, "engine_stale": 0, "reported": 0, "unexplained": Counter()}
+    for i, h in enumerate(records):
+        if h.get("outcome") not in ("not_done_before_next", "not_done_at_end"):
+            continue
+        t_next = records[i + 1]["t_post"] if i + 1 < len(records) else float("inf")
+        for nd in h.get("not_done", []):
+            stage, reason = nd.get("stage"), nd.get("reason") or ""
+            if "not seen for" in reason or (stage == "error" and reason):
+                out["reported"] += 1
+            elif stage in LOADING_STAGES and h["outcome"] == "not_done_before_next":
+                out["superseded"] += 1
+            elif nd["node"] == engine_node and stage in ("ready", "loading") and any(
+                    h["t_post"] - ENGINE_HOLD_S <= t <= t_next for t in crashes):
+                out["engine_stale"] += 1
+            else:
+                out["unexplained"][f"{nd['node']} stage {stage}"] += 1
+    return out
+
+
 
 def findings(r: dict[str, Any]) -> list[str]:
     """What the daemon did wrong in this run, one line each (the report's FINDING lines)."""
@@ -260,22 +348,9 @@ def findings(r: dict[str, Any]) -> list[str]:
             out.append(f"{node} not flat over its last 30 min (pid {fr['pid']}, {fr['life_min']} min): RssAnon floor "
                        f"per 10 min {fr['anon_floor_mb']} (+{fr['anon_growth_mb']} MB), fd maxima {fr['fds_max']} "
                        f"({fr['fds_growth']:+d})")
-    stuck: Counter[str] = Counter()
-    engine_wait = 0  # not done only because an engine did not acknowledge (bytes ready there)
-    for h in r["hotload_records"]:
-        if h["outcome"] in ("not_done_before_next", "not_done_at_end"):
-            for nd in h["not_done"]:
-                if nd["node"] == engine_node and nd.get("stage") in ("ready", "loading"):
-                    engine_wait += 1
-                else:
-                    stuck[f"{nd['node']} stage {nd.get('stage')}"] += 1
-    crashes = [e for e in r["chaos"] if e.get("fault") == "engine_crash"]
-    if engine_wait:
-        out.append(f"replica {engine_node} (the engine's) held the snapshot ready but was not done in "
-                   f"{engine_wait} hot-load(s)" + (f"; engine crashes at {[e['t_s'] for e in crashes]} s: a crashed "
-                   "engine's registration is never dropped (issue 10, engine liveness)" if crashes else ""))
-    for k, n in stuck.most_common():
-        out.append(f"replica {k}: not done in {n} hot-load(s)")
+    why = not_done_reasons(r["hotload_records"], r["chaos"], engine_node)
+    for k, n in why["unexplained"].most_common():
+        out.append(f"replica {k}: not done in {n} hot-load(s), nothing reported why")
     failed = r["verify"].get("failed_snapshots", [])
     if failed:
         reasons = Counter(_NUMS.sub("#", f["reason"])[:160] for f in failed)
@@ -301,12 +376,16 @@ def findings(r: dict[str, Any]) -> list[str]:
 def text_summary(r: dict[str, Any]) -> str:
     """A few lines for a human: the numbers the issue asks for, and anything that went wrong."""
     h, v = r["hotloads"], r["verify"]
+    why = not_done_reasons(r["hotload_records"], r["chaos"], r.get("engine_node", "node1"))
     lines = [
         f"soak: {r['config']['nodes']} daemons, {r['elapsed_min']:.1f} min, seed {r['config']['seed']}, "
         f"{len([e for e in r['chaos'] if e.get('fault')])} faults "
         f"({', '.join(f'{k} {n}' for k, n in sorted(r['faults_by_kind'].items()))})",
         f"hot-loads: {h['posted']} posted, {h['completed']} completed ({h['completed_after_faults']} after a fault), "
         f"outcomes {h['outcomes']}",
+        f"replicas not done before the next POST, why: superseded while loading {why['superseded']}, engine "
+        f"crashed (stale after engine_stale_s) {why['engine_stale']}, reported (error or stale engine) "
+        f"{why['reported']}, unexplained {sum(why['unexplained'].values())}",
         f"POST -> all live replicas done: p50 {h['post_to_all_done_s']['p50']} s, p99 {h['post_to_all_done_s']['p99']} s; "
         f"-> all ready: p50 {h['post_to_all_ready_s']['p50']} s, p99 {h['post_to_all_ready_s']['p99']} s",
         f"wrong bytes handed out: {v['wrong_bytes_handed_out']} ({v['distinct_ready']} ready snapshots, "
@@ -334,6 +413,13 @@ def text_summary(r: dict[str, Any]) -> str:
                 f"{fr['fds_growth']:+d}" if fr["flat"] is not None else "")
         lines.append(f"  {node} rule (bench/soak/flat.py) {verdict}: pid {fr['pid']}, {fr['life_min']} min; RssAnon "
                      f"floor per 10 min {fr['anon_floor_mb']} MB, fd maxima {fr['fds_max']}{grow}")
+    for node, sh in sorted((r.get("second_half") or {}).items()):
+        a, f = sh["anon_mb"], sh["fds"]
+        if a and f:
+            lines.append(f"  {node} second half of its {sh['life_min']} min life ({a['over_min']} min): RssAnon floor "
+                         f"{a['first']} -> {a['last']} MB, slope {a['slope_per_min']:+.4f} ± {a['stderr_per_min']:.4f} "
+                         f"MB/min; fd maxima {f['first']:.0f} -> {f['last']:.0f}, slope {f['slope_per_min']:+.3f} ± "
+                         f"{f['stderr_per_min']:.3f} /min")
     lh = r.get("liar_bad_chunks_taken")
     if lh:
         lines.append(f"bad chunks taken from the liar: {lh['total']} (at most {lh['max_per_snapshot']} by one daemon "
@@ -373,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         r["memory_owners"] = memory_owners(r["maps"], c["warmup_s"])
     if r.get("samples"):
         r["flat"] = flat_rule.judge(r["samples"])
+        r["second_half"] = second_half(r["samples"])
     r["findings"] = findings(r)
     print(text_summary(r))
     if a.write:

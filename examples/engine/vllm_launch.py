@@ -25,14 +25,22 @@ EXTENSION = "bdn.engines.vllm_worker.BdnWorkerExtension"
 
 
 def start_vllm(python: str, model: str | Path, port: int, log: Path, *, extension: bool = True,
-               timeout_s: float = 900.0, max_model_len: int = 256) -> subprocess.Popen[bytes]:
+               keep_unpacked: bool = True, timeout_s: float = 900.0,
+               max_model_len: int = 256) -> subprocess.Popen[bytes]:
     """A vLLM server on ``127.0.0.1:port`` serving ``model`` as ``model``; waits for ``/health``.
+
+    With ``extension``, bdn's worker extension is loaded, and with ``keep_unpacked`` too
+    (``BDN_VLLM_KEEP_UNPACKED=1``) vLLM's CPU backend keeps linear weights in the checkpoint layout
+    so that the extension writes changed tensors in place (bdn/engines/vllm_worker.py).
 
     Raises RuntimeError with the log's tail when the process exits or does not answer in
     ``timeout_s`` seconds (the process is then stopped).
     """
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                PYTHONPATH=str(ROOT))
+    env.pop("BDN_VLLM_KEEP_UNPACKED", None)
+    if extension and keep_unpacked:
+        env["BDN_VLLM_KEEP_UNPACKED"] = "1"
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model",
            "--dtype", "bfloat16", "--port", str(port), "--host", "127.0.0.1", "--max-model-len", str(max_model_len),
            "--enforce-eager", "--max-num-seqs", "4"]

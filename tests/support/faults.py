@@ -6,8 +6,8 @@ small real tmpfs, and HRW ownership of a manifest's chunks.
   rather than being eaten by the manifest reads that come first.
 - :class:`ShmWatcher`: a thread that keeps scanning a daemon's ``<shm_dir>/<swarm_id>/`` while a
   fault happens and records every snapshot directory it ever saw without its ``READY`` marker
-  (DESIGN.md: "nothing without it is handed out"; the directory appears by one rename with READY
-  already inside).
+  (DESIGN.md, "The store": a directory under an identity always holds READY and every file; it
+  appears by one rename with READY already inside).
 - :func:`small_tmpfs`: mount a real tmpfs of a given size (root only); skips the test with the
   reason when mounting is not permitted, and always unmounts.
 - :func:`owned_bytes`: bytes of a manifest's stored chunks that each node owns by HRW.

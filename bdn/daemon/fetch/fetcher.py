@@ -122,8 +122,8 @@ class Fetcher:
         async def cut_worker() -> None:
             # A chunk a peer announced it is reading from the bucket now, which no acquisition
             # here is on: take it now, cut-through, rather than when the workers' order reaches
-            # it (the owners' read order is not exactly the order the workers expect; a chunk
-            # missed while it grew was taken 15-45 s later, from a holder: bench/NOTES.md).
+            # it (the owners' read order is not exactly the order the workers expect, and a chunk
+            # missed while it grows is taken much later, from a holder).
             while True:
                 i = await self.haves.next_growing(job)
                 if i < bits.n and not bits[i] and (layer, i) not in job.inflight:
@@ -309,7 +309,7 @@ class Fetcher:
                     # a request of ours parked: wait for the announcement and take the chunk
                     # cut-through then, instead of parking one more request on a chunk it reads
                     # later (parked requests hold this node's streams and transfer slots, and the
-                    # chunks the owners read *now* found none free: bench/NOTES.md).
+                    # chunks the owners read *now* would find none free).
                     parked_out = True
                     break
                 if await src.from_peer(job, m, address, ref, target, step.wait, errors):

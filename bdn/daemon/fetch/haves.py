@@ -34,7 +34,7 @@ log = logging.getLogger("bdn.fetch")
 POLL_S = 0.5
 #: Chunks per snapshot tracked as growing at some peer (bounds what a lying peer can add).
 MAX_GROWING = 4096
-#: Peers one node subscribes to per snapshot (issue 13: O(K) control state and messages per node).
+#: Peers one node subscribes to per snapshot (so control state and messages per node are O(K), not O(N)).
 PEERSET_K = 24
 
 

@@ -1,6 +1,6 @@
 """What this node may advertise of a snapshot: its have-bits less the chunks of files that are
 gone or shorter than the manifest says on disk (deleted or truncated by someone else). A peer
-that trusted such bits would ask for chunks this node cannot send (issue 31, class 2).
+that trusted such bits would ask for chunks this node cannot send.
 
 The files are looked at (one ``stat`` each, of the files with a chunk held) at most once per
 ``CHECK_EVERY_S`` per snapshot layer; the have answers (HTTP ``have``, the wire's BITFIELD to a

@@ -122,9 +122,9 @@ def pick_steal(remaining: Mapping[str, Sequence[int]], margin: int) -> tuple[str
     ``remaining[owner]``: positions (ascending: an owner reads its chunks in manifest order) of
     that owner's chunks that nobody holds or announced reading yet. The owner with the most of
     them gives up its **last** one, if it has more than ``margin`` (the ones at its front are
-    the ones it is about to read). Owners do not progress evenly (the N = 4 and 8 timelines: one
-    owner's reads ended 5-9 s after another's), and the last owner's uplink alone then carries
-    its last chunks to every other node: the tail (bench/NOTES.md)."""
+    the ones it is about to read). Owners do not progress evenly (each one's bucket reads share its
+    downlink with peer traffic), and the last owner's uplink alone then carries its last chunks
+    to every other node: the tail (docs/decisions/0009-reads-taken-over-by-grant.md)."""
     best: tuple[int, str] | None = None
     for owner, pos in remaining.items():
         if len(pos) > margin and (best is None or (len(pos), owner) > best):
@@ -152,7 +152,8 @@ def _paced(positions: Iterable[Any], wanted: Any) -> Iterator[int | None]:
 #: Smallest ranged GET a chunk's bucket read is split into (smaller parts cost more requests than
 #: they save). 512 KiB: a 4 MiB chunk is read in 8 parts, so with ``bucket_concurrency`` 8 an
 #: owner reads ONE chunk at a time at its whole bucket share; with 1 MiB parts two chunks shared
-#: the 8 streams and each took twice as long to complete and be forwarded (bench/NOTES.md).
+#: the 8 streams and each took twice as long to complete and be forwarded
+#: (docs/decisions/0016-bucket-reads-one-chunk-at-a-time.md).
 MIN_PART = 512 << 10
 
 
@@ -161,7 +162,7 @@ def bucket_parts(length: int, streams: int) -> list[tuple[int, int]]:
     within it, at most ``streams`` (``bucket_concurrency``) of at least ``MIN_PART`` bytes each
     (one for a small chunk), covering it exactly, in order. They are read in parallel and one
     chunk at a time, so an owner's chunks complete one after another at its whole share of the
-    bucket (bench/NOTES.md, the N = 8 timeline)."""
+    bucket."""
     n = max(1, min(streams, length // MIN_PART))
     step = -(-length // n)
     return [(o, min(step, length - o)) for o in range(0, length, step)]
@@ -301,7 +302,7 @@ class SourceBook:
     Pure: time from ``clock`` (monotonic s); the fetcher reports what happened and acts on the
     answers (penalise and log, ask another source), as the fleet simulator does.
 
-    The rules (issue 31): a source that answers "not here" for chunks its have-list shows, or
+    The rules (docs/decisions/0020-source-book.md): a source that answers "not here" for chunks its have-list shows, or
     keeps refusing while others deliver, is a lying or stale have-list (:meth:`refused` says
     penalise); a source below ``SLOW_FRACTION`` of the
     median rate of the others is slow (:meth:`slow`: asked last), and a request to any source

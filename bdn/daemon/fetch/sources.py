@@ -40,8 +40,8 @@ class BufferPool:
 
     At most ``keep`` free buffers are kept in all, whatever their sizes: chunks are mostly the
     snapshot's chunk size, but the last chunk of every file has a size of its own, and a pool
-    that kept ``keep`` buffers per size grew with every delta published (the soak found the
-    daemon's heap growing by about 1 MB per hot-load). The sizes used least recently go first.
+    that kept ``keep`` buffers per size grew with every delta published (the daemon's heap
+    grew by about 1 MB per hot-load). The sizes used least recently go first.
     At most ``max_bytes`` are kept in free buffers as well (``keep`` = 24 of 16 MiB would be
     384 MiB).
 
@@ -50,8 +50,8 @@ class BufferPool:
     (mallopt(3)), and a heap that such blocks pass through fragments; a mapping is returned to
     the system whole when it is dropped. :meth:`clear` drops every free buffer: the fetcher calls
     it when no download is running, so that what one download's endgame races or HTTP peers
-    needed is not held until the next (the one-hour soak saw the pool fill towards its bound
-    over an hour, one buffer at a time; bench/NOTES.md, "Issue 12: the flat soak").
+    needed is not held until the next (otherwise the pool fills towards its bound over an hour
+    of hot-loads, one buffer at a time; docs/decisions/0025-flat-rss.md).
     """
 
     #: Bytes kept in free buffers at most (4 chunks of bdn-publish's default 16 MiB).
@@ -70,7 +70,7 @@ class BufferPool:
         the buffer protocol, ``len`` and slice assignment of a ``bytearray``); an empty
         ``bytearray`` for 0 (a mapping cannot be empty). Private, not ``mmap``'s default
         ``MAP_SHARED``: a shared anonymous mapping is shmem (counted in ``RssShmem``, not in
-        ``RssAnon`` where the soak judges the heap) and faulted in at twice the CPU (0.9 against
+        ``RssAnon``, where bench/soak judges the heap) and faulted in at twice the CPU (0.9 against
         0.5 ms per MiB, first touch)."""
         return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE) if size > 0 else bytearray(0)
 

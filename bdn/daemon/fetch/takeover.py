@@ -158,7 +158,7 @@ class TakeOvers:
         if job.manifest is None or job.manifest.is_delta:
             # anchors only: a delta folded here may take a subset of its stored chunks, numbered
             # otherwise than at the peers that load it whole, so positions would not name the
-            # same chunk at both ends (bench/NOTES.md)
+            # same chunk at both ends
             return False
         readers, _ = readers_and_rule(job.identity, nodes, self.cfg.bucket_readers)
         return self.node_id in readers

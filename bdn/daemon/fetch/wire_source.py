@@ -50,7 +50,7 @@ from bdn.transfer.growing import Growing, GrowingChunks
 log = logging.getLogger("bdn.fetch.wire")
 
 #: Seconds a request waits for a free stream to its peer before it counts as a busy answer and
-#: the fetcher plans the chunk again (bench/NOTES.md, part 2).
+#: the fetcher plans the chunk again (docs/decisions/0017-no-queue-behind-a-full-peer.md).
 QUEUE_S = 1.0
 #: ... when at least this many peers are live: with fewer there is hardly another holder to plan
 #: for, and a request that leaves the queue loses its place in the owner's order (N = 2 went
@@ -71,8 +71,8 @@ def stalled(res: FetchResult) -> bool:
     within ``io_timeout_s``, plus the request's wait) rather than a reset, a closed connection
     or a protocol error (bdn.transfer.client reports the exception's type first). A stream
     that could not be opened in time (``connect:``: a handshake slow under load) is a plain
-    failure: penalising the peer took it out of every asker's live set and moved its chunks to
-    new owners, who read them from the bucket a second time (bench/NOTES.md, part 3)."""
+    failure: penalising the peer would take it out of every asker's live set and move its chunks
+    to new owners, who would read them from the bucket a second time."""
     return res.outcome is Outcome.FAILED and "TimeoutError" in res.error and ": connect: " not in res.error
 
 
@@ -127,9 +127,8 @@ class WireSource:
         held = False
         if not racing and sem.locked() and len(self.membership.live()) >= NO_QUEUE_MIN_PEERS:
             # Every stream to this peer is taken. Waiting long behind them (even to park at the
-            # owner) would commit the chunk to a saturated uplink (the N = 8 timeline: a late
-            # owner's last chunks all left through it, one asker after another, for 10-17 s
-            # while the first receivers sat idle); failing at once idles a lone holder's
+            # owner) would commit the chunk to a saturated uplink (a late owner's last chunks would
+            # all leave through it, one asker after another, while the first receivers sit idle); failing at once idles a lone holder's
             # streams between rounds (N = 2). So: wait up to QUEUE_S for a stream, then count
             # a busy answer; the next round (woken by a HAVE from any holder) asks whoever is
             # least loaded then.
@@ -374,9 +373,9 @@ class WireSource:
     def _grow(self, job: SnapshotJob, address: str, ref: ChunkRef, g: Growing) -> None:
         """The chunk's first part holds its bucket slot: from now on ``g`` lands, so it is
         registered for cut-through and announced. (Announced when the acquisition began, while
-        its parts still queued behind the owner's other chunks, a chunk drew askers for ~10 s
-        before its first byte: they held their cut-through workers and the owner's growing
-        slots on it while the chunks landing then found none free; bench/NOTES.md.)"""
+        its parts may still queue behind the owner's other chunks for seconds, a chunk would draw
+        askers before its first byte, holding their cut-through workers and the owner's growing
+        slots while the chunks landing then find none free.)"""
         assert self.growing is not None
         if g.state != "growing":
             return  # its read ended before the loop got here: nothing to pass on

@@ -302,9 +302,10 @@ async def unregister_engine(request: web.Request) -> web.Response:
 
 
 async def list_engines(request: web.Request) -> web.Response:
-    """GET /v1/engines -> 200 {"engine_ttl_s", "engines": [{"engine_id", "name", "serving", ...}]}."""
+    """GET /v1/engines -> 200 {"engine_ttl_s", "engine_stale_s", "engines": [{"engine_id", "name", "serving", "stale", ...}]}."""
     replica = services(request).replica
-    return json_response({"engine_ttl_s": replica.engine_ttl_s, "engines": replica.describe_engines()})
+    return json_response({"engine_ttl_s": replica.engine_ttl_s, "engine_stale_s": replica.engine_stale_s,
+                          "engines": replica.describe_engines()})
 
 
 async def engine_next(request: web.Request) -> web.Response:
@@ -354,11 +355,11 @@ async def engine_ack(request: web.Request) -> web.Response:
 
 
 async def engine_heartbeat(request: web.Request) -> web.Response:
-    """POST /v1/engines/{id}/heartbeat -> 200 {"engine_ttl_s"}: the engine is alive (while it prepares); 404 dropped."""
+    """POST /v1/engines/{id}/heartbeat -> 200 {"engine_ttl_s", "engine_stale_s"}: the engine is alive (while it prepares); 404 dropped."""
     e = _engine(request)
     replica = services(request).replica
     replica.heartbeat(e)
-    return json_response({"ok": True, "engine_ttl_s": replica.engine_ttl_s})
+    return json_response({"ok": True, "engine_ttl_s": replica.engine_ttl_s, "engine_stale_s": replica.engine_stale_s})
 
 
 async def take_lease(request: web.Request) -> web.Response:

@@ -1,6 +1,6 @@
 """File bytes on the local API without copies through Python: ``os.sendfile`` from the snapshot's
 shm file straight into the request's socket, on a worker thread, after aiohttp has sent the
-headers (issue 9: uvloop has no ``loop.sendfile``, and aiohttp's fallback reads the file into
+headers (uvloop has no ``loop.sendfile``, and aiohttp's fallback reads the file into
 Python chunk by chunk and writes each one, 0.25-0.34 GB/s in bench/handoff).
 
 How: the response is prepared (status and headers go out through the transport as usual); when
@@ -118,7 +118,7 @@ def _sendfile_all(out_fd: int, in_fd: int, offset: int, count: int) -> None:
 
 #: SO_SNDBUF for a unix-socket connection that sends a file: the default (~208 KiB) makes a
 #: ``sendfile`` + ``poll`` round per ~200 KiB; 4 MiB measured 0.227 against 0.251 CPU-s per GB
-#: (a socketpair, 512 MiB, medians of 3; bench/NOTES.md). TCP autotunes its own.
+#: (a socketpair, 512 MiB, medians of 3). TCP autotunes its own.
 UNIX_SNDBUF = 4 << 20
 
 

@@ -46,7 +46,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import zstandard
@@ -315,19 +315,40 @@ def ranges_from_diffs(base_dir: Path, delta: DeltaSource, names: list[str]) -> d
     return out
 
 
+class SparseRanges(Protocol):
+    """What the daemon's sparse applies know of a target (``bdn.daemon.forward.Forward``)."""
+
+    def planned(self, identity: str) -> bool:
+        """A sparse apply of ``identity`` is about to run or running."""
+        ...
+
+    def ranges(self, identity: str) -> dict[str, list[list[int]]] | None:
+        """The changed ranges of every tensor of ``identity`` against its base (absolute file
+        offsets, ``bdn.proto.sparse.SparseResult.ranges``) when a sparse apply brought every diff
+        file forward; None otherwise."""
+        ...
+
+
 class ChangedTensorsCache:
     """``await between(base, target, delta)``: the changed tensors, computed on a worker thread once
     per pair and remembered (the last ``CACHE_ENTRIES`` pairs); ``start(base, target, delta)``
     begins the computation from the delta's streams before the target is READY, and ``between``
     joins it. ``ready_dir(identity)`` locates a snapshot; None (and a log line) when nothing can be
     read: the engine compares itself.
+
+    ``sparse``: the sparse applies' ranges. A ``bdn_planes_v1`` target that a sparse apply brings
+    forward gets its changed ranges from that apply (which decoded every changed word anyway)
+    instead of decoding the streams a second time beside it (``ranges_from_diffs``; profiled in
+    ``bench/hotload``: a quarter of the apply's CPU, on the same 2 cores, while it ran).
     """
 
-    def __init__(self, ready_dir: Callable[[str], Path]) -> None:
+    def __init__(self, ready_dir: Callable[[str], Path], sparse: SparseRanges | None = None) -> None:
         self.ready_dir = ready_dir
+        self.sparse = sparse
         self._done: OrderedDict[tuple[str, str], list[str] | None] = OrderedDict()
         self._ranges: dict[tuple[str, str], dict[str, list[list[int]]]] = {}
         self._running: dict[tuple[str, str], asyncio.Future[list[str] | None]] = {}
+        self._deferred: set[tuple[str, str]] = set()  # pairs whose ranges a sparse apply gives
 
     def start(self, base: str, target: str, delta: DeltaSource) -> None:
         """Compute from ``delta``'s streams now (``delta.base == base``; the target need not be READY)."""
@@ -340,17 +361,32 @@ class ChangedTensorsCache:
         key = (base, target)
         if key in self._done:
             self._done.move_to_end(key)
-            return self._done[key]
+            return await self._with_ranges(key, delta, self._done[key])
         fut = self._running.get(key)
         if fut is not None:
             names = await asyncio.shield(fut)
             if key in self._done:
-                return names
+                return await self._with_ranges(key, delta, names)
         fut = self._running.get(key)
         if fut is None:
             fut = asyncio.ensure_future(self._compute(base, target, delta, ready=True))
             self._running[key] = fut
-        return await asyncio.shield(fut)
+        return await self._with_ranges(key, delta, await asyncio.shield(fut))
+
+    async def _with_ranges(self, key: tuple[str, str], delta: DeltaSource | None, names: list[str] | None) -> list[str] | None:
+        """Fill in the ranges a sparse apply was to give (now READY: it gave them, or fell back)."""
+        if names is None or key in self._ranges or key not in self._deferred:
+            return names
+        self._deferred.discard(key)
+        known = self.sparse.ranges(key[1]) if self.sparse is not None else None
+        if known is not None:
+            self._ranges[key] = {n: known.get(n, []) for n in names}
+        elif delta is not None:
+            try:
+                self._ranges[key] = await asyncio.to_thread(ranges_from_diffs, self.ready_dir(key[0]), delta, names)
+            except (BdnError, OSError) as e:
+                log.warning("changed ranges of %s from its diff files: %s", key[1], e)
+        return names
 
     async def _compute(self, base: str, target: str, delta: DeltaSource | None, ready: bool) -> list[str] | None:
         """``ready`` False: only the delta's streams may be used, and no answer is remembered
@@ -364,7 +400,11 @@ class ChangedTensorsCache:
                     names = await asyncio.to_thread(from_diffs, self.ready_dir(base), delta)
                     how = "from the delta's streams"
                     if names is not None:
-                        self._ranges[key] = await asyncio.to_thread(ranges_from_diffs, self.ready_dir(base), delta, names)
+                        if self.sparse is not None and self.sparse.planned(target):
+                            self._deferred.add(key)  # the sparse apply decodes them: taken at READY
+                        else:
+                            self._ranges[key] = await asyncio.to_thread(ranges_from_diffs, self.ready_dir(base), delta,
+                                                                        names)
                 except (BdnError, OSError) as e:
                     log.warning("changed tensors of %s from its diff files: %s", target, e)
             if names is None and not ready:
@@ -381,7 +421,9 @@ class ChangedTensorsCache:
             self._running.pop(key, None)
         self._done[key] = names
         while len(self._done) > CACHE_ENTRIES:
-            self._ranges.pop(self._done.popitem(last=False)[0], None)
+            old = self._done.popitem(last=False)[0]
+            self._ranges.pop(old, None)
+            self._deferred.discard(old)
         return names
 
     def ranges_of(self, base: str, target: str) -> dict[str, Any]:

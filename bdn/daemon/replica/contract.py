@@ -1,4 +1,4 @@
-"""The hosted hot-load contract's rules, as pure functions (issue 11; README "Hot-load API",
+"""The hosted hot-load contract's rules, as pure functions (README "Hot-load API",
 docs/OPERATIONS.md "Concurrency of hot-loads").
 
 The hosted services (Fireworks, CoreWeave, the hosted RL service) name things their way; these

@@ -1,13 +1,17 @@
-"""The engine table: its entries (``Engine``) and pure rules: liveness (``engine_ttl_s``) and what an ack may report.
+"""The engine table: its entries (``Engine``) and pure rules: liveness (``engine_stale_s``,
+``engine_ttl_s``) and what an ack may report.
 
 **Liveness.** An engine is alive while it polls: every ``GET /v1/engines/{id}/next`` marks it seen
-when it starts and again at least every ``poll_step(ttl)`` seconds while the poll is held open on
+when it starts and again at least every ``poll_step(...)`` seconds while the poll is held open on
 a live connection; an ack and a ``POST /v1/engines/{id}/heartbeat`` (sent by the engine link every
-``engine_ttl_s / 3`` while it prepares and swaps an offer, when it does not poll) mark it seen
-too. One that has not been seen for longer than ``engine_ttl_s`` (it crashed, was
-killed, or its node's network went away without a ``DELETE``) is dropped: its leases are released
-and the replica's stage is recomputed without it. Time comes from an injected clock (monotonic
-seconds), so the rule is tested without sleeps.
+``keepalive_s(...)`` while it prepares and swaps an offer, when it does not poll) mark it seen
+too. One that has not been seen for longer than ``engine_stale_s`` (it crashed, was killed, hangs,
+or its node's network went away without a ``DELETE``) is **stale**: the replica no longer waits
+for it (its stage and ``engines`` count only live engines; a replica whose every engine is stale
+is in ``error`` with the reason), and it is live again as soon as it is seen. One not seen for
+longer than ``engine_ttl_s`` is **dropped**: its leases are released and the replica's stage is
+recomputed without it. Time comes from an injected clock (monotonic seconds), so the rules are
+tested without sleeps.
 
 **Swap reports.** The ack's ``swap`` object (docs/ENGINES.md) is the engine's own description of
 what it did; the daemon keeps a bounded copy of it (scalars only, short strings, at most
@@ -21,7 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["MAX_REPORT_KEYS", "Engine", "expired", "poll_step", "sanitize_report"]
+__all__ = ["MAX_REPORT_KEYS", "Engine", "expired", "keepalive_s", "liveness_window", "poll_step", "sanitize_report",
+           "stale_changes", "stale_reason"]
 
 MAX_REPORT_KEYS = 64
 MAX_REPORT_STR = 200
@@ -33,9 +38,53 @@ class _Seen(Protocol):
     last_seen: float
 
 
-def poll_step(ttl_s: float) -> float:
-    """How often (s) a held-open poll marks its engine seen: well inside the TTL, at most 5 s."""
-    return max(0.05, min(MAX_POLL_STEP_S, ttl_s / 3.0))
+class _Watched(_Seen, Protocol):
+    stale: bool
+
+
+def liveness_window(stale_s: float, ttl_s: float) -> float:
+    """The shortest silence (s) that changes anything: ``engine_stale_s`` or ``engine_ttl_s``,
+    whichever is positive and smaller (0 when both are off)."""
+    on = [x for x in (stale_s, ttl_s) if x > 0]
+    return min(on) if on else 0.0
+
+
+def poll_step(ttl_s: float, stale_s: float = 0.0) -> float:
+    """How often (s) a held-open poll marks its engine seen, and the expiry tick: a third of the
+    liveness window (:func:`liveness_window`), at least 0.05 s, at most 5 s."""
+    window = liveness_window(stale_s, ttl_s)
+    return max(0.05, min(MAX_POLL_STEP_S, window / 3.0)) if window > 0 else MAX_POLL_STEP_S
+
+
+def keepalive_s(ttl_s: float, stale_s: float = 0.0) -> float | None:
+    """How often (s) an engine that is not polling sends a heartbeat: a third of the liveness
+    window, at least 0.05 s; None when both are off."""
+    window = liveness_window(stale_s, ttl_s)
+    return max(0.05, window / 3.0) if window > 0 else None
+
+
+def stale_changes(engines: Iterable[_Watched], now: float, stale_s: float) -> tuple[list[str], list[str]]:
+    """``(became_stale, became_live)``: the ids of the live engines not seen for more than
+    ``stale_s`` seconds at monotonic ``now``, and of the stale ones seen since (``stale_s <= 0``:
+    staleness off, every stale one becomes live)."""
+    went, back = [], []
+    for e in engines:
+        silent = stale_s > 0 and now - e.last_seen > stale_s
+        if silent and not e.stale:
+            went.append(e.engine_id)
+        elif not silent and e.stale:
+            back.append(e.engine_id)
+    return went, back
+
+
+def stale_reason(stale: Iterable[_Watched], now: float, stale_s: float, ttl_s: float) -> str:
+    """One line naming the stale engines (at most 3) and how long each has been silent, e.g.
+    ``"engine 1f2e (vllm-0) not seen for 12.0 s (stale after 10 s, dropped after 30 s)"``."""
+    items = sorted(stale, key=lambda e: e.last_seen)
+    names = [f"{e.engine_id} ({getattr(e, 'name', '?')}) not seen for {now - e.last_seen:.1f} s" for e in items[:3]]
+    more = f" and {len(items) - 3} more" if len(items) > 3 else ""
+    drop = f", dropped after {ttl_s:g} s" if ttl_s > 0 else ""
+    return f"engine {'; '.join(names)}{more} (stale after {stale_s:g} s{drop})"
 
 
 def expired(engines: Iterable[_Seen], now: float, ttl_s: float) -> list[str]:
@@ -90,6 +139,7 @@ class Engine:
     prompt_cache_policy: str | None = None  # as the last ack reported them
     inflight_policy: str | None = None
     swap: dict[str, Any] | None = None  # the last ack's swap report, bounded (engines.sanitize_report)
+    stale: bool = False  # not seen for engine_stale_s (set and cleared by the replica's liveness events)
 
     def describe(self, now: float, ttl_s: float) -> dict[str, Any]:
         """This engine as ``GET /v1/engines`` lists it (ages in seconds)."""
@@ -98,6 +148,6 @@ class Engine:
             "error": self.error, "pause_ms": self.pause_ms,
             "prompt_cache_policy": self.prompt_cache_policy, "inflight_policy": self.inflight_policy,
             "swap": self.swap, "registered_s_ago": round(now - self.registered, 3),
-            "last_seen_s_ago": round(now - self.last_seen, 3),
+            "last_seen_s_ago": round(now - self.last_seen, 3), "stale": self.stale,
             "expires_in_s": round(max(0.0, self.last_seen + ttl_s - now), 3) if ttl_s > 0 else None,
         }

@@ -203,7 +203,7 @@ class FleetStatus:
             boards = list(await asyncio.gather(*(one(n) for n in self.aggregators(ident))))
         live = {m.node_id for m in self.membership.live()}
         # a replica membership declared dead leaves the view at once, not when its row expires
-        # (3 report intervals: a killed replica was counted done for ~30 s; issue 31, class 9)
+        # (3 report intervals: a killed replica would be counted done for ~30 s)
         dead = {m.node_id for m in self.membership.members.values() if m.node_id and not m.alive} - live
         reported = policy.merge(boards)
         merged = {r.node: policy.Row(r.node, r.identity, complete_row(r.data)) for r in reported if r.node not in dead}

@@ -1,4 +1,4 @@
-"""The fleet hot-load (DESIGN.md, "Surfaces"; the hosted hot-load APIs' request and answers).
+"""The fleet hot-load (DESIGN.md, "Hot-load"; the hosted hot-load APIs' request and answers).
 
 The daemon that accepts ``POST /hot_load/v1/models/hot_load`` checks the request against the
 bucket, makes it its target and pushes it to ``hotload_fanout`` random live members (signed
@@ -144,7 +144,7 @@ class HotLoad:
             raise Upstream(f"cannot read the manifest of {identity!r}: {e}") from None
         self.stats.add("bucket_manifest_bytes", len(data))
         try:
-            # a worker thread: a 10^6-chunk manifest takes seconds to validate (issue 12, item 2)
+            # a worker thread: a 10^6-chunk manifest takes seconds to validate
             return await asyncio.to_thread(Manifest.from_json, data, expect_identity=identity)
         except ManifestError as e:
             raise Upstream(f"the bucket holds an invalid manifest for {identity!r}: {e}") from None
@@ -260,9 +260,9 @@ class HotLoad:
         ask up to ``PULL_PEERS`` members for their current target, live ones first, then other
         known ones (static seeds, members not yet admitted), and adopt any later one as a push
         would. A daemon restarted seconds before may not have heard the fleet's target by
-        gossip yet (the soak: a node back from a liar's round heard nothing for 70 s), and a
-        ``gen`` made from its stale one lost to the fleet's older target: the POST answered 200
-        and the fleet stayed where it was (bench/NOTES.md, "Issue 12: the flat soak"). A member
+        gossip yet, and a ``gen`` made from its stale one would lose to the fleet's older target:
+        the POST would answer 200 and the fleet stay where it was
+        (docs/decisions/0014-hotload-target-order.md). A member
         that does not answer within ``PULL_TIMEOUT_S`` is skipped; returns how many answered."""
         live = self.membership.live()
         ids = {m.node_id for m in live}

@@ -9,8 +9,9 @@ with the reason). The target changes only through :meth:`ReplicaView.adopt`.
 
 Engines (DESIGN.md, "Engine link and leases"): each offer carries the target's engine options and
 the tensors that changed against the snapshot that engine serves (``replica/changes.py``); an
-engine not seen for ``engine_ttl_s`` is dropped (``replica/engines.py``) and the replica's stage
-recomputed without it. ``on_current(identity)`` is called whenever the served snapshot changes
+engine not seen for ``engine_stale_s`` is stale (the replica's stage and ``engines`` count leave it
+out, a replica with only stale engines is in ``error`` saying so), one not seen for
+``engine_ttl_s`` is dropped (``replica/engines.py``) and the replica's stage recomputed without it. ``on_current(identity)`` is called whenever the served snapshot changes
 (the ``current`` link, ``bdn/daemon/current.py``).
 """
 
@@ -47,12 +48,14 @@ class ReplicaView:
     """This replica's target, served snapshot, engines and leases; snapshots through ``Snapshots``."""
 
     def __init__(self, node_id: str, snapshots: Snapshots, clock: Clock, hints: Hints | None = None,
-                 engine_ttl_s: float = 30.0, changes: ChangedTensorsCache | None = None) -> None:
+                 engine_ttl_s: float = 30.0, changes: ChangedTensorsCache | None = None,
+                 engine_stale_s: float = 0.0) -> None:
         self.node_id = node_id
         self.snapshots = snapshots
         self.clock = clock
         self.hints = hints if hints is not None else Hints()
         self.engine_ttl_s = engine_ttl_s
+        self.engine_stale_s = engine_stale_s  # 0: engines are never stale, only dropped
         self.changes = changes or ChangedTensorsCache(snapshots.ready_dir)
         self.claims = claims.Claims(snapshots)  # targets' policy versions checked against manifests
         self.on_current: Callable[[str], None] | None = None
@@ -152,7 +155,7 @@ class ReplicaView:
             self.on_snapshot_ready(job.identity)
         elif job.state == "applying" and self.target is not None and self.target.identity == job.identity:
             delta = self._delta_source(job.identity)
-            if delta is not None and any(e.acked == delta.base for e in self.engines.values()):
+            if delta is not None and any(e.acked == delta.base for e in self._live()):
                 self.changes.start(delta.base, job.identity, delta)
         await self.poke()
 
@@ -165,6 +168,16 @@ class ReplicaView:
         """With no engine registered, the daemon serves what is ready."""
         if not self.engines and self.target is not None and self.target.identity == identity:
             self._set_current(identity)
+
+    def _live(self) -> list[Engine]:
+        """The registered engines that are not stale."""
+        return [e for e in self.engines.values() if not e.stale]
+
+    def _all_acked(self, identity: str) -> bool:
+        """Every live engine acknowledged ``identity`` (true with none registered; false when
+        every registered engine is stale: nobody took it)."""
+        live = self._live()
+        return (not self.engines or bool(live)) and all(e.acked == identity for e in live)
 
     def _set_current(self, identity: str) -> None:
         """The replica now serves ``identity`` (every engine acknowledged it, or there is none)."""
@@ -179,15 +192,15 @@ class ReplicaView:
                 log.error("cannot point the current link at %s: %s", identity, e)
 
     def _recompute_current(self) -> None:
-        """After an engine left: the replica serves the target once every remaining engine
-        acknowledged it (or none remains and it is ready here)."""
+        """After an engine left or went stale: the replica serves the target once every remaining
+        live engine acknowledged it (or none remains and it is ready here)."""
         t = self.target
         if t is None:
             return
         job = self.snapshots.get(t.identity)
         if job is None or job.state != "ready":
             return
-        if all(e.acked == t.identity for e in self.engines.values()):
+        if self._all_acked(t.identity):
             self._set_current(t.identity)
 
     def pinned(self) -> set[str]:
@@ -224,23 +237,30 @@ class ReplicaView:
         return replica_row(
             self.node_id, {"stage": stage, "identity": ident, "progress": round(progress, 4), "reason": reason},
             current_snapshot_identity=self.current, policy_version=self.current_policy_version,
-            readiness=self.current is not None, engines=len(self.engines),
+            readiness=self.current is not None, engines=len(self._live()),
             last_swap_pause_ms=max(pauses) if pauses else None, superseded=list(self.superseded),
             request_id=t.request_id if t else None, **options.wire(),
             last_swap=dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None)
 
     def _engine_stage(self, ident: str) -> tuple[str, str]:
-        """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node."""
+        """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node: over the
+        live engines; stale ones are named in the reason (every engine stale: ``error``)."""
         if not self.engines:
             return "done", ""
-        errs = [e.error for e in self.engines.values() if e.offered == ident and e.error]
+        live = self._live()
+        stale = [e for e in self.engines.values() if e.stale]
+        note = engine_rules.stale_reason(stale, self.clock.monotonic(), self.engine_stale_s,
+                                         self.engine_ttl_s) if stale else ""
+        if not live:
+            return "error", f"every engine stopped polling: {note}"
+        errs = [e.error for e in live if e.offered == ident and e.error]
         if errs:
             return "error", errs[0]
-        if all(e.acked == ident for e in self.engines.values()):
-            return "done", ""
-        if any(e.offered == ident for e in self.engines.values()):
-            return "loading", ""
-        return "ready", ""
+        if all(e.acked == ident for e in live):
+            return "done", f"not counted: {note}" if note else ""
+        if any(e.offered == ident for e in live):
+            return "loading", note
+        return "ready", note
 
     def current_record(self) -> dict[str, Any] | None:
         """``{"identity", "policy_version", "path", "link"}`` of the snapshot this replica serves
@@ -302,6 +322,11 @@ class ReplicaView:
 
     def heartbeat(self, engine: Engine) -> None:
         """Event: the engine says it is alive while it is not polling (it prepares or swaps)."""
+        self._seen(engine)
+
+    def _seen(self, engine: Engine) -> None:
+        """The engine was heard from now (poll, heartbeat, ack). A stale one is live again at the
+        next liveness tick (:meth:`expire_engines`), which recomputes the replica."""
         engine.last_seen = self.clock.monotonic()
 
     def describe_engines(self) -> list[dict[str, Any]]:
@@ -310,23 +335,38 @@ class ReplicaView:
         return [e.describe(now, self.engine_ttl_s) for e in self.engines.values()]
 
     async def expire_engines(self) -> list[str]:
-        """Event (periodic): drop the engines not seen for ``engine_ttl_s``; their ids."""
-        gone = engine_rules.expired(self.engines.values(), self.clock.monotonic(), self.engine_ttl_s)
+        """Event (periodic, the liveness tick): mark the engines not seen for ``engine_stale_s``
+        stale (and the ones heard from since live again), drop the ones not seen for
+        ``engine_ttl_s``, recompute the replica; the ids dropped."""
+        now = self.clock.monotonic()
+        went, back = engine_rules.stale_changes(self.engines.values(), now, self.engine_stale_s)
+        for engine_id in went:
+            e = self.engines[engine_id]
+            e.stale = True
+            log.warning("engine %s (%s) not seen for over %g s: stale, the replica no longer waits for it "
+                        "(dropped after %g s)", engine_id, e.name, self.engine_stale_s, self.engine_ttl_s)
+        for engine_id in back:
+            e = self.engines[engine_id]
+            e.stale = False
+            log.info("engine %s (%s) heard from again: live", engine_id, e.name)
+        gone = engine_rules.expired(self.engines.values(), now, self.engine_ttl_s)
         for engine_id in gone:
-            e = self.engines.get(engine_id)
+            e = self.engines[engine_id]
             log.warning("engine %s (%s) not seen for over %g s: dropped, its leases released",
-                        engine_id, e.name if e else "?", self.engine_ttl_s)
+                        engine_id, e.name, self.engine_ttl_s)
             self.unregister_engine(engine_id)
-        if gone:
+        if went or back:
+            self._recompute_current()
+        if went or back or gone:
             await self.poke()
         return gone
 
     async def expiry_loop(self) -> None:
-        """Run :meth:`expire_engines` every ``poll_step(engine_ttl_s)`` seconds, forever."""
-        if self.engine_ttl_s <= 0:
+        """Run :meth:`expire_engines` every ``poll_step(engine_ttl_s, engine_stale_s)`` seconds, forever."""
+        if self.engine_ttl_s <= 0 and self.engine_stale_s <= 0:
             return
         while True:
-            await asyncio.sleep(engine_rules.poll_step(self.engine_ttl_s))
+            await asyncio.sleep(engine_rules.poll_step(self.engine_ttl_s, self.engine_stale_s))
             await self.expire_engines()
 
     def _offerable(self, after: str | None) -> str | None:
@@ -350,11 +390,11 @@ class ReplicaView:
         poller's connection is gone (``connected()`` false) or the engine was dropped.
         """
         deadline = self.clock.monotonic() + timeout
-        step = engine_rules.poll_step(self.engine_ttl_s)
+        step = engine_rules.poll_step(self.engine_ttl_s, self.engine_stale_s)
         while True:
             if not connected() or self.engines.get(engine.engine_id) is not engine:
                 return None
-            engine.last_seen = self.clock.monotonic()
+            self._seen(engine)
             ident = self._offerable(after)
             if ident is not None:
                 job = self.snapshots.get(ident)
@@ -372,6 +412,7 @@ class ReplicaView:
                     "lease_id": engine.offered_lease,
                     **(self.target.options if self.target else DEFAULT_OPTIONS).wire(),
                     "engine_ttl_s": self.engine_ttl_s,
+                    "engine_stale_s": self.engine_stale_s,
                 }
                 base = engine.acked
                 base_job = self.snapshots.get(base) if base else None
@@ -379,7 +420,7 @@ class ReplicaView:
                     names = await self.changes.between(base, ident, self._delta_source(ident))
                     if names is not None:
                         offer.update(changed_tensors=names, changed_tensors_base=base, **self.changes.ranges_of(base, ident))
-                engine.last_seen = self.clock.monotonic()
+                self._seen(engine)
                 return offer
             left = deadline - self.clock.monotonic()
             if left <= 0:
@@ -399,7 +440,7 @@ class ReplicaView:
         """
         if engine.offered != identity and engine.acked != identity:
             raise Conflict(f"engine was not offered {identity!r} (offered {engine.offered!r})")
-        engine.last_seen = self.clock.monotonic()
+        self._seen(engine)
         if error:
             engine.error = error.splitlines()[0][:500]
             log.error("engine %s failed to load %s: %s", engine.engine_id, identity, engine.error)
@@ -411,7 +452,7 @@ class ReplicaView:
             engine.swap = engine_rules.sanitize_report(report)
             engine.prompt_cache_policy = prompt_cache_policy[:32] if prompt_cache_policy else None
             engine.inflight_policy = inflight_policy[:32] if inflight_policy else None
-            if all(e.acked == identity for e in self.engines.values()):
+            if self._all_acked(identity):
                 self._set_current(identity)
             log.info("engine %s serves %s (pause %.1f ms)", engine.engine_id, identity, pause_ms or 0.0)
         await self.poke()
