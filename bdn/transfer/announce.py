@@ -83,8 +83,8 @@ class HaveFeed:
 
     def announce(self, identity: str, layer: int, index: int) -> None:
         """Event: chunk ``index`` of ``identity``'s ``layer`` (0 stored, 1 rebuilt) is verified
-        and served here, or (layer ``wire.HAVE_GROWING``) started landing here (from the bucket,
-        or cut-through from a peer):
+        and served here, or (layer ``wire.HAVE_GROWING``) started landing here from the bucket
+        (never bytes still arriving from a peer):
         tell its subscribers (O(1) when nobody subscribed)."""
         with self._cond:
             subs = self._subs.get(identity)

@@ -12,7 +12,8 @@ One writer per range: an acquisition asks one source at a time, so a fetch owns 
 until its thread returns; a fetch whose task is cancelled waits for its thread first (a member
 that left has its streams closed, so that is quick). The endgame race asks several holders of
 one chunk at once: each receives into its own buffer and only the first verified copy is
-written into the mapping.
+written into the mapping; a racer's buffer goes back to the pool only once its thread ended
+(a racer whose peer was penalised returns before that: ``_free_when_done``).
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ class WireSource:
                                on_data=att.data)
         res = await self._await(fut, m, peer, None, settle=False)
         if res.outcome is not Outcome.OK:
-            self.free(buf)
+            self._free_when_done(fut, buf)
             return res
         try:
             mm = await self.maps.acquire(job, target)
@@ -243,6 +244,26 @@ class WireSource:
             self.maps.release(target)
         self.free(buf)
         return res
+
+    def _free_when_done(self, fut: concurrent.futures.Future[FetchResult], buf: bytearray) -> None:
+        """Give a race's ``buf`` back to the pool once ``fut``'s thread no longer writes into it.
+        A racer whose peer was penalised meanwhile (``Membership.penalise`` cancels its request)
+        returns at once, unsettled, while its thread may still be waiting for a stream to that
+        peer and then receive the whole chunk: freed then, the peer's bytes would land in the
+        buffer of the next race or HTTP fetch, and that fetch's honest peer would be blamed for
+        them (or, written after its hash, they would reach the target unverified)."""
+        if fut.done():
+            self.free(buf)
+            return
+        loop = asyncio.get_running_loop()
+
+        def back(_f: concurrent.futures.Future[FetchResult]) -> None:
+            try:
+                loop.call_soon_threadsafe(self.free, buf)
+            except RuntimeError:  # the loop is closed (the daemon stopped): the buffer just goes
+                pass
+
+        fut.add_done_callback(back)
 
     async def _await(
         self, fut: concurrent.futures.Future[FetchResult], m: Member, peer: Peer,
