@@ -1,4 +1,4 @@
-"""Bounded peer sets, BITFIELD/HAVE and rarest-first (bdn/control/peerset.py)."""
+"""Bounded peer sets, BITFIELD/HAVE and the chunk order they pick in (bdn/control/peerset.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from bdn.control.peerset import PeerSet, PeerSetError, pack_bits, unpack_bits
+from bdn.daemon.fetch.policy import tiebreak
 
 
 class FakeClock:
@@ -44,24 +45,32 @@ def test_refresh_caps_the_set_and_includes_readers() -> None:
     assert gone not in ps.peers
 
 
-def test_rarest_first_from_least_loaded_holder_skipping_owned() -> None:
+def test_owners_order_from_least_loaded_holder_skipping_owned() -> None:
+    """``pick`` orders by bdnd's ``policy.chunk_order`` (each owner's next chunk first), not by
+    how many holders a chunk has; each chunk from its least loaded holder."""
     clock = FakeClock()
     owned = [False] * 6
     owned[5] = True
     ps = PeerSet("me", 6, clock, rng=random.Random(2), k=3, max_peers=3, owned=owned)
+    ps.place = np.array([2, 1, 0, 0, 0, 0], dtype=np.int32)  # chunk 2 is its owner's first, 0 its third
     for p in ("a", "b", "c"):
         ps.accept(p)
     ps.on_bitfield("a", np.array([1, 1, 1, 0, 0, 1], dtype=bool))
     ps.on_bitfield("b", np.array([1, 1, 0, 0, 0, 1], dtype=bool))
     ps.on_bitfield("c", pack_bits(np.array([1, 0, 0, 0, 0, 1], dtype=bool)))
     picks = ps.pick(3, load={"a": 1})
-    assert [i for i, _ in picks] == [2, 1, 0]  # availability 1, 2, 3; chunk 5 is ours to read
+    assert [i for i, _ in picks] == [2, 1, 0]  # places 0, 1, 2; chunk 5 is ours to read
     assert dict(picks)[1] == "b" and dict(picks)[0] == "c"
     assert ps.pick(3) == []  # all in flight
     ps.got(2)
     ps.failed(1)
     assert [i for i, _ in ps.pick(1)] == [1]
     assert ps.unavailable().tolist() == [3, 4]
+    ps.place = np.array([0, 0, 0, 0, 0, 0], dtype=np.int32)
+    ps.failed(0)
+    ps.failed(1)
+    # one place: the set's own random order (tests below), whatever the holder counts
+    assert sorted(i for i, _ in ps.pick(2)) == [0, 1]
 
 
 def test_haves_are_batched_once_per_flush_interval_per_peer() -> None:
@@ -126,7 +135,7 @@ def test_a_chunk_another_peer_holds_is_not_taken_from_a_bucket_reader() -> None:
 
 def test_a_million_chunk_set_costs_8_bytes_a_chunk_and_breaks_ties_at_random() -> None:
     """Issue 12, item 2: a daemon builds a PeerSet on its event loop when a download starts. Its
-    per-chunk state is the four masks and the availability counts (8 bytes); the rarest-first
+    per-chunk state is the four masks and the availability counts (8 bytes); the chunk order's
     tie-break is a keyed bijection of the position, not a permutation array (8 more bytes, and
     60-70 ms of the loop for 10^6 chunks in bench/manifest_lag)."""
     import tracemalloc
@@ -140,7 +149,7 @@ def test_a_million_chunk_set_costs_8_bytes_a_chunk_and_breaks_ties_at_random() -
     finally:
         tracemalloc.stop()
     assert used / n < 9, f"{used / n:.1f} bytes per chunk"
-    ranks = ps._tiebreak(np.arange(n))
+    ranks = tiebreak(np.arange(n), ps._salt)  # bdn.daemon.fetch.policy.tiebreak
     assert len(np.unique(ranks)) == n  # no two positions tie
     small = PeerSet("me", 64, FakeClock(), rng=random.Random(5))
     small.accept("a")

@@ -483,14 +483,14 @@ def test_an_engine_killed_without_unregistering_expires(trainer, tmp_path: Path,
                     eng = list_engines(node.url)["engines"]
                     return eng if len(eng) == 2 and all(e["serving"] == IDS[0] for e in eng) else None
 
-                wait_for(both_serve, 180, "both engines to serve policy 1")
+                wait_for(both_serve, 900, "both engines to serve policy 1")
                 assert bdnctl.main(["--url", node.url, "engines"]) == 0
                 table = capsys.readouterr().out
                 assert "doomed" in table and "survivor" in table and "SEEN_S_AGO" in table
                 doomed.send_signal(signal.SIGKILL)
                 doomed.wait(120)
                 hot_load(node.url, IDS[1], previous=IDS[0])
-                reps = wait_for(lambda: replica_done(node.url, IDS[1]), 120, "the replica done without the dead engine")
+                reps = wait_for(lambda: replica_done(node.url, IDS[1]), 600, "the replica done without the dead engine")
                 assert reps[0]["engines"] == 1
                 (eng,) = list_engines(node.url)["engines"]
                 assert eng["name"] == "survivor" and eng["serving"] == IDS[1]

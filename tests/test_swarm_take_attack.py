@@ -323,16 +323,26 @@ def test_a_taker_killed_after_its_grants_ends_them_when_it_leaves_the_live_set(t
 # ---- an owner of the older version: no TAKE hook -----------------------------------------------
 
 
+# The slow owner's bucket reads after its first wait (up to 600 s) until someone has asked it to
+# give a read (TAKE): however slowly the others reach their own last chunks on a loaded machine,
+# the owner still holds unread chunks when they look for reads to take over.
 _NO_HOOK = (
-    "import sys, runpy\n"
-    "import bdn.proto.wire as w, bdn.transfer.server as s\n"
-    "init, decode = s.TransferServer.__init__, w.decode_take\n"
+    "import sys, runpy, threading\n"
+    "import bdn.proto.wire as w, bdn.transfer.server as s, bdn.bucket.file as f\n"
+    "init, decode, read = s.TransferServer.__init__, w.decode_take, f.FileBucket.read_range_into\n"
+    "asked, reads = threading.Event(), [0]\n"
     "def no_hook(self, *a, on_take=None, **k):\n"
     "    init(self, *a, **k)\n"
     "def seen(payload):\n"
     "    print('TAKE-SEEN', flush=True)\n"
+    "    asked.set()\n"
     "    return decode(payload)\n"
-    "s.TransferServer.__init__, w.decode_take = no_hook, seen\n"
+    "def gated(self, *a, **k):\n"
+    "    reads[0] += 1\n"
+    "    if reads[0] > 1:\n"
+    "        asked.wait(600)\n"
+    "    return read(self, *a, **k)\n"
+    "s.TransferServer.__init__, w.decode_take, f.FileBucket.read_range_into = no_hook, seen, gated\n"
     "sys.argv = ['bdnd']; runpy.run_module('bdn.daemon.main', run_name='__main__', alter_sys=True)\n"
 )
 

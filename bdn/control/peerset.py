@@ -1,8 +1,11 @@
-"""A bounded peer set per snapshot: a bitfield once per connection, then HAVEs, rarest-first.
+"""A bounded peer set per snapshot: a bitfield once per connection, then HAVEs; chunks picked in
+bdnd's own order (``bdn.daemon.fetch.policy.chunk_order``: each owner's next chunk first).
 
-Source: BitTorrent (BEP 3: ``bitfield`` once after the handshake, then ``have`` per piece;
-rarest-first piece selection) and Kraken's scheduler (a capped set of connections per torrent,
-``dispatch/piecerequest``'s rarest-first policy: a pure function of bitsets and counts).
+Source: BitTorrent (BEP 3: ``bitfield`` once after the handshake, then ``have`` per piece) and
+Kraken's scheduler (a capped set of connections per torrent; ``dispatch/piecerequest``: which
+piece next is a pure function of bitsets and counts). The order itself is bdnd's, not
+rarest-first: in this fleet every chunk starts at one holder, its owner (measured:
+``policy.chunk_order``).
 
 Each daemon works, per snapshot, with at most ``max_peers`` peers: it dials until it has
 ``k`` (a few of them bucket readers, ``reader_slots``, so fresh chunks enter its neighbourhood
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from bdn.control import Clock
-from bdn.daemon.fetch.policy import endgame, holder_key
+from bdn.daemon.fetch.policy import chunk_order, endgame, holder_key, tiebreak
 
 MAX_PEERS_HARD = 256
 RACE = 2  # holders asked at once for one chunk in the endgame (bdnd: the first two)
@@ -98,11 +101,13 @@ class PeerSet:
         self.announced = np.zeros(n_chunks, dtype=bool)  # HAVE sent before the chunk was whole
         self.owned = np.zeros(n_chunks, dtype=bool) if owned is None else np.asarray(owned, dtype=bool).copy()
         self.avail = np.zeros(n_chunks, dtype=np.int32)
-        # Ties among equally rare chunks go by a random order of this set's own: a keyed
-        # bijection of the position (:meth:`_tiebreak`), computed for the candidates only. (A
-        # permutation array of 10^6 chunks took 60-70 ms on the daemon's event loop and 8 bytes
-        # per chunk; random.sample 0.7 s.)
-        self._salt = np.uint64(self.rng.getrandbits(64))
+        # Ties go by a random order of this set's own (``policy.tiebreak``: a keyed bijection of
+        # the position, computed for the candidates only: a permutation array of 10^6 chunks took
+        # 60-70 ms on the daemon's event loop and 8 bytes per chunk).
+        self._salt = self.rng.getrandbits(64)
+        #: Each chunk's place in its owner's read list (``policy.owner_places``; the caller sets
+        #: it when the owners change; None: all 0): the chunk order's key.
+        self.place: np.ndarray | None = None
         self.peers: dict[str, _Peer] = {}
         self._next_flush = clock()
         self.messages_out = 0  # BITFIELD + HAVE messages this set asked to send (a metric)
@@ -326,20 +331,15 @@ class PeerSet:
         self.messages_out += len(out)
         return out
 
-    def _tiebreak(self, idxs: np.ndarray) -> np.ndarray:
-        """A random-looking rank of each position, the same for the set's life: splitmix64's
-        finaliser of ``position ^ salt``, a bijection of 64-bit integers (no two ranks tie)."""
-        x = idxs.astype(np.uint64) ^ self._salt
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
     def next_flush(self) -> float:
         return self._next_flush
 
     def pick(self, limit: int, load: dict[str, int] | None = None, max_per_peer: int = 4,
              include_owned: bool = False, slow: Callable[[str], bool] | None = None) -> list[tuple[int, str]]:
-        """Up to ``limit`` (chunk index, peer) requests: rarest first, from the best holder by
+        """Up to ``limit`` (chunk index, peer) requests, in bdnd's chunk order
+        (``bdn.daemon.fetch.policy.chunk_order`` over :attr:`place` and this set's tiebreak: the
+        order bdnd's fetcher draws in) among the chunks a peer with a free slot holds, each from
+        the best holder by
         bdnd's own rule (``bdn.daemon.fetch.policy.holder_key``: ``slow`` sources last, e.g.
         ``SourceBook.slow``; bucket readers only when no other holder of the chunk has a free
         slot; least loaded).
@@ -407,7 +407,8 @@ class PeerSet:
         idxs = np.flatnonzero(cand)
         if idxs.size == 0:
             return []
-        order = idxs[np.lexsort((self._tiebreak(idxs), self.avail[idxs]))]
+        place = self.place[idxs] if self.place is not None else np.zeros(idxs.size, dtype=np.int32)
+        order = idxs[chunk_order(place, tiebreak(idxs, self._salt))]
         avail = self.avail
         out: list[tuple[int, str]] = []
         for i in order.tolist():

@@ -123,11 +123,9 @@ class Catalog:
         return job
 
     def _trim_failed(self) -> None:
-        """Keep the records of at most ``MAX_FAILED`` failed snapshots (the oldest started go first):
-        names nobody published, asked for by a confused client or a peer's hint, must not grow the
-        catalog without bound. A failed record only reports its reason; its files are gone, and
-        once its task has ended it sheds its manifest, chunk lists and bitfields
-        (``SnapshotJob.shed``): 256 records of a 10^6-chunk snapshot would otherwise hold 4 GB."""
+        """Keep at most ``MAX_FAILED`` failed records (oldest started go first), each shed of its
+        manifest, chunk lists and bitfields once its task ended (``SnapshotJob.shed``): names nobody
+        published must not grow the catalog (256 records of 10^6 chunks would hold 4 GB)."""
         failed = [i for i, j in self.jobs.items() if j.state == "failed"]
         for identity in failed[: max(0, len(failed) - MAX_FAILED)]:
             del self.jobs[identity]
@@ -306,19 +304,18 @@ class Catalog:
         need = self.store.space_needed(m) if m is not None else 0
         return max(0, min(cap, budget - used - need))
 
+    def _plan_gc(self) -> tuple[list[str], list[str]]:
+        held = [retention.Held(j.identity, j.state, j.policy_version, j.created, j.updated, j.base_identity)
+                for j in self.jobs.values()]
+        return retention.plan_gc(held, self.pinned(), self.cfg.keep_ready, self.cfg.gc_grace_s, self.clock.time())
+
     def collectable(self) -> list[str]:
         """The ready identities :meth:`gc` would remove now (nothing removed)."""
-        held = [retention.Held(j.identity, j.state, j.policy_version, j.created, j.updated, j.base_identity)
-                for j in self.jobs.values()]
-        return retention.plan_gc(held, self.pinned(), self.cfg.keep_ready, self.cfg.gc_grace_s, self.clock.time())[0]
+        return self._plan_gc()[0]
 
     def gc(self) -> dict[str, list[str]]:
-        """Remove ready snapshots nobody needs (policy: ``bdn.daemon.retention``);
-        ``{"removed": [...], "kept": [...]}``."""
-        held = [retention.Held(j.identity, j.state, j.policy_version, j.created, j.updated, j.base_identity)
-                for j in self.jobs.values()]
-        remove, kept = retention.plan_gc(held, self.pinned(), self.cfg.keep_ready, self.cfg.gc_grace_s,
-                                         self.clock.time())
+        """Remove ready snapshots nobody needs (``retention``); ``{"removed": [...], "kept": [...]}``."""
+        remove, kept = self._plan_gc()
         for ident in remove:
             j = self.jobs.pop(ident)
             self.forget(j)

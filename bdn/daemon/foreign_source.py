@@ -1,5 +1,5 @@
 """Snapshots without ``bdn.manifest.json`` in the daemon (``require_manifest = false``;
-docs/TRUST.md "Wiring it into the daemon", docs/OPERATIONS.md section 9).
+docs/TRUST.md "How the daemon loads a foreign snapshot", docs/OPERATIONS.md section 9).
 
 :class:`ForeignLoader` is called by the runner when a snapshot has no manifest:
 

@@ -12,7 +12,8 @@ delivers their messages (one-way delay = RTT/2 plus jitter) and moves chunk byte
 
 The ``fleet`` policy (this module): SWIM membership, bucket readers per snapshot
 (:func:`bdn.control.owners.reader_count` with the daemon's ``bucket_concurrency`` connections
-per reader), bounded peer sets with BITFIELD/HAVE and rarest-first, hot-load gossip; a node
+per reader), bounded peer sets with BITFIELD/HAVE picking chunks in bdnd's order
+(``policy.chunk_order``: each owner's next chunk first), hot-load gossip; a node
 asks a chunk's owner directly only when no peer of its set has had it for
 ``owner_ask_after_s``. ``today`` (today's bdnd, for the validation): bench/fleetsim/today.py.
 
@@ -37,7 +38,7 @@ from bdn.control.members import MemberBase
 from bdn.control.owners import OwnerCache, reader_count, reader_slots
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
-from bdn.daemon.fetch.policy import SourceBook
+from bdn.daemon.fetch.policy import SourceBook, owner_places
 from bdn.daemon.uploads import Admission, Uploads
 from bdn.proto import hrw
 from bench.fleetsim.forward import Forwarding
@@ -166,6 +167,7 @@ class FleetSim:
         self.n_live = 0
         self.requests = 0  # chunk requests sent (a cost metric)
         self._maps: dict[tuple, Any] = {}
+        self._place_of: dict[int, tuple[Any, np.ndarray]] = {}  # id(owner map) -> (map, places)
         self._reader_scores: dict[tuple[str, str], int] = {}  # (node, slot key) -> HRW score
         self._readers_of_view: dict[int, tuple] = {}  # id(live tuple) -> (live, r, readers)
         self._dirty: list[SimNode] = []
@@ -352,10 +354,23 @@ class FleetSim:
             # chunks that became ours while the snapshot was under way: ask the former owner first
             nd.inherited |= {i for i in mine if not nd.ps.owned[i]}
         nd.ps.owned = owned
+        nd.ps.place = self._places(m)
         queued = set(nd.bucket_queue)
         new = [i for i in mine if not nd.ps.held[i] and i not in nd.reading and i not in queued]
         nd.bucket_queue = [i for i in nd.bucket_queue if owned[i] and not nd.ps.held[i]] + new
         self.start_reads(nd)
+
+    def _places(self, m: Any) -> np.ndarray:
+        """Each chunk's place in its owner's read list under map ``m`` (``policy.owner_places``,
+        as bdnd's fetcher computes it), built once per map."""
+        hit = self._place_of.get(id(m))
+        if hit is not None and hit[0] is m:
+            return hit[1]
+        place = owner_places(m.owner(d) for d in self.digests)
+        if len(self._place_of) > 64:
+            self._place_of.clear()
+        self._place_of[id(m)] = (m, place)
+        return place
 
     def start_reads(self, nd: SimNode) -> None:
         """Keep ``reads_per_reader`` simulated chunk reads (``bucket_concurrency`` connections) going."""
@@ -713,7 +728,7 @@ class FleetSim:
         self.kick(nd)
 
     def fill(self, nd: SimNode) -> None:
-        """Up to ``download_slots`` requests: rarest-first from the peer set; a chunk no peer
+        """Up to ``download_slots`` requests: from the peer set in bdnd's chunk order; a chunk no peer
         has had for ``owner_ask_after_s`` (at once when its owner's connection reset) from its
         owner, or read from the bucket when this node is now its acting owner."""
         sc, ps, now = self.sc, nd.ps, self.env.now

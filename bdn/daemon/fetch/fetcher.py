@@ -106,7 +106,7 @@ class Fetcher:
         nodes = self.membership.hrw_nodes()
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
         owned, others = policy.split_owned(bits, nodes, self.node_id, self.rng,
-                                         lambda i: self.owner(job, layer, dig(i), nodes))
+                                           lambda i: self.owner(job, layer, dig(i), nodes))
         poller = asyncio.create_task(self.haves.poll(job))
         if layer == STORED:
             self.takeovers.begin(job)
