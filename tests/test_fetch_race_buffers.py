@@ -83,13 +83,24 @@ async def test_a_penalised_racers_buffer_goes_back_only_once_its_thread_ended(sh
         membership.mark_ok(LIAR_URL, "liar")
         m = membership.members[LIAR_URL]
         m.extra["transfer"] = (host, port)
-        ws = WireSource(Config(), pool, TargetMaps(disk), membership, Stats(), asyncio.Semaphore(8),
-                        RateLimit(1e12), disk, BufferPool.new, lambda buf: freed.append((buf, bytes(buf))))
+        ws = WireSource(
+            Config(),
+            pool,
+            TargetMaps(disk),
+            membership,
+            Stats(),
+            asyncio.Semaphore(8),
+            RateLimit(1e12),
+            disk,
+            BufferPool.new,
+            lambda buf: freed.append((buf, bytes(buf))),
+        )
         job = SnapshotJob("step000001", Store(shm / "store", "swarm"))
         ref = ChunkRef(0, "model.safetensors", 0, 0, CHUNK, d)
         errors: list[str] = []
-        race = asyncio.ensure_future(ws.from_peer(job, m, peer, address, ref, shm / "target", 0.0, errors,
-                                                  racing=True, att=Attempt(SYSTEM)))
+        race = asyncio.ensure_future(
+            ws.from_peer(job, m, peer, address, ref, shm / "target", 0.0, errors, racing=True, att=Attempt(SYSTEM))
+        )
         # the racer's thread runs, waiting for the stream the first request holds
         racer = (await wait_for_async(lambda: pool.futures[1:], 120, "the racer's fetch submitted"))[0]
         await wait_for_async(racer.running, 120, "the racer's thread running")

@@ -93,9 +93,16 @@ class FrameType(IntEnum):
 _TYPES = frozenset(int(t) for t in FrameType)
 #: Frames a server accepts from a client after the handshake, and a client from a server.
 CLIENT_FRAMES = frozenset({FrameType.ASK, FrameType.HAVE, FrameType.TAKE})
-SERVER_FRAMES = frozenset({
-    FrameType.DATA, FrameType.BUSY, FrameType.NOT_HERE, FrameType.PART, FrameType.HAVE, FrameType.GIVE,
-})
+SERVER_FRAMES = frozenset(
+    {
+        FrameType.DATA,
+        FrameType.BUSY,
+        FrameType.NOT_HERE,
+        FrameType.PART,
+        FrameType.HAVE,
+        FrameType.GIVE,
+    }
+)
 #: HAVE layer: the sender is reading these stored chunks from the bucket now (cut-through).
 HAVE_GROWING = 2
 #: ASK flag: the client accepts a cut-through answer (PART frames).

@@ -169,8 +169,9 @@ class HaveSubscriber:
     on the subscription's thread (hand them to the event loop with ``call_soon_threadsafe``).
     """
 
-    def __init__(self, client: TransferClient, on_have: OnHave, on_end: OnEnd,
-                 *, keepalive_s: float = KEEPALIVE_S) -> None:
+    def __init__(
+        self, client: TransferClient, on_have: OnHave, on_end: OnEnd, *, keepalive_s: float = KEEPALIVE_S
+    ) -> None:
         self.client = client
         self.on_have, self.on_end = on_have, on_end
         self._timeout = 3 * keepalive_s
