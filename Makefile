@@ -65,6 +65,7 @@ test-engines: $(VENV)/.installed $(ENGINES_VENV)/.installed
 # and bench, mypy over bdn. Any finding fails.
 lint: $(VENV)/.installed
 	@$(VENV)/bin/ruff check bdn tests bench
+	@$(VENV)/bin/ruff format --check bdn tests bench examples
 	@$(VENV)/bin/mypy
 
 # constraints.txt pins every package of the test venv to the versions the suite last passed with

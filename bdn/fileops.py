@@ -27,8 +27,19 @@ from bdn.proto.errors import ProtocolError
 from bdn.proto.safetensors_fmt import Header, SafetensorsError, encode_raw, header_length, parse_header, raw_tensors
 
 __all__ = [
-    "apply_delta_file", "apply_sparse_file", "chunk_digests", "copy_verified", "first_mismatch", "read_header", "save", "save_raw",
-    "thread_map", "verify_chunks", "write_diff_file", "write_diff_file_from_arrays", "write_verified",
+    "apply_delta_file",
+    "apply_sparse_file",
+    "chunk_digests",
+    "copy_verified",
+    "first_mismatch",
+    "read_header",
+    "save",
+    "save_raw",
+    "thread_map",
+    "verify_chunks",
+    "write_diff_file",
+    "write_diff_file_from_arrays",
+    "write_verified",
 ]
 
 Path = str | os.PathLike[str]
@@ -101,8 +112,12 @@ def chunk_digests(path: Path, chunk_size: int) -> list[str]:
 
 
 def verify_chunks(
-    path: Path, chunk_size: int, digests: Sequence[str], which: Iterable[int] | None = None,
-    *, size: int | None = None,
+    path: Path,
+    chunk_size: int,
+    digests: Sequence[str],
+    which: Iterable[int] | None = None,
+    *,
+    size: int | None = None,
 ) -> list[int]:
     """The indices ``i`` (ascending) whose bytes in the file at ``path`` have digest ``digests[i]``.
 
@@ -269,8 +284,12 @@ def _map_safetensors(path: Path) -> np.ndarray:
 
 
 def write_diff_file(
-    base_path: Path, target_path: Path, out_path: Path, compression_format: str = arc.DEFAULT_COMPRESSION,
-    *, workers: int = 1,
+    base_path: Path,
+    target_path: Path,
+    out_path: Path,
+    compression_format: str = arc.DEFAULT_COMPRESSION,
+    *,
+    workers: int = 1,
 ) -> None:
     """Write the diff file that turns the safetensors file ``base_path`` into ``target_path``.
 
@@ -285,16 +304,26 @@ def write_diff_file(
 
 
 def write_diff_file_from_arrays(
-    base: Mapping[str, np.ndarray], target: Mapping[str, np.ndarray], out_path: Path,
-    compression_format: str = arc.DEFAULT_COMPRESSION, *, workers: int = 1,
+    base: Mapping[str, np.ndarray],
+    target: Mapping[str, np.ndarray],
+    out_path: Path,
+    compression_format: str = arc.DEFAULT_COMPRESSION,
+    *,
+    workers: int = 1,
 ) -> None:
     """``write_diff_file`` for in-memory state dicts (``bdn.proto.arc.encode_diff_arrays``)."""
     save_raw(out_path, *arc.encode_diff_arrays(base, target, compression_format, map=thread_map(workers)))
 
 
 def apply_delta_file(
-    base_path: Path, diff_path: Path, out_path: Path, compression_format: str, expected_size: int,
-    *, workers: int = 1, name: str | None = None,
+    base_path: Path,
+    diff_path: Path,
+    out_path: Path,
+    compression_format: str,
+    expected_size: int,
+    *,
+    workers: int = 1,
+    name: str | None = None,
 ) -> None:
     """Rebuild a target safetensors file at ``out_path`` from its base file and a diff file.
 
@@ -331,7 +360,12 @@ def apply_delta_file(
 
 
 def apply_sparse_file(
-    path: Path, diff_path: Path, adlers: Mapping[str, int] | None, *, workers: int = 1, name: str | None = None,
+    path: Path,
+    diff_path: Path,
+    adlers: Mapping[str, int] | None,
+    *,
+    workers: int = 1,
+    name: str | None = None,
     mapped: Any = None,
 ) -> sparse.SparseResult:
     """Bring the safetensors file at ``path`` (holding a ``bdn_planes_v1`` diff's base) to the

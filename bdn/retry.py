@@ -30,7 +30,10 @@ RetryError = tenacity.RetryError
 
 
 def _kwargs(
-    tries: int | None, deadline_s: float | None, first_s: float, max_s: float,
+    tries: int | None,
+    deadline_s: float | None,
+    first_s: float,
+    max_s: float,
     on: tuple[type[BaseException], ...],
 ) -> dict[str, Any]:
     if tries is None and deadline_s is None:
@@ -52,8 +55,12 @@ def _kwargs(
 
 
 def attempts(
-    tries: int | None = None, *, deadline_s: float | None = None, first_s: float = 0.2,
-    max_s: float = 5.0, on: tuple[type[BaseException], ...] = (Exception,),
+    tries: int | None = None,
+    *,
+    deadline_s: float | None = None,
+    first_s: float = 0.2,
+    max_s: float = 5.0,
+    on: tuple[type[BaseException], ...] = (Exception,),
     sleep: Callable[[float], object] | None = None,
 ) -> tenacity.Retrying:
     """A synchronous retry loop: at most ``tries`` tries and/or ``deadline_s`` seconds (float)."""
@@ -64,8 +71,12 @@ def attempts(
 
 
 def attempts_async(
-    tries: int | None = None, *, deadline_s: float | None = None, first_s: float = 0.2,
-    max_s: float = 5.0, on: tuple[type[BaseException], ...] = (Exception,),
+    tries: int | None = None,
+    *,
+    deadline_s: float | None = None,
+    first_s: float = 0.2,
+    max_s: float = 5.0,
+    on: tuple[type[BaseException], ...] = (Exception,),
     sleep: Callable[[float], Awaitable[None]] | None = None,
 ) -> tenacity.AsyncRetrying:
     """The same policy for coroutines (``async for attempt in ...: with attempt: ...``)."""

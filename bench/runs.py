@@ -33,8 +33,12 @@ def add_runs_arg(ap: argparse.ArgumentParser, default: int = DEFAULT_RUNS) -> No
             raise argparse.ArgumentTypeError(f"--runs must be >= 1, got {n}")
         return n
 
-    ap.add_argument("--runs", type=positive, default=default,
-                    help=f"measure each point this many times; rows keep runs, median, min, max (default {default})")
+    ap.add_argument(
+        "--runs",
+        type=positive,
+        default=default,
+        help=f"measure each point this many times; rows keep runs, median, min, max (default {default})",
+    )
 
 
 def summarize(values: Mapping[str, Iterable[float | None]]) -> dict[str, dict[str, Any]]:

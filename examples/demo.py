@@ -45,8 +45,11 @@ import fleet  # noqa: E402  (examples/fleet.py: part two, and the process helper
 
 ROOT = Path.cwd() / "demo-run"
 # One shm directory per checkout, so two clones running the demo do not remove each other's.
-SHM = (Path("/dev/shm") / f"bdn-demo-{hashlib.sha1(str(ROOT).encode()).hexdigest()[:8]}"
-       if Path("/dev/shm").is_dir() else ROOT / "shm")
+SHM = (
+    Path("/dev/shm") / f"bdn-demo-{hashlib.sha1(str(ROOT).encode()).hexdigest()[:8]}"
+    if Path("/dev/shm").is_dir()
+    else ROOT / "shm"
+)
 BIN = Path(sys.executable).parent
 IDS = ["step000001", "step000002", "step000003"]
 SECRET = os.environ.get("BDN_DEMO_SECRET") or os.urandom(32).hex()  # like `openssl rand -hex 32`
@@ -126,10 +129,16 @@ def get(url: str, timeout: float = 30) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nodes", type=int, default=3, help="bdnd daemons (and, in part 2, engines) on loopback (default 3)")
+    ap.add_argument(
+        "--nodes", type=int, default=3, help="bdnd daemons (and, in part 2, engines) on loopback (default 3)"
+    )
     ap.add_argument("--frac", type=float, default=0.02, help="fraction of bf16 values one step changes (default 0.02)")
-    ap.add_argument("--chunk-size", type=int, default=4 << 20,
-                    help="bytes per chunk (default 4 MiB, so the small model spreads over several owners; bdn-publish's is 16 MiB)")
+    ap.add_argument(
+        "--chunk-size",
+        type=int,
+        default=4 << 20,
+        help="bytes per chunk (default 4 MiB, so the small model spreads over several owners; bdn-publish's is 16 MiB)",
+    )
     ap.add_argument("--keep", action="store_true", help="leave the daemons' shm snapshots in place")
     ap.add_argument("--no-fleet", action="store_true", help="skip part 2 (engines and hot-loads)")
     args = ap.parse_args()
@@ -152,18 +161,50 @@ def main() -> int:
     for d, s in zip(trainer, (s1, s2, s3)):
         write_checkpoint(src, d, s)
     nbytes = sum(v.nbytes for v in s1.values())
-    print(f"all-MiniLM-L6-v2: {len(s1)} tensors, {nbytes / 1e6:.1f} MB in bf16; "
-          f"step 2 changed {f2:.2%} and step 3 {f3:.2%} of bf16 values")
+    print(
+        f"all-MiniLM-L6-v2: {len(s1)} tensors, {nbytes / 1e6:.1f} MB in bf16; "
+        f"step 2 changed {f2:.2%} and step 3 {f3:.2%} of bf16 values"
+    )
     timings["prepare checkpoints"] = time.monotonic() - t0
 
     step("trainer: bdn-publish the anchor, two deltas and STARTUP_SNAPSHOT")
     t0 = time.monotonic()
     cs = ["--chunk-size", str(args.chunk_size)]
-    run([BIN / "bdn-publish", "full", "--dir", trainer[0], "--bucket", bucket, "--identity", IDS[0],
-         "--policy-version", "1", *cs])
+    run(
+        [
+            BIN / "bdn-publish",
+            "full",
+            "--dir",
+            trainer[0],
+            "--bucket",
+            bucket,
+            "--identity",
+            IDS[0],
+            "--policy-version",
+            "1",
+            *cs,
+        ]
+    )
     for i in (1, 2):
-        run([BIN / "bdn-publish", "delta", "--dir", trainer[i], "--bucket", bucket, "--identity", IDS[i],
-             "--policy-version", str(i + 1), "--base", IDS[i - 1], "--base-dir", trainer[i - 1], *cs])
+        run(
+            [
+                BIN / "bdn-publish",
+                "delta",
+                "--dir",
+                trainer[i],
+                "--bucket",
+                bucket,
+                "--identity",
+                IDS[i],
+                "--policy-version",
+                str(i + 1),
+                "--base",
+                IDS[i - 1],
+                "--base-dir",
+                trainer[i - 1],
+                *cs,
+            ]
+        )
     run([BIN / "bdn-publish", "startup", "--bucket", bucket, "--identity", IDS[0]])
     timings["publish"] = time.monotonic() - t0
     manifests = {i: json.loads((ROOT / "bucket" / i / "bdn.manifest.json").read_text()) for i in IDS}
@@ -183,11 +224,17 @@ def main() -> int:
     procs = []
     try:
         for nd in nodes:
-            env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID=nd["id"],
-                       BDN_PEER_LISTEN=f"127.0.0.1:{nd['peer']}", BDN_ADVERTISE_URL=f"http://127.0.0.1:{nd['peer']}",
-                       BDN_LOCAL_LISTEN=f"127.0.0.1:{nd['local']}", BDN_SHM_DIR=str(SHM / nd["id"]),
-                       BDN_PARTITION_SECRET_FILE=str(secret_file),
-                       BDN_PEERS=",".join(f"http://127.0.0.1:{o['peer']}" for o in nodes if o is not nd))
+            env = dict(
+                os.environ,
+                BDN_BUCKET=bucket,
+                BDN_NODE_ID=nd["id"],
+                BDN_PEER_LISTEN=f"127.0.0.1:{nd['peer']}",
+                BDN_ADVERTISE_URL=f"http://127.0.0.1:{nd['peer']}",
+                BDN_LOCAL_LISTEN=f"127.0.0.1:{nd['local']}",
+                BDN_SHM_DIR=str(SHM / nd["id"]),
+                BDN_PARTITION_SECRET_FILE=str(secret_file),
+                BDN_PEERS=",".join(f"http://127.0.0.1:{o['peer']}" for o in nodes if o is not nd),
+            )
             log = open(ROOT / f"{nd['id']}.log", "wb")
             procs.append(subprocess.Popen([BIN / "bdnd"], env=env, stdout=log, stderr=subprocess.STDOUT))
             nd["url"] = f"http://127.0.0.1:{nd['local']}"
@@ -227,30 +274,39 @@ def main() -> int:
             fleet_bucket += from_bucket
             stages = "  ".join(
                 f"{i}: " + ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in snaps[i]["stages"].items())
-                for i in IDS if i in snaps
+                for i in IDS
+                if i in snaps
             )
             print(f"{nd['id']}: {IDS[2]} policy_version {s['policy_version']} at {d}")
             print(f"   {len(same)} files {'byte-identical to the trainer' if not bad else 'DIFFER: ' + ', '.join(bad)}")
-            print(f"   bucket {from_bucket / 1e6:.3f} MB (owner {c['bucket_bytes_owner'] / 1e6:.3f}, "
-                  f"fallback {c['bucket_bytes_fallback'] / 1e6:.3f}, manifests {c['bucket_manifest_bytes'] / 1e3:.1f} kB); "
-                  f"peers in {c['peer_bytes_in'] / 1e6:.3f} MB, out {c['peer_bytes_out'] / 1e6:.3f} MB; "
-                  f"verify failures {c['chunk_verify_failures']}")
+            print(
+                f"   bucket {from_bucket / 1e6:.3f} MB (owner {c['bucket_bytes_owner'] / 1e6:.3f}, "
+                f"fallback {c['bucket_bytes_fallback'] / 1e6:.3f}, manifests {c['bucket_manifest_bytes'] / 1e3:.1f} kB); "
+                f"peers in {c['peer_bytes_in'] / 1e6:.3f} MB, out {c['peer_bytes_out'] / 1e6:.3f} MB; "
+                f"verify failures {c['chunk_verify_failures']}"
+            )
             print(f"   stages  {stages}")
         all_stored = sum(stored.values())
         copied = local_copies(manifests)
-        print(f"\nbucket egress, whole fleet: {fleet_bucket / 1e6:.3f} MB for snapshots stored as "
-              f"{all_stored / 1e6:.3f} MB = {fleet_bucket / all_stored:.3f}x "
-              f"(without bdn each of {args.nodes} nodes reads them: {args.nodes}x)")
+        print(
+            f"\nbucket egress, whole fleet: {fleet_bucket / 1e6:.3f} MB for snapshots stored as "
+            f"{all_stored / 1e6:.3f} MB = {fleet_bucket / all_stored:.3f}x "
+            f"(without bdn each of {args.nodes} nodes reads them: {args.nodes}x)"
+        )
         mbytes = sum((ROOT / "bucket" / i / "bdn.manifest.json").stat().st_size for i in IDS)
         expect = all_stored - copied + args.nodes * mbytes
-        print(f"   why not exactly 1x: {copied / 1e6:.3f} MB of the deltas are files identical to their base's "
-              f"(config, tokenizer), which every daemon copies from its own store instead of the bucket, and "
-              f"every daemon reads the manifests itself ({mbytes / 1e3:.1f} kB, the root of trust): "
-              f"{all_stored / 1e6:.3f} - {copied / 1e6:.3f} + {args.nodes} x {mbytes / 1e6:.3f} = "
-              f"about {expect / 1e6:.3f} MB (a daemon that skips a delta reads one manifest fewer)")
+        print(
+            f"   why not exactly 1x: {copied / 1e6:.3f} MB of the deltas are files identical to their base's "
+            f"(config, tokenizer), which every daemon copies from its own store instead of the bucket, and "
+            f"every daemon reads the manifests itself ({mbytes / 1e3:.1f} kB, the root of trust): "
+            f"{all_stored / 1e6:.3f} - {copied / 1e6:.3f} + {args.nodes} x {mbytes / 1e6:.3f} = "
+            f"about {expect / 1e6:.3f} MB (a daemon that skips a delta reads one manifest fewer)"
+        )
         print("time per stage: " + "; ".join(f"{k} {v:.2f} s" for k, v in timings.items()))
-        print("\nRESULT (part 1): " + ("every node holds step000003 byte-identical to the trainer's files" if ok
-                                       else "MISMATCH (see above)"))
+        print(
+            "\nRESULT (part 1): "
+            + ("every node holds step000003 byte-identical to the trainer's files" if ok else "MISMATCH (see above)")
+        )
     finally:
         fleet.stop_all(procs)
         print(f"(daemon logs in {ROOT})")
@@ -263,8 +319,14 @@ def main() -> int:
     finally:
         if not args.keep:
             shutil.rmtree(SHM, ignore_errors=True)
-    print("\nRESULT (part 2): " + ("the fleet moved from policy 1 to 2 to 3, one POST each; every engine "
-                                   "serves the trainer's weights" if ok_fleet else "FAILED (see above)"))
+    print(
+        "\nRESULT (part 2): "
+        + (
+            "the fleet moved from policy 1 to 2 to 3, one POST each; every engine serves the trainer's weights"
+            if ok_fleet
+            else "FAILED (see above)"
+        )
+    )
     return 0 if ok and ok_fleet else 1
 
 

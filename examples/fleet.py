@@ -78,14 +78,26 @@ class NumpyTrainer:
         self.weights: list = []
 
     def save(self, i: int, out: Path) -> str:
-        w = tinygpt.init_weights(self.cfg, seed=7) if i == 0 else tinygpt.optimizer_step(self.weights[-1], 0.02, seed=100 + i)
+        w = (
+            tinygpt.init_weights(self.cfg, seed=7)
+            if i == 0
+            else tinygpt.optimizer_step(self.weights[-1], 0.02, seed=100 + i)
+        )
         self.weights.append(w)
         tinygpt.save_checkpoint(out, self.cfg, w)
         return tinygpt.weights_digest(w)
 
     def engine_cmd(self, nd: dict) -> list:
-        return [sys.executable, HERE / "engine" / "server.py", "--bdn-url", f"http://127.0.0.1:{nd['local']}",
-                "--listen", f"127.0.0.1:{nd['engine']}", "--replica-id", nd["id"]]
+        return [
+            sys.executable,
+            HERE / "engine" / "server.py",
+            "--bdn-url",
+            f"http://127.0.0.1:{nd['local']}",
+            "--listen",
+            f"127.0.0.1:{nd['engine']}",
+            "--replica-id",
+            nd["id"],
+        ]
 
     def served_digest(self, base: str) -> str:
         return http("GET", base + "/debug/weights_digest")["digest"]
@@ -120,14 +132,29 @@ class HFTrainer:
         import torch
         import xxhash
 
-        parts = {k: xxhash.xxh3_128_hexdigest(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-                 for k, v in st.items()}
+        parts = {
+            k: xxhash.xxh3_128_hexdigest(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            for k, v in st.items()
+        }
         return xxhash.xxh3_128_hexdigest(json.dumps(parts, sort_keys=True).encode())
 
     def engine_cmd(self, nd: dict) -> list:
-        return [sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", f"http://127.0.0.1:{nd['local']}",
-                "--listen", f"127.0.0.1:{nd['engine']}", "--replica-id", nd["id"], "--served-model-name", "tiny-llama",
-                "--log-level", "warning"]
+        return [
+            sys.executable,
+            "-m",
+            "bdn.engines",
+            "hf",
+            "--bdn-url",
+            f"http://127.0.0.1:{nd['local']}",
+            "--listen",
+            f"127.0.0.1:{nd['engine']}",
+            "--replica-id",
+            nd["id"],
+            "--served-model-name",
+            "tiny-llama",
+            "--log-level",
+            "warning",
+        ]
 
     def served_digest(self, base: str) -> str:
         import xxhash
@@ -168,15 +195,24 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
     publish_startup(bucket, IDS[0])
     print(f"  {IDS[0]}: {m.stored_bytes} bytes, weights digest {digests[0]}")
 
-    nodes = [{"id": f"node{i}", "peer": free_port(), "local": free_port(), "engine": free_port()} for i in range(nodes_n)]
+    nodes = [
+        {"id": f"node{i}", "peer": free_port(), "local": free_port(), "engine": free_port()} for i in range(nodes_n)
+    ]
     procs: list[subprocess.Popen] = []
     try:
         for nd in nodes:
-            env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID=nd["id"], BDN_API_TOKEN=token,
-                       BDN_PEER_LISTEN=f"127.0.0.1:{nd['peer']}", BDN_ADVERTISE_URL=f"http://127.0.0.1:{nd['peer']}",
-                       BDN_LOCAL_LISTEN=f"127.0.0.1:{nd['local']}", BDN_SHM_DIR=str(shm / f"fleet-{nd['id']}"),
-                       BDN_PARTITION_SECRET_FILE=str(secret_file),
-                       BDN_PEERS=",".join(f"http://127.0.0.1:{o['peer']}" for o in nodes if o is not nd))
+            env = dict(
+                os.environ,
+                BDN_BUCKET=bucket,
+                BDN_NODE_ID=nd["id"],
+                BDN_API_TOKEN=token,
+                BDN_PEER_LISTEN=f"127.0.0.1:{nd['peer']}",
+                BDN_ADVERTISE_URL=f"http://127.0.0.1:{nd['peer']}",
+                BDN_LOCAL_LISTEN=f"127.0.0.1:{nd['local']}",
+                BDN_SHM_DIR=str(shm / f"fleet-{nd['id']}"),
+                BDN_PARTITION_SECRET_FILE=str(secret_file),
+                BDN_PEERS=",".join(f"http://127.0.0.1:{o['peer']}" for o in nodes if o is not nd),
+            )
             log = open(root / f"fleet-{nd['id']}.log", "wb")
             procs.append(subprocess.Popen([BIN / "bdnd"], env=env, stdout=log, stderr=subprocess.STDOUT))
             elog = open(root / f"fleet-engine-{nd['id']}.log", "wb")
@@ -192,8 +228,11 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
             except OSError:
                 return None
             ok = len(reps) == nodes_n and all(
-                r["current_snapshot_identity"] == ident and r["loading_state"]["stage"] == "done"
-                and r.get("engines", 0) >= 1 for r in reps)
+                r["current_snapshot_identity"] == ident
+                and r["loading_state"]["stage"] == "done"
+                and r.get("engines", 0) >= 1
+                for r in reps
+            )
             return reps if ok else None
 
         t0 = time.monotonic()
@@ -203,15 +242,19 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
         def engines_up() -> bool:
             for i, nd in enumerate(nodes):
                 if procs[2 * i + 1].poll() is not None:
-                    sys.exit(f"fleet demo: engine {nd['id']} exited ({procs[2 * i + 1].returncode}); "
-                             f"its log: {root / ('fleet-engine-' + nd['id'] + '.log')}")
+                    sys.exit(
+                        f"fleet demo: engine {nd['id']} exited ({procs[2 * i + 1].returncode}); "
+                        f"its log: {root / ('fleet-engine-' + nd['id'] + '.log')}"
+                    )
                 try:
                     http("GET", f"http://127.0.0.1:{nd['engine']}/health", timeout=2)
                 except OSError:
                     if time.monotonic() - told[0] >= 30:  # on a busy machine this takes minutes: say so
                         told[0] = time.monotonic()
-                        print(f"  ... still waiting for the engines ({time.monotonic() - t0:.0f} s: {tr.startup})",
-                              flush=True)
+                        print(
+                            f"  ... still waiting for the engines ({time.monotonic() - t0:.0f} s: {tr.startup})",
+                            flush=True,
+                        )
                     return False
             return True
 
@@ -219,28 +262,47 @@ def run(root: Path, shm: Path, nodes_n: int = 3) -> bool:
         wait_until(engines_up, 900, "the engines to load their first snapshot")
         t_engines = time.monotonic() - t0
         reps = wait_until(lambda: fleet_done(IDS[0]), 120, f"{IDS[0]} on every replica")
-        print(f"  fleet serves {IDS[0]} after {time.monotonic() - t0:.1f} s: the engines answered /health after "
-              f"{t_engines:.1f} s (most of it {tr.startup}), then every replica reported done")
+        print(
+            f"  fleet serves {IDS[0]} after {time.monotonic() - t0:.1f} s: the engines answered /health after "
+            f"{t_engines:.1f} s (most of it {tr.startup}), then every replica reported done"
+        )
         ok = check_engines(tr, nodes, 1, digests[0])
 
         for i in (1, 2):
             ident = IDS[i]
-            print(f"\n== fleet: optimizer step {i + 1}, publish delta {ident}, ONE hot-load POST to node0's "
-                  f"peer port (:{nodes[0]['peer']}, where the hot-load API listens)", flush=True)
+            print(
+                f"\n== fleet: optimizer step {i + 1}, publish delta {ident}, ONE hot-load POST to node0's "
+                f"peer port (:{nodes[0]['peer']}, where the hot-load API listens)",
+                flush=True,
+            )
             digests.append(tr.save(i, trainer[i]))
-            md = publish_delta(bucket, ident, i + 1, IDS[i - 1], dir=trainer[i], base_dir=trainer[i - 1], chunk_size=64 << 10)
+            md = publish_delta(
+                bucket, ident, i + 1, IDS[i - 1], dir=trainer[i], base_dir=trainer[i - 1], chunk_size=64 << 10
+            )
             print(f"  {ident}: delta {md.stored_bytes} bytes (rebuilds {md.result_bytes})")
             t0 = time.monotonic()
-            ans = http("POST", hot, {"identity": ident, "incremental_snapshot_metadata": {
-                "previous_snapshot_identity": IDS[i - 1], "compression_format": "arc_v2", "checksum_format": "alder32"}},
-                token=token)
+            ans = http(
+                "POST",
+                hot,
+                {
+                    "identity": ident,
+                    "incremental_snapshot_metadata": {
+                        "previous_snapshot_identity": IDS[i - 1],
+                        "compression_format": "arc_v2",
+                        "checksum_format": "alder32",
+                    },
+                },
+                token=token,
+            )
             print(f"  POST {hot} -> 200 {json.dumps(ans)}")
             reps = wait_until(lambda: fleet_done(ident), 120, f"{ident} on every replica")
             print(f"  every replica done in {time.monotonic() - t0:.2f} s:")
             for r in reps:
-                print(f"    {r['replica_id']}: serves {r['current_snapshot_identity']} (policy_version "
-                      f"{r['policy_version']}), stage {r['loading_state']['stage']}, "
-                      f"swap pause {r.get('last_swap_pause_ms') or 0:.3f} ms")
+                print(
+                    f"    {r['replica_id']}: serves {r['current_snapshot_identity']} (policy_version "
+                    f"{r['policy_version']}), stage {r['loading_state']['stage']}, "
+                    f"swap pause {r.get('last_swap_pause_ms') or 0:.3f} ms"
+                )
             ok &= check_engines(tr, nodes, i + 1, digests[-1])
         return ok
     finally:
@@ -266,9 +328,16 @@ def check_engines(tr, nodes: list[dict], policy: int, digest: str) -> bool:
     ok = True
     for nd in nodes:
         base = f"http://127.0.0.1:{nd['engine']}"
-        ans = http("POST", base + "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "hello"}], **tr.sampling,
-            "top_logprobs": 1, "nvext": {"extra_fields": ["engine_data"]}})
+        ans = http(
+            "POST",
+            base + "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "hello"}],
+                **tr.sampling,
+                "top_logprobs": 1,
+                "nvext": {"extra_fields": ["engine_data"]},
+            },
+        )
         ed = ans["nvext"]["engine_data"]
         ch = ans["choices"][0]
         lp = ch["logprobs"]["content"]
@@ -281,9 +350,11 @@ def check_engines(tr, nodes: list[dict], policy: int, digest: str) -> bool:
                 swap = f"; last swap: {describe_swap(last)}"
         except OSError:
             pass  # the numpy engine has no /debug/state
-        print(f"    {nd['id']} engine: policy_version {ed['policy_version']}, token_ids {ch['token_ids']}, "
-              f"logprob[0] {lp[0]['logprob']:.4f}, "
-              f"weights {'== trainer' if same else 'DIFFER from trainer'}{swap}")
+        print(
+            f"    {nd['id']} engine: policy_version {ed['policy_version']}, token_ids {ch['token_ids']}, "
+            f"logprob[0] {lp[0]['logprob']:.4f}, "
+            f"weights {'== trainer' if same else 'DIFFER from trainer'}{swap}"
+        )
     return ok
 
 
@@ -292,6 +363,9 @@ if __name__ == "__main__":
     root.mkdir(exist_ok=True)
     import hashlib
 
-    shm = (Path("/dev/shm") / f"bdn-demo-{hashlib.sha1(str(root).encode()).hexdigest()[:8]}"
-           if Path("/dev/shm").is_dir() else root / "shm")
+    shm = (
+        Path("/dev/shm") / f"bdn-demo-{hashlib.sha1(str(root).encode()).hexdigest()[:8]}"
+        if Path("/dev/shm").is_dir()
+        else root / "shm"
+    )
     sys.exit(0 if run(root, shm) else 1)

@@ -50,8 +50,16 @@ warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*", category
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "engine"))
 
-PROMPTS = ["Say something about apples.", "A haiku about a bucket:", "Count to five.", "Name a fast animal.",
-           "What is a checkpoint?", "Describe the sea.", "Tell a short story.", "Spell 'banana'."]
+PROMPTS = [
+    "Say something about apples.",
+    "A haiku about a bucket:",
+    "Count to five.",
+    "Name a fast animal.",
+    "What is a checkpoint?",
+    "Describe the sea.",
+    "Tell a short story.",
+    "Spell 'banana'.",
+]
 
 
 def make_policy(workdir: Path, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> tuple[Any, Any]:
@@ -66,10 +74,19 @@ def make_policy(workdir: Path, *, hidden: int = 64, layers: int = 2, seed: int =
     tok = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     tok.pad_token = tok.eos_token
     n_special = len(tiny_llama.SPECIALS)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, bos_token_id=vocab - n_special, eos_token_id=vocab - n_special + 1,
-                      pad_token_id=vocab - n_special + 1)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=vocab - n_special,
+        eos_token_id=vocab - n_special + 1,
+        pad_token_id=vocab - n_special + 1,
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).float()
     return model, tok
@@ -97,9 +114,20 @@ class Run:
     final_state: dict
 
 
-def train(bucket: str, daemon_url: str, engine_urls: list[str], workdir: Path, *, steps: int = 6,
-          max_staleness: int = 1, batch: int = 8, num_generations: int = 4, max_tokens: int = 16,
-          seed: int = 0, chunk_size: int | None = None) -> Run:
+def train(
+    bucket: str,
+    daemon_url: str,
+    engine_urls: list[str],
+    workdir: Path,
+    *,
+    steps: int = 6,
+    max_staleness: int = 1,
+    batch: int = 8,
+    num_generations: int = 4,
+    max_tokens: int = 16,
+    seed: int = 0,
+    chunk_size: int | None = None,
+) -> Run:
     """Train ``steps`` GRPO steps with bdn publishing every step and serving every rollout."""
     from datasets import Dataset
     from transformers import PrinterCallback
@@ -117,12 +145,32 @@ def train(bucket: str, daemon_url: str, engine_urls: list[str], workdir: Path, *
     publisher = StepPublisher(bucket, daemon_url, extra_files=checkpoint_files(model, tok), chunk_size=chunk_size)
     rollouts = BdnRollouts(engine_urls, max_staleness=max_staleness, max_tokens=max_tokens, seed=seed)
     data = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS]})
-    args = GRPOConfig(output_dir=str(workdir / "out"), max_steps=steps, per_device_train_batch_size=batch,
-                      num_generations=num_generations, max_completion_length=max_tokens, learning_rate=3e-3,
-                      beta=0.0, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-                      seed=seed, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_vowels, args=args, train_dataset=data,
-                          processing_class=tok, rollout_func=rollouts, callbacks=[BdnPublishCallback(publisher)])
+    args = GRPOConfig(
+        output_dir=str(workdir / "out"),
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        num_generations=num_generations,
+        max_completion_length=max_tokens,
+        learning_rate=3e-3,
+        beta=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_vowels,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        rollout_func=rollouts,
+        callbacks=[BdnPublishCallback(publisher)],
+    )
     trainer.remove_callback(PrinterCallback)  # main() prints its own summary
     t0 = time.monotonic()
     try:
@@ -130,8 +178,7 @@ def train(bucket: str, daemon_url: str, engine_urls: list[str], workdir: Path, *
     finally:
         rollouts.close()
         publisher.close(timeout=600)
-    return Run(rollouts.log, publisher.published, trainer.state.log_history, time.monotonic() - t0,
-               state_arrays(model))
+    return Run(rollouts.log, publisher.published, trainer.state.log_history, time.monotonic() - t0, state_arrays(model))
 
 
 def check(run: Run, max_staleness: int, steps: int) -> list[str]:
@@ -181,18 +228,41 @@ def fleet(root: Path, bucket: str, n: int) -> Iterator[tuple[str, list[str]]]:
     bin_dir = Path(sys.executable).parent
     try:
         for nd in nodes:
-            env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID=nd["id"],
-                       BDN_PEER_LISTEN=f"127.0.0.1:{nd['peer']}", BDN_ADVERTISE_URL=f"http://127.0.0.1:{nd['peer']}",
-                       BDN_LOCAL_LISTEN=f"127.0.0.1:{nd['local']}", BDN_SHM_DIR=str(root / "shm" / nd["id"]),
-                       BDN_PARTITION_SECRET_FILE=str(secret), BDN_MANIFEST_POLL_S="0.2",
-                       BDN_PEERS=",".join(f"http://127.0.0.1:{o['peer']}" for o in nodes if o is not nd))
+            env = dict(
+                os.environ,
+                BDN_BUCKET=bucket,
+                BDN_NODE_ID=nd["id"],
+                BDN_PEER_LISTEN=f"127.0.0.1:{nd['peer']}",
+                BDN_ADVERTISE_URL=f"http://127.0.0.1:{nd['peer']}",
+                BDN_LOCAL_LISTEN=f"127.0.0.1:{nd['local']}",
+                BDN_SHM_DIR=str(root / "shm" / nd["id"]),
+                BDN_PARTITION_SECRET_FILE=str(secret),
+                BDN_MANIFEST_POLL_S="0.2",
+                BDN_PEERS=",".join(f"http://127.0.0.1:{o['peer']}" for o in nodes if o is not nd),
+            )
             with open(root / f"{nd['id']}.log", "wb") as log:
                 procs.append(subprocess.Popen([bin_dir / "bdnd"], env=env, stdout=log, stderr=subprocess.STDOUT))
             with open(root / f"engine-{nd['id']}.log", "wb") as elog:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", f"http://127.0.0.1:{nd['local']}",
-                     "--listen", f"127.0.0.1:{nd['engine']}", "--replica-id", nd["id"], "--log-level", "warning"],
-                    stdout=elog, stderr=subprocess.STDOUT))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "bdn.engines",
+                            "hf",
+                            "--bdn-url",
+                            f"http://127.0.0.1:{nd['local']}",
+                            "--listen",
+                            f"127.0.0.1:{nd['engine']}",
+                            "--replica-id",
+                            nd["id"],
+                            "--log-level",
+                            "warning",
+                        ],
+                        stdout=elog,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         deadline = time.monotonic() + 240
         while not all(_up(f"http://127.0.0.1:{nd['local']}/v1/health") for nd in nodes):
             if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
@@ -221,20 +291,29 @@ def main() -> int:
     bucket = f"file://{root / 'bucket'}"
     try:
         with fleet(root, bucket, a.nodes) as (daemon, engines):
-            print(f"fleet: {a.nodes} bdnd + {a.nodes} engines; training {a.steps} GRPO steps "
-                  f"(max_staleness {a.max_staleness})", flush=True)
+            print(
+                f"fleet: {a.nodes} bdnd + {a.nodes} engines; training {a.steps} GRPO steps "
+                f"(max_staleness {a.max_staleness})",
+                flush=True,
+            )
             run = train(bucket, daemon, engines, root, steps=a.steps, max_staleness=a.max_staleness)
         for p in run.published:
-            print(f"  published {p.identity} ({p.kind}, policy {p.policy_version}, {p.stored_bytes} bytes, "
-                  f"{p.publish_s:.2f} s)")
+            print(
+                f"  published {p.identity} ({p.kind}, policy {p.policy_version}, {p.stored_bytes} bytes, "
+                f"{p.publish_s:.2f} s)"
+            )
         steps: dict[int, list] = {}
         for r in run.rollouts:
             steps.setdefault(r.step, []).append(r)
         for s, rs in sorted(steps.items()):
-            print(f"  step {s + 1}: {len(rs)} rollouts at global_step {s}, policy versions "
-                  f"{sorted({r.policy_version for r in rs})}, replicas {sorted({r.replica_id for r in rs})}")
+            print(
+                f"  step {s + 1}: {len(rs)} rollouts at global_step {s}, policy versions "
+                f"{sorted({r.policy_version for r in rs})}, replicas {sorted({r.replica_id for r in rs})}"
+            )
         losses = [h["loss"] for h in run.log_history if "loss" in h]
-        print(f"  trained {a.steps} steps in {run.seconds:.1f} s; loss per step {json.dumps([round(x, 4) for x in losses])}")
+        print(
+            f"  trained {a.steps} steps in {run.seconds:.1f} s; loss per step {json.dumps([round(x, 4) for x in losses])}"
+        )
         bad = check(run, a.max_staleness, a.steps)
         for b in bad:
             print(f"  FAIL: {b}")

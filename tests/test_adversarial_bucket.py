@@ -51,8 +51,9 @@ class BadBucket(S3Proxy):
             return web.Response(status=307, headers={"Location": self.evil + request.raw_path})
         if kind == "huge_header":
             record.injected, record.status = True, 206
-            return web.Response(status=206, body=b"x" * 16, headers={"X-Amz-Meta-Junk": "j" * 200_000,
-                                                                      "Content-Range": "bytes 0-15/16"})
+            return web.Response(
+                status=206, body=b"x" * 16, headers={"X-Amz-Meta-Junk": "j" * 200_000, "Content-Range": "bytes 0-15/16"}
+            )
         if kind == "trickle":
             return await self._trickle(request, record, finished)
         return await super()._answer(request, record, finished)
@@ -71,8 +72,8 @@ class BadBucket(S3Proxy):
             await resp.prepare(request)
             try:
                 for i in range(0, len(body), self.piece):
-                    await resp.write(body[i:i + self.piece])
-                    record.response_bytes += len(body[i:i + self.piece])
+                    await resp.write(body[i : i + self.piece])
+                    record.response_bytes += len(body[i : i + self.piece])
                     await asyncio.sleep(self.every)
                 await resp.write_eof()
             except ConnectionError:  # the daemon gave up on it (or stopped)
@@ -90,7 +91,9 @@ class Evil:
     def start(self) -> Evil:
         async def answer(request: web.Request) -> web.Response:
             self.gets += 1
-            return web.Response(status=206, body=b"E" * CHUNK, headers={"Content-Range": f"bytes 0-{CHUNK - 1}/{CHUNK}"})
+            return web.Response(
+                status=206, body=b"E" * CHUNK, headers={"Content-Range": f"bytes 0-{CHUNK - 1}/{CHUNK}"}
+            )
 
         async def startup() -> None:
             app = web.Application()
@@ -113,8 +116,14 @@ class Evil:
         self.proxy.stop()
 
 
-def _load_through(tmp_path: Path, s3_bucket: tuple[str, str], proxy: BadBucket, faults: list[tuple[int, str]],
-                  extra_env: dict[str, str] | None = None, settle_s: float = 180) -> tuple[dict, Path, Daemon]:
+def _load_through(
+    tmp_path: Path,
+    s3_bucket: tuple[str, str],
+    proxy: BadBucket,
+    faults: list[tuple[int, str]],
+    extra_env: dict[str, str] | None = None,
+    settle_s: float = 180,
+) -> tuple[dict, Path, Daemon]:
     bucket, endpoint = s3_bucket
     _, ck = publish_state(tmp_path, bucket, IDENT, 1, scale=2, chunk_size=CHUNK, endpoint=endpoint)
     env = {"BDN_LOAD_STARTUP": "false", "BDN_ENDPOINT_URL": proxy.url, **(extra_env or {})}
@@ -175,13 +184,19 @@ def test_bursts_of_500_503_and_429_on_every_kind_of_request(tmp_path: Path, s3_b
     _identical(rec, ck)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "no deadline on a bucket GET's body: botocore's read_timeout (60 s) is per recv, so a body that "
-    "trickles in (64 B every 0.5 s) holds its chunk, and the snapshot, for as long as the bucket likes "
-    "(seen: 180 s 'downloading' with 2 chunks left). Fix (bdn/bucket/s3_reads.py, review2's): break a "
-    "body off below a minimum rate after a grace period and resume it from where it stopped, as for a "
-    "broken one"))
-def test_a_body_that_trickles_in_does_not_hold_the_snapshot_for_ever(tmp_path: Path, s3_bucket: tuple[str, str]) -> None:
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "no deadline on a bucket GET's body: botocore's read_timeout (60 s) is per recv, so a body that "
+        "trickles in (64 B every 0.5 s) holds its chunk, and the snapshot, for as long as the bucket likes "
+        "(seen: 180 s 'downloading' with 2 chunks left). Fix (bdn/bucket/s3_reads.py, review2's): break a "
+        "body off below a minimum rate after a grace period and resume it from where it stopped, as for a "
+        "broken one"
+    ),
+)
+def test_a_body_that_trickles_in_does_not_hold_the_snapshot_for_ever(
+    tmp_path: Path, s3_bucket: tuple[str, str]
+) -> None:
     """Two chunk reads answered 64 bytes every 0.5 s (a 64 KiB chunk would take ~8.5 minutes;
     the socket is never silent for the 60 s read timeout). The snapshot must still be ready:
     the slow read is given up and asked again. The 30 s settle wait is this test's only clock

@@ -48,13 +48,24 @@ def _truth(bucket: Path, identity: str) -> tuple[int, float]:
 
 
 def _push(d: Daemon, identity: str, pv: int, at: float, gen: int = 5) -> tuple[int, bytes]:
-    target = {"identity": identity, "seq": time.time_ns(), "origin": "liar", "request_id": f"liar-{identity}-{pv}",
-              "gen": gen, "pv": pv, "at": at}
+    target = {
+        "identity": identity,
+        "seq": time.time_ns(),
+        "origin": "liar",
+        "request_id": f"liar-{identity}-{pv}",
+        "gen": gen,
+        "pv": pv,
+        "at": at,
+    }
     path = f"/bdn/v1/{KEYS.swarm_id}/hot_load"
     conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=60)
     try:
-        conn.request("POST", path, body=msgpack.packb(target),
-                     headers={"Authorization": sign_request(KEYS, "POST", path, "liar", to=d.node_id)})
+        conn.request(
+            "POST",
+            path,
+            body=msgpack.packb(target),
+            headers={"Authorization": sign_request(KEYS, "POST", path, "liar", to=d.node_id)},
+        )
         r = conn.getresponse()
         return r.status, r.read()
     finally:
@@ -92,8 +103,11 @@ def test_a_lie_adopted_before_the_manifest_was_read_is_corrected(daemon: tuple[D
     assert status == 200, body
     wait_for(lambda: _loading(d) == "step000002", 120, "the pushed target to be adopted")
     d.wait_ready("step000002")
-    wait_for(lambda: "the target takes the manifest's" in d.log_path.read_text(errors="replace"), 120,
-             "the correction to be logged")
+    wait_for(
+        lambda: "the target takes the manifest's" in d.log_path.read_text(errors="replace"),
+        120,
+        "the correction to be logged",
+    )
     pv3, at3 = _truth(bucket, "step000003")
     assert _push(d, "step000003", pv3, at3)[0] == 200
     wait_for(lambda: _loading(d) == "step000003", 120, "the honest later target to win")

@@ -163,8 +163,9 @@ def test_a_lying_part_stream_fails_that_fetch_only(case, honest):
     liar = WireLiar(script)
     client = TransferClient(KEYS, "victim", io_timeout_s=30)
     try:
-        res = client.fetch_into(Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16,
-                                cut_through=True)
+        res = client.fetch_into(
+            Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16, cut_through=True
+        )
         assert res.outcome is outcome, res
         if why is not None:
             assert why in (res.error or ""), res
@@ -180,8 +181,9 @@ def test_a_flood_of_empty_parts_is_cut_off_by_the_silence_timer(honest):
     liar = WireLiar(_empty_flood)
     client = TransferClient(KEYS, "victim", io_timeout_s=1.0)
     try:
-        res = client.fetch_into(Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16,
-                                cut_through=True)
+        res = client.fetch_into(
+            Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16, cut_through=True
+        )
         assert res.outcome is Outcome.FAILED, res
         assert "no new byte" in (res.error or ""), res
         assert liar.sent_frames > 1, liar.sent_frames
@@ -199,8 +201,9 @@ def test_a_header_announcing_bytes_that_never_come_times_out(honest):
     liar = WireLiar(_empty_then_stall)
     client = TransferClient(KEYS, "victim", io_timeout_s=1.0)
     try:
-        res = client.fetch_into(Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16,
-                                cut_through=True)
+        res = client.fetch_into(
+            Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16, cut_through=True
+        )
         assert res.outcome is Outcome.FAILED, res
     finally:
         client.close()
@@ -297,9 +300,15 @@ def test_bad_bucket_bytes_under_a_cut_through_stream_are_re_read_and_blame_nobod
 
 def _wait_failed(d, timeout: float = 120.0) -> str:
     """The error of ``d``'s snapshot once it failed (AssertionError if it ends READY)."""
-    _, body = wait_for(lambda: d.request("GET", f"/v1/snapshots/{IDENT}/wait?state=ready&timeout=10"), timeout,
-                       f"{d.node_id}: {IDENT} to fail, never READY (its bucket's bytes do not match the manifest)", 0.1,
-                       until=lambda answer: answer[0] == 409, meanwhile=lambda answer: answer[0] != 200, detail=d.log)
+    _, body = wait_for(
+        lambda: d.request("GET", f"/v1/snapshots/{IDENT}/wait?state=ready&timeout=10"),
+        timeout,
+        f"{d.node_id}: {IDENT} to fail, never READY (its bucket's bytes do not match the manifest)",
+        0.1,
+        until=lambda answer: answer[0] == 409,
+        meanwhile=lambda answer: answer[0] != 200,
+        detail=d.log,
+    )
     return str(body.get("error"))
 
 
@@ -312,8 +321,13 @@ def test_an_object_replaced_under_the_manifest_fails_clearly_and_blames_nobody(t
     ck, m = _publish(tmp_path, s3_bucket)
     bucket, endpoint = s3_bucket
     name, prefix = bucket.removeprefix("s3://").split("/", 1)
-    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="testing",
-                      aws_secret_access_key="testing")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     replaced = 0
     for f in m.files:
         key = f"{prefix}/{IDENT}/{f.path}"
@@ -387,8 +401,10 @@ def test_a_peer_announcing_every_chunk_growing_does_not_hold_up_the_victims(tmp_
             v.start(peers)
         for v in victims:
             v.wait_healthy()
-        _until(lambda: all(any(p["node_id"] == "growliar" and p["alive"] for p in v.status()["peers"])
-                           for v in victims), "the liar a live member of both victims")
+        _until(
+            lambda: all(any(p["node_id"] == "growliar" and p["alive"] for p in v.status()["peers"]) for v in victims),
+            "the liar a live member of both victims",
+        )
         for v in victims:
             assert v.prefetch(IDENT)[0] == 202
         for v in victims:

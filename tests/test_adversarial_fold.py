@@ -18,8 +18,9 @@ CHUNK = 64 << 10
 
 LOOP_REASONS = {
     "true": "the delta chain of step000003 loops: step000002 names step000003, a snapshot built on it, as its base",
-    "false": ("base snapshot step000002 failed: the delta chain of step000002 loops: "
-              "step000002 -> step000003 -> step000002"),
+    "false": (
+        "base snapshot step000002 failed: the delta chain of step000002 loops: step000002 -> step000003 -> step000002"
+    ),
 }
 
 

@@ -52,8 +52,15 @@ def test_a_target_at_the_largest_gen_is_still_superseded_by_the_next_hot_load(sw
     # the snapshot's true policy version and publish time: a push contradicting the manifest is
     # refused once the receiver read it (bdn/daemon/replica/claims.py), which is not this test's subject
     m = Manifest.from_json(open_bucket(node0.env["BDN_BUCKET"]).read(f"step000001/{MANIFEST_NAME}"))
-    forged = {"identity": "step000001", "seq": time.time_ns(), "origin": "runaway", "request_id": "runaway1",
-              "gen": 2**53, "pv": m.policy_version, "at": published_at(m.created_at)}
+    forged = {
+        "identity": "step000001",
+        "seq": time.time_ns(),
+        "origin": "runaway",
+        "request_id": "runaway1",
+        "gen": 2**53,
+        "pv": m.policy_version,
+        "at": published_at(m.created_at),
+    }
     assert _push(node0, forged) == 200 and _push(node1, forged) == 200
     for d in (node0, node1):
         wait_for(lambda d=d: _loading(d) == "step000001", 120, f"{d.node_id} to take the pushed target")

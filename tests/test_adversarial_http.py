@@ -25,9 +25,18 @@ MAX_CONNS = 4
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     tmp_path = tmp_path_factory.mktemp("http")
     (tmp_path / "bucket").mkdir()
-    with running(Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket", extra_env={
-            "BDN_LOAD_STARTUP": "false", "BDN_HTTP_MAX_CONNECTIONS": str(MAX_CONNS),
-            "BDN_HTTP_HEADER_TIMEOUT_S": "2"})) as d:
+    with running(
+        Daemon(
+            tmp_path / "work",
+            "node0",
+            f"file://{tmp_path}/bucket",
+            extra_env={
+                "BDN_LOAD_STARTUP": "false",
+                "BDN_HTTP_MAX_CONNECTIONS": str(MAX_CONNS),
+                "BDN_HTTP_HEADER_TIMEOUT_S": "2",
+            },
+        )
+    ) as d:
         yield d
 
 
@@ -77,9 +86,13 @@ def _healthy(d: Daemon) -> bool:
 def test_bodies_that_trickle_in_are_answered_408_and_free_their_connections(daemon: Daemon) -> None:
     keys = derive_keys(SECRET)
     path = f"/bdn/v1/{keys.swarm_id}/bad_chunk"
-    peer_head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\nAuthorization: "
-                 f"{sign_request(keys, 'POST', path, 'tester', to=daemon.node_id)}\r\n\r\n").encode()
-    local_head = b"POST /v1/engines HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    peer_head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\nAuthorization: "
+        f"{sign_request(keys, 'POST', path, 'tester', to=daemon.node_id)}\r\n\r\n"
+    ).encode()
+    local_head = (
+        b"POST /v1/engines HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
     attacks = [Trickle(daemon.peer_port, peer_head)]
     attacks += [Trickle(daemon.local_port, local_head) for _ in range(MAX_CONNS)]  # the local API's every slot
     try:
@@ -102,17 +115,29 @@ def test_a_body_cut_short_is_answered_in_one_line_never_a_traceback(daemon: Daem
     handler's ConnectionResetError with a traceback at ERROR."""
     keys = derive_keys(SECRET)
     path = f"/bdn/v1/{keys.swarm_id}/members"
-    heads = [(daemon.local_port, b"POST /v1/engines HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"na"),
-             (daemon.local_port, b"POST /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"),
-             (daemon.peer_port, (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\nAuthorization: "
-                                 f"{sign_request(keys, 'POST', path, 'tester', to=daemon.node_id)}\r\n\r\n").encode() + b"\x81")]
+    heads = [
+        (daemon.local_port, b'POST /v1/engines HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"na'),
+        (daemon.local_port, b"POST /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"),
+        (
+            daemon.peer_port,
+            (
+                f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\nAuthorization: "
+                f"{sign_request(keys, 'POST', path, 'tester', to=daemon.node_id)}\r\n\r\n"
+            ).encode()
+            + b"\x81",
+        ),
+    ]
     for port, head in heads:
         with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
             s.sendall(head)
             s.shutdown(socket.SHUT_WR)  # the body ends here: 100 bytes were promised
             while s.recv(65536):
                 pass
-    wait_for(lambda: daemon.log().count("request body cut short by the sender") == len(heads) or "Traceback" in daemon.log(),
-             120, "each cut to be handled", 0.1)
+    wait_for(
+        lambda: daemon.log().count("request body cut short by the sender") == len(heads) or "Traceback" in daemon.log(),
+        120,
+        "each cut to be handled",
+        0.1,
+    )
     assert _healthy(daemon)
     assert "Traceback" not in daemon.log(), daemon.log()

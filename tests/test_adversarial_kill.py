@@ -61,7 +61,9 @@ def test_kill_9_while_an_engine_pulls_and_a_peer_fetches(tmp_path: Path) -> None
         node0.wait_ready(IDENT)
         want = (ck / BIG).read_bytes()
         out: dict = {"started": threading.Event()}
-        reader = threading.Thread(target=_pull_slowly, args=(node0.local_port, f"/v1/snapshots/{IDENT}/files/{BIG}", out))
+        reader = threading.Thread(
+            target=_pull_slowly, args=(node0.local_port, f"/v1/snapshots/{IDENT}/files/{BIG}", out)
+        )
         reader.start()
         assert out["started"].wait(120)
         assert node1.prefetch(IDENT)[0] == 202

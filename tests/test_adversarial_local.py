@@ -39,7 +39,7 @@ def test_an_engine_error_with_a_lone_surrogate_is_400_and_the_fleet_still_hears_
     for bad in (b'{"name": "engine-\\ud800"}', b'{"name": "\\udc80"}'):
         status, ans = http("POST", node0.url + "/v1/engines", bad)
         assert status == 400 and "lone surrogate" in ans["error"], (bad, status, ans)
-    status, ans = http("POST", node0.url + "/v1/engines", {"name": "engine-\U0001F600"})  # a valid pair is fine
+    status, ans = http("POST", node0.url + "/v1/engines", {"name": "engine-\U0001f600"})  # a valid pair is fine
     assert status == 201, ans
     eid = ans["engine_id"]
     offer = node0.get(f"/v1/engines/{eid}/next?timeout=60")
@@ -47,11 +47,15 @@ def test_an_engine_error_with_a_lone_surrogate_is_400_and_the_fleet_still_hears_
     body = b'{"identity": "step000001", "pause_ms": 1, "error": "cuda \\udc80 oom"}'
     status, ans = http("POST", node0.url + f"/v1/engines/{eid}/ack", body)
     assert status == 400 and ans["error"] == "body holds a lone surrogate \\udc80 in a string (not Unicode text)", ans
-    status, ans = http("POST", node0.url + f"/v1/engines/{eid}/ack",
-                       {"identity": "step000001", "pause_ms": 1, "error": "cuda oom"})
+    status, ans = http(
+        "POST", node0.url + f"/v1/engines/{eid}/ack", {"identity": "step000001", "pause_ms": 1, "error": "cuda oom"}
+    )
     assert status == 200, ans
-    row = wait_for(lambda: (r := _row(node1.url, "node0")) is not None and r["loading_state"]["stage"] == "error" and r,
-                   120, "node1 to list node0's engine error")
+    row = wait_for(
+        lambda: (r := _row(node1.url, "node0")) is not None and r["loading_state"]["stage"] == "error" and r,
+        120,
+        "node1 to list node0's engine error",
+    )
     assert row["loading_state"]["reason"] == "cuda oom", row
     assert "Traceback" not in node0.log(), node0.log()
     json.dumps(row)  # what node1 lists is plain JSON

@@ -91,11 +91,21 @@ def test_traversal_and_invalid_utf8_in_paths_are_a_status_and_one_line(served: t
 
 
 RANGES = [
-    ("bytes=0-10,5-15", 416), ("bytes=0-0," * 500 + "0-0", 416), ("bytes=5-5, 5-5", 416),
+    ("bytes=0-10,5-15", 416),
+    ("bytes=0-0," * 500 + "0-0", 416),
+    ("bytes=5-5, 5-5", 416),
     ("bytes=0-0," * 2000 + "0-0", 431),  # 12 KB: over the header line limit (8190)
-    ("bytes=" + "9" * 20 + "-", 416), ("bytes=0-" + "9" * 20, 416), ("bytes=--5", 416), ("bytes=-", 416),
-    ("bytes = 0-5", 416), ("items=0-5", 416), ("bytes=0x10-0x20", 416), ("bytes=\u00b9-5", 416),
-    ("bytes=-9223372036854775807", 206), ("bytes=0-9223372036854775806", 206), ("bytes=0-", 206),
+    ("bytes=" + "9" * 20 + "-", 416),
+    ("bytes=0-" + "9" * 20, 416),
+    ("bytes=--5", 416),
+    ("bytes=-", 416),
+    ("bytes = 0-5", 416),
+    ("items=0-5", 416),
+    ("bytes=0x10-0x20", 416),
+    ("bytes=\u00b9-5", 416),
+    ("bytes=-9223372036854775807", 206),
+    ("bytes=0-9223372036854775806", 206),
+    ("bytes=0-", 206),
 ]
 
 
@@ -191,8 +201,12 @@ def test_a_crowd_of_slow_clients_while_a_download_runs(tmp_path: Path) -> None:
     bucket.mkdir()
     ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=8), 1)  # ~10 MB: ~20 s at 4 Mbit/s
     publish_full(f"file://{bucket}", IDENT, 1, dir=ck, chunk_size=64 << 10)
-    env = {"BDN_LOAD_STARTUP": "false", "BDN_HTTP_HEADER_TIMEOUT_S": "2", "BDN_BUCKET_MBIT": "4",
-           "BDN_PEER_DOWNLOAD_MBIT": "4"}
+    env = {
+        "BDN_LOAD_STARTUP": "false",
+        "BDN_HTTP_HEADER_TIMEOUT_S": "2",
+        "BDN_BUCKET_MBIT": "4",
+        "BDN_PEER_DOWNLOAD_MBIT": "4",
+    }
     with Swarm(tmp_path / "nodes", 2, f"file://{bucket}", extra_env=env) as s:
         node0, node1 = s.daemons
         assert node0.prefetch(IDENT)[0] == 202
@@ -239,8 +253,10 @@ def test_a_crowd_of_slow_clients_while_a_download_runs(tmp_path: Path) -> None:
         finally:
             for c in crowd:
                 c.close()
-        print(f"prefetch {t_prefetch:.2f} s, first health check behind the crowd {first:.2f} s, fds before {fds0}, rss before {rss0 >> 20} MiB, peak {peak >> 20} MiB,"
-              f" {healthy} health checks during the download, slowest {slowest:.2f} s")
+        print(
+            f"prefetch {t_prefetch:.2f} s, first health check behind the crowd {first:.2f} s, fds before {fds0}, rss before {rss0 >> 20} MiB, peak {peak >> 20} MiB,"
+            f" {healthy} health checks during the download, slowest {slowest:.2f} s"
+        )
         assert peak < rss0 + (200 << 20), (rss0, peak)
         assert node1.get("/v1/health")["status"] == "ok"
         assert "Traceback" not in node1.log(), node1.log()

@@ -55,8 +55,12 @@ def test_a_flood_of_bad_chunk_reports_quarantines_nothing_and_each_good_chunk_is
         try:
             for address in real + unknown + real * 3:
                 body = msgpack.packb({"address": address, "snapshot": "step000001"})
-                conn.request("POST", url, body=body,
-                             headers={"Authorization": sign_request(KEYS, "POST", url, "flooder", to=d.node_id)})
+                conn.request(
+                    "POST",
+                    url,
+                    body=body,
+                    headers={"Authorization": sign_request(KEYS, "POST", url, "flooder", to=d.node_id)},
+                )
                 r = conn.getresponse()
                 answers.setdefault(r.status, set()).add(r.read())
         finally:
@@ -64,8 +68,13 @@ def test_a_flood_of_bad_chunk_reports_quarantines_nothing_and_each_good_chunk_is
         assert set(answers) <= {202, 503}, answers
         assert answers[202] == {b"chunk queued for a re-hash\n"}, answers
         assert answers.get(503, {b"too many chunk reports queued\n"}) == {b"too many chunk reports queued\n"}, answers
-        wait_for(lambda: _metric(d, "bdn_bad_chunk_reports_refuted_total") >= len(real), 120,
-                 "every real report refuted", 0.1, detail=d.log)
+        wait_for(
+            lambda: _metric(d, "bdn_bad_chunk_reports_refuted_total") >= len(real),
+            120,
+            "every real report refuted",
+            0.1,
+            detail=d.log,
+        )
         # repeats while queued or just refuted are not hashed again; nothing was dropped
         assert _metric(d, "bdn_bad_chunk_reports_refuted_total") == len(real)
         assert _metric(d, "bdn_chunks_quarantined_total") == 0
@@ -80,22 +89,32 @@ def test_a_chunk_request_hinting_a_snapshot_nobody_published_fails_it_at_once(tm
     the bucket every ``manifest_poll_s`` for ``manifest_wait_s`` (600 s), so a member (or a
     buggy one) made one bucket request per second per invented name."""
     (tmp_path / "bucket").mkdir()
-    with running(Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket",
-                        extra_env={"BDN_LOAD_STARTUP": "false"})) as d:
+    with running(
+        Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket", extra_env={"BDN_LOAD_STARTUP": "false"})
+    ) as d:
         conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=60)
         try:
             for i in range(3):
                 url = f"/bdn/v1/{KEYS.swarm_id}/chunks/{os.urandom(16).hex()}?wait=0.1&snapshot=invented{i:04d}"
-                conn.request("GET", url, headers={"Authorization": sign_request(KEYS, "GET", url, "hinter", to=d.node_id)})
+                conn.request(
+                    "GET", url, headers={"Authorization": sign_request(KEYS, "GET", url, "hinter", to=d.node_id)}
+                )
                 r = conn.getresponse()
                 assert (r.status, r.read()) == (404, b"chunk not here\n")
         finally:
             conn.close()
         for i in range(3):
             ident = f"invented{i:04d}"
-            rec = wait_for(lambda ident=ident: d.get(f"/v1/snapshots/{ident}"), 120, f"{ident} to fail", 0.1,
-                           until=lambda rec: rec["state"] == "failed")
-            assert rec["reason"] == f"snapshot {ident}: nothing is published under {ident}/ in file://{tmp_path}/bucket", rec
+            rec = wait_for(
+                lambda ident=ident: d.get(f"/v1/snapshots/{ident}"),
+                120,
+                f"{ident} to fail",
+                0.1,
+                until=lambda rec: rec["state"] == "failed",
+            )
+            assert (
+                rec["reason"] == f"snapshot {ident}: nothing is published under {ident}/ in file://{tmp_path}/bucket"
+            ), rec
 
 
 def test_invented_hints_leave_a_bounded_number_of_failed_records(tmp_path: Path) -> None:
@@ -103,15 +122,20 @@ def test_invented_hints_leave_a_bounded_number_of_failed_records(tmp_path: Path)
     daemon's lifetime: a stream of hints grew it without bound. At most MAX_FAILED are kept."""
     (tmp_path / "bucket").mkdir()
     n = MAX_FAILED + 20
-    with running(Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket",
-                        extra_env={"BDN_LOAD_STARTUP": "false"})) as d:
+    with running(
+        Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket", extra_env={"BDN_LOAD_STARTUP": "false"})
+    ) as d:
+
         def hints(first: int) -> None:  # 8 connections at once: each answer waits its 0.1 s
             conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=60)
             try:
                 for i in range(first, n, 8):
                     url = f"/bdn/v1/{KEYS.swarm_id}/chunks/{os.urandom(16).hex()}?wait=0.1&snapshot=invented{i:04d}"
-                    conn.request("GET", url, headers={"Authorization": sign_request(KEYS, "GET", url, f"hinter{first}",
-                                                                                    to=d.node_id)})
+                    conn.request(
+                        "GET",
+                        url,
+                        headers={"Authorization": sign_request(KEYS, "GET", url, f"hinter{first}", to=d.node_id)},
+                    )
                     r = conn.getresponse()
                     assert (r.status, r.read()) == (404, b"chunk not here\n")
             finally:
@@ -119,9 +143,17 @@ def test_invented_hints_leave_a_bounded_number_of_failed_records(tmp_path: Path)
 
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(hints, range(8)))
-        snaps = wait_for(lambda: d.get("/v1/status")["snapshots"], 120, "every invented identity failed", 0.1,
-                         until=lambda snaps: snaps and all(s["state"] == "failed" for s in snaps)
-                         and d.get(f"/v1/snapshots/invented{n - 1:04d}").get("state") == "failed")
+        snaps = wait_for(
+            lambda: d.get("/v1/status")["snapshots"],
+            120,
+            "every invented identity failed",
+            0.1,
+            until=lambda snaps: (
+                snaps
+                and all(s["state"] == "failed" for s in snaps)
+                and d.get(f"/v1/snapshots/invented{n - 1:04d}").get("state") == "failed"
+            ),
+        )
         assert len(snaps) <= MAX_FAILED, len(snaps)
         assert f"invented{n - 1:04d}" in {s["identity"] for s in snaps}  # the newest are kept
         assert d.get("/v1/health")["status"] == "ok"

@@ -46,6 +46,7 @@ def _until_closed(port: int, payload: bytes, deadline_s: float = 120.0) -> bytes
 @pytest.fixture()
 def listener() -> Iterator[int]:
     """A guarded aiohttp listener (header deadline 1 s, keep-alive asked: one hour, capped at 2 s) on its own loop."""
+
     async def ping(_: web.Request) -> web.Response:
         return web.Response(text="pong")
 
@@ -57,8 +58,15 @@ def listener() -> Iterator[int]:
     stop = asyncio.Event()
 
     async def serve() -> None:
-        runner = GuardedRunner(app, name="test API", header_timeout_s=1.0, max_connections=64, stats=Stats(),
-                               access_log=None, keepalive_timeout=3600)
+        runner = GuardedRunner(
+            app,
+            name="test API",
+            header_timeout_s=1.0,
+            max_connections=64,
+            stats=Stats(),
+            access_log=None,
+            keepalive_timeout=3600,
+        )
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -89,10 +97,16 @@ def test_a_daemon_peer_port_closes_a_pipelined_partial_request(tmp_path: Path) -
     bucket = tmp_path / "bucket"
     bucket.mkdir()
     # 3 s, not 1: at load 17 a 1 s deadline cut wait_healthy's own requests (BadStatusLine)
-    d = Daemon(tmp_path, "pipelined", f"file://{bucket}", extra_env={"BDN_HTTP_HEADER_TIMEOUT_S": "3",
-                                                                    "BDN_LOAD_STARTUP": "false"})
+    d = Daemon(
+        tmp_path,
+        "pipelined",
+        f"file://{bucket}",
+        extra_env={"BDN_HTTP_HEADER_TIMEOUT_S": "3", "BDN_LOAD_STARTUP": "false"},
+    )
     with running(d), ThreadPoolExecutor(2) as pool:
-        peer = pool.submit(_until_closed, d.peer_port, b"GET /bdn/v1/0000/status HTTP/1.1\r\nHost: x\r\n\r\nGET /bdn/v1/00")
+        peer = pool.submit(
+            _until_closed, d.peer_port, b"GET /bdn/v1/0000/status HTTP/1.1\r\nHost: x\r\n\r\nGET /bdn/v1/00"
+        )
         local = pool.submit(_until_closed, d.local_port, b"GET /v1/health HTTP/1.1\r\nHost: x\r\n\r\nGET /v1/hea")
         got = peer.result()
         assert got.startswith(b"HTTP/1.1 401") and got.count(b"HTTP/1.1") == 1, got  # unsigned: 401, no detail

@@ -174,14 +174,21 @@ def test_shm_filled_to_enospc_while_downloading(tmp_path: Path, published: tuple
 
     url, ck = published
     with small_tmpfs(tmp_path / "tmpfs", 8 << 20) as mnt:
-        env = {"BDN_LOAD_STARTUP": "false", "BDN_SHM_DIR": str(mnt), "BDN_BUCKET_MBIT": "4",
-               "BDN_PROGRESS_INTERVAL_S": "0.2"}
+        env = {
+            "BDN_LOAD_STARTUP": "false",
+            "BDN_SHM_DIR": str(mnt),
+            "BDN_BUCKET_MBIT": "4",
+            "BDN_PROGRESS_INTERVAL_S": "0.2",
+        }
         d = Daemon(tmp_path / "nodes", "node0", url, extra_env=env)
         d.shm_dir = mnt
         with running(d):
             assert d.prefetch(IDENT)[0] == 202
-            wait_for(lambda: (r := d.get(f"/v1/snapshots/{IDENT}"))["state"] != "queued" and r.get("bytes_total"),
-                     120, "the download to start")
+            wait_for(
+                lambda: (r := d.get(f"/v1/snapshots/{IDENT}"))["state"] != "queued" and r.get("bytes_total"),
+                120,
+                "the download to start",
+            )
             filler = mnt / "filler"
             with open(filler, "wb") as fh:
                 try:

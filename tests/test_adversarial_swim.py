@@ -70,15 +70,21 @@ def test_a_forged_death_at_the_largest_incarnation_does_not_exile_an_honest_daem
     """Before the fix node0 refuted with incarnation 2^63, which node1 refused as malformed
     (with every message node0 sent from then on): node0 stayed dead to the swarm for good."""
     node0, node1 = swarm.daemons
-    status, ans = members(node0, {"k": "ping", "s": "evil", "d": "node0", "q": 1,
-                                  "u": [["node0", DEAD, 2**63 - 1, ""]]})
+    status, ans = members(
+        node0, {"k": "ping", "s": "evil", "d": "node0", "q": 1, "u": [["node0", DEAD, 2**63 - 1, ""]]}
+    )
     assert status == 200, ans
-    wait_for(lambda: (e := table_entry(node1, "node0")) is not None and e[1] == ALIVE and e[2] == TOP,
-             120, "node1 to hear node0's refutation")
+    wait_for(
+        lambda: (e := table_entry(node1, "node0")) is not None and e[1] == ALIVE and e[2] == TOP,
+        120,
+        "node1 to hear node0's refutation",
+    )
     assert any(p["node_id"] == "node0" and p["alive"] for p in node1.status()["peers"]), node1.status()["peers"]
     assert "bad membership answer" not in node1.log(), node1.log()
     # the same lie again changes nothing any more
-    assert members(node1, {"k": "ping", "s": "evil", "d": "node1", "q": 2,
-                           "u": [["node0", DEAD, 2**63 - 1, ""]]})[0] == 200
+    assert (
+        members(node1, {"k": "ping", "s": "evil", "d": "node1", "q": 2, "u": [["node0", DEAD, 2**63 - 1, ""]]})[0]
+        == 200
+    )
     entry = table_entry(node1, "node0")
     assert entry is not None and entry[1] == ALIVE, entry

@@ -28,10 +28,14 @@ ARC_FORMATS = ("arc_v1", "arc_v2")
 
 # --- formats -----------------------------------------------------------------------------------
 
+
 def test_check_formats() -> None:
     arc.check_formats("arc_v1")
     arc.check_formats("ARC_V2", None)
-    with pytest.raises(UnsupportedFormat, match=r"^unsupported compression_format 'arc_v3': bdn supports arc_v1, arc_v2, bdn_planes_v1$"):
+    with pytest.raises(
+        UnsupportedFormat,
+        match=r"^unsupported compression_format 'arc_v3': bdn supports arc_v1, arc_v2, bdn_planes_v1$",
+    ):
         arc.check_formats("arc_v3")
     with pytest.raises(UnsupportedFormat, match="bdn supports alder32"):
         arc.check_formats("arc_v2", "crc32")
@@ -61,6 +65,7 @@ def test_adler32_matches_zlib() -> None:
 
 
 # --- codec round trips ---------------------------------------------------------------------------
+
 
 def _round_trip(base: np.ndarray, target: np.ndarray, fmt: str) -> None:
     frame = arc.encode_xor(base, target, fmt)
@@ -127,6 +132,7 @@ def test_frame_is_standard() -> None:
 
 # --- hostile streams -----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", ARC_FORMATS)
 def test_bad_streams_are_refused(fmt: str) -> None:
     rng = np.random.default_rng(5)
@@ -166,6 +172,7 @@ def test_decompression_bomb_is_bounded(fmt: str, size: int) -> None:
 
 
 # --- diff files ---------------------------------------------------------------------------------
+
 
 def _state(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
@@ -285,7 +292,11 @@ def test_oversized_frame_is_refused(tmp_path: Path, fmt: str) -> None:
     fileops.write_diff_file(base_path, target_path, tmp_path / "d", fmt)
     big = arc.encode_xor(np.zeros(3 * 8 + 1, np.uint8), np.ones(3 * 8 + 1, np.uint8), fmt)
     _rewrite_diff(tmp_path / "d", tmp_path / "bad", edit_frames=lambda f: f.update({"steps": big}))
-    needle = "stream is for a 25-byte tensor, the base tensor has 24 bytes" if fmt == "bdn_planes_v1" else "more than the 24 bytes"
+    needle = (
+        "stream is for a 25-byte tensor, the base tensor has 24 bytes"
+        if fmt == "bdn_planes_v1"
+        else "more than the 24 bytes"
+    )
     with pytest.raises(ProtocolError, match=f"tensor 'steps': .*{needle}"):
         _apply(base_path, tmp_path / "bad", fmt)
 
@@ -300,7 +311,15 @@ def test_error_leaves_caller_mmaps_closable(tmp_path: Path, workers: int) -> Non
     diff = (tmp_path / "bad").read_bytes()
     with pytest.raises(ChecksumError):
         with open(work, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:  # close must not hit BufferError
-            arc.apply_diff(mm, sf.parse_header(mm, len(mm)), diff, arc.read_diff_header(diff, len(diff)), mm, "arc_v2", map=fileops.thread_map(workers))
+            arc.apply_diff(
+                mm,
+                sf.parse_header(mm, len(mm)),
+                diff,
+                arc.read_diff_header(diff, len(diff)),
+                mm,
+                "arc_v2",
+                map=fileops.thread_map(workers),
+            )
 
 
 def test_malformed_diff_headers(tmp_path: Path) -> None:
@@ -326,20 +345,31 @@ def test_malformed_diff_headers(tmp_path: Path) -> None:
 def test_diff_and_base_names_must_match(tmp_path: Path) -> None:
     base_path, target_path = _files(tmp_path)
     fileops.write_diff_file(base_path, target_path, tmp_path / "d")
-    _rewrite_diff(tmp_path / "d", tmp_path / "bad", edit_frames=lambda f: f.pop("flags"),
-                  edit_meta=lambda m: m.pop("flags"))
+    _rewrite_diff(
+        tmp_path / "d", tmp_path / "bad", edit_frames=lambda f: f.pop("flags"), edit_meta=lambda m: m.pop("flags")
+    )
     with pytest.raises(ProtocolError, match="no stream for tensor 'flags'"):
         _apply(base_path, tmp_path / "bad", "arc_v2")
 
 
 # --- base/target mismatches ---------------------------------------------------------------------
 
+
 def test_mismatches_name_the_tensor(tmp_path: Path) -> None:
     base, target = _state()
     cases = [
-        ({**target, "layers.0.b": target["layers.0.b"][:-1]}, "tensor 'layers.0.b': shape \\[32\\] in the base, \\[31\\] in the target"),
-        ({**target, "steps": target["steps"].astype(np.int32)}, "tensor 'steps': dtype I64 in the base, I32 in the target"),
-        ({**{k: v for k, v in target.items() if k != "flags"}, "flagz": target["flags"]}, "tensor 'flags' is in the base but not in the target"),
+        (
+            {**target, "layers.0.b": target["layers.0.b"][:-1]},
+            "tensor 'layers.0.b': shape \\[32\\] in the base, \\[31\\] in the target",
+        ),
+        (
+            {**target, "steps": target["steps"].astype(np.int32)},
+            "tensor 'steps': dtype I64 in the base, I32 in the target",
+        ),
+        (
+            {**{k: v for k, v in target.items() if k != "flags"}, "flagz": target["flags"]},
+            "tensor 'flags' is in the base but not in the target",
+        ),
         ({**target, "extra": np.zeros(1, np.float32)}, "tensor 'extra' is in the target but not in the base"),
     ]
     fileops.save(tmp_path / "base", base, {"format": "pt"})
@@ -371,14 +401,17 @@ def test_target_header_must_equal_base_header(tmp_path: Path) -> None:
 
 # --- interop with the reference implementation --------------------------------------------------
 
+
 def _fireworks():
     # Never skip silently: the reason goes to the skip summary and, as a warning, to every run's
     # summary (CI installs it: torch==2.13.0, the CPU wheel, then fireworks-delta-compression).
     try:
         import fireworks_delta_compression as fdc
     except ImportError as e:
-        reason = (f"fireworks-delta-compression (PyPI) cannot be imported ({e}): interop with the hosted "
-                  f"hot-load format untested")
+        reason = (
+            f"fireworks-delta-compression (PyPI) cannot be imported ({e}): interop with the hosted "
+            f"hot-load format untested"
+        )
         warnings.warn(reason, UserWarning, stacklevel=2)
         pytest.skip(reason)
     return fdc
@@ -389,7 +422,9 @@ def test_their_diff_applies_in_bdn(tmp_path: Path, fmt: str) -> None:
     fdc = _fireworks()
     base_path, target_path = _files(tmp_path)
     diff_path = tmp_path / "theirs.safetensors"
-    fdc.delta_compress_files_to_file(src=str(base_path), dst=str(target_path), diff_file=str(diff_path), compression_format=fmt)
+    fdc.delta_compress_files_to_file(
+        src=str(base_path), dst=str(target_path), diff_file=str(diff_path), compression_format=fmt
+    )
     assert _apply(base_path, diff_path, fmt, workers=2) == target_path.read_bytes()
 
 

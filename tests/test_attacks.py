@@ -37,8 +37,11 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     publish_full(f"file://{bucket}", "step000001", 1, dir=ck, chunk_size=CHUNK)
     ck = write_hf_dir(root / "src" / "step000002", make_state(1), 2)
     publish_full(f"file://{bucket}", "step000002", 2, dir=ck, chunk_size=CHUNK)
-    with running(Daemon(root / "work", "node0", f"file://{bucket}",
-                        extra_env={"BDN_LOAD_STARTUP": "false", "BDN_API_TOKEN": TOKEN})) as d:
+    with running(
+        Daemon(
+            root / "work", "node0", f"file://{bucket}", extra_env={"BDN_LOAD_STARTUP": "false", "BDN_API_TOKEN": TOKEN}
+        )
+    ) as d:
         yield d
 
 
@@ -55,18 +58,27 @@ def raw(port: int, data: bytes) -> tuple[int, bytes]:
 
 def test_a_bearer_token_that_is_not_ascii_gets_401_not_500(daemon: Daemon) -> None:
     for token in (b"\xff\xfe", "jeton-\u00e9".encode(), b"\x80" + TOKEN.encode()):
-        status, body = raw(daemon.peer_port, b"GET /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\n"
-                           b"Authorization: Bearer " + token + b"\r\nConnection: close\r\n\r\n")
+        status, body = raw(
+            daemon.peer_port,
+            b"GET /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\n"
+            b"Authorization: Bearer " + token + b"\r\nConnection: close\r\n\r\n",
+        )
         assert status == 401, (token, status, body)
     assert "Traceback" not in daemon.log()
-    status, _ = raw(daemon.peer_port, b"GET /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\n"
-                    b"Authorization: Bearer " + TOKEN.encode() + b"\r\nConnection: close\r\n\r\n")
+    status, _ = raw(
+        daemon.peer_port,
+        b"GET /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer " + TOKEN.encode() + b"\r\nConnection: close\r\n\r\n",
+    )
     assert status == 200
 
 
 def _post(d: Daemon, path: str, body: bytes) -> tuple[int, object]:
-    status, ans = raw(d.local_port, b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    status, ans = raw(
+        d.local_port,
+        b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body,
+    )
     return status, json.loads(ans, parse_constant=_strict)
 
 
@@ -99,10 +111,14 @@ def test_nan_and_infinity_in_an_engine_ack_are_400_and_never_reach_the_fleet_ans
     eid = _offered(daemon, "step000001")
     try:
         for bad in (b"NaN", b"Infinity", b"-Infinity", b"1e999", b"1" + b"0" * 400, b"-0.5"):
-            status, ans = _post(daemon, f"/v1/engines/{eid}/ack", b'{"identity": "step000001", "pause_ms": ' + bad + b"}")
+            status, ans = _post(
+                daemon, f"/v1/engines/{eid}/ack", b'{"identity": "step000001", "pause_ms": ' + bad + b"}"
+            )
             assert status == 400, (bad, ans)
             assert "pause_ms" in ans["error"] or "JSON" in ans["error"], ans  # type: ignore[index]
-        status, ans = raw(daemon.local_port, b"GET /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        status, ans = raw(
+            daemon.local_port, b"GET /hot_load/v1/models/hot_load HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
         replica = json.loads(ans, parse_constant=_strict)["replicas"][0]
         assert status == 200 and replica["last_swap_pause_ms"] is None, replica
         assert _post(daemon, f"/v1/engines/{eid}/ack", b'{"identity": "step000001", "pause_ms": 3.5}')[0] == 200
@@ -140,9 +156,17 @@ def test_a_member_that_stalls_every_chunk_is_penalised_after_its_first_timeout(t
     m = publish_full(f"file://{bucket}", "step000001", 1, dir=ck, chunk_size=CHUNK)
     n_chunks = sum(len(f.chunks) for f in m.files)
     liar = Liar(tmp_path, f"file://{bucket}", SECRET, trickle_s=2.0).start()
-    d = Daemon(tmp_path / "work", "node0", f"file://{bucket}",
-               extra_env={"BDN_LOAD_STARTUP": "false", "BDN_PEER_TIMEOUT_S": "2", "BDN_MAX_PER_PEER": "1",
-                          "BDN_PENALTY_S": "600"})
+    d = Daemon(
+        tmp_path / "work",
+        "node0",
+        f"file://{bucket}",
+        extra_env={
+            "BDN_LOAD_STARTUP": "false",
+            "BDN_PEER_TIMEOUT_S": "2",
+            "BDN_MAX_PER_PEER": "1",
+            "BDN_PENALTY_S": "600",
+        },
+    )
     try:
         d.start([liar.url])
         d.wait_healthy()
@@ -151,8 +175,9 @@ def test_a_member_that_stalls_every_chunk_is_penalised_after_its_first_timeout(t
         d.wait_ready("step000001", 120)
         keys = derive_keys(SECRET)
         path = f"/bdn/v1/{keys.swarm_id}/liar/stats"
-        req = urllib.request.Request(liar.url + path, headers={
-            "Authorization": sign_request(keys, "GET", path, "tester", to=liar.node_id)})
+        req = urllib.request.Request(
+            liar.url + path, headers={"Authorization": sign_request(keys, "GET", path, "tester", to=liar.node_id)}
+        )
         asked = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert "stalled" in d.log() and "penalised" in d.log(), d.log()
         # one request in flight to it at a time (max_per_peer 1): the one that timed out, and at

@@ -34,7 +34,9 @@ CHUNK = 64 << 10
 NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
 OTHER_SECRET = "fedcba9876543210fedcba9876543210fedcba9876543210fedcba9876543210"
 
-pytestmark = pytest.mark.timeout(300)  # a deadline for a hang: a liar, 2-3 daemons and their start-ups at load 30+ took over 120 s
+pytestmark = pytest.mark.timeout(
+    300
+)  # a deadline for a hang: a liar, 2-3 daemons and their start-ups at load 30+ took over 120 s
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -55,8 +57,7 @@ class Bucket:
 
     def delta(self, identity: str, state: dict[str, Any], version: int, base: str, **kw: Any) -> tuple[Manifest, Path]:
         ck = write_hf_dir(self.src / identity, state, version)
-        m = publish_delta(self.url, identity, version, base, dir=ck, base_dir=self.src / base,
-                          chunk_size=CHUNK, **kw)
+        m = publish_delta(self.url, identity, version, base, dir=ck, base_dir=self.src / base, chunk_size=CHUNK, **kw)
         return m, ck
 
     def manifest_path(self, identity: str) -> Path:
@@ -82,20 +83,27 @@ def idle_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
         yield d
 
 
-
 def settle(d: Daemon, identity: str, timeout: float = 120.0) -> dict[str, Any]:
     """Wait until ``identity`` is ready or failed on ``d``; return its snapshot description."""
-    status, body = wait_for(lambda: d.request("GET", f"/v1/snapshots/{identity}/wait?state=ready&timeout=5"), timeout,
-                            f"{identity} ready or failed on {d.node_id}", 0,  # the daemon holds each request up to 5 s
-                            until=lambda answer: answer[0] in (200, 409), meanwhile=lambda answer: answer[0] == 202,
-                            detail=d.log)
+    status, body = wait_for(
+        lambda: d.request("GET", f"/v1/snapshots/{identity}/wait?state=ready&timeout=5"),
+        timeout,
+        f"{identity} ready or failed on {d.node_id}",
+        0,  # the daemon holds each request up to 5 s
+        until=lambda answer: answer[0] in (200, 409),
+        meanwhile=lambda answer: answer[0] == 202,
+        detail=d.log,
+    )
     return body if status == 200 else body["snapshot"]
 
 
 def tree_digests(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root``, by relative path."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def assert_same_files(ready_dir: Path, ck: Path) -> None:
@@ -141,23 +149,38 @@ def test_wrong_secret_swarm_id_unsigned_replayed_and_skewed_requests_get_401_and
     other_address_path = f"/bdn/v1/{keys.swarm_id}/chunks/{keys.address(shard.chunks[2])}"
     refused = {
         "signed with another partition's keys": (path, sign_request(other, "GET", path, "tester", to=daemon.node_id)),
-        "right keys, another swarm id in the path": (other_path, sign_request(keys, "GET", other_path, "tester", to=daemon.node_id)),
-        "another partition, its own swarm id": (other_path, sign_request(other, "GET", other_path, "tester", to=daemon.node_id)),
+        "right keys, another swarm id in the path": (
+            other_path,
+            sign_request(keys, "GET", other_path, "tester", to=daemon.node_id),
+        ),
+        "another partition, its own swarm id": (
+            other_path,
+            sign_request(other, "GET", other_path, "tester", to=daemon.node_id),
+        ),
         "unsigned": (path, None),
         "empty Authorization": (path, ""),
         "a replayed Authorization header": (path, good),
-        "signature for another chunk": (other_address_path, sign_request(keys, "GET", path, "tester", to=daemon.node_id)),
-        "clock skew of 120 s": (path, sign_request(keys, "GET", path, "tester", to=daemon.node_id, now=time.time() - 120)),
+        "signature for another chunk": (
+            other_address_path,
+            sign_request(keys, "GET", path, "tester", to=daemon.node_id),
+        ),
+        "clock skew of 120 s": (
+            path,
+            sign_request(keys, "GET", path, "tester", to=daemon.node_id, now=time.time() - 120),
+        ),
         "wrong scheme": (path, good.replace("BDN-HMAC", "Bearer", 1)),
     }
     for what, (p, auth) in refused.items():
         status, body = get(p, auth)
         assert (status, body) == (401, b""), what
     # Other endpoints hold the same line: a stranger cannot learn what the partition has.
-    for method, p in (("GET", f"/bdn/v1/{keys.swarm_id}/snapshots/step000001/have"),
-                      ("POST", f"/bdn/v1/{keys.swarm_id}/members")):
-        status, body = raw_request(daemon.peer_url, method, p,
-                                   {"Authorization": sign_request(other, method, p, "tester", to=daemon.node_id)})
+    for method, p in (
+        ("GET", f"/bdn/v1/{keys.swarm_id}/snapshots/step000001/have"),
+        ("POST", f"/bdn/v1/{keys.swarm_id}/members"),
+    ):
+        status, body = raw_request(
+            daemon.peer_url, method, p, {"Authorization": sign_request(other, method, p, "tester", to=daemon.node_id)}
+        )
         assert (status, body) == (401, b""), p
 
     # Still serving the swarm afterwards, and nothing was counted as sent to the strangers.
@@ -223,8 +246,9 @@ def test_bad_manifests_fail_the_snapshot_and_the_daemon_keeps_serving(bucket: Bu
         (bucket.dir / identity / MANIFEST_NAME).write_bytes(data)
 
     put("garbage", b"\x89PNG\r\n\x1a\n" + bytes(range(256)) + b"{not json")
-    dotdot = dict(good, identity="dotdot", files=[dict(good["files"][0], path="../good/config.json"),
-                                                  *good["files"][1:]])
+    dotdot = dict(
+        good, identity="dotdot", files=[dict(good["files"][0], path="../good/config.json"), *good["files"][1:]]
+    )
     put("dotdot", json.dumps(dotdot).encode())
     absolute = dict(good, identity="absolute", files=[dict(good["files"][0], path="/etc/passwd")])
     put("absolute", json.dumps(absolute).encode())
@@ -277,13 +301,21 @@ def test_delta_with_wrong_adler32_fails_naming_the_tensor_and_leaves_the_base_in
     save_raw(diff_path, frames, meta)
     files = tuple(
         FileEntry(f.path, diff_path.stat().st_size, tuple(file_digests(diff_path, m2.chunk_size)), f.result)
-        if f.path == victim_file else f
+        if f.path == victim_file
+        else f
         for f in m2.files
     )
-    m2 = Manifest(identity=m2.identity, kind=m2.kind, policy_version=m2.policy_version,
-                  chunk_size=m2.chunk_size, files=files, created_at=m2.created_at,
-                  base_identity=m2.base_identity, compression_format=m2.compression_format,
-                  checksum_format=m2.checksum_format)
+    m2 = Manifest(
+        identity=m2.identity,
+        kind=m2.kind,
+        policy_version=m2.policy_version,
+        chunk_size=m2.chunk_size,
+        files=files,
+        created_at=m2.created_at,
+        base_identity=m2.base_identity,
+        compression_format=m2.compression_format,
+        checksum_format=m2.checksum_format,
+    )
     bucket.manifest_path("step000002").write_bytes(m2.to_json())
 
     assert daemon.prefetch("step000001")[0] == 202
@@ -330,9 +362,13 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
         for d in honest:
             d.wait_healthy()
         for d in honest:
-            wait_for(lambda d=d: {p["node_id"] for p in d.status()["peers"] if p["alive"]}, 120,
-                     f"{d.node_id} to see every other node alive", 0.1,
-                     until=lambda alive, d=d: alive == set(nodes) - {d.node_id})
+            wait_for(
+                lambda d=d: {p["node_id"] for p in d.status()["peers"] if p["alive"]},
+                120,
+                f"{d.node_id} to see every other node alive",
+                0.1,
+                until=lambda alive, d=d: alive == set(nodes) - {d.node_id},
+            )
 
         # The anchor: the liar is the HRW owner of some chunks and claims all of them.
         for d in honest:
@@ -345,9 +381,15 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
         # A delta whose base (step000002) neither daemon has: the liar claims every reconstructed
         # chunk, the daemons catch it and walk the chain instead. First let its penalty lapse.
         for d in honest:
-            wait_for(lambda d=d: d.status()["peers"], 120, f"{d.node_id} to see the liar alive and unpenalised", 0.1,
-                     until=lambda peers: not any(p["node_id"] == "liar" and (p["penalised"] or not p["alive"])
-                                                 for p in peers))
+            wait_for(
+                lambda d=d: d.status()["peers"],
+                120,
+                f"{d.node_id} to see the liar alive and unpenalised",
+                0.1,
+                until=lambda peers: (
+                    not any(p["node_id"] == "liar" and (p["penalised"] or not p["alive"]) for p in peers)
+                ),
+            )
         for d in honest:
             assert d.prefetch("step000003")[0] == 202
         for d in honest:
@@ -362,7 +404,9 @@ def test_lying_peer_is_caught_and_every_chunk_comes_from_elsewhere(tmp_path: Pat
         assert any(v > 0 for v in after_delta.values())
         keys = derive_keys(SECRET)
         p = f"/bdn/v1/{keys.swarm_id}/liar/stats"
-        status, body = raw_request(liar.url, "GET", p, {"Authorization": sign_request(keys, "GET", p, "tester", to="liar")})
+        status, body = raw_request(
+            liar.url, "GET", p, {"Authorization": sign_request(keys, "GET", p, "tester", to="liar")}
+        )
         assert status == 200 and json.loads(body)["chunks_lied"] >= sum(after_delta.values())
         assert json.loads(body)["wire_lied"] > 0  # the daemons asked it over the transfer wire
     finally:
@@ -405,9 +449,14 @@ def test_snapshot_without_manifest_waits_and_loads_once_it_appears(
     os.replace(bucket.manifest_path("step000001"), held)  # the upload is "still running"
 
     assert daemon.prefetch("step000001")[0] == 202
-    wait_for(lambda: daemon.get("/v1/snapshots/step000001"), 120, "the load to wait for its manifest",
-             until=lambda snap: snap["reason"].startswith("waiting for manifest"),
-             meanwhile=lambda snap: snap["state"] == "queued")
+    wait_for(
+        lambda: daemon.get("/v1/snapshots/step000001"),
+        120,
+        "the load to wait for its manifest",
+        until=lambda snap: snap["reason"].startswith("waiting for manifest"),
+        meanwhile=lambda snap: snap["state"] == "queued",
+    )
+
     # Several manifest polls pass (counted by the daemon in the reason, not timed here); it must
     # keep waiting, loading nothing.
     def still_waiting() -> int:
@@ -446,8 +495,13 @@ def test_a_penalty_redirects_the_requests_queued_for_the_lying_peer(tmp_path: Pa
         seed.wait_ready("step000001", 120)
         victim.start([seed.peer_url, liar.url])
         victim.wait_healthy()
-        wait_for(lambda: {p["node_id"] for p in victim.status()["peers"] if p["alive"]}, 120,
-                 "the victim to see the seed and the liar alive", 0.1, until=lambda alive: alive == {"seed", "liar"})
+        wait_for(
+            lambda: {p["node_id"] for p in victim.status()["peers"] if p["alive"]},
+            120,
+            "the victim to see the seed and the liar alive",
+            0.1,
+            until=lambda alive: alive == {"seed", "liar"},
+        )
         assert victim.prefetch("step000001")[0] == 202
         assert_same_files(Path(victim.wait_ready("step000001", 120)["path"]), ck1)
         st = victim.status()

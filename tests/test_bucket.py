@@ -111,9 +111,7 @@ class Ctx:
         return self.proxy is not None
 
 
-def _open_remote(
-    kind: str, name: str, proxy: S3Proxy, monkeypatch: pytest.MonkeyPatch, **options: object
-) -> Bucket:
+def _open_remote(kind: str, name: str, proxy: S3Proxy, monkeypatch: pytest.MonkeyPatch, **options: object) -> Bucket:
     url = f"{kind}://{name}/run-1"
     kwargs: dict[str, object] = dict(
         multipart_threshold=PART,
@@ -322,9 +320,7 @@ def test_multipart_write_file(ctx: Ctx, tmp_path: Path) -> None:
     view = memoryview(got)
     step = 4 * MiB
     for offset in range(0, len(data), step):
-        ctx.bucket.read_range_into(
-            "step000001/model.safetensors", offset, view[offset : offset + step]
-        )
+        ctx.bucket.read_range_into("step000001/model.safetensors", offset, view[offset : offset + step])
     assert got == data
     assert ctx.bucket.stats.snapshot()["put_bytes"] == len(data)
 
@@ -350,7 +346,22 @@ def test_small_write_file_is_one_put(ctx: Ctx, tmp_path: Path) -> None:
         ctx.bucket.write_file("x", tmp_path / "does-not-exist")
 
 
-BAD_KEYS = ["", "/abs", "..", "a/../b", "../b", "a/..", ".", "a/./b", "a//b", "a/", "a\\b", "a\x00b", "a\nb", "x" * 1100]
+BAD_KEYS = [
+    "",
+    "/abs",
+    "..",
+    "a/../b",
+    "../b",
+    "a/..",
+    ".",
+    "a/./b",
+    "a//b",
+    "a/",
+    "a\\b",
+    "a\x00b",
+    "a\nb",
+    "x" * 1100,
+]
 
 
 @pytest.mark.parametrize("key", BAD_KEYS, ids=lambda k: repr(k)[:16])
@@ -470,9 +481,7 @@ def test_conditional_read_refuses_a_replaced_object(ctx: Ctx) -> None:
     assert bytes(out[1000:2000]) == pattern(4000, seed=9)[1000:2000]
     if ctx.remote:
         gets = ctx.proxy.requests("GET", key=ctx.root_key + info.key)
-        assert [r.headers.get("if-match") for r in gets][-3:] == [
-            f'"{info.etag}"', f'"{info.etag}"', f'"{new.etag}"'
-        ]
+        assert [r.headers.get("if-match") for r in gets][-3:] == [f'"{info.etag}"', f'"{info.etag}"', f'"{new.etag}"']
         assert [r.status for r in gets][-3:] == [206, 412, 206]
 
 
@@ -736,9 +745,7 @@ def test_bad_urls_refused(url: str) -> None:
 # S3 API specifics: retries, errors, credentials, GCS quirks
 
 
-@pytest.mark.parametrize(
-    ("status", "code"), [(503, "SlowDown"), (500, "InternalError"), (429, "TooManyRequests")]
-)
+@pytest.mark.parametrize(("status", "code"), [(503, "SlowDown"), (500, "InternalError"), (429, "TooManyRequests")])
 def test_retries_then_success(rctx: Ctx, status: int, code: str) -> None:
     b, proxy = rctx.bucket, rctx.proxy
     assert proxy is not None
@@ -783,9 +790,7 @@ def test_retries_exhausted_is_bucket_unavailable(rctx: Ctx) -> None:
 
 def test_unreachable_endpoint_is_bucket_unavailable(bucket_name: str) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    b = open_bucket(
-        f"s3://{bucket_name}", endpoint_url=dead, max_attempts=2, retry_backoff_scale=0.001
-    )
+    b = open_bucket(f"s3://{bucket_name}", endpoint_url=dead, max_attempts=2, retry_backoff_scale=0.001)
     with pytest.raises(BucketUnavailable) as err:
         b.stat("k")
     assert "\n" not in str(err.value) and "127.0.0.1" in str(err.value)
@@ -847,9 +852,7 @@ def test_concurrency_is_bounded(proxy: S3Proxy, bucket_name: str, monkeypatch: p
     view = memoryview(out)
     piece = 64 * 1024
     threads = [
-        threading.Thread(
-            target=b.read_range_into, args=("obj", i, view[i : i + piece])
-        )
+        threading.Thread(target=b.read_range_into, args=("obj", i, view[i : i + piece]))
         for i in range(0, len(data), piece)
     ]
     for t in threads:
@@ -867,9 +870,7 @@ def _write_creds(path: Path, **fields: object) -> Path:
     return path
 
 
-def test_credentials_file_is_used(
-    rctx: Ctx, tmp_path: Path, bucket_name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_credentials_file_is_used(rctx: Ctx, tmp_path: Path, bucket_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     creds = _write_creds(
         tmp_path / "reader.json",
         aws_access_key_id="READERKEYID",
@@ -944,9 +945,7 @@ def test_gcs_needs_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
         open_bucket("gs://bucket/x", endpoint_url="http://127.0.0.1:9")
 
 
-def test_aws_endpoint_url_env_is_honoured(
-    proxy: S3Proxy, bucket_name: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_aws_endpoint_url_env_is_honoured(proxy: S3Proxy, bucket_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     b = open_bucket(f"s3://{bucket_name}")
     b.write("k", b"v")

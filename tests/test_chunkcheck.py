@@ -52,8 +52,9 @@ def test_a_lying_report_changes_nothing_and_the_scrub_repairs_a_bad_chunk(tmp_pa
         assert set(modes.values()) == {0o444}, modes
         # A report on a good chunk: re-hashed, refuted, nothing dropped.
         assert _report(d, shard.chunks[1]) == 202
-        wait_for(lambda: _metric(d, "bdn_bad_chunk_reports_refuted_total") == 1, 120, "report refuted", 0.1,
-                 detail=d.log)
+        wait_for(
+            lambda: _metric(d, "bdn_bad_chunk_reports_refuted_total") == 1, 120, "report refuted", 0.1, detail=d.log
+        )
         assert d.get("/v1/snapshots/step000001")["state"] == "ready"
         assert _metric(d, "bdn_chunks_quarantined_total") == 0
         # A chunk gone bad that nobody reports: the scrub finds it, quarantines, re-fetches it.
@@ -87,8 +88,13 @@ def test_a_receiver_reports_a_bad_chunk_and_the_sender_repairs_it(tmp_path: Path
         assert receiver.prefetch("step000001")[0] == 202
         receiver.wait_ready("step000001")
         assert _ready_bytes(receiver) == good
-        wait_for(lambda: _metric(sender, "bdn_chunks_quarantined_total") == 1, 120, "sender quarantined", 0.1,
-                 detail=sender.log)
+        wait_for(
+            lambda: _metric(sender, "bdn_chunks_quarantined_total") == 1,
+            120,
+            "sender quarantined",
+            0.1,
+            detail=sender.log,
+        )
         wait_for(lambda: _ready_bytes(sender) == good, 120, "sender repaired", 0.1, detail=sender.log)
         assert _metric(sender, "bdn_bad_chunk_reports_refuted_total") == 0
     finally:

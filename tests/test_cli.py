@@ -24,8 +24,13 @@ NOTHING = "step000009"  # never published: nothing under step000009/ in the buck
 
 
 def bdnctl(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", url, *args],
-                          capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    return subprocess.run(
+        [sys.executable, "-m", "bdn.cli.bdnctl", "--url", url, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ.copy(),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +98,9 @@ def test_prefetch_cancel_and_path_say_what_happened(daemon: Daemon) -> None:
 
 
 def _bdnd_exit(d: Daemon, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bdn.daemon.main"], env={**d.env, **env},
-                          capture_output=True, text=True, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-m", "bdn.daemon.main"], env={**d.env, **env}, capture_output=True, text=True, timeout=240
+    )
 
 
 @pytest.mark.parametrize("key", ["peer_listen", "local_listen", "transfer_listen"])
@@ -108,7 +114,8 @@ def test_bdnd_on_a_port_in_use_exits_2_with_one_line(key: str, bucket: str, tmp_
     assert r.returncode == 2, r  # exit 1 and "cannot listen: [Errno 98] error while ..." before
     assert r.stderr.strip().splitlines() == [
         f"bdnd: error: {key} {address} is in use (Address already in use: another process listens there; "
-        "stop it or choose another address)"], r
+        "stop it or choose another address)"
+    ], r
     assert "Traceback" not in r.stdout + r.stderr
 
 
@@ -127,8 +134,10 @@ def test_bdnd_on_a_unix_socket_in_use_exits_2_and_leaves_it(bucket: str, tmp_pat
         holder.listen()
         r = _bdnd_exit(d, {"BDN_LOCAL_SOCKET": path})
         assert r.returncode == 2, r  # before: unlinked the holder's socket and took the path
-        assert r.stderr.strip().splitlines() == [f"bdnd: error: local_socket {path} is in use (another process "
-                                                 "accepts connections on it; stop it or choose another path)"], r
+        assert r.stderr.strip().splitlines() == [
+            f"bdnd: error: local_socket {path} is in use (another process "
+            "accepts connections on it; stop it or choose another path)"
+        ], r
         with socket.socket(socket.AF_UNIX) as client:
             client.connect(path)  # still the holder's
     # the holder is gone, its socket file stays (a crash): stale, so bdnd removes it and binds
@@ -143,11 +152,24 @@ def test_bdnd_on_a_unix_socket_in_use_exits_2_and_leaves_it(bucket: str, tmp_pat
 
 
 def test_bdn_publish_usage_errors_are_one_line(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "bdn.cli.publish", "full", "--dir", str(tmp_path), "--bucket", f"file://{tmp_path}/b",
-           "--identity", "step000001", "--policy-version", "-1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bdn.cli.publish",
+        "full",
+        "--dir",
+        str(tmp_path),
+        "--bucket",
+        f"file://{tmp_path}/b",
+        "--identity",
+        "step000001",
+        "--policy-version",
+        "-1",
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.splitlines() == [  # before: the whole usage block, then the line
-        "bdn-publish: error: argument --policy-version: must be >= 0 (see bdn-publish full --help)"], r
+        "bdn-publish: error: argument --policy-version: must be >= 0 (see bdn-publish full --help)"
+    ], r
     r = subprocess.run([*cmd[:-1], "1", "--chunk-size", "7", "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and '"exit_code": 2' in r.stdout and len(r.stderr.splitlines()) == 1, r
 

@@ -45,17 +45,61 @@ def test_usage_errors_exit_2_before_anything_is_contacted(ckpt: Path, tmp_path: 
     snap = ["--dir", str(ckpt), "--bucket", bucket, "--policy-version", "1"]
     cases = {
         "publish identity": ("bdn.cli.publish", "full", *snap, "--identity", "a/b"),
-        "publish bucket url": ("bdn.cli.publish", "full", "--dir", str(ckpt), "--bucket", "foo://x", "--identity", "a",
-                               "--policy-version", "1"),
-        "publish compression": ("bdn.cli.publish", "delta", *snap, "--identity", "b", "--base", "a",
-                                "--compression-format", "zz"),
-        "publish missing dir": ("bdn.cli.publish", "full", "--dir", str(tmp_path / "nope"), "--bucket", bucket,
-                                "--identity", "a", "--policy-version", "1"),
-        "publish credentials": ("bdn.cli.publish", "full", *snap, "--identity", "a",
-                                "--credentials-file", str(tmp_path / "nope.json")),
+        "publish bucket url": (
+            "bdn.cli.publish",
+            "full",
+            "--dir",
+            str(ckpt),
+            "--bucket",
+            "foo://x",
+            "--identity",
+            "a",
+            "--policy-version",
+            "1",
+        ),
+        "publish compression": (
+            "bdn.cli.publish",
+            "delta",
+            *snap,
+            "--identity",
+            "b",
+            "--base",
+            "a",
+            "--compression-format",
+            "zz",
+        ),
+        "publish missing dir": (
+            "bdn.cli.publish",
+            "full",
+            "--dir",
+            str(tmp_path / "nope"),
+            "--bucket",
+            bucket,
+            "--identity",
+            "a",
+            "--policy-version",
+            "1",
+        ),
+        "publish credentials": (
+            "bdn.cli.publish",
+            "full",
+            *snap,
+            "--identity",
+            "a",
+            "--credentials-file",
+            str(tmp_path / "nope.json"),
+        ),
         "publish startup identity": ("bdn.cli.publish", "startup", "--bucket", bucket, "--identity", ".."),
         "bdnctl verify timeout": ("bdn.cli.bdnctl", "--url", dead, "verify", "step000001", "--timeout", "-1"),
-        "bdnctl inflight policy": ("bdn.cli.bdnctl", "--url", dead, "hot-load", "step000002", "--inflight-policy", "bogus"),
+        "bdnctl inflight policy": (
+            "bdn.cli.bdnctl",
+            "--url",
+            dead,
+            "hot-load",
+            "step000002",
+            "--inflight-policy",
+            "bogus",
+        ),
         "bdnctl previous": ("bdn.cli.bdnctl", "--url", dead, "hot-load", "step000002", "--previous", "../x"),
         "bdnctl engines remove": ("bdn.cli.bdnctl", "--url", dead, "engines", "--remove", ""),
         "bdnctl timeout nan": ("bdn.cli.bdnctl", "--url", dead, "prefetch", "step000001", "--wait", "--timeout", "nan"),
@@ -70,7 +114,9 @@ def test_usage_errors_exit_2_before_anything_is_contacted(ckpt: Path, tmp_path: 
     assert not (tmp_path / "bucket").exists()  # nothing was published
 
 
-def _options(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], argparse.Action]]:
+def _options(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> list[tuple[tuple[str, ...], argparse.Action]]:
     """Every (subcommand path, option) of ``parser`` and its subparsers."""
     out = []
     for a in parser._actions:
@@ -86,10 +132,15 @@ def _tells_default(a: argparse.Action) -> bool:
     return a.default in (None, False, "", [], argparse.SUPPRESS) or isinstance(a, argparse._VersionAction)
 
 
-@pytest.mark.parametrize("module,parser", [
-    ("bdn.cli.bdnctl", bdnctl._parser), ("bdn.cli.publish", publish.build_parser),
-    ("bdn.engines", engines_parser), ("bdn.daemon.main", None),
-])
+@pytest.mark.parametrize(
+    "module,parser",
+    [
+        ("bdn.cli.bdnctl", bdnctl._parser),
+        ("bdn.cli.publish", publish.build_parser),
+        ("bdn.engines", engines_parser),
+        ("bdn.daemon.main", None),
+    ],
+)
 def test_every_help_shows_the_defaults(module: str, parser) -> None:  # type: ignore[no-untyped-def]
     every = parser is None  # bdnd: its flags default to None (the config's defaults apply), all told
     if parser is None:
@@ -142,11 +193,17 @@ def test_bdnctl_status_shows_readiness_and_why(tmp_path: Path) -> None:
 
 
 def test_a_swap_is_told_in_plain_words() -> None:
-    assert describe_swap({"mode": "partial", "tensors_copied": 75, "tensors_total": 75, "pause_ms": 0.4}) == \
-        "swapped all 75 tensors in place (every one changed), paused 0.40 ms"
-    assert describe_swap({"mode": "partial", "tensors_copied": 13, "tensors_total": 51}) == \
-        "swapped the 13 changed tensors of 51 in place (38 unchanged)"
-    assert describe_swap({"mode": "load", "full_reload_reason": "config.json changed"}) == \
-        "loaded a new model object (config.json changed)"
+    assert (
+        describe_swap({"mode": "partial", "tensors_copied": 75, "tensors_total": 75, "pause_ms": 0.4})
+        == "swapped all 75 tensors in place (every one changed), paused 0.40 ms"
+    )
+    assert (
+        describe_swap({"mode": "partial", "tensors_copied": 13, "tensors_total": 51})
+        == "swapped the 13 changed tensors of 51 in place (38 unchanged)"
+    )
+    assert (
+        describe_swap({"mode": "load", "full_reload_reason": "config.json changed"})
+        == "loaded a new model object (config.json changed)"
+    )
     assert describe_swap({"mode": "full", "engine": "vllm"}) == "reloaded every weight from the snapshot"
     assert describe_swap("garbage") == "no swap report"

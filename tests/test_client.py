@@ -55,14 +55,23 @@ SHARD2 = "model-00002-of-00002.safetensors"
 def write_ready(directory: Path, identity: str, policy_version: int, *, chunk_size: int = CHUNK) -> None:
     """Write ``directory/READY`` (format bdn.ready/1, README.md) describing every file in ``directory``."""
     files = [
-        {"path": p.relative_to(directory).as_posix(), "size": p.stat().st_size,
-         "chunks": file_digests(p, chunk_size)}
-        for p in sorted(directory.rglob("*")) if p.is_file() and p.name != "READY"
+        {"path": p.relative_to(directory).as_posix(), "size": p.stat().st_size, "chunks": file_digests(p, chunk_size)}
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != "READY"
     ]
-    (directory / "READY").write_text(json.dumps({
-        "format": "bdn.ready/1", "identity": identity, "kind": "full", "policy_version": policy_version,
-        "base_identity": None, "chunk_size": chunk_size, "files": files,
-    }))
+    (directory / "READY").write_text(
+        json.dumps(
+            {
+                "format": "bdn.ready/1",
+                "identity": identity,
+                "kind": "full",
+                "policy_version": policy_version,
+                "base_identity": None,
+                "chunk_size": chunk_size,
+                "files": files,
+            }
+        )
+    )
 
 
 def write_checkpoint(d: Path, seed: int) -> dict[str, np.ndarray]:
@@ -131,8 +140,11 @@ class Bdnd:
         """Publish a fresh snapshot (each test its own identity: the daemon is shared)."""
         assert identity not in self.published, identity
         self.published.add(identity)
-        src = write_hf_dir(self.root / "trainer" / identity,
-                           make_state(policy_version, scale=SLOW_SCALE if slow else 1), policy_version)
+        src = write_hf_dir(
+            self.root / "trainer" / identity,
+            make_state(policy_version, scale=SLOW_SCALE if slow else 1),
+            policy_version,
+        )
         publish_full(self.bucket, identity, policy_version, dir=src, chunk_size=64 << 10)
 
 
@@ -153,13 +165,20 @@ def bdnd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bdnd]:
     m["compression_format"] = "arc_v3"
     manifest.write_text(json.dumps(m))
     sock = root / "bdnd.sock"
-    daemon = Daemon(root / "nodes", "client-node", bucket, extra_env={
-        "BDN_LOAD_STARTUP": "false", "BDN_LOCAL_SOCKET": str(sock),
-        "BDN_MANIFEST_WAIT_S": "3600", "BDN_BUCKET_MBIT": str(BUCKET_MBIT),
-        # Shared by every test, each publishing its own snapshot: GC (keep 2 newest after a 60 s
-        # grace) would drop step000002, which later tests read, once the module runs past 60 s.
-        "BDN_KEEP_READY": "1000",
-    })
+    daemon = Daemon(
+        root / "nodes",
+        "client-node",
+        bucket,
+        extra_env={
+            "BDN_LOAD_STARTUP": "false",
+            "BDN_LOCAL_SOCKET": str(sock),
+            "BDN_MANIFEST_WAIT_S": "3600",
+            "BDN_BUCKET_MBIT": str(BUCKET_MBIT),
+            # Shared by every test, each publishing its own snapshot: GC (keep 2 newest after a 60 s
+            # grace) would drop step000002, which later tests read, once the module runs past 60 s.
+            "BDN_KEEP_READY": "1000",
+        },
+    )
     b = Bdnd(daemon, bucket, root, sock, arrays, published={"step000001", "step000002", FAILING})
     try:
         daemon.start([])
@@ -181,6 +200,7 @@ def free_port() -> int:
 
 
 # -- Snapshot (zero-copy directory access) -------------------------------------------------------
+
 
 def test_open_snapshot_tensors_bit_exact_and_zero_copy(snap: tuple[Path, dict[str, np.ndarray]]) -> None:
     d, arrays = snap
@@ -297,6 +317,7 @@ def test_close_releases_mappings(snap: tuple[Path, dict[str, np.ndarray]]) -> No
 
 # -- DaemonClient ---------------------------------------------------------------------------------
 
+
 def test_health_status_snapshots_over_tcp_and_unix_socket(bdnd: Bdnd) -> None:
     for url in (bdnd.url, f"unix://{bdnd.socket}"):
         with DaemonClient(url) as c:
@@ -353,15 +374,18 @@ def test_daemon_refuses_a_tensor_named_in_two_shards(bdnd: Bdnd) -> None:
             c.read_tensor(ident, "w")
         assert exc.value.status == 409
         assert SHARD1 in str(exc.value) and SHARD2 in str(exc.value)
-        assert (c.read_file(ident, SHARD2) == (src / SHARD2).read_bytes())  # the files themselves are served
+        assert c.read_file(ident, SHARD2) == (src / SHARD2).read_bytes()  # the files themselves are served
 
 
 def test_read_tensor_of_zero_elements_leaves_the_client_usable(bdnd: Bdnd) -> None:
     """Issue 12 item 6: a 0-byte body must not leave the kept-alive connection half-read."""
     src = bdnd.root / "trainer" / "step000043"
     src.mkdir(parents=True)
-    save_file({"empty": np.zeros((0, 4), np.float32), "w": np.arange(6, dtype=np.float32)},
-              str(src / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {"empty": np.zeros((0, 4), np.float32), "w": np.arange(6, dtype=np.float32)},
+        str(src / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     bdnd.published.add("step000043")
     publish_full(bdnd.bucket, "step000043", 43, dir=src, chunk_size=64 << 10)
     assert bdnd.daemon.prefetch("step000043")[0] == 202
@@ -455,6 +479,7 @@ def test_unreachable_daemon() -> None:
 
 # -- bdnctl ---------------------------------------------------------------------------------------
 
+
 def run_bdnctl(*args: str, url: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "BDN_URL"}
     if url:
@@ -481,8 +506,9 @@ def test_bdnctl_prefetch_wait_exit_codes(bdnd: Bdnd) -> None:
     bdnd.publish("step000013", 13)
     r = run_bdnctl("prefetch", "step000013", "--wait", "--timeout", "60", url=bdnd.url)
     assert r.returncode == 0, r.stderr
-    assert re.fullmatch(rf"step000013 ready in [0-9.]+ s: {re.escape(str(bdnd.snapshot_dir('step000013')))}",
-                        r.stdout.strip())
+    assert re.fullmatch(
+        rf"step000013 ready in [0-9.]+ s: {re.escape(str(bdnd.snapshot_dir('step000013')))}", r.stdout.strip()
+    )
     r = run_bdnctl("prefetch", FAILING, "--wait", url=bdnd.url)
     assert r.returncode == 1
     last = r.stderr.strip().splitlines()[-1]
@@ -515,8 +541,14 @@ def test_bdnctl_prefetch_shows_progress_bar_on_a_terminal(bdnd: Bdnd) -> None:
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     env = {k: v for k, v in os.environ.items() if k != "BDN_URL"}
-    proc = subprocess.run([str(BDNCTL), "--url", bdnd.url, "prefetch", "step000023", "--wait"],
-                          stdout=subprocess.PIPE, stderr=slave, env=env, text=True, timeout=240)
+    proc = subprocess.run(
+        [str(BDNCTL), "--url", bdnd.url, "prefetch", "step000023", "--wait"],
+        stdout=subprocess.PIPE,
+        stderr=slave,
+        env=env,
+        text=True,
+        timeout=240,
+    )
     os.close(slave)
     reader.join(10)
     os.close(master)
@@ -591,6 +623,7 @@ def test_bdnctl_main_in_process(bdnd: Bdnd, capsys: pytest.CaptureFixture[str]) 
 
 # -- against the real daemon ----------------------------------------------------------------------
 
+
 def test_against_real_bdnd(tmp_path: Path) -> None:
     from bdn.publish import publish_full, publish_startup
     from support.checkpoints import make_state, write_hf_dir
@@ -626,9 +659,13 @@ def test_against_real_bdnd(tmp_path: Path) -> None:
             with pytest.raises(DaemonError) as exc:
                 c.snapshot("step999999")
             assert exc.value.status == 404 and "step999999" in str(exc.value)
-        for args, code in ((["status"], 0), (["snapshots"], 0), (["verify", "step000002"], 0),
-                           (["verify", "step999999"], 1),
-                           (["prefetch", "step000009", "--wait", "--timeout", "0.5"], 1)):
+        for args, code in (
+            (["status"], 0),
+            (["snapshots"], 0),
+            (["verify", "step000002"], 0),
+            (["verify", "step999999"], 1),
+            (["prefetch", "step000009", "--wait", "--timeout", "0.5"], 1),
+        ):
             r = run_bdnctl(*args, url=url)
             assert r.returncode == code, (args, r.stdout, r.stderr)
         assert "step000002" in run_bdnctl("snapshots", url=url).stdout

@@ -39,7 +39,9 @@ def test_peer_urls_must_be_http_urls(base: dict[str, str], peers: str) -> None:
     with pytest.raises(ConfigError, match="'peers' must hold URLs http://host:port"):
         _load({**base, "BDN_PEERS": peers})
     assert _load({**base, "BDN_PEERS": "http://10.0.0.2:7080,https://[::1]:7080/"}).peers == [
-        "http://10.0.0.2:7080", "https://[::1]:7080"]
+        "http://10.0.0.2:7080",
+        "https://[::1]:7080",
+    ]
 
 
 def test_unknown_log_level(base: dict[str, str]) -> None:
@@ -55,10 +57,16 @@ def test_event_loop(base: dict[str, str]) -> None:
         _load({**base, "BDN_EVENT_LOOP": "trio"})
 
 
-@pytest.mark.parametrize("env", [
-    {"BDN_KEEP_READY": "-1"}, {"BDN_PEER_TIMEOUT_S": "-5"}, {"BDN_MAX_UPLOADS": "0"},
-    {"BDN_CHUNK_WAIT_S": "nan"}, {"BDN_SHM_BUDGET_BYTES": "-1e9"},
-])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"BDN_KEEP_READY": "-1"},
+        {"BDN_PEER_TIMEOUT_S": "-5"},
+        {"BDN_MAX_UPLOADS": "0"},
+        {"BDN_CHUNK_WAIT_S": "nan"},
+        {"BDN_SHM_BUDGET_BYTES": "-1e9"},
+    ],
+)
 def test_negative_durations_and_counts_refused(base: dict[str, str], env: dict[str, str]) -> None:
     (name,) = env
     with pytest.raises(ConfigError, match=name[4:].lower()):
@@ -82,10 +90,10 @@ def test_bdnd_table_beside_another_table(base: dict[str, str], tmp_path: Path) -
     cfg.write_text('[bdnd]\nkeep_ready = 3\n\n[engine]\nname = "x"\n')
     with pytest.raises(ConfigError, match=r"keys outside the \[bdnd\] table: engine"):
         _load(base, cfg)
-    cfg.write_text('[other]\nkeep_ready = 3\n')
+    cfg.write_text("[other]\nkeep_ready = 3\n")
     with pytest.raises(ConfigError, match=r"unknown table \[other\]"):
         _load(base, cfg)
-    cfg.write_text('[bdnd]\nkeep_ready = 3\n')
+    cfg.write_text("[bdnd]\nkeep_ready = 3\n")
     assert _load(base, cfg).keep_ready == 3
 
 
@@ -108,21 +116,47 @@ def test_local_api_needs_a_listener(base: dict[str, str], tmp_path: Path) -> Non
 # "bdnd: error: <line>" and exits 2; that path is run as a process for one flag below and for one
 # config file in test_deploy.py.
 FILE_ERRORS = {
-    "unknown-key": ('bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nbogus_key = 1\n', ["bogus_key", "{cfg}"]),
+    "unknown-key": (
+        'bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nbogus_key = 1\n',
+        ["bogus_key", "{cfg}"],
+    ),
     "wrong-type": ('bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\npeers = 5\n', ["peers", "{cfg}"]),
-    "missing-secret-file": ('bucket = "file:///tmp/b"\npartition_secret_file = "{tmp}/nope.secret"\n', ["partition_secret_file", "{tmp}/nope.secret"]),
-    "secret-is-a-directory": ('bucket = "file:///tmp/b"\npartition_secret_file = "{tmp}"\n', ["partition_secret_file", "{tmp}"]),
+    "missing-secret-file": (
+        'bucket = "file:///tmp/b"\npartition_secret_file = "{tmp}/nope.secret"\n',
+        ["partition_secret_file", "{tmp}/nope.secret"],
+    ),
+    "secret-is-a-directory": (
+        'bucket = "file:///tmp/b"\npartition_secret_file = "{tmp}"\n',
+        ["partition_secret_file", "{tmp}"],
+    ),
     "toml-syntax": ('bucket = "file:///tmp/b\npartition_secret_file = "{secret}"\n', ["{cfg}", "TOML"]),
-    "unknown-key-in-bdnd-table": ('[bdnd]\nbucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\npeer_port = 7080\n', ["peer_port"]),
+    "unknown-key-in-bdnd-table": (
+        '[bdnd]\nbucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\npeer_port = 7080\n',
+        ["peer_port"],
+    ),
     # issue 12, item 9: these exited 1 with a traceback or a log line, or were accepted
     "malformed-s3-url": ('bucket = "s3:/x"\npartition_secret_file = "{secret}"\n', ["bucket", "s3:/x"]),
-    "relative-file-url": ('bucket = "file://relative"\npartition_secret_file = "{secret}"\n', ["bucket", "file:///absolute/path"]),
-    "http-url": ('bucket = "http://example.invalid/b"\npartition_secret_file = "{secret}"\n', ["bucket", "http://example.invalid/b"]),
-    "unknown-log-level": ('bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nlog_level = "loud"\n', ["log_level", "loud"]),
-    "negative-count": ('bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nkeep_ready = -1\n', ["keep_ready", ">= 0"]),
-    "bdnd-table-beside-another": ('[bdnd]\nbucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\n[engine]\nname = "x"\n', ["outside the [bdnd] table: engine"]),
+    "relative-file-url": (
+        'bucket = "file://relative"\npartition_secret_file = "{secret}"\n',
+        ["bucket", "file:///absolute/path"],
+    ),
+    "http-url": (
+        'bucket = "http://example.invalid/b"\npartition_secret_file = "{secret}"\n',
+        ["bucket", "http://example.invalid/b"],
+    ),
+    "unknown-log-level": (
+        'bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nlog_level = "loud"\n',
+        ["log_level", "loud"],
+    ),
+    "negative-count": (
+        'bucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\nkeep_ready = -1\n',
+        ["keep_ready", ">= 0"],
+    ),
+    "bdnd-table-beside-another": (
+        '[bdnd]\nbucket = "file:///tmp/b"\npartition_secret_file = "{secret}"\n[engine]\nname = "x"\n',
+        ["outside the [bdnd] table: engine"],
+    ),
 }
-
 
 
 @pytest.mark.parametrize("case", list(FILE_ERRORS))
@@ -141,15 +175,20 @@ def test_config_file_error_is_one_line_naming_the_key(tmp_path: Path, case: str)
         assert n.format(**subs) in line, line
 
 
-@pytest.mark.parametrize("env, overrides, needle", [
-    ({"BDN_PEER_TIMEOUT_S": "-5"}, {}, "peer_timeout_s"),
-    ({"BDN_PEER_TIMEOUT": "5"}, {}, "BDN_PEER_TIMEOUT: unknown variable"),
-    ({"BDN_SHM_BUDGET_BYTES": "1e9x"}, {}, "expected an integer"),
-    ({}, {"local_listen": "0.0.0.0:7081"}, "not a loopback address"),
-    ({}, {"local_listen": ""}, "local_listen (loopback host:port) or local_socket"),
-], ids=["negative-env", "unknown-env", "bad-number-env", "remote-local-api", "no-local-api"])
-def test_bad_config_is_one_line_naming_the_key(base: dict[str, str], env: dict[str, str],
-                                               overrides: dict[str, object], needle: str) -> None:
+@pytest.mark.parametrize(
+    "env, overrides, needle",
+    [
+        ({"BDN_PEER_TIMEOUT_S": "-5"}, {}, "peer_timeout_s"),
+        ({"BDN_PEER_TIMEOUT": "5"}, {}, "BDN_PEER_TIMEOUT: unknown variable"),
+        ({"BDN_SHM_BUDGET_BYTES": "1e9x"}, {}, "expected an integer"),
+        ({}, {"local_listen": "0.0.0.0:7081"}, "not a loopback address"),
+        ({}, {"local_listen": ""}, "local_listen (loopback host:port) or local_socket"),
+    ],
+    ids=["negative-env", "unknown-env", "bad-number-env", "remote-local-api", "no-local-api"],
+)
+def test_bad_config_is_one_line_naming_the_key(
+    base: dict[str, str], env: dict[str, str], overrides: dict[str, object], needle: str
+) -> None:
     with pytest.raises(ConfigError) as e:
         _load({**base, **env}, **overrides)
     assert "\n" not in str(e.value) and needle in str(e.value), e.value
@@ -161,8 +200,9 @@ def test_every_key_has_help() -> None:
 
 
 def _bdnd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bdn.daemon.main", *args], capture_output=True, text=True,
-                          env=env, timeout=240)  # generous: imports alone took 60+ s on a loaded machine
+    return subprocess.run(
+        [sys.executable, "-m", "bdn.daemon.main", *args], capture_output=True, text=True, env=env, timeout=240
+    )  # generous: imports alone took 60+ s on a loaded machine
 
 
 def test_bdnd_help_lists_every_key_with_its_variable() -> None:

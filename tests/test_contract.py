@@ -21,16 +21,20 @@ def test_checksum_format_accepts_both_spellings() -> None:
 
 
 def test_parse_request_takes_adler32_and_no_compression_format() -> None:
-    ident, meta = parse_request(b'{"identity": "step000002", "incremental_snapshot_metadata":'
-                                b' {"previous_snapshot_identity": "step000001", "checksum_format": "adler32"}}')
+    ident, meta = parse_request(
+        b'{"identity": "step000002", "incremental_snapshot_metadata":'
+        b' {"previous_snapshot_identity": "step000001", "checksum_format": "adler32"}}'
+    )
     assert ident == "step000002" and "compression_format" not in meta  # type: ignore[operator]
 
 
 def test_request_key_identifies_the_same_hot_load() -> None:
-    a = contract.request_key("s2", {"previous_snapshot_identity": "s1", "checksum_format": "adler32",
-                                    "compression_format": "ARC_V2"})
-    b = contract.request_key("s2", {"previous_snapshot_identity": "s1", "checksum_format": "alder32",
-                                    "compression_format": "arc_v2"})
+    a = contract.request_key(
+        "s2", {"previous_snapshot_identity": "s1", "checksum_format": "adler32", "compression_format": "ARC_V2"}
+    )
+    b = contract.request_key(
+        "s2", {"previous_snapshot_identity": "s1", "checksum_format": "alder32", "compression_format": "arc_v2"}
+    )
     assert a == b
     assert contract.request_key("s2", None) == contract.request_key("s2", {})
     assert contract.request_key("s2", None) != a
@@ -70,11 +74,13 @@ def test_config_mismatch_names_the_field() -> None:
     base = {"architectures": ["Llama"], "hidden_size": 4096, "torch_dtype": "bfloat16"}
     assert contract.config_mismatch(base, dict(base, torch_dtype="float16")) is None
     assert contract.config_mismatch(base, dict(base, hidden_size=8192)) == (
-        "Config value mismatch for hidden_size: base 4096, target 8192")
+        "Config value mismatch for hidden_size: base 4096, target 8192"
+    )
     assert contract.config_mismatch(base, dict(base, vocab_size=1)).startswith("Config value mismatch for vocab_size")
     nested = {"text_config": {"num_hidden_layers": 32}}
     assert contract.config_mismatch(nested, {"text_config": {"num_hidden_layers": 40}}).startswith(
-        "Config value mismatch for text_config.num_hidden_layers")
+        "Config value mismatch for text_config.num_hidden_layers"
+    )
     with pytest.raises(Conflict, match="not JSON"):
         contract.parse_config(b"{", "s2/config.json")
     with pytest.raises(Conflict, match="not a JSON object"):

@@ -24,9 +24,13 @@ SLOW = {"BDN_BUCKET_MBIT": "8", "BDN_BUCKET_CONCURRENCY": "1", "BDN_LOAD_STARTUP
 
 
 def _downloading(d: Daemon, identity: str) -> None:
-    snap = wait_for(lambda: d.get(f"/v1/snapshots/{identity}"), 120, f"{identity}'s first bytes",
-                    until=lambda snap: snap["bytes_done"] > 0,
-                    meanwhile=lambda snap: snap["state"] in ("queued", "downloading"))
+    snap = wait_for(
+        lambda: d.get(f"/v1/snapshots/{identity}"),
+        120,
+        f"{identity}'s first bytes",
+        until=lambda snap: snap["bytes_done"] > 0,
+        meanwhile=lambda snap: snap["state"] in ("queued", "downloading"),
+    )
     assert snap["state"] == "downloading", snap
 
 

@@ -107,6 +107,7 @@ def test_a_member_s_own_message_and_a_seed_s_table_are_admitted_at_once() -> Non
 
 # ---- real daemons -----------------------------------------------------------------------------
 
+
 @pytest.fixture()
 def swarm(tmp_path: Path) -> Iterator[Swarm]:
     with Swarm(tmp_path / "work", 2, f"file://{tmp_path}", extra_env={"BDN_LOAD_STARTUP": "false"}) as s:
@@ -118,8 +119,12 @@ def members(d: Daemon, message: dict[str, Any]) -> tuple[int, Any]:
     path = f"/bdn/v1/{KEYS.swarm_id}/members"
     conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=60)
     try:
-        conn.request("POST", path, body=msgpack.packb({"m": message}),
-                     headers={"Authorization": sign_request(KEYS, "POST", path, "evil", to=d.node_id)})
+        conn.request(
+            "POST",
+            path,
+            body=msgpack.packb({"m": message}),
+            headers={"Authorization": sign_request(KEYS, "POST", path, "evil", to=d.node_id)},
+        )
         r = conn.getresponse()
         body = r.read()
         return r.status, msgpack.unpackb(body) if r.status == 200 else body
@@ -135,8 +140,11 @@ def test_a_flood_of_invented_members_stays_out_and_a_real_joiner_gets_in(swarm: 
     assert status == 200, ans
     table = {u[0] for r in ans["m"] if r["k"] == "sync_ack" for u in r.get("u", [])}
     assert not any(n.startswith("fake") for n in table), len(table)
-    wait_for(lambda: node0.status()["membership"].get("newcomers_refused", 0) >= FLOOD - 16, 120,
-             "node0 to count the refused newcomers")
+    wait_for(
+        lambda: node0.status()["membership"].get("newcomers_refused", 0) >= FLOOD - 16,
+        120,
+        "node0 to count the refused newcomers",
+    )
     st = node0.status()
     assert st["membership"]["newcomers_waiting"] <= 16 and st["membership"]["members"] <= 3, st["membership"]
     assert {p["node_id"] for p in st["peers"]} <= {"node1", "evil", ""}, st["peers"]
@@ -144,10 +152,15 @@ def test_a_flood_of_invented_members_stays_out_and_a_real_joiner_gets_in(swarm: 
     # once it answered node1's probe (or pinged node1 itself)
     node2 = Daemon(tmp_path / "work", "node2", f"file://{tmp_path}", extra_env={"BDN_LOAD_STARTUP": "false"})
     with running(node2, [node0.peer_url]):
+
         def sees(d: Daemon, other: str) -> bool:
             return any(p["node_id"] == other and p["alive"] for p in d.status()["peers"])
-        wait_for(lambda: sees(node1, "node2") and sees(node2, "node1") and sees(node0, "node2"), 120,
-                 "node2 to be admitted by node0 and node1")
+
+        wait_for(
+            lambda: sees(node1, "node2") and sees(node2, "node1") and sees(node0, "node2"),
+            120,
+            "node2 to be admitted by node0 and node1",
+        )
         assert sees(node0, "node1") and sees(node1, "node0")
 
 
@@ -167,8 +180,10 @@ def test_a_second_live_member_s_word_admits_a_newcomer_one_member_and_its_aliase
 
 # ---- designated confirmers (bdn.control.probation.confirms) -------------------------------------
 
+
 def test_about_confirmers_members_of_a_large_fleet_confirm_a_newcomer_and_all_of_a_small_one() -> None:
     from bdn.control.probation import confirms
+
     fleet = [f"m{i}" for i in range(10_000)]
     counts = [sum(confirms(m, f"joiner{j}", len(fleet), 16) for m in fleet) for j in range(20)]
     assert 4 <= min(counts) and max(counts) <= 40 and 12 <= sum(counts) / len(counts) <= 20
@@ -178,6 +193,7 @@ def test_about_confirmers_members_of_a_large_fleet_confirm_a_newcomer_and_all_of
 
 def _fleet(n: int, t: list[float]) -> dict[str, Swim]:
     from bdn.control.members import MemberBase
+
     base = MemberBase({f"m{i}": f"http://m{i}" for i in range(n)}, 0.0)
     out = {}
     for i in range(n):
@@ -189,6 +205,7 @@ def _fleet(n: int, t: list[float]) -> dict[str, Swim]:
 
 def test_only_designated_confirmers_probe_a_newcomer_heard_of_second_hand() -> None:
     from bdn.control.probation import confirms
+
     t = [0.0]
     fleet = _fleet(200, t)
     n = len(fleet)
@@ -209,6 +226,7 @@ def test_only_designated_confirmers_probe_a_newcomer_heard_of_second_hand() -> N
 
 def test_a_joiner_pings_its_confirmers_and_their_word_alone_admits_it_at_a_rate() -> None:
     from bdn.control.probation import confirms
+
     t = [0.0]
     fleet = _fleet(200, t)
     n = len(fleet) + 1

@@ -90,5 +90,6 @@ def test_a_shared_view_syncs_the_same_table_as_a_full_one() -> None:
     assert s.status("n00005") == "dead"
     table = {u.node: (u.status, u.incarnation, u.addr) for u in s._table()}
     assert len(table) == 20 and table["n00005"][0] == DEAD and table["n00003"][0] == ALIVE
-    assert {n: (m.status, m.incarnation, m.addr) for n, m in s._members.items()} == \
-        {n: v for n, v in table.items() if n != "n00003"}
+    assert {n: (m.status, m.incarnation, m.addr) for n, m in s._members.items()} == {
+        n: v for n, v in table.items() if n != "n00003"
+    }

@@ -105,8 +105,7 @@ def test_one_owner_rule_bounded_loads_among_the_readers() -> None:
     shares = Counter(sub.owner(d) for d in digests)
     assert len(shares) == 5 and max(shares.values()) == 53  # no reader above ceil(263 / 5)
     # bdnd's fetcher (bucket_readers > 0) gives the same owners from the same slots
-    assert all(o.slot_owner("L2", list(sub.readers), d, lambda: digests, len(digests)) == sub.owner(d)
-               for d in digests)
+    assert all(o.slot_owner("L2", list(sub.readers), d, lambda: digests, len(digests)) == sub.owner(d) for d in digests)
     plain = OwnerMap(1, live, "step1", readers=5)
     assert not plain.bounded and all(plain.owner(d) == plain.readers[slot_of(d, 5)] for d in digests)
     assert owner_table(digests, ["solo"]) == {} and owner_table([], live) == {}
@@ -171,5 +170,6 @@ def test_reader_slots_share_equally_and_a_change_moves_one_slot() -> None:
         if (node, key) not in cache:
             cache[(node, key)] = hrw.score(node, key)
         return cache[(node, key)]
+
     assert reader_slots("s", live, 5, score=cached) == cands
     assert slot_table(digests, 5) == slot_table(list(digests), 5) and slot_table([], 5) == {}

@@ -28,17 +28,28 @@ def _counts(d: Daemon) -> tuple[int, int, int]:
 
 
 def _wait_members(daemons: list[Daemon], timeout: float = 120.0) -> None:
-    wait_for(lambda: all({o.node_id for o in daemons if o is not d}
-                         <= {p["node_id"] for p in d.status()["peers"] if p["alive"]} for d in daemons),
-             timeout, "the members to converge", 0.2, detail=lambda: "\n".join(d.log()[-3000:] for d in daemons))
+    wait_for(
+        lambda: all(
+            {o.node_id for o in daemons if o is not d} <= {p["node_id"] for p in d.status()["peers"] if p["alive"]}
+            for d in daemons
+        ),
+        timeout,
+        "the members to converge",
+        0.2,
+        detail=lambda: "\n".join(d.log()[-3000:] for d in daemons),
+    )
 
 
 def _per_period(daemons: list[Daemon], timeout: float = 120.0) -> list[tuple[float, float]]:
     """Every daemon's (sent, received) requests per period over its next PERIODS periods."""
     before = {d.node_id: _counts(d) for d in daemons}
-    now = wait_for(lambda: {d.node_id: _counts(d) for d in daemons}, timeout,
-                   f"every daemon to run {PERIODS} SWIM periods after {before}", 0.2,
-                   until=lambda now: all(now[n][0] - before[n][0] >= PERIODS for n in now))
+    now = wait_for(
+        lambda: {d.node_id: _counts(d) for d in daemons},
+        timeout,
+        f"every daemon to run {PERIODS} SWIM periods after {before}",
+        0.2,
+        until=lambda now: all(now[n][0] - before[n][0] >= PERIODS for n in now),
+    )
     out = []
     for n, (p1, s1, r1) in now.items():
         p0, s0, r0 = before[n]

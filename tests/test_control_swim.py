@@ -25,8 +25,9 @@ class Cluster:
         self.clock = FakeClock()
         rng = random.Random(seed)
         self.nodes = {
-            f"n{i:05d}": Swim(f"n{i:05d}", f"http://n{i}", self.clock, rng=random.Random(rng.random()),
-                              probation=probation)
+            f"n{i:05d}": Swim(
+                f"n{i:05d}", f"http://n{i}", self.clock, rng=random.Random(rng.random()), probation=probation
+            )
             for i in range(n)
         }
         self.down: set[str] = set()
@@ -161,8 +162,16 @@ def test_piggyback_is_bounded_and_retransmits_log_n_times() -> None:
 
 def test_update_from_wire_rejects_bad_input() -> None:
     assert Update.from_wire(["n1", 0, 3, "http://x"]) == Update("n1", 0, 3, "http://x")
-    for bad in (None, [], ["", 0, 0, ""], ["n", 3, 0, ""], ["n", 0, -1, ""], ["n", True, 0, ""],
-                ["n", 0, 0, "x" * 600], ["n" * 200, 0, 0, ""]):
+    for bad in (
+        None,
+        [],
+        ["", 0, 0, ""],
+        ["n", 3, 0, ""],
+        ["n", 0, -1, ""],
+        ["n", True, 0, ""],
+        ["n", 0, 0, "x" * 600],
+        ["n" * 200, 0, 0, ""],
+    ):
         with pytest.raises(SwimError):
             Update.from_wire(bad)
 

@@ -16,8 +16,13 @@ from bdn.proto.errors import ProtocolError
 
 
 def _row(node: str, stage: str = "done") -> dict:
-    return {"replica_id": node, "current_snapshot_identity": "s1", "policy_version": 1, "readiness": True,
-            "loading_state": {"stage": stage, "identity": "s1", "progress": 1.0, "reason": ""}}
+    return {
+        "replica_id": node,
+        "current_snapshot_identity": "s1",
+        "policy_version": 1,
+        "readiness": True,
+        "loading_state": {"stage": stage, "identity": "s1", "progress": 1.0, "reason": ""},
+    }
 
 
 def test_a_message_round_trips_with_its_piggyback() -> None:
@@ -28,18 +33,21 @@ def test_a_message_round_trips_with_its_piggyback() -> None:
     assert decode_addr("http://c:1/") == ("http://c:1", None)
 
 
-@pytest.mark.parametrize("bad, why", [
-    (None, "must be a map"),
-    ({"k": "boom", "s": "a", "d": "b"}, "kind"),
-    ({"k": "ping", "s": "mallory", "d": "b"}, "not its signer"),
-    ({"k": "ping", "s": "a", "d": "c"}, "another daemon"),
-    ({"k": "ping", "s": "a", "d": ""}, "only a sync"),
-    ({"k": "ping", "s": "a", "d": "b", "q": -1}, "seq"),
-    ({"k": "ping", "s": "a", "d": "b", "q": True}, "seq"),
-    ({"k": "ping_req", "s": "a", "d": "b", "t": "../x"}, "target"),
-    ({"k": "ping", "s": "a", "d": "b", "u": [[1, 2]]}, "update"),
-    ({"k": "ping", "s": "a", "d": "b", "u": [["c", 0, 0, ""]] * (MAX_UPDATES_PER_MESSAGE + 1)}, "at most"),
-])
+@pytest.mark.parametrize(
+    "bad, why",
+    [
+        (None, "must be a map"),
+        ({"k": "boom", "s": "a", "d": "b"}, "kind"),
+        ({"k": "ping", "s": "mallory", "d": "b"}, "not its signer"),
+        ({"k": "ping", "s": "a", "d": "c"}, "another daemon"),
+        ({"k": "ping", "s": "a", "d": ""}, "only a sync"),
+        ({"k": "ping", "s": "a", "d": "b", "q": -1}, "seq"),
+        ({"k": "ping", "s": "a", "d": "b", "q": True}, "seq"),
+        ({"k": "ping_req", "s": "a", "d": "b", "t": "../x"}, "target"),
+        ({"k": "ping", "s": "a", "d": "b", "u": [[1, 2]]}, "update"),
+        ({"k": "ping", "s": "a", "d": "b", "u": [["c", 0, 0, ""]] * (MAX_UPDATES_PER_MESSAGE + 1)}, "at most"),
+    ],
+)
 def test_malformed_messages_are_refused_with_one_line(bad: object, why: str) -> None:
     with pytest.raises(ProtocolError, match=why):
         parse_message(bad, "a", "b")
@@ -60,10 +68,13 @@ def test_report_rows_are_checked_and_expire() -> None:
     assert [r.node for r in board.rows("s1")] == ["n1", "n2"] and board.rows("s2") == []
     now[0] = 31.0
     assert board.rows() == []
-    for obj, why in ((None, "map"), ({"identity": "../x", "row": _row("n1")}, "identity"),
-                     ({"identity": "s1", "row": _row("n2")}, "not its signer"),
-                     ({"identity": "s1", "row": _row("n1", "bogus")}, "stage"),
-                     ({"identity": "s1", "row": {**_row("n1"), "x": "y" * 20000}}, "bytes")):
+    for obj, why in (
+        (None, "map"),
+        ({"identity": "../x", "row": _row("n1")}, "identity"),
+        ({"identity": "s1", "row": _row("n2")}, "not its signer"),
+        ({"identity": "s1", "row": _row("n1", "bogus")}, "stage"),
+        ({"identity": "s1", "row": {**_row("n1"), "x": "y" * 20000}}, "bytes"),
+    ):
         with pytest.raises(Invalid, match=why):
             check_row(obj, "n1")
 

@@ -60,6 +60,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 # ---- the example config ------------------------------------------------------------------------
 
+
 def _example_key_lines() -> list[tuple[bool, str, str]]:
     """``(commented, key, value_text)`` for each key line of the example, in order."""
     out = []
@@ -101,11 +102,11 @@ def test_example_commented_values_are_the_defaults(tmp_path: Path) -> None:
     full.write_text(text)
     token = tmp_path / "token"
     token.write_text("t0k3n\n")
-    Config.load(full, env={"BDN_PARTITION_SECRET_FILE": str(_secret_file(tmp_path)),
-                           "BDN_API_TOKEN_FILE": str(token)})
+    Config.load(full, env={"BDN_PARTITION_SECRET_FILE": str(_secret_file(tmp_path)), "BDN_API_TOKEN_FILE": str(token)})
 
 
 # ---- Kubernetes manifests ----------------------------------------------------------------------
+
 
 def _k8s_docs() -> list[tuple[str, dict[str, Any]]]:
     docs = []
@@ -174,7 +175,7 @@ def test_daemonset_wiring() -> None:
     cm = next(d for _, d in K8S_DOCS if d["kind"] == "ConfigMap")
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     script = "\n".join(c["command"])
-    assert f'{mounts["config"]}/bdnd.toml' in script
+    assert f"{mounts['config']}/bdnd.toml" in script
     toml = tomllib.loads(cm["data"]["bdnd.toml"])
     assert toml["partition_secret_file"].startswith(mounts["partition-secret"] + "/")
     assert toml["credentials_file"].startswith(mounts["reader-credentials"] + "/")
@@ -207,8 +208,14 @@ def test_configmap_toml_loads(tmp_path: Path) -> None:
     cm = next(d for _, d in K8S_DOCS if d["kind"] == "ConfigMap")
     p = tmp_path / "bdnd.toml"
     p.write_text(cm["data"]["bdnd.toml"])
-    cfg = Config.load(p, env={"BDN_PARTITION_SECRET_FILE": str(_secret_file(tmp_path)),
-                              "BDN_NODE_ID": "gpu-node-17", "BDN_ADVERTISE_URL": "http://10.1.2.3:7080"})
+    cfg = Config.load(
+        p,
+        env={
+            "BDN_PARTITION_SECRET_FILE": str(_secret_file(tmp_path)),
+            "BDN_NODE_ID": "gpu-node-17",
+            "BDN_ADVERTISE_URL": "http://10.1.2.3:7080",
+        },
+    )
     assert cfg.local_listen.startswith("127.0.0.1:")
 
 
@@ -231,6 +238,7 @@ def test_kustomize_build_validates() -> None:
 
 # ---- systemd unit ------------------------------------------------------------------------------
 
+
 def _unit_directives() -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for line in UNIT.read_text().splitlines():
@@ -244,9 +252,16 @@ def _unit_directives() -> dict[str, list[str]]:
 def test_systemd_unit_directives() -> None:
     d = _unit_directives()
     want = {
-        "Type": "notify", "Restart": "on-failure", "User": "bdn", "ProtectSystem": "strict",
-        "ProtectHome": "yes", "NoNewPrivileges": "yes", "PrivateTmp": "yes", "RuntimeDirectory": "bdn",
-        "ReadWritePaths": "/dev/shm/bdn", "RemoveIPC": "no",
+        "Type": "notify",
+        "Restart": "on-failure",
+        "User": "bdn",
+        "ProtectSystem": "strict",
+        "ProtectHome": "yes",
+        "NoNewPrivileges": "yes",
+        "PrivateTmp": "yes",
+        "RuntimeDirectory": "bdn",
+        "ReadWritePaths": "/dev/shm/bdn",
+        "RemoveIPC": "no",
         "LoadCredential": "partition-secret:/etc/bdn/partition.secret",
         "ExecStart": "/usr/local/bin/bdnd --config /etc/bdn/bdnd.toml",
     }
@@ -268,14 +283,16 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
         pytest.skip("no bdnd console script next to the interpreter")
     unit = tmp_path / "bdnd.service"
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/bdnd", str(bdnd)))
-    out = subprocess.run(["systemd-analyze", "verify", "--man=no", str(unit)],
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(unit)], capture_output=True, text=True, timeout=240
+    )
     # Unknown or malformed directives are only warnings (exit 0): any output about the unit fails.
     complaints = [ln for ln in (out.stdout + out.stderr).splitlines() if "bdnd.service" in ln]
     assert out.returncode == 0 and not complaints, out.stdout + out.stderr
 
 
 # ---- the notify protocol, with a real bdnd -----------------------------------------------------
+
 
 def _recv_state(sock: socket.socket) -> dict[str, str]:
     data = sock.recv(4096).decode()
@@ -333,8 +350,12 @@ def test_sd_notify_status_says_not_ready_naming_a_missing_bucket(tmp_path: Path)
     notify = str(tmp_path / "notify.sock")
     sock.bind(notify)
     sock.settimeout(240)  # READY=1 comes after bdnd's imports: 60+ s on a loaded machine
-    d = Daemon(tmp_path, "node0", (tmp_path / "no-such-bucket").as_uri(),
-               extra_env={"NOTIFY_SOCKET": notify, "BDN_STARTUP_SETTLE_S": "0"})
+    d = Daemon(
+        tmp_path,
+        "node0",
+        (tmp_path / "no-such-bucket").as_uri(),
+        extra_env={"NOTIFY_SOCKET": notify, "BDN_STARTUP_SETTLE_S": "0"},
+    )
     try:
         d.start([])
         try:
@@ -345,7 +366,9 @@ def test_sd_notify_status_says_not_ready_naming_a_missing_bucket(tmp_path: Path)
         while "no-such-bucket" not in state.get("STATUS", ""):  # (a later STATUS= if the first was sent too early)
             state = _recv_state(sock)
         status = state["STATUS"]
-        assert status.startswith("not ready: ") and "bucket unreachable" in status and "no such directory" in status, status
+        assert status.startswith("not ready: ") and "bucket unreachable" in status and "no such directory" in status, (
+            status
+        )
         assert d.get("/v1/health")["status"] == "ok"  # alive all the same: liveness is not readiness
     finally:
         d.stop()
@@ -353,6 +376,7 @@ def test_sd_notify_status_says_not_ready_naming_a_missing_bucket(tmp_path: Path)
 
 
 # ---- configuration errors ----------------------------------------------------------------------
+
 
 def test_config_error_exits_2_with_one_line(tmp_path: Path) -> None:
     """A config file bdnd refuses, end to end: exit 2 and one line. Every other config error is
@@ -365,8 +389,13 @@ def test_config_error_exits_2_with_one_line(tmp_path: Path) -> None:
         held.listen()
         port = held.getsockname()[1]
         env = _clean_env(BDN_PEER_LISTEN=f"127.0.0.1:{port}", BDN_LOCAL_LISTEN=f"127.0.0.1:{port}")
-        out = subprocess.run([sys.executable, "-m", "bdn.daemon.main", "--config", str(cfg)],
-                             env=env, capture_output=True, text=True, timeout=240)
+        out = subprocess.run(
+            [sys.executable, "-m", "bdn.daemon.main", "--config", str(cfg)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
     assert out.returncode == 2, out.stderr
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("bdnd: error: "), out.stderr
@@ -399,15 +428,18 @@ def test_json_logs_name_the_snapshot(tmp_path: Path) -> None:
 
 # ---- liveness and readiness (issue 12, item 11) --------------------------------------------------
 
+
 def _ready(d: Any, want: bool, timeout: float = 120.0) -> dict[str, Any]:
     """Poll /v1/ready until its answer is ``want``; the last document."""
+
     def ready() -> dict[str, Any]:
         status, body = d.request("GET", "/v1/ready", timeout=30)
         assert status in (200, 503) and body["ready"] == (status == 200), (status, body)
         return body
 
-    return wait_for(ready, timeout, f"/v1/ready to say {want}", 0.1, until=lambda body: body["ready"] == want,
-                    detail=d.log)
+    return wait_for(
+        ready, timeout, f"/v1/ready to say {want}", 0.1, until=lambda body: body["ready"] == want, detail=d.log
+    )
 
 
 def test_ready_fails_naming_a_missing_bucket_while_health_answers(tmp_path: Path) -> None:
@@ -418,9 +450,13 @@ def test_ready_fails_naming_a_missing_bucket_while_health_answers(tmp_path: Path
         d.start([])
         d.wait_healthy()
         assert d.get("/v1/health")["status"] == "ok"
-        body = wait_for(lambda: _ready(d, False), 120, "a reason naming the missing bucket directory", 0.1,
-                        until=lambda body: any("no-such-bucket" in r and "no such directory" in r
-                                               for r in body["reasons"]))
+        body = wait_for(
+            lambda: _ready(d, False),
+            120,
+            "a reason naming the missing bucket directory",
+            0.1,
+            until=lambda body: any("no-such-bucket" in r and "no such directory" in r for r in body["reasons"]),
+        )
         assert all("\n" not in r for r in body["reasons"])
     finally:
         d.stop()
@@ -429,13 +465,22 @@ def test_ready_fails_naming_a_missing_bucket_while_health_answers(tmp_path: Path
 def test_ready_fails_naming_an_s3_bucket_that_does_not_exist(tmp_path: Path, moto_endpoint: str) -> None:
     from support.swarm import Daemon
 
-    d = Daemon(tmp_path, "node0", "s3://bdn-no-such-bucket/run1",
-               extra_env={"BDN_STARTUP_SETTLE_S": "0", "BDN_ENDPOINT_URL": moto_endpoint})
+    d = Daemon(
+        tmp_path,
+        "node0",
+        "s3://bdn-no-such-bucket/run1",
+        extra_env={"BDN_STARTUP_SETTLE_S": "0", "BDN_ENDPOINT_URL": moto_endpoint},
+    )
     try:
         d.start([])
         d.wait_healthy()
-        wait_for(lambda: _ready(d, False), 120, "a reason saying the bucket does not exist", 0.2,
-                 until=lambda body: any("does not exist" in r for r in body["reasons"]))
+        wait_for(
+            lambda: _ready(d, False),
+            120,
+            "a reason saying the bucket does not exist",
+            0.2,
+            until=lambda body: any("does not exist" in r for r in body["reasons"]),
+        )
     finally:
         d.stop()
 
@@ -479,25 +524,38 @@ def test_json_logs_plain_messages_node_id_on_every_line_and_no_botocore(tmp_path
         publish_full(b, "step000001", 1, dir=write_hf_dir(tmp_path / "ck", make_state(0), 1), chunk_size=64 << 10)
     finally:
         b.close()
-    d = Daemon(tmp_path / "nodes", "node0", bucket, extra_env={
-        "BDN_LOG_JSON": "true", "BDN_LOAD_STARTUP": "false", "BDN_ENDPOINT_URL": endpoint,
-        "BDN_MANIFEST_WAIT_S": "0.5", "BDN_LOG_LEVEL": "debug", "BDN_STARTUP_SETTLE_S": "0",
-    })
+    d = Daemon(
+        tmp_path / "nodes",
+        "node0",
+        bucket,
+        extra_env={
+            "BDN_LOG_JSON": "true",
+            "BDN_LOAD_STARTUP": "false",
+            "BDN_ENDPOINT_URL": endpoint,
+            "BDN_MANIFEST_WAIT_S": "0.5",
+            "BDN_LOG_LEVEL": "debug",
+            "BDN_STARTUP_SETTLE_S": "0",
+        },
+    )
     d.start([])
     try:
         d.wait_healthy()
         assert d.prefetch("step000001")[0] == 202
         d.wait_ready("step000001")
         assert d.prefetch("step000009")[0] == 202  # never published: fails with a reason
-        wait_for(lambda: d.get("/v1/snapshots/step000009")["state"] == "failed", 120, "step000009 to fail", 0.1,
-                 detail=d.log)
+        wait_for(
+            lambda: d.get("/v1/snapshots/step000009")["state"] == "failed", 120, "step000009 to fail", 0.1, detail=d.log
+        )
     finally:
         d.stop()
     raw = [x for x in d.log_path.read_text().splitlines() if x.strip()]
     lines = [_json.loads(x) for x in raw]  # every line is one JSON object
     assert lines and all(x["node_id"] == "node0" for x in lines)
-    assert not [x for x in lines if x["logger"].startswith(("botocore", "boto3", "urllib3", "s3transfer"))
-                and x["level"] in ("debug", "info")]
+    assert not [
+        x
+        for x in lines
+        if x["logger"].startswith(("botocore", "boto3", "urllib3", "s3transfer")) and x["level"] in ("debug", "info")
+    ]
     bad = [x["msg"] for x in lines if REPR.search(x["msg"])]
     assert not bad, bad
     assert any("ready at" in x["msg"] and "stages: " in x["msg"] for x in lines)

@@ -37,9 +37,8 @@ PROMPT = [{"role": "user", "content": "Tell me about checkpoints."}]
 ENGINE_DATA = {"nvext": {"extra_fields": ["engine_data"]}}
 
 
-
-
 # -- the server's parts, without a daemon ------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tinygpt.Model]:
@@ -111,7 +110,14 @@ async def test_chat_endpoint_shapes(chat_client: Any, models: dict[int, tinygpt.
     assert r.status == 503 and (await r.json())["error"]["code"] == 503
     chat_client.slot.swap(models[1])
 
-    body = {"model": "tinygpt", "messages": PROMPT, "max_tokens": 12, "temperature": 0, "top_logprobs": 3, **ENGINE_DATA}
+    body = {
+        "model": "tinygpt",
+        "messages": PROMPT,
+        "max_tokens": 12,
+        "temperature": 0,
+        "top_logprobs": 3,
+        **ENGINE_DATA,
+    }
     r = await chat_client.post("/v1/chat/completions", json=body)
     assert r.status == 200
     ans = await r.json()
@@ -129,13 +135,20 @@ async def test_chat_endpoint_shapes(chat_client: Any, models: dict[int, tinygpt.
     assert [c["logprob"] for c in content] == pytest.approx(want.logprobs)
     assert [c["bytes"] for c in content] == [list(m.tokenizer.token_bytes(t)) for t in want.token_ids]
     assert all(len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["logprob"] >= c["logprob"] for c in content)
-    assert ans["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(want.token_ids),
-                            "total_tokens": len(prompt) + len(want.token_ids)}
-    assert ans["nvext"] == {"engine_data": {"policy_version": 1, "replica_id": "node-x", "snapshot_identity": "step000001"}}
+    assert ans["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(want.token_ids),
+        "total_tokens": len(prompt) + len(want.token_ids),
+    }
+    assert ans["nvext"] == {
+        "engine_data": {"policy_version": 1, "replica_id": "node-x", "snapshot_identity": "step000001"}
+    }
 
     # Without the extra field there is no nvext; the RL fields can be turned off.
-    r = await chat_client.post("/v1/chat/completions", json={"messages": PROMPT, "max_tokens": 3, "logprobs": False,
-                                                            "return_token_ids": False, "seed": 4})
+    r = await chat_client.post(
+        "/v1/chat/completions",
+        json={"messages": PROMPT, "max_tokens": 3, "logprobs": False, "return_token_ids": False, "seed": 4},
+    )
     ans = await r.json()
     assert "nvext" not in ans and "prompt_token_ids" not in ans
     assert ans["choices"][0]["logprobs"] is None and "token_ids" not in ans["choices"][0]
@@ -150,22 +163,26 @@ async def test_chat_endpoint_shapes(chat_client: Any, models: dict[int, tinygpt.
     assert (await r.json())["nvext"]["engine_data"]["policy_version"] == 2
 
 
-@pytest.mark.parametrize("body, status, needle", [
-    ({"messages": []}, 400, "messages must be a non-empty list"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role must be one of"),
-    ({"messages": [{"role": "user", "content": 5}]}, 400, "content must be a string"),
-    ({"messages": PROMPT, "temperature": 9}, 400, "temperature must be a number in [0, 2]"),
-    ({"messages": PROMPT, "max_tokens": -1}, 400, "max_tokens must be an integer"),
-    ({"messages": PROMPT, "max_tokens": 10**6}, 400, "maximum context length is 256 tokens"),
-    ({"messages": PROMPT, "n": 2}, 400, "n must be"),
-    ({"messages": PROMPT, "stream": True}, 400, "stream is not supported"),
-    ({"messages": PROMPT, "logprobs": "yes"}, 400, "logprobs must be true or false"),
-    ({"messages": PROMPT, "nvext": {"extra_fields": "engine_data"}}, 400, "extra_fields is a list"),
-    ({"messages": PROMPT, "model": "gpt-4"}, 404, "does not exist"),
-    ([1, 2], 400, "must be a JSON object"),
-])
-async def test_chat_endpoint_refuses_bad_requests(chat_client: Any, models: dict[int, tinygpt.Model],
-                                                  body: Any, status: int, needle: str) -> None:
+@pytest.mark.parametrize(
+    "body, status, needle",
+    [
+        ({"messages": []}, 400, "messages must be a non-empty list"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "role must be one of"),
+        ({"messages": [{"role": "user", "content": 5}]}, 400, "content must be a string"),
+        ({"messages": PROMPT, "temperature": 9}, 400, "temperature must be a number in [0, 2]"),
+        ({"messages": PROMPT, "max_tokens": -1}, 400, "max_tokens must be an integer"),
+        ({"messages": PROMPT, "max_tokens": 10**6}, 400, "maximum context length is 256 tokens"),
+        ({"messages": PROMPT, "n": 2}, 400, "n must be"),
+        ({"messages": PROMPT, "stream": True}, 400, "stream is not supported"),
+        ({"messages": PROMPT, "logprobs": "yes"}, 400, "logprobs must be true or false"),
+        ({"messages": PROMPT, "nvext": {"extra_fields": "engine_data"}}, 400, "extra_fields is a list"),
+        ({"messages": PROMPT, "model": "gpt-4"}, 404, "does not exist"),
+        ([1, 2], 400, "must be a JSON object"),
+    ],
+)
+async def test_chat_endpoint_refuses_bad_requests(
+    chat_client: Any, models: dict[int, tinygpt.Model], body: Any, status: int, needle: str
+) -> None:
     chat_client.slot.swap(models[1])
     r = await chat_client.post("/v1/chat/completions", json=body)
     assert r.status == status
@@ -181,6 +198,7 @@ async def test_chat_endpoint_refuses_broken_json(chat_client: Any, models: dict[
 
 # -- the fleet: three bdnd, three engines ------------------------------------------------------
 
+
 class Engine:
     """One examples/engine/server.py process next to one bdnd."""
 
@@ -191,9 +209,23 @@ class Engine:
         self.log_path = workdir / f"engine-{replica_id}.log"
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, str(SERVER), "--bdn-url", daemon_url, "--listen", f"127.0.0.1:{self.port}",
-             "--replica-id", replica_id, "--poll-timeout", "2", "--log-level", "debug"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+            [
+                sys.executable,
+                str(SERVER),
+                "--bdn-url",
+                daemon_url,
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--replica-id",
+                replica_id,
+                "--poll-timeout",
+                "2",
+                "--log-level",
+                "debug",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
         )
         log.close()
 
@@ -209,8 +241,14 @@ class Engine:
                 return None
             return body if status == 200 and body["policy_version"] == version else (status, body)
 
-        return wait_for(health, timeout, f"engine {self.replica_id} on policy {version}", 0.1,
-                        until=lambda v: isinstance(v, dict), detail=self.log)
+        return wait_for(
+            health,
+            timeout,
+            f"engine {self.replica_id} on policy {version}",
+            0.1,
+            until=lambda v: isinstance(v, dict),
+            detail=self.log,
+        )
 
     def chat(self, **extra: Any) -> dict[str, Any]:
         body = {"model": "tinygpt", "messages": PROMPT, "max_tokens": 16, "temperature": 0, **ENGINE_DATA, **extra}
@@ -248,14 +286,17 @@ def fleet(tmp_path: Path) -> Iterator[dict[str, Any]]:
     finally:
         codes = [e.stop() for e in engines]
         swarm.stop()
-        assert codes == [0] * len(engines), "engines must stop cleanly on SIGTERM:\n" + "\n".join(e.log() for e in engines)
+        assert codes == [0] * len(engines), "engines must stop cleanly on SIGTERM:\n" + "\n".join(
+            e.log() for e in engines
+        )
 
 
 def fleet_at(url: str, identity: str) -> list[dict[str, Any]] | None:
     """The fleet's replicas as ``url`` reports them, once all 3 are done serving ``identity``."""
     reps = hot_load_status(url)
     done = len(reps) == 3 and all(
-        r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done" for r in reps)
+        r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done" for r in reps
+    )
     return reps if done else None
 
 
@@ -272,12 +313,17 @@ def test_one_hot_load_reaches_every_engine(fleet: dict[str, Any]) -> None:
     for e in engines:
         e.wait_policy(1)
         ans = e.chat()
-        assert ans["nvext"]["engine_data"] == {"policy_version": 1, "replica_id": e.replica_id,
-                                               "snapshot_identity": "step000001"}
+        assert ans["nvext"]["engine_data"] == {
+            "policy_version": 1,
+            "replica_id": e.replica_id,
+            "snapshot_identity": "step000001",
+        }
         assert ans["choices"][0]["token_ids"] == expected[1]
         assert http("GET", e.url + "/debug/weights_digest")[1]["digest"] == digests[1]
     # The fleet view is aggregated from the replicas' reports (asynchronous): wait for the state.
-    reps = wait_for(lambda: fleet_at(swarm.daemons[0].url, "step000001"), 120, "every replica reporting step000001 done")
+    reps = wait_for(
+        lambda: fleet_at(swarm.daemons[0].url, "step000001"), 120, "every replica reporting step000001 done"
+    )
     assert sorted(r["replica_id"] for r in reps) == ["node0", "node1", "node2"]
 
     # Requests keep flowing during the hot-load; each is answered by one policy, whole.
@@ -290,8 +336,9 @@ def test_one_hot_load_reaches_every_engine(fleet: dict[str, Any]) -> None:
             for e in engines:
                 try:
                     ans = e.chat()
-                    seen.append((e.replica_id, ans["nvext"]["engine_data"]["policy_version"],
-                                 ans["choices"][0]["token_ids"]))
+                    seen.append(
+                        (e.replica_id, ans["nvext"]["engine_data"]["policy_version"], ans["choices"][0]["token_ids"])
+                    )
                 except (AssertionError, OSError) as exc:
                     errors.append(f"{e.replica_id}: {exc}")
 
@@ -299,8 +346,20 @@ def test_one_hot_load_reaches_every_engine(fleet: dict[str, Any]) -> None:
     t.start()
     try:
         # One POST, to one daemon, through bdnctl; it follows every replica until done.
-        cmd = [sys.executable, "-m", "bdn.cli.bdnctl", "--url", swarm.daemons[1].url, "hot-load", "step000002",
-               "--previous", "step000001", "--wait", "--timeout", "60"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bdn.cli.bdnctl",
+            "--url",
+            swarm.daemons[1].url,
+            "hot-load",
+            "step000002",
+            "--previous",
+            "step000001",
+            "--wait",
+            "--timeout",
+            "60",
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT)
         assert res.returncode == 0, res.stdout + res.stderr + "\n".join(e.log() for e in engines)
         assert "step000002 served by 3 replica(s)" in res.stdout
@@ -315,11 +374,17 @@ def test_one_hot_load_reaches_every_engine(fleet: dict[str, Any]) -> None:
     for e in engines:
         e.wait_policy(2, timeout=120)  # done means every engine acked: already there (a deadline, not a window)
         ans = e.chat()
-        assert ans["nvext"]["engine_data"] == {"policy_version": 2, "replica_id": e.replica_id,
-                                               "snapshot_identity": "step000002"}
+        assert ans["nvext"]["engine_data"] == {
+            "policy_version": 2,
+            "replica_id": e.replica_id,
+            "snapshot_identity": "step000002",
+        }
         assert ans["choices"][0]["token_ids"] == expected[2]
         assert http("GET", e.url + "/debug/weights_digest")[1] == {
-            "digest": digests[2], "identity": "step000002", "policy_version": 2}
+            "digest": digests[2],
+            "identity": "step000002",
+            "policy_version": 2,
+        }
     assert seen and all(v in (1, 2) and ids == expected[v] for _r, v, ids in seen)
     # Per engine, the policy version never goes back.
     for e in engines:
@@ -327,7 +392,9 @@ def test_one_hot_load_reaches_every_engine(fleet: dict[str, Any]) -> None:
         assert versions == sorted(versions)
 
     for d in swarm.daemons:  # every daemon answers for the whole fleet
-        reps = wait_for(lambda d=d: fleet_at(d.url, "step000002"), 120, f"{d.url}: every replica reporting step000002 done")
+        reps = wait_for(
+            lambda d=d: fleet_at(d.url, "step000002"), 120, f"{d.url}: every replica reporting step000002 done"
+        )
         assert len(reps) == 3
         for r in reps:
             assert r["current_snapshot_identity"] == "step000002" and r["policy_version"] == 2
@@ -340,13 +407,23 @@ def test_one_hot_load_reaches_every_engine(fleet: dict[str, Any]) -> None:
     assert info.value.status == 409
 
     # peers and gc through bdnctl.
-    res = subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", swarm.daemons[0].url, "--json", "peers"],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "bdn.cli.bdnctl", "--url", swarm.daemons[0].url, "--json", "peers"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr
     peers = json.loads(res.stdout)["peers"]
     assert sorted(p["node_id"] for p in peers) == ["node1", "node2"] and all(p["alive"] for p in peers)
-    res = subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", swarm.daemons[0].url, "--json", "gc"],
-                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-m", "bdn.cli.bdnctl", "--url", swarm.daemons[0].url, "--json", "gc"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
     assert res.returncode == 0, res.stderr
     gc = json.loads(res.stdout)
     assert "step000002" in gc["kept"] and "step000002" not in gc["removed"]
@@ -379,17 +456,28 @@ def test_engine_link_against_a_real_daemon(tmp_path: Path) -> None:
             link.ack("step000001", 0.0152587890625)
             (rep,) = hot_load_status(d.url)
             assert rep["last_swap_pause_ms"] == 0.0152587890625
-            table = subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", d.url, "engines"],
-                                   capture_output=True, text=True, timeout=240, cwd=ROOT).stdout
+            table = subprocess.run(
+                [sys.executable, "-m", "bdn.cli.bdnctl", "--url", d.url, "engines"],
+                capture_output=True,
+                text=True,
+                timeout=240,
+                cwd=ROOT,
+            ).stdout
             header, row = table.splitlines()
             assert row.split()[header.split().index("PAUSE_MS")] == "0.02", table
             with pytest.raises(DaemonError) as info:
                 link.ack("step000009", 1.0)
             assert info.value.status == 409
             # The leased snapshot survives GC.
-            gc = json.loads(subprocess.run(
-                [sys.executable, "-m", "bdn.cli.bdnctl", "--url", d.url, "--json", "gc"],
-                capture_output=True, text=True, timeout=240, cwd=ROOT).stdout)
+            gc = json.loads(
+                subprocess.run(
+                    [sys.executable, "-m", "bdn.cli.bdnctl", "--url", d.url, "--json", "gc"],
+                    capture_output=True,
+                    text=True,
+                    timeout=240,
+                    cwd=ROOT,
+                ).stdout
+            )
             assert "step000001" in gc["kept"]
             old = link.engine_id
             link.close()

@@ -42,9 +42,26 @@ class EngineProc:
         self.log_path = workdir / f"engine-{name}.log"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(SERVER), "--bdn-url", daemon_url, "--listen", f"127.0.0.1:{self.port}",
-                 "--replica-id", "node0", "--name", name, "--poll-timeout", "2", "--log-level", "debug"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+                [
+                    sys.executable,
+                    str(SERVER),
+                    "--bdn-url",
+                    daemon_url,
+                    "--listen",
+                    f"127.0.0.1:{self.port}",
+                    "--replica-id",
+                    "node0",
+                    "--name",
+                    name,
+                    "--poll-timeout",
+                    "2",
+                    "--log-level",
+                    "debug",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+            )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
@@ -77,8 +94,9 @@ def node(tmp_path: Path) -> Iterator[dict[str, Any]]:
     publish_full(bucket, "step000001", 1, dir=dirs[0], chunk_size=CHUNK)
     publish_startup(bucket, "step000001")
     for i in (1, 2):
-        publish_delta(bucket, f"step00000{i + 1}", i + 1, f"step00000{i}", dir=dirs[i], base_dir=dirs[i - 1],
-                      chunk_size=CHUNK)
+        publish_delta(
+            bucket, f"step00000{i + 1}", i + 1, f"step00000{i}", dir=dirs[i], base_dir=dirs[i - 1], chunk_size=CHUNK
+        )
     env = {"BDN_ENGINE_STALE_S": str(STALE_S), "BDN_ENGINE_TTL_S": str(TTL_S)}
     engines: list[EngineProc] = []
     with Swarm(tmp_path / "nodes", 1, bucket, extra_env=env) as swarm:
@@ -105,9 +123,17 @@ def test_a_killed_engine_goes_stale_then_is_dropped_and_the_hot_load_says_why(no
         engines.append(EngineProc(node["tmp"], url, name))
     for e in engines:
         wait_for(e.policy, 180, f"engine {e.name} on policy 1", 0.2, until=lambda v: v == 1, detail=e.log)
-    wait_for(lambda: _row(url), 120, "the replica done on step000001 with both engines", 0.2,
-             until=lambda r: r["loading_state"]["stage"] == "done" and r["engines"] == 2
-             and r["current_snapshot_identity"] == "step000001")
+    wait_for(
+        lambda: _row(url),
+        120,
+        "the replica done on step000001 with both engines",
+        0.2,
+        until=lambda r: (
+            r["loading_state"]["stage"] == "done"
+            and r["engines"] == 2
+            and r["current_snapshot_identity"] == "step000001"
+        ),
+    )
     doomed, survivor = engines
     doomed_id = _engine_ids(url)["doomed"]["engine_id"]
     doomed.proc.kill()  # SIGKILL: no DELETE, no last words
@@ -116,8 +142,13 @@ def test_a_killed_engine_goes_stale_then_is_dropped_and_the_hot_load_says_why(no
     hot_load(url, "step000002", previous="step000001")
     wait_for(survivor.policy, 180, "the live engine on policy 2", 0.2, until=lambda v: v == 2, detail=survivor.log)
     # the replica stops waiting for the killed engine once it is stale, and says so
-    row = wait_for(lambda: _row(url), 120, "the replica done on step000002 without the killed engine", 0.2,
-                   until=lambda r: r["loading_state"]["stage"] == "done" and r["current_snapshot_identity"] == "step000002")
+    row = wait_for(
+        lambda: _row(url),
+        120,
+        "the replica done on step000002 without the killed engine",
+        0.2,
+        until=lambda r: r["loading_state"]["stage"] == "done" and r["current_snapshot_identity"] == "step000002",
+    )
     assert row["engines"] == 1, row
     reason = row["loading_state"]["reason"]
     assert reason.startswith(f"not counted: engine {doomed_id} (doomed) not seen for"), row
@@ -134,16 +165,34 @@ def test_a_killed_engine_goes_stale_then_is_dropped_and_the_hot_load_says_why(no
     survivor.proc.kill()
     survivor.proc.wait()
     hot_load(url, "step000003", previous="step000002")
-    row = wait_for(lambda: _row(url), 120, "the replica in error: its only engine stopped polling", 0.2,
-                   until=lambda r: r["loading_state"]["stage"] == "error" and r["loading_state"]["identity"] == "step000003")
-    assert row["loading_state"]["reason"].startswith(f"every engine stopped polling: engine {survivor_id} (survivor)"), row
+    row = wait_for(
+        lambda: _row(url),
+        120,
+        "the replica in error: its only engine stopped polling",
+        0.2,
+        until=lambda r: r["loading_state"]["stage"] == "error" and r["loading_state"]["identity"] == "step000003",
+    )
+    assert row["loading_state"]["reason"].startswith(
+        f"every engine stopped polling: engine {survivor_id} (survivor)"
+    ), row
     assert row["current_snapshot_identity"] == "step000002" and row["engines"] == 0
     # a new engine registering takes the target; the replica is done again
     engines.append(EngineProc(node["tmp"], url, "replacement"))
-    wait_for(engines[-1].policy, 180, "the replacement engine on policy 3", 0.2, until=lambda v: v == 3,
-             detail=engines[-1].log)
-    wait_for(lambda: _row(url), 120, "the replica done on step000003 with the replacement", 0.2,
-             until=lambda r: r["loading_state"]["stage"] == "done" and r["current_snapshot_identity"] == "step000003")
+    wait_for(
+        engines[-1].policy,
+        180,
+        "the replacement engine on policy 3",
+        0.2,
+        until=lambda v: v == 3,
+        detail=engines[-1].log,
+    )
+    wait_for(
+        lambda: _row(url),
+        120,
+        "the replica done on step000003 with the replacement",
+        0.2,
+        until=lambda r: r["loading_state"]["stage"] == "done" and r["current_snapshot_identity"] == "step000003",
+    )
     log = node["daemon"].log_path.read_text(errors="replace")
     assert f"engine {doomed_id} (doomed) not seen for over {STALE_S:g} s: stale" in log
     assert f"engine {doomed_id} (doomed) not seen for over {TTL_S:g} s: dropped" in log

@@ -26,11 +26,13 @@ def test_options_defaults_and_refusals() -> None:
     assert o.reset_prompt_cache
     o = HotLoadOptions.from_offer({"prompt_cache_policy": "preserve", "inflight_policy": "KEEP", "inflight_wait_s": 2})
     assert (o.prompt_cache_policy, o.inflight_policy, o.inflight_wait_s) == ("PRESERVE", "keep", 2)
-    for bad, field in (({"prompt_cache_policy": "SOME"}, "prompt_cache_policy"),
-                       ({"inflight_policy": "drop"}, "inflight_policy"),
-                       ({"inflight_policy": 3}, "inflight_policy"),
-                       ({"inflight_wait_s": -1}, "inflight_wait_s"),
-                       ({"inflight_wait_s": float("nan")}, "inflight_wait_s")):
+    for bad, field in (
+        ({"prompt_cache_policy": "SOME"}, "prompt_cache_policy"),
+        ({"inflight_policy": "drop"}, "inflight_policy"),
+        ({"inflight_policy": 3}, "inflight_policy"),
+        ({"inflight_wait_s": -1}, "inflight_wait_s"),
+        ({"inflight_wait_s": float("nan")}, "inflight_wait_s"),
+    ):
         with pytest.raises(ProtocolError, match=field):
             HotLoadOptions.from_offer(bad)
 
@@ -71,7 +73,9 @@ def test_abort_ends_the_request_before_the_swap() -> None:
     th.start()
     assert stepped.wait(120)
     done = threading.Event()
-    threading.Thread(target=lambda: (gate.swap(lambda: None, HotLoadOptions(inflight_policy="abort"), 2), done.set())).start()
+    threading.Thread(
+        target=lambda: (gate.swap(lambda: None, HotLoadOptions(inflight_policy="abort"), 2), done.set())
+    ).start()
     go_on.set()
     th.join(30)
     assert done.wait(120)
@@ -131,9 +135,15 @@ def _ready_dir(tmp_path: Path, name: str, tensors: dict[str, np.ndarray], chunk:
     d.mkdir()
     save(d / "model.safetensors", tensors)
     data = (d / "model.safetensors").read_bytes()
-    chunks = [digest(data[i:i + chunk]) for i in range(0, len(data), chunk)]
-    ready = {"format": "bdn.ready/1", "identity": name, "policy_version": 1, "kind": "full", "chunk_size": chunk,
-             "files": [{"path": "model.safetensors", "size": len(data), "chunks": chunks}]}
+    chunks = [digest(data[i : i + chunk]) for i in range(0, len(data), chunk)]
+    ready = {
+        "format": "bdn.ready/1",
+        "identity": name,
+        "policy_version": 1,
+        "kind": "full",
+        "chunk_size": chunk,
+        "files": [{"path": "model.safetensors", "size": len(data), "chunks": chunks}],
+    }
     (d / READY_NAME).write_text(__import__("json").dumps(ready))
     return d
 

@@ -56,26 +56,30 @@ IDS = ["step000001", "step000002", "step000003"]
 PROMPT = [{"role": "user", "content": "Tell me about checkpoints."}]
 
 
-
-
 def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
-    return {k: xxhash.xxh3_128_hexdigest(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            for k, v in state.items()}
-
-
+    return {
+        k: xxhash.xxh3_128_hexdigest(v.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        for k, v in state.items()
+    }
 
 
 def replica_done(url: str, identity: str):
     reps = hot_load_status(url)
     errs = [r for r in reps if r["loading_state"]["stage"] == "error"]
     assert not errs, errs
-    return reps if all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done"
-                       for r in reps) else None
+    return (
+        reps
+        if all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done" for r in reps)
+        else None
+    )
 
 
 def chat(url: str, **kw: Any) -> dict[str, Any]:
-    status, ans = http("POST", url + "/v1/chat/completions",
-                       {"messages": PROMPT, "max_tokens": 8, "temperature": 0, "top_logprobs": 3, **kw})
+    status, ans = http(
+        "POST",
+        url + "/v1/chat/completions",
+        {"messages": PROMPT, "max_tokens": 8, "temperature": 0, "top_logprobs": 3, **kw},
+    )
     assert status == 200, ans
     return ans
 
@@ -135,8 +139,11 @@ def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node, capsys) -> N
                 reps = wait_for(lambda ident=ident: replica_done(node.url, ident), 120, f"{ident} served")
                 report = svc.engine.last_swap
                 # Only the tensors the optimizer step changed were copied, by the daemon's list.
-                changed = sorted(k for k in states[i] if not torch.equal(states[i][k].view(torch.int16),
-                                                                             states[i - 1][k].view(torch.int16)))
+                changed = sorted(
+                    k
+                    for k in states[i]
+                    if not torch.equal(states[i][k].view(torch.int16), states[i - 1][k].view(torch.int16))
+                )
                 assert report["mode"] == "partial", report
                 assert sorted(svc.engine.last_swap_tensors) == changed and len(changed) == 3
                 assert report["tensors_copied"] == 3 and report["tensors_total"] == len(states[i])
@@ -178,8 +185,9 @@ def test_hf_engine_goes_1_2_3_with_one_hot_load_each(trainer, node, capsys) -> N
         # RESET_ALL at step 2: no answer of policy 2 reused a prefix policy 1 computed; PRESERVE
         # at step 3: the first answer of policy 3 reused the prefix policy 2 had cached.
         every = [*during, *answers.values()]
-        cache_of = [(a["nvext"]["engine_data"]["policy_version"], a["nvext"]["engine_data"]["prompt_cache"])
-                    for a in every]
+        cache_of = [
+            (a["nvext"]["engine_data"]["policy_version"], a["nvext"]["engine_data"]["prompt_cache"]) for a in every
+        ]
         assert not [c for v, c in cache_of if v == 2 and c["policy_version"] == 1]
         assert [c for v, c in cache_of if v == 3 and c["policy_version"] == 2 and c["cached_tokens"] > 0]
         # The same greedy request, answered by three policies, from one engine.
@@ -395,10 +403,27 @@ def test_the_command_serves_and_stops_on_sigterm(trainer, node, tmp_path: Path) 
     port = free_port()
     out = tmp_path / "engine.log"
     with out.open("wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", node.url, "--listen",
-                                 f"127.0.0.1:{port}", "--replica-id", "node0", "--log-level", "info"],
-                                env=dict(os.environ), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bdn.engines",
+                "hf",
+                "--bdn-url",
+                node.url,
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--replica-id",
+                "node0",
+                "--log-level",
+                "info",
+            ],
+            env=dict(os.environ),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     try:
+
         def healthy():
             assert proc.poll() is None, out.read_text(errors="replace")
             if not _listening(port):
@@ -424,8 +449,12 @@ def test_the_command_serves_and_stops_on_sigterm(trainer, node, tmp_path: Path) 
         assert "bdn.client.engine: registered with" in log and "bdn.engines.driver: serving step000001" in log, log
         assert "httpx" not in log and "HTTP Request:" not in log, log
         # the swap in plain words, its pause as the other lines give durations: "paused 0.19 ms"
-        assert re.search(r"serving step000001 \(policy version 1\): loaded a new model object \(first load, \d+ tensors\), "
-                         r"paused \d+\.\d\d ms$", log, re.M), log
+        assert re.search(
+            r"serving step000001 \(policy version 1\): loaded a new model object \(first load, \d+ tensors\), "
+            r"paused \d+\.\d\d ms$",
+            log,
+            re.M,
+        ), log
         # it unregistered on the way out (the fleet view follows the replica's report: a state)
         wait_for(lambda: hot_load_status(node.url)[0]["engines"] == 0, 120, "the replica to list no engine")
     finally:
@@ -464,10 +493,27 @@ def _listening(port: int) -> bool:
 
 
 def _engine_process(bdn_url: str, port: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", bdn_url, "--listen",
-                             f"127.0.0.1:{port}", "--replica-id", "node0", "--name", "doomed",
-                             "--log-level", "warning"],
-                            env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bdn.engines",
+            "hf",
+            "--bdn-url",
+            bdn_url,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--replica-id",
+            "node0",
+            "--name",
+            "doomed",
+            "--log-level",
+            "warning",
+        ],
+        env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def test_an_engine_killed_without_unregistering_expires(trainer, tmp_path: Path, capsys) -> None:
@@ -475,10 +521,12 @@ def test_an_engine_killed_without_unregistering_expires(trainer, tmp_path: Path,
     drops it (its leases released) and the hot-load to policy 2 completes with the other."""
     with Swarm(tmp_path / "nodes", 1, trainer["bucket"], extra_env={"BDN_ENGINE_TTL_S": "3"}) as swarm:
         node = swarm.daemons[0]
-        with HFService(node.url, "127.0.0.1", free_port(), replica_id="node0", name="survivor",
-                       poll_timeout=2.0) as svc:
+        with HFService(
+            node.url, "127.0.0.1", free_port(), replica_id="node0", name="survivor", poll_timeout=2.0
+        ) as svc:
             doomed = _engine_process(node.url, free_port())
             try:
+
                 def both_serve():
                     eng = list_engines(node.url)["engines"]
                     return eng if len(eng) == 2 and all(e["serving"] == IDS[0] for e in eng) else None
@@ -503,11 +551,11 @@ def test_an_engine_killed_without_unregistering_expires(trainer, tmp_path: Path,
 
 
 def test_hot_load_options_are_validated_and_wait_has_a_deadline(trainer, node, capsys) -> None:
-    status, ans = http("POST", node.url + "/hot_load/v1/models/hot_load",
-                       {"identity": IDS[1], "inflight_policy": "drain"})
+    status, ans = http(
+        "POST", node.url + "/hot_load/v1/models/hot_load", {"identity": IDS[1], "inflight_policy": "drain"}
+    )
     assert status == 400 and "inflight_policy" in ans["error"] and "\n" not in ans["error"]
-    status, ans = http("POST", node.url + "/hot_load/v1/models/hot_load",
-                       {"identity": IDS[1], "inflight_wait_s": -1})
+    status, ans = http("POST", node.url + "/hot_load/v1/models/hot_load", {"identity": IDS[1], "inflight_wait_s": -1})
     assert status == 400 and "inflight_wait_s" in ans["error"]
     # files without a manifest: accepted, never ready; --wait gives up at its deadline with exit 1
     pending = Path(trainer["root"]) / "bucket" / "pending000009"

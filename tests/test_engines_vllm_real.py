@@ -34,8 +34,11 @@ from support.api import wait_for
 from support.swarm import Swarm, free_port
 
 VLLM_PYTHON = os.environ.get("BDN_TEST_VLLM_PYTHON")
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON, reason="set BDN_TEST_VLLM_PYTHON to the Python of a venv with vLLM "
-                                                        "(`make test-engines` makes one) to run the real engine")
+pytestmark = pytest.mark.skipif(
+    not VLLM_PYTHON,
+    reason="set BDN_TEST_VLLM_PYTHON to the Python of a venv with vLLM "
+    "(`make test-engines` makes one) to run the real engine",
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples" / "engine"))
@@ -66,18 +69,27 @@ def answers(port: int) -> list[dict[str, Any]]:
     out = []
     for p in PROMPTS:
         body = json.dumps({"model": "model", "prompt": p, "max_tokens": 12, "temperature": 0, "logprobs": 3}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=300) as r:
             c = json.load(r)["choices"][0]
-        out.append({"text": c["text"], "tokens": c["logprobs"]["tokens"],
-                    "token_logprobs": c["logprobs"]["token_logprobs"], "top_logprobs": c["logprobs"]["top_logprobs"]})
+        out.append(
+            {
+                "text": c["text"],
+                "tokens": c["logprobs"]["tokens"],
+                "token_logprobs": c["logprobs"]["token_logprobs"],
+                "top_logprobs": c["logprobs"]["top_logprobs"],
+            }
+        )
     return out
 
 
 def stage(url: str, identity: str) -> dict | None:
     r = hot_load_status(url)[0]
-    return r if r["loading_state"]["identity"] == identity and r["loading_state"]["stage"] in ("done", "error") else None
+    return (
+        r if r["loading_state"]["identity"] == identity and r["loading_state"]["stage"] in ("done", "error") else None
+    )
 
 
 @pytest.mark.timeout(2400)  # two vLLM starts: 1-4 minutes each on 2 busy cores
@@ -92,8 +104,9 @@ def test_partial_swaps_serve_what_a_fresh_vllm_serves(tmp_path: Path) -> None:
     states = [s1, perturb(s1, [Q_PROJ], 0.02, 1)]
     states.append(perturb(states[-1], [EMBED], 0.02, 2))
     states.append(perturb(states[-1], mats[1:-1:4][:6], 0.02, 3))
-    dirs = [tmp_path / "ck1"] + [tiny_llama.save_state(tmp_path / f"ck{i + 1}", tmp_path / "ck1", st)
-                                 for i, st in enumerate(states) if i]
+    dirs = [tmp_path / "ck1"] + [
+        tiny_llama.save_state(tmp_path / f"ck{i + 1}", tmp_path / "ck1", st) for i, st in enumerate(states) if i
+    ]
     bucket = f"file://{tmp_path}/bucket"
     publish_full(bucket, IDS[0], 1, dir=dirs[0], chunk_size=CHUNK)
     for i in range(1, len(IDS)):
@@ -138,8 +151,9 @@ def test_partial_swaps_serve_what_a_fresh_vllm_serves(tmp_path: Path) -> None:
         # in-place loads off: each module holding a changed matrix rebuilt from all its tensors
         assert m["tensors_changed"] == 6 and m["inplace_tensors"] == 0 and m["rebuilt_modules"] == m["modules"]
         assert m["bytes_read"] >= m["bytes_changed"]
-        proc = vllm_launch.start_vllm(VLLM_PYTHON, node.wait_ready(IDS[-1])["path"], port, tmp_path / "fresh.log",
-                                      extension=False)
+        proc = vllm_launch.start_vllm(
+            VLLM_PYTHON, node.wait_ready(IDS[-1])["path"], port, tmp_path / "fresh.log", extension=False
+        )
         try:
             fresh = answers(port)
         finally:

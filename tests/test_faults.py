@@ -54,8 +54,9 @@ def poll(fn: Callable[[], T | None], timeout: float, what: str, interval: float 
     return wait_for(fn, timeout, what, interval)  # type: ignore[return-value]
 
 
-def publish(tmp_path: Path, bucket: str, identity: str, version: int, scale: int,
-            endpoint: str | None = None) -> tuple[Manifest, Path]:
+def publish(
+    tmp_path: Path, bucket: str, identity: str, version: int, scale: int, endpoint: str | None = None
+) -> tuple[Manifest, Path]:
     return publish_state(tmp_path, bucket, identity, version, scale=scale, chunk_size=CHUNK, endpoint=endpoint)
 
 
@@ -146,8 +147,11 @@ def test_owner_killed_mid_transfer_survivors_take_over(tmp_path: Path, file_buck
             for d in swarm.daemons:
                 assert d.prefetch("step000001")[0] == 202
             # The victim has fetched part of what it owns (and served some of it) when it dies.
-            poll(lambda: victim.status()["counters"]["bucket_bytes_owner"] >= owned[victim_id] // 4,
-                 120, "the victim to fetch a quarter of its chunks")
+            poll(
+                lambda: victim.status()["counters"]["bucket_bytes_owner"] >= owned[victim_id] // 4,
+                120,
+                "the victim to fetch a quarter of its chunks",
+            )
             victim.kill()
             at_kill = {d.node_id: progress(d, "step000001") for d in survivors}
             assert all(p < 0.6 for p in at_kill.values()), f"the kill came too late: {at_kill}"
@@ -161,8 +165,12 @@ def test_owner_killed_mid_transfer_survivors_take_over(tmp_path: Path, file_buck
 
         # The survivors noticed: the victim left their member lists' live set.
         for d in survivors:
-            poll(lambda d=d: any(p["node_id"] == victim_id and not p["alive"] for p in d.status()["peers"]),
-                 120, f"{d.node_id} to see {victim_id} dead", interval=0.2)
+            poll(
+                lambda d=d: any(p["node_id"] == victim_id and not p["alive"] for p in d.status()["peers"]),
+                120,
+                f"{d.node_id} to see {victim_id} dead",
+                interval=0.2,
+            )
 
         counters = {d.node_id: d.status()["counters"] for d in survivors}
         for c in counters.values():
@@ -231,7 +239,7 @@ def test_bucket_throttling_and_5xx_are_retried_with_bounded_concurrency(tmp_path
         if not (r.injected or r.truncated):
             continue
         a, b = span(r)
-        later = [o for o in gets[i + 1:] if o.key == r.key and o.range and span(o)[1] == b and span(o)[0] >= a]
+        later = [o for o in gets[i + 1 :] if o.key == r.key and o.range and span(o)[1] == b and span(o)[0] >= a]
         assert any(o.status == 206 and not o.injected and not o.truncated for o in later), (r.key, r.range)
         if r.truncated:  # resumed from the first missing byte, not re-read whole
             assert any(span(o)[0] == a + r.response_bytes for o in later), (r.range, [o.range for o in later])
@@ -266,8 +274,13 @@ def test_restart_mid_download_resumes_from_persisted_progress(
 ) -> None:
     m, ck = publish(tmp_path, file_bucket, "step000001", 1, scale=5)
     inflight = 4
-    env = dict(BASE_ENV, BDN_BUCKET_MBIT="8", BDN_PROGRESS_INTERVAL_S="0.2",
-               BDN_BUCKET_CONCURRENCY=str(inflight), BDN_MAX_INFLIGHT=str(inflight))
+    env = dict(
+        BASE_ENV,
+        BDN_BUCKET_MBIT="8",
+        BDN_PROGRESS_INTERVAL_S="0.2",
+        BDN_BUCKET_CONCURRENCY=str(inflight),
+        BDN_MAX_INFLIGHT=str(inflight),
+    )
     swarm = FaultSwarm(tmp_path / "nodes", n, file_bucket, extra_env=env)
     victim = swarm.daemons[0]
     try:
@@ -292,8 +305,10 @@ def test_restart_mid_download_resumes_from_persisted_progress(
 
         total, resumed = snap["bytes_total"], snap["bytes_resumed"]
         fetched_after = _fetched(victim)  # counters of the restarted process only
-        print(f"{how} n={n}: total {total}, done before {before['bytes_done']}, saved {saved}, resumed {resumed}, "
-              f"fetched after {fetched_after}")
+        print(
+            f"{how} n={n}: total {total}, done before {before['bytes_done']}, saved {saved}, resumed {resumed}, "
+            f"fetched after {fetched_after}"
+        )
         assert 0 < resumed < total, snap
         # Nothing verified before the stop is fetched again, except the chunks in flight (and those
         # finished since the last progress save, for a kill):
@@ -379,8 +394,11 @@ def test_real_full_tmpfs_fails_with_numbers_and_old_snapshot_keeps_serving(tmp_p
             assert d.prefetch("step000002")[0] == 202
             snap = _check_failed_and_old_still_served(d, ck1, "step000002")
         assert watcher.violations == []
-        got = re.fullmatch(r"no space in shm: snapshot 'step000002' needs (\d+) bytes \((\d+) of files, (\d+) of "
-                           r"READY, record and progress\), (\d+) are free on (.+)", snap["reason"])
+        got = re.fullmatch(
+            r"no space in shm: snapshot 'step000002' needs (\d+) bytes \((\d+) of files, (\d+) of "
+            r"READY, record and progress\), (\d+) are free on (.+)",
+            snap["reason"],
+        )
         assert got, snap["reason"]
         need, files, small, free = (int(got.group(i)) for i in range(1, 5))
         # the files page-rounded (bdn.daemon.room), and the small files bdn writes beside them
@@ -402,15 +420,20 @@ def test_two_snapshots_racing_for_a_small_tmpfs_one_fails_cleanly(tmp_path: Path
         with ShmWatcher([shm_root(d)]) as watcher:
             assert d.prefetch("step000002")[0] == 202
             assert d.prefetch("step000003")[0] == 202
-            snaps = {i: poll(lambda i=i: (r := record(d, i))["state"] in ("ready", "failed") and r, 120, i)
-                     for i in ("step000002", "step000003")}
+            snaps = {
+                i: poll(lambda i=i: (r := record(d, i))["state"] in ("ready", "failed") and r, 120, i)
+                for i in ("step000002", "step000003")
+            }
         assert watcher.violations == []
         states = sorted(s["state"] for s in snaps.values())
         assert states == ["failed", "ready"], snaps
         (bad,) = [i for i, s in snaps.items() if s["state"] == "failed"]
         (good,) = [i for i, s in snaps.items() if s["state"] == "ready"]
-        assert re.fullmatch(rf"no space in shm: snapshot '{bad}' needs \d+ bytes \(.+\), \d+ are free on .+"
-                            rf"|no space in shm while writing snapshot '{bad}': .+", snaps[bad]["reason"]), snaps[bad]["reason"]
+        assert re.fullmatch(
+            rf"no space in shm: snapshot '{bad}' needs \d+ bytes \(.+\), \d+ are free on .+"
+            rf"|no space in shm while writing snapshot '{bad}': .+",
+            snaps[bad]["reason"],
+        ), snaps[bad]["reason"]
         assert_not_visible(d, bad)
         assert [p.name for p in (shm_root(d) / ".staging").iterdir()] == []
         assert_ready_and_identical(d, good, ck2 if good == "step000002" else ck3)

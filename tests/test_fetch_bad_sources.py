@@ -35,8 +35,9 @@ NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
 def _liar_stats(liar: Liar) -> dict:
     keys = derive_keys(SECRET)
     path = f"/bdn/v1/{keys.swarm_id}/liar/stats"
-    req = urllib.request.Request(liar.url + path, headers={
-        "Authorization": sign_request(keys, "GET", path, "tester", to=liar.node_id)})
+    req = urllib.request.Request(
+        liar.url + path, headers={"Authorization": sign_request(keys, "GET", path, "tester", to=liar.node_id)}
+    )
     return json.loads(urllib.request.urlopen(req, timeout=60).read())
 
 
@@ -48,7 +49,8 @@ def _same_files(d: Daemon, ck: Path) -> None:
 
 @pytest.mark.parametrize("refuse", ["busy", "not_here"])
 def test_a_peer_that_advertises_every_chunk_and_serves_none_is_penalised_and_logged(
-    tmp_path: Path, refuse: str,
+    tmp_path: Path,
+    refuse: str,
 ) -> None:
     """The liar is a healthy member, the HRW owner of some chunks, and its have-list claims all
     of them; it answers every chunk request busy (or not here). Before: its owned chunks waited
@@ -60,15 +62,17 @@ def test_a_peer_that_advertises_every_chunk_and_serves_none_is_penalised_and_log
     nodes = ["node0", "node1", "liar"]
     assert any(hrw.owner(nodes, d) == "liar" for f in m.files for d in f.chunks)
     liar = Liar(tmp_path / "work", bucket, SECRET, refuse=refuse).start()
-    honest = [Daemon(tmp_path / "work", n, bucket, extra_env=dict(NO_STARTUP, BDN_PENALTY_S="600"))
-              for n in nodes[:2]]
+    honest = [Daemon(tmp_path / "work", n, bucket, extra_env=dict(NO_STARTUP, BDN_PENALTY_S="600")) for n in nodes[:2]]
     try:
         for d in honest:
             d.start([x.peer_url for x in honest] + [liar.url])
         for d in honest:
             d.wait_healthy()
-            wait_for(lambda d=d: {p["node_id"] for p in d.status()["peers"] if p["alive"]} == set(nodes) - {d.node_id},
-                     120, f"{d.node_id} to see both peers")
+            wait_for(
+                lambda d=d: {p["node_id"] for p in d.status()["peers"] if p["alive"]} == set(nodes) - {d.node_id},
+                120,
+                f"{d.node_id} to see both peers",
+            )
         for d in honest:
             assert d.prefetch(IDENT)[0] == 202
         for d in honest:
@@ -115,8 +119,11 @@ def test_a_holder_far_slower_than_the_others_is_asked_no_more_and_its_chunks_go_
             d.wait_ready(IDENT, 120)
         joiner.start([x.peer_url for x in seeds])
         joiner.wait_healthy()
-        wait_for(lambda: {p["node_id"] for p in joiner.status()["peers"] if p["alive"]} == {"fast", "slow"},
-                 120, "the joiner to see both seeds")
+        wait_for(
+            lambda: {p["node_id"] for p in joiner.status()["peers"] if p["alive"]} == {"fast", "slow"},
+            120,
+            "the joiner to see both seeds",
+        )
         assert joiner.prefetch(IDENT)[0] == 202
         joiner.wait_ready(IDENT, 300)
         _same_files(joiner, ck)
@@ -137,8 +144,9 @@ def test_a_holder_far_slower_than_the_others_is_asked_no_more_and_its_chunks_go_
 def _have(d: Daemon) -> dict:
     keys = derive_keys(SECRET)
     path = f"/bdn/v1/{keys.swarm_id}/snapshots/{IDENT}/have"
-    req = urllib.request.Request(d.peer_url + path, headers={
-        "Authorization": sign_request(keys, "GET", path, "tester", to=d.node_id)})
+    req = urllib.request.Request(
+        d.peer_url + path, headers={"Authorization": sign_request(keys, "GET", path, "tester", to=d.node_id)}
+    )
     return msgpack.unpackb(urllib.request.urlopen(req, timeout=60).read(), raw=False)
 
 
@@ -170,8 +178,11 @@ def test_a_node_whose_shard_files_were_deleted_or_truncated_stops_advertising_th
             bits = Bitfield(n, _have(seed)["stored"])
             return [bits[i] for i in range(*starts[path])]
 
-        wait_for(lambda: not any(shown(big[0].path)) and not any(shown(big[1].path)), 60,
-                 "the seed to stop advertising the chunks of the deleted and the truncated file")
+        wait_for(
+            lambda: not any(shown(big[0].path)) and not any(shown(big[1].path)),
+            60,
+            "the seed to stop advertising the chunks of the deleted and the truncated file",
+        )
         others = [f for f in m.files if f not in big and f.chunks]
         assert all(all(shown(f.path)) for f in others)
         joiner.start([seed.peer_url])

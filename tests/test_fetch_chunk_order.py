@@ -62,10 +62,14 @@ def _owner_of(owners: list[str]):
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**32), st.lists(st.sampled_from(["me", "a", "b", "c"]), min_size=1, max_size=90),
-       st.sets(st.integers(0, 89)))
+@given(
+    st.integers(0, 2**32),
+    st.lists(st.sampled_from(["me", "a", "b", "c"]), min_size=1, max_size=90),
+    st.sets(st.integers(0, 89)),
+)
 def test_the_fetcher_draws_owned_chunks_in_manifest_order_and_the_rest_each_owners_next_first(
-        seed: int, owners: list[str], held: set[int]) -> None:
+    seed: int, owners: list[str], held: set[int]
+) -> None:
     n = len(owners)
     bits = Bitfield(n)
     for i in held:

@@ -69,6 +69,7 @@ def test_a_read_started_is_never_given_and_a_read_given_is_never_started() -> No
     f.end(job)
     assert not f.give("taker0", job.identity, 6)  # that download is over
 
+
 def test_a_grant_ends_with_its_taker_or_its_time_and_is_never_given_twice() -> None:
     clock = FakeClock()
     f, ms = _owner(clock)

@@ -88,8 +88,9 @@ def test_a_waiting_acquisition_is_woken_by_its_chunks_have() -> None:
         node = next(iter(subs.open))[0].node_id
         url = ms.by_node()[node].url
         waiter = asyncio.ensure_future(h.wait_holder(job, STORED, 7, 120.0))
-        await wait_for_async(lambda: (job.identity, STORED, 7) in h._waiters, 120,
-                             "the acquisition to wait for chunk 7")
+        await wait_for_async(
+            lambda: (job.identity, STORED, 7) in h._waiters, 120, "the acquisition to wait for chunk 7"
+        )
         h.on_have(node, job.identity, 0, (6,))  # another chunk: still waiting
         await wait_for_async(lambda: h.holding(job, STORED, 6) == [url], 120, "that HAVE to be handled")
         assert not h._waiters[(job.identity, STORED, 7)].is_set() and not waiter.done()

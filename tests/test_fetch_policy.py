@@ -36,7 +36,9 @@ def test_holders_are_least_loaded_first_and_only_those_holding() -> None:
 
 def test_holders_ties_are_broken_at_random() -> None:
     live = [PeerView(f"http://p{i}", f"p{i}", 0) for i in range(8)]
-    orders = {tuple(p.url for p in policy.holders(live, {p.url for p in live}, random.Random(seed))) for seed in range(20)}
+    orders = {
+        tuple(p.url for p in policy.holders(live, {p.url for p in live}, random.Random(seed))) for seed in range(20)
+    }
     assert len(orders) > 1
 
 
@@ -236,8 +238,9 @@ def test_steal_takes_the_last_chunk_of_the_owner_with_the_most_left() -> None:
 
 def test_a_source_answering_not_here_for_advertised_chunks_is_penalised_after_lie_limit() -> None:
     book = policy.SourceBook(FakeClock())
-    assert [book.refused("liar", advertised=True) for _ in range(policy.LIE_LIMIT)] == \
-        [False] * (policy.LIE_LIMIT - 1) + [True]
+    assert [book.refused("liar", advertised=True) for _ in range(policy.LIE_LIMIT)] == [False] * (
+        policy.LIE_LIMIT - 1
+    ) + [True]
     assert not book.refused("liar", advertised=True)  # the streak starts again
 
 

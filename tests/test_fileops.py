@@ -138,7 +138,9 @@ def test_apply_delta_file_errors_name_the_file_and_tensor(tmp_path: Path) -> Non
     diff = tmp_path / "diff"
     fileops.write_diff_file(bp, tp, diff, "arc_v2")
     size = tp.stat().st_size
-    with pytest.raises(ProtocolError, match=r"^model\.safetensors: the delta rebuilds \d+ bytes but the manifest says 5$"):
+    with pytest.raises(
+        ProtocolError, match=r"^model\.safetensors: the delta rebuilds \d+ bytes but the manifest says 5$"
+    ):
         fileops.apply_delta_file(bp, diff, tmp_path / "o1", "arc_v2", 5, name="model.safetensors")
     assert not (tmp_path / "o1").exists()  # refused before anything was written
     # A base that is not the diff's base: the Adler-32 of a rebuilt tensor fails, naming it.

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.timeout(600)
 
 # ---- the schema itself (pure) -------------------------------------------------------------------
 
+
 def test_the_defaults_are_the_hot_load_defaults() -> None:
     row = replica_row("node0")
     assert schema_errors(row) == []
@@ -44,12 +45,15 @@ def test_the_defaults_are_the_hot_load_defaults() -> None:
         replica_row("node0", bogus=1)
 
 
-@pytest.mark.parametrize("wire", [
-    {},
-    {"replica_id": "node1", "loading_state": {"stage": "done"}},
-    {"replica_id": 5, "engines": "many", "readiness": 1, "policy_version": True, "loading_state": []},
-    {"replica_id": "n", "loading_state": {"stage": "flying", "progress": "half", "reason": None}},
-])
+@pytest.mark.parametrize(
+    "wire",
+    [
+        {},
+        {"replica_id": "node1", "loading_state": {"stage": "done"}},
+        {"replica_id": 5, "engines": "many", "readiness": 1, "policy_version": True, "loading_state": []},
+        {"replica_id": "n", "loading_state": {"stage": "flying", "progress": "half", "reason": None}},
+    ],
+)
 def test_complete_row_gives_every_key_whatever_the_wire_held(wire: dict[str, Any]) -> None:
     row = complete_row(wire)
     assert schema_errors(row) == [], row
@@ -69,6 +73,7 @@ def test_complete_page_fills_the_page() -> None:
 
 
 # ---- every state on real daemons ----------------------------------------------------------------
+
 
 @pytest.fixture()
 def swarm(tmp_path: Path) -> Iterator[Swarm]:
@@ -120,11 +125,18 @@ def test_every_state_answers_the_whole_schema(swarm: Swarm) -> None:
     eid = ans["engine_id"]
     offer = node1.get(f"/v1/engines/{eid}/next?timeout=60")
     assert offer["identity"] == "step000001", offer
-    wait_for(lambda: all(_row(p, "node1")["loading_state"]["stage"] == "loading" for p in _pages(swarm)), 120,
-             "every daemon to list node1 loading")
-    status, ans = http("POST", node1.url + f"/v1/engines/{eid}/ack",
-                       {"identity": "step000001", "pause_ms": 1, "error": "out of memory (test)"})
+    wait_for(
+        lambda: all(_row(p, "node1")["loading_state"]["stage"] == "loading" for p in _pages(swarm)),
+        120,
+        "every daemon to list node1 loading",
+    )
+    status, ans = http(
+        "POST",
+        node1.url + f"/v1/engines/{eid}/ack",
+        {"identity": "step000001", "pause_ms": 1, "error": "out of memory (test)"},
+    )
     assert status == 200, ans
+
     def all_error() -> list[dict[str, Any]] | None:
         ps = _pages(swarm)
         return ps if all(_row(p, "node1")["loading_state"]["stage"] == "error" for p in ps) else None

@@ -21,8 +21,12 @@ GB = 1e9
 def _uses(path: Path, module: str) -> set[str]:
     """The names ``path`` imports from ``module`` and also uses (called or read) in its code."""
     tree = ast.parse(path.read_text())
-    imported = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module == module
-                for a in n.names}
+    imported = {
+        a.asname or a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom) and n.module == module
+        for a in n.names
+    }
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     return imported & used
 
@@ -39,8 +43,9 @@ def test_the_simulator_imports_and_calls_the_daemons_fetch_policy_and_upload_adm
 
 
 def test_a_small_run_exercises_the_policy_objects() -> None:
-    sim = FleetSim(Scenario("t", 12, 2 * GB, 16, 100e9 / 8, 10 * GB, 100e6, bucket_concurrency=32,
-                            endgame_chunks=4, max_uploads=2))
+    sim = FleetSim(
+        Scenario("t", 12, 2 * GB, 16, 100e9 / 8, 10 * GB, 100e6, bucket_concurrency=32, endgame_chunks=4, max_uploads=2)
+    )
     r = sim.run()
     assert r["done_nodes"] == r["live_nodes"] == 12
     nodes = list(sim.nodes.values())

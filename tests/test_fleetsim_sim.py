@@ -59,8 +59,9 @@ def test_today_model_completes_and_counts_its_polling() -> None:
 
 
 def _piped(n: int, chunks: int, forward: str, **kw: object) -> Scenario:
-    return _fleet(n, chunks, serial_reads=True, have_flush_s=0.0, download_slots=16, max_per_peer=4,
-                  forward=forward, **kw)
+    return _fleet(
+        n, chunks, serial_reads=True, have_flush_s=0.0, download_slots=16, max_per_peer=4, forward=forward, **kw
+    )
 
 
 def test_forwarding_real_chunks_as_they_arrive_and_cut_through_conserve_bytes() -> None:
@@ -78,10 +79,34 @@ def test_forwarding_real_chunks_as_they_arrive_and_cut_through_conserve_bytes() 
 
 
 def test_at_one_real_chunk_per_simulated_chunk_real_forwarding_is_store_and_forward() -> None:
-    a = FleetSim(Scenario("t", 8, 32 * (16 << 20), 32, 100e9 / 8, 10 * GB, 100e6, bucket_concurrency=32,
-                          serial_reads=True, forward="store")).run()
-    b = FleetSim(Scenario("t", 8, 32 * (16 << 20), 32, 100e9 / 8, 10 * GB, 100e6, bucket_concurrency=32,
-                          serial_reads=True, forward="real")).run()
+    a = FleetSim(
+        Scenario(
+            "t",
+            8,
+            32 * (16 << 20),
+            32,
+            100e9 / 8,
+            10 * GB,
+            100e6,
+            bucket_concurrency=32,
+            serial_reads=True,
+            forward="store",
+        )
+    ).run()
+    b = FleetSim(
+        Scenario(
+            "t",
+            8,
+            32 * (16 << 20),
+            32,
+            100e9 / 8,
+            10 * GB,
+            100e6,
+            bucket_concurrency=32,
+            serial_reads=True,
+            forward="real",
+        )
+    ).run()
     assert a["seconds"] == b["seconds"] and a["chunk_requests"] == b["chunk_requests"]
 
 
@@ -89,8 +114,9 @@ def test_a_copy_cut_short_by_a_death_is_withdrawn_and_every_live_node_completes(
     """A node announces a chunk while it arrives; when its source dies the copy fails, the node
     withdraws its announcement, and nobody waits on it (a stale HAVE once stalled a run)."""
     for seed in (1, 2):
-        sim = FleetSim(_piped(20, 16, "real", kill_frac=0.05, late_frac=0.1, hotload_fanout=6, seed=seed,
-                              time_limit_s=30.0))
+        sim = FleetSim(
+            _piped(20, 16, "real", kill_frac=0.05, late_frac=0.1, hotload_fanout=6, seed=seed, time_limit_s=30.0)
+        )
         r = sim.run()
         assert r["done_nodes"] == r["live_nodes"] == 19, seed
         assert r["bucket_egress_over_s"] <= 1.5
@@ -109,6 +135,7 @@ def test_endgame_races_cancel_their_losers_and_conserve_the_slots() -> None:
         if legs is not None and len(legs) > 1 and not nd.ps.held[i]:
             raced.append((nd.id, i))
         got(nd, i, source)
+
     sim.got = spy  # type: ignore[method-assign]
     r = sim.run()
     assert raced  # some races happened

@@ -9,8 +9,13 @@ def test_depths_hops_and_done_from_arrivals() -> None:
     # chunk 0: bucket -> a at 1.0, a -> b at 1.5, b -> c at 2.5; chunk 1: bucket -> b at 1.2,
     # b -> a at 1.4, a -> c at 3.0; d got chunk 0 only (killed): never done
     arrivals = [
-        (1.0, "a", 0, "bucket"), (1.2, "b", 1, "bucket"), (1.4, "a", 1, "b"), (1.5, "b", 0, "a"),
-        (2.0, "d", 0, "a"), (2.5, "c", 0, "b"), (3.0, "c", 1, "a"),
+        (1.0, "a", 0, "bucket"),
+        (1.2, "b", 1, "bucket"),
+        (1.4, "a", 1, "b"),
+        (1.5, "b", 0, "a"),
+        (2.0, "d", 0, "a"),
+        (2.5, "c", 0, "b"),
+        (3.0, "c", 1, "a"),
     ]
     r = analyse(arrivals, floor=2.0, chunk_bytes=1.25e9)
     assert r["last_bucket_read_s"] == 1.2
@@ -28,9 +33,16 @@ def test_combine_makes_one_row_of_single_seed_files(tmp_path) -> None:  # type: 
     from bench.fleetsim.__main__ import KEYS, combine
 
     def row(seed: int, x: float) -> dict:
-        r = {k: x for k in KEYS} | {"name": "fleet-n10000-delta", "seconds": 2 * x, "x_floor": x, "cpu_s": 1.0,
-                                     "scenario": {"seed": seed}, "seeds": [seed]}
+        r = {k: x for k in KEYS} | {
+            "name": "fleet-n10000-delta",
+            "seconds": 2 * x,
+            "x_floor": x,
+            "cpu_s": 1.0,
+            "scenario": {"seed": seed},
+            "seeds": [seed],
+        }
         return r
+
     a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
     a.write_text(json.dumps([row(1, 1.10)]))
     b.write_text(json.dumps([row(2, 1.12)]))

@@ -71,8 +71,15 @@ def test_fold_checks_every_diffs_adler32_and_names_the_step(tmp_path: Path) -> N
 
 
 def _m(identity: str, base: str | None, files: list[dict[str, Any]]) -> Manifest:
-    doc: dict[str, Any] = {"format": "bdn.snapshot/1", "identity": identity, "kind": "delta" if base else "full",
-                           "policy_version": 1, "created_at": "", "chunk_size": CHUNK, "files": files}
+    doc: dict[str, Any] = {
+        "format": "bdn.snapshot/1",
+        "identity": identity,
+        "kind": "delta" if base else "full",
+        "policy_version": 1,
+        "created_at": "",
+        "chunk_size": CHUNK,
+        "files": files,
+    }
     if base:
         doc.update(base_identity=base, compression_format="arc_v2", checksum_format="alder32")
     return Manifest.from_dict(doc)
@@ -102,7 +109,9 @@ def test_daemon_folds_a_lagging_chain_without_intermediate_snapshots(tmp_path: P
         snap = d.wait_ready("step000005")
         got = Path(snap["path"])
         for f in chain.dirs[-1].iterdir():
-            assert hashlib.sha256((got / f.name).read_bytes()).digest() == hashlib.sha256(f.read_bytes()).digest(), f.name
+            assert hashlib.sha256((got / f.name).read_bytes()).digest() == hashlib.sha256(f.read_bytes()).digest(), (
+                f.name
+            )
         for i in (2, 3, 4):  # folded through: never a snapshot on this node
             assert d.request("GET", f"/v1/snapshots/step{i:06d}")[0] == 404
         assert not [p for p in d.store.rglob("*") if "step000003" in p.name or ".fold-" in p.name]  # cleaned up

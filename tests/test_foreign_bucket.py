@@ -98,10 +98,18 @@ def _assemble(bucket: Bucket, table: ForeignTable, path: str) -> bytearray:
 
 def _tables(bucket: Bucket) -> list[ForeignTable]:
     t1 = read_foreign_table(bucket, "step000001", chunk_size=CHUNK, policy_version=1)
-    t2 = read_foreign_table(bucket, "step000002", chunk_size=CHUNK, policy_version=2,
-                            base_identity="step000001", base=t1.manifest)
-    t3 = read_foreign_table(bucket, "step000003", chunk_size=CHUNK, policy_version=3,
-                            base_identity="step000002", base=t2.manifest, compression_format="arc_v1")
+    t2 = read_foreign_table(
+        bucket, "step000002", chunk_size=CHUNK, policy_version=2, base_identity="step000001", base=t1.manifest
+    )
+    t3 = read_foreign_table(
+        bucket,
+        "step000003",
+        chunk_size=CHUNK,
+        policy_version=3,
+        base_identity="step000002",
+        base=t2.manifest,
+        compression_format="arc_v1",
+    )
     return [t1, t2, t3]
 
 

@@ -42,8 +42,12 @@ from support.swarm import SECRET, Daemon, Swarm, running
 
 CHUNK = MiB
 HOT = "/hot_load/v1/models/hot_load"
-FOREIGN = {"BDN_REQUIRE_MANIFEST": "false", "BDN_FOREIGN_CHUNK_SIZE": str(CHUNK), "BDN_LOAD_STARTUP": "false",
-           "BDN_STARTUP_SETTLE_S": "1"}
+FOREIGN = {
+    "BDN_REQUIRE_MANIFEST": "false",
+    "BDN_FOREIGN_CHUNK_SIZE": str(CHUNK),
+    "BDN_LOAD_STARTUP": "false",
+    "BDN_STARTUP_SETTLE_S": "1",
+}
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +121,9 @@ def test_three_daemons_load_fireworks_anchor_and_two_deltas(where: Where, run: R
         assert snap["kind"] == "delta" and snap["base_identity"] == "step000002" and snap["policy_version"] == 3
 
 
-def test_lying_peer_gets_no_wrong_bytes_into_ready(run: Run, moto_endpoint: str, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lying_peer_gets_no_wrong_bytes_into_ready(
+    run: Run, moto_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     name = create_bucket(moto_endpoint)
     client = boto(moto_endpoint)
     upload(client, name, "run-1", run, only=["step000001"])
@@ -134,9 +139,13 @@ def test_lying_peer_gets_no_wrong_bytes_into_ready(run: Run, moto_endpoint: str,
         for d in honest:
             d.wait_healthy()
         for d in honest:  # generous: membership settles in seconds even on a busy machine
-            wait_for(lambda d=d: {p["node_id"] for p in d.status()["peers"] if p["alive"]}, 120,
-                     f"{d.node_id} to see the others alive", 0.1,
-                     until=lambda alive, d=d: alive == {"node0", "node1", "liar"} - {d.node_id})
+            wait_for(
+                lambda d=d: {p["node_id"] for p in d.status()["peers"] if p["alive"]},
+                120,
+                f"{d.node_id} to see the others alive",
+                0.1,
+                until=lambda alive, d=d: alive == {"node0", "node1", "liar"} - {d.node_id},
+            )
         for d in honest:
             assert d.prefetch("step000001")[0] == 202
         for d in honest:
@@ -148,7 +157,9 @@ def test_lying_peer_gets_no_wrong_bytes_into_ready(run: Run, moto_endpoint: str,
         assert sum(v.get("liar", 0) for v in blamed.values()) > 0, blamed
         keys = derive_keys(SECRET)
         p = f"/bdn/v1/{keys.swarm_id}/liar/stats"
-        status, body = raw_request(liar.url, "GET", p, {"Authorization": sign_request(keys, "GET", p, "tester", to="liar")})
+        status, body = raw_request(
+            liar.url, "GET", p, {"Authorization": sign_request(keys, "GET", p, "tester", to="liar")}
+        )
         assert status == 200 and json.loads(body)["chunks_lied"] > 0
     finally:
         for d in honest:
@@ -159,9 +170,13 @@ def test_lying_peer_gets_no_wrong_bytes_into_ready(run: Run, moto_endpoint: str,
 
 def _wait_bytes(d: Daemon, identity: str, n: int) -> None:
     """Until ``identity`` has at least ``n`` bytes on ``d`` (generous deadline, states checked)."""
-    wait_for(lambda: d.get(f"/v1/snapshots/{identity}"), 120, f"{n} bytes of {identity}",
-             until=lambda snap: snap["bytes_done"] >= n,
-             meanwhile=lambda snap: snap["state"] in ("queued", "downloading"))
+    wait_for(
+        lambda: d.get(f"/v1/snapshots/{identity}"),
+        120,
+        f"{n} bytes of {identity}",
+        until=lambda snap: snap["bytes_done"] >= n,
+        meanwhile=lambda snap: snap["state"] in ("queued", "downloading"),
+    )
 
 
 def _flipped(run: Run) -> bytes:
@@ -272,15 +287,25 @@ def test_config_mismatch_fails_naming_the_field(tmp_path: Path) -> None:
         assert post(d, "step000001")[0] == 200
         wait_fleet(d.url, "step000001", timeout=120)
         assert post(d, "step000002", {"previous_snapshot_identity": "step000001"})[0] == 200
-        rep = wait_for(lambda: http("GET", d.url + HOT)[1]["replicas"][0], 120, "the replica to report an error", 0.1,
-                       until=lambda rep: rep["loading_state"]["stage"] == "error")
+        rep = wait_for(
+            lambda: http("GET", d.url + HOT)[1]["replicas"][0],
+            120,
+            "the replica to report an error",
+            0.1,
+            until=lambda rep: rep["loading_state"]["stage"] == "error",
+        )
         assert "Config value mismatch for hidden_size" in rep["loading_state"]["reason"], rep
         assert rep["current_snapshot_identity"] == "step000001"  # still serving the base
 
 
 def bdnctl(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", d.url, *args],
-                          capture_output=True, text=True, timeout=240, env=os.environ.copy())
+    return subprocess.run(
+        [sys.executable, "-m", "bdn.cli.bdnctl", "--url", d.url, *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=os.environ.copy(),
+    )
 
 
 def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_run: str, tmp_path: Path) -> None:
@@ -292,8 +317,13 @@ def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_
             # asked to wait for publication: it waits, with the reason shown by bdnctl
             status, body = d.request("POST", "/v1/snapshots/step000098/prefetch?wait_publish=1")
             assert status == 202, body
-            snap = wait_for(lambda: d.get("/v1/snapshots/step000098"), 120, "a reason for step000098",
-                            until=lambda snap: snap["reason"], meanwhile=lambda snap: snap["state"] == "queued")
+            snap = wait_for(
+                lambda: d.get("/v1/snapshots/step000098"),
+                120,
+                "a reason for step000098",
+                until=lambda snap: snap["reason"],
+                meanwhile=lambda snap: snap["state"] == "queued",
+            )
             out = bdnctl(d, "snapshots")
             assert out.returncode == 0 and "step000098" in out.stdout and snap["reason"][:30] in out.stdout, out
             out = bdnctl(d, "prefetch", "step000098")  # already known: its state and reason

@@ -76,7 +76,9 @@ def full_files(tmp: Path, w: dict[str, np.ndarray]) -> dict[str, bytes]:
     }
 
 
-def delta_files(tmp: Path, base: dict[str, np.ndarray], target: dict[str, np.ndarray], fmt: str = "arc_v2") -> dict[str, bytes]:
+def delta_files(
+    tmp: Path, base: dict[str, np.ndarray], target: dict[str, np.ndarray], fmt: str = "arc_v2"
+) -> dict[str, bytes]:
     write_diff_file_from_arrays(base, target, tmp / "d.safetensors", fmt)
     return {"model.safetensors": (tmp / "d.safetensors").read_bytes(), "config.json": b'{"hidden_size": 48}'}
 
@@ -95,7 +97,9 @@ def test_full_table_is_the_same_whatever_the_listing_order(tmp_path: Path) -> No
     assert shard.size == len(files["model.safetensors"]) and len(shard.chunks) == -(-shard.size // CHUNK)
     assert t1.object("model.safetensors").key == "step000001/model.safetensors"
     assert not t1.content_digests
-    assert shard.chunks[0] == chunk_id("step000001/model.safetensors", t1.object("model.safetensors").etag, shard.size, CHUNK, 0)
+    assert shard.chunks[0] == chunk_id(
+        "step000001/model.safetensors", t1.object("model.safetensors").etag, shard.size, CHUNK, 0
+    )
     # Another chunk size or another version of one object gives another table.
     assert derive_table("step000001", objects, heads, chunk_size=2 * CHUNK, policy_version=1).table_id != t1.table_id
     changed = [o if o.path != "config.json" else ForeignObject(o.path, o.key, o.size, "new") for o in objects]
@@ -110,7 +114,9 @@ def test_delta_detected_with_its_codec_and_result_sizes(tmp_path: Path, fmt: str
     base_objects, base_heads = snapshot(tmp_path, "step000001", full_files(tmp_path, w1))
     base = derive_table("step000001", base_objects, base_heads, chunk_size=CHUNK, policy_version=1).manifest
     objects, heads = snapshot(tmp_path, "step000002", delta_files(tmp_path, w1, step(w1, 2), fmt))
-    t = derive_table("step000002", objects, heads, chunk_size=CHUNK, policy_version=2, base_identity="step000001", base=base)
+    t = derive_table(
+        "step000002", objects, heads, chunk_size=CHUNK, policy_version=2, base_identity="step000001", base=base
+    )
     m = t.manifest
     assert (m.kind, m.base_identity, m.compression_format, m.checksum_format) == ("delta", "step000001", fmt, "alder32")
     diff = m.file("model.safetensors")
@@ -118,12 +124,28 @@ def test_delta_detected_with_its_codec_and_result_sizes(tmp_path: Path, fmt: str
     assert not m.file("config.json").is_diff
     assert set(diff.result_chunks).isdisjoint(base.file("model.safetensors").chunks)
     # The request may name the codec; a wrong one is refused.
-    derive_table("step000002", objects, heads, chunk_size=CHUNK, policy_version=2, base_identity="step000001",
-                 base=base, compression_format=fmt.upper())
+    derive_table(
+        "step000002",
+        objects,
+        heads,
+        chunk_size=CHUNK,
+        policy_version=2,
+        base_identity="step000001",
+        base=base,
+        compression_format=fmt.upper(),
+    )
     other = "arc_v1" if fmt != "arc_v1" else "arc_v2"
     with pytest.raises(UnsupportedFormat, match=f"names compression_format '{other}', but the diff files are {fmt}"):
-        derive_table("step000002", objects, heads, chunk_size=CHUNK, policy_version=2,
-                     base_identity="step000001", base=base, compression_format=other)
+        derive_table(
+            "step000002",
+            objects,
+            heads,
+            chunk_size=CHUNK,
+            policy_version=2,
+            base_identity="step000001",
+            base=base,
+            compression_format=other,
+        )
 
 
 def test_delta_needs_its_base(tmp_path: Path) -> None:
@@ -133,10 +155,14 @@ def test_delta_needs_its_base(tmp_path: Path) -> None:
         derive_table("step000002", objects, heads, chunk_size=CHUNK, policy_version=2)
     with pytest.raises(ForeignSnapshotError, match="the table of its base 'step000001' is needed"):
         derive_table("step000002", objects, heads, chunk_size=CHUNK, policy_version=2, base_identity="step000001")
-    base_objects, base_heads = snapshot(tmp_path, "step000001", {"other.safetensors": full_files(tmp_path, w1)["model.safetensors"]})
+    base_objects, base_heads = snapshot(
+        tmp_path, "step000001", {"other.safetensors": full_files(tmp_path, w1)["model.safetensors"]}
+    )
     base = derive_table("step000001", base_objects, base_heads, chunk_size=CHUNK, policy_version=1).manifest
     with pytest.raises(ForeignSnapshotError, match="the base 'step000001' has no 'model.safetensors'"):
-        derive_table("step000002", objects, heads, chunk_size=CHUNK, policy_version=2, base_identity="step000001", base=base)
+        derive_table(
+            "step000002", objects, heads, chunk_size=CHUNK, policy_version=2, base_identity="step000001", base=base
+        )
 
 
 def test_diff_names_checked_against_the_base_header(tmp_path: Path) -> None:
@@ -149,8 +175,16 @@ def test_diff_names_checked_against_the_base_header(tmp_path: Path) -> None:
     other_header = parse_header((tmp_path / "o.safetensors").read_bytes(), (tmp_path / "o.safetensors").stat().st_size)
     objects, heads = snapshot(tmp_path, "step000002", delta_files(tmp_path, w1, step(w1, 2)))
     with pytest.raises(ForeignSnapshotError, match="no stream for tensor 'c.other' of the base"):
-        derive_table("step000002", objects, heads, chunk_size=CHUNK, policy_version=2, base_identity="step000001",
-                     base=base, base_headers={"model.safetensors": other_header})
+        derive_table(
+            "step000002",
+            objects,
+            heads,
+            chunk_size=CHUNK,
+            policy_version=2,
+            base_identity="step000001",
+            base=base,
+            base_headers={"model.safetensors": other_header},
+        )
 
 
 def test_mixed_diff_and_full_files_refused(tmp_path: Path) -> None:
@@ -222,9 +256,17 @@ def test_index_names_a_missing_shard(tmp_path: Path) -> None:
     index = {"metadata": {}, "weight_map": {"a.weight": "model.safetensors", "b.bias": "model-2.safetensors"}}
     files["model.safetensors.index.json"] = json.dumps(index).encode()
     objects, heads = snapshot(tmp_path, "s1", files)
-    with pytest.raises(IncompleteSnapshot, match="names the shard 'model-2.safetensors', which is not \\(yet\\) in the bucket"):
-        derive_table("s1", objects, heads, chunk_size=CHUNK, policy_version=1,
-                     indexes={"model.safetensors.index.json": files["model.safetensors.index.json"]})
+    with pytest.raises(
+        IncompleteSnapshot, match="names the shard 'model-2.safetensors', which is not \\(yet\\) in the bucket"
+    ):
+        derive_table(
+            "s1",
+            objects,
+            heads,
+            chunk_size=CHUNK,
+            policy_version=1,
+            indexes={"model.safetensors.index.json": files["model.safetensors.index.json"]},
+        )
     index["weight_map"]["b.bias"] = "model.safetensors"
     ok = json.dumps(index).encode()
     derive_table("s1", objects, heads, chunk_size=CHUNK, policy_version=1, indexes={"model.safetensors.index.json": ok})
@@ -253,8 +295,9 @@ def test_index_naming_an_unusable_path_is_final(tmp_path: Path) -> None:
     files["model.safetensors.index.json"] = index
     objects, heads = snapshot(tmp_path, "s1", files)
     with pytest.raises(ForeignSnapshotError, match="names an unusable shard") as err:
-        derive_table("s1", objects, heads, chunk_size=CHUNK, policy_version=1,
-                     indexes={"model.safetensors.index.json": index})
+        derive_table(
+            "s1", objects, heads, chunk_size=CHUNK, policy_version=1, indexes={"model.safetensors.index.json": index}
+        )
     assert not isinstance(err.value, IncompleteSnapshot)
 
 

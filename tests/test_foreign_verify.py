@@ -35,8 +35,14 @@ PART = 64 << 10
 def multipart_checksum(data: bytes, part: int) -> ObjectChecksum:
     parts = [data[i : i + part] for i in range(0, len(data), part)]
     composite = hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest()
-    return ObjectChecksum(key="s/m", etag=f"{composite}-{len(parts)}", size=len(data), parts=len(parts),
-                          part_size=part, composite_md5=composite)
+    return ObjectChecksum(
+        key="s/m",
+        etag=f"{composite}-{len(parts)}",
+        size=len(data),
+        parts=len(parts),
+        part_size=part,
+        composite_md5=composite,
+    )
 
 
 def test_part_ranges() -> None:
@@ -104,8 +110,11 @@ def test_multipart_additional_checksum_comes_from_the_object_head() -> None:
         if part is None:
             return len(data), {"x-amz-checksum-crc32": composite, "x-amz-mp-parts-count": "4"}
         part_crc = base64.b64encode(crcs[part - 1]).decode()
-        return len(parts[part - 1]), {"x-amz-checksum-crc32": part_crc, "x-amz-checksum-type": "COMPOSITE",
-                                      "x-amz-mp-parts-count": "4"}
+        return len(parts[part - 1]), {
+            "x-amz-checksum-crc32": part_crc,
+            "x-amz-checksum-type": "COMPOSITE",
+            "x-amz-mp-parts-count": "4",
+        }
 
     from bdn.bucket.base import ObjectInfo
 
@@ -154,8 +163,12 @@ def test_file_bucket_table_has_no_checksums_and_repairs_by_rereading(tmp_path: P
     assert not any(c.verifiable for c in checksums.values())
     # Given a checksum from elsewhere (say, the trainer's), a bad copy is repaired from file://.
     data = (root / "s1" / "model.safetensors").read_bytes()
-    cs = ObjectChecksum(key="s1/model.safetensors", etag=table.object("model.safetensors").etag, size=len(data),
-                        md5=hashlib.md5(data).hexdigest())
+    cs = ObjectChecksum(
+        key="s1/model.safetensors",
+        etag=table.object("model.safetensors").etag,
+        size=len(data),
+        md5=hashlib.md5(data).hexdigest(),
+    )
     copy = bytearray(data)
     copy[10_000] ^= 0xFF
     fixed = repair_from_bucket(bucket, cs, copy, verify_object(copy, cs), chunk_size=4096)
@@ -185,7 +198,10 @@ def test_check_ready_needs_a_verdict_for_every_object(tmp_path: Path) -> None:
     (staged / "a.txt").write_text("hello")
     cs = read_checksums(bucket, table)["a.txt"]
     verdicts = {"a.txt": verify_object(b"hello", cs)}
-    with pytest.raises(ForeignSnapshotError, match="the bucket keeps no checksum of this object, and unverifiable objects are not accepted"):
+    with pytest.raises(
+        ForeignSnapshotError,
+        match="the bucket keeps no checksum of this object, and unverifiable objects are not accepted",
+    ):
         check_ready(table, staged, verdicts)
     check_ready(table, staged, verdicts, allow_unverifiable=True)
     (staged / "a.txt").unlink()
@@ -203,8 +219,14 @@ def test_verify_or_repair_and_bad_chunks(tmp_path: Path) -> None:
     bucket = open_bucket(f"file://{root}")
     table = read_foreign_table(bucket, "s1", chunk_size=4096, policy_version=1)
     cs = multipart_checksum(data, PART)
-    cs = ObjectChecksum(key="s1/blob", etag=table.object("blob").etag, size=cs.size, parts=cs.parts,
-                        part_size=cs.part_size, composite_md5=cs.composite_md5)
+    cs = ObjectChecksum(
+        key="s1/blob",
+        etag=table.object("blob").etag,
+        size=cs.size,
+        parts=cs.parts,
+        part_size=cs.part_size,
+        composite_md5=cs.composite_md5,
+    )
     verdict, repair = verify_or_repair(bucket, cs, bytearray(data), chunk_size=4096)
     assert verdict.ok and repair is None
     copy = bytearray(data)

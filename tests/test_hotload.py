@@ -15,7 +15,6 @@ TOKEN = "trainer-token-0123456789"
 CHUNK = 64 << 10
 
 
-
 @pytest.fixture
 def fleet(tmp_path: Path):
     bucket = f"file://{tmp_path}/bucket"
@@ -33,11 +32,19 @@ def test_one_post_moves_the_fleet(fleet) -> None:
     assert len(reps) == 3 and {r["policy_version"] for r in reps} == {1}
 
     # One POST to one daemon, over the network port with the bearer token.
-    status, ans = http("POST", a.peer_url + "/hot_load/v1/models/hot_load", {
-        "identity": "step000002",
-        "incremental_snapshot_metadata": {"previous_snapshot_identity": "step000001",
-                                          "compression_format": "arc_v2", "checksum_format": "alder32"},
-    }, token=TOKEN)
+    status, ans = http(
+        "POST",
+        a.peer_url + "/hot_load/v1/models/hot_load",
+        {
+            "identity": "step000002",
+            "incremental_snapshot_metadata": {
+                "previous_snapshot_identity": "step000001",
+                "compression_format": "arc_v2",
+                "checksum_format": "alder32",
+            },
+        },
+        token=TOKEN,
+    )
     assert status == 200, ans
     assert ans["accepted"] is True and ans["identity"] == "step000002" and ans["policy_version"] == 2
     # before it made the target, the accepting daemon asked members for theirs (HotLoad.catch_up)
@@ -76,14 +83,19 @@ def test_hot_load_errors(fleet) -> None:
     st, body = http("POST", url, {"identity": "step000002", "incremental_snapshot_metadata": "arc_v2"})
     assert st == 400
     # 415 unsupported format, naming the supported ones
-    st, body = http("POST", url, {"identity": "step000002", "incremental_snapshot_metadata": {"compression_format": "arc_v3"}})
+    st, body = http(
+        "POST", url, {"identity": "step000002", "incremental_snapshot_metadata": {"compression_format": "arc_v3"}}
+    )
     assert st == 415 and "arc_v1" in body["error"] and "arc_v2" in body["error"]
     # 404 not in the bucket
     st, body = http("POST", url, {"identity": "step000099"})
     assert st == 404 and "step000099" in body["error"]
     # 409 a previous_snapshot_identity that is not the base, or not the one being served
-    st, body = http("POST", url, {"identity": "step000002",
-                                  "incremental_snapshot_metadata": {"previous_snapshot_identity": "step000007"}})
+    st, body = http(
+        "POST",
+        url,
+        {"identity": "step000002", "incremental_snapshot_metadata": {"previous_snapshot_identity": "step000007"}},
+    )
     assert st == 409 and "step000001" in body["error"]
     # nothing above moved the fleet
     reps = wait_fleet(a.url, "step000001")
@@ -138,8 +150,14 @@ def test_hot_load_before_the_manifest_is_written(fleet) -> None:
     assert st == 200 and ans["accepted"] and ans["manifest_written"] is False, ans
     # Every daemon has looked for the manifest and is waiting for it (a state, not a pause).
     for d in swarm.daemons:
-        wait_for(lambda d=d: "waiting for manifest" in (http("GET", d.url + "/v1/snapshots/step000003")[1] or {}).get("reason", ""),
-                 120, f"{d.url} waiting for step000003's manifest")
+        wait_for(
+            lambda d=d: (
+                "waiting for manifest" in (http("GET", d.url + "/v1/snapshots/step000003")[1] or {}).get("reason", "")
+            ),
+            120,
+            f"{d.url} waiting for step000003's manifest",
+        )
+
     # The fleet view is aggregated from the replicas' reports: wait until every one has reported
     # the new target (a state), then check what they report.
     def reported() -> list[dict]:
@@ -178,10 +196,17 @@ def test_late_replica_found_by_peers_dns_settles_before_loading(tmp_path: Path) 
     port = free_port()
     early = Daemon(tmp_path / "nodes", "early", bucket, peer_port=port, extra_env={"BDN_STARTUP_SETTLE_S": "0"})
     late_url = f"http://127.0.0.2:{port}"
-    late = Daemon(tmp_path / "nodes", "late", bucket, extra_env={
-        "BDN_PEER_LISTEN": f"127.0.0.2:{port}", "BDN_ADVERTISE_URL": late_url,
-        "BDN_PEERS_DNS": f"localhost:{port}", "BDN_STARTUP_SETTLE_S": "5",
-    })
+    late = Daemon(
+        tmp_path / "nodes",
+        "late",
+        bucket,
+        extra_env={
+            "BDN_PEER_LISTEN": f"127.0.0.2:{port}",
+            "BDN_ADVERTISE_URL": late_url,
+            "BDN_PEERS_DNS": f"localhost:{port}",
+            "BDN_STARTUP_SETTLE_S": "5",
+        },
+    )
     try:
         early.start([])
         early.wait_healthy()
@@ -220,7 +245,10 @@ def test_a_restarted_lone_daemon_serves_what_it_served(tmp_path: Path) -> None:
         reps = wait_fleet(d.url, "step000002")
         assert [r["policy_version"] for r in reps] == [2]
         assert (d.store / "current").resolve() == (d.store / "step000002").resolve()
-        assert "current names step000002, ready here: serving it again (STARTUP_SNAPSHOT names step000001: not loaded)" in d.log()
+        assert (
+            "current names step000002, ready here: serving it again (STARTUP_SNAPSHOT names step000001: not loaded)"
+            in d.log()
+        )
         jobs = {s["identity"]: s for s in d.status()["snapshots"]}
         assert all(j.get("requested_by") != "startup" for j in jobs.values()), jobs
         assert d.status()["counters"]["bucket_bytes_owner"] + d.status()["counters"]["bucket_bytes_fallback"] == 0

@@ -80,8 +80,11 @@ def test_an_older_or_garbled_answer_changes_nothing(tmp_path: Path) -> None:
     clock = FakeClock(1_800_000_000.0)
     urls = [f"http://10.0.1.{i}:7080" for i in range(3)]
     older = Target("s1", 5, "n1", "r1", gen=1, policy_version=1)
-    answers: dict[str, object] = {urls[0]: (200, {"target": older.wire()}), urls[1]: (200, ["not", "a", "map"]),
-                                  urls[2]: (200, {"target": {**older.wire(), "gen": 2**60}})}
+    answers: dict[str, object] = {
+        urls[0]: (200, {"target": older.wire()}),
+        urls[1]: (200, ["not", "a", "map"]),
+        urls[2]: (200, {"target": {**older.wire(), "gen": 2**60}}),
+    }
     hl, _ = _daemon(tmp_path, clock, answers, live=3)
 
     async def run() -> None:

@@ -21,8 +21,12 @@ def daemons(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untype
     bucket = root / "bucket"
     bucket.mkdir()
     quick = Daemon(root, "quick", f"file://{bucket}", extra_env={"BDN_HTTP_HEADER_TIMEOUT_S": "1"})
-    small = Daemon(root, "small", f"file://{bucket}",
-                   extra_env={"BDN_HTTP_MAX_CONNECTIONS": "3", "BDN_HTTP_HEADER_TIMEOUT_S": "600"})
+    small = Daemon(
+        root,
+        "small",
+        f"file://{bucket}",
+        extra_env={"BDN_HTTP_MAX_CONNECTIONS": "3", "BDN_HTTP_HEADER_TIMEOUT_S": "600"},
+    )
     try:
         for d in (quick, small):
             d.start([])
@@ -112,8 +116,13 @@ def test_a_listener_holds_at_most_http_max_connections(daemons) -> None:  # type
                 s.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 return s.recv(4096)
 
-        wait_for(health, 120, "the listener to take connections again", 0.05,
-                 until=lambda answer: answer.startswith(b"HTTP/1.1 200"))
+        wait_for(
+            health,
+            120,
+            "the listener to take connections again",
+            0.05,
+            until=lambda answer: answer.startswith(b"HTTP/1.1 200"),
+        )
     finally:
         for s in held:
             s.close()

@@ -49,15 +49,27 @@ def publish(bucket: Path) -> int:
     for name, data in files.items():
         (snap / name).write_bytes(data)
         chunk = 16 << 20
-        entries.append({"path": name, "size": len(data),
-                        "chunks": [digest(data[i:i + chunk]) for i in range(0, len(data), chunk)]})
+        entries.append(
+            {
+                "path": name,
+                "size": len(data),
+                "chunks": [digest(data[i : i + chunk]) for i in range(0, len(data), chunk)],
+            }
+        )
     for i in range(N_FILES - len(files)):
         name = f"extra/{i // 1000:03d}/{i:06d}.txt"
         (snap / name).parent.mkdir(parents=True, exist_ok=True)
         (snap / name).touch()
         entries.append({"path": name, "size": 0, "chunks": []})
-    m = {"format": "bdn.snapshot/1", "identity": IDENTITY, "kind": "full", "policy_version": 1,
-         "created_at": "2026-12-06T00:00:00Z", "chunk_size": 16 << 20, "files": entries}
+    m = {
+        "format": "bdn.snapshot/1",
+        "identity": IDENTITY,
+        "kind": "full",
+        "policy_version": 1,
+        "created_at": "2026-12-06T00:00:00Z",
+        "chunk_size": 16 << 20,
+        "files": entries,
+    }
     data = (json.dumps(m, indent=1, sort_keys=True) + "\n").encode()
     (snap / MANIFEST_NAME).write_bytes(data)
     return len(data)
@@ -99,8 +111,12 @@ class LagWatch:
 def test_a_huge_snapshot_never_blocks_the_loop(tmp_path: Path) -> None:
     bucket = tmp_path / "bucket"
     publish(bucket)
-    d = Daemon(tmp_path / "nodes", "n0", f"file://{bucket}",
-               extra_env={"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0", "BDN_LOG_LEVEL": "info"})
+    d = Daemon(
+        tmp_path / "nodes",
+        "n0",
+        f"file://{bucket}",
+        extra_env={"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0", "BDN_LOG_LEVEL": "info"},
+    )
     watch: LagWatch | None = None
     try:
         d.start([])

@@ -32,8 +32,14 @@ def _job(identity: str, files: list[list[int]], diff: dict[int, list[int]] | Non
         if diff and k in diff:
             result = FileResult(len(diff[k]) * CS, tuple(_digest(d) for d in diff[k]))
         entries.append(FileEntry(f"f{k}.bin", len(ds) * CS, tuple(_digest(d) for d in ds), result))
-    m = Manifest(identity=identity, kind="delta" if diff else "full", policy_version=1, chunk_size=CS,
-                 files=tuple(entries), base_identity="base" if diff else None)
+    m = Manifest(
+        identity=identity,
+        kind="delta" if diff else "full",
+        policy_version=1,
+        chunk_size=CS,
+        files=tuple(entries),
+        base_identity="base" if diff else None,
+    )
     job = SnapshotJob(identity, None)  # type: ignore[arg-type]  (no store: nothing touches files)
     job.attach_manifest(m)
     return job
@@ -192,8 +198,14 @@ def test_a_parsed_manifest_keeps_16_bytes_per_digest() -> None:
     from bdn.proto.manifest import Manifest as M
 
     n = 100_000
-    doc = {"format": "bdn.snapshot/1", "identity": "step000001", "kind": "full", "policy_version": 1,
-           "chunk_size": CS, "files": [{"path": "a.bin", "size": n * CS, "chunks": [_digest(i) for i in range(n)]}]}
+    doc = {
+        "format": "bdn.snapshot/1",
+        "identity": "step000001",
+        "kind": "full",
+        "policy_version": 1,
+        "chunk_size": CS,
+        "files": [{"path": "a.bin", "size": n * CS, "chunks": [_digest(i) for i in range(n)]}],
+    }
     raw = json.dumps(doc).encode()
     del doc
     gc.collect()

@@ -61,6 +61,7 @@ def _exit_code(d: Daemon, timeout: float = 120.0) -> int:
 
 # ---- item 4: one daemon per shm_dir ------------------------------------------------------------
 
+
 def test_second_daemon_on_the_same_shm_dir_exits_2_naming_the_first(tmp_path: Path) -> None:
     bucket = tmp_path / "bucket"
     bucket.mkdir()
@@ -73,8 +74,9 @@ def test_second_daemon_on_the_same_shm_dir_exits_2_naming_the_first(tmp_path: Pa
         assert _exit_code(second) == 2, second.log()
         assert first.proc is not None
         lines = [ln for ln in second.log().splitlines() if ln.strip()]
-        assert lines == [f"bdnd: error: shm_dir {str(first.shm_dir)!r} is in use by pid {first.proc.pid} "
-                         "(one bdnd per shm_dir)"], lines
+        assert lines == [
+            f"bdnd: error: shm_dir {str(first.shm_dir)!r} is in use by pid {first.proc.pid} (one bdnd per shm_dir)"
+        ], lines
         first.get("/v1/health")  # the first one is untouched
         # once the first is gone, the directory is free again (the kernel drops the flock)
         first.stop()
@@ -87,6 +89,7 @@ def test_second_daemon_on_the_same_shm_dir_exits_2_naming_the_first(tmp_path: Pa
 
 
 # ---- item 16: a signature is bound to the daemon it is for -----------------------------------
+
 
 class _Capture(http.server.ThreadingHTTPServer):
     """A listener posing as a peer: answers a request signed for nobody in particular the way a
@@ -169,6 +172,7 @@ def test_request_captured_on_its_way_to_one_daemon_is_refused_by_another(tmp_pat
 
 # ---- item 1: bdn's own names never stand for the trainer's files -------------------------------
 
+
 def test_a_checkpoint_file_named_ready_is_refused_at_publish(tmp_path: Path) -> None:
     ck = write_hf_dir(tmp_path / "ck", make_state(0), 1)
     (ck / "READY").write_text("the trainer's own file\n")
@@ -180,8 +184,14 @@ def test_a_checkpoint_file_named_ready_is_refused_at_publish(tmp_path: Path) -> 
     with pytest.raises(PathError, match="'READY/notes.txt' is reserved"):
         publish_full(f"file://{tmp_path}/bucket", "step000001", 1, dir=ck, chunk_size=CHUNK)
     with pytest.raises(PathError, match="reserved"):
-        publish_full(f"file://{tmp_path}/bucket", "step000001", 1, state_dict=make_state(0),
-                     extra_files={"READY": b"x"}, chunk_size=CHUNK)
+        publish_full(
+            f"file://{tmp_path}/bucket",
+            "step000001",
+            1,
+            state_dict=make_state(0),
+            extra_files={"READY": b"x"},
+            chunk_size=CHUNK,
+        )
 
 
 def _publish_with_a_ready_file(tmp_path: Path, bucket: str, identity: str) -> bytes:
@@ -193,8 +203,14 @@ def _publish_with_a_ready_file(tmp_path: Path, bucket: str, identity: str) -> by
     try:
         b.write(f"{identity}/READY", trainer_ready)
         files = (*m.files, FileEntry("READY", len(trainer_ready), tuple(buffer_digests(trainer_ready, CHUNK))))
-        forged = Manifest(identity=identity, kind="full", policy_version=1, chunk_size=CHUNK,
-                          files=tuple(sorted(files, key=lambda f: f.path)), created_at=m.created_at)
+        forged = Manifest(
+            identity=identity,
+            kind="full",
+            policy_version=1,
+            chunk_size=CHUNK,
+            files=tuple(sorted(files, key=lambda f: f.path)),
+            created_at=m.created_at,
+        )
         b.write(f"{identity}/{MANIFEST_NAME}", forged.to_json())
     finally:
         b.close()
@@ -220,8 +236,13 @@ def test_progress_files_and_the_ready_temporary_never_share_a_snapshot_name(tmp_
     store = Store(tmp_path / "shm", "0011223344556677")
     # "a.progress" and "a.tmp" are valid identities: their staging directories must not be the
     # progress file (or its temporary) of "a".
-    m = Manifest(identity="a.progress", kind="full", policy_version=1, chunk_size=CHUNK,
-                 files=(FileEntry("config.json", 3, tuple(buffer_digests(b"abc", CHUNK))),))
+    m = Manifest(
+        identity="a.progress",
+        kind="full",
+        policy_version=1,
+        chunk_size=CHUNK,
+        files=(FileEntry("config.json", 3, tuple(buffer_digests(b"abc", CHUNK))),),
+    )
     store.prepare_staging(m)
     store.prepare_staging(Manifest(identity="a", kind="full", policy_version=1, chunk_size=CHUNK, files=m.files))
     store.save_progress("a", "m" * 32, b"\x80", b"\x80")
@@ -246,8 +267,13 @@ def test_a_staging_file_truncated_behind_the_daemon_is_not_published(shm: Path) 
 
     store = Store(shm / "store", "0011223344556677")
     data = os.urandom(3 * CHUNK)
-    m = Manifest(identity="step000001", kind="full", policy_version=1, chunk_size=CHUNK,
-                 files=(FileEntry("model.safetensors", len(data), tuple(buffer_digests(data, CHUNK))),))
+    m = Manifest(
+        identity="step000001",
+        kind="full",
+        policy_version=1,
+        chunk_size=CHUNK,
+        files=(FileEntry("model.safetensors", len(data), tuple(buffer_digests(data, CHUNK))),),
+    )
     store.prepare_staging(m)
     f = store.staging_dir("step000001") / "model.safetensors"
     fd = os.open(f, os.O_RDWR)
@@ -274,6 +300,7 @@ def test_a_staging_file_truncated_behind_the_daemon_is_not_published(shm: Path) 
 
 # ---- item 3: safetensors headers checked before READY, by the library's rule -------------------
 
+
 def _st(header: dict | None, data: bytes, raw: bytes | None = None, n: int | None = None) -> bytes:
     h = raw if raw is not None else json.dumps(header, separators=(",", ":")).encode()
     return struct.pack("<Q", len(h) if n is None else n) + h + data
@@ -299,8 +326,9 @@ HEADER_CASES: dict[str, bytes] = {
     # so READY does too (issue 31: they reached READY and then every tensor pull answered 500)
     "leading whitespace": _st(None, bytes(8), raw=b' {"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'),
     "an extra key in a tensor entry": _st({"a": {**_t("F32", [2], 0, 8), "note": "x"}}, bytes(8)),
-    "empty tensors at one offset": _st({"e": _t("F32", [0], 0, 0), "f": _t("BF16", [0, 3], 0, 0),
-                                        "a": _t("BF16", [4], 0, 8)}, bytes(8)),
+    "empty tensors at one offset": _st(
+        {"e": _t("F32", [0], 0, 0), "f": _t("BF16", [0, 3], 0, 0), "a": _t("BF16", [4], 0, 8)}, bytes(8)
+    ),
     "no tensors": _st({"__metadata__": None}, b""),
 }
 
@@ -352,8 +380,12 @@ def test_each_safetensors_header_gets_both_parsers_verdict_before_ready(tmp_path
             else:
                 assert status == 409, (what, status, body)
                 reason = body["snapshot"]["reason"]
-                assert reason.startswith(("model.safetensors: the safetensors library refuses its header: ",
-                                          "model.safetensors: bdn refuses its header: ")), (what, reason)
+                assert reason.startswith(
+                    (
+                        "model.safetensors: the safetensors library refuses its header: ",
+                        "model.safetensors: bdn refuses its header: ",
+                    )
+                ), (what, reason)
                 assert "\n" not in reason
                 assert not list(d.shm_dir.glob(f"*/{ident}")), what  # nothing handed out
 
@@ -364,8 +396,9 @@ SHARD = "model-00001-of-00002.safetensors"
 
 
 def _bdnctl(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", url, *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "bdn.cli.bdnctl", "--url", url, *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def _peer_get_chunk(d: Daemon, digest: str) -> tuple[int, bytes]:
@@ -403,7 +436,7 @@ def test_a_corrupted_ready_chunk_is_quarantined_and_fetched_again(tmp_path: Path
         flip_byte(path / SHARD, CHUNK + 5)  # chunk 1 of the shard
         # served as it is on disk: the bad bytes would reach peers and engines
         status, body = _peer_get_chunk(victim, shard.chunks[1])
-        assert status == 200 and body != (ck / SHARD).read_bytes()[CHUNK:2 * CHUNK]
+        assert status == 200 and body != (ck / SHARD).read_bytes()[CHUNK : 2 * CHUNK]
 
         r = _bdnctl(victim.url, "verify", "step000001")  # reports, changes nothing
         assert r.returncode == 1, r
@@ -415,13 +448,14 @@ def test_a_corrupted_ready_chunk_is_quarantined_and_fetched_again(tmp_path: Path
         assert r.returncode == 0, (r.stdout, r.stderr, victim.log())
         out = json.loads(r.stdout)
         assert out["repaired"] == 1 and out["corrupted"] == [
-            {"path": SHARD, "chunk": 1, "offset": CHUNK, "length": CHUNK}], out
+            {"path": SHARD, "chunk": 1, "offset": CHUNK, "length": CHUNK}
+        ], out
         snap = victim.get("/v1/snapshots/step000001")
         assert snap["state"] == "ready" and snap["path"] == str(path), snap
         assert (path / SHARD).read_bytes() == (ck / SHARD).read_bytes()
         assert sorted(p.name for p in path.iterdir()) == sorted([*(p.name for p in ck.iterdir()), "READY"])
         assert _quarantined(victim) == 1
-        assert _peer_get_chunk(victim, shard.chunks[1]) == (200, (ck / SHARD).read_bytes()[CHUNK:2 * CHUNK])
+        assert _peer_get_chunk(victim, shard.chunks[1]) == (200, (ck / SHARD).read_bytes()[CHUNK : 2 * CHUNK])
         assert _bdnctl(victim.url, "verify", "step000001").returncode == 0
         r = _bdnctl(victim.url, "verify", "--repair", "step000001")
         assert r.returncode == 0 and "nothing to repair" in r.stdout, r

@@ -76,7 +76,9 @@ def test_range_edge_cases(served) -> None:
     name, data = shard(ck)
     path = f"/v1/snapshots/{IDENT}/files/{name}"
     st, h, body = raw(d, path, {"Range": "bytes=-10"})
-    assert st == 206 and body == data[-10:] and h["Content-Range"] == f"bytes {len(data) - 10}-{len(data) - 1}/{len(data)}"
+    assert (
+        st == 206 and body == data[-10:] and h["Content-Range"] == f"bytes {len(data) - 10}-{len(data) - 1}/{len(data)}"
+    )
     st, h, body = raw(d, path, {"Range": f"bytes=5-{len(data) * 2}"})  # clipped to the file
     assert st == 206 and body == data[5:]
     st, h, _ = raw(d, path, {"Range": f"bytes={len(data)}-"})
@@ -114,14 +116,17 @@ class FakeDaemon:
             c.sendall(self.answer)
 
 
-@pytest.mark.parametrize("answer, err", [
-    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10, ProtocolError),  # short body
-    (b"HTTP/1.1 200 OK\r\n\r\nxxxx", ProtocolError),  # no Content-Length
-    (b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n", ProtocolError),
-    (b"garbage\r\n\r\n", ProtocolError),
-    (b"HTTP/1.1 200 OK\r\n" + b"X: " + b"y" * (70 << 10), ProtocolError),  # endless head
-    (b"", DaemonUnreachable),
-])
+@pytest.mark.parametrize(
+    "answer, err",
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10, ProtocolError),  # short body
+        (b"HTTP/1.1 200 OK\r\n\r\nxxxx", ProtocolError),  # no Content-Length
+        (b"HTTP/1.1 200 OK\r\nContent-Length: -5\r\n\r\n", ProtocolError),
+        (b"garbage\r\n\r\n", ProtocolError),
+        (b"HTTP/1.1 200 OK\r\n" + b"X: " + b"y" * (70 << 10), ProtocolError),  # endless head
+        (b"", DaemonUnreachable),
+    ],
+)
 def test_bulk_get_refuses_broken_answers(answer: bytes, err: type) -> None:
     f = FakeDaemon(answer)
     with pytest.raises(err):

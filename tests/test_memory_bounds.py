@@ -15,6 +15,7 @@ from bdn.daemon.recent import RecentSet
 
 # ---- pure ------------------------------------------------------------------------------------
 
+
 def test_a_recent_set_keeps_only_the_newest_names() -> None:
     s = RecentSet(3)
     for name in ("a", "b", "c", "a", "d"):  # "a" added again: newest
@@ -49,18 +50,24 @@ Anonymous:             0 kB
 
 def test_anonymous_memory_is_split_by_mapping_kind() -> None:
     got = anon_maps(SMAPS.splitlines())
-    assert got == {"heap": {"n": 1, "kb": 8000}, "1MiB": {"n": 1, "kb": 1024},
-                   "stack_or_arena": {"n": 1, "kb": 12}, "other": {"n": 1, "kb": 40}}  # a file's pages and empty maps left out
+    assert got == {
+        "heap": {"n": 1, "kb": 8000},
+        "1MiB": {"n": 1, "kb": 1024},
+        "stack_or_arena": {"n": 1, "kb": 12},
+        "other": {"n": 1, "kb": 40},
+    }  # a file's pages and empty maps left out
 
 
 def test_pymalloc_figures_are_read_from_debugmallocstats() -> None:
-    text = ("Small block threshold = 512, in 32 size classes.\n"
-            "# arenas allocated total           =                   18\n"
-            "# arenas highwater mark            =                   20\n"
-            "# arenas allocated current         =                   18\n"
-            "# bytes in allocated blocks        =           18,006,688\n"
-            "# bytes in available blocks        =              292,112\n"
-            "Total                              =           18,874,368\n")
+    text = (
+        "Small block threshold = 512, in 32 size classes.\n"
+        "# arenas allocated total           =                   18\n"
+        "# arenas highwater mark            =                   20\n"
+        "# arenas allocated current         =                   18\n"
+        "# bytes in allocated blocks        =           18,006,688\n"
+        "# bytes in available blocks        =              292,112\n"
+        "Total                              =           18,874,368\n"
+    )
     assert parse_pymalloc(text) == {"arenas": 18, "arenas_highwater": 20, "allocated_kb": 17584, "available_kb": 285}
 
 
@@ -78,6 +85,7 @@ def test_untraced_the_probe_reports_pymalloc_arenas_and_the_census(tmp_path: Pat
 
 
 # ---- a real daemon ---------------------------------------------------------------------------
+
 
 def _lines(path: Path) -> list[dict[str, Any]]:
     try:
@@ -113,24 +121,45 @@ def test_superseded_hot_loads_leave_bounded_records_and_the_probe_reports_them(t
     publish_startup(bucket, "step000001")
     probe = tmp_path / "probe"
     # 250 KB/s from the bucket: a 0.9 MB snapshot loads in ~4 s, longer than the next POST takes
-    env = {"BDN_MEMORY_PROBE_DIR": str(probe), "BDN_MEMORY_PROBE_EVERY_S": "0.5", "BDN_KEEP_READY": "2",
-           "BDN_BUCKET_MBIT": "2"}
+    env = {
+        "BDN_MEMORY_PROBE_DIR": str(probe),
+        "BDN_MEMORY_PROBE_EVERY_S": "0.5",
+        "BDN_KEEP_READY": "2",
+        "BDN_BUCKET_MBIT": "2",
+    }
     with Swarm(tmp_path / "nodes", 1, bucket, extra_env=env) as swarm:
         d = swarm.daemons[0]
-        wait_for(lambda: hot_load_status(d.url), 180, "step000001 served", 0.2,
-                 until=lambda reps: reps and reps[0]["current_snapshot_identity"] == "step000001")
+        wait_for(
+            lambda: hot_load_status(d.url),
+            180,
+            "step000001 served",
+            0.2,
+            until=lambda reps: reps and reps[0]["current_snapshot_identity"] == "step000001",
+        )
         for i in range(2, n + 1):
             hot_load(d.url, f"step{i:06d}")
         last = f"step{n:06d}"
-        wait_for(lambda: hot_load_status(d.url), 300, f"{last} served", 0.2,
-                 until=lambda reps: reps and reps[0]["current_snapshot_identity"] == last
-                 and reps[0]["loading_state"]["stage"] == "done")
+        wait_for(
+            lambda: hot_load_status(d.url),
+            300,
+            f"{last} served",
+            0.2,
+            until=lambda reps: (
+                reps and reps[0]["current_snapshot_identity"] == last and reps[0]["loading_state"]["stage"] == "done"
+            ),
+        )
         snaps = {s["identity"]: s for s in d.get("/v1/snapshots")["snapshots"]}
         failed = [i for i, s in snaps.items() if s["state"] == "failed"]
         assert failed and all("superseded" in snaps[i]["reason"] for i in failed), snaps
-        line = wait_for(lambda: _lines(probe / "memprobe.jsonl"), 120, "a probe line after the last load", 0.2,
-                        until=lambda ls: bool(ls) and ls[-1]["census"]["failed_holding_manifest"] == 0
-                        and ls[-1]["census"]["jobs"] == len(snaps))[-1]
+        line = wait_for(
+            lambda: _lines(probe / "memprobe.jsonl"),
+            120,
+            "a probe line after the last load",
+            0.2,
+            until=lambda ls: (
+                bool(ls) and ls[-1]["census"]["failed_holding_manifest"] == 0 and ls[-1]["census"]["jobs"] == len(snaps)
+            ),
+        )[-1]
     c = line["census"]
     ready = sum(1 for s in snaps.values() if s["state"] == "ready")
     assert c["jobs"] == ready + len(failed), (c, snaps)  # nothing but the ready ones (GC's) and the failed records

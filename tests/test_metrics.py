@@ -33,7 +33,8 @@ def test_guide_metrics_are_exported(tmp_path: Path) -> None:
     assert not missing, f"metrics named in the docs but not exported: {missing}"
     # the numbers are live, not placeholders
     fetched = sum(s.value for s in samples["bdn_bucket_bytes_total"]) + sum(
-        s.value for s in samples["bdn_peer_bytes_total"] if s.labels["direction"] == "in")
+        s.value for s in samples["bdn_peer_bytes_total"] if s.labels["direction"] == "in"
+    )
     assert fetched > 0
     assert any(s.labels == {"state": "ready"} and s.value == 1 for s in samples["bdn_snapshots"])
     assert samples["bdn_current_policy_version"][0].value == 1

@@ -35,8 +35,9 @@ def _truncate(path: Path, keep: int) -> None:
 
 def _publish_cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, "-m", "bdn.cli.publish", *args], env=env, text=True,
-                          capture_output=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "bdn.cli.publish", *args], env=env, text=True, capture_output=True, timeout=120
+    )
 
 
 def test_a_truncated_safetensors_file_is_refused_and_nothing_is_uploaded(tmp_path: Path) -> None:
@@ -44,12 +45,14 @@ def test_a_truncated_safetensors_file_is_refused_and_nothing_is_uploaded(tmp_pat
     _truncate(ckpt / "model.safetensors", 1000)
     bucket = tmp_path / "bucket"
     bucket.mkdir()
-    r = _publish_cli("full", "--dir", str(ckpt), "--bucket", f"file://{bucket}", "--identity", "step000001",
-                     "--policy-version", "1")
+    r = _publish_cli(
+        "full", "--dir", str(ckpt), "--bucket", f"file://{bucket}", "--identity", "step000001", "--policy-version", "1"
+    )
     assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("bdn-publish: error: model.safetensors: the safetensors "
-                                                   "library refuses its header"), r.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "bdn-publish: error: model.safetensors: the safetensors library refuses its header"
+    ), r.stderr
     assert list(bucket.rglob("*")) == [], list(bucket.rglob("*"))
 
 

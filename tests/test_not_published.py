@@ -24,10 +24,15 @@ pytestmark = pytest.mark.timeout(600)
 @pytest.fixture()
 def daemon(tmp_path: Path):
     bucket = tmp_path / "bucket"
-    publish_full(f"file://{bucket}", "step000001", 1, dir=write_hf_dir(tmp_path / "ck", make_state(0), 1),
-                 chunk_size=64 << 10)
-    d = Daemon(tmp_path / "w", "node0", f"file://{bucket}",
-               extra_env={"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0", "BDN_MANIFEST_POLL_S": "0.2"})
+    publish_full(
+        f"file://{bucket}", "step000001", 1, dir=write_hf_dir(tmp_path / "ck", make_state(0), 1), chunk_size=64 << 10
+    )
+    d = Daemon(
+        tmp_path / "w",
+        "node0",
+        f"file://{bucket}",
+        extra_env={"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0", "BDN_MANIFEST_POLL_S": "0.2"},
+    )
     with running(d):
         yield d
 
@@ -49,8 +54,25 @@ def test_open_of_an_unpublished_snapshot_says_so_and_the_daemon_stops_looking(da
 
 
 def test_bdnctl_prefetch_wait_publish_says_not_published(daemon: Daemon) -> None:
-    out = subprocess.run([sys.executable, "-m", "bdn.cli.bdnctl", "--url", daemon.url, "prefetch", "step000008",
-                          "--wait", "--wait-publish", "--timeout", "2"], capture_output=True, text=True, timeout=240, check=False)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bdn.cli.bdnctl",
+            "--url",
+            daemon.url,
+            "prefetch",
+            "step000008",
+            "--wait",
+            "--wait-publish",
+            "--timeout",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert out.returncode == 1, out
     last = out.stderr.splitlines()[-1]  # (before it, one line per change of the reason: stderr is no terminal)
     assert last.startswith("bdnctl: error: step000008") and "is not published yet (waited " in last, out.stderr

@@ -10,13 +10,16 @@ import pytest
 from bdn.daemon.packing import BUF_SIZE, packb
 
 
-@pytest.mark.parametrize("obj", [
-    {"ok": True},
-    {"identity": "step000012", "row": {"stage": "done", "gen": 3, "at": 1.5, "why": None}},
-    {"bits": b"\xff" * 10, "n": 80, "name": "naïve"},
-    [b"x" * (3 * BUF_SIZE), "y" * (5 * BUF_SIZE)],  # grows past the first buffer
-    {"bitfields": {f"n{i}": bytes(range(256)) * 40 for i in range(30)}},  # ~300 KB
-])
+@pytest.mark.parametrize(
+    "obj",
+    [
+        {"ok": True},
+        {"identity": "step000012", "row": {"stage": "done", "gen": 3, "at": 1.5, "why": None}},
+        {"bits": b"\xff" * 10, "n": 80, "name": "naïve"},
+        [b"x" * (3 * BUF_SIZE), "y" * (5 * BUF_SIZE)],  # grows past the first buffer
+        {"bitfields": {f"n{i}": bytes(range(256)) * 40 for i in range(30)}},  # ~300 KB
+    ],
+)
 def test_same_bytes_as_msgpack(obj: object) -> None:
     assert packb(obj) == msgpack.packb(obj, use_bin_type=True)
     assert msgpack.unpackb(packb(obj), raw=False) == obj

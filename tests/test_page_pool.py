@@ -24,8 +24,7 @@ from support.swarm import SECRET, Daemon
 
 CHUNK = 64 << 10
 SWARM_ID = derive_keys(SECRET).swarm_id
-BASE_ENV = {"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "2", "BDN_KEEP_READY": "1",
-            "BDN_GC_GRACE_S": "0"}
+BASE_ENV = {"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "2", "BDN_KEEP_READY": "1", "BDN_GC_GRACE_S": "0"}
 SHARD = "model-00001-of-00002.safetensors"
 
 pytestmark = pytest.mark.timeout(120)
@@ -126,8 +125,9 @@ def test_spares_count_in_the_budget_and_can_be_turned_off(tmp_path: Path, file_b
         assert allocated(root(d)) <= budget + (64 << 10), (allocated(root(d)), budget)
     finally:
         d.stop()
-    off = stable_ports(Daemon(tmp_path / "nodes-off", "node1", file_bucket,
-                              extra_env=dict(BASE_ENV, BDN_SHM_SPARE_BYTES="0")))
+    off = stable_ports(
+        Daemon(tmp_path / "nodes-off", "node1", file_bucket, extra_env=dict(BASE_ENV, BDN_SHM_SPARE_BYTES="0"))
+    )
     off.start([])
     try:
         off.wait_healthy()
@@ -140,7 +140,6 @@ def test_spares_count_in_the_budget_and_can_be_turned_off(tmp_path: Path, file_b
         off.stop()
 
 
-
 def test_a_restart_with_the_same_pid_never_leaves_an_old_tag_on_other_bytes(tmp_path: Path) -> None:
     """Spare names are ``<pid>-<n>``, n counting from 0 in each pool: a daemon restarted with the
     same pid (PID 1 in a container) reuses names. An untagged file recycled under a name that
@@ -149,8 +148,10 @@ def test_a_restart_with_the_same_pid_never_leaves_an_old_tag_on_other_bytes(tmp_
 
     root = tmp_path / "store"
     root.mkdir()
-    for name, fill, tags in (("one", b"X", {"model.safetensors": {"path": "model.safetensors", "size": 8192}}),
-                             ("two", b"Y", {})):
+    for name, fill, tags in (
+        ("one", b"X", {"model.safetensors": {"path": "model.safetensors", "size": 8192}}),
+        ("two", b"Y", {}),
+    ):
         d = tmp_path / name
         d.mkdir()
         (d / "model.safetensors").write_bytes(fill * 8192)

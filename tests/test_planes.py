@@ -43,6 +43,7 @@ def _modes(stream: bytes, n: int) -> list[int]:
 
 # --- adler32_combine --------------------------------------------------------------------------
 
+
 @settings(max_examples=300, deadline=None)
 @given(a=st.binary(max_size=3000), b=st.binary(max_size=3000), pad=st.integers(0, 200_000))
 def test_adler32_combine_matches_zlib_of_the_concatenation(a: bytes, b: bytes, pad: int) -> None:
@@ -60,6 +61,7 @@ def test_adler32_combine_edges() -> None:
 
 
 # --- round trips ------------------------------------------------------------------------------
+
 
 def _changed(base: np.ndarray, density: float, rng: np.random.Generator) -> np.ndarray:
     target = base.copy()
@@ -109,8 +111,12 @@ def test_every_block_mode_and_escaped_gaps_are_exercised() -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 30_000), density=st.sampled_from([0.0, 0.001, 0.03, 0.5]),
-       dtype=st.sampled_from([ml_dtypes.bfloat16, np.float16, np.float32, np.int64, np.uint8]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(0, 30_000),
+    density=st.sampled_from([0.0, 0.001, 0.03, 0.5]),
+    dtype=st.sampled_from([ml_dtypes.bfloat16, np.float16, np.float32, np.int64, np.uint8]),
+)
 def test_round_trip_random(small_blocks: None, seed: int, n: int, density: float, dtype: type) -> None:
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 256, n * np.dtype(dtype).itemsize, dtype=np.uint8).view(dtype)
@@ -122,6 +128,7 @@ def test_round_trip_random(small_blocks: None, seed: int, n: int, density: float
 
 
 # --- the encoder's kernel (bdn/proto/planes_scan.py) against numpy -----------------------------
+
 
 def _needs_kernel() -> None:
     if not planes_scan.available():
@@ -142,8 +149,13 @@ def _words(rng: np.random.Generator, n: int, w: int, density: float, offset: int
 
 
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), n=st.integers(0, 9000), w=st.sampled_from([1, 2, 4, 8]),
-       density=st.sampled_from([0.0, 0.0005, 0.004, 0.03, 0.3, 1.0]), offset=st.sampled_from([0, 0, 1, 2, 4]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(0, 9000),
+    w=st.sampled_from([1, 2, 4, 8]),
+    density=st.sampled_from([0.0, 0.0005, 0.004, 0.03, 0.3, 1.0]),
+    offset=st.sampled_from([0, 0, 1, 2, 4]),
+)
 def test_scan_kernel_finds_what_numpy_finds(seed: int, n: int, w: int, density: float, offset: int) -> None:
     _needs_kernel()
     rng = np.random.default_rng(seed)
@@ -164,10 +176,16 @@ def test_scan_kernel_finds_what_numpy_finds(seed: int, n: int, w: int, density: 
 @pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.uint8, np.float64], ids=str)
 @pytest.mark.parametrize("density", [0.0004, 0.02, 0.4])
-def test_kernel_and_numpy_encoders_write_the_same_stream(monkeypatch: pytest.MonkeyPatch, dtype: type, density: float) -> None:
+def test_kernel_and_numpy_encoders_write_the_same_stream(
+    monkeypatch: pytest.MonkeyPatch, dtype: type, density: float
+) -> None:
     _needs_kernel()
     rng = np.random.default_rng(int(density * 1e4))
-    base = rng.standard_normal(3 * SMALL + 5).astype(dtype) if dtype != np.uint8 else rng.integers(0, 256, 3 * SMALL + 5, dtype=np.uint8)
+    base = (
+        rng.standard_normal(3 * SMALL + 5).astype(dtype)
+        if dtype != np.uint8
+        else rng.integers(0, 256, 3 * SMALL + 5, dtype=np.uint8)
+    )
     target = _changed(base, density, rng)
     target[2 * SMALL + 1] = base[2 * SMALL + 1] + 1 if dtype != np.uint8 else base[2 * SMALL + 1] ^ 1
     target[2 * SMALL + 2000] = base[2 * SMALL + 2000] + 1 if dtype != np.uint8 else base[2 * SMALL + 2000] ^ 1
@@ -210,6 +228,7 @@ def test_width_falls_back_to_bytes() -> None:
 
 # --- diff files -------------------------------------------------------------------------------
 
+
 def _state(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     base = {
@@ -247,7 +266,9 @@ def _apply(base_path: Path, diff: bytes, workers: int) -> bytes:
 @pytest.mark.usefixtures("small_blocks")
 @pytest.mark.parametrize("workers", [1, 2, 8])
 @pytest.mark.parametrize("batch", [1, 3 * SMALL])
-def test_whole_file_apply_is_bit_exact(tmp_path: Path, workers: int, batch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_whole_file_apply_is_bit_exact(
+    tmp_path: Path, workers: int, batch: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(planes, "_P_BATCH", batch)  # pool tasks of one block, or of several
     base_path, target_path = _files(tmp_path)
     fileops.write_diff_file(base_path, target_path, tmp_path / "d", FMT, workers=workers)
@@ -265,7 +286,15 @@ def test_whole_file_apply_is_bit_exact(tmp_path: Path, workers: int, batch: int,
     work = tmp_path / "work"
     shutil.copy(base_path, work)
     with open(work, "r+b") as f, mmap.mmap(f.fileno(), 0) as mm:
-        arc.apply_diff(mm, sf.parse_header(mm, len(mm)), diff, arc.read_diff_header(diff, len(diff)), mm, FMT, map=fileops.thread_map(4))
+        arc.apply_diff(
+            mm,
+            sf.parse_header(mm, len(mm)),
+            diff,
+            arc.read_diff_header(diff, len(diff)),
+            mm,
+            FMT,
+            map=fileops.thread_map(4),
+        )
     assert work.read_bytes() == target_path.read_bytes()
 
 
@@ -287,15 +316,27 @@ def test_wrong_adler32_names_the_tensor(tmp_path: Path, workers: int) -> None:
     data = (tmp_path / "d").read_bytes()
     h = sf.parse_header(data, len(data))
     frames = {n: bytes(data[i.start : i.end]) for n, i in h.tensors.items()}
-    fileops.save_raw(tmp_path / "bad", {n: ("U8", (len(f),), f) for n, f in frames.items()}, {**h.metadata, "big": "99"})
+    fileops.save_raw(
+        tmp_path / "bad", {n: ("U8", (len(f),), f) for n, f in frames.items()}, {**h.metadata, "big": "99"}
+    )
     with pytest.raises(ChecksumError, match=r"^adler32 mismatch for tensor 'big': expected 99, got \d+$"):
         _apply(base_path, (tmp_path / "bad").read_bytes(), workers)
 
 
 # --- hostile streams --------------------------------------------------------------------------
 
-def _stream(n: int, recs: list[tuple[int, int, int, bytes]], *, w: int = 1, block: int = SMALL,
-            nblocks: int | None = None, magic: bytes = b"BDNP", version: int = 1, reserved: int = 0) -> bytes:
+
+def _stream(
+    n: int,
+    recs: list[tuple[int, int, int, bytes]],
+    *,
+    w: int = 1,
+    block: int = SMALL,
+    nblocks: int | None = None,
+    magic: bytes = b"BDNP",
+    version: int = 1,
+    reserved: int = 0,
+) -> bytes:
     """A stream built from the docstring's layout: header, 13-byte records, payloads."""
     head = struct.pack("<4sBBHQII", magic, version, w, reserved, n, block, len(recs) if nblocks is None else nblocks)
     table = b"".join(struct.pack("<BIII", mode, k, e, len(p)) for mode, k, e, p in recs)
@@ -365,11 +406,18 @@ SPARSE_OK = _z(bytes([5]) + b"\x01")  # one change at index 4, XOR 0x01
         (_stream(10, [(1, 1, 0, SPARSE_OK + SPARSE_OK)]), 10, "bytes after its zstd frame"),
         (_stream(10, [(1, 1, 0, _z(b"\x00\x01"))]), 10, "a gap of 0"),
         (_stream(10, [(1, 1, 0, _z(b"\xff\x01"))]), 10, "1 escaped gaps, the block record says 0"),
-        (_stream(10, [(1, 1, 1, _z(b"\x05" + struct.pack("<I", 300) + b"\x01"))]), 10, "0 escaped gaps, the block record says 1"),
+        (
+            _stream(10, [(1, 1, 1, _z(b"\x05" + struct.pack("<I", 300) + b"\x01"))]),
+            10,
+            "0 escaped gaps, the block record says 1",
+        ),
         (_stream(10, [(1, 1, 1, _z(b"\xff" + struct.pack("<I", 7) + b"\x01"))]), 10, "an escaped gap below 255"),
         (_stream(10, [(1, 1, 0, _z(b"\x0b\x01"))]), 10, "changed element 10 lies past the block's 10 elements"),
-        (_stream(5000, [(0, 0, 0, b""), (1, 1, 1, _z(b"\xff" + struct.pack("<I", 2**32 - 1) + b"\x01"))]), 5000,
-         "block 1: changed element 4294967294 lies past the block's 904 elements"),
+        (
+            _stream(5000, [(0, 0, 0, b""), (1, 1, 1, _z(b"\xff" + struct.pack("<I", 2**32 - 1) + b"\x01"))]),
+            5000,
+            "block 1: changed element 4294967294 lies past the block's 904 elements",
+        ),
         (_stream(1 << 20, [(2, 0, 0, _bomb_frame(1 << 28, True))], block=1 << 20), 1 << 20, "declares 268435456 bytes"),
         (_stream(1 << 20, [(2, 0, 0, _bomb_frame(1 << 26, False))], block=1 << 20), 1 << 20, "declares -1 bytes"),
     ],
@@ -485,14 +533,18 @@ def test_fuzz_apply_diff_names_the_tensor(tmp_path: Path, case: tuple[bytes, int
     stream, n = case
     base = {"a": np.arange(n, dtype=np.uint64).astype(np.uint8), "b": np.ones(3, np.uint8)}
     fileops.save(tmp_path / "base", base)
-    fileops.save_raw(tmp_path / "diff", {"a": ("U8", (len(stream),), stream), "b": ("U8", (37,), _stream(3, [(0, 0, 0, b"")]))},
-                {"a": "1", "b": "1"})
+    fileops.save_raw(
+        tmp_path / "diff",
+        {"a": ("U8", (len(stream),), stream), "b": ("U8", (37,), _stream(3, [(0, 0, 0, b"")]))},
+        {"a": "1", "b": "1"},
+    )
     diff = (tmp_path / "diff").read_bytes()
     with pytest.raises(ProtocolError, match=r"tensor '[ab]'"):
         _apply(tmp_path / "base", diff, workers)
 
 
 # --- end to end: publisher -> three real bdnd processes ---------------------------------------
+
 
 @pytest.mark.usefixtures("small_blocks")  # in the publisher: the daemons then decode many blocks per tensor
 def test_published_planes_delta_rebuilds_bit_exactly_on_three_daemons(tmp_path: Path) -> None:
@@ -510,10 +562,12 @@ def test_published_planes_delta_rebuilds_bit_exactly_on_three_daemons(tmp_path: 
     b = open_bucket(bucket)
     try:
         publish_full(b, "step000001", 1, dir=dirs[0], chunk_size=64 << 10)
-        m2 = publish_delta(b, "step000002", 2, "step000001", dir=dirs[1], base_dir=dirs[0],
-                           compression_format=FMT, chunk_size=64 << 10)
-        m3 = publish_delta(b, "step000003", 3, "step000002", dir=dirs[2], base_dir=dirs[1],
-                           compression_format=FMT, chunk_size=64 << 10)
+        m2 = publish_delta(
+            b, "step000002", 2, "step000001", dir=dirs[1], base_dir=dirs[0], compression_format=FMT, chunk_size=64 << 10
+        )
+        m3 = publish_delta(
+            b, "step000003", 3, "step000002", dir=dirs[2], base_dir=dirs[1], compression_format=FMT, chunk_size=64 << 10
+        )
         publish_startup(b, "step000001")
     finally:
         b.close()

@@ -67,8 +67,11 @@ def test_buffers_are_anonymous_mappings_outside_the_heap() -> None:
 
     addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
     with open("/proc/self/maps") as f:  # private: MAP_SHARED anonymous memory is shmem, not RssAnon
-        perms = [line.split()[1] for line in f
-                 if int(line.split()[0].split("-")[0], 16) <= addr < int(line.split()[0].split("-")[1], 16)]
+        perms = [
+            line.split()[1]
+            for line in f
+            if int(line.split()[0].split("-")[0], 16) <= addr < int(line.split()[0].split("-")[1], 16)
+        ]
     assert perms == ["rw-p"]
     assert buf[:4] == b"\0\0\0\0"  # zeroed like bytearray(n)
     memoryview(buf)[10:13] = b"abc"

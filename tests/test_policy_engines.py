@@ -22,6 +22,7 @@ from bdn.daemon.replica.view import ReplicaView
 
 # ---- liveness --------------------------------------------------------------------------------
 
+
 class _E:
     def __init__(self, engine_id: str, last_seen: float, stale: bool = False) -> None:
         self.engine_id, self.last_seen, self.stale, self.name = engine_id, last_seen, stale, f"name-{engine_id}"
@@ -149,7 +150,9 @@ def test_a_crashed_engine_goes_stale_then_is_dropped_and_the_replica_says_why(tm
         rep = view.replica()
         assert old.stale and not new.stale
         assert rep["loading_state"]["stage"] == "done" and rep["engines"] == 1 and view.current == "s2"
-        assert rep["loading_state"]["reason"].startswith(f"not counted: engine {old.engine_id} (old) not seen for 10.5 s")
+        assert rep["loading_state"]["reason"].startswith(
+            f"not counted: engine {old.engine_id} (old) not seen for 10.5 s"
+        )
         assert [d["stale"] for d in view.describe_engines()] == [True, False]
         clock.advance(20.0)
         await view.next_for(new, "s2", 0)
@@ -186,10 +189,23 @@ def test_a_poll_on_a_closed_connection_ends_and_stops_refreshing(tmp_path: Path)
 
 # ---- swap reports ----------------------------------------------------------------------------
 
+
 def test_swap_reports_are_bounded_scalars() -> None:
-    rep = rules.sanitize_report({"mode": "partial", "pause_ms": 4.5, "n": 3, "ok": True, "none": None,
-                                 "nan": math.nan, "big": 2**70, "list": [1], "obj": {}, "s": "x" * 500 + "\nmore",
-                                 **{f"k{i}": i for i in range(100)}})
+    rep = rules.sanitize_report(
+        {
+            "mode": "partial",
+            "pause_ms": 4.5,
+            "n": 3,
+            "ok": True,
+            "none": None,
+            "nan": math.nan,
+            "big": 2**70,
+            "list": [1],
+            "obj": {},
+            "s": "x" * 500 + "\nmore",
+            **{f"k{i}": i for i in range(100)},
+        }
+    )
     assert rep is not None and len(rep) == rules.MAX_REPORT_KEYS
     assert rep["mode"] == "partial" and rep["pause_ms"] == 4.5 and rep["ok"] is True and rep["none"] is None
     assert rep["nan"] is None and rep["big"] is None and "list" not in rep and "obj" not in rep
@@ -199,6 +215,7 @@ def test_swap_reports_are_bounded_scalars() -> None:
 
 # ---- hot-load options ------------------------------------------------------------------------
 
+
 def test_options_default_and_parse_case_insensitively() -> None:
     o = parse_options({})
     assert (o.prompt_cache_policy, o.inflight_policy, o.inflight_wait_s) == ("RESET_ALL", "wait", 30.0)
@@ -206,15 +223,18 @@ def test_options_default_and_parse_case_insensitively() -> None:
     assert (o.prompt_cache_policy, o.inflight_policy, o.inflight_wait_s) == ("PRESERVE", "keep", 5)
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"prompt_cache_policy": "SOME"}, "prompt_cache_policy"),
-    ({"prompt_cache_policy": 1}, "prompt_cache_policy"),
-    ({"inflight_policy": "drain"}, "inflight_policy"),
-    ({"inflight_wait_s": -1}, "inflight_wait_s"),
-    ({"inflight_wait_s": 1e9}, "inflight_wait_s"),
-    ({"inflight_wait_s": True}, "inflight_wait_s"),
-    ({"inflight_wait_s": "3"}, "inflight_wait_s"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"prompt_cache_policy": "SOME"}, "prompt_cache_policy"),
+        ({"prompt_cache_policy": 1}, "prompt_cache_policy"),
+        ({"inflight_policy": "drain"}, "inflight_policy"),
+        ({"inflight_wait_s": -1}, "inflight_wait_s"),
+        ({"inflight_wait_s": 1e9}, "inflight_wait_s"),
+        ({"inflight_wait_s": True}, "inflight_wait_s"),
+        ({"inflight_wait_s": "3"}, "inflight_wait_s"),
+    ],
+)
 def test_bad_options_are_one_line_naming_the_field(body: dict, field: str) -> None:
     with pytest.raises(Invalid, match=field) as ei:
         parse_options(body)
@@ -222,8 +242,11 @@ def test_bad_options_are_one_line_naming_the_field(body: dict, field: str) -> No
 
 
 def test_the_request_accepts_the_options_at_its_top_level() -> None:
-    ident, meta = parse_request(json.dumps({"identity": "s2", "prompt_cache_policy": "PRESERVE",
-                                            "inflight_policy": "abort", "inflight_wait_s": 1}).encode())
+    ident, meta = parse_request(
+        json.dumps(
+            {"identity": "s2", "prompt_cache_policy": "PRESERVE", "inflight_policy": "abort", "inflight_wait_s": 1}
+        ).encode()
+    )
     assert ident == "s2" and meta is None
     with pytest.raises(Invalid, match="unknown request field"):
         parse_request(b'{"identity": "s2", "prompt_cache": "PRESERVE"}')
@@ -247,15 +270,20 @@ CS = 16
 def _layout(ident: str, data: bytes, tensors: dict[str, tuple[int, int]], chunk_size: int = CS) -> Layout:
     import xxhash
 
-    digests = tuple(xxhash.xxh3_128_hexdigest(data[i:i + chunk_size]) for i in range(0, len(data), chunk_size))
-    return Layout(ident, chunk_size, {"m.safetensors": digests},
-                  {n: Span("m.safetensors", a, b, "U8", (b - a,)) for n, (a, b) in tensors.items()})
+    digests = tuple(xxhash.xxh3_128_hexdigest(data[i : i + chunk_size]) for i in range(0, len(data), chunk_size))
+    return Layout(
+        ident,
+        chunk_size,
+        {"m.safetensors": digests},
+        {n: Span("m.safetensors", a, b, "U8", (b - a,)) for n, (a, b) in tensors.items()},
+    )
 
 
 def _same(base: bytes, target: bytes, calls: list[int]):
     def same(bf: str, bo: int, tf: str, to: int, n: int) -> bool:
         calls.append(n)
-        return base[bo:bo + n] == target[to:to + n]
+        return base[bo : bo + n] == target[to : to + n]
+
     return same
 
 
@@ -299,6 +327,7 @@ def test_new_reshaped_moved_and_removed_tensors() -> None:
 
 
 # ---- the current link ------------------------------------------------------------------------
+
 
 def test_the_current_link_is_relative_and_replaced_in_place(tmp_path: Path) -> None:
     from bdn.daemon.current import CurrentLink

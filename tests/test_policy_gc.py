@@ -24,8 +24,14 @@ def test_created_breaks_ties_and_missing_policy_version_is_oldest() -> None:
 
 
 def test_pinned_in_progress_and_bases_are_kept() -> None:
-    held = [ready("s1", 1), ready("s2", 2), ready("s3", 3), ready("s4", 4), ready("s5", 5),
-            Held("s6", "downloading", 6, OLD, OLD, base_identity="s1")]
+    held = [
+        ready("s1", 1),
+        ready("s2", 2),
+        ready("s3", 3),
+        ready("s4", 4),
+        ready("s5", 5),
+        Held("s6", "downloading", 6, OLD, OLD, base_identity="s1"),
+    ]
     remove, kept = plan_gc(held, pinned={"s2"}, keep_ready=1, grace_s=60, now=NOW)
     assert remove == ["s4", "s3"]
     assert kept == ["s1", "s2", "s5"]

@@ -81,7 +81,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
                 stack.pop()
                 path.pop()
             elif colour.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             elif not colour.get(nxt):
                 colour[nxt] = 1
                 stack.append((nxt, iter(sorted(graph[nxt]))))

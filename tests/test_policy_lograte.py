@@ -64,8 +64,15 @@ def test_log_args_are_rendered_without_python_reprs() -> None:
 
     from bdn.daemon.main import PlainArgs
 
-    rec = logging.LogRecord("bdn.x", logging.INFO, __file__, 1, "stages %s files %s at %s took %s",
-                            ({"queued": 0.1234, "ready": 2}, ["a.bin", "b.bin"], Path("/dev/shm/x"), 1.23456), None)
+    rec = logging.LogRecord(
+        "bdn.x",
+        logging.INFO,
+        __file__,
+        1,
+        "stages %s files %s at %s took %s",
+        ({"queued": 0.1234, "ready": 2}, ["a.bin", "b.bin"], Path("/dev/shm/x"), 1.23456),
+        None,
+    )
     assert PlainArgs().filter(rec)
     assert rec.getMessage() == "stages queued=0.123 ready=2 files a.bin,b.bin at /dev/shm/x took 1.235"
 

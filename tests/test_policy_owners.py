@@ -30,8 +30,11 @@ def test_the_table_follows_hrw_where_capacity_allows_and_is_the_same_on_every_no
     for d in DIGESTS:  # never below a node with spare capacity: the owner is one of the ranking's
         assert table[d] in hrw.rank(NODES, d)
     o = owners.Owners()
-    assert all(o.owner("L", list(reversed(NODES)), d, lambda: DIGESTS, len(DIGESTS))
-               == o.owner("L", NODES, d, lambda: DIGESTS, len(DIGESTS)) for d in DIGESTS)
+    assert all(
+        o.owner("L", list(reversed(NODES)), d, lambda: DIGESTS, len(DIGESTS))
+        == o.owner("L", NODES, d, lambda: DIGESTS, len(DIGESTS))
+        for d in DIGESTS
+    )
 
 
 def test_duplicate_digests_have_one_owner_and_count_once() -> None:

@@ -19,8 +19,12 @@ def test_idle_pool_workers_are_not_waited_for_and_busy_ones_are_named() -> None:
         started = threading.Event()
         busy_pool.submit(lambda: (started.set(), release.wait(120)))
         started.wait(120)
-        wait_for(lambda: not any(t.name.startswith("t-idle") for t in busy_workers()), 120,
-                 "the idle worker counted busy", 0.01)
+        wait_for(
+            lambda: not any(t.name.startswith("t-idle") for t in busy_workers()),
+            120,
+            "the idle worker counted busy",
+            0.01,
+        )
         left = join_workers(0.2)
         assert [t.name for t in left if t.name.startswith("t-")] == ["t-busy_0"]
         release.set()

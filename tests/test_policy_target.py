@@ -9,8 +9,9 @@ from bdn.daemon.replica.target import MAX_FUTURE_NS, Target, later, supersedes
 NOW = FakeClock().time_ns()
 
 
-def t(ident: str, seq: int, origin: str = "n1", rid: str = "r1", gen: int | None = None, pv: int = -1,
-      at: float = 0.0) -> Target:
+def t(
+    ident: str, seq: int, origin: str = "n1", rid: str = "r1", gen: int | None = None, pv: int = -1, at: float = 0.0
+) -> Target:
     return Target(ident, seq, origin, rid, gen=seq if gen is None else gen, policy_version=pv, published_at=at)
 
 
@@ -32,8 +33,13 @@ def test_startup_target_seq0_is_beaten_by_any_hot_load() -> None:
 def test_wire_refuses_a_generation_out_of_range() -> None:
     good = t("s1", NOW, gen=5, pv=3, at=1.5).wire()
     assert Target.from_wire(good, NOW) == t("s1", NOW, gen=5, pv=3, at=1.5)
-    for bad in ({**good, "gen": -1}, {**good, "gen": 2**60}, {**good, "pv": -2}, {**good, "at": "x"},
-                {**good, "gen": True}):
+    for bad in (
+        {**good, "gen": -1},
+        {**good, "gen": 2**60},
+        {**good, "pv": -2},
+        {**good, "at": "x"},
+        {**good, "gen": True},
+    ):
         assert Target.from_wire(bad, NOW) is None
 
 
@@ -54,8 +60,16 @@ def test_wire_refuses_the_future_and_malformed_maps() -> None:
     assert Target.from_wire(t("s1", NOW + MAX_FUTURE_NS).wire(), NOW) is not None
     assert Target.from_wire(t("s1", NOW + MAX_FUTURE_NS + 1).wire(), NOW) is None
     good = t("s1", NOW).wire()
-    for bad in (None, [], {**good, "seq": True}, {**good, "seq": 0}, {**good, "seq": "1"},
-                {**good, "identity": "../x"}, {**good, "origin": 5}, {**good, "request_id": None}):
+    for bad in (
+        None,
+        [],
+        {**good, "seq": True},
+        {**good, "seq": 0},
+        {**good, "seq": "1"},
+        {**good, "identity": "../x"},
+        {**good, "origin": 5},
+        {**good, "request_id": None},
+    ):
         assert Target.from_wire(bad, NOW) is None
 
 

@@ -46,6 +46,8 @@ def test_per_chunk_fan_out_limit() -> None:
     u.done(B)
     u.done(B)
     assert u.running == 2 and u.admit(A, True, False, False) is Admission.SEND  # idle again: a 3rd copy
+
+
 def test_busy_answers_carry_retry_after() -> None:
     assert Admission.STILL_FETCHING.retry_after == "1"
     assert Admission.SLOTS_FULL.retry_after == "1"

@@ -69,9 +69,7 @@ RFC5869_CASES = [
 
 
 @pytest.mark.parametrize(("ikm", "salt", "info", "length", "prk", "okm"), RFC5869_CASES)
-def test_hkdf_rfc5869_vectors(
-    ikm: str, salt: str, info: str, length: int, prk: str, okm: str
-) -> None:
+def test_hkdf_rfc5869_vectors(ikm: str, salt: str, info: str, length: int, prk: str, okm: str) -> None:
     ikm_b, salt_b, info_b = bytes.fromhex(ikm), bytes.fromhex(salt), bytes.fromhex(info)
     assert len(bytes.fromhex(okm)) == length
     assert hkdf_extract(salt_b, ikm_b).hex() == prk
@@ -380,7 +378,24 @@ def test_auth_error_text_is_one_line_without_secrets(keys: SwarmKeys) -> None:
 
 
 _header_parts = st.sampled_from(
-    ["BDN-HMAC", " ", "node=", "n1", ", ", "ts=", "1780000000", "nonce=", "0" * 32, "sig=", "a" * 64, "=", ",", "\x00", "é", "٣"]
+    [
+        "BDN-HMAC",
+        " ",
+        "node=",
+        "n1",
+        ", ",
+        "ts=",
+        "1780000000",
+        "nonce=",
+        "0" * 32,
+        "sig=",
+        "a" * 64,
+        "=",
+        ",",
+        "\x00",
+        "é",
+        "٣",
+    ]
 )
 
 
@@ -406,6 +421,7 @@ def test_property_round_trip(method: str, path: str, node: str, skew: int) -> No
 
 
 # ---- issue 12 item 16: a signature binds the daemon it is for --------------------------------
+
 
 def test_request_signed_for_one_daemon_is_refused_by_another_without_burning_its_nonce(keys: SwarmKeys) -> None:
     h = sign_request(keys, "GET", PATH, "node-a", to="node-b", now=NOW)
@@ -441,8 +457,9 @@ def test_the_target_is_inside_the_signed_string(keys: SwarmKeys) -> None:
     msg = f"BDN-HMAC-2\nGET\n{PATH}\n{f['ts']}\n{f['nonce']}\nnode-a\nnode-b".encode()
     assert f["sig"] == hmac.new(keys.auth_key, msg, hashlib.sha256).hexdigest()
     # the form without a target (BDN-HMAC-1) is not accepted by this version
-    old = hmac.new(keys.auth_key, f"BDN-HMAC-1\nGET\n{PATH}\n{f['ts']}\n{f['nonce']}\nnode-a".encode(),
-                   hashlib.sha256).hexdigest()
+    old = hmac.new(
+        keys.auth_key, f"BDN-HMAC-1\nGET\n{PATH}\n{f['ts']}\n{f['nonce']}\nnode-a".encode(), hashlib.sha256
+    ).hexdigest()
     legacy = f"BDN-HMAC node=node-a, ts={f['ts']}, nonce={f['nonce']}, sig={old}"
     with pytest.raises(AuthError):
         verify_request(keys, legacy, "GET", PATH, NonceCache(), me="node-b", now=NOW)

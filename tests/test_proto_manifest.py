@@ -227,7 +227,16 @@ def test_result_chunks_of_delta() -> None:
 
 @pytest.mark.parametrize(
     "data",
-    [b"", b"{", b"not json", b"\xff\xfe\x00", b"{'a': 1}", b"[1,]", b"NaN x", "{\"a\": \ud800".encode("utf-8", "surrogatepass")],
+    [
+        b"",
+        b"{",
+        b"not json",
+        b"\xff\xfe\x00",
+        b"{'a': 1}",
+        b"[1,]",
+        b"NaN x",
+        '{"a": \ud800'.encode("utf-8", "surrogatepass"),
+    ],
 )
 def test_bad_json(data: bytes) -> None:
     _refused(data, "not valid JSON")
@@ -516,9 +525,7 @@ _json_scalars = st.one_of(
 )
 _json_values = st.recursive(
     _json_scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=12), inner, max_size=5)
-    ),
+    lambda inner: st.one_of(st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=12), inner, max_size=5)),
     max_leaves=20,
 )
 

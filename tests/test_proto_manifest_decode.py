@@ -20,12 +20,29 @@ def small_window(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _doc(n: int, indent: int | None = 1) -> bytes:
-    files = [{"path": "a.bin", "size": n * 4096, "chunks": [f"{c:032x}" for c in range(n)]},
-             {"path": "b.safetensors", "size": 1, "chunks": ["f" * 32],
-              "result": {"size": 4096 * n, "chunks": [f"{c + 7:032x}" for c in range(n)]}}]
-    return json.dumps({"format": "bdn.snapshot/1", "identity": "s1", "kind": "delta", "policy_version": 1,
-                       "chunk_size": 4096, "base_identity": "s0", "compression_format": "arc_v2",
-                       "checksum_format": "alder32", "files": files}, indent=indent).encode()
+    files = [
+        {"path": "a.bin", "size": n * 4096, "chunks": [f"{c:032x}" for c in range(n)]},
+        {
+            "path": "b.safetensors",
+            "size": 1,
+            "chunks": ["f" * 32],
+            "result": {"size": 4096 * n, "chunks": [f"{c + 7:032x}" for c in range(n)]},
+        },
+    ]
+    return json.dumps(
+        {
+            "format": "bdn.snapshot/1",
+            "identity": "s1",
+            "kind": "delta",
+            "policy_version": 1,
+            "chunk_size": 4096,
+            "base_identity": "s0",
+            "compression_format": "arc_v2",
+            "checksum_format": "alder32",
+            "files": files,
+        },
+        indent=indent,
+    ).encode()
 
 
 @settings(max_examples=25, deadline=None)
@@ -35,15 +52,18 @@ def test_same_value_as_json(n: int, indent: int | None) -> None:
     assert mf.decode_manifest_json(data) == json.loads(data)
 
 
-@pytest.mark.parametrize("broken", [
-    b'["' + b"a" * 32 + b'",]',               # trailing comma
-    b'["' + b"a" * 32 + b'", ,"' + b"b" * 32 + b'"]',  # a stray comma
-    b'[,"' + b"a" * 32 + b'"]',               # a leading comma
-    b'["' + b"a" * 20 + b"," + b"b" * 40 + b'"]',  # a comma inside a string, past the window
-    b'[["' + b"a" * 32 + b'", "' + b"b" * 32 + b'"], "' + b"c" * 32 + b'"]',  # nested
-])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        b'["' + b"a" * 32 + b'",]',  # trailing comma
+        b'["' + b"a" * 32 + b'", ,"' + b"b" * 32 + b'"]',  # a stray comma
+        b'[,"' + b"a" * 32 + b'"]',  # a leading comma
+        b'["' + b"a" * 20 + b"," + b"b" * 40 + b'"]',  # a comma inside a string, past the window
+        b'[["' + b"a" * 32 + b'", "' + b"b" * 32 + b'"], "' + b"c" * 32 + b'"]',  # nested
+    ],
+)
 def test_broken_chunk_lists_are_refused(broken: bytes) -> None:
-    data = (b'{"format": "bdn.snapshot/1", "files": [{"path": "a", "size": 1, "chunks": ' + broken + b"}]}")
+    data = b'{"format": "bdn.snapshot/1", "files": [{"path": "a", "size": 1, "chunks": ' + broken + b"}]}"
     try:
         obj = mf.decode_manifest_json(data)
     except ManifestError as e:

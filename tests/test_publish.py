@@ -284,9 +284,7 @@ def test_s3_manifest_is_the_last_request(s3_server: S3Server, s3_proxy: S3Proxy,
     assert [r.key for r in writes].count(f"run1/step000001/{MANIFEST_NAME}") == 1
 
 
-def test_s3_upload_refused_midway_writes_no_manifest(
-    s3_server: S3Server, s3_proxy: S3Proxy, ckpt
-) -> None:
+def test_s3_upload_refused_midway_writes_no_manifest(s3_server: S3Server, s3_proxy: S3Proxy, ckpt) -> None:
     """The bucket refuses one PUT (403) while others are stored: the manifest is never sent."""
     src, _ = ckpt
     name = create_bucket(s3_server.endpoint)
@@ -305,9 +303,7 @@ def test_s3_upload_refused_midway_writes_no_manifest(
 def test_full_from_state_dict(bucket: Bucket, tmp_path: Path) -> None:
     sd = _tensors(3)[SHARDS[0]]
     config = json.dumps({"hidden_size": 256}).encode()
-    m = publish_full(
-        bucket, "sd-1", 7, state_dict=sd, extra_files={"config.json": config}, chunk_size=CHUNK
-    )
+    m = publish_full(bucket, "sd-1", 7, state_dict=sd, extra_files={"config.json": config}, chunk_size=CHUNK)
     assert [f.path for f in m.files] == ["config.json", "model.safetensors"]
     assert bucket.read("sd-1/config.json") == config
     model = _download(bucket, "sd-1/model.safetensors", tmp_path / "model.safetensors")
@@ -420,21 +416,28 @@ def _check_delta(b: Bucket, m: Manifest, base_dir: Path, target_dir: Path, scrat
 
 
 @pytest.mark.parametrize("fmt", ["arc_v2", "arc_v1"])
-def test_delta_from_an_optimizer_step_rebuilds_the_target(
-    bucket: Bucket, ckpt, tmp_path: Path, fmt: str
-) -> None:
+def test_delta_from_an_optimizer_step_rebuilds_the_target(bucket: Bucket, ckpt, tmp_path: Path, fmt: str) -> None:
     base_dir, shards = ckpt
     publish_full(bucket, "step000001", 1, dir=base_dir, chunk_size=CHUNK)
     target_dir = _write_hf_dir(tmp_path / "step2", _optimizer_step(shards, seed=2))
 
     m = publish_delta(
-        bucket, "step000002", 2, "step000001", dir=target_dir, base_dir=base_dir,
-        compression_format=fmt, chunk_size=CHUNK,
+        bucket,
+        "step000002",
+        2,
+        "step000001",
+        dir=target_dir,
+        base_dir=base_dir,
+        compression_format=fmt,
+        chunk_size=CHUNK,
     )
     got = _read_manifest(bucket, "step000002")
     assert got == m
     assert (got.kind, got.base_identity, got.compression_format, got.checksum_format) == (
-        "delta", "step000001", fmt, "alder32",
+        "delta",
+        "step000001",
+        fmt,
+        "alder32",
     )
     _check_delta(bucket, got, base_dir, target_dir, tmp_path / "check")
     diff_bytes = sum(f.size for f in got.files if f.result)
@@ -459,9 +462,7 @@ def test_delta_from_state_dicts(bucket: Bucket, tmp_path: Path) -> None:
     sd2 = _optimizer_step({"m": sd1}, seed=6)["m"]
     cfg = {"config.json": b"{}"}
     publish_full(bucket, "s1", 1, state_dict=sd1, extra_files=cfg, chunk_size=CHUNK)
-    m = publish_delta(
-        bucket, "s2", 2, "s1", state_dict=sd2, base_state_dict=sd1, extra_files=cfg, chunk_size=CHUNK
-    )
+    m = publish_delta(bucket, "s2", 2, "s1", state_dict=sd2, base_state_dict=sd1, extra_files=cfg, chunk_size=CHUNK)
     assert m.file("model.safetensors").is_diff and not m.file("config.json").is_diff
     base = _download(bucket, "s1/model.safetensors", tmp_path / "b" / "model.safetensors")
     diff = _download(bucket, "s2/model.safetensors", tmp_path / "d" / "model.safetensors")
@@ -469,9 +470,7 @@ def test_delta_from_state_dicts(bucket: Bucket, tmp_path: Path) -> None:
     assert list(m.file("model.safetensors").result_chunks) == file_digests(tmp_path / "out.safetensors", CHUNK)
 
 
-def test_delta_refuses_a_base_dir_that_differs_from_the_published_base(
-    bucket: Bucket, ckpt, tmp_path: Path
-) -> None:
+def test_delta_refuses_a_base_dir_that_differs_from_the_published_base(bucket: Bucket, ckpt, tmp_path: Path) -> None:
     base_dir, shards = ckpt
     publish_full(bucket, "step000001", 1, dir=base_dir, chunk_size=CHUNK)
     other = _write_hf_dir(tmp_path / "other", _optimizer_step(shards, seed=9))
@@ -543,14 +542,36 @@ def test_cli_full_delta_startup(spec: BucketSpec, ckpt, tmp_path: Path) -> None:
     target = _write_hf_dir(tmp_path / "step2", _optimizer_step(shards, seed=2))
     flags = spec.cli_flags()
 
-    r = _cli("full", "--dir", str(base_dir), *flags, "--identity", "step000001", "--policy-version", "1",
-             "--chunk-size", str(CHUNK))
+    r = _cli(
+        "full",
+        "--dir",
+        str(base_dir),
+        *flags,
+        "--identity",
+        "step000001",
+        "--policy-version",
+        "1",
+        "--chunk-size",
+        str(CHUNK),
+    )
     assert r.returncode == 0, r.stderr
     line = r.stdout.strip()
     assert "\n" not in line and "step000001" in line and "7 files" in line
 
-    r = _cli("delta", "--dir", str(target), *flags, "--identity", "step000002", "--policy-version", "2",
-             "--base", "step000001", "--chunk-size", str(CHUNK))
+    r = _cli(
+        "delta",
+        "--dir",
+        str(target),
+        *flags,
+        "--identity",
+        "step000002",
+        "--policy-version",
+        "2",
+        "--base",
+        "step000001",
+        "--chunk-size",
+        str(CHUNK),
+    )
     assert r.returncode == 0, r.stderr
     assert "step000002" in r.stdout and "delta" in r.stdout
 
@@ -576,8 +597,16 @@ def test_cli_version_json_and_units(tmp_path: Path, ckpt) -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)  # exactly one JSON document
     stored = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
-    assert out == {"identity": "s1", "kind": "full", "base_identity": None, "policy_version": 1,
-                   "stored_bytes": stored, "result_bytes": stored, "files": 7, "seconds": out["seconds"]}
+    assert out == {
+        "identity": "s1",
+        "kind": "full",
+        "base_identity": None,
+        "policy_version": 1,
+        "stored_bytes": stored,
+        "result_bytes": stored,
+        "files": 7,
+        "seconds": out["seconds"],
+    }
     assert isinstance(out["seconds"], float) and out["seconds"] >= 0
     r = _cli("delta", "--dir", str(src), *flags, "--identity", "s2", "--policy-version", "2", "--base", "s1", "--json")
     assert r.returncode == 0, r.stderr
@@ -599,10 +628,13 @@ def test_cli_errors(spec: BucketSpec, ckpt) -> None:
 
     r = _cli("startup", *flags, "--identity", "step000001")
     assert r.returncode == 1
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith("bdn-publish: error: snapshot 'step000001' is not published")
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(
+        "bdn-publish: error: snapshot 'step000001' is not published"
+    )
 
-    r = _cli("delta", "--dir", str(src), *flags, "--identity", "step000002", "--policy-version", "2",
-             "--base", "step000001")
+    r = _cli(
+        "delta", "--dir", str(src), *flags, "--identity", "step000002", "--policy-version", "2", "--base", "step000001"
+    )
     assert r.returncode == 1
     assert r.stderr == "bdn-publish: error: base snapshot 'step000001' is not published (no bdn.manifest.json)\n"
 
@@ -615,16 +647,27 @@ def test_cli_refusals_and_usage_errors(tmp_path: Path, ckpt) -> None:
     r = _cli("full", "--dir", str(src), *flags, "--identity", "bad/id", "--policy-version", "1")
     assert r.returncode == 2 and "one path segment" in r.stderr
 
-    r = _cli("delta", "--dir", str(src), *flags, "--identity", "s2", "--policy-version", "1",
-             "--base", "s1", "--compression-format", "arc_v3")
+    r = _cli(
+        "delta",
+        "--dir",
+        str(src),
+        *flags,
+        "--identity",
+        "s2",
+        "--policy-version",
+        "1",
+        "--base",
+        "s1",
+        "--compression-format",
+        "arc_v3",
+    )
     assert r.returncode in (1, 2) and "arc_v1" in r.stderr and "arc_v2" in r.stderr
 
     r = _cli("full", "--dir", str(src), *flags, "--identity", "s1")  # no --policy-version
     assert r.returncode == 2 and "--policy-version" in r.stderr
     r = _cli("full", "--dir", str(src), *flags, "--identity", "s1", "--policy-version", "-3")
     assert r.returncode == 2
-    r = _cli("full", "--dir", str(src), *flags, "--identity", "s1", "--policy-version", "1",
-             "--chunk-size", "100")
+    r = _cli("full", "--dir", str(src), *flags, "--identity", "s1", "--policy-version", "1", "--chunk-size", "100")
     assert r.returncode == 2 and "--chunk-size" in r.stderr
     r = _cli("full", "--dir", str(src / "nope"), *flags, "--identity", "s1", "--policy-version", "1")
     assert r.returncode == 2 and r.stderr.startswith("bdn-publish: error: ") and "not a directory" in r.stderr

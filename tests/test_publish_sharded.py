@@ -36,7 +36,9 @@ def _publish(url: str, identity: str, version: int, world: int, base: str | None
 
 
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "READY"}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != "READY"
+    }
 
 
 def test_four_ranks_and_one_rank_rebuild_identical_snapshots_on_a_daemon(tmp_path: Path) -> None:
@@ -81,8 +83,17 @@ def test_s3_two_ranks_full_and_delta_rebuild_the_target(moto_endpoint: str, tmp_
             publish_part(b, "s1", owned(model(1), r, 2), rank=r, world_size=2, chunk_size=CHUNK)
         m1 = commit_step(b, "s1", 1, world_size=2, extra_files=CONFIG)
         for r in range(2):
-            publish_part(b, "s2", owned(model(2), r, 2), rank=r, world_size=2, base="s1",
-                         base_tensors=owned(model(1), r, 2), chunk_size=CHUNK, compression_format="arc_v2")
+            publish_part(
+                b,
+                "s2",
+                owned(model(2), r, 2),
+                rank=r,
+                world_size=2,
+                base="s1",
+                base_tensors=owned(model(1), r, 2),
+                chunk_size=CHUNK,
+                compression_format="arc_v2",
+            )
         m2 = commit_step(b, "s2", 2, world_size=2, extra_files=CONFIG)
         assert Manifest.from_json(b.read(f"s2/{MANIFEST_NAME}"), expect_identity="s2") == m2
         path = "model.layers.1.safetensors"
@@ -188,8 +199,15 @@ def test_a_tensor_published_by_two_ranks_is_refused(url: str) -> None:
     publish_part(url, "s1", owned(state, 0, 2), rank=0, world_size=2, chunk_size=CHUNK, file_of=layer_file)
     mine = owned(state, 1, 2)
     stolen = "model.layers.0.mlp.up_proj.weight"  # rank 0's
-    publish_part(url, "s1", {**mine, stolen: state[stolen]}, rank=1, world_size=2, chunk_size=CHUNK,
-                 file_of=lambda n: "stolen.safetensors" if n == stolen else layer_file(n))
+    publish_part(
+        url,
+        "s1",
+        {**mine, stolen: state[stolen]},
+        rank=1,
+        world_size=2,
+        chunk_size=CHUNK,
+        file_of=lambda n: "stolen.safetensors" if n == stolen else layer_file(n),
+    )
     with pytest.raises(PartError, match=rf"tensor '{stolen}' is published by rank 0 and rank 1"):
         commit_step(url, "s1", 1, world_size=2)
     _nothing_published(url, "s1")
@@ -235,9 +253,14 @@ def test_delta_with_mismatched_shapes_or_wrong_base_is_refused(url: str) -> None
     tgt, base = owned(model(2), 0, 2), owned(model(1), 0, 2)
     name = "model.layers.0.mlp.up_proj.weight"
     bad = {**tgt, name: tgt[name][:-1]}
-    with pytest.raises(TensorMismatch, match=rf"model.layers.0.safetensors: tensor '{name}': shape \[192, 48\] in the base, \[191, 48\] in the target"):
+    with pytest.raises(
+        TensorMismatch,
+        match=rf"model.layers.0.safetensors: tensor '{name}': shape \[192, 48\] in the base, \[191, 48\] in the target",
+    ):
         publish_part(url, "s2", bad, rank=0, world_size=2, base="s1", base_tensors=base, chunk_size=CHUNK)
-    with pytest.raises(ChecksumError, match=r"model.layers.0.safetensors: base_tensors are not what base snapshot 's1'"):
+    with pytest.raises(
+        ChecksumError, match=r"model.layers.0.safetensors: base_tensors are not what base snapshot 's1'"
+    ):
         publish_part(url, "s2", tgt, rank=0, world_size=2, base="s1", base_tensors=tgt, chunk_size=CHUNK)
     # Rank 1 never publishes; rank 0's valid part alone cannot be committed.
     publish_part(url, "s2", tgt, rank=0, world_size=2, base="s1", base_tensors=base, chunk_size=CHUNK)
@@ -262,8 +285,9 @@ def test_bad_arguments_are_refused_before_any_upload(url: str) -> None:
 
 
 def test_part_records_from_the_bucket_are_checked() -> None:
-    good = PartRecord("s1", 0, 1, "full", CHUNK, (FileEntry("a.safetensors", 0, ()),),
-                      {"t": ("a.safetensors", "BF16", (0,))})
+    good = PartRecord(
+        "s1", 0, 1, "full", CHUNK, (FileEntry("a.safetensors", 0, ()),), {"t": ("a.safetensors", "BF16", (0,))}
+    )
     assert PartRecord.from_json(good.to_json(), where="k") == good
     obj = json.loads(good.to_json())
     for edit, msg in (

@@ -59,8 +59,9 @@ def _warned(d: Daemon, needle: str) -> dict[str, Any] | None:
 def _published(tmp_path: Path) -> str:
     bucket = tmp_path / "bucket"
     bucket.mkdir()
-    publish_full(f"file://{bucket}", "step000001", 1, dir=write_hf_dir(tmp_path / "ck", make_state(0), 1),
-                 chunk_size=64 << 10)
+    publish_full(
+        f"file://{bucket}", "step000001", 1, dir=write_hf_dir(tmp_path / "ck", make_state(0), 1), chunk_size=64 << 10
+    )
     return f"file://{bucket}"
 
 
@@ -80,17 +81,21 @@ def test_a_daemon_with_another_partition_secret_says_why_and_is_never_held_by_it
         assert any("partition secret" in w for w in status["warnings"]), status
         assert _metric(odd, "bdn_misconfigured", '{problem="partition_secret"}') >= 1
         assert "misconfigured: peer" in odd.log()
+
         # the refusal never holds readiness: the odd node is ready once its snapshot is
         def ready_and_warned() -> dict[str, Any] | None:
             st, b = _ready(odd)
             return b if st == 200 and any("401" in w for w in b["warnings"]) else None
+
         body = wait_for(ready_and_warned, 180, "node2 to be ready, still warning")
         assert body["reasons"] == [], body
         assert _metric(odd, "bdn_ready") == 1
+
         # the two that share a secret talk to each other: ready, node2's refusal a warning
         def warned() -> dict[str, Any] | None:
             st, b = _ready(good[0])
             return b if st == 200 and any(odd.peer_url in w for w in b["warnings"]) else None
+
         body = wait_for(warned, 120, "node0 to be ready with a warning naming node2")
         assert body["reasons"] == [], body
 
@@ -117,8 +122,12 @@ def test_an_empty_bucket_prefix_is_not_ready_until_something_is_published(tmp_pa
         publish_full(b, "step000001", 1, dir=write_hf_dir(tmp_path / "ck", make_state(0), 1), chunk_size=64 << 10)
     finally:
         b.close()
-    d = Daemon(tmp_path / "w", "node0", typo, extra_env={
-        "BDN_ENDPOINT_URL": endpoint, "BDN_STARTUP_SETTLE_S": "0", "BDN_LOAD_STARTUP": "false"})
+    d = Daemon(
+        tmp_path / "w",
+        "node0",
+        typo,
+        extra_env={"BDN_ENDPOINT_URL": endpoint, "BDN_STARTUP_SETTLE_S": "0", "BDN_LOAD_STARTUP": "false"},
+    )
     with running(d):
         body = wait_for(lambda: _misconfigured(d, "holds no object"), 120, "the empty prefix to be named")
         assert any(typo in r for r in body["reasons"]), body

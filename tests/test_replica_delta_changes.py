@@ -29,10 +29,24 @@ def _ready(d: Path, identity: str, tensors: dict[str, np.ndarray]) -> Path:
     d.mkdir(parents=True)
     save(d / "model.safetensors", tensors)
     data = (d / "model.safetensors").read_bytes()
-    (d / READY_NAME).write_text(json.dumps({
-        "format": "bdn.ready/1", "identity": identity, "policy_version": 1, "kind": "full", "chunk_size": CHUNK,
-        "files": [{"path": "model.safetensors", "size": len(data),
-                   "chunks": [digest(data[i:i + CHUNK]) for i in range(0, len(data), CHUNK)]}]}))
+    (d / READY_NAME).write_text(
+        json.dumps(
+            {
+                "format": "bdn.ready/1",
+                "identity": identity,
+                "policy_version": 1,
+                "kind": "full",
+                "chunk_size": CHUNK,
+                "files": [
+                    {
+                        "path": "model.safetensors",
+                        "size": len(data),
+                        "chunks": [digest(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)],
+                    }
+                ],
+            }
+        )
+    )
     return d
 
 
@@ -68,15 +82,20 @@ def test_the_delta_streams_name_exactly_the_changed_tensors(tmp_path: Path, fmt:
     (tdir / READY_NAME).write_text((bdir / READY_NAME).read_text().replace("step000001", "step000002"))
     data = (tdir / "model.safetensors").read_bytes()
     marker = json.loads((tdir / READY_NAME).read_text())
-    marker["files"][0].update(size=len(data), chunks=[digest(data[i:i + CHUNK]) for i in range(0, len(data), CHUNK)])
+    marker["files"][0].update(size=len(data), chunks=[digest(data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)])
     (tdir / READY_NAME).write_text(json.dumps(marker))
     assert got == changes.compute(bdir, tdir)
 
 
 def test_a_stream_of_another_base_or_a_whole_shard_gives_no_list(tmp_path: Path) -> None:
     bdir, _tdir, delta, _want = _pair(tmp_path, "arc_v2")
-    whole = DeltaSource(delta.base, delta.stored_dir, delta.diff_files, ("model.safetensors", "extra.safetensors"),
-                        delta.compression_format)
+    whole = DeltaSource(
+        delta.base,
+        delta.stored_dir,
+        delta.diff_files,
+        ("model.safetensors", "extra.safetensors"),
+        delta.compression_format,
+    )
     assert from_diffs(bdir, whole) is None  # a tensor file stored whole: the READY comparison decides
 
     async def run() -> tuple[list[str] | None, list[str] | None]:
@@ -120,7 +139,9 @@ def test_the_changed_ranges_cover_every_changed_byte_and_little_else(tmp_path: P
 
 @pytest.mark.parametrize("applied", [True, False])  # the sparse apply gave its ranges; it fell back to a full apply
 def test_a_sparse_applys_ranges_are_the_offers_and_the_streams_are_not_decoded_twice(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, applied: bool,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    applied: bool,
 ) -> None:
     from bdn.fileops import read_header
     from bdn.proto import arc, sparse

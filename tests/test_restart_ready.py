@@ -13,8 +13,18 @@ from support.swarm import Daemon
 
 CHUNK = 64 << 10
 HOT_LOAD = "/hot_load/v1/models/hot_load"
-RECORD_KEYS = ("identity", "kind", "policy_version", "base_identity", "state", "path", "stored_bytes",
-               "result_bytes", "bytes_total", "bytes_done")
+RECORD_KEYS = (
+    "identity",
+    "kind",
+    "policy_version",
+    "base_identity",
+    "state",
+    "path",
+    "stored_bytes",
+    "result_bytes",
+    "bytes_total",
+    "bytes_done",
+)
 
 
 def test_hot_load_of_a_snapshot_ready_before_a_restart(tmp_path: Path) -> None:
@@ -39,11 +49,18 @@ def test_hot_load_of_a_snapshot_ready_before_a_restart(tmp_path: Path) -> None:
             assert {k: after[k] for k in RECORD_KEYS} == {k: before[k] for k in RECORD_KEYS}, (before, after)
             assert after["created_at"] == before["created_at"], (before, after)
             assert after["requested_by"] == "store"
-        status, ans = http("POST", d.url + HOT_LOAD, {
-            "identity": "step000002",
-            "incremental_snapshot_metadata": {"previous_snapshot_identity": "step000001",
-                                              "compression_format": "arc_v2", "checksum_format": "alder32"},
-        })
+        status, ans = http(
+            "POST",
+            d.url + HOT_LOAD,
+            {
+                "identity": "step000002",
+                "incremental_snapshot_metadata": {
+                    "previous_snapshot_identity": "step000001",
+                    "compression_format": "arc_v2",
+                    "checksum_format": "alder32",
+                },
+            },
+        )
         assert status == 200 and ans["policy_version"] == 2, ans
         reps = wait_fleet(d.url, "step000002", timeout=60)
         assert [r["policy_version"] for r in reps] == [2]

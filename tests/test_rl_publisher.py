@@ -21,8 +21,10 @@ FILES = {"config.json": b'{"model_type": "llama"}'}
 
 def _state(seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"a.weight": rng.standard_normal((64, 32)).astype(ml_dtypes.bfloat16),
-            "b.weight": rng.standard_normal((32,)).astype(np.float32)}
+    return {
+        "a.weight": rng.standard_normal((64, 32)).astype(ml_dtypes.bfloat16),
+        "b.weight": rng.standard_normal((32,)).astype(np.float32),
+    }
 
 
 def _manifest(root: Path, ident: str) -> dict:
@@ -38,8 +40,12 @@ def test_steps_are_published_in_order_anchor_then_deltas(tmp_path: Path) -> None
         pub.submit(v, s)
     pub.close(timeout=120)
     assert [(p.identity, p.kind, p.policy_version) for p in pub.published] == [
-        ("step000000", "full", 0), ("step000001", "delta", 1), ("step000002", "delta", 2),
-        ("step000003", "full", 3), ("step000004", "delta", 4)]
+        ("step000000", "full", 0),
+        ("step000001", "delta", 1),
+        ("step000002", "delta", 2),
+        ("step000003", "full", 3),
+        ("step000004", "delta", 4),
+    ]
     assert all(p.hot_loaded_at is None and p.stored_bytes > 0 for p in pub.published)
     m = _manifest(root, "step000004")
     assert m["policy_version"] == 4 and m["kind"] == "delta" and m["base_identity"] == "step000003"
@@ -74,9 +80,11 @@ def test_versions_must_increase_and_the_prefix_must_make_identities(tmp_path: Pa
     assert identity_of("run7-step", 12) == "run7-step000012"
 
 
-GOOD = {"choices": [{"token_ids": [5, 6], "logprobs": {"content": [{"logprob": -1.0}, {"logprob": -0.5}]}}],
-        "prompt_token_ids": [1, 2, 3],
-        "nvext": {"engine_data": {"policy_versions": [4], "replica_id": "node0", "snapshot_identity": "step000004"}}}
+GOOD = {
+    "choices": [{"token_ids": [5, 6], "logprobs": {"content": [{"logprob": -1.0}, {"logprob": -0.5}]}}],
+    "prompt_token_ids": [1, 2, 3],
+    "nvext": {"engine_data": {"policy_versions": [4], "replica_id": "node0", "snapshot_identity": "step000004"}},
+}
 
 
 def test_an_engine_answer_is_checked_before_it_becomes_a_rollout() -> None:
@@ -85,17 +93,20 @@ def test_an_engine_answer_is_checked_before_it_becomes_a_rollout() -> None:
     assert (r.replica_id, r.identity, r.engine_url) == ("node0", "step000004", "http://e")
 
 
-@pytest.mark.parametrize("path, value, what", [
-    (("choices", 0, "token_ids"), [5, "6"], "token_ids is not a list of integers"),
-    (("choices", 0, "token_ids"), [5, True], "token_ids is not a list of integers"),
-    (("prompt_token_ids",), None, "prompt_token_ids is not a list of integers"),
-    (("choices", 0, "logprobs"), {"content": [{"logprob": -1.0}]}, "not one entry per completion token"),
-    (("choices", 0, "logprobs"), {"content": [{"logprob": -1.0}, {"logprob": "x"}]}, "a logprob is not a number"),
-    (("nvext", "engine_data", "policy_versions"), [], "policy_versions is empty"),
-    (("nvext", "engine_data", "policy_versions"), [1.5], "policy_versions is not a list of integers"),
-    (("nvext",), {}, "lacks 'engine_data'"),
-    (("choices",), [], "lacks"),
-])
+@pytest.mark.parametrize(
+    "path, value, what",
+    [
+        (("choices", 0, "token_ids"), [5, "6"], "token_ids is not a list of integers"),
+        (("choices", 0, "token_ids"), [5, True], "token_ids is not a list of integers"),
+        (("prompt_token_ids",), None, "prompt_token_ids is not a list of integers"),
+        (("choices", 0, "logprobs"), {"content": [{"logprob": -1.0}]}, "not one entry per completion token"),
+        (("choices", 0, "logprobs"), {"content": [{"logprob": -1.0}, {"logprob": "x"}]}, "a logprob is not a number"),
+        (("nvext", "engine_data", "policy_versions"), [], "policy_versions is empty"),
+        (("nvext", "engine_data", "policy_versions"), [1.5], "policy_versions is not a list of integers"),
+        (("nvext",), {}, "lacks 'engine_data'"),
+        (("choices",), [], "lacks"),
+    ],
+)
 def test_a_malformed_engine_answer_is_refused_with_one_line(path: tuple, value: object, what: str) -> None:
     ans = json.loads(json.dumps(GOOD))
     node = ans

@@ -32,7 +32,7 @@ def _sample() -> dict[str, np.ndarray]:
         "mask": np.array([True, False, True]),
         "u": np.arange(4, dtype=np.uint8),
         "empty": np.zeros((0, 4), dtype=np.float32),
-        "névé \"q\"\n": np.ones(2, dtype=np.int32),
+        'névé "q"\n': np.ones(2, dtype=np.int32),
     }
 
 
@@ -136,7 +136,10 @@ def test_error_is_a_protocol_error() -> None:
     assert issubclass(SafetensorsError, ProtocolError)
 
 
-GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "U8", "shape": [2], "data_offsets": [8, 10]}}
+GOOD = {
+    "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+    "b": {"dtype": "U8", "shape": [2], "data_offsets": [8, 10]},
+}
 
 
 @pytest.mark.parametrize(
@@ -147,24 +150,39 @@ GOOD = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtyp
         (struct.pack("<Q", 64) + b"{}", "runs past the end"),
         (_raw("[1, 2]"), "does not start with"),
         (_raw('{"a": 1'), "not valid JSON"),
-        (struct.pack("<Q", 8) + b"{\"\xff\": 1}", "not valid UTF-8"),
+        (struct.pack("<Q", 8) + b'{"\xff": 1}', "not valid UTF-8"),
         (_raw("{" + '"a":' * 1 + "[" * 100000 + "]" * 100000 + "}"), "not valid JSON"),
-        (_raw('{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', b"\0" * 4), "repeats the key 'a'"),
+        (
+            _raw(
+                '{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+                b"\0" * 4,
+            ),
+            "repeats the key 'a'",
+        ),
         (_raw({"a": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4), "tensor 'a': unknown dtype"),
         (_raw({"a": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, b"\0" * 4), "tensor 'a': shape"),
         (_raw({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\0" * 4), "tensor 'a': shape"),
         (_raw({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4), "tensor 'a': shape"),
-        (_raw({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4), "tensor 'a': data_offsets span 4"),
+        (
+            _raw({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, b"\0" * 4),
+            "tensor 'a': data_offsets span 4",
+        ),
         (_raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, b"\0" * 4), "tensor 'a': data_offsets"),
-        (_raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}}, b"\0" * 4), "tensor 'a': entry must"),
+        (
+            _raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4], "x": 1}}, b"\0" * 4),
+            "tensor 'a': entry must",
+        ),
         (_raw({"a": [1]}, b""), "tensor 'a': entry is not"),
-        (_raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8), "tensor 'a': starts at data offset 4, expected 0"),
+        (
+            _raw({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
+            "tensor 'a': starts at data offset 4, expected 0",
+        ),
         (_raw({**GOOD, "c": {"dtype": "U8", "shape": [2], "data_offsets": [6, 8]}}, b"\0" * 10), "overlaps"),
         (_raw(GOOD, b"\0" * 11), "file is"),
         (_raw(GOOD, b"\0" * 9), "runs past|file is"),
         (_raw({"__metadata__": {"k": 1}, **GOOD}, b"\0" * 10), "value for 'k' is not a string"),
         (_raw({"__metadata__": [1], **GOOD}, b"\0" * 10), "__metadata__ is not"),
-        (_raw({"a": {"dtype": "F32", "shape": [10 ** 30], "data_offsets": [0, 4]}}, b"\0" * 4), "tensor 'a'"),
+        (_raw({"a": {"dtype": "F32", "shape": [10**30], "data_offsets": [0, 4]}}, b"\0" * 4), "tensor 'a'"),
     ],
 )
 def test_rejects_malformed_headers(blob: bytes, needle: str) -> None:
@@ -196,9 +214,11 @@ _json_values = st.recursive(
     max_leaves=20,
 )
 _entry = st.fixed_dictionaries(
-    {"dtype": st.sampled_from(list(sf.DTYPE_BITS) + ["X", 3]) | _json_values,
-     "shape": st.lists(st.integers(-2, 4), max_size=3) | _json_values,
-     "data_offsets": st.lists(st.integers(-2, 24), min_size=2, max_size=2) | _json_values},
+    {
+        "dtype": st.sampled_from(list(sf.DTYPE_BITS) + ["X", 3]) | _json_values,
+        "shape": st.lists(st.integers(-2, 4), max_size=3) | _json_values,
+        "data_offsets": st.lists(st.integers(-2, 24), min_size=2, max_size=2) | _json_values,
+    },
     optional={"extra": _json_values},
 )
 

@@ -38,8 +38,15 @@ def _publish_raw(bucket: Path, identity: str, files: dict[str, bytes], pv: int =
     for name, data in sorted(files.items()):
         (snap / name).write_bytes(data)
         entries.append({"path": name, "size": len(data), "chunks": [digest(data)]})
-    m = {"format": "bdn.snapshot/1", "identity": identity, "kind": "full", "policy_version": pv,
-         "created_at": "2026-12-06T00:00:00Z", "chunk_size": 1 << 20, "files": entries}
+    m = {
+        "format": "bdn.snapshot/1",
+        "identity": identity,
+        "kind": "full",
+        "policy_version": pv,
+        "created_at": "2026-12-06T00:00:00Z",
+        "chunk_size": 1 << 20,
+        "files": entries,
+    }
     (snap / MANIFEST_NAME).write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
 
 
@@ -72,13 +79,19 @@ def test_refused_before_ready_naming_the_key_and_by_publish(tmp_path: Path) -> N
     with pytest.raises(PublishError, match="model.safetensors: bdn refuses its header: tensor ' lead'"):
         publish_full(f"file://{tmp_path / 'other'}", "step000001", 1, dir=ck)
 
-    d = Daemon(tmp_path / "nodes", "n0", f"file://{bucket}",
-               extra_env={"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0"})
+    d = Daemon(
+        tmp_path / "nodes",
+        "n0",
+        f"file://{bucket}",
+        extra_env={"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0"},
+    )
     try:
         d.start([])
         d.wait_healthy()
-        for ident, what in (("step000001", "tensor ' lead': entry must have exactly dtype, shape, data_offsets"),
-                            ("step000002", "header does not start with '{'")):
+        for ident, what in (
+            ("step000001", "tensor ' lead': entry must have exactly dtype, shape, data_offsets"),
+            ("step000002", "header does not start with '{'"),
+        ):
             assert d.prefetch(ident)[0] in (200, 202, 409, 422)
             rec = d.wait_settled(ident)
             assert rec["state"] == "failed", rec
@@ -94,8 +107,12 @@ def test_a_ready_snapshot_bdn_cannot_parse_is_answered_409_once_logged(tmp_path:
     READY made to match, then a restart) is answered 409 naming the file, never 500."""
     bucket = tmp_path / "bucket"
     _publish_raw(bucket, "step000001", {"config.json": CONFIG, "model.safetensors": _st(GOOD, DATA)})
-    d = Daemon(tmp_path / "nodes", "n0", f"file://{bucket}",
-               extra_env={"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0"})
+    d = Daemon(
+        tmp_path / "nodes",
+        "n0",
+        f"file://{bucket}",
+        extra_env={"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0"},
+    )
     try:
         d.start([])
         d.wait_healthy()

@@ -23,8 +23,13 @@ def test_a_peer_with_this_daemons_node_id_is_named_in_a_warning(tmp_path: Path) 
         for d in (a, b):
             d.wait_healthy()
         for d, other in ((a, b), (b, a)):
-            wait_for(lambda d=d, other=other: f"peer {other.peer_url} has this daemon's node id 'twin'"
-                     in d.log_path.read_text(), 120, f"{d.peer_url} to warn about {other.peer_url}")
+            wait_for(
+                lambda d=d, other=other: (
+                    f"peer {other.peer_url} has this daemon's node id 'twin'" in d.log_path.read_text()
+                ),
+                120,
+                f"{d.peer_url} to warn about {other.peer_url}",
+            )
             text = d.log_path.read_text()
             assert f"peer {d.peer_url} has this daemon's node id" not in text  # its own URL is itself
             assert text.count("has this daemon's node id") == 1  # once per peer URL, not per round

@@ -48,10 +48,16 @@ def _publish_huge(root: Path, n_files: int = 1) -> None:
         name = f"shard-{i:05d}.bin"
         with open(snap / name, "wb") as f:
             f.truncate(per * CHUNK)
-        files.append({"path": name, "size": per * CHUNK,
-                      "chunks": [f"{(i * per + c):032x}" for c in range(per)]})
-    manifest = {"format": "bdn.snapshot/1", "identity": IDENTITY, "kind": "full", "policy_version": 1,
-                "created_at": "2026-12-01T00:00:00Z", "chunk_size": CHUNK, "files": files}
+        files.append({"path": name, "size": per * CHUNK, "chunks": [f"{(i * per + c):032x}" for c in range(per)]})
+    manifest = {
+        "format": "bdn.snapshot/1",
+        "identity": IDENTITY,
+        "kind": "full",
+        "policy_version": 1,
+        "created_at": "2026-12-01T00:00:00Z",
+        "chunk_size": CHUNK,
+        "files": files,
+    }
     (snap / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
@@ -82,10 +88,17 @@ def _metric(d: Daemon, name: str) -> float | None:
 def test_a_million_chunks_keep_health_memory_and_sigterm(tmp_path: Path) -> None:
     bucket = tmp_path / "bucket"
     _publish_huge(bucket)
-    d = Daemon(tmp_path / "work", "node0", f"file://{bucket}", extra_env={
-        "BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0", "BDN_BUCKET_MBIT": "0.01",
-        "BDN_LOG_LEVEL": "info",
-    })
+    d = Daemon(
+        tmp_path / "work",
+        "node0",
+        f"file://{bucket}",
+        extra_env={
+            "BDN_LOAD_STARTUP": "false",
+            "BDN_STARTUP_SETTLE_S": "0",
+            "BDN_BUCKET_MBIT": "0.01",
+            "BDN_LOG_LEVEL": "info",
+        },
+    )
     d.start([])
     try:
         d.wait_healthy()  # its 240 s default: a start-up at load 34 took over 60 s
@@ -129,25 +142,40 @@ def test_a_million_chunks_keep_health_memory_and_sigterm(tmp_path: Path) -> None
         d.kill()
 
 
-@pytest.mark.parametrize("key,limit,named", [
-    ("BDN_MAX_CHUNKS_PER_SNAPSHOT", "1000", f"{N_CHUNKS} chunks"),
-    ("BDN_MAX_FILES_PER_SNAPSHOT", "10", "20 files"),
-])
+@pytest.mark.parametrize(
+    "key,limit,named",
+    [
+        ("BDN_MAX_CHUNKS_PER_SNAPSHOT", "1000", f"{N_CHUNKS} chunks"),
+        ("BDN_MAX_FILES_PER_SNAPSHOT", "10", "20 files"),
+    ],
+)
 def test_limits_on_chunks_and_files_refuse_at_once(tmp_path: Path, key: str, limit: str, named: str) -> None:
     bucket = tmp_path / "bucket"
     _publish_huge(bucket, n_files=20)
-    d = Daemon(tmp_path / "work", "node0", f"file://{bucket}", extra_env={
-        "BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0", key: limit,
-    })
+    d = Daemon(
+        tmp_path / "work",
+        "node0",
+        f"file://{bucket}",
+        extra_env={
+            "BDN_LOAD_STARTUP": "false",
+            "BDN_STARTUP_SETTLE_S": "0",
+            key: limit,
+        },
+    )
     d.start([])
     try:
         d.wait_healthy()  # its 240 s default: a start-up at load 34 took over 60 s
         d.prefetch(IDENTITY)
         # a deadline for a hang (the refusal itself is immediate once the manifest is read)
-        st = wait_for(lambda: _state(d), 300, "the load to be refused", 0.1,
-                      until=lambda st: st.get("state") == "failed",
-                      meanwhile=lambda st: st.get("state") in (None, "queued"),
-                      detail=d.log)
+        st = wait_for(
+            lambda: _state(d),
+            300,
+            "the load to be refused",
+            0.1,
+            until=lambda st: st.get("state") == "failed",
+            meanwhile=lambda st: st.get("state") in (None, "queued"),
+            detail=d.log,
+        )
         assert named in st["reason"] and limit in st["reason"], st["reason"]
     finally:
         d.stop()

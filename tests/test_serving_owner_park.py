@@ -126,6 +126,7 @@ def test_a_held_request_ends_when_this_nodes_download_of_the_snapshot_fails() ->
     a request held for one of its chunks is answered at once, not after the asker's whole wait,
     so the asker goes on to its own fallback read (3 rounds x chunk_wait_s before; found by
     tests/test_adversarial_cut_through.py taking 95 s instead of 4)."""
+
     async def main() -> None:
         serving, index, fetcher = _serving(owner=ME)
         task = asyncio.ensure_future(serving.request(ADDRESS, HOLD_S, "step000001", asker=OTHER))

@@ -37,8 +37,12 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs (root 
 @contextmanager
 def tmpfs(where: Path, size: int, inodes: int) -> Iterator[Path]:
     where.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(where)],
-                       capture_output=True, text=True, check=False)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},nr_inodes={inodes}", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
     try:
@@ -75,16 +79,27 @@ def publish_raw(bucket: Path, identity: str, files: dict[str, bytes], chunk_size
     for name, data in sorted(files.items()):
         (snap / name).parent.mkdir(parents=True, exist_ok=True)
         (snap / name).write_bytes(data)
-        chunks = [digest(data[i:i + chunk_size]) for i in range(0, len(data), chunk_size)]
+        chunks = [digest(data[i : i + chunk_size]) for i in range(0, len(data), chunk_size)]
         entries.append({"path": name, "size": len(data), "chunks": chunks})
-    m = {"format": "bdn.snapshot/1", "identity": identity, "kind": "full", "policy_version": 1,
-         "created_at": "2026-12-06T00:00:00Z", "chunk_size": chunk_size, "files": entries}
+    m = {
+        "format": "bdn.snapshot/1",
+        "identity": identity,
+        "kind": "full",
+        "policy_version": 1,
+        "created_at": "2026-12-06T00:00:00Z",
+        "chunk_size": chunk_size,
+        "files": entries,
+    }
     (snap / MANIFEST_NAME).write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
 
 
 def daemon(tmp_path: Path, bucket: Path, shm: Path, **env: str) -> Daemon:
-    d = Daemon(tmp_path / "nodes", "n0", f"file://{bucket}", extra_env={
-        "BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0", "BDN_SHM_DIR": str(shm), **env})
+    d = Daemon(
+        tmp_path / "nodes",
+        "n0",
+        f"file://{bucket}",
+        extra_env={"BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0", "BDN_SHM_DIR": str(shm), **env},
+    )
     d.shm_dir = shm
     return d
 
@@ -106,7 +121,9 @@ def test_bytes_of_ready_record_and_progress_are_reserved(tmp_path: Path) -> None
             rec = d.wait_settled("step000001")
             assert rec["state"] == "failed", rec
             assert rec["reason"].startswith("no space in shm: snapshot 'step000001' needs "), rec
-            assert f"({len(data)} of files, " in rec["reason"] and "of READY, record and progress)" in rec["reason"], rec
+            assert f"({len(data)} of files, " in rec["reason"] and "of READY, record and progress)" in rec["reason"], (
+                rec
+            )
             assert d.status()["counters"]["bucket_bytes_owner"] == 0
 
             # room for all of it plus 3 pages; once the download runs someone else fills the
@@ -137,8 +154,10 @@ def test_no_inodes_is_reported_as_such(tmp_path: Path) -> None:
             rec = d.wait_settled("step000001")
             assert rec["state"] == "failed", rec
             left = free(mnt)[1]  # 60 files, the staging directory and its 3, READY, record, 2 progress, reserve
-            assert rec["reason"] == (f"no inodes in shm: snapshot 'step000001' needs 69 inodes (files and directories), "
-                                     f"{left} are free on {d.store}"), rec
+            assert rec["reason"] == (
+                f"no inodes in shm: snapshot 'step000001' needs 69 inodes (files and directories), "
+                f"{left} are free on {d.store}"
+            ), rec
             assert d.get("/v1/health")["status"] == "ok"
         finally:
             d.stop()
@@ -159,12 +178,20 @@ def test_a_full_tmpfs_at_start_exits_2_with_one_line(tmp_path: Path) -> None:
         except OSError as e:
             assert e.errno == errno.ENOSPC
         d = daemon(tmp_path, bucket, shm)
-        r = subprocess.run([sys.executable, "-m", "bdn.daemon.main"], env=d.env, capture_output=True, text=True, check=False,
-                           timeout=300)
+        r = subprocess.run(
+            [sys.executable, "-m", "bdn.daemon.main"],
+            env=d.env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=300,
+        )
         assert r.returncode == 2, (r.returncode, r.stderr)
         store = shm / derive_keys(SECRET).swarm_id
-        want = (f"bdnd: error: shm_dir {str(shm)!r} is full, bdnd cannot create its store {store}: "
-                f"{free(shm)[0]} of {64 << 10} bytes, 0 of 16 inodes free on {shm} (free some, or give it a larger tmpfs)")
+        want = (
+            f"bdnd: error: shm_dir {str(shm)!r} is full, bdnd cannot create its store {store}: "
+            f"{free(shm)[0]} of {64 << 10} bytes, 0 of 16 inodes free on {shm} (free some, or give it a larger tmpfs)"
+        )
         assert r.stderr.strip().splitlines() == [want], r.stderr
 
 

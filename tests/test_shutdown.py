@@ -20,9 +20,13 @@ IDENT = "step000001"
 
 
 def _wait_record(d: Daemon, pred: Any, what: str, timeout: float = 120.0) -> dict[str, Any]:
-    return wait_for(lambda: d.request("GET", f"/v1/snapshots/{IDENT}"), timeout, what,
-                    until=lambda answer: answer[0] == 200 and pred(answer[1]), detail=d.log)[1]
-
+    return wait_for(
+        lambda: d.request("GET", f"/v1/snapshots/{IDENT}"),
+        timeout,
+        what,
+        until=lambda answer: answer[0] == 200 and pred(answer[1]),
+        detail=d.log,
+    )[1]
 
 
 def _sigterm_exits_0(d, when: str) -> None:
@@ -35,12 +39,17 @@ def _sigterm_exits_0(d, when: str) -> None:
         raise AssertionError(f"bdnd still running 60 s after SIGTERM {when}:\n{d.log()}") from None
     assert code == 0, d.log()
 
+
 def test_sigterm_mid_download_with_a_long_poll_exits_0_and_the_next_start_resumes(tmp_path: Path) -> None:
     bucket = tmp_path / "bucket"
     m, trainer = publish_state(tmp_path, f"file://{bucket}", IDENT, 1, scale=14, chunk_size=256 << 10)
     # 2 Mbit/s: the ~29 MB anchor would take two minutes, so it is mid-download when stopped
-    d = Daemon(tmp_path, "n1", f"file://{bucket}",
-               extra_env={"BDN_BUCKET_MBIT": "2", "BDN_SHUTDOWN_TIMEOUT_S": "45", "BDN_LOG_LEVEL": "info"})
+    d = Daemon(
+        tmp_path,
+        "n1",
+        f"file://{bucket}",
+        extra_env={"BDN_BUCKET_MBIT": "2", "BDN_SHUTDOWN_TIMEOUT_S": "45", "BDN_LOG_LEVEL": "info"},
+    )
     d.start([])
     try:
         d.wait_healthy()

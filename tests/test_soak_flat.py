@@ -10,8 +10,19 @@ from bench.soak.flat import judge, judge_life
 
 def life(minutes: float, anon_mb, fds=lambda t: 100, node: str = "node0", pid: int = 1):  # type: ignore[no-untyped-def]
     """Samples every 5 s: ``[t_s, node, pid, rss_kb, fds, cpu_s, log_lines, anon_kb]``."""
-    return [[5.0 * i, node, pid, int((anon_mb(5.0 * i) + 40) * 1024), int(fds(5.0 * i)), 0.0, 0,
-             int(anon_mb(5.0 * i) * 1024)] for i in range(int(minutes * 12) + 1)]
+    return [
+        [
+            5.0 * i,
+            node,
+            pid,
+            int((anon_mb(5.0 * i) + 40) * 1024),
+            int(fds(5.0 * i)),
+            0.0,
+            0,
+            int(anon_mb(5.0 * i) * 1024),
+        ]
+        for i in range(int(minutes * 12) + 1)
+    ]
 
 
 def rebuild(t: float) -> float:

@@ -24,7 +24,6 @@ CHILD = textwrap.dedent("""
 """)
 
 
-
 def test_real_process_thread_arenas_and_sum() -> None:
     p = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -52,15 +51,21 @@ def _map(start: int, end: int, perms: str, path: str, anon_kb: int) -> str:
 
 def test_synthetic_layout() -> None:
     base = 0x7F00_0000_0000  # a multiple of 64 MiB
-    text = "".join([
-        _map(0x5555_0000_0000, 0x5555_0040_0000, "rw-p", "[heap]", 4000),
-        _map(base, base + (8 << 20), "rw-p", "", 3000),            # arena heap in use ...
-        _map(base + (8 << 20), base + HEAP_MAX, "---p", "", 0),     # ... and its reserved rest
-        _map(base + HEAP_MAX, base + 2 * HEAP_MAX, "rw-p", "", 64), # a whole 64 MiB arena heap
-        _map(base + 3 * HEAP_MAX, base + 3 * HEAP_MAX + 4096, "---p", "", 0),  # a thread stack's guard
-        _map(base + 3 * HEAP_MAX + 4096, base + 3 * HEAP_MAX + (8 << 20), "rw-p", "", 100),  # its stack
-        _map(0x7F10_0000_1000, 0x7F10_0010_1000, "rw-p", "", 1024),  # pymalloc arena, not aligned
-        _map(0x7F20_0000_0000, 0x7F20_0001_0000, "r--p", "/usr/lib/libc.so.6", 0),
-    ])
+    text = "".join(
+        [
+            _map(0x5555_0000_0000, 0x5555_0040_0000, "rw-p", "[heap]", 4000),
+            _map(base, base + (8 << 20), "rw-p", "", 3000),  # arena heap in use ...
+            _map(base + (8 << 20), base + HEAP_MAX, "---p", "", 0),  # ... and its reserved rest
+            _map(base + HEAP_MAX, base + 2 * HEAP_MAX, "rw-p", "", 64),  # a whole 64 MiB arena heap
+            _map(base + 3 * HEAP_MAX, base + 3 * HEAP_MAX + 4096, "---p", "", 0),  # a thread stack's guard
+            _map(base + 3 * HEAP_MAX + 4096, base + 3 * HEAP_MAX + (8 << 20), "rw-p", "", 100),  # its stack
+            _map(0x7F10_0000_1000, 0x7F10_0010_1000, "rw-p", "", 1024),  # pymalloc arena, not aligned
+            _map(0x7F20_0000_0000, 0x7F20_0001_0000, "r--p", "/usr/lib/libc.so.6", 0),
+        ]
+    )
     assert parse_smaps(text.splitlines(keepends=True)) == {
-        "heap_kb": 4000, "arenas_kb": 3064, "arena_heaps": 2, "other_kb": 1124}
+        "heap_kb": 4000,
+        "arenas_kb": 3064,
+        "arena_heaps": 2,
+        "other_kb": 1124,
+    }

@@ -43,12 +43,24 @@ def test_not_done_replicas_are_explained_or_counted_as_findings() -> None:
 
     records = [
         rec(0.0, "done"),
-        rec(10.0, "not_done_before_next", {"node": "node2", "stage": "downloading"},  # superseded by the POST at 20
-            {"node": "node3", "stage": "loading"}),  # the engine crashed at 15: held until stale
-        rec(20.0, "not_done_before_next", {"node": "node3", "stage": "done", "reason": "not counted: engine 1f (e) not seen for 11.0 s"},
-            {"node": "node3", "stage": "error", "reason": "every engine stopped polling: engine 1f"}),
-        rec(100.0, "not_done_before_next", {"node": "node3", "stage": "loading"},  # no crash near: a finding
-            {"node": "node5", "stage": None}),
+        rec(
+            10.0,
+            "not_done_before_next",
+            {"node": "node2", "stage": "downloading"},  # superseded by the POST at 20
+            {"node": "node3", "stage": "loading"},
+        ),  # the engine crashed at 15: held until stale
+        rec(
+            20.0,
+            "not_done_before_next",
+            {"node": "node3", "stage": "done", "reason": "not counted: engine 1f (e) not seen for 11.0 s"},
+            {"node": "node3", "stage": "error", "reason": "every engine stopped polling: engine 1f"},
+        ),
+        rec(
+            100.0,
+            "not_done_before_next",
+            {"node": "node3", "stage": "loading"},  # no crash near: a finding
+            {"node": "node5", "stage": None},
+        ),
         rec(110.0, "not_done_at_end", {"node": "node1", "stage": "downloading"}),  # the end came: a finding
     ]
     why = not_done_reasons(records, [{"t_s": 15.0, "fault": "engine_crash"}, {"t_s": 50.0, "fault": "kill"}], "node3")

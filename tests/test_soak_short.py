@@ -49,7 +49,7 @@ def test_chaos_plan_is_seeded_bounded_and_covers_every_kind() -> None:
     times = [t for t, _ in a]
     assert times == sorted(times) and 100.0 < times[0] and times[-1] < 700.0 - 30.0
     for i in range(0, len(a) - len(KINDS) + 1, len(KINDS)):  # every full round holds every kind once
-        assert sorted(k for _, k in a[i:i + len(KINDS)]) == sorted(KINDS)
+        assert sorted(k for _, k in a[i : i + len(KINDS)]) == sorted(KINDS)
     given = plan(random.Random(3), ChaosParams(kinds=("liar", "kill"), shuffle=False), 0.0, 400.0)
     assert [k for _, k in given[:4]] == ["liar", "kill", "liar", "kill"]
     assert plan(random.Random(3), ChaosParams(kinds=()), 0.0, 400.0) == []  # a run without faults
@@ -60,13 +60,56 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("soak")
     out = tmp / "soak.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "bench.soak", "--nodes", str(NODES), "--minutes", "1.75", "--seed", "7",
-           "--out", str(out), "--workdir", str(tmp / "work"), "--keep-workdir",
-           "--n-embd", "256", "--n-layer", "4", "--chunk-kib", "256", "--anchor-every", "5",
-           "--interval", "10,14", "--faults", "kill,liar,s3_503,engine_crash,slow", "--fault-order", "given",
-           "--chaos-every", "12,16", "--down", "3,6", "--liar-stay", "15,25", "--burst", "2,4", "--slow-stay", "10,15",
-           "--max-down", "1", "--quiet-tail", "15", "--sample-s", "2", "--warmup-s", "20",
-           "--term-timeout", "10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.soak",
+        "--nodes",
+        str(NODES),
+        "--minutes",
+        "1.75",
+        "--seed",
+        "7",
+        "--out",
+        str(out),
+        "--workdir",
+        str(tmp / "work"),
+        "--keep-workdir",
+        "--n-embd",
+        "256",
+        "--n-layer",
+        "4",
+        "--chunk-kib",
+        "256",
+        "--anchor-every",
+        "5",
+        "--interval",
+        "10,14",
+        "--faults",
+        "kill,liar,s3_503,engine_crash,slow",
+        "--fault-order",
+        "given",
+        "--chaos-every",
+        "12,16",
+        "--down",
+        "3,6",
+        "--liar-stay",
+        "15,25",
+        "--burst",
+        "2,4",
+        "--slow-stay",
+        "10,15",
+        "--max-down",
+        "1",
+        "--quiet-tail",
+        "15",
+        "--sample-s",
+        "2",
+        "--warmup-s",
+        "20",
+        "--term-timeout",
+        "10",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     assert out.exists(), f"no result (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     result = json.loads(out.read_text())

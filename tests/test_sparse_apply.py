@@ -38,7 +38,10 @@ pytestmark = pytest.mark.timeout(600)
 
 def _sparse(d: Daemon) -> dict[str, float]:
     text = d.get("/metrics").decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r'^bdn_sparse_total\{what="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'^bdn_sparse_total\{what="(\w+)"\} (\S+)$', text, re.MULTILINE)
+    }
 
 
 def _state(d: Daemon, identity: str) -> str:
@@ -87,8 +90,9 @@ def test_kernel_matches_a_full_apply_and_refuses_a_wrong_buffer(tmp_path: Path) 
 
 def test_a_chain_of_20_sparse_deltas_is_byte_identical_to_the_trainer(tmp_path: Path) -> None:
     steps = 20
-    chain = file_chain(tmp_path, steps, chunk_size=CHUNK, frac=0.01,
-                       formats={v: "bdn_planes_v1" for v in range(2, steps + 2)})
+    chain = file_chain(
+        tmp_path, steps, chunk_size=CHUNK, frac=0.01, formats={v: "bdn_planes_v1" for v in range(2, steps + 2)}
+    )
     d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=ENV)
     d.start([])
     try:
@@ -137,8 +141,11 @@ def test_a_buffer_that_is_not_what_its_tag_says_falls_back_to_a_full_apply(tmp_p
         _same_as_trainer(d, step_id(4), chain.dirs[3])
         got = _sparse(d)
         assert got["fallbacks"] >= 1, got
-        wait_for(lambda: "the buffer holds step000002, the delta's base is step000003" in d.log_path.read_text(), 30,
-                 "the refusal's log line")
+        wait_for(
+            lambda: "the buffer holds step000002, the delta's base is step000003" in d.log_path.read_text(),
+            30,
+            "the refusal's log line",
+        )
     finally:
         d.stop()
 
@@ -222,9 +229,13 @@ def test_the_kernel_is_exact_on_every_block_path(tmp_path: Path, monkeypatch: py
     assert res.checksummed == 0 and set(res.ranges) == set(base)
 
 
-@pytest.mark.parametrize("run", [1, 3, 64])  # every light block alone; runs cut by RUN_BLOCKS and heavy blocks; by RUN_WORDS
+@pytest.mark.parametrize(
+    "run", [1, 3, 64]
+)  # every light block alone; runs cut by RUN_BLOCKS and heavy blocks; by RUN_WORDS
 def test_light_blocks_applied_in_runs_match_the_trainer_and_the_streams_ranges(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, run: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    run: int,
 ) -> None:
     import ml_dtypes
 
@@ -273,8 +284,9 @@ def test_after_a_swap_the_freed_spare_is_brought_forward_in_the_background_and_t
     from bdn.client.fleet import hot_load
 
     steps = 5
-    chain = file_chain(tmp_path, steps, chunk_size=CHUNK, frac=0.02,
-                       formats={v: "bdn_planes_v1" for v in range(2, steps + 2)})
+    chain = file_chain(
+        tmp_path, steps, chunk_size=CHUNK, frac=0.02, formats={v: "bdn_planes_v1" for v in range(2, steps + 2)}
+    )
     d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=ENV)
     d.start([])
     try:
@@ -285,8 +297,11 @@ def test_after_a_swap_the_freed_spare_is_brought_forward_in_the_background_and_t
             d.wait_ready(step_id(v), 300)
             _same_as_trainer(d, step_id(v), chain.dirs[v - 1])
             if v >= 3:  # step v-1's spare exists from step 3 on: it is brought forward to step v
-                wait_for(lambda v=v: f"to {step_id(v)} in the background" in d.log_path.read_text(), 120,
-                         f"the catch-up to {step_id(v)}")
+                wait_for(
+                    lambda v=v: f"to {step_id(v)} in the background" in d.log_path.read_text(),
+                    120,
+                    f"the catch-up to {step_id(v)}",
+                )
             previous = step_id(v)
         log = d.log_path.read_text()
         got = _sparse(d)

@@ -45,8 +45,9 @@ def test_haves_are_pushed_and_polls_stay_bounded(tmp_path: Path) -> None:
         for d in swarm.daemons:
             st = d.status()
             ctl, c = st["control_requests"], st["counters"]
-            rows.append((d.node_id, ctl["sent"].get("have_poll", 0), ctl["received"].get("have_frame", 0),
-                         c["peer_chunks_in"]))
+            rows.append(
+                (d.node_id, ctl["sent"].get("have_poll", 0), ctl["received"].get("have_frame", 0), c["peer_chunks_in"])
+            )
         assert sum(r[3] for r in rows) > 0, rows  # the swarm moved chunks between the nodes
         n_chunks = len(list(m.stored_chunks()))
         assert sum(r[2] for r in rows) >= N - 1, rows  # HAVE frames arrived

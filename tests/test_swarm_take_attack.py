@@ -117,7 +117,7 @@ def test_a_secret_holder_taking_every_chunk_delays_each_once_and_nothing_is_read
             assert len(held) <= MAX_GRANTS, (owner, taker, held)
         # each given chunk delayed once, by GRANT_S at most: the fleet is done soon after the last
         # grant lapsed (generous: a loaded machine)
-        assert ready_at - grants[-1][0] < GRANT_S + 120, (ready_at - grants[-1][0])
+        assert ready_at - grants[-1][0] < GRANT_S + 120, ready_at - grants[-1][0]
         counters = [d.status()["counters"] for d in ds]
         assert sum(c["bucket_chunks_owner"] for c in counters) == n, counters  # every chunk read once
         assert sum(c["bucket_chunks_fallback"] for c in counters) == 0, counters
@@ -138,8 +138,9 @@ class Raw:
         self.sock = socket.create_connection(("127.0.0.1", d.transfer_port), timeout=30)
         ftype, body = self.frame()
         assert ftype == wire.FrameType.SERVER_HELLO
-        hello, self.session = handshake.client_hello(KEYS, as_node, d.node_id, handshake.parse_server_hello(body),
-                                                secrets.token_bytes(32), time.time())
+        hello, self.session = handshake.client_hello(
+            KEYS, as_node, d.node_id, handshake.parse_server_hello(body), secrets.token_bytes(32), time.time()
+        )
         self.sock.sendall(hello)
         ftype, body = self.frame()
         assert ftype == wire.FrameType.ACCEPT
@@ -358,7 +359,9 @@ def test_a_slow_owner_without_the_take_hook_gives_nothing_and_nothing_is_read_tw
     try:
         env = dict(slow.env, BDN_PEERS=",".join(p for p in swarm.peer_urls if p != slow.peer_url))
         with open(slow.log_path, "ab") as log:
-            slow.proc = subprocess.Popen([sys.executable, "-c", _NO_HOOK], env=env, stdout=log, stderr=subprocess.STDOUT)
+            slow.proc = subprocess.Popen(
+                [sys.executable, "-c", _NO_HOOK], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
         for d in swarm.daemons[1:]:
             d.start(swarm.peer_urls)
         for d in swarm.daemons:
@@ -392,7 +395,9 @@ def test_a_take_for_a_delta_is_never_granted(tmp_path: Path) -> None:
     m = Manifest.from_json((chain.bucket / delta / MANIFEST_NAME).read_bytes())
     assert m.is_delta
     n = sum(1 for _ in m.stored_chunks())
-    with Swarm(tmp_path / "nodes", 2, chain.url, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_BUCKET_MBIT": "1"}) as swarm:
+    with Swarm(
+        tmp_path / "nodes", 2, chain.url, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_BUCKET_MBIT": "1"}
+    ) as swarm:
         owner, other = swarm.daemons
         assert owner.prefetch(delta)[0] in (200, 202)
         seen_downloading = False

@@ -27,10 +27,19 @@ def make_ready(directory: Path, identity: str, policy_version: int) -> Path:
     for f in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = f.relative_to(directory).as_posix()
         files.append({"path": rel, "size": f.stat().st_size, "chunks": file_digests(f, CHUNK)})
-    (directory / "READY").write_text(json.dumps({
-        "format": "bdn.ready/1", "identity": identity, "kind": "full", "policy_version": policy_version,
-        "base_identity": None, "chunk_size": CHUNK, "files": files,
-    }))
+    (directory / "READY").write_text(
+        json.dumps(
+            {
+                "format": "bdn.ready/1",
+                "identity": identity,
+                "kind": "full",
+                "policy_version": policy_version,
+                "base_identity": None,
+                "chunk_size": CHUNK,
+                "files": files,
+            }
+        )
+    )
     return directory
 
 
@@ -48,12 +57,21 @@ def model(ckpt: tuple[Path, dict[str, np.ndarray]]) -> tinygpt.Model:
 
 def test_checkpoint_files_are_a_bf16_hf_directory(ckpt: tuple[Path, dict[str, np.ndarray]]) -> None:
     d, weights = ckpt
-    assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                    "tokenizer_config.json"]
+    assert sorted(p.name for p in d.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["model_type"] == "tinygpt"
     assert {k: cfg[k] for k in ("vocab_size", "n_layer", "n_head", "n_embd", "n_positions")} == {
-        "vocab_size": 259, "n_layer": 2, "n_head": 4, "n_embd": 32, "n_positions": 128}
+        "vocab_size": 259,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_embd": 32,
+        "n_positions": 128,
+    }
     header = read_header(d / "model.safetensors")
     assert header.metadata == {"format": "pt"}
     assert set(header.tensors) == set(tinygpt.weight_shapes(CFG)) == set(weights)
@@ -62,7 +80,10 @@ def test_checkpoint_files_are_a_bf16_hf_directory(ckpt: tuple[Path, dict[str, np
         assert info.shape == tinygpt.weight_shapes(CFG)[name]
     tok = json.loads((d / "tokenizer.json").read_text())
     assert [(t["id"], t["content"]) for t in tok["added_tokens"]] == [
-        (256, "<|endoftext|>"), (257, "<|im_start|>"), (258, "<|im_end|>")]
+        (256, "<|endoftext|>"),
+        (257, "<|im_start|>"),
+        (258, "<|im_end|>"),
+    ]
     assert sorted(tok["model"]["vocab"].values()) == list(range(256))
 
 
@@ -78,7 +99,9 @@ def test_round_trip_keeps_the_exact_weights(ckpt: tuple[Path, dict[str, np.ndarr
     assert 0.005 < frac < 0.05
 
 
-def test_load_from_snapshot_uses_ready_identity_and_version(tmp_path: Path, ckpt: tuple[Path, dict[str, np.ndarray]]) -> None:
+def test_load_from_snapshot_uses_ready_identity_and_version(
+    tmp_path: Path, ckpt: tuple[Path, dict[str, np.ndarray]]
+) -> None:
     _d, weights = ckpt
     d = tinygpt.save_checkpoint(tmp_path / "snap", CFG, weights)
     with open_snapshot(make_ready(d, "step000007", 7)) as snap:
@@ -103,8 +126,9 @@ def test_greedy_is_deterministic_and_seeded_sampling_repeats(model: tinygpt.Mode
 
 
 def test_logprobs_are_log_probabilities_of_the_sampled_ids(model: tinygpt.Model) -> None:
-    prompt = model.tokenizer.encode_chat([{"role": "system", "content": "be brief"},
-                                          {"role": "user", "content": "héllo ✓"}])
+    prompt = model.tokenizer.encode_chat(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo ✓"}]
+    )
     g = model.generate_detailed(prompt, 16, 0.8, seed=11, top_logprobs=5)
     assert len(g.token_ids) == len(g.logprobs) == len(g.top_logprobs) > 0
     assert all(math.isfinite(lp) and lp <= 0 for lp in g.logprobs)

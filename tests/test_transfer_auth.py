@@ -46,14 +46,24 @@ def _ask(address: str) -> bytes:
     return wire.encode_ask(wire.Ask(address, 0, CHUNK))
 
 
-def _probe(addr, address: str, *, keys: SwarmKeys = KEYS, target: str = "srv", skew: float = 0.0,
-           hello: bytes | None = None, ask: bytes | None = None) -> tuple[bytes, str]:
+def _probe(
+    addr,
+    address: str,
+    *,
+    keys: SwarmKeys = KEYS,
+    target: str = "srv",
+    skew: float = 0.0,
+    hello: bytes | None = None,
+    ask: bytes | None = None,
+) -> tuple[bytes, str]:
     """Connect, send a hello (made here, or the captured ``hello``) and an ask in one write, and
     return what came back and how the connection ended."""
     sock, nonce = connect(addr)
     try:
         if hello is None:
-            hello, session = handshake.client_hello(keys, "cli", target, nonce, secrets.token_bytes(32), time.time() + skew)
+            hello, session = handshake.client_hello(
+                keys, "cli", target, nonce, secrets.token_bytes(32), time.time() + skew
+            )
             ask = session.seal(wire.FrameType.ASK, _ask(address))
         sock.sendall(hello + (ask or b""))
         return read_to_end(sock)

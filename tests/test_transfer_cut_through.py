@@ -71,8 +71,9 @@ def test_parts_go_out_as_they_land_and_the_end_only_once_verified(shm, landing):
         pool = FetchPool(client, workers=1)
         out = bytearray(CHUNK)
         try:
-            fut = pool.submit(Peer("owner", *srv.address), address, out, 0, CHUNK, digest(landing.data),
-                              cut_through=True)
+            fut = pool.submit(
+                Peer("owner", *srv.address), address, out, 0, CHUNK, digest(landing.data), cut_through=True
+            )
             # parts land out of order; the asker receives each one as it lands
             landing.land(2, 256 << 10)
             wait_for(lambda: out[512 << 10 : 768 << 10] == landing.data[512 << 10 : 768 << 10], 120, "part 2", 0.01)
@@ -80,8 +81,9 @@ def test_parts_go_out_as_they_land_and_the_end_only_once_verified(shm, landing):
             wait_for(lambda: out[: 128 << 10] == landing.data[: 128 << 10], 120, "half of part 0", 0.01)
             landing.land_all()
             # everything landed but the chunk is not verified: the last HOLD_BYTES stay back
-            wait_for(lambda: out[: CHUNK - HOLD_BYTES] == landing.data[: CHUNK - HOLD_BYTES], 120, "all but the end",
-                     0.01)
+            wait_for(
+                lambda: out[: CHUNK - HOLD_BYTES] == landing.data[: CHUNK - HOLD_BYTES], 120, "all but the end", 0.01
+            )
             assert not fut.done()
             assert out[CHUNK - HOLD_BYTES :] != landing.data[CHUNK - HOLD_BYTES :]
             landing.g.verified()
@@ -111,8 +113,9 @@ def test_a_copy_the_server_finds_bad_is_cut_off_not_blamed(shm, landing):
             fut = pool.submit(Peer("owner", *srv.address), address, out, 0, CHUNK, real, cut_through=True)
             landing.land_all()
             # every byte but the held-back end reached the asker before the owner's hash failed
-            wait_for(lambda: out[: CHUNK - HOLD_BYTES] == landing.data[: CHUNK - HOLD_BYTES], 120, "all but the end",
-                     0.01)
+            wait_for(
+                lambda: out[: CHUNK - HOLD_BYTES] == landing.data[: CHUNK - HOLD_BYTES], 120, "all but the end", 0.01
+            )
             landing.g.failed()
             res = fut.result(120)
             assert res.outcome is Outcome.FAILED and res.cut_through  # the daemon blames nobody for it
@@ -131,8 +134,9 @@ def test_an_asker_that_does_not_accept_cut_through_is_not_sent_parts(shm, landin
     with _serve(growing, {}) as srv:
         client = TransferClient(KEYS, "cli", io_timeout_s=30)
         try:
-            res = client.fetch_into(Peer("owner", *srv.address), address, bytearray(CHUNK), 0, CHUNK,
-                                    digest(landing.data))
+            res = client.fetch_into(
+                Peer("owner", *srv.address), address, bytearray(CHUNK), 0, CHUNK, digest(landing.data)
+            )
             assert res.outcome is Outcome.NOT_HERE
         finally:
             client.close()
@@ -204,8 +208,15 @@ def test_lying_parts_are_a_failure(case):
     liar = PartLiar(parts)
     client = TransferClient(KEYS, "cli", io_timeout_s=30)
     try:
-        res = client.fetch_into(Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16,
-                                cut_through=case != "not accepted")
+        res = client.fetch_into(
+            Peer("liar", *liar.addr),
+            "ab" * 16,
+            bytearray(CHUNK),
+            0,
+            CHUNK,
+            "cd" * 16,
+            cut_through=case != "not accepted",
+        )
         assert res.outcome is Outcome.FAILED, res
     finally:
         client.close()
@@ -217,8 +228,9 @@ def test_random_parts_that_cover_the_range_but_lie_are_corrupt():
     liar = PartLiar(lambda n: [(n // 2, n - n // 2), (0, n // 2)])
     client = TransferClient(KEYS, "cli", io_timeout_s=30)
     try:
-        res = client.fetch_into(Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16,
-                                cut_through=True)
+        res = client.fetch_into(
+            Peer("liar", *liar.addr), "ab" * 16, bytearray(CHUNK), 0, CHUNK, "cd" * 16, cut_through=True
+        )
         assert res.outcome is Outcome.CORRUPT and res.cut_through
     finally:
         client.close()
@@ -236,8 +248,9 @@ def test_verified_before_anyone_asked_is_served_whole(shm, landing):
         client = TransferClient(KEYS, "cli", io_timeout_s=30)
         out = bytearray(CHUNK)
         try:
-            res = client.fetch_into(Peer("owner", *srv.address), address, out, 0, CHUNK, digest(landing.data),
-                                    cut_through=True)
+            res = client.fetch_into(
+                Peer("owner", *srv.address), address, out, 0, CHUNK, digest(landing.data), cut_through=True
+            )
             assert res.ok and bytes(out) == landing.data
         finally:
             client.close()
@@ -247,8 +260,9 @@ def test_not_here_when_neither_growing_nor_held(shm):
     with TransferServer(KEYS, "owner", lambda a: None, admit=lambda p, a: NOT_HERE) as srv:
         client = TransferClient(KEYS, "cli", io_timeout_s=30)
         try:
-            res = client.fetch_into(Peer("owner", *srv.address), "ab" * 16, bytearray(16), 0, 16, "cd" * 16,
-                                    cut_through=True)
+            res = client.fetch_into(
+                Peer("owner", *srv.address), "ab" * 16, bytearray(16), 0, 16, "cd" * 16, cut_through=True
+            )
             assert res.outcome is Outcome.NOT_HERE
         finally:
             client.close()
@@ -293,8 +307,9 @@ def test_with_a_file_whole_answers_are_written_and_cut_through_ones_land_in_the_
             landing.g.verified()
             r1 = client.fetch_into(peer, address, m, 0, CHUNK, digest(landing.data), cut_through=True, fd=fd)
             assert r1.ok and r1.cut_through
-            r2 = client.fetch_into(peer, KEYS.address(digest(other)), m, CHUNK, CHUNK, digest(other),
-                                   cut_through=True, fd=fd)
+            r2 = client.fetch_into(
+                peer, KEYS.address(digest(other)), m, CHUNK, CHUNK, digest(other), cut_through=True, fd=fd
+            )
             assert r2.ok and not r2.cut_through
             bad = client.fetch_into(peer, KEYS.address(digest(other)), m, CHUNK, CHUNK, "0" * 32, fd=fd)
             assert bad.outcome is Outcome.CORRUPT

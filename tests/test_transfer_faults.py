@@ -120,8 +120,18 @@ def test_server_killed_mid_body_is_a_failure(shm):
         target = Target(shm / "out", big.size)
         result: list = []
         try:
-            t = threading.Thread(target=_fetch_to, args=(
-                result, client, Peer(proc.node_id, *proc.addr), big.address(0), target.map, big.size, big.digests[0]))
+            t = threading.Thread(
+                target=_fetch_to,
+                args=(
+                    result,
+                    client,
+                    Peer(proc.node_id, *proc.addr),
+                    big.address(0),
+                    target.map,
+                    big.size,
+                    big.digests[0],
+                ),
+            )
             t.start()
 
             def landing(t: threading.Thread = t, target: Target = target, result: list = result) -> bool:
@@ -210,7 +220,9 @@ def test_garbage_and_huge_frames_close_that_connection_only(shm, src):
                 "garbage before the handshake": lambda s, _: s.sendall(os.urandom(4096)),
                 "http request": lambda s, _: s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"),
                 "4 GiB frame before the handshake": lambda s, _: s.sendall(wire.HEADER.pack(0xFFFFFFFF, 2)),
-                "frame just over the limit": lambda s, _: s.sendall(wire.HEADER.pack(wire.MAX_FRAME + 1, 2) + bytes(100)),
+                "frame just over the limit": lambda s, _: s.sendall(
+                    wire.HEADER.pack(wire.MAX_FRAME + 1, 2) + bytes(100)
+                ),
                 "unknown frame type": lambda s, _: s.sendall(wire.HEADER.pack(10, 0x7F) + bytes(9)),
             }
             for _ in range(20):  # repeated: memory must not grow with them
@@ -225,11 +237,19 @@ def test_garbage_and_huge_frames_close_that_connection_only(shm, src):
             after_handshake = {
                 "4 GiB frame": lambda s, sess: s.sendall(wire.HEADER.pack(0xFFFFFFFF, wire.FrameType.ASK)),
                 "garbage": lambda s, sess: s.sendall(os.urandom(4096)),
-                "bad tag": lambda s, sess: s.sendall(_flip_last(sess.seal(wire.FrameType.ASK, wire.encode_ask(wire.Ask(src.address(1), 0, CHUNK))))),
-                "untagged ask": lambda s, sess: s.sendall(_untagged(wire.encode_ask(wire.Ask(src.address(1), 0, CHUNK)))),
-                "server frame from a client": lambda s, sess: s.sendall(sess.seal(wire.FrameType.DATA, wire.encode_data(5))),
+                "bad tag": lambda s, sess: s.sendall(
+                    _flip_last(sess.seal(wire.FrameType.ASK, wire.encode_ask(wire.Ask(src.address(1), 0, CHUNK))))
+                ),
+                "untagged ask": lambda s, sess: s.sendall(
+                    _untagged(wire.encode_ask(wire.Ask(src.address(1), 0, CHUNK)))
+                ),
+                "server frame from a client": lambda s, sess: s.sendall(
+                    sess.seal(wire.FrameType.DATA, wire.encode_data(5))
+                ),
                 "malformed ask": lambda s, sess: s.sendall(sess.seal(wire.FrameType.ASK, b"\1\2\3")),
-                "ask of 0 bytes": lambda s, sess: s.sendall(sess.seal(wire.FrameType.ASK, bytes(16) + bytes(8) + bytes(8) + bytes(5))),
+                "ask of 0 bytes": lambda s, sess: s.sendall(
+                    sess.seal(wire.FrameType.ASK, bytes(16) + bytes(8) + bytes(8) + bytes(5))
+                ),
             }
             for name, send in after_handshake.items():
                 sock, session = _session_socket(srv.address)
@@ -291,8 +311,15 @@ def test_silent_connections_are_dropped_and_the_cap_holds(shm, src):
             client = TransferClient(KEYS, "cli")
             target = Target(shm / "out", CHUNK)
             # the held ones go as the server notices them closed
-            wait_for(lambda: client.fetch_into(Peer("srv", *srv.address), src.address(0), target.map, 0, CHUNK,
-                                               src.digests[0]), 60, "a fetch to succeed", 0.05, until=lambda r: r.ok)
+            wait_for(
+                lambda: client.fetch_into(
+                    Peer("srv", *srv.address), src.address(0), target.map, 0, CHUNK, src.digests[0]
+                ),
+                60,
+                "a fetch to succeed",
+                0.05,
+                until=lambda r: r.ok,
+            )
             client.close()
             target.close()
         finally:
@@ -311,7 +338,9 @@ def test_a_failing_callback_ends_that_connection_only(shm, src):
         target = Target(shm / "out", src.size)
         peer = Peer("srv", *srv.address)
         try:
-            assert client.fetch_into(peer, src.address(0), target.map, 0, CHUNK, src.digests[0]).outcome is Outcome.FAILED
+            assert (
+                client.fetch_into(peer, src.address(0), target.map, 0, CHUNK, src.digests[0]).outcome is Outcome.FAILED
+            )
             assert client.fetch_into(peer, src.address(1), target.map, CHUNK, CHUNK, src.digests[1]).ok
         finally:
             client.close()

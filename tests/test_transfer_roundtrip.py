@@ -54,8 +54,13 @@ def test_many_chunks_bit_exact_over_one_persistent_stream(shm, src):
             assert target.map[:] == src.path.read_bytes()
             assert srv.stats.connections == 1 and client.streams_open(peer) == 1
             # the server counts a chunk once sendfile returns, which may be after the client has it
-            wait_for(lambda: srv.stats.chunks_out, 60, "the server to count every chunk out", 0.01,
-                     until=lambda n: n >= len(src.digests))
+            wait_for(
+                lambda: srv.stats.chunks_out,
+                60,
+                "the server to count every chunk out",
+                0.01,
+                until=lambda n: n >= len(src.digests),
+            )
             assert srv.stats.chunks_out == len(src.digests) and srv.stats.bytes_out == src.size
         finally:
             client.close()
@@ -99,10 +104,14 @@ def test_fetch_pool_from_asyncio(shm, src):
         peer = Peer("srv", *srv.address)
 
         async def main():
-            return await asyncio.gather(*(
-                pool.fetch(peer, src.address(i), target.map, i * CHUNK, min(CHUNK, src.size - i * CHUNK), src.digests[i])
-                for i in range(len(src.digests))
-            ))
+            return await asyncio.gather(
+                *(
+                    pool.fetch(
+                        peer, src.address(i), target.map, i * CHUNK, min(CHUNK, src.size - i * CHUNK), src.digests[i]
+                    )
+                    for i in range(len(src.digests))
+                )
+            )
 
         try:
             results = asyncio.run(main())
@@ -123,10 +132,14 @@ def test_partial_range_of_a_chunk(shm, src):
         data = src.path.read_bytes()[3 * CHUNK : 4 * CHUNK]
         try:
             piece = data[1000:5000]
-            r = client.fetch_into(Peer("srv", *srv.address), src.address(3), target.map, 0, 4000, digest(piece), chunk_offset=1000)
+            r = client.fetch_into(
+                Peer("srv", *srv.address), src.address(3), target.map, 0, 4000, digest(piece), chunk_offset=1000
+            )
             assert r.ok and target.map[:4000] == piece
             # a range past the chunk's end is not held here
-            r = client.fetch_into(Peer("srv", *srv.address), src.address(3), target.map, 0, 4000, digest(piece), chunk_offset=CHUNK - 10)
+            r = client.fetch_into(
+                Peer("srv", *srv.address), src.address(3), target.map, 0, 4000, digest(piece), chunk_offset=CHUNK - 10
+            )
             assert r.outcome is Outcome.NOT_HERE
         finally:
             client.close()
@@ -182,7 +195,9 @@ def test_owner_holds_a_request_while_it_fetches(shm, src):
         pool = FetchPool(client, workers=1)
         target = Target(shm / "out", src.size)
         try:
-            fut = pool.submit(Peer("owner", *srv.address), src.address(5), target.map, 5 * CHUNK, CHUNK, src.digests[5], wait_s=30)
+            fut = pool.submit(
+                Peer("owner", *srv.address), src.address(5), target.map, 5 * CHUNK, CHUNK, src.digests[5], wait_s=30
+            )
             assert held.wait(60)
             assert not fut.done()
             index.update(src.table)
@@ -211,8 +226,10 @@ def test_take_is_decided_by_the_server_and_answered_on_a_busy_peer(shm, src):
         release.wait(60)
         return GRANTED
 
-    with TransferServer(KEYS, "srv", src.resolve, admit=admit, on_take=on_take) as srv, \
-            TransferServer(KEYS, "old", src.resolve) as old:
+    with (
+        TransferServer(KEYS, "srv", src.resolve, admit=admit, on_take=on_take) as srv,
+        TransferServer(KEYS, "old", src.resolve) as old,
+    ):
         client = TransferClient(KEYS, "cli", streams_per_peer=1)
         peer, old_peer = Peer("srv", *srv.address), Peer("old", *old.address)
         target = Target(shm / "out", src.size)
@@ -220,8 +237,9 @@ def test_take_is_decided_by_the_server_and_answered_on_a_busy_peer(shm, src):
             assert client.take(peer, "step000001", 4) is True
             assert client.take(peer, "step000001", 5) is False
             assert client.take(old_peer, "step000001", 4) is False  # no hook: every TAKE refused
-            t = threading.Thread(target=client.fetch_into, args=(peer, src.address(0), target.map, 0,
-                                                                 src.chunk_size, src.digests[0]))
+            t = threading.Thread(
+                target=client.fetch_into, args=(peer, src.address(0), target.map, 0, src.chunk_size, src.digests[0])
+            )
             t.start()
             assert parked.wait(60)
             assert client.streams_open(peer) == 1  # the only pooled stream is held by the ask

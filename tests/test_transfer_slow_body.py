@@ -38,8 +38,17 @@ class Sender:
     them); then ``tail`` extra bytes; then holds the connection open until closed (``hold``) or
     closes it."""
 
-    def __init__(self, data: bytes, plan, *, part: bool = False, announce: int | None = None,
-                 tail: bytes = b"", hold: bool = True, delay_header: float = 0.0) -> None:
+    def __init__(
+        self,
+        data: bytes,
+        plan,
+        *,
+        part: bool = False,
+        announce: int | None = None,
+        tail: bytes = b"",
+        hold: bool = True,
+        delay_header: float = 0.0,
+    ) -> None:
         self.delay_header = delay_header
         self.data, self.plan, self.part, self.announce, self.tail, self.hold = data, plan, part, announce, tail, hold
         self.ls = socket.create_server(("127.0.0.1", 0))
@@ -113,6 +122,7 @@ VARIANTS = [("mapping", False), ("fd", False), ("mapping", True)]  # DATA into a
 @pytest.mark.parametrize(("into", "cut"), VARIANTS)
 def test_an_honest_slow_body_lands_whole(shm, src, into, cut):
     """Pieces of every size, some a single byte, with pauses well inside the timeout: OK."""
+
     def plan(d: bytes):
         pos, k = 0, 0
         while pos < len(d):
@@ -186,7 +196,9 @@ def test_signals_at_the_receiving_thread_do_not_cut_a_body_short(shm, src, into,
     target = Target(shm / "out", CHUNK)
     out: list = []
     try:
-        th = threading.Thread(target=lambda: out.append(_fetch(client, Peer("sender", *s.addr), src, target, into, cut)))
+        th = threading.Thread(
+            target=lambda: out.append(_fetch(client, Peer("sender", *s.addr), src, target, into, cut))
+        )
         th.start()
         while th.is_alive():
             signal.pthread_kill(th.ident, signal.SIGUSR1)

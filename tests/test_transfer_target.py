@@ -32,7 +32,9 @@ def test_reserved_populated_mapping_writes_through_to_the_file():
 def test_reserve_on_a_full_tmpfs_fails_there_not_later(tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, check=False).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, check=False
+    ).returncode:
         pytest.skip("cannot mount a small tmpfs here (not root)")
     try:
         fd = os.open(mnt / "t", os.O_RDWR | os.O_CREAT, 0o600)

@@ -24,7 +24,9 @@ def _payload(frame: bytes) -> tuple[wire.FrameType, bytes]:
     return ftype, frame[5:]
 
 
-def _hello(keys: SwarmKeys = KEYS, target: str = "srv", sn: bytes = SN, now: float = NOW) -> tuple[bytes, handshake.Session]:
+def _hello(
+    keys: SwarmKeys = KEYS, target: str = "srv", sn: bytes = SN, now: float = NOW
+) -> tuple[bytes, handshake.Session]:
     frame, session = handshake.client_hello(keys, "cli", target, sn, CN, now)
     ftype, payload = _payload(frame)
     assert ftype == wire.FrameType.CLIENT_HELLO
@@ -62,7 +64,9 @@ def test_every_handshake_failure_is_the_same_refusal():
         "truncated": lambda: handshake.check_client_hello(KEYS, "srv", SN, hello[:-1], NOW),
         "garbage": lambda: handshake.check_client_hello(KEYS, "srv", SN, os.urandom(80), NOW),
         "empty": lambda: handshake.check_client_hello(KEYS, "srv", SN, b"", NOW),
-        "flipped mac bit": lambda: handshake.check_client_hello(KEYS, "srv", SN, hello[:-1] + bytes([hello[-1] ^ 1]), NOW),
+        "flipped mac bit": lambda: handshake.check_client_hello(
+            KEYS, "srv", SN, hello[:-1] + bytes([hello[-1] ^ 1]), NOW
+        ),
     }
     answers = {name: _refusal(fn) for name, fn in cases.items()}
     assert set(answers.values()) == {"transfer handshake refused"}, answers
@@ -115,7 +119,10 @@ def test_answers_are_tagged_the_other_way():
 
 
 def test_header_limits():
-    assert wire.parse_header(wire.HEADER.pack(wire.MAX_FRAME, wire.FrameType.ASK)) == (wire.FrameType.ASK, wire.MAX_FRAME - 1)
+    assert wire.parse_header(wire.HEADER.pack(wire.MAX_FRAME, wire.FrameType.ASK)) == (
+        wire.FrameType.ASK,
+        wire.MAX_FRAME - 1,
+    )
     for length, ftype in ((wire.MAX_FRAME + 1, 0x10), (0xFFFFFFFF, 0x10), (0, 0x10), (10, 0x7F)):
         with pytest.raises(ProtocolError):
             wire.parse_header(wire.HEADER.pack(length, ftype))
@@ -125,8 +132,13 @@ def test_ask_round_trip_and_limits():
     a = wire.Ask("00112233445566778899aabbccddeeff", 4096, 16 << 20, 5000, "step000002")
     assert wire.decode_ask(wire.encode_ask(a)) == a
     assert wire.decode_ask(wire.encode_ask(wire.Ask("ff" * 16, 0, 1))) == wire.Ask("ff" * 16, 0, 1)
-    for bad in (wire.Ask("zz" * 16, 0, 1), wire.Ask("00" * 15, 0, 1), wire.Ask("00" * 16, 0, 0),
-                wire.Ask("00" * 16, 0, wire.MAX_LENGTH + 1), wire.Ask("00" * 16, 0, 1, wire.MAX_WAIT_MS + 1)):
+    for bad in (
+        wire.Ask("zz" * 16, 0, 1),
+        wire.Ask("00" * 15, 0, 1),
+        wire.Ask("00" * 16, 0, 0),
+        wire.Ask("00" * 16, 0, wire.MAX_LENGTH + 1),
+        wire.Ask("00" * 16, 0, 1, wire.MAX_WAIT_MS + 1),
+    ):
         with pytest.raises(ProtocolError):
             wire.encode_ask(bad)
 
@@ -153,8 +165,13 @@ def test_take_and_give_round_trip_and_limits():
     assert wire.decode_take(wire.encode_take(t)) == t
     assert wire.decode_give(wire.encode_give(True)) is True
     assert wire.decode_give(wire.encode_give(False)) is False
-    for bad in (wire.Take("", 0), wire.Take("x" * 256, 0), wire.Take("x", -1), wire.Take("x", 2**32),
-                wire.Take("st\u00e9p", 0)):
+    for bad in (
+        wire.Take("", 0),
+        wire.Take("x" * 256, 0),
+        wire.Take("x", -1),
+        wire.Take("x", 2**32),
+        wire.Take("st\u00e9p", 0),
+    ):
         with pytest.raises(ProtocolError):
             wire.encode_take(bad)
     for raw in (b"", b"\x00\x00\x00\x00\x00", b"\x01x\x00\x00\x00", b"\x01x\x00\x00\x00\x00\x00", b"\x01\xff\0\0\0\0"):
@@ -171,8 +188,15 @@ def test_take_and_give_round_trip_and_limits():
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400))
 def test_decoders_fail_only_with_protocol_errors(raw):
-    for decode in (wire.decode_ask, wire.decode_data, wire.decode_busy, wire.decode_have, wire.decode_take,
-                   wire.decode_give, handshake.parse_server_hello):
+    for decode in (
+        wire.decode_ask,
+        wire.decode_data,
+        wire.decode_busy,
+        wire.decode_have,
+        wire.decode_take,
+        wire.decode_give,
+        handshake.parse_server_hello,
+    ):
         try:
             decode(raw)
         except ProtocolError:

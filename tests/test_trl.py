@@ -59,8 +59,9 @@ class _Trainer:
 
     def __init__(self, step: int, steps_per_generation: int = 1) -> None:
         self.state = SimpleNamespace(global_step=step)
-        self.args = SimpleNamespace(steps_per_generation=steps_per_generation, gradient_accumulation_steps=1,
-                                    num_iterations=1)
+        self.args = SimpleNamespace(
+            steps_per_generation=steps_per_generation, gradient_accumulation_steps=1, num_iterations=1
+        )
 
 
 def test_grpo_trains_on_rollouts_from_engines_bdn_hot_loads(tmp_path: Path) -> None:
@@ -71,15 +72,35 @@ def test_grpo_trains_on_rollouts_from_engines_bdn_hot_loads(tmp_path: Path) -> N
             for d in swarm.daemons:
                 url, log = f"http://127.0.0.1:{free_port()}", d.dir / "engine.log"
                 with open(log, "wb") as f:
-                    p = subprocess.Popen([sys.executable, "-m", "bdn.engines", "hf", "--bdn-url", d.url,
-                                          "--listen", url.removeprefix("http://"), "--replica-id", d.node_id],
-                                         stdout=f, stderr=subprocess.STDOUT)
+                    p = subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "bdn.engines",
+                            "hf",
+                            "--bdn-url",
+                            d.url,
+                            "--listen",
+                            url.removeprefix("http://"),
+                            "--replica-id",
+                            d.node_id,
+                        ],
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                    )
                 engines.append((p, url, log))
             urls = [u for _p, u, _l in engines]
             # The trainer starts while the engines import torch; BdnRollouts waits for them to serve.
             try:
-                run = trl_grpo.train(bucket, swarm.daemons[0].url, urls, tmp_path / "trainer", steps=STEPS,
-                                     max_staleness=MAX_STALENESS, batch=BATCH)
+                run = trl_grpo.train(
+                    bucket,
+                    swarm.daemons[0].url,
+                    urls,
+                    tmp_path / "trainer",
+                    steps=STEPS,
+                    max_staleness=MAX_STALENESS,
+                    batch=BATCH,
+                )
             except Exception as e:
                 logs = "\n".join(f"--- engine {u} (exit {p.poll()}):\n{tail(lg, 3000)}" for p, u, lg in engines)
                 raise AssertionError(f"training failed: {e}\n{logs}") from e
@@ -97,7 +118,8 @@ def test_grpo_trains_on_rollouts_from_engines_bdn_hot_loads(tmp_path: Path) -> N
             # the versions advance: the last step's rollouts come from a policy the first step's did not
             assert min(per_step[STEPS - 1]) >= STEPS - 1 - MAX_STALENESS > max(per_step[0]) == 0
             assert [(p.identity, p.kind) for p in run.published] == (
-                [("step000000", "full")] + [(identity_of("step", v), "delta") for v in range(1, STEPS + 1)])
+                [("step000000", "full")] + [(identity_of("step", v), "delta") for v in range(1, STEPS + 1)]
+            )
             assert all(p.hot_loaded_at is not None for p in run.published)
             losses = [h["loss"] for h in run.log_history if "loss" in h]
             assert len(losses) == STEPS

@@ -57,8 +57,9 @@ def _swarm_through_a_held_bucket(tmp_path: Path, s3_bucket, nodes: int, env: dic
 def test_parked_peers_get_an_owners_bytes_while_its_bucket_read_lands(tmp_path: Path, s3_bucket) -> None:
     def held(swarm) -> None:
         # every owner's reads are stuck and every daemon has requests parked at owners
-        wait_for(lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons), 120,
-                 "requests parked at the owners")
+        wait_for(
+            lambda: all(d.status()["inflight"]["peer"] > 0 for d in swarm.daemons), 120, "requests parked at the owners"
+        )
 
     counters = _swarm_through_a_held_bucket(tmp_path, s3_bucket, 3, {}, held)
     assert sum(c["peer_chunks_in_cut_through"] for c in counters) > 0, counters

@@ -130,14 +130,23 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
         receiver.start(swarm.peer_urls)
         try:
             receiver.wait_healthy()
-            wait_for(lambda: {p["node_id"] for p in receiver.status()["peers"] if p["alive"]}, 120,
-                     "the receiver to see the sender and the other alive", 0.1,
-                     until=lambda alive: alive == {sender.node_id, other.node_id})
+            wait_for(
+                lambda: {p["node_id"] for p in receiver.status()["peers"] if p["alive"]},
+                120,
+                "the receiver to see the sender and the other alive",
+                0.1,
+                until=lambda alive: alive == {sender.node_id, other.node_id},
+            )
             assert receiver.prefetch(IDENT)[0] == 202
             # the sender (behind the holding relay) is in the middle of its chunks: with under
             # 1 MiB passed on in all, no 1 MiB chunk of it is complete
-            wait_for(lambda: relay.forwarded - base >= 300_000, 120, "300 kB passed on by the relay", 0.01,
-                     detail=receiver.log)
+            wait_for(
+                lambda: relay.forwarded - base >= 300_000,
+                120,
+                "300 kB passed on by the relay",
+                0.01,
+                detail=receiver.log,
+            )
             assert relay.forwarded - base < 1 << 20
             sender.kill()
             relay.cut()
@@ -158,8 +167,7 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
 def test_the_chunk_log_names_sources_on_the_http_path_too(tmp_path: Path) -> None:
     bucket = f"file://{tmp_path}/bucket"
     m, ck = publish(tmp_path, bucket)
-    swarm = Swarm(tmp_path / "nodes", 2, bucket,
-                  extra_env={"BDN_LOAD_STARTUP": "false", "BDN_TRANSFER_LISTEN": ""})
+    swarm = Swarm(tmp_path / "nodes", 2, bucket, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_TRANSFER_LISTEN": ""})
     logs = {d.node_id: d.dir / "chunks.jsonl" for d in swarm.daemons}
     for d in swarm.daemons:
         d.env["BDN_CHUNK_LOG"] = str(logs[d.node_id])
@@ -171,7 +179,9 @@ def test_the_chunk_log_names_sources_on_the_http_path_too(tmp_path: Path) -> Non
             assert_same(d, ck)
             lines = [json.loads(x) for x in logs[d.node_id].read_text().splitlines()]
             assert len(lines) == len(list(m.stored_chunks()))
-            assert {x["source"].split(":")[0] for x in lines} <= {"peer", "bucket-owner", "bucket-fallback", "local"}, lines
+            assert {x["source"].split(":")[0] for x in lines} <= {"peer", "bucket-owner", "bucket-fallback", "local"}, (
+                lines
+            )
             assert all(x["transport"] == "http" for x in lines if x["source"].startswith("peer:")), lines
             assert d.status()["counters"]["peer_wire_bytes_in"] == 0
 
@@ -240,8 +250,12 @@ def test_a_wire_peer_that_falls_silent_is_penalised_and_its_queue_goes_elsewhere
         b.close()
     swarm = Swarm(tmp_path / "nodes", 2, bucket, extra_env={"BDN_LOAD_STARTUP": "false"})
     frozen, other = swarm.daemons
-    receiver = Daemon(tmp_path / "nodes", "node2", bucket, extra_env={
-        "BDN_LOAD_STARTUP": "false", "BDN_PEER_TIMEOUT_S": "3", "BDN_PENALTY_S": "600"})
+    receiver = Daemon(
+        tmp_path / "nodes",
+        "node2",
+        bucket,
+        extra_env={"BDN_LOAD_STARTUP": "false", "BDN_PEER_TIMEOUT_S": "3", "BDN_PENALTY_S": "600"},
+    )
     tport = free_port()
     relay = relay_cls(("127.0.0.1", tport), after=1 << 62)
     frozen.env.update(BDN_TRANSFER_LISTEN=f"127.0.0.1:{tport}", BDN_TRANSFER_ADVERTISE=f"127.0.0.1:{relay.port}")
@@ -256,9 +270,13 @@ def test_a_wire_peer_that_falls_silent_is_penalised_and_its_queue_goes_elsewhere
         receiver.start(swarm.peer_urls)
         try:
             receiver.wait_healthy()
-            wait_for(lambda: {p["node_id"] for p in receiver.status()["peers"] if p["alive"]}, 120,
-                     "the receiver to see the frozen one and the other alive", 0.1,
-                     until=lambda alive: alive == {frozen.node_id, other.node_id})
+            wait_for(
+                lambda: {p["node_id"] for p in receiver.status()["peers"] if p["alive"]},
+                120,
+                "the receiver to see the frozen one and the other alive",
+                0.1,
+                until=lambda alive: alive == {frozen.node_id, other.node_id},
+            )
             assert receiver.prefetch(IDENT)[0] == 202
             receiver.wait_ready(IDENT, 120)
             assert_same(receiver, ck)
@@ -271,9 +289,9 @@ def test_a_wire_peer_that_falls_silent_is_penalised_and_its_queue_goes_elsewhere
             # nothing came from the silent peer over the wire but a chunk small enough to pass in
             # the 1 KiB let through before the silence (a small file's), or over HTTP before its
             # transfer address was known; the chunks asked of it were retried elsewhere
-            assert all(x["source"] != f"peer:{frozen.node_id}" or x["transport"] == "http" or x["bytes"] < 1024
-                       for x in lines), [
-                (x["chunk"], x["source"], x["transport"], x["retries"]) for x in lines]
+            assert all(
+                x["source"] != f"peer:{frozen.node_id}" or x["transport"] == "http" or x["bytes"] < 1024 for x in lines
+            ), [(x["chunk"], x["source"], x["transport"], x["retries"]) for x in lines]
             assert any(x["retries"] > 0 for x in lines), lines
             # penalised after its first time-outs: not one time-out per chunk queued for it
             assert sum(x["retries"] for x in lines) <= 8, lines

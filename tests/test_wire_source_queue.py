@@ -44,8 +44,18 @@ def test_a_full_peer_is_busy_at_once_and_nothing_is_sent() -> None:
             ms.mark_ok(f"http://10.0.0.{i}:7080", f"p{i - 1}")
         m = ms.by_node()["p1"]
         stats = Stats()
-        ws = WireSource(cfg, None, None, ms, stats, asyncio.Semaphore(cfg.max_inflight),  # type: ignore[arg-type]
-                        RateLimit.from_mbit(0), None, bytearray, lambda _b: None)  # type: ignore[arg-type]
+        ws = WireSource(
+            cfg,
+            None,
+            None,
+            ms,
+            stats,
+            asyncio.Semaphore(cfg.max_inflight),  # type: ignore[arg-type]
+            RateLimit.from_mbit(0),
+            None,
+            bytearray,
+            lambda _b: None,
+        )  # type: ignore[arg-type]
         sem = ws._peer_sems[m.url] = asyncio.Semaphore(cfg.max_per_peer)
         for _ in range(cfg.max_per_peer):
             await sem.acquire()  # every stream to p1 carries a request
@@ -53,7 +63,8 @@ def test_a_full_peer_is_busy_at_once_and_nothing_is_sent() -> None:
         job = Job()
         ok = await asyncio.wait_for(
             ws.from_peer(job, m, Peer("p1", "10.0.0.2", 7082), "a" * 32, Ref(), None, 30.0, errors),  # type: ignore[arg-type]
-            120)
+            120,
+        )
         assert ok is False and errors == [] and stats.busy_answers == 1
         assert m.inflight == 0 and stats.inflight["peer"] == 0 and job.bytes_from_peers == 0
         assert ms.by_node()["p1"].alive  # a busy answer: the peer is not marked failed

@@ -116,9 +116,7 @@ class ObjectChecksum:
     @property
     def verifiable(self) -> bool:
         """True when the bucket vouches for the bytes with at least one checksum (MD5, composite MD5, CRC32C or an SDK checksum)."""
-        return any(
-            v is not None for v in (self.md5, self.composite_md5, self.crc32c, self.sdk_checksum)
-        )
+        return any(v is not None for v in (self.md5, self.composite_md5, self.crc32c, self.sdk_checksum))
 
 
 class AccessDenied(BucketError):
@@ -148,9 +146,7 @@ class BucketStats:
     put_bytes: int = 0
     list_requests: int = 0
     retries: int = 0
-    _lock: threading.Lock = dataclasses.field(
-        default_factory=threading.Lock, repr=False, compare=False
-    )
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:
         """Add each ``name=delta`` to its counter atomically."""
@@ -161,11 +157,7 @@ class BucketStats:
     def snapshot(self) -> dict[str, int]:
         """A consistent copy of every counter: ``{name: value}``."""
         with self._lock:
-            return {
-                f.name: getattr(self, f.name)
-                for f in dataclasses.fields(self)
-                if not f.name.startswith("_")
-            }
+            return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("_")}
 
 
 def one_line(text: object, limit: int = 200) -> str:
@@ -221,9 +213,7 @@ def _check_segments(text: str, *, what: str, allow_trailing_slash: bool) -> None
     body = text[:-1] if allow_trailing_slash and text.endswith("/") else text
     for segment in body.split("/"):
         if segment in ("", ".", ".."):
-            raise PathError(
-                f"{what} has an empty, '.' or '..' segment: {_show(text)}"
-            )
+            raise PathError(f"{what} has an empty, '.' or '..' segment: {_show(text)}")
 
 
 class Bucket(abc.ABC):
@@ -264,7 +254,12 @@ class Bucket(abc.ABC):
 
     @abc.abstractmethod
     def read_range_into(
-        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None,
+        self,
+        key: str,
+        offset: int,
+        out: memoryview,
+        *,
+        if_match: str | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         """Fill all of ``out`` (a writable contiguous buffer) with the bytes at ``offset``.

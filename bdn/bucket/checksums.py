@@ -95,8 +95,14 @@ def object_checksum(
             key,
         )
     return ObjectChecksum(
-        key=key, etag=etag, size=info.size, parts=parts, part_size=first_size, composite_md5=md5,
-        part_sizes=sizes, sdk_checksum=sdk,
+        key=key,
+        etag=etag,
+        size=info.size,
+        parts=parts,
+        part_size=first_size,
+        composite_md5=md5,
+        part_sizes=sizes,
+        sdk_checksum=sdk,
     )
 
 

@@ -33,8 +33,7 @@ class ReaderCredentials:
 
     def __repr__(self) -> str:
         return (
-            f"ReaderCredentials(access_key_id={self.access_key_id!r}, "
-            f"secret_access_key='***', region={self.region!r})"
+            f"ReaderCredentials(access_key_id={self.access_key_id!r}, secret_access_key='***', region={self.region!r})"
         )
 
 
@@ -50,9 +49,7 @@ def load_credentials_file(path: str | os.PathLike[str]) -> ReaderCredentials:
         with open(name, "rb") as f:
             raw = f.read(_MAX_FILE_BYTES + 1)
     except OSError as exc:
-        raise BucketError(
-            f"cannot read credentials file {name!r}: {exc.strerror or type(exc).__name__}"
-        ) from None
+        raise BucketError(f"cannot read credentials file {name!r}: {exc.strerror or type(exc).__name__}") from None
     if len(raw) > _MAX_FILE_BYTES:
         raise BucketError(f"credentials file {name!r} is larger than {_MAX_FILE_BYTES} bytes")
     try:
@@ -69,9 +66,7 @@ def load_credentials_file(path: str | os.PathLike[str]) -> ReaderCredentials:
             raise BucketError(f"credentials file {name!r} lacks the field {field!r}")
         value = doc[field]
         if not isinstance(value, str) or not value.strip():
-            raise BucketError(
-                f"credentials file {name!r}: field {field!r} must be a non-empty string"
-            )
+            raise BucketError(f"credentials file {name!r}: field {field!r} must be a non-empty string")
         values[field] = value.strip()
     return ReaderCredentials(
         access_key_id=values["aws_access_key_id"],

@@ -160,22 +160,23 @@ class FileBucket(Bucket):
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 if size > max_size:
-                    raise BucketError(
-                        f"object {self._where(key)} is {size} bytes, over the {max_size}-byte limit"
-                    )
+                    raise BucketError(f"object {self._where(key)} is {size} bytes, over the {max_size}-byte limit")
                 # Read one byte past the limit: the file may have grown since fstat.
                 data = f.read(max_size + 1)
         except OSError as exc:
             raise self._oserror("read", key, exc) from None
         if len(data) > max_size:
-            raise BucketError(
-                f"object {self._where(key)} is over the {max_size}-byte limit"
-            )
+            raise BucketError(f"object {self._where(key)} is over the {max_size}-byte limit")
         self.stats.add(get_bytes=len(data))
         return data
 
     def read_range_into(
-        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None,
+        self,
+        key: str,
+        offset: int,
+        out: memoryview,
+        *,
+        if_match: str | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         """``os.preadv`` from ``offset`` straight into ``out`` (pieces of ``PROGRESS_BYTES`` with
@@ -218,8 +219,7 @@ class FileBucket(Bucket):
         token = file_etag(os.fstat(fd))
         if token != if_match:
             raise ObjectChanged(
-                f"object changed while it was read: {self._where(key)}"
-                f" (version {if_match!r} asked, {token!r} found)",
+                f"object changed while it was read: {self._where(key)} (version {if_match!r} asked, {token!r} found)",
                 key,
             )
 
@@ -270,6 +270,7 @@ class FileBucket(Bucket):
     def write(self, key: str, data: bytes | bytearray | memoryview) -> None:
         """Write ``data`` to a temporary file beside the key's, fsync it, rename it into place
         (``os.replace``) and fsync the directory. Raises :class:`BucketError` / :class:`AccessDenied`."""
+
         def fill(f: BinaryIO) -> int:
             return f.write(data)
 
@@ -318,6 +319,7 @@ class FileBucket(Bucket):
 
     def write_buffers(self, key: str, buffers: Sequence[Any]) -> None:
         """Write the buffers one after the other (no join) as :meth:`write` stores bytes."""
+
         def fill(f: BinaryIO) -> int:
             n = 0
             for b in buffers:

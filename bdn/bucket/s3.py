@@ -101,14 +101,22 @@ class S3Bucket(Bucket):
         transfer_threads = multipart_concurrency or min(max_concurrency, 10)
 
         self._client = open_client(
-            url, gcs=gcs, credentials=credentials, endpoint_url=endpoint_url,
-            max_connections=max_concurrency + transfer_threads, max_attempts=max_attempts,
-            connect_timeout=connect_timeout, read_timeout=read_timeout,
-            stats=self.stats, retry_backoff_scale=retry_backoff_scale,
+            url,
+            gcs=gcs,
+            credentials=credentials,
+            endpoint_url=endpoint_url,
+            max_connections=max_concurrency + transfer_threads,
+            max_attempts=max_attempts,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            stats=self.stats,
+            retry_backoff_scale=retry_backoff_scale,
         )
         self._transfer = open_transfer(
-            self._client, multipart_threshold=multipart_threshold,
-            multipart_chunksize=multipart_chunksize, threads=transfer_threads,
+            self._client,
+            multipart_threshold=multipart_threshold,
+            multipart_chunksize=multipart_chunksize,
+            threads=transfer_threads,
         )
 
     # -- helpers -------------------------------------------------------------------------------
@@ -160,7 +168,7 @@ class S3Bucket(Bucket):
                 full = item.get("Key")
                 if not isinstance(full, str) or not full.startswith(root):
                     continue
-                key = full[len(root):]
+                key = full[len(root) :]
                 if key.endswith("/"):
                     continue  # a "directory" marker some consoles create
                 try:
@@ -198,15 +206,18 @@ class S3Bucket(Bucket):
             size = _size(resp, self._where(key))
             if size > max_size:
                 resp["Body"].close()
-                raise BucketError(
-                    f"object {self._where(key)} is {size} bytes, over the {max_size}-byte limit"
-                )
+                raise BucketError(f"object {self._where(key)} is {size} bytes, over the {max_size}-byte limit")
             buf = bytearray(size)
             self._fill(key, 0, memoryview(buf), first=resp)
         return bytes(buf)
 
     def read_range_into(
-        self, key: str, offset: int, out: memoryview, *, if_match: str | None = None,
+        self,
+        key: str,
+        offset: int,
+        out: memoryview,
+        *,
+        if_match: str | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> None:
         """Ranged GETs (``Range: bytes=offset-end``, ``If-Match`` with ``if_match``) ``recv_into``
@@ -273,15 +284,29 @@ class S3Bucket(Bucket):
         )
 
     def _fill(
-        self, key: str, offset: int, view: memoryview, *, first: dict[str, Any] | None = None,
-        if_match: str | None = None, progress: Callable[[int], None] | None = None,
+        self,
+        key: str,
+        offset: int,
+        view: memoryview,
+        *,
+        first: dict[str, Any] | None = None,
+        if_match: str | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
         """Fill ``view`` from ``offset``, resuming broken bodies (:func:`bdn.bucket.s3_reads.fill`)."""
         full = self._full_key(key)
         fill(
             lambda **params: self._client.get_object(Bucket=self._bucket, Key=full, **params),
-            key, offset, view, where=self._where(key), max_attempts=self._max_attempts, stats=self.stats,
-            map_error=self._map_error, first=first, if_match=if_match, progress=progress,
+            key,
+            offset,
+            view,
+            where=self._where(key),
+            max_attempts=self._max_attempts,
+            stats=self.stats,
+            map_error=self._map_error,
+            first=first,
+            if_match=if_match,
+            progress=progress,
         )
 
     # -- writes --------------------------------------------------------------------------------

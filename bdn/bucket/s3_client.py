@@ -123,9 +123,7 @@ def open_transfer(client: Any, *, multipart_threshold: int, multipart_chunksize:
     )
 
 
-def _session(
-    url: str, gcs: bool, credentials: ReaderCredentials | None, region: str | None
-) -> boto3.session.Session:
+def _session(url: str, gcs: bool, credentials: ReaderCredentials | None, region: str | None) -> boto3.session.Session:
     if credentials is not None:
         return _new_session(
             aws_access_key_id=credentials.access_key_id,

@@ -102,12 +102,12 @@ def fill(
             if not isinstance(answered, int) or answered > total - done:
                 body.close()
                 raise BucketError(
-                    f"read {where}: the bucket answered {answered!r} bytes for a request of"
-                    f" {total - done}"
+                    f"read {where}: the bucket answered {answered!r} bytes for a request of {total - done}"
                 )
             resp = None
             got, broken = _stream_into(
-                body, view[done : done + answered],
+                body,
+                view[done : done + answered],
                 None if progress is None else (lambda n, base=done: progress(base + n)),  # type: ignore[misc]  # mypy cannot type a lambda with a default argument
             )
             done += got
@@ -130,8 +130,10 @@ def fill(
                     )
                 shorts += 1
                 if breaks + shorts >= max_attempts:
-                    goes_on = "although the object goes on" if object_size is not None else (
-                        "without saying that the object ends there"
+                    goes_on = (
+                        "although the object goes on"
+                        if object_size is not None
+                        else ("without saying that the object ends there")
                     )
                     raise BucketUnavailable(
                         f"read {where}: the bucket answered {shorts} times with fewer bytes than"
@@ -157,7 +159,9 @@ def _range_total(content_range: object) -> int | None:
 
 
 def _stream_into(
-    body: Any, view: memoryview, progress: Callable[[int], None] | None = None,
+    body: Any,
+    view: memoryview,
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[int, BaseException | None]:
     """Read exactly ``len(view)`` body bytes into ``view``; return (bytes read, error or None).
 

@@ -85,8 +85,16 @@ PROG = "bdnctl"
 DEFAULT_URL = "http://127.0.0.1:7081"
 #: The subcommands, in the order ``--help`` lists them.
 _COMMANDS = (
-    snapshots.add_prefetch, snapshots.add_cancel, node.add_status, snapshots.add_snapshots, verify.add_verify,
-    fleet.add_hot_load, fleet.add_engines, snapshots.add_path, node.add_peers, node.add_gc,
+    snapshots.add_prefetch,
+    snapshots.add_cancel,
+    node.add_status,
+    snapshots.add_snapshots,
+    verify.add_verify,
+    fleet.add_hot_load,
+    fleet.add_engines,
+    snapshots.add_path,
+    node.add_peers,
+    node.add_gc,
 )
 
 
@@ -117,10 +125,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Operate the node's bdn daemon (bdnd) through its local API.",
-                epilog=EPILOG)
-    p.add_argument("--url", default=os.environ.get("BDN_URL") or DEFAULT_URL,
-                   help="bdnd local API: http://host:port or unix:///path.sock (default $BDN_URL or %(default)s)")
+    p = _Parser(prog=PROG, description="Operate the node's bdn daemon (bdnd) through its local API.", epilog=EPILOG)
+    p.add_argument(
+        "--url",
+        default=os.environ.get("BDN_URL") or DEFAULT_URL,
+        help="bdnd local API: http://host:port or unix:///path.sock (default $BDN_URL or %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
     p.add_argument("--version", action="version", version=VERSION)
     # --url and --json work after the subcommand too (`bdnctl status --json`); SUPPRESS keeps a
@@ -160,8 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = ""
         if exc.status == 401:
             # the local API has no authentication: a 401 comes from a peer port (7080 by default)
-            hint = (f" ({args.url} looks like bdnd's peer port; bdnctl talks to its local API: "
-                    "local_listen, default http://127.0.0.1:7081, or local_socket)")
+            hint = (
+                f" ({args.url} looks like bdnd's peer port; bdnctl talks to its local API: "
+                "local_listen, default http://127.0.0.1:7081, or local_socket)"
+            )
         return _report(f"bdnd answered {exc.status}: {exc.message}{hint}", EXIT_FAILED, json_mode)
     except BdnError as exc:
         return _report(str(exc), EXIT_FAILED, json_mode)

@@ -20,8 +20,12 @@ class DefaultsFormatter(argparse.RawDescriptionHelpFormatter):
         default = action.default
         if (
             not action.option_strings
-            or default is None or default is False or default == [] or default == ""
-            or default is argparse.SUPPRESS or text is argparse.SUPPRESS
+            or default is None
+            or default is False
+            or default == []
+            or default == ""
+            or default is argparse.SUPPRESS
+            or text is argparse.SUPPRESS
             or "default" in text
         ):
             return action.help

@@ -126,7 +126,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``bdn-publish`` (subcommands ``full``, ``delta``, ``startup``)."""
     parser = _Parser(
-        prog=PROG, description="Publish checkpoints to a bucket for bdn daemons to distribute.",
+        prog=PROG,
+        description="Publish checkpoints to a bucket for bdn daemons to distribute.",
         epilog="exit status: 0 published; 1 bdn refused or failed (one line 'bdn-publish: error: ...'); "
         "2 usage error. Run 'bdn-publish COMMAND --help' for a command's options.",
     )
@@ -135,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-        p.add_argument("--bucket", required=True, type=_bucket_url, help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")
+        p.add_argument(
+            "--bucket", required=True, type=_bucket_url, help="s3://bucket/prefix, gs://bucket/prefix or file:///dir"
+        )
         p.add_argument("--identity", required=True, type=_identity, help="snapshot identity, e.g. step000002")
         p.add_argument("--credentials-file", type=_readable_file, help="JSON file with the bucket credentials")
         p.add_argument("--endpoint-url", help="S3-compatible endpoint URL")
@@ -151,9 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"chunk size in bytes (default {DEFAULT_CHUNK_SIZE})",
         )
         p.add_argument("--workers", type=_positive, default=8, help="files uploaded at a time (default 8)")
-        p.add_argument(
-            "--overwrite", action="store_true", help="replace a snapshot that is already published"
-        )
+        p.add_argument("--overwrite", action="store_true", help="replace a snapshot that is already published")
 
     full = sub.add_parser("full", help="publish a full snapshot (an anchor)")
     snapshot(full)
@@ -161,11 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     snapshot(delta)
     delta.add_argument("--base", required=True, type=_identity, help="identity of the published base snapshot")
     delta.add_argument(
-        "--base-dir", type=_directory,
+        "--base-dir",
+        type=_directory,
         help="local copy of the base checkpoint (default: download it from the bucket)",
     )
     delta.add_argument(
-        "--compression-format", default="arc_v2", type=_compression, help="arc_v2 (zstd, default), arc_v1 (zlib) or bdn_planes_v1 (bdn's own, smaller; bdnd only)"
+        "--compression-format",
+        default="arc_v2",
+        type=_compression,
+        help="arc_v2 (zstd, default), arc_v1 (zlib) or bdn_planes_v1 (bdn's own, smaller; bdnd only)",
     )
     startup = sub.add_parser("startup", help="point STARTUP_SNAPSHOT at a published snapshot")
     common(startup)
@@ -182,9 +187,16 @@ def _summary(m: Manifest, seconds: float) -> str:
 
 
 def _summary_json(m: Manifest, seconds: float) -> dict[str, object]:
-    return {"identity": m.identity, "kind": m.kind, "base_identity": m.base_identity,
-            "policy_version": m.policy_version, "stored_bytes": m.stored_bytes,
-            "result_bytes": m.result_bytes, "files": len(m.files), "seconds": round(seconds, 3)}
+    return {
+        "identity": m.identity,
+        "kind": m.kind,
+        "base_identity": m.base_identity,
+        "policy_version": m.policy_version,
+        "stored_bytes": m.stored_bytes,
+        "result_bytes": m.result_bytes,
+        "files": len(m.files),
+        "seconds": round(seconds, 3),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,9 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from bdn.publish.tree import scan_dir
 
     try:
-        bucket = open_bucket(
-            args.bucket, credentials_file=args.credentials_file, endpoint_url=args.endpoint_url
-        )
+        bucket = open_bucket(args.bucket, credentials_file=args.credentials_file, endpoint_url=args.endpoint_url)
         with bucket:
             if args.command == "startup":
                 publish_startup(bucket, args.identity)

@@ -65,8 +65,15 @@ def _parse_head(raw: bytes) -> tuple[int, dict[str, str]]:
 
 
 def get_into(
-    host: str | None, port: int | None, uds: str | None, target: str, extra: dict[str, str],
-    alloc: Alloc, *, timeout: float, url: str,
+    host: str | None,
+    port: int | None,
+    uds: str | None,
+    target: str,
+    extra: dict[str, str],
+    alloc: Alloc,
+    *,
+    timeout: float,
+    url: str,
 ) -> tuple[int, dict[str, str], Any]:
     """``GET target`` from the daemon at ``host:port`` (or the unix socket ``uds``); returns
     ``(status, headers, body)`` with lowercase header names. For 200/206, ``body`` is what
@@ -78,8 +85,10 @@ def get_into(
         ProtocolError: a malformed or oversized head, no Content-Length, a short body.
     """
     hdrs = "".join(f"{k}: {v}\r\n" for k, v in extra.items())
-    req = (f"GET {target} HTTP/1.1\r\nHost: {host or 'localhost'}\r\nConnection: close\r\n"
-           f"Accept-Encoding: identity\r\n{hdrs}\r\n").encode("latin-1")
+    req = (
+        f"GET {target} HTTP/1.1\r\nHost: {host or 'localhost'}\r\nConnection: close\r\n"
+        f"Accept-Encoding: identity\r\n{hdrs}\r\n"
+    ).encode("latin-1")
     try:
         s = _connect(host, port, uds, timeout)
     except OSError as e:

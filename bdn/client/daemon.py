@@ -57,7 +57,12 @@ class DaemonClient:
         self.timeout = self.http.timeout
 
     def _request(
-        self, method: str, path: str, *, ok: tuple[int, ...] = (200,), timeout: float | None = None,
+        self,
+        method: str,
+        path: str,
+        *,
+        ok: tuple[int, ...] = (200,),
+        timeout: float | None = None,
         idempotent: bool = False,
     ) -> Response:
         return self.http.request(method, path, ok=ok, timeout=timeout, idempotent=idempotent)
@@ -106,8 +111,9 @@ class DaemonClient:
         """``GET /v1/snapshots/{identity}``; DaemonError 404 if the daemon does not know it."""
         return self._json("GET", self._snap_path(identity))
 
-    def prefetch(self, identity: str, wait_publish: bool = False,
-                 publish_timeout: float | None = None) -> dict[str, Any]:
+    def prefetch(
+        self, identity: str, wait_publish: bool = False, publish_timeout: float | None = None
+    ) -> dict[str, Any]:
         """``POST /v1/snapshots/{identity}/prefetch``: start fetching; returns the ``<snapshot>``.
 
         The daemon waits for ``bdn.manifest.json`` if the snapshot's files are there without it.
@@ -176,9 +182,7 @@ class DaemonClient:
                 this_poll = min(this_poll, max(0.0, deadline - time.monotonic()))
             query = urlencode({"state": state, "timeout": f"{this_poll:.3f}"})
             sent = time.monotonic()
-            r = self._request(
-                "GET", base + query, ok=(200, 202, 409), timeout=this_poll + self.timeout
-            )
+            r = self._request("GET", base + query, ok=(200, 202, 409), timeout=this_poll + self.timeout)
             if r.status == 409:
                 message, obj = error_message(409, r.body)
                 snap_obj = obj.get("snapshot") if isinstance(obj, dict) else None
@@ -200,9 +204,7 @@ class DaemonClient:
             if floor > 0:
                 time.sleep(floor)
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"{identity} not {state} after {timeout:g} s (state {snap.get('state', '?')})"
-                )
+                raise TimeoutError(f"{identity} not {state} after {timeout:g} s (state {snap.get('state', '?')})")
 
     def _reason(self, identity: str) -> str:
         """The daemon's current reason for ``identity`` ("" when it has none or is unreachable)."""
@@ -237,6 +239,7 @@ class DaemonClient:
         if offset or length is not None:
             end = "" if length is None else str(offset + length - 1)
             headers["Range"] = f"bytes={offset}-{end}"
+
         def alloc(n: int, h: dict[str, str]) -> bytearray:
             if length is not None and n > length:
                 raise ProtocolError(f"daemon sent {n} bytes for a range of {length}")

@@ -111,8 +111,9 @@ class EngineLink:
             raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
         wait = min(timeout, MAX_NEXT_POLL)
         query = urlencode({"after": after or "", "timeout": f"{wait:.3f}"})
-        status, ans = call_json(self.client, "GET", self._path("/next?") + query, ok=(200, 204),
-                                timeout=wait + self.client.timeout)
+        status, ans = call_json(
+            self.client, "GET", self._path("/next?") + query, ok=(200, 204), timeout=wait + self.client.timeout
+        )
         if status == 204:
             return None
         offer = json_object(ans, "next snapshot")
@@ -213,11 +214,13 @@ def offer_keepalive_s(offer: dict[str, Any]) -> float | None:
     """How often to send heartbeats while an offer is prepared: a third of the smaller of the
     offer's ``engine_stale_s`` (the daemon stops waiting for an engine silent for that long) and
     ``engine_ttl_s`` (it drops one), counting only positive finite numbers; None without one."""
+
     def positive(key: str) -> float | None:
         v = offer.get(key)
         if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v <= 0:
             return None
         return float(v)
+
     window = [v for v in (positive("engine_ttl_s"), positive("engine_stale_s")) if v is not None]
     return max(0.05, min(window) / 3.0) if window else None
 
@@ -280,8 +283,13 @@ def run_hot_swap_loop(
                     t1 = time.perf_counter()
                     swap(prepared, snap)
                     pause_ms = (time.perf_counter() - t1) * 1000.0
-                log.info("loaded %s (policy version %s): prepared in %.0f ms, paused %.2f ms",
-                         identity, snap.policy_version, (time.monotonic() - t0) * 1000.0, pause_ms)
+                log.info(
+                    "loaded %s (policy version %s): prepared in %.0f ms, paused %.2f ms",
+                    identity,
+                    snap.policy_version,
+                    (time.monotonic() - t0) * 1000.0,
+                    pause_ms,
+                )
             except Exception as exc:  # any failure of the engine's own code is reported, not fatal
                 reason = _describe(exc)
                 log.error("loading %s failed: %s", identity, reason)
@@ -300,14 +308,17 @@ def run_hot_swap_loop(
             serving.close()
 
 
-def _next_offer(link: EngineLink, after: str | None, poll_timeout: float, stop: threading.Event) -> dict[str, Any] | None:
+def _next_offer(
+    link: EngineLink, after: str | None, poll_timeout: float, stop: threading.Event
+) -> dict[str, Any] | None:
     """``link.next_snapshot``, retried with backoff (``bdn.retry``) until it answers or ``stop`` is set.
 
     A daemon that forgot the engine (404: it restarted) gets a new registration at once.
     Backoff waits on ``stop``, so setting it ends the wait; None then.
     """
-    for attempt in retry.attempts(deadline_s=math.inf, first_s=RETRY_MIN, max_s=RETRY_MAX, on=(BdnError,),
-                                  sleep=stop.wait):
+    for attempt in retry.attempts(
+        deadline_s=math.inf, first_s=RETRY_MIN, max_s=RETRY_MAX, on=(BdnError,), sleep=stop.wait
+    ):
         with attempt:
             if stop.is_set():
                 return None

@@ -78,6 +78,7 @@ def json_object(obj: Any, what: str) -> dict[str, Any]:
 
 # -- fleet hot-load, leases, GC ----------------------------------------------------------------
 
+
 def hot_load(
     daemon: DaemonClient | str,
     identity: str,
@@ -114,13 +115,18 @@ def hot_load(
     """
     body: dict[str, Any] = {"identity": validate_identity(identity)}
     if previous is not None:
-        meta: dict[str, Any] = {"previous_snapshot_identity": validate_identity(previous),
-                                "checksum_format": checksum_format}
+        meta: dict[str, Any] = {
+            "previous_snapshot_identity": validate_identity(previous),
+            "checksum_format": checksum_format,
+        }
         if compression_format is not None:
             meta["compression_format"] = compression_format
         body["incremental_snapshot_metadata"] = meta
-    for key, val in (("prompt_cache_policy", prompt_cache_policy), ("inflight_policy", inflight_policy),
-                     ("inflight_wait_s", inflight_wait_s)):
+    for key, val in (
+        ("prompt_cache_policy", prompt_cache_policy),
+        ("inflight_policy", inflight_policy),
+        ("inflight_wait_s", inflight_wait_s),
+    ):
         if val is not None:
             body[key] = val
     headers = {"Authorization": f"Bearer {token}"} if token else None
@@ -128,8 +134,9 @@ def hot_load(
     return json_object(ans, "hot-load answer")
 
 
-def hot_load_status(daemon: DaemonClient | str, *, token: str | None = None,
-                    max_pages: int = 100) -> list[dict[str, Any]]:
+def hot_load_status(
+    daemon: DaemonClient | str, *, token: str | None = None, max_pages: int = 100
+) -> list[dict[str, Any]]:
     """``GET /hot_load/v1/models/hot_load``: every replica of the fleet, page after page
     (1,000 a page, following ``next_page_token``; at most ``max_pages``). Each page costs the
     daemon a few requests to the fleet status aggregators, whatever the fleet size.

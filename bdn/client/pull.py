@@ -76,7 +76,13 @@ def _range_into(http: Transport, url: str, view: memoryview, offset: int, label:
 
 
 def read_file_into(
-    http: Transport, identity: str, path: str, out: Any, offset: int = 0, *, connections: int = 1,
+    http: Transport,
+    identity: str,
+    path: str,
+    out: Any,
+    offset: int = 0,
+    *,
+    connections: int = 1,
 ) -> int:
     """Fill the writable C-contiguous buffer ``out`` (``n = out.nbytes`` bytes) with bytes
     ``[offset, offset + n)`` of file ``path`` of the ready snapshot ``identity``; returns ``n``.

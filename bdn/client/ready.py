@@ -68,7 +68,5 @@ def verify_files(directory: str | os.PathLike[str], marker: ReadyMarker) -> None
             offset = index * chunk_size
             end = min(offset + chunk_size, size)
             raise ChecksumError(
-                f"{d}: {f.path} chunk {index} (bytes {offset}-{end}) has xxh3-128 {got}, "
-                f"READY says {f.chunks[index]}"
+                f"{d}: {f.path} chunk {index} (bytes {offset}-{end}) has xxh3-128 {got}, READY says {f.chunks[index]}"
             )
-

@@ -139,7 +139,11 @@ class Transport:
             client.close()
 
     def get_into(
-        self, path: str, headers: dict[str, str], alloc: Any, timeout: float | None = None,
+        self,
+        path: str,
+        headers: dict[str, str],
+        alloc: Any,
+        timeout: float | None = None,
     ) -> tuple[int, dict[str, str], Any]:
         """A bulk GET whose body is received straight into ``alloc(length, headers)``
         (``bdn.client.bulk``: its own connection, no pooling, no copy through Python);
@@ -147,13 +151,27 @@ class Transport:
         Raises DaemonUnreachable, ProtocolError."""
         parts = urlsplit(self._base)
         host = None if self._uds else parts.hostname
-        return bulk.get_into(host, parts.port or 80, self._uds, parts.path + path, headers, alloc,
-                             timeout=self.timeout if timeout is None else timeout, url=self.url)
+        return bulk.get_into(
+            host,
+            parts.port or 80,
+            self._uds,
+            parts.path + path,
+            headers,
+            alloc,
+            timeout=self.timeout if timeout is None else timeout,
+            url=self.url,
+        )
 
     @contextlib.contextmanager
     def stream(
-        self, method: str, path: str, *, body: Any = None, headers: dict[str, str] | None = None,
-        timeout: float | None = None, idempotent: bool = False,
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+        idempotent: bool = False,
     ) -> Iterator[httpx.Response]:
         """Send a request; yield the response with its body unread (read it with ``iter_raw``).
 
@@ -186,8 +204,15 @@ class Transport:
             raise DaemonUnreachable(self.url, _reason(exc)) from None
 
     def request(
-        self, method: str, path: str, *, body: Any = None, ok: tuple[int, ...] = (200,),
-        headers: dict[str, str] | None = None, timeout: float | None = None, idempotent: bool = False,
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        ok: tuple[int, ...] = (200,),
+        headers: dict[str, str] | None = None,
+        timeout: float | None = None,
+        idempotent: bool = False,
         limit: int = MAX_JSON_BYTES,
     ) -> Response:
         """One request whose answer is small (at most ``limit`` bytes, else ProtocolError).

@@ -220,7 +220,7 @@ def paginate(rows: Sequence[_R], page_size: int, after: str | None) -> tuple[lis
             else:
                 hi = mid
         start = lo
-    page = list(rows[start:start + page_size])
+    page = list(rows[start : start + page_size])
     more = start + page_size < len(rows)
     return page, (page[-1].node.encode().hex() if more and page else "")
 
@@ -264,8 +264,9 @@ class ReplicaBoard:
     def rows(self, identity: str | None = None) -> list[Row]:
         """Current rows sorted by node id (optionally of one target identity)."""
         self._expire()
-        return sorted((r for r, _ in self._rows.values() if identity is None or r.identity == identity),
-                      key=lambda r: r.node)
+        return sorted(
+            (r for r, _ in self._rows.values() if identity is None or r.identity == identity), key=lambda r: r.node
+        )
 
     def __len__(self) -> int:
         return len(self._rows)

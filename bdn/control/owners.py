@@ -73,7 +73,10 @@ def owner_table(digests: Sequence[str] | None, nodes: Sequence[str]) -> dict[str
 
 
 def reader_count(
-    live_n: int, aggregate_bps: float, per_connection_bps: float, connections_per_reader: int = 1,
+    live_n: int,
+    aggregate_bps: float,
+    per_connection_bps: float,
+    connections_per_reader: int = 1,
     headroom: float = 1.5,
 ) -> int:
     """How many nodes read a snapshot from the bucket: enough connections to saturate it.
@@ -94,8 +97,9 @@ def slot_key(identity: str, k: int) -> str:
     return f"readers\x00{identity}\x00{k}"
 
 
-def reader_slots(identity: str, live: Sequence[str], slots: int,
-                 score: Callable[[str, str], int] = hrw.score, spare: int = 3) -> list[list[str]]:
+def reader_slots(
+    identity: str, live: Sequence[str], slots: int, score: Callable[[str, str], int] = hrw.score, spare: int = 3
+) -> list[list[str]]:
     """Per reader slot ``k`` (``0 <= k < slots``, ``slots < len(live)``), its holder and then
     its next candidates: slot ``k`` ranks ``live`` by ``score(node, slot_key(identity, k))``
     (ties by node id) and is held by its best node that no lower slot holds; the candidates
@@ -167,8 +171,14 @@ class OwnerMap:
     without digests plain HRW over the slots). Keys are chunk digests (hex strings).
     """
 
-    def __init__(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None,
-                 digests: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        epoch: int,
+        live: Sequence[str],
+        identity: str,
+        readers: int | None = None,
+        digests: Sequence[str] | None = None,
+    ) -> None:
         self.epoch = epoch
         self.live = tuple(sorted(set(live)))
         n = len(self.live) if readers is None else max(0, min(readers, len(self.live)))
@@ -263,8 +273,14 @@ class OwnerCache:
         self._max = max_snapshots
         self.rebuilds = 0
 
-    def get(self, epoch: int, live: Sequence[str], identity: str, readers: int | None = None,
-            digests: Sequence[str] | None = None) -> OwnerMap:
+    def get(
+        self,
+        epoch: int,
+        live: Sequence[str],
+        identity: str,
+        readers: int | None = None,
+        digests: Sequence[str] | None = None,
+    ) -> OwnerMap:
         """The map for ``identity`` at ``epoch`` (``digests``: see :class:`OwnerMap`; a map is
         rebuilt when the epoch or the reader count changes, not when only ``digests`` is given)."""
         m = self._maps.get(identity)

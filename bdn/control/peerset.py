@@ -82,9 +82,19 @@ class PeerSet:
     """
 
     def __init__(
-        self, self_id: str, n_chunks: int, clock: Clock, *, rng: random.Random | None = None,
-        k: int = 16, max_peers: int = 32, reader_slots: int = 4, have_flush_s: float = 0.1,
-        idle_s: float = 10.0, owned: Sequence[bool] | None = None, endgame_chunks: int = 0,
+        self,
+        self_id: str,
+        n_chunks: int,
+        clock: Clock,
+        *,
+        rng: random.Random | None = None,
+        k: int = 16,
+        max_peers: int = 32,
+        reader_slots: int = 4,
+        have_flush_s: float = 0.1,
+        idle_s: float = 10.0,
+        owned: Sequence[bool] | None = None,
+        endgame_chunks: int = 0,
     ) -> None:
         if not 0 < k <= max_peers <= MAX_PEERS_HARD:
             raise ValueError("need 0 < k <= max_peers <= 256")
@@ -138,8 +148,9 @@ class PeerSet:
         return pack_bits(self.have_bits())
 
     # ---- membership of the set ---------------------------------------------------------------
-    def refresh(self, live: Sequence[str], readers: Iterable[str] = (),
-                is_live: Callable[[str], bool] | None = None) -> list[str]:
+    def refresh(
+        self, live: Sequence[str], readers: Iterable[str] = (), is_live: Callable[[str], bool] | None = None
+    ) -> list[str]:
         """Drop peers no longer live (and long-useless ones), choose new ones up to ``k``.
 
         ``live``: the membership's live node ids; ``is_live``: an O(1) test of the same set
@@ -334,8 +345,14 @@ class PeerSet:
     def next_flush(self) -> float:
         return self._next_flush
 
-    def pick(self, limit: int, load: dict[str, int] | None = None, max_per_peer: int = 4,
-             include_owned: bool = False, slow: Callable[[str], bool] | None = None) -> list[tuple[int, str]]:
+    def pick(
+        self,
+        limit: int,
+        load: dict[str, int] | None = None,
+        max_per_peer: int = 4,
+        include_owned: bool = False,
+        slow: Callable[[str], bool] | None = None,
+    ) -> list[tuple[int, str]]:
         """Up to ``limit`` (chunk index, peer) requests, in bdnd's chunk order
         (``bdn.daemon.fetch.policy.chunk_order`` over :attr:`place` and this set's tiebreak: the
         order bdnd's fetcher draws in) among the chunks a peer with a free slot holds, each from
@@ -353,8 +370,11 @@ class PeerSet:
             return []
         load = dict(load or {})
         # peers with a free slot (a pick only takes slots, so none frees up during this call)
-        elig = [(p, s.have, s.reader, slow is not None and slow(p))
-                for p, s in self.peers.items() if load.get(p, 0) < max_per_peer]
+        elig = [
+            (p, s.have, s.reader, slow is not None and slow(p))
+            for p, s in self.peers.items()
+            if load.get(p, 0) < max_per_peer
+        ]
         if not elig:
             return []
         out = self._pick_new(limit, load, max_per_peer, include_owned, elig)
@@ -362,8 +382,9 @@ class PeerSet:
             out += self._pick_race(limit - len(out), load, max_per_peer, include_owned, elig)
         return out
 
-    def _pick_race(self, limit: int, load: dict[str, int], max_per_peer: int, include_owned: bool,
-                   elig: list) -> list[tuple[int, str]]:
+    def _pick_race(
+        self, limit: int, load: dict[str, int], max_per_peer: int, include_owned: bool, elig: list
+    ) -> list[tuple[int, str]]:
         """Endgame: second holders for the chunks asked of one holder only."""
         left = self.n - int(self.held.sum())
         if left > self.endgame_chunks:
@@ -394,8 +415,9 @@ class PeerSet:
                 break
         return out
 
-    def _pick_new(self, limit: int, load: dict[str, int], max_per_peer: int, include_owned: bool,
-                  elig: list) -> list[tuple[int, str]]:
+    def _pick_new(
+        self, limit: int, load: dict[str, int], max_per_peer: int, include_owned: bool, elig: list
+    ) -> list[tuple[int, str]]:
         cand = ~self.held & ~self.inflight & (self.avail > 0)
         if not include_owned:
             cand &= ~self.owned

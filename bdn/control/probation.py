@@ -96,8 +96,14 @@ class Probation:
     ``ttl_s``: seconds a newcomer may wait unprobed before it is dropped.
     """
 
-    def __init__(self, per_source: int = 16, limit: int = 256, ttl_s: float = 30.0,
-                 probe_after_s: float = 0.0, strong_every_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        per_source: int = 16,
+        limit: int = 256,
+        ttl_s: float = 30.0,
+        probe_after_s: float = 0.0,
+        strong_every_s: float = 1.0,
+    ) -> None:
         if per_source < 1 or limit < 1 or ttl_s <= 0 or probe_after_s < 0:
             raise ValueError("per_source and limit must be >= 1, ttl_s > 0, probe_after_s >= 0")
         self.per_source, self.limit, self.ttl_s = per_source, limit, ttl_s
@@ -119,8 +125,9 @@ class Probation:
     def get(self, node: str) -> Newcomer | None:
         return self._waiting.get(node)
 
-    def offer(self, node: str, update: object, source: str, now: float, member: bool = False,
-              confirmer: bool = False) -> bool | None:
+    def offer(
+        self, node: str, update: object, source: str, now: float, member: bool = False, confirmer: bool = False
+    ) -> bool | None:
         """``source`` announced ``node``, unknown here (``member``: ``source`` is in this daemon's
         live set; ``confirmer``: it is also one of ``node``'s designated confirmers, see the
         module docstring). True if it waits now (or waited already: the newer ``update``

@@ -111,8 +111,15 @@ class _Window:
 class ReplayGuard:
     """The verifier's side. Call :meth:`check` after the signature and the clock skew passed."""
 
-    def __init__(self, clock: Clock, *, window: int = 4096, boots_kept: int = 2 * Counters.STREAMS,
-                 max_signers: int = 100_000, max_skew_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        window: int = 4096,
+        boots_kept: int = 2 * Counters.STREAMS,
+        max_signers: int = 100_000,
+        max_skew_s: float = 30.0,
+    ) -> None:
         if window < 64 or boots_kept < 1 or max_signers < 1 or max_skew_s < 0:
             raise ValueError("window >= 64, boots_kept >= 1, max_signers >= 1, max_skew_s >= 0")
         self.clock = clock
@@ -182,8 +189,10 @@ class ReplayGuard:
             del self._floors[node]
             floor = None
         if floor is not None and boot <= floor[0]:
-            raise ReplayError("boot older than every one kept for this signer (a window up to it was dropped"
-                              f" less than {self.max_skew_s:g} s ago)")
+            raise ReplayError(
+                "boot older than every one kept for this signer (a window up to it was dropped"
+                f" less than {self.max_skew_s:g} s ago)"
+            )
         if len(boots) >= self.boots_kept:  # room first from windows nothing can be replayed into
             for b in [b for b, old in boots.items() if old.ts < now - self.max_skew_s]:
                 del boots[b]

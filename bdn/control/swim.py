@@ -145,8 +145,9 @@ class Swim(TableSync):
         #: state incrementally (:meth:`bdn.control.owners.OwnerMap.affected_by`); drain it.
         self.changes: list[str] = []
         self.synced = False  # holds a full table (see join)
-        self._probation = Probation(self.probation_per_source, self.probation_limit, 30.0 * self.period_s,
-                                    probe_after_s=2.0 * self.period_s)
+        self._probation = Probation(
+            self.probation_per_source, self.probation_limit, 30.0 * self.period_s, probe_after_s=2.0 * self.period_s
+        )
         self._confirm: dict[int, tuple[str, float]] = {}  # seq -> (newcomer probed, when)
         self._seed_asks: dict[str, float] = {}  # seed node id ("" = not known yet) -> when asked
         self.periods = 0  # protocol periods run (a metric: messages per period)
@@ -360,7 +361,9 @@ class Swim(TableSync):
         return []
 
     # ---- internals -------------------------------------------------------------------------
-    def _out(self, kind: str, dst: str, *, seq: int = 0, target: str = "", updates: tuple[Update, ...] | None = None) -> Message:
+    def _out(
+        self, kind: str, dst: str, *, seq: int = 0, target: str = "", updates: tuple[Update, ...] | None = None
+    ) -> Message:
         self.sent += 1
         ups = self._piggyback() if updates is None else updates
         return Message(kind, self.self_id, dst, seq, target, ups)

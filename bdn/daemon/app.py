@@ -87,8 +87,14 @@ class App:
     the directory or listens.
     """
 
-    def __init__(self, cfg: Config, notify: Any = None, clock: Clock = SYSTEM, shm_lock: ShmLock | None = None,
-                 stop_clock: StopClock | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        notify: Any = None,
+        clock: Clock = SYSTEM,
+        shm_lock: ShmLock | None = None,
+        stop_clock: StopClock | None = None,
+    ) -> None:
         self.shm_lock = shm_lock or ShmLock.acquire(cfg.shm_dir)
         self.stop_clock = stop_clock or StopClock()  # bdnd passes one with the exit watchdog
         self.cfg = cfg
@@ -99,32 +105,53 @@ class App:
         self.pools = Executors.create(cfg.bucket_concurrency)
         self.store = Store(cfg.shm_dir, self.keys.swarm_id)
         bucket = open_bucket(
-            cfg.bucket, credentials_file=cfg.credentials_file or None,
-            endpoint_url=cfg.endpoint_url or None, max_concurrency=cfg.bucket_concurrency,
+            cfg.bucket,
+            credentials_file=cfg.credentials_file or None,
+            endpoint_url=cfg.endpoint_url or None,
+            max_concurrency=cfg.bucket_concurrency,
         )
-        self.bucket = BucketIO(bucket, cfg.bucket, cfg.bucket_concurrency, RateLimit.from_mbit(cfg.bucket_mbit),
-                               self.pools.bucket, self.stats)
+        self.bucket = BucketIO(
+            bucket,
+            cfg.bucket,
+            cfg.bucket_concurrency,
+            RateLimit.from_mbit(cfg.bucket_mbit),
+            self.pools.bucket,
+            self.stats,
+        )
         self.membership = Membership(cfg.node_id, cfg.advertise_url, cfg.peers, clock)
-        self.peers = PeerClient(self.keys, cfg.node_id, cfg.peer_timeout_s, node_of=self.membership.node_of,
-                                # below the peers' keep-alive (header timeout + 1 s) by 3 s; SWIM
-                                # probes one member per second, so at N = 8 a pair's connection
-                                # idles ~7 s between probes: with 5 s each probe paid a new
-                                # connection (9 % of a daemon's GIL time, measured at N = 8)
-                                keepalive_s=max(1.0, cfg.http_header_timeout_s - 2))
+        self.peers = PeerClient(
+            self.keys,
+            cfg.node_id,
+            cfg.peer_timeout_s,
+            node_of=self.membership.node_of,
+            # below the peers' keep-alive (header timeout + 1 s) by 3 s; SWIM
+            # probes one member per second, so at N = 8 a pair's connection
+            # idles ~7 s between probes: with 5 s each probe paid a new
+            # connection (9 % of a daemon's GIL time, measured at N = 8)
+            keepalive_s=max(1.0, cfg.http_header_timeout_s - 2),
+        )
         self.index = ChunkIndex(self.keys.address)
         self.haves = Haves(self.peers, self.membership, stats=self.stats)
         sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
         self.fetcher = Fetcher(cfg, self.membership, self.index, self.haves, sources, self.stats, clock)
         self.fetcher.chunk_log = sources.chunk_log = open_chunk_log(cfg.chunk_log)
-        runner = Runner(cfg, self.store, self.bucket, self.index, self.fetcher, self.haves, self.stats,
-                        self.pools, clock)
+        runner = Runner(
+            cfg, self.store, self.bucket, self.index, self.fetcher, self.haves, self.stats, self.pools, clock
+        )
         self.hints = Hints()  # what hot-load requests say of snapshots without a manifest
-        runner.foreign = ForeignLoader(cfg, self.bucket, self.store, self.pools, clock, self.hints,
-                                       self.membership, self.stats)
+        runner.foreign = ForeignLoader(
+            cfg, self.bucket, self.store, self.pools, clock, self.hints, self.membership, self.stats
+        )
         self.catalog = Catalog(cfg, self.store, self.index, runner, clock)
-        self.replica = ReplicaView(cfg.node_id, self.catalog, clock, self.hints, engine_ttl_s=cfg.engine_ttl_s,
-                                   engine_stale_s=cfg.engine_stale_s,
-                                   changes=ChangedTensorsCache(self.catalog.ready_dir, sparse=runner.forward))
+        self.replica = ReplicaView(
+            cfg.node_id,
+            self.catalog,
+            clock,
+            self.hints,
+            engine_ttl_s=cfg.engine_ttl_s,
+            engine_stale_s=cfg.engine_stale_s,
+            changes=ChangedTensorsCache(self.catalog.ready_dir, sparse=runner.forward),
+        )
         link = CurrentLink(self.store.root).point
 
         def on_current(identity: str) -> None:
@@ -134,29 +161,79 @@ class App:
         self.replica.on_current = on_current
         self.catalog.pinned = self.replica.pinned
         self.catalog.on_change = self.replica.on_job_changed
-        self.hotload = HotLoad(cfg.node_id, self.replica, self.catalog, self.bucket, self.peers, self.membership,
-                               self.stats, clock, cfg, self.hints)
+        self.hotload = HotLoad(
+            cfg.node_id,
+            self.replica,
+            self.catalog,
+            self.bucket,
+            self.peers,
+            self.membership,
+            self.stats,
+            clock,
+            cfg,
+            self.hints,
+        )
         self.hotload.status = FleetStatus(cfg, self.replica, self.membership, self.peers, self.stats, clock)
         self.problems = Problems(clock)  # misconfigurations noticed (readiness, metrics, the log)
         self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock, self.stats, self.problems)
-        serving = ChunkServing(cfg.node_id, self.catalog, self.index, self.fetcher, self.membership,
-                               Uploads(cfg.max_uploads, cfg.uploads_per_chunk), self.stats,
-                               RateLimit.from_mbit(cfg.peer_upload_mbit), self.pools.disk)
-        self.readiness = Readiness(cfg.node_id, self.bucket, self.catalog, self.replica, clock, self.problems,
-                                   lambda: len(self.membership.live()), cfg.bucket)
-        self.checks = ChunkCheck(self.index, self.catalog, self.peers, self.stats, self.pools.disk,
-                                 RateLimit.from_mbit(cfg.scrub_mbit) if cfg.scrub_mbit > 0 else None, cfg.log_repeat_s)
+        serving = ChunkServing(
+            cfg.node_id,
+            self.catalog,
+            self.index,
+            self.fetcher,
+            self.membership,
+            Uploads(cfg.max_uploads, cfg.uploads_per_chunk),
+            self.stats,
+            RateLimit.from_mbit(cfg.peer_upload_mbit),
+            self.pools.disk,
+        )
+        self.readiness = Readiness(
+            cfg.node_id,
+            self.bucket,
+            self.catalog,
+            self.replica,
+            clock,
+            self.problems,
+            lambda: len(self.membership.live()),
+            cfg.bucket,
+        )
+        self.checks = ChunkCheck(
+            self.index,
+            self.catalog,
+            self.peers,
+            self.stats,
+            self.pools.disk,
+            RateLimit.from_mbit(cfg.scrub_mbit) if cfg.scrub_mbit > 0 else None,
+            cfg.log_repeat_s,
+        )
         sources.on_bad_bytes = self.checks.report
-        self.wire = wire_peer.adopt(cfg, self.keys, serving, self.index, self.stats, sources, self.membership,
-                                    self.pools.disk, self.fetcher.chunk_log, self.catalog)
+        self.wire = wire_peer.adopt(
+            cfg,
+            self.keys,
+            serving,
+            self.index,
+            self.stats,
+            sources,
+            self.membership,
+            self.pools.disk,
+            self.fetcher.chunk_log,
+            self.catalog,
+        )
         if sources.wire is not None:
             sources.wire.on_bad_bytes = self.checks.report
         self.services = Services(
-            cfg=cfg, keys=self.keys, nonces=NonceCache(), catalog=self.catalog, replica=self.replica,
-            hotload=self.hotload, gossip=self.gossip, serving=serving,
+            cfg=cfg,
+            keys=self.keys,
+            nonces=NonceCache(),
+            catalog=self.catalog,
+            replica=self.replica,
+            hotload=self.hotload,
+            gossip=self.gossip,
+            serving=serving,
             status=StatusView(cfg, self.keys.swarm_id, self.membership, self.bucket, self.stats, self.catalog, clock),
             metrics=Metrics(self.stats, self.catalog, self.membership, self.bucket, self.replica, self.readiness),
-            readiness=self.readiness, checks=self.checks,
+            readiness=self.readiness,
+            checks=self.checks,
         )
         self.should_exit = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
@@ -214,8 +291,14 @@ class App:
         self._tasks.append(asyncio.create_task(self.replica.expiry_loop(), name="engine-expiry"))
         self._tasks.append(asyncio.create_task(self.checks.run(), name="chunk-reports"))
         if self.cfg.memory_probe_dir:
-            probe = MemProbe(Path(self.cfg.memory_probe_dir), self.cfg.memory_probe_every_s, frames=8, top=20,
-                             census=self.census, trace=self.cfg.memory_probe_trace)
+            probe = MemProbe(
+                Path(self.cfg.memory_probe_dir),
+                self.cfg.memory_probe_every_s,
+                frames=8,
+                top=20,
+                census=self.census,
+                trace=self.cfg.memory_probe_trace,
+            )
             self._tasks.append(asyncio.create_task(probe.run(), name="memory-probe"))
         if self.checks.scrub is not None:
             self._tasks.append(asyncio.create_task(self.checks.scrub_loop(), name="scrub"))
@@ -224,8 +307,14 @@ class App:
         cfg = self.cfg
         log.info(
             "bdnd %s listening: peers on %s (advertised %s), transfer on %s, local API on %s%s; swarm %s; bucket %s",
-            cfg.node_id, cfg.peer_listen, cfg.advertise_url, self.gossip.transfer or "- (off)", cfg.local_listen or "-",
-            f" and {cfg.local_socket}" if cfg.local_socket else "", self.keys.swarm_id, cfg.bucket,
+            cfg.node_id,
+            cfg.peer_listen,
+            cfg.advertise_url,
+            self.gossip.transfer or "- (off)",
+            cfg.local_listen or "-",
+            f" and {cfg.local_socket}" if cfg.local_socket else "",
+            self.keys.swarm_id,
+            cfg.bucket,
         )
         if not cfg.api_token:
             log.info("no api_token: the fleet hot-load API answers on the local API only (401 on the peer port)")
@@ -241,17 +330,35 @@ class App:
         cfg = self.cfg
         # keepalive_timeout bounds idle connections; the guard (http/guard.py) bounds unfinished
         # requests (http_header_timeout_s), open connections and answers bad headers in one line.
-        guard: dict[str, Any] = dict(header_timeout_s=cfg.http_header_timeout_s, max_connections=cfg.http_max_connections,
-                     stats=self.stats, max_line_size=8190, max_field_size=8190, max_headers=128)
-        peer_runner = GuardedRunner(make_peer_app(self.services), name="peer API", access_log=None,
-                                    keepalive_timeout=15, shutdown_timeout=HTTP_GRACE_S, **guard)
+        guard: dict[str, Any] = dict(
+            header_timeout_s=cfg.http_header_timeout_s,
+            max_connections=cfg.http_max_connections,
+            stats=self.stats,
+            max_line_size=8190,
+            max_field_size=8190,
+            max_headers=128,
+        )
+        peer_runner = GuardedRunner(
+            make_peer_app(self.services),
+            name="peer API",
+            access_log=None,
+            keepalive_timeout=15,
+            shutdown_timeout=HTTP_GRACE_S,
+            **guard,
+        )
         await peer_runner.setup()
         self._runners.append(peer_runner)
         host, port = split_hostport(cfg.peer_listen)
         with binding("peer_listen", cfg.peer_listen):
             await web.TCPSite(peer_runner, host or None, port, reuse_address=True).start()
-        local_runner = GuardedRunner(make_local_app(self.services), name="local API", access_log=None,
-                                     keepalive_timeout=75, shutdown_timeout=HTTP_GRACE_S, **guard)
+        local_runner = GuardedRunner(
+            make_local_app(self.services),
+            name="local API",
+            access_log=None,
+            keepalive_timeout=75,
+            shutdown_timeout=HTTP_GRACE_S,
+            **guard,
+        )
         await local_runner.setup()
         self._runners.append(local_runner)
         if cfg.local_listen:
@@ -283,13 +390,20 @@ class App:
         if first is not None and target is not None and target.identity != first and target.seq > 0:
             # The fleet moved on while this daemon was away: go straight to its target (rebuilt
             # chunks come from peers); loading the outdated startup snapshot first is only waste.
-            log.info("%s names %s, but the fleet serves %s: loading that instead",
-                     "current" if served else STARTUP_NAME, first, target.identity)
+            log.info(
+                "%s names %s, but the fleet serves %s: loading that instead",
+                "current" if served else STARTUP_NAME,
+                first,
+                target.identity,
+            )
         elif served is not None:
             # A restart (or a lone daemon's) serves what it served: a hot-load is not undone by
             # a restart (README "Rebuilt snapshots", docs/OPERATIONS.md section 4)
-            log.info("current names %s, ready here: serving it again%s", served,
-                     f" ({STARTUP_NAME} names {startup}: not loaded)" if startup and startup != served else "")
+            log.info(
+                "current names %s, ready here: serving it again%s",
+                served,
+                f" ({STARTUP_NAME} names {startup}: not loaded)" if startup and startup != served else "",
+            )
             self.replica.on_snapshot_ready(served)
         elif startup is not None:
             log.info("%s names %s: loading it", STARTUP_NAME, startup)
@@ -341,22 +455,36 @@ class App:
     def census(self) -> dict[str, int]:
         """Sizes (entries) of the long-lived structures that grow with snapshots, peers, engines or
         requests, for the memory probe (``bdn/daemon/memprobe.py``); ``pool_kb`` in KiB."""
+
         def n(obj: Any, attr: str) -> int:
             return len(getattr(obj, attr, ()))
+
         f, r = self.fetcher, self.replica
         return {
-            "jobs": n(self.catalog, "jobs"), "collected": n(self.catalog, "collected"),
+            "jobs": n(self.catalog, "jobs"),
+            "collected": n(self.catalog, "collected"),
             "failed_holding_manifest": sum(1 for j in self.catalog.jobs.values() if j.state == "failed" and j.manifest),
-            "resumable": n(self.catalog, "resumable"), "hints": n(self.hints, "_by_identity"),
-            "engines": n(r, "engines"), "leases": n(r, "leases"), "claims_voided": n(r.claims, "voided"),
-            "changes_done": n(r.changes, "_done"), "changes_ranges": n(r.changes, "_ranges"),
-            "members": n(self.membership, "members"), "verify_failures_by_peer": n(self.stats, "verify_failures_by_peer"),
-            "haves": n(self.haves, "_by_identity"), "haves_synced": n(self.haves, "_synced"),
-            "haves_growing": n(self.haves, "_growing"), "owner_tables": n(f.owners, "_tables"),
-            "checks_recent": n(self.checks, "_recent"), "problems": n(self.problems, "_active"),
+            "resumable": n(self.catalog, "resumable"),
+            "hints": n(self.hints, "_by_identity"),
+            "engines": n(r, "engines"),
+            "leases": n(r, "leases"),
+            "claims_voided": n(r.claims, "voided"),
+            "changes_done": n(r.changes, "_done"),
+            "changes_ranges": n(r.changes, "_ranges"),
+            "members": n(self.membership, "members"),
+            "verify_failures_by_peer": n(self.stats, "verify_failures_by_peer"),
+            "haves": n(self.haves, "_by_identity"),
+            "haves_synced": n(self.haves, "_synced"),
+            "haves_growing": n(self.haves, "_growing"),
+            "owner_tables": n(f.owners, "_tables"),
+            "checks_recent": n(self.checks, "_recent"),
+            "problems": n(self.problems, "_active"),
             "board_rows": n(self.hotload.status.board, "_rows"),
-            "pool_buffers": getattr(f.sources.pool, "_count", 0), "pool_kb": getattr(f.sources.pool, "_bytes", 0) >> 10,
-            "tasks": len(asyncio.all_tasks()), "threads": threading.active_count(), "gc_objects": len(gc.get_objects()),
+            "pool_buffers": getattr(f.sources.pool, "_count", 0),
+            "pool_kb": getattr(f.sources.pool, "_bytes", 0) >> 10,
+            "tasks": len(asyncio.all_tasks()),
+            "threads": threading.active_count(),
+            "gc_objects": len(gc.get_objects()),
         }
 
     async def shutdown(self) -> None:

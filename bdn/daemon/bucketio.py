@@ -23,7 +23,13 @@ class BucketIO:
     """``bucket`` behind ``concurrency`` concurrent requests, ``limit`` on chunk bytes."""
 
     def __init__(
-        self, bucket: Bucket, url: str, concurrency: int, limit: RateLimit, pool: ThreadPoolExecutor, stats: Stats,
+        self,
+        bucket: Bucket,
+        url: str,
+        concurrency: int,
+        limit: RateLimit,
+        pool: ThreadPoolExecutor,
+        stats: Stats,
     ) -> None:
         self.bucket = bucket
         self.url = url  # for messages
@@ -45,8 +51,14 @@ class BucketIO:
         return await self._run(self.bucket.read, key)
 
     async def read_chunk(
-        self, key: str, offset: int, length: int, alloc: Callable[[int], _Buf], if_match: str | None = None,
-        progress: Callable[[int], None] | None = None, started: Callable[[], None] | None = None,
+        self,
+        key: str,
+        offset: int,
+        length: int,
+        alloc: Callable[[int], _Buf],
+        if_match: str | None = None,
+        progress: Callable[[int], None] | None = None,
+        started: Callable[[], None] | None = None,
     ) -> _Buf:
         """``length`` bytes of ``key`` from ``offset`` (rate-limited) in a buffer from ``alloc``,
         taken only once a bucket slot is free (waiting reads hold no memory). ``if_match``: the
@@ -64,8 +76,11 @@ class BucketIO:
                 if if_match is None and progress is None:
                     await self._run(self.bucket.read_range_into, key, offset, memoryview(buf))
                 else:
-                    await self._run(lambda: self.bucket.read_range_into(key, offset, memoryview(buf), if_match=if_match,
-                                                                        progress=progress))
+                    await self._run(
+                        lambda: self.bucket.read_range_into(
+                            key, offset, memoryview(buf), if_match=if_match, progress=progress
+                        )
+                    )
             finally:
                 self.stats.inflight["bucket"] -= 1
         return buf

@@ -46,12 +46,19 @@ def tags_of(marker: ReadyMarker, stored_dir: Path) -> dict[str, dict[str, Any]]:
                 adlers = {n: t.target_adler32 for n, t in diff_tensors(fileops.read_header(diff)).items()}
             except (OSError, BdnError):
                 adlers = None
-        tags[f.path] = {"identity": marker.identity, "path": f.path, "size": f.size, "chunks": list(f.chunks),
-                        "adlers": adlers}
+        tags[f.path] = {
+            "identity": marker.identity,
+            "path": f.path,
+            "size": f.size,
+            "chunks": list(f.chunks),
+            "adlers": adlers,
+        }
     return tags
 
 
-def take(spares: Spares, m: Manifest, staging: Path, accept: Callable[[dict[str, Any]], bool]) -> dict[str, dict[str, Any]]:
+def take(
+    spares: Spares, m: Manifest, staging: Path, accept: Callable[[dict[str, Any]], bool]
+) -> dict[str, dict[str, Any]]:
     """Move into ``staging`` every tagged spare that ``accept`` takes as a rebuilt diff file of
     ``m`` (same path and size, ``Spares.take_tagged``), kept as it is; ``{path: tag}`` of those
     (their bytes are the tag's snapshot's, to be brought forward by :func:`bring_forward`)."""
@@ -72,8 +79,9 @@ class Held(Protocol):
     manifest: Manifest | None
 
 
-def chains(m: Manifest, get: Callable[[str], Held | None], stored_dir: Callable[[str], Path],
-           max_steps: int) -> dict[str, list[tuple[str, Path]]]:
+def chains(
+    m: Manifest, get: Callable[[str], Held | None], stored_dir: Callable[[str], Path], max_steps: int
+) -> dict[str, list[tuple[str, Path]]]:
     """For delta ``m``: identity a buffer may hold -> the deltas to apply to it, in order, as
     ``(identity, its stored directory)``, ending with ``m`` itself. Empty for a delta not in
     ``bdn_planes_v1``. Each ancestor step must be a ready ``bdn_planes_v1`` delta known here."""
@@ -88,8 +96,13 @@ def chains(m: Manifest, get: Callable[[str], Held | None], stored_dir: Callable[
         out[holder] = list(reversed(steps))
         j = get(holder)
         hm = j.manifest if j is not None else None
-        if (j is None or j.state != "ready" or hm is None or not hm.is_delta
-                or (hm.compression_format or "").lower() != SPARSE_FORMAT):
+        if (
+            j is None
+            or j.state != "ready"
+            or hm is None
+            or not hm.is_delta
+            or (hm.compression_format or "").lower() != SPARSE_FORMAT
+        ):
             break
         steps.append((holder, stored_dir(holder)))
         holder = hm.base_identity
@@ -111,9 +124,17 @@ class Forwarded:
     adlers: dict[str, int] = field(default_factory=dict)
 
 
-def bring_forward(path: str, file: Path, tag: dict[str, Any], steps: Sequence[tuple[str, Path]],
-                  result_size: int, result_chunks: Sequence[str], chunk_size: int, workers: int,
-                  mapped: Any = None) -> Forwarded:
+def bring_forward(
+    path: str,
+    file: Path,
+    tag: dict[str, Any],
+    steps: Sequence[tuple[str, Path]],
+    result_size: int,
+    result_chunks: Sequence[str],
+    chunk_size: int,
+    workers: int,
+    mapped: Any = None,
+) -> Forwarded:
     """Apply ``steps`` (``(identity, stored directory)`` of each delta, in order) in place to
     ``file``, which holds ``tag``'s snapshot of ``path``; blocking. ``mapped``: the file's populated
     mapping (``bdn.daemon.hotmaps``) when it has one.
@@ -137,8 +158,10 @@ def bring_forward(path: str, file: Path, tag: dict[str, Any], steps: Sequence[tu
         need += sparse.changed_bytes(diff, streams, fileops.read_header(file))
         del diff
     if need > result_size:
-        raise ProtocolError(f"{path}: {len(steps)} sparse delta(s) from {held} write {need} bytes, more than the "
-                            f"{result_size}-byte file: full apply")
+        raise ProtocolError(
+            f"{path}: {len(steps)} sparse delta(s) from {held} write {need} bytes, more than the "
+            f"{result_size}-byte file: full apply"
+        )
     adlers = tag.get("adlers")
     known = {str(k): int(v) for k, v in adlers.items()} if isinstance(adlers, dict) else None
     out = Forwarded(path)

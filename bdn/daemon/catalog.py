@@ -102,8 +102,9 @@ class Catalog:
         self.jobs[identity] = job
         return job
 
-    async def prefetch_looked(self, identity: str, wait_publish: bool, timeout: float,
-                              publish_wait_s: float | None = None) -> SnapshotJob:
+    async def prefetch_looked(
+        self, identity: str, wait_publish: bool, timeout: float, publish_wait_s: float | None = None
+    ) -> SnapshotJob:
         """``prefetch``, then wait (at most ``timeout`` s) until the job has looked at the bucket
         once: it downloads, waits with a reason (for its manifest, for publication), or failed
         (nothing published, a manifest refused, no room): so the local API can refuse a request
@@ -225,8 +226,12 @@ class Catalog:
             job = self._new_job(info.identity, "store", job)
             job.restored(digest, created if created is not None else job.created, derived)
             await self._register_restored(job)
-            log.info("snapshot %s: ready from shm (%d bytes)%s", info.identity, info.total_bytes,
-                     "" if created is not None else ", no record of its manifest: READY's table")
+            log.info(
+                "snapshot %s: ready from shm (%d bytes)%s",
+                info.identity,
+                info.total_bytes,
+                "" if created is not None else ", no record of its manifest: READY's table",
+            )
 
     def _restored_table(self, info: ReadyMarker) -> tuple[Manifest, str, float | None, bool]:
         """``(manifest, digest, created, derived)`` of a snapshot READY at start, from its record
@@ -276,8 +281,11 @@ class Catalog:
         need = self.store.space_needed(m)
 
         def holders() -> list[SnapshotJob]:
-            return [j for j in self.jobs.values()
-                    if j.manifest is not None and j.identity != m.identity and j.state != "failed"]
+            return [
+                j
+                for j in self.jobs.values()
+                if j.manifest is not None and j.identity != m.identity and j.state != "failed"
+            ]
 
         def used() -> int:
             return sum(self.store.space_needed(j.manifest) for j in holders() if j.manifest is not None)
@@ -299,14 +307,19 @@ class Catalog:
         budget = self.cfg.shm_budget_bytes
         if budget <= 0:
             return cap
-        used = sum(self.store.space_needed(j.manifest) for j in self.jobs.values()
-                   if j.manifest is not None and j.state != "failed" and (m is None or j.identity != m.identity))
+        used = sum(
+            self.store.space_needed(j.manifest)
+            for j in self.jobs.values()
+            if j.manifest is not None and j.state != "failed" and (m is None or j.identity != m.identity)
+        )
         need = self.store.space_needed(m) if m is not None else 0
         return max(0, min(cap, budget - used - need))
 
     def _plan_gc(self) -> tuple[list[str], list[str]]:
-        held = [retention.Held(j.identity, j.state, j.policy_version, j.created, j.updated, j.base_identity)
-                for j in self.jobs.values()]
+        held = [
+            retention.Held(j.identity, j.state, j.policy_version, j.created, j.updated, j.base_identity)
+            for j in self.jobs.values()
+        ]
         return retention.plan_gc(held, self.pinned(), self.cfg.keep_ready, self.cfg.gc_grace_s, self.clock.time())
 
     def collectable(self) -> list[str]:
@@ -417,7 +430,9 @@ class Catalog:
             if fut is None:  # one parse per snapshot, however many requests wait for it
                 fut = asyncio.get_running_loop().run_in_executor(self.runner.pools.disk, self._tensor_index, job, d)
                 self._indexing[identity] = fut
-                fut.add_done_callback(lambda f: self._indexing.pop(identity, None) if self._indexing.get(identity) is f else None)
+                fut.add_done_callback(
+                    lambda f: self._indexing.pop(identity, None) if self._indexing.get(identity) is f else None
+                )
             try:
                 index = await asyncio.shield(fut)
             except SafetensorsError as e:
@@ -456,5 +471,5 @@ FILES_SLICE = 4096
 def _files_json(m: Manifest) -> bytes:
     parts = []
     for i in range(0, len(m.files), FILES_SLICE):
-        parts.append(json.dumps([{"path": f.path, "size": f.result_size} for f in m.files[i:i + FILES_SLICE]])[1:-1])
+        parts.append(json.dumps([{"path": f.path, "size": f.result_size} for f in m.files[i : i + FILES_SLICE]])[1:-1])
     return ('{"files": [' + ", ".join(parts) + "]}").encode()

@@ -53,9 +53,17 @@ IDLE_S = 5.0  # the scrub's pause when no snapshot is ready
 class ChunkCheck:
     """See the module docstring. ``scrub`` is the scrub's rate limit (None: no scrub)."""
 
-    def __init__(self, index: ChunkIndex, catalog: Catalog, peers: PeerClient, stats: Stats,
-                 disk_pool: Executor, scrub: RateLimit | None, log_repeat_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        index: ChunkIndex,
+        catalog: Catalog,
+        peers: PeerClient,
+        stats: Stats,
+        disk_pool: Executor,
+        scrub: RateLimit | None,
+        log_repeat_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.index = index
         self.catalog = catalog
         self.peers = peers
@@ -129,11 +137,23 @@ class ChunkCheck:
             if len(self._recent) >= MAX_RECENT:
                 self._recent.clear()
             self._recent[address] = self.clock()
-            self.repeat.log(logging.WARNING, ("refuted", peer), "peer %s reported chunk %d of %s (snapshot %s) bad; "
-                            "its bytes here match the manifest: kept", peer, ref.index, ref.path, loc.job.identity)
+            self.repeat.log(
+                logging.WARNING,
+                ("refuted", peer),
+                "peer %s reported chunk %d of %s (snapshot %s) bad; its bytes here match the manifest: kept",
+                peer,
+                ref.index,
+                ref.path,
+                loc.job.identity,
+            )
             return "good"
-        log.error("peer %s reported chunk %d of %s (snapshot %s) bad, and it is: quarantined",
-                  peer, ref.index, ref.path, loc.job.identity)
+        log.error(
+            "peer %s reported chunk %d of %s (snapshot %s) bad, and it is: quarantined",
+            peer,
+            ref.index,
+            ref.path,
+            loc.job.identity,
+        )
         await self._quarantine(loc, ref)
         return "bad"
 
@@ -148,8 +168,9 @@ class ChunkCheck:
 
     async def _hash(self, job: SnapshotJob, layer: str, refs: list[ChunkRef]) -> list[int]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.disk_pool, diskio.corrupt_chunks, refs,
-                                          lambda fi: job.file_path(layer, fi))
+        return await loop.run_in_executor(
+            self.disk_pool, diskio.corrupt_chunks, refs, lambda fi: job.file_path(layer, fi)
+        )
 
     # ---- scrub ---------------------------------------------------------------------------
     async def scrub_loop(self) -> None:
@@ -173,8 +194,12 @@ class ChunkCheck:
             await self.scrub.take(ref.length)
             self.stats.add("chunks_scrubbed")
             if await self._hash(job, RESULT, [ref]):
-                log.error("scrub: chunk %d of %s (snapshot %s) no longer matches the manifest: quarantined",
-                          ref.index, ref.path, job.identity)
+                log.error(
+                    "scrub: chunk %d of %s (snapshot %s) no longer matches the manifest: quarantined",
+                    ref.index,
+                    ref.path,
+                    job.identity,
+                )
                 try:
                     await self.catalog.repair(job.identity, positions=[position])
                 except BdnError as e:
@@ -193,4 +218,3 @@ def _same_in_both(job: SnapshotJob, ref: ChunkRef) -> bool:
     """A file that is not a delta's diff is the same bytes in the stored and the rebuilt layer."""
     m = job.manifest
     return m is not None and not m.files[ref.file_index].is_diff
-

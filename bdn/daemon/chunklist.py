@@ -35,9 +35,7 @@ def check_limits(m: Manifest, max_chunks: int, max_files: int) -> None:
         )
     n = sum(len(f.chunks) + (len(f.result.chunks) if f.result is not None else 0) for f in m.files)
     if max_chunks and n > max_chunks:
-        raise SnapshotTooLarge(
-            f"snapshot {m.identity} lists {n} chunks, over max_chunks_per_snapshot = {max_chunks}"
-        )
+        raise SnapshotTooLarge(f"snapshot {m.identity} lists {n} chunks, over max_chunks_per_snapshot = {max_chunks}")
 
 
 class ChunkList(Sequence[ChunkRef]):

@@ -69,11 +69,22 @@ class ChunkLog:
     def done(self, job: Any, layer: str, ref: Any, position: int) -> None:
         """Event: ``ref`` is verified: write its line."""
         p = self._pending.pop(self._key(job, ref), None) or _Pending(self.clock())
-        self._write({
-            "snapshot": job.identity, "layer": layer, "chunk": position, "file": ref.path, "index": ref.index,
-            "source": p.source or "?", "transport": p.transport, "start": round(p.start, 6),
-            "end": round(self.clock(), 6), "bytes": ref.length, "retries": p.retries, "busy": p.busy,
-        })
+        self._write(
+            {
+                "snapshot": job.identity,
+                "layer": layer,
+                "chunk": position,
+                "file": ref.path,
+                "index": ref.index,
+                "source": p.source or "?",
+                "transport": p.transport,
+                "start": round(p.start, 6),
+                "end": round(self.clock(), 6),
+                "bytes": ref.length,
+                "retries": p.retries,
+                "busy": p.busy,
+            }
+        )
 
     def drop(self, job: Any) -> None:
         """Forget the pending records of ``job`` (it failed or was collected)."""

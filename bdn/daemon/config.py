@@ -29,22 +29,39 @@ class ConfigError(BdnError):
 
 
 #: ``BDN_*`` variables that other parts of bdn read; bdnd ignores them instead of refusing them.
-FOREIGN_ENV = frozenset({
-    "BDN_URL",  # bdnctl / bdn.client: the local API to talk to
-    "BDN_GCS_ENDPOINT_URL",  # bdn.bucket: GCS XML API endpoint override
-    "BDN_PEERS_SERVICE",  # deploy/k8s: the headless Service the entrypoint resolves
-    "BDN_DEMO_SECRET",  # examples/demo.py
-})
+FOREIGN_ENV = frozenset(
+    {
+        "BDN_URL",  # bdnctl / bdn.client: the local API to talk to
+        "BDN_GCS_ENDPOINT_URL",  # bdn.bucket: GCS XML API endpoint override
+        "BDN_PEERS_SERVICE",  # deploy/k8s: the headless Service the entrypoint resolves
+        "BDN_DEMO_SECRET",  # examples/demo.py
+    }
+)
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Lower bounds of numeric keys (inclusive); every other number must be >= 0.
 _MINIMUM: dict[str, float] = {
-    "max_inflight": 1, "bucket_concurrency": 1, "max_uploads": 1, "uploads_per_chunk": 1,
-    "max_per_peer": 1, "peer_timeout_s": 0.001, "manifest_poll_s": 0.001, "progress_interval_s": 0.001,
-    "peers_dns_interval_s": 0.001, "foreign_chunk_size": 4096, "max_delta_chain": 1,
-    "swim_period_s": 0.05, "swim_ack_timeout_s": 0.01, "swim_suspect_mult": 1, "swim_sync_interval_s": 1,
-    "status_aggregators": 1, "status_report_s": 0.1,
-    "http_header_timeout_s": 0.001, "memory_probe_every_s": 0.1, "http_max_connections": 1, "shm_spare_bytes": -1,
+    "max_inflight": 1,
+    "bucket_concurrency": 1,
+    "max_uploads": 1,
+    "uploads_per_chunk": 1,
+    "max_per_peer": 1,
+    "peer_timeout_s": 0.001,
+    "manifest_poll_s": 0.001,
+    "progress_interval_s": 0.001,
+    "peers_dns_interval_s": 0.001,
+    "foreign_chunk_size": 4096,
+    "max_delta_chain": 1,
+    "swim_period_s": 0.05,
+    "swim_ack_timeout_s": 0.01,
+    "swim_suspect_mult": 1,
+    "swim_sync_interval_s": 1,
+    "status_aggregators": 1,
+    "status_report_s": 0.1,
+    "http_header_timeout_s": 0.001,
+    "memory_probe_every_s": 0.1,
+    "http_max_connections": 1,
+    "shm_spare_bytes": -1,
 }
 
 
@@ -52,86 +69,305 @@ _MINIMUM: dict[str, float] = {
 class Config:
     """Every bdnd option, with its default. Units are in the names (``_s`` seconds, ``_bytes``)."""
 
-    bucket: str = field(default="", metadata={"help": 'origin: s3://b/prefix, gs://b/prefix or file:///path (required)'})
-    partition_secret: str = field(default="", repr=False, metadata={"help": 'the partition secret itself (prefer partition_secret_file; not a flag: it would show in ps)'})
-    partition_secret_file: str = field(default="", metadata={"help": 'file holding the partition secret'})
-    node_id: str = field(default="", metadata={"help": 'this daemon\'s name in the swarm (default: the hostname)'})
-    peer_listen: str = field(default="0.0.0.0:7080", metadata={"help": 'host:port of the peer (swarm) server'})
-    advertise_url: str = field(default="", metadata={"help": 'URL peers use to reach this daemon; default http://<host>:<port>'})
-    local_listen: str = field(default="127.0.0.1:7081", metadata={"help": 'loopback host:port of the local API ("" = only local_socket)'})
-    local_socket: str = field(default="", metadata={"help": 'optional unix socket path for the local API'})
-    peers: list[str] = field(default_factory=list, metadata={"help": 'static peer URLs (http://host:port)'})
-    shm_dir: str = field(default="/dev/shm/bdn", metadata={"help": 'snapshots are rebuilt under <shm_dir>/<swarm_id>/'})
-    credentials_file: str = field(default="", metadata={"help": 'reader credentials JSON (aws_access_key_id, ...)'})
-    endpoint_url: str = field(default="", metadata={"help": 'S3 API endpoint override (else AWS_ENDPOINT_URL / default)'})
-    require_manifest: bool = field(default=True, metadata={"help": 'wait for bdn.manifest.json before loading a snapshot (false: a snapshot without one is read from its listing, docs/OPERATIONS.md section 9)'})
-    foreign_chunk_size: int = field(default=16 << 20, metadata={"help": 'chunk size (bytes) of snapshots without a manifest; the same on every daemon'})
-    foreign_base: str = field(default="", metadata={"help": 'base of a delta without a manifest when the hot-load names none (previous_snapshot_identity)'})
-    foreign_restarts: int = field(default=3, metadata={"help": 'times a snapshot without a manifest starts again on a fresh listing when an object is replaced mid-download, before it fails naming the object'})
-    allow_unverifiable: bool = field(default=False, metadata={"help": "take peers' bytes of objects the bucket keeps no checksum of (file://, SSE-KMS); false: each daemon reads those itself"})
-    max_delta_chain: int = field(default=64, metadata={"help": 'most deltas between a hot-load target and its anchor; past it a full snapshot is required'})
-    fold_deltas: bool = field(default=True, metadata={"help": 'a delta several steps ahead of what this node has is rebuilt once from the chain (the diffs applied in place on one copy), not one ready snapshot per step'})
-    load_startup: bool = field(default=True, metadata={"help": 'load STARTUP_SNAPSHOT on start'})
-    startup_settle_s: float = field(default=5.0, metadata={"help": 'at start, wait up to this long for static peers to answer'})
-    shutdown_timeout_s: float = field(default=15.0, metadata={"help": 'after SIGTERM/SIGINT, the process is gone within this long: worker threads still busy then are abandoned (exit 0, progress saved); if the event loop itself is stuck, every thread\'s stack is logged and bdnd exits 1 five seconds later (keep it below systemd\'s TimeoutStopSec and Kubernetes\' terminationGracePeriodSeconds)'})
-    max_inflight: int = field(default=16, metadata={"help": 'chunk transfers in flight per snapshot'})
-    bucket_concurrency: int = field(default=8, metadata={"help": "concurrent bucket requests: a chunk is read as up to this many ranged GETs (>= 512 KiB each) queued in chunk order, so an owner's chunks finish one after another and flow to peers at once (8: the bucket reads keep their share of a downlink full of peer traffic)"})
-    bucket_readers: int = field(default=0, metadata={"help": "how many live daemons read each snapshot from the bucket (its chunks' owners: the top by HRW of the snapshot's identity, so the role rotates per snapshot); 0 = every daemon. For large fleets: about 1.5 x the bucket's aggregate rate / (bucket_concurrency x its per-connection rate) (bdn.control.owners.reader_count)"})
-    chunk_wait_s: float = field(default=30.0, metadata={"help": 'how long an owner may hold a chunk request while it fetches'})
-    owner_patience_s: float = field(default=600.0, metadata={"help": 'keep asking a live owner that answers "still fetching" this long'})
-    max_uploads: int = field(default=8, metadata={"help": 'chunk uploads served at once; beyond, 503 sends askers to other holders'})
-    uploads_per_chunk: int = field(default=2, metadata={"help": 'peers served one chunk at once; others are sent to holders (fan-out tree)'})
-    steal_reads: bool = field(default=True, metadata={"help": "a daemon whose own bucket reads of an anchor are done reads the last chunks of the owner with the most left (announced over the transfer wire, so the owner skips them; fleets within one peer set only); false: every chunk is read by its owner"})
-    peer_receive: str = field(default="write", metadata={"help": "how a chunk from a peer lands in its target file: write = received into the stream's 1 MiB buffer, hashed there and pwritten (no page-table fill, no zeroing of fresh tmpfs pages); map = recv_into the file's mapping, its page tables filled up front (cut-through answers use the mapping either way)"})
-    cut_through: bool = field(default=True, metadata={"help": "an owner sends a chunk on to the askers parked on it while its bucket read still lands (over the transfer wire; the last bytes only once it verified the whole chunk); false: store and forward"})
-    manifest_wait_s: float = field(default=600.0, metadata={"help": 'how long a prefetch waits for the manifest to appear'})
-    manifest_poll_s: float = field(default=1.0, metadata={"help": 'how often a waiting prefetch looks for the manifest'})
-    peer_timeout_s: float = field(default=60.0, metadata={"help": 'one peer request (after any wait)'})
-    penalty_s: float = field(default=30.0, metadata={"help": 'how long a peer that sent bad bytes is skipped'})
-    sparse_apply: bool = field(default=True, metadata={"help": 'a bdn_planes_v1 delta is applied in place to a spare that holds an earlier snapshot of the file, writing only the changed words (DESIGN.md, "Sparse apply"); false: every delta is a full apply'})
-    sparse_max_chain: int = field(default=4, metadata={"help": 'most deltas a spare may be behind to be brought forward sparsely'})
-    apply_workers: int = field(default=0, metadata={"help": 'threads decoding deltas (0 = one per core)'})
-    keep_ready: int = field(default=2, metadata={"help": 'GC keeps this many newest ready snapshots (plus leased/current/target)'})
-    engine_ttl_s: float = field(default=30.0, metadata={"help": 'an engine that has not polled for this long is dropped and its leases released (0 = never); must exceed its longest prepare + swap'})
-    memory_probe_dir: str = field(default="", metadata={"help": 'diagnosis only, slows the daemon: trace Python allocations and append what grew, RssAnon by mapping and the sizes of long-lived structures to DIR/memprobe.jsonl every memory_probe_every_s ("" = off)'})
-    memory_probe_trace: bool = field(default=True, metadata={"help": 'the memory probe traces Python allocations (tracemalloc: what grew, by code line); false: pymalloc\'s own arena figures instead, which CPython gives only untraced'})
-    memory_probe_every_s: float = field(default=300.0, metadata={"help": 'seconds between two lines of the memory probe'})
-    engine_stale_s: float = field(default=10.0, metadata={"help": 'an engine not heard from (poll, heartbeat, ack) for this long is stale: the replica stops waiting for it and says so; live again when heard from (0 = never stale; above engine_ttl_s it has no effect)'})
-    gc_grace_s: float = field(default=60.0, metadata={"help": 'a snapshot that just became ready is kept at least this long'})
-    shm_budget_bytes: int = field(default=0, metadata={"help": 'most bytes of snapshots (rebuilt + stored diffs) in shm; 0 = no budget'})
-    shm_spare_bytes: int = field(default=-1, metadata={"help": 'most bytes of collected snapshots\' shm files kept (no process mapping or holding them) to become the next snapshot\'s files, counted in shm_budget_bytes; -1 = as many as the largest snapshot collected, 0 = none'})
-    peer_upload_mbit: float = field(default=0.0, metadata={"help": 'limit on chunk bytes served to peers, Mbit/s; 0 = none'})
-    peer_download_mbit: float = field(default=0.0, metadata={"help": 'limit on chunk bytes fetched from peers, Mbit/s; 0 = none'})
-    bucket_mbit: float = field(default=0.0, metadata={"help": 'limit on chunk bytes read from the bucket, Mbit/s; 0 = none'})
-    max_per_peer: int = field(default=4, metadata={"help": 'chunk requests in flight to any one peer'})
-    endgame_chunks: int = field(default=4, metadata={"help": 'when this few chunks are left, ask a second source for each'})
-    peers_dns: str = field(default="", metadata={"help": 'host:port whose DNS A/AAAA records are all the daemons (k8s headless Service)'})
-    peers_dns_interval_s: float = field(default=10.0, metadata={"help": 'how often peers_dns is re-resolved'})
-    progress_interval_s: float = field(default=0.5, metadata={"help": 'how often download progress is persisted for resume'})
-    api_token: str = field(default="", repr=False, metadata={"help": 'bearer token for the fleet hot-load API (prefer api_token_file; not a flag)'})
-    api_token_file: str = field(default="", metadata={"help": 'file holding the bearer token of the fleet hot-load API'})
-    max_chunks_per_snapshot: int = field(default=2_000_000, metadata={"help": 'a manifest listing more chunks (stored plus rebuilt) is refused; 0 = no limit'})
-    max_files_per_snapshot: int = field(default=200_000, metadata={"help": 'a manifest listing more files is refused; 0 = no limit'})
-    log_repeat_s: float = field(default=10.0, metadata={"help": 'a log line repeated per chunk or per peer is written once per this interval, then one summary line'})
-    log_level: str = field(default="info", metadata={"help": 'debug, info, warning, error or critical'})
-    log_json: bool = field(default=False, metadata={"help": 'one JSON object per log line'})
-    event_loop: str = field(default="uvloop", metadata={"help": 'the asyncio event loop: uvloop, or asyncio (the standard library\'s; for A/B runs and debugging)'})
-    transfer_listen: str = field(default="auto", metadata={"help": 'host:port of the transfer server for chunk bytes (the wire of bdn.proto.wire); "auto" = the peer host and port + 1 (+ 2 where local_listen has + 1); "" = off (chunks over HTTP only)'})
-    transfer_advertise: str = field(default="", metadata={"help": 'host:port peers use to reach the transfer server (NAT, a Service port); "" = the advertise_url host and the bound port'})
-    chunk_log: str = field(default="", metadata={"help": 'path of a JSON-lines log with one line per chunk fetched (source, start, end, bytes, retries, busy answers); "" = off'})
-    scrub_mbit: float = field(default=0.0, metadata={"help": 'background re-hash of every ready snapshot\'s chunks in shm at this rate, Mbit/s, over and over (a chunk gone bad is quarantined and fetched again); 0 = off'})
-    http_header_timeout_s: float = field(default=10.0, metadata={"help": 'a connection to the peer port or the local API whose request headers are not complete this long after connect (or after its first bytes on a keep-alive connection) is closed (slowloris)'})
-    http_max_connections: int = field(default=4096, metadata={"help": 'most open connections on each HTTP listener (peer port, local API); more are answered 503 and closed'})
-    local_allow_remote: bool = field(default=False, metadata={"help": 'allow local_listen on a non-loopback address (the local API has no auth)'})
+    bucket: str = field(
+        default="", metadata={"help": "origin: s3://b/prefix, gs://b/prefix or file:///path (required)"}
+    )
+    partition_secret: str = field(
+        default="",
+        repr=False,
+        metadata={
+            "help": "the partition secret itself (prefer partition_secret_file; not a flag: it would show in ps)"
+        },
+    )
+    partition_secret_file: str = field(default="", metadata={"help": "file holding the partition secret"})
+    node_id: str = field(default="", metadata={"help": "this daemon's name in the swarm (default: the hostname)"})
+    peer_listen: str = field(default="0.0.0.0:7080", metadata={"help": "host:port of the peer (swarm) server"})
+    advertise_url: str = field(
+        default="", metadata={"help": "URL peers use to reach this daemon; default http://<host>:<port>"}
+    )
+    local_listen: str = field(
+        default="127.0.0.1:7081", metadata={"help": 'loopback host:port of the local API ("" = only local_socket)'}
+    )
+    local_socket: str = field(default="", metadata={"help": "optional unix socket path for the local API"})
+    peers: list[str] = field(default_factory=list, metadata={"help": "static peer URLs (http://host:port)"})
+    shm_dir: str = field(default="/dev/shm/bdn", metadata={"help": "snapshots are rebuilt under <shm_dir>/<swarm_id>/"})
+    credentials_file: str = field(default="", metadata={"help": "reader credentials JSON (aws_access_key_id, ...)"})
+    endpoint_url: str = field(
+        default="", metadata={"help": "S3 API endpoint override (else AWS_ENDPOINT_URL / default)"}
+    )
+    require_manifest: bool = field(
+        default=True,
+        metadata={
+            "help": "wait for bdn.manifest.json before loading a snapshot (false: a snapshot without one is read from its listing, docs/OPERATIONS.md section 9)"
+        },
+    )
+    foreign_chunk_size: int = field(
+        default=16 << 20,
+        metadata={"help": "chunk size (bytes) of snapshots without a manifest; the same on every daemon"},
+    )
+    foreign_base: str = field(
+        default="",
+        metadata={
+            "help": "base of a delta without a manifest when the hot-load names none (previous_snapshot_identity)"
+        },
+    )
+    foreign_restarts: int = field(
+        default=3,
+        metadata={
+            "help": "times a snapshot without a manifest starts again on a fresh listing when an object is replaced mid-download, before it fails naming the object"
+        },
+    )
+    allow_unverifiable: bool = field(
+        default=False,
+        metadata={
+            "help": "take peers' bytes of objects the bucket keeps no checksum of (file://, SSE-KMS); false: each daemon reads those itself"
+        },
+    )
+    max_delta_chain: int = field(
+        default=64,
+        metadata={"help": "most deltas between a hot-load target and its anchor; past it a full snapshot is required"},
+    )
+    fold_deltas: bool = field(
+        default=True,
+        metadata={
+            "help": "a delta several steps ahead of what this node has is rebuilt once from the chain (the diffs applied in place on one copy), not one ready snapshot per step"
+        },
+    )
+    load_startup: bool = field(default=True, metadata={"help": "load STARTUP_SNAPSHOT on start"})
+    startup_settle_s: float = field(
+        default=5.0, metadata={"help": "at start, wait up to this long for static peers to answer"}
+    )
+    shutdown_timeout_s: float = field(
+        default=15.0,
+        metadata={
+            "help": "after SIGTERM/SIGINT, the process is gone within this long: worker threads still busy then are abandoned (exit 0, progress saved); if the event loop itself is stuck, every thread's stack is logged and bdnd exits 1 five seconds later (keep it below systemd's TimeoutStopSec and Kubernetes' terminationGracePeriodSeconds)"
+        },
+    )
+    max_inflight: int = field(default=16, metadata={"help": "chunk transfers in flight per snapshot"})
+    bucket_concurrency: int = field(
+        default=8,
+        metadata={
+            "help": "concurrent bucket requests: a chunk is read as up to this many ranged GETs (>= 512 KiB each) queued in chunk order, so an owner's chunks finish one after another and flow to peers at once (8: the bucket reads keep their share of a downlink full of peer traffic)"
+        },
+    )
+    bucket_readers: int = field(
+        default=0,
+        metadata={
+            "help": "how many live daemons read each snapshot from the bucket (its chunks' owners: the top by HRW of the snapshot's identity, so the role rotates per snapshot); 0 = every daemon. For large fleets: about 1.5 x the bucket's aggregate rate / (bucket_concurrency x its per-connection rate) (bdn.control.owners.reader_count)"
+        },
+    )
+    chunk_wait_s: float = field(
+        default=30.0, metadata={"help": "how long an owner may hold a chunk request while it fetches"}
+    )
+    owner_patience_s: float = field(
+        default=600.0, metadata={"help": 'keep asking a live owner that answers "still fetching" this long'}
+    )
+    max_uploads: int = field(
+        default=8, metadata={"help": "chunk uploads served at once; beyond, 503 sends askers to other holders"}
+    )
+    uploads_per_chunk: int = field(
+        default=2, metadata={"help": "peers served one chunk at once; others are sent to holders (fan-out tree)"}
+    )
+    steal_reads: bool = field(
+        default=True,
+        metadata={
+            "help": "a daemon whose own bucket reads of an anchor are done reads the last chunks of the owner with the most left (announced over the transfer wire, so the owner skips them; fleets within one peer set only); false: every chunk is read by its owner"
+        },
+    )
+    peer_receive: str = field(
+        default="write",
+        metadata={
+            "help": "how a chunk from a peer lands in its target file: write = received into the stream's 1 MiB buffer, hashed there and pwritten (no page-table fill, no zeroing of fresh tmpfs pages); map = recv_into the file's mapping, its page tables filled up front (cut-through answers use the mapping either way)"
+        },
+    )
+    cut_through: bool = field(
+        default=True,
+        metadata={
+            "help": "an owner sends a chunk on to the askers parked on it while its bucket read still lands (over the transfer wire; the last bytes only once it verified the whole chunk); false: store and forward"
+        },
+    )
+    manifest_wait_s: float = field(
+        default=600.0, metadata={"help": "how long a prefetch waits for the manifest to appear"}
+    )
+    manifest_poll_s: float = field(
+        default=1.0, metadata={"help": "how often a waiting prefetch looks for the manifest"}
+    )
+    peer_timeout_s: float = field(default=60.0, metadata={"help": "one peer request (after any wait)"})
+    penalty_s: float = field(default=30.0, metadata={"help": "how long a peer that sent bad bytes is skipped"})
+    sparse_apply: bool = field(
+        default=True,
+        metadata={
+            "help": 'a bdn_planes_v1 delta is applied in place to a spare that holds an earlier snapshot of the file, writing only the changed words (DESIGN.md, "Sparse apply"); false: every delta is a full apply'
+        },
+    )
+    sparse_max_chain: int = field(
+        default=4, metadata={"help": "most deltas a spare may be behind to be brought forward sparsely"}
+    )
+    apply_workers: int = field(default=0, metadata={"help": "threads decoding deltas (0 = one per core)"})
+    keep_ready: int = field(
+        default=2, metadata={"help": "GC keeps this many newest ready snapshots (plus leased/current/target)"}
+    )
+    engine_ttl_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "an engine that has not polled for this long is dropped and its leases released (0 = never); must exceed its longest prepare + swap"
+        },
+    )
+    memory_probe_dir: str = field(
+        default="",
+        metadata={
+            "help": 'diagnosis only, slows the daemon: trace Python allocations and append what grew, RssAnon by mapping and the sizes of long-lived structures to DIR/memprobe.jsonl every memory_probe_every_s ("" = off)'
+        },
+    )
+    memory_probe_trace: bool = field(
+        default=True,
+        metadata={
+            "help": "the memory probe traces Python allocations (tracemalloc: what grew, by code line); false: pymalloc's own arena figures instead, which CPython gives only untraced"
+        },
+    )
+    memory_probe_every_s: float = field(
+        default=300.0, metadata={"help": "seconds between two lines of the memory probe"}
+    )
+    engine_stale_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "an engine not heard from (poll, heartbeat, ack) for this long is stale: the replica stops waiting for it and says so; live again when heard from (0 = never stale; above engine_ttl_s it has no effect)"
+        },
+    )
+    gc_grace_s: float = field(
+        default=60.0, metadata={"help": "a snapshot that just became ready is kept at least this long"}
+    )
+    shm_budget_bytes: int = field(
+        default=0, metadata={"help": "most bytes of snapshots (rebuilt + stored diffs) in shm; 0 = no budget"}
+    )
+    shm_spare_bytes: int = field(
+        default=-1,
+        metadata={
+            "help": "most bytes of collected snapshots' shm files kept (no process mapping or holding them) to become the next snapshot's files, counted in shm_budget_bytes; -1 = as many as the largest snapshot collected, 0 = none"
+        },
+    )
+    peer_upload_mbit: float = field(
+        default=0.0, metadata={"help": "limit on chunk bytes served to peers, Mbit/s; 0 = none"}
+    )
+    peer_download_mbit: float = field(
+        default=0.0, metadata={"help": "limit on chunk bytes fetched from peers, Mbit/s; 0 = none"}
+    )
+    bucket_mbit: float = field(
+        default=0.0, metadata={"help": "limit on chunk bytes read from the bucket, Mbit/s; 0 = none"}
+    )
+    max_per_peer: int = field(default=4, metadata={"help": "chunk requests in flight to any one peer"})
+    endgame_chunks: int = field(
+        default=4, metadata={"help": "when this few chunks are left, ask a second source for each"}
+    )
+    peers_dns: str = field(
+        default="", metadata={"help": "host:port whose DNS A/AAAA records are all the daemons (k8s headless Service)"}
+    )
+    peers_dns_interval_s: float = field(default=10.0, metadata={"help": "how often peers_dns is re-resolved"})
+    progress_interval_s: float = field(
+        default=0.5, metadata={"help": "how often download progress is persisted for resume"}
+    )
+    api_token: str = field(
+        default="",
+        repr=False,
+        metadata={"help": "bearer token for the fleet hot-load API (prefer api_token_file; not a flag)"},
+    )
+    api_token_file: str = field(
+        default="", metadata={"help": "file holding the bearer token of the fleet hot-load API"}
+    )
+    max_chunks_per_snapshot: int = field(
+        default=2_000_000,
+        metadata={"help": "a manifest listing more chunks (stored plus rebuilt) is refused; 0 = no limit"},
+    )
+    max_files_per_snapshot: int = field(
+        default=200_000, metadata={"help": "a manifest listing more files is refused; 0 = no limit"}
+    )
+    log_repeat_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "a log line repeated per chunk or per peer is written once per this interval, then one summary line"
+        },
+    )
+    log_level: str = field(default="info", metadata={"help": "debug, info, warning, error or critical"})
+    log_json: bool = field(default=False, metadata={"help": "one JSON object per log line"})
+    event_loop: str = field(
+        default="uvloop",
+        metadata={
+            "help": "the asyncio event loop: uvloop, or asyncio (the standard library's; for A/B runs and debugging)"
+        },
+    )
+    transfer_listen: str = field(
+        default="auto",
+        metadata={
+            "help": 'host:port of the transfer server for chunk bytes (the wire of bdn.proto.wire); "auto" = the peer host and port + 1 (+ 2 where local_listen has + 1); "" = off (chunks over HTTP only)'
+        },
+    )
+    transfer_advertise: str = field(
+        default="",
+        metadata={
+            "help": 'host:port peers use to reach the transfer server (NAT, a Service port); "" = the advertise_url host and the bound port'
+        },
+    )
+    chunk_log: str = field(
+        default="",
+        metadata={
+            "help": 'path of a JSON-lines log with one line per chunk fetched (source, start, end, bytes, retries, busy answers); "" = off'
+        },
+    )
+    scrub_mbit: float = field(
+        default=0.0,
+        metadata={
+            "help": "background re-hash of every ready snapshot's chunks in shm at this rate, Mbit/s, over and over (a chunk gone bad is quarantined and fetched again); 0 = off"
+        },
+    )
+    http_header_timeout_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "a connection to the peer port or the local API whose request headers are not complete this long after connect (or after its first bytes on a keep-alive connection) is closed (slowloris)"
+        },
+    )
+    http_max_connections: int = field(
+        default=4096,
+        metadata={
+            "help": "most open connections on each HTTP listener (peer port, local API); more are answered 503 and closed"
+        },
+    )
+    local_allow_remote: bool = field(
+        default=False, metadata={"help": "allow local_listen on a non-loopback address (the local API has no auth)"}
+    )
     # membership and hot-load spread (bdn.control; DESIGN.md "Membership", "Hot-load")
-    swim_period_s: float = field(default=1.0, metadata={"help": 'SWIM protocol period: each daemon probes one member per period'})
-    swim_ack_timeout_s: float = field(default=0.5, metadata={"help": 'SWIM: without an ack this long after a ping, ask swim_indirect_k members to probe'})
-    swim_indirect_k: int = field(default=3, metadata={"help": 'SWIM: members asked for an indirect probe of a member that missed its ack'})
-    swim_suspect_mult: float = field(default=5.0, metadata={"help": 'SWIM: a suspect is dead after this many periods x max(1, log10(N+1)) unless it refutes'})
-    swim_sync_interval_s: float = field(default=30.0, metadata={"help": 'SWIM: full-table exchange with one random member this often (scaled with log N above 32 members)'})
-    hotload_fanout: int = field(default=0, metadata={"help": 'a daemon that adopts a newer hot-load target pushes it to this many random members (0: ceil(ln N) + 3; a fixed 3 leaves about 5 percent of a large fleet to the SWIM piggyback)'})
-    status_aggregators: int = field(default=3, metadata={"help": 'daemons that collect replica stages for the fleet hot-load GET'})
-    status_report_s: float = field(default=10.0, metadata={"help": 'each replica re-reports its stage to the aggregators this often (and at once on a change)'})
+    swim_period_s: float = field(
+        default=1.0, metadata={"help": "SWIM protocol period: each daemon probes one member per period"}
+    )
+    swim_ack_timeout_s: float = field(
+        default=0.5,
+        metadata={"help": "SWIM: without an ack this long after a ping, ask swim_indirect_k members to probe"},
+    )
+    swim_indirect_k: int = field(
+        default=3, metadata={"help": "SWIM: members asked for an indirect probe of a member that missed its ack"}
+    )
+    swim_suspect_mult: float = field(
+        default=5.0,
+        metadata={"help": "SWIM: a suspect is dead after this many periods x max(1, log10(N+1)) unless it refutes"},
+    )
+    swim_sync_interval_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "SWIM: full-table exchange with one random member this often (scaled with log N above 32 members)"
+        },
+    )
+    hotload_fanout: int = field(
+        default=0,
+        metadata={
+            "help": "a daemon that adopts a newer hot-load target pushes it to this many random members (0: ceil(ln N) + 3; a fixed 3 leaves about 5 percent of a large fleet to the SWIM piggyback)"
+        },
+    )
+    status_aggregators: int = field(
+        default=3, metadata={"help": "daemons that collect replica stages for the fleet hot-load GET"}
+    )
+    status_report_s: float = field(
+        default=10.0,
+        metadata={"help": "each replica re-reports its stage to the aggregators this often (and at once on a change)"},
+    )
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -177,7 +413,9 @@ class Config:
                 continue  # read by bdnctl, the bucket layer or the deploy scripts, not by bdnd
             name = k[4:].lower()
             if name not in hints:
-                raise ConfigError(f"environment {k}: unknown variable (bdnd reads BDN_<KEY> for its config keys; see bdnd --help)")
+                raise ConfigError(
+                    f"environment {k}: unknown variable (bdnd reads BDN_<KEY> for its config keys; see bdnd --help)"
+                )
             cfg._set(name, _from_env(v, hints[name], k), hints, f"environment {k}: ")
         for k, v in (overrides or {}).items():
             if v is not None:
@@ -197,7 +435,9 @@ class Config:
             or (t == list[str] and isinstance(value, list) and all(isinstance(x, str) for x in value))
         )
         if not ok:
-            tname = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(t, "a list of strings")
+            tname = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
+                t, "a list of strings"
+            )
             raise ConfigError(f"{where}config key {key!r} must be {tname}, got {value!r}")
         setattr(self, key, float(value) if t is float else value)
 
@@ -243,10 +483,17 @@ class Config:
                     f"config key 'local_listen' is {self.local_listen!r}, not a loopback address: the local "
                     "API has no authentication; set local_allow_remote = true to allow it anyway"
                 )
-        if self.transfer_listen not in ("", "auto") and _split_hostport(self.transfer_listen, "transfer_listen") is None:
-            raise ConfigError(f"config key 'transfer_listen' must be host:port, \"auto\" or \"\", got {self.transfer_listen!r}")
+        if (
+            self.transfer_listen not in ("", "auto")
+            and _split_hostport(self.transfer_listen, "transfer_listen") is None
+        ):
+            raise ConfigError(
+                f'config key \'transfer_listen\' must be host:port, "auto" or "", got {self.transfer_listen!r}'
+            )
         if self.transfer_advertise and _split_hostport(self.transfer_advertise, "transfer_advertise") is None:
-            raise ConfigError(f"config key 'transfer_advertise' must be host:port or \"\", got {self.transfer_advertise!r}")
+            raise ConfigError(
+                f"config key 'transfer_advertise' must be host:port or \"\", got {self.transfer_advertise!r}"
+            )
         if not self.advertise_url:
             host, port = _split_hostport(self.peer_listen, "peer_listen")  # type: ignore[misc]  # checked as host:port above
             if host in ("0.0.0.0", "::", ""):

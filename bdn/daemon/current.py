@@ -57,8 +57,10 @@ class CurrentLink:
         if stat.S_ISLNK(st.st_mode):
             return None
         what = "a directory" if stat.S_ISDIR(st.st_mode) else "a file"
-        return (f"{self.path} is {what}, not the symlink bdn makes: bdn did not make it and leaves it as it is "
-                f"(never deleted); the link naming the served snapshot is not updated until it is moved away")
+        return (
+            f"{self.path} is {what}, not the symlink bdn makes: bdn did not make it and leaves it as it is "
+            f"(never deleted); the link naming the served snapshot is not updated until it is moved away"
+        )
 
     def point(self, identity: str) -> None:
         """Make ``current`` name ``<root>/<identity>`` (atomic replace).

@@ -33,6 +33,8 @@ def check_delta_config(identity: str, base_identity: str, base_dir: Path, target
     b, t = _read(base_dir / CONFIG_NAME), _read(target_dir / CONFIG_NAME)
     if b is None or t is None:
         return
-    bad = config_mismatch(parse_config(b, f"{base_identity}/{CONFIG_NAME}"), parse_config(t, f"{identity}/{CONFIG_NAME}"))
+    bad = config_mismatch(
+        parse_config(b, f"{base_identity}/{CONFIG_NAME}"), parse_config(t, f"{identity}/{CONFIG_NAME}")
+    )
     if bad is not None:
         raise Conflict(f"{identity}: {bad} (base {base_identity})")

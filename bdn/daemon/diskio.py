@@ -56,8 +56,9 @@ def corrupt_chunks(refs: list[ChunkRef], path_of: Callable[[int], Path]) -> list
     return [i for i in range(len(refs)) if i not in good]
 
 
-def apply_delta(m: Manifest, base_dir: Path, stored_dir: Path, staging_dir: Path, workers: int,
-                skip: Collection[str] = ()) -> None:
+def apply_delta(
+    m: Manifest, base_dir: Path, stored_dir: Path, staging_dir: Path, workers: int, skip: Collection[str] = ()
+) -> None:
     """target = base XOR diff per tensor into the staging files, Adler-32 checked per tensor
     (every diff file but the paths in ``skip``: those a sparse apply brought forward).
 
@@ -71,8 +72,13 @@ def apply_delta(m: Manifest, base_dir: Path, stored_dir: Path, staging_dir: Path
         if not base_path.is_file():
             raise BdnError(f"base snapshot {m.base_identity!r} has no file {f.path!r} to apply the delta to")
         fileops.apply_delta_file(
-            base_path, stored_dir / f.path, staging_dir / f.path, m.compression_format,  # type: ignore[arg-type]  # a delta names its codec
-            f.result.size, workers=workers, name=f.path,  # type: ignore[union-attr]  # a diff file's entry has its result
+            base_path,
+            stored_dir / f.path,
+            staging_dir / f.path,
+            m.compression_format,  # type: ignore[arg-type]  # a delta names its codec
+            f.result.size,  # type: ignore[union-attr]  # a diff file's entry has its result
+            workers=workers,
+            name=f.path,
         )
 
 
@@ -96,7 +102,7 @@ def verify_results(m: Manifest, staging_dir: Path, skip: Collection[str] = ()) -
 
 
 def _changed_behind(p: Path, size: int) -> str:
-    """"" if the staging file ``p`` is ``size`` bytes with no hole, else what is wrong.
+    """ "" if the staging file ``p`` is ``size`` bytes with no hole, else what is wrong.
 
     Every byte of a staging file was written and verified before READY; a file truncated (or
     punched) behind the daemon while it downloaded loses bytes already verified, and the later

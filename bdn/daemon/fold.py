@@ -99,8 +99,14 @@ def _map_read(path: Path) -> tuple[Any, mmap.mmap | None]:
 
 
 def fold_file(
-    base_path: Path, diffs: Sequence[tuple[Path, str]], out_path: Path, expected_size: int,
-    *, workers: int = 1, name: str | None = None, steps: Sequence[str] | None = None,
+    base_path: Path,
+    diffs: Sequence[tuple[Path, str]],
+    out_path: Path,
+    expected_size: int,
+    *,
+    workers: int = 1,
+    name: str | None = None,
+    steps: Sequence[str] | None = None,
 ) -> None:
     """Rebuild ``out_path`` from the ancestor file ``base_path`` and a chain of diff files.
 
@@ -157,8 +163,9 @@ def fold_file(
         raise err
 
 
-def fold_chain(chain: Sequence[Manifest], anc_dir: Path, stored_dir: Callable[[str], Path], staging: Path,
-               workers: int) -> None:
+def fold_chain(
+    chain: Sequence[Manifest], anc_dir: Path, stored_dir: Callable[[str], Path], staging: Path, workers: int
+) -> None:
     """Fold every diff file of ``chain[-1]`` (a chain :func:`plan_fold` accepts) on the files of the
     ancestor directory ``anc_dir`` into ``staging``; ``stored_dir(identity)`` holds each delta's
     diff files. Blocking. Raises BdnError (the ancestor lacks a file), ProtocolError, OSError."""
@@ -170,8 +177,15 @@ def fold_chain(chain: Sequence[Manifest], anc_dir: Path, stored_dir: Callable[[s
         if not base.is_file():
             raise BdnError(f"snapshot {chain[0].base_identity!r} has no file {f.path!r} to fold {target.identity!r} on")
         diffs = [(stored_dir(d.identity) / f.path, d.compression_format or arc.DEFAULT_COMPRESSION) for d in chain]
-        fold_file(base, diffs, staging / f.path, f.result_size, workers=workers, name=f.path,
-                  steps=[d.identity for d in chain])
+        fold_file(
+            base,
+            diffs,
+            staging / f.path,
+            f.result_size,
+            workers=workers,
+            name=f.path,
+            steps=[d.identity for d in chain],
+        )
 
 
 class _Part(SnapshotJob):
@@ -222,8 +236,9 @@ def refuse_loop(identity: str, base_id: str, jobs: Jobs) -> None:
 class Folder:
     """Folds the chain under a delta whose base is not ready here (see the module docstring)."""
 
-    def __init__(self, cfg: Config, store: Store, bucket: BucketIO, index: ChunkIndex, fetcher: Fetcher,
-                 pools: Executors) -> None:
+    def __init__(
+        self, cfg: Config, store: Store, bucket: BucketIO, index: ChunkIndex, fetcher: Fetcher, pools: Executors
+    ) -> None:
         self.cfg = cfg
         self.store = store
         self.bucket = bucket
@@ -280,8 +295,10 @@ class Folder:
             base_id = chain[0].base_identity
             assert base_id is not None
             if any(c.identity == base_id for c in chain):
-                raise BdnError(f"the delta chain of {m.identity} loops: {chain[0].identity} names {base_id}, "
-                               "a snapshot built on it, as its base")
+                raise BdnError(
+                    f"the delta chain of {m.identity} loops: {chain[0].identity} names {base_id}, "
+                    "a snapshot built on it, as its base"
+                )
             job = jobs.get(base_id)
             if job is not None and job.state != "failed":
                 break
@@ -342,8 +359,9 @@ class Folder:
             job.set_state("applying", f"folding {len(chain)} deltas on {ancestor_id}")
             await job.notify()
             stored = {p.identity: p.dir for p in parts} | {m.identity: self.store.stored_dir(m.identity)}
-            await self._on(self.pools.apply, fold_chain, chain, anc_dir, stored.__getitem__, staging,
-                           self.cfg.apply_workers)
+            await self._on(
+                self.pools.apply, fold_chain, chain, anc_dir, stored.__getitem__, staging, self.cfg.apply_workers
+            )
             job.set_state("verifying")
             await job.notify()
             await self._on(self.pools.apply, diskio.verify_results, m, staging)

@@ -88,15 +88,18 @@ class Hints:
 class ForeignState:
     """A foreign job's table and trust bookkeeping (``job.foreign``); see the module docstring."""
 
-    def __init__(self, table: ForeignTable, checksums: dict[str, ObjectChecksum], allow_unverifiable: bool,
-                 hint: Hint | None = None) -> None:
+    def __init__(
+        self,
+        table: ForeignTable,
+        checksums: dict[str, ObjectChecksum],
+        allow_unverifiable: bool,
+        hint: Hint | None = None,
+    ) -> None:
         self.table = table
         self.hint = hint or Hint()
         self.restored: set[tuple[int, int]] = set()  # (file, chunk) taken back from disk after a restart
         self.checksums = checksums
-        self.unverifiable = {
-            i for i, o in enumerate(table.objects) if not checksums[o.path].verifiable
-        }
+        self.unverifiable = {i for i, o in enumerate(table.objects) if not checksums[o.path].verifiable}
         self.allow_unverifiable = allow_unverifiable
         self.senders: dict[tuple[int, int], tuple[str, str]] = {}  # (file, chunk) -> (url, node id)
         self.verified = False
@@ -135,8 +138,12 @@ class ForeignState:
     def persisted(self) -> dict[str, Any]:
         """What a restarted daemon needs to resume this snapshot (saved with its progress): the
         table id, the hint (base, codec) and every object's ETag (to say which one changed)."""
-        return {"table": self.table.table_id, "base": self.hint.base_identity, "codec": self.hint.compression_format,
-                "etags": {o.path: o.etag for o in self.table.objects}}
+        return {
+            "table": self.table.table_id,
+            "base": self.hint.base_identity,
+            "codec": self.hint.compression_format,
+            "etags": {o.path: o.etag for o in self.table.objects},
+        }
 
 
 class Jobs(Protocol):
@@ -163,7 +170,9 @@ class VerifyStats(Protocol):
         """Count one chunk that failed its digest, from ``source`` (``bucket`` or ``peer``)."""
 
 
-def verify_file(bucket: Any, checksum: ObjectChecksum, path: Path, chunk_size: int, workers: int) -> tuple[Verdict, list[int]]:
+def verify_file(
+    bucket: Any, checksum: ObjectChecksum, path: Path, chunk_size: int, workers: int
+) -> tuple[Verdict, list[int]]:
     """Verify the assembled object at ``path`` against the bucket's ``checksum``, repairing bad
     parts in place from the bucket; ``(final verdict, stored chunk indices that were wrong)``.
 
@@ -199,8 +208,15 @@ class ForeignLoader:
     """The no-manifest path of one snapshot (see the module docstring)."""
 
     def __init__(
-        self, cfg: Config, bucket: BucketIO, store: Store, pools: Executors, clock: Clock,
-        hints: Hints, membership: Penalties, stats: VerifyStats,
+        self,
+        cfg: Config,
+        bucket: BucketIO,
+        store: Store,
+        pools: Executors,
+        clock: Clock,
+        hints: Hints,
+        membership: Penalties,
+        stats: VerifyStats,
     ) -> None:
         self.cfg = cfg
         self.bucket = bucket
@@ -273,11 +289,18 @@ class ForeignLoader:
         while True:
             try:
                 table = await self._on(
-                    self.pools.bucket, lambda: read_foreign_table(
-                        self.bucket.bucket, job.identity, chunk_size=self.cfg.foreign_chunk_size, policy_version=pv,
-                        base_identity=base_id, base=base_m, base_headers=base_headers,
+                    self.pools.bucket,
+                    lambda: read_foreign_table(
+                        self.bucket.bucket,
+                        job.identity,
+                        chunk_size=self.cfg.foreign_chunk_size,
+                        policy_version=pv,
+                        base_identity=base_id,
+                        base=base_m,
+                        base_headers=base_headers,
                         compression_format=hint.compression_format,
-                    ))
+                    ),
+                )
                 checksums = await self._on(self.pools.bucket, read_checksums, self.bucket.bucket, table)
                 break
             except IncompleteSnapshot as e:
@@ -285,7 +308,9 @@ class ForeignLoader:
                 if nothing and not wait_publish:
                     raise BdnError(f"snapshot {job.identity!r}: {e} in {self.bucket.url}") from None
                 if self.clock.monotonic() >= deadline:
-                    raise BdnError(f"snapshot {job.identity!r} is not published: {e} (waited {self.cfg.manifest_wait_s:g} s)") from None
+                    raise BdnError(
+                        f"snapshot {job.identity!r} is not published: {e} (waited {self.cfg.manifest_wait_s:g} s)"
+                    ) from None
                 reason = f"waiting for publication: {e}"
                 if job.reason != reason:
                     job.reason = reason
@@ -299,18 +324,33 @@ class ForeignLoader:
                 log.info("snapshot %s: %s; listing again", job.identity, e)
             except BucketError as e:
                 raise BdnError(f"snapshot {job.identity!r}: cannot read its objects: {e}") from None
-        job.foreign = ForeignState(table, checksums, self.cfg.allow_unverifiable, Hint(base_id, hint.compression_format))
+        job.foreign = ForeignState(
+            table, checksums, self.cfg.allow_unverifiable, Hint(base_id, hint.compression_format)
+        )
         job.manifest_digest = table.table_id
         if saved is not None and saved.get("table") != table.table_id:
             old = tags if isinstance(tags := saved.get("etags"), dict) else {}
-            moved = [o.path for o in table.objects if old.get(o.path) != o.etag] + sorted(set(old) - {o.path for o in table.objects})
-            log.warning("snapshot %s: the bucket changed since the interrupted download (%s); starting over",
-                        job.identity, ", ".join(moved[:3]) or "its table")
+            moved = [o.path for o in table.objects if old.get(o.path) != o.etag] + sorted(
+                set(old) - {o.path for o in table.objects}
+            )
+            log.warning(
+                "snapshot %s: the bucket changed since the interrupted download (%s); starting over",
+                job.identity,
+                ", ".join(moved[:3]) or "its table",
+            )
         if job.foreign.unverifiable:
-            log.info("snapshot %s: %d object(s) without a bucket checksum, read from the bucket by this node",
-                     job.identity, len(job.foreign.unverifiable))
-        log.info("snapshot %s: no manifest; table %s derived from the listing (%s, %d files)",
-                 job.identity, table.table_id, table.manifest.kind, len(table.objects))
+            log.info(
+                "snapshot %s: %d object(s) without a bucket checksum, read from the bucket by this node",
+                job.identity,
+                len(job.foreign.unverifiable),
+            )
+        log.info(
+            "snapshot %s: no manifest; table %s derived from the listing (%s, %d files)",
+            job.identity,
+            table.table_id,
+            table.manifest.kind,
+            len(table.objects),
+        )
         return table.manifest
 
     async def finish(self, job: Any, register: Callable[[str, ChunkRef], None]) -> Manifest:
@@ -324,8 +364,13 @@ class ForeignLoader:
             path = job.file_path(STORED, fi)
             try:
                 verdict, bad = await self._on(
-                    self.pools.apply, verify_file, self.bucket.bucket, st.checksums[obj.path], path,
-                    m.chunk_size, self.cfg.apply_workers or 1,
+                    self.pools.apply,
+                    verify_file,
+                    self.bucket.bucket,
+                    st.checksums[obj.path],
+                    path,
+                    m.chunk_size,
+                    self.cfg.apply_workers or 1,
                 )
             except ObjectChanged:
                 raise  # the runner starts again on a fresh listing
@@ -337,8 +382,15 @@ class ForeignLoader:
                     url, node_id = sender
                     self.stats.verify_failed(node_id)
                     self.membership.penalise(url, self.cfg.penalty_s)
-                    log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
-                                job.identity, node_id, ci, obj.path, self.cfg.penalty_s, extra={"peer": node_id})
+                    log.warning(
+                        "snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
+                        job.identity,
+                        node_id,
+                        ci,
+                        obj.path,
+                        self.cfg.penalty_s,
+                        extra={"peer": node_id},
+                    )
                 else:
                     self.stats.verify_failed("bucket")
             if verdict.status == UNVERIFIABLE:
@@ -355,8 +407,15 @@ class ForeignLoader:
             assert m.base_identity is not None  # a delta names its base
             base_dir = self.store.ready_dir(m.base_identity)
             await self._on(self.pools.disk, check_delta_config, m.identity, m.base_identity, base_dir, staging)
-            await self._on(self.pools.apply, diskio.apply_delta, m, base_dir,
-                           self.store.stored_dir(m.identity), staging, self.cfg.apply_workers)
+            await self._on(
+                self.pools.apply,
+                diskio.apply_delta,
+                m,
+                base_dir,
+                self.store.stored_dir(m.identity),
+                staging,
+                self.cfg.apply_workers,
+            )
         job.set_state("verifying")
         await job.notify()
         # Objects without a checksum were read from the bucket by this node (bucket_only) unless

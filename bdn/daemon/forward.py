@@ -34,9 +34,15 @@ RANGES_KEPT = 8
 class Forward:
     """Sparse applies of one daemon: ``accept`` -> ``apply`` -> ``after_ready`` per delta job."""
 
-    def __init__(self, cfg: Config, store: Store, stats: Stats, pools: Executors,
-                 register: Callable[[SnapshotJob, str, Iterable[ChunkRef]], Awaitable[None]],
-                 repair: Callable[[SnapshotJob, list[int]], Awaitable[Any]]) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        stats: Stats,
+        pools: Executors,
+        register: Callable[[SnapshotJob, str, Iterable[ChunkRef]], Awaitable[None]],
+        repair: Callable[[SnapshotJob, list[int]], Awaitable[Any]],
+    ) -> None:
         self.cfg, self.store, self.stats, self.pools = cfg, store, stats, pools
         self._register, self._repair = register, repair
         self._chains: dict[str, dict[str, list[tuple[str, Any]]]] = {}
@@ -95,13 +101,31 @@ class Forward:
             self._hot_used += hot is not None
             self._hot.setdefault(m.identity, []).append(path)
             try:
-                done.append(buffers.bring_forward(path, staging / path, tag, chains[tag["identity"]], f.result_size,
-                                                  f.result_chunks, m.chunk_size, self.cfg.apply_workers, hot))
+                done.append(
+                    buffers.bring_forward(
+                        path,
+                        staging / path,
+                        tag,
+                        chains[tag["identity"]],
+                        f.result_size,
+                        f.result_chunks,
+                        m.chunk_size,
+                        self.cfg.apply_workers,
+                        hot,
+                    )
+                )
             except (ProtocolError, KeyError) as e:
                 self.stats.add("sparse_fallbacks")
-                log.warning("snapshot %s: sparse apply of %s refused (the buffer holds %s, the delta's base is %s): "
-                            "%s; full apply", m.identity, path, tag.get("identity"), m.base_identity, e,
-                            extra={"snapshot": m.identity})
+                log.warning(
+                    "snapshot %s: sparse apply of %s refused (the buffer holds %s, the delta's base is %s): "
+                    "%s; full apply",
+                    m.identity,
+                    path,
+                    tag.get("identity"),
+                    m.base_identity,
+                    e,
+                    extra={"snapshot": m.identity},
+                )
         return done
 
     async def apply(self, job: SnapshotJob, m: Manifest) -> set[str]:
@@ -123,9 +147,17 @@ class Forward:
             self.stats.add("sparse_applies")
             self.stats.add("sparse_bytes_written", f.written)
         if done:
-            log.info("snapshot %s: %d file(s) brought forward sparsely (%d delta(s), %d bytes written, %d chunks touched,"
-                     " %d through a mapping populated ahead) in %.3f s", m.identity, len(done), max(f.steps for f in done),
-                     sum(f.written for f in done), len(self._touched[m.identity]), self._hot_used, took)
+            log.info(
+                "snapshot %s: %d file(s) brought forward sparsely (%d delta(s), %d bytes written, %d chunks touched,"
+                " %d through a mapping populated ahead) in %.3f s",
+                m.identity,
+                len(done),
+                max(f.steps for f in done),
+                sum(f.written for f in done),
+                len(self._touched[m.identity]),
+                self._hot_used,
+                took,
+            )
         return {f.path for f in done}
 
     def untouched(self, job: SnapshotJob) -> list[ChunkRef]:
@@ -190,28 +222,59 @@ class Forward:
             new_tag = None
             try:
                 spares.maps.prime(hidden)
-                fw = buffers.bring_forward(f.path, hidden, tag, chains[tag["identity"]], f.result_size,
-                                           f.result_chunks, m.chunk_size, self.cfg.apply_workers,
-                                           spares.maps.get(hidden))
+                fw = buffers.bring_forward(
+                    f.path,
+                    hidden,
+                    tag,
+                    chains[tag["identity"]],
+                    f.result_size,
+                    f.result_chunks,
+                    m.chunk_size,
+                    self.cfg.apply_workers,
+                    spares.maps.get(hidden),
+                )
                 table = list(f.result_chunks)
                 ok = set(fileops.verify_chunks(hidden, m.chunk_size, table, which=fw.touched))
                 bad = [i for i in fw.touched if i not in ok]
                 if bad:
                     self.stats.add("sparse_chunks_bad", len(bad))
-                    log.error("catch-up of %s to %s: %d chunk(s) do not match (first chunk %d); the spare is untagged",
-                              f.path, m.identity, len(bad), bad[0])
+                    log.error(
+                        "catch-up of %s to %s: %d chunk(s) do not match (first chunk %d); the spare is untagged",
+                        f.path,
+                        m.identity,
+                        len(bad),
+                        bad[0],
+                    )
                 else:
-                    new_tag = {"identity": m.identity, "path": f.path, "size": f.result_size, "chunks": table,
-                               "adlers": fw.adlers}
+                    new_tag = {
+                        "identity": m.identity,
+                        "path": f.path,
+                        "size": f.result_size,
+                        "chunks": table,
+                        "adlers": fw.adlers,
+                    }
                     n += 1
                     self.stats.add("sparse_caught_up")
-                    log.info("catch-up: the spare of %s that held %s brought forward to %s in the background "
-                             "(%d delta(s), %d bytes written, %d chunks hashed) in %.3f s", f.path, tag.get("identity"),
-                             m.identity, fw.steps, fw.written, len(fw.touched), time.monotonic() - t0)
+                    log.info(
+                        "catch-up: the spare of %s that held %s brought forward to %s in the background "
+                        "(%d delta(s), %d bytes written, %d chunks hashed) in %.3f s",
+                        f.path,
+                        tag.get("identity"),
+                        m.identity,
+                        fw.steps,
+                        fw.written,
+                        len(fw.touched),
+                        time.monotonic() - t0,
+                    )
             except (ProtocolError, KeyError, OSError) as e:
                 self.stats.add("sparse_fallbacks")
-                log.warning("catch-up of %s to %s refused (the spare holds %s): %s; left untagged", f.path, m.identity,
-                            tag.get("identity"), e)
+                log.warning(
+                    "catch-up of %s to %s refused (the spare holds %s): %s; left untagged",
+                    f.path,
+                    m.identity,
+                    tag.get("identity"),
+                    e,
+                )
             finally:
                 spares.release(hidden, new_tag)
         return n
@@ -229,12 +292,18 @@ class Forward:
         refs = list(job.result_refs)
         want = set(positions)
         good = await asyncio.get_running_loop().run_in_executor(
-            self.pools.disk, lambda: diskio.verify_held(refs, want.__contains__, lambda fi: job.file_path(RESULT, fi)))
+            self.pools.disk, lambda: diskio.verify_held(refs, want.__contains__, lambda fi: job.file_path(RESULT, fi))
+        )
         await self._register(job, RESULT, (refs[i] for i in good))
         bad = sorted(want - set(good))
         if bad:
             self.stats.add("sparse_chunks_bad", len(bad))
-            log.error("snapshot %s: %d chunk(s) a sparse apply wrote do not match the manifest (first %s chunk %d)",
-                      job.identity, len(bad), refs[bad[0]].path, refs[bad[0]].index)
+            log.error(
+                "snapshot %s: %d chunk(s) a sparse apply wrote do not match the manifest (first %s chunk %d)",
+                job.identity,
+                len(bad),
+                refs[bad[0]].path,
+                refs[bad[0]].index,
+            )
             if job.state == "ready":
                 await self._repair(job, bad)

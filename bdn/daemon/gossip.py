@@ -101,8 +101,14 @@ class Gossip:
     """Runs SWIM for this daemon: the period loop, the members endpoint, seeds, DNS discovery."""
 
     def __init__(
-        self, cfg: Config, membership: Membership, peers: PeerClient, replica: ReplicaView, clock: Clock,
-        stats: Stats | None = None, problems: Problems | None = None,
+        self,
+        cfg: Config,
+        membership: Membership,
+        peers: PeerClient,
+        replica: ReplicaView,
+        clock: Clock,
+        stats: Stats | None = None,
+        problems: Problems | None = None,
     ) -> None:
         self.cfg = cfg
         self.problems = problems or Problems(clock)  # misconfigurations seen (readiness reads them)
@@ -114,9 +120,14 @@ class Gossip:
         self.closing = False
         self._transfer: str | None = None  # our transfer server's "host:port" (bdn.daemon.wire_peer)
         self.swim = Swim(
-            cfg.node_id, cfg.advertise_url, clock.monotonic, period_s=cfg.swim_period_s,
-            ack_timeout_s=cfg.swim_ack_timeout_s, indirect_k=cfg.swim_indirect_k,
-            suspect_mult=cfg.swim_suspect_mult, sync_interval_s=cfg.swim_sync_interval_s,
+            cfg.node_id,
+            cfg.advertise_url,
+            clock.monotonic,
+            period_s=cfg.swim_period_s,
+            ack_timeout_s=cfg.swim_ack_timeout_s,
+            indirect_k=cfg.swim_indirect_k,
+            suspect_mult=cfg.swim_suspect_mult,
+            sync_interval_s=cfg.swim_sync_interval_s,
         )
         self.swim.join({})
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -159,9 +170,14 @@ class Gossip:
             ans = await self.peers.exchange_members(url, {"m": message_wire(msg, self._extra())})
         except PeerError as e:
             if "answered 401" in str(e):  # readiness, the log (once) and the metrics say so
-                self.problems.report("partition_secret", url, (
-                    f"peer {url} refuses this daemon's signed requests (401): its partition secret "
-                    "differs from this daemon's, or the clocks are more than 30 s apart"))
+                self.problems.report(
+                    "partition_secret",
+                    url,
+                    (
+                        f"peer {url} refuses this daemon's signed requests (401): its partition secret "
+                        "differs from this daemon's, or the clocks are more than 30 s apart"
+                    ),
+                )
             log.debug("membership %s to %s failed: %s", msg.kind, url, e)
             return False
         self.problems.clear("partition_secret", url)
@@ -170,9 +186,14 @@ class Gossip:
             # a daemon never talks to itself by another URL: two daemons share one node id
             # (it defaults to the host name: two daemons on one host), and each ignores the
             # other for ever; say so instead of running alone without a word (new-user report)
-            self.problems.report("duplicate_node_id", url, (
-                f"peer {url} has this daemon's node id {node!r}: node ids must be unique in a swarm "
-                "(set node_id, BDN_NODE_ID); it is ignored"))
+            self.problems.report(
+                "duplicate_node_id",
+                url,
+                (
+                    f"peer {url} has this daemon's node id {node!r}: node ids must be unique in a swarm "
+                    "(set node_id, BDN_NODE_ID); it is ignored"
+                ),
+            )
             return False
         self.problems.clear("duplicate_node_id", url)
         if not NODE_ID_RE.match(node):
@@ -241,8 +262,12 @@ class Gossip:
 
     async def seed_round(self) -> None:
         """A sync to every seed that is not alive, all at once (at start; then every SEED_RETRY_S)."""
-        await asyncio.gather(*(self.send(self.swim.sync_to(self.membership.node_of(u) if self._known(u) else ""), u)
-                               for u in self._seeds()))
+        await asyncio.gather(
+            *(
+                self.send(self.swim.sync_to(self.membership.node_of(u) if self._known(u) else ""), u)
+                for u in self._seeds()
+            )
+        )
 
     def _known(self, url: str) -> bool:
         node = self.membership.node_of(url)
@@ -251,9 +276,13 @@ class Gossip:
     def _revive(self) -> None:
         now = self.clock.monotonic()
         for m in list(self.membership.members.values()):
-            if (not m.alive and m.node_id and self.swim.is_live(m.node_id)
-                    and now - m.extra.get("down_at", now) >= REVIVE_S
-                    and self._url_of(m.node_id) == m.url):
+            if (
+                not m.alive
+                and m.node_id
+                and self.swim.is_live(m.node_id)
+                and now - m.extra.get("down_at", now) >= REVIVE_S
+                and self._url_of(m.node_id) == m.url
+            ):
                 self.membership.mark_ok(m.url, m.node_id)
 
     async def step(self) -> None:
@@ -261,10 +290,15 @@ class Gossip:
         out = self.swim.tick()
         self.apply_changes()
         self.stats.membership.update(
-            periods=self.swim.periods, members=self.swim.table_size(), epoch=self.membership.epoch,
-            state_bytes=self.swim.state_bytes(), incarnation=self.swim.incarnation,
-            newcomers_waiting=len(self.swim.newcomers), newcomers_refused=self.swim.newcomers.refused,
-            newcomers_confirmed=self.swim.newcomers.confirmed)
+            periods=self.swim.periods,
+            members=self.swim.table_size(),
+            epoch=self.membership.epoch,
+            state_bytes=self.swim.state_bytes(),
+            incarnation=self.swim.incarnation,
+            newcomers_waiting=len(self.swim.newcomers),
+            newcomers_refused=self.swim.newcomers.refused,
+            newcomers_confirmed=self.swim.newcomers.confirmed,
+        )
         for msg in out:
             self._spawn(self.send(msg))
         now = self.clock.monotonic()
@@ -324,8 +358,11 @@ class Gossip:
         x = self._extra()
         for r in replies[:MAX_REPLIES]:
             self.stats.control_request("messages_sent", r.kind)
-        return {"node_id": self.cfg.node_id, "url": self.cfg.advertise_url,
-                "m": [message_wire(r, x) for r in replies[:MAX_REPLIES]]}
+        return {
+            "node_id": self.cfg.node_id,
+            "url": self.cfg.advertise_url,
+            "m": [message_wire(r, x) for r in replies[:MAX_REPLIES]],
+        }
 
     async def close(self) -> None:
         self.closing = True

@@ -67,9 +67,14 @@ def check_file(path: Path, name: str) -> None:
 def _check_in_child(path: Path, name: str) -> None:
     """``_check_here`` in a child interpreter; its one-line refusal raised here as HeaderRefused."""
     try:
-        r = subprocess.run([sys.executable, "-m", "bdn.daemon.headers", os.fspath(path), name],
-                           capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        r = subprocess.run(
+            [sys.executable, "-m", "bdn.daemon.headers", os.fspath(path), name],
+            capture_output=True,
+            text=True,
+            timeout=CHILD_TIMEOUT_S,
+            check=False,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
     except subprocess.TimeoutExpired:
         raise HeaderRefused(f"{name}: its header check did not finish within {CHILD_TIMEOUT_S:g} s") from None
     if r.returncode != 0:

@@ -44,8 +44,12 @@ class HotMaps:
         except OSError:
             return False
         try:
-            m = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                          prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            m = mmap.mmap(
+                fd,
+                st.st_size,
+                flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+            )
         except OSError:
             return False
         finally:

@@ -55,12 +55,12 @@ class _Columns:
             block.append(address(d))
             if len(block) == _BLOCK:
                 raw = bytes.fromhex("".join(block))
-                buf[at:at + len(raw)] = raw
+                buf[at : at + len(raw)] = raw
                 at += len(raw)
                 block = []
         if block:
             raw = bytes.fromhex("".join(block))
-            buf[at:at + len(raw)] = raw
+            buf[at : at + len(raw)] = raw
             at += len(raw)
         assert at == 16 * n, (at, n)
         halves = np.frombuffer(bytes(buf), dtype=">i8").reshape(n, 2)
@@ -298,9 +298,11 @@ class ChunkIndex:
     def chunks(self) -> dict[str, int]:
         """How many chunk positions the index covers, and how many are pending / held (metrics, tests)."""
         segs = self._segments
-        return {"positions": sum(len(s.held) for s in segs),
-                "pending": sum(int(s.pending.sum()) for s in segs if s.any_pending),
-                "held": sum(int(s.held.sum()) for s in segs)}
+        return {
+            "positions": sum(len(s.held) for s in segs),
+            "pending": sum(int(s.pending.sum()) for s in segs if s.any_pending),
+            "held": sum(int(s.held.sum()) for s in segs),
+        }
 
     # ---- parked requests -------------------------------------------------------------------
     def read_elsewhere(self, address: str) -> None:

@@ -57,6 +57,8 @@ def clear_unix_socket(path: str) -> None:
         except OSError:  # refused (no listener), not a socket, ...: stale, safe to remove
             pass
         else:
-            raise CannotListen(f"local_socket {path} is in use (another process accepts connections on it; "
-                               "stop it or choose another path)")
+            raise CannotListen(
+                f"local_socket {path} is in use (another process accepts connections on it; "
+                "stop it or choose another path)"
+            )
     os.unlink(path)

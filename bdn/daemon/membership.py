@@ -205,7 +205,13 @@ class Membership:
         rows = []
         for ms in groups.values():
             head = max(ms, key=lambda m: (m.alive, m.static, m.last_seen))
-            rows.append({"node_id": head.node_id, "url": head.url, "alive": any(m.alive for m in ms),
-                         "penalised": any(now < m.penalty_until for m in ms),
-                         "also": sorted(m.url for m in ms if m is not head)})
+            rows.append(
+                {
+                    "node_id": head.node_id,
+                    "url": head.url,
+                    "alive": any(m.alive for m in ms),
+                    "penalised": any(now < m.penalty_until for m in ms),
+                    "also": sorted(m.url for m in ms if m is not head),
+                }
+            )
         return sorted(rows, key=lambda r: r["url"])

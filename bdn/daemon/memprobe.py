@@ -83,8 +83,12 @@ def anon_maps(lines: list[str]) -> dict[str, dict[str, int]]:
     return out
 
 
-_PYMALLOC = {"arenas allocated current": "arenas", "arenas highwater mark": "arenas_highwater",
-             "bytes in allocated blocks": "allocated_kb", "bytes in available blocks": "available_kb"}
+_PYMALLOC = {
+    "arenas allocated current": "arenas",
+    "arenas highwater mark": "arenas_highwater",
+    "bytes in allocated blocks": "allocated_kb",
+    "bytes in available blocks": "available_kb",
+}
 
 
 def parse_pymalloc(text: str) -> dict[str, int]:
@@ -122,13 +126,16 @@ def pymalloc_stats() -> dict[str, int]:
 def grew(old: tracemalloc.Snapshot | None, new: tracemalloc.Snapshot, top: int) -> list[dict[str, Any]]:
     """The ``top`` largest growths from ``old`` to ``new`` (everything in ``new`` when ``old`` is
     None), by the innermost bdn frame of each allocation's traceback."""
+
     def by_site(snap: tracemalloc.Snapshot) -> tuple[Counter[str], Counter[str]]:
         size: Counter[str] = Counter()
         count: Counter[str] = Counter()
         for t in snap.traces:
             frames = list(t.traceback)  # oldest first
-            site = next((f"bdn/{f.filename.rsplit(_BDN, 1)[1]}:{f.lineno}" for f in reversed(frames)
-                         if _BDN in f.filename), None)
+            site = next(
+                (f"bdn/{f.filename.rsplit(_BDN, 1)[1]}:{f.lineno}" for f in reversed(frames) if _BDN in f.filename),
+                None,
+            )
             if site is None:
                 f = frames[-1]
                 site = f"lib:{f.filename.rsplit('/', 2)[-1]}:{f.lineno}"
@@ -139,8 +146,11 @@ def grew(old: tracemalloc.Snapshot | None, new: tracemalloc.Snapshot, top: int) 
     ns, nc = by_site(new)
     os_, oc = by_site(old) if old is not None else (Counter(), Counter())
     rows = sorted(set(ns) | set(os_), key=lambda k: os_[k] - ns[k])[:top]
-    return [{"where": k, "kb": round((ns[k] - os_[k]) / 1024, 1), "blocks": nc[k] - oc[k],
-             "now_kb": round(ns[k] / 1024, 1)} for k in rows if ns[k] > os_[k]]
+    return [
+        {"where": k, "kb": round((ns[k] - os_[k]) / 1024, 1), "blocks": nc[k] - oc[k], "now_kb": round(ns[k] / 1024, 1)}
+        for k in rows
+        if ns[k] > os_[k]
+    ]
 
 
 def _status_kb(key: str) -> int | None:
@@ -156,8 +166,15 @@ def _status_kb(key: str) -> int | None:
 class MemProbe:
     """Appends one line to ``<dir>/memprobe.jsonl`` every ``every_s`` seconds (see the module)."""
 
-    def __init__(self, out_dir: Path, every_s: float, frames: int, top: int,
-                 census: Callable[[], Mapping[str, int]], trace: bool = True) -> None:
+    def __init__(
+        self,
+        out_dir: Path,
+        every_s: float,
+        frames: int,
+        top: int,
+        census: Callable[[], Mapping[str, int]],
+        trace: bool = True,
+    ) -> None:
         self.path = out_dir / "memprobe.jsonl"
         self.every_s = every_s
         self.frames = frames
@@ -204,8 +221,14 @@ class MemProbe:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.trace:
             tracemalloc.start(self.frames)
-        log.warning("memory probe on: %s, a line every %g s in %s", f"tracemalloc ({self.frames} frames; slows "
-                    "the daemon)" if self.trace else "pymalloc's arenas (no tracemalloc)", self.every_s, self.path)
+        log.warning(
+            "memory probe on: %s, a line every %g s in %s",
+            f"tracemalloc ({self.frames} frames; slows the daemon)"
+            if self.trace
+            else "pymalloc's arenas (no tracemalloc)",
+            self.every_s,
+            self.path,
+        )
         try:
             while True:
                 try:

@@ -67,8 +67,14 @@ MAX_NAMED = 8192  # peer URLs whose self-named node id is remembered
 class PeerClient:
     """One aiohttp session for every peer; each request signed with the partition's auth key."""
 
-    def __init__(self, keys: SwarmKeys, node_id: str, timeout_s: float = 60.0,
-                 node_of: Callable[[str], str] | None = None, keepalive_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        keys: SwarmKeys,
+        node_id: str,
+        timeout_s: float = 60.0,
+        node_of: Callable[[str], str] | None = None,
+        keepalive_s: float = 5.0,
+    ) -> None:
         """``node_of(base_url)`` is the node id membership knows for a peer URL ("" if none).
         ``keepalive_s``: how long an idle connection is kept for reuse, below the peers' own
         keep-alive (``http_header_timeout_s``, ``bdn/daemon/http/guard.py``), so that a request
@@ -90,12 +96,15 @@ class PeerClient:
         # it, and a health check queued behind them would time out and drop a live peer.
         """Open the HTTP session to peers (inside the running loop)."""
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=64, limit_per_host=4, ttl_dns_cache=10, keepalive_timeout=self.keepalive_s),
+            connector=aiohttp.TCPConnector(
+                limit=64, limit_per_host=4, ttl_dns_cache=10, keepalive_timeout=self.keepalive_s
+            ),
             auto_decompress=False,
         )
         self._data = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=512, limit_per_host=64, ttl_dns_cache=10,
-                                           keepalive_timeout=self.keepalive_s),
+            connector=aiohttp.TCPConnector(
+                limit=512, limit_per_host=64, ttl_dns_cache=10, keepalive_timeout=self.keepalive_s
+            ),
             auto_decompress=False,
         )
 
@@ -109,8 +118,15 @@ class PeerClient:
         return f"/bdn/v1/{self.keys.swarm_id}"
 
     async def _request(
-        self, method: str, base_url: str, path_qs: str, *, timeout: float, data: bytes | None = None,
-        session: aiohttp.ClientSession | None = None, read_idle: float | None = None,
+        self,
+        method: str,
+        base_url: str,
+        path_qs: str,
+        *,
+        timeout: float,
+        data: bytes | None = None,
+        session: aiohttp.ClientSession | None = None,
+        read_idle: float | None = None,
     ) -> aiohttp.ClientResponse:
         session = session or self._session
         assert session is not None
@@ -150,8 +166,16 @@ class PeerClient:
 
     @contextlib.asynccontextmanager
     async def _answer(
-        self, method: str, base_url: str, path_qs: str, what: str, *, timeout: float,
-        data: bytes | None = None, session: aiohttp.ClientSession | None = None, read_idle: float | None = None,
+        self,
+        method: str,
+        base_url: str,
+        path_qs: str,
+        what: str,
+        *,
+        timeout: float,
+        data: bytes | None = None,
+        session: aiohttp.ClientSession | None = None,
+        read_idle: float | None = None,
         stalled: str = "",
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """One signed request whose answer the caller reads inside the ``async with``: transport
@@ -159,8 +183,9 @@ class PeerClient:
         always released (the one copy of this try/except/finally for every peer request). With
         ``stalled`` set, a time-out while the answer is read raises PeerStalled with that message
         (a chunk: the peer answered, then did not deliver)."""
-        resp = await self._request(method, base_url, path_qs, timeout=timeout, data=data, session=session,
-                                   read_idle=read_idle)
+        resp = await self._request(
+            method, base_url, path_qs, timeout=timeout, data=data, session=session, read_idle=read_idle
+        )
         try:
             yield resp
         except TimeoutError as e:  # aiohttp's ServerTimeoutError is one too
@@ -199,8 +224,14 @@ class PeerClient:
         # sock_read: a peer that dies (or hangs) mid-request is noticed after ``wait`` plus 10 s of
         # silence, not after the whole request budget (a parked request is silent during ``wait``).
         async with self._answer(
-            "GET", base_url, path, "", timeout=wait + self.timeout_s, session=self._data,
-            read_idle=wait + 10.0, stalled="chunk not received in time",
+            "GET",
+            base_url,
+            path,
+            "",
+            timeout=wait + self.timeout_s,
+            session=self._data,
+            read_idle=wait + 10.0,
+            stalled="chunk not received in time",
         ) as resp:
             if resp.status == 404:
                 return None
@@ -260,7 +291,9 @@ class PeerClient:
 
     async def post_json(self, base_url: str, path: str, payload: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
         """A signed POST of a msgpack body to a peer endpoint under the swarm prefix."""
-        async with self._answer("POST", base_url, f"{self._prefix()}/{path}", "", timeout=timeout, data=payload) as resp:
+        async with self._answer(
+            "POST", base_url, f"{self._prefix()}/{path}", "", timeout=timeout, data=payload
+        ) as resp:
             return resp.status, await read_body(resp.content, MAX_MEMBERS_BYTES, resp.content_length)
 
     async def get_json(self, base_url: str, path: str, timeout: float = 5.0) -> tuple[int, Any]:

@@ -54,12 +54,14 @@ async def read_manifest(self: Any, job: SnapshotJob) -> Manifest:
             job.reason = f"bucket unavailable, reading {key} again: {e}"
             job.touch()
             await job.notify()
-            await asyncio.sleep(min(2.0 ** unavailable, 30.0))
+            await asyncio.sleep(min(2.0**unavailable, 30.0))
         except ObjectNotFound:
             if not self.cfg.require_manifest and self.foreign is not None:
                 return await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)
             if not job.wait_publish and not await self.bucket.list(f"{job.identity}/"):
-                raise BdnError(f"snapshot {job.identity}: nothing is published under {job.identity}/ in {self.bucket.url}") from None
+                raise BdnError(
+                    f"snapshot {job.identity}: nothing is published under {job.identity}/ in {self.bucket.url}"
+                ) from None
             # bounded by the askers (a client that gives up after 60 s)
             limit = started + self.cfg.manifest_wait_s
             if job.publish_deadline is not None:
@@ -71,9 +73,11 @@ async def read_manifest(self: Any, job: SnapshotJob) -> Manifest:
                     f"{key} is not in {self.bucket.url}"
                 ) from None
             # The count tells an operator (and a test) that the daemon keeps looking.
-            job.reason = (f"waiting for manifest: {job.identity} is not published yet, {key} is not in the "
-                          f"bucket (looked {looked} time{'' if looked == 1 else 's'}); gives up after "
-                          f"{limit - started:.0f} s")
+            job.reason = (
+                f"waiting for manifest: {job.identity} is not published yet, {key} is not in the "
+                f"bucket (looked {looked} time{'' if looked == 1 else 's'}); gives up after "
+                f"{limit - started:.0f} s"
+            )
             job.touch()
             await job.notify()
             await asyncio.sleep(self.cfg.manifest_poll_s)

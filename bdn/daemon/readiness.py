@@ -68,9 +68,17 @@ class Readiness:
     """The ``/v1/ready`` document; the app sets ``listening`` and ``started`` as startup proceeds.
     ``live_peers()`` counts the members this daemon talks to; ``bucket_url`` names the bucket."""
 
-    def __init__(self, node_id: str, bucket: Probe, catalog: Records, replica: TargetView, clock: Clock,
-                 problems: Problems | None = None, live_peers: Callable[[], int] = lambda: 0,
-                 bucket_url: str = "the bucket") -> None:
+    def __init__(
+        self,
+        node_id: str,
+        bucket: Probe,
+        catalog: Records,
+        replica: TargetView,
+        clock: Clock,
+        problems: Problems | None = None,
+        live_peers: Callable[[], int] = lambda: 0,
+        bucket_url: str = "the bucket",
+    ) -> None:
         self.node_id = node_id
         self.bucket = bucket
         self.catalog = catalog
@@ -81,8 +89,13 @@ class Readiness:
         self.bucket_url = bucket_url
         self.listening = False
         self.started = False
-        self.last: dict[str, Any] = {"ready": False, "reasons": ["not checked yet"], "warnings": [],
-                                     "waiting_for": None, "node_id": node_id}
+        self.last: dict[str, Any] = {
+            "ready": False,
+            "reasons": ["not checked yet"],
+            "warnings": [],
+            "waiting_for": None,
+            "node_id": node_id,
+        }
         self._probed_at: float | None = None
         self._probe_error: str | None = None
         self._probing: asyncio.Future[None] | None = None
@@ -112,9 +125,14 @@ class Readiness:
         except Exception as e:  # noqa: BLE001 - a probe that breaks says so, it does not break readiness
             err = f"probe failed: {type(e).__name__}: {e}"
         if empty:
-            self.problems.report("bucket_empty", self.bucket_url, (
-                f"the bucket {self.bucket_url} holds no object: a mistyped or empty prefix, or nothing "
-                "published yet (bdn-publish writes STARTUP_SNAPSHOT and the snapshots under it)"))
+            self.problems.report(
+                "bucket_empty",
+                self.bucket_url,
+                (
+                    f"the bucket {self.bucket_url} holds no object: a mistyped or empty prefix, or nothing "
+                    "published yet (bdn-publish writes STARTUP_SNAPSHOT and the snapshots under it)"
+                ),
+            )
         elif err is None:
             self.problems.clear("bucket_empty", self.bucket_url)
         self._probed_at, self._probe_error = self.clock.monotonic(), err
@@ -175,8 +193,13 @@ class Readiness:
                 reasons.append(why)
         wrong, warnings = self.misconfigured()
         reasons += wrong
-        self.last = {"ready": not reasons, "reasons": reasons, "warnings": warnings,
-                     "waiting_for": self.waiting_for(), "node_id": self.node_id}
+        self.last = {
+            "ready": not reasons,
+            "reasons": reasons,
+            "warnings": warnings,
+            "waiting_for": self.waiting_for(),
+            "node_id": self.node_id,
+        }
         return dict(self.last)
 
     def summary(self, doc: dict[str, Any]) -> str:

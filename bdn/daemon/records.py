@@ -50,8 +50,15 @@ class Record:
 
 def record_bytes(m: Manifest, digest: str, created: float, derived: bool) -> bytes:
     """The record of a snapshot rebuilt from ``m`` (msgpack bytes, ``bdn.record/1``)."""
-    return packb({"format": RECORD_FORMAT, "manifest": m.to_json(), "digest": digest,
-                  "created": float(created), "derived": bool(derived)})
+    return packb(
+        {
+            "format": RECORD_FORMAT,
+            "manifest": m.to_json(),
+            "digest": digest,
+            "created": float(created),
+            "derived": bool(derived),
+        }
+    )
 
 
 def parse_record(data: bytes, identity: str) -> Record:
@@ -84,10 +91,15 @@ def parse_record(data: bytes, identity: str) -> Record:
 
 
 def matches_ready(m: Manifest, info: ReadyMarker) -> str:
-    """"" if ``m``'s rebuilt files are exactly the files READY lists (paths, sizes, chunk
+    """ "" if ``m``'s rebuilt files are exactly the files READY lists (paths, sizes, chunk
     digests, chunk size, kind, policy version, base), else the first difference (one line)."""
     if (m.identity, m.kind, m.policy_version, m.base_identity, m.chunk_size) != (
-            info.identity, info.kind, info.policy_version, info.base_identity, info.chunk_size):
+        info.identity,
+        info.kind,
+        info.policy_version,
+        info.base_identity,
+        info.chunk_size,
+    ):
         return "identity, kind, policy version, base or chunk size differ from READY's"
     if len(m.files) != len(info.files):
         return f"{len(m.files)} files, READY lists {len(info.files)}"
@@ -100,5 +112,10 @@ def matches_ready(m: Manifest, info: ReadyMarker) -> str:
 def from_ready(info: ReadyMarker) -> Manifest:
     """The table READY alone gives (no record, or a record that does not match): the rebuilt
     files as a full snapshot's, with READY's policy version (no creation time, no stored diffs)."""
-    return Manifest(identity=info.identity, kind="full", policy_version=info.policy_version,
-                    chunk_size=info.chunk_size, files=tuple(FileEntry(f.path, f.size, f.chunks) for f in info.files))
+    return Manifest(
+        identity=info.identity,
+        kind="full",
+        policy_version=info.policy_version,
+        chunk_size=info.chunk_size,
+        files=tuple(FileEntry(f.path, f.size, f.chunks) for f in info.files),
+    )

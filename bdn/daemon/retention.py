@@ -27,7 +27,11 @@ class Held:
 
 
 def plan_gc(
-    held: Iterable[Held], pinned: Iterable[str], keep_ready: int, grace_s: float, now: float,
+    held: Iterable[Held],
+    pinned: Iterable[str],
+    keep_ready: int,
+    grace_s: float,
+    now: float,
 ) -> tuple[list[str], list[str]]:
     """``(remove, kept)``: ready identities to remove (newest first) and the ready ones kept (sorted)."""
     held = list(held)
@@ -37,8 +41,11 @@ def plan_gc(
             keep.add(h.identity)
             if h.base_identity:
                 keep.add(h.base_identity)
-    ready = sorted((h for h in held if h.state == "ready"), key=lambda h: (h.policy_version or 0, h.created),
-                   reverse=True)
+    ready = sorted(
+        (h for h in held if h.state == "ready"), key=lambda h: (h.policy_version or 0, h.created), reverse=True
+    )
     keep.update(h.identity for h in ready[:keep_ready])
     keep.update(h.identity for h in ready if now - h.updated < grace_s)
-    return [h.identity for h in ready if h.identity not in keep], sorted(h.identity for h in ready if h.identity in keep)
+    return [h.identity for h in ready if h.identity not in keep], sorted(
+        h.identity for h in ready if h.identity in keep
+    )

@@ -59,8 +59,10 @@ def _json_path(path: str) -> int:
 def small_files(m: Manifest) -> tuple[int, int, int]:
     """Upper bounds of ``(READY bytes, record bytes, progress bytes)`` for snapshot ``m``."""
     ready = _FIXED + sum(_PER_FILE + _json_path(f.path) + _PER_DIGEST * len(f.result_chunks) for f in m.files)
-    record = _FIXED + sum(2 * _PER_FILE + _json_path(f.path)
-                          + _PER_DIGEST * (len(f.chunks) + (len(f.result_chunks) if f.is_diff else 0)) for f in m.files)
+    record = _FIXED + sum(
+        2 * _PER_FILE + _json_path(f.path) + _PER_DIGEST * (len(f.chunks) + (len(f.result_chunks) if f.is_diff else 0))
+        for f in m.files
+    )
     n_stored = sum(len(f.chunks) for f in m.files)
     n_result = sum(len(f.result_chunks) for f in m.files)
     progress = _FIXED + (n_stored + 7) // 8 + (n_result + 7) // 8

@@ -84,8 +84,16 @@ class Runner:
     """Brings one snapshot job at a time (``run(job)``) from ``queued`` to a terminal state."""
 
     def __init__(
-        self, cfg: Config, store: Store, bucket: BucketIO, index: ChunkIndex, fetcher: Fetcher, haves: Haves,
-        stats: Stats, pools: Executors, clock: Clock,
+        self,
+        cfg: Config,
+        store: Store,
+        bucket: BucketIO,
+        index: ChunkIndex,
+        fetcher: Fetcher,
+        haves: Haves,
+        stats: Stats,
+        pools: Executors,
+        clock: Clock,
     ) -> None:
         self.cfg = cfg
         self.store = store
@@ -152,8 +160,12 @@ class Runner:
                 job.flusher.cancel()
             final = await self._on(self.pools.disk, self._publish, job, ready_m)
             job.set_state("ready")
-            log.info("snapshot %s: ready at %s (stages: %s)", job.identity, final,
-                     " ".join(f"{k}={v:.3f}s" for k, v in job.stages.items()))
+            log.info(
+                "snapshot %s: ready at %s (stages: %s)",
+                job.identity,
+                final,
+                " ".join(f"{k}={v:.3f}s" for k, v in job.stages.items()),
+            )
             jobs.gc()
             self.forward.after_ready(job)  # after GC: the spares it just tagged are mapped ahead
         except asyncio.CancelledError:
@@ -249,9 +261,12 @@ class Runner:
             good = await self._on(self.pools.disk, diskio.verify_held, refs, want.__contains__, path_of)
             bad = sorted(want - set(good))
         report: dict[str, Any] = {
-            "identity": job.identity, "chunks": len(refs) if positions is None else len(positions),
-            "corrupted": [{"path": refs[i].path, "chunk": refs[i].index, "offset": refs[i].offset,
-                           "length": refs[i].length} for i in bad[:1000]],
+            "identity": job.identity,
+            "chunks": len(refs) if positions is None else len(positions),
+            "corrupted": [
+                {"path": refs[i].path, "chunk": refs[i].index, "offset": refs[i].offset, "length": refs[i].length}
+                for i in bad[:1000]
+            ],
         }
         if bad:
             if job.state != "ready" or self.jobs.get(job.identity) is not job:
@@ -263,11 +278,16 @@ class Runner:
             marker = await self._on(self.pools.disk, self.store.unpublish, job.identity)
             job.quarantined(bad)
             job.set_state("downloading", f"repairing {len(bad)} corrupted chunk(s) found on this node, first {where}")
-            log.error("snapshot %s: %d corrupted chunk(s) on this node (first %s): quarantined, fetching them again",
-                      job.identity, len(bad), where)
+            log.error(
+                "snapshot %s: %d corrupted chunk(s) on this node (first %s): quarantined, fetching them again",
+                job.identity,
+                len(bad),
+                where,
+            )
             await job.notify()
-            job.task = asyncio.create_task(self._repair(job, [refs[i] for i in bad], marker),
-                                           name=f"repair-{job.identity}")
+            job.task = asyncio.create_task(
+                self._repair(job, [refs[i] for i in bad], marker), name=f"repair-{job.identity}"
+            )
         report.update(state=job.state, reason=job.reason)
         return report
 
@@ -320,19 +340,38 @@ class Runner:
             return
         if job.foreign is not None:  # ids are no digests: the objects are verified whole before READY
             job.resumed(STORED, job.foreign.resumed(job.stored_refs, stored.set_positions().tolist()))
-            log.info("snapshot %s: resumed with %d of %d stored chunks (no manifest: unchanged ETags, each object"
-                     " verified whole before READY)", job.identity, stored.count, len(job.stored_refs))
+            log.info(
+                "snapshot %s: resumed with %d of %d stored chunks (no manifest: unchanged ETags, each object"
+                " verified whole before READY)",
+                job.identity,
+                stored.count,
+                len(job.stored_refs),
+            )
             return
-        ok_s = await self._on(self.pools.disk, diskio.verify_held, job.stored_refs, stored.__getitem__,
-                              lambda fi: job.file_path(STORED, fi))
-        ok_r = await self._on(self.pools.disk, diskio.verify_held, job.result_refs, result.__getitem__,
-                              lambda fi: job.file_path(RESULT, fi))
+        ok_s = await self._on(
+            self.pools.disk,
+            diskio.verify_held,
+            job.stored_refs,
+            stored.__getitem__,
+            lambda fi: job.file_path(STORED, fi),
+        )
+        ok_r = await self._on(
+            self.pools.disk,
+            diskio.verify_held,
+            job.result_refs,
+            result.__getitem__,
+            lambda fi: job.file_path(RESULT, fi),
+        )
         job.resumed(STORED, ok_s)
         job.resumed(RESULT, ok_r)
         await self._register(job, STORED, (job.stored_refs[i] for i in ok_s))
         await self._register(job, RESULT, (job.result_refs[i] for i in ok_r))
-        log.info("snapshot %s: resumed with %d of %d stored chunks verified on disk",
-                 job.identity, len(ok_s), len(job.stored_refs))
+        log.info(
+            "snapshot %s: resumed with %d of %d stored chunks verified on disk",
+            job.identity,
+            len(ok_s),
+            len(job.stored_refs),
+        )
 
     def save_progress(self, job: SnapshotJob) -> None:
         """Persist which chunks ``job`` holds (both layers' bitfields, tied to the
@@ -342,11 +381,14 @@ class Runner:
             return
         try:
             extra = job.foreign.persisted() if job.foreign is not None else None
-            self.store.save_progress(job.identity, job.manifest_digest, job.stored.to_bytes(), job.result.to_bytes(), extra)
+            self.store.save_progress(
+                job.identity, job.manifest_digest, job.stored.to_bytes(), job.result.to_bytes(), extra
+            )
         except OSError as e:
             why = self.store.full_reason(job.identity, e) if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
-            self.repeat.log(logging.WARNING, ("progress", job.identity), "snapshot %s: cannot save progress: %s",
-                            job.identity, why)
+            self.repeat.log(
+                logging.WARNING, ("progress", job.identity), "snapshot %s: cannot save progress: %s", job.identity, why
+            )
 
     async def _progress_flusher(self, job: SnapshotJob) -> None:
         last = -1
@@ -373,11 +415,18 @@ class Runner:
                 return await self.foreign.finish(job, lambda layer, ref: self.index.register(job, layer, ref))
             except ObjectChanged as e:
                 if restarts >= self.cfg.foreign_restarts:
-                    raise BdnError(f"snapshot {job.identity}: {e.key} was replaced during the download "
-                                   f"{restarts + 1} time(s) ({self.cfg.foreign_restarts} restart(s) allowed): {e}") from None
+                    raise BdnError(
+                        f"snapshot {job.identity}: {e.key} was replaced during the download "
+                        f"{restarts + 1} time(s) ({self.cfg.foreign_restarts} restart(s) allowed): {e}"
+                    ) from None
                 restarts += 1
-                log.warning("snapshot %s: %s; starting again on a fresh listing (restart %d of %d)",
-                            job.identity, e, restarts, self.cfg.foreign_restarts)
+                log.warning(
+                    "snapshot %s: %s; starting again on a fresh listing (restart %d of %d)",
+                    job.identity,
+                    e,
+                    restarts,
+                    self.cfg.foreign_restarts,
+                )
             await self._on(self.pools.disk, self.index.drop_pending_of, job)
             self.index.forget(job, self.jobs.all())
             job.set_state("queued", f"restarting: an object was replaced during the download (restart {restarts})")
@@ -407,7 +456,9 @@ class Runner:
                     job.set_state("verifying")
                     return
                 except NotAvailable as e:
-                    log.info("snapshot %s: peers' reconstructed chunks not enough (%s); walking the chain", job.identity, e)
+                    log.info(
+                        "snapshot %s: peers' reconstructed chunks not enough (%s); walking the chain", job.identity, e
+                    )
                     job.layer_reset(RESULT)
             if self.cfg.fold_deltas and await self.folder.fold(job, m, self.jobs):
                 job.layer_complete(RESULT)
@@ -423,14 +474,27 @@ class Runner:
         await download
         if base.state != "ready":
             raise BdnError(f"base snapshot {base_id} failed: {base.reason}")
-        await self._on(self.pools.disk, check_delta_config, m.identity, base_id, self.store.ready_dir(base_id),
-                       self.store.staging_dir(m.identity))
+        await self._on(
+            self.pools.disk,
+            check_delta_config,
+            m.identity,
+            base_id,
+            self.store.ready_dir(base_id),
+            self.store.staging_dir(m.identity),
+        )
         job.set_state("applying")
         await job.notify()
         sparse = await self.forward.apply(job, m)  # buffers brought forward in place; the rest in full
-        await self._on(self.pools.apply, diskio.apply_delta, m, self.store.ready_dir(base_id),
-                       self.store.stored_dir(m.identity), self.store.staging_dir(m.identity), self.cfg.apply_workers,
-                       sparse)
+        await self._on(
+            self.pools.apply,
+            diskio.apply_delta,
+            m,
+            self.store.ready_dir(base_id),
+            self.store.stored_dir(m.identity),
+            self.store.staging_dir(m.identity),
+            self.cfg.apply_workers,
+            sparse,
+        )
         job.set_state("verifying")
         await job.notify()
         await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity), sparse)

@@ -34,8 +34,16 @@ class ChunkServing:
     """Answers peers' chunk requests: find or wait, admit (upload policy), open, account."""
 
     def __init__(
-        self, node_id: str, catalog: Catalog, index: ChunkIndex, fetcher: Fetcher, membership: Membership,
-        uploads: Uploads, stats: Stats, limit: RateLimit, disk_pool: Executor,
+        self,
+        node_id: str,
+        catalog: Catalog,
+        index: ChunkIndex,
+        fetcher: Fetcher,
+        membership: Membership,
+        uploads: Uploads,
+        stats: Stats,
+        limit: RateLimit,
+        disk_pool: Executor,
     ) -> None:
         self.node_id = node_id
         self.catalog = catalog
@@ -71,7 +79,12 @@ class ChunkServing:
         return job is not None and job.state == "failed"
 
     async def _wait_for(
-        self, address: str, wait: float, hint: str | None, cut_through: bool, asker: str | None = None,
+        self,
+        address: str,
+        wait: float,
+        hint: str | None,
+        cut_through: bool,
+        asker: str | None = None,
     ) -> Loc | Growing | None:
         loc = self.index.lookup(address) or self._growing(address, cut_through)
         if loc is not None or wait <= 0:
@@ -110,7 +123,12 @@ class ChunkServing:
                 return g  # (elsewhere: another node reads it for us; the asker takes it there)
 
     async def request(
-        self, address: str, wait: float, hint: str | None, cut_through: bool = False, asker: str | None = None,
+        self,
+        address: str,
+        wait: float,
+        hint: str | None,
+        cut_through: bool = False,
+        asker: str | None = None,
     ) -> tuple[Admission, Loc | Growing | None]:
         """The answer for a peer's request of ``address`` (``wait`` s, snapshot ``hint``;
         ``cut_through``: the asker takes the chunk's bytes while they still land here from the

@@ -26,13 +26,15 @@ class ShmFull(BdnError):
 
 
 def room_line(path: Path) -> str:
-    """"N of M bytes, I of J inodes free on PATH" (statvfs; what a "no space" line quotes)."""
+    """ "N of M bytes, I of J inodes free on PATH" (statvfs; what a "no space" line quotes)."""
     try:
         st = os.statvfs(path)
     except OSError as e:
         return f"{path}: {e.strerror or e}"
-    return (f"{st.f_bavail * st.f_frsize} of {st.f_blocks * st.f_frsize} bytes, "
-            f"{st.f_favail} of {st.f_files} inodes free on {path}")
+    return (
+        f"{st.f_bavail * st.f_frsize} of {st.f_blocks * st.f_frsize} bytes, "
+        f"{st.f_favail} of {st.f_files} inodes free on {path}"
+    )
 
 
 def existing(p: Path) -> Path:
@@ -70,8 +72,10 @@ class ShmLock:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ShmFull(f"shm_dir {str(d)!r} is full, bdnd cannot create its lock file: "
-                              f"{room_line(existing(d))} (free some, or give it a larger tmpfs)") from None
+                raise ShmFull(
+                    f"shm_dir {str(d)!r} is full, bdnd cannot create its lock file: "
+                    f"{room_line(existing(d))} (free some, or give it a larger tmpfs)"
+                ) from None
             raise BdnError(f"cannot lock shm_dir {str(d)!r}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

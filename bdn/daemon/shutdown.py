@@ -111,8 +111,14 @@ def busy_workers() -> list[threading.Thread]:
     daemon, not this one, not an idle pool worker."""
     me = threading.current_thread()
     frames = sys._current_frames()
-    return [t for t in threading.enumerate() if t is not me and not t.daemon and t.is_alive()
-            and not (t.ident is not None and _idle_pool_worker(frames.get(t.ident)))]
+    return [
+        t
+        for t in threading.enumerate()
+        if t is not me
+        and not t.daemon
+        and t.is_alive()
+        and not (t.ident is not None and _idle_pool_worker(frames.get(t.ident)))
+    ]
 
 
 def join_workers(timeout_s: float) -> list[threading.Thread]:
@@ -128,6 +134,7 @@ def join_workers(timeout_s: float) -> list[threading.Thread]:
         for t in left:
             frame = frames.get(t.ident) if t.ident is not None else None
             stack = "".join(traceback.format_stack(frame)).rstrip() if frame is not None else "(no frame)"
-            log.warning("stopping: worker thread %s still busy after the shutdown timeout, abandoned:\n%s",
-                        t.name, stack)
+            log.warning(
+                "stopping: worker thread %s still busy after the shutdown timeout, abandoned:\n%s", t.name, stack
+            )
     return left

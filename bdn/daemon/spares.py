@@ -238,7 +238,9 @@ class Spares:
             log.warning("page pool: tag of %s not written: %s", name, e)
             tmp.unlink(missing_ok=True)
 
-    def take_tagged(self, path: str, size: int, dest: Path, accept: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
+    def take_tagged(
+        self, path: str, size: int, dest: Path, accept: Callable[[dict[str, Any]], bool]
+    ) -> dict[str, Any] | None:
         """Move a spare that held ``path`` at exactly ``size`` bytes and whose tag ``accept``s to
         ``dest`` (the newest such); returns its tag, or None (nothing moved). The tag is removed
         before the file moves: from here on only the caller knows what the file holds."""
@@ -250,8 +252,13 @@ class Spares:
                     st = (self.dir / t.name).stat()
                 except (OSError, ValueError):
                     continue
-                if (not isinstance(tag, dict) or tag.get("path") != path or tag.get("size") != size
-                        or st.st_size != size or not accept(tag)):
+                if (
+                    not isinstance(tag, dict)
+                    or tag.get("path") != path
+                    or tag.get("size") != size
+                    or st.st_size != size
+                    or not accept(tag)
+                ):
                     continue
                 if best is None or st.st_mtime > best[0]:
                     best = (st.st_mtime, t, tag)
@@ -263,7 +270,9 @@ class Spares:
             self.recycled_bytes += size
             return tag
 
-    def claim_tagged(self, path: str, size: int, accept: Callable[[dict[str, Any]], bool]) -> tuple[Path, dict[str, Any]] | None:
+    def claim_tagged(
+        self, path: str, size: int, accept: Callable[[dict[str, Any]], bool]
+    ) -> tuple[Path, dict[str, Any]] | None:
         """Take a tagged spare out of the pool to bring it forward where it lies (the sparse
         catch-up, ``bdn.daemon.forward``): as :meth:`take_tagged`, but to a hidden name in the
         pool's directory (``.claimed-<n>``, which no take, trim or restart hands out: a restart

@@ -42,9 +42,9 @@ COUNTERS = (
 
 class Stats:
     """``counters`` (bytes and chunks by source, as named in ``COUNTERS``), ``verify_failures_by_peer``
-    (node id or ``"bucket"`` -> count), ``inflight`` requests by kind (``peer``, ``bucket``,
-    ``upload``), ``busy_answers`` (503s received from peers) and ``loop_lag`` (the event loop's
-lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
+        (node id or ``"bucket"`` -> count), ``inflight`` requests by kind (``peer``, ``bucket``,
+        ``upload``), ``busy_answers`` (503s received from peers) and ``loop_lag`` (the event loop's
+    lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
 
     def __init__(self) -> None:
         self.counters: dict[str, int] = {k: 0 for k in COUNTERS}
@@ -55,8 +55,12 @@ lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
         #: SWIM (ping, ack, ping_req, sync, sync_ack), hot_load pushes, status reports and reads
         #: "messages_sent"/"messages_received": SWIM messages, answers included (an ack inside a
         #: ping's response is one message, no request), the unit of bench/fleetsim
-        self.control: dict[str, dict[str, int]] = {"sent": {}, "received": {}, "messages_sent": {},
-                                                   "messages_received": {}}
+        self.control: dict[str, dict[str, int]] = {
+            "sent": {},
+            "received": {},
+            "messages_sent": {},
+            "messages_received": {},
+        }
         #: membership gauges the gossip loop keeps current: periods, members, epoch, state_bytes
         self.membership: dict[str, int] = {}
         self.loop_lag = LoopLag()  # its run() is started by the app
@@ -78,7 +82,10 @@ lateness probe, :class:`~bdn.daemon.looplag.LoopLag`)."""
     def snapshot(self) -> dict[str, Any]:
         """The ``counters``, ``verify_failures_by_peer``, ``inflight`` (requests in flight now, by
         kind), ``control_requests`` and ``membership`` members of the status document (copies)."""
-        return {"counters": dict(self.counters), "verify_failures_by_peer": dict(self.verify_failures_by_peer),
-                "inflight": dict(self.inflight),
-                "control_requests": {k: dict(v) for k, v in self.control.items()},
-                "membership": dict(self.membership)}
+        return {
+            "counters": dict(self.counters),
+            "verify_failures_by_peer": dict(self.verify_failures_by_peer),
+            "inflight": dict(self.inflight),
+            "control_requests": {k: dict(v) for k, v in self.control.items()},
+            "membership": dict(self.membership),
+        }

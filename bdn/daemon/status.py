@@ -17,8 +17,14 @@ class StatusView:
     """Builds the status and health documents from the services it is handed (read only)."""
 
     def __init__(
-        self, cfg: Config, swarm_id: str, membership: Membership, bucket: BucketIO, stats: Stats,
-        catalog: Catalog, clock: Clock,
+        self,
+        cfg: Config,
+        swarm_id: str,
+        membership: Membership,
+        bucket: BucketIO,
+        stats: Stats,
+        catalog: Catalog,
+        clock: Clock,
     ) -> None:
         self.cfg = cfg
         self.swarm_id = swarm_id

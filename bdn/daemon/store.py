@@ -71,8 +71,10 @@ class Store:
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.EDQUOT):
                 raise
-            raise ShmFull(f"shm_dir {str(shm_dir)!r} is full, bdnd cannot create its store {self.root}: "
-                          f"{room_line(existing(Path(shm_dir)))} (free some, or give it a larger tmpfs)") from None
+            raise ShmFull(
+                f"shm_dir {str(shm_dir)!r} is full, bdnd cannot create its store {self.root}: "
+                f"{room_line(existing(Path(shm_dir)))} (free some, or give it a larger tmpfs)"
+            ) from None
         self.spares = Spares(self.root)
         #: bytes the spares may keep once snapshot ``m`` is reserved (None: after a GC); the
         #: catalog sets it from ``shm_budget_bytes``; default: the pool's own cap
@@ -157,7 +159,7 @@ class Store:
             return None
 
     def check_sizes(self, info: ReadyMarker) -> str:
-        """"" if every file READY lists exists with its size, else what is wrong (one line)."""
+        """ "" if every file READY lists exists with its size, else what is wrong (one line)."""
         d = self.ready_dir(info.identity)
         for f in info.files:
             try:
@@ -168,13 +170,17 @@ class Store:
                 return f"{f.path} is {got} bytes, READY says {f.size}"
         return ""
 
-    def prepare_staging(self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, dict[str, Any]]:
+    def prepare_staging(
+        self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Reserve a snapshot's staging files, one snapshot at a time (see ``_prepare_staging``);
         ``accept``, ``{path: tag}`` returned: ``bdn.daemon.buffers.take``."""
         with self._reserve_lock:
             return self._prepare_staging(m, accept)
 
-    def _prepare_staging(self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None = None) -> dict[str, dict[str, Any]]:
+    def _prepare_staging(
+        self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None = None
+    ) -> dict[str, dict[str, Any]]:
         """Create the staging files at their final sizes, with their space reserved up front.
 
         The space is allocated (``posix_fallocate``) rather than left sparse: a full tmpfs must
@@ -227,13 +233,21 @@ class Store:
                 self._allocate(p, size)
             self.reserve(m.identity).hold(r.small)
             # (a disk-pool thread: the task's SNAPSHOT context does not follow, so it is given here)
-            log.info("snapshot %s: reserved %d bytes, %d in recycled pages, %d file(s) kept as buffers", m.identity,
-                     need, reused, len(held), extra={"snapshot": m.identity})
+            log.info(
+                "snapshot %s: reserved %d bytes, %d in recycled pages, %d file(s) kept as buffers",
+                m.identity,
+                need,
+                reused,
+                len(held),
+                extra={"snapshot": m.identity},
+            )
             return held
         except OSError as e:
             self.discard(m.identity)
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise ProtocolError(f"{self.full_reason(m.identity, e)}; it needs {need} bytes, {r.inodes} inodes") from None
+                raise ProtocolError(
+                    f"{self.full_reason(m.identity, e)}; it needs {need} bytes, {r.inodes} inodes"
+                ) from None
             raise
 
     @staticmethod
@@ -252,8 +266,9 @@ class Store:
         # directory of the identity "x.progress".
         return self.root / PROGRESS / identity
 
-    def save_progress(self, identity: str, manifest_digest: str, stored: bytes, result: bytes,
-                      extra: dict[str, Any] | None = None) -> None:
+    def save_progress(
+        self, identity: str, manifest_digest: str, stored: bytes, result: bytes, extra: dict[str, Any] | None = None
+    ) -> None:
         """Atomically record which chunks of a snapshot in progress are written and verified;
         ``extra``: what a snapshot without a manifest needs to resume (``load_progress_extra``)."""
         p = self.progress_path(identity)
@@ -423,4 +438,3 @@ def _set_modes(directory: Path, mode: int) -> None:
             p = os.path.join(parent, name)
             if not os.path.islink(p):  # chmod follows symlinks: one planted here is left alone
                 os.chmod(p, mode)
-

@@ -83,8 +83,16 @@ def listen_address(cfg: Config) -> tuple[str, int, bool]:
 
 
 def adopt(
-    cfg: Config, keys: SwarmKeys, serving: ChunkServing, index: ChunkIndex, stats: Stats, sources: Sources,
-    membership: Membership, disk_pool: Executor, chunk_log: ChunkLog | None, catalog: Catalog,
+    cfg: Config,
+    keys: SwarmKeys,
+    serving: ChunkServing,
+    index: ChunkIndex,
+    stats: Stats,
+    sources: Sources,
+    membership: Membership,
+    disk_pool: Executor,
+    chunk_log: ChunkLog | None,
+    catalog: Catalog,
 ) -> WirePeer | None:
     """Wire the transfer layer into a daemon (None when ``transfer_listen`` is ""): the server
     fed by ``serving``/``index``, the fetcher's peer and bucket reads through ``WireSource``,
@@ -103,8 +111,19 @@ def adopt(
     # with peer_receive "write" the peers' whole answers are pwritten, so the mapping (bucket
     # reads, cut-through answers) fills its page tables on demand instead of all up front
     maps = TargetMaps(disk_pool, populate=cfg.peer_receive == "map")
-    sources.wire = WireSource(cfg, wp.pool, maps, membership, stats, sources.peer_sem, sources.download_limit,
-                              disk_pool, sources.pool.get, sources.pool.put, chunk_log)
+    sources.wire = WireSource(
+        cfg,
+        wp.pool,
+        maps,
+        membership,
+        stats,
+        sources.peer_sem,
+        sources.download_limit,
+        disk_pool,
+        sources.pool.get,
+        sources.pool.put,
+        chunk_log,
+    )
     wp.maps = maps
     if cfg.cut_through:
         # an owner's bucket bytes go on to parked askers as they land (bdn.transfer.growing)
@@ -132,8 +151,14 @@ class WirePeer:
     """
 
     def __init__(
-        self, cfg: Config, keys: SwarmKeys, serving: ChunkServing, index: ChunkIndex, stats: Stats,
-        *, workers: int | None = None,
+        self,
+        cfg: Config,
+        keys: SwarmKeys,
+        serving: ChunkServing,
+        index: ChunkIndex,
+        stats: Stats,
+        *,
+        workers: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.serving = serving
@@ -145,10 +170,19 @@ class WirePeer:
         self.feed = HaveFeed(lambda identity: self.held(identity))
         self.haves: Any = None  # bdn.daemon.fetch.haves.Haves, fed by ``subscriber``
         self.subscriber: HaveSubscriber | None = None
-        self.server = TransferServer(keys, cfg.node_id, self.resolve, admit=self.admit, host=self._host, port=self._port,
-                                     on_have=self.feed.serve, on_take=self.take)
-        self.client = TransferClient(keys, cfg.node_id, streams_per_peer=max(1, cfg.max_per_peer),
-                                     io_timeout_s=cfg.peer_timeout_s)
+        self.server = TransferServer(
+            keys,
+            cfg.node_id,
+            self.resolve,
+            admit=self.admit,
+            host=self._host,
+            port=self._port,
+            on_have=self.feed.serve,
+            on_take=self.take,
+        )
+        self.client = TransferClient(
+            keys, cfg.node_id, streams_per_peer=max(1, cfg.max_per_peer), io_timeout_s=cfg.peer_timeout_s
+        )
         self.pool = FetchPool(self.client, workers or max(2, cfg.max_inflight))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.address: str | None = None
@@ -170,10 +204,23 @@ class WirePeer:
         except OSError as e:
             if not self.auto_port:
                 raise
-            log.warning("transfer port %s:%d is taken (%s): listening on any free port instead "
-                        "(peers learn it from membership exchanges)", self._host, self._port, e.strerror)
-            self.server = TransferServer(self.server.keys, self.cfg.node_id, self.resolve, admit=self.admit,
-                                         host=self._host, port=0, on_have=self.feed.serve, on_take=self.take)
+            log.warning(
+                "transfer port %s:%d is taken (%s): listening on any free port instead "
+                "(peers learn it from membership exchanges)",
+                self._host,
+                self._port,
+                e.strerror,
+            )
+            self.server = TransferServer(
+                self.server.keys,
+                self.cfg.node_id,
+                self.resolve,
+                admit=self.admit,
+                host=self._host,
+                port=0,
+                on_have=self.feed.serve,
+                on_take=self.take,
+            )
             host, port = self.server.start()
         adv = urlsplit(self.cfg.advertise_url).hostname or host
         if self._host not in ("0.0.0.0", "::", ""):
@@ -368,8 +415,11 @@ class WirePeer:
         return None
 
 
-def _held(job: SnapshotJob | None, growing: set[int] | None = None, files: HeldFiles | None = None,
-          ) -> dict[int, Any] | None:
+def _held(
+    job: SnapshotJob | None,
+    growing: set[int] | None = None,
+    files: HeldFiles | None = None,
+) -> dict[int, Any] | None:
     """``{layer: positions}`` of the verified chunks of ``job`` (less those of files gone from
     disk, ``files``), and (layer ``HAVE_GROWING``) those landing here now (for a new HAVE
     subscriber; read on a connection thread: a change meanwhile is announced by the feed as

@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m bdn.engines`` (subcommands ``hf``, ``sglang``, ``vllm``)."""
     from bdn import __version__
 
-    ap = argparse.ArgumentParser(prog="python -m bdn.engines", description="run an engine adapter under bdnd",
-                                 formatter_class=DefaultsFormatter)  # every --help shows the defaults
+    ap = argparse.ArgumentParser(
+        prog="python -m bdn.engines", description="run an engine adapter under bdnd", formatter_class=DefaultsFormatter
+    )  # every --help shows the defaults
     ap.add_argument("--version", action="version", version=f"bdn {__version__}")  # as bdnd, bdnctl, bdn-publish
     sub = ap.add_subparsers(dest="engine", required=True)
     for name in ("hf", "sglang", "vllm"):
@@ -61,26 +62,39 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--bdn-url", default="http://127.0.0.1:7081", help="the node's bdnd local API")
         p.add_argument("--name", default=name, help="the engine's name in bdnd's logs")
         p.add_argument("--connect-timeout", type=_seconds, default=60.0, help="seconds to wait for bdnd")
-        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                       help="the adapter's logging level")
+        p.add_argument(
+            "--log-level",
+            default="info",
+            choices=["debug", "info", "warning", "error"],
+            help="the adapter's logging level",
+        )
         if name == "hf":
             p.add_argument("--listen", type=_hostport, default=("127.0.0.1", 8000), help="HOST:PORT of the chat server")
             p.add_argument("--replica-id", default="replica", help="reported in every answer's engine_data")
             p.add_argument("--served-model-name", default="model", help="the model name the chat server answers to")
             p.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
             p.add_argument("--full-reload", action="store_true", help="reload every tensor on every swap")
-            p.add_argument("--swap-in-place", action="store_true",
-                           help="copy new tensors into the parameters' own storage in the pause (pointer-stable, "
-                                "for captured kernels) instead of rebinding the parameters to them")
+            p.add_argument(
+                "--swap-in-place",
+                action="store_true",
+                help="copy new tensors into the parameters' own storage in the pause (pointer-stable, "
+                "for captured kernels) instead of rebinding the parameters to them",
+            )
         else:
             p.add_argument("--engine-url", required=True, help="the engine server's base URL")
             p.add_argument("--api-key", default=None, help="the engine's API key (bearer token)")
-            p.add_argument("--full-reload", action="store_true",
-                           help="load the whole snapshot on every swap (default: only the changed tensors when "
-                                "possible; docs/ENGINES.md)")
+            p.add_argument(
+                "--full-reload",
+                action="store_true",
+                help="load the whole snapshot on every swap (default: only the changed tensors when "
+                "possible; docs/ENGINES.md)",
+            )
         if name == "vllm":
-            p.add_argument("--require-weight-change", action="store_true",
-                           help="fail a swap whose reload changed no weight checksum")
+            p.add_argument(
+                "--require-weight-change",
+                action="store_true",
+                help="fail a swap whose reload changed no weight checksum",
+            )
     return ap
 
 
@@ -107,9 +121,17 @@ def main(argv: list[str] | None = None) -> int:
         if a.engine == "hf":
             from bdn.engines.service import HFService
 
-            svc = HFService(a.bdn_url, a.listen[0], a.listen[1], replica_id=a.replica_id,
-                            served_name=a.served_model_name, partial=not a.full_reload, device=a.device, name=a.name,
-                            swap_method="copy" if a.swap_in_place else "rebind")
+            svc = HFService(
+                a.bdn_url,
+                a.listen[0],
+                a.listen[1],
+                replica_id=a.replica_id,
+                served_name=a.served_model_name,
+                partial=not a.full_reload,
+                device=a.device,
+                name=a.name,
+                swap_method="copy" if a.swap_in_place else "rebind",
+            )
             svc.start(a.connect_timeout)
             print(f"serving on {svc.url}; hot-loads from {a.bdn_url}", flush=True)
             stop.wait()
@@ -126,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.engine == "sglang":
             adapter = SGLangAdapter(a.engine_url, a.api_key, partial=not a.full_reload)
         else:
-            adapter = VLLMAdapter(a.engine_url, a.api_key, require_change=a.require_weight_change,
-                                  partial=not a.full_reload)
+            adapter = VLLMAdapter(
+                a.engine_url, a.api_key, require_change=a.require_weight_change, partial=not a.full_reload
+            )
         link = register(a.bdn_url, a.name, a.connect_timeout)
         t = run_driver(link, adapter, stop, poll_timeout=5.0)
         print(f"driving {a.engine} at {a.engine_url}; hot-loads from {a.bdn_url}", flush=True)

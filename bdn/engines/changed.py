@@ -91,7 +91,7 @@ def _same_by_digest(info: Any, chunk_size: int, old_chunks: list[str] | None, ne
     first, last = info.start // chunk_size, (info.end - 1) // chunk_size
     if last >= len(old_chunks) or last >= len(new_chunks):
         return False
-    return old_chunks[first:last + 1] == new_chunks[first:last + 1]
+    return old_chunks[first : last + 1] == new_chunks[first : last + 1]
 
 
 def compare(base: Snapshot, target: Snapshot) -> ChangedTensors:
@@ -114,8 +114,12 @@ def compare(base: Snapshot, target: Snapshot) -> ChangedTensors:
         if info_new.dtype != info_old.dtype or info_new.shape != info_old.shape:
             names.append(name)
             continue
-        if (rel_new == rel_old and old_cs == new_cs and info_new.start == info_old.start
-                and _same_by_digest(info_new, new_cs, old_digests.get(rel_old), new_digests[rel_new])):
+        if (
+            rel_new == rel_old
+            and old_cs == new_cs
+            and info_new.start == info_old.start
+            and _same_by_digest(info_new, new_cs, old_digests.get(rel_old), new_digests[rel_new])
+        ):
             continue
         a = base.tensor(name).reshape(-1).view(np.uint8)
         b = target.tensor(name).reshape(-1).view(np.uint8)
@@ -175,13 +179,18 @@ def parse_ranges(raw: Any, names: set[str], bounds: dict[str, tuple[int, int]]) 
         prev = lo
         got: list[tuple[int, int]] = []
         for span in spans:
-            if (not isinstance(span, list) or len(span) != 2
-                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
+            if (
+                not isinstance(span, list)
+                or len(span) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in span)
+            ):
                 raise ProtocolError(f"changed_ranges of {name[:80]!r}: {str(span)[:40]} is not [start, end]")
             start, end = span
             if not prev <= start < end <= hi:
-                raise ProtocolError(f"changed_ranges of {name[:80]!r}: [{start}, {end}) is empty, unsorted, "
-                                    f"overlapping or outside its bytes [{lo}, {hi})")
+                raise ProtocolError(
+                    f"changed_ranges of {name[:80]!r}: [{start}, {end}) is empty, unsorted, "
+                    f"overlapping or outside its bytes [{lo}, {hi})"
+                )
             got.append((start - lo, end - lo))
             prev = end
         out[name] = got

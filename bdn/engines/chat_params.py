@@ -18,7 +18,9 @@ __all__ = ["ChatError", "bool_param", "int_param", "number_param"]
 class ChatError(Exception):
     """A refused request: HTTP status, one-line message, the parameter at fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 

@@ -62,8 +62,14 @@ class _Stopped(Exception):
     pass
 
 
-def ack(link: EngineLink, identity: str, pause_ms: float, options: HotLoadOptions | None,
-        report: dict[str, Any] | None = None, error: str | None = None) -> None:
+def ack(
+    link: EngineLink,
+    identity: str,
+    pause_ms: float,
+    options: HotLoadOptions | None,
+    report: dict[str, Any] | None = None,
+    error: str | None = None,
+) -> None:
     """``POST /v1/engines/{id}/ack`` with the swap report; retried a few times on a daemon away.
 
     Body: ``{"identity", "pause_ms", "error"?, "prompt_cache_policy"?, "inflight_policy"?,
@@ -98,8 +104,13 @@ def _next(link: EngineLink, after: str | None, poll_timeout: float, stop: thread
         if stop.wait(s):
             raise _Stopped
 
-    for attempt in retry.attempts(deadline_s=POLL_RETRY_S, first_s=0.5, max_s=10.0,
-                                  on=(DaemonUnreachable, DaemonError, ProtocolError), sleep=sleep):
+    for attempt in retry.attempts(
+        deadline_s=POLL_RETRY_S,
+        first_s=0.5,
+        max_s=10.0,
+        on=(DaemonUnreachable, DaemonError, ProtocolError),
+        sleep=sleep,
+    ):
         with attempt:
             try:
                 return link.next_snapshot(after, poll_timeout)
@@ -114,9 +125,16 @@ def _next(link: EngineLink, after: str | None, poll_timeout: float, stop: thread
     return None
 
 
-def drive(link: EngineLink, adapter: Adapter, *, stop: threading.Event, current: str | None = None,
-          poll_timeout: float = 30.0, on_swapped: Callable[[Snapshot, dict[str, Any]], None] | None = None,
-          polling: threading.Event | None = None) -> None:
+def drive(
+    link: EngineLink,
+    adapter: Adapter,
+    *,
+    stop: threading.Event,
+    current: str | None = None,
+    poll_timeout: float = 30.0,
+    on_swapped: Callable[[Snapshot, dict[str, Any]], None] | None = None,
+    polling: threading.Event | None = None,
+) -> None:
     """Serve hot-loads until ``stop`` is set (see the module doc).
 
     Args:
@@ -173,8 +191,12 @@ def drive(link: EngineLink, adapter: Adapter, *, stop: threading.Event, current:
                 ack(link, identity, 0.0, options, error=reason)
                 continue
             pause = float(report.get("pause_ms") or 0.0)
-            log.info("serving %s (policy version %s): %s", identity, snap.policy_version,
-                     describe_swap({**report, "pause_ms": pause}))
+            log.info(
+                "serving %s (policy version %s): %s",
+                identity,
+                snap.policy_version,
+                describe_swap({**report, "pause_ms": pause}),
+            )
             old, serving = serving, snap
             ack(link, identity, pause, options, report)
             if old is not None and old is not snap:

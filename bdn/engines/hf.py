@@ -105,8 +105,9 @@ class HFEngine:
     not one of ``SWAP_METHODS``.
     """
 
-    def __init__(self, device: str = "cpu", partial: bool = True, clock: Any = time.monotonic,
-                 swap_method: str = "rebind") -> None:
+    def __init__(
+        self, device: str = "cpu", partial: bool = True, clock: Any = time.monotonic, swap_method: str = "rebind"
+    ) -> None:
         why = torch_available()
         if why:
             raise EngineError(why)
@@ -176,14 +177,21 @@ class HFEngine:
                     reason = f"{len(ch.removed)} tensor(s) removed"
                 else:
                     names = ch.names if ch is not None else snap.tensor_names()
-                    staged = stage_tensors(snap, names, self.params, self.device, self.spares,
-                                           ch.ranges if ch is not None else None)
+                    staged = stage_tensors(
+                        snap, names, self.params, self.device, self.spares, ch.ranges if ch is not None else None
+                    )
                     if isinstance(staged, str):
                         reason = staged
                     else:
-                        prep = Prepared(snap, options, "partial" if ch is not None else "full", tensors=staged[0],
-                                        changed_source=ch.source if ch is not None else "", bytes_copied=staged[1],
-                                        ranges=len(ch.ranges or {}) if ch is not None else 0)
+                        prep = Prepared(
+                            snap,
+                            options,
+                            "partial" if ch is not None else "full",
+                            tensors=staged[0],
+                            changed_source=ch.source if ch is not None else "",
+                            bytes_copied=staged[1],
+                            ranges=len(ch.ranges or {}) if ch is not None else 0,
+                        )
             if prep is None:
                 log.info("%s: loading a new model object (%s)", snap.identity, reason)
         if prep is None:
@@ -288,9 +296,17 @@ class HFEngine:
         """Token ids that end generation (the generation config's ``eos_token_id``)."""
         return sampling.eos_ids(self.model)
 
-    def generate(self, ticket: Ticket, prompt: list[int], max_tokens: int, temperature: float = 1.0,
-                 top_p: float = 1.0, seed: int | None = None, top_logprobs: int = 0,
-                 stop_ids: set[int] | None = None) -> Generation:
+    def generate(
+        self,
+        ticket: Ticket,
+        prompt: list[int],
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        top_logprobs: int = 0,
+        stop_ids: set[int] | None = None,
+    ) -> Generation:
         """Generate under an admitted ``ticket`` (``with engine.gate.admit() as ticket``).
 
         ``temperature`` 0 is greedy. Log-probabilities are the model's before temperature and

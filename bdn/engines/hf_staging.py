@@ -25,8 +25,18 @@ from bdn.proto.errors import BdnError
 CONFIG_NAME = "config.json"
 
 # safetensors dtype names -> torch dtype attribute names
-_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
 
 
 class EngineError(BdnError):
@@ -68,7 +78,9 @@ def load_model(snap: Snapshot, device: str) -> tuple[Any, Any]:
     try:
         model = AutoModelForCausalLM.from_pretrained(str(snap.path), dtype="auto", local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise EngineError(f"{snap.identity}: transformers cannot load {snap.path}: {str(exc).splitlines()[0][:300]}") from None
+        raise EngineError(
+            f"{snap.identity}: transformers cannot load {snap.path}: {str(exc).splitlines()[0][:300]}"
+        ) from None
     model.to(device).eval()  # type: ignore[arg-type]  # transformers types to() through a decorator that loses the bound self
     if device == "cpu":
         # transformers leaves CPU parameters mapped copy-on-write from the snapshot's files in
@@ -85,7 +97,11 @@ def load_model(snap: Snapshot, device: str) -> tuple[Any, Any]:
 
 
 def stage_tensors(
-    snap: Snapshot, names: list[str], params: dict[str, Any], device: str, spares: SpareBuffers,
+    snap: Snapshot,
+    names: list[str],
+    params: dict[str, Any],
+    device: str,
+    spares: SpareBuffers,
     ranges: dict[str, list[tuple[int, int]]] | None = None,
 ) -> tuple[dict[str, Any], int] | str:
     """Copies of ``names`` out of ``snap`` as torch tensors: ``({name: tensor}, bytes read from snap)``.

@@ -80,9 +80,13 @@ def parse_chat(body: Any) -> dict[str, Any]:
         raise ChatError(400, "logprobs must be true or false", "logprobs")
     seed = int_param(body, "seed", -(1 << 63), (1 << 63) - 1)
     return {
-        "model": model, "messages": messages, "max_tokens": mt,
-        "temperature": number_param(body, "temperature", 1.0, 0.0, 2.0), "top_p": number_param(body, "top_p", 1.0, 1e-9, 1.0),
-        "seed": None if seed is None else seed % (1 << 63), "logprobs": lp,
+        "model": model,
+        "messages": messages,
+        "max_tokens": mt,
+        "temperature": number_param(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": number_param(body, "top_p", 1.0, 1e-9, 1.0),
+        "seed": None if seed is None else seed % (1 << 63),
+        "logprobs": lp,
         "top_logprobs": int_param(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0,
     }
 
@@ -90,47 +94,87 @@ def parse_chat(body: Any) -> dict[str, Any]:
 def _complete(engine: HFEngine, req: dict[str, Any], served_name: str, replica_id: str) -> dict[str, Any]:
     with engine.gate.admit() as ticket:
         if engine.model is None:
-            raise ChatError(503, "no model is loaded yet: waiting for the first snapshot from bdnd", kind="service_unavailable")
+            raise ChatError(
+                503, "no model is loaded yet: waiting for the first snapshot from bdnd", kind="service_unavailable"
+            )
         if req["model"] is not None and req["model"] not in (served_name, engine.identity):
             raise ChatError(404, f"The model `{req['model'][:100]}` does not exist.", "model", "NotFoundError")
         prompt = engine.encode_chat(req["messages"])
         room = engine.max_model_len - len(prompt)
         mt = min(DEFAULT_MAX_TOKENS, room) if req["max_tokens"] is None else req["max_tokens"]
         if room < 1 or mt > room:
-            raise ChatError(400, f"This model's maximum context length is {engine.max_model_len} tokens; the request "
-                                 f"needs {len(prompt) + mt} ({len(prompt)} in the messages).", "max_tokens")
-        g = engine.generate(ticket, prompt, mt, req["temperature"], req["top_p"], req["seed"],
-                            req["top_logprobs"] if req["logprobs"] else 0)
+            raise ChatError(
+                400,
+                f"This model's maximum context length is {engine.max_model_len} tokens; the request "
+                f"needs {len(prompt) + mt} ({len(prompt)} in the messages).",
+                "max_tokens",
+            )
+        g = engine.generate(
+            ticket,
+            prompt,
+            mt,
+            req["temperature"],
+            req["top_p"],
+            req["seed"],
+            req["top_logprobs"] if req["logprobs"] else 0,
+        )
     content = None
     if req["logprobs"]:
-        content = [{"token": engine.token_text(t), "token_id": t, "logprob": lp,
-                    "top_logprobs": [{"token": engine.token_text(a), "token_id": a, "logprob": b}
-                                     for a, b in (g.top_logprobs[i] if g.top_logprobs else [])]}
-                   for i, (t, lp) in enumerate(zip(g.token_ids, g.logprobs))]
+        content = [
+            {
+                "token": engine.token_text(t),
+                "token_id": t,
+                "logprob": lp,
+                "top_logprobs": [
+                    {"token": engine.token_text(a), "token_id": a, "logprob": b}
+                    for a, b in (g.top_logprobs[i] if g.top_logprobs else [])
+                ],
+            }
+            for i, (t, lp) in enumerate(zip(g.token_ids, g.logprobs))
+        ]
     return {
-        "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
         "model": served_name,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": engine.decode(g.token_ids)},
-                     "finish_reason": g.finish_reason, "token_ids": g.token_ids,
-                     "logprobs": {"content": content} if content is not None else None}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": engine.decode(g.token_ids)},
+                "finish_reason": g.finish_reason,
+                "token_ids": g.token_ids,
+                "logprobs": {"content": content} if content is not None else None,
+            }
+        ],
         "prompt_token_ids": g.prompt_ids,
-        "usage": {"prompt_tokens": len(g.prompt_ids), "completion_tokens": len(g.token_ids),
-                  "total_tokens": len(g.prompt_ids) + len(g.token_ids),
-                  "prompt_tokens_details": {"cached_tokens": g.cached_tokens}},
-        "nvext": {"engine_data": {
-            "policy_version": g.policy_versions[-1] if g.policy_versions else None,
-            "policy_versions": g.policy_versions, "replica_id": replica_id, "snapshot_identity": g.identity,
-            "prompt_cache": {"cached_tokens": g.cached_tokens, "policy_version": g.cache_policy_version}}},
+        "usage": {
+            "prompt_tokens": len(g.prompt_ids),
+            "completion_tokens": len(g.token_ids),
+            "total_tokens": len(g.prompt_ids) + len(g.token_ids),
+            "prompt_tokens_details": {"cached_tokens": g.cached_tokens},
+        },
+        "nvext": {
+            "engine_data": {
+                "policy_version": g.policy_versions[-1] if g.policy_versions else None,
+                "policy_versions": g.policy_versions,
+                "replica_id": replica_id,
+                "snapshot_identity": g.identity,
+                "prompt_cache": {"cached_tokens": g.cached_tokens, "policy_version": g.cache_policy_version},
+            }
+        },
     }
 
 
-def make_app(engine: HFEngine, served_name: str = "model", replica_id: str = "replica", workers: int = 4) -> web.Application:
+def make_app(
+    engine: HFEngine, served_name: str = "model", replica_id: str = "replica", workers: int = 4
+) -> web.Application:
     """The aiohttp application (routes in the module doc); generation runs on ``workers`` threads."""
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="generate")
 
     def err(e: ChatError) -> web.Response:
-        return web.json_response({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}},
-                                 status=e.status)
+        return web.json_response(
+            {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}, status=e.status
+        )
 
     async def chat(request: web.Request) -> web.Response:
         try:
@@ -139,7 +183,9 @@ def make_app(engine: HFEngine, served_name: str = "model", replica_id: str = "re
             except ValueError:
                 raise ChatError(400, "the body is not JSON") from None
             req = parse_chat(body)
-            ans = await asyncio.get_running_loop().run_in_executor(pool, _complete, engine, req, served_name, replica_id)
+            ans = await asyncio.get_running_loop().run_in_executor(
+                pool, _complete, engine, req, served_name, replica_id
+            )
         except ChatError as e:
             return err(e)
         except EngineError as e:
@@ -147,8 +193,12 @@ def make_app(engine: HFEngine, served_name: str = "model", replica_id: str = "re
         return web.json_response(ans)
 
     async def models(_r: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": served_name, "object": "model", "owned_by": "bdn",
-                                                              "root": engine.identity}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [{"id": served_name, "object": "model", "owned_by": "bdn", "root": engine.identity}],
+            }
+        )
 
     async def health(_r: web.Request) -> web.Response:
         if engine.model is None:
@@ -160,9 +210,16 @@ def make_app(engine: HFEngine, served_name: str = "model", replica_id: str = "re
         return web.json_response({"identity": engine.identity, "policy_version": engine.policy_version, "tensors": d})
 
     async def state(_r: web.Request) -> web.Response:
-        return web.json_response({"identity": engine.identity, "policy_version": engine.policy_version,
-                                  "in_flight": engine.gate.in_flight, "swaps": engine.swaps,
-                                  "last_swap": engine.last_swap, "prompt_cache_entries": len(engine.prompt_cache)})
+        return web.json_response(
+            {
+                "identity": engine.identity,
+                "policy_version": engine.policy_version,
+                "in_flight": engine.gate.in_flight,
+                "swaps": engine.swaps,
+                "last_swap": engine.last_swap,
+                "prompt_cache_entries": len(engine.prompt_cache),
+            }
+        )
 
     async def close_pool(_app: web.Application) -> None:
         pool.shutdown(wait=False, cancel_futures=True)

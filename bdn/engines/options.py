@@ -60,13 +60,21 @@ class HotLoadOptions:
 
     def __post_init__(self) -> None:
         if self.prompt_cache_policy not in PROMPT_CACHE_POLICIES:
-            raise ProtocolError(f"prompt_cache_policy must be one of {', '.join(PROMPT_CACHE_POLICIES)}, "
-                                f"got {str(self.prompt_cache_policy)[:40]!r}")
+            raise ProtocolError(
+                f"prompt_cache_policy must be one of {', '.join(PROMPT_CACHE_POLICIES)}, "
+                f"got {str(self.prompt_cache_policy)[:40]!r}"
+            )
         if self.inflight_policy not in INFLIGHT_POLICIES:
-            raise ProtocolError(f"inflight_policy must be one of {', '.join(INFLIGHT_POLICIES)}, "
-                                f"got {str(self.inflight_policy)[:40]!r}")
+            raise ProtocolError(
+                f"inflight_policy must be one of {', '.join(INFLIGHT_POLICIES)}, got {str(self.inflight_policy)[:40]!r}"
+            )
         w = self.inflight_wait_s
-        if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or not 0 <= w <= MAX_INFLIGHT_WAIT_S:
+        if (
+            isinstance(w, bool)
+            or not isinstance(w, int | float)
+            or not math.isfinite(w)
+            or not 0 <= w <= MAX_INFLIGHT_WAIT_S
+        ):
             raise ProtocolError(f"inflight_wait_s must be a number of seconds in [0, {MAX_INFLIGHT_WAIT_S:g}]")
 
     @property
@@ -95,5 +103,8 @@ class HotLoadOptions:
 
     def wire(self) -> dict[str, Any]:
         """The options as an ack reports them."""
-        return {"prompt_cache_policy": self.prompt_cache_policy, "inflight_policy": self.inflight_policy,
-                "inflight_wait_s": self.inflight_wait_s}
+        return {
+            "prompt_cache_policy": self.prompt_cache_policy,
+            "inflight_policy": self.inflight_policy,
+            "inflight_wait_s": self.inflight_wait_s,
+        }

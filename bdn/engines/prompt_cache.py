@@ -51,7 +51,7 @@ class PromptCache:
         with self._lock:
             for key, (cache, version) in self._map.items():
                 n = min(len(key), len(prompt) - 1)
-                if n > 0 and tuple(prompt[:len(key)]) == key[:len(prompt)] and (best is None or n > best[1]):
+                if n > 0 and tuple(prompt[: len(key)]) == key[: len(prompt)] and (best is None or n > best[1]):
                     best = (cache, n, version, key)
             if best is None:
                 return None

@@ -36,8 +36,14 @@ class EngineHTTP:
         self.base_url = base_url.rstrip("/")
         self.client = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=headers or {})
 
-    def call(self, method: str, route: str, body: Any = None, params: dict[str, Any] | None = None,
-             timeout_s: float | None = None) -> Any:
+    def call(
+        self,
+        method: str,
+        route: str,
+        body: Any = None,
+        params: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
         """``method route`` with a JSON ``body``; the parsed JSON answer (or its text, or None).
 
         ``timeout_s``: seconds for this call (default the client's). Bodies over
@@ -61,7 +67,9 @@ class EngineHTTP:
         except httpx.TimeoutException:
             raise RemoteEngineError(f"{method} {route}: no answer from {self.base_url} in time") from None
         except httpx.HTTPError as exc:
-            raise RemoteEngineError(f"{method} {route}: {self.base_url} unreachable ({type(exc).__name__}: {exc})") from None
+            raise RemoteEngineError(
+                f"{method} {route}: {self.base_url} unreachable ({type(exc).__name__}: {exc})"
+            ) from None
         text = raw.decode("utf-8", errors="replace")
         try:
             ans: Any = json.loads(text) if "json" in ctype or text[:1] in "{[" else (text or None)

@@ -29,8 +29,9 @@ __all__ = ["Driver", "HFService", "HttpThread", "register", "run_driver"]
 
 def register(bdn_url: str, name: str, connect_timeout_s: float = 60.0) -> EngineLink:
     """``EngineLink`` to bdnd, retried for ``connect_timeout_s`` (engines and bdnd often start together)."""
-    for attempt in retry.attempts(deadline_s=connect_timeout_s, first_s=0.2, max_s=2.0,
-                                  on=(DaemonUnreachable, DaemonError)):
+    for attempt in retry.attempts(
+        deadline_s=connect_timeout_s, first_s=0.2, max_s=2.0, on=(DaemonUnreachable, DaemonError)
+    ):
         with attempt:
             return EngineLink(bdn_url, name=name)
     raise AssertionError("unreachable")
@@ -42,8 +43,13 @@ class Driver(threading.Thread):
     def __init__(self, link: EngineLink, adapter: Adapter, stop: threading.Event, **kw: Any) -> None:
         self.link, self.stop_event = link, stop
         self.polling = threading.Event()  # drive sets it while it waits for an offer
-        super().__init__(target=drive, args=(link, adapter), kwargs={"stop": stop, "polling": self.polling, **kw},
-                         name="bdn-hot-swap", daemon=True)
+        super().__init__(
+            target=drive,
+            args=(link, adapter),
+            kwargs={"stop": stop, "polling": self.polling, **kw},
+            name="bdn-hot-swap",
+            daemon=True,
+        )
 
     def close(self, unregister: bool = True, timeout_s: float = 60.0) -> None:
         """Set ``stop``, unregister from bdnd, join the thread and close the link.
@@ -128,9 +134,19 @@ class HFService:
         poll_timeout: seconds per long-poll (``stop`` does not wait for one: it unregisters).
     """
 
-    def __init__(self, bdn_url: str, host: str, port: int, replica_id: str = "replica", served_name: str = "model",
-                 partial: bool = True, device: str = "cpu", name: str = "hf", poll_timeout: float = 5.0,
-                 swap_method: str = "rebind") -> None:
+    def __init__(
+        self,
+        bdn_url: str,
+        host: str,
+        port: int,
+        replica_id: str = "replica",
+        served_name: str = "model",
+        partial: bool = True,
+        device: str = "cpu",
+        name: str = "hf",
+        poll_timeout: float = 5.0,
+        swap_method: str = "rebind",
+    ) -> None:
         from bdn.engines.hf import HFEngine
         from bdn.engines.openai_api import make_app
 
@@ -154,8 +170,13 @@ class HFService:
         seconds for it) and start the hot-swap driver thread. Returns ``self``."""
         self.http.start()
         self.link = register(self.bdn_url, self.name, connect_timeout_s)
-        self._driver = run_driver(self.link, self.engine, self.stop_event, poll_timeout=self.poll_timeout,
-                                  on_swapped=lambda _s, r: self.reports.append(r))
+        self._driver = run_driver(
+            self.link,
+            self.engine,
+            self.stop_event,
+            poll_timeout=self.poll_timeout,
+            on_swapped=lambda _s, r: self.reports.append(r),
+        )
         return self
 
     def stop(self, unregister: bool = True) -> None:

@@ -106,8 +106,15 @@ class SGLangAdapter:
             else the temporary directory; removed by :meth:`close`). SGLang must be able to read it.
     """
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 900.0,
-                 clock: Any = time.monotonic, partial: bool = True, subset_root: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout_s: float = 900.0,
+        clock: Any = time.monotonic,
+        partial: bool = True,
+        subset_root: str | Path | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.http = EngineHTTP(base_url, timeout_s, headers)
         self.clock = clock
@@ -161,9 +168,16 @@ class SGLangAdapter:
         return prep
 
     def _update(self, path: Path, version: str, opts: HotLoadOptions) -> dict[str, Any]:
-        ans = self.http.call("POST", "/update_weights_from_disk", {
-            "model_path": str(path), "abort_all_requests": False, "weight_version": version,
-            "flush_cache": opts.reset_prompt_cache})
+        ans = self.http.call(
+            "POST",
+            "/update_weights_from_disk",
+            {
+                "model_path": str(path),
+                "abort_all_requests": False,
+                "weight_version": version,
+                "flush_cache": opts.reset_prompt_cache,
+            },
+        )
         if not isinstance(ans, dict) or ans.get("success") is not True:
             raise RemoteEngineError(f"update_weights_from_disk did not succeed: {str(ans)[:300]}")
         return ans
@@ -174,8 +188,9 @@ class SGLangAdapter:
             try:
                 if prep.subset is not None:
                     report["num_paused_requests"] = self._update(prep.subset, version, opts).get("num_paused_requests")
-                report.update(mode="partial", subset_path=str(prep.subset) if prep.subset else None,
-                              bytes_read=prep.subset_bytes)
+                report.update(
+                    mode="partial", subset_path=str(prep.subset) if prep.subset else None, bytes_read=prep.subset_bytes
+                )
                 return
             except RemoteEngineError as exc:
                 prep.reason = f"subset update failed: {str(exc)[:200]}"
@@ -197,9 +212,15 @@ class SGLangAdapter:
         snap, opts = prep.snapshot, prep.options
         version = str(snap.policy_version)
         mode = PAUSE_MODES[opts.inflight_policy]
-        report: dict[str, Any] = {"identity": snap.identity, "policy_version": snap.policy_version, "mode": "full",
-                                  "engine": "sglang", "pause_mode": mode, "prepare_ms": round(prep.prepare_ms, 3),
-                                  **opts.wire()}
+        report: dict[str, Any] = {
+            "identity": snap.identity,
+            "policy_version": snap.policy_version,
+            "mode": "full",
+            "engine": "sglang",
+            "pause_mode": mode,
+            "prepare_ms": round(prep.prepare_ms, 3),
+            **opts.wire(),
+        }
         t0 = self.clock()
         self.http.call("POST", "/pause_generation", {"mode": mode})
         try:

@@ -102,10 +102,19 @@ class VLLMAdapter:
         clock: monotonic seconds.
     """
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 900.0,
-                 check_weights: bool = False, require_change: bool = False, clock: Any = time.monotonic,
-                 wait_margin_s: float = WAIT_MARGIN_S, partial: bool = True,
-                 partial_max_fraction: float = PARTIAL_MAX_FRACTION, inplace: bool = True) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout_s: float = 900.0,
+        check_weights: bool = False,
+        require_change: bool = False,
+        clock: Any = time.monotonic,
+        wait_margin_s: float = WAIT_MARGIN_S,
+        partial: bool = True,
+        partial_max_fraction: float = PARTIAL_MAX_FRACTION,
+        inplace: bool = True,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.http = EngineHTTP(base_url, timeout_s, headers)
         self.check_weights = check_weights or require_change
@@ -125,11 +134,18 @@ class VLLMAdapter:
             try:
                 ans = self.http.call("POST", "/collective_rpc", {"method": "bdn_ping"}, timeout_s=30.0)
                 res = ans.get("results") if isinstance(ans, dict) else None
-                self.extension = isinstance(res, list) and bool(res) and all(
-                    isinstance(r, dict) and r.get("extension") == "bdn" for r in res)
+                self.extension = (
+                    isinstance(res, list)
+                    and bool(res)
+                    and all(isinstance(r, dict) and r.get("extension") == "bdn" for r in res)
+                )
             except RemoteEngineError as exc:
-                log.info("vLLM has no bdn worker extension (%s): every swap reloads fully; start vLLM with "
-                         "--worker-extension-cls %s for partial swaps", str(exc)[:200], EXTENSION_CLS)
+                log.info(
+                    "vLLM has no bdn worker extension (%s): every swap reloads fully; start vLLM with "
+                    "--worker-extension-cls %s for partial swaps",
+                    str(exc)[:200],
+                    EXTENSION_CLS,
+                )
                 self.extension = False
         return self.extension
 
@@ -183,22 +199,45 @@ class VLLMAdapter:
                     if prep.ranges:
                         body["ranges"] = {n: [list(r) for r in rs] for n, rs in prep.ranges.items()}
                     req = json.dumps(body)
-                    ans = self.http.call("POST", "/collective_rpc",
-                                         {"method": "bdn_load_tensors", "kwargs": {"request": req}})
+                    ans = self.http.call(
+                        "POST", "/collective_rpc", {"method": "bdn_load_tensors", "kwargs": {"request": req}}
+                    )
                     res = ans.get("results") if isinstance(ans, dict) else None
-                    if not isinstance(res, list) or not res or not all(isinstance(r, dict) and r.get("ok") for r in res):
+                    if (
+                        not isinstance(res, list)
+                        or not res
+                        or not all(isinstance(r, dict) and r.get("ok") for r in res)
+                    ):
                         raise RemoteEngineError(f"bdn_load_tensors answered {str(ans)[:200]}")
                     first = res[0]
-                    for k in ("tensors_read", "bytes_read", "modules", "inplace_tensors", "rebuilt_modules",
-                              "fallback", "read_ms", "load_ms", "repack_ms"):
+                    for k in (
+                        "tensors_read",
+                        "bytes_read",
+                        "modules",
+                        "inplace_tensors",
+                        "rebuilt_modules",
+                        "fallback",
+                        "read_ms",
+                        "load_ms",
+                        "repack_ms",
+                    ):
                         report[k] = first.get(k)
                     if first.get("fallback"):
-                        log.info("%s: %s module(s) rebuilt whole (%s)", snap.identity, first.get("rebuilt_modules"),
-                                 first["fallback"])
+                        log.info(
+                            "%s: %s module(s) rebuilt whole (%s)",
+                            snap.identity,
+                            first.get("rebuilt_modules"),
+                            first["fallback"],
+                        )
                 else:
                     report.update(tensors_read=0, bytes_read=0, modules=0)
-                report.update(mode="partial", changed_source=prep.changed_source, bytes_changed=prep.changed_bytes,
-                              load_ms=report.get("load_ms"), rpc_ms=round((self.clock() - t0) * 1000.0, 3))
+                report.update(
+                    mode="partial",
+                    changed_source=prep.changed_source,
+                    bytes_changed=prep.changed_bytes,
+                    load_ms=report.get("load_ms"),
+                    rpc_ms=round((self.clock() - t0) * 1000.0, 3),
+                )
                 return
             except RemoteEngineError as exc:
                 prep.reason = f"bdn_load_tensors failed: {str(exc)[:200]}"
@@ -214,8 +253,12 @@ class VLLMAdapter:
             if prep.names is None or "unreachable" not in str(exc):
                 raise
             self.http.call("POST", "/collective_rpc", body)
-        report.update(mode="full", full_reload_reason=prep.reason or None, bytes_read=prep.total_bytes,
-                      rpc_ms=round((self.clock() - t0) * 1000.0, 3))
+        report.update(
+            mode="full",
+            full_reload_reason=prep.reason or None,
+            bytes_read=prep.total_bytes,
+            rpc_ms=round((self.clock() - t0) * 1000.0, 3),
+        )
 
     def _checksums(self) -> dict[str, str]:
         ans = self.http.call("POST", "/weight_checker", {"action": "checksum"})
@@ -231,8 +274,12 @@ class VLLMAdapter:
             self.http.call("POST", "/pause", params={"mode": mode, "clear_cache": cc})
             return mode
         try:
-            self.http.call("POST", "/pause", params={"mode": "wait", "clear_cache": cc},
-                           timeout_s=opts.inflight_wait_s + self.wait_margin_s)
+            self.http.call(
+                "POST",
+                "/pause",
+                params={"mode": "wait", "clear_cache": cc},
+                timeout_s=opts.inflight_wait_s + self.wait_margin_s,
+            )
             return "wait"
         except RemoteEngineError as exc:
             if "in time" not in str(exc):
@@ -259,8 +306,14 @@ class VLLMAdapter:
         weight checksum.
         """
         snap, opts = prep.snapshot, prep.options
-        report: dict[str, Any] = {"identity": snap.identity, "policy_version": snap.policy_version, "mode": "full",
-                                  "engine": "vllm", "prepare_ms": round(prep.prepare_ms, 3), **opts.wire()}
+        report: dict[str, Any] = {
+            "identity": snap.identity,
+            "policy_version": snap.policy_version,
+            "mode": "full",
+            "engine": "vllm",
+            "prepare_ms": round(prep.prepare_ms, 3),
+            **opts.wire(),
+        }
         before = self._checksums() if self.check_weights else None
         t0 = self.clock()
         # RESET_ALL rides on the pause unless in-flight requests are kept (vLLM ignores it then).
@@ -305,8 +358,9 @@ class VLLMAdapter:
             changed = sum(1 for k, v in after.items() if before.get(k) != v)
             report["weights_changed"] = changed
             if self.require_change and changed == 0:
-                raise RemoteEngineError(f"reload_weights from {snap.path} changed no weight checksum: "
-                                        "the engine serves its old weights")
+                raise RemoteEngineError(
+                    f"reload_weights from {snap.path} changed no weight checksum: the engine serves its old weights"
+                )
         self.serving = snap
         self.last_swap = report
         return report

@@ -90,8 +90,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BdnWorkerExtension", "INPLACE_ARCHS", "KEEP_UNPACKED_ENV", "check_ranges", "closure",
-           "keep_unpacked_weights", "module_key", "parse_request", "read_headers"]
+__all__ = [
+    "BdnWorkerExtension",
+    "INPLACE_ARCHS",
+    "KEEP_UNPACKED_ENV",
+    "check_ranges",
+    "closure",
+    "keep_unpacked_weights",
+    "module_key",
+    "parse_request",
+    "read_headers",
+]
 
 log = logging.getLogger("vllm.bdn_worker")  # under vLLM's logger: its handler writes vLLM's log
 
@@ -103,9 +112,20 @@ MAX_NAMES = 1_000_000
 MAX_RANGES = 1_000_000
 MAX_HEADER = 100 << 20
 PREAD_PIECE = 64 << 20
-_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64", "I64": "int64",
-           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-           "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 
 
 def parse_request(raw: Any) -> tuple[Path, list[str], dict[str, list[tuple[int, int]]], bool]:
@@ -142,13 +162,17 @@ def parse_request(raw: Any) -> tuple[Path, list[str], dict[str, list[tuple[int, 
             raise ValueError(f"bdn_load_tensors: more than {MAX_RANGES} ranges")
         out: list[tuple[int, int]] = []
         for span in spans:
-            if (not isinstance(span, list) or len(span) != 2
-                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in span)):
+            if (
+                not isinstance(span, list)
+                or len(span) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in span)
+            ):
                 raise ValueError(f"bdn_load_tensors: ranges of {name[:80]!r}: {str(span)[:40]} is not [start, end]")
             start, end = span
             if start < (out[-1][1] if out else 0) or end <= start:
-                raise ValueError(f"bdn_load_tensors: ranges of {name[:80]!r}: [{start}, {end}) is empty, "
-                                 "unsorted or overlapping")
+                raise ValueError(
+                    f"bdn_load_tensors: ranges of {name[:80]!r}: [{start}, {end}) is empty, unsorted or overlapping"
+                )
             out.append((start, end))
         ranges[name] = out
     inplace = raw.get("inplace", True)
@@ -161,8 +185,10 @@ def check_ranges(ranges: dict[str, list[tuple[int, int]]], sizes: dict[str, int]
     """Raise ValueError (one line) when a range of ``ranges`` ends after its tensor's ``sizes[name]`` bytes."""
     for name, spans in ranges.items():
         if spans and spans[-1][1] > sizes[name]:
-            raise ValueError(f"bdn_load_tensors: ranges of {name[:80]!r} end at byte {spans[-1][1]}, "
-                             f"after the tensor's {sizes[name]}")
+            raise ValueError(
+                f"bdn_load_tensors: ranges of {name[:80]!r} end at byte {spans[-1][1]}, "
+                f"after the tensor's {sizes[name]}"
+            )
 
 
 def read_headers(snapshot_dir: Path) -> dict[str, tuple[Path, str, list[int], int, int]]:
@@ -237,7 +263,7 @@ def _pread_into(path: Path, offset: int, view: memoryview, spans: list[tuple[int
         for start, end in spans:
             done = start
             while done < end:
-                got = os.preadv(fd, [view[done:min(end, done + PREAD_PIECE)]], offset + done)
+                got = os.preadv(fd, [view[done : min(end, done + PREAD_PIECE)]], offset + done)
                 if got <= 0:
                     raise ValueError(f"{path.name}: ends before byte {offset + end}")
                 done += got
@@ -270,8 +296,9 @@ if os.environ.get(KEEP_UNPACKED_ENV) == "1":
     keep_unpacked_weights()
 
 
-def _inplace_target(model: Any, name: str, shape: list[int], dtype: str, packed: dict[str, list[str]],
-                    tp: int) -> tuple[Any, Any, int] | str:
+def _inplace_target(
+    model: Any, name: str, shape: list[int], dtype: str, packed: dict[str, list[str]], tp: int
+) -> tuple[Any, Any, int] | str:
     """``(layer, parameter, byte offset of the tensor's first byte in it)`` when checkpoint tensor
     ``name`` is a run of rows of a parameter that holds the checkpoint's values (see the module
     doc); otherwise why not (one phrase)."""
@@ -343,7 +370,9 @@ class BdnWorkerExtension:
         infos = read_headers(snapshot_dir)
         unknown = [n for n in names if n not in infos]
         if unknown:
-            raise ValueError(f"bdn_load_tensors: {len(unknown)} name(s) not in {snapshot_dir}, e.g. {unknown[0][:80]!r}")
+            raise ValueError(
+                f"bdn_load_tensors: {len(unknown)} name(s) not in {snapshot_dir}, e.g. {unknown[0][:80]!r}"
+            )
         check_ranges(ranges, {n: infos[n][4] - infos[n][3] for n in ranges})
         hf = vllm_config.model_config.hf_config
         if getattr(hf, "tie_word_embeddings", False) and any("embed" in n or "lm_head" in n for n in names):
@@ -359,13 +388,17 @@ class BdnWorkerExtension:
         for key, group in by_module.items():
             found = []
             for n in group:
-                t = (_inplace_target(model, n, infos[n][2], infos[n][1], packed, tp) if inplace
-                     else "in-place loads are off")
+                t = (
+                    _inplace_target(model, n, infos[n][2], infos[n][1], packed, tp)
+                    if inplace
+                    else "in-place loads are off"
+                )
                 if isinstance(t, str):
                     if fallback is None:
                         fallback = f"{key}: {t}"
-                        log.warning("bdn: module %s cannot take a slice (%s): rebuilt from all its checkpoint tensors",
-                                    key, t)
+                        log.warning(
+                            "bdn: module %s cannot take a slice (%s): rebuilt from all its checkpoint tensors", key, t
+                        )
                     break
                 found.append((n, *t))
             else:
@@ -390,7 +423,7 @@ class BdnWorkerExtension:
                         flat = param.data.view(-1).view(torch.uint8)
                         for a, b in spans:
                             buf = _pread_tensor(torch, f, "U8", [b - a], start + a, start + b)
-                            flat[off + a:off + b].copy_(buf)
+                            flat[off + a : off + b].copy_(buf)
                             nbytes += b - a
         t1 = time.perf_counter()
         with set_current_vllm_config(vllm_config), torch.no_grad():
@@ -408,15 +441,30 @@ class BdnWorkerExtension:
                 fn()
         changed_bytes = sum(infos[n][4] - infos[n][3] for n in names)
         written = sum(len(v) for v in targets.values())
-        return {"ok": True, "tensors_changed": len(names), "tensors_read": written + len(read),
-                "bytes_read": nbytes + rebuilt_bytes, "bytes_changed": changed_bytes,
-                "modules": len(targets) + len(mods), "inplace_tensors": written, "rebuilt_modules": len(mods),
-                "fallback": fallback, "read_ms": round((t1 - t0 + read_s) * 1000.0, 3),
-                "load_ms": round((time.perf_counter() - t1 - read_s) * 1000.0, 3),
-                "repack_ms": round((t2 - t1) * 1000.0, 3)}
+        return {
+            "ok": True,
+            "tensors_changed": len(names),
+            "tensors_read": written + len(read),
+            "bytes_read": nbytes + rebuilt_bytes,
+            "bytes_changed": changed_bytes,
+            "modules": len(targets) + len(mods),
+            "inplace_tensors": written,
+            "rebuilt_modules": len(mods),
+            "fallback": fallback,
+            "read_ms": round((t1 - t0 + read_s) * 1000.0, 3),
+            "load_ms": round((time.perf_counter() - t1 - read_s) * 1000.0, 3),
+            "repack_ms": round((t2 - t1) * 1000.0, 3),
+        }
 
-    def _bdn_rebuild(self, model: Any, vllm_config: Any, infos: dict[str, tuple[Path, str, list[int], int, int]],
-                     mods: list[str], read: list[str], packed: dict[str, list[str]]) -> tuple[int, float]:
+    def _bdn_rebuild(
+        self,
+        model: Any,
+        vllm_config: Any,
+        infos: dict[str, tuple[Path, str, list[int], int, int]],
+        mods: list[str],
+        read: list[str],
+        packed: dict[str, list[str]],
+    ) -> tuple[int, float]:
         """Rebuild ``mods`` from the checkpoint tensors ``read`` (see the module doc); ``(bytes read, seconds reading)``."""
         import torch
         from vllm.config import set_current_vllm_config
@@ -466,8 +514,12 @@ class BdnWorkerExtension:
                 # it as it is) when it got every element of its checkpoint tensors (1/tp of them
                 # per worker); anything less means a tensor missed it: put it back.
                 tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-                incomplete = [key for key, layer in layers if get_layerwise_info(layer).can_load()
-                              and get_layerwise_info(layer).load_numel * tp < want.get(key, 1)]
+                incomplete = [
+                    key
+                    for key, layer in layers
+                    if get_layerwise_info(layer).can_load()
+                    and get_layerwise_info(layer).load_numel * tp < want.get(key, 1)
+                ]
                 for key, layer in layers:
                     info = get_layerwise_info(layer)
                     if key in incomplete:
@@ -475,5 +527,7 @@ class BdnWorkerExtension:
                         info.reset()
                 finalize_layerwise_reload(model, vllm_config.model_config)
         if incomplete:
-            raise RuntimeError(f"bdn_load_tensors: module(s) {', '.join(incomplete[:3])} got only part of their weights")
+            raise RuntimeError(
+                f"bdn_load_tensors: module(s) {', '.join(incomplete[:3])} got only part of their weights"
+            )
         return nbytes, read_s

@@ -83,7 +83,7 @@ def pread_into(path: Path, offset: int, buf: Any) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         while done < n:
-            got = os.preadv(fd, [view[done:done + PREAD_PIECE]], offset + done)
+            got = os.preadv(fd, [view[done : done + PREAD_PIECE]], offset + done)
             if got <= 0:
                 raise BdnError(f"{path.name}: ends after {offset + done} bytes, the tensor needs {offset + n}")
             done += got
@@ -103,7 +103,7 @@ def pread_ranges(path: Path, offset: int, buf: Any, spans: list[tuple[int, int]]
         for start, end in spans:
             done = start
             while done < end:
-                got = os.preadv(fd, [view[done:min(end, done + PREAD_PIECE)]], offset + done)
+                got = os.preadv(fd, [view[done : min(end, done + PREAD_PIECE)]], offset + done)
                 if got <= 0:
                     raise BdnError(f"{path.name}: ends after {offset + done} bytes, the tensor needs {offset + end}")
                 done += got

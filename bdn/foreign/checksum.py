@@ -76,9 +76,7 @@ class Verdict:
         return self.status == OK
 
 
-def part_ranges(
-    size: int, part_size: int, parts: int, part_sizes: Sequence[int] | None = None
-) -> tuple[Part, ...]:
+def part_ranges(size: int, part_size: int, parts: int, part_sizes: Sequence[int] | None = None) -> tuple[Part, ...]:
     """The parts of a ``size``-byte multipart object of ``parts`` parts.
 
     With ``part_sizes`` (every part's size, as the bucket reported them) those; else every part
@@ -87,7 +85,9 @@ def part_ranges(
     """
     if part_sizes is not None:
         if len(part_sizes) != parts or sum(part_sizes) != size or any(n <= 0 for n in part_sizes):
-            raise ChecksumError(f"bad multipart layout: part sizes {list(part_sizes)[:8]} for {parts} parts of {size} bytes")
+            raise ChecksumError(
+                f"bad multipart layout: part sizes {list(part_sizes)[:8]} for {parts} parts of {size} bytes"
+            )
         out, offset = [], 0
         for i, n in enumerate(part_sizes):
             out.append(Part(i, offset, n))
@@ -101,9 +101,7 @@ def part_ranges(
             f"a {size}-byte object with a first part of {part_size} bytes has {want} equal parts,"
             f" but its ETag names {parts}: its parts have several sizes"
         )
-    return tuple(
-        Part(i, i * part_size, min(part_size, size - i * part_size)) for i in range(parts)
-    )
+    return tuple(Part(i, i * part_size, min(part_size, size - i * part_size)) for i in range(parts))
 
 
 def _md5(view: memoryview) -> bytes:
@@ -178,7 +176,11 @@ def verify_object(
         if got == checksum.md5:
             return Verdict(checksum.key, OK, "md5", whole, reason="MD5 matches the bucket's")
         return Verdict(
-            checksum.key, BAD, "md5", whole, bad_parts=(0,),
+            checksum.key,
+            BAD,
+            "md5",
+            whole,
+            bad_parts=(0,),
             reason=f"{checksum.key}: MD5 {got} of the assembled object is not the bucket's {checksum.md5}",
         )
     if checksum.composite_md5 is not None and checksum.parts is not None and checksum.part_size:
@@ -189,13 +191,25 @@ def verify_object(
         trusted = list(certified_parts) if certified_parts is not None else None
         if trusted is not None and certify_part_md5s(trusted, checksum):
             bad = tuple(i for i, (a, b) in enumerate(zip(md5s, trusted)) if a != b.lower())
-            names = ", ".join(f"part {i + 1} (bytes {parts[i].offset}-{parts[i].offset + parts[i].length - 1})" for i in bad)
+            names = ", ".join(
+                f"part {i + 1} (bytes {parts[i].offset}-{parts[i].offset + parts[i].length - 1})" for i in bad
+            )
             return Verdict(
-                checksum.key, BAD, "multipart-md5", parts, md5s, bad,
+                checksum.key,
+                BAD,
+                "multipart-md5",
+                parts,
+                md5s,
+                bad,
                 reason=f"{checksum.key}: {names} differ from the bucket's",
             )
         return Verdict(
-            checksum.key, BAD, "multipart-md5", parts, md5s, None,
+            checksum.key,
+            BAD,
+            "multipart-md5",
+            parts,
+            md5s,
+            None,
             reason=f"{checksum.key}: the MD5 of its {checksum.parts} part MD5s is not the ETag's {checksum.composite_md5}",
         )
     if checksum.sdk_checksum is not None:
@@ -205,11 +219,18 @@ def verify_object(
         if got_crc == checksum.crc32c:
             return Verdict(checksum.key, OK, "crc32c", whole, reason="CRC-32C matches the bucket's")
         return Verdict(
-            checksum.key, BAD, "crc32c", whole, bad_parts=(0,),
+            checksum.key,
+            BAD,
+            "crc32c",
+            whole,
+            bad_parts=(0,),
             reason=f"{checksum.key}: CRC-32C {got_crc:08x} of the assembled object is not the bucket's {checksum.crc32c:08x}",
         )
     return Verdict(
-        checksum.key, UNVERIFIABLE, "none", whole,
+        checksum.key,
+        UNVERIFIABLE,
+        "none",
+        whole,
         reason=f"{checksum.key}: the bucket keeps no checksum of this object",
     )
 
@@ -235,12 +256,21 @@ def _verify_sdk(buf: Any, checksum: ObjectChecksum, size: int, whole: tuple[Part
         if got == sdk.digest:
             return Verdict(checksum.key, OK, method, whole, reason=f"{sdk.algorithm} matches the bucket's")
         return Verdict(
-            checksum.key, BAD, method, whole, bad_parts=(0,),
+            checksum.key,
+            BAD,
+            method,
+            whole,
+            bad_parts=(0,),
             reason=f"{checksum.key}: {sdk.algorithm} {got.hex()} of the assembled object is not the bucket's {sdk.digest.hex()}",
         )
     if checksum.parts is None or not checksum.part_size:
-        return Verdict(checksum.key, UNVERIFIABLE, method, whole,
-                       reason=f"{checksum.key}: a composite {sdk.algorithm} without a part layout")
+        return Verdict(
+            checksum.key,
+            UNVERIFIABLE,
+            method,
+            whole,
+            reason=f"{checksum.key}: a composite {sdk.algorithm} without a part layout",
+        )
     parts = part_ranges(size, checksum.part_size, checksum.parts, checksum.part_sizes)
     with memoryview(buf) as mv, mv.cast("B") if mv.format != "B" else mv as view:
         slices = [view[p.offset : p.offset + p.length] for p in parts]
@@ -259,6 +289,10 @@ def _verify_sdk(buf: Any, checksum: ObjectChecksum, size: int, whole: tuple[Part
         # The store gave no checksum type: a full-object checksum is as good an answer.
         return Verdict(checksum.key, OK, sdk.algorithm, whole, reason=f"{sdk.algorithm} matches the bucket's")
     return Verdict(
-        checksum.key, BAD, method, parts, bad_parts=None,
+        checksum.key,
+        BAD,
+        method,
+        parts,
+        bad_parts=None,
         reason=f"{checksum.key}: the {sdk.algorithm} of its {len(parts)} part checksums is not the bucket's",
     )

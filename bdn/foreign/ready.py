@@ -52,7 +52,9 @@ def check_header(path: str | os.PathLike[str]) -> None:
         with safe_open(os.fspath(path), framework="numpy"):
             pass  # opening parses and checks the header only; no tensor is read
     except Exception as e:  # the library raises its own SafetensorError, or OSError
-        raise ForeignSnapshotError(f"{os.fspath(path)}: the safetensors library refuses it: {' '.join(str(e).split())[:200]}") from None
+        raise ForeignSnapshotError(
+            f"{os.fspath(path)}: the safetensors library refuses it: {' '.join(str(e).split())[:200]}"
+        ) from None
 
 
 def check_ready(

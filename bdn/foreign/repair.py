@@ -59,7 +59,11 @@ def repair_from_bucket(
     scratch = bytearray(min(chunk_size, max((verdict.parts[i].length for i in indices), default=0)))
     bad: list[tuple[int, int]] = []
     read = 0
-    with memoryview(buf) as whole, whole.cast("B") if whole.format != "B" else whole as view, memoryview(scratch) as tmp:
+    with (
+        memoryview(buf) as whole,
+        whole.cast("B") if whole.format != "B" else whole as view,
+        memoryview(scratch) as tmp,
+    ):
         for i in indices:
             part = verdict.parts[i]
             end = part.offset + part.length

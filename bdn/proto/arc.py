@@ -89,16 +89,32 @@ from bdn.proto.safetensors_fmt import (
 )
 
 __all__ = [
-    "CHECKSUM_FORMATS", "COMPRESSION_FORMATS", "DEFAULT_COMPRESSION", "ZLIB_LEVEL", "ZSTD_LEVEL",
-    "DiffContent", "DiffHeaderLike", "DiffTensor", "Map", "adler32", "adler32_combine", "apply_diff",
-    "check_formats", "decode_xor_into", "diff_tensors", "encode_diff", "encode_diff_arrays", "encode_xor",
-    "read_diff_header", "serial_map", "target_size",
+    "CHECKSUM_FORMATS",
+    "COMPRESSION_FORMATS",
+    "DEFAULT_COMPRESSION",
+    "ZLIB_LEVEL",
+    "ZSTD_LEVEL",
+    "DiffContent",
+    "DiffHeaderLike",
+    "DiffTensor",
+    "Map",
+    "adler32",
+    "adler32_combine",
+    "apply_diff",
+    "check_formats",
+    "decode_xor_into",
+    "diff_tensors",
+    "encode_diff",
+    "encode_diff_arrays",
+    "encode_xor",
+    "read_diff_header",
+    "serial_map",
+    "target_size",
 ]
 
 COMPRESSION_FORMATS: tuple[str, ...] = ("arc_v1", "arc_v2", "bdn_planes_v1")
 DEFAULT_COMPRESSION = "arc_v2"
 CHECKSUM_FORMATS: tuple[str, ...] = ("alder32",)
-
 
 
 def _normalize_format(compression_format: Any) -> str:
@@ -122,6 +138,7 @@ def check_formats(compression_format: str, checksum_format: str | None = "alder3
         raise UnsupportedFormat(
             f"unsupported checksum_format {checksum_format!r}: bdn supports {', '.join(CHECKSUM_FORMATS)}"
         )
+
 
 def encode_xor(
     base: Any,
@@ -228,7 +245,12 @@ def apply_diff(
 
 
 def _apply(
-    base_buf: Any, base_header: Header, diff_buf: Any, streams: Mapping[str, DiffTensor], out_buf: Any, fmt: str,
+    base_buf: Any,
+    base_header: Header,
+    diff_buf: Any,
+    streams: Mapping[str, DiffTensor],
+    out_buf: Any,
+    fmt: str,
     map: Map[Any, Any],
 ) -> Exception | None:
     size = base_header.file_size

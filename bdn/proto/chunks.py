@@ -123,12 +123,12 @@ class Digests(Sequence[str]):
             i += n
         if not 0 <= i < n:
             raise IndexError(i)
-        return self._raw[i << 4:(i + 1) << 4].hex()
+        return self._raw[i << 4 : (i + 1) << 4].hex()
 
     def __iter__(self) -> Iterator[str]:
         raw = self._raw
         for o in range(0, len(raw), 16):
-            yield raw[o:o + 16].hex()
+            yield raw[o : o + 16].hex()
 
     def __contains__(self, value: object) -> bool:
         if not (isinstance(value, str) and DIGEST_RE.match(value)):

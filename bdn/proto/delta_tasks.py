@@ -139,4 +139,3 @@ def first_error(fn: Callable[[_T], Exception | None], items: Sequence[_T], map: 
     else:
         map(task, items)
     return failed[0] if failed else None
-

@@ -38,9 +38,7 @@ def diff_tensors(header: Header) -> dict[str, DiffTensor]:
     out: dict[str, DiffTensor] = {}
     for name, info in header.tensors.items():
         if info.dtype != "U8" or len(info.shape) != 1:
-            raise ProtocolError(
-                f"diff tensor {_q(name)} is {info.dtype} {list(info.shape)}, expected a 1-D U8 stream"
-            )
+            raise ProtocolError(f"diff tensor {_q(name)} is {info.dtype} {list(info.shape)}, expected a 1-D U8 stream")
         value = header.metadata.get(name)
         if value is None:
             raise ProtocolError(f"diff file has no adler32 in __metadata__ for tensor {_q(name)}")
@@ -97,4 +95,3 @@ DiffContent = tuple[dict[str, tuple[str, tuple[int, ...], bytes]], dict[str, str
 def content(frames: dict[str, bytes], checksums: dict[str, str]) -> DiffContent:
     """A diff file's content for ``bdn.fileops.save_raw``: one ``U8`` tensor per stream, and the checksums."""
     return {name: ("U8", (len(f),), f) for name, f in frames.items()}, checksums
-

@@ -64,11 +64,17 @@ ROW_TYPES: dict[str, tuple[type, ...]] = {
     "last_swap": (dict, type(None)),
 }
 LOADING_TYPES: dict[str, tuple[type, ...]] = {
-    "stage": (str,), "identity": (str, type(None)), "progress": _NUM, "reason": (str,),
+    "stage": (str,),
+    "identity": (str, type(None)),
+    "progress": _NUM,
+    "reason": (str,),
 }
 #: The page's keys and their types.
 PAGE_TYPES: dict[str, tuple[type, ...]] = {
-    "identity": (str, type(None)), "replicas": (list,), "next_page_token": (str,), "replica_count": (int,),
+    "identity": (str, type(None)),
+    "replicas": (list,),
+    "next_page_token": (str,),
+    "replica_count": (int,),
     "stages": (dict,),
 }
 
@@ -124,8 +130,11 @@ def schema_errors(row: Any) -> list[str]:
     ls = row.get("loading_state")
     if isinstance(ls, dict):
         errs += [f"loading_state.{k}: missing" for k in LOADING_STATE if k not in ls]
-        errs += [f"loading_state.{k}: {type(ls[k]).__name__}" for k in LOADING_STATE
-                 if k in ls and not _fits(ls[k], LOADING_TYPES[k])]
+        errs += [
+            f"loading_state.{k}: {type(ls[k]).__name__}"
+            for k in LOADING_STATE
+            if k in ls and not _fits(ls[k], LOADING_TYPES[k])
+        ]
         if ls.get("stage") not in REPLICA_STAGES:
             errs.append(f"loading_state.stage: {ls.get('stage')!r} is not a replica stage")
     return errs
@@ -174,7 +183,7 @@ def complete_page(obj: Any) -> dict[str, Any]:
         page["replica_count"] = len(reps)
     given = page.get("stages")
     counts = dict.fromkeys(REPLICA_STAGES, 0)
-    for k, v in (given.items() if isinstance(given, dict) else ()):
+    for k, v in given.items() if isinstance(given, dict) else ():
         if k in counts and _fits(v, (int,)):
             counts[k] = v
     page["stages"] = counts

@@ -145,15 +145,13 @@ def listed_objects(identity: str, listing: Iterable[ListedLike]) -> list[Foreign
     for info in listing:
         if not info.key.startswith(prefix):
             continue
-        path = info.key[len(prefix):]
+        path = info.key[len(prefix) :]
         try:
             validate_relpath(path)
         except ProtocolError as e:
             raise ForeignSnapshotError(f"{identity}: unusable object name: {e}") from None
         if path == MANIFEST_NAME:
-            raise ForeignSnapshotError(
-                f"{identity} has a {MANIFEST_NAME}: it is a bdn snapshot, read its manifest"
-            )
+            raise ForeignSnapshotError(f"{identity} has a {MANIFEST_NAME}: it is a bdn snapshot, read its manifest")
         if isinstance(info.size, bool) or not isinstance(info.size, int) or info.size < 0:
             raise ForeignSnapshotError(f"{info.key}: bad object size {info.size!r}")
         if not isinstance(info.etag, str) or not info.etag or len(info.etag) > 256:
@@ -229,8 +227,9 @@ def ids_digest(ids: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def result_chunk_id(key: str, etag: str, base_identity: str, base_digest: str, size: int,
-                    chunk_size: int, index: int) -> str:
+def result_chunk_id(
+    key: str, etag: str, base_identity: str, base_digest: str, size: int, chunk_size: int, index: int
+) -> str:
     """The id of chunk ``index`` of the file rebuilt from diff ``key``@``etag`` on the base file
     whose result chunk ids have :func:`ids_digest` ``base_digest`` (another base, other ids)."""
     return xxhash.xxh3_128_hexdigest(
@@ -406,7 +405,9 @@ def derive_table(
                 "size": rsize,
                 "chunks": _ids(
                     num_chunks(rsize, chunk_size),
-                    lambda i, o=o, rids=rids, rsize=rsize: result_chunk_id(o.key, o.etag, base_identity, rids, rsize, chunk_size, i),  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
+                    lambda i, o=o, rids=rids, rsize=rsize: result_chunk_id(
+                        o.key, o.etag, base_identity, rids, rsize, chunk_size, i
+                    ),  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
                 ),
             }
             total += len(entry["result"]["chunks"])
@@ -446,4 +447,3 @@ def _canonical(manifest: Manifest, objects: Sequence[ForeignObject]) -> bytes:
         "objects": [{"path": o.path, "key": o.key, "size": o.size, "etag": o.etag} for o in objects],
     }
     return (json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n").encode()
-

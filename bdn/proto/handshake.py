@@ -82,9 +82,17 @@ def _lp(s: str) -> bytes:
 def _hello_mac(
     hs_key: bytes, swarm: bytes, ts: int, server_nonce: bytes, client_nonce: bytes, client: str, target: str
 ) -> bytes:
-    msg = b"".join((
-        b"bdn-transfer-1 hello", swarm, _SEQ.pack(ts), server_nonce, client_nonce, _lp(client), _lp(target),
-    ))
+    msg = b"".join(
+        (
+            b"bdn-transfer-1 hello",
+            swarm,
+            _SEQ.pack(ts),
+            server_nonce,
+            client_nonce,
+            _lp(client),
+            _lp(target),
+        )
+    )
     return hmac.digest(hs_key, msg, hashlib.sha256)
 
 

@@ -137,7 +137,13 @@ def default_nonce() -> str:
 
 
 def sign_request(
-    keys: SwarmKeys, method: str, path_qs: str, node_id: str, *, to: str, now: float | None = None,
+    keys: SwarmKeys,
+    method: str,
+    path_qs: str,
+    node_id: str,
+    *,
+    to: str,
+    now: float | None = None,
     nonce: str | None = None,
 ) -> str:
     """The ``Authorization`` header value for a peer request to ``path_qs`` (path plus query).

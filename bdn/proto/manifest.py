@@ -183,9 +183,7 @@ class Manifest:
         except ProtocolError as e:
             raise ManifestError(f"manifest: {e}") from None
         if expect_identity is not None and m.identity != expect_identity:
-            raise ManifestError(
-                f"manifest names identity {m.identity!r} but lives under {expect_identity!r}"
-            )
+            raise ManifestError(f"manifest names identity {m.identity!r} but lives under {expect_identity!r}")
         return m
 
     @classmethod
@@ -252,9 +250,7 @@ class Manifest:
             if reserved_path(path):
                 raise ManifestError(f"manifest path {reserved_path(path)}")
             if not _add_to_tree(tree, path):
-                raise ManifestError(
-                    f"manifest path {path!r} clashes with another file (a file and a directory)"
-                )
+                raise ManifestError(f"manifest path {path!r} clashes with another file (a file and a directory)")
             seen.add(path)
             size = _int(rf, "size", 0, MAX_OBJECT_BYTES, where=path)
             chunks = _chunks(rf.get("chunks"), size, chunk_size, path)
@@ -352,8 +348,10 @@ def decode_manifest_json(data: bytes | str) -> Any:
         return obj
     except (msgspec.DecodeError, UnicodeDecodeError) as e:
         if "surrogate" in str(e):  # "\ud800": valid JSON to some, but no UTF-8 path or key holds it
-            raise ManifestError("manifest is not valid JSON: a string (a file path?) holds a lone UTF-16 "
-                                f"surrogate, which is not valid UTF-8 ({e})") from None
+            raise ManifestError(
+                "manifest is not valid JSON: a string (a file path?) holds a lone UTF-16 "
+                f"surrogate, which is not valid UTF-8 ({e})"
+            ) from None
         raise ManifestError(f"manifest is not valid JSON: {e}") from None
     except RecursionError:
         raise ManifestError("manifest is not valid JSON: nested too deeply") from None
@@ -376,7 +374,7 @@ def _decode_list(raw: bytes) -> Any:
     start, stop = 1, len(body) - 1
     while True:
         cut = body.find(b",", min(start + DECODE_WINDOW, stop), stop)
-        piece = msgspec.json.decode(b"[" + body[start:cut if cut >= 0 else stop] + b"]")
+        piece = msgspec.json.decode(b"[" + body[start : cut if cut >= 0 else stop] + b"]")
         if not piece:
             raise msgspec.DecodeError("an empty element in an array (a stray comma)")
         out.extend(piece)
@@ -419,8 +417,7 @@ def _chunks(raw: Any, size: int, chunk_size: int, where: str) -> Digests:
     want = num_chunks(size, chunk_size)
     if len(raw) != want:
         raise ManifestError(
-            f"{where}: {len(raw)} chunks listed, {want} expected for {size} bytes "
-            f"at chunk_size {chunk_size}"
+            f"{where}: {len(raw)} chunks listed, {want} expected for {size} bytes at chunk_size {chunk_size}"
         )
     for d in raw:
         if not isinstance(d, str) or not DIGEST_RE.match(d):
@@ -441,5 +438,3 @@ def parse_startup(data: bytes) -> str:
     except UnicodeDecodeError:
         raise ProtocolError(f"{STARTUP_NAME} is not UTF-8 text") from None
     return validate_identity(text)
-
-

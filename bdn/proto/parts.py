@@ -64,8 +64,13 @@ class PartRecord:
 
     def _manifest(self) -> Manifest:
         return Manifest(
-            identity=self.identity, kind=self.kind, policy_version=0, chunk_size=self.chunk_size,
-            files=self.files, created_at="1970-01-01T00:00:00Z", base_identity=self.base_identity,
+            identity=self.identity,
+            kind=self.kind,
+            policy_version=0,
+            chunk_size=self.chunk_size,
+            files=self.files,
+            created_at="1970-01-01T00:00:00Z",
+            base_identity=self.base_identity,
             compression_format=self.compression_format,
             checksum_format="alder32" if self.kind == "delta" else None,
         )
@@ -74,8 +79,13 @@ class PartRecord:
         """Canonical JSON bytes (sorted keys, one-space indent, final newline)."""
         m = self._manifest().to_dict()
         obj = {
-            "format": FORMAT, "identity": self.identity, "rank": self.rank, "world_size": self.world_size,
-            "kind": self.kind, "chunk_size": self.chunk_size, "files": m["files"],
+            "format": FORMAT,
+            "identity": self.identity,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "kind": self.kind,
+            "chunk_size": self.chunk_size,
+            "files": m["files"],
             "tensors": {n: [f, d, list(s)] for n, (f, d, s) in sorted(self.tensors.items())},
         }
         if self.kind == "delta":
@@ -98,19 +108,42 @@ class PartRecord:
             rank, world = obj["rank"], obj["world_size"]
             if not (type(world) is int and 1 <= world <= MAX_WORLD_SIZE and type(rank) is int and 0 <= rank < world):
                 raise PartError(f"{where}: rank {rank!r} of world size {world!r} is out of range")
-            m = Manifest.from_dict({
-                "format": "bdn.snapshot/1", "identity": obj["identity"], "kind": obj["kind"], "policy_version": 0,
-                "created_at": "1970-01-01T00:00:00Z", "chunk_size": obj["chunk_size"], "files": obj["files"],
-                **({"base_identity": obj.get("base_identity"), "compression_format": obj.get("compression_format"),
-                    "checksum_format": "alder32"} if obj["kind"] == "delta" else {}),
-            })
+            m = Manifest.from_dict(
+                {
+                    "format": "bdn.snapshot/1",
+                    "identity": obj["identity"],
+                    "kind": obj["kind"],
+                    "policy_version": 0,
+                    "created_at": "1970-01-01T00:00:00Z",
+                    "chunk_size": obj["chunk_size"],
+                    "files": obj["files"],
+                    **(
+                        {
+                            "base_identity": obj.get("base_identity"),
+                            "compression_format": obj.get("compression_format"),
+                            "checksum_format": "alder32",
+                        }
+                        if obj["kind"] == "delta"
+                        else {}
+                    ),
+                }
+            )
             tensors = _tensors(obj["tensors"], {f.path for f in m.files}, where)
         except KeyError as e:
             raise PartError(f"{where}: part record has no {e.args[0]!r}") from None
         except ProtocolError as e:
             raise PartError(f"{where}: {e}") from None
-        return cls(m.identity, rank, world, m.kind, m.chunk_size, tuple(m.files), tensors,
-                   m.base_identity, m.compression_format)
+        return cls(
+            m.identity,
+            rank,
+            world,
+            m.kind,
+            m.chunk_size,
+            tuple(m.files),
+            tensors,
+            m.base_identity,
+            m.compression_format,
+        )
 
 
 def _tensors(raw: Any, paths: set[str], where: str) -> dict[str, tuple[str, str, tuple[int, ...]]]:
@@ -119,8 +152,12 @@ def _tensors(raw: Any, paths: set[str], where: str) -> dict[str, tuple[str, str,
     out: dict[str, tuple[str, str, tuple[int, ...]]] = {}
     for name, v in raw.items():
         ok = (
-            isinstance(v, list) and len(v) == 3 and v[0] in paths and v[1] in DTYPE_BITS
-            and isinstance(v[2], list) and all(type(d) is int and d >= 0 for d in v[2])
+            isinstance(v, list)
+            and len(v) == 3
+            and v[0] in paths
+            and v[1] in DTYPE_BITS
+            and isinstance(v[2], list)
+            and all(type(d) is int and d >= 0 for d in v[2])
         )
         if not ok:
             raise PartError(f"{where}: tensor {name[:120]!r} is not [file of this part, dtype, shape]")

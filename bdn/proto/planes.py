@@ -131,7 +131,9 @@ def _sparse_fields(cx: Ctx, b: np.ndarray, t: np.ndarray) -> tuple[int, np.ndarr
     numpy's XOR, :func:`_changed`, gaps and gather.
     """
     if planes_scan.available():
-        found = planes_scan.scan(b, t, cx.pscratch(planes_scan.scratch_bytes(len(b))), cx.scratch(b.nbytes).view(b.dtype))
+        found = planes_scan.scan(
+            b, t, cx.pscratch(planes_scan.scratch_bytes(len(b))), cx.scratch(b.nbytes).view(b.dtype)
+        )
         if found is not None:
             return found
     x = np.bitwise_xor(b, t, out=cx.scratch(b.nbytes).view(b.dtype))
@@ -224,7 +226,9 @@ def parse_stream(stream: np.ndarray, n: int) -> tuple[int, list[_PlanesBlock]]:
         raise ProtocolError(f"bdn_planes_v1 stream has {nblocks} blocks, a {n}-byte tensor needs {want_blocks}")
     table_end = _P_HEAD.size + nblocks * _P_REC.size
     if table_end > total:
-        raise ProtocolError(f"bdn_planes_v1 block table ({nblocks} blocks) lies past the end of the {total}-byte stream")
+        raise ProtocolError(
+            f"bdn_planes_v1 block table ({nblocks} blocks) lies past the end of the {total}-byte stream"
+        )
     # A plain loop: most tensors have one block, where numpy's per-call overhead would dominate
     # (and this runs before the pool starts, so it is serial time).
     blocks: list[_PlanesBlock] = []
@@ -309,9 +313,7 @@ def _words_from_planes(planes: np.ndarray, w: int, out: np.ndarray) -> np.ndarra
     return out
 
 
-def _decode_planes_block(
-    cx: Ctx, stream: np.ndarray, blk: _PlanesBlock, b: np.ndarray, o: np.ndarray, w: int
-) -> int:
+def _decode_planes_block(cx: Ctx, stream: np.ndarray, blk: _PlanesBlock, b: np.ndarray, o: np.ndarray, w: int) -> int:
     """Decode one block into ``o`` (``b``/``o``: the block's base and output bytes); return its Adler-32."""
     in_place = o.ctypes.data == b.ctypes.data
     dt: np.dtype[Any] = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
@@ -384,7 +386,11 @@ def decode_stream(cx: Ctx, stream: Any, b: np.ndarray, o: np.ndarray, n: int) ->
 
 
 def apply_tensors(
-    base: np.ndarray, diff: np.ndarray, streams: Mapping[str, DiffTensor], out: np.ndarray, infos: list[TensorInfo],
+    base: np.ndarray,
+    diff: np.ndarray,
+    streams: Mapping[str, DiffTensor],
+    out: np.ndarray,
+    infos: list[TensorInfo],
     map: Map[Any, Any],
 ) -> Exception | None:
     """bdn_planes_v1 apply: every block of every tensor is one task, so one large tensor uses all cores.
@@ -468,4 +474,3 @@ def encode_tensors(
         adlers[pi] = adler32_combine(adlers[pi], adler, nbytes)
     streams = {name: _planes_assemble(len(b), widths[pi], per[pi]) for pi, (name, b, _, _) in enumerate(pairs)}
     return streams, {name: str(a) for (name, *_), a in zip(pairs, adlers)}
-

@@ -108,7 +108,9 @@ def available() -> bool:
     return _kernel is not False
 
 
-def scan(b: np.ndarray, t: np.ndarray, scratch: np.ndarray, vals: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
+def scan(
+    b: np.ndarray, t: np.ndarray, scratch: np.ndarray, vals: np.ndarray
+) -> tuple[int, np.ndarray, np.ndarray, np.ndarray] | None:
     """The changed words of ``b XOR t``, or None when the kernel is unavailable (use numpy then).
 
     ``b``, ``t``: one block as equal-length arrays of little-endian unsigned words (1, 2, 4 or 8
@@ -136,7 +138,9 @@ def scan(b: np.ndarray, t: np.ndarray, scratch: np.ndarray, vals: np.ndarray) ->
     b64 = b[: n64 * per].view(np.uint64)
     t64 = t[: n64 * per].view(np.uint64)
     try:
-        k, e = _kernel(b, t, b64, t64, per, _LOG2_BITS[w], np.uint64((1 << (8 * w)) - 1), _DB_TABLE, gi, gaps, esc, vals)
+        k, e = _kernel(
+            b, t, b64, t64, per, _LOG2_BITS[w], np.uint64((1 << (8 * w)) - 1), _DB_TABLE, gi, gaps, esc, vals
+        )
     except Exception:  # noqa: BLE001 - numba failed to compile for these types: numpy from now on
         _kernel = False
         return None

@@ -24,8 +24,19 @@ from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.identity import validate_identity, validate_relpath
 from bdn.proto.reserved import READY_NAME, RESERVED_NAMES, reserved_path
 
-__all__ = ["KINDS", "MAX_FILE_BYTES", "MAX_READY_BYTES", "READY_FORMAT", "READY_NAME", "RESERVED_NAMES",
-           "ReadyFile", "ReadyMarker", "parse_ready", "ready_json", "reserved_path"]
+__all__ = [
+    "KINDS",
+    "MAX_FILE_BYTES",
+    "MAX_READY_BYTES",
+    "READY_FORMAT",
+    "READY_NAME",
+    "RESERVED_NAMES",
+    "ReadyFile",
+    "ReadyMarker",
+    "parse_ready",
+    "ready_json",
+    "reserved_path",
+]
 
 if TYPE_CHECKING:
     from bdn.proto.manifest import Manifest

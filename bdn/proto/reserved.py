@@ -13,13 +13,15 @@ RESERVED_NAMES: tuple[str, ...] = (READY_NAME,)
 
 
 def reserved_path(path: str) -> str:
-    """"" if a snapshot may hold ``path`` (a valid relative path), else why not (one line).
+    """ "" if a snapshot may hold ``path`` (a valid relative path), else why not (one line).
 
     A path whose first segment is one of ``RESERVED_NAMES`` (``READY``, or ``READY/x``: a
     directory there would block the marker) is reserved for bdn's own files.
     """
     first = path.split("/", 1)[0]
     if first in RESERVED_NAMES:
-        return (f"{path!r} is reserved: bdn writes its {first} marker at the top of every rebuilt "
-                "snapshot directory; rename that file in the checkpoint")
+        return (
+            f"{path!r} is reserved: bdn writes its {first} marker at the top of every rebuilt "
+            "snapshot directory; rename that file in the checkpoint"
+        )
     return ""

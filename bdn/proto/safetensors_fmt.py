@@ -43,17 +43,55 @@ class SafetensorsError(ProtocolError):
 # Layout rank: the reference writer (safetensors/src/tensor.rs, ``enum Dtype``) sorts tensors by
 # descending position in this tuple, then by name. Keep the reference's order exactly.
 DTYPE_ORDER: tuple[str, ...] = (
-    "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
-    "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64",
-    "F64", "I64", "U64",
+    "BOOL",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+    "U8",
+    "I8",
+    "F8_E5M2",
+    "F8_E4M3",
+    "F8_E8M0",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+    "I16",
+    "U16",
+    "F16",
+    "BF16",
+    "I32",
+    "U32",
+    "F32",
+    "C64",
+    "F64",
+    "I64",
+    "U64",
 )
 _DTYPE_RANK: dict[str, int] = {name: rank for rank, name in enumerate(DTYPE_ORDER)}
 
 #: Bits per element of every dtype the spec defines (BOOL is stored as one byte).
 DTYPE_BITS: dict[str, int] = {
-    "BOOL": 8, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8,
-    "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "I16": 16, "U16": 16, "F16": 16,
-    "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "BOOL": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
 }
 #: Bytes per element of every whole-byte dtype (the packed F4/F6 types are in ``DTYPE_BITS`` only).
 DTYPE_SIZES: dict[str, int] = {k: v // 8 for k, v in DTYPE_BITS.items() if v % 8 == 0}
@@ -268,16 +306,28 @@ def _numpy_dtypes() -> dict[str, np.dtype]:
     except ImportError:  # pragma: no cover - exercised only in stripped-down environments
         _ml_dtypes = None  # type: ignore[assignment]  # the module, or None without it
     table: dict[str, np.dtype] = {
-        "BOOL": np.dtype(np.bool_), "U8": np.dtype("u1"), "I8": np.dtype("i1"),
-        "I16": np.dtype("<i2"), "U16": np.dtype("<u2"), "F16": np.dtype("<f2"),
-        "I32": np.dtype("<i4"), "U32": np.dtype("<u4"), "F32": np.dtype("<f4"),
-        "C64": np.dtype("<c8"), "F64": np.dtype("<f8"), "I64": np.dtype("<i8"), "U64": np.dtype("<u8"),
+        "BOOL": np.dtype(np.bool_),
+        "U8": np.dtype("u1"),
+        "I8": np.dtype("i1"),
+        "I16": np.dtype("<i2"),
+        "U16": np.dtype("<u2"),
+        "F16": np.dtype("<f2"),
+        "I32": np.dtype("<i4"),
+        "U32": np.dtype("<u4"),
+        "F32": np.dtype("<f4"),
+        "C64": np.dtype("<c8"),
+        "F64": np.dtype("<f8"),
+        "I64": np.dtype("<i8"),
+        "U64": np.dtype("<u8"),
     }
     if _ml_dtypes is not None:
         table["BF16"] = np.dtype(_ml_dtypes.bfloat16)
         for st_name, ml_name in (
-            ("F8_E5M2", "float8_e5m2"), ("F8_E4M3", "float8_e4m3fn"), ("F8_E8M0", "float8_e8m0fnu"),
-            ("F8_E4M3FNUZ", "float8_e4m3fnuz"), ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
+            ("F8_E5M2", "float8_e5m2"),
+            ("F8_E4M3", "float8_e4m3fn"),
+            ("F8_E8M0", "float8_e8m0fnu"),
+            ("F8_E4M3FNUZ", "float8_e4m3fnuz"),
+            ("F8_E5M2FNUZ", "float8_e5m2fnuz"),
         ):
             ml_type = getattr(_ml_dtypes, ml_name, None)
             table[st_name] = np.dtype(ml_type) if ml_type is not None else np.dtype("u1")
@@ -334,7 +384,9 @@ def tensor_view(buf: Any, info: TensorInfo) -> np.ndarray:
     try:
         flat = np.frombuffer(buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
     except ValueError:
-        raise SafetensorsError(f"tensor {_q(info.name)}: bytes [{info.start}, {info.end}) lie outside the buffer") from None
+        raise SafetensorsError(
+            f"tensor {_q(info.name)}: bytes [{info.start}, {info.end}) lie outside the buffer"
+        ) from None
     return flat.view(dt).reshape(info.shape)
 
 
@@ -405,7 +457,11 @@ def encode_raw(
             raise SafetensorsError(f"invalid tensor name {_q(str(name))}")
         if dtype not in DTYPE_BITS:
             raise SafetensorsError(f"tensor {_q(name)}: unknown dtype {_q(str(dtype))}")
-        mv = memoryview(data).cast("B") if not isinstance(data, np.ndarray) else memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ only from Python 3.12
+        mv = (
+            memoryview(data).cast("B")
+            if not isinstance(data, np.ndarray)
+            else memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy's stubs: __buffer__ from 3.12
+        )
         bits = math.prod(shape) * DTYPE_BITS[dtype]
         if bits % 8 or bits // 8 != mv.nbytes:
             raise SafetensorsError(f"tensor {_q(name)}: {mv.nbytes} bytes do not match {dtype} shape {list(shape)}")

@@ -48,7 +48,14 @@ from bdn.proto.planes import (
 from bdn.proto.safetensors_fmt import Header, TensorInfo, _q
 
 __all__ = [
-    "MAX_RANGES", "PAGE", "SparseResult", "adler_update", "apply_sparse", "changed_bytes", "check_untouched", "coalesce",
+    "MAX_RANGES",
+    "PAGE",
+    "SparseResult",
+    "adler_update",
+    "apply_sparse",
+    "changed_bytes",
+    "check_untouched",
+    "coalesce",
     "stream_ranges",
     "touched_chunks",
 ]
@@ -137,7 +144,9 @@ def coalesce(starts: np.ndarray, ends: np.ndarray, limit: int = MAX_RANGES) -> l
     return [(int(a), int(b)) for a, b in zip(lo, hi)]
 
 
-def _sparse_indices(cx: Any, payload: np.ndarray, blk: _PlanesBlock, w: int, elems: int) -> tuple[np.ndarray, np.ndarray]:
+def _sparse_indices(
+    cx: Any, payload: np.ndarray, blk: _PlanesBlock, w: int, elems: int
+) -> tuple[np.ndarray, np.ndarray]:
     """A sparse block's changed word indices (ascending, int64) and its decoded payload."""
     k, e = blk.k, blk.e
     raw = _zstd_exact(cx, payload, k + 4 * e + k * w)
@@ -175,7 +184,12 @@ def _block_pages(blk: _PlanesBlock) -> np.ndarray:
 
 
 def _block(
-    cx: Any, stream: np.ndarray, blk: _PlanesBlock, buf: np.ndarray, w: int, n: int,
+    cx: Any,
+    stream: np.ndarray,
+    blk: _PlanesBlock,
+    buf: np.ndarray,
+    w: int,
+    n: int,
 ) -> tuple[int, int, np.ndarray, np.ndarray, int]:
     """Apply one block in place (``buf``: the tensor's bytes); returns ``(da, db, range starts,
     range ends, bytes written)``, ranges relative to the tensor, each sum mod 65521."""
@@ -208,7 +222,9 @@ def _block(
     return _per_word(words, nz, vals, w, n, blk.lo)
 
 
-def _per_word(words: np.ndarray, nz: np.ndarray, vals: np.ndarray, w: int, n: int, lo: int) -> tuple[int, int, np.ndarray, np.ndarray, int]:
+def _per_word(
+    words: np.ndarray, nz: np.ndarray, vals: np.ndarray, w: int, n: int, lo: int
+) -> tuple[int, int, np.ndarray, np.ndarray, int]:
     """XOR ``vals`` into ``words[nz]`` (``words``: the words from tensor byte ``lo`` on; ``nz``
     ascending int64 word indices) and return ``(da, db, pages, pages, bytes written)`` from the
     changed words' bytes alone (module docstring)."""
@@ -258,7 +274,12 @@ SERIAL_BYTES = 8 << 20
 
 
 def _light_run(
-    cx: Any, stream: np.ndarray, blks: list[_PlanesBlock], buf: np.ndarray, w: int, n: int,
+    cx: Any,
+    stream: np.ndarray,
+    blks: list[_PlanesBlock],
+    buf: np.ndarray,
+    w: int,
+    n: int,
 ) -> tuple[int, int, np.ndarray, np.ndarray, int]:
     """Apply consecutive light sparse blocks of one tensor in place in one vectorised pass
     (``buf``: the tensor's bytes); the same result as :func:`_block` of each, summed."""
@@ -275,8 +296,13 @@ def _light_run(
 
 
 def apply_sparse(
-    buf: Any, base_header: Header, diff_buf: Any, streams: Mapping[str, DiffTensor],
-    adlers: Mapping[str, int] | None = None, *, map: Map[Any, Any] = serial_map,
+    buf: Any,
+    base_header: Header,
+    diff_buf: Any,
+    streams: Mapping[str, DiffTensor],
+    adlers: Mapping[str, int] | None = None,
+    *,
+    map: Map[Any, Any] = serial_map,
 ) -> SparseResult:
     """Turn ``buf`` (writable, holding exactly the base file's bytes) into the target in place,
     writing only changed words; check every changed tensor's Adler-32.
@@ -323,7 +349,8 @@ def apply_sparse(
             if info.name in known and known[info.name] != want:
                 raise ChecksumError(
                     f"adler32 mismatch for unchanged tensor {_q(info.name)}: the buffer is known to hold "
-                    f"{known[info.name]}, the diff says {want}")
+                    f"{known[info.name]}, the diff says {want}"
+                )
             res.adlers[info.name] = want
             continue
         parsed.append((info, stream, w, live))
@@ -332,7 +359,7 @@ def apply_sparse(
     def checksum(info: TensorInfo) -> tuple[str, int]:
         return info.name, raw_adler32(b[info.start : info.end])
 
-    for name, a in (map(checksum, missing) if len(missing) > 1 else serial_map(checksum, missing)):
+    for name, a in map(checksum, missing) if len(missing) > 1 else serial_map(checksum, missing):
         known[name] = a
         res.checksummed += base_header.tensors[name].nbytes
     # Tasks: each heavy block alone, light sparse blocks in runs of up to RUN_BLOCKS consecutive ones.
@@ -371,7 +398,9 @@ def apply_sparse(
 
     # Little to write (0.1 % of a model's values): threads cost more (GIL hand-offs, a busy
     # machine's scheduler) than they save, so the file's tasks run on this thread.
-    work = sum((blk.hi - blk.lo) if blk.mode == _P_DENSE else blk.k * parsed[ti][2] for ti, _, blks in tasks for blk in blks)
+    work = sum(
+        (blk.hi - blk.lo) if blk.mode == _P_DENSE else blk.k * parsed[ti][2] for ti, _, blks in tasks for blk in blks
+    )
     err = first_error(one, tasks, map if work >= SERIAL_BYTES else serial_map)
     if err is not None:
         raise err
@@ -387,7 +416,9 @@ def apply_sparse(
             raise ChecksumError(f"adler32 mismatch for tensor {_q(info.name)}: expected {want}, got {got}")
         res.adlers[info.name] = got
         res.written += sum(r[4] for r in blocks)
-        pages = np.concatenate([r[2] for r in blocks])  # ascending (tasks in block order); a page may end one and start the next
+        pages = np.concatenate(
+            [r[2] for r in blocks]
+        )  # ascending (tasks in block order); a page may end one and start the next
         if len(pages) > 1:
             pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
         if len(pages):

@@ -16,5 +16,12 @@ WAITABLE: tuple[str, ...] = SNAPSHOT_STATES[:-1]
 #: states while it is built here, then ``loading`` (an engine prepares it), ``done`` (every engine
 #: acknowledged the swap) or ``error`` (with a reason).
 REPLICA_STAGES: tuple[str, ...] = (
-    "queued", "downloading", "applying", "verifying", "ready", "loading", "done", "error",
+    "queued",
+    "downloading",
+    "applying",
+    "verifying",
+    "ready",
+    "loading",
+    "done",
+    "error",
 )

@@ -36,7 +36,7 @@ Frames after the handshake (payloads, before the tag):
   ``identity`` (that connection then carries no chunk requests); the server answers with its
   bitfield of the snapshot as HAVEs of layer 0 (stored) and 1 (rebuilt), then a HAVE whenever
   chunks are indexed, a HAVE of layer 2 (``HAVE_GROWING``) when stored chunks start landing
-  there, from the bucket or cut-through from a peer (an asker may take them cut-through at once), and an empty one as a keep-alive
+  there from the bucket (an asker may take them cut-through at once; bytes still arriving from a peer are never announced nor passed on), and an empty one as a keep-alive
   (bdn.transfer.announce).
 - ``TAKE`` (client): ``identity_len u8 | identity | index u32``: the client asks to read stored
   chunk ``index`` of ``identity`` from the bucket *instead of* the server, the chunk's owner
@@ -93,9 +93,16 @@ class FrameType(IntEnum):
 _TYPES = frozenset(int(t) for t in FrameType)
 #: Frames a server accepts from a client after the handshake, and a client from a server.
 CLIENT_FRAMES = frozenset({FrameType.ASK, FrameType.HAVE, FrameType.TAKE})
-SERVER_FRAMES = frozenset({
-    FrameType.DATA, FrameType.BUSY, FrameType.NOT_HERE, FrameType.PART, FrameType.HAVE, FrameType.GIVE,
-})
+SERVER_FRAMES = frozenset(
+    {
+        FrameType.DATA,
+        FrameType.BUSY,
+        FrameType.NOT_HERE,
+        FrameType.PART,
+        FrameType.HAVE,
+        FrameType.GIVE,
+    }
+)
 #: HAVE layer: the sender is reading these stored chunks from the bucket now (cut-through).
 HAVE_GROWING = 2
 #: ASK flag: the client accepts a cut-through answer (PART frames).
@@ -245,7 +252,7 @@ def decode_busy(payload: bytes | bytearray | memoryview) -> float:
 class Have:
     """An announcement that the sender now holds chunks ``indices`` of ``identity``'s ``layer``
     (0 stored, 1 reconstructed), or (``HAVE_GROWING``, 2) that those stored chunks are landing
-    there now (from the bucket, or cut-through from a peer): an asker may take them cut-through
+    there now from the bucket (never bytes still arriving from a peer): an asker may take them cut-through
     (a PART answer) at once."""
 
     identity: str

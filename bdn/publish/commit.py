@@ -44,8 +44,14 @@ def refuse_published(b: Bucket, identity: str, overwrite: bool) -> None:
 
 
 def commit(
-    b: Bucket, identity: str, policy_version: int, chunk_size: int, entries: list[FileEntry], overwrite: bool,
-    *, delta_of: tuple[str, str] | None = None,
+    b: Bucket,
+    identity: str,
+    policy_version: int,
+    chunk_size: int,
+    entries: list[FileEntry],
+    overwrite: bool,
+    *,
+    delta_of: tuple[str, str] | None = None,
 ) -> Manifest:
     """Build the snapshot's manifest and write it: the last object, whose presence publishes it.
 

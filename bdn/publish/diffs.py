@@ -41,9 +41,7 @@ def make_diffs(
         out = out_root / f.path
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            fileops.write_diff_file(
-                base_root / f.path, f.local, out, compression_format, workers=per_file
-            )
+            fileops.write_diff_file(base_root / f.path, f.local, out, compression_format, workers=per_file)
         except TensorMismatch as e:
             raise TensorMismatch(f"{f.path}: {e}") from None
         result = FileResult(f.local.stat().st_size, tuple(digests(f.local, chunk_size, f.path)))

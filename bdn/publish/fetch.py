@@ -36,9 +36,7 @@ def read_manifest(bucket: Bucket, identity: str) -> Manifest:
     try:
         data = bucket.read(f"{identity}/{MANIFEST_NAME}")
     except ObjectNotFound:
-        raise BaseNotPublished(
-            f"base snapshot {identity!r} is not published (no {MANIFEST_NAME})"
-        ) from None
+        raise BaseNotPublished(f"base snapshot {identity!r} is not published (no {MANIFEST_NAME})") from None
     return Manifest.from_json(data, expect_identity=identity)
 
 
@@ -62,9 +60,7 @@ def check_local_file(local: Path, entry: FileEntry, chunk_size: int, what: str) 
         raise ChecksumError(f"{what}: chunk {bad[0]} differs from the snapshot")
 
 
-def download_file(
-    bucket: Bucket, key: str, entry: FileEntry, chunk_size: int, dest: Path, workers: int
-) -> None:
+def download_file(bucket: Bucket, key: str, entry: FileEntry, chunk_size: int, dest: Path, workers: int) -> None:
     """Download the stored object ``key`` (described by ``entry``) to ``dest``, chunks in parallel.
 
     Raises:
@@ -125,9 +121,7 @@ def materialize(
     plain = [p for p in paths if not entries[p].is_diff]
     diffs = [p for p in paths if entries[p].is_diff]
     for p in plain:
-        download_file(
-            bucket, f"{manifest.identity}/{p}", entries[p], manifest.chunk_size, dest / p, workers
-        )
+        download_file(bucket, f"{manifest.identity}/{p}", entries[p], manifest.chunk_size, dest / p, workers)
     if not diffs:
         return
     assert manifest.base_identity is not None  # a diff entry exists only in a delta manifest
@@ -140,19 +134,20 @@ def materialize(
         materialize(bucket, base_manifest, diffs, base_dir, workers=workers, _depth=_depth + 1)
         for p in diffs:
             e = entries[p]
-            download_file(
-                bucket, f"{manifest.identity}/{p}", e, manifest.chunk_size, diff_dir / p, workers
-            )
+            download_file(bucket, f"{manifest.identity}/{p}", e, manifest.chunk_size, diff_dir / p, workers)
             out = dest / p
             out.parent.mkdir(parents=True, exist_ok=True)
             assert manifest.compression_format is not None
             assert e.result is not None
             apply_delta_file(
-                base_dir / p, diff_dir / p, out, manifest.compression_format, e.result.size,
-                workers=workers, name=f"{manifest.identity}/{p}",
+                base_dir / p,
+                diff_dir / p,
+                out,
+                manifest.compression_format,
+                e.result.size,
+                workers=workers,
+                name=f"{manifest.identity}/{p}",
             )
-            check_local_file(
-                out, e, manifest.chunk_size, f"{manifest.identity}/{p} rebuilt from its diff"
-            )
+            check_local_file(out, e, manifest.chunk_size, f"{manifest.identity}/{p} rebuilt from its diff")
             os.unlink(diff_dir / p)
             os.unlink(base_dir / p)

@@ -96,9 +96,7 @@ def publish_full(
             files = scan_dir(src)
             if check_headers:
                 _check_headers(files)
-            entries = store_all(
-                b, identity, [Upload(f.path, f.local) for f in files], chunk_size, workers, progress
-            )
+            entries = store_all(b, identity, [Upload(f.path, f.local) for f in files], chunk_size, workers, progress)
         return commit(b, identity, policy_version, chunk_size, entries, overwrite)
 
 
@@ -169,15 +167,11 @@ def publish_delta(
                 try:
                     base_manifest.file(f.path)
                 except KeyError:
-                    raise PublishError(
-                        f"target file {f.path!r} has no counterpart in base snapshot {base!r}"
-                    ) from None
+                    raise PublishError(f"target file {f.path!r} has no counterpart in base snapshot {base!r}") from None
             base_root = base_files(
                 b, base_manifest, [f.path for f in tensors], base_dir, base_state_dict, work, workers
             )
-            uploads = make_diffs(
-                base_root, tensors, work / "diff", compression_format, chunk_size, workers
-            )
+            uploads = make_diffs(base_root, tensors, work / "diff", compression_format, chunk_size, workers)
             diffed = {f.path for f in tensors}
             uploads += [Upload(f.path, f.local) for f in files if f.path not in diffed]
             uploads.sort(key=lambda u: u.path)
@@ -225,12 +219,16 @@ def _check_headers(files: list[LocalFile]) -> None:
 
 def check_args(policy_version: int, chunk_size: int, workers: int) -> None:
     """PublishError unless the policy version, chunk size (bytes) and worker count are in range."""
-    if isinstance(policy_version, bool) or not isinstance(policy_version, int) or not (
-        0 <= policy_version <= 2**63 - 1
+    if (
+        isinstance(policy_version, bool)
+        or not isinstance(policy_version, int)
+        or not (0 <= policy_version <= 2**63 - 1)
     ):
         raise PublishError(f"policy version must be an integer in [0, 2**63-1], got {policy_version!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or not (
-        MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int)
+        or not (MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE)
     ):
         raise PublishError(
             f"chunk size must be an integer in [{MIN_CHUNK_SIZE}, {MAX_CHUNK_SIZE}] bytes, got {chunk_size!r}"

@@ -170,17 +170,31 @@ def publish_part(
             if base_manifest is None:
                 return full_file(path, files[path], chunk_size, mapper)
             return delta_file(
-                path, files[path], {n: base_arrays[n] for n in files[path]}, base_manifest.file(path),
-                base_manifest.chunk_size, base_manifest.identity, compression_format, chunk_size, mapper,
+                path,
+                files[path],
+                {n: base_arrays[n] for n in files[path]},
+                base_manifest.file(path),
+                base_manifest.chunk_size,
+                base_manifest.identity,
+                compression_format,
+                chunk_size,
+                mapper,
             )
 
         times: dict[str, float] = {}
         entries = pipeline(b, identity, list(files), build, uploads, times)
         record = PartRecord(
-            identity=identity, rank=rank, world_size=world_size, kind="full" if base is None else "delta",
-            chunk_size=chunk_size, files=tuple(entries),
-            tensors={n: (path, safetensors_dtype(a), tuple(a.shape)) for path, ts in files.items() for n, a in ts.items()},
-            base_identity=base, compression_format=compression_format if base is not None else None,
+            identity=identity,
+            rank=rank,
+            world_size=world_size,
+            kind="full" if base is None else "delta",
+            chunk_size=chunk_size,
+            files=tuple(entries),
+            tensors={
+                n: (path, safetensors_dtype(a), tuple(a.shape)) for path, ts in files.items() for n, a in ts.items()
+            },
+            base_identity=base,
+            compression_format=compression_format if base is not None else None,
         )
         t0 = time.perf_counter()
         b.write(key, record.to_json())
@@ -308,7 +322,8 @@ def _read_parts(b: Bucket, identity: str, world_size: int, wait_s: float) -> lis
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
     if any(p is None for p in parts):
         others = sorted(
-            o.key.rsplit("/", 1)[-1] for o in b.list(f"{PARTS_DIR}/{identity}/")
+            o.key.rsplit("/", 1)[-1]
+            for o in b.list(f"{PARTS_DIR}/{identity}/")
             if not o.key.endswith(f"-of-{world_size:05d}.json")
         )
         if others:

@@ -69,8 +69,15 @@ def parse_answer(url: str, ans: Any) -> Rollout:
         versions = _ints(ed["policy_versions"], "nvext.engine_data.policy_versions")
         if not versions:
             raise EngineAnswerError("nvext.engine_data.policy_versions is empty")
-        return Rollout(prompt, ids, [float(x) for x in lps if x is not None], versions, str(ed.get("replica_id", "")),
-                       str(ed.get("snapshot_identity", "")), url)
+        return Rollout(
+            prompt,
+            ids,
+            [float(x) for x in lps if x is not None],
+            versions,
+            str(ed.get("replica_id", "")),
+            str(ed.get("snapshot_identity", "")),
+            url,
+        )
     except EngineAnswerError as e:
         raise EngineAnswerError(f"engine {url}: {e}") from None
     except (KeyError, IndexError, TypeError, AttributeError) as e:
@@ -121,16 +128,29 @@ class EnginePool:
             if ok:
                 return ok
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no engine serves policy version {min_version} or later after {timeout} s "
-                                   f"(served: {served})")
+                raise TimeoutError(
+                    f"no engine serves policy version {min_version} or later after {timeout} s (served: {served})"
+                )
             time.sleep(poll_s)
 
-    def complete(self, url: str, messages: list[dict[str, Any]], *, max_tokens: int, temperature: float = 1.0,
-                 seed: int | None = None) -> Rollout:
+    def complete(
+        self,
+        url: str,
+        messages: list[dict[str, Any]],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int | None = None,
+    ) -> Rollout:
         """One rollout from the engine at ``url``; EngineAnswerError for an error status or a
         malformed answer, httpx.HTTPError when it cannot be reached."""
-        body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature,
-                                "logprobs": True, "nvext": {"extra_fields": ["engine_data"]}}
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "logprobs": True,
+            "nvext": {"extra_fields": ["engine_data"]},
+        }
         if seed is not None:
             body["seed"] = seed
         r = self._http.post(url + "/v1/chat/completions", json=body)

@@ -168,12 +168,23 @@ class StepPublisher:
         t0 = time.monotonic()
         full = self._base is None or (self.anchor_every > 0 and version % self.anchor_every == 0)
         if full:
-            m = publish_full(self.bucket, ident, version, state_dict=state, extra_files=self.extra_files, **self.size_kw)
+            m = publish_full(
+                self.bucket, ident, version, state_dict=state, extra_files=self.extra_files, **self.size_kw
+            )
         else:
             assert self._base is not None
             base_ident, base_state = self._base
-            m = publish_delta(self.bucket, ident, version, base_ident, state_dict=state, base_state_dict=base_state,
-                              extra_files=self.extra_files, compression_format=self.compression_format, **self.size_kw)
+            m = publish_delta(
+                self.bucket,
+                ident,
+                version,
+                base_ident,
+                state_dict=state,
+                base_state_dict=base_state,
+                extra_files=self.extra_files,
+                compression_format=self.compression_format,
+                **self.size_kw,
+            )
         if full:
             publish_startup(self.bucket, ident)
         publish_s = time.monotonic() - t0

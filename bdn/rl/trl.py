@@ -87,7 +87,9 @@ class BdnPublishCallback(TrainerCallback):
     seconds ``on_train_end`` waits for the last steps (a failure raises StepPublishFailed there,
     or at the next step's submit)."""
 
-    def __init__(self, publisher: StepPublisher, *, dtype: str = "bfloat16", flush_timeout: float | None = 600.0) -> None:
+    def __init__(
+        self, publisher: StepPublisher, *, dtype: str = "bfloat16", flush_timeout: float | None = 600.0
+    ) -> None:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
         self.publisher, self.dtype, self.flush_timeout = publisher, dtype, flush_timeout
@@ -145,9 +147,18 @@ class BdnRollouts:
         seed: per-request seeds are ``seed`` plus a running count (None: the engines draw).
     """
 
-    def __init__(self, engine_urls: Sequence[str], *, max_staleness: int = 1, max_tokens: int = 16,
-                 temperature: float = 1.0, wait_s: float = 300.0, retries: int = 3, seed: int | None = 0,
-                 timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        engine_urls: Sequence[str],
+        *,
+        max_staleness: int = 1,
+        max_tokens: int = 16,
+        temperature: float = 1.0,
+        wait_s: float = 300.0,
+        retries: int = 3,
+        seed: int | None = 0,
+        timeout: float = 120.0,
+    ) -> None:
         self.bound = StalenessBound(max_staleness)
         self.pool = EnginePool(engine_urls, timeout=timeout)
         self.max_tokens, self.temperature, self.wait_s, self.retries = max_tokens, temperature, wait_s, retries
@@ -178,25 +189,34 @@ class BdnRollouts:
         last = step + uses - 1
         lo = self.bound.min_version(last)
         if lo > step:
-            raise ValueError(f"a rollout batch trains {uses} steps, more than max_staleness + 1 = "
-                             f"{self.bound.max_staleness + 1}: no policy can satisfy the bound")
+            raise ValueError(
+                f"a rollout batch trains {uses} steps, more than max_staleness + 1 = "
+                f"{self.bound.max_staleness + 1}: no policy can satisfy the bound"
+            )
         messages = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
         ok = self.pool.wait_serving(lo, self.wait_s)
         jobs = [functools.partial(self._one, m, ok[i % len(ok)], step, last) for i, m in enumerate(messages)]
         rollouts = self.pool.map(jobs)
         self.log += [RolloutRecord(step, last, min(r.policy_versions), r.replica_id, r.identity) for r in rollouts]
-        return {"prompt_ids": [r.prompt_ids for r in rollouts], "completion_ids": [r.completion_ids for r in rollouts],
-                "logprobs": [r.logprobs for r in rollouts], "policy_version": [min(r.policy_versions) for r in rollouts]}
+        return {
+            "prompt_ids": [r.prompt_ids for r in rollouts],
+            "completion_ids": [r.completion_ids for r in rollouts],
+            "logprobs": [r.logprobs for r in rollouts],
+            "policy_version": [min(r.policy_versions) for r in rollouts],
+        }
 
     def _one(self, messages: Any, url: str, step: int, last: int) -> Rollout:
         """One rollout admissible at its last use ``last`` and made by no policy newer than the
         trainer's ``step``; asked again (of an engine serving an admissible policy) up to ``retries`` times."""
         lo = self.bound.min_version(last)
         for _ in range(self.retries + 1):
-            r = self.pool.complete(url, messages, max_tokens=self.max_tokens, temperature=self.temperature,
-                                   seed=self._seed())
+            r = self.pool.complete(
+                url, messages, max_tokens=self.max_tokens, temperature=self.temperature, seed=self._seed()
+            )
             if self.bound.admissible(last, r.policy_versions) and max(r.policy_versions) <= step:
                 return r
             url = self.pool.wait_serving(lo, self.wait_s)[0]
-        raise StaleRollout(f"engine {url} answered with policy versions {r.policy_versions}, outside [{lo}, {step}] "
-                           f"(max_staleness {self.bound.max_staleness} at step {last}), {self.retries + 1} times")
+        raise StaleRollout(
+            f"engine {url} answered with policy versions {r.policy_versions}, outside [{lo}, {step}] "
+            f"(max_staleness {self.bound.max_staleness} at step {last}), {self.retries + 1} times"
+        )

@@ -37,6 +37,16 @@ from bdn.transfer.server import (
 from bdn.transfer.streams import HandshakeRefused, Peer
 
 __all__ = [
-    "GRANTED", "NOT_HERE", "Busy", "FetchPool", "FetchResult", "Granted", "HandshakeRefused", "Outcome",
-    "Peer", "TransferClient", "TransferServer", "admit_all",
+    "GRANTED",
+    "NOT_HERE",
+    "Busy",
+    "FetchPool",
+    "FetchResult",
+    "Granted",
+    "HandshakeRefused",
+    "Outcome",
+    "Peer",
+    "TransferClient",
+    "TransferServer",
+    "admit_all",
 ]

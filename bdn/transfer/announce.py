@@ -83,8 +83,8 @@ class HaveFeed:
 
     def announce(self, identity: str, layer: int, index: int) -> None:
         """Event: chunk ``index`` of ``identity``'s ``layer`` (0 stored, 1 rebuilt) is verified
-        and served here, or (layer ``wire.HAVE_GROWING``) started landing here (from the bucket,
-        or cut-through from a peer):
+        and served here, or (layer ``wire.HAVE_GROWING``) started landing here from the bucket
+        (never bytes still arriving from a peer):
         tell its subscribers (O(1) when nobody subscribed)."""
         with self._cond:
             subs = self._subs.get(identity)
@@ -169,8 +169,9 @@ class HaveSubscriber:
     on the subscription's thread (hand them to the event loop with ``call_soon_threadsafe``).
     """
 
-    def __init__(self, client: TransferClient, on_have: OnHave, on_end: OnEnd,
-                 *, keepalive_s: float = KEEPALIVE_S) -> None:
+    def __init__(
+        self, client: TransferClient, on_have: OnHave, on_end: OnEnd, *, keepalive_s: float = KEEPALIVE_S
+    ) -> None:
         self.client = client
         self.on_have, self.on_end = on_have, on_end
         self._timeout = 3 * keepalive_s

@@ -85,8 +85,9 @@ class Answers:
     """Answers ASKs with ``resolve`` and ``admit`` (see the module docstring), sending from the
     descriptors of ``files``; counts in ``stats`` under ``lock`` (the server's)."""
 
-    def __init__(self, resolve: Resolve, admit: Admit, files: FileCache, stats: ServerStats,
-                 lock: threading.Lock) -> None:
+    def __init__(
+        self, resolve: Resolve, admit: Admit, files: FileCache, stats: ServerStats, lock: threading.Lock
+    ) -> None:
         self._resolve = resolve
         self._admit = admit
         self._files = files

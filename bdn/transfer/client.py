@@ -109,8 +109,14 @@ class TransferClient:
         nonce: Callable[[int], bytes] = secrets.token_bytes,
     ) -> None:
         self._streams = StreamPool(
-            keys, node_id, streams_per_peer=streams_per_peer, rcvbuf=rcvbuf, connect_timeout_s=connect_timeout_s,
-            io_timeout_s=io_timeout_s, clock=clock, nonce=nonce,
+            keys,
+            node_id,
+            streams_per_peer=streams_per_peer,
+            rcvbuf=rcvbuf,
+            connect_timeout_s=connect_timeout_s,
+            io_timeout_s=io_timeout_s,
+            clock=clock,
+            nonce=nonce,
         )  # checks node_id and streams_per_peer (ValueError)
         self.keys = keys
         self.node_id = node_id
@@ -178,12 +184,31 @@ class TransferClient:
             if whole.readonly or not (0 <= offset and offset + length <= whole.nbytes):
                 raise ValueError(f"range {offset}+{length} is not inside a writable buffer of {whole.nbytes} bytes")
             with whole.cast("B")[offset : offset + length] as target:
-                return self._fetch(peer, ask, target, 0, length, wait_s, digest, bool(flags),
-                                   None if fd is None else (fd, offset), on_data)
+                return self._fetch(
+                    peer,
+                    ask,
+                    target,
+                    0,
+                    length,
+                    wait_s,
+                    digest,
+                    bool(flags),
+                    None if fd is None else (fd, offset),
+                    on_data,
+                )
 
     def _fetch(
-        self, peer: Peer, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
-        cut_ok: bool, file_sink: tuple[int, int] | None = None, on_data: Callable[[], None] | None = None,
+        self,
+        peer: Peer,
+        ask: bytes,
+        sink: memoryview | int,
+        offset: int,
+        length: int,
+        wait_s: float,
+        digest: str,
+        cut_ok: bool,
+        file_sink: tuple[int, int] | None = None,
+        on_data: Callable[[], None] | None = None,
     ) -> FetchResult:
         stream = self._streams.acquire(peer)
         if isinstance(stream, str):
@@ -263,8 +288,16 @@ class TransferClient:
     # ---- one request ------------------------------------------------------------------------
 
     def _exchange(
-        self, s: Stream, ask: bytes, sink: memoryview | int, offset: int, length: int, wait_s: float, digest: str,
-        cut_ok: bool = False, file_sink: tuple[int, int] | None = None,
+        self,
+        s: Stream,
+        ask: bytes,
+        sink: memoryview | int,
+        offset: int,
+        length: int,
+        wait_s: float,
+        digest: str,
+        cut_ok: bool = False,
+        file_sink: tuple[int, int] | None = None,
         on_data: Callable[[], None] | None = None,
     ) -> FetchResult:
         peer = s.session.peer_node_id
@@ -311,8 +344,9 @@ class TransferClient:
             # failed its own check and been cut off: bdn.transfer.growing; not the sender's fault)
             return FetchResult(Outcome.FAILED, error=f"peer {peer}: {one_line(e)}", cut_through=cut)
         if s.hasher.hexdigest() != digest:
-            return FetchResult(Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}",
-                               cut_through=cut)
+            return FetchResult(
+                Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}", cut_through=cut
+            )
         return CUT_OK if cut else OK
 
 

@@ -173,8 +173,14 @@ class GrowingChunks:
 
 
 def send_growing(
-    sock: socket.socket, seal: Callable[[wire.FrameType, bytes], bytes], fd: int, g: Growing,
-    offset: int, length: int, *, clock: Callable[[], float] = time.monotonic,
+    sock: socket.socket,
+    seal: Callable[[wire.FrameType, bytes], bytes],
+    fd: int,
+    g: Growing,
+    offset: int,
+    length: int,
+    *,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
     """Send ``length`` bytes at ``offset`` of the growing chunk ``g`` (open as ``fd``) as PART
     frames sealed by ``seal`` (the connection's session), as they land.

@@ -57,7 +57,11 @@ def _late(deadline: float, what: str, pos: int, n: int) -> None:
 
 
 def receive_parts(
-    s: Any, target: memoryview, first: bytes | memoryview, wait_s: float, io_timeout: float,
+    s: Any,
+    target: memoryview,
+    first: bytes | memoryview,
+    wait_s: float,
+    io_timeout: float,
 ) -> None:
     """Receive a cut-through answer (PART frames, the first one's payload ``first``) into
     ``target`` until the parts cover it. Raises
@@ -87,6 +91,7 @@ def receive_parts(
             raise ProtocolError(f"{ftype.name} frame inside a cut-through answer")
         payload = s.session.open(ftype, body)
 
+
 def receive_range(s: Any, target: memoryview, deadline: float) -> None:
     """Receive exactly ``len(target)`` raw bytes of one PART into ``target`` by ``deadline``."""
     recv_into = s.sock.recv_into
@@ -101,6 +106,7 @@ def receive_range(s: Any, target: memoryview, deadline: float) -> None:
         pos += got
         if pos < n:
             _late(deadline, "part", pos, n)
+
 
 def receive_hashed(s: Any, target: memoryview, deadline: float) -> None:
     """Receive ``len(target)`` body bytes into ``target`` by ``deadline``, hashing each piece as
@@ -121,6 +127,7 @@ def receive_hashed(s: Any, target: memoryview, deadline: float) -> None:
         pos += got
         if pos < n:
             _late(deadline, "body", pos, n)
+
 
 _local = threading.local()
 

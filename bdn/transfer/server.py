@@ -61,9 +61,22 @@ OnHave = Callable[[socket.socket, handshake.Session, memoryview], None]
 OnTake = Callable[[str, wire.Take], bool]
 
 __all__ = [
-    "CUT_OFF_RETRY_S", "GRANTED", "NOT_HERE", "Admit", "Busy", "Granted", "Location", "OnHave", "OnTake",
-    "Resolve", "ServerStats", "TransferServer", "Verdict", "admit_all",
+    "CUT_OFF_RETRY_S",
+    "GRANTED",
+    "NOT_HERE",
+    "Admit",
+    "Busy",
+    "Granted",
+    "Location",
+    "OnHave",
+    "OnTake",
+    "Resolve",
+    "ServerStats",
+    "TransferServer",
+    "Verdict",
+    "admit_all",
 ]
+
 
 @dataclass(eq=False)  # hashed by identity: kept in a set
 class _Conn:

@@ -96,4 +96,12 @@ def frame_buffer() -> memoryview:
     return memoryview(mmap.mmap(-1, wire.HEADER.size + wire.MAX_FRAME, flags=mmap.MAP_PRIVATE))
 
 
-__all__ = ["ConnectionClosed", "ProtocolError", "frame_buffer", "read_frame", "recv_exact", "sendfile_all", "set_timeouts"]
+__all__ = [
+    "ConnectionClosed",
+    "ProtocolError",
+    "frame_buffer",
+    "read_frame",
+    "recv_exact",
+    "sendfile_all",
+    "set_timeouts",
+]

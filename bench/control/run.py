@@ -76,8 +76,12 @@ def rates(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float]:
 
 
 def http(method: str, url: str, body: dict | None = None) -> tuple[int, Any]:
-    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             return r.status, json.loads(r.read() or b"null")
@@ -96,12 +100,29 @@ def wait_members(daemons: list[Daemon], timeout: float = 300.0) -> float:
 
 
 def predict(n: int, window: float, seed: int) -> dict[str, Any]:
-    sc = Scenario(f"control-n{n}", n, 4e6, 1, 100e9 / 8, 10e9, 100e6, rtt_s=0.0002, jitter_s=0.0002,
-                  policy="fleet", data=False, min_sim_s=window, seed=seed, swim_period_s=SWIM_PERIOD_S,
-                  suspect_mult=SUSPECT_MULT)
+    sc = Scenario(
+        f"control-n{n}",
+        n,
+        4e6,
+        1,
+        100e9 / 8,
+        10e9,
+        100e6,
+        rtt_s=0.0002,
+        jitter_s=0.0002,
+        policy="fleet",
+        data=False,
+        min_sim_s=window,
+        seed=seed,
+        swim_period_s=SWIM_PERIOD_S,
+        suspect_mult=SUSPECT_MULT,
+    )
     r = FleetSim(sc).run()
-    return {"msgs_per_s_mean": r["control_msgs_per_node_s_mean"], "msgs_per_s_max": r["control_msgs_per_node_s_max"],
-            "target_spread_s": r["hotload_target_spread_s"]}
+    return {
+        "msgs_per_s_mean": r["control_msgs_per_node_s_mean"],
+        "msgs_per_s_max": r["control_msgs_per_node_s_max"],
+        "target_spread_s": r["hotload_target_spread_s"],
+    }
 
 
 def main() -> int:
@@ -116,8 +137,12 @@ def main() -> int:
     bucket_dir = work / "bucket"
     bucket_dir.mkdir()
     bucket = f"file://{bucket_dir}"
-    env = {"BDN_LOG_LEVEL": "info", "BDN_SWIM_PERIOD_S": str(SWIM_PERIOD_S), "BDN_SWIM_SUSPECT_MULT": str(SUSPECT_MULT),
-           "BDN_STARTUP_SETTLE_S": "30"}
+    env = {
+        "BDN_LOG_LEVEL": "info",
+        "BDN_SWIM_PERIOD_S": str(SWIM_PERIOD_S),
+        "BDN_SWIM_SUSPECT_MULT": str(SUSPECT_MULT),
+        "BDN_STARTUP_SETTLE_S": "30",
+    }
     daemons = [Daemon(work / "nodes", f"node{i:02d}", bucket, extra_env=env) for i in range(args.n)]
     load_before = os.getloadavg()
     rows = []
@@ -141,29 +166,37 @@ def main() -> int:
             done_s = None
             while time.monotonic() - t_post < args.window:
                 st, fl = http("GET", daemons[0].url + HOT)
-                if done_s is None and st == 200 and fl.get("stages", {}).get("done") == len(daemons) and all(
-                        r.get("current_snapshot_identity") == ident for r in fl["replicas"]):
+                if (
+                    done_s is None
+                    and st == 200
+                    and fl.get("stages", {}).get("done") == len(daemons)
+                    and all(r.get("current_snapshot_identity") == ident for r in fl["replicas"])
+                ):
                     done_s = time.monotonic() - t_post
                 time.sleep(1.0)
             after = [counts(d) for d in daemons]
             per = [rates(a, b) for a, b in zip(before, after)]
             pred = predict(args.n, args.window, run)
             mean = statistics.mean(p["msgs_per_s"] for p in per)
-            rows.append({
-                "run": run, "identity": ident, "window_s": round(after[0]["t"] - before[0]["t"], 2),
-                "fleet_done_s": None if done_s is None else round(done_s, 2),
-                "measured_msgs_per_node_s_mean": round(mean, 3),
-                "measured_msgs_per_node_s_max": round(max(p["msgs_per_s"] for p in per), 3),
-                "measured_swim_msgs_per_node_s_mean": round(statistics.mean(p["swim_msgs_per_s"] for p in per), 3),
-                "measured_requests_per_node_s_mean": round(statistics.mean(p["requests_per_s"] for p in per), 3),
-                "measured_requests_sent_per_node_s_max": round(max(p["requests_sent_per_s"] for p in per), 3),
-                "measured_periods_per_s_mean": round(statistics.mean(p["periods_per_s"] for p in per), 3),
-                "measured_ping_req_per_node_s_mean": round(statistics.mean(p["ping_req_per_s"] for p in per), 4),
-                "predicted_msgs_per_node_s_mean": pred["msgs_per_s_mean"],
-                "predicted_msgs_per_node_s_max": pred["msgs_per_s_max"],
-                "predicted_target_spread_s": pred["target_spread_s"],
-                "error": round(mean / pred["msgs_per_s_mean"] - 1, 4),
-            })
+            rows.append(
+                {
+                    "run": run,
+                    "identity": ident,
+                    "window_s": round(after[0]["t"] - before[0]["t"], 2),
+                    "fleet_done_s": None if done_s is None else round(done_s, 2),
+                    "measured_msgs_per_node_s_mean": round(mean, 3),
+                    "measured_msgs_per_node_s_max": round(max(p["msgs_per_s"] for p in per), 3),
+                    "measured_swim_msgs_per_node_s_mean": round(statistics.mean(p["swim_msgs_per_s"] for p in per), 3),
+                    "measured_requests_per_node_s_mean": round(statistics.mean(p["requests_per_s"] for p in per), 3),
+                    "measured_requests_sent_per_node_s_max": round(max(p["requests_sent_per_s"] for p in per), 3),
+                    "measured_periods_per_s_mean": round(statistics.mean(p["periods_per_s"] for p in per), 3),
+                    "measured_ping_req_per_node_s_mean": round(statistics.mean(p["ping_req_per_s"] for p in per), 4),
+                    "predicted_msgs_per_node_s_mean": pred["msgs_per_s_mean"],
+                    "predicted_msgs_per_node_s_max": pred["msgs_per_s_max"],
+                    "predicted_target_spread_s": pred["target_spread_s"],
+                    "error": round(mean / pred["msgs_per_s_mean"] - 1, 4),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     finally:
         for d in daemons:
@@ -173,16 +206,22 @@ def main() -> int:
     meas = [r["measured_msgs_per_node_s_mean"] for r in rows]
     out = {
         "command": "python -m bench.control.run " + " ".join(sys.argv[1:]),
-        "n": args.n, "runs": rows, "settle_s": round(settle_s, 2),
+        "n": args.n,
+        "runs": rows,
+        "settle_s": round(settle_s, 2),
         "median_measured_msgs_per_node_s": statistics.median(meas),
         "spread_measured_msgs_per_node_s": [min(meas), max(meas)],
         "median_predicted_msgs_per_node_s": statistics.median(r["predicted_msgs_per_node_s_mean"] for r in rows),
-        "median_error": statistics.median(errs), "spread_error": [min(errs), max(errs)],
+        "median_error": statistics.median(errs),
+        "spread_error": [min(errs), max(errs)],
         "median_requests_per_node_s": statistics.median(r["measured_requests_per_node_s_mean"] for r in rows),
         "all_to_all_baseline_msgs_per_node_s": round(2 * (args.n - 1) / 2.5, 3),
         "within_25pct": all(abs(e) <= 0.25 for e in errs),
-        "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "cpus": os.cpu_count(),
-        "swim_period_s": SWIM_PERIOD_S, "swim_suspect_mult": SUSPECT_MULT,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "swim_period_s": SWIM_PERIOD_S,
+        "swim_suspect_mult": SUSPECT_MULT,
     }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))

@@ -87,8 +87,9 @@ def pairs(args: argparse.Namespace, work: Path):
         return
     states = list(inputs.finetune_states(steps=2))
     for s in range(1, len(states)):
-        yield inputs.write_pair(work, f"finetune step {s}@", states[s - 1], states[s],
-                                inputs.changed_fraction(states[s - 1], states[s]))
+        yield inputs.write_pair(
+            work, f"finetune step {s}@", states[s - 1], states[s], inputs.changed_fraction(states[s - 1], states[s])
+        )
 
 
 def run_codec(name: str, pair: inputs.Pair, work: Path, threads: int) -> codecs.Result:
@@ -120,11 +121,36 @@ def main() -> None:
     try:
         for pair in pairs(args, work):
             fb, fx = entropy_floor(pair)
-            common = {"input": pair.input, "changed_fraction": round(pair.changed_fraction, 6), "raw_bytes": pair.raw_bytes}
-            rows.append({**common, "codec": "entropy floor (new values)", "bytes": fb, "encode_gbps": None, "decode_gbps": None, "threads": None})
-            rows.append({**common, "codec": "entropy floor (xor)", "bytes": fx, "encode_gbps": None, "decode_gbps": None, "threads": None})
-            print(f"\n{pair.input} ({pair.raw_bytes / 1e9:.3f} GB, {pair.changed_fraction:.2%} changed): "
-                  f"floor {fb / 1e6:.3f} MB (xor {fx / 1e6:.3f} MB)", flush=True)
+            common = {
+                "input": pair.input,
+                "changed_fraction": round(pair.changed_fraction, 6),
+                "raw_bytes": pair.raw_bytes,
+            }
+            rows.append(
+                {
+                    **common,
+                    "codec": "entropy floor (new values)",
+                    "bytes": fb,
+                    "encode_gbps": None,
+                    "decode_gbps": None,
+                    "threads": None,
+                }
+            )
+            rows.append(
+                {
+                    **common,
+                    "codec": "entropy floor (xor)",
+                    "bytes": fx,
+                    "encode_gbps": None,
+                    "decode_gbps": None,
+                    "threads": None,
+                }
+            )
+            print(
+                f"\n{pair.input} ({pair.raw_bytes / 1e9:.3f} GB, {pair.changed_fraction:.2%} changed): "
+                f"floor {fb / 1e6:.3f} MB (xor {fx / 1e6:.3f} MB)",
+                flush=True,
+            )
             base_size = None
             for name in args.codecs.split(","):
                 for th in threads:
@@ -132,30 +158,61 @@ def main() -> None:
                         got = [run_codec(name, pair, work, th) for _ in range(args.runs)]
                     except ImportError as e:
                         print(f"  {name:28s} not installed: {e}")
-                        rows.append({**common, "codec": name, "bytes": None, "encode_gbps": None, "decode_gbps": None,
-                                     "threads": th, "error": f"not installed: {e}"})
+                        rows.append(
+                            {
+                                **common,
+                                "codec": name,
+                                "bytes": None,
+                                "encode_gbps": None,
+                                "decode_gbps": None,
+                                "threads": th,
+                                "error": f"not installed: {e}",
+                            }
+                        )
                         break
                     except Exception as e:  # a codec that fails is a row that says so
                         traceback.print_exc(limit=2)
-                        rows.append({**common, "codec": name, "bytes": None, "encode_gbps": None, "decode_gbps": None,
-                                     "threads": th, "error": str(e)[:200]})
+                        rows.append(
+                            {
+                                **common,
+                                "codec": name,
+                                "bytes": None,
+                                "encode_gbps": None,
+                                "decode_gbps": None,
+                                "threads": th,
+                                "error": str(e)[:200],
+                            }
+                        )
                         break
                     size = got[0].bytes
                     if any(r.bytes != size for r in got):  # every codec here is deterministic
                         raise AssertionError(f"{name}: stored size differs between runs: {[r.bytes for r in got]}")
                     if name == "arc_v2 (bdn)":
                         base_size = base_size or size
-                    stats = runs.summarize({
-                        "encode_gbps": [round(pair.raw_bytes / r.encode_s / 1e9, 3) for r in got],
-                        "decode_gbps": [round(pair.raw_bytes / r.decode_s / 1e9, 3) for r in got],
-                    })
-                    rows.append({**common, "codec": name, "bytes": size, "threads": th,
-                                 "encode_gbps": stats["median"]["encode_gbps"],
-                                 "decode_gbps": stats["median"]["decode_gbps"], **stats})
+                    stats = runs.summarize(
+                        {
+                            "encode_gbps": [round(pair.raw_bytes / r.encode_s / 1e9, 3) for r in got],
+                            "decode_gbps": [round(pair.raw_bytes / r.decode_s / 1e9, 3) for r in got],
+                        }
+                    )
+                    rows.append(
+                        {
+                            **common,
+                            "codec": name,
+                            "bytes": size,
+                            "threads": th,
+                            "encode_gbps": stats["median"]["encode_gbps"],
+                            "decode_gbps": stats["median"]["decode_gbps"],
+                            **stats,
+                        }
+                    )
                     rel = f"  {base_size / size:5.2f}x arc_v2" if base_size else ""
-                    print(f"  {name:28s} t={th} {size / 1e6:9.3f} MB  ratio {pair.raw_bytes / size:6.1f}{rel}"
-                          f"  enc {runs.spread(rows[-1], 'encode_gbps')}  dec {runs.spread(rows[-1], 'decode_gbps')} GB/s"
-                          f"  ({args.runs} run{'s' if args.runs > 1 else ''})", flush=True)
+                    print(
+                        f"  {name:28s} t={th} {size / 1e6:9.3f} MB  ratio {pair.raw_bytes / size:6.1f}{rel}"
+                        f"  enc {runs.spread(rows[-1], 'encode_gbps')}  dec {runs.spread(rows[-1], 'decode_gbps')} GB/s"
+                        f"  ({args.runs} run{'s' if args.runs > 1 else ''})",
+                        flush=True,
+                    )
             for p in work.glob("*.diff"):
                 p.unlink()
             pair.target.unlink()
@@ -169,8 +226,17 @@ def main() -> None:
 
 def write(rows: list[dict], out: Path, cores: int, n_runs: int) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": {"cores": cores, "arch": os.uname().machine, "when": time.strftime("%Y-%m-%d")},
-                               "runs": n_runs, "rows": rows}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "machine": {"cores": cores, "arch": os.uname().machine, "when": time.strftime("%Y-%m-%d")},
+                "runs": n_runs,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -190,16 +256,24 @@ def plot(rows: list[dict], path: Path) -> None:
     for j, name in enumerate(names):
         ratio, dec = [], []
         for lab in ins:
-            sel = [r for r in rows if r["codec"] == name and r["input"] + f" {r['changed_fraction']:.1%}" == lab
-                   and r["bytes"] and r["threads"] in (None, cores)]
+            sel = [
+                r
+                for r in rows
+                if r["codec"] == name
+                and r["input"] + f" {r['changed_fraction']:.1%}" == lab
+                and r["bytes"]
+                and r["threads"] in (None, cores)
+            ]
             ratio.append(sel[0]["raw_bytes"] / sel[0]["bytes"] if sel else 0)
             dec.append(sel[0]["decode_gbps"] or 0 if sel else 0)
         x = np.arange(len(ins)) + j * wdt
         a1.bar(x, ratio, wdt, label=name, color=f"C{j}")
         if not name.startswith("entropy"):
             a2.bar(x, dec, wdt, label=name, color=f"C{j}")
-    for a, t in ((a1, "compression ratio (raw / stored), higher is better"),
-                 (a2, f"decode GB/s of rebuilt bytes, {cores} threads")):
+    for a, t in (
+        (a1, "compression ratio (raw / stored), higher is better"),
+        (a2, f"decode GB/s of rebuilt bytes, {cores} threads"),
+    ):
         a.set_xticks(np.arange(len(ins)) + 0.4 - wdt / 2)
         a.set_xticklabels(ins, rotation=20, ha="right", fontsize=8)
         a.set_title(t, fontsize=10)

@@ -63,9 +63,10 @@ def apply_once(base: Path, diff: Path, out: Path, fmt: str, workers: int, impl: 
         with mmap.mmap(df.fileno(), 0, access=mmap.ACCESS_READ) as dm:
             dh = arc.read_diff_header(dm, os.fstat(df.fileno()).st_size)
             t0 = time.perf_counter()
-            with mmap.mmap(bf.fileno(), 0, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ) as bm, mmap.mmap(
-                of.fileno(), 0, flags=mmap.MAP_SHARED | POPULATE
-            ) as om:
+            with (
+                mmap.mmap(bf.fileno(), 0, flags=mmap.MAP_SHARED | POPULATE, prot=mmap.PROT_READ) as bm,
+                mmap.mmap(of.fileno(), 0, flags=mmap.MAP_SHARED | POPULATE) as om,
+            ):
                 if impl == "now":
                     arc.apply_diff(bm, bh, dm, dh, om, fmt, map=fileops.thread_map(workers))
                 else:  # a baseline revision's arc.py, from before the thread pool moved to fileops
@@ -89,12 +90,23 @@ def measure(pair: inputs.Pair, work: Path, fmt: str, n_runs: int) -> list[dict]:
                         assert out.read_bytes() == pair.target.read_bytes()
             for impl, ts in times.items():
                 st = runs.summarize({"seconds": ts, "decode_gbps": [pair.raw_bytes / t / 1e9 for t in ts]})
-                rows.append({"input": pair.input, "codec": fmt, "workers": workers, "raw_bytes": pair.raw_bytes,
-                             "seconds": st["median"]["seconds"], "decode_gbps": st["median"]["decode_gbps"],
-                             "impl": impl, **st})
-                print(f"  {pair.input:10s} {fmt} {impl:9s} workers={workers}: "
-                      f"{runs.spread(rows[-1], 'seconds', 1, 1e3)} ms  {runs.spread(rows[-1], 'decode_gbps')} GB/s",
-                      flush=True)
+                rows.append(
+                    {
+                        "input": pair.input,
+                        "codec": fmt,
+                        "workers": workers,
+                        "raw_bytes": pair.raw_bytes,
+                        "seconds": st["median"]["seconds"],
+                        "decode_gbps": st["median"]["decode_gbps"],
+                        "impl": impl,
+                        **st,
+                    }
+                )
+                print(
+                    f"  {pair.input:10s} {fmt} {impl:9s} workers={workers}: "
+                    f"{runs.spread(rows[-1], 'seconds', 1, 1e3)} ms  {runs.spread(rows[-1], 'decode_gbps')} GB/s",
+                    flush=True,
+                )
     finally:
         out.unlink(missing_ok=True)
     return rows
@@ -121,7 +133,9 @@ def main() -> None:
     try:
         base = inputs.minilm_bf16()
         tgt = inputs.demo_step(base, 0.02, np.random.default_rng(2026))
-        rows += measure(inputs.write_pair(work, "minilm", base, tgt, inputs.changed_fraction(base, tgt)), work, "arc_v2", args.runs)
+        rows += measure(
+            inputs.write_pair(work, "minilm", base, tgt, inputs.changed_fraction(base, tgt)), work, "arc_v2", args.runs
+        )
         if not args.quick:
             base = inputs.synthetic_base(args.size_gb)
             tgt = inputs.synthetic_step(base, 0.02, 1)
@@ -134,8 +148,12 @@ def main() -> None:
     old = json.loads(path.read_text()) if path.exists() else []
     old = [r for r in old if r.get("label") != args.label]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(old + [dict(r, label=args.label, threads=r["workers"], cores=os.cpu_count())
-                                     for r in rows], indent=1) + "\n")
+    path.write_text(
+        json.dumps(
+            old + [dict(r, label=args.label, threads=r["workers"], cores=os.cpu_count()) for r in rows], indent=1
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ def _check(out: np.ndarray, pair: Pair, h: Header) -> None:
 
 # --- arc_v2, bdn ------------------------------------------------------------------------------
 
+
 def arc_bdn(pair: Pair, work: Path, threads: int, fmt: str = "arc_v2") -> Result:
     diff = work / f"{fmt}_bdn.diff"
     t0 = time.perf_counter()
@@ -100,14 +101,16 @@ def arc_bdn(pair: Pair, work: Path, threads: int, fmt: str = "arc_v2") -> Result
 
 # --- arc_v2, fireworks-delta-compression -------------------------------------------------------
 
+
 def arc_fireworks(pair: Pair, work: Path, threads: int) -> Result:
     import fireworks_delta_compression as fdc
 
     diff = work / "arc_fw.diff"
     with ThreadPoolExecutor(threads) as ex:
         t0 = time.perf_counter()
-        fdc.delta_compress_files_to_file(src=str(pair.base), dst=str(pair.target), diff_file=str(diff),
-                                         compression_format="arc_v2", executor=ex)
+        fdc.delta_compress_files_to_file(
+            src=str(pair.base), dst=str(pair.target), diff_file=str(diff), compression_format="arc_v2", executor=ex
+        )
         enc = time.perf_counter() - t0
     out = SHM / f"bdn-bench-fw-{os.getpid()}"
     shutil.copyfile(pair.base, out)
@@ -123,8 +126,15 @@ def arc_fireworks(pair: Pair, work: Path, threads: int) -> Result:
 
 # --- sparse indices + values, zstd (TRL's layout) ---------------------------------------------
 
+
 def _elem(info) -> np.dtype:
-    return np.dtype({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[info.nbytes // max(int(np.prod(info.shape)), 1)]) if info.nbytes else np.dtype(np.uint8)
+    return (
+        np.dtype(
+            {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[info.nbytes // max(int(np.prod(info.shape)), 1)]
+        )
+        if info.nbytes
+        else np.dtype(np.uint8)
+    )
 
 
 def sparse_zstd(pair: Pair, work: Path, threads: int) -> Result:
@@ -168,6 +178,7 @@ def sparse_zstd(pair: Pair, work: Path, threads: int) -> Result:
 
 # --- ZipNN on the XOR delta -------------------------------------------------------------------
 
+
 def zipnn_xor(pair: Pair, work: Path, threads: int) -> Result:
     import zipnn
 
@@ -201,6 +212,7 @@ def zipnn_xor(pair: Pair, work: Path, threads: int) -> Result:
 
 
 # --- bdn_planes_v1, bdn ------------------------------------------------------------------------
+
 
 def planes_bdn(pair: Pair, work: Path, threads: int) -> Result:
     return arc_bdn(pair, work, threads, "bdn_planes_v1")  # a named function: codecs run in a child process

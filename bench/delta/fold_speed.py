@@ -76,8 +76,18 @@ def publish_chain(work: Path, name: str, n: int, fmt: str) -> tuple[str, list[Ma
     for i in range(1, n + 1):
         state = step(state, i)
         cur = _write(work / f"ck{i}", state)
-        ms.append(publish_delta(url, f"step{i:06d}", i, f"step{i - 1:06d}", dir=cur, base_dir=prev,
-                                chunk_size=CHUNK, compression_format=fmt))
+        ms.append(
+            publish_delta(
+                url,
+                f"step{i:06d}",
+                i,
+                f"step{i - 1:06d}",
+                dir=cur,
+                base_dir=prev,
+                chunk_size=CHUNK,
+                compression_format=fmt,
+            )
+        )
         if prev != work / "ck0":
             shutil.rmtree(prev)
         prev = cur
@@ -154,11 +164,25 @@ def measure(name: str, fmt: str, n_runs: int, workers: int) -> list[dict[str, An
                     shutil.rmtree(root)
             for way, ts in times.items():
                 st = runs.summarize({"seconds": ts})
-                rows.append({"input": name, "codec": fmt, "k": k, "way": way, "workers": workers,
-                             "model_bytes": size, "diff_bytes": sum(diff_bytes[:k]), "shm_bytes_left": left[way],
-                             "seconds": st["median"]["seconds"], **st})
-                print(f"  {name:12s} {fmt} k={k:2d} {way:10s}: {runs.spread(rows[-1], 'seconds', 3)} s"
-                      f"  shm {left[way] / 1e6:.0f} MB", flush=True)
+                rows.append(
+                    {
+                        "input": name,
+                        "codec": fmt,
+                        "k": k,
+                        "way": way,
+                        "workers": workers,
+                        "model_bytes": size,
+                        "diff_bytes": sum(diff_bytes[:k]),
+                        "shm_bytes_left": left[way],
+                        "seconds": st["median"]["seconds"],
+                        **st,
+                    }
+                )
+                print(
+                    f"  {name:12s} {fmt} k={k:2d} {way:10s}: {runs.spread(rows[-1], 'seconds', 3)} s"
+                    f"  shm {left[way] / 1e6:.0f} MB",
+                    flush=True,
+                )
         return rows
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -180,8 +204,14 @@ def main() -> None:
     rows = []
     for name in names:
         rows += measure(name, args.codec, args.runs, workers)
-    doc = {"bench": "fold", "cores": workers, "load_before": load, "load_after": os.getloadavg(),
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+    doc = {
+        "bench": "fold",
+        "cores": workers,
+        "load_before": load,
+        "load_after": os.getloadavg(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": rows,
+    }
     Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -85,7 +85,15 @@ def ulp_step(bits: np.ndarray, frac: float, rng: np.random.Generator) -> np.ndar
 def synthetic_shapes(size_gb: float) -> list[tuple[str, tuple[int, int]]]:
     """Layer-stack shapes (hidden 4096, MLP 11008, as in 7B models) up to ``size_gb`` GB of bf16."""
     h, f = 4096, 11008
-    layer = [("q", (h, h)), ("k", (h, h)), ("v", (h, h)), ("o", (h, h)), ("up", (f, h)), ("gate", (f, h)), ("down", (h, f))]
+    layer = [
+        ("q", (h, h)),
+        ("k", (h, h)),
+        ("v", (h, h)),
+        ("o", (h, h)),
+        ("up", (f, h)),
+        ("gate", (f, h)),
+        ("down", (h, f)),
+    ]
     out: list[tuple[str, tuple[int, int]]] = []
     total, i = 0, 0
     budget = int(size_gb * 1e9)
@@ -147,15 +155,21 @@ def finetune_states(steps: int = 2, lr: float = 1e-5, seed: int = 0) -> Iterator
     import torch
 
     torch.manual_seed(seed)
-    w = {k: torch.from_numpy(v.astype(np.float32)) for k, v in load_file(str(minilm_dir() / "model.safetensors")).items()}
+    w = {
+        k: torch.from_numpy(v.astype(np.float32)) for k, v in load_file(str(minilm_dir() / "model.safetensors")).items()
+    }
     layer = torch.nn.TransformerEncoderLayer(384, 12, 1536, dropout=0.0, activation="gelu", batch_first=True)
     enc = torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
     emb = torch.nn.Embedding.from_pretrained(w["embeddings.word_embeddings.weight"].clone(), freeze=False)
     with torch.no_grad():
         for i, L in enumerate(enc.layers):
             p = f"encoder.layer.{i}."
-            L.self_attn.in_proj_weight.copy_(torch.cat([w[p + f"attention.self.{q}.weight"] for q in ("query", "key", "value")]))
-            L.self_attn.in_proj_bias.copy_(torch.cat([w[p + f"attention.self.{q}.bias"] for q in ("query", "key", "value")]))
+            L.self_attn.in_proj_weight.copy_(
+                torch.cat([w[p + f"attention.self.{q}.weight"] for q in ("query", "key", "value")])
+            )
+            L.self_attn.in_proj_bias.copy_(
+                torch.cat([w[p + f"attention.self.{q}.bias"] for q in ("query", "key", "value")])
+            )
             L.self_attn.out_proj.weight.copy_(w[p + "attention.output.dense.weight"])
             L.self_attn.out_proj.bias.copy_(w[p + "attention.output.dense.bias"])
             L.linear1.weight.copy_(w[p + "intermediate.dense.weight"])

@@ -58,16 +58,27 @@ def measure(pair: inputs.Pair, work: Path, repeat: int, threads: list[int]) -> l
                     times[fmt].append(apply_once(pair.base, diffs[fmt], out, fmt, workers))
             for fmt in FORMATS:
                 best, med = min(times[fmt]), statistics.median(times[fmt])
-                row = {"input": pair.input, "changed_fraction": round(pair.changed_fraction, 6), "codec": fmt,
-                       "threads": workers, "raw_bytes": pair.raw_bytes, "bytes": sizes[fmt],
-                       "size_vs_arc_v2": sizes["arc_v2"] / sizes[fmt], "encode_gbps": pair.raw_bytes / enc[fmt] / 1e9,
-                       "decode_gbps_best": pair.raw_bytes / best / 1e9,
-                       "decode_gbps_median": pair.raw_bytes / med / 1e9, "repeat": repeat,
-                       **runs.summarize({"decode_gbps": [pair.raw_bytes / t / 1e9 for t in times[fmt]]})}
+                row = {
+                    "input": pair.input,
+                    "changed_fraction": round(pair.changed_fraction, 6),
+                    "codec": fmt,
+                    "threads": workers,
+                    "raw_bytes": pair.raw_bytes,
+                    "bytes": sizes[fmt],
+                    "size_vs_arc_v2": sizes["arc_v2"] / sizes[fmt],
+                    "encode_gbps": pair.raw_bytes / enc[fmt] / 1e9,
+                    "decode_gbps_best": pair.raw_bytes / best / 1e9,
+                    "decode_gbps_median": pair.raw_bytes / med / 1e9,
+                    "repeat": repeat,
+                    **runs.summarize({"decode_gbps": [pair.raw_bytes / t / 1e9 for t in times[fmt]]}),
+                }
                 rows.append(row)
-                print(f"  {pair.input:16s} {fmt:13s} threads={workers}: {sizes[fmt] / 1e6:9.3f} MB "
-                      f"({row['size_vs_arc_v2']:.2f}x)  decode best {row['decode_gbps_best']:.2f} GB/s, "
-                      f"median {row['decode_gbps_median']:.2f} GB/s", flush=True)
+                print(
+                    f"  {pair.input:16s} {fmt:13s} threads={workers}: {sizes[fmt] / 1e6:9.3f} MB "
+                    f"({row['size_vs_arc_v2']:.2f}x)  decode best {row['decode_gbps_best']:.2f} GB/s, "
+                    f"median {row['decode_gbps_median']:.2f} GB/s",
+                    flush=True,
+                )
     finally:
         out.unlink(missing_ok=True)
     return rows
@@ -100,17 +111,24 @@ def main() -> None:
         rows += measure(pair, work, args.runs, threads)
         if args.tensor_mb:
             rng = np.random.default_rng(11)
-            one = {"lm_head.weight": (rng.standard_normal((args.tensor_mb << 9, 1024), dtype=np.float32) * 0.02)
-                   .astype(inputs.BF16)}
+            one = {
+                "lm_head.weight": (rng.standard_normal((args.tensor_mb << 9, 1024), dtype=np.float32) * 0.02).astype(
+                    inputs.BF16
+                )
+            }
             tgt = inputs.synthetic_step(one, args.frac, 2)
-            pair = inputs.write_pair(work, f"one tensor {args.tensor_mb}MB", one, tgt, inputs.changed_fraction(one, tgt))
+            pair = inputs.write_pair(
+                work, f"one tensor {args.tensor_mb}MB", one, tgt, inputs.changed_fraction(one, tgt)
+            )
             del one, tgt
             rows += measure(pair, work, args.runs, threads)
     finally:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-    Path(args.out).write_text(json.dumps({"cores": cores, "load_average_at_start": load, "rows": rows}, indent=1) + "\n")
+    Path(args.out).write_text(
+        json.dumps({"cores": cores, "load_average_at_start": load, "rows": rows}, indent=1) + "\n"
+    )
     print(f"wrote {args.out}")
 
 

@@ -19,28 +19,40 @@ R = Path("bench/results")
 def delta_table(path: Path) -> str:
     data = json.loads(path.read_text())
     rows = data["rows"]
-    out = ["| input | changed | codec | threads | stored MB | ratio | vs arc_v2 (bdn) | encode GB/s | decode GB/s |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| input | changed | codec | threads | stored MB | ratio | vs arc_v2 (bdn) | encode GB/s | decode GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     arc = {(r["input"], r["changed_fraction"]): r["bytes"] for r in rows if r["codec"] == "arc_v2 (bdn)" and r["bytes"]}
     for r in rows:
         key = (r["input"], r["changed_fraction"])
         if r["bytes"] is None:
-            out.append(f"| {r['input']} | {r['changed_fraction']:.2%} | {r['codec']} | {r['threads']} | "
-                       f"{r.get('error', 'failed')} | | | | |")
+            out.append(
+                f"| {r['input']} | {r['changed_fraction']:.2%} | {r['codec']} | {r['threads']} | "
+                f"{r.get('error', 'failed')} | | | | |"
+            )
             continue
         rel = f"{arc[key] / r['bytes']:.2f}x" if key in arc else ""
         enc = runs.spread(r, "encode_gbps") if r["encode_gbps"] is not None else "—"
         dec = runs.spread(r, "decode_gbps") if r["decode_gbps"] is not None else "—"
-        out.append(f"| {r['input']} | {r['changed_fraction']:.2%} | {r['codec']} | {r['threads'] or '—'} | "
-                   f"{r['bytes'] / 1e6:.3f} | {r['raw_bytes'] / r['bytes']:.1f} | {rel} | {enc} | {dec} |")
+        out.append(
+            f"| {r['input']} | {r['changed_fraction']:.2%} | {r['codec']} | {r['threads'] or '—'} | "
+            f"{r['bytes'] / 1e6:.3f} | {r['raw_bytes'] / r['bytes']:.1f} | {rel} | {enc} | {dec} |"
+        )
     timed = [r for r in rows if r.get("decode_gbps") is not None]
     out.append(f"\nGB/s: {runs.runs_label(timed, 'decode_gbps')}; sizes are exact.")
     return "\n".join(out)
 
 
 #: BENCHMARKS.md's size table: the shipped formats and the others, by the names rows carry.
-SIZE_CODECS = ("entropy floor (xor)", "arc_v2 (bdn)", "bdn_planes_v1 (bdn)", "arc_v2 (fireworks)",
-               "sparse+zstd (TRL layout)", "zipnn(xor)")
+SIZE_CODECS = (
+    "entropy floor (xor)",
+    "arc_v2 (bdn)",
+    "bdn_planes_v1 (bdn)",
+    "arc_v2 (fireworks)",
+    "sparse+zstd (TRL layout)",
+    "zipnn(xor)",
+)
 
 
 def size_table(path: Path, *more: Path) -> str:
@@ -92,8 +104,10 @@ def planes_table(path: Path) -> str:
         p = by[(inp, th, "bdn_planes_v1")]
         out.append(f"| {inp} | {r['raw_bytes'] / 1e6:.0f} | {th} | {_apply_gbps(r)} | {_apply_gbps(p)} |")
     n = {r.get("repeat") for r in rows}
-    out.append(f"\nGB/s of rebuilt bytes, median (min–max) of {', '.join(str(x) for x in sorted(n - {None}))} runs"
-               " (files written before --runs give the median and, in brackets, the best).")
+    out.append(
+        f"\nGB/s of rebuilt bytes, median (min–max) of {', '.join(str(x) for x in sorted(n - {None}))} runs"
+        " (files written before --runs give the median and, in brackets, the best)."
+    )
     return "\n".join(out)
 
 
@@ -108,8 +122,10 @@ def handoff_table(path: Path) -> str:
     out = ["| method | GB | seconds | ms per GB | GB/s | vs memcpy |", "|---|---|---|---|---|---|"]
     for r in rows:
         gb = r["bytes"] / 1e9
-        out.append(f"| {r['method']} | {gb:.2f} | {runs.spread(r, 'seconds', 4)} | "
-                   f"{runs.spread(r, 'seconds', 1, 1e3 / gb)} | {r['gbps']:.2f} | {r['gbps'] / r['memcpy_gbps']:.2f}x |")
+        out.append(
+            f"| {r['method']} | {gb:.2f} | {runs.spread(r, 'seconds', 4)} | "
+            f"{runs.spread(r, 'seconds', 1, 1e3 / gb)} | {r['gbps']:.2f} | {r['gbps'] / r['memcpy_gbps']:.2f}x |"
+        )
     out.append(f"\nseconds and ms per GB: {runs.runs_label(rows, 'seconds')}; GB/s and vs memcpy from the median.")
     return "\n".join(out)
 
@@ -122,8 +138,10 @@ def apply_table(path: Path) -> str:
         if impl != "now" or (inp, w, "baseline") not in by:
             continue
         b = by[(inp, w, "baseline")]
-        out.append(f"| {inp} | {r['raw_bytes'] / 1e6:.0f} | {w} | {b['decode_gbps']:.2f} | {r['decode_gbps']:.2f} | "
-                   f"{r['decode_gbps'] / b['decode_gbps']:.2f}x |")
+        out.append(
+            f"| {inp} | {r['raw_bytes'] / 1e6:.0f} | {w} | {b['decode_gbps']:.2f} | {r['decode_gbps']:.2f} | "
+            f"{r['decode_gbps'] / b['decode_gbps']:.2f}x |"
+        )
     return "\n".join(out)
 
 
@@ -136,8 +154,12 @@ def main() -> None:
     sfx = ".quick.json" if a.quick else ".json"
     if not a.quick and (R / "delta.0.5gb.json").exists():
         print(f"\n### delta.0.5gb.json (size_table)\n\n{size_table(R / 'delta.0.5gb.json', R / 'delta.quick.json')}")
-    for name, fn in (("delta" + sfx, size_table), ("handoff" + sfx, handoff_table),
-                     ("delta" + sfx, delta_table), ("apply_speed.json", apply_table)):
+    for name, fn in (
+        ("delta" + sfx, size_table),
+        ("handoff" + sfx, handoff_table),
+        ("delta" + sfx, delta_table),
+        ("apply_speed.json", apply_table),
+    ):
         if (R / name).exists():
             print(f"\n### {name} ({fn.__name__})\n\n{fn(R / name)}")
     for p in sorted(R.glob("planes_speed*.json")):

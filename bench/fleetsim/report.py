@@ -49,19 +49,26 @@ def result(sim: Any, victims: list[str]) -> dict[str, Any]:
         "peer_state_bytes_per_node_max": int(max((x.state_peak for x in live), default=0)),
         "member_table_bytes_per_node": int(swim_bytes),
         # the POST reaching every node of the fleet as it was, and joiners after their join
-        "hotload_target_spread_s": None if len(adopted) < len(live) else round(
-            max(x.adopted_at for x in live if x.joined_at == 0) - sim.post_at, 4),
-        "hotload_late_joiner_adopt_s": round(max((x.adopted_at - x.joined_at for x in live if x.joined_at > 0
-                                                  and x.adopted_at is not None), default=0.0), 4),
+        "hotload_target_spread_s": None
+        if len(adopted) < len(live)
+        else round(max(x.adopted_at for x in live if x.joined_at == 0) - sim.post_at, 4),
+        "hotload_late_joiner_adopt_s": round(
+            max(
+                (x.adopted_at - x.joined_at for x in live if x.joined_at > 0 and x.adopted_at is not None), default=0.0
+            ),
+            4,
+        ),
         "hotload_done_s": None if last is None else round(last - sim.post_at, 3),
         "joiners_counted_live_frac": round(known / (len(olds) * len(joiners)), 4) if olds and joiners else None,
         "newcomers_waiting_max": waiting,
         # control runs: seconds from a joiner's join until 99 % of the members count it live
         # (sampled every 0.5 s over 500 members; max None: some joiner never got there)
         "joiner_99pct_live_s_median": round(float(np.median(list(sim.admitted_99.values()))), 2)
-        if sim.admitted_99 else None,
+        if sim.admitted_99
+        else None,
         "joiner_99pct_live_s_max": round(max(sim.admitted_99.values()), 2)
-        if sim.admitted_99 and len(sim.admitted_99) == len(sim.late) else None,
+        if sim.admitted_99 and len(sim.admitted_99) == len(sim.late)
+        else None,
         "joiners_99pct_live": len(sim.admitted_99),
         "sim_end_s": round(end, 3),
         "owner_map_rebuilds": sim.owner_cache_rebuilds,

@@ -92,11 +92,45 @@ class _LazyLive(Sequence):
 
 class SimNode:
     __slots__ = (
-        "id", "alive", "up", "down", "swim", "ps", "gossip", "owners", "ctrl_sent", "ctrl_recv",
-        "done_at", "joined_at", "uploads", "uploads_by_chunk", "load", "bucket_queue", "reading",
-        "flows", "adopted_at", "owner_wait", "unavail_t", "ask_at", "have_pending", "state_peak", "omap", "prev_omap",
-        "nreads", "inherited", "unreachable", "busy", "nreq", "timer", "tasks", "dirty", "sent_by_chunk",
-        "partial", "upl", "book", "penalised",
+        "id",
+        "alive",
+        "up",
+        "down",
+        "swim",
+        "ps",
+        "gossip",
+        "owners",
+        "ctrl_sent",
+        "ctrl_recv",
+        "done_at",
+        "joined_at",
+        "uploads",
+        "uploads_by_chunk",
+        "load",
+        "bucket_queue",
+        "reading",
+        "flows",
+        "adopted_at",
+        "owner_wait",
+        "unavail_t",
+        "ask_at",
+        "have_pending",
+        "state_peak",
+        "omap",
+        "prev_omap",
+        "nreads",
+        "inherited",
+        "unreachable",
+        "busy",
+        "nreq",
+        "timer",
+        "tasks",
+        "dirty",
+        "sent_by_chunk",
+        "partial",
+        "upl",
+        "book",
+        "penalised",
     )
 
     def __init__(self, nid: str, nic: float) -> None:
@@ -333,6 +367,7 @@ class FleetSim:
             if v is None:
                 v = sc[(n, key)] = hrw.score(n, key)
             return v
+
         cands = reader_slots(self.identity, live, r, score=score)
         top = tuple(tuple(c) for c in cands)  # the map's key: each slot's holder and next candidates
         if len(self._readers_of_view) > 64:
@@ -394,8 +429,13 @@ class FleetSim:
                 if former is not None and former not in nd.unreachable:
                     self.request(nd, former, i, True, lambda ok, nd=nd, i=i: self._inherited_done(nd, i, ok))
                     continue
-            f = self.net.start(sc.chunk_bytes, (self.bucket, nd.down), sc.read_cap_bps, ("bucket", nd.id, i),
-                               lambda f, ok, nd=nd, i=i: self.fwd.ended(f, ok, lambda ok2: self._read_done(nd, i, f, ok2)))
+            f = self.net.start(
+                sc.chunk_bytes,
+                (self.bucket, nd.down),
+                sc.read_cap_bps,
+                ("bucket", nd.id, i),
+                lambda f, ok, nd=nd, i=i: self.fwd.ended(f, ok, lambda ok2: self._read_done(nd, i, f, ok2)),
+            )
             nd.flows.add(f)
             self._incoming(nd, i, f, True)
 
@@ -638,8 +678,12 @@ class FleetSim:
         src.uploads_by_chunk[i] += 1
         src.sent_by_chunk[i] += 1
         source = None if src.ps.held[i] else src.partial.get(i)
-        f = self.net.start(self.sc.chunk_bytes, (src.up, nd.down), tag=("peer", src.id, nd.id, i),
-                           on_done=lambda f, ok: self.fwd.ended(f, ok, lambda ok2: self._sent(src, nd, i, cb, f, ok2, t0)))
+        f = self.net.start(
+            self.sc.chunk_bytes,
+            (src.up, nd.down),
+            tag=("peer", src.id, nd.id, i),
+            on_done=lambda f, ok: self.fwd.ended(f, ok, lambda ok2: self._sent(src, nd, i, cb, f, ok2, t0)),
+        )
         src.flows.add(f)
         nd.flows.add(f)
         self.fwd.copy(f, source)
@@ -717,9 +761,17 @@ class FleetSim:
         if nd.ps is not None:
             return
         sc = self.sc
-        nd.ps = PeerSet(nd.id, sc.chunks, lambda: self.env.now, rng=random.Random(self.rng.random()),
-                        k=sc.k, max_peers=sc.max_peers, reader_slots=sc.reader_slots, have_flush_s=sc.have_flush_s,
-                        endgame_chunks=sc.endgame_chunks)
+        nd.ps = PeerSet(
+            nd.id,
+            sc.chunks,
+            lambda: self.env.now,
+            rng=random.Random(self.rng.random()),
+            k=sc.k,
+            max_peers=sc.max_peers,
+            reader_slots=sc.reader_slots,
+            have_flush_s=sc.have_flush_s,
+            endgame_chunks=sc.endgame_chunks,
+        )
         nd.book = SourceBook(self.clock)
         nd.unavail_t = np.full(sc.chunks, np.inf)
         nd.ask_at = np.zeros(sc.chunks)  # per chunk: no owner ask before (a failed one backs off)
@@ -825,8 +877,15 @@ class FleetSim:
         nd.gossip = TargetGossip(nid, lambda: self.env.now, random.Random(self.rng.random()), fanout=sc.hotload_fanout)
         self.nodes[nid] = nd
         self.n_live += 1
-        nd.swim = Swim(nid, f"http://{nid}", lambda: self.env.now, rng=random.Random(self.rng.random()),
-                       period_s=sc.swim_period_s, suspect_mult=sc.suspect_mult, max_piggyback=sc.max_piggyback)
+        nd.swim = Swim(
+            nid,
+            f"http://{nid}",
+            lambda: self.env.now,
+            rng=random.Random(self.rng.random()),
+            period_s=sc.swim_period_s,
+            suspect_mult=sc.suspect_mult,
+            max_piggyback=sc.max_piggyback,
+        )
         if seeds:
             self.send_swim(nd.swim.join({s: f"http://{s}" for s in seeds}))
         self.later(0.0, self.swim_tick, nd)

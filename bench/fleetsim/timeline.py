@@ -64,6 +64,7 @@ def analyse(arrivals: list[tuple[float, str, int, str]], floor: float, chunk_byt
 
 def sample(sim: FleetSim, dt: float, rows: list[dict[str, Any]]) -> None:
     """Every ``dt`` simulated seconds, one row of the fleet's NIC and slot use (see the docstring)."""
+
     def tick() -> None:
         sc = sim.sc
         live = [x for x in sim.nodes.values() if x.alive and x.ps is not None]
@@ -75,18 +76,26 @@ def sample(sim: FleetSim, dt: float, rows: list[dict[str, Any]]) -> None:
 
             def use(xs: list[Any], attr: str) -> float | None:
                 return round(sum(getattr(x, attr).alloc for x in xs) / (nic * len(xs)), 3) if xs else None
-            rows.append({
-                "t": round(sim.env.now, 3), "done": sim.n_done, "live": len(live),
-                "held_mean": round(float(np.mean([x.ps.held.mean() for x in live])), 3),
-                "down_use_incomplete": use(rest, "down"), "up_use_incomplete": use(rest, "up"),
-                "up_use_all": use(live, "up"), "up_use_readers": use(rd, "up"),
-                "downloads_mean": round(float(np.mean([x.nreq for x in rest])), 2) if rest else None,
-                "uploads_mean": round(float(np.mean([x.uploads for x in live])), 2),
-                "uploads_readers": [x.uploads for x in rd],
-                "busy_peers_mean": round(float(np.mean([len(x.busy) for x in rest])), 2) if rest else None,
-            })
+
+            rows.append(
+                {
+                    "t": round(sim.env.now, 3),
+                    "done": sim.n_done,
+                    "live": len(live),
+                    "held_mean": round(float(np.mean([x.ps.held.mean() for x in live])), 3),
+                    "down_use_incomplete": use(rest, "down"),
+                    "up_use_incomplete": use(rest, "up"),
+                    "up_use_all": use(live, "up"),
+                    "up_use_readers": use(rd, "up"),
+                    "downloads_mean": round(float(np.mean([x.nreq for x in rest])), 2) if rest else None,
+                    "uploads_mean": round(float(np.mean([x.uploads for x in live])), 2),
+                    "uploads_readers": [x.uploads for x in rd],
+                    "busy_peers_mean": round(float(np.mean([len(x.busy) for x in rest])), 2) if rest else None,
+                }
+            )
         if not sim._stop.triggered:
             sim.later(dt, tick)
+
     sim.later(dt, tick)
 
 
@@ -108,6 +117,7 @@ def last_nodes(sim: FleetSim, arrivals: list[tuple[float, str, int, str]], top: 
             return None
         q = np.percentile(v, [0, 50, 90, 99, 100])
         return dict(zip(("min", "p50", "p90", "p99", "max"), (round(float(x), 3) for x in q)))
+
     out: dict[str, Any] = {
         "done_initial": pct([x.done_at for x in live if x.joined_at == 0]),
         "done_joiners": pct([x.done_at for x in live if x.joined_at > 0]),
@@ -122,12 +132,24 @@ def last_nodes(sim: FleetSim, arrivals: list[tuple[float, str, int, str]], top: 
         out["bucket_reads_by_reader"][r] = {"reads": len(ts), "first": round(min(ts), 3), "last": round(max(ts), 3)}
     for x in sorted(live, key=lambda x: x.done_at)[-top:]:
         tail = mine.get(x.id, [])[-4:]
-        out["last"].append({
-            "node": x.id, "done": round(x.done_at, 3), "joined": round(x.joined_at, 3),
-            "adopted": None if x.adopted_at is None else round(x.adopted_at, 3),
-            "tail": [{"t": round(t, 3), "chunk": i, "src": src, "depth": d,
-                      "read_at": None if i not in read_at else round(read_at[i], 3)} for t, i, src, d in tail],
-        })
+        out["last"].append(
+            {
+                "node": x.id,
+                "done": round(x.done_at, 3),
+                "joined": round(x.joined_at, 3),
+                "adopted": None if x.adopted_at is None else round(x.adopted_at, 3),
+                "tail": [
+                    {
+                        "t": round(t, 3),
+                        "chunk": i,
+                        "src": src,
+                        "depth": d,
+                        "read_at": None if i not in read_at else round(read_at[i], 3),
+                    }
+                    for t, i, src, d in tail
+                ],
+            }
+        )
     return out
 
 
@@ -137,8 +159,13 @@ def main() -> None:
     ap.add_argument("--snapshot", choices=sorted(SNAPSHOTS), default="delta")
     ap.add_argument("--chunks", type=int, default=256)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="a Scenario field to override (numbers), e.g. --set max_uploads=16")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a Scenario field to override (numbers), e.g. --set max_uploads=16",
+    )
     ap.add_argument("--sample", type=float, default=0.0, help="sample NIC and slot use every this many simulated s")
     args = ap.parse_args()
     over = {k: _num(v) for k, v in (x.split("=", 1) for x in args.set)}
@@ -149,9 +176,16 @@ def main() -> None:
     if args.sample > 0:
         sample(sim, args.sample, samples)
     r = sim.run()
-    out = {"n": args.n, "chunks": args.chunks, "set": over, "x_floor": r["x_floor"], "seconds": r["seconds"],
-           "control_msgs_per_node_s_mean": r["control_msgs_per_node_s_mean"], "chunk_requests": r["chunk_requests"],
-           "bucket_egress_over_s": r["bucket_egress_over_s"]}
+    out = {
+        "n": args.n,
+        "chunks": args.chunks,
+        "set": over,
+        "x_floor": r["x_floor"],
+        "seconds": r["seconds"],
+        "control_msgs_per_node_s_mean": r["control_msgs_per_node_s_mean"],
+        "chunk_requests": r["chunk_requests"],
+        "bucket_egress_over_s": r["bucket_egress_over_s"],
+    }
     out |= analyse(sim.arrivals, sc.floor_s, sc.chunk_bytes)
     if args.sample > 0:
         out |= last_nodes(sim, sim.arrivals) | {"samples": samples}

@@ -77,8 +77,15 @@ class TodaySim(FleetSim):
 
     def start_download(self, nd: SimNode) -> None:
         sc = self.sc
-        nd.ps = PeerSet(nd.id, sc.chunks, lambda: self.env.now, rng=random.Random(self.rng.random()),
-                        k=256, max_peers=256, reader_slots=0)  # today: every peer
+        nd.ps = PeerSet(
+            nd.id,
+            sc.chunks,
+            lambda: self.env.now,
+            rng=random.Random(self.rng.random()),
+            k=256,
+            max_peers=256,
+            reader_slots=0,
+        )  # today: every peer
         nd.unavail_t = np.full(sc.chunks, np.inf)
         self.plan_bucket(nd)
         self.env.process(self._poller(nd))

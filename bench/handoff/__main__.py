@@ -105,10 +105,14 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=2)
     runs.add_runs_arg(ap)
     ap.add_argument("--repeat", type=int, dest="runs", help=argparse.SUPPRESS)  # the old name of --runs
-    ap.add_argument("--shm-root", default="/dev/shm",
-                    help="where the daemon's shm_dir goes (e.g. a tmpfs mounted huge=within_size)")
-    ap.add_argument("--only", default="", help="comma list: run only the methods whose name contains one "
-                                              "(memcpy always runs: the baseline)")
+    ap.add_argument(
+        "--shm-root", default="/dev/shm", help="where the daemon's shm_dir goes (e.g. a tmpfs mounted huge=within_size)"
+    )
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma list: run only the methods whose name contains one (memcpy always runs: the baseline)",
+    )
     ap.add_argument("--out", default="", help="result file (default bench/results/handoff[.quick].json)")
     args = ap.parse_args()
     load0 = os.getloadavg()
@@ -142,10 +146,19 @@ def main() -> None:
         secret.write_text(os.urandom(32).hex() + "\n")
         secret.chmod(0o600)
         local, peer = free_port(), free_port()
-        env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID="bench", BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
-                   BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
-                   BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(secret), BDN_LOAD_STARTUP="false",
-                   BDN_STARTUP_SETTLE_S="0", BDN_LOCAL_SOCKET=str(work / "local.sock"))
+        env = dict(
+            os.environ,
+            BDN_BUCKET=bucket,
+            BDN_NODE_ID="bench",
+            BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
+            BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}",
+            BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
+            BDN_SHM_DIR=str(shm),
+            BDN_PARTITION_SECRET_FILE=str(secret),
+            BDN_LOAD_STARTUP="false",
+            BDN_STARTUP_SETTLE_S="0",
+            BDN_LOCAL_SOCKET=str(work / "local.sock"),
+        )
         log = open(work / "bdnd.log", "wb")
         proc = subprocess.Popen([Path(sys.executable).parent / "bdnd"], env=env, stdout=log, stderr=subprocess.STDOUT)
         DAEMON_PID.append(proc.pid)
@@ -214,6 +227,7 @@ def main() -> None:
                     for n, nb in tinfo:
                         cl.read_tensor_into(IDENT, n, arena[pos : pos + nb])
                         pos += nb
+
                 return run
 
             def files_into(cl, conns):
@@ -222,6 +236,7 @@ def main() -> None:
                     for f, size in finfo:
                         assert cl.read_file_into(IDENT, f, arena[pos : pos + size], connections=conns) == size
                         pos += size
+
                 return run
 
             def fresh_copy():
@@ -248,10 +263,16 @@ def main() -> None:
                             try:
                                 step = -(-size // threads)
                                 view = memoryview(arena)[pos : pos + size]
-                                list(pool.map(lambda a, fd=fd, view=view, step=step: piece(fd, view[a : a + step], a), range(0, size, step)))
+                                list(
+                                    pool.map(
+                                        lambda a, fd=fd, view=view, step=step: piece(fd, view[a : a + step], a),
+                                        range(0, size, step),
+                                    )
+                                )
                             finally:
                                 os.close(fd)
                             pos += size
+
                 return run
 
             def st_load():
@@ -260,34 +281,57 @@ def main() -> None:
                 arrays = [load_file(str(p)) for p in sorted(d.glob("*.safetensors"))]
                 del arrays
 
-            for method, fn in (("zero-copy open", open_views), ("zero-copy open + touch", open_touch),
-                               ("zero-copy open + copy", open_copy), ("http pull (tensors)", http_tensors),
-                               ("http pull (files, 4 ranges)", http_files),
-                               ("http pull into a reused buffer (tensors)", tensors_into(c)),
-                               ("http pull into a reused buffer (files, 1 connection)", files_into(c, 1)),
-                               ("http pull into a reused buffer (files, 4 connections)", files_into(c, 4)),
-                               ("http pull into a reused buffer (tensors, unix socket)", tensors_into(uds)),
-                               ("http pull into a reused buffer (files, 2 connections, unix socket)", files_into(uds, 2)),
-                               ("http pull into a reused buffer (files, 4 connections, unix socket)", files_into(uds, 4)),
-                               ("http pull into a reused buffer (files, 8 connections, unix socket)", files_into(uds, 8)),
-                               ("pread from the shm files into a reused buffer (1 thread)", pread_files(1)),
-                               ("pread from the shm files into a reused buffer (2 threads)", pread_files(2)),
-                               ("memcpy into fresh memory", fresh_copy),
-                               ("safetensors load_file", st_load)):
+            for method, fn in (
+                ("zero-copy open", open_views),
+                ("zero-copy open + touch", open_touch),
+                ("zero-copy open + copy", open_copy),
+                ("http pull (tensors)", http_tensors),
+                ("http pull (files, 4 ranges)", http_files),
+                ("http pull into a reused buffer (tensors)", tensors_into(c)),
+                ("http pull into a reused buffer (files, 1 connection)", files_into(c, 1)),
+                ("http pull into a reused buffer (files, 4 connections)", files_into(c, 4)),
+                ("http pull into a reused buffer (tensors, unix socket)", tensors_into(uds)),
+                ("http pull into a reused buffer (files, 2 connections, unix socket)", files_into(uds, 2)),
+                ("http pull into a reused buffer (files, 4 connections, unix socket)", files_into(uds, 4)),
+                ("http pull into a reused buffer (files, 8 connections, unix socket)", files_into(uds, 8)),
+                ("pread from the shm files into a reused buffer (1 thread)", pread_files(1)),
+                ("pread from the shm files into a reused buffer (2 threads)", pread_files(2)),
+                ("memcpy into fresh memory", fresh_copy),
+                ("safetensors load_file", st_load),
+            ):
                 if args.only and not any(w in method for w in args.only.split(",")):
                     continue
                 st = timed(fn, args.runs)
                 s = st["median"]["seconds"]
-                rows.append({"method": method, "bytes": nbytes, "seconds": round(s, 5),
-                             "gbps": round(nbytes / s / 1e9, 3), "memcpy_gbps": round(mc, 3), **st})
+                rows.append(
+                    {
+                        "method": method,
+                        "bytes": nbytes,
+                        "seconds": round(s, 5),
+                        "gbps": round(nbytes / s / 1e9, 3),
+                        "memcpy_gbps": round(mc, 3),
+                        **st,
+                    }
+                )
                 rows[-1]["cpu_s_per_GB"] = round(st["median"]["cpu_seconds"] / (nbytes / 1e9), 3)
-                print(f"  {method:30s} {runs.spread(rows[-1], 'seconds', 1, 1e3)} ms  {nbytes / s / 1e9:7.2f} GB/s  "
-                      f"({nbytes / s / 1e9 / mc:5.2f}x memcpy, {s / (nbytes / 1e9) * 1e3:7.1f} ms/GB, "
-                      f"{rows[-1]['cpu_s_per_GB']:.3f} CPU-s/GB)", flush=True)
+                print(
+                    f"  {method:30s} {runs.spread(rows[-1], 'seconds', 1, 1e3)} ms  {nbytes / s / 1e9:7.2f} GB/s  "
+                    f"({nbytes / s / 1e9 / mc:5.2f}x memcpy, {s / (nbytes / 1e9) * 1e3:7.1f} ms/GB, "
+                    f"{rows[-1]['cpu_s_per_GB']:.3f} CPU-s/GB)",
+                    flush=True,
+                )
             uds.close()
-            rows.append({"method": "memcpy", "bytes": nbytes, "seconds": round(mstats["median"]["seconds"], 5),
-                         "gbps": round(mc, 3), "memcpy_gbps": round(mc, 3), **mstats,
-                         "cpu_s_per_GB": round(mstats["median"]["cpu_seconds"] / (nbytes / 1e9), 3)})
+            rows.append(
+                {
+                    "method": "memcpy",
+                    "bytes": nbytes,
+                    "seconds": round(mstats["median"]["seconds"], 5),
+                    "gbps": round(mc, 3),
+                    "memcpy_gbps": round(mc, 3),
+                    **mstats,
+                    "cpu_s_per_GB": round(mstats["median"]["cpu_seconds"] / (nbytes / 1e9), 3),
+                }
+            )
     finally:
         if proc is not None:
             proc.terminate()
@@ -296,9 +340,22 @@ def main() -> None:
         shutil.rmtree(shm, ignore_errors=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = Path(args.out) if args.out else RESULTS / ("handoff.quick.json" if args.quick else "handoff.json")
-    out.write_text(json.dumps({"machine": {"cores": cores, "when": time.strftime("%Y-%m-%d"),
-                                           "loadavg_before": load0, "loadavg_after": os.getloadavg()},
-                               "runs": args.runs, "rows": rows}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "machine": {
+                    "cores": cores,
+                    "when": time.strftime("%Y-%m-%d"),
+                    "loadavg_before": load0,
+                    "loadavg_after": os.getloadavg(),
+                },
+                "runs": args.runs,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -64,11 +64,21 @@ from bench import runs  # noqa: E402
 from bench.hotload import timeline  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-MODES = (("partial", "changed tensors only, rebound", True, "rebind"),
-         ("partial-copy", "changed tensors only, copied in place", True, "copy"),
-         ("full", "full reload, copied in place", False, "copy"))
-METRICS = ("post_to_done_s", "pause_ms", "prepare_ms", "memcpy_changed_s", "transfer_floor_s", "apply_s",
-           "sparse_floor_s", "daemon_cpu_s")
+MODES = (
+    ("partial", "changed tensors only, rebound", True, "rebind"),
+    ("partial-copy", "changed tensors only, copied in place", True, "copy"),
+    ("full", "full reload, copied in place", False, "copy"),
+)
+METRICS = (
+    "post_to_done_s",
+    "pause_ms",
+    "prepare_ms",
+    "memcpy_changed_s",
+    "transfer_floor_s",
+    "apply_s",
+    "sparse_floor_s",
+    "daemon_cpu_s",
+)
 
 
 def free_port() -> int:
@@ -187,8 +197,10 @@ def cpu_s(pid: int) -> float:
 def sparse_counters(url: str) -> dict[str, float]:
     """The daemon's ``bdn_sparse_total`` counters (applies, bytes_written, fallbacks, chunks_bad)."""
     text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'^bdn_sparse_total\{what="(\w+)"\} (\S+)$', text, re.MULTILINE)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'^bdn_sparse_total\{what="(\w+)"\} (\S+)$', text, re.MULTILINE)
+    }
 
 
 def main() -> int:
@@ -198,18 +210,34 @@ def main() -> int:
     ap.add_argument("--frac", type=float, default=0.02, help="fraction of the values of a changed matrix per step")
     ap.add_argument("--tensors", default="all", help="matrices a step changes: all, or a count")
     ap.add_argument("--out", default=str(RESULTS / "hotload.json"))
-    ap.add_argument("--timeline", action="store_true",
-                    help="print and store each run's timeline (daemon log events, engine calls)")
-    ap.add_argument("--modes", default="partial,partial-copy,full",
-                    help="rows to measure (comma-separated): partial (changed tensors, rebound), partial-copy "
-                         "(changed tensors, copied in place), full (every tensor, copied in place)")
-    ap.add_argument("--codec", default="arc_v2", choices=("arc_v2", "bdn_planes_v1"),
-                    help="the deltas' compression format (bdn_planes_v1: bdnd applies it sparsely)")
-    ap.add_argument("--keep-ready", type=int, default=None,
-                    help="bdnd's keep_ready (1: the served snapshot plus one buffer, DESIGN.md 'Sparse apply')")
-    ap.add_argument("--step-interval", type=float, default=0.0,
-                    help="seconds between one step's done and the next POST (a trainer's step; the daemon "
-                         "brings the freed spare forward meanwhile, DESIGN.md 'Sparse apply')")
+    ap.add_argument(
+        "--timeline", action="store_true", help="print and store each run's timeline (daemon log events, engine calls)"
+    )
+    ap.add_argument(
+        "--modes",
+        default="partial,partial-copy,full",
+        help="rows to measure (comma-separated): partial (changed tensors, rebound), partial-copy "
+        "(changed tensors, copied in place), full (every tensor, copied in place)",
+    )
+    ap.add_argument(
+        "--codec",
+        default="arc_v2",
+        choices=("arc_v2", "bdn_planes_v1"),
+        help="the deltas' compression format (bdn_planes_v1: bdnd applies it sparsely)",
+    )
+    ap.add_argument(
+        "--keep-ready",
+        type=int,
+        default=None,
+        help="bdnd's keep_ready (1: the served snapshot plus one buffer, DESIGN.md 'Sparse apply')",
+    )
+    ap.add_argument(
+        "--step-interval",
+        type=float,
+        default=0.0,
+        help="seconds between one step's done and the next POST (a trainer's step; the daemon "
+        "brings the freed spare forward meanwhile, DESIGN.md 'Sparse apply')",
+    )
     runs.add_runs_arg(ap)
     a = ap.parse_args()
 
@@ -233,9 +261,12 @@ def main() -> int:
         model_bytes = sum(v.numel() * v.element_size() for v in state.values())
         matrices = sum(1 for v in state.values() if v.dim() == 2)
         n_tensors = matrices if a.tensors == "all" else int(a.tensors)
-        print(f"hot-load benchmark: {model_bytes / 1e9:.2f} GB bf16, {len(state)} tensors; each step changes "
-              f"{a.frac:.0%} of the values of {n_tensors} of {matrices} matrices; {os.cpu_count()} cores, "
-              f"load average {load0[0]:.1f}", flush=True)
+        print(
+            f"hot-load benchmark: {model_bytes / 1e9:.2f} GB bf16, {len(state)} tensors; each step changes "
+            f"{a.frac:.0%} of the values of {n_tensors} of {matrices} matrices; {os.cpu_count()} cores, "
+            f"load average {load0[0]:.1f}",
+            flush=True,
+        )
         publish_full(bucket, ident(1), 1, dir=work / "ck1")
         # every delta the runs will need, published before anything is timed
         steps = len([m for m in MODES if m[0] in a.modes.split(",")]) * a.runs
@@ -255,14 +286,27 @@ def main() -> int:
             print(f"published {ident(i)}: {len(names)} tensors changed", flush=True)
         (work / "secret").write_text(os.urandom(32).hex() + "\n")
         local, peer = free_port(), free_port()
-        env = dict(os.environ, BDN_BUCKET=bucket, BDN_NODE_ID="bench", BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
-                   BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}", BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
-                   BDN_SHM_DIR=str(shm), BDN_PARTITION_SECRET_FILE=str(work / "secret"), BDN_LOAD_STARTUP="false",
-                   BDN_STARTUP_SETTLE_S="0", BDN_MANIFEST_POLL_S="0.05", BDN_ENGINE_TTL_S="120", BDN_LOG_JSON="true")
+        env = dict(
+            os.environ,
+            BDN_BUCKET=bucket,
+            BDN_NODE_ID="bench",
+            BDN_PEER_LISTEN=f"127.0.0.1:{peer}",
+            BDN_ADVERTISE_URL=f"http://127.0.0.1:{peer}",
+            BDN_LOCAL_LISTEN=f"127.0.0.1:{local}",
+            BDN_SHM_DIR=str(shm),
+            BDN_PARTITION_SECRET_FILE=str(work / "secret"),
+            BDN_LOAD_STARTUP="false",
+            BDN_STARTUP_SETTLE_S="0",
+            BDN_MANIFEST_POLL_S="0.05",
+            BDN_ENGINE_TTL_S="120",
+            BDN_LOG_JSON="true",
+        )
         if a.keep_ready is not None:
             env.update(BDN_KEEP_READY=str(a.keep_ready), BDN_GC_GRACE_S="0")
         log = open(work / "bdnd.log", "wb")
-        proc = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         url = f"http://127.0.0.1:{local}"
         peaks = Peaks(shm, proc.pid)
         with DaemonClient(url) as c:
@@ -282,14 +326,22 @@ def main() -> int:
                 errs = [r for r in reps if r["loading_state"]["stage"] == "error"]
                 if errs:
                     raise SystemExit(f"replica error: {errs[0]['loading_state']['reason']}")
-                return all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done"
-                           for r in reps)
+                return all(
+                    r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done" for r in reps
+                )
 
             step = 2
             modes = [m for m in MODES if m[0] in a.modes.split(",")]
             for _key, mode, partial, method in modes:
-                with HFService(url, "127.0.0.1", free_port(), replica_id="bench", partial=partial,
-                               poll_timeout=5.0, swap_method=method) as svc:
+                with HFService(
+                    url,
+                    "127.0.0.1",
+                    free_port(),
+                    replica_id="bench",
+                    partial=partial,
+                    poll_timeout=5.0,
+                    swap_method=method,
+                ) as svc:
                     marks = timeline.instrument(svc)
                     current = ident(step - 1)
                     while not done(current):
@@ -321,22 +373,40 @@ def main() -> int:
                         floor = transfer_floor_s(bucket_dir, target, shm)
                         mcs = memcpy_changed_s(state, changed_names[target])  # same names, same sizes
                         mc = mcs["best"]
-                        row = {"post_to_done_s": round(post_to_done, 4), "pause_ms": rep["pause_ms"],
-                               "prepare_ms": rep["prepare_ms"], "memcpy_changed_s": round(mc, 5),
-                               "memcpy_torch_s": round(mcs["torch"], 5), "memcpy_numpy_s": round(mcs["memcpy"], 5),
-                               "transfer_floor_s": round(floor, 4), "sparse_floor_s": round(sfloor[target], 5),
-                               "sparse_counters": counters,
-                               "apply_s": round(daemon_apply + (rep["prepare_ms"] + rep["pause_ms"]) / 1000, 4),
-                               "daemon_apply_s": round(daemon_apply, 4), "daemon_cpu_s": round(daemon_cpu, 3),
-                               "swap_mode": rep["mode"],
-                               "changed_source": rep["changed_source"], "swap_method": rep.get("swap_method"), "tensors_copied": rep["tensors_copied"],
-                               "bytes_copied": rep["bytes_copied"], "stored_bytes": rec.get("stored_bytes"),
-                               "stages": stages}
+                        row = {
+                            "post_to_done_s": round(post_to_done, 4),
+                            "pause_ms": rep["pause_ms"],
+                            "prepare_ms": rep["prepare_ms"],
+                            "memcpy_changed_s": round(mc, 5),
+                            "memcpy_torch_s": round(mcs["torch"], 5),
+                            "memcpy_numpy_s": round(mcs["memcpy"], 5),
+                            "transfer_floor_s": round(floor, 4),
+                            "sparse_floor_s": round(sfloor[target], 5),
+                            "sparse_counters": counters,
+                            "apply_s": round(daemon_apply + (rep["prepare_ms"] + rep["pause_ms"]) / 1000, 4),
+                            "daemon_apply_s": round(daemon_apply, 4),
+                            "daemon_cpu_s": round(daemon_cpu, 3),
+                            "swap_mode": rep["mode"],
+                            "changed_source": rep["changed_source"],
+                            "swap_method": rep.get("swap_method"),
+                            "tensors_copied": rep["tensors_copied"],
+                            "bytes_copied": rep["bytes_copied"],
+                            "stored_bytes": rec.get("stored_bytes"),
+                            "stages": stages,
+                        }
                         if a.timeline:
                             log.flush()
-                            tl = timeline.build(wall0, work / "bdnd.log", target, marks, [
-                                (wall_posted, "bench: POST answered"), (wall_done, "bench: GET sees done"),
-                                *timeline.stage_events(rec)])
+                            tl = timeline.build(
+                                wall0,
+                                work / "bdnd.log",
+                                target,
+                                marks,
+                                [
+                                    (wall_posted, "bench: POST answered"),
+                                    (wall_done, "bench: GET sees done"),
+                                    *timeline.stage_events(rec),
+                                ],
+                            )
                             row["timeline"] = tl
                             for at, what in tl:
                                 print(f"  {at:8.3f} s  {what}", flush=True)
@@ -347,31 +417,59 @@ def main() -> int:
                         current, step = target, step + 1
                     row = runs.collapse(per_run, METRICS, by="post_to_done_s")
                     med = row.get("median", row)
-                    row.update(mode=mode, model_bytes=model_bytes, changed_tensors=len(changed_names[ident(step - 1)]),
-                               frac=a.frac, pause_vs_memcpy=round(med["pause_ms"] / 1000 / med["memcpy_changed_s"], 3),
-                               done_vs_floor=round(med["post_to_done_s"] / (med["transfer_floor_s"] + med["apply_s"]), 3),
-                               done_vs_sparse_floor=round(med["post_to_done_s"] / (
-                                   med["transfer_floor_s"] + med["sparse_floor_s"] + med["pause_ms"] / 1000), 3))
+                    row.update(
+                        mode=mode,
+                        model_bytes=model_bytes,
+                        changed_tensors=len(changed_names[ident(step - 1)]),
+                        frac=a.frac,
+                        pause_vs_memcpy=round(med["pause_ms"] / 1000 / med["memcpy_changed_s"], 3),
+                        done_vs_floor=round(med["post_to_done_s"] / (med["transfer_floor_s"] + med["apply_s"]), 3),
+                        done_vs_sparse_floor=round(
+                            med["post_to_done_s"]
+                            / (med["transfer_floor_s"] + med["sparse_floor_s"] + med["pause_ms"] / 1000),
+                            3,
+                        ),
+                    )
                     rows.append(row)
         peaks.stop()
         load1 = os.getloadavg()
-        mem = {"model_bytes": model_bytes, "shm_peak_bytes": peaks.shm_peak, "daemon_rss_hwm_bytes": peaks.hwm,
-               "daemon_rss_anon_peak_bytes": peaks.anon_peak, "daemon_rss_shmem_peak_bytes": peaks.shmem_peak}
-        print("memory (model sizes): " + ", ".join(f"{k[:-6]} {v / model_bytes:.2f}" for k, v in mem.items()
-                                                   if k != "model_bytes"), flush=True)
-        out = {"benchmark": "hotload", "cores": os.cpu_count(), "load_average_start": load0[0],
-               "load_average_end": load1[0], "hidden": a.hidden, "layers": a.layers, "tensors": a.tensors,
-               "codec": a.codec, "keep_ready": a.keep_ready, "step_interval_s": a.step_interval, "memory": mem,
-               "rows": rows}
+        mem = {
+            "model_bytes": model_bytes,
+            "shm_peak_bytes": peaks.shm_peak,
+            "daemon_rss_hwm_bytes": peaks.hwm,
+            "daemon_rss_anon_peak_bytes": peaks.anon_peak,
+            "daemon_rss_shmem_peak_bytes": peaks.shmem_peak,
+        }
+        print(
+            "memory (model sizes): "
+            + ", ".join(f"{k[:-6]} {v / model_bytes:.2f}" for k, v in mem.items() if k != "model_bytes"),
+            flush=True,
+        )
+        out = {
+            "benchmark": "hotload",
+            "cores": os.cpu_count(),
+            "load_average_start": load0[0],
+            "load_average_end": load1[0],
+            "hidden": a.hidden,
+            "layers": a.layers,
+            "tensors": a.tensors,
+            "codec": a.codec,
+            "keep_ready": a.keep_ready,
+            "step_interval_s": a.step_interval,
+            "memory": mem,
+            "rows": rows,
+        }
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {a.out} (load average {load0[0]:.1f} -> {load1[0]:.1f})")
         for r in rows:
             m = r.get("median", r)
-            print(f"{r['mode']:>22}: POST->done {m['post_to_done_s']:.2f} s, pause {m['pause_ms']:.1f} ms "
-                  f"(memcpy of changed {m['memcpy_changed_s'] * 1000:.1f} ms, x{r['pause_vs_memcpy']}), "
-                  f"floor+apply {m['transfer_floor_s'] + m['apply_s']:.2f} s (x{r['done_vs_floor']}), "
-                  f"transfer + sparse floor + pause x{r['done_vs_sparse_floor']}")
+            print(
+                f"{r['mode']:>22}: POST->done {m['post_to_done_s']:.2f} s, pause {m['pause_ms']:.1f} ms "
+                f"(memcpy of changed {m['memcpy_changed_s'] * 1000:.1f} ms, x{r['pause_vs_memcpy']}), "
+                f"floor+apply {m['transfer_floor_s'] + m['apply_s']:.2f} s (x{r['done_vs_floor']}), "
+                f"transfer + sparse floor + pause x{r['done_vs_sparse_floor']}"
+            )
     finally:
         if proc is not None and proc.poll() is None:
             proc.terminate()

@@ -29,7 +29,10 @@ DAEMON_MARKS = (
     (re.compile(r"snapshot (\S+): applying"), "daemon: applying"),
     (re.compile(r"snapshot (\S+): \d+ file\(s\) brought forward sparsely"), "daemon: sparse apply done"),
     (re.compile(r"snapshot (\S+): ready at"), "daemon: READY published"),
-    (re.compile(r"catch-up: .* brought forward to (\S+) in the background"), "daemon: freed spare caught up (background)"),
+    (
+        re.compile(r"catch-up: .* brought forward to (\S+) in the background"),
+        "daemon: freed spare caught up (background)",
+    ),
     (re.compile(r"changed tensors of (\S+) against"), "daemon: changed tensors computed"),
     (re.compile(r"engine \S+ serves (\S+)"), "daemon: ack received, replica done"),
 )
@@ -98,7 +101,9 @@ def daemon_events(log_path: Path, identity: str, since: float) -> list[tuple[flo
     return out
 
 
-def build(t0: float, log_path: Path, identity: str, marks: Marks, extra: list[tuple[float, str]]) -> list[tuple[float, str]]:
+def build(
+    t0: float, log_path: Path, identity: str, marks: Marks, extra: list[tuple[float, str]]
+) -> list[tuple[float, str]]:
     """Every event after ``t0`` (the POST), as ``(seconds after t0, what)`` in time order."""
     ev = daemon_events(log_path, identity, t0) + [e for e in marks.events if e[0] >= t0 - 0.01] + extra
     return sorted((round(t - t0, 3), w) for t, w in ev)

@@ -60,8 +60,15 @@ def publish_huge(root: Path, n_chunks: int, n_files: int) -> int:
         with open(snap / name, "wb") as f:
             f.truncate(per * CHUNK)
         files.append({"path": name, "size": per * CHUNK, "chunks": [f"{(i * per + c):032x}" for c in range(per)]})
-    m = {"format": "bdn.snapshot/1", "identity": IDENTITY, "kind": "full", "policy_version": 1,
-         "created_at": "2026-12-01T00:00:00Z", "chunk_size": CHUNK, "files": files}
+    m = {
+        "format": "bdn.snapshot/1",
+        "identity": IDENTITY,
+        "kind": "full",
+        "policy_version": 1,
+        "created_at": "2026-12-01T00:00:00Z",
+        "chunk_size": CHUNK,
+        "files": files,
+    }
     data = (json.dumps(m, indent=1, sort_keys=True) + "\n").encode()
     (snap / MANIFEST_NAME).write_bytes(data)
     return len(data)
@@ -75,8 +82,12 @@ def scrape(d: Daemon) -> dict[str, float]:
     with urllib.request.urlopen(d.url + "/metrics", timeout=120) as r:
         for line in r.read().decode().splitlines():
             name, _, value = line.partition(" ")
-            if name in ("bdn_event_loop_lag_max_seconds", "bdn_event_loop_slow_total",
-                        "bdn_event_loop_lag_cpu_max_seconds", "bdn_event_loop_slow_cpu_total"):
+            if name in (
+                "bdn_event_loop_lag_max_seconds",
+                "bdn_event_loop_slow_total",
+                "bdn_event_loop_lag_cpu_max_seconds",
+                "bdn_event_loop_slow_cpu_total",
+            ):
                 out[name] = float(value)
     return out
 
@@ -87,16 +98,28 @@ def phase(samples: list[dict[str, float]], slow0: dict[str, float]) -> dict[str,
         return round(max(vs), 4) if vs else None
 
     last = samples[-1] if samples else {}
-    return {"lag_max_s": mx("bdn_event_loop_lag_max_seconds"), "lag_cpu_max_s": mx("bdn_event_loop_lag_cpu_max_seconds"),
-            "slow": last.get("bdn_event_loop_slow_total", 0) - slow0.get("bdn_event_loop_slow_total", 0),
-            "slow_cpu": last.get("bdn_event_loop_slow_cpu_total", 0) - slow0.get("bdn_event_loop_slow_cpu_total", 0),
-            "health_max_s": mx("health_s"), "scrapes": len(samples)}
+    return {
+        "lag_max_s": mx("bdn_event_loop_lag_max_seconds"),
+        "lag_cpu_max_s": mx("bdn_event_loop_lag_cpu_max_seconds"),
+        "slow": last.get("bdn_event_loop_slow_total", 0) - slow0.get("bdn_event_loop_slow_total", 0),
+        "slow_cpu": last.get("bdn_event_loop_slow_cpu_total", 0) - slow0.get("bdn_event_loop_slow_cpu_total", 0),
+        "health_max_s": mx("health_s"),
+        "scrapes": len(samples),
+    }
 
 
 def one_run(work: Path, bucket: Path, idle_s: float, download_s: float) -> dict[str, Any]:
-    d = Daemon(work, "node0", f"file://{bucket}", extra_env={
-        "BDN_LOAD_STARTUP": "false", "BDN_STARTUP_SETTLE_S": "0", "BDN_BUCKET_MBIT": "0.01",
-        "BDN_LOG_LEVEL": "info"})
+    d = Daemon(
+        work,
+        "node0",
+        f"file://{bucket}",
+        extra_env={
+            "BDN_LOAD_STARTUP": "false",
+            "BDN_STARTUP_SETTLE_S": "0",
+            "BDN_BUCKET_MBIT": "0.01",
+            "BDN_LOG_LEVEL": "info",
+        },
+    )
     d.start([])
     try:
         d.wait_healthy(600)
@@ -144,7 +167,9 @@ def one_run(work: Path, bucket: Path, idle_s: float, download_s: float) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.manifest_lag", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="chunks,files", help="chunks (10^6 chunks, 1 file), files (10^6 chunks, 10^5 files)")
+    ap.add_argument(
+        "--shapes", default="chunks,files", help="chunks (10^6 chunks, 1 file), files (10^6 chunks, 10^5 files)"
+    )
     ap.add_argument("--idle-s", type=float, default=15.0)
     ap.add_argument("--download-s", type=float, default=20.0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/manifest_lag.json")
@@ -161,20 +186,38 @@ def main(argv: list[str] | None = None) -> int:
                 r = one_run(Path(tmp) / f"work-{shape}-{i}", bucket, a.idle_s, a.download_s)
                 print(shape, i, json.dumps(r), flush=True)
                 runs.append(r)
-            flat = {f"{p}.{k}": [r[p][k] for r in runs] for p in ("idle", "take", "download")
-                    for k in ("lag_max_s", "lag_cpu_max_s", "slow", "slow_cpu", "health_max_s")}
+            flat = {
+                f"{p}.{k}": [r[p][k] for r in runs]
+                for p in ("idle", "take", "download")
+                for k in ("lag_max_s", "lag_cpu_max_s", "slow", "slow_cpu", "health_max_s")
+            }
             flat.update({k: [r[k] for r in runs] for k in ("take_s", "rss_anon_mb", "sigterm_to_exit_s")})
-            rows.append({"shape": shape, "chunks": n_chunks, "files": n_files, "manifest_bytes": size,
-                         "raw": runs, **summarize(flat)})
+            rows.append(
+                {
+                    "shape": shape,
+                    "chunks": n_chunks,
+                    "files": n_files,
+                    "manifest_bytes": size,
+                    "raw": runs,
+                    **summarize(flat),
+                }
+            )
     load = os.getloadavg()
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"bench": "manifest_lag", "loadavg_at_end": [round(x, 1) for x in load],
-                                 "runs": a.runs, "rows": rows}, indent=1) + "\n")
+    a.out.write_text(
+        json.dumps(
+            {"bench": "manifest_lag", "loadavg_at_end": [round(x, 1) for x in load], "runs": a.runs, "rows": rows},
+            indent=1,
+        )
+        + "\n"
+    )
     for row in rows:
         m = row["median"]
-        print(f"{row['shape']}: take {m['take_s']} s; lag max idle {m['idle.lag_max_s']} / take {m['take.lag_max_s']} / "
-              f"download {m['download.lag_max_s']} s (cpu {m['idle.lag_cpu_max_s']} / {m['take.lag_cpu_max_s']} / "
-              f"{m['download.lag_cpu_max_s']}); SIGTERM {m['sigterm_to_exit_s']} s")
+        print(
+            f"{row['shape']}: take {m['take_s']} s; lag max idle {m['idle.lag_max_s']} / take {m['take.lag_max_s']} / "
+            f"download {m['download.lag_max_s']} s (cpu {m['idle.lag_cpu_max_s']} / {m['take.lag_cpu_max_s']} / "
+            f"{m['download.lag_cpu_max_s']}); SIGTERM {m['sigterm_to_exit_s']} s"
+        )
     return 0
 
 

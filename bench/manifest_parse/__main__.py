@@ -29,8 +29,15 @@ from bdn.proto.manifest import Manifest
 def make_manifest(n: int) -> bytes:
     """A full snapshot of ``n`` 4 KiB chunks in one file, written as the publisher writes."""
     files = [{"path": "shard-00000.bin", "size": n * 4096, "chunks": [f"{c:032x}" for c in range(n)]}]
-    m = {"format": "bdn.snapshot/1", "identity": "step000001", "kind": "full", "policy_version": 1,
-         "created_at": "2026-12-01T00:00:00Z", "chunk_size": 4096, "files": files}
+    m = {
+        "format": "bdn.snapshot/1",
+        "identity": "step000001",
+        "kind": "full",
+        "policy_version": 1,
+        "created_at": "2026-12-01T00:00:00Z",
+        "chunk_size": 4096,
+        "files": files,
+    }
     return (json.dumps(m, indent=1, sort_keys=True) + "\n").encode()
 
 
@@ -75,20 +82,38 @@ def main() -> None:
     for _ in range(a.runs):
         for name, fn in ways.items():
             took, stall, cpu = probe_while(fn)
-            runs[name].append({"parse_s": round(took, 4), "max_stall_s": round(stall, 4), "max_stall_cpu_s": round(cpu, 4)})
-            print(f"{name:9s} parse {took:.3f} s, longest stall {stall * 1000:.0f} ms wall, "
-                  f"{cpu * 1000:.0f} ms of CPU", flush=True)
+            runs[name].append(
+                {"parse_s": round(took, 4), "max_stall_s": round(stall, 4), "max_stall_cpu_s": round(cpu, 4)}
+            )
+            print(
+                f"{name:9s} parse {took:.3f} s, longest stall {stall * 1000:.0f} ms wall, {cpu * 1000:.0f} ms of CPU",
+                flush=True,
+            )
     summary = {}
     for name, rs in runs.items():
         st = [r["max_stall_s"] for r in rs]
         sc = [r["max_stall_cpu_s"] for r in rs]
         pt = [r["parse_s"] for r in rs]
-        summary[name] = {"max_stall_s_median": statistics.median(st), "max_stall_s_min": min(st),
-                         "max_stall_s_max": max(st), "max_stall_cpu_s_median": statistics.median(sc),
-                         "max_stall_cpu_s_min": min(sc), "max_stall_cpu_s_max": max(sc), "parse_s_median": statistics.median(pt),
-                         "parse_s_min": min(pt), "parse_s_max": max(pt)}
-    out = {"bench": "manifest_parse", "chunks": a.chunks, "manifest_bytes": len(data), "runs": runs,
-           "summary": summary, "loadavg_start": loadavg, "loadavg_end": os.getloadavg()}
+        summary[name] = {
+            "max_stall_s_median": statistics.median(st),
+            "max_stall_s_min": min(st),
+            "max_stall_s_max": max(st),
+            "max_stall_cpu_s_median": statistics.median(sc),
+            "max_stall_cpu_s_min": min(sc),
+            "max_stall_cpu_s_max": max(sc),
+            "parse_s_median": statistics.median(pt),
+            "parse_s_min": min(pt),
+            "parse_s_max": max(pt),
+        }
+    out = {
+        "bench": "manifest_parse",
+        "chunks": a.chunks,
+        "manifest_bytes": len(data),
+        "runs": runs,
+        "summary": summary,
+        "loadavg_start": loadavg,
+        "loadavg_end": os.getloadavg(),
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(summary, indent=1))

@@ -76,17 +76,38 @@ def clustered_step(base: dict[str, np.ndarray], frac: float, seed: int) -> dict[
 
 def manifest_for(work: Path, base: Path, target: Path, diff: Path) -> Manifest:
     """A delta manifest for one file (only what verify and the sparse step read)."""
-    doc = {"format": "bdn.snapshot/1", "identity": "t", "kind": "delta", "policy_version": 2,
-           "created_at": "2026-12-01T00:00:00Z", "chunk_size": CHUNK, "base_identity": "b",
-           "compression_format": "bdn_planes_v1", "checksum_format": "alder32",
-           "files": [{"path": "model.safetensors", "size": diff.stat().st_size,
-                      "chunks": fileops.chunk_digests(diff, CHUNK),
-                      "result": {"size": target.stat().st_size, "chunks": fileops.chunk_digests(target, CHUNK)}}]}
+    doc = {
+        "format": "bdn.snapshot/1",
+        "identity": "t",
+        "kind": "delta",
+        "policy_version": 2,
+        "created_at": "2026-12-01T00:00:00Z",
+        "chunk_size": CHUNK,
+        "base_identity": "b",
+        "compression_format": "bdn_planes_v1",
+        "checksum_format": "alder32",
+        "files": [
+            {
+                "path": "model.safetensors",
+                "size": diff.stat().st_size,
+                "chunks": fileops.chunk_digests(diff, CHUNK),
+                "result": {"size": target.stat().st_size, "chunks": fileops.chunk_digests(target, CHUNK)},
+            }
+        ],
+    }
     return Manifest.from_json(json.dumps(doc).encode())
 
 
-def sparse_step(o: np.ndarray, diff: Path, bh: Any, adlers: dict[str, int], workers: int, size: int,
-                base_digests: list[str], m: Manifest) -> sparse.SparseResult:
+def sparse_step(
+    o: np.ndarray,
+    diff: Path,
+    bh: Any,
+    adlers: dict[str, int],
+    workers: int,
+    size: int,
+    base_digests: list[str],
+    m: Manifest,
+) -> sparse.SparseResult:
     """The sparse step on the buffer's held mapping ``o``: map the diff, apply it in place, compare
     the untouched chunks' digests (what ``sparse_s`` times)."""
     dmap = np.memmap(diff, dtype=np.uint8, mode="r")
@@ -99,22 +120,27 @@ def sparse_step(o: np.ndarray, diff: Path, bh: Any, adlers: dict[str, int], work
 
 def report(paths: list[str]) -> None:
     """Print BENCHMARKS.md's table from result files (rows in file order)."""
+
     def sp(r: dict, k: str, nd: int = 3) -> str:
         return f"{r['median'][k]:.{nd}f} ({r['min'][k]:.{nd}f}–{r['max'][k]:.{nd}f})"
 
-    print("| pattern | changed | diff MB | memcpy(model) s | sparse floor s | today s | sparse (mapping populated ahead) s"
-          " | sparse, mapped per apply s | sparse / floor | sparse / memcpy | CPU s: sparse / floor | CPU s: sparse / memcpy"
-          " | sparse peak heap (model sizes) | today / floor |")
+    print(
+        "| pattern | changed | diff MB | memcpy(model) s | sparse floor s | today s | sparse (mapping populated ahead) s"
+        " | sparse, mapped per apply s | sparse / floor | sparse / memcpy | CPU s: sparse / floor | CPU s: sparse / memcpy"
+        " | sparse peak heap (model sizes) | today / floor |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in paths:
         for r in json.loads(Path(path).read_text())["rows"]:
             heap = r.get("sparse_heap_peak_bytes")
             hs = "" if heap is None else f"{heap / r['model_bytes']:.4f}"
-            print(f"| {r['pattern']} | {r['frac'] * 100:g} % | {r['diff_bytes'] / 1e6:.1f} | {sp(r, 'memcpy_s')} | "
-                  f"{sp(r, 'sparse_floor_s', 4)} | {sp(r, 'today_s', 2)} | {sp(r, 'sparse_s')} | {sp(r, 'sparse_cold_s')} | "
-                  f"{r['sparse_over_floor']:.1f}x | {r['sparse_over_memcpy']:.2f}x | "
-                  f"{r.get('sparse_cpu_over_floor_cpu', float('nan')):.1f}x | {r.get('sparse_cpu_over_memcpy_cpu', float('nan')):.2f}x | "
-                  f"{hs} | {r['today_over_floor']:.1f}x |")
+            print(
+                f"| {r['pattern']} | {r['frac'] * 100:g} % | {r['diff_bytes'] / 1e6:.1f} | {sp(r, 'memcpy_s')} | "
+                f"{sp(r, 'sparse_floor_s', 4)} | {sp(r, 'today_s', 2)} | {sp(r, 'sparse_s')} | {sp(r, 'sparse_cold_s')} | "
+                f"{r['sparse_over_floor']:.1f}x | {r['sparse_over_memcpy']:.2f}x | "
+                f"{r.get('sparse_cpu_over_floor_cpu', float('nan')):.1f}x | {r.get('sparse_cpu_over_memcpy_cpu', float('nan')):.2f}x | "
+                f"{hs} | {r['today_over_floor']:.1f}x |"
+            )
 
 
 def main() -> None:
@@ -142,7 +168,7 @@ def main() -> None:
         base_digests = fileops.chunk_digests(bpath, CHUNK)
         base_map = np.memmap(bpath, dtype=np.uint8, mode="r")
         bh = fileops.read_header(bpath)
-        base_adlers = {n: int(raw_adler32(base_map[i.start:i.end])) for n, i in bh.tensors.items()}
+        base_adlers = {n: int(raw_adler32(base_map[i.start : i.end])) for n, i in bh.tensors.items()}
         out = work / "out" / "model.safetensors"  # the staging file / the spare buffer: pages exist
         out.parent.mkdir()
         shutil.copyfile(bpath, out)
@@ -166,9 +192,16 @@ def main() -> None:
                 del tmap
                 dsize = diff.stat().st_size
                 dbuf = np.empty(dsize, dtype=np.uint8)
-                ts: dict[str, list[float]] = {"memcpy_s": [], "sparse_floor_s": [], "today_s": [], "sparse_s": [],
-                                              "sparse_cold_s": [], "memcpy_cpu_s": [], "sparse_floor_cpu_s": [],
-                                              "sparse_cpu_s": []}
+                ts: dict[str, list[float]] = {
+                    "memcpy_s": [],
+                    "sparse_floor_s": [],
+                    "today_s": [],
+                    "sparse_s": [],
+                    "sparse_cold_s": [],
+                    "memcpy_cpu_s": [],
+                    "sparse_floor_cpu_s": [],
+                    "sparse_cpu_s": [],
+                }
                 written = heap_peak = 0
                 o = np.memmap(out, dtype=np.uint8, mode="r+")  # the buffer, mapped once (its pages hot)
                 np.copyto(o, base_map)
@@ -209,9 +242,18 @@ def main() -> None:
                     ts["today_s"].append(time.perf_counter() - t0)
                 del o
                 st = runs.summarize(ts)
-                row = {"pattern": pattern, "frac": frac, "model_bytes": size, "diff_bytes": dsize,
-                       "changed_bytes": len(idx), "written_bytes": written, "sparse_heap_peak_bytes": heap_peak, "encode_s": enc_s, **st,
-                       **{k: st["median"][k] for k in ts}}
+                row = {
+                    "pattern": pattern,
+                    "frac": frac,
+                    "model_bytes": size,
+                    "diff_bytes": dsize,
+                    "changed_bytes": len(idx),
+                    "written_bytes": written,
+                    "sparse_heap_peak_bytes": heap_peak,
+                    "encode_s": enc_s,
+                    **st,
+                    **{k: st["median"][k] for k in ts},
+                }
                 med = st["median"]
                 row["sparse_over_floor"] = med["sparse_s"] / med["sparse_floor_s"]
                 row["sparse_over_memcpy"] = med["sparse_s"] / med["memcpy_s"]
@@ -220,14 +262,17 @@ def main() -> None:
                 row["sparse_cpu_over_memcpy_cpu"] = med["sparse_cpu_s"] / med["memcpy_cpu_s"]
                 row["sparse_cold_over_floor"] = med["sparse_cold_s"] / med["sparse_floor_s"]
                 rows.append(row)
-                print(f"  {pattern:9s} {frac * 100:5.2f} %: diff {dsize / 1e6:7.1f} MB  memcpy "
-                      f"{runs.spread(row, 'memcpy_s', 3)} s  floor {runs.spread(row, 'sparse_floor_s', 4)} s  "
-                      f"today {runs.spread(row, 'today_s', 3)} s  sparse {runs.spread(row, 'sparse_s', 4)} s  "
-                      f"cold map {runs.spread(row, 'sparse_cold_s', 3)} s "
-                      f"(sparse = {row['sparse_over_floor']:.1f}x floor, {row['sparse_over_memcpy']:.2f}x memcpy; "
-                      f"today = {row['today_over_floor']:.1f}x floor; CPU s: sparse {row['sparse_cpu_over_floor_cpu']:.1f}x "
-                      f"floor, {row['sparse_cpu_over_memcpy_cpu']:.2f}x memcpy; heap peak {heap_peak / 1e6:.0f} MB "
-                      f"= {heap_peak / size:.3f} model)", flush=True)
+                print(
+                    f"  {pattern:9s} {frac * 100:5.2f} %: diff {dsize / 1e6:7.1f} MB  memcpy "
+                    f"{runs.spread(row, 'memcpy_s', 3)} s  floor {runs.spread(row, 'sparse_floor_s', 4)} s  "
+                    f"today {runs.spread(row, 'today_s', 3)} s  sparse {runs.spread(row, 'sparse_s', 4)} s  "
+                    f"cold map {runs.spread(row, 'sparse_cold_s', 3)} s "
+                    f"(sparse = {row['sparse_over_floor']:.1f}x floor, {row['sparse_over_memcpy']:.2f}x memcpy; "
+                    f"today = {row['today_over_floor']:.1f}x floor; CPU s: sparse {row['sparse_cpu_over_floor_cpu']:.1f}x "
+                    f"floor, {row['sparse_cpu_over_memcpy_cpu']:.2f}x memcpy; heap peak {heap_peak / 1e6:.0f} MB "
+                    f"= {heap_peak / size:.3f} model)",
+                    flush=True,
+                )
                 write(a.out, load0, a.workers, rows)  # after every row: a long run stopped early keeps its rows
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -237,8 +282,19 @@ def write(out: str, load0: tuple[float, float, float], workers: int, rows: list[
     """The result file: the load at the start and now, and the rows so far."""
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"load_start": load0, "load_end": os.getloadavg(), "cores": os.cpu_count(),
-                                "workers": workers, "rows": rows}, indent=1) + "\n")
+    path.write_text(
+        json.dumps(
+            {
+                "load_start": load0,
+                "load_end": os.getloadavg(),
+                "cores": os.cpu_count(),
+                "workers": workers,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

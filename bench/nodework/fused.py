@@ -73,8 +73,12 @@ def main() -> int:
                 return 1, 0, 0, npg
             if g == 255:
                 q = k + 4 * ei
-                g = (np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8) | (np.int64(raw[q + 2]) << 16)
-                     | (np.int64(raw[q + 3]) << 24))
+                g = (
+                    np.int64(raw[q])
+                    | (np.int64(raw[q + 1]) << 8)
+                    | (np.int64(raw[q + 2]) << 16)
+                    | (np.int64(raw[q + 3]) << 24)
+                )
                 ei += 1
             idx += g
             if idx >= elems or ei > e:
@@ -105,8 +109,14 @@ def main() -> int:
         gaps = np.diff(np.concatenate(([-1], idx)))
         esc = gaps >= 255
         x = rng.integers(1, 1 << 16, k).astype("<u2")
-        raw = np.concatenate([np.where(esc, 255, gaps).astype(np.uint8), gaps[esc].astype("<u4").view(np.uint8),
-                              (x & 0xFF).astype(np.uint8), (x >> 8).astype(np.uint8)])
+        raw = np.concatenate(
+            [
+                np.where(esc, 255, gaps).astype(np.uint8),
+                gaps[esc].astype("<u4").view(np.uint8),
+                (x & 0xFF).astype(np.uint8),
+                (x >> 8).astype(np.uint8),
+            ]
+        )
         blocks.append((b0 * 2, k, int(esc.sum()), raw, idx, x))
     words = sum(b[1] for b in blocks)
     pages = np.empty(elems, dtype=np.int64)
@@ -143,8 +153,13 @@ def main() -> int:
         w16 = buf.view("<u2")
         w16[allidx] ^= allx
 
-    out = {"benchmark": "nodework.fused", "mib": a.mib, "frac": a.frac, "changed_words": int(words),
-           "load_average": os.getloadavg()[0]}
+    out = {
+        "benchmark": "nodework.fused",
+        "mib": a.mib,
+        "frac": a.frac,
+        "changed_words": int(words),
+        "load_average": os.getloadavg()[0],
+    }
     for name, fn in (("numpy_runs_cpu_s", run_numpy), ("fused_cpu_s", run_fused), ("floor_cpu_s", run_floor)):
         out[name] = round(best(fn, a.runs), 5)
     check = base.copy()

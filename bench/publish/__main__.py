@@ -61,7 +61,11 @@ from support.s3server import create_bucket, start_moto_server, stop_moto_server 
 
 RESULTS = REPO / "bench" / "results"
 # moto accepts any credentials; boto3 wants some.
-for _k, _v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
+for _k, _v in (
+    ("AWS_ACCESS_KEY_ID", "testing"),
+    ("AWS_SECRET_ACCESS_KEY", "testing"),
+    ("AWS_DEFAULT_REGION", "us-east-1"),
+):
     os.environ.setdefault(_k, _v)
 CONFIG = {"config.json": b'{"model_type": "llama"}\n'}
 
@@ -72,8 +76,14 @@ class Ranks:
     def __init__(self, world: int, init: dict[str, Any]) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "bench.publish.rank"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+            subprocess.Popen(
+                [sys.executable, "-m", "bench.publish.rank"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=env,
+                cwd=REPO,
+            )
             for _ in range(world)
         ]
         self.all([{**init, "op": "init", "rank": r, "world": world} for r in range(world)])
@@ -110,9 +120,13 @@ def _step(ranks: Ranks, url: str, endpoint: str | None, msg: dict[str, Any], ver
         m = commit_step(b, msg["identity"], version, world_size=len(ranks.procs), extra_files=CONFIG)
     t2 = time.perf_counter()
     return {
-        "wall_s": t2 - t0, "ranks_s": t1 - t0, "commit_s": t2 - t1,
-        "encode_s": max(a["encode_s"] for a in answers), "upload_s": max(a["upload_s"] for a in answers),
-        "stored_bytes": m.stored_bytes, "result_bytes": m.result_bytes,
+        "wall_s": t2 - t0,
+        "ranks_s": t1 - t0,
+        "commit_s": t2 - t1,
+        "encode_s": max(a["encode_s"] for a in answers),
+        "upload_s": max(a["upload_s"] for a in answers),
+        "stored_bytes": m.stored_bytes,
+        "result_bytes": m.result_bytes,
     }
 
 
@@ -127,8 +141,11 @@ def _clean(url: str, endpoint: str | None, prefix: str) -> None:
     name, _, pre = url.removeprefix("s3://").partition("/")
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     for p in (f"{pre}/{prefix}", f"{pre}/.bdn-parts/{prefix}"):
-        keys = [o["Key"] for page in s3.get_paginator("list_objects_v2").paginate(Bucket=name, Prefix=p)
-                for o in page.get("Contents", [])]
+        keys = [
+            o["Key"]
+            for page in s3.get_paginator("list_objects_v2").paginate(Bucket=name, Prefix=p)
+            for o in page.get("Contents", [])
+        ]
         for i in range(0, len(keys), 1000):
             s3.delete_objects(Bucket=name, Delete={"Objects": [{"Key": k} for k in keys[i : i + 1000]]})
 
@@ -159,8 +176,10 @@ def publish_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                         floor_wall = max(a["seconds"] for a in fl)
                         bw = sum(a["stored_bytes"] for a in fl) / floor_wall
                         steps = [("anchor", {"op": "anchor", "identity": f"{tag}a"}, None)]
-                        steps += [(f"delta {f * 100:g}%", {"op": "delta", "identity": f"{tag}d{i}", "base": f"{tag}a"}, f)
-                                  for i, f in enumerate((0.001, 0.02))]
+                        steps += [
+                            (f"delta {f * 100:g}%", {"op": "delta", "identity": f"{tag}d{i}", "base": f"{tag}a"}, f)
+                            for i, f in enumerate((0.001, 0.02))
+                        ]
                         for name, msg, frac in steps:
                             mem = 0.0
                             if frac is not None:
@@ -175,14 +194,25 @@ def publish_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                             row["mem_floor_s"] = mem
                             row["ratio_floor"] = row["wall_s"] / max(row["floor_s"], mem)
                             per[name].append(row)
-                            print(f"{kind} world={world} run={r} {name}: " + ", ".join(
-                                f"{k}={v:.6g}" for k, v in row.items()), flush=True)
+                            print(
+                                f"{kind} world={world} run={r} {name}: "
+                                + ", ".join(f"{k}={v:.6g}" for k, v in row.items()),
+                                flush=True,
+                            )
                         _clean(url, endpoint, tag)
                     for name, vals in per.items():
                         metrics = {k: [v[k] for v in vals] for k in vals[0]}
                         summary = runs.summarize(metrics)
-                        rows.append({"bucket": kind, "world": world, "step": name, "gib": args.gib,
-                                     **summary["median"], **summary})
+                        rows.append(
+                            {
+                                "bucket": kind,
+                                "world": world,
+                                "step": name,
+                                "gib": args.gib,
+                                **summary["median"],
+                                **summary,
+                            }
+                        )
                 finally:
                     ranks.close()
     finally:
@@ -214,7 +244,11 @@ def encode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                             for n_, a in base.items():
                                 b8, t8 = a.reshape(-1).view(np.uint8), target[n_].reshape(-1).view(np.uint8)
                                 for i in range(0, len(b8), 1 << 20):
-                                    np.bitwise_xor(b8[i : i + (1 << 20)], t8[i : i + (1 << 20)], out=out[: len(b8[i : i + (1 << 20)])])
+                                    np.bitwise_xor(
+                                        b8[i : i + (1 << 20)],
+                                        t8[i : i + (1 << 20)],
+                                        out=out[: len(b8[i : i + (1 << 20)])],
+                                    )
                         else:
                             read_floor(base, target, threads)
                     elif fmt == "digests":
@@ -227,8 +261,16 @@ def encode_bench(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if threads == 1:
                         vals["cpu_gbps"].append(nbytes / cpu / 1e9)
             s = runs.summarize(vals)
-            rows.append({"format": fmt, "changed": frac, "model_bytes": nbytes, "stored_fraction": size / nbytes,
-                         **s["median"], **s})
+            rows.append(
+                {
+                    "format": fmt,
+                    "changed": frac,
+                    "model_bytes": nbytes,
+                    "stored_fraction": size / nbytes,
+                    **s["median"],
+                    **s,
+                }
+            )
             print(f"{fmt} {frac}: " + ", ".join(f"{k}={v:.3g}" for k, v in s["median"].items()), flush=True)
     return rows
 
@@ -256,16 +298,24 @@ def report(path: Path) -> str:
     data = json.loads(path.read_text())
     rows = data["rows"]
     if rows and "format" in rows[0]:
-        out = ["| stream | changed | GB/s per core (CPU s) | GB/s wall, 1 thread | GB/s wall, 2 threads | stored / model |",
-               "|---|---|---|---|---|---|"]
+        out = [
+            "| stream | changed | GB/s per core (CPU s) | GB/s wall, 1 thread | GB/s wall, 2 threads | stored / model |",
+            "|---|---|---|---|---|---|",
+        ]
         for r in rows:
-            out.append(f"| {r['format']} | {r['changed'] * 100:g} % | {runs.spread(r, 'cpu_gbps')} | "
-                       f"{runs.spread(r, 'wall1_gbps')} | {runs.spread(r, 'wall2_gbps')} | "
-                       f"{r['stored_fraction'] * 100:.2f} % |")
+            out.append(
+                f"| {r['format']} | {r['changed'] * 100:g} % | {runs.spread(r, 'cpu_gbps')} | "
+                f"{runs.spread(r, 'wall1_gbps')} | {runs.spread(r, 'wall2_gbps')} | "
+                f"{r['stored_fraction'] * 100:.2f} % |"
+            )
         return "\n".join(out)
-    out = [("| bucket | GiB | ranks | step | publish s | encode s (slowest rank) | upload s | commit s | stored MB | "
-            "upload floor s | memory floor s | publish / upload floor | publish / max(floors) |"),
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        (
+            "| bucket | GiB | ranks | step | publish s | encode s (slowest rank) | upload s | commit s | stored MB | "
+            "upload floor s | memory floor s | publish / upload floor | publish / max(floors) |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         mem = runs.spread(r, "mem_floor_s", 3) if r.get("mem_floor_s") else "–"
         both = runs.spread(r, "ratio_floor") if r.get("mem_floor_s") else "–"
@@ -284,13 +334,19 @@ def main() -> None:
     ap.add_argument("--worlds", default="1,2,4")
     ap.add_argument("--buckets", default="file,s3")
     ap.add_argument("--dir", default=None, help="where the file:// bucket lives (default: the temp dir)")
-    ap.add_argument("--floor-share", type=float, default=0.5,
-                    help="share of each rank's anchor files uploaded to measure the S3 bucket's bandwidth "
-                         "(default 0.5; file:// uploads them all)")
+    ap.add_argument(
+        "--floor-share",
+        type=float,
+        default=0.5,
+        help="share of each rank's anchor files uploaded to measure the S3 bucket's bandwidth "
+        "(default 0.5; file:// uploads them all)",
+    )
     ap.add_argument("--encode", action="store_true", help="the encoder alone")
     ap.add_argument("--out", default=None)
     ap.add_argument("--report", default=None, help="print the markdown table of this results file and exit")
-    ap.add_argument("--from-log", default=None, help="rebuild the results file from a run's printed lines (a run stopped early)")
+    ap.add_argument(
+        "--from-log", default=None, help="rebuild the results file from a run's printed lines (a run stopped early)"
+    )
     runs.add_runs_arg(ap)
     args = ap.parse_args()
     if args.report:
@@ -304,8 +360,12 @@ def main() -> None:
     else:
         rows = encode_bench(args) if args.encode else publish_bench(args)
     out = Path(args.out) if args.out else RESULTS / ("publish_encode.json" if args.encode else "publish.json")
-    out.write_text(json.dumps({"cores": os.cpu_count(), "loadavg_start": load, "loadavg_end": os.getloadavg(),
-                               "rows": rows}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {"cores": os.cpu_count(), "loadavg_start": load, "loadavg_end": os.getloadavg(), "rows": rows}, indent=1
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
 
 

@@ -49,8 +49,11 @@ def model_shapes(gib: float, layers: int) -> dict[str, tuple[int, ...]]:
     down for small sizes) plus an embedding of 1/16 of the model: about ``gib`` GiB."""
     per_layer = gib * (1 << 30) * 15 / 16 / layers / 2  # bf16 values per layer
     d = int((per_layer / 4) ** 0.5) // 64 * 64
-    shapes = {f"model.layers.{i}.{m}.weight": (d, d) for i in range(layers)
-              for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")}
+    shapes = {
+        f"model.layers.{i}.{m}.weight": (d, d)
+        for i in range(layers)
+        for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")
+    }
     shapes["model.embed_tokens.weight"] = (int(gib * (1 << 30) / 16 / 2 / d), d)
     shapes["model.norm.weight"] = (d,)
     return shapes
@@ -68,7 +71,7 @@ def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
     n = int(np.prod(shape))
     bits = rng.integers(0, 1 << 16, n, dtype=np.uint16)
     bits &= 0x807F
-    bits |= ((rng.integers(0, 6, n, dtype=np.uint16) + 0x75) << 7)
+    bits |= (rng.integers(0, 6, n, dtype=np.uint16) + 0x75) << 7
     return bits.view(BF16).reshape(shape)
 
 
@@ -138,12 +141,30 @@ class Rank:
             return {"seconds": time.perf_counter() - t0, "stored_bytes": n}
         stats: dict[str, float] = {}
         if op == "anchor":
-            publish_part(self.bucket, msg["identity"], self.anchor, rank=self.rank, world_size=self.world,
-                         chunk_size=CHUNK, uploads=UPLOADS, stats=stats)
+            publish_part(
+                self.bucket,
+                msg["identity"],
+                self.anchor,
+                rank=self.rank,
+                world_size=self.world,
+                chunk_size=CHUNK,
+                uploads=UPLOADS,
+                stats=stats,
+            )
         else:
-            publish_part(self.bucket, msg["identity"], self.target, rank=self.rank, world_size=self.world,
-                         base=msg["base"], base_tensors=self.anchor, chunk_size=CHUNK, uploads=UPLOADS,
-                         stats=stats, compression_format=msg.get("format", "bdn_planes_v1"))
+            publish_part(
+                self.bucket,
+                msg["identity"],
+                self.target,
+                rank=self.rank,
+                world_size=self.world,
+                base=msg["base"],
+                base_tensors=self.anchor,
+                chunk_size=CHUNK,
+                uploads=UPLOADS,
+                stats=stats,
+                compression_format=msg.get("format", "bdn_planes_v1"),
+            )
         return {"seconds": time.perf_counter() - t0, **stats}
 
 

@@ -51,7 +51,8 @@ def one_run(root: Path, a: argparse.Namespace, code: str) -> dict[str, Any]:
         posted = time.monotonic()
         # every daemon has chunks on disk (the download is in flight, not still starting), then --after
         while time.monotonic() - posted < 180 and not all(
-                d.get(f"/v1/snapshots/{IDENT}")["bytes_done"] > 0 for d in sw.daemons):
+            d.get(f"/v1/snapshots/{IDENT}")["bytes_done"] > 0 for d in sw.daemons
+        ):
             time.sleep(0.1)
         time.sleep(a.after)
         done = {d.node_id: d.get(f"/v1/snapshots/{IDENT}")["bytes_done"] for d in sw.daemons}
@@ -74,7 +75,7 @@ def one_run(root: Path, a: argparse.Namespace, code: str) -> dict[str, Any]:
             r = out[d.node_id]
             if r["exit"] != 0 or r["s"] is None or r["s"] > 5:  # what it did after "stopping"
                 text = d.log_path.read_text(errors="replace")
-                tail = text[text.rfind(" stopping"):].splitlines() if " stopping" in text else text.splitlines()[-20:]
+                tail = text[text.rfind(" stopping") :].splitlines() if " stopping" in text else text.splitlines()[-20:]
                 r["log_after_stopping"] = [line[:300] for line in tail if "DEBUG" not in line][:40]
         return {"stored_bytes": m.stored_bytes, "daemons": out}
     finally:
@@ -88,7 +89,9 @@ def main() -> int:
     p.add_argument("--nodes", type=int, default=4)
     p.add_argument("--scale", type=int, default=40, help="anchor size (40: 239 MB)")
     p.add_argument("--mbit", type=float, default=400.0, help="bucket_mbit of every daemon")
-    p.add_argument("--after", type=float, default=2.0, help="seconds between the first chunks on every daemon and the SIGTERMs")
+    p.add_argument(
+        "--after", type=float, default=2.0, help="seconds between the first chunks on every daemon and the SIGTERMs"
+    )
     p.add_argument("--wait", type=float, default=120.0, help="seconds a daemon gets to exit before it is killed")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--code", default="", help="run the daemons from this checkout (baseline)")
@@ -107,11 +110,18 @@ def main() -> int:
     hung = sum(1 for r in runs for d in r["daemons"].values() if d["s"] is None)
     codes = sorted({str(d["exit"]) for r in runs for d in r["daemons"].values()})
     summary = {
-        "code": a.code or str(REPO), "nodes": a.nodes, "mbit": a.mbit, "after_s": a.after, "runs": a.runs,
+        "code": a.code or str(REPO),
+        "nodes": a.nodes,
+        "mbit": a.mbit,
+        "after_s": a.after,
+        "runs": a.runs,
         "exit_s_median": statistics.median(times) if times else None,
-        "exit_s_min": min(times) if times else None, "exit_s_max": max(times) if times else None,
-        "still_alive_after_wait": hung, "exit_codes": codes,
-        "load_1min_before": os.getloadavg()[0], "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "exit_s_min": min(times) if times else None,
+        "exit_s_max": max(times) if times else None,
+        "still_alive_after_wait": hung,
+        "exit_codes": codes,
+        "load_1min_before": os.getloadavg()[0],
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     print(json.dumps(summary), flush=True)
     if a.out:

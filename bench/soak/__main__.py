@@ -29,6 +29,7 @@ def _range(kind: type, what: str):  # type: ignore[no-untyped-def]
         if a < 0 or b < a:
             raise argparse.ArgumentTypeError(f"{what} must be 0 <= LO <= HI, got {v!r}")
         return a, b
+
     return parse
 
 
@@ -59,42 +60,103 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=8, help="bdnd daemons (default %(default)s)")
     p.add_argument("--minutes", type=float, default=30.0, help="length of the faulted run (default %(default)s)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", type=Path, default=Path("bench/results/soak.json"), help="result JSON (default %(default)s)")
-    p.add_argument("--workdir", type=Path, help="logs and trainer files (default: a new temporary directory, "
-                   "removed after a run without findings)")
+    p.add_argument(
+        "--out", type=Path, default=Path("bench/results/soak.json"), help="result JSON (default %(default)s)"
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        help="logs and trainer files (default: a new temporary directory, removed after a run without findings)",
+    )
     p.add_argument("--keep-workdir", action="store_true")
-    p.add_argument("--n-embd", type=int, default=384, help="tinygpt width (default %(default)s: with --n-layer 6, 21.8 MB)")
+    p.add_argument(
+        "--n-embd", type=int, default=384, help="tinygpt width (default %(default)s: with --n-layer 6, 21.8 MB)"
+    )
     p.add_argument("--n-layer", type=int, default=6)
     p.add_argument("--chunk-kib", type=int, default=1024, help="manifest chunk size, KiB (default %(default)s)")
     p.add_argument("--anchor-every", type=int, default=10, help="a new anchor every N steps (default %(default)s)")
-    p.add_argument("--interval", type=_range(float, "--interval"), default=(20.0, 30.0),
-                   help="seconds between hot-load POSTs, LO,HI (default 20,30)")
-    p.add_argument("--faults", type=_kinds, default=KINDS,
-                   help=f"fault kinds (default {','.join(KINDS)}; \"\" for a run without faults)")
-    p.add_argument("--fault-order", choices=("shuffled", "given"), default="shuffled",
-                   help="each round of faults in a seeded order, or in the order of --faults")
-    p.add_argument("--chaos-every", type=_range(float, "--chaos-every"), default=(20.0, 45.0),
-                   help="seconds between faults, LO,HI (default 20,45)")
-    p.add_argument("--down", type=_range(float, "--down"), default=(5.0, 20.0), help="seconds a killed daemon stays down")
-    p.add_argument("--liar-stay", type=_range(float, "--liar-stay"), default=(45.0, 90.0), help="seconds the liar stays")
-    p.add_argument("--burst", type=_range(float, "--burst"), default=(5.0, 30.0),
-                   help="seconds of a bucket 503 burst (every request), LO,HI (default 5,30)")
-    p.add_argument("--slow-stay", type=_range(float, "--slow-stay"), default=(45.0, 90.0),
-                   help="seconds a daemon runs with its peer uplink limited (fault 'slow'), LO,HI (default 45,90)")
-    p.add_argument("--slow-mbit", type=float, default=0.5,
-                   help="the slow daemon's peer uplink, Mbit/s (default %(default)s: 64 KB/s)")
+    p.add_argument(
+        "--interval",
+        type=_range(float, "--interval"),
+        default=(20.0, 30.0),
+        help="seconds between hot-load POSTs, LO,HI (default 20,30)",
+    )
+    p.add_argument(
+        "--faults",
+        type=_kinds,
+        default=KINDS,
+        help=f'fault kinds (default {",".join(KINDS)}; "" for a run without faults)',
+    )
+    p.add_argument(
+        "--fault-order",
+        choices=("shuffled", "given"),
+        default="shuffled",
+        help="each round of faults in a seeded order, or in the order of --faults",
+    )
+    p.add_argument(
+        "--chaos-every",
+        type=_range(float, "--chaos-every"),
+        default=(20.0, 45.0),
+        help="seconds between faults, LO,HI (default 20,45)",
+    )
+    p.add_argument(
+        "--down", type=_range(float, "--down"), default=(5.0, 20.0), help="seconds a killed daemon stays down"
+    )
+    p.add_argument(
+        "--liar-stay", type=_range(float, "--liar-stay"), default=(45.0, 90.0), help="seconds the liar stays"
+    )
+    p.add_argument(
+        "--burst",
+        type=_range(float, "--burst"),
+        default=(5.0, 30.0),
+        help="seconds of a bucket 503 burst (every request), LO,HI (default 5,30)",
+    )
+    p.add_argument(
+        "--slow-stay",
+        type=_range(float, "--slow-stay"),
+        default=(45.0, 90.0),
+        help="seconds a daemon runs with its peer uplink limited (fault 'slow'), LO,HI (default 45,90)",
+    )
+    p.add_argument(
+        "--slow-mbit",
+        type=float,
+        default=0.5,
+        help="the slow daemon's peer uplink, Mbit/s (default %(default)s: 64 KB/s)",
+    )
     p.add_argument("--max-down", type=int, default=2, help="daemons down at once, at most (default %(default)s)")
-    p.add_argument("--quiet-tail", type=float, default=60.0, help="no new faults in the last S seconds (default %(default)s)")
+    p.add_argument(
+        "--quiet-tail", type=float, default=60.0, help="no new faults in the last S seconds (default %(default)s)"
+    )
     p.add_argument("--sample-s", type=float, default=5.0)
-    p.add_argument("--warmup-s", type=float, default=120.0, help="samples of a life's first S seconds are not in its slope")
-    p.add_argument("--term-timeout", type=float, default=20.0,
-                   help="at the end, seconds a daemon gets to exit after SIGTERM before SIGKILL (default %(default)s)")
+    p.add_argument(
+        "--warmup-s", type=float, default=120.0, help="samples of a life's first S seconds are not in its slope"
+    )
+    p.add_argument(
+        "--term-timeout",
+        type=float,
+        default=20.0,
+        help="at the end, seconds a daemon gets to exit after SIGTERM before SIGKILL (default %(default)s)",
+    )
     p.add_argument("--log-level", default="info", help="the daemons' log level (default %(default)s)")
-    p.add_argument("--env", type=_assign, action="append", default=[], metavar="KEY=VALUE",
-                   help="an environment variable of every daemon (repeatable), e.g. MALLOC_ARENA_MAX=2")
-    p.add_argument("--node-env", type=_node_assign, action="append", default=[], metavar="nodeN:KEY=VALUE",
-                   help="an environment variable of one daemon, over --env (repeatable): an A/B within one run")
-    p.add_argument("--spare", default="node0", help="daemons the chaos loop never kills, comma list (default %(default)s)")
+    p.add_argument(
+        "--env",
+        type=_assign,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable of every daemon (repeatable), e.g. MALLOC_ARENA_MAX=2",
+    )
+    p.add_argument(
+        "--node-env",
+        type=_node_assign,
+        action="append",
+        default=[],
+        metavar="nodeN:KEY=VALUE",
+        help="an environment variable of one daemon, over --env (repeatable): an A/B within one run",
+    )
+    p.add_argument(
+        "--spare", default="node0", help="daemons the chaos loop never kills, comma list (default %(default)s)"
+    )
     p.add_argument("--engine-node", type=int, default=1, help="the daemon the engine uses (default %(default)s)")
     a = p.parse_args(argv)
     if a.nodes < 2 or a.minutes <= 0 or a.max_down < 1 or a.max_down >= a.nodes:
@@ -107,12 +169,37 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--spare / --node-env name daemons this run does not have: {', '.join(unknown)}")
     cfg = SoakConfig(
-        nodes=a.nodes, minutes=a.minutes, seed=a.seed, out=a.out, workdir=a.workdir, keep_workdir=a.keep_workdir,
-        n_embd=a.n_embd, n_layer=a.n_layer, anchor_every=a.anchor_every, interval=a.interval,
-        chunk_size=a.chunk_kib << 10, sample_s=a.sample_s, warmup_s=a.warmup_s, log_level=a.log_level, term_timeout=a.term_timeout,
-        daemon_env=dict(a.env), node_env=node_env, engine_node=a.engine_node,
-        chaos=ChaosParams(kinds=a.faults, every=a.chaos_every, down_s=a.down, liar_s=a.liar_stay, spare=spare,
-                          burst_s=a.burst, slow_s=a.slow_stay, slow_mbit=a.slow_mbit, max_down=a.max_down, quiet_s=a.quiet_tail, shuffle=a.fault_order == "shuffled"),
+        nodes=a.nodes,
+        minutes=a.minutes,
+        seed=a.seed,
+        out=a.out,
+        workdir=a.workdir,
+        keep_workdir=a.keep_workdir,
+        n_embd=a.n_embd,
+        n_layer=a.n_layer,
+        anchor_every=a.anchor_every,
+        interval=a.interval,
+        chunk_size=a.chunk_kib << 10,
+        sample_s=a.sample_s,
+        warmup_s=a.warmup_s,
+        log_level=a.log_level,
+        term_timeout=a.term_timeout,
+        daemon_env=dict(a.env),
+        node_env=node_env,
+        engine_node=a.engine_node,
+        chaos=ChaosParams(
+            kinds=a.faults,
+            every=a.chaos_every,
+            down_s=a.down,
+            liar_s=a.liar_stay,
+            spare=spare,
+            burst_s=a.burst,
+            slow_s=a.slow_stay,
+            slow_mbit=a.slow_mbit,
+            max_down=a.max_down,
+            quiet_s=a.quiet_tail,
+            shuffle=a.fault_order == "shuffled",
+        ),
     )
 
     def on_term(signum: int, frame: object) -> None:

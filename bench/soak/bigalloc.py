@@ -38,11 +38,30 @@ def ensure_probes() -> None:
 def record(pid: int, seconds: float, min_bytes: int, out: str) -> None:
     """``perf record`` of every thread of ``pid`` for ``seconds``, large allocations only."""
     big = f"size >= {min_bytes}"
-    cmd = ["timeout", str(seconds), "perf", "record", "-o", out,
-           "-e", "probe_libc:malloc", "--filter", big,
-           "-e", "probe_libc:calloc", "--filter", f"{big} || nmemb >= {min_bytes}",
-           "-e", "probe_libc:realloc", "--filter", big,
-           "--call-graph", "dwarf,32768", "-p", str(pid)]
+    cmd = [
+        "timeout",
+        str(seconds),
+        "perf",
+        "record",
+        "-o",
+        out,
+        "-e",
+        "probe_libc:malloc",
+        "--filter",
+        big,
+        "-e",
+        "probe_libc:calloc",
+        "--filter",
+        f"{big} || nmemb >= {min_bytes}",
+        "-e",
+        "probe_libc:realloc",
+        "--filter",
+        big,
+        "--call-graph",
+        "dwarf,32768",
+        "-p",
+        str(pid),
+    ]
     subprocess.run(cmd, capture_output=True)
 
 

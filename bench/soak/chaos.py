@@ -93,16 +93,22 @@ class Chaos:
             return None
         return self.rng.choice(sorted(live))
 
-    def _restart_later(self, node_id: str, after: float, extra_peers: list[str] | None = None,
-                       env: dict[str, str] | None = None) -> None:
+    def _restart_later(
+        self, node_id: str, after: float, extra_peers: list[str] | None = None, env: dict[str, str] | None = None
+    ) -> None:
         self.due.append((self.clock() + after, "restart", (node_id, extra_peers or [], env or {})))
 
     def _restart(self, node_id: str, extra_peers: list[str], env: dict[str, str]) -> None:
         def go() -> None:
             try:
                 took = self.fleet.restart(node_id, extra_peers, env=env)
-                self._record(action="restarted", node=node_id, healthy_after_s=round(took, 2),
-                             with_liar=bool(extra_peers), **({"env": env} if env else {}))
+                self._record(
+                    action="restarted",
+                    node=node_id,
+                    healthy_after_s=round(took, 2),
+                    with_liar=bool(extra_peers),
+                    **({"env": env} if env else {}),
+                )
             except Exception as e:  # a daemon that does not come back is a finding, not a harness crash
                 self._record(action="restart_failed", node=node_id, error=str(e).splitlines()[0][:300])
 
@@ -208,8 +214,12 @@ class Chaos:
                     try:
                         self.inject(kind)
                     except Exception as e:
-                        self._record(action="inject_failed", kind=kind, error=f"{type(e).__name__}: {e}"[:300],
-                                     tb=traceback.format_exc()[-800:])
+                        self._record(
+                            action="inject_failed",
+                            kind=kind,
+                            error=f"{type(e).__name__}: {e}"[:300],
+                            tb=traceback.format_exc()[-800:],
+                        )
                 self._run_due()
                 stop.wait(0.2)
         finally:

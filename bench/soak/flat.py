@@ -46,17 +46,26 @@ def windows(ts: list[float], ys: list[float], window_s: float = WINDOW_S) -> tup
     return [lo[k] for k in keep], [hi[k] for k in keep]
 
 
-def judge_life(samples: list[list[Any]], window_s: float = WINDOW_S, span_s: float = SPAN_S,
-               anon_mb: float = ANON_MB, fd_slack: float = FD_SLACK) -> dict[str, Any]:
+def judge_life(
+    samples: list[list[Any]],
+    window_s: float = WINDOW_S,
+    span_s: float = SPAN_S,
+    anon_mb: float = ANON_MB,
+    fd_slack: float = FD_SLACK,
+) -> dict[str, Any]:
     """The rule above on one life's samples (time order). Returns the per-window RssAnon and RSS
     floors (MB), fd maxima, the growths, and ``flat`` (True / False, None when too short)."""
     ts = [s[0] for s in samples]
     anon_lo, _ = windows(ts, [s[7] / 1024 for s in samples], window_s)
     rss_lo, _ = windows(ts, [s[3] / 1024 for s in samples], window_s)
     _, fd_hi = windows(ts, [float(s[4]) for s in samples], window_s)
-    out: dict[str, Any] = {"window_min": window_s / 60, "anon_floor_mb": [round(x, 1) for x in anon_lo],
-                           "rss_floor_mb": [round(x, 1) for x in rss_lo], "fds_max": [int(x) for x in fd_hi],
-                           "flat": None}
+    out: dict[str, Any] = {
+        "window_min": window_s / 60,
+        "anon_floor_mb": [round(x, 1) for x in anon_lo],
+        "rss_floor_mb": [round(x, 1) for x in rss_lo],
+        "fds_max": [int(x) for x in fd_hi],
+        "flat": None,
+    }
     last = int(span_s // window_s)
     if len(anon_lo) < last + 1:
         out["why"] = f"{len(anon_lo)} complete {window_s / 60:g}-minute windows, {last + 1} needed"

@@ -38,8 +38,9 @@ PROBE_ENV = "SOAK_TRACEMALLOC"  # bench/soak/tmprobe.py: a daemon with it runs u
 TOKEN = "soak-trainer-token-0123456789abcdef"
 
 
-def http_json(method: str, url: str, body: object | None = None, token: str | None = None,
-              timeout: float = 30.0) -> tuple[int, Any]:
+def http_json(
+    method: str, url: str, body: object | None = None, token: str | None = None, timeout: float = 30.0
+) -> tuple[int, Any]:
     """One JSON request; ``(status, parsed body)``; OSError when nothing answered."""
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method)
@@ -89,11 +90,15 @@ class ProbedDaemon(Daemon):
     under a tracemalloc / mallinfo2 probe, bench/soak/tmprobe.py), snapshots in ``<dir>/tracemalloc``."""
 
     def start(self, peers: list[str]) -> None:
-        env = dict(self.env, BDN_PEERS=",".join(p for p in peers if p != self.peer_url),
-                   SOAK_TRACEMALLOC_DIR=str(self.dir / "tracemalloc"))
+        env = dict(
+            self.env,
+            BDN_PEERS=",".join(p for p in peers if p != self.peer_url),
+            SOAK_TRACEMALLOC_DIR=str(self.dir / "tracemalloc"),
+        )
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.soak.tmprobe"], env=env,
-                                     stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.soak.tmprobe"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         log.close()
 
 
@@ -122,9 +127,17 @@ class Fleet:
     ``clock`` is the harness's monotonic clock (seconds since the soak began) used in records.
     """
 
-    def __init__(self, workdir: Path, shm_root: Path, n: int, clock: Any, log_level: str = "info",
-                 engine_node: int = 1, daemon_env: dict[str, str] | None = None,
-                 node_env: dict[str, dict[str, str]] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        shm_root: Path,
+        n: int,
+        clock: Any,
+        log_level: str = "info",
+        engine_node: int = 1,
+        daemon_env: dict[str, str] | None = None,
+        node_env: dict[str, dict[str, str]] | None = None,
+    ) -> None:
         self.workdir, self.shm_root, self.n, self.clock = workdir, shm_root, n, clock
         self.log_level = log_level
         self.daemon_env, self.node_env = dict(daemon_env or {}), dict(node_env or {})
@@ -148,8 +161,11 @@ class Fleet:
     # ---- bring-up ------------------------------------------------------------------------
     def start_bucket(self) -> None:
         """moto on a loopback port, a fresh bucket, the proxy the daemons read through."""
-        for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                     ("AWS_DEFAULT_REGION", "us-east-1")):
+        for k, v in (
+            ("AWS_ACCESS_KEY_ID", "testing"),
+            ("AWS_SECRET_ACCESS_KEY", "testing"),
+            ("AWS_DEFAULT_REGION", "us-east-1"),
+        ):
             os.environ.setdefault(k, v)
         os.environ.pop("AWS_PROFILE", None)
         self.moto, self.endpoint = start_moto_server()
@@ -162,8 +178,12 @@ class Fleet:
     def start_daemons(self, timeout: float = 600.0) -> None:  # 8 daemons importing at load 25+: minutes
         """Create and start every daemon; return once all see each other alive."""
         assert self.proxy is not None
-        env = {"BDN_API_TOKEN": self.token, "BDN_ENDPOINT_URL": self.proxy.url,
-               "BDN_LOG_LEVEL": self.log_level, **self.daemon_env}
+        env = {
+            "BDN_API_TOKEN": self.token,
+            "BDN_ENDPOINT_URL": self.proxy.url,
+            "BDN_LOG_LEVEL": self.log_level,
+            **self.daemon_env,
+        }
         for i in range(self.n):
             node_env = {**env, **self.node_env.get(f"node{i}", {})}
             kind = ProbedDaemon if node_env.get(PROBE_ENV) else Daemon
@@ -230,8 +250,13 @@ class Fleet:
             life.ended, life.ended_by = self.clock(), "kill"
             return proc.pid
 
-    def restart(self, node_id: str, extra_peers: list[str] | None = None, timeout: float = 300.0,
-                env: dict[str, str] | None = None) -> float:
+    def restart(
+        self,
+        node_id: str,
+        extra_peers: list[str] | None = None,
+        timeout: float = 300.0,
+        env: dict[str, str] | None = None,
+    ) -> float:
         """Start a daemon that is down again (``env``: variables for this life only); wait until
         healthy; seconds it took."""
         t0 = time.monotonic()
@@ -257,8 +282,15 @@ class Fleet:
                     life.ended, life.ended_by = self.clock(), f"exit {p.returncode}"
                     node.state = "down"
                     tail = node.daemon.log()[-1500:]
-                    self.unexpected_exits.append({"node": node.daemon.node_id, "pid": p.pid, "rc": p.returncode,
-                                                  "t_s": round(self.clock(), 1), "log_tail": tail})
+                    self.unexpected_exits.append(
+                        {
+                            "node": node.daemon.node_id,
+                            "pid": p.pid,
+                            "rc": p.returncode,
+                            "t_s": round(self.clock(), 1),
+                            "log_tail": tail,
+                        }
+                    )
                     dead.append(node.daemon.node_id)
         for nid in dead:
             try:
@@ -290,9 +322,23 @@ class Fleet:
                 self.engine_port = listen_ports(1)[0]
             log = open(self.workdir / "engine.log", "ab")
             self.engine = subprocess.Popen(
-                [sys.executable, str(ENGINE_SERVER), "--bdn-url", d.url, "--listen", f"127.0.0.1:{self.engine_port}",
-                 "--replica-id", d.node_id, "--name", "soak-engine", "--connect-timeout", "600"],
-                stdout=log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    str(ENGINE_SERVER),
+                    "--bdn-url",
+                    d.url,
+                    "--listen",
+                    f"127.0.0.1:{self.engine_port}",
+                    "--replica-id",
+                    d.node_id,
+                    "--name",
+                    "soak-engine",
+                    "--connect-timeout",
+                    "600",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
             log.close()
             self.engine_lives.append(Incarnation(self.engine.pid, self.clock()))
             return self.engine.pid
@@ -325,8 +371,11 @@ class Fleet:
         shutdown: dict[str, dict[str, Any]] = {}
         with self._lock:
             self.closed = True
-            running = {nid: n.daemon.proc for nid, n in self.nodes.items()
-                       if n.daemon.proc is not None and n.daemon.proc.poll() is None}
+            running = {
+                nid: n.daemon.proc
+                for nid, n in self.nodes.items()
+                if n.daemon.proc is not None and n.daemon.proc.poll() is None
+            }
             if self.engine is not None and self.engine.poll() is None:
                 self.engine.kill()
                 self.engine.wait()
@@ -337,19 +386,32 @@ class Fleet:
             while waiting and time.monotonic() - t_term < term_timeout:
                 for nid, p in list(waiting.items()):
                     if p.poll() is not None:
-                        shutdown[nid] = {"pid": p.pid, "exit_s": round(time.monotonic() - t_term, 2),
-                                         "rc": p.returncode, "result": f"exit {p.returncode}"}
+                        shutdown[nid] = {
+                            "pid": p.pid,
+                            "exit_s": round(time.monotonic() - t_term, 2),
+                            "rc": p.returncode,
+                            "result": f"exit {p.returncode}",
+                        }
                         del waiting[nid]
                 time.sleep(0.05)
             for nid, p in waiting.items():
                 if p.poll() is not None:  # exited in the last 50 ms
-                    shutdown[nid] = {"pid": p.pid, "exit_s": round(time.monotonic() - t_term, 2),
-                                     "rc": p.returncode, "result": f"exit {p.returncode}"}
+                    shutdown[nid] = {
+                        "pid": p.pid,
+                        "exit_s": round(time.monotonic() - t_term, 2),
+                        "rc": p.returncode,
+                        "result": f"exit {p.returncode}",
+                    }
                     continue
                 p.kill()
                 p.wait()
-                shutdown[nid] = {"pid": p.pid, "exit_s": None, "rc": None,
-                                 "result": f"did not exit in {term_timeout:g} s", "killed_rc": p.returncode}
+                shutdown[nid] = {
+                    "pid": p.pid,
+                    "exit_s": None,
+                    "rc": None,
+                    "result": f"did not exit in {term_timeout:g} s",
+                    "killed_rc": p.returncode,
+                }
                 self.shutdown_logs[nid] = self._after_stopping(self.nodes[nid].daemon)
             for node in self.nodes.values():
                 if node.lives and node.lives[-1].ended is None:
@@ -371,7 +433,7 @@ class Fleet:
     def _after_stopping(d: Daemon, n: int = 12) -> list[str]:
         lines = d.log().splitlines()
         idx = max((i for i, line in enumerate(lines) if " stopping" in line), default=len(lines) - n)
-        return [line[:300] for line in lines[idx:idx + n]]
+        return [line[:300] for line in lines[idx : idx + n]]
 
     def kill_all(self) -> None:
         """Last resort (an exception during close): SIGKILL whatever is still running."""

@@ -59,7 +59,9 @@ def _thread(name: str, fn: Any, errors: list[dict[str, Any]], *args: Any) -> thr
         try:
             fn(*args)
         except Exception as e:  # recorded: a harness loop that died must be visible in the result
-            errors.append({"thread": name, "error": f"{type(e).__name__}: {e}"[:500], "tb": traceback.format_exc()[-2000:]})
+            errors.append(
+                {"thread": name, "error": f"{type(e).__name__}: {e}"[:500], "tb": traceback.format_exc()[-2000:]}
+            )
 
     th = threading.Thread(target=body, name=name, daemon=True)
     th.start()
@@ -92,14 +94,31 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else workdir
     shm_root = Path(tempfile.mkdtemp(prefix="bdn-soak-shm-", dir=shm_base))
-    fleet = Fleet(workdir, shm_root, cfg.nodes, clock, cfg.log_level, cfg.engine_node,
-                  daemon_env=cfg.daemon_env, node_env=cfg.node_env)
+    fleet = Fleet(
+        workdir,
+        shm_root,
+        cfg.nodes,
+        clock,
+        cfg.log_level,
+        cfg.engine_node,
+        daemon_env=cfg.daemon_env,
+        node_env=cfg.node_env,
+    )
     errors: list[dict[str, Any]] = []
     stop = threading.Event()
     chaos = Chaos(fleet, random.Random(rng.randrange(1 << 30)), clock, cfg.chaos)
-    trainer = Trainer(fleet, workdir, random.Random(rng.randrange(1 << 30)), clock, chaos.injected,
-                      n_embd=cfg.n_embd, n_layer=cfg.n_layer, anchor_every=cfg.anchor_every,
-                      interval=cfg.interval, chunk_size=cfg.chunk_size)
+    trainer = Trainer(
+        fleet,
+        workdir,
+        random.Random(rng.randrange(1 << 30)),
+        clock,
+        chaos.injected,
+        n_embd=cfg.n_embd,
+        n_layer=cfg.n_layer,
+        anchor_every=cfg.anchor_every,
+        interval=cfg.interval,
+        chunk_size=cfg.chunk_size,
+    )
     verifier = Verifier(fleet, trainer, random.Random(rng.randrange(1 << 30)), clock, cfg.reverify_s)
     sampler: Sampler | None = None
     threads: list[threading.Thread] = []
@@ -112,8 +131,12 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     try:
         fleet.start_bucket()
         first = trainer.publish_first()
-        setup["anchor"] = {"identity": first.identity, "stored_bytes": first.stored_bytes,
-                           "publish_s": round(first.publish_s, 2), "files": first.sizes}
+        setup["anchor"] = {
+            "identity": first.identity,
+            "stored_bytes": first.stored_bytes,
+            "publish_s": round(first.publish_s, 2),
+            "files": first.sizes,
+        }
         fleet.start_daemons()
         setup["daemons_up_s"] = round(clock(), 1)
         for n in fleet.live():
@@ -148,7 +171,9 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     except KeyboardInterrupt:
         interrupted = True
     except Exception as e:
-        errors.append({"thread": "main", "error": f"{type(e).__name__}: {e}"[:2000], "tb": traceback.format_exc()[-3000:]})
+        errors.append(
+            {"thread": "main", "error": f"{type(e).__name__}: {e}"[:2000], "tb": traceback.format_exc()[-3000:]}
+        )
     finally:
         stop.set()
         for th in threads:
@@ -167,8 +192,22 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
             fleet.kill_all()
     if not t_run1:
         t_run1 = clock()
-    result = build_result(cfg, fleet, trainer, chaos, verifier, sampler, schedule, setup, end, errors,
-                          interrupted, t_run0, t_run1, workdir)
+    result = build_result(
+        cfg,
+        fleet,
+        trainer,
+        chaos,
+        verifier,
+        sampler,
+        schedule,
+        setup,
+        end,
+        errors,
+        interrupted,
+        t_run0,
+        t_run1,
+        workdir,
+    )
     result["bucket"] = bucket
     if cfg.out is not None:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
@@ -186,15 +225,32 @@ def bucket_stats(fleet: Fleet, trainer: Trainer) -> dict[str, Any]:
     gets = [r for r in recs if r.method == "GET" and not r.injected]
     stored = sum(p.stored_bytes for p in trainer.published.values())
     egress = sum(r.response_bytes for r in gets)
-    return {"requests": len(recs), "answered_503": sum(1 for r in recs if r.injected),
-            "chunk_gets": sum(1 for r in gets if r.range), "egress_bytes": egress, "published_stored_bytes": stored,
-            "egress_over_stored": round(egress / stored, 3) if stored else None}
+    return {
+        "requests": len(recs),
+        "answered_503": sum(1 for r in recs if r.injected),
+        "chunk_gets": sum(1 for r in gets if r.range),
+        "egress_bytes": egress,
+        "published_stored_bytes": stored,
+        "egress_over_stored": round(egress / stored, 3) if stored else None,
+    }
 
 
-def build_result(cfg: SoakConfig, fleet: Fleet, trainer: Trainer, chaos: Chaos, verifier: Verifier,
-                 sampler: Sampler | None, schedule: list[tuple[float, str]], setup: dict[str, Any],
-                 end: dict[str, Any], errors: list[dict[str, Any]], interrupted: bool, t0: float, t1: float,
-                 workdir: Path) -> dict[str, Any]:
+def build_result(
+    cfg: SoakConfig,
+    fleet: Fleet,
+    trainer: Trainer,
+    chaos: Chaos,
+    verifier: Verifier,
+    sampler: Sampler | None,
+    schedule: list[tuple[float, str]],
+    setup: dict[str, Any],
+    end: dict[str, Any],
+    errors: list[dict[str, Any]],
+    interrupted: bool,
+    t0: float,
+    t1: float,
+    workdir: Path,
+) -> dict[str, Any]:
     minutes = max(0.0, t1 - t0) / 60
     samples = sampler.samples if sampler else []
     hot = trainer.records()
@@ -204,8 +260,11 @@ def build_result(cfg: SoakConfig, fleet: Fleet, trainer: Trainer, chaos: Chaos, 
     r: dict[str, Any] = {
         "bench": "soak",
         "config": conf,
-        "model": {"n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
-                  "bytes": sum(trainer.published[trainer.order[0]].sizes.values()) if trainer.order else 0},
+        "model": {
+            "n_embd": cfg.n_embd,
+            "n_layer": cfg.n_layer,
+            "bytes": sum(trainer.published[trainer.order[0]].sizes.values()) if trainer.order else 0,
+        },
         "interrupted": interrupted,
         "harness_errors": errors,
         "elapsed_min": round(minutes, 2),
@@ -215,8 +274,10 @@ def build_result(cfg: SoakConfig, fleet: Fleet, trainer: Trainer, chaos: Chaos, 
         "faults_by_kind": dict(Counter(e["fault"] for e in chaos.events if e.get("fault"))),
         "hotloads": report.hotload_stats(hot),
         "hotload_records": hot,
-        "published": [{"identity": p.identity, "kind": p.kind, "stored_bytes": p.stored_bytes,
-                       "publish_s": round(p.publish_s, 2)} for p in trainer.published.values()],
+        "published": [
+            {"identity": p.identity, "kind": p.kind, "stored_bytes": p.stored_bytes, "publish_s": round(p.publish_s, 2)}
+            for p in trainer.published.values()
+        ],
         "verify": verifier.summary(),
         "resources": report.resources(samples, cfg.warmup_s, min(300.0, cfg.minutes * 60 / 3), cfg.minutes),
         "flat": flat.judge(samples),

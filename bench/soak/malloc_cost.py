@@ -32,7 +32,10 @@ from pathlib import Path
 
 from bench import runs
 
-VARIANTS = {"glibc default (dynamic threshold)": {}, "MALLOC_MMAP_THRESHOLD_=131072": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+VARIANTS = {
+    "glibc default (dynamic threshold)": {},
+    "MALLOC_MMAP_THRESHOLD_=131072": {"MALLOC_MMAP_THRESHOLD_": "131072"},
+}
 CHUNK = 16 << 20
 
 
@@ -98,18 +101,27 @@ def main() -> int:
     for _ in range(a.runs):
         for name, env in VARIANTS.items():
             e = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-            p = subprocess.run([sys.executable, "-m", "bench.soak.malloc_cost", "--child", "--reps", str(a.reps)],
-                               env={**e, **env}, capture_output=True, text=True, check=True)
+            p = subprocess.run(
+                [sys.executable, "-m", "bench.soak.malloc_cost", "--child", "--reps", str(a.reps)],
+                env={**e, **env},
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             got[name].append(json.loads(p.stdout.strip().splitlines()[-1]))
     rows = []
     for name, rs in got.items():
         st = runs.summarize({k: [r[k] for r in rs] for k in rs[0]})
         rows.append({"variant": name, **st["median"], **st})
-        print(f"{name:36s} apply {runs.spread(rows[-1], 'apply_cpu_ms', 1)} ms CPU, "
-              f"{runs.spread(rows[-1], 'apply_minflt', 0)} faults; pread 16 MiB "
-              f"{runs.spread(rows[-1], 'pread_cpu_ms', 2)} ms CPU, {runs.spread(rows[-1], 'pread_minflt', 0)} faults")
+        print(
+            f"{name:36s} apply {runs.spread(rows[-1], 'apply_cpu_ms', 1)} ms CPU, "
+            f"{runs.spread(rows[-1], 'apply_minflt', 0)} faults; pread 16 MiB "
+            f"{runs.spread(rows[-1], 'pread_cpu_ms', 2)} ms CPU, {runs.spread(rows[-1], 'pread_minflt', 0)} faults"
+        )
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({"bench": "malloc_cost", "reps": a.reps, "load_avg": os.getloadavg(), "rows": rows}, indent=1) + "\n")
+    a.out.write_text(
+        json.dumps({"bench": "malloc_cost", "reps": a.reps, "load_avg": os.getloadavg(), "rows": rows}, indent=1) + "\n"
+    )
     return 0
 
 

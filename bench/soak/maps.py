@@ -46,8 +46,15 @@ def parse_smaps(lines: Iterable[str]) -> dict[str, int]:
             continue
         nxt = maps[i + 1] if i + 1 < len(maps) else None
         whole = end - start == HEAP_MAX and start % HEAP_MAX == 0
-        reserved_rest = (nxt is not None and nxt[0] == end and nxt[2] == "---p" and not nxt[3]
-                         and isinstance(nxt[1], int) and nxt[1] % HEAP_MAX == 0 and nxt[1] - start <= HEAP_MAX)
+        reserved_rest = (
+            nxt is not None
+            and nxt[0] == end
+            and nxt[2] == "---p"
+            and not nxt[3]
+            and isinstance(nxt[1], int)
+            and nxt[1] % HEAP_MAX == 0
+            and nxt[1] - start <= HEAP_MAX
+        )
         if perms == "rw-p" and (whole or reserved_rest):
             out["arenas_kb"] += anon
             out["arena_heaps"] += 1
@@ -78,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         if m is None:
             print(f"{pid}: gone or unreadable")
             continue
-        print(f"{pid}: main heap {m['heap_kb'] / 1024:.1f} MB, thread arenas {m['arenas_kb'] / 1024:.1f} MB "
-              f"({m['arena_heaps']} heaps), other anonymous {m['other_kb'] / 1024:.1f} MB")
+        print(
+            f"{pid}: main heap {m['heap_kb'] / 1024:.1f} MB, thread arenas {m['arenas_kb'] / 1024:.1f} MB "
+            f"({m['arena_heaps']} heaps), other anonymous {m['other_kb'] / 1024:.1f} MB"
+        )
     return 0
 
 

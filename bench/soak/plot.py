@@ -52,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     bottom.set_ylabel("open fds")
     bottom.set_xlabel("minutes (grey: a fault injected)")
     h = result.get("hotloads", {})
-    top.set_title(f"soak: {len(faults)} faults, {h.get('posted', '?')} hot-loads posted, "
-                  f"{result.get('verify', {}).get('wrong_bytes_handed_out', '?')} wrong bytes handed out")
+    top.set_title(
+        f"soak: {len(faults)} faults, {h.get('posted', '?')} hot-loads posted, "
+        f"{result.get('verify', {}).get('wrong_bytes_handed_out', '?')} wrong bytes handed out"
+    )
     top.legend(ncol=5, fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(args[1], dpi=110)

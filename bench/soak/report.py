@@ -55,7 +55,9 @@ def floor_slope_per_min(ts: list[float], ys: list[float], bin_s: float = 60.0) -
     return slope_per_min([k * bin_s for k in ks], [bins[k] for k in ks])
 
 
-def second_half_trend(ts: list[float], ys: list[float], kind: str = "min", bin_s: float = 60.0) -> dict[str, Any] | None:
+def second_half_trend(
+    ts: list[float], ys: list[float], kind: str = "min", bin_s: float = 60.0
+) -> dict[str, Any] | None:
     """The trend of one daemon life's second half: the per-``bin_s`` minima (``kind`` "min": the
     memory floor) or maxima ("max": the fd peaks) of its samples from the life's midpoint on,
     their least-squares slope per minute, the slope's standard error (the noise: the scatter of
@@ -81,8 +83,15 @@ def second_half_trend(ts: list[float], ys: list[float], kind: str = "min", bin_s
     b = sum((x - mx) * (y - my) for x, y in zip(xs, vs)) / sxx
     resid = sum((y - my - b * (x - mx)) ** 2 for x, y in zip(xs, vs))
     se = (resid / (n - 2) / sxx) ** 0.5
-    return {"slope_per_min": round(b, 4), "stderr_per_min": round(se, 4), "over_min": round(xs[-1] - xs[0], 1),
-            "implied": round(b * (xs[-1] - xs[0]), 2), "first": round(vs[0], 1), "last": round(vs[-1], 1), "bins": n}
+    return {
+        "slope_per_min": round(b, 4),
+        "stderr_per_min": round(se, 4),
+        "over_min": round(xs[-1] - xs[0], 1),
+        "implied": round(b * (xs[-1] - xs[0]), 2),
+        "first": round(vs[0], 1),
+        "last": round(vs[-1], 1),
+        "bins": n,
+    }
 
 
 def second_half(samples: list[list[Any]]) -> dict[str, Any]:
@@ -98,9 +107,12 @@ def second_half(samples: list[list[Any]]) -> dict[str, Any]:
         if node in out and out[node]["life_min"] * 60 >= span:
             continue
         ts = [x[0] for x in rows]
-        out[node] = {"pid": pid, "life_min": round(span / 60, 1),
-                     "anon_mb": second_half_trend(ts, [x[7] / 1024 for x in rows], "min"),
-                     "fds": second_half_trend(ts, [float(x[4]) for x in rows], "max")}
+        out[node] = {
+            "pid": pid,
+            "life_min": round(span / 60, 1),
+            "anon_mb": second_half_trend(ts, [x[7] / 1024 for x in rows], "min"),
+            "fds": second_half_trend(ts, [float(x[4]) for x in rows], "max"),
+        }
     return out
 
 
@@ -123,10 +135,16 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
         t0 = ss[0][0]
         late = [s for s in ss if s[0] - t0 >= warmup_s]
         life: dict[str, Any] = {
-            "pid": pid, "from_s": ss[0][0], "to_s": ss[-1][0], "samples": len(ss),
-            "rss_mb_first": round(ss[0][3] / 1024, 1), "rss_mb_last": round(ss[-1][3] / 1024, 1),
+            "pid": pid,
+            "from_s": ss[0][0],
+            "to_s": ss[-1][0],
+            "samples": len(ss),
+            "rss_mb_first": round(ss[0][3] / 1024, 1),
+            "rss_mb_last": round(ss[-1][3] / 1024, 1),
             "rss_mb_max": round(max(s[3] for s in ss) / 1024, 1),
-            "fds_first": ss[0][4], "fds_last": ss[-1][4], "fds_max": max(s[4] for s in ss),
+            "fds_first": ss[0][4],
+            "fds_last": ss[-1][4],
+            "fds_max": max(s[4] for s in ss),
             "cpu_s": ss[-1][5],
         }
         if len(late) >= 3 and late[-1][0] - late[0][0] >= min_span_s:
@@ -158,13 +176,21 @@ def resources(samples: list[list[Any]], warmup_s: float, min_span_s: float, flat
             rec["slope_life_min"] = round((best["to_s"] - best["from_s"]) / 60, 1)
             rec["rss_mb_per_min"] = best["rss_mb_per_min"]
             rec["fds_per_min"] = best["fds_per_min"]
-            for key in ("anon_mb_per_min", "rss_floor_mb_per_min", "anon_floor_mb_per_min", "rss_floor_mb_per_min_2nd_half",
-                        "anon_floor_mb_per_min_2nd_half", "anon_floor_mb_by_5min"):
+            for key in (
+                "anon_mb_per_min",
+                "rss_floor_mb_per_min",
+                "anon_floor_mb_per_min",
+                "rss_floor_mb_per_min_2nd_half",
+                "anon_floor_mb_per_min_2nd_half",
+                "anon_floor_mb_by_5min",
+            ):
                 if key in best:
                     rec[key] = best[key]
             if best["to_s"] - best["from_s"] >= JUDGE_MIN_S:  # shorter lives: numbers, no verdict
-                rec["flat"] = (abs(best["rss_mb_per_min"]) * flat_over_min < RSS_FLAT_MB
-                               and abs(best["fds_per_min"]) * flat_over_min < FD_FLAT)
+                rec["flat"] = (
+                    abs(best["rss_mb_per_min"]) * flat_over_min < RSS_FLAT_MB
+                    and abs(best["fds_per_min"]) * flat_over_min < FD_FLAT
+                )
     return out
 
 
@@ -183,8 +209,13 @@ def memory_owners(maps: list[list[Any]], warmup_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for node, ms in sorted(best.items()):
         ts = [m[0] for m in ms]
-        rec: dict[str, Any] = {"pid": ms[0][2], "from_s": ts[0], "to_s": ts[-1],
-                               "arena_heaps_last": ms[-1][5], "threads_last": ms[-1][7]}
+        rec: dict[str, Any] = {
+            "pid": ms[0][2],
+            "from_s": ts[0],
+            "to_s": ts[-1],
+            "arena_heaps_last": ms[-1][5],
+            "threads_last": ms[-1][7],
+        }
         for key, col in (("heap", 3), ("arenas", 4), ("other", 6)):
             ys = [m[col] / 1024 for m in ms]
             rec[f"{key}_mb_first"], rec[f"{key}_mb_last"] = round(ys[0], 1), round(ys[-1], 1)
@@ -205,16 +236,20 @@ def log_rates(samples: list[list[Any]], minutes: float) -> dict[str, Any]:
         for s in ss[1:]:
             per_min[int(s[0] // 60)] += s[6] - prev
             prev = s[6]
-        out[node] = {"lines": ss[-1][6], "per_min": round(ss[-1][6] / max(minutes, 1e-9), 1),
-                     "busiest_min": max(per_min.values()) if per_min else 0}
+        out[node] = {
+            "lines": ss[-1][6],
+            "per_min": round(ss[-1][6] / max(minutes, 1e-9), 1),
+            "busiest_min": max(per_min.values()) if per_min else 0,
+        }
     return out
 
 
 _NUM = re.compile(r"\b[0-9a-f]{8,}\b|\d+(\.\d+)?")
 
 
-def top_log_lines(paths: dict[str, Path], levels: tuple[str, ...] = ("WARNING", "ERROR", "CRITICAL"),
-                  n: int = 15) -> list[dict[str, Any]]:
+def top_log_lines(
+    paths: dict[str, Path], levels: tuple[str, ...] = ("WARNING", "ERROR", "CRITICAL"), n: int = 15
+) -> list[dict[str, Any]]:
     """The most frequent warning/error messages over every daemon's log (numbers and hex masked)."""
     c: Counter[str] = Counter()
     example: dict[str, str] = {}
@@ -276,11 +311,17 @@ def hotload_stats(hotloads: list[dict[str, Any]]) -> dict[str, Any]:
         "completed": len(done),
         "completed_after_faults": sum(1 for h in done if h["faults_before"] > 0),
         "outcomes": dict(outcomes),
-        "post_to_all_done_s": {"p50": percentile([h["done_s"] for h in done], 50),
-                               "p99": percentile([h["done_s"] for h in done], 99),
-                               "max": max((h["done_s"] for h in done), default=None)},
-        "post_to_all_ready_s": {"p50": percentile(ready, 50), "p99": percentile(ready, 99),
-                                "max": max(ready, default=None), "n": len(ready)},
+        "post_to_all_done_s": {
+            "p50": percentile([h["done_s"] for h in done], 50),
+            "p99": percentile([h["done_s"] for h in done], 99),
+            "max": max((h["done_s"] for h in done), default=None),
+        },
+        "post_to_all_ready_s": {
+            "p50": percentile(ready, 50),
+            "p99": percentile(ready, 99),
+            "max": max(ready, default=None),
+            "n": len(ready),
+        },
         "posts_needing_retry": sum(1 for h in hotloads if len(h["attempts"]) > 1),
     }
 
@@ -318,13 +359,15 @@ def not_done_reasons(records: list[dict[str, Any]], chaos: list[dict[str, Any]],
                 out["reported"] += 1
             elif stage in LOADING_STAGES and h["outcome"] == "not_done_before_next":
                 out["superseded"] += 1
-            elif nd["node"] == engine_node and stage in ("ready", "loading") and any(
-                    h["t_post"] - ENGINE_HOLD_S <= t <= t_next for t in crashes):
+            elif (
+                nd["node"] == engine_node
+                and stage in ("ready", "loading")
+                and any(h["t_post"] - ENGINE_HOLD_S <= t <= t_next for t in crashes)
+            ):
                 out["engine_stale"] += 1
             else:
                 out["unexplained"][f"{nd['node']} stage {stage}"] += 1
     return out
-
 
 
 def findings(r: dict[str, Any]) -> list[str]:
@@ -341,13 +384,17 @@ def findings(r: dict[str, Any]) -> list[str]:
             out.append(f"{e['node']} did not come back after a restart at {e['t_s']} s: {e['error']}")
     for node, rec in r["resources"].items():
         if rec.get("flat") is False:
-            out.append(f"{node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min "
-                       f"over {rec['slope_life_min']} min")
+            out.append(
+                f"{node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min, fds {rec['fds_per_min']:+.3f}/min "
+                f"over {rec['slope_life_min']} min"
+            )
     for node, fr in (r.get("flat") or {}).items():  # bench/soak/flat.py: the 10-minute-window rule
         if fr.get("flat") is False:
-            out.append(f"{node} not flat over its last 30 min (pid {fr['pid']}, {fr['life_min']} min): RssAnon floor "
-                       f"per 10 min {fr['anon_floor_mb']} (+{fr['anon_growth_mb']} MB), fd maxima {fr['fds_max']} "
-                       f"({fr['fds_growth']:+d})")
+            out.append(
+                f"{node} not flat over its last 30 min (pid {fr['pid']}, {fr['life_min']} min): RssAnon floor "
+                f"per 10 min {fr['anon_floor_mb']} (+{fr['anon_growth_mb']} MB), fd maxima {fr['fds_max']} "
+                f"({fr['fds_growth']:+d})"
+            )
     why = not_done_reasons(r["hotload_records"], r["chaos"], engine_node)
     for k, n in why["unexplained"].most_common():
         out.append(f"replica {k}: not done in {n} hot-load(s), nothing reported why")
@@ -361,15 +408,19 @@ def findings(r: dict[str, Any]) -> list[str]:
     # snapshot means queued requests still went to it after the penalty.
     if lh.get("max_per_snapshot", 0) > MAX_PER_PEER:
         worst = max(((n, i, k) for n, d in lh["by_node"].items() for i, k in d.items()), key=lambda x: x[2])
-        out.append(f"{worst[0]} took {worst[2]} bad chunks from the liar for {worst[1]} ({lh['total']} in all): the "
-                   f"penalty does not redirect the requests queued for a lying peer (issue 12, item 8; up to "
-                   f"{MAX_PER_PEER} in flight when the first bad answer comes are expected)")
+        out.append(
+            f"{worst[0]} took {worst[2]} bad chunks from the liar for {worst[1]} ({lh['total']} in all): the "
+            f"penalty does not redirect the requests queued for a lying peer (issue 12, item 8; up to "
+            f"{MAX_PER_PEER} in flight when the first bad answer comes are expected)"
+        )
     if r["end"]["not_alive"]:
         out.append(f"not alive at the end: {r['end']['not_alive']}")
     bad = {k: v for k, v in r["end"]["shutdown"].items() if v != "exit 0"}
     if bad:
-        out.append(f"SIGTERM at the end did not give exit 0: {bad}; their logs after 'stopping': "
-                   f"{ {k: v[:4] for k, v in r.get('shutdown_logs', {}).items()} }")
+        out.append(
+            f"SIGTERM at the end did not give exit 0: {bad}; their logs after 'stopping': "
+            f"{ {k: v[:4] for k, v in r.get('shutdown_logs', {}).items()} }"
+        )
     return out
 
 
@@ -394,43 +445,70 @@ def text_summary(r: dict[str, Any]) -> str:
     ]
     for node, rec in sorted(r["resources"].items()):
         if "rss_mb_per_min" in rec:
-            floor = (f" (per-minute floor {rec['rss_floor_mb_per_min']:+.3f}, heap floor "
-                     f"{rec.get('anon_floor_mb_per_min', 0):+.3f}, 2nd half {rec.get('anon_floor_mb_per_min_2nd_half', 0):+.3f}; "
-                     f"heap floor per 5 min {rec.get('anon_floor_mb_by_5min')})" if "rss_floor_mb_per_min" in rec else "")
-            lines.append(f"  {node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min{floor}, fds {rec['fds_per_min']:+.3f}/min over "
-                         f"{rec['slope_life_min']} min ({ {True: 'flat', False: 'GROWING', None: 'too short to judge'}[rec.get('flat')] }); max RSS "
-                         f"{rec['rss_mb_max']} MB, max fds {rec['fds_max']}; log {r['logs'].get(node, {}).get('per_min')} lines/min")
+            floor = (
+                f" (per-minute floor {rec['rss_floor_mb_per_min']:+.3f}, heap floor "
+                f"{rec.get('anon_floor_mb_per_min', 0):+.3f}, 2nd half {rec.get('anon_floor_mb_per_min_2nd_half', 0):+.3f}; "
+                f"heap floor per 5 min {rec.get('anon_floor_mb_by_5min')})"
+                if "rss_floor_mb_per_min" in rec
+                else ""
+            )
+            lines.append(
+                f"  {node}: RSS {rec['rss_mb_per_min']:+.3f} MB/min{floor}, fds {rec['fds_per_min']:+.3f}/min over "
+                f"{rec['slope_life_min']} min ({ {True: 'flat', False: 'GROWING', None: 'too short to judge'}[rec.get('flat')] }); max RSS "
+                f"{rec['rss_mb_max']} MB, max fds {rec['fds_max']}; log {r['logs'].get(node, {}).get('per_min')} lines/min"
+            )
     envs = r["config"].get("node_env") or {}
     for node, m in sorted((r.get("memory_owners") or {}).items()):
-        lines.append(f"  {node} {' '.join(f'{k}={v}' for k, v in sorted(envs.get(node, {}).items())) or '(default env)'}: "
-                     f"main heap {m['heap_mb_first']} -> {m['heap_mb_last']} MB ({m['heap_mb_per_min']:+.3f}/min), "
-                     f"thread arenas {m['arenas_mb_first']} -> {m['arenas_mb_last']} MB ({m['arenas_mb_per_min']:+.3f}/min, "
-                     f"{m['arena_heaps_last']} heaps), other anon {m['other_mb_first']} -> {m['other_mb_last']} MB "
-                     f"({m['other_mb_per_min']:+.3f}/min); {m['threads_last']} threads")
+        lines.append(
+            f"  {node} {' '.join(f'{k}={v}' for k, v in sorted(envs.get(node, {}).items())) or '(default env)'}: "
+            f"main heap {m['heap_mb_first']} -> {m['heap_mb_last']} MB ({m['heap_mb_per_min']:+.3f}/min), "
+            f"thread arenas {m['arenas_mb_first']} -> {m['arenas_mb_last']} MB ({m['arenas_mb_per_min']:+.3f}/min, "
+            f"{m['arena_heaps_last']} heaps), other anon {m['other_mb_first']} -> {m['other_mb_last']} MB "
+            f"({m['other_mb_per_min']:+.3f}/min); {m['threads_last']} threads"
+        )
     for node, fr in sorted((r.get("flat") or {}).items()):
         verdict = {True: "FLAT", False: "NOT FLAT", None: f"not judged ({fr.get('why')})"}[fr["flat"]]
-        grow = (f"; growth over the last 30 min: RssAnon floor {fr['anon_growth_mb']:+.2f} MB, fd maxima "
-                f"{fr['fds_growth']:+d}" if fr["flat"] is not None else "")
-        lines.append(f"  {node} rule (bench/soak/flat.py) {verdict}: pid {fr['pid']}, {fr['life_min']} min; RssAnon "
-                     f"floor per 10 min {fr['anon_floor_mb']} MB, fd maxima {fr['fds_max']}{grow}")
+        grow = (
+            f"; growth over the last 30 min: RssAnon floor {fr['anon_growth_mb']:+.2f} MB, fd maxima "
+            f"{fr['fds_growth']:+d}"
+            if fr["flat"] is not None
+            else ""
+        )
+        lines.append(
+            f"  {node} rule (bench/soak/flat.py) {verdict}: pid {fr['pid']}, {fr['life_min']} min; RssAnon "
+            f"floor per 10 min {fr['anon_floor_mb']} MB, fd maxima {fr['fds_max']}{grow}"
+        )
     for node, sh in sorted((r.get("second_half") or {}).items()):
         a, f = sh["anon_mb"], sh["fds"]
         if a and f:
-            lines.append(f"  {node} second half of its {sh['life_min']} min life ({a['over_min']} min): RssAnon floor "
-                         f"{a['first']} -> {a['last']} MB, slope {a['slope_per_min']:+.4f} ± {a['stderr_per_min']:.4f} "
-                         f"MB/min; fd maxima {f['first']:.0f} -> {f['last']:.0f}, slope {f['slope_per_min']:+.3f} ± "
-                         f"{f['stderr_per_min']:.3f} /min")
+            lines.append(
+                f"  {node} second half of its {sh['life_min']} min life ({a['over_min']} min): RssAnon floor "
+                f"{a['first']} -> {a['last']} MB, slope {a['slope_per_min']:+.4f} ± {a['stderr_per_min']:.4f} "
+                f"MB/min; fd maxima {f['first']:.0f} -> {f['last']:.0f}, slope {f['slope_per_min']:+.3f} ± "
+                f"{f['stderr_per_min']:.3f} /min"
+            )
     lh = r.get("liar_bad_chunks_taken")
     if lh:
-        lines.append(f"bad chunks taken from the liar: {lh['total']} (at most {lh['max_per_snapshot']} by one daemon "
-                     "for one snapshot)")
+        lines.append(
+            f"bad chunks taken from the liar: {lh['total']} (at most {lh['max_per_snapshot']} by one daemon "
+            "for one snapshot)"
+        )
     if r["unexpected_exits"]:
-        lines.append(f"daemons that exited on their own: {[(e.get('node'), e.get('rc')) for e in r['unexpected_exits']]}")
-    lines.append(f"at the end: alive {r['end']['alive']}, not alive {r['end']['not_alive']}; shutdown {r['end']['shutdown']}")
+        lines.append(
+            f"daemons that exited on their own: {[(e.get('node'), e.get('rc')) for e in r['unexpected_exits']]}"
+        )
+    lines.append(
+        f"at the end: alive {r['end']['alive']}, not alive {r['end']['not_alive']}; shutdown {r['end']['shutdown']}"
+    )
     exits = r["end"].get("exits") or {}
     if exits:
-        lines.append("SIGTERM -> exit: " + ", ".join(
-            f"{n} {e['result']}" + (f" in {e['exit_s']} s" if e.get("exit_s") is not None else "") for n, e in sorted(exits.items())))
+        lines.append(
+            "SIGTERM -> exit: "
+            + ", ".join(
+                f"{n} {e['result']}" + (f" in {e['exit_s']} s" if e.get("exit_s") is not None else "")
+                for n, e in sorted(exits.items())
+            )
+        )
     for f in r["findings"]:
         lines.append(f"FINDING: {f}")
     return "\n".join(lines)

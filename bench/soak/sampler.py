@@ -94,8 +94,9 @@ class Sampler:
                 self.samples.append([t, nid, p.pid, s[0], s[1], round(s[2], 2), self.logs[nid].count(), s[3]])
             m = read_smaps(p.pid) if with_maps else None
             if m is not None:
-                self.maps.append([t, nid, p.pid, m["heap_kb"], m["arenas_kb"], m["arena_heaps"], m["other_kb"],
-                                  threads(p.pid)])
+                self.maps.append(
+                    [t, nid, p.pid, m["heap_kb"], m["arenas_kb"], m["arena_heaps"], m["other_kb"], threads(p.pid)]
+                )
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -41,8 +41,21 @@ _T0 = time.monotonic()
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def mallinfo2() -> dict[str, int] | None:
@@ -93,21 +106,38 @@ def _probe(start_s: float, every_s: float, frames: int, out: Path) -> None:
 def diff(old: Path, new: Path, top: int = 25) -> dict[str, Any]:
     """What ``new`` holds beyond ``old``, grouped by traceback, largest growth first: totals in KiB
     and the ``top`` tracebacks as ``{"size_kb", "size_diff_kb", "count_diff", "frames": [...]}``."""
-    keep = [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, __file__),
-            tracemalloc.Filter(False, "<frozen importlib._bootstrap*>")]
+    keep = [
+        tracemalloc.Filter(False, tracemalloc.__file__),
+        tracemalloc.Filter(False, __file__),
+        tracemalloc.Filter(False, "<frozen importlib._bootstrap*>"),
+    ]
     a = tracemalloc.Snapshot.load(str(old)).filter_traces(keep)
     b = tracemalloc.Snapshot.load(str(new)).filter_traces(keep)
     stats = b.compare_to(a, "traceback")
     total_a = sum(s.size for s in a.statistics("filename"))
     total_b = sum(s.size for s in b.statistics("filename"))
-    rows = [{"size_kb": round(s.size / 1024, 1), "size_diff_kb": round(s.size_diff / 1024, 1), "count_diff": s.count_diff,
-             "frames": [f"{fr.filename}:{fr.lineno}" for fr in reversed(s.traceback)]} for s in stats[:top]]  # allocation site first
+    rows = [
+        {
+            "size_kb": round(s.size / 1024, 1),
+            "size_diff_kb": round(s.size_diff / 1024, 1),
+            "count_diff": s.count_diff,
+            "frames": [f"{fr.filename}:{fr.lineno}" for fr in reversed(s.traceback)],
+        }
+        for s in stats[:top]
+    ]  # allocation site first
     by_file = b.compare_to(a, "filename")
-    return {"old": old.name, "new": new.name, "traced_kb_old": total_a >> 10, "traced_kb_new": total_b >> 10,
-            "growth_kb": (total_b - total_a) >> 10,
-            "by_file": [{"file": s.traceback[0].filename, "size_diff_kb": round(s.size_diff / 1024, 1),
-                         "count_diff": s.count_diff} for s in by_file[:top]],
-            "by_traceback": rows}
+    return {
+        "old": old.name,
+        "new": new.name,
+        "traced_kb_old": total_a >> 10,
+        "traced_kb_new": total_b >> 10,
+        "growth_kb": (total_b - total_a) >> 10,
+        "by_file": [
+            {"file": s.traceback[0].filename, "size_diff_kb": round(s.size_diff / 1024, 1), "count_diff": s.count_diff}
+            for s in by_file[:top]
+        ],
+        "by_traceback": rows,
+    }
 
 
 def _diff_main(argv: list[str]) -> int:
@@ -120,8 +150,10 @@ def _diff_main(argv: list[str]) -> int:
     d = diff(a.old, a.new, a.top)
     print(f"{d['old']} -> {d['new']}: traced {d['traced_kb_old']} -> {d['traced_kb_new']} KiB ({d['growth_kb']:+d})")
     for r in d["by_traceback"]:
-        print(f"{r['size_diff_kb']:+9.1f} KiB {r['count_diff']:+7d} blocks (now {r['size_kb']} KiB)  "
-              + " <- ".join(r["frames"][:4]))
+        print(
+            f"{r['size_diff_kb']:+9.1f} KiB {r['count_diff']:+7d} blocks (now {r['size_kb']} KiB)  "
+            + " <- ".join(r["frames"][:4])
+        )
     if a.json:
         a.json.write_text(json.dumps(d, indent=1) + "\n")
     return 0

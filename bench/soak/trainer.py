@@ -87,9 +87,22 @@ class Trainer:
     ``faults`` is a callable giving the number of faults injected so far (the chaos loop's count).
     """
 
-    def __init__(self, fleet: Fleet, workdir: Path, rng: random.Random, clock: Any, faults: Any, *,
-                 n_embd: int, n_layer: int, anchor_every: int, interval: tuple[float, float],
-                 frac: float = 0.02, chunk_size: int = 1 << 20, keep_dirs: int = 10) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        workdir: Path,
+        rng: random.Random,
+        clock: Any,
+        faults: Any,
+        *,
+        n_embd: int,
+        n_layer: int,
+        anchor_every: int,
+        interval: tuple[float, float],
+        frac: float = 0.02,
+        chunk_size: int = 1 << 20,
+        keep_dirs: int = 10,
+    ) -> None:
         self.fleet, self.workdir, self.rng, self.clock, self.faults = fleet, workdir, rng, clock, faults
         self.cfg = tinygpt.TinyGPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64))
         self.anchor_every, self.interval, self.frac = anchor_every, interval, frac
@@ -121,16 +134,33 @@ class Trainer:
             m = publish_full(self.fleet.bucket_url, ident, self.step, dir=d, chunk_size=self.chunk_size, workers=4)
         else:
             assert prev is not None
-            m = publish_delta(self.fleet.bucket_url, ident, self.step, prev, dir=d,
-                              base_dir=self.published[prev].dir, chunk_size=self.chunk_size, workers=4)
+            m = publish_delta(
+                self.fleet.bucket_url,
+                ident,
+                self.step,
+                prev,
+                dir=d,
+                base_dir=self.published[prev].dir,
+                chunk_size=self.chunk_size,
+                workers=4,
+            )
         files = {p.name: sha256_file(p) for p in sorted(d.iterdir())}
-        pub = Published(ident, self.step, "full" if anchor else "delta", None if anchor else prev, files,
-                        {p.name: p.stat().st_size for p in d.iterdir()}, tinygpt.weights_digest(self.weights), d,
-                        m.stored_bytes, time.monotonic() - t0)
+        pub = Published(
+            ident,
+            self.step,
+            "full" if anchor else "delta",
+            None if anchor else prev,
+            files,
+            {p.name: p.stat().st_size for p in d.iterdir()},
+            tinygpt.weights_digest(self.weights),
+            d,
+            m.stored_bytes,
+            time.monotonic() - t0,
+        )
         with self.lock:
             self.published[ident] = pub
             self.order.append(ident)
-            for old in self.order[:-self.keep_dirs]:  # hashes stay; the bytes of old steps go
+            for old in self.order[: -self.keep_dirs]:  # hashes stay; the bytes of old steps go
                 shutil.rmtree(self.published[old].dir, ignore_errors=True)
         return pub
 
@@ -146,8 +176,11 @@ class Trainer:
         hl = HotLoad(pub.identity, pub.policy_version, pub.kind, self.clock(), self.faults())
         meta = None
         if pub.kind == "delta":
-            meta = {"previous_snapshot_identity": pub.base, "compression_format": "arc_v2",
-                    "checksum_format": "alder32"}
+            meta = {
+                "previous_snapshot_identity": pub.base,
+                "compression_format": "arc_v2",
+                "checksum_format": "alder32",
+            }
         with_prev = meta is not None
         deadline = time.monotonic() + give_up_s
         while True:
@@ -165,8 +198,14 @@ class Trainer:
                     hl.attempts.append({"node": d.node_id, "error": f"{type(e).__name__}: {e}"[:200]})
                     all_409 = False
                     continue
-                hl.attempts.append({"node": d.node_id, "status": status, "with_previous": with_prev,
-                                    **({"error": str(ans.get("error"))[:300]} if status != 200 else {})})
+                hl.attempts.append(
+                    {
+                        "node": d.node_id,
+                        "status": status,
+                        "with_previous": with_prev,
+                        **({"error": str(ans.get("error"))[:300]} if status != 200 else {}),
+                    }
+                )
                 if status == 200:
                     hl.accepted_by = d.node_id
                     hl.t_post = self.clock()
@@ -212,11 +251,15 @@ class Trainer:
                 return False
             ls = r.get("loading_state") or {}
             return r.get("current_snapshot_identity") == hl.identity or (
-                ls.get("identity") == hl.identity and ls.get("stage") in ("ready", "loading", "done"))
+                ls.get("identity") == hl.identity and ls.get("stage") in ("ready", "loading", "done")
+            )
 
         def done(r: dict[str, Any] | None) -> bool:
-            return r is not None and r.get("current_snapshot_identity") == hl.identity and \
-                (r.get("loading_state") or {}).get("stage") == "done"
+            return (
+                r is not None
+                and r.get("current_snapshot_identity") == hl.identity
+                and (r.get("loading_state") or {}).get("stage") == "done"
+            )
 
         if not live:
             return False
@@ -229,10 +272,18 @@ class Trainer:
             hl.not_done = []
             hl.outcome = "done"
             return True
-        hl.not_done = [{"node": n, "current": (by_id.get(n) or {}).get("current_snapshot_identity"),
-                        "engines": (by_id.get(n) or {}).get("engines"),
-                        **{k: ((by_id.get(n) or {}).get("loading_state") or {}).get(k) for k in ("stage", "identity", "reason")}}
-                       for n in sorted(live) if not done(by_id.get(n))]
+        hl.not_done = [
+            {
+                "node": n,
+                "current": (by_id.get(n) or {}).get("current_snapshot_identity"),
+                "engines": (by_id.get(n) or {}).get("engines"),
+                **{
+                    k: ((by_id.get(n) or {}).get("loading_state") or {}).get(k) for k in ("stage", "identity", "reason")
+                },
+            }
+            for n in sorted(live)
+            if not done(by_id.get(n))
+        ]
         return False
 
     def run(self, stop: threading.Event, end_t: float) -> None:

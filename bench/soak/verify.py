@@ -32,15 +32,30 @@ RANGE_BYTES = 1 << 20
 
 
 class Verifier:
-    def __init__(self, fleet: Fleet, trainer: Trainer, rng: random.Random, clock: Any,
-                 reverify_s: float = 30.0, interval_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        trainer: Trainer,
+        rng: random.Random,
+        clock: Any,
+        reverify_s: float = 30.0,
+        interval_s: float = 2.0,
+    ) -> None:
         self.fleet, self.trainer, self.rng, self.clock = fleet, trainer, rng, clock
         self.reverify_s, self.interval_s = reverify_s, interval_s
         self.last: dict[tuple[str, int, str, str], float] = {}  # (node, pid, identity, path) -> time
         self.wrong: list[dict[str, Any]] = []
         self.notes: list[dict[str, Any]] = []  # odd but not wrong (extra files in a snapshot dir)
-        self.counts = {"snapshot_checks": 0, "distinct_ready": 0, "files_hashed": 0, "bytes_hashed": 0,
-                       "vanished": 0, "http_range_checks": 0, "engine_checks": 0, "engine_no_model": 0}
+        self.counts = {
+            "snapshot_checks": 0,
+            "distinct_ready": 0,
+            "files_hashed": 0,
+            "bytes_hashed": 0,
+            "vanished": 0,
+            "http_range_checks": 0,
+            "engine_checks": 0,
+            "engine_no_model": 0,
+        }
         self.engine_served: dict[str, int] = {}  # identity -> checks that saw the engine serve it
         self.failed: dict[tuple[str, str], dict[str, Any]] = {}  # (node, identity) -> first failure seen
 
@@ -79,8 +94,16 @@ class Verifier:
             self.counts["bytes_hashed"] += pub.sizes[name]
             if got != want:
                 still = self._still_ready(d, identity, path)
-                self._wrong(node=node_id, pid=pid, identity=identity, file=name, want=want, got=got,
-                            still_ready=still, what="file bytes differ from the trainer's")
+                self._wrong(
+                    node=node_id,
+                    pid=pid,
+                    identity=identity,
+                    file=name,
+                    want=want,
+                    got=got,
+                    still_ready=still,
+                    what="file bytes differ from the trainer's",
+                )
         try:
             extra = sorted(p.name for p in root.iterdir() if p.name not in pub.files and p.name != "READY")
         except OSError:
@@ -102,8 +125,9 @@ class Verifier:
                 want = f.read(end - start + 1)
         except FileNotFoundError:
             return  # the trainer already dropped this step's bytes
-        req = urllib.request.Request(f"{d.url}/v1/snapshots/{identity}/files/{name}",
-                                     headers={"Range": f"bytes={start}-{end}"})
+        req = urllib.request.Request(
+            f"{d.url}/v1/snapshots/{identity}/files/{name}", headers={"Range": f"bytes={start}-{end}"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
                 got = r.read()
@@ -115,9 +139,17 @@ class Verifier:
             return
         self.counts["http_range_checks"] += 1
         if got != want:
-            self._wrong(node=node_id, pid=pid, identity=identity, file=name, range=[start, end],
-                        want=hashlib.sha256(want).hexdigest(), got=hashlib.sha256(got).hexdigest(),
-                        got_len=len(got), what="local API range differs from the trainer's bytes")
+            self._wrong(
+                node=node_id,
+                pid=pid,
+                identity=identity,
+                file=name,
+                range=[start, end],
+                want=hashlib.sha256(want).hexdigest(),
+                got=hashlib.sha256(got).hexdigest(),
+                got_len=len(got),
+                what="local API range differs from the trainer's bytes",
+            )
 
     # ---- the engine ------------------------------------------------------------------------
     def check_engine(self) -> None:
@@ -137,8 +169,13 @@ class Verifier:
         pub = self.trainer.published.get(ident)
         self.engine_served[str(ident)] = self.engine_served.get(str(ident), 0) + 1
         if pub is None or ans.get("digest") != pub.weights_digest:
-            self._wrong(node=self.fleet.engine_node, identity=ident, want=pub.weights_digest if pub else None,
-                        got=ans.get("digest"), what="engine serves weights that differ from the trainer's")
+            self._wrong(
+                node=self.fleet.engine_node,
+                identity=ident,
+                want=pub.weights_digest if pub else None,
+                got=ans.get("digest"),
+                what="engine serves weights that differ from the trainer's",
+            )
 
     # ---- the loop --------------------------------------------------------------------------
     def one_pass(self) -> None:
@@ -154,8 +191,11 @@ class Verifier:
             for rec in body.get("snapshots", []):
                 if rec.get("state") == "failed" and (d.node_id, rec.get("identity")) not in self.failed:
                     self.failed[(d.node_id, rec.get("identity"))] = {
-                        "t_s": round(self.clock(), 1), "node": d.node_id, "identity": rec.get("identity"),
-                        "reason": str(rec.get("reason"))[:300]}
+                        "t_s": round(self.clock(), 1),
+                        "node": d.node_id,
+                        "identity": rec.get("identity"),
+                        "reason": str(rec.get("reason"))[:300],
+                    }
                 if rec.get("state") != "ready":
                     continue
                 key = (d.node_id, pid, rec["identity"], str(rec.get("path")))
@@ -175,6 +215,11 @@ class Verifier:
             stop.wait(max(0.2, self.interval_s - (time.monotonic() - t0)))
 
     def summary(self) -> dict[str, Any]:
-        return {**self.counts, "wrong_bytes_handed_out": len(self.wrong), "wrong": self.wrong[:50],
-                "notes": self.notes[:20], "engine_served": self.engine_served,
-                "failed_snapshots": sorted(self.failed.values(), key=lambda f: f["t_s"])}
+        return {
+            **self.counts,
+            "wrong_bytes_handed_out": len(self.wrong),
+            "wrong": self.wrong[:50],
+            "notes": self.notes[:20],
+            "engine_served": self.engine_served,
+            "failed_snapshots": sorted(self.failed.values(), key=lambda f: f["t_s"]),
+        }

@@ -58,8 +58,12 @@ def table(samples: Path, logs: list[Path], width: float) -> str:
         v = bins[k]
         if k < -1 or not any(x > 0.05 for x in v):
             continue
-        out.append(f"{k * width:6.1f} {v[0] / width:6.1f} | " + " ".join(f"{x / width:4.1f}" for x in v[1 : n + 1])
-                   + " | " + " ".join(f"{x / width:4.1f}" for x in v[n + 1 :]))
+        out.append(
+            f"{k * width:6.1f} {v[0] / width:6.1f} | "
+            + " ".join(f"{x / width:4.1f}" for x in v[1 : n + 1])
+            + " | "
+            + " ".join(f"{x / width:4.1f}" for x in v[n + 1 :])
+        )
     return "\n".join(out)
 
 

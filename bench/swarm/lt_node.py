@@ -72,18 +72,27 @@ def main() -> None:
         emit(event="fetched", t=time.time(), bytes=n)
         atp.flags |= lt.torrent_flags.seed_mode  # it has the files: skip re-hashing them
 
-    ses = lt.session({
-        "listen_interfaces": f"{a.ip}:{a.port}",
-        "enable_dht": False, "enable_lsd": False, "enable_upnp": False, "enable_natpmp": False,
-        "enable_outgoing_utp": False, "enable_incoming_utp": False,
-        "allow_multiple_connections_per_ip": True,
-        "alert_mask": lt.alert_category.error,
-        "unchoke_slots_limit": 64, "connections_limit": 256,
-        "max_queued_disk_bytes": 64 * 2**20,
-        "send_buffer_watermark": 8 * 2**20, "send_buffer_low_watermark": 1 * 2**20,
-        "aio_threads": 4, "hashing_threads": 2,
-        "user_agent": "bdn-bench",
-    })
+    ses = lt.session(
+        {
+            "listen_interfaces": f"{a.ip}:{a.port}",
+            "enable_dht": False,
+            "enable_lsd": False,
+            "enable_upnp": False,
+            "enable_natpmp": False,
+            "enable_outgoing_utp": False,
+            "enable_incoming_utp": False,
+            "allow_multiple_connections_per_ip": True,
+            "alert_mask": lt.alert_category.error,
+            "unchoke_slots_limit": 64,
+            "connections_limit": 256,
+            "max_queued_disk_bytes": 64 * 2**20,
+            "send_buffer_watermark": 8 * 2**20,
+            "send_buffer_low_watermark": 1 * 2**20,
+            "aio_threads": 4,
+            "hashing_threads": 2,
+            "user_agent": "bdn-bench",
+        }
+    )
     h = ses.add_torrent(atp)
     peers = [(p.rsplit(":", 1)[0], int(p.rsplit(":", 1)[1])) for p in a.peers.split(",") if p]
     done_sent = False
@@ -107,8 +116,13 @@ def main() -> None:
                 emit(event="error", msg=al.message())
         time.sleep(0.05 if not done_sent else 0.25)
     st = h.status()
-    emit(event="stats", t=time.time(), upload=st.total_payload_upload, download=st.total_payload_download,
-         seeding=st.is_seeding)
+    emit(
+        event="stats",
+        t=time.time(),
+        upload=st.total_payload_upload,
+        download=st.total_payload_download,
+        seeding=st.is_seeding,
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def main_rows(rows: list[dict[str, Any]], bucket_mbit: float | None) -> list[dict[str, Any]]:
-    return [r for r in rows if r.get("nic_mbit") and r.get("fault") is None
-            and (bucket_mbit is None or r.get("bucket_mbit") == bucket_mbit)]
+    return [
+        r
+        for r in rows
+        if r.get("nic_mbit") and r.get("fault") is None and (bucket_mbit is None or r.get("bucket_mbit") == bucket_mbit)
+    ]
 
 
 def plot(rows: list[dict[str, Any]], out: Path) -> None:
@@ -56,8 +59,10 @@ def plot(rows: list[dict[str, Any]], out: Path) -> None:
     if rs:
         fl = rs[0]["floor_seconds"]
         ax.plot(ns, [fl] * len(ns), "k:", label="floor S / NIC")
-        ax.set_title(f"{rs[0]['snapshot_bytes'] / 2**30:.2f} GiB snapshot, NIC {rs[0]['nic_mbit']:g} Mbit/s, "
-                     f"bucket {base:g} Mbit/s")
+        ax.set_title(
+            f"{rs[0]['snapshot_bytes'] / 2**30:.2f} GiB snapshot, NIC {rs[0]['nic_mbit']:g} Mbit/s, "
+            f"bucket {base:g} Mbit/s"
+        )
     ax.set_xlabel("nodes N")
     ax.set_ylabel("seconds until the last node holds the verified snapshot")
     ax.set_xticks(ns)
@@ -76,33 +81,57 @@ def table(rows: list[dict[str, Any]]) -> str:
     swarm = [r for r in rows if r.get("nic_mbit")]
     # one block per (bucket rate, fault), by N; before/after rows of a system next to each other
     order = {"bdn": 0, "boto3": 2, "libtorrent": 3}
-    swarm.sort(key=lambda r: (r.get("bucket_mbit") or 0, r.get("fault") or "", r["nodes"],
-                              order.get(r["system"], 1 if r["system"].startswith("bdn") else 4), r["system"]))
+    swarm.sort(
+        key=lambda r: (
+            r.get("bucket_mbit") or 0,
+            r.get("fault") or "",
+            r["nodes"],
+            order.get(r["system"], 1 if r["system"].startswith("bdn") else 4),
+            r["system"],
+        )
+    )
     by = {(r["system"], r["nodes"], r.get("bucket_mbit"), r.get("fault")): r for r in swarm}
-    out = ["| system | N | bucket Mbit/s | fault | seconds | floor s | ×floor | bucket egress / S "
-           "| bucket wire / S | per node recv MB (min–max) | per node sent MB (min–max) | own CPU-s / machine busy CPU-s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "| system | N | bucket Mbit/s | fault | seconds | floor s | ×floor | bucket egress / S "
+        "| bucket wire / S | per node recv MB (min–max) | per node sent MB (min–max) | own CPU-s / machine busy CPU-s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in swarm:
         S = r["snapshot_bytes"]
         pn = r.get("per_node") or {}
         recv = [v["received_wire"] / 1e6 for v in pn.values()]
         sent = [v["sent_wire"] / 1e6 for v in pn.values()]
-        out.append("| " + " | ".join([
-            r["system"], str(r["nodes"]), fmt(r.get("bucket_mbit"), 0), r.get("fault") or "",
-            runs.spread(r, "seconds", 1), fmt(r["floor_seconds"], 1),
-            fmt(r["seconds"] / r["floor_seconds"] if r["seconds"] else None),
-            runs.spread(r, "bucket_egress_bytes", 3, 1 / S),
-            fmt(r["bucket_wire_bytes"] / S if r.get("bucket_wire_bytes") is not None else None, 3),
-            f"{min(recv):.0f}–{max(recv):.0f}" if recv else "–",
-            f"{min(sent):.0f}–{max(sent):.0f}" if sent else "–",
-            f"{fmt(r.get('own_cpu_s'), 1)} / {fmt(r.get('machine_busy_cpu_s'), 1)}"]) + " |")
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    r["system"],
+                    str(r["nodes"]),
+                    fmt(r.get("bucket_mbit"), 0),
+                    r.get("fault") or "",
+                    runs.spread(r, "seconds", 1),
+                    fmt(r["floor_seconds"], 1),
+                    fmt(r["seconds"] / r["floor_seconds"] if r["seconds"] else None),
+                    runs.spread(r, "bucket_egress_bytes", 3, 1 / S),
+                    fmt(r["bucket_wire_bytes"] / S if r.get("bucket_wire_bytes") is not None else None, 3),
+                    f"{min(recv):.0f}–{max(recv):.0f}" if recv else "–",
+                    f"{min(sent):.0f}–{max(sent):.0f}" if sent else "–",
+                    f"{fmt(r.get('own_cpu_s'), 1)} / {fmt(r.get('machine_busy_cpu_s'), 1)}",
+                ]
+            )
+            + " |"
+        )
     out.append("")
-    out.append(f"seconds and bucket egress: {runs.runs_label(swarm, 'seconds')}; ratios and the other "
-               "columns are of the median run.")
+    out.append(
+        f"seconds and bucket egress: {runs.runs_label(swarm, 'seconds')}; ratios and the other "
+        "columns are of the median run."
+    )
     out.append("")
     out.append("| ratio | N | value |")
     out.append("|---|---|---|")
-    for (system, n, bm, fault), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2] or 0, kv[0][3] or "", kv[0][0])):
+    for (system, n, bm, fault), r in sorted(
+        by.items(), key=lambda kv: (kv[0][1], kv[0][2] or 0, kv[0][3] or "", kv[0][0])
+    ):
         if not (system == "bdn" or system.startswith("bdn@")) or not r["seconds"]:
             continue
         where = f"{n} (bucket {bm:g}{', ' + fault if fault else ''})"
@@ -141,8 +170,11 @@ def user_table(rows: list[dict[str, Any]]) -> str:
         if r is None:
             return ["–", "–", "–"]
         shown.append(r)
-        return [runs.spread(r, "seconds", 1), fmt(r["seconds"] / r["floor_seconds"] if r.get("seconds") else None, 3),
-                runs.spread(r, "bucket_egress_bytes", 3, 1 / r["snapshot_bytes"])]
+        return [
+            runs.spread(r, "seconds", 1),
+            fmt(r["seconds"] / r["floor_seconds"] if r.get("seconds") else None, 3),
+            runs.spread(r, "bucket_egress_bytes", 3, 1 / r["snapshot_bytes"]),
+        ]
 
     for n, bm, fault in points:
         b, rb, lt, bo = (by.get((s, n, bm, fault)) for s in systems[:2] + ("libtorrent", "boto3"))
@@ -199,8 +231,10 @@ def main() -> None:
         if r["system"].split("@")[0] in ("bdn-loopback", "iperf3-loopback", "moto-unshaped-get"):
             print(json.dumps({k: v for k, v in r.items() if k not in ("per_node",)}))
             if r.get("MB_per_s") is not None:
-                print(f"  {r['system']}: {runs.spread(r, 'MB_per_s', 0)} MB/s, "
-                      f"{runs.spread(r, 'MB_per_cpu_s', 0)} MB per CPU-s ({runs.runs_label([r], 'MB_per_s')})")
+                print(
+                    f"  {r['system']}: {runs.spread(r, 'MB_per_s', 0)} MB/s, "
+                    f"{runs.spread(r, 'MB_per_cpu_s', 0)} MB per CPU-s ({runs.runs_label([r], 'MB_per_s')})"
+                )
     if a.profiles:
         print(profiles(REPO / "bench" / "swarm" / "profiles"))
 

@@ -97,10 +97,12 @@ def shm_mount() -> str:
 def daemon_rev() -> str:
     """The bdn tree a bdnd starts from: HEAD's short sha, "+dirty" if bdn/ has uncommitted edits
     (the package is installed editable, so the working tree is what runs)."""
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "bdn"], capture_output=True,
-                           text=True).stdout.strip()
+    head = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "--", "bdn"], capture_output=True, text=True
+    ).stdout.strip()
     return head + ("+dirty" if dirty else "")
 
 
@@ -136,23 +138,37 @@ class Proc:
 PROCS: list[Proc] = []
 
 
-def spawn(name: str, ns: str | None, argv: list[str], env: dict[str, str] | None = None,
-          logfile: Path | None = None, capture: bool = False) -> Proc:
+def spawn(
+    name: str,
+    ns: str | None,
+    argv: list[str],
+    env: dict[str, str] | None = None,
+    logfile: Path | None = None,
+    capture: bool = False,
+) -> Proc:
     """Start ``argv`` inside namespace ``ns`` (ip netns exec execs it: same pid)."""
     full = (["ip", "netns", "exec", ns] if ns else []) + argv
     e = dict(os.environ, **(env or {}))
     # BENCH_PYTHONPATH (from --bdn-src): a patched copy of bdn/ ahead of the repo's, for experiments
     e["PYTHONPATH"] = os.pathsep.join(x for x in (e.pop("BENCH_PYTHONPATH", ""), str(REPO)) if x)
     out: Any = subprocess.PIPE if capture else (open(logfile, "w") if logfile else subprocess.DEVNULL)
-    p = subprocess.Popen(full, env=e, cwd=REPO, stdout=out, stderr=subprocess.STDOUT if not capture else
-                         (open(logfile, "w") if logfile else subprocess.DEVNULL), text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        full,
+        env=e,
+        cwd=REPO,
+        stdout=out,
+        stderr=subprocess.STDOUT if not capture else (open(logfile, "w") if logfile else subprocess.DEVNULL),
+        text=True,
+        start_new_session=True,
+    )
     pr = Proc(name, p, logfile)
     if capture:
+
         def pump() -> None:
             assert p.stdout is not None
             for line in p.stdout:
                 pr.lines.append(line.rstrip("\n"))
+
         threading.Thread(target=pump, daemon=True).start()
     PROCS.append(pr)
     return pr
@@ -226,9 +242,17 @@ class Meter:
         busy = (m1[0] - self.m0[0]) / max(1, m1[1] - self.m0[1])
         # The machine is shared (other jobs may run): what our processes used vs the whole box.
         busy_s = (m1[0] - self.m0[0]) / CLK
-        return {"own_cpu_s": round(sum(cpu.values()), 2), "machine_busy_cpu_s": round(busy_s, 2),
-                "loadavg_1m": float(Path("/proc/loadavg").read_text().split()[0]),"per_node": per_node, "bucket_wire_bytes": krx - self.k0[0], "cpu_seconds": cpu,
-                "machine_cpu_busy": round(busy, 3), "cores": os.cpu_count(), "meter_wall_s": round(wall, 2)}
+        return {
+            "own_cpu_s": round(sum(cpu.values()), 2),
+            "machine_busy_cpu_s": round(busy_s, 2),
+            "loadavg_1m": float(Path("/proc/loadavg").read_text().split()[0]),
+            "per_node": per_node,
+            "bucket_wire_bytes": krx - self.k0[0],
+            "cpu_seconds": cpu,
+            "machine_cpu_busy": round(busy, 3),
+            "cores": os.cpu_count(),
+            "meter_wall_s": round(wall, 2),
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +311,7 @@ def clear_shm(prefix: str = "n") -> None:
     swarm run may share the machine."""
     if SHM.exists():
         for d in SHM.iterdir():
-            if d.name.startswith(prefix) and d.name[len(prefix):].isdigit():
+            if d.name.startswith(prefix) and d.name[len(prefix) :].isdigit():
                 shutil.rmtree(d, ignore_errors=True)
 
 
@@ -401,21 +425,32 @@ class Bench:
     def floor(self) -> float:
         return self.size * 8 / (self.nic_mbit * 1e6)
 
-    def row(self, system: str, n: int, seconds: float | None, egress: int | None, fault: str | None,
-            **extra: Any) -> dict[str, Any]:
-        r = {"system": system, "nodes": n, "snapshot_bytes": self.size, "nic_mbit": self.nic_mbit,
-             "seconds": None if seconds is None else round(seconds, 2),
-             "floor_seconds": round(self.floor(), 2), "bucket_egress_bytes": egress, "fault": fault,
-             "bucket_mbit": self.bucket_mbit, **extra}
+    def row(
+        self, system: str, n: int, seconds: float | None, egress: int | None, fault: str | None, **extra: Any
+    ) -> dict[str, Any]:
+        r = {
+            "system": system,
+            "nodes": n,
+            "snapshot_bytes": self.size,
+            "nic_mbit": self.nic_mbit,
+            "seconds": None if seconds is None else round(seconds, 2),
+            "floor_seconds": round(self.floor(), 2),
+            "bucket_egress_bytes": egress,
+            "fault": fault,
+            "bucket_mbit": self.bucket_mbit,
+            **extra,
+        }
         if system.startswith("bdn") and system != "bdn-loopback":
             r.setdefault("chunk_bytes", (self.args.chunk_mib << 20) or None)
         elif system == "libtorrent":
             r.setdefault("piece_bytes", self.args.piece_kib * 1024)
         self.rows.append(r)
         self.save()
-        log(f"ROW {system} N={n} fault={fault}: {r['seconds']} s (floor {r['floor_seconds']} s), "
+        log(
+            f"ROW {system} N={n} fault={fault}: {r['seconds']} s (floor {r['floor_seconds']} s), "
             f"bucket egress {None if egress is None else round(egress / self.size, 3)} x S, "
-            f"cpu busy {extra.get('machine_cpu_busy')}")
+            f"cpu busy {extra.get('machine_cpu_busy')}"
+        )
         return r
 
     def save(self) -> None:
@@ -428,8 +463,9 @@ class Bench:
         tmp.write_text(json.dumps(rows, indent=1) + "\n")
         tmp.replace(out)
 
-    def point(self, fn: Any, *args: Any, metrics: tuple[str, ...] = (), by: str = "seconds",
-              **kw: Any) -> list[dict[str, Any]]:
+    def point(
+        self, fn: Any, *args: Any, metrics: tuple[str, ...] = (), by: str = "seconds", **kw: Any
+    ) -> list[dict[str, Any]]:
         """Measure one point ``--runs`` times and keep one row per system it measures.
 
         ``fn`` appends one row per run (a system run) or several (the ceiling: bdn and iperf3).
@@ -467,13 +503,20 @@ class Bench:
     # ---- bdn --------------------------------------------------------------------------------
     def start_bdnd(self, i: int, peers: list[int], tag: str) -> tuple[Proc, Path]:
         sockp = WORK / f"n{i}.sock"
-        env = dict(AWS_ENV, BDN_BUCKET=f"s3://{BUCKET}/{PREFIX}",
-                   BDN_ENDPOINT_URL=f"http://{BUCKET_IP}:{S3_PORT}", BDN_NODE_ID=f"n{i}",
-                   BDN_PEER_LISTEN="0.0.0.0:7080", BDN_ADVERTISE_URL=f"http://{node_ip(i)}:7080",
-                   BDN_LOCAL_LISTEN="127.0.0.1:7081", BDN_LOCAL_SOCKET=str(sockp),
-                   BDN_SHM_DIR=str(SHM / f"n{i}"), BDN_PARTITION_SECRET_FILE=str(WORK / "secret"),
-                   BDN_PEERS=",".join(f"http://{node_ip(j)}:7080" for j in peers if j != i),
-                   BDN_LOAD_STARTUP="false")
+        env = dict(
+            AWS_ENV,
+            BDN_BUCKET=f"s3://{BUCKET}/{PREFIX}",
+            BDN_ENDPOINT_URL=f"http://{BUCKET_IP}:{S3_PORT}",
+            BDN_NODE_ID=f"n{i}",
+            BDN_PEER_LISTEN="0.0.0.0:7080",
+            BDN_ADVERTISE_URL=f"http://{node_ip(i)}:7080",
+            BDN_LOCAL_LISTEN="127.0.0.1:7081",
+            BDN_LOCAL_SOCKET=str(sockp),
+            BDN_SHM_DIR=str(SHM / f"n{i}"),
+            BDN_PARTITION_SECRET_FILE=str(WORK / "secret"),
+            BDN_PEERS=",".join(f"http://{node_ip(j)}:7080" for j in peers if j != i),
+            BDN_LOAD_STARTUP="false",
+        )
         # every node's per-chunk event log next to its daemon log (bench.swarm.timeline reads them)
         chunks = WORK / "logs" / f"{tag}-n{i}.chunks.jsonl"
         chunks.unlink(missing_ok=True)  # bdnd appends: one run per file
@@ -516,12 +559,14 @@ class Bench:
         rev = daemon_rev() + (f" patched copy at {self.args.bdn_src}" if self.args.bdn_src else "")
         daemons = {i: self.start_bdnd(i, nodes, tag) for i in nodes}
         try:
+
             def all_up() -> bool:
                 for _, s in daemons.values():
                     st, body = api(s, "GET", "/v1/status")
                     if st != 200 or sum(1 for p in body["peers"] if p["alive"]) < n - 1:
                         return False
                 return True
+
             wait_until(all_up, 60, "every bdnd up and seeing all its peers")
             if pages == "recycled":
                 log(f"planted {self.plant_spares(daemons)} bytes of spare pages per node")
@@ -537,6 +582,7 @@ class Bench:
 
             def post(i: int, s: Path) -> None:
                 answers[i] = api(s, "POST", f"/v1/snapshots/{IDENTITY}/prefetch")
+
             posters = [threading.Thread(target=post, args=(i, s)) for i, (_, s) in daemons.items()]
             for t in posters:
                 t.start()
@@ -565,6 +611,7 @@ class Bench:
                         done[i] = time.time()
                     elif st == 409:
                         failed[i] = str(body)
+
             ths = [threading.Thread(target=waiter, args=(i, s), daemon=True) for i, (_, s) in daemons.items()]
             for t in ths:
                 t.start()
@@ -580,8 +627,10 @@ class Bench:
                             daemons[victim][0].popen.kill()
                             self.cluster.link(victim, False)  # type: ignore[union-attr]  # the machine is gone
                             killed_at.append(time.time() - t0)
-                            log(f"fault: killed n{victim} at {j['bytes_done'] / j['bytes_total']:.0%}, "
-                                f"t={killed_at[0]:.1f} s, and took its link down")
+                            log(
+                                f"fault: killed n{victim} at {j['bytes_done'] / j['bytes_total']:.0%}, "
+                                f"t={killed_at[0]:.1f} s, and took its link down"
+                            )
                     except (OSError, http.client.HTTPException, StopIteration, KeyError):
                         pass
             survivors = [i for i in nodes if i != victim]
@@ -605,11 +654,21 @@ class Bench:
             for i, stt in statuses.items():
                 if stt:
                     c = stt["counters"]
-                    counters[f"n{i}"] = {k: c.get(k) for k in ("bucket_bytes_owner", "bucket_bytes_fallback",
-                                                               "bucket_manifest_bytes", "peer_bytes_in",
-                                                               "peer_bytes_out", "chunk_verify_failures",
-                                                               "bucket_chunks_owner", "bucket_chunks_fallback",
-                                                               "peer_chunks_in", "peer_chunks_out")}
+                    counters[f"n{i}"] = {
+                        k: c.get(k)
+                        for k in (
+                            "bucket_bytes_owner",
+                            "bucket_bytes_fallback",
+                            "bucket_manifest_bytes",
+                            "peer_bytes_in",
+                            "peer_bytes_out",
+                            "chunk_verify_failures",
+                            "bucket_chunks_owner",
+                            "bucket_chunks_fallback",
+                            "peer_chunks_in",
+                            "peer_chunks_out",
+                        )
+                    }
                     egress += c["bucket_bytes_owner"] + c["bucket_bytes_fallback"] + c.get("bucket_manifest_bytes", 0)
                     m["per_node"][f"n{i}"].update(counters[f"n{i}"])
             verified = None
@@ -619,11 +678,24 @@ class Bench:
                 m["per_node"][f"n{i}"]["done_s"] = round(done[i] - t0, 2)
             m["log_lines"] = self.count_log_lines(tag, nodes)
             if pages == "recycled":  # what each daemon says it reserved in recycled pages
-                m["recycled_bytes"] = {f"n{i}": recycled_bytes(WORK / "logs" / f"{tag}-n{i}.log", IDENTITY) for i in nodes}
-            return self.row(system, n, seconds, egress, fault, daemon_commit=rev, verified=verified, pages=pages, shm=shm_mount(),
-                            failed=failed or None,
-                            killed_at_s=killed_at[0] if killed_at else None,
-                            survivors=len(survivors) if fault else None, **m)
+                m["recycled_bytes"] = {
+                    f"n{i}": recycled_bytes(WORK / "logs" / f"{tag}-n{i}.log", IDENTITY) for i in nodes
+                }
+            return self.row(
+                system,
+                n,
+                seconds,
+                egress,
+                fault,
+                daemon_commit=rev,
+                verified=verified,
+                pages=pages,
+                shm=shm_mount(),
+                failed=failed or None,
+                killed_at_s=killed_at[0] if killed_at else None,
+                survivors=len(survivors) if fault else None,
+                **m,
+            )
         finally:
             for p, _ in daemons.values():
                 stop(p)
@@ -654,8 +726,25 @@ class Bench:
     def start_profile(self, pr: Proc, tag: str) -> Proc:
         out = REPO / "bench" / "swarm" / "profiles" / f"{tag}.collapsed"
         out.parent.mkdir(exist_ok=True)
-        return spawn("py-spy", None, [str(BIN / "py-spy"), "record", "-p", str(pr.pid), "-r", "50", "-f", "raw",
-                                      "-o", str(out), "--nonblocking", "-t"], logfile=WORK / "logs" / f"pyspy-{tag}.log")
+        return spawn(
+            "py-spy",
+            None,
+            [
+                str(BIN / "py-spy"),
+                "record",
+                "-p",
+                str(pr.pid),
+                "-r",
+                "50",
+                "-f",
+                "raw",
+                "-o",
+                str(out),
+                "--nonblocking",
+                "-t",
+            ],
+            logfile=WORK / "logs" / f"pyspy-{tag}.log",
+        )
 
     def start_503_capture(self, tag: str) -> Proc | None:
         """tcpdump every 503 a bdnd peer port answers (bdn has no counter for them).
@@ -667,10 +756,16 @@ class Bench:
         if not shutil.which("tcpdump"):
             return None
         off = "((tcp[12:1] & 0xf0) >> 2)"
-        flt = (f"inbound and tcp src port 7080 and tcp[{off}:4] = 0x48545450 "
-               f"and tcp[{off} + 4:4] = 0x2f312e31 and tcp[{off} + 8:4] = 0x20353033")
-        return spawn("tcpdump", None, ["tcpdump", "-i", "any", "-nn", "-l", "-A", "-s", "400", flt],
-                     logfile=WORK / "logs" / f"503-{tag}.txt")
+        flt = (
+            f"inbound and tcp src port 7080 and tcp[{off}:4] = 0x48545450 "
+            f"and tcp[{off} + 4:4] = 0x2f312e31 and tcp[{off} + 8:4] = 0x20353033"
+        )
+        return spawn(
+            "tcpdump",
+            None,
+            ["tcpdump", "-i", "any", "-nn", "-l", "-A", "-s", "400", flt],
+            logfile=WORK / "logs" / f"503-{tag}.txt",
+        )
 
     def stop_503_capture(self, pr: Proc | None, tag: str) -> dict[str, Any] | None:
         """Counts of 503 answers by reason (the body text) and by answering node."""
@@ -692,7 +787,7 @@ class Bench:
         for line in text.splitlines():
             parts = line.split()
             if len(parts) > 1 and parts[1].startswith("bdnb-v"):
-                k = "n" + parts[1][len("bdnb-v"):]
+                k = "n" + parts[1][len("bdnb-v") :]
                 by_node[k] = by_node.get(k, 0) + 1
         out["by_answering_node"] = by_node
         return out
@@ -713,10 +808,27 @@ class Bench:
         clear_shm("n")
         procs = {}
         for i in nodes:
-            procs[i] = spawn(f"s3get-n{i}", node_ns(i), [
-                PY, "-m", "bench.swarm.s3get", "--endpoint", f"http://{BUCKET_IP}:{S3_PORT}",
-                "--bucket", BUCKET, "--prefix", f"{PREFIX}/{IDENTITY}", "--out", str(SHM / f"n{i}"),
-                "--digests", str(self.digests_file)], capture=True, logfile=WORK / "logs" / f"{tag}-n{i}.err")
+            procs[i] = spawn(
+                f"s3get-n{i}",
+                node_ns(i),
+                [
+                    PY,
+                    "-m",
+                    "bench.swarm.s3get",
+                    "--endpoint",
+                    f"http://{BUCKET_IP}:{S3_PORT}",
+                    "--bucket",
+                    BUCKET,
+                    "--prefix",
+                    f"{PREFIX}/{IDENTITY}",
+                    "--out",
+                    str(SHM / f"n{i}"),
+                    "--digests",
+                    str(self.digests_file),
+                ],
+                capture=True,
+                logfile=WORK / "logs" / f"{tag}-n{i}.err",
+            )
         meter = Meter(nodes, list(procs.values()) + [self.moto])  # type: ignore[list-item]
         deadline = time.monotonic() + self.timeout(n)
         while time.monotonic() < deadline and any(p.popen.poll() is None for p in procs.values()):
@@ -736,8 +848,16 @@ class Bench:
             m["per_node"][f"n{i}"].update(done_s=round(r["done"] - t0, 2), fetch_s=round(r["fetched"] - r["start"], 2))
         egress = sum(r["bytes"] for r in res.values())
         clear_shm("n")
-        return self.row("boto3", n, seconds, egress, None, verified=ok or None,
-                        failed=None if ok else {i: "no result" for i in nodes if i not in res}, **m)
+        return self.row(
+            "boto3",
+            n,
+            seconds,
+            egress,
+            None,
+            verified=ok or None,
+            failed=None if ok else {i: "no result" for i in nodes if i not in res},
+            **m,
+        )
 
     # ---- libtorrent -------------------------------------------------------------------------
     def torrent(self) -> Path:
@@ -755,12 +875,31 @@ class Bench:
         tor = self.torrent()
         procs = {}
         for i in nodes:
-            argv = [PY, "-m", "bench.swarm.lt_node", "--torrent", str(tor), "--save", str(SHM / f"n{i}"),
-                    "--ip", node_ip(i), "--peers", ",".join(f"{node_ip(j)}:6881" for j in nodes if j != i),
-                    "--timeout", str(self.timeout(n))]
+            argv = [
+                PY,
+                "-m",
+                "bench.swarm.lt_node",
+                "--torrent",
+                str(tor),
+                "--save",
+                str(SHM / f"n{i}"),
+                "--ip",
+                node_ip(i),
+                "--peers",
+                ",".join(f"{node_ip(j)}:6881" for j in nodes if j != i),
+                "--timeout",
+                str(self.timeout(n)),
+            ]
             if i == 1:
-                argv += ["--seed-from-bucket", "--endpoint", f"http://{BUCKET_IP}:{S3_PORT}", "--bucket", BUCKET,
-                         "--prefix", f"{PREFIX}/{IDENTITY}"]
+                argv += [
+                    "--seed-from-bucket",
+                    "--endpoint",
+                    f"http://{BUCKET_IP}:{S3_PORT}",
+                    "--bucket",
+                    BUCKET,
+                    "--prefix",
+                    f"{PREFIX}/{IDENTITY}",
+                ]
             procs[i] = spawn(f"lt-n{i}", node_ns(i), argv, capture=True, logfile=WORK / "logs" / f"{tag}-n{i}.err")
         meter = Meter(nodes, list(procs.values()) + [self.moto])  # type: ignore[list-item]
         victim = n if fault else None
@@ -816,9 +955,17 @@ class Bench:
         if ok and not self.args.no_verify:
             verified = all(self.check_files(SHM / f"n{i}" / self.snap.name) for i in survivors)
         clear_shm("n")
-        return self.row("libtorrent", n, seconds, egress, fault, verified=verified,
-                        killed_at_s=round(killed_at[0] - t0, 2) if killed_at else None,
-                        survivors=len(survivors) if fault else None, **m)
+        return self.row(
+            "libtorrent",
+            n,
+            seconds,
+            egress,
+            fault,
+            verified=verified,
+            killed_at_s=round(killed_at[0] - t0, 2) if killed_at else None,
+            survivors=len(survivors) if fault else None,
+            **m,
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -827,40 +974,75 @@ class Bench:
 
 def start_moto(ns: str, host: str, tag: str) -> Proc:
     # bench.swarm.moto_ranges: moto with ranged GETs that cost their range, not the whole object
-    pr = spawn(f"moto-{tag}", ns, [PY, "-m", "bench.swarm.moto_ranges", "-H", "0.0.0.0", "-p", str(S3_PORT)],
-               logfile=WORK / "logs" / f"moto-{tag}.log")
-    wait_until(lambda: urllib.request.urlopen(f"http://{host}:{S3_PORT}/", timeout=2).status == 200
-               if ns == BUCKET_NS else True, 30, "moto")
+    pr = spawn(
+        f"moto-{tag}",
+        ns,
+        [PY, "-m", "bench.swarm.moto_ranges", "-H", "0.0.0.0", "-p", str(S3_PORT)],
+        logfile=WORK / "logs" / f"moto-{tag}.log",
+    )
+    wait_until(
+        lambda: (
+            urllib.request.urlopen(f"http://{host}:{S3_PORT}/", timeout=2).status == 200 if ns == BUCKET_NS else True
+        ),
+        30,
+        "moto",
+    )
     return pr
 
 
 def ns_python(ns: str | None, code: str, timeout: float = 600) -> str:
     argv = (["ip", "netns", "exec", ns] if ns else []) + [PY, "-c", code]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                       env=dict(os.environ, **AWS_ENV, PYTHONPATH=str(REPO)))
+    r = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=dict(os.environ, **AWS_ENV, PYTHONPATH=str(REPO)),
+    )
     if r.returncode != 0:
         raise RuntimeError(f"python in {ns}: {r.stderr.strip()[-2000:]}")
     return r.stdout
 
 
 def create_bucket(ns: str | None, endpoint: str) -> None:
-    code = (f"import boto3,time\nc=boto3.client('s3',endpoint_url={endpoint!r},region_name='us-east-1')\n"
-            "for _ in range(100):\n  try:\n    c.create_bucket(Bucket=" + repr(BUCKET) + "); break\n"
-            "  except Exception as e:\n    time.sleep(0.2)\n")
+    code = (
+        f"import boto3,time\nc=boto3.client('s3',endpoint_url={endpoint!r},region_name='us-east-1')\n"
+        "for _ in range(100):\n  try:\n    c.create_bucket(Bucket=" + repr(BUCKET) + "); break\n"
+        "  except Exception as e:\n    time.sleep(0.2)\n"
+    )
     ns_python(ns, code)
 
 
-def publish(ns: str | None, endpoint: str, snap: Path, chunk_bytes: int | None = None,
-            identity: str = IDENTITY, version: int = 1, bucket: str = f"s3://{BUCKET}/{PREFIX}") -> None:
+def publish(
+    ns: str | None,
+    endpoint: str,
+    snap: Path,
+    chunk_bytes: int | None = None,
+    identity: str = IDENTITY,
+    version: int = 1,
+    bucket: str = f"s3://{BUCKET}/{PREFIX}",
+) -> None:
     """``bdn-publish full`` of ``snap`` (``chunk_bytes``: the manifest's chunk size, default bdn's)."""
     argv = (["ip", "netns", "exec", ns] if ns else []) + [
-        str(BIN / "bdn-publish"), "full", "--dir", str(snap), "--bucket", bucket,
-        "--identity", identity, "--policy-version", str(version), "--overwrite"]
+        str(BIN / "bdn-publish"),
+        "full",
+        "--dir",
+        str(snap),
+        "--bucket",
+        bucket,
+        "--identity",
+        identity,
+        "--policy-version",
+        str(version),
+        "--overwrite",
+    ]
     argv += ["--endpoint-url", endpoint] if bucket.startswith("s3://") else []
     if chunk_bytes:
         argv += ["--chunk-size", str(chunk_bytes)]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, **AWS_ENV, PYTHONPATH=str(REPO)))  # this tree's bdn, installed or not
+    r = subprocess.run(
+        argv, capture_output=True, text=True, timeout=900, env=dict(os.environ, **AWS_ENV, PYTHONPATH=str(REPO))
+    )  # this tree's bdn, installed or not
     if r.returncode != 0:
         raise RuntimeError(f"bdn-publish: {r.stderr.strip()}")
 
@@ -890,9 +1072,11 @@ print(tot / (time.time() - t0) / 1e6)
 
 #: One pretouch worker: maps ``gib`` GiB of anonymous memory with MAP_POPULATE (every page
 #: written by the kernel) 1 GiB at a time, then exits, freeing it.
-_PRETOUCH = ("import mmap, sys\n"
-             "ms = [mmap.mmap(-1, 1 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)"
-             " for _ in range(int(sys.argv[1]))]\n")
+_PRETOUCH = (
+    "import mmap, sys\n"
+    "ms = [mmap.mmap(-1, 1 << 30, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)"
+    " for _ in range(int(sys.argv[1]))]\n"
+)
 #: GiB of the machine's available memory the pretouch leaves alone.
 PRETOUCH_MARGIN_GIB = 1.5
 
@@ -952,6 +1136,7 @@ def ceiling(b: Bench) -> None:
     warm = ("warm000001", "warm000002") if recycled else ()
     if recycled:
         from bench.swarm.snapshot import make_snapshot
+
         wsnap = make_snapshot(CACHE / "warm", b.size, seed=2)
         for v, w in enumerate(warm, 1):
             publish(LO_NS, ep, wsnap, identity=w, version=v, bucket=bucket)
@@ -961,11 +1146,19 @@ def ceiling(b: Bench) -> None:
     ds = {}
     for i, port in ((1, 7180), (2, 7280)):
         sockp = WORK / f"lo{i}.sock"
-        env = dict(AWS_ENV, BDN_BUCKET=bucket, BDN_NODE_ID=f"lo{i}",
-                   BDN_PEER_LISTEN=f"127.0.0.1:{port}", BDN_ADVERTISE_URL=f"http://127.0.0.1:{port}",
-                   BDN_LOCAL_LISTEN=f"127.0.0.1:{port + 1}", BDN_LOCAL_SOCKET=str(sockp),
-                   BDN_SHM_DIR=str(SHM / f"lo{i}"), BDN_PARTITION_SECRET_FILE=str(WORK / "secret"),
-                   BDN_PEERS="" if i == 1 else "http://127.0.0.1:7180", BDN_LOAD_STARTUP="false")
+        env = dict(
+            AWS_ENV,
+            BDN_BUCKET=bucket,
+            BDN_NODE_ID=f"lo{i}",
+            BDN_PEER_LISTEN=f"127.0.0.1:{port}",
+            BDN_ADVERTISE_URL=f"http://127.0.0.1:{port}",
+            BDN_LOCAL_LISTEN=f"127.0.0.1:{port + 1}",
+            BDN_LOCAL_SOCKET=str(sockp),
+            BDN_SHM_DIR=str(SHM / f"lo{i}"),
+            BDN_PARTITION_SECRET_FILE=str(WORK / "secret"),
+            BDN_PEERS="" if i == 1 else "http://127.0.0.1:7180",
+            BDN_LOAD_STARTUP="false",
+        )
         if recycled:  # lo1 keeps all three; lo2 only the newest, collected at once
             env.update({"BDN_KEEP_READY": "3"} if i == 1 else {"BDN_KEEP_READY": "1", "BDN_GC_GRACE_S": "0"})
         env.update(b.args.bdn_env)
@@ -975,18 +1168,32 @@ def ceiling(b: Bench) -> None:
             # B starts after A is ready, so everything B needs is already on a peer.
             for ident in (*warm, IDENTITY):
                 st, _ = api(ds[1][1], "POST", f"/v1/snapshots/{ident}/prefetch")
-                wait_until(lambda ident=ident: api(ds[1][1], "GET", f"/v1/snapshots/{ident}")[1]["state"] == "ready",
-                           600, f"A has {ident} from the bucket", every=0.5)
+                wait_until(
+                    lambda ident=ident: api(ds[1][1], "GET", f"/v1/snapshots/{ident}")[1]["state"] == "ready",
+                    600,
+                    f"A has {ident} from the bucket",
+                    every=0.5,
+                )
         pr = spawn(f"bdnd-lo{i}", LO_NS, [str(BIN / "bdnd")], env, WORK / "logs" / f"ceiling-lo{i}.log")
         ds[i] = (pr, sockp)
         wait_until(lambda sockp=sockp: api(sockp, "GET", "/v1/health")[0] == 200, 60, f"bdnd lo{i}")
-    wait_until(lambda: all(p["alive"] for p in api(ds[2][1], "GET", "/v1/status")[1]["peers"]) and
-               api(ds[2][1], "GET", "/v1/status")[1]["peers"], 60, "lo2 sees lo1")
+    wait_until(
+        lambda: (
+            all(p["alive"] for p in api(ds[2][1], "GET", "/v1/status")[1]["peers"])
+            and api(ds[2][1], "GET", "/v1/status")[1]["peers"]
+        ),
+        60,
+        "lo2 sees lo1",
+    )
     time.sleep(3)  # let lo1 learn lo2 in a membership round too
     for ident in warm:  # the second warm-up's ready collects the first: its files become spares
         api(ds[2][1], "POST", f"/v1/snapshots/{ident}/prefetch")
-        wait_until(lambda ident=ident: api(ds[2][1], "GET", f"/v1/snapshots/{ident}")[1]["state"] == "ready",
-                   600, f"lo2 has {ident}", every=0.5)
+        wait_until(
+            lambda ident=ident: api(ds[2][1], "GET", f"/v1/snapshots/{ident}")[1]["state"] == "ready",
+            600,
+            f"lo2 has {ident}",
+            every=0.5,
+        )
     c0 = {i: cpu_seconds(p.pid) for i, (p, _) in ds.items()}
     m0 = machine_cpu()
     prof = b.start_profile(ds[2][0], "ceiling-receiver") if b.args.profile else None
@@ -1009,26 +1216,50 @@ def ceiling(b: Bench) -> None:
     ok = st == 200
     verified = b.check_files(SHM / "lo2" / s2["swarm_id"] / IDENTITY) if ok else False
     c = s2["counters"]
-    b.rows.append({
-        "system": "bdn-loopback", "nodes": 2, "snapshot_bytes": b.size, "nic_mbit": None,
-        "seconds": round(secs, 2) if ok else None, "floor_seconds": None,
-        "bucket_egress_bytes": c["bucket_bytes_owner"] + c["bucket_bytes_fallback"] + c.get("bucket_manifest_bytes", 0),
-        "fault": None, "MB_per_s": round(b.size / secs / 1e6, 1), "MB_per_cpu_s": round(b.size / tot_cpu / 1e6, 1),
-        "cpu_seconds": cpu, "machine_cpu_busy": round((m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 3),
-        "peer_bytes_in": c["peer_bytes_in"], "verified": verified, "cores": os.cpu_count(),
-        "daemon_commit": rev, "bdn_src": b.args.bdn_src or None, "pages": b.args.ceiling_pages,
-        "recycled_bytes": recycled_bytes(WORK / "logs" / "ceiling-lo2.log", IDENTITY)})
+    b.rows.append(
+        {
+            "system": "bdn-loopback",
+            "nodes": 2,
+            "snapshot_bytes": b.size,
+            "nic_mbit": None,
+            "seconds": round(secs, 2) if ok else None,
+            "floor_seconds": None,
+            "bucket_egress_bytes": c["bucket_bytes_owner"]
+            + c["bucket_bytes_fallback"]
+            + c.get("bucket_manifest_bytes", 0),
+            "fault": None,
+            "MB_per_s": round(b.size / secs / 1e6, 1),
+            "MB_per_cpu_s": round(b.size / tot_cpu / 1e6, 1),
+            "cpu_seconds": cpu,
+            "machine_cpu_busy": round((m1[0] - m0[0]) / max(1, m1[1] - m0[1]), 3),
+            "peer_bytes_in": c["peer_bytes_in"],
+            "verified": verified,
+            "cores": os.cpu_count(),
+            "daemon_commit": rev,
+            "bdn_src": b.args.bdn_src or None,
+            "pages": b.args.ceiling_pages,
+            "recycled_bytes": recycled_bytes(WORK / "logs" / "ceiling-lo2.log", IDENTITY),
+        }
+    )
     log(f"ceiling: bdn lo1 -> lo2 {b.size / secs / 1e6:.0f} MB/s, {b.size / tot_cpu / 1e6:.0f} MB per CPU-s {cpu}")
     for p, _ in ds.values():
         stop(p)
     shutil.rmtree(bdir, ignore_errors=True)
     clear_shm("lo")
     # iperf3 over the same loopback, in the same run
-    srv = spawn("iperf3-s", LO_NS, ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", "5201"],
-                logfile=WORK / "logs" / "iperf3-s.log")
+    srv = spawn(
+        "iperf3-s",
+        LO_NS,
+        ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", "5201"],
+        logfile=WORK / "logs" / "iperf3-s.log",
+    )
     time.sleep(1)
-    r = subprocess.run(["ip", "netns", "exec", LO_NS, "iperf3", "-c", "127.0.0.1", "-p", "5201", "-t", "10", "-J"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        ["ip", "netns", "exec", LO_NS, "iperf3", "-c", "127.0.0.1", "-p", "5201", "-t", "10", "-J"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     stop(srv)
     j = json.loads(r.stdout)
     bps = j["end"]["sum_received"]["bits_per_second"]
@@ -1036,11 +1267,21 @@ def ceiling(b: Bench) -> None:
     # iperf3 reports each side's CPU as % of one core over the test: bytes per CPU-second follow.
     cpu_s = (cpu_u["host_total"] + cpu_u["remote_total"]) / 100 * j["end"]["sum_received"]["seconds"]
     nbytes = j["end"]["sum_received"]["bytes"]
-    b.rows.append({
-        "system": "iperf3-loopback", "nodes": 2, "snapshot_bytes": nbytes, "nic_mbit": None,
-        "seconds": round(j["end"]["sum_received"]["seconds"], 2), "floor_seconds": None,
-        "bucket_egress_bytes": None, "fault": None, "MB_per_s": round(bps / 8 / 1e6, 1),
-        "MB_per_cpu_s": round(nbytes / cpu_s / 1e6, 1) if cpu_s else None, "cpu_utilization_percent": cpu_u})
+    b.rows.append(
+        {
+            "system": "iperf3-loopback",
+            "nodes": 2,
+            "snapshot_bytes": nbytes,
+            "nic_mbit": None,
+            "seconds": round(j["end"]["sum_received"]["seconds"], 2),
+            "floor_seconds": None,
+            "bucket_egress_bytes": None,
+            "fault": None,
+            "MB_per_s": round(bps / 8 / 1e6, 1),
+            "MB_per_cpu_s": round(nbytes / cpu_s / 1e6, 1) if cpu_s else None,
+            "cpu_utilization_percent": cpu_u,
+        }
+    )
     log(f"ceiling: iperf3 {bps / 8 / 1e6:.0f} MB/s, cpu {cpu_u}")
     if b.args.ceiling_pages == "fresh":
         # the same, the server writing what it receives into a new file on the shm tmpfs (fresh
@@ -1048,11 +1289,19 @@ def ceiling(b: Bench) -> None:
         # on this machine; 1 GiB (-n), not 10 s of it
         out = SHM / "lo-iperf3.bin"
         out.unlink(missing_ok=True)
-        srv = spawn("iperf3-s", LO_NS, ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", "5201", "-F", str(out)],
-                    logfile=WORK / "logs" / "iperf3-s-file.log")
+        srv = spawn(
+            "iperf3-s",
+            LO_NS,
+            ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", "5201", "-F", str(out)],
+            logfile=WORK / "logs" / "iperf3-s-file.log",
+        )
         time.sleep(1)
-        r = subprocess.run(["ip", "netns", "exec", LO_NS, "iperf3", "-c", "127.0.0.1", "-p", "5201", "-n",
-                            str(b.size), "-J"], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            ["ip", "netns", "exec", LO_NS, "iperf3", "-c", "127.0.0.1", "-p", "5201", "-n", str(b.size), "-J"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         stop(srv)
         landed = out.stat().st_size if out.exists() else 0
         out.unlink(missing_ok=True)
@@ -1060,12 +1309,23 @@ def ceiling(b: Bench) -> None:
         e = j["end"]
         bps_f, cpu_f = e["sum_received"]["bits_per_second"], e["cpu_utilization_percent"]
         cpu_s = (cpu_f["host_total"] + cpu_f["remote_total"]) / 100 * e["sum_received"]["seconds"]
-        b.rows.append({
-            "system": "iperf3-loopback-shm-file", "nodes": 2, "snapshot_bytes": e["sum_received"]["bytes"],
-            "nic_mbit": None, "seconds": round(e["sum_received"]["seconds"], 2), "floor_seconds": None,
-            "bucket_egress_bytes": None, "fault": None, "MB_per_s": round(bps_f / 8 / 1e6, 1),
-            "MB_per_cpu_s": round(e["sum_received"]["bytes"] / cpu_s / 1e6, 1) if cpu_s else None,
-            "cpu_utilization_percent": cpu_f, "landed_bytes": landed, "pages": "fresh"})
+        b.rows.append(
+            {
+                "system": "iperf3-loopback-shm-file",
+                "nodes": 2,
+                "snapshot_bytes": e["sum_received"]["bytes"],
+                "nic_mbit": None,
+                "seconds": round(e["sum_received"]["seconds"], 2),
+                "floor_seconds": None,
+                "bucket_egress_bytes": None,
+                "fault": None,
+                "MB_per_s": round(bps_f / 8 / 1e6, 1),
+                "MB_per_cpu_s": round(e["sum_received"]["bytes"] / cpu_s / 1e6, 1) if cpu_s else None,
+                "cpu_utilization_percent": cpu_f,
+                "landed_bytes": landed,
+                "pages": "fresh",
+            }
+        )
         log(f"ceiling: iperf3 into a fresh shm file {bps_f / 8 / 1e6:.0f} MB/s, cpu {cpu_f}, {landed} bytes landed")
     b.save()
     sh(["ip", "netns", "del", LO_NS], check=False)
@@ -1080,39 +1340,64 @@ def main() -> int:
     ap.add_argument("--nodes", default="2,4,8", help="comma list of cluster sizes")
     ap.add_argument("--nic-mbit", type=float, default=200, help="each node's NIC rate, both ways")
     ap.add_argument("--bucket-mbit", type=float, default=200, help="the bucket's egress rate")
-    ap.add_argument("--bucket-fast-x", type=float, default=0,
-                    help="one more run of every system at the largest N with the bucket this many times faster")
+    ap.add_argument(
+        "--bucket-fast-x",
+        type=float,
+        default=0,
+        help="one more run of every system at the largest N with the bucket this many times faster",
+    )
     ap.add_argument("--snapshot-gb", type=float, default=1.0, help="snapshot size in GiB (bf16 safetensors)")
-    ap.add_argument("--systems", default="bdn,boto3,libtorrent",
-                    help="comma list of bdn, bdn_recycled (bdn with a collected snapshot's pages in every "
-                         "node's page pool), boto3, libtorrent")
+    ap.add_argument(
+        "--systems",
+        default="bdn,boto3,libtorrent",
+        help="comma list of bdn, bdn_recycled (bdn with a collected snapshot's pages in every "
+        "node's page pool), boto3, libtorrent",
+    )
     ap.add_argument("--fault", default="", help="kill50: kill one node (process and link) at 50%% of its download")
     ap.add_argument("--fault-systems", default="bdn,libtorrent")
     ap.add_argument("--ceiling", action="store_true", help="also: bdnd -> bdnd over loopback vs iperf3")
     ap.add_argument("--ceiling-only", action="store_true")
-    ap.add_argument("--ceiling-pages", choices=("fresh", "recycled"), default="fresh",
-                    help="the ceiling's receiver lands bytes in new tmpfs pages, or in a collected "
-                         "snapshot's recycled ones (bdn.daemon.spares)")
-    ap.add_argument("--pretouch", action="store_true",
-                    help="before every run, touch and free the guest's available memory (but 1.5 GiB), so "
-                         "that fresh tmpfs pages cost what they cost where the hypervisor pins memory (pretouch())")
+    ap.add_argument(
+        "--ceiling-pages",
+        choices=("fresh", "recycled"),
+        default="fresh",
+        help="the ceiling's receiver lands bytes in new tmpfs pages, or in a collected "
+        "snapshot's recycled ones (bdn.daemon.spares)",
+    )
+    ap.add_argument(
+        "--pretouch",
+        action="store_true",
+        help="before every run, touch and free the guest's available memory (but 1.5 GiB), so "
+        "that fresh tmpfs pages cost what they cost where the hypervisor pins memory (pretouch())",
+    )
     ap.add_argument("--quick", action="store_true", help="N=2,4 at 200 Mbit/s, 256 MiB snapshot")
     ap.add_argument("--mtu", type=int, default=9000)
     ap.add_argument("--piece-kib", type=int, default=4096, help="BitTorrent piece size")
-    ap.add_argument("--chunk-mib", type=int, default=4,
-                    help="bdn's chunk size for the swarm runs (0: bdn-publish's default, 16 MiB); 4 MiB = "
-                         "the BitTorrent piece size, so both systems move the same pieces")
+    ap.add_argument(
+        "--chunk-mib",
+        type=int,
+        default=4,
+        help="bdn's chunk size for the swarm runs (0: bdn-publish's default, 16 MiB); 4 MiB = "
+        "the BitTorrent piece size, so both systems move the same pieces",
+    )
     ap.add_argument("--profile", action="store_true", help="py-spy record node 1's bdnd in each bdn run")
     ap.add_argument("--no-verify", action="store_true", help="skip the harness's own digest check of each node's files")
     ap.add_argument("--bdn-env", default="", help="extra BDN_*=v,... for every bdnd")
-    ap.add_argument("--bdn-variants", default="",
-                    help="extra bdn runs at the largest N: name:BDN_K=v,...;name2:... (tuning experiments)")
+    ap.add_argument(
+        "--bdn-variants",
+        default="",
+        help="extra bdn runs at the largest N: name:BDN_K=v,...;name2:... (tuning experiments)",
+    )
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "swarm.json"))
-    ap.add_argument("--bdn-src", default="",
-                    help="directory holding a (patched) copy of the bdn package, imported ahead of the repo's "
-                         "by every bdnd: for experiments on the daemon without editing it; rows then record it")
-    ap.add_argument("--merge", action="store_true",
-                    help="keep the rows already in --out, except points this run measures again")
+    ap.add_argument(
+        "--bdn-src",
+        default="",
+        help="directory holding a (patched) copy of the bdn package, imported ahead of the repo's "
+        "by every bdnd: for experiments on the daemon without editing it; rows then record it",
+    )
+    ap.add_argument(
+        "--merge", action="store_true", help="keep the rows already in --out, except points this run measures again"
+    )
     ap.add_argument("--cleanup", action="store_true", help="only remove what a previous run left")
     from bench.runs import add_runs_arg
 
@@ -1130,7 +1415,12 @@ def main() -> int:
         # those: a --ceiling-only run leaves a cluster run of this script (bridge, bdnb-*
         # namespaces, /tmp/bdnbench, /dev/shm/bdnbench) alone, so both can run on one machine.
         global WORK, SHM, CACHE, LO_NS
-        WORK, SHM, CACHE, LO_NS = Path("/tmp/bdnceiling"), Path("/dev/shm/bdnceiling"), Path("/var/tmp/bdnceiling"), "bdnc-lo"
+        WORK, SHM, CACHE, LO_NS = (
+            Path("/tmp/bdnceiling"),
+            Path("/dev/shm/bdnceiling"),
+            Path("/var/tmp/bdnceiling"),
+            "bdnc-lo",
+        )
         if a.cleanup:
             cleanup_ceiling()
             return 0
@@ -1155,8 +1445,16 @@ def main() -> int:
     if not dfile.exists():
         dfile.write_text(json.dumps(digest_table(snap)))
     digests = json.loads(dfile.read_text())
-    b = Bench(a, snap, [p.name for p in snapshot_files(snap)], snapshot_bytes(snap), dfile, digests,
-              nic_mbit=a.nic_mbit, bucket_mbit=a.bucket_mbit)
+    b = Bench(
+        a,
+        snap,
+        [p.name for p in snapshot_files(snap)],
+        snapshot_bytes(snap),
+        dfile,
+        digests,
+        nic_mbit=a.nic_mbit,
+        bucket_mbit=a.bucket_mbit,
+    )
     if a.merge and Path(a.out).exists():
         b.prior = json.loads(Path(a.out).read_text())
     log(f"snapshot {snap}: {b.size} bytes, floor {b.floor():.1f} s at {a.nic_mbit:g} Mbit/s")
@@ -1173,11 +1471,24 @@ def main() -> int:
             big = max(b.names, key=lambda n: (snap / n).stat().st_size)
             r1 = moto_get_rate(node_ns(1), ep, f"{PREFIX}/{IDENTITY}/{big}", (snap / big).stat().st_size, 1)
             r8 = moto_get_rate(node_ns(1), ep, f"{PREFIX}/{IDENTITY}/{big}", (snap / big).stat().st_size, 8)
-            log(f"moto GET unshaped: {r1:.0f} MB/s with 1 stream, {r8:.0f} MB/s with 8 "
-                f"(NIC {a.nic_mbit / 8:.0f} MB/s, bucket {a.bucket_mbit / 8:.0f} MB/s)")
-            b.rows.append({"system": "moto-unshaped-get", "nodes": 1, "snapshot_bytes": (snap / big).stat().st_size,
-                           "nic_mbit": None, "seconds": None, "floor_seconds": None, "bucket_egress_bytes": None,
-                           "fault": None, "MB_per_s_1_stream": round(r1, 1), "MB_per_s_8_streams": round(r8, 1)})
+            log(
+                f"moto GET unshaped: {r1:.0f} MB/s with 1 stream, {r8:.0f} MB/s with 8 "
+                f"(NIC {a.nic_mbit / 8:.0f} MB/s, bucket {a.bucket_mbit / 8:.0f} MB/s)"
+            )
+            b.rows.append(
+                {
+                    "system": "moto-unshaped-get",
+                    "nodes": 1,
+                    "snapshot_bytes": (snap / big).stat().st_size,
+                    "nic_mbit": None,
+                    "seconds": None,
+                    "floor_seconds": None,
+                    "bucket_egress_bytes": None,
+                    "fault": None,
+                    "MB_per_s_1_stream": round(r1, 1),
+                    "MB_per_s_8_streams": round(r8, 1),
+                }
+            )
             b.cluster.shape(a.nic_mbit, a.bucket_mbit)
             for n in ns_list:
                 for s in systems:

@@ -24,12 +24,16 @@ from bench.swarm.snapshot import CHUNK, chunk_digests
 def fetch(endpoint: str, bucket: str, prefix: str, names: list[str], out: Path, concurrency: int) -> int:
     """Download ``prefix/name`` for every name into ``out``; return the bytes received."""
     client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1",
-        aws_access_key_id="testing", aws_secret_access_key="testing",
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
         config=BotoConfig(max_pool_connections=concurrency + 4, retries={"max_attempts": 10}),
     )
-    cfg = TransferConfig(multipart_threshold=CHUNK, multipart_chunksize=CHUNK,
-                         max_concurrency=concurrency, use_threads=True)
+    cfg = TransferConfig(
+        multipart_threshold=CHUNK, multipart_chunksize=CHUNK, max_concurrency=concurrency, use_threads=True
+    )
     out.mkdir(parents=True, exist_ok=True)
     with TransferManager(client, cfg) as tm:
         futs = [tm.download(bucket, f"{prefix}/{n}", str(out / n)) for n in names]

@@ -46,10 +46,20 @@ def make_snapshot(root: Path, total_bytes: int, seed: int = 1) -> Path:
         save_raw(d / name, tensors, {"format": "pt"})
     total = sum(p.stat().st_size for p in d.glob("*.safetensors"))
     (d / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
-        "hidden_size": 2048, "intermediate_size": 4096, "num_hidden_layers": -(-n_tensors // 4)}))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+    )
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "torch_dtype": "bfloat16",
+                "hidden_size": 2048,
+                "intermediate_size": 4096,
+                "num_hidden_layers": -(-n_tensors // 4),
+            }
+        )
+    )
     done.write_text("ok\n")
     return d
 

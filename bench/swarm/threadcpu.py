@@ -59,11 +59,13 @@ def main() -> None:
                     st = open(f"/proc/{pid}/task/{tid}/stat").read()
                 except OSError:
                     continue
-                f = st[st.rindex(")") + 2:].split()
+                f = st[st.rindex(")") + 2 :].split()
                 cpu[(pid, tid)] = (int(f[11]) / TICK, int(f[12]) / TICK)
             if pid not in named and time.monotonic() - first[pid] > 8:  # its threads have started
                 named.add(pid)
-                dump = subprocess.run([PYSPY, "dump", "--nonblocking", "--pid", pid], capture_output=True, text=True).stdout
+                dump = subprocess.run(
+                    [PYSPY, "dump", "--nonblocking", "--pid", pid], capture_output=True, text=True
+                ).stdout
                 for m in re.finditer(r'Thread (\d+) \(\w+\): "([^"]+)"', dump):
                     names[(pid, m.group(1))] = m.group(2)
         time.sleep(0.5)

@@ -44,14 +44,18 @@ def summary(name: str, recs: list[dict], tail: int = 5) -> str:
     for r in recs:
         by_src[r["source"]] += r["bytes"]
     busy, retries = sum(r.get("busy", 0) for r in recs), sum(r.get("retries", 0) for r in recs)
-    lines = [f"{name}: {len(recs)} chunks, {sum(by_src.values()) / 1e6:.1f} MB in {t1 - t0:.2f} s; "
-             f"busy answers {busy}, retries {retries}"]
+    lines = [
+        f"{name}: {len(recs)} chunks, {sum(by_src.values()) / 1e6:.1f} MB in {t1 - t0:.2f} s; "
+        f"busy answers {busy}, retries {retries}"
+    ]
     for src, n in by_src.most_common():
         lines.append(f"  {src:24s} {n / 1e6:9.1f} MB")
     lines.append("  tail (last to end):")
     for r in sorted(recs, key=lambda r: r["end"])[-tail:]:
-        lines.append(f"    {r.get('file', '?')}#{r.get('index', '?')} from {r['source']} at +{r['start'] - t0:.2f}"
-                     f"..+{r['end'] - t0:.2f} s, busy {r.get('busy', 0)}, retries {r.get('retries', 0)}")
+        lines.append(
+            f"    {r.get('file', '?')}#{r.get('index', '?')} from {r['source']} at +{r['start'] - t0:.2f}"
+            f"..+{r['end'] - t0:.2f} s, busy {r.get('busy', 0)}, retries {r.get('retries', 0)}"
+        )
     return "\n".join(lines)
 
 
@@ -101,8 +105,12 @@ def plot(logs: dict[str, list[dict]], out: Path) -> None:
             ax.barh(i, r["end"] - r["start"], left=r["start"] - t0, color=colour[r["source"]], height=1.0)
         ax.set_title(name, fontsize=9)
         ax.set_yticks([])
-        ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colour.values()], labels=list(colour),
-                  fontsize=7, loc="lower right")
+        ax.legend(
+            handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colour.values()],
+            labels=list(colour),
+            fontsize=7,
+            loc="lower right",
+        )
     axes[-1, 0].set_xlabel("seconds")
     fig.tight_layout()
     fig.savefig(out, dpi=110)

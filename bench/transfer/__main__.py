@@ -151,7 +151,9 @@ def fetch(src: Path, dst: Path, chunk: int, port: int, workers: int, rcvbuf: int
     if m is not None:
         m.close()
     os.close(fd)
-    print(json.dumps({"seconds": secs, "cpu_s": cpu, "bytes": size, "map_s": setup_s, "failures": failures}), flush=True)
+    print(
+        json.dumps({"seconds": secs, "cpu_s": cpu, "bytes": size, "map_s": setup_s, "failures": failures}), flush=True
+    )
 
 
 def reuse_target() -> bool:
@@ -172,8 +174,13 @@ def scribble(dst: Path, chunk: int) -> None:
 
 def bdn_point(src: Path, chunk: int, workers: int, rcvbuf: int, into: str) -> dict:
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    srv = subprocess.Popen([sys.executable, "-m", "bench.transfer", "_serve", str(src), str(chunk)],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    srv = subprocess.Popen(
+        [sys.executable, "-m", "bench.transfer", "_serve", str(src), str(chunk)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         port = json.loads(srv.stdout.readline())["port"]  # type: ignore[union-attr]
         dst = WORK / ("dst-reused" if reuse_target() else "dst")
@@ -181,8 +188,25 @@ def bdn_point(src: Path, chunk: int, workers: int, rcvbuf: int, into: str) -> di
             scribble(dst, chunk)
         s0 = proc_cpu_s(srv.pid)
         cli = subprocess.run(
-            [sys.executable, "-m", "bench.transfer", "_fetch", str(src), str(dst), str(chunk), str(port),
-             str(workers), str(rcvbuf), into], capture_output=True, text=True, env=env, timeout=600, check=False)
+            [
+                sys.executable,
+                "-m",
+                "bench.transfer",
+                "_fetch",
+                str(src),
+                str(dst),
+                str(chunk),
+                str(port),
+                str(workers),
+                str(rcvbuf),
+                into,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+            check=False,
+        )
         s1 = proc_cpu_s(srv.pid)
         if cli.returncode != 0:
             raise RuntimeError(f"fetch process failed: {cli.stderr.strip().splitlines()[-1:]}")
@@ -195,9 +219,15 @@ def bdn_point(src: Path, chunk: int, workers: int, rcvbuf: int, into: str) -> di
         os.unlink(dst)
     server_cpu = s1 - s0
     cpu = r["cpu_s"] + server_cpu
-    return {"seconds": round(r["seconds"], 4), "MB_per_s": round(r["bytes"] / r["seconds"] / 1e6, 1),
-            "MB_per_cpu_s": round(r["bytes"] / cpu / 1e6, 1), "cpu_s": {"client": round(r["cpu_s"], 3),
-            "server": round(server_cpu, 3)}, "map_populate_s": round(r["map_s"], 4), "verified": same, "failures": r["failures"][:3]}
+    return {
+        "seconds": round(r["seconds"], 4),
+        "MB_per_s": round(r["bytes"] / r["seconds"] / 1e6, 1),
+        "MB_per_cpu_s": round(r["bytes"] / cpu / 1e6, 1),
+        "cpu_s": {"client": round(r["cpu_s"], 3), "server": round(server_cpu, 3)},
+        "map_populate_s": round(r["map_s"], 4),
+        "verified": same,
+        "failures": r["failures"][:3],
+    }
 
 
 def copy_floor(src: Path, dst: Path) -> None:
@@ -230,27 +260,43 @@ def copy_floor(src: Path, dst: Path) -> None:
 def copy_point(src: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""))
     dst = WORK / ("dst-copy-reused" if reuse_target() else "dst")
-    r = subprocess.run([sys.executable, "-m", "bench.transfer", "_copy", str(src), str(dst)],
-                       capture_output=True, text=True, env=env, timeout=600, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "bench.transfer", "_copy", str(src), str(dst)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
     if not reuse_target():
         os.unlink(dst)
     j = json.loads(r.stdout.strip().splitlines()[-1])
-    return {"seconds": round(j["seconds"], 4), "MB_per_s": round(j["bytes"] / j["seconds"] / 1e6, 1),
-            "MB_per_cpu_s": round(j["bytes"] / j["cpu_s"] / 1e6, 1), "cpu_s": round(j["cpu_s"], 3),
-            "copy_only_s": round(j["copy_s"], 4)}
+    return {
+        "seconds": round(j["seconds"], 4),
+        "MB_per_s": round(j["bytes"] / j["seconds"] / 1e6, 1),
+        "MB_per_cpu_s": round(j["bytes"] / j["cpu_s"] / 1e6, 1),
+        "cpu_s": round(j["cpu_s"], 3),
+        "copy_only_s": round(j["copy_s"], 4),
+    }
 
 
 # ---- iperf3 ------------------------------------------------------------------------------------
 
 
 def iperf_point(nbytes: int, port: int = 5231) -> dict:
-    srv = subprocess.Popen(["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    srv = subprocess.Popen(
+        ["iperf3", "-s", "-1", "-B", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.monotonic() + 30
         while True:  # wait for the listener (iperf3 has no ready signal)
-            r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-n", str(nbytes), "-J"],
-                               capture_output=True, text=True, timeout=120, check=False)
+            r = subprocess.run(
+                ["iperf3", "-c", "127.0.0.1", "-p", str(port), "-n", str(nbytes), "-J"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
             j = json.loads(r.stdout) if r.stdout.strip() else {}
             if "end" in j and "sum_received" in j["end"]:
                 break
@@ -262,10 +308,13 @@ def iperf_point(nbytes: int, port: int = 5231) -> dict:
     s = j["end"]["sum_received"]
     u = j["end"]["cpu_utilization_percent"]
     cpu_s = (u["host_total"] + u["remote_total"]) / 100 * s["seconds"]
-    return {"seconds": round(s["seconds"], 4), "MB_per_s": round(s["bytes"] / s["seconds"] / 1e6, 1),
-            "MB_per_cpu_s": round(s["bytes"] / cpu_s / 1e6, 1) if cpu_s else None,
-            "cpu_utilization_percent": {k: round(u[k], 1) for k in ("host_total", "remote_total")},
-            "bytes": s["bytes"]}
+    return {
+        "seconds": round(s["seconds"], 4),
+        "MB_per_s": round(s["bytes"] / s["seconds"] / 1e6, 1),
+        "MB_per_cpu_s": round(s["bytes"] / cpu_s / 1e6, 1) if cpu_s else None,
+        "cpu_utilization_percent": {k: round(u[k], 1) for k in ("host_total", "remote_total")},
+        "bytes": s["bytes"],
+    }
 
 
 def summarise(name: str, runs: list[dict], extra: dict) -> dict:
@@ -285,15 +334,24 @@ def main() -> int:
     ap.add_argument("--chunk-mib", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--workers", default="1,2", help="comma list: streams = threads on the client")
-    ap.add_argument("--into", default="mapping,fd",
-                    help="comma list: mapping (recv_into the target's mmap) and/or fd (stream buffer + pwrite)")
+    ap.add_argument(
+        "--into",
+        default="mapping,fd",
+        help="comma list: mapping (recv_into the target's mmap) and/or fd (stream buffer + pwrite)",
+    )
     ap.add_argument("--rcvbuf", type=int, default=4 << 20, help="client SO_RCVBUF in bytes (0: autotuning)")
     ap.add_argument("--out", default=str(RESULTS / "transfer.json"))
-    ap.add_argument("--dir", default=str(WORK),
-                    help="work directory on a tmpfs (both files live there); e.g. one mounted huge=within_size")
-    ap.add_argument("--reuse-target", action="store_true",
-                    help="receive every point into one target file that stays allocated (overwritten in "
-                         "place): the transport's cost without fresh-page allocation and zeroing")
+    ap.add_argument(
+        "--dir",
+        default=str(WORK),
+        help="work directory on a tmpfs (both files live there); e.g. one mounted huge=within_size",
+    )
+    ap.add_argument(
+        "--reuse-target",
+        action="store_true",
+        help="receive every point into one target file that stays allocated (overwritten in "
+        "place): the transport's cost without fresh-page allocation and zeroing",
+    )
     ap.add_argument("--note", default="", help="recorded with the results (e.g. that the machine was shared)")
     a = ap.parse_args()
     WORK = Path(a.dir)
@@ -334,38 +392,65 @@ def main() -> int:
             for w, into in kinds:
                 r = bdn_point(src, chunk, w, a.rcvbuf, into)
                 points[f"bdn-transfer-{into}-w{w}"].append(r)
-                log(f"run {run + 1}: bdn {into} w={w} {r['MB_per_s']} MB/s, {r['MB_per_cpu_s']} MB/CPU-s "
-                    f"cpu {r['cpu_s']} verified={r['verified']}")
+                log(
+                    f"run {run + 1}: bdn {into} w={w} {r['MB_per_s']} MB/s, {r['MB_per_cpu_s']} MB/CPU-s "
+                    f"cpu {r['cpu_s']} verified={r['verified']}"
+                )
     finally:
         shutil.rmtree(WORK, ignore_errors=True)
     load1 = os.getloadavg()
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
-    rows = [summarise("iperf3", points["iperf3"], {"streams": 1}),
-            summarise("copy-floor", points["copy-floor"], {"what": "memcpy shm mapping -> fresh populated shm mapping + one xxh3 pass, one thread, no network"})]
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    rows = [
+        summarise("iperf3", points["iperf3"], {"streams": 1}),
+        summarise(
+            "copy-floor",
+            points["copy-floor"],
+            {"what": "memcpy shm mapping -> fresh populated shm mapping + one xxh3 pass, one thread, no network"},
+        ),
+    ]
     for w, into in kinds:
-        rows.append(summarise(f"bdn-transfer-{into}-w{w}", points[f"bdn-transfer-{into}-w{w}"],
-                              {"workers": w, "streams": w, "into": into, "chunk_bytes": chunk, "rcvbuf": a.rcvbuf}))
+        rows.append(
+            summarise(
+                f"bdn-transfer-{into}-w{w}",
+                points[f"bdn-transfer-{into}-w{w}"],
+                {"workers": w, "streams": w, "into": into, "chunk_bytes": chunk, "rcvbuf": a.rcvbuf},
+            )
+        )
     base = rows[0]
     for row in rows[2:]:
         for key in ("MB_per_s", "MB_per_cpu_s"):
             if row.get(key) and base.get(key):
                 row[f"{key}_vs_iperf3"] = round(row[key] / base[key], 3)
-    fs = next((ln.split() for ln in Path("/proc/mounts").read_text().splitlines() if ln.split()[1] == str(WORK.parent)), [])
+    fs = next(
+        (ln.split() for ln in Path("/proc/mounts").read_text().splitlines() if ln.split()[1] == str(WORK.parent)), []
+    )
     out = {
-        "bench": "transfer", "commit": rev, "bytes": size, "dir": str(WORK), "reuse_target": a.reuse_target,
+        "bench": "transfer",
+        "commit": rev,
+        "bytes": size,
+        "dir": str(WORK),
+        "reuse_target": a.reuse_target,
         "dir_mount": " ".join(fs[2:4]) if fs else "",
-        "machine": {"cores": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "loadavg_before": [round(x, 2) for x in load0], "loadavg_after": [round(x, 2) for x in load1],
-                    "note": a.note},
+        "machine": {
+            "cores": os.cpu_count(),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "loadavg_before": [round(x, 2) for x in load0],
+            "loadavg_after": [round(x, 2) for x in load1],
+            "note": a.note,
+        },
         "targets": {"MB_per_s_vs_iperf3": 0.60, "MB_per_cpu_s_vs_iperf3": 0.50},
         "rows": rows,
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     for row in rows:
-        log(f"{row['system']}: {row.get('MB_per_s')} MB/s {row.get('MB_per_s_min_max')}, "
+        log(
+            f"{row['system']}: {row.get('MB_per_s')} MB/s {row.get('MB_per_s_min_max')}, "
             f"{row.get('MB_per_cpu_s')} MB/CPU-s {row.get('MB_per_cpu_s_min_max')} "
-            f"vs iperf3 {row.get('MB_per_s_vs_iperf3', '-')} / {row.get('MB_per_cpu_s_vs_iperf3', '-')}")
+            f"vs iperf3 {row.get('MB_per_s_vs_iperf3', '-')} / {row.get('MB_per_cpu_s_vs_iperf3', '-')}"
+        )
     return 0
 
 
@@ -375,7 +460,14 @@ if __name__ == "__main__":
     elif len(sys.argv) > 1 and sys.argv[1] == "_copy":
         copy_floor(Path(sys.argv[2]), Path(sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_fetch":
-        fetch(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]),
-              int(sys.argv[7]), sys.argv[8])
+        fetch(
+            Path(sys.argv[2]),
+            Path(sys.argv[3]),
+            int(sys.argv[4]),
+            int(sys.argv[5]),
+            int(sys.argv[6]),
+            int(sys.argv[7]),
+            sys.argv[8],
+        )
     else:
         sys.exit(main())

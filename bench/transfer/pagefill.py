@@ -103,7 +103,9 @@ def cases(work: Path, size: int, src: np.ndarray) -> dict[str, Callable[[], Call
                     copy_into(m, src)
                 m.close()
                 os.close(fd)
+
             return run
+
         return setup
 
     def fresh_faults() -> Callable[[], None]:
@@ -115,6 +117,7 @@ def cases(work: Path, size: int, src: np.ndarray) -> dict[str, Callable[[], Call
             copy_into(m, src)
             m.close()
             os.close(fd)
+
         return run
 
     def fresh_pwrite() -> Callable[[], None]:
@@ -125,6 +128,7 @@ def cases(work: Path, size: int, src: np.ndarray) -> dict[str, Callable[[], Call
             for off in range(0, size, len(ring)):
                 os.pwrite(fd, view[off : off + len(ring)], off)
             os.close(fd)
+
         return run
 
     def fresh_falloc_pwrite() -> Callable[[], None]:
@@ -136,6 +140,7 @@ def cases(work: Path, size: int, src: np.ndarray) -> dict[str, Callable[[], Call
             for off in range(0, size, len(ring)):
                 os.pwrite(fd, view[off : off + len(ring)], off)
             os.close(fd)
+
         return run
 
     def refill_populate() -> Callable[[], None]:
@@ -151,6 +156,7 @@ def cases(work: Path, size: int, src: np.ndarray) -> dict[str, Callable[[], Call
             a = np.empty(size, dtype=np.uint8)
             np.copyto(a, src)
             del a
+
         return run
 
     def hash_hot() -> Callable[[], None]:
@@ -158,6 +164,7 @@ def cases(work: Path, size: int, src: np.ndarray) -> dict[str, Callable[[], Call
             h = xxhash.xxh3_128()
             for off in range(0, size, PIECE):
                 h.update(memoryview(hot)[off : off + PIECE])
+
         return run
 
     return {
@@ -180,8 +187,12 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--dir", default="/dev/shm/bdn-bench-pagefill", help="a directory on the tmpfs to measure")
     ap.add_argument("--out", default="bench/results/pagefill.json")
-    ap.add_argument("--settle-s", type=float, default=3.0,
-                    help="seconds between cases (free page reporting hands freed memory back to the host meanwhile)")
+    ap.add_argument(
+        "--settle-s",
+        type=float,
+        default=3.0,
+        help="seconds between cases (free page reporting hands freed memory back to the host meanwhile)",
+    )
     a = ap.parse_args()
     size = int(a.size_gib * 2**30) // PIECE * PIECE
     work = Path(a.dir)
@@ -199,23 +210,42 @@ def main() -> int:
             run()
             t1, c1 = time.perf_counter(), cpu_s()
             raw[name].append((size / (t1 - t0) / 2**30, (c1 - c0) / (size / 2**30)))
-            print(f"[run {r + 1}] {name}: {raw[name][-1][0]:.2f} GiB/s, {raw[name][-1][1]:.3f} CPU-s/GiB",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[run {r + 1}] {name}: {raw[name][-1][0]:.2f} GiB/s, {raw[name][-1][1]:.3f} CPU-s/GiB",
+                file=sys.stderr,
+                flush=True,
+            )
     rows = []
     for name, vals in raw.items():
         g = [v[0] for v in vals]
         c = [v[1] for v in vals]
-        rows.append({"case": name, "runs": len(vals), "GiB_per_s": round(statistics.median(g), 3),
-                     "GiB_per_s_min": round(min(g), 3), "GiB_per_s_max": round(max(g), 3),
-                     "cpu_s_per_GiB": round(statistics.median(c), 3), "cpu_s_per_GiB_min": round(min(c), 3),
-                     "cpu_s_per_GiB_max": round(max(c), 3)})
-    out = {"size_bytes": size, "dir": str(work), "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-           "shmem_enabled": Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip(),
-           "kernel": os.uname().release, "rows": rows}
+        rows.append(
+            {
+                "case": name,
+                "runs": len(vals),
+                "GiB_per_s": round(statistics.median(g), 3),
+                "GiB_per_s_min": round(min(g), 3),
+                "GiB_per_s_max": round(max(g), 3),
+                "cpu_s_per_GiB": round(statistics.median(c), 3),
+                "cpu_s_per_GiB_min": round(min(c), 3),
+                "cpu_s_per_GiB_max": round(max(c), 3),
+            }
+        )
+    out = {
+        "size_bytes": size,
+        "dir": str(work),
+        "loadavg_before": load0,
+        "loadavg_after": os.getloadavg(),
+        "shmem_enabled": Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip(),
+        "kernel": os.uname().release,
+        "rows": rows,
+    }
     Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
     for r in rows:
-        print(f"{r['case']:52s} {r['GiB_per_s']:6.2f} GiB/s ({r['GiB_per_s_min']:.2f}-{r['GiB_per_s_max']:.2f})"
-              f"  {r['cpu_s_per_GiB']:.3f} CPU-s/GiB ({r['cpu_s_per_GiB_min']:.3f}-{r['cpu_s_per_GiB_max']:.3f})")
+        print(
+            f"{r['case']:52s} {r['GiB_per_s']:6.2f} GiB/s ({r['GiB_per_s_min']:.2f}-{r['GiB_per_s_max']:.2f})"
+            f"  {r['cpu_s_per_GiB']:.3f} CPU-s/GiB ({r['cpu_s_per_GiB_min']:.3f}-{r['cpu_s_per_GiB_max']:.3f})"
+        )
     return 0
 
 

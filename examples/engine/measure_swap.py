@@ -56,24 +56,33 @@ def main() -> int:
         publish_delta(bucket, "step000002", 2, "step000001", dir=root / "ck2", base_dir=root / "ck1")
         (root / "secret").write_text(os.urandom(32).hex())
         port = free_port()
-        env = dict(os.environ, BDN_BUCKET=bucket, BDN_PARTITION_SECRET_FILE=str(root / "secret"),
-                   BDN_PEER_LISTEN=f"127.0.0.1:{free_port()}", BDN_LOCAL_LISTEN=f"127.0.0.1:{port}",
-                   BDN_SHM_DIR=str(root / "shm"), BDN_LOAD_STARTUP="false")
-        d = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+        env = dict(
+            os.environ,
+            BDN_BUCKET=bucket,
+            BDN_PARTITION_SECRET_FILE=str(root / "secret"),
+            BDN_PEER_LISTEN=f"127.0.0.1:{free_port()}",
+            BDN_LOCAL_LISTEN=f"127.0.0.1:{port}",
+            BDN_SHM_DIR=str(root / "shm"),
+            BDN_LOAD_STARTUP="false",
+        )
+        d = subprocess.Popen(
+            [sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         try:
             url = f"http://127.0.0.1:{port}"
             paths = {}
             for ident in ("step000001", "step000002"):
                 for _ in range(600):
                     try:
-                        urllib.request.urlopen(urllib.request.Request(url + f"/v1/snapshots/{ident}/prefetch",
-                                                                      method="POST"), timeout=5).read()
+                        urllib.request.urlopen(
+                            urllib.request.Request(url + f"/v1/snapshots/{ident}/prefetch", method="POST"), timeout=5
+                        ).read()
                         break
                     except OSError:
                         time.sleep(0.1)
-                with urllib.request.urlopen(url + f"/v1/snapshots/{ident}/wait?state=ready&timeout=300",
-                                            timeout=310) as r:
+                with urllib.request.urlopen(
+                    url + f"/v1/snapshots/{ident}/wait?state=ready&timeout=300", timeout=310
+                ) as r:
                     paths[ident] = json.loads(r.read())["path"]
             snaps = [open_snapshot(paths["step000001"]), open_snapshot(paths["step000002"])]
             out: dict = {"model_bytes": sum(v.numel() * 2 for v in s1.values()), "tensors": len(s1)}
@@ -86,9 +95,13 @@ def main() -> int:
                     pauses.append(rep["pause_ms"])
                     prepares.append(rep["prepare_ms"])
                     copied = rep["bytes_copied"]
-                out[mode] = {"pause_ms_median": round(statistics.median(pauses), 3),
-                             "prepare_ms_median": round(statistics.median(prepares), 1),
-                             "bytes_copied": copied, "tensors_copied": rep["tensors_copied"], "swaps": len(pauses)}
+                out[mode] = {
+                    "pause_ms_median": round(statistics.median(pauses), 3),
+                    "prepare_ms_median": round(statistics.median(prepares), 1),
+                    "bytes_copied": copied,
+                    "tensors_copied": rep["tensors_copied"],
+                    "swaps": len(pauses),
+                }
                 del eng
             for s in snaps:
                 s.close()

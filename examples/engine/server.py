@@ -81,6 +81,7 @@ EXTRA_ENGINE_DATA = "engine_data"
 
 # -- the policy slot ---------------------------------------------------------------------------
 
+
 class PolicySlot:
     """The loaded model behind a writer-preferring readers/writer lock.
 
@@ -178,8 +179,9 @@ def _content(value: Any, i: int) -> str:
         parts = []
         for part in value:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(400, f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": str}}",
-                                   "messages")
+                raise RequestError(
+                    400, f'messages[{i}].content parts must be {{"type": "text", "text": str}}', "messages"
+                )
             parts.append(part["text"])
         return "".join(parts)
     if value is None:
@@ -219,8 +221,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     engine_data = False
     if nvext is not None:
         extra = nvext.get("extra_fields") if isinstance(nvext, dict) else None
-        if not isinstance(nvext, dict) or (extra is not None and (
-                not isinstance(extra, list) or not all(isinstance(x, str) for x in extra))):
+        if not isinstance(nvext, dict) or (
+            extra is not None and (not isinstance(extra, list) or not all(isinstance(x, str) for x in extra))
+        ):
             raise RequestError(400, "nvext must be an object whose extra_fields is a list of strings", "nvext")
         engine_data = EXTRA_ENGINE_DATA in (extra or [])
     return ChatRequest(
@@ -242,6 +245,7 @@ def _token_entry(tok: tinygpt.ByteTokenizer, token_id: int, logprob: float) -> d
 
 
 # -- the server --------------------------------------------------------------------------------
+
 
 class EngineServer:
     """The HTTP side: routes, request validation, generation on a thread pool."""
@@ -265,8 +269,9 @@ class EngineServer:
         """Runs on a pool thread, holding the policy lock for the whole generation."""
         with self.slot.reading() as model:
             if model is None:
-                raise RequestError(503, "no model is loaded yet: waiting for the first snapshot from bdnd",
-                                   kind="service_unavailable")
+                raise RequestError(
+                    503, "no model is loaded yet: waiting for the first snapshot from bdnd", kind="service_unavailable"
+                )
             if req.model is not None and req.model not in (self.served_model_name, model.identity):
                 raise RequestError(404, f"The model `{req.model[:100]}` does not exist.", "model", "NotFoundError")
             tok = model.tokenizer
@@ -281,8 +286,14 @@ class EngineServer:
                     f"{max_tokens} in the completion).",
                     "max_tokens",
                 )
-            gen = model.generate_detailed(prompt, max_tokens, req.temperature, req.seed, top_p=req.top_p,
-                                          top_logprobs=req.top_logprobs if req.logprobs else 0)
+            gen = model.generate_detailed(
+                prompt,
+                max_tokens,
+                req.temperature,
+                req.seed,
+                top_p=req.top_p,
+                top_logprobs=req.top_logprobs if req.logprobs else 0,
+            )
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": tok.decode(gen.token_ids)},
@@ -293,7 +304,9 @@ class EngineServer:
                 content = []
                 for i, (tid, lp) in enumerate(zip(gen.token_ids, gen.logprobs)):
                     entry = _token_entry(tok, tid, lp)
-                    entry["top_logprobs"] = [_token_entry(tok, t, p) for t, p in gen.top_logprobs[i]] if gen.top_logprobs else []
+                    entry["top_logprobs"] = (
+                        [_token_entry(tok, t, p) for t, p in gen.top_logprobs[i]] if gen.top_logprobs else []
+                    )
                     content.append(entry)
                 choice["logprobs"] = {"content": content}
             if req.return_token_ids:
@@ -304,15 +317,22 @@ class EngineServer:
                 "created": int(time.time()),
                 "model": req.model or self.served_model_name,
                 "choices": [choice],
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(gen.token_ids),
-                          "total_tokens": len(prompt) + len(gen.token_ids)},
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(gen.token_ids),
+                    "total_tokens": len(prompt) + len(gen.token_ids),
+                },
             }
             if req.return_token_ids:
                 out["prompt_token_ids"] = prompt
             if req.engine_data:
-                out["nvext"] = {"engine_data": {"policy_version": model.policy_version,
-                                                "replica_id": self.replica_id,
-                                                "snapshot_identity": model.identity}}
+                out["nvext"] = {
+                    "engine_data": {
+                        "policy_version": model.policy_version,
+                        "replica_id": self.replica_id,
+                        "snapshot_identity": model.identity,
+                    }
+                }
             return out
 
     async def chat(self, request: web.Request) -> web.Response:
@@ -333,17 +353,26 @@ class EngineServer:
         m = self.slot.peek()
         data = []
         if m is not None:
-            data.append({"id": self.served_model_name, "object": "model", "created": self.started,
-                         "owned_by": "bdn", "root": m.identity, "max_model_len": m.max_model_len,
-                         "policy_version": m.policy_version})
+            data.append(
+                {
+                    "id": self.served_model_name,
+                    "object": "model",
+                    "created": self.started,
+                    "owned_by": "bdn",
+                    "root": m.identity,
+                    "max_model_len": m.max_model_len,
+                    "policy_version": m.policy_version,
+                }
+            )
         return web.json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
         m = self.slot.peek()
         if m is None:
             return web.json_response({"status": "loading", "replica_id": self.replica_id}, status=503)
-        return web.json_response({"status": "ok", "replica_id": self.replica_id, "identity": m.identity,
-                                  "policy_version": m.policy_version})
+        return web.json_response(
+            {"status": "ok", "replica_id": self.replica_id, "identity": m.identity, "policy_version": m.policy_version}
+        )
 
     async def weights_digest(self, request: web.Request) -> web.Response:
         m = self.slot.peek()
@@ -353,6 +382,7 @@ class EngineServer:
 
 
 # -- process life ------------------------------------------------------------------------------
+
 
 def _listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
@@ -420,9 +450,13 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="server.py", description="bdn's reference serving process (OpenAI-compatible chat, hot-swapped policies).")
+    p = argparse.ArgumentParser(
+        prog="server.py", description="bdn's reference serving process (OpenAI-compatible chat, hot-swapped policies)."
+    )
     p.add_argument("--bdn-url", default="http://127.0.0.1:7081", help="the node's bdnd local API (default %(default)s)")
-    p.add_argument("--listen", type=_listen, default=("127.0.0.1", 8000), help="HOST:PORT to serve on (default 127.0.0.1:8000)")
+    p.add_argument(
+        "--listen", type=_listen, default=("127.0.0.1", 8000), help="HOST:PORT to serve on (default 127.0.0.1:8000)"
+    )
     p.add_argument("--replica-id", default="", help="reported in nvext.engine_data (default: bdnd's node id)")
     p.add_argument("--served-model-name", default="tinygpt", help="the model name clients send (default %(default)s)")
     p.add_argument("--name", default="tinygpt-engine", help="this engine's name in bdnd's logs")

@@ -37,15 +37,17 @@ def make_tokenizer(out: Path) -> int:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
-                                   additional_special_tokens=SPECIALS[2:])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>", additional_special_tokens=SPECIALS[2:]
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return len(vocab)
 
 
-def make_tiny_llama(out: str | Path, *, hidden: int = 128, layers: int = 2, heads: int = 2,
-                    seed: int = 0, max_positions: int = 512):
+def make_tiny_llama(
+    out: str | Path, *, hidden: int = 128, layers: int = 2, heads: int = 2, seed: int = 0, max_positions: int = 512
+):
     """Write the checkpoint to ``out``; returns ``(model, state_dict)`` (bf16 torch tensors)."""
     import torch
     import transformers
@@ -55,11 +57,19 @@ def make_tiny_llama(out: str | Path, *, hidden: int = 128, layers: int = 2, head
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = make_tokenizer(out)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                      max_position_embeddings=max_positions, tie_word_embeddings=False,
-                      bos_token_id=vocab - len(SPECIALS), eos_token_id=vocab - len(SPECIALS) + 1,
-                      dtype="bfloat16")
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=vocab - len(SPECIALS),
+        eos_token_id=vocab - len(SPECIALS) + 1,
+        dtype="bfloat16",
+    )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     with torch.no_grad():  # a random init samples near-uniformly; widen it so answers differ by policy

@@ -154,14 +154,22 @@ def weight_shapes(config: TinyGPTConfig) -> dict[str, tuple[int, ...]]:
     }
     for i in range(config.n_layer):
         p = f"transformer.h.{i}."
-        shapes.update({
-            p + "ln_1.weight": (d,), p + "ln_1.bias": (d,),
-            p + "attn.c_attn.weight": (d, 3 * d), p + "attn.c_attn.bias": (3 * d,),
-            p + "attn.c_proj.weight": (d, d), p + "attn.c_proj.bias": (d,),
-            p + "ln_2.weight": (d,), p + "ln_2.bias": (d,),
-            p + "mlp.c_fc.weight": (d, 4 * d), p + "mlp.c_fc.bias": (4 * d,),
-            p + "mlp.c_proj.weight": (4 * d, d), p + "mlp.c_proj.bias": (d,),
-        })
+        shapes.update(
+            {
+                p + "ln_1.weight": (d,),
+                p + "ln_1.bias": (d,),
+                p + "attn.c_attn.weight": (d, 3 * d),
+                p + "attn.c_attn.bias": (3 * d,),
+                p + "attn.c_proj.weight": (d, d),
+                p + "attn.c_proj.bias": (d,),
+                p + "ln_2.weight": (d,),
+                p + "ln_2.bias": (d,),
+                p + "mlp.c_fc.weight": (d, 4 * d),
+                p + "mlp.c_fc.bias": (4 * d,),
+                p + "mlp.c_proj.weight": (4 * d, d),
+                p + "mlp.c_proj.bias": (d,),
+            }
+        )
     shapes["transformer.ln_f.weight"] = (d,)
     shapes["transformer.ln_f.bias"] = (d,)
     if not config.tie_word_embeddings:
@@ -227,10 +235,11 @@ def weights_digest(weights: Mapping[str, np.ndarray]) -> str:
 
 # -- tokenizer ---------------------------------------------------------------------------------
 
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (``tokenizers`` ByteLevel uses it)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     chars = printable[:]
     n = 0
@@ -250,26 +259,45 @@ def tokenizer_json() -> dict[str, Any]:
         "truncation": None,
         "padding": None,
         "added_tokens": [
-            {"id": N_BYTES + i, "content": tok, "single_word": False, "lstrip": False,
-             "rstrip": False, "normalized": False, "special": True}
+            {
+                "id": N_BYTES + i,
+                "content": tok,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
             for i, tok in enumerate(SPECIAL_TOKENS)
         ],
         "normalizer": None,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                          "use_regex": False},
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
         "post_processor": None,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                    "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                  "vocab": {b2u[b]: b for b in range(256)}, "merges": []},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "vocab": {b2u[b]: b for b in range(256)},
+            "merges": [],
+        },
     }
 
 
 def tokenizer_config_json() -> dict[str, Any]:
     """``tokenizer_config.json``: special tokens and the ChatML chat template."""
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": IM_END,
-            "pad_token": EOS, "model_max_length": None, "chat_template": CHAT_TEMPLATE}
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": EOS,
+        "model_max_length": None,
+        "chat_template": CHAT_TEMPLATE,
+    }
 
 
 class ByteTokenizer:
@@ -335,7 +363,9 @@ def parse_tokenizer(obj: Any, vocab_size: int, where: str = "tokenizer.json") ->
             raise CheckpointError(f"{where}: added_tokens entries must be objects with a 'content'")
         tid = entry.get("id")
         if not isinstance(tid, int) or isinstance(tid, bool) or not N_BYTES <= tid < vocab_size:
-            raise CheckpointError(f"{where}: added token {entry['content'][:40]!r} has id {tid!r} outside [256, {vocab_size})")
+            raise CheckpointError(
+                f"{where}: added token {entry['content'][:40]!r} has id {tid!r} outside [256, {vocab_size})"
+            )
         specials[entry["content"]] = tid
     missing = [t for t in SPECIAL_TOKENS if t not in specials]
     if missing:
@@ -345,7 +375,10 @@ def parse_tokenizer(obj: Any, vocab_size: int, where: str = "tokenizer.json") ->
 
 # -- checkpoint directory ----------------------------------------------------------------------
 
-def save_checkpoint(directory: str | os.PathLike[str], config: TinyGPTConfig, weights: Mapping[str, np.ndarray]) -> Path:
+
+def save_checkpoint(
+    directory: str | os.PathLike[str], config: TinyGPTConfig, weights: Mapping[str, np.ndarray]
+) -> Path:
     """Write ``weights`` (bf16 arrays, as ``init_weights`` makes) as a checkpoint directory.
 
     Files: config.json, model.safetensors (bf16), tokenizer.json, tokenizer_config.json. The
@@ -457,6 +490,7 @@ def load_checkpoint(directory: str | os.PathLike[str]) -> Model:
 
 # -- the model ---------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Generation:
     """One completion.
@@ -500,8 +534,16 @@ class Model:
     Thread-safe: ``generate`` keeps all state in locals, so many requests may run at once.
     """
 
-    def __init__(self, config: TinyGPTConfig, weights: dict[str, np.ndarray], tokenizer: ByteTokenizer,
-                 *, identity: str | None = None, policy_version: int | None = None, digest: str = "") -> None:
+    def __init__(
+        self,
+        config: TinyGPTConfig,
+        weights: dict[str, np.ndarray],
+        tokenizer: ByteTokenizer,
+        *,
+        identity: str | None = None,
+        policy_version: int | None = None,
+        digest: str = "",
+    ) -> None:
         self.config = config
         self.w = weights
         self.tokenizer = tokenizer
@@ -514,8 +556,9 @@ class Model:
     def max_model_len(self) -> int:
         return self.config.n_positions
 
-    def forward(self, ids: Sequence[int], cache: list[tuple[np.ndarray, np.ndarray]] | None = None,
-                all_logits: bool = False) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
+    def forward(
+        self, ids: Sequence[int], cache: list[tuple[np.ndarray, np.ndarray]] | None = None, all_logits: bool = False
+    ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray]]]:
         """Run new tokens ``ids`` after the ``cache`` of earlier ones.
 
         Args:
@@ -565,9 +608,17 @@ class Model:
         x = _layer_norm(x, w["transformer.ln_f.weight"], w["transformer.ln_f.bias"], eps)
         return (x @ self._head.T).astype(np.float32, copy=False), new_cache
 
-    def generate_detailed(self, token_ids: Sequence[int], max_tokens: int, temperature: float = 1.0,
-                          seed: int | None = None, *, top_p: float = 1.0, top_logprobs: int = 0,
-                          stop_ids: frozenset[int] | None = None) -> Generation:
+    def generate_detailed(
+        self,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        *,
+        top_p: float = 1.0,
+        top_logprobs: int = 0,
+        stop_ids: frozenset[int] | None = None,
+    ) -> Generation:
         """Sample up to ``max_tokens`` ids after the prompt ``token_ids``.
 
         ``temperature`` 0 is greedy (deterministic); otherwise sampling from softmax(logits / T)
@@ -618,14 +669,16 @@ class Model:
                 logits, cache = self.forward([nxt], cache)
         return Generation(out, lps, tops, finish)
 
-    def generate(self, token_ids: Sequence[int], max_tokens: int, temperature: float = 1.0,
-                 seed: int | None = None) -> tuple[list[int], list[float]]:
+    def generate(
+        self, token_ids: Sequence[int], max_tokens: int, temperature: float = 1.0, seed: int | None = None
+    ) -> tuple[list[int], list[float]]:
         """``(generated ids, their log-probabilities)``; see ``generate_detailed``."""
         g = self.generate_detailed(token_ids, max_tokens, temperature, seed)
         return g.token_ids, g.logprobs
 
 
 # -- CLI ---------------------------------------------------------------------------------------
+
 
 def optimizer_step(weights: Mapping[str, np.ndarray], frac: float = 0.02, seed: int = 1) -> dict[str, np.ndarray]:
     """A simulated RL optimizer step: about ``frac`` of the bf16 values change a little."""

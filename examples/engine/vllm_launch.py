@@ -24,9 +24,17 @@ ROOT = Path(__file__).resolve().parents[2]
 EXTENSION = "bdn.engines.vllm_worker.BdnWorkerExtension"
 
 
-def start_vllm(python: str, model: str | Path, port: int, log: Path, *, extension: bool = True,
-               keep_unpacked: bool = True, timeout_s: float = 900.0,
-               max_model_len: int = 256) -> subprocess.Popen[bytes]:
+def start_vllm(
+    python: str,
+    model: str | Path,
+    port: int,
+    log: Path,
+    *,
+    extension: bool = True,
+    keep_unpacked: bool = True,
+    timeout_s: float = 900.0,
+    max_model_len: int = 256,
+) -> subprocess.Popen[bytes]:
     """A vLLM server on ``127.0.0.1:port`` serving ``model`` as ``model``; waits for ``/health``.
 
     With ``extension``, bdn's worker extension is loaded, and with ``keep_unpacked`` too
@@ -36,14 +44,35 @@ def start_vllm(python: str, model: str | Path, port: int, log: Path, *, extensio
     Raises RuntimeError with the log's tail when the process exits or does not answer in
     ``timeout_s`` seconds (the process is then stopped).
     """
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-               PYTHONPATH=str(ROOT))
+    env = dict(
+        os.environ,
+        VLLM_SERVER_DEV_MODE="1",
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        PYTHONPATH=str(ROOT),
+    )
     env.pop("BDN_VLLM_KEEP_UNPACKED", None)
     if extension and keep_unpacked:
         env["BDN_VLLM_KEEP_UNPACKED"] = "1"
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "model",
-           "--dtype", "bfloat16", "--port", str(port), "--host", "127.0.0.1", "--max-model-len", str(max_model_len),
-           "--enforce-eager", "--max-num-seqs", "4"]
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "model",
+        "--dtype",
+        "bfloat16",
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--max-num-seqs",
+        "4",
+    ]
     if extension:
         cmd += ["--worker-extension-cls", EXTENSION]
     with open(log, "ab") as out:

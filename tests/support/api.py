@@ -105,15 +105,20 @@ def _detail(detail: Callable[[], str] | None) -> str:
 def wait_fleet(url: str, identity: str, timeout: float = 120.0, token: str | None = None) -> list[dict]:
     """The replicas the daemon at ``url`` lists, once every one is done serving ``identity``; an
     AssertionError as soon as one reports an error, or after ``timeout`` s."""
+
     def replicas() -> list[dict]:
         status, body = http("GET", url + HOT_LOAD, token=token)
         assert status == 200, body
         return body["replicas"]
 
     return wait_for(
-        replicas, timeout, f"the fleet done with {identity}", 0.2,
-        until=lambda reps: all(r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done"
-                               for r in reps),
+        replicas,
+        timeout,
+        f"the fleet done with {identity}",
+        0.2,
+        until=lambda reps: all(
+            r["current_snapshot_identity"] == identity and r["loading_state"]["stage"] == "done" for r in reps
+        ),
         meanwhile=lambda reps: not [r for r in reps if r["loading_state"]["stage"] == "error"],
     )
 

@@ -51,8 +51,16 @@ def publish_chain(url: str, dirs: Sequence[Path], *, chunk_size: int, formats: M
     """
     publish_full(url, ANCHOR, 1, dir=dirs[0], chunk_size=chunk_size)
     for v in range(2, len(dirs) + 1):
-        publish_delta(url, step_id(v), v, step_id(v - 1), dir=dirs[v - 1], base_dir=dirs[v - 2],
-                      chunk_size=chunk_size, compression_format=(formats or {}).get(v, "arc_v2"))
+        publish_delta(
+            url,
+            step_id(v),
+            v,
+            step_id(v - 1),
+            dir=dirs[v - 1],
+            base_dir=dirs[v - 2],
+            chunk_size=chunk_size,
+            compression_format=(formats or {}).get(v, "arc_v2"),
+        )
 
 
 @dataclass
@@ -73,8 +81,15 @@ class Chain:
         path.write_text(json.dumps(m))
 
 
-def file_chain(tmp_path: Path, steps: int, *, chunk_size: int, scale: int = 1, frac: float = 0.05,
-               formats: Mapping[int, str] | None = None) -> Chain:
+def file_chain(
+    tmp_path: Path,
+    steps: int,
+    *,
+    chunk_size: int,
+    scale: int = 1,
+    frac: float = 0.05,
+    formats: Mapping[int, str] | None = None,
+) -> Chain:
     """:func:`chain_states` written under ``tmp_path/src`` and published to ``tmp_path/bucket``
     (see :func:`publish_chain`): ``steps`` deltas on the anchor."""
     bucket = tmp_path / "bucket"

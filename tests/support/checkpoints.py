@@ -49,8 +49,13 @@ def optimizer_step(state: dict[str, np.ndarray], frac: float = 0.02, seed: int =
 
 
 SHARDS = {
-    "model-00001-of-00002.safetensors": ("embed.weight", "layers.0.attn.qkv.weight", "layers.0.mlp.up.weight",
-                                          "layers.0.mlp.down.weight", "layers.0.norm.weight"),
+    "model-00001-of-00002.safetensors": (
+        "embed.weight",
+        "layers.0.attn.qkv.weight",
+        "layers.0.mlp.up.weight",
+        "layers.0.mlp.down.weight",
+        "layers.0.norm.weight",
+    ),
     "model-00002-of-00002.safetensors": ("layers.1.attn.qkv.weight", "layers.1.mlp.up.weight", "position_ids"),
 }
 
@@ -71,8 +76,9 @@ def write_hf_dir(path: Path, state: dict[str, np.ndarray], step: int = 0) -> Pat
     return path
 
 
-def publish_state(root: Path, bucket: str, identity: str, version: int, *, scale: int, chunk_size: int,
-                  endpoint: str | None = None) -> tuple[Manifest, Path]:
+def publish_state(
+    root: Path, bucket: str, identity: str, version: int, *, scale: int, chunk_size: int, endpoint: str | None = None
+) -> tuple[Manifest, Path]:
     """``make_state(version, scale)`` written as ``root/trainer/<identity>`` and published to
     ``bucket`` (S3 at ``endpoint``, or file://) as full snapshot ``identity`` at policy version
     ``version``; the manifest and the trainer's directory."""

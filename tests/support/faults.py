@@ -84,8 +84,9 @@ def stable_ports(d: Daemon) -> Daemon:
 class FaultSwarm(Swarm):
     """A :class:`Swarm` on stable ports that cleans up after a failed start."""
 
-    def __init__(self, workdir: Path, n: int, bucket: str, secret: str = SECRET,
-                 extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, n: int, bucket: str, secret: str = SECRET, extra_env: dict[str, str] | None = None
+    ) -> None:
         super().__init__(workdir, n, bucket, secret, extra_env)
         for d in self.daemons:
             stable_ports(d)
@@ -150,8 +151,12 @@ class ChunkFaultProxy(S3Proxy):
             return await self._forward(request, record, fault.truncate_after, finished)
         body = _error_xml(fault.code, "Injected by ChunkFaultProxy.", record.path).encode()
         record.status, record.injected, record.response_bytes = fault.status, True, len(body)
-        return web.Response(status=fault.status, body=body, content_type="application/xml",
-                            headers={"x-amz-request-id": uuid.uuid4().hex[:16].upper()})
+        return web.Response(
+            status=fault.status,
+            body=body,
+            content_type="application/xml",
+            headers={"x-amz-request-id": uuid.uuid4().hex[:16].upper()},
+        )
 
 
 class ShmWatcher:
@@ -209,8 +214,12 @@ def small_tmpfs(path: Path, size_bytes: int) -> Iterator[Path]:
 
     path.mkdir(parents=True, exist_ok=True)
     try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700", "tmpfs", str(path)],
-                           capture_output=True, text=True, timeout=10)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700", "tmpfs", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         reason = f"cannot run mount: {e}"
         print(f"SKIP small_tmpfs: {reason}")

@@ -90,8 +90,13 @@ def make_run(root: Path, steps: int = 3, configs: dict[str, dict[str, Any]] | No
 def boto(endpoint: str) -> Any:
     import boto3
 
-    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                        aws_access_key_id="testing", aws_secret_access_key="testing")
+    return boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
 
 
 def upload(client: Any, name: str, prefix: str, run: Run, only: list[str] | None = None) -> None:

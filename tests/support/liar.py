@@ -80,7 +80,9 @@ class LiarState:
             if not self.foreign_chunk_size:
                 return None
             try:  # as a daemon with require_manifest = false derives it (chunk ids, not digests)
-                m = read_foreign_table(self.bucket, identity, chunk_size=self.foreign_chunk_size, policy_version=0).manifest
+                m = read_foreign_table(
+                    self.bucket, identity, chunk_size=self.foreign_chunk_size, policy_version=0
+                ).manifest
             except BdnError:
                 return None
         except BdnError:
@@ -97,8 +99,9 @@ async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
     if request.match_info.get("swarm_id") != st.keys.swarm_id:
         return web.Response(status=401)
     try:
-        request["peer"] = verify_request(st.keys, request.headers.get("Authorization"), request.method,
-                                         request.raw_path, st.nonces, me=st.node_id)
+        request["peer"] = verify_request(
+            st.keys, request.headers.get("Authorization"), request.method, request.raw_path, st.nonces, me=st.node_id
+        )
     except WrongTarget as e:  # as a daemon does: name itself, so members sign again for it
         return web.Response(status=401, headers={NODE_HEADER: e.me})
     except AuthError:
@@ -197,8 +200,9 @@ async def get_chunk(request: web.Request) -> web.Response:
 
 async def get_stats(request: web.Request) -> web.Response:
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
-    return web.json_response({"chunks_lied": st.chunks_lied, "wire_lied": st.wire_lied, "members": st.members,
-                              "refused": st.refused})
+    return web.json_response(
+        {"chunks_lied": st.chunks_lied, "wire_lied": st.wire_lied, "members": st.members, "refused": st.refused}
+    )
 
 
 JUNK_BYTES = 16 << 20  # bdn's default chunk size: no test publishes larger chunks
@@ -253,8 +257,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--node-id", default="liar")
     ap.add_argument("--foreign-chunk-size", type=int, default=0, help="lie about snapshots without a manifest too")
     ap.add_argument("--no-wire", action="store_true", help="no transfer server: lie over HTTP only")
-    ap.add_argument("--refuse", choices=("", "busy", "not_here"), default="",
-                    help="advertise every chunk but refuse each request (busy or not here)")
+    ap.add_argument(
+        "--refuse",
+        choices=("", "busy", "not_here"),
+        default="",
+        help="advertise every chunk but refuse each request (busy or not here)",
+    )
     ap.add_argument("--trickle-s", type=float, default=0.0, help="stall: send chunks one byte every S seconds")
     args = ap.parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
@@ -286,16 +294,30 @@ class Liar(PeerProcess):
 
     script = Path(__file__).resolve()
 
-    def __init__(self, workdir: Path, bucket: str, secret: str, node_id: str = "liar", foreign_chunk_size: int = 0,
-                 trickle_s: float = 0.0, refuse: str = "") -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        bucket: str,
+        secret: str,
+        node_id: str = "liar",
+        foreign_chunk_size: int = 0,
+        trickle_s: float = 0.0,
+        refuse: str = "",
+    ) -> None:
         self.foreign_chunk_size = foreign_chunk_size
         self.trickle_s = trickle_s
         self.refuse = refuse
         super().__init__(workdir, bucket, secret, node_id)
 
     def args(self) -> list[str]:
-        return ["--foreign-chunk-size", str(self.foreign_chunk_size), "--trickle-s", str(self.trickle_s),
-                "--refuse", self.refuse]
+        return [
+            "--foreign-chunk-size",
+            str(self.foreign_chunk_size),
+            "--trickle-s",
+            str(self.trickle_s),
+            "--refuse",
+            self.refuse,
+        ]
 
 
 if __name__ == "__main__":

@@ -16,8 +16,14 @@ from pathlib import Path
 from typing import Self
 
 
-def wait_started(proc: subprocess.Popen[bytes] | None, up: Callable[[], bool], timeout: float, name: str, what: str,
-                 log: Callable[[], str]) -> None:
+def wait_started(
+    proc: subprocess.Popen[bytes] | None,
+    up: Callable[[], bool],
+    timeout: float,
+    name: str,
+    what: str,
+    log: Callable[[], str],
+) -> None:
     """Poll ``up()`` every 50 ms until it is true. RuntimeError (with ``log()``) when ``proc`` (None:
     a process started elsewhere) exits first, TimeoutError after ``timeout`` s (``"<name> not <what> after <timeout> s"``)."""
     deadline = time.monotonic() + timeout
@@ -68,9 +74,21 @@ class PeerProcess:
         name = self.script.stem
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(self.script), "--port", str(self.port), "--bucket", self.bucket,
-                 "--secret-file", str(self.secret_file), "--node-id", self.node_id, *self.args()],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    str(self.script),
+                    "--port",
+                    str(self.port),
+                    "--bucket",
+                    self.bucket,
+                    "--secret-file",
+                    str(self.secret_file),
+                    "--node-id",
+                    self.node_id,
+                    *self.args(),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         wait_started(self.proc, self._listening, timeout, name, "listening", self.log)
         return self

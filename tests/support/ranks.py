@@ -24,8 +24,10 @@ def model(version: int) -> dict[str, np.ndarray]:
     """Policy version ``version`` (1 = the anchor) of a 4-layer bf16 model, same on every call."""
     rng = np.random.default_rng(7)
     d = 48
-    st: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.normal(0, 0.02, (300, d)).astype(BF16),
-                                 "model.norm.weight": np.ones(d, dtype=np.float32)}
+    st: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.normal(0, 0.02, (300, d)).astype(BF16),
+        "model.norm.weight": np.ones(d, dtype=np.float32),
+    }
     for i in range(LAYERS):
         st[f"model.layers.{i}.self_attn.qkv_proj.weight"] = rng.normal(0, 0.02, (3 * d, d)).astype(BF16)
         st[f"model.layers.{i}.mlp.up_proj.weight"] = rng.normal(0, 0.02, (4 * d, d)).astype(BF16)
@@ -46,12 +48,18 @@ def owned(state: dict[str, np.ndarray], rank: int, world: int) -> dict[str, np.n
     return {n: a for n, a in state.items() if owner(n, world) == rank}
 
 
-def run_ranks(url: str, identity: str, version: int, world: int, base: str | None = None) -> list[subprocess.Popen[str]]:
+def run_ranks(
+    url: str, identity: str, version: int, world: int, base: str | None = None
+) -> list[subprocess.Popen[str]]:
     """Start ``world`` rank processes publishing their parts of ``identity`` (policy ``version``)."""
     args = [str(version)] + ([base] if base else [])
     return [
-        subprocess.Popen([sys.executable, __file__, url, identity, str(r), str(world), *args],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, __file__, url, identity, str(r), str(world), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(world)
     ]
 
@@ -64,8 +72,17 @@ def main(argv: list[str]) -> int:
     mine = owned(model(version), rank, world)
     base_tensors = owned(model(version - 1), rank, world) if base else None
     try:
-        publish_part(url, identity, mine, rank=rank, world_size=world, base=base, base_tensors=base_tensors,
-                     chunk_size=CHUNK, workers=2)
+        publish_part(
+            url,
+            identity,
+            mine,
+            rank=rank,
+            world_size=world,
+            base=base,
+            base_tensors=base_tensors,
+            chunk_size=CHUNK,
+            workers=2,
+        )
     except Exception as e:  # noqa: BLE001 - any error: the test reads the line
         print(f"rank {rank}: {type(e).__name__}: {e}")
         return 1

@@ -299,9 +299,7 @@ class S3Proxy:
     def truncate_next(self, n: int, after_bytes: int, methods: tuple[str, ...] = ("GET",)) -> None:
         """Forward the next ``n`` matching requests but cut each body after ``after_bytes``."""
         with self._lock:
-            self._faults.append(
-                _Fault(remaining=n, methods=frozenset(methods), truncate_after=after_bytes)
-            )
+            self._faults.append(_Fault(remaining=n, methods=frozenset(methods), truncate_after=after_bytes))
 
     # -- server --------------------------------------------------------------------------------
 
@@ -391,9 +389,7 @@ class S3Proxy:
                 content_type="application/xml",
                 headers={"x-amz-request-id": uuid.uuid4().hex[:16].upper()},
             )
-        return await self._forward(
-            request, record, fault.truncate_after if fault else None, finished
-        )
+        return await self._forward(request, record, fault.truncate_after if fault else None, finished)
 
     async def _forward(
         self,
@@ -500,4 +496,3 @@ def _access_key(authorization: str) -> str | None:
     if at < 0:
         return None
     return authorization[at + len(marker) :].split("/", 1)[0] or None
-

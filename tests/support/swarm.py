@@ -110,8 +110,15 @@ def free_port() -> int:
 class Daemon:
     """One bdnd process with its own ports, shm dir and log file."""
 
-    def __init__(self, workdir: Path, node_id: str, bucket: str, secret: str = SECRET,
-                 extra_env: dict[str, str] | None = None, peer_port: int | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        node_id: str,
+        bucket: str,
+        secret: str = SECRET,
+        extra_env: dict[str, str] | None = None,
+        peer_port: int | None = None,
+    ) -> None:
         self.node_id = node_id
         self.peer_port = peer_port or free_port()
         self.local_port = free_port()
@@ -158,11 +165,14 @@ class Daemon:
     def start(self, peers: list[str]) -> None:
         env = dict(self.env, BDN_PEERS=",".join(p for p in peers if p != self.peer_url))
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "bdn.daemon.main"], env=env,
-                                     stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         log.close()
 
-    def wait_healthy(self, timeout: float = 240.0) -> None:  # generous: on a loaded machine the imports alone took 60+ s
+    def wait_healthy(
+        self, timeout: float = 240.0
+    ) -> None:  # generous: on a loaded machine the imports alone took 60+ s
         wait_started(self.proc, self._healthy, timeout, f"bdnd {self.node_id}", "healthy", self.log)
 
     def _healthy(self) -> bool:
@@ -203,8 +213,12 @@ class Daemon:
         path = f"/bdn/v1/{self.keys.swarm_id}/{route}"
         conn = http.client.HTTPConnection("127.0.0.1", self.peer_port, timeout=30)
         try:
-            conn.request("POST", path, body=msgpack.packb(message),
-                         headers={"Authorization": sign_request(self.keys, "POST", path, sender, to=self.node_id)})
+            conn.request(
+                "POST",
+                path,
+                body=msgpack.packb(message),
+                headers={"Authorization": sign_request(self.keys, "POST", path, sender, to=self.node_id)},
+            )
             r = conn.getresponse()
             return r.status, r.read()
         finally:
@@ -216,6 +230,7 @@ class Daemon:
     def wait_ready(self, identity: str, timeout: float = 120.0) -> dict[str, Any]:
         """``identity``'s record once it is ready (the daemon holds each poll up to 10 s);
         AssertionError at once if it fails, or with the log after ``timeout`` s."""
+
         def answer() -> tuple[int, Any]:
             status, body = self.request("GET", f"/v1/snapshots/{identity}/wait?state=ready&timeout=10")
             if status == 409:
@@ -224,16 +239,26 @@ class Daemon:
                 raise AssertionError(f"{self.node_id}: wait answered {status}: {body}")
             return status, body
 
-        return wait_for(answer, timeout, f"{identity} ready on {self.node_id}", 0.1,
-                        until=lambda answer: answer[0] == 200, detail=self.log)[1]
+        return wait_for(
+            answer,
+            timeout,
+            f"{identity} ready on {self.node_id}",
+            0.1,
+            until=lambda answer: answer[0] == 200,
+            detail=self.log,
+        )[1]
 
     def wait_settled(self, identity: str, timeout: float = 120.0) -> dict[str, Any]:
         """``identity``'s record once it is ``failed`` or ``ready`` (polled every 0.1 s);
         AssertionError with the record and the log after ``timeout`` s."""
-        return wait_for(lambda: self.request("GET", f"/v1/snapshots/{identity}"), timeout,
-                        f"{identity} failed or ready on {self.node_id}", 0.1,
-                        until=lambda answer: answer[0] == 200 and answer[1]["state"] in ("failed", "ready"),
-                        detail=self.log)[1]
+        return wait_for(
+            lambda: self.request("GET", f"/v1/snapshots/{identity}"),
+            timeout,
+            f"{identity} failed or ready on {self.node_id}",
+            0.1,
+            until=lambda answer: answer[0] == 200 and answer[1]["state"] in ("failed", "ready"),
+            detail=self.log,
+        )[1]
 
     def status(self) -> dict[str, Any]:
         return self.get("/v1/status")
@@ -267,8 +292,9 @@ def running(d: Daemon, peers: Sequence[str] = ()) -> Iterator[Daemon]:
 class Swarm:
     """N daemons sharing one partition secret, each listing the others as static peers."""
 
-    def __init__(self, workdir: Path, n: int, bucket: str, secret: str = SECRET,
-                 extra_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, workdir: Path, n: int, bucket: str, secret: str = SECRET, extra_env: dict[str, str] | None = None
+    ) -> None:
         self.daemons = [Daemon(workdir, f"node{i}", bucket, secret, extra_env) for i in range(n)]
 
     @property
@@ -290,9 +316,16 @@ class Swarm:
     def wait_members(self, timeout: float = 120.0) -> None:
         """Until every running daemon sees every other running daemon as alive."""
         running = [d for d in self.daemons if d.proc is not None and d.proc.poll() is None]
-        wait_for(lambda: all({o.node_id for o in running if o is not d}
-                             <= {p["node_id"] for p in d.status()["peers"] if p["alive"]} for d in running),
-                 timeout, "the swarm's members to converge", 0.2, detail=lambda: "\n".join(d.log() for d in running))
+        wait_for(
+            lambda: all(
+                {o.node_id for o in running if o is not d} <= {p["node_id"] for p in d.status()["peers"] if p["alive"]}
+                for d in running
+            ),
+            timeout,
+            "the swarm's members to converge",
+            0.2,
+            detail=lambda: "\n".join(d.log() for d in running),
+        )
 
     def stop(self) -> None:
         for d in self.daemons:

@@ -147,7 +147,9 @@ class ServerProcess:
     def __init__(self, path: Path, chunk_size: int, node_id: str = "srvproc") -> None:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "serve", str(path), str(chunk_size), node_id],
-            stdout=subprocess.PIPE, text=True, env=os.environ.copy(),
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ.copy(),
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().split()

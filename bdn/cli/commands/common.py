@@ -61,6 +61,7 @@ class NotYet(Exception):
 
 # -- output helpers ----------------------------------------------------------------------------
 
+
 def cell(value: Any) -> str:
     """One table cell: ``-`` for None or empty, else ``str(value)`` on one line (at most 200 characters)."""
     return "-" if value is None or value == "" else one_line(str(value), 200)
@@ -95,8 +96,14 @@ def progress(snap: dict[str, Any]) -> str:
 def snapshot_table(snaps: list[dict[str, Any]]) -> str:
     """The snapshots table of ``bdnctl status``: identity, kind, policy version, state, progress, path or reason."""
     rows = [
-        [s.get("identity"), s.get("kind"), s.get("policy_version"), s.get("state"), progress(s),
-         s.get("path") if s.get("state") == "ready" else s.get("reason")]
+        [
+            s.get("identity"),
+            s.get("kind"),
+            s.get("policy_version"),
+            s.get("state"),
+            progress(s),
+            s.get("path") if s.get("state") == "ready" else s.get("reason"),
+        ]
         for s in snaps
     ]
     return table(["IDENTITY", "KIND", "POLICY_VERSION", "STATE", "PROGRESS", "PATH"], rows)

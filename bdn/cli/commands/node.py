@@ -11,8 +11,9 @@ from bdn.client.fleet import collect_garbage
 
 
 def add_status(sub: Subparsers, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser("status", parents=[common],
-                       help="node, readiness (and why not), swarm, peers, counters and snapshots")
+    p = sub.add_parser(
+        "status", parents=[common], help="node, readiness (and why not), swarm, peers, counters and snapshots"
+    )
     p.set_defaults(run=_status)
 
 
@@ -42,8 +43,9 @@ def _status(client: DaemonClient, args: argparse.Namespace) -> int:
     peers = p if isinstance(p := st.get("peers"), list) else []
     lines.append(f"\npeers ({len(peers)}):")
     if peers:
-        rows = [[p.get("node_id"), p.get("url"), "yes" if p.get("alive") else "no"]
-                for p in peers if isinstance(p, dict)]
+        rows = [
+            [p.get("node_id"), p.get("url"), "yes" if p.get("alive") else "no"] for p in peers if isinstance(p, dict)
+        ]
         lines.append(indent(table(["NODE", "URL", "ALIVE"], rows)))
     counters = st.get("counters")
     if isinstance(counters, dict) and counters:
@@ -80,9 +82,15 @@ def _peers(client: DaemonClient, args: argparse.Namespace) -> int:
     if args.json:
         emit_json({"node_id": st.get("node_id"), "swarm_id": st.get("swarm_id"), "peers": peers})
     elif peers:
-        print(table(["NODE", "URL", "ALIVE", "ALSO"],
-                    [[p.get("node_id"), p.get("url"), "yes" if p.get("alive") else "no", ", ".join(p.get("also") or [])]
-                     for p in peers]))
+        print(
+            table(
+                ["NODE", "URL", "ALIVE", "ALSO"],
+                [
+                    [p.get("node_id"), p.get("url"), "yes" if p.get("alive") else "no", ", ".join(p.get("also") or [])]
+                    for p in peers
+                ],
+            )
+        )
     else:
         print("no peers")
     return EXIT_OK

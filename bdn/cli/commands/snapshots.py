@@ -35,10 +35,18 @@ def add_prefetch(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     pf = sub.add_parser("prefetch", parents=[common], help="start fetching a snapshot onto this node")
     pf.add_argument("identity", help="the snapshot's identity, as published (e.g. step000002)")
     pf.add_argument("--wait", action="store_true", help="wait until ready, with a progress bar")
-    pf.add_argument("--wait-publish", action="store_true",
-                    help="if nothing is in the bucket yet, wait for it to be published (else fail at once)")
-    pf.add_argument("--timeout", type=seconds, default=None, metavar="S",
-                    help="with --wait: give up after S seconds (exit 1; default: no limit)")
+    pf.add_argument(
+        "--wait-publish",
+        action="store_true",
+        help="if nothing is in the bucket yet, wait for it to be published (else fail at once)",
+    )
+    pf.add_argument(
+        "--timeout",
+        type=seconds,
+        default=None,
+        metavar="S",
+        help="with --wait: give up after S seconds (exit 1; default: no limit)",
+    )
     pf.set_defaults(run=_prefetch)
 
 
@@ -55,11 +63,17 @@ def add_snapshots(sub: Subparsers, common: argparse.ArgumentParser) -> None:
 
 def add_path(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     pa = sub.add_parser("path", parents=[common], help="the directory of a ready snapshot, or of the one served")
-    pa.add_argument("identity", metavar="IDENTITY|current",
-                    help="a snapshot's identity, or current: the one this replica serves")
+    pa.add_argument(
+        "identity", metavar="IDENTITY|current", help="a snapshot's identity, or current: the one this replica serves"
+    )
     pa.add_argument("--wait", action="store_true", help="wait until it is ready (or, for current, served)")
-    pa.add_argument("--timeout", type=seconds, default=DEFAULT_WAIT_S, metavar="S",
-                    help="with --wait: give up after S seconds (exit 1; default %(default)g)")
+    pa.add_argument(
+        "--timeout",
+        type=seconds,
+        default=DEFAULT_WAIT_S,
+        metavar="S",
+        help="with --wait: give up after S seconds (exit 1; default %(default)g)",
+    )
     pa.set_defaults(run=_path)
 
 
@@ -69,8 +83,9 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
         raise Fail("--timeout must be >= 0 seconds", EXIT_USAGE)
     start = time.monotonic()
     # the daemon looks for the publication no longer than this command waits
-    snap = client.prefetch(identity, wait_publish=args.wait_publish,
-                           publish_timeout=args.timeout if args.wait else None)
+    snap = client.prefetch(
+        identity, wait_publish=args.wait_publish, publish_timeout=args.timeout if args.wait else None
+    )
     if not args.wait:
         if snap.get("state") == "failed":
             raise Fail(f"{identity} failed: {_reason(identity, snap.get('reason'))}")
@@ -86,8 +101,16 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
         return EXIT_OK
 
     # disable=None: no bar when stderr is not a terminal, so logs do not fill with redraws.
-    bar = tqdm(total=None, desc=identity, **BYTES_BAR, file=sys.stderr, disable=True if args.json else None, leave=False,
-               dynamic_ncols=True, mininterval=0.2)
+    bar = tqdm(
+        total=None,
+        desc=identity,
+        **BYTES_BAR,
+        file=sys.stderr,
+        disable=True if args.json else None,
+        leave=False,
+        dynamic_ncols=True,
+        mininterval=0.2,
+    )
     shown_state: list[Any] = [None]
 
     def update(s: dict[str, Any]) -> None:
@@ -100,7 +123,9 @@ def _prefetch(client: DaemonClient, args: argparse.Namespace) -> int:
         shown = (s.get("state"), s.get("reason"))
         if shown != shown_state[0]:
             shown_state[0] = shown
-            bar.set_postfix_str(cell(s.get("state")) + (f": {one_line(str(s['reason']), 80)}" if s.get("reason") else ""))
+            bar.set_postfix_str(
+                cell(s.get("state")) + (f": {one_line(str(s['reason']), 80)}" if s.get("reason") else "")
+            )
             if s.get("reason") and s.get("state") != "failed" and not args.json and not sys.stderr.isatty():
                 print(f"{identity}: {cell(s.get('state'))}: {cell(s.get('reason'))}", file=sys.stderr)
 
@@ -177,15 +202,18 @@ def _path(client: DaemonClient, args: argparse.Namespace) -> int:
     if identity == "current":
         rec: dict[str, Any] | None = None
         try:
-            for attempt in retry.attempts(deadline_s=args.timeout if args.wait else 0.0, first_s=POLL_SECONDS,
-                                          max_s=1.0, on=(NotYet,)):
+            for attempt in retry.attempts(
+                deadline_s=args.timeout if args.wait else 0.0, first_s=POLL_SECONDS, max_s=1.0, on=(NotYet,)
+            ):
                 with attempt:
                     rec = _current_path(client)
                     if rec is None:
                         raise NotYet
         except NotYet:
-            raise Fail("this replica serves no snapshot yet"
-                        + (f" (waited {args.timeout:g} s)" if args.wait else " (--wait waits for one)")) from None
+            raise Fail(
+                "this replica serves no snapshot yet"
+                + (f" (waited {args.timeout:g} s)" if args.wait else " (--wait waits for one)")
+            ) from None
         assert rec is not None
         ans = {"identity": rec.get("identity"), "path": rec["path"], "link": rec.get("link")}
     else:

@@ -36,6 +36,8 @@ PARK_AHEAD = 1
 #: chunk landing at the other owners at once (about 2 per owner: 14 at N = 8; with 8, half of
 #: them went store-and-forward). Still bounded by ``max_inflight`` peer requests in all.
 CUT_WORKERS = 16
+
+
 def _views(members: list[Member]) -> tuple[list[policy.PeerView], dict[str, Member]]:
     return [policy.PeerView(m.url, m.node_id, m.inflight) for m in members], {m.url: m for m in members}
 
@@ -44,8 +46,15 @@ class Fetcher:
     """Executes the fetch plan for the chunks of a layer; the only caller of the chunk-verified event."""
 
     def __init__(
-        self, cfg: Config, membership: Membership, index: ChunkIndex, haves: Haves, sources: Sources,
-        stats: Stats, clock: Clock, rng: random.Random | None = None,
+        self,
+        cfg: Config,
+        membership: Membership,
+        index: ChunkIndex,
+        haves: Haves,
+        sources: Sources,
+        stats: Stats,
+        clock: Clock,
+        rng: random.Random | None = None,
     ) -> None:
         self.cfg = cfg
         self.node_id = cfg.node_id
@@ -105,8 +114,9 @@ class Fetcher:
             pass
         nodes = self.membership.hrw_nodes()
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
-        owned, others = policy.split_owned(bits, nodes, self.node_id, self.rng,
-                                           lambda i: self.owner(job, layer, dig(i), nodes))
+        owned, others = policy.split_owned(
+            bits, nodes, self.node_id, self.rng, lambda i: self.owner(job, layer, dig(i), nodes)
+        )
         poller = asyncio.create_task(self.haves.poll(job))
         if layer == STORED:
             self.takeovers.begin(job)
@@ -242,8 +252,9 @@ class Fetcher:
                 # this node takes the read over from the chunk's owner, who granted it (TakeOvers)
                 try:
                     with self.takeovers.reading_for_owner(key):
-                        await src.from_bucket(job, ref, target, owner=True, address=address,
-                                              claim=self.takeovers.claim(job, layer, idx))
+                        await src.from_bucket(
+                            job, ref, target, owner=True, address=address, claim=self.takeovers.claim(job, layer, idx)
+                        )
                     self.stats.add("bucket_chunks_taken_over")
                     await self._got(job, layer, ref)
                     return
@@ -276,8 +287,11 @@ class Fetcher:
             # (or a new holder's HAVE) rather than park at the owners or read the bucket as the
             # owner: the chunk is in the fleet already (a late joiner takes it from its peers).
             holders_busy = bool(ranked) and self.stats.busy_answers > busy_before
-            steps = [] if holders_busy else policy.plan_owners(self.node_id, views, ref.digest, layer, tried,
-                                                             self.cfg.chunk_wait_s, owner)
+            steps = (
+                []
+                if holders_busy
+                else policy.plan_owners(self.node_id, views, ref.digest, layer, tried, self.cfg.chunk_wait_s, owner)
+            )
             parked_out = False
             for step in steps:
                 if isinstance(step, policy.ReadBucket):
@@ -285,8 +299,14 @@ class Fetcher:
                     owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
                     if policy.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
                         try:
-                            await src.from_bucket(job, ref, target, owner=True, address=address,
-                                                  claim=self.takeovers.claim(job, layer, idx))
+                            await src.from_bucket(
+                                job,
+                                ref,
+                                target,
+                                owner=True,
+                                address=address,
+                                claim=self.takeovers.claim(job, layer, idx),
+                            )
                         except Superseded:
                             # another node took this read over (TakeOvers): the requests parked
                             # here for it go there; a busy round, then take the chunk from it
@@ -303,8 +323,12 @@ class Fetcher:
                     # bucket here would compete with the owners for its bandwidth; go round again.
                     break
                 m = members[step.peer.url]
-                if step.wait > 0 and self.cfg.cut_through and m.inflight >= PARK_AHEAD \
-                        and self.haves.synced(job, m.node_id):
+                if (
+                    step.wait > 0
+                    and self.cfg.cut_through
+                    and m.inflight >= PARK_AHEAD
+                    and self.haves.synced(job, m.node_id)
+                ):
                     # This owner announces what it starts reading (HAVE_GROWING) and already has
                     # a request of ours parked: wait for the announcement and take the chunk
                     # cut-through then, instead of parking one more request on a chunk it reads

@@ -187,8 +187,15 @@ class Haves:
         self._sizes[ident] = (ns, nr)
         ps = self._sets.get(ident)
         if ps is None:
-            ps = self._sets[ident] = PeerSet(self.membership.self_id, max(ns, 1), self.membership.clock.monotonic,
-                                             k=self.k, max_peers=max(self.k, 32), reader_slots=0, idle_s=1e9)
+            ps = self._sets[ident] = PeerSet(
+                self.membership.self_id,
+                max(ns, 1),
+                self.membership.clock.monotonic,
+                k=self.k,
+                max_peers=max(self.k, 32),
+                reader_slots=0,
+                idle_s=1e9,
+            )
         by_node = {m.node_id: m for m in self.membership.live() if peer_of(m) is not None}
         before = set(ps.peers)
         ps.refresh(list(by_node), is_live=by_node.__contains__)
@@ -233,8 +240,12 @@ class Haves:
             # stored HAVEs of every peer that rebuilds it: tests/test_swarm.py)
             return
         if max(indices) >= bits.n:
-            log.debug("peer %s announced chunk %d of %s outside the manifest; subscription dropped",
-                      node_id, max(indices), identity)
+            log.debug(
+                "peer %s announced chunk %d of %s outside the manifest; subscription dropped",
+                node_id,
+                max(indices),
+                identity,
+            )
             p = peer_of(m)
             if p is not None and self.subscriber is not None:
                 self.subscriber.unsubscribe(p, identity)

@@ -34,8 +34,9 @@ class Owners:
         # (key, nodes) -> owner table; (key, "slots", count) -> slot table
         self._tables: OrderedDict[tuple[object, ...], dict[str, str] | dict[str, int]] = OrderedDict()
 
-    def owner(self, key: object, nodes: Sequence[str], digest: str,
-              digests: Callable[[], Sequence[str]], count: int) -> str | None:
+    def owner(
+        self, key: object, nodes: Sequence[str], digest: str, digests: Callable[[], Sequence[str]], count: int
+    ) -> str | None:
         """The owner of ``digest`` among ``nodes`` for the layer ``key`` of ``count`` chunks."""
         if not nodes:
             return None
@@ -52,8 +53,9 @@ class Owners:
         o = table.get(digest)
         return o if o is not None else hrw.owner(nodes, digest)
 
-    def slot_owner(self, key: object, readers: Sequence[str], digest: str,
-                   digests: Callable[[], Sequence[str]], count: int) -> str | None:
+    def slot_owner(
+        self, key: object, readers: Sequence[str], digest: str, digests: Callable[[], Sequence[str]], count: int
+    ) -> str | None:
         """The owner of ``digest`` when a subset reads (``bucket_readers``): ``readers`` are the
         holders of the layer's reader slots in slot order (:func:`bdn.control.owners.readers_of`),
         and the chunk's slot comes from the layer's slot table (equal shares, independent of the

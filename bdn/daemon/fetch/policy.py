@@ -131,7 +131,11 @@ def chunk_order(place: np.ndarray, ties: np.ndarray) -> np.ndarray:
 
 
 def split_owned(
-    bits: Positions, nodes: Sequence[str], self_id: str, rng: random.Random, owner_of: Callable[[int], str | None],
+    bits: Positions,
+    nodes: Sequence[str],
+    self_id: str,
+    rng: random.Random,
+    owner_of: Callable[[int], str | None],
 ) -> tuple[Iterator[int | None], Iterator[int | None]]:
     """``(owned, others)``: the clear positions of ``bits`` whose chunk this node owns
     (``owner_of(i)``, among ``nodes``: it reads those from the bucket), in manifest order, and
@@ -148,8 +152,10 @@ def split_owned(
         return _paced(bits.clear_positions(), lambda i: not bits[i]), iter(())
     missing = bits.clear_positions()
     if len(missing) > ORDER_LIMIT:
-        return (_paced(missing, lambda i: not bits[i] and owner_of(i) == self_id),
-                _paced(bits.clear_positions(), lambda i: not bits[i] and owner_of(i) != self_id))
+        return (
+            _paced(missing, lambda i: not bits[i] and owner_of(i) == self_id),
+            _paced(bits.clear_positions(), lambda i: not bits[i] and owner_of(i) != self_id),
+        )
     if bits.n <= ORDER_LIMIT:
         every = [owner_of(i) for i in range(bits.n)]
         owners, place = [every[i] for i in missing], owner_places(every)[missing]
@@ -228,7 +234,10 @@ def holder_key(slow: bool, inflight: int, spare_reader: bool = False) -> tuple[b
 
 
 def holders(
-    live: Iterable[PeerView], has: Iterable[str], rng: random.Random, book: SourceBook | None = None,
+    live: Iterable[PeerView],
+    has: Iterable[str],
+    rng: random.Random,
+    book: SourceBook | None = None,
 ) -> list[PeerView]:
     """The live peers whose urls are in ``has`` (their have-bitfield shows the chunk), ranked
     by :func:`holder_key`, ties at random."""
@@ -239,7 +248,9 @@ def holders(
 
 
 def plan_holders(
-    ranked_holders: Sequence[PeerView], left: int, endgame_chunks: int,
+    ranked_holders: Sequence[PeerView],
+    left: int,
+    endgame_chunks: int,
 ) -> tuple[list[PeerView], list[Ask]]:
     """``(race, asks)``: the holders to ask at once (endgame, else none) and then one by one."""
     if endgame(left, len(ranked_holders), endgame_chunks):
@@ -248,7 +259,12 @@ def plan_holders(
 
 
 def plan_owners(
-    self_id: str, live: Iterable[PeerView], digest: str, layer: str, tried: set[str], chunk_wait_s: float,
+    self_id: str,
+    live: Iterable[PeerView],
+    digest: str,
+    layer: str,
+    tried: set[str],
+    chunk_wait_s: float,
     owner: str | None = None,
 ) -> list[Ask | ReadBucket]:
     """The owner steps of a round: peers by HRW rank (skipping ``tried`` urls) up to this node;
@@ -278,7 +294,11 @@ def plan_owners(
 
 
 def reads_as_owner(
-    step: ReadBucket, self_id: str, live_nodes: Iterable[str], digest: str, owner_now: str | None = None,
+    step: ReadBucket,
+    self_id: str,
+    live_nodes: Iterable[str],
+    digest: str,
+    owner_now: str | None = None,
 ) -> bool:
     """Whether this node reads the bucket at ``step``: ranked first, or the owner among the nodes
     live now (``owner_now`` when given, else by HRW; those ranked above died during the round:
@@ -355,8 +375,16 @@ class SourceBook:
     running past :meth:`lag_limit` is lagging (:meth:`lagging`: it is asked elsewhere, and the
     source counts as slow)."""
 
-    def __init__(self, clock: Clock, *, refuse_limit: int = REFUSE_LIMIT, refuse_window_s: float = REFUSE_WINDOW_S,
-                 lie_limit: int = LIE_LIMIT, slow_fraction: float = SLOW_FRACTION, lag_min_s: float = LAG_MIN_S) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        refuse_limit: int = REFUSE_LIMIT,
+        refuse_window_s: float = REFUSE_WINDOW_S,
+        lie_limit: int = LIE_LIMIT,
+        slow_fraction: float = SLOW_FRACTION,
+        lag_min_s: float = LAG_MIN_S,
+    ) -> None:
         self.clock = clock
         self.refuse_limit, self.refuse_window_s, self.lie_limit = refuse_limit, refuse_window_s, lie_limit
         self.slow_fraction, self.lag_min_s = slow_fraction, lag_min_s
@@ -401,8 +429,8 @@ class SourceBook:
         others = self._last_delivery > max(r.refused_since, r.delivered_at)
         stalled = not self.bodies and now - max(self._last_delivery, r.refused_since) >= 2 * self.refuse_window_s
         if r.lies >= self.lie_limit or (
-                r.refusals >= self.refuse_limit and now - r.refused_since >= self.refuse_window_s
-                and (others or stalled)):
+            r.refusals >= self.refuse_limit and now - r.refused_since >= self.refuse_window_s and (others or stalled)
+        ):
             r.refusals = r.lies = 0
             return True
         return False

@@ -118,8 +118,14 @@ class Sources:
     """The three ways to a chunk. Each returns True (written and verified) or False (try the next)."""
 
     def __init__(
-        self, cfg: Config, peers: PeerClient, membership: Membership, bucket: BucketIO, stats: Stats,
-        disk_pool: Executor, clock: Clock = SYSTEM,
+        self,
+        cfg: Config,
+        peers: PeerClient,
+        membership: Membership,
+        bucket: BucketIO,
+        stats: Stats,
+        disk_pool: Executor,
+        clock: Clock = SYSTEM,
     ) -> None:
         self.cfg = cfg
         self.peers = peers
@@ -173,8 +179,16 @@ class Sources:
         return ok
 
     async def from_peer(
-        self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef,
-        target: Path, wait: float, errors: list[str], racing: bool = False, invited: bool = False,
+        self,
+        job: SnapshotJob,
+        m: Member,
+        address: str,
+        ref: ChunkRef,
+        target: Path,
+        wait: float,
+        errors: list[str],
+        racing: bool = False,
+        invited: bool = False,
     ) -> bool:
         """Ask peer ``m`` (parked up to ``wait`` s). A busy answer counts in ``stats.busy_answers``;
         a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it.
@@ -191,14 +205,23 @@ class Sources:
         body lags far behind the other sources penalises the peer at once, and so do refusals in
         a row (``invited``: the peer's have-list showed the chunk, so "busy" counts too)."""
         att = self.watch.attempt()
-        ok = await self.watch.run(job.identity, m, ref, att,
-                                  self._ask(job, m, address, ref, target, wait, errors, racing, att))
+        ok = await self.watch.run(
+            job.identity, m, ref, att, self._ask(job, m, address, ref, target, wait, errors, racing, att)
+        )
         self.watch.judge(job.identity, m, ref, att, invited)
         return ok
 
     async def _ask(
-        self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef,
-        target: Path, wait: float, errors: list[str], racing: bool, att: Attempt,
+        self,
+        job: SnapshotJob,
+        m: Member,
+        address: str,
+        ref: ChunkRef,
+        target: Path,
+        wait: float,
+        errors: list[str],
+        racing: bool,
+        att: Attempt,
     ) -> bool:
         peer = peer_of(m) if self.wire is not None and job.foreign is None else None
         if peer is not None:
@@ -224,10 +247,18 @@ class Sources:
                     if isinstance(e, PeerStalled):
                         # alive on membership exchanges yet too slow for chunks: skip it as for bad bytes
                         self.membership.penalise(m.url, self.cfg.penalty_s)
-                        self.repeat.log(logging.WARNING, ("stalled", m.url),
-                                        "snapshot %s: peer %s stalled on chunk %d of %s (%s); penalised for %g s",
-                                        job.identity, m.node_id, ref.index, ref.path, e, self.cfg.penalty_s,
-                                        extra={"peer": m.node_id})
+                        self.repeat.log(
+                            logging.WARNING,
+                            ("stalled", m.url),
+                            "snapshot %s: peer %s stalled on chunk %d of %s (%s); penalised for %g s",
+                            job.identity,
+                            m.node_id,
+                            ref.index,
+                            ref.path,
+                            e,
+                            self.cfg.penalty_s,
+                            extra={"peer": m.node_id},
+                        )
                     return False
                 if buf is None:
                     if not self.membership.redirected(m):
@@ -244,10 +275,17 @@ class Sources:
             self.membership.penalise(m.url, self.cfg.penalty_s)
             if self.on_bad_bytes is not None and job.foreign is None:
                 self.on_bad_bytes(m.url, m.node_id, address, job.identity)  # chunkcheck: tell the peer
-            self.repeat.log(logging.WARNING, ("bad bytes", m.url),
-                            "snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
-                            job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s,
-                            extra={"peer": m.node_id})
+            self.repeat.log(
+                logging.WARNING,
+                ("bad bytes", m.url),
+                "snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
+                job.identity,
+                m.node_id,
+                ref.index,
+                ref.path,
+                self.cfg.penalty_s,
+                extra={"peer": m.node_id},
+            )
             return False
         if self.chunk_log is not None:
             self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "ok", "http")
@@ -275,7 +313,13 @@ class Sources:
         self.stats.add("peer_chunks_in")
 
     async def _request(
-        self, job: SnapshotJob, m: Member, address: str, ref: ChunkRef, wait: float, att: Attempt,
+        self,
+        job: SnapshotJob,
+        m: Member,
+        address: str,
+        ref: ChunkRef,
+        wait: float,
+        att: Attempt,
     ) -> bytearray | None:
         """The chunk's bytes from ``m`` (unverified), or None when it does not hold it (404) or
         a penalty redirected the request. Raises PeerBusy, PeerError."""
@@ -289,9 +333,9 @@ class Sources:
             try:
                 # The buffer is taken only once the peer answers 200: a request parked at an
                 # owner (``wait``) holds no memory.
-                req = asyncio.ensure_future(self.peers.get_chunk(
-                    m.url, address, ref.length, self.pool.get, wait=wait, snapshot=job.identity
-                ))
+                req = asyncio.ensure_future(
+                    self.peers.get_chunk(m.url, address, ref.length, self.pool.get, wait=wait, snapshot=job.identity)
+                )
                 m.requests.add(req)
                 try:
                     return await req
@@ -310,13 +354,19 @@ class Sources:
                 self.stats.inflight["peer"] -= 1
 
     async def race(
-        self, job: SnapshotJob, members: list[Member], address: str, ref: ChunkRef, target: Path,
+        self,
+        job: SnapshotJob,
+        members: list[Member],
+        address: str,
+        ref: ChunkRef,
+        target: Path,
         errors: list[str],
     ) -> str | None:
         """Request the chunk from each member at once; the url of the first verified copy."""
         tasks = {
-            asyncio.ensure_future(self.from_peer(job, m, address, ref, target, 0.0, errors, racing=True,
-                                                 invited=True)): m
+            asyncio.ensure_future(
+                self.from_peer(job, m, address, ref, target, 0.0, errors, racing=True, invited=True)
+            ): m
             for m in members
         }
         winner: str | None = None
@@ -329,8 +379,9 @@ class Sources:
                         winner = tasks[t].url
                         # counted once: two racers can both finish before the loser is cancelled
                         m = tasks[t]
-                        self.count_peer_in(job, ref, wire=self.wire is not None and job.foreign is None
-                                           and peer_of(m) is not None)
+                        self.count_peer_in(
+                            job, ref, wire=self.wire is not None and job.foreign is None and peer_of(m) is not None
+                        )
         finally:
             for t in pending:
                 t.cancel()
@@ -339,7 +390,12 @@ class Sources:
         return winner
 
     async def from_bucket(
-        self, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool, address: str = "",
+        self,
+        job: SnapshotJob,
+        ref: ChunkRef,
+        target: Path,
+        owner: bool,
+        address: str = "",
         claim: Callable[[], bool] | None = None,
     ) -> None:
         """Read the chunk from the bucket (as its ``owner``, or as a counted fallback); 3 tries
@@ -360,9 +416,14 @@ class Sources:
         self.stats.add(f"bucket_chunks_{role}")
         job.bytes_from_bucket += ref.length
         if not owner:
-            self.repeat.log(logging.INFO, ("fallback", job.identity),
-                            "snapshot %s: chunk %d of %s read from the bucket as a fallback",
-                            job.identity, ref.index, ref.path)
+            self.repeat.log(
+                logging.INFO,
+                ("fallback", job.identity),
+                "snapshot %s: chunk %d of %s read from the bucket as a fallback",
+                job.identity,
+                ref.index,
+                ref.path,
+            )
 
     async def _bucket_into_buffer(self, job: SnapshotJob, ref: ChunkRef, target: Path) -> None:
         """The HTTP-era bucket path: read into a pooled buffer, verify, write (3 tries)."""
@@ -381,9 +442,16 @@ class Sources:
                         raise BdnError(f"bucket read of {key} failed: {e}") from None
                     if not await self.verify_write(buf, ref, target, foreign=job.foreign is not None):
                         self.stats.verify_failed("bucket")
-                        self.repeat.log(logging.WARNING, ("bucket bad bytes", job.identity),
-                                        "snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
-                                        job.identity, key, ref.index)
+                        self.repeat.log(
+                            logging.WARNING,
+                            ("bucket bad bytes", job.identity),
+                            "snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
+                            job.identity,
+                            key,
+                            ref.index,
+                        )
                         raise retry_policy.BadBytes()
         except retry_policy.BadBytes:
-            raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
+            raise ProtocolError(
+                f"{key}: chunk {ref.index} from the bucket does not match the manifest digest"
+            ) from None

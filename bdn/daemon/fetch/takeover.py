@@ -64,7 +64,13 @@ class TakeOvers:
     """Both sides of reads taken over, for every download of this node (module docstring)."""
 
     def __init__(
-        self, cfg: Config, membership: Membership, haves: Haves, sources: Any, stats: Stats, clock: Clock,
+        self,
+        cfg: Config,
+        membership: Membership,
+        haves: Haves,
+        sources: Any,
+        stats: Stats,
+        clock: Clock,
     ) -> None:
         self.cfg = cfg
         self.node_id = cfg.node_id
@@ -118,6 +124,7 @@ class TakeOvers:
                 return False
             self._reading.add(key)
             return True
+
         return decide
 
     def read_ended(self, key: Key) -> None:
@@ -182,7 +189,12 @@ class TakeOvers:
             self._reading.discard(key)
 
     async def run(
-        self, job: SnapshotJob, layer: str, mine: list[asyncio.Task[None]], owner: Owner, ensure: Ensure,
+        self,
+        job: SnapshotJob,
+        layer: str,
+        mine: list[asyncio.Task[None]],
+        owner: Owner,
+        ensure: Ensure,
     ) -> None:
         """Once this node's own chunks (the tasks ``mine``) are all acquired: over and over, the
         last chunk of the owner with the most chunks nobody holds or reads yet
@@ -214,8 +226,13 @@ class TakeOvers:
                     if (job.identity, layer, i) in self._marked or i in refused:
                         continue
                     o = owner(job, layer, dig(i), nodes)
-                    if o is None or o == self.node_id or not self.haves.synced(job, o) \
-                            or self.haves.holding(job, layer, i) or self.haves.growing_at(job, layer, i):
+                    if (
+                        o is None
+                        or o == self.node_id
+                        or not self.haves.synced(job, o)
+                        or self.haves.holding(job, layer, i)
+                        or self.haves.growing_at(job, layer, i)
+                    ):
                         continue
                     remaining.setdefault(o, []).append(i)
                 pick = policy.pick_steal(remaining, STEAL_MARGIN)

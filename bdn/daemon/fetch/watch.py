@@ -75,10 +75,19 @@ class SourceWatch:
                 if self.book.lagging(m.node_id, ref.length, elapsed):
                     median = self.book.median_rate(without=m.node_id) or 0.0
                     self.membership.penalise(m.url, self.cfg.penalty_s)
-                    log.warning("snapshot %s: peer %s is slow: chunk %d of %s (%d bytes) not done after %.1f s, "
-                                "the other sources' median is %.0f KB/s; asked elsewhere, penalised for %g s",
-                                identity, m.node_id, ref.index, ref.path, ref.length, elapsed, median / 1e3,
-                                self.cfg.penalty_s, extra={"peer": m.node_id})
+                    log.warning(
+                        "snapshot %s: peer %s is slow: chunk %d of %s (%d bytes) not done after %.1f s, "
+                        "the other sources' median is %.0f KB/s; asked elsewhere, penalised for %g s",
+                        identity,
+                        m.node_id,
+                        ref.index,
+                        ref.path,
+                        ref.length,
+                        elapsed,
+                        median / 1e3,
+                        self.cfg.penalty_s,
+                        extra={"peer": m.node_id},
+                    )
                     return await task
         except asyncio.CancelledError:
             task.cancel()
@@ -95,11 +104,18 @@ class SourceWatch:
         if att.outcome == "ok":
             secs = None if att.data_at is None else self.clock.monotonic() - att.data_at
             self.book.delivered(m.node_id, ref.length, secs)
-        elif (att.outcome == "not_here" or (att.outcome == "busy" and invited)) and \
-                self.book.refused(m.node_id, advertised=invited and att.outcome == "not_here"):
+        elif (att.outcome == "not_here" or (att.outcome == "busy" and invited)) and self.book.refused(
+            m.node_id, advertised=invited and att.outcome == "not_here"
+        ):
             self.membership.penalise(m.url, self.cfg.penalty_s)
-            log.warning("snapshot %s: peer %s refused the chunks it advertises, request after request (the "
-                        "last: %s, chunk %d of %s); penalised for %g s", identity, m.node_id,
-                        att.outcome.replace("_", " "), ref.index, ref.path, self.cfg.penalty_s,
-                        extra={"peer": m.node_id})
-
+            log.warning(
+                "snapshot %s: peer %s refused the chunks it advertises, request after request (the "
+                "last: %s, chunk %d of %s); penalised for %g s",
+                identity,
+                m.node_id,
+                att.outcome.replace("_", " "),
+                ref.index,
+                ref.path,
+                self.cfg.penalty_s,
+                extra={"peer": m.node_id},
+            )

@@ -12,7 +12,8 @@ One writer per range: an acquisition asks one source at a time, so a fetch owns 
 until its thread returns; a fetch whose task is cancelled waits for its thread first (a member
 that left has its streams closed, so that is quick). The endgame race asks several holders of
 one chunk at once: each receives into its own buffer and only the first verified copy is
-written into the mapping.
+written into the mapping; a racer's buffer goes back to the pool only once its thread ended
+(a racer whose peer was penalised returns before that: ``_free_when_done``).
 """
 
 from __future__ import annotations
@@ -84,9 +85,18 @@ class WireSource:
     """
 
     def __init__(
-        self, cfg: Config, pool: FetchPool, maps: TargetMaps, membership: Membership, stats: Stats,
-        peer_sem: asyncio.Semaphore, download_limit: RateLimit, disk_pool: Executor,
-        alloc: Callable[[int], bytearray], free: Callable[[bytearray], None], chunk_log: ChunkLog | None = None,
+        self,
+        cfg: Config,
+        pool: FetchPool,
+        maps: TargetMaps,
+        membership: Membership,
+        stats: Stats,
+        peer_sem: asyncio.Semaphore,
+        download_limit: RateLimit,
+        disk_pool: Executor,
+        alloc: Callable[[int], bytearray],
+        free: Callable[[bytearray], None],
+        chunk_log: ChunkLog | None = None,
     ) -> None:
         self.cfg = cfg
         self.pool = pool
@@ -112,8 +122,17 @@ class WireSource:
 
     # ---- peers --------------------------------------------------------------------------------
     async def from_peer(
-        self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path,
-        wait: float, errors: list[str], racing: bool = False, att: Attempt | None = None,
+        self,
+        job: SnapshotJob,
+        m: Member,
+        peer: Peer,
+        address: str,
+        ref: ChunkRef,
+        target: Path,
+        wait: float,
+        errors: list[str],
+        racing: bool = False,
+        att: Attempt | None = None,
     ) -> bool:
         """Ask ``peer`` (member ``m``) for ``ref`` (parked up to ``wait`` s at an owner). True
         when the chunk is in ``target`` and verified; False to try the next source (busy answers
@@ -151,8 +170,9 @@ class WireSource:
                     await self.download_limit.take(ref.length)
                     self.stats.inflight["peer"] += 1
                     try:
-                        res = await (self._race_one if racing else self._direct)(job, m, peer, address, ref, target,
-                                                                                 wait, att)
+                        res = await (self._race_one if racing else self._direct)(
+                            job, m, peer, address, ref, target, wait, att
+                        )
                     finally:
                         self.stats.inflight["peer"] -= 1
             finally:
@@ -161,8 +181,9 @@ class WireSource:
             m.inflight -= 1
         att.outcome = res.outcome.value
         if self.chunk_log is not None:
-            self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", res.outcome.value,
-                                   "wire-cut" if res.cut_through else "wire")
+            self.chunk_log.attempt(
+                job, ref, f"peer:{m.node_id}", res.outcome.value, "wire-cut" if res.cut_through else "wire"
+            )
         if res.outcome is Outcome.OK:
             if res.cut_through:
                 self.stats.add("peer_chunks_in_cut_through")
@@ -179,8 +200,15 @@ class WireSource:
             self.membership.penalise(m.url, self.cfg.penalty_s)
             if self.on_bad_bytes is not None:
                 self.on_bad_bytes(m.url, m.node_id, address, job.identity)  # chunkcheck: tell the peer
-            log.warning("snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
-                        job.identity, m.node_id, ref.index, ref.path, self.cfg.penalty_s, extra={"peer": m.node_id})
+            log.warning(
+                "snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
+                job.identity,
+                m.node_id,
+                ref.index,
+                ref.path,
+                self.cfg.penalty_s,
+                extra={"peer": m.node_id},
+            )
         elif res.outcome is Outcome.FAILED and res.cut_through and not stalled(res):
             # A cut-through answer broken off: the owner's copy failed its own check or its
             # bucket read broke (bdn.transfer.growing cuts the answers off), or the owner died.
@@ -188,12 +216,24 @@ class WireSource:
             # round counts as busy and the chunk is asked again; a dead owner is SWIM's to find.
             # (Counted as failures, one bucket hiccup at an owner marked it failed at every
             # asker, took it out of their HRW and moved its chunks to owners that read them again.)
-            log.debug("snapshot %s: cut-through answer for chunk %d of %s from %s broke off: %s", job.identity,
-                      ref.index, ref.path, m.node_id, res.error)
+            log.debug(
+                "snapshot %s: cut-through answer for chunk %d of %s from %s broke off: %s",
+                job.identity,
+                ref.index,
+                ref.path,
+                m.node_id,
+                res.error,
+            )
             self.stats.busy_answers += 1
         elif res.outcome is Outcome.FAILED:
-            log.debug("snapshot %s: chunk %d of %s from %s failed: %s", job.identity, ref.index, ref.path, m.node_id,
-                      res.error)
+            log.debug(
+                "snapshot %s: chunk %d of %s from %s failed: %s",
+                job.identity,
+                ref.index,
+                ref.path,
+                m.node_id,
+                res.error,
+            )
             errors.append(res.error)
             self.membership.mark_failed(m.url)
             if stalled(res):
@@ -201,13 +241,27 @@ class WireSource:
                 # on the HTTP path (PeerStalled), it is skipped like a peer that sent bad bytes,
                 # and the requests queued for it go elsewhere at once (penalise cancels them)
                 self.membership.penalise(m.url, self.cfg.penalty_s)
-                log.warning("snapshot %s: peer %s stalled on chunk %d of %s (%s); penalised for %g s",
-                            job.identity, m.node_id, ref.index, ref.path, res.error, self.cfg.penalty_s,
-                            extra={"peer": m.node_id})
+                log.warning(
+                    "snapshot %s: peer %s stalled on chunk %d of %s (%s); penalised for %g s",
+                    job.identity,
+                    m.node_id,
+                    ref.index,
+                    ref.path,
+                    res.error,
+                    self.cfg.penalty_s,
+                    extra={"peer": m.node_id},
+                )
         return False
 
     async def _direct(
-        self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
+        self,
+        job: SnapshotJob,
+        m: Member,
+        peer: Peer,
+        address: str,
+        ref: ChunkRef,
+        target: Path,
+        wait: float,
         att: Attempt,
     ) -> FetchResult:
         try:
@@ -217,21 +271,39 @@ class WireSource:
         # peer_receive "write": a whole answer is pwritten through the stream's buffer (no
         # page tables for the mapping, no zeroing of fresh pages), a cut-through one lands in it
         fd = self.maps.fd(target) if self.cfg.peer_receive == "write" else None
-        fut = self.pool.submit(peer, address, mm, ref.offset, ref.length, ref.digest, wait_s=wait,
-                               snapshot=job.identity, cut_through=self.growing is not None, fd=fd,
-                               on_data=att.data)
+        fut = self.pool.submit(
+            peer,
+            address,
+            mm,
+            ref.offset,
+            ref.length,
+            ref.digest,
+            wait_s=wait,
+            snapshot=job.identity,
+            cut_through=self.growing is not None,
+            fd=fd,
+            on_data=att.data,
+        )
         return await self._await(fut, m, peer, lambda: self.maps.release(target))
 
     async def _race_one(
-        self, job: SnapshotJob, m: Member, peer: Peer, address: str, ref: ChunkRef, target: Path, wait: float,
+        self,
+        job: SnapshotJob,
+        m: Member,
+        peer: Peer,
+        address: str,
+        ref: ChunkRef,
+        target: Path,
+        wait: float,
         att: Attempt,
     ) -> FetchResult:
         buf = self.alloc(ref.length)
-        fut = self.pool.submit(peer, address, buf, 0, ref.length, ref.digest, wait_s=wait, snapshot=job.identity,
-                               on_data=att.data)
+        fut = self.pool.submit(
+            peer, address, buf, 0, ref.length, ref.digest, wait_s=wait, snapshot=job.identity, on_data=att.data
+        )
         res = await self._await(fut, m, peer, None, settle=False)
         if res.outcome is not Outcome.OK:
-            self.free(buf)
+            self._free_when_done(fut, buf)
             return res
         try:
             mm = await self.maps.acquire(job, target)
@@ -244,9 +316,33 @@ class WireSource:
         self.free(buf)
         return res
 
+    def _free_when_done(self, fut: concurrent.futures.Future[FetchResult], buf: bytearray) -> None:
+        """Give a race's ``buf`` back to the pool once ``fut``'s thread no longer writes into it.
+        A racer whose peer was penalised meanwhile (``Membership.penalise`` cancels its request)
+        returns at once, unsettled, while its thread may still be waiting for a stream to that
+        peer and then receive the whole chunk: freed then, the peer's bytes would land in the
+        buffer of the next race or HTTP fetch, and that fetch's honest peer would be blamed for
+        them (or, written after its hash, they would reach the target unverified)."""
+        if fut.done():
+            self.free(buf)
+            return
+        loop = asyncio.get_running_loop()
+
+        def back(_f: concurrent.futures.Future[FetchResult]) -> None:
+            try:
+                loop.call_soon_threadsafe(self.free, buf)
+            except RuntimeError:  # the loop is closed (the daemon stopped): the buffer just goes
+                pass
+
+        fut.add_done_callback(back)
+
     async def _await(
-        self, fut: concurrent.futures.Future[FetchResult], m: Member, peer: Peer,
-        release: Callable[[], None] | None, settle: bool = True,
+        self,
+        fut: concurrent.futures.Future[FetchResult],
+        m: Member,
+        peer: Peer,
+        release: Callable[[], None] | None,
+        settle: bool = True,
     ) -> FetchResult:
         """The fetch's result; on cancellation (this task's, or ``m`` leaving the swarm, which
         cancels its requests) the fetch is ended and, with ``settle``, waited for, so no thread
@@ -279,7 +375,13 @@ class WireSource:
 
     # ---- the bucket ---------------------------------------------------------------------------
     async def from_bucket(
-        self, bucket: BucketIO, job: SnapshotJob, ref: ChunkRef, target: Path, owner: bool, address: str = "",
+        self,
+        bucket: BucketIO,
+        job: SnapshotJob,
+        ref: ChunkRef,
+        target: Path,
+        owner: bool,
+        address: str = "",
         claim: Callable[[], bool] | None = None,
     ) -> None:
         """``Sources.from_bucket`` with the bytes read into the mapping and hashed in place
@@ -299,32 +401,48 @@ class WireSource:
                 try:
                     async for attempt in retry_policy.bucket_bytes():
                         with attempt:
-                            g = Growing(str(target), ref.offset, parts) \
-                                if self.growing is not None and address else None
+                            g = (
+                                Growing(str(target), ref.offset, parts)
+                                if self.growing is not None and address
+                                else None
+                            )
                             try:
-                                await self._read_parts(bucket, key, ref, view, parts, g,
-                                                       self._on_slot(job, address, ref, g, claim))
+                                await self._read_parts(
+                                    bucket, key, ref, view, parts, g, self._on_slot(job, address, ref, g, claim)
+                                )
                                 if not await self._disk(_hash_ok, view, ref.digest):
                                     self.stats.verify_failed("bucket")
                                     if self.chunk_log is not None:
                                         self.chunk_log.attempt(job, ref, "bucket", "corrupt")
-                                    log.warning("snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
-                                                job.identity, key, ref.index)
+                                    log.warning(
+                                        "snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
+                                        job.identity,
+                                        key,
+                                        ref.index,
+                                    )
                                     raise retry_policy.BadBytes()
                                 if g is not None:
                                     g.verified()
                             finally:
                                 self._ungrow(job, ref, address, g)
                 except retry_policy.BadBytes:
-                    raise ProtocolError(f"{key}: chunk {ref.index} from the bucket does not match the manifest digest") from None
+                    raise ProtocolError(
+                        f"{key}: chunk {ref.index} from the bucket does not match the manifest digest"
+                    ) from None
                 except retry_policy.Transient as e:
                     raise BdnError(str(e)) from None
         finally:
             self.maps.release(target)
 
     async def _read_parts(
-        self, bucket: BucketIO, key: str, ref: ChunkRef, view: memoryview, parts: list[tuple[int, int]],
-        g: Growing | None, started: Callable[[], None] | None = None,
+        self,
+        bucket: BucketIO,
+        key: str,
+        ref: ChunkRef,
+        view: memoryview,
+        parts: list[tuple[int, int]],
+        g: Growing | None,
+        started: Callable[[], None] | None = None,
     ) -> None:
         """Read ``parts`` of the chunk into ``view``. The parts queue, in order, for the
         bucket's ``bucket_concurrency`` slots (FIFO): a chunk's parts run together and, as each
@@ -334,12 +452,20 @@ class WireSource:
         request (the chunk starts landing then, not while its parts queue); what it raises ends
         that part. Raises BdnError (missing object, bucket error)."""
         try:
-            res = await asyncio.gather(*(
-                bucket.read_chunk(key, ref.offset + off, n, lambda _n, o=off, n=n: view[o : o + n],  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
-                                  progress=None if g is None else (lambda k, i=i: g.landed(i, k)),  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
-                                  started=started)
-                for i, (off, n) in enumerate(parts)
-            ), return_exceptions=True)
+            res = await asyncio.gather(
+                *(
+                    bucket.read_chunk(
+                        key,
+                        ref.offset + off,
+                        n,
+                        lambda _n, o=off, n=n: view[o : o + n],  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
+                        progress=None if g is None else (lambda k, i=i: g.landed(i, k)),  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
+                        started=started,
+                    )
+                    for i, (off, n) in enumerate(parts)
+                ),
+                return_exceptions=True,
+            )
             for r in res:
                 if isinstance(r, BaseException):
                     raise r
@@ -351,7 +477,12 @@ class WireSource:
             raise BdnError(f"bucket read of {key} failed: {e}") from None
 
     def _on_slot(
-        self, job: SnapshotJob, address: str, ref: ChunkRef, g: Growing | None, claim: Callable[[], bool] | None,
+        self,
+        job: SnapshotJob,
+        address: str,
+        ref: ChunkRef,
+        g: Growing | None,
+        claim: Callable[[], bool] | None,
     ) -> Callable[[], None] | None:
         """The hook each part of one read attempt calls as it takes its bucket slot: the first
         call decides (``claim()``: does the chunk still want this read?) and announces the chunk
@@ -368,6 +499,7 @@ class WireSource:
                     self._grow(job, address, ref, g)
             if not decided[0]:
                 raise Superseded(f"chunk {ref.index} of {ref.path}: another node has it now")
+
         return started
 
     def _grow(self, job: SnapshotJob, address: str, ref: ChunkRef, g: Growing) -> None:

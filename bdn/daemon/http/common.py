@@ -75,7 +75,7 @@ async def json_route_errors(request: web.Request, handler: Any) -> web.StreamRes
         answer = error(405, f"{request.method} is not allowed on {path} (allowed: {allowed})")
         answer.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
         return answer
-    return error(exc.status, f"no endpoint {request.method} {path} (README.md, \"Local API\", lists them)")
+    return error(exc.status, f'no endpoint {request.method} {path} (README.md, "Local API", lists them)')
 
 
 def text(status: int, msg: str) -> web.Response:

@@ -50,8 +50,10 @@ LOG_REPEAT_S = 60.0
 KEEPALIVE_MARGIN_S = 1.0  # keep-alive cap = header deadline + this (see the module docstring)
 _repeat = RepeatLog(log, LOG_REPEAT_S)
 
-TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n"
-            b"Retry-After: 1\r\nConnection: close\r\n\r\ntoo many connections\n")
+TOO_MANY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n\r\ntoo many connections\n"
+)
 
 
 class GuardedHandler(RequestHandler):
@@ -71,8 +73,13 @@ class GuardedHandler(RequestHandler):
         if g.open >= g.max_connections:
             self._refused = True
             g.stats.add("http_connections_refused")
-            _repeat.log(logging.WARNING, "too-many", "%s: more than %d connections open: refusing new ones",
-                        g.name, g.max_connections)
+            _repeat.log(
+                logging.WARNING,
+                "too-many",
+                "%s: more than %d connections open: refusing new ones",
+                g.name,
+                g.max_connections,
+            )
             transport.write(TOO_MANY)  # type: ignore[attr-defined]  # a stream transport (TCP or unix): it writes
             transport.close()
             return
@@ -116,12 +123,18 @@ class GuardedHandler(RequestHandler):
         if self._waiter is None or self._waiter.done():
             return  # a request is being handled: not ours to cut
         self._guard.stats.add("http_header_timeouts")
-        _repeat.log(logging.INFO, "header-timeout", "%s: closed a connection whose request was not complete "
-                    "after %.0f s", self._guard.name, self._guard.header_timeout_s)
+        _repeat.log(
+            logging.INFO,
+            "header-timeout",
+            "%s: closed a connection whose request was not complete after %.0f s",
+            self._guard.name,
+            self._guard.header_timeout_s,
+        )
         self.force_close()
 
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         """A request aiohttp could not parse: 431 (a header line too long) or 400, one line of
         text, the connection closed after it; any other error is aiohttp's own answer."""
         if not isinstance(exc, HttpProcessingError):
@@ -142,8 +155,9 @@ class GuardedServer(Server):
 
     ``name`` names the listener in log lines ("peer API", "local API")."""
 
-    def __init__(self, *args: Any, name: str, header_timeout_s: float, max_connections: int,
-                 stats: Stats, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, name: str, header_timeout_s: float, max_connections: int, stats: Stats, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.name = name
         self.header_timeout_s = header_timeout_s
@@ -160,16 +174,30 @@ class GuardedRunner(web.AppRunner):
     ``AppRunner``, e.g. ``keepalive_timeout`` (s, capped at ``header_timeout_s + KEEPALIVE_MARGIN_S``),
     ``max_line_size``, plus the guard's)."""
 
-    def __init__(self, app: web.Application, *, name: str, header_timeout_s: float, max_connections: int,
-                 stats: Stats, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        name: str,
+        header_timeout_s: float,
+        max_connections: int,
+        stats: Stats,
+        **kwargs: Any,
+    ) -> None:
         cap = header_timeout_s + KEEPALIVE_MARGIN_S
         kwargs["keepalive_timeout"] = min(float(kwargs.get("keepalive_timeout", 75.0)), cap)
         super().__init__(app, **kwargs)
-        self._guard_args: dict[str, Any] = dict(name=name, header_timeout_s=header_timeout_s, max_connections=max_connections,
-                                stats=stats)
+        self._guard_args: dict[str, Any] = dict(
+            name=name, header_timeout_s=header_timeout_s, max_connections=max_connections, stats=stats
+        )
 
     async def _make_server(self) -> Server:
         plain = await super()._make_server()  # aiohttp's own startup of the app, then its Server
-        return GuardedServer(plain.request_handler, request_factory=plain.request_factory,
-                             handler_cancellation=plain.handler_cancellation, loop=plain._loop,
-                             **self._guard_args, **plain._kwargs)
+        return GuardedServer(
+            plain.request_handler,
+            request_factory=plain.request_factory,
+            handler_cancellation=plain.handler_cancellation,
+            loop=plain._loop,
+            **self._guard_args,
+            **plain._kwargs,
+        )

@@ -159,8 +159,9 @@ async def get_file(request: web.Request) -> web.StreamResponse:
     return await _send(request, ident, path, start, length, code, headers, size)
 
 
-async def _send(request: web.Request, ident: str, path: Any, start: int, length: int, code: int,
-                headers: dict[str, str], size: int) -> web.StreamResponse:
+async def _send(
+    request: web.Request, ident: str, path: Any, start: int, length: int, code: int, headers: dict[str, str], size: int
+) -> web.StreamResponse:
     """send_file, its refusals mapped: 404 no such file, 500 a file changed on this node."""
     try:
         return await send_file(request, path, start, length, status=code, headers=headers, file_size=size)
@@ -191,8 +192,9 @@ async def get_tensor(request: web.Request) -> web.StreamResponse:
         "X-BDN-Shape": ",".join(str(x) for x in info.shape),
         "X-BDN-File": fname,
     }
-    return await _send(request, ident, path, info.start, info.end - info.start, 200, headers,
-                       cat.file_size(ident, fname))
+    return await _send(
+        request, ident, path, info.start, info.end - info.start, 200, headers, cat.file_size(ident, fname)
+    )
 
 
 async def repair(request: web.Request) -> web.Response:
@@ -221,18 +223,28 @@ async def _body_json(request: web.Request) -> dict[str, Any]:
         answer = web.HTTPRequestTimeout if e.status == 408 else web.HTTPBadRequest
         raise answer(text=json.dumps({"error": str(e)}), content_type="application/json") from None
     except BodyTooLarge as e:
-        raise web.HTTPRequestEntityTooLarge(max_size=MAX_BODY, actual_size=request.content_length or MAX_BODY + 1,
-                                            text=json.dumps({"error": f"request {e}"}), content_type="application/json") from None
+        raise web.HTTPRequestEntityTooLarge(
+            max_size=MAX_BODY,
+            actual_size=request.content_length or MAX_BODY + 1,
+            text=json.dumps({"error": f"request {e}"}),
+            content_type="application/json",
+        ) from None
     if not raw:
         return {}
     try:
         obj = json.loads(raw, parse_constant=_not_a_number)
     except RecursionError:
-        raise web.HTTPBadRequest(text=json.dumps({"error": "body is nested too deeply"}), content_type="application/json") from None
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": "body is nested too deeply"}), content_type="application/json"
+        ) from None
     except ValueError as e:
-        raise web.HTTPBadRequest(text=json.dumps({"error": f"body is not JSON: {e}"}), content_type="application/json") from None
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": f"body is not JSON: {e}"}), content_type="application/json"
+        ) from None
     if not isinstance(obj, dict):
-        raise web.HTTPBadRequest(text=json.dumps({"error": "body must be a JSON object"}), content_type="application/json")
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": "body must be a JSON object"}), content_type="application/json"
+        )
     _check_utf8(obj)
     return obj
 
@@ -245,9 +257,12 @@ def _check_utf8(obj: Any) -> None:
     try:
         json.dumps(obj, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as e:
-        raise web.HTTPBadRequest(text=json.dumps({"error": f"body holds a lone surrogate \\u{ord(e.object[e.start]):04x} "
-                                                           "in a string (not Unicode text)"}),
-                                 content_type="application/json") from None
+        raise web.HTTPBadRequest(
+            text=json.dumps(
+                {"error": f"body holds a lone surrogate \\u{ord(e.object[e.start]):04x} in a string (not Unicode text)"}
+            ),
+            content_type="application/json",
+        ) from None
 
 
 def _not_a_number(name: str) -> None:
@@ -266,8 +281,10 @@ def _as_float(x: int | float) -> float:
 def _engine(request: web.Request) -> Engine:
     e = services(request).replica.engine(request.match_info["engine_id"])
     if e is None:
-        raise web.HTTPNotFound(text=json.dumps({"error": "unknown engine id (register with POST /v1/engines)"}),
-                               content_type="application/json")
+        raise web.HTTPNotFound(
+            text=json.dumps({"error": "unknown engine id (register with POST /v1/engines)"}),
+            content_type="application/json",
+        )
     return e
 
 
@@ -304,8 +321,13 @@ async def unregister_engine(request: web.Request) -> web.Response:
 async def list_engines(request: web.Request) -> web.Response:
     """GET /v1/engines -> 200 {"engine_ttl_s", "engine_stale_s", "engines": [{"engine_id", "name", "serving", "stale", ...}]}."""
     replica = services(request).replica
-    return json_response({"engine_ttl_s": replica.engine_ttl_s, "engine_stale_s": replica.engine_stale_s,
-                          "engines": replica.describe_engines()})
+    return json_response(
+        {
+            "engine_ttl_s": replica.engine_ttl_s,
+            "engine_stale_s": replica.engine_stale_s,
+            "engines": replica.describe_engines(),
+        }
+    )
 
 
 async def engine_next(request: web.Request) -> web.Response:
@@ -341,14 +363,14 @@ async def engine_ack(request: web.Request) -> web.Response:
         ident = validate_identity(ident)
     except BdnError as ex:
         return error(400, f"identity: {ex}")
-    if pause is not None and (isinstance(pause, bool) or not isinstance(pause, (int, float))
-                              or not 0 <= _as_float(pause) < math.inf):
+    if pause is not None and (
+        isinstance(pause, bool) or not isinstance(pause, (int, float)) or not 0 <= _as_float(pause) < math.inf
+    ):
         return error(400, "pause_ms must be a finite non-negative number")
     if err is not None and not isinstance(err, str):
         return error(400, "error must be a string")
     try:
-        await services(request).replica.ack(e, ident, float(pause) if pause is not None else None, err,
-                                            swap, pcp, ifp)
+        await services(request).replica.ack(e, ident, float(pause) if pause is not None else None, err, swap, pcp, ifp)
     except BdnError as ex:
         return error(status_of(ex), str(ex))
     return json_response({"ok": True})

@@ -61,8 +61,14 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.match_info.get("swarm_id") != svc.keys.swarm_id:
         return web.Response(status=401)
     try:
-        peer = verify_request(svc.keys, request.headers.get("Authorization"), request.method, request.raw_path,
-                              svc.nonces, me=svc.cfg.node_id)
+        peer = verify_request(
+            svc.keys,
+            request.headers.get("Authorization"),
+            request.method,
+            request.raw_path,
+            svc.nonces,
+            me=svc.cfg.node_id,
+        )
     except WrongTarget as e:
         # Signed with the partition's key, but for another daemon (or for "not known yet"): say
         # who this is, so a member can sign again for it. A replayed capture learns a node id.
@@ -104,7 +110,9 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
     if decision is Admission.NOT_HERE:
         return text(404, "chunk not here")
     if decision is not Admission.SEND:
-        return web.Response(status=503, headers={"Retry-After": decision.retry_after or "1"}, text=decision.value + "\n")
+        return web.Response(
+            status=503, headers={"Retry-After": decision.retry_after or "1"}, text=decision.value + "\n"
+        )
     assert isinstance(loc, Loc)  # a Growing only when cut_through is asked
     try:
         return await _send_chunk(request, services(request), address, loc)
@@ -203,7 +211,6 @@ async def _msgpack_body(request: web.Request, limit: int) -> Any:
         return msgpack.unpackb(body, raw=False)
     except (ValueError, msgpack.UnpackException, RecursionError):
         return _NOT_MSGPACK
-
 
 
 async def post_hot_load_peer(request: web.Request) -> web.Response:

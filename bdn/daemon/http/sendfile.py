@@ -162,8 +162,14 @@ def open_exact(path: str | os.PathLike[str] | Path, size: int) -> int:
 
 
 async def send_file(
-    request: web.Request, path: str | os.PathLike[str] | Path, offset: int, length: int,
-    *, status: int = 200, headers: dict[str, str] | None = None, file_size: int,
+    request: web.Request,
+    path: str | os.PathLike[str] | Path,
+    offset: int,
+    length: int,
+    *,
+    status: int = 200,
+    headers: dict[str, str] | None = None,
+    file_size: int,
 ) -> web.StreamResponse:
     """Answer ``request`` with ``length`` bytes of ``path`` from ``offset`` (``status``, plus
     ``headers``; Content-Length is set here). HEAD gets the headers only. ``file_size``: the
@@ -185,8 +191,13 @@ async def send_file(
         sock = transport.get_extra_info("socket") if transport is not None else None
         loop = asyncio.get_running_loop()
         try:
-            if (sock is not None and transport is not None and not transport.is_closing()
-                    and transport.get_extra_info("sslcontext") is None and transport.get_write_buffer_size() == 0):
+            if (
+                sock is not None
+                and transport is not None
+                and not transport.is_closing()
+                and transport.get_extra_info("sslcontext") is None
+                and transport.get_write_buffer_size() == 0
+            ):
                 # our own reference to the connection: if the loop closes its descriptor (the
                 # client left, this task is cancelled) the number cannot be reused under the thread
                 out = socket.socket(fileno=os.dup(sock.fileno()))

@@ -59,8 +59,17 @@ from bdn.proto.safetensors_fmt import tensor_index
 
 log = logging.getLogger("bdn.hotload")
 
-__all__ = ["ChangedTensorsCache", "DeltaSource", "Layout", "Span", "changed_tensors", "from_diffs", "layout",
-           "ranges_from_diffs", "same_bytes_in"]
+__all__ = [
+    "ChangedTensorsCache",
+    "DeltaSource",
+    "Layout",
+    "Span",
+    "changed_tensors",
+    "from_diffs",
+    "layout",
+    "ranges_from_diffs",
+    "same_bytes_in",
+]
 
 COMPARE_PIECE = 1 << 20
 CACHE_ENTRIES = 8
@@ -108,8 +117,13 @@ def _tensor_changed(name: str, old: Span, new: Span, base: Layout, target: Layou
         return False
     cs = target.chunk_size
     old_chunks, new_chunks = base.chunks.get(old.file), target.chunks.get(new.file)
-    if (old.file != new.file or old.start != new.start or base.chunk_size != cs
-            or old_chunks is None or new_chunks is None):
+    if (
+        old.file != new.file
+        or old.start != new.start
+        or base.chunk_size != cs
+        or old_chunks is None
+        or new_chunks is None
+    ):
         return not same(old.file, old.start, new.file, new.start, n)
     span = _chunk_range(new.start, new.end, cs)
     if span.stop > len(old_chunks) or span.stop > len(new_chunks):
@@ -149,11 +163,15 @@ def layout(directory: Path) -> Layout:
     OSError (a file that cannot be read).
     """
     marker = parse_ready((directory / READY_NAME).read_bytes())
-    headers = [(f.path, read_header(directory.joinpath(*f.path.split("/"))))
-               for f in marker.files if f.path.endswith(".safetensors")]
+    headers = [
+        (f.path, read_header(directory.joinpath(*f.path.split("/"))))
+        for f in marker.files
+        if f.path.endswith(".safetensors")
+    ]
     index = tensor_index(headers)
-    tensors = {name: Span(path, info.start, info.end, info.dtype, tuple(info.shape))
-               for name, (path, info) in index.items()}
+    tensors = {
+        name: Span(path, info.start, info.end, info.dtype, tuple(info.shape)) for name, (path, info) in index.items()
+    }
     return Layout(marker.identity, marker.chunk_size, {f.path: tuple(f.chunks) for f in marker.files}, tensors)
 
 
@@ -373,7 +391,9 @@ class ChangedTensorsCache:
             self._running[key] = fut
         return await self._with_ranges(key, delta, await asyncio.shield(fut))
 
-    async def _with_ranges(self, key: tuple[str, str], delta: DeltaSource | None, names: list[str] | None) -> list[str] | None:
+    async def _with_ranges(
+        self, key: tuple[str, str], delta: DeltaSource | None, names: list[str] | None
+    ) -> list[str] | None:
         """Fill in the ranges a sparse apply was to give (now READY: it gave them, or fell back)."""
         if names is None or key in self._ranges or key not in self._deferred:
             return names
@@ -403,8 +423,9 @@ class ChangedTensorsCache:
                         if self.sparse is not None and self.sparse.planned(target):
                             self._deferred.add(key)  # the sparse apply decodes them: taken at READY
                         else:
-                            self._ranges[key] = await asyncio.to_thread(ranges_from_diffs, self.ready_dir(base), delta,
-                                                                        names)
+                            self._ranges[key] = await asyncio.to_thread(
+                                ranges_from_diffs, self.ready_dir(base), delta, names
+                            )
                 except (BdnError, OSError) as e:
                     log.warning("changed tensors of %s from its diff files: %s", target, e)
             if names is None and not ready:
@@ -412,8 +433,14 @@ class ChangedTensorsCache:
             if names is None:
                 names = await asyncio.to_thread(compute, self.ready_dir(base), self.ready_dir(target))
                 how = "from the READY directories"
-            log.info("changed tensors of %s against %s: %s %s in %.3f s", target, base,
-                     "no list" if names is None else len(names), how, time.monotonic() - t0)
+            log.info(
+                "changed tensors of %s against %s: %s %s in %.3f s",
+                target,
+                base,
+                "no list" if names is None else len(names),
+                how,
+                time.monotonic() - t0,
+            )
         except (BdnError, OSError) as e:
             log.warning("changed tensors of %s against %s: %s (the engine compares itself)", target, base, e)
             names = None

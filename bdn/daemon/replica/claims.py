@@ -52,8 +52,10 @@ class Claims:
         """Why ``t`` is refuted here (one line), or None: its claims contradict the manifest read
         here, or its request's snapshot failed here without a manifest and it still claims one."""
         if t.request_id in self.voided and (t.policy_version, t.published_at) != (-1, 0.0):
-            return (f"hot-load target {t.identity} ({t.request_id}) claims policy version {t.policy_version}, "
-                    "but no manifest of it could be read here")
+            return (
+                f"hot-load target {t.identity} ({t.request_id}) claims policy version {t.policy_version}, "
+                "but no manifest of it could be read here"
+            )
         says = manifest_says(self.snapshots, t.identity)
         return None if says is None else targets.contradiction(t, *says)
 
@@ -75,8 +77,13 @@ class Claims:
             self.voided[t.request_id] = None
             while len(self.voided) > self.MAX_VOIDED:
                 del self.voided[next(iter(self.voided))]
-            log.warning("hot-load target %s claims policy version %d, but it failed here before any manifest "
-                        "of it was read (%s): it orders as unknown", t.identity, t.policy_version, job.reason)
+            log.warning(
+                "hot-load target %s claims policy version %d, but it failed here before any manifest "
+                "of it was read (%s): it orders as unknown",
+                t.identity,
+                t.policy_version,
+                job.reason,
+            )
             return replace(t, policy_version=-1, published_at=0.0)
         why = targets.contradiction(t, *says)
         if why is None:

@@ -35,9 +35,20 @@ CHECKSUM_ALIASES: dict[str, str] = {"alder32": "alder32", "adler32": "alder32"}
 #: tensors would not fit). Others (``torch_dtype``, ``transformers_version``, generation
 #: defaults) may change.
 ARCHITECTURE_FIELDS: tuple[str, ...] = (
-    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
-    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
-    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
 )
 
 #: The most bytes of ``config.json`` read for the check.

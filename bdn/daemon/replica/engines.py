@@ -25,8 +25,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["MAX_REPORT_KEYS", "Engine", "expired", "keepalive_s", "liveness_window", "poll_step", "sanitize_report",
-           "stale_changes", "stale_reason"]
+__all__ = [
+    "MAX_REPORT_KEYS",
+    "Engine",
+    "expired",
+    "keepalive_s",
+    "liveness_window",
+    "poll_step",
+    "sanitize_report",
+    "stale_changes",
+    "stale_reason",
+]
 
 MAX_REPORT_KEYS = 64
 MAX_REPORT_STR = 200
@@ -126,6 +135,7 @@ def sanitize_report(obj: Any) -> dict[str, Any] | None:
 @dataclass
 class Engine:
     """An engine registered with this daemon: what it was offered and acknowledged, its leases."""
+
     engine_id: str
     name: str
     offered: str | None = None  # identity handed out by /next, not yet acknowledged
@@ -144,10 +154,17 @@ class Engine:
     def describe(self, now: float, ttl_s: float) -> dict[str, Any]:
         """This engine as ``GET /v1/engines`` lists it (ages in seconds)."""
         return {
-            "engine_id": self.engine_id, "name": self.name, "serving": self.acked, "offered": self.offered,
-            "error": self.error, "pause_ms": self.pause_ms,
-            "prompt_cache_policy": self.prompt_cache_policy, "inflight_policy": self.inflight_policy,
-            "swap": self.swap, "registered_s_ago": round(now - self.registered, 3),
-            "last_seen_s_ago": round(now - self.last_seen, 3), "stale": self.stale,
+            "engine_id": self.engine_id,
+            "name": self.name,
+            "serving": self.acked,
+            "offered": self.offered,
+            "error": self.error,
+            "pause_ms": self.pause_ms,
+            "prompt_cache_policy": self.prompt_cache_policy,
+            "inflight_policy": self.inflight_policy,
+            "swap": self.swap,
+            "registered_s_ago": round(now - self.registered, 3),
+            "last_seen_s_ago": round(now - self.last_seen, 3),
+            "stale": self.stale,
             "expires_in_s": round(max(0.0, self.last_seen + ttl_s - now), 3) if ttl_s > 0 else None,
         }

@@ -44,8 +44,14 @@ TTL_MULT = 3.0  # a row not refreshed for this many report intervals is dropped
 
 def _key(row: dict[str, Any]) -> tuple[Any, ...]:
     ls = row.get("loading_state") or {}
-    return (ls.get("stage"), ls.get("identity"), ls.get("reason"), row.get("current_snapshot_identity"),
-            row.get("readiness"), row.get("engines"))
+    return (
+        ls.get("stage"),
+        ls.get("identity"),
+        ls.get("reason"),
+        row.get("current_snapshot_identity"),
+        row.get("readiness"),
+        row.get("engines"),
+    )
 
 
 def _stage(r: policy.Row) -> str:
@@ -79,8 +85,9 @@ def check_row(obj: Any, peer: str) -> policy.Row:
 class FleetStatus:
     """Reports this replica to the aggregators, keeps the rows reported to it, answers the GET."""
 
-    def __init__(self, cfg: Config, view: ReplicaView, membership: Membership, peers: PeerClient, stats: Stats,
-                 clock: Clock) -> None:
+    def __init__(
+        self, cfg: Config, view: ReplicaView, membership: Membership, peers: PeerClient, stats: Stats, clock: Clock
+    ) -> None:
         self.cfg = cfg
         self.view = view
         self.membership = membership
@@ -194,7 +201,7 @@ class FleetStatus:
                 if status != 200 or not isinstance(body, dict) or not isinstance(body.get("rows"), list):
                     return []
                 out = []
-                for r in body["rows"][:policy.MAX_PAGE_SIZE * 100]:
+                for r in body["rows"][: policy.MAX_PAGE_SIZE * 100]:
                     rid = r.get("replica_id") if isinstance(r, dict) else None
                     if isinstance(rid, str) and NODE_ID_RE.match(rid):
                         out.append(policy.Row(rid, ident, r))
@@ -209,9 +216,17 @@ class FleetStatus:
         merged = {r.node: policy.Row(r.node, r.identity, complete_row(r.data)) for r in reported if r.node not in dead}
         merged[self.cfg.node_id] = policy.Row(self.cfg.node_id, ident, self.view.replica())  # our own, fresh
         for node in live - set(merged):
-            merged[node] = policy.Row(node, ident, replica_row(
-                node, {"stage": "queued", "identity": ident or None, "reason": "no status report yet"}))
+            merged[node] = policy.Row(
+                node,
+                ident,
+                replica_row(node, {"stage": "queued", "identity": ident or None, "reason": "no status report yet"}),
+            )
         rows = [merged[n] for n in sorted(merged)]
         page, token = policy.paginate(rows, size, after)
-        return {"identity": ident or None, "replicas": [r.data for r in page],
-                "next_page_token": token, "replica_count": len(rows), "stages": stage_counts(_stage(r) for r in rows)}
+        return {
+            "identity": ident or None,
+            "replicas": [r.data for r in page],
+            "next_page_token": token,
+            "replica_count": len(rows),
+            "stages": stage_counts(_stage(r) for r in rows),
+        }

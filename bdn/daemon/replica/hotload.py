@@ -110,8 +110,16 @@ class HotLoad:
     """Accepts a trainer's hot-load (checked against the bucket), fans it out, answers the fleet GET."""
 
     def __init__(
-        self, node_id: str, view: ReplicaView, snapshots: Snapshots, bucket: BucketIO, peers: PeerClient,
-        membership: Membership, stats: Stats, clock: Clock, cfg: Config | None = None,
+        self,
+        node_id: str,
+        view: ReplicaView,
+        snapshots: Snapshots,
+        bucket: BucketIO,
+        peers: PeerClient,
+        membership: Membership,
+        stats: Stats,
+        clock: Clock,
+        cfg: Config | None = None,
         hints: Hints | None = None,
     ) -> None:
         self.node_id = node_id
@@ -184,7 +192,9 @@ class HotLoad:
                 m = await self._manifest(identity)
             except (NotFound, Upstream):
                 m = None
-            base = (m.base_identity if m.is_delta else None) if m is not None else self.hints.get(identity).base_identity
+            base = (
+                (m.base_identity if m.is_delta else None) if m is not None else self.hints.get(identity).base_identity
+            )
         known[identity] = base
         return base
 
@@ -213,7 +223,12 @@ class HotLoad:
         key = contract.request_key(ident, meta)
         await self.catch_up()
         t = self.view.target
-        if self.last is not None and t is not None and self.last[0] == key and t.request_id == self.last[1]["request_id"]:
+        if (
+            self.last is not None
+            and t is not None
+            and self.last[0] == key
+            and t.request_id == self.last[1]["request_id"]
+        ):
             return await self._again(t, dict(self.last[1]))
         m = await self._manifest(ident)
         prev = meta.get("previous_snapshot_identity") if meta else None
@@ -229,17 +244,30 @@ class HotLoad:
             self.hints.set(ident, Hint(base, meta.get("compression_format") if meta else None))
         if t is not None and t.identity == ident and t.base == base and t.seq > 0:
             # the fleet's target already (accepted by another daemon, or before a restart)
-            return await self._again(t, {
-                "accepted": True, "identity": ident, "policy_version": m.policy_version if m is not None else None,
-                "request_id": t.request_id, "replicas": len(self.membership.live()) + 1,
-                "manifest_written": m is not None,
-            })
+            return await self._again(
+                t,
+                {
+                    "accepted": True,
+                    "identity": ident,
+                    "policy_version": m.policy_version if m is not None else None,
+                    "request_id": t.request_id,
+                    "replicas": len(self.membership.live()) + 1,
+                    "manifest_written": m is not None,
+                },
+            )
         contract.check_previous(prev, self.view.current, t.identity if t else None)
         contract.chain_length(ident, (await self._chain(ident, base)).get, self.cfg.max_delta_chain)
-        target = Target(ident, self.clock.time_ns(), self.node_id, secrets.token_hex(8), base, options,
-                        gen=min(t.gen + 1, MAX_GEN) if t is not None else 1,  # the wire's bound: past it no peer takes it
-                        policy_version=m.policy_version if m is not None else -1,
-                        published_at=published_at(m.created_at) if m is not None else 0.0)
+        target = Target(
+            ident,
+            self.clock.time_ns(),
+            self.node_id,
+            secrets.token_hex(8),
+            base,
+            options,
+            gen=min(t.gen + 1, MAX_GEN) if t is not None else 1,  # the wire's bound: past it no peer takes it
+            policy_version=m.policy_version if m is not None else -1,
+            published_at=published_at(m.created_at) if m is not None else 0.0,
+        )
         await self.view.adopt(target, source="request")
         await self.fan_out(target)
         reached = len(self.membership.live())
@@ -266,7 +294,9 @@ class HotLoad:
         that does not answer within ``PULL_TIMEOUT_S`` is skipped; returns how many answered."""
         live = self.membership.live()
         ids = {m.node_id for m in live}
-        others = [m for m in self.membership.members.values() if m.node_id not in ids and m.url != self.membership.self_url]
+        others = [
+            m for m in self.membership.members.values() if m.node_id not in ids and m.url != self.membership.self_url
+        ]
         picked = self.rng.sample(live, min(PULL_PEERS, len(live)))
         picked += self.rng.sample(others, min(PULL_PEERS - len(picked), len(others)))
 
@@ -340,4 +370,3 @@ class HotLoad:
         if self.view.target is None:
             await self.catch_up()
         return await self.status.fleet(page_size, page_token)
-

@@ -8,6 +8,7 @@ from typing import Protocol
 
 class SnapshotRecord(Protocol):
     """What the replica reads of a snapshot job (``bdn.daemon.snapshot.SnapshotJob`` is one)."""
+
     identity: str
     state: str
     reason: str

@@ -40,6 +40,7 @@ class Target:
     """A fleet hot-load target: ``identity`` ordered by ``(seq, origin)`` (seq = accepting clock, ns);
     ``base``: the delta's base when known (a snapshot without a manifest has it from the request);
     ``options``: the engine options of its request."""
+
     identity: str
     seq: int
     origin: str
@@ -57,8 +58,16 @@ class Target:
 
     def wire(self) -> dict[str, Any]:
         """The target as a hot-load gossip message carries it (msgpack-ready dict)."""
-        out = {"identity": self.identity, "seq": self.seq, "origin": self.origin, "request_id": self.request_id,
-               "options": self.options.wire(), "gen": self.gen, "pv": self.policy_version, "at": self.published_at}
+        out = {
+            "identity": self.identity,
+            "seq": self.seq,
+            "origin": self.origin,
+            "request_id": self.request_id,
+            "options": self.options.wire(),
+            "gen": self.gen,
+            "pv": self.policy_version,
+            "at": self.published_at,
+        }
         if self.base is not None:
             out["base"] = self.base
         return out
@@ -138,8 +147,10 @@ def contradiction(t: Target, policy_version: int, created_at: str) -> str | None
     at = published_at(created_at)
     if (t.policy_version, t.published_at) in ((policy_version, at), (-1, 0.0)):
         return None
-    return (f"hot-load target {t.identity} claims policy version {t.policy_version} published at "
-            f"{t.published_at:.6f}, but its manifest says policy version {policy_version} published at {at:.6f}")
+    return (
+        f"hot-load target {t.identity} claims policy version {t.policy_version} published at "
+        f"{t.published_at:.6f}, but its manifest says policy version {policy_version} published at {at:.6f}"
+    )
 
 
 def as_manifest_says(t: Target, policy_version: int, created_at: str) -> Target:

@@ -47,9 +47,16 @@ MAX_ENGINES = 256  # engines one daemon keeps registered at once
 class ReplicaView:
     """This replica's target, served snapshot, engines and leases; snapshots through ``Snapshots``."""
 
-    def __init__(self, node_id: str, snapshots: Snapshots, clock: Clock, hints: Hints | None = None,
-                 engine_ttl_s: float = 30.0, changes: ChangedTensorsCache | None = None,
-                 engine_stale_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        snapshots: Snapshots,
+        clock: Clock,
+        hints: Hints | None = None,
+        engine_ttl_s: float = 30.0,
+        changes: ChangedTensorsCache | None = None,
+        engine_stale_s: float = 0.0,
+    ) -> None:
         self.node_id = node_id
         self.snapshots = snapshots
         self.clock = clock
@@ -108,8 +115,9 @@ class ReplicaView:
         if cur is not None and cur.identity != target.identity:
             await self._cancel_superseded(cur.identity, target)
         try:
-            job = self.snapshots.prefetch(target.identity, requested_by=f"hot-load {target.request_id}",
-                                          wait_publish=False)  # accepted = published (else 404): fail at once
+            job = self.snapshots.prefetch(
+                target.identity, requested_by=f"hot-load {target.request_id}", wait_publish=False
+            )  # accepted = published (else 404): fail at once
             if job.state == "ready":
                 self.on_snapshot_ready(target.identity)
         except BdnError as e:
@@ -235,12 +243,18 @@ class ReplicaView:
         last = max(reports, key=lambda e: e.pause_ms or 0.0) if reports else None
         options = t.options if t is not None else DEFAULT_OPTIONS
         return replica_row(
-            self.node_id, {"stage": stage, "identity": ident, "progress": round(progress, 4), "reason": reason},
-            current_snapshot_identity=self.current, policy_version=self.current_policy_version,
-            readiness=self.current is not None, engines=len(self._live()),
-            last_swap_pause_ms=max(pauses) if pauses else None, superseded=list(self.superseded),
-            request_id=t.request_id if t else None, **options.wire(),
-            last_swap=dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None)
+            self.node_id,
+            {"stage": stage, "identity": ident, "progress": round(progress, 4), "reason": reason},
+            current_snapshot_identity=self.current,
+            policy_version=self.current_policy_version,
+            readiness=self.current is not None,
+            engines=len(self._live()),
+            last_swap_pause_ms=max(pauses) if pauses else None,
+            superseded=list(self.superseded),
+            request_id=t.request_id if t else None,
+            **options.wire(),
+            last_swap=dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None,
+        )
 
     def _engine_stage(self, ident: str) -> tuple[str, str]:
         """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node: over the
@@ -249,8 +263,11 @@ class ReplicaView:
             return "done", ""
         live = self._live()
         stale = [e for e in self.engines.values() if e.stale]
-        note = engine_rules.stale_reason(stale, self.clock.monotonic(), self.engine_stale_s,
-                                         self.engine_ttl_s) if stale else ""
+        note = (
+            engine_rules.stale_reason(stale, self.clock.monotonic(), self.engine_stale_s, self.engine_ttl_s)
+            if stale
+            else ""
+        )
         if not live:
             return "error", f"every engine stopped polling: {note}"
         errs = [e.error for e in live if e.offered == ident and e.error]
@@ -268,8 +285,12 @@ class ReplicaView:
         if self.current is None:
             return None
         path = self.snapshots.ready_dir(self.current)
-        return {"identity": self.current, "policy_version": self.current_policy_version, "path": str(path),
-                "link": str(path.parent / LINK_NAME)}
+        return {
+            "identity": self.current,
+            "policy_version": self.current_policy_version,
+            "path": str(path),
+            "link": str(path.parent / LINK_NAME),
+        }
 
     # ---- engines and leases --------------------------------------------------------------
     def lease(self, identity: str, holder: str) -> str:
@@ -297,8 +318,10 @@ class ReplicaView:
                 unauthenticated: a loop of registrations must not grow the table without bound).
         """
         if len(self.engines) >= MAX_ENGINES:
-            raise Conflict(f"{MAX_ENGINES} engines are registered on this daemon already; "
-                           "unregister one (bdnctl engines --remove ID) or let dead ones expire (engine_ttl_s)")
+            raise Conflict(
+                f"{MAX_ENGINES} engines are registered on this daemon already; "
+                "unregister one (bdnctl engines --remove ID) or let dead ones expire (engine_ttl_s)"
+            )
         now = self.clock.monotonic()
         e = Engine(secrets.token_hex(8), name[:128] or "engine", last_seen=now, registered=now)
         self.engines[e.engine_id] = e
@@ -343,8 +366,13 @@ class ReplicaView:
         for engine_id in went:
             e = self.engines[engine_id]
             e.stale = True
-            log.warning("engine %s (%s) not seen for over %g s: stale, the replica no longer waits for it "
-                        "(dropped after %g s)", engine_id, e.name, self.engine_stale_s, self.engine_ttl_s)
+            log.warning(
+                "engine %s (%s) not seen for over %g s: stale, the replica no longer waits for it (dropped after %g s)",
+                engine_id,
+                e.name,
+                self.engine_stale_s,
+                self.engine_ttl_s,
+            )
         for engine_id in back:
             e = self.engines[engine_id]
             e.stale = False
@@ -352,8 +380,12 @@ class ReplicaView:
         gone = engine_rules.expired(self.engines.values(), now, self.engine_ttl_s)
         for engine_id in gone:
             e = self.engines[engine_id]
-            log.warning("engine %s (%s) not seen for over %g s: dropped, its leases released",
-                        engine_id, e.name, self.engine_ttl_s)
+            log.warning(
+                "engine %s (%s) not seen for over %g s: dropped, its leases released",
+                engine_id,
+                e.name,
+                self.engine_ttl_s,
+            )
             self.unregister_engine(engine_id)
         if went or back:
             self._recompute_current()
@@ -378,8 +410,9 @@ class ReplicaView:
             return None
         return ident
 
-    async def next_for(self, engine: Engine, after: str | None, timeout: float,
-                       connected: Callable[[], bool] = lambda: True) -> dict[str, Any] | None:
+    async def next_for(
+        self, engine: Engine, after: str | None, timeout: float, connected: Callable[[], bool] = lambda: True
+    ) -> dict[str, Any] | None:
         """Long-poll: the target snapshot once it is READY here and differs from ``after``.
 
         The offer: ``{"identity", "policy_version", "kind", "path", "lease_id",
@@ -419,7 +452,9 @@ class ReplicaView:
                 if base and base != ident and base_job is not None and base_job.state == "ready":
                     names = await self.changes.between(base, ident, self._delta_source(ident))
                     if names is not None:
-                        offer.update(changed_tensors=names, changed_tensors_base=base, **self.changes.ranges_of(base, ident))
+                        offer.update(
+                            changed_tensors=names, changed_tensors_base=base, **self.changes.ranges_of(base, ident)
+                        )
                 self._seen(engine)
                 return offer
             left = deadline - self.clock.monotonic()
@@ -427,9 +462,16 @@ class ReplicaView:
                 return None
             await self.wait_change(self.version, min(left, step))
 
-    async def ack(self, engine: Engine, identity: str, pause_ms: float | None, error: str | None,
-                  report: dict[str, Any] | None = None, prompt_cache_policy: str | None = None,
-                  inflight_policy: str | None = None) -> None:
+    async def ack(
+        self,
+        engine: Engine,
+        identity: str,
+        pause_ms: float | None,
+        error: str | None,
+        report: dict[str, Any] | None = None,
+        prompt_cache_policy: str | None = None,
+        inflight_policy: str | None = None,
+    ) -> None:
         """An engine swapped to ``identity`` (``pause_ms`` measured by it) or failed with ``error``.
 
         ``report`` is the ack's ``swap`` object, ``prompt_cache_policy`` / ``inflight_policy`` the
