@@ -17,37 +17,6 @@ os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
 os.environ.pop("AWS_PROFILE", None)
 
 
-# The files whose tests take longest (the suite's --durations on an idle 2-core machine), longest
-# first. `make test` runs pytest-xdist with --dist loadfile, which hands files out in collection
-# order: a long file collected last (they are late in the alphabet) leaves the other worker idle
-# for its whole length at the end. Collected first, they overlap with everything else.
-SLOW_FIRST = (
-    "test_swarm_take_attack.py",
-    "test_soak_short.py",
-    "test_fetch_bad_sources.py",
-    "test_wire_daemon.py",
-    "test_adversarial_bucket.py",
-    "test_huge_inputs.py",
-    "test_adversarial_cut_through.py",
-    "test_readiness_problems.py",
-    "test_control_plane.py",
-    "test_publish_sharded.py",
-    "test_engines_hf.py",
-    "test_adversarial_localapi.py",
-    "test_adversarial_http.py",
-    "test_swarm_steal.py",
-    "test_trl.py",
-    "test_memory_bounds.py",
-    "test_engine_stale.py",
-)
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Put the tests of :data:`SLOW_FIRST` first, in its order; the rest keep theirs (stable sort)."""
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
 @pytest.fixture(scope="session")
 def moto_endpoint():
     """A real S3 API server process (moto) on a loopback port, for the whole session."""

@@ -116,7 +116,14 @@ def test_every_state_answers_the_whole_schema(swarm: Swarm) -> None:
 
     # done everywhere
     wait_fleet(node0.url, "step000001")
-    for page in _pages(swarm):
+    # node0's view is done; the others' views follow by gossip: wait for them, then check the pages
+    pages = wait_for(
+        lambda: _pages(swarm),
+        120,
+        "every daemon to count 3 replicas done",
+        until=lambda ps: all(p["stages"]["done"] == 3 for p in ps),
+    )
+    for page in pages:
         assert page["stages"]["done"] == 3, page
 
     # an engine registered on node1: offered (loading), then it reports an error
