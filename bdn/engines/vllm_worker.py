@@ -90,6 +90,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bdn.engines.preads import pread_spans
+
 __all__ = [
     "BdnWorkerExtension",
     "INPLACE_ARCHS",
@@ -111,7 +113,6 @@ INPLACE_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 MAX_NAMES = 1_000_000
 MAX_RANGES = 1_000_000
 MAX_HEADER = 100 << 20
-PREAD_PIECE = 64 << 20
 _DTYPES = {
     "BF16": "bfloat16",
     "F16": "float16",
@@ -256,21 +257,9 @@ def _pread_tensor(torch: Any, path: Path, dtype: str, shape: list[int], start: i
 
 
 def _pread_into(path: Path, offset: int, view: memoryview, spans: list[tuple[int, int]]) -> int:
-    """``view[start:end]`` = ``path``'s bytes from ``offset + start`` for each span; the bytes read."""
-    fd = os.open(path, os.O_RDONLY)
-    total = 0
-    try:
-        for start, end in spans:
-            done = start
-            while done < end:
-                got = os.preadv(fd, [view[done : min(end, done + PREAD_PIECE)]], offset + done)
-                if got <= 0:
-                    raise ValueError(f"{path.name}: ends before byte {offset + end}")
-                done += got
-            total += end - start
-    finally:
-        os.close(fd)
-    return total
+    """``view[start:end]`` = ``path``'s bytes from ``offset + start`` for each span; the bytes read
+    (:func:`bdn.engines.preads.pread_spans`; a short file raises ValueError)."""
+    return pread_spans(path, offset, view, spans)
 
 
 def keep_unpacked_weights() -> None:

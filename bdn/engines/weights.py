@@ -13,17 +13,15 @@ over numpy/torch/os; measurements are in the docstrings.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bdn.engines.preads import ShortFile, pread_spans
 from bdn.proto.errors import BdnError
 
 __all__ = ["SpareBuffers", "copy_into", "pread_into", "pread_ranges", "slots_of"]
-
-PREAD_PIECE = 64 << 20
 
 
 def _torch():
@@ -78,40 +76,21 @@ def slots_of(model: Any, params: dict[str, Any]) -> tuple[dict[str, Any], dict[s
 def pread_into(path: Path, offset: int, buf: Any) -> None:
     """Fill the flat uint8 CPU tensor ``buf`` with ``path``'s bytes from ``offset`` (``os.preadv``,
     64 MiB per call). Raises BdnError (one line) when the file ends first."""
-    view = memoryview(buf.numpy())
-    n, done = len(view), 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while done < n:
-            got = os.preadv(fd, [view[done : done + PREAD_PIECE]], offset + done)
-            if got <= 0:
-                raise BdnError(f"{path.name}: ends after {offset + done} bytes, the tensor needs {offset + n}")
-            done += got
-    finally:
-        os.close(fd)
-        view.release()
+    pread_ranges(path, offset, buf, [(0, buf.numel())])
 
 
 def pread_ranges(path: Path, offset: int, buf: Any, spans: list[tuple[int, int]]) -> int:
     """Fill ``buf[start:end]`` for each ``(start, end)`` of ``spans`` with ``path``'s bytes from
-    ``offset + start`` (one open file, ``os.preadv`` per range); the rest of ``buf`` is left as
-    it is. Returns the bytes read. Raises BdnError (one line) when the file ends first."""
+    ``offset + start`` (one open file, ``os.preadv`` per range, :mod:`bdn.engines.preads`); the
+    rest of ``buf`` (a flat uint8 CPU tensor) is left as it is. Returns the bytes read. Raises
+    BdnError (one line) when the file ends first."""
     view = memoryview(buf.numpy())
-    fd = os.open(path, os.O_RDONLY)
-    total = 0
     try:
-        for start, end in spans:
-            done = start
-            while done < end:
-                got = os.preadv(fd, [view[done : min(end, done + PREAD_PIECE)]], offset + done)
-                if got <= 0:
-                    raise BdnError(f"{path.name}: ends after {offset + done} bytes, the tensor needs {offset + end}")
-                done += got
-            total += end - start
+        return pread_spans(path, offset, view, spans)
+    except ShortFile as e:
+        raise BdnError(str(e)) from None
     finally:
-        os.close(fd)
         view.release()
-    return total
 
 
 def copy_into(live: Any, staged: Any) -> None:
