@@ -557,6 +557,8 @@ def test_hot_load_options_are_validated_and_wait_has_a_deadline(trainer, node, c
     assert status == 400 and "inflight_policy" in ans["error"] and "\n" not in ans["error"]
     status, ans = http("POST", node.url + "/hot_load/v1/models/hot_load", {"identity": IDS[1], "inflight_wait_s": -1})
     assert status == 400 and "inflight_wait_s" in ans["error"]
+    # the startup snapshot is ready first: a later hot-load would cancel its load (superseded)
+    node.wait_ready(IDS[0])
     # files without a manifest: accepted, never ready; --wait gives up at its deadline with exit 1
     pending = Path(trainer["root"]) / "bucket" / "pending000009"
     pending.mkdir(parents=True, exist_ok=True)
