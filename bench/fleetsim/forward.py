@@ -28,7 +28,7 @@ Own code: this is the simulator's model of bdnd's forwarding, no library models 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from bench.fleetsim.net import Flow
@@ -130,7 +130,7 @@ class Forwarding:
             elif not c.ended and c.rate > 0:
                 self.not_before[c] = now + granule / c.rate
 
-    def fail_waiting(self, flows: set[Flow]) -> None:
+    def fail_waiting(self, flows: Iterable[Flow]) -> None:
         """A node died: its copies waiting for their source fail now (they left the network)."""
         for f in list(flows):
             w = self.waiting.pop(f, None)

@@ -173,7 +173,7 @@ class SimNode:
         self.load: Counter = Counter()  # requests in flight per peer (from this node)
         self.bucket_queue: list[int] = []
         self.reading: set[int] = set()
-        self.flows: set = set()
+        self.flows: dict = {}  # its flows, insertion-ordered: a kill aborts them in the same order every run
         self.adopted_at: float | None = None
         self.owner_wait: dict[int, list] = {}  # requests parked until this owner holds the chunk
         self.ask_at: Any = None
@@ -462,7 +462,7 @@ class FleetSim:
                 ("bucket", nd.id, i),
                 lambda f, ok, nd=nd, i=i: self.fwd.ended(f, ok, lambda ok2: self._read_done(nd, i, f, ok2)),
             )
-            nd.flows.add(f)
+            nd.flows[f] = None
             self._incoming(nd, i, f, True)
 
     def former_owner(self, nd: SimNode, i: int) -> str | None:
@@ -526,7 +526,7 @@ class FleetSim:
 
     def _read_done(self, nd: SimNode, i: int, f: Any, ok: bool) -> None:
         self._in_done(nd, i, f, ok)
-        nd.flows.discard(f)
+        nd.flows.pop(f, None)
         nd.nreads -= 1
         self.bucket_bytes += f.moved
         nd.reading.discard(i)
@@ -710,15 +710,15 @@ class FleetSim:
             tag=("peer", src.id, nd.id, i),
             on_done=lambda f, ok: self.fwd.ended(f, ok, lambda ok2: self._sent(src, nd, i, cb, f, ok2, t0)),
         )
-        src.flows.add(f)
-        nd.flows.add(f)
+        src.flows[f] = None
+        nd.flows[f] = None
         self.fwd.copy(f, source)
         self._incoming(nd, i, f, False)
 
     def _sent(self, src: SimNode, nd: SimNode, i: int, cb: Any, f: Any, ok: bool, t0: float) -> None:
         self._in_done(nd, i, f, ok)
-        src.flows.discard(f)
-        nd.flows.discard(f)
+        src.flows.pop(f, None)
+        nd.flows.pop(f, None)
         src.uploads -= 1
         src.uploads_by_chunk[i] -= 1
         src.upl.done(self.digests[i])
