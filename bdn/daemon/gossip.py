@@ -137,12 +137,14 @@ class Gossip:
     # ---- our address -----------------------------------------------------------------------
     @property
     def transfer(self) -> str | None:
+        """Our transfer server's advertised ``host:port`` (None: not listening, or off)."""
         return self._transfer
 
-    @transfer.setter
-    def transfer(self, value: str | None) -> None:
-        self._transfer = value
-        self.swim.readvertise(encode_addr(self.cfg.advertise_url, value))
+    def transfer_listening(self, address: str) -> None:
+        """Event: our transfer server listens at ``address``: every member learns it with our
+        next SWIM entry."""
+        self._transfer = address
+        self.swim.readvertise(encode_addr(self.cfg.advertise_url, address))
 
     def _extra(self) -> Any:
         t = self.replica.target

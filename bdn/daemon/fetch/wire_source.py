@@ -81,7 +81,10 @@ class WireSource:
     """Peer fetches over the wire and bucket reads into the mapping (see the module docstring).
 
     ``peer_sem`` (all peer requests) and ``alloc``/``free`` (chunk buffers for the endgame race)
-    are shared with ``Sources``; ``chunk_log`` may be None.
+    are shared with ``Sources``; ``chunk_log`` may be None. ``growing`` (None: cut-through off)
+    is where this node's bucket reads land for parked askers, ``on_growing``/``on_grown`` the
+    events that announce them; ``on_bad_bytes(url, node, address, snapshot)``: a peer sent bad
+    bytes (it is told, ``bdn.daemon.chunkcheck``).
     """
 
     def __init__(
@@ -97,6 +100,11 @@ class WireSource:
         alloc: Callable[[int], bytearray],
         free: Callable[[bytearray], None],
         chunk_log: ChunkLog | None = None,
+        *,
+        on_bad_bytes: Callable[[str, str, str, str], None] | None = None,
+        growing: GrowingChunks | None = None,
+        on_growing: Callable[[SnapshotJob, ChunkRef], None] | None = None,
+        on_grown: Callable[[SnapshotJob, ChunkRef], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.pool = pool
@@ -109,13 +117,13 @@ class WireSource:
         self.alloc, self.free = alloc, free
         self.chunk_log = chunk_log
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
-        self.on_bad_bytes: Callable[[str, str, str, str], None] | None = None  # (url, node, address, snapshot)
+        self.on_bad_bytes = on_bad_bytes  # (url, node, address, snapshot): the peer is told
         #: Chunks landing from the bucket, for cut-through (None: store and forward only).
-        self.growing: GrowingChunks | None = None
+        self.growing = growing
         #: Event hook (job, ref): a chunk started growing here (announced to subscribed peers).
-        self.on_growing: Callable[[SnapshotJob, ChunkRef], None] | None = None
+        self.on_growing = on_growing
         #: Event hook (job, ref): that chunk no longer grows here (verified or failed).
-        self.on_grown: Callable[[SnapshotJob, ChunkRef], None] | None = None
+        self.on_grown = on_grown
 
     async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
