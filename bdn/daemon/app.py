@@ -310,8 +310,8 @@ class App:
             if not starting.done():
                 starting.cancel()  # a stop request while settling: shut down from where it is
                 await asyncio.gather(starting, return_exceptions=True)
-            elif starting.exception() is not None:
-                raise starting.exception()  # type: ignore[misc]  # CannotListen: main exits 2
+            elif (failed := starting.exception()) is not None:
+                raise failed  # CannotListen: main exits 2
             await self.main_loop()
             return 0
         finally:

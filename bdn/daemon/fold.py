@@ -363,7 +363,9 @@ class Folder:
         part.requested_by = "fold"
 
         def allocate() -> None:
-            for f in part.manifest.files:  # type: ignore[union-attr]  # attached above
+            m = part.manifest
+            assert m is not None  # attached above
+            for f in m.files:
                 p = where / f.path
                 p.parent.mkdir(parents=True, exist_ok=True)
                 with open(p, "wb") as fh:

@@ -155,7 +155,9 @@ class SnapshotJob:
     def layer_complete(self, layer: str) -> None:
         """Event: every chunk of ``layer`` is known good (a full snapshot's result is its stored
         layer; a delta's rebuilt files were verified; result mode makes the stored layer moot)."""
-        self.bits(layer).set_all()  # type: ignore[union-attr]  # a layer completes only once the manifest is attached
+        bits = self.bits(layer)
+        assert bits is not None  # a layer completes only once the manifest is attached
+        bits.set_all()
         self.touch()
 
     def layer_reset(self, layer: str) -> None:

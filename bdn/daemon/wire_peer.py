@@ -276,7 +276,7 @@ class WirePeer:
                     continue
             fut.cancel()
             # granted just as we gave up: give the slot back
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(f.result()))  # type: ignore[func-returns-value]  # a callback's value is unused
+            fut.add_done_callback(_release_late)
             # a stopping daemon answers at once: its loop is joining this thread (App.shutdown ->
             # close -> TransferServer.close) and would not run the decision (the daemon would wait
             # out its shutdown watchdog)
@@ -415,6 +415,11 @@ def _held(
         if bits is not None and bits.count:
             out[layer] = bits.set_positions()
     return out
+
+
+def _release_late(f: concurrent.futures.Future[Verdict]) -> None:
+    if not f.cancelled() and f.exception() is None:
+        _release(f.result())
 
 
 def _release(v: Verdict) -> None:

@@ -218,6 +218,12 @@ class TakeOvers:
         assert bits is not None
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
         started: set[asyncio.Future[None]] = set()
+
+        def ended(f: asyncio.Future[None]) -> None:
+            started.discard(f)
+            if not f.cancelled():
+                f.exception()  # retrieved, as before: asyncio does not log it as never retrieved
+
         refused: set[int] = set()  # positions whose owner reads (or holds) them: not asked again
         try:
             while bits.count < bits.n:
@@ -263,7 +269,7 @@ class TakeOvers:
                 if (layer, i) not in job.inflight:
                     f: asyncio.Future[None] = asyncio.ensure_future(ensure(job, layer, i, refs[i]))
                     started.add(f)
-                    f.add_done_callback(lambda f: (started.discard(f), f.cancelled() or f.exception()))  # type: ignore[func-returns-value]  # a callback's value is unused
+                    f.add_done_callback(ended)
                 await asyncio.sleep(0)
         finally:
             for k in [k for k in self._marked if k[0] == job.identity and k[1] == layer]:

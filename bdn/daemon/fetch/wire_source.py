@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -61,6 +62,11 @@ NO_QUEUE_MIN_PEERS = 4
 
 def _hash_ok(view: memoryview, digest: str) -> bool:
     return xxhash.xxh3_128(view).hexdigest() == digest
+
+
+def _part_of(view: memoryview, offset: int, length: int, _size: int) -> memoryview:
+    """Where a bucket read of ``length`` bytes at ``offset`` of the chunk lands in ``view``."""
+    return view[offset : offset + length]
 
 
 def _copy_into(mm: Any, offset: int, buf: bytearray) -> None:
@@ -466,8 +472,8 @@ class WireSource:
                         key,
                         ref.offset + off,
                         n,
-                        lambda _n, o=off, n=n: view[o : o + n],  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
-                        progress=None if g is None else (lambda k, i=i: g.landed(i, k)),  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
+                        functools.partial(_part_of, view, off, n),
+                        progress=None if g is None else functools.partial(g.landed, i),
                         started=started,
                     )
                     for i, (off, n) in enumerate(parts)

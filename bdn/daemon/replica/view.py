@@ -238,7 +238,8 @@ class ReplicaView:
                 reason = job.reason
         else:
             progress = 1.0
-            stage, reason = self._engine_stage(ident)  # type: ignore[arg-type]  # a job was found: ident is set
+            assert ident is not None  # a job was found: ident is set
+            stage, reason = self._engine_stage(ident)
         pauses = [e.pause_ms for e in self.engines.values() if e.acked == self.current and e.pause_ms is not None]
         reports = [e for e in self.engines.values() if e.acked == self.current and e.swap is not None]
         last = max(reports, key=lambda e: e.pause_ms or 0.0) if reports else None
