@@ -174,12 +174,6 @@ class Config:
             "help": "a daemon whose own bucket reads of an anchor are done reads the last chunks of the owner with the most left (announced over the transfer wire, so the owner skips them; fleets within one peer set only); false: every chunk is read by its owner"
         },
     )
-    peer_receive: str = field(
-        default="write",
-        metadata={
-            "help": "how a chunk from a peer lands in its target file: write = received into the stream's 1 MiB buffer, hashed there and pwritten (no page-table fill, no zeroing of fresh tmpfs pages); map = recv_into the file's mapping, its page tables filled up front (cut-through answers use the mapping either way)"
-        },
-    )
     cut_through: bool = field(
         default=True,
         metadata={
@@ -449,8 +443,6 @@ class Config:
             raise ConfigError(f"config key 'log_level' must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.event_loop not in ("uvloop", "asyncio"):
             raise ConfigError(f"config key 'event_loop' must be uvloop or asyncio, got {self.event_loop!r}")
-        if self.peer_receive not in ("write", "map"):
-            raise ConfigError(f"config key 'peer_receive' must be write or map, got {self.peer_receive!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool):

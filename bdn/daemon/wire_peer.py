@@ -135,9 +135,7 @@ class WirePeer:
         self._host, self._port, self.auto_port = listen_address(cfg)
         self.serving: Serving | None = None  # given at ``start``
         self.jobs: HeldJobs | None = None  # given at ``start``
-        # with peer_receive "write" the peers' whole answers are pwritten, so the mapping (bucket
-        # reads, cut-through answers) fills its page tables on demand instead of all up front
-        self.maps = TargetMaps(disk_pool, populate=cfg.peer_receive == "map")
+        self.maps = TargetMaps(disk_pool)
         self.feed = HaveFeed(self._held)
         self.server: TransferServer | None = None
         self.client = TransferClient(

@@ -282,9 +282,9 @@ class WireSource:
             mm = await self.maps.acquire(job, target)
         except OSError as e:
             return FetchResult(Outcome.FAILED, error=f"cannot map {target}: {e}")
-        # peer_receive "write": a whole answer is pwritten through the stream's buffer (no
-        # page tables for the mapping, no zeroing of fresh pages), a cut-through one lands in it
-        fd = self.maps.fd(target) if self.cfg.peer_receive == "write" else None
+        # a whole answer is pwritten through the stream's buffer (no page tables for the
+        # mapping, no zeroing of fresh pages), a cut-through one lands in the mapping
+        fd = self.maps.fd(target)
         fut = self.pool.submit(
             peer,
             address,
