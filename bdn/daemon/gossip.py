@@ -21,6 +21,7 @@ import asyncio
 import logging
 import random
 import socket
+from collections.abc import Coroutine
 from typing import Any
 
 from bdn.control import swim as swimp
@@ -155,7 +156,7 @@ class Gossip:
         addr = self.swim.addr(node)
         return decode_addr(addr)[0] if addr else None
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)

@@ -30,6 +30,8 @@ from typing import Any, Protocol
 
 from bdn.daemon.clock import Clock
 from bdn.daemon.problems import Problems
+from bdn.daemon.replica.ports import SnapshotRecord
+from bdn.daemon.replica.target import Target
 
 PROBE_TTL_S = 10.0
 PROBE_TIMEOUT_S = 1.5
@@ -51,7 +53,7 @@ class Probe(Protocol):
 class Records(Protocol):
     """The snapshots this node knows (``bdn.daemon.catalog.Catalog``)."""
 
-    def get(self, identity: str) -> Any:
+    def get(self, identity: str) -> SnapshotRecord | None:
         """The record of ``identity`` (with ``state``, one of ``bdn.proto.states``, and ``reason``,
         one line, for a failed one), or None when the node has never seen it."""
         ...
@@ -59,9 +61,9 @@ class Records(Protocol):
 
 class TargetView(Protocol):
     """The replica's view (``bdn.daemon.replica.view.ReplicaView``): ``target`` is the snapshot
-    this node should serve (an object with ``identity``), or None when there is none."""
+    this node should serve, or None when there is none."""
 
-    target: Any
+    target: Target | None
 
 
 class Readiness:
