@@ -8,7 +8,12 @@ loop, where ``ChunkServing.request`` decides exactly as for ``GET chunks/{addres
 of ``bdn.daemon.uploads``, the upload rate limit); ``resolve`` looks the address up in the chunk
 index (only verified chunks are indexed) and gives the file, offset and length, whose descriptor
 the server opens once and caches. ``forget(job)`` closes the cached descriptors of a snapshot GC
-collected, so its shm pages are freed.
+collected (and the target mappings no download uses), so its shm pages are freed.
+
+Receiving: ``pool`` and ``maps`` are what ``bdn.daemon.fetch.wire_source`` fetches through,
+``growing`` the chunks landing here from the bucket that cut-through answers read, and
+``subscriptions`` makes the HAVE subscriber of ``bdn.daemon.fetch.haves``; so a ``WirePeer`` is
+built before the fetch path, and its server started later with the chunk service (``start``).
 
 Advertising: ``address`` is ``"host:port"`` (the advertise URL's host, the bound port), sent in
 every membership exchange as ``transfer``; ``parse_address`` checks a peer's (untrusted) one.
