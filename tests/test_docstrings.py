@@ -35,7 +35,6 @@ MISSING = frozenset(
         "bdn/control/hotload.py:Target.order",
         "bdn/control/hotload.py:Target.wire",
         "bdn/control/hotload.py:ReplicaBoard.put",
-        "bdn/control/members.py:Member",
         "bdn/control/members.py:MemberTable.get",
         "bdn/control/members.py:MemberTable.pop",
         "bdn/control/members.py:MemberTable.items",
