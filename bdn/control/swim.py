@@ -59,7 +59,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from bdn.control import Clock
+from bdn.control import Now
 from bdn.control.broadcasts import Broadcasts
 from bdn.control.members import MemberBase, MemberTable, SwimEntry
 from bdn.control.probation import Probation
@@ -109,7 +109,7 @@ class Swim(TableSync):
 
     self_id: str
     self_addr: str
-    clock: Clock
+    clock: Now
     rng: random.Random = field(default_factory=random.Random)
     period_s: float = 1.0
     ack_timeout_s: float = 0.25

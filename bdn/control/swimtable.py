@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bdn.control import Clock
+from bdn.control import Now
 from bdn.control.members import SwimEntry
 from bdn.control.probation import confirms
 from bdn.control.swimwire import ALIVE, DEAD, MAX_INCARNATION, SUSPECT, Message, Update
@@ -37,7 +37,7 @@ class TableSync:
     probation: bool
     confirmers: int
     rng: Any
-    clock: Clock
+    clock: Now
     _seq: int
 
     if TYPE_CHECKING:  # the methods of Swim these use (bdn/control/swim.py)
