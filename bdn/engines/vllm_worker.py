@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 import time
@@ -127,6 +128,9 @@ _DTYPES = {
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
 }
+#: Bytes per element of each dtype of ``_DTYPES`` (safetensors' names).
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_ITEMSIZE |= {"F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def parse_request(raw: Any) -> tuple[Path, list[str], dict[str, list[tuple[int, int]]], bool]:
@@ -194,33 +198,61 @@ def check_ranges(ranges: dict[str, list[tuple[int, int]]], sizes: dict[str, int]
 
 def read_headers(snapshot_dir: Path) -> dict[str, tuple[Path, str, list[int], int, int]]:
     """``{tensor name: (file, dtype, shape, absolute start, absolute end)}`` over the directory's
-    ``*.safetensors`` files (headers only). Raises ValueError for a malformed header or a name
-    in two files."""
+    ``*.safetensors`` files (headers only). Every entry is held to the format before anything is
+    read or written with it: ``0 <= begin <= end`` inside the file, and, for a dtype of
+    :data:`_ITEMSIZE`, ``end - begin`` = the shape's elements times the dtype's size (else an
+    in-place write of the tensor would run into the parameter rows after it, another tensor's).
+    Raises ValueError (one line) for a malformed header or entry, or a name in two files."""
     out: dict[str, tuple[Path, str, list[int], int, int]] = {}
     for f in sorted(snapshot_dir.glob("*.safetensors")):
         with open(f, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
             head = fh.read(8)
             if len(head) != 8:
                 raise ValueError(f"{f.name}: shorter than a safetensors header")
             (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER:
-                raise ValueError(f"{f.name}: header of {n} bytes")
+            if n > MAX_HEADER or 8 + n > size:
+                raise ValueError(f"{f.name}: header of {n} bytes in a file of {size}")
             try:
                 header = json.loads(fh.read(n))
             except ValueError as exc:
                 raise ValueError(f"{f.name}: header is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{f.name}: header is not a JSON object")
         base = 8 + n
         for name, e in header.items():
             if name == "__metadata__":
                 continue
             if name in out:
                 raise ValueError(f"tensor {name[:80]!r} is in {out[name][0].name} and {f.name}")
-            try:
-                start, end = (int(x) for x in e["data_offsets"])
-                out[name] = (f, str(e["dtype"]), [int(x) for x in e["shape"]], base + start, base + end)
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{f.name}: bad header entry for {name[:80]!r}") from None
+            out[name] = (f, *_entry(f.name, name, e, base, size))
     return out
+
+
+def _entry(fname: str, name: str, e: Any, base: int, size: int) -> tuple[str, list[int], int, int]:
+    """``(dtype, shape, absolute start, absolute end)`` of one header entry (see :func:`read_headers`)."""
+    try:
+        dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+    except (KeyError, TypeError):
+        raise ValueError(f"{fname}: bad header entry for {name[:80]!r}") from None
+    ints = [*shape, *offsets] if isinstance(shape, list) and isinstance(offsets, list) else None
+    if (
+        not isinstance(dtype, str)
+        or ints is None
+        or len(offsets) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints)
+    ):
+        raise ValueError(f"{fname}: bad header entry for {name[:80]!r}")
+    start, end = offsets
+    if start > end or base + end > size:
+        raise ValueError(f"{fname}: tensor {name[:80]!r} at [{start}, {end}) of a data area of {size - base} bytes")
+    item = _ITEMSIZE.get(dtype)
+    if item is not None and end - start != math.prod(shape) * item:
+        raise ValueError(
+            f"{fname}: tensor {name[:80]!r} is {end - start} bytes, its shape {shape} of {dtype} needs "
+            f"{math.prod(shape) * item}"
+        )
+    return dtype, list(shape), base + start, base + end
 
 
 def module_key(name: str, packed: dict[str, list[str]]) -> str:
