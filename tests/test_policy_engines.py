@@ -166,7 +166,8 @@ def test_a_crashed_engine_goes_stale_then_is_dropped_and_the_replica_says_why(tm
         rep = view.replica()
         assert rep["loading_state"]["stage"] == "error" and rep["engines"] == 0 and view.current == "s2"
         assert rep["loading_state"]["reason"].startswith(f"every engine stopped polling: engine {new.engine_id} (new)")
-        view.heartbeat(new)  # it was only slow: live again at the next tick, offered s3
+        await view.heartbeat(new)  # it was only slow: live again at once (not at the next tick), offered s3
+        assert not new.stale and view.replica()["loading_state"]["stage"] == "ready"
         await view.expire_engines()
         assert not new.stale and view.replica()["loading_state"]["stage"] == "ready"
         assert (await view.next_for(new, "s2", 0) or {}).get("identity") == "s3"

@@ -343,14 +343,22 @@ class ReplicaView:
         self.version += 1  # pollers and the fleet view see the change at their next look
         return True
 
-    def heartbeat(self, engine: Engine) -> None:
+    async def heartbeat(self, engine: Engine) -> None:
         """Event: the engine says it is alive while it is not polling (it prepares or swaps)."""
-        self._seen(engine)
+        if self._seen(engine):
+            await self.poke()
 
-    def _seen(self, engine: Engine) -> None:
-        """The engine was heard from now (poll, heartbeat, ack). A stale one is live again at the
-        next liveness tick (:meth:`expire_engines`), which recomputes the replica."""
+    def _seen(self, engine: Engine) -> bool:
+        """The engine was heard from now (poll, heartbeat, ack). A stale one is live again at once
+        (the replica recomputed; True: the caller pokes), not at the next liveness tick: until
+        then the replica would report an engine that just spoke as stopped (stage ``error``)."""
         engine.last_seen = self.clock.monotonic()
+        if not engine.stale:
+            return False
+        engine.stale = False
+        log.info("engine %s (%s) heard from again: live", engine.engine_id, engine.name)
+        self._recompute_current()
+        return True
 
     def describe_engines(self) -> list[dict[str, Any]]:
         """Every registered engine as ``GET /v1/engines`` lists it, in registration order."""
@@ -427,7 +435,8 @@ class ReplicaView:
         while True:
             if not connected() or self.engines.get(engine.engine_id) is not engine:
                 return None
-            self._seen(engine)
+            if self._seen(engine):
+                await self.poke()
             ident = self._offerable(after)
             if ident is not None:
                 job = self.snapshots.get(ident)
@@ -455,7 +464,8 @@ class ReplicaView:
                         offer.update(
                             changed_tensors=names, changed_tensors_base=base, **self.changes.ranges_of(base, ident)
                         )
-                self._seen(engine)
+                if self._seen(engine):
+                    await self.poke()
                 return offer
             left = deadline - self.clock.monotonic()
             if left <= 0:
