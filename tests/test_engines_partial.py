@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from bdn.engines.changed import parse_ranges
-from bdn.engines.vllm_worker import check_ranges, closure, module_key, parse_request, read_headers
+from bdn.engines.vllm_worker import check_ranges, check_rebuild, closure, module_key, parse_request, read_headers
 from bdn.fileops import save
 from bdn.proto.errors import ProtocolError
 
@@ -171,3 +171,46 @@ def test_a_header_entry_that_lies_about_its_bytes_is_refused_before_anything_is_
     d.mkdir()
     _raw(d / "model.safetensors", {**good, "u": {"dtype": "U16", "shape": [3], "data_offsets": [24, 30]}}, data)
     assert read_headers(d)["u"][1:3] == ("U16", [3])  # a dtype the extension never loads: bounds only
+
+
+def test_a_module_or_dtype_the_rebuild_cannot_take_is_refused_before_any_write(tmp_path: Path) -> None:
+    """The extension writes in-place tensors first and rebuilds the other modules after: a module
+    the served model lacks, or a tensor of a dtype it does not read, must fail the request before
+    the first write (a torch model on CPU, real safetensors files)."""
+    import torch
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv_proj = torch.nn.Linear(4, 12, bias=False)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn = Attn()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer()])
+
+    model = torch.nn.Module()
+    model.model = Model()
+    save(
+        tmp_path / "model.safetensors",
+        {
+            "model.layers.0.self_attn.q_proj.weight": np.zeros((4, 4), np.float32),
+            "model.layers.0.self_attn.k_proj.weight": np.zeros((4, 4), np.float32),
+            "model.layers.0.self_attn.v_proj.weight": np.zeros((4, 4), np.float32),
+            "model.layers.1.self_attn.q_proj.weight": np.zeros((4, 4), np.float32),
+            "model.layers.0.mask": np.zeros(4, np.uint16),
+        },
+    )
+    infos = read_headers(tmp_path)
+    mods, read = closure(["model.layers.0.self_attn.q_proj.weight"], list(infos), LLAMA_PACKED)
+    check_rebuild(model, infos, mods, read)  # the stacked module exists, F32 is read
+    mods, read = closure(["model.layers.1.self_attn.q_proj.weight"], list(infos), LLAMA_PACKED)
+    with pytest.raises(ValueError, match="no module 'model.layers.1.self_attn.qkv_proj' in the served model"):
+        check_rebuild(model, infos, mods, read)
+    with pytest.raises(ValueError, match="tensor 'model.layers.0.mask' has dtype U16, not one read here"):
+        check_rebuild(model, infos, [], ["model.layers.0.mask"])

@@ -72,7 +72,9 @@ Returns (per worker) ``{"ok": true, "tensors_changed", "tensors_read", "bytes_re
 "bytes_changed", "modules", "inplace_tensors", "rebuilt_modules", "fallback", "read_ms",
 "load_ms"}`` (``read_ms``: reading, in place or into buffers; ``load_ms``: repacking in-place
 modules and rebuilding the others). Raises ``ValueError`` (one line) for a bad request (not JSON,
-unknown tensor, a range outside its tensor, a tensor in two files, a tied embedding changed) and
+unknown tensor, a range outside its tensor, a tensor in two files, a header entry that breaks the
+format, a module to rebuild that the model lacks, a dtype it does not read, a tied embedding
+changed), all found before any parameter is written, and
 ``RuntimeError`` for a load that left a module incomplete or an in-place read that failed; vLLM
 answers the route with 500.
 
@@ -98,6 +100,7 @@ __all__ = [
     "INPLACE_ARCHS",
     "KEEP_UNPACKED_ENV",
     "check_ranges",
+    "check_rebuild",
     "closure",
     "keep_unpacked_weights",
     "module_key",
@@ -253,6 +256,25 @@ def _entry(fname: str, name: str, e: Any, base: int, size: int) -> tuple[str, li
             f"{math.prod(shape) * item}"
         )
     return dtype, list(shape), base + start, base + end
+
+
+def check_rebuild(
+    model: Any, infos: dict[str, tuple[Path, str, list[int], int, int]], mods: list[str], read: list[str]
+) -> None:
+    """Raise ValueError (one line) unless every module of ``mods`` is in ``model`` (a
+    ``torch.nn.Module``) and every tensor of ``read`` has a dtype the extension reads: checked
+    before the in-place writes, so that a request failing there leaves every parameter as it was."""
+    import torch
+
+    for key in mods:
+        try:
+            model.get_submodule(key)
+        except AttributeError:
+            raise ValueError(f"bdn_load_tensors: no module {key[:80]!r} in the served model") from None
+    for n in read:
+        f, dtype = infos[n][0], infos[n][1]
+        if getattr(torch, _DTYPES.get(dtype, ""), None) is None:
+            raise ValueError(f"bdn_load_tensors: {f.name}: tensor {n[:80]!r} has dtype {dtype}, not one read here")
 
 
 def module_key(name: str, packed: dict[str, list[str]]) -> str:
@@ -426,6 +448,8 @@ class BdnWorkerExtension:
                 targets[key] = found
                 continue
             rebuild.extend(group)
+        mods, read = closure(rebuild, list(infos), packed)
+        check_rebuild(model, infos, mods, read)  # a bad module or dtype fails before any write
         nbytes = 0
         with torch.no_grad():
             for found in targets.values():
@@ -454,7 +478,6 @@ class BdnWorkerExtension:
                 if qm is not None:
                     qm.process_weights_after_loading(layer)  # on CPU: repack from the parameter
         t2 = time.perf_counter()
-        mods, read = closure(rebuild, list(infos), packed)
         rebuilt_bytes, read_s = self._bdn_rebuild(model, vllm_config, infos, mods, read, packed) if mods else (0, 0.0)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(runner, reset, None)
