@@ -209,6 +209,18 @@ def test_an_engine_window_shorter_than_a_poll_step_is_refused(base: dict[str, st
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "engine_stale_s" in r.stderr, r
 
 
+def test_an_infinite_or_overflowing_number_is_refused(base: dict[str, str]) -> None:
+    """engine_ttl_s = inf was accepted and sent to engines as ``Infinity`` (not JSON); a duration
+    past ~9.2e9 s overflows socket and thread timeouts: every number is finite, every ``*_s`` at
+    most 1e9 s."""
+    for key, value in (("ENGINE_TTL_S", "inf"), ("MEMORY_PROBE_EVERY_S", "1e300"), ("PEER_TIMEOUT_S", "1e10")):
+        with pytest.raises(ConfigError, match=rf"'{key.lower()}' must be a finite number of at most 1e\+09 s"):
+            _load({**base, f"BDN_{key}": value})
+    with pytest.raises(ConfigError, match=r"'bucket_mbit' must be a finite number, got inf"):
+        _load({**base, "BDN_BUCKET_MBIT": "inf"})
+    assert _load({**base, "BDN_MEMORY_PROBE_EVERY_S": "1e9"}).memory_probe_every_s == 1e9
+
+
 def test_every_key_has_help() -> None:
     missing = [name for name, _, _, text in Config.keys() if not text.strip()]
     assert missing == []

@@ -9,6 +9,7 @@ errors that name the key or file: ``bdnd`` exits before it listens.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import tomllib
@@ -39,6 +40,10 @@ FOREIGN_ENV = frozenset(
 )
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+#: The longest duration a ``*_s`` key takes (about 31 years): longer ones overflow the C timeouts
+#: they end up in (``socket.settimeout``, ``threading.Event.wait``: "timestamp out of range"), and
+#: an infinite one was sent to engines as ``Infinity``, which is not JSON.
+MAX_SECONDS = 1e9
 #: The shortest non-zero engine_stale_s / engine_ttl_s: a held poll marks its engine seen every
 #: third of the window, at least 0.05 s apart (replica/engines.py ``poll_step``); below ~0.15 s a
 #: polling engine is stale at every liveness tick (measured: 23 stale/live flips in 5 s at 0.01 s).
@@ -461,6 +466,12 @@ class Config:
                 lo = _MINIMUM.get(f.name, 0)
                 if v < lo or v != v:
                     raise ConfigError(f"config key {f.name!r} must be >= {lo:g}, got {v!r}")
+                if not math.isfinite(v) or (f.name.endswith("_s") and v > MAX_SECONDS):
+                    raise ConfigError(
+                        f"config key {f.name!r} must be a finite number"
+                        + (f" of at most {MAX_SECONDS:g} s (0 turns most timers off)" if f.name.endswith("_s") else "")
+                        + f", got {v!r}"
+                    )
         for key in ("engine_stale_s", "engine_ttl_s"):
             v = getattr(self, key)
             if 0 < v < ENGINE_WINDOW_MIN_S:
