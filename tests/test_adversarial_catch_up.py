@@ -1,6 +1,6 @@
 """kill -9 of bdnd in the middle of a background catch-up (a freed spare brought forward to the
 served snapshot, bdn/daemon/forward.py), with real processes and real safetensors files: after the
-restart no spare claimed by the dead catch-up is left, and every later delta is READY with the
+restart no spare claimed by the dead catch-up (nor a half-written tag) is left, and every later delta is READY with the
 trainer's bytes, whether it starts from a spare caught up before the kill or rebuilds."""
 
 from __future__ import annotations
@@ -74,9 +74,13 @@ def test_kill_9_during_a_background_catch_up_then_restart_keeps_the_trainers_byt
                 d.kill()
                 kills += 1
                 assert _claimed(spares)  # what the crash left
+                half_tag = spares / ".tags" / ".0-0.tmp"  # as a kill inside Spares._write_tag leaves it
+                half_tag.parent.mkdir(exist_ok=True)
+                half_tag.write_text('{"identity": "st')
                 d.start([])
                 d.wait_healthy()
                 wait_for(lambda: not _claimed(spares), 60, "the restart removing the claimed spare")
+                assert not half_tag.exists()
         assert kills >= 1, "no catch-up was caught in flight: the test proved nothing"
         assert _metric(d, "chunks_bad") == 0
     finally:
