@@ -1,5 +1,6 @@
 """Publishers of one step racing, killed, or meeting a broken claim: real publisher processes
-(``tests/support/racer.py``), file:// and a real moto S3 server. Whatever happens, a published
+(``tests/support/racer.py``), file:// and a real moto S3 server (the races on file:// only: see
+``racing``). Whatever happens, a published
 snapshot's objects are the bytes its manifest names (nothing half-visible, no loser's file under
 the winner's manifest), the refused publisher gets one clear error, and a later step publishes."""
 
@@ -36,6 +37,16 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str | N
         return f"file://{tmp_path / 'bucket'}", None
     endpoint = request.getfixturevalue("moto_endpoint")
     return f"s3://{create_bucket(endpoint)}/run1", endpoint
+
+
+@pytest.fixture
+def racing(tmp_path: Path) -> tuple[str, str | None]:
+    """A file:// bucket for the races: ``link(2)`` decides them atomically. (moto's PutObject checks
+    If-None-Match with a lookup and stores later, without a lock (moto/s3/responses.py), so two
+    conditional PUTs racing there can both succeed (seen once here: two take-overs both won), which
+    S3 itself never lets happen; bdn's S3 conditional write is tested in tests/test_bucket.py.)"""
+    (tmp_path / "bucket").mkdir()
+    return f"file://{tmp_path / 'bucket'}", None
 
 
 def _start(spec: dict[str, object]) -> subprocess.Popen[str]:
@@ -77,11 +88,11 @@ def _verify(b: Bucket, identity: str) -> Manifest:
 
 
 def test_two_publishers_of_one_step_racing_leave_one_consistent_snapshot(
-    target: tuple[str, str | None], tmp_path: Path
+    racing: tuple[str, str | None], tmp_path: Path
 ) -> None:
     """A fast and a slow publisher of the same identity with different bytes start at once: the
     slow one's copy of a shared path must not land under the fast one's manifest."""
-    url, endpoint = target
+    url, endpoint = racing
     rng = np.random.default_rng(1)
     fast, slow = tmp_path / "fast", tmp_path / "slow"
     fast.mkdir()
@@ -101,10 +112,10 @@ def test_two_publishers_of_one_step_racing_leave_one_consistent_snapshot(
     publish_full(url if endpoint is None else open_bucket(url, endpoint_url=endpoint), "later000001", 2, dir=fast)
 
 
-def test_two_commits_taking_over_one_dead_claim_publish_once(target: tuple[str, str | None], tmp_path: Path) -> None:
+def test_two_commits_taking_over_one_dead_claim_publish_once(racing: tuple[str, str | None], tmp_path: Path) -> None:
     """A commit died on this host (its claim names a pid that no longer runs); two retries start
     at once: only one may take the claim over, the other is refused before it writes a file."""
-    url, endpoint = target
+    url, endpoint = racing
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     for round_ in range(6):
