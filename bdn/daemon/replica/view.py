@@ -4,7 +4,7 @@ A **replica** is this daemon plus the engines registered with it. Replica stages
 ``bdn.proto.states.REPLICA_STAGES``): ``queued, downloading, applying, verifying`` (the
 snapshot on this node), ``ready`` (verified, engine not yet told), ``loading`` (an engine took
 it and prepares it), ``done`` (every engine acknowledged the swap; with no engine registered,
-the daemon alone is the replica and is done when the snapshot is ready), ``error`` (failed,
+the daemon alone is the replica and is done once it serves the ready snapshot), ``error`` (failed,
 with the reason). The target changes only through :meth:`ReplicaView.adopt`.
 
 Engines (DESIGN.md, "Engine link and leases"): each offer carries the target's engine options and
