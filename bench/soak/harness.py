@@ -118,6 +118,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         anchor_every=cfg.anchor_every,
         interval=cfg.interval,
         chunk_size=cfg.chunk_size,
+        end_grace_s=cfg.chaos.quiet_s,  # the quiet tail: no fault holds the last hot-load back
     )
     verifier = Verifier(fleet, trainer, random.Random(rng.randrange(1 << 30)), clock, cfg.reverify_s)
     sampler: Sampler | None = None

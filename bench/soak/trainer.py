@@ -6,7 +6,7 @@ as an ``arc_v2`` delta against the step before, except every ``anchor_every``-th
 new anchor. Each step after the first is POSTed once to the fleet hot-load API on a random live
 daemon's peer port with the bearer token, ``interval`` s apart (uniform in the range).
 
-The last hot-load gets ``END_GRACE_S`` past the run's end to finish (nothing supersedes it).
+The last hot-load gets ``end_grace_s`` past the run's end to finish (nothing supersedes it).
 A hot-load is **done** when every live daemon (up since its last start, per :class:`Fleet`)
 lists itself in the fleet answer with ``current_snapshot_identity`` the new identity and stage
 ``done``; **ready** when every live daemon holds it ready (stage ``ready``, ``loading`` or
@@ -43,7 +43,6 @@ import tinygpt
 from bdn.publish import publish_delta, publish_full, publish_startup
 
 HOT_LOAD = "/hot_load/v1/models/hot_load"
-END_GRACE_S = 60.0  # the last hot-load of the run may finish this long after the run's end
 
 
 @dataclass
@@ -109,11 +108,13 @@ class Trainer:
         frac: float = 0.02,
         chunk_size: int = 1 << 20,
         keep_dirs: int = 10,
+        end_grace_s: float = 60.0,
     ) -> None:
         self.fleet, self.workdir, self.rng, self.clock, self.faults = fleet, workdir, rng, clock, faults
         self.cfg = tinygpt.TinyGPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64))
         self.anchor_every, self.interval, self.frac = anchor_every, interval, frac
         self.chunk_size, self.keep_dirs = chunk_size, keep_dirs
+        self.end_grace_s = end_grace_s
         self.published: dict[str, Published] = {}
         self.order: list[str] = []
         self.hotloads: list[HotLoad] = []
@@ -352,8 +353,8 @@ class Trainer:
                 self.hotloads.append(hl)
             if hl.outcome == "rejected":
                 continue
-            # the run's last hot-load gets END_GRACE_S past the end to finish (no POST supersedes it)
-            until = next_post if next_post < end_t else end_t + END_GRACE_S
+            # the run's last hot-load gets end_grace_s past the end to finish (no POST supersedes it)
+            until = next_post if next_post < end_t else end_t + self.end_grace_s
             while not stop.is_set() and self.clock() < until:
                 if self.check(hl):
                     break
