@@ -90,9 +90,8 @@ def test_a_silent_engine_is_dropped_and_the_replica_is_done_with_the_rest(tmp_pa
     """Two engines serve s1; the fleet moves to s2; one engine acks, the other went silent. After
     engine_ttl_s the silent one is dropped (leases released) and the replica serves s2."""
     clock = FakeClock()
-    view = ReplicaView("n0", _Snapshots(tmp_path, ["s1", "s2"]), clock, engine_ttl_s=30.0)
     moved: list[str] = []
-    view.on_current = moved.append
+    view = ReplicaView("n0", _Snapshots(tmp_path, ["s1", "s2"]), clock, engine_ttl_s=30.0, on_current=moved.append)
 
     async def run() -> None:
         await view.adopt(Target("s1", 1, "o", "r1"), "test")

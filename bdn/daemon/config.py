@@ -174,12 +174,6 @@ class Config:
             "help": "a daemon whose own bucket reads of an anchor are done reads the last chunks of the owner with the most left (announced over the transfer wire, so the owner skips them; fleets within one peer set only); false: every chunk is read by its owner"
         },
     )
-    peer_receive: str = field(
-        default="write",
-        metadata={
-            "help": "how a chunk from a peer lands in its target file: write = received into the stream's 1 MiB buffer, hashed there and pwritten (no page-table fill, no zeroing of fresh tmpfs pages); map = recv_into the file's mapping, its page tables filled up front (cut-through answers use the mapping either way)"
-        },
-    )
     cut_through: bool = field(
         default=True,
         metadata={
@@ -449,8 +443,6 @@ class Config:
             raise ConfigError(f"config key 'log_level' must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.event_loop not in ("uvloop", "asyncio"):
             raise ConfigError(f"config key 'event_loop' must be uvloop or asyncio, got {self.event_loop!r}")
-        if self.peer_receive not in ("write", "map"):
-            raise ConfigError(f"config key 'peer_receive' must be write or map, got {self.peer_receive!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -477,7 +469,7 @@ class Config:
             if v and _split_hostport(v, key) is None:
                 raise ConfigError(f"config key {key!r} must be host:port, got {v!r}")
         if self.local_listen and not self.local_allow_remote:
-            lhost = _split_hostport(self.local_listen, "local_listen")[0]  # type: ignore[index]  # checked as host:port above
+            lhost = split_hostport(self.local_listen)[0]  # checked as host:port above
             if lhost not in LOOPBACK_HOSTS and not lhost.startswith("127."):
                 raise ConfigError(
                     f"config key 'local_listen' is {self.local_listen!r}, not a loopback address: the local "
@@ -495,7 +487,7 @@ class Config:
                 f"config key 'transfer_advertise' must be host:port or \"\", got {self.transfer_advertise!r}"
             )
         if not self.advertise_url:
-            host, port = _split_hostport(self.peer_listen, "peer_listen")  # type: ignore[misc]  # checked as host:port above
+            host, port = split_hostport(self.peer_listen)  # checked as host:port above
             if host in ("0.0.0.0", "::", ""):
                 host = socket.gethostname()
             self.advertise_url = f"http://{host}:{port}"
@@ -512,7 +504,12 @@ class Config:
         hints = get_type_hints(cls)
         out = []
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]  # every key has a default or a default_factory
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                raise TypeError(f"config key {f.name!r} has no default")
             out.append((f.name, hints[f.name], default, f.metadata.get("help", "")))
         return out
 

@@ -267,7 +267,7 @@ def keep_unpacked_weights() -> None:
     repacks it (``dispatch_cpu_unquantized_gemm(layer, remove_weight=False)``), so that a changed
     tensor can be written into its rows (see the module doc). Called at import when the vLLM
     process has ``BDN_VLLM_KEEP_UNPACKED=1``; must run before vLLM loads the model."""
-    from vllm.model_executor.layers import utils  # type: ignore[import-not-found]
+    from vllm.model_executor.layers import utils  # type: ignore[import-not-found]  # vLLM lives in the engine's venv, not where bdn is type-checked
 
     orig = utils.dispatch_cpu_unquantized_gemm
     if getattr(orig, "_bdn_keeps_weight", False):
@@ -276,7 +276,7 @@ def keep_unpacked_weights() -> None:
     def dispatch_keeping_weight(layer: Any, remove_weight: bool) -> None:
         orig(layer, remove_weight=False)
 
-    dispatch_keeping_weight._bdn_keeps_weight = True  # type: ignore[attr-defined]
+    dispatch_keeping_weight._bdn_keeps_weight = True  # type: ignore[attr-defined]  # a marker attribute on our own function
     utils.dispatch_cpu_unquantized_gemm = dispatch_keeping_weight  # linear.py imports it at each call
     log.info("bdn: vLLM keeps linear weights unpacked (%s=1): changed tensors are written in place", KEEP_UNPACKED_ENV)
 
@@ -348,13 +348,13 @@ class BdnWorkerExtension:
     def bdn_load_tensors(self, request: Any) -> dict[str, Any]:
         """Load ``request``'s changed tensors from its snapshot directory (see the module doc)."""
         import torch
-        from vllm.config import set_current_vllm_config  # type: ignore[import-not-found]
+        from vllm.config import set_current_vllm_config  # type: ignore[import-not-found]  # vLLM lives in the engine's venv, not where bdn is type-checked
 
         t0 = time.perf_counter()
         snapshot_dir, names, ranges, inplace = parse_request(request)
         runner: Any = self.model_runner  # type: ignore[attr-defined]  # the worker's, once mixed in
         model = runner.get_model()
-        vllm_config: Any = self.vllm_config  # type: ignore[attr-defined]
+        vllm_config: Any = self.vllm_config  # type: ignore[attr-defined]  # the worker's, once mixed in
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         infos = read_headers(snapshot_dir)
         unknown = [n for n in names if n not in infos]
@@ -457,16 +457,16 @@ class BdnWorkerExtension:
         """Rebuild ``mods`` from the checkpoint tensors ``read`` (see the module doc); ``(bytes read, seconds reading)``."""
         import torch
         from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload.layerwise import (  # type: ignore[import-not-found]
+        from vllm.model_executor.model_loader.reload.layerwise import (  # type: ignore[import-not-found]  # vLLM lives in the engine's venv, not where bdn is type-checked
             _place_kernel_tensors,
             finalize_layerwise_reload,
             get_layerwise_info,
             initialize_online_processing,
         )
-        from vllm.model_executor.model_loader.reload.meta import (  # type: ignore[import-not-found]
+        from vllm.model_executor.model_loader.reload.meta import (  # type: ignore[import-not-found]  # vLLM lives in the engine's venv, not where bdn is type-checked
             restore_layer_on_meta,
         )
-        from vllm.model_executor.model_loader.reload.utils import (  # type: ignore[import-not-found]
+        from vllm.model_executor.model_loader.reload.utils import (  # type: ignore[import-not-found]  # vLLM lives in the engine's venv, not where bdn is type-checked
             get_layer_params_buffers,
         )
 

@@ -260,8 +260,11 @@ def commit_step(
             b.write(f"{identity}/{path}", data)
             entries.append(FileEntry(path, len(data), tuple(buffer_digests(data, step.chunk_size))))
         entries.sort(key=lambda e: e.path)
-        delta_of = (step.base_identity, step.compression_format) if step.kind == "delta" else None
-        return commit(b, identity, policy_version, step.chunk_size, entries, overwrite, delta_of=delta_of)  # type: ignore[arg-type]  # a delta step has its base and codec
+        delta_of = None
+        if step.kind == "delta":
+            assert step.base_identity is not None and step.compression_format is not None  # checked by merge_parts
+            delta_of = (step.base_identity, step.compression_format)
+        return commit(b, identity, policy_version, step.chunk_size, entries, overwrite, delta_of=delta_of)
 
 
 # ---- helpers ----------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ class ReplicaView:
         engine_ttl_s: float = 30.0,
         changes: ChangedTensorsCache | None = None,
         engine_stale_s: float = 0.0,
+        on_current: Callable[[str], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.snapshots = snapshots
@@ -65,7 +66,7 @@ class ReplicaView:
         self.engine_stale_s = engine_stale_s  # 0: engines are never stale, only dropped
         self.changes = changes or ChangedTensorsCache(snapshots.ready_dir)
         self.claims = claims.Claims(snapshots)  # targets' policy versions checked against manifests
-        self.on_current: Callable[[str], None] | None = None
+        self.on_current = on_current
         self.target: Target | None = None
         self.current: str | None = None
         self.current_policy_version: int | None = None
@@ -237,7 +238,8 @@ class ReplicaView:
                 reason = job.reason
         else:
             progress = 1.0
-            stage, reason = self._engine_stage(ident)  # type: ignore[arg-type]  # a job was found: ident is set
+            assert ident is not None  # a job was found: ident is set
+            stage, reason = self._engine_stage(ident)
         pauses = [e.pause_ms for e in self.engines.values() if e.acked == self.current and e.pause_ms is not None]
         reports = [e for e in self.engines.values() if e.acked == self.current and e.swap is not None]
         last = max(reports, key=lambda e: e.pause_ms or 0.0) if reports else None
