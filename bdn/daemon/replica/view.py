@@ -4,7 +4,7 @@ A **replica** is this daemon plus the engines registered with it. Replica stages
 ``bdn.proto.states.REPLICA_STAGES``): ``queued, downloading, applying, verifying`` (the
 snapshot on this node), ``ready`` (verified, engine not yet told), ``loading`` (an engine took
 it and prepares it), ``done`` (every engine acknowledged the swap; with no engine registered,
-the daemon alone is the replica and is done when the snapshot is ready), ``error`` (failed,
+the daemon alone is the replica and is done once it serves the ready snapshot), ``error`` (failed,
 with the reason). The target changes only through :meth:`ReplicaView.adopt`.
 
 Engines (DESIGN.md, "Engine link and leases"): each offer carries the target's engine options and
@@ -260,9 +260,13 @@ class ReplicaView:
 
     def _engine_stage(self, ident: str) -> tuple[str, str]:
         """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node: over the
-        live engines; stale ones are named in the reason (every engine stale: ``error``)."""
+        live engines; stale ones are named in the reason (every engine stale: ``error``). With no
+        engine, ``done`` once the daemon serves it (``current``): the job reads ``ready`` a moment
+        before its change event moves ``current`` (the runner notifies after freeing the
+        download's index entries on the disk threads, seconds behind other disk work under load),
+        and a row saying ``done`` with the old snapshot still served is not done."""
         if not self.engines:
-            return "done", ""
+            return ("done", "") if self.current == ident else ("ready", "")
         live = self._live()
         stale = [e for e in self.engines.values() if e.stale]
         note = (
