@@ -423,7 +423,7 @@ def test_a_take_for_a_delta_is_never_granted(tmp_path: Path) -> None:
     assert m.is_delta
     n = sum(1 for _ in m.stored_chunks())
     with Swarm(
-        tmp_path / "nodes", 2, chain.url, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_BUCKET_MBIT": "2"}
+        tmp_path / "nodes", 2, chain.url, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_BUCKET_MBIT": "8"}
     ) as swarm:
         owner, other = swarm.daemons
         assert owner.prefetch(delta)[0] in (200, 202)
