@@ -60,7 +60,8 @@ def _same_as_trainer(d: Daemon, identity: str, trainer: Path) -> None:
         assert (got / shard).read_bytes() == (trainer / shard).read_bytes(), f"{identity}/{shard}"
 
 
-def test_kernel_matches_a_full_apply_and_refuses_a_wrong_buffer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "numpy"])
+def test_kernel_matches_a_full_apply_and_refuses_a_wrong_buffer(tmp_path: Path, fused: bool) -> None:
     dirs = write_chain(tmp_path / "ck", chain_states(2, frac=0.02))
     shard = SHARDS[0]
     diff = tmp_path / "d"
@@ -69,7 +70,7 @@ def test_kernel_matches_a_full_apply_and_refuses_a_wrong_buffer(tmp_path: Path) 
     header = fileops.read_header(dirs[0] / shard)
     d = np.fromfile(diff, dtype=np.uint8)
     _, streams = arc.read_diff_header(d, len(d))
-    res = sparse.apply_sparse(buf, header, d, streams, None, map=fileops.thread_map(2))
+    res = sparse.apply_sparse(buf, header, d, streams, None, map=fileops.thread_map(2), fused=fused)
     assert buf.tobytes() == (dirs[1] / shard).read_bytes()
     assert res.written < len(buf) // 10 and res.ranges
     for name, ranges in res.ranges.items():  # every changed byte lies in a range of its tensor
@@ -85,7 +86,7 @@ def test_kernel_matches_a_full_apply_and_refuses_a_wrong_buffer(tmp_path: Path) 
     wrong = base.copy()
     wrong[at] ^= 0x10
     with pytest.raises(ChecksumError, match="adler32 mismatch for tensor"):
-        sparse.apply_sparse(wrong, header, d, streams, known)
+        sparse.apply_sparse(wrong, header, d, streams, known, fused=fused)
 
 
 def test_a_chain_of_20_sparse_deltas_is_byte_identical_to_the_trainer(tmp_path: Path) -> None:
@@ -203,8 +204,11 @@ def test_a_byte_flipped_in_a_sparse_built_snapshot_is_found_by_the_scrub_and_no_
         d.stop()
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "numpy"])  # the compiled kernel and its numpy path
 @pytest.mark.parametrize("every", [2, 9, 40])  # a dense block; a sparse one past 1/16 of the bytes; a sparse one below
-def test_the_kernel_is_exact_on_every_block_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int) -> None:
+def test_the_kernel_is_exact_on_every_block_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int, fused: bool
+) -> None:
     import ml_dtypes
 
     from bdn.proto import planes
@@ -224,11 +228,12 @@ def test_the_kernel_is_exact_on_every_block_path(tmp_path: Path, monkeypatch: py
     d = np.fromfile(tmp_path / "x", dtype=np.uint8)
     _, streams = arc.read_diff_header(d, len(d))
     known = {n: zlib.adler32(buf[t.start : t.end].tobytes()) for n, t in header.tensors.items()}
-    res = sparse.apply_sparse(buf, header, d, streams, known, map=fileops.thread_map(2))
+    res = sparse.apply_sparse(buf, header, d, streams, known, map=fileops.thread_map(2), fused=fused)
     assert buf.tobytes() == (tmp_path / "t").read_bytes()
     assert res.checksummed == 0 and set(res.ranges) == set(base)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "numpy"])  # the compiled kernel and its numpy path
 @pytest.mark.parametrize(
     "run", [1, 3, 64]
 )  # every light block alone; runs cut by RUN_BLOCKS and heavy blocks; by RUN_WORDS
@@ -236,6 +241,7 @@ def test_light_blocks_applied_in_runs_match_the_trainer_and_the_streams_ranges(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     run: int,
+    fused: bool,
 ) -> None:
     import ml_dtypes
 
@@ -265,7 +271,7 @@ def test_light_blocks_applied_in_runs_match_the_trainer_and_the_streams_ranges(
     d = np.fromfile(tmp_path / "x", dtype=np.uint8)
     _, streams = arc.read_diff_header(d, len(d))
     known = {n: zlib.adler32(buf[t.start : t.end].tobytes()) for n, t in header.tensors.items()}
-    res = sparse.apply_sparse(buf, header, d, streams, known, map=fileops.thread_map(2))
+    res = sparse.apply_sparse(buf, header, d, streams, known, map=fileops.thread_map(2), fused=fused)
     assert buf.tobytes() == (tmp_path / "t").read_bytes()
     tgt = np.fromfile(tmp_path / "t", dtype=np.uint8)
     for name, info in header.tensors.items():

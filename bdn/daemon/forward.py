@@ -22,6 +22,7 @@ from bdn.daemon.layers import RESULT
 from bdn.daemon.snapshot import SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.store import Store
+from bdn.proto import sparse_kernel
 from bdn.proto.errors import ProtocolError
 from bdn.proto.manifest import ChunkRef, Manifest
 
@@ -54,6 +55,7 @@ class Forward:
         self._busy: asyncio.Future[int] | None = None  # a catch-up in flight
         self._planned: set[str] = set()  # identities with buffers held for a sparse apply
         self._ranges: OrderedDict[str, dict[str, list[list[int]]]] = OrderedDict()  # the last RANGES_KEPT
+        self._warmed = False  # the sparse kernel's load started (once per process)
 
     def accept(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> Callable[[dict[str, Any]], bool] | None:
         """For ``Store.prepare_staging``: which spare tags delta ``m`` can start from (None: none)."""
@@ -66,10 +68,15 @@ class Forward:
         return lambda tag: tag.get("identity") in chains
 
     def held(self, identity: str, held: dict[str, dict[str, Any]]) -> None:
-        """Record the buffers ``prepare_staging`` kept for ``identity`` (path -> tag)."""
+        """Record the buffers ``prepare_staging`` kept for ``identity`` (path -> tag). The first
+        time, the compiled sparse kernel starts loading on an apply thread (numba's import and its
+        cached code: seconds on a loaded machine) while the diffs are still on their way."""
         if held:
             self._held[identity] = held
             self._planned.add(identity)
+            if not self._warmed:
+                self._warmed = True
+                self._spawn(asyncio.get_running_loop().run_in_executor(self.pools.apply, sparse_kernel.warm))
 
     def planned(self, identity: str) -> bool:
         """``identity`` holds buffers a sparse apply is to bring forward (until READY or failure)."""

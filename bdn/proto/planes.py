@@ -254,29 +254,6 @@ def parse_stream(stream: np.ndarray, n: int) -> tuple[int, list[_PlanesBlock]]:
     return w, blocks
 
 
-def _zstd_frame_len(data: Any) -> int:
-    """Compressed length of the zstd frame at the start of ``data`` (RFC 8878 section 3.1.1).
-
-    python-zstandard exposes the frame header's size but not the frame's; walking the 3-byte block
-    headers is cheap (one per <= 128 KiB of output) and lets the decoder refuse trailing bytes.
-    Call only after the frame decoded successfully.
-    """
-    data = memoryview(data).cast("B")  # Python ints when indexed (numpy uint8 scalars would overflow)
-    try:
-        pos = zstandard.frame_header_size(data)
-    except zstandard.ZstdError as e:
-        raise ProtocolError(f"zstd frame header is invalid: {str(e)[:200]}") from None
-    checksum = (data[4] >> 2) & 1
-    while True:
-        if pos + 3 > len(data):
-            raise ProtocolError("zstd frame is truncated")
-        bh = data[pos] | data[pos + 1] << 8 | data[pos + 2] << 16
-        last, btype, bsize = bh & 1, (bh >> 1) & 3, bh >> 3
-        pos += 3 + (1 if btype == 1 else bsize)
-        if last:
-            return pos + 4 * checksum
-
-
 def _zstd_exact(cx: Ctx, payload: np.ndarray, size: int) -> np.ndarray:
     """Decompress a payload that must be exactly one zstd frame of exactly ``size`` bytes.
 
@@ -290,13 +267,17 @@ def _zstd_exact(cx: Ctx, payload: np.ndarray, size: int) -> np.ndarray:
     if declared != size:
         raise ProtocolError(f"payload's zstd frame declares {declared} bytes, expected {size}")
     try:
-        raw = cx.dctx().decompress(payload)  # type: ignore[arg-type]  # zstandard reads any buffer; its stubs name bytes-likes only
+        # allow_extra_data=False: the library refuses bytes after the frame (one C call, no walk
+        # of the frame's blocks here)
+        raw = cx.dctx().decompress(payload, allow_extra_data=False)  # type: ignore[arg-type]  # zstandard reads any buffer; its stubs name bytes-likes only
     except zstandard.ZstdError as e:
-        raise ProtocolError(f"payload is not valid zstd: {str(e)[:200]}") from None
+        try:  # which error: a valid frame followed by bytes, or no valid frame
+            cx.dctx().decompress(payload)  # type: ignore[arg-type]  # as above
+        except zstandard.ZstdError:
+            raise ProtocolError(f"payload is not valid zstd: {str(e)[:200]}") from None
+        raise ProtocolError("payload has bytes after its zstd frame") from None
     if len(raw) != size:  # pragma: no cover - the library enforces the declared size
         raise ProtocolError(f"payload decompresses to {len(raw)} bytes, expected {size}")
-    if _zstd_frame_len(payload) != len(payload):
-        raise ProtocolError("payload has bytes after its zstd frame")
     return np.frombuffer(raw, dtype=np.uint8)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from bdn.proto import sparse_kernel
 from bdn.proto.delta_tasks import (
     Map,
     bytes_of,
@@ -126,9 +127,9 @@ def _combine(adler: int, da: int, db: int) -> int:
 
 
 def coalesce(starts: np.ndarray, ends: np.ndarray, limit: int = MAX_RANGES) -> list[tuple[int, int]]:
-    """Sorted, non-overlapping ``[start, end)`` ranges merged until at most ``limit`` remain
-    (the ``limit - 1`` largest gaps stay; ties keep the earlier gaps). Input: ascending ``starts``
-    with ``ends[i] <= starts[i + 1]``."""
+    """Sorted ``[start, end)`` ranges merged until at most ``limit`` remain (the ``limit - 1``
+    largest gaps stay; ties keep the earlier gaps). Input: ascending ``starts`` and ``ends``;
+    ranges that touch or overlap (``starts[i + 1] <= ends[i]``) are always merged."""
     if len(starts) == 0:
         return []
     gaps = starts[1:] - ends[:-1]
@@ -141,7 +142,7 @@ def coalesce(starts: np.ndarray, ends: np.ndarray, limit: int = MAX_RANGES) -> l
         breaks = np.sort(np.concatenate((above, at)))
     lo = np.concatenate(([starts[0]], starts[breaks + 1]))
     hi = np.concatenate((ends[breaks], [ends[-1]]))
-    return [(int(a), int(b)) for a, b in zip(lo, hi)]
+    return list(zip(lo.tolist(), hi.tolist()))
 
 
 def _sparse_indices(
@@ -178,9 +179,9 @@ def _block_sums(before: int, after: int, blk: _PlanesBlock, n: int) -> tuple[int
     return ds, ((n - blk.lo - (blk.hi - blk.lo)) * ds + dw) % _MOD
 
 
-def _block_pages(blk: _PlanesBlock) -> np.ndarray:
-    """Every page of the tensor the block covers."""
-    return np.arange(blk.lo >> _PAGE_SHIFT, ((blk.hi - 1) >> _PAGE_SHIFT) + 1, dtype=np.int64)
+def _block_pages(blk: _PlanesBlock) -> tuple[np.ndarray, np.ndarray]:
+    """The pages of the tensor the block covers, as one run ``([first], [end])``."""
+    return np.array([blk.lo >> _PAGE_SHIFT]), np.array([((blk.hi - 1) >> _PAGE_SHIFT) + 1])
 
 
 def _block(
@@ -191,8 +192,8 @@ def _block(
     w: int,
     n: int,
 ) -> tuple[int, int, np.ndarray, np.ndarray, int]:
-    """Apply one block in place (``buf``: the tensor's bytes); returns ``(da, db, range starts,
-    range ends, bytes written)``, ranges relative to the tensor, each sum mod 65521."""
+    """Apply one block in place (``buf``: the tensor's bytes); returns ``(da, db, page run starts,
+    page run ends, bytes written)``, pages of the tensor, each sum mod 65521."""
     dt = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
     elems = (blk.hi - blk.lo) // w
     words = buf[blk.lo : blk.hi].view(dt)
@@ -207,7 +208,7 @@ def _block(
         before = raw_adler32(seg)
         np.bitwise_xor(words, x, out=words)
         after = raw_adler32(seg)
-        return _block_sums(before, after, blk, n) + (_block_pages(blk), _block_pages(blk), blk.hi - blk.lo)
+        return _block_sums(before, after, blk, n) + _block_pages(blk) + (blk.hi - blk.lo,)
     else:
         nz, raw = _sparse_indices(cx, payload, blk, w, elems)
         vals = _words_from_planes(raw[blk.k + 4 * blk.e :], w, np.empty(blk.k, dtype=dt))
@@ -218,7 +219,7 @@ def _block(
             before = raw_adler32(seg)
             words[nz] ^= vals
             after = raw_adler32(seg)
-            return _block_sums(before, after, blk, n) + (_block_pages(blk), _block_pages(blk), len(nz) * w)
+            return _block_sums(before, after, blk, n) + _block_pages(blk) + (len(nz) * w,)
     return _per_word(words, nz, vals, w, n, blk.lo)
 
 
@@ -227,7 +228,7 @@ def _per_word(
 ) -> tuple[int, int, np.ndarray, np.ndarray, int]:
     """XOR ``vals`` into ``words[nz]`` (``words``: the words from tensor byte ``lo`` on; ``nz``
     ascending int64 word indices) and return ``(da, db, pages, pages, bytes written)`` from the
-    changed words' bytes alone (module docstring)."""
+    changed words' bytes alone (module docstring); the pages are runs of one page each."""
     old: np.ndarray = words[nz]
     new: np.ndarray = old ^ vals
     words[nz] = new
@@ -254,13 +255,15 @@ def _per_word(
     keep[:1] = True
     np.not_equal(page[1:], page[:-1], out=keep[1:])
     pages = page[keep]
-    return da, db, pages, pages, len(nz) * w
+    return da, db, pages, pages + 1, len(nz) * w
 
 
-def _is_heavy(blk: _PlanesBlock, w: int) -> bool:
-    """A dense block, or a sparse one whose changed words are a sixteenth of its bytes or more:
-    applied alone by :func:`_block` (sequential XOR, Adler-32 of the block before and after)."""
-    return blk.mode == _P_DENSE or blk.k * w * 16 >= blk.hi - blk.lo
+def _is_heavy(blk: _PlanesBlock, w: int, fused: bool) -> bool:
+    """A dense block, or (numpy path) a sparse one whose changed words are a sixteenth of its
+    bytes or more: applied alone by :func:`_block` (sequential XOR, Adler-32 of the block before
+    and after). The fused kernel takes every sparse block: its sums cost a few adds per changed
+    word, less than two passes over the block."""
+    return blk.mode == _P_DENSE or (not fused and blk.k * w * 16 >= blk.hi - blk.lo)
 
 
 #: Light sparse blocks of one tensor applied together by :func:`_light_run` (one gather, XOR,
@@ -282,17 +285,65 @@ def _light_run(
     n: int,
 ) -> tuple[int, int, np.ndarray, np.ndarray, int]:
     """Apply consecutive light sparse blocks of one tensor in place in one vectorised pass
-    (``buf``: the tensor's bytes); the same result as :func:`_block` of each, summed."""
+    (``buf``: the tensor's bytes); the same result as :func:`_block` of each, summed. Raises
+    ProtocolError naming the first bad block."""
     dt = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
     idx: list[np.ndarray] = []
     vals: list[np.ndarray] = []
     for blk in blks:
-        nz, raw = _sparse_indices(cx, stream[blk.start : blk.end], blk, w, (blk.hi - blk.lo) // w)
+        try:
+            nz, raw = _sparse_indices(cx, stream[blk.start : blk.end], blk, w, (blk.hi - blk.lo) // w)
+        except ProtocolError as e:
+            raise ProtocolError(f"bdn_planes_v1 block {blk.index}: {e}") from None
         nz += blk.lo // w
         idx.append(nz)
         vals.append(_words_from_planes(raw[blk.k + 4 * blk.e :], w, np.empty(blk.k, dtype=dt)))
     words = buf[: n - n % w].view(dt)
     return _per_word(words, np.concatenate(idx), np.concatenate(vals), w, n, 0)
+
+
+def _fused_run(
+    cx: Any,
+    stream: np.ndarray,
+    blks: list[_PlanesBlock],
+    buf: np.ndarray,
+    w: int,
+    n: int,
+) -> tuple[int, int, np.ndarray, np.ndarray, int] | None:
+    """:func:`_light_run` in one compiled pass (:mod:`bdn.proto.sparse_kernel`): the blocks'
+    zstd frames decoded into one reused buffer, then one kernel call for the run; the same
+    result, page runs merged. None when the kernel is unavailable. Raises ProtocolError naming
+    the first bad block (with the numpy decoder's message for it)."""
+    sizes = [blk.k * (1 + w) + 4 * blk.e for blk in blks]
+    raw = cx.scratch(sum(sizes))
+    rows = []
+    at = 0
+    for blk, size in zip(blks, sizes):
+        try:
+            raw[at : at + size] = _zstd_exact(cx, stream[blk.start : blk.end], size)
+        except ProtocolError as e:
+            raise ProtocolError(f"bdn_planes_v1 block {blk.index}: {e}") from None
+        rows.append((at, blk.k, blk.e, blk.lo // w, (blk.hi - blk.lo) // w))
+        at += size
+    words = buf[: n - n % w].view(np.dtype(_P_WIDTHS[w]).newbyteorder("<"))
+    k = sum(blk.k for blk in blks)
+    # a run of pages ends where the next starts at least a page later: no more runs than changed
+    # words, nor than half the pages the blocks span (plus one)
+    span = ((blks[-1].hi - 1) >> _PAGE_SHIFT) - (blks[0].lo >> _PAGE_SHIFT) + 1
+    runs = np.empty((min(k, span // 2 + 1), 2), dtype=np.int64)
+    got = sparse_kernel.run(words, raw, np.array(rows, dtype=np.int64), n, runs)
+    if got is None:
+        return None
+    st, row, da, db, nruns = got
+    if st != sparse_kernel.OK:
+        blk = blks[row]
+        try:  # the numpy decoder names what is wrong with the block
+            _sparse_indices(cx, stream[blk.start : blk.end], blk, w, (blk.hi - blk.lo) // w)
+            detail = "its fields are invalid"  # pragma: no cover - the two decoders check the same fields
+        except ProtocolError as e:
+            detail = str(e)
+        raise ProtocolError(f"bdn_planes_v1 block {blk.index}: {detail}")
+    return da, db, runs[:nruns, 0].copy(), runs[:nruns, 1].copy(), k * w
 
 
 def apply_sparse(
@@ -303,6 +354,7 @@ def apply_sparse(
     adlers: Mapping[str, int] | None = None,
     *,
     map: Map[Any, Any] = serial_map,
+    fused: bool | None = None,
 ) -> SparseResult:
     """Turn ``buf`` (writable, holding exactly the base file's bytes) into the target in place,
     writing only changed words; check every changed tensor's Adler-32.
@@ -312,7 +364,9 @@ def apply_sparse(
     ``adlers``: what the caller knows of the base tensors' Adler-32s (a missing name is computed
     from ``buf`` before its tensor is written, if it changes). Blocks are tasks through ``map``
     (heavy blocks alone, light ones in runs of :data:`RUN_BLOCKS`), on the calling thread when
-    they write fewer than :data:`SERIAL_BYTES` together.
+    they write fewer than :data:`SERIAL_BYTES` together. ``fused``: apply sparse blocks with the
+    compiled kernel (:mod:`bdn.proto.sparse_kernel`); None (the default) when it is available,
+    False for the numpy path (the same bytes, sums and ranges; tests and benchmarks compare them).
 
     Raises:
         ProtocolError: a stream does not fit the base (naming tensor and block); nothing of that
@@ -331,6 +385,7 @@ def apply_sparse(
         raise ValueError("buffer is read-only")
     check_names(base_header, streams)
     known = dict(adlers or {})
+    fused = sparse_kernel.available() if fused is None else fused and sparse_kernel.available()
     infos = sorted(base_header.tensors.values(), key=lambda t: t.nbytes, reverse=True)
     parsed: list[tuple[TensorInfo, np.ndarray, int, list[_PlanesBlock]]] = []
     res = SparseResult()
@@ -368,7 +423,7 @@ def apply_sparse(
         # a run never spans a heavy block, so the tensor's tasks are in block order
         light: list[_PlanesBlock] = []
         for blk in live:
-            if _is_heavy(blk, w):
+            if _is_heavy(blk, w, fused):
                 if light:
                     tasks.append((ti, len(tasks), light))
                     light = []
@@ -388,12 +443,16 @@ def apply_sparse(
         tb = b[info.start : info.end]
         try:
             with lease() as cx:
-                if len(blks) == 1 and _is_heavy(blks[0], w):
-                    res_of[slot] = _block(cx, stream, blks[0], tb, w, info.nbytes)
+                if len(blks) == 1 and _is_heavy(blks[0], w, fused):
+                    try:
+                        res_of[slot] = _block(cx, stream, blks[0], tb, w, info.nbytes)
+                    except ProtocolError as e:
+                        raise ProtocolError(f"bdn_planes_v1 block {blks[0].index}: {e}") from None
                 else:
-                    res_of[slot] = _light_run(cx, stream, blks, tb, w, info.nbytes)
+                    got = _fused_run(cx, stream, blks, tb, w, info.nbytes) if fused else None
+                    res_of[slot] = got if got is not None else _light_run(cx, stream, blks, tb, w, info.nbytes)
         except ProtocolError as e:
-            return ProtocolError(f"tensor {_q(info.name)}: bdn_planes_v1 block {blks[0].index}: {e}")
+            return ProtocolError(f"tensor {_q(info.name)}: {e}")
         return None
 
     # Little to write (0.1 % of a model's values): threads cost more (GIL hand-offs, a busy
@@ -416,14 +475,12 @@ def apply_sparse(
             raise ChecksumError(f"adler32 mismatch for tensor {_q(info.name)}: expected {want}, got {got}")
         res.adlers[info.name] = got
         res.written += sum(r[4] for r in blocks)
-        pages = np.concatenate(
-            [r[2] for r in blocks]
-        )  # ascending (tasks in block order); a page may end one and start the next
-        if len(pages) > 1:
-            pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
-        if len(pages):
-            lo = np.maximum(pages << _PAGE_SHIFT, 0) + info.start
-            hi = np.minimum((pages + 1) << _PAGE_SHIFT, info.nbytes) + info.start
+        # page runs, ascending (tasks in block order); a page may end one and start the next,
+        # which coalesce merges (a gap <= 0 is no break)
+        first = np.concatenate([r[2] for r in blocks])
+        if len(first):
+            lo = (first << _PAGE_SHIFT) + info.start
+            hi = np.minimum(np.concatenate([r[3] for r in blocks]) << _PAGE_SHIFT, info.nbytes) + info.start
             res.ranges[info.name] = coalesce(lo, hi)
     return res
 

@@ -21,6 +21,8 @@ interleaved in every run (the machine is shared; the ratios to floors of the sam
   applied in place writing only changed words, each changed tensor's Adler-32 updated from the
   changed bytes and checked, untouched chunks' digests compared with the buffer's. The buffer is
   put back to the base between runs (untimed);
+* ``sparse_numpy_s``: the same step with the kernel's numpy path (``fused=False``): the compiled
+  kernel (``bdn.proto.sparse_kernel``, numba, loaded before the runs) against it in the same run;
 * ``sparse_cold_s``: the same through ``bdn.fileops.apply_sparse_file``, which maps the file for
   this apply: every touched page then costs a page fault (on this VM ~2.5 us a 4 KiB page, 0.66 s a
   GiB when every page is touched: more than the copy of the model).
@@ -44,7 +46,7 @@ import numpy as np
 
 from bdn import fileops
 from bdn.daemon import diskio
-from bdn.proto import arc, sparse
+from bdn.proto import arc, sparse, sparse_kernel
 from bdn.proto.delta_tasks import raw_adler32
 from bdn.proto.manifest import Manifest
 from bench import runs
@@ -107,12 +109,13 @@ def sparse_step(
     size: int,
     base_digests: list[str],
     m: Manifest,
+    fused: bool | None = None,
 ) -> sparse.SparseResult:
     """The sparse step on the buffer's held mapping ``o``: map the diff, apply it in place, compare
     the untouched chunks' digests (what ``sparse_s`` times)."""
     dmap = np.memmap(diff, dtype=np.uint8, mode="r")
     _, streams = arc.read_diff_header(dmap, len(dmap))
-    sa = sparse.apply_sparse(o, bh, dmap, streams, adlers, map=fileops.thread_map(workers))
+    sa = sparse.apply_sparse(o, bh, dmap, streams, adlers, map=fileops.thread_map(workers), fused=fused)
     touched = sparse.touched_chunks(sa.ranges, size, CHUNK)
     sparse.check_untouched(touched, base_digests, m.files[0].result_chunks, "model.safetensors")
     return sa
@@ -127,9 +130,15 @@ def report(paths: list[str]) -> None:
     print(
         "| pattern | changed | diff MB | memcpy(model) s | sparse floor s | today s | sparse (mapping populated ahead) s"
         " | sparse, mapped per apply s | sparse / floor | sparse / memcpy | CPU s: sparse / floor | CPU s: sparse / memcpy"
-        " | sparse peak heap (model sizes) | today / floor |"
+        " | sparse peak heap (model sizes) | today / floor | CPU s: sparse (numpy path) / floor |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def numpy_path(r: dict) -> str:
+        if "sparse_numpy_cpu_s" not in r.get("median", {}):
+            return ""
+        return f"{r['median']['sparse_numpy_cpu_s'] / r['median']['sparse_floor_cpu_s']:.1f}x"
+
     for path in paths:
         for r in json.loads(Path(path).read_text())["rows"]:
             heap = r.get("sparse_heap_peak_bytes")
@@ -139,7 +148,7 @@ def report(paths: list[str]) -> None:
                 f"{sp(r, 'sparse_floor_s', 4)} | {sp(r, 'today_s', 2)} | {sp(r, 'sparse_s')} | {sp(r, 'sparse_cold_s')} | "
                 f"{r['sparse_over_floor']:.1f}x | {r['sparse_over_memcpy']:.2f}x | "
                 f"{r.get('sparse_cpu_over_floor_cpu', float('nan')):.1f}x | {r.get('sparse_cpu_over_memcpy_cpu', float('nan')):.2f}x | "
-                f"{hs} | {r['today_over_floor']:.1f}x |"
+                f"{hs} | {r['today_over_floor']:.1f}x | {numpy_path(r)} |"
             )
 
 
@@ -172,7 +181,11 @@ def main() -> None:
         out = work / "out" / "model.safetensors"  # the staging file / the spare buffer: pages exist
         out.parent.mkdir()
         shutil.copyfile(bpath, out)
-        print(f"nodework: {size / 1e9:.2f} GB bf16, {os.cpu_count()} cores, load {load0}", flush=True)
+        fused = sparse_kernel.warm()  # numba's import and the cached kernel: once per process, untimed
+        print(
+            f"nodework: {size / 1e9:.2f} GB bf16, {os.cpu_count()} cores, load {load0}, fused kernel {fused}",
+            flush=True,
+        )
         for pattern in a.patterns.split(","):
             for frac in (float(f) for f in a.fracs.split(",")):
                 step = inputs.synthetic_step if pattern == "scattered" else clustered_step
@@ -201,6 +214,8 @@ def main() -> None:
                     "memcpy_cpu_s": [],
                     "sparse_floor_cpu_s": [],
                     "sparse_cpu_s": [],
+                    "sparse_numpy_s": [],
+                    "sparse_numpy_cpu_s": [],
                 }
                 written = heap_peak = 0
                 o = np.memmap(out, dtype=np.uint8, mode="r+")  # the buffer, mapped once (its pages hot)
@@ -224,6 +239,12 @@ def main() -> None:
                     written = sa.written
                     assert np.array_equal(o[idx], base_map[idx] ^ xor)
                     np.copyto(o, base_map)
+                    t0, c0 = time.perf_counter(), time.process_time()  # the same, numpy path
+                    sparse_step(o, diff, bh, base_adlers, a.workers, size, base_digests, m, fused=False)
+                    ts["sparse_numpy_s"].append(time.perf_counter() - t0)
+                    ts["sparse_numpy_cpu_s"].append(time.process_time() - c0)
+                    assert np.array_equal(o[idx], base_map[idx] ^ xor)
+                    np.copyto(o, base_map)
                     tracemalloc.start()  # untimed: the step's peak heap (numpy buffers are traced)
                     sparse_step(o, diff, bh, base_adlers, a.workers, size, base_digests, m)
                     heap_peak = max(heap_peak, tracemalloc.get_traced_memory()[1])
@@ -245,6 +266,7 @@ def main() -> None:
                 row = {
                     "pattern": pattern,
                     "frac": frac,
+                    "fused": fused,
                     "model_bytes": size,
                     "diff_bytes": dsize,
                     "changed_bytes": len(idx),
@@ -260,6 +282,7 @@ def main() -> None:
                 row["today_over_floor"] = med["today_s"] / med["sparse_floor_s"]
                 row["sparse_cpu_over_floor_cpu"] = med["sparse_cpu_s"] / med["sparse_floor_cpu_s"]
                 row["sparse_cpu_over_memcpy_cpu"] = med["sparse_cpu_s"] / med["memcpy_cpu_s"]
+                row["sparse_numpy_cpu_over_floor_cpu"] = med["sparse_numpy_cpu_s"] / med["sparse_floor_cpu_s"]
                 row["sparse_cold_over_floor"] = med["sparse_cold_s"] / med["sparse_floor_s"]
                 rows.append(row)
                 print(
@@ -269,7 +292,8 @@ def main() -> None:
                     f"cold map {runs.spread(row, 'sparse_cold_s', 3)} s "
                     f"(sparse = {row['sparse_over_floor']:.1f}x floor, {row['sparse_over_memcpy']:.2f}x memcpy; "
                     f"today = {row['today_over_floor']:.1f}x floor; CPU s: sparse {row['sparse_cpu_over_floor_cpu']:.1f}x "
-                    f"floor, {row['sparse_cpu_over_memcpy_cpu']:.2f}x memcpy; heap peak {heap_peak / 1e6:.0f} MB "
+                    f"floor, {row['sparse_cpu_over_memcpy_cpu']:.2f}x memcpy, numpy path "
+                    f"{row['sparse_numpy_cpu_over_floor_cpu']:.1f}x floor; heap peak {heap_peak / 1e6:.0f} MB "
                     f"= {heap_peak / size:.3f} model)",
                     flush=True,
                 )
