@@ -47,9 +47,8 @@ def _fleet(n: int, k: int = 24) -> tuple[Haves, Subs, Membership]:
         url = f"http://10.0.1.{i}:7080"
         ms.mark_ok(url, f"p{i}")
         ms.members[url].extra["transfer"] = (f"10.0.1.{i}", 7082)
-    h = Haves(None, ms, k=k)  # type: ignore[arg-type]  # no HTTP polls in these tests
     subs = Subs()
-    h.subscriber = subs
+    h = Haves(None, ms, k=k, subscriptions=lambda _on_have, _on_end: subs)  # type: ignore[arg-type]  # no HTTP polls in these tests
     return h, subs, ms
 
 

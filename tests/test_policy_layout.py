@@ -4,7 +4,9 @@
 - no function-level import of a ``bdn`` module in ``bdn/daemon`` (dependencies are explicit);
 - no module of ``bdn/daemon`` over ``MAX_DAEMON_STATEMENTS`` statements (one responsibility
   each; statements, not lines, so that the formatter's line breaks do not move the rule);
-- ``bdn/proto`` imports none of os, mmap, threading, concurrent (formats and rules only).
+- ``bdn/proto`` imports none of os, mmap, threading, concurrent (formats and rules only);
+- the composition root (``bdn/daemon/app.py``) assigns attributes of ``self`` only: every other
+  part gets its collaborators at construction.
 """
 
 from __future__ import annotations
@@ -163,3 +165,28 @@ def test_pure_policies_import_no_io_nor_asyncio() -> None:
                 if mod.split(".")[0] in IO_OR_ASYNC:
                     bad.append(f"{start} -> {path.relative_to(ROOT)}:{node.lineno} imports {mod}")
     assert not bad, "; ".join(bad)
+
+
+def _patched(path: Path) -> list[str]:
+    """``file:line assigns <target>`` for every assignment in ``path`` to an attribute of
+    anything but ``self`` (``fetcher.hook = ...``, ``self.a.b = ...``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for t in targets:
+            for sub in ast.walk(t):
+                if isinstance(sub, ast.Attribute) and not (isinstance(sub.value, ast.Name) and sub.value.id == "self"):
+                    out.append(f"{path.name}:{node.lineno} assigns {ast.unparse(sub)}")
+    return out
+
+
+def test_the_composition_root_patches_no_other_object() -> None:
+    """app.py passes every collaborator at construction (DESIGN.md, "Parts and interfaces"):
+    none is set on another object afterwards."""
+    bad = _patched(PKG / "daemon" / "app.py")
+    assert not bad, "set at construction instead: " + "; ".join(bad)

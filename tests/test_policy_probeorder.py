@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from bdn.control.members import Member, MemberTable
+from bdn.control.members import MemberTable, SwimEntry
 from bdn.control.probeorder import ProbeOrder
 from bdn.control.swimwire import ALIVE, DEAD, SUSPECT
 
@@ -13,7 +13,7 @@ from bdn.control.swimwire import ALIVE, DEAD, SUSPECT
 def test_each_round_probes_every_member_not_dead_once_and_a_joiner_in_the_same_round() -> None:
     t = MemberTable()
     for i in range(20):
-        t[f"n{i}"] = Member(DEAD if i == 3 else SUSPECT if i == 5 else ALIVE, 0, f"a{i}", 0.0)
+        t[f"n{i}"] = SwimEntry(DEAD if i == 3 else SUSPECT if i == 5 else ALIVE, 0, f"a{i}", 0.0)
     order = ProbeOrder(random.Random(1))
     rounds = []
     for _ in range(3):
@@ -23,7 +23,7 @@ def test_each_round_probes_every_member_not_dead_once_and_a_joiner_in_the_same_r
     assert rounds[0] != rounds[1]  # re-shuffled each round
     # a member joining mid-round is probed before the round ends
     first = [order.next(t) for _ in range(5)]
-    t["new"] = Member(ALIVE, 0, "anew", 0.0)
+    t["new"] = SwimEntry(ALIVE, 0, "anew", 0.0)
     order.insert("new")
     rest = [order.next(t) for _ in range(15)]
     assert "new" in rest and sorted(first + rest) == sorted([*rounds[0], "new"])

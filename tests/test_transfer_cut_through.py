@@ -285,7 +285,7 @@ def test_a_stream_that_cannot_be_opened_is_a_failure_not_a_stall():
 
 
 def test_with_a_file_whole_answers_are_written_and_cut_through_ones_land_in_the_mapping(shm, landing):
-    """``fetch_into(..., fd=)`` (the daemon's ``peer_receive = write``): a DATA answer is
+    """``fetch_into(..., fd=)`` (how the daemon receives a whole answer): a DATA answer is
     pwritten to the file through the stream's buffer, a cut-through answer lands in the mapped
     buffer; both are verified, and both end up in the same file."""
     growing = GrowingChunks()

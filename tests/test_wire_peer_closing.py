@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from bdn.daemon.config import Config
+from bdn.daemon.index import ChunkIndex
 from bdn.daemon.stats import Stats
 from bdn.daemon.wire_peer import WirePeer
 from bdn.proto import wire
@@ -40,8 +42,9 @@ def test_a_thread_waiting_in_admit_answers_once_the_daemon_stops_while_the_loop_
     runner.start()
     serving = HeldServing()
     cfg = Config(node_id="n1", transfer_listen="127.0.0.1:0")
-    wp = WirePeer(cfg, KEYS, serving, None, Stats())  # type: ignore[arg-type]
-    wp.loop = loop
+    disk = ThreadPoolExecutor(1)
+    wp = WirePeer(cfg, KEYS, ChunkIndex(KEYS.address), Stats(), disk)
+    wp.start(loop, serving, None)  # type: ignore[arg-type]  # no HAVE subscriber asks here
     answers: list[object] = []
     blocked, release = threading.Event(), threading.Event()
     try:
@@ -71,4 +74,5 @@ def test_a_thread_waiting_in_admit_answers_once_the_daemon_stops_while_the_loop_
         loop.call_soon_threadsafe(loop.stop)
         runner.join(60)
         wp.close()
+        disk.shutdown()
         loop.close()

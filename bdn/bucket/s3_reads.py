@@ -11,6 +11,7 @@ Used by :class:`bdn.bucket.s3.S3Bucket`; no state of its own.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import logging
 import re
@@ -108,7 +109,7 @@ def fill(
             got, broken = _stream_into(
                 body,
                 view[done : done + answered],
-                None if progress is None else (lambda n, base=done: progress(base + n)),  # type: ignore[misc]  # mypy cannot type a lambda with a default argument
+                None if progress is None else functools.partial(_progress_from, progress, done),
             )
             done += got
             stats.add(get_bytes=got)
@@ -199,3 +200,8 @@ def _stream_into(
     else:
         body.close()
     return got, None
+
+
+def _progress_from(progress: Callable[[int], None], base: int, n: int) -> None:
+    """``progress`` of a read resumed at byte ``base``: its first ``n`` bytes are ``base + n``."""
+    progress(base + n)

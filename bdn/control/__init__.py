@@ -18,6 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-#: A clock: seconds (float), monotonic. The daemon passes ``time.monotonic``; tests and the
-#: simulator pass their own.
-Clock = Callable[[], float]
+#: A monotonic clock's reading, in seconds (float): the daemon passes its
+#: ``bdn.daemon.clock.Clock``'s ``monotonic``; tests and the simulator pass their own.
+Now = Callable[[], float]

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from bdn.control import Clock
+from bdn.control import Now
 from bdn.proto import hrw
 from bdn.proto.identity import IdentityError, validate_identity
 
@@ -82,7 +82,7 @@ class TargetGossip:
     clock time of the last adoption (for metrics only: it orders nothing).
     """
 
-    def __init__(self, self_id: str, clock: Clock, rng: random.Random | None = None, fanout: int = 3) -> None:
+    def __init__(self, self_id: str, clock: Now, rng: random.Random | None = None, fanout: int = 3) -> None:
         self.self_id = self_id
         self.clock = clock
         self.rng = rng or random.Random()
@@ -131,7 +131,7 @@ class StatusBoard:
     bounded by the member list (one row per reporting node) and ``max_rows``.
     """
 
-    def __init__(self, clock: Clock, ttl_s: float = 30.0, max_rows: int = 100_000) -> None:
+    def __init__(self, clock: Now, ttl_s: float = 30.0, max_rows: int = 100_000) -> None:
         self.clock = clock
         self.ttl_s = ttl_s
         self.max_rows = max_rows
@@ -243,7 +243,7 @@ class ReplicaBoard:
     past that is refused with HotLoadError.
     """
 
-    def __init__(self, clock: Clock, ttl_s: float = 30.0, max_rows: int = 100_000) -> None:
+    def __init__(self, clock: Now, ttl_s: float = 30.0, max_rows: int = 100_000) -> None:
         self.clock = clock
         self.ttl_s = ttl_s
         self.max_rows = max_rows

@@ -4,13 +4,13 @@ A daemon that starts from a discovery source every node agrees on (a headless Se
 endpoints, or the fleet simulator's initial fleet) begins with the same N members, all alive at
 incarnation 0, as every other daemon. :class:`MemberBase` holds that list once (ids, addresses,
 the sorted live tuple, an index); :class:`MemberTable` is one node's view of it: a mapping
-``node -> Member`` that reads through to the base and stores only what this node changed
+``node -> SwimEntry`` that reads through to the base and stores only what this node changed
 (a status, an incarnation, an address, a joiner, a forgotten member). So N simulated daemons
 in one process hold O(N + changes) entries instead of N x N (10^8 at N = 10,000: 2.8 GB per
 process), and a real daemon's table is the same compact list it always was.
 
 Contract (what :class:`bdn.control.swim.Swim` relies on): :meth:`MemberTable.get` of a member
-that lives only in the base returns a *fresh* :class:`Member`; a caller that changes it writes
+that lives only in the base returns a *fresh* :class:`SwimEntry`; a caller that changes it writes
 it back (``table[node] = m``). ``len`` is O(1). Iteration yields base members not overridden,
 then this node's own entries. Pure: no I/O, no clock.
 """
@@ -25,7 +25,11 @@ ALIVE = 0
 
 
 @dataclass(slots=True)
-class Member:
+class SwimEntry:
+    """One member's entry in SWIM's table: ``status`` (``bdn.control.swimwire``: alive, suspect,
+    dead), its ``incarnation``, its SWIM address and when its status last changed (not
+    ``bdn.daemon.membership.Member``, the daemon's record of a peer it fetches from)."""
+
     status: int
     incarnation: int
     addr: str
@@ -59,7 +63,7 @@ class MemberTable:
     def __init__(self, base: MemberBase | None = None, self_id: str = "") -> None:
         self.base = base
         self.self_id = self_id
-        self.own: dict[str, Member] = {}  # this node's entries (changed base members, others)
+        self.own: dict[str, SwimEntry] = {}  # this node's entries (changed base members, others)
         self.gone: set[str] = set()  # base members removed from this table (and self)
         if base is not None and self_id in base.index:
             self.gone.add(self_id)
@@ -72,13 +76,13 @@ class MemberTable:
         """True while this table is the base exactly (minus self): live() can share its tuple."""
         return self.base is not None and not self.own and self.gone <= {self.self_id}
 
-    def get(self, node: str, default: Member | None = None) -> Member | None:
+    def get(self, node: str, default: SwimEntry | None = None) -> SwimEntry | None:
         m = self.own.get(node)
         if m is not None:
             return m
         if self._in_base(node):
             assert self.base is not None  # _in_base is False without a base
-            return Member(ALIVE, 0, self.base.addrs[self.base.index[node]], self.base.t0)
+            return SwimEntry(ALIVE, 0, self.base.addrs[self.base.index[node]], self.base.t0)
         return default
 
     def status_of(self, node: str) -> int | None:
@@ -91,18 +95,18 @@ class MemberTable:
     def __contains__(self, node: object) -> bool:
         return node in self.own or (isinstance(node, str) and self._in_base(node))
 
-    def __getitem__(self, node: str) -> Member:
+    def __getitem__(self, node: str) -> SwimEntry:
         m = self.get(node)
         if m is None:
             raise KeyError(node)
         return m
 
-    def __setitem__(self, node: str, m: Member) -> None:
+    def __setitem__(self, node: str, m: SwimEntry) -> None:
         if node not in self.own and not self._in_base(node):
             self._n += 1
         self.own[node] = m
 
-    def pop(self, node: str, default: Member | None = None) -> Member | None:
+    def pop(self, node: str, default: SwimEntry | None = None) -> SwimEntry | None:
         m = self.get(node)
         if m is None:
             return default
@@ -122,13 +126,13 @@ class MemberTable:
     def __iter__(self) -> Iterator[str]:
         return (n for n, _m in self.items())
 
-    def items(self) -> Iterator[tuple[str, Member]]:
+    def items(self) -> Iterator[tuple[str, SwimEntry]]:
         b = self.base
         if b is not None:
             own, gone = self.own, self.gone
             for n, a in zip(b.ids, b.addrs):
                 if n not in own and n not in gone:
-                    yield n, Member(ALIVE, 0, a, b.t0)
+                    yield n, SwimEntry(ALIVE, 0, a, b.t0)
         yield from self.own.items()
 
     def base_order(self, rng_random: float, rng_stride: float) -> Sequence[str] | None:

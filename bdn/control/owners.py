@@ -37,6 +37,7 @@ Pure: no clock is needed (the epoch is the caller's membership epoch).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Callable, Container, Sequence
@@ -92,6 +93,10 @@ def reader_count(
     return max(1, min(live_n, math.ceil(conns / max(1, connections_per_reader))))
 
 
+def _ranked(score: Callable[[str, str], int], key: str, node: str) -> tuple[int, str]:
+    return (score(node, key), node)
+
+
 def slot_key(identity: str, k: int) -> str:
     """The HRW key of reader slot ``k`` of snapshot ``identity``."""
     return f"readers\x00{identity}\x00{k}"
@@ -110,7 +115,7 @@ def reader_slots(
     tops = []
     for k in range(slots):
         key = slot_key(identity, k)
-        tops.append(heapq.nlargest(slots + spare, live, key=lambda n, key=key: (score(n, key), n)))  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
+        tops.append(heapq.nlargest(slots + spare, live, key=functools.partial(_ranked, score, key)))
     holders: list[str] = []
     for top in tops:
         h = next((n for n in top if n not in holders), None)

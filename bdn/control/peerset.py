@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bdn.control import Clock
+from bdn.control import Now
 from bdn.daemon.fetch.policy import chunk_order, endgame, holder_key, tiebreak
 
 MAX_PEERS_HARD = 256
@@ -85,7 +85,7 @@ class PeerSet:
         self,
         self_id: str,
         n_chunks: int,
-        clock: Clock,
+        clock: Now,
         *,
         rng: random.Random | None = None,
         k: int = 16,

@@ -45,7 +45,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from bdn.control import Clock
+from bdn.control import Now
 
 NONCE_RE = re.compile(r"[0-9a-f]{32}\Z")
 
@@ -57,7 +57,7 @@ class ReplayError(ValueError):
 class RequestCounter:
     """The signer's side: nonces ``boot || counter`` (32 hex), strictly increasing."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Now) -> None:
         self.boot = int(clock() * 1_000_000) & (2**64 - 1)
         self.counter = 0
 
@@ -77,7 +77,7 @@ class Counters:
 
     STREAMS = 4
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Now) -> None:
         self.boot = (int(clock() * 1_000_000) * self.STREAMS) & (2**64 - 1)
         self._next: dict[tuple[str, int], int] = {}
 
@@ -113,7 +113,7 @@ class ReplayGuard:
 
     def __init__(
         self,
-        clock: Clock,
+        clock: Now,
         *,
         window: int = 4096,
         boots_kept: int = 2 * Counters.STREAMS,

@@ -59,10 +59,9 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from bdn.control import Clock
+from bdn.control import Now
 from bdn.control.broadcasts import Broadcasts
-from bdn.control.members import Member as _Member
-from bdn.control.members import MemberBase, MemberTable
+from bdn.control.members import MemberBase, MemberTable, SwimEntry
 from bdn.control.probation import Probation
 from bdn.control.probeorder import ProbeOrder
 from bdn.control.swimtable import TableSync, _accusable
@@ -110,7 +109,7 @@ class Swim(TableSync):
 
     self_id: str
     self_addr: str
-    clock: Clock
+    clock: Now
     rng: random.Random = field(default_factory=random.Random)
     period_s: float = 1.0
     ack_timeout_s: float = 0.25
@@ -243,7 +242,7 @@ class Swim(TableSync):
         self.synced = self.synced or complete or not seeds
         for node, addr in seeds.items():
             if node != self.self_id and node not in self._members:
-                self._members[node] = _Member(ALIVE, 0, addr, now)
+                self._members[node] = SwimEntry(ALIVE, 0, addr, now)
                 self._probes.append(node)
         self._probes.shuffle()  # each member its own random probe order (SWIM §4.3)
         self._changed()
@@ -411,7 +410,7 @@ class Swim(TableSync):
             if node not in self._members:
                 self._probation.drop(node)  # unanswered: it never was a member
 
-    def _set(self, node: str, m: _Member, status: int, inc: int, now: float) -> None:
+    def _set(self, node: str, m: SwimEntry, status: int, inc: int, now: float) -> None:
         was_live = m.status != DEAD
         if status != m.status:
             m.changed_at = now

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bdn.control import Clock
-from bdn.control.members import Member as _Member
+from bdn.control import Now
+from bdn.control.members import SwimEntry
 from bdn.control.probation import confirms
 from bdn.control.swimwire import ALIVE, DEAD, MAX_INCARNATION, SUSPECT, Message, Update
 
@@ -37,7 +37,7 @@ class TableSync:
     probation: bool
     confirmers: int
     rng: Any
-    clock: Clock
+    clock: Now
     _seq: int
 
     if TYPE_CHECKING:  # the methods of Swim these use (bdn/control/swim.py)
@@ -48,7 +48,7 @@ class TableSync:
         def _alive_others(self) -> list[str]: ...
         def is_live(self, node: str) -> bool: ...
         def _enqueue(self, u: Update) -> None: ...
-        def _set(self, node: str, m: _Member, status: int, inc: int, now: float) -> None: ...
+        def _set(self, node: str, m: SwimEntry, status: int, inc: int, now: float) -> None: ...
         def _changed(self, node: str | None = None) -> None: ...
 
     def sync_to(self, dst: str) -> Message:
@@ -146,7 +146,7 @@ class TableSync:
                 strong = member and n > 2 * self.confirmers > 0 and confirms(src, u.node, n, self.confirmers)
                 if self._probation.offer(u.node, u, src, now, member=member, confirmer=strong) is not None:
                     return
-            m = self._members[u.node] = _Member(u.status, u.incarnation, u.addr, now)
+            m = self._members[u.node] = SwimEntry(u.status, u.incarnation, u.addr, now)
             if u.status == SUSPECT:
                 self._suspects[u.node] = now
             if bulk:
@@ -175,7 +175,7 @@ def _accusable(incarnation: int) -> int:
     return min(incarnation, MAX_INCARNATION - 1)
 
 
-def _overrides(u: Update, m: _Member) -> bool:
+def _overrides(u: Update, m: SwimEntry) -> bool:
     """SWIM §4.2 precedence: alive(i) beats suspect/alive(j<i) and dead(j<i) (a restarted member
     that refuted its death); suspect(i) beats alive(j<=i) and suspect(j<i); dead(i) beats
     alive/suspect(j<=i)."""

@@ -25,16 +25,16 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from bdn.bucket import BucketError, ObjectNotFound, open_bucket
-from bdn.daemon import wire_peer
 from bdn.daemon.bucketio import BucketIO
 from bdn.daemon.catalog import Catalog
-from bdn.daemon.chunkcheck import ChunkCheck
+from bdn.daemon.chunkcheck import BadChunkReports, ChunkCheck
 from bdn.daemon.chunklog import open_chunk_log
 from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config, split_hostport
@@ -60,17 +60,18 @@ from bdn.daemon.problems import Problems
 from bdn.daemon.ratelimit import RateLimit
 from bdn.daemon.readiness import Readiness
 from bdn.daemon.replica.changes import ChangedTensorsCache
-from bdn.daemon.replica.fleet_status import FleetStatus
 from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
 from bdn.daemon.runner import Runner
 from bdn.daemon.serving import ChunkServing
 from bdn.daemon.shmlock import ShmLock
 from bdn.daemon.shutdown import HTTP_GRACE_S, NoWaitExecutor, StopClock
+from bdn.daemon.snapshot import SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.status import StatusView
 from bdn.daemon.store import Store
 from bdn.daemon.uploads import Uploads
+from bdn.daemon.wire_peer import WirePeer
 from bdn.proto.errors import ProtocolError
 from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import STARTUP_NAME, parse_startup
@@ -90,7 +91,7 @@ class App:
     def __init__(
         self,
         cfg: Config,
-        notify: Any = None,
+        notify: Callable[[str], None] | None = None,
         clock: Clock = SYSTEM,
         shm_lock: ShmLock | None = None,
         stop_clock: StopClock | None = None,
@@ -103,7 +104,7 @@ class App:
         self.keys = derive_keys(cfg.partition_secret)
         self.stats = Stats()
         self.pools = Executors.create(cfg.bucket_concurrency)
-        self.store = Store(cfg.shm_dir, self.keys.swarm_id)
+        self.store = Store(cfg.shm_dir, self.keys.swarm_id, spare_limit=cfg.shm_spare_bytes)
         bucket = open_bucket(
             cfg.bucket,
             credentials_file=cfg.credentials_file or None,
@@ -131,18 +132,82 @@ class App:
             keepalive_s=max(1.0, cfg.http_header_timeout_s - 2),
         )
         self.index = ChunkIndex(self.keys.address)
-        self.haves = Haves(self.peers, self.membership, stats=self.stats)
-        sources = Sources(cfg, self.peers, self.membership, self.bucket, self.stats, self.pools.disk)
-        self.fetcher = Fetcher(cfg, self.membership, self.index, self.haves, sources, self.stats, clock)
-        self.fetcher.chunk_log = sources.chunk_log = open_chunk_log(cfg.chunk_log)
-        runner = Runner(
-            cfg, self.store, self.bucket, self.index, self.fetcher, self.haves, self.stats, self.pools, clock
+        # the transfer wire (None: transfer_listen = ""): the fetch path receives through it, its
+        # server is started with the chunk service once the loop runs (startup)
+        wire = self.wire = (
+            WirePeer(cfg, self.keys, self.index, self.stats, self.pools.disk) if cfg.transfer_listen else None
+        )
+        chunk_log = self.chunk_log = open_chunk_log(cfg.chunk_log)
+        self.haves = Haves(
+            self.peers, self.membership, stats=self.stats, subscriptions=wire.subscriptions if wire else None
+        )
+        sources = Sources(
+            cfg,
+            self.peers,
+            self.membership,
+            self.bucket,
+            self.stats,
+            self.pools.disk,
+            wire=wire,
+            chunk_log=chunk_log,
+            on_bad_bytes=BadChunkReports(self.peers).report,
+        )
+        self.fetcher = Fetcher(
+            cfg,
+            self.membership,
+            self.index,
+            self.haves,
+            sources,
+            self.stats,
+            clock,
+            chunk_log=chunk_log,
+            on_indexed=wire.announce if wire else None,
         )
         self.hints = Hints()  # what hot-load requests say of snapshots without a manifest
-        runner.foreign = ForeignLoader(
+        foreign = ForeignLoader(
             cfg, self.bucket, self.store, self.pools, clock, self.hints, self.membership, self.stats
         )
-        self.catalog = Catalog(cfg, self.store, self.index, runner, clock)
+
+        def runner_for(jobs: Catalog) -> Runner:
+            return Runner(
+                cfg,
+                self.store,
+                self.bucket,
+                self.index,
+                self.fetcher,
+                self.haves,
+                self.stats,
+                self.pools,
+                clock,
+                jobs=jobs,
+                foreign=foreign,
+            )
+
+        def forgot(job: SnapshotJob) -> None:  # a job's chunks left the index
+            if wire is not None:
+                wire.forget(job)
+            if chunk_log is not None:
+                chunk_log.drop(job)
+
+        # The replica view reads the catalog, and the catalog asks the replica what GC keeps and
+        # tells it of every job change: the catalog's two hooks reach the view built right below.
+        self.catalog = Catalog(
+            cfg,
+            self.store,
+            self.index,
+            runner_for,
+            clock,
+            pinned=lambda: self.replica.pinned(),
+            on_change=lambda job: self.replica.on_job_changed(job),
+            on_forget=forgot,
+        )
+        runner = self.catalog.runner
+        link = CurrentLink(self.store.root).point
+
+        def on_current(identity: str) -> None:
+            link(identity)
+            runner.on_served(identity)  # the spare it frees is brought forward in the background
+
         self.replica = ReplicaView(
             cfg.node_id,
             self.catalog,
@@ -151,16 +216,8 @@ class App:
             engine_ttl_s=cfg.engine_ttl_s,
             engine_stale_s=cfg.engine_stale_s,
             changes=ChangedTensorsCache(self.catalog.ready_dir, sparse=runner.forward),
+            on_current=on_current,
         )
-        link = CurrentLink(self.store.root).point
-
-        def on_current(identity: str) -> None:
-            link(identity)
-            runner.on_served(identity)  # the spare it frees is brought forward in the background
-
-        self.replica.on_current = on_current
-        self.catalog.pinned = self.replica.pinned
-        self.catalog.on_change = self.replica.on_job_changed
         self.hotload = HotLoad(
             cfg.node_id,
             self.replica,
@@ -173,10 +230,9 @@ class App:
             cfg,
             self.hints,
         )
-        self.hotload.status = FleetStatus(cfg, self.replica, self.membership, self.peers, self.stats, clock)
         self.problems = Problems(clock)  # misconfigurations noticed (readiness, metrics, the log)
         self.gossip = Gossip(cfg, self.membership, self.peers, self.replica, clock, self.stats, self.problems)
-        serving = ChunkServing(
+        self.serving = ChunkServing(
             cfg.node_id,
             self.catalog,
             self.index,
@@ -186,6 +242,7 @@ class App:
             self.stats,
             RateLimit.from_mbit(cfg.peer_upload_mbit),
             self.pools.disk,
+            growing=wire.growing if wire is not None and cfg.cut_through else None,
         )
         self.readiness = Readiness(
             cfg.node_id,
@@ -200,27 +257,11 @@ class App:
         self.checks = ChunkCheck(
             self.index,
             self.catalog,
-            self.peers,
             self.stats,
             self.pools.disk,
             RateLimit.from_mbit(cfg.scrub_mbit) if cfg.scrub_mbit > 0 else None,
             cfg.log_repeat_s,
         )
-        sources.on_bad_bytes = self.checks.report
-        self.wire = wire_peer.adopt(
-            cfg,
-            self.keys,
-            serving,
-            self.index,
-            self.stats,
-            sources,
-            self.membership,
-            self.pools.disk,
-            self.fetcher.chunk_log,
-            self.catalog,
-        )
-        if sources.wire is not None:
-            sources.wire.on_bad_bytes = self.checks.report
         self.services = Services(
             cfg=cfg,
             keys=self.keys,
@@ -229,7 +270,7 @@ class App:
             replica=self.replica,
             hotload=self.hotload,
             gossip=self.gossip,
-            serving=serving,
+            serving=self.serving,
             status=StatusView(cfg, self.keys.swarm_id, self.membership, self.bucket, self.stats, self.catalog, clock),
             metrics=Metrics(self.stats, self.catalog, self.membership, self.bucket, self.replica, self.readiness),
             readiness=self.readiness,
@@ -269,8 +310,8 @@ class App:
             if not starting.done():
                 starting.cancel()  # a stop request while settling: shut down from where it is
                 await asyncio.gather(starting, return_exceptions=True)
-            elif starting.exception() is not None:
-                raise starting.exception()  # type: ignore[misc]  # CannotListen: main exits 2
+            elif (failed := starting.exception()) is not None:
+                raise failed  # CannotListen: main exits 2
             await self.main_loop()
             return 0
         finally:
@@ -284,7 +325,7 @@ class App:
             # before the first membership message, so every peer learns our transfer address
             # with our first entry (an address learned later is a change of its own)
             with binding("transfer_listen", self.cfg.transfer_listen):  # raises only when explicit
-                self.gossip.transfer = self.wire.start(asyncio.get_running_loop())
+                self.gossip.transfer_listening(self.wire.start(asyncio.get_running_loop(), self.serving, self.catalog))
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
         self._tasks.append(asyncio.create_task(self.hotload.status.loop(), name="fleet-status"))
         self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
@@ -303,7 +344,7 @@ class App:
         if self.checks.scrub is not None:
             self._tasks.append(asyncio.create_task(self.checks.scrub_loop(), name="scrub"))
         await self._listen()
-        self.readiness.listening = True
+        self.readiness.listening_now()
         cfg = self.cfg
         log.info(
             "bdnd %s listening: peers on %s (advertised %s), transfer on %s, local API on %s%s; swarm %s; bucket %s",
@@ -319,7 +360,7 @@ class App:
         if not cfg.api_token:
             log.info("no api_token: the fleet hot-load API answers on the local API only (401 on the peer port)")
         await self._load_startup()
-        self.readiness.started = True
+        self.readiness.startup_done()
         line = self.readiness.summary(await self.readiness.check())
         if line != "ready":
             log.warning("bdnd %s is %s", cfg.node_id, line)  # e.g. a bucket directory that does not exist
@@ -504,6 +545,7 @@ class App:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.haves.close()  # HAVE subscriptions end with the fetches in flight
         if self.wire is not None:
             self.wire.close_client()  # fetches in flight end now, so the jobs stop at once
         # Before the HTTP servers: a request held for a job (a peer's ?wait= chunk request, a
@@ -513,8 +555,8 @@ class App:
         await asyncio.gather(*(r.cleanup() for r in self._runners))
         if self.wire is not None:
             self.wire.close()
-        if self.fetcher.chunk_log is not None:
-            self.fetcher.chunk_log.close()
+        if self.chunk_log is not None:
+            self.chunk_log.close()
         await self.peers.close()
         self.pools.shutdown()
         self.bucket.close()

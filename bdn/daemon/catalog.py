@@ -39,27 +39,38 @@ MAX_COLLECTED = 1024  # identities GC removed that the catalog remembers (bdn/da
 
 
 class Catalog:
-    """``pinned()`` names the identities GC must keep (leases, current, target); ``on_change(job)``
-    is awaited after each job change (the replica view listens)."""
+    """The set of jobs and what is asked of them. ``runner_for(catalog)`` makes the runner of
+    every job (it gets this catalog as its ``RunnerJobs``); ``pinned()`` names the identities GC
+    must keep (leases, current, target); ``on_change(job)`` is awaited after each job change (the
+    replica view listens); ``on_forget(job)`` is called when a job's chunks leave the index (the
+    transfer server's descriptor cache, the chunk log)."""
 
-    def __init__(self, cfg: Config, store: Store, index: ChunkIndex, runner: Runner, clock: Clock) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        index: ChunkIndex,
+        runner_for: Callable[[Catalog], Runner],
+        clock: Clock,
+        *,
+        pinned: Callable[[], set[str]] = set,
+        on_change: Callable[[SnapshotJob], Awaitable[None]] | None = None,
+        on_forget: Callable[[SnapshotJob], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.store = store
         self.index = index
-        self.runner = runner
         self.clock = clock
         self.held = HeldFiles(clock)  # the have-bits advertised: less the chunks of files gone from disk
-        runner.jobs = self
         self.jobs: dict[str, SnapshotJob] = {}
         self.resumable: set[str] = set()
         self.collected = RecentSet(MAX_COLLECTED)  # identities GC removed: old, not re-joined for peers
-        self.pinned: Callable[[], set[str]] = set
-        self.on_change: Callable[[SnapshotJob], Awaitable[None]] | None = None
+        self.pinned = pinned
+        self.on_change = on_change
         self.closing = False
-        self.on_forget: Callable[[SnapshotJob], None] | None = None  # the transfer server's fd cache
+        self.on_forget = on_forget
         self._indexing: dict[str, asyncio.Future[dict[str, tuple[str, Any]]]] = {}  # tensor indexes being built
-        store.spares.limit = cfg.shm_spare_bytes
-        store.spare_room = self.spare_room
+        self.runner = runner_for(self)
 
     # ---- the set of jobs ---------------------------------------------------------------------
     def get(self, identity: str) -> SnapshotJob | None:
@@ -96,9 +107,8 @@ class Catalog:
     def _new_job(self, identity: str, requested_by: str, job: SnapshotJob | None = None) -> SnapshotJob:
         """The one way a job is entered (a download, or one found READY at start: ``job``, made
         with its manifest attached off the loop)."""
-        job = job or SnapshotJob(identity, self.store)
+        job = job or SnapshotJob(identity, self.store, self._job_changed)
         job.requested_by = requested_by
-        job.on_change = self._job_changed
         self.jobs[identity] = job
         return job
 
@@ -221,7 +231,7 @@ class Catalog:
                 await loop.run_in_executor(disk, self.store.remove, info.identity)
                 continue
             m, digest, created, derived = await loop.run_in_executor(disk, self._restored_table, info)
-            job = SnapshotJob(info.identity, self.store)
+            job = SnapshotJob(info.identity, self.store, self._job_changed)
             await loop.run_in_executor(disk, job.attach_manifest, m)  # O(files): off the loop
             job = self._new_job(info.identity, "store", job)
             job.restored(digest, created if created is not None else job.created, derived)

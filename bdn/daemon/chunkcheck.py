@@ -4,7 +4,7 @@ catch it by digest and penalise this node while the local file pull keeps handin
 
 Three ways in, one check:
 
-- **Reports out** (``report``): a fetch that got bad bytes from a peer tells that peer, with a
+- **Reports out** (``BadChunkReports.report``, built before the fetch path it serves): a fetch that got bad bytes from a peer tells that peer, with a
   signed ``POST bad_chunk`` (msgpack ``{"address", "snapshot"}``), once per (peer, address) in
   flight, at most ``MAX_OUTGOING`` at once (fire and forget: the penalty is the receiver's own
   defence either way).
@@ -50,35 +50,14 @@ MAX_RECENT = 4096
 IDLE_S = 5.0  # the scrub's pause when no snapshot is ready
 
 
-class ChunkCheck:
-    """See the module docstring. ``scrub`` is the scrub's rate limit (None: no scrub)."""
+class BadChunkReports:
+    """Reports out (see the module docstring): tell a peer that sent bad bytes, in the background."""
 
-    def __init__(
-        self,
-        index: ChunkIndex,
-        catalog: Catalog,
-        peers: PeerClient,
-        stats: Stats,
-        disk_pool: Executor,
-        scrub: RateLimit | None,
-        log_repeat_s: float,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.index = index
-        self.catalog = catalog
+    def __init__(self, peers: PeerClient) -> None:
         self.peers = peers
-        self.stats = stats
-        self.disk_pool = disk_pool
-        self.scrub = scrub
-        self.clock = clock
-        self.repeat = RepeatLog(log, log_repeat_s)
         self._outgoing: set[tuple[str, str]] = set()
         self._sending: set[asyncio.Future[None]] = set()
-        self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue(MAX_QUEUED)
-        self._queued: set[str] = set()
-        self._recent: dict[str, float] = {}  # address -> when it was last found good
 
-    # ---- reports out ---------------------------------------------------------------------
     def report(self, url: str, node_id: str, address: str, snapshot: str) -> None:
         """A fetch got bad bytes for ``address`` from the peer at ``url``: tell it (in the background)."""
         key = (url, address)
@@ -88,7 +67,12 @@ class ChunkCheck:
         body = packb({"address": address, "snapshot": snapshot})
         task = asyncio.ensure_future(self._send(url, node_id, body))
         self._sending.add(task)
-        task.add_done_callback(lambda t: (self._outgoing.discard(key), self._sending.discard(t)))  # type: ignore[func-returns-value]  # a callback's value is unused
+
+        def sent(t: asyncio.Future[None]) -> None:
+            self._outgoing.discard(key)
+            self._sending.discard(t)
+
+        task.add_done_callback(sent)
 
     async def _send(self, url: str, node_id: str, body: bytes) -> None:
         try:
@@ -96,6 +80,32 @@ class ChunkCheck:
             log.debug("told %s of a bad chunk: %d", node_id, status)
         except (TimeoutError, PeerError, OSError) as e:
             log.debug("could not tell %s of a bad chunk: %s", node_id, e)
+
+
+class ChunkCheck:
+    """Reports in and the scrub (see the module docstring). ``scrub`` is the scrub's rate limit
+    (None: no scrub)."""
+
+    def __init__(
+        self,
+        index: ChunkIndex,
+        catalog: Catalog,
+        stats: Stats,
+        disk_pool: Executor,
+        scrub: RateLimit | None,
+        log_repeat_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.catalog = catalog
+        self.stats = stats
+        self.disk_pool = disk_pool
+        self.scrub = scrub
+        self.clock = clock
+        self.repeat = RepeatLog(log, log_repeat_s)
+        self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue(MAX_QUEUED)
+        self._queued: set[str] = set()
+        self._recent: dict[str, float] = {}  # address -> when it was last found good
 
     # ---- reports in ----------------------------------------------------------------------
     def reported(self, peer: str, address: str) -> bool:

@@ -22,6 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
+from bdn.daemon.snapshot import SnapshotJob
+from bdn.proto.manifest import ChunkRef
+
 log = logging.getLogger("bdn.chunklog")
 
 
@@ -45,10 +48,10 @@ class ChunkLog:
         self._pending: dict[tuple[str, int, int, str], _Pending] = {}
 
     @staticmethod
-    def _key(job: Any, ref: Any) -> tuple[str, int, int, str]:
+    def _key(job: SnapshotJob, ref: ChunkRef) -> tuple[str, int, int, str]:
         return (job.identity, ref.file_index, ref.index, ref.digest)
 
-    def attempt(self, job: Any, ref: Any, source: str, outcome: str, transport: str = "-") -> None:
+    def attempt(self, job: SnapshotJob, ref: ChunkRef, source: str, outcome: str, transport: str = "-") -> None:
         """Event: one try at ``ref`` ended with ``outcome`` (``ok``, ``busy``, ``not_here``,
         ``corrupt``, ``failed``) from ``source``."""
         key = self._key(job, ref)
@@ -62,11 +65,11 @@ class ChunkLog:
         elif outcome in ("corrupt", "failed"):
             p.retries += 1
 
-    def started(self, job: Any, ref: Any) -> None:
+    def started(self, job: SnapshotJob, ref: ChunkRef) -> None:
         """Event: the acquisition of ``ref`` began (its ``start``)."""
         self._pending.setdefault(self._key(job, ref), _Pending(self.clock()))
 
-    def done(self, job: Any, layer: str, ref: Any, position: int) -> None:
+    def done(self, job: SnapshotJob, layer: str, ref: ChunkRef, position: int) -> None:
         """Event: ``ref`` is verified: write its line."""
         p = self._pending.pop(self._key(job, ref), None) or _Pending(self.clock())
         self._write(
@@ -86,7 +89,7 @@ class ChunkLog:
             }
         )
 
-    def drop(self, job: Any) -> None:
+    def drop(self, job: SnapshotJob) -> None:
         """Forget the pending records of ``job`` (it failed or was collected)."""
         for k in [k for k in self._pending if k[0] == job.identity]:
             del self._pending[k]

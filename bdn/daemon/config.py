@@ -9,6 +9,7 @@ errors that name the key or file: ``bdnd`` exits before it listens.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import tomllib
@@ -39,6 +40,14 @@ FOREIGN_ENV = frozenset(
 )
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+#: The longest duration a ``*_s`` key takes (about 31 years): longer ones overflow the C timeouts
+#: they end up in (``socket.settimeout``, ``threading.Event.wait``: "timestamp out of range"), and
+#: an infinite one was sent to engines as ``Infinity``, which is not JSON.
+MAX_SECONDS = 1e9
+#: The shortest non-zero engine_stale_s / engine_ttl_s: a held poll marks its engine seen every
+#: third of the window, at least 0.05 s apart (replica/engines.py ``poll_step``); below ~0.15 s a
+#: polling engine is stale at every liveness tick (measured: 23 stale/live flips in 5 s at 0.01 s).
+ENGINE_WINDOW_MIN_S = 0.5
 # Lower bounds of numeric keys (inclusive); every other number must be >= 0.
 _MINIMUM: dict[str, float] = {
     "max_inflight": 1,
@@ -174,12 +183,6 @@ class Config:
             "help": "a daemon whose own bucket reads of an anchor are done reads the last chunks of the owner with the most left (announced over the transfer wire, so the owner skips them; fleets within one peer set only); false: every chunk is read by its owner"
         },
     )
-    peer_receive: str = field(
-        default="write",
-        metadata={
-            "help": "how a chunk from a peer lands in its target file: write = received into the stream's 1 MiB buffer, hashed there and pwritten (no page-table fill, no zeroing of fresh tmpfs pages); map = recv_into the file's mapping, its page tables filled up front (cut-through answers use the mapping either way)"
-        },
-    )
     cut_through: bool = field(
         default=True,
         metadata={
@@ -210,7 +213,7 @@ class Config:
     engine_ttl_s: float = field(
         default=30.0,
         metadata={
-            "help": "an engine that has not polled for this long is dropped and its leases released (0 = never); must exceed its longest prepare + swap"
+            "help": "an engine that has not polled for this long is dropped and its leases released (0 = never; else at least 0.5 s); must exceed its longest prepare + swap"
         },
     )
     memory_probe_dir: str = field(
@@ -231,7 +234,7 @@ class Config:
     engine_stale_s: float = field(
         default=10.0,
         metadata={
-            "help": "an engine not heard from (poll, heartbeat, ack) for this long is stale: the replica stops waiting for it and says so; live again when heard from (0 = never stale; above engine_ttl_s it has no effect)"
+            "help": "an engine not heard from (poll, heartbeat, ack) for this long is stale: the replica stops waiting for it and says so; live again when heard from (0 = never stale; else at least 0.5 s; above engine_ttl_s it has no effect)"
         },
     )
     gc_grace_s: float = field(
@@ -449,14 +452,26 @@ class Config:
             raise ConfigError(f"config key 'log_level' must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         if self.event_loop not in ("uvloop", "asyncio"):
             raise ConfigError(f"config key 'event_loop' must be uvloop or asyncio, got {self.event_loop!r}")
-        if self.peer_receive not in ("write", "map"):
-            raise ConfigError(f"config key 'peer_receive' must be write or map, got {self.peer_receive!r}")
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 lo = _MINIMUM.get(f.name, 0)
                 if v < lo or v != v:
                     raise ConfigError(f"config key {f.name!r} must be >= {lo:g}, got {v!r}")
+                if not math.isfinite(v) or (f.name.endswith("_s") and v > MAX_SECONDS):
+                    raise ConfigError(
+                        f"config key {f.name!r} must be a finite number"
+                        + (f" of at most {MAX_SECONDS:g} s (0 turns most timers off)" if f.name.endswith("_s") else "")
+                        + f", got {v!r}"
+                    )
+        for key in ("engine_stale_s", "engine_ttl_s"):
+            v = getattr(self, key)
+            if 0 < v < ENGINE_WINDOW_MIN_S:
+                raise ConfigError(
+                    f"config key {key!r} must be 0 (off) or at least {ENGINE_WINDOW_MIN_S:g} s, got {v!r}: a polling "
+                    "engine is marked seen every third of it and no more often than every 0.05 s, so a shorter "
+                    "window flags live engines"
+                )
         if not self.local_listen and not self.local_socket:
             raise ConfigError("the local API needs local_listen (loopback host:port) or local_socket (a path)")
         if self.partition_secret_file:
@@ -477,7 +492,7 @@ class Config:
             if v and _split_hostport(v, key) is None:
                 raise ConfigError(f"config key {key!r} must be host:port, got {v!r}")
         if self.local_listen and not self.local_allow_remote:
-            lhost = _split_hostport(self.local_listen, "local_listen")[0]  # type: ignore[index]  # checked as host:port above
+            lhost = split_hostport(self.local_listen)[0]  # checked as host:port above
             if lhost not in LOOPBACK_HOSTS and not lhost.startswith("127."):
                 raise ConfigError(
                     f"config key 'local_listen' is {self.local_listen!r}, not a loopback address: the local "
@@ -495,7 +510,7 @@ class Config:
                 f"config key 'transfer_advertise' must be host:port or \"\", got {self.transfer_advertise!r}"
             )
         if not self.advertise_url:
-            host, port = _split_hostport(self.peer_listen, "peer_listen")  # type: ignore[misc]  # checked as host:port above
+            host, port = split_hostport(self.peer_listen)  # checked as host:port above
             if host in ("0.0.0.0", "::", ""):
                 host = socket.gethostname()
             self.advertise_url = f"http://{host}:{port}"
@@ -512,7 +527,12 @@ class Config:
         hints = get_type_hints(cls)
         out = []
         for f in dataclasses.fields(cls):
-            default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # type: ignore[operator]  # every key has a default or a default_factory
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                raise TypeError(f"config key {f.name!r} has no default")
             out.append((f.name, hints[f.name], default, f.metadata.get("help", "")))
         return out
 

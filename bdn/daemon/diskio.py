@@ -69,14 +69,15 @@ def apply_delta(
         if not f.is_diff or f.path in skip:
             continue
         base_path = base_dir / f.path
+        assert m.compression_format is not None and f.result is not None  # a delta names its codec, a diff its result
         if not base_path.is_file():
             raise BdnError(f"base snapshot {m.base_identity!r} has no file {f.path!r} to apply the delta to")
         fileops.apply_delta_file(
             base_path,
             stored_dir / f.path,
             staging_dir / f.path,
-            m.compression_format,  # type: ignore[arg-type]  # a delta names its codec
-            f.result.size,  # type: ignore[union-attr]  # a diff file's entry has its result
+            m.compression_format,
+            f.result.size,
             workers=workers,
             name=f.path,
         )

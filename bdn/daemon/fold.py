@@ -30,9 +30,10 @@ import mmap
 import os
 import shutil
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from bdn import fileops
 from bdn.bucket import BucketError, ObjectNotFound
@@ -43,7 +44,7 @@ from bdn.daemon.delta_config import check_delta_config
 from bdn.daemon.executors import Executors
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.index import ChunkIndex
-from bdn.daemon.snapshot import STORED, TERMINAL, SnapshotJob
+from bdn.daemon.snapshot import STORED, TERMINAL, Jobs, SnapshotJob
 from bdn.daemon.store import Store
 from bdn.proto import arc
 from bdn.proto.chunks import digest as xxh3_digest
@@ -201,23 +202,6 @@ class _Part(SnapshotJob):
         return self.dir / self.manifest.files[file_index].path
 
 
-class Jobs(Protocol):
-    """The snapshots this node knows, as a fold needs them (``bdn.daemon.catalog.Catalog``)."""
-
-    def get(self, identity: str) -> SnapshotJob | None:
-        """The job of ``identity``, or None when the node has never seen it."""
-        ...
-
-    def all(self) -> list[SnapshotJob]:
-        """Every job this node knows, in no particular order."""
-        ...
-
-    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob:
-        """The job of ``identity``, started (queued) if it was not known; ``requested_by`` names
-        who asked, for the logs and the status."""
-        ...
-
-
 def refuse_loop(identity: str, base_id: str, jobs: Jobs) -> None:
     """Raise BdnError when waiting for ``base_id`` would be waiting for ``identity`` itself: the
     base identities of the snapshots this node knows lead from ``base_id`` back to ``identity``
@@ -249,7 +233,7 @@ class Folder:
         #: identity -> the chain walk's bucket read of its manifest, while it is in flight
         self._reading: dict[str, asyncio.Task[Manifest]] = {}
 
-    async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
+    async def _on(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def _manifest(self, identity: str) -> Manifest:
@@ -379,7 +363,9 @@ class Folder:
         part.requested_by = "fold"
 
         def allocate() -> None:
-            for f in part.manifest.files:  # type: ignore[union-attr]  # attached above
+            m = part.manifest
+            assert m is not None  # attached above
+            for f in m.files:
                 p = where / f.path
                 p.parent.mkdir(parents=True, exist_ok=True)
                 with open(p, "wb") as fh:

@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -40,6 +41,7 @@ from bdn.daemon.config import Config
 from bdn.daemon.delta_config import check_delta_config
 from bdn.daemon.executors import Executors
 from bdn.daemon.layers import RESULT, STORED
+from bdn.daemon.snapshot import Jobs, SnapshotJob
 from bdn.daemon.store import Store
 from bdn.foreign import read_checksums, read_foreign_table
 from bdn.foreign.checksum import UNVERIFIABLE, Verdict
@@ -146,16 +148,6 @@ class ForeignState:
         }
 
 
-class Jobs(Protocol):
-    """What the foreign loader needs of the catalog: another snapshot's job (a delta's base)."""
-
-    def get(self, identity: str) -> Any:
-        """The job of ``identity``, or None."""
-
-    def prefetch(self, identity: str, requested_by: str = "local") -> Any:
-        """The job of ``identity``, started if new."""
-
-
 class Penalties(Protocol):
     """Where a peer that sent bad bytes is penalised (membership)."""
 
@@ -227,7 +219,7 @@ class ForeignLoader:
         self.membership = membership
         self.stats = stats
 
-    async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
+    async def _on(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def base_of(self, identity: str) -> str | None:
@@ -244,7 +236,7 @@ class ForeignLoader:
                 return None
         return x
 
-    async def _ready_base(self, job: Any, jobs: Jobs, base_id: str) -> Any:
+    async def _ready_base(self, job: SnapshotJob, jobs: Jobs, base_id: str) -> SnapshotJob:
         base = jobs.get(base_id)
         if base is None or base.state == "failed":
             base = jobs.prefetch(base_id, requested_by=f"base of {job.identity}")
@@ -259,7 +251,7 @@ class ForeignLoader:
         job.reason = ""
         return base
 
-    async def table(self, job: Any, jobs: Jobs, wait_publish: bool = True) -> Manifest:
+    async def table(self, job: SnapshotJob, jobs: Jobs, wait_publish: bool = True) -> Manifest:
         """Derive ``job``'s table and attach its :class:`ForeignState`; the table's manifest.
 
         ``wait_publish``: with nothing under the prefix, wait (reason set, polled every
@@ -276,6 +268,7 @@ class ForeignLoader:
         if base_id is not None and base_id != job.identity:
             base = await self._ready_base(job, jobs, base_id)
             base_m = base.manifest
+            assert base_m is not None  # a ready job has its manifest
             d = self.store.ready_dir(base_id)
             base_headers = {}
             for f in base_m.files:
@@ -353,7 +346,7 @@ class ForeignLoader:
         )
         return table.manifest
 
-    async def finish(self, job: Any, register: Callable[[str, ChunkRef], None]) -> Manifest:
+    async def finish(self, job: SnapshotJob, register: Callable[[str, ChunkRef], None]) -> Manifest:
         """After the stored layer is fetched: verify (and repair) every object, apply a delta,
         check before READY; the manifest READY is written from. ``register(layer, ref)`` puts a
         chunk held back from peers into the index once its object verified."""

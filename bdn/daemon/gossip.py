@@ -21,6 +21,7 @@ import asyncio
 import logging
 import random
 import socket
+from collections.abc import Coroutine
 from typing import Any
 
 from bdn.control import swim as swimp
@@ -137,12 +138,14 @@ class Gossip:
     # ---- our address -----------------------------------------------------------------------
     @property
     def transfer(self) -> str | None:
+        """Our transfer server's advertised ``host:port`` (None: not listening, or off)."""
         return self._transfer
 
-    @transfer.setter
-    def transfer(self, value: str | None) -> None:
-        self._transfer = value
-        self.swim.readvertise(encode_addr(self.cfg.advertise_url, value))
+    def transfer_listening(self, address: str) -> None:
+        """Event: our transfer server listens at ``address``: every member learns it with our
+        next SWIM entry."""
+        self._transfer = address
+        self.swim.readvertise(encode_addr(self.cfg.advertise_url, address))
 
     def _extra(self) -> Any:
         t = self.replica.target
@@ -153,7 +156,7 @@ class Gossip:
         addr = self.swim.addr(node)
         return decode_addr(addr)[0] if addr else None
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         t = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)

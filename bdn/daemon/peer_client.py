@@ -1,6 +1,6 @@
 """Signed requests to other daemons of the swarm (the peer protocol of DESIGN.md).
 
-Each request is signed for the node id of the daemon it goes to (DESIGN.md, "Keys and
+Each request is signed for the node id of the daemon it goes to (FORMATS.md, "Keys and
 signatures"): the one that daemon named in its last ``X-BDN-Node`` answer, else the one
 membership knows for its URL (``node_of``), else ``-``. A 401 that names another node id (the
 daemon behind that URL is not who this client thought, or was not known) is answered by signing
@@ -87,7 +87,7 @@ class PeerClient:
         self._named: dict[str, str] = {}  # base URL -> node id the daemon there named itself (bounded)
         self._session: aiohttp.ClientSession | None = None  # control: members, have, hot-load
         self._data: aiohttp.ClientSession | None = None  # chunks
-        # Nonces numbered per target and per pool (DESIGN.md, "Keys and signatures"): the
+        # Nonces numbered per target and per pool (FORMATS.md, "Keys and signatures"): the
         # verifier's replay window then sees dense counters, control and chunks apart.
         self._nonces = Counters(time.time)
 

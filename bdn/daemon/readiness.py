@@ -30,6 +30,8 @@ from typing import Any, Protocol
 
 from bdn.daemon.clock import Clock
 from bdn.daemon.problems import Problems
+from bdn.daemon.replica.ports import SnapshotRecord
+from bdn.daemon.replica.target import Target
 
 PROBE_TTL_S = 10.0
 PROBE_TIMEOUT_S = 1.5
@@ -51,7 +53,7 @@ class Probe(Protocol):
 class Records(Protocol):
     """The snapshots this node knows (``bdn.daemon.catalog.Catalog``)."""
 
-    def get(self, identity: str) -> Any:
+    def get(self, identity: str) -> SnapshotRecord | None:
         """The record of ``identity`` (with ``state``, one of ``bdn.proto.states``, and ``reason``,
         one line, for a failed one), or None when the node has never seen it."""
         ...
@@ -59,13 +61,14 @@ class Records(Protocol):
 
 class TargetView(Protocol):
     """The replica's view (``bdn.daemon.replica.view.ReplicaView``): ``target`` is the snapshot
-    this node should serve (an object with ``identity``), or None when there is none."""
+    this node should serve, or None when there is none."""
 
-    target: Any
+    target: Target | None
 
 
 class Readiness:
-    """The ``/v1/ready`` document; the app sets ``listening`` and ``started`` as startup proceeds.
+    """The ``/v1/ready`` document; the events ``listening_now`` and ``startup_done`` tell it how
+    far startup is.
     ``live_peers()`` counts the members this daemon talks to; ``bucket_url`` names the bucket."""
 
     def __init__(
@@ -99,6 +102,14 @@ class Readiness:
         self._probed_at: float | None = None
         self._probe_error: str | None = None
         self._probing: asyncio.Future[None] | None = None
+
+    def listening_now(self) -> None:
+        """Event: the daemon listens on its ports."""
+        self.listening = True
+
+    def startup_done(self) -> None:
+        """Event: startup ended (``STARTUP_SNAPSHOT`` and the interrupted downloads are started)."""
+        self.started = True
 
     async def bucket_error(self) -> str | None:
         """Why the bucket is not reachable (None: it is). A probe older than ``PROBE_TTL_S`` is
@@ -206,7 +217,9 @@ class Readiness:
         """One line for systemd's STATUS=: ``ready`` or ``not ready: <reasons>``."""
         return "ready" if doc["ready"] else "not ready: " + "; ".join(doc["reasons"])
 
-    async def watch(self, notify: Any, last: str | None = None, interval_s: float = PROBE_TTL_S) -> None:
+    async def watch(
+        self, notify: Callable[[str], None], last: str | None = None, interval_s: float = PROBE_TTL_S
+    ) -> None:
         """Tell systemd (``notify("STATUS=...")``) the readiness summary whenever it changes
         from ``last`` (the line already sent)."""
         while True:

@@ -14,6 +14,7 @@ import asyncio
 import errno
 import logging
 from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
 from bdn.bucket import ObjectChanged
@@ -33,9 +34,9 @@ from bdn.daemon.foreign_source import ForeignLoader
 from bdn.daemon.forward import Forward
 from bdn.daemon.index import ChunkIndex
 from bdn.daemon.lograte import RepeatLog
-from bdn.daemon.published import read_manifest
+from bdn.daemon.published import ManifestReader
 from bdn.daemon.records import record_bytes
-from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
+from bdn.daemon.snapshot import RESULT, STORED, TERMINAL, Jobs, SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.store import Store
 from bdn.proto.errors import BdnError
@@ -45,17 +46,12 @@ log = logging.getLogger("bdn.runner")
 T = TypeVar("T")
 
 
-class Jobs(Protocol):
-    """What a runner needs of the catalog: other snapshots (a delta's base), the budget, GC."""
+class RunnerJobs(Jobs, Protocol):
+    """What a runner needs of the catalog: other snapshots (``Jobs``: a delta's base), the
+    budget, the page pool's room, GC."""
 
-    def get(self, identity: str) -> SnapshotJob | None:
-        """The job of ``identity``, or None."""
-
-    def all(self) -> list[SnapshotJob]:
-        """Every job the node knows."""
-
-    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob:
-        """The job of ``identity``, started if new."""
+    def spare_room(self, m: Manifest | None) -> int:
+        """Bytes the page pool may keep once ``m`` is reserved (``Store.prepare_staging``)."""
 
     def check_budget(self, m: Manifest) -> None:
         """Raise if ``m``'s files do not fit the shm budget after GC."""
@@ -94,6 +90,9 @@ class Runner:
         stats: Stats,
         pools: Executors,
         clock: Clock,
+        *,
+        jobs: RunnerJobs,
+        foreign: ForeignLoader,
     ) -> None:
         self.cfg = cfg
         self.store = store
@@ -104,13 +103,14 @@ class Runner:
         self.stats = stats
         self.pools = pools
         self.clock = clock
-        self.jobs: Jobs | None = None  # the catalog, set by it
-        self.foreign: ForeignLoader | None = None  # the no-manifest path (require_manifest = false)
+        self.jobs = jobs  # the catalog
+        self.foreign = foreign  # the no-manifest path (require_manifest = false)
         self.folder = Folder(cfg, store, bucket, index, fetcher, pools)  # a lagging node's catch-up
+        self.manifests = ManifestReader(cfg, bucket, clock, self.folder, foreign, jobs, stats, pools.disk)
         self.forward = Forward(cfg, store, stats, pools, self._register, self.repair)  # sparse applies
         self.repeat = RepeatLog(log, cfg.log_repeat_s, clock)  # lines a full disk repeats per save
 
-    async def _on(self, pool: Any, fn: Callable[..., T], *args: Any) -> T:
+    async def _on(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def run(self, job: SnapshotJob) -> None:
@@ -119,10 +119,9 @@ class Runner:
         or fold several, check every file (safetensors headers, digests), then publish the READY
         marker. Errors end in ``failed`` with a one-line reason; ``CancelledError`` is re-raised."""
         jobs = self.jobs
-        assert jobs is not None
         logctx.SNAPSHOT.set(job.identity)  # every line this task (and its children) logs names it
         try:
-            m = await self._read_manifest(job)
+            m = await self.manifests.read(job)
             await self._on(self.pools.disk, job.attach_manifest, m)  # O(files): off the loop
             saved = self.store.load_progress(m.identity, job.manifest_digest)
             if saved is not None:
@@ -134,7 +133,7 @@ class Runner:
                 accept = self.forward.accept(m, jobs.get) if m.is_delta else None
                 if accept is not None:
                     jobs.gc()  # the snapshot before the base may be collected now, and become a buffer
-                held = await self._on(self.pools.disk, self.store.prepare_staging, m, accept)
+                held = await self._on(self.pools.disk, self.store.prepare_staging, m, accept, jobs.spare_room(m))
                 self.forward.held(m.identity, held)
             job.flusher = asyncio.create_task(self._progress_flusher(job))
             # (a disk thread: one keyed address per chunk, seconds for millions of them)
@@ -200,12 +199,11 @@ class Runner:
         before it is free once the engines close it: then GC recycles it into a tagged spare and
         :meth:`Forward.catch_up` brings that spare forward to ``identity`` in the background (a
         task; DESIGN.md, "Sparse apply")."""
-        if self.cfg.sparse_apply and self.jobs is not None:
+        if self.cfg.sparse_apply:
             self.forward.spawn(self._catch_up(identity))
 
     async def _catch_up(self, identity: str) -> None:
         jobs = self.jobs
-        assert jobs is not None
 
         def free(idents: list[str]) -> bool:
             return all(spares.unused(p) for ident in idents for p in self.store.ready_dir(ident).rglob("*.safetensors"))
@@ -251,7 +249,7 @@ class Runner:
         Raises:
             Conflict: the snapshot is not ready (or stopped being ready while it was hashed).
         """
-        assert self.jobs is not None and job.manifest is not None
+        assert job.manifest is not None
         refs = job.result_refs
         path_of = lambda fi: job.file_path(RESULT, fi)  # noqa: E731
         if positions is None:
@@ -292,7 +290,7 @@ class Runner:
         return report
 
     async def _repair(self, job: SnapshotJob, refs: list[ChunkRef], marker: bytes) -> None:
-        assert self.jobs is not None and job.manifest is not None
+        assert job.manifest is not None
         m = job.manifest
         logctx.SNAPSHOT.set(job.identity)
         try:
@@ -330,13 +328,15 @@ class Runner:
 
     async def _resume(self, job: SnapshotJob, saved: tuple[bytes, bytes]) -> None:
         """Take back the chunks a previous run wrote, re-verifying each against the manifest."""
-        assert self.jobs is not None and job.manifest is not None
+        assert job.manifest is not None
         try:
             stored, result = Bitfield(len(job.stored_refs), saved[0]), Bitfield(len(job.result_refs), saved[1])
         except ValueError as e:  # a progress file that does not fit the manifest: start over
             log.warning("snapshot %s: saved progress ignored: %s", job.identity, e)
             self.jobs.check_budget(job.manifest)
-            await self._on(self.pools.disk, self.store.prepare_staging, job.manifest)
+            await self._on(
+                self.pools.disk, self.store.prepare_staging, job.manifest, None, self.jobs.spare_room(job.manifest)
+            )
             return
         if job.foreign is not None:  # ids are no digests: the objects are verified whole before READY
             job.resumed(STORED, job.foreign.resumed(job.stored_refs, stored.set_positions().tolist()))
@@ -398,16 +398,11 @@ class Runner:
                 last = job.version
                 self.save_progress(job)
 
-    async def _read_manifest(self, job: SnapshotJob) -> Manifest:
-        """The manifest from the bucket (``bdn.daemon.published.read_manifest``)."""
-        return await read_manifest(self, job)
-
     async def _run_foreign(self, job: SnapshotJob) -> Manifest:
         """Fetch, verify and rebuild a snapshot without a manifest; the manifest READY is written
         from. An object replaced mid-download (a read's If-Match failed) abandons every chunk and
         starts again on a fresh listing, at most ``foreign_restarts`` times, then fails naming the
         object: one snapshot never mixes two versions of an object."""
-        assert self.foreign is not None and self.jobs is not None
         restarts = 0
         while True:
             try:
@@ -435,13 +430,13 @@ class Runner:
             check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
             job.restarted(m)
             self.jobs.check_budget(m)
-            await self._on(self.pools.disk, self.store.prepare_staging, m)
+            await self._on(self.pools.disk, self.store.prepare_staging, m, None, self.jobs.spare_room(m))
             await self._on(self.pools.disk, self.index.add_pending, job, STORED, job.stored_refs)
             job.set_state("downloading")
             await job.notify()
 
     async def _run_delta(self, job: SnapshotJob, m: Manifest) -> None:
-        assert m.base_identity is not None and self.jobs is not None
+        assert m.base_identity is not None
         base_id = m.base_identity
         refuse_loop(job.identity, base_id, self.jobs)
         base = self.jobs.get(base_id)

@@ -31,7 +31,9 @@ OWNER_RECHECK_S = 1.0
 
 
 class ChunkServing:
-    """Answers peers' chunk requests: find or wait, admit (upload policy), open, account."""
+    """Answers peers' chunk requests: find or wait, admit (upload policy), open, account.
+    ``growing``: the chunks landing here from the bucket, served cut-through over the transfer
+    wire (None: cut-through off)."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class ChunkServing:
         stats: Stats,
         limit: RateLimit,
         disk_pool: Executor,
+        growing: GrowingChunks | None = None,
     ) -> None:
         self.node_id = node_id
         self.catalog = catalog
@@ -54,8 +57,7 @@ class ChunkServing:
         self.stats = stats
         self.limit = limit
         self.disk_pool = disk_pool
-        #: Chunks landing here from the bucket (cut-through over the transfer wire), or None.
-        self.growing: GrowingChunks | None = None
+        self.growing = growing
 
     def _growing(self, address: str, cut_through: bool) -> Growing | None:
         return self.growing.get(address) if cut_through and self.growing is not None else None
@@ -145,8 +147,14 @@ class ChunkServing:
         return decision, loc
 
     def done(self, address: str) -> None:
+        """The upload booked by :meth:`request` for ``address`` ended (sent or not)."""
         self.stats.inflight["upload"] -= 1
         self.uploads.done(address)
+
+    def give(self, peer: str, identity: str, index: int) -> bool:
+        """Event (a peer's ``TAKE``, on the loop): whether this node gives its bucket read of
+        stored chunk ``index`` of ``identity`` up to ``peer`` (``Fetcher.give``)."""
+        return self.fetcher.give(peer, identity, index)
 
     async def open(self, address: str, loc: Loc) -> int | None:
         """A read-only fd of the file holding ``loc`` (after the upload rate limit let its bytes

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from bdn.daemon import versioned
 from bdn.daemon.bitfield import Bitfield
@@ -23,7 +23,7 @@ from bdn.proto.manifest import ChunkRef, Manifest
 from bdn.proto.states import SNAPSHOT_STATES, TERMINAL
 
 STATES = SNAPSHOT_STATES
-__all__ = ["STATES", "TERMINAL", "STORED", "RESULT", "Loc", "SnapshotJob"]
+__all__ = ["STATES", "TERMINAL", "STORED", "RESULT", "Jobs", "Loc", "SnapshotJob"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,9 @@ class Loc:
 class SnapshotJob:
     """The node's record of one snapshot, from ``queued`` to ``ready`` or ``failed``."""
 
-    def __init__(self, identity: str, store: Store) -> None:
+    def __init__(
+        self, identity: str, store: Store, on_change: Callable[[SnapshotJob], Awaitable[None]] | None = None
+    ) -> None:
         self.identity = identity
         self.store = store
         self.manifest: Manifest | None = None
@@ -89,7 +91,7 @@ class SnapshotJob:
         self.inflight: dict[tuple[str, int], asyncio.Future[None]] = {}
         self.requested_by = "local"
         self.fetch_layer = STORED  # the layer whose bytes bytes_done counts
-        self.on_change: Any = None  # async callable, called after every notify (hot-load view)
+        self.on_change = on_change  # awaited after every notify (the catalog, for the hot-load view)
         self.manifest_digest = ""  # xxh3-128 of the manifest's bytes (ties saved progress to it)
         self.flusher: asyncio.Task[None] | None = None
         self.bytes_resumed = 0
@@ -153,7 +155,9 @@ class SnapshotJob:
     def layer_complete(self, layer: str) -> None:
         """Event: every chunk of ``layer`` is known good (a full snapshot's result is its stored
         layer; a delta's rebuilt files were verified; result mode makes the stored layer moot)."""
-        self.bits(layer).set_all()  # type: ignore[union-attr]  # a layer completes only once the manifest is attached
+        bits = self.bits(layer)
+        assert bits is not None  # a layer completes only once the manifest is attached
+        bits.set_all()
         self.touch()
 
     def layer_reset(self, layer: str) -> None:
@@ -313,3 +317,21 @@ class SnapshotJob:
             "nr": result.n if result else 0,
             "result": result.to_bytes() if result else b"",
         }
+
+
+class Jobs(Protocol):
+    """The snapshots this node knows (``bdn.daemon.catalog.Catalog``), as the runner, a fold and
+    the foreign loader look them up and start them."""
+
+    def get(self, identity: str) -> SnapshotJob | None:
+        """The job of ``identity``, or None when the node has never seen it."""
+        ...
+
+    def all(self) -> list[SnapshotJob]:
+        """Every job this node knows, in the order they were started."""
+        ...
+
+    def prefetch(self, identity: str, requested_by: str = "local") -> SnapshotJob:
+        """The job of ``identity``, started (queued) if it was not known; ``requested_by`` names
+        who asked, for the logs and the status."""
+        ...

@@ -60,8 +60,10 @@ log = logging.getLogger("bdn.store")
 class Store:
     """Directories of one swarm's snapshots under ``<shm_dir>/<swarm_id>``."""
 
-    def __init__(self, shm_dir: str | os.PathLike[str], swarm_id: str) -> None:
-        """Open (create) the store. Raises ShmFull: a directory cannot be made for want of room."""
+    def __init__(self, shm_dir: str | os.PathLike[str], swarm_id: str, spare_limit: int = -1) -> None:
+        """Open (create) the store; ``spare_limit``: the page pool's bytes at most
+        (``shm_spare_bytes``, ``bdn.daemon.spares``). Raises ShmFull: a directory cannot be made
+        for want of room."""
         self.root = Path(shm_dir) / swarm_id
         self._reserve_lock = threading.Lock()
         try:
@@ -75,10 +77,7 @@ class Store:
                 f"shm_dir {str(shm_dir)!r} is full, bdnd cannot create its store {self.root}: "
                 f"{room_line(existing(Path(shm_dir)))} (free some, or give it a larger tmpfs)"
             ) from None
-        self.spares = Spares(self.root)
-        #: bytes the spares may keep once snapshot ``m`` is reserved (None: after a GC); the
-        #: catalog sets it from ``shm_budget_bytes``; default: the pool's own cap
-        self.spare_room: Callable[[Manifest | None], int] = lambda m: self.spares.cap()
+        self.spares = Spares(self.root, spare_limit)
 
     def ready_dir(self, identity: str) -> Path:
         """``<root>/<identity>``: the published snapshot directory (complete once it exists)."""
@@ -171,15 +170,20 @@ class Store:
         return ""
 
     def prepare_staging(
-        self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None = None
+        self,
+        m: Manifest,
+        accept: Callable[[dict[str, Any]], bool] | None = None,
+        spare_room: int | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Reserve a snapshot's staging files, one snapshot at a time (see ``_prepare_staging``);
-        ``accept``, ``{path: tag}`` returned: ``bdn.daemon.buffers.take``."""
+        ``accept``, ``{path: tag}`` returned: ``bdn.daemon.buffers.take``; ``spare_room``: the
+        bytes the spares may keep once ``m`` is reserved (``Catalog.spare_room``; None: the
+        pool's own cap)."""
         with self._reserve_lock:
-            return self._prepare_staging(m, accept)
+            return self._prepare_staging(m, accept, self.spares.cap() if spare_room is None else spare_room)
 
     def _prepare_staging(
-        self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None = None
+        self, m: Manifest, accept: Callable[[dict[str, Any]], bool] | None, spare_room: int
     ) -> dict[str, dict[str, Any]]:
         """Create the staging files at their final sizes, with their space reserved up front.
 
@@ -225,7 +229,7 @@ class Store:
                     continue
                 reused += self.spares.take(size, p) if size else 0
             fresh = sum(size for _, size in files) - reused
-            self.spares.trim(self.spare_room(m))
+            self.spares.trim(spare_room)
             short = fresh + r.small - self.free_bytes()  # (the reservation is fresh pages too)
             if short > 0:
                 self.spares.trim(self.spares.bytes() - short)

@@ -8,7 +8,12 @@ loop, where ``ChunkServing.request`` decides exactly as for ``GET chunks/{addres
 of ``bdn.daemon.uploads``, the upload rate limit); ``resolve`` looks the address up in the chunk
 index (only verified chunks are indexed) and gives the file, offset and length, whose descriptor
 the server opens once and caches. ``forget(job)`` closes the cached descriptors of a snapshot GC
-collected, so its shm pages are freed.
+collected (and the target mappings no download uses), so its shm pages are freed.
+
+Receiving: ``pool`` and ``maps`` are what ``bdn.daemon.fetch.wire_source`` fetches through,
+``growing`` the chunks landing here from the bucket that cut-through answers read, and
+``subscriptions`` makes the HAVE subscriber of ``bdn.daemon.fetch.haves``; so a ``WirePeer`` is
+built before the fetch path, and its server started later with the chunk service (``start``).
 
 Advertising: ``address`` is ``"host:port"`` (the advertise URL's host, the bound port), sent in
 every membership exchange as ``transfer``; ``parse_address`` checks a peer's (untrusted) one.
@@ -22,22 +27,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Executor
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from bdn.daemon.catalog import Catalog
-from bdn.daemon.chunklog import ChunkLog
 from bdn.daemon.config import Config, split_hostport
 from bdn.daemon.fetch.held import HeldFiles
-from bdn.daemon.fetch.sources import Sources
 from bdn.daemon.fetch.targets import TargetMaps
-from bdn.daemon.fetch.wire_source import WireSource
 from bdn.daemon.index import ChunkIndex
-from bdn.daemon.membership import Membership
-from bdn.daemon.serving import ChunkServing
-from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
+from bdn.daemon.ratelimit import RateLimit
+from bdn.daemon.snapshot import RESULT, STORED, Loc, SnapshotJob
 from bdn.daemon.stats import Stats
 from bdn.daemon.transfer_address import learn, parse_address, peer_of
 from bdn.daemon.uploads import Admission
@@ -45,6 +44,7 @@ from bdn.proto import wire
 from bdn.proto.errors import BdnError
 from bdn.proto.identity import validate_identity
 from bdn.proto.keys import SwarmKeys
+from bdn.proto.manifest import ChunkRef
 from bdn.transfer import (
     NOT_HERE,
     Busy,
@@ -53,7 +53,7 @@ from bdn.transfer import (
     TransferClient,
     TransferServer,
 )
-from bdn.transfer.announce import HaveFeed, HaveSubscriber
+from bdn.transfer.announce import HaveFeed, HaveSubscriber, OnEnd, OnHave
 from bdn.transfer.growing import Growing, GrowingChunks
 from bdn.transfer.server import Location, Verdict
 
@@ -82,123 +82,112 @@ def listen_address(cfg: Config) -> tuple[str, int, bool]:
     return phost or "0.0.0.0", port, True
 
 
-def adopt(
-    cfg: Config,
-    keys: SwarmKeys,
-    serving: ChunkServing,
-    index: ChunkIndex,
-    stats: Stats,
-    sources: Sources,
-    membership: Membership,
-    disk_pool: Executor,
-    chunk_log: ChunkLog | None,
-    catalog: Catalog,
-) -> WirePeer | None:
-    """Wire the transfer layer into a daemon (None when ``transfer_listen`` is ""): the server
-    fed by ``serving``/``index``, the fetcher's peer and bucket reads through ``WireSource``,
-    GC closing cached descriptors and mappings. ``start(loop)`` it once the loop runs."""
-    if not cfg.transfer_listen:
-        return None
-    wp = WirePeer(cfg, keys, serving, index, stats)
-    # HAVE announcements on the wire (bdn.transfer.announce): this node's verified chunks to its
-    # subscribers, and its own subscriptions feeding the fetcher's Haves
-    fetcher = serving.fetcher
-    wp.held = lambda identity: _held(catalog.get(identity), wp.growing_positions.get(identity), catalog.held)
-    fetcher.on_indexed = wp.announce
-    wp.haves = fetcher.haves
-    wp.subscriber = HaveSubscriber(wp.client, fetcher.haves.on_have, fetcher.haves.on_end)
-    fetcher.haves.subscriber = wp.subscriber
-    # with peer_receive "write" the peers' whole answers are pwritten, so the mapping (bucket
-    # reads, cut-through answers) fills its page tables on demand instead of all up front
-    maps = TargetMaps(disk_pool, populate=cfg.peer_receive == "map")
-    sources.wire = WireSource(
-        cfg,
-        wp.pool,
-        maps,
-        membership,
-        stats,
-        sources.peer_sem,
-        sources.download_limit,
-        disk_pool,
-        sources.pool.get,
-        sources.pool.put,
-        chunk_log,
-    )
-    wp.maps = maps
-    if cfg.cut_through:
-        # an owner's bucket bytes go on to parked askers as they land (bdn.transfer.growing)
-        sources.wire.growing = serving.growing = wp.growing
-        wp.growing.on_start = index.wake
-        sources.wire.on_growing = wp.started_growing
-        sources.wire.on_grown = wp.stopped_growing
+class Serving(Protocol):
+    """What the transfer server asks of the chunk service (``bdn.daemon.serving.ChunkServing``)."""
 
-    def forgot(job: SnapshotJob) -> None:
-        wp.forget(job)
-        maps.sweep()
-        if chunk_log is not None:
-            chunk_log.drop(job)
+    limit: RateLimit
 
-    catalog.on_forget = forgot
-    return wp
+    async def request(
+        self, address: str, wait: float, hint: str | None, cut_through: bool = False, asker: str | None = None
+    ) -> tuple[Admission, Any]:
+        """The upload decision for a peer's request of ``address`` (a booked slot on ``SEND``)."""
+        ...
+
+    def done(self, address: str) -> None:
+        """The upload booked for ``address`` ended."""
+        ...
+
+    def give(self, peer: str, identity: str, index: int) -> bool:
+        """Whether this node gives its bucket read of that stored chunk up to ``peer`` (a TAKE)."""
+        ...
+
+
+class HeldJobs(Protocol):
+    """Where a new HAVE subscriber's bitfields come from (``bdn.daemon.catalog.Catalog``)."""
+
+    held: HeldFiles
+
+    def get(self, identity: str) -> SnapshotJob | None:
+        """The job of ``identity``, or None."""
+        ...
 
 
 class WirePeer:
     """The transfer server and client of one daemon (``cfg.transfer_listen`` not empty).
 
-    ``start(loop)`` binds (raises OSError when an explicit ``transfer_listen`` cannot be bound;
-    the ``auto`` port falls back to any free port), ``close_client()`` ends the fetches in
-    flight (shutdown, before the jobs are cancelled), ``close()`` stops both.
+    Built before the fetcher, which receives through its ``pool`` and ``maps`` (``WireLink`` of
+    ``bdn.daemon.fetch.sources``), announces through ``announce``/``started_growing`` and
+    subscribes through ``subscriptions``. ``start(loop, serving, jobs)`` binds the server that
+    answers with ``serving`` and ``jobs`` (raises OSError when an explicit ``transfer_listen``
+    cannot be bound; the ``auto`` port falls back to any free port), ``close_client()`` ends the
+    fetches in flight (shutdown, before the jobs are cancelled), ``close()`` stops both.
     """
 
     def __init__(
         self,
         cfg: Config,
         keys: SwarmKeys,
-        serving: ChunkServing,
         index: ChunkIndex,
         stats: Stats,
+        disk_pool: Executor,
         *,
         workers: int | None = None,
     ) -> None:
         self.cfg = cfg
-        self.serving = serving
+        self.keys = keys
         self.index = index
         self.stats = stats
         self._host, self._port, self.auto_port = listen_address(cfg)
-        self.maps: TargetMaps | None = None
-        self.held: Callable[[str], dict[int, Any] | None] = lambda _identity: None
-        self.feed = HaveFeed(lambda identity: self.held(identity))
-        self.haves: Any = None  # bdn.daemon.fetch.haves.Haves, fed by ``subscriber``
-        self.subscriber: HaveSubscriber | None = None
-        self.server = TransferServer(
-            keys,
-            cfg.node_id,
-            self.resolve,
-            admit=self.admit,
-            host=self._host,
-            port=self._port,
-            on_have=self.feed.serve,
-            on_take=self.take,
-        )
+        self.serving: Serving | None = None  # given at ``start``
+        self.jobs: HeldJobs | None = None  # given at ``start``
+        self.maps = TargetMaps(disk_pool)
+        self.feed = HaveFeed(self._held)
+        self.server: TransferServer | None = None
         self.client = TransferClient(
             keys, cfg.node_id, streams_per_peer=max(1, cfg.max_per_peer), io_timeout_s=cfg.peer_timeout_s
         )
         self.pool = FetchPool(self.client, workers or max(2, cfg.max_inflight))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.address: str | None = None
-        #: Chunks landing here from the bucket, served cut-through (bdn.transfer.growing).
-        self.growing = GrowingChunks()
+        #: Chunks landing here from the bucket, served cut-through (bdn.transfer.growing); a
+        #: chunk that starts growing wakes the requests parked for it.
+        self.growing = GrowingChunks(on_start=index.wake)
         #: identity -> stored chunk positions growing here now (sent to a new HAVE subscriber)
         self.growing_positions: dict[str, set[int]] = {}
         #: Set when the daemon stops (``close_client``): connection threads stop waiting for the loop.
         self.closing = threading.Event()
 
+    def subscriptions(self, on_have: OnHave, on_end: OnEnd) -> HaveSubscriber:
+        """HAVE subscriptions over this node's client, their frames to ``on_have``/``on_end``
+        (``bdn.daemon.fetch.haves.Haves`` makes and closes its own)."""
+        return HaveSubscriber(self.client, on_have, on_end)
+
+    def _held(self, identity: str) -> dict[int, Any] | None:
+        jobs = self.jobs
+        if jobs is None:
+            return None
+        return _held(jobs.get(identity), self.growing_positions.get(identity), jobs.held)
+
+    def _server(self, port: int) -> TransferServer:
+        return TransferServer(
+            self.keys,
+            self.cfg.node_id,
+            self.resolve,
+            admit=self.admit,
+            host=self._host,
+            port=port,
+            on_have=self.feed.serve,
+            on_take=self.take,
+        )
+
     # ---- life ---------------------------------------------------------------------------------
-    def start(self, loop: asyncio.AbstractEventLoop) -> str:
-        """Listen; the advertised ``host:port``."""
+    def start(self, loop: asyncio.AbstractEventLoop, serving: Serving, jobs: HeldJobs) -> str:
+        """Listen, answering with ``serving`` (uploads, TAKEs) and ``jobs`` (HAVE subscribers'
+        bitfields) on ``loop``; the advertised ``host:port``."""
         self.loop = loop
-        if self.haves is not None:
-            self.haves.loop = loop
+        self.serving = serving
+        self.jobs = jobs
+        self.server = self._server(self._port)
         try:
             host, port = self.server.start()
         except OSError as e:
@@ -211,16 +200,7 @@ class WirePeer:
                 self._port,
                 e.strerror,
             )
-            self.server = TransferServer(
-                self.server.keys,
-                self.cfg.node_id,
-                self.resolve,
-                admit=self.admit,
-                host=self._host,
-                port=0,
-                on_have=self.feed.serve,
-                on_take=self.take,
-            )
+            self.server = self._server(0)
             host, port = self.server.start()
         adv = urlsplit(self.cfg.advertise_url).hostname or host
         if self._host not in ("0.0.0.0", "::", ""):
@@ -233,45 +213,46 @@ class WirePeer:
         server's connection threads stop waiting for the event loop (``admit``, ``take``), so
         that ``close`` can join them while the loop runs it."""
         self.closing.set()
-        if self.subscriber is not None:
-            self.subscriber.close()
         self.client.close()
 
     def close(self) -> None:
         """Stop the client, its worker threads, the server and the target mappings."""
         self.closing.set()
-        if self.subscriber is not None:
-            self.subscriber.close()
         self.feed.close()
         self.client.close()
         self.pool.close()
-        self.server.close()
-        if self.maps is not None:
-            self.maps.close()
+        if self.server is not None:
+            self.server.close()
+        self.maps.close()
 
     def forget(self, job: SnapshotJob) -> None:
-        """Event: GC collected ``job`` (or it failed): close the descriptors cached for its files."""
+        """Event: GC collected ``job`` (or it failed): close the descriptors cached for its files
+        and drop the mappings no job uses any more."""
         m = job.manifest
-        if m is None:
-            return
-        store = job.store
-        for f in m.files:
-            for d in (store.ready_dir(job.identity), store.staging_dir(job.identity), store.stored_dir(job.identity)):
-                self.server.forget(d / f.path)
+        if m is not None and self.server is not None:
+            store = job.store
+            for f in m.files:
+                for d in (
+                    store.ready_dir(job.identity),
+                    store.staging_dir(job.identity),
+                    store.stored_dir(job.identity),
+                ):
+                    self.server.forget(d / f.path)
+        self.maps.sweep()
 
     def announce(self, job: SnapshotJob, layer: str, position: int) -> None:
         """Event (``Fetcher.on_indexed``): chunk ``position`` of ``job``'s ``layer`` is verified
         and indexed here: a HAVE to the peers subscribed to ``job``."""
         self.feed.announce(job.identity, 0 if layer == STORED else 1, position)
 
-    def started_growing(self, job: SnapshotJob, ref: Any) -> None:
+    def started_growing(self, job: SnapshotJob, ref: ChunkRef) -> None:
         """Event: stored chunk ``ref`` of ``job`` started landing here from the bucket: a HAVE
         of layer ``HAVE_GROWING`` to the subscribers (they may take it cut-through now)."""
         pos = job.ref_index(STORED, ref)
         self.growing_positions.setdefault(job.identity, set()).add(pos)
         self.feed.announce(job.identity, wire.HAVE_GROWING, pos)
 
-    def stopped_growing(self, job: SnapshotJob, ref: Any) -> None:
+    def stopped_growing(self, job: SnapshotJob, ref: ChunkRef) -> None:
         """Event: that chunk no longer lands here (verified, or the read failed)."""
         pos = self.growing_positions.get(job.identity)
         if pos is not None:
@@ -283,12 +264,12 @@ class WirePeer:
     def admit(self, peer: str, ask: wire.Ask) -> Verdict:
         """The upload decision for ``peer``'s ``ask``, made on the event loop (blocks this thread
         up to the ask's wait plus ``ADMIT_SLACK_S``)."""
-        loop = self.loop
-        if loop is None or loop.is_closed():
+        loop, serving = self.loop, self.serving
+        if loop is None or serving is None or loop.is_closed():
             return NOT_HERE
         if self.closing.is_set():
             return NOT_HERE
-        fut = asyncio.run_coroutine_threadsafe(self._admit(ask, peer), loop)
+        fut = asyncio.run_coroutine_threadsafe(self._admit(serving, ask, peer), loop)
         deadline = time.monotonic() + ask.wait_ms / 1000 + ADMIT_SLACK_S
         while True:
             try:
@@ -298,7 +279,7 @@ class WirePeer:
                     continue
             fut.cancel()
             # granted just as we gave up: give the slot back
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() or _release(f.result()))  # type: ignore[func-returns-value]  # a callback's value is unused
+            fut.add_done_callback(_release_late)
             # a stopping daemon answers at once: its loop is joining this thread (App.shutdown ->
             # close -> TransferServer.close) and would not run the decision (the daemon would wait
             # out its shutdown watchdog)
@@ -308,8 +289,8 @@ class WirePeer:
         """Whether this node, the owner, gives its bucket read of stored chunk ``take.index`` of
         ``take.identity`` up to ``peer`` (``Fetcher.give``, decided on the event loop where this
         node's own reads decide; blocks this thread up to ``TAKE_WAIT_S``; refused on a time-out)."""
-        loop = self.loop
-        if loop is None or loop.is_closed() or self.closing.is_set():
+        loop, serving = self.loop, self.serving
+        if loop is None or serving is None or loop.is_closed() or self.closing.is_set():
             return False
         try:
             validate_identity(take.identity)
@@ -322,7 +303,7 @@ class WirePeer:
             if not result.set_running_or_notify_cancel():
                 return  # this thread gave up waiting first: nothing was granted
             try:
-                result.set_result(self.serving.fetcher.give(peer, take.identity, take.index))
+                result.set_result(serving.give(peer, take.identity, take.index))
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 result.set_exception(e)
 
@@ -347,7 +328,7 @@ class WirePeer:
             log.exception("take of chunk %d of %s from %s failed", take.index, take.identity, peer)
             return False
 
-    async def _admit(self, ask: wire.Ask, peer: str | None = None) -> Verdict:
+    async def _admit(self, serving: Serving, ask: wire.Ask, peer: str | None = None) -> Verdict:
         hint = ask.snapshot
         if hint is not None:
             try:
@@ -355,28 +336,28 @@ class WirePeer:
             except BdnError:
                 return NOT_HERE
         cut = ask.cut_through and ask.offset == 0
-        decision, _loc = await self.serving.request(ask.address, ask.wait_ms / 1000, hint, cut, peer)
+        decision, _loc = await serving.request(ask.address, ask.wait_ms / 1000, hint, cut, peer)
         if decision is Admission.NOT_HERE:
             return NOT_HERE
         if decision is not Admission.SEND:
             return Busy(float(decision.retry_after or "1"))
         try:
-            await self.serving.limit.take(ask.length)
+            await serving.limit.take(ask.length)
         except BaseException:
-            self.serving.done(ask.address)
+            serving.done(ask.address)
             raise
         loop = asyncio.get_running_loop()
         address, length = ask.address, ask.length
 
         def release(sent: bool) -> None:
-            loop.call_soon_threadsafe(self._sent, address, length, sent)
+            loop.call_soon_threadsafe(self._sent, serving, address, length, sent)
 
         return Granted(release)
 
-    def _sent(self, address: str, length: int, sent: bool) -> None:
+    def _sent(self, serving: Serving, address: str, length: int, sent: bool) -> None:
         """Event: a granted upload ended: ``sent`` whole (counted), or not (NOT_HERE or BUSY after
         all, or cut short: the asker then retries elsewhere)."""
-        self.serving.done(address)
+        serving.done(address)
         if sent:
             self.stats.add("peer_bytes_out", length)
             self.stats.add("peer_wire_bytes_out", length)
@@ -396,7 +377,7 @@ class WirePeer:
         loc = self.index.lookup(address)
         return None if loc is None else self._locate(loc)
 
-    def _locate(self, loc: Any) -> Location | None:
+    def _locate(self, loc: Loc) -> Location | None:
         job = loc.job
         m = job.manifest
         if m is None:
@@ -437,6 +418,11 @@ def _held(
         if bits is not None and bits.count:
             out[layer] = bits.set_positions()
     return out
+
+
+def _release_late(f: concurrent.futures.Future[Verdict]) -> None:
+    if not f.cancelled() and f.exception() is None:
+        _release(f.result())
 
 
 def _release(v: Verdict) -> None:

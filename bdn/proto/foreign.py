@@ -29,6 +29,7 @@ are verified per object instead (:mod:`bdn.foreign.checksum`, docs/TRUST.md).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -386,7 +387,7 @@ def derive_table(
     files: list[dict[str, Any]] = []
     total = 0
     for o in objects:
-        stored = _ids(num_chunks(o.size, chunk_size), lambda i, o=o: chunk_id(o.key, o.etag, o.size, chunk_size, i))  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
+        stored = _ids(num_chunks(o.size, chunk_size), functools.partial(chunk_id, o.key, o.etag, o.size, chunk_size))
         entry: dict[str, Any] = {"path": o.path, "size": o.size, "chunks": stored}
         total += len(stored)
         if is_delta and o.path.endswith(".safetensors"):
@@ -405,9 +406,7 @@ def derive_table(
                 "size": rsize,
                 "chunks": _ids(
                     num_chunks(rsize, chunk_size),
-                    lambda i, o=o, rids=rids, rsize=rsize: result_chunk_id(
-                        o.key, o.etag, base_identity, rids, rsize, chunk_size, i
-                    ),  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
+                    functools.partial(result_chunk_id, o.key, o.etag, base_identity, rids, rsize, chunk_size),
                 ),
             }
             total += len(entry["result"]["chunks"])

@@ -1,6 +1,6 @@
 """The ``READY`` marker of a snapshot directory (format ``bdn.ready/1``): pure parsing and building.
 
-Source: DESIGN.md ("READY, `bdn.ready/1`") and README.md ("How a chunk moves").
+Source: FORMATS.md ("READY, `bdn.ready/1`") and README.md ("How a chunk moves").
 The daemon writes ``<shm_dir>/<swarm_id>/<identity>/READY`` last, inside a directory that appears
 by atomic rename, as JSON::
 

@@ -105,7 +105,8 @@ def base_files(
         write_state_dict(root / STATE_DICT_FILE, base_state_dict)
         what = "base_state_dict"
     else:
-        root = Path(base_dir)  # type: ignore[arg-type]  # the caller gives base_dir or base_state_dict
+        assert base_dir is not None  # the caller gives base_dir or base_state_dict
+        root = Path(base_dir)
         what = "base_dir"
         if not root.is_dir():
             raise PathError(f"base_dir {str(root)!r} is not a directory")

@@ -84,9 +84,9 @@ def run_all(fn: Callable, items: list, workers: int) -> list:
         futures: list[Future] = [ex.submit(fn, x) for x in items]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for f in done:
-            if f.exception() is not None:
+            if (e := f.exception()) is not None:
                 ex.shutdown(wait=True, cancel_futures=True)
-                raise f.exception()  # type: ignore[misc]  # not None: checked on the line above
+                raise e
         return [f.result() for f in futures]
     finally:
         ex.shutdown(wait=True, cancel_futures=True)

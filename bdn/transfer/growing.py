@@ -143,11 +143,11 @@ def _merge_t(ranges: list[tuple[int, int]], a: int, b: int) -> None:
 class GrowingChunks:
     """The chunks landing here from the bucket now, by swarm address (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_start: Callable[[str], None] | None = None) -> None:
         self._by_address: dict[str, Growing] = {}
         self._lock = threading.Lock()
         #: Event hook (address): a chunk started growing (the daemon wakes parked requests).
-        self.on_start: Callable[[str], None] | None = None
+        self.on_start = on_start
 
     def start(self, address: str, g: Growing) -> None:
         """``g`` is landing now as the chunk at ``address``."""

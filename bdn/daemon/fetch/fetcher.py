@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
+from collections.abc import Callable, Iterable
 
 from bdn.control.owners import readers_and_rule
+from bdn.daemon.chunklog import ChunkLog
 from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import NotAvailable, Superseded
@@ -55,6 +56,9 @@ class Fetcher:
         stats: Stats,
         clock: Clock,
         rng: random.Random | None = None,
+        *,
+        chunk_log: ChunkLog | None = None,
+        on_indexed: Callable[[SnapshotJob, str, int], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.node_id = cfg.node_id
@@ -65,11 +69,11 @@ class Fetcher:
         self.stats = stats
         self.clock = clock
         self.rng = rng or random.Random()
-        self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
+        self.chunk_log = chunk_log  # the config key chunk_log's per-chunk lines, or None
         self.owners = Owners()
         #: Event hook (job, layer, position): a chunk was verified and indexed here (the transfer
         #: wire's HAVE feed announces it to the subscribed peers, bdn.transfer.announce).
-        self.on_indexed: Any = None
+        self.on_indexed = on_indexed
         #: Reads taken over at the end of a slow owner's list, both ways (``steal_reads``).
         self.takeovers = TakeOvers(cfg, membership, haves, sources, stats, clock)
         self._layers = 0  # fetch_layer calls running (the buffer pool is cleared when none is)
@@ -122,7 +126,7 @@ class Fetcher:
             self.takeovers.begin(job)
         self._layers += 1
 
-        async def worker(order: Any) -> None:
+        async def worker(order: Iterable[int | None]) -> None:
             for i in order:
                 if i is None:
                     await asyncio.sleep(0)  # a long stretch of held chunks: let the loop run

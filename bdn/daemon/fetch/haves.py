@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Protocol
 
 from bdn.control.peerset import PeerSet
 from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.peer_client import PeerClient, PeerError
 from bdn.daemon.snapshot import STORED, SnapshotJob
+from bdn.daemon.stats import Stats
 from bdn.daemon.transfer_address import peer_of
 from bdn.proto.wire import HAVE_GROWING
+from bdn.transfer import Peer
+from bdn.transfer.announce import OnEnd, OnHave
 
 log = logging.getLogger("bdn.fetch")
 POLL_S = 0.5
@@ -38,12 +42,43 @@ MAX_GROWING = 4096
 PEERSET_K = 24
 
 
-class Haves:
-    """Per snapshot identity, per peer url: ``(stored, result)`` bitfields as last reported."""
+class Subscriptions(Protocol):
+    """HAVE subscriptions to peers over the transfer wire (``bdn.transfer.announce.HaveSubscriber``)."""
 
-    def __init__(self, peers: PeerClient, membership: Membership, k: int = PEERSET_K, stats: Any = None) -> None:
+    def subscribed(self, peer: Peer, identity: str) -> bool:
+        """Whether a subscription to ``peer`` for ``identity`` is open."""
+        ...
+
+    def subscribe(self, peer: Peer, identity: str) -> bool:
+        """Open one (its frames go to the ``on_have``/``on_end`` it was made with)."""
+        ...
+
+    def unsubscribe(self, peer: Peer, identity: str) -> None:
+        """Close that subscription."""
+        ...
+
+    def close(self) -> None:
+        """Close every subscription."""
+        ...
+
+
+class Haves:
+    """Per snapshot identity, per peer url: ``(stored, result)`` bitfields as last reported.
+
+    ``subscriptions(on_have, on_end)`` makes the HAVE subscriber whose frames feed these
+    bitfields (None: the transfer wire is off, every peer is polled); ``stats`` counts have polls
+    and HAVE frames as control requests."""
+
+    def __init__(
+        self,
+        peers: PeerClient,
+        membership: Membership,
+        k: int = PEERSET_K,
+        stats: Stats | None = None,
+        subscriptions: Callable[[OnHave, OnEnd], Subscriptions] | None = None,
+    ) -> None:
         self.peers = peers
-        self.stats = stats  # bdn.daemon.stats.Stats: have polls and HAVE frames counted as control requests
+        self.stats = stats
         self.membership = membership
         self.k = k
         self._by_identity: dict[str, dict[str, tuple[Bitfield, Bitfield]]] = {}
@@ -58,7 +93,8 @@ class Haves:
         #: identity -> growing chunks announced while no acquisition of ours waited for them
         #: (the fetcher's cut-through workers take them at once: :meth:`next_growing`)
         self._fresh: dict[str, asyncio.Queue[int]] = {}
-        self.subscriber: Any = None  # bdn.transfer.announce.HaveSubscriber when the transfer wire is on
+        self.subscriber = subscriptions(self.on_have, self.on_end) if subscriptions is not None else None
+        #: The event loop the subscriber's threads hand frames to (taken at the first subscription).
         self.loop: asyncio.AbstractEventLoop | None = None
         self.polls = 0  # have requests sent over HTTP (a metric)
         self.pushed = 0  # chunk indices learned from HAVE frames
@@ -103,6 +139,7 @@ class Haves:
     async def poll(self, job: SnapshotJob) -> None:
         """Keep the bitfields for ``job`` fresh until cancelled: subscriptions kept to the peer
         set, the others polled every ``POLL_S``."""
+        self.loop = asyncio.get_running_loop()  # where the subscriber's threads hand frames to
         try:
             self.subscribe(job)  # at once: the HAVEs flow from the download's first chunk on
         except Exception:
@@ -130,6 +167,11 @@ class Haves:
                 if p is not None:
                     self.subscriber.unsubscribe(p, identity)
         self._synced = {s for s in self._synced if s[0] != identity}
+
+    def close(self) -> None:
+        """Close every HAVE subscription (the daemon stops; its fetches end)."""
+        if self.subscriber is not None:
+            self.subscriber.close()
 
     @property
     def tracked(self) -> int:

@@ -12,15 +12,18 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from bdn.bucket import BucketError, ObjectChanged, ObjectNotFound
 from bdn.daemon import diskio, retry_policy
 from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.chunklog import ChunkLog
 from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config
 from bdn.daemon.fetch.policy import BUCKET
+from bdn.daemon.fetch.targets import TargetMaps
 from bdn.daemon.fetch.watch import Attempt, SourceWatch
+from bdn.daemon.fetch.wire_source import WireSource
 from bdn.daemon.lograte import RepeatLog
 from bdn.daemon.membership import Member, Membership
 from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError, PeerStalled
@@ -30,6 +33,8 @@ from bdn.daemon.stats import Stats
 from bdn.daemon.transfer_address import peer_of
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef
+from bdn.transfer import FetchPool
+from bdn.transfer.growing import GrowingChunks
 
 log = logging.getLogger("bdn.fetch")
 T = TypeVar("T")
@@ -114,8 +119,30 @@ class BufferPool:
         return sum(size * len(lst) for size, lst in self._free.items())
 
 
+class WireLink(Protocol):
+    """What the fetch path needs of the daemon's transfer wire (``bdn.daemon.wire_peer.WirePeer``):
+    the fetch threads, the target files' mappings, the chunks landing here from the bucket
+    (served cut-through) and the events that announce them."""
+
+    pool: FetchPool
+    maps: TargetMaps
+    growing: GrowingChunks
+
+    def started_growing(self, job: SnapshotJob, ref: ChunkRef) -> None:
+        """Event: stored chunk ``ref`` of ``job`` started landing here from the bucket."""
+        ...
+
+    def stopped_growing(self, job: SnapshotJob, ref: ChunkRef) -> None:
+        """Event: that chunk no longer lands here (verified, or the read failed)."""
+        ...
+
+
 class Sources:
-    """The three ways to a chunk. Each returns True (written and verified) or False (try the next)."""
+    """The three ways to a chunk. Each returns True (written and verified) or False (try the next).
+
+    ``wire``: peers' chunks and bucket reads over the transfer wire (``WireSource``; None: HTTP
+    only); ``chunk_log``: the per-chunk log (None: off); ``on_bad_bytes(url, node, address,
+    snapshot)``: a peer sent bad bytes (``bdn.daemon.chunkcheck``: it is told)."""
 
     def __init__(
         self,
@@ -126,6 +153,10 @@ class Sources:
         stats: Stats,
         disk_pool: Executor,
         clock: Clock = SYSTEM,
+        *,
+        wire: WireLink | None = None,
+        chunk_log: ChunkLog | None = None,
+        on_bad_bytes: Callable[[str, str, str, str], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.peers = peers
@@ -138,9 +169,30 @@ class Sources:
         self.download_limit = RateLimit.from_mbit(cfg.peer_download_mbit)
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
         self.repeat = RepeatLog(log, cfg.log_repeat_s)  # lines that can repeat per chunk
-        self.wire: Any = None  # bdn.daemon.fetch.wire_source.WireSource when the transfer wire is on
-        self.chunk_log: Any = None  # bdn.daemon.chunklog.ChunkLog when chunk_log is set
-        self.on_bad_bytes: Callable[[str, str, str, str], None] | None = None  # (url, node, address, snapshot)
+        self.chunk_log = chunk_log
+        self.on_bad_bytes = on_bad_bytes
+        self.wire = (
+            None
+            if wire is None
+            else WireSource(
+                cfg,
+                wire.pool,
+                wire.maps,
+                membership,
+                stats,
+                self.peer_sem,
+                self.download_limit,
+                disk_pool,
+                self.pool.get,
+                self.pool.put,
+                chunk_log,
+                on_bad_bytes=on_bad_bytes,
+                # an owner's bucket bytes go on to parked askers as they land (bdn.transfer.growing)
+                growing=wire.growing if cfg.cut_through else None,
+                on_growing=wire.started_growing if cfg.cut_through else None,
+                on_grown=wire.stopped_growing if cfg.cut_through else None,
+            )
+        )
         #: Each peer's rate and refusals (bdn.daemon.fetch.policy.SourceBook) and what they call for.
         self.watch = SourceWatch(cfg, membership, clock)
 
@@ -223,9 +275,10 @@ class Sources:
         racing: bool,
         att: Attempt,
     ) -> bool:
-        peer = peer_of(m) if self.wire is not None and job.foreign is None else None
-        if peer is not None:
-            return await self.wire.from_peer(job, m, peer, address, ref, target, wait, errors, racing, att)
+        ws = self.wire
+        peer = peer_of(m) if ws is not None and job.foreign is None else None
+        if ws is not None and peer is not None:
+            return await ws.from_peer(job, m, peer, address, ref, target, wait, errors, racing, att)
         sem = self._peer_sems.get(m.url)
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
@@ -297,12 +350,13 @@ class Sources:
         """Ask member ``m``, the owner of stored chunk ``index`` of ``identity``, to give its
         bucket read up to this node (``TAKE``/``GIVE`` on the transfer wire). True only when it
         granted it; False when it refused, failed, or has no transfer wire (then it reads it)."""
-        peer = peer_of(m) if self.wire is not None else None
-        if peer is None:
+        ws = self.wire
+        peer = peer_of(m) if ws is not None else None
+        if ws is None or peer is None:
             return False
         loop = asyncio.get_running_loop()
         # the default executor: not behind the fetch pool's threads, which may all be parked
-        return await loop.run_in_executor(None, self.wire.pool.client.take, peer, identity, index)
+        return await loop.run_in_executor(None, ws.pool.client.take, peer, identity, index)
 
     def count_peer_in(self, job: SnapshotJob, ref: ChunkRef, wire: bool) -> None:
         """Count one chunk received from a peer (over the transfer ``wire`` or HTTP)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Protocol
 
 from bdn.control.owners import readers_and_rule
 from bdn.daemon.clock import Clock
@@ -31,9 +31,10 @@ from bdn.daemon.config import Config
 from bdn.daemon.fetch import policy
 from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.layers import STORED
-from bdn.daemon.membership import Membership
+from bdn.daemon.membership import Member, Membership
 from bdn.daemon.snapshot import SnapshotJob
 from bdn.daemon.stats import Stats
+from bdn.proto.manifest import ChunkRef
 
 #: Chunks at once this node reads for other owners, at the end of their lists, once its own
 #: are all acquired (``steal_reads``): about the chunks one owner lands at once.
@@ -57,7 +58,15 @@ MAX_GRANTS = 2 * STEALERS
 
 Key = tuple[str, str, int]  # (identity, layer, position)
 Owner = Callable[[SnapshotJob, str, str, "list[str] | None"], "str | None"]
-Ensure = Callable[[SnapshotJob, str, int, Any], Awaitable[None]]
+Ensure = Callable[[SnapshotJob, str, int, ChunkRef], Awaitable[None]]
+
+
+class AskOwner(Protocol):
+    """Where a taker asks an owner for its bucket read (``bdn.daemon.fetch.sources.Sources``)."""
+
+    async def take(self, m: Member, identity: str, index: int) -> bool:
+        """Whether member ``m``, the owner of stored chunk ``index`` of ``identity``, gave it up."""
+        ...
 
 
 class TakeOvers:
@@ -68,7 +77,7 @@ class TakeOvers:
         cfg: Config,
         membership: Membership,
         haves: Haves,
-        sources: Any,
+        sources: AskOwner,
         stats: Stats,
         clock: Clock,
     ) -> None:
@@ -76,7 +85,7 @@ class TakeOvers:
         self.node_id = cfg.node_id
         self.membership = membership
         self.haves = haves
-        self.sources = sources  # bdn.daemon.fetch.sources.Sources: ``take`` asks an owner
+        self.sources = sources  # ``take`` asks an owner
         self.stats = stats
         self.clock = clock
         #: Chunks this node was granted and reads for their owner on the acquisition's next round.
@@ -209,6 +218,12 @@ class TakeOvers:
         assert bits is not None
         dig = getattr(refs, "digest", None) or (lambda i: refs[i].digest)
         started: set[asyncio.Future[None]] = set()
+
+        def ended(f: asyncio.Future[None]) -> None:
+            started.discard(f)
+            if not f.cancelled():
+                f.exception()  # retrieved, as before: asyncio does not log it as never retrieved
+
         refused: set[int] = set()  # positions whose owner reads (or holds) them: not asked again
         try:
             while bits.count < bits.n:
@@ -254,7 +269,7 @@ class TakeOvers:
                 if (layer, i) not in job.inflight:
                     f: asyncio.Future[None] = asyncio.ensure_future(ensure(job, layer, i, refs[i]))
                     started.add(f)
-                    f.add_done_callback(lambda f: (started.discard(f), f.cancelled() or f.exception()))  # type: ignore[func-returns-value]  # a callback's value is unused
+                    f.add_done_callback(ended)
                 await asyncio.sleep(0)
         finally:
             for k in [k for k in self._marked if k[0] == job.identity and k[1] == layer]:

@@ -1,7 +1,8 @@
 """The target files of the snapshots downloading on this node, each mapped once (shared,
-writable; page tables populated up front when ``populate``: bdn.transfer.target) and held open
-as a descriptor too while its snapshot downloads, so received chunks land in shm with no open
-per chunk: by ``recv_into`` the mapping, or by ``pwrite`` to the descriptor (``fd``).
+writable, page tables filled on demand: bdn.transfer.target) and held open as a descriptor too
+while its snapshot downloads, so received chunks land in shm with no open per chunk: a peer's
+whole answer by ``pwrite`` to the descriptor (``fd``), bucket reads and cut-through answers by
+``recv_into`` the mapping.
 
 A mapping is taken with ``acquire(job, path)`` and given back with ``release(path)``; it is
 closed once nobody uses it and its snapshot is no longer ``queued``/``downloading`` (checked on
@@ -38,9 +39,8 @@ class _Mapping:
 class TargetMaps:
     """Mappings by target path (see the module docstring); opened on ``disk_pool`` threads."""
 
-    def __init__(self, disk_pool: Executor, *, populate: bool = True) -> None:
+    def __init__(self, disk_pool: Executor) -> None:
         self.disk_pool = disk_pool
-        self.populate = populate
         self._maps: dict[str, _Mapping] = {}
         self._opening: dict[str, asyncio.Future[_Mapping]] = {}
 
@@ -65,7 +65,7 @@ class TargetMaps:
         return ent.map
 
     async def _open(self, job: SnapshotJob, key: str) -> _Mapping:
-        m, inode, fd = await asyncio.get_running_loop().run_in_executor(self.disk_pool, _map_file, key, self.populate)
+        m, inode, fd = await asyncio.get_running_loop().run_in_executor(self.disk_pool, _map_file, key)
         old = self._maps.pop(key, None)
         if old is not None:
             if old.users > 0:  # a fetch thread may still pwrite through it: left to the exit
@@ -124,13 +124,15 @@ def _same_file(path: str, inode: tuple[int, int]) -> bool:
     return (st.st_dev, st.st_ino) == inode
 
 
-def _map_file(path: str, populate: bool) -> tuple[mmap.mmap, tuple[int, int], int]:
+def _map_file(path: str) -> tuple[mmap.mmap, tuple[int, int], int]:
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)  # never write through a symlink
     try:
         st = os.fstat(fd)
         if st.st_size == 0:
             raise OSError(f"{path} is empty: nothing to map")
-        return map_target(fd, st.st_size, populate=populate), (st.st_dev, st.st_ino), fd
+        # not populated: a peer's whole answer is pwritten (no page tables needed); a bucket
+        # read or a cut-through answer fills them on demand
+        return map_target(fd, st.st_size, populate=False), (st.st_dev, st.st_ino), fd
     except BaseException:
         os.close(fd)
         raise

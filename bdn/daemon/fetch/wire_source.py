@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -63,6 +64,11 @@ def _hash_ok(view: memoryview, digest: str) -> bool:
     return xxhash.xxh3_128(view).hexdigest() == digest
 
 
+def _part_of(view: memoryview, offset: int, length: int, _size: int) -> memoryview:
+    """Where a bucket read of ``length`` bytes at ``offset`` of the chunk lands in ``view``."""
+    return view[offset : offset + length]
+
+
 def _copy_into(mm: Any, offset: int, buf: bytearray) -> None:
     mm[offset : offset + len(buf)] = buf
 
@@ -81,7 +87,10 @@ class WireSource:
     """Peer fetches over the wire and bucket reads into the mapping (see the module docstring).
 
     ``peer_sem`` (all peer requests) and ``alloc``/``free`` (chunk buffers for the endgame race)
-    are shared with ``Sources``; ``chunk_log`` may be None.
+    are shared with ``Sources``; ``chunk_log`` may be None. ``growing`` (None: cut-through off)
+    is where this node's bucket reads land for parked askers, ``on_growing``/``on_grown`` the
+    events that announce them; ``on_bad_bytes(url, node, address, snapshot)``: a peer sent bad
+    bytes (it is told, ``bdn.daemon.chunkcheck``).
     """
 
     def __init__(
@@ -97,6 +106,11 @@ class WireSource:
         alloc: Callable[[int], bytearray],
         free: Callable[[bytearray], None],
         chunk_log: ChunkLog | None = None,
+        *,
+        on_bad_bytes: Callable[[str, str, str, str], None] | None = None,
+        growing: GrowingChunks | None = None,
+        on_growing: Callable[[SnapshotJob, ChunkRef], None] | None = None,
+        on_grown: Callable[[SnapshotJob, ChunkRef], None] | None = None,
     ) -> None:
         self.cfg = cfg
         self.pool = pool
@@ -109,13 +123,13 @@ class WireSource:
         self.alloc, self.free = alloc, free
         self.chunk_log = chunk_log
         self._peer_sems: dict[str, asyncio.Semaphore] = {}
-        self.on_bad_bytes: Callable[[str, str, str, str], None] | None = None  # (url, node, address, snapshot)
+        self.on_bad_bytes = on_bad_bytes  # (url, node, address, snapshot): the peer is told
         #: Chunks landing from the bucket, for cut-through (None: store and forward only).
-        self.growing: GrowingChunks | None = None
+        self.growing = growing
         #: Event hook (job, ref): a chunk started growing here (announced to subscribed peers).
-        self.on_growing: Callable[[SnapshotJob, ChunkRef], None] | None = None
+        self.on_growing = on_growing
         #: Event hook (job, ref): that chunk no longer grows here (verified or failed).
-        self.on_grown: Callable[[SnapshotJob, ChunkRef], None] | None = None
+        self.on_grown = on_grown
 
     async def _disk(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
@@ -268,9 +282,9 @@ class WireSource:
             mm = await self.maps.acquire(job, target)
         except OSError as e:
             return FetchResult(Outcome.FAILED, error=f"cannot map {target}: {e}")
-        # peer_receive "write": a whole answer is pwritten through the stream's buffer (no
-        # page tables for the mapping, no zeroing of fresh pages), a cut-through one lands in it
-        fd = self.maps.fd(target) if self.cfg.peer_receive == "write" else None
+        # a whole answer is pwritten through the stream's buffer (no page tables for the
+        # mapping, no zeroing of fresh pages), a cut-through one lands in the mapping
+        fd = self.maps.fd(target)
         fut = self.pool.submit(
             peer,
             address,
@@ -458,8 +472,8 @@ class WireSource:
                         key,
                         ref.offset + off,
                         n,
-                        lambda _n, o=off, n=n: view[o : o + n],  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
-                        progress=None if g is None else (lambda k, i=i: g.landed(i, k)),  # type: ignore[misc]  # mypy cannot type a lambda that binds a loop variable by default
+                        functools.partial(_part_of, view, off, n),
+                        progress=None if g is None else functools.partial(g.landed, i),
                         started=started,
                     )
                     for i, (off, n) in enumerate(parts)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -61,7 +62,9 @@ def error(status: int, msg: str, **extra: Any) -> web.Response:
 
 
 @web.middleware
-async def json_route_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def json_route_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     """The local API's answer to a path it does not have (404) or a method the path does not take
     (405, with ``Allow``): ``{"error": "<one line>"}`` like every other error of it (README.md,
     "Local API"), not aiohttp's plain-text ``404: Not Found`` page. The path is shown raw (as

@@ -1,4 +1,4 @@
-"""The swarm's HTTP endpoints, under ``/bdn/v1/{swarm_id}`` (DESIGN.md, "Peer protocol").
+"""The swarm's HTTP endpoints, under ``/bdn/v1/{swarm_id}`` (FORMATS.md, "Peer protocol").
 
 - ``GET chunks/{address}[?wait=S&snapshot=ID]``: 200 the chunk's bytes (only verified chunks are
   ever indexed), 404 not here, 503 + ``Retry-After`` when busy (``bdn.daemon.uploads``).

@@ -18,6 +18,7 @@ a wrong one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import select
@@ -209,7 +210,7 @@ async def send_file(
                     await asyncio.shield(fut)
                 except asyncio.CancelledError:
                     _shutdown(out)  # the thread's next sendfile fails at once
-                    fut.add_done_callback(lambda _f, o=list(owned): _close_all(o))  # type: ignore[misc]  # mypy cannot type a lambda with a default argument
+                    fut.add_done_callback(functools.partial(_close_when_done, list(owned)))
                     owned.clear()
                     transport.abort()
                     raise
@@ -237,6 +238,11 @@ def _shutdown(s: socket.socket) -> None:
         s.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _close_when_done(owned: list, _done: object) -> None:
+    """Done callback of a cancelled send's thread: close what it used."""
+    _close_all(owned)
 
 
 def _close_all(owned: list) -> None:

@@ -2,7 +2,7 @@
 
 An engine offered ``target`` while it serves ``base`` needs to copy only the tensors that differ
 (a *partial swap*, docs/ENGINES.md). The daemon knows both snapshots' READY markers (the xxh3-128
-digest of every chunk of every rebuilt file, DESIGN.md, "READY") and their safetensors headers, so:
+digest of every chunk of every rebuilt file, FORMATS.md, "READY") and their safetensors headers, so:
 
 - a tensor new in the target, or with another dtype or shape, is changed;
 - a tensor at the same byte range of the same file (same chunk size) is unchanged when every

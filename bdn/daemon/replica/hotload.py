@@ -35,6 +35,7 @@ from bdn.daemon.membership import Membership
 from bdn.daemon.packing import packb
 from bdn.daemon.peer_client import PeerClient
 from bdn.daemon.replica import contract
+from bdn.daemon.replica.fleet_status import FleetStatus
 from bdn.daemon.replica.options import OPTION_FIELDS, parse_options
 from bdn.daemon.replica.ports import Snapshots
 from bdn.daemon.replica.target import MAX_GEN, Target, published_at
@@ -133,7 +134,8 @@ class HotLoad:
         self.cfg = cfg or Config(bucket=bucket.url)
         self.hints = hints if hints is not None else Hints()
         self.last: tuple[tuple[Any, ...], dict[str, Any]] | None = None  # the last accepted request and answer
-        self.status: Any = None  # the FleetStatus (bdn.daemon.replica.fleet_status), set by the app
+        #: The fleet's replica rows, reported and aggregated (its ``loop`` runs as a daemon task).
+        self.status = FleetStatus(self.cfg, view, membership, peers, stats, clock)
         self.rng = random.Random()
 
     async def _manifest(self, identity: str) -> Manifest | None:
