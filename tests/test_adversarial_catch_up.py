@@ -39,7 +39,7 @@ def _metric(d: Daemon, what: str) -> float:
 
 
 def test_kill_9_during_a_background_catch_up_then_restart_keeps_the_trainers_bytes(tmp_path: Path) -> None:
-    steps = 6
+    steps = 5
     chain = file_chain(
         tmp_path,
         steps,
