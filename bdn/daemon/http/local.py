@@ -380,7 +380,7 @@ async def engine_heartbeat(request: web.Request) -> web.Response:
     """POST /v1/engines/{id}/heartbeat -> 200 {"engine_ttl_s", "engine_stale_s"}: the engine is alive (while it prepares); 404 dropped."""
     e = _engine(request)
     replica = services(request).replica
-    replica.heartbeat(e)
+    await replica.heartbeat(e)
     return json_response({"ok": True, "engine_ttl_s": replica.engine_ttl_s, "engine_stale_s": replica.engine_stale_s})
 
 

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -212,13 +214,34 @@ class MemProbe:
         census = self._census()
         measured = await asyncio.get_running_loop().run_in_executor(self._thread, self._measure)
         line = {"t_s": round(time.monotonic() - self._t0, 1), **measured, "census": census}
-        with self.path.open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        self._append((json.dumps(line) + "\n").encode())
         return line
 
-    async def run(self) -> None:
-        """Start tracemalloc and write a line every ``every_s`` s until cancelled (tracing stops then)."""
+    def _append(self, data: bytes) -> None:
+        """Append ``data`` (one line) to the file, creating its directory; a write that fails
+        part-way (a full disk) is cut back off, so that the file holds whole lines only. Raises
+        OSError."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                n = os.write(fd, data)
+                if n != len(data):
+                    raise OSError(errno.ENOSPC, f"wrote {n} of {len(data)} bytes")
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, end)
+                raise
+        finally:
+            os.close(fd)
+
+    async def run(self) -> None:
+        """Start tracemalloc and write a line every ``every_s`` s until cancelled (tracing stops then).
+
+        A line that cannot be written (the directory cannot be made or written, a full disk) is
+        one warning, the first time only; the probe keeps trying every ``every_s`` s and says
+        so once when a line gets written again."""
         if self.trace:
             tracemalloc.start(self.frames)
         log.warning(
@@ -229,12 +252,23 @@ class MemProbe:
             self.every_s,
             self.path,
         )
+        failing = False
         try:
             while True:
                 try:
                     await self.once()
+                    if failing:
+                        log.warning("memory probe: writing %s again", self.path)
+                    failing = False
                 except OSError as e:
-                    log.warning("memory probe: cannot write %s: %s", self.path, e)
+                    if not failing:
+                        log.warning(
+                            "memory probe: cannot write %s: %s (no lines until it can; trying every %g s)",
+                            self.path,
+                            e.strerror or e,
+                            self.every_s,
+                        )
+                    failing = True
                 await asyncio.sleep(self.every_s)
         finally:
             self._thread.shutdown(wait=False)

@@ -124,6 +124,8 @@ class Spares:
                 t.unlink(missing_ok=True)
         for p in self.dir.glob(f"{CLAIMED}*"):  # a catch-up a crash interrupted: partial bytes
             p.unlink(missing_ok=True)
+        for p in self.tags.glob(".*.tmp"):  # a tag a crash interrupted (_write_tag): never renamed
+            p.unlink(missing_ok=True)
         _ignore_sigio()
         self.limit = limit
         self._high = self.bytes()  # the largest batch absorbed (for limit -1); a restart keeps its spares
