@@ -1,5 +1,5 @@
 """kill -9 of bdnd in the middle of a background catch-up (a freed spare brought forward to the
-served snapshot, bdn/daemon/forward.py), with real processes and real safetensors files: after the
+served snapshot, bdn/daemon/apply/forward.py), with real processes and real safetensors files: after the
 restart no spare claimed by the dead catch-up (nor a half-written tag) is left, and every later delta is READY with the
 trainer's bytes, whether it starts from a spare caught up before the kill or rebuilds."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from bdn.daemon.bitfield import Bitfield
+from bdn.daemon.store.bitfield import Bitfield
 from bdn.proto import hrw
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full

@@ -345,7 +345,7 @@ def test_foreign_state_trust_rules(file_run: str) -> None:
     """Chunks of an object without a bucket checksum are read from the bucket unless accepted;
     chunks received from a peer are served on only once their object verified."""
     from bdn.bucket import open_bucket
-    from bdn.daemon.foreign_source import ForeignState
+    from bdn.daemon.snapshots.foreign_source import ForeignState
     from bdn.foreign import read_checksums, read_foreign_table
 
     bucket = open_bucket(file_run)
@@ -368,7 +368,7 @@ def test_foreign_state_trust_rules(file_run: str) -> None:
 
 def test_ready_manifest_has_real_digests(file_run: str, tmp_path: Path) -> None:
     from bdn.bucket import open_bucket
-    from bdn.daemon.foreign_source import ready_manifest
+    from bdn.daemon.snapshots.foreign_source import ready_manifest
     from bdn.foreign import read_foreign_table
 
     root = Path(file_run.removeprefix("file://")) / "step000001"

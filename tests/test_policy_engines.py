@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bdn.daemon.clock import FakeClock
 from bdn.daemon.errors import Invalid
+from bdn.daemon.process.clock import FakeClock
 from bdn.daemon.replica import engines as rules
 from bdn.daemon.replica.changes import Layout, Span, changed_tensors
 from bdn.daemon.replica.hotload import parse_request
@@ -354,7 +354,7 @@ def test_new_reshaped_moved_and_removed_tensors() -> None:
 
 
 def test_the_current_link_is_relative_and_replaced_in_place(tmp_path: Path) -> None:
-    from bdn.daemon.current import CurrentLink
+    from bdn.daemon.store.current import CurrentLink
 
     for ident in ("s1", "s2"):
         (tmp_path / ident).mkdir()

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from bdn.bucket import Bucket, ObjectNotFound, open_bucket
-from bdn.daemon.headers import SUFFIX, HeaderRefused, check_file
+from bdn.daemon.apply.headers import SUFFIX, HeaderRefused, check_file
 from bdn.proto import arc
 from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from bdn.proto.identity import validate_identity
@@ -212,7 +212,7 @@ def publish_startup(bucket: str | Bucket, identity: str) -> None:
 def _check_headers(files: list[LocalFile]) -> None:
     """Refuse, before anything is uploaded, a ``*.safetensors`` file that the safetensors library
     does not open (a truncated copy, a bad header): every daemon would fail the snapshot at its
-    last check before READY (``bdn.daemon.headers``, the same rule), after the fleet fetched it.
+    last check before READY (``bdn.daemon.apply.headers``, the same rule), after the fleet fetched it.
 
     Raises:
         PublishError: "<path>: the safetensors library refuses its header: <its reason> ...".

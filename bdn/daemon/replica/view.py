@@ -12,7 +12,7 @@ the tensors that changed against the snapshot that engine serves (``replica/chan
 engine not seen for ``engine_stale_s`` is stale (the replica's stage and ``engines`` count leave it
 out, a replica with only stale engines is in ``error`` saying so), one not seen for
 ``engine_ttl_s`` is dropped (``replica/engines.py``) and the replica's stage recomputed without it. ``on_current(identity)`` is called whenever the served snapshot changes
-(the ``current`` link, ``bdn/daemon/current.py``).
+(the ``current`` link, ``bdn/daemon/store/current.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from bdn.daemon import versioned
-from bdn.daemon.clock import Clock
-from bdn.daemon.current import LINK_NAME
 from bdn.daemon.errors import Conflict
-from bdn.daemon.foreign_source import Hint, Hints
+from bdn.daemon.observe import versioned
+from bdn.daemon.process.clock import Clock
 from bdn.daemon.replica import claims, contract
 from bdn.daemon.replica import engines as engine_rules
 from bdn.daemon.replica.changes import ChangedTensorsCache, DeltaSource, delta_source
@@ -35,6 +33,8 @@ from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.options import DEFAULT_OPTIONS
 from bdn.daemon.replica.ports import SnapshotRecord, Snapshots
 from bdn.daemon.replica.target import Target, later, supersedes
+from bdn.daemon.snapshots.foreign_source import Hint, Hints
+from bdn.daemon.store.current import LINK_NAME
 from bdn.proto.errors import BdnError
 from bdn.proto.fleet_schema import replica_row
 from bdn.proto.states import TERMINAL
