@@ -373,7 +373,7 @@ def apply_sparse_file(
 
     ``adlers``: the base tensors' known Adler-32s (None: computed for changed tensors only).
     ``name`` labels errors (default: ``path``). ``mapped``: a writable shared mapping of the whole
-    file already made (``bdn.daemon.hotmaps``), used instead of mapping it for this call.
+    file already made (``bdn.daemon.apply.hotmaps``), used instead of mapping it for this call.
 
     Raises:
         ProtocolError: a malformed diff or one that does not fit the file; ChecksumError (a

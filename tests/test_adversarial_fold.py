@@ -1,4 +1,4 @@
-"""Attacks on delta folding (bdn/daemon/fold.py) by a confused publisher, on a real bdnd: chains
+"""Attacks on delta folding (bdn/daemon/apply/fold.py) by a confused publisher, on a real bdnd: chains
 whose manifests do not form a chain. The manifest is the root of trust, so a bad one must fail
 the snapshot with a reason; it must never leave it waiting forever or half built."""
 

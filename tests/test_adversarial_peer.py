@@ -1,4 +1,4 @@
-"""Attacks on the peer API's ``POST bad_chunk`` (bdn/daemon/http/peer.py, bdn/daemon/chunkcheck.py)
+"""Attacks on the peer API's ``POST bad_chunk`` (bdn/daemon/http/peer.py, bdn/daemon/serve/chunkcheck.py)
 on a real bdnd: a member that floods reports about good chunks and chunks that do not exist, to
 make an honest daemon quarantine what it serves. A regression test (no defect found): every
 report is answered 202 or 503 with one line, each good chunk is re-hashed once, none is dropped.
@@ -16,7 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from bdn.daemon.catalog import MAX_FAILED
+from bdn.daemon.snapshots.catalog import MAX_FAILED
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
 from tests.support.api import wait_for

@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from bdn.daemon.http.guard import GuardedRunner
-from bdn.daemon.stats import Stats
+from bdn.daemon.observe.stats import Stats
 from tests.support.swarm import Daemon, running
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""Attacks on SWIM membership (bdn/control/swim.py, bdn/daemon/gossip.py) by a member that holds
+"""Attacks on SWIM membership (bdn/control/swim.py, bdn/daemon/swarm/gossip.py) by a member that holds
 the partition secret but lies, or is buggy: forged incarnations about another member.
 
 The pure test drives two ``Swim`` objects; the daemon test runs two real bdnd processes and

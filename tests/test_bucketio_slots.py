@@ -1,4 +1,4 @@
-"""BucketIO's ``started`` hook (bdn.daemon.bucketio): it fires once a chunk read holds its bucket
+"""BucketIO's ``started`` hook (bdn.daemon.fetch.bucketio): it fires once a chunk read holds its bucket
 slot, never while the read queues behind others. The owner announces a chunk for cut-through
 from that hook (bdn.daemon.fetch.wire_source), so a chunk whose parts still queue is not
 announced: askers would hold their cut-through workers and the owner's slots on it for seconds
@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bdn.bucket.file import FileBucket
-from bdn.daemon.bucketio import BucketIO
-from bdn.daemon.ratelimit import RateLimit
-from bdn.daemon.stats import Stats
+from bdn.daemon.fetch.bucketio import BucketIO
+from bdn.daemon.fetch.ratelimit import RateLimit
+from bdn.daemon.observe.stats import Stats
 
 
 def test_started_fires_only_once_the_read_holds_a_slot(tmp_path: Path) -> None:

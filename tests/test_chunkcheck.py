@@ -1,4 +1,4 @@
-"""Chunks that go bad in shm after READY (bdn/daemon/chunkcheck.py, issue 12 review finding 1),
+"""Chunks that go bad in shm after READY (bdn/daemon/serve/chunkcheck.py, issue 12 review finding 1),
 on real daemons: a receiver that gets a bad chunk tells the peer that sent it; the peer re-hashes
 the chunk (a lying report changes nothing), quarantines and re-fetches it when it is bad; the
 scrub finds one nobody asked for; ready snapshot files are read-only (0444)."""

@@ -194,6 +194,33 @@ def test_bad_config_is_one_line_naming_the_key(
     assert "\n" not in str(e.value) and needle in str(e.value), e.value
 
 
+def test_an_engine_window_shorter_than_a_poll_step_is_refused(base: dict[str, str]) -> None:
+    """engine_stale_s = 0.01 s flagged a continuously polling engine stale and live again 23 times
+    in 5 s in a real bdnd (a held poll marks it seen only every 0.05 s): refused; 0 is off."""
+    for key in ("ENGINE_STALE_S", "ENGINE_TTL_S"):
+        with pytest.raises(ConfigError, match=rf"'{key.lower()}' must be 0 \(off\) or at least 0.5 s, got 0.01"):
+            _load({**base, f"BDN_{key}": "0.01"})
+        assert getattr(_load({**base, f"BDN_{key}": "0"}), key.lower()) == 0
+        assert getattr(_load({**base, f"BDN_{key}": "0.5"}), key.lower()) == 0.5
+    import os
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("BDN_")}
+    r = _bdnd("--engine-stale-s", "0.01", env={**clean, **base})  # the daemon itself: exit 2, one line
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "engine_stale_s" in r.stderr, r
+
+
+def test_an_infinite_or_overflowing_number_is_refused(base: dict[str, str]) -> None:
+    """engine_ttl_s = inf was accepted and sent to engines as ``Infinity`` (not JSON); a duration
+    past ~9.2e9 s overflows socket and thread timeouts: every number is finite, every ``*_s`` at
+    most 1e9 s."""
+    for key, value in (("ENGINE_TTL_S", "inf"), ("MEMORY_PROBE_EVERY_S", "1e300"), ("PEER_TIMEOUT_S", "1e10")):
+        with pytest.raises(ConfigError, match=rf"'{key.lower()}' must be a finite number of at most 1e\+09 s"):
+            _load({**base, f"BDN_{key}": value})
+    with pytest.raises(ConfigError, match=r"'bucket_mbit' must be a finite number, got inf"):
+        _load({**base, "BDN_BUCKET_MBIT": "inf"})
+    assert _load({**base, "BDN_MEMORY_PROBE_EVERY_S": "1e9"}).memory_probe_every_s == 1e9
+
+
 def test_every_key_has_help() -> None:
     missing = [name for name, _, _, text in Config.keys() if not text.strip()]
     assert missing == []

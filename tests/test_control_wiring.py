@@ -1,5 +1,5 @@
 """The daemon side of the control plane, without sockets: SWIM messages from the wire
-(bdn.daemon.gossip.parse_message), the aggregators' rows (bdn.control.hotload.ReplicaBoard,
+(bdn.daemon.swarm.gossip.parse_message), the aggregators' rows (bdn.control.hotload.ReplicaBoard,
 bdn.daemon.replica.fleet_status.check_row), the report interval and the manifest's publish time."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from bdn.control.hotload import ReplicaBoard, Row, paginate, report_interval, summary
 from bdn.control.swim import ALIVE, MAX_UPDATES_PER_MESSAGE, Message, Update
 from bdn.daemon.errors import Invalid
-from bdn.daemon.gossip import decode_addr, encode_addr, message_wire, parse_message
 from bdn.daemon.replica.fleet_status import check_row
 from bdn.daemon.replica.hotload import published_at
+from bdn.daemon.swarm.gossip import decode_addr, encode_addr, message_wire, parse_message
 from bdn.proto.errors import ProtocolError
 
 

@@ -1,4 +1,4 @@
-"""bdn.daemon.delta_config reads config.json at its size: the whole small file, at most one byte
+"""bdn.daemon.apply.delta_config reads config.json at its size: the whole small file, at most one byte
 over MAX_CONFIG_BYTES for a big one (refused by parse_config), never a 1 MiB buffer for a file of
 a few hundred bytes (issue 12's soak: those blocks fragmented glibc's heap)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bdn.daemon import delta_config
+from bdn.daemon.apply import delta_config
 from bdn.daemon.errors import Conflict
 from bdn.daemon.replica.contract import MAX_CONFIG_BYTES
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from bdn.engines.changed import parse_ranges
-from bdn.engines.vllm_worker import check_ranges, closure, module_key, parse_request, read_headers
+from bdn.engines.vllm_worker import check_ranges, check_rebuild, closure, module_key, parse_request, read_headers
 from bdn.fileops import save
 from bdn.proto.errors import ProtocolError
 
@@ -123,3 +123,94 @@ def test_changed_ranges_are_validated() -> None:
     ):
         with pytest.raises(ProtocolError, match=why):
             parse_ranges(bad, names, bounds)
+
+
+def _raw(path: Path, header: object, data: bytes) -> None:
+    """A safetensors file with ``header`` as given (not checked), padded to 8 bytes, then ``data``."""
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    path.write_bytes(len(h).to_bytes(8, "little") + h + data)
+
+
+def test_a_header_entry_that_lies_about_its_bytes_is_refused_before_anything_is_read(tmp_path: Path) -> None:
+    """The extension writes a changed tensor's bytes straight into its parameter's rows: an entry
+    whose offsets cover more bytes than its shape (the next rows are a sibling's: k after q), that
+    runs past the file, or that is inverted must be refused when the headers are read."""
+    data = bytes(range(256)) * 4
+    good = {"x": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}}
+    for i, (entry, why) in enumerate(
+        (
+            ({"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 48]}, "is 48 bytes, its shape"),
+            ({"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 6]}, "is 6 bytes, its shape"),
+            ({"dtype": "F32", "shape": [256], "data_offsets": [0, 1024 + 4]}, "of a data area of 1024"),
+            ({"dtype": "F32", "shape": [0], "data_offsets": [24, 0]}, r"at \[24, 0\)"),
+            ({"dtype": "F32", "shape": [-2, -3], "data_offsets": [0, 24]}, "bad header entry"),
+            ({"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24.0]}, "bad header entry"),
+            ({"dtype": "F32", "shape": [2, 3], "data_offsets": [0, True]}, "bad header entry"),
+            ({"dtype": "F32", "shape": "2x3", "data_offsets": [0, 24]}, "bad header entry"),
+            ({"dtype": 4, "shape": [2, 3], "data_offsets": [0, 24]}, "bad header entry"),
+            ({"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24, 48]}, "bad header entry"),
+        )
+    ):
+        d = tmp_path / f"d{i}"
+        d.mkdir()
+        _raw(d / "model.safetensors", {**good, "y": entry}, data)
+        with pytest.raises(ValueError, match=why):
+            read_headers(d)
+    d = tmp_path / "list"
+    d.mkdir()
+    _raw(d / "model.safetensors", [1, 2], data)
+    with pytest.raises(ValueError, match="not a JSON object"):
+        read_headers(d)
+    d = tmp_path / "short"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes((1 << 20).to_bytes(8, "little") + b"{}")
+    with pytest.raises(ValueError, match="header of 1048576 bytes in a file of 10"):
+        read_headers(d)
+    d = tmp_path / "ok"
+    d.mkdir()
+    _raw(d / "model.safetensors", {**good, "u": {"dtype": "U16", "shape": [3], "data_offsets": [24, 30]}}, data)
+    assert read_headers(d)["u"][1:3] == ("U16", [3])  # a dtype the extension never loads: bounds only
+
+
+def test_a_module_or_dtype_the_rebuild_cannot_take_is_refused_before_any_write(tmp_path: Path) -> None:
+    """The extension writes in-place tensors first and rebuilds the other modules after: a module
+    the served model lacks, or a tensor of a dtype it does not read, must fail the request before
+    the first write (a torch model on CPU, real safetensors files)."""
+    import torch
+
+    class Attn(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv_proj = torch.nn.Linear(4, 12, bias=False)
+
+    class Layer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.self_attn = Attn()
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer()])
+
+    model = torch.nn.Module()
+    model.model = Model()
+    save(
+        tmp_path / "model.safetensors",
+        {
+            "model.layers.0.self_attn.q_proj.weight": np.zeros((4, 4), np.float32),
+            "model.layers.0.self_attn.k_proj.weight": np.zeros((4, 4), np.float32),
+            "model.layers.0.self_attn.v_proj.weight": np.zeros((4, 4), np.float32),
+            "model.layers.1.self_attn.q_proj.weight": np.zeros((4, 4), np.float32),
+            "model.layers.0.mask": np.zeros(4, np.uint16),
+        },
+    )
+    infos = read_headers(tmp_path)
+    mods, read = closure(["model.layers.0.self_attn.q_proj.weight"], list(infos), LLAMA_PACKED)
+    check_rebuild(model, infos, mods, read)  # the stacked module exists, F32 is read
+    mods, read = closure(["model.layers.1.self_attn.q_proj.weight"], list(infos), LLAMA_PACKED)
+    with pytest.raises(ValueError, match="no module 'model.layers.1.self_attn.qkv_proj' in the served model"):
+        check_rebuild(model, infos, mods, read)
+    with pytest.raises(ValueError, match="tensor 'model.layers.0.mask' has dtype U16, not one read here"):
+        check_rebuild(model, infos, [], ["model.layers.0.mask"])

@@ -29,7 +29,7 @@ import msgpack
 import pytest
 
 from bdn.client import open_snapshot
-from bdn.daemon.bitfield import Bitfield
+from bdn.daemon.store.bitfield import Bitfield
 from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import Manifest
 from support.api import wait_for
@@ -401,7 +401,7 @@ def test_real_full_tmpfs_fails_with_numbers_and_old_snapshot_keeps_serving(tmp_p
         )
         assert got, snap["reason"]
         need, files, small, free = (int(got.group(i)) for i in range(1, 5))
-        # the files page-rounded (bdn.daemon.room), and the small files bdn writes beside them
+        # the files page-rounded (bdn.daemon.store.room), and the small files bdn writes beside them
         assert need == files + small and files >= _space_needed(m2) and small > 0, snap["reason"]
         assert free < need and free <= size, snap["reason"]
         assert Path(got.group(5)) == shm_root(d)

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bdn.control.peerset import PeerSet
-from bdn.daemon.bitfield import Bitfield
 from bdn.daemon.fetch import policy
+from bdn.daemon.store.bitfield import Bitfield
 
 
 class FakeClock:

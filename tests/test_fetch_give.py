@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from bdn.daemon.bitfield import Bitfield
-from bdn.daemon.clock import FakeClock
 from bdn.daemon.config import Config
 from bdn.daemon.fetch.takeover import GRANT_S, MAX_GRANTS, TakeOvers
-from bdn.daemon.membership import Membership
-from bdn.daemon.snapshot import STORED
-from bdn.daemon.stats import Stats
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import FakeClock
+from bdn.daemon.snapshots.snapshot import STORED
+from bdn.daemon.store.bitfield import Bitfield
+from bdn.daemon.swarm.membership import Membership
 
 N = 40
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from bdn.daemon.clock import FakeClock
 from bdn.daemon.fetch.haves import Haves
-from bdn.daemon.membership import Membership
-from bdn.daemon.snapshot import STORED
+from bdn.daemon.process.clock import FakeClock
+from bdn.daemon.snapshots.snapshot import STORED
+from bdn.daemon.swarm.membership import Membership
 from support.api import wait_for_async
 
 

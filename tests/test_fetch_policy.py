@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import random
 
-from bdn.daemon.clock import FakeClock
 from bdn.daemon.fetch import policy
 from bdn.daemon.fetch.policy import Ask, PeerView, ReadBucket, Rounds
+from bdn.daemon.process.clock import FakeClock
 from bdn.proto import hrw
 
 SELF = "n0"
@@ -126,7 +126,7 @@ def test_rounds_three_counted_rounds_then_fallback() -> None:
 
 
 def test_a_drawn_order_hands_the_loop_a_turn_over_long_held_stretches() -> None:
-    from bdn.daemon.bitfield import Bitfield
+    from bdn.daemon.store.bitfield import Bitfield
 
     n = 10 * policy.YIELD_EVERY
     bits = Bitfield(n)
@@ -139,7 +139,7 @@ def test_a_drawn_order_hands_the_loop_a_turn_over_long_held_stretches() -> None:
 
 
 def test_bitfield_clear_positions_and_set_all() -> None:
-    from bdn.daemon.bitfield import Bitfield
+    from bdn.daemon.store.bitfield import Bitfield
 
     b = Bitfield(13)
     b.set(0), b.set(12)
@@ -162,7 +162,7 @@ def test_bucket_parts_cover_a_chunk_exactly_in_at_most_streams_parts() -> None:
 
 
 def test_split_owned_gives_owned_chunks_in_manifest_order_and_the_rest_by_their_owners_queue() -> None:
-    from bdn.daemon.bitfield import Bitfield
+    from bdn.daemon.store.bitfield import Bitfield
 
     digests = [f"{i:032x}" for i in range(3000)]
     bits = Bitfield(len(digests))
@@ -195,7 +195,7 @@ def test_split_owned_gives_owned_chunks_in_manifest_order_and_the_rest_by_their_
 
 
 def test_split_owned_alone_owns_everything_and_skips_chunks_that_arrive() -> None:
-    from bdn.daemon.bitfield import Bitfield
+    from bdn.daemon.store.bitfield import Bitfield
 
     bits = Bitfield(50)
     owned, others = policy.split_owned(bits, [SELF], SELF, random.Random(1), lambda i: SELF)

@@ -17,17 +17,17 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from bdn.daemon.clock import SYSTEM
 from bdn.daemon.config import Config
+from bdn.daemon.fetch.ratelimit import RateLimit
 from bdn.daemon.fetch.sources import BufferPool
 from bdn.daemon.fetch.targets import TargetMaps
 from bdn.daemon.fetch.watch import Attempt
 from bdn.daemon.fetch.wire_source import WireSource
-from bdn.daemon.membership import Membership
-from bdn.daemon.ratelimit import RateLimit
-from bdn.daemon.snapshot import SnapshotJob
-from bdn.daemon.stats import Stats
-from bdn.daemon.store import Store
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import SYSTEM
+from bdn.daemon.snapshots.snapshot import SnapshotJob
+from bdn.daemon.store.store import Store
+from bdn.daemon.swarm.membership import Membership
 from bdn.proto.chunks import digest
 from bdn.proto.manifest import ChunkRef
 from bdn.transfer import GRANTED, FetchPool, Peer, TransferClient, TransferServer

@@ -1,5 +1,5 @@
 """bench/fleetsim runs bdnd's own fetch policy (bdn.daemon.fetch.policy) and upload admission
-(bdn.daemon.uploads), not policies of its own (issue 27): this fails if it stops importing and
+(bdn.daemon.serve.uploads), not policies of its own (issue 27): this fails if it stops importing and
 calling them, and a small run shows that it exercises them."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _uses(path: Path, module: str) -> set[str]:
 def test_the_simulator_imports_and_calls_the_daemons_fetch_policy_and_upload_admission() -> None:
     sim = ROOT / "bench" / "fleetsim" / "sim.py"
     assert "SourceBook" in _uses(sim, "bdn.daemon.fetch.policy")
-    assert {"Uploads", "Admission"} <= _uses(sim, "bdn.daemon.uploads")
+    assert {"Uploads", "Admission"} <= _uses(sim, "bdn.daemon.serve.uploads")
     # the peer sets it runs pick holders and race the endgame by the daemon's rules
     assert {"endgame", "holder_key"} <= _uses(ROOT / "bdn" / "control" / "peerset.py", "bdn.daemon.fetch.policy")
     # and bdnd's fetcher ranks holders by the same policy module

@@ -106,7 +106,7 @@ def test_forwarding_real_chunks_as_they_arrive_and_cut_through_conserve_bytes() 
         assert x["done_nodes"] == x["live_nodes"] == 12
         assert x["bucket_egress_over_s"] == pytest.approx(1.0) and x["seconds"] >= x["floor_s"]
     # Which way is fastest is not asserted: under the daemon's own upload admission
-    # (bdn.daemon.uploads: per-chunk fan-out, cut-through slots) store-and-forward came out
+    # (bdn.daemon.serve.uploads: per-chunk fan-out, cut-through slots) store-and-forward came out
     # ahead at this size (12 nodes, 16 chunks: 1.311 s against 1.359 real, 1.365 cut); the
     # simulator's own upload queue, which favoured pipelining, is gone (issue 27).
 

@@ -1,4 +1,4 @@
-"""Delta folding (bdn/daemon/fold.py): a chain of diffs applied in place on one copy of the
+"""Delta folding (bdn/daemon/apply/fold.py): a chain of diffs applied in place on one copy of the
 ancestor gives the bytes of applying them one by one, checks every diff's Adler-32, and a daemon
 that lags several deltas behind rebuilds the target without a ready snapshot per step."""
 
@@ -13,12 +13,12 @@ import pytest
 
 from bdn import fileops
 from bdn.bucket import open_bucket
-from bdn.daemon.bucketio import BucketIO
+from bdn.daemon.apply.fold import Folder, fold_file, plan_fold
 from bdn.daemon.config import Config
-from bdn.daemon.executors import Executors
-from bdn.daemon.fold import Folder, fold_file, plan_fold
-from bdn.daemon.ratelimit import RateLimit
-from bdn.daemon.stats import Stats
+from bdn.daemon.fetch.bucketio import BucketIO
+from bdn.daemon.fetch.ratelimit import RateLimit
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.executors import Executors
 from bdn.fileops import read_header, save_raw
 from bdn.proto.errors import ChecksumError
 from bdn.proto.manifest import MANIFEST_NAME, Manifest

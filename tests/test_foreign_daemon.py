@@ -9,11 +9,11 @@ prefetch of nothing, cancel.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
 import re
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -299,13 +299,14 @@ def test_config_mismatch_fails_naming_the_field(tmp_path: Path) -> None:
 
 
 def bdnctl(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "bdn.cli.bdnctl", "--url", d.url, *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=os.environ.copy(),
-    )
+    """``bdnctl --url <d> ARGS`` in this process (its exit code and output; the command as a
+    process is tested in tests/test_cli.py and tests/test_client.py)."""
+    from bdn.cli import bdnctl as cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(["--url", d.url, *args])
+    return subprocess.CompletedProcess(["bdnctl", *args], code, out.getvalue(), err.getvalue())
 
 
 def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_run: str, tmp_path: Path) -> None:
@@ -344,7 +345,7 @@ def test_foreign_state_trust_rules(file_run: str) -> None:
     """Chunks of an object without a bucket checksum are read from the bucket unless accepted;
     chunks received from a peer are served on only once their object verified."""
     from bdn.bucket import open_bucket
-    from bdn.daemon.foreign_source import ForeignState
+    from bdn.daemon.snapshots.foreign_source import ForeignState
     from bdn.foreign import read_checksums, read_foreign_table
 
     bucket = open_bucket(file_run)
@@ -367,7 +368,7 @@ def test_foreign_state_trust_rules(file_run: str) -> None:
 
 def test_ready_manifest_has_real_digests(file_run: str, tmp_path: Path) -> None:
     from bdn.bucket import open_bucket
-    from bdn.daemon.foreign_source import ready_manifest
+    from bdn.daemon.snapshots.foreign_source import ready_manifest
     from bdn.foreign import read_foreign_table
 
     root = Path(file_run.removeprefix("file://")) / "step000001"

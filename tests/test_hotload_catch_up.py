@@ -14,13 +14,13 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from bdn.daemon.clock import FakeClock
 from bdn.daemon.config import Config
-from bdn.daemon.membership import Membership
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import FakeClock
 from bdn.daemon.replica.hotload import PULL_PEERS, HotLoad
 from bdn.daemon.replica.target import Target
 from bdn.daemon.replica.view import ReplicaView
-from bdn.daemon.stats import Stats
+from bdn.daemon.swarm.membership import Membership
 from test_policy_engines import _Snapshots
 
 

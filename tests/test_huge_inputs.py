@@ -3,7 +3,7 @@ a snapshot of 100,000 files (the manifest's limit), one of them a safetensors fi
 of tens of MB, and goes through everything that reads them: the download to READY (the header
 checked by both parsers), the file listing, the first tensor pull (the tensor index), and a
 restart (the store's record of the manifest parsed again). The daemon's own lateness probe
-(``bdn.daemon.looplag``: the part of each lateness the loop thread's own CPU time accounts for,
+(``bdn.daemon.observe.looplag``: the part of each lateness the loop thread's own CPU time accounts for,
 so a loaded machine does not count) stays under 100 ms throughout; it is read from ``/metrics``
 every half second by a thread of the test. Waits are on states with generous deadlines."""
 

@@ -1,4 +1,4 @@
-"""The chunk index (bdn/daemon/index.py): what it answers, and that its state per chunk is a few
+"""The chunk index (bdn/daemon/store/index.py): what it answers, and that its state per chunk is a few
 bytes in arrays, not Python objects (issue 12, item 2: "control-plane state per chunk must be
 compact")."""
 
@@ -9,9 +9,9 @@ import tracemalloc
 
 import pytest
 
-from bdn.daemon.index import ChunkIndex
-from bdn.daemon.layers import RESULT, STORED
-from bdn.daemon.snapshot import SnapshotJob
+from bdn.daemon.snapshots.layers import RESULT, STORED
+from bdn.daemon.snapshots.snapshot import SnapshotJob
+from bdn.daemon.store.index import ChunkIndex
 from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import FileEntry, FileResult, Manifest
 

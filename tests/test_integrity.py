@@ -37,7 +37,7 @@ import pytest
 import safetensors
 
 from bdn.bucket import open_bucket
-from bdn.daemon.store import Store
+from bdn.daemon.store.store import Store
 from bdn.proto.chunks import buffer_digests
 from bdn.proto.errors import BdnError, PathError
 from bdn.proto.keys import derive_keys, sign_request

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from bdn.daemon.memprobe import anon_maps, parse_pymalloc
-from bdn.daemon.recent import RecentSet
+from bdn.daemon.observe.memprobe import anon_maps, parse_pymalloc
+from bdn.daemon.snapshots.recent import RecentSet
 
 # ---- pure ------------------------------------------------------------------------------------
 
@@ -75,7 +75,7 @@ def test_untraced_the_probe_reports_pymalloc_arenas_and_the_census(tmp_path: Pat
     """CPython reports pymalloc's arenas only while tracemalloc does not wrap its allocator."""
     import asyncio
 
-    from bdn.daemon.memprobe import MemProbe
+    from bdn.daemon.observe.memprobe import MemProbe
 
     probe = MemProbe(tmp_path, 60.0, frames=1, top=5, census=lambda: {"jobs": 3}, trace=False)
     line = asyncio.run(probe.once())

@@ -1,11 +1,11 @@
-"""bdn.daemon.memtrim: the C heap's free pages go back to the system when the daemon is idle."""
+"""bdn.daemon.observe.memtrim: the C heap's free pages go back to the system when the daemon is idle."""
 
 from __future__ import annotations
 
 import pytest
 
-from bdn.daemon import memtrim
-from bdn.daemon.clock import FakeClock
+from bdn.daemon.observe import memtrim
+from bdn.daemon.process.clock import FakeClock
 from support.procmem import rss_anon_kib as _rss_anon_kb
 
 

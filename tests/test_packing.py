@@ -1,4 +1,4 @@
-"""bdn.daemon.packing.packb: the same bytes as ``msgpack.packb(obj, use_bin_type=True)``,
+"""bdn.daemon.observe.packing.packb: the same bytes as ``msgpack.packb(obj, use_bin_type=True)``,
 without the 256 KiB buffer msgpack's default ``Packer`` allocates per call (issue 12's soak:
 those blocks fragmented glibc's heap)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from bdn.daemon.packing import BUF_SIZE, packb
+from bdn.daemon.observe.packing import BUF_SIZE, packb
 
 
 @pytest.mark.parametrize(

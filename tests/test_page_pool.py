@@ -1,4 +1,4 @@
-"""The page pool (``bdn.daemon.spares``, issue 9) through a real bdnd: GC keeps the files of a
+"""The page pool (``bdn.daemon.store.spares``, issue 9) through a real bdnd: GC keeps the files of a
 collected snapshot that no process maps or holds open as spares, and the next snapshot's files
 are those spares renamed and truncated, their bytes received and verified like any other.
 
@@ -144,7 +144,7 @@ def test_a_restart_with_the_same_pid_never_leaves_an_old_tag_on_other_bytes(tmp_
     """Spare names are ``<pid>-<n>``, n counting from 0 in each pool: a daemon restarted with the
     same pid (PID 1 in a container) reuses names. An untagged file recycled under a name that
     still has a tag must not inherit it: the tag describes other bytes."""
-    from bdn.daemon.spares import Spares
+    from bdn.daemon.store.spares import Spares
 
     root = tmp_path / "store"
     root.mkdir()
@@ -163,7 +163,7 @@ def test_a_restart_with_the_same_pid_never_leaves_an_old_tag_on_other_bytes(tmp_
 def test_the_lease_probe_says_in_use_while_a_descriptor_or_a_mapping_holds_the_file(tmp_path: Path) -> None:
     """``spares.unused``: what the background catch-up waits on before GC (an engine closes the
     snapshot it swapped away from only after its ack)."""
-    from bdn.daemon.spares import unused
+    from bdn.daemon.store.spares import unused
 
     p = tmp_path / "f"
     p.write_bytes(b"x" * 8192)

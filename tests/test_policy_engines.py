@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bdn.daemon.clock import FakeClock
 from bdn.daemon.errors import Invalid
+from bdn.daemon.process.clock import FakeClock
 from bdn.daemon.replica import engines as rules
 from bdn.daemon.replica.changes import Layout, Span, changed_tensors
 from bdn.daemon.replica.hotload import parse_request
@@ -121,6 +121,30 @@ def test_a_silent_engine_is_dropped_and_the_replica_is_done_with_the_rest(tmp_pa
     asyncio.run(run())
 
 
+def test_without_engines_the_replica_is_done_only_once_it_serves_the_target(tmp_path: Path) -> None:
+    """A target whose job reads ready before its change event reached the view (the runner
+    notifies after work on the disk threads) is ``ready``, not ``done``, while ``current`` still
+    names the old snapshot (the soak saw rows "done s2, current s1": issue 31)."""
+    snaps = _Snapshots(tmp_path, ["s1", "s2"])
+    snaps.jobs["s2"].state = "downloading"
+    view = ReplicaView("n0", snaps, FakeClock())
+
+    async def run() -> None:
+        await view.adopt(Target("s1", 1, "o", "r1"), "test")
+        assert view.current == "s1" and view.replica()["loading_state"]["stage"] == "done"
+        await view.adopt(Target("s2", 2, "o", "r2"), "test")
+        assert view.replica()["loading_state"]["stage"] == "downloading"
+        snaps.jobs["s2"].state = "ready"  # set by the runner; its notify has not come yet
+        rep = view.replica()
+        assert rep["current_snapshot_identity"] == "s1"
+        assert (rep["loading_state"]["stage"], rep["loading_state"]["identity"]) == ("ready", "s2")
+        await view.on_job_changed(snaps.jobs["s2"])  # the notify
+        rep = view.replica()
+        assert rep["current_snapshot_identity"] == "s2" and rep["loading_state"]["stage"] == "done"
+
+    asyncio.run(run())
+
+
 def test_a_crashed_engine_goes_stale_then_is_dropped_and_the_replica_says_why(tmp_path: Path) -> None:
     """Engines "old" and "new" serve s1; "old" crashes (no more polls). The fleet moves to s2 and
     "new" acks it: the replica waits for "old" until engine_stale_s, then is done with "new" alone
@@ -165,7 +189,8 @@ def test_a_crashed_engine_goes_stale_then_is_dropped_and_the_replica_says_why(tm
         rep = view.replica()
         assert rep["loading_state"]["stage"] == "error" and rep["engines"] == 0 and view.current == "s2"
         assert rep["loading_state"]["reason"].startswith(f"every engine stopped polling: engine {new.engine_id} (new)")
-        view.heartbeat(new)  # it was only slow: live again at the next tick, offered s3
+        await view.heartbeat(new)  # it was only slow: live again at once (not at the next tick), offered s3
+        assert not new.stale and view.replica()["loading_state"]["stage"] == "ready"
         await view.expire_engines()
         assert not new.stale and view.replica()["loading_state"]["stage"] == "ready"
         assert (await view.next_for(new, "s2", 0) or {}).get("identity") == "s3"
@@ -329,7 +354,7 @@ def test_new_reshaped_moved_and_removed_tensors() -> None:
 
 
 def test_the_current_link_is_relative_and_replaced_in_place(tmp_path: Path) -> None:
-    from bdn.daemon.current import CurrentLink
+    from bdn.daemon.store.current import CurrentLink
 
     for ident in ("s1", "s2"):
         (tmp_path / ident).mkdir()

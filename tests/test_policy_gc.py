@@ -1,8 +1,8 @@
-"""Garbage collection policy (bdn.daemon.retention): what stays in shm."""
+"""Garbage collection policy (bdn.daemon.snapshots.retention): what stays in shm."""
 
 from __future__ import annotations
 
-from bdn.daemon.retention import Held, plan_gc
+from bdn.daemon.snapshots.retention import Held, plan_gc
 
 NOW = 10_000.0
 OLD = NOW - 3600

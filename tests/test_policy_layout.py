@@ -143,7 +143,12 @@ def test_proto_does_no_io() -> None:
     assert not bad, "bdn/proto must be formats and rules only: " + "; ".join(bad)
 
 
-PURE_POLICIES = ("bdn.daemon.fetch.policy", "bdn.daemon.uploads", "bdn.daemon.retention", "bdn.daemon.replica.target")
+PURE_POLICIES = (
+    "bdn.daemon.fetch.policy",
+    "bdn.daemon.serve.uploads",
+    "bdn.daemon.snapshots.retention",
+    "bdn.daemon.replica.target",
+)
 IO_OR_ASYNC = IO_MODULES | {"asyncio", "aiohttp", "socket", "subprocess", "httpx", "select", "selectors"}
 
 

@@ -1,4 +1,4 @@
-"""RepeatLog (bdn.daemon.lograte) and ChunkList/check_limits (bdn.daemon.chunklist): pure, with
+"""RepeatLog (bdn.daemon.observe.lograte) and ChunkList/check_limits (bdn.daemon.store.chunklist): pure, with
 a fake clock (issue 12, item 2)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from bdn.daemon.chunklist import ChunkList, SnapshotTooLarge, check_limits
-from bdn.daemon.clock import FakeClock
-from bdn.daemon.lograte import RepeatLog
+from bdn.daemon.observe.lograte import RepeatLog
+from bdn.daemon.process.clock import FakeClock
+from bdn.daemon.store.chunklist import ChunkList, SnapshotTooLarge, check_limits
 from bdn.proto.manifest import FileEntry, Manifest
 
 
@@ -83,7 +83,7 @@ def test_peer_connect_errors_read_as_words() -> None:
 
     import aiohttp
 
-    from bdn.daemon.peer_client import why
+    from bdn.daemon.swarm.peer_client import why
 
     with socket.socket() as s:  # a port nobody listens on: bound, never listening
         s.bind(("127.0.0.1", 0))

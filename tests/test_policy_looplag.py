@@ -1,9 +1,9 @@
-"""The event-loop lateness probe's bookkeeping (bdn.daemon.looplag): the largest lag of the last
+"""The event-loop lateness probe's bookkeeping (bdn.daemon.observe.looplag): the largest lag of the last
 window, wall and CPU, and the counts of probes late by more than 100 ms."""
 
 from __future__ import annotations
 
-from bdn.daemon.looplag import SLOW_S, LoopLag
+from bdn.daemon.observe.looplag import SLOW_S, LoopLag
 
 
 def test_max_is_over_the_last_window_and_slow_counts_since_the_start() -> None:

@@ -1,10 +1,10 @@
-"""Membership transitions (bdn.daemon.membership) with a fake clock: learn, alive, failed,
+"""Membership transitions (bdn.daemon.swarm.membership) with a fake clock: learn, alive, failed,
 forgotten, penalised."""
 
 from __future__ import annotations
 
-from bdn.daemon.clock import FakeClock
-from bdn.daemon.membership import Membership
+from bdn.daemon.process.clock import FakeClock
+from bdn.daemon.swarm.membership import Membership
 
 SELF_URL = "http://n0:7080"
 

@@ -1,4 +1,4 @@
-"""bdn/daemon/shutdown.py on real threads: idle pool workers do not hold the exit, busy ones are
+"""bdn/daemon/process/shutdown.py on real threads: idle pool workers do not hold the exit, busy ones are
 waited for up to the bound and then named; the default executor's shutdown does not wait."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from bdn.daemon.shutdown import NoWaitExecutor, StopClock, busy_workers, join_workers
+from bdn.daemon.process.shutdown import NoWaitExecutor, StopClock, busy_workers, join_workers
 from support.api import wait_for
 
 

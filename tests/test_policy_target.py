@@ -3,7 +3,7 @@ trainer's policy version and publish time, never the accepting daemon's clock; t
 
 from __future__ import annotations
 
-from bdn.daemon.clock import FakeClock
+from bdn.daemon.process.clock import FakeClock
 from bdn.daemon.replica.target import MAX_FUTURE_NS, Target, later, supersedes
 
 NOW = FakeClock().time_ns()

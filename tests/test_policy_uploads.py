@@ -1,8 +1,8 @@
-"""Upload admission (bdn.daemon.uploads): slots, per-chunk fan-out, "still fetching"."""
+"""Upload admission (bdn.daemon.serve.uploads): slots, per-chunk fan-out, "still fetching"."""
 
 from __future__ import annotations
 
-from bdn.daemon.uploads import Admission, Uploads
+from bdn.daemon.serve.uploads import Admission, Uploads
 
 A, B = "a" * 32, "b" * 32
 
@@ -58,7 +58,7 @@ def test_busy_answers_carry_retry_after() -> None:
 def test_a_growing_chunk_goes_to_every_asker_while_its_own_slots_last() -> None:
     """Cut-through copies (the chunk still lands from the bucket) ignore the per-chunk fan-out
     and have GROWING_X * max_uploads slots of their own: ordinary uploads are still admitted beside them."""
-    from bdn.daemon.uploads import GROWING_X, Admission, Uploads
+    from bdn.daemon.serve.uploads import GROWING_X, Admission, Uploads
 
     u = Uploads(max_uploads=4, per_chunk=2)
     g = GROWING_X * 4

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bdn.control.replay import Counters
-from bdn.daemon.nonces import NonceCache
+from bdn.daemon.swarm.nonces import NonceCache
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.keys import (
     MAX_SKEW_S,

@@ -277,9 +277,12 @@ def test_s3_manifest_is_the_last_request(s3_server: S3Server, s3_proxy: S3Proxy,
     ) as b:
         m = publish_full(b, "step000001", 1, dir=src, chunk_size=CHUNK, workers=4)
     writes = [r for r in s3_proxy.requests() if r.method in ("PUT", "POST")]
+    claim = "run1/.bdn-parts/step000001/commit.json"  # the publish's claim: its first write
     assert {r.key for r in writes} == {f"run1/step000001/{f.path}" for f in m.files} | {
-        f"run1/step000001/{MANIFEST_NAME}"
+        f"run1/step000001/{MANIFEST_NAME}",
+        claim,
     }
+    assert writes[0].key == claim and [r.key for r in writes].count(claim) == 1
     assert writes[-1].key == f"run1/step000001/{MANIFEST_NAME}"
     assert [r.key for r in writes].count(f"run1/step000001/{MANIFEST_NAME}") == 1
 

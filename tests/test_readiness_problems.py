@@ -1,4 +1,4 @@
-"""Readiness that says what is wrong (bdn/daemon/readiness.py, bdn/daemon/problems.py; issue
+"""Readiness that says what is wrong (bdn/daemon/observe/readiness.py, bdn/daemon/observe/problems.py; issue
 31, class 9), against real bdnd processes and a real S3 API (moto).
 
 Before the fix: a daemon with another partition secret than its peers, and two daemons sharing

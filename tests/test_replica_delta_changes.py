@@ -150,7 +150,7 @@ def test_a_sparse_applys_ranges_are_the_offers_and_the_streams_are_not_decoded_t
     names = from_diffs(bdir, delta)
     assert names is not None
     expected = changes.ranges_from_diffs(bdir, delta, names)
-    # what the daemon's sparse apply computes while it writes the changed words (bdn.daemon.forward)
+    # what the daemon's sparse apply computes while it writes the changed words (bdn.daemon.apply.forward)
     buf = np.fromfile(bdir / "model.safetensors", dtype=np.uint8)
     d = np.fromfile(delta.stored_dir / "model.safetensors", dtype=np.uint8)
     _, streams = arc.read_diff_header(d, len(d))

@@ -1,4 +1,4 @@
-"""bdn.daemon.serving: a request held while this node obtains a chunk is never held for the
+"""bdn.daemon.serve.serving: a request held while this node obtains a chunk is never held for the
 chunk's owner itself.
 
 Found with real daemons (3 bdnd, ``bucket_readers = 2``, a reader killed -9 mid-download): the
@@ -17,8 +17,8 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
-from bdn.daemon.serving import ChunkServing
-from bdn.daemon.uploads import Admission, Uploads
+from bdn.daemon.serve.serving import ChunkServing
+from bdn.daemon.serve.uploads import Admission, Uploads
 
 ADDRESS = "0" * 32
 ME, ASKER, OTHER = "node1", "node0", "node3"

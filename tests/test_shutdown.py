@@ -1,4 +1,4 @@
-"""SIGTERM at any moment (issue 12, item 2; bdn/daemon/shutdown.py): a real bdnd stopped in the
+"""SIGTERM at any moment (issue 12, item 2; bdn/daemon/process/shutdown.py): a real bdnd stopped in the
 middle of a download, with a long-poll waiting on it, exits 0 well within ``shutdown_timeout_s``
 (aiohttp alone would have held the long-poll 60 s while the download went on), and the next start
 on the same shm_dir resumes the half-written snapshot instead of presenting it as READY."""

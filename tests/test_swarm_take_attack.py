@@ -24,8 +24,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from bdn.bucket import open_bucket
 from bdn.daemon.fetch.takeover import GRANT_S, MAX_GRANTS
 from bdn.proto import handshake, wire
 from bdn.proto.keys import derive_keys
@@ -33,6 +37,7 @@ from bdn.publish import publish_full
 from bdn.transfer import Peer, TransferClient
 from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
+from support.relay import GateRelay
 from support.swarm import SECRET, Daemon, Swarm
 
 IDENTITY = "step000001"
@@ -184,12 +189,33 @@ def _take(ident: bytes, idx: int) -> bytes:
     return bytes([len(ident)]) + ident + idx.to_bytes(4, "big")
 
 
-def test_malformed_takes_are_refused_or_closed_and_the_daemon_serves_on(tmp_path: Path) -> None:
-    bucket, src, n = _publish(tmp_path)
-    # a very slow bucket: the download is still running through every case below
-    with Swarm(tmp_path / "nodes", 2, bucket, extra_env={"BDN_BUCKET_MBIT": "1"}) as swarm:
+@contextmanager
+def relay_closed(relay: GateRelay) -> Iterator[GateRelay]:
+    """``relay``, closed on the way out (what it holds released)."""
+    try:
+        yield relay
+    finally:
+        relay.close()
+
+
+def test_malformed_takes_are_refused_or_closed_and_the_daemon_serves_on(tmp_path: Path, s3_bucket) -> None:
+    bucket, endpoint = s3_bucket
+    src = write_hf_dir(tmp_path / "ckpt", make_state(7, scale=4))  # ~2.5 MB
+    b = open_bucket(bucket, endpoint_url=endpoint)
+    try:
+        n = sum(1 for _ in publish_full(b, IDENTITY, 1, dir=src, chunk_size=64 << 10).stored_chunks())
+    finally:
+        b.close()
+    # the bucket (S3) behind a gate: what it sends on a connection stops after 16 KiB (the
+    # manifest passes, no chunk) until the cases below are done, so the download is still
+    # running through every one of them (a 1 Mbit/s bucket held it for ~40 s, most of it after)
+    u = urlsplit(endpoint)
+    relay = GateRelay((str(u.hostname), int(u.port or 80)), after=16 << 10)
+    env = {"BDN_ENDPOINT_URL": relay.url}
+    with relay_closed(relay), Swarm(tmp_path / "nodes", 2, bucket, extra_env=env) as swarm:
         owner, other = swarm.daemons
         assert owner.prefetch(IDENTITY)[0] in (200, 202)
+        wait_for(lambda: relay.held.is_set(), 120, "a bucket read held half way")
 
         def given() -> int:
             return owner.status()["counters"].get("bucket_reads_given", 0)
@@ -261,6 +287,7 @@ def test_malformed_takes_are_refused_or_closed_and_the_daemon_serves_on(tmp_path
         assert ok is True or state == "ready", (ok, state)  # (granted in every run so far)
         if ok:
             assert given() == 1
+        relay.release()
         owner.wait_ready(IDENTITY, timeout=600)
         _check_bytes(owner, src)
 
@@ -396,7 +423,7 @@ def test_a_take_for_a_delta_is_never_granted(tmp_path: Path) -> None:
     assert m.is_delta
     n = sum(1 for _ in m.stored_chunks())
     with Swarm(
-        tmp_path / "nodes", 2, chain.url, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_BUCKET_MBIT": "2"}
+        tmp_path / "nodes", 2, chain.url, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_BUCKET_MBIT": "8"}
     ) as swarm:
         owner, other = swarm.daemons
         assert owner.prefetch(delta)[0] in (200, 202)

@@ -15,7 +15,7 @@ from bdn.proto.manifest import Manifest
 from bdn.publish import publish_full
 from support.api import wait_for
 from support.checkpoints import make_state, write_hf_dir
-from support.relay import Relay
+from support.relay import GateRelay, Relay
 from support.swarm import Daemon, Swarm, free_port
 
 CHUNK = 64 << 10
@@ -110,6 +110,13 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
     tport = free_port()
     relay = FreezingRelay(("127.0.0.1", tport), after=1 << 62)
     sender.env.update(BDN_TRANSFER_LISTEN=f"127.0.0.1:{tport}", BDN_TRANSFER_ADVERTISE=f"127.0.0.1:{relay.port}")
+    # the other's transfer server behind a gate, held while the receiver takes its first chunks:
+    # its requests to the other wait there (up to max_per_peer of them), so the sender's streams
+    # carry the rest (a direct other could serve every big chunk before the sender's streams
+    # through the relay were ready, and 300 kB never passed the relay)
+    oport = free_port()
+    gate = GateRelay(("127.0.0.1", oport), after=None)
+    other.env.update(BDN_TRANSFER_LISTEN=f"127.0.0.1:{oport}", BDN_TRANSFER_ADVERTISE=f"127.0.0.1:{gate.port}")
     log = receiver.dir / "chunks.jsonl"
     receiver.env["BDN_CHUNK_LOG"] = str(log)
     # "at once" as states, not as a wall-clock window: the receiver's membership would need over
@@ -127,6 +134,7 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
         # rest: the sender is in the middle of its chunks when it is killed, however slowly the
         # test runs (a throttled relay and a polled byte count overshot 1 MiB under load)
         relay.after = base + (1 << 20) - (64 << 10)
+        gate.hold()
         receiver.start(swarm.peer_urls)
         try:
             receiver.wait_healthy()
@@ -150,6 +158,7 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
             assert relay.forwarded - base < 1 << 20
             sender.kill()
             relay.cut()
+            gate.release()
             receiver.wait_ready(IDENT, 120)
             assert_same(receiver, ck)
             c = receiver.status()["counters"]
@@ -162,6 +171,7 @@ def test_sender_killed_mid_body_the_chunk_is_retried_elsewhere_and_never_done_sh
             assert all(x["source"] != f"peer:{sender.node_id}" for x in retried), retried
         finally:
             receiver.stop()
+            gate.close()
 
 
 def test_the_chunk_log_names_sources_on_the_http_path_too(tmp_path: Path) -> None:

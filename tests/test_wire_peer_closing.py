@@ -1,5 +1,5 @@
 """A stopping daemon's transfer server answers at once instead of waiting for the event loop
-(bdn/daemon/wire_peer.py, ``WirePeer.closing``).
+(bdn/daemon/serve/wire_peer.py, ``WirePeer.closing``).
 
 ``App.shutdown`` closes the transfer server on the event loop, and ``TransferServer.close`` joins
 the connection threads; a thread in ``admit`` (or ``take``) waits for a decision that only that
@@ -15,9 +15,9 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from bdn.daemon.config import Config
-from bdn.daemon.index import ChunkIndex
-from bdn.daemon.stats import Stats
-from bdn.daemon.wire_peer import WirePeer
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.serve.wire_peer import WirePeer
+from bdn.daemon.store.index import ChunkIndex
 from bdn.proto import wire
 from bdn.proto.keys import derive_keys
 from bdn.transfer import NOT_HERE

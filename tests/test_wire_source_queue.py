@@ -10,12 +10,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from bdn.daemon.clock import FakeClock
 from bdn.daemon.config import Config
+from bdn.daemon.fetch.ratelimit import RateLimit
 from bdn.daemon.fetch.wire_source import WireSource
-from bdn.daemon.membership import Membership
-from bdn.daemon.ratelimit import RateLimit
-from bdn.daemon.stats import Stats
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import FakeClock
+from bdn.daemon.swarm.membership import Membership
 from bdn.transfer import Peer
 
 

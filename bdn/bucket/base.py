@@ -18,6 +18,11 @@ from typing import Any
 
 from bdn.proto.errors import BdnError, PathError
 
+#: Bytes from which an S3/GCS upload goes multipart, and its part size (``bdn.bucket.s3.S3Bucket``;
+#: here so that ``open_bucket``'s signature needs no boto3 import).
+DEFAULT_MULTIPART_THRESHOLD = 64 << 20
+DEFAULT_MULTIPART_CHUNKSIZE = 16 << 20
+
 #: S3 limits a key to 1024 bytes of UTF-8; we hold ``file://`` to the same rule so keys that work
 #: in one backend work in all of them.
 MAX_KEY_BYTES = 1024

@@ -26,6 +26,8 @@ import botocore.exceptions as bex
 
 from bdn.bucket.base import (
     DEFAULT_MAX_READ,
+    DEFAULT_MULTIPART_CHUNKSIZE,
+    DEFAULT_MULTIPART_THRESHOLD,
     Bucket,
     BucketError,
     BucketStats,
@@ -47,8 +49,6 @@ from bdn.proto.errors import PathError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MULTIPART_THRESHOLD = 64 << 20
-DEFAULT_MULTIPART_CHUNKSIZE = 16 << 20
 
 _T = TypeVar("_T")
 

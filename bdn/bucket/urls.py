@@ -12,10 +12,15 @@ from __future__ import annotations
 import re
 from urllib.parse import unquote, urlsplit
 
-from bdn.bucket.base import Bucket, BucketError, validate_key
+from bdn.bucket.base import (
+    DEFAULT_MULTIPART_CHUNKSIZE,
+    DEFAULT_MULTIPART_THRESHOLD,
+    Bucket,
+    BucketError,
+    validate_key,
+)
 from bdn.bucket.credentials import load_credentials_file
 from bdn.bucket.file import FileBucket
-from bdn.bucket.s3 import DEFAULT_MULTIPART_CHUNKSIZE, DEFAULT_MULTIPART_THRESHOLD, S3Bucket
 from bdn.proto.errors import PathError
 
 # S3's bucket-name rule (3-63 chars of a-z 0-9 . -), widened to GCS's (underscores, and up to
@@ -49,6 +54,10 @@ def open_bucket(
     scheme, where, prefix = check_bucket_url(url)
     if scheme == "file":
         return FileBucket(url, where)
+    # imported here, not at the top: boto3 and botocore are ~0.3 s CPU of the ~1.5 s a file://
+    # daemon spends importing at start
+    from bdn.bucket.s3 import S3Bucket
+
     credentials = load_credentials_file(credentials_file) if credentials_file else None
     return S3Bucket(
         url,

@@ -160,6 +160,7 @@ class EngineLink:
         if not interval_s or interval_s <= 0 or not math.isfinite(interval_s):
             yield
             return
+        interval_s = min(interval_s, KEEPALIVE_MAX_S)  # Event.wait overflows past ~9.2e9 s
         done = threading.Event()
 
         def beat() -> None:
@@ -208,6 +209,11 @@ class EngineLink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: The longest pause between two heartbeats, whatever the offer's windows (an offer of
+#: ``engine_ttl_s`` 1e300 made the keepalive thread die on ``OverflowError``).
+KEEPALIVE_MAX_S = 3600.0
 
 
 def offer_keepalive_s(offer: dict[str, Any]) -> float | None:

@@ -19,5 +19,5 @@ from __future__ import annotations
 from collections.abc import Callable
 
 #: A monotonic clock's reading, in seconds (float): the daemon passes its
-#: ``bdn.daemon.clock.Clock``'s ``monotonic``; tests and the simulator pass their own.
+#: ``bdn.daemon.process.clock.Clock``'s ``monotonic``; tests and the simulator pass their own.
 Now = Callable[[], float]

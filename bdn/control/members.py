@@ -28,7 +28,7 @@ ALIVE = 0
 class SwimEntry:
     """One member's entry in SWIM's table: ``status`` (``bdn.control.swimwire``: alive, suspect,
     dead), its ``incarnation``, its SWIM address and when its status last changed (not
-    ``bdn.daemon.membership.Member``, the daemon's record of a peer it fetches from)."""
+    ``bdn.daemon.swarm.membership.Member``, the daemon's record of a peer it fetches from)."""
 
     status: int
     incarnation: int

@@ -32,46 +32,46 @@ from typing import Any
 from aiohttp import web
 
 from bdn.bucket import BucketError, ObjectNotFound, open_bucket
-from bdn.daemon.bucketio import BucketIO
-from bdn.daemon.catalog import Catalog
-from bdn.daemon.chunkcheck import BadChunkReports, ChunkCheck
-from bdn.daemon.chunklog import open_chunk_log
-from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config, split_hostport
-from bdn.daemon.current import CurrentLink
-from bdn.daemon.executors import Executors
+from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
+from bdn.daemon.fetch.ratelimit import RateLimit
 from bdn.daemon.fetch.sources import Sources
-from bdn.daemon.foreign_source import ForeignLoader, Hints
-from bdn.daemon.gossip import Gossip
 from bdn.daemon.http.guard import GuardedRunner
 from bdn.daemon.http.local import make_local_app
 from bdn.daemon.http.peer import make_peer_app
 from bdn.daemon.http.services import Services
-from bdn.daemon.index import ChunkIndex
-from bdn.daemon.listening import binding, clear_unix_socket
-from bdn.daemon.membership import Membership
-from bdn.daemon.memprobe import MemProbe
-from bdn.daemon.metrics import Metrics
-from bdn.daemon.nonces import NonceCache
-from bdn.daemon.peer_client import PeerClient
-from bdn.daemon.problems import Problems
-from bdn.daemon.ratelimit import RateLimit
-from bdn.daemon.readiness import Readiness
+from bdn.daemon.observe.chunklog import open_chunk_log
+from bdn.daemon.observe.memprobe import MemProbe
+from bdn.daemon.observe.metrics import Metrics
+from bdn.daemon.observe.problems import Problems
+from bdn.daemon.observe.readiness import Readiness
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.observe.status import StatusView
+from bdn.daemon.process.clock import SYSTEM, Clock
+from bdn.daemon.process.executors import Executors
+from bdn.daemon.process.listening import binding, clear_unix_socket
+from bdn.daemon.process.shmlock import ShmLock
+from bdn.daemon.process.shutdown import HTTP_GRACE_S, NoWaitExecutor, StopClock
 from bdn.daemon.replica.changes import ChangedTensorsCache
 from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
-from bdn.daemon.runner import Runner
-from bdn.daemon.serving import ChunkServing
-from bdn.daemon.shmlock import ShmLock
-from bdn.daemon.shutdown import HTTP_GRACE_S, NoWaitExecutor, StopClock
-from bdn.daemon.snapshot import SnapshotJob
-from bdn.daemon.stats import Stats
-from bdn.daemon.status import StatusView
-from bdn.daemon.store import Store
-from bdn.daemon.uploads import Uploads
-from bdn.daemon.wire_peer import WirePeer
+from bdn.daemon.serve.chunkcheck import BadChunkReports, ChunkCheck
+from bdn.daemon.serve.serving import ChunkServing
+from bdn.daemon.serve.uploads import Uploads
+from bdn.daemon.serve.wire_peer import WirePeer
+from bdn.daemon.snapshots.catalog import Catalog
+from bdn.daemon.snapshots.foreign_source import ForeignLoader, Hints
+from bdn.daemon.snapshots.runner import Runner
+from bdn.daemon.snapshots.snapshot import SnapshotJob
+from bdn.daemon.store.current import CurrentLink
+from bdn.daemon.store.index import ChunkIndex
+from bdn.daemon.store.store import Store
+from bdn.daemon.swarm.gossip import Gossip
+from bdn.daemon.swarm.membership import Membership
+from bdn.daemon.swarm.nonces import NonceCache
+from bdn.daemon.swarm.peer_client import PeerClient
 from bdn.proto.errors import ProtocolError
 from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import STARTUP_NAME, parse_startup
@@ -495,7 +495,7 @@ class App:
 
     def census(self) -> dict[str, int]:
         """Sizes (entries) of the long-lived structures that grow with snapshots, peers, engines or
-        requests, for the memory probe (``bdn/daemon/memprobe.py``); ``pool_kb`` in KiB."""
+        requests, for the memory probe (``bdn/daemon/observe/memprobe.py``); ``pool_kb`` in KiB."""
 
         def n(obj: Any, attr: str) -> int:
             return len(getattr(obj, attr, ()))
@@ -529,7 +529,7 @@ class App:
         }
 
     async def shutdown(self) -> None:
-        """Stop within ``shutdown_timeout_s`` (``bdn.daemon.shutdown``): stop accepting
+        """Stop within ``shutdown_timeout_s`` (``bdn.daemon.process.shutdown``): stop accepting
         connections, cancel the tasks and jobs (each saves its progress; long-polls answer at
         once), give requests still in flight ``HTTP_GRACE_S``, close clients and pools (their
         threads are not waited for here)."""

@@ -9,6 +9,7 @@ errors that name the key or file: ``bdnd`` exits before it listens.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import tomllib
@@ -39,6 +40,14 @@ FOREIGN_ENV = frozenset(
 )
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+#: The longest duration a ``*_s`` key takes (about 31 years): longer ones overflow the C timeouts
+#: they end up in (``socket.settimeout``, ``threading.Event.wait``: "timestamp out of range"), and
+#: an infinite one was sent to engines as ``Infinity``, which is not JSON.
+MAX_SECONDS = 1e9
+#: The shortest non-zero engine_stale_s / engine_ttl_s: a held poll marks its engine seen every
+#: third of the window, at least 0.05 s apart (replica/engines.py ``poll_step``); below ~0.15 s a
+#: polling engine is stale at every liveness tick (measured: 23 stale/live flips in 5 s at 0.01 s).
+ENGINE_WINDOW_MIN_S = 0.5
 # Lower bounds of numeric keys (inclusive); every other number must be >= 0.
 _MINIMUM: dict[str, float] = {
     "max_inflight": 1,
@@ -204,7 +213,7 @@ class Config:
     engine_ttl_s: float = field(
         default=30.0,
         metadata={
-            "help": "an engine that has not polled for this long is dropped and its leases released (0 = never); must exceed its longest prepare + swap"
+            "help": "an engine that has not polled for this long is dropped and its leases released (0 = never; else at least 0.5 s); must exceed its longest prepare + swap"
         },
     )
     memory_probe_dir: str = field(
@@ -225,7 +234,7 @@ class Config:
     engine_stale_s: float = field(
         default=10.0,
         metadata={
-            "help": "an engine not heard from (poll, heartbeat, ack) for this long is stale: the replica stops waiting for it and says so; live again when heard from (0 = never stale; above engine_ttl_s it has no effect)"
+            "help": "an engine not heard from (poll, heartbeat, ack) for this long is stale: the replica stops waiting for it and says so; live again when heard from (0 = never stale; else at least 0.5 s; above engine_ttl_s it has no effect)"
         },
     )
     gc_grace_s: float = field(
@@ -449,6 +458,20 @@ class Config:
                 lo = _MINIMUM.get(f.name, 0)
                 if v < lo or v != v:
                     raise ConfigError(f"config key {f.name!r} must be >= {lo:g}, got {v!r}")
+                if not math.isfinite(v) or (f.name.endswith("_s") and v > MAX_SECONDS):
+                    raise ConfigError(
+                        f"config key {f.name!r} must be a finite number"
+                        + (f" of at most {MAX_SECONDS:g} s (0 turns most timers off)" if f.name.endswith("_s") else "")
+                        + f", got {v!r}"
+                    )
+        for key in ("engine_stale_s", "engine_ttl_s"):
+            v = getattr(self, key)
+            if 0 < v < ENGINE_WINDOW_MIN_S:
+                raise ConfigError(
+                    f"config key {key!r} must be 0 (off) or at least {ENGINE_WINDOW_MIN_S:g} s, got {v!r}: a polling "
+                    "engine is marked seen every third of it and no more often than every 0.05 s, so a shorter "
+                    "window flags live engines"
+                )
         if not self.local_listen and not self.local_socket:
             raise ConfigError("the local API needs local_listen (loopback host:port) or local_socket (a path)")
         if self.partition_secret_file:

@@ -44,10 +44,10 @@ from typing import Any, NoReturn
 from bdn import __version__
 from bdn.daemon.app import App
 from bdn.daemon.config import Config, ConfigError
-from bdn.daemon.listening import CannotListen
-from bdn.daemon.logctx import ContextFilter
-from bdn.daemon.shmlock import ShmFull, ShmLock
-from bdn.daemon.shutdown import StopClock, join_workers
+from bdn.daemon.observe.logctx import ContextFilter
+from bdn.daemon.process.listening import CannotListen
+from bdn.daemon.process.shmlock import ShmFull, ShmLock
+from bdn.daemon.process.shutdown import StopClock, join_workers
 from bdn.proto.errors import BdnError
 from bdn.proto.keys import derive_keys
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     As the program (``IS_PROGRAM``) it does not return once the daemon ran: the process ends with
     ``os._exit`` after the logs are flushed, within ``shutdown_timeout_s`` of the stop request
-    (``bdn.daemon.shutdown``)."""
+    (``bdn.daemon.process.shutdown``)."""
     args = build_parser().parse_args(argv)
     overrides = {k: v for k, v in vars(args).items() if k != "config" and v is not None}
     if isinstance(overrides.get("peers"), str):

@@ -71,6 +71,7 @@ class Prepared:
     changed_source: str = ""
     reason: str = ""
     prepare_ms: float = 0.0
+    prepare_cpu_ms: float = 0.0  # this process's CPU time (every thread) while preparing
     bytes_copied: int = 0
     ranges: int = 0  # tensors of which only the offer's changed byte ranges were read
 
@@ -164,7 +165,7 @@ class HFEngine:
         place like the partial one, so the two pauses compare copy sizes). Otherwise a new model
         object is built (``mode "load"``: the first load, or an architecture change).
         """
-        t0 = self.clock()
+        t0, cpu0 = self.clock(), time.process_time()
         serving = self.snapshot
         prep: Prepared | None = None
         reason = ""
@@ -199,6 +200,7 @@ class HFEngine:
             nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
             prep = Prepared(snap, options, "load", model=(model, tok), bytes_copied=nbytes, reason=reason)
         prep.prepare_ms = (self.clock() - t0) * 1000.0
+        prep.prepare_cpu_ms = (time.process_time() - cpu0) * 1000.0
         return prep
 
     # -- swap (the pause) ------------------------------------------------------------------
@@ -207,7 +209,9 @@ class HFEngine:
 
         Report: ``{"identity", "policy_version", "mode", "tensors_copied", "bytes_copied",
         "changed_source", "prompt_cache": "reset"|"preserved", "prompt_cache_entries_dropped",
-        "prepare_ms", "pause_ms", "drain_ms", "aborted", "kept", ...options}``.
+        "prepare_ms", "prepare_cpu_ms", "pause_ms", "drain_ms", "aborted", "kept", ...options}``
+        (``prepare_cpu_ms``: the CPU time of the whole engine process, every thread, while it
+        prepared: on a busy machine ``prepare_ms`` is mostly waiting for a core).
         """
         th = torch()
         dropped = 0
@@ -261,6 +265,7 @@ class HFEngine:
             "prompt_cache": "reset" if prep.options.reset_prompt_cache else "preserved",
             "prompt_cache_entries_dropped": dropped,
             "prepare_ms": round(prep.prepare_ms, 3),
+            "prepare_cpu_ms": round(prep.prepare_cpu_ms, 3),
             "pause_ms": round(outcome.pause_ms, 3),
             "drain_ms": round(outcome.drain_ms, 3),
             "aborted": outcome.aborted,

@@ -72,7 +72,9 @@ Returns (per worker) ``{"ok": true, "tensors_changed", "tensors_read", "bytes_re
 "bytes_changed", "modules", "inplace_tensors", "rebuilt_modules", "fallback", "read_ms",
 "load_ms"}`` (``read_ms``: reading, in place or into buffers; ``load_ms``: repacking in-place
 modules and rebuilding the others). Raises ``ValueError`` (one line) for a bad request (not JSON,
-unknown tensor, a range outside its tensor, a tensor in two files, a tied embedding changed) and
+unknown tensor, a range outside its tensor, a tensor in two files, a header entry that breaks the
+format, a module to rebuild that the model lacks, a dtype it does not read, a tied embedding
+changed), all found before any parameter is written, and
 ``RuntimeError`` for a load that left a module incomplete or an in-place read that failed; vLLM
 answers the route with 500.
 
@@ -84,6 +86,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import struct
 import time
@@ -97,6 +100,7 @@ __all__ = [
     "INPLACE_ARCHS",
     "KEEP_UNPACKED_ENV",
     "check_ranges",
+    "check_rebuild",
     "closure",
     "keep_unpacked_weights",
     "module_key",
@@ -127,6 +131,9 @@ _DTYPES = {
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
 }
+#: Bytes per element of each dtype of ``_DTYPES`` (safetensors' names).
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_ITEMSIZE |= {"F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def parse_request(raw: Any) -> tuple[Path, list[str], dict[str, list[tuple[int, int]]], bool]:
@@ -194,33 +201,80 @@ def check_ranges(ranges: dict[str, list[tuple[int, int]]], sizes: dict[str, int]
 
 def read_headers(snapshot_dir: Path) -> dict[str, tuple[Path, str, list[int], int, int]]:
     """``{tensor name: (file, dtype, shape, absolute start, absolute end)}`` over the directory's
-    ``*.safetensors`` files (headers only). Raises ValueError for a malformed header or a name
-    in two files."""
+    ``*.safetensors`` files (headers only). Every entry is held to the format before anything is
+    read or written with it: ``0 <= begin <= end`` inside the file, and, for a dtype of
+    :data:`_ITEMSIZE`, ``end - begin`` = the shape's elements times the dtype's size (else an
+    in-place write of the tensor would run into the parameter rows after it, another tensor's).
+    Raises ValueError (one line) for a malformed header or entry, or a name in two files."""
     out: dict[str, tuple[Path, str, list[int], int, int]] = {}
     for f in sorted(snapshot_dir.glob("*.safetensors")):
         with open(f, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
             head = fh.read(8)
             if len(head) != 8:
                 raise ValueError(f"{f.name}: shorter than a safetensors header")
             (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER:
-                raise ValueError(f"{f.name}: header of {n} bytes")
+            if n > MAX_HEADER or 8 + n > size:
+                raise ValueError(f"{f.name}: header of {n} bytes in a file of {size}")
             try:
                 header = json.loads(fh.read(n))
             except ValueError as exc:
                 raise ValueError(f"{f.name}: header is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{f.name}: header is not a JSON object")
         base = 8 + n
         for name, e in header.items():
             if name == "__metadata__":
                 continue
             if name in out:
                 raise ValueError(f"tensor {name[:80]!r} is in {out[name][0].name} and {f.name}")
-            try:
-                start, end = (int(x) for x in e["data_offsets"])
-                out[name] = (f, str(e["dtype"]), [int(x) for x in e["shape"]], base + start, base + end)
-            except (KeyError, TypeError, ValueError):
-                raise ValueError(f"{f.name}: bad header entry for {name[:80]!r}") from None
+            out[name] = (f, *_entry(f.name, name, e, base, size))
     return out
+
+
+def _entry(fname: str, name: str, e: Any, base: int, size: int) -> tuple[str, list[int], int, int]:
+    """``(dtype, shape, absolute start, absolute end)`` of one header entry (see :func:`read_headers`)."""
+    try:
+        dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
+    except (KeyError, TypeError):
+        raise ValueError(f"{fname}: bad header entry for {name[:80]!r}") from None
+    ints = [*shape, *offsets] if isinstance(shape, list) and isinstance(offsets, list) else None
+    if (
+        not isinstance(dtype, str)
+        or ints is None
+        or len(offsets) != 2
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ints)
+    ):
+        raise ValueError(f"{fname}: bad header entry for {name[:80]!r}")
+    start, end = offsets
+    if start > end or base + end > size:
+        raise ValueError(f"{fname}: tensor {name[:80]!r} at [{start}, {end}) of a data area of {size - base} bytes")
+    item = _ITEMSIZE.get(dtype)
+    if item is not None and end - start != math.prod(shape) * item:
+        raise ValueError(
+            f"{fname}: tensor {name[:80]!r} is {end - start} bytes, its shape {shape} of {dtype} needs "
+            f"{math.prod(shape) * item}"
+        )
+    return dtype, list(shape), base + start, base + end
+
+
+def check_rebuild(
+    model: Any, infos: dict[str, tuple[Path, str, list[int], int, int]], mods: list[str], read: list[str]
+) -> None:
+    """Raise ValueError (one line) unless every module of ``mods`` is in ``model`` (a
+    ``torch.nn.Module``) and every tensor of ``read`` has a dtype the extension reads: checked
+    before the in-place writes, so that a request failing there leaves every parameter as it was."""
+    import torch
+
+    for key in mods:
+        try:
+            model.get_submodule(key)
+        except AttributeError:
+            raise ValueError(f"bdn_load_tensors: no module {key[:80]!r} in the served model") from None
+    for n in read:
+        f, dtype = infos[n][0], infos[n][1]
+        if getattr(torch, _DTYPES.get(dtype, ""), None) is None:
+            raise ValueError(f"bdn_load_tensors: {f.name}: tensor {n[:80]!r} has dtype {dtype}, not one read here")
 
 
 def module_key(name: str, packed: dict[str, list[str]]) -> str:
@@ -394,6 +448,8 @@ class BdnWorkerExtension:
                 targets[key] = found
                 continue
             rebuild.extend(group)
+        mods, read = closure(rebuild, list(infos), packed)
+        check_rebuild(model, infos, mods, read)  # a bad module or dtype fails before any write
         nbytes = 0
         with torch.no_grad():
             for found in targets.values():
@@ -422,7 +478,6 @@ class BdnWorkerExtension:
                 if qm is not None:
                     qm.process_weights_after_loading(layer)  # on CPU: repack from the parameter
         t2 = time.perf_counter()
-        mods, read = closure(rebuild, list(infos), packed)
         rebuilt_bytes, read_s = self._bdn_rebuild(model, vllm_config, infos, mods, read, packed) if mods else (0, 0.0)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             fn = getattr(runner, reset, None)

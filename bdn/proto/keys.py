@@ -168,7 +168,7 @@ def sign_request(
 
 
 class NonceSeen(Protocol):
-    """What ``verify_request`` needs of a replay check (the daemon's is ``bdn.daemon.nonces.ReplayWindows``)."""
+    """What ``verify_request`` needs of a replay check (the daemon's is ``bdn.daemon.swarm.nonces.ReplayWindows``)."""
 
     def add(self, nonce: str, now: float, node: str = "", ts: float | None = None) -> bool:
         """Accept ``nonce`` of signer ``node`` (signed at ``ts``, unix s) at ``now``; False if it

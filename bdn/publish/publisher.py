@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from bdn.bucket import Bucket, ObjectNotFound, open_bucket
-from bdn.daemon.headers import SUFFIX, HeaderRefused, check_file
+from bdn.daemon.apply.headers import SUFFIX, HeaderRefused, check_file
 from bdn.proto import arc
 from bdn.proto.chunks import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from bdn.proto.identity import validate_identity
 from bdn.proto.manifest import MANIFEST_NAME, STARTUP_NAME, Manifest
-from bdn.publish.commit import CHECKSUM_FORMAT, commit, refuse_published
+from bdn.publish.commit import CHECKSUM_FORMAT, claimed, commit, refuse_published
 from bdn.publish.diffs import make_diffs
 from bdn.publish.errors import PublishError
 from bdn.publish.fetch import read_manifest
@@ -82,7 +82,8 @@ def publish_full(
 
     Raises:
         IdentityError: ``identity`` breaks the identity rule.
-        PublishError: the snapshot is already published (and not ``overwrite``), a local file
+        PublishError: the snapshot is already published (and not ``overwrite``), another publish
+            of it holds its claim (:func:`bdn.publish.commit.claim_commit`: nothing uploaded), a local file
             cannot be read or changed during the upload, a ``*.safetensors`` file does not open
             in the safetensors library (checked before any upload), or an argument is out of range.
         PathError: the directory holds an unsafe path, symlink or special file.
@@ -96,8 +97,11 @@ def publish_full(
             files = scan_dir(src)
             if check_headers:
                 _check_headers(files)
-            entries = store_all(b, identity, [Upload(f.path, f.local) for f in files], chunk_size, workers, progress)
-        return commit(b, identity, policy_version, chunk_size, entries, overwrite)
+            with claimed(b, identity, overwrite):  # before the first write: one publisher stores objects
+                entries = store_all(
+                    b, identity, [Upload(f.path, f.local) for f in files], chunk_size, workers, progress
+                )
+                return commit(b, identity, policy_version, chunk_size, entries, overwrite)
 
 
 def publish_delta(
@@ -135,7 +139,8 @@ def publish_delta(
         IdentityError: ``identity`` or ``base`` breaks the identity rule.
         UnsupportedFormat: ``compression_format`` is not one bdn writes (the message lists them).
         BaseNotPublished: ``base`` has no ``bdn.manifest.json`` in the bucket.
-        PublishError: the snapshot is already published, a target ``*.safetensors`` file has no
+        PublishError: the snapshot is already published, another publish of it holds its claim,
+            a target ``*.safetensors`` file has no
             counterpart in the base or does not open in the safetensors library, or an argument
             is out of range.
         ChecksumError: a local base file differs from what ``base`` published.
@@ -175,8 +180,11 @@ def publish_delta(
             diffed = {f.path for f in tensors}
             uploads += [Upload(f.path, f.local) for f in files if f.path not in diffed]
             uploads.sort(key=lambda u: u.path)
-            entries = store_all(b, identity, uploads, chunk_size, workers, progress)
-        return commit(b, identity, policy_version, chunk_size, entries, overwrite, delta_of=(base, compression_format))
+            with claimed(b, identity, overwrite):  # before the first write: one publisher stores objects
+                entries = store_all(b, identity, uploads, chunk_size, workers, progress)
+                return commit(
+                    b, identity, policy_version, chunk_size, entries, overwrite, delta_of=(base, compression_format)
+                )
 
 
 def publish_startup(bucket: str | Bucket, identity: str) -> None:
@@ -204,7 +212,7 @@ def publish_startup(bucket: str | Bucket, identity: str) -> None:
 def _check_headers(files: list[LocalFile]) -> None:
     """Refuse, before anything is uploaded, a ``*.safetensors`` file that the safetensors library
     does not open (a truncated copy, a bad header): every daemon would fail the snapshot at its
-    last check before READY (``bdn.daemon.headers``, the same rule), after the fleet fetched it.
+    last check before READY (``bdn.daemon.apply.headers``, the same rule), after the fleet fetched it.
 
     Raises:
         PublishError: "<path>: the safetensors library refuses its header: <its reason> ...".

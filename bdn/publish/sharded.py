@@ -57,7 +57,7 @@ from bdn.proto.parts import (
 )
 from bdn.proto.reserved import reserved_path
 from bdn.proto.safetensors_fmt import DTYPE_BITS, safetensors_dtype
-from bdn.publish.commit import CHECKSUM_FORMAT, claim_commit, commit, refuse_published
+from bdn.publish.commit import CHECKSUM_FORMAT, claimed, commit, refuse_published
 from bdn.publish.errors import PublishError
 from bdn.publish.fetch import read_manifest
 from bdn.publish.layout import INDEX_NAME, as_numpy, group, layer_file
@@ -227,7 +227,8 @@ def commit_step(
             chunk size), a tensor or a file is published by two ranks, or a delta's files are
             not the base's. Nothing is published then.
         PublishError: ``identity`` already published (unless ``overwrite``), another commit of
-            it holds the step's claim (:func:`bdn.publish.commit.claim_commit`), bad arguments.
+            it holds the step's claim (:func:`bdn.publish.commit.claim_commit`), the object at the
+            claim's key is not a claim, bad arguments.
         PathError: a bad ``extra_files`` path.
         BucketError: the bucket failed; the manifest is then not written.
     """
@@ -255,16 +256,16 @@ def commit_step(
         # Right before the first write (the wait for the parts above can be long): only the
         # holder of the step's claim writes its extra files and manifest, so a commit racing
         # this one never replaces the files under the other's manifest.
-        claim_commit(b, identity, overwrite)
-        for path, data in sorted(extras.items()):
-            b.write(f"{identity}/{path}", data)
-            entries.append(FileEntry(path, len(data), tuple(buffer_digests(data, step.chunk_size))))
-        entries.sort(key=lambda e: e.path)
-        delta_of = None
-        if step.kind == "delta":
-            assert step.base_identity is not None and step.compression_format is not None  # checked by merge_parts
-            delta_of = (step.base_identity, step.compression_format)
-        return commit(b, identity, policy_version, step.chunk_size, entries, overwrite, delta_of=delta_of)
+        with claimed(b, identity, overwrite):
+            for path, data in sorted(extras.items()):
+                b.write(f"{identity}/{path}", data)
+                entries.append(FileEntry(path, len(data), tuple(buffer_digests(data, step.chunk_size))))
+            entries.sort(key=lambda e: e.path)
+            delta_of = None
+            if step.kind == "delta":
+                assert step.base_identity is not None and step.compression_format is not None  # checked by merge_parts
+                delta_of = (step.base_identity, step.compression_format)
+            return commit(b, identity, policy_version, step.chunk_size, entries, overwrite, delta_of=delta_of)
 
 
 # ---- helpers ----------------------------------------------------------------------------------
@@ -327,7 +328,7 @@ def _read_parts(b: Bucket, identity: str, world_size: int, wait_s: float) -> lis
         others = sorted(
             o.key.rsplit("/", 1)[-1]
             for o in b.list(f"{PARTS_DIR}/{identity}/")
-            if not o.key.endswith(f"-of-{world_size:05d}.json")
+            if o.key.rsplit("/", 1)[-1].startswith("part-") and not o.key.endswith(f"-of-{world_size:05d}.json")
         )
         if others:
             raise PartError(

@@ -15,7 +15,7 @@ The wire format and handshake are in bdn.proto.wire (pure); this package does th
   ``concurrent.futures.Future``.
 - bdn.transfer.target: ``reserve(fd, size)`` and ``map_target(fd, size)`` for target files.
 
-How the daemon adopts it (bdn.daemon.wire_peer): ``resolve`` answers from the chunk index
+How the daemon adopts it (bdn.daemon.serve.wire_peer): ``resolve`` answers from the chunk index
 (address -> stored file, offset, length; only verified chunks are indexed); ``admit`` runs the
 pure upload policy (slots, per-chunk fan-out, ``wait`` while this owner fetches the chunk) and
 returns ``Granted(release)``, ``Busy(retry_after_s)`` or ``NOT_HERE``; each member advertises its

@@ -1,4 +1,4 @@
-"""Catching up k deltas on one node: folding the chain (bdn/daemon/fold.py) against applying the
+"""Catching up k deltas on one node: folding the chain (bdn/daemon/apply/fold.py) against applying the
 deltas one by one, each into its own snapshot directory (what bdnd did before, and still does with
 ``fold_deltas = false``).
 
@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from bdn.daemon import diskio, headers
-from bdn.daemon.fold import fold_chain
+from bdn.daemon.apply import headers
+from bdn.daemon.apply.fold import fold_chain
+from bdn.daemon.store import diskio
 from bdn.fileops import save
 from bdn.proto.manifest import Manifest
 from bdn.publish import publish_delta, publish_full

@@ -20,7 +20,7 @@ Runs (bench/fleetsim/sim.py, policies from bdn/control; today's daemon: bench/fl
 Settings of the fleet runs (the daemon's keys): ``bucket_concurrency`` 32 connections per bucket
 reader (so :func:`bdn.control.owners.reader_count` gives ceil(1.5 x 100 / 32) = 5 readers, 160
 connections, reader slots); peer set k 16, max 32 (4 reader slots); 16 download slots, 4 per
-peer; bdnd's upload admission (bdn.daemon.uploads.Uploads: 8 upload slots, 2 copies of a chunk
+peer; bdnd's upload admission (bdn.daemon.serve.uploads.Uploads: 8 upload slots, 2 copies of a chunk
 at once or half the slots while fewer are busy, cut-through slots of their own; a full holder
 answers busy), bdnd's SourceBook per node (bdn.daemon.fetch.policy: refusals penalise a peer for
 penalty_s 30, rates rank holders); endgame 4 (bdnd's); a HAVE as soon as a chunk is verified;
@@ -81,7 +81,7 @@ def fleet(name: str, n: int, size: float, chunks: int, **kw: Any) -> Scenario:
     # bdnd as it runs (bench/NOTES.md, "Issue 13, part 3"): one chunk at a time per reader, a
     # HAVE as soon as a chunk is verified, max_inflight 16 and max_per_peer 4 (its defaults),
     # chunks forwarded as their real 16 MiB chunks arrive, cut-through behind bucket reads (the
-    # lead's); upload admission and the source book are bdnd's (bdn.daemon.uploads, fetch.policy)
+    # lead's); upload admission and the source book are bdnd's (bdn.daemon.serve.uploads, fetch.policy)
     for k, v in FLEET_DEFAULTS.items():
         kw.setdefault(k, v)
     kw.setdefault("kill_frac", 0.01)  # overridable (--set late_frac=0: the joiners' share of the time)

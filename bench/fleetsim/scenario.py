@@ -59,7 +59,7 @@ class Scenario:
     hotload_fanout: int = 3  # TargetGossip's fanout (bdn/control/hotload.py default 3)
     suspect_mult: float = 4.0
     max_piggyback: int = 32  # Swim.max_piggyback: updates per SWIM message
-    uploads_per_chunk: int = 2  # bdnd's uploads_per_chunk (bdn.daemon.uploads.Uploads, both policies)
+    uploads_per_chunk: int = 2  # bdnd's uploads_per_chunk (bdn.daemon.serve.uploads.Uploads, both policies)
     # today policy knobs (bdn/daemon/config.py defaults)
     max_inflight: int = 16
     today_per_peer: int = 4

@@ -5,7 +5,7 @@ a :class:`bdn.control.peerset.PeerSet` for the snapshot, an :class:`bdn.control.
 and a :class:`bdn.control.hotload.TargetGossip`, exactly the objects the daemon uses, and the
 daemon's fetch policy (:mod:`bdn.daemon.fetch.policy`: the endgame rule, the holder ranking
 ``holder_key``, a :class:`SourceBook` per node that records each peer's rate and refusals and
-says whom to penalise) and upload admission (:class:`bdn.daemon.uploads.Uploads`: upload
+says whom to penalise) and upload admission (:class:`bdn.daemon.serve.uploads.Uploads`: upload
 slots, per-chunk fan-out, cut-through slots), with simpy's clock injected; this module only
 delivers their messages (one-way delay = RTT/2 plus jitter) and moves chunk bytes over
 :mod:`bench.fleetsim.net` (max-min fair flows). tests/test_fleetsim_policy.py fails if it stops.
@@ -39,7 +39,7 @@ from bdn.control.owners import OwnerCache, reader_count, reader_slots
 from bdn.control.peerset import PeerSet
 from bdn.control.swim import Message, Swim
 from bdn.daemon.fetch.policy import SourceBook, owner_places
-from bdn.daemon.uploads import Admission, Uploads
+from bdn.daemon.serve.uploads import Admission, Uploads
 from bdn.proto import hrw
 from bench.fleetsim.forward import Forwarding
 from bench.fleetsim.net import Link, Network, call_later
@@ -48,7 +48,7 @@ from bench.fleetsim.scenario import Scenario
 
 
 class SimClock:
-    """simpy's clock as the daemon's ``Clock`` (``bdn.daemon.clock``): ``monotonic()`` is
+    """simpy's clock as the daemon's ``Clock`` (``bdn.daemon.process.clock``): ``monotonic()`` is
     ``env.now``; ``time()``/``time_ns()`` the same seconds (nothing here needs the epoch)."""
 
     def __init__(self, env: simpy.Environment) -> None:
@@ -185,7 +185,7 @@ class SimNode:
         self.nreads = 0  # bucket reads in flight
         self.inherited: set[int] = set()
         self.unreachable: set[str] = set()
-        self.upl: Uploads | None = None  # the daemon's upload admission (bdn.daemon.uploads)
+        self.upl: Uploads | None = None  # the daemon's upload admission (bdn.daemon.serve.uploads)
         self.book: SourceBook | None = None  # the daemon's record of each peer (bdn.daemon.fetch.policy)
         self.slow: _SlowMemo | None = None  # book.slow, remembered between rate samples
         self.penalised = 0  # peers this node penalised (SourceBook.refused)
@@ -676,7 +676,7 @@ class FleetSim:
         self.admit(src, nd, i, cb)
 
     def upload_admit(self, src: SimNode, i: int) -> bool:
-        """bdnd's upload admission (:class:`bdn.daemon.uploads.Uploads`): a held chunk takes an
+        """bdnd's upload admission (:class:`bdn.daemon.serve.uploads.Uploads`): a held chunk takes an
         upload slot within the per-chunk fan-out, a chunk still arriving here (forwarded while
         it lands) a cut-through slot. Books the slot (:meth:`_sent` gives it back)."""
         key = self.digests[i]

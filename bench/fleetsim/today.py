@@ -21,7 +21,7 @@ import numpy as np
 from bdn.control.hotload import TargetGossip
 from bdn.control.owners import OwnerCache
 from bdn.control.peerset import PeerSet
-from bdn.daemon.uploads import Uploads
+from bdn.daemon.serve.uploads import Uploads
 from bench.fleetsim.sim import FleetSim, SimNode
 
 

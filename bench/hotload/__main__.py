@@ -31,7 +31,8 @@ Measured in the same run, for the targets of issue 10:
   ``stages``) plus the engine's prepare and pause (report ``prepare_ms`` + ``pause_ms``).
   POST to done should be within 1.2 x (transfer floor + apply);
 * ``daemon_cpu_s``: bdnd's user + system CPU seconds from the POST to done (``/proc/<pid>/stat``):
-  on a loaded machine the wall times are mostly the scheduler's, this is the daemon's own work.
+  on a loaded machine the wall times are mostly the scheduler's, this is the daemon's own work;
+  ``prepare_cpu_ms``: the same for the engine (this process, every thread) while it prepared.
 
 ``--step-interval S`` waits S seconds after each done before the next POST (a trainer's step: the
 daemon brings the spare the engine freed forward meanwhile, DESIGN.md "Sparse apply").
@@ -73,6 +74,7 @@ METRICS = (
     "post_to_done_s",
     "pause_ms",
     "prepare_ms",
+    "prepare_cpu_ms",
     "memcpy_changed_s",
     "transfer_floor_s",
     "apply_s",
@@ -377,6 +379,7 @@ def main() -> int:
                             "post_to_done_s": round(post_to_done, 4),
                             "pause_ms": rep["pause_ms"],
                             "prepare_ms": rep["prepare_ms"],
+                            "prepare_cpu_ms": rep.get("prepare_cpu_ms"),
                             "memcpy_changed_s": round(mc, 5),
                             "memcpy_torch_s": round(mcs["torch"], 5),
                             "memcpy_numpy_s": round(mcs["memcpy"], 5),

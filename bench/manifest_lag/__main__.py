@@ -4,7 +4,7 @@ Issue 12, item 2: no step may block the daemon's event loop for more than about 
 starts one real ``bdnd`` on a ``file://`` bucket holding one huge snapshot (sparse objects, 4 KiB
 chunks: the manifest is 40 MB of JSON), its bucket reads throttled to a trickle
 (``BDN_BUCKET_MBIT``) so that it stays ``downloading`` with the whole plan in hand, and reads the
-daemon's own lateness probe (``bdn.daemon.looplag``: a 50 ms sleep loop on the event loop) from
+daemon's own lateness probe (``bdn.daemon.observe.looplag``: a 50 ms sleep loop on the event loop) from
 ``/metrics`` once a second, in three phases of each run:
 
 - ``idle``: the daemon up, nothing asked of it: the baseline of the same run (what the machine's

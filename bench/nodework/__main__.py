@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from bdn import fileops
-from bdn.daemon import diskio
+from bdn.daemon.store import diskio
 from bdn.proto import arc, sparse, sparse_kernel
 from bdn.proto.delta_tasks import raw_adler32
 from bdn.proto.manifest import Manifest

@@ -118,6 +118,7 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         anchor_every=cfg.anchor_every,
         interval=cfg.interval,
         chunk_size=cfg.chunk_size,
+        end_grace_s=cfg.chaos.quiet_s,  # the quiet tail: no fault holds the last hot-load back
     )
     verifier = Verifier(fleet, trainer, random.Random(rng.randrange(1 << 30)), clock, cfg.reverify_s)
     sampler: Sampler | None = None
@@ -286,6 +287,7 @@ def build_result(
         "logs": report.log_rates(samples, minutes),
         "top_log_lines": report.top_log_lines({nid: n.daemon.log_path for nid, n in fleet.nodes.items()}),
         "liar_bad_chunks_taken": report.liar_hits({nid: n.daemon.log_path for nid, n in fleet.nodes.items()}),
+        "penalties": report.penalties({nid: n.daemon.log_path for nid, n in fleet.nodes.items()}),
         "lives": {nid: [asdict(lf) for lf in n.lives] for nid, n in fleet.nodes.items()},
         "engine_lives": [asdict(lf) for lf in fleet.engine_lives],
         "unexpected_exits": fleet.unexpected_exits,
@@ -297,5 +299,6 @@ def build_result(
         "maps_columns": ["t_s", "node", "pid", "heap_kb", "arenas_kb", "arena_heaps", "other_kb", "threads"],
         "maps": sampler.maps if sampler else [],
     }
+    r["not_done_why"] = report.classify_not_done(r)
     r["findings"] = report.findings(r)
     return r

@@ -9,7 +9,7 @@ block; this measures it on the two of bdnd's paths that allocate large blocks pe
 
 - ``apply``: a delta applied the way bdnd does (``bench.delta.apply_speed.apply_once``: MiniLM
   bf16, 2 % of the values changed, ``arc_v2``, one worker); numpy and zstd scratch per tensor;
-- ``pread``: one chunk read into a new ``bytes`` (``bdn.daemon.diskio.pread``, the HTTP serving
+- ``pread``: one chunk read into a new ``bytes`` (``bdn.daemon.store.diskio.pread``, the HTTP serving
   path), 16 MiB chunks (the publisher's default) from a /dev/shm file.
 
 Each variant runs in its own interpreter (the variable is read by glibc at start-up), rounds
@@ -49,7 +49,7 @@ def child(reps: int) -> dict[str, float]:
     import numpy as np
 
     from bdn import fileops
-    from bdn.daemon import diskio
+    from bdn.daemon.store import diskio
     from bench.delta import apply_speed, inputs
 
     out: dict[str, float] = {}

@@ -328,45 +328,172 @@ def hotload_stats(hotloads: list[dict[str, Any]]) -> dict[str, Any]:
 
 _NUMS = re.compile(r"step\d+|\d+")
 
+_PENALTY = re.compile(
+    r"^\S+ \S+ (?P<by>\S+) WARNING \S+ snapshot \S+: peer (?P<peer>\S+) (?P<what>sent bad bytes|stalled on chunk|is slow|"
+    r"refused the chunks it advertises).*?penalised for [\d.]+ s(?: \(and (?P<more>\d+) more like it)?"
+)
+_PENALTY_KIND = {
+    "sent bad bytes": "bad bytes",
+    "stalled on chunk": "stalled",
+    "is slow": "slow",
+    "refused the chunks it advertises": "refused what it advertises",
+}
+
+
+def penalties(paths: dict[str, Path], liars: tuple[str, ...] = ("liar",)) -> dict[str, Any]:
+    """Penalties each peer got over the run, from every daemon's log (bdn/daemon/fetch: "peer X
+    sent bad bytes / stalled / is slow / refused the chunks it advertises ... penalised for N s",
+    with a rate-limited line's "(and N more like it)" added): ``{"by_peer": {peer: {kind: n}},
+    "honest_bad_bytes": {peer: n}}``. Bad bytes from a peer that is not one of ``liars`` is a
+    bug (an honest daemon never serves bytes that fail their digest); the other kinds are about
+    speed or a stale have-list and say nothing about honesty."""
+    by_peer: dict[str, Counter[str]] = {}
+    examples: dict[str, str] = {}
+    for _node, p in sorted(paths.items()):
+        try:
+            text = p.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if "penalised for" not in line:
+                continue
+            m = _PENALTY.search(line)
+            if not m:
+                continue
+            kind = _PENALTY_KIND[m.group("what")]
+            by_peer.setdefault(m.group("peer"), Counter())[kind] += 1 + int(m.group("more") or 0)
+            examples.setdefault(f"{m.group('peer')} {kind}", line[:300])
+    honest = {peer: c["bad bytes"] for peer, c in by_peer.items() if c.get("bad bytes") and peer not in liars}
+    return {
+        "by_peer": {peer: dict(c) for peer, c in sorted(by_peer.items())},
+        "liars": list(liars),
+        "honest_bad_bytes": honest,
+        "examples": {k: v for k, v in examples.items() if k.split(" ", 1)[0] in honest},
+    }
+
+
 #: Stages of a replica still loading its target: a POST that comes meanwhile supersedes it (the
 #: replica's row lists it in ``superseded``), which is the trainer's pace, not the daemon's fault.
 LOADING_STAGES = ("queued", "downloading", "applying", "verifying")
 #: How long before a POST an engine crash can still hold its replica: bdnd's engine_stale_s (10 s)
 #: plus a liveness tick (a third of it) and the engine's restart and first poll.
 ENGINE_HOLD_S = 20.0
+#: How long after a daemon's restart (chaos ``kill``, ``liar`` or ``slow``: each kills it and
+#: starts it again) its replica can still be catching up: membership and the target's catch-up,
+#: then the snapshot's load.
+RESTART_HOLD_S = 30.0
+#: Faults that kill a daemon and start it again (bench/soak/chaos.py).
+RESTARTING_FAULTS = ("kill", "liar", "slow")
+
+#: The reasons :func:`classify_not_done` gives, in the order the report lists them.
+REASONS = (
+    "superseded while loading",
+    "cut off by the end of the run while loading",
+    "daemon killed and restarted (chaos kill)",
+    "daemon restarted with the liar as a peer (chaos liar)",
+    "daemon restarted with a slow uplink (chaos slow)",
+    "engine crashed or restarted (chaos engine_crash)",
+    "reported (error, or a stale engine named)",
+    "row says done while the old snapshot is served",
+    "left out of the fleet view: the viewer had it penalised",
+    "left out of the fleet view: the viewer had it not alive",
+    "unexplained",
+)
+_BY_FAULT = {"kill": REASONS[2], "liar": REASONS[3], "slow": REASONS[4]}
 
 
-def not_done_reasons(records: list[dict[str, Any]], chaos: list[dict[str, Any]], engine_node: str) -> dict[str, Any]:
-    """Why each replica not done with a hot-load before the next POST (or the end) was not:
-    ``{"superseded": n, "engine_stale": n, "reported": n, "unexplained": Counter("node stage S")}``.
+def _down_windows(r: dict[str, Any]) -> dict[str, list[tuple[float, float, str]]]:
+    """Per node, ``(killed_at, healthy_again_at, fault)`` of each restart the chaos loop made
+    (``RESTARTING_FAULTS``; ``inf`` when it did not come back within the run)."""
+    out: dict[str, list[tuple[float, float, str]]] = {}
+    ev = sorted(r.get("chaos", []), key=lambda e: e["t_s"])
+    for i, e in enumerate(ev):
+        if e.get("fault") in RESTARTING_FAULTS and e.get("node"):
+            back = next(
+                (x["t_s"] for x in ev[i + 1 :] if x.get("action") == "restarted" and x.get("node") == e["node"]),
+                float("inf"),
+            )
+            out.setdefault(e["node"], []).append((e["t_s"], back, e["fault"]))
+    return out
 
-    - ``superseded``: the replica was still loading (``LOADING_STAGES``) when the next POST came;
-    - ``engine_stale``: the engine's replica held the bytes ready (``ready``, ``loading``) or said
-      its engine stopped polling, and an engine crash came within ``ENGINE_HOLD_S`` before the POST
-      or before the next one (bdnd stops waiting for a crashed engine after ``engine_stale_s``);
+
+def classify_not_done(r: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every replica not done with a hot-load before the next POST (or the end of the run), with
+    its reason (one of ``REASONS``), from the result's records alone (pure):
+    ``[{"identity", "node", "stage", "reason", "why", "own"?}]``.
+
+    The stage is the fleet view's at the trainer's last look (its ``not_done`` row); a replica
+    the view left out gets the stage of its own row (``own``: the trainer asked it right after,
+    bench/soak/trainer.py). In order:
+
     - ``reported``: stage ``error`` with a reason, or a reason naming a stale engine;
-    - anything else is unexplained (a finding), counted by node and stage.
-    Pure: from the result's records alone."""
-    crashes = sorted(e["t_s"] for e in chaos if e.get("fault") == "engine_crash")
-    out: dict[str, Any] = {"superseded": 0, "engine_stale": 0, "reported": 0, "unexplained": Counter()}
+    - the engine's replica ``ready``/``loading``/``error`` with an engine crash or an engine
+      start within ``ENGINE_HOLD_S`` before the POST or before the next one;
+    - a daemon the chaos loop killed (``RESTARTING_FAULTS``) before the next POST and that was
+      healthy again less than ``RESTART_HOLD_S`` before the POST (or not yet);
+    - ``superseded while loading`` / ``cut off by the end``: still in ``LOADING_STAGES``, or
+      ``ready``/``loading`` (verified here, the engine or the change event still to come);
+    - ``done`` with another snapshot served (the inconsistent row, fixed in replica/view.py);
+    - left out of the view, with how the viewer lists it (penalised / not alive);
+    - anything else is ``unexplained`` (a finding)."""
+    engine_node = r.get("engine_node", "node1")
+    engine_events = sorted(
+        e["t_s"] for e in r.get("chaos", []) if e.get("fault") == "engine_crash" or e.get("action") == "engine_started"
+    )
+    downs = _down_windows(r)
+    records = r["hotload_records"]
+    out: list[dict[str, Any]] = []
     for i, h in enumerate(records):
         if h.get("outcome") not in ("not_done_before_next", "not_done_at_end"):
             continue
         t_next = records[i + 1]["t_post"] if i + 1 < len(records) else float("inf")
+        lo = h["t_post"]
         for nd in h.get("not_done", []):
-            stage, reason = nd.get("stage"), nd.get("reason") or ""
-            if "not seen for" in reason or (stage == "error" and reason):
-                out["reported"] += 1
-            elif stage in LOADING_STAGES and h["outcome"] == "not_done_before_next":
-                out["superseded"] += 1
+            own = nd.get("own")
+            src = own if (own and nd.get("in_view") is False) else nd
+            stage, reason = src.get("stage"), src.get("reason") or ""
+            node = nd["node"]
+            fault = [f for t0, t1, f in downs.get(node, []) if t0 <= t_next and t1 >= lo - RESTART_HOLD_S]
+            if "not seen for" in reason or "stopped polling" in reason or (stage == "error" and reason):
+                why = REASONS[6]
             elif (
-                nd["node"] == engine_node
-                and stage in ("ready", "loading")
-                and any(h["t_post"] - ENGINE_HOLD_S <= t <= t_next for t in crashes)
+                node == engine_node
+                and stage in ("ready", "loading", "error")
+                and any(lo - ENGINE_HOLD_S <= t <= t_next for t in engine_events)
             ):
-                out["engine_stale"] += 1
+                why = REASONS[5]
+            elif fault:
+                why = _BY_FAULT[fault[-1]]
+            elif stage in LOADING_STAGES or stage in ("ready", "loading"):
+                why = REASONS[0] if h["outcome"] == "not_done_before_next" else REASONS[1]
+            elif stage == "done" and src.get("current") != h["identity"] and src.get("identity") == h["identity"]:
+                why = REASONS[7]
+            elif nd.get("in_view") is False and (nd.get("viewer_peer") or {}).get("penalised"):
+                why = REASONS[8]
+            elif nd.get("in_view") is False and (nd.get("viewer_peer") or {}).get("alive") is False:
+                why = REASONS[9]
             else:
-                out["unexplained"][f"{nd['node']} stage {stage}"] += 1
+                why = REASONS[-1]
+            out.append(
+                {
+                    "identity": h["identity"],
+                    "node": node,
+                    "stage": stage,
+                    "reason": reason,
+                    "why": why,
+                    **({"own": own} if own is not None else {}),
+                }
+            )
+    return out
+
+
+def not_done_reasons(records: list[dict[str, Any]], chaos: list[dict[str, Any]], engine_node: str) -> dict[str, Any]:
+    """The count of each reason of :func:`classify_not_done` (``REASONS``), plus
+    ``"unexplained_by"``: a Counter of ``"node stage S"`` for the unexplained ones. Pure."""
+    rows = classify_not_done({"hotload_records": records, "chaos": chaos, "engine_node": engine_node})
+    counts = Counter(x["why"] for x in rows)
+    out: dict[str, Any] = {k: counts.get(k, 0) for k in REASONS}
+    out["unexplained_by"] = Counter(f"{x['node']} stage {x['stage']}" for x in rows if x["why"] == REASONS[-1])
     return out
 
 
@@ -396,8 +523,12 @@ def findings(r: dict[str, Any]) -> list[str]:
                 f"({fr['fds_growth']:+d})"
             )
     why = not_done_reasons(r["hotload_records"], r["chaos"], engine_node)
-    for k, n in why["unexplained"].most_common():
+    for k, n in why["unexplained_by"].most_common():
         out.append(f"replica {k}: not done in {n} hot-load(s), nothing reported why")
+    if why[REASONS[7]]:
+        out.append(f"{why[REASONS[7]]} replica row(s) said done for the target while another snapshot was served")
+    for peer, n in ((r.get("penalties") or {}).get("honest_bad_bytes") or {}).items():
+        out.append(f"honest peer {peer} penalised {n} time(s) for bad bytes")
     failed = r["verify"].get("failed_snapshots", [])
     if failed:
         reasons = Counter(_NUMS.sub("#", f["reason"])[:160] for f in failed)
@@ -434,9 +565,8 @@ def text_summary(r: dict[str, Any]) -> str:
         f"({', '.join(f'{k} {n}' for k, n in sorted(r['faults_by_kind'].items()))})",
         f"hot-loads: {h['posted']} posted, {h['completed']} completed ({h['completed_after_faults']} after a fault), "
         f"outcomes {h['outcomes']}",
-        f"replicas not done before the next POST, why: superseded while loading {why['superseded']}, engine "
-        f"crashed (stale after engine_stale_s) {why['engine_stale']}, reported (error or stale engine) "
-        f"{why['reported']}, unexplained {sum(why['unexplained'].values())}",
+        "replicas not done before the next POST (or the end), why: "
+        + "; ".join(f"{k} {why[k]}" for k in REASONS if why[k] or k == REASONS[-1]),
         f"POST -> all live replicas done: p50 {h['post_to_all_done_s']['p50']} s, p99 {h['post_to_all_done_s']['p99']} s; "
         f"-> all ready: p50 {h['post_to_all_ready_s']['p50']} s, p99 {h['post_to_all_ready_s']['p99']} s",
         f"wrong bytes handed out: {v['wrong_bytes_handed_out']} ({v['distinct_ready']} ready snapshots, "
@@ -487,6 +617,16 @@ def text_summary(r: dict[str, Any]) -> str:
                 f"MB/min; fd maxima {f['first']:.0f} -> {f['last']:.0f}, slope {f['slope_per_min']:+.3f} ± "
                 f"{f['stderr_per_min']:.3f} /min"
             )
+    pen = r.get("penalties")
+    if pen:
+        lines.append(
+            "penalties per peer (from the logs): "
+            + ", ".join(
+                f"{peer}{' (liar)' if peer in pen['liars'] else ''} {dict(sorted(k.items()))}"
+                for peer, k in pen["by_peer"].items()
+            )
+            + f"; honest peers penalised for bad bytes: {pen['honest_bad_bytes'] or 'none'}"
+        )
     lh = r.get("liar_bad_chunks_taken")
     if lh:
         lines.append(
@@ -530,6 +670,8 @@ def main(argv: list[str] | None = None) -> int:
     if all(p.exists() for p in logs.values()):
         r["liar_bad_chunks_taken"] = liar_hits(logs)
         r["top_log_lines"] = top_log_lines(logs)
+        r["penalties"] = penalties(logs)
+    r["not_done_why"] = classify_not_done(r)
     c = r["config"]
     if r.get("samples"):  # slopes and floors with the current estimators
         r["resources"] = resources(r["samples"], c["warmup_s"], min(300.0, c["minutes"] * 60 / 3), c["minutes"])

@@ -6,11 +6,15 @@ as an ``arc_v2`` delta against the step before, except every ``anchor_every``-th
 new anchor. Each step after the first is POSTed once to the fleet hot-load API on a random live
 daemon's peer port with the bearer token, ``interval`` s apart (uniform in the range).
 
+The last hot-load gets ``end_grace_s`` past the run's end to finish (nothing supersedes it).
 A hot-load is **done** when every live daemon (up since its last start, per :class:`Fleet`)
 lists itself in the fleet answer with ``current_snapshot_identity`` the new identity and stage
 ``done``; **ready** when every live daemon holds it ready (stage ``ready``, ``loading`` or
 ``done``). Both times are measured from the POST. A hot-load that is not done when the next one
-is POSTed is recorded with the replicas that were not done, and their stage and reason.
+is POSTed is recorded with the replicas that were not done, and their stage and reason as the
+fleet GET listed them; then each of those replicas is asked itself (:meth:`Trainer.probe`): its
+own row from its own GET (``own``), whether the fleet view listed it at all (``in_view``), and
+how the daemon that answered the view sees it as a member (``viewer_peer``: alive, penalised).
 
 A POST answered 409 because the chosen daemon does not serve ``previous_snapshot_identity`` (a
 replica that is behind) is sent to another live daemon; when every one answers 409 it is sent
@@ -70,6 +74,8 @@ class HotLoad:
     done_s: float | None = None
     live_at_done: list[str] = field(default_factory=list)
     not_done: list[dict[str, Any]] = field(default_factory=list)
+    view_from: str | None = None  # the daemon whose fleet GET the last check read
+    view_identity: str | None = None  # that daemon's target when it answered
     outcome: str = "pending"  # done | not_done_before_next | not_done_at_end | rejected
 
 
@@ -102,11 +108,13 @@ class Trainer:
         frac: float = 0.02,
         chunk_size: int = 1 << 20,
         keep_dirs: int = 10,
+        end_grace_s: float = 60.0,
     ) -> None:
         self.fleet, self.workdir, self.rng, self.clock, self.faults = fleet, workdir, rng, clock, faults
         self.cfg = tinygpt.TinyGPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64))
         self.anchor_every, self.interval, self.frac = anchor_every, interval, frac
         self.chunk_size, self.keep_dirs = chunk_size, keep_dirs
+        self.end_grace_s = end_grace_s
         self.published: dict[str, Published] = {}
         self.order: list[str] = []
         self.hotloads: list[HotLoad] = []
@@ -224,8 +232,9 @@ class Trainer:
                 return hl
             time.sleep(1.0)
 
-    def fleet_view(self) -> list[dict[str, Any]] | None:
-        """The fleet's replicas as a live daemon's local API lists them, or None."""
+    def fleet_view(self, hl: HotLoad | None = None) -> list[dict[str, Any]] | None:
+        """The fleet's replicas as a live daemon's local API lists them, or None. With ``hl``, the
+        daemon that answered and its target are kept in ``hl.view_from`` / ``hl.view_identity``."""
         live = self.fleet.live()
         live.sort(key=lambda n: n.daemon.node_id)
         for node in live:
@@ -234,12 +243,52 @@ class Trainer:
             except OSError:
                 continue
             if status == 200 and isinstance(body.get("replicas"), list):
+                if hl is not None:
+                    hl.view_from, hl.view_identity = node.daemon.node_id, body.get("identity")
                 return body["replicas"]
         return None
 
+    def probe(self, hl: HotLoad) -> None:
+        """Ask each replica of ``hl.not_done`` itself: ``own`` is its own row in its own fleet GET
+        (stage, identity, current, reason, engines; None when it did not answer), ``in_view``
+        whether the fleet view the last check read listed it, ``viewer_peer`` how the daemon that
+        answered that view lists it among its members (``alive``, ``penalised``; None if absent)."""
+        by_id = {n.daemon.node_id: n.daemon for n in self.fleet.live()}
+        viewer_peers: dict[str, dict[str, Any]] = {}
+        if hl.view_from in by_id:
+            try:
+                status, body = http_json("GET", by_id[hl.view_from].url + "/v1/status", timeout=20)
+                if status == 200:
+                    viewer_peers = {p.get("node_id"): p for p in body.get("peers", []) if isinstance(p, dict)}
+            except OSError:
+                pass
+        for nd in hl.not_done:
+            d = by_id.get(nd["node"])
+            own = None
+            if d is not None:
+                try:
+                    status, body = http_json("GET", d.url + HOT_LOAD, timeout=20)
+                    if status == 200:
+                        row = next((r for r in body.get("replicas", []) if r.get("replica_id") == nd["node"]), None)
+                        if row is not None:
+                            ls = row.get("loading_state") or {}
+                            own = {
+                                "stage": ls.get("stage"),
+                                "identity": ls.get("identity"),
+                                "reason": ls.get("reason"),
+                                "current": row.get("current_snapshot_identity"),
+                                "engines": row.get("engines"),
+                                "t_s": round(self.clock() - hl.t_post, 1),
+                            }
+                except OSError:
+                    pass
+            nd["own"] = own
+            p = viewer_peers.get(nd["node"])
+            nd["viewer_peer"] = {"alive": p.get("alive"), "penalised": p.get("penalised")} if p else None
+
     def check(self, hl: HotLoad) -> bool:
         """Update ``hl``'s ready/done times from the fleet's answer; True once done."""
-        reps = self.fleet_view()
+        reps = self.fleet_view(hl)
         if reps is None:
             return False
         live = {n.daemon.node_id for n in self.fleet.live()}
@@ -280,6 +329,7 @@ class Trainer:
                 **{
                     k: ((by_id.get(n) or {}).get("loading_state") or {}).get(k) for k in ("stage", "identity", "reason")
                 },
+                "in_view": n in by_id,
             }
             for n in sorted(live)
             if not done(by_id.get(n))
@@ -303,10 +353,14 @@ class Trainer:
                 self.hotloads.append(hl)
             if hl.outcome == "rejected":
                 continue
-            while not stop.is_set() and self.clock() < min(next_post, end_t):
+            # the run's last hot-load gets end_grace_s past the end to finish (no POST supersedes it)
+            until = next_post if next_post < end_t else end_t + self.end_grace_s
+            while not stop.is_set() and self.clock() < until:
                 if self.check(hl):
                     break
                 stop.wait(0.5)
+            if hl.outcome == "pending" and hl.not_done and not stop.is_set():
+                self.probe(hl)  # not done when the next POST is due (or the run ends): ask them
         with self.lock:
             if self.hotloads and self.hotloads[-1].outcome == "pending":
                 self.hotloads[-1].outcome = "not_done_at_end"

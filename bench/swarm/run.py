@@ -529,7 +529,7 @@ class Bench:
 
     def run_bdn_recycled(self, n: int, fault: str | None = None) -> dict[str, Any]:
         """``run_bdn`` with every node's page pool holding a collected snapshot's pages: RL's steady
-        state, where step N+2 lands in the pages of step N (bdn.daemon.spares), against a first
+        state, where step N+2 lands in the pages of step N (bdn.daemon.store.spares), against a first
         anchor's fresh tmpfs pages (on this VM 0.8-3.6 CPU-s per GiB of first touch, 8 daemons at
         once on 2 cores: bench/NOTES.md, "Swarm scheduling, part 6")."""
         return self.run_bdn(n, fault, system="bdn-recycled", pages="recycled")
@@ -1362,7 +1362,7 @@ def main() -> int:
         choices=("fresh", "recycled"),
         default="fresh",
         help="the ceiling's receiver lands bytes in new tmpfs pages, or in a collected "
-        "snapshot's recycled ones (bdn.daemon.spares)",
+        "snapshot's recycled ones (bdn.daemon.store.spares)",
     )
     ap.add_argument(
         "--pretouch",

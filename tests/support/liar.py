@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 
 from bdn.bucket import ObjectNotFound, open_bucket
 from bdn.control.swim import ALIVE, Message, Update
-from bdn.daemon import gossip
-from bdn.daemon.nonces import NonceCache
+from bdn.daemon.swarm import gossip
+from bdn.daemon.swarm.nonces import NonceCache
 from bdn.foreign import read_foreign_table
 from bdn.proto import wire
 from bdn.proto.errors import AuthError, BdnError
@@ -110,7 +110,7 @@ async def _auth(request: web.Request, handler):  # type: ignore[no-untyped-def]
 
 
 async def post_members(request: web.Request) -> web.Response:
-    """Speaks SWIM as a healthy member does (bdn.daemon.gossip): a sync gets a sync_ack with the
+    """Speaks SWIM as a healthy member does (bdn.daemon.swarm.gossip): a sync gets a sync_ack with the
     liar itself (and its transfer address), a ping an ack; it claims every ping_req target alive."""
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
     body = msgpack.unpackb(await request.content.read(1 << 20), raw=False)

@@ -166,6 +166,12 @@ class GateRelay(TcpRelay):
         finally:
             shut(src, dst)
 
+    def hold(self) -> None:
+        """From now on hold every byte the server sends, on every connection (a piece already
+        received may still pass), until :meth:`release`."""
+        self.after = 0
+        self.open.clear()
+
     def release(self) -> None:
         """Let every held and later byte through."""
         self.open.set()

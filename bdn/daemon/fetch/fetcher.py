@@ -13,8 +13,6 @@ import random
 from collections.abc import Callable, Iterable
 
 from bdn.control.owners import readers_and_rule
-from bdn.daemon.chunklog import ChunkLog
-from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import NotAvailable, Superseded
 from bdn.daemon.fetch import policy
@@ -22,11 +20,13 @@ from bdn.daemon.fetch.haves import Haves
 from bdn.daemon.fetch.owners import Owners
 from bdn.daemon.fetch.sources import Sources
 from bdn.daemon.fetch.takeover import TakeOvers
-from bdn.daemon.index import ChunkIndex
-from bdn.daemon.membership import Member, Membership
-from bdn.daemon.memtrim import IdleTrim
-from bdn.daemon.snapshot import RESULT, STORED, SnapshotJob
-from bdn.daemon.stats import Stats
+from bdn.daemon.observe.chunklog import ChunkLog
+from bdn.daemon.observe.memtrim import IdleTrim
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import Clock
+from bdn.daemon.snapshots.snapshot import RESULT, STORED, SnapshotJob
+from bdn.daemon.store.index import ChunkIndex
+from bdn.daemon.swarm.membership import Member, Membership
 from bdn.proto.manifest import ChunkRef
 
 HAVES_FIRST_S = 5.0
@@ -183,7 +183,7 @@ class Fetcher:
                 # the system now, not when the pool's bound pushes them out (sources.BufferPool).
                 self.sources.pool.clear()
                 # And the C heap's free pages, which glibc keeps resident in the middle of its
-                # threads' arenas (bdn.daemon.memtrim; at most once per 30 s), on a disk thread:
+                # threads' arenas (bdn.daemon.observe.memtrim; at most once per 30 s), on a disk thread:
                 # the walk of a large heap must not hold the event loop.
                 if self.idle_trim.due():
                     loop = asyncio.get_running_loop()

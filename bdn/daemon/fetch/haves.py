@@ -24,12 +24,12 @@ from collections.abc import Callable
 from typing import Protocol
 
 from bdn.control.peerset import PeerSet
-from bdn.daemon.bitfield import Bitfield
-from bdn.daemon.membership import Member, Membership
-from bdn.daemon.peer_client import PeerClient, PeerError
-from bdn.daemon.snapshot import STORED, SnapshotJob
-from bdn.daemon.stats import Stats
-from bdn.daemon.transfer_address import peer_of
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.serve.transfer_address import peer_of
+from bdn.daemon.snapshots.snapshot import STORED, SnapshotJob
+from bdn.daemon.store.bitfield import Bitfield
+from bdn.daemon.swarm.membership import Member, Membership
+from bdn.daemon.swarm.peer_client import PeerClient, PeerError
 from bdn.proto.wire import HAVE_GROWING
 from bdn.transfer import Peer
 from bdn.transfer.announce import OnEnd, OnHave

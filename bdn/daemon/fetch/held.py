@@ -16,11 +16,11 @@ from collections import OrderedDict
 
 import numpy as np
 
-from bdn.daemon.bitfield import Bitfield
-from bdn.daemon.chunklist import ChunkList
-from bdn.daemon.clock import SYSTEM, Clock
-from bdn.daemon.layers import STORED
-from bdn.daemon.snapshot import SnapshotJob
+from bdn.daemon.process.clock import SYSTEM, Clock
+from bdn.daemon.snapshots.layers import STORED
+from bdn.daemon.snapshots.snapshot import SnapshotJob
+from bdn.daemon.store.bitfield import Bitfield
+from bdn.daemon.store.chunklist import ChunkList
 
 #: Seconds a look at a snapshot layer's files is reused.
 CHECK_EVERY_S = 1.0

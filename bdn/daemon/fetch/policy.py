@@ -40,8 +40,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from bdn.daemon.clock import Clock
-from bdn.daemon.layers import STORED
+from bdn.daemon.process.clock import Clock
+from bdn.daemon.snapshots.layers import STORED
 from bdn.proto import hrw
 
 OWNER_WAIT_NEXT_S = 2.0

@@ -15,22 +15,23 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from bdn.bucket import BucketError, ObjectChanged, ObjectNotFound
-from bdn.daemon import diskio, retry_policy
-from bdn.daemon.bucketio import BucketIO
-from bdn.daemon.chunklog import ChunkLog
-from bdn.daemon.clock import SYSTEM, Clock
 from bdn.daemon.config import Config
+from bdn.daemon.fetch import retry_policy
+from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.fetch.policy import BUCKET
+from bdn.daemon.fetch.ratelimit import RateLimit
 from bdn.daemon.fetch.targets import TargetMaps
 from bdn.daemon.fetch.watch import Attempt, SourceWatch
 from bdn.daemon.fetch.wire_source import WireSource
-from bdn.daemon.lograte import RepeatLog
-from bdn.daemon.membership import Member, Membership
-from bdn.daemon.peer_client import PeerBusy, PeerClient, PeerError, PeerStalled
-from bdn.daemon.ratelimit import RateLimit
-from bdn.daemon.snapshot import Loc, SnapshotJob
-from bdn.daemon.stats import Stats
-from bdn.daemon.transfer_address import peer_of
+from bdn.daemon.observe.chunklog import ChunkLog
+from bdn.daemon.observe.lograte import RepeatLog
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import SYSTEM, Clock
+from bdn.daemon.serve.transfer_address import peer_of
+from bdn.daemon.snapshots.snapshot import Loc, SnapshotJob
+from bdn.daemon.store import diskio
+from bdn.daemon.swarm.membership import Member, Membership
+from bdn.daemon.swarm.peer_client import PeerBusy, PeerClient, PeerError, PeerStalled
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef
 from bdn.transfer import FetchPool
@@ -120,7 +121,7 @@ class BufferPool:
 
 
 class WireLink(Protocol):
-    """What the fetch path needs of the daemon's transfer wire (``bdn.daemon.wire_peer.WirePeer``):
+    """What the fetch path needs of the daemon's transfer wire (``bdn.daemon.serve.wire_peer.WirePeer``):
     the fetch threads, the target files' mappings, the chunks landing here from the bucket
     (served cut-through) and the events that announce them."""
 
@@ -142,7 +143,7 @@ class Sources:
 
     ``wire``: peers' chunks and bucket reads over the transfer wire (``WireSource``; None: HTTP
     only); ``chunk_log``: the per-chunk log (None: off); ``on_bad_bytes(url, node, address,
-    snapshot)``: a peer sent bad bytes (``bdn.daemon.chunkcheck``: it is told)."""
+    snapshot)``: a peer sent bad bytes (``bdn.daemon.serve.chunkcheck``: it is told)."""
 
     def __init__(
         self,
@@ -203,7 +204,7 @@ class Sources:
         """Hash and write ``buf`` on a disk thread; the buffer goes back to the pool after,
         unless this coroutine is cancelled while the thread may still use it. ``foreign``: the
         chunk's id is no digest (a snapshot without a manifest): written unhashed, its object is
-        verified once whole (``bdn.daemon.foreign_source``)."""
+        verified once whole (``bdn.daemon.snapshots.foreign_source``)."""
         try:
             if foreign:
                 ok = await self._disk(diskio.write_at, memoryview(buf), target, ref.offset)

@@ -26,14 +26,14 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from bdn.control.owners import readers_and_rule
-from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.fetch import policy
 from bdn.daemon.fetch.haves import Haves
-from bdn.daemon.layers import STORED
-from bdn.daemon.membership import Member, Membership
-from bdn.daemon.snapshot import SnapshotJob
-from bdn.daemon.stats import Stats
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import Clock
+from bdn.daemon.snapshots.layers import STORED
+from bdn.daemon.snapshots.snapshot import SnapshotJob
+from bdn.daemon.swarm.membership import Member, Membership
 from bdn.proto.manifest import ChunkRef
 
 #: Chunks at once this node reads for other owners, at the end of their lists, once its own

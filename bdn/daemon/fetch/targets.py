@@ -21,7 +21,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
-from bdn.daemon.snapshot import SnapshotJob
+from bdn.daemon.snapshots.snapshot import SnapshotJob
 from bdn.transfer.target import map_target
 
 ACTIVE = ("queued", "downloading")

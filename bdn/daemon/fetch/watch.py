@@ -12,10 +12,10 @@ import asyncio
 import logging
 from collections.abc import Awaitable
 
-from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.fetch.policy import SourceBook
-from bdn.daemon.membership import Member, Membership
+from bdn.daemon.process.clock import Clock
+from bdn.daemon.swarm.membership import Member, Membership
 from bdn.proto.manifest import ChunkRef
 
 log = logging.getLogger("bdn.fetch")

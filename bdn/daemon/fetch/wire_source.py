@@ -30,19 +30,19 @@ from typing import Any
 import xxhash
 
 from bdn.bucket import BucketError, BucketUnavailable, ObjectNotFound
-from bdn.daemon import retry_policy
-from bdn.daemon.bucketio import BucketIO
-from bdn.daemon.chunklog import ChunkLog
-from bdn.daemon.clock import SYSTEM
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Superseded
+from bdn.daemon.fetch import retry_policy
+from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.fetch.policy import bucket_parts
+from bdn.daemon.fetch.ratelimit import RateLimit
 from bdn.daemon.fetch.targets import TargetMaps
 from bdn.daemon.fetch.watch import Attempt
-from bdn.daemon.membership import Member, Membership
-from bdn.daemon.ratelimit import RateLimit
-from bdn.daemon.snapshot import SnapshotJob
-from bdn.daemon.stats import Stats
+from bdn.daemon.observe.chunklog import ChunkLog
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import SYSTEM
+from bdn.daemon.snapshots.snapshot import SnapshotJob
+from bdn.daemon.swarm.membership import Member, Membership
 from bdn.proto import wire
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef
@@ -90,7 +90,7 @@ class WireSource:
     are shared with ``Sources``; ``chunk_log`` may be None. ``growing`` (None: cut-through off)
     is where this node's bucket reads land for parked askers, ``on_growing``/``on_grown`` the
     events that announce them; ``on_bad_bytes(url, node, address, snapshot)``: a peer sent bad
-    bytes (it is told, ``bdn.daemon.chunkcheck``).
+    bytes (it is told, ``bdn.daemon.serve.chunkcheck``).
     """
 
     def __init__(

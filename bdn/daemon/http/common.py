@@ -11,8 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
-from bdn.daemon.bodies import read_body
 from bdn.daemon.http.services import services
+from bdn.daemon.observe.bodies import read_body
 
 log = logging.getLogger("bdn.http")
 MAX_BODY = 64 << 10
@@ -38,7 +38,7 @@ async def request_body(request: web.Request, limit: int) -> bytes:
     by its sender is an answer too, not aiohttp's traceback of the ConnectionResetError.
 
     Raises:
-        bdn.daemon.bodies.BodyTooLarge: the declared or actual length is over ``limit``.
+        bdn.daemon.observe.bodies.BodyTooLarge: the declared or actual length is over ``limit``.
         BodyIncomplete: not complete in time (408), or the connection was cut (400).
     """
     timeout_s = services(request).cfg.http_header_timeout_s

@@ -42,8 +42,8 @@ from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
-from bdn.daemon.lograte import RepeatLog
-from bdn.daemon.stats import Stats
+from bdn.daemon.observe.lograte import RepeatLog
+from bdn.daemon.observe.stats import Stats
 
 log = logging.getLogger("bdn.http")
 LOG_REPEAT_S = 60.0

@@ -10,10 +10,10 @@ import hmac
 
 from aiohttp import web
 
-from bdn.daemon.bodies import BodyTooLarge
 from bdn.daemon.http.common import MAX_BODY, BodyIncomplete, error, json_response, request_body
 from bdn.daemon.http.errors import status_of
 from bdn.daemon.http.services import services
+from bdn.daemon.observe.bodies import BodyTooLarge
 from bdn.proto.errors import BdnError
 
 PATH = "/hot_load/v1/models/hot_load"

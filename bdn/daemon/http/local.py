@@ -13,12 +13,12 @@ from typing import Any
 
 from aiohttp import web
 
-from bdn.daemon.bodies import BodyTooLarge
 from bdn.daemon.http import hotload
 from bdn.daemon.http.common import MAX_BODY, BodyIncomplete, error, json_response, json_route_errors, request_body
 from bdn.daemon.http.errors import status_of
 from bdn.daemon.http.sendfile import RangeNotSatisfiable, byte_range, send_file
 from bdn.daemon.http.services import SERVICES, Services, services
+from bdn.daemon.observe.bodies import BodyTooLarge
 from bdn.daemon.replica.engines import Engine
 from bdn.proto.errors import BdnError
 from bdn.proto.identity import validate_identity, validate_relpath
@@ -51,7 +51,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     """GET /v1/ready -> 200 {"ready": true, "reasons": [], "warnings", "waiting_for", "node_id"},
-    or 503 with the reasons (bdn.daemon.readiness: both ports listening, the bucket reachable and
+    or 503 with the reasons (bdn.daemon.observe.readiness: both ports listening, the bucket reachable and
     not empty, the target loading, nothing misconfigured)."""
     doc = await services(request).readiness.check()
     return json_response(doc, 200 if doc["ready"] else 503)
@@ -380,7 +380,7 @@ async def engine_heartbeat(request: web.Request) -> web.Response:
     """POST /v1/engines/{id}/heartbeat -> 200 {"engine_ttl_s", "engine_stale_s"}: the engine is alive (while it prepares); 404 dropped."""
     e = _engine(request)
     replica = services(request).replica
-    replica.heartbeat(e)
+    await replica.heartbeat(e)
     return json_response({"ok": True, "engine_ttl_s": replica.engine_ttl_s, "engine_stale_s": replica.engine_stale_s})
 
 

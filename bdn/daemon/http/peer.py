@@ -1,17 +1,17 @@
 """The swarm's HTTP endpoints, under ``/bdn/v1/{swarm_id}`` (FORMATS.md, "Peer protocol").
 
 - ``GET chunks/{address}[?wait=S&snapshot=ID]``: 200 the chunk's bytes (only verified chunks are
-  ever indexed), 404 not here, 503 + ``Retry-After`` when busy (``bdn.daemon.uploads``).
+  ever indexed), 404 not here, 503 + ``Retry-After`` when busy (``bdn.daemon.serve.uploads``).
 - ``GET snapshots/{identity}/have[?since=V&wait=S]``: msgpack ``{v, state, ns, stored, nr,
   result}`` with bitfields over the manifest's stored and reconstructed chunk lists; long-polls
   until the version differs from ``since``.
 - ``POST members``: one SWIM message, msgpack ``{"m": message}`` in, ``{node_id, url, m: [replies]}``
-  out (``bdn.daemon.gossip``).
+  out (``bdn.daemon.swarm.gossip``).
 - ``POST hot_load`` (msgpack target, pushed by gossip), ``GET replica``.
 - ``POST status`` (a replica's row to an aggregator), ``GET status?identity=`` (an aggregator's rows).
 - ``POST bad_chunk`` (msgpack ``{address, snapshot}``, at most 1 KiB): the asker got bytes from
   this node that do not match the chunk's digest; 202 the chunk is re-hashed here (the report
-  is not trusted, ``bdn.daemon.chunkcheck``), 503 too many reports queued, 400 malformed.
+  is not trusted, ``bdn.daemon.serve.chunkcheck``), 503 too many reports queued, 400 malformed.
 
 Every request must carry a valid ``BDN-HMAC`` signature made for this daemon's node id; anything
 else (including an unknown swarm id) gets 401 with an empty body, so a stranger learns nothing
@@ -32,15 +32,15 @@ import msgpack
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from bdn.daemon import logctx
-from bdn.daemon.bodies import BodyTooLarge
 from bdn.daemon.errors import NotAvailable
 from bdn.daemon.http import hotload
 from bdn.daemon.http.common import BodyIncomplete, request_body, text
 from bdn.daemon.http.services import SERVICES, Services, services
-from bdn.daemon.packing import packb
-from bdn.daemon.snapshot import Loc
-from bdn.daemon.uploads import Admission
+from bdn.daemon.observe import logctx
+from bdn.daemon.observe.bodies import BodyTooLarge
+from bdn.daemon.observe.packing import packb
+from bdn.daemon.serve.uploads import Admission
+from bdn.daemon.snapshots.snapshot import Loc
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
 from bdn.proto.keys import NODE_HEADER, WrongTarget, verify_request

@@ -6,17 +6,17 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from bdn.daemon.catalog import Catalog
-from bdn.daemon.chunkcheck import ChunkCheck
 from bdn.daemon.config import Config
-from bdn.daemon.gossip import Gossip
-from bdn.daemon.metrics import Metrics
-from bdn.daemon.nonces import NonceCache
-from bdn.daemon.readiness import Readiness
+from bdn.daemon.observe.metrics import Metrics
+from bdn.daemon.observe.readiness import Readiness
+from bdn.daemon.observe.status import StatusView
 from bdn.daemon.replica.hotload import HotLoad
 from bdn.daemon.replica.view import ReplicaView
-from bdn.daemon.serving import ChunkServing
-from bdn.daemon.status import StatusView
+from bdn.daemon.serve.chunkcheck import ChunkCheck
+from bdn.daemon.serve.serving import ChunkServing
+from bdn.daemon.snapshots.catalog import Catalog
+from bdn.daemon.swarm.gossip import Gossip
+from bdn.daemon.swarm.nonces import NonceCache
 from bdn.proto.keys import SwarmKeys
 
 

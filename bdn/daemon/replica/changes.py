@@ -334,7 +334,7 @@ def ranges_from_diffs(base_dir: Path, delta: DeltaSource, names: list[str]) -> d
 
 
 class SparseRanges(Protocol):
-    """What the daemon's sparse applies know of a target (``bdn.daemon.forward.Forward``)."""
+    """What the daemon's sparse applies know of a target (``bdn.daemon.apply.forward.Forward``)."""
 
     def planned(self, identity: str) -> bool:
         """A sparse apply of ``identity`` is about to run or running."""

@@ -22,14 +22,14 @@ import logging
 from typing import Any
 
 from bdn.control import hotload as policy
-from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Invalid, NotAvailable
-from bdn.daemon.membership import Membership
-from bdn.daemon.packing import packb
-from bdn.daemon.peer_client import PeerClient
+from bdn.daemon.observe.packing import packb
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import Clock
 from bdn.daemon.replica.view import ReplicaView
-from bdn.daemon.stats import Stats
+from bdn.daemon.swarm.membership import Membership
+from bdn.daemon.swarm.peer_client import PeerClient
 from bdn.proto.fleet_schema import complete_row, replica_row, stage_counts
 from bdn.proto.identity import IdentityError, validate_identity
 from bdn.proto.keys import NODE_ID_RE

@@ -26,21 +26,21 @@ import secrets
 from typing import Any
 
 from bdn.bucket import BucketError, ObjectNotFound
-from bdn.daemon.bucketio import BucketIO
-from bdn.daemon.clock import Clock
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Conflict, Invalid, NotFound, Unsupported, Upstream
-from bdn.daemon.foreign_source import Hint, Hints
-from bdn.daemon.membership import Membership
-from bdn.daemon.packing import packb
-from bdn.daemon.peer_client import PeerClient
+from bdn.daemon.fetch.bucketio import BucketIO
+from bdn.daemon.observe.packing import packb
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import Clock
 from bdn.daemon.replica import contract
 from bdn.daemon.replica.fleet_status import FleetStatus
 from bdn.daemon.replica.options import OPTION_FIELDS, parse_options
 from bdn.daemon.replica.ports import Snapshots
 from bdn.daemon.replica.target import MAX_GEN, Target, published_at
 from bdn.daemon.replica.view import ReplicaView
-from bdn.daemon.stats import Stats
+from bdn.daemon.snapshots.foreign_source import Hint, Hints
+from bdn.daemon.swarm.membership import Membership
+from bdn.daemon.swarm.peer_client import PeerClient
 from bdn.proto.arc import COMPRESSION_FORMATS
 from bdn.proto.errors import IdentityError, ManifestError
 from bdn.proto.identity import validate_identity

@@ -1,4 +1,4 @@
-"""The small catalog interface the replica depends on (``bdn.daemon.catalog.Catalog`` is one)."""
+"""The small catalog interface the replica depends on (``bdn.daemon.snapshots.catalog.Catalog`` is one)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Protocol
 
 
 class SnapshotRecord(Protocol):
-    """What the replica reads of a snapshot job (``bdn.daemon.snapshot.SnapshotJob`` is one)."""
+    """What the replica reads of a snapshot job (``bdn.daemon.snapshots.snapshot.SnapshotJob`` is one)."""
 
     identity: str
     state: str

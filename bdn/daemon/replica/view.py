@@ -4,7 +4,7 @@ A **replica** is this daemon plus the engines registered with it. Replica stages
 ``bdn.proto.states.REPLICA_STAGES``): ``queued, downloading, applying, verifying`` (the
 snapshot on this node), ``ready`` (verified, engine not yet told), ``loading`` (an engine took
 it and prepares it), ``done`` (every engine acknowledged the swap; with no engine registered,
-the daemon alone is the replica and is done when the snapshot is ready), ``error`` (failed,
+the daemon alone is the replica and is done once it serves the ready snapshot), ``error`` (failed,
 with the reason). The target changes only through :meth:`ReplicaView.adopt`.
 
 Engines (DESIGN.md, "Engine link and leases"): each offer carries the target's engine options and
@@ -12,7 +12,7 @@ the tensors that changed against the snapshot that engine serves (``replica/chan
 engine not seen for ``engine_stale_s`` is stale (the replica's stage and ``engines`` count leave it
 out, a replica with only stale engines is in ``error`` saying so), one not seen for
 ``engine_ttl_s`` is dropped (``replica/engines.py``) and the replica's stage recomputed without it. ``on_current(identity)`` is called whenever the served snapshot changes
-(the ``current`` link, ``bdn/daemon/current.py``).
+(the ``current`` link, ``bdn/daemon/store/current.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from bdn.daemon import versioned
-from bdn.daemon.clock import Clock
-from bdn.daemon.current import LINK_NAME
 from bdn.daemon.errors import Conflict
-from bdn.daemon.foreign_source import Hint, Hints
+from bdn.daemon.observe import versioned
+from bdn.daemon.process.clock import Clock
 from bdn.daemon.replica import claims, contract
 from bdn.daemon.replica import engines as engine_rules
 from bdn.daemon.replica.changes import ChangedTensorsCache, DeltaSource, delta_source
@@ -35,6 +33,8 @@ from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.options import DEFAULT_OPTIONS
 from bdn.daemon.replica.ports import SnapshotRecord, Snapshots
 from bdn.daemon.replica.target import Target, later, supersedes
+from bdn.daemon.snapshots.foreign_source import Hint, Hints
+from bdn.daemon.store.current import LINK_NAME
 from bdn.proto.errors import BdnError
 from bdn.proto.fleet_schema import replica_row
 from bdn.proto.states import TERMINAL
@@ -260,9 +260,13 @@ class ReplicaView:
 
     def _engine_stage(self, ident: str) -> tuple[str, str]:
         """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node: over the
-        live engines; stale ones are named in the reason (every engine stale: ``error``)."""
+        live engines; stale ones are named in the reason (every engine stale: ``error``). With no
+        engine, ``done`` once the daemon serves it (``current``): the job reads ``ready`` a moment
+        before its change event moves ``current`` (the runner notifies after freeing the
+        download's index entries on the disk threads, seconds behind other disk work under load),
+        and a row saying ``done`` with the old snapshot still served is not done."""
         if not self.engines:
-            return "done", ""
+            return ("done", "") if self.current == ident else ("ready", "")
         live = self._live()
         stale = [e for e in self.engines.values() if e.stale]
         note = (
@@ -345,14 +349,22 @@ class ReplicaView:
         self.version += 1  # pollers and the fleet view see the change at their next look
         return True
 
-    def heartbeat(self, engine: Engine) -> None:
+    async def heartbeat(self, engine: Engine) -> None:
         """Event: the engine says it is alive while it is not polling (it prepares or swaps)."""
-        self._seen(engine)
+        if self._seen(engine):
+            await self.poke()
 
-    def _seen(self, engine: Engine) -> None:
-        """The engine was heard from now (poll, heartbeat, ack). A stale one is live again at the
-        next liveness tick (:meth:`expire_engines`), which recomputes the replica."""
+    def _seen(self, engine: Engine) -> bool:
+        """The engine was heard from now (poll, heartbeat, ack). A stale one is live again at once
+        (the replica recomputed; True: the caller pokes), not at the next liveness tick: until
+        then the replica would report an engine that just spoke as stopped (stage ``error``)."""
         engine.last_seen = self.clock.monotonic()
+        if not engine.stale:
+            return False
+        engine.stale = False
+        log.info("engine %s (%s) heard from again: live", engine.engine_id, engine.name)
+        self._recompute_current()
+        return True
 
     def describe_engines(self) -> list[dict[str, Any]]:
         """Every registered engine as ``GET /v1/engines`` lists it, in registration order."""
@@ -429,7 +441,8 @@ class ReplicaView:
         while True:
             if not connected() or self.engines.get(engine.engine_id) is not engine:
                 return None
-            self._seen(engine)
+            if self._seen(engine):
+                await self.poke()
             ident = self._offerable(after)
             if ident is not None:
                 job = self.snapshots.get(ident)
@@ -457,7 +470,8 @@ class ReplicaView:
                         offer.update(
                             changed_tensors=names, changed_tensors_base=base, **self.changes.ranges_of(base, ident)
                         )
-                self._seen(engine)
+                if self._seen(engine):
+                    await self.poke()
                 return offer
             left = deadline - self.clock.monotonic()
             if left <= 0:

@@ -1,0 +1,317 @@
+"""The runner's sparse step (DESIGN.md, "Sparse apply"): before a delta's files are reserved, which
+spares may become them (:meth:`Forward.accept`); once its base is ready and its diffs verified,
+bring those buffers forward in place (:meth:`Forward.apply`, a refused one falls back to the full
+apply); after READY, hash the chunks the sparse applies touched (:meth:`Forward.after_ready`) and
+only then index them, a bad one going to the repair path (quarantined, no longer offered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from bdn import fileops
+from bdn.daemon.apply import buffers
+from bdn.daemon.config import Config
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.executors import Executors
+from bdn.daemon.snapshots.layers import RESULT
+from bdn.daemon.snapshots.snapshot import SnapshotJob
+from bdn.daemon.store import diskio
+from bdn.daemon.store.store import Store
+from bdn.proto import sparse_kernel
+from bdn.proto.errors import ProtocolError
+from bdn.proto.manifest import ChunkRef, Manifest
+
+log = logging.getLogger("bdn.runner")
+
+#: Targets whose changed ranges are remembered for their offers (``ranges``).
+RANGES_KEPT = 8
+
+
+class Forward:
+    """Sparse applies of one daemon: ``accept`` -> ``apply`` -> ``after_ready`` per delta job."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        stats: Stats,
+        pools: Executors,
+        register: Callable[[SnapshotJob, str, Iterable[ChunkRef]], Awaitable[None]],
+        repair: Callable[[SnapshotJob, list[int]], Awaitable[Any]],
+    ) -> None:
+        self.cfg, self.store, self.stats, self.pools = cfg, store, stats, pools
+        self._register, self._repair = register, repair
+        self._chains: dict[str, dict[str, list[tuple[str, Any]]]] = {}
+        self._held: dict[str, dict[str, dict[str, Any]]] = {}
+        self._touched: dict[str, list[int]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._hot_used = 0
+        self._hot: dict[str, list[str]] = {}  # identity -> its files whose buffer mapping to drop after READY
+        self._busy: asyncio.Future[int] | None = None  # a catch-up in flight
+        self._planned: set[str] = set()  # identities with buffers held for a sparse apply
+        self._ranges: OrderedDict[str, dict[str, list[list[int]]]] = OrderedDict()  # the last RANGES_KEPT
+        self._warmed = False  # the sparse kernel's load started (once per process)
+
+    def accept(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> Callable[[dict[str, Any]], bool] | None:
+        """For ``Store.prepare_staging``: which spare tags delta ``m`` can start from (None: none)."""
+        if not self.cfg.sparse_apply:
+            return None
+        chains = buffers.chains(m, get, self.store.stored_dir, self.cfg.sparse_max_chain)
+        if not chains:
+            return None
+        self._chains[m.identity] = chains
+        return lambda tag: tag.get("identity") in chains
+
+    def held(self, identity: str, held: dict[str, dict[str, Any]]) -> None:
+        """Record the buffers ``prepare_staging`` kept for ``identity`` (path -> tag). The first
+        time, the compiled sparse kernel starts loading on an apply thread (numba's import and its
+        cached code: seconds on a loaded machine) while the diffs are still on their way."""
+        if held:
+            self._held[identity] = held
+            self._planned.add(identity)
+            if not self._warmed:
+                self._warmed = True
+                self._spawn(asyncio.get_running_loop().run_in_executor(self.pools.apply, sparse_kernel.warm))
+
+    def planned(self, identity: str) -> bool:
+        """``identity`` holds buffers a sparse apply is to bring forward (until READY or failure)."""
+        return identity in self._planned
+
+    def ranges(self, identity: str) -> dict[str, list[list[int]]] | None:
+        """Every changed tensor's ranges (absolute file offsets) of ``identity`` against its base,
+        when its sparse apply brought every diff file forward (the last :data:`RANGES_KEPT`)."""
+        return self._ranges.get(identity)
+
+    def forget(self, identity: str) -> None:
+        """Drop what is known of ``identity``'s buffers (it failed, or is rebuilt another way)."""
+        for p in self._hot.pop(identity, []):
+            self.store.spares.maps.drop(self.store.staging_dir(identity) / p)
+        self._chains.pop(identity, None)
+        self._held.pop(identity, None)
+        self._planned.discard(identity)
+        self._touched.pop(identity, None)
+
+    def _apply(self, m: Manifest) -> list[buffers.Forwarded]:
+        held, chains = self._held.pop(m.identity, {}), self._chains.pop(m.identity, {})
+        files = {f.path: f for f in m.files}
+        staging = self.store.staging_dir(m.identity)
+        done: list[buffers.Forwarded] = []
+        self._hot_used = 0
+        for path, tag in held.items():
+            f = files[path]
+            hot = self.store.spares.maps.get(staging / path)
+            self._hot_used += hot is not None
+            self._hot.setdefault(m.identity, []).append(path)
+            try:
+                done.append(
+                    buffers.bring_forward(
+                        path,
+                        staging / path,
+                        tag,
+                        chains[tag["identity"]],
+                        f.result_size,
+                        f.result_chunks,
+                        m.chunk_size,
+                        self.cfg.apply_workers,
+                        hot,
+                    )
+                )
+            except (ProtocolError, KeyError) as e:
+                self.stats.add("sparse_fallbacks")
+                log.warning(
+                    "snapshot %s: sparse apply of %s refused (the buffer holds %s, the delta's base is %s): "
+                    "%s; full apply",
+                    m.identity,
+                    path,
+                    tag.get("identity"),
+                    m.base_identity,
+                    e,
+                    extra={"snapshot": m.identity},
+                )
+        return done
+
+    async def apply(self, job: SnapshotJob, m: Manifest) -> set[str]:
+        """Bring ``job``'s held buffers forward; the paths done (the full apply skips them)."""
+        if m.identity not in self._held:
+            self._chains.pop(m.identity, None)
+            return set()
+        t0 = time.monotonic()
+        done = await asyncio.get_running_loop().run_in_executor(self.pools.apply, self._apply, m)
+        took = time.monotonic() - t0
+        where = {(r.path, r.index): i for i, r in enumerate(job.result_refs)}
+        self._touched[m.identity] = sorted(where[(f.path, c)] for f in done for c in f.touched if (f.path, c) in where)
+        diffs = {f.path for f in m.files if f.is_diff and f.result_size}
+        if done and {f.path for f in done} == diffs:
+            self._ranges[m.identity] = {n: [[a, b] for a, b in r] for f in done for n, r in f.ranges.items()}
+            while len(self._ranges) > RANGES_KEPT:
+                self._ranges.popitem(last=False)
+        for f in done:
+            self.stats.add("sparse_applies")
+            self.stats.add("sparse_bytes_written", f.written)
+        if done:
+            log.info(
+                "snapshot %s: %d file(s) brought forward sparsely (%d delta(s), %d bytes written, %d chunks touched,"
+                " %d through a mapping populated ahead) in %.3f s",
+                m.identity,
+                len(done),
+                max(f.steps for f in done),
+                sum(f.written for f in done),
+                len(self._touched[m.identity]),
+                self._hot_used,
+                took,
+            )
+        return {f.path for f in done}
+
+    def untouched(self, job: SnapshotJob) -> list[ChunkRef]:
+        """The rebuilt chunks of ``job`` to index now (all but those a sparse apply touched)."""
+        touched = set(self._touched.get(job.identity, ()))
+        return [r for i, r in enumerate(job.result_refs) if i not in touched]
+
+    def after_ready(self, job: SnapshotJob) -> None:
+        """After READY (and GC): drop the buffers' mappings, map the spares GC just tagged, and
+        hash the chunks a sparse apply touched (tasks; READY does not wait for them)."""
+        positions = self._touched.pop(job.identity, None)
+        hot = self._hot.pop(job.identity, [])
+        self.forget(job.identity)
+        maps, ready = self.store.spares.maps, self.store.ready_dir(job.identity)
+        loop = asyncio.get_running_loop()
+
+        def keep_hot() -> None:
+            for p in hot:
+                maps.drop(ready / p)
+            self.store.spares.prime_tagged()
+
+        self._spawn(loop.run_in_executor(self.pools.disk, keep_hot))
+        if positions:
+            self._spawn(self._check(job, positions))
+
+    async def settle(self) -> None:
+        """Wait for a background catch-up in flight (a delta starting now takes its buffer)."""
+        busy = self._busy
+        if busy is not None:
+            await asyncio.wait([busy])
+
+    async def catch_up(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> int:
+        """Bring the tagged spares that ready delta ``m`` (the snapshot now served) and its
+        ancestors can reach forward to ``m``, in place, off the critical path: the next delta
+        then applies only itself, through a mapping already populated. Each such spare is taken
+        out of the pool (``Spares.claim_tagged``: its tag deleted first), brought forward
+        (:func:`buffers.bring_forward`), the chunks it touched hashed against ``m``'s digests,
+        and given back tagged with ``m`` (untagged on any failure: plain recycled pages). Returns
+        the files brought forward."""
+        if not self.cfg.sparse_apply or self._busy is not None:
+            return 0
+        chains = buffers.chains(m, get, self.store.stored_dir, self.cfg.sparse_max_chain)
+        if not chains:
+            return 0
+        fut = asyncio.get_running_loop().run_in_executor(self.pools.apply, self._catch_up, m, chains)
+        self._busy = fut
+        try:
+            return await fut
+        finally:
+            self._busy = None
+
+    def _catch_up(self, m: Manifest, chains: dict[str, list[tuple[str, Any]]]) -> int:
+        spares, n = self.store.spares, 0
+        for f in m.files:
+            if not (f.is_diff and f.result_size and f.path.endswith(".safetensors")):
+                continue
+            claimed = spares.claim_tagged(f.path, f.result_size, lambda tag: tag.get("identity") in chains)
+            if claimed is None:
+                continue
+            hidden, tag = claimed
+            t0 = time.monotonic()
+            new_tag = None
+            try:
+                spares.maps.prime(hidden)
+                fw = buffers.bring_forward(
+                    f.path,
+                    hidden,
+                    tag,
+                    chains[tag["identity"]],
+                    f.result_size,
+                    f.result_chunks,
+                    m.chunk_size,
+                    self.cfg.apply_workers,
+                    spares.maps.get(hidden),
+                )
+                table = list(f.result_chunks)
+                ok = set(fileops.verify_chunks(hidden, m.chunk_size, table, which=fw.touched))
+                bad = [i for i in fw.touched if i not in ok]
+                if bad:
+                    self.stats.add("sparse_chunks_bad", len(bad))
+                    log.error(
+                        "catch-up of %s to %s: %d chunk(s) do not match (first chunk %d); the spare is untagged",
+                        f.path,
+                        m.identity,
+                        len(bad),
+                        bad[0],
+                    )
+                else:
+                    new_tag = {
+                        "identity": m.identity,
+                        "path": f.path,
+                        "size": f.result_size,
+                        "chunks": table,
+                        "adlers": fw.adlers,
+                    }
+                    n += 1
+                    self.stats.add("sparse_caught_up")
+                    log.info(
+                        "catch-up: the spare of %s that held %s brought forward to %s in the background "
+                        "(%d delta(s), %d bytes written, %d chunks hashed) in %.3f s",
+                        f.path,
+                        tag.get("identity"),
+                        m.identity,
+                        fw.steps,
+                        fw.written,
+                        len(fw.touched),
+                        time.monotonic() - t0,
+                    )
+            except (ProtocolError, KeyError, OSError) as e:
+                self.stats.add("sparse_fallbacks")
+                log.warning(
+                    "catch-up of %s to %s refused (the spare holds %s): %s; left untagged",
+                    f.path,
+                    m.identity,
+                    tag.get("identity"),
+                    e,
+                )
+            finally:
+                spares.release(hidden, new_tag)
+        return n
+
+    def spawn(self, aw: Awaitable[Any]) -> None:
+        """Run ``aw`` as a task this object keeps until it ends."""
+        self._spawn(aw)
+
+    def _spawn(self, aw: Awaitable[Any]) -> None:
+        t = asyncio.ensure_future(aw)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _check(self, job: SnapshotJob, positions: list[int]) -> None:
+        refs = list(job.result_refs)
+        want = set(positions)
+        good = await asyncio.get_running_loop().run_in_executor(
+            self.pools.disk, lambda: diskio.verify_held(refs, want.__contains__, lambda fi: job.file_path(RESULT, fi))
+        )
+        await self._register(job, RESULT, (refs[i] for i in good))
+        bad = sorted(want - set(good))
+        if bad:
+            self.stats.add("sparse_chunks_bad", len(bad))
+            log.error(
+                "snapshot %s: %d chunk(s) a sparse apply wrote do not match the manifest (first %s chunk %d)",
+                job.identity,
+                len(bad),
+                refs[bad[0]].path,
+                refs[bad[0]].index,
+            )
+            if job.state == "ready":
+                await self._repair(job, bad)

@@ -1,0 +1,2 @@
+"""The process around bdnd's services: bounded shutdown, listening sockets, the store's single-daemon
+lock, the worker thread pools per kind of blocking work, and the injected clock every policy takes."""

@@ -1,0 +1,514 @@
+"""One snapshot's state machine on this node (DESIGN.md, "On the node"):
+
+``queued`` (manifest read from the bucket, resume or staging) -> ``downloading`` (the stored layer,
+or for a delta without its base here the rebuilt layer from peers) -> ``applying`` (delta: base
+XOR diff) -> ``verifying`` (every ``*.safetensors`` header checked by the safetensors library,
+``bdn.daemon.apply.headers``) -> ``ready`` (READY written, directory renamed into place), or
+``failed`` with a one-line reason. Progress is saved every ``progress_interval_s`` and on
+cancellation, so a restarted daemon resumes from what is verified on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
+from typing import Any, Protocol, TypeVar
+
+from bdn.bucket import ObjectChanged
+from bdn.daemon.apply import headers
+from bdn.daemon.apply.delta_config import check_delta_config
+from bdn.daemon.apply.fold import Folder, refuse_loop
+from bdn.daemon.apply.forward import Forward
+from bdn.daemon.config import Config
+from bdn.daemon.errors import Conflict, NotAvailable
+from bdn.daemon.fetch.bucketio import BucketIO
+from bdn.daemon.fetch.fetcher import Fetcher
+from bdn.daemon.fetch.haves import Haves
+from bdn.daemon.observe import logctx
+from bdn.daemon.observe.lograte import RepeatLog
+from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process.clock import Clock
+from bdn.daemon.process.executors import Executors
+from bdn.daemon.snapshots.foreign_source import ForeignLoader
+from bdn.daemon.snapshots.published import ManifestReader
+from bdn.daemon.snapshots.records import record_bytes
+from bdn.daemon.snapshots.snapshot import RESULT, STORED, TERMINAL, Jobs, SnapshotJob
+from bdn.daemon.store import diskio, spares
+from bdn.daemon.store.bitfield import Bitfield
+from bdn.daemon.store.chunklist import check_limits
+from bdn.daemon.store.index import ChunkIndex
+from bdn.daemon.store.store import Store
+from bdn.proto.errors import BdnError
+from bdn.proto.manifest import ChunkRef, Manifest
+
+log = logging.getLogger("bdn.runner")
+T = TypeVar("T")
+
+
+class RunnerJobs(Jobs, Protocol):
+    """What a runner needs of the catalog: other snapshots (``Jobs``: a delta's base), the
+    budget, the page pool's room, GC."""
+
+    def spare_room(self, m: Manifest | None) -> int:
+        """Bytes the page pool may keep once ``m`` is reserved (``Store.prepare_staging``)."""
+
+    def check_budget(self, m: Manifest) -> None:
+        """Raise if ``m``'s files do not fit the shm budget after GC."""
+
+    def forget(self, job: SnapshotJob) -> None:
+        """Drop ``job`` from the catalog (a failed or cancelled download)."""
+
+    def gc(self) -> dict[str, list[str]]:
+        """Collect what the keep rules allow; returns what was removed, by reason."""
+
+    def collectable(self) -> list[str]:
+        """The ready identities :meth:`gc` would remove now."""
+
+    @property
+    def closing(self) -> bool:
+        """True once the daemon is stopping."""
+
+
+#: After the engines swap, how long a catch-up waits for the old snapshot's files to be closed,
+#: and how often it looks (a lease probe per file, ``bdn.daemon.store.spares.unused``).
+CATCH_UP_WAIT_S = 30.0
+CATCH_UP_POLL_S = 0.05
+
+
+class Runner:
+    """Brings one snapshot job at a time (``run(job)``) from ``queued`` to a terminal state."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        store: Store,
+        bucket: BucketIO,
+        index: ChunkIndex,
+        fetcher: Fetcher,
+        haves: Haves,
+        stats: Stats,
+        pools: Executors,
+        clock: Clock,
+        *,
+        jobs: RunnerJobs,
+        foreign: ForeignLoader,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.bucket = bucket
+        self.index = index
+        self.fetcher = fetcher
+        self.haves = haves
+        self.stats = stats
+        self.pools = pools
+        self.clock = clock
+        self.jobs = jobs  # the catalog
+        self.foreign = foreign  # the no-manifest path (require_manifest = false)
+        self.folder = Folder(cfg, store, bucket, index, fetcher, pools)  # a lagging node's catch-up
+        self.manifests = ManifestReader(cfg, bucket, clock, self.folder, foreign, jobs, stats, pools.disk)
+        self.forward = Forward(cfg, store, stats, pools, self._register, self.repair)  # sparse applies
+        self.repeat = RepeatLog(log, cfg.log_repeat_s, clock)  # lines a full disk repeats per save
+
+    async def _on(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def run(self, job: SnapshotJob) -> None:
+        """Bring ``job`` to ``ready`` or ``failed``: read and verify the manifest, resume saved
+        progress or start afresh, fetch the stored chunks (peers, bucket, local copies), apply a delta
+        or fold several, check every file (safetensors headers, digests), then publish the READY
+        marker. Errors end in ``failed`` with a one-line reason; ``CancelledError`` is re-raised."""
+        jobs = self.jobs
+        logctx.SNAPSHOT.set(job.identity)  # every line this task (and its children) logs names it
+        try:
+            m = await self.manifests.read(job)
+            await self._on(self.pools.disk, job.attach_manifest, m)  # O(files): off the loop
+            saved = self.store.load_progress(m.identity, job.manifest_digest)
+            if saved is not None:
+                await self._resume(job, saved)
+            else:
+                if m.is_delta:
+                    await self.forward.settle()  # a background catch-up's buffer is this delta's to take
+                jobs.check_budget(m)
+                accept = self.forward.accept(m, jobs.get) if m.is_delta else None
+                if accept is not None:
+                    jobs.gc()  # the snapshot before the base may be collected now, and become a buffer
+                held = await self._on(self.pools.disk, self.store.prepare_staging, m, accept, jobs.spare_room(m))
+                self.forward.held(m.identity, held)
+            job.flusher = asyncio.create_task(self._progress_flusher(job))
+            # (a disk thread: one keyed address per chunk, seconds for millions of them)
+            await self._on(self.pools.disk, self.index.add_pending, job, STORED, job.stored_refs)
+            job.set_state("downloading")
+            await job.notify()
+            log.info("snapshot %s: %s, %d files, %d stored bytes", job.identity, m.kind, len(m.files), m.stored_bytes)
+            ready_m = m
+            if job.foreign is not None:
+                ready_m = await self._run_foreign(job)
+                assert job.manifest is not None  # _run_foreign read it
+                m = job.manifest
+            elif m.is_delta:
+                await self._run_delta(job, m)
+            else:
+                await self.fetcher.fetch_layer(job, STORED)
+                job.layer_complete(RESULT)  # full: stored == result
+                job.set_state("verifying")
+                await job.notify()
+            # every safetensors header as the engine's library reads it, before READY exists
+            await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
+            if job.flusher is not None:  # publish removes the progress file: nothing may write it again
+                job.flusher.cancel()
+            final = await self._on(self.pools.disk, self._publish, job, ready_m)
+            job.set_state("ready")
+            log.info(
+                "snapshot %s: ready at %s (stages: %s)",
+                job.identity,
+                final,
+                " ".join(f"{k}={v:.3f}s" for k, v in job.stages.items()),
+            )
+            jobs.gc()
+            self.forward.after_ready(job)  # after GC: the spares it just tagged are mapped ahead
+        except asyncio.CancelledError:
+            self.save_progress(job)  # a clean stop resumes like a crash, from what is verified
+            raise
+        except (BdnError, OSError) as e:
+            reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                reason = self.store.full_reason(job.identity, e)
+            job.set_state("failed", reason.splitlines()[0] if reason else type(e).__name__)
+            log.error("snapshot %s: failed: %s", job.identity, job.reason.removeprefix(f"snapshot {job.identity}: "))
+            jobs.forget(job)
+            self.store.discard(job.identity)
+        except Exception as e:  # a bug must fail the snapshot, not kill the daemon
+            log.exception("snapshot %s: internal error", job.identity)
+            job.set_state("failed", f"internal error: {type(e).__name__}: {e}")
+            jobs.forget(job)
+            self.store.discard(job.identity)
+        finally:
+            if job.state != "ready":
+                self.forward.forget(job.identity)
+            if job.flusher is not None:
+                job.flusher.cancel()
+            # (not when the daemon stops: the index goes with it, and this would queue behind
+            # the disk threads' work in flight, a populate of a big target for one)
+            if job.stored_refs and not jobs.closing:
+                await asyncio.shield(self._on(self.pools.disk, self.index.drop_pending_of, job))
+            await job.notify()
+
+    def on_served(self, identity: str) -> None:
+        """Event: the engines serve ``identity`` now (or none is registered). The snapshot served
+        before it is free once the engines close it: then GC recycles it into a tagged spare and
+        :meth:`Forward.catch_up` brings that spare forward to ``identity`` in the background (a
+        task; DESIGN.md, "Sparse apply")."""
+        if self.cfg.sparse_apply:
+            self.forward.spawn(self._catch_up(identity))
+
+    async def _catch_up(self, identity: str) -> None:
+        jobs = self.jobs
+
+        def free(idents: list[str]) -> bool:
+            return all(spares.unused(p) for ident in idents for p in self.store.ready_dir(ident).rglob("*.safetensors"))
+
+        # An engine closes the snapshot it swapped away from right after its ack: until then GC
+        # could not recycle those files (a lease is refused on a file in use, and it is deleted).
+        # No event says a mapping is gone (munmap notifies nobody), so the lease is probed.
+        for _ in range(int(CATCH_UP_WAIT_S / CATCH_UP_POLL_S)):
+            if await self._on(self.pools.disk, free, jobs.collectable()):
+                break
+            await asyncio.sleep(CATCH_UP_POLL_S)
+        if any(j.state not in TERMINAL for j in jobs.all()):
+            return  # a snapshot is on its way: it takes the spares itself
+        jobs.gc()
+        job = jobs.get(identity)
+        if job is None or job.state != "ready" or job.manifest is None or not job.manifest.is_delta:
+            return
+        await self._on(self.pools.disk, self.store.spares.prime_tagged)
+        if any(j.state not in TERMINAL for j in jobs.all()):
+            return
+        await self.forward.catch_up(job.manifest, jobs.get)
+
+    def _publish(self, job: SnapshotJob, m: Manifest) -> Any:
+        """READY and the restart record of ``job`` rebuilt from ``m`` (a disk thread: the record
+        serialises the whole manifest)."""
+        derived = job.foreign is not None or job.derived
+        return self.store.publish(m, None, record_bytes(m, job.manifest_digest, job.created, derived))
+
+    # ---- repair: a ready snapshot whose bytes on disk went bad ----------------------------------
+    async def repair(self, job: SnapshotJob, positions: list[int] | None = None) -> dict[str, Any]:
+        """Re-hash a ready snapshot's files (or only its rebuilt chunks at ``positions``: a peer's
+        report, the scrub); quarantine and re-fetch every corrupted chunk.
+
+        Corrupted chunks are quarantined at once: no longer served to peers (the index drops this
+        node's copy), and the snapshot leaves ``ready`` (its directory goes back to staging, READY
+        removed, so neither the local API nor ``bdn.client`` hands it out); counted in
+        ``chunks_quarantined``. The chunks are then fetched again like any chunk (another local
+        copy, peers, the bucket; a delta's rebuilt chunks from peers only) while the snapshot is
+        ``downloading`` (reason ``repairing ...``), and it is ``ready`` again once every chunk and
+        header is checked, or ``failed`` with the reason. Returns ``{"identity", "chunks",
+        "corrupted": [{"path", "chunk", "offset", "length"}], "state", "reason"}``.
+
+        Raises:
+            Conflict: the snapshot is not ready (or stopped being ready while it was hashed).
+        """
+        assert job.manifest is not None
+        refs = job.result_refs
+        path_of = lambda fi: job.file_path(RESULT, fi)  # noqa: E731
+        if positions is None:
+            bad = await self._on(self.pools.disk, diskio.corrupt_chunks, refs, path_of)
+        else:
+            want = {p for p in positions if 0 <= p < len(refs)}
+            good = await self._on(self.pools.disk, diskio.verify_held, refs, want.__contains__, path_of)
+            bad = sorted(want - set(good))
+        report: dict[str, Any] = {
+            "identity": job.identity,
+            "chunks": len(refs) if positions is None else len(positions),
+            "corrupted": [
+                {"path": refs[i].path, "chunk": refs[i].index, "offset": refs[i].offset, "length": refs[i].length}
+                for i in bad[:1000]
+            ],
+        }
+        if bad:
+            if job.state != "ready" or self.jobs.get(job.identity) is not job:
+                raise Conflict(f"snapshot {job.identity!r} is not ready (state {job.state})")
+            first = refs[bad[0]]
+            where = f"{first.path} chunk {first.index} (bytes {first.offset}-{first.offset + first.length})"
+            self.index.quarantine(job, [refs[i] for i in bad], self.jobs.all())
+            self.stats.add("chunks_quarantined", len(bad))
+            marker = await self._on(self.pools.disk, self.store.unpublish, job.identity)
+            job.quarantined(bad)
+            job.set_state("downloading", f"repairing {len(bad)} corrupted chunk(s) found on this node, first {where}")
+            log.error(
+                "snapshot %s: %d corrupted chunk(s) on this node (first %s): quarantined, fetching them again",
+                job.identity,
+                len(bad),
+                where,
+            )
+            await job.notify()
+            job.task = asyncio.create_task(
+                self._repair(job, [refs[i] for i in bad], marker), name=f"repair-{job.identity}"
+            )
+        report.update(state=job.state, reason=job.reason)
+        return report
+
+    async def _repair(self, job: SnapshotJob, refs: list[ChunkRef], marker: bytes) -> None:
+        assert job.manifest is not None
+        m = job.manifest
+        logctx.SNAPSHOT.set(job.identity)
+        try:
+            self.save_progress(job)  # a restart meanwhile resumes from what is still good
+            try:
+                await asyncio.wait_for(self.haves.refresh(job), 5.0)
+            except TimeoutError:
+                pass
+            await asyncio.gather(*(self.fetcher.ensure_chunk(job, self._repair_layer(job, r), r) for r in refs))
+            job.set_state("verifying")
+            await job.notify()
+            await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
+            await self._on(self.pools.disk, self.store.publish, m, marker)
+            job.set_state("ready")
+            log.info("snapshot %s: repaired (%d chunk(s) fetched again)", job.identity, len(refs))
+        except asyncio.CancelledError:
+            self.save_progress(job)
+            raise
+        except (BdnError, OSError) as e:
+            reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
+            job.set_state("failed", f"repair failed: {reason.splitlines()[0] if reason else type(e).__name__}")
+            log.error("snapshot %s: %s", job.identity, job.reason)
+            self.jobs.forget(job)
+            self.store.discard(job.identity)
+        finally:
+            await job.notify()
+
+    @staticmethod
+    def _repair_layer(job: SnapshotJob, ref: ChunkRef) -> str:
+        """The layer to fetch a rebuilt chunk through: a delta's rebuilt safetensors chunks exist
+        only on peers (RESULT); every other file is stored as it is used (STORED: bucket too)."""
+        assert job.manifest is not None
+        f = job.manifest.files[ref.file_index]
+        return RESULT if f.is_diff or (job.kind == "delta" and f.path.endswith(".safetensors")) else STORED
+
+    async def _resume(self, job: SnapshotJob, saved: tuple[bytes, bytes]) -> None:
+        """Take back the chunks a previous run wrote, re-verifying each against the manifest."""
+        assert job.manifest is not None
+        try:
+            stored, result = Bitfield(len(job.stored_refs), saved[0]), Bitfield(len(job.result_refs), saved[1])
+        except ValueError as e:  # a progress file that does not fit the manifest: start over
+            log.warning("snapshot %s: saved progress ignored: %s", job.identity, e)
+            self.jobs.check_budget(job.manifest)
+            await self._on(
+                self.pools.disk, self.store.prepare_staging, job.manifest, None, self.jobs.spare_room(job.manifest)
+            )
+            return
+        if job.foreign is not None:  # ids are no digests: the objects are verified whole before READY
+            job.resumed(STORED, job.foreign.resumed(job.stored_refs, stored.set_positions().tolist()))
+            log.info(
+                "snapshot %s: resumed with %d of %d stored chunks (no manifest: unchanged ETags, each object"
+                " verified whole before READY)",
+                job.identity,
+                stored.count,
+                len(job.stored_refs),
+            )
+            return
+        ok_s = await self._on(
+            self.pools.disk,
+            diskio.verify_held,
+            job.stored_refs,
+            stored.__getitem__,
+            lambda fi: job.file_path(STORED, fi),
+        )
+        ok_r = await self._on(
+            self.pools.disk,
+            diskio.verify_held,
+            job.result_refs,
+            result.__getitem__,
+            lambda fi: job.file_path(RESULT, fi),
+        )
+        job.resumed(STORED, ok_s)
+        job.resumed(RESULT, ok_r)
+        await self._register(job, STORED, (job.stored_refs[i] for i in ok_s))
+        await self._register(job, RESULT, (job.result_refs[i] for i in ok_r))
+        log.info(
+            "snapshot %s: resumed with %d of %d stored chunks verified on disk",
+            job.identity,
+            len(ok_s),
+            len(job.stored_refs),
+        )
+
+    def save_progress(self, job: SnapshotJob) -> None:
+        """Persist which chunks ``job`` holds (both layers' bitfields, tied to the
+        manifest's digest) so a restarted daemon resumes; nothing for a job without a manifest or in a
+        terminal state. An OSError is logged, not raised."""
+        if job.manifest is None or job.stored is None or job.result is None or job.state in ("ready", "failed"):
+            return
+        try:
+            extra = job.foreign.persisted() if job.foreign is not None else None
+            self.store.save_progress(
+                job.identity, job.manifest_digest, job.stored.to_bytes(), job.result.to_bytes(), extra
+            )
+        except OSError as e:
+            why = self.store.full_reason(job.identity, e) if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
+            self.repeat.log(
+                logging.WARNING, ("progress", job.identity), "snapshot %s: cannot save progress: %s", job.identity, why
+            )
+
+    async def _progress_flusher(self, job: SnapshotJob) -> None:
+        last = -1
+        while True:
+            await asyncio.sleep(self.cfg.progress_interval_s)
+            if job.version != last:
+                last = job.version
+                self.save_progress(job)
+
+    async def _run_foreign(self, job: SnapshotJob) -> Manifest:
+        """Fetch, verify and rebuild a snapshot without a manifest; the manifest READY is written
+        from. An object replaced mid-download (a read's If-Match failed) abandons every chunk and
+        starts again on a fresh listing, at most ``foreign_restarts`` times, then fails naming the
+        object: one snapshot never mixes two versions of an object."""
+        restarts = 0
+        while True:
+            try:
+                await self.fetcher.fetch_layer(job, STORED)
+                return await self.foreign.finish(job, lambda layer, ref: self.index.register(job, layer, ref))
+            except ObjectChanged as e:
+                if restarts >= self.cfg.foreign_restarts:
+                    raise BdnError(
+                        f"snapshot {job.identity}: {e.key} was replaced during the download "
+                        f"{restarts + 1} time(s) ({self.cfg.foreign_restarts} restart(s) allowed): {e}"
+                    ) from None
+                restarts += 1
+                log.warning(
+                    "snapshot %s: %s; starting again on a fresh listing (restart %d of %d)",
+                    job.identity,
+                    e,
+                    restarts,
+                    self.cfg.foreign_restarts,
+                )
+            await self._on(self.pools.disk, self.index.drop_pending_of, job)
+            self.index.forget(job, self.jobs.all())
+            job.set_state("queued", f"restarting: an object was replaced during the download (restart {restarts})")
+            await job.notify()
+            m = await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)
+            check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
+            job.restarted(m)
+            self.jobs.check_budget(m)
+            await self._on(self.pools.disk, self.store.prepare_staging, m, None, self.jobs.spare_room(m))
+            await self._on(self.pools.disk, self.index.add_pending, job, STORED, job.stored_refs)
+            job.set_state("downloading")
+            await job.notify()
+
+    async def _run_delta(self, job: SnapshotJob, m: Manifest) -> None:
+        assert m.base_identity is not None
+        base_id = m.base_identity
+        refuse_loop(job.identity, base_id, self.jobs)
+        base = self.jobs.get(base_id)
+        if base is None or base.state != "ready":
+            # No base here: take the reconstructed chunks from peers that already rebuilt it
+            # (content-addressed like any chunk), else walk the chain from the nearest anchor.
+            if await self.haves.refresh(job, need_result=True):
+                try:
+                    await self._on(self.pools.disk, self.index.prepare, job, RESULT)  # off the loop
+                    await self.fetcher.fetch_layer(job, RESULT)
+                    job.layer_complete(STORED)
+                    job.set_state("verifying")
+                    return
+                except NotAvailable as e:
+                    log.info(
+                        "snapshot %s: peers' reconstructed chunks not enough (%s); walking the chain", job.identity, e
+                    )
+                    job.layer_reset(RESULT)
+            if self.cfg.fold_deltas and await self.folder.fold(job, m, self.jobs):
+                job.layer_complete(RESULT)
+                await self._register(job, RESULT, job.result_refs)
+                return
+            base = self.jobs.prefetch(base_id, requested_by=f"base of {job.identity}")
+        download = asyncio.create_task(self.fetcher.fetch_layer(job, STORED))
+        try:
+            base = await self._await_job(base)
+        except BaseException:
+            download.cancel()
+            raise
+        await download
+        if base.state != "ready":
+            raise BdnError(f"base snapshot {base_id} failed: {base.reason}")
+        await self._on(
+            self.pools.disk,
+            check_delta_config,
+            m.identity,
+            base_id,
+            self.store.ready_dir(base_id),
+            self.store.staging_dir(m.identity),
+        )
+        job.set_state("applying")
+        await job.notify()
+        sparse = await self.forward.apply(job, m)  # buffers brought forward in place; the rest in full
+        await self._on(
+            self.pools.apply,
+            diskio.apply_delta,
+            m,
+            self.store.ready_dir(base_id),
+            self.store.stored_dir(m.identity),
+            self.store.staging_dir(m.identity),
+            self.cfg.apply_workers,
+            sparse,
+        )
+        job.set_state("verifying")
+        await job.notify()
+        await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity), sparse)
+        job.layer_complete(RESULT)
+        await self._register(job, RESULT, self.forward.untouched(job))
+
+    async def _register(self, job: SnapshotJob, layer: str, refs: Iterable[ChunkRef]) -> None:
+        """Index verified chunks, handing the event loop a turn every 4096 (millions are possible);
+        the layer's keyed addresses are computed first, on a disk thread (bdn.daemon.store.index)."""
+        await self._on(self.pools.disk, self.index.prepare, job, layer)
+        for n, ref in enumerate(refs, 1):
+            self.index.register(job, layer, ref)
+            if n % 4096 == 0:
+                await asyncio.sleep(0)
+
+    @staticmethod
+    async def _await_job(job: SnapshotJob) -> SnapshotJob:
+        while job.state not in TERMINAL:
+            await job.wait_change(job.version, 5.0)
+        return job

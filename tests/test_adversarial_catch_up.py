@@ -1,0 +1,87 @@
+"""kill -9 of bdnd in the middle of a background catch-up (a freed spare brought forward to the
+served snapshot, bdn/daemon/apply/forward.py), with real processes and real safetensors files: after the
+restart no spare claimed by the dead catch-up (nor a half-written tag) is left, and every later delta is READY with the
+trainer's bytes, whether it starts from a spare caught up before the kill or rebuilds."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from bdn.client.fleet import hot_load
+from bdn.proto.keys import derive_keys
+from support.api import wait_for
+from support.chains import file_chain, step_id
+from support.swarm import SECRET, Daemon
+
+CHUNK = 256 << 10
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+SWARM_ID = derive_keys(SECRET).swarm_id
+ENV = {"BDN_LOAD_STARTUP": "false", "BDN_KEEP_READY": "1", "BDN_GC_GRACE_S": "0"}
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _claimed(spares: Path) -> bool:
+    try:
+        return any(n.startswith(".claimed-") for n in os.listdir(spares))
+    except FileNotFoundError:
+        return False
+
+
+def _metric(d: Daemon, what: str) -> float:
+    m = re.search(rf'^bdn_sparse_total\{{what="{what}"\}} (\S+)$', d.get("/metrics").decode(), re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_kill_9_during_a_background_catch_up_then_restart_keeps_the_trainers_bytes(tmp_path: Path) -> None:
+    steps = 5
+    chain = file_chain(
+        tmp_path,
+        steps,
+        chunk_size=CHUNK,
+        scale=16,
+        frac=0.02,
+        formats={v: "bdn_planes_v1" for v in range(2, steps + 2)},
+    )
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=ENV)
+    spares = d.shm_dir / SWARM_ID / ".spares"
+    d.start([])
+    kills = 0
+    try:
+        d.wait_healthy()
+        previous = None
+        for v in range(1, steps + 2):
+            hot_load(d.url, step_id(v), previous=previous)
+            d.wait_ready(step_id(v), 300)
+            got = d.shm_dir / SWARM_ID / step_id(v)
+            for shard in SHARDS:
+                assert (got / shard).read_bytes() == (chain.dirs[v - 1] / shard).read_bytes(), f"{step_id(v)}/{shard}"
+            previous = step_id(v)
+            if v < 3 or v == steps + 1:
+                continue
+            # step v-1's spare is being brought forward to step v: kill -9 while it is claimed
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not _claimed(spares):
+                if f"to {step_id(v)} in the background" in d.log_path.read_text():
+                    break
+                time.sleep(0.0005)
+            if _claimed(spares):
+                d.kill()
+                kills += 1
+                assert _claimed(spares)  # what the crash left
+                half_tag = spares / ".tags" / ".0-0.tmp"  # as a kill inside Spares._write_tag leaves it
+                half_tag.parent.mkdir(exist_ok=True)
+                half_tag.write_text('{"identity": "st')
+                d.start([])
+                d.wait_healthy()
+                wait_for(lambda: not _claimed(spares), 60, "the restart removing the claimed spare")
+                assert not half_tag.exists()
+        assert kills >= 1, "no catch-up was caught in flight: the test proved nothing"
+        assert _metric(d, "chunks_bad") == 0
+    finally:
+        d.stop()
