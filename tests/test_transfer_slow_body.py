@@ -48,8 +48,9 @@ class Sender:
         tail: bytes = b"",
         hold: bool = True,
         delay_header: float = 0.0,
+        trickle_header: float = 0.0,
     ) -> None:
-        self.delay_header = delay_header
+        self.delay_header, self.trickle_header = delay_header, trickle_header
         self.data, self.plan, self.part, self.announce, self.tail, self.hold = data, plan, part, announce, tail, hold
         self.ls = socket.create_server(("127.0.0.1", 0))
         self.addr = self.ls.getsockname()
@@ -74,9 +75,16 @@ class Sender:
             if self.delay_header and self.stop.wait(self.delay_header):
                 return
             if self.part:
-                sock.sendall(session.seal(wire.FrameType.PART, wire.encode_part(0, n)))
+                header = session.seal(wire.FrameType.PART, wire.encode_part(0, n))
             else:
-                sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(n)))
+                header = session.seal(wire.FrameType.DATA, wire.encode_data(n))
+            if self.trickle_header:  # the answer's frame a byte at a time
+                for i in range(len(header)):
+                    if self.stop.wait(self.trickle_header):
+                        return
+                    sock.sendall(header[i : i + 1])
+            else:
+                sock.sendall(header)
             for piece, pause in self.plan(self.data):
                 if self.stop.wait(pause):
                     return
@@ -345,6 +353,26 @@ def test_an_answer_that_never_begins_ends_at_the_timeout_however_many_haves_come
         else:
             assert out[0].outcome is Outcome.FAILED, out[0]
         assert took <= io + wait + 1.5, took
+    finally:
+        client.close()
+        target.close()
+        s.close()
+
+
+def test_an_answer_frame_that_trickles_in_is_cut_off_at_the_answers_deadline(shm, src):
+    """The answer's frame header one byte every 0.6 x the timeout: every receive gets a byte, so
+    only the answer's deadline (io_timeout + wait) ends it; without one a frame of ~40 bytes held
+    the fetch thread ~40 x 0.3 s (a daemon's request waited 80-120 s)."""
+    io = 0.5
+    s = Sender(_chunk(src), lambda d: [(d, 0.0)], trickle_header=0.3)
+    client = TransferClient(KEYS, "cli", io_timeout_s=io)
+    target = Target(shm / "out", CHUNK)
+    try:
+        r, took = _fetch_bounded(client, Peer("sender", *s.addr), src, target, "mapping", join_s=60)
+        assert r is not None, f"the trickled answer was still being received after {took:.0f} s"
+        assert r.outcome is Outcome.FAILED and "deadline" in (r.error or ""), r
+        assert took <= io + 2 * io + 1.5, took
+        assert client.streams_open(Peer("sender", *s.addr)) == 0
     finally:
         client.close()
         target.close()

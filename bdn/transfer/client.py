@@ -354,10 +354,11 @@ def _answer(s: Stream, within_s: float) -> tuple[wire.FrameType, memoryview | by
     """The first frame after a request that is not a HAVE (announcements are not answers: skipped)
     and its opened payload. It must come within ``within_s`` of the call: HAVEs do not extend
     that (a peer sending them without end held the calling thread for ever,
-    tests/test_transfer_slow_body.py). Raises TimeoutError, ProtocolError, ConnectionClosed."""
+    tests/test_transfer_slow_body.py), nor does a frame trickled in a byte per receive timeout.
+    Raises TimeoutError, ProtocolError, ConnectionClosed."""
     deadline = time.monotonic() + within_s
     while True:
-        ftype, body = read_frame(s.sock, s.buf)
+        ftype, body = read_frame(s.sock, s.buf, deadline)
         if ftype not in wire.SERVER_FRAMES:
             raise ProtocolError(f"unexpected {ftype.name} frame from a transfer server")
         payload = s.session.open(ftype, body)

@@ -11,6 +11,7 @@ import mmap
 import os
 import socket
 import struct
+import time
 
 from bdn.proto import wire
 from bdn.proto.errors import ProtocolError
@@ -29,15 +30,19 @@ def set_timeouts(sock: socket.socket, recv_s: float | None = None, send_s: float
             sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(v), int((v % 1) * 1e6)))
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``.
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``; with ``deadline`` (``time.monotonic()``) checked after each
+    partial receive, so a peer trickling a byte per receive timeout cannot hold the caller much
+    past ``deadline`` (a frame that arrives whole is never cut, however late its first byte).
 
     Raises:
         ConnectionClosed: EOF or reset before ``view`` was full.
-        TimeoutError: nothing arrived within the socket's receive timeout.
+        TimeoutError: nothing arrived within the socket's receive timeout, or ``deadline`` passed.
     """
     pos, n = 0, len(view)
     while pos < n:
+        if deadline is not None and pos and time.monotonic() > deadline:
+            raise TimeoutError(f"transfer frame still incomplete at its deadline, {pos} of {n} bytes")
         try:
             got = sock.recv_into(view[pos:], n - pos)
         except BlockingIOError:
@@ -49,9 +54,12 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         pos += got
 
 
-def read_frame(sock: socket.socket, buf: memoryview) -> tuple[wire.FrameType, memoryview]:
+def read_frame(
+    sock: socket.socket, buf: memoryview, deadline: float | None = None
+) -> tuple[wire.FrameType, memoryview]:
     """Read one frame into ``buf`` (at least ``wire.HEADER.size + wire.MAX_FRAME`` bytes, reused
     per connection); ``(type, body)`` where ``body`` is a view into ``buf`` (payload and tag).
+    With ``deadline`` (``time.monotonic()``) the frame must be complete by then (``recv_exact``).
 
     Raises:
         ProtocolError: the header claims more than ``wire.MAX_FRAME`` or an unknown type (nothing
@@ -59,10 +67,10 @@ def read_frame(sock: socket.socket, buf: memoryview) -> tuple[wire.FrameType, me
         ConnectionClosed, TimeoutError: as ``recv_exact``.
     """
     hdr = buf[: wire.HEADER.size]
-    recv_exact(sock, hdr)
+    recv_exact(sock, hdr, deadline)
     ftype, n = wire.parse_header(hdr)
     body = buf[wire.HEADER.size : wire.HEADER.size + n]
-    recv_exact(sock, body)
+    recv_exact(sock, body, deadline)
     return ftype, body
 
 

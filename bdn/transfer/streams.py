@@ -192,7 +192,9 @@ class StreamPool:
             sock.settimeout(None)
             set_timeouts(sock, self._connect_timeout, self._io_timeout)
             buf = frame_buffer()
-            ftype, body = read_frame(sock, buf)
+            # the whole handshake within two connect timeouts, however its bytes trickle in
+            deadline = time.monotonic() + 2 * self._connect_timeout
+            ftype, body = read_frame(sock, buf, deadline)
             if ftype != wire.FrameType.SERVER_HELLO:
                 raise ProtocolError("not a bdn transfer server")
             server_nonce = handshake.parse_server_hello(body)
@@ -201,7 +203,7 @@ class StreamPool:
             )
             sock.sendall(hello)
             try:
-                ftype, body = read_frame(sock, buf)
+                ftype, body = read_frame(sock, buf, deadline)
             except ConnectionClosed:
                 raise HandshakeRefused(
                     "refused the transfer handshake (another partition secret, a clock off by over "
