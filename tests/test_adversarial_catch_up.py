@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -65,11 +64,13 @@ def test_kill_9_during_a_background_catch_up_then_restart_keeps_the_trainers_byt
             if v < 3 or v == steps + 1:
                 continue
             # step v-1's spare is being brought forward to step v: kill -9 while it is claimed
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not _claimed(spares):
-                if f"to {step_id(v)} in the background" in d.log_path.read_text():
-                    break
-                time.sleep(0.0005)
+            caught_up = f"to {step_id(v)} in the background"
+            wait_for(
+                lambda caught_up=caught_up: _claimed(spares) or caught_up in d.log_path.read_text(),
+                120,
+                "a spare claimed by the catch-up, or the catch-up done",
+                0.0005,
+            )
             if _claimed(spares):
                 d.kill()
                 kills += 1

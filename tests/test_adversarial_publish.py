@@ -52,6 +52,7 @@ def racing(tmp_path: Path) -> tuple[str, str | None]:
 def _start(spec: dict[str, object]) -> subprocess.Popen[str]:
     p = subprocess.Popen(
         [sys.executable, str(RACER), json.dumps(spec)],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -63,16 +64,23 @@ def _start(spec: dict[str, object]) -> subprocess.Popen[str]:
     return p
 
 
-def _race(specs: list[dict[str, object]], go: Path) -> list[dict[str, object]]:
+def _go(p: subprocess.Popen[str]) -> None:
+    """Send a ready racer its start line."""
+    assert p.stdin is not None
+    p.stdin.write("go\n")
+    p.stdin.flush()
+
+
+def _race(specs: list[dict[str, object]]) -> list[dict[str, object]]:
     """Start every racer, let them go at once, and return their result lines (in ``specs`` order)."""
-    procs = [_start({**s, "go": str(go)}) for s in specs]
-    go.touch()
+    procs = [_start(s) for s in specs]
+    for p in procs:
+        _go(p)
     out = []
     for p in procs:
         text, _ = p.communicate(timeout=600)
         assert p.returncode == 0, text
         out.append(json.loads(text.strip().splitlines()[-1]))
-    go.unlink()
     return out
 
 
@@ -103,7 +111,7 @@ def test_two_publishers_of_one_step_racing_leave_one_consistent_snapshot(
     for round_ in range(2):
         ident = f"race{round_:06d}"
         base = {"url": url, "endpoint": endpoint, "identity": ident, "op": "full"}
-        res = _race([{**base, "dir": str(fast)}, {**base, "dir": str(slow)}], tmp_path / "go")
+        res = _race([{**base, "dir": str(fast)}, {**base, "dir": str(slow)}])
         assert sum(bool(r["ok"]) for r in res) == 1, res
         loser = next(r for r in res if not r["ok"])
         assert str(loser["error"]).startswith("PublishError: "), loser
@@ -125,7 +133,7 @@ def test_two_commits_taking_over_one_dead_claim_publish_once(racing: tuple[str, 
             claim = {"host": socket.gethostname(), "pid": dead.pid, "started": "2026-12-07T04:00:00Z"}
             b.write(claim_key(ident), json.dumps(claim).encode())
         base = {"url": url, "endpoint": endpoint, "identity": ident, "op": "commit"}
-        res = _race([{**base, "config": '{"from": "A"}'}, {**base, "config": '{"from": "B"}'}], tmp_path / "go")
+        res = _race([{**base, "config": '{"from": "A"}'}, {**base, "config": '{"from": "B"}'}])
         assert sum(bool(r["ok"]) for r in res) == 1, res
         loser = next(r for r in res if not r["ok"])
         assert str(loser["error"]).startswith("PublishError: "), loser
@@ -145,12 +153,9 @@ def test_a_publisher_killed_mid_upload_leaves_nothing_visible_and_a_retry_publis
     src.mkdir()
     (src / "a.bin").write_bytes(np.random.default_rng(2).bytes(24 << 20))
     (src / "z.json").write_bytes(b"{}")
-    go = tmp_path / "go"
-    p = _start(
-        {"url": url, "endpoint": endpoint, "identity": "step000001", "op": "full", "dir": str(src), "go": str(go)}
-    )
+    p = _start({"url": url, "endpoint": endpoint, "identity": "step000001", "op": "full", "dir": str(src)})
     with open_bucket(url, endpoint_url=endpoint) as b:
-        go.touch()
+        _go(p)
         wait_for(lambda: _exists(b, claim_key("step000001")), 120, "the publisher's claim", 0.001)
         os.kill(p.pid, signal.SIGKILL)
         p.communicate(timeout=60)

@@ -1,6 +1,6 @@
 """A publisher as a real process for the publish-race tests
-(``python tests/support/racer.py SPEC_JSON``): it waits until the file ``spec["go"]`` exists
-(so that two racers start their publish within a millisecond), then runs ``spec["op"]``
+(``python tests/support/racer.py SPEC_JSON``): once ready it blocks reading a line from stdin
+(the test writes one to every racer, so that they start their publish together), then runs ``spec["op"]``
 (``full``: :func:`bdn.publish.publish_full` of ``spec["dir"]``; ``commit``:
 :func:`bdn.publish.commit_step` with ``spec["config"]`` as ``config.json``) and prints one JSON
 line ``{"ok": true}`` or ``{"ok": false, "error": "<type>: <message>"}``."""
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
@@ -23,8 +22,7 @@ def main() -> None:
 
     b = open_bucket(spec["url"], endpoint_url=spec.get("endpoint"))
     print(json.dumps({"pid": os.getpid(), "ready": True}), flush=True)
-    while not os.path.exists(spec["go"]):
-        time.sleep(0.0005)
+    sys.stdin.readline()  # the start line
     try:
         if spec["op"] == "full":
             publish_full(b, spec["identity"], 1, dir=spec["dir"], workers=1, chunk_size=1 << 20, check_headers=False)
