@@ -22,6 +22,7 @@ import numpy as np
 
 from bdn.client import Snapshot
 from bdn.engines import changed as changed_mod
+from bdn.engines.dtypes import TORCH_DTYPES as _DTYPES
 from bdn.engines.weights import SpareBuffers, pread_into, pread_ranges
 from bdn.proto.errors import BdnError
 
@@ -32,20 +33,6 @@ STAGE_THREADS = 2
 
 #: A tensor whose changed ranges cover at least this fraction of its bytes is read whole.
 WHOLE_READ_FRACTION = 0.5
-
-# safetensors dtype names -> torch dtype attribute names
-_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
 
 
 class EngineError(BdnError):

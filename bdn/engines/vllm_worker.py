@@ -93,6 +93,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bdn.engines.dtypes import ITEMSIZE as _ITEMSIZE
+from bdn.engines.dtypes import TORCH_DTYPES as _DTYPES
 from bdn.engines.preads import pread_spans
 
 __all__ = [
@@ -117,23 +119,6 @@ INPLACE_ARCHS = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 MAX_NAMES = 1_000_000
 MAX_RANGES = 1_000_000
 MAX_HEADER = 100 << 20
-_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "F64": "float64",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-}
-#: Bytes per element of each dtype of ``_DTYPES`` (safetensors' names).
-_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-_ITEMSIZE |= {"F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def parse_request(raw: Any) -> tuple[Path, list[str], dict[str, list[tuple[int, int]]], bool]:
