@@ -275,9 +275,17 @@ class Runner:
             where = f"{first.path} chunk {first.index} (bytes {first.offset}-{first.offset + first.length})"
             self.index.quarantine(job, [refs[i] for i in bad], self.jobs.all())
             self.stats.add("chunks_quarantined", len(bad))
-            marker = await self._on(self.pools.disk, self.store.unpublish, job.identity)
+            # Out of ``ready`` before the directory moves: a reader that saw ``ready`` must find
+            # the files at the path it was given (the directory goes back to staging next).
             job.quarantined(bad)
             job.set_state("downloading", f"repairing {len(bad)} corrupted chunk(s) found on this node, first {where}")
+            try:
+                marker = await self._on(self.pools.disk, self.store.unpublish, job.identity)
+            except OSError as e:
+                job.set_state("failed", f"repair failed: cannot take the snapshot back to staging: {e}")
+                log.error("snapshot %s: %s", job.identity, job.reason)
+                await job.notify()
+                raise
             log.error(
                 "snapshot %s: %d corrupted chunk(s) on this node (first %s): quarantined, fetching them again",
                 job.identity,
