@@ -57,6 +57,15 @@ def test_chunks_move_over_the_wire_and_the_chunk_log_says_so(tmp_path: Path) -> 
         assert sum(c["peer_wire_bytes_in"] for c in counters) == peer_in, counters
         assert sum(c["peer_wire_bytes_out"] for c in counters) == sum(c["peer_bytes_out"] for c in counters) > 0
         assert sum(c["chunk_verify_failures"] for c in counters) == 0
+        # no download runs: no daemon keeps the receive buffers its fetches used (issue 31; one
+        # per fetch thread stayed mapped for the daemon's life before)
+        for d in swarm.daemons:
+            wait_for(
+                lambda d=d: d.status()["buffers"],
+                60,
+                f"{d.node_id} to unmap its receive buffers",
+                until=lambda b: b["receive_buffers"] == 0,
+            )
         n_chunks = len(list(m.stored_chunks()))
         for d in swarm.daemons:
             lines = [json.loads(x) for x in logs[d.node_id].read_text().splitlines()]

@@ -33,6 +33,7 @@ from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import SwarmKeys
 from bdn.transfer.receive import (
+    Rings,
     body_limit,
     receive_hashed,
     receive_parts,
@@ -121,6 +122,8 @@ class TransferClient:
         self.keys = keys
         self.node_id = node_id
         self._io_timeout = io_timeout_s
+        #: the buffers a whole answer for a file is received through (``rings.release()`` when idle)
+        self.rings = Rings()
 
     # ---- public -----------------------------------------------------------------------------
 
@@ -334,9 +337,9 @@ class TransferClient:
                     s.recv_timeout = self._io_timeout
                 deadline = time.monotonic() + body_limit(length, self._io_timeout)
                 if isinstance(sink, int):
-                    receive_to_file(s, sink, offset, length, deadline)
+                    receive_to_file(s, sink, offset, length, deadline, self.rings)
                 elif file_sink is not None:
-                    receive_to_file(s, file_sink[0], file_sink[1], length, deadline)
+                    receive_to_file(s, file_sink[0], file_sink[1], length, deadline, self.rings)
                 else:
                     receive_hashed(s, sink, deadline)
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:

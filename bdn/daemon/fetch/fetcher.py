@@ -180,8 +180,9 @@ class Fetcher:
             self._layers -= 1
             if not self._layers:
                 # No download runs: the chunk buffers its races and HTTP peers used go back to
-                # the system now, not when the pool's bound pushes them out (sources.BufferPool).
-                self.sources.pool.clear()
+                # the system now, not when the pool's bound pushes them out (sources.BufferPool),
+                # and so do the wire's receive buffers (one per fetch that ran at once).
+                self.sources.release_buffers()
                 # And the C heap's free pages, which glibc keeps resident in the middle of its
                 # threads' arenas (bdn.daemon.observe.memtrim; at most once per 30 s), on a disk thread:
                 # the walk of a large heap must not hold the event loop.

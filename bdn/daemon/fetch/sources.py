@@ -197,6 +197,23 @@ class Sources:
         #: Each peer's rate and refusals (bdn.daemon.fetch.policy.SourceBook) and what they call for.
         self.watch = SourceWatch(cfg, membership, clock)
 
+    def release_buffers(self) -> None:
+        """Unmap the free chunk buffers (:class:`BufferPool`) and the transfer client's free
+        receive buffers (``bdn.transfer.receive.Rings``); the fetcher calls it when no download
+        runs, so that what one download needed at once is not held until the next."""
+        self.pool.clear()
+        if self.wire is not None:
+            self.wire.pool.client.rings.release()
+
+    def buffers(self) -> dict[str, int]:
+        """``{"chunk_buffers", "chunk_buffers_kb", "receive_buffers"}``: free chunk buffers held
+        (their KiB) and receive buffers mapped now (lent or free, 1 MiB each)."""
+        return {
+            "chunk_buffers": self.pool._count,
+            "chunk_buffers_kb": self.pool._bytes >> 10,
+            "receive_buffers": self.wire.pool.client.rings.mapped() if self.wire is not None else 0,
+        }
+
     async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
 
