@@ -4,8 +4,7 @@
 JSON line per matching process (``/proc/PID/cmdline`` contains ``--match``) and tick::
 
     {"t_s": float, "pid": int, "cmd": str, "rss_anon_kb": int, "threads": int,
-     "kinds": {kind: {"n": int, "kb": int, "vm_kb": int}},   # Anonymous: kB / size per kind
-     "stacks": [[tid_or_null, anon_kb], ...]}                  # each 8 MiB thread stack, its thread
+     "kinds": {kind: {"n": int, "kb": int, "vm_kb": int}}}   # Anonymous: kB / size per kind
 
 Kinds, from ``/proc/PID/smaps`` (proc(5)) and each thread's stack pointer
 (``/proc/PID/task/TID/syscall``, its next-to-last field; "running" threads have none):
@@ -22,8 +21,13 @@ Kinds, from ``/proc/PID/smaps`` (proc(5)) and each thread's stack pointer
 - ``other_small`` (< 1 MiB), ``other_mid`` (1-8 MiB) and ``other_big`` (larger): everything else
   (glibc's mmapped blocks over ``M_MMAP_THRESHOLD``, numpy/zstd buffers, mmapped frame buffers).
 
-``python -m bench.soak.mapsdump --summary maps.jsonl`` prints, per pid, the first and last line's
-kinds and the thread count over time. The stdlib only: psutil's ``memory_maps()`` drops the
+``python -m bench.soak.mapsdump --summary maps.jsonl`` prints, per process sampled for 10 minutes
+or more, a row every ``--step`` seconds: RssAnon, threads, and each kind's mappings and MB. The
+split by size is approximate: the kernel merges adjacent anonymous mappings of the same
+permissions into one (several pymalloc arenas, or a 1 MiB buffer next to one, read as one
+``other_mid``); thread stacks, split by their guard pages, and glibc's arenas are exact.
+``--stacks`` adds ``"stacks": [[tid or null, anon_kb], ...]`` (each stack-shaped mapping, its
+thread) to every line. The stdlib only: psutil's ``memory_maps()`` drops the
 addresses and permissions this needs.
 """
 
@@ -196,20 +200,30 @@ def one(pid: int, cmd: str, t0: float, stack_size: int) -> dict[str, Any]:
     }
 
 
-def summary(path: Path) -> None:
+def summary(path: Path, step_s: float = 300.0, min_life_s: float = 600.0) -> None:
+    """Per process that was sampled for ``min_life_s`` or more: a row every ``step_s`` seconds
+    of its life with RssAnon, threads, and each kind's mappings and resident MB."""
     rows: dict[int, list[dict[str, Any]]] = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
         rows.setdefault(r["pid"], []).append(r)
     for pid, rs in rows.items():
-        a, b = rs[0], rs[-1]
-        print(
-            f"pid {pid}: {a['t_s']:.0f} -> {b['t_s']:.0f} s, RssAnon {a['rss_anon_kb'] / 1024:.1f} -> {b['rss_anon_kb'] / 1024:.1f} MB"
-        )
-        for k in sorted(set(a["kinds"]) | set(b["kinds"])):
-            ka, kb_ = a["kinds"].get(k, {"n": 0, "kb": 0}), b["kinds"].get(k, {"n": 0, "kb": 0})
-            print(f"  {k:13s} n {ka['n']:4d} -> {kb_['n']:4d}   MB {ka['kb'] / 1024:7.1f} -> {kb_['kb'] / 1024:7.1f}")
-        print("  threads:", [r["threads"] for r in rs])
+        if rs[-1]["t_s"] - rs[0]["t_s"] < min_life_s:
+            continue
+        kinds = sorted({k for r in rs for k in r["kinds"]})
+        print(f"pid {pid}, sampled {rs[0]['t_s']:.0f}-{rs[-1]['t_s']:.0f} s; per kind: mappings/resident MB")
+        print(f"  {'min':>5s} {'RssAnon':>8s} {'thr':>4s} " + " ".join(f"{k:>14s}" for k in kinds))
+        next_t = rs[0]["t_s"]
+        for r in rs:
+            if r["t_s"] + 1e-6 < next_t and r is not rs[-1]:
+                continue
+            next_t = r["t_s"] + step_s
+            cells = []
+            for k in kinds:
+                v = r["kinds"].get(k, {"n": 0, "kb": 0})
+                cells.append(f"{v['n']:>5d}/{v['kb'] / 1024:>7.1f}  ")
+            mins = (r["t_s"] - rs[0]["t_s"]) / 60
+            print(f"  {mins:5.1f} {r['rss_anon_kb'] / 1024:8.1f} {r['threads']:4d} " + " ".join(cells))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,24 +231,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--match", help="a string of the processes' command lines")
     p.add_argument("--parent", type=int, help="only children of this pid (the soak harness)")
     p.add_argument("--every", type=float, default=30.0, help="seconds between samples (default %(default)s)")
+    p.add_argument("--minutes", type=float, default=0.0, help="stop after this long (default 0: until killed)")
+    p.add_argument("--stacks", action="store_true", help="also list each thread stack and its thread")
     p.add_argument("--out", type=Path, help="JSON lines to append to")
     p.add_argument("--summary", type=Path, help="print a summary of a finished file instead")
+    p.add_argument("--step", type=float, default=300.0, help="summary: seconds between rows (default %(default)s)")
     a = p.parse_args(argv)
     if a.summary:
-        summary(a.summary)
+        summary(a.summary, a.step)
         return 0
     if not a.match or not a.out:
         p.error("need --match and --out (or --summary)")
     t0 = time.monotonic()
     stack_size = _stack_size()
     with a.out.open("a") as out:
-        while True:
+        while not a.minutes or time.monotonic() - t0 < a.minutes * 60:
             for pid, cmd in matching(a.match, a.parent).items():
                 r = one(pid, cmd, t0, stack_size)
+                if not a.stacks:
+                    del r["stacks"]
                 if r["threads"]:
                     out.write(json.dumps(r) + "\n")
             out.flush()
             time.sleep(a.every)
+    return 0
 
 
 if __name__ == "__main__":
