@@ -1,20 +1,22 @@
-"""A lying swarm peer, as a real aiohttp server process, for the bad-input tests.
+"""A lying swarm peer, as a real process, for the bad-input tests.
 
 It knows the partition secret, so its requests and answers are properly signed and verified. It
 behaves as a healthy member (``POST members`` answers correctly) and claims to hold everything:
 ``GET snapshots/{id}/have`` returns all-bits-set bitfields of the sizes the snapshot's manifest
-(read from the bucket) gives. Every ``GET chunks/{address}`` of a chunk it can size from a manifest
-is answered 200 with random bytes of exactly the right length, so only the receiver's digest check
-can catch it.
+(read from the bucket) gives.
+
+Chunks move between daemons only over the transfer wire, and so do its lies: it runs a real
+``TransferServer`` (advertised as ``transfer`` in its membership answers) whose location for
+every chunk it can size is a file of random bytes, so daemons asking it get wrong bytes of the
+right length, sent with ``sendfile`` like an honest peer's; only the receiver's digest check
+(or, for a snapshot without a manifest, its object check) can catch them. ``--refuse`` answers
+every ask BUSY or NOT_HERE instead; ``--trickle-s S`` runs a hand-written transfer server
+instead that answers each ask with a DATA header and then one byte every S seconds (a stalling
+peer).
 
 Run: ``python tests/support/liar.py --port P --bucket URL --secret-file F [--node-id liar]``.
 It prints ``liar listening on <url>`` once it accepts connections. ``Liar`` below starts and stops
 that process from a test.
-
-It also speaks the transfer wire (bdn.transfer, advertised as ``transfer`` in its membership
-answers, unless ``--no-wire``): a real ``TransferServer`` whose location for every chunk it can
-size is a file of random bytes, so daemons asking it over the wire get wrong bytes of the right
-length, sent with ``sendfile`` like an honest peer's.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,6 +48,7 @@ from bdn.proto.keys import NODE_HEADER, SwarmKeys, WrongTarget, derive_keys, ver
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 from bdn.transfer import GRANTED, NOT_HERE, Busy, TransferServer
 from support.peerproc import PeerProcess
+from support.transfer import accept_ask, recv_frame
 
 LIAR_STATE = web.AppKey("liar", object)
 
@@ -65,8 +71,8 @@ class LiarState:
         self.transfer: str | None = None  # "host:port" of its transfer server, if it runs one
         self.junk: Path | None = None  # random bytes the transfer server sends for every chunk
         self.trickle_s = 0.0  # > 0: answer chunks one byte every trickle_s seconds (a stalling peer)
-        #: "" (send random bytes), "busy" or "not_here": refuse every chunk it advertises, on
-        #: HTTP (503 / 404) and on the wire (BUSY / NOT_HERE): a lying or stale have-list
+        #: "" (send random bytes), "busy" or "not_here": refuse every chunk it advertises (BUSY /
+        #: NOT_HERE on the wire): a lying or stale have-list
         self.refuse = ""
         self.refused = 0  # chunk requests refused
 
@@ -165,39 +171,6 @@ async def have_answer(request: web.Request, state: str, bitfield: Callable[[int]
     return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
 
 
-async def get_chunk(request: web.Request) -> web.Response:
-    st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
-    address = request.match_info["address"]
-    if address not in st.lengths:
-        hint = request.query.get("snapshot")
-        if hint:
-            try:
-                st.manifest(validate_identity(hint))
-            except BdnError:
-                pass
-    n = st.lengths.get(address)
-    if n is None:
-        return web.Response(status=404)
-    if st.refuse:
-        st.refused += 1
-        if st.refuse == "busy":
-            return web.Response(status=503, headers={"Retry-After": "0.2"})
-        return web.Response(status=404)
-    st.chunks_lied += 1
-    if st.trickle_s > 0:  # 200 and the right length, then a byte now and then: never done in time
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        resp.content_length = n
-        await resp.prepare(request)
-        try:
-            for _ in range(n):
-                await resp.write(b"\0")
-                await asyncio.sleep(st.trickle_s)
-        except ConnectionError:
-            pass  # the asker gave up
-        return resp
-    return web.Response(body=os.urandom(n), content_type="application/octet-stream")
-
-
 async def get_stats(request: web.Request) -> web.Response:
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
     return web.json_response(
@@ -238,11 +211,54 @@ def start_wire(st: LiarState, junk: Path) -> TransferServer:
     return server
 
 
+def start_trickling_wire(st: LiarState) -> None:
+    """A transfer server that stalls: after the handshake, each ASK of a chunk it can size gets a
+    DATA header of the right length, then one byte every ``trickle_s`` seconds (never silent for
+    long, never done); NOT_HERE for any other. One thread per connection."""
+    ls = socket.create_server(("127.0.0.1", 0))
+    st.transfer = f"127.0.0.1:{ls.getsockname()[1]}"
+
+    def one(sock: socket.socket) -> None:
+        try:
+            session, ask = accept_ask(sock, st.node_id, st.keys)
+            while True:
+                if ask.address not in st.lengths and ask.snapshot:
+                    try:
+                        st.manifest(validate_identity(ask.snapshot))
+                    except BdnError:
+                        pass
+                if ask.address not in st.lengths:
+                    sock.sendall(session.seal(wire.FrameType.NOT_HERE, b""))
+                else:
+                    st.chunks_lied += 1
+                    st.wire_lied += 1
+                    sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(ask.length)))
+                    for _ in range(ask.length):
+                        time.sleep(st.trickle_s)
+                        sock.sendall(b"\0")
+                while True:  # the next ASK (a HAVE subscription's frames are read and ignored)
+                    ftype, body = recv_frame(sock)
+                    payload = session.open(ftype, body)
+                    if ftype == wire.FrameType.ASK:
+                        ask = wire.decode_ask(payload)
+                        break
+        except (OSError, BdnError):  # ConnectionError is an OSError; AuthError, ProtocolError BdnErrors
+            pass  # the asker gave up (or spoke nonsense)
+        finally:
+            sock.close()
+
+    def accept() -> None:
+        while True:
+            c, _ = ls.accept()
+            threading.Thread(target=one, args=(c,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+
 def make_app(state: LiarState) -> web.Application:
     app = web.Application(middlewares=[_auth])
     app[LIAR_STATE] = state
     p = "/bdn/v1/{swarm_id}"
-    app.router.add_get(p + "/chunks/{address}", get_chunk)
     app.router.add_get(p + "/snapshots/{identity}/have", get_have)
     app.router.add_post(p + "/members", post_members)
     app.router.add_get(p + "/liar/stats", get_stats)
@@ -256,7 +272,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--secret-file", required=True)
     ap.add_argument("--node-id", default="liar")
     ap.add_argument("--foreign-chunk-size", type=int, default=0, help="lie about snapshots without a manifest too")
-    ap.add_argument("--no-wire", action="store_true", help="no transfer server: lie over HTTP only")
     ap.add_argument(
         "--refuse",
         choices=("", "busy", "not_here"),
@@ -270,7 +285,9 @@ def main(argv: list[str] | None = None) -> None:
     state = LiarState(keys, args.node_id, url, args.bucket, args.foreign_chunk_size)
     state.trickle_s = args.trickle_s
     state.refuse = args.refuse
-    if not args.no_wire and args.trickle_s <= 0:  # a staller stalls over HTTP (the wire path lies)
+    if args.trickle_s > 0:
+        start_trickling_wire(state)
+    else:
         start_wire(state, Path(args.secret_file).parent / "junk")
 
     async def run() -> None:

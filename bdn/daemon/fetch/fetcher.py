@@ -24,6 +24,7 @@ from bdn.daemon.observe.chunklog import ChunkLog
 from bdn.daemon.observe.memtrim import IdleTrim
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import Clock
+from bdn.daemon.serve.transfer_address import wired
 from bdn.daemon.snapshots.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.store.index import ChunkIndex
 from bdn.daemon.swarm.membership import Member, Membership
@@ -40,6 +41,9 @@ CUT_WORKERS = 16
 
 
 def _views(members: list[Member]) -> tuple[list[policy.PeerView], dict[str, Member]]:
+    """The chunk peers among ``members`` (those with a transfer address: ``wired``), as the plan
+    sees them and by URL."""
+    members = wired(members)
     return [policy.PeerView(m.url, m.node_id, m.inflight) for m in members], {m.url: m for m in members}
 
 
@@ -179,7 +183,7 @@ class Fetcher:
             self.owners.forget((job.identity, layer))
             self._layers -= 1
             if not self._layers:
-                # No download runs: the chunk buffers its races and HTTP peers used go back to
+                # No download runs: the chunk buffers its races and foreign bucket reads used go back to
                 # the system now, not when the pool's bound pushes them out (sources.BufferPool).
                 self.sources.pool.clear()
                 # And the C heap's free pages, which glibc keeps resident in the middle of its
@@ -299,7 +303,7 @@ class Fetcher:
             parked_out = False
             for step in steps:
                 if isinstance(step, policy.ReadBucket):
-                    live_nodes = [m.node_id for m in self.membership.live()]
+                    live_nodes = [m.node_id for m in wired(self.membership.live())]
                     owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
                     if policy.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
                         try:
