@@ -183,8 +183,9 @@ class Fetcher:
             self.owners.forget((job.identity, layer))
             self._layers -= 1
             if not self._layers:
-                # No download runs: the chunk buffers its races and foreign bucket reads used go back to
-                # the system now, not when the pool's bound pushes them out (sources.BufferPool).
+                # No download runs: the chunk buffers its races and foreign bucket reads used go
+                # back to the system now, not when the pool's bound pushes them out
+                # (sources.BufferPool).
                 self.sources.pool.clear()
                 # And the C heap's free pages, which glibc keeps resident in the middle of its
                 # threads' arenas (bdn.daemon.observe.memtrim; at most once per 30 s), on a disk thread:

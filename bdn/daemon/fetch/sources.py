@@ -53,9 +53,9 @@ class BufferPool:
     ``bytearray`` is a glibc heap block once glibc's dynamic mmap threshold has risen past it
     (mallopt(3)), and a heap that such blocks pass through fragments; a mapping is returned to
     the system whole when it is dropped. :meth:`clear` drops every free buffer: the fetcher calls
-    it when no download is running, so that what one download's endgame races and foreign bucket reads
-    needed is not held until the next (otherwise the pool fills towards its bound over an hour
-    of hot-loads, one buffer at a time; docs/decisions/0025-flat-rss.md).
+    it when no download is running, so that what one download's endgame races and foreign bucket
+    reads needed is not held until the next (otherwise the pool fills towards its bound over an
+    hour of hot-loads, one buffer at a time; docs/decisions/0025-flat-rss.md).
     """
 
     #: Bytes kept in free buffers at most (4 chunks of bdn-publish's default 16 MiB).
