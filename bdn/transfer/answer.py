@@ -22,6 +22,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Union
@@ -29,6 +30,7 @@ from typing import Union
 from bdn.proto import handshake, wire
 from bdn.transfer.files import FileCache
 from bdn.transfer.growing import CutOff, Growing, send_growing
+from bdn.transfer.receive import body_limit
 from bdn.transfer.sockio import sendfile_all
 from bdn.transfer.stats import ServerStats
 
@@ -86,8 +88,15 @@ class Answers:
     descriptors of ``files``; counts in ``stats`` under ``lock`` (the server's)."""
 
     def __init__(
-        self, resolve: Resolve, admit: Admit, files: FileCache, stats: ServerStats, lock: threading.Lock
+        self,
+        resolve: Resolve,
+        admit: Admit,
+        files: FileCache,
+        stats: ServerStats,
+        lock: threading.Lock,
+        send_timeout_s: float = 60.0,
     ) -> None:
+        self._send_timeout = send_timeout_s
         self._resolve = resolve
         self._admit = admit
         self._files = files
@@ -132,7 +141,7 @@ class Answers:
             return False
         fd, ent = got
         try:
-            send_growing(sock, session.seal, fd, g, ask.offset, ask.length)
+            send_growing(sock, session.seal, fd, g, ask.offset, ask.length, send_timeout_s=self._send_timeout)
         except CutOff as e:
             if e.started:
                 with self._lock:
@@ -186,7 +195,10 @@ class Answers:
             # MSG_MORE: the small header leaves in the same segment as the body's first bytes
             sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(ask.length)), socket.MSG_MORE)
             try:
-                sendfile_all(sock.fileno(), fd, start, ask.length)
+                # the body by the deadline its receiver gives it (receive.body_limit, on the
+                # send timeout): a peer reading a little now and then held the upload slot for ever
+                deadline = time.monotonic() + body_limit(ask.length, self._send_timeout)
+                sendfile_all(sock.fileno(), fd, start, ask.length, deadline, self._send_timeout)
             except BaseException:
                 with self._lock:
                     self.stats.aborted += 1

@@ -144,7 +144,7 @@ class TransferServer:
         self._acceptor: threading.Thread | None = None
         self._closing = threading.Event()
         self.stats = ServerStats()
-        self._answers = Answers(resolve, admit, self._files, self.stats, self._lock)
+        self._answers = Answers(resolve, admit, self._files, self.stats, self._lock, send_timeout_s)
         self.address: tuple[str, int] | None = None
 
     # ---- life -------------------------------------------------------------------------------
