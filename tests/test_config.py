@@ -331,3 +331,13 @@ def test_a_file_bdnd_cannot_open_at_start_exits_2_with_one_line(
     r = _bdnd(*flags, env=env)
     assert r.returncode == 2, r
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("bdnd: error: ") and needle in r.stderr, r.stderr
+
+
+def test_shm_dir_is_required_and_made_absolute(base: dict[str, str], tmp_path: Path, monkeypatch) -> None:
+    """breaker2: ``shm_dir = ""`` ran the store in the daemon's working directory, and a relative
+    shm_dir was handed out as is: ``GET /v1/snapshots/X`` answered ``"path": "relshm/<swarm>/X"``,
+    which an engine in another directory cannot open."""
+    with pytest.raises(ConfigError, match="'shm_dir' must be a directory path"):
+        _load({**base, "BDN_SHM_DIR": ""})
+    monkeypatch.chdir(tmp_path)
+    assert _load({**base, "BDN_SHM_DIR": "relshm"}).shm_dir == str(tmp_path / "relshm")

@@ -472,6 +472,11 @@ class Config:
                     "engine is marked seen every third of it and no more often than every 0.05 s, so a shorter "
                     "window flags live engines"
                 )
+        if not self.shm_dir.strip():
+            raise ConfigError("config key 'shm_dir' must be a directory path, got ''")
+        # absolute: the snapshot paths the local API hands to engines and clients (other
+        # processes, other working directories) are under it; "" was the daemon's own cwd
+        self.shm_dir = os.path.abspath(self.shm_dir)
         if not self.local_listen and not self.local_socket:
             raise ConfigError("the local API needs local_listen (loopback host:port) or local_socket (a path)")
         if self.partition_secret_file:
