@@ -391,3 +391,24 @@ def test_a_peer_that_reads_a_little_now_and_then_gives_its_upload_slot_back(shm,
         stream.sock.close()
         client.close()
         srv.close()
+
+
+def test_send_deadlines_of_answers_that_ended_in_time_are_not_kept(shm, src):
+    """Each answer registers its send deadline (bdn.transfer.deadlines); one that ends in time
+    leaves nothing behind, so the watchdog's heap holds only the sends in flight."""
+    srv = TransferServer(KEYS, "srv", src.resolve, send_timeout_s=30)
+    host, port = srv.start()
+    client = TransferClient(KEYS, "cli", io_timeout_s=30)
+    target = Target(shm / "out", 8 * CHUNK)
+    try:
+        for _rep in range(3):
+            for i in range(8):
+                r = client.fetch_into(
+                    Peer("srv", host, port), src.address(i), target.map, i * CHUNK, CHUNK, src.digests[i]
+                )
+                assert r.outcome is Outcome.OK, r
+        assert len(srv._deadlines) == 0
+    finally:
+        client.close()
+        target.close()
+        srv.close()

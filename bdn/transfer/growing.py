@@ -181,15 +181,13 @@ def send_growing(
     length: int,
     *,
     clock: Callable[[], float] = time.monotonic,
-    send_timeout_s: float = 60.0,
 ) -> None:
     """Send ``length`` bytes at ``offset`` of the growing chunk ``g`` (open as ``fd``) as PART
     frames sealed by ``seal`` (the connection's session), as they land.
 
     A piece of fewer than ``MIN_PIECE`` new bytes waits for more unless it closes a gap (ends
     where sent bytes begin), reaches the range's end or the chunk is verified. The chunk's last
-    ``HOLD_BYTES`` go only once ``g`` is verified. A piece's bytes wait at most
-    ``send_timeout_s`` for room in the socket and never past ``MAX_ANSWER_S`` from the start.
+    ``HOLD_BYTES`` go only once ``g`` is verified.
 
     Raises:
         CutOff: the owner's copy failed (``started`` False when no frame went out yet: the
@@ -219,8 +217,7 @@ def send_growing(
                 continue
             framed = True
             sock.sendall(seal(wire.FrameType.PART, wire.encode_part(start - offset, n)), socket.MSG_MORE)
-            deadline = time.monotonic() + max(0.0, MAX_ANSWER_S - (now - started))
-            sendfile_all(out, fd, g.base + start, n, deadline, send_timeout_s)
+            sendfile_all(out, fd, g.base + start, n)
             _merge(sent, start, stop)
             left -= n
             last = now

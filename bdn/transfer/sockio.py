@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import select
 import socket
 import struct
 import time
@@ -75,59 +74,24 @@ def read_frame(
     return ftype, body
 
 
-def sendfile_all(out: int, fd: int, pos: int, n: int, deadline: float | None = None, idle_s: float = 60.0) -> None:
+def sendfile_all(out: int, fd: int, pos: int, n: int) -> None:
     """Send ``n`` bytes of file ``fd`` from offset ``pos`` to socket ``out`` with ``os.sendfile``
     (the bytes never enter Python).
 
-    Without ``deadline`` each call blocks up to the socket's send timeout. With ``deadline``
-    (``time.monotonic()``) the socket is put in non-blocking mode for the send (and back): each
-    ``sendfile`` takes what the socket buffer holds and a ``poll`` waits for room, at most
-    ``idle_s`` (seconds) of silence and never past ``deadline``. A blocking ``sendfile`` cannot be
-    bounded so: the kernel starts the send timeout afresh for every page, so a receiver that reads
-    a little now and then held the sending thread (and its upload slot) for the whole body at its
-    pace (tests/test_transfer_faults.py).
-
     Raises:
-        TimeoutError: the send timeout (``idle_s``) passed without room, or ``deadline`` did.
+        TimeoutError: the socket's send timeout passed.
         ConnectionClosed: the file ended early (truncated while serving).
         OSError: the socket failed.
     """
-    if deadline is None:
-        while n:
-            try:
-                sent = os.sendfile(out, fd, pos, n)
-            except BlockingIOError:
-                raise TimeoutError("transfer send timed out") from None
-            if sent == 0:
-                raise ConnectionClosed("chunk file ended early (truncated while serving)")
-            pos += sent
-            n -= sent
-        return
-    total = n
-    poller = select.poll()
-    poller.register(out, select.POLLOUT)
-    os.set_blocking(out, False)
-    try:
-        while n:
-            try:
-                sent = os.sendfile(out, fd, pos, n)
-            except BlockingIOError:
-                sent = -1
-            if sent == 0:
-                raise ConnectionClosed("chunk file ended early (truncated while serving)")
-            if sent > 0:
-                pos += sent
-                n -= sent
-                continue
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"transfer send still incomplete at its deadline, {total - n} of {total} bytes")
-            if not poller.poll(max(1, int(min(left, idle_s) * 1000))):
-                if min(left, idle_s) == left:
-                    raise TimeoutError(f"transfer send still incomplete at its deadline, {total - n} of {total} bytes")
-                raise TimeoutError("transfer send timed out")
-    finally:
-        os.set_blocking(out, True)
+    while n:
+        try:
+            sent = os.sendfile(out, fd, pos, n)
+        except BlockingIOError:
+            raise TimeoutError("transfer send timed out") from None
+        if sent == 0:
+            raise ConnectionClosed("chunk file ended early (truncated while serving)")
+        pos += sent
+        n -= sent
 
 
 def frame_buffer() -> memoryview:
