@@ -10,9 +10,9 @@ Chunks move between daemons only over the transfer wire, and so do its lies: it 
 every chunk it can size is a file of random bytes, so daemons asking it get wrong bytes of the
 right length, sent with ``sendfile`` like an honest peer's; only the receiver's digest check
 (or, for a snapshot without a manifest, its object check) can catch them. ``--refuse`` answers
-every ask BUSY or NOT_HERE instead; ``--trickle-s S`` runs a hand-written transfer server
-instead that answers each ask with a DATA header and then one byte every S seconds (a stalling
-peer).
+every ask BUSY or NOT_HERE instead; ``--trickle-s S`` answers each ask with its DATA header and
+then one byte of the body every S seconds (a stalling peer); ``--wire-trickle-s S`` sends each
+answer's frame header one byte every S seconds, then random bytes.
 
 Run: ``python tests/support/liar.py --port P --bucket URL --secret-file F [--node-id liar]``.
 It prints ``liar listening on <url>`` once it accepts connections. ``Liar`` below starts and stops
@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,7 +46,6 @@ from bdn.proto.keys import NODE_HEADER, SwarmKeys, WrongTarget, derive_keys, ver
 from bdn.proto.manifest import MANIFEST_NAME, Manifest
 from bdn.transfer import GRANTED, NOT_HERE, Busy, TransferServer
 from support.peerproc import PeerProcess
-from support.transfer import accept_ask, recv_frame
 
 LIAR_STATE = web.AppKey("liar", object)
 
@@ -71,6 +68,8 @@ class LiarState:
         self.transfer: str | None = None  # "host:port" of its transfer server, if it runs one
         self.junk: Path | None = None  # random bytes the transfer server sends for every chunk
         self.trickle_s = 0.0  # > 0: answer chunks one byte every trickle_s seconds (a stalling peer)
+        self.wire_trickle_s = 0.0  # > 0: over the wire, each answer's frame one byte every so often
+        self.wire_trickled = 0  # answers trickled so
         #: "" (send random bytes), "busy" or "not_here": refuse every chunk it advertises (BUSY /
         #: NOT_HERE on the wire): a lying or stale have-list
         self.refuse = ""
@@ -174,7 +173,13 @@ async def have_answer(request: web.Request, state: str, bitfield: Callable[[int]
 async def get_stats(request: web.Request) -> web.Response:
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
     return web.json_response(
-        {"chunks_lied": st.chunks_lied, "wire_lied": st.wire_lied, "members": st.members, "refused": st.refused}
+        {
+            "chunks_lied": st.chunks_lied,
+            "wire_lied": st.wire_lied,
+            "wire_trickled": st.wire_trickled,
+            "members": st.members,
+            "refused": st.refused,
+        }
     )
 
 
@@ -206,53 +211,52 @@ def start_wire(st: LiarState, junk: Path) -> TransferServer:
         return str(junk), 0, n
 
     server = TransferServer(st.keys, st.node_id, resolve, admit=admit)
+    if st.wire_trickle_s > 0:
+        server._answers.answer = _trickler(st)  # type: ignore[method-assign]  # the liar's own answers
+    elif st.trickle_s > 0:
+        server._answers.answer = _staller(st)  # type: ignore[method-assign]
     host, port = server.start()
     st.transfer = f"{host}:{port}"
     return server
 
 
-def start_trickling_wire(st: LiarState) -> None:
-    """A transfer server that stalls: after the handshake, each ASK of a chunk it can size gets a
-    DATA header of the right length, then one byte every ``trickle_s`` seconds (never silent for
-    long, never done); NOT_HERE for any other. One thread per connection."""
-    ls = socket.create_server(("127.0.0.1", 0))
-    st.transfer = f"127.0.0.1:{ls.getsockname()[1]}"
+def _trickler(st: LiarState):
+    """Answers every ASK with its DATA frame header one byte every ``st.wire_trickle_s`` (each
+    receive of the asker gets a byte, none times out), then random bytes of the asked length."""
 
-    def one(sock: socket.socket) -> None:
-        try:
-            session, ask = accept_ask(sock, st.node_id, st.keys)
-            while True:
-                if ask.address not in st.lengths and ask.snapshot:
-                    try:
-                        st.manifest(validate_identity(ask.snapshot))
-                    except BdnError:
-                        pass
-                if ask.address not in st.lengths:
-                    sock.sendall(session.seal(wire.FrameType.NOT_HERE, b""))
-                else:
-                    st.chunks_lied += 1
-                    st.wire_lied += 1
-                    sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(ask.length)))
-                    for _ in range(ask.length):
-                        time.sleep(st.trickle_s)
-                        sock.sendall(b"\0")
-                while True:  # the next ASK (a HAVE subscription's frames are read and ignored)
-                    ftype, body = recv_frame(sock)
-                    payload = session.open(ftype, body)
-                    if ftype == wire.FrameType.ASK:
-                        ask = wire.decode_ask(payload)
-                        break
-        except (OSError, BdnError):  # ConnectionError is an OSError; AuthError, ProtocolError BdnErrors
-            pass  # the asker gave up (or spoke nonsense)
-        finally:
-            sock.close()
+    def answer(sock, session, ask: wire.Ask) -> None:  # type: ignore[no-untyped-def]
+        st.wire_trickled += 1
+        header = session.seal(wire.FrameType.DATA, wire.encode_data(ask.length))
+        for i in range(len(header)):
+            time.sleep(st.wire_trickle_s)
+            sock.sendall(header[i : i + 1])
+        sock.sendall(os.urandom(ask.length))
 
-    def accept() -> None:
-        while True:
-            c, _ = ls.accept()
-            threading.Thread(target=one, args=(c,), daemon=True).start()
+    return answer
 
-    threading.Thread(target=accept, daemon=True).start()
+
+def _staller(st: LiarState):
+    """Answers every ASK of a chunk it can size with its DATA header, then one byte of the body
+    every ``st.trickle_s`` (never silent for long, never done: a stalling peer); NOT_HERE for
+    any other."""
+
+    def answer(sock, session, ask: wire.Ask) -> None:  # type: ignore[no-untyped-def]
+        if ask.address not in st.lengths and ask.snapshot:
+            try:
+                st.manifest(validate_identity(ask.snapshot))
+            except BdnError:
+                pass
+        if ask.address not in st.lengths:
+            sock.sendall(session.seal(wire.FrameType.NOT_HERE, b""))
+            return
+        st.chunks_lied += 1
+        st.wire_lied += 1
+        sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(ask.length)))
+        for _ in range(ask.length):
+            time.sleep(st.trickle_s)
+            sock.sendall(b"\0")
+
+    return answer
 
 
 def make_app(state: LiarState) -> web.Application:
@@ -279,16 +283,17 @@ def main(argv: list[str] | None = None) -> None:
         help="advertise every chunk but refuse each request (busy or not here)",
     )
     ap.add_argument("--trickle-s", type=float, default=0.0, help="stall: send chunks one byte every S seconds")
+    ap.add_argument(
+        "--wire-trickle-s", type=float, default=0.0, help="over the wire: each answer's frame one byte every S seconds"
+    )
     args = ap.parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
     keys = derive_keys(Path(args.secret_file).read_text())
     state = LiarState(keys, args.node_id, url, args.bucket, args.foreign_chunk_size)
     state.trickle_s = args.trickle_s
+    state.wire_trickle_s = args.wire_trickle_s
     state.refuse = args.refuse
-    if args.trickle_s > 0:
-        start_trickling_wire(state)
-    else:
-        start_wire(state, Path(args.secret_file).parent / "junk")
+    start_wire(state, Path(args.secret_file).parent / "junk")
 
     async def run() -> None:
         runner = web.AppRunner(make_app(state), access_log=None)
@@ -320,9 +325,11 @@ class Liar(PeerProcess):
         foreign_chunk_size: int = 0,
         trickle_s: float = 0.0,
         refuse: str = "",
+        wire_trickle_s: float = 0.0,
     ) -> None:
         self.foreign_chunk_size = foreign_chunk_size
         self.trickle_s = trickle_s
+        self.wire_trickle_s = wire_trickle_s
         self.refuse = refuse
         super().__init__(workdir, bucket, secret, node_id)
 
@@ -334,6 +341,8 @@ class Liar(PeerProcess):
             str(self.trickle_s),
             "--refuse",
             self.refuse,
+            "--wire-trickle-s",
+            str(self.wire_trickle_s),
         ]
 
 
