@@ -340,7 +340,7 @@ def test_a_file_bdnd_cannot_open_at_start_exits_2_with_one_line(
         "BDN_SHM_DIR": str(tmp_path / "shm"),
         "BDN_PEER_LISTEN": f"127.0.0.1:{port}",
         "BDN_LOCAL_LISTEN": f"127.0.0.1:{free_port()}",
-        "BDN_TRANSFER_LISTEN": "",
+        "BDN_TRANSFER_LISTEN": f"127.0.0.1:{free_port()}",  # the wire cannot be off
         "BDN_LOAD_STARTUP": "false",
     }
     r = _bdnd(*flags, env=env)
