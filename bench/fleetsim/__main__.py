@@ -48,9 +48,9 @@ OUT = REPO / "bench" / "results" / "fleetsim.json"
 MEASURED_N8_S = 80.75  # bench/results/swarm.json: bdn, N = 8, 200 Mbit/s NIC and bucket, no fault
 GB = 1e9
 #: simulated chunks per run (the real snapshot has bytes / 16 MiB; the 20 GB delta 1,192): what fits
-#: the machine. The published rows run 128 (``--set chunks=128``): N = 1,000 then takes 276-312
-#: CPU-s and 146-205 MB per seed, N = 100 20-29 CPU-s (2026-12-07); the cost per node is about
-#: constant in N. At 64 or fewer the first hop out of a reader is what costs
+#: the machine. The published rows run 128 (``--set chunks=128``): N = 1,000 then takes 193-312
+#: CPU-s and 146-236 MB per seed, N = 100 20-29 CPU-s; at 256, 337-401 and 26-31 CPU-s
+#: (2026-12-07); the cost per node is about constant in N. At 64 or fewer the first hop out of a reader is what costs
 CHUNKS = {100: 256, 1000: 256, 10000: 128}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
 FLEET_DEFAULTS: dict[str, Any] = {
