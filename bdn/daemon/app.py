@@ -14,7 +14,9 @@
    saves its progress), close the peer client, the worker pools and the bucket.
 
 ``serve()`` returns the exit status, 0 after a stop request; a port that cannot be bound raises
-``CannotListen`` (``bdnd`` exits 2 with its one line, as for a configuration error).
+``CannotListen`` (``bdnd`` exits 2 with its one line, as for a configuration error); building
+the App raises ``ConfigError`` for a bucket it cannot open (credentials file, endpoint) or a
+``chunk_log`` it cannot open (exit 2 too).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from bdn.bucket import BucketError, ObjectNotFound, open_bucket
-from bdn.daemon.config import Config, split_hostport
+from bdn.daemon.config import Config, ConfigError, split_hostport
 from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
@@ -105,12 +107,15 @@ class App:
         self.stats = Stats()
         self.pools = Executors.create(cfg.bucket_concurrency)
         self.store = Store(cfg.shm_dir, self.keys.swarm_id, spare_limit=cfg.shm_spare_bytes)
-        bucket = open_bucket(
-            cfg.bucket,
-            credentials_file=cfg.credentials_file or None,
-            endpoint_url=cfg.endpoint_url or None,
-            max_concurrency=cfg.bucket_concurrency,
-        )
+        try:
+            bucket = open_bucket(
+                cfg.bucket,
+                credentials_file=cfg.credentials_file or None,
+                endpoint_url=cfg.endpoint_url or None,
+                max_concurrency=cfg.bucket_concurrency,
+            )
+        except BucketError as e:  # a credentials file or endpoint it cannot use: bdnd exits 2
+            raise ConfigError(f"config keys bucket/credentials_file/endpoint_url: {e}") from None
         self.bucket = BucketIO(
             bucket,
             cfg.bucket,
@@ -132,23 +137,21 @@ class App:
             keepalive_s=max(1.0, cfg.http_header_timeout_s - 2),
         )
         self.index = ChunkIndex(self.keys.address)
-        # the transfer wire (None: transfer_listen = ""): the fetch path receives through it, its
-        # server is started with the chunk service once the loop runs (startup)
-        wire = self.wire = (
-            WirePeer(cfg, self.keys, self.index, self.stats, self.pools.disk) if cfg.transfer_listen else None
-        )
-        chunk_log = self.chunk_log = open_chunk_log(cfg.chunk_log)
-        self.haves = Haves(
-            self.peers, self.membership, stats=self.stats, subscriptions=wire.subscriptions if wire else None
-        )
+        # the transfer wire, the one path of peers' chunks: the fetch path receives through it,
+        # its server is started with the chunk service once the loop runs (startup)
+        wire = self.wire = WirePeer(cfg, self.keys, self.index, self.stats, self.pools.disk)
+        try:
+            chunk_log = self.chunk_log = open_chunk_log(cfg.chunk_log)
+        except OSError as e:  # no such directory, no permission: bdnd exits 2
+            raise ConfigError(f"config key 'chunk_log': cannot open {cfg.chunk_log}: {e.strerror}") from None
+        self.haves = Haves(self.peers, self.membership, stats=self.stats, subscriptions=wire.subscriptions)
         sources = Sources(
             cfg,
-            self.peers,
             self.membership,
             self.bucket,
             self.stats,
             self.pools.disk,
-            wire=wire,
+            wire,
             chunk_log=chunk_log,
             on_bad_bytes=BadChunkReports(self.peers).report,
         )
@@ -161,7 +164,7 @@ class App:
             self.stats,
             clock,
             chunk_log=chunk_log,
-            on_indexed=wire.announce if wire else None,
+            on_indexed=wire.announce,
         )
         self.hints = Hints()  # what hot-load requests say of snapshots without a manifest
         foreign = ForeignLoader(
@@ -184,8 +187,7 @@ class App:
             )
 
         def forgot(job: SnapshotJob) -> None:  # a job's chunks left the index
-            if wire is not None:
-                wire.forget(job)
+            wire.forget(job)
             if chunk_log is not None:
                 chunk_log.drop(job)
 
@@ -241,8 +243,7 @@ class App:
             Uploads(cfg.max_uploads, cfg.uploads_per_chunk),
             self.stats,
             RateLimit.from_mbit(cfg.peer_upload_mbit),
-            self.pools.disk,
-            growing=wire.growing if wire is not None and cfg.cut_through else None,
+            growing=wire.growing if cfg.cut_through else None,
         )
         self.readiness = Readiness(
             cfg.node_id,
@@ -330,11 +331,10 @@ class App:
         """Open, listen, settle, load (see the module docstring). Raises CannotListen."""
         await self.peers.start()
         await self.catalog.load_ready_from_store()
-        if self.wire is not None:
-            # before the first membership message, so every peer learns our transfer address
-            # with our first entry (an address learned later is a change of its own)
-            with binding("transfer_listen", self.cfg.transfer_listen):  # raises only when explicit
-                self.gossip.transfer_listening(self.wire.start(asyncio.get_running_loop(), self.serving, self.catalog))
+        # before the first membership message, so every peer learns our transfer address with
+        # our first entry (an address learned later is a change of its own)
+        with binding("transfer_listen", self.cfg.transfer_listen):  # raises only when explicit
+            self.gossip.transfer_listening(self.wire.start(asyncio.get_running_loop(), self.serving, self.catalog))
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
         self._tasks.append(asyncio.create_task(self.hotload.status.loop(), name="fleet-status"))
         self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
@@ -556,15 +556,13 @@ class App:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.haves.close()  # HAVE subscriptions end with the fetches in flight
-        if self.wire is not None:
-            self.wire.close_client()  # fetches in flight end now, so the jobs stop at once
-        # Before the HTTP servers: a request held for a job (a peer's ?wait= chunk request, a
-        # /wait long-poll) would otherwise keep its listener open while the download goes on.
+        self.wire.close_client()  # fetches in flight end now, so the jobs stop at once
+        # Before the HTTP servers: a request held for a job (a peer's have long-poll, a /wait
+        # long-poll) would otherwise keep its listener open while the download goes on.
         await self.catalog.stop()
         # what is still in flight gets HTTP_GRACE_S, then is cancelled (both listeners at once)
         await asyncio.gather(*(r.cleanup() for r in self._runners))
-        if self.wire is not None:
-            self.wire.close()
+        self.wire.close()
         if self.chunk_log is not None:
             self.chunk_log.close()
         await self.peers.close()

@@ -134,7 +134,7 @@ class TransferClient:
         dest: memoryview | bytearray | mmap.mmap | int,
         offset: int,
         length: int,
-        digest: str,
+        digest: str | None,
         *,
         wait_s: float = 0.0,
         snapshot: str | None = None,
@@ -145,7 +145,10 @@ class TransferClient:
     ) -> FetchResult:
         """Fetch ``length`` bytes at ``chunk_offset`` of the chunk at swarm ``address`` from
         ``peer`` into ``dest`` at ``offset`` and check them against ``digest`` (32 hex chars,
-        xxh3-128 of exactly those bytes).
+        xxh3-128 of exactly those bytes). ``digest`` None: the bytes are not checked here and
+        ``OK`` only means the answer arrived whole; the caller verifies them otherwise (a
+        snapshot without a manifest, whose chunk ids are no digests: its objects are checked
+        whole against the bucket's checksums, bdn.daemon.snapshots.foreign_source).
 
         ``dest`` is either a writable buffer (the target file's mmap: ``recv_into`` lands the
         bytes in it directly, one kernel copy) or an open file descriptor (the target file: the
@@ -177,7 +180,7 @@ class TransferClient:
             ask = wire.encode_ask(wire.Ask(address, chunk_offset, length, int(wait_s * 1000), snapshot, flags))
         except ProtocolError as e:
             raise ValueError(str(e)) from None
-        if len(digest) != 32:
+        if digest is not None and len(digest) != 32:
             raise ValueError("digest must be 32 hex characters")
         if isinstance(dest, int):
             if offset < 0:
@@ -208,7 +211,7 @@ class TransferClient:
         offset: int,
         length: int,
         wait_s: float,
-        digest: str,
+        digest: str | None,
         cut_ok: bool,
         file_sink: tuple[int, int] | None = None,
         on_data: Callable[[], None] | None = None,
@@ -298,7 +301,7 @@ class TransferClient:
         offset: int,
         length: int,
         wait_s: float,
-        digest: str,
+        digest: str | None,
         cut_ok: bool = False,
         file_sink: tuple[int, int] | None = None,
         on_data: Callable[[], None] | None = None,
@@ -346,7 +349,7 @@ class TransferClient:
             # ``cut_through``: it broke inside a cut-through answer (the sender's copy may have
             # failed its own check and been cut off: bdn.transfer.growing; not the sender's fault)
             return FetchResult(Outcome.FAILED, error=f"peer {peer}: {one_line(e)}", cut_through=cut)
-        if s.hasher.hexdigest() != digest:
+        if digest is not None and s.hasher.hexdigest() != digest:
             return FetchResult(
                 Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}", cut_through=cut
             )

@@ -45,8 +45,7 @@ BODY_SPAN = 16 << 20
 def body_limit(length: int, io_timeout: float) -> float:
     """Seconds a DATA body of ``length`` bytes may take as a whole: four ``io_timeout``, as a
     cut-through answer has (``receive_parts``), plus one per ``BODY_SPAN`` bytes past the first
-    ``BODY_SPAN`` (a 16 MiB chunk at the daemon's 60 s: 4 min, at least 70 kB/s; the HTTP chunk
-    path allows ``peer_timeout_s`` for the whole request). A trickle of a byte every few seconds held a fetch thread, and
+    ``BODY_SPAN`` (a 16 MiB chunk at the daemon's 60 s: 4 min, at least 70 kB/s). A trickle of a byte every few seconds held a fetch thread, and
     the chunk's acquisition, for the body's length times that before
     (tests/test_transfer_slow_body.py)."""
     return io_timeout * (4 + max(0, length - 1) // BODY_SPAN)
@@ -87,7 +86,9 @@ def receive_parts(
             raise TimeoutError(f"cut-through answer: no new byte for {io_timeout:g} s")
         if now - start > limit:
             raise TimeoutError(f"cut-through answer still incomplete after {limit:g} s")
-        ftype, body = read_frame(s.sock, s.buf)
+        # the next PART frame by the answer's deadline too: trickled a byte per receive
+        # timeout, a ~40-byte frame held the fetch thread ~40 timeouts past it
+        ftype, body = read_frame(s.sock, s.buf, start + limit)
         if ftype != wire.FrameType.PART:
             raise ProtocolError(f"{ftype.name} frame inside a cut-through answer")
         payload = s.session.open(ftype, body)
