@@ -76,10 +76,11 @@ def _starts(rings: Rings) -> set[int]:
 
 
 def _mapped_at(starts: set[int]) -> set[int]:
-    """Which of ``starts`` still begin a mapping of this process (/proc/self/maps)."""
+    """Which of ``starts`` lie in a mapping of this process (/proc/self/maps; the kernel merges
+    adjacent anonymous mappings, so a buffer need not begin one)."""
     with open("/proc/self/maps") as f:
-        here = {int(line.split("-", 1)[0], 16) for line in f}
-    return starts & here
+        spans = [tuple(int(x, 16) for x in line.split(None, 1)[0].split("-")) for line in f]
+    return {a for a in starts if any(lo <= a < hi for lo, hi in spans)}
 
 
 def test_buffers_are_lent_per_call_shared_bounded_and_released(tmp_path: Path) -> None:
