@@ -136,17 +136,16 @@ class Rings:
     time, kept between calls, unmapped all at once by :meth:`release`.
 
     Shared by every thread, not one per thread: a buffer per thread stayed mapped (and resident:
-    each call writes it whole) for the thread's life, and the fetch pools' threads (``max_inflight``
-    per ``FetchPool``, the loop's default executor) live as long as the daemon, so the daemon's
-    anonymous memory rose by 1 MiB each time one more of them first received into a file, to
-    16-22 MiB, over its first hour of hot-loads (bench/soak/mapsdump.py found them; issue 31). Here
-    at most as many buffers are mapped as calls ran at once, and none once :meth:`release` ran with
-    no call running (a ``TransferClient`` has one ``Rings``; the daemon's fetcher releases it when
-    no download runs). Per call, not per stream:
-    a daemon keeps up to ``streams_per_peer`` idle streams to each of dozens of peers (128 MiB of
-    buffers at 32 peers x 4). Anonymous mappings, not ``bytearray``, for the reason
-    ``sockio.frame_buffer`` gives (glibc arenas pinned by long-lived blocks); a mapping goes back to
-    the system whole when its last view is dropped. Thread-safe."""
+    each call writes it whole) for the thread's life, and the daemon's ``FetchPool`` threads
+    (``max_inflight``) live as long as the daemon, so its anonymous memory rose by 1 MiB each time
+    one more of them first received into a file, up to 16 MiB over its first 20 minutes of
+    hot-loads (found with bench/soak/mmaptrace.py; issue 31). Here at most as many buffers are
+    mapped as calls ran at once, and none once :meth:`release` ran with no call running (a
+    ``TransferClient`` has one ``Rings``; the daemon's fetcher releases it when no download runs).
+    Per call, not per stream: a daemon keeps up to ``streams_per_peer`` idle streams to each of
+    dozens of peers (128 MiB of buffers at 32 peers x 4). Anonymous mappings, not ``bytearray``,
+    for the reason ``sockio.frame_buffer`` gives (glibc arenas pinned by long-lived blocks); a
+    mapping goes back to the system whole when its last view is dropped. Thread-safe."""
 
     def __init__(self, size: int = READ_BYTES) -> None:
         self.size = size
