@@ -250,6 +250,8 @@ class HFEngine:
             gate_opts = dataclasses.replace(gate_opts, inflight_policy="abort")
         outcome = self.gate.swap(apply, gate_opts, prep.snapshot.policy_version)
         self.spares.keep(freed)
+        if prep.mode == "load":  # the first prepare after a load then stages into pages already faulted in
+            self.spares.prefill(list(self.params.values()))
         self.swaps += 1
         report = {
             "identity": prep.snapshot.identity,

@@ -240,6 +240,7 @@ def main() -> int:
         help="seconds between one step's done and the next POST (a trainer's step; the daemon "
         "brings the freed spare forward meanwhile, DESIGN.md 'Sparse apply')",
     )
+    ap.add_argument("--keep-log", default="", help="copy bdnd's log (JSON lines) to this path at the end")
     runs.add_runs_arg(ap)
     a = ap.parse_args()
 
@@ -477,6 +478,8 @@ def main() -> int:
         if proc is not None and proc.poll() is None:
             proc.terminate()
             proc.wait(60)
+        if a.keep_log and (work / "bdnd.log").is_file():
+            shutil.copyfile(work / "bdnd.log", a.keep_log)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return 0

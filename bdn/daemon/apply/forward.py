@@ -352,9 +352,11 @@ class Forward:
             if hidden is None:
                 break
             done = False
+            t1 = time.monotonic()
             try:
                 spares.maps.prime(hidden)
                 mapped = spares.maps.get(hidden)
+                t2 = time.monotonic()
                 if mapped is None:
                     raise OSError("the new buffer could not be mapped")
                 header = fileops.read_header(src / path)
@@ -377,12 +379,16 @@ class Forward:
                 n += 1
                 self.stats.add("sparse_seeded")
                 log.info(
-                    "seed: a buffer of %s copied from %s and verified (%d bytes, %d chunks hashed) in %.3f s",
+                    "seed: a buffer of %s copied from %s and verified (%d bytes, %d chunks hashed) in %.3f s"
+                    " (pages %.3f s, mapping %.3f s, copy %.3f s)",
                     path,
                     tag["identity"],
                     tag["size"],
                     len(tag["chunks"]),
                     time.monotonic() - t0,
+                    t1 - t0,
+                    t2 - t1,
+                    time.monotonic() - t2,
                 )
             except seed.Cancelled as e:
                 log.info("seed: %s (a delta that does not start from %s came)", e, tag["identity"])
