@@ -9,8 +9,8 @@ import pytest
 
 from bdn.control.hotload import (
     HotLoadError,
-    Report,
-    StatusBoard,
+    ReplicaBoard,
+    Row,
     Target,
     TargetGossip,
     aggregators,
@@ -18,7 +18,6 @@ from bdn.control.hotload import (
     page_params,
     paginate,
 )
-from bdn.proto.states import REPLICA_STAGES
 
 
 class FakeClock:
@@ -68,11 +67,11 @@ def test_status_goes_to_a_few_stable_aggregators_and_pages() -> None:
     live = [f"n{i:04d}" for i in range(1200)]
     aggs = aggregators(live, "step7", 3)
     assert len(aggs) == 3 and aggs == aggregators(list(reversed(live)), "step7", 3)
-    boards = {a: StatusBoard(clock) for a in aggs}
+    boards = {a: ReplicaBoard(clock) for a in aggs}
     for x in live:
         for a in aggs:
-            boards[a].report(Report(x, "step7", "done"), REPLICA_STAGES)
-    rows = merge(b.rows("step7") for b in boards.values())
+            boards[a].put(Row(x, "step7", {"stage": "done", "made": 1.0}))
+    rows = merge((b.rows("step7") for b in boards.values()), made_at=lambda r: r.data["made"])
     assert len(rows) == 1200
     size, after = page_params()
     assert size == 50 and after is None
@@ -90,17 +89,28 @@ def test_status_goes_to_a_few_stable_aggregators_and_pages() -> None:
             page_params(bad)
     with pytest.raises(HotLoadError):
         page_params(10, "zz")
-    with pytest.raises(HotLoadError):
-        boards[aggs[0]].report(Report("n1", "step7", "exploded"), REPLICA_STAGES)
+
+
+def test_merge_keeps_each_replicas_newest_row_whichever_aggregator_holds_it() -> None:
+    """Three aggregators saw different reports of n1 (one missed its last change): the GET
+    shows n1's newest row, not the last board's; a tie goes to the later board."""
+    made = lambda r: r.data["made"]  # noqa: E731
+    newest = Row("n1", "s", {"stage": "done", "made": 20.0})
+    stale = Row("n1", "s", {"stage": "loading", "made": 10.0})
+    for order in ([newest, stale], [stale, newest]):
+        boards = [[r, Row("n2", "s", {"stage": "ready", "made": 5.0})] for r in order]
+        assert [r.data["stage"] for r in merge(boards, made_at=made)] == ["done", "ready"]
+    tie = [[Row("n1", "s", {"stage": "loading", "made": 1.0})], [Row("n1", "s", {"stage": "done", "made": 1.0})]]
+    assert merge(tie, made_at=made)[0].data["stage"] == "done"
 
 
 def test_board_forgets_silent_replicas_and_is_bounded() -> None:
     clock = FakeClock()
-    b = StatusBoard(clock, ttl_s=10, max_rows=2)
-    b.report(Report("a", "s", "ready"), REPLICA_STAGES)
-    b.report(Report("b", "s", "ready"), REPLICA_STAGES)
+    b = ReplicaBoard(clock, ttl_s=10, max_rows=2)
+    b.put(Row("a", "s", {}))
+    b.put(Row("b", "s", {}))
     with pytest.raises(HotLoadError, match="full"):
-        b.report(Report("c", "s", "ready"), REPLICA_STAGES)
+        b.put(Row("c", "s", {}))
     clock.t = 11
-    b.report(Report("c", "s", "ready"), REPLICA_STAGES)
+    b.put(Row("c", "s", {}))
     assert [r.node for r in b.rows()] == ["c"]

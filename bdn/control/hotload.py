@@ -32,7 +32,6 @@ from bdn.proto.identity import IdentityError, validate_identity
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
-MAX_REASON = 256
 
 
 class HotLoadError(ValueError):
@@ -114,70 +113,24 @@ def aggregators(live: Iterable[str], identity: str, count: int = 3) -> list[str]
     return hrw.rank(live, "status\x00" + identity)[: max(1, count)]
 
 
-@dataclass(frozen=True)
-class Report:
-    """One replica's stage for a target, as sent to an aggregator."""
-
-    node: str
-    identity: str
-    stage: str
-    reason: str = ""
-
-
-class StatusBoard:
-    """An aggregator's table: the latest :class:`Report` per node for one or more targets.
-
-    Rows older than ``ttl_s`` (a replica that stopped reporting) are dropped on read. Size is
-    bounded by the member list (one row per reporting node) and ``max_rows``.
-    """
-
-    def __init__(self, clock: Now, ttl_s: float = 30.0, max_rows: int = 100_000) -> None:
-        self.clock = clock
-        self.ttl_s = ttl_s
-        self.max_rows = max_rows
-        self._rows: dict[str, tuple[Report, float]] = {}
-
-    def report(self, r: Report, stages: Sequence[str]) -> None:
-        """Record a report. Raises HotLoadError on an unknown stage or an oversized reason."""
-        if r.stage not in stages:
-            raise HotLoadError(f"unknown replica stage {r.stage!r}")
-        if len(r.reason) > MAX_REASON:
-            raise HotLoadError("replica reason longer than 256 characters")
-        if r.node not in self._rows and len(self._rows) >= self.max_rows:
-            self._expire()
-            if len(self._rows) >= self.max_rows:
-                raise HotLoadError("status board full")
-        self._rows[r.node] = (r, self.clock())
-
-    def _expire(self) -> None:
-        cutoff = self.clock() - self.ttl_s
-        for n in [n for n, (_, t) in self._rows.items() if t < cutoff]:
-            del self._rows[n]
-
-    def rows(self, identity: str | None = None) -> list[Report]:
-        """Current reports sorted by node id (optionally for one identity)."""
-        self._expire()
-        out = [r for r, _ in self._rows.values() if identity is None or r.identity == identity]
-        return sorted(out, key=lambda r: r.node)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-
 class _Keyed(Protocol):
     @property
     def node(self) -> str: ...
 
 
-_R = TypeVar("_R", bound=_Keyed)  # a Report, or a Row of the fleet GET
+_R = TypeVar("_R", bound=_Keyed)  # a Row of the fleet GET
 
 
-def merge(boards: Iterable[Sequence[_R]]) -> list[_R]:
-    """Rows from several aggregators, one per node (the later board wins), sorted by node."""
+def merge(boards: Iterable[Sequence[_R]], made_at: Callable[[_R], float]) -> list[_R]:
+    """Rows from several aggregators, one per node, sorted by node. Of a node's rows the one
+    with the largest ``made_at`` wins (the replica's own clock when it made the row: the
+    aggregators saw different reports of it); on a tie, the later board's."""
     by_node: dict[str, _R] = {}
     for rows in boards:
         for r in rows:
-            by_node[r.node] = r
+            seen = by_node.get(r.node)
+            if seen is None or made_at(r) >= made_at(seen):
+                by_node[r.node] = r
     return [by_node[n] for n in sorted(by_node)]
 
 

@@ -44,6 +44,7 @@ REPLICA_ROW: dict[str, Any] = {
     "inflight_policy": "wait",
     "inflight_wait_s": 30.0,
     "last_swap": None,  # the last engine's swap report (a map), or None
+    "reported_at": 0.0,  # s since the epoch on the replica's clock when it made the row (0.0: unknown)
 }
 
 _NUM = (int, float)
@@ -62,6 +63,7 @@ ROW_TYPES: dict[str, tuple[type, ...]] = {
     "inflight_policy": (str,),
     "inflight_wait_s": _NUM,
     "last_swap": (dict, type(None)),
+    "reported_at": _NUM,
 }
 LOADING_TYPES: dict[str, tuple[type, ...]] = {
     "stage": (str,),

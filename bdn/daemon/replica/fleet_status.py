@@ -212,8 +212,10 @@ class FleetStatus:
         # a replica membership declared dead leaves the view at once, not when its row expires
         # (3 report intervals: a killed replica would be counted done for ~30 s)
         dead = {m.node_id for m in self.membership.members.values() if m.node_id and not m.alive} - live
-        reported = policy.merge(boards)
-        merged = {r.node: policy.Row(r.node, r.identity, complete_row(r.data)) for r in reported if r.node not in dead}
+        # the aggregators may hold different reports of one replica: its newest row wins
+        complete = [[policy.Row(r.node, r.identity, complete_row(r.data)) for r in rows] for rows in boards]
+        reported = policy.merge(complete, made_at=lambda r: float(r.data["reported_at"]))
+        merged = {r.node: r for r in reported if r.node not in dead}
         merged[self.cfg.node_id] = policy.Row(self.cfg.node_id, ident, self.view.replica())  # our own, fresh
         for node in live - set(merged):
             merged[node] = policy.Row(

@@ -256,6 +256,7 @@ class ReplicaView:
             request_id=t.request_id if t else None,
             **options.wire(),
             last_swap=dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None,
+            reported_at=round(self.clock.time(), 3),
         )
 
     def _engine_stage(self, ident: str) -> tuple[str, str]:

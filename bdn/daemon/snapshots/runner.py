@@ -197,11 +197,13 @@ class Runner:
                 self.forward.forget(job.identity)
             if job.flusher is not None:
                 job.flusher.cancel()
-            # (not when the daemon stops: the index goes with it, and this would queue behind
-            # the disk threads' work in flight, a populate of a big target for one)
+            # The change notice first: the replica offers a ready snapshot to its engines at
+            # once, not after the index clean-up below, which queues behind the disk threads'
+            # work in flight (a populate of a big target for one).
+            await job.notify()
+            # (not when the daemon stops: the index goes with it)
             if job.stored_refs and not jobs.closing:
                 await asyncio.shield(self._on(self.pools.disk, self.index.drop_pending_of, job))
-            await job.notify()
 
     def on_served(self, identity: str) -> None:
         """Event: the engines serve ``identity`` now (or none is registered). The snapshot served
