@@ -153,7 +153,7 @@ def sparse_floor_s(prev: dict, new: dict, names: list[str]) -> float:
 
 class Peaks:
     """Samples, every ``every`` s on a thread, the bytes of the files under ``shm`` (allocated
-    blocks) and the daemon's resident memory (``/proc/<pid>/status``: RssAnon, RssShmem); the
+    blocks, each inode once) and the daemon's resident memory (``/proc/<pid>/status``: RssAnon, RssShmem); the
     daemon's VmHWM (peak RSS) is read at :meth:`stop`."""
 
     def __init__(self, shm: Path, pid: int, every: float = 0.05) -> None:
@@ -172,13 +172,15 @@ class Peaks:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
-            total = 0
-            for d, _, files in os.walk(self.shm):
+            seen: dict[int, int] = {}  # by inode: a file renamed during the walk (a spare taken into
+            for d, _, files in os.walk(self.shm):  # staging) is listed under both names
                 for f in files:
                     try:
-                        total += os.lstat(os.path.join(d, f)).st_blocks * 512
+                        st = os.lstat(os.path.join(d, f))
                     except OSError:
-                        pass
+                        continue
+                    seen[st.st_ino] = st.st_blocks * 512
+            total = sum(seen.values())
             st = self._status()
             self.shm_peak = max(self.shm_peak, total)
             self.anon_peak = max(self.anon_peak, st.get("RssAnon", 0))

@@ -354,22 +354,14 @@ class Forward:
             done = False
             t1 = time.monotonic()
             try:
-                spares.maps.prime(hidden)
-                mapped = spares.maps.get(hidden)
+                header = fileops.read_header(src / path)
+                seed.copy_file(src / path, hidden, chunk_size, rate=rate, hurry=self._hurry, cancel=self._cancel)
                 t2 = time.monotonic()
+                spares.maps.prime(hidden)  # (pages written whole: only the page tables are made here)
+                mapped = spares.maps.get(hidden)
                 if mapped is None:
                     raise OSError("the new buffer could not be mapped")
-                header = fileops.read_header(src / path)
-                adlers = seed.copy_verified(
-                    src / path,
-                    mapped,
-                    chunk_size,
-                    tag["chunks"],
-                    header,
-                    rate=rate,
-                    hurry=self._hurry,
-                    cancel=self._cancel,
-                )
+                adlers = seed.verify_copy(mapped, chunk_size, tag["chunks"], header, path)
                 del mapped
                 spares.release(hidden, dict(tag, adlers=adlers))
                 done = True
@@ -380,7 +372,7 @@ class Forward:
                 self.stats.add("sparse_seeded")
                 log.info(
                     "seed: a buffer of %s copied from %s and verified (%d bytes, %d chunks hashed) in %.3f s"
-                    " (pages %.3f s, mapping %.3f s, copy %.3f s)",
+                    " (pages %.3f s, copy %.3f s, mapping and hashes %.3f s)",
                     path,
                     tag["identity"],
                     tag["size"],
