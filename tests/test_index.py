@@ -9,6 +9,7 @@ import tracemalloc
 
 import pytest
 
+from bdn.daemon.snapshots.events import ManifestAttached, Restarted, StateChanged
 from bdn.daemon.snapshots.layers import RESULT, STORED
 from bdn.daemon.snapshots.snapshot import SnapshotJob
 from bdn.daemon.store.index import ChunkIndex
@@ -41,7 +42,7 @@ def _job(identity: str, files: list[list[int]], diff: dict[int, list[int]] | Non
         base_identity="base" if diff else None,
     )
     job = SnapshotJob(identity, None)  # type: ignore[arg-type]  (no store: nothing touches files)
-    job.attach_manifest(m)
+    job.apply(ManifestAttached.of(m, ""))
     return job
 
 
@@ -52,7 +53,7 @@ def _addr(i: int) -> str:
 def test_pending_then_held_then_forgotten() -> None:
     idx = ChunkIndex(KEYS.address)
     job = _job("s1", [[1, 2, 3], [4]])
-    job.set_state("downloading")
+    job.apply(StateChanged("downloading"))
     idx.add_pending(job, STORED, job.stored_refs)
     pend = idx.pending_for(_addr(4))
     assert pend is not None and pend[0] is job and pend[1] == STORED
@@ -76,11 +77,11 @@ def test_another_holder_serves_when_one_is_forgotten_or_quarantined_but_not_a_fa
     idx = ChunkIndex(KEYS.address)
     a, b, c = _job("a", [[1, 2]]), _job("b", [[7, 2]]), _job("c", [[2]])
     for j in (a, b, c):
-        j.set_state("ready")
+        j.apply(StateChanged("ready"))
         for ref in j.result_refs:
             idx.register(j, RESULT, ref)
     assert idx.lookup(_addr(2)).job is a  # the first to hold it
-    c.set_state("failed")
+    c.apply(StateChanged("failed"))
     idx.quarantine(a, [a.result_refs[1]], [a, b, c])
     loc = idx.lookup(_addr(2))
     assert loc is not None and loc.job is b and loc.offset == CS
@@ -140,12 +141,12 @@ def test_a_delta_layers_have_their_own_addresses_and_a_full_one_shares_them() ->
 
 def test_a_replaced_table_drops_the_old_layer() -> None:
     """A snapshot without a manifest whose object changed mid-download gets a new table
-    (``SnapshotJob.restarted``): nothing of the old one is answered."""
+    (``Restarted``): nothing of the old one is answered."""
     idx = ChunkIndex(KEYS.address)
     job = _job("r", [[1, 2]])
     idx.add_pending(job, STORED, job.stored_refs)
     idx.register(job, STORED, job.stored_refs[0])
-    job.restarted(_job("r", [[3]]).manifest)
+    job.apply(Restarted(ManifestAttached.of(_job("r", [[3]]).manifest, "")))
     assert idx.lookup(_addr(1)) is None and idx.pending_for(_addr(2)) is None
     idx.add_pending(job, STORED, job.stored_refs)
     assert idx.pending_for(_addr(3))[0] is job
@@ -170,7 +171,7 @@ N = 200_000
 
 def test_index_state_per_chunk_is_a_few_bytes() -> None:
     job = _job("big", [list(range(k * N // 4, (k + 1) * N // 4)) for k in range(4)])
-    job.set_state("downloading")
+    job.apply(StateChanged("downloading"))
     idx = ChunkIndex(KEYS.address)
     gc.collect()
     tracemalloc.start()

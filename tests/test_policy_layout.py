@@ -6,7 +6,10 @@
   each; statements, not lines, so that the formatter's line breaks do not move the rule);
 - ``bdn/proto`` imports none of os, mmap, threading, concurrent (formats and rules only);
 - the composition root (``bdn/daemon/app.py``) assigns attributes of ``self`` only: every other
-  part gets its collaborators at construction.
+  part gets its collaborators at construction;
+- a snapshot's record (``SnapshotJob``) is written only in ``bdn/daemon/snapshots/snapshot.py``
+  (its ``apply``): no other module assigns, augments or deletes one of its fields (nor an item
+  of one), on a job or in a subclass.
 """
 
 from __future__ import annotations
@@ -195,3 +198,121 @@ def test_the_composition_root_patches_no_other_object() -> None:
     none is set on another object afterwards."""
     bad = _patched(PKG / "daemon" / "app.py")
     assert not bad, "set at construction instead: " + "; ".join(bad)
+
+
+SNAPSHOT_PY = PKG / "daemon" / "snapshots" / "snapshot.py"
+#: The names a job goes by in bdn (every parameter typed ``SnapshotJob`` is named one of these
+#: today; parameters and variables typed or built as a job are added per module).
+JOB_NAMES = {"job", "j", "part"}
+
+
+def _stores(node: ast.AST) -> list[ast.expr]:
+    """The expressions ``node`` writes to (assignment, augmented or annotated assignment,
+    ``for`` and ``with`` targets, ``del``), tuples and starred targets unpacked."""
+    if isinstance(node, ast.Assign):
+        todo = list(node.targets)
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor)):
+        todo = [node.target]
+    elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+        todo = [node.optional_vars]
+    elif isinstance(node, ast.Delete):
+        todo = list(node.targets)
+    else:
+        return []
+    out = []
+    while todo:
+        t = todo.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            todo += t.elts
+        elif isinstance(t, ast.Starred):
+            todo.append(t.value)
+        else:
+            out.append(t)
+    return out
+
+
+def _job_fields() -> set[str]:
+    """Every attribute ``SnapshotJob`` sets on ``self`` (snapshot.py)."""
+    tree = ast.parse(SNAPSHOT_PY.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SnapshotJob")
+    return {
+        t.attr
+        for n in ast.walk(cls)
+        for t in _stores(n)
+        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"
+    }
+
+
+def _job_writes(source: str, where: str, fields: set[str]) -> list[str]:
+    """``where:line writes <target>`` for every write in ``source`` to a field of a job: an
+    attribute in ``fields`` (or an item of one) of a name in ``JOB_NAMES``, of a parameter
+    annotated with a job type, of a variable built by a job class, of ``<x>.job``, or of
+    ``self`` in a subclass of ``SnapshotJob``."""
+    tree = ast.parse(source, where)
+    job_types = {"SnapshotJob"} | {
+        n.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and any(ast.unparse(b).endswith("SnapshotJob") for b in n.bases)
+    }
+    names = set(JOB_NAMES)
+    for n in ast.walk(tree):
+        if isinstance(n, ast.arg) and n.annotation is not None:
+            if any(isinstance(x, ast.Name) and x.id in job_types for x in ast.walk(n.annotation)):
+                names.add(n.arg)
+            elif isinstance(n.annotation, ast.Constant) and any(t in str(n.annotation.value) for t in job_types):
+                names.add(n.arg)
+        elif isinstance(n, ast.Assign) and isinstance(n.value, ast.Call):
+            if isinstance(n.value.func, ast.Name) and n.value.func.id in job_types:
+                names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+    subclass_lines = {
+        x.lineno
+        for c in ast.walk(tree)
+        if isinstance(c, ast.ClassDef) and c.name in job_types - {"SnapshotJob"}
+        for x in ast.walk(c)
+        if hasattr(x, "lineno")
+    }
+
+    def is_job(e: ast.expr, line: int) -> bool:
+        if isinstance(e, ast.Name):
+            return e.id in names or (e.id == "self" and line in subclass_lines)
+        return isinstance(e, ast.Attribute) and e.attr in names
+
+    out = []
+    for node in ast.walk(tree):
+        for t in _stores(node):
+            while isinstance(t, ast.Subscript):  # an item of a field: job.stages["x"] = ...
+                t = t.value
+            if isinstance(t, ast.Attribute) and t.attr in fields and is_job(t.value, node.lineno):
+                out.append(f"{where}:{node.lineno} writes {ast.unparse(t)}")
+    return out
+
+
+def test_the_job_write_finder_finds_writes() -> None:
+    snippet = (
+        "class P(SnapshotJob):\n"
+        "    def f(self):\n"
+        "        self.reason = 'x'\n"
+        "def g(job, other: SnapshotJob, x):\n"
+        "    job.bytes_local += 1\n"
+        "    other.state, y = 'ready', 2\n"
+        "    x.job.stages['q'] = 0.0\n"
+        "    k = P()\n"
+        "    k.manifest = None\n"
+        "    del job.foreign\n"
+        "    x.reason = 'a member, not a job'\n"
+        "    job.apply(e)\n"
+    )
+    found = _job_writes(snippet, "s", _job_fields())
+    assert sorted(int(f.split(" ", 1)[0][2:]) for f in found) == [3, 5, 6, 7, 9, 10], found
+
+
+def test_only_the_snapshot_record_writes_its_fields() -> None:
+    """A snapshot's state changes only by events applied in one place (``SnapshotJob.apply``,
+    bdn/daemon/snapshots/events.py); every other module reads it or sends events."""
+    fields = _job_fields()
+    assert {"state", "reason", "bytes_from_peers", "manifest_digest", "tensor_index"} <= fields
+    bad = []
+    for path in MODULES.values():
+        if path != SNAPSHOT_PY:
+            bad += _job_writes(path.read_text(), str(path.relative_to(ROOT)), fields)
+    assert not bad, "send an event (SnapshotJob.apply) instead: " + "; ".join(bad)

@@ -13,18 +13,9 @@ from support.swarm import Daemon
 
 CHUNK = 64 << 10
 HOT_LOAD = "/hot_load/v1/models/hot_load"
-RECORD_KEYS = (
-    "identity",
-    "kind",
-    "policy_version",
-    "base_identity",
-    "state",
-    "path",
-    "stored_bytes",
-    "result_bytes",
-    "bytes_total",
-    "bytes_done",
-)
+#: What a record says of this run only: who asked, when it last changed, seconds per stage, and
+#: the bytes this process moved by source. Every other key of a restored record equals the fresh one's.
+THIS_RUN = {"requested_by", "updated_at", "stages", "bytes_from_bucket", "bytes_from_peers", "bytes_local"}
 
 
 def test_hot_load_of_a_snapshot_ready_before_a_restart(tmp_path: Path) -> None:
@@ -46,8 +37,11 @@ def test_hot_load_of_a_snapshot_ready_before_a_restart(tmp_path: Path) -> None:
         wait_fleet(d.url, "step000001")
         for ident, before in fresh.items():
             after = d.get(f"/v1/snapshots/{ident}")
-            assert {k: after[k] for k in RECORD_KEYS} == {k: before[k] for k in RECORD_KEYS}, (before, after)
-            assert after["created_at"] == before["created_at"], (before, after)
+            assert after.keys() == before.keys()
+            assert {k: v for k, v in after.items() if k not in THIS_RUN} == {
+                k: v for k, v in before.items() if k not in THIS_RUN
+            }, (before, after)
+            assert after["created_at"] == before["created_at"] and after["state"] == "ready", (before, after)
             assert after["requested_by"] == "store"
         status, ans = http(
             "POST",

@@ -42,6 +42,7 @@ from bdn.daemon.config import Config
 from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.process.executors import Executors
+from bdn.daemon.snapshots.events import ManifestAttached, ReasonChanged, StateChanged
 from bdn.daemon.snapshots.snapshot import STORED, TERMINAL, Jobs, SnapshotJob
 from bdn.daemon.store import diskio
 from bdn.daemon.store.index import ChunkIndex
@@ -194,7 +195,7 @@ class _Part(SnapshotJob):
     (so a catalog job of the same identity, or another fold, never shares its files)."""
 
     def __init__(self, identity: str, store: Store, where: Path) -> None:
-        super().__init__(identity, store)
+        super().__init__(identity, store, requested_by="fold")
         self.dir = where
 
     def file_path(self, layer: str, file_index: int) -> Path:
@@ -316,8 +317,7 @@ class Folder:
                 return False  # someone asked for it: it is built on its own, the normal path waits for it
         ancestor = jobs.get(ancestor_id) or jobs.prefetch(ancestor_id, requested_by=f"ancestor of {job.identity}")
         log.info("snapshot %s: folding %d deltas on %s", job.identity, len(chain), ancestor_id)
-        job.reason = f"folding {len(chain)} deltas on {ancestor_id}"
-        job.touch()
+        job.apply(ReasonChanged(f"folding {len(chain)} deltas on {ancestor_id}"))
         await job.notify()
         work = self.store.stored_dir(f".fold-{m.identity}")  # this fold's own: no catalog job's files
         parts = [await self._stored_job(inter, work / inter.identity) for inter in chain[:-1]]
@@ -340,13 +340,13 @@ class Folder:
             anc_dir = self.store.ready_dir(ancestor_id)
             staging = self.store.staging_dir(m.identity)
             await self._on(self.pools.disk, check_delta_config, m.identity, ancestor_id, anc_dir, staging)
-            job.set_state("applying", f"folding {len(chain)} deltas on {ancestor_id}")
+            job.apply(StateChanged("applying", f"folding {len(chain)} deltas on {ancestor_id}"))
             await job.notify()
             stored = {p.identity: p.dir for p in parts} | {m.identity: self.store.stored_dir(m.identity)}
             await self._on(
                 self.pools.apply, fold_chain, chain, anc_dir, stored.__getitem__, staging, self.cfg.apply_workers
             )
-            job.set_state("verifying")
+            job.apply(StateChanged("verifying"))
             await job.notify()
             await self._on(self.pools.apply, diskio.verify_results, m, staging)
         finally:
@@ -359,8 +359,7 @@ class Folder:
         """A job holding only ``m``'s diff files under ``where``, fetched like any layer (not in
         the catalog)."""
         part = _Part(m.identity, self.store, where)
-        part.attach_manifest(stored_only(m))
-        part.requested_by = "fold"
+        part.apply(ManifestAttached.of(stored_only(m), ""))
 
         def allocate() -> None:
             m = part.manifest
@@ -373,13 +372,13 @@ class Folder:
 
         await self._on(self.pools.disk, allocate)
         await self._on(self.pools.disk, self.index.add_pending, part, STORED, part.stored_refs)
-        part.set_state("downloading")
+        part.apply(StateChanged("downloading"))
         return part
 
     async def _drop(self, part: SnapshotJob, jobs: Jobs) -> None:
         await self._on(self.pools.disk, self.index.drop_pending_of, part)
         self.index.forget(part, jobs.all())
-        part.set_state("failed", "folded")
+        part.apply(StateChanged("failed", "folded"))
 
     @staticmethod
     async def _await(job: SnapshotJob) -> None:

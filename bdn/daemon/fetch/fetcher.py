@@ -24,6 +24,7 @@ from bdn.daemon.observe.chunklog import ChunkLog
 from bdn.daemon.observe.memtrim import IdleTrim
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import Clock
+from bdn.daemon.snapshots.events import ChunkVerified, LayerStarted
 from bdn.daemon.snapshots.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.store.index import ChunkIndex
 from bdn.daemon.swarm.membership import Member, Membership
@@ -76,6 +77,8 @@ class Fetcher:
         self.on_indexed = on_indexed
         #: Reads taken over at the end of a slow owner's list, both ways (``steal_reads``).
         self.takeovers = TakeOvers(cfg, membership, haves, sources, stats, clock)
+        #: Single-flight: the chunk acquisitions running, by job and ``(layer, position)``.
+        self._inflight: dict[SnapshotJob, dict[tuple[str, int], asyncio.Future[None]]] = {}
         self._layers = 0  # fetch_layer calls running (the buffer pool is cleared when none is)
         self.idle_trim = IdleTrim(clock)  # the C heap's free pages go back when none is, too
 
@@ -109,7 +112,7 @@ class Fetcher:
         their owners read them; each acquisition retries within its own worker (``policy.Rounds``)."""
         refs, bits = job.refs(layer), job.bits(layer)
         assert bits is not None
-        job.start_layer(layer)
+        job.apply(LayerStarted(layer))
         # Learn who already holds what before anything starts, so that a late joiner takes from
         # peers what they have rather than reading its own HRW share from the bucket.
         try:
@@ -140,7 +143,7 @@ class Fetcher:
             # missed while it grows is taken much later, from a holder).
             while True:
                 i = await self.haves.next_growing(job)
-                if i < bits.n and not bits[i] and (layer, i) not in job.inflight:
+                if i < bits.n and not bits[i] and not self.acquiring(job, layer, i):
                     await self._ensure(job, layer, i, refs[i])
 
         try:
@@ -153,14 +156,16 @@ class Fetcher:
             wired = layer == STORED and self.cfg.cut_through and self.haves.subscriber is not None
             cut = [asyncio.create_task(cut_worker()) for _ in range(CUT_WORKERS)] if wired else []
             if wired and self.takeovers.may_steal(job, nodes, bits.n - bits.count):
-                cut.append(asyncio.create_task(self.takeovers.run(job, layer, mine, self.owner, self._ensure)))
+                cut.append(
+                    asyncio.create_task(self.takeovers.run(job, layer, mine, self.owner, self._ensure, self.acquiring))
+                )
             try:
                 await asyncio.gather(*tasks)
             except BaseException:
                 # The acquisitions run shielded (single-flight), so cancelling their waiters alone
                 # would leave them running: writing into files this job abandons (result mode
                 # falling back to the chain) and dying with unretrieved exceptions.
-                acquiring = [f for (lay, _), f in list(job.inflight.items()) if lay == layer]
+                acquiring = [f for (lay, _), f in list(self._inflight.get(job, {}).items()) if lay == layer]
                 for t in (*tasks, *acquiring):
                     t.cancel()
                 await asyncio.gather(*tasks, *acquiring, return_exceptions=True)
@@ -205,18 +210,30 @@ class Fetcher:
         """Single-flight: one acquisition per chunk, however many ask for it."""
         await self._ensure(job, layer, job.ref_index(layer, ref), ref)
 
+    def acquiring(self, job: SnapshotJob, layer: str, idx: int) -> bool:
+        """Whether an acquisition of chunk ``idx`` of ``job``'s ``layer`` runs now."""
+        return (layer, idx) in self._inflight.get(job, ())
+
     async def _ensure(self, job: SnapshotJob, layer: str, idx: int, ref: ChunkRef) -> None:
         key = (layer, idx)
-        fut = job.inflight.get(key)
+        flights = self._inflight.setdefault(job, {})
+        fut = flights.get(key)
         if fut is None:
             fut = asyncio.ensure_future(self._acquire(job, layer, idx, ref))
-            job.inflight[key] = fut
-            fut.add_done_callback(lambda _f: job.inflight.pop(key, None))
+            flights[key] = fut
+            fut.add_done_callback(lambda _f: self._landed(job, key))
         await asyncio.shield(fut)
+
+    def _landed(self, job: SnapshotJob, key: tuple[str, int]) -> None:
+        flights = self._inflight.get(job)
+        if flights is not None:
+            flights.pop(key, None)
+            if not flights:
+                del self._inflight[job]
 
     async def _got(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Event: a chunk is verified on disk. The job's bitfields and the index change here only."""
-        if job.chunk_verified(layer, ref):
+        if job.apply(ChunkVerified(layer, ref)):
             if self.chunk_log is not None:
                 self.chunk_log.done(job, layer, ref, job.ref_index(layer, ref))
             if job.foreign is None or job.foreign.servable(ref):

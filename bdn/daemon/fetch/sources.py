@@ -28,6 +28,7 @@ from bdn.daemon.observe.lograte import RepeatLog
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import SYSTEM, Clock
 from bdn.daemon.serve.transfer_address import peer_of
+from bdn.daemon.snapshots.events import FROM_BUCKET, FROM_LOCAL, FROM_PEERS, BytesCounted
 from bdn.daemon.snapshots.snapshot import Loc, SnapshotJob
 from bdn.daemon.store import diskio
 from bdn.daemon.swarm.membership import Member, Membership
@@ -227,7 +228,7 @@ class Sources:
             except FileNotFoundError:
                 continue
         if ok:
-            job.bytes_local += ref.length
+            job.apply(BytesCounted(FROM_LOCAL, ref.length))
             self.stats.add("local_bytes_copied", ref.length)
         return ok
 
@@ -361,7 +362,7 @@ class Sources:
 
     def count_peer_in(self, job: SnapshotJob, ref: ChunkRef, wire: bool) -> None:
         """Count one chunk received from a peer (over the transfer ``wire`` or HTTP)."""
-        job.bytes_from_peers += ref.length
+        job.apply(BytesCounted(FROM_PEERS, ref.length))
         self.stats.add("peer_bytes_in", ref.length)
         if wire:
             self.stats.add("peer_wire_bytes_in", ref.length)
@@ -469,7 +470,7 @@ class Sources:
             self.chunk_log.attempt(job, ref, f"bucket-{role}", "ok")
         self.stats.add(f"bucket_bytes_{role}", ref.length)
         self.stats.add(f"bucket_chunks_{role}")
-        job.bytes_from_bucket += ref.length
+        job.apply(BytesCounted(FROM_BUCKET, ref.length))
         if not owner:
             self.repeat.log(
                 logging.INFO,

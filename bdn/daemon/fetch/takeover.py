@@ -204,12 +204,14 @@ class TakeOvers:
         mine: list[asyncio.Task[None]],
         owner: Owner,
         ensure: Ensure,
+        acquiring: Callable[[SnapshotJob, str, int], bool],
     ) -> None:
         """Once this node's own chunks (the tasks ``mine``) are all acquired: over and over, the
         last chunk of the owner with the most chunks nobody holds or reads yet
         (``policy.pick_steal``; ``owner(job, layer, digest, nodes)`` says whose) is asked of that
         owner (``TAKE``), at most ``STEALERS`` at a time, and when granted marked and acquired
-        here (``ensure(job, layer, position, ref)``, started if no acquisition is on it, woken if
+        here (``ensure(job, layer, position, ref)``, started if no acquisition is on it:
+        ``acquiring(job, layer, position)``, woken if
         one sleeps). A refused position is not asked again in this download. Ends with the
         layer (cancelled by the fetcher)."""
         if mine:
@@ -266,7 +268,7 @@ class TakeOvers:
                     continue
                 self._marked.add(key)
                 self.haves.wake(key)
-                if (layer, i) not in job.inflight:
+                if not acquiring(job, layer, i):
                     f: asyncio.Future[None] = asyncio.ensure_future(ensure(job, layer, i, refs[i]))
                     started.add(f)
                     f.add_done_callback(ended)

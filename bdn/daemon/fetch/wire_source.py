@@ -41,6 +41,7 @@ from bdn.daemon.fetch.watch import Attempt
 from bdn.daemon.observe.chunklog import ChunkLog
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import SYSTEM
+from bdn.daemon.snapshots.events import FROM_PEERS, BytesCounted
 from bdn.daemon.snapshots.snapshot import SnapshotJob
 from bdn.daemon.swarm.membership import Member, Membership
 from bdn.proto import wire
@@ -202,7 +203,7 @@ class WireSource:
             if res.cut_through:
                 self.stats.add("peer_chunks_in_cut_through")
             if not racing:  # a race counts its winner only (Sources.race)
-                job.bytes_from_peers += ref.length
+                job.apply(BytesCounted(FROM_PEERS, ref.length))
                 self.stats.add("peer_bytes_in", ref.length)
                 self.stats.add("peer_wire_bytes_in", ref.length)
                 self.stats.add("peer_chunks_in")

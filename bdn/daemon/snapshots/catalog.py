@@ -1,8 +1,9 @@
 """The snapshots on this node: start (prefetch), wait, cancel, garbage-collect, the shm budget,
 and the read views the HTTP adapters serve (records, have-bitfields, files, tensors).
 
-The catalog is the only writer of the set of jobs; each job's own state is written by its
-runner (``bdn.daemon.snapshots.runner``) and by the fetcher's chunk events.
+The catalog is the only writer of the set of jobs; each job's record changes only by the events
+it is sent (``SnapshotJob.apply``: by its runner, the fetcher, and here the publish wait, the
+tensor index, shedding and the stop).
 """
 
 from __future__ import annotations
@@ -19,6 +20,16 @@ from bdn.daemon.errors import Conflict, NotFound
 from bdn.daemon.fetch.held import HeldFiles
 from bdn.daemon.process.clock import Clock
 from bdn.daemon.snapshots import retention
+from bdn.daemon.snapshots.events import (
+    LayerComplete,
+    ManifestAttached,
+    PublishDeadline,
+    Shed,
+    StateChanged,
+    Stopping,
+    TensorIndexBuilt,
+    TensorIndexRefused,
+)
 from bdn.daemon.snapshots.recent import RecentSet
 from bdn.daemon.snapshots.records import MAX_RECORD_BYTES, from_ready, matches_ready, parse_record
 from bdn.daemon.snapshots.runner import Runner
@@ -99,16 +110,23 @@ class Catalog:
         self.collected.discard(identity)
         if job is not None:
             self.forget(job)
-        job = self._new_job(identity, requested_by)
-        job.wait_publish = wait_publish
-        job.task = asyncio.create_task(self.runner.run(job), name=f"snapshot-{identity}")
+        job = self._new_job(identity, requested_by, wait_publish=wait_publish)
+        self.runner.start(job)
         return job
 
-    def _new_job(self, identity: str, requested_by: str, job: SnapshotJob | None = None) -> SnapshotJob:
-        """The one way a job is entered (a download, or one found READY at start: ``job``, made
-        with its manifest attached off the loop)."""
-        job = job or SnapshotJob(identity, self.store, self._job_changed)
-        job.requested_by = requested_by
+    def _new_job(
+        self, identity: str, requested_by: str, *, wait_publish: bool = True, created: float | None = None
+    ) -> SnapshotJob:
+        """The one way a job is made and entered: a download, or a snapshot found READY at start
+        (``created``: its record's creation time, epoch s), the same constructor for both."""
+        job = SnapshotJob(
+            identity,
+            self.store,
+            self._job_changed,
+            requested_by=requested_by,
+            wait_publish=wait_publish,
+            created=created,
+        )
         self.jobs[identity] = job
         return job
 
@@ -124,7 +142,7 @@ class Catalog:
         fresh = getattr(self.jobs.get(identity), "state", "failed") == "failed"
         job = self.prefetch(identity, wait_publish=wait_publish)
         if publish_wait_s is not None and (fresh or job.publish_deadline is not None):
-            job.publish_deadline = max(job.publish_deadline or 0.0, self.clock.monotonic() + publish_wait_s)
+            job.apply(PublishDeadline(self.clock.monotonic() + publish_wait_s))
         deadline = self.clock.monotonic() + timeout
         while job.state == "queued" and not job.reason:
             left = deadline - self.clock.monotonic()
@@ -141,8 +159,9 @@ class Catalog:
         for identity in failed[: max(0, len(failed) - MAX_FAILED)]:
             del self.jobs[identity]
         for j in self.jobs.values():
-            if j.state == "failed" and (j.task is None or j.task.done()):
-                j.shed()
+            task = self.runner.task(j)
+            if j.state == "failed" and (task is None or task.done()):
+                j.apply(Shed())
 
     async def _job_changed(self, job: SnapshotJob) -> None:
         if self.on_change is not None:
@@ -178,12 +197,13 @@ class Catalog:
         job = self.jobs.get(identity)
         if job is None:
             raise NotFound(f"snapshot {identity!r} is not known to this daemon")
-        if job.state in TERMINAL or job.task is None:
+        task = self.runner.task(job)
+        if job.state in TERMINAL or task is None:
             return job
-        job.task.cancel()
-        await asyncio.gather(job.task, return_exceptions=True)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         if job.state not in TERMINAL:
-            job.set_state("failed", reason)
+            job.apply(StateChanged("failed", reason))
             self.forget(job)
             self.store.discard(identity)
             await job.notify()
@@ -202,21 +222,23 @@ class Catalog:
         """Cancel every job (each saves its progress) and wait for them; then wake every
         waiter (``wait_state`` answers at once from now on)."""
         self.closing = True
-        tasks = [j.task for j in self.jobs.values() if j.task]
+        tasks = [t for j in self.jobs.values() if (t := self.runner.task(j)) is not None]
         for t in tasks:
             if not t.done():
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for j in self.jobs.values():
-            j.touch()
+            j.apply(Stopping())
             async with j.cond:
                 j.cond.notify_all()
 
     async def load_ready_from_store(self) -> None:
         """Register the snapshots already READY in shm (a restarted daemon keeps serving them),
-        each the same record a fresh download of it ends with: its manifest from the store's
-        record (``bdn.daemon.snapshots.records``, parsed with the bucket's parser, on a disk thread), else
-        READY's table alone (marked ``derived``: no publish time to check claims against)."""
+        each the same record a fresh download of it ends with, made by the same constructor and
+        events (manifest attached, both layers complete, ``ready``), its creation time kept: its
+        manifest from the store's record (``bdn.daemon.snapshots.records``, parsed with the
+        bucket's parser, on a disk thread), else READY's table alone (marked ``derived``: no
+        publish time to check claims against)."""
         # Downloads a restart cut short resume from their saved progress; other half-built
         # leftovers were never handed out and are removed.
         disk = self.runner.pools.disk
@@ -231,10 +253,10 @@ class Catalog:
                 await loop.run_in_executor(disk, self.store.remove, info.identity)
                 continue
             m, digest, created, derived = await loop.run_in_executor(disk, self._restored_table, info)
-            job = SnapshotJob(info.identity, self.store, self._job_changed)
-            await loop.run_in_executor(disk, job.attach_manifest, m)  # O(files): off the loop
-            job = self._new_job(info.identity, "store", job)
-            job.restored(digest, created if created is not None else job.created, derived)
+            attached = await loop.run_in_executor(disk, ManifestAttached.of, m, digest, derived)  # O(files)
+            job = self._new_job(info.identity, "store", created=created)
+            for event in (attached, LayerComplete(STORED), LayerComplete(RESULT), StateChanged("ready")):
+                job.apply(event)
             await self._register_restored(job)
             log.info(
                 "snapshot %s: ready from shm (%d bytes)%s",
@@ -446,14 +468,13 @@ class Catalog:
             try:
                 index = await asyncio.shield(fut)
             except SafetensorsError as e:
-                if not job.tensor_refused:
-                    job.tensor_refused = f"snapshot {identity}: tensors not served: {e}"
+                if job.apply(TensorIndexRefused(f"snapshot {identity}: tensors not served: {e}")):
                     log.error("%s", job.tensor_refused)
                 raise Conflict(job.tensor_refused) from None
             except OSError as e:
                 raise BdnError(f"snapshot {identity}: cannot read its safetensors headers: {e.strerror or e}") from None
             if self.jobs.get(identity) is job:
-                job.tensor_index = index
+                job.apply(TensorIndexBuilt(index))
         hit = index.get(name)
         if hit is None:
             raise NotFound(f"snapshot {identity!r} has no tensor {name!r}")

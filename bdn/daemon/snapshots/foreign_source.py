@@ -39,6 +39,7 @@ from bdn.daemon.config import Config
 from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.process.clock import Clock
 from bdn.daemon.process.executors import Executors
+from bdn.daemon.snapshots.events import ForeignAttached, LayerComplete, ReasonChanged, StateChanged
 from bdn.daemon.snapshots.layers import RESULT, STORED
 from bdn.daemon.snapshots.snapshot import Jobs, SnapshotJob
 from bdn.daemon.store import diskio
@@ -241,18 +242,22 @@ class ForeignLoader:
         if base is None or base.state == "failed":
             base = jobs.prefetch(base_id, requested_by=f"base of {job.identity}")
         if base.state != "ready":
-            job.reason = f"waiting for its base {base_id!r} to be ready here (a delta without a manifest is derived from its base)"
-            job.touch()
+            job.apply(
+                ReasonChanged(
+                    f"waiting for its base {base_id!r} to be ready here (a delta without a manifest is derived from its base)"
+                )
+            )
             await job.notify()
         while base.state not in ("ready", "failed"):
             await base.wait_change(base.version, 5.0)
         if base.state != "ready":
             raise BdnError(f"base snapshot {base_id!r} of {job.identity!r} failed: {base.reason}")
-        job.reason = ""
+        job.apply(ReasonChanged(""))
         return base
 
-    async def table(self, job: SnapshotJob, jobs: Jobs, wait_publish: bool = True) -> Manifest:
-        """Derive ``job``'s table and attach its :class:`ForeignState`; the table's manifest.
+    async def table(self, job: SnapshotJob, jobs: Jobs, wait_publish: bool = True) -> tuple[Manifest, str]:
+        """Derive ``job``'s table and attach its :class:`ForeignState` (``ForeignAttached``);
+        ``(the table's manifest, the table's id)``.
 
         ``wait_publish``: with nothing under the prefix, wait (reason set, polled every
         ``manifest_poll_s`` up to ``manifest_wait_s``) instead of failing at once. A shard the
@@ -306,8 +311,7 @@ class ForeignLoader:
                     ) from None
                 reason = f"waiting for publication: {e}"
                 if job.reason != reason:
-                    job.reason = reason
-                    job.touch()
+                    job.apply(ReasonChanged(reason))
                     await job.notify()
                 await asyncio.sleep(self.cfg.manifest_poll_s)
             except ObjectChanged as e:
@@ -317,10 +321,11 @@ class ForeignLoader:
                 log.info("snapshot %s: %s; listing again", job.identity, e)
             except BucketError as e:
                 raise BdnError(f"snapshot {job.identity!r}: cannot read its objects: {e}") from None
-        job.foreign = ForeignState(
-            table, checksums, self.cfg.allow_unverifiable, Hint(base_id, hint.compression_format)
+        job.apply(
+            ForeignAttached(
+                ForeignState(table, checksums, self.cfg.allow_unverifiable, Hint(base_id, hint.compression_format))
+            )
         )
-        job.manifest_digest = table.table_id
         if saved is not None and saved.get("table") != table.table_id:
             old = tags if isinstance(tags := saved.get("etags"), dict) else {}
             moved = [o.path for o in table.objects if old.get(o.path) != o.etag] + sorted(
@@ -344,7 +349,7 @@ class ForeignLoader:
             table.manifest.kind,
             len(table.objects),
         )
-        return table.manifest
+        return table.manifest, table.table_id
 
     async def finish(self, job: SnapshotJob, register: Callable[[str, ChunkRef], None]) -> Manifest:
         """After the stored layer is fetched: verify (and repair) every object, apply a delta,
@@ -395,7 +400,7 @@ class ForeignLoader:
                 register(STORED, ref)
         staging = self.store.staging_dir(m.identity)
         if m.is_delta:
-            job.set_state("applying")
+            job.apply(StateChanged("applying"))
             await job.notify()
             assert m.base_identity is not None  # a delta names its base
             base_dir = self.store.ready_dir(m.base_identity)
@@ -409,11 +414,11 @@ class ForeignLoader:
                 staging,
                 self.cfg.apply_workers,
             )
-        job.set_state("verifying")
+        job.apply(StateChanged("verifying"))
         await job.notify()
         # Objects without a checksum were read from the bucket by this node (bucket_only) unless
         # the configuration accepts peers' bytes for them: either way, policy allowed them.
         await self._on(self.pools.apply, lambda: check_ready(st.table, staging, verdicts, allow_unverifiable=True))
         final = await self._on(self.pools.apply, ready_manifest, m, staging)
-        job.layer_complete(RESULT)
+        job.apply(LayerComplete(RESULT))
         return final

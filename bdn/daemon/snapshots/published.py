@@ -18,6 +18,7 @@ from bdn.daemon.config import Config
 from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import Clock
+from bdn.daemon.snapshots.events import ReasonChanged
 from bdn.daemon.snapshots.foreign_source import ForeignLoader
 from bdn.daemon.snapshots.snapshot import Jobs, SnapshotJob
 from bdn.daemon.store.chunklist import check_limits
@@ -55,16 +56,18 @@ class ManifestReader:
         self.stats = stats
         self.disk_pool = disk_pool
 
-    async def read(self, job: SnapshotJob) -> Manifest:
-        """The manifest of ``job``'s snapshot from the bucket, polled every ``manifest_poll_s``
-        up to ``manifest_wait_s`` while it is not there, and read again up to
-        ``MANIFEST_UNAVAILABLE_TRIES`` times while the bucket is unavailable. Raises BdnError (not
-        published, too large), BucketError, ManifestError."""
+    async def read(self, job: SnapshotJob) -> tuple[Manifest, str]:
+        """``(manifest, digest)`` of ``job``'s snapshot from the bucket (digest: XXH3-128 of the
+        manifest's bytes; for a snapshot without one, its table and the table's id), polled
+        every ``manifest_poll_s`` up to ``manifest_wait_s`` while it is not there (the job's
+        reason says so), and read again up to ``MANIFEST_UNAVAILABLE_TRIES`` times while the
+        bucket is unavailable. Raises BdnError (not published, too large), BucketError,
+        ManifestError."""
         recent = await self.folder.take_recent(job.identity)
         if recent is not None:  # a chain walk read it moments ago
-            job.manifest_digest, m = recent
+            digest, m = recent
             check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
-            return m
+            return m, digest
         key = f"{job.identity}/{MANIFEST_NAME}"
         started = self.clock.monotonic()
         looked = 0
@@ -81,8 +84,7 @@ class ManifestReader:
                 unavailable += 1
                 if unavailable >= MANIFEST_UNAVAILABLE_TRIES:
                     raise
-                job.reason = f"bucket unavailable, reading {key} again: {e}"
-                job.touch()
+                job.apply(ReasonChanged(f"bucket unavailable, reading {key} again: {e}"))
                 await job.notify()
                 await asyncio.sleep(min(2.0**unavailable, 30.0))
             except ObjectNotFound:
@@ -103,19 +105,20 @@ class ManifestReader:
                         f"{key} is not in {self.bucket.url}"
                     ) from None
                 # The count tells an operator (and a test) that the daemon keeps looking.
-                job.reason = (
-                    f"waiting for manifest: {job.identity} is not published yet, {key} is not in the "
-                    f"bucket (looked {looked} time{'' if looked == 1 else 's'}); gives up after "
-                    f"{limit - started:.0f} s"
+                job.apply(
+                    ReasonChanged(
+                        f"waiting for manifest: {job.identity} is not published yet, {key} is not in the "
+                        f"bucket (looked {looked} time{'' if looked == 1 else 's'}); gives up after "
+                        f"{limit - started:.0f} s"
+                    )
                 )
-                job.touch()
                 await job.notify()
                 await asyncio.sleep(self.cfg.manifest_poll_s)
         self.stats.add("bucket_manifest_bytes", len(data))
-        job.manifest_digest = xxh3_digest(data)
+        digest = xxh3_digest(data)
         # off the event loop: a manifest of a million chunks takes seconds to parse and validate
         m = await asyncio.get_running_loop().run_in_executor(
             self.disk_pool, functools.partial(Manifest.from_json, expect_identity=job.identity), data
         )
         check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
-        return m
+        return m, digest

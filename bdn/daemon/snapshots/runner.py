@@ -32,6 +32,15 @@ from bdn.daemon.observe.lograte import RepeatLog
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import Clock
 from bdn.daemon.process.executors import Executors
+from bdn.daemon.snapshots.events import (
+    LayerComplete,
+    LayerReset,
+    ManifestAttached,
+    Quarantined,
+    Restarted,
+    Resumed,
+    StateChanged,
+)
 from bdn.daemon.snapshots.foreign_source import ForeignLoader
 from bdn.daemon.snapshots.published import ManifestReader
 from bdn.daemon.snapshots.records import record_bytes
@@ -79,7 +88,11 @@ CATCH_UP_POLL_S = 0.05
 
 
 class Runner:
-    """Brings one snapshot job at a time (``run(job)``) from ``queued`` to a terminal state."""
+    """Brings one snapshot job at a time (``run(job)``) from ``queued`` to a terminal state.
+
+    The runner owns the asyncio task that drives each job (its download, then a repair):
+    ``start(job)`` spawns it, ``task(job)`` finds it; a task is forgotten once it ends. The
+    job's record changes only by the events the runner sends it (``SnapshotJob.apply``)."""
 
     def __init__(
         self,
@@ -111,6 +124,20 @@ class Runner:
         self.manifests = ManifestReader(cfg, bucket, clock, self.folder, foreign, jobs, stats, pools.disk)
         self.forward = Forward(cfg, store, stats, pools, self._register, self.repair)  # sparse applies
         self.repeat = RepeatLog(log, cfg.log_repeat_s, clock)  # lines a full disk repeats per save
+        self._tasks: dict[SnapshotJob, asyncio.Task[None]] = {}  # running, by job
+
+    def start(self, job: SnapshotJob) -> None:
+        """Spawn the task that runs ``job`` (``run``)."""
+        self._keep(job, asyncio.create_task(self.run(job), name=f"snapshot-{job.identity}"))
+
+    def task(self, job: SnapshotJob) -> asyncio.Task[None] | None:
+        """The task driving ``job`` now (its download or its repair), or None once it ended
+        (or for a job restored from the store, which never had one)."""
+        return self._tasks.get(job)
+
+    def _keep(self, job: SnapshotJob, task: asyncio.Task[None]) -> None:
+        self._tasks[job] = task
+        task.add_done_callback(lambda t: self._tasks.pop(job, None) if self._tasks.get(job) is t else None)
 
     async def _on(self, pool: Executor, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -122,9 +149,10 @@ class Runner:
         marker. Errors end in ``failed`` with a one-line reason; ``CancelledError`` is re-raised."""
         jobs = self.jobs
         logctx.SNAPSHOT.set(job.identity)  # every line this task (and its children) logs names it
+        flusher: asyncio.Task[None] | None = None  # saves progress every progress_interval_s
         try:
-            m = await self.manifests.read(job)
-            await self._on(self.pools.disk, job.attach_manifest, m)  # O(files): off the loop
+            m, digest = await self.manifests.read(job)
+            job.apply(await self._on(self.pools.disk, ManifestAttached.of, m, digest))  # O(files): off the loop
             saved = self.store.load_progress(m.identity, job.manifest_digest)
             if saved is not None:
                 await self._resume(job, saved)
@@ -140,10 +168,10 @@ class Runner:
                         await self.forward.seed(base, accept, background=False)
                 held = await self._on(self.pools.disk, self.store.prepare_staging, m, accept, jobs.spare_room(m))
                 self.forward.held(m.identity, held)
-            job.flusher = asyncio.create_task(self._progress_flusher(job))
+            flusher = asyncio.create_task(self._progress_flusher(job))
             # (a disk thread: one keyed address per chunk, seconds for millions of them)
             await self._on(self.pools.disk, self.index.add_pending, job, STORED, job.stored_refs)
-            job.set_state("downloading")
+            job.apply(StateChanged("downloading"))
             await job.notify()
             log.info("snapshot %s: %s, %d files, %d stored bytes", job.identity, m.kind, len(m.files), m.stored_bytes)
             ready_m = m
@@ -155,15 +183,15 @@ class Runner:
                 await self._run_delta(job, m)
             else:
                 await self.fetcher.fetch_layer(job, STORED)
-                job.layer_complete(RESULT)  # full: stored == result
-                job.set_state("verifying")
+                job.apply(LayerComplete(RESULT))  # full: stored == result
+                job.apply(StateChanged("verifying"))
                 await job.notify()
             # every safetensors header as the engine's library reads it, before READY exists
             await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
-            if job.flusher is not None:  # publish removes the progress file: nothing may write it again
-                job.flusher.cancel()
+            if flusher is not None:  # publish removes the progress file: nothing may write it again
+                flusher.cancel()
             final = await self._on(self.pools.disk, self._publish, job, ready_m)
-            job.set_state("ready")
+            job.apply(StateChanged("ready"))
             log.info(
                 "snapshot %s: ready at %s (stages: %s)",
                 job.identity,
@@ -183,20 +211,20 @@ class Runner:
             reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 reason = self.store.full_reason(job.identity, e)
-            job.set_state("failed", reason.splitlines()[0] if reason else type(e).__name__)
+            job.apply(StateChanged("failed", reason.splitlines()[0] if reason else type(e).__name__))
             log.error("snapshot %s: failed: %s", job.identity, job.reason.removeprefix(f"snapshot {job.identity}: "))
             jobs.forget(job)
             self.store.discard(job.identity)
         except Exception as e:  # a bug must fail the snapshot, not kill the daemon
             log.exception("snapshot %s: internal error", job.identity)
-            job.set_state("failed", f"internal error: {type(e).__name__}: {e}")
+            job.apply(StateChanged("failed", f"internal error: {type(e).__name__}: {e}"))
             jobs.forget(job)
             self.store.discard(job.identity)
         finally:
             if job.state != "ready":
                 self.forward.forget(job.identity)
-            if job.flusher is not None:
-                job.flusher.cancel()
+            if flusher is not None:
+                flusher.cancel()
             # The change notice first: the replica offers a ready snapshot to its engines at
             # once, not after the index clean-up below, which queues behind the disk threads'
             # work in flight (a populate of a big target for one).
@@ -291,12 +319,11 @@ class Runner:
             self.stats.add("chunks_quarantined", len(bad))
             # Out of ``ready`` before the directory moves: a reader that saw ``ready`` must find
             # the files at the path it was given (the directory goes back to staging next).
-            job.quarantined(bad)
-            job.set_state("downloading", f"repairing {len(bad)} corrupted chunk(s) found on this node, first {where}")
+            job.apply(Quarantined(bad, f"repairing {len(bad)} corrupted chunk(s) found on this node, first {where}"))
             try:
                 marker = await self._on(self.pools.disk, self.store.unpublish, job.identity)
             except OSError as e:
-                job.set_state("failed", f"repair failed: cannot take the snapshot back to staging: {e}")
+                job.apply(StateChanged("failed", f"repair failed: cannot take the snapshot back to staging: {e}"))
                 log.error("snapshot %s: %s", job.identity, job.reason)
                 await job.notify()
                 raise
@@ -307,8 +334,9 @@ class Runner:
                 where,
             )
             await job.notify()
-            job.task = asyncio.create_task(
-                self._repair(job, [refs[i] for i in bad], marker), name=f"repair-{job.identity}"
+            self._keep(
+                job,
+                asyncio.create_task(self._repair(job, [refs[i] for i in bad], marker), name=f"repair-{job.identity}"),
             )
         report.update(state=job.state, reason=job.reason)
         return report
@@ -324,18 +352,20 @@ class Runner:
             except TimeoutError:
                 pass
             await asyncio.gather(*(self.fetcher.ensure_chunk(job, self._repair_layer(job, r), r) for r in refs))
-            job.set_state("verifying")
+            job.apply(StateChanged("verifying"))
             await job.notify()
             await self._on(self.pools.disk, headers.check_snapshot, m, self.store.staging_dir(m.identity))
             await self._on(self.pools.disk, self.store.publish, m, marker)
-            job.set_state("ready")
+            job.apply(StateChanged("ready"))
             log.info("snapshot %s: repaired (%d chunk(s) fetched again)", job.identity, len(refs))
         except asyncio.CancelledError:
             self.save_progress(job)
             raise
         except (BdnError, OSError) as e:
             reason = str(e) if isinstance(e, BdnError) else f"{type(e).__name__}: {e}"
-            job.set_state("failed", f"repair failed: {reason.splitlines()[0] if reason else type(e).__name__}")
+            job.apply(
+                StateChanged("failed", f"repair failed: {reason.splitlines()[0] if reason else type(e).__name__}")
+            )
             log.error("snapshot %s: %s", job.identity, job.reason)
             self.jobs.forget(job)
             self.store.discard(job.identity)
@@ -363,7 +393,7 @@ class Runner:
             )
             return
         if job.foreign is not None:  # ids are no digests: the objects are verified whole before READY
-            job.resumed(STORED, job.foreign.resumed(job.stored_refs, stored.set_positions().tolist()))
+            job.apply(Resumed(STORED, job.foreign.resumed(job.stored_refs, stored.set_positions().tolist())))
             log.info(
                 "snapshot %s: resumed with %d of %d stored chunks (no manifest: unchanged ETags, each object"
                 " verified whole before READY)",
@@ -386,8 +416,8 @@ class Runner:
             result.__getitem__,
             lambda fi: job.file_path(RESULT, fi),
         )
-        job.resumed(STORED, ok_s)
-        job.resumed(RESULT, ok_r)
+        job.apply(Resumed(STORED, ok_s))
+        job.apply(Resumed(RESULT, ok_r))
         await self._register(job, STORED, (job.stored_refs[i] for i in ok_s))
         await self._register(job, RESULT, (job.result_refs[i] for i in ok_r))
         log.info(
@@ -448,15 +478,17 @@ class Runner:
                 )
             await self._on(self.pools.disk, self.index.drop_pending_of, job)
             self.index.forget(job, self.jobs.all())
-            job.set_state("queued", f"restarting: an object was replaced during the download (restart {restarts})")
+            job.apply(
+                StateChanged("queued", f"restarting: an object was replaced during the download (restart {restarts})")
+            )
             await job.notify()
-            m = await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)
+            m, digest = await self.foreign.table(job, self.jobs, wait_publish=job.wait_publish)
             check_limits(m, self.cfg.max_chunks_per_snapshot, self.cfg.max_files_per_snapshot)
-            job.restarted(m)
+            job.apply(Restarted(await self._on(self.pools.disk, ManifestAttached.of, m, digest)))
             self.jobs.check_budget(m)
             await self._on(self.pools.disk, self.store.prepare_staging, m, None, self.jobs.spare_room(m))
             await self._on(self.pools.disk, self.index.add_pending, job, STORED, job.stored_refs)
-            job.set_state("downloading")
+            job.apply(StateChanged("downloading"))
             await job.notify()
 
     async def _run_delta(self, job: SnapshotJob, m: Manifest) -> None:
@@ -471,16 +503,16 @@ class Runner:
                 try:
                     await self._on(self.pools.disk, self.index.prepare, job, RESULT)  # off the loop
                     await self.fetcher.fetch_layer(job, RESULT)
-                    job.layer_complete(STORED)
-                    job.set_state("verifying")
+                    job.apply(LayerComplete(STORED))
+                    job.apply(StateChanged("verifying"))
                     return
                 except NotAvailable as e:
                     log.info(
                         "snapshot %s: peers' reconstructed chunks not enough (%s); walking the chain", job.identity, e
                     )
-                    job.layer_reset(RESULT)
+                    job.apply(LayerReset(RESULT))
             if self.cfg.fold_deltas and await self.folder.fold(job, m, self.jobs):
-                job.layer_complete(RESULT)
+                job.apply(LayerComplete(RESULT))
                 await self._register(job, RESULT, job.result_refs)
                 return
             base = self.jobs.prefetch(base_id, requested_by=f"base of {job.identity}")
@@ -501,7 +533,7 @@ class Runner:
             self.store.ready_dir(base_id),
             self.store.staging_dir(m.identity),
         )
-        job.set_state("applying")
+        job.apply(StateChanged("applying"))
         await job.notify()
         sparse = await self.forward.apply(job, m)  # buffers brought forward in place; the rest in full
         await self._on(
@@ -514,10 +546,10 @@ class Runner:
             self.cfg.apply_workers,
             sparse,
         )
-        job.set_state("verifying")
+        job.apply(StateChanged("verifying"))
         await job.notify()
         await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity), sparse)
-        job.layer_complete(RESULT)
+        job.apply(LayerComplete(RESULT))
         await self._register(job, RESULT, self.forward.untouched(job))
 
     async def _register(self, job: SnapshotJob, layer: str, refs: Iterable[ChunkRef]) -> None:

@@ -1,8 +1,10 @@
 """One snapshot's life on a node: state, stage times, have-bitfields and byte counters.
 
-The record is written only through its event methods (``set_state``, ``chunk_verified``,
-``layer_complete``, ``layer_reset``, ``resumed``, ``quarantined``, ``start_layer``, ``attach_manifest``), called
-by the snapshot's runner and the fetcher; everything else reads it.
+The record changes only in ``SnapshotJob.apply``, one event at a time
+(``bdn.daemon.snapshots.events``: state moved, manifest attached, chunk verified, bytes counted,
+layer complete, quarantined...), sent by the runner, the fetcher and its sources, the manifest
+reader, the foreign loader, a fold and the catalog; everything else reads it
+(``tests/test_policy_layout.py`` fails on an assignment to its fields anywhere else).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from bdn.daemon.observe import versioned
+from bdn.daemon.snapshots import events as ev
 from bdn.daemon.snapshots.layers import RESULT, STORED
 from bdn.daemon.store.bitfield import Bitfield
 from bdn.daemon.store.chunklist import ChunkList
@@ -23,7 +26,7 @@ from bdn.proto.manifest import ChunkRef, Manifest
 from bdn.proto.states import SNAPSHOT_STATES, TERMINAL
 
 STATES = SNAPSHOT_STATES
-__all__ = ["STATES", "TERMINAL", "STORED", "RESULT", "Jobs", "Loc", "SnapshotJob"]
+__all__ = ["STATES", "TERMINAL", "TRANSITIONS", "STORED", "RESULT", "Jobs", "Loc", "SnapshotJob", "TransitionRefused"]
 
 
 @dataclass(frozen=True)
@@ -55,14 +58,50 @@ class Loc:
         return out
 
 
+#: The moves ``StateChanged`` may make, by the state left: what the runner, a fold and the
+#: catalog do. ``queued -> ready`` is a snapshot found ready in the store at start; a ready one
+#: fails only if what follows its publication fails (GC); ``failed`` is left by no event (a
+#: prefetch starts a new record). ``ready -> downloading`` is ``Quarantined``'s alone.
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "queued": frozenset({"downloading", "ready", "failed"}),
+    "downloading": frozenset({"queued", "applying", "verifying", "failed"}),
+    "applying": frozenset({"verifying", "failed"}),
+    "verifying": frozenset({"ready", "failed"}),
+    "ready": frozenset({"failed"}),
+    "failed": frozenset(),
+}
+
+
+class TransitionRefused(RuntimeError):
+    """An event the record's state does not allow (a bug in its sender): nothing was changed."""
+
+
 class SnapshotJob:
-    """The node's record of one snapshot, from ``queued`` to ``ready`` or ``failed``."""
+    """The node's record of one snapshot, from ``queued`` to ``ready`` or ``failed``.
+
+    Its fields change only in :meth:`apply` (events: ``bdn.daemon.snapshots.events``); every
+    other part reads them. ``requested_by`` (who asked), ``wait_publish`` (with nothing in the
+    bucket yet: wait, or fail at once) and ``created`` (epoch s; a snapshot restored from the
+    store keeps its record's) are given at construction, the same for a fresh download and a
+    snapshot found ready at start. What drives a job is not part of it: its asyncio task (the
+    runner keeps it, ``Runner.task``) and its chunk acquisitions (the fetcher's single-flight
+    table, ``Fetcher.acquiring``).
+    """
 
     def __init__(
-        self, identity: str, store: Store, on_change: Callable[[SnapshotJob], Awaitable[None]] | None = None
+        self,
+        identity: str,
+        store: Store,
+        on_change: Callable[[SnapshotJob], Awaitable[None]] | None = None,
+        *,
+        requested_by: str = "local",
+        wait_publish: bool = True,
+        created: float | None = None,
     ) -> None:
         self.identity = identity
         self.store = store
+        self.requested_by = requested_by
+        self.wait_publish = wait_publish
         self.manifest: Manifest | None = None
         self.state = "queued"
         self.reason = ""
@@ -76,8 +115,8 @@ class SnapshotJob:
         self.result_refs: Sequence[ChunkRef] = ()
         self.version = 0  # bumps on every change: have long-polls and waiters watch it
         self.cond = asyncio.Condition()
-        self.created = time.time()
-        self.updated = self.created
+        self.updated = time.time()
+        self.created = created if created is not None else self.updated
         self._stage_started = time.monotonic()
         self.stages: dict[str, float] = {}
         self.bytes_total = 0
@@ -87,18 +126,13 @@ class SnapshotJob:
         self.bytes_local = 0
         self.result_bytes = 0
         self.stored_bytes = 0
-        self.task: asyncio.Task[None] | None = None
-        self.inflight: dict[tuple[str, int], asyncio.Future[None]] = {}
-        self.requested_by = "local"
         self.fetch_layer = STORED  # the layer whose bytes bytes_done counts
         self.on_change = on_change  # awaited after every notify (the catalog, for the hot-load view)
         self.manifest_digest = ""  # xxh3-128 of the manifest's bytes (ties saved progress to it)
-        self.flusher: asyncio.Task[None] | None = None
         self.bytes_resumed = 0
         self.tensor_index: dict[str, tuple[str, Any]] | None = None  # built on the first tensor pull
         self.tensor_refused = ""  # why its headers cannot be served (logged once)
         self.foreign: Any = None  # ForeignState of a snapshot without a manifest (bdn.daemon.snapshots.foreign_source)
-        self.wait_publish = True  # with nothing in the bucket yet: wait (True) or fail at once
         self.publish_deadline: float | None = None  # monotonic s: stop waiting for publication (None: manifest_wait_s)
         self.derived = False  # restored from the store with a table derived here: no claims to check
 
@@ -132,12 +166,79 @@ class SnapshotJob:
         assert isinstance(refs, ChunkList)
         return refs.position(ref)
 
-    # ---- state (written only through these methods) --------------------------------------
-    def chunk_verified(self, layer: str, ref: ChunkRef) -> bool:
-        """Event: ``ref`` of ``layer`` is written and verified. True if it was new.
+    def _bytes_of(self, layer: str, positions: Iterable[int]) -> int:
+        refs = self.refs(layer)
+        if isinstance(refs, ChunkList):
+            return refs.bytes_of(positions)
+        return sum(refs[i].length for i in positions)
 
-        A file that is not a diff is the same bytes in both layers, so its chunk counts in both.
+    # ---- the one mutator -----------------------------------------------------------------
+    def apply(self, event: ev.Event) -> bool:
+        """Apply ``event`` (``bdn.daemon.snapshots.events``): the only code that changes this
+        record's fields. Returns True if the record changed; then ``version`` (what waiters and
+        have long-polls watch) and ``updated`` (epoch s) move. Waiters are woken by the
+        caller's :meth:`notify` (async; ``apply`` never awaits, so events apply one at a time).
+
+        Raises:
+            TransitionRefused: a ``StateChanged`` not in ``TRANSITIONS``, a ``Quarantined`` of a
+                snapshot that is not ready, a ``ReasonChanged`` of a terminal one.
+            TypeError: ``event`` is not one of the events.
         """
+        handler = _APPLY.get(type(event))
+        if handler is None:
+            raise TypeError(f"not a snapshot event: {event!r}")
+        changed = handler(self, event)
+        if changed:
+            self.version += 1
+            self.updated = time.time()
+        return changed
+
+    def _state_changed(self, e: ev.StateChanged) -> bool:
+        if e.state not in TRANSITIONS.get(self.state, frozenset()):
+            raise TransitionRefused(f"snapshot {self.identity}: {self.state} -> {e.state} is not a move it makes")
+        self._move(e.state, e.reason)
+        return True
+
+    def _move(self, state: str, reason: str) -> None:
+        # the time spent in the state left is added to ``stages`` (seconds)
+        now = time.monotonic()
+        if state != self.state:
+            self.stages[self.state] = self.stages.get(self.state, 0.0) + now - self._stage_started
+            self._stage_started = now
+        self.state, self.reason = state, reason
+
+    def _reason_changed(self, e: ev.ReasonChanged) -> bool:
+        if self.state in TERMINAL:
+            raise TransitionRefused(f"snapshot {self.identity} is {self.state}: its reason is final")
+        self.reason = e.reason
+        return True
+
+    def _manifest_attached(self, e: ev.ManifestAttached) -> bool:
+        m = e.manifest
+        self.kind, self.policy_version, self.base_identity = m.kind, m.policy_version, m.base_identity
+        self.stored_refs, self.result_refs = e.stored_refs, e.result_refs
+        self.stored, self.result = Bitfield(len(e.stored_refs)), Bitfield(len(e.result_refs))
+        self.stored_bytes, self.result_bytes, self.bytes_total = m.stored_bytes, m.result_bytes, m.stored_bytes
+        self.manifest_digest, self.derived = e.digest, e.derived
+        self.manifest = m
+        return True
+
+    def _foreign_attached(self, e: ev.ForeignAttached) -> bool:
+        self.foreign = e.state
+        return True
+
+    def _layer_started(self, e: ev.LayerStarted) -> bool:
+        if self.fetch_layer == e.layer:
+            return False
+        bits = self.bits(e.layer)
+        assert bits is not None
+        self.fetch_layer = e.layer
+        self.bytes_total = self.stored_bytes if e.layer == STORED else self.result_bytes
+        self.bytes_done = self._bytes_of(e.layer, bits.set_positions().tolist())
+        return True
+
+    def _chunk_verified(self, e: ev.ChunkVerified) -> bool:
+        layer, ref = e.layer, e.ref
         bits = self.bits(layer)
         assert bits is not None
         if not bits.set(self.ref_index(layer, ref)):
@@ -149,110 +250,90 @@ class SnapshotJob:
             other = self.bits(other_layer)
             if other is not None and self.result_refs and other.n:
                 other.set(self.ref_index(other_layer, ref))
-        self.touch()
         return True
 
-    def layer_complete(self, layer: str) -> None:
-        """Event: every chunk of ``layer`` is known good (a full snapshot's result is its stored
-        layer; a delta's rebuilt files were verified; result mode makes the stored layer moot)."""
-        bits = self.bits(layer)
+    def _bytes_counted(self, e: ev.BytesCounted) -> bool:
+        if e.source == ev.FROM_BUCKET:
+            self.bytes_from_bucket += e.n
+        elif e.source == ev.FROM_PEERS:
+            self.bytes_from_peers += e.n
+        else:  # FROM_LOCAL (the event checks its source)
+            self.bytes_local += e.n
+        return True
+
+    def _layer_complete(self, e: ev.LayerComplete) -> bool:
+        bits = self.bits(e.layer)
         assert bits is not None  # a layer completes only once the manifest is attached
         bits.set_all()
-        self.touch()
+        if e.layer == self.fetch_layer:
+            self.bytes_done = self.bytes_total
+        return True
 
-    def layer_reset(self, layer: str) -> None:
-        """Event: what ``layer`` held is abandoned (result mode fell back to the delta chain)."""
-        if layer == STORED:
+    def _layer_reset(self, e: ev.LayerReset) -> bool:
+        if e.layer == STORED:
             self.stored = Bitfield(len(self.stored_refs))
         else:
             self.result = Bitfield(len(self.result_refs))
-        self.touch()
+        return True
 
-    def resumed(self, layer: str, positions: list[int]) -> None:
-        """Event: chunks at ``positions`` of ``layer`` were re-verified on disk after a restart."""
-        bits = self.bits(layer)
+    def _resumed(self, e: ev.Resumed) -> bool:
+        bits = self.bits(e.layer)
         assert bits is not None
-        for i in positions:
+        for i in e.positions:
             bits.set(i)
-        if layer == STORED:
-            self.bytes_done = self.bytes_resumed = self._bytes_of(STORED, positions)
-        self.touch()
+        if e.layer == STORED:
+            self.bytes_done = self.bytes_resumed = self._bytes_of(STORED, e.positions)
+        return True
 
-    def restarted(self, m: Manifest) -> None:
-        """Event: everything fetched is abandoned for a new table ``m`` (a snapshot without a
-        manifest whose object was replaced mid-download): nothing held, nothing in the index."""
-        self.attach_manifest(m)  # (the index drops segments of the old table: bdn.daemon.store.index)
+    def _restarted(self, e: ev.Restarted) -> bool:
+        # (the index drops segments of the old table: bdn.daemon.store.index)
+        self._manifest_attached(e.attached)
         self.fetch_layer = STORED
         self.bytes_done = self.bytes_resumed = self.bytes_from_bucket = self.bytes_from_peers = self.bytes_local = 0
-        self.touch()
+        return True
 
-    def quarantined(self, positions: list[int]) -> None:
-        """Event: the rebuilt chunks at ``positions`` of the result layer were found corrupted on
-        disk (``bdnctl verify --repair``): no longer held (a file that is not a diff loses the same
-        chunk of its stored layer too)."""
+    def _quarantined(self, e: ev.Quarantined) -> bool:
+        if self.state != "ready":
+            raise TransitionRefused(f"snapshot {self.identity} is {self.state}: only a ready one is repaired")
         assert self.result is not None and self.stored is not None and self.manifest is not None
-        for i in positions:
+        for i in e.positions:
             ref = self.result_refs[i]
             if self.result.clear(i) and self.fetch_layer == RESULT:
                 self.bytes_done -= ref.length
             if not self.manifest.files[ref.file_index].is_diff:
                 if self.stored.clear(self.ref_index(STORED, ref)) and self.fetch_layer == STORED:
                     self.bytes_done -= ref.length
-        self.touch()
+        self._move("downloading", e.reason)
+        return True
 
-    def start_layer(self, layer: str) -> None:
-        """Event: the fetch of ``layer`` begins; ``bytes_total``/``bytes_done`` count that layer."""
-        if self.fetch_layer != layer:
-            bits = self.bits(layer)
-            self.fetch_layer = layer
-            self.bytes_total = self.stored_bytes if layer == STORED else self.result_bytes
-            assert bits is not None
-            self.bytes_done = self._bytes_of(layer, bits.set_positions().tolist())
+    def _publish_deadline(self, e: ev.PublishDeadline) -> bool:
+        self.publish_deadline = max(self.publish_deadline or 0.0, e.deadline)
+        return True
 
-    def _bytes_of(self, layer: str, positions: Iterable[int]) -> int:
-        refs = self.refs(layer)
-        if isinstance(refs, ChunkList):
-            return refs.bytes_of(positions)
-        return sum(refs[i].length for i in positions)
+    def _tensor_index_built(self, e: ev.TensorIndexBuilt) -> bool:
+        self.tensor_index = e.index
+        return True
 
-    def attach_manifest(self, m: Manifest) -> None:
-        """Take the verified manifest ``m``: its kind, policy version and base, the two
-        layers' chunk lists and empty bitfields, and the byte totals. O(files): a worker thread
-        may run it for a job nothing reads yet (``manifest`` is set last)."""
-        stored_refs, result_refs = ChunkList(m, result=False), ChunkList(m, result=True)
-        stored, result = Bitfield(len(stored_refs)), Bitfield(len(result_refs))
-        stored_bytes, result_bytes = m.stored_bytes, m.result_bytes
-        self.kind, self.policy_version, self.base_identity = m.kind, m.policy_version, m.base_identity
-        self.stored_refs, self.result_refs, self.stored, self.result = stored_refs, result_refs, stored, result
-        self.stored_bytes, self.result_bytes, self.bytes_total = stored_bytes, result_bytes, stored_bytes
-        self.manifest = m
+    def _tensor_index_refused(self, e: ev.TensorIndexRefused) -> bool:
+        if self.tensor_refused:
+            return False  # the first reason stays (logged once)
+        self.tensor_refused = e.reason
+        return True
 
-    def restored(self, manifest_digest: str, created: float, derived: bool) -> None:
-        """Event: the snapshot was found READY in shm at start (``bdn.daemon.snapshots.records``), its
-        manifest attached: both layers held, created at ``created`` (epoch s) as before the
-        restart, ``ready``."""
-        self.manifest_digest, self.created, self.derived = manifest_digest, created, derived
-        self.layer_complete(STORED)
-        self.layer_complete(RESULT)
-        self.bytes_done = self.bytes_total
-        self.requested_by = "store"
-        self.set_state("ready")
+    def _shed(self, e: ev.Shed) -> bool:
+        if self.manifest is None and self.stored is None and self.result is None and self.foreign is None:
+            return False  # shed already (or never attached)
+        self.manifest = None
+        self.stored_refs = self.result_refs = ()
+        self.stored = self.result = None
+        self.tensor_index = None
+        self.foreign = None
+        return True
 
-    def set_state(self, state: str, reason: str = "") -> None:
-        """Move to ``state`` (one of ``bdn.proto.states``) with ``reason``; the time spent in
-        the state left is added to ``stages`` (seconds)."""
-        now = time.monotonic()
-        if state != self.state:
-            self.stages[self.state] = self.stages.get(self.state, 0.0) + now - self._stage_started
-            self._stage_started = now
-        self.state, self.reason = state, reason
-        self.touch()
+    def _stopping(self, e: ev.Stopping) -> bool:
+        return True
 
-    def touch(self) -> None:
-        """Record a change: bump ``version`` (what waiters watch) and ``updated`` (epoch s)."""
-        self.version += 1
-        self.updated = time.time()
-
+    # ---- waiting and reading ---------------------------------------------------------------
     async def notify(self) -> None:
         """Wake everything waiting on ``version`` (``wait_change``), then call ``on_change``."""
         async with self.cond:
@@ -263,17 +344,6 @@ class SnapshotJob:
     async def wait_change(self, since: int, timeout: float) -> None:
         """Return once ``version`` differs from ``since`` or ``timeout`` seconds passed."""
         await versioned.wait_change(self.cond, lambda: self.version, since, timeout)
-
-    def shed(self) -> None:
-        """Drop what only a download needs (manifest, chunk lists, bitfields, tensor index, the
-        in-flight table), keeping the record's scalars (``describe`` is unchanged): for a failed
-        record whose task has ended, which the catalog keeps only to report its reason."""
-        self.manifest = None
-        self.stored_refs = self.result_refs = ()
-        self.stored = self.result = None
-        self.tensor_index = None
-        self.inflight = {}
-        self.foreign = None
 
     def describe(self) -> dict[str, Any]:
         """The snapshot's record as the local API returns it (``GET /v1/snapshots/{id}``):
@@ -317,6 +387,27 @@ class SnapshotJob:
             "nr": result.n if result else 0,
             "result": result.to_bytes() if result else b"",
         }
+
+
+_APPLY: dict[type, Callable[[SnapshotJob, Any], bool]] = {
+    ev.ChunkVerified: SnapshotJob._chunk_verified,
+    ev.BytesCounted: SnapshotJob._bytes_counted,
+    ev.StateChanged: SnapshotJob._state_changed,
+    ev.ReasonChanged: SnapshotJob._reason_changed,
+    ev.ManifestAttached: SnapshotJob._manifest_attached,
+    ev.ForeignAttached: SnapshotJob._foreign_attached,
+    ev.LayerStarted: SnapshotJob._layer_started,
+    ev.LayerComplete: SnapshotJob._layer_complete,
+    ev.LayerReset: SnapshotJob._layer_reset,
+    ev.Resumed: SnapshotJob._resumed,
+    ev.Restarted: SnapshotJob._restarted,
+    ev.Quarantined: SnapshotJob._quarantined,
+    ev.PublishDeadline: SnapshotJob._publish_deadline,
+    ev.TensorIndexBuilt: SnapshotJob._tensor_index_built,
+    ev.TensorIndexRefused: SnapshotJob._tensor_index_refused,
+    ev.Shed: SnapshotJob._shed,
+    ev.Stopping: SnapshotJob._stopping,
+}
 
 
 class Jobs(Protocol):
