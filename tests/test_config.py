@@ -262,3 +262,82 @@ def test_bad_config_exits_2_with_one_line(base: dict[str, str]) -> None:
     assert r.returncode == 2, r
     assert r.stderr.strip().count("\n") == 0, r.stderr
     assert r.stderr.startswith("bdnd: error: ") and "keep_ready" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"BDN_PEERS": "http://[::1"}, "'peers' must hold URLs"),
+        ({"BDN_ADVERTISE_URL": "http://[zz"}, "'advertise_url' must hold URLs"),
+        ({"BDN_BUCKET": "s3://[x/p"}, "'bucket': bad bucket URL"),
+        ({"BDN_BUCKET": "s3://b:99999/p"}, "'bucket'"),
+        ({"BDN_ENDPOINT_URL": "http://[::1"}, "'endpoint_url' must hold an URL"),
+        ({"BDN_ENDPOINT_URL": "notaurl"}, "'endpoint_url' must hold an URL"),
+        ({"BDN_PEERS_DNS": "nohostport"}, "'peers_dns' must be host:port"),
+    ],
+    ids=[
+        "peer-unclosed-bracket",
+        "advertise-unclosed-bracket",
+        "bucket-unclosed-bracket",
+        "bucket-port",
+        "endpoint-unclosed-bracket",
+        "endpoint-no-scheme",
+        "peers-dns-no-port",
+    ],
+)
+def test_malformed_urls_and_addresses_are_one_line_naming_the_key(
+    base: dict[str, str], env: dict[str, str], needle: str
+) -> None:
+    """breaker2: an unclosed '[' in a peer, advertise or bucket URL was a ValueError traceback
+    (urlsplit's "Invalid IPv6 URL", exit 1); endpoint_url was not checked (exit 1 once the bucket
+    opened) and peers_dns without a port exited 1 after bdnd listened."""
+    with pytest.raises(ConfigError) as e:
+        _load({**base, **env})
+    assert "\n" not in str(e.value) and needle in str(e.value), e.value
+    assert _load({**base, "BDN_ENDPOINT_URL": "https://s3.example.invalid:9000/proxy"}).endpoint_url
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--chunk-log", "/nonexistent-dir-bdn/x.jsonl"], "config key 'chunk_log': cannot open /nonexistent-dir-bdn"),
+        (
+            ["--bucket", "s3://abc/p", "--credentials-file", "/nonexistent-bdn.json"],
+            "credentials_file",
+        ),
+    ],
+    ids=["chunk-log-dir-missing", "credentials-file-missing"],
+)
+def test_a_file_bdnd_cannot_open_at_start_exits_2_with_one_line(
+    base: dict[str, str], tmp_path: Path, flags: list[str], needle: str
+) -> None:
+    """breaker2: a chunk_log in a missing directory was a FileNotFoundError traceback and a missing
+    credentials file one ERROR log line, both exit 1 (systemd restarts an exit 1 forever)."""
+    import os
+
+    from support.swarm import free_port
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("BDN_")}
+    port = free_port()
+    env = {
+        **clean,
+        **base,
+        "BDN_SHM_DIR": str(tmp_path / "shm"),
+        "BDN_PEER_LISTEN": f"127.0.0.1:{port}",
+        "BDN_LOCAL_LISTEN": f"127.0.0.1:{free_port()}",
+        "BDN_TRANSFER_LISTEN": "",
+        "BDN_LOAD_STARTUP": "false",
+    }
+    r = _bdnd(*flags, env=env)
+    assert r.returncode == 2, r
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("bdnd: error: ") and needle in r.stderr, r.stderr
+
+
+def test_shm_dir_is_required_and_made_absolute(base: dict[str, str], tmp_path: Path, monkeypatch) -> None:
+    """breaker2: ``shm_dir = ""`` ran the store in the daemon's working directory, and a relative
+    shm_dir was handed out as is: ``GET /v1/snapshots/X`` answered ``"path": "relshm/<swarm>/X"``,
+    which an engine in another directory cannot open."""
+    with pytest.raises(ConfigError, match="'shm_dir' must be a directory path"):
+        _load({**base, "BDN_SHM_DIR": ""})
+    monkeypatch.chdir(tmp_path)
+    assert _load({**base, "BDN_SHM_DIR": "relshm"}).shm_dir == str(tmp_path / "relshm")

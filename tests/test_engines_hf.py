@@ -492,7 +492,7 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _engine_process(bdn_url: str, port: int) -> subprocess.Popen[bytes]:
+def _engine_process(bdn_url: str, port: int, log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             sys.executable,
@@ -512,10 +512,11 @@ def _engine_process(bdn_url: str, port: int) -> subprocess.Popen[bytes]:
         ],
         env=dict(os.environ),
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=log.open("wb"),  # a slow or failed start leaves its reason
     )
 
 
+@pytest.mark.timeout(1800)  # its waits (900 s for two engines to start at load) outlast the 300 s default
 def test_an_engine_killed_without_unregistering_expires(trainer, tmp_path: Path, capsys) -> None:
     """Two engines serve policy 1; one is killed with -9 (no DELETE). After engine_ttl_s the daemon
     drops it (its leases released) and the hot-load to policy 2 completes with the other."""
@@ -524,14 +525,20 @@ def test_an_engine_killed_without_unregistering_expires(trainer, tmp_path: Path,
         with HFService(
             node.url, "127.0.0.1", free_port(), replica_id="node0", name="survivor", poll_timeout=2.0
         ) as svc:
-            doomed = _engine_process(node.url, free_port())
+            doomed_log = tmp_path / "doomed.log"
+            doomed = _engine_process(node.url, free_port(), doomed_log)
             try:
 
                 def both_serve():
                     eng = list_engines(node.url)["engines"]
                     return eng if len(eng) == 2 and all(e["serving"] == IDS[0] for e in eng) else None
 
-                wait_for(both_serve, 900, "both engines to serve policy 1")
+                wait_for(
+                    both_serve,
+                    900,
+                    "both engines to serve policy 1",
+                    detail=lambda: doomed_log.read_text(errors="replace")[-2000:],
+                )
                 assert bdnctl.main(["--url", node.url, "engines"]) == 0
                 table = capsys.readouterr().out
                 assert "doomed" in table and "survivor" in table and "SEEN_S_AGO" in table

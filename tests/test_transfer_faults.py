@@ -16,6 +16,7 @@ import pytest
 
 from bdn.proto import handshake, wire
 from bdn.transfer import Outcome, Peer, TransferClient, TransferServer
+from bdn.transfer.answer import Granted
 from support.api import wait_for
 from support.procmem import rss_anon_kib as _rss_anon_kib
 from support.transfer import (
@@ -345,3 +346,69 @@ def test_a_failing_callback_ends_that_connection_only(shm, src):
         finally:
             client.close()
             target.close()
+
+
+def test_a_peer_that_reads_a_little_now_and_then_gives_its_upload_slot_back(shm, src):
+    """breaker2: the server sent a DATA body with ``sendfile`` until it was whole, each call bounded
+    only by the send timeout; a peer (with the secret) reading 2 KiB every 0.05 s is never silent
+    for a whole timeout, so it held the connection thread and its upload slot for the body's length
+    at that pace (minutes for 1 MiB; hours for 16 MiB at a byte a second). The body now has the
+    deadline its receiver gives it (``receive.body_limit`` on the send timeout)."""
+    send_timeout = 0.5
+    released: list[bool] = []
+    srv = TransferServer(
+        KEYS,
+        "srv",
+        src.resolve,
+        admit=lambda peer, ask: Granted(released.append),
+        send_timeout_s=send_timeout,
+        sndbuf=4096,
+    )
+    host, port = srv.start()
+    client = TransferClient(KEYS, "slow", rcvbuf=4096, io_timeout_s=30)
+    stream = client.connect(Peer("srv", host, port))
+    got = 0
+    try:
+        ask = wire.encode_ask(wire.Ask(src.address(0), 0, CHUNK, 0, None, 0))
+        stream.sock.sendall(stream.session.seal(wire.FrameType.ASK, ask))
+        stream.sock.settimeout(5)
+        t0 = time.monotonic()
+        while not released and time.monotonic() - t0 < 60:
+            try:
+                b = stream.sock.recv(2048)
+            except (TimeoutError, OSError):
+                break
+            if not b:
+                break
+            got += len(b)
+            time.sleep(0.05)
+        took = time.monotonic() - t0
+        assert released == [False], (released, got, took)  # the slot came back, the body cut short
+        assert took <= 4 * send_timeout + 2 * send_timeout + 3.0, (took, got)
+        assert got < CHUNK + 100
+        assert wait_for(lambda: srv.open_connections() == 0, 30, "the slow reader's connection closed")
+    finally:
+        stream.sock.close()
+        client.close()
+        srv.close()
+
+
+def test_send_deadlines_of_answers_that_ended_in_time_are_not_kept(shm, src):
+    """Each answer registers its send deadline (bdn.transfer.deadlines); one that ends in time
+    leaves nothing behind, so the watchdog's heap holds only the sends in flight."""
+    srv = TransferServer(KEYS, "srv", src.resolve, send_timeout_s=30)
+    host, port = srv.start()
+    client = TransferClient(KEYS, "cli", io_timeout_s=30)
+    target = Target(shm / "out", 8 * CHUNK)
+    try:
+        for _rep in range(3):
+            for i in range(8):
+                r = client.fetch_into(
+                    Peer("srv", host, port), src.address(i), target.map, i * CHUNK, CHUNK, src.digests[i]
+                )
+                assert r.outcome is Outcome.OK, r
+        assert len(srv._deadlines) == 0
+    finally:
+        client.close()
+        target.close()
+        srv.close()

@@ -377,3 +377,67 @@ def test_an_answer_frame_that_trickles_in_is_cut_off_at_the_answers_deadline(shm
         client.close()
         target.close()
         s.close()
+
+
+class SplitPartSender:
+    """A peer that knows the secret and answers an ASK with a cut-through answer in two PARTs: the
+    first half of the chunk at once, then the second PART frame's header trickled a byte every
+    ``trickle`` s (then its bytes)."""
+
+    def __init__(self, data: bytes, trickle: float) -> None:
+        self.data, self.trickle = data, trickle
+        self.ls = socket.create_server(("127.0.0.1", 0))
+        self.addr = self.ls.getsockname()
+        self.stop = threading.Event()
+        self.trickled = 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                sock, _ = self.ls.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(sock,), daemon=True).start()
+
+    def _one(self, sock: socket.socket) -> None:
+        try:
+            session, ask = accept_ask(sock, "sender")
+            half = ask.length // 2
+            sock.sendall(session.seal(wire.FrameType.PART, wire.encode_part(0, half)) + self.data[:half])
+            second = session.seal(wire.FrameType.PART, wire.encode_part(half, ask.length - half))
+            for i in range(len(second)):
+                if self.stop.wait(self.trickle):
+                    return
+                sock.sendall(second[i : i + 1])
+                self.trickled += 1
+            sock.sendall(self.data[half : ask.length])
+            self.stop.wait(60)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.ls.close()
+
+
+def test_a_later_part_frame_that_trickles_in_is_cut_off_at_the_answers_deadline(shm, src):
+    """breaker2: the PART frames after the first were read without the answer's deadline (only
+    checked between frames), so a second PART header trickled a byte every 0.6 x the timeout held
+    the fetch thread ~40 x 0.3 s past ``wait_s + 4 x io_timeout``."""
+    io = 0.5
+    s = SplitPartSender(_chunk(src), trickle=0.3)
+    client = TransferClient(KEYS, "cli", io_timeout_s=io)
+    target = Target(shm / "out", CHUNK)
+    try:
+        r, took = _fetch_bounded(client, Peer("sender", *s.addr), src, target, "mapping", cut=True, join_s=60)
+        assert r is not None, f"the trickled part was still being received after {took:.0f} s"
+        assert r.outcome is Outcome.FAILED and "deadline" in (r.error or ""), r
+        assert took <= 4 * io + 2 * io + 1.5, (took, s.trickled)
+        assert client.streams_open(Peer("sender", *s.addr)) == 0
+    finally:
+        client.close()
+        target.close()
+        s.close()

@@ -84,7 +84,11 @@ def check_bucket_url(url: str) -> tuple[str, str, str]:
         raise BucketError("bucket URL is empty")
     if any(ord(c) < 0x20 for c in url):
         raise BucketError(f"bucket URL contains a control character: {url!r}")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises ValueError on a port that is not a number in 0-65535
+    except ValueError as exc:  # "Invalid IPv6 URL" (an unclosed '['), a bad port
+        raise BucketError(f"bad bucket URL {url!r}: {exc}") from None
     scheme = parts.scheme.lower()
     if parts.query or parts.fragment:
         raise BucketError(f"bucket URL must not have a query or fragment: {url!r}")

@@ -14,7 +14,9 @@
    saves its progress), close the peer client, the worker pools and the bucket.
 
 ``serve()`` returns the exit status, 0 after a stop request; a port that cannot be bound raises
-``CannotListen`` (``bdnd`` exits 2 with its one line, as for a configuration error).
+``CannotListen`` (``bdnd`` exits 2 with its one line, as for a configuration error); building
+the App raises ``ConfigError`` for a bucket it cannot open (credentials file, endpoint) or a
+``chunk_log`` it cannot open (exit 2 too).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 from aiohttp import web
 
 from bdn.bucket import BucketError, ObjectNotFound, open_bucket
-from bdn.daemon.config import Config, split_hostport
+from bdn.daemon.config import Config, ConfigError, split_hostport
 from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.haves import Haves
@@ -105,12 +107,15 @@ class App:
         self.stats = Stats()
         self.pools = Executors.create(cfg.bucket_concurrency)
         self.store = Store(cfg.shm_dir, self.keys.swarm_id, spare_limit=cfg.shm_spare_bytes)
-        bucket = open_bucket(
-            cfg.bucket,
-            credentials_file=cfg.credentials_file or None,
-            endpoint_url=cfg.endpoint_url or None,
-            max_concurrency=cfg.bucket_concurrency,
-        )
+        try:
+            bucket = open_bucket(
+                cfg.bucket,
+                credentials_file=cfg.credentials_file or None,
+                endpoint_url=cfg.endpoint_url or None,
+                max_concurrency=cfg.bucket_concurrency,
+            )
+        except BucketError as e:  # a credentials file or endpoint it cannot use: bdnd exits 2
+            raise ConfigError(f"config keys bucket/credentials_file/endpoint_url: {e}") from None
         self.bucket = BucketIO(
             bucket,
             cfg.bucket,
@@ -137,7 +142,10 @@ class App:
         wire = self.wire = (
             WirePeer(cfg, self.keys, self.index, self.stats, self.pools.disk) if cfg.transfer_listen else None
         )
-        chunk_log = self.chunk_log = open_chunk_log(cfg.chunk_log)
+        try:
+            chunk_log = self.chunk_log = open_chunk_log(cfg.chunk_log)
+        except OSError as e:  # no such directory, no permission: bdnd exits 2
+            raise ConfigError(f"config key 'chunk_log': cannot open {cfg.chunk_log}: {e.strerror}") from None
         self.haves = Haves(
             self.peers, self.membership, stats=self.stats, subscriptions=wire.subscriptions if wire else None
         )

@@ -478,6 +478,11 @@ class Config:
                     "engine is marked seen every third of it and no more often than every 0.05 s, so a shorter "
                     "window flags live engines"
                 )
+        if not self.shm_dir.strip():
+            raise ConfigError("config key 'shm_dir' must be a directory path, got ''")
+        # absolute: the snapshot paths the local API hands to engines and clients (other
+        # processes, other working directories) are under it; "" was the daemon's own cwd
+        self.shm_dir = os.path.abspath(self.shm_dir)
         if not self.local_listen and not self.local_socket:
             raise ConfigError("the local API needs local_listen (loopback host:port) or local_socket (a path)")
         if self.partition_secret_file:
@@ -524,6 +529,10 @@ class Config:
         for key, urls in (("peers", self.peers), ("advertise_url", [self.advertise_url])):
             for url in urls:
                 _check_peer_url(url, key)
+        if self.endpoint_url:
+            _check_peer_url(self.endpoint_url, "endpoint_url", any_path=True)
+        if self.peers_dns and _split_hostport(self.peers_dns, "peers_dns") is None:
+            raise ConfigError(f"config key 'peers_dns' must be host:port, got {self.peers_dns!r}")
         if self.apply_workers <= 0:
             self.apply_workers = os.cpu_count() or 2
 
@@ -595,16 +604,24 @@ def _check_bucket_url(url: str) -> None:
         raise ConfigError(f"config key 'bucket': {e}") from None
 
 
-def _check_peer_url(url: str, key: str) -> None:
+def _check_peer_url(url: str, key: str, any_path: bool = False) -> None:
     """Refuse a peer URL that is not ``http(s)://host[:port]`` (``10.0.0.2:7080`` without a
-    scheme was taken and the peer never answered)."""
-    u = urllib.parse.urlsplit(url)
+    scheme was taken and the peer never answered); ``any_path``: a path is allowed (an S3
+    endpoint behind a proxy)."""
+    what = "an URL http(s)://host[:port][/path]" if any_path else "URLs http://host:port"
     try:
+        u = urllib.parse.urlsplit(url)
         _ = u.port  # raises ValueError on a bad port
-    except ValueError:
-        u = u._replace(netloc="")
-    if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") or u.query or u.fragment:
-        raise ConfigError(f"config key {key!r} must hold URLs http://host:port, got {url!r}")
+    except ValueError:  # a bad port, or an unclosed '[' ("Invalid IPv6 URL")
+        raise ConfigError(f"config key {key!r} must hold {what}, got {url!r}") from None
+    if (
+        u.scheme not in ("http", "https")
+        or not u.hostname
+        or (u.path not in ("", "/") and not any_path)
+        or u.query
+        or u.fragment
+    ):
+        raise ConfigError(f"config key {key!r} must hold {what}, got {url!r}")
 
 
 def _read_secret(path: str, key: str) -> str:

@@ -231,7 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     with runner:  # closing it cancels what is left and shuts the default executor (no waiting)
         try:
             code = runner.run(App(cfg, notify=sd_notify, shm_lock=shm_lock, stop_clock=stop).serve())
-        except (CannotListen, ShmFull) as e:  # found at bind / at the store's creation: one line, exit 2
+        except (
+            CannotListen,
+            ShmFull,
+            ConfigError,
+        ) as e:  # found at bind / at the store's or bucket's creation: one line, exit 2
             bound = False
             print(f"bdnd: error: {e}", file=sys.stderr)
             code = 2

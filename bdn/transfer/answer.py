@@ -22,13 +22,16 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Union
 
 from bdn.proto import handshake, wire
+from bdn.transfer.deadlines import Deadlines
 from bdn.transfer.files import FileCache
-from bdn.transfer.growing import CutOff, Growing, send_growing
+from bdn.transfer.growing import MAX_ANSWER_S, CutOff, Growing, send_growing
+from bdn.transfer.receive import body_limit
 from bdn.transfer.sockio import sendfile_all
 from bdn.transfer.stats import ServerStats
 
@@ -83,11 +86,23 @@ def _send(sock: socket.socket, session: handshake.Session, ftype: wire.FrameType
 
 class Answers:
     """Answers ASKs with ``resolve`` and ``admit`` (see the module docstring), sending from the
-    descriptors of ``files``; counts in ``stats`` under ``lock`` (the server's)."""
+    descriptors of ``files``; counts in ``stats`` under ``lock`` (the server's). A DATA body goes
+    out by the deadline its asker gives it (``receive.body_limit`` on ``send_timeout_s``), a
+    cut-through answer within ``MAX_ANSWER_S`` + ``send_timeout_s``: past it ``deadlines``
+    (:mod:`bdn.transfer.deadlines`) shuts the connection down."""
 
     def __init__(
-        self, resolve: Resolve, admit: Admit, files: FileCache, stats: ServerStats, lock: threading.Lock
+        self,
+        resolve: Resolve,
+        admit: Admit,
+        files: FileCache,
+        stats: ServerStats,
+        lock: threading.Lock,
+        send_timeout_s: float = 60.0,
+        deadlines: Deadlines | None = None,
     ) -> None:
+        self._send_timeout = send_timeout_s
+        self._deadlines = deadlines or Deadlines()
         self._resolve = resolve
         self._admit = admit
         self._files = files
@@ -132,7 +147,14 @@ class Answers:
             return False
         fd, ent = got
         try:
-            send_growing(sock, session.seal, fd, g, ask.offset, ask.length)
+            # bounded between pieces by MAX_ANSWER_S (send_growing), inside a piece by this
+            with self._deadlines.bound(sock, time.monotonic() + MAX_ANSWER_S + self._send_timeout) as w:
+                try:
+                    send_growing(sock, session.seal, fd, g, ask.offset, ask.length)
+                except OSError:
+                    if w.fired:
+                        raise TimeoutError(f"cut-through answer still incomplete after {MAX_ANSWER_S:g} s") from None
+                    raise
         except CutOff as e:
             if e.started:
                 with self._lock:
@@ -186,7 +208,19 @@ class Answers:
             # MSG_MORE: the small header leaves in the same segment as the body's first bytes
             sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(ask.length)), socket.MSG_MORE)
             try:
-                sendfile_all(sock.fileno(), fd, start, ask.length)
+                # the body by the deadline its receiver gives it (receive.body_limit, on the
+                # send timeout): a peer reading a little now and then held the upload slot for ever
+                # (bdn.transfer.deadlines: a blocking sendfile restarts the send timeout per page)
+                deadline = time.monotonic() + body_limit(ask.length, self._send_timeout)
+                with self._deadlines.bound(sock, deadline) as w:
+                    try:
+                        sendfile_all(sock.fileno(), fd, start, ask.length)
+                    except OSError:
+                        if w.fired:
+                            raise TimeoutError(
+                                f"transfer send still incomplete at its deadline ({ask.length} bytes)"
+                            ) from None
+                        raise
             except BaseException:
                 with self._lock:
                     self.stats.aborted += 1

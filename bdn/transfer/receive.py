@@ -86,7 +86,9 @@ def receive_parts(
             raise TimeoutError(f"cut-through answer: no new byte for {io_timeout:g} s")
         if now - start > limit:
             raise TimeoutError(f"cut-through answer still incomplete after {limit:g} s")
-        ftype, body = read_frame(s.sock, s.buf)
+        # the next PART frame by the answer's deadline too: trickled a byte per receive
+        # timeout, a ~40-byte frame held the fetch thread ~40 timeouts past it
+        ftype, body = read_frame(s.sock, s.buf, start + limit)
         if ftype != wire.FrameType.PART:
             raise ProtocolError(f"{ftype.name} frame inside a cut-through answer")
         payload = s.session.open(ftype, body)

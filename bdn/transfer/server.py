@@ -48,6 +48,7 @@ from bdn.transfer.answer import (  # re-exported: the admission and location typ
     Verdict,
     admit_all,
 )
+from bdn.transfer.deadlines import Deadlines
 from bdn.transfer.files import FileCache
 from bdn.transfer.growing import CutOff
 from bdn.transfer.sockio import ConnectionClosed, frame_buffer, read_frame, set_timeouts
@@ -144,7 +145,8 @@ class TransferServer:
         self._acceptor: threading.Thread | None = None
         self._closing = threading.Event()
         self.stats = ServerStats()
-        self._answers = Answers(resolve, admit, self._files, self.stats, self._lock)
+        self._deadlines = Deadlines()
+        self._answers = Answers(resolve, admit, self._files, self.stats, self._lock, send_timeout_s, self._deadlines)
         self.address: tuple[str, int] | None = None
 
     # ---- life -------------------------------------------------------------------------------
@@ -183,6 +185,7 @@ class TransferServer:
         for c in conns:
             if c.thread is not None:
                 c.thread.join(10)
+        self._deadlines.close()
         self._files.close()
 
     def forget(self, path: str | os.PathLike[str]) -> None:

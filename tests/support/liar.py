@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -65,6 +66,8 @@ class LiarState:
         self.transfer: str | None = None  # "host:port" of its transfer server, if it runs one
         self.junk: Path | None = None  # random bytes the transfer server sends for every chunk
         self.trickle_s = 0.0  # > 0: answer chunks one byte every trickle_s seconds (a stalling peer)
+        self.wire_trickle_s = 0.0  # > 0: over the wire, each answer's frame one byte every so often
+        self.wire_trickled = 0  # answers trickled so
         #: "" (send random bytes), "busy" or "not_here": refuse every chunk it advertises, on
         #: HTTP (503 / 404) and on the wire (BUSY / NOT_HERE): a lying or stale have-list
         self.refuse = ""
@@ -201,7 +204,13 @@ async def get_chunk(request: web.Request) -> web.Response:
 async def get_stats(request: web.Request) -> web.Response:
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
     return web.json_response(
-        {"chunks_lied": st.chunks_lied, "wire_lied": st.wire_lied, "members": st.members, "refused": st.refused}
+        {
+            "chunks_lied": st.chunks_lied,
+            "wire_lied": st.wire_lied,
+            "wire_trickled": st.wire_trickled,
+            "members": st.members,
+            "refused": st.refused,
+        }
     )
 
 
@@ -233,9 +242,26 @@ def start_wire(st: LiarState, junk: Path) -> TransferServer:
         return str(junk), 0, n
 
     server = TransferServer(st.keys, st.node_id, resolve, admit=admit)
+    if st.wire_trickle_s > 0:
+        server._answers.answer = _trickler(st)  # type: ignore[method-assign]  # the liar's own answers
     host, port = server.start()
     st.transfer = f"{host}:{port}"
     return server
+
+
+def _trickler(st: LiarState):
+    """Answers every ASK with its DATA frame header one byte every ``st.wire_trickle_s`` (each
+    receive of the asker gets a byte, none times out), then random bytes of the asked length."""
+
+    def answer(sock, session, ask: wire.Ask) -> None:  # type: ignore[no-untyped-def]
+        st.wire_trickled += 1
+        header = session.seal(wire.FrameType.DATA, wire.encode_data(ask.length))
+        for i in range(len(header)):
+            time.sleep(st.wire_trickle_s)
+            sock.sendall(header[i : i + 1])
+        sock.sendall(os.urandom(ask.length))
+
+    return answer
 
 
 def make_app(state: LiarState) -> web.Application:
@@ -264,11 +290,15 @@ def main(argv: list[str] | None = None) -> None:
         help="advertise every chunk but refuse each request (busy or not here)",
     )
     ap.add_argument("--trickle-s", type=float, default=0.0, help="stall: send chunks one byte every S seconds")
+    ap.add_argument(
+        "--wire-trickle-s", type=float, default=0.0, help="over the wire: each answer's frame one byte every S seconds"
+    )
     args = ap.parse_args(argv)
     url = f"http://127.0.0.1:{args.port}"
     keys = derive_keys(Path(args.secret_file).read_text())
     state = LiarState(keys, args.node_id, url, args.bucket, args.foreign_chunk_size)
     state.trickle_s = args.trickle_s
+    state.wire_trickle_s = args.wire_trickle_s
     state.refuse = args.refuse
     if not args.no_wire and args.trickle_s <= 0:  # a staller stalls over HTTP (the wire path lies)
         start_wire(state, Path(args.secret_file).parent / "junk")
@@ -303,9 +333,11 @@ class Liar(PeerProcess):
         foreign_chunk_size: int = 0,
         trickle_s: float = 0.0,
         refuse: str = "",
+        wire_trickle_s: float = 0.0,
     ) -> None:
         self.foreign_chunk_size = foreign_chunk_size
         self.trickle_s = trickle_s
+        self.wire_trickle_s = wire_trickle_s
         self.refuse = refuse
         super().__init__(workdir, bucket, secret, node_id)
 
@@ -317,6 +349,8 @@ class Liar(PeerProcess):
             str(self.trickle_s),
             "--refuse",
             self.refuse,
+            "--wire-trickle-s",
+            str(self.wire_trickle_s),
         ]
 
 

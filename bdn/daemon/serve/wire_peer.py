@@ -178,6 +178,9 @@ class WirePeer:
             port=port,
             on_have=self.feed.serve,
             on_take=self.take,
+            # a DATA body goes out by the deadline its asker gives it (peer_timeout_s as its io
+            # timeout, bdn.transfer.receive.body_limit): a peer reading slowly gives its slot back
+            send_timeout_s=self.cfg.peer_timeout_s,
         )
 
     # ---- life ---------------------------------------------------------------------------------

@@ -320,6 +320,11 @@ class Runner:
             # Out of ``ready`` before the directory moves: a reader that saw ``ready`` must find
             # the files at the path it was given (the directory goes back to staging next).
             job.apply(Quarantined(bad, f"repairing {len(bad)} corrupted chunk(s) found on this node, first {where}"))
+            # The progress (every chunk but the bad ones) before the directory moves: a daemon
+            # killed once it moved finds a staging directory with its progress and resumes the
+            # repair; without it the restart removed the directory as a leftover and the snapshot
+            # was gone (404) until loaded again from scratch.
+            self.save_progress(job)  # on the loop, as _repair does: the bitfields are the loop's
             try:
                 marker = await self._on(self.pools.disk, self.store.unpublish, job.identity)
             except OSError as e:
