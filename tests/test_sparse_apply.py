@@ -386,3 +386,24 @@ def test_a_delta_waiting_for_a_rate_bound_seed_lifts_the_bound(tmp_path: Path) -
         assert got["fallbacks"] == 0 and got["chunks_bad"] == 0, got
     finally:
         d.stop()
+
+
+def test_no_seed_past_the_shm_budget(tmp_path: Path) -> None:
+    """With ``shm_budget_bytes`` room for the anchor and a fifth of a model more, no buffer is copied
+    from it (a seed is made only within what the budget leaves)."""
+    chain = file_chain(tmp_path, 1, chunk_size=CHUNK, frac=0.02, formats={2: "bdn_planes_v1"})
+    model = sum(p.stat().st_size for p in chain.dirs[0].rglob("*") if p.is_file())
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=dict(ENV, BDN_SHM_BUDGET_BYTES=str(int(model * 1.2))))
+    d.start([])
+    try:
+        d.wait_healthy()
+        _load(d, ANCHOR)
+        wait_for(
+            lambda: f"of {ANCHOR} not copied: the shm budget leaves" in d.log_path.read_text(), 60, "the seed refused"
+        )
+        spares = d.shm_dir / SWARM_ID / ".spares"
+        assert not [n for n in os.listdir(spares) if n.startswith(".claimed-")]
+        assert _sparse(d).get("seeded", 0) == 0
+        assert "seed: a buffer" not in d.log_path.read_text()
+    finally:
+        d.stop()

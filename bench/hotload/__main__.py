@@ -34,8 +34,9 @@ Measured in the same run, for the targets of issue 10:
   on a loaded machine the wall times are mostly the scheduler's, this is the daemon's own work;
   ``prepare_cpu_ms``: the same for the engine (this process, every thread) while it prepared.
 
-``--step-interval S`` waits S seconds after each done before the next POST (a trainer's step: the
-daemon brings the spare the engine freed forward meanwhile, DESIGN.md "Sparse apply").
+``--step-interval S`` waits S seconds after each done (the anchor's too) before the next POST (a
+trainer's step: the daemon brings the spare the engine freed forward meanwhile, or seeds the
+anchor's, DESIGN.md "Sparse apply").
 
 Writes bench/results/hotload.json: one row per mode with ``runs``/``median``/``min``/``max`` of
 ``post_to_done_s, pause_ms, prepare_ms, memcpy_changed_s, transfer_floor_s, apply_s`` (bench/runs.py),
@@ -351,6 +352,8 @@ def main() -> int:
                     current = ident(step - 1)
                     while not done(current):
                         time.sleep(0.05)
+                    if a.step_interval > 0:  # the trainer's next step comes a step after the anchor too
+                        time.sleep(a.step_interval)
                     per_run: list[dict] = []
                     for _ in range(a.runs):
                         target = ident(step)

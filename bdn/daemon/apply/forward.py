@@ -311,13 +311,16 @@ class Forward:
                 spares.release(hidden, new_tag)
         return n
 
-    async def seed(self, job: SnapshotJob, reach: Callable[[dict[str, Any]], bool], *, background: bool) -> int:
+    async def seed(
+        self, job: SnapshotJob, reach: Callable[[dict[str, Any]], bool], room: int | None, *, background: bool
+    ) -> int:
         """Give the page pool a buffer of each safetensors file of ready snapshot ``job`` (a full
         one, or a ``bdn_planes_v1`` delta) that no tagged spare ``reach`` accepts holds: a new spare (``Spares.seed``) into which the file is
         copied and verified chunk by chunk (``bdn.daemon.apply.seed``), tagged ``job`` with every
         tensor's Adler-32, its mapping kept populated. ``background``: at ``sparse_seed_mbit``
         until a delta that starts from it waits (:meth:`settle`), and counted as in flight;
-        otherwise at full speed (that delta is waiting). Returns the files seeded (0 with
+        otherwise at full speed (that delta is waiting). ``room``: bytes the shm budget leaves
+        (None: no budget); files past it are not seeded. Returns the files seeded (0 with
         ``sparse_seed_mbit`` 0, or when the pool has no room: the delta then applies in full)."""
         m = job.manifest
         if not self.cfg.sparse_apply or self.cfg.sparse_seed_mbit <= 0 or m is None or job.state != "ready":
@@ -332,6 +335,20 @@ class Forward:
             return 0
         have = self.store.spares.tagged(reach)
         want = [t for p, t in tags.items() if (p, t["size"]) not in have and t["size"]]
+        if room is not None:  # within the shm budget, largest files first
+            fits: list[dict[str, Any]] = []
+            for t in sorted(want, key=lambda t: -t["size"]):
+                if t["size"] <= room:
+                    fits.append(t)
+                    room -= t["size"]
+            if len(fits) < len(want):
+                log.info(
+                    "seed: %d file(s) of %s not copied: the shm budget leaves %d bytes",
+                    len(want) - len(fits),
+                    job.identity,
+                    room,
+                )
+            want = fits
         if not want:
             return 0
         if not self._warmed:  # the first sparse apply will follow: load the compiled kernel meanwhile

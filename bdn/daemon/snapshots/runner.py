@@ -64,6 +64,9 @@ class RunnerJobs(Jobs, Protocol):
     def spare_room(self, m: Manifest | None) -> int:
         """Bytes the page pool may keep once ``m`` is reserved (``Store.prepare_staging``)."""
 
+    def budget_left(self) -> int | None:
+        """Bytes of the shm budget no snapshot or spare holds (None: no budget)."""
+
     def check_budget(self, m: Manifest) -> None:
         """Raise if ``m``'s files do not fit the shm budget after GC."""
 
@@ -165,7 +168,7 @@ class Runner:
                     jobs.gc()  # the snapshot before the base may be collected now, and become a buffer
                     base = jobs.get(m.base_identity or "")
                     if base is not None:  # no spare holds the base (nor an ancestor): a copy of it is
-                        await self.forward.seed(base, accept, background=False)
+                        await self.forward.seed(base, accept, jobs.budget_left(), background=False)
                 held = await self._on(self.pools.disk, self.store.prepare_staging, m, accept, jobs.spare_room(m))
                 self.forward.held(m.identity, held)
             flusher = asyncio.create_task(self._progress_flusher(job))
@@ -203,7 +206,11 @@ class Runner:
             if not any(j is not job and j.state != "failed" for j in jobs.all()):
                 # the first snapshot here (an anchor, a cold start): its buffer is copied while
                 # the engines load it, so that the first delta on it applies sparsely too
-                self.forward.spawn(self.forward.seed(job, lambda t: t.get("identity") == job.identity, background=True))
+                self.forward.spawn(
+                    self.forward.seed(
+                        job, lambda t: t.get("identity") == job.identity, jobs.budget_left(), background=True
+                    )
+                )
         except asyncio.CancelledError:
             self.save_progress(job)  # a clean stop resumes like a crash, from what is verified
             raise
@@ -261,14 +268,15 @@ class Runner:
         job = jobs.get(identity)
         if job is None or job.state != "ready" or job.manifest is None:
             return
-        m = job.manifest
-        if m.is_delta:
+        if job.manifest.is_delta:
             await self._on(self.pools.disk, self.store.spares.prime_tagged)
             if any(j.state not in TERMINAL for j in jobs.all()):
                 return
-            await self.forward.catch_up(m, jobs.get)
+            await self.forward.catch_up(job.manifest, jobs.get)
         if not any(j.state not in TERMINAL for j in jobs.all()):
-            await self.forward.seed(job, lambda tag: tag.get("identity") == identity, background=True)
+            await self.forward.seed(
+                job, lambda tag: tag.get("identity") == identity, jobs.budget_left(), background=True
+            )
 
     def _publish(self, job: SnapshotJob, m: Manifest) -> Any:
         """READY and the restart record of ``job`` rebuilt from ``m`` (a disk thread: the record
