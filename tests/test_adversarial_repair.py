@@ -157,17 +157,14 @@ def _post_json(d: Daemon, path: str, body: object) -> tuple[int, object]:
         return e.code, e.read()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: a repair moves the whole directory of a snapshot an engine was just offered "
-    "(leased) back to staging; the engine's reads fail, its error ack leaves the replica in 'error' and "
-    "bdn.engines.driver asks only for snapshots after the failed one (docs/TRUST.md, Repair under fire)",
-)
-def test_a_repair_of_an_offered_target_keeps_the_offered_path_whole(tmp_path: Path) -> None:
+def test_an_engine_that_failed_on_a_snapshot_under_repair_is_offered_it_again_once_repaired(tmp_path: Path) -> None:
     """An engine serving step 1 is offered step 2 (a lease on its directory); before it reads the
     files, one byte of step 2 goes bad and a repair runs (a peer's report, the scrub, or
-    ``bdnctl verify --repair``). The offered path must keep holding every file while the offer
-    stands (the engine reads them next)."""
+    ``bdnctl verify --repair``). The repair takes the directory away (nothing hands out a
+    snapshot whose bytes are being re-fetched), so the engine's read fails and it acks the error.
+    Once step 2 is ready again it is offered to that engine again (the driver polls ``after`` the
+    failed identity), and the engine completes the hot-load; a second failure of the same ready
+    snapshot is final (not offered in a loop)."""
     bucket = tmp_path / "bucket"
     bucket.mkdir()
     for v in (1, 2):
@@ -189,7 +186,26 @@ def test_a_repair_of_an_offered_target_keeps_the_offered_path_whole(tmp_path: Pa
         flip_byte(offered / SHARD, 100)
         status, rep = d.request("POST", "/v1/snapshots/step000002/repair")
         assert status == 200 and rep["corrupted"], rep
-        missing = [p.name for p in (tmp_path / "src" / "step000002").iterdir() if not (offered / p.name).is_file()]
-        assert missing == [], f"offered {offered}, then a repair took {missing} away"
+        # the engine's read of the offered files fails while they are re-fetched: it acks the error
+        error = {"identity": "step000002", "pause_ms": 0, "error": "FileNotFoundError: shard gone"}
+        assert _post_json(d, f"/v1/engines/{eid}/ack", error)[0] == 200
+        d.wait_ready("step000002")
+        again = d.get(f"/v1/engines/{eid}/next?after=step000002&timeout=120")
+        assert again["identity"] == "step000002" and Path(again["path"]) == offered, again
+        want = {p.name: p.read_bytes() for p in (tmp_path / "src" / "step000002").iterdir()}
+        assert {n: (offered / n).read_bytes() for n in want} == want  # repaired, whole, at the offered path
+        engines = d.get("/v1/engines")["engines"]
+        assert engines[0]["error"] is None and engines[0]["offered"] == "step000002", engines
+        # failing again on the same ready snapshot is final: the replica reports the error
+        assert _post_json(d, f"/v1/engines/{eid}/ack", dict(error, error="shape mismatch"))[0] == 200
+        assert d.request("GET", f"/v1/engines/{eid}/next?after=step000002&timeout=2")[0] == 204
+        # a good ack of the re-offered snapshot completes the hot-load
+        assert _post_json(d, f"/v1/engines/{eid}/ack", {"identity": "step000002", "pause_ms": 1})[0] == 200
+
+        def done() -> bool:
+            (row,) = d.get("/hot_load/v1/models/hot_load")["replicas"]
+            return row["loading_state"]["stage"] == "done" and row["current_snapshot_identity"] == "step000002"
+
+        wait_for(done, 120, "the replica done on step 2")
     finally:
         d.stop()

@@ -70,6 +70,7 @@ class _Snap:
     def __init__(self, identity: str) -> None:
         self.identity, self.state, self.reason, self.kind = identity, "ready", "", "full"
         self.policy_version, self.bytes_done, self.bytes_total = int(identity[-1]), 1, 1
+        self.ready_count = 1
 
 
 class _Snapshots:

@@ -48,9 +48,9 @@ OUT = REPO / "bench" / "results" / "fleetsim.json"
 MEASURED_N8_S = 80.75  # bench/results/swarm.json: bdn, N = 8, 200 Mbit/s NIC and bucket, no fault
 GB = 1e9
 #: simulated chunks per run (the real snapshot has bytes / 16 MiB; the 20 GB delta 1,192): what fits
-#: the machine. The published rows run 128 (``--set chunks=128``): N = 1,000 then takes 276-312
-#: CPU-s and 146-205 MB per seed, N = 100 20-29 CPU-s (2026-12-07); the cost per node is about
-#: constant in N. At 64 or fewer the first hop out of a reader is what costs
+#: the machine. The published rows run 128 (``--set chunks=128``): N = 1,000 then takes 193-312
+#: CPU-s and 146-236 MB per seed, N = 100 20-29 CPU-s; at 256, 337-401 and 26-31 CPU-s
+#: (2026-12-07); the cost per node is about constant in N. At 64 or fewer the first hop out of a reader is what costs
 CHUNKS = {100: 256, 1000: 256, 10000: 128}
 SNAPSHOTS = {"anchor": 700 * GB, "delta": 20 * GB}
 FLEET_DEFAULTS: dict[str, Any] = {
@@ -161,10 +161,21 @@ def _num(v: str) -> Any:
         return v
 
 
-def run_one(sc: Scenario) -> dict[str, Any]:
+def run_one(sc: Scenario, timeline: bool = False) -> dict[str, Any]:
+    """One run of ``sc``: the simulator's result plus wall and CPU seconds. ``timeline`` (fleet
+    runs): also record every chunk arrival and add ``timeline``, the summary of
+    :mod:`bench.fleetsim.timeline` (bucket phase end, first/last node done, depth per hop,
+    completion percentiles); recording decides nothing, the run is the same."""
     t0 = time.perf_counter()
     c0 = time.process_time()
-    r = (TodaySim if sc.policy == "today" else FleetSim)(sc).run()
+    sim = (TodaySim if sc.policy == "today" else FleetSim)(sc)
+    if timeline:
+        sim.arrivals = []
+    r = sim.run()
+    if timeline and sim.arrivals is not None:
+        from bench.fleetsim.timeline import analyse, last_nodes
+
+        r["timeline"] = analyse(sim.arrivals, sc.floor_s, sc.chunk_bytes) | last_nodes(sim, sim.arrivals)
     r["name"] = sc.name
     r["wall_s"] = round(time.perf_counter() - t0, 1)
     r["cpu_s"] = round(time.process_time() - c0, 1)
@@ -187,24 +198,56 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             row["spread"][k] = [min(vals), max(vals)]
     if row.get("seconds") is not None and row.get("measured_s"):
         row["error"] = round(row["seconds"] / row["measured_s"] - 1, 4)
-    row["runs"] = [{k: r.get(k) for k in KEYS + ("cpu_s",)} | {"seed": r["scenario"]["seed"]} for r in runs]
+    row["runs"] = [
+        {k: r.get(k) for k in KEYS + ("cpu_s",)}
+        | {"seed": r["scenario"]["seed"]}
+        | ({"timeline": r["timeline"]} if "timeline" in r else {})
+        for r in runs
+    ]
     return row
 
 
+#: Fields of a row that are the same for every seed of a run (settings, not results).
+SETTINGS = ("name", "scenario", "floor_s", "chunk_scale", "readers", "bucket_connections")
+
+
+def split_seeds(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row of several seeds (a published row) as single-seed rows, one per entry of its
+    ``runs``, so that :func:`combine` can add seeds to it. The row's other fields are its
+    median run's (``row["scenario"]["seed"]``): that seed's row gets them all; the others get
+    only :data:`SETTINGS` and their own :data:`KEYS` (their other results were not stored)."""
+    if len(row.get("seeds", [])) <= 1:
+        return [row]
+    out = []
+    for run in row["runs"]:
+        seed = run["seed"]
+        if seed == row["scenario"]["seed"]:
+            base = {k: v for k, v in row.items() if k not in ("spread", "runs", "code")}
+        else:
+            base = {k: row[k] for k in SETTINGS if k in row}
+        r = base | {k: run.get(k) for k in KEYS + ("cpu_s",)}
+        r |= {"scenario": {**row["scenario"], "seed": seed}, "seeds": [seed]}
+        out.append(r | ({"timeline": run["timeline"]} if "timeline" in run else {}))
+    return out
+
+
 def combine(files: list[Path], out: Path, code: str = "") -> None:
-    """Rows of one name from several result files (one seed each, from parallel processes)
-    become one row over all their seeds; the rows are merged into ``out``."""
+    """Rows of one name from several result files (one seed each, from parallel processes,
+    or a row of several seeds: :func:`split_seeds`) become one row over all their seeds; the
+    rows are merged into ``out``."""
     by_name: dict[str, list[dict[str, Any]]] = {}
     for f in files:
-        for r in json.loads(f.read_text()):
-            by_name.setdefault(r["name"], []).append(r)
+        for row in json.loads(f.read_text()):
+            for r in split_seeds(row):
+                by_name.setdefault(r["name"], []).append(r)
     rows = json.loads(out.read_text()) if out.exists() else []
     for name, rs in by_name.items():
         if len(rs) == 1:
             row = rs[0]
         else:
-            if any(len(r.get("seeds", [])) != 1 for r in rs):
-                raise SystemExit(f"{name}: --combine takes single-seed rows (one process per seed)")
+            seeds = [r["scenario"]["seed"] for r in rs]
+            if len(set(seeds)) != len(seeds):
+                raise SystemExit(f"{name}: seed given twice ({sorted(seeds)})")
             row = summarise(rs)
         if code:
             row["code"] = code
@@ -298,6 +341,9 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="a Scenario field for every run (numbers or words), e.g. --set forward=real",
     )
+    ap.add_argument(
+        "--timeline", action="store_true", help="also store each run's chunk-arrival summary (bench.fleetsim.timeline)"
+    )
     ap.add_argument("--tag", default="", help="appended to each run's name (rows of other settings side by side)")
     ap.add_argument(
         "--combine",
@@ -331,7 +377,7 @@ def main() -> None:
         runs = []
         for seed in seeds:
             sc.seed = seed
-            runs.append(run_one(Scenario(**{**sc.__dict__})))
+            runs.append(run_one(Scenario(**{**sc.__dict__}), args.timeline))
             print(json.dumps({k: v for k, v in runs[-1].items() if k != "scenario"}), flush=True)
         r = summarise(runs)
         rows = [x for x in rows if x["name"] != sc.name] + [r]

@@ -141,6 +141,7 @@ class Engine:
     offered: str | None = None  # identity handed out by /next, not yet acknowledged
     acked: str | None = None
     error: str | None = None
+    error_ready: int = 0  # the failed snapshot's ``ready_count`` at the error: offered again once it grows
     pause_ms: float | None = None
     lease_id: str | None = None  # lease on ``acked`` (or the offered one until then)
     offered_lease: str | None = None
@@ -168,3 +169,11 @@ class Engine:
             "stale": self.stale,
             "expires_in_s": round(max(0.0, self.last_seen + ttl_s - now), 3) if ttl_s > 0 else None,
         }
+
+
+def offer_again(engine: Engine, identity: str, ready_count: int) -> bool:
+    """Whether ``engine``, which failed on ``identity``, is offered it again although it polls
+    ``after`` it: once the snapshot became ready anew since the failure (``ready_count`` grew: a
+    repair moved its files away under the offer and brought them back checked). A snapshot the
+    engine cannot load is not offered twice."""
+    return engine.offered == identity and engine.error is not None and ready_count > engine.error_ready

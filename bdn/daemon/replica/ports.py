@@ -17,6 +17,7 @@ class SnapshotRecord(Protocol):
     policy_version: int | None
     bytes_done: int
     bytes_total: int
+    ready_count: int  # times it became ready (a repair takes it out of ready and back)
 
 
 class Snapshots(Protocol):

@@ -416,14 +416,14 @@ class ReplicaView:
             await asyncio.sleep(engine_rules.poll_step(self.engine_ttl_s, self.engine_stale_s))
             await self.expire_engines()
 
-    def _offerable(self, after: str | None) -> str | None:
+    def _offerable(self, engine: Engine, after: str | None) -> str | None:
         ident = self.target.identity if self.target else None
         if ident is None:
             return None
         job = self.snapshots.get(ident)
-        if job is None or job.state != "ready" or ident == after:
+        if job is None or job.state != "ready":
             return None
-        return ident
+        return None if ident == after and not engine_rules.offer_again(engine, ident, job.ready_count) else ident
 
     async def next_for(
         self, engine: Engine, after: str | None, timeout: float, connected: Callable[[], bool] = lambda: True
@@ -444,7 +444,7 @@ class ReplicaView:
                 return None
             if self._seen(engine):
                 await self.poke()
-            ident = self._offerable(after)
+            ident = self._offerable(engine, after)
             if ident is not None:
                 job = self.snapshots.get(ident)
                 assert job is not None
@@ -452,6 +452,9 @@ class ReplicaView:
                     self.release(engine.offered_lease)
                     engine.offered_lease = self.lease(ident, f"engine {engine.engine_id}")
                     engine.offered, engine.error = ident, None
+                    await self.poke()
+                elif engine.error is not None:  # offered again (``offer_again``): loading, not failed
+                    engine.error = None
                     await self.poke()
                 offer: dict[str, Any] = {
                     "identity": ident,
@@ -502,6 +505,7 @@ class ReplicaView:
         self._seen(engine)
         if error:
             engine.error = error.splitlines()[0][:500]
+            engine.error_ready = getattr(self.snapshots.get(identity), "ready_count", 0)
             log.error("engine %s failed to load %s: %s", engine.engine_id, identity, engine.error)
         else:
             if engine.offered == identity and engine.offered_lease:

@@ -119,6 +119,7 @@ class SnapshotJob:
         self.created = created if created is not None else self.updated
         self._stage_started = time.monotonic()
         self.stages: dict[str, float] = {}
+        self.ready_count = 0  # times it became ready (a repair takes it out and back): engines' re-offers
         self.bytes_total = 0
         self.bytes_done = 0
         self.bytes_from_bucket = 0
@@ -205,6 +206,8 @@ class SnapshotJob:
         if state != self.state:
             self.stages[self.state] = self.stages.get(self.state, 0.0) + now - self._stage_started
             self._stage_started = now
+            if state == "ready":
+                self.ready_count += 1
         self.state, self.reason = state, reason
 
     def _reason_changed(self, e: ev.ReasonChanged) -> bool:
