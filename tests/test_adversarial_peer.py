@@ -19,9 +19,11 @@ import pytest
 from bdn.daemon.snapshots.catalog import MAX_FAILED
 from bdn.proto.keys import derive_keys, sign_request
 from bdn.publish import publish_full
+from bdn.transfer import Outcome
 from tests.support.api import wait_for
 from tests.support.checkpoints import make_state, write_hf_dir
 from tests.support.swarm import SECRET, Daemon, running
+from tests.support.transfer import ask_daemon
 
 pytestmark = pytest.mark.timeout(300)
 CHUNK = 64 << 10
@@ -83,8 +85,18 @@ def test_a_flood_of_bad_chunk_reports_quarantines_nothing_and_each_good_chunk_is
         assert "Traceback" not in d.log(), d.log()
 
 
+def _hint(d: Daemon, identity: str, me: str) -> Outcome:
+    """A member ``me`` asks ``d``'s transfer server for a random chunk of ``identity`` (held up
+    to 0.1 s): the outcome."""
+    outcome, _ = ask_daemon(
+        KEYS, d.node_id, d.transfer_port, os.urandom(16).hex(), 1024, wait_s=0.1, snapshot=identity, me=me
+    )
+    return outcome
+
+
 def test_a_chunk_request_hinting_a_snapshot_nobody_published_fails_it_at_once(tmp_path: Path) -> None:
-    """Join on hint: a daemon asked for a chunk of a snapshot it does not know starts loading it.
+    """Join on hint: a daemon asked (over the transfer wire) for a chunk of a snapshot it does not
+    know starts loading it.
     Before the fix an invented identity was loaded as ``wait_publish``: each one a job polling
     the bucket every ``manifest_poll_s`` for ``manifest_wait_s`` (600 s), so a member (or a
     buggy one) made one bucket request per second per invented name."""
@@ -92,17 +104,8 @@ def test_a_chunk_request_hinting_a_snapshot_nobody_published_fails_it_at_once(tm
     with running(
         Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket", extra_env={"BDN_LOAD_STARTUP": "false"})
     ) as d:
-        conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=60)
-        try:
-            for i in range(3):
-                url = f"/bdn/v1/{KEYS.swarm_id}/chunks/{os.urandom(16).hex()}?wait=0.1&snapshot=invented{i:04d}"
-                conn.request(
-                    "GET", url, headers={"Authorization": sign_request(KEYS, "GET", url, "hinter", to=d.node_id)}
-                )
-                r = conn.getresponse()
-                assert (r.status, r.read()) == (404, b"chunk not here\n")
-        finally:
-            conn.close()
+        for i in range(3):
+            assert _hint(d, f"invented{i:04d}", "hinter") is Outcome.NOT_HERE
         for i in range(3):
             ident = f"invented{i:04d}"
             rec = wait_for(
@@ -126,20 +129,9 @@ def test_invented_hints_leave_a_bounded_number_of_failed_records(tmp_path: Path)
         Daemon(tmp_path / "work", "node0", f"file://{tmp_path}/bucket", extra_env={"BDN_LOAD_STARTUP": "false"})
     ) as d:
 
-        def hints(first: int) -> None:  # 8 connections at once: each answer waits its 0.1 s
-            conn = http.client.HTTPConnection("127.0.0.1", d.peer_port, timeout=60)
-            try:
-                for i in range(first, n, 8):
-                    url = f"/bdn/v1/{KEYS.swarm_id}/chunks/{os.urandom(16).hex()}?wait=0.1&snapshot=invented{i:04d}"
-                    conn.request(
-                        "GET",
-                        url,
-                        headers={"Authorization": sign_request(KEYS, "GET", url, f"hinter{first}", to=d.node_id)},
-                    )
-                    r = conn.getresponse()
-                    assert (r.status, r.read()) == (404, b"chunk not here\n")
-            finally:
-                conn.close()
+        def hints(first: int) -> None:  # 8 askers at once: each answer waits its 0.1 s
+            for i in range(first, n, 8):
+                assert _hint(d, f"invented{i:04d}", f"hinter{first}") is Outcome.NOT_HERE
 
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(hints, range(8)))

@@ -22,13 +22,15 @@ import pytest
 from bdn.fileops import chunk_digests as file_digests
 from bdn.fileops import read_header, save_raw
 from bdn.proto import hrw
-from bdn.proto.keys import derive_keys, sign_request
+from bdn.proto.keys import SwarmKeys, derive_keys, sign_request
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
 from bdn.publish import publish_delta, publish_full
+from bdn.transfer import Outcome
 from tests.support.api import raw_request, wait_for
 from tests.support.checkpoints import make_state, optimizer_step, write_hf_dir
 from tests.support.liar import Liar
 from tests.support.swarm import SECRET, Daemon, running
+from tests.support.transfer import ask_daemon
 
 CHUNK = 64 << 10
 NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
@@ -125,6 +127,9 @@ def ready_dir(d: Daemon, identity: str) -> Path:
 def test_wrong_secret_swarm_id_unsigned_replayed_and_skewed_requests_get_401_and_no_bytes(
     bucket: Bucket, daemon: Daemon
 ) -> None:
+    """Chunks: only over the transfer wire, to a member that proves the partition secret (another
+    partition's handshake fails, nothing is sent). The swarm's HTTP endpoints: 401 and an empty
+    body for every request not signed right for this daemon."""
     m, ck = bucket.full("step000001", make_state(0, scale=2), 1)
     assert daemon.prefetch("step000001")[0] == 202
     daemon.wait_ready("step000001", 120)
@@ -135,18 +140,27 @@ def test_wrong_secret_swarm_id_unsigned_replayed_and_skewed_requests_get_401_and
     assert len(shard.chunks) >= 3
     want = (ck / shard.path).read_bytes()[CHUNK : 2 * CHUNK]
     address = keys.address(shard.chunks[1])
-    path = f"/bdn/v1/{keys.swarm_id}/chunks/{address}"
+
+    def ask(k: SwarmKeys, addr: str = address) -> tuple[Outcome, bytes]:
+        return ask_daemon(k, daemon.node_id, daemon.transfer_port, addr, CHUNK)
+
+    # The right secret is served the exact bytes: the refusals below are about auth, not the chunk.
+    assert ask(keys) == (Outcome.OK, want)
+    for k, addr in ((other, address), (other, other.address(shard.chunks[1]))):
+        outcome, body = ask(k, addr)
+        assert outcome is Outcome.FAILED and body == bytes(CHUNK), (outcome, body[:16])
+
+    path = f"/bdn/v1/{keys.swarm_id}/snapshots/step000001/have"
 
     def get(p: str, auth: str | None) -> tuple[int, bytes]:
         return raw_request(daemon.peer_url, "GET", p, {"Authorization": auth} if auth is not None else {})
 
-    # The right secret is served the exact bytes: the 401s below are about auth, not the chunk.
     good = sign_request(keys, "GET", path, "tester", to=daemon.node_id)
     status, body = get(path, good)
-    assert status == 200 and body == want
+    assert status == 200 and body, (status, body)
 
-    other_path = f"/bdn/v1/{other.swarm_id}/chunks/{address}"
-    other_address_path = f"/bdn/v1/{keys.swarm_id}/chunks/{keys.address(shard.chunks[2])}"
+    other_path = f"/bdn/v1/{other.swarm_id}/snapshots/step000001/have"
+    another_path = f"/bdn/v1/{keys.swarm_id}/snapshots/step000002/have"
     refused = {
         "signed with another partition's keys": (path, sign_request(other, "GET", path, "tester", to=daemon.node_id)),
         "right keys, another swarm id in the path": (
@@ -160,8 +174,8 @@ def test_wrong_secret_swarm_id_unsigned_replayed_and_skewed_requests_get_401_and
         "unsigned": (path, None),
         "empty Authorization": (path, ""),
         "a replayed Authorization header": (path, good),
-        "signature for another chunk": (
-            other_address_path,
+        "signature for another path": (
+            another_path,
             sign_request(keys, "GET", path, "tester", to=daemon.node_id),
         ),
         "clock skew of 120 s": (
@@ -174,18 +188,14 @@ def test_wrong_secret_swarm_id_unsigned_replayed_and_skewed_requests_get_401_and
         status, body = get(p, auth)
         assert (status, body) == (401, b""), what
     # Other endpoints hold the same line: a stranger cannot learn what the partition has.
-    for method, p in (
-        ("GET", f"/bdn/v1/{keys.swarm_id}/snapshots/step000001/have"),
-        ("POST", f"/bdn/v1/{keys.swarm_id}/members"),
-    ):
-        status, body = raw_request(
-            daemon.peer_url, method, p, {"Authorization": sign_request(other, method, p, "tester", to=daemon.node_id)}
-        )
-        assert (status, body) == (401, b""), p
+    p = f"/bdn/v1/{keys.swarm_id}/members"
+    status, body = raw_request(
+        daemon.peer_url, "POST", p, {"Authorization": sign_request(other, "POST", p, "tester", to=daemon.node_id)}
+    )
+    assert (status, body) == (401, b""), p
 
     # Still serving the swarm afterwards, and nothing was counted as sent to the strangers.
-    status, body = get(path, sign_request(keys, "GET", path, "tester", to=daemon.node_id))
-    assert status == 200 and body == want
+    assert ask(keys) == (Outcome.OK, want)
     assert daemon.status()["counters"]["peer_chunks_out"] == 2
 
 

@@ -105,6 +105,21 @@ def test_local_api_must_be_loopback_unless_allowed(base: dict[str, str]) -> None
         assert _load(base, local_listen=ok).local_listen == ok
 
 
+def test_the_transfer_wire_cannot_be_turned_off(base: dict[str, str]) -> None:
+    """Chunks move between daemons only over the transfer wire: ``transfer_listen = ""`` (which
+    turned it off once) is refused naming the key, not read as "auto" (an operator who set it
+    expects no listener); "auto" and host:port load, anything else is refused."""
+    for env in ({"BDN_TRANSFER_LISTEN": ""}, {}):
+        with pytest.raises(ConfigError) as e:
+            _load({**base, **env}, **({} if env else {"transfer_listen": ""}))
+        assert "\n" not in str(e.value), e.value
+        assert "'transfer_listen' cannot be empty" in str(e.value) and '"auto"' in str(e.value), e.value
+    assert _load(base).transfer_listen == "auto"
+    assert _load(base, transfer_listen="127.0.0.1:7090").transfer_listen == "127.0.0.1:7090"
+    with pytest.raises(ConfigError, match="'transfer_listen' must be host:port or \"auto\""):
+        _load(base, transfer_listen="off")
+
+
 def test_local_api_needs_a_listener(base: dict[str, str], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="local_listen .* or local_socket"):
         _load(base, local_listen="")
@@ -325,7 +340,7 @@ def test_a_file_bdnd_cannot_open_at_start_exits_2_with_one_line(
         "BDN_SHM_DIR": str(tmp_path / "shm"),
         "BDN_PEER_LISTEN": f"127.0.0.1:{port}",
         "BDN_LOCAL_LISTEN": f"127.0.0.1:{free_port()}",
-        "BDN_TRANSFER_LISTEN": "",
+        "BDN_TRANSFER_LISTEN": f"127.0.0.1:{free_port()}",  # the wire cannot be off
         "BDN_LOAD_STARTUP": "false",
     }
     r = _bdnd(*flags, env=env)

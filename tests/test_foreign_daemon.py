@@ -2,7 +2,8 @@
 false``; issue 11): an anchor and two deltas written by ``fireworks-delta-compression`` and
 uploaded with plain boto3 (multipart for the large shard) to a real S3 API (moto), or copied into
 a file:// bucket, loaded by a three-daemon swarm through the hot-load API; files bit-identical to
-the trainer's and READY carrying their real xxh3-128 digests. Plus: a lying peer, an object
+the trainer's and READY carrying their real xxh3-128 digests, their chunks shared over the
+transfer wire like any snapshot's. Plus: a lying peer, an object
 overwritten mid-download, the idempotent re-POST, the delta chain cap, a config.json mismatch,
 prefetch of nothing, cancel.
 """
@@ -115,8 +116,11 @@ def test_three_daemons_load_fireworks_anchor_and_two_deltas(where: Where, run: R
                 assert_ready_digests(Path(snap["path"]))
                 from_peers += snap["bytes_from_peers"]
             assert sum(d.status()["verify_failures_by_peer"].values()) == 0
+            c = d.status()["counters"]
+            # one chunk path: what came from peers came over the transfer wire (issue 27)
+            assert c["peer_wire_bytes_in"] == c["peer_bytes_in"], (d.node_id, c)
         if where.url.startswith("s3://"):
-            assert from_peers > 0  # the swarm shared what the bucket vouches for
+            assert from_peers > 0  # the swarm shared what the bucket vouches for, over the wire
         snap = a.get("/v1/snapshots/step000003")
         assert snap["kind"] == "delta" and snap["base_identity"] == "step000002" and snap["policy_version"] == 3
 
@@ -160,7 +164,8 @@ def test_lying_peer_gets_no_wrong_bytes_into_ready(
         status, body = raw_request(
             liar.url, "GET", p, {"Authorization": sign_request(keys, "GET", p, "tester", to="liar")}
         )
-        assert status == 200 and json.loads(body)["chunks_lied"] > 0
+        lied = json.loads(body)
+        assert status == 200 and lied["wire_lied"] == lied["chunks_lied"] > 0, lied  # over the wire
     finally:
         for d in honest:
             d.stop()

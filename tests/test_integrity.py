@@ -40,12 +40,14 @@ from bdn.bucket import open_bucket
 from bdn.daemon.store.store import Store
 from bdn.proto.chunks import buffer_digests
 from bdn.proto.errors import BdnError, PathError
-from bdn.proto.keys import derive_keys, sign_request
+from bdn.proto.keys import derive_keys
 from bdn.proto.manifest import MANIFEST_NAME, FileEntry, Manifest
 from bdn.publish import publish_full
+from bdn.transfer import Outcome
 from support.api import wait_for
 from support.checkpoints import flip_byte, make_state, write_hf_dir
 from support.swarm import SECRET, Daemon, Swarm, free_port, running
+from support.transfer import ask_daemon
 
 CHUNK = 64 << 10
 NO_STARTUP = {"BDN_LOAD_STARTUP": "false"}
@@ -401,17 +403,10 @@ def _bdnctl(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _peer_get_chunk(d: Daemon, digest: str) -> tuple[int, bytes]:
+def _peer_get_chunk(d: Daemon, digest: str, length: int = CHUNK) -> tuple[Outcome, bytes]:
+    """What ``d``'s transfer server answers a member asking for the chunk of ``digest``."""
     keys = derive_keys(SECRET)
-    path = f"/bdn/v1/{keys.swarm_id}/chunks/{keys.address(digest)}"
-    host, port = d.peer_url.removeprefix("http://").rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    try:
-        conn.request("GET", path, headers={"Authorization": sign_request(keys, "GET", path, "tester", to=d.node_id)})
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
+    return ask_daemon(keys, d.node_id, d.transfer_port, keys.address(digest), length)
 
 
 def _quarantined(d: Daemon) -> float:
@@ -435,8 +430,8 @@ def test_a_corrupted_ready_chunk_is_quarantined_and_fetched_again(tmp_path: Path
         other.wait_ready("step000001")
         flip_byte(path / SHARD, CHUNK + 5)  # chunk 1 of the shard
         # served as it is on disk: the bad bytes would reach peers and engines
-        status, body = _peer_get_chunk(victim, shard.chunks[1])
-        assert status == 200 and body != (ck / SHARD).read_bytes()[CHUNK : 2 * CHUNK]
+        outcome, body = _peer_get_chunk(victim, shard.chunks[1])
+        assert outcome is Outcome.OK and body != (ck / SHARD).read_bytes()[CHUNK : 2 * CHUNK]
 
         r = _bdnctl(victim.url, "verify", "step000001")  # reports, changes nothing
         assert r.returncode == 1, r
@@ -455,7 +450,7 @@ def test_a_corrupted_ready_chunk_is_quarantined_and_fetched_again(tmp_path: Path
         assert (path / SHARD).read_bytes() == (ck / SHARD).read_bytes()
         assert sorted(p.name for p in path.iterdir()) == sorted([*(p.name for p in ck.iterdir()), "READY"])
         assert _quarantined(victim) == 1
-        assert _peer_get_chunk(victim, shard.chunks[1]) == (200, (ck / SHARD).read_bytes()[CHUNK : 2 * CHUNK])
+        assert _peer_get_chunk(victim, shard.chunks[1]) == (Outcome.OK, (ck / SHARD).read_bytes()[CHUNK : 2 * CHUNK])
         assert _bdnctl(victim.url, "verify", "step000001").returncode == 0
         r = _bdnctl(victim.url, "verify", "--repair", "step000001")
         assert r.returncode == 0 and "nothing to repair" in r.stdout, r
@@ -480,14 +475,14 @@ def test_a_quarantined_chunk_no_source_can_give_stays_quarantined_and_fails_the_
         assert ans["state"] == "downloading" and ans["reason"].startswith("repairing 1 corrupted chunk(s)"), ans
         assert f"{SHARD} chunk 2 (bytes {2 * CHUNK}-{3 * CHUNK})" in ans["reason"]
         # quarantined at once: not served to peers, not through the local API, not in shm as ready
-        assert _peer_get_chunk(d, shard.chunks[2])[0] == 404
+        assert _peer_get_chunk(d, shard.chunks[2])[0] is Outcome.NOT_HERE
         assert d.request("GET", f"/v1/snapshots/step000001/files/{SHARD}")[0] == 409
         assert not path.exists()
         status, body = d.request("GET", "/v1/snapshots/step000001/wait?state=ready&timeout=120", timeout=150)
         assert status == 409, body
         assert body["snapshot"]["reason"].startswith("repair failed: "), body
         assert "does not match the manifest digest" in body["snapshot"]["reason"], body
-        assert _peer_get_chunk(d, shard.chunks[2])[0] == 404
+        assert _peer_get_chunk(d, shard.chunks[2])[0] is Outcome.NOT_HERE
         assert _quarantined(d) == 1
         # once the bucket is right again, a prefetch rebuilds it
         stored.write_bytes(good)

@@ -4,6 +4,7 @@ forgotten, penalised."""
 from __future__ import annotations
 
 from bdn.daemon.process.clock import FakeClock
+from bdn.daemon.serve.transfer_address import learn, peer_of, wired
 from bdn.daemon.swarm.membership import Membership
 
 SELF_URL = "http://n0:7080"
@@ -115,3 +116,21 @@ def test_owners_are_computed_once_per_epoch() -> None:
     clock.advance(1.0)
     m.mark_ok("http://n1:7080", "n1")  # no change of the live set: no new epoch
     assert m.owner_map("s1") is om2
+
+
+def test_only_members_with_a_valid_transfer_address_are_chunk_peers() -> None:
+    """Chunks move only over the transfer wire: a member whose membership payload advertises no
+    transfer address, or a malformed one, is never planned as a chunk peer (``wired``)."""
+    m, _ = _table(["http://n1:7080", "http://n2:7080", "http://n3:7080", "http://n4:7080"])
+    for url, node, transfer in (
+        ("http://n1:7080", "n1", "10.0.0.1:7082"),
+        ("http://n2:7080", "n2", None),
+        ("http://n3:7080", "n3", "10.0.0.3:99999"),  # no such port
+        ("http://n4:7080", "", "10.0.0.4:7082"),  # node id not learned yet: the handshake needs it
+    ):
+        member = m.members[url]
+        member.node_id = node
+        learn(member, {"transfer": transfer})
+    assert [x.url for x in wired(list(m.members.values()))] == ["http://n1:7080"]
+    p = peer_of(m.members["http://n1:7080"])
+    assert p is not None and (p.node_id, p.host, p.port) == ("n1", "10.0.0.1", 7082)

@@ -77,7 +77,7 @@ def _serving(owner: str) -> tuple[ChunkServing, FakeIndex, FakeFetcher]:
     index, fetcher = FakeIndex(), FakeFetcher(owner)
     catalog = SimpleNamespace(get=lambda identity: index.job, closing=False, collected=set())
     stats = SimpleNamespace(inflight={"upload": 0})
-    serving = ChunkServing(ME, catalog, index, fetcher, None, Uploads(8, 2), stats, None, None)  # type: ignore[arg-type]
+    serving = ChunkServing(ME, catalog, index, fetcher, None, Uploads(8, 2), stats, None)  # type: ignore[arg-type]
     return serving, index, fetcher
 
 

@@ -343,3 +343,27 @@ def test_idle_stream_closed_by_the_server_is_replaced_not_failed(shm, src):
         finally:
             client.close()
             target.close()
+
+
+def test_without_a_digest_the_bytes_arrive_unchecked_for_the_caller_to_verify(shm, src):
+    """``digest`` None (a snapshot without a manifest: its chunk ids are no digests): the answer
+    is OK once it arrived whole, wrong bytes included; with the digest the same bytes are CORRUPT."""
+    swapped = {src.address(0): src.table[src.address(1)]}  # the server answers chunk 0 with chunk 1's bytes
+    with TransferServer(KEYS, "srv", swapped.get) as srv:
+        client = TransferClient(KEYS, "cli", streams_per_peer=1)
+        try:
+            peer = Peer("srv", *srv.address)
+            buf = bytearray(CHUNK)
+            r = client.fetch_into(peer, src.address(0), buf, 0, CHUNK, None)
+            assert r.outcome is Outcome.OK and bytes(buf) == src.path.read_bytes()[CHUNK : 2 * CHUNK], r
+            for into in (bytearray(CHUNK), os.open(shm / "out", os.O_RDWR | os.O_CREAT, 0o600)):
+                try:
+                    r = client.fetch_into(peer, src.address(0), into, 0, CHUNK, src.digests[0])
+                    assert r.outcome is Outcome.CORRUPT, r
+                finally:
+                    if isinstance(into, int):
+                        os.close(into)
+            r = client.fetch_into(peer, src.address(1), buf, 0, CHUNK, None)
+            assert r.outcome is Outcome.NOT_HERE, r
+        finally:
+            client.close()

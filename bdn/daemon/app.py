@@ -137,26 +137,21 @@ class App:
             keepalive_s=max(1.0, cfg.http_header_timeout_s - 2),
         )
         self.index = ChunkIndex(self.keys.address)
-        # the transfer wire (None: transfer_listen = ""): the fetch path receives through it, its
-        # server is started with the chunk service once the loop runs (startup)
-        wire = self.wire = (
-            WirePeer(cfg, self.keys, self.index, self.stats, self.pools.disk) if cfg.transfer_listen else None
-        )
+        # the transfer wire, the one path of peers' chunks: the fetch path receives through it,
+        # its server is started with the chunk service once the loop runs (startup)
+        wire = self.wire = WirePeer(cfg, self.keys, self.index, self.stats, self.pools.disk)
         try:
             chunk_log = self.chunk_log = open_chunk_log(cfg.chunk_log)
         except OSError as e:  # no such directory, no permission: bdnd exits 2
             raise ConfigError(f"config key 'chunk_log': cannot open {cfg.chunk_log}: {e.strerror}") from None
-        self.haves = Haves(
-            self.peers, self.membership, stats=self.stats, subscriptions=wire.subscriptions if wire else None
-        )
+        self.haves = Haves(self.peers, self.membership, stats=self.stats, subscriptions=wire.subscriptions)
         sources = Sources(
             cfg,
-            self.peers,
             self.membership,
             self.bucket,
             self.stats,
             self.pools.disk,
-            wire=wire,
+            wire,
             chunk_log=chunk_log,
             on_bad_bytes=BadChunkReports(self.peers).report,
         )
@@ -169,7 +164,7 @@ class App:
             self.stats,
             clock,
             chunk_log=chunk_log,
-            on_indexed=wire.announce if wire else None,
+            on_indexed=wire.announce,
         )
         self.hints = Hints()  # what hot-load requests say of snapshots without a manifest
         foreign = ForeignLoader(
@@ -192,8 +187,7 @@ class App:
             )
 
         def forgot(job: SnapshotJob) -> None:  # a job's chunks left the index
-            if wire is not None:
-                wire.forget(job)
+            wire.forget(job)
             if chunk_log is not None:
                 chunk_log.drop(job)
 
@@ -249,8 +243,7 @@ class App:
             Uploads(cfg.max_uploads, cfg.uploads_per_chunk),
             self.stats,
             RateLimit.from_mbit(cfg.peer_upload_mbit),
-            self.pools.disk,
-            growing=wire.growing if wire is not None and cfg.cut_through else None,
+            growing=wire.growing if cfg.cut_through else None,
         )
         self.readiness = Readiness(
             cfg.node_id,
@@ -279,7 +272,16 @@ class App:
             hotload=self.hotload,
             gossip=self.gossip,
             serving=self.serving,
-            status=StatusView(cfg, self.keys.swarm_id, self.membership, self.bucket, self.stats, self.catalog, clock),
+            status=StatusView(
+                cfg,
+                self.keys.swarm_id,
+                self.membership,
+                self.bucket,
+                self.stats,
+                self.catalog,
+                clock,
+                buffers=self.fetcher.sources.buffers,
+            ),
             metrics=Metrics(self.stats, self.catalog, self.membership, self.bucket, self.replica, self.readiness),
             readiness=self.readiness,
             checks=self.checks,
@@ -329,11 +331,10 @@ class App:
         """Open, listen, settle, load (see the module docstring). Raises CannotListen."""
         await self.peers.start()
         await self.catalog.load_ready_from_store()
-        if self.wire is not None:
-            # before the first membership message, so every peer learns our transfer address
-            # with our first entry (an address learned later is a change of its own)
-            with binding("transfer_listen", self.cfg.transfer_listen):  # raises only when explicit
-                self.gossip.transfer_listening(self.wire.start(asyncio.get_running_loop(), self.serving, self.catalog))
+        # before the first membership message, so every peer learns our transfer address with
+        # our first entry (an address learned later is a change of its own)
+        with binding("transfer_listen", self.cfg.transfer_listen):  # raises only when explicit
+            self.gossip.transfer_listening(self.wire.start(asyncio.get_running_loop(), self.serving, self.catalog))
         self._tasks.append(asyncio.create_task(self.gossip.loop(), name="membership"))
         self._tasks.append(asyncio.create_task(self.hotload.status.loop(), name="fleet-status"))
         self._tasks.append(asyncio.create_task(self.stats.loop_lag.run(), name="loop-lag"))
@@ -531,6 +532,7 @@ class App:
             "board_rows": n(self.hotload.status.board, "_rows"),
             "pool_buffers": getattr(f.sources.pool, "_count", 0),
             "pool_kb": getattr(f.sources.pool, "_bytes", 0) >> 10,
+            "receive_buffers": f.sources.buffers()["receive_buffers"],
             "tasks": len(asyncio.all_tasks()),
             "threads": threading.active_count(),
             "gc_objects": len(gc.get_objects()),
@@ -554,15 +556,13 @@ class App:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.haves.close()  # HAVE subscriptions end with the fetches in flight
-        if self.wire is not None:
-            self.wire.close_client()  # fetches in flight end now, so the jobs stop at once
-        # Before the HTTP servers: a request held for a job (a peer's ?wait= chunk request, a
-        # /wait long-poll) would otherwise keep its listener open while the download goes on.
+        self.wire.close_client()  # fetches in flight end now, so the jobs stop at once
+        # Before the HTTP servers: a request held for a job (a peer's have long-poll, a /wait
+        # long-poll) would otherwise keep its listener open while the download goes on.
         await self.catalog.stop()
         # what is still in flight gets HTTP_GRACE_S, then is cancelled (both listeners at once)
         await asyncio.gather(*(r.cleanup() for r in self._runners))
-        if self.wire is not None:
-            self.wire.close()
+        self.wire.close()
         if self.chunk_log is not None:
             self.chunk_log.close()
         await self.peers.close()

@@ -307,7 +307,7 @@ class Config:
     transfer_listen: str = field(
         default="auto",
         metadata={
-            "help": 'host:port of the transfer server for chunk bytes (the wire of bdn.proto.wire); "auto" = the peer host and port + 1 (+ 2 where local_listen has + 1); "" = off (chunks over HTTP only)'
+            "help": 'host:port of the transfer server, the one path of every chunk between daemons (the wire of bdn.proto.wire); "auto" = the peer host and port + 1 (+ 2 where local_listen has + 1); it cannot be turned off'
         },
     )
     transfer_advertise: str = field(
@@ -509,12 +509,16 @@ class Config:
                     f"config key 'local_listen' is {self.local_listen!r}, not a loopback address: the local "
                     "API has no authentication; set local_allow_remote = true to allow it anyway"
                 )
-        if (
-            self.transfer_listen not in ("", "auto")
-            and _split_hostport(self.transfer_listen, "transfer_listen") is None
-        ):
+        if not self.transfer_listen:
+            # refused, not read as "auto": "" used to turn the wire off, and an operator who set
+            # it so expects no listener; silently opening one would surprise their firewall
             raise ConfigError(
-                f'config key \'transfer_listen\' must be host:port, "auto" or "", got {self.transfer_listen!r}'
+                "config key 'transfer_listen' cannot be empty: chunks move between daemons only "
+                'over the transfer wire; set "auto" (the default) or host:port'
+            )
+        if self.transfer_listen != "auto" and _split_hostport(self.transfer_listen, "transfer_listen") is None:
+            raise ConfigError(
+                f"config key 'transfer_listen' must be host:port or \"auto\", got {self.transfer_listen!r}"
             )
         if self.transfer_advertise and _split_hostport(self.transfer_advertise, "transfer_advertise") is None:
             raise ConfigError(

@@ -33,6 +33,7 @@ from bdn.proto import wire
 from bdn.proto.errors import AuthError, ProtocolError
 from bdn.proto.keys import SwarmKeys
 from bdn.transfer.receive import (
+    Rings,
     body_limit,
     receive_hashed,
     receive_parts,
@@ -121,6 +122,8 @@ class TransferClient:
         self.keys = keys
         self.node_id = node_id
         self._io_timeout = io_timeout_s
+        #: the buffers a whole answer for a file is received through (``rings.release()`` when idle)
+        self.rings = Rings()
 
     # ---- public -----------------------------------------------------------------------------
 
@@ -131,7 +134,7 @@ class TransferClient:
         dest: memoryview | bytearray | mmap.mmap | int,
         offset: int,
         length: int,
-        digest: str,
+        digest: str | None,
         *,
         wait_s: float = 0.0,
         snapshot: str | None = None,
@@ -142,7 +145,10 @@ class TransferClient:
     ) -> FetchResult:
         """Fetch ``length`` bytes at ``chunk_offset`` of the chunk at swarm ``address`` from
         ``peer`` into ``dest`` at ``offset`` and check them against ``digest`` (32 hex chars,
-        xxh3-128 of exactly those bytes).
+        xxh3-128 of exactly those bytes). ``digest`` None: the bytes are not checked here and
+        ``OK`` only means the answer arrived whole; the caller verifies them otherwise (a
+        snapshot without a manifest, whose chunk ids are no digests: its objects are checked
+        whole against the bucket's checksums, bdn.daemon.snapshots.foreign_source).
 
         ``dest`` is either a writable buffer (the target file's mmap: ``recv_into`` lands the
         bytes in it directly, one kernel copy) or an open file descriptor (the target file: the
@@ -174,7 +180,7 @@ class TransferClient:
             ask = wire.encode_ask(wire.Ask(address, chunk_offset, length, int(wait_s * 1000), snapshot, flags))
         except ProtocolError as e:
             raise ValueError(str(e)) from None
-        if len(digest) != 32:
+        if digest is not None and len(digest) != 32:
             raise ValueError("digest must be 32 hex characters")
         if isinstance(dest, int):
             if offset < 0:
@@ -205,7 +211,7 @@ class TransferClient:
         offset: int,
         length: int,
         wait_s: float,
-        digest: str,
+        digest: str | None,
         cut_ok: bool,
         file_sink: tuple[int, int] | None = None,
         on_data: Callable[[], None] | None = None,
@@ -295,7 +301,7 @@ class TransferClient:
         offset: int,
         length: int,
         wait_s: float,
-        digest: str,
+        digest: str | None,
         cut_ok: bool = False,
         file_sink: tuple[int, int] | None = None,
         on_data: Callable[[], None] | None = None,
@@ -334,16 +340,16 @@ class TransferClient:
                     s.recv_timeout = self._io_timeout
                 deadline = time.monotonic() + body_limit(length, self._io_timeout)
                 if isinstance(sink, int):
-                    receive_to_file(s, sink, offset, length, deadline)
+                    receive_to_file(s, sink, offset, length, deadline, self.rings)
                 elif file_sink is not None:
-                    receive_to_file(s, file_sink[0], file_sink[1], length, deadline)
+                    receive_to_file(s, file_sink[0], file_sink[1], length, deadline, self.rings)
                 else:
                     receive_hashed(s, sink, deadline)
         except (ConnectionClosed, TimeoutError, OSError, ProtocolError, AuthError) as e:
             # ``cut_through``: it broke inside a cut-through answer (the sender's copy may have
             # failed its own check and been cut off: bdn.transfer.growing; not the sender's fault)
             return FetchResult(Outcome.FAILED, error=f"peer {peer}: {one_line(e)}", cut_through=cut)
-        if s.hasher.hexdigest() != digest:
+        if digest is not None and s.hasher.hexdigest() != digest:
             return FetchResult(
                 Outcome.CORRUPT, error=f"peer {peer}: chunk bytes do not match digest {digest}", cut_through=cut
             )

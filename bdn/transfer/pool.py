@@ -33,13 +33,13 @@ class FetchPool:
         self._ex = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="bdn-transfer-fetch")
 
     def submit(
-        self, peer: Peer, address: str, dest: Any, offset: int, length: int, digest: str, **kw: Any
+        self, peer: Peer, address: str, dest: Any, offset: int, length: int, digest: str | None, **kw: Any
     ) -> concurrent.futures.Future[FetchResult]:
         """Queue ``client.fetch_into(peer, address, dest, offset, length, digest, **kw)``."""
         return self._ex.submit(self.client.fetch_into, peer, address, dest, offset, length, digest, **kw)
 
     async def fetch(
-        self, peer: Peer, address: str, dest: Any, offset: int, length: int, digest: str, **kw: Any
+        self, peer: Peer, address: str, dest: Any, offset: int, length: int, digest: str | None, **kw: Any
     ) -> FetchResult:
         """The same, awaited from the event loop (see the class docstring about cancellation)."""
         return await asyncio.wrap_future(self.submit(peer, address, dest, offset, length, digest, **kw))

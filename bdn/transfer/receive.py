@@ -9,6 +9,7 @@ handshake: bdn.transfer.streams).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
@@ -44,8 +45,7 @@ BODY_SPAN = 16 << 20
 def body_limit(length: int, io_timeout: float) -> float:
     """Seconds a DATA body of ``length`` bytes may take as a whole: four ``io_timeout``, as a
     cut-through answer has (``receive_parts``), plus one per ``BODY_SPAN`` bytes past the first
-    ``BODY_SPAN`` (a 16 MiB chunk at the daemon's 60 s: 4 min, at least 70 kB/s; the HTTP chunk
-    path allows ``peer_timeout_s`` for the whole request). A trickle of a byte every few seconds held a fetch thread, and
+    ``BODY_SPAN`` (a 16 MiB chunk at the daemon's 60 s: 4 min, at least 70 kB/s). A trickle of a byte every few seconds held a fetch thread, and
     the chunk's acquisition, for the body's length times that before
     (tests/test_transfer_slow_body.py)."""
     return io_timeout * (4 + max(0, length - 1) // BODY_SPAN)
@@ -131,30 +131,79 @@ def receive_hashed(s: Any, target: memoryview, deadline: float) -> None:
             _late(deadline, "body", pos, n)
 
 
-_local = threading.local()
+class Rings:
+    """The receive buffers of :func:`receive_to_file` (``size`` bytes each): lent to one call at a
+    time, kept between calls, unmapped all at once by :meth:`release`.
+
+    Shared by every thread, not one per thread: a buffer per thread stayed mapped (and resident:
+    each call writes it whole) for the thread's life, and the daemon's ``FetchPool`` threads
+    (``max_inflight``) live as long as the daemon, so its anonymous memory rose by 1 MiB each time
+    one more of them first received into a file, up to 16 MiB over its first 20 minutes of
+    hot-loads (found with bench/soak/mmaptrace.py; issue 31). Here at most as many buffers are
+    mapped as calls ran at once, and none once :meth:`release` ran with no call running (a
+    ``TransferClient`` has one ``Rings``; the daemon's fetcher releases it when no download runs).
+    Per call, not per stream: a daemon keeps up to ``streams_per_peer`` idle streams to each of
+    dozens of peers (128 MiB of buffers at 32 peers x 4). Anonymous mappings, not ``bytearray``,
+    for the reason ``sockio.frame_buffer`` gives (glibc arenas pinned by long-lived blocks); a
+    mapping goes back to the system whole when its last view is dropped. Thread-safe."""
+
+    def __init__(self, size: int = READ_BYTES) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._free: list[memoryview] = []
+        self._lent = 0
+
+    def get(self) -> memoryview:
+        """A free buffer, or a new anonymous private mapping of ``size`` bytes; give it back with :meth:`put`."""
+        with self._lock:
+            if self._free:
+                self._lent += 1
+                return self._free.pop()
+        ring = memoryview(mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE))
+        with self._lock:
+            self._lent += 1
+        return ring
+
+    def put(self, ring: memoryview) -> None:
+        """Give back a buffer :meth:`get` lent."""
+        with self._lock:
+            self._lent -= 1
+            self._free.append(ring)
+
+    def release(self) -> int:
+        """Unmap every free buffer (the lent ones stay with their calls); returns how many."""
+        with self._lock:
+            free, self._free = self._free, []
+        for ring in free:
+            m = ring.obj
+            ring.release()
+            with contextlib.suppress(BufferError):  # a view still exported: unmapped when it goes
+                m.close()  # type: ignore[attr-defined]
+        return len(free)
+
+    def mapped(self) -> int:
+        """Buffers mapped now: lent plus free."""
+        with self._lock:
+            return self._lent + len(self._free)
 
 
-def _ring() -> memoryview:
-    """This thread's receive buffer for ``receive_to_file`` (``READ_BYTES``, allocated once per
-    thread). Per thread, not per stream: a daemon keeps up to ``streams_per_peer`` idle streams
-    to each of dozens of peers (128 MiB of buffers at 32 peers x 4), but only its fetch threads
-    (``max_inflight``) receive at once. An anonymous mapping, not a ``bytearray``, for the reason
-    ``sockio.frame_buffer`` gives (glibc arenas pinned by long-lived blocks)."""
-    ring = getattr(_local, "ring", None)
-    if ring is None:
-        ring = _local.ring = memoryview(mmap.mmap(-1, READ_BYTES, flags=mmap.MAP_PRIVATE))
-    return ring
+def receive_to_file(s: Any, fd: int, offset: int, n: int, deadline: float, rings: Rings) -> None:
+    """Receive ``n`` body bytes through a buffer lent by ``rings`` (1 MiB by default) into file
+    ``fd`` at ``offset`` by ``deadline``, hashing each piece there."""
+    ring = rings.get()
+    try:
+        _receive_to_file(ring, s, fd, offset, n, deadline)
+    finally:
+        rings.put(ring)
 
 
-def receive_to_file(s: Any, fd: int, offset: int, n: int, deadline: float) -> None:
-    """Receive ``n`` body bytes through this thread's 1 MiB buffer into file ``fd`` at ``offset``
-    by ``deadline``, hashing each piece there."""
-    ring, h = _ring(), s.hasher
+def _receive_to_file(ring: memoryview, s: Any, fd: int, offset: int, n: int, deadline: float) -> None:
+    h, step = s.hasher, len(ring)
     h.reset()
     recv_into, update = s.sock.recv_into, h.update
     pos = 0
     while pos < n:
-        want = min(n - pos, READ_BYTES)
+        want = min(n - pos, step)
         try:
             got = recv_into(ring, want, WAITALL)
         except BlockingIOError:

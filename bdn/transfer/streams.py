@@ -5,8 +5,8 @@ connect + the transfer handshake of bdn.proto.handshake, framed by bdn.proto.wir
 ``streams_per_peer`` per peer; ``release(peer, stream, keep)`` returns it. ``connect(peer)``
 opens one outside the pool (HAVE subscriptions, bdn.transfer.announce). A ``Stream`` carries
 what receiving an answer needs (bdn.transfer.receive): the socket, the session's tags, a frame
-buffer and a per-stream xxh3-128 hasher (a file target's 1 MiB receive buffer is per thread:
-bdn.transfer.receive).
+buffer and a per-stream xxh3-128 hasher (a file target's 1 MiB receive buffer is lent per call by
+the client's ``Rings``: bdn.transfer.receive).
 
 Threads: every method is thread-safe (one condition variable guards the pool); ``acquire``
 blocks its caller while all of a peer's streams are busy, and ``connect`` blocks for the TCP

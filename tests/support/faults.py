@@ -75,9 +75,8 @@ def stable_ports(d: Daemon) -> Daemon:
         BDN_PEER_LISTEN=f"127.0.0.1:{d.peer_port}",
         BDN_ADVERTISE_URL=d.peer_url,
         BDN_LOCAL_LISTEN=f"127.0.0.1:{d.local_port}",
+        BDN_TRANSFER_LISTEN=f"127.0.0.1:{d.transfer_port}",
     )
-    if d.env.get("BDN_TRANSFER_LISTEN"):  # not where a test turned the wire off
-        d.env["BDN_TRANSFER_LISTEN"] = f"127.0.0.1:{d.transfer_port}"
     return d
 
 

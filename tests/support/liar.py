@@ -1,20 +1,22 @@
-"""A lying swarm peer, as a real aiohttp server process, for the bad-input tests.
+"""A lying swarm peer, as a real process, for the bad-input tests.
 
 It knows the partition secret, so its requests and answers are properly signed and verified. It
 behaves as a healthy member (``POST members`` answers correctly) and claims to hold everything:
 ``GET snapshots/{id}/have`` returns all-bits-set bitfields of the sizes the snapshot's manifest
-(read from the bucket) gives. Every ``GET chunks/{address}`` of a chunk it can size from a manifest
-is answered 200 with random bytes of exactly the right length, so only the receiver's digest check
-can catch it.
+(read from the bucket) gives.
+
+Chunks move between daemons only over the transfer wire, and so do its lies: it runs a real
+``TransferServer`` (advertised as ``transfer`` in its membership answers) whose location for
+every chunk it can size is a file of random bytes, so daemons asking it get wrong bytes of the
+right length, sent with ``sendfile`` like an honest peer's; only the receiver's digest check
+(or, for a snapshot without a manifest, its object check) can catch them. ``--refuse`` answers
+every ask BUSY or NOT_HERE instead; ``--trickle-s S`` answers each ask with its DATA header and
+then one byte of the body every S seconds (a stalling peer); ``--wire-trickle-s S`` sends each
+answer's frame header one byte every S seconds, then random bytes.
 
 Run: ``python tests/support/liar.py --port P --bucket URL --secret-file F [--node-id liar]``.
 It prints ``liar listening on <url>`` once it accepts connections. ``Liar`` below starts and stops
 that process from a test.
-
-It also speaks the transfer wire (bdn.transfer, advertised as ``transfer`` in its membership
-answers, unless ``--no-wire``): a real ``TransferServer`` whose location for every chunk it can
-size is a file of random bytes, so daemons asking it over the wire get wrong bytes of the right
-length, sent with ``sendfile`` like an honest peer's.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ class LiarState:
         self.trickle_s = 0.0  # > 0: answer chunks one byte every trickle_s seconds (a stalling peer)
         self.wire_trickle_s = 0.0  # > 0: over the wire, each answer's frame one byte every so often
         self.wire_trickled = 0  # answers trickled so
-        #: "" (send random bytes), "busy" or "not_here": refuse every chunk it advertises, on
-        #: HTTP (503 / 404) and on the wire (BUSY / NOT_HERE): a lying or stale have-list
+        #: "" (send random bytes), "busy" or "not_here": refuse every chunk it advertises (BUSY /
+        #: NOT_HERE on the wire): a lying or stale have-list
         self.refuse = ""
         self.refused = 0  # chunk requests refused
 
@@ -168,39 +170,6 @@ async def have_answer(request: web.Request, state: str, bitfield: Callable[[int]
     return web.Response(body=msgpack.packb(ans, use_bin_type=True), content_type="application/msgpack")
 
 
-async def get_chunk(request: web.Request) -> web.Response:
-    st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
-    address = request.match_info["address"]
-    if address not in st.lengths:
-        hint = request.query.get("snapshot")
-        if hint:
-            try:
-                st.manifest(validate_identity(hint))
-            except BdnError:
-                pass
-    n = st.lengths.get(address)
-    if n is None:
-        return web.Response(status=404)
-    if st.refuse:
-        st.refused += 1
-        if st.refuse == "busy":
-            return web.Response(status=503, headers={"Retry-After": "0.2"})
-        return web.Response(status=404)
-    st.chunks_lied += 1
-    if st.trickle_s > 0:  # 200 and the right length, then a byte now and then: never done in time
-        resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        resp.content_length = n
-        await resp.prepare(request)
-        try:
-            for _ in range(n):
-                await resp.write(b"\0")
-                await asyncio.sleep(st.trickle_s)
-        except ConnectionError:
-            pass  # the asker gave up
-        return resp
-    return web.Response(body=os.urandom(n), content_type="application/octet-stream")
-
-
 async def get_stats(request: web.Request) -> web.Response:
     st: LiarState = request.app[LIAR_STATE]  # type: ignore[assignment]
     return web.json_response(
@@ -244,6 +213,8 @@ def start_wire(st: LiarState, junk: Path) -> TransferServer:
     server = TransferServer(st.keys, st.node_id, resolve, admit=admit)
     if st.wire_trickle_s > 0:
         server._answers.answer = _trickler(st)  # type: ignore[method-assign]  # the liar's own answers
+    elif st.trickle_s > 0:
+        server._answers.answer = _staller(st)  # type: ignore[method-assign]
     host, port = server.start()
     st.transfer = f"{host}:{port}"
     return server
@@ -264,11 +235,34 @@ def _trickler(st: LiarState):
     return answer
 
 
+def _staller(st: LiarState):
+    """Answers every ASK of a chunk it can size with its DATA header, then one byte of the body
+    every ``st.trickle_s`` (never silent for long, never done: a stalling peer); NOT_HERE for
+    any other."""
+
+    def answer(sock, session, ask: wire.Ask) -> None:  # type: ignore[no-untyped-def]
+        if ask.address not in st.lengths and ask.snapshot:
+            try:
+                st.manifest(validate_identity(ask.snapshot))
+            except BdnError:
+                pass
+        if ask.address not in st.lengths:
+            sock.sendall(session.seal(wire.FrameType.NOT_HERE, b""))
+            return
+        st.chunks_lied += 1
+        st.wire_lied += 1
+        sock.sendall(session.seal(wire.FrameType.DATA, wire.encode_data(ask.length)))
+        for _ in range(ask.length):
+            time.sleep(st.trickle_s)
+            sock.sendall(b"\0")
+
+    return answer
+
+
 def make_app(state: LiarState) -> web.Application:
     app = web.Application(middlewares=[_auth])
     app[LIAR_STATE] = state
     p = "/bdn/v1/{swarm_id}"
-    app.router.add_get(p + "/chunks/{address}", get_chunk)
     app.router.add_get(p + "/snapshots/{identity}/have", get_have)
     app.router.add_post(p + "/members", post_members)
     app.router.add_get(p + "/liar/stats", get_stats)
@@ -282,7 +276,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--secret-file", required=True)
     ap.add_argument("--node-id", default="liar")
     ap.add_argument("--foreign-chunk-size", type=int, default=0, help="lie about snapshots without a manifest too")
-    ap.add_argument("--no-wire", action="store_true", help="no transfer server: lie over HTTP only")
     ap.add_argument(
         "--refuse",
         choices=("", "busy", "not_here"),
@@ -300,8 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     state.trickle_s = args.trickle_s
     state.wire_trickle_s = args.wire_trickle_s
     state.refuse = args.refuse
-    if not args.no_wire and args.trickle_s <= 0:  # a staller stalls over HTTP (the wire path lies)
-        start_wire(state, Path(args.secret_file).parent / "junk")
+    start_wire(state, Path(args.secret_file).parent / "junk")
 
     async def run() -> None:
         runner = web.AppRunner(make_app(state), access_log=None)

@@ -17,6 +17,7 @@ from pathlib import Path
 from bdn.proto import handshake, wire
 from bdn.proto.chunks import digest
 from bdn.proto.keys import SwarmKeys, derive_keys
+from bdn.transfer import Outcome, Peer, TransferClient
 
 SECRET = "transfer-test-secret-0123456789abcdef"
 KEYS = derive_keys(SECRET)
@@ -76,6 +77,31 @@ class Target:
     def close(self) -> None:
         self.map.close()
         self._f.close()
+
+
+def ask_daemon(
+    keys: SwarmKeys,
+    node_id: str,
+    port: int,
+    address: str,
+    length: int,
+    *,
+    wait_s: float = 0.0,
+    snapshot: str | None = None,
+    me: str = "tester",
+) -> tuple[Outcome, bytes]:
+    """Ask daemon ``node_id``'s transfer server on ``127.0.0.1:port`` for the chunk at swarm
+    ``address`` (``length`` bytes), as member ``me`` would: ``(outcome, the bytes as sent)``.
+    The bytes are not checked (``digest`` None): the caller compares them with what it expects."""
+    client = TransferClient(keys, me, io_timeout_s=30.0)
+    try:
+        buf = bytearray(length)
+        res = client.fetch_into(
+            Peer(node_id, "127.0.0.1", port), address, buf, 0, length, None, wait_s=wait_s, snapshot=snapshot
+        )
+        return res.outcome, bytes(buf)
+    finally:
+        client.close()
 
 
 # ---- a raw client speaking the wire by hand -------------------------------------------------

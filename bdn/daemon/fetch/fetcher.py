@@ -24,6 +24,7 @@ from bdn.daemon.observe.chunklog import ChunkLog
 from bdn.daemon.observe.memtrim import IdleTrim
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import Clock
+from bdn.daemon.serve.transfer_address import wired
 from bdn.daemon.snapshots.events import ChunkVerified, LayerStarted
 from bdn.daemon.snapshots.snapshot import RESULT, STORED, SnapshotJob
 from bdn.daemon.store.index import ChunkIndex
@@ -41,6 +42,9 @@ CUT_WORKERS = 16
 
 
 def _views(members: list[Member]) -> tuple[list[policy.PeerView], dict[str, Member]]:
+    """The chunk peers among ``members`` (those with a transfer address: ``wired``), as the plan
+    sees them and by URL."""
+    members = wired(members)
     return [policy.PeerView(m.url, m.node_id, m.inflight) for m in members], {m.url: m for m in members}
 
 
@@ -184,9 +188,11 @@ class Fetcher:
             self.owners.forget((job.identity, layer))
             self._layers -= 1
             if not self._layers:
-                # No download runs: the chunk buffers its races and HTTP peers used go back to
-                # the system now, not when the pool's bound pushes them out (sources.BufferPool).
-                self.sources.pool.clear()
+                # No download runs: the chunk buffers its races and foreign bucket reads used go
+                # back to the system now, not when the pool's bound pushes them out
+                # (sources.BufferPool), and so do the wire's receive buffers (one per fetch that
+                # ran at once: bdn.transfer.receive.Rings).
+                self.sources.release_buffers()
                 # And the C heap's free pages, which glibc keeps resident in the middle of its
                 # threads' arenas (bdn.daemon.observe.memtrim; at most once per 30 s), on a disk thread:
                 # the walk of a large heap must not hold the event loop.
@@ -316,7 +322,7 @@ class Fetcher:
             parked_out = False
             for step in steps:
                 if isinstance(step, policy.ReadBucket):
-                    live_nodes = [m.node_id for m in self.membership.live()]
+                    live_nodes = [m.node_id for m in wired(self.membership.live())]
                     owner_now = self.owner(job, layer, ref.digest, [self.node_id, *live_nodes])
                     if policy.reads_as_owner(step, self.node_id, live_nodes, ref.digest, owner_now):
                         try:

@@ -66,8 +66,8 @@ class Haves:
     """Per snapshot identity, per peer url: ``(stored, result)`` bitfields as last reported.
 
     ``subscriptions(on_have, on_end)`` makes the HAVE subscriber whose frames feed these
-    bitfields (None: the transfer wire is off, every peer is polled); ``stats`` counts have polls
-    and HAVE frames as control requests."""
+    bitfields (None: every peer is polled; bdnd always passes its wire's); ``stats`` counts have
+    polls and HAVE frames as control requests."""
 
     def __init__(
         self,

@@ -16,7 +16,6 @@ from typing import Any, Protocol, TypeVar
 
 from bdn.bucket import BucketError, ObjectChanged, ObjectNotFound
 from bdn.daemon.config import Config
-from bdn.daemon.fetch import retry_policy
 from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.fetch.policy import BUCKET
 from bdn.daemon.fetch.ratelimit import RateLimit
@@ -32,8 +31,7 @@ from bdn.daemon.snapshots.events import FROM_BUCKET, FROM_LOCAL, FROM_PEERS, Byt
 from bdn.daemon.snapshots.snapshot import Loc, SnapshotJob
 from bdn.daemon.store import diskio
 from bdn.daemon.swarm.membership import Member, Membership
-from bdn.daemon.swarm.peer_client import PeerBusy, PeerClient, PeerError, PeerStalled
-from bdn.proto.errors import BdnError, ProtocolError
+from bdn.proto.errors import BdnError
 from bdn.proto.manifest import ChunkRef
 from bdn.transfer import FetchPool
 from bdn.transfer.growing import GrowingChunks
@@ -56,9 +54,9 @@ class BufferPool:
     ``bytearray`` is a glibc heap block once glibc's dynamic mmap threshold has risen past it
     (mallopt(3)), and a heap that such blocks pass through fragments; a mapping is returned to
     the system whole when it is dropped. :meth:`clear` drops every free buffer: the fetcher calls
-    it when no download is running, so that what one download's endgame races or HTTP peers
-    needed is not held until the next (otherwise the pool fills towards its bound over an hour
-    of hot-loads, one buffer at a time; docs/decisions/0025-flat-rss.md).
+    it when no download is running, so that what one download's endgame races and foreign bucket
+    reads needed is not held until the next (otherwise the pool fills towards its bound over an
+    hour of hot-loads, one buffer at a time; docs/decisions/0025-flat-rss.md).
     """
 
     #: Bytes kept in free buffers at most (4 chunks of bdn-publish's default 16 MiB).
@@ -142,26 +140,25 @@ class WireLink(Protocol):
 class Sources:
     """The three ways to a chunk. Each returns True (written and verified) or False (try the next).
 
-    ``wire``: peers' chunks and bucket reads over the transfer wire (``WireSource``; None: HTTP
-    only); ``chunk_log``: the per-chunk log (None: off); ``on_bad_bytes(url, node, address,
-    snapshot)``: a peer sent bad bytes (``bdn.daemon.serve.chunkcheck``: it is told)."""
+    ``wire``: the daemon's transfer wire, the one path of peers' chunks (``WireSource``), also
+    where bucket reads land for cut-through; ``chunk_log``: the per-chunk log (None: off);
+    ``on_bad_bytes(url, node, address, snapshot)``: a peer sent bad bytes
+    (``bdn.daemon.serve.chunkcheck``: it is told)."""
 
     def __init__(
         self,
         cfg: Config,
-        peers: PeerClient,
         membership: Membership,
         bucket: BucketIO,
         stats: Stats,
         disk_pool: Executor,
+        wire: WireLink,
         clock: Clock = SYSTEM,
         *,
-        wire: WireLink | None = None,
         chunk_log: ChunkLog | None = None,
         on_bad_bytes: Callable[[str, str, str, str], None] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.peers = peers
         self.membership = membership
         self.bucket = bucket
         self.stats = stats
@@ -169,52 +166,48 @@ class Sources:
         self.pool = BufferPool(keep=cfg.max_inflight + cfg.bucket_concurrency)
         self.peer_sem = asyncio.Semaphore(cfg.max_inflight)
         self.download_limit = RateLimit.from_mbit(cfg.peer_download_mbit)
-        self._peer_sems: dict[str, asyncio.Semaphore] = {}
         self.repeat = RepeatLog(log, cfg.log_repeat_s)  # lines that can repeat per chunk
         self.chunk_log = chunk_log
         self.on_bad_bytes = on_bad_bytes
-        self.wire = (
-            None
-            if wire is None
-            else WireSource(
-                cfg,
-                wire.pool,
-                wire.maps,
-                membership,
-                stats,
-                self.peer_sem,
-                self.download_limit,
-                disk_pool,
-                self.pool.get,
-                self.pool.put,
-                chunk_log,
-                on_bad_bytes=on_bad_bytes,
-                # an owner's bucket bytes go on to parked askers as they land (bdn.transfer.growing)
-                growing=wire.growing if cfg.cut_through else None,
-                on_growing=wire.started_growing if cfg.cut_through else None,
-                on_grown=wire.stopped_growing if cfg.cut_through else None,
-            )
+        self.wire = WireSource(
+            cfg,
+            wire.pool,
+            wire.maps,
+            membership,
+            stats,
+            self.peer_sem,
+            self.download_limit,
+            disk_pool,
+            self.pool.get,
+            self.pool.put,
+            chunk_log,
+            on_bad_bytes=on_bad_bytes,
+            # an owner's bucket bytes go on to parked askers as they land (bdn.transfer.growing)
+            growing=wire.growing if cfg.cut_through else None,
+            on_growing=wire.started_growing if cfg.cut_through else None,
+            on_grown=wire.stopped_growing if cfg.cut_through else None,
         )
         #: Each peer's rate and refusals (bdn.daemon.fetch.policy.SourceBook) and what they call for.
         self.watch = SourceWatch(cfg, membership, clock)
 
+    def release_buffers(self) -> None:
+        """Unmap the free chunk buffers (:class:`BufferPool`) and the transfer client's free
+        receive buffers (``bdn.transfer.receive.Rings``); the fetcher calls it when no download
+        runs, so that what one download needed at once is not held until the next."""
+        self.pool.clear()
+        self.wire.pool.client.rings.release()
+
+    def buffers(self) -> dict[str, int]:
+        """``{"chunk_buffers", "chunk_buffers_kb", "receive_buffers"}``: free chunk buffers held
+        (their KiB) and receive buffers mapped now (lent or free, 1 MiB each)."""
+        return {
+            "chunk_buffers": self.pool._count,
+            "chunk_buffers_kb": self.pool._bytes >> 10,
+            "receive_buffers": self.wire.pool.client.rings.mapped(),
+        }
+
     async def _disk(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.disk_pool, fn, *args)
-
-    async def verify_write(self, buf: bytearray, ref: ChunkRef, target: Path, foreign: bool = False) -> bool:
-        """Hash and write ``buf`` on a disk thread; the buffer goes back to the pool after,
-        unless this coroutine is cancelled while the thread may still use it. ``foreign``: the
-        chunk's id is no digest (a snapshot without a manifest): written unhashed, its object is
-        verified once whole (``bdn.daemon.snapshots.foreign_source``)."""
-        try:
-            if foreign:
-                ok = await self._disk(diskio.write_at, memoryview(buf), target, ref.offset)
-            else:
-                ok = await self._disk(diskio.verify_and_write, memoryview(buf), ref.digest, target, ref.offset)
-        except asyncio.CancelledError:
-            raise  # the thread may still read ``buf``: leave it to the garbage collector
-        self.pool.put(buf)
-        return ok
 
     async def from_local(self, job: SnapshotJob, loc: Loc, ref: ChunkRef, target: Path) -> bool:
         """The same bytes already on this node (e.g. an unchanged config.json), copied and re-verified."""
@@ -247,9 +240,10 @@ class Sources:
         """Ask peer ``m`` (parked up to ``wait`` s). A busy answer counts in ``stats.busy_answers``;
         a failure is appended to ``errors`` and marks the peer failed; bad bytes penalise it.
 
-        Over the transfer wire when ``m`` advertises a transfer server (``racing``: other holders
-        are asked the same chunk at once), else HTTP; a snapshot without a manifest always over
-        HTTP (its chunk ids are not digests: the wire's in-place hash could not check them).
+        Over the transfer wire (``racing``: other holders are asked the same chunk at once); a
+        member that advertises no transfer address is no chunk peer (``wired``). A snapshot
+        without a manifest goes the same way, its bytes unhashed (its chunk ids are no digests:
+        its objects are verified whole, ``bdn.daemon.snapshots.foreign_source``).
 
         One of the peer's ``max_per_peer`` slots is held until the chunk is verified, so that
         once a peer's bytes turn out bad, at most ``max_per_peer`` of its answers were taken: the
@@ -277,137 +271,30 @@ class Sources:
         racing: bool,
         att: Attempt,
     ) -> bool:
-        ws = self.wire
-        peer = peer_of(m) if ws is not None and job.foreign is None else None
-        if ws is not None and peer is not None:
-            return await ws.from_peer(job, m, peer, address, ref, target, wait, errors, racing, att)
-        sem = self._peer_sems.get(m.url)
-        if sem is None:
-            sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
-        m.inflight += 1
-        try:
-            async with sem:
-                if self.membership.redirected(m):
-                    return False  # penalised (or gone) while this request was queued for it
-                try:
-                    buf = await self._request(job, m, address, ref, wait, att)
-                except PeerBusy:
-                    att.outcome = "busy"
-                    self.stats.busy_answers += 1
-                    return False
-                except PeerError as e:
-                    att.outcome = "failed"
-                    errors.append(str(e))
-                    self.membership.mark_failed(m.url)
-                    if isinstance(e, PeerStalled):
-                        # alive on membership exchanges yet too slow for chunks: skip it as for bad bytes
-                        self.membership.penalise(m.url, self.cfg.penalty_s)
-                        self.repeat.log(
-                            logging.WARNING,
-                            ("stalled", m.url),
-                            "snapshot %s: peer %s stalled on chunk %d of %s (%s); penalised for %g s",
-                            job.identity,
-                            m.node_id,
-                            ref.index,
-                            ref.path,
-                            e,
-                            self.cfg.penalty_s,
-                            extra={"peer": m.node_id},
-                        )
-                    return False
-                if buf is None:
-                    if not self.membership.redirected(m):
-                        att.outcome = "not_here"
-                    return False
-                good = await self.verify_write(buf, ref, target, foreign=job.foreign is not None)
-                att.outcome = "ok" if good else "corrupt"
-        finally:
-            m.inflight -= 1
-        if good and job.foreign is not None:
-            job.foreign.received(ref, m.url, m.node_id)
-        if not good:
-            self.stats.verify_failed(m.node_id)
-            self.membership.penalise(m.url, self.cfg.penalty_s)
-            if self.on_bad_bytes is not None and job.foreign is None:
-                self.on_bad_bytes(m.url, m.node_id, address, job.identity)  # chunkcheck: tell the peer
-            self.repeat.log(
-                logging.WARNING,
-                ("bad bytes", m.url),
-                "snapshot %s: peer %s sent bad bytes for chunk %d of %s; penalised for %g s",
-                job.identity,
-                m.node_id,
-                ref.index,
-                ref.path,
-                self.cfg.penalty_s,
-                extra={"peer": m.node_id},
-            )
+        peer = peer_of(m)
+        if peer is None:
+            # its transfer address went away (a malformed advertisement): not a chunk peer now
+            att.outcome = "not_here"
             return False
-        if self.chunk_log is not None:
-            self.chunk_log.attempt(job, ref, f"peer:{m.node_id}", "ok", "http")
-        if not racing:  # a race counts its winner only (race)
-            self.count_peer_in(job, ref, wire=False)
-        return True
+        return await self.wire.from_peer(job, m, peer, address, ref, target, wait, errors, racing, att)
 
     async def take(self, m: Member, identity: str, index: int) -> bool:
         """Ask member ``m``, the owner of stored chunk ``index`` of ``identity``, to give its
         bucket read up to this node (``TAKE``/``GIVE`` on the transfer wire). True only when it
-        granted it; False when it refused, failed, or has no transfer wire (then it reads it)."""
-        ws = self.wire
-        peer = peer_of(m) if ws is not None else None
-        if ws is None or peer is None:
+        granted it; False when it refused, failed, or advertises no transfer address."""
+        peer = peer_of(m)
+        if peer is None:
             return False
         loop = asyncio.get_running_loop()
         # the default executor: not behind the fetch pool's threads, which may all be parked
-        return await loop.run_in_executor(None, ws.pool.client.take, peer, identity, index)
+        return await loop.run_in_executor(None, self.wire.pool.client.take, peer, identity, index)
 
-    def count_peer_in(self, job: SnapshotJob, ref: ChunkRef, wire: bool) -> None:
-        """Count one chunk received from a peer (over the transfer ``wire`` or HTTP)."""
+    def count_peer_in(self, job: SnapshotJob, ref: ChunkRef) -> None:
+        """Count one chunk received from a peer (the winner of an endgame race)."""
         job.apply(BytesCounted(FROM_PEERS, ref.length))
         self.stats.add("peer_bytes_in", ref.length)
-        if wire:
-            self.stats.add("peer_wire_bytes_in", ref.length)
+        self.stats.add("peer_wire_bytes_in", ref.length)
         self.stats.add("peer_chunks_in")
-
-    async def _request(
-        self,
-        job: SnapshotJob,
-        m: Member,
-        address: str,
-        ref: ChunkRef,
-        wait: float,
-        att: Attempt,
-    ) -> bytearray | None:
-        """The chunk's bytes from ``m`` (unverified), or None when it does not hold it (404) or
-        a penalty redirected the request. Raises PeerBusy, PeerError."""
-        async with self.peer_sem:
-            if self.membership.redirected(m):
-                return None  # penalised while this request waited for a transfer slot
-            await self.download_limit.take(ref.length)
-            if wait <= 0:
-                att.data()  # HTTP: timed from the request (a parked one is not timed)
-            self.stats.inflight["peer"] += 1
-            try:
-                # The buffer is taken only once the peer answers 200: a request parked at an
-                # owner (``wait``) holds no memory.
-                req = asyncio.ensure_future(
-                    self.peers.get_chunk(m.url, address, ref.length, self.pool.get, wait=wait, snapshot=job.identity)
-                )
-                m.requests.add(req)
-                try:
-                    return await req
-                except asyncio.CancelledError:
-                    me = asyncio.current_task()
-                    if me is not None and me.cancelling():
-                        raise  # this acquisition itself is being cancelled
-                    if self.membership.redirected(m) and m.alive:
-                        return None  # penalised meanwhile: its queue goes elsewhere at once
-                    raise PeerError(f"{m.url}: left the swarm while the request waited") from None
-                finally:
-                    m.requests.discard(req)
-                    if not req.done():
-                        req.cancel()
-            finally:
-                self.stats.inflight["peer"] -= 1
 
     async def race(
         self,
@@ -434,10 +321,7 @@ class Sources:
                     if winner is None and not t.cancelled() and t.exception() is None and t.result():
                         winner = tasks[t].url
                         # counted once: two racers can both finish before the loser is cancelled
-                        m = tasks[t]
-                        self.count_peer_in(
-                            job, ref, wire=self.wire is not None and job.foreign is None and peer_of(m) is not None
-                        )
+                        self.count_peer_in(job, ref)
         finally:
             for t in pending:
                 t.cancel()
@@ -460,10 +344,10 @@ class Sources:
         asked when the read takes its bucket slot (transfer wire only); False gives the read up
         (raises Superseded). Raises BdnError (missing object, bucket error) or ProtocolError
         (never matched)."""
-        if self.wire is not None and job.foreign is None:  # a foreign snapshot's reads need its etag
+        if job.foreign is None:  # a foreign snapshot's reads need its etag (and have no digest)
             await self.wire.from_bucket(self.bucket, job, ref, target, owner, address, claim)  # into the mapping
         else:
-            await self._bucket_into_buffer(job, ref, target)
+            await self._foreign_from_bucket(job, ref, target)
         role = "owner" if owner else "fallback"
         self.watch.book.delivered(BUCKET, ref.length, None)  # a source delivered (refusals are judged against it)
         if self.chunk_log is not None:
@@ -481,33 +365,25 @@ class Sources:
                 ref.path,
             )
 
-    async def _bucket_into_buffer(self, job: SnapshotJob, ref: ChunkRef, target: Path) -> None:
-        """The HTTP-era bucket path: read into a pooled buffer, verify, write (3 tries)."""
+    async def _foreign_from_bucket(self, job: SnapshotJob, ref: ChunkRef, target: Path) -> None:
+        """A chunk of a snapshot without a manifest: read at its object's ETag into a pooled
+        buffer and written unhashed (its id is no digest; the object is verified whole,
+        ``bdn.daemon.snapshots.foreign_source``). Raises ObjectChanged (the runner lists again),
+        BdnError (missing object, bucket error)."""
+        assert job.foreign is not None
         key = f"{job.identity}/{ref.path}"
         try:
-            async for attempt in retry_policy.bucket_bytes():
-                with attempt:
-                    try:
-                        etag = job.foreign.etag(ref) if job.foreign is not None else None
-                        buf = await self.bucket.read_chunk(key, ref.offset, ref.length, self.pool.get, if_match=etag)
-                    except ObjectNotFound:
-                        raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
-                    except ObjectChanged:
-                        raise  # a snapshot without a manifest starts again on a fresh listing (runner)
-                    except BucketError as e:
-                        raise BdnError(f"bucket read of {key} failed: {e}") from None
-                    if not await self.verify_write(buf, ref, target, foreign=job.foreign is not None):
-                        self.stats.verify_failed("bucket")
-                        self.repeat.log(
-                            logging.WARNING,
-                            ("bucket bad bytes", job.identity),
-                            "snapshot %s: bucket bytes of %s chunk %d do not match the manifest",
-                            job.identity,
-                            key,
-                            ref.index,
-                        )
-                        raise retry_policy.BadBytes()
-        except retry_policy.BadBytes:
-            raise ProtocolError(
-                f"{key}: chunk {ref.index} from the bucket does not match the manifest digest"
-            ) from None
+            buf = await self.bucket.read_chunk(
+                key, ref.offset, ref.length, self.pool.get, if_match=job.foreign.etag(ref)
+            )
+        except ObjectNotFound:
+            raise BdnError(f"bucket object {key} is missing (named by its listing)") from None
+        except ObjectChanged:
+            raise  # a snapshot without a manifest starts again on a fresh listing (runner)
+        except BucketError as e:
+            raise BdnError(f"bucket read of {key} failed: {e}") from None
+        try:
+            await self._disk(diskio.write_at, memoryview(buf), target, ref.offset)
+        except asyncio.CancelledError:
+            raise  # the thread may still read ``buf``: leave it to the garbage collector
+        self.pool.put(buf)

@@ -65,6 +65,14 @@ def _hash_ok(view: memoryview, digest: str) -> bool:
     return xxhash.xxh3_128(view).hexdigest() == digest
 
 
+def _digest(job: SnapshotJob, ref: ChunkRef) -> str | None:
+    """What the wire checks ``ref``'s bytes against: its digest, or None for a snapshot without
+    a manifest (its chunk ids are no digests; its objects are verified whole against the
+    bucket's checksums, and a peer whose chunk fails that is penalised then:
+    bdn.daemon.snapshots.foreign_source)."""
+    return None if job.foreign is not None else ref.digest
+
+
 def _part_of(view: memoryview, offset: int, length: int, _size: int) -> memoryview:
     """Where a bucket read of ``length`` bytes at ``offset`` of the chunk lands in ``view``."""
     return view[offset : offset + length]
@@ -157,7 +165,7 @@ class WireSource:
         sem = self._peer_sems.get(m.url)
         if sem is None:
             sem = self._peer_sems[m.url] = asyncio.Semaphore(self.cfg.max_per_peer)
-        wait = min(wait, wire.MAX_WAIT_MS / 1000)  # the wire's bound (HTTP's ?wait= has the same)
+        wait = min(wait, wire.MAX_WAIT_MS / 1000)  # the wire's bound
         held = False
         if not racing and sem.locked() and len(self.membership.live()) >= NO_QUEUE_MIN_PEERS:
             # Every stream to this peer is taken. Waiting long behind them (even to park at the
@@ -200,6 +208,8 @@ class WireSource:
                 job, ref, f"peer:{m.node_id}", res.outcome.value, "wire-cut" if res.cut_through else "wire"
             )
         if res.outcome is Outcome.OK:
+            if job.foreign is not None:
+                job.foreign.received(ref, m.url, m.node_id)  # blamed if its object fails
             if res.cut_through:
                 self.stats.add("peer_chunks_in_cut_through")
             if not racing:  # a race counts its winner only (Sources.race)
@@ -253,7 +263,7 @@ class WireSource:
             self.membership.mark_failed(m.url)
             if stalled(res):
                 # alive on membership exchanges, yet silent on a chunk for the whole time-out: as
-                # on the HTTP path (PeerStalled), it is skipped like a peer that sent bad bytes,
+                # it is skipped like a peer that sent bad bytes,
                 # and the requests queued for it go elsewhere at once (penalise cancels them)
                 self.membership.penalise(m.url, self.cfg.penalty_s)
                 log.warning(
@@ -292,10 +302,12 @@ class WireSource:
             mm,
             ref.offset,
             ref.length,
-            ref.digest,
+            _digest(job, ref),
             wait_s=wait,
             snapshot=job.identity,
-            cut_through=self.growing is not None,
+            # a foreign chunk is never read into a peer's growing table (its bucket reads need
+            # the object's etag: Sources.from_bucket), so it never comes cut-through
+            cut_through=self.growing is not None and job.foreign is None,
             fd=fd,
             on_data=att.data,
         )
@@ -314,7 +326,7 @@ class WireSource:
     ) -> FetchResult:
         buf = self.alloc(ref.length)
         fut = self.pool.submit(
-            peer, address, buf, 0, ref.length, ref.digest, wait_s=wait, snapshot=job.identity, on_data=att.data
+            peer, address, buf, 0, ref.length, _digest(job, ref), wait_s=wait, snapshot=job.identity, on_data=att.data
         )
         res = await self._await(fut, m, peer, None, settle=False)
         if res.outcome is not Outcome.OK:
@@ -336,7 +348,7 @@ class WireSource:
         A racer whose peer was penalised meanwhile (``Membership.penalise`` cancels its request)
         returns at once, unsettled, while its thread may still be waiting for a stream to that
         peer and then receive the whole chunk: freed then, the peer's bytes would land in the
-        buffer of the next race or HTTP fetch, and that fetch's honest peer would be blamed for
+        buffer of the next race or foreign bucket read, and that fetch's honest peer would be blamed for
         them (or, written after its hash, they would reach the target unverified)."""
         if fut.done():
             self.free(buf)

@@ -1,7 +1,7 @@
-"""The swarm's HTTP endpoints, under ``/bdn/v1/{swarm_id}`` (FORMATS.md, "Peer protocol").
+"""The swarm's HTTP endpoints, under ``/bdn/v1/{swarm_id}`` (FORMATS.md, "Peer protocol"): membership,
+have-lists, hot-load targets, status and bad-chunk reports. No chunk bytes: those move only over
+the transfer wire (``bdn.daemon.serve.wire_peer``).
 
-- ``GET chunks/{address}[?wait=S&snapshot=ID]``: 200 the chunk's bytes (only verified chunks are
-  ever indexed), 404 not here, 503 + ``Retry-After`` when busy (``bdn.daemon.serve.uploads``).
 - ``GET snapshots/{identity}/have[?since=V&wait=S]``: msgpack ``{v, state, ns, stored, nr,
   result}`` with bitfields over the manifest's stored and reconstructed chunk lists; long-polls
   until the version differs from ``since``.
@@ -22,9 +22,7 @@ The fleet hot-load API is mounted here too, behind a bearer token (``http/hotloa
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
 import re
 from typing import Any
 
@@ -39,8 +37,6 @@ from bdn.daemon.http.services import SERVICES, Services, services
 from bdn.daemon.observe import logctx
 from bdn.daemon.observe.bodies import BodyTooLarge
 from bdn.daemon.observe.packing import packb
-from bdn.daemon.serve.uploads import Admission
-from bdn.daemon.snapshots.snapshot import Loc
 from bdn.proto.errors import AuthError, BdnError
 from bdn.proto.identity import validate_identity
 from bdn.proto.keys import NODE_HEADER, WrongTarget, verify_request
@@ -91,80 +87,6 @@ def _float_arg(request: web.Request, name: str, default: float, hi: float) -> fl
     if not 0 <= v <= hi:
         raise web.HTTPBadRequest(text=f"{name} must be in [0, {hi:g}]\n")
     return v
-
-
-async def get_chunk(request: web.Request) -> web.StreamResponse:
-    """GET chunks/{address}[?wait=S&snapshot=ID] -> 200 bytes, 404 not here, 503 + Retry-After busy."""
-    serving = services(request).serving
-    address = request.match_info["address"]
-    if not ADDRESS_RE.match(address):
-        return text(400, "chunk address must be 32 lowercase hex characters")
-    wait = _float_arg(request, "wait", 0.0, MAX_WAIT_S)
-    hint = request.query.get("snapshot")
-    if hint is not None:
-        try:
-            validate_identity(hint)
-        except BdnError as e:
-            return text(400, str(e))
-    decision, loc = await serving.request(address, wait, hint, asker=request["peer"])
-    if decision is Admission.NOT_HERE:
-        return text(404, "chunk not here")
-    if decision is not Admission.SEND:
-        return web.Response(
-            status=503, headers={"Retry-After": decision.retry_after or "1"}, text=decision.value + "\n"
-        )
-    assert isinstance(loc, Loc)  # a Growing only when cut_through is asked
-    try:
-        return await _send_chunk(request, services(request), address, loc)
-    finally:
-        serving.done(address)
-
-
-def _has_sendfile(loop: asyncio.AbstractEventLoop) -> bool:
-    """Whether ``loop`` implements ``sendfile`` (asyncio's selector loop does; uvloop inherits the
-    abstract method and would raise on every call). Decided once per loop class, off the hot path."""
-    cls = type(loop)
-    cached = _SENDFILE.get(cls)
-    if cached is None:
-        cached = _SENDFILE[cls] = cls.sendfile is not asyncio.AbstractEventLoop.sendfile
-    return cached
-
-
-_SENDFILE: dict[type, bool] = {}
-
-
-async def _send_chunk(request: web.Request, svc: Services, address: str, loc: Loc) -> web.StreamResponse:
-    """Send a verified chunk: sendfile where the loop has it, else one pread into one write."""
-    serving = svc.serving
-    fd = await serving.open(address, loc)
-    if fd is None:
-        return text(404, "chunk not here")
-    try:
-        resp = web.StreamResponse(status=200)
-        resp.content_type = "application/octet-stream"
-        resp.content_length = loc.length
-        await resp.prepare(request)
-        loop = asyncio.get_running_loop()
-        transport = request.transport
-        sent = False
-        if transport is not None and _has_sendfile(loop):
-            try:
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    await loop.sendfile(transport, f, loc.offset, loc.length, fallback=False)
-                sent = True
-            except RuntimeError:
-                sent = False  # a transport sendfile cannot use (e.g. TLS): pread + write below
-        if not sent:
-            await resp.write(await serving.pread(fd, loc.length, loc.offset))
-        await resp.write_eof()
-    except ConnectionError as e:
-        # the asker went away (died, or gave up waiting): nothing to answer, nothing to log loudly
-        log.debug("chunk %s: upload cut short: %s", address, e)
-        return resp
-    finally:
-        os.close(fd)
-    serving.sent(loc)
-    return resp
 
 
 async def get_have(request: web.Request) -> web.Response:
@@ -298,7 +220,6 @@ def make_peer_app(svc: Services) -> web.Application:
     app = web.Application(middlewares=[_auth], client_max_size=1 << 20)
     app[SERVICES] = svc
     p = "/bdn/v1/{swarm_id}"
-    app.router.add_get(p + "/chunks/{address}", get_chunk)
     app.router.add_get(p + "/snapshots/{identity}/have", get_have)
     app.router.add_post(p + "/members", post_members)
     app.router.add_post(p + "/hot_load", post_hot_load_peer)

@@ -5,7 +5,7 @@ timeline), as kraken's torrentlog does per torrent.
 A line: ``{"snapshot", "layer", "chunk" (position in the layer), "file", "index", "source"
 ("local" | "bucket-owner" | "bucket-fallback" | "peer:<node id>"), "transport" ("wire" |
 "wire-cut" (a cut-through answer: the sender's bucket read still landed, bdn.transfer.growing) |
-"http" | "-"), "start", "end" (unix seconds: the first attempt began / the chunk was verified), "bytes",
+"-"), "start", "end" (unix seconds: the first attempt began / the chunk was verified), "bytes",
 "retries" (attempts that failed or got a wrong digest), "busy" (busy answers)}``.
 
 Events come from the sources (``attempt``) and the fetcher (``done``); pending records are

@@ -21,7 +21,7 @@ COUNTERS = (
     "local_bytes_copied",
     "chunk_verify_failures",
     "chunks_quarantined",
-    "peer_wire_bytes_in",  # the part of peer_bytes_in/out that went over the transfer wire
+    "peer_wire_bytes_in",  # = peer_bytes_in/out: every peer chunk takes the transfer wire (kept for dashboards)
     "peer_wire_bytes_out",
     "peer_chunks_in_cut_through",  # received while the sender's bucket read still landed (bdn.transfer.growing)
     "bucket_chunks_taken_over",  # read here for another owner at the end of its list (part of bucket_chunks_owner)

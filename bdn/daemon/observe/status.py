@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import bdn
@@ -25,6 +26,7 @@ class StatusView:
         stats: Stats,
         catalog: Catalog,
         clock: Clock,
+        buffers: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.swarm_id = swarm_id
@@ -33,6 +35,7 @@ class StatusView:
         self.stats = stats
         self.catalog = catalog
         self.clock = clock
+        self.buffers = buffers
         self.started = clock.time()
 
     def health(self) -> dict[str, Any]:
@@ -40,7 +43,8 @@ class StatusView:
         return {"status": "ok", "node_id": self.cfg.node_id, "swarm_id": self.swarm_id}
 
     def status(self) -> dict[str, Any]:
-        """Node, peers, bucket stats, counters, snapshot records."""
+        """Node, peers, bucket stats, counters, ``buffers`` (transfer buffers held now, for the
+        memory they hold: ``bdn.daemon.fetch.sources.Sources.buffers``), snapshot records."""
         return {
             "node_id": self.cfg.node_id,
             "swarm_id": self.swarm_id,
@@ -50,5 +54,6 @@ class StatusView:
             "peers": self.membership.describe(),
             "bucket": {"url": self.cfg.bucket, **self.bucket.bucket_stats()},
             **self.stats.snapshot(),
+            "buffers": self.buffers() if self.buffers is not None else {},
             "snapshots": self.catalog.records(),
         }

@@ -1,2 +1,2 @@
-"""Answering peers: a chunk request minus HTTP, upload admission (pure), the transfer server and
+"""Answering peers: a chunk request minus the wire, upload admission (pure), the transfer server and
 client, members' transfer addresses, bad-chunk reports and scrub."""

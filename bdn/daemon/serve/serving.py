@@ -1,16 +1,15 @@
-"""The chunk requests peers make of this node (``GET chunks/{address}``), minus the HTTP.
+"""The chunk requests peers make of this node (an ``ASK`` on the transfer wire,
+``bdn.daemon.serve.wire_peer``), minus the wire.
 
 ``request`` finds the chunk (waiting up to ``wait`` s while this node obtains it: it joins the
 snapshot the asker names unless GC already collected it as old, and starts the fetch at once
 if it is the chunk's owner, single-flight with its own download), then asks the upload policy
-(``bdn.daemon.serve.uploads``) whether to send it now. ``open`` gives the file to send from.
+(``bdn.daemon.serve.uploads``) whether to send it now; the wire sends it and reports ``done``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-from concurrent.futures import Executor
 
 from bdn.daemon.fetch.fetcher import Fetcher
 from bdn.daemon.fetch.ratelimit import RateLimit
@@ -18,12 +17,9 @@ from bdn.daemon.observe.stats import Stats
 from bdn.daemon.serve.uploads import Admission, Uploads
 from bdn.daemon.snapshots.catalog import Catalog
 from bdn.daemon.snapshots.snapshot import Loc
-from bdn.daemon.store import diskio
 from bdn.daemon.store.index import ChunkIndex
 from bdn.daemon.swarm.membership import Membership
 from bdn.transfer.growing import Growing, GrowingChunks
-
-log = logging.getLogger("bdn.serving")
 
 #: Seconds between two looks, while a request is held, at who owns its chunk now (a membership
 #: change can make the asker itself the owner: then it must not wait on this node).
@@ -45,7 +41,6 @@ class ChunkServing:
         uploads: Uploads,
         stats: Stats,
         limit: RateLimit,
-        disk_pool: Executor,
         growing: GrowingChunks | None = None,
     ) -> None:
         self.node_id = node_id
@@ -56,7 +51,6 @@ class ChunkServing:
         self.uploads = uploads
         self.stats = stats
         self.limit = limit
-        self.disk_pool = disk_pool
         self.growing = growing
 
     def _growing(self, address: str, cut_through: bool) -> Growing | None:
@@ -155,27 +149,3 @@ class ChunkServing:
         """Event (a peer's ``TAKE``, on the loop): whether this node gives its bucket read of
         stored chunk ``index`` of ``identity`` up to ``peer`` (``Fetcher.give``)."""
         return self.fetcher.give(peer, identity, index)
-
-    async def open(self, address: str, loc: Loc) -> int | None:
-        """A read-only fd of the file holding ``loc`` (after the upload rate limit let its bytes
-        go), or None: the snapshot was collected, or the file is shorter than the index says
-        (then the chunk is no longer served)."""
-        await self.limit.take(loc.length)
-        fd = diskio.open_first(loc.paths())
-        if fd is None:
-            return None
-        if diskio.file_size(fd) < loc.offset + loc.length:
-            log.error("chunk %s: %s is shorter than its index entry; no longer serving it", address, loc.path())
-            self.index.unindex(address)
-            diskio.close(fd)
-            return None
-        return fd
-
-    async def pread(self, fd: int, length: int, offset: int) -> bytes:
-        """``length`` bytes at ``offset`` of ``fd``, read on a disk thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.disk_pool, diskio.pread, fd, length, offset)
-
-    def sent(self, loc: Loc) -> None:
-        """Event: the chunk at ``loc`` went out whole."""
-        self.stats.add("peer_bytes_out", loc.length)
-        self.stats.add("peer_chunks_out")

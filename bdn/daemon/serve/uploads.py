@@ -1,16 +1,16 @@
 """Upload admission: whether this node sends a chunk to the peer asking now. A pure policy.
 
-Answers (the peer HTTP adapter maps them: ``SEND`` -> 200 and the bytes, ``NOT_HERE`` -> 404,
-the others -> 503 with ``Retry-After``):
+Answers (the transfer server maps them, ``bdn.daemon.serve.wire_peer``: ``SEND`` -> the bytes,
+``NOT_HERE`` -> ``NOT_HERE``, the others -> ``BUSY`` with their retry-after):
 
 - ``STILL_FETCHING``: not held yet but this node is fetching it (the asker waited): "busy, ask
   again", so it keeps waiting for this live owner instead of counting a failure and reading the
-  bucket itself (``Retry-After: 1``);
-- ``SLOTS_FULL``: ``max_uploads`` uploads already run (``Retry-After: 1``);
+  bucket itself (retry after 1 s);
+- ``SLOTS_FULL``: ``max_uploads`` uploads already run (retry after 1 s);
 - ``FANNED_OUT``: this chunk already goes to ``fan_out()`` peers (``per_chunk``, or half the slots
   while fewer than half are in use): the next asker takes it from
   one of them as soon as they verified it, so chunks spread as a tree rather than every copy
-  leaving the owner's uplink (``Retry-After: 0.2``).
+  leaving the owner's uplink (retry after 0.2 s).
 
 ``admit`` books a slot for ``SEND``; every ``SEND`` must be followed by one ``done(address)``.
 """
@@ -29,7 +29,7 @@ class Admission(enum.Enum):
 
     @property
     def retry_after(self) -> str | None:
-        """The ``Retry-After`` value (s) a busy answer carries; None for SEND/NOT_HERE."""
+        """The retry-after value (s) a busy answer carries; None for SEND/NOT_HERE."""
         return {"STILL_FETCHING": "1", "SLOTS_FULL": "1", "FANNED_OUT": "0.2"}.get(self.name)
 
 

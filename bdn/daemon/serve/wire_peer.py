@@ -3,11 +3,11 @@ serves this node's verified chunks with ``sendfile``, and the ``TransferClient``
 the fetcher receives chunks with (``bdn.daemon.fetch.wire_source``).
 
 Serving: ``admit`` runs on the server's connection threads and hands the request to the event
-loop, where ``ChunkServing.request`` decides exactly as for ``GET chunks/{address}?wait=``
-(wait at the owner while it fetches, join the snapshot the asker names, the pure upload policy
-of ``bdn.daemon.serve.uploads``, the upload rate limit); ``resolve`` looks the address up in the chunk
-index (only verified chunks are indexed) and gives the file, offset and length, whose descriptor
-the server opens once and caches. ``forget(job)`` closes the cached descriptors of a snapshot GC
+loop, where ``ChunkServing.request`` decides (wait at the owner while it fetches, join the
+snapshot the asker names, the pure upload policy of ``bdn.daemon.serve.uploads``, the upload
+rate limit); ``resolve`` looks the address up in the chunk index (only verified chunks are
+indexed) and gives the file, offset and length, whose descriptor the server opens once and
+caches. ``forget(job)`` closes the cached descriptors of a snapshot GC
 collected (and the target mappings no download uses), so its shm pages are freed.
 
 Receiving: ``pool`` and ``maps`` are what ``bdn.daemon.fetch.wire_source`` fetches through,
@@ -113,7 +113,7 @@ class HeldJobs(Protocol):
 
 
 class WirePeer:
-    """The transfer server and client of one daemon (``cfg.transfer_listen`` not empty).
+    """The transfer server and client of one daemon: the one path of chunks between daemons.
 
     Built before the fetcher, which receives through its ``pool`` and ``maps`` (``WireLink`` of
     ``bdn.daemon.fetch.sources``), announces through ``announce``/``started_growing`` and

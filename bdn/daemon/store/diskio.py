@@ -13,7 +13,6 @@ from bdn import fileops
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef, Manifest
 
-verify_and_write = fileops.write_verified  # (buf, digest, path, offset) -> bool
 copy_range = fileops.copy_verified  # (src, src_off, dst, dst_off, length, digest) -> bool
 
 

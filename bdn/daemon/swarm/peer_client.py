@@ -31,14 +31,6 @@ class PeerError(Exception):
     """A peer could not be reached or broke the protocol (message says how)."""
 
 
-class PeerBusy(PeerError):
-    """The peer answered 503 (upload slots full); ``retry_after`` in seconds."""
-
-    def __init__(self, retry_after: float) -> None:
-        super().__init__(f"peer busy, retry after {retry_after:g} s")
-        self.retry_after = retry_after
-
-
 def why(e: BaseException) -> str:
     """A transport error in words, without Python reprs (aiohttp's connect errors embed the
     address tuple: ``[Connect call failed ('127.0.0.1', 7080)]``)."""
@@ -53,10 +45,6 @@ def why(e: BaseException) -> str:
         return "timed out"
     text = str(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-class PeerStalled(PeerError):
-    """A chunk request that started (200) but did not finish within the request's time budget."""
 
 
 MAX_HAVE_BYTES = 64 << 20
@@ -85,15 +73,12 @@ class PeerClient:
         self.timeout_s = timeout_s
         self.node_of = node_of or (lambda url: "")
         self._named: dict[str, str] = {}  # base URL -> node id the daemon there named itself (bounded)
-        self._session: aiohttp.ClientSession | None = None  # control: members, have, hot-load
-        self._data: aiohttp.ClientSession | None = None  # chunks
-        # Nonces numbered per target and per pool (FORMATS.md, "Keys and signatures"): the
-        # verifier's replay window then sees dense counters, control and chunks apart.
+        self._session: aiohttp.ClientSession | None = None  # members, have, hot-load, status
+        # Nonces numbered per target (FORMATS.md, "Keys and signatures"): the verifier's replay
+        # window then sees dense counters. (Chunks move over the transfer wire, not here.)
         self._nonces = Counters(time.time)
 
     async def start(self) -> None:
-        # Two connection pools: chunk requests parked at an owner can fill every connection to
-        # it, and a health check queued behind them would time out and drop a live peer.
         """Open the HTTP session to peers (inside the running loop)."""
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(
@@ -101,18 +86,11 @@ class PeerClient:
             ),
             auto_decompress=False,
         )
-        self._data = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(
-                limit=512, limit_per_host=64, ttl_dns_cache=10, keepalive_timeout=self.keepalive_s
-            ),
-            auto_decompress=False,
-        )
 
     async def close(self) -> None:
         """Close the session and its connections."""
-        for sess in (self._session, self._data):
-            if sess is not None:
-                await sess.close()
+        if self._session is not None:
+            await self._session.close()
 
     def _prefix(self) -> str:
         return f"/bdn/v1/{self.keys.swarm_id}"
@@ -125,14 +103,12 @@ class PeerClient:
         *,
         timeout: float,
         data: bytes | None = None,
-        session: aiohttp.ClientSession | None = None,
-        read_idle: float | None = None,
     ) -> aiohttp.ClientResponse:
-        session = session or self._session
+        session = self._session
         assert session is not None
         for first in (True, False):
             to = self.target_of(base_url)
-            nonce = self._nonces.next(to, 1 if session is self._data else 0)
+            nonce = self._nonces.next(to, 0)
             headers = {"Authorization": sign_request(self.keys, method, path_qs, self.node_id, to=to, nonce=nonce)}
             if data is not None:
                 headers["Content-Type"] = "application/msgpack"
@@ -142,7 +118,7 @@ class PeerClient:
                     URL(base_url + path_qs, encoded=True),
                     headers=headers,
                     data=data,
-                    timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=5, sock_read=read_idle),
+                    timeout=aiohttp.ClientTimeout(total=timeout, sock_connect=5),
                 )
             except (TimeoutError, aiohttp.ClientError, OSError) as e:
                 raise PeerError(f"{base_url}: {why(e)}") from None
@@ -174,90 +150,17 @@ class PeerClient:
         *,
         timeout: float,
         data: bytes | None = None,
-        session: aiohttp.ClientSession | None = None,
-        read_idle: float | None = None,
-        stalled: str = "",
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """One signed request whose answer the caller reads inside the ``async with``: transport
         and decoding errors become one PeerError (``"<url>: <what><why>"``), and the answer is
-        always released (the one copy of this try/except/finally for every peer request). With
-        ``stalled`` set, a time-out while the answer is read raises PeerStalled with that message
-        (a chunk: the peer answered, then did not deliver)."""
-        resp = await self._request(
-            method, base_url, path_qs, timeout=timeout, data=data, session=session, read_idle=read_idle
-        )
+        always released (the one copy of this try/except/finally for every peer request)."""
+        resp = await self._request(method, base_url, path_qs, timeout=timeout, data=data)
         try:
             yield resp
-        except TimeoutError as e:  # aiohttp's ServerTimeoutError is one too
-            if stalled:
-                raise PeerStalled(f"{base_url}: {stalled}") from None
-            raise PeerError(f"{base_url}: {what}{why(e)}") from None
-        except (aiohttp.ClientError, ValueError, msgpack.UnpackException, BodyTooLarge) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError, msgpack.UnpackException, BodyTooLarge) as e:
             raise PeerError(f"{base_url}: {what}{why(e)}") from None
         finally:
             resp.release()
-
-    async def get_chunk(
-        self,
-        base_url: str,
-        address: str,
-        length: int,
-        alloc: Callable[[int], bytearray],
-        *,
-        wait: float = 0.0,
-        snapshot: str | None = None,
-    ) -> bytearray | None:
-        """Fetch the chunk at swarm ``address`` (``length`` bytes) into a buffer from ``alloc``.
-
-        The buffer is taken only when the peer answers 200, so a request the owner holds while it
-        fetches costs no memory. Returns None when the peer does not hold the chunk (404). The
-        caller verifies the digest.
-
-        Raises:
-            PeerBusy: 503 with Retry-After (upload slots full, or the owner still fetching it).
-            PeerError: network failure, unexpected status, or a body of the wrong length.
-        """
-        q = f"?wait={wait:g}" if wait > 0 else ""
-        if snapshot:
-            q += ("&" if q else "?") + f"snapshot={snapshot}"
-        path = f"{self._prefix()}/chunks/{address}{q}"
-        # sock_read: a peer that dies (or hangs) mid-request is noticed after ``wait`` plus 10 s of
-        # silence, not after the whole request budget (a parked request is silent during ``wait``).
-        async with self._answer(
-            "GET",
-            base_url,
-            path,
-            "",
-            timeout=wait + self.timeout_s,
-            session=self._data,
-            read_idle=wait + 10.0,
-            stalled="chunk not received in time",
-        ) as resp:
-            if resp.status == 404:
-                return None
-            if resp.status == 503:
-                try:
-                    ra = float(resp.headers.get("Retry-After", "1"))
-                except ValueError:
-                    ra = 1.0
-                raise PeerBusy(min(max(ra, 0.05), 30.0))
-            if resp.status != 200:
-                raise PeerError(f"{base_url}: chunk request answered {resp.status}")
-            if resp.content_length is not None and resp.content_length != length:
-                raise PeerError(f"{base_url}: chunk is {resp.content_length} bytes, expected {length}")
-            buf = alloc(length)
-            out = memoryview(buf)
-            pos = 0
-            # Copy each received piece once into the buffer: no bytes concatenation.
-            async for piece in resp.content.iter_any():
-                end = pos + len(piece)
-                if end > length:
-                    raise PeerError(f"{base_url}: chunk longer than {length} bytes")
-                out[pos:end] = piece
-                pos = end
-            if pos != length:
-                raise PeerError(f"{base_url}: chunk ended after {pos} of {length} bytes")
-            return buf
 
     async def get_have(
         self, base_url: str, identity: str, *, since: int = -1, wait: float = 0.0
