@@ -1,5 +1,5 @@
 """kill -9 of bdnd in the middle of a background catch-up (a freed spare brought forward to the
-served snapshot, bdn/daemon/apply/forward.py), with real processes and real safetensors files: after the
+served snapshot, bdn/daemon/apply/forward.py) or of a seed (a buffer copied from the anchor), with real processes and real safetensors files: after the
 restart no spare claimed by the dead catch-up (nor a half-written tag) is left, and every later delta is READY with the
 trainer's bytes, whether it starts from a spare caught up before the kill or rebuilds."""
 
@@ -84,5 +84,42 @@ def test_kill_9_during_a_background_catch_up_then_restart_keeps_the_trainers_byt
                 assert not half_tag.exists()
         assert kills >= 1, "no catch-up was caught in flight: the test proved nothing"
         assert _metric(d, "chunks_bad") == 0
+    finally:
+        d.stop()
+
+
+def test_kill_9_during_a_seed_copy_then_restart_leaves_no_buffer_and_the_next_delta_is_right(tmp_path: Path) -> None:
+    """kill -9 while the anchor's buffer is being copied (a seed, held slow by its rate bound):
+    the restart deletes the half-copied file and no tag names it; the first delta then copies the
+    anchor itself (at full speed, it waits for it) and is READY with the trainer's bytes."""
+    chain = file_chain(
+        tmp_path, 2, chunk_size=CHUNK, scale=4, frac=0.02, formats={2: "bdn_planes_v1", 3: "bdn_planes_v1"}
+    )
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=dict(ENV, BDN_SPARSE_SEED_MBIT="0.001"))
+    spares = d.shm_dir / SWARM_ID / ".spares"
+    d.start([])
+    try:
+        d.wait_healthy()
+        hot_load(d.url, step_id(1))
+        d.wait_ready(step_id(1), 300)
+        wait_for(lambda: _claimed(spares), 60, "the seed copy under way")
+        d.kill()
+        half = {n for n in os.listdir(spares) if n.startswith(".claimed-")}
+        d.start([])
+        d.wait_healthy()
+        # (the restarted daemon serves the anchor again and may start a new seed: another name)
+        wait_for(lambda: not half & set(os.listdir(spares)), 60, "the restart removing the half-copied buffer")
+        tags = spares / ".tags"
+        assert not tags.is_dir() or not [t for t in tags.iterdir() if not t.name.startswith(".")]  # no tag on it
+        previous = step_id(1)
+        for v in (2, 3):
+            hot_load(d.url, step_id(v), previous=previous)
+            d.wait_ready(step_id(v), 300)
+            got = d.shm_dir / SWARM_ID / step_id(v)
+            for shard in SHARDS:
+                assert (got / shard).read_bytes() == (chain.dirs[v - 1] / shard).read_bytes(), f"{step_id(v)}/{shard}"
+            previous = step_id(v)
+        assert _metric(d, "applies") >= len(SHARDS)  # step 2 at least, on the copy the delta waited for
+        assert _metric(d, "fallbacks") == 0 and _metric(d, "chunks_bad") == 0
     finally:
         d.stop()

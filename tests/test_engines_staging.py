@@ -157,3 +157,24 @@ def test_a_tensor_of_another_shape_is_refused(step) -> None:
     wrong = dict(served, **{names[-1]: torch.zeros(3, 3, dtype=torch.bfloat16)})
     got = stage_tensors(snap, names, wrong, "cpu", SpareBuffers(), threads=2)
     assert isinstance(got, str) and "changed dtype or shape" in got and names[-1] in got
+
+
+def test_buffers_prefilled_after_a_load_are_what_the_first_prepare_stages_into(step) -> None:
+    """After a model load nothing was freed: ``SpareBuffers.prefill`` makes one faulted buffer of
+    each parameter's size on a thread, and the first prepare stages into those (same storage),
+    bit for bit; a swap's ``keep`` replaces them."""
+    served, target, snap = step
+    spares = SpareBuffers()
+    th = spares.prefill(list(served.values()))
+    assert th is not None
+    th.join()
+    prefilled = {b.data_ptr() for bufs in spares._free.values() for b in bufs}
+    assert len(prefilled) == len(served)
+    got = stage_tensors(snap, list(SHAPES), served, "cpu", spares, threads=2)
+    assert not isinstance(got, str)
+    staged, _ = got
+    for k in SHAPES:
+        assert same_bytes(staged[k], target[k]), k
+    assert {t.data_ptr() for t in staged.values()} == prefilled
+    spares.keep([])
+    assert SpareBuffers(enabled=False).prefill(list(served.values())) is None

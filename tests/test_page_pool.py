@@ -76,7 +76,8 @@ def allocated(directory: Path) -> int:
 
 def test_mapped_file_never_recycled_and_recycled_files_verified(tmp_path: Path, file_bucket: str) -> None:
     snaps = {i: publish(tmp_path, file_bucket, f"step00000{i}", i) for i in (1, 2, 3)}
-    d = daemon(tmp_path, file_bucket)
+    # (no seed: every spare here must be a file of a collected snapshot)
+    d = daemon(tmp_path, file_bucket, BDN_SPARSE_SEED_MBIT="0")
     d.start([])
     try:
         d.wait_healthy()

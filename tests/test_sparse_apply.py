@@ -326,3 +326,84 @@ def test_after_a_swap_the_freed_spare_is_brought_forward_in_the_background_and_t
         assert not claimed.exists()
     finally:
         d.stop()
+
+
+def test_the_first_delta_on_an_anchor_applies_sparsely_on_a_verified_copy_of_it(tmp_path: Path) -> None:
+    """No spare holds an anchor: once it is READY a buffer is copied from it in the background,
+    every chunk checked against READY, tagged with each tensor's Adler-32 (a seed); the first delta
+    then applies only itself on that buffer, through its populated mapping, and the anchor's own
+    file, freed by the swap, is caught up to step 2 for step 3. Bytes are the trainer's throughout."""
+    from bdn.client.fleet import hot_load
+
+    chain = file_chain(tmp_path, 3, chunk_size=CHUNK, frac=0.02, formats={v: "bdn_planes_v1" for v in range(2, 5)})
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=ENV)
+    d.start([])
+    try:
+        d.wait_healthy()
+        hot_load(d.url, ANCHOR)
+        d.wait_ready(ANCHOR, 300)
+        wait_for(lambda: _sparse(d).get("seeded", 0) >= len(SHARDS), 120, "both shards of the anchor seeded")
+        log = d.log_path.read_text()
+        for shard in SHARDS:
+            assert f"seed: a buffer of {shard} copied from {ANCHOR} and verified" in log
+        previous = ANCHOR
+        for v in (2, 3, 4):
+            hot_load(d.url, step_id(v), previous=previous)
+            d.wait_ready(step_id(v), 300)
+            _same_as_trainer(d, step_id(v), chain.dirs[v - 1])
+            line = next(
+                ln for ln in d.log_path.read_text().splitlines() if f"{step_id(v)}: " in ln and "sparsely" in ln
+            )
+            assert "(1 delta(s)" in line and f"{len(SHARDS)} through a mapping populated ahead" in line, line
+            wait_for(
+                lambda v=v: f"to {step_id(v)} in the background" in d.log_path.read_text(),
+                120,
+                f"the catch-up to {step_id(v)}",
+            )
+            previous = step_id(v)
+        got = _sparse(d)
+        assert got["seeded"] == len(SHARDS), got  # only the anchor needed a copy; then the freed files
+        assert got["fallbacks"] == 0 and got["chunks_bad"] == 0, got
+    finally:
+        d.stop()
+
+
+def test_a_delta_waiting_for_a_rate_bound_seed_lifts_the_bound(tmp_path: Path) -> None:
+    """At 1 kbit/s the background copy of the anchor would take hours: the delta that starts from
+    it makes it go at full speed (``Forward.settle``), then applies sparsely on it."""
+    chain = file_chain(tmp_path, 1, chunk_size=CHUNK, frac=0.02, formats={2: "bdn_planes_v1"})
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=dict(ENV, BDN_SPARSE_SEED_MBIT="0.001"))
+    d.start([])
+    try:
+        d.wait_healthy()
+        _load(d, ANCHOR)
+        spares = d.shm_dir / SWARM_ID / ".spares"
+        wait_for(lambda: any(n.startswith(".claimed-") for n in os.listdir(spares)), 60, "the seed under way")
+        _load(d, step_id(2))
+        _same_as_trainer(d, step_id(2), chain.dirs[1])
+        got = _sparse(d)
+        assert got["seeded"] == len(SHARDS) and got["applies"] == len(SHARDS), got
+        assert got["fallbacks"] == 0 and got["chunks_bad"] == 0, got
+    finally:
+        d.stop()
+
+
+def test_no_seed_past_the_shm_budget(tmp_path: Path) -> None:
+    """With ``shm_budget_bytes`` room for the anchor and a fifth of a model more, no buffer is copied
+    from it (a seed is made only within what the budget leaves)."""
+    chain = file_chain(tmp_path, 1, chunk_size=CHUNK, frac=0.02, formats={2: "bdn_planes_v1"})
+    model = sum(p.stat().st_size for p in chain.dirs[0].rglob("*") if p.is_file())
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=dict(ENV, BDN_SHM_BUDGET_BYTES=str(int(model * 1.2))))
+    d.start([])
+    try:
+        d.wait_healthy()
+        _load(d, ANCHOR)
+        wait_for(
+            lambda: f"of {ANCHOR} not copied: the shm budget leaves" in d.log_path.read_text(), 60, "the seed refused"
+        )
+        spares = d.shm_dir / SWARM_ID / ".spares"
+        assert not [n for n in os.listdir(spares) if n.startswith(".claimed-")]
+        assert _sparse(d).get("seeded", 0) == 0
+        assert "seed: a buffer" not in d.log_path.read_text()
+    finally:
+        d.stop()

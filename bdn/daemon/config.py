@@ -206,6 +206,12 @@ class Config:
     sparse_max_chain: int = field(
         default=4, metadata={"help": "most deltas a spare may be behind to be brought forward sparsely"}
     )
+    sparse_seed_mbit: float = field(
+        default=8000.0,
+        metadata={
+            "help": 'when no spare holds the served snapshot (an anchor, a cold start), a buffer is copied from it in the background at this rate, Mbit/s (full speed once a delta waits for it), so the next bdn_planes_v1 delta applies sparsely too (DESIGN.md, "Sparse apply"); 0 = no such copy (that delta is a full apply)'
+        },
+    )
     apply_workers: int = field(default=0, metadata={"help": "threads decoding deltas (0 = one per core)"})
     keep_ready: int = field(
         default=2, metadata={"help": "GC keeps this many newest ready snapshots (plus leased/current/target)"}

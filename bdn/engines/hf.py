@@ -197,6 +197,11 @@ class HFEngine:
                 log.info("%s: loading a new model object (%s)", snap.identity, reason)
         if prep is None:
             model, tok = load_model(snap, self.device)
+            if self.model is None:  # the first load: the first prepare's buffers are faulted in now
+                self.spares.keep([])
+                th = self.spares.prefill(list(model.state_dict().values()))
+                if th is not None:
+                    th.join()
             nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
             prep = Prepared(snap, options, "load", model=(model, tok), bytes_copied=nbytes, reason=reason)
         prep.prepare_ms = (self.clock() - t0) * 1000.0
@@ -216,6 +221,7 @@ class HFEngine:
         th = torch()
         dropped = 0
         freed: list[Any] = []  # storages no longer in use once apply returned
+        first = self.model is None  # (the first load's prepare faulted its buffers in already)
 
         def apply() -> None:
             nonlocal dropped
@@ -249,7 +255,10 @@ class HFEngine:
             # A new model object may not accept KV caches the old one computed: end them instead.
             gate_opts = dataclasses.replace(gate_opts, inflight_policy="abort")
         outcome = self.gate.swap(apply, gate_opts, prep.snapshot.policy_version)
-        self.spares.keep(freed)
+        if prep.mode != "load" or not first:
+            self.spares.keep(freed)
+        if prep.mode == "load" and not first:  # a reload: its buffers are faulted in while it serves
+            self.spares.prefill(list(self.params.values()))
         self.swaps += 1
         report = {
             "identity": prep.snapshot.identity,

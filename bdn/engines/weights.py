@@ -2,7 +2,8 @@
 
 - ``pread_into``: a tensor's bytes from a snapshot file straight into a CPU buffer (``os.preadv``).
 - ``SpareBuffers``: the storages a swap freed, handed to the next prepare as staging buffers
-  (already faulted in; at most one swap's bytes are kept).
+  (already faulted in; at most one swap's bytes are kept); after a model is loaded, buffers of
+  its parameters' sizes faulted in on a thread, so the first partial prepare needs no fresh pages.
 - ``slots_of``: every state-dict name's Parameter or buffer object and its tied aliases, for a
   swap that rebinds parameters to staged tensors.
 - ``copy_into``: the in-place copy of a swap that must keep the parameters' addresses.
@@ -13,6 +14,7 @@ over numpy/torch/os; measurements are in the docstrings.
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -40,26 +42,61 @@ class SpareBuffers:
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
         self._free: dict[int, list[Any]] = {}  # nbytes -> flat uint8 tensors
+        self._lock = threading.Lock()  # (a prefill thread adds to ``_free``)
 
     def take(self, nbytes: int, dtype: Any) -> Any:
         """A flat uint8 CPU tensor of ``nbytes``: a spare one if the last swap left one, else new."""
         torch = _torch()
-        spares = self._free.get(nbytes)
-        if spares:
-            return spares.pop()
+        with self._lock:
+            spares = self._free.get(nbytes)
+            if spares:
+                return spares.pop()
         return torch.empty(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype).view(torch.uint8)
 
     def keep(self, tensors: list[Any]) -> None:
         """After a swap: the storages nobody uses any more become the next prepare's buffers (the
         previous spares are freed), so at most the bytes of one swap are kept aside."""
         torch = _torch()
-        self._free = {}
+        free: dict[int, list[Any]] = {}
+        if self.enabled:
+            for t in tensors:
+                if t.device.type == "cpu" and t.is_contiguous():
+                    flat = t.reshape(-1).view(torch.uint8)
+                    free.setdefault(flat.numel(), []).append(flat)
+        with self._lock:
+            self._free = free
+
+    def prefill(self, tensors: list[Any]) -> threading.Thread | None:
+        """After a model is loaded (no swap freed anything yet): one buffer of each distinct CPU
+        tensor's byte size in ``tensors``, allocated and faulted in (written once) on a thread
+        (returned; None when disabled), for the first prepare to take. A fresh page costs a fault
+        and zeroing when first written (~0.5-1 CPU-s a GiB on this class of VM): paid here, not in
+        that prepare. The next :meth:`keep` replaces them; a buffer made after it is dropped.
+        Memory: one model of buffers from the load on, as every later swap keeps anyway."""
         if not self.enabled:
-            return
+            return None
+        with self._lock:
+            target = self._free
+        seen: set[int] = set()
+        sizes: list[int] = []
         for t in tensors:
-            if t.device.type == "cpu" and t.is_contiguous():
-                flat = t.reshape(-1).view(torch.uint8)
-                self._free.setdefault(flat.numel(), []).append(flat)
+            if t.device.type == "cpu" and t.is_contiguous() and t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                sizes.append(t.numel() * t.element_size())
+
+        def run() -> None:
+            torch = _torch()
+            for n in sorted(sizes, reverse=True):
+                buf = torch.empty(n, dtype=torch.uint8)
+                buf.fill_(0)  # fault every page in now
+                with self._lock:
+                    if self._free is not target:  # a swap's keep came first: these are not wanted
+                        return
+                    target.setdefault(n, []).append(buf)
+
+        th = threading.Thread(target=run, name="engine-spares-prefill", daemon=True)
+        th.start()
+        return th
 
 
 def slots_of(model: Any, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[str]]]:

@@ -34,8 +34,9 @@ Measured in the same run, for the targets of issue 10:
   on a loaded machine the wall times are mostly the scheduler's, this is the daemon's own work;
   ``prepare_cpu_ms``: the same for the engine (this process, every thread) while it prepared.
 
-``--step-interval S`` waits S seconds after each done before the next POST (a trainer's step: the
-daemon brings the spare the engine freed forward meanwhile, DESIGN.md "Sparse apply").
+``--step-interval S`` waits S seconds after each done (the anchor's too) before the next POST (a
+trainer's step: the daemon brings the spare the engine freed forward meanwhile, or seeds the
+anchor's, DESIGN.md "Sparse apply").
 
 Writes bench/results/hotload.json: one row per mode with ``runs``/``median``/``min``/``max`` of
 ``post_to_done_s, pause_ms, prepare_ms, memcpy_changed_s, transfer_floor_s, apply_s`` (bench/runs.py),
@@ -153,7 +154,7 @@ def sparse_floor_s(prev: dict, new: dict, names: list[str]) -> float:
 
 class Peaks:
     """Samples, every ``every`` s on a thread, the bytes of the files under ``shm`` (allocated
-    blocks) and the daemon's resident memory (``/proc/<pid>/status``: RssAnon, RssShmem); the
+    blocks, each inode once) and the daemon's resident memory (``/proc/<pid>/status``: RssAnon, RssShmem); the
     daemon's VmHWM (peak RSS) is read at :meth:`stop`."""
 
     def __init__(self, shm: Path, pid: int, every: float = 0.05) -> None:
@@ -172,13 +173,15 @@ class Peaks:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
-            total = 0
-            for d, _, files in os.walk(self.shm):
+            seen: dict[int, int] = {}  # by inode: a file renamed during the walk (a spare taken into
+            for d, _, files in os.walk(self.shm):  # staging) is listed under both names
                 for f in files:
                     try:
-                        total += os.lstat(os.path.join(d, f)).st_blocks * 512
+                        st = os.lstat(os.path.join(d, f))
                     except OSError:
-                        pass
+                        continue
+                    seen[st.st_ino] = st.st_blocks * 512
+            total = sum(seen.values())
             st = self._status()
             self.shm_peak = max(self.shm_peak, total)
             self.anon_peak = max(self.anon_peak, st.get("RssAnon", 0))
@@ -240,6 +243,7 @@ def main() -> int:
         help="seconds between one step's done and the next POST (a trainer's step; the daemon "
         "brings the freed spare forward meanwhile, DESIGN.md 'Sparse apply')",
     )
+    ap.add_argument("--keep-log", default="", help="copy bdnd's log (JSON lines) to this path at the end")
     runs.add_runs_arg(ap)
     a = ap.parse_args()
 
@@ -348,6 +352,8 @@ def main() -> int:
                     current = ident(step - 1)
                     while not done(current):
                         time.sleep(0.05)
+                    if a.step_interval > 0:  # the trainer's next step comes a step after the anchor too
+                        time.sleep(a.step_interval)
                     per_run: list[dict] = []
                     for _ in range(a.runs):
                         target = ident(step)
@@ -477,6 +483,8 @@ def main() -> int:
         if proc is not None and proc.poll() is None:
             proc.terminate()
             proc.wait(60)
+        if a.keep_log and (work / "bdnd.log").is_file():
+            shutil.copyfile(work / "bdnd.log", a.keep_log)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return 0

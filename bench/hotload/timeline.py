@@ -2,7 +2,8 @@
 
 Daemon side: ``bdnd`` runs with ``BDN_LOG_JSON=true`` (every line carries ``ts``, seconds since the
 epoch, ms resolution, ``bdn/daemon/main.py``); the lines that mark a step are matched by the
-patterns of ``DAEMON_MARKS``. Engine side: :func:`instrument` wraps the engine link's long-poll,
+patterns of ``DAEMON_MARKS`` (those with a group ``any``, background work for whichever snapshot,
+are kept whatever snapshot they name). Engine side: :func:`instrument` wraps the engine link's long-poll,
 ``HFEngine.prepare`` / ``swap`` and the driver's ``ack`` so each records ``time.time()`` when it
 starts and returns. Both clocks are this machine's wall clock.
 
@@ -30,9 +31,11 @@ DAEMON_MARKS = (
     (re.compile(r"snapshot (\S+): \d+ file\(s\) brought forward sparsely"), "daemon: sparse apply done"),
     (re.compile(r"snapshot (\S+): ready at"), "daemon: READY published"),
     (
-        re.compile(r"catch-up: .* brought forward to (\S+) in the background"),
-        "daemon: freed spare caught up (background)",
+        re.compile(r"catch-up: .* brought forward to (?P<any>\S+) in the background"),
+        "daemon (background): freed spare caught up to {}",
     ),
+    (re.compile(r"seed: a buffer of \S+ copied from (?P<any>\S+) and verified"), "daemon: buffer seeded from {}"),
+    (re.compile(r"gc: removed snapshot (?P<any>\S+)"), "daemon: GC removed {}"),
     (re.compile(r"changed tensors of (\S+) against"), "daemon: changed tensors computed"),
     (re.compile(r"engine \S+ serves (\S+)"), "daemon: ack received, replica done"),
 )
@@ -96,7 +99,9 @@ def daemon_events(log_path: Path, identity: str, since: float) -> list[tuple[flo
         msg = rec.get("msg", "")
         for pat, what in DAEMON_MARKS:
             m = pat.search(msg)
-            if m and m.group(1).rstrip(":,") == identity:
+            if m and "any" in pat.groupindex:  # any snapshot's: the label names it
+                out.append((float(rec["ts"]), what.format(m.group("any").rstrip(":,"))))
+            elif m and m.group(1).rstrip(":,") == identity:
                 out.append((float(rec["ts"]), what))
     return out
 

@@ -2,26 +2,30 @@
 spares may become them (:meth:`Forward.accept`); once its base is ready and its diffs verified,
 bring those buffers forward in place (:meth:`Forward.apply`, a refused one falls back to the full
 apply); after READY, hash the chunks the sparse applies touched (:meth:`Forward.after_ready`) and
-only then index them, a bad one going to the repair path (quarantined, no longer offered).
+only then index them, a bad one going to the repair path (quarantined, no longer offered). Off the
+critical path: a freed spare caught up to the served snapshot (:meth:`Forward.catch_up`), or, when
+no spare holds the served snapshot, one copied from it (:meth:`Forward.seed`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from bdn import fileops
-from bdn.daemon.apply import buffers
+from bdn.daemon.apply import buffers, seed
 from bdn.daemon.config import Config
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.executors import Executors
 from bdn.daemon.snapshots.layers import RESULT
 from bdn.daemon.snapshots.snapshot import SnapshotJob
 from bdn.daemon.store import diskio
+from bdn.daemon.store.spares import Spares
 from bdn.daemon.store.store import Store
 from bdn.proto import sparse_kernel
 from bdn.proto.errors import ProtocolError
@@ -31,6 +35,8 @@ log = logging.getLogger("bdn.runner")
 
 #: Targets whose changed ranges are remembered for their offers (``ranges``).
 RANGES_KEPT = 8
+#: Files whose tensors' Adler-32s a seed computed are remembered (their spare's tag after GC has none).
+ADLERS_KEPT = 16
 
 
 class Forward:
@@ -53,7 +59,10 @@ class Forward:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._hot_used = 0
         self._hot: dict[str, list[str]] = {}  # identity -> its files whose buffer mapping to drop after READY
-        self._busy: asyncio.Future[int] | None = None  # a catch-up in flight
+        self._busy: asyncio.Future[int] | None = None  # a catch-up or a seed in flight
+        self._busy_for = ""  # the identity the buffers in flight will hold
+        self._hurry, self._cancel = threading.Event(), threading.Event()  # for the seed in flight
+        self._adlers: OrderedDict[tuple[str, str], dict[str, int]] = OrderedDict()  # (identity, path): a seed's
         self._planned: set[str] = set()  # identities with buffers held for a sparse apply
         self._ranges: OrderedDict[str, dict[str, list[list[int]]]] = OrderedDict()  # the last RANGES_KEPT
         self._warmed = False  # the sparse kernel's load started (once per process)
@@ -191,11 +200,19 @@ class Forward:
         if positions:
             self._spawn(self._check(job, positions))
 
-    async def settle(self) -> None:
-        """Wait for a background catch-up in flight (a delta starting now takes its buffer)."""
+    async def settle(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> None:
+        """Before delta ``m`` reserves its files: wait for a background catch-up or seed in flight.
+        A seed of a snapshot ``m`` can start from goes on at full speed (``m`` takes its buffer);
+        any other seed is abandoned (its pages are not what ``m`` needs)."""
         busy = self._busy
-        if busy is not None:
-            await asyncio.wait([busy])
+        if busy is None:
+            return
+        if self._busy_for in buffers.chains(m, get, self.store.stored_dir, self.cfg.sparse_max_chain):
+            self._hurry.set()
+        else:
+            self._cancel.set()
+            self._hurry.set()  # (wakes a copy waiting on its rate bound, which then sees the cancel)
+        await asyncio.wait([busy])
 
     async def catch_up(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> int:
         """Bring the tagged spares that ready delta ``m`` (the snapshot now served) and its
@@ -211,11 +228,16 @@ class Forward:
         if not chains:
             return 0
         fut = asyncio.get_running_loop().run_in_executor(self.pools.apply, self._catch_up, m, chains)
-        self._busy = fut
+        return await self._in_flight(m.identity, fut)
+
+    async def _in_flight(self, identity: str, fut: asyncio.Future[int]) -> int:
+        self._busy, self._busy_for = fut, identity
         try:
             return await fut
         finally:
-            self._busy = None
+            self._busy, self._busy_for = None, ""
+            self._hurry.clear()
+            self._cancel.clear()
 
     def _catch_up(self, m: Manifest, chains: dict[str, list[tuple[str, Any]]]) -> int:
         spares, n = self.store.spares, 0
@@ -226,6 +248,8 @@ class Forward:
             if claimed is None:
                 continue
             hidden, tag = claimed
+            if tag.get("adlers") is None:  # GC's tag of a file a seed copied knows none: the seed did
+                tag["adlers"] = self._adlers.get((str(tag.get("identity")), f.path))
             t0 = time.monotonic()
             new_tag = None
             try:
@@ -285,6 +309,104 @@ class Forward:
                 )
             finally:
                 spares.release(hidden, new_tag)
+        return n
+
+    async def seed(
+        self, job: SnapshotJob, reach: Callable[[dict[str, Any]], bool], room: int | None, *, background: bool
+    ) -> int:
+        """Give the page pool a buffer of each safetensors file of ready snapshot ``job`` (a full
+        one, or a ``bdn_planes_v1`` delta) that no tagged spare ``reach`` accepts holds: a new spare (``Spares.seed``) into which the file is
+        copied and verified chunk by chunk (``bdn.daemon.apply.seed``), tagged ``job`` with every
+        tensor's Adler-32, its mapping kept populated. ``background``: at ``sparse_seed_mbit``
+        until a delta that starts from it waits (:meth:`settle`), and counted as in flight;
+        otherwise at full speed (that delta is waiting). ``room``: bytes the shm budget leaves
+        (None: no budget); files past it are not seeded. Returns the files seeded (0 with
+        ``sparse_seed_mbit`` 0, or when the pool has no room: the delta then applies in full)."""
+        m = job.manifest
+        if not self.cfg.sparse_apply or self.cfg.sparse_seed_mbit <= 0 or m is None or job.state != "ready":
+            return 0
+        if m.is_delta and (m.compression_format or "").lower() != buffers.SPARSE_FORMAT:
+            return 0  # its successor will not be a sparse delta either (a guess: the copy would be wasted)
+        if background and self._busy is not None:
+            return 0
+        try:
+            tags = buffers.tags_of(self.store.read_ready(job.identity), self.store.stored_dir(job.identity))
+        except (OSError, ProtocolError):
+            return 0
+        have = self.store.spares.tagged(reach)
+        want = [t for p, t in tags.items() if (p, t["size"]) not in have and t["size"]]
+        if room is not None:  # within the shm budget, largest files first
+            fits: list[dict[str, Any]] = []
+            for t in sorted(want, key=lambda t: -t["size"]):
+                if t["size"] <= room:
+                    fits.append(t)
+                    room -= t["size"]
+            if len(fits) < len(want):
+                log.info(
+                    "seed: %d file(s) of %s not copied: the shm budget leaves %d bytes",
+                    len(want) - len(fits),
+                    job.identity,
+                    room,
+                )
+            want = fits
+        if not want:
+            return 0
+        if not self._warmed:  # the first sparse apply will follow: load the compiled kernel meanwhile
+            self._warmed = True
+            self._spawn(asyncio.get_running_loop().run_in_executor(self.pools.apply, sparse_kernel.warm))
+        rate = self.cfg.sparse_seed_mbit * 1e6 / 8 if background else 0.0
+        src = self.store.ready_dir(job.identity)
+        fut = asyncio.get_running_loop().run_in_executor(
+            self.pools.apply, self._seed, src, want, m.chunk_size, rate, self.store.spares
+        )
+        return await (self._in_flight(job.identity, fut) if background else fut)
+
+    def _seed(self, src: Any, want: list[dict[str, Any]], chunk_size: int, rate: float, spares: Spares) -> int:
+        n = 0
+        for tag in want:
+            path, t0 = tag["path"], time.monotonic()
+            hidden = spares.seed(tag["size"])
+            if hidden is None:
+                break
+            done = False
+            t1 = time.monotonic()
+            try:
+                header = fileops.read_header(src / path)
+                seed.copy_file(src / path, hidden, chunk_size, rate=rate, hurry=self._hurry, cancel=self._cancel)
+                t2 = time.monotonic()
+                spares.maps.prime(hidden)  # (pages written whole: only the page tables are made here)
+                mapped = spares.maps.get(hidden)
+                if mapped is None:
+                    raise OSError("the new buffer could not be mapped")
+                adlers = seed.verify_copy(mapped, chunk_size, tag["chunks"], header, path)
+                del mapped
+                spares.release(hidden, dict(tag, adlers=adlers))
+                done = True
+                self._adlers[(tag["identity"], path)] = adlers
+                while len(self._adlers) > ADLERS_KEPT:
+                    self._adlers.popitem(last=False)
+                n += 1
+                self.stats.add("sparse_seeded")
+                log.info(
+                    "seed: a buffer of %s copied from %s and verified (%d bytes, %d chunks hashed) in %.3f s"
+                    " (pages %.3f s, copy %.3f s, mapping and hashes %.3f s)",
+                    path,
+                    tag["identity"],
+                    tag["size"],
+                    len(tag["chunks"]),
+                    time.monotonic() - t0,
+                    t1 - t0,
+                    t2 - t1,
+                    time.monotonic() - t2,
+                )
+            except seed.Cancelled as e:
+                log.info("seed: %s (a delta that does not start from %s came)", e, tag["identity"])
+                break
+            except (ProtocolError, OSError) as e:
+                log.warning("seed: no buffer of %s copied from %s: %s", path, tag["identity"], e)
+            finally:
+                if not done:
+                    spares.discard(hidden)
         return n
 
     def spawn(self, aw: Awaitable[Any]) -> None:

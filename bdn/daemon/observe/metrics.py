@@ -112,10 +112,10 @@ class _Collector:
         sp = CounterMetricFamily(
             "bdn_sparse",
             "Sparse applies (DESIGN.md, Sparse apply): files brought forward "
-            "in place, spares brought forward in the background, bytes they wrote, refusals (full apply instead), touched chunks found bad",
+            "in place, spares brought forward in the background, buffers seeded by a verified copy, bytes they wrote, refusals (full apply instead), touched chunks found bad",
             labels=["what"],
         )
-        for what in ("applies", "caught_up", "bytes_written", "fallbacks", "chunks_bad"):
+        for what in ("applies", "caught_up", "seeded", "bytes_written", "fallbacks", "chunks_bad"):
             sp.add_metric([what], c[f"sparse_{what}"])
         yield sp
         h = CounterMetricFamily(

@@ -35,6 +35,7 @@ COUNTERS = (
     "sparse_applies",  # rebuilt files brought forward in place from a spare (bdn.daemon.apply.buffers)
     "sparse_bytes_written",  # bytes those applies wrote
     "sparse_caught_up",  # spares brought forward in the background to the snapshot served (bdn.daemon.apply.forward)
+    "sparse_seeded",  # buffers copied from a ready file no spare held, verified (bdn.daemon.apply.seed)
     "sparse_fallbacks",  # sparse applies refused (wrong base, checksum, cheaper in full): full apply instead
     "sparse_chunks_bad",  # chunks a sparse apply touched whose xxh3 after READY did not match: quarantined
 )

@@ -332,6 +332,19 @@ class Catalog:
                 f"{budget}, {u} in use by {names or 'nothing'} (leased, current or in progress)"
             )
 
+    def budget_left(self) -> int | None:
+        """Bytes of ``shm_budget_bytes`` that no snapshot (but a failed one) and no spare holds now;
+        None without a budget. A seed (``Forward.seed``) is made only within it."""
+        budget = self.cfg.shm_budget_bytes
+        if budget <= 0:
+            return None
+        used = sum(
+            self.store.space_needed(j.manifest)
+            for j in self.jobs.values()
+            if j.manifest is not None and j.state != "failed"
+        )
+        return budget - used - self.store.spares.bytes()
+
     def spare_room(self, m: Manifest | None) -> int:
         """Bytes the page pool may keep once ``m`` is reserved (None: now): its own cap, and
         under ``shm_budget_bytes`` what the snapshots (``m`` included) leave of the budget."""

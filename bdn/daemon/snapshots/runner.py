@@ -64,6 +64,9 @@ class RunnerJobs(Jobs, Protocol):
     def spare_room(self, m: Manifest | None) -> int:
         """Bytes the page pool may keep once ``m`` is reserved (``Store.prepare_staging``)."""
 
+    def budget_left(self) -> int | None:
+        """Bytes of the shm budget no snapshot or spare holds (None: no budget)."""
+
     def check_budget(self, m: Manifest) -> None:
         """Raise if ``m``'s files do not fit the shm budget after GC."""
 
@@ -158,11 +161,14 @@ class Runner:
                 await self._resume(job, saved)
             else:
                 if m.is_delta:
-                    await self.forward.settle()  # a background catch-up's buffer is this delta's to take
+                    await self.forward.settle(m, jobs.get)  # a background catch-up's buffer is this delta's to take
                 jobs.check_budget(m)
                 accept = self.forward.accept(m, jobs.get) if m.is_delta else None
                 if accept is not None:
                     jobs.gc()  # the snapshot before the base may be collected now, and become a buffer
+                    base = jobs.get(m.base_identity or "")
+                    if base is not None:  # no spare holds the base (nor an ancestor): a copy of it is
+                        await self.forward.seed(base, accept, jobs.budget_left(), background=False)
                 held = await self._on(self.pools.disk, self.store.prepare_staging, m, accept, jobs.spare_room(m))
                 self.forward.held(m.identity, held)
             flusher = asyncio.create_task(self._progress_flusher(job))
@@ -197,6 +203,14 @@ class Runner:
             )
             jobs.gc()
             self.forward.after_ready(job)  # after GC: the spares it just tagged are mapped ahead
+            if not any(j is not job and j.state != "failed" for j in jobs.all()):
+                # the first snapshot here (an anchor, a cold start): its buffer is copied while
+                # the engines load it, so that the first delta on it applies sparsely too
+                self.forward.spawn(
+                    self.forward.seed(
+                        job, lambda t: t.get("identity") == job.identity, jobs.budget_left(), background=True
+                    )
+                )
         except asyncio.CancelledError:
             self.save_progress(job)  # a clean stop resumes like a crash, from what is verified
             raise
@@ -230,7 +244,8 @@ class Runner:
         """Event: the engines serve ``identity`` now (or none is registered). The snapshot served
         before it is free once the engines close it: then GC recycles it into a tagged spare and
         :meth:`Forward.catch_up` brings that spare forward to ``identity`` in the background (a
-        task; DESIGN.md, "Sparse apply")."""
+        task; DESIGN.md, "Sparse apply"). When no spare then holds ``identity`` (an anchor, a
+        snapshot loaded without its predecessor), :meth:`Forward.seed` copies one from it."""
         if self.cfg.sparse_apply:
             self.forward.spawn(self._catch_up(identity))
 
@@ -251,12 +266,17 @@ class Runner:
             return  # a snapshot is on its way: it takes the spares itself
         jobs.gc()
         job = jobs.get(identity)
-        if job is None or job.state != "ready" or job.manifest is None or not job.manifest.is_delta:
+        if job is None or job.state != "ready" or job.manifest is None:
             return
-        await self._on(self.pools.disk, self.store.spares.prime_tagged)
-        if any(j.state not in TERMINAL for j in jobs.all()):
-            return
-        await self.forward.catch_up(job.manifest, jobs.get)
+        if job.manifest.is_delta:
+            await self._on(self.pools.disk, self.store.spares.prime_tagged)
+            if any(j.state not in TERMINAL for j in jobs.all()):
+                return
+            await self.forward.catch_up(job.manifest, jobs.get)
+        if not any(j.state not in TERMINAL for j in jobs.all()):
+            await self.forward.seed(
+                job, lambda tag: tag.get("identity") == identity, jobs.budget_left(), background=True
+            )
 
     def _publish(self, job: SnapshotJob, m: Manifest) -> Any:
         """READY and the restart record of ``job`` rebuilt from ``m`` (a disk thread: the record

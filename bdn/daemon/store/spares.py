@@ -287,6 +287,54 @@ class Spares:
         os.chmod(hidden, 0o644)
         return hidden, tag
 
+    def tagged(self, accept: Callable[[dict[str, Any]], bool]) -> set[tuple[str, int]]:
+        """``(path, size)`` of every tagged spare whose tag ``accept``s (what :meth:`take_tagged`
+        could hand out now)."""
+        out: set[tuple[str, int]] = set()
+        with self._lock:
+            for t in self._tag_files():
+                try:
+                    tag = json.loads(t.read_text())
+                    st = (self.dir / t.name).stat()
+                except (OSError, ValueError):
+                    continue
+                if isinstance(tag, dict) and tag.get("size") == st.st_size and accept(tag):
+                    out.add((str(tag.get("path")), st.st_size))
+        return out
+
+    def seed(self, size: int) -> Path | None:
+        """A new file of ``size`` bytes, its pages allocated, under a hidden name in the pool's
+        directory (``.claimed-<n>``, as :meth:`claim_tagged` gives: a restart deletes it), writable:
+        a buffer to fill with a copy of a ready file (``bdn.daemon.apply.seed``) and give to the pool
+        with :meth:`release`. None when the pool is off (``limit`` 0), the file would take the pool
+        past a fixed ``limit``, or the space cannot be allocated. With ``limit`` -1 the pool's cap
+        grows to hold it (what it holds is one batch, as when GC absorbs a snapshot)."""
+        if self.limit == 0 or (self.limit > 0 and self.bytes() + size > self.limit):
+            return None
+        hidden = self.dir / f"{CLAIMED}{os.getpid()}-{next(self._seq)}"
+        try:
+            fd = os.open(hidden, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            log.warning("page pool: no seed buffer of %d bytes: %s", size, e)
+            return None
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            hidden.unlink(missing_ok=True)
+            log.warning("page pool: no seed buffer of %d bytes: %s", size, e)
+            return None
+        finally:
+            os.close(fd)
+        with self._lock:
+            if self.limit < 0:
+                self._high = max(self._high, self.bytes() + size)
+        return hidden
+
+    def discard(self, hidden: Path) -> None:
+        """Delete a file :meth:`seed` or :meth:`claim_tagged` gave (its mapping first)."""
+        self.maps.drop(hidden)
+        hidden.unlink(missing_ok=True)
+
     def release(self, hidden: Path, tag: dict[str, Any] | None) -> None:
         """Put a file :meth:`claim_tagged` took back into the pool, read-only, with ``tag`` (what
         it holds now) or untagged (None: its bytes are not known)."""
