@@ -69,9 +69,10 @@ def one_daemon(tmp_path: Path, bucket: str, **env: str) -> Daemon:
 def tmpfs_daemon(tmp_path: Path, bucket: str, size: int) -> Iterator[tuple[Daemon, Path]]:
     """``(daemon, mount)``: :func:`one_daemon` started and healthy with its shm dir on a fresh
     tmpfs of ``size`` bytes (skipped where mounting is not permitted); stopped and unmounted on
-    the way out."""
+    the way out. No seed buffers (``sparse_seed_mbit = 0``): these tests count the tmpfs's free
+    bytes, which a seed copied in the background after READY would change meanwhile."""
     with small_tmpfs(tmp_path / "tmpfs", size) as mnt:
-        d = one_daemon(tmp_path, bucket, BDN_SHM_DIR=str(mnt))
+        d = one_daemon(tmp_path, bucket, BDN_SHM_DIR=str(mnt), BDN_SPARSE_SEED_MBIT="0")
         d.shm_dir = mnt
         with running(d):
             yield d, mnt

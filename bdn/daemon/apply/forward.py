@@ -20,6 +20,7 @@ from typing import Any
 from bdn import fileops
 from bdn.daemon.apply import buffers, seed
 from bdn.daemon.config import Config
+from bdn.daemon.observe import logctx
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.executors import Executors
 from bdn.daemon.snapshots.layers import RESULT
@@ -329,12 +330,11 @@ class Forward:
             return 0  # its successor will not be a sparse delta either (a guess: the copy would be wasted)
         if background and self._busy is not None:
             return 0
-        try:
-            tags = buffers.tags_of(self.store.read_ready(job.identity), self.store.stored_dir(job.identity))
+        loop = asyncio.get_running_loop()
+        try:  # READY and the spares' tags are read on a disk thread (a huge snapshot: 100,000 files)
+            want = await loop.run_in_executor(self.pools.disk, self._unseeded, job.identity, reach)
         except (OSError, ProtocolError):
             return 0
-        have = self.store.spares.tagged(reach)
-        want = [t for p, t in tags.items() if (p, t["size"]) not in have and t["size"]]
         if room is not None:  # within the shm budget, largest files first
             fits: list[dict[str, Any]] = []
             for t in sorted(want, key=lambda t: -t["size"]):
@@ -361,53 +361,70 @@ class Forward:
         )
         return await (self._in_flight(job.identity, fut) if background else fut)
 
+    def _unseeded(self, identity: str, reach: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+        """The tags of ready ``identity``'s files that no tagged spare ``reach`` accepts holds (a
+        disk thread). Raises OSError/ProtocolError (READY or a stored diff unreadable)."""
+        tags = buffers.tags_of(self.store.read_ready(identity), self.store.stored_dir(identity))
+        have = self.store.spares.tagged(reach)
+        return [t for p, t in tags.items() if (p, t["size"]) not in have and t["size"]]
+
     def _seed(self, src: Any, want: list[dict[str, Any]], chunk_size: int, rate: float, spares: Spares) -> int:
         n = 0
         for tag in want:
-            path, t0 = tag["path"], time.monotonic()
-            hidden = spares.seed(tag["size"])
-            if hidden is None:
+            with logctx.snapshot(tag["identity"]):  # a worker thread: the loop's context is not here
+                outcome = self._seed_one(src, tag, chunk_size, rate, spares)
+            if outcome == "stop":
                 break
-            done = False
-            t1 = time.monotonic()
-            try:
-                header = fileops.read_header(src / path)
-                seed.copy_file(src / path, hidden, chunk_size, rate=rate, hurry=self._hurry, cancel=self._cancel)
-                t2 = time.monotonic()
-                spares.maps.prime(hidden)  # (pages written whole: only the page tables are made here)
-                mapped = spares.maps.get(hidden)
-                if mapped is None:
-                    raise OSError("the new buffer could not be mapped")
-                adlers = seed.verify_copy(mapped, chunk_size, tag["chunks"], header, path)
-                del mapped
-                spares.release(hidden, dict(tag, adlers=adlers))
-                done = True
-                self._adlers[(tag["identity"], path)] = adlers
-                while len(self._adlers) > ADLERS_KEPT:
-                    self._adlers.popitem(last=False)
-                n += 1
-                self.stats.add("sparse_seeded")
-                log.info(
-                    "seed: a buffer of %s copied from %s and verified (%d bytes, %d chunks hashed) in %.3f s"
-                    " (pages %.3f s, copy %.3f s, mapping and hashes %.3f s)",
-                    path,
-                    tag["identity"],
-                    tag["size"],
-                    len(tag["chunks"]),
-                    time.monotonic() - t0,
-                    t1 - t0,
-                    t2 - t1,
-                    time.monotonic() - t2,
-                )
-            except seed.Cancelled as e:
-                log.info("seed: %s (a delta that does not start from %s came)", e, tag["identity"])
-                break
-            except (ProtocolError, OSError) as e:
-                log.warning("seed: no buffer of %s copied from %s: %s", path, tag["identity"], e)
-            finally:
-                if not done:
-                    spares.discard(hidden)
+            n += outcome == "seeded"
         return n
+
+    def _seed_one(self, src: Any, tag: dict[str, Any], chunk_size: int, rate: float, spares: Spares) -> str:
+        """Seed one file (``_seed``): ``"seeded"``, ``"failed"`` (logged; the next file may
+        still be seeded) or ``"stop"`` (no room in the pool, or cancelled: the rest is not tried)."""
+        path, t0 = tag["path"], time.monotonic()
+        hidden = spares.seed(tag["size"])
+        if hidden is None:
+            return "stop"
+        done = False
+        t1 = time.monotonic()
+        try:
+            header = fileops.read_header(src / path)
+            seed.copy_file(src / path, hidden, chunk_size, rate=rate, hurry=self._hurry, cancel=self._cancel)
+            t2 = time.monotonic()
+            spares.maps.prime(hidden)  # (pages written whole: only the page tables are made here)
+            mapped = spares.maps.get(hidden)
+            if mapped is None:
+                raise OSError("the new buffer could not be mapped")
+            adlers = seed.verify_copy(mapped, chunk_size, tag["chunks"], header, path)
+            del mapped
+            spares.release(hidden, dict(tag, adlers=adlers))
+            done = True
+            self._adlers[(tag["identity"], path)] = adlers
+            while len(self._adlers) > ADLERS_KEPT:
+                self._adlers.popitem(last=False)
+            self.stats.add("sparse_seeded")
+            log.info(
+                "seed: a buffer of %s copied from %s and verified (%d bytes, %d chunks hashed) in %.3f s"
+                " (pages %.3f s, copy %.3f s, mapping and hashes %.3f s)",
+                path,
+                tag["identity"],
+                tag["size"],
+                len(tag["chunks"]),
+                time.monotonic() - t0,
+                t1 - t0,
+                t2 - t1,
+                time.monotonic() - t2,
+            )
+            return "seeded"
+        except seed.Cancelled as e:
+            log.info("seed: %s (a delta that does not start from %s came)", e, tag["identity"])
+            return "stop"
+        except (ProtocolError, OSError) as e:
+            log.warning("seed: no buffer of %s copied from %s: %s", path, tag["identity"], e)
+            return "failed"
+        finally:
+            if not done:
+                spares.discard(hidden)
 
     def spawn(self, aw: Awaitable[Any]) -> None:
         """Run ``aw`` as a task this object keeps until it ends."""

@@ -9,10 +9,23 @@ formatter emits them as fields.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 
 SNAPSHOT: ContextVar[str | None] = ContextVar("bdn_snapshot", default=None)
 PEER: ContextVar[str | None] = ContextVar("bdn_peer", default=None)
+
+
+@contextmanager
+def snapshot(identity: str) -> Iterator[None]:
+    """``SNAPSHOT`` set to ``identity`` inside the block, reset after it: for work run on a
+    worker thread, which does not carry the loop's context."""
+    token = SNAPSHOT.set(identity)
+    try:
+        yield
+    finally:
+        SNAPSHOT.reset(token)
 
 
 class ContextFilter(logging.Filter):
