@@ -434,7 +434,10 @@ def test_the_command_serves_and_stops_on_sigterm(trainer, node, tmp_path: Path) 
                 return None
             return body if status == 200 else None
 
-        body = wait_for(healthy, 120, "the engine to serve")
+        # /health answers while the first load still runs (identity None): wait for the load
+        body = wait_for(
+            healthy, 600, "the engine to serve step 1", until=lambda b: b is not None and b.get("identity") is not None
+        )
         assert body["identity"] == IDS[0] and body["policy_version"] == 1
         wait_for(lambda: replica_done(node.url, IDS[0]), 120, "the replica done")
         proc.send_signal(signal.SIGTERM)
