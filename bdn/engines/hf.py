@@ -6,7 +6,11 @@ download) and generates token by token under a ``PolicyGate``. It is an adapter 
 ``bdn.engines.driver.drive``:
 
 - ``prepare(snapshot, offer, options)`` runs while the old weights keep serving. With a model
-  loaded and the same ``config.json``, it finds the changed tensors (``offer["changed_tensors"]``
+  loaded on the CPU, the same ``config.json`` and an offer naming the delta's verified diff files
+  on the served snapshot (``changed_words``), it checks a *word-level swap*
+  (:mod:`bdn.engines.hf_words`: the swap then XORs only the changed words into the parameters,
+  in place, in the pause). Otherwise, with a model loaded and the same ``config.json``, it finds
+  the changed tensors (``offer["changed_tensors"]``
   or by comparing the two snapshots, bdn.engines.changed) and copies only those out of the
   snapshot's shared memory into staging tensors (a *partial swap*); otherwise it loads the whole
   new model (a *full reload*).
@@ -16,7 +20,9 @@ download) and generates token by token under a ``PolicyGate``. It is an adapter 
   weights, and the old storage is freed after the swap, so peak memory is the same as copying);
   with ``"copy"`` each staged tensor is copied into the parameter's own storage (one memcpy per
   tensor, pointer-stable: what an engine whose kernels captured the weights' addresses, e.g. CUDA
-  graphs, must do). A first load swaps the model object. The prompt cache is dropped
+  graphs, must do). A word-level swap writes the changed words into the parameters' own storage
+  (pointer-stable, one copy of the model; a failure reads the changed tensors from the target
+  snapshot instead, one log line). A first load swaps the model object. The prompt cache is dropped
   (``RESET_ALL``) or kept (``PRESERVE``). The report says what was done.
 
 The prompt cache: the KV cache of every prompt (``transformers.DynamicCache``), reused for a later
@@ -45,11 +51,13 @@ import xxhash
 from bdn.client import Snapshot
 from bdn.engines import changed as changed_mod
 from bdn.engines import hf_sampling as sampling
+from bdn.engines import hf_words as words
 from bdn.engines.gate import Aborted, PolicyGate, Ticket
 from bdn.engines.hf_staging import EngineError, load_model, same_config, stage_tensors, torch, torch_available
 from bdn.engines.options import HotLoadOptions
 from bdn.engines.prompt_cache import PromptCache
 from bdn.engines.weights import SpareBuffers, copy_into, slots_of
+from bdn.proto.errors import BdnError
 
 log = logging.getLogger("bdn.engines.hf")
 
@@ -60,8 +68,8 @@ SWAP_METHODS = ("rebind", "copy")
 
 @dataclass
 class Prepared:
-    """A new policy ready to swap in: ``mode`` ``"partial"`` / ``"full"`` (``tensors`` copied in place)
-    or ``"load"`` (a new ``model``)."""
+    """A new policy ready to swap in: ``mode`` ``"partial"`` / ``"full"`` (``tensors`` copied in place,
+    or with ``words`` the changed words XORed in place) or ``"load"`` (a new ``model``)."""
 
     snapshot: Snapshot
     options: HotLoadOptions
@@ -74,6 +82,8 @@ class Prepared:
     prepare_cpu_ms: float = 0.0  # this process's CPU time (every thread) while preparing
     bytes_copied: int = 0
     ranges: int = 0  # tensors of which only the offer's changed byte ranges were read
+    words: words.WordPlan | None = None  # a word-level swap (bdn.engines.hf_words)
+    words_fallback: str = ""  # why the offer's changed_words were not (or not wholly) used
 
 
 @dataclass
@@ -134,6 +144,8 @@ class HFEngine:
         self.last_swap: dict[str, Any] | None = None
         self.last_swap_tensors: list[str] = []  # names copied by the last swap (all, for a full reload)
         self.swaps = 0
+        self.adlers = words.Adlers()  # the served parameters' Adler-32s (word-level swaps check them)
+        self.kernel = words.KernelWarmup(start=device == "cpu")  # the sparse kernel, loaded meanwhile
 
     # -- what is served --------------------------------------------------------------------
     @property
@@ -160,19 +172,30 @@ class HFEngine:
     def prepare(self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> Prepared:
         """Stage ``snap`` while the current policy serves (see the module doc).
 
-        With a model loaded and the same ``config.json``: the changed tensors are staged
-        (``mode "partial"``), or every tensor when partial swaps are off (``mode "full"``, copied in
+        With a model loaded and the same ``config.json``: a word-level swap when the offer's
+        ``changed_words`` pass every check (``mode "partial"``, ``changed_source "words"``; a
+        refused one is logged in one line and reported as ``words_fallback``), else the changed
+        tensors are staged (``mode "partial"``), or every tensor when partial swaps are off (``mode "full"``, copied in
         place like the partial one, so the two pauses compare copy sizes). Otherwise a new model
         object is built (``mode "load"``: the first load, or an architecture change).
         """
         t0, cpu0 = self.clock(), time.process_time()
         serving = self.snapshot
         prep: Prepared | None = None
-        reason = ""
+        reason = words_fallback = ""
         if serving is not None:
             if not same_config(serving, snap):
                 reason = "config.json changed"
-            else:
+            elif self.partial and self.device == "cpu" and "changed_words" in offer:
+                wp = words.plan(offer, serving.identity, snap, self.params, self.adlers, self.kernel.ready())
+                if isinstance(wp, words.WordPlan):
+                    prep = Prepared(
+                        snap, options, "partial", changed_source="words", words=wp, bytes_copied=wp.bytes_to_write
+                    )
+                elif wp is not None:
+                    words_fallback = wp
+                    log.info("%s: word-level swap not used (%s): staging the changed tensors", snap.identity, wp)
+            if prep is None and not reason:
                 ch = changed_mod.changed_tensors(offer, serving, snap) if self.partial else None
                 if ch is not None and ch.removed:
                     reason = f"{len(ch.removed)} tensor(s) removed"
@@ -192,6 +215,7 @@ class HFEngine:
                             changed_source=ch.source if ch is not None else "",
                             bytes_copied=staged[1],
                             ranges=len(ch.ranges or {}) if ch is not None else 0,
+                            words_fallback=words_fallback,
                         )
             if prep is None:
                 log.info("%s: loading a new model object (%s)", snap.identity, reason)
@@ -225,8 +249,11 @@ class HFEngine:
 
         def apply() -> None:
             nonlocal dropped
+            self.adlers.begin()
             with th.no_grad():
-                if prep.mode in ("partial", "full") and self.swap_method == "copy":
+                if prep.words is not None:
+                    self._apply_words(prep)
+                elif prep.mode in ("partial", "full") and self.swap_method == "copy":
                     for name, t in prep.tensors.items():
                         copy_into(self.params[name], t)
                     freed.extend(prep.tensors.values())
@@ -246,6 +273,8 @@ class HFEngine:
                     self.model, self.tokenizer = model, tok
                     self.params = dict(model.state_dict(keep_vars=False))
                     self._slots, self._aliases = slots_of(model, self.params)
+            if prep.words is None:
+                self.adlers.drop(None if prep.mode == "load" else list(prep.tensors))
             if prep.options.reset_prompt_cache:
                 dropped = self.prompt_cache.clear()
             self.snapshot = prep.snapshot
@@ -259,17 +288,25 @@ class HFEngine:
             self.spares.keep(freed)
         if prep.mode == "load" and not first:  # a reload: its buffers are faulted in while it serves
             self.spares.prefill(list(self.params.values()))
+        if prep.mode == "load" and self.device == "cpu":  # the checksums a word-level swap checks
+            self.adlers.fill(self.params)
         self.swaps += 1
         report = {
             "identity": prep.snapshot.identity,
             "policy_version": prep.snapshot.policy_version,
             "mode": prep.mode,
-            "tensors_copied": len(prep.tensors) if prep.mode != "load" else len(self.params),
+            "tensors_copied": len(prep.words.views)
+            if prep.words is not None
+            else len(prep.tensors)
+            if prep.mode != "load"
+            else len(self.params),
             "swap_method": self.swap_method if prep.mode != "load" else "load",
             "tensors_total": len(self.params),
             "bytes_copied": prep.bytes_copied,
             "tensors_by_ranges": prep.ranges,
             "changed_source": prep.changed_source or None,
+            "words_fallback": prep.words_fallback or None,
+            "words_kernel": ("compiled" if prep.words.fused else "numpy") if prep.words is not None else None,
             "full_reload_reason": prep.reason or None,
             "prompt_cache": "reset" if prep.options.reset_prompt_cache else "preserved",
             "prompt_cache_entries_dropped": dropped,
@@ -283,8 +320,37 @@ class HFEngine:
             "inflight_policy_applied": gate_opts.inflight_policy,
         }
         self.last_swap = report
-        self.last_swap_tensors = list(prep.tensors) if prep.mode != "load" else list(self.params)
+        self.last_swap_tensors = (
+            list(prep.words.views)
+            if prep.words is not None
+            else list(prep.tensors)
+            if prep.mode != "load"
+            else list(self.params)
+        )
         return report
+
+    def _apply_words(self, prep: Prepared) -> None:
+        """The pause of a word-level swap: XOR the changed words in place; on any failure read the
+        changed tensors from the target snapshot instead (one log line; ``words_fallback`` says
+        why), so the parameters hold the target's bytes either way."""
+        wp = prep.words
+        assert wp is not None
+        try:
+            prep.bytes_copied = words.apply(wp)
+        except (BdnError, ValueError) as e:
+            why = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            log.warning(
+                "%s: word-level swap failed (%s): the %d changed tensors are read from the snapshot instead",
+                prep.snapshot.identity,
+                why,
+                len(wp.views),
+            )
+            prep.words_fallback = f"applying the words failed: {why}"
+            prep.changed_source = "words-restored"
+            self.adlers.drop(wp.views)
+            prep.bytes_copied = words.restore(wp, prep.snapshot)
+            return
+        self.adlers.set(wp.result)
 
     # -- generation ------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:

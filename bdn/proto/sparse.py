@@ -54,7 +54,9 @@ __all__ = [
     "SparseResult",
     "adler_update",
     "apply_sparse",
+    "apply_sparse_tensors",
     "changed_bytes",
+    "changed_per_tensor",
     "check_untouched",
     "coalesce",
     "stream_ranges",
@@ -93,14 +95,27 @@ def changed_bytes(diff: Any, streams: Mapping[str, DiffTensor], base_header: Hea
     """Bytes a sparse apply of this diff writes (from the block records alone, no decoding):
     ``k * w`` per sparse block, the whole block for a dense one. Raises ProtocolError for a
     malformed stream."""
+    return sum(changed_per_tensor(diff, streams, base_header).values())
+
+
+def changed_per_tensor(diff: Any, streams: Mapping[str, DiffTensor], base_header: Header) -> dict[str, int]:
+    """``{tensor name: bytes a sparse apply writes to it}`` for every tensor whose stream changes a
+    word (block records alone, as :func:`changed_bytes`); a tensor of only *same* blocks is absent.
+    Raises ProtocolError (naming the tensor) for a malformed stream or one past the diff's end."""
     d = bytes_of(diff)
-    total = 0
+    out: dict[str, int] = {}
     for info in base_header.tensors.values():
         s = streams[info.name]
-        w, blocks = parse_stream(d[s.frame_start : s.frame_end], info.nbytes)
-        for blk in blocks:
-            total += (blk.hi - blk.lo) if blk.mode == _P_DENSE else blk.k * w
-    return total
+        if s.frame_end > len(d):
+            raise ProtocolError(f"diff stream for tensor {_q(info.name)} lies past the end of the diff buffer")
+        try:
+            w, blocks = parse_stream(d[s.frame_start : s.frame_end], info.nbytes)
+        except ProtocolError as e:
+            raise ProtocolError(f"tensor {_q(info.name)}: {e}") from None
+        n = sum((blk.hi - blk.lo) if blk.mode == _P_DENSE else blk.k * w for blk in blocks if blk.mode != _P_SAME)
+        if any(blk.mode != _P_SAME for blk in blocks):
+            out[info.name] = n
+    return out
 
 
 def adler_update(adler: int, n: int, pos: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
@@ -378,12 +393,36 @@ def apply_sparse(
         ValueError: ``buf`` is read-only or not the base's size.
     """
     # plain ndarray views: slicing a numpy.memmap costs a subclass object per slice
-    b, d = bytes_of(buf).view(np.ndarray), bytes_of(diff_buf).view(np.ndarray)
+    b = bytes_of(buf).view(np.ndarray)
     size = base_header.file_size
     if len(b) != size:
         raise ValueError(f"buffer has {len(b)} bytes, the base is {size}")
     if not b.flags.writeable:
         raise ValueError("buffer is read-only")
+    views = {info.name: b[info.start : info.end] for info in base_header.tensors.values()}
+    return apply_sparse_tensors(views, base_header, diff_buf, streams, adlers, map=map, fused=fused)
+
+
+def apply_sparse_tensors(
+    tensors: Mapping[str, np.ndarray],
+    base_header: Header,
+    diff_buf: Any,
+    streams: Mapping[str, DiffTensor],
+    adlers: Mapping[str, int] | None = None,
+    *,
+    map: Map[Any, Any] = serial_map,
+    fused: bool | None = None,
+) -> SparseResult:
+    """:func:`apply_sparse` on tensors held apart rather than in one file buffer: an engine's
+    parameters, each known to hold its base tensor's bytes (docs/ENGINES.md, "Word-level swaps").
+
+    ``tensors``: ``{name: writable flat uint8 array of that tensor's bytes}``; it must hold every
+    tensor of ``base_header`` whose stream changes a word (an unchanged one may be absent). The
+    rest as :func:`apply_sparse`: the same blocks, bytes, checks and errors; ``SparseResult.ranges``
+    are still the file's absolute offsets (``base_header``'s). Raises ValueError, before anything
+    is written, for a changed tensor missing from ``tensors``, of another size or read-only.
+    """
+    d = bytes_of(diff_buf).view(np.ndarray)
     check_names(base_header, streams)
     known = dict(adlers or {})
     fused = sparse_kernel.available() if fused is None else fused and sparse_kernel.available()
@@ -410,10 +449,16 @@ def apply_sparse(
             res.adlers[info.name] = want
             continue
         parsed.append((info, stream, w, live))
+    for info, *_ in parsed:
+        view = tensors.get(info.name)
+        if view is None or len(view) != info.nbytes or view.dtype != np.uint8 or not view.flags.writeable:
+            raise ValueError(
+                f"tensor {_q(info.name)} changes but no writable buffer of its {info.nbytes} bytes is given"
+            )
     missing = [info for info, *_ in parsed if info.name not in known]
 
     def checksum(info: TensorInfo) -> tuple[str, int]:
-        return info.name, raw_adler32(b[info.start : info.end])
+        return info.name, raw_adler32(tensors[info.name])
 
     for name, a in map(checksum, missing) if len(missing) > 1 else serial_map(checksum, missing):
         known[name] = a
@@ -441,7 +486,7 @@ def apply_sparse(
     def one(task: tuple[int, int, list[_PlanesBlock]]) -> Exception | None:
         ti, slot, blks = task
         info, stream, w, _ = parsed[ti]
-        tb = b[info.start : info.end]
+        tb = tensors[info.name]
         try:
             with lease() as cx:
                 if len(blks) == 1 and _is_heavy(blks[0], w, fused):

@@ -65,6 +65,7 @@ __all__ = [
     "Layout",
     "Span",
     "changed_tensors",
+    "changed_words",
     "from_diffs",
     "layout",
     "ranges_from_diffs",
@@ -229,6 +230,43 @@ def delta_source(m: Any, stored_dir: Path) -> DeltaSource | None:
         return None
     tensor_files = tuple(f.path for f in m.files if f.path.endswith(".safetensors"))
     return DeltaSource(m.base_identity, stored_dir, diffs, tensor_files, m.compression_format)
+
+
+WORDS_CODEC = "bdn_planes_v1"
+
+
+def changed_words(delta: DeltaSource | None, base: str, m: Any, stored_complete: bool) -> dict[str, Any]:
+    """The offer's optional ``changed_words`` field (docs/ENGINES.md, "Word-level swaps"), or ``{}``.
+
+    ``{"changed_words": {"codec": "bdn_planes_v1", "base": base, "files": {target file: absolute
+    path of its stored diff file}}}``, given only when every fact an engine relies on holds: the
+    target is a ``bdn_planes_v1`` delta on ``base`` (the snapshot the engine serves), every
+    ``*.safetensors`` file of the target is stored as a diff, the stored layer is complete
+    (``stored_complete``: every diff chunk verified against the manifest, so no unverified byte is
+    offered) and each diff file is on disk at the manifest's size. ``m``: the target's manifest
+    (``bdn.proto.manifest.Manifest``). The files live in the target's stored directory, kept as
+    long as the target is: the offer's lease keeps it from GC until the engine acknowledged it or
+    failed (DESIGN.md, "Engine link and leases"). Stats the diff files (a few, in shm).
+    """
+    if (
+        delta is None
+        or delta.base != base
+        or delta.compression_format.lower() != WORDS_CODEC
+        or not stored_complete
+        or set(delta.tensor_files) - set(delta.diff_files)
+    ):
+        return {}
+    sizes = {f.path: f.size for f in m.files if f.is_diff}
+    files: dict[str, str] = {}
+    for rel in delta.diff_files:
+        path = delta.stored_dir.joinpath(*rel.split("/"))
+        try:
+            if path.stat().st_size != sizes.get(rel):
+                return {}
+        except OSError:
+            return {}
+        files[rel] = str(path)
+    return {"changed_words": {"codec": WORDS_CODEC, "base": base, "files": files}}
 
 
 def _zero_stream(frame: bytes, n: int, fmt: str) -> bool:

@@ -28,7 +28,7 @@ from bdn.daemon.observe import versioned
 from bdn.daemon.process.clock import Clock
 from bdn.daemon.replica import claims, contract
 from bdn.daemon.replica import engines as engine_rules
-from bdn.daemon.replica.changes import ChangedTensorsCache, DeltaSource, delta_source
+from bdn.daemon.replica.changes import ChangedTensorsCache, DeltaSource, changed_words, delta_source
 from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.options import DEFAULT_OPTIONS
 from bdn.daemon.replica.ports import SnapshotRecord, Snapshots
@@ -172,6 +172,12 @@ class ReplicaView:
         job = self.snapshots.get(identity)
         stored_dir, m = getattr(self.snapshots, "stored_dir", None), getattr(job, "manifest", None)  # fakes lack them
         return delta_source(m, stored_dir(identity)) if m is not None and stored_dir is not None else None
+
+    def _words(self, identity: str, base: str, delta: DeltaSource | None) -> dict[str, Any]:
+        """The offer's ``changed_words`` for ``identity`` on ``base`` (``changes.changed_words``)."""
+        job = self.snapshots.get(identity)
+        stored, m = getattr(job, "stored", None), getattr(job, "manifest", None)  # fakes lack them
+        return changed_words(delta, base, m, stored is not None and bool(stored.complete))
 
     def on_snapshot_ready(self, identity: str) -> None:
         """With no engine registered, the daemon serves what is ready."""
@@ -432,7 +438,7 @@ class ReplicaView:
 
         The offer: ``{"identity", "policy_version", "kind", "path", "lease_id",
         "prompt_cache_policy", "inflight_policy", "inflight_wait_s", "engine_ttl_s",
-        "changed_tensors"?, "changed_tensors_base"?, "changed_ranges"?}`` (docs/ENGINES.md); the changed tensors are
+        "changed_tensors"?, "changed_tensors_base"?, "changed_ranges"?, "changed_words"?}`` (docs/ENGINES.md); the changed tensors are
         relative to the snapshot this engine acknowledged last, and absent on its first load or
         when they cannot be told (``replica/changes.py``). None after ``timeout`` s, when the
         poller's connection is gone (``connected()`` false) or the engine was dropped.
@@ -469,11 +475,13 @@ class ReplicaView:
                 base = engine.acked
                 base_job = self.snapshots.get(base) if base else None
                 if base and base != ident and base_job is not None and base_job.state == "ready":
-                    names = await self.changes.between(base, ident, self._delta_source(ident))
+                    delta = self._delta_source(ident)
+                    names = await self.changes.between(base, ident, delta)
                     if names is not None:
                         offer.update(
                             changed_tensors=names, changed_tensors_base=base, **self.changes.ranges_of(base, ident)
                         )
+                        offer.update(self._words(ident, base, delta))
                 if self._seen(engine):
                     await self.poke()
                 return offer
