@@ -100,16 +100,21 @@ def node(trainer, tmp_path: Path):
         yield swarm.daemons[0]
 
 
-def test_a_chain_of_six_deltas_swaps_word_level_and_ends_bit_for_bit(trainer, node) -> None:
+@pytest.mark.parametrize("words", ["inplace", "spare"])
+def test_a_chain_of_six_deltas_swaps_word_level_and_ends_bit_for_bit(trainer, node, words: str) -> None:
+    """In place (the pause XORs the parameters) and onto spare copies (the pause rebinds them)."""
     states = trainer["states"]
-    with HFService(node.url, "127.0.0.1", free_port(), replica_id="node0", poll_timeout=2.0) as svc:
+    with HFService(node.url, "127.0.0.1", free_port(), replica_id="node0", poll_timeout=2.0, words=words) as svc:
         wait_for(lambda: replica_done(node.url, IDS[0]), 120, f"{IDS[0]} served")
         assert svc.engine.weights_digest() == digests(states[0])
         for i in range(1, STEPS):
             assert hot_load(node.url, IDS[i], previous=IDS[i - 1])["accepted"] is True
             wait_for(lambda i=i: replica_done(node.url, IDS[i]), 120, f"{IDS[i]} served")
             rep = svc.engine.last_swap
-            assert rep["mode"] == "partial" and rep["changed_source"] == "words", rep
+            assert rep["mode"] == "partial" and rep["changed_source"] == (
+                "words" if words == "inplace" else "words-spare"
+            ), rep
+            assert rep["swap_method"] == ("words-in-place" if words == "inplace" else "rebind")
             assert rep["words_fallback"] is None and rep["words_kernel"] in ("compiled", "numpy")
             changed = [
                 k

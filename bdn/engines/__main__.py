@@ -80,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                 help="copy new tensors into the parameters' own storage in the pause (pointer-stable, "
                 "for captured kernels) instead of rebinding the parameters to them",
             )
+            p.add_argument(
+                "--words",
+                choices=("inplace", "spare", "off"),
+                default="inplace",
+                help="a bdn_planes_v1 delta on the served snapshot: XOR its changed words into the parameters "
+                "in the pause (inplace, one copy of the model), into copies while serving (spare), or stage "
+                "the changed tensors from the snapshot (off)",
+            )
         else:
             p.add_argument("--engine-url", required=True, help="the engine server's base URL")
             p.add_argument("--api-key", default=None, help="the engine's API key (bearer token)")
@@ -131,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 device=a.device,
                 name=a.name,
                 swap_method="copy" if a.swap_in_place else "rebind",
+                words=a.words,
             )
             svc.start(a.connect_timeout)
             print(f"serving on {svc.url}; hot-loads from {a.bdn_url}", flush=True)

@@ -51,7 +51,7 @@ import xxhash
 from bdn.client import Snapshot
 from bdn.engines import changed as changed_mod
 from bdn.engines import hf_sampling as sampling
-from bdn.engines import hf_words as words
+from bdn.engines import hf_words
 from bdn.engines.gate import Aborted, PolicyGate, Ticket
 from bdn.engines.hf_staging import EngineError, load_model, same_config, stage_tensors, torch, torch_available
 from bdn.engines.options import HotLoadOptions
@@ -82,7 +82,7 @@ class Prepared:
     prepare_cpu_ms: float = 0.0  # this process's CPU time (every thread) while preparing
     bytes_copied: int = 0
     ranges: int = 0  # tensors of which only the offer's changed byte ranges were read
-    words: words.WordPlan | None = None  # a word-level swap (bdn.engines.hf_words)
+    words: hf_words.WordPlan | None = None  # a word-level swap (bdn.engines.hf_words)
     words_fallback: str = ""  # why the offer's changed_words were not (or not wholly) used
 
 
@@ -111,13 +111,21 @@ class HFEngine:
         swap_method: ``"rebind"`` (parameters take the staged tensors) or ``"copy"`` (staged
             tensors are copied into the parameters in place); see the module doc.
         clock: monotonic seconds, for the reported timings.
+        words: where a word-level swap writes (``bdn.engines.hf_words.MODES``): ``"inplace"`` (the
+            default: the parameters, in the pause), ``"spare"`` (copies, while serving; the pause
+            as ``swap_method`` says) or ``"off"``.
 
     Raises EngineError (one line) when torch/transformers do not import or ``swap_method`` is
-    not one of ``SWAP_METHODS``.
+    not one of ``SWAP_METHODS``, or ``words`` not one of ``hf_words.MODES``.
     """
 
     def __init__(
-        self, device: str = "cpu", partial: bool = True, clock: Any = time.monotonic, swap_method: str = "rebind"
+        self,
+        device: str = "cpu",
+        partial: bool = True,
+        clock: Any = time.monotonic,
+        swap_method: str = "rebind",
+        words: str = "inplace",
     ) -> None:
         why = torch_available()
         if why:
@@ -125,6 +133,9 @@ class HFEngine:
         if swap_method not in SWAP_METHODS:
             raise EngineError(f"swap_method must be one of {', '.join(SWAP_METHODS)}, got {swap_method!r}")
         self.swap_method = swap_method
+        if words not in hf_words.MODES:
+            raise EngineError(f"words must be one of {', '.join(hf_words.MODES)}, got {words!r}")
+        self.words = words
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
@@ -144,8 +155,8 @@ class HFEngine:
         self.last_swap: dict[str, Any] | None = None
         self.last_swap_tensors: list[str] = []  # names copied by the last swap (all, for a full reload)
         self.swaps = 0
-        self.adlers = words.Adlers()  # the served parameters' Adler-32s (word-level swaps check them)
-        self.kernel = words.KernelWarmup(start=device == "cpu")  # the sparse kernel, loaded meanwhile
+        self.adlers = hf_words.Adlers()  # the served parameters' Adler-32s (word-level swaps check them)
+        self.kernel = hf_words.KernelWarmup(start=device == "cpu")  # the sparse kernel, loaded meanwhile
 
     # -- what is served --------------------------------------------------------------------
     @property
@@ -186,15 +197,8 @@ class HFEngine:
         if serving is not None:
             if not same_config(serving, snap):
                 reason = "config.json changed"
-            elif self.partial and self.device == "cpu" and "changed_words" in offer:
-                wp = words.plan(offer, serving.identity, snap, self.params, self.adlers, self.kernel.ready())
-                if isinstance(wp, words.WordPlan):
-                    prep = Prepared(
-                        snap, options, "partial", changed_source="words", words=wp, bytes_copied=wp.bytes_to_write
-                    )
-                elif wp is not None:
-                    words_fallback = wp
-                    log.info("%s: word-level swap not used (%s): staging the changed tensors", snap.identity, wp)
+            elif self.partial and self.device == "cpu" and self.words != "off" and "changed_words" in offer:
+                prep, words_fallback = self._prepare_words(snap, offer, options)
             if prep is None and not reason:
                 ch = changed_mod.changed_tensors(offer, serving, snap) if self.partial else None
                 if ch is not None and ch.removed:
@@ -232,6 +236,40 @@ class HFEngine:
         prep.prepare_cpu_ms = (time.process_time() - cpu0) * 1000.0
         return prep
 
+    def _prepare_words(
+        self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions
+    ) -> tuple[Prepared | None, str]:
+        """A word-level swap of ``offer`` (``hf_words.plan``; in ``"spare"`` mode the words are
+        applied to copies now), or ``(None, why not)`` after one log line."""
+        serving = self.snapshot
+        wp = (
+            hf_words.plan(offer, serving.identity, snap, self.params, self.adlers, self.kernel.ready())
+            if serving is not None
+            else None
+        )
+        why = wp if isinstance(wp, str) else "" if wp is not None else "nothing is served"
+        if isinstance(wp, hf_words.WordPlan) and self.words == "spare":
+            try:
+                staged = hf_words.onto_copies(wp, self.params, self.spares.take)
+            except (BdnError, ValueError) as e:
+                why = f"applying the words to copies failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}"
+            else:
+                return Prepared(
+                    snap,
+                    options,
+                    "partial",
+                    tensors=staged,
+                    changed_source="words-spare",
+                    words=wp,
+                    bytes_copied=wp.bytes_copied,
+                ), ""
+        elif isinstance(wp, hf_words.WordPlan):
+            return Prepared(
+                snap, options, "partial", changed_source="words", words=wp, bytes_copied=wp.bytes_to_write
+            ), ""
+        log.info("%s: word-level swap not used (%s): staging the changed tensors", snap.identity, why)
+        return None, why
+
     # -- swap (the pause) ------------------------------------------------------------------
     def swap(self, prep: Prepared) -> dict[str, Any]:
         """Swap ``prep`` in under the gate; the report acked to the daemon and shown by the API.
@@ -251,7 +289,7 @@ class HFEngine:
             nonlocal dropped
             self.adlers.begin()
             with th.no_grad():
-                if prep.words is not None:
+                if prep.words is not None and not prep.tensors:
                     self._apply_words(prep)
                 elif prep.mode in ("partial", "full") and self.swap_method == "copy":
                     for name, t in prep.tensors.items():
@@ -273,7 +311,9 @@ class HFEngine:
                     self.model, self.tokenizer = model, tok
                     self.params = dict(model.state_dict(keep_vars=False))
                     self._slots, self._aliases = slots_of(model, self.params)
-            if prep.words is None:
+            if prep.words is not None and prep.tensors:  # "spare": the copies' sums, checked
+                self.adlers.set(prep.words.result)
+            elif prep.words is None:
                 self.adlers.drop(None if prep.mode == "load" else list(prep.tensors))
             if prep.options.reset_prompt_cache:
                 dropped = self.prompt_cache.clear()
@@ -300,7 +340,11 @@ class HFEngine:
             else len(prep.tensors)
             if prep.mode != "load"
             else len(self.params),
-            "swap_method": self.swap_method if prep.mode != "load" else "load",
+            "swap_method": "load"
+            if prep.mode == "load"
+            else "words-in-place"
+            if prep.words is not None and not prep.tensors
+            else self.swap_method,
             "tensors_total": len(self.params),
             "bytes_copied": prep.bytes_copied,
             "tensors_by_ranges": prep.ranges,
@@ -336,7 +380,7 @@ class HFEngine:
         wp = prep.words
         assert wp is not None
         try:
-            prep.bytes_copied = words.apply(wp)
+            prep.bytes_copied = hf_words.apply(wp)
         except (BdnError, ValueError) as e:
             why = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             log.warning(
@@ -348,7 +392,7 @@ class HFEngine:
             prep.words_fallback = f"applying the words failed: {why}"
             prep.changed_source = "words-restored"
             self.adlers.drop(wp.views)
-            prep.bytes_copied = words.restore(wp, prep.snapshot)
+            prep.bytes_copied = hf_words.restore(wp, prep.snapshot)
             return
         self.adlers.set(wp.result)
 

@@ -131,6 +131,7 @@ class HFService:
         replica_id: reported in every answer's ``engine_data``.
         partial: swap changed tensors only (False: full reload on every swap).
         swap_method: ``"rebind"`` or ``"copy"`` (``bdn.engines.hf.HFEngine``).
+        words: where a word-level swap writes: ``"inplace"``, ``"spare"`` or ``"off"`` (``HFEngine``).
         poll_timeout: seconds per long-poll (``stop`` does not wait for one: it unregisters).
     """
 
@@ -146,12 +147,13 @@ class HFService:
         name: str = "hf",
         poll_timeout: float = 5.0,
         swap_method: str = "rebind",
+        words: str = "inplace",
     ) -> None:
         from bdn.engines.hf import HFEngine
         from bdn.engines.openai_api import make_app
 
         self.bdn_url = bdn_url
-        self.engine = HFEngine(device=device, partial=partial, swap_method=swap_method)
+        self.engine = HFEngine(device=device, partial=partial, swap_method=swap_method, words=words)
         self.http = HttpThread(make_app(self.engine, served_name, replica_id), host, port)
         self.name = name
         self.poll_timeout = poll_timeout

@@ -34,6 +34,12 @@ Measured in the same run, for the targets of issue 10:
   on a loaded machine the wall times are mostly the scheduler's, this is the daemon's own work;
   ``prepare_cpu_ms``: the same for the engine (this process, every thread) while it prepared.
 
+``--words inplace|spare|off`` (default ``inplace``): with a ``bdn_planes_v1`` delta the daemon's
+offer names its diff files and the engine XORs the changed words into its parameters in the pause
+(``inplace``), into copies of the changed parameters while it serves (``spare``; the pause then
+rebinds them), or stages the changed tensors from the snapshot (``off``, the path before word-level
+swaps); each row says which (``changed_source``: ``words``, ``words-spare``, ``offer``).
+
 ``--step-interval S`` waits S seconds after each done (the anchor's too) before the next POST (a
 trainer's step: the daemon brings the spare the engine freed forward meanwhile, or seeds the
 anchor's, DESIGN.md "Sparse apply").
@@ -244,6 +250,13 @@ def main() -> int:
         "brings the freed spare forward meanwhile, DESIGN.md 'Sparse apply')",
     )
     ap.add_argument("--keep-log", default="", help="copy bdnd's log (JSON lines) to this path at the end")
+    ap.add_argument(
+        "--words",
+        choices=("inplace", "spare", "off"),
+        default="inplace",
+        help="the engine's word-level swaps of a bdn_planes_v1 delta (HFEngine words=): in the pause, onto "
+        "copies while serving, or off (staging only)",
+    )
     runs.add_runs_arg(ap)
     a = ap.parse_args()
 
@@ -347,6 +360,7 @@ def main() -> int:
                     partial=partial,
                     poll_timeout=5.0,
                     swap_method=method,
+                    words=a.words,
                 ) as svc:
                     marks = timeline.instrument(svc)
                     current = ident(step - 1)
@@ -397,6 +411,8 @@ def main() -> int:
                             "daemon_cpu_s": round(daemon_cpu, 3),
                             "swap_mode": rep["mode"],
                             "changed_source": rep["changed_source"],
+                            "words_fallback": rep.get("words_fallback"),
+                            "words_kernel": rep.get("words_kernel"),
                             "swap_method": rep.get("swap_method"),
                             "tensors_copied": rep["tensors_copied"],
                             "bytes_copied": rep["bytes_copied"],
@@ -465,6 +481,7 @@ def main() -> int:
             "codec": a.codec,
             "keep_ready": a.keep_ready,
             "step_interval_s": a.step_interval,
+            "words": a.words,
             "memory": mem,
             "rows": rows,
         }
