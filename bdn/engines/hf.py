@@ -156,7 +156,9 @@ class HFEngine:
         self.last_swap_tensors: list[str] = []  # names copied by the last swap (all, for a full reload)
         self.swaps = 0
         self.adlers = hf_words.Adlers()  # the served parameters' Adler-32s (word-level swaps check them)
-        self.kernel = hf_words.KernelWarmup(start=device == "cpu")  # the sparse kernel, loaded meanwhile
+        # the sparse kernel: loaded on a thread from the first offer of changed words on (numba's
+        # import holds the GIL for a while: not while the engine starts and loads its first model)
+        self.kernel = hf_words.KernelWarmup(start=False)
 
     # -- what is served --------------------------------------------------------------------
     @property
@@ -242,6 +244,7 @@ class HFEngine:
         """A word-level swap of ``offer`` (``hf_words.plan``; in ``"spare"`` mode the words are
         applied to copies now), or ``(None, why not)`` after one log line."""
         serving = self.snapshot
+        self.kernel.start()  # (that prepare applies with numpy unless it is loaded already)
         wp = (
             hf_words.plan(offer, serving.identity, snap, self.params, self.adlers, self.kernel.ready())
             if serving is not None

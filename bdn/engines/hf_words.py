@@ -86,12 +86,20 @@ def _torch() -> Any:
 
 class KernelWarmup:
     """Loads the sparse kernel on a daemon thread (``sparse_kernel.warm``: numba's import and its
-    cached compile, ~10 CPU-s when the cache is cold); :meth:`ready` says whether it is loaded."""
+    cached compile, ~10 CPU-s when the cache is cold) from :meth:`start` on; :meth:`ready` says
+    whether it is loaded."""
 
     def __init__(self, start: bool = True) -> None:
         self._done = threading.Event()
+        self._started = False
         self.available = False
         if start:
+            self.start()
+
+    def start(self) -> None:
+        """Begin loading the kernel on a thread (once; later calls do nothing)."""
+        if not self._started:
+            self._started = True
             threading.Thread(target=self._run, name="engine-kernel-warmup", daemon=True).start()
 
     def _run(self) -> None:

@@ -235,24 +235,27 @@ def delta_source(m: Any, stored_dir: Path) -> DeltaSource | None:
 WORDS_CODEC = "bdn_planes_v1"
 
 
-def changed_words(delta: DeltaSource | None, base: str, m: Any, stored_complete: bool) -> dict[str, Any]:
+def changed_words(delta: DeltaSource | None, base: str, job: Any) -> dict[str, Any]:
     """The offer's optional ``changed_words`` field (docs/ENGINES.md, "Word-level swaps"), or ``{}``.
 
     ``{"changed_words": {"codec": "bdn_planes_v1", "base": base, "files": {target file: absolute
     path of its stored diff file}}}``, given only when every fact an engine relies on holds: the
     target is a ``bdn_planes_v1`` delta on ``base`` (the snapshot the engine serves), every
     ``*.safetensors`` file of the target is stored as a diff, the stored layer is complete
-    (``stored_complete``: every diff chunk verified against the manifest, so no unverified byte is
-    offered) and each diff file is on disk at the manifest's size. ``m``: the target's manifest
-    (``bdn.proto.manifest.Manifest``). The files live in the target's stored directory, kept as
+    (every diff chunk verified against the manifest, so no unverified byte is
+    offered) and each diff file is on disk at the manifest's size. ``job``: the target's record
+    (``bdn.daemon.snapshots.snapshot.SnapshotJob``: its ``manifest`` and ``stored`` bitfield). The files live in the target's stored directory, kept as
     long as the target is: the offer's lease keeps it from GC until the engine acknowledged it or
     failed (DESIGN.md, "Engine link and leases"). Stats the diff files (a few, in shm).
     """
+    stored, m = getattr(job, "stored", None), getattr(job, "manifest", None)  # (test fakes lack them)
     if (
         delta is None
+        or m is None
         or delta.base != base
         or delta.compression_format.lower() != WORDS_CODEC
-        or not stored_complete
+        or stored is None
+        or not stored.complete
         or set(delta.tensor_files) - set(delta.diff_files)
     ):
         return {}

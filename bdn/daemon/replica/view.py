@@ -173,12 +173,6 @@ class ReplicaView:
         stored_dir, m = getattr(self.snapshots, "stored_dir", None), getattr(job, "manifest", None)  # fakes lack them
         return delta_source(m, stored_dir(identity)) if m is not None and stored_dir is not None else None
 
-    def _words(self, identity: str, base: str, delta: DeltaSource | None) -> dict[str, Any]:
-        """The offer's ``changed_words`` for ``identity`` on ``base`` (``changes.changed_words``)."""
-        job = self.snapshots.get(identity)
-        stored, m = getattr(job, "stored", None), getattr(job, "manifest", None)  # fakes lack them
-        return changed_words(delta, base, m, stored is not None and bool(stored.complete))
-
     def on_snapshot_ready(self, identity: str) -> None:
         """With no engine registered, the daemon serves what is ready."""
         if not self.engines and self.target is not None and self.target.identity == identity:
@@ -475,13 +469,12 @@ class ReplicaView:
                 base = engine.acked
                 base_job = self.snapshots.get(base) if base else None
                 if base and base != ident and base_job is not None and base_job.state == "ready":
-                    delta = self._delta_source(ident)
-                    names = await self.changes.between(base, ident, delta)
+                    names = await self.changes.between(base, ident, delta := self._delta_source(ident))
                     if names is not None:
                         offer.update(
                             changed_tensors=names, changed_tensors_base=base, **self.changes.ranges_of(base, ident)
                         )
-                        offer.update(self._words(ident, base, delta))
+                        offer.update(changed_words(delta, base, job))
                 if self._seen(engine):
                     await self.poke()
                 return offer
