@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from bdn.daemon.replica import changes
 from bdn.daemon.replica.changes import ChangedTensorsCache, DeltaSource, from_diffs
+from bdn.daemon.store.bitfield import Bitfield
 from bdn.fileops import save, write_diff_file
 from bdn.proto.arc import COMPRESSION_FORMATS
 from bdn.proto.chunks import digest
@@ -185,3 +187,35 @@ def test_a_sparse_applys_ranges_are_the_offers_and_the_streams_are_not_decoded_t
     assert got is not None and sorted(got) == want
     assert offer == {"changed_ranges": expected}
     assert len(decoded) == (0 if applied else 1)
+
+
+def test_changed_words_are_offered_only_for_a_verified_planes_delta_on_the_engines_base(tmp_path: Path) -> None:
+    """The offer's ``changed_words``: the target's diff files, only when the stored layer is complete,
+    every tensor file is a diff at its manifest size, the codec is bdn_planes_v1 and the base is the
+    engine's; anything else gives no field (the engine stages)."""
+    _bdir, _tdir, delta, _want = _pair(tmp_path, "bdn_planes_v1")
+    diff = delta.stored_dir / "model.safetensors"
+    size = diff.stat().st_size
+    done = Bitfield(3)
+    done.set_all()
+    m = SimpleNamespace(files=[SimpleNamespace(path="model.safetensors", size=size, is_diff=True)])
+    job = SimpleNamespace(stored=done, manifest=m)
+    got = changes.changed_words(delta, "step000001", job)
+    assert got == {
+        "changed_words": {"codec": "bdn_planes_v1", "base": "step000001", "files": {"model.safetensors": str(diff)}}
+    }
+    assert changes.changed_words(delta, "step000009", job) == {}  # the engine serves another snapshot
+    assert changes.changed_words(None, "step000001", job) == {}  # not a delta with its diffs here
+    partial = Bitfield(3)
+    partial.set(0)
+    assert changes.changed_words(delta, "step000001", SimpleNamespace(stored=partial, manifest=m)) == {}  # unverified
+    short = SimpleNamespace(files=[SimpleNamespace(path="model.safetensors", size=size + 1, is_diff=True)])
+    assert changes.changed_words(delta, "step000001", SimpleNamespace(stored=done, manifest=short)) == {}
+    arc = DeltaSource(delta.base, delta.stored_dir, delta.diff_files, delta.tensor_files, "arc_v2")
+    assert changes.changed_words(arc, "step000001", job) == {}  # another codec
+    whole = DeltaSource(
+        delta.base, delta.stored_dir, delta.diff_files, ("model.safetensors", "extra.safetensors"), "bdn_planes_v1"
+    )
+    assert changes.changed_words(whole, "step000001", job) == {}  # a tensor file stored whole
+    diff.unlink()
+    assert changes.changed_words(delta, "step000001", job) == {}  # the file is gone
