@@ -346,11 +346,14 @@ def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_
 # ---- the pieces, without a daemon ------------------------------------------------------------
 
 
-def test_foreign_state_trust_rules(file_run: str) -> None:
+def test_foreign_state_trust_rules(file_run: str, tmp_path: Path) -> None:
     """Chunks of an object without a bucket checksum are read from the bucket unless accepted;
-    chunks received from a peer are served on only once their object verified."""
+    chunks received from a peer are served on only once their object verified (the job's events)."""
     from bdn.bucket import open_bucket
-    from bdn.daemon.snapshots.foreign_source import ForeignState
+    from bdn.daemon.snapshots.events import ForeignAttached, ForeignReceived, ForeignVerified, ManifestAttached
+    from bdn.daemon.snapshots.foreign_state import ForeignState
+    from bdn.daemon.snapshots.snapshot import SnapshotJob
+    from bdn.daemon.store.store import Store
     from bdn.foreign import read_checksums, read_foreign_table
 
     bucket = open_bucket(file_run)
@@ -363,11 +366,14 @@ def test_foreign_state_trust_rules(file_run: str) -> None:
     strict, lenient = ForeignState(table, checksums, False), ForeignState(table, checksums, True)
     assert strict.unverifiable == set(range(len(table.objects)))  # file:// vouches for nothing
     assert all(strict.bucket_only(r) for r in refs) and not any(lenient.bucket_only(r) for r in refs)
+    job = SnapshotJob("step000001", Store(tmp_path / "shm", "swarm"))
+    job.apply(ForeignAttached(lenient))
+    job.apply(ManifestAttached.of(table.manifest, table.table_id, derived=True))
     a, b = refs[0], refs[1]
-    lenient.received(a, "http://peer", "peer")
-    assert not lenient.servable(a) and lenient.servable(b)  # b was read from the bucket here
-    lenient.verified = True
-    assert lenient.servable(a)
+    job.apply(ForeignReceived(a, "http://peer", "peer"))
+    assert not job.servable(a) and job.servable(b)  # b was read from the bucket here
+    job.apply(ForeignVerified())
+    assert job.servable(a)
     assert lenient.etag(a) == table.objects[a.file_index].etag
 
 

@@ -242,7 +242,7 @@ class Fetcher:
         if job.apply(ChunkVerified(layer, ref)):
             if self.chunk_log is not None:
                 self.chunk_log.done(job, layer, ref, job.ref_index(layer, ref))
-            if job.foreign is None or job.foreign.servable(ref):
+            if job.servable(ref):
                 self.index.register(job, layer, ref)
                 if self.on_indexed is not None and job.foreign is None:
                     self.on_indexed(job, layer, job.ref_index(layer, ref))

@@ -41,7 +41,7 @@ from bdn.daemon.fetch.watch import Attempt
 from bdn.daemon.observe.chunklog import ChunkLog
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import SYSTEM
-from bdn.daemon.snapshots.events import FROM_PEERS, BytesCounted
+from bdn.daemon.snapshots.events import FROM_PEERS, BytesCounted, ForeignReceived
 from bdn.daemon.snapshots.snapshot import SnapshotJob
 from bdn.daemon.swarm.membership import Member, Membership
 from bdn.proto import wire
@@ -209,7 +209,7 @@ class WireSource:
             )
         if res.outcome is Outcome.OK:
             if job.foreign is not None:
-                job.foreign.received(ref, m.url, m.node_id)  # blamed if its object fails
+                job.apply(ForeignReceived(ref, m.url, m.node_id))  # blamed if its object fails
             if res.cut_through:
                 self.stats.add("peer_chunks_in_cut_through")
             if not racing:  # a race counts its winner only (Sources.race)
