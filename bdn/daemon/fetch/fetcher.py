@@ -188,7 +188,7 @@ class Fetcher:
             self.owners.forget((job.identity, layer))
             self._layers -= 1
             if not self._layers:
-                # No download runs: the chunk buffers its races and foreign bucket reads used go
+                # No download runs: the chunk buffers its endgame races used go
                 # back to the system now, not when the pool's bound pushes them out
                 # (sources.BufferPool), and so do the wire's receive buffers (one per fetch that
                 # ran at once: bdn.transfer.receive.Rings).
