@@ -189,7 +189,7 @@ def _compile() -> Any:
         ei = 0
         for i in range(k):
             if dense:
-                idx = i
+                idx = np.int64(i)
             else:
                 g = np.int64(raw[i])
                 if g == 0:
