@@ -202,9 +202,10 @@ class Forward:
             self._spawn(self._check(job, positions))
 
     async def settle(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> None:
-        """Before delta ``m`` reserves its files: wait for a background catch-up or seed in flight.
-        A seed of a snapshot ``m`` can start from goes on at full speed (``m`` takes its buffer);
-        any other seed is abandoned (its pages are not what ``m`` needs)."""
+        """Before snapshot ``m`` (a delta or a full one) reserves its files: wait for a background
+        catch-up or seed in flight. A seed of a snapshot delta ``m`` can start from goes on at full
+        speed (``m`` takes its buffer); any other seed is abandoned and its file deleted (its pages
+        are not what ``m`` needs, and they would count against ``m``'s room in shm)."""
         busy = self._busy
         if busy is None:
             return
@@ -417,7 +418,7 @@ class Forward:
             )
             return "seeded"
         except seed.Cancelled as e:
-            log.info("seed: %s (a delta that does not start from %s came)", e, tag["identity"])
+            log.info("seed: %s (a snapshot that does not start from %s came)", e, tag["identity"])
             return "stop"
         except (ProtocolError, OSError) as e:
             log.warning("seed: no buffer of %s copied from %s: %s", path, tag["identity"], e)

@@ -160,8 +160,9 @@ class Runner:
             if saved is not None:
                 await self._resume(job, saved)
             else:
-                if m.is_delta:
-                    await self.forward.settle(m, jobs.get)  # a background catch-up's buffer is this delta's to take
+                # a background catch-up's or seed's buffer is this delta's to take; any other seed
+                # gives way (its pages would count against this snapshot's room)
+                await self.forward.settle(m, jobs.get)
                 jobs.check_budget(m)
                 accept = self.forward.accept(m, jobs.get) if m.is_delta else None
                 if accept is not None:
