@@ -32,7 +32,6 @@ from bdn.proto.delta_tasks import raw_adler32
 from bdn.proto.errors import ProtocolError
 from bdn.proto.safetensors_fmt import Header
 
-
 #: Longest single wait on the rate bound, s (the bound itself may ask for longer: waited in slices).
 WAIT_SLICE_S = 3600.0
 
