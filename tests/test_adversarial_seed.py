@@ -188,3 +188,83 @@ def test_a_byte_flipped_in_every_chunk_of_a_seeded_spare_never_ends_in_wrong_byt
         assert d.status()["node_id"] == "node0"
     finally:
         d.stop()
+
+
+def test_deltas_back_to_back_and_gc_while_the_seed_crawls_end_with_the_trainers_bytes(tmp_path: Path) -> None:
+    """The anchor's seed crawls at 1 kbit/s; four deltas are asked for at once (each waits for its
+    base), with GC asked for between them: every one is READY with the trainer's bytes, no buffer
+    is claimed but the one seed in flight, no sparse apply was refused or found bad."""
+    steps = 4
+    chain = file_chain(
+        tmp_path, steps, chunk_size=CHUNK, frac=0.02, formats={v: "bdn_planes_v1" for v in range(2, steps + 2)}
+    )
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=dict(ENV, BDN_SPARSE_SEED_MBIT=SLOW))
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch(ANCHOR)[0] in (200, 202)
+        d.wait_ready(ANCHOR, 300)
+        wait_for(lambda: bool(_claimed(d)), 60, "the seed of the anchor under way")
+        for v in range(2, steps + 2):
+            assert d.prefetch(step_id(v))[0] in (200, 202)
+            status, _ = d.request("POST", "/v1/gc")
+            assert status == 200, status
+        for v in range(2, steps + 2):
+            rec = _settled(d, step_id(v))
+            assert rec["state"] == "ready", rec
+        _same_as_trainer(d, step_id(steps + 1), chain.dirs[steps])
+        got = _sparse(d)
+        assert got.get("fallbacks", 0) == 0 and got.get("chunks_bad", 0) == 0, got
+        # (the served snapshot's own seed may crawl now, at the bound: one buffer at most)
+        assert len(_claimed(d)) <= 1, _claimed(d)
+        assert d.status()["node_id"] == "node0"
+    finally:
+        d.stop()
+
+
+def test_kill_9_with_records_in_every_state_then_restart_answers_each_and_loads_on(tmp_path: Path) -> None:
+    """Ready snapshots (an anchor and a sparse delta), a delta waiting for its manifest, one
+    waiting for that delta as its base, a failed one and a seed in flight, then SIGKILL: after the
+    restart every record answers (a state and one line, or 404), never 500, and once the
+    manifests are there the waiting deltas load with the trainer's bytes."""
+    chain = file_chain(tmp_path, 3, chunk_size=CHUNK, frac=0.02, formats={v: "bdn_planes_v1" for v in range(2, 5)})
+    hidden = {}
+    for v in (3, 4):
+        mf = chain.bucket / step_id(v) / "bdn.manifest.json"
+        hidden[v] = mf.read_bytes()
+        mf.unlink()
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=dict(ENV, BDN_SPARSE_SEED_MBIT=SLOW))
+    d.start([])
+    try:
+        d.wait_healthy()
+        for v in (1, 2):
+            assert d.prefetch(step_id(v))[0] in (200, 202)
+            d.wait_ready(step_id(v), 300)
+        for v in (3, 4):
+            status, _ = d.request("POST", f"/v1/snapshots/{step_id(v)}/prefetch?wait_publish=1")
+            assert status == 202
+        assert d.prefetch("step000099")[0] == 202  # nothing published: failed at once
+        wait_for(lambda: _record(d, "step000099").get("state") == "failed", 60, "the failed record")
+        wait_for(lambda: bool(_record(d, step_id(4)).get("reason")), 60, "step 4 waiting")
+        d.kill()
+        d.start([])
+        d.wait_healthy()
+        for ident in (ANCHOR, step_id(2), step_id(3), step_id(4), "step000099"):
+            status, rec = d.request("GET", f"/v1/snapshots/{ident}")
+            assert status in (200, 404), (ident, status, rec)
+            if status == 200:
+                assert rec["state"] and "\n" not in rec.get("reason", ""), rec
+        assert _record(d, step_id(2)).get("state") == "ready"
+        for v in (3, 4):
+            (chain.bucket / step_id(v) / "bdn.manifest.json").write_bytes(hidden[v])
+        for v in (3, 4):
+            status, _ = d.request("POST", f"/v1/snapshots/{step_id(v)}/prefetch?wait_publish=1")
+            assert status in (200, 202)
+        for v in (3, 4):
+            rec = _settled(d, step_id(v))
+            assert rec["state"] == "ready", rec
+            _same_as_trainer(d, step_id(v), chain.dirs[v - 1])
+        got = _sparse(d)
+        assert got.get("fallbacks", 0) == 0 and got.get("chunks_bad", 0) == 0, got
+    finally:
+        d.stop()
