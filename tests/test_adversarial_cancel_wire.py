@@ -150,3 +150,40 @@ def test_a_repair_fetched_over_the_wire_leaves_no_receive_buffer_mapped(tmp_path
     finally:
         victim.stop()
         holder.stop()
+
+
+def test_many_concurrent_downloads_then_none_leave_no_buffer_mapped(tmp_path: Path) -> None:
+    """Three daemons load four snapshots at once (every daemon receives over the wire into many
+    buffers at a time); once all are ready and nothing downloads, no daemon keeps a receive or
+    chunk buffer (``GET /v1/status`` ``buffers``)."""
+    from support.swarm import Swarm
+
+    bucket = f"file://{tmp_path}/bucket"
+    idents = [f"run{i}" for i in range(4)]
+    ckpts = {}
+    b = open_bucket(bucket)
+    try:
+        for i, ident in enumerate(idents):
+            ckpts[ident] = write_hf_dir(tmp_path / f"trainer{i}", make_state(i, scale=4), 1)
+            publish_full(b, ident, i + 1, dir=ckpts[ident], chunk_size=256 << 10)
+    finally:
+        b.close()
+    swarm = Swarm(tmp_path / "nodes", 3, bucket, extra_env={"BDN_LOAD_STARTUP": "false", "BDN_KEEP_READY": "4"})
+    with swarm:
+        for ident in idents:
+            for d in swarm.daemons:
+                assert d.prefetch(ident)[0] == 202
+        for d in swarm.daemons:
+            for ident in idents:
+                d.wait_ready(ident, 300)
+                got = Path(d.get(f"/v1/snapshots/{ident}")["path"])
+                for p in ckpts[ident].iterdir():
+                    assert (got / p.name).read_bytes() == p.read_bytes(), (d.node_id, ident, p.name)
+        assert sum(d.status()["counters"]["peer_wire_bytes_in"] for d in swarm.daemons) > 0
+        for d in swarm.daemons:
+            wait_for(
+                lambda d=d: d.status()["buffers"],
+                60,
+                f"{d.node_id}: no buffer mapped once nothing downloads",
+                until=lambda b: b["receive_buffers"] == 0 and b["chunk_buffers"] == 0,
+            )

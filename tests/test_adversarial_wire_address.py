@@ -3,7 +3,8 @@ wire is the one chunk path between daemons): real bdnd processes, a file:// buck
 
 Each case: node2 advertises, as its wire address, a port where nothing listens, its own HTTP
 peer port (a non-bdn TCP server that answers the wire's hello with HTTP), or the transfer port of
-a daemon of another partition (the right protocol, the wrong secret). Promised: every node is
+a daemon of another partition (the right protocol, the wrong secret), or another member's
+(the right partition, the wrong node). Promised: every node is
 READY with the trainer's bytes within a bounded time (node2's chunks come from elsewhere, the
 bucket last), no chunk from the bad address is ever written, the daemons keep answering.
 """
@@ -26,7 +27,7 @@ IDENT = "step000001"
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.parametrize("kind", ["closed", "http", "other-partition"])
+@pytest.mark.parametrize("kind", ["closed", "http", "other-partition", "another-member"])
 def test_a_peer_advertising_a_wrong_wire_address_costs_no_snapshot(tmp_path: Path, kind: str) -> None:
     bucket = f"file://{tmp_path}/bucket"
     ck = write_hf_dir(tmp_path / "trainer", make_state(0, scale=4), 1)
@@ -43,6 +44,8 @@ def test_a_peer_advertising_a_wrong_wire_address_costs_no_snapshot(tmp_path: Pat
         target = free_port()
     elif kind == "http":
         target = liar.peer_port
+    elif kind == "another-member":  # the wire of node0, a member of the same partition
+        target = swarm.daemons[0].transfer_port
     else:
         foreign = Daemon(
             tmp_path / "other", "nodeX", bucket, secret="another partition's secret 0123456789", extra_env=env
