@@ -268,3 +268,53 @@ def test_kill_9_with_records_in_every_state_then_restart_answers_each_and_loads_
         assert got.get("fallbacks", 0) == 0 and got.get("chunks_bad", 0) == 0, got
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("fmt", ["arc_v2", "bdn_planes_v1"])
+def test_a_repair_of_the_base_while_its_delta_loads_ends_in_a_state_and_the_trainers_bytes(
+    tmp_path: Path, fmt: str
+) -> None:
+    """The anchor's file is corrupted on disk; its repair is asked for in the same moment as the
+    delta on it (the base leaves ready, its directory goes back to staging, while the delta may be
+    reading it). Promised: both end ready, the delta with the trainer's bytes (the delta took its
+    base's repair for a failure: "base snapshot ... failed: repairing ...", the base ready again)."""
+    chain = file_chain(tmp_path, 1, chunk_size=CHUNK, frac=0.02, formats={2: fmt})
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=ENV)
+    d.start([])
+    try:
+        d.wait_healthy()
+        assert d.prefetch(ANCHOR)[0] in (200, 202)
+        d.wait_ready(ANCHOR, 300)
+        shard = d.shm_dir / SWARM_ID / ANCHOR / SHARDS[0]
+        shard.chmod(0o644)
+        with open(shard, "r+b") as fh:
+            for off in range(CHUNK // 2, shard.stat().st_size, CHUNK):
+                fh.seek(off)
+                c = fh.read(1)
+                fh.seek(off)
+                fh.write(bytes([c[0] ^ 0x20]))
+        assert d.prefetch(step_id(2))[0] in (200, 202)
+        status, rep = d.request("POST", f"/v1/snapshots/{ANCHOR}/repair")
+        assert status in (200, 409), (status, rep)
+        for ident in (ANCHOR, step_id(2)):
+            rec = _settled(d, ident)
+            assert "\n" not in rec.get("reason", ""), rec
+        # the base's repair is no failure of the delta: it waits for the base and applies again
+        assert _record(d, step_id(2)).get("state") == "ready", _record(d, step_id(2))
+        assert _record(d, ANCHOR).get("state") in ("ready", None), _record(d, ANCHOR)  # (None: collected)
+        wait_for(
+            lambda: (
+                all(
+                    (d.shm_dir / SWARM_ID / step_id(2) / s).read_bytes() == (chain.dirs[1] / s).read_bytes()
+                    for s in SHARDS
+                )
+                or _record(d, step_id(2)).get("state") != "ready"
+            ),
+            120,
+            "step 2 the trainer's bytes (or out of ready, being repaired)",
+        )
+        rec = _settled(d, step_id(2))
+        assert rec["state"] == "ready", rec
+        _same_as_trainer(d, step_id(2), chain.dirs[1])
+    finally:
+        d.stop()
