@@ -10,6 +10,7 @@ no spare holds the served snapshot, one copied from it (:meth:`Forward.seed`).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -58,6 +59,7 @@ class Forward:
         self._held: dict[str, dict[str, dict[str, Any]]] = {}
         self._touched: dict[str, list[int]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False  # close() ran: no new background task
         self._hot_used = 0
         self._hot: dict[str, list[str]] = {}  # identity -> its files whose buffer mapping to drop after READY
         self._busy: asyncio.Future[int] | None = None  # a catch-up or a seed in flight
@@ -202,9 +204,10 @@ class Forward:
             self._spawn(self._check(job, positions))
 
     async def settle(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> None:
-        """Before delta ``m`` reserves its files: wait for a background catch-up or seed in flight.
-        A seed of a snapshot ``m`` can start from goes on at full speed (``m`` takes its buffer);
-        any other seed is abandoned (its pages are not what ``m`` needs)."""
+        """Before snapshot ``m`` (a delta or a full one) reserves its files: wait for a background
+        catch-up or seed in flight. A seed of a snapshot delta ``m`` can start from goes on at full
+        speed (``m`` takes its buffer); any other seed is abandoned and its file deleted (its pages
+        are not what ``m`` needs, and they would count against ``m``'s room in shm)."""
         busy = self._busy
         if busy is None:
             return
@@ -231,7 +234,10 @@ class Forward:
         fut = asyncio.get_running_loop().run_in_executor(self.pools.apply, self._catch_up, m, chains)
         return await self._in_flight(m.identity, fut)
 
-    async def _in_flight(self, identity: str, fut: asyncio.Future[int]) -> int:
+    async def _in_flight(self, identity: str, aw: Awaitable[int]) -> int:
+        """Await ``aw`` (a catch-up or a background seed to ``identity``) as the one in flight
+        (:meth:`settle` waits for it); set before this yields."""
+        fut = asyncio.ensure_future(aw)
         self._busy, self._busy_for = fut, identity
         try:
             return await fut
@@ -328,8 +334,22 @@ class Forward:
             return 0
         if m.is_delta and (m.compression_format or "").lower() != buffers.SPARSE_FORMAT:
             return 0  # its successor will not be a sparse delta either (a guess: the copy would be wasted)
-        if background and self._busy is not None:
+        if not background:
+            return await self._seed_job(job, reach, room, 0.0)
+        if self._busy is not None:
             return 0
+        # In flight from here, before the first await: a second background seed asked meanwhile
+        # (a first snapshot's READY and its being served both ask for one) returns 0 instead of
+        # copying the same files into a second buffer each (one model copy more in shm).
+        rate = self.cfg.sparse_seed_mbit * 1e6 / 8
+        return await self._in_flight(job.identity, self._seed_job(job, reach, room, rate))
+
+    async def _seed_job(
+        self, job: SnapshotJob, reach: Callable[[dict[str, Any]], bool], room: int | None, rate: float
+    ) -> int:
+        """:meth:`seed`'s copy of ``job``'s unheld files at ``rate`` bytes/s (0: full speed)."""
+        m = job.manifest
+        assert m is not None  # seed checked it
         loop = asyncio.get_running_loop()
         try:  # READY and the spares' tags are read on a disk thread (a huge snapshot: 100,000 files)
             want = await loop.run_in_executor(self.pools.disk, self._unseeded, job.identity, reach)
@@ -354,12 +374,10 @@ class Forward:
         if not self._warmed:  # the first sparse apply will follow: load the compiled kernel meanwhile
             self._warmed = True
             self._spawn(asyncio.get_running_loop().run_in_executor(self.pools.apply, sparse_kernel.warm))
-        rate = self.cfg.sparse_seed_mbit * 1e6 / 8 if background else 0.0
         src = self.store.ready_dir(job.identity)
-        fut = asyncio.get_running_loop().run_in_executor(
+        return await loop.run_in_executor(
             self.pools.apply, self._seed, src, want, m.chunk_size, rate, self.store.spares
         )
-        return await (self._in_flight(job.identity, fut) if background else fut)
 
     def _unseeded(self, identity: str, reach: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
         """The tags of ready ``identity``'s files that no tagged spare ``reach`` accepts holds (a
@@ -417,7 +435,7 @@ class Forward:
             )
             return "seeded"
         except seed.Cancelled as e:
-            log.info("seed: %s (a delta that does not start from %s came)", e, tag["identity"])
+            log.info("seed: %s (a snapshot that does not start from %s came)", e, tag["identity"])
             return "stop"
         except (ProtocolError, OSError) as e:
             log.warning("seed: no buffer of %s copied from %s: %s", path, tag["identity"], e)
@@ -427,10 +445,27 @@ class Forward:
                 spares.discard(hidden)
 
     def spawn(self, aw: Awaitable[Any]) -> None:
-        """Run ``aw`` as a task this object keeps until it ends."""
+        """Run ``aw`` as a task this object keeps until it ends (after :meth:`close`: dropped)."""
         self._spawn(aw)
 
+    async def close(self) -> None:
+        """Shutdown: stop the seed copy in flight at its next chunk and cancel every background
+        task (catch-ups, seeds, checks), awaited here, so that none asks a thread pool after the
+        daemon shut the pools down. Later :meth:`spawn` calls are dropped."""
+        self._closed = True
+        self._cancel.set()
+        self._hurry.set()  # (a copy waiting on its rate bound wakes and sees the cancel)
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._cancel.set()  # (the seed's _in_flight cleared it on its way out)
+
     def _spawn(self, aw: Awaitable[Any]) -> None:
+        if self._closed:
+            if inspect.iscoroutine(aw):
+                aw.close()  # never started: no "never awaited" warning
+            return
         t = asyncio.ensure_future(aw)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
