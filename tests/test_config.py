@@ -50,7 +50,7 @@ def test_unknown_log_level(base: dict[str, str]) -> None:
 
 
 def test_event_loop(base: dict[str, str]) -> None:
-    # BDN_EVENT_LOOP=asyncio: the soak's A/B against uvloop (bench/NOTES.md "Issue 12: soak memory")
+    # BDN_EVENT_LOOP=asyncio: for an A/B of a run against uvloop (the default)
     assert _load(base).event_loop == "uvloop"
     assert _load({**base, "BDN_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
     with pytest.raises(ConfigError, match="event_loop.*uvloop or asyncio.*'trio'"):
