@@ -22,6 +22,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from aiohttp import web
 
 from bdn import fileops
 from bdn.proto.keys import derive_keys, sign_request
@@ -38,7 +39,7 @@ from support.foreign_run import (  # a test dependency
     upload,
 )
 from support.liar import Liar
-from support.s3server import create_bucket
+from support.s3server import S3Proxy, create_bucket
 from support.swarm import SECRET, Daemon, Swarm, running
 
 CHUNK = MiB
@@ -224,6 +225,51 @@ def test_object_overwritten_past_the_restarts_fails_naming_it(file_run: str, run
         assert not list(d.shm_dir.glob("*/step000001"))
 
 
+class RedirectChunkReads(S3Proxy):
+    """Answers the next ``n`` chunk reads of ``key`` (ranged GETs at a non-zero multiple of the
+    512 KiB bucket part: no header read starts there) with a 307 to a port nothing listens on:
+    a redirect the bucket client does not follow (``BucketUnavailable``)."""
+
+    def __init__(self, upstream: str, key: str, n: int) -> None:
+        super().__init__(upstream)
+        self.key, self.left, self.hit = key, n, 0
+
+    async def _answer(self, request, record, finished):  # type: ignore[no-untyped-def]
+        start = (record.range or "").removeprefix("bytes=").partition("-")[0]
+        if request.method == "GET" and record.key.endswith(self.key) and start.isdigit():
+            if int(start) and not int(start) % (512 << 10):
+                with self._lock:
+                    fault, self.left = self.left > 0, self.left - 1
+                    self.hit += fault
+                if fault:
+                    record.injected, record.status = True, 307
+                    return web.Response(status=307, headers={"Location": "http://127.0.0.1:1" + request.raw_path})
+        return await super()._answer(request, record, finished)
+
+
+def test_chunk_reads_are_pinned_to_the_etag_and_read_again_after_a_transient_failure(
+    run: Run, moto_endpoint: str, tmp_path: Path
+) -> None:
+    """A foreign chunk is read from the bucket on the same path as any chunk (the wire's
+    ``from_bucket``), every request at the ETag the listing gave (``If-Match``: one snapshot
+    never mixes two versions of an object); a read that fails transiently is read again, not
+    the end of the snapshot."""
+    with stored_run("s3", run, tmp_path, moto_endpoint) as stored:
+        proxy = RedirectChunkReads(moto_endpoint, BIG, 2).start()
+        try:
+            env = {**FOREIGN, "BDN_ENDPOINT_URL": proxy.url}
+            with running(Daemon(tmp_path / "work", "node0", stored.url, extra_env=env)) as d:
+                assert d.prefetch("step000001")[0] == 202
+                got = Path(d.wait_ready("step000001")["path"])
+                assert_same_files(got, run.trainer["step000001"])
+                assert "Traceback" not in d.log(), d.log()
+        finally:
+            proxy.stop()
+    assert proxy.hit == 2
+    reads = [r for r in proxy.requests("GET", f"run-1/step000001/{BIG}") if r.range]
+    assert len({r.headers.get("if-match") for r in reads}) == 1 and reads[0].headers.get("if-match"), reads
+
+
 def _kill_mid_download(d: Daemon, identity: str) -> None:
     """SIGKILL ``d`` once ``identity`` has saved progress with some chunks and is still downloading."""
     _wait_bytes(d, identity, 3 * CHUNK)
@@ -346,11 +392,14 @@ def test_prefetch_of_nothing_fails_at_once_unless_asked_to_wait_and_cancel(file_
 # ---- the pieces, without a daemon ------------------------------------------------------------
 
 
-def test_foreign_state_trust_rules(file_run: str) -> None:
+def test_foreign_state_trust_rules(file_run: str, tmp_path: Path) -> None:
     """Chunks of an object without a bucket checksum are read from the bucket unless accepted;
-    chunks received from a peer are served on only once their object verified."""
+    chunks received from a peer are served on only once their object verified (the job's events)."""
     from bdn.bucket import open_bucket
-    from bdn.daemon.snapshots.foreign_source import ForeignState
+    from bdn.daemon.snapshots.events import ForeignAttached, ForeignReceived, ForeignVerified, ManifestAttached
+    from bdn.daemon.snapshots.foreign_state import ForeignState
+    from bdn.daemon.snapshots.snapshot import SnapshotJob
+    from bdn.daemon.store.store import Store
     from bdn.foreign import read_checksums, read_foreign_table
 
     bucket = open_bucket(file_run)
@@ -363,11 +412,14 @@ def test_foreign_state_trust_rules(file_run: str) -> None:
     strict, lenient = ForeignState(table, checksums, False), ForeignState(table, checksums, True)
     assert strict.unverifiable == set(range(len(table.objects)))  # file:// vouches for nothing
     assert all(strict.bucket_only(r) for r in refs) and not any(lenient.bucket_only(r) for r in refs)
+    job = SnapshotJob("step000001", Store(tmp_path / "shm", "swarm"))
+    job.apply(ForeignAttached(lenient))
+    job.apply(ManifestAttached.of(table.manifest, table.table_id, derived=True))
     a, b = refs[0], refs[1]
-    lenient.received(a, "http://peer", "peer")
-    assert not lenient.servable(a) and lenient.servable(b)  # b was read from the bucket here
-    lenient.verified = True
-    assert lenient.servable(a)
+    job.apply(ForeignReceived(a, "http://peer", "peer"))
+    assert not job.servable(a) and job.servable(b)  # b was read from the bucket here
+    job.apply(ForeignVerified())
+    assert job.servable(a)
     assert lenient.etag(a) == table.objects[a.file_index].etag
 
 

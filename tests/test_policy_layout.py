@@ -204,6 +204,16 @@ SNAPSHOT_PY = PKG / "daemon" / "snapshots" / "snapshot.py"
 #: The names a job goes by in bdn (every parameter typed ``SnapshotJob`` is named one of these
 #: today; parameters and variables typed or built as a job are added per module).
 JOB_NAMES = {"job", "j", "part"}
+#: What a job is given to work with, not its state: calls on them and writes to their attributes
+#: are theirs (``job.store.discard(...)``).
+JOB_COLLABORATORS = {"store", "cond", "on_change"}
+#: Methods that change a container (or a bitfield) in place: called on a job's field (or a part
+#: of one, ``job.foreign_restored.add``) outside snapshot.py, they change the record.
+MUTATORS = {
+    "add", "append", "clear", "discard", "extend", "insert", "pop", "popitem", "remove", "setdefault",
+    "update", "difference_update", "intersection_update", "symmetric_difference_update",
+    "set", "set_all", "__setitem__", "__delitem__", "__setattr__",
+}  # fmt: skip
 
 
 def _stores(node: ast.AST) -> list[ast.expr]:
@@ -277,13 +287,32 @@ def _job_writes(source: str, where: str, fields: set[str]) -> list[str]:
             return e.id in names or (e.id == "self" and line in subclass_lines)
         return isinstance(e, ast.Attribute) and e.attr in names
 
+    def field_in(t: ast.expr, line: int, deep: bool = False) -> ast.Attribute | None:
+        # the job field ``t`` is, or is part of (an item or attribute of one: job.stages["x"],
+        # job.foreign.verified); the collaborators a job is given are not its state
+        while isinstance(t, (ast.Subscript, ast.Attribute)):
+            if isinstance(t, ast.Attribute) and t.attr in fields and is_job(t.value, line):
+                return t if not (deep and t.attr in JOB_COLLABORATORS) else None
+            deep, t = True, t.value
+        return None
+
     out = []
     for node in ast.walk(tree):
         for t in _stores(node):
-            while isinstance(t, ast.Subscript):  # an item of a field: job.stages["x"] = ...
-                t = t.value
-            if isinstance(t, ast.Attribute) and t.attr in fields and is_job(t.value, node.lineno):
-                out.append(f"{where}:{node.lineno} writes {ast.unparse(t)}")
+            line = getattr(node, "lineno", t.lineno)  # (a ``with`` item has none)
+            if (f := field_in(t, line)) is not None:
+                out.append(f"{where}:{line} writes {ast.unparse(f)}")
+        if not isinstance(node, ast.Call):
+            continue
+        fn = ast.unparse(node.func)
+        if isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS and fn != "object.__setattr__":
+            if (f := field_in(node.func.value, node.lineno, deep=True)) is not None:
+                out.append(f"{where}:{node.lineno} changes {ast.unparse(f)} ({node.func.attr})")
+        elif fn in ("setattr", "delattr", "object.__setattr__", "object.__delattr__") and node.args:
+            target, name = node.args[0], node.args[1] if len(node.args) > 1 else None
+            own = is_job(target, node.lineno) and isinstance(name, ast.Constant) and name.value in fields
+            if own or field_in(target, node.lineno, deep=True) is not None:
+                out.append(f"{where}:{node.lineno} changes {ast.unparse(target)} ({fn})")
     return out
 
 
@@ -301,9 +330,19 @@ def test_the_job_write_finder_finds_writes() -> None:
         "    del job.foreign\n"
         "    x.reason = 'a member, not a job'\n"
         "    job.apply(e)\n"
+        "    job.foreign.verified = True\n"
+        "    job.foreign_restored.add((0, 1))\n"
+        "    x.job.foreign_senders.update({})\n"
+        "    job.stored.set(3)\n"
+        "    object.__setattr__(job.foreign, 'hint', None)\n"
+        "    job.store.discard('s')\n"
+        "    job.foreign.table.objects.count(1)\n"
+        "    job.cond.notify_all()\n"
+        "    setattr(job, 'reason', 'x')\n"
+        "    setattr(job, 'unknown', 1)\n"
     )
     found = _job_writes(snippet, "s", _job_fields())
-    assert sorted(int(f.split(" ", 1)[0][2:]) for f in found) == [3, 5, 6, 7, 9, 10], found
+    assert sorted(int(f.split(" ", 1)[0][2:]) for f in found) == [3, 5, 6, 7, 9, 10, 13, 14, 15, 16, 17, 21], found
 
 
 def test_only_the_snapshot_record_writes_its_fields() -> None:
@@ -316,3 +355,28 @@ def test_only_the_snapshot_record_writes_its_fields() -> None:
         if path != SNAPSHOT_PY:
             bad += _job_writes(path.read_text(), str(path.relative_to(ROOT)), fields)
     assert not bad, "send an event (SnapshotJob.apply) instead: " + "; ".join(bad)
+
+
+def test_the_foreign_table_a_job_holds_is_a_frozen_value() -> None:
+    """``job.foreign`` (``ForeignState``) is an immutable value: what changes while a snapshot
+    without a manifest loads is the job's own fields, changed by its events; no method of the
+    value writes to it (``__post_init__`` derives a field once)."""
+    import dataclasses
+
+    from bdn.daemon.snapshots.foreign_state import ForeignState, Hint
+
+    assert ForeignState.__dataclass_params__.frozen and Hint.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert {f.name for f in dataclasses.fields(ForeignState)} >= {"table", "checksums", "unverifiable"}
+    tree = ast.parse((PKG / "daemon" / "snapshots" / "foreign_state.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ForeignState")
+    bad = []
+    for fn in (n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name != "__post_init__"):
+        for node in ast.walk(fn):
+            for t in _stores(node):
+                while isinstance(t, (ast.Subscript, ast.Attribute)):
+                    t = t.value
+                if isinstance(t, ast.Name) and t.id == "self":
+                    bad.append(f"{fn.name} writes {ast.unparse(node)}")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                bad.append(f"{fn.name} calls {ast.unparse(node.func)}")
+    assert not bad, "the foreign table is a value: send the job an event instead: " + "; ".join(bad)

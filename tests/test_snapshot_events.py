@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bdn.bucket import ObjectChecksum
 from bdn.daemon.snapshots.events import (
     FROM_BUCKET,
     FROM_LOCAL,
@@ -17,6 +18,8 @@ from bdn.daemon.snapshots.events import (
     BytesCounted,
     ChunkVerified,
     ForeignAttached,
+    ForeignReceived,
+    ForeignVerified,
     LayerComplete,
     LayerReset,
     LayerStarted,
@@ -32,9 +35,12 @@ from bdn.daemon.snapshots.events import (
     TensorIndexBuilt,
     TensorIndexRefused,
 )
+from bdn.daemon.snapshots.foreign_state import ForeignState, Hint
 from bdn.daemon.snapshots.layers import RESULT, STORED
 from bdn.daemon.snapshots.snapshot import TRANSITIONS, SnapshotJob, TransitionRefused
+from bdn.daemon.store.chunklist import ChunkList
 from bdn.daemon.store.store import Store
+from bdn.proto.foreign import ForeignObject, ForeignTable
 from bdn.proto.manifest import FileEntry, FileResult, Manifest
 from bdn.proto.states import SNAPSHOT_STATES, TERMINAL
 
@@ -276,11 +282,75 @@ def test_tensor_index_built_and_the_first_refusal_kept(store: Store) -> None:
     assert job.tensor_refused == "b.bin: bad header"
 
 
-def test_foreign_attached(store: Store) -> None:
-    job = SnapshotJob("s", store)
-    state = object()
+def _foreign(m: Manifest, md5: bool = True) -> ForeignState:
+    """A table over ``m``'s files (ids stand for digests), the bucket vouching for every object
+    (``md5``) or for none."""
+    objects = tuple(ForeignObject(f.path, f"{m.identity}/{f.path}", f.size, f"e-{f.path}") for f in m.files)
+    sums = {o.path: ObjectChecksum(o.key, o.etag, o.size, md5="0" * 32 if md5 else None) for o in objects}
+    return ForeignState(ForeignTable(m, objects, "t" * 32), sums, allow_unverifiable=False, hint=Hint("step000001"))
+
+
+def _foreign_job(store: Store) -> tuple[SnapshotJob, ForeignState]:
+    m = _manifest()
+    job = SnapshotJob(m.identity, store)
+    state = _foreign(m)
     _bumps(job, ForeignAttached(state))
-    assert job.foreign is state
+    job.apply(ManifestAttached.of(m, state.table.table_id, derived=True))
+    return job, state
+
+
+def test_foreign_state_is_an_immutable_value(store: Store) -> None:
+    m = _manifest()
+    state, none = _foreign(m), _foreign(m, md5=False)
+    with pytest.raises(AttributeError):
+        state.allow_unverifiable = True  # type: ignore[misc]
+    ref = ChunkList(m, result=False)[0]
+    assert state.unverifiable == frozenset() and none.unverifiable == frozenset({0, 1})
+    assert not state.bucket_only(ref) and none.bucket_only(ref)
+    assert state.etag(ref) == "e-a.bin"
+    assert state.persisted() == {
+        "table": "t" * 32,
+        "base": "step000001",
+        "codec": None,
+        "etags": {"a.bin": "e-a.bin", "b.bin": "e-b.bin"},
+    }
+
+
+def test_foreign_chunks_from_peers_or_disk_are_held_back_until_verified(store: Store) -> None:
+    job, state = _foreign_job(store)
+    assert job.foreign is state and not job.foreign_verified
+    a, b, c, d = job.stored_refs
+    _bumps(job, ForeignReceived(a, "http://p1", "p1"))
+    _bumps(job, Resumed(STORED, [1]))  # b taken back from disk after a restart
+    assert job.foreign_senders == {(0, 0): ("http://p1", "p1")} and job.foreign_restored == {(0, 1)}
+    assert [job.held_back(r) for r in (a, b, c)] == [True, True, False]
+    assert [job.servable(r) for r in (a, b, c)] == [False, False, True]  # c: read from the bucket here
+    _bumps(job, ForeignVerified())
+    _bumps(job, ForeignVerified(), changed=False)
+    assert all(job.servable(r) for r in (a, b, c, d)) and job.held_back(a)  # registered once verified
+    # a fresh listing (an object replaced mid-download) starts the bookkeeping over
+    _bumps(job, ForeignAttached(_foreign(_manifest())))
+    assert (job.foreign_senders, job.foreign_restored, job.foreign_verified) == ({}, set(), False)
+    assert job.servable(a)
+
+
+def test_a_snapshot_with_a_manifest_has_no_foreign_bookkeeping(store: Store) -> None:
+    job = _attached(store)
+    ref = job.stored_refs[0]
+    _bumps(job, ForeignReceived(ref, "http://p1", "p1"), changed=False)
+    _bumps(job, ForeignVerified(), changed=False)
+    job.apply(Resumed(STORED, [0]))
+    assert (job.foreign_senders, job.foreign_restored) == ({}, set())
+    assert job.servable(ref) and not job.held_back(ref)
+
+
+def test_shed_drops_the_foreign_table_and_its_bookkeeping(store: Store) -> None:
+    job, _ = _foreign_job(store)
+    job.apply(ForeignReceived(job.stored_refs[0], "http://p1", "p1"))
+    job.apply(StateChanged("failed", "cancelled"))
+    _bumps(job, Shed())
+    assert (job.foreign, job.foreign_senders, job.foreign_restored) == (None, {}, set())
+    _bumps(job, Shed(), changed=False)
 
 
 def test_shed_drops_the_download_state_once_and_keeps_the_record(store: Store) -> None:

@@ -188,7 +188,7 @@ class Fetcher:
             self.owners.forget((job.identity, layer))
             self._layers -= 1
             if not self._layers:
-                # No download runs: the chunk buffers its races and foreign bucket reads used go
+                # No download runs: the chunk buffers its endgame races used go
                 # back to the system now, not when the pool's bound pushes them out
                 # (sources.BufferPool), and so do the wire's receive buffers (one per fetch that
                 # ran at once: bdn.transfer.receive.Rings).
@@ -242,7 +242,7 @@ class Fetcher:
         if job.apply(ChunkVerified(layer, ref)):
             if self.chunk_log is not None:
                 self.chunk_log.done(job, layer, ref, job.ref_index(layer, ref))
-            if job.foreign is None or job.foreign.servable(ref):
+            if job.servable(ref):
                 self.index.register(job, layer, ref)
                 if self.on_indexed is not None and job.foreign is None:
                     self.on_indexed(job, layer, job.ref_index(layer, ref))

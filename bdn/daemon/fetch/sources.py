@@ -14,7 +14,6 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from bdn.bucket import BucketError, ObjectChanged, ObjectNotFound
 from bdn.daemon.config import Config
 from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.fetch.policy import BUCKET
@@ -31,7 +30,6 @@ from bdn.daemon.snapshots.events import FROM_BUCKET, FROM_LOCAL, FROM_PEERS, Byt
 from bdn.daemon.snapshots.snapshot import Loc, SnapshotJob
 from bdn.daemon.store import diskio
 from bdn.daemon.swarm.membership import Member, Membership
-from bdn.proto.errors import BdnError
 from bdn.proto.manifest import ChunkRef
 from bdn.transfer import FetchPool
 from bdn.transfer.growing import GrowingChunks
@@ -54,9 +52,9 @@ class BufferPool:
     ``bytearray`` is a glibc heap block once glibc's dynamic mmap threshold has risen past it
     (mallopt(3)), and a heap that such blocks pass through fragments; a mapping is returned to
     the system whole when it is dropped. :meth:`clear` drops every free buffer: the fetcher calls
-    it when no download is running, so that what one download's endgame races and foreign bucket
-    reads needed is not held until the next (otherwise the pool fills towards its bound over an
-    hour of hot-loads, one buffer at a time; docs/decisions/0025-flat-rss.md).
+    it when no download is running, so that what one download's endgame races needed is not held
+    until the next (otherwise the pool fills towards its bound over an hour of hot-loads, one
+    buffer at a time; docs/decisions/0025-flat-rss.md).
     """
 
     #: Bytes kept in free buffers at most (4 chunks of bdn-publish's default 16 MiB).
@@ -342,12 +340,10 @@ class Sources:
         when the bytes do not match. ``address``: the chunk's swarm address (over the transfer
         wire its bytes then go on to parked askers as they land: cut-through). ``claim()``:
         asked when the read takes its bucket slot (transfer wire only); False gives the read up
-        (raises Superseded). Raises BdnError (missing object, bucket error) or ProtocolError
-        (never matched)."""
-        if job.foreign is None:  # a foreign snapshot's reads need its etag (and have no digest)
-            await self.wire.from_bucket(self.bucket, job, ref, target, owner, address, claim)  # into the mapping
-        else:
-            await self._foreign_from_bucket(job, ref, target)
+        (raises Superseded). A snapshot without a manifest's chunk is read at its object's ETag,
+        unhashed (``WireSource.from_bucket``). Raises BdnError (missing object, bucket error),
+        ProtocolError (never matched) or ObjectChanged (a foreign object was replaced)."""
+        await self.wire.from_bucket(self.bucket, job, ref, target, owner, address, claim)  # into the mapping
         role = "owner" if owner else "fallback"
         self.watch.book.delivered(BUCKET, ref.length, None)  # a source delivered (refusals are judged against it)
         if self.chunk_log is not None:
@@ -364,26 +360,3 @@ class Sources:
                 ref.index,
                 ref.path,
             )
-
-    async def _foreign_from_bucket(self, job: SnapshotJob, ref: ChunkRef, target: Path) -> None:
-        """A chunk of a snapshot without a manifest: read at its object's ETag into a pooled
-        buffer and written unhashed (its id is no digest; the object is verified whole,
-        ``bdn.daemon.snapshots.foreign_source``). Raises ObjectChanged (the runner lists again),
-        BdnError (missing object, bucket error)."""
-        assert job.foreign is not None
-        key = f"{job.identity}/{ref.path}"
-        try:
-            buf = await self.bucket.read_chunk(
-                key, ref.offset, ref.length, self.pool.get, if_match=job.foreign.etag(ref)
-            )
-        except ObjectNotFound:
-            raise BdnError(f"bucket object {key} is missing (named by its listing)") from None
-        except ObjectChanged:
-            raise  # a snapshot without a manifest starts again on a fresh listing (runner)
-        except BucketError as e:
-            raise BdnError(f"bucket read of {key} failed: {e}") from None
-        try:
-            await self._disk(diskio.write_at, memoryview(buf), target, ref.offset)
-        except asyncio.CancelledError:
-            raise  # the thread may still read ``buf``: leave it to the garbage collector
-        self.pool.put(buf)

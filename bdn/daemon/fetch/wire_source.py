@@ -29,7 +29,7 @@ from typing import Any
 
 import xxhash
 
-from bdn.bucket import BucketError, BucketUnavailable, ObjectNotFound
+from bdn.bucket import BucketError, BucketUnavailable, ObjectChanged, ObjectNotFound
 from bdn.daemon.config import Config
 from bdn.daemon.errors import Superseded
 from bdn.daemon.fetch import retry_policy
@@ -41,7 +41,7 @@ from bdn.daemon.fetch.watch import Attempt
 from bdn.daemon.observe.chunklog import ChunkLog
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import SYSTEM
-from bdn.daemon.snapshots.events import FROM_PEERS, BytesCounted
+from bdn.daemon.snapshots.events import FROM_PEERS, BytesCounted, ForeignReceived
 from bdn.daemon.snapshots.snapshot import SnapshotJob
 from bdn.daemon.swarm.membership import Member, Membership
 from bdn.proto import wire
@@ -209,7 +209,7 @@ class WireSource:
             )
         if res.outcome is Outcome.OK:
             if job.foreign is not None:
-                job.foreign.received(ref, m.url, m.node_id)  # blamed if its object fails
+                job.apply(ForeignReceived(ref, m.url, m.node_id))  # blamed if its object fails
             if res.cut_through:
                 self.stats.add("peer_chunks_in_cut_through")
             if not racing:  # a race counts its winner only (Sources.race)
@@ -305,8 +305,8 @@ class WireSource:
             _digest(job, ref),
             wait_s=wait,
             snapshot=job.identity,
-            # a foreign chunk is never read into a peer's growing table (its bucket reads need
-            # the object's etag: Sources.from_bucket), so it never comes cut-through
+            # a foreign chunk is never in a peer's growing table (its bucket reads are not
+            # announced: from_bucket), so it never comes cut-through
             cut_through=self.growing is not None and job.foreign is None,
             fd=fd,
             on_data=att.data,
@@ -348,7 +348,7 @@ class WireSource:
         A racer whose peer was penalised meanwhile (``Membership.penalise`` cancels its request)
         returns at once, unsettled, while its thread may still be waiting for a stream to that
         peer and then receive the whole chunk: freed then, the peer's bytes would land in the
-        buffer of the next race or foreign bucket read, and that fetch's honest peer would be blamed for
+        buffer of the next race, and that race's honest peer would be blamed for
         them (or, written after its hash, they would reach the target unverified)."""
         if fut.done():
             self.free(buf)
@@ -416,8 +416,19 @@ class WireSource:
         (asked once, as the first part takes its bucket slot) says another node has the chunk
         now. With ``growing`` set and the chunk's swarm ``address`` given, the chunk is
         registered as growing while it lands, so the transfer server can send it on
-        cut-through (bdn.transfer.growing)."""
+        cut-through (bdn.transfer.growing).
+
+        A chunk of a snapshot without a manifest is read the same way, at its object's ETag
+        (``If-Match``: ObjectChanged when the object was replaced, and the runner lists again),
+        and not hashed (its id is no digest: the object is verified whole before READY,
+        ``bdn.daemon.snapshots.foreign_source``); it is neither announced for cut-through nor
+        given up by ``claim`` (peers exchange no HAVEs for such a snapshot, so a read given up
+        would not find the node that took it)."""
         key = f"{job.identity}/{ref.path}"
+        digest = _digest(job, ref)
+        if_match = None
+        if job.foreign is not None:
+            if_match, address, claim = job.foreign.etag(ref), "", None
         try:
             mm = await self.maps.acquire(job, target)
         except OSError as e:
@@ -435,9 +446,16 @@ class WireSource:
                             )
                             try:
                                 await self._read_parts(
-                                    bucket, key, ref, view, parts, g, self._on_slot(job, address, ref, g, claim)
+                                    bucket,
+                                    key,
+                                    ref,
+                                    view,
+                                    parts,
+                                    g,
+                                    self._on_slot(job, address, ref, g, claim),
+                                    if_match,
                                 )
-                                if not await self._disk(_hash_ok, view, ref.digest):
+                                if digest is not None and not await self._disk(_hash_ok, view, digest):
                                     self.stats.verify_failed("bucket")
                                     if self.chunk_log is not None:
                                         self.chunk_log.attempt(job, ref, "bucket", "corrupt")
@@ -470,6 +488,7 @@ class WireSource:
         parts: list[tuple[int, int]],
         g: Growing | None,
         started: Callable[[], None] | None = None,
+        if_match: str | None = None,
     ) -> None:
         """Read ``parts`` of the chunk into ``view``. The parts queue, in order, for the
         bucket's ``bucket_concurrency`` slots (FIFO): a chunk's parts run together and, as each
@@ -477,7 +496,8 @@ class WireSource:
         Every part ends before this returns (a failed part does not leave the others writing
         into the view). ``started()``: called as each part takes its bucket slot, before its
         request (the chunk starts landing then, not while its parts queue); what it raises ends
-        that part. Raises BdnError (missing object, bucket error)."""
+        that part. ``if_match``: the object's version token every part must match. Raises
+        BdnError (missing object, bucket error), ObjectChanged (``if_match`` no longer holds)."""
         try:
             res = await asyncio.gather(
                 *(
@@ -486,6 +506,7 @@ class WireSource:
                         ref.offset + off,
                         n,
                         functools.partial(_part_of, view, off, n),
+                        if_match=if_match,
                         progress=None if g is None else functools.partial(g.landed, i),
                         started=started,
                     )
@@ -497,7 +518,10 @@ class WireSource:
                 if isinstance(r, BaseException):
                     raise r
         except ObjectNotFound:
-            raise BdnError(f"bucket object {key} is missing (named by the manifest)") from None
+            named = "its listing" if if_match is not None else "the manifest"
+            raise BdnError(f"bucket object {key} is missing (named by {named})") from None
+        except ObjectChanged:
+            raise  # a snapshot without a manifest starts again on a fresh listing (runner)
         except BucketUnavailable as e:
             raise retry_policy.Transient(f"bucket read of {key} failed: {e}") from None
         except BucketError as e:
@@ -558,5 +582,3 @@ class WireSource:
             asyncio.get_running_loop().call_soon(self.growing.end, address, g)
         else:
             self.growing.end(address, g)
-
-        # the counters, the chunk log's "ok" and the fallback line: Sources.from_bucket, for both paths

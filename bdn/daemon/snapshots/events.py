@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bdn.daemon.snapshots.foreign_state import ForeignState
 from bdn.daemon.store.chunklist import ChunkList
 from bdn.proto.manifest import ChunkRef, Manifest
 
@@ -65,10 +66,28 @@ class ManifestAttached:
 
 @dataclass(frozen=True, slots=True)
 class ForeignAttached:
-    """A snapshot without a manifest: its table and trust bookkeeping (a
-    ``bdn.daemon.snapshots.foreign_source.ForeignState``, which that module keeps up to date)."""
+    """A snapshot without a manifest is loaded against ``state`` (its table and the bucket's
+    checksums, ``bdn.daemon.snapshots.foreign_state``): nothing received from peers, taken back
+    from disk or verified yet (a fresh listing after an object was replaced starts over)."""
 
-    state: Any
+    state: ForeignState
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignReceived:
+    """Stored chunk ``ref`` of a snapshot without a manifest came from peer ``url`` (``node_id``):
+    not served on before its object verified, and the peer is blamed if that object fails.
+    Applied only while a ``ForeignState`` is attached (else: not changed)."""
+
+    ref: ChunkRef
+    url: str
+    node_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ForeignVerified:
+    """Every object of a snapshot without a manifest matched the bucket's checksum (bad parts
+    repaired from the bucket): its chunks from peers or from disk may be served now."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +137,9 @@ class LayerReset:
 
 @dataclass(frozen=True, slots=True)
 class Resumed:
-    """The chunks at ``positions`` of ``layer`` were re-verified on disk after a restart."""
+    """The chunks at ``positions`` of ``layer`` were re-verified on disk after a restart (of a
+    snapshot without a manifest: taken back unhashed under unchanged ETags, held back from peers
+    until their object verified)."""
 
     layer: str
     positions: Sequence[int]
@@ -167,7 +188,7 @@ class TensorIndexRefused:
 @dataclass(frozen=True, slots=True)
 class Shed:
     """A failed record whose task has ended drops what only a download needs (manifest, chunk
-    lists, bitfields, tensor index, foreign table); ``describe`` is unchanged."""
+    lists, bitfields, tensor index, foreign table and its bookkeeping); ``describe`` is unchanged."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +203,8 @@ Event = (
     | ReasonChanged
     | ManifestAttached
     | ForeignAttached
+    | ForeignReceived
+    | ForeignVerified
     | LayerStarted
     | ChunkVerified
     | BytesCounted

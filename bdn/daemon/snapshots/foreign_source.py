@@ -5,7 +5,7 @@ docs/TRUST.md "How the daemon loads a foreign snapshot", docs/OPERATIONS.md sect
 
 - :meth:`ForeignLoader.table` lists ``<identity>/`` and derives the table
   (:func:`bdn.foreign.read_foreign_table`, on the bucket threads), reads the bucket's checksum
-  of every object, and attaches a :class:`ForeignState` to the job (``job.foreign``). A delta's
+  of every object, and attaches a :class:`ForeignState` to the job (``ForeignAttached``). A delta's
   base (the hot-load request's ``previous_snapshot_identity``, else ``foreign_base`` in the
   config) is brought to READY here first: its table is part of the delta's.
 - :meth:`ForeignLoader.finish`, once the stored layer is fetched, verifies every object against
@@ -13,11 +13,12 @@ docs/TRUST.md "How the daemon loads a foreign snapshot", docs/OPERATIONS.md sect
   them), applies a delta (Adler-32 per tensor), runs :func:`bdn.foreign.ready.check_ready` and
   returns the manifest READY is written from, with real xxh3-128 digests of the files.
 
-While a job has ``foreign`` set, the fetch path (``bdn.daemon.fetch``) asks it three things:
+While a job has ``foreign`` set, the fetch path (``bdn.daemon.fetch``) asks
 :meth:`ForeignState.bucket_only` (objects the bucket vouches nothing for are read from the
-bucket by each daemon, unless ``allow_unverifiable``), :meth:`ForeignState.received` (who sent a
-chunk) and :meth:`ForeignState.servable` (chunks received from peers are served on only after
-their object verified). Received chunks are never hashed against the ids: they are not digests.
+bucket by each daemon, unless ``allow_unverifiable``) and :meth:`SnapshotJob.servable` (chunks
+received from peers are served on only after their object verified), and tells the job who sent
+a chunk (``ForeignReceived``); :meth:`ForeignLoader.finish` sends ``ForeignVerified``. Received
+chunks are never hashed against the ids: they are not digests.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import asyncio
 import logging
 import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -39,7 +40,8 @@ from bdn.daemon.config import Config
 from bdn.daemon.fetch.bucketio import BucketIO
 from bdn.daemon.process.clock import Clock
 from bdn.daemon.process.executors import Executors
-from bdn.daemon.snapshots.events import ForeignAttached, LayerComplete, ReasonChanged, StateChanged
+from bdn.daemon.snapshots.events import ForeignAttached, ForeignVerified, LayerComplete, ReasonChanged, StateChanged
+from bdn.daemon.snapshots.foreign_state import ForeignState, Hint
 from bdn.daemon.snapshots.layers import RESULT, STORED
 from bdn.daemon.snapshots.snapshot import Jobs, SnapshotJob
 from bdn.daemon.store import diskio
@@ -49,7 +51,7 @@ from bdn.foreign.checksum import UNVERIFIABLE, Verdict
 from bdn.foreign.ready import check_ready
 from bdn.foreign.repair import bad_chunks, verify_or_repair
 from bdn.proto.errors import BdnError
-from bdn.proto.foreign import ForeignTable, IncompleteSnapshot, policy_version_from_identity
+from bdn.proto.foreign import IncompleteSnapshot, policy_version_from_identity
 from bdn.proto.manifest import ChunkRef, FileEntry, FileResult, Manifest
 
 log = logging.getLogger("bdn.foreign")
@@ -57,15 +59,6 @@ T = TypeVar("T")
 
 #: Listings taken again when an object is replaced while the table is read.
 RELIST_TRIES = 3
-
-
-@dataclass(frozen=True)
-class Hint:
-    """What a hot-load request says about a snapshot the bucket cannot: the base of a delta
-    (``previous_snapshot_identity``) and the codec (``compression_format``), both optional."""
-
-    base_identity: str | None = None
-    compression_format: str | None = None
 
 
 class Hints:
@@ -86,67 +79,6 @@ class Hints:
     def get(self, identity: str) -> Hint:
         """The hint given for ``identity``, or an empty ``Hint``."""
         return self._by_identity.get(identity, Hint())
-
-
-class ForeignState:
-    """A foreign job's table and trust bookkeeping (``job.foreign``); see the module docstring."""
-
-    def __init__(
-        self,
-        table: ForeignTable,
-        checksums: dict[str, ObjectChecksum],
-        allow_unverifiable: bool,
-        hint: Hint | None = None,
-    ) -> None:
-        self.table = table
-        self.hint = hint or Hint()
-        self.restored: set[tuple[int, int]] = set()  # (file, chunk) taken back from disk after a restart
-        self.checksums = checksums
-        self.unverifiable = {i for i, o in enumerate(table.objects) if not checksums[o.path].verifiable}
-        self.allow_unverifiable = allow_unverifiable
-        self.senders: dict[tuple[int, int], tuple[str, str]] = {}  # (file, chunk) -> (url, node id)
-        self.verified = False
-
-    def etag(self, ref: ChunkRef) -> str:
-        """The version token every bucket read of ``ref``'s object must match."""
-        return self.table.objects[ref.file_index].etag
-
-    def bucket_only(self, ref: ChunkRef) -> bool:
-        """Whether this node must read ``ref`` from the bucket itself (its object has no checksum
-        and unverifiable objects are not accepted from peers)."""
-        return ref.file_index in self.unverifiable and not self.allow_unverifiable
-
-    def received(self, ref: ChunkRef, url: str, node_id: str) -> None:
-        """Event: ``ref``'s bytes came from peer ``url`` (blamed if its object fails)."""
-        self.senders[(ref.file_index, ref.index)] = (url, node_id)
-
-    def servable(self, ref: ChunkRef) -> bool:
-        """Whether ``ref`` may be served to peers now: read from the bucket here, or its object verified."""
-        key = (ref.file_index, ref.index)
-        return self.verified or (key not in self.senders and key not in self.restored)
-
-    def resumed(self, refs: Sequence[ChunkRef], positions: list[int]) -> list[int]:
-        """Event: the chunks at ``positions`` of ``refs`` (the stored layer) are taken back from
-        disk after a restart, under a table whose every ETag is unchanged. They are not hashed
-        (ids are no digests) and not served until their object verified whole; ``positions``."""
-        for i in positions:
-            self.restored.add((refs[i].file_index, refs[i].index))
-        return positions
-
-    def held_back(self, ref: ChunkRef) -> bool:
-        """Whether ``ref`` waits for its object's verification before it enters the index."""
-        key = (ref.file_index, ref.index)
-        return key in self.senders or key in self.restored
-
-    def persisted(self) -> dict[str, Any]:
-        """What a restarted daemon needs to resume this snapshot (saved with its progress): the
-        table id, the hint (base, codec) and every object's ETag (to say which one changed)."""
-        return {
-            "table": self.table.table_id,
-            "base": self.hint.base_identity,
-            "codec": self.hint.compression_format,
-            "etags": {o.path: o.etag for o in self.table.objects},
-        }
 
 
 class Penalties(Protocol):
@@ -321,11 +253,8 @@ class ForeignLoader:
                 log.info("snapshot %s: %s; listing again", job.identity, e)
             except BucketError as e:
                 raise BdnError(f"snapshot {job.identity!r}: cannot read its objects: {e}") from None
-        job.apply(
-            ForeignAttached(
-                ForeignState(table, checksums, self.cfg.allow_unverifiable, Hint(base_id, hint.compression_format))
-            )
-        )
+        state = ForeignState(table, checksums, self.cfg.allow_unverifiable, Hint(base_id, hint.compression_format))
+        job.apply(ForeignAttached(state))
         if saved is not None and saved.get("table") != table.table_id:
             old = tags if isinstance(tags := saved.get("etags"), dict) else {}
             moved = [o.path for o in table.objects if old.get(o.path) != o.etag] + sorted(
@@ -336,11 +265,11 @@ class ForeignLoader:
                 job.identity,
                 ", ".join(moved[:3]) or "its table",
             )
-        if job.foreign.unverifiable:
+        if state.unverifiable:
             log.info(
                 "snapshot %s: %d object(s) without a bucket checksum, read from the bucket by this node",
                 job.identity,
-                len(job.foreign.unverifiable),
+                len(state.unverifiable),
             )
         log.info(
             "snapshot %s: no manifest; table %s derived from the listing (%s, %d files)",
@@ -355,7 +284,8 @@ class ForeignLoader:
         """After the stored layer is fetched: verify (and repair) every object, apply a delta,
         check before READY; the manifest READY is written from. ``register(layer, ref)`` puts a
         chunk held back from peers into the index once its object verified."""
-        st: ForeignState = job.foreign
+        st = job.foreign
+        assert st is not None  # attached by table()
         m = st.table.manifest
         verdicts: dict[str, Verdict] = {}
         for fi, obj in enumerate(st.table.objects):
@@ -375,7 +305,7 @@ class ForeignLoader:
             except BucketError as e:
                 raise BdnError(f"snapshot {job.identity!r}: {e}") from None
             for ci in bad:
-                sender = st.senders.get((fi, ci))
+                sender = job.foreign_senders.get((fi, ci))
                 if sender is not None:
                     url, node_id = sender
                     self.stats.verify_failed(node_id)
@@ -394,9 +324,9 @@ class ForeignLoader:
             if verdict.status == UNVERIFIABLE:
                 log.debug("snapshot %s: %s unverifiable (%s)", job.identity, obj.key, verdict.reason)
             verdicts[obj.path] = verdict
-        st.verified = True
+        job.apply(ForeignVerified())
         for ref in job.stored_refs:
-            if st.held_back(ref):
+            if job.held_back(ref):
                 register(STORED, ref)
         staging = self.store.staging_dir(m.identity)
         if m.is_delta:

@@ -406,7 +406,7 @@ class Runner:
             )
             return
         if job.foreign is not None:  # ids are no digests: the objects are verified whole before READY
-            job.apply(Resumed(STORED, job.foreign.resumed(job.stored_refs, stored.set_positions().tolist())))
+            job.apply(Resumed(STORED, stored.set_positions().tolist()))  # held back until verified
             log.info(
                 "snapshot %s: resumed with %d of %d stored chunks (no manifest: unchanged ETags, each object"
                 " verified whole before READY)",

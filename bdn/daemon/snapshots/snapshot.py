@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from bdn.daemon.observe import versioned
 from bdn.daemon.snapshots import events as ev
+from bdn.daemon.snapshots.foreign_state import ForeignState
 from bdn.daemon.snapshots.layers import RESULT, STORED
 from bdn.daemon.store.bitfield import Bitfield
 from bdn.daemon.store.chunklist import ChunkList
@@ -133,7 +134,13 @@ class SnapshotJob:
         self.bytes_resumed = 0
         self.tensor_index: dict[str, tuple[str, Any]] | None = None  # built on the first tensor pull
         self.tensor_refused = ""  # why its headers cannot be served (logged once)
-        self.foreign: Any = None  # ForeignState of a snapshot without a manifest (bdn.daemon.snapshots.foreign_source)
+        # a snapshot without a manifest: its table (None for a bdn one), which of its stored chunks
+        # (file index, chunk index in the file) came from which peer (url, node id) or were taken
+        # back from disk after a restart, and whether every object verified (bdn.daemon.snapshots.foreign_state)
+        self.foreign: ForeignState | None = None
+        self.foreign_senders: dict[tuple[int, int], tuple[str, str]] = {}
+        self.foreign_restored: set[tuple[int, int]] = set()
+        self.foreign_verified = False
         self.publish_deadline: float | None = None  # monotonic s: stop waiting for publication (None: manifest_wait_s)
         self.derived = False  # restored from the store with a table derived here: no claims to check
 
@@ -166,6 +173,18 @@ class SnapshotJob:
         refs = self.refs(layer)
         assert isinstance(refs, ChunkList)
         return refs.position(ref)
+
+    def held_back(self, ref: ChunkRef) -> bool:
+        """Whether stored chunk ``ref`` of a snapshot without a manifest waits for its object's
+        verification before it is served (it came from a peer, or from disk after a restart):
+        its id is no digest. False for a snapshot with a manifest (chunks are hashed on arrival)."""
+        key = (ref.file_index, ref.index)
+        return key in self.foreign_senders or key in self.foreign_restored
+
+    def servable(self, ref: ChunkRef) -> bool:
+        """Whether ``ref``, held here, may be served to peers now: always with a manifest; without
+        one, once every object verified or when this node read the chunk from the bucket itself."""
+        return self.foreign is None or self.foreign_verified or not self.held_back(ref)
 
     def _bytes_of(self, layer: str, positions: Iterable[int]) -> int:
         refs = self.refs(layer)
@@ -228,6 +247,19 @@ class SnapshotJob:
 
     def _foreign_attached(self, e: ev.ForeignAttached) -> bool:
         self.foreign = e.state
+        self.foreign_senders, self.foreign_restored, self.foreign_verified = {}, set(), False
+        return True
+
+    def _foreign_received(self, e: ev.ForeignReceived) -> bool:
+        if self.foreign is None:
+            return False
+        self.foreign_senders[(e.ref.file_index, e.ref.index)] = (e.url, e.node_id)
+        return True
+
+    def _foreign_verified(self, e: ev.ForeignVerified) -> bool:
+        if self.foreign is None or self.foreign_verified:
+            return False
+        self.foreign_verified = True
         return True
 
     def _layer_started(self, e: ev.LayerStarted) -> bool:
@@ -286,6 +318,10 @@ class SnapshotJob:
             bits.set(i)
         if e.layer == STORED:
             self.bytes_done = self.bytes_resumed = self._bytes_of(STORED, e.positions)
+            if self.foreign is not None:  # unhashed (ids are no digests): held back until verified
+                for i in e.positions:
+                    ref = self.stored_refs[i]
+                    self.foreign_restored.add((ref.file_index, ref.index))
         return True
 
     def _restarted(self, e: ev.Restarted) -> bool:
@@ -331,6 +367,7 @@ class SnapshotJob:
         self.stored = self.result = None
         self.tensor_index = None
         self.foreign = None
+        self.foreign_senders, self.foreign_restored = {}, set()
         return True
 
     def _stopping(self, e: ev.Stopping) -> bool:
@@ -399,6 +436,8 @@ _APPLY: dict[type, Callable[[SnapshotJob, Any], bool]] = {
     ev.ReasonChanged: SnapshotJob._reason_changed,
     ev.ManifestAttached: SnapshotJob._manifest_attached,
     ev.ForeignAttached: SnapshotJob._foreign_attached,
+    ev.ForeignReceived: SnapshotJob._foreign_received,
+    ev.ForeignVerified: SnapshotJob._foreign_verified,
     ev.LayerStarted: SnapshotJob._layer_started,
     ev.LayerComplete: SnapshotJob._layer_complete,
     ev.LayerReset: SnapshotJob._layer_reset,
