@@ -5,8 +5,10 @@ Promises checked, on real safetensors files and real ``bdn_planes_v1`` diffs: fo
 runs cut anywhere, serial and on 2 threads, base checksums known or not) both paths write the
 same bytes, the target's, and return the same Adler-32s, ranges and counts; hand-built hostile
 blocks (a gap of 0, escapes that do not add up, an escaped gap below 255, an index past its
-block) fail with the same ProtocolError on both paths and never change a byte outside the block;
-without the kernel the apply runs on numpy.
+block), light ones and heavy ones (XORed by ``xor_block`` on the fused path), fail with the same
+ProtocolError on both paths and never change a byte outside the block; the kernel that XORs
+heavy blocks writes the same words as numpy for every width, dense or sparse; without the kernel
+the apply runs on numpy.
 """
 
 from __future__ import annotations
@@ -162,6 +164,30 @@ HOSTILE = {
     ),
     "the last gap past the block": ((1, 2, 1, _sparse_payload([255, 200], [4000], [1, 2])), "lies past the block"),
 }
+# Heavy blocks (>= 1/16 of the bytes: 300 of 4096 bf16 words), XORed by sparse_kernel.xor_block
+# on the fused path: the bad field sits after 150 good words, which the kernel has XORed by then.
+_H = [1] * 150
+HOSTILE.update(
+    {
+        "heavy: a gap of 0": ((1, 300, 0, _sparse_payload(_H + [0] + [1] * 149, [], [1] * 300)), "a gap of 0 between"),
+        "heavy: more escapes than recorded": (
+            (1, 300, 0, _sparse_payload(_H + [255] + [1] * 149, [], [1] * 300)),
+            "escaped gaps, the block record says 0",
+        ),
+        "heavy: fewer escapes than recorded": (
+            (1, 300, 1, _sparse_payload([1] * 300, [300], [1] * 300)),
+            "escaped gaps, the block record says 1",
+        ),
+        "heavy: an escaped gap below 255": (
+            (1, 300, 1, _sparse_payload(_H + [255] + [1] * 149, [254], [1] * 300)),
+            "an escaped gap below 255",
+        ),
+        "heavy: an index past the block": (
+            (1, 300, 1, _sparse_payload(_H + [255] + [1] * 149, [BLOCK], [1] * 300)),
+            "lies past the block's 4096 elements",
+        ),
+    }
+)
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
@@ -228,10 +254,12 @@ def test_without_the_kernel_the_apply_runs_on_numpy(tmp_path: Path, monkeypatch:
         )
         is None
     )
+    assert sparse_kernel.xor_block(np.zeros(8, np.uint16), np.zeros(3, np.uint8), 1, 0) is None
     rng = np.random.default_rng(3)
     base = {"t": rng.integers(0, 256, 20000, dtype=np.uint8).view(ml_dtypes.bfloat16)}
     target = {"t": base["t"].copy()}
     target["t"].view(np.uint16)[::97] ^= 5
+    target["t"].view(np.uint16)[:4096:2] ^= 3  # a heavy block too
     fileops.save(tmp_path / "b", base)
     fileops.save(tmp_path / "t", target)
     fileops.write_diff_file(tmp_path / "b", tmp_path / "t", tmp_path / "x", "bdn_planes_v1")
@@ -248,3 +276,33 @@ def test_warm_loads_the_kernel_for_every_width() -> None:
         runs = np.empty((1, 2), np.int64)
         got = sparse_kernel.run(words, raw, np.array([[0, 1, 0, 0, len(words)]], np.int64), 4096, runs)
         assert got == (sparse_kernel.OK, 1, 1, 4096, 1) and words[0] == 1 and runs.tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+def test_xor_block_writes_what_numpy_writes_for_every_width_dense_or_sparse(w: int) -> None:
+    _needs_kernel()
+    rng = np.random.default_rng(w)
+    dt = np.dtype(f"<u{w}")
+    base = rng.integers(0, 256, 5000 * w, dtype=np.uint8).view(dt)
+    # sparse: every third word, then one lone word 1,000 on (an escaped gap), the last word
+    idx = np.concatenate((np.arange(0, 3000, 3), [3999, 4999]))
+    x = rng.integers(1, 256, (len(idx), w), dtype=np.uint8)  # nonzero low byte: every word changes
+    gaps = np.diff(idx, prepend=-1)
+    raw = np.concatenate((np.minimum(gaps, 255).astype(np.uint8), gaps[gaps >= 255].astype("<u4").view(np.uint8)))
+    raw = np.concatenate((raw, np.ascontiguousarray(x.T).reshape(-1)))
+    words = base.copy()
+    st = sparse_kernel.xor_block(words, np.frombuffer(raw.tobytes(), np.uint8), len(idx), int((gaps >= 255).sum()))
+    want = base.copy()
+    want[idx] ^= x.copy().view(dt).reshape(-1)
+    assert st == sparse_kernel.OK and words.tobytes() == want.tobytes()
+    # dense: w planes of every word's XOR
+    xd = rng.integers(0, 256, (len(base), w), dtype=np.uint8)
+    words = base.copy()
+    assert sparse_kernel.xor_block(words, np.ascontiguousarray(xd.T).reshape(-1), 0, 0) == sparse_kernel.OK
+    assert words.tobytes() == (base ^ xd.copy().view(dt).reshape(-1)).tobytes()
+    # an index past the block: BAD, the words before it XORed, none at or after it
+    words = base.copy()
+    bad = np.concatenate((np.ones(10, np.uint8), [255], np.zeros(4, np.uint8), np.ones(11 * w, np.uint8)))
+    bad[11:15] = np.frombuffer(struct.pack("<I", 5000), np.uint8)
+    assert sparse_kernel.xor_block(words, bad, 11, 1) == sparse_kernel.BAD
+    assert (words[:10] != base[:10]).all() and words[10:].tobytes() == base[10:].tobytes()

@@ -191,20 +191,38 @@ def _block(
     buf: np.ndarray,
     w: int,
     n: int,
+    fused: bool = False,
 ) -> tuple[int, int, np.ndarray, np.ndarray, int]:
     """Apply one block in place (``buf``: the tensor's bytes); returns ``(da, db, page run starts,
-    page run ends, bytes written)``, pages of the tensor, each sum mod 65521."""
+    page run ends, bytes written)``, pages of the tensor, each sum mod 65521. ``fused``: XOR a
+    heavy block (:func:`_is_heavy`) with the compiled kernel when it is available."""
     dt = np.dtype(_P_WIDTHS[w]).newbyteorder("<")
     elems = (blk.hi - blk.lo) // w
     words = buf[blk.lo : blk.hi].view(dt)
     payload = stream[blk.start : blk.end]
+    seg = buf[blk.lo : blk.hi]
+    if fused and _is_heavy(blk, w):
+        # One sequential sweep decodes each changed word's index and XORs it in place
+        # (sparse_kernel.xor_block); the block's contribution to the tensor's sums comes from
+        # its Adler-32 before and after (SIMD, the block in cache: _block_sums).
+        dense = blk.mode == _P_DENSE
+        raw = _zstd_exact(cx, payload, elems * w if dense else blk.k * (1 + w) + 4 * blk.e)
+        before = raw_adler32(seg)
+        st = sparse_kernel.xor_block(words, raw, 0 if dense else blk.k, 0 if dense else blk.e)
+        if st is not None:
+            if st != sparse_kernel.OK:
+                _sparse_indices(cx, payload, blk, w, elems)  # raises the numpy decoder's message
+                raise ProtocolError("its fields are invalid")  # pragma: no cover - both decoders check the same fields
+            after = raw_adler32(seg)
+            written = blk.hi - blk.lo if dense else blk.k * w
+            return _block_sums(before, after, blk, n) + _block_pages(blk) + (written,)
+        # the kernel failed to load: nothing was written, the numpy path below applies the block
     if blk.mode == _P_DENSE:
         # More than 1/8 of the words change: XOR the whole block in one sequential pass, and take
         # the block's contribution to the tensor's sums from its Adler-32 before and after (SIMD,
         # sequential) instead of per word (_block_sums).
         raw = _zstd_exact(cx, payload, elems * w)
         x = _words_from_planes(raw, w, cx.pscratch(elems * w).view(dt))
-        seg = buf[blk.lo : blk.hi]
         before = raw_adler32(seg)
         np.bitwise_xor(words, x, out=words)
         after = raw_adler32(seg)
@@ -212,10 +230,9 @@ def _block(
     else:
         nz, raw = _sparse_indices(cx, payload, blk, w, elems)
         vals = _words_from_planes(raw[blk.k + 4 * blk.e :], w, np.empty(blk.k, dtype=dt))
-        if blk.k * w * 16 >= blk.hi - blk.lo:
+        if _is_heavy(blk, w):
             # A sixteenth of the block's bytes or more: two sequential Adler-32 passes over the
             # block cost less than the per-word sums below (as for a dense block).
-            seg = buf[blk.lo : blk.hi]
             before = raw_adler32(seg)
             words[nz] ^= vals
             after = raw_adler32(seg)
@@ -258,12 +275,12 @@ def _per_word(
     return da, db, pages, pages + 1, len(nz) * w
 
 
-def _is_heavy(blk: _PlanesBlock, w: int, fused: bool) -> bool:
+def _is_heavy(blk: _PlanesBlock, w: int) -> bool:
     """A dense block, or a sparse one whose changed words are a sixteenth of its bytes or more:
-    applied alone by :func:`_block` (sequential XOR, Adler-32 of the block before and after).
-    With the fused kernel too: at that density the per-word gather, scatter and sums cost more
-    than two sequential passes over the block (``bench/nodework``, clustered rows: 4.2x the
-    floor at 2 % through the kernel)."""
+    applied alone by :func:`_block` (XOR in one sweep, Adler-32 of the block before and after).
+    At that density two sequential Adler-32 passes (SIMD, the block in cache) cost less than
+    per-word sums, and a sequential sweep less than the light runs' gather and scatter
+    (``bench/nodework``, clustered 2 %: blocks with every other word changed)."""
     return blk.mode == _P_DENSE or blk.k * w * 16 >= blk.hi - blk.lo
 
 
@@ -424,7 +441,7 @@ def apply_sparse(
         # a run never spans a heavy block, so the tensor's tasks are in block order
         light: list[_PlanesBlock] = []
         for blk in live:
-            if _is_heavy(blk, w, fused):
+            if _is_heavy(blk, w):
                 if light:
                     tasks.append((ti, len(tasks), light))
                     light = []
@@ -444,9 +461,9 @@ def apply_sparse(
         tb = b[info.start : info.end]
         try:
             with lease() as cx:
-                if len(blks) == 1 and _is_heavy(blks[0], w, fused):
+                if len(blks) == 1 and _is_heavy(blks[0], w):
                     try:
-                        res_of[slot] = _block(cx, stream, blks[0], tb, w, info.nbytes)
+                        res_of[slot] = _block(cx, stream, blks[0], tb, w, info.nbytes, fused)
                     except ProtocolError as e:
                         raise ProtocolError(f"bdn_planes_v1 block {blks[0].index}: {e}") from None
                 else:

@@ -232,7 +232,10 @@ class Forward:
         fut = asyncio.get_running_loop().run_in_executor(self.pools.apply, self._catch_up, m, chains)
         return await self._in_flight(m.identity, fut)
 
-    async def _in_flight(self, identity: str, fut: asyncio.Future[int]) -> int:
+    async def _in_flight(self, identity: str, aw: Awaitable[int]) -> int:
+        """Await ``aw`` (a catch-up or a background seed to ``identity``) as the one in flight
+        (:meth:`settle` waits for it); set before this yields."""
+        fut = asyncio.ensure_future(aw)
         self._busy, self._busy_for = fut, identity
         try:
             return await fut
@@ -330,8 +333,22 @@ class Forward:
             return 0
         if m.is_delta and (m.compression_format or "").lower() != buffers.SPARSE_FORMAT:
             return 0  # its successor will not be a sparse delta either (a guess: the copy would be wasted)
-        if background and self._busy is not None:
+        if not background:
+            return await self._seed_job(job, reach, room, 0.0)
+        if self._busy is not None:
             return 0
+        # In flight from here, before the first await: a second background seed asked meanwhile
+        # (a first snapshot's READY and its being served both ask for one) returns 0 instead of
+        # copying the same files into a second buffer each (one model copy more in shm).
+        rate = self.cfg.sparse_seed_mbit * 1e6 / 8
+        return await self._in_flight(job.identity, self._seed_job(job, reach, room, rate))
+
+    async def _seed_job(
+        self, job: SnapshotJob, reach: Callable[[dict[str, Any]], bool], room: int | None, rate: float
+    ) -> int:
+        """:meth:`seed`'s copy of ``job``'s unheld files at ``rate`` bytes/s (0: full speed)."""
+        m = job.manifest
+        assert m is not None  # seed checked it
         loop = asyncio.get_running_loop()
         try:  # READY and the spares' tags are read on a disk thread (a huge snapshot: 100,000 files)
             want = await loop.run_in_executor(self.pools.disk, self._unseeded, job.identity, reach)
@@ -356,12 +373,8 @@ class Forward:
         if not self._warmed:  # the first sparse apply will follow: load the compiled kernel meanwhile
             self._warmed = True
             self._spawn(asyncio.get_running_loop().run_in_executor(self.pools.apply, sparse_kernel.warm))
-        rate = self.cfg.sparse_seed_mbit * 1e6 / 8 if background else 0.0
         src = self.store.ready_dir(job.identity)
-        fut = asyncio.get_running_loop().run_in_executor(
-            self.pools.apply, self._seed, src, want, m.chunk_size, rate, self.store.spares
-        )
-        return await (self._in_flight(job.identity, fut) if background else fut)
+        return await loop.run_in_executor(self.pools.apply, self._seed, src, want, m.chunk_size, rate, self.store.spares)
 
     def _unseeded(self, identity: str, reach: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
         """The tags of ready ``identity``'s files that no tagged spare ``reach`` accepts holds (a
