@@ -134,3 +134,25 @@ def test_kill_9_during_a_seed_copy_then_restart_leaves_no_buffer_and_the_next_de
         assert _metric(d, "fallbacks") == 0 and _metric(d, "chunks_bad") == 0
     finally:
         d.stop()
+
+
+def test_sigterm_during_a_seed_copy_stops_it_cleanly(tmp_path: Path) -> None:
+    """SIGTERM while the anchor's buffer is being copied (a seed held slow by its rate bound):
+    bdnd exits 0 and no background task of the seed or the catch-up dies unobserved (a task that
+    asked a thread pool after shutdown had closed it logged "Task exception was never retrieved")."""
+    chain = file_chain(tmp_path, 1, chunk_size=CHUNK, scale=4, frac=0.02, formats={})
+    d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=dict(ENV, BDN_SPARSE_SEED_MBIT="0.001"))
+    spares = d.shm_dir / SWARM_ID / ".spares"
+    d.start([])
+    try:
+        d.wait_healthy()
+        hot_load(d.url, step_id(1))
+        d.wait_ready(step_id(1), 300)
+        wait_for(lambda: _claimed(spares), 60, "the seed copy under way")
+        assert d.proc is not None
+        d.stop(timeout=120)
+        assert d.proc.returncode == 0, d.log()
+        text = d.log_path.read_text()
+        assert "never retrieved" not in text and "after shutdown" not in text, d.log()
+    finally:
+        d.stop()

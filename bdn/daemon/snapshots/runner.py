@@ -37,6 +37,7 @@ from bdn.daemon.snapshots.events import (
     LayerReset,
     ManifestAttached,
     Quarantined,
+    ReasonChanged,
     Restarted,
     Resumed,
     StateChanged,
@@ -88,6 +89,8 @@ class RunnerJobs(Jobs, Protocol):
 #: and how often it looks (a lease probe per file, ``bdn.daemon.store.spares.unused``).
 CATCH_UP_WAIT_S = 30.0
 CATCH_UP_POLL_S = 0.05
+#: Times a delta is applied again because its base was repaired while it was read.
+BASE_REPAIRS = 2
 
 
 class Runner:
@@ -160,8 +163,9 @@ class Runner:
             if saved is not None:
                 await self._resume(job, saved)
             else:
-                if m.is_delta:
-                    await self.forward.settle(m, jobs.get)  # a background catch-up's buffer is this delta's to take
+                # a background catch-up's or seed's buffer is this delta's to take; any other seed
+                # gives way (its pages would count against this snapshot's room)
+                await self.forward.settle(m, jobs.get)
                 jobs.check_budget(m)
                 accept = self.forward.accept(m, jobs.get) if m.is_delta else None
                 if accept is not None:
@@ -536,8 +540,40 @@ class Runner:
             download.cancel()
             raise
         await download
-        if base.state != "ready":
-            raise BdnError(f"base snapshot {base_id} failed: {base.reason}")
+        sparse: set[str] | None = None
+        for attempt in range(BASE_REPAIRS + 1):
+            # A base under repair (quarantined: out of ready, its directory back in staging) is
+            # waited for, not taken for failed: it comes back ready, or fails with its reason.
+            base = await self._await_job(base)
+            if base.state != "ready":
+                raise BdnError(f"base snapshot {base_id} failed: {base.reason}")
+            seen = base.ready_count
+            try:
+                await self._apply_on(job, m, base_id, sparse)
+                break
+            except (BdnError, OSError) as e:
+                if attempt == BASE_REPAIRS or (base.state == "ready" and base.ready_count == seen):
+                    raise
+                # the base was repaired while it was read (its files moved away, or bytes it
+                # held before the repair did not rebuild right): once ready again, apply again,
+                # in full (a sparse apply's buffers were brought forward already)
+                sparse = set()
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                job.apply(ReasonChanged(f"applying again: base {base_id} was repaired meanwhile ({why})"))
+                await job.notify()
+                log.warning(
+                    "snapshot %s: base %s was repaired while it was applied (%s); applying again",
+                    job.identity,
+                    base_id,
+                    why,
+                )
+        job.apply(LayerComplete(RESULT))
+        await self._register(job, RESULT, self.forward.untouched(job))
+
+    async def _apply_on(self, job: SnapshotJob, m: Manifest, base_id: str, sparse: set[str] | None) -> None:
+        """Apply delta ``m`` onto ready base ``base_id`` and verify every rebuilt chunk.
+        ``sparse``: None the first time (the held buffers are brought forward first), else the
+        paths a sparse apply did (an empty set: every file in full). Raises BdnError, OSError."""
         await self._on(
             self.pools.disk,
             check_delta_config,
@@ -546,9 +582,11 @@ class Runner:
             self.store.ready_dir(base_id),
             self.store.staging_dir(m.identity),
         )
-        job.apply(StateChanged("applying"))
-        await job.notify()
-        sparse = await self.forward.apply(job, m)  # buffers brought forward in place; the rest in full
+        if job.state == "downloading":
+            job.apply(StateChanged("applying"))
+            await job.notify()
+        if sparse is None:
+            sparse = await self.forward.apply(job, m)  # buffers brought forward in place; the rest in full
         await self._on(
             self.pools.apply,
             diskio.apply_delta,
@@ -559,11 +597,10 @@ class Runner:
             self.cfg.apply_workers,
             sparse,
         )
-        job.apply(StateChanged("verifying"))
-        await job.notify()
+        if job.state == "applying":
+            job.apply(StateChanged("verifying"))
+            await job.notify()
         await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity), sparse)
-        job.apply(LayerComplete(RESULT))
-        await self._register(job, RESULT, self.forward.untouched(job))
 
     async def _register(self, job: SnapshotJob, layer: str, refs: Iterable[ChunkRef]) -> None:
         """Index verified chunks, handing the event loop a turn every 4096 (millions are possible);
