@@ -23,6 +23,7 @@ from bdn.daemon.apply import buffers, seed
 from bdn.daemon.config import Config
 from bdn.daemon.observe import logctx
 from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process import failpoints
 from bdn.daemon.process.executors import Executors
 from bdn.daemon.snapshots.layers import RESULT
 from bdn.daemon.snapshots.snapshot import SnapshotJob
@@ -255,6 +256,7 @@ class Forward:
             if claimed is None:
                 continue
             hidden, tag = claimed
+            failpoints.hold("catch_up.claimed", m.identity)
             if tag.get("adlers") is None:  # GC's tag of a file a seed copied knows none: the seed did
                 tag["adlers"] = self._adlers.get((str(tag.get("identity")), f.path))
             t0 = time.monotonic()
