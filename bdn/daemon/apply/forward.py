@@ -244,8 +244,9 @@ class Forward:
             return await fut
         finally:
             self._busy, self._busy_for = None, ""
-            self._hurry.clear()
-            self._cancel.clear()
+            if not self._closed:  # (after close() a copy still running must go on seeing the cancel)
+                self._hurry.clear()
+                self._cancel.clear()
 
     def _catch_up(self, m: Manifest, chains: dict[str, list[tuple[str, Any]]]) -> int:
         spares, n = self.store.spares, 0
@@ -461,7 +462,6 @@ class Forward:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._cancel.set()  # (the seed's _in_flight cleared it on its way out)
 
     def _spawn(self, aw: Awaitable[Any]) -> None:
         if self._closed:
