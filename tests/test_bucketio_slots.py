@@ -2,7 +2,8 @@
 slot, never while the read queues behind others. The owner announces a chunk for cut-through
 from that hook (bdn.daemon.fetch.wire_source), so a chunk whose parts still queue is not
 announced: askers would hold their cut-through workers and the owner's slots on it for seconds
-before its first byte (bench/NOTES.md)."""
+before its first byte (docs/decisions/0008-cut-through-no-relays.md: ~10 s when announced at the
+acquisition's start)."""
 
 from __future__ import annotations
 

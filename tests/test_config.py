@@ -50,7 +50,7 @@ def test_unknown_log_level(base: dict[str, str]) -> None:
 
 
 def test_event_loop(base: dict[str, str]) -> None:
-    # BDN_EVENT_LOOP=asyncio: the soak's A/B against uvloop (bench/NOTES.md "Issue 12: soak memory")
+    # BDN_EVENT_LOOP=asyncio: for an A/B of a run against uvloop (the default)
     assert _load(base).event_loop == "uvloop"
     assert _load({**base, "BDN_EVENT_LOOP": "asyncio"}).event_loop == "asyncio"
     with pytest.raises(ConfigError, match="event_loop.*uvloop or asyncio.*'trio'"):
@@ -83,6 +83,9 @@ def test_unknown_bdn_variable_refused_but_cli_variables_ignored(base: dict[str, 
     with pytest.raises(ConfigError, match="BDN_PEER_TIMEOUT: unknown variable"):
         _load({**base, "BDN_PEER_TIMEOUT": "5"})
     assert _load({**base, "BDN_URL": "http://127.0.0.1:7081", "BDN_GCS_ENDPOINT_URL": "x"}).bucket
+    # the variables README documents for the examples and engines, exported in the shell bdnd inherits
+    # (examples/fleet.py starts bdnd with its own environment: BDN_DEMO_ENGINE=numpy made it exit 2)
+    assert _load({**base, "BDN_DEMO_ENGINE": "numpy", "BDN_VLLM_KEEP_UNPACKED": "1"}).bucket
 
 
 def test_bdnd_table_beside_another_table(base: dict[str, str], tmp_path: Path) -> None:

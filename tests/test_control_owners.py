@@ -128,7 +128,7 @@ def test_readers_of_is_the_owner_maps_reader_set() -> None:
 
 def test_reader_slots_share_equally_and_a_change_moves_one_slot() -> None:
     """Reader slots: equal shares (within one chunk) whatever the node ids, where plain HRW
-    among 5 readers split 128 chunks up to 21 / 31 (bench/NOTES.md, "Issue 13, part 6"); a
+    among 5 readers split 128 chunks up to 21 / 31 (docs/decisions/0002-bucket-reader-slots.md); a
     reader's death moves its slot only, to the slot's next candidate, who is also its acting
     owner and the new holder's former owner."""
     from collections import Counter

@@ -4,7 +4,7 @@ fleet's even where gossip has not reached it yet.
 
 Found by the one-hour soak: a daemon back from a liar's round heard nothing from its peers for
 70 s; POSTs it accepted meanwhile made ``gen`` from its stale target, lost to the fleet's older
-target everywhere and were answered 200 all the same (bench/NOTES.md, "Issue 12: the flat soak").
+target everywhere and were answered 200 all the same (docs/decisions/0014-hotload-target-order.md).
 The decisions run on a real ``ReplicaView`` with an injected clock; the members' answers come
 from a recorder of the signed GETs (the route itself is exercised between real daemons in
 tests/test_hotload.py)."""

@@ -92,3 +92,16 @@ def test_the_rate_holds_until_hurry_and_cancel_abandons(tmp_path: Path) -> None:
     threading.Timer(0.2, cancel.set).start()
     with pytest.raises(Cancelled):  # the same bound, abandoned between two chunks
         copy_file(src, _buffer(tmp_path, size), CHUNK, rate=1.0, hurry=cancel, cancel=cancel)
+
+
+def test_a_rate_of_a_few_bits_a_day_waits_without_overflowing_the_clock(tmp_path: Path) -> None:
+    """``sparse_seed_mbit`` 1e-12 (the config takes any finite rate >= 0): a chunk's wait on the
+    bound is ~10^12 s, past what ``threading``'s timeouts hold (OverflowError killed the seed);
+    it is waited in slices, and ``hurry`` still ends it at once."""
+    src = _model(tmp_path)
+    hurry = threading.Event()
+    timer = threading.Timer(0.2, hurry.set)
+    timer.start()
+    rate = 1e-12 * 1e6 / 8  # bytes/s, as Forward.seed turns sparse_seed_mbit into
+    assert copy_file(src, _buffer(tmp_path, src.stat().st_size), CHUNK, rate=rate, hurry=hurry) == src.stat().st_size
+    timer.join()

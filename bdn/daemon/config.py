@@ -36,6 +36,9 @@ FOREIGN_ENV = frozenset(
         "BDN_GCS_ENDPOINT_URL",  # bdn.bucket: GCS XML API endpoint override
         "BDN_PEERS_SERVICE",  # deploy/k8s: the headless Service the entrypoint resolves
         "BDN_DEMO_SECRET",  # examples/demo.py
+        "BDN_DEMO_ENGINE",  # examples/fleet.py (which starts bdnd with its own environment)
+        "BDN_VLLM_KEEP_UNPACKED",  # bdn.engines.vllm_worker, in the vLLM process
+        "BDN_FAILPOINTS",  # bdn/daemon/process/failpoints.py: crash tests' pause points, unset in use
     }
 )
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

@@ -214,10 +214,16 @@ def _compile() -> Any:
             if w >= 2:
                 x |= np.uint64(raw[pl + k + i]) << np.uint64(8)
             if w >= 4:
-                x |= (np.uint64(raw[pl + 2 * k + i]) << np.uint64(16)) | (np.uint64(raw[pl + 3 * k + i]) << np.uint64(24))
+                x |= (np.uint64(raw[pl + 2 * k + i]) << np.uint64(16)) | (
+                    np.uint64(raw[pl + 3 * k + i]) << np.uint64(24)
+                )
             if w == 8:
-                x |= (np.uint64(raw[pl + 4 * k + i]) << np.uint64(32)) | (np.uint64(raw[pl + 5 * k + i]) << np.uint64(40))
-                x |= (np.uint64(raw[pl + 6 * k + i]) << np.uint64(48)) | (np.uint64(raw[pl + 7 * k + i]) << np.uint64(56))
+                x |= (np.uint64(raw[pl + 4 * k + i]) << np.uint64(32)) | (
+                    np.uint64(raw[pl + 5 * k + i]) << np.uint64(40)
+                )
+                x |= (np.uint64(raw[pl + 6 * k + i]) << np.uint64(48)) | (
+                    np.uint64(raw[pl + 7 * k + i]) << np.uint64(56)
+                )
             words[idx] ^= x
         if ei != e:
             return BAD

@@ -8,8 +8,8 @@ The wire format and handshake are in bdn.proto.wire (pure); this package does th
 - ``TransferServer(keys, node_id, resolve, admit=...)``: ``start()`` beside the event loop
   (its own threads), ``forget(path)`` when a snapshot is collected, ``close()`` on shutdown.
 - ``TransferClient(keys, node_id)``: ``fetch_into(peer, address, dest, offset, length, digest,
-  wait_s=, snapshot=) -> FetchResult`` (OK / BUSY / NOT_HERE / CORRUPT / FAILED),
-  ``close_peer(peer)`` when a member leaves; its streams are pooled per peer by
+  wait_s=, snapshot=, abort=) -> FetchResult`` (OK / BUSY / NOT_HERE / CORRUPT / FAILED),
+  ``Abort().set()`` to end one fetch whose asker gave up, ``close_peer(peer)`` when a member leaves; its streams are pooled per peer by
   bdn.transfer.streams (``StreamPool``, ``Peer``).
 - ``FetchPool(client, workers)``: ``await pool.fetch(...)`` from asyncio, ``submit(...)`` for a
   ``concurrent.futures.Future``.
@@ -24,7 +24,7 @@ transfer port next to its URL; the fetcher maps FetchResult onto what ``_from_pe
 indexes a chunk only after OK.
 """
 
-from bdn.transfer.client import FetchResult, Outcome, TransferClient
+from bdn.transfer.client import Abort, FetchResult, Outcome, TransferClient
 from bdn.transfer.pool import FetchPool
 from bdn.transfer.server import (
     GRANTED,
@@ -37,6 +37,7 @@ from bdn.transfer.server import (
 from bdn.transfer.streams import HandshakeRefused, Peer
 
 __all__ = [
+    "Abort",
     "GRANTED",
     "NOT_HERE",
     "Busy",

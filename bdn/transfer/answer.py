@@ -102,7 +102,7 @@ class Answers:
         deadlines: Deadlines | None = None,
     ) -> None:
         self._send_timeout = send_timeout_s
-        self._deadlines = deadlines or Deadlines()
+        self._deadlines = deadlines if deadlines is not None else Deadlines()  # (an empty one is falsy: __len__)
         self._resolve = resolve
         self._admit = admit
         self._files = files

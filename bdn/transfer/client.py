@@ -22,9 +22,12 @@ is closed and never reused, and the chunk is reported ``FAILED``: never a short 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import mmap
 import secrets
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +80,34 @@ class FetchResult:
 OK = FetchResult(Outcome.OK)
 CUT_OK = FetchResult(Outcome.OK, cut_through=True)
 NOT_HERE = FetchResult(Outcome.NOT_HERE)
+ABORTED = FetchResult(Outcome.FAILED, error="aborted by the asker")
+
+
+class Abort:
+    """Ends one ``fetch_into`` from another thread (its asker gave up: the download was cancelled).
+    :meth:`set` shuts the socket of the stream the fetch holds (the blocked ``recv_into`` returns,
+    the fetch ends ``FAILED`` and the stream is closed, never reused); a fetch not yet on a stream
+    ends before it sends its request. Only that fetch's stream: the peer's other streams, and the
+    other fetches on them, go on (``close_peer`` ends them all). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.is_set = False
+
+    def set(self) -> None:
+        """End the fetch now (idempotent)."""
+        with self._lock:
+            self.is_set = True
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _bind(self, sock: socket.socket | None) -> bool:
+        """The fetch holds ``sock`` now (None: it gives it back); False when already set."""
+        with self._lock:
+            self._sock = sock
+            return not self.is_set
 
 
 class TransferClient:
@@ -142,6 +173,7 @@ class TransferClient:
         cut_through: bool = False,
         fd: int | None = None,
         on_data: Callable[[], None] | None = None,
+        abort: Abort | None = None,
     ) -> FetchResult:
         """Fetch ``length`` bytes at ``chunk_offset`` of the chunk at swarm ``address`` from
         ``peer`` into ``dest`` at ``offset`` and check them against ``digest`` (32 hex chars,
@@ -168,7 +200,8 @@ class TransferClient:
         they land from its bucket read (PART frames, bdn.transfer.growing); the whole range is
         hashed once the parts cover it. ``on_data``: called (on this thread) when a
         whole-chunk answer (DATA) begins, before its body: the asker times the peer's sending
-        from there (bdn.daemon.fetch.policy.SourceBook). Blocks the calling thread. On anything but ``OK`` the range of ``dest`` holds unspecified bytes;
+        from there (bdn.daemon.fetch.policy.SourceBook). ``abort`` (:class:`Abort`): set from
+        another thread, it ends this fetch at once as ``FAILED`` (its stream closed). Blocks the calling thread. On anything but ``OK`` the range of ``dest`` holds unspecified bytes;
         the caller must not index or serve them.
 
         Raises:
@@ -185,7 +218,7 @@ class TransferClient:
         if isinstance(dest, int):
             if offset < 0:
                 raise ValueError(f"negative file offset {offset}")
-            return self._fetch(peer, ask, dest, offset, length, wait_s, digest, False, on_data=on_data)
+            return self._fetch(peer, ask, dest, offset, length, wait_s, digest, False, on_data=on_data, abort=abort)
         with memoryview(dest) as whole:
             if whole.readonly or not (0 <= offset and offset + length <= whole.nbytes):
                 raise ValueError(f"range {offset}+{length} is not inside a writable buffer of {whole.nbytes} bytes")
@@ -201,6 +234,7 @@ class TransferClient:
                     bool(flags),
                     None if fd is None else (fd, offset),
                     on_data,
+                    abort,
                 )
 
     def _fetch(
@@ -215,17 +249,27 @@ class TransferClient:
         cut_ok: bool,
         file_sink: tuple[int, int] | None = None,
         on_data: Callable[[], None] | None = None,
+        abort: Abort | None = None,
     ) -> FetchResult:
+        if abort is not None and abort.is_set:
+            return ABORTED
         stream = self._streams.acquire(peer)
         if isinstance(stream, str):
             return FetchResult(Outcome.FAILED, error=stream)
         keep = False
         try:
+            if abort is not None and not abort._bind(stream.sock):
+                keep = True  # nothing was sent on it
+                return ABORTED
             result = self._exchange(stream, ask, sink, offset, length, wait_s, digest, cut_ok, file_sink, on_data)
+            if abort is not None and abort.is_set and result.outcome is Outcome.FAILED:
+                result = ABORTED
             # a peer that sent wrong bytes may have sent more than it announced: never reuse it
             keep = result.outcome not in (Outcome.FAILED, Outcome.CORRUPT)
             return result
         finally:
+            if abort is not None:
+                abort._bind(None)  # (before the stream goes back: a later set() must not shut it)
             self._streams.release(peer, stream, keep)
 
     def take(self, peer: Peer, identity: str, index: int) -> bool:
@@ -374,4 +418,4 @@ def _answer(s: Stream, within_s: float) -> tuple[wire.FrameType, memoryview | by
             raise TimeoutError(f"no answer within {within_s:g} s (only announcements)")
 
 
-__all__ = ["FetchResult", "HandshakeRefused", "Outcome", "Peer", "TransferClient"]
+__all__ = ["Abort", "FetchResult", "HandshakeRefused", "Outcome", "Peer", "TransferClient"]

@@ -41,7 +41,8 @@ class Deadlines:
     """Shuts down each registered socket whose send outlives its deadline (``time.monotonic()``
     by default; ``clock`` injectable). The thread starts with the first registration and ends
     with :meth:`close`. Entries of sends that ended leave the heap once no earlier one is left
-    (sends of one kind end about in deadline order, so the heap holds about the sends in flight)."""
+    (sends of one kind end about in deadline order, so the heap holds about the sends in flight).
+    ``fired`` counts the sends it cut off."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -50,6 +51,7 @@ class Deadlines:
         self._seq = 0
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.fired = 0
 
     @contextmanager
     def bound(self, sock: socket.socket, deadline: float) -> Iterator[Watch]:
@@ -105,6 +107,7 @@ class Deadlines:
                     continue
                 heapq.heappop(self._heap)
                 w.fired = True
+                self.fired += 1
                 sock, w.sock = w.sock, None
                 if sock is not None:
                     try:

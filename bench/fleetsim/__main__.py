@@ -78,7 +78,7 @@ KEYS = (
 
 def fleet(name: str, n: int, size: float, chunks: int, **kw: Any) -> Scenario:
     kw.setdefault("hotload_fanout", math.ceil(math.log(n)) + 3)
-    # bdnd as it runs (bench/NOTES.md, "Issue 13, part 3"): one chunk at a time per reader, a
+    # bdnd as it runs (docs/decisions/0016, 0028, 0008): one chunk at a time per reader, a
     # HAVE as soon as a chunk is verified, max_inflight 16 and max_per_peer 4 (its defaults),
     # chunks forwarded as their real 16 MiB chunks arrive, cut-through behind bucket reads (the
     # lead's); upload admission and the source book are bdnd's (bdn.daemon.serve.uploads, fetch.policy)

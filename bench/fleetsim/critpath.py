@@ -8,8 +8,9 @@ for it (any peer or owner), when the copy that arrived started, how many "busy" 
 and whether it waited in a holder's upload queue. Prints one JSON line of summaries (all peer
 arrivals, the arrivals after the last bucket read, the joiners'), the bucket reads per reader,
 and for the last nodes the chain of their last chunk back to its bucket read (each hop: first
-ask, copy start, announce, arrival, source, busy answers, queued). bench/NOTES.md, "Issue 13,
-part 6", used it to find the end-of-snapshot herd waiting in the upload queues.
+ask, copy start, announce, arrival, source, busy answers, queued). It found the end-of-snapshot
+herd waiting in the simulator's own upload queues (since deleted: a full holder answers busy, as
+bdnd's do).
 """
 
 from __future__ import annotations

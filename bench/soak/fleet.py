@@ -35,6 +35,7 @@ from support.swarm import SECRET, Daemon  # noqa: E402
 
 ENGINE_SERVER = REPO / "examples" / "engine" / "server.py"
 PROBE_ENV = "SOAK_TRACEMALLOC"  # bench/soak/tmprobe.py: a daemon with it runs under the memory probe
+OBJPROBE_ENV = "SOAK_OBJPROBE"  # bench/soak/objprobe.py: a daemon with it runs under the object census
 TOKEN = "soak-trainer-token-0123456789abcdef"
 
 
@@ -98,6 +99,23 @@ class ProbedDaemon(Daemon):
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.soak.tmprobe"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+        log.close()
+
+
+class CensusDaemon(Daemon):
+    """A :class:`Daemon` started as ``python -m bench.soak.objprobe`` (the daemon's own ``__main__``
+    with a census of its Python objects, bench/soak/objprobe.py), lines in ``<dir>/objprobe``."""
+
+    def start(self, peers: list[str]) -> None:
+        env = dict(
+            self.env,
+            BDN_PEERS=",".join(p for p in peers if p != self.peer_url),
+            SOAK_OBJPROBE_DIR=str(self.dir / "objprobe"),
+        )
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.soak.objprobe"], env=env, stdout=log, stderr=subprocess.STDOUT
         )
         log.close()
 
@@ -186,7 +204,7 @@ class Fleet:
         }
         for i in range(self.n):
             node_env = {**env, **self.node_env.get(f"node{i}", {})}
-            kind = ProbedDaemon if node_env.get(PROBE_ENV) else Daemon
+            kind = ProbedDaemon if node_env.get(PROBE_ENV) else CensusDaemon if node_env.get(OBJPROBE_ENV) else Daemon
             d = stable_ports(kind(self.workdir, f"node{i}", self.bucket_url, self.secret, node_env))
             d.shm_dir = self.shm_root / d.node_id
             d.env["BDN_SHM_DIR"] = str(d.shm_dir)

@@ -391,6 +391,34 @@ def api(sock: Path, method: str, path: str, body: Any = None, timeout: float = 1
         c.close()
 
 
+def mem_available() -> int:
+    """The kernel's estimate of memory available without swapping (``MemAvailable``), bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+MEM_WAIT_S = 1200.0  # how long a run waits for the memory it needs on a shared machine
+
+
+def wait_for_memory(need: int, what: str) -> int:
+    """Wait (up to ``MEM_WAIT_S``, checking every 5 s) until ``need`` bytes are available, so
+    that a run's shm files cannot push a shared machine into the OOM killer; returns the bytes
+    available when it starts. Raises TimeoutError if they never are."""
+    t0 = time.monotonic()
+    said = -60.0
+    while (avail := mem_available()) < need:
+        waited = time.monotonic() - t0
+        if waited > MEM_WAIT_S:
+            raise TimeoutError(f"{what}: {need / 2**30:.1f} GiB never available in {MEM_WAIT_S:g} s")
+        if waited - said >= 60:
+            log(f"    {what} waits for memory: {avail / 2**30:.1f} GiB available, needs {need / 2**30:.1f}")
+            said = waited
+        time.sleep(5)
+    return avail
+
+
 def wait_until(pred: Any, timeout: float, what: str, every: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -421,6 +449,7 @@ class Bench:
     bucket_mbit: float = 200
     rows: list[dict[str, Any]] = field(default_factory=list)
     prior: list[dict[str, Any]] = field(default_factory=list)  # rows kept from --out (--merge)
+    _ab_round: int = 0  # --ab-src: runs paired so far (ABBA order)
 
     def floor(self) -> float:
         return self.size * 8 / (self.nic_mbit * 1e6)
@@ -534,6 +563,21 @@ class Bench:
         once on 2 cores: bench/NOTES.md, "Swarm scheduling, part 6")."""
         return self.run_bdn(n, fault, system="bdn-recycled", pages="recycled")
 
+    def run_ab(self, s: str, n: int, fault: str | None = None) -> None:
+        """One run of bdn system ``s`` (``bdn``, ``bdn_recycled``) with this tree's daemon and one
+        with ``--ab-src``'s (row system ``<system>@LABEL``), in the order ABBA over a point's runs."""
+        label, _, src = self.args.ab_src.partition("=")
+        system, pages = ("bdn-recycled", "recycled") if s == "bdn_recycled" else ("bdn", "fresh")
+        first_b = self._ab_round % 4 in (1, 2)
+        self._ab_round += 1
+        for other in (first_b, not first_b):
+            saved = self.args.bdn_src
+            self.args.bdn_src = src if other else saved
+            try:
+                self.run_bdn(n, fault, system=f"{system}@{label}" if other else system, pages=pages)
+            finally:
+                self.args.bdn_src = saved
+
     def plant_spares(self, daemons: dict[int, tuple[Proc, Path]]) -> int:
         """Give every node's page pool the pages of one collected snapshot of the same file sizes
         (written, so resident), as its GC would have left them; returns the bytes per node."""
@@ -556,6 +600,9 @@ class Bench:
             tag += "-src"  # keep the logs of the repo's daemon at the same point
         nodes = list(range(1, n + 1))
         clear_shm("n")
+        # n snapshots' files (in the planted spares' pages if recycled) plus the seeds a node
+        # starts once ready (docs/OPERATIONS.md), until the daemons stop right after the last one
+        avail = wait_for_memory(int(n * self.size * 1.25) + (2 << 30), f"{system} N={n}")
         rev = daemon_rev() + (f" patched copy at {self.args.bdn_src}" if self.args.bdn_src else "")
         daemons = {i: self.start_bdnd(i, nodes, tag) for i in nodes}
         try:
@@ -671,6 +718,11 @@ class Bench:
                     }
                     egress += c["bucket_bytes_owner"] + c["bucket_bytes_fallback"] + c.get("bucket_manifest_bytes", 0)
                     m["per_node"][f"n{i}"].update(counters[f"n{i}"])
+            # Stopped before the digest check: a node that is ready copies its snapshot into a
+            # seed in the background (docs/OPERATIONS.md), another snapshot's worth of shm per
+            # node; the files stay until clear_shm below.
+            for p, _ in daemons.values():
+                stop(p)
             verified = None
             if ok and not self.args.no_verify:
                 verified = all(self.check_files(SHM / f"n{i}" / statuses[i]["swarm_id"] / IDENTITY) for i in survivors)
@@ -694,6 +746,7 @@ class Bench:
                 failed=failed or None,
                 killed_at_s=killed_at[0] if killed_at else None,
                 survivors=len(survivors) if fault else None,
+                mem_available_gib=round(avail / 2**30, 1),
                 **m,
             )
         finally:
@@ -1119,6 +1172,21 @@ def recycled_bytes(logfile: Path, identity: str) -> int | None:
     return int(got[-1]) if got else None
 
 
+def wait_idle(procs: list[Proc], quiet: float = 0.05, window: float = 1.0, timeout: float = 120.0) -> float:
+    """Wait until every process of ``procs`` used under ``quiet`` CPU-s in one ``window`` s
+    (background work after a ready snapshot, a seed's copy, done), at most ``timeout`` s (then
+    logged); returns the seconds waited."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        c0 = [cpu_seconds(p.pid) for p in procs]
+        time.sleep(window)
+        if all(cpu_seconds(p.pid) - c < quiet for p, c in zip(procs, c0)):
+            break
+    else:
+        log(f"    daemons still busy after {timeout:g} s: measured anyway")
+    return time.monotonic() - t0
+
+
 def ceiling(b: Bench) -> None:
     """One bdnd pulls the snapshot from another over unshaped loopback; iperf3 on the same loopback."""
     sh(f"ip netns add {LO_NS}")
@@ -1134,6 +1202,10 @@ def ceiling(b: Bench) -> None:
     # state: step N+2 receives into the pages of step N); fresh: into new tmpfs pages.
     recycled = b.args.ceiling_pages == "recycled"
     warm = ("warm000001", "warm000002") if recycled else ()
+    # lo1 keeps every snapshot, lo2 two (one of them its spare); each seeds its first one unless
+    # BDN_SPARSE_SEED_MBIT=0
+    seeds = 0 if str(b.args.bdn_env.get("BDN_SPARSE_SEED_MBIT", "")).strip() in ("0", "0.0") else 2
+    wait_for_memory(((5 if recycled else 2) + seeds) * b.size + (3 << 29), "the ceiling")
     if recycled:
         from bench.swarm.snapshot import make_snapshot
 
@@ -1194,6 +1266,10 @@ def ceiling(b: Bench) -> None:
             f"lo2 has {ident}",
             every=0.5,
         )
+    # Once a snapshot is ready a daemon copies it into a seed in the background (docs/OPERATIONS.md):
+    # the measured download starts when neither daemon is busy any more, as a node's next step does.
+    idle_s = wait_idle([p for p, _ in ds.values()])
+    log(f"    both daemons idle after {idle_s:.1f} s")
     c0 = {i: cpu_seconds(p.pid) for i, (p, _) in ds.items()}
     m0 = machine_cpu()
     prof = b.start_profile(ds[2][0], "ceiling-receiver") if b.args.profile else None
@@ -1239,6 +1315,7 @@ def ceiling(b: Bench) -> None:
             "bdn_src": b.args.bdn_src or None,
             "pages": b.args.ceiling_pages,
             "recycled_bytes": recycled_bytes(WORK / "logs" / "ceiling-lo2.log", IDENTITY),
+            "idle_wait_s": round(idle_s, 1),
         }
     )
     log(f"ceiling: bdn lo1 -> lo2 {b.size / secs / 1e6:.0f} MB/s, {b.size / tot_cpu / 1e6:.0f} MB per CPU-s {cpu}")
@@ -1396,6 +1473,13 @@ def main() -> int:
         "by every bdnd: for experiments on the daemon without editing it; rows then record it",
     )
     ap.add_argument(
+        "--ab-src",
+        default="",
+        help="LABEL=DIR: every bdn run is paired with the same run of the bdn package in DIR (an older "
+        "commit's, from git archive), its row's system suffixed @LABEL; the two alternate in ABBA order, "
+        "so a loaded machine's drift falls on both alike",
+    )
+    ap.add_argument(
         "--merge", action="store_true", help="keep the rows already in --out, except points this run measures again"
     )
     ap.add_argument("--cleanup", action="store_true", help="only remove what a previous run left")
@@ -1493,13 +1577,18 @@ def main() -> int:
             for n in ns_list:
                 for s in systems:
                     log(f"--- {s} N={n}")
-                    b.point(getattr(b, f"run_{s}"), n)
+                    b.point(b.run_ab if a.ab_src else getattr(b, f"run_{s}"), *([s] if a.ab_src else []), n)
             top = max(ns_list)
             if a.fault:
                 for s in systems:
                     if s in a.fault_systems.split(","):
                         log(f"--- {s} N={top} fault {a.fault}")
-                        b.point(getattr(b, f"run_{s}"), top, fault=a.fault)
+                        b.point(
+                            b.run_ab if a.ab_src else getattr(b, f"run_{s}"),
+                            *([s] if a.ab_src else []),
+                            top,
+                            fault=a.fault,
+                        )
             for spec in [v for v in a.bdn_variants.split(";") if v]:
                 # A tuning experiment: the same bdn at the largest N with other settings.
                 vname, _, kvs = spec.partition(":")

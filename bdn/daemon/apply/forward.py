@@ -10,6 +10,7 @@ no spare holds the served snapshot, one copied from it (:meth:`Forward.seed`).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 import time
@@ -22,6 +23,7 @@ from bdn.daemon.apply import buffers, seed
 from bdn.daemon.config import Config
 from bdn.daemon.observe import logctx
 from bdn.daemon.observe.stats import Stats
+from bdn.daemon.process import failpoints
 from bdn.daemon.process.executors import Executors
 from bdn.daemon.snapshots.layers import RESULT
 from bdn.daemon.snapshots.snapshot import SnapshotJob
@@ -58,6 +60,7 @@ class Forward:
         self._held: dict[str, dict[str, dict[str, Any]]] = {}
         self._touched: dict[str, list[int]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False  # close() ran: no new background task
         self._hot_used = 0
         self._hot: dict[str, list[str]] = {}  # identity -> its files whose buffer mapping to drop after READY
         self._busy: asyncio.Future[int] | None = None  # a catch-up or a seed in flight
@@ -202,9 +205,10 @@ class Forward:
             self._spawn(self._check(job, positions))
 
     async def settle(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> None:
-        """Before delta ``m`` reserves its files: wait for a background catch-up or seed in flight.
-        A seed of a snapshot ``m`` can start from goes on at full speed (``m`` takes its buffer);
-        any other seed is abandoned (its pages are not what ``m`` needs)."""
+        """Before snapshot ``m`` (a delta or a full one) reserves its files: wait for a background
+        catch-up or seed in flight. A seed of a snapshot delta ``m`` can start from goes on at full
+        speed (``m`` takes its buffer); any other seed is abandoned and its file deleted (its pages
+        are not what ``m`` needs, and they would count against ``m``'s room in shm)."""
         busy = self._busy
         if busy is None:
             return
@@ -240,8 +244,9 @@ class Forward:
             return await fut
         finally:
             self._busy, self._busy_for = None, ""
-            self._hurry.clear()
-            self._cancel.clear()
+            if not self._closed:  # (after close() a copy still running must go on seeing the cancel)
+                self._hurry.clear()
+                self._cancel.clear()
 
     def _catch_up(self, m: Manifest, chains: dict[str, list[tuple[str, Any]]]) -> int:
         spares, n = self.store.spares, 0
@@ -252,6 +257,7 @@ class Forward:
             if claimed is None:
                 continue
             hidden, tag = claimed
+            failpoints.hold("catch_up.claimed", m.identity)
             if tag.get("adlers") is None:  # GC's tag of a file a seed copied knows none: the seed did
                 tag["adlers"] = self._adlers.get((str(tag.get("identity")), f.path))
             t0 = time.monotonic()
@@ -372,7 +378,9 @@ class Forward:
             self._warmed = True
             self._spawn(asyncio.get_running_loop().run_in_executor(self.pools.apply, sparse_kernel.warm))
         src = self.store.ready_dir(job.identity)
-        return await loop.run_in_executor(self.pools.apply, self._seed, src, want, m.chunk_size, rate, self.store.spares)
+        return await loop.run_in_executor(
+            self.pools.apply, self._seed, src, want, m.chunk_size, rate, self.store.spares
+        )
 
     def _unseeded(self, identity: str, reach: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
         """The tags of ready ``identity``'s files that no tagged spare ``reach`` accepts holds (a
@@ -430,7 +438,7 @@ class Forward:
             )
             return "seeded"
         except seed.Cancelled as e:
-            log.info("seed: %s (a delta that does not start from %s came)", e, tag["identity"])
+            log.info("seed: %s (a snapshot that does not start from %s came)", e, tag["identity"])
             return "stop"
         except (ProtocolError, OSError) as e:
             log.warning("seed: no buffer of %s copied from %s: %s", path, tag["identity"], e)
@@ -440,10 +448,26 @@ class Forward:
                 spares.discard(hidden)
 
     def spawn(self, aw: Awaitable[Any]) -> None:
-        """Run ``aw`` as a task this object keeps until it ends."""
+        """Run ``aw`` as a task this object keeps until it ends (after :meth:`close`: dropped)."""
         self._spawn(aw)
 
+    async def close(self) -> None:
+        """Shutdown: stop the seed copy in flight at its next chunk and cancel every background
+        task (catch-ups, seeds, checks), awaited here, so that none asks a thread pool after the
+        daemon shut the pools down. Later :meth:`spawn` calls are dropped."""
+        self._closed = True
+        self._cancel.set()
+        self._hurry.set()  # (a copy waiting on its rate bound wakes and sees the cancel)
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def _spawn(self, aw: Awaitable[Any]) -> None:
+        if self._closed:
+            if inspect.iscoroutine(aw):
+                aw.close()  # never started: no "never awaited" warning
+            return
         t = asyncio.ensure_future(aw)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)

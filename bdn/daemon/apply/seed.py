@@ -12,7 +12,7 @@ checksum). Blocking (an apply thread); the copy, hash and Adler-32 release the G
 
 Rate: at most ``rate`` bytes a second while nobody waits for the buffer (the engine keeps serving
 meanwhile), full speed once ``hurry`` is set (a delta waits for it), abandoned at the next chunk
-when ``cancel`` is set (a delta that does not start from it came; set ``hurry`` too to end a wait
+when ``cancel`` is set (a snapshot that does not start from it came; set ``hurry`` too to end a wait
 on the bound at once).
 """
 
@@ -31,6 +31,9 @@ from bdn.proto.chunks import digest
 from bdn.proto.delta_tasks import raw_adler32
 from bdn.proto.errors import ProtocolError
 from bdn.proto.safetensors_fmt import Header
+
+#: Longest single wait on the rate bound, s (the bound itself may ask for longer: waited in slices).
+WAIT_SLICE_S = 3600.0
 
 
 class Cancelled(Exception):
@@ -70,12 +73,16 @@ def copy_file(
             done = 0
             while done < len(piece):
                 done += os.pwrite(fd, piece[done:], off + done)
-            if rate > 0 and not (hurry is not None and hurry.is_set()):
+            # (waits in slices of at most WAIT_SLICE_S: a rate of a few bits a day, which the
+            # config allows, would ask for a wait past what the platform's clock can hold)
+            while rate > 0 and not (hurry is not None and hurry.is_set()):
                 ahead = end / rate - (time.monotonic() - t0)
-                if ahead > 0 and hurry is not None:
-                    hurry.wait(ahead)
-                elif ahead > 0:
-                    time.sleep(ahead)
+                if ahead <= 0:
+                    break
+                if hurry is not None:
+                    hurry.wait(min(ahead, WAIT_SLICE_S))
+                else:
+                    time.sleep(min(ahead, WAIT_SLICE_S))
     finally:
         os.close(fd)
     return size

@@ -236,6 +236,11 @@ class Fetcher:
             flights.pop(key, None)
             if not flights:
                 del self._inflight[job]
+        if not self._layers and not self._inflight:
+            # The last acquisition outside any download (a repair's chunks, fetched one by one
+            # through ensure_chunk) ended: its buffers go back too, as at a download's end (they
+            # stayed mapped until the next download ended)
+            self.sources.release_buffers()
 
     async def _got(self, job: SnapshotJob, layer: str, ref: ChunkRef) -> None:
         """Event: a chunk is verified on disk. The job's bitfields and the index change here only."""

@@ -47,7 +47,7 @@ from bdn.daemon.swarm.membership import Member, Membership
 from bdn.proto import wire
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef
-from bdn.transfer import FetchPool, FetchResult, Outcome, Peer
+from bdn.transfer import Abort, FetchPool, FetchResult, Outcome, Peer
 from bdn.transfer.growing import Growing, GrowingChunks
 
 log = logging.getLogger("bdn.fetch.wire")
@@ -296,6 +296,7 @@ class WireSource:
         # a whole answer is pwritten through the stream's buffer (no page tables for the
         # mapping, no zeroing of fresh pages), a cut-through one lands in the mapping
         fd = self.maps.fd(target)
+        abort = Abort()
         fut = self.pool.submit(
             peer,
             address,
@@ -310,8 +311,9 @@ class WireSource:
             cut_through=self.growing is not None and job.foreign is None,
             fd=fd,
             on_data=att.data,
+            abort=abort,
         )
-        return await self._await(fut, m, peer, lambda: self.maps.release(target))
+        return await self._await(fut, m, peer, lambda: self.maps.release(target), abort=abort)
 
     async def _race_one(
         self,
@@ -325,10 +327,20 @@ class WireSource:
         att: Attempt,
     ) -> FetchResult:
         buf = self.alloc(ref.length)
+        abort = Abort()
         fut = self.pool.submit(
-            peer, address, buf, 0, ref.length, _digest(job, ref), wait_s=wait, snapshot=job.identity, on_data=att.data
+            peer,
+            address,
+            buf,
+            0,
+            ref.length,
+            _digest(job, ref),
+            wait_s=wait,
+            snapshot=job.identity,
+            on_data=att.data,
+            abort=abort,
         )
-        res = await self._await(fut, m, peer, None, settle=False)
+        res = await self._await(fut, m, peer, None, settle=False, abort=abort)
         if res.outcome is not Outcome.OK:
             self._free_when_done(fut, buf)
             return res
@@ -370,10 +382,14 @@ class WireSource:
         peer: Peer,
         release: Callable[[], None] | None,
         settle: bool = True,
+        abort: Abort | None = None,
     ) -> FetchResult:
         """The fetch's result; on cancellation (this task's, or ``m`` leaving the swarm, which
         cancels its requests) the fetch is ended and, with ``settle``, waited for, so no thread
-        writes into the range after this returns. ``release`` runs once the thread is done."""
+        writes into the range after this returns. ``release`` runs once the thread is done.
+        ``abort``: the fetch's own handle, set when this task is cancelled (the download was
+        cancelled: a body frozen mid-way would otherwise hold the cancel for the peer time-out,
+        ``peer_timeout_s`` x 2 to x 4; the peer's other streams are left alone)."""
         loop = asyncio.get_running_loop()
         if release is not None:
             fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(release))
@@ -386,6 +402,8 @@ class WireSource:
             mine = me is not None and me.cancelling() > 0
             if not mine:
                 self.pool.client.close_peer(peer)  # the member left: end its streams now
+            elif abort is not None:
+                abort.set()  # this fetch alone: its thread returns at once
             if settle:
                 while not fut.done():
                     try:

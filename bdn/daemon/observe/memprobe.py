@@ -19,7 +19,7 @@ charged to the bdn line that called it; ``lib:`` when no bdn frame is in the tra
 ``1MiB`` (pymalloc's arenas and 1 MiB buffers), ``stack_or_arena`` (mappings of 8 MiB and more:
 thread stacks, glibc thread arenas) and ``other``. A structure whose census keeps rising with the
 number of hot-loads is a leak; Python allocations flat while RssAnon rises point at the
-allocator (bench/NOTES.md, "Issue 31: the soak's memory"). ``pymalloc`` is CPython's small-object
+allocator (glibc's and pymalloc's free pages; docs/decisions/0025-flat-rss.md). ``pymalloc`` is CPython's small-object
 allocator as ``sys._debugmallocstats()`` reports it: its 1 MiB arenas in use (each an anonymous
 mapping, counted in RssAnon, returned only when every object in it is freed), the bytes of live
 blocks in them and of free blocks in their used pools; ``arenas`` x 1 MiB well above

@@ -219,14 +219,15 @@ class Catalog:
         self._trim_failed()
 
     async def stop(self) -> None:
-        """Cancel every job (each saves its progress) and wait for them; then wake every
-        waiter (``wait_state`` answers at once from now on)."""
+        """Cancel every job (each saves its progress) and the background catch-ups and seeds,
+        and wait for them; then wake every waiter (``wait_state`` answers at once from now on)."""
         self.closing = True
         tasks = [t for j in self.jobs.values() if (t := self.runner.task(j)) is not None]
         for t in tasks:
             if not t.done():
                 t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.runner.forward.close()  # catch-ups and seeds: before the pools shut down
         for j in self.jobs.values():
             j.apply(Stopping())
             async with j.cond:

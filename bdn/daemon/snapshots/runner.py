@@ -32,11 +32,13 @@ from bdn.daemon.observe.lograte import RepeatLog
 from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import Clock
 from bdn.daemon.process.executors import Executors
+from bdn.daemon.snapshots.catchup import AfterServed
 from bdn.daemon.snapshots.events import (
     LayerComplete,
     LayerReset,
     ManifestAttached,
     Quarantined,
+    ReasonChanged,
     Restarted,
     Resumed,
     StateChanged,
@@ -45,7 +47,7 @@ from bdn.daemon.snapshots.foreign_source import ForeignLoader
 from bdn.daemon.snapshots.published import ManifestReader
 from bdn.daemon.snapshots.records import record_bytes
 from bdn.daemon.snapshots.snapshot import RESULT, STORED, TERMINAL, Jobs, SnapshotJob
-from bdn.daemon.store import diskio, spares
+from bdn.daemon.store import diskio
 from bdn.daemon.store.bitfield import Bitfield
 from bdn.daemon.store.chunklist import check_limits
 from bdn.daemon.store.index import ChunkIndex
@@ -84,10 +86,8 @@ class RunnerJobs(Jobs, Protocol):
         """True once the daemon is stopping."""
 
 
-#: After the engines swap, how long a catch-up waits for the old snapshot's files to be closed,
-#: and how often it looks (a lease probe per file, ``bdn.daemon.store.spares.unused``).
-CATCH_UP_WAIT_S = 30.0
-CATCH_UP_POLL_S = 0.05
+#: Times a delta is applied again because its base was repaired while it was read.
+BASE_REPAIRS = 2
 
 
 class Runner:
@@ -126,6 +126,7 @@ class Runner:
         self.folder = Folder(cfg, store, bucket, index, fetcher, pools)  # a lagging node's catch-up
         self.manifests = ManifestReader(cfg, bucket, clock, self.folder, foreign, jobs, stats, pools.disk)
         self.forward = Forward(cfg, store, stats, pools, self._register, self.repair)  # sparse applies
+        self.after_served = AfterServed(jobs, store, self.forward, pools)  # catch-up and seed
         self.repeat = RepeatLog(log, cfg.log_repeat_s, clock)  # lines a full disk repeats per save
         self._tasks: dict[SnapshotJob, asyncio.Task[None]] = {}  # running, by job
 
@@ -160,8 +161,9 @@ class Runner:
             if saved is not None:
                 await self._resume(job, saved)
             else:
-                if m.is_delta:
-                    await self.forward.settle(m, jobs.get)  # a background catch-up's buffer is this delta's to take
+                # a background catch-up's or seed's buffer is this delta's to take; any other seed
+                # gives way (its pages would count against this snapshot's room)
+                await self.forward.settle(m, jobs.get)
                 jobs.check_budget(m)
                 accept = self.forward.accept(m, jobs.get) if m.is_delta else None
                 if accept is not None:
@@ -245,38 +247,10 @@ class Runner:
         before it is free once the engines close it: then GC recycles it into a tagged spare and
         :meth:`Forward.catch_up` brings that spare forward to ``identity`` in the background (a
         task; DESIGN.md, "Sparse apply"). When no spare then holds ``identity`` (an anchor, a
-        snapshot loaded without its predecessor), :meth:`Forward.seed` copies one from it."""
+        snapshot loaded without its predecessor), :meth:`Forward.seed` copies one from it
+        (:class:`bdn.daemon.snapshots.catchup.AfterServed`)."""
         if self.cfg.sparse_apply:
-            self.forward.spawn(self._catch_up(identity))
-
-    async def _catch_up(self, identity: str) -> None:
-        jobs = self.jobs
-
-        def free(idents: list[str]) -> bool:
-            return all(spares.unused(p) for ident in idents for p in self.store.ready_dir(ident).rglob("*.safetensors"))
-
-        # An engine closes the snapshot it swapped away from right after its ack: until then GC
-        # could not recycle those files (a lease is refused on a file in use, and it is deleted).
-        # No event says a mapping is gone (munmap notifies nobody), so the lease is probed.
-        for _ in range(int(CATCH_UP_WAIT_S / CATCH_UP_POLL_S)):
-            if await self._on(self.pools.disk, free, jobs.collectable()):
-                break
-            await asyncio.sleep(CATCH_UP_POLL_S)
-        if any(j.state not in TERMINAL for j in jobs.all()):
-            return  # a snapshot is on its way: it takes the spares itself
-        jobs.gc()
-        job = jobs.get(identity)
-        if job is None or job.state != "ready" or job.manifest is None:
-            return
-        if job.manifest.is_delta:
-            await self._on(self.pools.disk, self.store.spares.prime_tagged)
-            if any(j.state not in TERMINAL for j in jobs.all()):
-                return
-            await self.forward.catch_up(job.manifest, jobs.get)
-        if not any(j.state not in TERMINAL for j in jobs.all()):
-            await self.forward.seed(
-                job, lambda tag: tag.get("identity") == identity, jobs.budget_left(), background=True
-            )
+            self.after_served.start(identity)
 
     def _publish(self, job: SnapshotJob, m: Manifest) -> Any:
         """READY and the restart record of ``job`` rebuilt from ``m`` (a disk thread: the record
@@ -536,8 +510,40 @@ class Runner:
             download.cancel()
             raise
         await download
-        if base.state != "ready":
-            raise BdnError(f"base snapshot {base_id} failed: {base.reason}")
+        sparse: set[str] | None = None
+        for attempt in range(BASE_REPAIRS + 1):
+            # A base under repair (quarantined: out of ready, its directory back in staging) is
+            # waited for, not taken for failed: it comes back ready, or fails with its reason.
+            base = await self._await_job(base)
+            if base.state != "ready":
+                raise BdnError(f"base snapshot {base_id} failed: {base.reason}")
+            seen = base.ready_count
+            try:
+                await self._apply_on(job, m, base_id, sparse)
+                break
+            except (BdnError, OSError) as e:
+                if attempt == BASE_REPAIRS or (base.state == "ready" and base.ready_count == seen):
+                    raise
+                # the base was repaired while it was read (its files moved away, or bytes it
+                # held before the repair did not rebuild right): once ready again, apply again,
+                # in full (a sparse apply's buffers were brought forward already)
+                sparse = set()
+                why = str(e).splitlines()[0] if str(e) else type(e).__name__
+                job.apply(ReasonChanged(f"applying again: base {base_id} was repaired meanwhile ({why})"))
+                await job.notify()
+                log.warning(
+                    "snapshot %s: base %s was repaired while it was applied (%s); applying again",
+                    job.identity,
+                    base_id,
+                    why,
+                )
+        job.apply(LayerComplete(RESULT))
+        await self._register(job, RESULT, self.forward.untouched(job))
+
+    async def _apply_on(self, job: SnapshotJob, m: Manifest, base_id: str, sparse: set[str] | None) -> None:
+        """Apply delta ``m`` onto ready base ``base_id`` and verify every rebuilt chunk.
+        ``sparse``: None the first time (the held buffers are brought forward first), else the
+        paths a sparse apply did (an empty set: every file in full). Raises BdnError, OSError."""
         await self._on(
             self.pools.disk,
             check_delta_config,
@@ -546,9 +552,11 @@ class Runner:
             self.store.ready_dir(base_id),
             self.store.staging_dir(m.identity),
         )
-        job.apply(StateChanged("applying"))
-        await job.notify()
-        sparse = await self.forward.apply(job, m)  # buffers brought forward in place; the rest in full
+        if job.state == "downloading":
+            job.apply(StateChanged("applying"))
+            await job.notify()
+        if sparse is None:
+            sparse = await self.forward.apply(job, m)  # buffers brought forward in place; the rest in full
         await self._on(
             self.pools.apply,
             diskio.apply_delta,
@@ -559,11 +567,10 @@ class Runner:
             self.cfg.apply_workers,
             sparse,
         )
-        job.apply(StateChanged("verifying"))
-        await job.notify()
+        if job.state == "applying":
+            job.apply(StateChanged("verifying"))
+            await job.notify()
         await self._on(self.pools.apply, diskio.verify_results, m, self.store.staging_dir(m.identity), sparse)
-        job.apply(LayerComplete(RESULT))
-        await self._register(job, RESULT, self.forward.untouched(job))
 
     async def _register(self, job: SnapshotJob, layer: str, refs: Iterable[ChunkRef]) -> None:
         """Index verified chunks, handing the event loop a turn every 4096 (millions are possible);
