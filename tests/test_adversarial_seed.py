@@ -50,7 +50,12 @@ def _record(d: Daemon, identity: str) -> dict:
 
 
 def _settled(d: Daemon, identity: str) -> dict:
-    wait_for(lambda: _record(d, identity).get("state") in ("ready", "failed"), 300, f"{identity} ready or failed")
+    wait_for(
+        lambda: _record(d, identity).get("state") in ("ready", "failed"),
+        300,
+        f"{identity} ready or failed",
+        detail=lambda: f"{identity}: {_record(d, identity)}\n{d.log()}",
+    )
     return _record(d, identity)
 
 
