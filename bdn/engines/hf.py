@@ -50,8 +50,8 @@ import xxhash
 
 from bdn.client import Snapshot
 from bdn.engines import changed as changed_mod
+from bdn.engines import hf_pingpong, hf_words
 from bdn.engines import hf_sampling as sampling
-from bdn.engines import hf_words
 from bdn.engines.gate import Aborted, PolicyGate, Ticket
 from bdn.engines.hf_staging import EngineError, load_model, same_config, stage_tensors, torch, torch_available
 from bdn.engines.options import HotLoadOptions
@@ -84,6 +84,7 @@ class Prepared:
     ranges: int = 0  # tensors of which only the offer's changed byte ranges were read
     words: hf_words.WordPlan | None = None  # a word-level swap (bdn.engines.hf_words)
     words_fallback: str = ""  # why the offer's changed_words were not (or not wholly) used
+    pingpong: hf_pingpong.Step | None = None  # a ping-pong swap: what its prepare wrote
 
 
 @dataclass
@@ -112,8 +113,9 @@ class HFEngine:
             tensors are copied into the parameters in place); see the module doc.
         clock: monotonic seconds, for the reported timings.
         words: where a word-level swap writes (``bdn.engines.hf_words.MODES``): ``"inplace"`` (the
-            default: the parameters, in the pause), ``"spare"`` (copies, while serving; the pause
-            as ``swap_method`` says) or ``"off"``.
+            default: the parameters, in the pause), ``"pingpong"`` (spare buffers kept one step
+            behind, while serving; the pause as ``swap_method`` says:
+            :mod:`bdn.engines.hf_pingpong`) or ``"off"``.
 
     Raises EngineError (one line) when torch/transformers do not import or ``swap_method`` is
     not one of ``SWAP_METHODS``, or ``words`` not one of ``hf_words.MODES``.
@@ -156,6 +158,7 @@ class HFEngine:
         self.last_swap_tensors: list[str] = []  # names copied by the last swap (all, for a full reload)
         self.swaps = 0
         self.adlers = hf_words.Adlers()  # the served parameters' Adler-32s (word-level swaps check them)
+        self.pingpong = hf_pingpong.PingPong()  # ``words="pingpong"``: the spare buffers one step behind
         # the sparse kernel: loaded on a thread from the first offer of changed words on (numba's
         # import holds the GIL for a while: not while the engine starts and loads its first model)
         self.kernel = hf_words.KernelWarmup(start=False)
@@ -201,6 +204,8 @@ class HFEngine:
                 reason = "config.json changed"
             elif self.partial and self.device == "cpu" and self.words != "off" and "changed_words" in offer:
                 prep, words_fallback = self._prepare_words(snap, offer, options)
+            if prep is None and self.words == "pingpong":  # staged or loaded: the spare buffers fall behind
+                self._drop_pingpong()
             if prep is None and not reason:
                 ch = changed_mod.changed_tensors(offer, serving, snap) if self.partial else None
                 if ch is not None and ch.removed:
@@ -241,8 +246,8 @@ class HFEngine:
     def _prepare_words(
         self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions
     ) -> tuple[Prepared | None, str]:
-        """A word-level swap of ``offer`` (``hf_words.plan``; in ``"spare"`` mode the words are
-        applied to copies now), or ``(None, why not)`` after one log line."""
+        """A word-level swap of ``offer`` (``hf_words.plan``; in ``"pingpong"`` mode the words are
+        applied to the spare buffers now), or ``(None, why not)`` after one log line."""
         serving = self.snapshot
         self.kernel.start()  # (that prepare applies with numpy unless it is loaded already)
         wp = (
@@ -251,27 +256,40 @@ class HFEngine:
             else None
         )
         why = wp if isinstance(wp, str) else "" if wp is not None else "nothing is served"
-        if isinstance(wp, hf_words.WordPlan) and self.words == "spare":
+        if isinstance(wp, hf_words.WordPlan) and serving is not None and self.words == "pingpong":
             try:
-                staged = hf_words.onto_copies(wp, self.params, self.spares.take)
+                staged, step = self.pingpong.prepare(wp, serving.identity, self.params, self.spares.take)
             except (BdnError, ValueError) as e:
-                why = f"applying the words to copies failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}"
-            else:
-                return Prepared(
-                    snap,
-                    options,
-                    "partial",
-                    tensors=staged,
-                    changed_source="words-spare",
-                    words=wp,
-                    bytes_copied=wp.bytes_copied,
-                ), ""
-        elif isinstance(wp, hf_words.WordPlan):
+                why = f"applying the words to the spare buffers failed: {_line(e)}"
+                log.warning(
+                    "%s: ping-pong swap not used (%s): the spare buffers are forgotten, staging the changed tensors",
+                    snap.identity,
+                    why,
+                )
+                self._drop_pingpong()
+                return None, why
+            return Prepared(
+                snap,
+                options,
+                "partial",
+                tensors=staged,
+                changed_source="words-pingpong",
+                words=wp,
+                bytes_copied=step.copied + step.background + step.caught_up + step.written,
+                pingpong=step,
+            ), ""
+        if isinstance(wp, hf_words.WordPlan):
             return Prepared(
                 snap, options, "partial", changed_source="words", words=wp, bytes_copied=wp.bytes_to_write
             ), ""
         log.info("%s: word-level swap not used (%s): staging the changed tensors", snap.identity, why)
         return None, why
+
+    def _drop_pingpong(self) -> None:
+        """Forget the ping-pong spare buffers; they become the staging path's buffers."""
+        bufs = self.pingpong.drop()
+        if bufs:
+            self.spares.keep(bufs)
 
     # -- swap (the pause) ------------------------------------------------------------------
     def swap(self, prep: Prepared) -> dict[str, Any]:
@@ -286,6 +304,8 @@ class HFEngine:
         th = torch()
         dropped = 0
         freed: list[Any] = []  # storages no longer in use once apply returned
+        rebound: dict[str, Any] = {}  # name -> the storage it served before a rebind
+        old_identity = self.identity
         first = self.model is None  # (the first load's prepare faulted its buffers in already)
 
         def apply() -> None:
@@ -306,6 +326,7 @@ class HFEngine:
                             freed.append(t)
                             continue
                         freed.append(self.params[name])
+                        rebound[name] = self.params[name]
                         slot.data = t
                         for alias in self._aliases[name]:
                             self.params[alias] = slot.detach()
@@ -314,7 +335,7 @@ class HFEngine:
                     self.model, self.tokenizer = model, tok
                     self.params = dict(model.state_dict(keep_vars=False))
                     self._slots, self._aliases = slots_of(model, self.params)
-            if prep.words is not None and prep.tensors:  # "spare": the copies' sums, checked
+            if prep.words is not None and prep.tensors:  # "pingpong": the spare buffers' sums, checked
                 self.adlers.set(prep.words.result)
             elif prep.words is None:
                 self.adlers.drop(None if prep.mode == "load" else list(prep.tensors))
@@ -327,7 +348,14 @@ class HFEngine:
             # A new model object may not accept KV caches the old one computed: end them instead.
             gate_opts = dataclasses.replace(gate_opts, inflight_policy="abort")
         outcome = self.gate.swap(apply, gate_opts, prep.snapshot.policy_version)
-        if prep.mode != "load" or not first:
+        pp = prep.pingpong
+        if pp is not None and prep.words is not None and old_identity is not None:
+            # the storages swapped out hold the old snapshot: the spare buffers from now on
+            flat = {n: t.reshape(-1).view(th.uint8) for n, t in rebound.items()}
+            self.pingpong.commit(flat, prep.words.adlers, old_identity, prep.snapshot.identity, prep.words)
+            self.spares.keep([])
+            self.pingpong.catch_up(self.kernel.ready)
+        elif prep.mode != "load" or not first:
             self.spares.keep(freed)
         if prep.mode == "load" and not first:  # a reload: its buffers are faulted in while it serves
             self.spares.prefill(list(self.params.values()))
@@ -354,6 +382,7 @@ class HFEngine:
             "changed_source": prep.changed_source or None,
             "words_fallback": prep.words_fallback or None,
             "words_kernel": ("compiled" if prep.words.fused else "numpy") if prep.words is not None else None,
+            "pingpong": dataclasses.asdict(pp) if pp is not None else None,
             "full_reload_reason": prep.reason or None,
             "prompt_cache": "reset" if prep.options.reset_prompt_cache else "preserved",
             "prompt_cache_entries_dropped": dropped,
@@ -392,7 +421,7 @@ class HFEngine:
                 why,
                 len(wp.views),
             )
-            prep.words_fallback = f"applying the words failed: {why}"
+            prep.words_fallback = f"applying the words failed: {why}"  # (one line: the log's)
             prep.changed_source = "words-restored"
             self.adlers.drop(wp.views)
             prep.bytes_copied = hf_words.restore(wp, prep.snapshot)
@@ -482,3 +511,8 @@ class HFEngine:
         except Aborted:
             finish = "abort"
         return Generation(prompt, out_ids, lps, tops, finish, list(ticket.versions), identity, cached, cache_version)
+
+
+def _line(e: BaseException) -> str:
+    """An exception's first line (at most 300 characters), or its type's name."""
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__

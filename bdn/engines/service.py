@@ -131,7 +131,7 @@ class HFService:
         replica_id: reported in every answer's ``engine_data``.
         partial: swap changed tensors only (False: full reload on every swap).
         swap_method: ``"rebind"`` or ``"copy"`` (``bdn.engines.hf.HFEngine``).
-        words: where a word-level swap writes: ``"inplace"``, ``"spare"`` or ``"off"`` (``HFEngine``).
+        words: where a word-level swap writes: ``"inplace"``, ``"pingpong"`` or ``"off"`` (``HFEngine``).
         poll_timeout: seconds per long-poll (``stop`` does not wait for one: it unregisters).
     """
 
