@@ -184,6 +184,18 @@ class HFEngine:
                 out[name] = xxhash.xxh3_128_hexdigest(raw.view(th.uint8).numpy().tobytes())
         return out
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weight memory the engine holds now: ``parameters`` (the served state dict, each
+        storage once), ``pingpong`` (the spare buffers of ``words="pingpong"``), ``staging`` (the
+        buffers kept for the next staged swap, ``SpareBuffers``)."""
+        seen: set[int] = set()
+        served = 0
+        for t in self.params.values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                served += t.numel() * t.element_size()
+        return {"parameters": served, "pingpong": self.pingpong.nbytes(), "staging": self.spares.nbytes()}
+
     # -- prepare (while serving) -----------------------------------------------------------
     def prepare(self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> Prepared:
         """Stage ``snap`` while the current policy serves (see the module doc).
