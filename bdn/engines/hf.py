@@ -9,7 +9,8 @@ download) and generates token by token under a ``PolicyGate``. It is an adapter 
   loaded on the CPU, the same ``config.json`` and an offer naming the delta's verified diff files
   on the served snapshot (``changed_words``), it checks a *word-level swap*
   (:mod:`bdn.engines.hf_words`: the swap then XORs only the changed words into the parameters,
-  in place, in the pause). Otherwise, with a model loaded and the same ``config.json``, it finds
+  in place, in the pause; with ``words="pingpong"`` they are XORed now into spare buffers kept
+  one step behind, :mod:`bdn.engines.hf_pingpong`, and the pause rebinds). Otherwise, with a model loaded and the same ``config.json``, it finds
   the changed tensors (``offer["changed_tensors"]``
   or by comparing the two snapshots, bdn.engines.changed) and copies only those out of the
   snapshot's shared memory into staging tensors (a *partial swap*); otherwise it loads the whole
@@ -20,9 +21,10 @@ download) and generates token by token under a ``PolicyGate``. It is an adapter 
   weights, and the old storage is freed after the swap, so peak memory is the same as copying);
   with ``"copy"`` each staged tensor is copied into the parameter's own storage (one memcpy per
   tensor, pointer-stable: what an engine whose kernels captured the weights' addresses, e.g. CUDA
-  graphs, must do). A word-level swap writes the changed words into the parameters' own storage
-  (pointer-stable, one copy of the model; a failure reads the changed tensors from the target
-  snapshot instead, one log line). A first load swaps the model object. The prompt cache is dropped
+  graphs, must do). An in-place word-level swap writes the changed words into the parameters' own
+  storage (pointer-stable, one copy of the model; a failure reads the changed tensors from the
+  target snapshot instead, one log line); a ping-pong one rebinds, and the buffers swapped out
+  become the spares (brought forward by the delta on a thread). A first load swaps the model object. The prompt cache is dropped
   (``RESET_ALL``) or kept (``PRESERVE``). The report says what was done.
 
 The prompt cache: the KV cache of every prompt (``transformers.DynamicCache``), reused for a later
