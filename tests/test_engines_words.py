@@ -164,7 +164,7 @@ def test_a_missing_or_corrupted_diff_falls_back_with_one_line_and_correct_weight
         assert http("POST", f"{node.url}/v1/snapshots/{ident}/leases", {"holder": "test"})[0] in (200, 201)
     root = Path(node.wait_ready(IDS[0])["path"]).parent
     snaps = [open_snapshot(root / i) for i in IDS[:3]]
-    engine = HFEngine()
+    engine = HFEngine(words="inplace")
     engine.kernel = hf_words.KernelWarmup(start=False)  # the numpy path (the service test runs the kernel's)
     try:
         engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))

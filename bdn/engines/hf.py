@@ -114,10 +114,11 @@ class HFEngine:
         swap_method: ``"rebind"`` (parameters take the staged tensors) or ``"copy"`` (staged
             tensors are copied into the parameters in place); see the module doc.
         clock: monotonic seconds, for the reported timings.
-        words: where a word-level swap writes (``bdn.engines.hf_words.MODES``): ``"inplace"`` (the
-            default: the parameters, in the pause), ``"pingpong"`` (spare buffers kept one step
-            behind, while serving; the pause as ``swap_method`` says:
-            :mod:`bdn.engines.hf_pingpong`) or ``"off"``.
+        words: where a word-level swap writes (``bdn.engines.hf_words.MODES``): ``"pingpong"``
+            (spare buffers kept one step behind, while serving, the pause a rebind:
+            :mod:`bdn.engines.hf_pingpong`; the default), ``"inplace"`` (the parameters, in the
+            pause; the default with ``swap_method="copy"``, which must keep the parameters'
+            addresses) or ``"off"``.
 
     Raises EngineError (one line) when torch/transformers do not import or ``swap_method`` is
     not one of ``SWAP_METHODS``, or ``words`` not one of ``hf_words.MODES``.
@@ -129,7 +130,7 @@ class HFEngine:
         partial: bool = True,
         clock: Any = time.monotonic,
         swap_method: str = "rebind",
-        words: str = "inplace",
+        words: str | None = None,
     ) -> None:
         why = torch_available()
         if why:
@@ -137,6 +138,8 @@ class HFEngine:
         if swap_method not in SWAP_METHODS:
             raise EngineError(f"swap_method must be one of {', '.join(SWAP_METHODS)}, got {swap_method!r}")
         self.swap_method = swap_method
+        if words is None:  # (a rebind keeps the parameters' addresses only in place)
+            words = "inplace" if swap_method == "copy" else "pingpong"
         if words not in hf_words.MODES:
             raise EngineError(f"words must be one of {', '.join(hf_words.MODES)}, got {words!r}")
         self.words = words

@@ -34,7 +34,7 @@ Measured in the same run, for the targets of issue 10:
   on a loaded machine the wall times are mostly the scheduler's, this is the daemon's own work;
   ``prepare_cpu_ms``: the same for the engine (this process, every thread) while it prepared.
 
-``--words inplace|pingpong|off`` (default ``inplace``; a comma list runs each in turn, a new
+``--words pingpong|inplace|off`` (default ``pingpong``, the engine's; a comma list runs each in turn, a new
 engine each, on the same daemon and deltas): with a ``bdn_planes_v1`` delta the daemon's offer
 names its diff files and the engine XORs the changed words into its parameters in the pause
 (``inplace``), into spare buffers kept one step behind while it serves (``pingpong``; the pause
@@ -256,7 +256,7 @@ def main() -> int:
     ap.add_argument("--keep-log", default="", help="copy bdnd's log (JSON lines) to this path at the end")
     ap.add_argument(
         "--words",
-        default="inplace",
+        default="pingpong",
         help="the engine's word-level swaps of a bdn_planes_v1 delta (HFEngine words=; a comma list runs "
         "each in turn): inplace (in the pause), pingpong (onto spare buffers one step behind, while "
         "serving), or off (staging only)",
