@@ -97,6 +97,9 @@ class PingPong:
         self._lock = threading.Lock()  # held by whoever writes the buffers (catch-up, prepare)
         self._thread: threading.Thread | None = None
         self.caught_up_bytes = 0  # words the last catch-up thread wrote (for reports)
+        # False from a prepare that returned until its commit: a pause may have made a spare
+        # buffer a served parameter, so drop() must not hand them out
+        self._reusable = True
 
     def nbytes(self) -> int:
         """Bytes of the spare buffers (memory the ping-pong adds to the parameters)."""
@@ -104,11 +107,13 @@ class PingPong:
 
     def drop(self) -> list[Any]:
         """Forget every spare buffer (after waiting for a catch-up); returns them (flat uint8 CPU
-        tensors) for the caller's pool: none of them is a served parameter."""
+        tensors) for the caller's pool, none of them a served parameter (an empty list after a
+        prepare that no commit followed: they are let go instead)."""
         self._join()
         with self._lock:
-            out = list(self.bufs.values())
+            out = list(self.bufs.values()) if self._reusable else []
             self._forget()
+            self._reusable = True
         return out
 
     def _forget(self) -> None:
@@ -142,7 +147,9 @@ class PingPong:
         step.background, self.caught_up_bytes = self.caught_up_bytes, 0
         with self._lock:
             try:
-                return self._prepare(wp, serving, params, take, step), step
+                out = self._prepare(wp, serving, params, take, step)
+                self._reusable = False
+                return out, step
             except (BdnError, ValueError):
                 self.holds = self.kept = None  # (the caller drops the buffers)
                 raise
@@ -198,6 +205,7 @@ class PingPong:
                     self.adlers.pop(name, None)
             self.holds = old
             self.kept = Kept(old, new, wp.files, wp.fused)
+            self._reusable = True
 
     def catch_up(self, fused: Callable[[], bool] | None = None) -> threading.Thread | None:
         """Apply the kept delta to the spare buffers on a daemon thread (returned; None when
