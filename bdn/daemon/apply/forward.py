@@ -23,7 +23,7 @@ from bdn.daemon.apply import buffers, seed
 from bdn.daemon.config import Config
 from bdn.daemon.observe import logctx
 from bdn.daemon.observe.stats import Stats
-from bdn.daemon.process import failpoints
+from bdn.daemon.process import failpoints, shutdown
 from bdn.daemon.process.executors import Executors
 from bdn.daemon.snapshots.layers import RESULT
 from bdn.daemon.snapshots.snapshot import SnapshotJob
@@ -35,6 +35,10 @@ from bdn.proto.errors import ProtocolError
 from bdn.proto.manifest import ChunkRef, Manifest
 
 log = logging.getLogger("bdn.runner")
+
+# the kernel's load (numba's import and its compile into the on-disk cache) holds nothing a
+# stop must wait for: a SIGTERM during it does not wait shutdown_timeout_s
+shutdown.holds_nothing(sparse_kernel.warm)
 
 #: Targets whose changed ranges are remembered for their offers (``ranges``).
 RANGES_KEPT = 8
