@@ -297,16 +297,24 @@ async def current(request: web.Request) -> web.Response:
 
 
 async def register_engine(request: web.Request) -> web.Response:
-    """POST /v1/engines {"name"} -> 201 {"engine_id"}."""
+    """POST /v1/engines {"name", "serving"?} -> 201 {"engine_id", "serving"} (``serving``: the
+    identity the engine already serves, taken as acknowledged when it is ready here, else null)."""
     body = await _body_json(request)
-    name = body.get("name", "engine")
+    name, serving = body.get("name", "engine"), body.get("serving")
     if not isinstance(name, str):
         return error(400, "name must be a string")
+    if serving is not None:
+        try:
+            serving = validate_identity(serving)
+        except BdnError as ex:
+            return error(400, f"serving: {ex}")
+    replica = services(request).replica
     try:
-        e = services(request).replica.register_engine(name)
+        e = replica.register_engine(name, serving)
     except BdnError as err:
         return error(status_of(err), str(err))
-    return json_response({"engine_id": e.engine_id}, 201)
+    await replica.poke()
+    return json_response({"engine_id": e.engine_id, "serving": e.acked}, 201)
 
 
 async def unregister_engine(request: web.Request) -> web.Response:

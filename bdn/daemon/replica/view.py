@@ -260,31 +260,16 @@ class ReplicaView:
         )
 
     def _engine_stage(self, ident: str) -> tuple[str, str]:
-        """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node: over the
-        live engines; stale ones are named in the reason (every engine stale: ``error``). With no
-        engine, ``done`` once the daemon serves it (``current``): the job reads ``ready`` a moment
-        before its change event moves ``current`` (the runner notifies after freeing the
-        download's index entries on the disk threads, seconds behind other disk work under load),
-        and a row saying ``done`` with the old snapshot still served is not done."""
-        if not self.engines:
-            return ("done", "") if self.current == ident else ("ready", "")
-        live = self._live()
-        stale = [e for e in self.engines.values() if e.stale]
-        note = (
-            engine_rules.stale_reason(stale, self.clock.monotonic(), self.engine_stale_s, self.engine_ttl_s)
-            if stale
-            else ""
+        """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node
+        (``engine_rules.engine_stage``)."""
+        return engine_rules.engine_stage(
+            list(self.engines.values()),
+            ident,
+            self.current,
+            self.clock.monotonic(),
+            self.engine_stale_s,
+            self.engine_ttl_s,
         )
-        if not live:
-            return "error", f"every engine stopped polling: {note}"
-        errs = [e.error for e in live if e.offered == ident and e.error]
-        if errs:
-            return "error", errs[0]
-        if all(e.acked == ident for e in live):
-            return "done", f"not counted: {note}" if note else ""
-        if any(e.offered == ident for e in live):
-            return "loading", note
-        return "ready", note
 
     def current_record(self) -> dict[str, Any] | None:
         """``{"identity", "policy_version", "path", "link"}`` of the snapshot this replica serves
@@ -317,8 +302,14 @@ class ReplicaView:
         """Identities that hold at least one lease."""
         return {ident for ident, _ in self.leases.values()}
 
-    def register_engine(self, name: str) -> Engine:
+    def register_engine(self, name: str, serving: str | None = None) -> Engine:
         """A new engine entry (the replica now waits for its acknowledgements).
+
+        ``serving``: the snapshot the engine says it serves already (it registers again after this
+        daemon restarted and forgot it: registrations and leases live in memory). When that
+        snapshot is ready here the engine starts as having acknowledged it, as by an ack: a lease
+        keeps it, the replica counts it, the next offer's changed tensors and words are relative to
+        it. Otherwise it is ignored (one line) and the engine is offered the target as on a first load.
 
         Raises:
             Conflict: ``MAX_ENGINES`` engines are registered already (the local API is
@@ -332,7 +323,21 @@ class ReplicaView:
         now = self.clock.monotonic()
         e = Engine(secrets.token_hex(8), name[:128] or "engine", last_seen=now, registered=now)
         self.engines[e.engine_id] = e
-        log.info("engine %s (%s) registered", e.engine_id, e.name)
+        job = self.snapshots.get(serving) if serving else None
+        if serving and job is not None and job.state == "ready":
+            e.acked, e.lease_id = serving, self.lease(serving, f"engine {e.engine_id}")
+            log.info("engine %s (%s) registered, serving %s", e.engine_id, e.name, serving)
+            if self._all_acked(serving):
+                self._set_current(serving)
+        elif serving:
+            log.info(
+                "engine %s (%s) registered; it serves %s, which is not ready here: offered the target whole",
+                e.engine_id,
+                e.name,
+                serving,
+            )
+        else:
+            log.info("engine %s (%s) registered", e.engine_id, e.name)
         return e
 
     def engine(self, engine_id: str) -> Engine | None:
