@@ -283,3 +283,34 @@ def test_a_failed_apply_whose_restore_fails_too_leaves_no_half_written_model_ser
     finally:
         for s in (base, target, good):
             s.close()
+
+
+def test_a_wrong_known_checksum_costs_one_fallback_not_every_later_swap(trainer, node) -> None:
+    """The engine's known Adler-32 of an unchanged tensor is wrong (what a checksum thread that
+    raced a swap could leave): the next word-level swap fails its check and reads the changed
+    tensors from the snapshot, and forgets every known sum, so the swap after it is word-level
+    again; the weights are the trainer's throughout."""
+    states = trainer["states"]
+    for ident in IDS[:3]:
+        node.prefetch(ident)
+        node.wait_ready(ident)
+        assert http("POST", f"{node.url}/v1/snapshots/{ident}/leases", {"holder": "test"})[0] in (200, 201)
+    root = Path(node.wait_ready(IDS[0])["path"]).parent
+    snaps = [open_snapshot(root / i) for i in IDS[:3]]
+    engine = HFEngine()
+    engine.kernel = hf_words.KernelWarmup(start=False)
+    try:
+        engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))
+        engine.adlers.begin()  # (the load's checksum thread keeps no value from here on)
+        engine.adlers.set({"model.norm.weight": 12345})  # a 1-D tensor no delta of this chain changes
+        sources = []
+        for i in (1, 2):
+            prep = engine.prepare(snaps[i], _offer(IDS[i - 1], _diff_files(node, IDS[i])), HotLoadOptions())
+            assert prep.words is not None, prep.words_fallback
+            rep = engine.swap(prep)
+            sources.append(rep["changed_source"])
+            assert engine.weights_digest() == digests(states[i]), f"{IDS[i]}: parameters differ from the trainer's"
+        assert sources == ["words-restored", "words"], sources
+    finally:
+        for s in snaps:
+            s.close()

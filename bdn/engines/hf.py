@@ -394,7 +394,10 @@ class HFEngine:
             )
             prep.words_fallback = f"applying the words failed: {why}"
             prep.changed_source = "words-restored"
-            self.adlers.drop(wp.views)
+            # every known sum goes, not only the changed tensors': a wrong one (of an unchanged
+            # tensor too) would fail every later word-level swap the same way; recomputed from
+            # the parameters' bytes in the next prepare
+            self.adlers.drop(None)
             try:
                 prep.bytes_copied = hf_words.restore(wp, prep.snapshot)
             except Exception as e2:
