@@ -1,12 +1,14 @@
-"""bdnd restarted under a serving engine (SIGTERM, the same shm_dir), with real processes: the
-transformers engine (its driver, a real hot-load chain of ``bdn_planes_v1`` deltas) registers
-again and says what it serves, so the restarted daemon counts it (the replica ``done``, the
-snapshot leased) and the next delta is a word-level swap relative to it, bit for bit.
+"""bdnd restarted under a serving engine (SIGTERM, the same shm_dir), with real processes. The
+restarted daemon knows its engines at once (the table it keeps, bdn/daemon/replica/registry.py):
+the transformers engine (its driver, a real hot-load chain of ``bdn_planes_v1`` deltas) is counted
+(the replica ``done``, its snapshot leased), a target hot-loaded before the engine polls again is
+``done`` only once the engine swapped it, word by word and bit for bit; an engine that registers
+again names what it serves; an ack of an offer the previous run made is taken.
 
-Before the fix a re-registered engine was never offered the snapshot it already served (it polls
-``after`` it) and so never acknowledged it: the replica stayed ``ready`` with one engine for good,
-the served snapshot had no lease (GC could take it), and the next offer carried no changed
-tensors or words (the engine compared the snapshots, or reloaded whole).
+Before: the restarted daemon had no engine, so a ready target was ``done`` at once while the
+engine still served the previous snapshot, which GC then collected (the engine reloaded whole
+when it came back); and a re-registered engine was never offered the snapshot it already served
+(it polls ``after`` it), so the replica stayed ``ready`` with one engine for good.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import xxhash  # noqa: E402
 from bdn.client import hot_load, hot_load_status  # noqa: E402
 from bdn.engines.service import HFService  # noqa: E402
 from bdn.publish import publish_delta, publish_full, publish_startup  # noqa: E402
-from support.api import wait_for  # noqa: E402
+from support.api import http, wait_for  # noqa: E402
 from support.swarm import Daemon, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,20 +95,66 @@ def test_a_restarted_daemon_counts_the_engine_that_serves_already_and_the_next_s
         assert d.proc is not None and d.proc.returncode == 0, d.log()
         d.start([])
         d.wait_healthy()
-        # the engine's next poll finds the daemon restarted (404) and registers again, saying what it serves
-        (after,) = wait_for(
-            lambda: [e for e in engines() if e["engine_id"] != before["engine_id"]], 120, "the engine registered again"
-        )
-        assert after["serving"] == IDS[1], after
+        # the restarted daemon knows the engine (same id, what it serves) before the engine polls again
+        (after,) = engines()
+        assert after["engine_id"] == before["engine_id"] and after["serving"] == IDS[1], after
         (rep,) = hot_load_status(d.url)
         assert rep["loading_state"]["stage"] == "done" and rep["engines"] == 1, rep
-        # the next delta: offered relative to what the engine serves, applied word by word
+        # the next delta at once: the replica is done only once the engine swapped it, word by word
+        # (its snapshot was kept: not collected while the engine had not polled yet)
         assert hot_load(d.url, IDS[2], previous=IDS[1])["accepted"] is True
-        wait_for(lambda: done(IDS[2]) and svc.engine.identity == IDS[2], 180, f"{IDS[2]} served", detail=d.log)
+        wait_for(lambda: done(IDS[2]), 180, f"{IDS[2]} done", detail=d.log)
+        assert svc.engine.identity == IDS[2], "the replica said done while its engine served the previous snapshot"
         rep2 = svc.engine.last_swap
         assert rep2["mode"] == "partial" and rep2["changed_source"] == "words", rep2
         assert svc.engine.weights_digest() == digests(states[2])
     finally:
         if svc is not None:
             svc.stop()
+        d.stop()
+
+
+def test_an_offer_outstanding_at_sigterm_is_acked_to_the_restarted_daemon(tmp_path: Path) -> None:
+    """An engine offered a snapshot when bdnd stops answers the restarted daemon under the same id;
+    and one that registers again naming what it serves is counted as serving it."""
+    bucket = f"file://{tmp_path}/bucket"
+    _model, s = tiny_llama.make_tiny_llama(tmp_path / "ck1", hidden=32, layers=1, seed=7)
+    s2 = tiny_llama.optimizer_step(s, 0.02, seed=3, tensors=1000)
+    tiny_llama.save_state(tmp_path / "ck2", tmp_path / "ck1", s2)
+    publish_full(bucket, IDS[0], 1, dir=tmp_path / "ck1", chunk_size=CHUNK)
+    publish_delta(
+        bucket, IDS[1], 2, IDS[0], dir=tmp_path / "ck2", base_dir=tmp_path / "ck1", compression_format="bdn_planes_v1"
+    )
+    publish_startup(bucket, IDS[0])
+    d = Daemon(tmp_path / "nodes", "node0", bucket)
+    d.start([])
+    try:
+        d.wait_healthy()
+        d.wait_ready(IDS[0])
+        status, reg = http("POST", d.url + "/v1/engines", {"name": "raw"})
+        assert status == 201
+        eid = reg["engine_id"]
+        offer = d.get(f"/v1/engines/{eid}/next?timeout=60")
+        assert offer["identity"] == IDS[0]
+        assert http("POST", f"{d.url}/v1/engines/{eid}/ack", {"identity": IDS[0], "pause_ms": 1.0})[0] == 200
+        assert hot_load(d.url, IDS[1], previous=IDS[0])["accepted"] is True
+        offer = d.get(f"/v1/engines/{eid}/next?after={IDS[0]}&timeout=60")
+        assert offer["identity"] == IDS[1] and offer["changed_words"]["base"] == IDS[0]
+
+        d.stop(signal.SIGTERM, timeout=60)
+        assert d.proc is not None and d.proc.returncode == 0, d.log()
+        d.start([])
+        d.wait_healthy()
+        status, ans = http("POST", f"{d.url}/v1/engines/{eid}/ack", {"identity": IDS[1], "pause_ms": 2.0})
+        assert status == 200, (status, ans)
+        (e,) = d.get("/v1/engines")["engines"]
+        assert e["engine_id"] == eid and e["serving"] == IDS[1], e
+        assert d.get("/v1/current")["identity"] == IDS[1]
+        # an engine the daemon does not know registers naming what it serves: counted at once
+        assert http("DELETE", f"{d.url}/v1/engines/{eid}")[0] == 200
+        status, reg = http("POST", d.url + "/v1/engines", {"name": "again", "serving": IDS[1]})
+        assert status == 201 and reg["serving"] == IDS[1], reg
+        status, reg = http("POST", d.url + "/v1/engines", {"name": "bad", "serving": "../x"})
+        assert status == 400, reg
+    finally:
         d.stop()

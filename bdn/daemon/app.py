@@ -56,9 +56,11 @@ from bdn.daemon.process.executors import Executors
 from bdn.daemon.process.listening import binding, clear_unix_socket
 from bdn.daemon.process.shmlock import ShmLock
 from bdn.daemon.process.shutdown import HTTP_GRACE_S, NoWaitExecutor, StopClock
+from bdn.daemon.replica import registry
 from bdn.daemon.replica.changes import ChangedTensorsCache
+from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.hotload import HotLoad
-from bdn.daemon.replica.view import ReplicaView
+from bdn.daemon.replica.view import MAX_ENGINES, ReplicaView
 from bdn.daemon.serve.chunkcheck import BadChunkReports, ChunkCheck
 from bdn.daemon.serve.serving import ChunkServing
 from bdn.daemon.serve.uploads import Uploads
@@ -210,6 +212,14 @@ class App:
             link(identity)
             runner.on_served(identity)  # the spare it frees is brought forward in the background
 
+        engines_file = self.store.root / registry.FILE_NAME
+
+        def on_engines(engines: list[Engine]) -> None:
+            try:
+                registry.save(engines_file, engines)
+            except OSError as e:  # a restart then forgets the engines, as before the table was kept
+                runner.repeat.log(logging.WARNING, "engines", "cannot save the engine table: %s", e)
+
         self.replica = ReplicaView(
             cfg.node_id,
             self.catalog,
@@ -219,6 +229,7 @@ class App:
             engine_stale_s=cfg.engine_stale_s,
             changes=ChangedTensorsCache(self.catalog.ready_dir, sparse=runner.forward),
             on_current=on_current,
+            on_engines=on_engines,
         )
         self.hotload = HotLoad(
             cfg.node_id,
@@ -331,6 +342,9 @@ class App:
         """Open, listen, settle, load (see the module docstring). Raises CannotListen."""
         await self.peers.start()
         await self.catalog.load_ready_from_store()
+        # the engines registered before a restart, under their ids, before the local API answers
+        for r in registry.load(self.store.root / registry.FILE_NAME, MAX_ENGINES):
+            self.replica.register_engine(r.name, r.acked, r.engine_id, r.offered)
         # before the first membership message, so every peer learns our transfer address with
         # our first entry (an address learned later is a change of its own)
         with binding("transfer_listen", self.cfg.transfer_listen):  # raises only when explicit

@@ -34,6 +34,7 @@ __all__ = [
     "liveness_window",
     "poll_step",
     "sanitize_report",
+    "serving_note",
     "stale_changes",
     "stale_reason",
 ]
@@ -205,3 +206,12 @@ def engine_stage(
     if any(e.offered == ident for e in live):
         return "loading", note
     return "ready", note
+
+
+def serving_note(serving: str | None, acked: str | None) -> str:
+    """The tail of an engine's registration log line: what it said it serves and what came of it."""
+    if not serving:
+        return ""
+    if acked == serving:
+        return f", serving {serving}"
+    return f"; it serves {serving}, which is not ready here: offered the target whole"

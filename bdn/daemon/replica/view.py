@@ -57,6 +57,7 @@ class ReplicaView:
         changes: ChangedTensorsCache | None = None,
         engine_stale_s: float = 0.0,
         on_current: Callable[[str], None] | None = None,
+        on_engines: Callable[[list[Engine]], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.snapshots = snapshots
@@ -67,6 +68,7 @@ class ReplicaView:
         self.changes = changes or ChangedTensorsCache(snapshots.ready_dir)
         self.claims = claims.Claims(snapshots)  # targets' policy versions checked against manifests
         self.on_current = on_current
+        self.on_engines = on_engines  # called with the engine table after each change (registry.py)
         self.target: Target | None = None
         self.current: str | None = None
         self.current_policy_version: int | None = None
@@ -239,7 +241,14 @@ class ReplicaView:
         else:
             progress = 1.0
             assert ident is not None  # a job was found: ident is set
-            stage, reason = self._engine_stage(ident)
+            stage, reason = engine_rules.engine_stage(
+                list(self.engines.values()),
+                ident,
+                self.current,
+                self.clock.monotonic(),
+                self.engine_stale_s,
+                self.engine_ttl_s,
+            )
         pauses = [e.pause_ms for e in self.engines.values() if e.acked == self.current and e.pause_ms is not None]
         reports = [e for e in self.engines.values() if e.acked == self.current and e.swap is not None]
         last = max(reports, key=lambda e: e.pause_ms or 0.0) if reports else None
@@ -257,18 +266,6 @@ class ReplicaView:
             **options.wire(),
             last_swap=dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None,
             reported_at=round(self.clock.time(), 3),
-        )
-
-    def _engine_stage(self, ident: str) -> tuple[str, str]:
-        """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node
-        (``engine_rules.engine_stage``)."""
-        return engine_rules.engine_stage(
-            list(self.engines.values()),
-            ident,
-            self.current,
-            self.clock.monotonic(),
-            self.engine_stale_s,
-            self.engine_ttl_s,
         )
 
     def current_record(self) -> dict[str, Any] | None:
@@ -302,14 +299,18 @@ class ReplicaView:
         """Identities that hold at least one lease."""
         return {ident for ident, _ in self.leases.values()}
 
-    def register_engine(self, name: str, serving: str | None = None) -> Engine:
+    def register_engine(
+        self, name: str, serving: str | None = None, engine_id: str | None = None, offered: str | None = None
+    ) -> Engine:
         """A new engine entry (the replica now waits for its acknowledgements).
 
-        ``serving``: the snapshot the engine says it serves already (it registers again after this
-        daemon restarted and forgot it: registrations and leases live in memory). When that
+        ``serving``: the snapshot the engine says it serves already (it registers again after it
+        was dropped, or after this daemon restarted without its table, ``registry.py``). When that
         snapshot is ready here the engine starts as having acknowledged it, as by an ack: a lease
         keeps it, the replica counts it, the next offer's changed tensors and words are relative to
-        it. Otherwise it is ignored (one line) and the engine is offered the target as on a first load.
+        it. Otherwise it is ignored (one line) and the engine is offered the target as on a first
+        load. ``engine_id``, ``offered``: the id to give it and the snapshot it was offered and has
+        not answered yet (a registration restored at start, ``registry.py``), else a new id.
 
         Raises:
             Conflict: ``MAX_ENGINES`` engines are registered already (the local API is
@@ -321,24 +322,22 @@ class ReplicaView:
                 "unregister one (bdnctl engines --remove ID) or let dead ones expire (engine_ttl_s)"
             )
         now = self.clock.monotonic()
-        e = Engine(secrets.token_hex(8), name[:128] or "engine", last_seen=now, registered=now)
+        e = Engine(engine_id or secrets.token_hex(8), name[:128] or "engine", last_seen=now, registered=now)
         self.engines[e.engine_id] = e
         job = self.snapshots.get(serving) if serving else None
         if serving and job is not None and job.state == "ready":
             e.acked, e.lease_id = serving, self.lease(serving, f"engine {e.engine_id}")
-            log.info("engine %s (%s) registered, serving %s", e.engine_id, e.name, serving)
             if self._all_acked(serving):
                 self._set_current(serving)
-        elif serving:
-            log.info(
-                "engine %s (%s) registered; it serves %s, which is not ready here: offered the target whole",
-                e.engine_id,
-                e.name,
-                serving,
-            )
-        else:
-            log.info("engine %s (%s) registered", e.engine_id, e.name)
+        if offered and offered != e.acked and getattr(self.snapshots.get(offered), "state", "") == "ready":
+            e.offered, e.offered_lease = offered, self.lease(offered, f"engine {e.engine_id}")
+        log.info("engine %s (%s) registered%s", e.engine_id, e.name, engine_rules.serving_note(serving, e.acked))
+        self._saved()
         return e
+
+    def _saved(self) -> None:
+        if self.on_engines is not None:
+            self.on_engines(list(self.engines.values()))
 
     def engine(self, engine_id: str) -> Engine | None:
         """The registered engine ``engine_id``, or None."""
@@ -353,6 +352,7 @@ class ReplicaView:
         self.release(e.offered_lease)
         self._recompute_current()
         self.version += 1  # pollers and the fleet view see the change at their next look
+        self._saved()
         return True
 
     async def heartbeat(self, engine: Engine) -> None:
@@ -457,6 +457,7 @@ class ReplicaView:
                     self.release(engine.offered_lease)
                     engine.offered_lease = self.lease(ident, f"engine {engine.engine_id}")
                     engine.offered, engine.error = ident, None
+                    self._saved()
                     await self.poke()
                 elif engine.error is not None:  # offered again (``offer_again``): loading, not failed
                     engine.error = None
@@ -524,4 +525,5 @@ class ReplicaView:
             if self._all_acked(identity):
                 self._set_current(identity)
             log.info("engine %s serves %s (pause %.1f ms)", engine.engine_id, identity, pause_ms or 0.0)
+            self._saved()
         await self.poke()
