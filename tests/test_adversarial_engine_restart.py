@@ -115,16 +115,24 @@ def test_a_restarted_daemon_counts_the_engine_that_serves_already_and_the_next_s
 
 
 def test_an_offer_outstanding_at_sigterm_is_acked_to_the_restarted_daemon(tmp_path: Path) -> None:
-    """An engine offered a snapshot when bdnd stops answers the restarted daemon under the same id;
-    and one that registers again naming what it serves is counted as serving it."""
+    """An engine offered a snapshot when bdnd stops answers the restarted daemon under the same id
+    (its ack, or, when the ack was lost while the daemon was down, its next poll saying what it
+    serves); one that registers again naming what it serves is counted as serving it."""
     bucket = f"file://{tmp_path}/bucket"
     _model, s = tiny_llama.make_tiny_llama(tmp_path / "ck1", hidden=32, layers=1, seed=7)
-    s2 = tiny_llama.optimizer_step(s, 0.02, seed=3, tensors=1000)
-    tiny_llama.save_state(tmp_path / "ck2", tmp_path / "ck1", s2)
     publish_full(bucket, IDS[0], 1, dir=tmp_path / "ck1", chunk_size=CHUNK)
-    publish_delta(
-        bucket, IDS[1], 2, IDS[0], dir=tmp_path / "ck2", base_dir=tmp_path / "ck1", compression_format="bdn_planes_v1"
-    )
+    for i in (1, 2):
+        s = tiny_llama.optimizer_step(s, 0.02, seed=3 + i, tensors=1000)
+        tiny_llama.save_state(tmp_path / f"ck{i + 1}", tmp_path / "ck1", s)
+        publish_delta(
+            bucket,
+            IDS[i],
+            i + 1,
+            IDS[i - 1],
+            dir=tmp_path / f"ck{i + 1}",
+            base_dir=tmp_path / f"ck{i}",
+            compression_format="bdn_planes_v1",
+        )
     publish_startup(bucket, IDS[0])
     d = Daemon(tmp_path / "nodes", "node0", bucket)
     d.start([])
@@ -150,6 +158,20 @@ def test_an_offer_outstanding_at_sigterm_is_acked_to_the_restarted_daemon(tmp_pa
         (e,) = d.get("/v1/engines")["engines"]
         assert e["engine_id"] == eid and e["serving"] == IDS[1], e
         assert d.get("/v1/current")["identity"] == IDS[1]
+        # the same with the ack lost while the daemon was down: the engine's next poll says what it serves
+        assert hot_load(d.url, IDS[2], previous=IDS[1])["accepted"] is True
+        offer = d.get(f"/v1/engines/{eid}/next?after={IDS[1]}&serving={IDS[1]}&timeout=60")
+        assert offer["identity"] == IDS[2]
+        d.stop(signal.SIGTERM, timeout=60)
+        assert d.proc.returncode == 0, d.log()
+        d.start([])
+        d.wait_healthy()
+        assert d.request("GET", f"/v1/engines/{eid}/next?after={IDS[2]}&serving={IDS[2]}&timeout=0")[0] == 204
+        (e,) = d.get("/v1/engines")["engines"]
+        assert e["serving"] == IDS[2] and e["offered"] == IDS[2], e
+        (rep,) = hot_load_status(d.url)
+        assert rep["loading_state"]["stage"] == "done", rep
+        assert d.request("GET", f"/v1/engines/{eid}/next?serving=..&timeout=0")[0] == 400
         # an engine the daemon does not know registers naming what it serves: counted at once
         assert http("DELETE", f"{d.url}/v1/engines/{eid}")[0] == 200
         status, reg = http("POST", d.url + "/v1/engines", {"name": "again", "serving": IDS[1]})

@@ -105,7 +105,8 @@ class EngineLink:
             return f"/v1/engines/{quote(self.engine_id, safe='')}{suffix}"
 
     def next_snapshot(self, after: str | None, timeout: float = 30.0) -> dict[str, Any] | None:
-        """Long-poll ``GET /v1/engines/{id}/next``: the fleet's target once READY here, if not ``after``.
+        """Long-poll ``GET /v1/engines/{id}/next``: the fleet's target once READY here, if not ``after``
+        (with ``serving`` = :attr:`serving` when set: what this engine serves now).
 
         Returns ``{"identity", "policy_version", "kind", "path", "lease_id"}`` (the daemon holds
         ``lease_id`` for this engine), or None when ``timeout`` seconds (at most 300) pass first.
@@ -118,7 +119,10 @@ class EngineLink:
         if not (timeout >= 0 and math.isfinite(timeout)):
             raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
         wait = min(timeout, MAX_NEXT_POLL)
-        query = urlencode({"after": after or "", "timeout": f"{wait:.3f}"})
+        params = {"after": after or "", "timeout": f"{wait:.3f}"}
+        if self.serving is not None:  # (an ack the daemon missed across its restart is taken from it)
+            params["serving"] = self.serving
+        query = urlencode(params)
         status, ans = call_json(
             self.client, "GET", self._path("/next?") + query, ok=(200, 204), timeout=wait + self.client.timeout
         )

@@ -436,15 +436,16 @@ class App:
 
     async def _load_startup(self) -> None:
         """Membership settles, then what this replica serves is decided: the fleet's target if
-        its peers hold a hot-loaded one, else the snapshot it served before a restart (the
-        ``current`` link, when that snapshot is still ready here), else STARTUP_SNAPSHOT.
+        its peers hold a hot-loaded one, else the one it served, or was moving its engines to,
+        before a restart (``_offered_before``, else the ``current`` link, when that snapshot is
+        still ready here), else STARTUP_SNAPSHOT.
 
         Daemons of a fleet start within seconds of each other; loading before they know each
         other would make each one the HRW owner of everything and multiply bucket egress.
         The first choice is made before the settling, so that it is this replica's target (and
         safe from GC) even if a peer makes this daemon join it before the settling ends.
         """
-        served = self._served_before()
+        served = self._offered_before() or self._served_before()
         startup = await self._read_startup() if self.cfg.load_startup else None
         first = served or startup
         if first is not None:
@@ -479,6 +480,17 @@ class App:
             self.catalog.prefetch(ident, requested_by="resume")
         if self.cfg.peers_dns:
             self._tasks.append(asyncio.create_task(self.gossip.dns_loop(), name="peers-dns"))
+
+    def _offered_before(self) -> str | None:
+        """The snapshot the engines restored at start were offered and had not all acknowledged
+        (the hot-load target when the daemon stopped), if it is ready here; else None. Some
+        engines may serve it already: the ``current`` link names the snapshot before it."""
+        offered = {e.offered for e in self.replica.engines.values() if e.offered and e.offered != e.acked}
+        if len(offered) != 1:
+            return None
+        (ident,) = offered
+        job = self.catalog.get(ident)
+        return ident if job is not None and job.state == "ready" else None
 
     def _served_before(self) -> str | None:
         """The identity the ``current`` link names if that snapshot is ready on this node (a

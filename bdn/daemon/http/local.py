@@ -339,9 +339,15 @@ async def list_engines(request: web.Request) -> web.Response:
 
 
 async def engine_next(request: web.Request) -> web.Response:
-    """GET /v1/engines/{id}/next?after=&timeout= (s) -> 200 offer with a lease; 204 on timeout."""
+    """GET /v1/engines/{id}/next?after=&timeout= (s)&serving=? -> 200 offer with a lease; 204 on
+    timeout; 400 a ``serving`` that is no identity."""
     e = _engine(request)
-    after = request.query.get("after") or None
+    after, serving = request.query.get("after") or None, request.query.get("serving") or None
+    if serving is not None:
+        try:
+            serving = validate_identity(serving)
+        except BdnError as ex:
+            return error(400, f"serving: {ex}")
     timeout = _timeout(request)
     if isinstance(timeout, web.Response):
         return timeout
@@ -350,7 +356,7 @@ async def engine_next(request: web.Request) -> web.Response:
         t = request.transport
         return t is not None and not t.is_closing()
 
-    ans = await services(request).replica.next_for(e, after, timeout, connected)
+    ans = await services(request).replica.next_for(e, after, timeout, connected, serving)
     if ans is None:
         return web.Response(status=204)
     return json_response(ans)

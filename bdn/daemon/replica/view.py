@@ -431,9 +431,16 @@ class ReplicaView:
         return None if ident == after and not engine_rules.offer_again(engine, ident, job.ready_count) else ident
 
     async def next_for(
-        self, engine: Engine, after: str | None, timeout: float, connected: Callable[[], bool] = lambda: True
+        self,
+        engine: Engine,
+        after: str | None,
+        timeout: float,
+        connected: Callable[[], bool] = lambda: True,
+        serving: str | None = None,
     ) -> dict[str, Any] | None:
         """Long-poll: the target snapshot once it is READY here and differs from ``after``.
+        ``serving`` (what the engine says it serves): the offered snapshot there counts as
+        acknowledged (an ack lost while this daemon restarted).
 
         The offer: ``{"identity", "policy_version", "kind", "path", "lease_id",
         "prompt_cache_policy", "inflight_policy", "inflight_wait_s", "engine_ttl_s",
@@ -442,6 +449,8 @@ class ReplicaView:
         when they cannot be told (``replica/changes.py``). None after ``timeout`` s, when the
         poller's connection is gone (``connected()`` false) or the engine was dropped.
         """
+        if serving and engine.offered == serving != engine.acked:
+            await self.ack(engine, serving, None, None)
         deadline = self.clock.monotonic() + timeout
         step = engine_rules.poll_step(self.engine_ttl_s, self.engine_stale_s)
         while True:
