@@ -114,10 +114,8 @@ def test_a_restarted_daemon_counts_the_engine_that_serves_already_and_the_next_s
         d.stop()
 
 
-def test_an_offer_outstanding_at_sigterm_is_acked_to_the_restarted_daemon(tmp_path: Path) -> None:
-    """An engine offered a snapshot when bdnd stops answers the restarted daemon under the same id
-    (its ack, or, when the ack was lost while the daemon was down, its next poll saying what it
-    serves); one that registers again naming what it serves is counted as serving it."""
+def _small_chain(tmp_path: Path) -> str:
+    """A one-layer model as an anchor and two bdn_planes_v1 deltas; the bucket's URL."""
     bucket = f"file://{tmp_path}/bucket"
     _model, s = tiny_llama.make_tiny_llama(tmp_path / "ck1", hidden=32, layers=1, seed=7)
     publish_full(bucket, IDS[0], 1, dir=tmp_path / "ck1", chunk_size=CHUNK)
@@ -134,7 +132,41 @@ def test_an_offer_outstanding_at_sigterm_is_acked_to_the_restarted_daemon(tmp_pa
             compression_format="bdn_planes_v1",
         )
     publish_startup(bucket, IDS[0])
-    d = Daemon(tmp_path / "nodes", "node0", bucket)
+    return bucket
+
+
+def test_a_hot_load_accepted_before_sigterm_is_the_target_after_the_restart(tmp_path: Path) -> None:
+    """A lone daemon (no peer to gossip the target back) stopped before its engine took the
+    hot-load's snapshot: after the restart that snapshot is still the target and is offered."""
+    d = Daemon(tmp_path / "nodes", "node0", _small_chain(tmp_path))
+    d.start([])
+    try:
+        d.wait_healthy()
+        d.wait_ready(IDS[0])
+        status, reg = http("POST", d.url + "/v1/engines", {"name": "raw"})
+        assert status == 201
+        eid = reg["engine_id"]
+        assert d.get(f"/v1/engines/{eid}/next?timeout=60")["identity"] == IDS[0]
+        assert http("POST", f"{d.url}/v1/engines/{eid}/ack", {"identity": IDS[0], "pause_ms": 1.0})[0] == 200
+        assert hot_load(d.url, IDS[2])["accepted"] is True  # (two deltas on: folded)
+        d.wait_ready(IDS[2])  # (the engine has not polled: not offered yet)
+        d.stop(signal.SIGTERM, timeout=60)
+        assert d.proc is not None and d.proc.returncode == 0, d.log()
+        d.start([])
+        d.wait_healthy()
+        offer = d.get(f"/v1/engines/{eid}/next?after={IDS[0]}&serving={IDS[0]}&timeout=60")
+        assert offer["identity"] == IDS[2] and offer["changed_tensors_base"] == IDS[0], offer
+        (rep,) = hot_load_status(d.url)
+        assert rep["loading_state"]["identity"] == IDS[2] and rep["request_id"] is not None, rep
+    finally:
+        d.stop()
+
+
+def test_an_offer_outstanding_at_sigterm_is_acked_to_the_restarted_daemon(tmp_path: Path) -> None:
+    """An engine offered a snapshot when bdnd stops answers the restarted daemon under the same id
+    (its ack, or, when the ack was lost while the daemon was down, its next poll saying what it
+    serves); one that registers again naming what it serves is counted as serving it."""
+    d = Daemon(tmp_path / "nodes", "node0", _small_chain(tmp_path))
     d.start([])
     try:
         d.wait_healthy()

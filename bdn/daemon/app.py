@@ -60,6 +60,7 @@ from bdn.daemon.replica import registry
 from bdn.daemon.replica.changes import ChangedTensorsCache
 from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.hotload import HotLoad
+from bdn.daemon.replica.target import Target
 from bdn.daemon.replica.view import MAX_ENGINES, ReplicaView
 from bdn.daemon.serve.chunkcheck import BadChunkReports, ChunkCheck
 from bdn.daemon.serve.serving import ChunkServing
@@ -214,9 +215,15 @@ class App:
 
         engines_file = self.store.root / registry.FILE_NAME
 
-        def on_engines(engines: list[Engine]) -> None:
+        written = [b""]
+
+        def on_engines(engines: list[Engine], target: Target | None) -> None:
+            data = registry.encode(engines, target.wire() if target is not None and target.seq > 0 else None)
+            if data == written[0]:
+                return
             try:
-                registry.save(engines_file, engines)
+                registry.save(engines_file, data)
+                written[0] = data
             except OSError as e:  # a restart then forgets the engines, as before the table was kept
                 runner.repeat.log(logging.WARNING, "engines", "cannot save the engine table: %s", e)
 
@@ -343,8 +350,12 @@ class App:
         await self.peers.start()
         await self.catalog.load_ready_from_store()
         # the engines registered before a restart, under their ids, before the local API answers
-        for r in registry.load(self.store.root / registry.FILE_NAME, MAX_ENGINES):
+        engines, target = registry.load(self.store.root / registry.FILE_NAME, MAX_ENGINES)
+        for r in engines:
             self.replica.register_engine(r.name, r.acked, r.engine_id, r.offered)
+        restored = Target.from_wire(target, self.clock.time_ns()) if target is not None else None
+        if restored is not None:  # a hot-load accepted before the restart, not done then
+            await self.replica.adopt(restored, "the table kept across a restart")
         # before the first membership message, so every peer learns our transfer address with
         # our first entry (an address learned later is a change of its own)
         with binding("transfer_listen", self.cfg.transfer_listen):  # raises only when explicit

@@ -1,4 +1,5 @@
-"""Engine registrations kept across a restart of bdnd: ``<shm_dir>/<swarm_id>/.engines``.
+"""Engine registrations and the hot-load target kept across a restart of bdnd:
+``<shm_dir>/<swarm_id>/.engines``.
 
 A restarted daemon that had forgotten its engines counted a node with a ready target and no
 engine as ``done`` at once, moved ``current`` and let GC collect the snapshot its engines still
@@ -9,8 +10,11 @@ engines are registered again under the same ids (their next poll just works), as
 each with a lease on what it serves (and was offered) when that is ready here, so its ack of an
 offer the previous run made is taken. One that does not come back goes
 stale after ``engine_stale_s`` and is dropped after ``engine_ttl_s``, as any silent engine.
+The hot-load target is kept too (``Target.wire()``): a restart does not forget a hot-load it
+accepted and had not finished (a lone daemon has no peer to gossip it back).
 
-Format: JSON ``{"format": "bdn.engines/1", "engines": [{"engine_id", "name", "acked", "offered"}]}``,
+Format: JSON ``{"format": "bdn.engines/1", "engines": [{"engine_id", "name", "acked", "offered"}],
+"target": {...} | null}``,
 written to a temporary name and renamed into place. The file is read as untrusted: an unreadable
 or malformed file, or entry, is skipped with one warning; at most ``limit`` entries are taken.
 """
@@ -23,6 +27,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bdn.daemon.replica.engines import Engine
 from bdn.proto.errors import BdnError
@@ -30,7 +35,7 @@ from bdn.proto.identity import validate_identity
 
 log = logging.getLogger("bdn.hotload")
 
-__all__ = ["FILE_NAME", "FORMAT", "Registered", "load", "save"]
+__all__ = ["FILE_NAME", "FORMAT", "Registered", "encode", "load", "save"]
 
 FILE_NAME = ".engines"
 FORMAT = "bdn.engines/1"
@@ -48,16 +53,22 @@ class Registered:
     offered: str | None = None
 
 
-def save(path: Path, engines: Iterable[Engine]) -> None:
-    """Write the table (see the module doc) to ``path``, atomically. Raises OSError."""
+def encode(engines: Iterable[Engine], target: dict[str, Any] | None) -> bytes:
+    """The file's bytes for the engine table and the target (``Target.wire()``, or None)."""
     body = {
         "format": FORMAT,
         "engines": [
             {"engine_id": e.engine_id, "name": e.name, "acked": e.acked, "offered": e.offered} for e in engines
         ],
+        "target": target,
     }
+    return json.dumps(body).encode()
+
+
+def save(path: Path, data: bytes) -> None:
+    """Write ``data`` (:func:`encode`) to ``path``, atomically. Raises OSError."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(body))
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 
@@ -79,24 +90,25 @@ def _entry(raw: object) -> Registered | None:
     return Registered(eid, name, idents[0], idents[1])
 
 
-def load(path: Path, limit: int) -> list[Registered]:
-    """The engines ``path`` holds (at most ``limit``, ids unique); [] when there is no file.
+def load(path: Path, limit: int) -> tuple[list[Registered], Any]:
+    """``(engines, target)``: the engines ``path`` holds (at most ``limit``, ids unique) and its
+    target as stored (untrusted: for ``Target.from_wire``), ``([], None)`` when there is no file.
     Anything unreadable or malformed is skipped with one warning, never raised."""
     try:
         with open(path, "rb") as fh:
             data = fh.read(MAX_BYTES + 1)
     except FileNotFoundError:
-        return []
+        return [], None
     except OSError as e:
         log.warning("engine registrations not restored: %s: %s", path, e)
-        return []
+        return [], None
     try:
         doc = json.loads(data) if len(data) <= MAX_BYTES else None
     except ValueError:
         doc = None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("engines"), list):
         log.warning("engine registrations not restored: %s is not a %s file", path, FORMAT)
-        return []
+        return [], None
     out: dict[str, Registered] = {}
     for raw in doc["engines"]:
         r = _entry(raw)
@@ -106,4 +118,4 @@ def load(path: Path, limit: int) -> list[Registered]:
         out[r.engine_id] = r
         if len(out) == limit:
             break
-    return list(out.values())
+    return list(out.values()), doc.get("target")

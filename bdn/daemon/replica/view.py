@@ -57,7 +57,7 @@ class ReplicaView:
         changes: ChangedTensorsCache | None = None,
         engine_stale_s: float = 0.0,
         on_current: Callable[[str], None] | None = None,
-        on_engines: Callable[[list[Engine]], None] | None = None,
+        on_engines: Callable[[list[Engine], Target | None], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.snapshots = snapshots
@@ -68,7 +68,7 @@ class ReplicaView:
         self.changes = changes or ChangedTensorsCache(snapshots.ready_dir)
         self.claims = claims.Claims(snapshots)  # targets' policy versions checked against manifests
         self.on_current = on_current
-        self.on_engines = on_engines  # called with the engine table after each change (registry.py)
+        self.on_engines = on_engines  # called with the engine table and target at each change (registry.py)
         self.target: Target | None = None
         self.current: str | None = None
         self.current_policy_version: int | None = None
@@ -80,8 +80,10 @@ class ReplicaView:
 
     # ---- change notification ---------------------------------------------------------------
     async def poke(self) -> None:
-        """Record a change of the replica (``version`` + 1) and wake ``wait_change`` callers."""
+        """Record a change of the replica (``version`` + 1), hand the engine table and the target
+        to ``on_engines`` (kept across a restart) and wake ``wait_change`` callers."""
         self.version += 1
+        self._saved()
         async with self.changed:
             self.changed.notify_all()
 
@@ -332,12 +334,11 @@ class ReplicaView:
         if offered and offered != e.acked and getattr(self.snapshots.get(offered), "state", "") == "ready":
             e.offered, e.offered_lease = offered, self.lease(offered, f"engine {e.engine_id}")
         log.info("engine %s (%s) registered%s", e.engine_id, e.name, engine_rules.serving_note(serving, e.acked))
-        self._saved()
         return e
 
     def _saved(self) -> None:
         if self.on_engines is not None:
-            self.on_engines(list(self.engines.values()))
+            self.on_engines(list(self.engines.values()), self.target)
 
     def engine(self, engine_id: str) -> Engine | None:
         """The registered engine ``engine_id``, or None."""
@@ -352,7 +353,6 @@ class ReplicaView:
         self.release(e.offered_lease)
         self._recompute_current()
         self.version += 1  # pollers and the fleet view see the change at their next look
-        self._saved()
         return True
 
     async def heartbeat(self, engine: Engine) -> None:
@@ -466,7 +466,6 @@ class ReplicaView:
                     self.release(engine.offered_lease)
                     engine.offered_lease = self.lease(ident, f"engine {engine.engine_id}")
                     engine.offered, engine.error = ident, None
-                    self._saved()
                     await self.poke()
                 elif engine.error is not None:  # offered again (``offer_again``): loading, not failed
                     engine.error = None
@@ -534,5 +533,4 @@ class ReplicaView:
             if self._all_acked(identity):
                 self._set_current(identity)
             log.info("engine %s serves %s (pause %.1f ms)", engine.engine_id, identity, pause_ms or 0.0)
-            self._saved()
         await self.poke()
