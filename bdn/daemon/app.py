@@ -306,6 +306,7 @@ class App:
         )
         self.should_exit = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
+        self._kept: Target | None = None  # the hot-load target the last run kept (startup reads it)
         self._runners: list[web.AppRunner] = []
 
     # ---- signals -------------------------------------------------------------------------
@@ -353,9 +354,8 @@ class App:
         engines, target = registry.load(self.store.root / registry.FILE_NAME, MAX_ENGINES)
         for r in engines:
             self.replica.register_engine(r.name, r.acked, r.engine_id, r.offered)
-        restored = Target.from_wire(target, self.clock.time_ns()) if target is not None else None
-        if restored is not None:  # a hot-load accepted before the restart, not done then
-            await self.replica.adopt(restored, "the table kept across a restart")
+        # a hot-load accepted before the restart: the target again once membership settled
+        self._kept = Target.from_wire(target, self.clock.time_ns()) if target is not None else None
         # before the first membership message, so every peer learns our transfer address with
         # our first entry (an address learned later is a change of its own)
         with binding("transfer_listen", self.cfg.transfer_listen):  # raises only when explicit
@@ -447,21 +447,25 @@ class App:
 
     async def _load_startup(self) -> None:
         """Membership settles, then what this replica serves is decided: the fleet's target if
-        its peers hold a hot-loaded one, else the one it served, or was moving its engines to,
-        before a restart (``_offered_before``, else the ``current`` link, when that snapshot is
-        still ready here), else STARTUP_SNAPSHOT.
+        its peers hold a hot-loaded one, else the hot-load target it kept across a restart
+        (``registry.py``), else the one it served, or was moving its engines to, before a
+        restart (``_offered_before``, else the ``current`` link, when that snapshot is still
+        ready here), else STARTUP_SNAPSHOT.
 
         Daemons of a fleet start within seconds of each other; loading before they know each
         other would make each one the HRW owner of everything and multiply bucket egress.
         The first choice is made before the settling, so that it is this replica's target (and
         safe from GC) even if a peer makes this daemon join it before the settling ends.
         """
+        kept = self._kept
         served = self._offered_before() or self._served_before()
         startup = await self._read_startup() if self.cfg.load_startup else None
-        first = served or startup
+        first = (kept.identity if kept is not None else None) or served or startup
         if first is not None:
             self.replica.set_startup_target(first)
         await self.gossip.settle()
+        if kept is not None:  # (adopted once settled: its load must not start before membership)
+            await self.replica.adopt(kept, "the table kept across a restart")
         target = self.replica.target
         if first is not None and target is not None and target.identity != first and target.seq > 0:
             # The fleet moved on while this daemon was away: go straight to its target (rebuilt
