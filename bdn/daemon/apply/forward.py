@@ -207,8 +207,9 @@ class Forward:
     async def settle(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> None:
         """Before snapshot ``m`` (a delta or a full one) reserves its files: wait for a background
         catch-up or seed in flight. A seed of a snapshot delta ``m`` can start from goes on at full
-        speed (``m`` takes its buffer); any other seed is abandoned and its file deleted (its pages
-        are not what ``m`` needs, and they would count against ``m``'s room in shm)."""
+        speed (``m`` takes its buffer); any other seed is abandoned and its file given to the page
+        pool untagged (its bytes are not what ``m`` needs, its allocated pages are: ``m``'s
+        reservation takes them like any spare's, or trims them to the room it leaves)."""
         busy = self._busy
         if busy is None:
             return
@@ -438,7 +439,13 @@ class Forward:
             )
             return "seeded"
         except seed.Cancelled as e:
-            log.info("seed: %s (a snapshot that does not start from %s came)", e, tag["identity"])
+            # its pages are allocated (Spares.seed): the pool keeps them untagged, plain recycled
+            # pages for the snapshot that came (or trimmed by its reservation like any spare)
+            spares.release(hidden, None)
+            done = True
+            log.info(
+                "seed: %s (a snapshot that does not start from %s came); its pages kept as a spare", e, tag["identity"]
+            )
             return "stop"
         except (ProtocolError, OSError) as e:
             log.warning("seed: no buffer of %s copied from %s: %s", path, tag["identity"], e)

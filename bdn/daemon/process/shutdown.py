@@ -93,6 +93,10 @@ def _idle_pool_worker(frame: FrameType | None) -> bool:
     module's own, keeps such threads; they hold nothing and would hold the exit forever)."""
     in_pool = False
     while frame is not None:
+        if not isinstance(frame, FrameType):
+            # (seen once at shutdown on CPython 3.11: a frame of a thread being torn down came
+            # back as another object; such a thread is not counted as idle, the join bounds it)
+            return False
         code = frame.f_code
         if code.co_filename.endswith(_POOL_FILE):
             if code.co_name == "run":
