@@ -40,6 +40,7 @@ import tiny_llama  # noqa: E402
 
 CHUNK = 64 << 10
 IDS = [f"step{i:06d}" for i in range(1, 4)]
+WORDS = ("words", "words-pingpong")  # a word-level swap: in place or ping-pong (the default)
 
 
 def digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
@@ -88,7 +89,7 @@ def test_a_restarted_daemon_counts_the_engine_that_serves_already_and_the_next_s
         wait_for(lambda: done(IDS[0]) and svc.engine.identity == IDS[0], 180, f"{IDS[0]} served")
         assert hot_load(d.url, IDS[1], previous=IDS[0])["accepted"] is True
         wait_for(lambda: done(IDS[1]) and svc.engine.identity == IDS[1], 180, f"{IDS[1]} served")
-        assert svc.engine.last_swap["changed_source"] == "words"
+        assert svc.engine.last_swap["changed_source"] in WORDS
         (before,) = engines()
 
         d.stop(signal.SIGTERM, timeout=60)
@@ -106,7 +107,7 @@ def test_a_restarted_daemon_counts_the_engine_that_serves_already_and_the_next_s
         wait_for(lambda: done(IDS[2]), 180, f"{IDS[2]} done", detail=d.log)
         assert svc.engine.identity == IDS[2], "the replica said done while its engine served the previous snapshot"
         rep2 = svc.engine.last_swap
-        assert rep2["mode"] == "partial" and rep2["changed_source"] == "words", rep2
+        assert rep2["mode"] == "partial" and rep2["changed_source"] in WORDS, rep2
         assert svc.engine.weights_digest() == digests(states[2])
     finally:
         if svc is not None:
