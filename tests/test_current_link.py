@@ -41,17 +41,17 @@ def test_a_directory_named_current_is_reported_and_left_alone(tmp_path: Path) ->
 
         d.stop()
         d.start([])  # at start: reported again, still left alone (the link cannot say what was
-        d.wait_healthy()  # served: STARTUP_SNAPSHOT's step000001 is loaded)
-        wait_fleet(d.url, "step000001")
+        d.wait_healthy()  # served; the hot-load target kept across the restart does: step000002)
+        wait_fleet(d.url, "step000002")
         wait_for(lambda: d.log().count(line) >= 2, 120, "the directory reported at start")
         assert (link / "theirs.txt").read_text() == "not bdn's"
 
         # the operator moves it away: the next change makes the link again
         (link / "theirs.txt").unlink()
         link.rmdir()
-        assert http("POST", d.url + HOT_LOAD, {"identity": "step000002"})[0] == 200
-        wait_fleet(d.url, "step000002")
+        assert http("POST", d.url + HOT_LOAD, {"identity": "step000001"})[0] == 200
+        wait_fleet(d.url, "step000001")
         wait_for(lambda: link.is_symlink(), 60, "the link made again")
-        assert link.resolve() == (d.store / "step000002").resolve()
+        assert link.resolve() == (d.store / "step000001").resolve()
     finally:
         d.stop()

@@ -14,6 +14,7 @@ offered snapshot's diff files while the offer is outstanding, through GC and a l
 from __future__ import annotations
 
 import logging
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ _why = torch_available()
 if _why:
     pytest.skip(f"the transformers engine needs torch and transformers ({_why})", allow_module_level=True)
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
@@ -35,7 +37,8 @@ from bdn.engines.hf import HFEngine  # noqa: E402
 from bdn.engines.options import HotLoadOptions  # noqa: E402
 from bdn.engines.service import HFService  # noqa: E402
 from bdn.fileops import read_header  # noqa: E402
-from bdn.proto import arc  # noqa: E402
+from bdn.proto import arc, sparse  # noqa: E402
+from bdn.proto.errors import BdnError  # noqa: E402
 from bdn.publish import publish_delta, publish_full, publish_startup  # noqa: E402
 from support.api import http, wait_for  # noqa: E402
 from support.swarm import Swarm, free_port  # noqa: E402
@@ -310,6 +313,89 @@ def test_pingpong_a_corrupted_diff_stages_forgets_the_spare_and_the_chain_stays_
         assert rep["changed_source"] == "compared" and "this engine serves 'step000006'" in rep["words_fallback"]
         assert [r.getMessage() for r in caplog.records if "word-level swap not used" in r.getMessage()]
         assert pp.holds is None and not pp.bufs
+    finally:
+        for s in snaps:
+            s.close()
+
+
+def test_a_failed_apply_whose_restore_fails_too_leaves_no_half_written_model_served(trainer, node, tmp_path) -> None:
+    """The pause's XOR fails (a diff byte flipped after the offer) and reading the changed tensors
+    back fails too (the target's file shorter than READY says by then): the engine must not go on
+    serving the half-written parameters under the old identity. It serves nothing (503) until the
+    next offer, which it loads whole, bit for bit."""
+    states = trainer["states"]
+    for ident in IDS[:2]:
+        node.prefetch(ident)
+        node.wait_ready(ident)
+        assert http("POST", f"{node.url}/v1/snapshots/{ident}/leases", {"holder": "test"})[0] in (200, 201)
+    root = Path(node.wait_ready(IDS[0])["path"]).parent
+    # the target as the engine opens it, in a directory this test may damage (the daemon's stays whole)
+    copy = tmp_path / "target" / IDS[1]
+    shutil.copytree(root / IDS[1], copy)
+    base, target, good = open_snapshot(root / IDS[0]), open_snapshot(copy), open_snapshot(root / IDS[1])
+    engine = HFEngine(words="inplace")
+    engine.kernel = hf_words.KernelWarmup(start=False)
+    try:
+        engine.swap(engine.prepare(base, {}, HotLoadOptions()))
+        assert engine.weights_digest() == digests(states[0])
+        bad = {}
+        for rel, path in _diff_files(node, IDS[1]).items():
+            data = bytearray(Path(path).read_bytes())
+            _, streams = arc.read_diff_header(bytes(data), len(data))
+            header = read_header(copy / rel)
+            # the smallest changed tensor is applied last: every other one is XORed by then
+            per = sparse.changed_per_tensor(np.frombuffer(bytes(data), np.uint8), streams, header)
+            last = streams[min(per, key=lambda n: header.tensors[n].nbytes)]
+            for at in range(last.frame_start + (last.frame_end - last.frame_start) // 2, last.frame_end):
+                data[at] ^= 0x5A
+            bad[rel] = str(tmp_path / rel.replace("/", "_"))
+            Path(bad[rel]).write_bytes(bytes(data))
+        prep = engine.prepare(target, _offer(IDS[0], bad), HotLoadOptions())
+        assert prep.words is not None, prep.words_fallback
+        with open(copy / "model.safetensors", "r+b") as fh:  # the restore's source cut short
+            fh.truncate(1 << 10)
+        with pytest.raises(BdnError, match="word-level swap failed .* the model is unloaded"):
+            engine.swap(prep)
+        served = engine.weights_digest() if engine.model is not None else None
+        assert served is None or served == digests(states[0]), (
+            f"the engine serves {engine.identity} with parameters that are neither it nor the target"
+        )
+        assert engine.identity is None and engine.policy_version is None
+        # the next offer (any: here the same target, whole and with the good diffs) loads everything
+        rep = engine.swap(engine.prepare(good, _offer(IDS[0], _diff_files(node, IDS[1])), HotLoadOptions()))
+        assert rep["mode"] == "load" and engine.identity == IDS[1]
+        assert engine.weights_digest() == digests(states[1])
+    finally:
+        for s in (base, target, good):
+            s.close()
+
+
+def test_a_wrong_known_checksum_costs_one_fallback_not_every_later_swap(trainer, node) -> None:
+    """The engine's known Adler-32 of an unchanged tensor is wrong (what a checksum thread that
+    raced a swap could leave): the next word-level swap fails its check and reads the changed
+    tensors from the snapshot, and forgets every known sum, so the swap after it is word-level
+    again; the weights are the trainer's throughout."""
+    states = trainer["states"]
+    for ident in IDS[:3]:
+        node.prefetch(ident)
+        node.wait_ready(ident)
+        assert http("POST", f"{node.url}/v1/snapshots/{ident}/leases", {"holder": "test"})[0] in (200, 201)
+    root = Path(node.wait_ready(IDS[0])["path"]).parent
+    snaps = [open_snapshot(root / i) for i in IDS[:3]]
+    engine = HFEngine(words="inplace")
+    engine.kernel = hf_words.KernelWarmup(start=False)
+    try:
+        engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))
+        engine.adlers.begin()  # (the load's checksum thread keeps no value from here on)
+        engine.adlers.set({"model.norm.weight": 12345})  # a 1-D tensor no delta of this chain changes
+        sources = []
+        for i in (1, 2):
+            prep = engine.prepare(snaps[i], _offer(IDS[i - 1], _diff_files(node, IDS[i])), HotLoadOptions())
+            assert prep.words is not None, prep.words_fallback
+            rep = engine.swap(prep)
+            sources.append(rep["changed_source"])
+            assert engine.weights_digest() == digests(states[i]), f"{IDS[i]}: parameters differ from the trainer's"
+        assert sources == ["words-restored", "words"], sources
     finally:
         for s in snaps:
             s.close()

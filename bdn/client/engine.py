@@ -68,6 +68,9 @@ class EngineLink:
         self._lock = threading.Lock()
         self._closed = False
         self.engine_id = ""
+        #: the identity this engine serves (its last acknowledged swap; the hot-swap loops set it),
+        #: sent with a re-registration so a restarted daemon counts it as acknowledged
+        self.serving: str | None = None
         try:
             self.register()
         except BaseException:
@@ -76,13 +79,18 @@ class EngineLink:
             raise
 
     def register(self) -> str:
-        """(Re-)register with the daemon (``POST /v1/engines {"name"}``), e.g. after it restarted and
-        forgot us; returns the new ``engine_id``.
+        """(Re-)register with the daemon (``POST /v1/engines {"name", "serving"?}``), e.g. after it
+        restarted and forgot us; returns the new ``engine_id``. With :attr:`serving` set, the
+        daemon takes that snapshot as acknowledged when it is ready there (its lease, the replica
+        ``done``, the next offer's changes relative to it).
 
         Raises DaemonUnreachable / DaemonError from the call, ProtocolError when the answer has no
         printable ``engine_id`` string of 1-200 characters.
         """
-        _status, ans = call_json(self.client, "POST", "/v1/engines", {"name": self.name}, ok=(200, 201))
+        body: dict[str, Any] = {"name": self.name}
+        if self.serving is not None:
+            body["serving"] = self.serving
+        _status, ans = call_json(self.client, "POST", "/v1/engines", body, ok=(200, 201))
         engine_id = json_object(ans, "engine registration").get("engine_id")
         if not isinstance(engine_id, str) or not engine_id or not engine_id.isprintable() or len(engine_id) > 200:
             raise ProtocolError("engine registration: no valid 'engine_id' string")
@@ -97,7 +105,8 @@ class EngineLink:
             return f"/v1/engines/{quote(self.engine_id, safe='')}{suffix}"
 
     def next_snapshot(self, after: str | None, timeout: float = 30.0) -> dict[str, Any] | None:
-        """Long-poll ``GET /v1/engines/{id}/next``: the fleet's target once READY here, if not ``after``.
+        """Long-poll ``GET /v1/engines/{id}/next``: the fleet's target once READY here, if not ``after``
+        (with ``serving`` = :attr:`serving` when set: what this engine serves now).
 
         Returns ``{"identity", "policy_version", "kind", "path", "lease_id"}`` (the daemon holds
         ``lease_id`` for this engine), or None when ``timeout`` seconds (at most 300) pass first.
@@ -110,7 +119,10 @@ class EngineLink:
         if not (timeout >= 0 and math.isfinite(timeout)):
             raise ValueError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
         wait = min(timeout, MAX_NEXT_POLL)
-        query = urlencode({"after": after or "", "timeout": f"{wait:.3f}"})
+        params = {"after": after or "", "timeout": f"{wait:.3f}"}
+        if self.serving is not None:  # (an ack the daemon missed across its restart is taken from it)
+            params["serving"] = self.serving
+        query = urlencode(params)
         status, ans = call_json(
             self.client, "GET", self._path("/next?") + query, ok=(200, 204), timeout=wait + self.client.timeout
         )
@@ -270,6 +282,8 @@ def run_hot_swap_loop(
     Exceptions from ``on_swapped`` propagate.
     """
     after = current
+    if current is not None:
+        link.serving = current
     serving: Snapshot | None = None
     try:
         while not stop.is_set():
@@ -304,6 +318,7 @@ def run_hot_swap_loop(
                 _ack_quietly(link, identity, 0.0, reason)
                 continue
             old, serving = serving, snap
+            link.serving = identity
             _ack_quietly(link, identity, pause_ms, None)
             if old is not None:
                 old.close()

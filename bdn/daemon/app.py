@@ -56,9 +56,12 @@ from bdn.daemon.process.executors import Executors
 from bdn.daemon.process.listening import binding, clear_unix_socket
 from bdn.daemon.process.shmlock import ShmLock
 from bdn.daemon.process.shutdown import HTTP_GRACE_S, NoWaitExecutor, StopClock
+from bdn.daemon.replica import registry
 from bdn.daemon.replica.changes import ChangedTensorsCache
+from bdn.daemon.replica.engines import Engine
 from bdn.daemon.replica.hotload import HotLoad
-from bdn.daemon.replica.view import ReplicaView
+from bdn.daemon.replica.target import Target
+from bdn.daemon.replica.view import MAX_ENGINES, ReplicaView
 from bdn.daemon.serve.chunkcheck import BadChunkReports, ChunkCheck
 from bdn.daemon.serve.serving import ChunkServing
 from bdn.daemon.serve.uploads import Uploads
@@ -210,6 +213,20 @@ class App:
             link(identity)
             runner.on_served(identity)  # the spare it frees is brought forward in the background
 
+        engines_file = self.store.root / registry.FILE_NAME
+
+        written = [b""]
+
+        def on_engines(engines: list[Engine], target: Target | None) -> None:
+            data = registry.encode(engines, target.wire() if target is not None and target.seq > 0 else None)
+            if data == written[0]:
+                return
+            try:
+                registry.save(engines_file, data)
+                written[0] = data
+            except OSError as e:  # a restart then forgets the engines, as before the table was kept
+                runner.repeat.log(logging.WARNING, "engines", "cannot save the engine table: %s", e)
+
         self.replica = ReplicaView(
             cfg.node_id,
             self.catalog,
@@ -219,6 +236,7 @@ class App:
             engine_stale_s=cfg.engine_stale_s,
             changes=ChangedTensorsCache(self.catalog.ready_dir, sparse=runner.forward),
             on_current=on_current,
+            on_engines=on_engines,
         )
         self.hotload = HotLoad(
             cfg.node_id,
@@ -288,6 +306,7 @@ class App:
         )
         self.should_exit = asyncio.Event()
         self._tasks: list[asyncio.Task[Any]] = []
+        self._kept: Target | None = None  # the hot-load target the last run kept (startup reads it)
         self._runners: list[web.AppRunner] = []
 
     # ---- signals -------------------------------------------------------------------------
@@ -331,6 +350,12 @@ class App:
         """Open, listen, settle, load (see the module docstring). Raises CannotListen."""
         await self.peers.start()
         await self.catalog.load_ready_from_store()
+        # the engines registered before a restart, under their ids, before the local API answers
+        engines, target = registry.load(self.store.root / registry.FILE_NAME, MAX_ENGINES)
+        for r in engines:
+            self.replica.register_engine(r.name, r.acked, r.engine_id, r.offered)
+        # a hot-load accepted before the restart: the target again once membership settled
+        self._kept = Target.from_wire(target, self.clock.time_ns()) if target is not None else None
         # before the first membership message, so every peer learns our transfer address with
         # our first entry (an address learned later is a change of its own)
         with binding("transfer_listen", self.cfg.transfer_listen):  # raises only when explicit
@@ -422,20 +447,25 @@ class App:
 
     async def _load_startup(self) -> None:
         """Membership settles, then what this replica serves is decided: the fleet's target if
-        its peers hold a hot-loaded one, else the snapshot it served before a restart (the
-        ``current`` link, when that snapshot is still ready here), else STARTUP_SNAPSHOT.
+        its peers hold a hot-loaded one, else the hot-load target it kept across a restart
+        (``registry.py``), else the one it served, or was moving its engines to, before a
+        restart (``_offered_before``, else the ``current`` link, when that snapshot is still
+        ready here), else STARTUP_SNAPSHOT.
 
         Daemons of a fleet start within seconds of each other; loading before they know each
         other would make each one the HRW owner of everything and multiply bucket egress.
         The first choice is made before the settling, so that it is this replica's target (and
         safe from GC) even if a peer makes this daemon join it before the settling ends.
         """
-        served = self._served_before()
+        kept = self._kept
+        served = self._offered_before() or self._served_before()
         startup = await self._read_startup() if self.cfg.load_startup else None
-        first = served or startup
+        first = (kept.identity if kept is not None else None) or served or startup
         if first is not None:
             self.replica.set_startup_target(first)
         await self.gossip.settle()
+        if kept is not None:  # (adopted once settled: its load must not start before membership)
+            await self.replica.adopt(kept, "the table kept across a restart")
         target = self.replica.target
         if first is not None and target is not None and target.identity != first and target.seq > 0:
             # The fleet moved on while this daemon was away: go straight to its target (rebuilt
@@ -465,6 +495,17 @@ class App:
             self.catalog.prefetch(ident, requested_by="resume")
         if self.cfg.peers_dns:
             self._tasks.append(asyncio.create_task(self.gossip.dns_loop(), name="peers-dns"))
+
+    def _offered_before(self) -> str | None:
+        """The snapshot the engines restored at start were offered and had not all acknowledged
+        (the hot-load target when the daemon stopped), if it is ready here; else None. Some
+        engines may serve it already: the ``current`` link names the snapshot before it."""
+        offered = {e.offered for e in self.replica.engines.values() if e.offered and e.offered != e.acked}
+        if len(offered) != 1:
+            return None
+        (ident,) = offered
+        job = self.catalog.get(ident)
+        return ident if job is not None and job.state == "ready" else None
 
     def _served_before(self) -> str | None:
         """The identity the ``current`` link names if that snapshot is ready on this node (a

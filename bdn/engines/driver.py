@@ -152,6 +152,8 @@ def drive(
     them is raised. An exception of ``on_swapped`` ends the loop and propagates.
     """
     after = current
+    if current is not None:
+        link.serving = current  # (a re-registration tells a restarted daemon: bdn.client.EngineLink)
     serving: Snapshot | None = None
     polling = polling if polling is not None else threading.Event()
     try:
@@ -198,6 +200,7 @@ def drive(
                 describe_swap({**report, "pause_ms": pause}),
             )
             old, serving = serving, snap
+            link.serving = identity
             ack(link, identity, pause, options, report)
             if old is not None and old is not snap:
                 old.close()

@@ -430,7 +430,7 @@ class HFEngine:
         assert wp is not None
         try:
             prep.bytes_copied = hf_words.apply(wp)
-        except (BdnError, ValueError) as e:
+        except Exception as e:  # whatever stopped it, the changed parameters may hold partial data
             why = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
             log.warning(
                 "%s: word-level swap failed (%s): the %d changed tensors are read from the snapshot instead",
@@ -440,10 +440,30 @@ class HFEngine:
             )
             prep.words_fallback = f"applying the words failed: {why}"  # (one line: the log's)
             prep.changed_source = "words-restored"
-            self.adlers.drop(wp.views)
-            prep.bytes_copied = hf_words.restore(wp, prep.snapshot)
+            # every known sum goes, not only the changed tensors': a wrong one (of an unchanged
+            # tensor too) would fail every later word-level swap the same way; recomputed from
+            # the parameters' bytes in the next prepare
+            self.adlers.drop(None)
+            try:
+                prep.bytes_copied = hf_words.restore(wp, prep.snapshot)
+            except Exception as e2:
+                self._unload()
+                raise EngineError(
+                    f"{prep.snapshot.identity}: word-level swap failed ({why}) and reading the changed tensors "
+                    f"back failed too ({str(e2).splitlines()[0][:200] if str(e2) else type(e2).__name__}): "
+                    "the model is unloaded, the next snapshot offered is loaded whole"
+                ) from None
             return
         self.adlers.set(wp.result)
+
+    def _unload(self) -> None:
+        """Drop the served model (in the pause, as the gate's writer): its parameters hold bytes of
+        no snapshot. Requests get 503 (``model`` None) and the next prepare loads a model whole."""
+        self.model = self.tokenizer = self.snapshot = None
+        self.params, self._slots, self._aliases = {}, {}, {}
+        self.adlers.drop(None)
+        self.prompt_cache.clear()
+        self.gate.version = None
 
     # -- generation ------------------------------------------------------------------------
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:

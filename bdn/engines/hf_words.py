@@ -141,11 +141,14 @@ class Adlers:
                 for n in names:
                     self._known.pop(n, None)
 
-    def get(self, views: Mapping[str, np.ndarray]) -> dict[str, int]:
+    def get(self, views: Mapping[str, np.ndarray], since: int | None = None) -> dict[str, int]:
         """``{name: Adler-32}`` of every ``views`` entry (flat uint8 arrays of parameters),
-        computing the unknown ones now (zlib-ng's SIMD Adler-32: ~11 GB/s here)."""
+        computing the unknown ones now (zlib-ng's SIMD Adler-32: ~11 GB/s here). ``since``: the
+        :meth:`generation` the views were taken at (default: now); the values computed are kept
+        only if no swap began since then."""
         with self._lock:
             gen, out = self._gen, {n: self._known[n] for n in views if n in self._known}
+        gen = gen if since is None else since
         for name, view in views.items():
             if name not in out:
                 out[name] = raw_adler32(view)
@@ -154,15 +157,25 @@ class Adlers:
                 self._known.update(out)
         return out
 
+    def generation(self) -> int:
+        """How many swaps began so far (:meth:`begin`)."""
+        with self._lock:
+            return self._gen
+
     def fill(self, params: Mapping[str, Any]) -> threading.Thread:
         """Compute every contiguous CPU parameter's checksum on a daemon thread (after a load), so
-        the first word-level prepare does not; returns the thread."""
+        the first word-level prepare does not; returns the thread. Values are kept only while no
+        swap began since this call: a sum the thread takes of a parameter a later swap writes (or
+        of storage a swap replaced) is never kept."""
+        since = self.generation()
 
         def run() -> None:
             for name, t in list(params.items()):
+                if self.generation() != since:
+                    return
                 v = _flat(t)
                 if v is not None:
-                    self.get({name: v})
+                    self.get({name: v}, since)
 
         th = threading.Thread(target=run, name="engine-adler-fill", daemon=True)
         th.start()

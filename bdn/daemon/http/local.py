@@ -297,16 +297,24 @@ async def current(request: web.Request) -> web.Response:
 
 
 async def register_engine(request: web.Request) -> web.Response:
-    """POST /v1/engines {"name"} -> 201 {"engine_id"}."""
+    """POST /v1/engines {"name", "serving"?} -> 201 {"engine_id", "serving"} (``serving``: the
+    identity the engine already serves, taken as acknowledged when it is ready here, else null)."""
     body = await _body_json(request)
-    name = body.get("name", "engine")
+    name, serving = body.get("name", "engine"), body.get("serving")
     if not isinstance(name, str):
         return error(400, "name must be a string")
+    if serving is not None:
+        try:
+            serving = validate_identity(serving)
+        except BdnError as ex:
+            return error(400, f"serving: {ex}")
+    replica = services(request).replica
     try:
-        e = services(request).replica.register_engine(name)
+        e = replica.register_engine(name, serving)
     except BdnError as err:
         return error(status_of(err), str(err))
-    return json_response({"engine_id": e.engine_id}, 201)
+    await replica.poke()
+    return json_response({"engine_id": e.engine_id, "serving": e.acked}, 201)
 
 
 async def unregister_engine(request: web.Request) -> web.Response:
@@ -331,9 +339,15 @@ async def list_engines(request: web.Request) -> web.Response:
 
 
 async def engine_next(request: web.Request) -> web.Response:
-    """GET /v1/engines/{id}/next?after=&timeout= (s) -> 200 offer with a lease; 204 on timeout."""
+    """GET /v1/engines/{id}/next?after=&timeout= (s)&serving=? -> 200 offer with a lease; 204 on
+    timeout; 400 a ``serving`` that is no identity."""
     e = _engine(request)
-    after = request.query.get("after") or None
+    after, serving = request.query.get("after") or None, request.query.get("serving") or None
+    if serving is not None:
+        try:
+            serving = validate_identity(serving)
+        except BdnError as ex:
+            return error(400, f"serving: {ex}")
     timeout = _timeout(request)
     if isinstance(timeout, web.Response):
         return timeout
@@ -342,7 +356,7 @@ async def engine_next(request: web.Request) -> web.Response:
         t = request.transport
         return t is not None and not t.is_closing()
 
-    ans = await services(request).replica.next_for(e, after, timeout, connected)
+    ans = await services(request).replica.next_for(e, after, timeout, connected, serving)
     if ans is None:
         return web.Response(status=204)
     return json_response(ans)

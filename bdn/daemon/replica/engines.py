@@ -1,5 +1,5 @@
 """The engine table: its entries (``Engine``) and pure rules: liveness (``engine_stale_s``,
-``engine_ttl_s``) and what an ack may report.
+``engine_ttl_s``), a replica's stage over its engines and what an ack may report.
 
 **Liveness.** An engine is alive while it polls: every ``GET /v1/engines/{id}/next`` marks it seen
 when it starts and again at least every ``poll_step(...)`` seconds while the poll is held open on
@@ -28,11 +28,13 @@ from typing import Any, Protocol
 __all__ = [
     "MAX_REPORT_KEYS",
     "Engine",
+    "engine_stage",
     "expired",
     "keepalive_s",
     "liveness_window",
     "poll_step",
     "sanitize_report",
+    "serving_note",
     "stale_changes",
     "stale_reason",
 ]
@@ -177,3 +179,39 @@ def offer_again(engine: Engine, identity: str, ready_count: int) -> bool:
     repair moved its files away under the offer and brought them back checked). A snapshot the
     engine cannot load is not offered twice."""
     return engine.offered == identity and engine.error is not None and ready_count > engine.error_ready
+
+
+def engine_stage(
+    engines: list[Engine], ident: str, current: str | None, now: float, stale_s: float, ttl_s: float
+) -> tuple[str, str]:
+    """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node, over its
+    registered ``engines``: the live ones decide; stale ones are named in the reason (every engine
+    stale: ``error``). With no engine, ``done`` once the daemon serves it (``current``): the job
+    reads ``ready`` a moment before its change event moves ``current`` (the runner notifies after
+    freeing the download's index entries on the disk threads, seconds behind other disk work under
+    load), and a row saying ``done`` with the old snapshot still served is not done. ``now``:
+    monotonic s; ``stale_s``, ``ttl_s``: the liveness bounds (s)."""
+    if not engines:
+        return ("done", "") if current == ident else ("ready", "")
+    live = [e for e in engines if not e.stale]
+    stale = [e for e in engines if e.stale]
+    note = stale_reason(stale, now, stale_s, ttl_s) if stale else ""
+    if not live:
+        return "error", f"every engine stopped polling: {note}"
+    errs = [e.error for e in live if e.offered == ident and e.error]
+    if errs:
+        return "error", errs[0]
+    if all(e.acked == ident for e in live):
+        return "done", f"not counted: {note}" if note else ""
+    if any(e.offered == ident for e in live):
+        return "loading", note
+    return "ready", note
+
+
+def serving_note(serving: str | None, acked: str | None) -> str:
+    """The tail of an engine's registration log line: what it said it serves and what came of it."""
+    if not serving:
+        return ""
+    if acked == serving:
+        return f", serving {serving}"
+    return f"; it serves {serving}, which is not ready here: offered the target whole"

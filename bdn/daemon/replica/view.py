@@ -57,6 +57,7 @@ class ReplicaView:
         changes: ChangedTensorsCache | None = None,
         engine_stale_s: float = 0.0,
         on_current: Callable[[str], None] | None = None,
+        on_engines: Callable[[list[Engine], Target | None], None] | None = None,
     ) -> None:
         self.node_id = node_id
         self.snapshots = snapshots
@@ -67,6 +68,7 @@ class ReplicaView:
         self.changes = changes or ChangedTensorsCache(snapshots.ready_dir)
         self.claims = claims.Claims(snapshots)  # targets' policy versions checked against manifests
         self.on_current = on_current
+        self.on_engines = on_engines  # called with the engine table and target at each change (registry.py)
         self.target: Target | None = None
         self.current: str | None = None
         self.current_policy_version: int | None = None
@@ -78,8 +80,10 @@ class ReplicaView:
 
     # ---- change notification ---------------------------------------------------------------
     async def poke(self) -> None:
-        """Record a change of the replica (``version`` + 1) and wake ``wait_change`` callers."""
+        """Record a change of the replica (``version`` + 1), hand the engine table and the target
+        to ``on_engines`` (kept across a restart) and wake ``wait_change`` callers."""
         self.version += 1
+        self._saved()
         async with self.changed:
             self.changed.notify_all()
 
@@ -239,7 +243,14 @@ class ReplicaView:
         else:
             progress = 1.0
             assert ident is not None  # a job was found: ident is set
-            stage, reason = self._engine_stage(ident)
+            stage, reason = engine_rules.engine_stage(
+                list(self.engines.values()),
+                ident,
+                self.current,
+                self.clock.monotonic(),
+                self.engine_stale_s,
+                self.engine_ttl_s,
+            )
         pauses = [e.pause_ms for e in self.engines.values() if e.acked == self.current and e.pause_ms is not None]
         reports = [e for e in self.engines.values() if e.acked == self.current and e.swap is not None]
         last = max(reports, key=lambda e: e.pause_ms or 0.0) if reports else None
@@ -258,33 +269,6 @@ class ReplicaView:
             last_swap=dict(last.swap, engine_id=last.engine_id) if last is not None and last.swap else None,
             reported_at=round(self.clock.time(), 3),
         )
-
-    def _engine_stage(self, ident: str) -> tuple[str, str]:
-        """``(stage, reason)`` of a replica whose target ``ident`` is ready on this node: over the
-        live engines; stale ones are named in the reason (every engine stale: ``error``). With no
-        engine, ``done`` once the daemon serves it (``current``): the job reads ``ready`` a moment
-        before its change event moves ``current`` (the runner notifies after freeing the
-        download's index entries on the disk threads, seconds behind other disk work under load),
-        and a row saying ``done`` with the old snapshot still served is not done."""
-        if not self.engines:
-            return ("done", "") if self.current == ident else ("ready", "")
-        live = self._live()
-        stale = [e for e in self.engines.values() if e.stale]
-        note = (
-            engine_rules.stale_reason(stale, self.clock.monotonic(), self.engine_stale_s, self.engine_ttl_s)
-            if stale
-            else ""
-        )
-        if not live:
-            return "error", f"every engine stopped polling: {note}"
-        errs = [e.error for e in live if e.offered == ident and e.error]
-        if errs:
-            return "error", errs[0]
-        if all(e.acked == ident for e in live):
-            return "done", f"not counted: {note}" if note else ""
-        if any(e.offered == ident for e in live):
-            return "loading", note
-        return "ready", note
 
     def current_record(self) -> dict[str, Any] | None:
         """``{"identity", "policy_version", "path", "link"}`` of the snapshot this replica serves
@@ -317,8 +301,18 @@ class ReplicaView:
         """Identities that hold at least one lease."""
         return {ident for ident, _ in self.leases.values()}
 
-    def register_engine(self, name: str) -> Engine:
+    def register_engine(
+        self, name: str, serving: str | None = None, engine_id: str | None = None, offered: str | None = None
+    ) -> Engine:
         """A new engine entry (the replica now waits for its acknowledgements).
+
+        ``serving``: the snapshot the engine says it serves already (it registers again after it
+        was dropped, or after this daemon restarted without its table, ``registry.py``). When that
+        snapshot is ready here the engine starts as having acknowledged it, as by an ack: a lease
+        keeps it, the replica counts it, the next offer's changed tensors and words are relative to
+        it. Otherwise it is ignored (one line) and the engine is offered the target as on a first
+        load. ``engine_id``, ``offered``: the id to give it and the snapshot it was offered and has
+        not answered yet (a registration restored at start, ``registry.py``), else a new id.
 
         Raises:
             Conflict: ``MAX_ENGINES`` engines are registered already (the local API is
@@ -330,10 +324,21 @@ class ReplicaView:
                 "unregister one (bdnctl engines --remove ID) or let dead ones expire (engine_ttl_s)"
             )
         now = self.clock.monotonic()
-        e = Engine(secrets.token_hex(8), name[:128] or "engine", last_seen=now, registered=now)
+        e = Engine(engine_id or secrets.token_hex(8), name[:128] or "engine", last_seen=now, registered=now)
         self.engines[e.engine_id] = e
-        log.info("engine %s (%s) registered", e.engine_id, e.name)
+        job = self.snapshots.get(serving) if serving else None
+        if serving and job is not None and job.state == "ready":
+            e.acked, e.lease_id = serving, self.lease(serving, f"engine {e.engine_id}")
+            if self._all_acked(serving):
+                self._set_current(serving)
+        if offered and offered != e.acked and getattr(self.snapshots.get(offered), "state", "") == "ready":
+            e.offered, e.offered_lease = offered, self.lease(offered, f"engine {e.engine_id}")
+        log.info("engine %s (%s) registered%s", e.engine_id, e.name, engine_rules.serving_note(serving, e.acked))
         return e
+
+    def _saved(self) -> None:
+        if self.on_engines is not None:
+            self.on_engines(list(self.engines.values()), self.target)
 
     def engine(self, engine_id: str) -> Engine | None:
         """The registered engine ``engine_id``, or None."""
@@ -426,9 +431,16 @@ class ReplicaView:
         return None if ident == after and not engine_rules.offer_again(engine, ident, job.ready_count) else ident
 
     async def next_for(
-        self, engine: Engine, after: str | None, timeout: float, connected: Callable[[], bool] = lambda: True
+        self,
+        engine: Engine,
+        after: str | None,
+        timeout: float,
+        connected: Callable[[], bool] = lambda: True,
+        serving: str | None = None,
     ) -> dict[str, Any] | None:
         """Long-poll: the target snapshot once it is READY here and differs from ``after``.
+        ``serving`` (what the engine says it serves): the offered snapshot there counts as
+        acknowledged (an ack lost while this daemon restarted).
 
         The offer: ``{"identity", "policy_version", "kind", "path", "lease_id",
         "prompt_cache_policy", "inflight_policy", "inflight_wait_s", "engine_ttl_s",
@@ -437,6 +449,8 @@ class ReplicaView:
         when they cannot be told (``replica/changes.py``). None after ``timeout`` s, when the
         poller's connection is gone (``connected()`` false) or the engine was dropped.
         """
+        if serving and engine.offered == serving != engine.acked:
+            await self.ack(engine, serving, None, None)
         deadline = self.clock.monotonic() + timeout
         step = engine_rules.poll_step(self.engine_ttl_s, self.engine_stale_s)
         while True:
