@@ -100,19 +100,23 @@ def node(trainer, tmp_path: Path):
         yield swarm.daemons[0]
 
 
-@pytest.mark.parametrize("words", ["inplace", "spare"])
+@pytest.mark.parametrize("words", ["inplace", "pingpong"])
 def test_a_chain_of_six_deltas_swaps_word_level_and_ends_bit_for_bit(trainer, node, words: str) -> None:
-    """In place (the pause XORs the parameters) and onto spare copies (the pause rebinds them)."""
+    """In place (the pause XORs the parameters) and onto ping-pong spare buffers one step behind
+    (the pause rebinds them): the first delta copies the changed parameters, every later one
+    writes only the changed words of two deltas (the last one, caught up after its swap, and its
+    own)."""
     states = trainer["states"]
     with HFService(node.url, "127.0.0.1", free_port(), replica_id="node0", poll_timeout=2.0, words=words) as svc:
         wait_for(lambda: replica_done(node.url, IDS[0]), 120, f"{IDS[0]} served")
         assert svc.engine.weights_digest() == digests(states[0])
+        seen: set[str] = set()  # tensors some delta changed (each has a spare buffer from then on)
         for i in range(1, STEPS):
             assert hot_load(node.url, IDS[i], previous=IDS[i - 1])["accepted"] is True
             wait_for(lambda i=i: replica_done(node.url, IDS[i]), 120, f"{IDS[i]} served")
             rep = svc.engine.last_swap
             assert rep["mode"] == "partial" and rep["changed_source"] == (
-                "words" if words == "inplace" else "words-spare"
+                "words" if words == "inplace" else "words-pingpong"
             ), rep
             assert rep["swap_method"] == ("words-in-place" if words == "inplace" else "rebind")
             assert rep["words_fallback"] is None and rep["words_kernel"] in ("compiled", "numpy")
@@ -124,7 +128,17 @@ def test_a_chain_of_six_deltas_swaps_word_level_and_ends_bit_for_bit(trainer, no
             assert sorted(svc.engine.last_swap_tensors) == sorted(changed) and len(changed) > 10
             # only the changed words were written: about 2 % of the changed tensors' bytes
             whole = sum(states[i][k].numel() * states[i][k].element_size() for k in changed)
-            assert 0 < rep["bytes_copied"] < whole / 10, (rep["bytes_copied"], whole)
+            pp = rep["pingpong"]
+            if words == "pingpong":
+                fresh = sum(states[i][k].numel() * states[i][k].element_size() for k in changed if k not in seen)
+                seen.update(changed)
+                assert pp["copied"] == fresh and (i > 1 or fresh == whole), (i, pp)  # a spare buffer: made once
+                assert pp["caught_up"] == 0 and (pp["background"] > 0) == (i > 1), pp  # the last delta: caught up
+                assert 0 < pp["written"] < whole / 10, pp
+                svc.engine.pingpong.wait()  # the catch-up after the swap: the spare buffers hold it too
+                assert svc.engine.pingpong.holds == IDS[i] and svc.engine.pingpong.kept is None
+            else:
+                assert pp is None and 0 < rep["bytes_copied"] < whole / 10, (rep["bytes_copied"], whole)
             assert svc.engine.weights_digest() == digests(states[i]), f"{IDS[i]}: parameters differ from the trainer's"
             status, w = http("GET", svc.url + "/debug/weights")
             assert status == 200 and w["identity"] == IDS[i] and w["tensors"] == digests(states[i])
@@ -150,7 +164,7 @@ def test_a_missing_or_corrupted_diff_falls_back_with_one_line_and_correct_weight
         assert http("POST", f"{node.url}/v1/snapshots/{ident}/leases", {"holder": "test"})[0] in (200, 201)
     root = Path(node.wait_ready(IDS[0])["path"]).parent
     snaps = [open_snapshot(root / i) for i in IDS[:3]]
-    engine = HFEngine()
+    engine = HFEngine(words="inplace")
     engine.kernel = hf_words.KernelWarmup(start=False)  # the numpy path (the service test runs the kernel's)
     try:
         engine.swap(engine.prepare(snaps[0], {}, HotLoadOptions()))
@@ -228,3 +242,74 @@ def test_the_daemon_keeps_the_offered_diff_files_until_the_engine_answers(traine
     node.wait_ready(IDS[2])
     assert http("POST", node.url + "/v1/gc", {})[0] == 200
     assert {p: xxhash.xxh3_128_hexdigest(Path(p).read_bytes()) for p in cw["files"].values()} == before
+
+
+def _corrupted(files: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """Copies of ``files`` (diff files) with the second half of the largest stream's payload
+    flipped, headers intact: a plan accepts them, the apply fails."""
+    bad = {}
+    for rel, path in files.items():
+        data = bytearray(Path(path).read_bytes())
+        _, streams = arc.read_diff_header(bytes(data), len(data))
+        big = max(streams.values(), key=lambda s: s.frame_end - s.frame_start)
+        for at in range(big.frame_start + (big.frame_end - big.frame_start) // 2, big.frame_end):
+            data[at] ^= 0x5A
+        bad[rel] = str(tmp_path / rel.replace("/", "_"))
+        Path(bad[rel]).write_bytes(bytes(data))
+    return bad
+
+
+def test_pingpong_a_corrupted_diff_stages_forgets_the_spare_and_the_chain_stays_correct(
+    trainer, node, tmp_path, caplog
+) -> None:
+    """Ping-pong swaps on offers built from the daemon's files: a corrupted diff mid-chain fails on
+    the spare buffers (one warning line), the step is staged, the spare buffers are forgotten and
+    the next delta copies them again; a laggard's offer (another base) stages too. The weights
+    are the trainer's after every step."""
+    states = trainer["states"]
+    for ident in IDS:  # each leased once ready: keep_ready 1 would collect the older ones
+        node.prefetch(ident)
+        node.wait_ready(ident)
+        assert http("POST", f"{node.url}/v1/snapshots/{ident}/leases", {"holder": "test"})[0] in (200, 201)
+    root = Path(node.wait_ready(IDS[0])["path"]).parent
+    snaps = [open_snapshot(root / i) for i in IDS]
+    engine = HFEngine(words="pingpong")
+    engine.kernel = hf_words.KernelWarmup(start=False)  # the numpy path (the service test runs the kernel's)
+    pp = engine.pingpong
+
+    def step(i: int, offer: dict[str, Any]) -> dict[str, Any]:
+        rep = engine.swap(engine.prepare(snaps[i], offer, HotLoadOptions()))
+        assert engine.weights_digest() == digests(states[i]), f"{IDS[i]}: parameters differ from the trainer's"
+        return rep
+
+    try:
+        step(0, {})
+        for i in (1, 2):
+            rep = step(i, _offer(IDS[i - 1], _diff_files(node, IDS[i])))
+            assert rep["changed_source"] == "words-pingpong" and rep["swap_method"] == "rebind", rep
+        assert rep["pingpong"]["copied"] == 0 and rep["pingpong"]["background"] > 0, rep["pingpong"]
+        pp.wait()
+        assert pp.holds == IDS[2] and pp.bufs
+        # step 3's diff corrupted: the spare buffers fail their check, the step stages
+        with caplog.at_level(logging.INFO, logger="bdn.engines.hf"):
+            rep = step(3, _offer(IDS[2], _corrupted(_diff_files(node, IDS[3]), tmp_path)))
+        lines = [r.getMessage() for r in caplog.records if "ping-pong swap not used" in r.getMessage()]
+        assert len(lines) == 1 and len(caplog.records) == 1, [r.getMessage() for r in caplog.records]
+        assert rep["changed_source"] == "compared" and rep["pingpong"] is None, rep
+        assert rep["words_fallback"].startswith("applying the words to the spare buffers failed"), rep
+        assert pp.holds is None and not pp.bufs  # forgotten
+        # the next delta copies the spare buffers again, then the chain goes on word-level
+        rep = step(4, _offer(IDS[3], _diff_files(node, IDS[4])))
+        assert rep["changed_source"] == "words-pingpong" and rep["pingpong"]["copied"] > 0, rep
+        rep = step(5, _offer(IDS[4], _diff_files(node, IDS[5])))
+        assert rep["changed_source"] == "words-pingpong" and rep["pingpong"]["copied"] == 0, rep
+        # a laggard's offer (diffs on a base the engine does not serve): staged, the spare forgotten
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="bdn.engines.hf"):
+            rep = step(6, _offer(IDS[4], _diff_files(node, IDS[6])))
+        assert rep["changed_source"] == "compared" and "this engine serves 'step000006'" in rep["words_fallback"]
+        assert [r.getMessage() for r in caplog.records if "word-level swap not used" in r.getMessage()]
+        assert pp.holds is None and not pp.bufs
+    finally:
+        for s in snaps:
+            s.close()

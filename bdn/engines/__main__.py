@@ -82,11 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
             )
             p.add_argument(
                 "--words",
-                choices=("inplace", "spare", "off"),
-                default="inplace",
-                help="a bdn_planes_v1 delta on the served snapshot: XOR its changed words into the parameters "
-                "in the pause (inplace, one copy of the model), into copies while serving (spare), or stage "
-                "the changed tensors from the snapshot (off)",
+                choices=("pingpong", "inplace", "off"),
+                default=None,
+                help="a bdn_planes_v1 delta on the served snapshot: XOR its changed words into spare buffers "
+                "kept one step behind while serving, the pause a rebind (pingpong, the default: two copies of "
+                "the changed parameters), into the parameters in the pause (inplace, one copy of the model; "
+                "the default with --swap-in-place), or stage the changed tensors from the snapshot (off)",
             )
         else:
             p.add_argument("--engine-url", required=True, help="the engine server's base URL")

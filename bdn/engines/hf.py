@@ -9,7 +9,8 @@ download) and generates token by token under a ``PolicyGate``. It is an adapter 
   loaded on the CPU, the same ``config.json`` and an offer naming the delta's verified diff files
   on the served snapshot (``changed_words``), it checks a *word-level swap*
   (:mod:`bdn.engines.hf_words`: the swap then XORs only the changed words into the parameters,
-  in place, in the pause). Otherwise, with a model loaded and the same ``config.json``, it finds
+  in place, in the pause; with ``words="pingpong"`` they are XORed now into spare buffers kept
+  one step behind, :mod:`bdn.engines.hf_pingpong`, and the pause rebinds). Otherwise, with a model loaded and the same ``config.json``, it finds
   the changed tensors (``offer["changed_tensors"]``
   or by comparing the two snapshots, bdn.engines.changed) and copies only those out of the
   snapshot's shared memory into staging tensors (a *partial swap*); otherwise it loads the whole
@@ -20,9 +21,10 @@ download) and generates token by token under a ``PolicyGate``. It is an adapter 
   weights, and the old storage is freed after the swap, so peak memory is the same as copying);
   with ``"copy"`` each staged tensor is copied into the parameter's own storage (one memcpy per
   tensor, pointer-stable: what an engine whose kernels captured the weights' addresses, e.g. CUDA
-  graphs, must do). A word-level swap writes the changed words into the parameters' own storage
-  (pointer-stable, one copy of the model; a failure reads the changed tensors from the target
-  snapshot instead, one log line). A first load swaps the model object. The prompt cache is dropped
+  graphs, must do). An in-place word-level swap writes the changed words into the parameters' own
+  storage (pointer-stable, one copy of the model; a failure reads the changed tensors from the
+  target snapshot instead, one log line); a ping-pong one rebinds, and the buffers swapped out
+  become the spares (brought forward by the delta on a thread). A first load swaps the model object. The prompt cache is dropped
   (``RESET_ALL``) or kept (``PRESERVE``). The report says what was done.
 
 The prompt cache: the KV cache of every prompt (``transformers.DynamicCache``), reused for a later
@@ -50,8 +52,8 @@ import xxhash
 
 from bdn.client import Snapshot
 from bdn.engines import changed as changed_mod
+from bdn.engines import hf_pingpong, hf_words
 from bdn.engines import hf_sampling as sampling
-from bdn.engines import hf_words
 from bdn.engines.gate import Aborted, PolicyGate, Ticket
 from bdn.engines.hf_staging import EngineError, load_model, same_config, stage_tensors, torch, torch_available
 from bdn.engines.options import HotLoadOptions
@@ -84,6 +86,7 @@ class Prepared:
     ranges: int = 0  # tensors of which only the offer's changed byte ranges were read
     words: hf_words.WordPlan | None = None  # a word-level swap (bdn.engines.hf_words)
     words_fallback: str = ""  # why the offer's changed_words were not (or not wholly) used
+    pingpong: hf_pingpong.Step | None = None  # a ping-pong swap: what its prepare wrote
 
 
 @dataclass
@@ -111,9 +114,11 @@ class HFEngine:
         swap_method: ``"rebind"`` (parameters take the staged tensors) or ``"copy"`` (staged
             tensors are copied into the parameters in place); see the module doc.
         clock: monotonic seconds, for the reported timings.
-        words: where a word-level swap writes (``bdn.engines.hf_words.MODES``): ``"inplace"`` (the
-            default: the parameters, in the pause), ``"spare"`` (copies, while serving; the pause
-            as ``swap_method`` says) or ``"off"``.
+        words: where a word-level swap writes (``bdn.engines.hf_words.MODES``): ``"pingpong"``
+            (spare buffers kept one step behind, while serving, the pause a rebind:
+            :mod:`bdn.engines.hf_pingpong`; the default), ``"inplace"`` (the parameters, in the
+            pause; the default with ``swap_method="copy"``, which must keep the parameters'
+            addresses) or ``"off"``.
 
     Raises EngineError (one line) when torch/transformers do not import or ``swap_method`` is
     not one of ``SWAP_METHODS``, or ``words`` not one of ``hf_words.MODES``.
@@ -125,7 +130,7 @@ class HFEngine:
         partial: bool = True,
         clock: Any = time.monotonic,
         swap_method: str = "rebind",
-        words: str = "inplace",
+        words: str | None = None,
     ) -> None:
         why = torch_available()
         if why:
@@ -133,6 +138,8 @@ class HFEngine:
         if swap_method not in SWAP_METHODS:
             raise EngineError(f"swap_method must be one of {', '.join(SWAP_METHODS)}, got {swap_method!r}")
         self.swap_method = swap_method
+        if words is None:  # (a rebind keeps the parameters' addresses only in place)
+            words = "inplace" if swap_method == "copy" else "pingpong"
         if words not in hf_words.MODES:
             raise EngineError(f"words must be one of {', '.join(hf_words.MODES)}, got {words!r}")
         self.words = words
@@ -156,6 +163,7 @@ class HFEngine:
         self.last_swap_tensors: list[str] = []  # names copied by the last swap (all, for a full reload)
         self.swaps = 0
         self.adlers = hf_words.Adlers()  # the served parameters' Adler-32s (word-level swaps check them)
+        self.pingpong = hf_pingpong.PingPong()  # ``words="pingpong"``: the spare buffers one step behind
         # the sparse kernel: loaded on a thread from the first offer of changed words on (numba's
         # import holds the GIL for a while: not while the engine starts and loads its first model)
         self.kernel = hf_words.KernelWarmup(start=False)
@@ -181,6 +189,18 @@ class HFEngine:
                 out[name] = xxhash.xxh3_128_hexdigest(raw.view(th.uint8).numpy().tobytes())
         return out
 
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of weight memory the engine holds now: ``parameters`` (the served state dict, each
+        storage once), ``pingpong`` (the spare buffers of ``words="pingpong"``), ``staging`` (the
+        buffers kept for the next staged swap, ``SpareBuffers``)."""
+        seen: set[int] = set()
+        served = 0
+        for t in self.params.values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                served += t.numel() * t.element_size()
+        return {"parameters": served, "pingpong": self.pingpong.nbytes(), "staging": self.spares.nbytes()}
+
     # -- prepare (while serving) -----------------------------------------------------------
     def prepare(self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions) -> Prepared:
         """Stage ``snap`` while the current policy serves (see the module doc).
@@ -201,6 +221,8 @@ class HFEngine:
                 reason = "config.json changed"
             elif self.partial and self.device == "cpu" and self.words != "off" and "changed_words" in offer:
                 prep, words_fallback = self._prepare_words(snap, offer, options)
+            if prep is None and self.words == "pingpong":  # staged or loaded: the spare buffers fall behind
+                self._drop_pingpong()
             if prep is None and not reason:
                 ch = changed_mod.changed_tensors(offer, serving, snap) if self.partial else None
                 if ch is not None and ch.removed:
@@ -241,8 +263,8 @@ class HFEngine:
     def _prepare_words(
         self, snap: Snapshot, offer: dict[str, Any], options: HotLoadOptions
     ) -> tuple[Prepared | None, str]:
-        """A word-level swap of ``offer`` (``hf_words.plan``; in ``"spare"`` mode the words are
-        applied to copies now), or ``(None, why not)`` after one log line."""
+        """A word-level swap of ``offer`` (``hf_words.plan``; in ``"pingpong"`` mode the words are
+        applied to the spare buffers now), or ``(None, why not)`` after one log line."""
         serving = self.snapshot
         self.kernel.start()  # (that prepare applies with numpy unless it is loaded already)
         wp = (
@@ -251,27 +273,40 @@ class HFEngine:
             else None
         )
         why = wp if isinstance(wp, str) else "" if wp is not None else "nothing is served"
-        if isinstance(wp, hf_words.WordPlan) and self.words == "spare":
+        if isinstance(wp, hf_words.WordPlan) and serving is not None and self.words == "pingpong":
             try:
-                staged = hf_words.onto_copies(wp, self.params, self.spares.take)
+                staged, step = self.pingpong.prepare(wp, serving.identity, self.params, self.spares.take)
             except (BdnError, ValueError) as e:
-                why = f"applying the words to copies failed: {str(e).splitlines()[0][:300] if str(e) else type(e).__name__}"
-            else:
-                return Prepared(
-                    snap,
-                    options,
-                    "partial",
-                    tensors=staged,
-                    changed_source="words-spare",
-                    words=wp,
-                    bytes_copied=wp.bytes_copied,
-                ), ""
-        elif isinstance(wp, hf_words.WordPlan):
+                why = f"applying the words to the spare buffers failed: {_line(e)}"
+                log.warning(
+                    "%s: ping-pong swap not used (%s): the spare buffers are forgotten, staging the changed tensors",
+                    snap.identity,
+                    why,
+                )
+                self._drop_pingpong()
+                return None, why
+            return Prepared(
+                snap,
+                options,
+                "partial",
+                tensors=staged,
+                changed_source="words-pingpong",
+                words=wp,
+                bytes_copied=step.copied + step.background + step.caught_up + step.written,
+                pingpong=step,
+            ), ""
+        if isinstance(wp, hf_words.WordPlan):
             return Prepared(
                 snap, options, "partial", changed_source="words", words=wp, bytes_copied=wp.bytes_to_write
             ), ""
         log.info("%s: word-level swap not used (%s): staging the changed tensors", snap.identity, why)
         return None, why
+
+    def _drop_pingpong(self) -> None:
+        """Forget the ping-pong spare buffers; they become the staging path's buffers."""
+        bufs = self.pingpong.drop()
+        if bufs:
+            self.spares.keep(bufs)
 
     # -- swap (the pause) ------------------------------------------------------------------
     def swap(self, prep: Prepared) -> dict[str, Any]:
@@ -286,6 +321,8 @@ class HFEngine:
         th = torch()
         dropped = 0
         freed: list[Any] = []  # storages no longer in use once apply returned
+        rebound: dict[str, Any] = {}  # name -> the storage it served before a rebind
+        old_identity = self.identity
         first = self.model is None  # (the first load's prepare faulted its buffers in already)
 
         def apply() -> None:
@@ -306,6 +343,7 @@ class HFEngine:
                             freed.append(t)
                             continue
                         freed.append(self.params[name])
+                        rebound[name] = self.params[name]
                         slot.data = t
                         for alias in self._aliases[name]:
                             self.params[alias] = slot.detach()
@@ -314,7 +352,7 @@ class HFEngine:
                     self.model, self.tokenizer = model, tok
                     self.params = dict(model.state_dict(keep_vars=False))
                     self._slots, self._aliases = slots_of(model, self.params)
-            if prep.words is not None and prep.tensors:  # "spare": the copies' sums, checked
+            if prep.words is not None and prep.tensors:  # "pingpong": the spare buffers' sums, checked
                 self.adlers.set(prep.words.result)
             elif prep.words is None:
                 self.adlers.drop(None if prep.mode == "load" else list(prep.tensors))
@@ -327,7 +365,14 @@ class HFEngine:
             # A new model object may not accept KV caches the old one computed: end them instead.
             gate_opts = dataclasses.replace(gate_opts, inflight_policy="abort")
         outcome = self.gate.swap(apply, gate_opts, prep.snapshot.policy_version)
-        if prep.mode != "load" or not first:
+        pp = prep.pingpong
+        if pp is not None and prep.words is not None and old_identity is not None:
+            # the storages swapped out hold the old snapshot: the spare buffers from now on
+            flat = {n: t.reshape(-1).view(th.uint8) for n, t in rebound.items()}
+            self.pingpong.commit(flat, prep.words.adlers, old_identity, prep.snapshot.identity, prep.words)
+            self.spares.keep([])
+            self.pingpong.catch_up(self.kernel.ready)
+        elif prep.mode != "load" or not first:
             self.spares.keep(freed)
         if prep.mode == "load" and not first:  # a reload: its buffers are faulted in while it serves
             self.spares.prefill(list(self.params.values()))
@@ -354,6 +399,7 @@ class HFEngine:
             "changed_source": prep.changed_source or None,
             "words_fallback": prep.words_fallback or None,
             "words_kernel": ("compiled" if prep.words.fused else "numpy") if prep.words is not None else None,
+            "pingpong": dataclasses.asdict(pp) if pp is not None else None,
             "full_reload_reason": prep.reason or None,
             "prompt_cache": "reset" if prep.options.reset_prompt_cache else "preserved",
             "prompt_cache_entries_dropped": dropped,
@@ -392,7 +438,7 @@ class HFEngine:
                 why,
                 len(wp.views),
             )
-            prep.words_fallback = f"applying the words failed: {why}"
+            prep.words_fallback = f"applying the words failed: {why}"  # (one line: the log's)
             prep.changed_source = "words-restored"
             self.adlers.drop(wp.views)
             prep.bytes_copied = hf_words.restore(wp, prep.snapshot)
@@ -482,3 +528,8 @@ class HFEngine:
         except Aborted:
             finish = "abort"
         return Generation(prompt, out_ids, lps, tops, finish, list(ticket.versions), identity, cached, cache_version)
+
+
+def _line(e: BaseException) -> str:
+    """An exception's first line (at most 300 characters), or its type's name."""
+    return str(e).splitlines()[0][:300] if str(e) else type(e).__name__

@@ -62,16 +62,15 @@ __all__ = [
     "WordFile",
     "WordPlan",
     "apply",
-    "onto_copies",
     "plan",
     "restore",
 ]
 
 CODEC = "bdn_planes_v1"
-#: Where a word-level swap writes: ``"inplace"`` (the parameters, in the pause) or ``"spare"``
-#: (copies of the changed parameters, while serving; the pause then rebinds or copies them as a
-#: staged swap does); ``"off"``: never (the staging path only).
-MODES = ("inplace", "spare", "off")
+#: Where a word-level swap writes: ``"inplace"`` (the parameters, in the pause) or ``"pingpong"``
+#: (spare buffers kept one step behind the parameters, while serving; the pause then rebinds them
+#: as a staged swap does: :mod:`bdn.engines.hf_pingpong`); ``"off"``: never (the staging path only).
+MODES = ("inplace", "pingpong", "off")
 #: Threads that apply one word-level swap (the pause): the daemon's ``apply_workers`` default.
 WORKERS = 2
 #: A diff file larger than this many times its target file, plus 1 MiB, is refused unread.
@@ -199,7 +198,6 @@ class WordPlan:
     fused: bool  # the compiled kernel (else the numpy path)
     bytes_to_write: int  # changed words' bytes (dense blocks whole)
     diff_bytes: int = 0  # diff bytes read
-    bytes_copied: int = 0  # bytes written by :func:`onto_copies`' apply
     result: dict[str, int] = field(default_factory=dict)  # after apply: every tensor's Adler-32
 
 
@@ -295,23 +293,6 @@ def apply(p: WordPlan, workers: int = WORKERS) -> int:
         written += res.written
         p.result.update(res.adlers)
     return written
-
-
-def onto_copies(p: WordPlan, params: Mapping[str, Any], take: Any, workers: int = WORKERS) -> dict[str, Any]:
-    """The ``"spare"`` mode, while serving: copy each changed parameter of ``params`` into a
-    buffer from ``take(nbytes, dtype)`` (a flat uint8 CPU tensor,
-    ``bdn.engines.weights.SpareBuffers.take``), point ``p.views`` at the copies and :func:`apply`
-    the words there (``p.bytes_copied``); returns ``{name: copy, shaped like the parameter}`` for
-    the pause to swap in. Raises as :func:`apply`; the parameters are never written."""
-    out: dict[str, Any] = {}
-    for name, view in list(p.views.items()):
-        live = params[name]
-        buf = take(len(view), live.dtype)
-        np.copyto(buf.numpy(), view)
-        p.views[name] = buf.numpy()
-        out[name] = buf.view(live.dtype).reshape(live.shape)
-    p.bytes_copied = apply(p, workers)
-    return out
 
 
 def restore(p: WordPlan, snap: Snapshot) -> int:

@@ -131,7 +131,8 @@ class HFService:
         replica_id: reported in every answer's ``engine_data``.
         partial: swap changed tensors only (False: full reload on every swap).
         swap_method: ``"rebind"`` or ``"copy"`` (``bdn.engines.hf.HFEngine``).
-        words: where a word-level swap writes: ``"inplace"``, ``"spare"`` or ``"off"`` (``HFEngine``).
+        words: where a word-level swap writes: ``"pingpong"``, ``"inplace"`` or ``"off"`` (``HFEngine``;
+            None: its default).
         poll_timeout: seconds per long-poll (``stop`` does not wait for one: it unregisters).
     """
 
@@ -147,7 +148,7 @@ class HFService:
         name: str = "hf",
         poll_timeout: float = 5.0,
         swap_method: str = "rebind",
-        words: str = "inplace",
+        words: str | None = None,
     ) -> None:
         from bdn.engines.hf import HFEngine
         from bdn.engines.openai_api import make_app

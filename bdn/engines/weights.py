@@ -53,6 +53,11 @@ class SpareBuffers:
                 return spares.pop()
         return torch.empty(nbytes // torch.empty((), dtype=dtype).element_size(), dtype=dtype).view(torch.uint8)
 
+    def nbytes(self) -> int:
+        """Bytes of the buffers held now (a prefill still running adds to it)."""
+        with self._lock:
+            return sum(int(t.numel()) for ts in self._free.values() for t in ts)
+
     def keep(self, tensors: list[Any]) -> None:
         """After a swap: the storages nobody uses any more become the next prepare's buffers (the
         previous spares are freed), so at most the bytes of one swap are kept aside."""

@@ -34,11 +34,15 @@ Measured in the same run, for the targets of issue 10:
   on a loaded machine the wall times are mostly the scheduler's, this is the daemon's own work;
   ``prepare_cpu_ms``: the same for the engine (this process, every thread) while it prepared.
 
-``--words inplace|spare|off`` (default ``inplace``): with a ``bdn_planes_v1`` delta the daemon's
-offer names its diff files and the engine XORs the changed words into its parameters in the pause
-(``inplace``), into copies of the changed parameters while it serves (``spare``; the pause then
-rebinds them), or stages the changed tensors from the snapshot (``off``, the path before word-level
-swaps); each row says which (``changed_source``: ``words``, ``words-spare``, ``offer``).
+``--words pingpong|inplace|off`` (default ``pingpong``, the engine's; a comma list runs each in turn, a new
+engine each, on the same daemon and deltas): with a ``bdn_planes_v1`` delta the daemon's offer
+names its diff files and the engine XORs the changed words into its parameters in the pause
+(``inplace``), into spare buffers kept one step behind while it serves (``pingpong``; the pause
+then rebinds them), or stages the changed tensors from the snapshot (``off``, the path before
+word-level swaps); each row says which (``changed_source``: ``words``, ``words-pingpong``,
+``offer``). Each run's ``engine_bytes`` is the engine's weight memory after the swap
+(``HFEngine.weight_bytes``: parameters, ping-pong spare buffers, staging buffers); ``bytes_copied``
+the bytes its prepare and pause wrote (staging: read from the snapshot).
 
 ``--step-interval S`` waits S seconds after each done (the anchor's too) before the next POST (a
 trainer's step: the daemon brings the spare the engine freed forward meanwhile, or seeds the
@@ -252,13 +256,16 @@ def main() -> int:
     ap.add_argument("--keep-log", default="", help="copy bdnd's log (JSON lines) to this path at the end")
     ap.add_argument(
         "--words",
-        choices=("inplace", "spare", "off"),
-        default="inplace",
-        help="the engine's word-level swaps of a bdn_planes_v1 delta (HFEngine words=): in the pause, onto "
-        "copies while serving, or off (staging only)",
+        default="pingpong",
+        help="the engine's word-level swaps of a bdn_planes_v1 delta (HFEngine words=; a comma list runs "
+        "each in turn): inplace (in the pause), pingpong (onto spare buffers one step behind, while "
+        "serving), or off (staging only)",
     )
     runs.add_runs_arg(ap)
     a = ap.parse_args()
+    words_modes = a.words.split(",")
+    if any(w not in ("inplace", "pingpong", "off") for w in words_modes):
+        ap.error("--words: a comma list of inplace, pingpong, off")
 
     import tiny_llama
     import torch
@@ -288,7 +295,7 @@ def main() -> int:
         )
         publish_full(bucket, ident(1), 1, dir=work / "ck1")
         # every delta the runs will need, published before anything is timed
-        steps = len([m for m in MODES if m[0] in a.modes.split(",")]) * a.runs
+        steps = len([m for m in MODES if m[0] in a.modes.split(",")]) * a.runs * len(words_modes)
         changed_names: dict[str, list[str]] = {}
         sfloor: dict[str, float] = {}
         prev_dir = work / "ck1"
@@ -350,8 +357,8 @@ def main() -> int:
                 )
 
             step = 2
-            modes = [m for m in MODES if m[0] in a.modes.split(",")]
-            for _key, mode, partial, method in modes:
+            modes = [(*m, w) for w in words_modes for m in MODES if m[0] in a.modes.split(",")]
+            for _key, mode, partial, method, words in modes:
                 with HFService(
                     url,
                     "127.0.0.1",
@@ -360,7 +367,7 @@ def main() -> int:
                     partial=partial,
                     poll_timeout=5.0,
                     swap_method=method,
-                    words=a.words,
+                    words=words,
                 ) as svc:
                     marks = timeline.instrument(svc)
                     current = ident(step - 1)
@@ -416,6 +423,8 @@ def main() -> int:
                             "swap_method": rep.get("swap_method"),
                             "tensors_copied": rep["tensors_copied"],
                             "bytes_copied": rep["bytes_copied"],
+                            "pingpong": rep.get("pingpong"),
+                            "engine_bytes": svc.engine.weight_bytes(),
                             "stored_bytes": rec.get("stored_bytes"),
                             "stages": stages,
                         }
@@ -435,7 +444,7 @@ def main() -> int:
                             row["timeline"] = tl
                             for at, what in tl:
                                 print(f"  {at:8.3f} s  {what}", flush=True)
-                        print(f"{mode}: {target} {json.dumps(row)}", flush=True)
+                        print(f"{mode} words {words}: {target} {json.dumps(row)}", flush=True)
                         if a.step_interval > 0:
                             time.sleep(a.step_interval)
                         per_run.append(row)
@@ -444,6 +453,9 @@ def main() -> int:
                     med = row.get("median", row)
                     row.update(
                         mode=mode,
+                        words=words,
+                        bytes_copied_median=sorted(r["bytes_copied"] for r in per_run)[len(per_run) // 2],
+                        engine_bytes_max=max(sum(r["engine_bytes"].values()) for r in per_run),
                         model_bytes=model_bytes,
                         changed_tensors=len(changed_names[ident(step - 1)]),
                         frac=a.frac,
@@ -491,7 +503,7 @@ def main() -> int:
         for r in rows:
             m = r.get("median", r)
             print(
-                f"{r['mode']:>22}: POST->done {m['post_to_done_s']:.2f} s, pause {m['pause_ms']:.1f} ms "
+                f"{r['mode']:>22} words {r['words']:>8}: POST->done {m['post_to_done_s']:.2f} s, pause {m['pause_ms']:.1f} ms "
                 f"(memcpy of changed {m['memcpy_changed_s'] * 1000:.1f} ms, x{r['pause_vs_memcpy']}), "
                 f"floor+apply {m['transfer_floor_s'] + m['apply_s']:.2f} s (x{r['done_vs_floor']}), "
                 f"transfer + sparse floor + pause x{r['done_vs_sparse_floor']}"
