@@ -3,11 +3,9 @@
 Two real bdnd processes on a ``file://`` bucket, each with bdn's transformers engine as a real
 process (``python -m bdn.engines hf``). The trainer (``trl.GRPOTrainer``, CPU, a tiny randomly
 initialised Llama built from a config and a tokenizer made with ``tokenizers``: nothing
-downloaded) trains 3 steps (the fewest in which, with a staleness bound of 1, the last step's
-rollouts must come from a policy the first step's could not); ``BdnPublishCallback`` publishes
-the initial weights and every step (anchor, then deltas) and hot-loads each through one daemon;
-every rollout comes from an engine through ``BdnRollouts`` (GRPO's ``rollout_func``) with the
-policy version the engine reported.
+downloaded) trains 5 steps; ``BdnPublishCallback`` publishes the initial weights and every step
+(anchor, then deltas) and hot-loads each through one daemon; every rollout comes from an engine
+through ``BdnRollouts`` (GRPO's ``rollout_func``) with the policy version the engine reported.
 
 Asserted: every step trained on rollouts generated at that step, each no more than the configured
 bound behind the trainer and none ahead of it; the versions advance; every step was published in
@@ -50,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import trl_grpo
 
-STEPS = 3
+STEPS = 5
 BATCH = 4  # one prompt, GRPO's group of 4 completions, per step
 MAX_STALENESS = 1
 
