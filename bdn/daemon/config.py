@@ -247,7 +247,10 @@ class Config:
         },
     )
     gc_grace_s: float = field(
-        default=60.0, metadata={"help": "a snapshot that just became ready is kept at least this long"}
+        default=60.0,
+        metadata={
+            "help": "a snapshot that just became ready is kept at least this long, unless it was the hot-load target, served or leased and no longer is"
+        },
     )
     shm_budget_bytes: int = field(
         default=0, metadata={"help": "most bytes of snapshots (rebuilt + stored diffs) in shm; 0 = no budget"}

@@ -30,6 +30,8 @@ Measured in the same run, for the targets of issue 10:
   one plain copy each; ``apply_s``: the daemon's ``applying`` + ``verifying`` seconds (its record's
   ``stages``) plus the engine's prepare and pause (report ``prepare_ms`` + ``pause_ms``).
   POST to done should be within 1.2 x (transfer floor + apply);
+* ``recycled_bytes`` of ``reserved_bytes``: the target's files built in the page pool's recycled
+  pages rather than ``posix_fallocate``d (the daemon's ``reserved`` log line);
 * ``daemon_cpu_s``: bdnd's user + system CPU seconds from the POST to done (``/proc/<pid>/stat``):
   on a loaded machine the wall times are mostly the scheduler's, this is the daemon's own work;
   ``prepare_cpu_ms``: the same for the engine (this process, every thread) while it prepared.
@@ -91,6 +93,7 @@ METRICS = (
     "apply_s",
     "sparse_floor_s",
     "daemon_cpu_s",
+    "recycled_bytes",
 )
 
 
@@ -399,6 +402,8 @@ def main() -> int:
                         counters = sparse_counters(url)
                         stages = rec.get("stages") or {}
                         daemon_apply = float(stages.get("applying", 0.0)) + float(stages.get("verifying", 0.0))
+                        log.flush()
+                        res = timeline.reserved(work / "bdnd.log", target) or (0, 0)
                         floor = transfer_floor_s(bucket_dir, target, shm)
                         mcs = memcpy_changed_s(state, changed_names[target])  # same names, same sizes
                         mc = mcs["best"]
@@ -426,6 +431,8 @@ def main() -> int:
                             "pingpong": rep.get("pingpong"),
                             "engine_bytes": svc.engine.weight_bytes(),
                             "stored_bytes": rec.get("stored_bytes"),
+                            "reserved_bytes": res[0],
+                            "recycled_bytes": res[1],
                             "stages": stages,
                         }
                         if a.timeline:

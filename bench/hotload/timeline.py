@@ -25,6 +25,11 @@ import bdn.engines.driver as driver
 
 DAEMON_MARKS = (
     (re.compile(r"hot-load: target is now (\S+)"), "daemon: target adopted (POST accepted)"),
+    (re.compile(r"snapshot (\S+): reserved \d+ bytes, 0 in recycled"), "daemon: files reserved, all in fresh pages"),
+    (
+        re.compile(r"snapshot (\S+): reserved \d+ bytes, [1-9]\d* in recycled"),
+        "daemon: files reserved in recycled pages",
+    ),
     (re.compile(r"snapshot (\S+): delta, "), "daemon: manifest read, staging ready -> downloading"),
     (re.compile(r"snapshot (\S+): stored layer complete"), "daemon: stored layer fetched"),
     (re.compile(r"snapshot (\S+): applying"), "daemon: applying"),
@@ -35,6 +40,10 @@ DAEMON_MARKS = (
         "daemon (background): freed spare caught up to {}",
     ),
     (re.compile(r"seed: a buffer of \S+ copied from (?P<any>\S+) and verified"), "daemon: buffer seeded from {}"),
+    (
+        re.compile(r"seed: .*copy abandoned .* does not start from (?P<any>\S+) came"),
+        "daemon: seed of {} abandoned (a snapshot not starting from it came)",
+    ),
     (re.compile(r"gc: removed snapshot (?P<any>\S+)"), "daemon: GC removed {}"),
     (re.compile(r"changed tensors of (\S+) against"), "daemon: changed tensors computed"),
     (re.compile(r"engine \S+ serves (\S+)"), "daemon: ack received, replica done"),
@@ -122,3 +131,16 @@ def stage_events(record: dict[str, Any]) -> list[tuple[float, str]]:
         at += float(secs)
         out.append((at, f"daemon: {stage} ends"))
     return out
+
+
+RESERVED = re.compile(r"snapshot (\S+): reserved (\d+) bytes, (\d+) in recycled pages")
+
+
+def reserved(log_path: Path, identity: str) -> tuple[int, int] | None:
+    """``(bytes reserved, bytes of them in recycled pages)`` for ``identity``'s files, from the
+    daemon's log line (``bdn.daemon.store.store``); None when it has none."""
+    for line in log_path.read_text(errors="replace").splitlines():
+        m = RESERVED.search(line)
+        if m and m.group(1) == identity:
+            return int(m.group(2)), int(m.group(3))
+    return None

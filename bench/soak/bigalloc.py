@@ -4,7 +4,8 @@ glibc's initial mmap threshold), with DWARF call chains, grouped by the first fr
 the allocator's.
 
 Large short-lived blocks are what fragments glibc's heaps once its dynamic mmap threshold has risen
-above them (mallopt(3)); bench/NOTES.md, "Issue 12: the flat soak". Needs root (uprobes) and
+above them (mallopt(3)); in issue 12's soak they were msgpack's 256 KiB ``Packer`` buffer, one per
+``packb`` call, and a 1 MiB read buffer per ``config.json``. Needs root (uprobes) and
 ``perf``; the probes are added if missing and left in place (``perf probe -d 'probe_libc:*'``).
 
     python -m bench.soak.bigalloc PID [--seconds 240] [--min 131072] [--out perf.data]

@@ -1,6 +1,6 @@
 """The soak's "flat" rule (issue 12: memory and open fds "must stay flat"), decided from the samples.
 
-Written before the 60-minute run of 2026-12-01 (bench/NOTES.md) and applied as is:
+Written before the first 60-minute soak run (2026-12-01) and applied to it as is:
 
 - A daemon life's samples (``[t_s, node, pid, rss_kb, fds, cpu_s, log_lines, anon_kb]``,
   bench/soak/sampler.py) are cut into ``WINDOW_S`` (10-minute) windows from its first sample;

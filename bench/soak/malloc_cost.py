@@ -1,6 +1,6 @@
 """What a fixed glibc mmap threshold (``MALLOC_MMAP_THRESHOLD_``) costs bdnd's large allocations.
 
-In the soak's A/B runs (bench/NOTES.md, "Issue 12: soak memory") ``MALLOC_MMAP_THRESHOLD_=131072``
+In the soak's A/B runs (issue 12, one soak with per-daemon environments) ``MALLOC_MMAP_THRESHOLD_=131072``
 lowered the level bdnd's memory settles at by 5-10 MB: every block of 128 KiB or more is then
 its own mmap, given back at free, instead of glibc raising the threshold after the first such
 free (mallopt(3), "M_MMAP_THRESHOLD": dynamic up to 32 MiB) and serving later ones from its

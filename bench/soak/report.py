@@ -43,8 +43,8 @@ def floor_slope_per_min(ts: list[float], ys: list[float], bin_s: float = 60.0) -
     """Least-squares slope (per minute) of the per-``bin_s`` minima of ``ys``: the level memory
     returns to between hot-loads. A daemon's RSS jumps 10-40 MB while it rebuilds an anchor and
     drops back after; a few of those near one end of a life tilt the plain slope of every sample
-    (the 15-minute run of bench/NOTES.md read +0.5 MB/min where the per-minute medians moved
-    100 -> 102 MB). None with fewer than 3 bins."""
+    (a 15-minute run read +0.5 MB/min where the per-minute medians moved 100 -> 102 MB). None
+    with fewer than 3 bins."""
     bins: dict[int, float] = {}
     for t, y in zip(ts, ys):
         k = int((t - ts[0]) // bin_s)

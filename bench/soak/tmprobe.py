@@ -4,7 +4,7 @@ The fleet starts a daemon as ``python -m bench.soak.tmprobe`` instead of ``-m bd
 when its environment has ``SOAK_TRACEMALLOC=START_S,EVERY_S,FRAMES`` (``--node-env
 nodeN:SOAK_TRACEMALLOC=1200,600,10``). A daemon thread then waits ``START_S`` seconds after
 the process started (the warm-up is not traced: tracing every allocation from the start costs
-CPU and doubles the heap, bench/NOTES.md "Issue 12: soak memory"), starts tracemalloc with
+CPU and doubles the heap), starts tracemalloc with
 ``FRAMES`` frames, and every ``EVERY_S`` seconds dumps a snapshot (``tracemalloc.Snapshot.dump``)
 to ``SOAK_TRACEMALLOC_DIR`` as ``snap-<seconds since start>.tm``; every 60 s it appends one
 JSON line to ``probe.jsonl`` there: ``{"t_s", "traced_kb", "traced_peak_kb", "mallinfo2": {...}}``

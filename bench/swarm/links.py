@@ -8,7 +8,7 @@ node's downlink and uplink, from the bridge-side veth counters, binned against t
 the bucket sent), each node veth's tx bytes (what the node received) and rx bytes (what it sent).
 ``table`` prints MB/s per bin, time 0 being the first chunk start in the chunk logs
 (``/tmp/bdnbench/logs/<tag>-n<i>.chunks.jsonl``). A node's downlink below its NIC rate while the
-fleet holds chunks it lacks is time the swarm lost (bench/NOTES.md, "HAVE push").
+fleet holds chunks it lacks is time the swarm lost (the gap HAVE pushes were made to close).
 """
 
 from __future__ import annotations

@@ -153,7 +153,7 @@ def user_table(rows: list[dict[str, Any]]) -> str:
 
     Only the current systems (``bdn``, ``bdn-recycled`` when the file has it, ``boto3``,
     ``libtorrent``); rows of earlier daemons (``bdn@<rev>``) and tuning variants (``bdn[...]``)
-    are history (bench/NOTES.md). A point shows when bdn or bdn-recycled measured it.
+    are history, not the current table. A point shows when bdn or bdn-recycled measured it.
     """
     systems = ("bdn", "bdn-recycled", "boto3", "libtorrent")
     by = {row_key(r): r for r in rows if r["system"] in systems and r.get("nic_mbit")}

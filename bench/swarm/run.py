@@ -560,7 +560,7 @@ class Bench:
         """``run_bdn`` with every node's page pool holding a collected snapshot's pages: RL's steady
         state, where step N+2 lands in the pages of step N (bdn.daemon.store.spares), against a first
         anchor's fresh tmpfs pages (on this VM 0.8-3.6 CPU-s per GiB of first touch, 8 daemons at
-        once on 2 cores: bench/NOTES.md, "Swarm scheduling, part 6")."""
+        once on 2 cores: the disk threads' system time was the VM's first touch of fresh pages)."""
         return self.run_bdn(n, fault, system="bdn-recycled", pages="recycled")
 
     def run_ab(self, s: str, n: int, fault: str | None = None) -> None:
@@ -624,7 +624,7 @@ class Bench:
             # All at once, as a fleet-wide hot-load reaches them: the local API answers a prefetch
             # only after the job's first look at the bucket (~0.3 s here), and POSTed one after
             # another the eighth daemon started 2.5 s after the first (its bucket share idle
-            # meanwhile; bench/NOTES.md, part 4).
+            # meanwhile).
             answers: dict[int, tuple[int, Any]] = {}
 
             def post(i: int, s: Path) -> None:
@@ -1138,7 +1138,7 @@ def pretouch() -> float:
     """Touch nearly all of the guest's available memory and free it again, right before a run;
     returns the GiB touched.
 
-    Why (bench/NOTES.md, "Fresh pages on this VM are the hypervisor's"): this VM's host backs a
+    Why (measured on this VM, 2026-12-02): this VM's host backs a
     guest page only when it is first touched, and takes freed guest memory back within minutes
     (free page reporting), so a run that lands its snapshot in fresh tmpfs pages pays ~2.9 s of
     CPU per GiB of first touch (0.26 s/GiB for memory touched before), 8 nodes at once on 2

@@ -1,5 +1,5 @@
-"""Per-thread CPU of every running bdnd, by thread name, until SIGTERM/SIGINT (bench/NOTES.md,
-"Swarm scheduling, part 5").
+"""Per-thread CPU of every running bdnd, by thread name, until SIGTERM/SIGINT: where a daemon's
+CPU goes during a swarm run.
 
 Samples ``/proc/PID/task/TID/stat`` (user and system clock ticks) of every process whose command
 line runs ``bdnd`` every 0.5 s and names the threads from ``py-spy dump`` (Python's thread names

@@ -23,7 +23,7 @@ from bdn.daemon.apply import buffers, seed
 from bdn.daemon.config import Config
 from bdn.daemon.observe import logctx
 from bdn.daemon.observe.stats import Stats
-from bdn.daemon.process import failpoints
+from bdn.daemon.process import failpoints, shutdown
 from bdn.daemon.process.executors import Executors
 from bdn.daemon.snapshots.layers import RESULT
 from bdn.daemon.snapshots.snapshot import SnapshotJob
@@ -35,6 +35,10 @@ from bdn.proto.errors import ProtocolError
 from bdn.proto.manifest import ChunkRef, Manifest
 
 log = logging.getLogger("bdn.runner")
+
+# the kernel's load (numba's import and its compile into the on-disk cache) holds nothing a
+# stop must wait for: a SIGTERM during it does not wait shutdown_timeout_s
+shutdown.holds_nothing(sparse_kernel.warm)
 
 #: Targets whose changed ranges are remembered for their offers (``ranges``).
 RANGES_KEPT = 8
@@ -207,8 +211,9 @@ class Forward:
     async def settle(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> None:
         """Before snapshot ``m`` (a delta or a full one) reserves its files: wait for a background
         catch-up or seed in flight. A seed of a snapshot delta ``m`` can start from goes on at full
-        speed (``m`` takes its buffer); any other seed is abandoned and its file deleted (its pages
-        are not what ``m`` needs, and they would count against ``m``'s room in shm)."""
+        speed (``m`` takes its buffer); any other seed is abandoned and its file given to the page
+        pool untagged (its bytes are not what ``m`` needs, its allocated pages are: ``m``'s
+        reservation takes them like any spare's, or trims them to the room it leaves)."""
         busy = self._busy
         if busy is None:
             return
@@ -438,7 +443,13 @@ class Forward:
             )
             return "seeded"
         except seed.Cancelled as e:
-            log.info("seed: %s (a snapshot that does not start from %s came)", e, tag["identity"])
+            # its pages are allocated (Spares.seed): the pool keeps them untagged, plain recycled
+            # pages for the snapshot that came (or trimmed by its reservation like any spare)
+            spares.release(hidden, None)
+            done = True
+            log.info(
+                "seed: %s (a snapshot that does not start from %s came); its pages kept as a spare", e, tag["identity"]
+            )
             return "stop"
         except (ProtocolError, OSError) as e:
             log.warning("seed: no buffer of %s copied from %s: %s", path, tag["identity"], e)

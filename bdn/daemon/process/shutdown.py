@@ -31,8 +31,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from types import FrameType
+from types import CodeType, FrameType
+from typing import Any
 
 log = logging.getLogger("bdn.bdnd")
 
@@ -87,13 +89,33 @@ class StopClock:
         return max(0.0, self.deadline - time.monotonic())
 
 
-def _idle_pool_worker(frame: FrameType | None) -> bool:
-    """Whether ``frame`` (a thread's innermost) is a ``ThreadPoolExecutor`` worker waiting for
-    work: ``_worker`` on its stack and no ``_WorkItem.run`` (a pool nobody shut down, such as a
-    module's own, keeps such threads; they hold nothing and would hold the exit forever)."""
+#: Code of work a stop need not wait for (:func:`holds_nothing`).
+_HOLDS_NOTHING: set[CodeType] = set()
+
+
+def holds_nothing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` (a plain Python function) as work that holds no state a stop must wait for,
+    such as loading a compiled kernel into its on-disk cache: a pool thread running it is not
+    counted by :func:`busy_workers`, so the stop does not wait ``shutdown_timeout_s`` for it.
+    Returns ``fn``."""
+    _HOLDS_NOTHING.add(fn.__code__)
+    return fn
+
+
+def _waitless(frame: FrameType | None) -> bool:
+    """Whether ``frame`` (a thread's innermost) is a ``ThreadPoolExecutor`` worker a stop need not
+    wait for: waiting for work (``_worker`` on its stack and no ``_WorkItem.run``: a pool nobody
+    shut down, such as a module's own, keeps such threads; they hold nothing and would hold the
+    exit forever), or running a function marked :func:`holds_nothing`."""
     in_pool = False
-    while frame is not None:
+    while frame is not None:  # innermost first: a marked function's frame comes before ``run``
+        if not isinstance(frame, FrameType):
+            # (seen once at shutdown on CPython 3.11: a frame of a thread being torn down came
+            # back as another object; such a thread is not counted as idle, the join bounds it)
+            return False
         code = frame.f_code
+        if code in _HOLDS_NOTHING:
+            return True
         if code.co_filename.endswith(_POOL_FILE):
             if code.co_name == "run":
                 return False  # running a work item: busy
@@ -117,7 +139,7 @@ def busy_workers() -> list[threading.Thread]:
         if t is not me
         and not t.daemon
         and t.is_alive()
-        and not (t.ident is not None and _idle_pool_worker(frames.get(t.ident)))
+        and not (t.ident is not None and _waitless(frames.get(t.ident)))
     ]
 
 

@@ -52,7 +52,8 @@ MAX_COLLECTED = 1024  # identities GC removed that the catalog remembers (bdn/da
 class Catalog:
     """The set of jobs and what is asked of them. ``runner_for(catalog)`` makes the runner of
     every job (it gets this catalog as its ``RunnerJobs``); ``pinned()`` names the identities GC
-    must keep (leases, current, target); ``on_change(job)`` is awaited after each job change (the
+    must keep (leases, current, target; one pinned before and not now has no GC grace:
+    ``retention.Pins``); ``on_change(job)`` is awaited after each job change (the
     replica view listens); ``on_forget(job)`` is called when a job's chunks leave the index (the
     transfer server's descriptor cache, the chunk log)."""
 
@@ -76,7 +77,7 @@ class Catalog:
         self.jobs: dict[str, SnapshotJob] = {}
         self.resumable: set[str] = set()
         self.collected = RecentSet(MAX_COLLECTED)  # identities GC removed: old, not re-joined for peers
-        self.pinned = pinned
+        self.pins = retention.Pins(pinned)
         self.on_change = on_change
         self.closing = False
         self.on_forget = on_forget
@@ -366,7 +367,8 @@ class Catalog:
             retention.Held(j.identity, j.state, j.policy_version, j.created, j.updated, j.base_identity)
             for j in self.jobs.values()
         ]
-        return retention.plan_gc(held, self.pinned(), self.cfg.keep_ready, self.cfg.gc_grace_s, self.clock.time())
+        pinned, left = self.pins.now()
+        return retention.plan_gc(held, pinned, self.cfg.keep_ready, self.cfg.gc_grace_s, self.clock.time(), left)
 
     def collectable(self) -> list[str]:
         """The ready identities :meth:`gc` would remove now (nothing removed)."""

@@ -9,6 +9,7 @@ collections is old enough that a fetch of it fails or is refused as usual. Pure:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 
 
 class RecentSet:
@@ -30,6 +31,9 @@ class RecentSet:
     def discard(self, name: str) -> None:
         """Forget ``name`` if it is there."""
         self._names.pop(name, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
 
     def __contains__(self, name: object) -> bool:
         return name in self._names

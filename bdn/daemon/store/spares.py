@@ -336,8 +336,8 @@ class Spares:
         hidden.unlink(missing_ok=True)
 
     def release(self, hidden: Path, tag: dict[str, Any] | None) -> None:
-        """Put a file :meth:`claim_tagged` took back into the pool, read-only, with ``tag`` (what
-        it holds now) or untagged (None: its bytes are not known)."""
+        """Put a file :meth:`claim_tagged` or :meth:`seed` gave into the pool, read-only, with
+        ``tag`` (what it holds now) or untagged (None: its bytes are not known)."""
         with self._lock:
             name = f"{os.getpid()}-{next(self._seq)}"
             (self.tags / name).unlink(missing_ok=True)
