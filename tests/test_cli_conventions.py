@@ -107,21 +107,10 @@ def test_usage_errors_exit_2_before_anything_is_contacted(ckpt: Path, tmp_path: 
         "bdnd unknown flag": ("bdn.daemon.main", "--bogus"),
         "engines timeout": ("bdn.engines", "hf", "--connect-timeout", "soon"),
     }
-    # Each case is its own process; they run side by side (each one only starts Python and parses).
-    procs = {
-        name: subprocess.Popen([PY, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for name, argv in cases.items()
-    }
-    try:
-        for name, p in procs.items():
-            _, err = p.communicate(timeout=240)
-            assert p.returncode == 2, (name, p.returncode, err)
-            assert err.strip(), name
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    for name, argv in cases.items():
+        out = _run(*argv)
+        assert out.returncode == 2, (name, out.returncode, out.stderr)
+        assert out.stderr.strip(), name
     assert not (tmp_path / "bucket").exists()  # nothing was published
 
 
