@@ -5,6 +5,7 @@ with one error and nothing visible."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +46,16 @@ def test_four_ranks_and_one_rank_rebuild_identical_snapshots_on_a_daemon(tmp_pat
     bucket = tmp_path / "bucket"
     bucket.mkdir()
     url = f"file://{bucket}"
-    _publish(url, "one000001", 1, 1)
-    _publish(url, "one000002", 2, 1, base="one000001")
-    _publish(url, "four000001", 1, 4)
-    m = _publish(url, "four000002", 2, 4, base="four000001")
+
+    def chain(prefix: str, world: int) -> Manifest:
+        _publish(url, f"{prefix}000001", 1, world)
+        return _publish(url, f"{prefix}000002", 2, world, base=f"{prefix}000001")
+
+    # the one-rank and the four-rank steps publish side by side (each rank its own process)
+    with ThreadPoolExecutor(2) as pool:
+        one_chain = pool.submit(chain, "one", 1)
+        m = chain("four", 4)
+        one_chain.result()
     assert m.kind == "delta" and m.compression_format == "bdn_planes_v1"
     assert sorted(f.path for f in m.files) == sorted(
         ["config.json", INDEX_NAME, REST_FILE, *(f"model.layers.{i}.safetensors" for i in range(4))]
