@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -154,10 +155,15 @@ def test_no_inodes_is_reported_as_such(tmp_path: Path) -> None:
             rec = d.wait_settled("step000001")
             assert rec["state"] == "failed", rec
             left = free(mnt)[1]  # 60 files, the staging directory and its 3, READY, record, 2 progress, reserve
-            assert rec["reason"] == (
-                f"no inodes in shm: snapshot 'step000001' needs 69 inodes (files and directories), "
-                f"{left} are free on {d.store}"
-            ), rec
+            m = re.fullmatch(
+                r"no inodes in shm: snapshot 'step000001' needs 69 inodes \(files and directories\), "
+                r"(\d+) are free on (.+)",
+                rec["reason"],
+            )
+            assert m is not None and m.group(2) == str(d.store), rec
+            # (the count of the moment: the daemon's own small files, such as the engine table
+            # rewritten through a temporary file, may hold an inode then and not now)
+            assert abs(int(m.group(1)) - left) <= 2, (rec, left)
             assert d.get("/v1/health")["status"] == "ok"
         finally:
             d.stop()
