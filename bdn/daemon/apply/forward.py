@@ -379,9 +379,9 @@ class Forward:
             want = fits
         if not want:
             return 0
-        if not self._warmed:  # the first sparse apply will follow: load the compiled kernel meanwhile
-            self._warmed = True
-            self._spawn(asyncio.get_running_loop().run_in_executor(self.pools.apply, sparse_kernel.warm))
+        # (the copy and its checks need no compiled kernel: it is loaded when a sparse delta's
+        # buffers are held, ``held``, while its diffs download; a node that never applies one
+        # never pays numba's import, ~1 CPU-s and ~55 MB)
         src = self.store.ready_dir(job.identity)
         return await loop.run_in_executor(
             self.pools.apply, self._seed, src, want, m.chunk_size, rate, self.store.spares
