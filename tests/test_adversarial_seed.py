@@ -51,26 +51,7 @@ def _record(d: Daemon, identity: str) -> dict:
 
 
 def _settled(d: Daemon, identity: str) -> dict:
-    """The record of ``identity`` as first seen ready or failed. A ready delta that GC collected
-    before a poll saw it (``BDN_KEEP_READY=1``: the next delta's READY frees it at once) is
-    ``{"state": "ready", "collected": True}``: its READY and its removal are both in the log (a
-    failed record is kept, so a 404 alone never stands for ready)."""
-
-    def seen() -> dict:
-        rec = _record(d, identity)
-        if rec.get("state") in ("ready", "failed"):
-            return rec
-        text = d.log_path.read_text(errors="replace")
-        if not rec and f"snapshot {identity}: ready at " in text and f"gc: removed snapshot {identity} " in text:
-            return {"state": "ready", "collected": True}
-        return {}
-
-    return wait_for(
-        seen,
-        300,
-        f"{identity} ready or failed",
-        detail=lambda: f"{identity}: {_record(d, identity)}\n{d.log()}",
-    )
+    return d.wait_settled(identity, 300)
 
 
 def _same_as_trainer(d: Daemon, identity: str, trainer: Path) -> None:

@@ -249,16 +249,29 @@ class Daemon:
         )[1]
 
     def wait_settled(self, identity: str, timeout: float = 120.0) -> dict[str, Any]:
-        """``identity``'s record once it is ``failed`` or ``ready`` (polled every 0.1 s);
+        """``identity``'s record as first seen ``failed`` or ``ready`` (polled every 0.1 s). A ready
+        snapshot GC collected before a poll saw it (with ``keep_ready`` 1 the next one's READY
+        frees it at once) is ``{"state": "ready", "collected": True}``: its READY and its removal
+        are both in the log (a failed record is kept, so a 404 alone never stands for ready).
         AssertionError with the record and the log after ``timeout`` s."""
+
+        def seen() -> dict[str, Any]:
+            status, rec = self.request("GET", f"/v1/snapshots/{identity}")
+            if status == 200 and rec.get("state") in ("failed", "ready"):
+                return rec
+            if status == 404:
+                text = self.log_path.read_text(errors="replace")
+                if f"snapshot {identity}: ready at " in text and f"gc: removed snapshot {identity} " in text:
+                    return {"state": "ready", "collected": True}
+            return {}
+
         return wait_for(
-            lambda: self.request("GET", f"/v1/snapshots/{identity}"),
+            seen,
             timeout,
             f"{identity} failed or ready on {self.node_id}",
             0.1,
-            until=lambda answer: answer[0] == 200 and answer[1]["state"] in ("failed", "ready"),
-            detail=self.log,
-        )[1]
+            detail=lambda: f"{identity}: {self.request('GET', f'/v1/snapshots/{identity}')}\n{self.log()}",
+        )
 
     def status(self) -> dict[str, Any]:
         return self.get("/v1/status")
