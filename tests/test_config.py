@@ -359,3 +359,12 @@ def test_shm_dir_is_required_and_made_absolute(base: dict[str, str], tmp_path: P
         _load({**base, "BDN_SHM_DIR": ""})
     monkeypatch.chdir(tmp_path)
     assert _load({**base, "BDN_SHM_DIR": "relshm"}).shm_dir == str(tmp_path / "relshm")
+
+
+def test_background_nice_is_0_to_19(base: dict[str, str]) -> None:
+    assert _load(base).background_nice == 10
+    assert _load({**base, "BDN_BACKGROUND_NICE": "0"}).background_nice == 0
+    with pytest.raises(ConfigError, match="'background_nice' must be 0-19, got 20"):
+        _load({**base, "BDN_BACKGROUND_NICE": "20"})
+    with pytest.raises(ConfigError, match="background_nice"):
+        _load({**base, "BDN_BACKGROUND_NICE": "-1"})

@@ -108,7 +108,7 @@ class App:
         self.clock = clock
         self.keys = derive_keys(cfg.partition_secret)
         self.stats = Stats()
-        self.pools = Executors.create(cfg.bucket_concurrency)
+        self.pools = Executors.create(cfg.bucket_concurrency, cfg.background_nice)
         self.store = Store(cfg.shm_dir, self.keys.swarm_id, spare_limit=cfg.shm_spare_bytes)
         try:
             bucket = open_bucket(
@@ -280,6 +280,7 @@ class App:
             self.pools.disk,
             RateLimit.from_mbit(cfg.scrub_mbit) if cfg.scrub_mbit > 0 else None,
             cfg.log_repeat_s,
+            scrub_pool=self.pools.background,
         )
         self.services = Services(
             cfg=cfg,

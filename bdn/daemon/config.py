@@ -216,6 +216,12 @@ class Config:
         },
     )
     apply_workers: int = field(default=0, metadata={"help": "threads decoding deltas (0 = one per core)"})
+    background_nice: int = field(
+        default=10,
+        metadata={
+            "help": "nice increment (0-19) of the threads doing work no hot-load waits for: a freed spare's catch-up, background seeds, the scrub (bdn/priority.py); 0 = the daemon's own priority"
+        },
+    )
     keep_ready: int = field(
         default=2, metadata={"help": "GC keeps this many newest ready snapshots (plus leased/current/target)"}
     )
@@ -476,6 +482,8 @@ class Config:
                         + (f" of at most {MAX_SECONDS:g} s (0 turns most timers off)" if f.name.endswith("_s") else "")
                         + f", got {v!r}"
                     )
+        if self.background_nice > 19:
+            raise ConfigError(f"config key 'background_nice' must be 0-19, got {self.background_nice!r}")
         for key in ("engine_stale_s", "engine_ttl_s"):
             v = getattr(self, key)
             if 0 < v < ENGINE_WINDOW_MIN_S:

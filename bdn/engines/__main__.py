@@ -90,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
                 "the changed parameters), into the parameters in the pause (inplace, one copy of the model; "
                 "the default with --swap-in-place), or stage the changed tensors from the snapshot (off)",
             )
+            p.add_argument(
+                "--background-nice",
+                type=int,
+                choices=range(20),
+                metavar="0-19",
+                default=None,
+                help="nice increment of the engine's background threads (the ping-pong catch-up after a "
+                "swap, checksums after a load), so they give the cores to serving and to the next ack "
+                "(default 10; 0 = the engine's own priority)",
+            )
         else:
             p.add_argument("--engine-url", required=True, help="the engine server's base URL")
             p.add_argument("--api-key", default=None, help="the engine's API key (bearer token)")
@@ -142,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                 name=a.name,
                 swap_method="copy" if a.swap_in_place else "rebind",
                 words=a.words,
+                background_nice=a.background_nice,
             )
             svc.start(a.connect_timeout)
             print(f"serving on {svc.url}; hot-loads from {a.bdn_url}", flush=True)

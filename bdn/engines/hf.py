@@ -59,6 +59,7 @@ from bdn.engines.hf_staging import EngineError, load_model, same_config, stage_t
 from bdn.engines.options import HotLoadOptions
 from bdn.engines.prompt_cache import PromptCache
 from bdn.engines.weights import SpareBuffers, copy_into, slots_of
+from bdn.priority import BACKGROUND_NICE
 from bdn.proto.errors import BdnError
 
 log = logging.getLogger("bdn.engines.hf")
@@ -119,6 +120,9 @@ class HFEngine:
             :mod:`bdn.engines.hf_pingpong`; the default), ``"inplace"`` (the parameters, in the
             pause; the default with ``swap_method="copy"``, which must keep the parameters'
             addresses) or ``"off"``.
+        background_nice: nice increment (0..19) of the engine's background threads (the ping-pong
+            catch-up after a swap, checksums and spare buffers after a load; ``bdn.priority``),
+            so that they give the cores to serving and to the next ack; 0 = the engine's own.
 
     Raises EngineError (one line) when torch/transformers do not import or ``swap_method`` is
     not one of ``SWAP_METHODS``, or ``words`` not one of ``hf_words.MODES``.
@@ -131,6 +135,7 @@ class HFEngine:
         clock: Any = time.monotonic,
         swap_method: str = "rebind",
         words: str | None = None,
+        background_nice: int = BACKGROUND_NICE,
     ) -> None:
         why = torch_available()
         if why:
@@ -163,7 +168,10 @@ class HFEngine:
         self.last_swap_tensors: list[str] = []  # names copied by the last swap (all, for a full reload)
         self.swaps = 0
         self.adlers = hf_words.Adlers()  # the served parameters' Adler-32s (word-level swaps check them)
-        self.pingpong = hf_pingpong.PingPong()  # ``words="pingpong"``: the spare buffers one step behind
+        self.background_nice = background_nice
+        self.pingpong = hf_pingpong.PingPong(
+            background_nice=background_nice
+        )  # ``words="pingpong"``: the spare buffers one step behind
         # the sparse kernel: loaded on a thread from the first offer of changed words on (numba's
         # import holds the GIL for a while: not while the engine starts and loads its first model)
         self.kernel = hf_words.KernelWarmup(start=False)
@@ -251,7 +259,7 @@ class HFEngine:
             model, tok = load_model(snap, self.device)
             if self.model is None:  # the first load: the first prepare's buffers are faulted in now
                 self.spares.keep([])
-                th = self.spares.prefill(list(model.state_dict().values()))
+                th = self.spares.prefill(list(model.state_dict().values()), self.background_nice)
                 if th is not None:
                     th.join()
             nbytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
@@ -375,9 +383,9 @@ class HFEngine:
         elif prep.mode != "load" or not first:
             self.spares.keep(freed)
         if prep.mode == "load" and not first:  # a reload: its buffers are faulted in while it serves
-            self.spares.prefill(list(self.params.values()))
+            self.spares.prefill(list(self.params.values()), self.background_nice)
         if prep.mode == "load" and self.device == "cpu":  # the checksums a word-level swap checks
-            self.adlers.fill(self.params)
+            self.adlers.fill(self.params, self.background_nice)
         self.swaps += 1
         report = {
             "identity": prep.snapshot.identity,

@@ -46,6 +46,7 @@ import numpy as np
 from bdn.engines.hf_words import WORKERS, WordFile, WordPlan
 from bdn.engines.hf_words import apply as apply_words
 from bdn.fileops import thread_map
+from bdn.priority import BACKGROUND_NICE, lower_this_thread
 from bdn.proto import sparse
 from bdn.proto.errors import BdnError, ChecksumError
 from bdn.proto.safetensors_fmt import Header
@@ -86,9 +87,12 @@ class PingPong:
 
     Args:
         workers: threads of one apply (the pause's ``hf_words.WORKERS``).
+        background_nice: nice increment of the catch-up thread and its workers (``bdn.priority``:
+            the ack and the next requests come first; 0 = the engine's own priority).
     """
 
-    def __init__(self, workers: int = WORKERS) -> None:
+    def __init__(self, workers: int = WORKERS, background_nice: int = BACKGROUND_NICE) -> None:
+        self.background_nice = background_nice
         self.bufs: dict[str, Any] = {}  # name -> flat uint8 CPU tensor holding ``holds``
         self.adlers: dict[str, int] = {}  # name -> Adler-32 of bufs[name]
         self.holds: str | None = None  # the snapshot every spare buffer holds (None: forget them)
@@ -215,6 +219,7 @@ class PingPong:
             return None
 
         def run() -> None:
+            lower_this_thread(self.background_nice)  # (its apply's worker threads inherit it)
             with self._lock:
                 k = self.kept
                 if k is None or self.holds != k.base:

@@ -48,6 +48,7 @@ from bdn.client import Snapshot
 from bdn.engines.dtypes import TORCH_DTYPES
 from bdn.engines.weights import pread_into
 from bdn.fileops import read_header, thread_map
+from bdn.priority import BACKGROUND_NICE, lower_this_thread
 from bdn.proto import arc, sparse, sparse_kernel
 from bdn.proto.delta_tasks import raw_adler32
 from bdn.proto.diff_file import DiffTensor, check_names
@@ -162,14 +163,15 @@ class Adlers:
         with self._lock:
             return self._gen
 
-    def fill(self, params: Mapping[str, Any]) -> threading.Thread:
-        """Compute every contiguous CPU parameter's checksum on a daemon thread (after a load), so
-        the first word-level prepare does not; returns the thread. Values are kept only while no
-        swap began since this call: a sum the thread takes of a parameter a later swap writes (or
-        of storage a swap replaced) is never kept."""
+    def fill(self, params: Mapping[str, Any], nice: int = BACKGROUND_NICE) -> threading.Thread:
+        """Compute every contiguous CPU parameter's checksum on a daemon thread (after a load, at
+        nice ``+nice``: ``bdn.priority``), so the first word-level prepare does not; returns the
+        thread. Values are kept only while no swap began since this call: a sum the thread takes
+        of a parameter a later swap writes (or of storage a swap replaced) is never kept."""
         since = self.generation()
 
         def run() -> None:
+            lower_this_thread(nice)
             for name, t in list(params.items()):
                 if self.generation() != since:
                     return

@@ -133,6 +133,7 @@ class HFService:
         swap_method: ``"rebind"`` or ``"copy"`` (``bdn.engines.hf.HFEngine``).
         words: where a word-level swap writes: ``"pingpong"``, ``"inplace"`` or ``"off"`` (``HFEngine``;
             None: its default).
+        background_nice: nice increment of the engine's background threads (``HFEngine``).
         poll_timeout: seconds per long-poll (``stop`` does not wait for one: it unregisters).
     """
 
@@ -149,12 +150,20 @@ class HFService:
         poll_timeout: float = 5.0,
         swap_method: str = "rebind",
         words: str | None = None,
+        background_nice: int | None = None,
     ) -> None:
         from bdn.engines.hf import HFEngine
         from bdn.engines.openai_api import make_app
+        from bdn.priority import BACKGROUND_NICE
 
         self.bdn_url = bdn_url
-        self.engine = HFEngine(device=device, partial=partial, swap_method=swap_method, words=words)
+        self.engine = HFEngine(
+            device=device,
+            partial=partial,
+            swap_method=swap_method,
+            words=words,
+            background_nice=BACKGROUND_NICE if background_nice is None else background_nice,
+        )
         self.http = HttpThread(make_app(self.engine, served_name, replica_id), host, port)
         self.name = name
         self.poll_timeout = poll_timeout

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from bdn.engines.preads import ShortFile, pread_spans
+from bdn.priority import BACKGROUND_NICE, lower_this_thread
 from bdn.proto.errors import BdnError
 
 __all__ = ["SpareBuffers", "copy_into", "pread_into", "pread_ranges", "slots_of"]
@@ -71,13 +72,14 @@ class SpareBuffers:
         with self._lock:
             self._free = free
 
-    def prefill(self, tensors: list[Any]) -> threading.Thread | None:
+    def prefill(self, tensors: list[Any], nice: int = BACKGROUND_NICE) -> threading.Thread | None:
         """After a model is loaded (no swap freed anything yet): one buffer of each distinct CPU
         tensor's byte size in ``tensors``, allocated and faulted in (written once) on a thread
         (returned; None when disabled), for the first prepare to take. A fresh page costs a fault
         and zeroing when first written (~0.5-1 CPU-s a GiB on this class of VM): paid here, not in
         that prepare. The next :meth:`keep` replaces them; a buffer made after it is dropped.
-        Memory: one model of buffers from the load on, as every later swap keeps anyway."""
+        Memory: one model of buffers from the load on, as every later swap keeps anyway. The
+        thread runs at nice ``+nice`` (``bdn.priority``)."""
         if not self.enabled:
             return None
         with self._lock:
@@ -90,6 +92,7 @@ class SpareBuffers:
                 sizes.append(t.numel() * t.element_size())
 
         def run() -> None:
+            lower_this_thread(nice)
             torch = _torch()
             for n in sorted(sizes, reverse=True):
                 buf = torch.empty(n, dtype=torch.uint8)

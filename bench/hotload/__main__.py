@@ -264,6 +264,13 @@ def main() -> int:
         "each in turn): inplace (in the pause), pingpong (onto spare buffers one step behind, while "
         "serving), or off (staging only)",
     )
+    ap.add_argument(
+        "--background-nice",
+        type=int,
+        default=None,
+        help="nice increment of the daemon's and the engine's background threads (BDN_BACKGROUND_NICE, "
+        "HFEngine background_nice; bdn/priority.py); default: theirs (10); 0: an A/B without it",
+    )
     runs.add_runs_arg(ap)
     a = ap.parse_args()
     words_modes = a.words.split(",")
@@ -332,6 +339,8 @@ def main() -> int:
         )
         if a.keep_ready is not None:
             env.update(BDN_KEEP_READY=str(a.keep_ready), BDN_GC_GRACE_S="0")
+        if a.background_nice is not None:
+            env.update(BDN_BACKGROUND_NICE=str(a.background_nice))
         log = open(work / "bdnd.log", "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "bdn.daemon.main"], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -371,6 +380,7 @@ def main() -> int:
                     poll_timeout=5.0,
                     swap_method=method,
                     words=words,
+                    background_nice=a.background_nice,
                 ) as svc:
                     marks = timeline.instrument(svc)
                     current = ident(step - 1)
@@ -500,6 +510,7 @@ def main() -> int:
             "codec": a.codec,
             "keep_ready": a.keep_ready,
             "step_interval_s": a.step_interval,
+            "background_nice": a.background_nice,
             "words": a.words,
             "memory": mem,
             "rows": rows,

@@ -237,7 +237,7 @@ class Forward:
         chains = buffers.chains(m, get, self.store.stored_dir, self.cfg.sparse_max_chain)
         if not chains:
             return 0
-        fut = asyncio.get_running_loop().run_in_executor(self.pools.apply, self._catch_up, m, chains)
+        fut = asyncio.get_running_loop().run_in_executor(self.pools.background, self._catch_up, m, chains)
         return await self._in_flight(m.identity, fut)
 
     async def _in_flight(self, identity: str, aw: Awaitable[int]) -> int:
@@ -383,9 +383,9 @@ class Forward:
         # buffers are held, ``held``, while its diffs download; a node that never applies one
         # never pays numba's import, ~1 CPU-s and ~55 MB)
         src = self.store.ready_dir(job.identity)
-        return await loop.run_in_executor(
-            self.pools.apply, self._seed, src, want, m.chunk_size, rate, self.store.spares
-        )
+        # a background seed (rate > 0) on the lowered threads; one a delta waits for on ``apply``
+        pool = self.pools.background if rate > 0 else self.pools.apply
+        return await loop.run_in_executor(pool, self._seed, src, want, m.chunk_size, rate, self.store.spares)
 
     def _unseeded(self, identity: str, reach: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
         """The tags of ready ``identity``'s files that no tagged spare ``reach`` accepts holds (a

@@ -84,7 +84,8 @@ class BadChunkReports:
 
 class ChunkCheck:
     """Reports in and the scrub (see the module docstring). ``scrub`` is the scrub's rate limit
-    (None: no scrub)."""
+    (None: no scrub); ``scrub_pool`` hashes the scrub's chunks (default ``disk_pool``; the
+    daemon's lowered ``background`` pool, ``bdn.priority``), ``disk_pool`` a report's."""
 
     def __init__(
         self,
@@ -95,11 +96,13 @@ class ChunkCheck:
         scrub: RateLimit | None,
         log_repeat_s: float,
         clock: Callable[[], float] = time.monotonic,
+        scrub_pool: Executor | None = None,
     ) -> None:
         self.index = index
         self.catalog = catalog
         self.stats = stats
         self.disk_pool = disk_pool
+        self.scrub_pool = scrub_pool or disk_pool
         self.scrub = scrub
         self.clock = clock
         self.repeat = RepeatLog(log, log_repeat_s)
@@ -176,10 +179,12 @@ class ChunkCheck:
         self.index.unindex(self.index.address(ref.digest))
         self.stats.add("chunks_quarantined")
 
-    async def _hash(self, job: SnapshotJob, layer: str, refs: list[ChunkRef]) -> list[int]:
+    async def _hash(
+        self, job: SnapshotJob, layer: str, refs: list[ChunkRef], pool: Executor | None = None
+    ) -> list[int]:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self.disk_pool, diskio.corrupt_chunks, refs, lambda fi: job.file_path(layer, fi)
+            pool or self.disk_pool, diskio.corrupt_chunks, refs, lambda fi: job.file_path(layer, fi)
         )
 
     # ---- scrub ---------------------------------------------------------------------------
@@ -203,7 +208,7 @@ class ChunkCheck:
             ref = refs[position]
             await self.scrub.take(ref.length)
             self.stats.add("chunks_scrubbed")
-            if await self._hash(job, RESULT, [ref]):
+            if await self._hash(job, RESULT, [ref], self.scrub_pool):
                 log.error(
                     "scrub: chunk %d of %s (snapshot %s) no longer matches the manifest: quarantined",
                     ref.index,
