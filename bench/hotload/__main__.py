@@ -409,7 +409,13 @@ def main() -> int:
                         # ack to be answered (an event), then the GET that sees done ends the time.
                         while not marks.acked.wait(1.0) and not done(target):
                             pass  # (once a second: a daemon-side error ends the run too)
-                        while not done(target):
+                        gets: list[tuple[float, float]] = []  # (wall start, seconds) of each GET after the ack
+                        while True:
+                            g0 = time.time()
+                            seen = done(target)
+                            gets.append((g0, time.time() - g0))
+                            if seen:
+                                break
                             time.sleep(0.01)
                         post_to_done = time.perf_counter() - t0
                         daemon_cpu = cpu_s(proc.pid) - cpu0
@@ -461,6 +467,10 @@ def main() -> int:
                                 marks,
                                 [
                                     (wall_posted, "bench: POST answered"),
+                                    *[
+                                        (g0, f"bench: GET after the ack sent ({dt * 1000:.1f} ms to answer)")
+                                        for g0, dt in gets
+                                    ],
                                     (wall_done, "bench: GET sees done"),
                                     *timeline.stage_events(rec),
                                 ],
