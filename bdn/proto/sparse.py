@@ -57,6 +57,7 @@ __all__ = [
     "apply_sparse_tensors",
     "changed_bytes",
     "changed_per_tensor",
+    "stream_changes",
     "check_untouched",
     "coalesce",
     "stream_ranges",
@@ -96,6 +97,14 @@ def changed_bytes(diff: Any, streams: Mapping[str, DiffTensor], base_header: Hea
     ``k * w`` per sparse block, the whole block for a dense one. Raises ProtocolError for a
     malformed stream."""
     return sum(changed_per_tensor(diff, streams, base_header).values())
+
+
+def stream_changes(stream: Any, nbytes: int) -> bool:
+    """Whether the ``bdn_planes_v1`` stream of a tensor of ``nbytes`` bytes changes any word, from
+    its block records alone (no plane is decoded: a tensor of only *same* blocks is left exactly as
+    its base). Raises ProtocolError for a malformed stream."""
+    _w, blocks = parse_stream(bytes_of(stream), nbytes)
+    return any(blk.mode != _P_SAME for blk in blocks)
 
 
 def changed_per_tensor(diff: Any, streams: Mapping[str, DiffTensor], base_header: Header) -> dict[str, int]:

@@ -76,7 +76,6 @@ COMPARE_PIECE = 1 << 20
 CACHE_ENTRIES = 8
 SMALL_STREAM = 64 << 10  # a longer diff stream counts as changed without decoding it
 DECODE_PIECE = 1 << 20
-PLANES_DECODE_MAX = 256 << 20  # bdn_planes_v1 decodes a whole tensor at once: bigger ones count as changed
 
 # same_bytes(base_file, base_offset, target_file, target_offset, length) -> bool
 SameBytes = Callable[[str, int, str, int, int], bool]
@@ -295,11 +294,9 @@ def _zero_stream(frame: bytes, n: int, fmt: str) -> bool:
                 if done > n or np.frombuffer(piece, np.uint8).any():
                     return False
             return d.eof and done == n
-        if n > PLANES_DECODE_MAX:
-            return False
-        out = np.empty(n, np.uint8)
-        arc.decode_xor_into(frame, np.zeros(n, np.uint8), out, fmt)
-        return not out.any()
+        # bdn_planes_v1: its block records say which words change, nothing is decoded (decoding
+        # 51 small streams whole took 0.34 s between READY and the offer at 0.1 % changed)
+        return not sparse.stream_changes(frame, n)
     except (BdnError, zstandard.ZstdError, zlib.error, ValueError):
         return False
 
