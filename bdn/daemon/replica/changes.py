@@ -20,7 +20,8 @@ The answer is exact, and it reads at most two partial chunks per unchanged tenso
   the base's header, so a tensor is unchanged exactly when its stream decodes to zeros. A stream
   longer than ``SMALL_STREAM`` bytes is counted changed without decoding it (an all-zero tensor
   compresses to a few hundred bytes; a wrong "changed" only copies more, never leaves stale
-  bytes); a small one is decoded piece by piece (bounded memory) and checked. This needs only the
+  bytes); a small one is decoded piece by piece (bounded memory) and checked, or, for
+  ``bdn_planes_v1``, judged by its block records alone (``sparse.stream_changes``: no decode). This needs only the
   base's READY directory and the target's verified stored diff files, so the daemon computes it
   while the target is still ``applying`` (:meth:`ChangedTensorsCache.start`), and the offer at
   READY does not wait for it. Why not the digests: the chunk size is 16 MiB, so a chunk shared by
