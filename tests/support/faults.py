@@ -12,17 +12,13 @@ small real tmpfs, and HRW ownership of a manifest's chunks.
   reason when mounting is not permitted, and always unmounts.
 - :func:`owned_bytes`: bytes of a manifest's stored chunks that each node owns by HRW.
 - :class:`FaultSwarm` / :func:`listen_ports`: daemons listening on ports *below* the kernel's
-  ephemeral range. ``swarm.free_port()`` hands out an ephemeral port that was free a moment ago,
-  and with a busy S3 proxy and peers connecting to each other, an outgoing connection can take it
-  before the daemon binds ("address already in use"). Ports outside the ephemeral range are never
-  given to outgoing connections. A FaultSwarm also stops the daemons it started when starting
+  ephemeral range, claimed across test processes (``swarm.free_port()``): an outgoing connection
+  never takes such a port, and no other test process draws it while this one runs. A FaultSwarm also stops the daemons it started when starting
   fails (``Swarm.__enter__`` leaks them then).
 """
 
 from __future__ import annotations
 
-import random
-import socket
 import subprocess
 import threading
 import time
@@ -37,35 +33,17 @@ from aiohttp import web
 from bdn.proto import hrw
 from bdn.proto.manifest import Manifest
 from support.s3server import S3Proxy, _error_xml
-from support.swarm import SECRET, Daemon, Swarm
+from support.swarm import SECRET, Daemon, Swarm, free_port
 
 __all__ = ["ChunkFaultProxy", "FaultSwarm", "ShmWatcher", "listen_ports", "owned_bytes", "small_tmpfs", "stable_ports"]
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
 def listen_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports, free now, outside the ephemeral range (see module doc)."""
-    lo, hi = _ephemeral_range()
-    candidates = [p for p in range(10000, 65000) if not lo <= p <= hi]
-    out: list[int] = []
-    while len(out) < n:
-        port = random.choice(candidates)
-        if port in out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        out.append(port)
-    return out
+    """``n`` distinct loopback ports, free now, below the ephemeral range (see module doc), each
+    claimed for this process among every test process of the machine (``swarm.free_port``): an
+    unclaimed draw let two pytest-xdist workers start daemons on one port ("peer_listen
+    127.0.0.1:16192 is in use", a CI replica's test_soak_short)."""
+    return [free_port() for _ in range(n)]
 
 
 def stable_ports(d: Daemon) -> Daemon:
