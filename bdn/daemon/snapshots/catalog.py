@@ -46,7 +46,9 @@ from bdn.proto.safetensors_fmt import SafetensorsError, tensor_index
 log = logging.getLogger("bdn.catalog")
 #: Failed snapshots whose records (state and reason) are kept; older ones are forgotten.
 MAX_FAILED = 256
-MAX_COLLECTED = 1024  # identities GC removed that the catalog remembers (bdn/daemon/snapshots/recent.py)
+#: Identities GC removed that the catalog remembers (bdn/daemon/snapshots/recent.py): 256, as many
+#: as the hot-load hints keep; a hint naming an older one costs one listing, not a fetch.
+MAX_COLLECTED = 256
 
 
 class Catalog:
