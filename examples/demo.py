@@ -19,7 +19,7 @@ hot-load POST each; it prints each replica's swap pause and each engine's answer
 version it reports.
 
 Everything lives under ``./demo-run`` (bucket, trainer dirs, daemon logs) and
-``/dev/shm/bdn-demo-<hash of the checkout path>`` (the rebuilt snapshots); both are removed at the start of the next run.
+``/dev/shm/bdn-demo-<hash of the path of ./demo-run>`` (the rebuilt snapshots); both are removed at the start of the next run.
 """
 
 from __future__ import annotations
