@@ -311,7 +311,11 @@ def main() -> int:
         )
     finally:
         fleet.stop_all(procs)
-        print(f"(daemon logs in {ROOT})")
+        print(
+            f"(daemon logs in {ROOT}"
+            + (f"; the shm snapshots stay in {SHM}: rm -r it when done" if args.keep else "")
+            + ")"
+        )
     if args.no_fleet:
         if not args.keep:  # the daemons' shm copies (three of every snapshot) are not left behind
             shutil.rmtree(SHM, ignore_errors=True)
