@@ -47,7 +47,8 @@ log = logging.getLogger("bdn.catalog")
 #: Failed snapshots whose records (state and reason) are kept; older ones are forgotten.
 MAX_FAILED = 256
 #: Identities GC removed that the catalog remembers (bdn/daemon/snapshots/recent.py): 256, as many
-#: as the hot-load hints keep; a hint naming an older one costs one listing, not a fetch.
+#: as the hot-load hints keep; a peer's hint naming an older one costs a manifest read, not a
+#: fetch (``check_budget``: older than what GC keeps).
 MAX_COLLECTED = 256
 
 
@@ -310,30 +311,36 @@ class Catalog:
 
     # ---- shm: budget and garbage collection --------------------------------------------------
     def check_budget(self, m: Manifest) -> None:
-        """Fail early, with the numbers, when the snapshot would not fit the shm budget."""
+        """Fail early, with the reason: snapshot ``m`` is asked for by a peer's hint alone, is not
+        pinned here and is older than what GC keeps (``retention.outdated``: a new node starting
+        from an anchor collected here long ago; it reads it from the bucket, rather than every owner
+        it asks loading a model's worth of shm that GC then collects), or, with the numbers, ``m``
+        would not fit the shm budget."""
+        ready = [(j.identity, j.policy_version) for j in self.jobs.values() if j.state == "ready"]
+        if (
+            getattr(self.jobs.get(m.identity), "requested_by", "") == "peer"
+            and m.identity not in self.pins.pinned()
+            and (why := retention.outdated(m.policy_version, ready, self.cfg.keep_ready)) is not None
+        ):
+            raise BdnError(f"snapshot {m.identity}: {why}")
         budget = self.cfg.shm_budget_bytes
         if budget <= 0:
             return
         need = self.store.space_needed(m)
 
-        def holders() -> list[SnapshotJob]:
-            return [
-                j
+        def holders() -> dict[str, int]:
+            return {
+                j.identity: self.store.space_needed(j.manifest)
                 for j in self.jobs.values()
                 if j.manifest is not None and j.identity != m.identity and j.state != "failed"
-            ]
+            }
 
-        def used() -> int:
-            return sum(self.store.space_needed(j.manifest) for j in holders() if j.manifest is not None)
-
-        if used() + need > budget:
+        if sum(holders().values()) + need > budget:
             self.gc()
-        u = used()
-        if u + need > budget:
-            names = ", ".join(sorted(j.identity for j in holders()))
+        if (u := sum((held := holders()).values())) + need > budget:
             raise BdnError(
-                f"shm budget exceeded: snapshot {m.identity!r} needs {need} bytes; budget "
-                f"{budget}, {u} in use by {names or 'nothing'} (leased, current or in progress)"
+                f"shm budget exceeded: snapshot {m.identity!r} needs {need} bytes; budget {budget}, {u} in use by "
+                f"{', '.join(sorted(held)) or 'nothing'} (leased, current, in progress or ready for less than gc_grace_s)"
             )
 
     def budget_left(self) -> int | None:
