@@ -179,3 +179,67 @@ def test_the_lease_probe_says_in_use_while_a_descriptor_or_a_mapping_holds_the_f
     m.close()
     assert unused(p)
     assert not unused(tmp_path / "gone")
+
+
+def _shm_dir(tmp_path: Path) -> Path:
+    """A directory on tmpfs (/dev/shm), where holes and allocated pages are the daemon's case."""
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="bdn-test-pool-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp_path))
+
+
+def test_a_tagged_spare_with_a_hole_is_not_taken_as_a_buffer(tmp_path: Path) -> None:
+    """A buffer brought forward sparsely keeps every byte it does not write: a page freed behind
+    the daemon (a truncation or a punched hole, then the size restored) would read as zeros, not
+    as the tag's snapshot, so ``take_tagged`` refuses a spare whose blocks do not cover its size
+    (``room.allocated``); the same spare whole is taken."""
+    import shutil
+
+    from bdn.daemon.store.spares import Spares
+
+    base = _shm_dir(tmp_path)
+    try:
+        (base / "store").mkdir()
+        pool = Spares(base / "store", limit=1 << 30)  # (-1 would keep only the largest batch)
+        size = 1 << 20
+        tag = {"path": "model.safetensors", "size": size}
+        for name in ("holed", "whole"):
+            d = base / name
+            d.mkdir()
+            (d / "model.safetensors").write_bytes(b"W" * size)
+            if name == "holed":
+                os.truncate(d / "model.safetensors", size // 2)  # pages freed behind the daemon
+                os.truncate(d / "model.safetensors", size)  # size back, a hole where they were
+            pool.absorb(d, {"model.safetensors": dict(tag, name=name)})
+        got = pool.take_tagged("model.safetensors", size, base / "out", lambda t: True)
+        assert got is not None and got["name"] == "whole"
+        assert (base / "out").read_bytes() == b"W" * size
+        assert pool.take_tagged("model.safetensors", size, base / "out2", lambda t: True) is None
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_grow_allocates_a_sparse_file_and_keeps_an_allocated_one_as_it_is(tmp_path: Path) -> None:
+    """``room.grow``: a new or sparse file gets its blocks (``posix_fallocate``); a file whose
+    blocks already cover the size (a recycled spare) is truncated only, its bytes kept."""
+    import shutil
+
+    from bdn.daemon.store.room import allocated, grow
+
+    base = _shm_dir(tmp_path)
+    try:
+        fresh = base / "fresh"
+        grow(fresh, 1 << 20)
+        assert fresh.stat().st_size == 1 << 20 and allocated(fresh.stat())
+        sparse = base / "sparse"
+        sparse.write_bytes(b"")
+        os.truncate(sparse, 1 << 20)
+        assert not allocated(sparse.stat())
+        grow(sparse, 1 << 20)
+        assert allocated(sparse.stat())
+        kept = base / "kept"
+        kept.write_bytes(b"K" * (1 << 20))
+        grow(kept, 1 << 20)
+        assert kept.read_bytes() == b"K" * (1 << 20) and allocated(kept.stat())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -75,3 +75,39 @@ def test_the_engine_ping_pong_catch_up_runs_lowered() -> None:
     pp.wait()
     assert seen == [min(19, before + 6)]
     assert pp.holds == "step2" and pp.kept is None
+
+
+def _may_lower_nice() -> bool:
+    """CAP_SYS_NICE (root) or an RLIMIT_NICE that allows nice 0 again (setpriority(2))."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return os.geteuid() == 0 or soft >= 20 - _nice()
+
+
+@pytest.mark.skipif(not _may_lower_nice(), reason="lowering a nice value needs CAP_SYS_NICE or RLIMIT_NICE")
+def test_a_task_waited_for_gets_the_main_threads_priority_back_and_the_next_task_is_lowered_again() -> None:
+    """``boost_lowered``: the critical path waiting for background work (``Forward.settle``, the
+    engine's ``PingPong._join``) raises the lowered threads back; ``LoweredPool`` lowers its
+    thread again for the next task."""
+    from bdn.priority import LoweredPool, boost_lowered
+
+    base = os.getpriority(os.PRIO_PROCESS, os.getpid())
+    pool = LoweredPool(1, "test-lowered", 8)
+    started, go = threading.Event(), threading.Event()
+
+    def task() -> tuple[int, int]:
+        before = _nice()
+        started.set()
+        assert go.wait(60)
+        return before, _nice()
+
+    try:
+        fut = pool.submit(task)
+        assert started.wait(60)
+        assert boost_lowered() >= 1
+        go.set()
+        assert fut.result(timeout=60) == (min(19, base + 8), base)
+        assert pool.submit(_nice).result(timeout=60) == min(19, base + 8)  # lowered again
+    finally:
+        pool.shutdown()

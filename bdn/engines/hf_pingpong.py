@@ -46,7 +46,7 @@ import numpy as np
 from bdn.engines.hf_words import WORKERS, WordFile, WordPlan
 from bdn.engines.hf_words import apply as apply_words
 from bdn.fileops import thread_map
-from bdn.priority import BACKGROUND_NICE, lower_this_thread
+from bdn.priority import BACKGROUND_NICE, boost_lowered, lower_this_thread
 from bdn.proto import sparse
 from bdn.proto.errors import BdnError, ChecksumError
 from bdn.proto.safetensors_fmt import Header
@@ -132,6 +132,8 @@ class PingPong:
         if th is None:
             return 0.0
         t0 = time.monotonic()
+        if th.is_alive():  # waited for: no longer background work (a lowered thread on busy cores)
+            boost_lowered()
         th.join()
         self._thread = None
         return (time.monotonic() - t0) * 1000.0

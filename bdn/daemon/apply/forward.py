@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from bdn import fileops
+from bdn import fileops, priority
 from bdn.daemon.apply import buffers, seed
 from bdn.daemon.config import Config
 from bdn.daemon.observe import logctx
@@ -224,6 +224,10 @@ class Forward:
             return
         self._cancel.set()
         self._hurry.set()  # (wakes a copy waiting on its rate bound, which then sees the cancel)
+        # the background pool runs at a raised nice value: on busy cores the step in flight would
+        # take as long as they stay busy (a priority inversion); its thread gets the loop's priority back
+        if not busy.done():
+            priority.boost_lowered()
         await asyncio.wait([busy])
 
     async def catch_up(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> int:

@@ -8,7 +8,8 @@ cannot stall the preads of uploads, and a long delta apply cannot stall either.
   own threads inside one such call);
 - ``background``: work no hot-load waits for (a freed spare's catch-up, a background seed, the
   scrub's hashing), on ``BACKGROUND_THREADS`` threads whose nice value is raised by
-  ``background_nice`` (``bdn.priority``), so that it gives the cores to the critical path.
+  ``background_nice`` (``bdn.priority``), so that it gives the cores to the critical path; a
+  task the critical path waits for is raised back (``priority.boost_lowered``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from bdn.priority import BACKGROUND_NICE, lower_this_thread
+from bdn.priority import BACKGROUND_NICE, LoweredPool
 
 DISK_THREADS = 8
 APPLY_THREADS = 2
@@ -30,7 +31,7 @@ class Executors:
     bucket: ThreadPoolExecutor
     disk: ThreadPoolExecutor
     apply: ThreadPoolExecutor
-    background: ThreadPoolExecutor
+    background: LoweredPool
 
     @classmethod
     def create(cls, bucket_concurrency: int, background_nice: int = BACKGROUND_NICE) -> Executors:
@@ -41,12 +42,7 @@ class Executors:
             bucket=ThreadPoolExecutor(max_workers=bucket_concurrency + 2, thread_name_prefix="bdn-bucket"),
             disk=ThreadPoolExecutor(max_workers=DISK_THREADS, thread_name_prefix="bdn-disk"),
             apply=ThreadPoolExecutor(max_workers=APPLY_THREADS, thread_name_prefix="bdn-apply"),
-            background=ThreadPoolExecutor(
-                max_workers=BACKGROUND_THREADS,
-                thread_name_prefix="bdn-background",
-                initializer=lower_this_thread,
-                initargs=(background_nice,),
-            ),
+            background=LoweredPool(BACKGROUND_THREADS, "bdn-background", background_nice),
         )
 
     def shutdown(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,7 @@ class Catalog:
         self.closing = False
         self.on_forget = on_forget
         self._indexing: dict[str, asyncio.Future[dict[str, tuple[str, Any]]]] = {}  # tensor indexes being built
+        self._removing: dict[str, asyncio.Future[None]] = {}  # GC file work in flight (gc_off_loop)
         self.runner = runner_for(self)
 
     # ---- the set of jobs ---------------------------------------------------------------------
@@ -359,17 +361,20 @@ class Catalog:
     def spare_room(self, m: Manifest | None) -> int:
         """Bytes the page pool may keep once ``m`` is reserved (None: now): its own cap, and
         under ``shm_budget_bytes`` what the snapshots (``m`` included) leave of the budget."""
-        cap = self.store.spares.cap()
+        return int(max(0, min(self.store.spares.cap(), self._budget_room(m))))
+
+    def _budget_room(self, m: Manifest | None) -> int | float:
+        """What the snapshots (``m`` included) leave of ``shm_budget_bytes`` (inf: no budget)."""
         budget = self.cfg.shm_budget_bytes
         if budget <= 0:
-            return cap
+            return math.inf
         used = sum(
             self.store.space_needed(j.manifest)
             for j in self.jobs.values()
             if j.manifest is not None and j.state != "failed" and (m is None or j.identity != m.identity)
         )
         need = self.store.space_needed(m) if m is not None else 0
-        return max(0, min(cap, budget - used - need))
+        return budget - used - need
 
     def _plan_gc(self) -> tuple[list[str], list[str]]:
         held = [
@@ -385,16 +390,52 @@ class Catalog:
 
     def gc(self) -> dict[str, list[str]]:
         """Remove ready snapshots nobody needs (``retention``); ``{"removed": [...], "kept": [...]}``."""
+        out, files = self._collect()
+        files()
+        return out
+
+    async def gc_off_loop(self, run: Callable[[Callable[[], None]], Awaitable[None]]) -> dict[str, list[str]]:
+        """:meth:`gc` with its file work (renaming the files into the page pool, trimming it:
+        unlinking a collected 589 MB tmpfs file took 100-165 ms here) given to ``run`` (a worker
+        thread), not done on the event loop. The snapshots leave the catalog and the index
+        first; a job started for one of them meanwhile waits for its files to be gone
+        (:meth:`removed`)."""
+        out, files = self._collect()
+        if out["removed"]:
+            done = asyncio.ensure_future(run(files))
+            for ident in out["removed"]:
+                self._removing[ident] = done
+            try:
+                await asyncio.shield(done)
+            finally:
+                for ident in out["removed"]:
+                    if self._removing.get(ident) is done:
+                        del self._removing[ident]
+        return out
+
+    async def removed(self, identity: str) -> None:
+        """Return once no GC removal of ``identity``'s files is in flight (:meth:`gc_off_loop`)."""
+        fut = self._removing.get(identity)
+        if fut is not None:
+            await asyncio.wait([fut])
+
+    def _collect(self) -> tuple[dict[str, list[str]], Callable[[], None]]:
+        """GC's decision and bookkeeping (on the loop), and the file work that follows."""
         remove, kept = self._plan_gc()
         for ident in remove:
             j = self.jobs.pop(ident)
             self.forget(j)
-            self.store.remove(ident)
             self.collected.add(ident)
             log.info("gc: removed snapshot %s (%d bytes)", ident, j.result_bytes)
-        if remove:
-            self.store.spares.trim(self.spare_room(None))
-        return {"removed": remove, "kept": kept}
+        budget_room = self._budget_room(None)  # (the jobs are the loop's: read here)
+
+        def files() -> None:
+            for ident in remove:
+                self.store.remove(ident)
+            if remove:  # (the pool's cap after the files above joined it)
+                self.store.spares.trim(int(max(0, min(self.store.spares.cap(), budget_room))))
+
+        return {"removed": remove, "kept": kept}, files
 
     # ---- read views ----------------------------------------------------------------------
     def record(self, identity: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ runs as a task the :class:`Forward` keeps (cancelled at shutdown by ``Forward.cl
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
@@ -33,8 +33,8 @@ CATCH_UP_POLL_S = 0.05
 class ServedJobs(Jobs, Protocol):
     """What the catch-up needs of the catalog: the snapshots, GC and the shm budget."""
 
-    def gc(self) -> dict[str, list[str]]:
-        """Collect what the keep rules allow; returns what was removed, by reason."""
+    async def gc_off_loop(self, run: Callable[[Callable[[], None]], Awaitable[None]]) -> dict[str, list[str]]:
+        """Collect what the keep rules allow, the file work given to ``run`` (a worker thread)."""
 
     def collectable(self) -> list[str]:
         """The ready identities :meth:`gc` would remove now."""
@@ -74,7 +74,8 @@ class AfterServed:
             await asyncio.sleep(CATCH_UP_POLL_S)
         if self._busy():
             return  # a snapshot is on its way: it takes the spares itself
-        jobs.gc()
+        # right after an ack: the status GET that reports done, and the peers, are served meanwhile
+        await jobs.gc_off_loop(lambda files: self._on(self.pools.disk, files))
         job = jobs.get(identity)
         if job is None or job.state != "ready" or job.manifest is None:
             return

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any, Protocol, TypeVar
 
@@ -80,6 +80,12 @@ class RunnerJobs(Jobs, Protocol):
 
     def collectable(self) -> list[str]:
         """The ready identities :meth:`gc` would remove now."""
+
+    async def removed(self, identity: str) -> None:
+        """Return once no GC removal of ``identity``'s files is in flight."""
+
+    async def gc_off_loop(self, run: Callable[[Callable[[], None]], Awaitable[None]]) -> dict[str, list[str]]:
+        """:meth:`gc` with the file work given to ``run`` (a worker thread)."""
 
     @property
     def closing(self) -> bool:
@@ -155,6 +161,7 @@ class Runner:
         logctx.SNAPSHOT.set(job.identity)  # every line this task (and its children) logs names it
         flusher: asyncio.Task[None] | None = None  # saves progress every progress_interval_s
         try:
+            await jobs.removed(job.identity)  # a collected snapshot prefetched again: its old files go first
             m, digest = await self.manifests.read(job)
             job.apply(await self._on(self.pools.disk, ManifestAttached.of, m, digest))  # O(files): off the loop
             saved = self.store.load_progress(m.identity, job.manifest_digest)

@@ -10,6 +10,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 
 from bdn import fileops
+from bdn.daemon.store import room
 from bdn.proto.errors import BdnError, ProtocolError
 from bdn.proto.manifest import ChunkRef, Manifest
 
@@ -107,17 +108,23 @@ def _changed_behind(p: Path, size: int) -> str:
     Every byte of a staging file was written and verified before READY; a file truncated (or
     punched) behind the daemon while it downloaded loses bytes already verified, and the later
     ``pwrite``s grow it back to its size with zeros in between (the chunk index still says
-    verified). ``SEEK_HOLE`` finds that: a file system without holes reports none (no false
-    alarm), and tmpfs counts a reserved page never written as a hole, which a complete file
-    has none of."""
+    verified). Those zeros are holes, pages the truncation freed and no write allocated again,
+    so a file whose blocks cover its size has none (``room.allocated``, one ``fstat``); only a
+    file with fewer blocks is searched with ``SEEK_HOLE`` (walks its pages), which names the
+    byte, or finds none on a file system that stores fewer blocks than bytes (compression: no
+    false alarm). The daemon allocates a staging file's pages only when it reserves them,
+    before the download, so a hole made behind it is never filled by an allocation of its own."""
     try:
         fd = os.open(p, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError as e:
         return f"cannot be opened ({e.strerror})"
     try:
-        got = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        got = st.st_size
         if got != size:
             return f"is {got} bytes, not {size} (changed behind the daemon)"
+        if room.allocated(st):
+            return ""
         hole = os.lseek(fd, 0, os.SEEK_HOLE) if size else 0
         if hole < size:
             return f"has a hole at byte {hole} of {size} (truncated behind the daemon while it downloaded)"

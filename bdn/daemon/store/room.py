@@ -101,14 +101,24 @@ def _dirs(paths: Iterable[str]) -> set[str]:
     return out
 
 
+def allocated(st: os.stat_result) -> bool:
+    """True when the file of ``st`` has a block behind every byte of its size (``st_blocks`` is in
+    512-byte units, stat(2)): no unallocated hole, so ``posix_fallocate`` has nothing to add. One
+    ``fstat``, where fallocate and ``SEEK_HOLE`` walk every page of the file (30 and 15 ms for
+    589 MB of tmpfs here: a cost per step proportional to the model, not to what changed)."""
+    return st.st_blocks * 512 >= st.st_size
+
+
 def grow(path: Path, size: int, mode: int = 0o600) -> None:
     """``path`` (created with ``mode`` if missing, never through a symlink) at ``size`` bytes with
-    its space allocated (``posix_fallocate``; a file system without it keeps the sparse file).
+    its space allocated (``posix_fallocate``; a file system without it keeps the sparse file). A
+    file whose blocks already cover ``size`` (a recycled spare, a buffer brought forward in
+    place) is only truncated: its pages are there.
     Raises OSError: ENOSPC/EDQUOT when the space is not there."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     try:
         os.ftruncate(fd, size)
-        if size:
+        if size and not allocated(os.fstat(fd)):
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:

@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from bdn.daemon.apply.hotmaps import HotMaps
+from bdn.daemon.store.room import allocated
 
 log = logging.getLogger("bdn.spares")
 
@@ -243,8 +244,9 @@ class Spares:
     def take_tagged(
         self, path: str, size: int, dest: Path, accept: Callable[[dict[str, Any]], bool]
     ) -> dict[str, Any] | None:
-        """Move a spare that held ``path`` at exactly ``size`` bytes and whose tag ``accept``s to
-        ``dest`` (the newest such); returns its tag, or None (nothing moved). The tag is removed
+        """Move a spare that held ``path`` at exactly ``size`` bytes, with a block behind every
+        byte, and whose tag ``accept``s to ``dest`` (the newest such); returns its tag, or None
+        (nothing moved). The tag is removed
         before the file moves: from here on only the caller knows what the file holds."""
         with self._lock:
             best: tuple[float, Path, dict[str, Any]] | None = None
@@ -259,6 +261,7 @@ class Spares:
                     or tag.get("path") != path
                     or tag.get("size") != size
                     or st.st_size != size
+                    or not allocated(st)  # a hole (made behind the daemon) is not the tag's bytes
                     or not accept(tag)
                 ):
                     continue
