@@ -48,7 +48,8 @@ log = logging.getLogger("bdn.catalog")
 #: Failed snapshots whose records (state and reason) are kept; older ones are forgotten.
 MAX_FAILED = 256
 #: Identities GC removed that the catalog remembers (bdn/daemon/snapshots/recent.py): 256, as many
-#: as the hot-load hints keep; a hint naming an older one costs one listing, not a fetch.
+#: as the hot-load hints keep; a peer's hint naming an older one costs a manifest read, not a
+#: fetch (``Collector.check_budget``: older than what GC keeps).
 MAX_COLLECTED = 256
 
 

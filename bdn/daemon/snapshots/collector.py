@@ -83,30 +83,36 @@ class Collector:
         self._removing: dict[str, asyncio.Future[None]] = {}  # GC file work in flight (gc_off_loop)
 
     def check_budget(self, m: Manifest) -> None:
-        """Fail early, with the numbers, when the snapshot would not fit the shm budget."""
+        """Fail early, with the reason: snapshot ``m`` is asked for by a peer's hint alone, is not
+        pinned here and is older than what GC keeps (``retention.outdated``: a new node starting
+        from an anchor collected here long ago; it reads it from the bucket, rather than every owner
+        it asks loading a model's worth of shm that GC then collects), or, with the numbers, ``m``
+        would not fit the shm budget."""
+        ready = [(j.identity, j.policy_version) for j in self.jobs.values() if j.state == "ready"]
+        if (
+            getattr(self.jobs.get(m.identity), "requested_by", "") == "peer"
+            and m.identity not in self.pins.pinned()
+            and (why := retention.outdated(m.policy_version, ready, self.cfg.keep_ready)) is not None
+        ):
+            raise BdnError(f"snapshot {m.identity}: {why}")
         budget = self.cfg.shm_budget_bytes
         if budget <= 0:
             return
         need = self.store.space_needed(m)
 
-        def holders() -> list[SnapshotJob]:
-            return [
-                j
+        def holders() -> dict[str, int]:
+            return {
+                j.identity: self.store.space_needed(j.manifest)
                 for j in self.jobs.values()
                 if j.manifest is not None and j.identity != m.identity and j.state != "failed"
-            ]
+            }
 
-        def used() -> int:
-            return sum(self.store.space_needed(j.manifest) for j in holders() if j.manifest is not None)
-
-        if used() + need > budget:
+        if sum(holders().values()) + need > budget:
             self.gc()
-        u = used()
-        if u + need > budget:
-            names = ", ".join(sorted(j.identity for j in holders()))
+        if (u := sum((held := holders()).values())) + need > budget:
             raise BdnError(
-                f"shm budget exceeded: snapshot {m.identity!r} needs {need} bytes; budget "
-                f"{budget}, {u} in use by {names or 'nothing'} (leased, current or in progress)"
+                f"shm budget exceeded: snapshot {m.identity!r} needs {need} bytes; budget {budget}, {u} in use by "
+                f"{', '.join(sorted(held)) or 'nothing'} (leased, current, in progress or ready for less than gc_grace_s)"
             )
 
     def budget_left(self) -> int | None:
