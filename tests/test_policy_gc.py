@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bdn.daemon.snapshots.retention import Held, Pins, plan_gc
+from bdn.daemon.snapshots.retention import Held, Pins, outdated, plan_gc
 
 NOW = 10_000.0
 OLD = NOW - 3600
@@ -74,3 +74,20 @@ def test_pins_say_what_was_pinned_before_and_is_not_now() -> None:
     assert pins.now() == ({"s3", "s4"}, set())
     now.clear()
     assert pins.now() == (set(), {"s3", "s4"})
+
+
+def test_a_snapshot_older_than_the_newest_kept_is_outdated_for_a_peers_hint() -> None:
+    """``outdated``: what a peer's hint alone does not load (Catalog.check_budget)."""
+    here = [("s5", 5), ("s6", 6)]
+    assert outdated(7, here, keep_ready=2) is None  # newer: the owners' single flight
+    assert outdated(6, here, keep_ready=2) is None  # (a re-publish at the same version)
+    assert outdated(5, here, keep_ready=2) is None  # among the 2 newest
+    why = outdated(1, here, keep_ready=2)
+    assert why == (
+        "policy version 1 is older than the 2 newest ready here (up to s6, policy version 6): "
+        "not loaded for a peer's request alone"
+    )
+    assert outdated(5, here, keep_ready=1) is not None
+    assert outdated(1, [], keep_ready=0) is None  # nothing ready here: a fresh node joins any
+    assert outdated(1, [("s2", 2)], keep_ready=0) is not None  # (0 keeps at least what one newer says)
+    assert outdated(None, [("x", None)], keep_ready=1) is None  # no version: as plan_gc, 0, not older

@@ -302,9 +302,11 @@ def test_after_a_swap_the_freed_spare_is_brought_forward_in_the_background_and_t
             hot_load(d.url, step_id(v), previous=previous)
             d.wait_ready(step_id(v), 300)
             _same_as_trainer(d, step_id(v), chain.dirs[v - 1])
-            if v >= 3:  # step v-1's spare exists from step 3 on: it is brought forward to step v
+            if v >= 3:  # step v-1's spares exist from step 3 on: each is brought forward to step v
+                # (every shard's: a delta that came in the middle would stop the catch-up, and
+                # bring the shards it did not reach forward by two deltas itself)
                 wait_for(
-                    lambda v=v: f"to {step_id(v)} in the background" in d.log_path.read_text(),
+                    lambda v=v: d.log_path.read_text().count(f"to {step_id(v)} in the background") == len(SHARDS),
                     120,
                     f"the catch-up to {step_id(v)}",
                 )
@@ -355,8 +357,8 @@ def test_the_first_delta_on_an_anchor_applies_sparsely_on_a_verified_copy_of_it(
                 ln for ln in d.log_path.read_text().splitlines() if f"{step_id(v)}: " in ln and "sparsely" in ln
             )
             assert "(1 delta(s)" in line and f"{len(SHARDS)} through a mapping populated ahead" in line, line
-            wait_for(
-                lambda v=v: f"to {step_id(v)} in the background" in d.log_path.read_text(),
+            wait_for(  # (every shard's: see the test above)
+                lambda v=v: d.log_path.read_text().count(f"to {step_id(v)} in the background") == len(SHARDS),
                 120,
                 f"the catch-up to {step_id(v)}",
             )
@@ -373,7 +375,8 @@ def test_the_first_delta_on_an_anchor_applies_sparsely_on_a_verified_copy_of_it(
 
 def test_a_delta_waiting_for_a_rate_bound_seed_lifts_the_bound(tmp_path: Path) -> None:
     """At 1 kbit/s the background copy of the anchor would take hours: the delta that starts from
-    it makes it go at full speed (``Forward.settle``), then applies sparsely on it."""
+    it stops it (``Forward.settle``: the lowered copy is not waited for), copies the anchor itself
+    at full speed, then applies sparsely on it."""
     chain = file_chain(tmp_path, 1, chunk_size=CHUNK, frac=0.02, formats={2: "bdn_planes_v1"})
     d = Daemon(tmp_path / "work", "node0", chain.url, extra_env=dict(ENV, BDN_SPARSE_SEED_MBIT="0.001"))
     d.start([])

@@ -69,7 +69,7 @@ class Forward:
         self._hot: dict[str, list[str]] = {}  # identity -> its files whose buffer mapping to drop after READY
         self._busy: asyncio.Future[int] | None = None  # a catch-up or a seed in flight
         self._busy_for = ""  # the identity the buffers in flight will hold
-        self._hurry, self._cancel = threading.Event(), threading.Event()  # for the seed in flight
+        self._hurry, self._cancel = threading.Event(), threading.Event()  # for the catch-up or seed in flight
         self._adlers: OrderedDict[tuple[str, str], dict[str, int]] = OrderedDict()  # (identity, path): a seed's
         self._planned: set[str] = set()  # identities with buffers held for a sparse apply
         self._ranges: OrderedDict[str, dict[str, list[list[int]]]] = OrderedDict()  # the last RANGES_KEPT
@@ -209,21 +209,23 @@ class Forward:
             self._spawn(self._check(job, positions))
 
     async def settle(self, m: Manifest, get: Callable[[str], buffers.Held | None]) -> None:
-        """Before snapshot ``m`` (a delta or a full one) reserves its files: wait for a background
-        catch-up or seed in flight. A seed of a snapshot delta ``m`` can start from goes on at full
-        speed (``m`` takes its buffer); any other seed is abandoned and its file given to the page
-        pool untagged (its bytes are not what ``m`` needs, its allocated pages are: ``m``'s
-        reservation takes them like any spare's, or trims them to the room it leaves)."""
+        """Before snapshot ``m`` (a delta or a full one) reserves its files: stop the background
+        catch-up or seed in flight and wait for it to stop. It runs at the lowered priority
+        (``background_nice``): on a node whose cores are busy it gets a tenth of what ``m``'s own
+        work gets, so ``m`` never waits for more of it than the step in flight. A catch-up stops
+        before its next file (the spares it did not reach keep their tag, one delta further behind:
+        ``m`` brings them forward itself when it starts from them); a seed stops at its next chunk
+        and gives the file it was copying to the page pool untagged (its allocated pages are what
+        ``m``'s reservation takes like any spare's, or trims to the room it leaves); a delta that
+        starts from the seeded snapshot copies what no spare holds then at full speed itself
+        (:meth:`seed` with ``background=False``)."""
         busy = self._busy
         if busy is None:
             return
-        if self._busy_for in buffers.chains(m, get, self.store.stored_dir, self.cfg.sparse_max_chain):
-            self._hurry.set()
-        else:
-            self._cancel.set()
-            self._hurry.set()  # (wakes a copy waiting on its rate bound, which then sees the cancel)
-        # the background pool runs at a raised nice value: on busy cores a delta would wait as
-        # long as they stay busy (a priority inversion); its thread gets the loop's priority back
+        self._cancel.set()
+        self._hurry.set()  # (wakes a copy waiting on its rate bound, which then sees the cancel)
+        # the background pool runs at a raised nice value: on busy cores the step in flight would
+        # take as long as they stay busy (a priority inversion); its thread gets the loop's priority back
         if not busy.done():
             priority.boost_lowered()
         await asyncio.wait([busy])
@@ -259,14 +261,25 @@ class Forward:
 
     def _catch_up(self, m: Manifest, chains: dict[str, list[tuple[str, Any]]]) -> int:
         spares, n = self.store.spares, 0
-        for f in m.files:
-            if not (f.is_diff and f.result_size and f.path.endswith(".safetensors")):
-                continue
+        files = [f for f in m.files if f.is_diff and f.result_size and f.path.endswith(".safetensors")]
+        first = True
+        for i, f in enumerate(files):
+            if self._cancel.is_set():  # a snapshot waits (settle): it takes the spares from here
+                log.info(
+                    "catch-up to %s stopped before %d of %d file(s): a snapshot on its way takes their spares",
+                    m.identity,
+                    len(files) - i,
+                    len(files),
+                )
+                break
             claimed = spares.claim_tagged(f.path, f.result_size, lambda tag: tag.get("identity") in chains)
             if claimed is None:
                 continue
             hidden, tag = claimed
             failpoints.hold("catch_up.claimed", m.identity)
+            if first:
+                first = False
+                failpoints.hold("catch_up.first_claimed", m.identity, until=self._hurry)
             if tag.get("adlers") is None:  # GC's tag of a file a seed copied knows none: the seed did
                 tag["adlers"] = self._adlers.get((str(tag.get("identity")), f.path))
             t0 = time.monotonic()
@@ -451,9 +464,7 @@ class Forward:
             # pages for the snapshot that came (or trimmed by its reservation like any spare)
             spares.release(hidden, None)
             done = True
-            log.info(
-                "seed: %s (a snapshot that does not start from %s came); its pages kept as a spare", e, tag["identity"]
-            )
+            log.info("seed: %s (a snapshot came while it copied %s); its pages kept as a spare", e, tag["identity"])
             return "stop"
         except (ProtocolError, OSError) as e:
             log.warning("seed: no buffer of %s copied from %s: %s", path, tag["identity"], e)

@@ -12,7 +12,7 @@ checksum). Blocking (an apply thread); the copy, hash and Adler-32 release the G
 
 Rate: at most ``rate`` bytes a second while nobody waits for the buffer (the engine keeps serving
 meanwhile), full speed once ``hurry`` is set (a delta waits for it), abandoned at the next chunk
-when ``cancel`` is set (a snapshot that does not start from it came; set ``hurry`` too to end a wait
+when ``cancel`` is set (a snapshot came, ``Forward.settle``; set ``hurry`` too to end a wait
 on the bound at once).
 """
 

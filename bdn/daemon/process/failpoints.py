@@ -8,8 +8,10 @@ reached (step000003)``) and block until the process ends. Several points are sep
 commas; a point without ``=detail`` holds at any detail. With the variable unset (the default,
 and what operators run) :func:`hold` returns at once.
 
-Points in the code: ``catch_up.claimed`` (``bdn/daemon/apply/forward.py``: a spare claimed by a
-background catch-up to the identity given, before it is written).
+Points in the code (``bdn/daemon/apply/forward.py``): ``catch_up.claimed`` (a spare claimed by a
+background catch-up to the identity given, before it is written); ``catch_up.first_claimed`` (the
+same, at the catch-up's first file only, held until a snapshot waits for the catch-up: a lowered
+thread that made no progress while the node was busy, ``until`` below).
 """
 
 from __future__ import annotations
@@ -34,11 +36,16 @@ def _named(name: str, detail: str) -> bool:
     return False
 
 
-def hold(name: str, detail: str = "") -> None:
-    """Block the calling thread for good if ``BDN_FAILPOINTS`` names point ``name`` (at ``detail``
-    or at any), after one warning; return at once otherwise. Call it only from a worker thread
-    (never the event loop) at a step a crash test needs to kill the daemon in."""
+def hold(name: str, detail: str = "", until: threading.Event | None = None) -> None:
+    """Block the calling thread if ``BDN_FAILPOINTS`` names point ``name`` (at ``detail`` or at
+    any), after one warning: for good, or until ``until`` is set; return at once otherwise. Call
+    it only from a worker thread (never the event loop) at a step a crash test needs to kill the
+    daemon in (or, with ``until``, a step a test needs some event to happen during)."""
     if not _named(name, detail):
         return
-    log.warning("failpoint %s reached (%s); this thread holds until the process ends", name, detail)
-    threading.Event().wait()
+    if until is None:
+        log.warning("failpoint %s reached (%s); this thread holds until the process ends", name, detail)
+        threading.Event().wait()
+        return
+    log.warning("failpoint %s reached (%s); this thread holds until its event", name, detail)
+    until.wait()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from bdn.daemon.errors import Conflict, NotFound
 from bdn.daemon.fetch.held import HeldFiles
 from bdn.daemon.process.clock import Clock
 from bdn.daemon.snapshots import retention
+from bdn.daemon.snapshots.collector import Collector
 from bdn.daemon.snapshots.events import (
     LayerComplete,
     ManifestAttached,
@@ -48,7 +48,8 @@ log = logging.getLogger("bdn.catalog")
 #: Failed snapshots whose records (state and reason) are kept; older ones are forgotten.
 MAX_FAILED = 256
 #: Identities GC removed that the catalog remembers (bdn/daemon/snapshots/recent.py): 256, as many
-#: as the hot-load hints keep; a hint naming an older one costs one listing, not a fetch.
+#: as the hot-load hints keep; a peer's hint naming an older one costs a manifest read, not a
+#: fetch (``Collector.check_budget``: older than what GC keeps).
 MAX_COLLECTED = 256
 
 
@@ -85,7 +86,19 @@ class Catalog:
         self.closing = False
         self.on_forget = on_forget
         self._indexing: dict[str, asyncio.Future[dict[str, tuple[str, Any]]]] = {}  # tensor indexes being built
-        self._removing: dict[str, asyncio.Future[None]] = {}  # GC file work in flight (gc_off_loop)
+        self.collector = Collector(cfg, store, self.jobs, self.pins, clock, self.collected, self.forget)
+        # (the runner and the catch-up reach budget and GC through the catalog: RunnerJobs)
+        self.check_budget, self.budget_left, self.spare_room = (
+            self.collector.check_budget,
+            self.collector.budget_left,
+            self.collector.spare_room,
+        )
+        self.gc, self.gc_off_loop, self.removed, self.collectable = (
+            self.collector.gc,
+            self.collector.gc_off_loop,
+            self.collector.removed,
+            self.collector.collectable,
+        )
         self.runner = runner_for(self)
 
     # ---- the set of jobs ---------------------------------------------------------------------
@@ -309,126 +322,6 @@ class Catalog:
             return all((d / f.path).stat().st_size == f.size for f in m.files if f.is_diff)
         except OSError:
             return False
-
-    # ---- shm: budget and garbage collection --------------------------------------------------
-    def check_budget(self, m: Manifest) -> None:
-        """Fail early, with the numbers, when the snapshot would not fit the shm budget."""
-        budget = self.cfg.shm_budget_bytes
-        if budget <= 0:
-            return
-        need = self.store.space_needed(m)
-
-        def holders() -> list[SnapshotJob]:
-            return [
-                j
-                for j in self.jobs.values()
-                if j.manifest is not None and j.identity != m.identity and j.state != "failed"
-            ]
-
-        def used() -> int:
-            return sum(self.store.space_needed(j.manifest) for j in holders() if j.manifest is not None)
-
-        if used() + need > budget:
-            self.gc()
-        u = used()
-        if u + need > budget:
-            names = ", ".join(sorted(j.identity for j in holders()))
-            raise BdnError(
-                f"shm budget exceeded: snapshot {m.identity!r} needs {need} bytes; budget "
-                f"{budget}, {u} in use by {names or 'nothing'} (leased, current or in progress)"
-            )
-
-    def budget_left(self) -> int | None:
-        """Bytes of ``shm_budget_bytes`` that no snapshot (but a failed one) and no spare holds now;
-        None without a budget. A seed (``Forward.seed``) is made only within it."""
-        budget = self.cfg.shm_budget_bytes
-        if budget <= 0:
-            return None
-        used = sum(
-            self.store.space_needed(j.manifest)
-            for j in self.jobs.values()
-            if j.manifest is not None and j.state != "failed"
-        )
-        return budget - used - self.store.spares.bytes()
-
-    def spare_room(self, m: Manifest | None) -> int:
-        """Bytes the page pool may keep once ``m`` is reserved (None: now): its own cap, and
-        under ``shm_budget_bytes`` what the snapshots (``m`` included) leave of the budget."""
-        return int(max(0, min(self.store.spares.cap(), self._budget_room(m))))
-
-    def _budget_room(self, m: Manifest | None) -> int | float:
-        """What the snapshots (``m`` included) leave of ``shm_budget_bytes`` (inf: no budget)."""
-        budget = self.cfg.shm_budget_bytes
-        if budget <= 0:
-            return math.inf
-        used = sum(
-            self.store.space_needed(j.manifest)
-            for j in self.jobs.values()
-            if j.manifest is not None and j.state != "failed" and (m is None or j.identity != m.identity)
-        )
-        need = self.store.space_needed(m) if m is not None else 0
-        return budget - used - need
-
-    def _plan_gc(self) -> tuple[list[str], list[str]]:
-        held = [
-            retention.Held(j.identity, j.state, j.policy_version, j.created, j.updated, j.base_identity)
-            for j in self.jobs.values()
-        ]
-        pinned, left = self.pins.now()
-        return retention.plan_gc(held, pinned, self.cfg.keep_ready, self.cfg.gc_grace_s, self.clock.time(), left)
-
-    def collectable(self) -> list[str]:
-        """The ready identities :meth:`gc` would remove now (nothing removed)."""
-        return self._plan_gc()[0]
-
-    def gc(self) -> dict[str, list[str]]:
-        """Remove ready snapshots nobody needs (``retention``); ``{"removed": [...], "kept": [...]}``."""
-        out, files = self._collect()
-        files()
-        return out
-
-    async def gc_off_loop(self, run: Callable[[Callable[[], None]], Awaitable[None]]) -> dict[str, list[str]]:
-        """:meth:`gc` with its file work (renaming the files into the page pool, trimming it:
-        unlinking a collected 589 MB tmpfs file took 100-165 ms here) given to ``run`` (a worker
-        thread), not done on the event loop. The snapshots leave the catalog and the index
-        first; a job started for one of them meanwhile waits for its files to be gone
-        (:meth:`removed`)."""
-        out, files = self._collect()
-        if out["removed"]:
-            done = asyncio.ensure_future(run(files))
-            for ident in out["removed"]:
-                self._removing[ident] = done
-            try:
-                await asyncio.shield(done)
-            finally:
-                for ident in out["removed"]:
-                    if self._removing.get(ident) is done:
-                        del self._removing[ident]
-        return out
-
-    async def removed(self, identity: str) -> None:
-        """Return once no GC removal of ``identity``'s files is in flight (:meth:`gc_off_loop`)."""
-        fut = self._removing.get(identity)
-        if fut is not None:
-            await asyncio.wait([fut])
-
-    def _collect(self) -> tuple[dict[str, list[str]], Callable[[], None]]:
-        """GC's decision and bookkeeping (on the loop), and the file work that follows."""
-        remove, kept = self._plan_gc()
-        for ident in remove:
-            j = self.jobs.pop(ident)
-            self.forget(j)
-            self.collected.add(ident)
-            log.info("gc: removed snapshot %s (%d bytes)", ident, j.result_bytes)
-        budget_room = self._budget_room(None)  # (the jobs are the loop's: read here)
-
-        def files() -> None:
-            for ident in remove:
-                self.store.remove(ident)
-            if remove:  # (the pool's cap after the files above joined it)
-                self.store.spares.trim(int(max(0, min(self.store.spares.cap(), budget_room))))
-
-        return {"removed": remove, "kept": kept}, files
 
     # ---- read views ----------------------------------------------------------------------
     def record(self, identity: str) -> dict[str, Any]:

@@ -59,6 +59,20 @@ def plan_gc(
     )
 
 
+def outdated(policy_version: int | None, ready: Iterable[tuple[str, int | None]], keep_ready: int) -> str | None:
+    """Why a snapshot of ``policy_version`` is older than what GC keeps by age (None: it is not):
+    at least ``keep_ready`` (and at least one) of the ``ready`` snapshots (identity, policy
+    version) are newer, so it would be among the first collected (``None`` counts as 0, as in
+    :func:`plan_gc`). A peer's hint alone does not load such a snapshot (``Collector.check_budget``)."""
+    newer = sorted((pv or 0, ident) for ident, pv in ready if (pv or 0) > (policy_version or 0))
+    if len(newer) < max(1, keep_ready):
+        return None
+    return (
+        f"policy version {policy_version} is older than the {max(1, keep_ready)} newest ready here (up to "
+        f"{newer[-1][1]}, policy version {newer[-1][0]}): not loaded for a peer's request alone"
+    )
+
+
 class Pins:
     """The identities GC must keep by name, ``pinned()`` (leases, current, target), and those it
     saw pinned at an earlier look that are not pinned now (*left*), the last ``limit`` seen."""

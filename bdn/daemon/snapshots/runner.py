@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from bdn.bucket import ObjectChanged
 from bdn.daemon.apply import headers
@@ -33,6 +33,7 @@ from bdn.daemon.observe.stats import Stats
 from bdn.daemon.process.clock import Clock
 from bdn.daemon.process.executors import Executors
 from bdn.daemon.snapshots.catchup import AfterServed
+from bdn.daemon.snapshots.collector import RunnerJobs
 from bdn.daemon.snapshots.events import (
     LayerComplete,
     LayerReset,
@@ -46,7 +47,7 @@ from bdn.daemon.snapshots.events import (
 from bdn.daemon.snapshots.foreign_source import ForeignLoader
 from bdn.daemon.snapshots.published import ManifestReader
 from bdn.daemon.snapshots.records import record_bytes
-from bdn.daemon.snapshots.snapshot import RESULT, STORED, TERMINAL, Jobs, SnapshotJob
+from bdn.daemon.snapshots.snapshot import RESULT, STORED, TERMINAL, SnapshotJob
 from bdn.daemon.store import diskio
 from bdn.daemon.store.bitfield import Bitfield
 from bdn.daemon.store.chunklist import check_limits
@@ -57,39 +58,6 @@ from bdn.proto.manifest import ChunkRef, Manifest
 
 log = logging.getLogger("bdn.runner")
 T = TypeVar("T")
-
-
-class RunnerJobs(Jobs, Protocol):
-    """What a runner needs of the catalog: other snapshots (``Jobs``: a delta's base), the
-    budget, the page pool's room, GC."""
-
-    def spare_room(self, m: Manifest | None) -> int:
-        """Bytes the page pool may keep once ``m`` is reserved (``Store.prepare_staging``)."""
-
-    def budget_left(self) -> int | None:
-        """Bytes of the shm budget no snapshot or spare holds (None: no budget)."""
-
-    def check_budget(self, m: Manifest) -> None:
-        """Raise if ``m``'s files do not fit the shm budget after GC."""
-
-    def forget(self, job: SnapshotJob) -> None:
-        """Drop ``job`` from the catalog (a failed or cancelled download)."""
-
-    def gc(self) -> dict[str, list[str]]:
-        """Collect what the keep rules allow; returns what was removed, by reason."""
-
-    def collectable(self) -> list[str]:
-        """The ready identities :meth:`gc` would remove now."""
-
-    async def removed(self, identity: str) -> None:
-        """Return once no GC removal of ``identity``'s files is in flight."""
-
-    async def gc_off_loop(self, run: Callable[[Callable[[], None]], Awaitable[None]]) -> dict[str, list[str]]:
-        """:meth:`gc` with the file work given to ``run`` (a worker thread)."""
-
-    @property
-    def closing(self) -> bool:
-        """True once the daemon is stopping."""
 
 
 #: Times a delta is applied again because its base was repaired while it was read.
