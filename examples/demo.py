@@ -19,7 +19,7 @@ hot-load POST each; it prints each replica's swap pause and each engine's answer
 version it reports.
 
 Everything lives under ``./demo-run`` (bucket, trainer dirs, daemon logs) and
-``/dev/shm/bdn-demo-<hash of the checkout path>`` (the rebuilt snapshots); both are removed at the start of the next run.
+``/dev/shm/bdn-demo-<hash of the path of ./demo-run>`` (the rebuilt snapshots); both are removed at the start of the next run.
 """
 
 from __future__ import annotations
@@ -311,7 +311,11 @@ def main() -> int:
         )
     finally:
         fleet.stop_all(procs)
-        print(f"(daemon logs in {ROOT})")
+        print(
+            f"(daemon logs in {ROOT}"
+            + (f"; the shm snapshots stay in {SHM}: rm -r it when done" if args.keep else "")
+            + ")"
+        )
     if args.no_fleet:
         if not args.keep:  # the daemons' shm copies (three of every snapshot) are not left behind
             shutil.rmtree(SHM, ignore_errors=True)

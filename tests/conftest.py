@@ -71,7 +71,7 @@ def pytest_configure(config: pytest.Config) -> None:
     sparse_kernel.warm()
 
 
-# `make test` runs files on three xdist workers, a file at a time (--dist loadfile), in the order
+# `make test` runs files on four xdist workers (-n 4), a file at a time (--dist loadfile), in the order
 # the collection gives them (--no-loadscope-reorder; xdist's default order, most tests first, put
 # the single-test files that take minutes last, where one worker ran them on while the others
 # had nothing left). The slowest files go first, the longest first (largest-first scheduling),
