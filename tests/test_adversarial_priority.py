@@ -17,7 +17,6 @@ The catch-up is held in its first file until the delta waits (failpoint
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from bdn.daemon.process import failpoints
 from bdn.proto.keys import derive_keys
 from support.api import wait_for
 from support.chains import file_chain, step_id
-from support.swarm import SECRET, Daemon
+from support.swarm import SECRET, Daemon, sparse_counters
 
 CHUNK = 64 << 10
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -35,14 +34,6 @@ SWARM_ID = derive_keys(SECRET).swarm_id
 ENV = {"BDN_LOAD_STARTUP": "false", "BDN_KEEP_READY": "1", "BDN_GC_GRACE_S": "0"}
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _sparse(d: Daemon) -> dict[str, float]:
-    text = d.get("/metrics").decode()
-    return {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r'^bdn_sparse_total\{what="(\w+)"\} (\S+)$', text, re.MULTILINE)
-    }
 
 
 def test_a_delta_waits_for_the_catch_up_file_in_flight_only_and_brings_the_rest_forward_itself(
@@ -83,7 +74,7 @@ def test_a_delta_waits_for_the_catch_up_file_in_flight_only_and_brings_the_rest_
         line = next(ln for ln in log.splitlines() if f"{step_id(4)}: " in ln and "brought forward sparsely" in ln)
         # the file caught up to step 3 took one delta, the one left at step 2 two
         assert f"{len(SHARDS)} file(s) brought forward sparsely (2 delta(s)" in line, line
-        got = _sparse(d)
+        got = sparse_counters(d)
         assert got["fallbacks"] == 0 and got["chunks_bad"] == 0, got
     finally:
         d.stop()

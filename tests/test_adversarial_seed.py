@@ -26,7 +26,7 @@ from bdn.publish import publish_full
 from support.api import wait_for
 from support.chains import ANCHOR, file_chain, step_id
 from support.faults import small_tmpfs
-from support.swarm import SECRET, Daemon
+from support.swarm import SECRET, Daemon, sparse_counters
 
 CHUNK = 64 << 10
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -35,14 +35,6 @@ ENV = {"BDN_LOAD_STARTUP": "false", "BDN_KEEP_READY": "1", "BDN_GC_GRACE_S": "0"
 SLOW = "0.001"  # Mbit/s: a background seed that would take hours (in flight for the whole test)
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _sparse(d: Daemon) -> dict[str, float]:
-    text = d.get("/metrics").decode()
-    return {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r'^bdn_sparse_total\{what="(\w+)"\} (\S+)$', text, re.MULTILINE)
-    }
 
 
 def _record(d: Daemon, identity: str) -> dict:
@@ -127,7 +119,7 @@ def test_kill_9_in_the_middle_of_a_seed_then_restart_leaves_no_buffer_and_the_de
             rec = _settled(d, step_id(v))
             assert rec["state"] == "ready", rec
             _same_as_trainer(d, step_id(v), chain.dirs[v - 1])
-        got = _sparse(d)
+        got = sparse_counters(d)
         assert got.get("chunks_bad", 0) == 0, got
     finally:
         d.stop()
@@ -146,7 +138,7 @@ def test_a_byte_flipped_in_every_chunk_of_a_seeded_spare_never_ends_in_wrong_byt
         d.wait_healthy()
         assert d.prefetch(ANCHOR)[0] in (200, 202)
         d.wait_ready(ANCHOR, 300)
-        wait_for(lambda: _sparse(d).get("seeded", 0) >= len(SHARDS), 120, "both shards of the anchor seeded")
+        wait_for(lambda: sparse_counters(d).get("seeded", 0) >= len(SHARDS), 120, "both shards of the anchor seeded")
         spares = d.shm_dir / SWARM_ID / ".spares"
         flipped = 0
         for t in os.listdir(spares / ".tags"):
@@ -182,7 +174,7 @@ def test_a_byte_flipped_in_every_chunk_of_a_seeded_spare_never_ends_in_wrong_byt
 
         wait_for(done, 300, "step 2 ready with the trainer's bytes, or failed")
         rec = _record(d, step_id(2))
-        print("final", rec.get("state"), rec.get("reason"), _sparse(d))
+        print("final", rec.get("state"), rec.get("reason"), sparse_counters(d))
         if rec["state"] == "failed":  # (one node: no peer holds the rebuilt chunks to repair from)
             assert rec["reason"] and "\n" not in rec["reason"], rec
             assert d.prefetch(step_id(2))[0] in (200, 202)  # asked again: a fresh, full apply
@@ -217,7 +209,7 @@ def test_deltas_back_to_back_and_gc_while_the_seed_crawls_end_with_the_trainers_
             rec = _settled(d, step_id(v))
             assert rec["state"] == "ready", rec
         _same_as_trainer(d, step_id(steps + 1), chain.dirs[steps])
-        got = _sparse(d)
+        got = sparse_counters(d)
         assert got.get("fallbacks", 0) == 0 and got.get("chunks_bad", 0) == 0, got
         # (the served snapshot's own seed may crawl now, at the bound: one buffer at most)
         assert len(_claimed(d)) <= 1, _claimed(d)
@@ -269,7 +261,7 @@ def test_kill_9_with_records_in_every_state_then_restart_answers_each_and_loads_
             assert rec["state"] == "ready", rec
         # (step 3 may be collected once step 4 is ready; step 4 is built on step 3's bytes)
         _same_as_trainer(d, step_id(4), chain.dirs[3])
-        got = _sparse(d)
+        got = sparse_counters(d)
         assert got.get("fallbacks", 0) == 0 and got.get("chunks_bad", 0) == 0, got
     finally:
         d.stop()

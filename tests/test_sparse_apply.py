@@ -26,7 +26,7 @@ from bdn.proto.errors import ChecksumError
 from bdn.proto.keys import derive_keys
 from support.api import wait_for
 from support.chains import ANCHOR, chain_states, file_chain, step_id, write_chain
-from support.swarm import SECRET, Daemon
+from support.swarm import SECRET, Daemon, sparse_counters
 
 CHUNK = 64 << 10
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -34,14 +34,6 @@ SWARM_ID = derive_keys(SECRET).swarm_id
 ENV = {"BDN_LOAD_STARTUP": "false", "BDN_KEEP_READY": "1", "BDN_GC_GRACE_S": "0"}
 
 pytestmark = pytest.mark.timeout(600)
-
-
-def _sparse(d: Daemon) -> dict[str, float]:
-    text = d.get("/metrics").decode()
-    return {
-        m.group(1): float(m.group(2))
-        for m in re.finditer(r'^bdn_sparse_total\{what="(\w+)"\} (\S+)$', text, re.MULTILINE)
-    }
 
 
 def _state(d: Daemon, identity: str) -> str:
@@ -102,7 +94,7 @@ def test_a_chain_of_20_sparse_deltas_is_byte_identical_to_the_trainer(tmp_path: 
         for v in range(2, steps + 2):
             _load(d, step_id(v))
             _same_as_trainer(d, step_id(v), chain.dirs[v - 1])
-        got = _sparse(d)
+        got = sparse_counters(d)
         # the anchor and step 2 have no earlier buffer; from then on each shard is brought forward
         assert got["applies"] >= 2 * (steps - 2), got
         assert got["fallbacks"] == 0 and got["chunks_bad"] == 0, got
@@ -140,7 +132,7 @@ def test_a_buffer_that_is_not_what_its_tag_says_falls_back_to_a_full_apply(tmp_p
         assert flipped, "no tagged spare to corrupt"
         _load(d, step_id(4))
         _same_as_trainer(d, step_id(4), chain.dirs[3])
-        got = _sparse(d)
+        got = sparse_counters(d)
         assert got["fallbacks"] >= 1, got
         wait_for(
             lambda: "the buffer holds step000002, the delta's base is step000003" in d.log_path.read_text(),
@@ -188,7 +180,7 @@ def test_a_byte_flipped_in_a_sparse_built_snapshot_is_found_by_the_scrub_and_no_
         d.wait_healthy()
         for v in range(1, 5):
             _load(d, step_id(v))
-        assert _sparse(d)["applies"] >= 1
+        assert sparse_counters(d)["applies"] >= 1
         victim = d.shm_dir / SWARM_ID / step_id(4) / SHARDS[0]
         os.chmod(victim, 0o644)
         with open(victim, "r+b") as fh:  # a stray writer (or a bit flip) in the served buffer
@@ -312,7 +304,7 @@ def test_after_a_swap_the_freed_spare_is_brought_forward_in_the_background_and_t
                 )
             previous = step_id(v)
         log = d.log_path.read_text()
-        got = _sparse(d)
+        got = sparse_counters(d)
         assert got["caught_up"] >= len(SHARDS) * (steps - 1), got
         assert got["fallbacks"] == 0 and got["chunks_bad"] == 0, got
         # from step 4 on every sparse apply started from a buffer caught up to its base: one delta each
@@ -344,7 +336,7 @@ def test_the_first_delta_on_an_anchor_applies_sparsely_on_a_verified_copy_of_it(
         d.wait_healthy()
         hot_load(d.url, ANCHOR)
         d.wait_ready(ANCHOR, 300)
-        wait_for(lambda: _sparse(d).get("seeded", 0) >= len(SHARDS), 120, "both shards of the anchor seeded")
+        wait_for(lambda: sparse_counters(d).get("seeded", 0) >= len(SHARDS), 120, "both shards of the anchor seeded")
         log = d.log_path.read_text()
         for shard in SHARDS:
             assert f"seed: a buffer of {shard} copied from {ANCHOR} and verified" in log
@@ -363,7 +355,7 @@ def test_the_first_delta_on_an_anchor_applies_sparsely_on_a_verified_copy_of_it(
                 f"the catch-up to {step_id(v)}",
             )
             previous = step_id(v)
-        got = _sparse(d)
+        got = sparse_counters(d)
         # only the anchor needed a copy; then the freed files are caught up. The anchor's READY
         # and its being served both ask for a background seed: the second finds the first in
         # flight (under load both used to copy it: 4, seen in CI; a model copy more in shm)
@@ -387,7 +379,7 @@ def test_a_delta_waiting_for_a_rate_bound_seed_lifts_the_bound(tmp_path: Path) -
         wait_for(lambda: any(n.startswith(".claimed-") for n in os.listdir(spares)), 60, "the seed under way")
         _load(d, step_id(2))
         _same_as_trainer(d, step_id(2), chain.dirs[1])
-        got = _sparse(d)
+        got = sparse_counters(d)
         assert got["seeded"] == len(SHARDS) and got["applies"] == len(SHARDS), got
         assert got["fallbacks"] == 0 and got["chunks_bad"] == 0, got
     finally:
@@ -409,7 +401,7 @@ def test_no_seed_past_the_shm_budget(tmp_path: Path) -> None:
         )
         spares = d.shm_dir / SWARM_ID / ".spares"
         assert not [n for n in os.listdir(spares) if n.startswith(".claimed-")]
-        assert _sparse(d).get("seeded", 0) == 0
+        assert sparse_counters(d).get("seeded", 0) == 0
         assert "seed: a buffer" not in d.log_path.read_text()
     finally:
         d.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -349,3 +350,13 @@ class Swarm:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def sparse_counters(d: Daemon) -> dict[str, float]:
+    """The daemon's ``bdn_sparse_total{what=...}`` counters (sparse applies, catch-ups, seeds,
+    bytes written, fallbacks, bad chunks) from its ``/metrics``."""
+    text = d.get("/metrics").decode()
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(r'^bdn_sparse_total\{what="(\w+)"\} (\S+)$', text, re.MULTILINE)
+    }
