@@ -47,3 +47,12 @@ def test_known_endpoints_answer_as_before(daemon: Daemon) -> None:
     assert status == 404 and "not known to this daemon" in body["error"], (status, body)
     status, body = daemon.request("POST", "/v1/gc")
     assert status == 200 and "removed" in body, (status, body)
+
+
+def test_not_found_errors_name_what_was_asked_and_how_to_get_it(daemon: Daemon) -> None:
+    """newuser3: an unknown snapshot's 404 told a bdnctl user "(POST .../prefetch to load it)", an
+    unknown engine's 404 did not name the id."""
+    status, body = daemon.request("GET", "/v1/snapshots/step000042")
+    assert status == 404 and "bdnctl prefetch step000042" in body["error"], (status, body)
+    status, body = daemon.request("DELETE", "/v1/engines/no-such-engine")
+    assert status == 404 and "'no-such-engine'" in body["error"] and "bdnctl engines" in body["error"], body

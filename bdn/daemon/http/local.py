@@ -320,8 +320,9 @@ async def register_engine(request: web.Request) -> web.Response:
 async def unregister_engine(request: web.Request) -> web.Response:
     """DELETE /v1/engines/{id} -> 200; its leases are released; 404 unknown engine."""
     replica = services(request).replica
-    if not replica.unregister_engine(request.match_info["engine_id"]):
-        return error(404, "unknown engine id")
+    engine_id = request.match_info["engine_id"]
+    if not replica.unregister_engine(engine_id):
+        return error(404, f"unknown engine id {engine_id[:80]!r} (GET /v1/engines, or bdnctl engines, lists them)")
     await replica.poke()
     return json_response({"ok": True})
 

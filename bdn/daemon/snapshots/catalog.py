@@ -328,7 +328,10 @@ class Catalog:
         """The snapshot record. Raises NotFound."""
         job = self.jobs.get(identity)
         if job is None:
-            raise NotFound(f"snapshot {identity!r} is not known to this daemon (POST .../prefetch to load it)")
+            raise NotFound(
+                f"snapshot {identity!r} is not known to this daemon (load it: bdnctl prefetch {identity}, "
+                f"or POST /v1/snapshots/{identity}/prefetch)"
+            )
         return job.describe()
 
     def ready(self, identity: str) -> tuple[SnapshotJob, Path]:
