@@ -21,11 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from bdn.client.fleet import hot_load
 from bdn.daemon.process import failpoints
 from bdn.proto.keys import derive_keys
 from support.api import wait_for
-from support.chains import file_chain, step_id
+from support.chains import file_chain, load_step, step_id
 from support.swarm import SECRET, Daemon, sparse_counters
 
 CHUNK = 64 << 10
@@ -53,14 +52,8 @@ def test_a_delta_waits_for_the_catch_up_file_in_flight_only_and_brings_the_rest_
     d.start([])
     try:
         d.wait_healthy()
-        previous = None
         for v in range(1, steps + 2):
-            hot_load(d.url, step_id(v), previous=previous)
-            d.wait_ready(step_id(v), 300)
-            for shard in SHARDS:
-                got = (d.shm_dir / SWARM_ID / step_id(v) / shard).read_bytes()
-                assert got == (chain.dirs[v - 1] / shard).read_bytes(), f"{step_id(v)}/{shard}"
-            previous = step_id(v)
+            load_step(d, chain.dirs, v, SHARDS)
             if v == 3:  # the spares of step 2 are being brought forward to step 3: the first is held
                 wait_for(
                     lambda: f"failpoint catch_up.first_claimed reached ({held})" in d.log_path.read_text(),

@@ -25,7 +25,7 @@ from bdn.proto import arc, sparse
 from bdn.proto.errors import ChecksumError
 from bdn.proto.keys import derive_keys
 from support.api import wait_for
-from support.chains import ANCHOR, chain_states, file_chain, step_id, write_chain
+from support.chains import ANCHOR, chain_states, file_chain, load_step, step_id, write_chain
 from support.swarm import SECRET, Daemon, sparse_counters
 
 CHUNK = 64 << 10
@@ -279,7 +279,6 @@ def test_after_a_swap_the_freed_spare_is_brought_forward_in_the_background_and_t
     made of N-1 is brought forward to N off the critical path, its touched chunks hashed, and
     tagged N; the next delta then applies only itself, through a mapping populated ahead. The
     bytes stay the trainer's at every step; a restart deletes a spare a catch-up had claimed."""
-    from bdn.client.fleet import hot_load
 
     steps = 5
     chain = file_chain(
@@ -289,11 +288,8 @@ def test_after_a_swap_the_freed_spare_is_brought_forward_in_the_background_and_t
     d.start([])
     try:
         d.wait_healthy()
-        previous = None
         for v in range(1, steps + 2):
-            hot_load(d.url, step_id(v), previous=previous)
-            d.wait_ready(step_id(v), 300)
-            _same_as_trainer(d, step_id(v), chain.dirs[v - 1])
+            load_step(d, chain.dirs, v, SHARDS)
             if v >= 3:  # step v-1's spares exist from step 3 on: each is brought forward to step v
                 # (every shard's: a delta that came in the middle would stop the catch-up, and
                 # bring the shards it did not reach forward by two deltas itself)
@@ -302,7 +298,6 @@ def test_after_a_swap_the_freed_spare_is_brought_forward_in_the_background_and_t
                     120,
                     f"the catch-up to {step_id(v)}",
                 )
-            previous = step_id(v)
         log = d.log_path.read_text()
         got = sparse_counters(d)
         assert got["caught_up"] >= len(SHARDS) * (steps - 1), got
@@ -340,11 +335,8 @@ def test_the_first_delta_on_an_anchor_applies_sparsely_on_a_verified_copy_of_it(
         log = d.log_path.read_text()
         for shard in SHARDS:
             assert f"seed: a buffer of {shard} copied from {ANCHOR} and verified" in log
-        previous = ANCHOR
         for v in (2, 3, 4):
-            hot_load(d.url, step_id(v), previous=previous)
-            d.wait_ready(step_id(v), 300)
-            _same_as_trainer(d, step_id(v), chain.dirs[v - 1])
+            load_step(d, chain.dirs, v, SHARDS)
             line = next(
                 ln for ln in d.log_path.read_text().splitlines() if f"{step_id(v)}: " in ln and "sparsely" in ln
             )
@@ -354,7 +346,6 @@ def test_the_first_delta_on_an_anchor_applies_sparsely_on_a_verified_copy_of_it(
                 120,
                 f"the catch-up to {step_id(v)}",
             )
-            previous = step_id(v)
         got = sparse_counters(d)
         # only the anchor needed a copy; then the freed files are caught up. The anchor's READY
         # and its being served both ask for a background seed: the second finds the first in

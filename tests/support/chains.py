@@ -126,3 +126,16 @@ def anchor_swarm(tmp_path: Path, n: int = 2, chunk_size: int = 64 << 10) -> Iter
     publish_full(f"file://{bucket}", ANCHOR, 1, dir=ck, chunk_size=chunk_size)
     with Swarm(tmp_path / "work", n, f"file://{bucket}", extra_env={"BDN_LOAD_STARTUP": "false"}) as s:
         yield s
+
+
+def load_step(d: Daemon, chain_dirs: Sequence[Path], v: int, shards: Sequence[str], timeout: float = 300) -> str:
+    """Hot-load ``step_id(v)`` on ``d`` (after ``step_id(v - 1)``), wait until it is READY and check
+    each of ``shards`` byte for byte against the trainer's files (``chain_dirs[v - 1]``); its id."""
+    from bdn.client.fleet import hot_load
+
+    ident = step_id(v)
+    hot_load(d.url, ident, previous=step_id(v - 1) if v > 1 else None)
+    d.wait_ready(ident, timeout)
+    for shard in shards:
+        assert (d.store / ident / shard).read_bytes() == (chain_dirs[v - 1] / shard).read_bytes(), f"{ident}/{shard}"
+    return ident
